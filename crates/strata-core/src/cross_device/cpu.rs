@@ -1,0 +1,406 @@
+//! The CPU cross-device operations.
+
+use std::sync::{PoisonError, RwLock};
+
+use candle_core::{CpuStorage, Storage, Tensor};
+
+use super::{CrossDeviceOps, Destination};
+use crate::group::{OpKey, ReplicaGroup};
+use crate::{Error, ReduceOp, Result};
+
+/// Elements combined at a time: a block of every replica's input and the accumulator stay in
+/// L1/L2 while they are combined, so the result is written to memory once.
+const BLOCK: usize = 4096;
+
+/// Which replica reduces chunk `j`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Reducer {
+    /// Replica `j` reduces chunk `j` (reduce-scatter).
+    ChunkOwner,
+    /// The destination (replica 0 for an all-reduce) reduces every chunk.
+    Destination,
+}
+
+/// CPU collectives: replicas exchange handles to their input tensors (no copy), each reducer
+/// reads its chunk of every input in place and writes the result once into a buffer it owns
+/// (two sets, alternating by sequence number, so no trailing rendezvous is needed), and every
+/// receiving replica then reads the reduced chunks in place.
+#[derive(Debug)]
+pub struct CpuCrossDeviceOps {
+    n: usize,
+    reducer: Reducer,
+    /// `results[parity][chunk]`, written by the chunk's reducer.
+    results: [Vec<RwLock<Vec<f32>>>; 2],
+}
+
+fn unpoison<T>(e: PoisonError<T>) -> T {
+    e.into_inner()
+}
+
+/// A replica's input: its tensors' f32 slices, seen as one concatenated buffer.
+struct Segments<'a> {
+    slices: Vec<&'a [f32]>,
+    starts: Vec<usize>,
+}
+
+impl<'a> Segments<'a> {
+    fn new(slices: Vec<&'a [f32]>) -> Self {
+        let mut starts = Vec::with_capacity(slices.len());
+        let mut at = 0;
+        for s in &slices {
+            starts.push(at);
+            at += s.len();
+        }
+        Self { slices, starts }
+    }
+
+    /// Calls `f(offset_in_range, piece)` for the pieces covering `range`, in order.
+    fn for_each(&self, range: std::ops::Range<usize>, mut f: impl FnMut(usize, &[f32])) {
+        let first = self.starts.partition_point(|&s| s <= range.start).saturating_sub(1);
+        for i in first..self.slices.len() {
+            let (lo, s) = (self.starts[i], self.slices[i]);
+            let hi = lo + s.len();
+            if lo >= range.end {
+                break;
+            }
+            if hi <= range.start {
+                continue;
+            }
+            let a = range.start.max(lo);
+            let b = range.end.min(hi);
+            f(a - range.start, &s[a - lo..b - lo]);
+        }
+    }
+}
+
+/// The f32 slices of contiguous CPU tensors, read in place.
+fn read_slices<'g>(
+    guards: &'g [(candle_core::StorageRef<'g>, &'g candle_core::Layout)],
+) -> Result<Vec<&'g [f32]>> {
+    guards
+        .iter()
+        .map(|(storage, layout)| match &**storage {
+            Storage::Cpu(CpuStorage::F32(v)) => {
+                let (lo, hi) = layout.contiguous_offsets().ok_or_else(|| {
+                    Error::InvalidArgument("cross-device ops need contiguous tensors; call .contiguous() first".into())
+                })?;
+                Ok(&v[lo..hi])
+            }
+            other => Err(Error::InvalidArgument(format!(
+                "the CPU cross-device ops reduce f32 CPU tensors, got {:?} on {:?}",
+                other.dtype(),
+                other.device().location()
+            ))),
+        })
+        .collect()
+}
+
+#[inline]
+fn combine_scaled(op: ReduceOp, acc: &mut [f32], x: &[f32], w: f32) {
+    if w == 1.0 {
+        op.combine(acc, x);
+        return;
+    }
+    match op {
+        ReduceOp::Sum | ReduceOp::Mean => acc.iter_mut().zip(x).for_each(|(a, b)| *a += *b * w),
+        ReduceOp::Max => acc.iter_mut().zip(x).for_each(|(a, b)| *a = a.max(*b * w)),
+        ReduceOp::Min => acc.iter_mut().zip(x).for_each(|(a, b)| *a = a.min(*b * w)),
+    }
+}
+
+impl CpuCrossDeviceOps {
+    fn new(n: usize, reducer: Reducer) -> Result<Self> {
+        if n == 0 {
+            return Err(Error::ZeroReplicas);
+        }
+        let set = || (0..n).map(|_| RwLock::new(Vec::new())).collect();
+        Ok(Self { n, reducer, results: [set(), set()] })
+    }
+
+    /// The in-memory all-reduce for `n` replicas: each replica thread reduces its own chunk.
+    pub fn in_memory_all_reduce(n: usize) -> Result<Self> {
+        Self::new(n, Reducer::ChunkOwner)
+    }
+
+    /// Reduction to one device for `n` replicas: the destination replica reduces everything.
+    pub fn reduction_to_one_device(n: usize) -> Result<Self> {
+        Self::new(n, Reducer::Destination)
+    }
+
+    fn chunk_range(&self, len: usize, j: usize) -> std::ops::Range<usize> {
+        (len * j / self.n)..(len * (j + 1) / self.n)
+    }
+
+    fn reducer_of(&self, chunk: usize, dest: Destination) -> usize {
+        match (self.reducer, dest) {
+            (Reducer::ChunkOwner, _) => chunk,
+            (Reducer::Destination, Destination::Replica(d)) => d,
+            (Reducer::Destination, Destination::AllReplicas) => 0,
+        }
+    }
+
+    /// Reduces `range` of every replica's input into `acc`, block by block.
+    fn reduce_range(op: ReduceOp, inputs: &[(Segments<'_>, f32)], range: std::ops::Range<usize>, acc: &mut Vec<f32>) {
+        let n = inputs.len();
+        acc.clear();
+        acc.resize(range.len(), 0.0);
+        let mut start = range.start;
+        while start < range.end {
+            let end = (start + BLOCK).min(range.end);
+            let block = &mut acc[start - range.start..end - range.start];
+            let (first, w0) = &inputs[0];
+            first.for_each(start..end, |off, piece| {
+                let dst = &mut block[off..off + piece.len()];
+                if *w0 == 1.0 {
+                    dst.copy_from_slice(piece);
+                } else {
+                    dst.iter_mut().zip(piece).for_each(|(d, s)| *d = s * w0);
+                }
+            });
+            for (segs, w) in &inputs[1..] {
+                segs.for_each(start..end, |off, piece| combine_scaled(op, &mut block[off..off + piece.len()], piece, *w));
+            }
+            op.finish(block, n);
+            start = end;
+        }
+    }
+}
+
+impl CrossDeviceOps for CpuCrossDeviceOps {
+    fn name(&self) -> &'static str {
+        match self.reducer {
+            Reducer::ChunkOwner => "in-memory-all-reduce",
+            Reducer::Destination => "reduction-to-one-device",
+        }
+    }
+
+    fn reduce(
+        &self,
+        group: &ReplicaGroup,
+        replica: usize,
+        seq: u64,
+        op: ReduceOp,
+        dest: Destination,
+        input: &[Tensor],
+        weight: f32,
+        out: &mut dyn FnMut(&[f32]),
+    ) -> Result<()> {
+        let n = self.n;
+        if group.num_replicas() != n {
+            return Err(Error::InvalidArgument(format!(
+                "cross-device ops built for {n} replicas used by a group of {}",
+                group.num_replicas()
+            )));
+        }
+        if let Destination::Replica(d) = dest {
+            if d >= n {
+                return Err(Error::InvalidArgument(format!(
+                    "reduction destination replica {d} is out of range for {n} replicas"
+                )));
+            }
+        }
+        let len: usize = input.iter().map(Tensor::elem_count).sum();
+        let key = OpKey {
+            seq,
+            op: match dest {
+                Destination::AllReplicas => format!("all_reduce({op})"),
+                Destination::Replica(d) => format!("reduce({op}) to replica {d}"),
+            },
+            shape: vec![len],
+        };
+        let results = &self.results[(seq % 2) as usize];
+        // Check this replica's own input before anyone waits on it.
+        {
+            let guards: Vec<_> = input.iter().map(Tensor::storage_and_layout).collect();
+            if let Err(e) = read_slices(&guards) {
+                group.poison(format!("replica {replica} passed an unusable input to {}: {e}", key.op));
+                return Err(e);
+            }
+        }
+        let all = group.exchange(replica, &key, (input.to_vec(), weight))?;
+
+        for j in 0..n {
+            if self.reducer_of(j, dest) != replica {
+                continue;
+            }
+            let range = self.chunk_range(len, j);
+            let guards: Vec<Vec<_>> = all.iter().map(|(ts, _)| ts.iter().map(Tensor::storage_and_layout).collect()).collect();
+            let inputs: Vec<(Segments<'_>, f32)> = guards
+                .iter()
+                .zip(&all)
+                .map(|(g, (_, w))| Ok((Segments::new(read_slices(g)?), *w)))
+                .collect::<Result<_>>()?;
+            let mut acc = results[j].write().unwrap_or_else(unpoison);
+            Self::reduce_range(op, &inputs, range, &mut acc);
+        }
+        drop(all);
+        group.arrive(replica, &OpKey { op: format!("{} (read)", key.op), ..key.clone() })?;
+
+        if dest == Destination::AllReplicas || dest == Destination::Replica(replica) {
+            for r in results.iter() {
+                out(&r.read().unwrap_or_else(unpoison));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+    use std::time::Duration;
+
+    /// Replica `r`'s value at element `i`: distinct per replica and element, exact in f32.
+    fn value(r: usize, i: usize) -> f32 {
+        ((i % 1013) as f32) * if r % 2 == 0 { 1.0 } else { -0.5 } + r as f32
+    }
+
+    fn expected(op: ReduceOp, k: usize, i: usize) -> f32 {
+        let xs: Vec<f32> = (0..k).map(|r| value(r, i)).collect();
+        match op {
+            ReduceOp::Sum => xs.iter().sum(),
+            ReduceOp::Mean => xs.iter().sum::<f32>() / k as f32,
+            ReduceOp::Max => xs.iter().copied().fold(f32::NEG_INFINITY, f32::max),
+            ReduceOp::Min => xs.iter().copied().fold(f32::INFINITY, f32::min),
+        }
+    }
+
+    /// Replica `r`'s input as two tensors of uneven sizes, to exercise the segmented reads.
+    fn inputs(r: usize, len: usize) -> Vec<Tensor> {
+        let data: Vec<f32> = (0..len).map(|i| value(r, i)).collect();
+        let cut = len / 3;
+        vec![
+            Tensor::from_slice(&data[..cut], cut, &Device::Cpu).unwrap(),
+            Tensor::from_slice(&data[cut..], len - cut, &Device::Cpu).unwrap(),
+        ]
+    }
+
+    fn run(ops: &CpuCrossDeviceOps, k: usize, len: usize, op: ReduceOp, dest: Destination) -> Vec<Option<Vec<f32>>> {
+        let group = ReplicaGroup::new(k, Duration::from_secs(30)).unwrap();
+        std::thread::scope(|s| {
+            let hs: Vec<_> = (0..k)
+                .map(|r| {
+                    let group = &group;
+                    s.spawn(move || {
+                        let input = inputs(r, len);
+                        let mut got = Vec::new();
+                        let mut any = false;
+                        // twice, to exercise both buffer sets
+                        for seq in 0..2 {
+                            got.clear();
+                            ops.reduce(group, r, seq, op, dest, &input, 1.0, &mut |p| {
+                                any = true;
+                                got.extend_from_slice(p)
+                            })
+                            .unwrap();
+                        }
+                        any.then_some(got)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    #[test]
+    fn closed_form_for_every_op_replica_count_and_size() {
+        for make in [CpuCrossDeviceOps::in_memory_all_reduce, CpuCrossDeviceOps::reduction_to_one_device] {
+            for k in 1..=8 {
+                let ops = make(k).unwrap();
+                for len in [0usize, 1, 7, 1_000_003] {
+                    for op in ReduceOp::ALL {
+                        let got = run(&ops, k, len, op, Destination::AllReplicas);
+                        for (r, g) in got.iter().enumerate() {
+                            let g = g.as_ref().unwrap_or_else(|| panic!("replica {r} got nothing"));
+                            assert_eq!(g.len(), len, "{} k={k} len={len} {op}", ops.name());
+                            for (i, x) in g.iter().enumerate() {
+                                let e = expected(op, k, i);
+                                assert!(
+                                    (x - e).abs() <= 1e-5 * e.abs().max(1.0),
+                                    "{} k={k} len={len} {op} replica {r} element {i}: {x} != {e}",
+                                    ops.name()
+                                );
+                            }
+                        }
+                        for g in &got[1..] {
+                            assert_eq!(g.as_ref().unwrap(), got[0].as_ref().unwrap(), "replicas must agree bitwise");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn reduce_to_one_delivers_only_to_the_destination() {
+        for make in [CpuCrossDeviceOps::in_memory_all_reduce, CpuCrossDeviceOps::reduction_to_one_device] {
+            for k in 1..=5 {
+                let ops = make(k).unwrap();
+                let dst = k - 1;
+                for op in ReduceOp::ALL {
+                    let got = run(&ops, k, 1001, op, Destination::Replica(dst));
+                    for (r, g) in got.iter().enumerate() {
+                        if r == dst {
+                            let g = g.as_ref().unwrap();
+                            assert_eq!(g.len(), 1001);
+                            for (i, x) in g.iter().enumerate() {
+                                assert!((x - expected(op, k, i)).abs() <= 1e-5 * x.abs().max(1.0));
+                            }
+                        } else {
+                            assert!(g.is_none(), "replica {r} is not the destination");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn weights_scale_each_contribution() {
+        let ops = CpuCrossDeviceOps::in_memory_all_reduce(2).unwrap();
+        let group = ReplicaGroup::new(2, Duration::from_secs(10)).unwrap();
+        let res: Vec<Vec<f32>> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..2)
+                .map(|r| {
+                    let (ops, group) = (&ops, &group);
+                    s.spawn(move || {
+                        let data = vec![Tensor::ones(5, candle_core::DType::F32, &Device::Cpu).unwrap()];
+                        let w = if r == 0 { 0.75 } else { 0.25 };
+                        let mut got = Vec::new();
+                        ops.reduce(group, r, 0, ReduceOp::Sum, Destination::AllReplicas, &data, w, &mut |p| {
+                            got.extend_from_slice(p)
+                        })
+                        .unwrap();
+                        got
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(res[0], vec![1.0; 5]);
+        assert_eq!(res[1], vec![1.0; 5]);
+    }
+
+    #[test]
+    fn mismatched_lengths_are_a_clear_error_not_a_hang() {
+        let ops = CpuCrossDeviceOps::in_memory_all_reduce(2).unwrap();
+        let group = ReplicaGroup::new(2, Duration::from_secs(10)).unwrap();
+        std::thread::scope(|s| {
+            let hs: Vec<_> = (0..2)
+                .map(|r| {
+                    let (ops, group) = (&ops, &group);
+                    s.spawn(move || {
+                        let data = vec![Tensor::ones(5 + r, candle_core::DType::F32, &Device::Cpu).unwrap()];
+                        ops.reduce(group, r, 0, ReduceOp::Sum, Destination::AllReplicas, &data, 1.0, &mut |_| {})
+                    })
+                })
+                .collect();
+            for h in hs {
+                let e = h.join().unwrap().unwrap_err();
+                assert!(matches!(e, Error::ShapeMismatch { .. }), "{e}");
+                assert!(e.to_string().contains("[5]") && e.to_string().contains("[6]"), "{e}");
+            }
+        });
+    }
+}

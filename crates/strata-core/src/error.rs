@@ -1,0 +1,101 @@
+//! The one error type of `strata-core`.
+
+use std::time::Duration;
+
+/// Errors from strata-core. Messages are lower case, without a trailing period, and say what
+/// to change where the cause is the caller's input.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A device string that is not of TensorFlow's form.
+    #[error("invalid device spec {spec:?}: {reason}")]
+    InvalidDeviceSpec { spec: String, reason: String },
+
+    /// A device list (visible devices, a strategy's devices) that cannot be used.
+    #[error("invalid device list: {0}")]
+    InvalidDeviceList(String),
+
+    /// A device the caller named does not exist or is not visible.
+    #[error("unknown device {0}")]
+    UnknownDevice(String),
+
+    /// A memory policy or limit that cannot be satisfied.
+    #[error("invalid memory configuration: {0}")]
+    InvalidMemoryConfig(String),
+
+    /// A strategy needs at least one replica.
+    #[error("a strategy needs at least one replica; got 0 (pass --replicas 1 or more)")]
+    ZeroReplicas,
+
+    /// Shapes that must agree across replicas (or with a variable) do not.
+    #[error("shape mismatch in {op}: {detail}")]
+    ShapeMismatch { op: String, detail: String },
+
+    /// Replicas issued different collectives at the same point.
+    #[error("collective order mismatch at collective #{seq}: {detail}")]
+    CollectiveMismatch { seq: u64, detail: String },
+
+    /// A replica left the step while its peers waited in a collective.
+    #[error("replica {replica} left the step before collective #{seq} ({op}) that replica {waiting} is waiting in")]
+    ReplicaLeft { replica: usize, waiting: usize, seq: u64, op: String },
+
+    /// A collective did not complete within its deadline.
+    #[error("collective #{seq} ({op}) timed out after {timeout:?} on replica {replica}; {arrived} of {expected} replicas arrived")]
+    CollectiveTimeout {
+        seq: u64,
+        op: String,
+        replica: usize,
+        timeout: Duration,
+        arrived: usize,
+        expected: usize,
+    },
+
+    /// A value or variable was used with a strategy that did not create it, or outside any scope.
+    #[error("{0}")]
+    Scope(String),
+
+    /// Two different strategies were mixed.
+    #[error("mixing strategies: {0}")]
+    MixedStrategies(String),
+
+    /// A replica's step failed; the other replicas were told to stop.
+    #[error("replica {replica} failed: {source}")]
+    Replica {
+        replica: usize,
+        #[source]
+        source: Box<Error>,
+    },
+
+    /// A replica thread panicked.
+    #[error("replica {replica} panicked: {message}")]
+    ReplicaPanicked { replica: usize, message: String },
+
+    /// Bad dataset input (sizes, batch sizes).
+    #[error("dataset: {0}")]
+    Dataset(String),
+
+    /// An invalid argument, with what to change.
+    #[error("{0}")]
+    InvalidArgument(String),
+
+    /// An error from candle.
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+
+    /// An I/O error, with the path or operation it concerns.
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// The result type of strata-core.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    /// An I/O error with context (usually the path).
+    pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        Error::Io { context: context.into(), source }
+    }
+}

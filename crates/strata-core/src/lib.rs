@@ -1,0 +1,46 @@
+//! # strata-core
+//!
+//! The core of Strata, a framework for data-parallel training with distribution strategies in
+//! the spirit of TensorFlow's `tf.distribute`: the user-facing [`Strategy`] trait and the
+//! implementer's [`StrategyExtended`], [`ReplicaContext`], devices and their visibility rules,
+//! distributed values ([`PerReplica`], [`Mirrored`]) and variables, [`ReduceOp`], the
+//! [`CrossDeviceOps`](cross_device::CrossDeviceOps) that combine replicas' values, and
+//! datasets that split global batches into per-replica shards.
+//!
+//! Outside any scope, the default strategy (one replica on the CPU) answers, so library code
+//! can reduce unconditionally:
+//!
+//! ```
+//! use strata_core::{Strategy, StrategyHandle, ReduceOp};
+//!
+//! let strategy = StrategyHandle::current(); // no scope entered: the default strategy
+//! assert_eq!(strategy.num_replicas_in_sync(), 1);
+//! let per_replica = strategy.run(|ctx| Ok(ctx.replica_id() as f32 + 1.5))?;
+//! assert_eq!(strategy.reduce(ReduceOp::Sum, &per_replica)?, 1.5);
+//! # Ok::<(), strata_core::Error>(())
+//! ```
+//!
+//! The strategies themselves (`MirroredStrategy`, `CentralStorageStrategy`, ...) live in
+//! `strata-strategies`; the `strata` crate re-exports everything.
+
+pub mod context;
+pub mod cross_device;
+pub mod data;
+pub mod device;
+mod error;
+pub mod group;
+mod reduce;
+pub mod runtime;
+pub mod strategy;
+pub mod timeline;
+mod values;
+pub mod variables;
+
+pub use context::{CrossReplicaContext, ReplicaContext};
+pub use error::{Error, Result};
+pub use reduce::ReduceOp;
+pub use strategy::{
+    get_strategy, has_strategy, Strategy, StrategyExtended, StrategyHandle, StrategyId, StrategyOptions, VariablePolicy,
+};
+pub use values::{Mirrored, PerReplica};
+pub use variables::{DistributedOptimizer, DistributedVariable, Replicated, Scope, SyncOnReadVariable, VariableAggregation};

@@ -1,0 +1,239 @@
+//! Running a step on in-process replicas: one thread per replica.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Mutex, PoisonError};
+
+use candle_core::{Device, Tensor};
+
+use crate::context::{ReplicaContext, StepShared};
+use crate::cross_device::{CpuCrossDeviceOps, CrossDeviceOps};
+use crate::device::{DeviceType, LogicalDevice, LogicalKind};
+use crate::strategy::{ReplicaJob, StrategyExtended, StrategyId, StrategyOptions, VariablePolicy};
+use crate::{Error, PerReplica, ReduceOp, Result};
+
+/// The candle device a logical device computes on.
+pub fn candle_device(d: &LogicalDevice) -> Result<Device> {
+    match d.physical.device_type {
+        DeviceType::Cpu => Ok(Device::Cpu),
+        DeviceType::Gpu => Err(Error::InvalidArgument(format!(
+            "{} is a GPU: this build has no GPU support; rebuild strata with the cuda feature or use logical CPU devices",
+            d.spec
+        ))),
+    }
+}
+
+/// The per-replica thread pools of logical CPU devices with more than one thread.
+#[derive(Debug, Default)]
+pub struct ReplicaPools {
+    pools: Vec<Option<rayon::ThreadPool>>,
+}
+
+impl ReplicaPools {
+    /// Pools for `devices`: a logical CPU device of `t > 1` threads gets a pool of `t` threads,
+    /// in which candle's parallel kernels of that replica run.
+    pub fn for_devices(devices: &[LogicalDevice]) -> Result<Self> {
+        let pools = devices
+            .iter()
+            .map(|d| match d.kind {
+                LogicalKind::Cpu { threads } if threads > 1 => rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .thread_name(move |i| format!("strata-replica-pool-{i}"))
+                    .build()
+                    .map(Some)
+                    .map_err(|e| Error::InvalidArgument(format!("cannot start {threads} threads for {}: {e}", d.spec))),
+                _ => Ok(None),
+            })
+            .collect::<Result<_>>()?;
+        Ok(Self { pools })
+    }
+
+    fn run<R: Send>(&self, replica: usize, f: impl FnOnce() -> R + Send) -> R {
+        match self.pools.get(replica).and_then(Option::as_ref) {
+            Some(p) => p.install(f),
+            None => f(),
+        }
+    }
+}
+
+struct LeaveOnDrop<'a>(&'a StepShared<'a>, usize);
+
+impl Drop for LeaveOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.group().leave(self.1);
+    }
+}
+
+fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".into())
+}
+
+/// Whether an error is a consequence of another replica's failure rather than a cause.
+fn is_secondary(e: &Error) -> bool {
+    matches!(e, Error::ReplicaLeft { .. }) || matches!(e, Error::Scope(m) if m.starts_with("the step was abandoned"))
+}
+
+/// Runs `job` on every replica of `ext`, one thread per replica (the calling thread is
+/// replica 0). A failing or panicking replica releases its peers; the first root-cause error
+/// is returned, naming the replica.
+pub fn execute_local(ext: &dyn StrategyExtended, pools: &ReplicaPools, weights: &[f32], job: &ReplicaJob<'_>) -> Result<()> {
+    let n = ext.num_replicas();
+    let shared = StepShared::new(ext, weights)?;
+    let _step = tracing::trace_span!("step", strategy = ext.name(), replicas = n).entered();
+    let run_one = |r: usize| -> Result<()> {
+        let _leave = LeaveOnDrop(&shared, r);
+        let ctx = ReplicaContext::new(&shared, r);
+        let res = pools.run(r, || catch_unwind(AssertUnwindSafe(|| job(&ctx))));
+        let res = match res {
+            Ok(r) => r,
+            Err(p) => Err(Error::ReplicaPanicked { replica: r, message: panic_message(p) }),
+        };
+        if let Err(e) = &res {
+            if !is_secondary(e) {
+                shared.group().poison(format!("replica {r} failed: {e}"));
+            }
+        }
+        res
+    };
+    if n == 1 {
+        return run_one(0);
+    }
+    let results: Vec<Result<()>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (1..n)
+            .map(|r| {
+                let run_one = &run_one;
+                std::thread::Builder::new()
+                    .name(format!("strata-replica-{r}"))
+                    .spawn_scoped(s, move || run_one(r))
+                    .map_err(|e| Error::io("cannot start a replica thread", e))
+            })
+            .collect();
+        let first = run_one(0);
+        let mut all = vec![first];
+        for (i, h) in handles.into_iter().enumerate() {
+            all.push(match h {
+                Ok(h) => h.join().unwrap_or_else(|p| Err(Error::ReplicaPanicked { replica: i + 1, message: panic_message(p) })),
+                Err(e) => Err(e),
+            });
+        }
+        all
+    });
+    let mut first_secondary = None;
+    for (r, res) in results.into_iter().enumerate() {
+        match res {
+            Ok(()) => {}
+            Err(e @ Error::ReplicaPanicked { .. }) => return Err(e),
+            Err(e) if is_secondary(&e) => {
+                first_secondary.get_or_insert(Error::Replica { replica: r, source: Box::new(e) });
+            }
+            Err(e) => return Err(Error::Replica { replica: r, source: Box::new(e) }),
+        }
+    }
+    first_secondary.map_or(Ok(()), Err)
+}
+
+/// Runs `f` on every replica and collects the results in replica order.
+pub fn run_collect<T: Send>(
+    ext: &dyn StrategyExtended,
+    weights: &[f32],
+    f: impl Fn(&ReplicaContext<'_>) -> Result<T> + Sync,
+) -> Result<PerReplica<T>> {
+    let n = ext.num_replicas();
+    let slots: Vec<Mutex<Option<T>>> = (0..n).map(|_| Mutex::new(None)).collect();
+    ext.execute(weights, &|ctx| {
+        let v = f(ctx)?;
+        *slots[ctx.replica_id()].lock().unwrap_or_else(PoisonError::into_inner) = Some(v);
+        Ok(())
+    })?;
+    let values = slots
+        .into_iter()
+        .enumerate()
+        .map(|(r, m)| {
+            m.into_inner()
+                .unwrap_or_else(PoisonError::into_inner)
+                .ok_or_else(|| Error::Scope(format!("replica {r} returned no value")))
+        })
+        .collect::<Result<_>>()?;
+    PerReplica::new(values)
+}
+
+/// Reduces per-replica tensors element-wise, in cross-replica context.
+pub fn reduce_tensors(op: ReduceOp, value: &PerReplica<Tensor>) -> Result<Tensor> {
+    let vals = value.values();
+    let first = &vals[0];
+    for (r, v) in vals.iter().enumerate().skip(1) {
+        if v.shape() != first.shape() {
+            return Err(Error::ShapeMismatch {
+                op: format!("reduce({op})"),
+                detail: format!("replica 0 has shape {:?} but replica {r} has {:?}", first.shape(), v.shape()),
+            });
+        }
+    }
+    let on0 = vals.iter().map(|v| v.to_device(first.device())).collect::<candle_core::Result<Vec<_>>>()?;
+    let stacked = Tensor::stack(&on0, 0)?;
+    Ok(match op {
+        ReduceOp::Sum => stacked.sum(0)?,
+        ReduceOp::Mean => stacked.mean(0)?,
+        ReduceOp::Max => stacked.max(0)?,
+        ReduceOp::Min => stacked.min(0)?,
+    })
+}
+
+/// The strategy that answers outside any scope: one replica on the CPU.
+#[derive(Debug)]
+pub struct DefaultStrategy {
+    id: StrategyId,
+    devices: Vec<LogicalDevice>,
+    ops: CpuCrossDeviceOps,
+    options: StrategyOptions,
+}
+
+impl DefaultStrategy {
+    /// The default strategy.
+    pub fn new() -> Self {
+        let devices = crate::device::logical_cpus(1).unwrap_or_default();
+        Self {
+            id: StrategyId::fresh(),
+            devices,
+            ops: CpuCrossDeviceOps::in_memory_all_reduce(1).unwrap_or_else(|_| unreachable_ops()),
+            options: StrategyOptions::default(),
+        }
+    }
+}
+
+fn unreachable_ops() -> CpuCrossDeviceOps {
+    // `in_memory_all_reduce(1)` cannot fail; keep the constructor total without a panic path.
+    CpuCrossDeviceOps::reduction_to_one_device(1).unwrap_or_else(|_| unreachable_ops())
+}
+
+impl Default for DefaultStrategy {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl StrategyExtended for DefaultStrategy {
+    fn id(&self) -> StrategyId {
+        self.id
+    }
+    fn name(&self) -> &'static str {
+        "default"
+    }
+    fn replica_devices(&self) -> &[LogicalDevice] {
+        &self.devices
+    }
+    fn variable_policy(&self) -> VariablePolicy {
+        VariablePolicy::Mirrored
+    }
+    fn cross_device_ops(&self) -> &dyn CrossDeviceOps {
+        &self.ops
+    }
+    fn options(&self) -> &StrategyOptions {
+        &self.options
+    }
+    fn execute(&self, weights: &[f32], job: &ReplicaJob<'_>) -> Result<()> {
+        execute_local(self, &ReplicaPools::default(), weights, job)
+    }
+}

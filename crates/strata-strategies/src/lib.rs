@@ -1,0 +1,34 @@
+//! # strata-strategies
+//!
+//! The distribution strategies: [`OneDeviceStrategy`], [`MirroredStrategy`] and
+//! [`CentralStorageStrategy`] run their replicas as threads of this process, one thread per
+//! logical device. Model code is the same under every one of them:
+//!
+//! ```
+//! use candle_nn::{Module, Optimizer, SGD};
+//! use strata_core::{Strategy, ReduceOp};
+//! use strata_strategies::MirroredStrategy;
+//!
+//! let strategy = MirroredStrategy::logical_cpus(2)?;
+//! let model = strategy.scope(|s| candle_nn::linear(3, 1, s.var_builder().pp("fc")))?;
+//! let opt = model.optimizer::<SGD>(0.1)?;
+//! let losses = strategy.run(|ctx| {
+//!     let x = candle_core::Tensor::ones((4, 3), candle_core::DType::F32, ctx.candle_device())?;
+//!     let loss = model.on(ctx)?.forward(&x)?.sqr()?.mean_all()?;
+//!     ctx.backward_and_sync(&loss, &opt)?;
+//!     Ok(loss.to_scalar::<f32>()?)
+//! })?;
+//! let mean = strategy.reduce(ReduceOp::Mean, &losses)?;
+//! assert!(mean.is_finite());
+//! # Ok::<(), strata_core::Error>(())
+//! ```
+
+mod central_storage;
+mod local;
+mod mirrored;
+mod one_device;
+
+pub use central_storage::CentralStorageStrategy;
+pub use local::CpuReduction;
+pub use mirrored::MirroredStrategy;
+pub use one_device::OneDeviceStrategy;

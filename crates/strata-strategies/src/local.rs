@@ -1,0 +1,87 @@
+//! The in-process machinery the single-machine strategies share.
+
+use std::sync::Arc;
+
+use strata_core::cross_device::{CpuCrossDeviceOps, CrossDeviceOps};
+use strata_core::device::LogicalDevice;
+use strata_core::runtime::{execute_local, ReplicaPools};
+use strata_core::strategy::ReplicaJob;
+use strata_core::{Error, Result, StrategyExtended, StrategyId, StrategyOptions, VariablePolicy};
+
+/// Which CPU cross-device operation a strategy uses.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum CpuReduction {
+    /// Each replica thread reduces its own chunk of every buffer (reduce-scatter, then every
+    /// replica reads the reduced chunks): the default.
+    #[default]
+    InMemoryAllReduce,
+    /// One replica reduces everything (TensorFlow's `ReductionToOneDevice`).
+    ReductionToOneDevice,
+}
+
+/// A strategy whose replicas are threads of this process.
+#[derive(Debug)]
+pub(crate) struct LocalStrategy {
+    id: StrategyId,
+    name: &'static str,
+    devices: Vec<LogicalDevice>,
+    policy: VariablePolicy,
+    ops: Box<dyn CrossDeviceOps>,
+    options: StrategyOptions,
+    pools: ReplicaPools,
+}
+
+impl LocalStrategy {
+    pub(crate) fn new(
+        name: &'static str,
+        devices: Vec<LogicalDevice>,
+        policy: VariablePolicy,
+        reduction: CpuReduction,
+        options: StrategyOptions,
+    ) -> Result<Arc<dyn StrategyExtended>> {
+        if devices.is_empty() {
+            return Err(Error::ZeroReplicas);
+        }
+        for (i, d) in devices.iter().enumerate() {
+            if let Some(j) = devices[..i].iter().position(|e| e.spec == d.spec) {
+                return Err(Error::InvalidDeviceList(format!(
+                    "{} is listed twice (replicas {j} and {i}); list each device once",
+                    d.spec
+                )));
+            }
+            strata_core::runtime::candle_device(d)?;
+        }
+        let n = devices.len();
+        let ops = Box::new(match reduction {
+            CpuReduction::InMemoryAllReduce => CpuCrossDeviceOps::in_memory_all_reduce(n)?,
+            CpuReduction::ReductionToOneDevice => CpuCrossDeviceOps::reduction_to_one_device(n)?,
+        });
+        let pools = ReplicaPools::for_devices(&devices)?;
+        tracing::debug!(strategy = name, replicas = n, ops = ops.name(), "strategy created");
+        Ok(Arc::new(Self { id: StrategyId::fresh(), name, devices, policy, ops, options, pools }))
+    }
+}
+
+impl StrategyExtended for LocalStrategy {
+    fn id(&self) -> StrategyId {
+        self.id
+    }
+    fn name(&self) -> &'static str {
+        self.name
+    }
+    fn replica_devices(&self) -> &[LogicalDevice] {
+        &self.devices
+    }
+    fn variable_policy(&self) -> VariablePolicy {
+        self.policy
+    }
+    fn cross_device_ops(&self) -> &dyn CrossDeviceOps {
+        self.ops.as_ref()
+    }
+    fn options(&self) -> &StrategyOptions {
+        &self.options
+    }
+    fn execute(&self, weights: &[f32], job: &ReplicaJob<'_>) -> Result<()> {
+        execute_local(self, &self.pools, weights, job)
+    }
+}
