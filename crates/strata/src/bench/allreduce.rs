@@ -1,0 +1,856 @@
+//! `strata bench allreduce`: the CPU all-reduce of one machine's replicas, timed the way
+//! nccl-tests times NCCL's (`size count type redop time algbw busbw #wrong`), beside the floor
+//! this machine allows, measured in the same run: the time to read the `K` replica buffers once
+//! and write one result at the memcpy bandwidth.
+//!
+//! Every row runs `K` persistent replica threads, each holding its own f32 input tensor whose
+//! reduction has a closed form exact in f32; every result element of every replica is checked
+//! against it on the first warm-up and after the timed iterations (`#wrong`).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use candle_core::{Device, Tensor};
+use strata_core::cross_device::{CpuCrossDeviceOps, CrossDeviceOps, Destination};
+use strata_core::device::{format_bytes, parse_bytes};
+use strata_core::group::{OpKey, ReplicaGroup, DEFAULT_COLLECTIVE_TIMEOUT};
+use strata_core::ReduceOp;
+
+use crate::{Error, Result};
+
+const MIB: u64 = 1 << 20;
+/// Rows at least this large count in the per-replica-count summary.
+const SUMMARY_MIN_BYTES: u64 = 16 * MIB;
+/// The target for the median time/floor of the summary rows.
+const TARGET_TIME_OVER_FLOOR: f64 = 1.4;
+/// Timed time per loop when `--iters` is not given (two loops a row: ~0.3 s).
+const ADAPTIVE_LOOP_SECS: f64 = 0.15;
+const ADAPTIVE_MIN_ITERS: usize = 5;
+const ADAPTIVE_MAX_ITERS: usize = 1000;
+/// Time spent on each thread count of one memcpy measurement.
+const MEMCPY_SECS: f64 = 0.04;
+const MEMCPY_MIN_REPEATS: usize = 5;
+const MEMCPY_MAX_REPEATS: usize = 200;
+/// The buffer of the header's memcpy ceiling.
+const CEILING_BYTES: usize = 64 << 20;
+/// Element `i` of replica `r`'s input is `(i % PERIOD) + r / 2`: every partial sum is a multiple
+/// of 0.5 far below 2^23, so sums are exact in f32 in any order.
+const PERIOD: usize = 251;
+
+/// Which CPU cross-device implementation to time.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Impl {
+    /// `CpuCrossDeviceOps::in_memory_all_reduce`: each replica thread reduces its own chunk.
+    InMemory,
+    /// `CpuCrossDeviceOps::reduction_to_one_device`: replica 0 reduces everything.
+    ToOneDevice,
+}
+
+impl Impl {
+    /// The cross-device ops for `n` replicas.
+    pub fn build(self, n: usize) -> Result<CpuCrossDeviceOps> {
+        Ok(match self {
+            Impl::InMemory => CpuCrossDeviceOps::in_memory_all_reduce(n)?,
+            Impl::ToOneDevice => CpuCrossDeviceOps::reduction_to_one_device(n)?,
+        })
+    }
+
+    /// The flag value and the constructor, for the header.
+    fn describe(self) -> &'static str {
+        match self {
+            Impl::InMemory => "in-memory (CpuCrossDeviceOps::in_memory_all_reduce)",
+            Impl::ToOneDevice => "to-one-device (CpuCrossDeviceOps::reduction_to_one_device)",
+        }
+    }
+}
+
+fn parse_size(s: &str) -> std::result::Result<u64, String> {
+    parse_bytes(s).map_err(|e| e.to_string())
+}
+
+fn parse_op(s: &str) -> std::result::Result<ReduceOp, String> {
+    s.parse::<ReduceOp>().map_err(|e| e.to_string())
+}
+
+/// `strata bench allreduce`: time the all-reduce of this machine's replicas.
+#[derive(clap::Args, Debug, Clone)]
+pub struct AllreduceArgs {
+    /// All-reduce between the replica threads of this machine (required: the only mode in this
+    /// build; cross-worker all-reduce comes with MultiWorkerMirrored).
+    #[arg(long)]
+    pub local: bool,
+    /// Replica counts to time, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "2,4")]
+    pub replicas: Vec<usize>,
+    /// Smallest buffer per replica (bytes, or with a unit: 4KiB, 1MiB); sizes step x4.
+    #[arg(long, value_parser = parse_size, default_value = "4KiB")]
+    pub min_bytes: u64,
+    /// Largest buffer per replica.
+    #[arg(long, value_parser = parse_size, default_value = "256MiB")]
+    pub max_bytes: u64,
+    /// Reduction: sum, mean, max or min.
+    #[arg(long, value_parser = parse_op, default_value = "sum")]
+    pub op: ReduceOp,
+    /// Timed iterations per row [default: adaptive, ~0.3 s a row, 5 to 1000].
+    #[arg(long)]
+    pub iters: Option<usize>,
+    /// Untimed iterations before timing (the first one, always run, checks the result).
+    #[arg(long, default_value_t = 3)]
+    pub warmup: usize,
+    /// The implementation to time.
+    #[arg(long = "impl", value_enum, default_value_t = Impl::InMemory)]
+    pub implementation: Impl,
+}
+
+/// A validated benchmark plan.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    /// Replica counts, in order.
+    pub replicas: Vec<usize>,
+    /// Bytes per replica buffer (multiples of 4: f32), in order.
+    pub sizes: Vec<u64>,
+    /// The reduction.
+    pub op: ReduceOp,
+    /// Timed iterations per row; `None`: adaptive.
+    pub iters: Option<usize>,
+    /// Untimed iterations per row (at least one runs).
+    pub warmup: usize,
+    /// The implementation.
+    pub implementation: Impl,
+}
+
+/// Sizes from `min` to `max` bytes (inclusive), stepping x4: 4KiB..256MiB gives 9 sizes.
+pub fn sizes(min: u64, max: u64) -> Vec<u64> {
+    let mut out = Vec::new();
+    let mut s = min;
+    while s > 0 && s <= max {
+        out.push(s);
+        match s.checked_mul(4) {
+            Some(next) => s = next,
+            None => break,
+        }
+    }
+    out
+}
+
+impl AllreduceArgs {
+    /// Checks the flags and turns them into a [`Plan`].
+    pub fn plan(&self) -> Result<Plan> {
+        if !self.local {
+            return Err(Error::Usage(
+                "strata bench allreduce: pass --local; only --local (the replicas of this machine) is \
+                 implemented in this build; cross-worker all-reduce comes with MultiWorkerMirrored"
+                    .into(),
+            ));
+        }
+        if self.replicas.is_empty() || self.replicas.contains(&0) {
+            return Err(Error::Usage(format!(
+                "--replicas {:?}: give one or more replica counts of at least 1, such as --replicas 2,4",
+                self.replicas
+            )));
+        }
+        if self.min_bytes < 4 {
+            return Err(Error::Usage(format!(
+                "--min-bytes {}: a buffer needs at least one f32 (4 bytes)",
+                self.min_bytes
+            )));
+        }
+        if self.min_bytes > self.max_bytes {
+            return Err(Error::Usage(format!(
+                "--min-bytes {} is larger than --max-bytes {}",
+                format_bytes(self.min_bytes),
+                format_bytes(self.max_bytes)
+            )));
+        }
+        if self.iters == Some(0) {
+            return Err(Error::Usage("--iters 0: time at least one iteration".into()));
+        }
+        // f32 buffers: round each size down to whole elements.
+        let mut sizes: Vec<u64> = sizes(self.min_bytes, self.max_bytes).into_iter().map(|s| s / 4 * 4).collect();
+        sizes.dedup();
+        Ok(Plan {
+            replicas: self.replicas.clone(),
+            sizes,
+            op: self.op,
+            iters: self.iters,
+            warmup: self.warmup,
+            implementation: self.implementation,
+        })
+    }
+}
+
+/// One measured row: `K` replicas all-reducing `bytes` each.
+#[derive(Clone, Debug)]
+pub struct Row {
+    /// Replicas (`K`).
+    pub replicas: usize,
+    /// Bytes per replica buffer.
+    pub bytes: u64,
+    /// f32 elements per replica buffer.
+    pub count: usize,
+    /// The reduction.
+    pub op: ReduceOp,
+    /// Timed iterations of each loop.
+    pub iters: usize,
+    /// Median time of one all-reduce, the result read in place.
+    pub time: Duration,
+    /// Median time of one all-reduce that copies the result into every replica's own buffer.
+    pub copy_time: Duration,
+    /// Time to move `(K+1) * bytes` (read `K` buffers, write one) at the memcpy bandwidth.
+    pub floor: Duration,
+    /// The memcpy thread count that gave the floor.
+    pub floor_threads: usize,
+    /// Result elements that differ from the closed form, over every check and replica.
+    pub wrong: usize,
+}
+
+impl Row {
+    /// Algorithm bandwidth: bytes per replica / time, GB/s.
+    pub fn algbw(&self) -> f64 {
+        self.bytes as f64 / self.time.as_secs_f64().max(1e-12) / 1e9
+    }
+
+    /// Bus bandwidth, nccl-tests' all-reduce convention: algbw * 2(K-1)/K, GB/s.
+    pub fn busbw(&self) -> f64 {
+        let k = self.replicas as f64;
+        self.algbw() * 2.0 * (k - 1.0) / k
+    }
+
+    /// How far the time is above the floor.
+    pub fn time_over_floor(&self) -> f64 {
+        self.time.as_secs_f64() / self.floor.as_secs_f64().max(1e-12)
+    }
+}
+
+fn median(times: &mut [Duration]) -> Duration {
+    if times.is_empty() {
+        return Duration::ZERO;
+    }
+    times.sort_unstable();
+    times[times.len() / 2]
+}
+
+fn median_f64(xs: &mut [f64]) -> Option<f64> {
+    if xs.is_empty() {
+        return None;
+    }
+    xs.sort_by(f64::total_cmp);
+    let m = xs.len() / 2;
+    Some(if xs.len() % 2 == 1 { xs[m] } else { (xs[m - 1] + xs[m]) / 2.0 })
+}
+
+fn cores() -> usize {
+    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+}
+
+// ---------------------------------------------------------------------------------------------
+// The memcpy floor.
+
+/// Median times to copy `src` into `dst` with `threads` persistent threads copying disjoint
+/// parts (the calling thread copies the first); `repeats` rounds.
+fn copy_median(src: &[u8], dst: &mut [u8], threads: usize, repeats: usize) -> Duration {
+    let threads = threads.clamp(1, src.len().max(1));
+    let mut times = Vec::with_capacity(repeats);
+    if threads == 1 {
+        for _ in 0..repeats {
+            let t0 = Instant::now();
+            dst.copy_from_slice(src);
+            times.push(t0.elapsed());
+        }
+        return median(&mut times);
+    }
+    let part = src.len().div_ceil(threads);
+    let go = AtomicUsize::new(0);
+    let done = AtomicUsize::new(0);
+    let mut parts = dst.chunks_mut(part).zip(src.chunks(part));
+    let (own_dst, own_src) = parts.next().expect("a non-empty buffer has a first part");
+    std::thread::scope(|s| {
+        let helpers = parts.len();
+        for (d, sr) in parts {
+            let (go, done) = (&go, &done);
+            s.spawn(move || {
+                for round in 1..=repeats {
+                    spin_until(|| go.load(Ordering::Acquire) >= round);
+                    d.copy_from_slice(sr);
+                    done.fetch_add(1, Ordering::Release);
+                }
+            });
+        }
+        for round in 1..=repeats {
+            let t0 = Instant::now();
+            go.store(round, Ordering::Release);
+            own_dst.copy_from_slice(own_src);
+            spin_until(|| done.load(Ordering::Acquire) >= round * helpers);
+            times.push(t0.elapsed());
+        }
+    });
+    median(&mut times)
+}
+
+fn spin_until(mut ready: impl FnMut() -> bool) {
+    let mut i = 0u32;
+    while !ready() {
+        i = i.wrapping_add(1);
+        if i % 64 == 0 {
+            std::thread::yield_now();
+        } else {
+            std::hint::spin_loop();
+        }
+    }
+}
+
+/// The memcpy time of `bytes` bytes: the best over 1..=`max_threads` threads of the median of
+/// several repeats, between two pre-faulted buffers. Returns the time and the thread count.
+fn memcpy_time(bytes: usize, max_threads: usize) -> (Duration, usize) {
+    let bytes = bytes.max(1);
+    // Non-zero fills write every page, so nothing is faulted in while timed.
+    let src = vec![1u8; bytes];
+    let mut dst = vec![2u8; bytes];
+    // A first copy warms the caches and gives the repeat count.
+    let t0 = Instant::now();
+    dst.copy_from_slice(&src);
+    let once = t0.elapsed().as_secs_f64().max(1e-8);
+    let repeats = ((MEMCPY_SECS / once).ceil() as usize).clamp(MEMCPY_MIN_REPEATS, MEMCPY_MAX_REPEATS);
+    (1..=max_threads.max(1))
+        .map(|t| (copy_median(&src, &mut dst, t, repeats), t))
+        .min()
+        .expect("at least one thread count")
+}
+
+// ---------------------------------------------------------------------------------------------
+// The replicas.
+
+/// Replica `r`'s input element `i`.
+fn value(r: usize, i: usize) -> f32 {
+    (i % PERIOD) as f32 + r as f32 * 0.5
+}
+
+/// The closed-form result at `i % PERIOD`; `Mean` accepts `sum * (1/K)` or `sum / K`.
+struct Expected {
+    main: Vec<f32>,
+    alt: Vec<f32>,
+}
+
+impl Expected {
+    fn new(op: ReduceOp, k: usize) -> Self {
+        let kf = k as f32;
+        // Sum over r of (j + r/2) = K*j + K(K-1)/4, exact in f32.
+        let sum = |j: usize| kf * j as f32 + (k * (k - 1)) as f32 * 0.25;
+        let (main, alt) = (0..PERIOD)
+            .map(|j| match op {
+                ReduceOp::Sum => (sum(j), sum(j)),
+                ReduceOp::Mean => (sum(j) * (1.0 / kf), sum(j) / kf),
+                ReduceOp::Max => (value(k - 1, j), value(k - 1, j)),
+                ReduceOp::Min => (value(0, j), value(0, j)),
+            })
+            .unzip();
+        Self { main, alt }
+    }
+
+    fn checker(&self) -> Checker<'_> {
+        Checker { expected: self, seen: 0, j: 0, wrong: 0 }
+    }
+}
+
+/// Checks consecutive result pieces against the closed form.
+struct Checker<'a> {
+    expected: &'a Expected,
+    seen: usize,
+    j: usize,
+    wrong: usize,
+}
+
+impl Checker<'_> {
+    fn piece(&mut self, piece: &[f32]) {
+        let (main, alt) = (&self.expected.main, &self.expected.alt);
+        for &x in piece {
+            if x != main[self.j] && x != alt[self.j] {
+                self.wrong += 1;
+            }
+            self.j += 1;
+            if self.j == PERIOD {
+                self.j = 0;
+            }
+        }
+        self.seen += piece.len();
+    }
+
+    /// Mismatches, counting missing or extra elements as wrong.
+    fn finish(self, count: usize) -> usize {
+        self.wrong + self.seen.abs_diff(count)
+    }
+}
+
+/// What every replica thread of a row shares.
+struct RowCtx<'a> {
+    ops: &'a CpuCrossDeviceOps,
+    group: &'a ReplicaGroup,
+    op: ReduceOp,
+    count: usize,
+    iters: Option<usize>,
+    warmup: usize,
+    expected: &'a Expected,
+}
+
+/// What one replica thread measured.
+struct ReplicaOutcome {
+    iters: usize,
+    times: Vec<Duration>,
+    copy_times: Vec<Duration>,
+    wrong: usize,
+}
+
+fn adaptive_iters(per_iter: Duration) -> usize {
+    let t = per_iter.as_secs_f64().max(1e-9);
+    ((ADAPTIVE_LOOP_SECS / t).ceil() as usize).clamp(ADAPTIVE_MIN_ITERS, ADAPTIVE_MAX_ITERS)
+}
+
+fn replica_main(ctx: &RowCtx<'_>, r: usize) -> Result<ReplicaOutcome> {
+    let count = ctx.count;
+    let input = vec![Tensor::from_vec((0..count).map(|i| value(r, i)).collect::<Vec<f32>>(), count, &Device::Cpu)?];
+    // NaN, not zero: written now (so pre-faulted) and never mistaken for a result.
+    let mut output = vec![f32::NAN; count];
+    let start = OpKey { seq: 0, op: "bench allreduce: start".into(), shape: vec![] };
+    let end = OpKey { seq: 0, op: "bench allreduce: end".into(), shape: vec![] };
+    let mut seq = 0u64;
+    let mut wrong = 0usize;
+
+    // One iteration: all replicas meet, the all-reduce, all replicas meet; timed in between.
+    let mut iterate = |out: &mut dyn FnMut(&[f32])| -> Result<Duration> {
+        ctx.group.arrive(r, &start)?;
+        let t0 = Instant::now();
+        ctx.ops.reduce(ctx.group, r, seq, ctx.op, Destination::AllReplicas, &input, 1.0, out)?;
+        seq += 1;
+        ctx.group.arrive(r, &end)?;
+        Ok(t0.elapsed())
+    };
+
+    // Warm-up; the first iteration checks every element in place.
+    let mut check = ctx.expected.checker();
+    let checked = iterate(&mut |p| check.piece(p))?;
+    wrong += check.finish(count);
+    let mut warm = Vec::new();
+    let mut seen = 0usize;
+    for _ in 1..ctx.warmup.max(1) {
+        warm.push(iterate(&mut |p| seen += p.len())?);
+    }
+    wrong += seen.abs_diff(warm.len() * count);
+
+    let iters = match ctx.iters {
+        Some(n) => n,
+        None => {
+            // Replica 0 decides, from its warm-up, so that every replica runs the same count.
+            // (The checked iteration is slower: it reads every element; the others are not.)
+            let estimate = warm.iter().min().copied().unwrap_or(checked);
+            let key = OpKey { seq: 0, op: "bench allreduce: iterations".into(), shape: vec![] };
+            ctx.group.exchange(r, &key, adaptive_iters(estimate))?[0]
+        }
+    };
+
+    // Timed: the result read in place (the pieces are only counted).
+    let mut times = Vec::with_capacity(iters);
+    let mut seen = 0usize;
+    for _ in 0..iters {
+        times.push(iterate(&mut |p| seen += p.len())?);
+    }
+    wrong += seen.abs_diff(iters * count);
+    let mut check = ctx.expected.checker();
+    iterate(&mut |p| check.piece(p))?;
+    wrong += check.finish(count);
+
+    // Timed: every replica copies the result into its own buffer.
+    let mut copy_times = Vec::with_capacity(iters);
+    let mut bad_len = 0usize;
+    for _ in 0..iters {
+        let mut at = 0usize;
+        let mut overflow = 0usize;
+        copy_times.push(iterate(&mut |p| {
+            match output.get_mut(at..at + p.len()) {
+                Some(dst) => dst.copy_from_slice(p),
+                None => overflow += p.len(),
+            }
+            at += p.len();
+        })?);
+        bad_len += at.abs_diff(count).max(overflow);
+    }
+    let mut check = ctx.expected.checker();
+    check.piece(&output);
+    wrong += check.finish(count) + bad_len;
+
+    Ok(ReplicaOutcome { iters, times, copy_times, wrong })
+}
+
+/// Measures one row: `k` replicas all-reducing `bytes` bytes each.
+pub fn measure_row(plan: &Plan, k: usize, bytes: u64) -> Result<Row> {
+    let count = usize::try_from(bytes / 4)
+        .map_err(|_| Error::Usage(format!("{} does not fit in this machine's memory", format_bytes(bytes))))?;
+    let bytes = count as u64 * 4;
+    let threads = k.min(cores());
+    let (floor, floor_threads) = memcpy_time((k + 1) * count * 4 / 2, threads);
+
+    let ops = plan.implementation.build(k)?;
+    let group = ReplicaGroup::new(k, DEFAULT_COLLECTIVE_TIMEOUT)?;
+    let expected = Expected::new(plan.op, k);
+    let ctx = RowCtx {
+        ops: &ops,
+        group: &group,
+        op: plan.op,
+        count,
+        iters: plan.iters,
+        warmup: plan.warmup,
+        expected: &expected,
+    };
+    let outcomes: Vec<Result<ReplicaOutcome>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..k)
+            .map(|r| {
+                let ctx = &ctx;
+                s.spawn(move || {
+                    let res = replica_main(ctx, r);
+                    if let Err(e) = &res {
+                        // Release the peers now rather than at the collective deadline.
+                        ctx.group.poison(format!("replica {r} failed in the all-reduce benchmark: {e}"));
+                    }
+                    res
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
+    });
+
+    // Report the cause, not a peer's "the step was abandoned".
+    let is_echo = |e: &Error| matches!(e, Error::Core(strata_core::Error::Scope(_)));
+    if let Some(pos) = outcomes.iter().position(|o| o.as_ref().is_err_and(|e| !is_echo(e))) {
+        return Err(outcomes.into_iter().nth(pos).and_then(|o| o.err()).expect("an error at pos"));
+    }
+    let mut wrong = 0;
+    let mut first = None;
+    for o in outcomes {
+        let o = o?;
+        wrong += o.wrong;
+        first.get_or_insert(o);
+    }
+    let mut first = first.expect("at least one replica");
+    Ok(Row {
+        replicas: k,
+        bytes,
+        count,
+        op: plan.op,
+        iters: first.iters,
+        time: median(&mut first.times),
+        copy_time: median(&mut first.copy_times),
+        floor,
+        floor_threads,
+        wrong,
+    })
+}
+
+/// Measures every size of `plan` with `k` replicas, calling `on_row` as each row completes.
+pub fn measure(plan: &Plan, k: usize, on_row: &mut dyn FnMut(&Row)) -> Result<Vec<Row>> {
+    let mut rows = Vec::with_capacity(plan.sizes.len());
+    for &bytes in &plan.sizes {
+        let row = measure_row(plan, k, bytes)?;
+        on_row(&row);
+        rows.push(row);
+    }
+    Ok(rows)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Printing.
+
+fn cpu_model() -> Option<String> {
+    let info = std::fs::read_to_string("/proc/cpuinfo").ok()?;
+    info.lines()
+        .find(|l| l.starts_with("model name"))
+        .and_then(|l| l.split_once(':'))
+        .map(|(_, m)| m.trim().to_string())
+}
+
+fn print_header(plan: &Plan) {
+    let cores = cores();
+    println!("# strata bench allreduce --local");
+    println!(
+        "# machine: {cores} cores (available parallelism), {} {}{}",
+        std::env::consts::OS,
+        std::env::consts::ARCH,
+        cpu_model().map(|m| format!(", {m}")).unwrap_or_default()
+    );
+    println!("# implementation: {}", plan.implementation.describe());
+    println!(
+        "# op {}, f32, warmup {}, iters {}",
+        plan.op,
+        plan.warmup.max(1),
+        match plan.iters {
+            Some(n) => n.to_string(),
+            None => format!(
+                "adaptive (~{:.1} s a row, {ADAPTIVE_MIN_ITERS} to {ADAPTIVE_MAX_ITERS})",
+                2.0 * ADAPTIVE_LOOP_SECS
+            ),
+        }
+    );
+    let per_thread: Vec<String> = memcpy_ceiling(cores)
+        .into_iter()
+        .map(|(t, d)| {
+            let gbs = CEILING_BYTES as f64 / d.as_secs_f64().max(1e-12) / 1e9;
+            format!("{t} thread{}: {gbs:.2} GB/s", if t == 1 { "" } else { "s" })
+        })
+        .collect();
+    println!(
+        "# memcpy ceiling ({} buffers, bytes copied per second; read+write traffic is twice that): {}",
+        format_bytes(CEILING_BYTES as u64),
+        per_thread.join(", ")
+    );
+    println!(
+        "# floor = time to read K buffers once and write one result at the memcpy bandwidth measured now (best of 1..T threads)"
+    );
+    println!("# +copy = time when every replica also copies the result into its own buffer; time reads it in place");
+}
+
+/// The median time to copy [`CEILING_BYTES`] with each thread count from 1 to `max_threads`.
+fn memcpy_ceiling(max_threads: usize) -> Vec<(usize, Duration)> {
+    let src = vec![1u8; CEILING_BYTES];
+    let mut dst = vec![2u8; CEILING_BYTES];
+    dst.copy_from_slice(&src);
+    (1..=max_threads.max(1)).map(|t| (t, copy_median(&src, &mut dst, t, 9))).collect()
+}
+
+fn print_table_header(k: usize) {
+    println!("#");
+    println!(
+        "# {k} replica{} (threads), T = {} memcpy thread{}",
+        if k == 1 { "" } else { "s" },
+        k.min(cores()),
+        if k.min(cores()) == 1 { "" } else { "s" }
+    );
+    println!(
+        "# {:>10} {:>12} {:>6} {:>6} {:>11} {:>12} {:>12} {:>7} {:>11} {:>10} {:>11}",
+        "size",
+        "count",
+        "type",
+        "redop",
+        "time(us)",
+        "algbw(GB/s)",
+        "busbw(GB/s)",
+        "#wrong",
+        "floor(us)",
+        "time/floor",
+        "+copy(us)"
+    );
+}
+
+fn print_row(row: &Row) {
+    let us = |d: Duration| d.as_secs_f64() * 1e6;
+    println!(
+        "  {:>10} {:>12} {:>6} {:>6} {:>11.1} {:>12.2} {:>12.2} {:>7} {:>11.1} {:>10.2} {:>11.1}",
+        row.bytes,
+        row.count,
+        "float",
+        row.op.to_string(),
+        us(row.time),
+        row.algbw(),
+        row.busbw(),
+        row.wrong,
+        us(row.floor),
+        row.time_over_floor(),
+        us(row.copy_time)
+    );
+}
+
+/// The median time/floor over the rows of at least 16 MiB, if any.
+pub fn summary(rows: &[Row]) -> Option<f64> {
+    let mut xs: Vec<f64> = rows.iter().filter(|r| r.bytes >= SUMMARY_MIN_BYTES).map(Row::time_over_floor).collect();
+    median_f64(&mut xs)
+}
+
+fn print_summary(k: usize, rows: &[Row]) {
+    match summary(rows) {
+        Some(x) => println!(
+            "# K={k}: median time/floor over rows >= {}: {x:.2}x, {} the {TARGET_TIME_OVER_FLOOR}x target",
+            format_bytes(SUMMARY_MIN_BYTES),
+            if x <= TARGET_TIME_OVER_FLOOR { "meets" } else { "misses" }
+        ),
+        None => println!(
+            "# K={k}: no rows >= {} to compare with the {TARGET_TIME_OVER_FLOOR}x target (raise --max-bytes)",
+            format_bytes(SUMMARY_MIN_BYTES)
+        ),
+    }
+}
+
+/// Runs the benchmark and prints an nccl-tests style table to stdout. Fails if any result
+/// differed from the closed form (after printing every row).
+pub fn run(args: &AllreduceArgs) -> Result<()> {
+    let plan = args.plan()?;
+    print_header(&plan);
+    let mut wrong = 0usize;
+    let mut busbw = Vec::new();
+    for &k in &plan.replicas {
+        print_table_header(k);
+        let rows = measure(&plan, k, &mut print_row)?;
+        print_summary(k, &rows);
+        wrong += rows.iter().map(|r| r.wrong).sum::<usize>();
+        busbw.extend(rows.iter().map(Row::busbw));
+    }
+    println!("#");
+    println!("# wrong values: {wrong} {}", if wrong == 0 { "OK" } else { "FAILED" });
+    println!("# avg bus bandwidth: {:.3} GB/s", busbw.iter().sum::<f64>() / busbw.len().max(1) as f64);
+    if wrong > 0 {
+        return Err(Error::io(
+            "strata bench allreduce",
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("{wrong} all-reduce result values differ from the closed form (see #wrong)"),
+            ),
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    const KIB: u64 = 1 << 10;
+
+    #[derive(Parser, Debug)]
+    struct Cli {
+        #[command(flatten)]
+        args: AllreduceArgs,
+    }
+
+    fn args(flags: &[&str]) -> AllreduceArgs {
+        Cli::try_parse_from(std::iter::once("bench").chain(flags.iter().copied())).unwrap().args
+    }
+
+    #[test]
+    fn sizes_step_by_four_from_min_to_max() {
+        let s = sizes(4 * KIB, 256 * MIB);
+        assert_eq!(s.len(), 9);
+        assert_eq!(s[0], 4096);
+        assert_eq!(s[1], 16384);
+        assert_eq!(*s.last().unwrap(), 256 * MIB);
+        assert_eq!(sizes(4 * KIB, 16 * KIB), vec![4096, 16384]);
+        assert_eq!(sizes(4 * KIB, 60 * KIB), vec![4096, 16384]);
+        assert!(sizes(8 * KIB, 4 * KIB).is_empty());
+    }
+
+    #[test]
+    fn defaults_and_flags() {
+        let a = args(&["--local"]);
+        assert_eq!(a.replicas, vec![2, 4]);
+        assert_eq!((a.min_bytes, a.max_bytes), (4 * KIB, 256 * MIB));
+        assert_eq!(a.op, ReduceOp::Sum);
+        assert_eq!((a.iters, a.warmup, a.implementation), (None, 3, Impl::InMemory));
+        assert_eq!(a.plan().unwrap().sizes.len(), 9);
+
+        let a = args(&["--local", "--replicas", "3", "--min-bytes", "1MiB", "--max-bytes", "4MiB", "--op", "mean"]);
+        assert_eq!(a.replicas, vec![3]);
+        assert_eq!(a.plan().unwrap().sizes, vec![MIB, 4 * MIB]);
+        assert_eq!(a.op, ReduceOp::Mean);
+        assert_eq!(args(&["--local", "--impl", "to-one-device"]).implementation, Impl::ToOneDevice);
+        assert!(Cli::try_parse_from(["bench", "--op", "prod"]).is_err());
+        assert!(Cli::try_parse_from(["bench", "--min-bytes", "lots"]).is_err());
+    }
+
+    #[test]
+    fn without_local_is_a_usage_error() {
+        let e = args(&[]).plan().unwrap_err();
+        assert!(matches!(&e, Error::Usage(m) if m.contains("--local") && m.contains("MultiWorkerMirrored")), "{e}");
+        assert_eq!(e.exit_code(), 2);
+        assert!(matches!(args(&["--local", "--replicas", "0"]).plan(), Err(Error::Usage(_))));
+        assert!(matches!(
+            args(&["--local", "--min-bytes", "1MiB", "--max-bytes", "4KiB"]).plan(),
+            Err(Error::Usage(_))
+        ));
+    }
+
+    #[test]
+    fn closed_form_is_what_a_reduction_gives() {
+        for op in ReduceOp::ALL {
+            for k in 1..=5 {
+                let e = Expected::new(op, k);
+                for j in [0, 1, 17, PERIOD - 1] {
+                    let mut acc: Vec<f32> = vec![value(0, j)];
+                    for r in 1..k {
+                        op.combine(&mut acc, &[value(r, j)]);
+                    }
+                    op.finish(&mut acc, k);
+                    assert_eq!(acc[0], e.main[j], "{op} k={k} j={j}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_checker_counts_wrong_missing_and_extra_elements() {
+        let e = Expected::new(ReduceOp::Sum, 2);
+        let good: Vec<f32> = (0..600).map(|i| value(0, i) + value(1, i)).collect();
+        let mut c = e.checker();
+        c.piece(&good[..100]);
+        c.piece(&good[100..]);
+        assert_eq!(c.finish(600), 0);
+        let mut bad = good.clone();
+        bad[7] += 1.0;
+        bad[300] = f32::NAN;
+        let mut c = e.checker();
+        c.piece(&bad);
+        assert_eq!(c.finish(600), 2);
+        let mut c = e.checker();
+        c.piece(&good[..590]);
+        assert_eq!(c.finish(600), 10);
+    }
+
+    #[test]
+    fn tiny_end_to_end_run_has_no_wrong_values() {
+        for (implementation, op) in [(Impl::InMemory, ReduceOp::Sum), (Impl::ToOneDevice, ReduceOp::Mean)] {
+            let plan = Plan {
+                replicas: vec![2],
+                sizes: sizes(4 * KIB, 16 * KIB),
+                op,
+                iters: Some(3),
+                warmup: 1,
+                implementation,
+            };
+            let mut printed = 0;
+            let rows = measure(&plan, 2, &mut |_| printed += 1).unwrap();
+            assert_eq!((rows.len(), printed), (2, 2));
+            for row in &rows {
+                assert_eq!(row.wrong, 0, "{row:?}");
+                assert_eq!((row.replicas, row.iters, row.count), (2, 3, row.bytes as usize / 4));
+                assert!(row.time > Duration::ZERO && row.copy_time > Duration::ZERO && row.floor > Duration::ZERO);
+                assert!(row.algbw() > 0.0 && (row.busbw() - row.algbw()).abs() < 1e-9, "K=2: busbw = algbw");
+            }
+        }
+        // Adaptive iteration counts agree across replicas (exchanged from replica 0).
+        let plan = Plan {
+            replicas: vec![3],
+            sizes: vec![4 * KIB],
+            op: ReduceOp::Max,
+            iters: None,
+            warmup: 2,
+            implementation: Impl::InMemory,
+        };
+        let rows = measure(&plan, 3, &mut |_| {}).unwrap();
+        assert_eq!(rows[0].wrong, 0);
+        assert!((ADAPTIVE_MIN_ITERS..=ADAPTIVE_MAX_ITERS).contains(&rows[0].iters));
+    }
+
+    #[test]
+    fn summary_takes_the_median_of_large_rows() {
+        let row = |bytes: u64, time_us: u64| Row {
+            replicas: 2,
+            bytes,
+            count: bytes as usize / 4,
+            op: ReduceOp::Sum,
+            iters: 5,
+            time: Duration::from_micros(time_us),
+            copy_time: Duration::from_micros(time_us),
+            floor: Duration::from_micros(100),
+            floor_threads: 1,
+            wrong: 0,
+        };
+        assert_eq!(summary(&[row(4 * KIB, 1000)]), None);
+        let rows = [row(4 * KIB, 1000), row(16 * MIB, 120), row(64 * MIB, 130), row(256 * MIB, 200)];
+        assert!((summary(&rows).unwrap() - 1.3).abs() < 1e-9);
+    }
+}

@@ -1,0 +1,5 @@
+//! Benchmarks (`strata bench ...`): each prints the machine's own ceiling, measured in the same
+//! run, beside Strata's figure.
+
+pub mod allreduce;
+pub mod train;

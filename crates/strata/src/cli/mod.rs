@@ -1,0 +1,58 @@
+//! The `strata` command line.
+
+pub mod train;
+
+use clap::{Parser, Subcommand};
+
+use crate::bench;
+
+/// Strata: distribution strategies for data-parallel training.
+#[derive(Parser, Debug)]
+#[command(name = "strata", version, about, propagate_version = true)]
+pub struct Cli {
+    /// Log filter (tracing's env-filter syntax, e.g. `info` or `strata_core=debug`).
+    #[arg(long, global = true, default_value = "warn", env = "STRATA_LOG")]
+    pub log: String,
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Train the digits MLP (the main job).
+    Train(train::TrainArgs),
+    /// List physical and logical devices as the visibility rules resolve them.
+    Devices,
+    /// Benchmarks; each prints this machine's ceiling measured in the same run.
+    Bench {
+        /// Which benchmark.
+        #[command(subcommand)]
+        which: BenchCommand,
+    },
+}
+
+/// The benchmarks.
+#[derive(Subcommand, Debug)]
+pub enum BenchCommand {
+    /// All-reduce bandwidth in the style of nccl-tests, beside the memcpy floor.
+    Allreduce(bench::allreduce::AllreduceArgs),
+    /// Training throughput and peak RSS of one device and Mirrored, beside the ceiling of K
+    /// independent copies of the step.
+    Train(bench::train::BenchTrainArgs),
+}
+
+/// Runs the command line.
+pub fn run(cli: Cli) -> crate::Result<()> {
+    match cli.command {
+        Command::Train(args) => train::run(&args),
+        Command::Devices => {
+            let registry = strata_core::device::DeviceRegistry::global();
+            print!("{}", strata_core::device::describe_devices(registry)?);
+            Ok(())
+        }
+        Command::Bench { which: BenchCommand::Allreduce(args) } => bench::allreduce::run(&args),
+        Command::Bench { which: BenchCommand::Train(args) } => bench::train::run(&args),
+    }
+}

@@ -1,0 +1,259 @@
+//! `strata train`: the main job.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use candle_nn::{AdamW, Optimizer, ParamsAdamW, SGD};
+use serde::Serialize;
+use strata_core::timeline::Timeline;
+use strata_core::{Strategy, StrategyHandle, StrategyOptions};
+use strata_strategies::{CentralStorageStrategy, CpuReduction, MirroredStrategy, OneDeviceStrategy};
+
+use crate::digits;
+use crate::model::Mlp;
+use crate::trainer::{FitReport, TrainConfig, Trainer};
+use crate::{Error, Result};
+
+/// The strategies `strata train` can use.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum StrategyKind {
+    /// One device, no reduction.
+    OneDevice,
+    /// A variable copy per replica, all-reduce every step.
+    Mirrored,
+    /// One variable copy on the parameter device, reduce to it every step.
+    CentralStorage,
+}
+
+/// Which optimizer.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OptimizerKind {
+    /// candle-nn's AdamW.
+    Adamw,
+    /// candle-nn's SGD.
+    Sgd,
+}
+
+/// Which CPU reduction.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReductionKind {
+    /// Each replica reduces its own chunk (reduce-scatter), then all read the result.
+    InMemory,
+    /// One replica reduces everything.
+    ToOneDevice,
+}
+
+/// `strata train` flags.
+#[derive(clap::Args, Debug, Clone)]
+pub struct TrainArgs {
+    /// The distribution strategy.
+    #[arg(long, value_enum, default_value = "mirrored")]
+    pub strategy: StrategyKind,
+    /// Replicas (logical CPU devices of one thread each); one-device always uses 1.
+    #[arg(long)]
+    pub replicas: Option<usize>,
+    /// Hidden layer sizes, comma-separated.
+    #[arg(long, default_value = "256,256", value_delimiter = ',')]
+    pub hidden: Vec<usize>,
+    /// Passes over the training set.
+    #[arg(long, default_value_t = 30)]
+    pub epochs: usize,
+    /// Global batch size (examples per step over all replicas).
+    #[arg(long, default_value_t = 256)]
+    pub batch: usize,
+    /// Learning rate.
+    #[arg(long, default_value_t = 0.003)]
+    pub lr: f64,
+    /// Optimizer.
+    #[arg(long, value_enum, default_value = "adamw")]
+    pub optimizer: OptimizerKind,
+    /// Seed of initialisation and shuffling (the train/test split is fixed).
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Digits CSV (.csv or .csv.gz); default: the copy shipped in data/ (built into the binary).
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    /// Write a JSON summary here.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Write a Chrome trace of every replica's step phases here (open it in Perfetto).
+    #[arg(long)]
+    pub timeline: Option<PathBuf>,
+    /// The CPU cross-device reduction.
+    #[arg(long, value_enum, default_value = "in-memory")]
+    pub reduction: ReductionKind,
+    /// Gradient fusion bucket size in MiB (0: one bucket per tensor).
+    #[arg(long, default_value_t = 25.0)]
+    pub bucket_mib: f64,
+    /// Do not draw a progress bar.
+    #[arg(long)]
+    pub no_progress: bool,
+}
+
+/// The JSON summary `--out` writes.
+#[derive(Debug, Serialize)]
+pub struct Summary {
+    /// The strategy.
+    pub strategy: StrategyKind,
+    /// Replicas in sync.
+    pub replicas: usize,
+    /// Hidden layer sizes.
+    pub hidden: Vec<usize>,
+    /// Parameters of the model.
+    pub parameters: usize,
+    /// Epochs.
+    pub epochs: usize,
+    /// Global batch.
+    pub global_batch: usize,
+    /// Optimizer.
+    pub optimizer: OptimizerKind,
+    /// Learning rate.
+    pub learning_rate: f64,
+    /// Seed.
+    pub seed: u64,
+    /// Test accuracy after the last epoch.
+    pub final_test_accuracy: f32,
+    /// Examples per second over the steady-state steps.
+    pub examples_per_second: f64,
+    /// Wall seconds of the whole run (data loading and evaluation included).
+    pub wall_seconds: f64,
+    /// Per epoch: loss, test accuracy, step seconds.
+    pub history: Vec<crate::trainer::EpochReport>,
+}
+
+/// Builds the strategy the flags ask for.
+pub fn make_strategy(args: &TrainArgs, options: StrategyOptions) -> Result<StrategyHandle> {
+    let reduction = match args.reduction {
+        ReductionKind::InMemory => CpuReduction::InMemoryAllReduce,
+        ReductionKind::ToOneDevice => CpuReduction::ReductionToOneDevice,
+    };
+    if args.replicas == Some(0) {
+        return Err(strata_core::Error::ZeroReplicas.into());
+    }
+    Ok(match args.strategy {
+        StrategyKind::OneDevice => {
+            if let Some(n) = args.replicas.filter(|&n| n != 1) {
+                return Err(Error::Usage(format!(
+                    "--strategy one-device runs 1 replica, not {n}; drop --replicas or use --strategy mirrored"
+                )));
+            }
+            let device = strata_core::device::logical_cpus(1)?.remove(0);
+            OneDeviceStrategy::with_options(device, options)?.handle()
+        }
+        StrategyKind::Mirrored => {
+            let devices = strata_core::device::logical_cpus(args.replicas.unwrap_or(2))?;
+            MirroredStrategy::with_options(devices, reduction, options)?.handle()
+        }
+        StrategyKind::CentralStorage => {
+            let devices = strata_core::device::logical_cpus(args.replicas.unwrap_or(2))?;
+            CentralStorageStrategy::with_options(devices, reduction, options)?.handle()
+        }
+    })
+}
+
+/// Trains and reports.
+pub fn run(args: &TrainArgs) -> Result<()> {
+    let started = std::time::Instant::now();
+    if args.hidden.is_empty() || args.hidden.contains(&0) {
+        return Err(Error::Usage("--hidden needs layer sizes of at least 1, e.g. --hidden 256,256".into()));
+    }
+    if !(args.lr.is_finite() && args.lr > 0.0) {
+        return Err(Error::Usage(format!("--lr {} is not a positive learning rate", args.lr)));
+    }
+    if !(args.bucket_mib.is_finite() && args.bucket_mib >= 0.0) {
+        return Err(Error::Usage(format!("--bucket-mib {} must be 0 or more", args.bucket_mib)));
+    }
+    let all = digits::load(args.data.as_deref())?;
+    let (train, test) = digits::train_test_split(&all, 0.2, 0);
+    let timeline = args.timeline.as_ref().map(|_| Arc::new(Timeline::new()));
+    let options = StrategyOptions {
+        bucket_bytes: (args.bucket_mib * 1024.0 * 1024.0) as usize,
+        timeline: timeline.clone(),
+        seed: args.seed,
+        ..Default::default()
+    };
+    let strategy = make_strategy(args, options)?;
+    let replicas = strategy.num_replicas_in_sync();
+    if args.batch < replicas {
+        return Err(Error::Usage(format!(
+            "--batch {} is smaller than the {replicas} replicas; every replica needs at least one example per step",
+            args.batch
+        )));
+    }
+    let hidden = args.hidden.clone();
+    let model = strategy.scope(|s| Mlp::new(s.var_builder(), digits::FEATURES, &hidden, digits::CLASSES))?;
+    let trainer = Trainer::new(TrainConfig {
+        epochs: args.epochs,
+        global_batch: args.batch,
+        seed: args.seed,
+        progress: !args.no_progress,
+        ..Default::default()
+    });
+    let report = match args.optimizer {
+        OptimizerKind::Adamw => {
+            fit::<AdamW>(&trainer, &strategy, &model, ParamsAdamW { lr: args.lr, ..Default::default() }, &train, &test)?
+        }
+        OptimizerKind::Sgd => fit::<SGD>(&trainer, &strategy, &model, args.lr, &train, &test)?,
+    };
+    if let (Some(path), Some(t)) = (&args.timeline, &timeline) {
+        t.write_chrome_trace(path)?;
+        eprintln!("timeline: {} events written to {}", t.len(), path.display());
+    }
+    let summary = Summary {
+        strategy: args.strategy,
+        replicas,
+        parameters: Mlp::parameter_count(digits::FEATURES, &args.hidden, digits::CLASSES),
+        hidden: args.hidden.clone(),
+        epochs: args.epochs,
+        global_batch: args.batch,
+        optimizer: args.optimizer,
+        learning_rate: args.lr,
+        seed: args.seed,
+        final_test_accuracy: report.final_test_accuracy,
+        examples_per_second: report.examples_per_second,
+        wall_seconds: started.elapsed().as_secs_f64(),
+        history: report.epochs.clone(),
+    };
+    println!(
+        "{} x{}: test accuracy {:.2}% after {} epochs ({} steps), {:.0} examples/s in steady state, {:.2} s",
+        args.strategy.to_possible_value_name(),
+        replicas,
+        summary.final_test_accuracy * 100.0,
+        args.epochs,
+        report.steps,
+        summary.examples_per_second,
+        summary.wall_seconds
+    );
+    if let Some(path) = &args.out {
+        let json = serde_json::to_string_pretty(&summary).map_err(|e| Error::io("cannot encode the summary", e.into()))?;
+        std::fs::write(path, json + "\n").map_err(|e| Error::io(format!("cannot write {}", path.display()), e))?;
+    }
+    Ok(())
+}
+
+fn fit<O: Optimizer + Send>(
+    trainer: &Trainer,
+    strategy: &StrategyHandle,
+    model: &strata_core::Replicated<Mlp>,
+    config: O::Config,
+    train: &strata_core::data::Batch,
+    test: &strata_core::data::Batch,
+) -> Result<FitReport>
+where
+    O::Config: Clone,
+{
+    let opt = model.optimizer::<O>(config)?;
+    trainer.fit(strategy, model, &opt, train, test)
+}
+
+trait PossibleValueName {
+    fn to_possible_value_name(&self) -> String;
+}
+
+impl<T: clap::ValueEnum> PossibleValueName for T {
+    fn to_possible_value_name(&self) -> String {
+        self.to_possible_value().map(|v| v.get_name().to_string()).unwrap_or_default()
+    }
+}

@@ -1,0 +1,60 @@
+//! The one error type of the `strata` crate and CLI.
+
+/// Errors from the `strata` facade and CLI.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// From the core.
+    #[error(transparent)]
+    Core(#[from] strata_core::Error),
+    /// From candle.
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+    /// A data file that is missing, unreadable or malformed.
+    #[error("data file {path}: {reason}")]
+    Data {
+        /// The file.
+        path: String,
+        /// What is wrong, and what to do.
+        reason: String,
+    },
+    /// A command-line value that cannot be used; the message says what to pass instead.
+    #[error("{0}")]
+    Usage(String),
+    /// An I/O error with context.
+    #[error("{context}: {source}")]
+    Io {
+        /// The path or operation.
+        context: String,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl Error {
+    /// The process exit code for this error: 2 for input the user can fix (flags, files,
+    /// replica counts, device lists), 1 for failures at run time.
+    pub fn exit_code(&self) -> i32 {
+        use strata_core::Error as C;
+        match self {
+            Error::Data { .. } | Error::Usage(_) => 2,
+            Error::Core(
+                C::ZeroReplicas
+                | C::InvalidDeviceSpec { .. }
+                | C::InvalidDeviceList(_)
+                | C::UnknownDevice(_)
+                | C::InvalidMemoryConfig(_)
+                | C::InvalidArgument(_),
+            ) => 2,
+            _ => 1,
+        }
+    }
+
+    /// An I/O error with context.
+    pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        Error::Io { context: context.into(), source }
+    }
+}
+
+/// The result type of the `strata` crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,73 @@
+//! # Strata
+//!
+//! Distribution strategies for data-parallel training in Rust, in the spirit of TensorFlow's
+//! `tf.distribute`: a program that trains a candle model on one device trains it on several by
+//! changing one line, the strategy.
+//!
+//! ```
+//! use candle_nn::{AdamW, ParamsAdamW};
+//! use strata::prelude::*;
+//! use strata::model::{Classifier, Mlp};
+//! use strata::data::TailPolicy;
+//!
+//! let strategy = MirroredStrategy::logical_cpus(2)?;       // or OneDeviceStrategy::cpu()?
+//! let model = strategy.scope(|s| Mlp::new(s.var_builder(), 64, &[32], 10))?;
+//! let opt = model.optimizer::<AdamW>(ParamsAdamW { lr: 0.01, ..Default::default() })?;
+//!
+//! let (train, _test) = strata::digits::train_test_split(&strata::digits::load(None)?, 0.2, 0);
+//! let batches = train.labels.chunks(256).enumerate().map(|(i, c)| train.slice(i * 256..i * 256 + c.len()));
+//! for batch in strategy.distribute_dataset(batches, TailPolicy::Split) {
+//!     let losses = strategy.run_batch(&batch, |ctx, shard| {
+//!         let x = shard.batch.features_tensor(ctx.candle_device())?;
+//!         let y = shard.batch.labels_tensor(ctx.candle_device())?;
+//!         let loss = model.on(ctx)?.loss(&x, &y)?;       // the replica's copy of the model
+//!         ctx.backward_and_sync(&loss, &opt)?;           // all-reduce grads, apply on every replica
+//!         Ok(loss.to_scalar::<f32>()? * shard.weight())
+//!     })?;
+//!     let loss = strategy.reduce(ReduceOp::Sum, &losses)?;
+//!     assert!(loss.is_finite());
+//! }
+//! # Ok::<(), strata::Error>(())
+//! ```
+//!
+//! Call [`init_cpu_threads`] first thing in `main` so that every replica runs candle's CPU
+//! kernels on its own thread (the `strata` binary does).
+
+pub mod bench;
+pub mod cli;
+pub mod digits;
+mod error;
+pub mod model;
+pub mod trainer;
+
+pub use error::{Error, Result};
+pub use strata_core::{
+    context, cross_device, data, device, group, timeline, CrossReplicaContext, DistributedOptimizer,
+    DistributedVariable, Mirrored, PerReplica, ReduceOp, ReplicaContext, Replicated, Scope, Strategy,
+    StrategyExtended, StrategyHandle, StrategyOptions, SyncOnReadVariable, VariableAggregation, VariablePolicy,
+};
+pub use strata_strategies::{CentralStorageStrategy, CpuReduction, MirroredStrategy, OneDeviceStrategy};
+
+/// The names most programs need.
+pub mod prelude {
+    pub use crate::{
+        CentralStorageStrategy, MirroredStrategy, OneDeviceStrategy, PerReplica, ReduceOp, ReplicaContext, Strategy,
+        StrategyHandle,
+    };
+}
+
+/// Makes candle's CPU kernels single-threaded per caller, so that each replica thread is one
+/// core's worth of work (a logical CPU device of one thread), unless the user already chose
+/// through `CANDLE_NUM_THREADS` / `RAYON_NUM_THREADS`.
+///
+/// candle reads these variables once, when its thread pools start, and its element-wise pool
+/// serialises concurrent callers, so replicas running in parallel must not share it. Call this
+/// first thing in `main`, before any thread is started: changing the environment while other
+/// threads may read it is not sound.
+pub fn init_cpu_threads() {
+    for var in ["CANDLE_NUM_THREADS", "RAYON_NUM_THREADS"] {
+        if std::env::var_os(var).is_none() {
+            std::env::set_var(var, "1");
+        }
+    }
+}
