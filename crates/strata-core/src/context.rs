@@ -228,7 +228,9 @@ impl<'a> ReplicaContext<'a> {
         let mut reduced: Vec<Vec<f32>> = Vec::with_capacity(vars.len());
         for (b, bucket) in plan_buckets(&sizes, self.shared.ext.options().bucket_bytes).iter().enumerate() {
             let _p = self.phase("reduce", &format!("bucket {b}"));
-            let _s = tracing::trace_span!("reduce_bucket", replica = self.replica, bucket = b, elements = bucket.elements).entered();
+            let _s =
+                tracing::trace_span!("reduce_bucket", replica = self.replica, bucket = b, elements = bucket.elements)
+                    .entered();
             let seq = self.shared.group.next_seq(self.replica);
             let range = bucket.tensors.clone();
             let start = reduced.len();

@@ -198,7 +198,7 @@ pub struct InputContext {
 impl InputContext {
     /// The per-replica batch size for a global batch size; the global batch must divide evenly.
     pub fn per_replica_batch_size(&self, global_batch_size: usize) -> Result<usize> {
-        if self.num_replicas_in_sync == 0 || global_batch_size % self.num_replicas_in_sync != 0 {
+        if self.num_replicas_in_sync == 0 || !global_batch_size.is_multiple_of(self.num_replicas_in_sync) {
             return Err(Error::Dataset(format!(
                 "the global batch size {global_batch_size} is not divisible by the {} replicas in sync; pick a multiple of {}",
                 self.num_replicas_in_sync, self.num_replicas_in_sync
@@ -224,7 +224,11 @@ impl<I: Iterator<Item = Batch>> PipelineDataset<I> {
         }
         let pipelines = (0..num_pipelines.max(1))
             .map(|id| {
-                make(&InputContext { num_input_pipelines: num_pipelines.max(1), input_pipeline_id: id, num_replicas_in_sync: n })
+                make(&InputContext {
+                    num_input_pipelines: num_pipelines.max(1),
+                    input_pipeline_id: id,
+                    num_replicas_in_sync: n,
+                })
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Self { pipelines, n })

@@ -40,14 +40,7 @@ pub enum Error {
 
     /// A collective did not complete within its deadline.
     #[error("collective #{seq} ({op}) timed out after {timeout:?} on replica {replica}; {arrived} of {expected} replicas arrived")]
-    CollectiveTimeout {
-        seq: u64,
-        op: String,
-        replica: usize,
-        timeout: Duration,
-        arrived: usize,
-        expected: usize,
-    },
+    CollectiveTimeout { seq: u64, op: String, replica: usize, timeout: Duration, arrived: usize, expected: usize },
 
     /// A value or variable was used with a strategy that did not create it, or outside any scope.
     #[error("{0}")]

@@ -44,6 +44,9 @@ struct State {
     poisoned: Option<String>,
 }
 
+/// One replica's value in an exchange.
+type Slot = Option<Box<dyn Any + Send>>;
+
 /// The replicas of one step on one machine, and the rendezvous they share.
 pub struct ReplicaGroup {
     n: usize,
@@ -52,7 +55,7 @@ pub struct ReplicaGroup {
     state: Mutex<State>,
     cv: Condvar,
     seqs: Vec<AtomicU64>,
-    slots: [Mutex<Vec<Option<Box<dyn Any + Send>>>>; 2],
+    slots: [Mutex<Vec<Slot>>; 2],
 }
 
 impl std::fmt::Debug for ReplicaGroup {
@@ -248,13 +251,10 @@ impl ReplicaGroup {
         let slots = lock(&self.slots[parity]);
         let mut out = Vec::with_capacity(self.n);
         for (r, s) in slots.iter().enumerate() {
-            let v = s
-                .as_ref()
-                .and_then(|b| b.downcast_ref::<T>())
-                .ok_or_else(|| Error::CollectiveMismatch {
-                    seq: key.seq,
-                    detail: format!("replica {r} exchanged a value of another type in {}", key.op),
-                })?;
+            let v = s.as_ref().and_then(|b| b.downcast_ref::<T>()).ok_or_else(|| Error::CollectiveMismatch {
+                seq: key.seq,
+                detail: format!("replica {r} exchanged a value of another type in {}", key.op),
+            })?;
             out.push(v.clone());
         }
         Ok(out)

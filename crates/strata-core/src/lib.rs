@@ -43,4 +43,6 @@ pub use strategy::{
     get_strategy, has_strategy, Strategy, StrategyExtended, StrategyHandle, StrategyId, StrategyOptions, VariablePolicy,
 };
 pub use values::{Mirrored, PerReplica};
-pub use variables::{DistributedOptimizer, DistributedVariable, Replicated, Scope, SyncOnReadVariable, VariableAggregation};
+pub use variables::{
+    DistributedOptimizer, DistributedVariable, Replicated, Scope, SyncOnReadVariable, VariableAggregation,
+};

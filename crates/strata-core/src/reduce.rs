@@ -71,9 +71,7 @@ impl FromStr for ReduceOp {
             "mean" | "avg" => Ok(ReduceOp::Mean),
             "max" => Ok(ReduceOp::Max),
             "min" => Ok(ReduceOp::Min),
-            _ => Err(crate::Error::InvalidArgument(format!(
-                "unknown reduce op {s:?}: use sum, mean, max or min"
-            ))),
+            _ => Err(crate::Error::InvalidArgument(format!("unknown reduce op {s:?}: use sum, mean, max or min"))),
         }
     }
 }

@@ -22,9 +22,13 @@ pub fn candle_device(d: &LogicalDevice) -> Result<Device> {
     }
 }
 
-/// The per-replica thread pools of logical CPU devices with more than one thread.
+/// The threads of a strategy's replicas: one persistent thread per replica (so a replica's
+/// thread-local allocator caches and warm stacks survive from step to step), plus, for a
+/// logical CPU device of `t > 1` threads, a pool of `t` threads in which that replica's
+/// parallel candle kernels run.
 #[derive(Debug, Default)]
 pub struct ReplicaPools {
+    replicas: Option<rayon::ThreadPool>,
     pools: Vec<Option<rayon::ThreadPool>>,
 }
 
@@ -44,7 +48,20 @@ impl ReplicaPools {
                 _ => Ok(None),
             })
             .collect::<Result<_>>()?;
-        Ok(Self { pools })
+        let replicas = if devices.len() > 1 {
+            Some(
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(devices.len())
+                    .thread_name(|r| format!("strata-replica-{r}"))
+                    .build()
+                    .map_err(|e| {
+                        Error::InvalidArgument(format!("cannot start {} replica threads: {e}", devices.len()))
+                    })?,
+            )
+        } else {
+            None
+        };
+        Ok(Self { replicas, pools })
     }
 
     fn run<R: Send>(&self, replica: usize, f: impl FnOnce() -> R + Send) -> R {
@@ -78,7 +95,12 @@ fn is_secondary(e: &Error) -> bool {
 /// Runs `job` on every replica of `ext`, one thread per replica (the calling thread is
 /// replica 0). A failing or panicking replica releases its peers; the first root-cause error
 /// is returned, naming the replica.
-pub fn execute_local(ext: &dyn StrategyExtended, pools: &ReplicaPools, weights: &[f32], job: &ReplicaJob<'_>) -> Result<()> {
+pub fn execute_local(
+    ext: &dyn StrategyExtended,
+    pools: &ReplicaPools,
+    weights: &[f32],
+    job: &ReplicaJob<'_>,
+) -> Result<()> {
     let n = ext.num_replicas();
     let shared = StepShared::new(ext, weights)?;
     let _step = tracing::trace_span!("step", strategy = ext.name(), replicas = n).entered();
@@ -100,26 +122,33 @@ pub fn execute_local(ext: &dyn StrategyExtended, pools: &ReplicaPools, weights: 
     if n == 1 {
         return run_one(0);
     }
-    let results: Vec<Result<()>> = std::thread::scope(|s| {
-        let handles: Vec<_> = (1..n)
-            .map(|r| {
-                let run_one = &run_one;
-                std::thread::Builder::new()
-                    .name(format!("strata-replica-{r}"))
-                    .spawn_scoped(s, move || run_one(r))
-                    .map_err(|e| Error::io("cannot start a replica thread", e))
-            })
-            .collect();
-        let first = run_one(0);
-        let mut all = vec![first];
-        for (i, h) in handles.into_iter().enumerate() {
-            all.push(match h {
-                Ok(h) => h.join().unwrap_or_else(|p| Err(Error::ReplicaPanicked { replica: i + 1, message: panic_message(p) })),
-                Err(e) => Err(e),
-            });
-        }
-        all
-    });
+    let results: Vec<Result<()>> = match &pools.replicas {
+        // `broadcast` runs the job exactly once on every thread of the pool: replica r on
+        // thread r, all at once, and returns when all are done.
+        Some(pool) if pool.current_num_threads() == n => pool.broadcast(|ctx| run_one(ctx.index())),
+        _ => std::thread::scope(|s| {
+            let handles: Vec<_> = (1..n)
+                .map(|r| {
+                    let run_one = &run_one;
+                    std::thread::Builder::new()
+                        .name(format!("strata-replica-{r}"))
+                        .spawn_scoped(s, move || run_one(r))
+                        .map_err(|e| Error::io("cannot start a replica thread", e))
+                })
+                .collect();
+            let first = run_one(0);
+            let mut all = vec![first];
+            for (i, h) in handles.into_iter().enumerate() {
+                all.push(match h {
+                    Ok(h) => h
+                        .join()
+                        .unwrap_or_else(|p| Err(Error::ReplicaPanicked { replica: i + 1, message: panic_message(p) })),
+                    Err(e) => Err(e),
+                });
+            }
+            all
+        }),
+    };
     let mut first_secondary = None;
     for (r, res) in results.into_iter().enumerate() {
         match res {

@@ -77,7 +77,8 @@ impl Timeline {
             .collect();
         events.extend(ev.iter().map(|e| serde_json::to_value(e).unwrap_or_default()));
         let doc = serde_json::json!({ "traceEvents": events, "displayTimeUnit": "ms" });
-        let mut f = std::fs::File::create(path).map_err(|e| Error::io(format!("cannot create timeline {}", path.display()), e))?;
+        let mut f = std::fs::File::create(path)
+            .map_err(|e| Error::io(format!("cannot create timeline {}", path.display()), e))?;
         serde_json::to_writer(&mut f, &doc)
             .map_err(|e| Error::io(format!("cannot write timeline {}", path.display()), e.into()))?;
         f.flush().map_err(|e| Error::io(format!("cannot write timeline {}", path.display()), e))

@@ -108,7 +108,11 @@ impl SimpleBackend for ScopeBackend {
         }
         if let Some(v) = self.existing(name) {
             if v.shape() != &s {
-                candle_core::bail!("variable {name:?} was created with shape {:?} and is now asked for with {:?}", v.shape(), s);
+                candle_core::bail!(
+                    "variable {name:?} was created with shape {:?} and is now asked for with {:?}",
+                    v.shape(),
+                    s
+                );
             }
             return Ok(v.as_tensor().clone());
         }
@@ -205,7 +209,7 @@ pub(crate) fn build_replicated<M>(
     let mut copies = Vec::with_capacity(n);
     let mut vars: Vec<Vec<(String, Var)>> = Vec::with_capacity(n);
     let mut primary: Option<Arc<HashMap<String, Tensor>>> = None;
-    for copy in 0..n {
+    for (copy, device) in devices.iter().enumerate().take(n) {
         let created = Arc::new(Mutex::new(Vec::new()));
         let backend = ScopeBackend {
             copy,
@@ -215,7 +219,7 @@ pub(crate) fn build_replicated<M>(
             created: created.clone(),
             primary: primary.clone(),
         };
-        let dev = crate::runtime::candle_device(&devices[copy])?;
+        let dev = crate::runtime::candle_device(device)?;
         let vb = VarBuilder::from_backend(Box::new(backend), DType::F32, dev);
         let model = build(&Scope { vb, copy, copies: n, ext })?;
         let made = std::mem::take(&mut *lock(&created));
@@ -361,11 +365,18 @@ impl DistributedVariable {
 
     /// Replica-context write: every replica passes its value; they are combined by
     /// `aggregation` and the result written to every copy, so copies stay identical.
-    pub fn assign_on_replica(&self, ctx: &ReplicaContext<'_>, value: &Tensor, aggregation: VariableAggregation) -> Result<()> {
+    pub fn assign_on_replica(
+        &self,
+        ctx: &ReplicaContext<'_>,
+        value: &Tensor,
+        aggregation: VariableAggregation,
+    ) -> Result<()> {
         let combined = match aggregation {
             VariableAggregation::Sum => ctx.all_reduce(ReduceOp::Sum, value)?,
             VariableAggregation::Mean => ctx.all_reduce(ReduceOp::Mean, value)?,
-            VariableAggregation::OnlyFirstReplica => ctx.merge_call(value.clone(), |_, all| Ok(all.values()[0].clone()))?,
+            VariableAggregation::OnlyFirstReplica => {
+                ctx.merge_call(value.clone(), |_, all| Ok(all.values()[0].clone()))?
+            }
         };
         match self.policy {
             VariablePolicy::Mirrored => {

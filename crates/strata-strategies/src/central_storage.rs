@@ -22,9 +22,13 @@ impl CentralStorageStrategy {
     }
 
     /// Compute on `devices`, with a chosen reduction and options.
-    pub fn with_options(devices: Vec<LogicalDevice>, reduction: CpuReduction, options: StrategyOptions) -> Result<Self> {
+    pub fn with_options(
+        devices: Vec<LogicalDevice>,
+        reduction: CpuReduction,
+        options: StrategyOptions,
+    ) -> Result<Self> {
         let policy = VariablePolicy::Central { parameter_replica: 0 };
-        Ok(Self { ext: LocalStrategy::new("central-storage", devices, policy, reduction, options)? })
+        Ok(Self { ext: LocalStrategy::build("central-storage", devices, policy, reduction, options)? })
     }
 
     /// `n` logical CPU devices of one thread each.

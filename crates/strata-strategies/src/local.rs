@@ -32,7 +32,7 @@ pub(crate) struct LocalStrategy {
 }
 
 impl LocalStrategy {
-    pub(crate) fn new(
+    pub(crate) fn build(
         name: &'static str,
         devices: Vec<LogicalDevice>,
         policy: VariablePolicy,

@@ -22,8 +22,12 @@ impl MirroredStrategy {
     }
 
     /// One replica per device, with a chosen reduction and options.
-    pub fn with_options(devices: Vec<LogicalDevice>, reduction: CpuReduction, options: StrategyOptions) -> Result<Self> {
-        Ok(Self { ext: LocalStrategy::new("mirrored", devices, VariablePolicy::Mirrored, reduction, options)? })
+    pub fn with_options(
+        devices: Vec<LogicalDevice>,
+        reduction: CpuReduction,
+        options: StrategyOptions,
+    ) -> Result<Self> {
+        Ok(Self { ext: LocalStrategy::build("mirrored", devices, VariablePolicy::Mirrored, reduction, options)? })
     }
 
     /// `n` logical CPU devices of one thread each.

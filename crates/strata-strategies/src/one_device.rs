@@ -22,8 +22,13 @@ impl OneDeviceStrategy {
 
     /// One replica on `device`, with options.
     pub fn with_options(device: LogicalDevice, options: StrategyOptions) -> Result<Self> {
-        let ext =
-            LocalStrategy::new("one-device", vec![device], VariablePolicy::Mirrored, CpuReduction::default(), options)?;
+        let ext = LocalStrategy::build(
+            "one-device",
+            vec![device],
+            VariablePolicy::Mirrored,
+            CpuReduction::default(),
+            options,
+        )?;
         Ok(Self { ext })
     }
 

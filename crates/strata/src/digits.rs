@@ -65,7 +65,10 @@ pub fn parse(bytes: &[u8], name: &str) -> Result<Batch> {
             )));
         }
         for (j, f) in fields.iter().enumerate() {
-            let v: f32 = f.trim().parse().map_err(|_| bad(format!("line {}, column {}: {f:?} is not a number", i + 1, j + 1)))?;
+            let v: f32 = f
+                .trim()
+                .parse()
+                .map_err(|_| bad(format!("line {}, column {}: {f:?} is not a number", i + 1, j + 1)))?;
             if j < FEATURES {
                 if !(0.0..=16.0).contains(&v) {
                     return Err(bad(format!("line {}, column {}: pixel {v} is outside 0..=16", i + 1, j + 1)));

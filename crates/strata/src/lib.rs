@@ -43,8 +43,8 @@ pub mod trainer;
 pub use error::{Error, Result};
 pub use strata_core::{
     context, cross_device, data, device, group, timeline, CrossReplicaContext, DistributedOptimizer,
-    DistributedVariable, Mirrored, PerReplica, ReduceOp, ReplicaContext, Replicated, Scope, Strategy,
-    StrategyExtended, StrategyHandle, StrategyOptions, SyncOnReadVariable, VariableAggregation, VariablePolicy,
+    DistributedVariable, Mirrored, PerReplica, ReduceOp, ReplicaContext, Replicated, Scope, Strategy, StrategyExtended,
+    StrategyHandle, StrategyOptions, SyncOnReadVariable, VariableAggregation, VariablePolicy,
 };
 pub use strata_strategies::{CentralStorageStrategy, CpuReduction, MirroredStrategy, OneDeviceStrategy};
 

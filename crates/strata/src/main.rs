@@ -2,6 +2,11 @@
 
 use clap::Parser;
 
+/// mimalloc keeps freed blocks for reuse: candle allocates a fresh buffer for every tensor, and
+/// with the system allocator each large one is a new mapping whose pages fault in every step.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() {
     // Before any thread exists: each replica is one thread (see `strata::init_cpu_threads`).
     strata::init_cpu_threads();
@@ -9,18 +14,25 @@ fn main() {
         Ok(cli) => cli,
         Err(e) => {
             use clap::error::ErrorKind;
-            if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand) {
+            if matches!(
+                e.kind(),
+                ErrorKind::DisplayHelp
+                    | ErrorKind::DisplayVersion
+                    | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+            ) {
                 e.exit();
             }
             // One line, exit code 2: what was wrong, and where to look.
             let text = e.to_string();
             let first = text.lines().find(|l| !l.trim().is_empty()).unwrap_or("error: invalid arguments");
-            let tip = text.lines().find_map(|l| l.trim().strip_prefix("tip: ")).map(|t| format!("; {t}")).unwrap_or_default();
+            let tip =
+                text.lines().find_map(|l| l.trim().strip_prefix("tip: ")).map(|t| format!("; {t}")).unwrap_or_default();
             eprintln!("{first}{tip} (see strata --help)");
             std::process::exit(2);
         }
     };
-    let filter = tracing_subscriber::EnvFilter::try_new(&cli.log).unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let filter =
+        tracing_subscriber::EnvFilter::try_new(&cli.log).unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
     tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
     if let Err(e) = strata::cli::run(cli) {
         eprintln!("error: {e}");

@@ -46,7 +46,15 @@ fn every_strategy_learns_digits() {
     for (strategy, replicas) in [("one-device", "1"), ("central-storage", "2"), ("mirrored", "4")] {
         let out = dir.path().join(format!("{strategy}.json"));
         let o = strata(&[
-            "train", "--no-progress", "--strategy", strategy, "--replicas", replicas, "--epochs", "20", "--out",
+            "train",
+            "--no-progress",
+            "--strategy",
+            strategy,
+            "--replicas",
+            replicas,
+            "--epochs",
+            "20",
+            "--out",
             out.to_str().unwrap(),
         ]);
         assert!(o.status.success(), "{strategy}: {}", stderr(&o));
@@ -92,7 +100,15 @@ fn the_timeline_shows_every_phase_of_every_replica() {
     let dir = tempfile::tempdir().unwrap();
     let trace = dir.path().join("trace.json");
     let o = strata(&[
-        "train", "--no-progress", "--epochs", "1", "--replicas", "2", "--bucket-mib", "0.1", "--timeline",
+        "train",
+        "--no-progress",
+        "--epochs",
+        "1",
+        "--replicas",
+        "2",
+        "--bucket-mib",
+        "0.1",
+        "--timeline",
         trace.to_str().unwrap(),
     ]);
     assert!(o.status.success(), "{}", stderr(&o));

@@ -74,9 +74,7 @@ impl<'a> Segments<'a> {
 }
 
 /// The f32 slices of contiguous CPU tensors, read in place.
-fn read_slices<'g>(
-    guards: &'g [(candle_core::StorageRef<'g>, &'g candle_core::Layout)],
-) -> Result<Vec<&'g [f32]>> {
+fn read_slices<'g>(guards: &'g [(candle_core::StorageRef<'g>, &'g candle_core::Layout)]) -> Result<Vec<&'g [f32]>> {
     guards
         .iter()
         .map(|(storage, layout)| match &**storage {
@@ -158,7 +156,9 @@ impl CpuCrossDeviceOps {
                 }
             });
             for (segs, w) in &inputs[1..] {
-                segs.for_each(start..end, |off, piece| combine_scaled(op, &mut block[off..off + piece.len()], piece, *w));
+                segs.for_each(start..end, |off, piece| {
+                    combine_scaled(op, &mut block[off..off + piece.len()], piece, *w)
+                });
             }
             op.finish(block, n);
             start = end;
@@ -219,19 +219,19 @@ impl CrossDeviceOps for CpuCrossDeviceOps {
         }
         let all = group.exchange(replica, &key, (input.to_vec(), weight))?;
 
-        for j in 0..n {
-            if self.reducer_of(j, dest) != replica {
-                continue;
-            }
-            let range = self.chunk_range(len, j);
-            let guards: Vec<Vec<_>> = all.iter().map(|(ts, _)| ts.iter().map(Tensor::storage_and_layout).collect()).collect();
+        let mine: Vec<usize> = (0..n).filter(|&j| self.reducer_of(j, dest) == replica).collect();
+        if !mine.is_empty() {
+            let guards: Vec<Vec<_>> =
+                all.iter().map(|(ts, _)| ts.iter().map(Tensor::storage_and_layout).collect()).collect();
             let inputs: Vec<(Segments<'_>, f32)> = guards
                 .iter()
                 .zip(&all)
                 .map(|(g, (_, w))| Ok((Segments::new(read_slices(g)?), *w)))
                 .collect::<Result<_>>()?;
-            let mut acc = results[j].write().unwrap_or_else(unpoison);
-            Self::reduce_range(op, &inputs, range, &mut acc);
+            for j in mine {
+                let mut acc = results[j].write().unwrap_or_else(unpoison);
+                Self::reduce_range(op, &inputs, self.chunk_range(len, j), &mut acc);
+            }
         }
         drop(all);
         group.arrive(replica, &OpKey { op: format!("{} (read)", key.op), ..key.clone() })?;
@@ -253,7 +253,7 @@ mod tests {
 
     /// Replica `r`'s value at element `i`: distinct per replica and element, exact in f32.
     fn value(r: usize, i: usize) -> f32 {
-        ((i % 1013) as f32) * if r % 2 == 0 { 1.0 } else { -0.5 } + r as f32
+        ((i % 1013) as f32) * if r.is_multiple_of(2) { 1.0 } else { -0.5 } + r as f32
     }
 
     fn expected(op: ReduceOp, k: usize, i: usize) -> f32 {

@@ -288,10 +288,12 @@ fn copy_median(src: &[u8], dst: &mut [u8], threads: usize, repeats: usize) -> Du
 }
 
 fn spin_until(mut ready: impl FnMut() -> bool) {
-    let mut i = 0u32;
+    // Spin, yielding every 64 polls: there may be more threads than cores.
+    let mut polls = 0u32;
     while !ready() {
-        i = i.wrapping_add(1);
-        if i % 64 == 0 {
+        polls += 1;
+        if polls == 64 {
+            polls = 0;
             std::thread::yield_now();
         } else {
             std::hint::spin_loop();

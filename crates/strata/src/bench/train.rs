@@ -105,8 +105,10 @@ fn time_steps(seconds: f64, mut step: impl FnMut(usize) -> Result<()>) -> Result
 fn measure_strategy<S: Strategy>(s: &S, hidden: &[usize], data: &[Batch], seconds: f64) -> Result<Measurement> {
     let model = s.scope(|sc| Mlp::new(sc.var_builder(), FEATURES, hidden, CLASSES))?;
     let opt = model.optimizer::<AdamW>(ParamsAdamW { lr: 1e-3, ..Default::default() })?;
-    let dist: Vec<DistributedBatch> =
-        data.iter().map(|b| DistributedBatch::split(b, s.num_replicas_in_sync())).collect::<strata_core::Result<_>>()?;
+    let dist: Vec<DistributedBatch> = data
+        .iter()
+        .map(|b| DistributedBatch::split(b, s.num_replicas_in_sync()))
+        .collect::<strata_core::Result<_>>()?;
     let (steps, dt) = time_steps(seconds, |i| {
         s.run_batch(&dist[i % dist.len()], |ctx, shard| {
             let x = shard.batch.features_tensor(ctx.candle_device())?;
@@ -160,7 +162,9 @@ fn measure_ceiling(k: usize, hidden: &[usize], data: &[Batch], seconds: f64) -> 
                 })
             })
             .collect();
-        hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(Error::Usage("a ceiling thread panicked".into())))).collect()
+        hs.into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err(Error::Usage("a ceiling thread panicked".into()))))
+            .collect()
     });
     let mut eps = 0.0;
     let mut step = 0.0;
@@ -229,7 +233,10 @@ pub fn run(args: &BenchTrainArgs) -> Result<()> {
     }
     let k = args.replicas;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    println!("# strata bench train: global batch {}, f32, AdamW, {} rounds of {:.1} s per configuration", args.batch, args.rounds, args.seconds);
+    println!(
+        "# strata bench train: global batch {}, f32, AdamW, {} rounds of {:.1} s per configuration",
+        args.batch, args.rounds, args.seconds
+    );
     println!("# machine: {cores} cores; ceiling = {k} independent single-thread copies of the per-replica step at once (plain candle), measured now");
     println!("# every configuration in its own process; medians over rounds");
     println!();

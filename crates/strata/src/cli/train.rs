@@ -227,7 +227,8 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         summary.wall_seconds
     );
     if let Some(path) = &args.out {
-        let json = serde_json::to_string_pretty(&summary).map_err(|e| Error::io("cannot encode the summary", e.into()))?;
+        let json =
+            serde_json::to_string_pretty(&summary).map_err(|e| Error::io("cannot encode the summary", e.into()))?;
         std::fs::write(path, json + "\n").map_err(|e| Error::io(format!("cannot write {}", path.display()), e))?;
     }
     Ok(())
