@@ -52,10 +52,11 @@ impl LocalStrategy {
             strata_core::runtime::candle_device(d)?;
         }
         let n = devices.len();
-        let ops = Box::new(match reduction {
+        let ops = match reduction {
             CpuReduction::InMemoryAllReduce => CpuCrossDeviceOps::in_memory_all_reduce(n)?,
             CpuReduction::ReductionToOneDevice => CpuCrossDeviceOps::reduction_to_one_device(n)?,
-        });
+        };
+        let ops = Box::new(ops.with_devices(devices.iter().map(|d| d.spec.clone()).collect())?);
         let pools = ReplicaPools::for_devices(&devices)?;
         tracing::debug!(strategy = name, replicas = n, ops = ops.name(), "strategy created");
         Ok(Arc::new(Self { id: StrategyId::fresh(), name, devices, policy, ops, options, pools }))

@@ -286,9 +286,32 @@ fn the_default_strategy_answers_outside_any_scope() {
 
 #[test]
 fn zero_replicas_and_duplicate_devices_are_refused() {
-    assert!(matches!(strata_strategies::MirroredStrategy::logical_cpus(0), Err(_)));
+    assert!(strata_strategies::MirroredStrategy::logical_cpus(0).is_err());
     let mut d = strata_core::device::logical_cpus(2).unwrap();
     d[1] = d[0].clone();
     let e = strata_strategies::MirroredStrategy::new(d).unwrap_err();
     assert!(e.to_string().contains("listed twice"), "{e}");
+}
+
+#[test]
+fn memory_info_reports_reduction_buffers_and_limits_bound_them() {
+    use strata_core::device::{memory_info, MemoryPolicy, MemoryTracker};
+    // Devices of their own, so that other tests in this process do not touch their accounts.
+    let mut devices = strata_core::device::logical_cpus(2).unwrap();
+    for d in &mut devices {
+        d.spec = format!("/job:memtest{}", d.spec).parse().unwrap();
+    }
+    let s = strata_strategies::MirroredStrategy::new(devices.clone()).unwrap();
+    s.run(|ctx| ctx.all_reduce(ReduceOp::Sum, &common::ones(1000))).unwrap();
+    let info = memory_info(&devices[0].spec);
+    assert!(info.current >= 500 * 4 && info.peak >= info.current, "{info:?}");
+    drop(s);
+    assert_eq!(memory_info(&devices[0].spec).current, 0, "buffers are given back with the strategy");
+
+    MemoryTracker::global().set_policy(&devices[1].spec, MemoryPolicy::Limit(1024)).unwrap();
+    let s = strata_strategies::MirroredStrategy::new(devices.clone()).unwrap();
+    let e = s.run(|ctx| ctx.all_reduce(ReduceOp::Sum, &common::ones(100_000))).unwrap_err();
+    assert!(e.to_string().contains("memtest"), "{e}");
+    // Small reductions still fit.
+    s.run(|ctx| ctx.all_reduce(ReduceOp::Sum, &common::ones(100))).unwrap();
 }

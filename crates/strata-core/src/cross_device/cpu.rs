@@ -5,6 +5,7 @@ use std::sync::{PoisonError, RwLock};
 use candle_core::{CpuStorage, Storage, Tensor};
 
 use super::{CrossDeviceOps, Destination};
+use crate::device::{DeviceSpec, MemoryTracker};
 use crate::group::{OpKey, ReplicaGroup};
 use crate::{Error, ReduceOp, Result};
 
@@ -31,6 +32,10 @@ pub struct CpuCrossDeviceOps {
     reducer: Reducer,
     /// `results[parity][chunk]`, written by the chunk's reducer.
     results: [Vec<RwLock<Vec<f32>>>; 2],
+    /// The device each replica's buffers are accounted to in the [`MemoryTracker`].
+    devices: Vec<DeviceSpec>,
+    /// What was accounted, to give back on drop: (replica, bytes).
+    accounted: std::sync::Mutex<Vec<(usize, u64)>>,
 }
 
 fn unpoison<T>(e: PoisonError<T>) -> T {
@@ -112,7 +117,35 @@ impl CpuCrossDeviceOps {
             return Err(Error::ZeroReplicas);
         }
         let set = || (0..n).map(|_| RwLock::new(Vec::new())).collect();
-        Ok(Self { n, reducer, results: [set(), set()] })
+        let devices = (0..n).map(|r| DeviceSpec::cpu(r as u32)).collect();
+        Ok(Self { n, reducer, results: [set(), set()], devices, accounted: Default::default() })
+    }
+
+    /// Accounts replica `r`'s result buffers to `devices[r]` (by default `/device:CPU:r`), so
+    /// that `memory_info` reports them and a memory limit on the device bounds them.
+    pub fn with_devices(mut self, devices: Vec<DeviceSpec>) -> Result<Self> {
+        if devices.len() != self.n {
+            return Err(Error::InvalidArgument(format!("{} devices for {} replicas", devices.len(), self.n)));
+        }
+        self.devices = devices;
+        Ok(self)
+    }
+
+    /// Grows `acc` to hold `len` elements, accounting the growth to replica `r`'s device.
+    fn reserve(&self, r: usize, acc: &mut Vec<f32>, len: usize) -> Result<()> {
+        if acc.capacity() < len {
+            acc.clear();
+            let before = acc.capacity();
+            MemoryTracker::global().allocate(&self.devices[r], ((len - before) * std::mem::size_of::<f32>()) as u64)?;
+            acc.reserve_exact(len);
+            let grown = ((acc.capacity() - before) * std::mem::size_of::<f32>()) as u64;
+            let asked = ((len - before) * std::mem::size_of::<f32>()) as u64;
+            if grown > asked {
+                MemoryTracker::global().allocate(&self.devices[r], grown - asked)?;
+            }
+            self.accounted.lock().unwrap_or_else(unpoison).push((r, grown));
+        }
+        Ok(())
     }
 
     /// The in-memory all-reduce for `n` replicas: each replica thread reduces its own chunk.
@@ -137,24 +170,24 @@ impl CpuCrossDeviceOps {
         }
     }
 
-    /// Reduces `range` of every replica's input into `acc`, block by block.
+    /// Reduces `range` of every replica's input into `acc`, block by block: the first input is
+    /// copied (scaled) into the block, the others are combined into it while it is in cache.
     fn reduce_range(op: ReduceOp, inputs: &[(Segments<'_>, f32)], range: std::ops::Range<usize>, acc: &mut Vec<f32>) {
         let n = inputs.len();
         acc.clear();
-        acc.resize(range.len(), 0.0);
         let mut start = range.start;
         while start < range.end {
             let end = (start + BLOCK).min(range.end);
-            let block = &mut acc[start - range.start..end - range.start];
+            let base = acc.len();
             let (first, w0) = &inputs[0];
-            first.for_each(start..end, |off, piece| {
-                let dst = &mut block[off..off + piece.len()];
+            first.for_each(start..end, |_, piece| {
                 if *w0 == 1.0 {
-                    dst.copy_from_slice(piece);
+                    acc.extend_from_slice(piece);
                 } else {
-                    dst.iter_mut().zip(piece).for_each(|(d, s)| *d = s * w0);
+                    acc.extend(piece.iter().map(|x| x * w0));
                 }
             });
+            let block = &mut acc[base..];
             for (segs, w) in &inputs[1..] {
                 segs.for_each(start..end, |off, piece| {
                     combine_scaled(op, &mut block[off..off + piece.len()], piece, *w)
@@ -162,6 +195,14 @@ impl CpuCrossDeviceOps {
             }
             op.finish(block, n);
             start = end;
+        }
+    }
+}
+
+impl Drop for CpuCrossDeviceOps {
+    fn drop(&mut self) {
+        for (r, bytes) in self.accounted.lock().unwrap_or_else(unpoison).drain(..) {
+            MemoryTracker::global().free(&self.devices[r], bytes);
         }
     }
 }
@@ -230,7 +271,12 @@ impl CrossDeviceOps for CpuCrossDeviceOps {
                 .collect::<Result<_>>()?;
             for j in mine {
                 let mut acc = results[j].write().unwrap_or_else(unpoison);
-                Self::reduce_range(op, &inputs, self.chunk_range(len, j), &mut acc);
+                let range = self.chunk_range(len, j);
+                if let Err(e) = self.reserve(replica, &mut acc, range.len()) {
+                    group.poison(format!("replica {replica} cannot hold its reduction buffer: {e}"));
+                    return Err(e);
+                }
+                Self::reduce_range(op, &inputs, range, &mut acc);
             }
         }
         drop(all);
