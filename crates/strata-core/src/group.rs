@@ -14,6 +14,9 @@ use std::time::{Duration, Instant};
 
 use crate::{Error, Result};
 
+/// How long a replica waiting at a rendezvous spins (yielding) before it sleeps.
+const SPIN: Duration = Duration::from_millis(2);
+
 /// The default deadline of one collective on one machine.
 pub const DEFAULT_COLLECTIVE_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -155,16 +158,24 @@ impl ReplicaGroup {
         let my_gen = st.generation;
         drop(st);
 
-        // Spin briefly: on a step of a few milliseconds a futex wake-up is a visible cost.
-        for i in 0..4000u32 {
-            if self.generation.load(Ordering::Acquire) != my_gen {
-                return Ok(());
-            }
-            if i % 64 == 63 {
+        // Spin (yielding, so a peer sharing this core still runs) for up to SPIN before
+        // sleeping: on a step of a few milliseconds, a sleep and wake-up (slow on virtual
+        // machines) is a visible cost, and peers usually arrive within a fraction of a step.
+        let spin_until = Instant::now() + SPIN;
+        let mut i = 0u32;
+        while self.generation.load(Ordering::Acquire) == my_gen {
+            i = i.wrapping_add(1);
+            if i % 32 == 0 {
+                if Instant::now() >= spin_until {
+                    break;
+                }
                 std::thread::yield_now();
             } else {
                 std::hint::spin_loop();
             }
+        }
+        if self.generation.load(Ordering::Acquire) != my_gen {
+            return Ok(());
         }
 
         let deadline = Instant::now() + self.timeout;

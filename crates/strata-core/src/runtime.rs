@@ -51,8 +51,8 @@ impl ReplicaPools {
         let replicas = if devices.len() > 1 {
             Some(
                 rayon::ThreadPoolBuilder::new()
-                    .num_threads(devices.len())
-                    .thread_name(|r| format!("strata-replica-{r}"))
+                    .num_threads(devices.len() - 1)
+                    .thread_name(|r| format!("strata-replica-{}", r + 1))
                     .build()
                     .map_err(|e| {
                         Error::InvalidArgument(format!("cannot start {} replica threads: {e}", devices.len()))
@@ -123,9 +123,27 @@ pub fn execute_local(
         return run_one(0);
     }
     let results: Vec<Result<()>> = match &pools.replicas {
-        // `broadcast` runs the job exactly once on every thread of the pool: replica r on
-        // thread r, all at once, and returns when all are done.
-        Some(pool) if pool.current_num_threads() == n => pool.broadcast(|ctx| run_one(ctx.index())),
+        // The calling thread is replica 0; `spawn_broadcast` runs the job exactly once on every
+        // thread of the pool (replica r on thread r - 1), and the scope returns when all are done.
+        Some(pool) if pool.current_num_threads() == n - 1 => {
+            let slots: Vec<std::sync::Mutex<Option<Result<()>>>> = (0..n).map(|_| Default::default()).collect();
+            pool.in_place_scope(|s| {
+                s.spawn_broadcast(|_, ctx| {
+                    let r = ctx.index() + 1;
+                    *slots[r].lock().unwrap_or_else(PoisonError::into_inner) = Some(run_one(r));
+                });
+                *slots[0].lock().unwrap_or_else(PoisonError::into_inner) = Some(run_one(0));
+            });
+            slots
+                .into_iter()
+                .enumerate()
+                .map(|(r, m)| {
+                    m.into_inner()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .unwrap_or_else(|| Err(Error::Scope(format!("replica {r} did not run"))))
+                })
+                .collect()
+        }
         _ => std::thread::scope(|s| {
             let handles: Vec<_> = (1..n)
                 .map(|r| {
