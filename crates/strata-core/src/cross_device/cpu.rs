@@ -29,6 +29,9 @@ enum Reducer {
 #[derive(Debug)]
 pub struct CpuCrossDeviceOps {
     n: usize,
+    /// Chunks per reduction: one per replica, but no more than the cores that can reduce them
+    /// at once (more replicas than cores would only interleave their passes over memory).
+    chunks: usize,
     reducer: Reducer,
     /// `results[parity][chunk]`, written by the chunk's reducer.
     results: [Vec<RwLock<Vec<f32>>>; 2],
@@ -118,7 +121,15 @@ impl CpuCrossDeviceOps {
         }
         let set = || (0..n).map(|_| RwLock::new(Vec::new())).collect();
         let devices = (0..n).map(|r| DeviceSpec::cpu(r as u32)).collect();
-        Ok(Self { n, reducer, results: [set(), set()], devices, accounted: Default::default() })
+        let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+        Ok(Self {
+            n,
+            chunks: n.min(cores).max(1),
+            reducer,
+            results: [set(), set()],
+            devices,
+            accounted: Default::default(),
+        })
     }
 
     /// Accounts replica `r`'s result buffers to `devices[r]` (by default `/device:CPU:r`), so
@@ -159,7 +170,7 @@ impl CpuCrossDeviceOps {
     }
 
     fn chunk_range(&self, len: usize, j: usize) -> std::ops::Range<usize> {
-        (len * j / self.n)..(len * (j + 1) / self.n)
+        (len * j / self.chunks)..(len * (j + 1) / self.chunks)
     }
 
     fn reducer_of(&self, chunk: usize, dest: Destination) -> usize {
@@ -260,7 +271,7 @@ impl CrossDeviceOps for CpuCrossDeviceOps {
         }
         let all = group.exchange(replica, &key, (input.to_vec(), weight))?;
 
-        let mine: Vec<usize> = (0..n).filter(|&j| self.reducer_of(j, dest) == replica).collect();
+        let mine: Vec<usize> = (0..self.chunks).filter(|&j| self.reducer_of(j, dest) == replica).collect();
         if !mine.is_empty() {
             let guards: Vec<Vec<_>> =
                 all.iter().map(|(ts, _)| ts.iter().map(Tensor::storage_and_layout).collect()).collect();
@@ -283,7 +294,7 @@ impl CrossDeviceOps for CpuCrossDeviceOps {
         group.arrive(replica, &OpKey { op: format!("{} (read)", key.op), ..key.clone() })?;
 
         if dest == Destination::AllReplicas || dest == Destination::Replica(replica) {
-            for r in results.iter() {
+            for r in &results[..self.chunks] {
                 out(&r.read().unwrap_or_else(unpoison));
             }
         }
