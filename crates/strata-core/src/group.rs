@@ -165,7 +165,7 @@ impl ReplicaGroup {
         let mut i = 0u32;
         while self.generation.load(Ordering::Acquire) == my_gen {
             i = i.wrapping_add(1);
-            if i % 32 == 0 {
+            if i.is_multiple_of(32) {
                 if Instant::now() >= spin_until {
                     break;
                 }
