@@ -89,10 +89,16 @@ fn batches(global: usize) -> Result<Vec<Batch>> {
     Ok((0..full).map(|i| train.slice(i * global..(i + 1) * global)).collect())
 }
 
-fn time_steps(seconds: f64, mut step: impl FnMut(usize) -> Result<()>) -> Result<(usize, Duration)> {
+/// Three warm-up steps, `ready()`, then steps for `seconds` (at least 5): (steps, time).
+fn time_steps(
+    seconds: f64,
+    ready: impl FnOnce(),
+    mut step: impl FnMut(usize) -> Result<()>,
+) -> Result<(usize, Duration)> {
     for i in 0..3 {
         step(i)?;
     }
+    ready();
     let t0 = Instant::now();
     let mut n = 0;
     while n < 5 || t0.elapsed().as_secs_f64() < seconds {
@@ -109,15 +115,19 @@ fn measure_strategy<S: Strategy>(s: &S, hidden: &[usize], data: &[Batch], second
         .iter()
         .map(|b| DistributedBatch::split(b, s.num_replicas_in_sync()))
         .collect::<strata_core::Result<_>>()?;
-    let (steps, dt) = time_steps(seconds, |i| {
-        s.run_batch(&dist[i % dist.len()], |ctx, shard| {
-            let x = shard.batch.features_tensor(ctx.candle_device())?;
-            let y = shard.batch.labels_tensor(ctx.candle_device())?;
-            let loss = model.on(ctx)?.loss(&x, &y)?;
-            ctx.backward_and_sync(&loss, &opt)
-        })?;
-        Ok(())
-    })?;
+    let (steps, dt) = time_steps(
+        seconds,
+        || {},
+        |i| {
+            s.run_batch(&dist[i % dist.len()], |ctx, shard| {
+                let x = shard.batch.features_tensor(ctx.candle_device())?;
+                let y = shard.batch.labels_tensor(ctx.candle_device())?;
+                let loss = model.on(ctx)?.loss(&x, &y)?;
+                ctx.backward_and_sync(&loss, &opt)
+            })?;
+            Ok(())
+        },
+    )?;
     let global = data[0].len();
     Ok(Measurement {
         examples_per_second: (steps * global) as f64 / dt.as_secs_f64(),
@@ -140,7 +150,7 @@ fn measure_ceiling(k: usize, hidden: &[usize], data: &[Batch], seconds: f64) -> 
                     let model = Mlp::new(VarBuilder::from_varmap(&vm, DType::F32, &dev), FEATURES, hidden, CLASSES)?;
                     let mut opt = AdamW::new(vm.all_vars(), ParamsAdamW { lr: 1e-3, ..Default::default() })?;
                     let shards: Vec<Batch> = data.iter().map(|b| b.slice(r * per..(r + 1) * per)).collect();
-                    let mut step = |i: usize| -> Result<()> {
+                    let step = |i: usize| -> Result<()> {
                         let b = &shards[i % shards.len()];
                         let x = Tensor::from_slice(&b.features, (b.len(), b.dim), &dev)?;
                         let y = Tensor::from_slice(&b.labels, b.len(), &dev)?;
@@ -148,17 +158,14 @@ fn measure_ceiling(k: usize, hidden: &[usize], data: &[Batch], seconds: f64) -> 
                         opt.backward_step(&loss)?;
                         Ok(())
                     };
-                    for i in 0..3 {
-                        step(i)?;
-                    }
-                    barrier.wait();
-                    let t0 = Instant::now();
-                    let mut n = 0;
-                    while n < 5 || t0.elapsed().as_secs_f64() < seconds {
-                        step(n)?;
-                        n += 1;
-                    }
-                    Ok((n, t0.elapsed()))
+                    // All copies start timing together.
+                    time_steps(
+                        seconds,
+                        || {
+                            barrier.wait();
+                        },
+                        step,
+                    )
                 })
             })
             .collect();
