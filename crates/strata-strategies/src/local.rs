@@ -58,6 +58,14 @@ impl LocalStrategy {
         };
         let ops = Box::new(ops.with_devices(devices.iter().map(|d| d.spec.clone()).collect())?);
         let pools = ReplicaPools::for_devices(&devices)?;
+        let candle_threads = candle_core::utils::get_num_threads();
+        if n > 1 && candle_threads > 1 && std::env::var_os("CANDLE_NUM_THREADS").is_none() {
+            tracing::warn!(
+                candle_threads,
+                replicas = n,
+                "candle's CPU kernels spread each call over {candle_threads} threads and its element-wise pool serves one caller at a time, so {n} replicas will contend; call strata::init_cpu_threads() first in main (or set CANDLE_NUM_THREADS=1 RAYON_NUM_THREADS=1)"
+            );
+        }
         tracing::debug!(strategy = name, replicas = n, ops = ops.name(), "strategy created");
         Ok(Arc::new(Self { id: StrategyId::fresh(), name, devices, policy, ops, options, pools }))
     }
