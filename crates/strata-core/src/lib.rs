@@ -29,6 +29,7 @@ pub mod data;
 pub mod device;
 mod error;
 pub mod group;
+pub mod optim;
 mod reduce;
 pub mod runtime;
 pub mod strategy;

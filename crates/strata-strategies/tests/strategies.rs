@@ -58,6 +58,17 @@ strategy_test!(same_parameters_as_one_device_adamw, |s: StrategyHandle| {
     }
 });
 
+strategy_test!(fused_optimizers_match_candle_nn_on_one_device, |s: StrategyHandle| {
+    use strata_core::optim::{FusedAdamW, FusedSgd};
+    let cfg = ParamsAdamW { lr: 0.01, ..Default::default() };
+    let want = train::<AdamW>(&common::one_device(), cfg.clone(), 20, 30);
+    let got = train::<FusedAdamW>(&s, cfg, 20, 30);
+    assert!(max_rel_diff(&want, &got) <= 1e-4);
+    let want = train::<SGD>(&common::one_device(), 0.1, 20, 30);
+    let got = train::<FusedSgd>(&s, 0.1, 20, 30);
+    assert!(max_rel_diff(&want, &got) <= 1e-4);
+});
+
 strategy_test!(training_changes_the_parameters, |s: StrategyHandle| {
     let before = {
         let m = s.scope(|sc| Mlp::new(sc.var_builder())).unwrap();

@@ -42,7 +42,7 @@ pub mod trainer;
 
 pub use error::{Error, Result};
 pub use strata_core::{
-    context, cross_device, data, device, group, timeline, CrossReplicaContext, DistributedOptimizer,
+    context, cross_device, data, device, group, optim, timeline, CrossReplicaContext, DistributedOptimizer,
     DistributedVariable, Mirrored, PerReplica, ReduceOp, ReplicaContext, Replicated, Scope, Strategy, StrategyExtended,
     StrategyHandle, StrategyOptions, SyncOnReadVariable, VariableAggregation, VariablePolicy,
 };

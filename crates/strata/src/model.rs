@@ -1,7 +1,7 @@
 //! The MLP the main job trains: plain candle-nn code, unchanged under every strategy.
 
 use candle_core::{Tensor, D};
-use candle_nn::{Linear, Module, VarBuilder};
+use candle_nn::{Init, VarBuilder};
 
 /// A model that maps a batch of features to class logits.
 pub trait Classifier: Send + Sync {
@@ -20,10 +20,39 @@ pub trait Classifier: Send + Sync {
     }
 }
 
-/// A multi-layer perceptron with ReLU between layers.
+/// A dense layer `y = x W + b` with `W` stored `(in, out)`, as TensorFlow's `Dense` keeps it.
+///
+/// candle-nn's `Linear` stores `(out, in)` and multiplies by the transpose; its weight gradient
+/// then arrives as a transposed view that candle's backward accumulates with a strided pass, a
+/// large part of a step on the 4.3M-parameter MLP. Storing `(in, out)` makes every gradient
+/// contiguous. The initialisation is candle-nn's: Kaiming normal over the fan-in for the
+/// weight, uniform in `±1/sqrt(in)` for the bias.
+#[derive(Debug)]
+pub struct Dense {
+    weight: Tensor,
+    bias: Tensor,
+}
+
+impl Dense {
+    /// A layer of `input -> output` whose variables are `weight` and `bias` under `vb`.
+    pub fn new(input: usize, output: usize, vb: VarBuilder) -> candle_core::Result<Self> {
+        let std = 2f64.sqrt() / (input as f64).sqrt();
+        let weight = vb.get_with_hints((input, output), "weight", Init::Randn { mean: 0.0, stdev: std })?;
+        let bound = 1.0 / (input as f64).sqrt();
+        let bias = vb.get_with_hints(output, "bias", Init::Uniform { lo: -bound, up: bound })?;
+        Ok(Self { weight, bias })
+    }
+
+    /// `x W + b`.
+    pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        x.matmul(&self.weight)?.broadcast_add(&self.bias)
+    }
+}
+
+/// A multi-layer perceptron of [`Dense`] layers with ReLU between them.
 #[derive(Debug)]
 pub struct Mlp {
-    layers: Vec<Linear>,
+    layers: Vec<Dense>,
 }
 
 impl Mlp {
@@ -34,7 +63,7 @@ impl Mlp {
         let layers = dims
             .windows(2)
             .enumerate()
-            .map(|(i, w)| candle_nn::linear(w[0], w[1], vb.pp(format!("layer{i}"))))
+            .map(|(i, w)| Dense::new(w[0], w[1], vb.pp(format!("layer{i}"))))
             .collect::<candle_core::Result<_>>()?;
         Ok(Self { layers })
     }

@@ -13,12 +13,14 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
-use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
+use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap, SGD};
 use serde::{Deserialize, Serialize};
 use strata_core::data::{Batch, DistributedBatch};
+use strata_core::optim::{FusedAdamW, FusedSgd};
 use strata_core::Strategy;
 use strata_strategies::{MirroredStrategy, OneDeviceStrategy};
 
+use crate::cli::train::OptimizerKind;
 use crate::digits::{self, CLASSES, FEATURES};
 use crate::model::{Classifier, Mlp};
 use crate::{Error, Result};
@@ -45,6 +47,9 @@ pub struct BenchTrainArgs {
     /// Global batch.
     #[arg(long, default_value_t = 256)]
     pub batch: usize,
+    /// Optimizer (the ceiling uses the same one): `adamw` is the fused, in-place AdamW.
+    #[arg(long, value_enum, default_value = "adamw")]
+    pub optimizer: OptimizerKind,
     /// Internal: measure one `MODEL:CONFIG` in this process and print JSON.
     #[arg(long, hide = true)]
     pub worker: Option<String>,
@@ -108,9 +113,21 @@ fn time_steps(
     Ok((n, t0.elapsed()))
 }
 
-fn measure_strategy<S: Strategy>(s: &S, hidden: &[usize], data: &[Batch], seconds: f64) -> Result<Measurement> {
+/// The learning rate of the benchmark (it does not change the work of a step).
+const LR: f64 = 1e-3;
+
+fn measure_strategy<S: Strategy, O: Optimizer + Send>(
+    s: &S,
+    cfg: O::Config,
+    hidden: &[usize],
+    data: &[Batch],
+    seconds: f64,
+) -> Result<Measurement>
+where
+    O::Config: Clone,
+{
     let model = s.scope(|sc| Mlp::new(sc.var_builder(), FEATURES, hidden, CLASSES))?;
-    let opt = model.optimizer::<AdamW>(ParamsAdamW { lr: 1e-3, ..Default::default() })?;
+    let opt = model.optimizer::<O>(cfg)?;
     let dist: Vec<DistributedBatch> = data
         .iter()
         .map(|b| DistributedBatch::split(b, s.num_replicas_in_sync()))
@@ -137,18 +154,27 @@ fn measure_strategy<S: Strategy>(s: &S, hidden: &[usize], data: &[Batch], second
 }
 
 /// K independent single-thread copies of the per-replica step, plain candle, at once.
-fn measure_ceiling(k: usize, hidden: &[usize], data: &[Batch], seconds: f64) -> Result<Measurement> {
+fn measure_ceiling<O: Optimizer>(
+    k: usize,
+    cfg: O::Config,
+    hidden: &[usize],
+    data: &[Batch],
+    seconds: f64,
+) -> Result<Measurement>
+where
+    O::Config: Clone + Sync,
+{
     let per = data[0].len() / k;
     let barrier = std::sync::Barrier::new(k);
     let results: Vec<Result<(usize, Duration)>> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..k)
             .map(|r| {
-                let barrier = &barrier;
+                let (barrier, cfg) = (&barrier, &cfg);
                 s.spawn(move || -> Result<(usize, Duration)> {
                     let dev = Device::Cpu;
                     let vm = VarMap::new();
                     let model = Mlp::new(VarBuilder::from_varmap(&vm, DType::F32, &dev), FEATURES, hidden, CLASSES)?;
-                    let mut opt = AdamW::new(vm.all_vars(), ParamsAdamW { lr: 1e-3, ..Default::default() })?;
+                    let mut opt = O::new(vm.all_vars(), cfg.clone())?;
                     let shards: Vec<Batch> = data.iter().map(|b| b.slice(r * per..(r + 1) * per)).collect();
                     let step = |i: usize| -> Result<()> {
                         let b = &shards[i % shards.len()];
@@ -187,14 +213,39 @@ fn worker(spec: &str, args: &BenchTrainArgs) -> Result<()> {
     let (model, config) = spec.split_once(':').ok_or_else(|| Error::Usage(format!("bad worker spec {spec:?}")))?;
     let hidden = hidden_of(model)?;
     let data = batches(args.batch)?;
-    let m = match config {
-        "one-device" => measure_strategy(&OneDeviceStrategy::cpu()?, &hidden, &data, args.seconds)?,
-        "mirrored" => measure_strategy(&MirroredStrategy::logical_cpus(args.replicas)?, &hidden, &data, args.seconds)?,
-        "ceiling" => measure_ceiling(args.replicas, &hidden, &data, args.seconds)?,
-        _ => return Err(Error::Usage(format!("unknown configuration {config:?}"))),
+    let adamw = ParamsAdamW { lr: LR, ..Default::default() };
+    let m = match args.optimizer {
+        OptimizerKind::Adamw => measure::<FusedAdamW>(config, adamw, args, &hidden, &data)?,
+        OptimizerKind::CandleAdamw => measure::<AdamW>(config, adamw, args, &hidden, &data)?,
+        OptimizerKind::Sgd => measure::<FusedSgd>(config, LR, args, &hidden, &data)?,
+        OptimizerKind::CandleSgd => measure::<SGD>(config, LR, args, &hidden, &data)?,
     };
     println!("{}", serde_json::to_string(&m).map_err(|e| Error::io("cannot encode", e.into()))?);
     Ok(())
+}
+
+fn measure<O: Optimizer + Send>(
+    config: &str,
+    cfg: O::Config,
+    args: &BenchTrainArgs,
+    hidden: &[usize],
+    data: &[Batch],
+) -> Result<Measurement>
+where
+    O::Config: Clone + Sync,
+{
+    match config {
+        "one-device" => measure_strategy::<_, O>(&OneDeviceStrategy::cpu()?, cfg, hidden, data, args.seconds),
+        "mirrored" => {
+            measure_strategy::<_, O>(&MirroredStrategy::logical_cpus(args.replicas)?, cfg, hidden, data, args.seconds)
+        }
+        "ceiling" => measure_ceiling::<O>(args.replicas, cfg, hidden, data, args.seconds),
+        _ => Err(Error::Usage(format!("unknown configuration {config:?}"))),
+    }
+}
+
+fn optimizer_name(o: OptimizerKind) -> String {
+    clap::ValueEnum::to_possible_value(&o).map(|v| v.get_name().to_string()).unwrap_or_default()
 }
 
 fn spawn(spec: &str, args: &BenchTrainArgs) -> Result<Measurement> {
@@ -202,7 +253,7 @@ fn spawn(spec: &str, args: &BenchTrainArgs) -> Result<Measurement> {
     let out = Command::new(exe)
         .args(["bench", "train", "--worker", spec])
         .args(["--replicas", &args.replicas.to_string(), "--seconds", &args.seconds.to_string()])
-        .args(["--batch", &args.batch.to_string()])
+        .args(["--batch", &args.batch.to_string(), "--optimizer", &optimizer_name(args.optimizer)])
         .env("CANDLE_NUM_THREADS", "1")
         .env("RAYON_NUM_THREADS", "1")
         .output()
@@ -241,8 +292,11 @@ pub fn run(args: &BenchTrainArgs) -> Result<()> {
     let k = args.replicas;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     println!(
-        "# strata bench train: global batch {}, f32, AdamW, {} rounds of {:.1} s per configuration",
-        args.batch, args.rounds, args.seconds
+        "# strata bench train: global batch {}, f32, optimizer {}, {} rounds of {:.1} s per configuration",
+        args.batch,
+        optimizer_name(args.optimizer),
+        args.rounds,
+        args.seconds
     );
     println!("# machine: {cores} cores; ceiling = {k} independent single-thread copies of the per-replica step at once (plain candle), measured now");
     println!("# every configuration in its own process; medians over rounds");
