@@ -54,6 +54,10 @@ type Slot = Option<Box<dyn Any + Send>>;
 pub struct ReplicaGroup {
     n: usize,
     timeout: Duration,
+    /// How long a waiting replica spins before it sleeps: [`SPIN`] while every replica has a
+    /// core of its own, zero when replicas outnumber cores (a spinner would take its core from
+    /// a peer that is still working).
+    spin: Duration,
     generation: AtomicU64,
     state: Mutex<State>,
     cv: Condvar,
@@ -78,9 +82,11 @@ impl ReplicaGroup {
             return Err(Error::ZeroReplicas);
         }
         let empty = || Mutex::new((0..n).map(|_| None).collect());
+        let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
         Ok(Self {
             n,
             timeout,
+            spin: if n <= cores { SPIN } else { Duration::ZERO },
             generation: AtomicU64::new(0),
             state: Mutex::new(State {
                 generation: 0,
@@ -158,10 +164,10 @@ impl ReplicaGroup {
         let my_gen = st.generation;
         drop(st);
 
-        // Spin (yielding, so a peer sharing this core still runs) for up to SPIN before
-        // sleeping: on a step of a few milliseconds, a sleep and wake-up (slow on virtual
-        // machines) is a visible cost, and peers usually arrive within a fraction of a step.
-        let spin_until = Instant::now() + SPIN;
+        // Spin for up to `self.spin` before sleeping: on a step of a few milliseconds, a sleep
+        // and wake-up (slow on virtual machines) is a visible cost, and peers usually arrive
+        // within a fraction of a step.
+        let spin_until = Instant::now() + self.spin;
         let mut i = 0u32;
         while self.generation.load(Ordering::Acquire) == my_gen {
             i = i.wrapping_add(1);
