@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use strata_core::cross_device::{CpuCrossDeviceOps, CrossDeviceOps};
-use strata_core::device::LogicalDevice;
+use strata_core::device::{LogicalDevice, LogicalKind};
 use strata_core::runtime::{execute_local, ReplicaPools};
 use strata_core::strategy::ReplicaJob;
 use strata_core::{Error, Result, StrategyExtended, StrategyId, StrategyOptions, VariablePolicy};
@@ -59,6 +59,18 @@ impl LocalStrategy {
         let ops = Box::new(ops.with_devices(devices.iter().map(|d| d.spec.clone()).collect())?);
         let pools = ReplicaPools::for_devices(&devices)?;
         let candle_threads = candle_core::utils::get_num_threads();
+        if let Some(d) = devices
+            .iter()
+            .find(|d| matches!(d.kind, LogicalKind::Cpu { threads } if threads > 1 && threads != candle_threads))
+        {
+            tracing::warn!(
+                device = %d.spec,
+                candle_threads,
+                "{} runs its replica on a pool of {:?} threads, but candle splits each matmul for {candle_threads}; set RAYON_NUM_THREADS to the device's thread count before the process starts",
+                d.spec,
+                d.kind
+            );
+        }
         if n > 1 && candle_threads > 1 && std::env::var_os("CANDLE_NUM_THREADS").is_none() {
             tracing::warn!(
                 candle_threads,

@@ -326,3 +326,15 @@ fn memory_info_reports_reduction_buffers_and_limits_bound_them() {
     // Small reductions still fit.
     s.run(|ctx| ctx.all_reduce(ReduceOp::Sum, &common::ones(100))).unwrap();
 }
+
+#[test]
+fn logical_cpus_of_several_threads_train_like_one_device() {
+    use strata_core::device::{split_physical, CpuEnumerator, DeviceEnumerator, LogicalDeviceConfiguration};
+    let cpu = CpuEnumerator.physical_devices().unwrap().remove(0);
+    let devices =
+        split_physical(&cpu, &[LogicalDeviceConfiguration::cpu(2), LogicalDeviceConfiguration::cpu(2)], 0).unwrap();
+    let s = strata_strategies::MirroredStrategy::new(devices).unwrap().handle();
+    let want = train::<SGD>(&common::one_device(), 0.1, 10, 32);
+    let got = train::<SGD>(&s, 0.1, 10, 32);
+    assert!(max_rel_diff(&want, &got) <= 1e-4);
+}
