@@ -9,10 +9,6 @@ use crate::device::{DeviceSpec, MemoryTracker};
 use crate::group::{OpKey, ReplicaGroup};
 use crate::{Error, ReduceOp, Result};
 
-/// Elements combined at a time: a block of every replica's input and the accumulator stay in
-/// L1/L2 while they are combined, so the result is written to memory once.
-const BLOCK: usize = 4096;
-
 /// Which replica reduces chunk `j`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Reducer {
@@ -62,22 +58,10 @@ impl<'a> Segments<'a> {
         Self { slices, starts }
     }
 
-    /// Calls `f(offset_in_range, piece)` for the pieces covering `range`, in order.
-    fn for_each(&self, range: std::ops::Range<usize>, mut f: impl FnMut(usize, &[f32])) {
-        let first = self.starts.partition_point(|&s| s <= range.start).saturating_sub(1);
-        for i in first..self.slices.len() {
-            let (lo, s) = (self.starts[i], self.slices[i]);
-            let hi = lo + s.len();
-            if lo >= range.end {
-                break;
-            }
-            if hi <= range.start {
-                continue;
-            }
-            let a = range.start.max(lo);
-            let b = range.end.min(hi);
-            f(a - range.start, &s[a - lo..b - lo]);
-        }
+    /// The input from `pos` to the end of the tensor that holds it (`pos` < total length).
+    fn piece(&self, pos: usize) -> &'a [f32] {
+        let i = self.starts.partition_point(|&s| s <= pos).saturating_sub(1);
+        &self.slices[i][pos - self.starts[i]..]
     }
 }
 
@@ -101,16 +85,65 @@ fn read_slices<'g>(guards: &'g [(candle_core::StorageRef<'g>, &'g candle_core::L
         .collect()
 }
 
-#[inline]
-fn combine_scaled(op: ReduceOp, acc: &mut [f32], x: &[f32], w: f32) {
-    if w == 1.0 {
-        op.combine(acc, x);
-        return;
+/// Combines up to four weighted inputs element-wise, in input order, with `f`: into new
+/// elements appended to `acc` (`init`), or into `acc[base..]`. One pass reads every input once
+/// and writes the result once: the inputs stream side by side, which keeps more memory
+/// requests in flight than a pass per input.
+#[inline(always)]
+fn fused<F: Fn(f32, f32) -> f32>(acc: &mut Vec<f32>, base: usize, xs: &[(&[f32], f32)], init: bool, f: F) {
+    let m = xs[0].0.len();
+    let x = |k: usize| (&xs[k].0[..m], xs[k].1);
+    match (xs.len(), init) {
+        (1, true) => {
+            let (a, wa) = x(0);
+            acc.extend(a.iter().map(|p| p * wa));
+        }
+        (2, true) => {
+            let ((a, wa), (b, wb)) = (x(0), x(1));
+            acc.extend(a.iter().zip(b).map(|(p, q)| f(p * wa, q * wb)));
+        }
+        (3, true) => {
+            let ((a, wa), (b, wb), (c, wc)) = (x(0), x(1), x(2));
+            acc.extend(a.iter().zip(b).zip(c).map(|((p, q), r)| f(f(p * wa, q * wb), r * wc)));
+        }
+        (_, true) => {
+            let ((a, wa), (b, wb), (c, wc), (d, wd)) = (x(0), x(1), x(2), x(3));
+            acc.extend(a.iter().zip(b).zip(c).zip(d).map(|(((p, q), r), s)| f(f(f(p * wa, q * wb), r * wc), s * wd)));
+        }
+        (1, false) => {
+            let (a, wa) = x(0);
+            acc[base..base + m].iter_mut().zip(a).for_each(|(o, p)| *o = f(*o, p * wa));
+        }
+        (2, false) => {
+            let ((a, wa), (b, wb)) = (x(0), x(1));
+            acc[base..base + m].iter_mut().zip(a.iter().zip(b)).for_each(|(o, (p, q))| *o = f(f(*o, p * wa), q * wb));
+        }
+        (3, false) => {
+            let ((a, wa), (b, wb), (c, wc)) = (x(0), x(1), x(2));
+            acc[base..base + m]
+                .iter_mut()
+                .zip(a.iter().zip(b).zip(c))
+                .for_each(|(o, ((p, q), r))| *o = f(f(f(*o, p * wa), q * wb), r * wc));
+        }
+        (_, false) => {
+            let ((a, wa), (b, wb), (c, wc), (d, wd)) = (x(0), x(1), x(2), x(3));
+            acc[base..base + m]
+                .iter_mut()
+                .zip(a.iter().zip(b).zip(c).zip(d))
+                .for_each(|(o, (((p, q), r), s))| *o = f(f(f(f(*o, p * wa), q * wb), r * wc), s * wd));
+        }
     }
-    match op {
-        ReduceOp::Sum | ReduceOp::Mean => acc.iter_mut().zip(x).for_each(|(a, b)| *a += *b * w),
-        ReduceOp::Max => acc.iter_mut().zip(x).for_each(|(a, b)| *a = a.max(*b * w)),
-        ReduceOp::Min => acc.iter_mut().zip(x).for_each(|(a, b)| *a = a.min(*b * w)),
+}
+
+/// Reduces `xs` (every replica's piece of one range, equally long) with `op` onto `acc`.
+fn reduce_pieces(op: ReduceOp, acc: &mut Vec<f32>, xs: &[(&[f32], f32)]) {
+    let base = acc.len();
+    for (g, group) in xs.chunks(4).enumerate() {
+        match op {
+            ReduceOp::Sum | ReduceOp::Mean => fused(acc, base, group, g == 0, |a, b| a + b),
+            ReduceOp::Max => fused(acc, base, group, g == 0, f32::max),
+            ReduceOp::Min => fused(acc, base, group, g == 0, f32::min),
+        }
     }
 }
 
@@ -181,31 +214,28 @@ impl CpuCrossDeviceOps {
         }
     }
 
-    /// Reduces `range` of every replica's input into `acc`, block by block: the first input is
-    /// copied (scaled) into the block, the others are combined into it while it is in cache.
+    /// Reduces `range` of every replica's input into `acc`, in one pass over each input: in
+    /// stretches where no input crosses from one tensor to the next, all inputs are combined
+    /// element by element (in replica order, so every reducer computes the same bits).
     fn reduce_range(op: ReduceOp, inputs: &[(Segments<'_>, f32)], range: std::ops::Range<usize>, acc: &mut Vec<f32>) {
-        let n = inputs.len();
         acc.clear();
+        let mut pieces: Vec<(&[f32], f32)> = Vec::with_capacity(inputs.len());
         let mut start = range.start;
         while start < range.end {
-            let end = (start + BLOCK).min(range.end);
-            let base = acc.len();
-            let (first, w0) = &inputs[0];
-            first.for_each(start..end, |_, piece| {
-                if *w0 == 1.0 {
-                    acc.extend_from_slice(piece);
-                } else {
-                    acc.extend(piece.iter().map(|x| x * w0));
-                }
-            });
-            let block = &mut acc[base..];
-            for (segs, w) in &inputs[1..] {
-                segs.for_each(start..end, |off, piece| {
-                    combine_scaled(op, &mut block[off..off + piece.len()], piece, *w)
-                });
+            pieces.clear();
+            let mut len = range.end - start;
+            for (segs, w) in inputs {
+                let p = segs.piece(start);
+                len = len.min(p.len());
+                pieces.push((p, *w));
             }
-            op.finish(block, n);
-            start = end;
+            for p in &mut pieces {
+                p.0 = &p.0[..len];
+            }
+            let from = acc.len();
+            reduce_pieces(op, acc, &pieces);
+            op.finish(&mut acc[from..], inputs.len());
+            start += len;
         }
     }
 }
