@@ -2,8 +2,9 @@
 //!
 //! `cargo run --release -p strata-examples --example fit -- central-storage 2`
 
-use candle_nn::{AdamW, ParamsAdamW};
+use candle_nn::ParamsAdamW;
 use strata::model::Mlp;
+use strata::optim::FusedAdamW;
 use strata::prelude::*;
 use strata::trainer::{TrainConfig, Trainer};
 
@@ -12,7 +13,8 @@ fn main() -> strata::Result<()> {
     let strategy = strata_examples::strategy_from_args()?;
     let (train, test) = strata::digits::train_test_split(&strata::digits::load(None)?, 0.2, 0);
     let model = strategy.scope(|s| Mlp::new(s.var_builder(), 64, &[256, 256], 10))?;
-    let opt = model.optimizer::<AdamW>(ParamsAdamW { lr: 3e-3, ..Default::default() })?;
+    // Strata's fused AdamW: candle-nn's configuration and results, updated in place.
+    let opt = model.optimizer::<FusedAdamW>(ParamsAdamW { lr: 3e-3, ..Default::default() })?;
     let report =
         Trainer::new(TrainConfig { epochs: 20, ..Default::default() }).fit(&strategy, &model, &opt, &train, &test)?;
     println!(

@@ -191,8 +191,9 @@ impl ReplicaGroup {
                 return Ok(());
             }
             if let Some(why) = &st.poisoned {
-                if why.contains("collective order mismatch") || why.contains("shape mismatch") {
-                    return Err(Self::check_keys(&st.keys).unwrap_or_else(|| Error::Scope(why.clone())));
+                // Every replica arrived but their keys disagree: report the mismatch itself.
+                if let Some(mismatch) = Self::check_keys(&st.keys) {
+                    return Err(mismatch);
                 }
                 return Err(Error::Scope(format!("the step was abandoned: {why}")));
             }
