@@ -225,7 +225,10 @@ impl<'a> ReplicaContext<'a> {
             VariablePolicy::Central { parameter_replica } => Destination::Replica(parameter_replica),
         };
         let ops = self.shared.ext.cross_device_ops();
-        let mut reduced: Vec<Vec<f32>> = Vec::with_capacity(vars.len());
+        // The reduced gradient is written back into this replica's own gradient tensors: after
+        // a bucket's second rendezvous no peer reads them any more, their pages are already
+        // mapped (no allocation, no page faults), and the optimizer then reads them as usual.
+        let mut failed: Option<candle_core::Error> = None;
         for (b, bucket) in plan_buckets(&sizes, self.shared.ext.options().bucket_bytes).iter().enumerate() {
             let _p = self.phase("reduce", &format!("bucket {b}"));
             let _s =
@@ -233,9 +236,7 @@ impl<'a> ReplicaContext<'a> {
                     .entered();
             let seq = self.shared.group.next_seq(self.replica);
             let range = bucket.tensors.clone();
-            let start = reduced.len();
-            reduced.extend(sizes[range.clone()].iter().map(|&s| Vec::with_capacity(s)));
-            let mut cur = start;
+            let (mut cur, mut filled) = (range.start, 0usize);
             ops.reduce(
                 &self.shared.group,
                 self.replica,
@@ -246,15 +247,21 @@ impl<'a> ReplicaContext<'a> {
                 self.batch_weight(),
                 &mut |mut piece: &[f32]| {
                     while !piece.is_empty() {
-                        while reduced[cur].len() == sizes[cur] {
-                            cur += 1;
+                        while filled == sizes[cur] {
+                            (cur, filled) = (cur + 1, 0);
                         }
-                        let take = (sizes[cur] - reduced[cur].len()).min(piece.len());
-                        reduced[cur].extend_from_slice(&piece[..take]);
+                        let take = (sizes[cur] - filled).min(piece.len());
+                        if let Err(e) = grads[cur].inplace_op1(&WriteAt { offset: filled, data: &piece[..take] }) {
+                            failed.get_or_insert(e);
+                        }
+                        filled += take;
                         piece = &piece[take..];
                     }
                 },
             )?;
+        }
+        if let Some(e) = failed {
+            return Err(e.into());
         }
         let receives = match dest {
             Destination::AllReplicas => true,
@@ -263,8 +270,8 @@ impl<'a> ReplicaContext<'a> {
         if receives {
             let _p = self.phase("step", "optimizer");
             let mut store = GradStore::default();
-            for ((v, g), data) in vars.iter().zip(&grads).zip(reduced) {
-                store.insert(v.as_tensor(), Tensor::from_vec(data, g.shape(), g.device())?);
+            for (v, g) in vars.iter().zip(grads) {
+                store.insert(v.as_tensor(), g);
             }
             opt.lock(copy).step(&store)?;
         }
@@ -273,5 +280,28 @@ impl<'a> ReplicaContext<'a> {
             self.barrier()?;
         }
         Ok(())
+    }
+}
+
+/// Writes `data` into a contiguous f32 CPU tensor at element `offset`, in place.
+struct WriteAt<'a> {
+    offset: usize,
+    data: &'a [f32],
+}
+
+impl candle_core::InplaceOp1 for WriteAt<'_> {
+    fn name(&self) -> &'static str {
+        "strata-write-at"
+    }
+
+    fn cpu_fwd(&self, storage: &mut candle_core::CpuStorage, layout: &candle_core::Layout) -> candle_core::Result<()> {
+        match (storage, layout.contiguous_offsets()) {
+            (candle_core::CpuStorage::F32(v), Some((lo, hi))) if self.offset + self.data.len() <= hi - lo => {
+                let at = lo + self.offset;
+                v[at..at + self.data.len()].copy_from_slice(self.data);
+                Ok(())
+            }
+            _ => candle_core::bail!("reduced gradients are written back into contiguous f32 gradients only"),
+        }
     }
 }
