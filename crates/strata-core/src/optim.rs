@@ -27,6 +27,22 @@ fn slice_mut<'a>(s: &'a mut CpuStorage, l: &Layout, what: &str) -> candle_core::
     }
 }
 
+/// The destination and the gradient of an in-place update, checked to be the same length.
+fn with_gradient<'a>(
+    dst: &'a mut CpuStorage,
+    dst_l: &Layout,
+    what: &str,
+    g: &'a CpuStorage,
+    g_l: &Layout,
+) -> candle_core::Result<(&'a mut [f32], &'a [f32])> {
+    let d = slice_mut(dst, dst_l, what)?;
+    let g = slice(g, g_l, "gradient")?;
+    if d.len() != g.len() {
+        candle_core::bail!("fused optimizer: {what} of {} elements, gradient of {}", d.len(), g.len());
+    }
+    Ok((d, g))
+}
+
 /// `m = (m * decay + 0) + (g * scale + 0)`, or with `g * g` for the second moment: the f32
 /// operations candle-nn's AdamW performs (`affine` adds 0.0, which matters for negative zeros).
 struct Moment {
@@ -47,11 +63,7 @@ impl candle_core::InplaceOp2 for Moment {
         src: &CpuStorage,
         src_l: &Layout,
     ) -> candle_core::Result<()> {
-        let m = slice_mut(dst, dst_l, "moment")?;
-        let g = slice(src, src_l, "gradient")?;
-        if m.len() != g.len() {
-            candle_core::bail!("fused optimizer: moment of {} elements, gradient of {}", m.len(), g.len());
-        }
+        let (m, g) = with_gradient(dst, dst_l, "moment", src, src_l)?;
         let (d, s) = (self.decay, self.scale);
         if self.square {
             m.iter_mut().zip(g).for_each(|(m, g)| *m = (*m * d + 0.0) + ((*g * *g) * s + 0.0));
@@ -119,11 +131,7 @@ impl candle_core::InplaceOp2 for SgdParam {
         src: &CpuStorage,
         src_l: &Layout,
     ) -> candle_core::Result<()> {
-        let t = slice_mut(dst, dst_l, "parameter")?;
-        let g = slice(src, src_l, "gradient")?;
-        if t.len() != g.len() {
-            candle_core::bail!("fused optimizer: parameter of {} elements, gradient of {}", t.len(), g.len());
-        }
+        let (t, g) = with_gradient(dst, dst_l, "parameter", src, src_l)?;
         let lr = self.lr;
         t.iter_mut().zip(g).for_each(|(t, g)| *t -= *g * lr + 0.0);
         Ok(())
