@@ -52,6 +52,9 @@ pub struct CrossReplicaContext {
 pub struct ReplicaContext<'a> {
     shared: &'a StepShared<'a>,
     replica: usize,
+    /// This replica's share of the current global batch (changes between the steps of one
+    /// execution, see [`Strategy::run_batches`](crate::Strategy::run_batches)).
+    weight: std::sync::atomic::AtomicU32,
 }
 
 impl std::fmt::Debug for ReplicaContext<'_> {
@@ -67,7 +70,12 @@ impl std::fmt::Debug for ReplicaContext<'_> {
 impl<'a> ReplicaContext<'a> {
     /// The context of `replica` in a step.
     pub fn new(shared: &'a StepShared<'a>, replica: usize) -> Self {
-        Self { shared, replica }
+        Self { shared, replica, weight: std::sync::atomic::AtomicU32::new(shared.weights[replica].to_bits()) }
+    }
+
+    /// Sets this replica's share of the global batch for the next step.
+    pub fn set_batch_weight(&self, weight: f32) {
+        self.weight.store(weight.to_bits(), std::sync::atomic::Ordering::Relaxed);
     }
 
     /// This replica's id, `0..num_replicas_in_sync()`.
@@ -102,7 +110,7 @@ impl<'a> ReplicaContext<'a> {
 
     /// This replica's share of the global batch.
     pub fn batch_weight(&self) -> f32 {
-        self.shared.weights[self.replica]
+        f32::from_bits(self.weight.load(std::sync::atomic::Ordering::Relaxed))
     }
 
     /// Starts a timeline phase on this replica (nothing is recorded without a timeline).

@@ -338,3 +338,31 @@ fn logical_cpus_of_several_threads_train_like_one_device() {
     let got = train::<SGD>(&s, 0.1, 10, 32);
     assert!(max_rel_diff(&want, &got) <= 1e-4);
 }
+
+strategy_test!(run_batches_is_a_loop_of_run_batch, |s: StrategyHandle| {
+    // Global batches of 32, 32 and an uneven 29: the weights change between steps.
+    let batches: Vec<_> = [32usize, 32, 29].iter().enumerate().map(|(i, &n)| data(n, 50 + i as u64)).collect();
+    let run = |many: bool| {
+        let model = s.scope(|sc| Mlp::new(sc.var_builder())).unwrap();
+        let opt = model.optimizer::<AdamW>(ParamsAdamW { lr: 0.01, ..Default::default() }).unwrap();
+        let dist: Vec<_> =
+            batches.iter().map(|b| DistributedBatch::split(b, s.num_replicas_in_sync()).unwrap()).collect();
+        let step = |ctx: &strata_core::ReplicaContext<'_>, shard: &strata_core::data::Shard| {
+            let (x, y) = tensors(&shard.batch, ctx.candle_device());
+            let loss = model.on(ctx)?.loss(&x, &y)?;
+            ctx.backward_and_sync(&loss, &opt)?;
+            Ok(loss.to_scalar::<f32>()? * shard.weight())
+        };
+        let losses: Vec<f32> = if many {
+            s.run_batches(&dist, step).unwrap().iter().map(|l| s.reduce(ReduceOp::Sum, l).unwrap()).collect()
+        } else {
+            dist.iter().map(|d| s.reduce(ReduceOp::Sum, &s.run_batch(d, step).unwrap()).unwrap()).collect()
+        };
+        (params(&model), losses)
+    };
+    let (a, la) = run(false);
+    let (b, lb) = run(true);
+    assert_eq!(la.len(), 3);
+    assert_eq!(la, lb);
+    assert_eq!(a, b, "run_batches must apply exactly the updates of a loop of run_batch");
+});

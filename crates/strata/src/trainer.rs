@@ -32,11 +32,14 @@ pub struct TrainConfig {
     pub warmup_steps: usize,
     /// Draw a progress bar (only on a terminal).
     pub progress: bool,
+    /// Steps handed to the replicas at once (`None`: a whole epoch), as Keras'
+    /// `steps_per_execution`: fewer hand-offs between the caller and the replica threads.
+    pub steps_per_execution: Option<usize>,
 }
 
 impl Default for TrainConfig {
     fn default() -> Self {
-        Self { epochs: 30, global_batch: 256, seed: 0, warmup_steps: 3, progress: true }
+        Self { epochs: 30, global_batch: 256, seed: 0, warmup_steps: 3, progress: true, steps_per_execution: None }
     }
 }
 
@@ -106,17 +109,20 @@ impl Trainer {
         let bar = progress_bar(cfg.progress, (steps_per_epoch * cfg.epochs) as u64);
         let mut epochs = Vec::with_capacity(cfg.epochs);
         let (mut steps, mut steady_time, mut steady_examples, mut skipped) = (0usize, Duration::ZERO, 0usize, 0usize);
+        let (mut all_time, mut all_examples) = (Duration::ZERO, 0usize);
         for epoch in 0..cfg.epochs {
             let _e = tracing::info_span!("epoch", epoch).entered();
             let mut idx: Vec<usize> = (0..train.len()).collect();
             idx.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(cfg.seed.wrapping_add(epoch as u64)));
             let batches = idx.chunks(cfg.global_batch).map(|c| gather(train, c));
             let mut data = strategy.distribute_dataset(batches, TailPolicy::Split);
+            let epoch_batches: Vec<_> = data.by_ref().collect();
+            let per_execution = cfg.steps_per_execution.unwrap_or(epoch_batches.len()).max(1);
             let (mut loss_sum, mut loss_n, mut epoch_time) = (0f32, 0usize, Duration::ZERO);
-            for db in data.by_ref() {
-                let _s = tracing::debug_span!("step", step = steps).entered();
+            for execution in epoch_batches.chunks(per_execution) {
+                let _s = tracing::debug_span!("execution", first_step = steps, steps = execution.len()).entered();
                 let t0 = Instant::now();
-                let losses = strategy.run_batch(&db, |ctx, shard| {
+                let losses = strategy.run_batches(execution, |ctx, shard| {
                     let fwd = ctx.phase("step", "forward");
                     let x = shard.batch.features_tensor(ctx.candle_device())?;
                     let y = shard.batch.labels_tensor(ctx.candle_device())?;
@@ -128,14 +134,19 @@ impl Trainer {
                 })?;
                 let dt = t0.elapsed();
                 epoch_time += dt;
+                // Executions that include warm-up steps do not count towards the steady state.
                 if steps >= cfg.warmup_steps {
                     steady_time += dt;
-                    steady_examples += db.global_len();
+                    steady_examples += execution.iter().map(|b| b.global_len()).sum::<usize>();
                 }
-                steps += 1;
-                loss_sum += strategy.reduce(ReduceOp::Sum, &losses)?;
-                loss_n += 1;
-                bar.inc(1);
+                all_time += dt;
+                all_examples += execution.iter().map(|b| b.global_len()).sum::<usize>();
+                steps += execution.len();
+                for l in &losses {
+                    loss_sum += strategy.reduce(ReduceOp::Sum, l)?;
+                    loss_n += 1;
+                }
+                bar.inc(execution.len() as u64);
             }
             skipped += data.skipped_examples();
             let acc = evaluate(model.primary(), test)?;
@@ -145,8 +156,10 @@ impl Trainer {
             epochs.push(EpochReport { epoch, train_loss, test_accuracy: acc, step_seconds: epoch_time.as_secs_f64() });
         }
         bar.finish_and_clear();
-        let examples_per_second =
-            if steady_time.is_zero() { 0.0 } else { steady_examples as f64 / steady_time.as_secs_f64() };
+        // A run too short to have a steady state reports the throughput of all its steps.
+        let (time, examples) =
+            if steady_time.is_zero() { (all_time, all_examples) } else { (steady_time, steady_examples) };
+        let examples_per_second = if time.is_zero() { 0.0 } else { examples as f64 / time.as_secs_f64() };
         Ok(FitReport {
             final_test_accuracy: epochs.last().map_or(0.0, |e| e.test_accuracy),
             epochs,

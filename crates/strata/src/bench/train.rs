@@ -132,11 +132,13 @@ where
         .iter()
         .map(|b| DistributedBatch::split(b, s.num_replicas_in_sync()))
         .collect::<strata_core::Result<_>>()?;
-    let (steps, dt) = time_steps(
+    // One execution runs every batch of the epoch (as `Trainer::fit` does): a "step" of the
+    // timing loop below is an execution of `dist.len()` training steps.
+    let (executions, dt) = time_steps(
         seconds,
         || {},
-        |i| {
-            s.run_batch(&dist[i % dist.len()], |ctx, shard| {
+        |_| {
+            s.run_batches(&dist, |ctx, shard| {
                 let x = shard.batch.features_tensor(ctx.candle_device())?;
                 let y = shard.batch.labels_tensor(ctx.candle_device())?;
                 let loss = model.on(ctx)?.loss(&x, &y)?;
@@ -145,6 +147,7 @@ where
             Ok(())
         },
     )?;
+    let steps = executions * dist.len();
     let global = data[0].len();
     Ok(Measurement {
         examples_per_second: (steps * global) as f64 / dt.as_secs_f64(),
