@@ -258,6 +258,13 @@ impl ReplicaGroup {
         None
     }
 
+    /// Drops this replica's value of the exchange `seq` (once no peer reads it any more), so
+    /// that what it holds is freed now rather than when the slot is next reused.
+    pub fn release(&self, replica: usize, seq: u64) {
+        let old = lock(&self.slots[(seq % 2) as usize])[replica].take();
+        drop(old);
+    }
+
     /// Exchanges one value per replica: every replica gets all values, in replica order.
     pub fn exchange<T: Any + Send + Clone>(&self, replica: usize, key: &OpKey, value: T) -> Result<Vec<T>> {
         if self.n == 1 {

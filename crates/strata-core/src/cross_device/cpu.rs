@@ -322,6 +322,8 @@ impl CrossDeviceOps for CpuCrossDeviceOps {
         }
         drop(all);
         group.arrive(replica, &OpKey { op: format!("{} (read)", key.op), ..key.clone() })?;
+        // Every reducer is done with the inputs: drop this replica's handles to its tensors.
+        group.release(replica, seq);
 
         if dest == Destination::AllReplicas || dest == Destination::Replica(replica) {
             for r in &results[..self.chunks] {
