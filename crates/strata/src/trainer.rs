@@ -2,7 +2,8 @@
 //!
 //! Per epoch: a seeded shuffle of the training set, global batches split over the replicas
 //! ([`TailPolicy::Split`]: the uneven last batch is weighted exactly), one synchronous step per
-//! batch, then an evaluation on the test set. A progress bar (indicatif, on a terminal) shows
+//! batch (handed to the replicas a whole epoch at a time, or `steps_per_execution` at a time,
+//! with [`Strategy::run_batches`]), then an evaluation on the test set. A progress bar (indicatif, on a terminal) shows
 //! loss and accuracy; tracing spans mark every epoch and step, and the strategy's timeline (if
 //! any) records every replica's forward, backward, bucket reductions and optimizer step.
 
