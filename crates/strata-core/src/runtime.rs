@@ -122,53 +122,29 @@ pub fn execute_local(
     if n == 1 {
         return run_one(0);
     }
-    let results: Vec<Result<()>> = match &pools.replicas {
-        // The calling thread is replica 0; `spawn_broadcast` runs the job exactly once on every
-        // thread of the pool (replica r on thread r - 1), and the scope returns when all are done.
-        Some(pool) if pool.current_num_threads() == n - 1 => {
-            let slots: Vec<std::sync::Mutex<Option<Result<()>>>> = (0..n).map(|_| Default::default()).collect();
-            pool.in_place_scope(|s| {
-                s.spawn_broadcast(|_, ctx| {
-                    let r = ctx.index() + 1;
-                    *slots[r].lock().unwrap_or_else(PoisonError::into_inner) = Some(run_one(r));
-                });
-                *slots[0].lock().unwrap_or_else(PoisonError::into_inner) = Some(run_one(0));
-            });
-            slots
-                .into_iter()
-                .enumerate()
-                .map(|(r, m)| {
-                    m.into_inner()
-                        .unwrap_or_else(PoisonError::into_inner)
-                        .unwrap_or_else(|| Err(Error::Scope(format!("replica {r} did not run"))))
-                })
-                .collect()
-        }
-        _ => std::thread::scope(|s| {
-            let handles: Vec<_> = (1..n)
-                .map(|r| {
-                    let run_one = &run_one;
-                    std::thread::Builder::new()
-                        .name(format!("strata-replica-{r}"))
-                        .spawn_scoped(s, move || run_one(r))
-                        .map_err(|e| Error::io("cannot start a replica thread", e))
-                })
-                .collect();
-            let first = run_one(0);
-            let mut all = vec![first];
-            for (i, h) in handles.into_iter().enumerate() {
-                all.push(match h {
-                    Ok(h) => h
-                        .join()
-                        .unwrap_or_else(|p| Err(Error::ReplicaPanicked { replica: i + 1, message: panic_message(p) })),
-                    Err(e) => Err(e),
-                });
-            }
-            all
-        }),
+    // The calling thread is replica 0; `spawn_broadcast` runs the job exactly once on every
+    // thread of the pool (replica r on thread r - 1), and the scope returns when all are done.
+    let pool = match &pools.replicas {
+        Some(pool) if pool.current_num_threads() == n - 1 => pool,
+        _ => return Err(Error::InvalidArgument(format!(
+            "replica threads were built for another replica count than {n}; build them with ReplicaPools::for_devices"
+        ))),
     };
+    let slots: Vec<std::sync::Mutex<Option<Result<()>>>> = (0..n).map(|_| Default::default()).collect();
+    pool.in_place_scope(|s| {
+        s.spawn_broadcast(|_, ctx| {
+            let r = ctx.index() + 1;
+            *slots[r].lock().unwrap_or_else(PoisonError::into_inner) = Some(run_one(r));
+        });
+        *slots[0].lock().unwrap_or_else(PoisonError::into_inner) = Some(run_one(0));
+    });
+    let results = slots.into_iter().enumerate().map(|(r, m)| {
+        m.into_inner()
+            .unwrap_or_else(PoisonError::into_inner)
+            .unwrap_or_else(|| Err(Error::Scope(format!("replica {r} did not run"))))
+    });
     let mut first_secondary = None;
-    for (r, res) in results.into_iter().enumerate() {
+    for (r, res) in results.enumerate() {
         match res {
             Ok(()) => {}
             Err(e @ Error::ReplicaPanicked { .. }) => return Err(e),
@@ -244,15 +220,10 @@ impl DefaultStrategy {
         Self {
             id: StrategyId::fresh(),
             devices,
-            ops: CpuCrossDeviceOps::in_memory_all_reduce(1).unwrap_or_else(|_| unreachable_ops()),
+            ops: CpuCrossDeviceOps::one_replica(),
             options: StrategyOptions::default(),
         }
     }
-}
-
-fn unreachable_ops() -> CpuCrossDeviceOps {
-    // `in_memory_all_reduce(1)` cannot fail; keep the constructor total without a panic path.
-    CpuCrossDeviceOps::reduction_to_one_device(1).unwrap_or_else(|_| unreachable_ops())
 }
 
 impl Default for DefaultStrategy {

@@ -188,16 +188,9 @@ pub trait Strategy {
         batch: &DistributedBatch,
         step: impl Fn(&ReplicaContext<'_>, &crate::data::Shard) -> Result<T> + Sync,
     ) -> Result<PerReplica<T>> {
-        let n = self.num_replicas_in_sync();
-        if batch.shards.num_replicas() != n {
-            return Err(Error::Dataset(format!(
-                "the batch was split for {} replicas but the strategy has {n}; distribute it with this strategy",
-                batch.shards.num_replicas()
-            )));
-        }
-        crate::runtime::run_collect(self.extended().as_ref(), &batch.weights(), |ctx| {
-            step(ctx, &batch.shards.values()[ctx.replica_id()])
-        })
+        self.run_batches(std::slice::from_ref(batch), step)?
+            .pop()
+            .ok_or_else(|| Error::Scope("a step returned no value".into()))
     }
 
     /// Runs one step per batch of `batches`, in order, in a single execution: every replica

@@ -192,6 +192,18 @@ impl CpuCrossDeviceOps {
         Ok(())
     }
 
+    /// The operations of a single replica (nothing to combine; the default strategy's).
+    pub fn one_replica() -> Self {
+        Self {
+            n: 1,
+            chunks: 1,
+            reducer: Reducer::ChunkOwner,
+            results: [vec![RwLock::new(Vec::new())], vec![RwLock::new(Vec::new())]],
+            devices: vec![DeviceSpec::cpu(0)],
+            accounted: Default::default(),
+        }
+    }
+
     /// The in-memory all-reduce for `n` replicas: each replica thread reduces its own chunk.
     pub fn in_memory_all_reduce(n: usize) -> Result<Self> {
         Self::new(n, Reducer::ChunkOwner)
