@@ -124,11 +124,9 @@ pub fn execute_local(
     }
     // The calling thread is replica 0; `spawn_broadcast` runs the job exactly once on every
     // thread of the pool (replica r on thread r - 1), and the scope returns when all are done.
-    let pool = match &pools.replicas {
-        Some(pool) if pool.current_num_threads() == n - 1 => pool,
-        _ => return Err(Error::InvalidArgument(format!(
-            "replica threads were built for another replica count than {n}; build them with ReplicaPools::for_devices"
-        ))),
+    let Some(pool) = pools.replicas.as_ref().filter(|p| p.current_num_threads() == n - 1) else {
+        let why = format!("replica threads built for another count than {n} replicas; use ReplicaPools::for_devices");
+        return Err(Error::InvalidArgument(why));
     };
     let slots: Vec<std::sync::Mutex<Option<Result<()>>>> = (0..n).map(|_| Default::default()).collect();
     pool.in_place_scope(|s| {
