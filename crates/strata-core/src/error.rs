@@ -70,6 +70,22 @@ pub enum Error {
     #[error("{0}")]
     InvalidArgument(String),
 
+    /// A cluster configuration (TF_CONFIG, Slurm variables, a cluster spec) that cannot be used;
+    /// the message names the field and what to change.
+    #[error("invalid cluster configuration: {0}")]
+    InvalidCluster(String),
+
+    /// A cross-worker failure: a lost task, a collective that failed or timed out between
+    /// workers, a peer that refused this worker. The message names the task, the collective
+    /// and the step.
+    #[error("{0}")]
+    Cluster(String),
+
+    /// A checkpoint that cannot be written or read (torn, corrupt, missing); the message names
+    /// the file.
+    #[error("checkpoint: {0}")]
+    Checkpoint(String),
+
     /// An error from candle.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),

@@ -1,0 +1,1 @@
+//! Strata's gRPC protocol.

@@ -1,0 +1,1 @@
+//! Cross-worker collectives over a ring of TCP connections.
