@@ -23,6 +23,7 @@
 //! The strategies themselves (`MirroredStrategy`, `CentralStorageStrategy`, ...) live in
 //! `strata-strategies`; the `strata` crate re-exports everything.
 
+pub mod checkpoint;
 pub mod context;
 pub mod cross_device;
 pub mod data;
@@ -37,6 +38,10 @@ pub mod timeline;
 mod values;
 pub mod variables;
 
+pub use checkpoint::{
+    keep_last, latest_checkpoint, read_checkpoint, write_checkpoint, Checkpoint, CheckpointTensor, CheckpointWriter,
+    LoadedTensor, OptimizerState, ShardInfo,
+};
 pub use context::{CrossReplicaContext, ReplicaContext};
 pub use error::{Error, Result};
 pub use reduce::ReduceOp;

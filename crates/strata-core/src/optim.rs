@@ -256,6 +256,121 @@ impl Optimizer for FusedSgd {
     }
 }
 
+/// The state of a fused optimizer, checked against the variables it would be loaded into.
+fn state_error(optimizer: &str, what: String) -> crate::Error {
+    crate::Error::Checkpoint(format!("optimizer state for {optimizer}: {what}"))
+}
+
+/// Checks that `tensor` fits `var` (same shape and dtype) and moves it to `var`'s device.
+fn state_for(optimizer: &str, key: &str, tensor: &Tensor, var: &Var) -> crate::Result<Tensor> {
+    if tensor.dims() != var.dims() || tensor.dtype() != var.dtype() {
+        return Err(state_error(
+            optimizer,
+            format!(
+                "tensor {key:?} has shape {:?} and dtype {}, the variable has {:?} and {}; load state saved from the same model",
+                tensor.dims(),
+                tensor.dtype().as_str(),
+                var.dims(),
+                var.dtype().as_str()
+            ),
+        ));
+    }
+    Ok(tensor.to_device(var.device())?.contiguous()?)
+}
+
+/// `FusedAdamW` saves `t` (the step count, an i64 scalar) and, for the i-th floating-point
+/// variable it was created with, `m.{i}` and `v.{i}` (the first and second moments).
+impl crate::checkpoint::OptimizerState for FusedAdamW {
+    fn state_tensors(&self) -> crate::Result<Vec<(String, Tensor)>> {
+        let mut state = Vec::with_capacity(1 + 2 * self.vars.len());
+        state.push(("t".to_string(), Tensor::new(self.step_t as i64, &candle_core::Device::Cpu)?));
+        for (i, AdamWVar { m, v, .. }) in self.vars.iter().enumerate() {
+            // copies: the moments are updated in place by later steps
+            state.push((format!("m.{i}"), m.as_tensor().copy()?));
+            state.push((format!("v.{i}"), v.as_tensor().copy()?));
+        }
+        Ok(state)
+    }
+
+    fn load_state_tensors(&mut self, state: &[(String, Tensor)]) -> crate::Result<()> {
+        const NAME: &str = "FusedAdamW";
+        let mut by_name = std::collections::HashMap::with_capacity(state.len());
+        for (key, tensor) in state {
+            if by_name.insert(key.as_str(), tensor).is_some() {
+                return Err(state_error(NAME, format!("tensor {key:?} is given twice")));
+            }
+        }
+        let n = self.vars.len();
+        fn take<'a>(
+            by_name: &mut std::collections::HashMap<&str, &'a Tensor>,
+            key: &str,
+            n: usize,
+        ) -> crate::Result<&'a Tensor> {
+            by_name.remove(key).ok_or_else(|| {
+                state_error(
+                    NAME,
+                    format!("tensor {key:?} is missing (the optimizer has {n} variables); load state saved from the same model"),
+                )
+            })
+        }
+        let t = take(&mut by_name, "t", n)?;
+        let step_t = match (t.rank(), t.dtype()) {
+            (0, DType::I64 | DType::U32 | DType::U8) => t.to_dtype(DType::I64)?.to_scalar::<i64>()?,
+            _ => {
+                return Err(state_error(
+                    NAME,
+                    format!(
+                        "tensor \"t\" must be an integer scalar, got shape {:?} and dtype {}",
+                        t.dims(),
+                        t.dtype().as_str()
+                    ),
+                ))
+            }
+        };
+        let step_t = usize::try_from(step_t)
+            .map_err(|_| state_error(NAME, format!("tensor \"t\" holds a negative step count {step_t}")))?;
+        let mut moments = Vec::with_capacity(n);
+        for (i, AdamWVar { var, .. }) in self.vars.iter().enumerate() {
+            let (mk, vk) = (format!("m.{i}"), format!("v.{i}"));
+            let m = state_for(NAME, &mk, take(&mut by_name, &mk, n)?, var)?;
+            let v = state_for(NAME, &vk, take(&mut by_name, &vk, n)?, var)?;
+            moments.push((m, v));
+        }
+        if let Some(extra) = by_name.keys().min() {
+            return Err(state_error(
+                NAME,
+                format!(
+                    "unknown tensor {extra:?} (the optimizer has {n} variables); load state saved from the same model"
+                ),
+            ));
+        }
+        // everything is checked: now change the optimizer
+        for (AdamWVar { m, v, .. }, (next_m, next_v)) in self.vars.iter().zip(moments) {
+            m.set(&next_m)?;
+            v.set(&next_v)?;
+        }
+        self.step_t = step_t;
+        Ok(())
+    }
+}
+
+/// `FusedSgd` (plain SGD, no momentum) keeps no state: it saves nothing and loads nothing.
+impl crate::checkpoint::OptimizerState for FusedSgd {
+    fn state_tensors(&self) -> crate::Result<Vec<(String, Tensor)>> {
+        Ok(Vec::new())
+    }
+
+    fn load_state_tensors(&mut self, state: &[(String, Tensor)]) -> crate::Result<()> {
+        match state.first() {
+            None => Ok(()),
+            Some((key, _)) => Err(state_error(
+                "FusedSgd",
+                format!("unknown tensor {key:?}; plain SGD keeps no state, load state saved from FusedSgd"),
+            )),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -24,11 +24,16 @@
 //! ```
 
 mod central_storage;
+pub mod cluster;
 mod local;
 mod mirrored;
 mod one_device;
 
 pub use central_storage::CentralStorageStrategy;
+pub use cluster::{
+    ClusterConfig, ClusterResolver, ClusterSpec, SimpleClusterResolver, SlurmClusterResolver, TFConfigClusterResolver,
+    TaskId, TaskType,
+};
 pub use local::CpuReduction;
 pub use mirrored::MirroredStrategy;
 pub use one_device::OneDeviceStrategy;

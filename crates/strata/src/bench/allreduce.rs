@@ -1,13 +1,22 @@
-//! `strata bench allreduce`: the CPU all-reduce of one machine's replicas, timed the way
-//! nccl-tests times NCCL's (`size count type redop time algbw busbw #wrong`), beside the floor
-//! this machine allows, measured in the same run: the time to read the `K` replica buffers once
-//! and write one result at the memcpy bandwidth.
+//! `strata bench allreduce`: all-reduce timed the way nccl-tests times NCCL's (`size count type
+//! redop time algbw busbw #wrong`), beside the ceiling this machine allows, measured in the same
+//! run.
 //!
-//! Every row runs `K` persistent replica threads, each holding its own f32 input tensor whose
-//! reduction has a closed form exact in f32; every result element of every replica is checked
-//! against it on the first warm-up and after the timed iterations (`#wrong`).
+//! - `--local`: the CPU all-reduce of one machine's replicas, beside the floor of reading the
+//!   `K` replica buffers once and writing one result at the memcpy bandwidth. Every row runs
+//!   `K` persistent replica threads, each holding its own f32 input tensor whose reduction has a
+//!   closed form exact in f32; every result element of every replica is checked against it on
+//!   the first warm-up and after the timed iterations (`#wrong`).
+//! - `--workers N`: MultiWorkerMirrored's cross-worker all-reduce ([`strata_transport::ring`])
+//!   between `N` processes of this binary on loopback, beside raw loopback TCP throughput. Each
+//!   worker refills its buffer, meets the others at a barrier, and times one all-reduce; every
+//!   result is checked against the closed form; the time is the slowest worker's median.
 
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
@@ -15,6 +24,7 @@ use strata_core::cross_device::{CpuCrossDeviceOps, CrossDeviceOps, Destination};
 use strata_core::device::{format_bytes, parse_bytes};
 use strata_core::group::{OpKey, ReplicaGroup, DEFAULT_COLLECTIVE_TIMEOUT};
 use strata_core::ReduceOp;
+use strata_transport::ring::{self, AbortSignal, Ring, RingConfig};
 
 use crate::{Error, Result};
 
@@ -72,14 +82,18 @@ fn parse_op(s: &str) -> std::result::Result<ReduceOp, String> {
     s.parse::<ReduceOp>().map_err(|e| e.to_string())
 }
 
-/// `strata bench allreduce`: time the all-reduce of this machine's replicas.
+/// `strata bench allreduce`: time the all-reduce of this machine's replicas (`--local`) or of
+/// worker processes on loopback (`--workers N`).
 #[derive(clap::Args, Debug, Clone)]
 pub struct AllreduceArgs {
-    /// All-reduce between the replica threads of this machine (required: the only mode in this
-    /// build; cross-worker all-reduce comes with MultiWorkerMirrored).
+    /// All-reduce between the replica threads of this machine.
     #[arg(long)]
     pub local: bool,
-    /// Replica counts to time, comma-separated.
+    /// All-reduce between this many worker processes on loopback (MultiWorkerMirrored's
+    /// cross-worker ring); comma-separated counts run one after the other.
+    #[arg(long, value_delimiter = ',', conflicts_with = "local")]
+    pub workers: Vec<usize>,
+    /// Replica counts to time with --local, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "2,4")]
     pub replicas: Vec<usize>,
     /// Smallest buffer per replica (bytes, or with a unit: 4KiB, 1MiB); sizes step x4.
@@ -97,16 +111,34 @@ pub struct AllreduceArgs {
     /// Untimed iterations before timing (the first one, always run, checks the result).
     #[arg(long, default_value_t = 3)]
     pub warmup: usize,
-    /// The implementation to time.
+    /// The implementation to time with --local.
     #[arg(long = "impl", value_enum, default_value_t = Impl::InMemory)]
     pub implementation: Impl,
+    /// With --workers: the ring's pipelining chunk [default: the ring's default].
+    #[arg(long, value_parser = parse_size)]
+    pub chunk_bytes: Option<u64>,
+    /// With --workers: the largest buffer exchanged directly with every peer instead of around
+    /// the ring [default: the ring's default].
+    #[arg(long, value_parser = parse_size)]
+    pub small_bytes: Option<u64>,
+    /// Internal: run as this rank of a --workers benchmark (started by the benchmark itself).
+    #[arg(long, hide = true, requires = "worker_count")]
+    pub worker_rank: Option<usize>,
+    /// Internal: the number of workers of a --workers benchmark.
+    #[arg(long, hide = true)]
+    pub worker_count: Option<usize>,
+    /// Internal: the raw loopback TCP throughput measured by the launching process, GB/s.
+    #[arg(long, hide = true)]
+    pub tcp_ceiling: Option<f64>,
 }
 
 /// A validated benchmark plan.
 #[derive(Clone, Debug)]
 pub struct Plan {
-    /// Replica counts, in order.
+    /// Replica counts, in order (`--local`).
     pub replicas: Vec<usize>,
+    /// Worker process counts, in order (`--workers`; empty with `--local`).
+    pub workers: Vec<usize>,
     /// Bytes per replica buffer (multiples of 4: f32), in order.
     pub sizes: Vec<u64>,
     /// The reduction.
@@ -115,8 +147,12 @@ pub struct Plan {
     pub iters: Option<usize>,
     /// Untimed iterations per row (at least one runs).
     pub warmup: usize,
-    /// The implementation.
+    /// The implementation (`--local`).
     pub implementation: Impl,
+    /// The ring's pipelining chunk (`--workers`).
+    pub chunk_bytes: usize,
+    /// The ring's direct-exchange limit (`--workers`).
+    pub small_bytes: usize,
 }
 
 /// Sizes from `min` to `max` bytes (inclusive), stepping x4: 4KiB..256MiB gives 9 sizes.
@@ -136,13 +172,33 @@ pub fn sizes(min: u64, max: u64) -> Vec<u64> {
 impl AllreduceArgs {
     /// Checks the flags and turns them into a [`Plan`].
     pub fn plan(&self) -> Result<Plan> {
-        if !self.local {
+        if !self.local && self.workers.is_empty() && self.worker_rank.is_none() {
             return Err(Error::Usage(
-                "strata bench allreduce: pass --local; only --local (the replicas of this machine) is \
-                 implemented in this build; cross-worker all-reduce comes with MultiWorkerMirrored"
+                "strata bench allreduce: pass --local (the replicas of this machine) or --workers N (N worker \
+                 processes on loopback, MultiWorkerMirrored's cross-worker ring)"
                     .into(),
             ));
         }
+        if self.workers.contains(&0) {
+            return Err(Error::Usage(format!(
+                "--workers {:?}: give one or more worker counts of at least 1, such as --workers 2,4",
+                self.workers
+            )));
+        }
+        let to_usize = |flag: &str, v: Option<u64>, default: usize| -> Result<usize> {
+            match v {
+                None => Ok(default),
+                Some(b) => usize::try_from(b).map_err(|_| Error::Usage(format!("{flag} {b}: too large"))),
+            }
+        };
+        let chunk_bytes = to_usize("--chunk-bytes", self.chunk_bytes, ring::DEFAULT_CHUNK_BYTES)?;
+        if !(4..=ring::MAX_CHUNK_BYTES).contains(&chunk_bytes) {
+            return Err(Error::Usage(format!(
+                "--chunk-bytes {chunk_bytes}: use 4 bytes to {}",
+                format_bytes(ring::MAX_CHUNK_BYTES as u64)
+            )));
+        }
+        let small_bytes = to_usize("--small-bytes", self.small_bytes, ring::DEFAULT_SMALL_BYTES)?;
         if self.replicas.is_empty() || self.replicas.contains(&0) {
             return Err(Error::Usage(format!(
                 "--replicas {:?}: give one or more replica counts of at least 1, such as --replicas 2,4",
@@ -170,11 +226,14 @@ impl AllreduceArgs {
         sizes.dedup();
         Ok(Plan {
             replicas: self.replicas.clone(),
+            workers: self.workers.clone(),
             sizes,
             op: self.op,
             iters: self.iters,
             warmup: self.warmup,
             implementation: self.implementation,
+            chunk_bytes,
+            small_bytes,
         })
     }
 }
@@ -682,6 +741,12 @@ fn print_summary(k: usize, rows: &[Row]) {
 /// differed from the closed form (after printing every row).
 pub fn run(args: &AllreduceArgs) -> Result<()> {
     let plan = args.plan()?;
+    if let Some(rank) = args.worker_rank {
+        return worker_main(&plan, rank, args.worker_count.unwrap_or(0), args.tcp_ceiling);
+    }
+    if !plan.workers.is_empty() {
+        return run_workers(args, &plan);
+    }
     print_header(&plan);
     let mut wrong = 0usize;
     let mut busbw = Vec::new();
@@ -705,6 +770,442 @@ pub fn run(args: &AllreduceArgs) -> Result<()> {
         ));
     }
     Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// --workers: the cross-worker ring between processes on loopback.
+
+/// The environment variable that hands the cluster token to the worker processes.
+const TOKEN_ENV: &str = "STRATA_BENCH_TOKEN";
+/// The deadline of each collective in a worker.
+const WORKER_COLLECTIVE_TIMEOUT: Duration = Duration::from_secs(300);
+/// How long the launcher waits for the workers to report their ports.
+const WORKER_START_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long one group of workers may run.
+const WORKER_GROUP_TIMEOUT: Duration = Duration::from_secs(3600);
+/// Bytes per timed stream of the raw TCP ceiling, and the write size.
+const TCP_CEILING_BYTES: usize = 512 << 20;
+const TCP_WRITE_BYTES: usize = 4 << 20;
+
+fn transport_error(e: strata_transport::Error) -> Error {
+    Error::Core(e.into())
+}
+
+/// One measured row of the cross-worker benchmark.
+#[derive(Clone, Debug)]
+pub struct WorkerRow {
+    /// Worker processes.
+    pub workers: usize,
+    /// Bytes per worker buffer.
+    pub bytes: u64,
+    /// f32 elements per buffer.
+    pub count: usize,
+    /// The reduction.
+    pub op: ReduceOp,
+    /// Timed iterations.
+    pub iters: usize,
+    /// The slowest worker's median time of one all-reduce.
+    pub time: Duration,
+    /// Result elements that differ from the closed form, over every iteration and worker.
+    pub wrong: u64,
+}
+
+impl WorkerRow {
+    /// Algorithm bandwidth: bytes per worker / time, GB/s.
+    pub fn algbw(&self) -> f64 {
+        self.bytes as f64 / self.time.as_secs_f64().max(1e-12) / 1e9
+    }
+
+    /// Bus bandwidth, nccl-tests' all-reduce convention: algbw * 2(N-1)/N, GB/s.
+    pub fn busbw(&self) -> f64 {
+        let n = self.workers as f64;
+        self.algbw() * 2.0 * (n - 1.0) / n
+    }
+}
+
+/// Raw loopback TCP throughput, GB/s per stream: one stream alone, and each of two streams
+/// running in opposite directions at once (what every link of a ring of two carries).
+pub fn tcp_ceiling() -> Result<(f64, f64)> {
+    let mut one = Vec::new();
+    let mut two = Vec::new();
+    for _ in 0..3 {
+        one.push(tcp_streams(1)?);
+        two.push(tcp_streams(2)?);
+    }
+    Ok((median_f64(&mut one).unwrap_or(0.0), median_f64(&mut two).unwrap_or(0.0)))
+}
+
+/// Runs `streams` loopback streams of [`TCP_CEILING_BYTES`] at once (the second in the
+/// opposite direction); GB/s per stream.
+fn tcp_streams(streams: usize) -> Result<f64> {
+    let io = |what: &str, e: std::io::Error| Error::io(format!("measuring loopback TCP: {what}"), e);
+    let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| io("bind", e))?;
+    let addr = listener.local_addr().map_err(|e| io("local address", e))?;
+    let dialed = TcpStream::connect(addr).map_err(|e| io("connect", e))?;
+    let (accepted, _) = listener.accept().map_err(|e| io("accept", e))?;
+    let pairs = [(dialed.try_clone(), accepted.try_clone()), (accepted.try_clone(), dialed.try_clone())];
+    let t0 = Instant::now();
+    let moved: Vec<std::io::Result<usize>> = std::thread::scope(|s| {
+        let mut handles = Vec::new();
+        for (w, r) in pairs.into_iter().take(streams) {
+            let (mut w, mut r) = (w?, r?);
+            w.set_nodelay(true)?;
+            handles.push(s.spawn(move || -> std::io::Result<usize> {
+                let buf = vec![7u8; TCP_WRITE_BYTES];
+                let mut sent = 0;
+                while sent < TCP_CEILING_BYTES {
+                    w.write_all(&buf)?;
+                    sent += buf.len();
+                }
+                Ok(sent)
+            }));
+            handles.push(s.spawn(move || -> std::io::Result<usize> {
+                let mut buf = vec![0u8; TCP_WRITE_BYTES];
+                let mut got = 0;
+                while got < TCP_CEILING_BYTES {
+                    match r.read(&mut buf)? {
+                        0 => break,
+                        k => got += k,
+                    }
+                }
+                Ok(got)
+            }));
+        }
+        Ok::<_, std::io::Error>(handles.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect())
+    })
+    .map_err(|e| io("stream setup", e))?;
+    let elapsed = t0.elapsed().as_secs_f64().max(1e-9);
+    for m in moved {
+        m.map_err(|e| io("transfer", e))?;
+    }
+    Ok(TCP_CEILING_BYTES as f64 / elapsed / 1e9)
+}
+
+/// Kills the worker processes that are still running when dropped.
+struct WorkerGroup(Vec<Child>);
+
+impl Drop for WorkerGroup {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            if matches!(c.try_wait(), Ok(None)) {
+                let _ = c.kill();
+            }
+            let _ = c.wait();
+        }
+    }
+}
+
+fn run_workers(args: &AllreduceArgs, plan: &Plan) -> Result<()> {
+    println!("# strata bench allreduce --workers {}", plan.workers.iter().map(usize::to_string).collect::<Vec<_>>().join(","));
+    println!(
+        "# machine: {} cores (available parallelism), {} {}{}",
+        cores(),
+        std::env::consts::OS,
+        std::env::consts::ARCH,
+        cpu_model().map(|m| format!(", {m}")).unwrap_or_default()
+    );
+    println!(
+        "# transport: strata_transport::ring over raw loopback TCP (one process per worker); ring all-reduce above \
+         {}, direct exchange up to it; chunk {}",
+        format_bytes(plan.small_bytes as u64),
+        format_bytes(plan.chunk_bytes as u64)
+    );
+    println!(
+        "# op {}, f32, warmup {}, iters {}; time = the slowest worker's median of (refill, barrier, timed all-reduce)",
+        plan.op,
+        plan.warmup.max(1),
+        match plan.iters {
+            Some(n) => n.to_string(),
+            None => format!("adaptive (~{ADAPTIVE_LOOP_SECS} s a row, {ADAPTIVE_MIN_ITERS} to {ADAPTIVE_MAX_ITERS})"),
+        }
+    );
+    let (one, two) = tcp_ceiling()?;
+    println!(
+        "# raw loopback TCP ceiling (measured now, {} writes): one stream {one:.2} GB/s; two streams in opposite \
+         directions at once {two:.2} GB/s each",
+        format_bytes(TCP_WRITE_BYTES as u64)
+    );
+    for &n in &plan.workers {
+        run_group(args, plan, n, one)?;
+    }
+    Ok(())
+}
+
+/// The arguments that give a worker the same plan as this process.
+fn worker_args(args: &AllreduceArgs, plan: &Plan, rank: usize, n: usize, ceiling: f64) -> Vec<String> {
+    let mut a: Vec<String> = vec!["bench".into(), "allreduce".into()];
+    let mut flag = |k: &str, v: String| {
+        a.push(k.into());
+        a.push(v);
+    };
+    flag("--worker-rank", rank.to_string());
+    flag("--worker-count", n.to_string());
+    flag("--min-bytes", args.min_bytes.to_string());
+    flag("--max-bytes", args.max_bytes.to_string());
+    flag("--op", plan.op.to_string());
+    flag("--warmup", plan.warmup.to_string());
+    flag("--chunk-bytes", plan.chunk_bytes.to_string());
+    flag("--small-bytes", plan.small_bytes.to_string());
+    flag("--tcp-ceiling", format!("{ceiling:.4}"));
+    if let Some(i) = plan.iters {
+        flag("--iters", i.to_string());
+    }
+    a
+}
+
+/// Starts `n` workers, gives them each other's addresses, forwards rank 0's table, and fails
+/// (stopping the others) as soon as one worker fails.
+fn run_group(args: &AllreduceArgs, plan: &Plan, n: usize, ceiling: f64) -> Result<()> {
+    let exe = std::env::current_exe().map_err(|e| Error::io("finding the strata executable", e))?;
+    let token = format!("{:016x}{:016x}", rand::random::<u64>(), rand::random::<u64>());
+    let (tx, rx) = mpsc::channel::<(usize, String)>();
+    let mut group = WorkerGroup(Vec::with_capacity(n));
+    for r in 0..n {
+        let mut child = Command::new(&exe)
+            .args(worker_args(args, plan, r, n, ceiling))
+            .env(TOKEN_ENV, &token)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .map_err(|e| Error::io(format!("starting worker {r} ({})", exe.display()), e))?;
+        if let Some(out) = child.stdout.take() {
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(out).lines().map_while(std::result::Result::ok) {
+                    if tx.send((r, line)).is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+        group.0.push(child);
+    }
+    drop(tx);
+    let failed = |group: &mut WorkerGroup| -> Option<Error> {
+        group.0.iter_mut().enumerate().find_map(|(r, c)| match c.try_wait() {
+            Ok(Some(s)) if !s.success() => Some(Error::io(
+                format!("strata bench allreduce --workers {n}"),
+                std::io::Error::other(format!("worker {r} failed ({s}); its error is above")),
+            )),
+            _ => None,
+        })
+    };
+
+    // Ports first.
+    let started = Instant::now();
+    let mut ports: Vec<Option<u16>> = vec![None; n];
+    while ports.iter().any(Option::is_none) {
+        if let Some(e) = failed(&mut group) {
+            return Err(e);
+        }
+        if started.elapsed() > WORKER_START_TIMEOUT {
+            return Err(Error::io(
+                "strata bench allreduce",
+                std::io::Error::new(std::io::ErrorKind::TimedOut, "the workers did not report their ports within 60 s"),
+            ));
+        }
+        if let Ok((r, line)) = rx.recv_timeout(Duration::from_millis(100)) {
+            if let Some(p) = line.strip_prefix("PORT ").and_then(|p| p.trim().parse().ok()) {
+                ports[r] = Some(p);
+            }
+        }
+    }
+    let addrs: Vec<String> = ports.iter().flatten().map(|p| format!("127.0.0.1:{p}")).collect();
+    for c in &mut group.0 {
+        if let Some(stdin) = c.stdin.as_mut() {
+            writeln!(stdin, "ADDRS {}", addrs.join(",")).map_err(|e| Error::io("handing the workers their peers", e))?;
+        }
+    }
+
+    // Then rank 0's table, until every worker has exited.
+    let started = Instant::now();
+    loop {
+        match rx.recv_timeout(Duration::from_millis(100)) {
+            Ok((0, line)) => println!("{line}"),
+            Ok(_) => {}
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+        }
+        if let Some(e) = failed(&mut group) {
+            return Err(e);
+        }
+        if started.elapsed() > WORKER_GROUP_TIMEOUT {
+            return Err(Error::io(
+                "strata bench allreduce",
+                std::io::Error::new(std::io::ErrorKind::TimedOut, "the workers ran for more than an hour"),
+            ));
+        }
+    }
+    for (r, c) in group.0.iter_mut().enumerate() {
+        let s = c.wait().map_err(|e| Error::io(format!("waiting for worker {r}"), e))?;
+        if !s.success() {
+            return Err(Error::io(
+                format!("strata bench allreduce --workers {n}"),
+                std::io::Error::other(format!("worker {r} failed ({s}); its error is above")),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A worker process: reports its port, learns its peers, and runs every row.
+fn worker_main(plan: &Plan, rank: usize, n: usize, ceiling: Option<f64>) -> Result<()> {
+    if n == 0 || rank >= n {
+        return Err(Error::Usage(format!("--worker-rank {rank} --worker-count {n}: the rank must be below the count")));
+    }
+    let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| Error::io("binding a worker's ring port", e))?;
+    let port = listener.local_addr().map_err(|e| Error::io("a worker's ring port", e))?.port();
+    println!("PORT {port}");
+    std::io::stdout().flush().map_err(|e| Error::io("reporting a worker's port", e))?;
+    let mut line = String::new();
+    std::io::stdin().read_line(&mut line).map_err(|e| Error::io("reading the workers' addresses", e))?;
+    let addresses: Vec<SocketAddr> = line
+        .trim()
+        .strip_prefix("ADDRS ")
+        .unwrap_or_default()
+        .split(',')
+        .filter(|a| !a.is_empty())
+        .map(|a| a.parse().map_err(|_| Error::Usage(format!("worker address {a:?} is not host:port"))))
+        .collect::<Result<_>>()?;
+    if addresses.len() != n {
+        return Err(Error::Usage(format!("{} worker addresses for {n} workers", addresses.len())));
+    }
+    let mut cfg = RingConfig::new(rank, addresses);
+    cfg.listener = Some(listener);
+    cfg.token = std::env::var(TOKEN_ENV).ok();
+    cfg.fingerprint = format!("strata bench allreduce: {n} workers, {} sizes, op {}", plan.sizes.len(), plan.op);
+    cfg.timeout = WORKER_COLLECTIVE_TIMEOUT;
+    cfg.connect_timeout = WORKER_START_TIMEOUT;
+    cfg.chunk_bytes = plan.chunk_bytes;
+    cfg.small_bytes = plan.small_bytes;
+    let ring = Ring::connect(cfg, AbortSignal::new()).map_err(transport_error)?;
+
+    if rank == 0 {
+        print_worker_table_header(n);
+    }
+    let mut step = 0u64;
+    let mut rows = Vec::with_capacity(plan.sizes.len());
+    for &bytes in &plan.sizes {
+        let row = measure_worker_row(&ring, plan, bytes, &mut step)?;
+        if rank == 0 {
+            print_worker_row(&row, ceiling);
+        }
+        rows.push(row);
+    }
+    if rank == 0 {
+        print_worker_summary(n, &rows);
+    }
+    let wrong: u64 = rows.iter().map(|r| r.wrong).sum();
+    if wrong > 0 {
+        return Err(Error::io(
+            "strata bench allreduce",
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("{wrong} all-reduce result values differ from the closed form (see #wrong)"),
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Measures one row on this worker; every worker returns the same row.
+pub fn measure_worker_row(ring: &Ring, plan: &Plan, bytes: u64, step: &mut u64) -> Result<WorkerRow> {
+    let (rank, n) = (ring.rank(), ring.size());
+    let count = usize::try_from(bytes / 4)
+        .map_err(|_| Error::Usage(format!("{} does not fit in this machine's memory", format_bytes(bytes))))?;
+    let input: Vec<f32> = (0..count).map(|i| value(rank, i)).collect();
+    let mut data = input.clone();
+    let expected = Expected::new(plan.op, n);
+    let mut wrong = 0u64;
+    let mut one = |data: &mut Vec<f32>, step: &mut u64| -> Result<Duration> {
+        data.copy_from_slice(&input);
+        ring.barrier(*step).map_err(transport_error)?;
+        let t0 = Instant::now();
+        ring.all_reduce(*step + 1, plan.op, data).map_err(transport_error)?;
+        let t = t0.elapsed();
+        *step += 2;
+        let mut check = expected.checker();
+        check.piece(data);
+        wrong += check.finish(count) as u64;
+        Ok(t)
+    };
+    let mut warm = Vec::new();
+    for _ in 0..plan.warmup.max(1) {
+        warm.push(one(&mut data, step)?);
+    }
+    let iters = match plan.iters {
+        Some(i) => i,
+        None => {
+            // Rank 0 decides, so that every worker runs the same count.
+            let mut v = [adaptive_iters(warm.iter().min().copied().unwrap_or_default()) as f32];
+            ring.broadcast(*step, 0, &mut v).map_err(transport_error)?;
+            *step += 1;
+            v[0] as usize
+        }
+    };
+    let mut times = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        times.push(one(&mut data, step)?);
+    }
+    // The slowest worker's median, and every worker's wrong count (split to stay exact in f32).
+    let mut slowest = [median(&mut times).as_secs_f64() as f32];
+    ring.all_reduce(*step, ReduceOp::Max, &mut slowest).map_err(transport_error)?;
+    let mut w = [(wrong >> 20) as f32, (wrong & 0xf_ffff) as f32];
+    ring.all_reduce(*step + 1, ReduceOp::Sum, &mut w).map_err(transport_error)?;
+    *step += 2;
+    Ok(WorkerRow {
+        workers: n,
+        bytes: count as u64 * 4,
+        count,
+        op: plan.op,
+        iters,
+        time: Duration::from_secs_f64(f64::from(slowest[0]).max(0.0)),
+        wrong: ((w[0] as u64) << 20) + w[1] as u64,
+    })
+}
+
+fn print_worker_table_header(n: usize) {
+    println!("#");
+    println!("# {n} worker processes");
+    println!(
+        "# {:>10} {:>12} {:>6} {:>6} {:>11} {:>12} {:>12} {:>7} {:>10} {:>6}",
+        "size", "count", "type", "redop", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong", "busbw/tcp", "iters"
+    );
+}
+
+fn print_worker_row(row: &WorkerRow, ceiling: Option<f64>) {
+    let ratio = match ceiling {
+        Some(c) if c > 0.0 => format!("{:.2}", row.busbw() / c),
+        _ => "-".into(),
+    };
+    println!(
+        "  {:>10} {:>12} {:>6} {:>6} {:>11.1} {:>12.3} {:>12.3} {:>7} {:>10} {:>6}",
+        row.bytes,
+        row.count,
+        "float",
+        row.op.to_string(),
+        row.time.as_secs_f64() * 1e6,
+        row.algbw(),
+        row.busbw(),
+        row.wrong,
+        ratio,
+        row.iters
+    );
+}
+
+fn print_worker_summary(n: usize, rows: &[WorkerRow]) {
+    if let Some(small) = rows.iter().min_by_key(|r| r.bytes) {
+        println!(
+            "# {n} workers: median latency at {}: {:.1} us",
+            format_bytes(small.bytes),
+            small.time.as_secs_f64() * 1e6
+        );
+    }
+    let wrong: u64 = rows.iter().map(|r| r.wrong).sum();
+    println!("# {n} workers: wrong values: {wrong} {}", if wrong == 0 { "OK" } else { "FAILED" });
+    let avg = rows.iter().map(WorkerRow::busbw).sum::<f64>() / rows.len().max(1) as f64;
+    println!("# {n} workers: avg bus bandwidth: {avg:.3} GB/s");
 }
 
 #[cfg(test)]
@@ -757,7 +1258,7 @@ mod tests {
     #[test]
     fn without_local_is_a_usage_error() {
         let e = args(&[]).plan().unwrap_err();
-        assert!(matches!(&e, Error::Usage(m) if m.contains("--local") && m.contains("MultiWorkerMirrored")), "{e}");
+        assert!(matches!(&e, Error::Usage(m) if m.contains("--local") && m.contains("--workers N")), "{e}");
         assert_eq!(e.exit_code(), 2);
         assert!(matches!(args(&["--local", "--replicas", "0"]).plan(), Err(Error::Usage(_))));
         assert!(matches!(
@@ -812,6 +1313,9 @@ mod tests {
                 iters: Some(3),
                 warmup: 1,
                 implementation,
+                workers: vec![],
+                chunk_bytes: ring::DEFAULT_CHUNK_BYTES,
+                small_bytes: ring::DEFAULT_SMALL_BYTES,
             };
             let mut printed = 0;
             let rows = measure(&plan, 2, &mut |_| printed += 1).unwrap();
@@ -831,6 +1335,9 @@ mod tests {
             iters: None,
             warmup: 2,
             implementation: Impl::InMemory,
+            workers: vec![],
+            chunk_bytes: ring::DEFAULT_CHUNK_BYTES,
+            small_bytes: ring::DEFAULT_SMALL_BYTES,
         };
         let rows = measure(&plan, 3, &mut |_| {}).unwrap();
         assert_eq!(rows[0].wrong, 0);

@@ -1,5 +1,6 @@
 //! The `strata` command line.
 
+mod launch;
 pub mod train;
 
 use clap::{Parser, Subcommand};
@@ -23,6 +24,8 @@ pub struct Cli {
 pub enum Command {
     /// Train the digits MLP (the main job).
     Train(train::TrainArgs),
+    /// Start a local cluster: one process per task, each with its TF_CONFIG (like torchrun).
+    Launch(launch::LaunchArgs),
     /// List physical and logical devices as the visibility rules resolve them.
     Devices,
     /// Benchmarks; each prints this machine's ceiling measured in the same run.
@@ -47,6 +50,7 @@ pub enum BenchCommand {
 pub fn run(cli: Cli) -> crate::Result<()> {
     match cli.command {
         Command::Train(args) => train::run(&args),
+        Command::Launch(args) => launch::run(&args),
         Command::Devices => {
             let registry = strata_core::device::DeviceRegistry::global();
             print!("{}", strata_core::device::describe_devices(registry)?);

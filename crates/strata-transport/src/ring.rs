@@ -1,1 +1,0 @@
-//! Cross-worker collectives over a ring of TCP connections.

@@ -1,0 +1,344 @@
+//! The collectives' algorithms, as futures over one task's [`Links`].
+//!
+//! - **Ring all-reduce** (buffers above `small_bytes`): reduce-scatter then all-gather, n-1
+//!   transfers each, over the buffer split into n segments (segment k is
+//!   `[k*len/n, (k+1)*len/n)`, so uneven lengths and empty segments need no special case). Every
+//!   segment travels in DATA frames of `chunk_bytes`, and one future per link sends while
+//!   another receives: the sender serializes chunk c of transfer t as soon as the receiver has
+//!   reduced chunk c of transfer t-1, so both directions of every link stay busy. Each
+//!   segment's final value is computed by one task and then copied around the ring as bytes,
+//!   so every task ends with bitwise-identical results.
+//! - **Direct all-reduce** (buffers up to `small_bytes`): every task sends its whole buffer to
+//!   every peer in one write and reduces the n buffers in rank order itself: one network hop
+//!   instead of 2(n-1), and the same order (so the same bits) on every task.
+//! - **All-gather**: every task sends its buffer to every peer (the same bytes per task as a
+//!   ring, in one hop); lengths may differ.
+//! - **Broadcast**: up to `small_bytes` the root sends to every peer; above, a pipelined chain
+//!   around the ring starting at the root, so the root sends the buffer once.
+//! - **Barrier**: every task sends its OPEN frame to every peer and waits for theirs.
+//!
+//! Every collective starts with OPEN frames, compared on receipt, so a peer that called a
+//! different collective is reported before any data is used.
+
+use std::cell::{Cell, RefCell};
+use std::ops::Range;
+
+use strata_core::ReduceOp;
+use tokio::sync::Notify;
+
+use super::link::{missing, try_join_all, watching, Ctx, Links, Reader, Writer};
+use super::wire::{self, Call, HEADER, TAG_DATA};
+use crate::{Error, Result};
+
+/// Start of segment `k` of `n` over `len` elements.
+fn seg_start(len: usize, n: usize, k: usize) -> usize {
+    (len as u128 * k as u128 / n.max(1) as u128) as usize
+}
+
+/// The chunk ranges covering `range`, at most `chunk` elements each.
+fn chunks(range: Range<usize>, chunk: usize) -> impl Iterator<Item = Range<usize>> {
+    let chunk = chunk.max(1);
+    (range.start..range.end).step_by(chunk).map(move |s| s..(s + chunk).min(range.end))
+}
+
+/// `(x mod n)` for a signed offset from a rank.
+fn ring_pos(r: usize, offset: isize, n: usize) -> usize {
+    (r as isize + offset).rem_euclid(n as isize) as usize
+}
+
+/// An OPEN frame followed by `data` in DATA frames of `chunk` elements.
+fn message(ctx: &Ctx<'_>, data: &[f32]) -> Vec<u8> {
+    let frames = data.len().div_ceil(ctx.chunk_elems.max(1));
+    let mut out = Vec::with_capacity(HEADER + wire::OPEN_LEN + frames * HEADER + data.len() * 4);
+    out.extend_from_slice(&wire::open_frame(ctx.step, &ctx.call));
+    for r in chunks(0..data.len(), ctx.chunk_elems) {
+        out.extend_from_slice(&wire::header(TAG_DATA, r.len() * 4));
+        wire::put_f32s(&mut out, &data[r]);
+    }
+    out
+}
+
+/// Reads `len` f32s in DATA frames of the chunk size, as raw bytes.
+async fn read_f32s(ctx: &Ctx<'_>, rd: &mut Reader, len: usize) -> Result<Vec<u8>> {
+    let mut buf = vec![0u8; len * 4];
+    for r in chunks(0..len, ctx.chunk_elems) {
+        rd.data(ctx, &mut buf[r.start * 4..r.end * 4]).await?;
+    }
+    Ok(buf)
+}
+
+/// One chunk to send: its elements, and how many received chunks must be processed first.
+struct SendItem {
+    range: Range<usize>,
+    need: usize,
+}
+
+/// What to do with a received chunk.
+#[derive(Clone, Copy)]
+enum Action {
+    /// Combine into the buffer; `finish`: this completes the segment (Mean divides).
+    Reduce { finish: bool },
+    /// Overwrite the buffer.
+    Store,
+}
+
+struct RecvItem {
+    range: Range<usize>,
+    action: Action,
+}
+
+/// Sends `sends` to `writer` while receiving `recvs` from `reader`, both preceded by OPEN
+/// frames. A send waits until the receives it depends on are processed.
+#[allow(clippy::too_many_arguments)]
+async fn pipeline(
+    ctx: &Ctx<'_>,
+    reader: &mut Reader,
+    writer: &mut Writer,
+    data: &mut [f32],
+    op: ReduceOp,
+    sends: &[SendItem],
+    recvs: &[RecvItem],
+) -> Result<()> {
+    let data = RefCell::new(data);
+    let done = Cell::new(0usize);
+    let progress = Notify::new();
+    let n = ctx.n;
+    let send = async {
+        writer.send(ctx, &wire::open_frame(ctx.step, &ctx.call)).await?;
+        let most = sends.iter().map(|i| i.range.len()).max().unwrap_or(0);
+        let mut buf = vec![0u8; HEADER + most * 4];
+        for item in sends {
+            while done.get() < item.need {
+                progress.notified().await;
+            }
+            let len = item.range.len() * 4;
+            buf[..HEADER].copy_from_slice(&wire::header(TAG_DATA, len));
+            wire::write_f32s(&mut buf[HEADER..HEADER + len], &data.borrow()[item.range.clone()]);
+            writer.send(ctx, &buf[..HEADER + len]).await?;
+        }
+        Ok::<_, Error>(())
+    };
+    let recv = async {
+        reader.open(ctx).await?;
+        for (i, item) in recvs.iter().enumerate() {
+            let start = item.range.start;
+            reader
+                .data_with(ctx, item.range.len() * 4, |at, bytes| {
+                    let mut d = data.borrow_mut();
+                    let dst = &mut d[start + at..start + at + bytes.len() / 4];
+                    match item.action {
+                        Action::Reduce { .. } => wire::combine_bytes(op, dst, bytes),
+                        Action::Store => wire::store_f32s(dst, bytes),
+                    }
+                })
+                .await?;
+            if let Action::Reduce { finish: true } = item.action {
+                op.finish(&mut data.borrow_mut()[item.range.clone()], n);
+            }
+            done.set(i + 1);
+            progress.notify_one();
+        }
+        Ok::<_, Error>(())
+    };
+    tokio::try_join!(send, recv)?;
+    Ok(())
+}
+
+/// Ring all-reduce: reduce-scatter, then all-gather.
+pub(crate) async fn ring_all_reduce(ctx: &Ctx<'_>, links: &mut Links, op: ReduceOp, data: &mut [f32]) -> Result<()> {
+    let (n, r, len) = (ctx.n, ctx.rank, data.len());
+    let seg_chunks: Vec<Vec<Range<usize>>> =
+        (0..n).map(|k| chunks(seg_start(len, n, k)..seg_start(len, n, k + 1), ctx.chunk_elems).collect()).collect();
+    // Transfer t sends segment sseg(t) and receives rseg(t); sseg(t) == rseg(t-1).
+    let transfer = |t: usize| -> (usize, usize) {
+        let t = t as isize;
+        let n1 = n as isize - 1;
+        if t < n1 {
+            (ring_pos(r, -t, n), ring_pos(r, -t - 1, n))
+        } else {
+            let s = t - n1;
+            (ring_pos(r, 1 - s, n), ring_pos(r, -s, n))
+        }
+    };
+    let mut recvs = Vec::new();
+    let mut sends = Vec::new();
+    let mut prev_recv_start = 0;
+    for t in 0..2 * (n - 1) {
+        let (sseg, rseg) = transfer(t);
+        for (c, range) in seg_chunks[sseg].iter().enumerate() {
+            let need = if t == 0 { 0 } else { prev_recv_start + c + 1 };
+            sends.push(SendItem { range: range.clone(), need });
+        }
+        prev_recv_start = recvs.len();
+        let action = if t < n - 1 { Action::Reduce { finish: t == n - 2 } } else { Action::Store };
+        recvs.extend(seg_chunks[rseg].iter().map(|range| RecvItem { range: range.clone(), action }));
+    }
+    let (reader, writer, idle) = links.pair(ring_pos(r, -1, n), ring_pos(r, 1, n))?;
+    watching(ctx, idle, pipeline(ctx, reader, writer, data, op, &sends, &recvs)).await
+}
+
+/// Direct all-reduce: every task sends its buffer to every peer and reduces in rank order.
+pub(crate) async fn direct_all_reduce(
+    ctx: &Ctx<'_>,
+    links: &mut Links,
+    op: ReduceOp,
+    data: &mut [f32],
+) -> Result<()> {
+    let len = data.len();
+    let msg = message(ctx, data);
+    let sends: Vec<_> = links.writers.iter_mut().flatten().map(|w| w.send(ctx, &msg)).collect();
+    let recvs: Vec<_> = links
+        .readers
+        .iter_mut()
+        .flatten()
+        .map(|rd| async move {
+            rd.open(ctx).await?;
+            let bytes = read_f32s(ctx, rd, len).await?;
+            Ok((rd.peer, bytes))
+        })
+        .collect();
+    let (_, got) = tokio::try_join!(try_join_all(sends), try_join_all(recvs))?;
+    let mut by_rank: Vec<Option<Vec<u8>>> = (0..ctx.n).map(|_| None).collect();
+    for (p, bytes) in got {
+        by_rank[p] = Some(bytes);
+    }
+    // ((x0 op x1) op x2) ...: the same order, so the same bits, on every task.
+    let mut acc = vec![0f32; len];
+    for (p, bytes) in by_rank.iter().enumerate() {
+        match (p == ctx.rank, bytes, p == 0) {
+            (true, _, true) => acc.copy_from_slice(data),
+            (true, _, false) => op.combine(&mut acc, data),
+            (false, Some(b), true) => wire::store_f32s(&mut acc, b),
+            (false, Some(b), false) => wire::combine_bytes(op, &mut acc, b),
+            (false, None, _) => return Err(missing(p)),
+        }
+    }
+    op.finish(&mut acc, ctx.n);
+    data.copy_from_slice(&acc);
+    Ok(())
+}
+
+/// All-gather: every task sends its buffer to every peer.
+pub(crate) async fn all_gather(ctx: &Ctx<'_>, links: &mut Links, mine: &[f32]) -> Result<Vec<Vec<f32>>> {
+    let msg = message(ctx, mine);
+    let sends: Vec<_> = links.writers.iter_mut().flatten().map(|w| w.send(ctx, &msg)).collect();
+    let recvs: Vec<_> = links
+        .readers
+        .iter_mut()
+        .flatten()
+        .map(|rd| async move {
+            let theirs = rd.open(ctx).await?;
+            let count = match theirs {
+                Call::AllGather { count } => count,
+                other => return Err(ctx.protocol(rd.peer, format!("an OPEN frame for {other} where all_gather belongs"))),
+            };
+            let len = usize::try_from(count)
+                .ok()
+                .filter(|c| c.checked_mul(4).is_some())
+                .ok_or_else(|| ctx.protocol(rd.peer, format!("an all_gather of {count} f32, more than this machine can hold")))?;
+            // Grows with the bytes that arrive, never with the length a peer claims.
+            let mut out: Vec<f32> = Vec::with_capacity(len.min(ctx.chunk_elems));
+            let mut buf = vec![0u8; ctx.chunk_elems.min(len) * 4];
+            for r in chunks(0..len, ctx.chunk_elems) {
+                let bytes = &mut buf[..r.len() * 4];
+                rd.data(ctx, bytes).await?;
+                let at = out.len();
+                out.resize(at + r.len(), 0.0);
+                wire::store_f32s(&mut out[at..], bytes);
+            }
+            Ok((rd.peer, out))
+        })
+        .collect();
+    let (_, got) = tokio::try_join!(try_join_all(sends), try_join_all(recvs))?;
+    let mut out: Vec<Vec<f32>> = (0..ctx.n).map(|_| Vec::new()).collect();
+    out[ctx.rank] = mine.to_vec();
+    for (p, v) in got {
+        out[p] = v;
+    }
+    Ok(out)
+}
+
+/// Broadcast from `root` to every peer directly.
+pub(crate) async fn direct_broadcast(ctx: &Ctx<'_>, links: &mut Links, root: usize, data: &mut [f32]) -> Result<()> {
+    if ctx.rank == root {
+        let msg = message(ctx, data);
+        let sends: Vec<_> = links.writers.iter_mut().flatten().map(|w| w.send(ctx, &msg)).collect();
+        let opens: Vec<_> = links.readers.iter_mut().flatten().map(|rd| rd.open(ctx)).collect();
+        tokio::try_join!(try_join_all(sends), try_join_all(opens))?;
+        return Ok(());
+    }
+    let (rd, wr, idle) = links.pair(root, root)?;
+    let open = wire::open_frame(ctx.step, &ctx.call);
+    let recv = async {
+        rd.open(ctx).await?;
+        let len = data.len();
+        read_f32s(ctx, rd, len).await
+    };
+    let (_, bytes) = watching(ctx, idle, async { tokio::try_join!(wr.send(ctx, &open), recv) }).await?;
+    wire::store_f32s(data, &bytes);
+    Ok(())
+}
+
+/// Broadcast along the ring from `root`, pipelined in chunks.
+pub(crate) async fn chain_broadcast(ctx: &Ctx<'_>, links: &mut Links, root: usize, data: &mut [f32]) -> Result<()> {
+    let (n, r) = (ctx.n, ctx.rank);
+    let pos = ring_pos(r, -(root as isize), n);
+    let all: Vec<Range<usize>> = chunks(0..data.len(), ctx.chunk_elems).collect();
+    let sends: Vec<SendItem> = if pos == 0 {
+        all.iter().map(|range| SendItem { range: range.clone(), need: 0 }).collect()
+    } else if pos < n - 1 {
+        all.iter().enumerate().map(|(c, range)| SendItem { range: range.clone(), need: c + 1 }).collect()
+    } else {
+        Vec::new()
+    };
+    let recvs: Vec<RecvItem> = if pos == 0 {
+        Vec::new()
+    } else {
+        all.iter().map(|range| RecvItem { range: range.clone(), action: Action::Store }).collect()
+    };
+    let (reader, writer, idle) = links.pair(ring_pos(r, -1, n), ring_pos(r, 1, n))?;
+    watching(ctx, idle, pipeline(ctx, reader, writer, data, ReduceOp::Sum, &sends, &recvs)).await
+}
+
+/// Barrier: OPEN frames to and from every peer.
+pub(crate) async fn barrier(ctx: &Ctx<'_>, links: &mut Links) -> Result<()> {
+    let open = wire::open_frame(ctx.step, &ctx.call);
+    let sends: Vec<_> = links.writers.iter_mut().flatten().map(|w| w.send(ctx, &open)).collect();
+    let opens: Vec<_> = links.readers.iter_mut().flatten().map(|rd| rd.open(ctx)).collect();
+    tokio::try_join!(try_join_all(sends), try_join_all(opens))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn segments_cover_the_buffer_unevenly() {
+        for len in [0usize, 1, 2, 7, 10, 1_000_003] {
+            for n in 1..=5 {
+                let mut covered = 0;
+                for k in 0..n {
+                    let (s, e) = (seg_start(len, n, k), seg_start(len, n, k + 1));
+                    assert!(s <= e && e - s <= len / n + 1, "len {len} n {n} k {k}");
+                    covered += e - s;
+                }
+                assert_eq!((seg_start(len, n, 0), seg_start(len, n, n), covered), (0, len, len));
+            }
+        }
+    }
+
+    #[test]
+    fn chunks_cover_a_range_in_order() {
+        let c: Vec<_> = chunks(3..14, 4).collect();
+        assert_eq!(c, vec![3..7, 7..11, 11..14]);
+        assert_eq!(chunks(5..5, 4).count(), 0);
+    }
+
+    #[test]
+    fn each_transfer_sends_what_the_previous_one_received() {
+        assert_eq!(ring_pos(0, -1, 3), 2);
+        assert_eq!(ring_pos(2, 1, 3), 0);
+        assert_eq!(ring_pos(1, -5, 3), 2);
+    }
+}

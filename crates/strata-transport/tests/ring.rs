@@ -1,0 +1,546 @@
+//! Cross-worker collectives on loopback: closed-form results for every op, worker count and
+//! awkward size; lengths and roots; and every way a peer can fail (mismatched collectives,
+//! wrong token or fingerprint, silence, abort, a dropped ring, a SIGKILLed process). Every
+//! wait on another thread or process has a hard timeout.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use strata_core::ReduceOp;
+use strata_transport::ring::{AbortSignal, Ring, RingConfig};
+use strata_transport::Error;
+
+/// The longest any test waits for its ranks.
+const HARD_TIMEOUT: Duration = Duration::from_secs(120);
+
+fn configs(n: usize, tweak: impl Fn(usize, &mut RingConfig)) -> Vec<RingConfig> {
+    let listeners: Vec<TcpListener> = (0..n).map(|_| TcpListener::bind("127.0.0.1:0").unwrap()).collect();
+    let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
+    listeners
+        .into_iter()
+        .enumerate()
+        .map(|(r, l)| {
+            let mut c = RingConfig::new(r, addrs.clone());
+            c.listener = Some(l);
+            c.token = Some("cluster-token".into());
+            c.fingerprint = "cluster spec v1 / multi-worker-mirrored".into();
+            c.timeout = Duration::from_secs(30);
+            c.connect_timeout = Duration::from_secs(30);
+            tweak(r, &mut c);
+            c
+        })
+        .collect()
+}
+
+/// Runs `body(rank, connect result)` on one thread per rank; results in rank order.
+fn run<T: Send + 'static>(
+    cfgs: Vec<RingConfig>,
+    body: impl Fn(usize, strata_transport::Result<Ring>) -> T + Send + Sync + 'static,
+) -> Vec<T> {
+    run_with_abort(cfgs, AbortSignal::new, body)
+}
+
+fn run_with_abort<T: Send + 'static>(
+    cfgs: Vec<RingConfig>,
+    abort: impl Fn() -> AbortSignal,
+    body: impl Fn(usize, strata_transport::Result<Ring>) -> T + Send + Sync + 'static,
+) -> Vec<T> {
+    let n = cfgs.len();
+    let body = Arc::new(body);
+    let (tx, rx) = mpsc::channel();
+    for (r, cfg) in cfgs.into_iter().enumerate() {
+        let (body, tx, abort) = (body.clone(), tx.clone(), abort());
+        std::thread::spawn(move || {
+            let ring = Ring::connect(cfg, abort);
+            let _ = tx.send((r, body(r, ring)));
+        });
+    }
+    let deadline = Instant::now() + HARD_TIMEOUT;
+    let mut out: Vec<Option<T>> = (0..n).map(|_| None).collect();
+    for _ in 0..n {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let (r, v) = rx.recv_timeout(left).expect("a rank did not finish within the hard timeout");
+        out[r] = Some(v);
+    }
+    out.into_iter().map(|v| v.unwrap()).collect()
+}
+
+/// Rank `r`'s input element `i`: multiples of 0.25 below 100 in magnitude, so sums over five
+/// ranks are exact in any order.
+fn value(r: usize, i: usize) -> f32 {
+    ((i * 7 + r * 13) % 101) as f32 - 50.0 + r as f32 * 0.25
+}
+
+fn expected(op: ReduceOp, n: usize, i: usize) -> f32 {
+    let xs = (0..n).map(|r| value(r, i));
+    match op {
+        ReduceOp::Sum => xs.map(f64::from).sum::<f64>() as f32,
+        ReduceOp::Mean => xs.map(f64::from).sum::<f64>() as f32 * (1.0 / n as f32),
+        ReduceOp::Max => xs.fold(f32::NEG_INFINITY, f32::max),
+        ReduceOp::Min => xs.fold(f32::INFINITY, f32::min),
+    }
+}
+
+const SIZES: [usize; 4] = [0, 1, 7, 1_000_003];
+
+fn check_all_reduce(n: usize, chunk_bytes: usize, small_bytes: usize) {
+    let cfgs = configs(n, |_, c| {
+        c.chunk_bytes = chunk_bytes;
+        c.small_bytes = small_bytes;
+    });
+    let results = run(cfgs, |r, ring| {
+        let ring = ring.unwrap();
+        let mut outs = Vec::new();
+        let mut step = 0;
+        for op in ReduceOp::ALL {
+            for len in SIZES {
+                let mut data: Vec<f32> = (0..len).map(|i| value(r, i)).collect();
+                ring.all_reduce(step, op, &mut data).unwrap();
+                step += 1;
+                outs.push((op, data));
+            }
+        }
+        outs
+    });
+    for (k, (op, first)) in results[0].iter().enumerate() {
+        let len = first.len();
+        let wrong = (0..len).filter(|&i| first[i].to_bits() != expected(*op, n, i).to_bits()).count();
+        assert_eq!(wrong, 0, "{n} workers, {op}, {len} elements, chunk {chunk_bytes}, small {small_bytes}");
+        for (r, res) in results.iter().enumerate().skip(1) {
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert!(bits(&res[k].1) == bits(first), "rank {r} differs from rank 0: {n} workers, {op}, {len} elements");
+        }
+    }
+}
+
+#[test]
+fn all_reduce_matches_the_closed_form_for_2_workers() {
+    check_all_reduce(2, 256 << 10, 64 << 10);
+    check_all_reduce(2, 4096 + 4, 0);
+}
+
+#[test]
+fn all_reduce_matches_the_closed_form_for_3_workers() {
+    check_all_reduce(3, 4096 + 4, 64 << 10);
+    check_all_reduce(3, 256 << 10, 0);
+}
+
+#[test]
+fn all_reduce_matches_the_closed_form_for_4_workers() {
+    check_all_reduce(4, 256 << 10, 64 << 10);
+    check_all_reduce(4, 4096 + 4, 0);
+}
+
+#[test]
+fn all_reduce_matches_the_closed_form_for_5_workers() {
+    check_all_reduce(5, 4096 + 4, 64 << 10);
+    check_all_reduce(5, 65536 + 12, 0);
+}
+
+#[test]
+fn direct_all_reduce_of_a_large_buffer_matches_the_closed_form() {
+    let cfgs = configs(3, |_, c| {
+        c.chunk_bytes = 4096 + 4;
+        c.small_bytes = usize::MAX;
+    });
+    let results = run(cfgs, |r, ring| {
+        let ring = ring.unwrap();
+        let mut data: Vec<f32> = (0..100_003).map(|i| value(r, i)).collect();
+        ring.all_reduce(0, ReduceOp::Mean, &mut data).unwrap();
+        data
+    });
+    for res in &results {
+        assert_eq!((0..res.len()).filter(|&i| res[i] != expected(ReduceOp::Mean, 3, i)).count(), 0);
+    }
+}
+
+#[test]
+fn all_gather_returns_every_rank_buffer_whatever_its_length() {
+    let lens = [5usize, 0, 70_001, 1];
+    let cfgs = configs(4, |_, c| c.chunk_bytes = 4096 + 4);
+    let results = run(cfgs, move |r, ring| {
+        let ring = ring.unwrap();
+        let mine: Vec<f32> = (0..lens[r]).map(|i| value(r, i)).collect();
+        let first = ring.all_gather(7, &mine).unwrap();
+        let second = ring.all_gather(8, &mine[..mine.len().min(3)]).unwrap();
+        (first, second)
+    });
+    for (first, second) in &results {
+        assert_eq!(first.len(), 4);
+        for (r, v) in first.iter().enumerate() {
+            assert_eq!(v.len(), lens[r]);
+            assert!(v.iter().enumerate().all(|(i, x)| *x == value(r, i)), "rank {r}'s buffer");
+            assert_eq!(second[r], v[..v.len().min(3)]);
+        }
+    }
+}
+
+#[test]
+fn broadcast_from_a_non_zero_root_reaches_every_rank() {
+    // 10 elements take the direct path, 300,001 the pipelined chain.
+    for len in [10usize, 300_001] {
+        let cfgs = configs(4, |_, c| c.chunk_bytes = 4096 + 4);
+        let results = run(cfgs, move |r, ring| {
+            let ring = ring.unwrap();
+            let mut data: Vec<f32> = (0..len).map(|i| value(r, i)).collect();
+            ring.broadcast(3, 2, &mut data).unwrap();
+            let mut again: Vec<f32> = vec![r as f32; 4];
+            ring.broadcast(4, 1, &mut again).unwrap();
+            (data, again)
+        });
+        for (data, again) in &results {
+            assert!(data.iter().enumerate().all(|(i, x)| *x == value(2, i)), "{len} elements");
+            assert_eq!(again, &vec![1.0f32; 4]);
+        }
+    }
+}
+
+#[test]
+fn barrier_waits_for_every_rank() {
+    let late = Arc::new(AtomicBool::new(false));
+    let flag = late.clone();
+    let cfgs = configs(3, |_, _| {});
+    let results = run(cfgs, move |r, ring| {
+        let ring = ring.unwrap();
+        if r == 2 {
+            std::thread::sleep(Duration::from_millis(200));
+            flag.store(true, Ordering::SeqCst);
+        }
+        ring.barrier(1).unwrap();
+        let seen = flag.load(Ordering::SeqCst);
+        ring.barrier(2).unwrap();
+        seen
+    });
+    assert_eq!(results, vec![true, true, true]);
+}
+
+#[test]
+fn peers_may_start_in_any_order() {
+    let cfgs = configs(3, |_, _| {});
+    let results = run(cfgs, |r, _| r);
+    assert_eq!(results, vec![0, 1, 2]);
+    let cfgs: Vec<(usize, RingConfig)> = configs(3, |_, _| {}).into_iter().enumerate().collect();
+    // Rank 0 (which only accepts) starts last.
+    let (tx, rx) = mpsc::channel();
+    for (r, cfg) in cfgs {
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            if r == 0 {
+                std::thread::sleep(Duration::from_millis(400));
+            }
+            let ring = Ring::connect(cfg, AbortSignal::new()).unwrap();
+            let mut d = vec![1.0f32; 3];
+            ring.all_reduce(0, ReduceOp::Sum, &mut d).unwrap();
+            let _ = tx.send(d);
+        });
+    }
+    for _ in 0..3 {
+        assert_eq!(rx.recv_timeout(HARD_TIMEOUT).unwrap(), vec![3.0f32; 3]);
+    }
+}
+
+#[test]
+fn a_connection_that_is_not_a_peer_is_ignored() {
+    let cfgs = configs(2, |_, _| {});
+    let target = cfgs[0].addresses[0];
+    // Garbage, then silence: rank 0 must still accept the real rank 1.
+    let mut junk = TcpStream::connect(target).unwrap();
+    junk.write_all(b"GET / HTTP/1.1\r\n\r\nxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx").unwrap();
+    let _silent = TcpStream::connect(target).unwrap();
+    let results = run(cfgs, |r, ring| {
+        let ring = ring.unwrap();
+        let mut d = vec![r as f32];
+        ring.all_reduce(0, ReduceOp::Max, &mut d).unwrap();
+        d[0]
+    });
+    assert_eq!(results, vec![1.0, 1.0]);
+}
+
+fn assert_mismatch(e: &Error, words: &[&str]) {
+    assert!(matches!(e, Error::Mismatch { .. }), "expected a mismatch, got: {e}");
+    let msg = e.to_string();
+    for w in words {
+        assert!(msg.contains(w), "{msg:?} should name {w:?}");
+    }
+}
+
+#[test]
+fn mismatched_collectives_fail_on_both_ranks_naming_both() {
+    let cfgs = configs(2, |_, c| c.timeout = Duration::from_secs(20));
+    let results = run(cfgs, |r, ring| {
+        let ring = ring.unwrap();
+        let mut d = vec![1.0f32; 1000];
+        let first = if r == 0 { ring.all_reduce(5, ReduceOp::Sum, &mut d) } else { ring.broadcast(5, 0, &mut d) };
+        // The ring is unusable afterwards.
+        let again = ring.barrier(6);
+        (first.unwrap_err(), again.unwrap_err())
+    });
+    for (e, again) in &results {
+        assert_mismatch(e, &["worker:0", "worker:1", "all_reduce(sum, 1000 f32)", "broadcast(root 0, 1000 f32)"]);
+        assert!(matches!(again, Error::Aborted(m) if m.contains("unusable")), "{again}");
+    }
+}
+
+#[test]
+fn a_mismatch_inside_a_large_ring_fails_every_rank() {
+    let cfgs = configs(4, |_, c| c.timeout = Duration::from_secs(20));
+    let results = run(cfgs, |r, ring| {
+        let ring = ring.unwrap();
+        let mut d = vec![1.0f32; 200_000];
+        ring.all_reduce(0, ReduceOp::Sum, &mut d).unwrap();
+        let op = if r == 2 { ReduceOp::Max } else { ReduceOp::Sum };
+        ring.all_reduce(1, op, &mut d).unwrap_err()
+    });
+    for e in &results {
+        assert_mismatch(e, &["worker:2", "all_reduce(max, 200000 f32)", "all_reduce(sum, 200000 f32)"]);
+    }
+}
+
+#[test]
+fn different_steps_are_a_mismatch() {
+    let cfgs = configs(2, |_, c| c.timeout = Duration::from_secs(20));
+    let results = run(cfgs, |r, ring| ring.unwrap().barrier(if r == 0 { 3 } else { 4 }).unwrap_err());
+    for e in &results {
+        assert_mismatch(e, &["barrier at step 3", "barrier at step 4"]);
+    }
+}
+
+#[test]
+fn a_wrong_or_missing_token_is_unauthenticated() {
+    for other in [Some("not-the-token".to_string()), None] {
+        let cfgs = configs(2, |r, c| {
+            c.connect_timeout = Duration::from_millis(1500);
+            if r == 1 {
+                c.token = other.clone();
+            }
+        });
+        let results = run(cfgs, |_, ring| ring.unwrap_err());
+        for (r, e) in results.iter().enumerate() {
+            assert!(matches!(e, Error::Unauthenticated(_)), "rank {r}: {e}");
+            assert!(e.to_string().contains("token"), "{e}");
+        }
+    }
+}
+
+#[test]
+fn a_different_fingerprint_is_refused_naming_both_tasks() {
+    let cfgs = configs(2, |r, c| {
+        c.connect_timeout = Duration::from_secs(10);
+        c.fingerprint = format!("spec-{r}");
+    });
+    let results = run(cfgs, |_, ring| ring.unwrap_err());
+    for e in &results {
+        assert!(matches!(e, Error::Config(_)), "{e}");
+        let msg = e.to_string();
+        for w in ["worker:0", "worker:1", "spec-0", "spec-1"] {
+            assert!(msg.contains(w), "{msg:?} should name {w:?}");
+        }
+    }
+}
+
+#[test]
+fn abort_releases_a_rank_waiting_for_a_silent_peer() {
+    let signals: Vec<AbortSignal> = (0..2).map(|_| AbortSignal::new()).collect();
+    let handed = std::sync::Mutex::new(signals.clone().into_iter());
+    let (done_tx, done_rx) = mpsc::channel::<()>();
+    let done_rx = std::sync::Mutex::new(done_rx);
+    let cfgs = configs(2, |_, c| c.timeout = Duration::from_secs(60));
+    let aborter = signals[0].clone();
+    let results = run_with_abort(
+        cfgs,
+        || handed.lock().unwrap().next().unwrap(),
+        move |r, ring| {
+            let ring = ring.unwrap();
+            if r == 1 {
+                // Silent: connected, but calls nothing until rank 0 is done.
+                let _ = done_rx.lock().unwrap().recv_timeout(HARD_TIMEOUT);
+                return None;
+            }
+            let aborter = aborter.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(300));
+                aborter.abort("coordination: task worker:1 stopped sending heartbeats");
+            });
+            let mut d = vec![1.0f32; 10];
+            let e = ring.all_reduce(0, ReduceOp::Sum, &mut d).unwrap_err();
+            let later = ring.barrier(1).unwrap_err();
+            let _ = done_tx.send(());
+            Some((e, later))
+        },
+    );
+    let (e, later) = results[0].as_ref().unwrap();
+    assert!(matches!(e, Error::Aborted(m) if m.contains("stopped sending heartbeats") && m.contains("all_reduce")), "{e}");
+    assert!(matches!(later, Error::Aborted(_)), "{later}");
+}
+
+#[test]
+fn a_silent_peer_times_out_naming_it() {
+    let (done_tx, done_rx) = mpsc::channel::<()>();
+    let done_rx = std::sync::Mutex::new(done_rx);
+    let cfgs = configs(3, |_, c| c.timeout = Duration::from_millis(500));
+    let results = run(cfgs, move |r, ring| {
+        let ring = ring.unwrap();
+        if r == 1 {
+            let _ = done_rx.lock().unwrap().recv_timeout(HARD_TIMEOUT);
+            let _ = done_rx.lock().unwrap().recv_timeout(HARD_TIMEOUT);
+            return None;
+        }
+        let mut d = vec![1.0f32; 100_000];
+        let e = ring.all_reduce(9, ReduceOp::Sum, &mut d).unwrap_err();
+        let _ = done_tx.send(());
+        Some(e)
+    });
+    // Rank 2 reads from rank 1, which never sends; rank 0 hears from rank 2 or times out too.
+    let e = results[2].as_ref().unwrap();
+    assert!(matches!(e, Error::Timeout { task, step: 9, .. } if task == "worker:1"), "{e}");
+    let e0 = results[0].as_ref().unwrap();
+    assert!(matches!(e0, Error::Timeout { .. }), "{e0}");
+}
+
+#[test]
+fn a_peer_that_leaves_between_collectives_is_lost() {
+    let cfgs = configs(3, |_, c| c.timeout = Duration::from_secs(20));
+    let results = run(cfgs, |r, ring| {
+        let ring = ring.unwrap();
+        let mut d = vec![1.0f32; 50_000];
+        ring.all_reduce(0, ReduceOp::Sum, &mut d).unwrap();
+        if r == 1 {
+            drop(ring);
+            return None;
+        }
+        Some(ring.all_reduce(1, ReduceOp::Sum, &mut d).unwrap_err())
+    });
+    for e in results.iter().flatten() {
+        assert!(matches!(e, Error::PeerLost { task, step: 1, .. } if task == "worker:1"), "{e}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Real processes: the test binary re-invoked as a worker.
+
+const WORKER_ENV: &str = "STRATA_RING_TEST_WORKER";
+
+/// Not a test on its own: the body of a worker process when `STRATA_RING_TEST_WORKER` is set
+/// (`rank`); prints `PORT`, reads `ADDRS`, then all-reduces until told otherwise, printing
+/// `STEP k` after each and `ERROR msg` on failure.
+#[test]
+fn ring_worker_process() {
+    let Ok(rank) = std::env::var(WORKER_ENV) else { return };
+    let rank: usize = rank.parse().unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    println!("PORT {}", listener.local_addr().unwrap().port());
+    std::io::stdout().flush().unwrap();
+    let mut line = String::new();
+    std::io::stdin().read_line(&mut line).unwrap();
+    let addrs: Vec<SocketAddr> =
+        line.trim().strip_prefix("ADDRS ").unwrap().split(',').map(|a| a.parse().unwrap()).collect();
+    let mut cfg = RingConfig::new(rank, addrs);
+    cfg.listener = Some(listener);
+    cfg.token = Some("process-token".into());
+    cfg.timeout = Duration::from_secs(60);
+    cfg.connect_timeout = Duration::from_secs(30);
+    let ring = Ring::connect(cfg, AbortSignal::new()).unwrap();
+    let mut data = vec![1.0f32; 2_000_000];
+    for step in 0..100_000u64 {
+        if let Err(e) = ring.all_reduce(step, ReduceOp::Max, &mut data) {
+            println!("ERROR {e}");
+            std::io::stdout().flush().unwrap();
+            std::process::exit(3);
+        }
+        println!("STEP {step}");
+        std::io::stdout().flush().unwrap();
+    }
+    std::process::exit(0);
+}
+
+struct Workers(Vec<Child>);
+
+impl Drop for Workers {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+#[test]
+fn a_sigkilled_worker_is_reported_lost_by_every_other_worker() {
+    let n = 3;
+    let exe = std::env::current_exe().unwrap();
+    let (tx, rx) = mpsc::channel::<(usize, String)>();
+    let mut workers = Workers(Vec::new());
+    for r in 0..n {
+        let mut child = Command::new(&exe)
+            .args(["--exact", "ring_worker_process", "--nocapture", "--test-threads=1"])
+            .env(WORKER_ENV, r.to_string())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let out = child.stdout.take().unwrap();
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                if tx.send((r, line)).is_err() {
+                    break;
+                }
+            }
+        });
+        workers.0.push(child);
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let next = |deadline: Instant| {
+        rx.recv_timeout(deadline.saturating_duration_since(Instant::now())).expect("a worker went quiet")
+    };
+    let mut ports = vec![None; n];
+    while ports.iter().any(Option::is_none) {
+        let (r, line) = next(deadline);
+        // The harness may print "test ring_worker_process ... " on the same line first.
+        if let Some((_, p)) = line.split_once("PORT ") {
+            ports[r] = Some(p.trim().to_string());
+        }
+    }
+    let addrs: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{}", p.as_ref().unwrap())).collect();
+    for c in &mut workers.0 {
+        writeln!(c.stdin.as_mut().unwrap(), "ADDRS {}", addrs.join(",")).unwrap();
+    }
+    // Let every worker finish a few collectives, then kill worker 2 in the middle of one.
+    let mut steps = vec![0usize; n];
+    while steps.iter().any(|&s| s < 3) {
+        let (r, line) = next(deadline);
+        assert!(!line.contains("ERROR "), "worker {r} failed before the kill: {line}");
+        if line.contains("STEP ") {
+            steps[r] += 1;
+        }
+    }
+    workers.0[2].kill().unwrap();
+    let killed_at = Instant::now();
+    let deadline = killed_at + Duration::from_secs(20);
+    let mut errors: Vec<Option<String>> = vec![None; 2];
+    while errors.iter().any(Option::is_none) {
+        let (r, line) = next(deadline);
+        if let Some((_, e)) = line.split_once("ERROR ") {
+            errors[r] = Some(e.to_string());
+        }
+    }
+    for (r, e) in errors.iter().enumerate() {
+        let e = e.as_ref().unwrap();
+        assert!(e.contains("lost task worker:2") && e.contains("all_reduce(max, 2000000 f32)"), "worker {r}: {e}");
+    }
+    for (r, c) in workers.0.iter_mut().take(2).enumerate() {
+        let status = loop {
+            if let Some(s) = c.try_wait().unwrap() {
+                break s;
+            }
+            assert!(Instant::now() < deadline, "worker {r} did not exit");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        assert_eq!(status.code(), Some(3), "worker {r}");
+    }
+}
