@@ -373,3 +373,80 @@ pub(crate) async fn try_join_all<T, F: Future<Output = Result<T>>>(futs: Vec<F>)
     .await?;
     Ok(out.into_iter().flatten().collect())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::net::{TcpListener, TcpStream};
+
+    /// A DATA frame that arrives in odd-sized pieces (f32s split between reads) reaches the
+    /// sink whole, in order, at the right offsets; a short frame is a lost peer.
+    #[test]
+    fn data_frames_split_anywhere_are_reassembled() {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async {
+            let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let mut tx = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
+            tx.set_nodelay(true).unwrap();
+            let (rx, _) = l.accept().await.unwrap();
+            let (rd, _wr) = rx.into_split();
+            let names = ["worker:0".to_string(), "worker:1".to_string()];
+            let ctx = Ctx::new(0, &names, 3, Call::Barrier, 64);
+            let mut reader = Reader::new(1, rd);
+            let values: Vec<f32> = (0..50).map(|i| i as f32 * 1.5 - 7.0).collect();
+            let mut frame = wire::header(TAG_DATA, values.len() * 4).to_vec();
+            wire::put_f32s(&mut frame, &values);
+            let writer = async {
+                let mut at = 0;
+                for k in [1usize, 3, 5, 2, 7, 9, 4, 1, 6].iter().cycle() {
+                    if at >= frame.len() {
+                        break;
+                    }
+                    let end = (at + k).min(frame.len());
+                    tx.write_all(&frame[at..end]).await.unwrap();
+                    tx.flush().await.unwrap();
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                    at = end;
+                }
+                // A second frame, cut short by the peer closing.
+                tx.write_all(&wire::header(TAG_DATA, 8)).await.unwrap();
+                tx.write_all(&[1, 2, 3]).await.unwrap();
+                drop(tx);
+            };
+            let mut got = vec![f32::NAN; values.len()];
+            let reading = async {
+                reader
+                    .data_with(&ctx, values.len() * 4, |at, bytes| {
+                        assert_eq!(bytes.len() % 4, 0);
+                        wire::store_f32s(&mut got[at..at + bytes.len() / 4], bytes);
+                    })
+                    .await
+                    .unwrap();
+                reader.data_with(&ctx, 8, |_, _| {}).await.unwrap_err()
+            };
+            let ((), e) = tokio::join!(writer, reading);
+            assert_eq!(got, values);
+            assert!(matches!(&e, Error::PeerLost { task, step: 3, .. } if task == "worker:1"), "{e}");
+        });
+    }
+
+    #[test]
+    fn a_frame_of_the_wrong_length_is_a_protocol_error() {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async {
+            let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let mut tx = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
+            let (rx, _) = l.accept().await.unwrap();
+            let names = ["worker:0".to_string(), "worker:1".to_string()];
+            let ctx = Ctx::new(0, &names, 0, Call::Barrier, 64);
+            let mut reader = Reader::new(1, rx.into_split().0);
+            // A huge claimed length is refused before anything is allocated or read.
+            tx.write_all(&wire::header(TAG_DATA, u32::MAX as usize)).await.unwrap();
+            let e = reader.data_with(&ctx, 16, |_, _| {}).await.unwrap_err();
+            assert!(matches!(&e, Error::Protocol { peer, .. } if peer == "worker:1"), "{e}");
+            tx.write_all(&wire::header(TAG_ERROR, MAX_ERROR_BYTES + 1)).await.unwrap();
+            let e = reader.open(&ctx).await.unwrap_err();
+            assert!(matches!(&e, Error::Protocol { .. }), "{e}");
+        });
+    }
+}

@@ -408,6 +408,13 @@ impl Expected {
         Self { main, alt }
     }
 
+    /// The elements of a whole result that differ from the closed form.
+    fn count_wrong(&self, data: &[f32]) -> usize {
+        data.chunks(PERIOD)
+            .map(|c| c.iter().zip(&self.main).zip(&self.alt).filter(|((x, m), a)| *x != *m && *x != *a).count())
+            .sum()
+    }
+
     fn checker(&self) -> Checker<'_> {
         Checker { expected: self, seen: 0, j: 0, wrong: 0 }
     }
@@ -1125,9 +1132,7 @@ pub fn measure_worker_row(ring: &Ring, plan: &Plan, bytes: u64, step: &mut u64) 
         ring.all_reduce(*step + 1, plan.op, data).map_err(transport_error)?;
         let t = t0.elapsed();
         *step += 2;
-        let mut check = expected.checker();
-        check.piece(data);
-        wrong += check.finish(count) as u64;
+        wrong += expected.count_wrong(data) as u64;
         Ok(t)
     };
     let mut warm = Vec::new();

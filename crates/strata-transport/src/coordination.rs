@@ -1,0 +1,742 @@
+//! The coordination service of a multi-worker job (served by the chief; every task is a
+//! client): rendezvous, heartbeats, barriers, error propagation and a key-value store.
+//!
+//! - **Rendezvous.** Each task registers with its cluster fingerprint, its strategy
+//!   fingerprint and its data-plane address. A task whose fingerprints differ from the chief's
+//!   is refused (`FAILED_PRECONDITION`, naming both); registration returns, once every task is
+//!   in, every task's data-plane address in rank order.
+//! - **Heartbeats.** Every task calls `Heartbeat` every [`CoordinationConfig::heartbeat_interval`]
+//!   with the collective it is in. The service marks a task that stays silent for
+//!   [`CoordinationConfig::heartbeat_timeout`] as lost, and from then on every heartbeat answer
+//!   carries the job's error ("lost task worker:1: no heartbeat for 3.0 s, last seen in
+//!   all_reduce(sum) #57"), so every survivor stops within a heartbeat. A task that cannot reach
+//!   the service for that long concludes that the chief is lost.
+//! - **Agreed collective order.** Every collective has a sequence number that every task counts
+//!   the same way; the data plane checks it in every frame, and the heartbeats record it here so
+//!   that a timeout or a loss names what each task was doing.
+//! - **Key-value store.** Set once, read with a wait (the NCCL unique id travels this way).
+
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use strata_proto::v1::coordination_client::CoordinationClient;
+use strata_proto::v1::coordination_server::{Coordination, CoordinationServer};
+use strata_proto::v1::{
+    BarrierRequest, BarrierResponse, Empty, GetKeyRequest, GetKeyResponse, HeartbeatRequest, HeartbeatResponse,
+    LeaveRequest, RegisterRequest, RegisterResponse, ReportErrorRequest, SetKeyRequest, TaskName,
+};
+use tokio::sync::Notify;
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::Channel;
+use tonic::{Code, Request, Response, Status};
+
+use crate::auth::{client_interceptor, server_interceptor, ClientAuth, ClusterToken};
+use crate::rt::runtime;
+use crate::{Error, Result};
+
+/// The largest key or value the key-value store accepts.
+pub const MAX_KV_BYTES: usize = 64 * 1024;
+
+/// Timing of the coordination service.
+#[derive(Clone, Debug)]
+pub struct CoordinationConfig {
+    /// How long registration waits for every task (default 120 s).
+    pub rendezvous_timeout: Duration,
+    /// How often each task sends a heartbeat (default 500 ms).
+    pub heartbeat_interval: Duration,
+    /// How long a task may stay silent before it is declared lost (default 3 s).
+    pub heartbeat_timeout: Duration,
+    /// The deadline of one RPC that does not wait for peers (default 10 s).
+    pub rpc_timeout: Duration,
+}
+
+impl Default for CoordinationConfig {
+    fn default() -> Self {
+        Self {
+            rendezvous_timeout: Duration::from_secs(120),
+            heartbeat_interval: Duration::from_millis(500),
+            heartbeat_timeout: Duration::from_secs(3),
+            rpc_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn task_string(t: &Option<TaskName>) -> String {
+    match t {
+        Some(t) => format!("{}:{}", t.r#type, t.index),
+        None => "<unnamed task>".into(),
+    }
+}
+
+fn task_proto(name: &str) -> TaskName {
+    let (kind, index) = name.split_once(':').unwrap_or((name, "0"));
+    TaskName { r#type: kind.to_string(), index: index.parse().unwrap_or(0) }
+}
+
+#[derive(Debug, Default)]
+struct TaskState {
+    incarnation: Option<u64>,
+    data_address: String,
+    last_seen: Option<Instant>,
+    left: bool,
+    collective: String,
+    seq: u64,
+}
+
+#[derive(Debug)]
+struct JobState {
+    tasks: Vec<TaskState>,
+    rendezvous_done: bool,
+    error: Option<String>,
+    barriers: HashMap<String, HashSet<usize>>,
+    kv: HashMap<String, Vec<u8>>,
+}
+
+#[derive(Debug)]
+struct Service {
+    names: Vec<String>,
+    cluster_fingerprint: String,
+    strategy_fingerprint: String,
+    config: CoordinationConfig,
+    state: Mutex<JobState>,
+    changed: Notify,
+}
+
+impl Service {
+    fn rank(&self, task: &Option<TaskName>) -> std::result::Result<usize, Status> {
+        let name = task_string(task);
+        self.names.iter().position(|n| *n == name).ok_or_else(|| {
+            Status::not_found(format!(
+                "task {name} is not in this job (its tasks are {}); check TF_CONFIG's task",
+                self.names.join(", ")
+            ))
+        })
+    }
+
+    fn fail(&self, st: &mut JobState, message: String) {
+        if st.error.is_none() {
+            tracing::error!(%message, "the job failed");
+            st.error = Some(message);
+        }
+        self.changed.notify_waiters();
+    }
+
+    /// Declares tasks lost whose heartbeats stopped.
+    fn check_liveness(&self) {
+        let mut st = lock(&self.state);
+        if !st.rendezvous_done || st.error.is_some() {
+            return;
+        }
+        let now = Instant::now();
+        let lost = st.tasks.iter().enumerate().find_map(|(i, t)| {
+            let silent = now.duration_since(t.last_seen?);
+            (!t.left && silent > self.config.heartbeat_timeout).then(|| {
+                let doing =
+                    if t.collective.is_empty() { String::new() } else { format!(", last seen in {} #{}", t.collective, t.seq) };
+                format!("lost task {}: no heartbeat for {:.1} s{doing}", self.names[i], silent.as_secs_f64())
+            })
+        });
+        if let Some(m) = lost {
+            self.fail(&mut st, m);
+        }
+    }
+
+    async fn wait_until<T>(
+        &self,
+        deadline: Instant,
+        mut ready: impl FnMut(&mut JobState) -> Option<std::result::Result<T, Status>>,
+    ) -> std::result::Result<T, Status> {
+        loop {
+            let notified = self.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if let Some(r) = ready(&mut lock(&self.state)) {
+                return r;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(Status::deadline_exceeded(String::new()));
+            }
+            // Wake at least every 100 ms: liveness is checked by time, not by events.
+            let _ = tokio::time::timeout((deadline - now).min(Duration::from_millis(100)), notified).await;
+        }
+    }
+}
+
+/// The service object tonic serves (a handle on the shared state).
+#[derive(Clone, Debug)]
+struct Svc(Arc<Service>);
+
+impl std::ops::Deref for Svc {
+    type Target = Service;
+    fn deref(&self) -> &Service {
+        &self.0
+    }
+}
+
+#[tonic::async_trait]
+impl Coordination for Svc {
+    async fn register(&self, req: Request<RegisterRequest>) -> std::result::Result<Response<RegisterResponse>, Status> {
+        let r = req.into_inner();
+        let rank = self.rank(&r.task)?;
+        let name = &self.names[rank];
+        if r.cluster_fingerprint != self.cluster_fingerprint {
+            return Err(Status::failed_precondition(format!(
+                "task {name} runs cluster [{}] but the chief runs [{}]; give every task the same TF_CONFIG cluster",
+                r.cluster_fingerprint, self.cluster_fingerprint
+            )));
+        }
+        if r.strategy_fingerprint != self.strategy_fingerprint {
+            return Err(Status::failed_precondition(format!(
+                "task {name} runs strategy [{}] but the chief runs [{}]; run the same program and flags on every task",
+                r.strategy_fingerprint, self.strategy_fingerprint
+            )));
+        }
+        if r.data_address.len() > 512 || r.data_address.parse::<SocketAddr>().is_err() && !r.data_address.contains(':')
+        {
+            return Err(Status::invalid_argument(format!("task {name} sent a malformed data address")));
+        }
+        {
+            let mut st = lock(&self.state);
+            if let Some(e) = &st.error {
+                return Err(Status::aborted(e.clone()));
+            }
+            match st.tasks[rank].incarnation {
+                Some(inc) if inc != r.incarnation => {
+                    let m = format!(
+                        "task {name} registered twice (a restarted process, or two processes with the same TF_CONFIG task); relaunch the whole job"
+                    );
+                    self.fail(&mut st, m.clone());
+                    return Err(Status::already_exists(m));
+                }
+                _ => {}
+            }
+            let t = &mut st.tasks[rank];
+            t.incarnation = Some(r.incarnation);
+            t.data_address = r.data_address;
+            t.last_seen = Some(Instant::now());
+            if st.tasks.iter().all(|t| t.incarnation.is_some()) && !st.rendezvous_done {
+                st.rendezvous_done = true;
+                let now = Instant::now();
+                for t in &mut st.tasks {
+                    t.last_seen = Some(now);
+                }
+                tracing::info!(tasks = self.names.len(), "every task registered");
+            }
+            self.changed.notify_waiters();
+        }
+        let deadline = Instant::now() + self.config.rendezvous_timeout;
+        let names = self.names.clone();
+        let result = self
+            .wait_until(deadline, |st| {
+                if let Some(e) = &st.error {
+                    return Some(Err(Status::aborted(e.clone())));
+                }
+                st.rendezvous_done.then(|| {
+                    Ok(RegisterResponse {
+                        rank: rank as u32,
+                        num_tasks: names.len() as u32,
+                        data_addresses: st.tasks.iter().map(|t| t.data_address.clone()).collect(),
+                        task_names: names.clone(),
+                    })
+                })
+            })
+            .await;
+        match result {
+            Err(s) if s.code() == Code::DeadlineExceeded => {
+                let st = lock(&self.state);
+                let missing: Vec<&str> = st
+                    .tasks
+                    .iter()
+                    .zip(&self.names)
+                    .filter(|(t, _)| t.incarnation.is_none())
+                    .map(|(_, n)| n.as_str())
+                    .collect();
+                Err(Status::deadline_exceeded(format!(
+                    "rendezvous timed out after {:?}: {} never registered; start every task of TF_CONFIG's cluster",
+                    self.config.rendezvous_timeout,
+                    missing.join(", ")
+                )))
+            }
+            other => other.map(Response::new),
+        }
+    }
+
+    async fn heartbeat(&self, req: Request<HeartbeatRequest>) -> std::result::Result<Response<HeartbeatResponse>, Status> {
+        let r = req.into_inner();
+        let rank = self.rank(&r.task)?;
+        let mut st = lock(&self.state);
+        if st.tasks[rank].incarnation.is_some_and(|i| i != r.incarnation) {
+            let m = format!("task {} sent heartbeats from two processes; relaunch the whole job", self.names[rank]);
+            self.fail(&mut st, m);
+        }
+        let t = &mut st.tasks[rank];
+        t.last_seen = Some(Instant::now());
+        t.seq = r.collective_seq;
+        t.collective = r.collective.chars().take(200).collect();
+        Ok(Response::new(HeartbeatResponse { error: st.error.clone().unwrap_or_default() }))
+    }
+
+    async fn barrier(&self, req: Request<BarrierRequest>) -> std::result::Result<Response<BarrierResponse>, Status> {
+        let r = req.into_inner();
+        let rank = self.rank(&r.task)?;
+        if r.name.len() > 256 {
+            return Err(Status::invalid_argument("barrier names are at most 256 bytes"));
+        }
+        let n = self.names.len();
+        lock(&self.state).barriers.entry(r.name.clone()).or_default().insert(rank);
+        self.changed.notify_waiters();
+        let timeout = Duration::from_millis(r.timeout_ms.clamp(1, 24 * 3600 * 1000));
+        let name = r.name.clone();
+        let result = self
+            .wait_until(Instant::now() + timeout, |st| {
+                if let Some(e) = &st.error {
+                    return Some(Err(Status::aborted(e.clone())));
+                }
+                (st.barriers.get(&name).map_or(0, HashSet::len) == n).then_some(Ok(BarrierResponse {}))
+            })
+            .await;
+        match result {
+            Err(s) if s.code() == Code::DeadlineExceeded => {
+                let st = lock(&self.state);
+                let arrived = st.barriers.get(&r.name).cloned().unwrap_or_default();
+                let missing: Vec<&str> =
+                    (0..n).filter(|i| !arrived.contains(i)).map(|i| self.names[i].as_str()).collect();
+                Err(Status::deadline_exceeded(format!(
+                    "barrier {:?} timed out after {timeout:?} waiting for {}",
+                    r.name,
+                    missing.join(", ")
+                )))
+            }
+            other => other.map(Response::new),
+        }
+    }
+
+    async fn report_error(&self, req: Request<ReportErrorRequest>) -> std::result::Result<Response<Empty>, Status> {
+        let r = req.into_inner();
+        let rank = self.rank(&r.task)?;
+        let message: String = r.message.chars().take(2000).collect();
+        let mut st = lock(&self.state);
+        self.fail(&mut st, format!("task {} failed: {message}", self.names[rank]));
+        Ok(Response::new(Empty {}))
+    }
+
+    async fn leave(&self, req: Request<LeaveRequest>) -> std::result::Result<Response<Empty>, Status> {
+        let r = req.into_inner();
+        let rank = self.rank(&r.task)?;
+        let mut st = lock(&self.state);
+        st.tasks[rank].left = true;
+        self.changed.notify_waiters();
+        Ok(Response::new(Empty {}))
+    }
+
+    async fn set_key(&self, req: Request<SetKeyRequest>) -> std::result::Result<Response<Empty>, Status> {
+        let r = req.into_inner();
+        if r.key.len() > 256 || r.value.len() > MAX_KV_BYTES {
+            return Err(Status::invalid_argument(format!(
+                "keys are at most 256 bytes and values at most {MAX_KV_BYTES} bytes"
+            )));
+        }
+        let mut st = lock(&self.state);
+        match st.kv.get(&r.key) {
+            Some(v) if *v != r.value => {
+                return Err(Status::already_exists(format!("key {:?} is already set to another value", r.key)))
+            }
+            _ => {
+                st.kv.insert(r.key, r.value);
+            }
+        }
+        self.changed.notify_waiters();
+        Ok(Response::new(Empty {}))
+    }
+
+    async fn get_key(&self, req: Request<GetKeyRequest>) -> std::result::Result<Response<GetKeyResponse>, Status> {
+        let r = req.into_inner();
+        let timeout = Duration::from_millis(r.timeout_ms.clamp(1, 24 * 3600 * 1000));
+        let key = r.key.clone();
+        self.wait_until(Instant::now() + timeout, |st| {
+            if let Some(e) = &st.error {
+                return Some(Err(Status::aborted(e.clone())));
+            }
+            st.kv.get(&key).map(|v| Ok(GetKeyResponse { value: v.clone() }))
+        })
+        .await
+        .map_err(|s| {
+            if s.code() == Code::DeadlineExceeded {
+                Status::deadline_exceeded(format!("key {:?} was not set within {timeout:?}", r.key))
+            } else {
+                s
+            }
+        })
+        .map(Response::new)
+    }
+}
+
+/// A running coordination service (held by the chief).
+#[derive(Debug)]
+pub struct CoordinationServerHandle {
+    service: Arc<Service>,
+    address: SocketAddr,
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    done: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl CoordinationServerHandle {
+    /// Starts the service on `bind` (port 0 picks a free one) for the tasks `names` (in rank
+    /// order), admitting only calls with `token`.
+    pub fn start(
+        bind: SocketAddr,
+        names: Vec<String>,
+        cluster_fingerprint: String,
+        strategy_fingerprint: String,
+        token: ClusterToken,
+        config: CoordinationConfig,
+    ) -> Result<Self> {
+        if names.is_empty() {
+            return Err(Error::Config("a coordination service needs at least one task".into()));
+        }
+        let state = JobState {
+            tasks: names.iter().map(|_| TaskState::default()).collect(),
+            rendezvous_done: false,
+            error: None,
+            barriers: HashMap::new(),
+            kv: HashMap::new(),
+        };
+        let service = Arc::new(Service {
+            names,
+            cluster_fingerprint,
+            strategy_fingerprint,
+            config,
+            state: Mutex::new(state),
+            changed: Notify::new(),
+        });
+        let listener = runtime()
+            .block_on(tokio::net::TcpListener::bind(bind))
+            .map_err(|e| Error::io(format!("binding the coordination service to {bind}"), e))?;
+        let address = listener.local_addr().map_err(|e| Error::io("reading the coordination service's address", e))?;
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let svc = service.clone();
+        let interceptor = server_interceptor(token);
+        let done = runtime().spawn(async move {
+            let (reporter, health) = tonic_health::server::health_reporter();
+            reporter.set_serving::<CoordinationServer<Svc>>().await;
+            let monitor = {
+                let svc = svc.clone();
+                tokio::spawn(async move {
+                    let mut tick = tokio::time::interval(Duration::from_millis(100));
+                    loop {
+                        tick.tick().await;
+                        svc.check_liveness();
+                    }
+                })
+            };
+            let result = tonic::transport::Server::builder()
+                .add_service(InterceptedService::new(health, interceptor.clone()))
+                .add_service(CoordinationServer::with_interceptor(Svc(svc), interceptor))
+                .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), async {
+                    let _ = rx.await;
+                })
+                .await;
+            monitor.abort();
+            if let Err(e) = result {
+                tracing::error!(error = %e, "the coordination service stopped");
+            }
+        });
+        tracing::info!(%address, "coordination service listening");
+        Ok(Self { service, address, shutdown: Some(tx), done: Some(done) })
+    }
+
+    /// Where the service listens.
+    pub fn address(&self) -> SocketAddr {
+        self.address
+    }
+
+    /// The job's error, if it failed.
+    pub fn error(&self) -> Option<String> {
+        lock(&self.service.state).error.clone()
+    }
+
+    /// Waits (up to `timeout`) until every task has left or the job failed, then stops.
+    pub fn shutdown_after_all_left(mut self, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            {
+                let st = lock(&self.service.state);
+                if st.error.is_some() || st.tasks.iter().all(|t| t.left || t.incarnation.is_none()) {
+                    break;
+                }
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        if let Some(done) = self.done.take() {
+            let _ = runtime().block_on(async { tokio::time::timeout(Duration::from_secs(5), done).await });
+        }
+    }
+}
+
+impl Drop for CoordinationServerHandle {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+type Client = CoordinationClient<InterceptedService<Channel, ClientAuth>>;
+
+/// What registration returns.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Registration {
+    /// This task's rank.
+    pub rank: usize,
+    /// Every task's data-plane address, in rank order.
+    pub data_addresses: Vec<String>,
+    /// Every task's name, in rank order.
+    pub task_names: Vec<String>,
+}
+
+/// What a task reports in its heartbeats: the collective it is in.
+#[derive(Debug, Default)]
+pub struct Progress {
+    seq: std::sync::atomic::AtomicU64,
+    what: Mutex<&'static str>,
+}
+
+impl Progress {
+    /// Records that the task entered collective `seq` (`what`: its kind).
+    pub fn enter(&self, seq: u64, what: &'static str) {
+        self.seq.store(seq, Ordering::Relaxed);
+        *lock(&self.what) = what;
+    }
+}
+
+/// A task's connection to the coordination service.
+pub struct CoordinationMember {
+    client: Client,
+    task: String,
+    incarnation: u64,
+    config: CoordinationConfig,
+    peer: String,
+    progress: Arc<Progress>,
+    stop: Arc<AtomicBool>,
+    heartbeats: Option<std::thread::JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for CoordinationMember {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CoordinationMember").field("task", &self.task).field("service", &self.peer).finish()
+    }
+}
+
+fn rpc_error(rpc: &str, peer: &str, s: Status) -> Error {
+    match s.code() {
+        Code::Unauthenticated => Error::Unauthenticated(format!("{rpc} to {peer}: {}", s.message())),
+        Code::FailedPrecondition | Code::NotFound | Code::InvalidArgument | Code::AlreadyExists => {
+            Error::Config(s.message().to_string())
+        }
+        Code::Aborted | Code::DeadlineExceeded => Error::Aborted(s.message().to_string()),
+        _ => Error::Rpc { rpc: rpc.into(), peer: peer.into(), status: format!("{:?}: {}", s.code(), s.message()) },
+    }
+}
+
+impl CoordinationMember {
+    /// Connects task `task` (e.g. `worker:1`) to the service at `address`, retrying until the
+    /// rendezvous deadline (the chief may start after its workers).
+    pub fn connect(address: &str, task: &str, token: ClusterToken, config: CoordinationConfig) -> Result<Self> {
+        let uri = format!("http://{address}");
+        let endpoint = Channel::from_shared(uri.clone())
+            .map_err(|e| Error::Config(format!("the coordination address {address:?} is not usable: {e}")))?
+            .connect_timeout(Duration::from_secs(2))
+            .tcp_nodelay(true);
+        let deadline = Instant::now() + config.rendezvous_timeout;
+        let channel = runtime().block_on(async {
+            loop {
+                match endpoint.connect().await {
+                    Ok(c) => return Ok(c),
+                    Err(e) if Instant::now() >= deadline => {
+                        return Err(Error::PeerLost {
+                            task: "chief".into(),
+                            collective: "rendezvous".into(),
+                            step: 0,
+                            detail: format!("the coordination service at {address} did not answer: {e}"),
+                        })
+                    }
+                    Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+                }
+            }
+        })?;
+        let client = CoordinationClient::with_interceptor(channel, client_interceptor(token));
+        Ok(Self {
+            client,
+            task: task.to_string(),
+            incarnation: rand_incarnation(),
+            config,
+            peer: format!("the coordination service at {address}"),
+            progress: Arc::new(Progress::default()),
+            stop: Arc::new(AtomicBool::new(false)),
+            heartbeats: None,
+        })
+    }
+
+    /// The task's progress record, which its heartbeats report.
+    pub fn progress(&self) -> Arc<Progress> {
+        self.progress.clone()
+    }
+
+    /// Registers and waits for every task (the rendezvous).
+    pub fn register(
+        &self,
+        cluster_fingerprint: &str,
+        strategy_fingerprint: &str,
+        data_address: &str,
+    ) -> Result<Registration> {
+        let mut client = self.client.clone();
+        let mut req = Request::new(RegisterRequest {
+            task: Some(task_proto(&self.task)),
+            cluster_fingerprint: cluster_fingerprint.into(),
+            strategy_fingerprint: strategy_fingerprint.into(),
+            data_address: data_address.into(),
+            incarnation: self.incarnation,
+        });
+        req.set_timeout(self.config.rendezvous_timeout + Duration::from_secs(5));
+        let r = runtime()
+            .block_on(client.register(req))
+            .map_err(|s| rpc_error("Register", &self.peer, s))?
+            .into_inner();
+        Ok(Registration {
+            rank: r.rank as usize,
+            data_addresses: r.data_addresses,
+            task_names: r.task_names,
+        })
+    }
+
+    /// Starts the heartbeat thread. `on_failure` is called once, with the reason, when the job
+    /// fails (a task lost or an error reported) or the service stops answering.
+    pub fn start_heartbeats(&mut self, on_failure: impl Fn(String) + Send + 'static) {
+        let mut client = self.client.clone();
+        let (task, incarnation, config, peer) =
+            (self.task.clone(), self.incarnation, self.config.clone(), self.peer.clone());
+        let (progress, stop) = (self.progress.clone(), self.stop.clone());
+        let handle = std::thread::Builder::new().name("strata-heartbeat".into()).spawn(move || {
+            let mut last_ok = Instant::now();
+            while !stop.load(Ordering::Relaxed) {
+                let what = *lock(&progress.what);
+                let mut req = Request::new(HeartbeatRequest {
+                    task: Some(task_proto(&task)),
+                    incarnation,
+                    collective_seq: progress.seq.load(Ordering::Relaxed),
+                    collective: what.to_string(),
+                });
+                req.set_timeout(config.heartbeat_interval.max(Duration::from_millis(500)));
+                match runtime().block_on(client.heartbeat(req)) {
+                    Ok(r) => {
+                        last_ok = Instant::now();
+                        let e = r.into_inner().error;
+                        if !e.is_empty() {
+                            on_failure(e);
+                            return;
+                        }
+                    }
+                    Err(s) if last_ok.elapsed() > config.heartbeat_timeout => {
+                        if !stop.load(Ordering::Relaxed) {
+                            on_failure(format!(
+                                "lost task chief: {peer} has not answered heartbeats for {:.1} s ({})",
+                                last_ok.elapsed().as_secs_f64(),
+                                s.message()
+                            ));
+                        }
+                        return;
+                    }
+                    Err(_) => {}
+                }
+                let until = Instant::now() + config.heartbeat_interval;
+                while Instant::now() < until && !stop.load(Ordering::Relaxed) {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            }
+        });
+        self.heartbeats = handle.ok();
+    }
+
+    /// Waits until every task enters the barrier `name`.
+    pub fn barrier(&self, name: &str, timeout: Duration) -> Result<()> {
+        let mut client = self.client.clone();
+        let mut req = Request::new(BarrierRequest {
+            task: Some(task_proto(&self.task)),
+            name: name.into(),
+            timeout_ms: timeout.as_millis() as u64,
+        });
+        req.set_timeout(timeout + Duration::from_secs(5));
+        runtime().block_on(client.barrier(req)).map_err(|s| rpc_error("Barrier", &self.peer, s))?;
+        Ok(())
+    }
+
+    /// Tells every task that this one failed.
+    pub fn report_error(&self, message: &str) -> Result<()> {
+        let mut client = self.client.clone();
+        let mut req = Request::new(ReportErrorRequest { task: Some(task_proto(&self.task)), message: message.into() });
+        req.set_timeout(self.config.rpc_timeout);
+        runtime().block_on(client.report_error(req)).map_err(|s| rpc_error("ReportError", &self.peer, s))?;
+        Ok(())
+    }
+
+    /// Leaves the job cleanly and stops the heartbeats.
+    pub fn leave(&mut self) -> Result<()> {
+        self.stop_heartbeats();
+        let mut client = self.client.clone();
+        let mut req = Request::new(LeaveRequest { task: Some(task_proto(&self.task)), incarnation: self.incarnation });
+        req.set_timeout(self.config.rpc_timeout);
+        runtime().block_on(client.leave(req)).map_err(|s| rpc_error("Leave", &self.peer, s))?;
+        Ok(())
+    }
+
+    /// Sets `key` (once).
+    pub fn set_key(&self, key: &str, value: &[u8]) -> Result<()> {
+        let mut client = self.client.clone();
+        let mut req = Request::new(SetKeyRequest { key: key.into(), value: value.to_vec() });
+        req.set_timeout(self.config.rpc_timeout);
+        runtime().block_on(client.set_key(req)).map_err(|s| rpc_error("SetKey", &self.peer, s))?;
+        Ok(())
+    }
+
+    /// Reads `key`, waiting up to `timeout` for it to be set.
+    pub fn get_key(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
+        let mut client = self.client.clone();
+        let mut req = Request::new(GetKeyRequest { key: key.into(), timeout_ms: timeout.as_millis() as u64 });
+        req.set_timeout(timeout + Duration::from_secs(5));
+        Ok(runtime().block_on(client.get_key(req)).map_err(|s| rpc_error("GetKey", &self.peer, s))?.into_inner().value)
+    }
+
+    fn stop_heartbeats(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(h) = self.heartbeats.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Drop for CoordinationMember {
+    fn drop(&mut self) {
+        self.stop_heartbeats();
+    }
+}
+
+fn rand_incarnation() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
+    h.write_u32(std::process::id());
+    h.finish()
+}
