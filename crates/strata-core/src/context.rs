@@ -1,6 +1,7 @@
 //! [`ReplicaContext`]: what a step sees on one replica.
 
 use std::any::Any;
+use std::sync::Arc;
 
 use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor};
@@ -85,7 +86,14 @@ impl<'a> ReplicaContext<'a> {
 
     /// The number of replicas in sync.
     pub fn num_replicas_in_sync(&self) -> usize {
-        self.shared.group.num_replicas()
+        self.shared.ext.num_replicas_in_sync()
+    }
+
+    /// This replica's index among every replica in sync, across workers (TensorFlow's
+    /// `replica_id_in_sync_group`); [`ReplicaContext::replica_id`] is its index on this worker.
+    pub fn replica_id_in_sync_group(&self) -> usize {
+        let w = self.shared.ext.workers().map_or(0, |w| w.worker_index());
+        w * self.shared.group.num_replicas() + self.replica
     }
 
     /// The id of the strategy running this step.
@@ -125,7 +133,23 @@ impl<'a> ReplicaContext<'a> {
     /// Waits until every replica reaches this point.
     pub fn barrier(&self) -> Result<()> {
         let key = self.next_key("barrier".into(), vec![]);
-        self.shared.group.arrive(self.replica, &key)
+        self.shared.group.arrive(self.replica, &key)?;
+        if let Some(w) = self.shared.ext.workers() {
+            let r = if self.replica == 0 { w.barrier().map_err(|e| e.to_string()) } else { Ok(()) };
+            self.share_from_first("barrier(workers)", r)?;
+        }
+        Ok(())
+    }
+
+    /// Replica 0's result, handed to every local replica.
+    fn share_from_first<T: Any + Send + Clone>(&self, what: &str, mine: std::result::Result<T, String>) -> Result<T> {
+        let key = self.next_key(what.into(), vec![]);
+        let all = self.shared.group.exchange(self.replica, &key, mine)?;
+        match all.into_iter().next() {
+            Some(Ok(v)) => Ok(v),
+            Some(Err(e)) => Err(Error::Cluster(e)),
+            None => Err(Error::Scope(format!("{what} produced no result"))),
+        }
     }
 
     /// All-reduces `values` (f32) with `op`; every replica gets the result.
@@ -162,7 +186,27 @@ impl<'a> ReplicaContext<'a> {
         let key = self.next_key("all_gather".into(), rest);
         let all = self.shared.group.exchange(self.replica, &key, t.clone())?;
         let on_mine = all.iter().map(|x| x.to_device(self.candle_device())).collect::<candle_core::Result<Vec<_>>>()?;
-        Ok(Tensor::cat(&on_mine, 0)?)
+        let local = Tensor::cat(&on_mine, 0)?;
+        let Some(w) = self.shared.ext.workers() else { return Ok(local) };
+        let gathered = if self.replica == 0 {
+            (|| -> Result<Vec<f32>> {
+                let flat = local.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                Ok(w.all_gather(&flat)?.concat())
+            })()
+            .map_err(|e| e.to_string())
+        } else {
+            Ok(Vec::new())
+        };
+        let flat = self.share_from_first("all_gather(workers)", gathered.map(Arc::new))?;
+        let row: usize = rest_len(t);
+        let rows = if row == 0 { 0 } else { flat.len() / row };
+        let mut shape = t.dims().to_vec();
+        if shape.is_empty() {
+            shape.push(rows);
+        } else {
+            shape[0] = rows;
+        }
+        Ok(Tensor::from_slice(&flat, shape, self.candle_device())?.to_dtype(t.dtype())?)
     }
 
     /// Steps into cross-replica context (TensorFlow's `merge_call`): every replica passes its
@@ -209,13 +253,13 @@ impl<'a> ReplicaContext<'a> {
     /// [`ReplicaContext::backward_and_sync`]).
     pub fn sync_and_apply<O: Optimizer>(&self, grads: GradStore, opt: &DistributedOptimizer<O>) -> Result<()> {
         opt.check_strategy(self)?;
-        let n = self.num_replicas_in_sync();
+        let n = self.shared.group.num_replicas();
         let policy = opt.policy();
         let copy = match policy {
             VariablePolicy::Mirrored => self.replica,
             VariablePolicy::Central { .. } => 0,
         };
-        if n == 1 {
+        if n == 1 && self.shared.ext.workers().is_none() {
             let _p = self.phase("step", "optimizer");
             return Ok(opt.lock(0).step(&grads)?);
         }
@@ -289,6 +333,10 @@ impl<'a> ReplicaContext<'a> {
         }
         Ok(())
     }
+}
+
+fn rest_len(t: &Tensor) -> usize {
+    t.dims().iter().skip(1).product()
 }
 
 /// Writes `data` into a contiguous f32 CPU tensor at element `offset`, in place.

@@ -149,12 +149,33 @@ pub struct DistributedDataset<I> {
     tail: TailPolicy,
     first_len: Option<usize>,
     skipped: usize,
+    /// Multi-worker: (workers, this worker, policy).
+    worker: Option<(usize, usize, crate::strategy::AutoShardPolicy)>,
 }
 
 impl<I: Iterator<Item = Batch>> DistributedDataset<I> {
     /// Splits `inner`'s global batches over `n` replicas.
     pub fn new(inner: I, n: usize, tail: TailPolicy) -> Self {
-        Self { inner, n: n.max(1), tail, first_len: None, skipped: 0 }
+        Self { inner, n: n.max(1), tail, first_len: None, skipped: 0, worker: None }
+    }
+
+    /// Splits for worker `index` of `workers`, each with `local` replicas. With
+    /// [`AutoShardPolicy::Data`](crate::strategy::AutoShardPolicy::Data) every worker reads the
+    /// same global batches, splits each over all `local * workers` replicas and keeps its own
+    /// replicas' shards, so the job computes exactly what one process would on that batch.
+    /// With `Off`, each worker's batches are its own part of the step (weighted as if every
+    /// worker's batch had the same size).
+    pub fn for_worker(
+        inner: I,
+        local: usize,
+        workers: usize,
+        index: usize,
+        policy: crate::strategy::AutoShardPolicy,
+        tail: TailPolicy,
+    ) -> Self {
+        let mut d = Self::new(inner, local, tail);
+        d.worker = Some((workers.max(1), index, policy));
+        d
     }
 
     /// Examples skipped so far by the tail policy.
@@ -170,16 +191,38 @@ impl<I: Iterator<Item = Batch>> Iterator for DistributedDataset<I> {
         loop {
             let b = self.inner.next()?;
             let first = *self.first_len.get_or_insert(b.len());
+            let split_over = match self.worker {
+                Some((w, _, crate::strategy::AutoShardPolicy::Data)) => self.n * w,
+                _ => self.n,
+            };
             let keep = match self.tail {
-                TailPolicy::Split => b.len() >= self.n,
-                TailPolicy::DropRemainder => b.len() >= first && b.len() >= self.n,
+                TailPolicy::Split => b.len() >= split_over,
+                TailPolicy::DropRemainder => b.len() >= first && b.len() >= split_over,
             };
             if !keep {
                 tracing::debug!(examples = b.len(), replicas = self.n, "skipping a batch by the tail policy");
                 self.skipped += b.len();
                 continue;
             }
-            return DistributedBatch::split(&b, self.n).ok();
+            return match self.worker {
+                None => DistributedBatch::split(&b, self.n).ok(),
+                Some((w, index, crate::strategy::AutoShardPolicy::Data)) => {
+                    let all = DistributedBatch::split(&b, self.n * w).ok()?;
+                    let mine: Vec<Shard> = all.shards.into_values().into_iter().skip(index * self.n).take(self.n).collect();
+                    PerReplica::new(mine).ok().map(|shards| DistributedBatch { shards })
+                }
+                Some((w, _, crate::strategy::AutoShardPolicy::Off)) => {
+                    let mut local = DistributedBatch::split(&b, self.n).ok()?;
+                    let shards: Vec<Shard> = local
+                        .shards
+                        .into_values()
+                        .into_iter()
+                        .map(|s| Shard { global_len: s.global_len * w, ..s })
+                        .collect();
+                    local.shards = PerReplica::new(shards).ok()?;
+                    Some(local)
+                }
+            };
         }
     }
 }
@@ -214,6 +257,8 @@ impl InputContext {
 pub struct PipelineDataset<I> {
     pipelines: Vec<I>,
     n: usize,
+    /// How many workers' pipelines make up a step (their batches are assumed equal in size).
+    workers: usize,
 }
 
 impl<I: Iterator<Item = Batch>> PipelineDataset<I> {
@@ -231,7 +276,26 @@ impl<I: Iterator<Item = Batch>> PipelineDataset<I> {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Self { pipelines, n })
+        Ok(Self { pipelines, n, workers: 1 })
+    }
+
+    /// The pipeline of worker `index` of `workers` (each with `local` replicas): `make` is
+    /// called once, with `input_pipeline_id = index` and `num_input_pipelines = workers`.
+    pub fn for_worker(
+        local: usize,
+        workers: usize,
+        index: usize,
+        mut make: impl FnMut(&InputContext) -> Result<I>,
+    ) -> Result<Self> {
+        if local == 0 {
+            return Err(Error::ZeroReplicas);
+        }
+        let p = make(&InputContext {
+            num_input_pipelines: workers.max(1),
+            input_pipeline_id: index,
+            num_replicas_in_sync: local * workers.max(1),
+        })?;
+        Ok(Self { pipelines: vec![p], n: local, workers: workers.max(1) })
     }
 }
 
@@ -248,7 +312,7 @@ impl<I: Iterator<Item = Batch>> Iterator for PipelineDataset<I> {
             }
             batches.push(b);
         }
-        let global: usize = batches.iter().map(Batch::len).sum();
+        let global: usize = batches.iter().map(Batch::len).sum::<usize>() * self.workers;
         let shards = batches.into_iter().map(|batch| Shard { batch, global_len: global }).collect();
         PerReplica::new(shards).ok().map(|shards| DistributedBatch { shards })
     }

@@ -71,6 +71,36 @@ impl Default for StrategyOptions {
     }
 }
 
+/// How a multi-worker strategy splits input across workers (TensorFlow's `AutoShardPolicy`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AutoShardPolicy {
+    /// Every worker reads the same global batches and keeps its slice of each: the job trains
+    /// on exactly the batches one process would (the default).
+    #[default]
+    Data,
+    /// No sharding: each worker's batches are its own part of the step.
+    Off,
+}
+
+/// The cross-worker half of a multi-worker strategy: collectives between the workers of a
+/// job. On each worker one replica thread calls them (after the worker's replicas have
+/// combined their values locally), in the same order on every worker; the implementation
+/// numbers them and checks that order.
+pub trait WorkerCollectives: Send + Sync + std::fmt::Debug {
+    /// The number of workers in sync.
+    fn num_workers(&self) -> usize;
+    /// This worker's index (0 is the chief).
+    fn worker_index(&self) -> usize;
+    /// All-reduces `data` in place across the workers (`Mean` averages over workers).
+    fn all_reduce(&self, op: ReduceOp, data: &mut [f32]) -> Result<()>;
+    /// Gathers every worker's `mine` (lengths may differ), in worker order.
+    fn all_gather(&self, mine: &[f32]) -> Result<Vec<Vec<f32>>>;
+    /// Overwrites `data` on every worker with worker `root`'s.
+    fn broadcast(&self, root: usize, data: &mut [f32]) -> Result<()>;
+    /// Waits until every worker reaches this point.
+    fn barrier(&self) -> Result<()>;
+}
+
 /// A job run once on every replica.
 pub type ReplicaJob<'a> = dyn Fn(&ReplicaContext<'_>) -> Result<()> + Sync + 'a;
 
@@ -94,9 +124,24 @@ pub trait StrategyExtended: Send + Sync + std::fmt::Debug {
     /// `weights` are each replica's share of the global batch (they sum to 1).
     fn execute(&self, weights: &[f32], job: &ReplicaJob<'_>) -> Result<()>;
 
-    /// The number of replicas in sync.
+    /// The number of replicas of this worker (one per replica device).
     fn num_replicas(&self) -> usize {
         self.replica_devices().len()
+    }
+
+    /// The other workers of a multi-worker strategy, if it has any.
+    fn workers(&self) -> Option<&dyn WorkerCollectives> {
+        None
+    }
+
+    /// How input is split across workers.
+    fn auto_shard(&self) -> AutoShardPolicy {
+        AutoShardPolicy::Data
+    }
+
+    /// The number of replicas in sync across every worker.
+    fn num_replicas_in_sync(&self) -> usize {
+        self.num_replicas() * self.workers().map_or(1, |w| w.num_workers())
     }
 }
 
@@ -165,7 +210,7 @@ pub trait Strategy {
 
     /// The number of replicas that run each step in sync.
     fn num_replicas_in_sync(&self) -> usize {
-        self.extended().num_replicas()
+        self.extended().num_replicas_in_sync()
     }
 
     /// Builds variables the strategy's way. `build` creates one copy of the model from the
@@ -177,8 +222,8 @@ pub trait Strategy {
 
     /// Runs `step` on every replica with no input; returns each replica's result.
     fn run<T: Send>(&self, step: impl Fn(&ReplicaContext<'_>) -> Result<T> + Sync) -> Result<PerReplica<T>> {
-        let n = self.num_replicas_in_sync();
-        let weights = vec![1.0 / n as f32; n];
+        let n = self.extended().num_replicas();
+        let weights = vec![1.0 / self.num_replicas_in_sync() as f32; n];
         crate::runtime::run_collect(self.extended().as_ref(), &weights, |ctx| step(ctx))
     }
 
@@ -204,10 +249,10 @@ pub trait Strategy {
         batches: &[DistributedBatch],
         step: impl Fn(&ReplicaContext<'_>, &crate::data::Shard) -> Result<T> + Sync,
     ) -> Result<Vec<PerReplica<T>>> {
-        let n = self.num_replicas_in_sync();
+        let n = self.extended().num_replicas();
         if let Some(b) = batches.iter().find(|b| b.shards.num_replicas() != n) {
             return Err(Error::Dataset(format!(
-                "a batch was split for {} replicas but the strategy has {n}; distribute it with this strategy",
+                "a batch was split for {} replicas but this worker of the strategy has {n}; distribute it with this strategy",
                 b.shards.num_replicas()
             )));
         }
@@ -237,15 +282,33 @@ pub trait Strategy {
             .collect()
     }
 
-    /// Reduces per-replica scalars in cross-replica context.
+    /// Reduces per-replica scalars in cross-replica context (across every worker of a
+    /// multi-worker strategy).
     fn reduce(&self, op: ReduceOp, value: &PerReplica<f32>) -> Result<f32> {
         let v: Vec<f64> = value.values().iter().map(|&x| x as f64).collect();
-        Ok(op.reduce_scalars(&v) as f32)
+        let local = op.reduce_scalars(&v) as f32;
+        match self.extended().workers() {
+            None => Ok(local),
+            Some(w) => {
+                let mut data = [local];
+                w.all_reduce(op, &mut data)?;
+                Ok(data[0])
+            }
+        }
     }
 
-    /// Reduces per-replica tensors element-wise in cross-replica context.
+    /// Reduces per-replica tensors element-wise in cross-replica context (across every worker
+    /// of a multi-worker strategy).
     fn reduce_tensors(&self, op: ReduceOp, value: &PerReplica<Tensor>) -> Result<Tensor> {
-        crate::runtime::reduce_tensors(op, value)
+        let local = crate::runtime::reduce_tensors(op, value)?;
+        match self.extended().workers() {
+            None => Ok(local),
+            Some(w) => {
+                let mut data = local.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                w.all_reduce(op, &mut data)?;
+                Ok(Tensor::from_vec(data, local.shape(), local.device())?.to_dtype(local.dtype())?)
+            }
+        }
     }
 
     /// Splits each global batch of `batches` into per-replica shards.
@@ -253,7 +316,18 @@ pub trait Strategy {
     where
         I: IntoIterator<Item = crate::data::Batch>,
     {
-        DistributedDataset::new(batches.into_iter(), self.num_replicas_in_sync(), tail)
+        let ext = self.extended();
+        match ext.workers() {
+            None => DistributedDataset::new(batches.into_iter(), ext.num_replicas(), tail),
+            Some(w) => DistributedDataset::for_worker(
+                batches.into_iter(),
+                ext.num_replicas(),
+                w.num_workers(),
+                w.worker_index(),
+                ext.auto_shard(),
+                tail,
+            ),
+        }
     }
 
     /// Gives each input pipeline an [`InputContext`] and lets it build its own per-replica
@@ -263,7 +337,11 @@ pub trait Strategy {
         I: Iterator<Item = crate::data::Batch>,
         F: FnMut(&InputContext) -> Result<I>,
     {
-        crate::data::PipelineDataset::new(self.num_replicas_in_sync(), 1, make)
+        let ext = self.extended();
+        match ext.workers() {
+            None => crate::data::PipelineDataset::new(ext.num_replicas(), 1, make),
+            Some(w) => crate::data::PipelineDataset::for_worker(ext.num_replicas(), w.num_workers(), w.worker_index(), make),
+        }
     }
 
     /// A strategy-independent handle (for choosing strategies at run time).

@@ -239,7 +239,32 @@ pub(crate) fn build_replicated<M>(
         vars.push(made);
     }
     open.store(false, Ordering::Release);
+    if let Some(w) = ext.workers() {
+        broadcast_from_chief(w, &vars)?;
+    }
     Ok(Replicated { strategy: ext.id(), strategy_name: ext.name(), policy, copies, vars })
+}
+
+/// Multi-worker: the chief's initial values reach every worker before the first step (they
+/// agree already when every worker seeds the same way; this makes it so whatever the model's
+/// initialisers do).
+fn broadcast_from_chief(w: &dyn crate::strategy::WorkerCollectives, vars: &[Vec<(String, Var)>]) -> Result<()> {
+    let Some(first) = vars.first() else { return Ok(()) };
+    let mut data = Vec::new();
+    for (_, v) in first {
+        data.extend(v.as_tensor().to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?);
+    }
+    w.broadcast(0, &mut data)?;
+    for copy in vars {
+        let mut at = 0;
+        for (_, v) in copy {
+            let n = v.elem_count();
+            let t = Tensor::from_slice(&data[at..at + n], v.shape(), v.device())?.to_dtype(v.dtype())?;
+            v.set(&t)?;
+            at += n;
+        }
+    }
+    Ok(())
 }
 
 impl<M> Replicated<M> {

@@ -27,6 +27,7 @@ mod central_storage;
 pub mod cluster;
 mod local;
 mod mirrored;
+mod multi_worker;
 mod one_device;
 
 pub use central_storage::CentralStorageStrategy;
@@ -36,4 +37,5 @@ pub use cluster::{
 };
 pub use local::CpuReduction;
 pub use mirrored::MirroredStrategy;
+pub use multi_worker::{MultiWorkerMirroredStrategy, MultiWorkerOptions};
 pub use one_device::OneDeviceStrategy;

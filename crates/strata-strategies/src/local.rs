@@ -5,7 +5,7 @@ use std::sync::Arc;
 use strata_core::cross_device::{CpuCrossDeviceOps, CrossDeviceOps};
 use strata_core::device::{LogicalDevice, LogicalKind};
 use strata_core::runtime::{execute_local, ReplicaPools};
-use strata_core::strategy::ReplicaJob;
+use strata_core::strategy::{AutoShardPolicy, ReplicaJob, WorkerCollectives};
 use strata_core::{Error, Result, StrategyExtended, StrategyId, StrategyOptions, VariablePolicy};
 
 /// Which CPU cross-device operation a strategy uses.
@@ -29,6 +29,17 @@ pub(crate) struct LocalStrategy {
     ops: Box<dyn CrossDeviceOps>,
     options: StrategyOptions,
     pools: ReplicaPools,
+    /// The other workers (multi-worker strategies only).
+    workers: Option<Arc<dyn WorkerCollectives>>,
+    auto_shard: AutoShardPolicy,
+}
+
+/// What a multi-worker strategy adds to the local machinery.
+pub(crate) struct CrossWorker {
+    /// Builds the cross-device ops from the local CPU ops.
+    pub(crate) ops: Box<dyn FnOnce(CpuCrossDeviceOps) -> Box<dyn CrossDeviceOps>>,
+    pub(crate) workers: Arc<dyn WorkerCollectives>,
+    pub(crate) auto_shard: AutoShardPolicy,
 }
 
 impl LocalStrategy {
@@ -38,6 +49,18 @@ impl LocalStrategy {
         policy: VariablePolicy,
         reduction: CpuReduction,
         options: StrategyOptions,
+    ) -> Result<Arc<dyn StrategyExtended>> {
+        Self::build_with(name, devices, policy, reduction, options, None)
+    }
+
+    /// As [`LocalStrategy::build`], with the cross-worker half of a multi-worker strategy.
+    pub(crate) fn build_with(
+        name: &'static str,
+        devices: Vec<LogicalDevice>,
+        policy: VariablePolicy,
+        reduction: CpuReduction,
+        options: StrategyOptions,
+        cross: Option<CrossWorker>,
     ) -> Result<Arc<dyn StrategyExtended>> {
         if devices.is_empty() {
             return Err(Error::ZeroReplicas);
@@ -56,7 +79,11 @@ impl LocalStrategy {
             CpuReduction::InMemoryAllReduce => CpuCrossDeviceOps::in_memory_all_reduce(n)?,
             CpuReduction::ReductionToOneDevice => CpuCrossDeviceOps::reduction_to_one_device(n)?,
         };
-        let ops = Box::new(ops.with_devices(devices.iter().map(|d| d.spec.clone()).collect())?);
+        let ops = ops.with_devices(devices.iter().map(|d| d.spec.clone()).collect())?;
+        let (ops, workers, auto_shard): (Box<dyn CrossDeviceOps>, _, _) = match cross {
+            None => (Box::new(ops), None, AutoShardPolicy::Data),
+            Some(c) => ((c.ops)(ops), Some(c.workers), c.auto_shard),
+        };
         let pools = ReplicaPools::for_devices(&devices)?;
         let candle_threads = candle_core::utils::get_num_threads();
         if let Some(d) = devices
@@ -79,7 +106,7 @@ impl LocalStrategy {
             );
         }
         tracing::debug!(strategy = name, replicas = n, ops = ops.name(), "strategy created");
-        Ok(Arc::new(Self { id: StrategyId::fresh(), name, devices, policy, ops, options, pools }))
+        Ok(Arc::new(Self { id: StrategyId::fresh(), name, devices, policy, ops, options, pools, workers, auto_shard }))
     }
 }
 
@@ -104,5 +131,11 @@ impl StrategyExtended for LocalStrategy {
     }
     fn execute(&self, weights: &[f32], job: &ReplicaJob<'_>) -> Result<()> {
         execute_local(self, &self.pools, weights, job)
+    }
+    fn workers(&self) -> Option<&dyn WorkerCollectives> {
+        self.workers.as_deref()
+    }
+    fn auto_shard(&self) -> AutoShardPolicy {
+        self.auto_shard
     }
 }

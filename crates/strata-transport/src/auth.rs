@@ -78,6 +78,11 @@ impl ClusterToken {
         })
     }
 
+    /// The secret itself, for handshakes that carry it (the data plane's).
+    pub fn secret(&self) -> &str {
+        &self.0
+    }
+
     /// Whether `presented` is this token (constant time in the token's length).
     pub fn matches(&self, presented: &[u8]) -> bool {
         self.0.as_bytes().ct_eq(presented).into()

@@ -373,7 +373,10 @@ fn abort_releases_a_rank_waiting_for_a_silent_peer() {
         },
     );
     let (e, later) = results[0].as_ref().unwrap();
-    assert!(matches!(e, Error::Aborted(m) if m.contains("stopped sending heartbeats") && m.contains("all_reduce")), "{e}");
+    assert!(
+        matches!(e, Error::Aborted(m) if m.contains("stopped sending heartbeats") && m.contains("all_reduce")),
+        "{e}"
+    );
     assert!(matches!(later, Error::Aborted(_)), "{later}");
 }
 

@@ -14,6 +14,8 @@ use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use serde::Serialize;
 use strata_core::data::{Batch, TailPolicy};
+use candle_core::{DType, Tensor};
+use strata_core::checkpoint::{self, CheckpointTensor, OptimizerState};
 use strata_core::{DistributedOptimizer, ReduceOp, Replicated, Strategy};
 
 use crate::digits::gather;
@@ -36,11 +38,35 @@ pub struct TrainConfig {
     /// Steps handed to the replicas at once (`None`: a whole epoch), as Keras'
     /// `steps_per_execution`: fewer hand-offs between the caller and the replica threads.
     pub steps_per_execution: Option<usize>,
+    /// Backup and restore (see [`Trainer::fit_checkpointed`]).
+    pub checkpoint: Option<CheckpointConfig>,
+    /// Stop after this many steps in total (counting a resumed run's earlier steps).
+    pub max_steps: Option<usize>,
+}
+
+/// Where and how often the chief writes checkpoints.
+#[derive(Clone, Debug)]
+pub struct CheckpointConfig {
+    /// The checkpoint root (one `ckpt-<step>` directory per checkpoint).
+    pub dir: std::path::PathBuf,
+    /// Write a checkpoint every this many steps (and after the last step).
+    pub every_steps: usize,
+    /// Keep this many checkpoints.
+    pub keep: usize,
 }
 
 impl Default for TrainConfig {
     fn default() -> Self {
-        Self { epochs: 30, global_batch: 256, seed: 0, warmup_steps: 3, progress: true, steps_per_execution: None }
+        Self {
+            epochs: 30,
+            global_batch: 256,
+            seed: 0,
+            warmup_steps: 3,
+            progress: true,
+            steps_per_execution: None,
+            checkpoint: None,
+            max_steps: None,
+        }
     }
 }
 
@@ -66,8 +92,10 @@ pub struct FitReport {
     pub final_test_accuracy: f32,
     /// Training examples per second over the steps after the warm-up (evaluation excluded).
     pub examples_per_second: f64,
-    /// Steps run.
+    /// Steps run (by this fit; a resumed fit does not count the steps before its checkpoint).
     pub steps: usize,
+    /// The step this fit resumed from (0 for a fresh start).
+    pub resumed_from_step: usize,
     /// Examples the tail policy skipped (batches smaller than the replica count).
     pub skipped_examples: usize,
     /// Wall seconds of the whole fit, evaluation included.
@@ -101,26 +129,108 @@ impl Trainer {
         M: Classifier,
         O: Optimizer + Send,
     {
+        if self.config.checkpoint.is_some() {
+            return Err(crate::Error::Usage(
+                "checkpoints need an optimizer whose state can be saved (Strata's fused AdamW or SGD); use Trainer::fit_checkpointed".into(),
+            ));
+        }
+        self.fit_inner(strategy, model, opt, train, test, None)
+    }
+
+    /// [`Trainer::fit`] with backup and restore: if the checkpoint directory holds a
+    /// checkpoint, training resumes from it (its variables, optimizer state and step; a
+    /// multi-worker chief reads it and broadcasts it to every worker, so the workers need no
+    /// shared file system), and the chief writes a checkpoint every
+    /// [`CheckpointConfig::every_steps`] steps (atomic and verified, see
+    /// `strata_core::checkpoint`). A resumed run ends with the same parameters as an
+    /// uninterrupted one, because the shuffles are seeded per epoch.
+    pub fn fit_checkpointed<S, M, O>(
+        &self,
+        strategy: &S,
+        model: &Replicated<M>,
+        opt: &DistributedOptimizer<O>,
+        train: &Batch,
+        test: &Batch,
+    ) -> Result<FitReport>
+    where
+        S: Strategy,
+        M: Classifier,
+        O: Optimizer + OptimizerState + Send,
+    {
+        let save = || -> Result<Vec<(String, Tensor)>> { Ok(opt.lock(0).state_tensors()?) };
+        let load = |state: &[(String, Tensor)]| -> Result<()> {
+            for c in 0..model.num_copies() {
+                opt.lock(c).load_state_tensors(state)?;
+            }
+            Ok(())
+        };
+        self.fit_inner(strategy, model, opt, train, test, Some(OptimizerHooks { save: &save, load: &load }))
+    }
+
+    fn fit_inner<S, M, O>(
+        &self,
+        strategy: &S,
+        model: &Replicated<M>,
+        opt: &DistributedOptimizer<O>,
+        train: &Batch,
+        test: &Batch,
+        hooks: Option<OptimizerHooks<'_>>,
+    ) -> Result<FitReport>
+    where
+        S: Strategy,
+        M: Classifier,
+        O: Optimizer + Send,
+    {
         let cfg = &self.config;
         if cfg.global_batch == 0 {
             return Err(crate::Error::Usage("the global batch must be at least 1; pass --batch 1 or more".into()));
         }
         let start = Instant::now();
         let steps_per_epoch = train.len().div_ceil(cfg.global_batch);
+        let ckpt = cfg.checkpoint.as_ref().zip(hooks.as_ref());
+        let resumed = match ckpt {
+            Some((c, h)) => restore(strategy, model, c, h)?,
+            None => 0,
+        };
+        let mut global_step = resumed;
         let bar = progress_bar(cfg.progress, (steps_per_epoch * cfg.epochs) as u64);
         let mut epochs = Vec::with_capacity(cfg.epochs);
         let (mut steps, mut steady_time, mut steady_examples, mut skipped) = (0usize, Duration::ZERO, 0usize, 0usize);
         let (mut all_time, mut all_examples) = (Duration::ZERO, 0usize);
-        for epoch in 0..cfg.epochs {
+        for epoch in resumed / steps_per_epoch.max(1)..cfg.epochs {
+            if cfg.max_steps.is_some_and(|m| global_step >= m) {
+                break;
+            }
             let _e = tracing::info_span!("epoch", epoch).entered();
             let mut idx: Vec<usize> = (0..train.len()).collect();
             idx.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(cfg.seed.wrapping_add(epoch as u64)));
             let batches = idx.chunks(cfg.global_batch).map(|c| gather(train, c));
             let mut data = strategy.distribute_dataset(batches, TailPolicy::Split);
             let epoch_batches: Vec<_> = data.by_ref().collect();
+            // A resumed epoch skips the steps its checkpoint already holds.
+            let done_in_epoch = global_step.saturating_sub(epoch * steps_per_epoch).min(epoch_batches.len());
+            let mut epoch_batches = &epoch_batches[done_in_epoch..];
+            if let Some(max) = cfg.max_steps {
+                epoch_batches = &epoch_batches[..epoch_batches.len().min(max.saturating_sub(global_step))];
+            }
             let per_execution = cfg.steps_per_execution.unwrap_or(epoch_batches.len()).max(1);
-            let (mut loss_sum, mut loss_n, mut epoch_time) = (0f32, 0usize, Duration::ZERO);
-            for execution in epoch_batches.chunks(per_execution) {
+            let (mut epoch_time, mut loss_n) = (Duration::ZERO, 0usize);
+            let mut local_loss = vec![0f32; strategy.extended().num_replicas()];
+            let mut executions = Vec::new();
+            let mut at = 0;
+            while at < epoch_batches.len() {
+                let mut len = per_execution.min(epoch_batches.len() - at);
+                if let Some((c, _)) = ckpt {
+                    // Executions end at checkpoint steps.
+                    let every = c.every_steps.max(1);
+                    len = len.min(every - (global_step + at) % every);
+                }
+                executions.push(&epoch_batches[at..at + len]);
+                at += len;
+            }
+            let mut done = 0;
+            for execution in executions {
+                done += execution.len();
                 let _s = tracing::debug_span!("execution", first_step = steps, steps = execution.len()).entered();
                 let t0 = Instant::now();
                 let losses = strategy.run_batches(execution, |ctx, shard| {
@@ -143,12 +253,23 @@ impl Trainer {
                 all_time += dt;
                 all_examples += execution.iter().map(|b| b.global_len()).sum::<usize>();
                 steps += execution.len();
+                global_step += execution.len();
                 for l in &losses {
-                    loss_sum += strategy.reduce(ReduceOp::Sum, l)?;
+                    for (acc, v) in local_loss.iter_mut().zip(l.values()) {
+                        *acc += v;
+                    }
                     loss_n += 1;
                 }
                 bar.inc(execution.len() as u64);
+                if let Some((c, h)) = ckpt {
+                    let last = epoch + 1 == cfg.epochs && done == epoch_batches.len();
+                    if global_step % c.every_steps.max(1) == 0 || last {
+                        save_checkpoint(strategy, model, c, h, global_step)?;
+                    }
+                }
             }
+            // One cross-replica (and cross-worker) reduction of the epoch's losses.
+            let loss_sum = strategy.reduce(ReduceOp::Sum, &strata_core::PerReplica::new(local_loss)?)?;
             skipped += data.skipped_examples();
             let acc = evaluate(model.primary(), test)?;
             let train_loss = loss_sum / loss_n.max(1) as f32;
@@ -166,10 +287,115 @@ impl Trainer {
             epochs,
             examples_per_second,
             steps,
+            resumed_from_step: resumed,
             skipped_examples: skipped,
             wall_seconds: start.elapsed().as_secs_f64(),
         })
     }
+}
+
+/// How the trainer saves and restores an optimizer's state.
+struct OptimizerHooks<'a> {
+    save: &'a dyn Fn() -> Result<Vec<(String, Tensor)>>,
+    load: &'a dyn Fn(&[(String, Tensor)]) -> Result<()>,
+}
+
+fn is_chief<S: Strategy>(strategy: &S) -> bool {
+    strategy.extended().workers().is_none_or(|w| w.worker_index() == 0)
+}
+
+fn save_checkpoint<S: Strategy, M>(
+    strategy: &S,
+    model: &Replicated<M>,
+    c: &CheckpointConfig,
+    h: &OptimizerHooks<'_>,
+    step: usize,
+) -> Result<()> {
+    if !is_chief(strategy) {
+        return Ok(());
+    }
+    let _s = tracing::info_span!("checkpoint", step).entered();
+    let mut entries: Vec<CheckpointTensor> = model
+        .variables(0)
+        .iter()
+        .map(|(name, v)| CheckpointTensor::new(format!("model/{name}"), v.as_tensor().clone()))
+        .collect();
+    for (name, t) in (h.save)()? {
+        entries.push(CheckpointTensor::new(format!("optimizer/{name}"), t));
+    }
+    let mut meta = std::collections::BTreeMap::new();
+    meta.insert("strategy".to_string(), strategy.extended().name().to_string());
+    let dir = checkpoint::write_checkpoint(&c.dir, step as u64, &entries, &meta)?;
+    checkpoint::keep_last(&c.dir, c.keep.max(1))?;
+    tracing::info!(dir = %dir.display(), step, "checkpoint written");
+    Ok(())
+}
+
+/// Loads the latest checkpoint (on the chief) and hands it to every worker; returns its step.
+fn restore<S: Strategy, M>(
+    strategy: &S,
+    model: &Replicated<M>,
+    c: &CheckpointConfig,
+    h: &OptimizerHooks<'_>,
+) -> Result<usize> {
+    let workers = strategy.extended().workers();
+    let found = if is_chief(strategy) { checkpoint::read_latest(&c.dir)? } else { None };
+    // The local layout: the model's variables, then the optimizer's state, in a fixed order.
+    let vars: Vec<(String, Tensor)> =
+        model.variables(0).iter().map(|(n, v)| (format!("model/{n}"), v.as_tensor().clone())).collect();
+    let state: Vec<(String, Tensor)> = (h.save)()?;
+    let (mut header, mut values) = (vec![0f32; 4], Vec::new());
+    if let Some(ck) = &found {
+        let step = ck.step;
+        header = vec![1.0, (step & 0xffff) as f32, ((step >> 16) & 0xffff) as f32, ((step >> 32) & 0xffff) as f32];
+        let keys = vars.iter().map(|(n, t)| (n.clone(), t)).chain(state.iter().map(|(n, t)| (format!("optimizer/{n}"), t)));
+        for (key, t) in keys {
+            let saved = ck.tensor(&key)?;
+            if saved.dims() != t.dims() {
+                return Err(strata_core::Error::Checkpoint(format!(
+                    "{}: {key} has shape {:?} but the model has {:?}; restore into the model that wrote it",
+                    ck.dir.display(),
+                    saved.dims(),
+                    t.dims()
+                ))
+                .into());
+            }
+            values.extend(saved.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?);
+        }
+    }
+    if let Some(w) = workers {
+        w.broadcast(0, &mut header)?;
+        if header[0] == 1.0 && found.is_none() {
+            let len: usize = vars.iter().chain(state.iter()).map(|(_, t)| t.elem_count()).sum();
+            values = vec![0f32; len];
+        }
+        if header[0] == 1.0 {
+            w.broadcast(0, &mut values)?;
+        }
+    }
+    if header[0] != 1.0 {
+        return Ok(0);
+    }
+    let step = header[1] as u64 | ((header[2] as u64) << 16) | ((header[3] as u64) << 32);
+    let mut at = 0;
+    let mut take = |t: &Tensor| -> Result<Tensor> {
+        let n = t.elem_count();
+        let v = Tensor::from_slice(&values[at..at + n], t.shape(), t.device())?.to_dtype(t.dtype())?;
+        at += n;
+        Ok(v)
+    };
+    let new_vars: Vec<Tensor> = vars.iter().map(|(_, t)| take(t)).collect::<Result<_>>()?;
+    let new_state: Vec<(String, Tensor)> =
+        state.iter().map(|(n, t)| Ok((n.clone(), take(t)?))).collect::<Result<_>>()?;
+    for copy in 0..model.num_copies() {
+        for ((_, var), value) in model.variables(copy).iter().zip(&new_vars) {
+            var.set(value)?;
+        }
+    }
+    (h.load)(&new_state)?;
+    tracing::info!(step, "resumed from a checkpoint");
+    eprintln!("resumed from the checkpoint of step {step} in {}", c.dir.display());
+    Ok(step as usize)
 }
 
 /// The accuracy of `model` on `data` (cross-replica: the primary copy evaluates).

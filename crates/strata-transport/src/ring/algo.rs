@@ -204,12 +204,7 @@ pub(crate) async fn ring_all_reduce(ctx: &Ctx<'_>, links: &mut Links, op: Reduce
 }
 
 /// Direct all-reduce: every task sends its buffer to every peer and reduces in rank order.
-pub(crate) async fn direct_all_reduce(
-    ctx: &Ctx<'_>,
-    links: &mut Links,
-    op: ReduceOp,
-    data: &mut [f32],
-) -> Result<()> {
+pub(crate) async fn direct_all_reduce(ctx: &Ctx<'_>, links: &mut Links, op: ReduceOp, data: &mut [f32]) -> Result<()> {
     let len = data.len();
     let msg = message(ctx, data);
     let sends: Vec<_> = links.writers.iter_mut().flatten().map(|w| w.send(ctx, &msg)).collect();
@@ -256,12 +251,13 @@ pub(crate) async fn all_gather(ctx: &Ctx<'_>, links: &mut Links, mine: &[f32]) -
             let theirs = rd.open(ctx).await?;
             let count = match theirs {
                 Call::AllGather { count } => count,
-                other => return Err(ctx.protocol(rd.peer, format!("an OPEN frame for {other} where all_gather belongs"))),
+                other => {
+                    return Err(ctx.protocol(rd.peer, format!("an OPEN frame for {other} where all_gather belongs")))
+                }
             };
-            let len = usize::try_from(count)
-                .ok()
-                .filter(|c| c.checked_mul(4).is_some())
-                .ok_or_else(|| ctx.protocol(rd.peer, format!("an all_gather of {count} f32, more than this machine can hold")))?;
+            let len = usize::try_from(count).ok().filter(|c| c.checked_mul(4).is_some()).ok_or_else(|| {
+                ctx.protocol(rd.peer, format!("an all_gather of {count} f32, more than this machine can hold"))
+            })?;
             // Grows with the bytes that arrive, never with the length a peer claims.
             let mut out: Vec<f32> = Vec::with_capacity(len.min(ctx.chunk_elems));
             let mut buf = vec![0u8; ctx.chunk_elems.min(len) * 4];

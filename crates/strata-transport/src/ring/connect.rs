@@ -251,7 +251,8 @@ async fn accept_one(
     let read = async {
         let mut fixed = [0u8; HELLO_FIXED];
         s.read_exact(&mut fixed).await?;
-        let fixed = wire::parse_hello_fixed(&fixed).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
+        let fixed =
+            wire::parse_hello_fixed(&fixed).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
         let token = read_field(&mut s, "token").await?;
         let fingerprint = read_field(&mut s, "fingerprint").await?;
         Ok::<_, std::io::Error>((fixed, token, fingerprint))
@@ -310,7 +311,8 @@ async fn accept_one(
         }
         c[r] = true;
     }
-    if !send_reply(&mut s, &Reply::Accept { rank: p.rank as u32 }, until).await || configure(&s, p.socket_buffer).is_err()
+    if !send_reply(&mut s, &Reply::Accept { rank: p.rank as u32 }, until).await
+        || configure(&s, p.socket_buffer).is_err()
     {
         claimed.lock().unwrap_or_else(|e| e.into_inner())[r] = false;
         return Accepted::Ignored;

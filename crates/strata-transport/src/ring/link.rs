@@ -110,7 +110,13 @@ const READ_BUFFER: usize = 256 << 10;
 
 impl Reader {
     pub(crate) fn new(peer: usize, rd: OwnedReadHalf) -> Self {
-        Self { peer, rd: BufReader::with_capacity(std::env::var("XX_READBUF").ok().and_then(|v| v.parse().ok()).unwrap_or(READ_BUFFER), rd) }
+        Self {
+            peer,
+            rd: BufReader::with_capacity(
+                std::env::var("XX_READBUF").ok().and_then(|v| v.parse().ok()).unwrap_or(READ_BUFFER),
+                rd,
+            ),
+        }
     }
 
     async fn exact(&mut self, ctx: &Ctx<'_>, buf: &mut [u8]) -> Result<()> {
@@ -148,7 +154,9 @@ impl Reader {
     pub(crate) async fn open(&mut self, ctx: &Ctx<'_>) -> Result<Call> {
         let (tag, len) = self.header(ctx).await?;
         if tag != TAG_OPEN || len != wire::OPEN_LEN {
-            return Err(ctx.protocol(self.peer, format!("frame tag {tag:#x} of {len} bytes where an OPEN frame belongs")));
+            return Err(
+                ctx.protocol(self.peer, format!("frame tag {tag:#x} of {len} bytes where an OPEN frame belongs"))
+            );
         }
         let mut p = [0u8; wire::OPEN_LEN];
         self.exact(ctx, &mut p).await?;

@@ -255,7 +255,9 @@ impl Ring {
                     None => std::net::TcpListener::bind(addr)
                         .map_err(|e| Error::io(format!("task {me} binding its ring address {addr}"), e))?,
                 };
-                std_listener.set_nonblocking(true).map_err(|e| Error::io("making the ring listener non-blocking", e))?;
+                std_listener
+                    .set_nonblocking(true)
+                    .map_err(|e| Error::io("making the ring listener non-blocking", e))?;
                 Some(
                     tokio::net::TcpListener::from_std(std_listener)
                         .map_err(|e| Error::io("registering the ring listener", e))?,
@@ -431,7 +433,10 @@ impl Ring {
                     .writers
                     .iter_mut()
                     .flatten()
-                    .map(|w| async { Ok::<_, Error>(w.send_error(&frame).await) })
+                    .map(|w| async {
+                        w.send_error(&frame).await;
+                        Ok::<_, Error>(())
+                    })
                     .collect();
                 let _ = tokio::time::timeout(FAREWELL, try_join_all(farewells)).await;
                 // Read what the peers already sent, so that closing does not reset the

@@ -214,8 +214,10 @@ impl WireError {
     pub(crate) fn frame(&self) -> Vec<u8> {
         let mut json = serde_json::to_vec(self).unwrap_or_default();
         if json.len() > MAX_ERROR_BYTES {
-            json = serde_json::to_vec(&WireError::Other { message: "a peer failed (its error was too long to send)".into() })
-                .unwrap_or_default();
+            json = serde_json::to_vec(&WireError::Other {
+                message: "a peer failed (its error was too long to send)".into(),
+            })
+            .unwrap_or_default();
         }
         let mut out = Vec::with_capacity(HEADER + json.len());
         out.extend_from_slice(&header(TAG_ERROR, json.len()));
@@ -430,7 +432,8 @@ mod tests {
         assert_eq!(w.into_error("worker:1").to_string(), e.to_string());
         assert!(WireError::parse(b"{\"kind\":\"nonsense\"}").is_none());
         assert!(WireError::parse(&[0xff, 0x00, 0x13]).is_none());
-        let lost = WireError::PeerLost { task: "worker:2".into(), collective: "barrier".into(), step: 1, detail: "x".into() };
+        let lost =
+            WireError::PeerLost { task: "worker:2".into(), collective: "barrier".into(), step: 1, detail: "x".into() };
         assert!(lost.into_error("worker:0").to_string().contains("lost task worker:2"));
     }
 

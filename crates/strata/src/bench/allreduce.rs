@@ -878,7 +878,9 @@ fn tcp_streams(streams: usize) -> Result<f64> {
                 Ok(got)
             }));
         }
-        Ok::<_, std::io::Error>(handles.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect())
+        Ok::<_, std::io::Error>(
+            handles.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect(),
+        )
     })
     .map_err(|e| io("stream setup", e))?;
     let elapsed = t0.elapsed().as_secs_f64().max(1e-9);
@@ -903,7 +905,10 @@ impl Drop for WorkerGroup {
 }
 
 fn run_workers(args: &AllreduceArgs, plan: &Plan) -> Result<()> {
-    println!("# strata bench allreduce --workers {}", plan.workers.iter().map(usize::to_string).collect::<Vec<_>>().join(","));
+    println!(
+        "# strata bench allreduce --workers {}",
+        plan.workers.iter().map(usize::to_string).collect::<Vec<_>>().join(",")
+    );
     println!(
         "# machine: {} cores (available parallelism), {} {}{}",
         cores(),
@@ -1021,7 +1026,8 @@ fn run_group(args: &AllreduceArgs, plan: &Plan, n: usize, ceiling: f64) -> Resul
     let addrs: Vec<String> = ports.iter().flatten().map(|p| format!("127.0.0.1:{p}")).collect();
     for c in &mut group.0 {
         if let Some(stdin) = c.stdin.as_mut() {
-            writeln!(stdin, "ADDRS {}", addrs.join(",")).map_err(|e| Error::io("handing the workers their peers", e))?;
+            writeln!(stdin, "ADDRS {}", addrs.join(","))
+                .map_err(|e| Error::io("handing the workers their peers", e))?;
         }
     }
 
@@ -1347,6 +1353,85 @@ mod tests {
         let rows = measure(&plan, 3, &mut |_| {}).unwrap();
         assert_eq!(rows[0].wrong, 0);
         assert!((ADAPTIVE_MIN_ITERS..=ADAPTIVE_MAX_ITERS).contains(&rows[0].iters));
+    }
+
+    #[test]
+    fn workers_flags_and_the_worker_command_line_give_the_same_plan() {
+        let a = args(&[
+            "--workers",
+            "2,4",
+            "--min-bytes",
+            "1MiB",
+            "--max-bytes",
+            "16MiB",
+            "--op",
+            "max",
+            "--chunk-bytes",
+            "64KiB",
+        ]);
+        let plan = a.plan().unwrap();
+        assert_eq!((plan.workers.clone(), plan.sizes.clone()), (vec![2, 4], vec![MIB, 4 * MIB, 16 * MIB]));
+        assert_eq!((plan.chunk_bytes, plan.small_bytes), (64 << 10, ring::DEFAULT_SMALL_BYTES));
+        let argv = worker_args(&a, &plan, 1, 4, 2.5);
+        assert_eq!(&argv[..2], ["bench", "allreduce"]);
+        let w = Cli::try_parse_from(std::iter::once("bench").chain(argv[2..].iter().map(String::as_str))).unwrap().args;
+        assert_eq!((w.worker_rank, w.worker_count, w.tcp_ceiling), (Some(1), Some(4), Some(2.5)));
+        let wp = w.plan().unwrap();
+        assert_eq!(
+            (wp.sizes, wp.op, wp.chunk_bytes, wp.small_bytes, wp.iters),
+            (plan.sizes, ReduceOp::Max, 64 << 10, plan.small_bytes, None)
+        );
+        assert!(Cli::try_parse_from(["bench", "--local", "--workers", "2"]).is_err());
+        assert!(matches!(args(&["--workers", "0"]).plan(), Err(Error::Usage(_))));
+        assert!(matches!(args(&["--workers", "2", "--chunk-bytes", "2"]).plan(), Err(Error::Usage(_))));
+    }
+
+    #[test]
+    fn worker_rows_on_a_ring_of_threads_have_no_wrong_values() {
+        let n = 3;
+        let listeners: Vec<TcpListener> = (0..n).map(|_| TcpListener::bind("127.0.0.1:0").unwrap()).collect();
+        let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
+        let plan = Plan {
+            replicas: vec![],
+            workers: vec![n],
+            sizes: vec![4096, MIB],
+            op: ReduceOp::Mean,
+            iters: None,
+            warmup: 1,
+            implementation: Impl::InMemory,
+            chunk_bytes: 4096 + 4,
+            small_bytes: ring::DEFAULT_SMALL_BYTES,
+        };
+        let rows: Vec<Vec<WorkerRow>> = std::thread::scope(|s| {
+            let handles: Vec<_> = listeners
+                .into_iter()
+                .enumerate()
+                .map(|(r, l)| {
+                    let (addrs, plan) = (addrs.clone(), &plan);
+                    s.spawn(move || {
+                        let mut cfg = RingConfig::new(r, addrs);
+                        cfg.listener = Some(l);
+                        cfg.chunk_bytes = plan.chunk_bytes;
+                        cfg.timeout = Duration::from_secs(60);
+                        cfg.connect_timeout = Duration::from_secs(60);
+                        let ring = Ring::connect(cfg, AbortSignal::new()).unwrap();
+                        let mut step = 0;
+                        plan.sizes.iter().map(|&b| measure_worker_row(&ring, plan, b, &mut step).unwrap()).collect()
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (r, rs) in rows.iter().enumerate() {
+            assert_eq!(rs.len(), 2);
+            for (row, first) in rs.iter().zip(&rows[0]) {
+                assert_eq!(row.wrong, 0, "rank {r}: {row:?}");
+                // Every worker reports the same agreed row.
+                assert_eq!((row.iters, row.time, row.count, row.workers), (first.iters, first.time, first.count, 3));
+                assert!((ADAPTIVE_MIN_ITERS..=ADAPTIVE_MAX_ITERS).contains(&row.iters));
+                assert!((row.busbw() / row.algbw() - 4.0 / 3.0).abs() < 1e-9);
+            }
+        }
     }
 
     #[test]

@@ -7,8 +7,13 @@ use candle_nn::{AdamW, Optimizer, ParamsAdamW, SGD};
 use serde::Serialize;
 use strata_core::optim::{FusedAdamW, FusedSgd};
 use strata_core::timeline::Timeline;
+use strata_core::strategy::AutoShardPolicy;
 use strata_core::{Strategy, StrategyHandle, StrategyOptions};
-use strata_strategies::{CentralStorageStrategy, CpuReduction, MirroredStrategy, OneDeviceStrategy};
+use strata_strategies::cluster::{ClusterResolver, SlurmClusterResolver, TFConfigClusterResolver};
+use strata_strategies::{
+    CentralStorageStrategy, CpuReduction, MirroredStrategy, MultiWorkerMirroredStrategy, MultiWorkerOptions,
+    OneDeviceStrategy,
+};
 
 use crate::digits;
 use crate::model::Mlp;
@@ -25,6 +30,27 @@ pub enum StrategyKind {
     Mirrored,
     /// One variable copy on the parameter device, reduce to it every step.
     CentralStorage,
+    /// A copy on every replica of every worker process; local reduction, then a ring
+    /// all-reduce across workers. Run one process per task (`strata launch` does it).
+    MultiWorkerMirrored,
+}
+
+/// Where a multi-worker task learns its cluster.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ClusterSource {
+    /// The `TF_CONFIG` environment variable, as TensorFlow (and Kubeflow's TFJob) writes it.
+    TfConfig,
+    /// Slurm's variables (`SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_JOB_NODELIST`, ...).
+    Slurm,
+}
+
+/// How a multi-worker job splits the data across workers.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AutoShardKind {
+    /// Every worker keeps its slice of each global batch.
+    Data,
+    /// No sharding: each worker's batches are its own.
+    Off,
 }
 
 /// Which optimizer. `adamw` and `sgd` are Strata's fused, in-place versions of candle-nn's
@@ -56,8 +82,8 @@ impl OptimizerKind {
     ) -> Result<FitReport> {
         let adamw = ParamsAdamW { lr, ..Default::default() };
         match self {
-            OptimizerKind::Adamw => fit::<FusedAdamW, M>(trainer, strategy, model, adamw, train, test),
-            OptimizerKind::Sgd => fit::<FusedSgd, M>(trainer, strategy, model, lr, train, test),
+            OptimizerKind::Adamw => fit_with_state::<FusedAdamW, M>(trainer, strategy, model, adamw, train, test),
+            OptimizerKind::Sgd => fit_with_state::<FusedSgd, M>(trainer, strategy, model, lr, train, test),
             OptimizerKind::CandleAdamw => fit::<AdamW, M>(trainer, strategy, model, adamw, train, test),
             OptimizerKind::CandleSgd => fit::<SGD, M>(trainer, strategy, model, lr, train, test),
         }
@@ -118,6 +144,35 @@ pub struct TrainArgs {
     /// Do not draw a progress bar.
     #[arg(long)]
     pub no_progress: bool,
+    /// Multi-worker: where this task reads its cluster from.
+    #[arg(long, value_enum, default_value = "tf-config")]
+    pub cluster: ClusterSource,
+    /// Multi-worker: the address servers bind to (default loopback; 0.0.0.0 on a real cluster).
+    #[arg(long, default_value = "127.0.0.1")]
+    pub bind: std::net::IpAddr,
+    /// Multi-worker: the cluster token's file (default: STRATA_CLUSTER_TOKEN).
+    #[arg(long)]
+    pub cluster_token_file: Option<PathBuf>,
+    /// Multi-worker: how the data is split across workers.
+    #[arg(long, value_enum, default_value = "data")]
+    pub auto_shard: AutoShardKind,
+    /// Deadline of every collective, in seconds.
+    #[arg(long, default_value_t = 60.0)]
+    pub collective_timeout: f64,
+    /// Write checkpoints here (the chief does), and resume from the latest one found.
+    #[arg(long)]
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Steps between checkpoints.
+    #[arg(long, default_value_t = 100)]
+    pub checkpoint_every: usize,
+    /// Write the final parameters here (safetensors; the chief does, or every worker with
+    /// `{task}` in the path, which is replaced by the worker's index).
+    #[arg(long)]
+    pub save_params: Option<PathBuf>,
+    /// Stop after this many steps in total (a resumed run counts the steps before its
+    /// checkpoint), for tests of interruption and resumption.
+    #[arg(long, hide = true)]
+    pub max_steps: Option<usize>,
 }
 
 /// The JSON summary `--out` writes.
@@ -178,7 +233,29 @@ pub fn make_strategy(args: &TrainArgs, options: StrategyOptions) -> Result<Strat
             let devices = strata_core::device::logical_cpus(args.replicas.unwrap_or(2))?;
             CentralStorageStrategy::with_options(devices, reduction, options)?.handle()
         }
+        StrategyKind::MultiWorkerMirrored => {
+            return Err(Error::Usage("multi-worker mirrored is built by make_multi_worker".into()))
+        }
     })
+}
+
+/// Joins the multi-worker job this task belongs to.
+pub fn make_multi_worker(args: &TrainArgs, options: StrategyOptions) -> Result<MultiWorkerMirroredStrategy> {
+    let resolver: Box<dyn ClusterResolver> = match args.cluster {
+        ClusterSource::TfConfig => Box::new(TFConfigClusterResolver::from_env()?),
+        ClusterSource::Slurm => Box::new(SlurmClusterResolver::from_env()),
+    };
+    let token = strata_transport::ClusterToken::resolve(args.cluster_token_file.as_deref())
+        .map_err(|e| Error::Usage(e.to_string()))?;
+    let mut mw = MultiWorkerOptions::new(token)?;
+    mw.local_devices = strata_core::device::logical_cpus(args.replicas.unwrap_or(1))?;
+    mw.bind = args.bind;
+    mw.options = options;
+    mw.auto_shard = match args.auto_shard {
+        AutoShardKind::Data => AutoShardPolicy::Data,
+        AutoShardKind::Off => AutoShardPolicy::Off,
+    };
+    Ok(MultiWorkerMirroredStrategy::from_resolver(resolver.as_ref(), mw)?)
 }
 
 /// Trains and reports.
@@ -193,16 +270,39 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     if !(args.bucket_mib.is_finite() && args.bucket_mib >= 0.0) {
         return Err(Error::Usage(format!("--bucket-mib {} must be 0 or more", args.bucket_mib)));
     }
-    let all = digits::load(args.data.as_deref())?;
-    let (train, test) = digits::train_test_split(&all, 0.2, 0);
     let timeline = args.timeline.as_ref().map(|_| Arc::new(Timeline::new()));
+    if !(args.collective_timeout.is_finite() && args.collective_timeout > 0.0) {
+        return Err(Error::Usage(format!("--collective-timeout {} must be a positive number of seconds", args.collective_timeout)));
+    }
     let options = StrategyOptions {
         bucket_bytes: (args.bucket_mib * 1024.0 * 1024.0) as usize,
         timeline: timeline.clone(),
         seed: args.seed,
-        ..Default::default()
+        collective_timeout: std::time::Duration::from_secs_f64(args.collective_timeout),
     };
-    let strategy = make_strategy(args, options)?;
+    let multi = match args.strategy {
+        StrategyKind::MultiWorkerMirrored => Some(make_multi_worker(args, options.clone())?),
+        _ => None,
+    };
+    let result = train_with(args, started, multi.as_ref().map_or_else(|| make_strategy(args, options), |m| Ok(m.handle()))?, &timeline, multi.as_ref());
+    if let Some(m) = &multi {
+        match &result {
+            Ok(()) => m.finish()?,
+            Err(e) => m.report_error(&strata_core::Error::Cluster(e.to_string())),
+        }
+    }
+    result
+}
+
+fn train_with(
+    args: &TrainArgs,
+    started: std::time::Instant,
+    strategy: StrategyHandle,
+    timeline: &Option<Arc<Timeline>>,
+    multi: Option<&MultiWorkerMirroredStrategy>,
+) -> Result<()> {
+    let all = digits::load(args.data.as_deref())?;
+    let (train, test) = digits::train_test_split(&all, 0.2, 0);
     let replicas = strategy.num_replicas_in_sync();
     if args.batch < replicas {
         return Err(Error::Usage(format!(
@@ -212,15 +312,22 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     }
     let hidden = args.hidden.clone();
     let model = strategy.scope(|s| Mlp::new(s.var_builder(), digits::FEATURES, &hidden, digits::CLASSES))?;
+    let is_chief = multi.is_none_or(|m| m.is_chief());
     let trainer = Trainer::new(TrainConfig {
         epochs: args.epochs,
         global_batch: args.batch,
         seed: args.seed,
-        progress: !args.no_progress,
+        progress: !args.no_progress && is_chief,
+        checkpoint: args.checkpoint_dir.as_ref().map(|dir| crate::trainer::CheckpointConfig {
+            dir: dir.clone(),
+            every_steps: args.checkpoint_every.max(1),
+            keep: 3,
+        }),
+        max_steps: args.max_steps,
         ..Default::default()
     });
     let report = args.optimizer.fit(args.lr, &trainer, &strategy, &model, &train, &test)?;
-    if let (Some(path), Some(t)) = (&args.timeline, &timeline) {
+    if let (Some(path), Some(t)) = (&args.timeline, timeline) {
         t.write_chrome_trace(path)?;
         eprintln!("timeline: {} events written to {}", t.len(), path.display());
     }
@@ -249,12 +356,61 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         summary.examples_per_second,
         summary.wall_seconds
     );
-    if let Some(path) = &args.out {
+    if let Some(m) = multi {
+        // Every worker must end with the same parameters; print a digest to compare.
+        eprintln!("worker {}: parameter digest {}", m.worker_index(), parameter_digest(&model)?);
+    }
+    if let Some(path) = &args.save_params {
+        let templated = path.to_string_lossy().contains("{task}");
+        if is_chief || templated {
+            let index = multi.map_or(0, |m| m.worker_index());
+            let path = PathBuf::from(path.to_string_lossy().replace("{task}", &index.to_string()));
+            let tensors: std::collections::HashMap<String, candle_core::Tensor> =
+                model.variables(0).iter().map(|(n, v)| (n.clone(), v.as_tensor().clone())).collect();
+            candle_core::safetensors::save(&tensors, &path)
+                .map_err(|e| Error::io(format!("cannot write {}", path.display()), std::io::Error::other(e)))?;
+        }
+    }
+    if let (Some(path), true) = (&args.out, is_chief) {
         let json =
             serde_json::to_string_pretty(&summary).map_err(|e| Error::io("cannot encode the summary", e.into()))?;
         std::fs::write(path, json + "\n").map_err(|e| Error::io(format!("cannot write {}", path.display()), e))?;
     }
     Ok(())
+}
+
+/// A digest of every parameter's bits (FNV-1a over the f32 bit patterns, in variable order).
+pub fn parameter_digest<M>(model: &strata_core::Replicated<M>) -> Result<String> {
+    let mut h: u64 = 0xcbf29ce484222325;
+    for (name, v) in model.variables(0) {
+        for b in name.bytes() {
+            h = (h ^ b as u64).wrapping_mul(0x100000001b3);
+        }
+        for x in v.as_tensor().flatten_all()?.to_vec1::<f32>()? {
+            h = (h ^ x.to_bits() as u64).wrapping_mul(0x100000001b3);
+        }
+    }
+    Ok(format!("{h:016x}"))
+}
+
+fn fit_with_state<O, M: crate::model::Classifier>(
+    trainer: &Trainer,
+    strategy: &StrategyHandle,
+    model: &strata_core::Replicated<M>,
+    config: O::Config,
+    train: &strata_core::data::Batch,
+    test: &strata_core::data::Batch,
+) -> Result<FitReport>
+where
+    O: Optimizer + strata_core::checkpoint::OptimizerState + Send,
+    O::Config: Clone,
+{
+    let opt = model.optimizer::<O>(config)?;
+    if trainer.config.checkpoint.is_some() {
+        trainer.fit_checkpointed(strategy, model, &opt, train, test)
+    } else {
+        trainer.fit(strategy, model, &opt, train, test)
+    }
 }
 
 fn fit<O: Optimizer + Send, M: crate::model::Classifier>(

@@ -1,0 +1,360 @@
+//! `MultiWorkerMirroredStrategy`: a variable copy on every replica of every worker,
+//! synchronous, with hierarchical all-reduce (local, then a ring across workers, then local).
+//!
+//! Each worker process resolves its cluster (TF_CONFIG, Slurm or an explicit spec). The chief
+//! (the `chief` task, or `worker:0` when there is none) serves the coordination service; every
+//! worker registers there (the rendezvous checks that every task runs the same cluster and
+//! strategy), starts heartbeats, and joins a ring of TCP connections between the workers'
+//! data planes. A collective between workers is numbered the same way on every worker; the
+//! ring checks the numbers, shapes and kinds in every frame, so a worker that calls
+//! collectives in another order is reported with both sides named. A lost worker (its
+//! connections close, or its heartbeats stop) fails every survivor's next or current
+//! collective with an error naming the task, the collective and its number.
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use candle_core::Tensor;
+use strata_core::cross_device::{CpuCrossDeviceOps, CrossDeviceOps, Destination};
+use strata_core::device::LogicalDevice;
+use strata_core::group::{OpKey, ReplicaGroup};
+use strata_core::strategy::{AutoShardPolicy, WorkerCollectives};
+use strata_core::{Error, ReduceOp, Result, Strategy, StrategyExtended, StrategyOptions, VariablePolicy};
+use strata_transport::coordination::Progress;
+use strata_transport::ring::{AbortSignal, Ring, RingConfig};
+use strata_transport::{ClusterToken, CoordinationConfig, CoordinationMember, CoordinationServerHandle};
+
+use crate::cluster::{ClusterConfig, ClusterResolver};
+use crate::local::{CpuReduction, CrossWorker, LocalStrategy};
+
+/// Settings of a [`MultiWorkerMirroredStrategy`] besides the cluster.
+#[derive(Clone, Debug)]
+pub struct MultiWorkerOptions {
+    /// This worker's replica devices (default: one logical CPU).
+    pub local_devices: Vec<LogicalDevice>,
+    /// The cluster token every task shares.
+    pub token: ClusterToken,
+    /// The address servers bind to (default: loopback; `0.0.0.0` for a real cluster).
+    pub bind: IpAddr,
+    /// Rendezvous and heartbeat timing.
+    pub coordination: CoordinationConfig,
+    /// Shared strategy settings; `collective_timeout` is every cross-worker collective's
+    /// deadline too.
+    pub options: StrategyOptions,
+    /// How input is split across workers.
+    pub auto_shard: AutoShardPolicy,
+}
+
+impl MultiWorkerOptions {
+    /// Defaults with `token`.
+    pub fn new(token: ClusterToken) -> Result<Self> {
+        Ok(Self {
+            local_devices: strata_core::device::logical_cpus(1)?,
+            token,
+            bind: IpAddr::V4(Ipv4Addr::LOCALHOST),
+            coordination: CoordinationConfig::default(),
+            options: StrategyOptions::default(),
+            auto_shard: AutoShardPolicy::Data,
+        })
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The cross-worker state of one worker: its ring, its membership of the job, and (on the
+/// chief) the coordination service.
+#[derive(Debug)]
+struct WorkerJob {
+    ring: Ring,
+    member: Mutex<Option<CoordinationMember>>,
+    server: Mutex<Option<CoordinationServerHandle>>,
+    progress: Arc<Progress>,
+    seq: AtomicU64,
+    abort: AbortSignal,
+    index: usize,
+    task: String,
+}
+
+impl WorkerJob {
+    fn collective<T>(&self, what: &'static str, f: impl FnOnce(u64) -> strata_transport::Result<T>) -> Result<T> {
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+        self.progress.enter(seq, what);
+        f(seq).map_err(|e| {
+            let failed = matches!(e, strata_transport::Error::Aborted(_));
+            let message = e.to_string();
+            if !failed {
+                // Tell the others at once (they would learn it from their heartbeats anyway).
+                if let Some(m) = lock(&self.member).as_ref() {
+                    let _ = m.report_error(&message);
+                }
+            }
+            Error::Cluster(format!("worker {}: {message}", self.task))
+        })
+    }
+}
+
+impl WorkerCollectives for WorkerJob {
+    fn num_workers(&self) -> usize {
+        self.ring.size()
+    }
+    fn worker_index(&self) -> usize {
+        self.index
+    }
+    fn all_reduce(&self, op: ReduceOp, data: &mut [f32]) -> Result<()> {
+        self.collective("all_reduce", |seq| self.ring.all_reduce(seq, op, data))
+    }
+    fn all_gather(&self, mine: &[f32]) -> Result<Vec<Vec<f32>>> {
+        self.collective("all_gather", |seq| self.ring.all_gather(seq, mine))
+    }
+    fn broadcast(&self, root: usize, data: &mut [f32]) -> Result<()> {
+        self.collective("broadcast", |seq| self.ring.broadcast(seq, root, data))
+    }
+    fn barrier(&self) -> Result<()> {
+        self.collective("barrier", |seq| self.ring.barrier(seq))
+    }
+}
+
+/// Hierarchical all-reduce: the worker's replicas reduce to replica 0 (in memory), replica 0
+/// all-reduces across workers over the ring, and every local replica reads the result.
+#[derive(Debug)]
+struct HierarchicalOps {
+    local: CpuCrossDeviceOps,
+    job: Arc<WorkerJob>,
+}
+
+impl CrossDeviceOps for HierarchicalOps {
+    fn name(&self) -> &'static str {
+        "hierarchical(in-memory, ring)"
+    }
+
+    fn reduce(
+        &self,
+        group: &ReplicaGroup,
+        replica: usize,
+        seq: u64,
+        op: ReduceOp,
+        dest: Destination,
+        input: &[Tensor],
+        weight: f32,
+        out: &mut dyn FnMut(&[f32]),
+    ) -> Result<()> {
+        if dest != Destination::AllReplicas {
+            return Err(Error::InvalidArgument(
+                "multi-worker mirrored reduces to every replica; reduction to one device is not supported".into(),
+            ));
+        }
+        let n = group.num_replicas();
+        if n == 1 {
+            let len: usize = input.iter().map(Tensor::elem_count).sum();
+            let mut buf = Vec::with_capacity(len);
+            for t in input {
+                let v = t.flatten_all()?.to_vec1::<f32>()?;
+                if weight == 1.0 {
+                    buf.extend_from_slice(&v);
+                } else {
+                    buf.extend(v.iter().map(|x| x * weight));
+                }
+            }
+            self.job.all_reduce(op, &mut buf)?;
+            out(&buf);
+            return Ok(());
+        }
+        let mut buf = Vec::new();
+        self.local.reduce(group, replica, seq, op, Destination::Replica(0), input, weight, &mut |p| {
+            buf.extend_from_slice(p)
+        })?;
+        let mine: std::result::Result<Arc<Vec<f32>>, String> = if replica == 0 {
+            self.job.all_reduce(op, &mut buf).map(|_| Arc::new(buf)).map_err(|e| e.to_string())
+        } else {
+            Ok(Arc::new(Vec::new()))
+        };
+        let key = OpKey { seq: group.next_seq(replica), op: format!("all_reduce({op}) across workers"), shape: vec![] };
+        let all = group.exchange(replica, &key, mine)?;
+        match all.into_iter().next() {
+            Some(Ok(v)) => {
+                out(&v);
+                Ok(())
+            }
+            Some(Err(e)) => Err(Error::Cluster(e)),
+            None => Err(Error::Scope("a cross-worker reduction produced no result".into())),
+        }
+    }
+}
+
+/// Synchronous training across worker processes (TensorFlow's
+/// `MultiWorkerMirroredStrategy`). User code is the same as under `MirroredStrategy`.
+#[derive(Clone, Debug)]
+pub struct MultiWorkerMirroredStrategy {
+    ext: Arc<dyn StrategyExtended>,
+    job: Arc<WorkerJob>,
+    config: ClusterConfig,
+}
+
+impl MultiWorkerMirroredStrategy {
+    /// Joins the job described by `resolver` (rendezvous, heartbeats, the ring). Returns when
+    /// every worker has joined.
+    pub fn from_resolver(resolver: &dyn ClusterResolver, options: MultiWorkerOptions) -> Result<Self> {
+        Self::new(resolver.resolve()?, options)
+    }
+
+    /// Joins the job of `config` as its task.
+    pub fn new(config: ClusterConfig, options: MultiWorkerOptions) -> Result<Self> {
+        let spec = &config.spec;
+        let Some(rank) = config.rank() else {
+            return Err(Error::InvalidCluster(format!(
+                "task {} takes no part in multi-worker mirrored training (only the chief and the workers do); start it with a worker task",
+                config.task
+            )));
+        };
+        let workers = spec.sync_workers();
+        let names: Vec<String> = workers.iter().map(ToString::to_string).collect();
+        let chief = workers[0];
+        let chief_address = spec.address(chief)?.to_string();
+        let own_address = spec.address(config.task)?.to_string();
+        let own_host = host_of(&own_address);
+        let local_n = options.local_devices.len();
+        let strategy_fingerprint = format!(
+            "multi-worker-mirrored;replicas_per_worker={local_n};auto_shard={:?};bucket_bytes={};seed={}",
+            options.auto_shard, options.options.bucket_bytes, options.options.seed
+        );
+        let server = if rank == 0 {
+            let port = spec.port(config.task)?;
+            Some(
+                CoordinationServerHandle::start(
+                    SocketAddr::new(options.bind, port),
+                    names.clone(),
+                    spec.fingerprint(),
+                    strategy_fingerprint.clone(),
+                    options.token.clone(),
+                    options.coordination.clone(),
+                )
+                .map_err(|e| Error::Cluster(format!("task {}: {e}", config.task)))?,
+            )
+        } else {
+            None
+        };
+        let listener = std::net::TcpListener::bind(SocketAddr::new(options.bind, 0))
+            .map_err(|e| Error::io(format!("binding the data plane of {} to {}", config.task, options.bind), e))?;
+        let data_port = listener.local_addr().map_err(|e| Error::io("reading the data plane's address", e))?.port();
+        let data_address = format!("{own_host}:{data_port}");
+        let coordinator = if rank == 0 { format!("{}:{}", loopback_for(options.bind), spec.port(chief)?) } else { chief_address };
+        let task = config.task.to_string();
+        let mut member =
+            CoordinationMember::connect(&coordinator, &task, options.token.clone(), options.coordination.clone())?;
+        let reg = member.register(&spec.fingerprint(), &strategy_fingerprint, &data_address)?;
+        let addresses = reg
+            .data_addresses
+            .iter()
+            .map(|a| {
+                a.to_socket_addrs().ok().and_then(|mut it| it.next()).ok_or_else(|| {
+                    Error::InvalidCluster(format!("the data-plane address {a:?} of a peer does not resolve"))
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let abort = AbortSignal::new();
+        let mut rc = RingConfig::new(reg.rank, addresses);
+        rc.listener = Some(listener);
+        rc.task_names = reg.task_names.clone();
+        rc.token = Some(options.token.secret().to_string());
+        rc.fingerprint = format!("{};{strategy_fingerprint}", spec.fingerprint());
+        rc.timeout = options.options.collective_timeout;
+        rc.connect_timeout = options.coordination.rendezvous_timeout;
+        let ring = Ring::connect(rc, abort.clone()).map_err(|e| Error::Cluster(format!("task {task}: {e}")))?;
+        let progress = member.progress();
+        {
+            let abort = abort.clone();
+            member.start_heartbeats(move |reason| abort.abort(reason));
+        }
+        tracing::info!(task = %task, rank = reg.rank, workers = names.len(), "joined the multi-worker job");
+        let job = Arc::new(WorkerJob {
+            ring,
+            member: Mutex::new(Some(member)),
+            server: Mutex::new(server),
+            progress,
+            seq: AtomicU64::new(0),
+            abort,
+            index: reg.rank,
+            task,
+        });
+        let ops_job = job.clone();
+        let cross = CrossWorker {
+            ops: Box::new(move |local| Box::new(HierarchicalOps { local, job: ops_job }) as Box<dyn CrossDeviceOps>),
+            workers: job.clone(),
+            auto_shard: options.auto_shard,
+        };
+        let ext = LocalStrategy::build_with(
+            "multi-worker-mirrored",
+            options.local_devices,
+            VariablePolicy::Mirrored,
+            CpuReduction::InMemoryAllReduce,
+            options.options,
+            Some(cross),
+        )?;
+        Ok(Self { ext, job, config })
+    }
+
+    /// This task's cluster configuration.
+    pub fn cluster(&self) -> &ClusterConfig {
+        &self.config
+    }
+
+    /// Whether this worker is the chief (it writes checkpoints and summaries).
+    pub fn is_chief(&self) -> bool {
+        self.job.index == 0
+    }
+
+    /// This worker's index (0 is the chief).
+    pub fn worker_index(&self) -> usize {
+        self.job.index
+    }
+
+    /// The number of workers in sync.
+    pub fn num_workers(&self) -> usize {
+        self.job.ring.size()
+    }
+
+    /// Tells every task that this one failed (its next collective or heartbeat fails).
+    pub fn report_error(&self, error: &Error) {
+        self.job.abort.abort(error.to_string());
+        if let Some(m) = lock(&self.job.member).as_ref() {
+            let _ = m.report_error(&error.to_string());
+        }
+    }
+
+    /// Leaves the job cleanly: waits for every worker at a final barrier, then (on the chief)
+    /// stops the coordination service once every task has left.
+    pub fn finish(&self) -> Result<()> {
+        self.job.barrier()?;
+        if let Some(mut m) = lock(&self.job.member).take() {
+            m.leave().map_err(|e| Error::Cluster(format!("task {}: {e}", self.job.task)))?;
+        }
+        if let Some(s) = lock(&self.job.server).take() {
+            s.shutdown_after_all_left(Duration::from_secs(30));
+        }
+        Ok(())
+    }
+}
+
+fn host_of(address: &str) -> String {
+    match address.rsplit_once(':') {
+        Some((h, _)) => h.to_string(),
+        None => address.to_string(),
+    }
+}
+
+fn loopback_for(bind: IpAddr) -> String {
+    match bind {
+        IpAddr::V6(_) => "[::1]".into(),
+        IpAddr::V4(_) => "127.0.0.1".into(),
+    }
+}
+
+impl Strategy for MultiWorkerMirroredStrategy {
+    fn extended(&self) -> &Arc<dyn StrategyExtended> {
+        &self.ext
+    }
+}
