@@ -208,7 +208,8 @@ impl<I: Iterator<Item = Batch>> Iterator for DistributedDataset<I> {
                 None => DistributedBatch::split(&b, self.n).ok(),
                 Some((w, index, crate::strategy::AutoShardPolicy::Data)) => {
                     let all = DistributedBatch::split(&b, self.n * w).ok()?;
-                    let mine: Vec<Shard> = all.shards.into_values().into_iter().skip(index * self.n).take(self.n).collect();
+                    let mine: Vec<Shard> =
+                        all.shards.into_values().into_iter().skip(index * self.n).take(self.n).collect();
                     PerReplica::new(mine).ok().map(|shards| DistributedBatch { shards })
                 }
                 Some((w, _, crate::strategy::AutoShardPolicy::Off)) => {

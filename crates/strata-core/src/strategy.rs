@@ -340,7 +340,9 @@ pub trait Strategy {
         let ext = self.extended();
         match ext.workers() {
             None => crate::data::PipelineDataset::new(ext.num_replicas(), 1, make),
-            Some(w) => crate::data::PipelineDataset::for_worker(ext.num_replicas(), w.num_workers(), w.worker_index(), make),
+            Some(w) => {
+                crate::data::PipelineDataset::for_worker(ext.num_replicas(), w.num_workers(), w.worker_index(), make)
+            }
         }
     }
 

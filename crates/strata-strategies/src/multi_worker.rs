@@ -92,7 +92,7 @@ impl WorkerJob {
                     let _ = m.report_error(&message);
                 }
             }
-            Error::Cluster(format!("worker {}: {message}", self.task))
+            Error::Cluster(format!("task {}: {message}", self.task))
         })
     }
 }
@@ -241,7 +241,8 @@ impl MultiWorkerMirroredStrategy {
             .map_err(|e| Error::io(format!("binding the data plane of {} to {}", config.task, options.bind), e))?;
         let data_port = listener.local_addr().map_err(|e| Error::io("reading the data plane's address", e))?.port();
         let data_address = format!("{own_host}:{data_port}");
-        let coordinator = if rank == 0 { format!("{}:{}", loopback_for(options.bind), spec.port(chief)?) } else { chief_address };
+        let coordinator =
+            if rank == 0 { format!("{}:{}", loopback_for(options.bind), spec.port(chief)?) } else { chief_address };
         let task = config.task.to_string();
         let mut member =
             CoordinationMember::connect(&coordinator, &task, options.token.clone(), options.coordination.clone())?;

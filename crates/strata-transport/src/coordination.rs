@@ -138,8 +138,11 @@ impl Service {
         let lost = st.tasks.iter().enumerate().find_map(|(i, t)| {
             let silent = now.duration_since(t.last_seen?);
             (!t.left && silent > self.config.heartbeat_timeout).then(|| {
-                let doing =
-                    if t.collective.is_empty() { String::new() } else { format!(", last seen in {} #{}", t.collective, t.seq) };
+                let doing = if t.collective.is_empty() {
+                    String::new()
+                } else {
+                    format!(", last seen in {} #{}", t.collective, t.seq)
+                };
                 format!("lost task {}: no heartbeat for {:.1} s{doing}", self.names[i], silent.as_secs_f64())
             })
         });
@@ -269,7 +272,10 @@ impl Coordination for Svc {
         }
     }
 
-    async fn heartbeat(&self, req: Request<HeartbeatRequest>) -> std::result::Result<Response<HeartbeatResponse>, Status> {
+    async fn heartbeat(
+        &self,
+        req: Request<HeartbeatRequest>,
+    ) -> std::result::Result<Response<HeartbeatResponse>, Status> {
         let r = req.into_inner();
         let rank = self.rank(&r.task)?;
         let mut st = lock(&self.state);
@@ -611,15 +617,9 @@ impl CoordinationMember {
             incarnation: self.incarnation,
         });
         req.set_timeout(self.config.rendezvous_timeout + Duration::from_secs(5));
-        let r = runtime()
-            .block_on(client.register(req))
-            .map_err(|s| rpc_error("Register", &self.peer, s))?
-            .into_inner();
-        Ok(Registration {
-            rank: r.rank as usize,
-            data_addresses: r.data_addresses,
-            task_names: r.task_names,
-        })
+        let r =
+            runtime().block_on(client.register(req)).map_err(|s| rpc_error("Register", &self.peer, s))?.into_inner();
+        Ok(Registration { rank: r.rank as usize, data_addresses: r.data_addresses, task_names: r.task_names })
     }
 
     /// Starts the heartbeat thread. `on_failure` is called once, with the reason, when the job

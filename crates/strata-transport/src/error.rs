@@ -17,15 +17,17 @@ pub enum Error {
 
     /// A peer task was lost (connection closed, reset, or its heartbeats stopped) while this
     /// task needed it.
-    #[error("lost task {task} during {collective} at step {step}: {detail}")]
+    #[error("lost task {task} during {collective} (collective #{step}): {detail}")]
     PeerLost { task: String, collective: String, step: u64, detail: String },
 
     /// A collective or RPC did not complete within its deadline.
-    #[error("{collective} at step {step} timed out after {timeout:?} waiting for task {task}")]
+    #[error("{collective} (collective #{step}) timed out after {timeout:?} waiting for task {task}")]
     Timeout { task: String, collective: String, step: u64, timeout: Duration },
 
     /// Peers issued different collectives at the same sequence number.
-    #[error("collective order mismatch at step {step}: task {me} called {mine} but task {peer} called {theirs}")]
+    #[error(
+        "collective order mismatch at collective #{step}: task {me} called {mine} but task {peer} called {theirs}"
+    )]
     Mismatch { step: u64, me: String, mine: String, peer: String, theirs: String },
 
     /// The collective was aborted because the cluster failed elsewhere.

@@ -9,13 +9,13 @@
 
 use std::time::{Duration, Instant};
 
+use candle_core::{DType, Tensor};
 use candle_nn::Optimizer;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use serde::Serialize;
-use strata_core::data::{Batch, TailPolicy};
-use candle_core::{DType, Tensor};
 use strata_core::checkpoint::{self, CheckpointTensor, OptimizerState};
+use strata_core::data::{Batch, TailPolicy};
 use strata_core::{DistributedOptimizer, ReduceOp, Replicated, Strategy};
 
 use crate::digits::gather;
@@ -233,16 +233,25 @@ impl Trainer {
                 done += execution.len();
                 let _s = tracing::debug_span!("execution", first_step = steps, steps = execution.len()).entered();
                 let t0 = Instant::now();
-                let losses = strategy.run_batches(execution, |ctx, shard| {
-                    let fwd = ctx.phase("step", "forward");
-                    let x = shard.batch.features_tensor(ctx.candle_device())?;
-                    let y = shard.batch.labels_tensor(ctx.candle_device())?;
-                    let loss = model.on(ctx)?.loss(&x, &y)?;
-                    drop(fwd);
-                    ctx.backward_and_sync(&loss, opt)?;
-                    // The replica's share of the global batch's mean loss.
-                    Ok(loss.to_scalar::<f32>()? * shard.weight())
-                })?;
+                let losses = strategy
+                    .run_batches(execution, |ctx, shard| {
+                        let fwd = ctx.phase("step", "forward");
+                        let x = shard.batch.features_tensor(ctx.candle_device())?;
+                        let y = shard.batch.labels_tensor(ctx.candle_device())?;
+                        let loss = model.on(ctx)?.loss(&x, &y)?;
+                        drop(fwd);
+                        ctx.backward_and_sync(&loss, opt)?;
+                        // The replica's share of the global batch's mean loss.
+                        Ok(loss.to_scalar::<f32>()? * shard.weight())
+                    })
+                    .map_err(|e| match e {
+                        strata_core::Error::Cluster(m) => strata_core::Error::Cluster(format!(
+                            "training steps {}..={} (epoch {epoch}): {m}",
+                            global_step + 1,
+                            global_step + execution.len()
+                        )),
+                        other => other,
+                    })?;
                 let dt = t0.elapsed();
                 epoch_time += dt;
                 // Executions that include warm-up steps do not count towards the steady state.
@@ -348,7 +357,8 @@ fn restore<S: Strategy, M>(
     if let Some(ck) = &found {
         let step = ck.step;
         header = vec![1.0, (step & 0xffff) as f32, ((step >> 16) & 0xffff) as f32, ((step >> 32) & 0xffff) as f32];
-        let keys = vars.iter().map(|(n, t)| (n.clone(), t)).chain(state.iter().map(|(n, t)| (format!("optimizer/{n}"), t)));
+        let keys =
+            vars.iter().map(|(n, t)| (n.clone(), t)).chain(state.iter().map(|(n, t)| (format!("optimizer/{n}"), t)));
         for (key, t) in keys {
             let saved = ck.tensor(&key)?;
             if saved.dims() != t.dims() {

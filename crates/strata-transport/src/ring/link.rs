@@ -110,13 +110,7 @@ const READ_BUFFER: usize = 256 << 10;
 
 impl Reader {
     pub(crate) fn new(peer: usize, rd: OwnedReadHalf) -> Self {
-        Self {
-            peer,
-            rd: BufReader::with_capacity(
-                std::env::var("XX_READBUF").ok().and_then(|v| v.parse().ok()).unwrap_or(READ_BUFFER),
-                rd,
-            ),
-        }
+        Self { peer, rd: BufReader::with_capacity(READ_BUFFER, rd) }
     }
 
     async fn exact(&mut self, ctx: &Ctx<'_>, buf: &mut [u8]) -> Result<()> {

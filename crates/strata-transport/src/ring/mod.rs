@@ -21,17 +21,25 @@
 //!
 //! The data plane is raw TCP, not gRPC streams: a collective moves f32 bytes between fixed
 //! peers, and protobuf framing, HTTP/2 flow control and per-message allocation would only add
-//! copies to what is, on loopback, a memory-bandwidth problem. Each ring owns a
-//! current-thread tokio runtime and drives every collective on the calling thread: one future
-//! sends on the link to the right while another receives from the left and reduces, sharing the
-//! buffer through a `RefCell` (no `unsafe`, no second thread, no lock on the hot path). The
-//! alternative, blocking sockets with a sender thread per link, measured the same bandwidth here
-//! (64 MiB exchanged both ways between two processes on this 2-core machine: 0.65 GB/s blocking,
-//! 0.74 tokio at 256 KiB chunks; 0.62 and 0.61 at 64 KiB, under load from other builds) at
-//! 15 us against 21 us for a 4 KiB exchange, but it needs a second thread per task (on 2 cores
-//! shared by 4 workers, more threads than cores), `unsafe` or a copy to hand buffer pieces
-//! between threads, and socket read timeouts to poll for aborts, where tokio gives deadlines,
-//! abort polling and concurrent reads from n-1 peers directly.
+//! copies to what is, on loopback, a memory-bandwidth problem (the kernel's two copies per byte
+//! are most of the cost). Each ring owns a current-thread tokio runtime and drives every
+//! collective on the calling thread: one future sends on the link to the right while another
+//! receives from the left and reduces straight out of the socket's read buffer, sharing the
+//! tensor through a `RefCell` (no `unsafe`, no second thread, no lock on the hot path). The
+//! alternative, blocking sockets with a sender thread per link, measured the same bandwidth on
+//! this 2-core machine (64 MiB exchanged both ways between two processes: 0.65 GB/s blocking
+//! against 0.74 GB/s tokio at 256 KiB chunks, 0.62 and 0.61 at 64 KiB, under load from other
+//! builds) and a lower 4 KiB exchange latency (15 us against 21 us), but it needs a second
+//! thread per worker (more threads than cores when 4 workers share 2), `unsafe` or a copy to
+//! hand pieces of the tensor between threads, and read timeouts to poll for aborts, where tokio
+//! gives deadlines, abort polling and concurrent reads from n-1 peers directly.
+//!
+//! Measured choices (`strata bench allreduce --workers 2,4`, 2 cores shared with other builds):
+//! 256 KiB chunks over 64 KiB and 1 MiB; the direct exchange up to 64 KiB (the ring wins from
+//! 256 KiB: 0.2 ms against 0.3 ms for 2 workers, 0.9 ms against 1.8 ms for 4); transfers in
+//! order rather than interleaved so that chunks move on while still in cache (that caps the
+//! bytes in flight, and every scheduling hiccup then stalls the ring: 2 workers fell from
+//! ~1.5 GB/s to ~0.8 GB/s); Linux's socket buffer autotuning left on (see `SOCKET_BUFFER`).
 
 mod algo;
 mod connect;
@@ -243,7 +251,7 @@ impl Ring {
             chunk_bytes,
             small_bytes: cfg.small_bytes,
             connect_timeout: cfg.connect_timeout,
-            socket_buffer: std::env::var("XX_SOCKBUF").ok().and_then(|v| v.parse().ok()).or(SOCKET_BUFFER),
+            socket_buffer: SOCKET_BUFFER,
         });
         let me = names[cfg.rank].clone();
         let listener = cfg.listener;
@@ -461,5 +469,8 @@ impl Drop for Ring {
     }
 }
 
-/// The socket buffer size set on every connection; `None` leaves Linux's autotuning on.
+/// The socket buffer size set on every connection; `None` leaves Linux's autotuning on. Setting
+/// SO_SNDBUF/SO_RCVBUF caps them at `net.core.{w,r}mem_max` (often 4 MiB or less) and turns
+/// autotuning off, while autotuning grows a loopback receive buffer to `tcp_rmem`'s maximum
+/// (32 MiB here): 4 MiB buffers measured no better, and sometimes worse.
 const SOCKET_BUFFER: Option<usize> = None;

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use candle_nn::{AdamW, Optimizer, ParamsAdamW, SGD};
 use serde::Serialize;
 use strata_core::optim::{FusedAdamW, FusedSgd};
-use strata_core::timeline::Timeline;
 use strata_core::strategy::AutoShardPolicy;
+use strata_core::timeline::Timeline;
 use strata_core::{Strategy, StrategyHandle, StrategyOptions};
 use strata_strategies::cluster::{ClusterResolver, SlurmClusterResolver, TFConfigClusterResolver};
 use strata_strategies::{
@@ -272,7 +272,10 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     }
     let timeline = args.timeline.as_ref().map(|_| Arc::new(Timeline::new()));
     if !(args.collective_timeout.is_finite() && args.collective_timeout > 0.0) {
-        return Err(Error::Usage(format!("--collective-timeout {} must be a positive number of seconds", args.collective_timeout)));
+        return Err(Error::Usage(format!(
+            "--collective-timeout {} must be a positive number of seconds",
+            args.collective_timeout
+        )));
     }
     let options = StrategyOptions {
         bucket_bytes: (args.bucket_mib * 1024.0 * 1024.0) as usize,
@@ -284,7 +287,13 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         StrategyKind::MultiWorkerMirrored => Some(make_multi_worker(args, options.clone())?),
         _ => None,
     };
-    let result = train_with(args, started, multi.as_ref().map_or_else(|| make_strategy(args, options), |m| Ok(m.handle()))?, &timeline, multi.as_ref());
+    let result = train_with(
+        args,
+        started,
+        multi.as_ref().map_or_else(|| make_strategy(args, options), |m| Ok(m.handle()))?,
+        &timeline,
+        multi.as_ref(),
+    );
     if let Some(m) = &multi {
         match &result {
             Ok(()) => m.finish()?,

@@ -1,0 +1,142 @@
+//! MultiWorkerMirroredStrategy's workers as threads of one test process (each a complete
+//! worker: its own coordination membership, ring and replicas, over loopback TCP).
+
+use std::time::Duration;
+
+use strata_core::{ReduceOp, Strategy};
+use strata_strategies::cluster::{ClusterConfig, ClusterSpec, TaskId};
+use strata_strategies::{MultiWorkerMirroredStrategy, MultiWorkerOptions};
+use strata_transport::ClusterToken;
+
+fn token() -> ClusterToken {
+    ClusterToken::new("0123456789abcdef0123456789abcdef").unwrap()
+}
+
+fn spec(n: usize) -> ClusterSpec {
+    let ports: Vec<u16> =
+        (0..n).map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()).collect();
+    ClusterSpec::workers(ports.iter().map(|p| format!("127.0.0.1:{p}")).collect::<Vec<_>>()).unwrap()
+}
+
+fn options(local: usize) -> MultiWorkerOptions {
+    let mut o = MultiWorkerOptions::new(token()).unwrap();
+    o.local_devices = strata_core::device::logical_cpus(local).unwrap();
+    o.coordination.rendezvous_timeout = Duration::from_secs(20);
+    o.options.collective_timeout = Duration::from_secs(20);
+    o
+}
+
+/// Runs `body(worker index, strategy)` on `n` workers with `local` replicas each.
+fn on_workers<T: Send + 'static>(
+    n: usize,
+    local: usize,
+    body: impl Fn(usize, &MultiWorkerMirroredStrategy) -> T + Send + Sync + Clone + 'static,
+) -> Vec<T> {
+    let spec = spec(n);
+    let handles: Vec<_> = (0..n)
+        .map(|i| {
+            let (spec, body) = (spec.clone(), body.clone());
+            std::thread::spawn(move || {
+                let config = ClusterConfig::new(spec, TaskId::worker(i)).unwrap();
+                let s = MultiWorkerMirroredStrategy::new(config, options(local)).unwrap();
+                let out = body(i, &s);
+                let _ = s.finish();
+                out
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+#[test]
+fn replica_ids_and_reductions_span_every_worker() {
+    let out = on_workers(3, 2, |_, s| {
+        assert_eq!(s.num_replicas_in_sync(), 6);
+        let ids = s.run(|ctx| Ok(ctx.replica_id_in_sync_group() as f32)).unwrap();
+        let sum = s.reduce(ReduceOp::Sum, &ids).unwrap();
+        let max = s.reduce(ReduceOp::Max, &ids).unwrap();
+        let mean = s.reduce(ReduceOp::Mean, &ids).unwrap();
+        // In-step all-reduce of each replica's id: 0 + 1 + ... + 5 = 15 everywhere.
+        let in_step =
+            s.run(|ctx| ctx.all_reduce_slice(ReduceOp::Sum, &[ctx.replica_id_in_sync_group() as f32, 1.0])).unwrap();
+        (sum, max, mean, in_step.into_values())
+    });
+    for (sum, max, mean, in_step) in out {
+        assert_eq!((sum, max, mean), (15.0, 5.0, 2.5));
+        for v in in_step {
+            assert_eq!(v, vec![15.0, 6.0]);
+        }
+    }
+}
+
+#[test]
+fn variables_start_from_the_chiefs_values_and_stay_identical() {
+    let digests = on_workers(2, 1, |i, s| {
+        // A model whose initial values differ per worker unless the chief's reach everyone.
+        let model = s
+            .scope(|sc| {
+                let w = sc.var_builder().get_with_hints(4, "w", candle_nn::Init::Const(i as f64 + 1.0))?;
+                Ok(w)
+            })
+            .unwrap();
+        model.primary().to_vec1::<f32>().unwrap()
+    });
+    assert_eq!(digests[0], vec![1.0; 4]);
+    assert_eq!(digests[1], vec![1.0; 4]);
+}
+
+#[test]
+fn a_worker_that_calls_collectives_in_another_order_gets_an_error_naming_both() {
+    let out = on_workers(2, 1, |i, s| {
+        let r = if i == 0 {
+            s.run(|ctx| ctx.all_reduce_slice(ReduceOp::Sum, &[1.0; 10])).map(|_| ())
+        } else {
+            s.run(|ctx| ctx.barrier()).map(|_| ())
+        };
+        r.unwrap_err().to_string()
+    });
+    for e in &out {
+        assert!(e.contains("worker:0") && e.contains("worker:1"), "{e}");
+        assert!(e.contains("barrier") && e.contains("all_reduce"), "{e}");
+    }
+}
+
+#[test]
+fn a_task_with_another_cluster_spec_is_refused_at_rendezvous() {
+    let good = spec(2);
+    let mut addrs: Vec<String> = good.tasks().map(|(_, a)| a.to_string()).collect();
+    addrs.push("127.0.0.1:1".into());
+    let bad = ClusterSpec::workers(addrs).unwrap();
+    let chief = {
+        let good = good.clone();
+        std::thread::spawn(move || {
+            let mut o = options(1);
+            o.coordination.rendezvous_timeout = Duration::from_secs(4);
+            MultiWorkerMirroredStrategy::new(ClusterConfig::new(good, TaskId::worker(0)).unwrap(), o).map(|_| ())
+        })
+    };
+    let e = MultiWorkerMirroredStrategy::new(ClusterConfig::new(bad, TaskId::worker(1)).unwrap(), options(1))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("worker:1") && e.contains("cluster") && e.contains("same TF_CONFIG"), "{e}");
+    assert!(chief.join().unwrap().is_err());
+}
+
+#[test]
+fn a_wrong_token_is_refused() {
+    let s = spec(2);
+    let chief = {
+        let s = s.clone();
+        std::thread::spawn(move || {
+            let mut o = options(1);
+            o.coordination.rendezvous_timeout = Duration::from_secs(4);
+            MultiWorkerMirroredStrategy::new(ClusterConfig::new(s, TaskId::worker(0)).unwrap(), o).map(|_| ())
+        })
+    };
+    let mut o = options(1);
+    o.token = ClusterToken::new("ffffffffffffffffffffffffffffffff").unwrap();
+    let e =
+        MultiWorkerMirroredStrategy::new(ClusterConfig::new(s, TaskId::worker(1)).unwrap(), o).unwrap_err().to_string();
+    assert!(e.to_lowercase().contains("unauthenticated") || e.contains("token"), "{e}");
+    assert!(chief.join().unwrap().is_err());
+}
