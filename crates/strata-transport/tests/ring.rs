@@ -547,3 +547,24 @@ fn a_sigkilled_worker_is_reported_lost_by_every_other_worker() {
         assert_eq!(status.code(), Some(3), "worker {r}");
     }
 }
+
+#[test]
+fn collectives_work_from_inside_a_tokio_runtime() {
+    let cfgs = configs(2, |_, _| {});
+    let results = run(cfgs, |r, ring| {
+        let ring = Arc::new(ring.unwrap());
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        rt.block_on(async move {
+            // From an async task directly, then from spawn_blocking.
+            let mut d = vec![r as f32 + 1.0; 5];
+            ring.all_reduce(0, ReduceOp::Sum, &mut d).unwrap();
+            let ring2 = ring.clone();
+            let gathered = tokio::task::spawn_blocking(move || ring2.all_gather(1, &[r as f32]).unwrap()).await.unwrap();
+            (d, gathered)
+        })
+    });
+    for (d, gathered) in results {
+        assert_eq!(d, vec![3.0f32; 5]);
+        assert_eq!(gathered, vec![vec![0.0], vec![1.0]]);
+    }
+}

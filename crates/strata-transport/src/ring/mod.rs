@@ -175,8 +175,9 @@ impl AbortSignal {
 /// A connected group of workers and the collectives between them.
 ///
 /// Every rank must call the same collectives in the same order with the same `step` (the
-/// caller's agreed sequence number). Calls on one ring are serialized; call them from a plain
-/// thread, not from inside an async runtime (use `spawn_blocking` there).
+/// caller's agreed sequence number). Calls on one ring are serialized. A collective blocks its
+/// thread; called from inside a tokio runtime it runs on a helper thread (prefer a plain
+/// thread or `spawn_blocking`, so that no async worker thread is blocked).
 pub struct Ring {
     rank: usize,
     names: Vec<String>,
@@ -200,19 +201,23 @@ impl std::fmt::Debug for Ring {
     }
 }
 
-fn outside_runtime(what: &str) -> Result<()> {
-    if tokio::runtime::Handle::try_current().is_ok() {
-        return Err(Error::Config(format!(
-            "{what} was called from inside an async runtime: call it from a plain thread (tokio's spawn_blocking)"
-        )));
+/// Runs `f` on this thread, or, when this thread is inside a tokio runtime (an async task, or
+/// `spawn_blocking`), on a helper thread: a ring drives its own runtime with `block_on`, which
+/// tokio does not allow inside another runtime.
+fn off_runtime<T: Send>(f: impl FnOnce() -> Result<T> + Send) -> Result<T> {
+    if tokio::runtime::Handle::try_current().is_err() {
+        return f();
     }
-    Ok(())
+    std::thread::scope(|s| s.spawn(f).join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
 }
 
 impl Ring {
     /// Connects to every peer (retrying until `connect_timeout`) and returns the ring.
     pub fn connect(cfg: RingConfig, abort: AbortSignal) -> Result<Ring> {
-        outside_runtime("Ring::connect")?;
+        off_runtime(move || Self::connect_here(cfg, abort))
+    }
+
+    fn connect_here(cfg: RingConfig, abort: AbortSignal) -> Result<Ring> {
         let n = cfg.addresses.len();
         if n == 0 || cfg.rank >= n {
             return Err(Error::Config(format!(
@@ -320,6 +325,10 @@ impl Ring {
     /// All-reduces `data` in place across the workers (`Mean` divides the sum by the number of
     /// workers). Every worker ends with bitwise-identical values.
     pub fn all_reduce(&self, step: u64, op: ReduceOp, data: &mut [f32]) -> Result<()> {
+        off_runtime(|| self.all_reduce_here(step, op, data))
+    }
+
+    fn all_reduce_here(&self, step: u64, op: ReduceOp, data: &mut [f32]) -> Result<()> {
         let call = Call::AllReduce { op, count: data.len() as u64 };
         let mut st = self.begin(step, &call)?;
         if self.size() == 1 {
@@ -338,6 +347,10 @@ impl Ring {
 
     /// Gathers every worker's buffer (lengths may differ): element `r` is rank `r`'s.
     pub fn all_gather(&self, step: u64, mine: &[f32]) -> Result<Vec<Vec<f32>>> {
+        off_runtime(|| self.all_gather_here(step, mine))
+    }
+
+    fn all_gather_here(&self, step: u64, mine: &[f32]) -> Result<Vec<Vec<f32>>> {
         let call = Call::AllGather { count: mine.len() as u64 };
         let mut st = self.begin(step, &call)?;
         if self.size() == 1 {
@@ -350,6 +363,10 @@ impl Ring {
 
     /// Copies `root`'s `data` into every worker's `data` (the lengths must agree).
     pub fn broadcast(&self, step: u64, root: usize, data: &mut [f32]) -> Result<()> {
+        off_runtime(|| self.broadcast_here(step, root, data))
+    }
+
+    fn broadcast_here(&self, step: u64, root: usize, data: &mut [f32]) -> Result<()> {
         if root >= self.size() {
             return Err(Error::Config(format!(
                 "broadcast root {root} is not a rank of this ring of {} workers",
@@ -372,6 +389,10 @@ impl Ring {
 
     /// Returns once every worker has called `barrier` with this `step`.
     pub fn barrier(&self, step: u64) -> Result<()> {
+        off_runtime(|| self.barrier_here(step))
+    }
+
+    fn barrier_here(&self, step: u64) -> Result<()> {
         let mut st = self.begin(step, &Call::Barrier)?;
         if self.size() == 1 {
             return Ok(());
@@ -387,7 +408,6 @@ impl Ring {
 
     /// Locks the ring for one collective; fails if it is broken or aborted.
     fn begin(&self, step: u64, call: &Call) -> Result<MutexGuard<'_, State>> {
-        outside_runtime("a ring collective")?;
         let st = self.state.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(why) = &st.broken {
             return Err(Error::Aborted(format!(

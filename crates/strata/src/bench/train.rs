@@ -1,5 +1,6 @@
-//! `strata bench train`: training throughput and peak RSS of one device and Mirrored(K) on
-//! the two benchmark MLPs, beside the machine's compute ceiling measured in the same run.
+//! `strata bench train`: training throughput and peak RSS of one device, Mirrored(K) and
+//! MultiWorkerMirrored (K worker processes of one replica each, over loopback) on the two
+//! benchmark MLPs, beside the machine's compute ceiling measured in the same run.
 //!
 //! The ceiling is what this machine gives K independent single-thread copies of the same
 //! per-replica step (forward, loss, backward and optimizer step on `global / K` examples)
@@ -28,6 +29,13 @@ use crate::{Error, Result};
 /// TensorFlow 2.21's `MirroredStrategy` over 2 logical CPUs on these MLPs, measured on a quiet
 /// machine of this kind (from the foundation issue), examples/s.
 const TF_REFERENCE: [(&str, f64); 2] = [("small", 25_000.0), ("large", 1_100.0)];
+
+/// TensorFlow 2.21's `MultiWorkerMirroredStrategy` with 2 worker processes here (from the
+/// multi-worker issue), examples/s.
+const TF_MWMS_REFERENCE: [(&str, f64); 2] = [("small", 15_000.0), ("large", 900.0)];
+
+/// PyTorch DDP with gloo, 2 processes here (from the multi-worker issue), examples/s.
+const DDP_REFERENCE: [(&str, f64); 2] = [("small", 39_000.0), ("large", 2_500.0)];
 
 /// `strata bench train` flags.
 #[derive(clap::Args, Debug, Clone)]
@@ -128,25 +136,40 @@ where
 {
     let model = s.scope(|sc| Mlp::new(sc.var_builder(), FEATURES, hidden, CLASSES))?;
     let opt = model.optimizer::<O>(cfg)?;
-    let dist: Vec<DistributedBatch> = data
-        .iter()
-        .map(|b| DistributedBatch::split(b, s.num_replicas_in_sync()))
-        .collect::<strata_core::Result<_>>()?;
+    let dist: Vec<DistributedBatch> =
+        s.distribute_dataset(data.iter().cloned(), strata_core::data::TailPolicy::Split).collect();
     // One execution runs every batch of the epoch (as `Trainer::fit` does): a "step" of the
     // timing loop below is an execution of `dist.len()` training steps.
-    let (executions, dt) = time_steps(
-        seconds,
-        || {},
-        |_| {
-            s.run_batches(&dist, |ctx, shard| {
-                let x = shard.batch.features_tensor(ctx.candle_device())?;
-                let y = shard.batch.labels_tensor(ctx.candle_device())?;
-                let loss = model.on(ctx)?.loss(&x, &y)?;
-                ctx.backward_and_sync(&loss, &opt)
-            })?;
-            Ok(())
-        },
-    )?;
+    let execute = || -> Result<()> {
+        s.run_batches(&dist, |ctx, shard| {
+            let x = shard.batch.features_tensor(ctx.candle_device())?;
+            let y = shard.batch.labels_tensor(ctx.candle_device())?;
+            let loss = model.on(ctx)?.loss(&x, &y)?;
+            ctx.backward_and_sync(&loss, &opt)
+        })?;
+        Ok(())
+    };
+    let (executions, dt) = match s.extended().workers() {
+        None => time_steps(seconds, || {}, |_| execute())?,
+        Some(w) => {
+            // Workers must run the same number of executions: the chief decides when to stop
+            // and broadcasts it after each execution.
+            for _ in 0..3 {
+                execute()?;
+            }
+            let t0 = Instant::now();
+            let mut n = 0;
+            loop {
+                execute()?;
+                n += 1;
+                let mut stop = [f32::from(u8::from(n >= 5 && t0.elapsed().as_secs_f64() >= seconds))];
+                w.broadcast(0, &mut stop)?;
+                if stop[0] == 1.0 {
+                    break (n, t0.elapsed());
+                }
+            }
+        }
+    };
     let steps = executions * dist.len();
     let global = data[0].len();
     Ok(Measurement {
@@ -243,6 +266,17 @@ where
             measure_strategy::<_, O>(&MirroredStrategy::logical_cpus(args.replicas)?, cfg, hidden, data, args.seconds)
         }
         "ceiling" => measure_ceiling::<O>(args.replicas, cfg, hidden, data, args.seconds),
+        "multi-worker" => {
+            let token = strata_transport::ClusterToken::resolve(None).map_err(|e| Error::Usage(e.to_string()))?;
+            let resolver = strata_strategies::cluster::TFConfigClusterResolver::from_env()?;
+            let s = strata_strategies::MultiWorkerMirroredStrategy::from_resolver(
+                &resolver,
+                strata_strategies::MultiWorkerOptions::new(token)?,
+            )?;
+            let m = measure_strategy::<_, O>(&s, cfg, hidden, data, args.seconds)?;
+            s.finish()?;
+            Ok(m)
+        }
         _ => Err(Error::Usage(format!("unknown configuration {config:?}"))),
     }
 }
@@ -251,16 +285,60 @@ fn optimizer_name(o: OptimizerKind) -> String {
     clap::ValueEnum::to_possible_value(&o).map(|v| v.get_name().to_string()).unwrap_or_default()
 }
 
-fn spawn(spec: &str, args: &BenchTrainArgs) -> Result<Measurement> {
+fn command(spec: &str, args: &BenchTrainArgs) -> Result<Command> {
     let exe = std::env::current_exe().map_err(|e| Error::io("cannot find the strata binary", e))?;
-    let out = Command::new(exe)
-        .args(["bench", "train", "--worker", spec])
+    let mut c = Command::new(exe);
+    c.args(["bench", "train", "--worker", spec])
         .args(["--replicas", &args.replicas.to_string(), "--seconds", &args.seconds.to_string()])
         .args(["--batch", &args.batch.to_string(), "--optimizer", &optimizer_name(args.optimizer)])
         .env("CANDLE_NUM_THREADS", "1")
-        .env("RAYON_NUM_THREADS", "1")
-        .output()
-        .map_err(|e| Error::io("cannot start a benchmark process", e))?;
+        .env("RAYON_NUM_THREADS", "1");
+    Ok(c)
+}
+
+/// K worker processes on loopback; the chief's measurement is the job's.
+fn spawn_multi_worker(spec: &str, args: &BenchTrainArgs) -> Result<Measurement> {
+    let k = args.replicas;
+    let ports: Vec<u16> = (0..k)
+        .map(|_| {
+            std::net::TcpListener::bind("127.0.0.1:0")
+                .and_then(|l| l.local_addr())
+                .map(|a| a.port())
+                .map_err(|e| Error::io("cannot find a free port", e))
+        })
+        .collect::<Result<_>>()?;
+    let spec_json: Vec<String> = ports.iter().map(|p| format!("\"127.0.0.1:{p}\"")).collect();
+    let token = format!("{:032x}", rand::random::<u128>());
+    let children = (0..k)
+        .map(|i| {
+            command(spec, args)?
+                .env(
+                    "TF_CONFIG",
+                    format!(r#"{{"cluster":{{"worker":[{}]}},"task":{{"type":"worker","index":{i}}}}}"#, spec_json.join(",")),
+                )
+                .env("STRATA_CLUSTER_TOKEN", &token)
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .map_err(|e| Error::io("cannot start a benchmark process", e))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let mut outs = Vec::new();
+    for c in children {
+        outs.push(c.wait_with_output().map_err(|e| Error::io("waiting for a benchmark process", e))?);
+    }
+    parse_output(spec, outs.swap_remove(0))
+}
+
+fn spawn(spec: &str, args: &BenchTrainArgs) -> Result<Measurement> {
+    if spec.ends_with(":multi-worker") {
+        return spawn_multi_worker(spec, args);
+    }
+    let out = command(spec, args)?.output().map_err(|e| Error::io("cannot start a benchmark process", e))?;
+    parse_output(spec, out)
+}
+
+fn parse_output(spec: &str, out: std::process::Output) -> Result<Measurement> {
     if !out.status.success() {
         return Err(Error::Usage(format!(
             "benchmark process {spec} failed: {}",
@@ -305,13 +383,13 @@ pub fn run(args: &BenchTrainArgs) -> Result<()> {
     println!("# every configuration in its own process; medians over rounds");
     println!();
     println!(
-        "{:<6} {:>9} {:<12} {:>8} {:>12} {:>10} {:>10} {:>11} {:>12}",
-        "model", "params", "config", "replicas", "examples/s", "step(ms)", "peakRSS", "of ceiling", "vs TF 2.21"
+        "{:<6} {:>9} {:<12} {:>8} {:>12} {:>10} {:>10} {:>11} {:>12} {:>12}",
+        "model", "params", "config", "replicas", "examples/s", "step(ms)", "peakRSS", "of ceiling", "vs TF 2.21", "vs DDP gloo"
     );
     for model in &args.models {
         let hidden = hidden_of(model)?;
         let params = Mlp::parameter_count(FEATURES, &hidden, CLASSES);
-        let configs = ["ceiling", "one-device", "mirrored"];
+        let configs = ["ceiling", "one-device", "mirrored", "multi-worker"];
         let mut runs: Vec<Vec<Measurement>> = vec![Vec::new(); configs.len()];
         for round in 0..args.rounds {
             for (i, c) in configs.iter().enumerate() {
@@ -323,16 +401,23 @@ pub fn run(args: &BenchTrainArgs) -> Result<()> {
         let med = |i: usize, f: fn(&Measurement) -> f64| median(runs[i].iter().map(f).collect());
         let ceiling = med(0, |m| m.examples_per_second);
         let tf = TF_REFERENCE.iter().find(|(n, _)| n == model).map(|(_, v)| *v);
+        let tf_mw = TF_MWMS_REFERENCE.iter().find(|(n, _)| n == model).map(|(_, v)| *v);
+        let ddp = DDP_REFERENCE.iter().find(|(n, _)| n == model).map(|(_, v)| *v);
         for (i, c) in configs.iter().enumerate() {
             let eps = med(i, |m| m.examples_per_second);
             let replicas = if *c == "one-device" { 1 } else { k };
             let of_ceiling = if *c == "ceiling" { "-".to_string() } else { format!("{:.1}%", 100.0 * eps / ceiling) };
-            let vs_tf = match (tf, *c) {
-                (Some(t), "mirrored") if k == 2 => format!("{:.2}x", eps / t),
+            let vs_tf = match (tf, tf_mw, *c) {
+                (Some(t), _, "mirrored") if k == 2 => format!("{:.2}x", eps / t),
+                (_, Some(t), "multi-worker") if k == 2 => format!("{:.2}x", eps / t),
+                _ => "-".to_string(),
+            };
+            let vs_ddp = match (ddp, *c) {
+                (Some(t), "multi-worker") if k == 2 => format!("{:.2}x", eps / t),
                 _ => "-".to_string(),
             };
             println!(
-                "{:<6} {:>9} {:<12} {:>8} {:>12.0} {:>10.2} {:>9.0}M {:>11} {:>12}",
+                "{:<6} {:>9} {:<12} {:>8} {:>12.0} {:>10.2} {:>9.0}M {:>11} {:>12} {:>12}",
                 model,
                 params,
                 c,
@@ -341,12 +426,14 @@ pub fn run(args: &BenchTrainArgs) -> Result<()> {
                 1e3 * med(i, |m| m.step_seconds),
                 med(i, |m| m.peak_rss_bytes as f64) / (1024.0 * 1024.0),
                 of_ceiling,
-                vs_tf
+                vs_tf,
+                vs_ddp
             );
         }
     }
     println!();
     println!("# targets: mirrored >= 90% of the ceiling; mirrored(2) >= 2x TensorFlow 2.21 MirroredStrategy over 2 logical CPUs");
     println!("# (reference, quiet machine of this kind: small 25,000 and large 1,100 examples/s)");
+    println!("# multi-worker(2 processes) >= 1.5x PyTorch DDP gloo (39,000 and 2,500) and >= 2x TF 2.21 MultiWorkerMirrored (15,000 and 900)");
     Ok(())
 }
