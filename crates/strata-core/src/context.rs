@@ -199,7 +199,7 @@ impl<'a> ReplicaContext<'a> {
         };
         let flat = self.share_from_first("all_gather(workers)", gathered.map(Arc::new))?;
         let row: usize = rest_len(t);
-        let rows = if row == 0 { 0 } else { flat.len() / row };
+        let rows = flat.len().checked_div(row).unwrap_or(0);
         let mut shape = t.dims().to_vec();
         if shape.is_empty() {
             shape.push(rows);

@@ -559,7 +559,8 @@ fn collectives_work_from_inside_a_tokio_runtime() {
             let mut d = vec![r as f32 + 1.0; 5];
             ring.all_reduce(0, ReduceOp::Sum, &mut d).unwrap();
             let ring2 = ring.clone();
-            let gathered = tokio::task::spawn_blocking(move || ring2.all_gather(1, &[r as f32]).unwrap()).await.unwrap();
+            let gathered =
+                tokio::task::spawn_blocking(move || ring2.all_gather(1, &[r as f32]).unwrap()).await.unwrap();
             (d, gathered)
         })
     });

@@ -304,9 +304,13 @@ impl Trainer {
 }
 
 /// How the trainer saves and restores an optimizer's state.
+type NamedTensors = Vec<(String, Tensor)>;
+type SaveState<'a> = &'a dyn Fn() -> Result<NamedTensors>;
+type LoadState<'a> = &'a dyn Fn(&[(String, Tensor)]) -> Result<()>;
+
 struct OptimizerHooks<'a> {
-    save: &'a dyn Fn() -> Result<Vec<(String, Tensor)>>,
-    load: &'a dyn Fn(&[(String, Tensor)]) -> Result<()>,
+    save: SaveState<'a>,
+    load: LoadState<'a>,
 }
 
 fn is_chief<S: Strategy>(strategy: &S) -> bool {

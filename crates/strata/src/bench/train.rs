@@ -314,7 +314,10 @@ fn spawn_multi_worker(spec: &str, args: &BenchTrainArgs) -> Result<Measurement> 
             command(spec, args)?
                 .env(
                     "TF_CONFIG",
-                    format!(r#"{{"cluster":{{"worker":[{}]}},"task":{{"type":"worker","index":{i}}}}}"#, spec_json.join(",")),
+                    format!(
+                        r#"{{"cluster":{{"worker":[{}]}},"task":{{"type":"worker","index":{i}}}}}"#,
+                        spec_json.join(",")
+                    ),
                 )
                 .env("STRATA_CLUSTER_TOKEN", &token)
                 .stdout(std::process::Stdio::piped())
@@ -384,7 +387,16 @@ pub fn run(args: &BenchTrainArgs) -> Result<()> {
     println!();
     println!(
         "{:<6} {:>9} {:<12} {:>8} {:>12} {:>10} {:>10} {:>11} {:>12} {:>12}",
-        "model", "params", "config", "replicas", "examples/s", "step(ms)", "peakRSS", "of ceiling", "vs TF 2.21", "vs DDP gloo"
+        "model",
+        "params",
+        "config",
+        "replicas",
+        "examples/s",
+        "step(ms)",
+        "peakRSS",
+        "of ceiling",
+        "vs TF 2.21",
+        "vs DDP gloo"
     );
     for model in &args.models {
         let hidden = hidden_of(model)?;
