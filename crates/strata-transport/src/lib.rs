@@ -1,6 +1,26 @@
 //! Strata's transport: the coordination service of a multi-worker job, the cross-worker
 //! collectives (a ring of TCP connections), and the cluster token that keeps both private.
 //! `tonic::Status` is converted into [`Error`] here and nowhere else.
+//!
+//! ```
+//! use strata_transport::{ClusterToken, CoordinationConfig, CoordinationMember, CoordinationServerHandle};
+//!
+//! // The chief serves the coordination service; every task (here, one) registers with it.
+//! let token = ClusterToken::new("0123456789abcdef0123")?;
+//! let server = CoordinationServerHandle::start(
+//!     "127.0.0.1:0".parse().unwrap(),
+//!     vec!["worker:0".into()],
+//!     "worker=127.0.0.1:2222".into(),
+//!     "multi-worker-mirrored".into(),
+//!     token.clone(),
+//!     CoordinationConfig::default(),
+//! )?;
+//! let member =
+//!     CoordinationMember::connect(&server.address().to_string(), "worker:0", token, CoordinationConfig::default())?;
+//! let job = member.register("worker=127.0.0.1:2222", "multi-worker-mirrored", "127.0.0.1:7000")?;
+//! assert_eq!((job.rank, job.data_addresses.len()), (0, 1));
+//! # Ok::<(), strata_transport::Error>(())
+//! ```
 
 pub mod auth;
 pub mod coordination;

@@ -46,14 +46,21 @@ pub use strata_core::{
     DistributedVariable, Mirrored, PerReplica, ReduceOp, ReplicaContext, Replicated, Scope, Strategy, StrategyExtended,
     StrategyHandle, StrategyOptions, SyncOnReadVariable, VariableAggregation, VariablePolicy,
 };
-pub use strata_strategies::{CentralStorageStrategy, CpuReduction, MirroredStrategy, OneDeviceStrategy};
+pub use strata_core::checkpoint;
+pub use strata_strategies::cluster;
+pub use strata_strategies::{
+    CentralStorageStrategy, CpuReduction, MirroredStrategy, MultiWorkerMirroredStrategy, MultiWorkerOptions,
+    OneDeviceStrategy,
+};
+pub use strata_transport::ClusterToken;
 
 /// The names most programs need.
 pub mod prelude {
     pub use crate::{
-        CentralStorageStrategy, MirroredStrategy, OneDeviceStrategy, PerReplica, ReduceOp, ReplicaContext, Strategy,
-        StrategyHandle,
+        CentralStorageStrategy, ClusterToken, MirroredStrategy, MultiWorkerMirroredStrategy, MultiWorkerOptions,
+        OneDeviceStrategy, PerReplica, ReduceOp, ReplicaContext, Strategy, StrategyHandle,
     };
+    pub use crate::cluster::{ClusterResolver, SlurmClusterResolver, TFConfigClusterResolver};
 }
 
 /// Makes candle's CPU kernels single-threaded per caller, so that each replica thread is one
