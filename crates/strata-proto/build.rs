@@ -16,6 +16,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     println!("cargo:rerun-if-changed={}", dir.display());
     let fds = protox::compile(&files, [&root])?;
-    tonic_prost_build::configure().build_client(true).build_server(true).compile_fds(fds)?;
+    tonic_prost_build::configure()
+        .build_client(true)
+        .build_server(true)
+        // Tensor payloads are shared, not copied, between the stream and the caller.
+        .bytes(".strata.v1.BenchChunk.data")
+        .compile_fds(fds)?;
     Ok(())
 }

@@ -140,3 +140,32 @@ fn a_wrong_token_is_refused() {
     assert!(e.to_lowercase().contains("unauthenticated") || e.contains("token"), "{e}");
     assert!(chief.join().unwrap().is_err());
 }
+
+#[test]
+fn input_pipelines_are_one_per_worker_and_auto_sharding_keeps_each_workers_slice() {
+    use strata_core::data::{Batch, TailPolicy};
+    let out = on_workers(2, 2, |i, s| {
+        // distribute_datasets_from_function: one pipeline per worker, built on that worker.
+        let mut seen = None;
+        let mut pipes = s
+            .distribute_datasets_from_function(|ctx| {
+                seen = Some(*ctx);
+                let per = ctx.per_replica_batch_size(8)?;
+                Ok((0..2).map(move |_| Batch::new(vec![0.0; per], vec![0; per], 1).unwrap()))
+            })
+            .unwrap();
+        let ctx = seen.unwrap();
+        assert_eq!((ctx.num_input_pipelines, ctx.input_pipeline_id, ctx.num_replicas_in_sync), (2, i, 4));
+        let b = pipes.next().unwrap();
+        assert_eq!(b.weights(), vec![0.25, 0.25]);
+        // distribute_dataset with Data: each worker keeps its replicas' shards of the global batch.
+        let rows: Vec<f32> = (0..10).map(|r| r as f32).collect();
+        let batch = Batch::new(rows, vec![0; 10], 1).unwrap();
+        let mut d = s.distribute_dataset(vec![batch], TailPolicy::Split);
+        let db = d.next().unwrap();
+        db.shards.values().iter().map(|sh| sh.batch.features.clone()).collect::<Vec<_>>()
+    });
+    // 10 rows over 4 replicas: 3, 3, 2, 2.
+    assert_eq!(out[0], vec![vec![0.0, 1.0, 2.0], vec![3.0, 4.0, 5.0]]);
+    assert_eq!(out[1], vec![vec![6.0, 7.0], vec![8.0, 9.0]]);
+}

@@ -25,6 +25,7 @@
 pub mod auth;
 pub mod coordination;
 mod error;
+pub mod probe;
 pub mod ring;
 pub mod rt;
 

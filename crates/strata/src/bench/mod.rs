@@ -3,3 +3,4 @@
 
 pub mod allreduce;
 pub mod train;
+pub mod transport;

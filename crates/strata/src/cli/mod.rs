@@ -44,6 +44,8 @@ pub enum BenchCommand {
     /// Training throughput and peak RSS of one device and Mirrored, beside the ceiling of K
     /// independent copies of the step.
     Train(bench::train::BenchTrainArgs),
+    /// gRPC streaming against raw TCP throughput on loopback (why the data plane is raw TCP).
+    Transport(bench::transport::BenchTransportArgs),
 }
 
 /// Runs the command line.
@@ -58,5 +60,6 @@ pub fn run(cli: Cli) -> crate::Result<()> {
         }
         Command::Bench { which: BenchCommand::Allreduce(args) } => bench::allreduce::run(&args),
         Command::Bench { which: BenchCommand::Train(args) } => bench::train::run(&args),
+        Command::Bench { which: BenchCommand::Transport(args) } => bench::transport::run(&args),
     }
 }
