@@ -53,6 +53,20 @@ pub fn central(n: usize) -> StrategyHandle {
     CentralStorageStrategy::logical_cpus(n).unwrap().handle()
 }
 
+/// A one-worker MultiWorkerMirrored job of `n` replicas in this process: every collective
+/// goes through the hierarchical op, the ring and the coordination service.
+pub fn multi_worker(n: usize) -> StrategyHandle {
+    use strata_strategies::cluster::{ClusterConfig, ClusterSpec, TaskId};
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let spec = ClusterSpec::workers(vec![format!("127.0.0.1:{port}")]).unwrap();
+    let token = strata_transport::ClusterToken::new("0123456789abcdef0123456789abcdef").unwrap();
+    let mut o = strata_strategies::MultiWorkerOptions::new(token).unwrap();
+    o.local_devices = strata_core::device::logical_cpus(n).unwrap();
+    strata_strategies::MultiWorkerMirroredStrategy::new(ClusterConfig::new(spec, TaskId::worker(0)).unwrap(), o)
+        .unwrap()
+        .handle()
+}
+
 /// Flattened parameter values of a model's primary copy.
 pub fn params<M>(m: &strata_core::Replicated<M>) -> Vec<(String, Vec<f32>)> {
     m.values().unwrap().into_iter().map(|(n, t)| (n, t.flatten_all().unwrap().to_vec1::<f32>().unwrap())).collect()
@@ -103,6 +117,10 @@ macro_rules! strategy_test {
             #[test]
             fn central_storage_4() {
                 ($body)(common::central(4))
+            }
+            #[test]
+            fn multi_worker_1x2() {
+                ($body)(common::multi_worker(2))
             }
         }
     };
