@@ -3,8 +3,8 @@
 
 N processes (torch.multiprocessing) on loopback all-reduce (sum) float32 buffers from
 --min-bytes to --max-bytes, stepping x4. Every iteration refills the buffer, meets the others
-at a barrier and times one all_reduce; the reported time is the slowest rank's median. Every
-result is checked against the closed form (#wrong). Rank 0 prints the nccl-tests columns in the
+at a barrier, times one all_reduce and meets them again before checking the result against the
+closed form (#wrong); the reported time is the slowest rank's median. Rank 0 prints the nccl-tests columns in the
 same format as strata's table, so bench/compare-allreduce.sh can read both.
 
     python3 bench/gloo_allreduce.py --workers 2,4
@@ -81,6 +81,7 @@ def worker(rank, n, port, args, plan):
             t0 = time.perf_counter()
             dist.all_reduce(data, op=dist.ReduceOp.SUM)
             t = time.perf_counter() - t0
+            dist.barrier()  # nobody checks (untimed work) while a slower rank is still timed
             wrong += int((data != expected).sum())
             return t
 
@@ -133,7 +134,8 @@ def main():
     plan = sizes(parse_bytes(args.min_bytes), parse_bytes(args.max_bytes))
     print(f"# gloo_allreduce.py --workers {args.workers}: torch {torch.__version__}, gloo backend, "
           f"{os.cpu_count()} cores; op sum, float32, warmup {max(1, args.warmup)}, "
-          f"iters {args.iters or 'adaptive'}; time = the slowest rank's median of (refill, barrier, timed all_reduce)")
+          f"iters {args.iters or 'adaptive'}; time = the slowest rank's median of "
+          "(refill, barrier, timed all_reduce, barrier, check)")
     sys.stdout.flush()
     for n in (int(x) for x in args.workers.split(",") if x):
         mp.spawn(worker, args=(n, free_port(), args, plan), nprocs=n, join=True)

@@ -41,12 +41,12 @@ pub mod model;
 pub mod trainer;
 
 pub use error::{Error, Result};
+pub use strata_core::checkpoint;
 pub use strata_core::{
     context, cross_device, data, device, group, optim, timeline, CrossReplicaContext, DistributedOptimizer,
     DistributedVariable, Mirrored, PerReplica, ReduceOp, ReplicaContext, Replicated, Scope, Strategy, StrategyExtended,
     StrategyHandle, StrategyOptions, SyncOnReadVariable, VariableAggregation, VariablePolicy,
 };
-pub use strata_core::checkpoint;
 pub use strata_strategies::cluster;
 pub use strata_strategies::{
     CentralStorageStrategy, CpuReduction, MirroredStrategy, MultiWorkerMirroredStrategy, MultiWorkerOptions,
@@ -56,11 +56,11 @@ pub use strata_transport::ClusterToken;
 
 /// The names most programs need.
 pub mod prelude {
+    pub use crate::cluster::{ClusterResolver, SlurmClusterResolver, TFConfigClusterResolver};
     pub use crate::{
         CentralStorageStrategy, ClusterToken, MirroredStrategy, MultiWorkerMirroredStrategy, MultiWorkerOptions,
         OneDeviceStrategy, PerReplica, ReduceOp, ReplicaContext, Strategy, StrategyHandle,
     };
-    pub use crate::cluster::{ClusterResolver, SlurmClusterResolver, TFConfigClusterResolver};
 }
 
 /// Makes candle's CPU kernels single-threaded per caller, so that each replica thread is one

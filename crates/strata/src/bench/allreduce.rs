@@ -9,8 +9,9 @@
 //!   the first warm-up and after the timed iterations (`#wrong`).
 //! - `--workers N`: MultiWorkerMirrored's cross-worker all-reduce ([`strata_transport::ring`])
 //!   between `N` processes of this binary on loopback, beside raw loopback TCP throughput. Each
-//!   worker refills its buffer, meets the others at a barrier, and times one all-reduce; every
-//!   result is checked against the closed form; the time is the slowest worker's median.
+//!   worker refills its buffer, meets the others at a barrier, times one all-reduce, and meets
+//!   them again before checking every result against the closed form (so that no untimed work
+//!   competes with a slower worker's timed all-reduce); the time is the slowest worker's median.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -923,7 +924,8 @@ fn run_workers(args: &AllreduceArgs, plan: &Plan) -> Result<()> {
         format_bytes(plan.chunk_bytes as u64)
     );
     println!(
-        "# op {}, f32, warmup {}, iters {}; time = the slowest worker's median of (refill, barrier, timed all-reduce)",
+        "# op {}, f32, warmup {}, iters {}; time = the slowest worker's median of (refill, barrier, timed all-reduce, \
+         barrier, check)",
         plan.op,
         plan.warmup.max(1),
         match plan.iters {
@@ -1137,7 +1139,9 @@ pub fn measure_worker_row(ring: &Ring, plan: &Plan, bytes: u64, step: &mut u64) 
         let t0 = Instant::now();
         ring.all_reduce(*step + 1, plan.op, data).map_err(transport_error)?;
         let t = t0.elapsed();
-        *step += 2;
+        // Nobody checks (untimed work) while a slower worker is still in its timed all-reduce.
+        ring.barrier(*step + 2).map_err(transport_error)?;
+        *step += 3;
         wrong += expected.count_wrong(data) as u64;
         Ok(t)
     };
