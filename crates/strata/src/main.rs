@@ -9,7 +9,10 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() {
     // Before any thread exists: each replica is one thread (see `strata::init_cpu_threads`).
-    strata::init_cpu_threads();
+    // `strata launch` runs no replica, and its tasks must inherit the user's environment as is.
+    if std::env::args_os().nth(1).is_none_or(|a| a != "launch") {
+        strata::init_cpu_threads();
+    }
     let cli = match strata::cli::Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => {
