@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::{kill, SigSet, Signal};
 use nix::unistd::Pid;
-use serde::Serialize;
+use strata_strategies::cluster::{ClusterConfig, ClusterSpec, TaskId, TaskType};
 
 use crate::{Error, Result};
 
@@ -86,61 +86,16 @@ pub struct LaunchArgs {
     pub command: Vec<OsString>,
 }
 
-/// One task of the local cluster.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Task {
-    /// The job: `chief`, `worker` or `ps`.
-    pub job: &'static str,
-    /// The task's index in its job.
-    pub index: usize,
-}
-
-impl std::fmt::Display for Task {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}:{}", self.job, self.index)
-    }
-}
-
-/// The `cluster` part of `TF_CONFIG`, jobs in TensorFlow's order, empty jobs left out.
-#[derive(Debug, Clone, Default, Serialize)]
-pub struct ClusterSpec {
-    /// The chief's address, if there is a chief.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub chief: Vec<String>,
-    /// The workers' addresses.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub worker: Vec<String>,
-    /// The parameter servers' addresses.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub ps: Vec<String>,
-}
-
-#[derive(Serialize)]
-struct TfConfig<'a> {
-    cluster: &'a ClusterSpec,
-    task: TaskRef<'a>,
-}
-
-#[derive(Serialize)]
-struct TaskRef<'a> {
-    #[serde(rename = "type")]
-    job: &'a str,
-    index: usize,
-}
-
 /// The tasks of a cluster of an optional chief, `workers` workers and `ps` parameter servers,
 /// in that order.
-pub fn tasks(chief: bool, workers: usize, ps: usize) -> Vec<Task> {
-    let chief = (0..usize::from(chief)).map(|index| Task { job: "chief", index });
-    let worker = (0..workers).map(|index| Task { job: "worker", index });
-    let ps = (0..ps).map(|index| Task { job: "ps", index });
-    chief.chain(worker).chain(ps).collect()
+pub fn tasks(chief: bool, workers: usize, ps: usize) -> Vec<TaskId> {
+    let chief = (0..usize::from(chief)).map(|_| TaskId::chief());
+    chief.chain((0..workers).map(TaskId::worker)).chain((0..ps).map(TaskId::ps)).collect()
 }
 
-/// The `TF_CONFIG` JSON of `task` in `cluster`.
-pub fn tf_config(cluster: &ClusterSpec, task: &Task) -> String {
-    let config = TfConfig { cluster, task: TaskRef { job: task.job, index: task.index } };
-    serde_json::to_string(&config).unwrap_or_default()
+/// The `TF_CONFIG` JSON of `task` in `cluster`, as TensorFlow writes it.
+pub fn tf_config(cluster: &ClusterSpec, task: TaskId) -> Result<String> {
+    Ok(ClusterConfig::new(cluster.clone(), task)?.to_tf_config())
 }
 
 /// Parses a duration such as `5s`, `500ms`, `1.5m`, `1h` or `10` (seconds).
@@ -187,17 +142,13 @@ fn free_addresses(host: IpAddr, n: usize) -> Result<Vec<String>> {
 }
 
 /// The cluster spec of `tasks` at `addresses` (one per task, in order).
-fn cluster_spec(tasks: &[Task], addresses: &[String]) -> ClusterSpec {
-    let mut spec = ClusterSpec::default();
-    for (task, address) in tasks.iter().zip(addresses) {
-        let job = match task.job {
-            "chief" => &mut spec.chief,
-            "ps" => &mut spec.ps,
-            _ => &mut spec.worker,
-        };
-        job.push(address.clone());
-    }
-    spec
+fn cluster_spec(tasks: &[TaskId], addresses: &[String]) -> Result<ClusterSpec> {
+    let jobs = [TaskType::Chief, TaskType::Worker, TaskType::Ps].map(|kind| {
+        let addrs: Vec<String> =
+            tasks.iter().zip(addresses).filter(|(t, _)| t.kind == kind).map(|(_, a)| a.clone()).collect();
+        (kind, addrs)
+    });
+    Ok(ClusterSpec::new(jobs.into_iter().filter(|(_, a)| !a.is_empty()))?)
 }
 
 /// What the supervisor hears about.
@@ -210,7 +161,7 @@ enum Event {
 
 /// A started task.
 struct Running {
-    task: Task,
+    task: TaskId,
     child: Child,
     /// The task's process group (its own pid).
     group: Pid,
@@ -286,7 +237,7 @@ fn start(
     program: &OsStr,
     executable: &OsStr,
     args: &[OsString],
-    tasks: &[Task],
+    tasks: &[TaskId],
     cluster: &ClusterSpec,
     token: &str,
     events: &Sender<Event>,
@@ -295,7 +246,7 @@ fn start(
     for task in tasks {
         let spawned = Command::new(executable)
             .args(args)
-            .env("TF_CONFIG", tf_config(cluster, task))
+            .env("TF_CONFIG", tf_config(cluster, *task)?)
             .env(TASK_VAR, task.to_string())
             .env(TOKEN_VAR, token)
             .stdin(Stdio::null())
@@ -329,7 +280,7 @@ fn start(
             forward_lines(err, prefix, true, events.clone());
         }
         let group = Pid::from_raw(i32::try_from(child.id()).unwrap_or(i32::MAX));
-        running.push(Running { task: task.clone(), child, group, status: None });
+        running.push(Running { task: *task, child, group, status: None });
     }
     Ok(running)
 }
@@ -353,7 +304,7 @@ pub fn run(args: &LaunchArgs) -> Result<()> {
 
     let tasks = tasks(args.chief, args.workers, args.ps);
     let addresses = free_addresses(args.host, tasks.len())?;
-    let cluster = cluster_spec(&tasks, &addresses);
+    let cluster = cluster_spec(&tasks, &addresses)?;
     let token = cluster_token();
 
     // Block the signals we forward before any thread starts, so that every thread inherits the
@@ -479,14 +430,14 @@ mod tests {
     fn tf_config_is_tensorflows() {
         let tasks = tasks(true, 2, 1);
         let addresses: Vec<String> = (0..4).map(|i| format!("127.0.0.1:{}", 1000 + i)).collect();
-        let spec = cluster_spec(&tasks, &addresses);
+        let spec = cluster_spec(&tasks, &addresses).unwrap();
         assert_eq!(
-            tf_config(&spec, &tasks[2]),
+            tf_config(&spec, tasks[2]).unwrap(),
             r#"{"cluster":{"chief":["127.0.0.1:1000"],"worker":["127.0.0.1:1001","127.0.0.1:1002"],"ps":["127.0.0.1:1003"]},"task":{"type":"worker","index":1}}"#
         );
-        let only_workers = cluster_spec(&tasks[1..3], &addresses[1..3]);
+        let only_workers = cluster_spec(&tasks[1..3], &addresses[1..3]).unwrap();
         assert_eq!(
-            tf_config(&only_workers, &tasks[1]),
+            tf_config(&only_workers, tasks[1]).unwrap(),
             r#"{"cluster":{"worker":["127.0.0.1:1001","127.0.0.1:1002"]},"task":{"type":"worker","index":0}}"#
         );
     }
