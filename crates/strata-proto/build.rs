@@ -21,6 +21,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .build_server(true)
         // Tensor payloads are shared, not copied, between the stream and the caller.
         .bytes(".strata.v1.BenchChunk.data")
+        .bytes(".strata.v1.TensorChunk.data")
+        .bytes(".strata.v1.RunStepRequest.args")
+        .bytes(".strata.v1.RunStepResponse.result")
         .compile_fds(fds)?;
     Ok(())
 }

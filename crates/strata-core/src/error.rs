@@ -81,6 +81,16 @@ pub enum Error {
     #[error("{0}")]
     Cluster(String),
 
+    /// A peer task (a parameter server, a worker) could not be reached; the operation may
+    /// succeed when retried once the task is back.
+    #[error("{0}")]
+    Unavailable(String),
+
+    /// A parameter server refused an update computed from values too old (bounded staleness);
+    /// pull fresh values and compute it again.
+    #[error("{0}")]
+    Stale(String),
+
     /// A checkpoint that cannot be written or read (torn, corrupt, missing); the message names
     /// the file.
     #[error("checkpoint: {0}")]
@@ -103,6 +113,12 @@ pub enum Error {
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
+    /// Whether retrying the operation later may succeed ([`Error::Unavailable`],
+    /// [`Error::Stale`]).
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, Error::Unavailable(_) | Error::Stale(_))
+    }
+
     /// An I/O error with context (usually the path).
     pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
         Error::Io { context: context.into(), source }

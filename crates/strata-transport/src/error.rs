@@ -38,6 +38,21 @@ pub enum Error {
     #[error("protocol error from task {peer}: {detail}")]
     Protocol { peer: String, detail: String },
 
+    /// A peer task could not be reached (connection refused or reset, or it answered
+    /// UNAVAILABLE); the operation may be retried once the task is back.
+    #[error("task {peer} is unavailable during {rpc}: {detail}")]
+    Unavailable { peer: String, rpc: String, detail: String },
+
+    /// A parameter server refused a push computed from a version too far behind its own
+    /// (bounded-staleness mode); pull fresh values and compute the update again.
+    #[error("stale push refused by {peer}: computed from version {base}, the task is at version {current}, the bound is {bound}; pull and recompute")]
+    Stale { peer: String, base: u64, current: u64, bound: u64 },
+
+    /// A server refused a request it understood (unknown variable, shape mismatch, oversize
+    /// chunk, conflicting spec); `code` is the gRPC status code's name.
+    #[error("{peer} refused {rpc} ({code}): {detail}")]
+    Rejected { peer: String, rpc: String, code: String, detail: String },
+
     /// An RPC failed; `status` is the gRPC status, converted here.
     #[error("rpc {rpc} to {peer} failed: {status}")]
     Rpc { rpc: String, peer: String, status: String },
@@ -61,10 +76,20 @@ impl Error {
     }
 }
 
+impl Error {
+    /// Whether the operation may succeed if retried later (the peer was unavailable, or the
+    /// push was stale and will be recomputed).
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, Error::Unavailable { .. } | Error::PeerLost { .. } | Error::Stale { .. })
+    }
+}
+
 impl From<Error> for strata_core::Error {
     fn from(e: Error) -> Self {
         match e {
             Error::Config(m) => strata_core::Error::InvalidCluster(m),
+            e @ (Error::Unavailable { .. } | Error::PeerLost { .. }) => strata_core::Error::Unavailable(e.to_string()),
+            e @ Error::Stale { .. } => strata_core::Error::Stale(e.to_string()),
             other => strata_core::Error::Cluster(other.to_string()),
         }
     }
