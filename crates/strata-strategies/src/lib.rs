@@ -29,6 +29,7 @@ mod local;
 mod mirrored;
 mod multi_worker;
 mod one_device;
+pub mod parameter_server;
 
 pub use central_storage::CentralStorageStrategy;
 pub use cluster::{

@@ -24,8 +24,10 @@
 
 pub mod auth;
 pub mod coordination;
+pub mod executor;
 mod error;
 pub mod probe;
+pub mod ps;
 pub mod ring;
 pub mod rt;
 

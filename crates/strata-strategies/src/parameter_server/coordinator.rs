@@ -1,0 +1,1 @@
+//! The cluster coordinator (being written).

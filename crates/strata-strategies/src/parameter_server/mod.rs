@@ -1,0 +1,3 @@
+//! ParameterServerStrategy and ClusterCoordinator (being written).
+
+pub mod coordinator;

@@ -1,0 +1,1 @@
+//! The worker executor service (being written).

@@ -1,0 +1,1 @@
+//! The parameter server: servers and clients (being written).
