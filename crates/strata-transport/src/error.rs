@@ -57,6 +57,11 @@ pub enum Error {
     #[error("rpc {rpc} to {peer} failed: {status}")]
     Rpc { rpc: String, peer: String, status: String },
 
+    /// A parameter server's checkpoint could not be written or read (the message names the
+    /// file and what to do).
+    #[error("{0}")]
+    Checkpoint(#[from] strata_core::Error),
+
     /// An I/O error, with the operation or address it concerns.
     #[error("{context}: {source}")]
     Io {
@@ -88,6 +93,7 @@ impl From<Error> for strata_core::Error {
     fn from(e: Error) -> Self {
         match e {
             Error::Config(m) => strata_core::Error::InvalidCluster(m),
+            Error::Checkpoint(e) => e,
             e @ (Error::Unavailable { .. } | Error::PeerLost { .. }) => strata_core::Error::Unavailable(e.to_string()),
             e @ Error::Stale { .. } => strata_core::Error::Stale(e.to_string()),
             other => strata_core::Error::Cluster(other.to_string()),

@@ -1,1 +1,376 @@
-//! The worker executor service (being written).
+//! The worker executor service of a parameter-server job: every worker task serves it, and the
+//! coordinator asks a worker to run a step function **by name** (a Rust closure cannot travel;
+//! every task runs the same binary, in which the step functions are registered by name).
+//!
+//! - The server ([`WorkerExecutorHandle`]) admits only calls carrying the cluster token, serves
+//!   `grpc.health.v1` behind the same check, and runs [`StepHandler::run`] on tokio's blocking
+//!   pool (step functions call the blocking parameter-server clients).
+//! - [`StepFailure::NotFound`] is answered `NOT_FOUND`, [`StepFailure::Unavailable`] `UNAVAILABLE`
+//!   (message prefixed `"step unavailable: "`: a parameter server could not be reached and the
+//!   coordinator retries the step), [`StepFailure::Failed`] `INTERNAL` with its message.
+//! - The client ([`WorkerClient`]) is blocking and tells a worker that could not be reached
+//!   (`Error::Unavailable` whose detail starts with `"worker unreachable"`) from a step that
+//!   reported a parameter server unavailable (detail starting with `"step unavailable: "`).
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use prost::bytes::Bytes;
+use strata_proto::v1::worker_executor_client::WorkerExecutorClient;
+use strata_proto::v1::worker_executor_server::{WorkerExecutor, WorkerExecutorServer};
+use strata_proto::v1::{RunStepRequest, RunStepResponse, WorkerPingRequest, WorkerPingResponse};
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::Channel;
+use tonic::{Code, Request, Response, Status};
+
+use crate::auth::{client_interceptor, server_interceptor, ClientAuth, ClusterToken};
+use crate::rt::runtime;
+use crate::{Error, Result};
+
+/// The prefix of the message of a step that reported a parameter server unavailable.
+pub const STEP_UNAVAILABLE: &str = "step unavailable: ";
+
+/// The prefix of the detail of an [`Error::Unavailable`] for a worker that could not be reached.
+pub const WORKER_UNREACHABLE: &str = "worker unreachable";
+
+/// The largest step arguments or result (serialized) a worker or the coordinator accepts.
+pub const MAX_MESSAGE_BYTES: usize = 256 << 20;
+
+/// The longest function name a worker accepts.
+const MAX_FUNCTION_NAME: usize = 256;
+
+/// Why a step function did not return a result.
+#[derive(Debug, Clone)]
+pub enum StepFailure {
+    /// No function of this name is registered (the text: the function's name, or more detail).
+    NotFound(String),
+    /// A parameter server could not be reached; the coordinator retries the step.
+    Unavailable(String),
+    /// The function failed; the text says why.
+    Failed(String),
+}
+
+/// What a worker process runs: implemented in strata-strategies by the step registry.
+pub trait StepHandler: Send + Sync + 'static {
+    /// The names of the registered step functions.
+    fn functions(&self) -> Vec<String>;
+    /// Runs `function` as step `step` of the coordinator run `client` with its serialized
+    /// arguments, and returns its serialized result. Runs on a blocking thread.
+    fn run(&self, function: &str, step: u64, client: &str, args: &[u8]) -> std::result::Result<Vec<u8>, StepFailure>;
+}
+
+/// What a worker answers to a ping.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WorkerInfo {
+    /// The worker's task name, `worker:<index>`.
+    pub task: String,
+    /// The step functions it has registered.
+    pub functions: Vec<String>,
+    /// How many steps it has run successfully since it started.
+    pub steps_run: u64,
+    /// A random number per process start: tells a restarted worker from the old one.
+    pub incarnation: u64,
+}
+
+struct Service {
+    task: String,
+    handler: Arc<dyn StepHandler>,
+    steps_run: AtomicU64,
+    incarnation: u64,
+    stopping: tokio::sync::watch::Receiver<bool>,
+}
+
+#[derive(Clone)]
+struct Svc(Arc<Service>);
+
+impl Svc {
+    fn failure_status(&self, function: &str, step: u64, failure: StepFailure) -> Status {
+        let task = &self.0.task;
+        match failure {
+            StepFailure::NotFound(detail) => {
+                let mut registered = self.0.handler.functions();
+                registered.sort();
+                let have = if registered.is_empty() { "none".to_string() } else { registered.join(", ") };
+                let extra =
+                    if detail.is_empty() || detail == function { String::new() } else { format!(" ({detail})") };
+                Status::not_found(format!(
+                    "no step function named {function} is registered in {task}{extra} (registered: {have}); register it in the binary every task runs"
+                ))
+            }
+            StepFailure::Unavailable(detail) => Status::unavailable(format!("{STEP_UNAVAILABLE}{detail}")),
+            StepFailure::Failed(detail) => {
+                Status::internal(format!("step {step} ({function}) failed in {task}: {detail}"))
+            }
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl WorkerExecutor for Svc {
+    async fn run_step(&self, req: Request<RunStepRequest>) -> std::result::Result<Response<RunStepResponse>, Status> {
+        let r = req.into_inner();
+        if r.function.is_empty() || r.function.len() > MAX_FUNCTION_NAME {
+            return Err(Status::invalid_argument(format!(
+                "a step function name must be 1 to {MAX_FUNCTION_NAME} bytes"
+            )));
+        }
+        if r.client.len() > MAX_FUNCTION_NAME {
+            return Err(Status::invalid_argument(format!("a client name must be at most {MAX_FUNCTION_NAME} bytes")));
+        }
+        let mut stopping = self.0.stopping.clone();
+        if *stopping.borrow() {
+            return Err(Status::unavailable(format!("worker {} is shutting down", self.0.task)));
+        }
+        let svc = self.0.clone();
+        let (function, step) = (r.function.clone(), r.step);
+        let job = tokio::task::spawn_blocking(move || svc.handler.run(&r.function, r.step, &r.client, &r.args));
+        let outcome = tokio::select! {
+            joined = job => joined,
+            _ = stopping.wait_for(|s| *s) => {
+                // The worker stops: the coordinator sees it lost and runs the step elsewhere.
+                return Err(Status::unavailable(format!("worker {} is shutting down", self.0.task)));
+            }
+        };
+        match outcome {
+            Ok(Ok(result)) => {
+                self.0.steps_run.fetch_add(1, Ordering::Relaxed);
+                Ok(Response::new(RunStepResponse { result: Bytes::from(result) }))
+            }
+            Ok(Err(failure)) => Err(self.failure_status(&function, step, failure)),
+            Err(e) => {
+                let why = if e.is_panic() { "panicked" } else { "was cancelled" };
+                tracing::error!(%function, step, "step function {why}");
+                Err(Status::internal(format!("step {step} ({function}) {why} in {}", self.0.task)))
+            }
+        }
+    }
+
+    async fn ping(
+        &self,
+        _req: Request<WorkerPingRequest>,
+    ) -> std::result::Result<Response<WorkerPingResponse>, Status> {
+        let handler = self.0.handler.clone();
+        let functions = tokio::task::spawn_blocking(move || handler.functions())
+            .await
+            .map_err(|_| Status::internal(format!("listing the step functions of {} failed", self.0.task)))?;
+        Ok(Response::new(WorkerPingResponse {
+            task: self.0.task.clone(),
+            functions,
+            steps_run: self.0.steps_run.load(Ordering::Relaxed),
+            incarnation: self.0.incarnation,
+        }))
+    }
+}
+
+/// A running worker executor service (held by a worker task).
+pub struct WorkerExecutorHandle {
+    address: SocketAddr,
+    task: String,
+    stop: Option<tokio::sync::watch::Sender<bool>>,
+    done: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for WorkerExecutorHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WorkerExecutorHandle").field("task", &self.task).field("address", &self.address).finish()
+    }
+}
+
+impl WorkerExecutorHandle {
+    /// Starts serving task `task` (`worker:<index>`) on `bind` (port 0 picks a free one),
+    /// admitting only calls with `token`. Must not be called from inside a tokio runtime thread.
+    pub fn start(bind: SocketAddr, task: String, token: ClusterToken, handler: Arc<dyn StepHandler>) -> Result<Self> {
+        let listener = runtime()
+            .block_on(tokio::net::TcpListener::bind(bind))
+            .map_err(|e| Error::io(format!("binding the worker executor of {task} to {bind}"), e))?;
+        let address = listener
+            .local_addr()
+            .map_err(|e| Error::io(format!("reading the worker executor address of {task}"), e))?;
+        let (tx, rx) = tokio::sync::watch::channel(false);
+        let service = Arc::new(Service {
+            task: task.clone(),
+            handler,
+            steps_run: AtomicU64::new(0),
+            incarnation: random_u64(),
+            stopping: rx.clone(),
+        });
+        let interceptor = server_interceptor(token);
+        let mut stop_rx = rx;
+        let name = task.clone();
+        let done = runtime().spawn(async move {
+            let (reporter, health) = tonic_health::server::health_reporter();
+            reporter.set_serving::<WorkerExecutorServer<Svc>>().await;
+            let result = tonic::transport::Server::builder()
+                .add_service(InterceptedService::new(health, interceptor.clone()))
+                .add_service(InterceptedService::new(
+                    WorkerExecutorServer::new(Svc(service))
+                        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+                        .max_encoding_message_size(MAX_MESSAGE_BYTES),
+                    interceptor,
+                ))
+                .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), async move {
+                    let _ = stop_rx.wait_for(|s| *s).await;
+                })
+                .await;
+            if let Err(e) = result {
+                tracing::error!(task = %name, error = %e, "the worker executor stopped");
+            }
+        });
+        tracing::info!(%task, %address, "worker executor listening");
+        Ok(Self { address, task, stop: Some(tx), done: Some(done) })
+    }
+
+    /// Where the service listens.
+    pub fn address(&self) -> SocketAddr {
+        self.address
+    }
+
+    /// Stops serving: running steps are answered `UNAVAILABLE` at once (the coordinator runs
+    /// them elsewhere; their step functions finish in the background) and new connections are
+    /// refused. Returns when the server task ended.
+    pub fn shutdown(mut self) {
+        self.stop();
+    }
+
+    /// Blocks until the server stops (used by `strata worker`).
+    pub fn wait(mut self) {
+        if let Some(done) = self.done.take() {
+            let _ = runtime().block_on(done);
+        }
+    }
+
+    fn stop(&mut self) {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(true);
+        }
+        if let Some(done) = self.done.take() {
+            let _ = runtime().block_on(async { tokio::time::timeout(Duration::from_secs(5), done).await });
+        }
+    }
+}
+
+impl Drop for WorkerExecutorHandle {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+type Client = WorkerExecutorClient<InterceptedService<Channel, ClientAuth>>;
+
+/// A blocking client of one worker's executor service. Clone + Send + Sync; its methods must
+/// not be called from inside a tokio runtime thread.
+#[derive(Clone)]
+pub struct WorkerClient {
+    client: Client,
+    address: String,
+    task: String,
+    timeout: Duration,
+}
+
+impl std::fmt::Debug for WorkerClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WorkerClient").field("task", &self.task).field("address", &self.address).finish()
+    }
+}
+
+/// Whether a status comes from the connection rather than from the worker's answer: statuses
+/// the server sent carry no source error, those made from a transport failure do. A worker's own
+/// UNAVAILABLE (it is shutting down) counts as unreachable unless the step reported it.
+fn is_transport_failure(s: &Status) -> bool {
+    use std::error::Error as _;
+    match s.code() {
+        Code::Unavailable => !s.message().starts_with(STEP_UNAVAILABLE),
+        Code::Unknown | Code::Cancelled | Code::Internal => s.source().is_some(),
+        _ => false,
+    }
+}
+
+impl WorkerClient {
+    /// A client of task `task` (`worker:<index>`, named in errors) at `address` (`host:port`);
+    /// `timeout` bounds each RPC. Connects lazily: an unreachable worker fails its first call.
+    pub fn connect(address: &str, task: &str, token: ClusterToken, timeout: Duration) -> Result<Self> {
+        let endpoint = Channel::from_shared(format!("http://{address}"))
+            .map_err(|e| Error::Config(format!("the address {address:?} of {task} is not usable: {e}")))?
+            .connect_timeout(Duration::from_secs(2).min(timeout.max(Duration::from_millis(100))))
+            .tcp_nodelay(true);
+        let channel = {
+            let _guard = runtime().enter();
+            endpoint.connect_lazy()
+        };
+        let client = WorkerExecutorClient::with_interceptor(channel, client_interceptor(token))
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES);
+        Ok(Self { client, address: address.to_string(), task: task.to_string(), timeout })
+    }
+
+    /// The worker's address.
+    pub fn address(&self) -> &str {
+        &self.address
+    }
+
+    /// The worker's task name.
+    pub fn task(&self) -> &str {
+        &self.task
+    }
+
+    fn error(&self, rpc: &str, step: u64, s: Status) -> Error {
+        let task = self.task.clone();
+        match s.code() {
+            Code::Unauthenticated => Error::Unauthenticated(format!("{rpc} to {task}: {}", s.message())),
+            Code::DeadlineExceeded => Error::Timeout { task, collective: rpc.to_string(), step, timeout: self.timeout },
+            Code::Unavailable if s.message().starts_with(STEP_UNAVAILABLE) => {
+                Error::Unavailable { peer: task, rpc: rpc.into(), detail: s.message().to_string() }
+            }
+            _ if is_transport_failure(&s) => Error::Unavailable {
+                peer: task,
+                rpc: rpc.into(),
+                detail: format!("{WORKER_UNREACHABLE} at {}: {}", self.address, s.message()),
+            },
+            code => {
+                Error::Rejected { peer: task, rpc: rpc.into(), code: format!("{code:?}"), detail: s.message().into() }
+            }
+        }
+    }
+
+    /// Runs the registered function `function` as step `step` of the coordinator run `client`
+    /// with the serialized `args`, and returns its serialized result.
+    ///
+    /// Errors: [`Error::Unavailable`] with a detail starting `"worker unreachable"` when the
+    /// worker could not be reached (or stopped during the step), or `"step unavailable: "`
+    /// when the step reported a parameter server unavailable; [`Error::Rejected`] for an
+    /// unregistered function (`NotFound`) or a failed one (`Internal`); [`Error::Timeout`].
+    pub fn run_step(&self, function: &str, step: u64, client: &str, args: &[u8]) -> Result<Vec<u8>> {
+        let mut c = self.client.clone();
+        let mut req = Request::new(RunStepRequest {
+            function: function.to_string(),
+            step,
+            client: client.to_string(),
+            args: Bytes::copy_from_slice(args),
+        });
+        req.set_timeout(self.timeout);
+        let rpc = format!("RunStep({function}) of step {step}");
+        match runtime().block_on(c.run_step(req)) {
+            Ok(r) => Ok(r.into_inner().result.to_vec()),
+            Err(s) => Err(self.error(&rpc, step, s)),
+        }
+    }
+
+    /// Asks the worker who it is and what it offers.
+    pub fn ping(&self) -> Result<WorkerInfo> {
+        let mut c = self.client.clone();
+        let mut req = Request::new(WorkerPingRequest {});
+        req.set_timeout(self.timeout.min(Duration::from_secs(10)));
+        let r = runtime().block_on(c.ping(req)).map_err(|s| self.error("Ping", 0, s))?.into_inner();
+        Ok(WorkerInfo { task: r.task, functions: r.functions, steps_run: r.steps_run, incarnation: r.incarnation })
+    }
+}
+
+fn random_u64() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
+    h.write_u32(std::process::id());
+    h.finish()
+}

@@ -24,8 +24,8 @@
 
 pub mod auth;
 pub mod coordination;
-pub mod executor;
 mod error;
+pub mod executor;
 pub mod probe;
 pub mod ps;
 pub mod ring;

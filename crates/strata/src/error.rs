@@ -44,7 +44,8 @@ impl Error {
                 | C::InvalidDeviceList(_)
                 | C::UnknownDevice(_)
                 | C::InvalidMemoryConfig(_)
-                | C::InvalidArgument(_),
+                | C::InvalidArgument(_)
+                | C::InvalidCluster(_),
             ) => 2,
             _ => 1,
         }

@@ -38,28 +38,34 @@ pub mod cli;
 pub mod digits;
 mod error;
 pub mod model;
+pub mod ps_job;
 pub mod trainer;
 
 pub use error::{Error, Result};
 pub use strata_core::checkpoint;
+pub use strata_core::Error as CoreError;
 pub use strata_core::{
     context, cross_device, data, device, group, optim, timeline, CrossReplicaContext, DistributedOptimizer,
     DistributedVariable, Mirrored, PerReplica, ReduceOp, ReplicaContext, Replicated, Scope, Strategy, StrategyExtended,
     StrategyHandle, StrategyOptions, SyncOnReadVariable, VariableAggregation, VariablePolicy,
 };
 pub use strata_strategies::cluster;
+pub use strata_strategies::parameter_server;
+pub use strata_strategies::parameter_server::{ClusterCoordinator, ParameterServerOptions, ParameterServerStrategy};
 pub use strata_strategies::{
     CentralStorageStrategy, CpuReduction, MirroredStrategy, MultiWorkerMirroredStrategy, MultiWorkerOptions,
     OneDeviceStrategy,
 };
+pub use strata_transport::ps;
 pub use strata_transport::ClusterToken;
 
 /// The names most programs need.
 pub mod prelude {
     pub use crate::cluster::{ClusterResolver, SlurmClusterResolver, TFConfigClusterResolver};
     pub use crate::{
-        CentralStorageStrategy, ClusterToken, MirroredStrategy, MultiWorkerMirroredStrategy, MultiWorkerOptions,
-        OneDeviceStrategy, PerReplica, ReduceOp, ReplicaContext, Strategy, StrategyHandle,
+        CentralStorageStrategy, ClusterCoordinator, ClusterToken, MirroredStrategy, MultiWorkerMirroredStrategy,
+        MultiWorkerOptions, OneDeviceStrategy, ParameterServerOptions, ParameterServerStrategy, PerReplica, ReduceOp,
+        ReplicaContext, Strategy, StrategyHandle,
     };
 }
 

@@ -422,7 +422,7 @@ pub fn evaluate<M: Classifier>(model: &M, data: &Batch) -> Result<f32> {
     Ok(correct as f32 / data.len() as f32)
 }
 
-fn progress_bar(show: bool, len: u64) -> indicatif::ProgressBar {
+pub(crate) fn progress_bar(show: bool, len: u64) -> indicatif::ProgressBar {
     use std::io::IsTerminal;
     if !show || !std::io::stderr().is_terminal() {
         return indicatif::ProgressBar::hidden();

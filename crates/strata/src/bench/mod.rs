@@ -2,5 +2,6 @@
 //! run, beside Strata's figure.
 
 pub mod allreduce;
+pub mod ps;
 pub mod train;
 pub mod transport;

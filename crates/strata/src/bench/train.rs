@@ -74,7 +74,7 @@ pub struct Measurement {
     pub peak_rss_bytes: u64,
 }
 
-fn hidden_of(model: &str) -> Result<Vec<usize>> {
+pub(crate) fn hidden_of(model: &str) -> Result<Vec<usize>> {
     match model {
         "small" => Ok(vec![256, 256]),
         "large" => Ok(vec![2048, 2048]),
@@ -93,7 +93,7 @@ pub fn peak_rss_bytes() -> u64 {
 }
 
 /// The full global batches of the digits training set.
-fn batches(global: usize) -> Result<Vec<Batch>> {
+pub(crate) fn batches(global: usize) -> Result<Vec<Batch>> {
     let (train, _) = digits::train_test_split(&digits::load(None)?, 0.2, 0);
     let full = train.len() / global;
     if full == 0 {
@@ -122,7 +122,7 @@ fn time_steps(
 }
 
 /// The learning rate of the benchmark (it does not change the work of a step).
-const LR: f64 = 1e-3;
+pub(crate) const LR: f64 = 1e-3;
 
 fn measure_strategy<S: Strategy, O: Optimizer + Send>(
     s: &S,
@@ -180,7 +180,7 @@ where
 }
 
 /// K independent single-thread copies of the per-replica step, plain candle, at once.
-fn measure_ceiling<O: Optimizer>(
+pub(crate) fn measure_ceiling<O: Optimizer>(
     k: usize,
     cfg: O::Config,
     hidden: &[usize],
@@ -245,6 +245,9 @@ fn worker(spec: &str, args: &BenchTrainArgs) -> Result<()> {
         OptimizerKind::CandleAdamw => measure::<AdamW>(config, adamw, args, &hidden, &data)?,
         OptimizerKind::Sgd => measure::<FusedSgd>(config, LR, args, &hidden, &data)?,
         OptimizerKind::CandleSgd => measure::<SGD>(config, LR, args, &hidden, &data)?,
+        OptimizerKind::Momentum | OptimizerKind::Adagrad => {
+            return Err(Error::Usage("strata bench train measures adamw and sgd; momentum and adagrad run on a parameter server (strata bench ps)".into()))
+        }
     };
     println!("{}", serde_json::to_string(&m).map_err(|e| Error::io("cannot encode", e.into()))?);
     Ok(())

@@ -117,7 +117,7 @@ pub fn parse_duration(text: &str) -> std::result::Result<Duration, String> {
 
 /// The cluster token: the launcher's own `STRATA_CLUSTER_TOKEN` when set and not empty, else
 /// 32 fresh random bytes in hex.
-fn cluster_token() -> String {
+pub(crate) fn cluster_token() -> String {
     match std::env::var(TOKEN_VAR) {
         Ok(token) if !token.is_empty() => token,
         _ => rand::random::<[u8; 32]>().iter().map(|b| format!("{b:02x}")).collect(),
@@ -125,7 +125,7 @@ fn cluster_token() -> String {
 }
 
 /// Picks `n` distinct free ports on `host`: binds them all at once, reads them, releases them.
-fn free_addresses(host: IpAddr, n: usize) -> Result<Vec<String>> {
+pub(crate) fn free_addresses(host: IpAddr, n: usize) -> Result<Vec<String>> {
     let bind_error = |e: io::Error| {
         Error::Usage(format!(
             "--host {host}: cannot bind a port ({e}); pass an address of this machine such as 127.0.0.1"
@@ -142,7 +142,7 @@ fn free_addresses(host: IpAddr, n: usize) -> Result<Vec<String>> {
 }
 
 /// The cluster spec of `tasks` at `addresses` (one per task, in order).
-fn cluster_spec(tasks: &[TaskId], addresses: &[String]) -> Result<ClusterSpec> {
+pub(crate) fn cluster_spec(tasks: &[TaskId], addresses: &[String]) -> Result<ClusterSpec> {
     let jobs = [TaskType::Chief, TaskType::Worker, TaskType::Ps].map(|kind| {
         let addrs: Vec<String> =
             tasks.iter().zip(addresses).filter(|(t, _)| t.kind == kind).map(|(_, a)| a.clone()).collect();
@@ -152,7 +152,7 @@ fn cluster_spec(tasks: &[TaskId], addresses: &[String]) -> Result<ClusterSpec> {
 }
 
 /// What the supervisor hears about.
-enum Event {
+pub(crate) enum Event {
     /// A signal to the launcher.
     Signal(Signal),
     /// One of the tasks' output pipes reached its end.
@@ -182,7 +182,7 @@ fn exit_code(status: ExitStatus) -> i32 {
     status.code().or_else(|| status.signal().map(|s| 128 + s)).unwrap_or(1)
 }
 
-fn describe(status: ExitStatus) -> String {
+pub(crate) fn describe(status: ExitStatus) -> String {
     match (status.code(), status.signal()) {
         (Some(code), _) => format!("exited with code {code}"),
         (None, Some(signal)) => match Signal::try_from(signal) {
@@ -196,7 +196,12 @@ fn describe(status: ExitStatus) -> String {
 /// Copies `source` to the launcher's stdout or stderr line by line, each line prefixed; a last
 /// line without a newline is still printed. Write errors (a closed terminal) are ignored so
 /// that the task never blocks on a full pipe.
-fn forward_lines(source: impl Read + Send + 'static, prefix: String, to_stderr: bool, events: Sender<Event>) {
+pub(crate) fn forward_lines(
+    source: impl Read + Send + 'static,
+    prefix: String,
+    to_stderr: bool,
+    events: Sender<Event>,
+) {
     std::thread::spawn(move || {
         let mut reader = BufReader::new(source);
         let mut text = Vec::new();

@@ -1,6 +1,8 @@
 //! The `strata` command line.
 
 mod launch;
+pub use launch::TOKEN_VAR;
+pub mod ps;
 pub mod train;
 
 use clap::{Parser, Subcommand};
@@ -26,6 +28,11 @@ pub enum Command {
     Train(train::TrainArgs),
     /// Start a local cluster: one process per task, each with its TF_CONFIG (like torchrun).
     Launch(launch::LaunchArgs),
+    /// Serve one parameter-server task (variables, the optimizer, checkpoints) until SIGTERM.
+    Ps(ps::PsArgs),
+    /// Serve one worker task: run the step functions registered in this binary for a
+    /// coordinator, until SIGTERM.
+    Worker(ps::WorkerArgs),
     /// List physical and logical devices as the visibility rules resolve them.
     Devices,
     /// Benchmarks; each prints this machine's ceiling measured in the same run.
@@ -44,6 +51,9 @@ pub enum BenchCommand {
     /// Training throughput and peak RSS of one device and Mirrored, beside the ceiling of K
     /// independent copies of the step.
     Train(bench::train::BenchTrainArgs),
+    /// Parameter-server push/pull throughput and push rate beside raw loopback TCP, and async
+    /// PS training throughput beside the ceiling.
+    Ps(bench::ps::BenchPsArgs),
     /// gRPC streaming against raw TCP throughput on loopback (why the data plane is raw TCP).
     Transport(bench::transport::BenchTransportArgs),
 }
@@ -53,6 +63,8 @@ pub fn run(cli: Cli) -> crate::Result<()> {
     match cli.command {
         Command::Train(args) => train::run(&args),
         Command::Launch(args) => launch::run(&args),
+        Command::Ps(args) => ps::run_ps(&args),
+        Command::Worker(args) => ps::run_worker(&args),
         Command::Devices => {
             let registry = strata_core::device::DeviceRegistry::global();
             print!("{}", strata_core::device::describe_devices(registry)?);
@@ -61,5 +73,6 @@ pub fn run(cli: Cli) -> crate::Result<()> {
         Command::Bench { which: BenchCommand::Allreduce(args) } => bench::allreduce::run(&args),
         Command::Bench { which: BenchCommand::Train(args) } => bench::train::run(&args),
         Command::Bench { which: BenchCommand::Transport(args) } => bench::transport::run(&args),
+        Command::Bench { which: BenchCommand::Ps(args) } => bench::ps::run(&args),
     }
 }

@@ -33,6 +33,22 @@ pub enum StrategyKind {
     /// A copy on every replica of every worker process; local reduction, then a ring
     /// all-reduce across workers. Run one process per task (`strata launch` does it).
     MultiWorkerMirrored,
+    /// Variables sharded over parameter-server tasks that apply the optimizer; workers pull
+    /// values and push gradients (async, sync or bounded-staleness). Without `TF_CONFIG`,
+    /// `strata train` starts --ps-tasks and --workers processes on loopback and coordinates them.
+    ParameterServer,
+}
+
+/// How parameter servers apply pushes.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PsModeKind {
+    /// Apply each push as it arrives (TensorFlow's ParameterServerStrategy).
+    Async,
+    /// Average one push per worker per step, then apply once (--backup-workers: apply after
+    /// the first workers minus backups, drop the late ones).
+    Sync,
+    /// Apply each push, refuse those computed from values more than --staleness versions old.
+    Stale,
 }
 
 /// Where a multi-worker task learns its cluster.
@@ -67,6 +83,10 @@ pub enum OptimizerKind {
     CandleAdamw,
     /// candle-nn's `SGD`.
     CandleSgd,
+    /// SGD with momentum (--momentum), Keras' semantics (parameter-server only).
+    Momentum,
+    /// Adagrad, Keras' semantics (parameter-server only).
+    Adagrad,
 }
 
 impl OptimizerKind {
@@ -86,6 +106,10 @@ impl OptimizerKind {
             OptimizerKind::Sgd => fit_with_state::<FusedSgd, M>(trainer, strategy, model, lr, train, test),
             OptimizerKind::CandleAdamw => fit::<AdamW, M>(trainer, strategy, model, adamw, train, test),
             OptimizerKind::CandleSgd => fit::<SGD, M>(trainer, strategy, model, lr, train, test),
+            OptimizerKind::Momentum | OptimizerKind::Adagrad => Err(Error::Usage(format!(
+                "--optimizer {} runs on parameter servers only; use it with --strategy parameter-server, or pick adamw or sgd",
+                self.to_possible_value_name()
+            ))),
         }
     }
 }
@@ -173,6 +197,32 @@ pub struct TrainArgs {
     /// checkpoint), for tests of interruption and resumption.
     #[arg(long, hide = true)]
     pub max_steps: Option<usize>,
+    /// Parameter server: ps tasks to start (without TF_CONFIG).
+    #[arg(long, default_value_t = 2)]
+    pub ps_tasks: usize,
+    /// Parameter server: worker tasks to start (without TF_CONFIG).
+    #[arg(long, default_value_t = 2)]
+    pub workers: usize,
+    /// Parameter server: how pushes are applied.
+    #[arg(long, value_enum, default_value = "async")]
+    pub ps_mode: PsModeKind,
+    /// Parameter server, sync mode: backup workers (a round is applied after workers minus
+    /// this many pushes; the late ones are dropped).
+    #[arg(long, default_value_t = 0)]
+    pub backup_workers: u32,
+    /// Parameter server, stale mode: the largest accepted staleness, in versions.
+    #[arg(long, default_value_t = 4)]
+    pub staleness: u64,
+    /// Parameter server: how variables are split over ps tasks: none, fixed:N,
+    /// min:BYTES[:MAX_SHARDS], max:BYTES[:MAX_SHARDS] (TensorFlow's partitioners).
+    #[arg(long, default_value = "none")]
+    pub partitioner: String,
+    /// Momentum of --optimizer momentum.
+    #[arg(long, default_value_t = 0.9)]
+    pub momentum: f64,
+    /// Parameter server: slow worker INDEX down by FACTOR (a straggler), e.g. 2=5; repeatable.
+    #[arg(long, value_name = "INDEX=FACTOR")]
+    pub worker_slowdown: Vec<String>,
 }
 
 /// The JSON summary `--out` writes.
@@ -204,6 +254,9 @@ pub struct Summary {
     pub wall_seconds: f64,
     /// Per epoch: loss, test accuracy, step seconds.
     pub history: Vec<crate::trainer::EpochReport>,
+    /// Parameter server: what the ps tasks and the coordinator did.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub parameter_servers: Option<super::ps::PsSummary>,
 }
 
 /// Builds the strategy the flags ask for.
@@ -233,8 +286,8 @@ pub fn make_strategy(args: &TrainArgs, options: StrategyOptions) -> Result<Strat
             let devices = strata_core::device::logical_cpus(args.replicas.unwrap_or(2))?;
             CentralStorageStrategy::with_options(devices, reduction, options)?.handle()
         }
-        StrategyKind::MultiWorkerMirrored => {
-            return Err(Error::Usage("multi-worker mirrored is built by make_multi_worker".into()))
+        StrategyKind::MultiWorkerMirrored | StrategyKind::ParameterServer => {
+            return Err(Error::Usage("multi-worker strategies are built by their own functions".into()))
         }
     })
 }
@@ -276,6 +329,9 @@ pub fn run(args: &TrainArgs) -> Result<()> {
             "--collective-timeout {} must be a positive number of seconds",
             args.collective_timeout
         )));
+    }
+    if args.strategy == StrategyKind::ParameterServer {
+        return super::ps::train(args, started);
     }
     let options = StrategyOptions {
         bucket_bytes: (args.bucket_mib * 1024.0 * 1024.0) as usize,
@@ -340,6 +396,39 @@ fn train_with(
         t.write_chrome_trace(path)?;
         eprintln!("timeline: {} events written to {}", t.len(), path.display());
     }
+    if let Some(m) = multi {
+        // Every worker must end with the same parameters; print a digest to compare.
+        eprintln!("worker {}: parameter digest {}", m.worker_index(), parameter_digest(&model)?);
+    }
+    if is_chief {
+        finish(args, started, replicas, &report, model.variables(0), multi.map_or(0, |m| m.worker_index()), None)?;
+    } else if let Some(path) = &args.save_params {
+        if path.to_string_lossy().contains("{task}") {
+            save_params(path, multi.map_or(0, |m| m.worker_index()), model.variables(0))?;
+        }
+    }
+    Ok(())
+}
+
+/// Writes `vars` as safetensors to `path` with `{task}` replaced by `index`.
+fn save_params(path: &std::path::Path, index: usize, vars: &[(String, candle_core::Var)]) -> Result<()> {
+    let path = PathBuf::from(path.to_string_lossy().replace("{task}", &index.to_string()));
+    let tensors: std::collections::HashMap<String, candle_core::Tensor> =
+        vars.iter().map(|(n, v)| (n.clone(), v.as_tensor().clone())).collect();
+    candle_core::safetensors::save(&tensors, &path)
+        .map_err(|e| Error::io(format!("cannot write {}", path.display()), std::io::Error::other(e)))
+}
+
+/// The chief's (or coordinator's) end of a run: the one-line result, `--save-params` and `--out`.
+pub(crate) fn finish(
+    args: &TrainArgs,
+    started: std::time::Instant,
+    replicas: usize,
+    report: &FitReport,
+    vars: &[(String, candle_core::Var)],
+    task_index: usize,
+    parameter_servers: Option<super::ps::PsSummary>,
+) -> Result<()> {
     let summary = Summary {
         strategy: args.strategy,
         replicas,
@@ -354,6 +443,7 @@ fn train_with(
         examples_per_second: report.examples_per_second,
         wall_seconds: started.elapsed().as_secs_f64(),
         history: report.epochs.clone(),
+        parameter_servers,
     };
     println!(
         "{} x{}: test accuracy {:.2}% after {} epochs ({} steps), {:.0} examples/s in steady state, {:.2} s",
@@ -365,22 +455,10 @@ fn train_with(
         summary.examples_per_second,
         summary.wall_seconds
     );
-    if let Some(m) = multi {
-        // Every worker must end with the same parameters; print a digest to compare.
-        eprintln!("worker {}: parameter digest {}", m.worker_index(), parameter_digest(&model)?);
-    }
     if let Some(path) = &args.save_params {
-        let templated = path.to_string_lossy().contains("{task}");
-        if is_chief || templated {
-            let index = multi.map_or(0, |m| m.worker_index());
-            let path = PathBuf::from(path.to_string_lossy().replace("{task}", &index.to_string()));
-            let tensors: std::collections::HashMap<String, candle_core::Tensor> =
-                model.variables(0).iter().map(|(n, v)| (n.clone(), v.as_tensor().clone())).collect();
-            candle_core::safetensors::save(&tensors, &path)
-                .map_err(|e| Error::io(format!("cannot write {}", path.display()), std::io::Error::other(e)))?;
-        }
+        save_params(path, task_index, vars)?;
     }
-    if let (Some(path), true) = (&args.out, is_chief) {
+    if let Some(path) = &args.out {
         let json =
             serde_json::to_string_pretty(&summary).map_err(|e| Error::io("cannot encode the summary", e.into()))?;
         std::fs::write(path, json + "\n").map_err(|e| Error::io(format!("cannot write {}", path.display()), e))?;
@@ -437,7 +515,7 @@ where
     trainer.fit(strategy, model, &opt, train, test)
 }
 
-trait PossibleValueName {
+pub(crate) trait PossibleValueName {
     fn to_possible_value_name(&self) -> String;
 }
 

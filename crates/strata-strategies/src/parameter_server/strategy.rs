@@ -1,0 +1,287 @@
+//! [`ParameterServerStrategy`]: the coordinator's side of a parameter-server job.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use candle_core::{DType, Var};
+use strata_core::{Error, Replicated, Result, Strategy, StrategyOptions};
+use strata_transport::ps::{PsClient, PsClientConfig, PsMode, ServerOptimizer, VariableInfo};
+use strata_transport::ClusterToken;
+
+use super::coordinator::{ClusterCoordinator, CoordinatorOptions, PsControl};
+use super::partition::{shard_range, Partitioner, Placement, PlacementPolicy};
+use super::worker::pull_assign;
+use crate::cluster::{ClusterResolver, ClusterSpec, TaskId, TaskType};
+use crate::OneDeviceStrategy;
+
+/// How a [`ParameterServerStrategy`] creates and updates its variables.
+#[derive(Clone, Debug)]
+pub struct ParameterServerOptions {
+    /// The cluster token every task shares.
+    pub token: ClusterToken,
+    /// The optimizer the ps tasks apply pushed gradients with (default Keras's AdamW).
+    pub optimizer: ServerOptimizer,
+    /// Async, sync or bounded-staleness updates (default async).
+    pub mode: PsMode,
+    /// How variables are split (default not at all).
+    pub partitioner: Partitioner,
+    /// Which ps task holds each shard (default balanced bytes).
+    pub placement: PlacementPolicy,
+    /// Timeouts and retries of ps RPCs.
+    pub rpc: PsClientConfig,
+    /// Completed steps between ps checkpoints (`None`: never).
+    pub checkpoint_every: Option<u64>,
+    /// How long a step may keep failing as unavailable before its value fails (default 120 s).
+    pub step_retry_for: Duration,
+    /// The seed of variable initialisation (the same seed gives every strategy the same values).
+    pub seed: u64,
+}
+
+impl ParameterServerOptions {
+    /// The defaults: AdamW (lr 1e-3, betas 0.9/0.999, eps 1e-7, weight decay 0.004, as Keras),
+    /// async, no partitioning, balanced placement, no checkpoints, 120 s of step retries, seed 0.
+    pub fn new(token: ClusterToken) -> Self {
+        Self {
+            token,
+            optimizer: ServerOptimizer::AdamW { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-7, weight_decay: 0.004 },
+            mode: PsMode::Async,
+            partitioner: Partitioner::None,
+            placement: PlacementPolicy::BalancedBytes,
+            rpc: PsClientConfig::default(),
+            checkpoint_every: None,
+            step_retry_for: Duration::from_secs(120),
+            seed: 0,
+        }
+    }
+}
+
+/// TF's `ParameterServerStrategy`: variables live (sharded) on the `ps` tasks, `worker` tasks
+/// run the steps a [`ClusterCoordinator`] schedules, and this process is the coordinator.
+///
+/// Every task runs the same binary: the ps tasks serve variables
+/// ([`strata_transport::ps::PsServerHandle`]), the workers serve the step functions registered
+/// by name ([`super::worker::serve_worker`]), and the coordinator creates the variables with
+/// [`scope`](Self::scope) and schedules steps with [`coordinator`](Self::coordinator).
+pub struct ParameterServerStrategy {
+    cluster: ClusterSpec,
+    options: ParameterServerOptions,
+    ps_clients: Vec<PsClient>,
+    placement: Mutex<Option<Arc<Placement>>>,
+}
+
+impl std::fmt::Debug for ParameterServerStrategy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ParameterServerStrategy")
+            .field("cluster", &self.cluster)
+            .field("optimizer", &self.options.optimizer)
+            .field("mode", &self.options.mode)
+            .field("partitioner", &self.options.partitioner)
+            .finish()
+    }
+}
+
+/// [`PsControl`] over a [`PsClient`], for the coordinator.
+struct PsTask(PsClient);
+
+impl PsControl for PsTask {
+    fn ps_task(&self) -> String {
+        self.0.task().to_string()
+    }
+
+    fn checkpoint(&self, step: u64) -> std::result::Result<PathBuf, String> {
+        self.0.checkpoint(step).map(|(path, _)| path).map_err(|e| e.to_string())
+    }
+
+    fn configure(&self, live_workers: u32) -> std::result::Result<(), String> {
+        self.0.configure(live_workers).map_err(|e| e.to_string())
+    }
+}
+
+impl ParameterServerStrategy {
+    /// The strategy of `cluster` (at least one `ps` and one `worker` task), with a client of
+    /// every ps task (connected lazily).
+    pub fn new(cluster: ClusterSpec, options: ParameterServerOptions) -> Result<Self> {
+        let num_ps = cluster.num_tasks(TaskType::Ps);
+        if num_ps == 0 {
+            return Err(Error::InvalidCluster(
+                "a parameter-server strategy needs at least one ps task; add a \"ps\" job to the cluster spec".into(),
+            ));
+        }
+        if cluster.num_tasks(TaskType::Worker) == 0 {
+            return Err(Error::InvalidCluster(
+                "a parameter-server strategy needs at least one worker task; add a \"worker\" job to the cluster spec"
+                    .into(),
+            ));
+        }
+        let mut ps_clients = Vec::with_capacity(num_ps);
+        for i in 0..num_ps {
+            let address = cluster.address(TaskId::ps(i))?;
+            ps_clients.push(PsClient::connect(
+                address,
+                &format!("ps:{i}"),
+                options.token.clone(),
+                options.rpc.clone(),
+            )?);
+        }
+        Ok(Self { cluster, options, ps_clients, placement: Mutex::new(None) })
+    }
+
+    /// The strategy of the cluster `resolver` describes.
+    pub fn from_resolver(resolver: &dyn ClusterResolver, options: ParameterServerOptions) -> Result<Self> {
+        Self::new(resolver.resolve()?.spec, options)
+    }
+
+    /// Builds the model once on this process's CPU (with the same initial values as every other
+    /// strategy for the same seed), splits and places its variables, and creates them on the ps
+    /// tasks with the optimizer and mode. Variables a ps task already holds (restored from a
+    /// checkpoint) keep their values, which are pulled into the returned copy.
+    pub fn scope<M>(&self, build: impl FnMut(&strata_core::Scope) -> candle_core::Result<M>) -> Result<PsModel<M>> {
+        let cpu = strata_core::device::logical_cpus(1)?.remove(0);
+        let local =
+            OneDeviceStrategy::with_options(cpu, StrategyOptions { seed: self.options.seed, ..Default::default() })?;
+        let model = local.scope(build)?;
+        let vars: Vec<(String, Var)> = model.variables(0).to_vec();
+        let mut shapes = Vec::with_capacity(vars.len());
+        let mut values = Vec::with_capacity(vars.len());
+        for (name, var) in &vars {
+            if var.dtype() != DType::F32 {
+                return Err(Error::InvalidArgument(format!(
+                    "variable {name:?} is {:?}; parameter servers hold f32 variables, build the model in f32",
+                    var.dtype()
+                )));
+            }
+            shapes.push((name.clone(), var.dims().to_vec()));
+            values.push(var.as_tensor().flatten_all()?.to_vec1::<f32>()?);
+        }
+        let placement = Arc::new(Placement::plan(
+            &shapes,
+            self.ps_clients.len(),
+            &self.options.partitioner,
+            self.options.placement,
+        )?);
+        let position = |var: &str| shapes.iter().position(|(n, _)| n == var);
+        let results: Vec<Result<bool>> = std::thread::scope(|s| {
+            let handles: Vec<_> = self
+                .ps_clients
+                .iter()
+                .enumerate()
+                .map(|(ps, client)| {
+                    let placement = &placement;
+                    let values = &values;
+                    let options = &self.options;
+                    s.spawn(move || -> Result<bool> {
+                        let mut shards: Vec<(VariableInfo, &[f32])> = Vec::new();
+                        for info in placement.on_task(ps) {
+                            let v = position(&info.variable).ok_or_else(|| {
+                                Error::InvalidArgument(format!("shard {:?} has no variable", info.name))
+                            })?;
+                            shards.push((info.clone(), &values[v][shard_range(info)]));
+                        }
+                        let outcome = client.create_variables(&shards, &options.optimizer, options.mode)?;
+                        Ok(outcome.existed)
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join().unwrap_or_else(|_| Err(Error::Cluster("creating variables on a ps task panicked".into())))
+                })
+                .collect()
+        });
+        let mut existed = false;
+        for r in results {
+            existed |= r?;
+        }
+        *self.placement.lock().unwrap_or_else(PoisonError::into_inner) = Some(placement.clone());
+        let ps_model = PsModel { model, vars, placement, clients: self.ps_clients.clone() };
+        if existed {
+            ps_model.pull()?;
+        }
+        Ok(ps_model)
+    }
+
+    /// A coordinator that schedules steps on this cluster's workers and checkpoints the ps tasks
+    /// every [`ParameterServerOptions::checkpoint_every`] steps. Must not be called from inside a
+    /// tokio runtime.
+    pub fn coordinator(&self) -> Result<ClusterCoordinator> {
+        let mut workers = Vec::new();
+        for i in 0..self.cluster.num_tasks(TaskType::Worker) {
+            workers.push((format!("worker:{i}"), self.cluster.address(TaskId::worker(i))?.to_string()));
+        }
+        let ps: Vec<Arc<dyn PsControl>> =
+            self.ps_clients.iter().map(|c| Arc::new(PsTask(c.clone())) as Arc<dyn PsControl>).collect();
+        let mut options = CoordinatorOptions::new(self.options.token.clone());
+        options.step_retry_for = self.options.step_retry_for;
+        options.checkpoint_every = self.options.checkpoint_every;
+        ClusterCoordinator::with_ps_tasks(workers, ps, options)
+    }
+
+    /// The number of ps tasks.
+    pub fn num_ps(&self) -> usize {
+        self.ps_clients.len()
+    }
+
+    /// The number of worker tasks.
+    pub fn num_workers(&self) -> usize {
+        self.cluster.num_tasks(TaskType::Worker)
+    }
+
+    /// A client of every ps task, by index.
+    pub fn ps_clients(&self) -> &[PsClient] {
+        &self.ps_clients
+    }
+
+    /// Where the variables live, once [`scope`](Self::scope) created them.
+    pub fn placement(&self) -> Option<Arc<Placement>> {
+        self.placement.lock().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
+    /// The cluster.
+    pub fn cluster(&self) -> &ClusterSpec {
+        &self.cluster
+    }
+
+    /// The options.
+    pub fn options(&self) -> &ParameterServerOptions {
+        &self.options
+    }
+}
+
+/// A model whose variables live on the parameter servers, with the coordinator's copy.
+pub struct PsModel<M> {
+    model: Replicated<M>,
+    vars: Vec<(String, Var)>,
+    placement: Arc<Placement>,
+    clients: Vec<PsClient>,
+}
+
+impl<M> std::fmt::Debug for PsModel<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PsModel").field("variables", &self.placement.variables()).finish()
+    }
+}
+
+impl<M> PsModel<M> {
+    /// The coordinator's copy of the model (for evaluation; [`pull`](Self::pull) refreshes it).
+    pub fn model(&self) -> &M {
+        self.model.primary()
+    }
+
+    /// The coordinator's copy of the variables, by name.
+    pub fn variables(&self) -> &[(String, Var)] {
+        &self.vars
+    }
+
+    /// Where the variables live.
+    pub fn placement(&self) -> &Placement {
+        &self.placement
+    }
+
+    /// Assigns the ps tasks' current values to the coordinator's copy; returns every task's
+    /// version, by index.
+    pub fn pull(&self) -> Result<Vec<u64>> {
+        pull_assign(&self.clients, &self.placement, &self.vars, None)
+    }
+}

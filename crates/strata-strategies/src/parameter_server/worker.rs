@@ -1,0 +1,502 @@
+//! The worker side of a parameter-server job.
+//!
+//! **Steps are registered by name, because a closure cannot travel.** TF ships a traced
+//! function to the workers; Rust cannot send a closure over the network, so every task runs the
+//! same binary (`strata worker`, `strata ps` and the coordinator, or your own binary in three
+//! roles), the worker registers its step functions by name in a [`StepRegistry`], and the
+//! coordinator's [`ClusterCoordinator::schedule`](super::ClusterCoordinator::schedule) names the
+//! function and sends its arguments as JSON.
+//!
+//! A step function gets a [`WorkerContext`]: it [`pull`](WorkerContext::pull)s the current values
+//! of the variables it needs from the ps tasks, computes gradients, and
+//! [`push`](WorkerContext::push)es them; the ps tasks apply them with the server-side optimizer,
+//! exactly once per `(coordinator run, step, push)` even when the step is re-run on another
+//! worker. A push the ps tasks refuse as stale (bounded staleness) re-runs the function, which
+//! pulls fresh values at its start.
+//!
+//! ```
+//! use strata_strategies::parameter_server::{StepRegistry, WorkerContext};
+//!
+//! let mut registry = StepRegistry::new();
+//! // The same name is scheduled by the coordinator: `coordinator.schedule::<(f32, f32), f32>("add", &(1.0, 2.0))`.
+//! registry.register("add", |_ctx: &WorkerContext, (a, b): (f32, f32)| Ok(a + b));
+//! assert_eq!(registry.functions(), vec!["add".to_string()]);
+//! // In the worker process: `serve_worker(bind, registry, WorkerOptions::new(index, ps_addresses, token))?.wait()`.
+//! ```
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use candle_core::{Tensor, Var};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use strata_core::{Error, Result};
+use strata_transport::executor::{StepFailure, StepHandler, WorkerExecutorHandle};
+use strata_transport::ps::{PsClient, PsClientConfig, PushOutcome, UpdateId, VariableInfo};
+use strata_transport::ClusterToken;
+
+use super::partition::Placement;
+
+/// How many times a step function runs again after a stale push before its step fails.
+const MAX_STALE_RERUNS: usize = 20;
+
+/// Why an erased step function did not return.
+enum RunError {
+    Stale(String),
+    Step(StepFailure),
+}
+
+type ErasedStep = dyn Fn(&WorkerContext, &[u8]) -> std::result::Result<Vec<u8>, RunError> + Send + Sync;
+
+/// The step functions of a worker, by name.
+#[derive(Default)]
+pub struct StepRegistry {
+    functions: BTreeMap<String, Arc<ErasedStep>>,
+}
+
+impl std::fmt::Debug for StepRegistry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StepRegistry").field("functions", &self.functions()).finish()
+    }
+}
+
+impl StepRegistry {
+    /// An empty registry.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Registers `f` as the step function `name` (replacing one of the same name): its
+    /// arguments arrive as JSON of `A`, its result goes back as JSON of `R`.
+    pub fn register<A, R>(
+        &mut self,
+        name: impl Into<String>,
+        f: impl Fn(&WorkerContext, A) -> Result<R> + Send + Sync + 'static,
+    ) where
+        A: DeserializeOwned,
+        R: Serialize,
+    {
+        let name = name.into();
+        let fname = name.clone();
+        let erased = move |ctx: &WorkerContext, args: &[u8]| -> std::result::Result<Vec<u8>, RunError> {
+            let a: A = serde_json::from_slice(args).map_err(|e| {
+                RunError::Step(StepFailure::Failed(format!(
+                    "step function {fname:?} cannot decode its arguments as {}: {e}; schedule it with that type",
+                    std::any::type_name::<A>()
+                )))
+            })?;
+            let r = f(ctx, a).map_err(|e| match e {
+                Error::Stale(m) => RunError::Stale(m),
+                Error::Unavailable(m) => RunError::Step(StepFailure::Unavailable(m)),
+                other => RunError::Step(StepFailure::Failed(format!("step function {fname:?} failed: {other}"))),
+            })?;
+            serde_json::to_vec(&r).map_err(|e| {
+                RunError::Step(StepFailure::Failed(format!(
+                    "step function {fname:?} cannot encode its result {}: {e}",
+                    std::any::type_name::<R>()
+                )))
+            })
+        };
+        self.functions.insert(name, Arc::new(erased));
+    }
+
+    /// The names of the registered functions, sorted.
+    pub fn functions(&self) -> Vec<String> {
+        self.functions.keys().cloned().collect()
+    }
+}
+
+/// Where a worker task finds the parameter servers.
+#[derive(Clone, Debug)]
+pub struct WorkerOptions {
+    /// This worker's index (`worker:<task_index>`).
+    pub task_index: usize,
+    /// The address of every ps task, by index.
+    pub ps_addresses: Vec<String>,
+    /// The cluster token every task shares.
+    pub token: ClusterToken,
+    /// Timeouts and retries of ps RPCs.
+    pub rpc: PsClientConfig,
+}
+
+impl WorkerOptions {
+    /// Worker `task_index` of a job with ps tasks at `ps_addresses`, default RPC settings.
+    pub fn new(task_index: usize, ps_addresses: Vec<String>, token: ClusterToken) -> Self {
+        Self { task_index, ps_addresses, token, rpc: PsClientConfig::default() }
+    }
+}
+
+/// Reusable pull buffers: per ps task, one buffer per shard.
+type BufferPool = Mutex<Vec<Vec<Vec<f32>>>>;
+
+/// What every step of one worker process shares.
+struct WorkerShared {
+    task: String,
+    index: usize,
+    clients: Vec<PsClient>,
+    placement: Mutex<Option<Arc<Placement>>>,
+    buffers: BufferPool,
+}
+
+impl WorkerShared {
+    /// The placement as the ps tasks report it now (cached when it has variables).
+    fn refresh(&self) -> Result<Arc<Placement>> {
+        let mut tasks = Vec::with_capacity(self.clients.len());
+        for c in &self.clients {
+            let status = c.status()?;
+            tasks.push(status.variables.into_iter().map(|(info, _)| info).collect::<Vec<VariableInfo>>());
+        }
+        let placement = Arc::new(Placement::from_tasks(tasks)?);
+        if !placement.variables().is_empty() {
+            *self.placement.lock().unwrap_or_else(PoisonError::into_inner) = Some(placement.clone());
+        }
+        Ok(placement)
+    }
+
+    fn placement(&self) -> Result<Arc<Placement>> {
+        if let Some(p) = self.placement.lock().unwrap_or_else(PoisonError::into_inner).clone() {
+            return Ok(p);
+        }
+        self.refresh()
+    }
+}
+
+/// The step handler of a worker task: runs the registered functions for the executor server.
+pub struct WorkerStepHandler {
+    registry: StepRegistry,
+    shared: Arc<WorkerShared>,
+}
+
+impl std::fmt::Debug for WorkerStepHandler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WorkerStepHandler")
+            .field("task", &self.shared.task)
+            .field("functions", &self.registry.functions())
+            .finish()
+    }
+}
+
+impl WorkerStepHandler {
+    /// The handler of `registry`'s functions, with a client of every ps task (connected lazily).
+    pub fn new(registry: StepRegistry, options: WorkerOptions) -> Result<Self> {
+        if options.ps_addresses.is_empty() {
+            return Err(Error::InvalidCluster(
+                "a worker of a parameter-server job needs the ps task addresses; pass at least one".into(),
+            ));
+        }
+        let mut clients = Vec::with_capacity(options.ps_addresses.len());
+        for (i, address) in options.ps_addresses.iter().enumerate() {
+            clients.push(PsClient::connect(address, &format!("ps:{i}"), options.token.clone(), options.rpc.clone())?);
+        }
+        Ok(Self {
+            registry,
+            shared: Arc::new(WorkerShared {
+                task: format!("worker:{}", options.task_index),
+                index: options.task_index,
+                clients,
+                placement: Mutex::new(None),
+                buffers: Mutex::new(Vec::new()),
+            }),
+        })
+    }
+
+    /// The worker's task name, `worker:<index>`.
+    pub fn task(&self) -> &str {
+        &self.shared.task
+    }
+}
+
+impl StepHandler for WorkerStepHandler {
+    fn functions(&self) -> Vec<String> {
+        self.registry.functions()
+    }
+
+    fn run(&self, function: &str, step: u64, client: &str, args: &[u8]) -> std::result::Result<Vec<u8>, StepFailure> {
+        let f = self.registry.functions.get(function).ok_or_else(|| StepFailure::NotFound(function.to_string()))?;
+        let mut last = String::new();
+        for _ in 0..=MAX_STALE_RERUNS {
+            let ctx =
+                WorkerContext { shared: self.shared.clone(), step, client: client.to_string(), seq: AtomicU64::new(0) };
+            let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| f(&ctx, args))).unwrap_or_else(|p| {
+                let message = p
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| p.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "a panic".into());
+                Err(RunError::Step(StepFailure::Failed(format!("step function {function:?} panicked: {message}"))))
+            });
+            match outcome {
+                Ok(result) => return Ok(result),
+                Err(RunError::Step(failure)) => return Err(failure),
+                Err(RunError::Stale(m)) => {
+                    tracing::debug!(function, step, "stale push; running the step again with fresh values");
+                    last = m;
+                }
+            }
+        }
+        Err(StepFailure::Failed(format!(
+            "step function {function:?} pushed stale gradients {} times in a row (last: {last}); raise the \
+             staleness bound or use fewer workers",
+            MAX_STALE_RERUNS + 1
+        )))
+    }
+}
+
+/// Serves `registry`'s step functions on `bind` as worker `options.task_index`.
+pub fn serve_worker(bind: SocketAddr, registry: StepRegistry, options: WorkerOptions) -> Result<WorkerExecutorHandle> {
+    let token = options.token.clone();
+    let handler = WorkerStepHandler::new(registry, options)?;
+    let task = handler.task().to_string();
+    Ok(WorkerExecutorHandle::start(bind, task, token, Arc::new(handler))?)
+}
+
+/// The versions of every ps task that a pull saw; a push computed from those values names them.
+#[derive(Clone, Debug)]
+pub struct PullTicket {
+    versions: Vec<u64>,
+    placement: Arc<Placement>,
+}
+
+impl PullTicket {
+    /// Every ps task's version at the pull, by index (0 for a task nothing was pulled from).
+    pub fn versions(&self) -> &[u64] {
+        &self.versions
+    }
+}
+
+/// What the ps tasks did with one push.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PushSummary {
+    /// Every ps task pushed to (`ps:<i>`) and its outcome.
+    pub outcomes: Vec<(String, PushOutcome)>,
+}
+
+impl PushSummary {
+    /// Whether every ps task applied the update (a duplicate counts as applied).
+    pub fn applied(&self) -> bool {
+        self.outcomes.iter().all(|(_, o)| matches!(o, PushOutcome::Applied { .. }))
+    }
+
+    /// Whether any ps task dropped the update (a sync round's late push).
+    pub fn dropped(&self) -> bool {
+        self.outcomes.iter().any(|(_, o)| matches!(o, PushOutcome::Dropped { .. }))
+    }
+
+    /// Whether any ps task had applied this update before (a re-run step).
+    pub fn duplicate(&self) -> bool {
+        self.outcomes.iter().any(|(_, o)| matches!(o, PushOutcome::Applied { duplicate: true, .. }))
+    }
+}
+
+/// What a step function gets: the step, and the parameter servers.
+pub struct WorkerContext {
+    shared: Arc<WorkerShared>,
+    step: u64,
+    client: String,
+    seq: AtomicU64,
+}
+
+impl std::fmt::Debug for WorkerContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WorkerContext")
+            .field("task", &self.shared.task)
+            .field("step", &self.step)
+            .field("client", &self.client)
+            .finish()
+    }
+}
+
+impl WorkerContext {
+    /// This worker's task name, `worker:<index>`.
+    pub fn task(&self) -> &str {
+        &self.shared.task
+    }
+
+    /// This worker's index.
+    pub fn worker_index(&self) -> usize {
+        self.shared.index
+    }
+
+    /// The step's id (schedule order).
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// The coordinator run that scheduled the step.
+    pub fn client(&self) -> &str {
+        &self.client
+    }
+
+    /// Where the variables live, as the ps tasks report it (fetched once per worker process).
+    pub fn placement(&self) -> Result<Arc<Placement>> {
+        self.shared.placement()
+    }
+
+    /// Assigns the ps tasks' current values of `vars` (whole variables, by name) to them,
+    /// pulling from every ps task in parallel.
+    pub fn pull(&self, vars: &[(String, Var)]) -> Result<PullTicket> {
+        let placement = self.shared.placement()?;
+        let pool = Some(&self.shared.buffers);
+        match pull_assign(&self.shared.clients, &placement, vars, pool) {
+            Ok(versions) => Ok(PullTicket { versions, placement }),
+            Err(e) if e.is_retryable() => Err(e),
+            Err(e) => {
+                let fresh = self.shared.refresh()?;
+                if *fresh == *placement {
+                    return Err(e);
+                }
+                let versions = pull_assign(&self.shared.clients, &fresh, vars, pool)?;
+                Ok(PullTicket { versions, placement: fresh })
+            }
+        }
+    }
+
+    /// Pushes gradients of whole variables (row-major f32, by name), computed from the values
+    /// of `ticket`, to the ps tasks holding them, one push per task in parallel. Each push of a
+    /// step has its own sequence number, so a re-run of the step is applied once.
+    pub fn push(&self, ticket: &PullTicket, grads: &[(String, Vec<f32>)]) -> Result<PushSummary> {
+        let placement = &ticket.placement;
+        let num_ps = placement.num_ps();
+        if num_ps != self.shared.clients.len() {
+            return Err(Error::InvalidCluster(format!(
+                "the variables are on {num_ps} ps tasks but this worker knows {}; give every task the same ps list",
+                self.shared.clients.len()
+            )));
+        }
+        let mut per_task: Vec<Vec<(&str, &[f32])>> = vec![Vec::new(); num_ps];
+        for (name, g) in grads {
+            for (ps, shard, part) in placement.split(name, g)? {
+                per_task[ps].push((shard, part));
+            }
+        }
+        let id = UpdateId {
+            worker: self.shared.task.clone(),
+            client: self.client.clone(),
+            step: self.step,
+            seq: self.seq.fetch_add(1, Ordering::SeqCst),
+        };
+        let results: Vec<Option<Result<PushOutcome>>> = std::thread::scope(|s| {
+            let handles: Vec<_> =
+                per_task
+                    .iter()
+                    .enumerate()
+                    .map(|(ps, list)| {
+                        let id = &id;
+                        let client = &self.shared.clients[ps];
+                        let base = ticket.versions.get(ps).copied().unwrap_or(0);
+                        s.spawn(move || {
+                            if list.is_empty() {
+                                None
+                            } else {
+                                Some(client.push(id, base, list).map_err(Error::from))
+                            }
+                        })
+                    })
+                    .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|_| Some(Err(Error::Cluster("a push thread panicked".into())))))
+                .collect()
+        });
+        let mut outcomes = Vec::new();
+        let mut first_error = None;
+        for (ps, r) in results.into_iter().enumerate() {
+            match r {
+                None => {}
+                Some(Ok(o)) => outcomes.push((format!("ps:{ps}"), o)),
+                // A stale refusal wins: the step runs again and the others' pushes repeat as duplicates.
+                Some(Err(e)) => {
+                    if first_error.is_none() || matches!(e, Error::Stale(_)) {
+                        first_error = Some(e);
+                    }
+                }
+            }
+        }
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(PushSummary { outcomes }),
+        }
+    }
+}
+
+/// Pulls every shard of `vars` from the ps tasks (one thread per task), assembles the whole
+/// variables and assigns them; returns each task's version (0 where nothing was pulled).
+pub(crate) fn pull_assign(
+    clients: &[PsClient],
+    placement: &Placement,
+    vars: &[(String, Var)],
+    pool: Option<&BufferPool>,
+) -> Result<Vec<u64>> {
+    let num_ps = placement.num_ps();
+    if clients.len() != num_ps {
+        return Err(Error::InvalidCluster(format!(
+            "the variables are on {num_ps} ps tasks but {} ps clients were given; give every task the same ps list",
+            clients.len()
+        )));
+    }
+    let mut wanted: Vec<Vec<(usize, &VariableInfo)>> = vec![Vec::new(); num_ps];
+    for (vi, (name, var)) in vars.iter().enumerate() {
+        let shape = placement.shape_of(name).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "variable {name:?} is not on the parameter servers; build the model with the coordinator's scope"
+            ))
+        })?;
+        if var.dims() != shape {
+            return Err(Error::InvalidArgument(format!(
+                "variable {name:?} has shape {:?} here but {shape:?} on the parameter servers; build the same model",
+                var.dims()
+            )));
+        }
+        for s in placement.shards_of(name) {
+            wanted[s.ps].push((vi, &s.info));
+        }
+    }
+    let mut buffers: Vec<Vec<Vec<f32>>> =
+        pool.map(|p| std::mem::take(&mut *p.lock().unwrap_or_else(PoisonError::into_inner))).unwrap_or_default();
+    buffers.resize_with(num_ps, Vec::new);
+    let results: Vec<Result<u64>> = std::thread::scope(|s| {
+        let handles: Vec<_> = wanted
+            .iter()
+            .zip(buffers.iter_mut())
+            .zip(clients)
+            .map(|((want, buf), client)| {
+                s.spawn(move || -> Result<u64> {
+                    if want.is_empty() {
+                        return Ok(0);
+                    }
+                    buf.resize_with(want.len(), Vec::new);
+                    for (b, (_, info)) in buf.iter_mut().zip(want.iter()) {
+                        b.resize(info.numel(), 0.0);
+                    }
+                    let names: Vec<&str> = want.iter().map(|(_, i)| i.name.as_str()).collect();
+                    let mut out: Vec<&mut [f32]> = buf.iter_mut().take(want.len()).map(Vec::as_mut_slice).collect();
+                    Ok(client.pull_into(&names, 0, &mut out)?)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err(Error::Cluster("a pull thread panicked".into()))))
+            .collect()
+    });
+    let versions = results.into_iter().collect::<Result<Vec<u64>>>();
+    let assigned = versions.and_then(|versions| {
+        let mut wholes: Vec<Vec<f32>> = vars.iter().map(|(_, v)| vec![0.0; v.elem_count()]).collect();
+        for (want, buf) in wanted.iter().zip(&buffers) {
+            for ((vi, info), part) in want.iter().zip(buf) {
+                Placement::assemble(info, part, &mut wholes[*vi])?;
+            }
+        }
+        for ((_, var), whole) in vars.iter().zip(wholes) {
+            var.set(&Tensor::from_vec(whole, var.dims(), var.device())?)?;
+        }
+        Ok(versions)
+    });
+    if let Some(p) = pool {
+        *p.lock().unwrap_or_else(PoisonError::into_inner) = buffers;
+    }
+    assigned
+}

@@ -1,0 +1,356 @@
+//! The blocking client of a parameter-server task, used by workers and the coordinator.
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use strata_proto::v1::parameter_server_client::ParameterServerClient;
+use strata_proto::v1::{
+    create_message, pull_message, push_message, CreateHeader, CreateMessage, PsCheckpointRequest, PsConfigureRequest,
+    PsStatusRequest, PullHeader, PullRequest, PushHeader, PushMessage, TensorChunk,
+};
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Code, Status};
+
+use super::state::{chunks_of, f32s};
+use super::{
+    CreateOutcome, PsMode, PsStatus, Pulled, PushOutcome, ServerOptimizer, UpdateId, VariableInfo, MAX_CHUNK_BYTES,
+};
+use crate::auth::{client_interceptor, ClientAuth, ClusterToken};
+use crate::rt::runtime;
+use crate::{Error, Result};
+
+type Raw = ParameterServerClient<InterceptedService<Channel, ClientAuth>>;
+
+/// Deadlines and retries of a [`PsClient`].
+#[derive(Clone, Debug)]
+pub struct PsClientConfig {
+    /// The deadline of one call (default 60 s).
+    pub timeout: Duration,
+    /// For how long a call is retried, with backoff from 50 ms to 1 s, while the task is
+    /// unavailable (not yet started, restarting, or answering `UNAVAILABLE`); zero: never.
+    /// A retried push carries the same [`UpdateId`], so it is applied at most once.
+    pub retry_for: Duration,
+}
+
+impl Default for PsClientConfig {
+    fn default() -> Self {
+        Self { timeout: Duration::from_secs(60), retry_for: Duration::from_secs(30) }
+    }
+}
+
+/// A connection to one parameter-server task. Cheap to clone (clones share the connection).
+///
+/// Every method blocks the calling thread on the transport runtime: never call them from a
+/// thread of a tokio runtime.
+#[derive(Clone)]
+pub struct PsClient {
+    raw: Raw,
+    address: String,
+    task: String,
+    config: PsClientConfig,
+}
+
+impl std::fmt::Debug for PsClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PsClient").field("task", &self.task).field("address", &self.address).finish()
+    }
+}
+
+/// The numbers in a message, in order.
+fn numbers(text: &str) -> Vec<u64> {
+    text.split(|c: char| !c.is_ascii_digit()).filter(|s| !s.is_empty()).filter_map(|s| s.parse().ok()).collect()
+}
+
+impl PsClient {
+    /// A client of task `task` (`ps:<index>`, named in errors) at `address` (`host:port`).
+    /// The connection is made on the first call (and remade after a failure).
+    pub fn connect(address: &str, task: &str, token: ClusterToken, config: PsClientConfig) -> Result<Self> {
+        let endpoint = Endpoint::from_shared(format!("http://{address}"))
+            .map_err(|e| Error::Config(format!("the address {address:?} of {task} is not usable: {e}")))?
+            .connect_timeout(Duration::from_secs(2))
+            .tcp_nodelay(true)
+            .initial_stream_window_size(8 << 20)
+            .initial_connection_window_size(32 << 20);
+        let channel = {
+            let _entered = runtime().enter();
+            endpoint.connect_lazy()
+        };
+        let raw = ParameterServerClient::new(InterceptedService::new(channel, client_interceptor(token)))
+            .max_decoding_message_size(MAX_CHUNK_BYTES + (64 << 10))
+            .max_encoding_message_size(MAX_CHUNK_BYTES + (64 << 10));
+        Ok(Self { raw, address: address.to_string(), task: task.to_string(), config })
+    }
+
+    /// The task's address.
+    pub fn address(&self) -> &str {
+        &self.address
+    }
+
+    /// The task's name.
+    pub fn task(&self) -> &str {
+        &self.task
+    }
+
+    fn error(&self, rpc: &str, s: Status) -> Error {
+        let detail = s.message().to_string();
+        match s.code() {
+            Code::Unauthenticated => {
+                Error::Unauthenticated(format!("{rpc} to {} at {}: {detail}", self.task, self.address))
+            }
+            Code::Unavailable | Code::Cancelled => {
+                Error::Unavailable { peer: self.task.clone(), rpc: rpc.into(), detail }
+            }
+            Code::Unknown
+                if std::error::Error::source(&s).is_some()
+                    || detail.contains("transport")
+                    || detail.contains("connection") =>
+            {
+                Error::Unavailable { peer: self.task.clone(), rpc: rpc.into(), detail }
+            }
+            Code::FailedPrecondition if detail.starts_with("stale push") => {
+                let n = numbers(&detail);
+                Error::Stale {
+                    peer: self.task.clone(),
+                    base: n.first().copied().unwrap_or(0),
+                    current: n.get(1).copied().unwrap_or(0),
+                    bound: n.get(2).copied().unwrap_or(0),
+                }
+            }
+            Code::DeadlineExceeded => {
+                Error::Rejected { peer: self.task.clone(), rpc: rpc.into(), code: "DeadlineExceeded".into(), detail }
+            }
+            code => Error::Rejected { peer: self.task.clone(), rpc: rpc.into(), code: format!("{code:?}"), detail },
+        }
+    }
+
+    /// Runs one call with the deadline, retrying while the task is unavailable.
+    fn call<T, F, Fut>(&self, rpc: &str, mut f: F) -> Result<T>
+    where
+        F: FnMut(Raw) -> Fut,
+        Fut: Future<Output = Result<T, Status>>,
+    {
+        let deadline = Instant::now() + self.config.retry_for;
+        let mut backoff = Duration::from_millis(50);
+        loop {
+            let timeout = self.config.timeout;
+            let outcome = runtime().block_on(async { tokio::time::timeout(timeout, f(self.raw.clone())).await });
+            let err = match outcome {
+                Ok(Ok(v)) => return Ok(v),
+                Ok(Err(s)) => self.error(rpc, s),
+                Err(_) => {
+                    return Err(Error::Timeout { task: self.task.clone(), collective: rpc.into(), step: 0, timeout })
+                }
+            };
+            if matches!(err, Error::Unavailable { .. }) && Instant::now() + backoff < deadline {
+                tracing::debug!(task = %self.task, rpc, error = %err, "retrying");
+                std::thread::sleep(backoff);
+                backoff = (backoff * 2).min(Duration::from_secs(1));
+                continue;
+            }
+            return Err(err);
+        }
+    }
+
+    /// Creates variables with their initial values and sets the optimizer and mode. Creating
+    /// variables that exist with the same spec is a no-op (`existed`).
+    pub fn create_variables(
+        &self,
+        vars: &[(VariableInfo, &[f32])],
+        optimizer: &ServerOptimizer,
+        mode: PsMode,
+    ) -> Result<CreateOutcome> {
+        for (info, values) in vars {
+            if info.numel() != values.len() {
+                return Err(Error::Config(format!(
+                    "variable {} has shape {:?} ({} elements) but {} initial values",
+                    info.name,
+                    info.shape,
+                    info.numel(),
+                    values.len()
+                )));
+            }
+        }
+        let header = CreateHeader {
+            variables: vars.iter().map(|(i, _)| i.to_spec()).collect(),
+            optimizer: Some(optimizer.to_spec()),
+            mode: Some(mode.to_spec()),
+        };
+        let mut messages = vec![CreateMessage { kind: Some(create_message::Kind::Header(header)) }];
+        for (k, (_, values)) in vars.iter().enumerate() {
+            messages.extend(
+                chunks_of(k as u32, values).map(|c| CreateMessage { kind: Some(create_message::Kind::Chunk(c)) }),
+            );
+        }
+        let r = self.call("CreateVariables", |mut raw| {
+            let messages = messages.clone();
+            async move { raw.create_variables(tokio_stream::iter(messages)).await }
+        })?;
+        let r = r.into_inner();
+        Ok(CreateOutcome { versions: r.versions, existed: r.existed, version: r.version })
+    }
+
+    /// Pushes one update computed from task version `base_version`. Retried with the same
+    /// `id` while the task is unavailable, so it is applied at most once; a push refused as
+    /// stale is [`Error::Stale`] (pull and compute it again).
+    pub fn push(&self, id: &UpdateId, base_version: u64, grads: &[(&str, &[f32])]) -> Result<PushOutcome> {
+        let header = PushHeader {
+            worker: id.worker.clone(),
+            client: id.client.clone(),
+            step: id.step,
+            seq: id.seq,
+            base_version,
+            variables: grads.iter().map(|(n, _)| n.to_string()).collect(),
+        };
+        let mut messages = vec![PushMessage { kind: Some(push_message::Kind::Header(header)) }];
+        for (k, (_, g)) in grads.iter().enumerate() {
+            messages.extend(chunks_of(k as u32, g).map(|c| PushMessage { kind: Some(push_message::Kind::Chunk(c)) }));
+        }
+        let r = self.call("Push", |mut raw| {
+            let messages = messages.clone();
+            async move { raw.push(tokio_stream::iter(messages)).await }
+        })?;
+        let r = r.into_inner();
+        Ok(if r.dropped {
+            PushOutcome::Dropped { version: r.version }
+        } else {
+            PushOutcome::Applied { version: r.version, duplicate: r.duplicate }
+        })
+    }
+
+    fn pull_chunks(&self, names: &[&str], min_version: u64) -> Result<(PullHeader, Vec<TensorChunk>)> {
+        let request = PullRequest { variables: names.iter().map(|n| n.to_string()).collect(), min_version };
+        self.call("Pull", |mut raw| {
+            let request = request.clone();
+            async move {
+                let mut stream = raw.pull(request).await?.into_inner();
+                let mut header = None;
+                let mut chunks = Vec::new();
+                while let Some(m) = stream.message().await? {
+                    match m.kind {
+                        Some(pull_message::Kind::Header(h)) if header.is_none() => header = Some(h),
+                        Some(pull_message::Kind::Chunk(c)) if header.is_some() => chunks.push(c),
+                        _ => return Err(Status::internal("the pull stream is out of order")),
+                    }
+                }
+                let header = header.ok_or_else(|| Status::internal("the pull stream has no header"))?;
+                Ok((header, chunks))
+            }
+        })
+    }
+
+    fn protocol(&self, detail: String) -> Error {
+        Error::Protocol { peer: self.task.clone(), detail }
+    }
+
+    /// Copies `chunks` into `out` (one slice per variable of the header), checking that they
+    /// cover each exactly.
+    fn fill(&self, header: &PullHeader, chunks: &[TensorChunk], out: &mut [&mut [f32]]) -> Result<()> {
+        if header.variables.len() != out.len() {
+            return Err(self.protocol(format!("pulled {} variables, asked for {}", header.variables.len(), out.len())));
+        }
+        let mut next = vec![0usize; out.len()];
+        for c in chunks {
+            let v = c.variable as usize;
+            let values = f32s(&c.data);
+            let Some(dst) = out.get_mut(v) else {
+                return Err(self.protocol(format!("a chunk of variable #{v}, which was not pulled")));
+            };
+            let start = c.offset as usize;
+            if c.data.len() % 4 != 0 || start != next[v] || start + values.len() > dst.len() {
+                return Err(self.protocol(format!("a malformed chunk of variable #{v} at element {start}")));
+            }
+            dst[start..start + values.len()].copy_from_slice(&values);
+            next[v] += values.len();
+        }
+        for (v, (covered, dst)) in next.iter().zip(out.iter()).enumerate() {
+            if *covered != dst.len() {
+                return Err(self.protocol(format!("variable #{v} has {} elements, {covered} were pulled", dst.len())));
+            }
+        }
+        Ok(())
+    }
+
+    /// The current values of `names` (every variable if empty) once the task's version has
+    /// reached `min_version`.
+    pub fn pull(&self, names: &[&str], min_version: u64) -> Result<Pulled> {
+        let (header, chunks) = self.pull_chunks(names, min_version)?;
+        let infos = header
+            .variables
+            .iter()
+            .map(VariableInfo::from_spec)
+            .collect::<Result<Vec<_>>>()
+            .map_err(|e| self.protocol(e.to_string()))?;
+        let mut values: Vec<Vec<f32>> = infos.iter().map(|i| vec![0.0; i.numel()]).collect();
+        {
+            let mut out: Vec<&mut [f32]> = values.iter_mut().map(|v| v.as_mut_slice()).collect();
+            self.fill(&header, &chunks, &mut out)?;
+        }
+        let versions = header.variable_versions.iter().copied().chain(std::iter::repeat(0));
+        Ok(Pulled {
+            version: header.version,
+            variables: infos.into_iter().zip(versions).zip(values).map(|((i, v), x)| (i, v, x)).collect(),
+        })
+    }
+
+    /// The hot path of a worker: writes the named variables' values into `out` (same order,
+    /// exact lengths) and returns the task's version.
+    pub fn pull_into(&self, names: &[&str], min_version: u64, out: &mut [&mut [f32]]) -> Result<u64> {
+        if names.is_empty() || names.len() != out.len() {
+            return Err(Error::Config(format!(
+                "pull_into needs one output buffer per named variable ({} names, {} buffers)",
+                names.len(),
+                out.len()
+            )));
+        }
+        let (header, chunks) = self.pull_chunks(names, min_version)?;
+        self.fill(&header, &chunks, out)?;
+        Ok(header.version)
+    }
+
+    /// Writes a checkpoint named for `step`; returns its directory and the task's version.
+    pub fn checkpoint(&self, step: u64) -> Result<(PathBuf, u64)> {
+        let r = self.call("Checkpoint", |mut raw| async move { raw.checkpoint(PsCheckpointRequest { step }).await })?;
+        let r = r.into_inner();
+        Ok((PathBuf::from(r.path), r.version))
+    }
+
+    /// What the task holds and has done.
+    pub fn status(&self) -> Result<PsStatus> {
+        let r = self.call("Status", |mut raw| async move { raw.status(PsStatusRequest {}).await })?.into_inner();
+        let variables = r
+            .variables
+            .iter()
+            .map(VariableInfo::from_spec)
+            .collect::<Result<Vec<_>>>()
+            .map_err(|e| self.protocol(e.to_string()))?;
+        let versions = r.variable_versions.iter().copied().chain(std::iter::repeat(0));
+        Ok(PsStatus {
+            task: r.task,
+            version: r.version,
+            variables: variables.into_iter().zip(versions).collect(),
+            pushes_applied: r.pushes_applied,
+            pushes_duplicate: r.pushes_duplicate,
+            pushes_dropped: r.pushes_dropped,
+            pushes_stale: r.pushes_stale,
+            restored_step: r.restored_step,
+            restored_version: r.restored_version,
+            mode: PsMode::from_spec(&r.mode.unwrap_or_default()).map_err(|e| self.protocol(e.to_string()))?,
+            optimizer: r
+                .optimizer
+                .map(|o| ServerOptimizer::from_spec(&o))
+                .transpose()
+                .map_err(|e| self.protocol(e.to_string()))?,
+            rounds: r.rounds,
+            applied_by_worker: r.applied_by_worker.into_iter().collect(),
+        })
+    }
+
+    /// Tells a sync-mode task how many workers are alive (a round then needs no more pushes
+    /// than that).
+    pub fn configure(&self, live_workers: u32) -> Result<()> {
+        self.call("Configure", |mut raw| async move { raw.configure(PsConfigureRequest { live_workers }).await })?;
+        Ok(())
+    }
+}

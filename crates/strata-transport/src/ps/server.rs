@@ -1,0 +1,414 @@
+//! The parameter server's gRPC service (`strata ps` runs it).
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use candle_core::{Device, Tensor};
+use serde::{Deserialize, Serialize};
+use strata_core::checkpoint::{self, CheckpointTensor, CheckpointWriter, ShardInfo};
+use strata_proto::v1::parameter_server_server::{ParameterServer, ParameterServerServer};
+use strata_proto::v1::{
+    create_message, pull_message, push_message, CreateMessage, CreateVariablesResponse, PsCheckpointRequest,
+    PsCheckpointResponse, PsConfigureRequest, PsConfigureResponse, PsStatusRequest, PsStatusResponse, PullMessage,
+    PullRequest, PushMessage, PushResponse,
+};
+use tokio::sync::watch;
+use tokio_stream::Stream;
+use tonic::service::interceptor::InterceptedService;
+use tonic::{Request, Response, Status, Streaming};
+
+use super::state::{Answer, Chunk, Counters, PushDecision, Snapshot, State, UpdateKey};
+use super::{PsMode, PsServerConfig, ServerOptimizer, VariableInfo, MAX_CHUNK_BYTES};
+use crate::auth::server_interceptor;
+use crate::rt::runtime;
+use crate::{Error, Result};
+
+/// The largest message the server decodes: one chunk plus its framing.
+const MAX_MESSAGE_BYTES: usize = MAX_CHUNK_BYTES + (64 << 10);
+
+/// How long a pull waits for `min_version` when the call carries no deadline.
+const MAX_PULL_WAIT: Duration = Duration::from_secs(300);
+
+/// The safetensors file of a ps checkpoint.
+const VARIABLES_FILE: &str = "variables.safetensors";
+
+struct Shared {
+    config: PsServerConfig,
+    state: Mutex<State>,
+    version: watch::Sender<u64>,
+    pushes_seen: AtomicU64,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic under the lock cannot leave the state half-changed (every method validates
+        // first), so a poisoned lock is still usable.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+#[derive(Clone)]
+struct Svc(Arc<Shared>);
+
+fn chunk_of(c: strata_proto::v1::TensorChunk) -> Result<Chunk, Status> {
+    if c.data.len() > MAX_CHUNK_BYTES {
+        return Err(Status::invalid_argument(format!(
+            "a chunk carries {} bytes; the limit is {MAX_CHUNK_BYTES} (1 MiB): cut tensors into smaller chunks",
+            c.data.len()
+        )));
+    }
+    if c.data.len() % 4 != 0 {
+        return Err(Status::invalid_argument(format!(
+            "a chunk carries {} bytes, not a whole number of f32 elements",
+            c.data.len()
+        )));
+    }
+    Ok(Chunk { var: c.variable, offset: c.offset, data: c.data })
+}
+
+/// Waits until the task's version exceeds `base` (the round computed from it was applied).
+async fn wait_round(shared: &Shared, key: &UpdateKey, base: u64, duplicate: bool) -> Result<PushResponse, Status> {
+    let mut rx = shared.version.subscribe();
+    let waited = tokio::time::timeout(shared.config.round_timeout, rx.wait_for(|&v| v > base)).await.map(|_| ());
+    let answer = shared.lock().answer(key);
+    match (waited, answer) {
+        (_, Some(Answer::Applied(version))) => Ok(PushResponse { applied: true, duplicate, dropped: false, version }),
+        (_, Some(Answer::Dropped(version))) => Ok(PushResponse { applied: false, duplicate, dropped: true, version }),
+        (Err(_), _) => Err(Status::deadline_exceeded(format!(
+            "the sync round from version {base} of {} did not complete within {:?}: fewer workers pushed than it needs (is a worker down?)",
+            shared.config.task, shared.config.round_timeout
+        ))),
+        (Ok(_), _) => Err(Status::internal(format!(
+            "the sync round from version {base} of {} completed without recording this update",
+            shared.config.task
+        ))),
+    }
+}
+
+type PullStream = Pin<Box<dyn Stream<Item = Result<PullMessage, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl ParameterServer for Svc {
+    async fn create_variables(
+        &self,
+        req: Request<Streaming<CreateMessage>>,
+    ) -> Result<Response<CreateVariablesResponse>, Status> {
+        let mut stream = req.into_inner();
+        let mut header = None;
+        let mut chunks = Vec::new();
+        while let Some(msg) = stream.message().await? {
+            match msg.kind {
+                Some(create_message::Kind::Header(h)) => {
+                    if header.replace(h).is_some() {
+                        return Err(Status::invalid_argument("a CreateVariables stream carries two headers"));
+                    }
+                }
+                Some(create_message::Kind::Chunk(c)) => {
+                    if header.is_none() {
+                        return Err(Status::invalid_argument("a CreateVariables stream must start with its header"));
+                    }
+                    chunks.push(chunk_of(c)?);
+                }
+                None => return Err(Status::invalid_argument("an empty CreateVariables message")),
+            }
+        }
+        let header = header.ok_or_else(|| Status::invalid_argument("a CreateVariables stream without a header"))?;
+        let response = self.0.lock().create(&header, &chunks)?;
+        tracing::info!(task = %self.0.config.task, variables = header.variables.len(), existed = response.existed, "variables created");
+        Ok(Response::new(response))
+    }
+
+    async fn push(&self, req: Request<Streaming<PushMessage>>) -> Result<Response<PushResponse>, Status> {
+        let mut stream = req.into_inner();
+        let mut header = None;
+        let mut chunks = Vec::new();
+        while let Some(msg) = stream.message().await? {
+            match msg.kind {
+                Some(push_message::Kind::Header(h)) => {
+                    if header.replace(h).is_some() {
+                        return Err(Status::invalid_argument("a Push stream carries two headers"));
+                    }
+                }
+                Some(push_message::Kind::Chunk(c)) => {
+                    if header.is_none() {
+                        return Err(Status::invalid_argument("a Push stream must start with its header"));
+                    }
+                    chunks.push(chunk_of(c)?);
+                }
+                None => return Err(Status::invalid_argument("an empty Push message")),
+            }
+        }
+        let header = header.ok_or_else(|| Status::invalid_argument("a Push stream without a header"))?;
+        let faults = &self.0.config.faults;
+        let n = self.0.pushes_seen.fetch_add(1, Ordering::Relaxed) + 1;
+        if faults.drop_request_every > 0 && n % faults.drop_request_every == 0 {
+            return Err(Status::unavailable("injected fault: request dropped"));
+        }
+        let decision = {
+            let mut state = self.0.lock();
+            let before = state.version;
+            let decision = state.push(&header, &chunks)?;
+            if state.version != before {
+                self.0.version.send_replace(state.version);
+            }
+            decision
+        };
+        let response = match decision {
+            PushDecision::Done(r) => r,
+            PushDecision::Wait { key, base, duplicate } => wait_round(&self.0, &key, base, duplicate).await?,
+        };
+        if faults.drop_reply_every > 0 && n % faults.drop_reply_every == 0 {
+            return Err(Status::unavailable("injected fault: reply dropped"));
+        }
+        Ok(Response::new(response))
+    }
+
+    type PullStream = PullStream;
+
+    async fn pull(&self, req: Request<PullRequest>) -> Result<Response<Self::PullStream>, Status> {
+        let r = req.into_inner();
+        if r.min_version > 0 {
+            let mut rx = self.0.version.subscribe();
+            if tokio::time::timeout(MAX_PULL_WAIT, rx.wait_for(|&v| v >= r.min_version)).await.is_err() {
+                return Err(Status::deadline_exceeded(format!(
+                    "{} did not reach version {} within {MAX_PULL_WAIT:?}",
+                    self.0.config.task, r.min_version
+                )));
+            }
+        }
+        let (header, chunks) = self.0.lock().pull(&r.variables)?;
+        let messages = std::iter::once(PullMessage { kind: Some(pull_message::Kind::Header(header)) })
+            .chain(chunks.into_iter().map(|c| PullMessage { kind: Some(pull_message::Kind::Chunk(c)) }))
+            .map(Ok);
+        Ok(Response::new(Box::pin(tokio_stream::iter(messages))))
+    }
+
+    async fn checkpoint(&self, req: Request<PsCheckpointRequest>) -> Result<Response<PsCheckpointResponse>, Status> {
+        let step = req.into_inner().step;
+        let Some(root) = self.0.config.checkpoint_dir.clone() else {
+            return Err(Status::failed_precondition(format!(
+                "{} has no checkpoint directory; start the ps task with one (strata ps --checkpoint-dir DIR)",
+                self.0.config.task
+            )));
+        };
+        let snapshot = self.0.lock().snapshot();
+        let keep = self.0.config.keep_checkpoints.max(1);
+        let version = snapshot.version;
+        let written = tokio::task::spawn_blocking(move || write_snapshot(&root, step, snapshot, keep))
+            .await
+            .map_err(|_| Status::internal("the checkpoint writer stopped"))?
+            .map_err(|e| Status::internal(e.to_string()))?;
+        tracing::info!(task = %self.0.config.task, step, version, path = %written.display(), "checkpoint written");
+        Ok(Response::new(PsCheckpointResponse { path: written.display().to_string(), version }))
+    }
+
+    async fn status(&self, _req: Request<PsStatusRequest>) -> Result<Response<PsStatusResponse>, Status> {
+        Ok(Response::new(self.0.lock().status()))
+    }
+
+    async fn configure(&self, req: Request<PsConfigureRequest>) -> Result<Response<PsConfigureResponse>, Status> {
+        let live = req.into_inner().live_workers;
+        let mut state = self.0.lock();
+        if state.configure(live) {
+            self.0.version.send_replace(state.version);
+        }
+        Ok(Response::new(PsConfigureResponse {}))
+    }
+}
+
+/// The metadata of a ps checkpoint (in the manifest, as JSON).
+#[derive(Serialize, Deserialize)]
+struct PsMeta {
+    task: String,
+    version: u64,
+    variables: Vec<(VariableInfo, u64)>,
+    optimizer: Option<ServerOptimizer>,
+    mode: Option<PsMode>,
+    counters: Counters,
+    table: Vec<(UpdateKey, Answer)>,
+}
+
+const META_KEY: &str = "strata.ps";
+
+fn to_tensor(values: Vec<f32>, shape: &[usize]) -> Result<Tensor> {
+    Tensor::from_vec(values, shape, &Device::Cpu)
+        .map_err(|e| Error::Config(format!("building a checkpoint tensor: {e}")))
+}
+
+fn write_snapshot(root: &Path, step: u64, snap: Snapshot, keep: usize) -> Result<PathBuf> {
+    let mut entries = Vec::new();
+    let mut infos = Vec::new();
+    for (info, version, value, slots) in snap.variables {
+        let shard = (info.num_parts > 1).then_some(ShardInfo {
+            index: info.part as usize,
+            count: info.num_parts as usize,
+            offset: info.row_offset as usize,
+        });
+        let mut t =
+            CheckpointTensor::new(format!("var/{}", info.name), to_tensor(value, &info.shape)?).with_version(version);
+        if let Some(s) = shard {
+            t = t.with_shard(s);
+        }
+        entries.push(t);
+        for (k, slot) in slots.into_iter().enumerate() {
+            entries.push(CheckpointTensor::new(format!("slot/{}/{k}", info.name), to_tensor(slot, &info.shape)?));
+        }
+        infos.push((info, version));
+    }
+    let meta = PsMeta {
+        task: snap.task,
+        version: snap.version,
+        variables: infos,
+        optimizer: snap.optimizer,
+        mode: snap.mode,
+        counters: snap.counters,
+        table: snap.table,
+    };
+    let meta = serde_json::to_string(&meta).map_err(|e| Error::Config(format!("encoding checkpoint metadata: {e}")))?;
+    let dir = CheckpointWriter::new(root, step).meta(META_KEY, meta).file(VARIABLES_FILE, entries).write()?;
+    checkpoint::keep_last(root, keep)?;
+    Ok(dir)
+}
+
+/// Reads a ps checkpoint: `path` is one `ckpt-*` directory or a root holding them.
+fn read_snapshot(path: &Path) -> Result<(Snapshot, u64)> {
+    let ckpt = if path.join(checkpoint::MANIFEST).is_file() {
+        checkpoint::read_checkpoint(path)?
+    } else {
+        checkpoint::read_latest(path)?.ok_or_else(|| {
+            Error::Config(format!("{}: no checkpoint to restore (no ckpt-* directory in it)", path.display()))
+        })?
+    };
+    let bad = |what: String| Error::Config(format!("{}: {what}", ckpt.dir.display()));
+    let meta = ckpt.metadata.get(META_KEY).ok_or_else(|| {
+        bad("not a parameter-server checkpoint (no strata.ps metadata); restore a ps task's own".into())
+    })?;
+    let meta: PsMeta =
+        serde_json::from_str(meta).map_err(|e| bad(format!("corrupt parameter-server metadata: {e}")))?;
+    let slots = meta.optimizer.as_ref().map_or(0, ServerOptimizer::slots);
+    let read = |name: &str, numel: usize| -> Result<Vec<f32>> {
+        let t = ckpt.tensor(name)?;
+        let v = t
+            .flatten_all()
+            .and_then(|t| t.to_dtype(candle_core::DType::F32))
+            .and_then(|t| t.to_vec1::<f32>())
+            .map_err(|e| bad(format!("tensor {name}: {e}")))?;
+        if v.len() != numel {
+            return Err(bad(format!("tensor {name} has {} elements, the manifest says {numel}", v.len())));
+        }
+        Ok(v)
+    };
+    let mut variables = Vec::new();
+    for (info, version) in meta.variables {
+        let n = info.numel();
+        let value = read(&format!("var/{}", info.name), n)?;
+        let slots = (0..slots).map(|k| read(&format!("slot/{}/{k}", info.name), n)).collect::<Result<Vec<_>>>()?;
+        variables.push((info, version, value, slots));
+    }
+    let snap = Snapshot {
+        task: meta.task,
+        version: meta.version,
+        variables,
+        optimizer: meta.optimizer,
+        mode: meta.mode,
+        counters: meta.counters,
+        table: meta.table,
+    };
+    Ok((snap, ckpt.step))
+}
+
+/// A running parameter-server task.
+pub struct PsServerHandle {
+    address: SocketAddr,
+    task: String,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    done: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for PsServerHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PsServerHandle").field("task", &self.task).field("address", &self.address).finish()
+    }
+}
+
+impl PsServerHandle {
+    /// Restores `config.restore` (if set) and starts serving on `bind` (port 0 picks a free
+    /// one). Must not be called from inside a tokio runtime thread.
+    pub fn start(bind: SocketAddr, config: PsServerConfig) -> Result<Self> {
+        let mut state = State::new(config.task.clone());
+        if let Some(path) = &config.restore {
+            let (snap, step) = read_snapshot(path)?;
+            tracing::info!(task = %config.task, step, version = snap.version, "restored from a checkpoint");
+            state.restore(snap, step);
+        }
+        let listener = runtime()
+            .block_on(tokio::net::TcpListener::bind(bind))
+            .map_err(|e| Error::io(format!("binding the parameter server {} to {bind}", config.task), e))?;
+        let address =
+            listener.local_addr().map_err(|e| Error::io(format!("reading the address of {}", config.task), e))?;
+        let (version, _) = watch::channel(state.version);
+        let task = config.task.clone();
+        let interceptor = server_interceptor(config.token.clone());
+        let shared = Arc::new(Shared { config, state: Mutex::new(state), version, pushes_seen: AtomicU64::new(0) });
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let name = task.clone();
+        let done = runtime().spawn(async move {
+            let (reporter, health) = tonic_health::server::health_reporter();
+            reporter.set_serving::<ParameterServerServer<Svc>>().await;
+            let service = ParameterServerServer::new(Svc(shared))
+                .max_decoding_message_size(MAX_MESSAGE_BYTES)
+                .max_encoding_message_size(MAX_MESSAGE_BYTES);
+            let result = tonic::transport::Server::builder()
+                .tcp_nodelay(true)
+                .initial_stream_window_size(8 << 20)
+                .initial_connection_window_size(32 << 20)
+                .add_service(InterceptedService::new(health, interceptor.clone()))
+                .add_service(InterceptedService::new(service, interceptor))
+                .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), async {
+                    let _ = rx.await;
+                })
+                .await;
+            if let Err(e) = result {
+                tracing::error!(task = %name, error = %e, "the parameter server stopped");
+            }
+        });
+        tracing::info!(%task, %address, "parameter server listening");
+        Ok(Self { address, task, stop: Some(tx), done: Some(done) })
+    }
+
+    /// Where the task listens.
+    pub fn address(&self) -> SocketAddr {
+        self.address
+    }
+
+    /// Stops serving and returns when the server task ended (open calls get up to 5 s).
+    pub fn shutdown(mut self) {
+        self.stop();
+    }
+
+    /// Blocks until the server stops.
+    pub fn wait(mut self) {
+        if let Some(done) = self.done.take() {
+            let _ = runtime().block_on(done);
+        }
+    }
+
+    fn stop(&mut self) {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        if let Some(done) = self.done.take() {
+            let _ = runtime().block_on(async { tokio::time::timeout(Duration::from_secs(5), done).await });
+        }
+    }
+}
+
+impl Drop for PsServerHandle {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}

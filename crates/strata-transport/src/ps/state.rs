@@ -1,0 +1,520 @@
+//! What one parameter-server task holds, and the rules by which pushes change it. Every
+//! method runs under the task's lock and either changes the state completely or not at all:
+//! requests are validated before anything is applied.
+
+use std::borrow::Cow;
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+
+use prost::bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use strata_proto::v1::{
+    CreateHeader, CreateVariablesResponse, PsStatusResponse, PullHeader, PushHeader, PushResponse, TensorChunk,
+};
+use tonic::Status;
+
+use super::optim;
+use super::{PsMode, ServerOptimizer, VariableInfo, MAX_CHUNK_ELEMENTS};
+
+#[cfg(target_endian = "big")]
+compile_error!("the parameter server's wire format is little-endian f32; big-endian hosts are not supported");
+
+/// How many applied-update answers a task remembers (the oldest are forgotten first). A retry
+/// arrives within seconds of its original, so this covers any retry by a wide margin.
+pub(crate) const MAX_REMEMBERED_UPDATES: usize = 1 << 20;
+
+/// (client, step, seq): the key of the applied-update table.
+pub(crate) type UpdateKey = (String, u64, u64);
+
+/// The answer recorded for an update.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum Answer {
+    /// Applied; the task's version after it.
+    Applied(u64),
+    /// Dropped (sync mode); the task's version then.
+    Dropped(u64),
+    /// Accepted into the sync round computed from this base version, not yet applied.
+    Pending(u64),
+}
+
+/// A received chunk: element `offset` of the request's variable number `var`.
+pub(crate) struct Chunk {
+    pub var: u32,
+    pub offset: u64,
+    pub data: Bytes,
+}
+
+/// What a push handler does next.
+pub(crate) enum PushDecision {
+    /// Answer at once.
+    Done(PushResponse),
+    /// Sync mode: wait until the round computed from `base` is applied, then answer from the
+    /// table.
+    Wait { key: UpdateKey, base: u64, duplicate: bool },
+}
+
+struct Var {
+    info: VariableInfo,
+    value: Vec<f32>,
+    slots: Vec<Vec<f32>>,
+    version: u64,
+}
+
+/// One push accepted into the current sync round.
+struct Contribution {
+    worker: String,
+    grads: Vec<(usize, Vec<f32>)>,
+}
+
+/// The counters a task reports and checkpoints.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub(crate) struct Counters {
+    pub pushes_applied: u64,
+    pub pushes_duplicate: u64,
+    pub pushes_dropped: u64,
+    pub pushes_stale: u64,
+    pub rounds: u64,
+    pub applied_by_worker: BTreeMap<String, u64>,
+}
+
+/// A task's state.
+pub(crate) struct State {
+    task: String,
+    vars: Vec<Var>,
+    index: HashMap<String, usize>,
+    optimizer: Option<ServerOptimizer>,
+    mode: Option<PsMode>,
+    pub version: u64,
+    table: HashMap<UpdateKey, Answer>,
+    order: VecDeque<UpdateKey>,
+    round: BTreeMap<UpdateKey, Contribution>,
+    live_workers: Option<u32>,
+    pub counters: Counters,
+    pub restored_step: u64,
+    pub restored_version: u64,
+}
+
+/// A copy of a task's state for a checkpoint, taken under the lock and written outside it.
+pub(crate) struct Snapshot {
+    pub task: String,
+    pub version: u64,
+    pub variables: Vec<(VariableInfo, u64, Vec<f32>, Vec<Vec<f32>>)>,
+    pub optimizer: Option<ServerOptimizer>,
+    pub mode: Option<PsMode>,
+    pub counters: Counters,
+    pub table: Vec<(UpdateKey, Answer)>,
+}
+
+/// Gradient values of a chunk; borrowed when the bytes are aligned for f32.
+pub(crate) fn f32s(data: &[u8]) -> Cow<'_, [f32]> {
+    match bytemuck::try_cast_slice::<u8, f32>(data) {
+        Ok(s) => Cow::Borrowed(s),
+        Err(_) => Cow::Owned(bytemuck::pod_collect_to_vec(data)),
+    }
+}
+
+/// Chunks of at most [`MAX_CHUNK_ELEMENTS`] of one variable's values.
+pub(crate) fn chunks_of(var: u32, values: &[f32]) -> impl Iterator<Item = TensorChunk> + '_ {
+    values.chunks(MAX_CHUNK_ELEMENTS).enumerate().map(move |(i, c)| TensorChunk {
+        variable: var,
+        offset: (i * MAX_CHUNK_ELEMENTS) as u64,
+        data: Bytes::copy_from_slice(bytemuck::cast_slice(c)),
+    })
+}
+
+/// Checks that `chunks` cover each of `sizes` exactly once, in order.
+fn check_coverage(chunks: &[Chunk], names: &[&str], sizes: &[usize], what: &str) -> Result<(), Status> {
+    let mut next = vec![0usize; sizes.len()];
+    for c in chunks {
+        let v = c.var as usize;
+        let Some(&size) = sizes.get(v) else {
+            return Err(Status::invalid_argument(format!(
+                "a chunk refers to variable #{v}, but the {what} names {} variables",
+                sizes.len()
+            )));
+        };
+        let n = c.data.len() / 4;
+        if c.offset != next[v] as u64 {
+            return Err(Status::invalid_argument(format!(
+                "a chunk of variable {} starts at element {}, expected {} (chunks must cover each variable in order)",
+                names[v], c.offset, next[v]
+            )));
+        }
+        if next[v] + n > size {
+            return Err(Status::invalid_argument(format!(
+                "variable {} has {size} elements, the {what} covers at least {}",
+                names[v],
+                next[v] + n
+            )));
+        }
+        next[v] += n;
+    }
+    for (v, (&covered, &size)) in next.iter().zip(sizes).enumerate() {
+        if covered != size {
+            return Err(Status::invalid_argument(format!(
+                "variable {} has {size} elements, the {what} covers {covered}",
+                names[v]
+            )));
+        }
+    }
+    Ok(())
+}
+
+impl State {
+    pub fn new(task: String) -> Self {
+        Self {
+            task,
+            vars: Vec::new(),
+            index: HashMap::new(),
+            optimizer: None,
+            mode: None,
+            version: 0,
+            table: HashMap::new(),
+            order: VecDeque::new(),
+            round: BTreeMap::new(),
+            live_workers: None,
+            counters: Counters::default(),
+            restored_step: 0,
+            restored_version: 0,
+        }
+    }
+
+    fn remember(&mut self, key: UpdateKey, answer: Answer) {
+        if self.table.insert(key.clone(), answer).is_none() {
+            self.order.push_back(key);
+            while self.order.len() > MAX_REMEMBERED_UPDATES {
+                if let Some(old) = self.order.pop_front() {
+                    self.table.remove(&old);
+                }
+            }
+        }
+    }
+
+    /// The answer recorded for `key`, if any.
+    pub fn answer(&self, key: &UpdateKey) -> Option<Answer> {
+        self.table.get(key).copied()
+    }
+
+    /// `CreateVariables`.
+    pub fn create(&mut self, header: &CreateHeader, chunks: &[Chunk]) -> Result<CreateVariablesResponse, Status> {
+        let infos = header
+            .variables
+            .iter()
+            .map(VariableInfo::from_spec)
+            .collect::<crate::Result<Vec<_>>>()
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let mut seen = HashSet::new();
+        for i in &infos {
+            if !seen.insert(i.name.as_str()) {
+                return Err(Status::invalid_argument(format!("variable {} is named twice", i.name)));
+            }
+        }
+        let optimizer = ServerOptimizer::from_spec(&header.optimizer.clone().unwrap_or_default())
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let mode = PsMode::from_spec(&header.mode.clone().unwrap_or_default())
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        if let Some(have) = &self.optimizer {
+            if *have != optimizer {
+                return Err(Status::failed_precondition(format!(
+                    "{} applies {have:?}; this job asks for {optimizer:?} (start a fresh ps task or use the same optimizer)",
+                    self.task
+                )));
+            }
+        }
+        if let Some(have) = self.mode {
+            if have != mode {
+                return Err(Status::failed_precondition(format!(
+                    "{} runs in mode {have}; this job asks for {mode} (start a fresh ps task or use the same mode)",
+                    self.task
+                )));
+            }
+        }
+        let mut existing = 0;
+        for i in &infos {
+            if let Some(&at) = self.index.get(&i.name) {
+                let have = &self.vars[at].info;
+                if have != i {
+                    return Err(Status::failed_precondition(format!(
+                        "variable {} exists on {} with shape {:?} (part {} of {}); this job creates it with shape {:?} (part {} of {})",
+                        i.name, self.task, have.shape, have.part, have.num_parts, i.shape, i.part, i.num_parts
+                    )));
+                }
+                existing += 1;
+            }
+        }
+        let names: Vec<&str> = infos.iter().map(|i| i.name.as_str()).collect();
+        let sizes: Vec<usize> = infos.iter().map(VariableInfo::numel).collect();
+        let all_exist = existing == infos.len() && !infos.is_empty();
+        if !all_exist {
+            check_coverage(chunks, &names, &sizes, "request")?;
+            let mut values: Vec<Vec<f32>> = sizes.iter().map(|&n| Vec::with_capacity(n)).collect();
+            for c in chunks {
+                values[c.var as usize].extend_from_slice(&f32s(&c.data));
+            }
+            for (info, value) in infos.iter().zip(values) {
+                if self.index.contains_key(&info.name) {
+                    continue;
+                }
+                let slots = optim::new_slots(&optimizer, value.len());
+                self.index.insert(info.name.clone(), self.vars.len());
+                self.vars.push(Var { info: info.clone(), value, slots, version: 0 });
+            }
+        }
+        self.optimizer = Some(optimizer);
+        self.mode = Some(mode);
+        let versions = infos.iter().map(|i| self.index.get(&i.name).map_or(0, |&at| self.vars[at].version)).collect();
+        Ok(CreateVariablesResponse { versions, existed: all_exist, version: self.version })
+    }
+
+    fn required(&self, workers: u32, backup: u32) -> usize {
+        let base = workers.saturating_sub(backup).max(1);
+        self.live_workers.map_or(base, |l| l.min(base)).max(1) as usize
+    }
+
+    /// `Push`: validates, then applies, drops, refuses or queues the update.
+    pub fn push(&mut self, h: &PushHeader, chunks: &[Chunk]) -> Result<PushDecision, Status> {
+        let key: UpdateKey = (h.client.clone(), h.step, h.seq);
+        if let Some(answer) = self.answer(&key) {
+            self.counters.pushes_duplicate += 1;
+            return Ok(match answer {
+                Answer::Applied(version) => {
+                    PushDecision::Done(PushResponse { applied: true, duplicate: true, dropped: false, version })
+                }
+                Answer::Dropped(version) => {
+                    PushDecision::Done(PushResponse { applied: false, duplicate: true, dropped: true, version })
+                }
+                Answer::Pending(base) => PushDecision::Wait { key, base, duplicate: true },
+            });
+        }
+        let (Some(optimizer), Some(mode)) = (self.optimizer.clone(), self.mode) else {
+            return Err(Status::failed_precondition(format!(
+                "{} holds no variables yet; create them (strategy.scope) before pushing",
+                self.task
+            )));
+        };
+        // Resolve and validate everything before changing anything.
+        let mut at = Vec::with_capacity(h.variables.len());
+        let mut seen = HashSet::new();
+        for name in &h.variables {
+            if !seen.insert(name.as_str()) {
+                return Err(Status::invalid_argument(format!("variable {name} is pushed twice in one update")));
+            }
+            match self.index.get(name) {
+                Some(&i) => at.push(i),
+                None => {
+                    return Err(Status::not_found(format!(
+                        "{} holds no variable named {name:?} (it holds {} variables)",
+                        self.task,
+                        self.vars.len()
+                    )))
+                }
+            }
+        }
+        let names: Vec<&str> = h.variables.iter().map(String::as_str).collect();
+        let sizes: Vec<usize> = at.iter().map(|&i| self.vars[i].value.len()).collect();
+        check_coverage(chunks, &names, &sizes, "push")?;
+        match mode {
+            PsMode::Async => {}
+            PsMode::Stale { staleness } => {
+                if h.base_version > self.version {
+                    return Err(Status::invalid_argument(format!(
+                        "the push was computed from version {}, ahead of {}'s version {}",
+                        h.base_version, self.task, self.version
+                    )));
+                }
+                if self.version - h.base_version > staleness {
+                    self.counters.pushes_stale += 1;
+                    return Err(Status::failed_precondition(format!(
+                        "stale push: computed from version {}, the task is at version {}, the bound is {}",
+                        h.base_version, self.version, staleness
+                    )));
+                }
+            }
+            PsMode::Sync { workers, backup_workers } => {
+                if h.base_version > self.version {
+                    return Err(Status::invalid_argument(format!(
+                        "the push was computed from version {}, ahead of {}'s version {}",
+                        h.base_version, self.task, self.version
+                    )));
+                }
+                if h.base_version < self.version {
+                    self.counters.pushes_dropped += 1;
+                    self.remember(key, Answer::Dropped(self.version));
+                    return Ok(PushDecision::Done(PushResponse {
+                        applied: false,
+                        duplicate: false,
+                        dropped: true,
+                        version: self.version,
+                    }));
+                }
+                let mut grads: Vec<(usize, Vec<f32>)> = at.iter().map(|&i| (i, Vec::new())).collect();
+                for c in chunks {
+                    grads[c.var as usize].1.extend_from_slice(&f32s(&c.data));
+                }
+                let base = self.version;
+                self.round.insert(key.clone(), Contribution { worker: h.worker.clone(), grads });
+                self.remember(key.clone(), Answer::Pending(base));
+                if self.round.len() >= self.required(workers, backup_workers) {
+                    self.apply_round(&optimizer);
+                }
+                return Ok(PushDecision::Wait { key, base, duplicate: false });
+            }
+        }
+        // Async and stale: apply where each chunk lands.
+        for c in chunks {
+            let var = &mut self.vars[at[c.var as usize]];
+            let g = f32s(&c.data);
+            let start = c.offset as usize;
+            let end = start + g.len();
+            let mut slots: Vec<&mut [f32]> = var.slots.iter_mut().map(|s| &mut s[start..end]).collect();
+            optim::apply(&optimizer, &mut var.value[start..end], &g, &mut slots, var.version + 1);
+        }
+        for &i in &at {
+            self.vars[i].version += 1;
+        }
+        self.version += 1;
+        self.counters.pushes_applied += 1;
+        *self.counters.applied_by_worker.entry(h.worker.clone()).or_default() += 1;
+        self.remember(key, Answer::Applied(self.version));
+        Ok(PushDecision::Done(PushResponse { applied: true, duplicate: false, dropped: false, version: self.version }))
+    }
+
+    /// Applies the current sync round's mean gradient (summed in ascending update order, so
+    /// the result does not depend on arrival order).
+    fn apply_round(&mut self, optimizer: &ServerOptimizer) {
+        let round = std::mem::take(&mut self.round);
+        let mut sums: BTreeMap<usize, (Vec<f32>, u32)> = BTreeMap::new();
+        for c in round.values() {
+            for (i, g) in &c.grads {
+                let (sum, n) = sums.entry(*i).or_insert_with(|| (vec![0.0; g.len()], 0));
+                for (s, g) in sum.iter_mut().zip(g) {
+                    *s += g;
+                }
+                *n += 1;
+            }
+        }
+        for (i, (mut mean, n)) in sums {
+            let scale = 1.0 / n as f32;
+            for m in &mut mean {
+                *m *= scale;
+            }
+            let var = &mut self.vars[i];
+            let mut slots: Vec<&mut [f32]> = var.slots.iter_mut().map(|s| s.as_mut_slice()).collect();
+            optim::apply(optimizer, &mut var.value, &mean, &mut slots, var.version + 1);
+            var.version += 1;
+        }
+        self.version += 1;
+        self.counters.rounds += 1;
+        for (key, c) in round {
+            self.counters.pushes_applied += 1;
+            *self.counters.applied_by_worker.entry(c.worker).or_default() += 1;
+            self.table.insert(key, Answer::Applied(self.version));
+        }
+    }
+
+    /// `Configure`: the number of live workers; may complete the current round. Returns
+    /// whether the version changed.
+    pub fn configure(&mut self, live: u32) -> bool {
+        self.live_workers = Some(live.max(1));
+        if let (Some(PsMode::Sync { workers, backup_workers }), Some(opt)) = (self.mode, self.optimizer.clone()) {
+            if !self.round.is_empty() && self.round.len() >= self.required(workers, backup_workers) {
+                self.apply_round(&opt);
+                return true;
+            }
+        }
+        false
+    }
+
+    /// `Pull`: the header and the chunks of the named variables (every variable if none).
+    pub fn pull(&self, names: &[String]) -> Result<(PullHeader, Vec<TensorChunk>), Status> {
+        let at: Vec<usize> = if names.is_empty() {
+            (0..self.vars.len()).collect()
+        } else {
+            names
+                .iter()
+                .map(|n| {
+                    self.index
+                        .get(n)
+                        .copied()
+                        .ok_or_else(|| Status::not_found(format!("{} holds no variable named {n:?}", self.task)))
+                })
+                .collect::<Result<_, _>>()?
+        };
+        let header = PullHeader {
+            version: self.version,
+            variables: at.iter().map(|&i| self.vars[i].info.to_spec()).collect(),
+            variable_versions: at.iter().map(|&i| self.vars[i].version).collect(),
+        };
+        let mut chunks = Vec::new();
+        for (k, &i) in at.iter().enumerate() {
+            chunks.extend(chunks_of(k as u32, &self.vars[i].value));
+        }
+        Ok((header, chunks))
+    }
+
+    /// `Status`.
+    pub fn status(&self) -> PsStatusResponse {
+        PsStatusResponse {
+            task: self.task.clone(),
+            version: self.version,
+            variables: self.vars.iter().map(|v| v.info.to_spec()).collect(),
+            variable_versions: self.vars.iter().map(|v| v.version).collect(),
+            pushes_applied: self.counters.pushes_applied,
+            pushes_duplicate: self.counters.pushes_duplicate,
+            pushes_dropped: self.counters.pushes_dropped,
+            pushes_stale: self.counters.pushes_stale,
+            restored_step: self.restored_step,
+            restored_version: self.restored_version,
+            mode: Some(self.mode.unwrap_or(PsMode::Async).to_spec()),
+            optimizer: self.optimizer.as_ref().map(ServerOptimizer::to_spec),
+            rounds: self.counters.rounds,
+            applied_by_worker: self.counters.applied_by_worker.clone().into_iter().collect(),
+        }
+    }
+
+    /// A copy for a checkpoint. Pushes waiting in an incomplete sync round are not part of
+    /// it (their answers are not final).
+    pub fn snapshot(&self) -> Snapshot {
+        Snapshot {
+            task: self.task.clone(),
+            version: self.version,
+            variables: self
+                .vars
+                .iter()
+                .map(|v| (v.info.clone(), v.version, v.value.clone(), v.slots.clone()))
+                .collect(),
+            optimizer: self.optimizer.clone(),
+            mode: self.mode,
+            counters: self.counters.clone(),
+            table: self
+                .order
+                .iter()
+                .filter_map(|k| match self.table.get(k) {
+                    Some(a @ (Answer::Applied(_) | Answer::Dropped(_))) => Some((k.clone(), *a)),
+                    _ => None,
+                })
+                .collect(),
+        }
+    }
+
+    /// Replaces the state with a restored one.
+    pub fn restore(&mut self, snap: Snapshot, step: u64) {
+        self.vars.clear();
+        self.index.clear();
+        for (info, version, value, slots) in snap.variables {
+            self.index.insert(info.name.clone(), self.vars.len());
+            self.vars.push(Var { info, value, slots, version });
+        }
+        self.optimizer = snap.optimizer;
+        self.mode = snap.mode;
+        self.version = snap.version;
+        self.counters = snap.counters;
+        self.table.clear();
+        self.order.clear();
+        for (k, a) in snap.table {
+            self.remember(k, a);
+        }
+        self.round.clear();
+        self.restored_step = step;
+        self.restored_version = snap.version;
+    }
+}

@@ -1,0 +1,359 @@
+//! The digits job under [`ParameterServerStrategy`]: the step function every worker registers,
+//! and the coordinator's training loop.
+//!
+//! A Rust closure cannot travel to another process, so the step is registered by name
+//! ([`TRAIN_STEP`]) in the one binary every task runs: `strata worker` serves it, `strata ps`
+//! holds the variables, and `strata train --strategy parameter-server` schedules it. A step
+//! names its batch by `(epoch, batch)`; every worker draws the same seeded permutation of the
+//! training set per epoch (the one [`crate::trainer::Trainer`] uses), so the coordinator sends
+//! a few numbers, never data. Within a worker the step runs on the worker's local replicas and
+//! their gradients are summed on the worker's CPU before one push.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use candle_core::{Device, Var};
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use serde::{Deserialize, Serialize};
+use strata_core::data::{Batch, DistributedBatch};
+use strata_core::{Replicated, Strategy, StrategyHandle};
+use strata_strategies::parameter_server::{ParameterServerStrategy, PsModel, StepRegistry, WorkerContext};
+use strata_strategies::{MirroredStrategy, OneDeviceStrategy};
+
+use crate::digits;
+use crate::model::{Classifier, Mlp};
+use crate::trainer::{EpochReport, FitReport};
+use crate::{Error, Result};
+
+/// The name the digits training step is registered under.
+pub const TRAIN_STEP: &str = "digits.train";
+
+/// The model and data a worker builds once and keeps between steps.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DigitsSpec {
+    /// Hidden layer sizes of the MLP.
+    pub hidden: Vec<usize>,
+    /// Replicas of each worker (logical CPU devices; their gradients are summed before a push).
+    pub replicas: usize,
+    /// Seed of the shuffles (and of the initial values, which the ps tasks hold).
+    pub seed: u64,
+    /// The digits file (`None`: the copy built into the binary).
+    pub data: Option<PathBuf>,
+}
+
+/// One scheduled step: batch `batch` of epoch `epoch`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct DigitsStep {
+    /// The model and data.
+    pub spec: DigitsSpec,
+    /// The epoch (the permutation's seed is `seed + epoch`).
+    pub epoch: u64,
+    /// The batch within the epoch.
+    pub batch: u64,
+    /// Examples per batch.
+    pub batch_size: usize,
+}
+
+/// What a step reports back.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct DigitsStepResult {
+    /// The batch's mean loss, before the update.
+    pub loss: f32,
+    /// Examples in the batch.
+    pub examples: usize,
+    /// The worker that ran it.
+    pub worker: usize,
+    /// Whether a sync-mode round dropped the update (a backup worker's late push).
+    pub dropped: bool,
+    /// Seconds the step took on the worker.
+    pub seconds: f64,
+}
+
+/// How a worker runs the digits step.
+#[derive(Clone, Copy, Debug)]
+pub struct WorkerStepOptions {
+    /// Slow this worker down by this factor (1: no slowdown) by sleeping after the gradient
+    /// computation, to study stragglers.
+    pub slowdown: f64,
+}
+
+impl Default for WorkerStepOptions {
+    fn default() -> Self {
+        Self { slowdown: 1.0 }
+    }
+}
+
+/// What a worker keeps between steps.
+struct WorkerState {
+    spec: DigitsSpec,
+    train: Batch,
+    strategy: StrategyHandle,
+    model: Replicated<Mlp>,
+    /// Copy 0's variables, which pulls fill.
+    vars: Vec<(String, Var)>,
+    /// The permutation of the current epoch.
+    order: Option<(u64, Vec<usize>)>,
+}
+
+impl WorkerState {
+    fn new(spec: &DigitsSpec) -> Result<Self> {
+        let all = digits::load(spec.data.as_deref())?;
+        let (train, _) = digits::train_test_split(&all, 0.2, 0);
+        let options = strata_core::StrategyOptions { seed: spec.seed, ..Default::default() };
+        let strategy = match spec.replicas {
+            0 => return Err(strata_core::Error::ZeroReplicas.into()),
+            1 => OneDeviceStrategy::with_options(strata_core::device::logical_cpus(1)?.remove(0), options)?.handle(),
+            n => MirroredStrategy::with_options(
+                strata_core::device::logical_cpus(n)?,
+                strata_strategies::CpuReduction::InMemoryAllReduce,
+                options,
+            )?
+            .handle(),
+        };
+        let hidden = spec.hidden.clone();
+        let model = strategy.scope(|s| Mlp::new(s.var_builder(), digits::FEATURES, &hidden, digits::CLASSES))?;
+        let vars = model.variables(0).to_vec();
+        Ok(Self { spec: spec.clone(), train, strategy, model, vars, order: None })
+    }
+
+    /// The examples of batch `batch` of `epoch`.
+    fn batch(&mut self, epoch: u64, batch: u64, size: usize) -> Result<Batch> {
+        if self.order.as_ref().is_none_or(|(e, _)| *e != epoch) {
+            self.order = Some((epoch, epoch_order(self.train.len(), self.spec.seed, epoch)));
+        }
+        let order = self.order.as_ref().map(|(_, o)| o.as_slice()).unwrap_or_default();
+        let start = (batch as usize).saturating_mul(size);
+        if size == 0 || start >= order.len() {
+            return Err(Error::Usage(format!(
+                "batch {batch} of {size} examples is past the end of the {} training examples",
+                order.len()
+            )));
+        }
+        Ok(digits::gather(&self.train, &order[start..(start + size).min(order.len())]))
+    }
+
+    /// The mean loss of `batch` and its gradient, summed over the local replicas (each weighted
+    /// by its share of the batch) on this worker's CPU, in variable order.
+    fn gradients(&self, batch: &Batch) -> Result<(f32, Vec<(String, Vec<f32>)>)> {
+        let split = DistributedBatch::split(batch, self.strategy.num_replicas_in_sync())?;
+        let model = &self.model;
+        let per = self.strategy.run_batch(&split, |ctx, shard| {
+            let dev = ctx.candle_device();
+            let x = shard.batch.features_tensor(dev)?;
+            let y = shard.batch.labels_tensor(dev)?;
+            let loss = model.on(ctx)?.loss(&x, &y)?;
+            let weighted = (&loss * f64::from(shard.weight()))?;
+            let grads = weighted.backward()?;
+            let vars = model.variables(ctx.replica_id());
+            let mut out = Vec::with_capacity(vars.len());
+            for (_, v) in vars {
+                out.push(match grads.get(v.as_tensor()) {
+                    Some(g) => g.flatten_all()?.to_vec1::<f32>()?,
+                    None => vec![0.0; v.as_tensor().elem_count()],
+                });
+            }
+            Ok((loss.to_scalar::<f32>()? * shard.weight(), out))
+        })?;
+        let mut replicas = per.into_values().into_iter();
+        let (mut loss, mut sum) = replicas.next().ok_or_else(|| Error::Usage("a worker with no replica".into()))?;
+        for (l, g) in replicas {
+            loss += l;
+            for (acc, part) in sum.iter_mut().zip(g) {
+                acc.iter_mut().zip(part).for_each(|(a, b)| *a += b);
+            }
+        }
+        Ok((loss, self.vars.iter().map(|(n, _)| n.clone()).zip(sum).collect()))
+    }
+
+    /// Copies copy 0's (freshly pulled) values into the other local copies.
+    fn mirror_copy0(&self) -> Result<()> {
+        for copy in 1..self.model.num_copies() {
+            for ((_, src), (_, dst)) in self.vars.iter().zip(self.model.variables(copy)) {
+                dst.set(&src.as_tensor().to_device(dst.device())?)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The permutation of the training set in `epoch` (the same as [`crate::trainer::Trainer`]'s).
+pub fn epoch_order(len: usize, seed: u64, epoch: u64) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..len).collect();
+    idx.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(seed.wrapping_add(epoch)));
+    idx
+}
+
+fn lock(state: &Mutex<Option<WorkerState>>) -> MutexGuard<'_, Option<WorkerState>> {
+    state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn run_step(
+    ctx: &WorkerContext,
+    step: DigitsStep,
+    state: &Mutex<Option<WorkerState>>,
+    options: WorkerStepOptions,
+) -> Result<DigitsStepResult> {
+    let started = Instant::now();
+    let mut guard = lock(state);
+    if guard.as_ref().is_none_or(|s| s.spec != step.spec) {
+        *guard = Some(WorkerState::new(&step.spec)?);
+    }
+    let st = guard.as_mut().ok_or_else(|| Error::Usage("worker state missing".into()))?;
+    let batch = st.batch(step.epoch, step.batch, step.batch_size)?;
+    let ticket = ctx.pull(&st.vars)?;
+    st.mirror_copy0()?;
+    let (loss, grads) = st.gradients(&batch)?;
+    if options.slowdown > 1.0 {
+        std::thread::sleep(started.elapsed().mul_f64(options.slowdown - 1.0));
+    }
+    let pushed = ctx.push(&ticket, &grads)?;
+    Ok(DigitsStepResult {
+        loss,
+        examples: batch.len(),
+        worker: ctx.worker_index(),
+        dropped: pushed.dropped(),
+        seconds: started.elapsed().as_secs_f64(),
+    })
+}
+
+/// The step functions of the digits job, for `strata worker`.
+pub fn worker_registry(options: WorkerStepOptions) -> StepRegistry {
+    let state: Arc<Mutex<Option<WorkerState>>> = Arc::new(Mutex::new(None));
+    let mut registry = StepRegistry::new();
+    registry.register(TRAIN_STEP, move |ctx: &WorkerContext, step: DigitsStep| {
+        run_step(ctx, step, &state, options).map_err(into_core)
+    });
+    registry
+}
+
+/// A `strata` error as the core error a step function returns (retryable errors stay retryable).
+fn into_core(e: Error) -> strata_core::Error {
+    match e {
+        Error::Core(c) => c,
+        Error::Candle(c) => strata_core::Error::Candle(c),
+        other => strata_core::Error::InvalidArgument(other.to_string()),
+    }
+}
+
+/// How the coordinator trains.
+#[derive(Clone, Debug)]
+pub struct PsTrainConfig {
+    /// The model and data every worker builds.
+    pub spec: DigitsSpec,
+    /// Passes over the training set.
+    pub epochs: usize,
+    /// Examples per scheduled step (one worker's batch).
+    pub batch_size: usize,
+    /// Draw a progress bar (on a terminal).
+    pub progress: bool,
+    /// Stop after this many steps.
+    pub max_steps: Option<usize>,
+}
+
+/// What the coordinator saw besides the training figures.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct CoordinatorStats {
+    /// Steps run again (on another worker, or after a parameter server came back).
+    pub steps_rescheduled: u64,
+    /// Times a worker was found lost.
+    pub worker_failures: u64,
+    /// Steps whose update a sync round dropped (backup workers' late pushes).
+    pub steps_dropped: u64,
+}
+
+/// The coordinator's side: schedules every step of every epoch on the workers, evaluates the
+/// pulled parameters after each epoch, and reports as [`crate::trainer::Trainer::fit`] does.
+pub fn train_coordinator(
+    strategy: &ParameterServerStrategy,
+    model: &PsModel<Mlp>,
+    config: &PsTrainConfig,
+) -> Result<(FitReport, CoordinatorStats)> {
+    let started = Instant::now();
+    let all = digits::load(config.spec.data.as_deref())?;
+    let (train, test) = digits::train_test_split(&all, 0.2, 0);
+    if config.batch_size == 0 {
+        return Err(Error::Usage("--batch must be at least 1".into()));
+    }
+    let coordinator = strategy.coordinator()?;
+    let steps_per_epoch = train.len().div_ceil(config.batch_size);
+    let bar = crate::trainer::progress_bar(config.progress, (steps_per_epoch * config.epochs) as u64);
+    let (x_test, y_test) = (test.features_tensor(&Device::Cpu)?, test.labels_tensor(&Device::Cpu)?);
+    let mut epochs = Vec::with_capacity(config.epochs);
+    let (mut steps, mut steady_examples, mut steady_time) = (0usize, 0usize, Duration::ZERO);
+    let mut final_accuracy = 0.0;
+    let mut dropped = 0u64;
+    for epoch in 0..config.epochs {
+        let mut n = steps_per_epoch;
+        if let Some(max) = config.max_steps {
+            n = n.min(max.saturating_sub(steps));
+        }
+        if n == 0 {
+            break;
+        }
+        let t0 = Instant::now();
+        let values: Vec<_> = (0..n)
+            .map(|b| {
+                coordinator.schedule::<DigitsStep, DigitsStepResult>(
+                    TRAIN_STEP,
+                    &DigitsStep {
+                        spec: config.spec.clone(),
+                        epoch: epoch as u64,
+                        batch: b as u64,
+                        batch_size: config.batch_size,
+                    },
+                )
+            })
+            .collect();
+        let (mut loss, mut examples) = (0.0f64, 0usize);
+        for v in &values {
+            let r = v.fetch()?;
+            loss += f64::from(r.loss) * r.examples as f64;
+            examples += r.examples;
+            dropped += u64::from(r.dropped);
+            bar.inc(1);
+        }
+        coordinator.join()?;
+        let step_time = t0.elapsed();
+        steps += n;
+        if epoch > 0 || config.epochs == 1 {
+            steady_examples += examples;
+            steady_time += step_time;
+        }
+        model.pull()?;
+        let correct = model.model().correct(&x_test, &y_test)?;
+        final_accuracy = correct as f32 / test.len().max(1) as f32;
+        let train_loss = (loss / examples.max(1) as f64) as f32;
+        bar.set_message(format!("loss {train_loss:.4} accuracy {:.2}%", final_accuracy * 100.0));
+        epochs.push(EpochReport {
+            epoch,
+            train_loss,
+            test_accuracy: final_accuracy,
+            step_seconds: step_time.as_secs_f64(),
+        });
+    }
+    bar.finish_and_clear();
+    tracing::info!(
+        steps,
+        rescheduled = coordinator.steps_rescheduled(),
+        worker_failures = coordinator.worker_failures(),
+        "coordinator finished"
+    );
+    let stats = CoordinatorStats {
+        steps_rescheduled: coordinator.steps_rescheduled(),
+        worker_failures: coordinator.worker_failures(),
+        steps_dropped: dropped,
+    };
+    coordinator.shutdown();
+    let report = FitReport {
+        epochs,
+        final_test_accuracy: final_accuracy,
+        examples_per_second: steady_examples as f64 / steady_time.as_secs_f64().max(1e-9),
+        steps,
+        resumed_from_step: 0,
+        skipped_examples: 0,
+        wall_seconds: started.elapsed().as_secs_f64(),
+    };
+    Ok((report, stats))
+}
