@@ -198,13 +198,18 @@ fn a_lost_worker_steps_run_elsewhere_and_it_comes_back() {
     assert!(coord.worker_failures() >= 1);
     assert!(coord.steps_rescheduled() >= 1);
     assert_eq!(coord.live_workers(), 2);
-    wait_for("ps configure(2)", || ps.configured.lock().unwrap().last() == Some(&2));
+    // While steps were queued the ps tasks were told of the 2 live workers; once the queue
+    // drained, of only the steps still running (down to 1).
+    wait_for("ps configure(2)", || ps.configured.lock().unwrap().contains(&2));
+    wait_for("ps configure(1) after the drain", || ps.configured.lock().unwrap().last() == Some(&1));
+    let lost_at = ps.configured.lock().unwrap().iter().rposition(|&n| n == 2).unwrap();
     // A restarted worker process at the same address is found again.
     let steps = Arc::new(Steps { runs: AtomicU64::new(0), started: AtomicU64::new(0), flaky: Default::default() });
     let restarted = WorkerExecutorHandle::start(address, "worker:1".into(), token(), steps.clone()).unwrap();
     wait_for("worker:1 to be live again", || coord.live_workers() == 3);
-    wait_for("ps configure(3)", || ps.configured.lock().unwrap().last() == Some(&3));
     let more: Vec<_> = (0..60).map(|_| coord.schedule::<_, u64>("sleep", &5u64)).collect();
+    // Steps queued again: every live worker, the revived one included, is expected per round.
+    assert!(ps.configured.lock().unwrap()[lost_at..].contains(&3), "{:?}", ps.configured.lock().unwrap());
     for (i, v) in more.iter().enumerate() {
         assert_eq!(v.fetch().unwrap(), 30 + i as u64);
     }
