@@ -86,6 +86,9 @@ impl Default for WorkerStepOptions {
 }
 
 /// What a worker keeps between steps.
+/// Whole-variable gradients by name, as a step pushes them.
+type Gradients = Vec<(String, Vec<f32>)>;
+
 struct WorkerState {
     spec: DigitsSpec,
     train: Batch,
@@ -136,7 +139,7 @@ impl WorkerState {
 
     /// The mean loss of `batch` and its gradient, summed over the local replicas (each weighted
     /// by its share of the batch) on this worker's CPU, in variable order.
-    fn gradients(&self, batch: &Batch) -> Result<(f32, Vec<(String, Vec<f32>)>)> {
+    fn gradients(&self, batch: &Batch) -> Result<(f32, Gradients)> {
         let split = DistributedBatch::split(batch, self.strategy.num_replicas_in_sync())?;
         let model = &self.model;
         let per = self.strategy.run_batch(&split, |ctx, shard| {

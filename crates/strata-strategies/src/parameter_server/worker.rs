@@ -408,11 +408,8 @@ impl WorkerContext {
                 None => {}
                 Some(Ok(o)) => outcomes.push((format!("ps:{ps}"), o)),
                 // A stale refusal wins: the step runs again and the others' pushes repeat as duplicates.
-                Some(Err(e)) => {
-                    if first_error.is_none() || matches!(e, Error::Stale(_)) {
-                        first_error = Some(e);
-                    }
-                }
+                Some(Err(e)) if first_error.is_none() || matches!(e, Error::Stale(_)) => first_error = Some(e),
+                Some(Err(_)) => {}
             }
         }
         match first_error {

@@ -258,7 +258,7 @@ impl PsClient {
                 return Err(self.protocol(format!("a chunk of variable #{v}, which was not pulled")));
             };
             let start = c.offset as usize;
-            if c.data.len() % 4 != 0 || start != next[v] || start + values.len() > dst.len() {
+            if !c.data.len().is_multiple_of(4) || start != next[v] || start + values.len() > dst.len() {
                 return Err(self.protocol(format!("a malformed chunk of variable #{v} at element {start}")));
             }
             dst[start..start + values.len()].copy_from_slice(&values);

@@ -61,7 +61,7 @@ fn chunk_of(c: strata_proto::v1::TensorChunk) -> Result<Chunk, Status> {
             c.data.len()
         )));
     }
-    if c.data.len() % 4 != 0 {
+    if !c.data.len().is_multiple_of(4) {
         return Err(Status::invalid_argument(format!(
             "a chunk carries {} bytes, not a whole number of f32 elements",
             c.data.len()
@@ -145,7 +145,7 @@ impl ParameterServer for Svc {
         let header = header.ok_or_else(|| Status::invalid_argument("a Push stream without a header"))?;
         let faults = &self.0.config.faults;
         let n = self.0.pushes_seen.fetch_add(1, Ordering::Relaxed) + 1;
-        if faults.drop_request_every > 0 && n % faults.drop_request_every == 0 {
+        if faults.drop_request_every > 0 && n.is_multiple_of(faults.drop_request_every) {
             return Err(Status::unavailable("injected fault: request dropped"));
         }
         let decision = {
@@ -161,7 +161,7 @@ impl ParameterServer for Svc {
             PushDecision::Done(r) => r,
             PushDecision::Wait { key, base, duplicate } => wait_round(&self.0, &key, base, duplicate).await?,
         };
-        if faults.drop_reply_every > 0 && n % faults.drop_reply_every == 0 {
+        if faults.drop_reply_every > 0 && n.is_multiple_of(faults.drop_reply_every) {
             return Err(Status::unavailable("injected fault: reply dropped"));
         }
         Ok(Response::new(response))

@@ -93,11 +93,14 @@ pub(crate) struct State {
     pub restored_version: u64,
 }
 
+/// One variable in a snapshot: its info, version, values and optimizer slots.
+pub(crate) type SnapshotVariable = (VariableInfo, u64, Vec<f32>, Vec<Vec<f32>>);
+
 /// A copy of a task's state for a checkpoint, taken under the lock and written outside it.
 pub(crate) struct Snapshot {
     pub task: String,
     pub version: u64,
-    pub variables: Vec<(VariableInfo, u64, Vec<f32>, Vec<Vec<f32>>)>,
+    pub variables: Vec<SnapshotVariable>,
     pub optimizer: Option<ServerOptimizer>,
     pub mode: Option<PsMode>,
     pub counters: Counters,

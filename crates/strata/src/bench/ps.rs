@@ -80,7 +80,7 @@ fn repeat(seconds: f64, mut op: impl FnMut(u64) -> Result<()>) -> Result<(u64, f
 
 /// Runs the benchmark and prints its tables.
 pub fn run(args: &BenchPsArgs) -> Result<()> {
-    if args.clients == 0 || !(args.seconds > 0.0) {
+    if args.clients == 0 || args.seconds.is_nan() || args.seconds <= 0.0 {
         return Err(Error::Usage("--clients must be at least 1 and --seconds positive".into()));
     }
     let token_text: String = rand::random::<[u8; 16]>().iter().map(|b| format!("{b:02x}")).collect();
