@@ -26,7 +26,7 @@ use tonic::transport::Channel;
 use tonic::{Code, Request, Response, Status};
 
 use crate::auth::{client_interceptor, server_interceptor, ClientAuth, ClusterToken};
-use crate::rt::runtime;
+use crate::rt::{runtime, ServerTask};
 use crate::{Error, Result};
 
 /// The prefix of the message of a step that reported a parameter server unavailable.
@@ -168,8 +168,7 @@ impl WorkerExecutor for Svc {
 pub struct WorkerExecutorHandle {
     address: SocketAddr,
     task: String,
-    stop: Option<tokio::sync::watch::Sender<bool>>,
-    done: Option<tokio::task::JoinHandle<()>>,
+    server: ServerTask,
 }
 
 impl std::fmt::Debug for WorkerExecutorHandle {
@@ -210,7 +209,7 @@ impl WorkerExecutorHandle {
                         .max_encoding_message_size(MAX_MESSAGE_BYTES),
                     interceptor,
                 ))
-                .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), async move {
+                .serve_with_incoming_shutdown(crate::rt::incoming(listener), async move {
                     let _ = stop_rx.wait_for(|s| *s).await;
                 })
                 .await;
@@ -219,7 +218,7 @@ impl WorkerExecutorHandle {
             }
         });
         tracing::info!(%task, %address, "worker executor listening");
-        Ok(Self { address, task, stop: Some(tx), done: Some(done) })
+        Ok(Self { address, task, server: ServerTask::new(tx, done) })
     }
 
     /// Where the service listens.
@@ -231,29 +230,12 @@ impl WorkerExecutorHandle {
     /// them elsewhere; their step functions finish in the background) and new connections are
     /// refused. Returns when the server task ended.
     pub fn shutdown(mut self) {
-        self.stop();
+        self.server.stop();
     }
 
     /// Blocks until the server stops (used by `strata worker`).
     pub fn wait(mut self) {
-        if let Some(done) = self.done.take() {
-            let _ = runtime().block_on(done);
-        }
-    }
-
-    fn stop(&mut self) {
-        if let Some(tx) = self.stop.take() {
-            let _ = tx.send(true);
-        }
-        if let Some(done) = self.done.take() {
-            let _ = runtime().block_on(async { tokio::time::timeout(Duration::from_secs(5), done).await });
-        }
-    }
-}
-
-impl Drop for WorkerExecutorHandle {
-    fn drop(&mut self) {
-        self.stop();
+        self.server.wait();
     }
 }
 

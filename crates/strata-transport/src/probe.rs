@@ -45,6 +45,7 @@ pub fn grpc_stream_seconds(total: usize, chunk: usize, reps: usize) -> Result<f6
         tonic::transport::Server::builder()
             .initial_stream_window_size(Some(16 << 20))
             .initial_connection_window_size(Some(64 << 20))
+            .max_frame_size(crate::rt::frame_size())
             .add_service(tonic::service::interceptor::InterceptedService::new(
                 TransportBenchServer::new(Sink).max_decoding_message_size(chunk + 1024),
                 server_interceptor(token.clone()),
@@ -58,6 +59,7 @@ pub fn grpc_stream_seconds(total: usize, chunk: usize, reps: usize) -> Result<f6
             .map_err(|e| Error::Config(e.to_string()))?
             .initial_stream_window_size(Some(16 << 20))
             .initial_connection_window_size(Some(64 << 20))
+            .max_frame_size(crate::rt::frame_size())
             .tcp_nodelay(true)
             .connect()
             .await

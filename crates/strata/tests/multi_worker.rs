@@ -4,21 +4,12 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Output, Stdio};
 use std::time::{Duration, Instant};
 
-const TOKEN: &str = "0123456789abcdef0123456789abcdef";
+mod common;
 
-fn strata() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_strata"));
-    c.env("STRATA_CLUSTER_TOKEN", TOKEN).env_remove("TF_CONFIG").env("RUST_LOG", "warn");
-    c
-}
-
-fn free_ports(n: usize) -> Vec<u16> {
-    let ls: Vec<_> = (0..n).map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap()).collect();
-    ls.iter().map(|l| l.local_addr().unwrap().port()).collect()
-}
+use common::{free_ports, strata, wait};
 
 fn tf_config(ports: &[u16], index: usize) -> String {
     let workers: Vec<String> = ports.iter().map(|p| format!("\"127.0.0.1:{p}\"")).collect();
@@ -41,21 +32,6 @@ fn start_workers(n: usize, args: &[&str], dir: &Path) -> Vec<Child> {
                 .unwrap()
         })
         .collect()
-}
-
-/// Waits for a child with a hard deadline (killing it if it passes).
-fn wait(mut child: Child, deadline: Instant) -> Output {
-    loop {
-        if child.try_wait().unwrap().is_some() {
-            return child.wait_with_output().unwrap();
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let out = child.wait_with_output().unwrap();
-            panic!("a process did not finish in time; stderr:\n{}", String::from_utf8_lossy(&out.stderr));
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 fn run_job(n: usize, args: &[&str], dir: &Path) -> Vec<Output> {

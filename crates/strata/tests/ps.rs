@@ -15,18 +15,9 @@ use strata::Strategy;
 use strata_transport::ps::{PsClient, PsClientConfig, PsMode, ServerOptimizer, UpdateId, VariableInfo};
 use strata_transport::{ClusterToken, Error as TransportError};
 
-const TOKEN: &str = "0123456789abcdef0123456789abcdef";
+mod common;
 
-fn strata() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_strata"));
-    c.env("STRATA_CLUSTER_TOKEN", TOKEN).env_remove("TF_CONFIG").env("STRATA_LOG", "warn");
-    c
-}
-
-fn free_ports(n: usize) -> Vec<u16> {
-    let ls: Vec<_> = (0..n).map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap()).collect();
-    ls.iter().map(|l| l.local_addr().unwrap().port()).collect()
-}
+use common::{free_ports, strata, wait, TOKEN};
 
 /// A cluster of a chief, `workers` workers and `ps` ps tasks on free loopback ports.
 struct Cluster {
@@ -58,25 +49,6 @@ impl Cluster {
 
 fn spawn(mut cmd: Command) -> Child {
     cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
-}
-
-/// Waits for a child with a hard deadline (killing it if it passes).
-fn wait(mut child: Child, deadline: Instant) -> Output {
-    loop {
-        if child.try_wait().unwrap().is_some() {
-            return child.wait_with_output().unwrap();
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let out = child.wait_with_output().unwrap();
-            panic!(
-                "a process did not finish in time; stdout:\n{}\nstderr:\n{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 fn stop(children: Vec<Child>) {

@@ -9,11 +9,12 @@ use strata_proto::v1::{
     create_message, pull_message, push_message, CreateHeader, CreateMessage, PsCheckpointRequest, PsConfigureRequest,
     PsStatusRequest, PullHeader, PullRequest, PushHeader, PushMessage, TensorChunk,
 };
+use tokio_stream::wrappers::ReceiverStream;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Status};
 
-use super::state::{chunks_of, f32s};
+use super::state::{chunks_of, copy_f32s};
 use super::{
     CreateOutcome, PsMode, PsStatus, Pulled, PushOutcome, ServerOptimizer, UpdateId, VariableInfo, MAX_CHUNK_BYTES,
 };
@@ -72,7 +73,8 @@ impl PsClient {
             .connect_timeout(Duration::from_secs(2))
             .tcp_nodelay(true)
             .initial_stream_window_size(8 << 20)
-            .initial_connection_window_size(32 << 20);
+            .initial_connection_window_size(32 << 20)
+            .max_frame_size(crate::rt::frame_size());
         let channel = {
             let _entered = runtime().enter();
             endpoint.connect_lazy()
@@ -125,22 +127,22 @@ impl PsClient {
         }
     }
 
-    /// Runs one call with the deadline, retrying while the task is unavailable.
-    fn call<T, F, Fut>(&self, rpc: &str, mut f: F) -> Result<T>
-    where
-        F: FnMut(Raw) -> Fut,
-        Fut: Future<Output = Result<T, Status>>,
-    {
+    /// Runs `attempt` (`None`: it passed the deadline) until it succeeds, fails for good, or
+    /// the task stayed unavailable for `retry_for`.
+    fn retry<T>(&self, rpc: &str, mut attempt: impl FnMut() -> Option<Result<T, Status>>) -> Result<T> {
         let deadline = Instant::now() + self.config.retry_for;
         let mut backoff = Duration::from_millis(50);
         loop {
-            let timeout = self.config.timeout;
-            let outcome = runtime().block_on(async { tokio::time::timeout(timeout, f(self.raw.clone())).await });
-            let err = match outcome {
-                Ok(Ok(v)) => return Ok(v),
-                Ok(Err(s)) => self.error(rpc, s),
-                Err(_) => {
-                    return Err(Error::Timeout { task: self.task.clone(), collective: rpc.into(), step: 0, timeout })
+            let err = match attempt() {
+                Some(Ok(v)) => return Ok(v),
+                Some(Err(s)) => self.error(rpc, s),
+                None => {
+                    return Err(Error::Timeout {
+                        task: self.task.clone(),
+                        collective: rpc.into(),
+                        step: 0,
+                        timeout: self.config.timeout,
+                    })
                 }
             };
             if matches!(err, Error::Unavailable { .. }) && Instant::now() + backoff < deadline {
@@ -151,6 +153,41 @@ impl PsClient {
             }
             return Err(err);
         }
+    }
+
+    /// Runs one call with the deadline, retrying while the task is unavailable.
+    fn call<T, F, Fut>(&self, rpc: &str, mut f: F) -> Result<T>
+    where
+        F: FnMut(Raw) -> Fut,
+        Fut: Future<Output = Result<T, Status>>,
+    {
+        let timeout = self.config.timeout;
+        self.retry(rpc, || runtime().block_on(async { tokio::time::timeout(timeout, f(self.raw.clone())).await }).ok())
+    }
+
+    /// Runs a client-streaming call whose messages this thread makes (`produce` hands each to
+    /// its argument, which says whether the call still takes them) while the runtime sends
+    /// the earlier ones, so copying a tensor into chunks overlaps with sending it. Retried like
+    /// [`call`](Self::call), producing the messages again.
+    fn stream_call<M, T, F, Fut>(&self, rpc: &str, produce: impl Fn(&mut dyn FnMut(M) -> bool), start: F) -> Result<T>
+    where
+        M: Send + 'static,
+        T: Send + 'static,
+        F: Fn(Raw, ReceiverStream<M>) -> Fut,
+        Fut: Future<Output = Result<T, Status>> + Send + 'static,
+    {
+        let timeout = self.config.timeout;
+        self.retry(rpc, || {
+            let (tx, rx) = tokio::sync::mpsc::channel::<M>(4);
+            let call = start(self.raw.clone(), ReceiverStream::new(rx));
+            let task = runtime().spawn(async move { tokio::time::timeout(timeout, call).await });
+            produce(&mut |m| tx.blocking_send(m).is_ok());
+            drop(tx);
+            match runtime().block_on(task) {
+                Ok(outcome) => outcome.ok(),
+                Err(e) => Some(Err(Status::internal(format!("the {rpc} call stopped: {e}")))),
+            }
+        })
     }
 
     /// Creates variables with their initial values and sets the optimizer and mode. Creating
@@ -177,15 +214,20 @@ impl PsClient {
             optimizer: Some(optimizer.to_spec()),
             mode: Some(mode.to_spec()),
         };
-        let mut messages = vec![CreateMessage { kind: Some(create_message::Kind::Header(header)) }];
-        for (k, (_, values)) in vars.iter().enumerate() {
-            messages.extend(
-                chunks_of(k as u32, values).map(|c| CreateMessage { kind: Some(create_message::Kind::Chunk(c)) }),
-            );
-        }
-        let r = self.call("CreateVariables", |mut raw| {
-            let messages = messages.clone();
-            async move { raw.create_variables(tokio_stream::iter(messages)).await }
+        let produce = |send: &mut dyn FnMut(CreateMessage) -> bool| {
+            if !send(CreateMessage { kind: Some(create_message::Kind::Header(header.clone())) }) {
+                return;
+            }
+            for (k, (_, values)) in vars.iter().enumerate() {
+                for c in chunks_of(k as u32, values) {
+                    if !send(CreateMessage { kind: Some(create_message::Kind::Chunk(c)) }) {
+                        return;
+                    }
+                }
+            }
+        };
+        let r = self.stream_call("CreateVariables", produce, |mut raw, stream| async move {
+            raw.create_variables(stream).await
         })?;
         let r = r.into_inner();
         Ok(CreateOutcome { versions: r.versions, existed: r.existed, version: r.version })
@@ -203,14 +245,19 @@ impl PsClient {
             base_version,
             variables: grads.iter().map(|(n, _)| n.to_string()).collect(),
         };
-        let mut messages = vec![PushMessage { kind: Some(push_message::Kind::Header(header)) }];
-        for (k, (_, g)) in grads.iter().enumerate() {
-            messages.extend(chunks_of(k as u32, g).map(|c| PushMessage { kind: Some(push_message::Kind::Chunk(c)) }));
-        }
-        let r = self.call("Push", |mut raw| {
-            let messages = messages.clone();
-            async move { raw.push(tokio_stream::iter(messages)).await }
-        })?;
+        let produce = |send: &mut dyn FnMut(PushMessage) -> bool| {
+            if !send(PushMessage { kind: Some(push_message::Kind::Header(header.clone())) }) {
+                return;
+            }
+            for (k, (_, g)) in grads.iter().enumerate() {
+                for c in chunks_of(k as u32, g) {
+                    if !send(PushMessage { kind: Some(push_message::Kind::Chunk(c)) }) {
+                        return;
+                    }
+                }
+            }
+        };
+        let r = self.stream_call("Push", produce, |mut raw, stream| async move { raw.push(stream).await })?;
         let r = r.into_inner();
         Ok(if r.dropped {
             PushOutcome::Dropped { version: r.version }
@@ -253,16 +300,16 @@ impl PsClient {
         let mut next = vec![0usize; out.len()];
         for c in chunks {
             let v = c.variable as usize;
-            let values = f32s(&c.data);
+            let n = c.data.len() / 4;
             let Some(dst) = out.get_mut(v) else {
                 return Err(self.protocol(format!("a chunk of variable #{v}, which was not pulled")));
             };
             let start = c.offset as usize;
-            if !c.data.len().is_multiple_of(4) || start != next[v] || start + values.len() > dst.len() {
+            if !c.data.len().is_multiple_of(4) || start != next[v] || start + n > dst.len() {
                 return Err(self.protocol(format!("a malformed chunk of variable #{v} at element {start}")));
             }
-            dst[start..start + values.len()].copy_from_slice(&values);
-            next[v] += values.len();
+            copy_f32s(&c.data, &mut dst[start..start + n]);
+            next[v] += n;
         }
         for (v, (covered, dst)) in next.iter().zip(out.iter()).enumerate() {
             if *covered != dst.len() {

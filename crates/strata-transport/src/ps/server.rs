@@ -24,7 +24,7 @@ use tonic::{Request, Response, Status, Streaming};
 use super::state::{Answer, Chunk, Counters, PushDecision, Snapshot, State, UpdateKey};
 use super::{PsMode, PsServerConfig, ServerOptimizer, VariableInfo, MAX_CHUNK_BYTES};
 use crate::auth::server_interceptor;
-use crate::rt::runtime;
+use crate::rt::{runtime, ServerTask};
 use crate::{Error, Result};
 
 /// The largest message the server decodes: one chunk plus its framing.
@@ -325,8 +325,7 @@ fn read_snapshot(path: &Path) -> Result<(Snapshot, u64)> {
 pub struct PsServerHandle {
     address: SocketAddr,
     task: String,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    done: Option<tokio::task::JoinHandle<()>>,
+    server: ServerTask,
 }
 
 impl std::fmt::Debug for PsServerHandle {
@@ -354,7 +353,7 @@ impl PsServerHandle {
         let task = config.task.clone();
         let interceptor = server_interceptor(config.token.clone());
         let shared = Arc::new(Shared { config, state: Mutex::new(state), version, pushes_seen: AtomicU64::new(0) });
-        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let (tx, mut rx) = watch::channel(false);
         let name = task.clone();
         let done = runtime().spawn(async move {
             let (reporter, health) = tonic_health::server::health_reporter();
@@ -366,10 +365,11 @@ impl PsServerHandle {
                 .tcp_nodelay(true)
                 .initial_stream_window_size(8 << 20)
                 .initial_connection_window_size(32 << 20)
+                .max_frame_size(crate::rt::frame_size())
                 .add_service(InterceptedService::new(health, interceptor.clone()))
                 .add_service(InterceptedService::new(service, interceptor))
-                .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), async {
-                    let _ = rx.await;
+                .serve_with_incoming_shutdown(crate::rt::incoming(listener), async {
+                    let _ = rx.wait_for(|s| *s).await;
                 })
                 .await;
             if let Err(e) = result {
@@ -377,7 +377,7 @@ impl PsServerHandle {
             }
         });
         tracing::info!(%task, %address, "parameter server listening");
-        Ok(Self { address, task, stop: Some(tx), done: Some(done) })
+        Ok(Self { address, task, server: ServerTask::new(tx, done) })
     }
 
     /// Where the task listens.
@@ -387,28 +387,11 @@ impl PsServerHandle {
 
     /// Stops serving and returns when the server task ended (open calls get up to 5 s).
     pub fn shutdown(mut self) {
-        self.stop();
+        self.server.stop();
     }
 
     /// Blocks until the server stops.
     pub fn wait(mut self) {
-        if let Some(done) = self.done.take() {
-            let _ = runtime().block_on(done);
-        }
-    }
-
-    fn stop(&mut self) {
-        if let Some(tx) = self.stop.take() {
-            let _ = tx.send(());
-        }
-        if let Some(done) = self.done.take() {
-            let _ = runtime().block_on(async { tokio::time::timeout(Duration::from_secs(5), done).await });
-        }
-    }
-}
-
-impl Drop for PsServerHandle {
-    fn drop(&mut self) {
-        self.stop();
+        self.server.wait();
     }
 }

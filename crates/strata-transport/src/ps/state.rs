@@ -2,7 +2,6 @@
 //! method runs under the task's lock and either changes the state completely or not at all:
 //! requests are validated before anything is applied.
 
-use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 
 use prost::bytes::Bytes;
@@ -107,12 +106,36 @@ pub(crate) struct Snapshot {
     pub table: Vec<(UpdateKey, Answer)>,
 }
 
-/// Gradient values of a chunk; borrowed when the bytes are aligned for f32.
-pub(crate) fn f32s(data: &[u8]) -> Cow<'_, [f32]> {
+/// The f32 values of a chunk: borrowed when the bytes are aligned for f32, else decoded into
+/// `scratch` (reused from chunk to chunk, so no allocation per chunk).
+pub(crate) fn f32s<'a>(data: &'a [u8], scratch: &'a mut Vec<f32>) -> &'a [f32] {
     match bytemuck::try_cast_slice::<u8, f32>(data) {
-        Ok(s) => Cow::Borrowed(s),
-        Err(_) => Cow::Owned(bytemuck::pod_collect_to_vec(data)),
+        Ok(s) => s,
+        Err(_) => {
+            scratch.clear();
+            scratch.extend(data.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])));
+            scratch
+        }
     }
+}
+
+/// Writes the f32 values of a chunk into `dst` (of the same length), in one pass.
+pub(crate) fn copy_f32s(data: &[u8], dst: &mut [f32]) {
+    match bytemuck::try_cast_slice::<u8, f32>(data) {
+        Ok(s) => dst.copy_from_slice(s),
+        Err(_) => {
+            for (d, b) in dst.iter_mut().zip(data.chunks_exact(4)) {
+                *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }
+    }
+}
+
+/// Appends the f32 values of a chunk to `dst`.
+fn extend_f32s(data: &[u8], dst: &mut Vec<f32>) {
+    let start = dst.len();
+    dst.resize(start + data.len() / 4, 0.0);
+    copy_f32s(data, &mut dst[start..]);
 }
 
 /// Chunks of at most [`MAX_CHUNK_ELEMENTS`] of one variable's values.
@@ -251,7 +274,7 @@ impl State {
             check_coverage(chunks, &names, &sizes, "request")?;
             let mut values: Vec<Vec<f32>> = sizes.iter().map(|&n| Vec::with_capacity(n)).collect();
             for c in chunks {
-                values[c.var as usize].extend_from_slice(&f32s(&c.data));
+                extend_f32s(&c.data, &mut values[c.var as usize]);
             }
             for (info, value) in infos.iter().zip(values) {
                 if self.index.contains_key(&info.name) {
@@ -351,7 +374,7 @@ impl State {
                 }
                 let mut grads: Vec<(usize, Vec<f32>)> = at.iter().map(|&i| (i, Vec::new())).collect();
                 for c in chunks {
-                    grads[c.var as usize].1.extend_from_slice(&f32s(&c.data));
+                    extend_f32s(&c.data, &mut grads[c.var as usize].1);
                 }
                 let base = self.version;
                 self.round.insert(key.clone(), Contribution { worker: h.worker.clone(), grads });
@@ -363,13 +386,14 @@ impl State {
             }
         }
         // Async and stale: apply where each chunk lands.
+        let mut scratch = Vec::new();
         for c in chunks {
             let var = &mut self.vars[at[c.var as usize]];
-            let g = f32s(&c.data);
+            let g = f32s(&c.data, &mut scratch);
             let start = c.offset as usize;
             let end = start + g.len();
             let mut slots: Vec<&mut [f32]> = var.slots.iter_mut().map(|s| &mut s[start..end]).collect();
-            optim::apply(&optimizer, &mut var.value[start..end], &g, &mut slots, var.version + 1);
+            optim::apply(&optimizer, &mut var.value[start..end], g, &mut slots, var.version + 1);
         }
         for &i in &at {
             self.vars[i].version += 1;

@@ -145,7 +145,7 @@ pub fn run(args: &BenchPsArgs) -> Result<()> {
         let ones = vec![1f32; count];
         let mut pushes = 0u64;
         let (_, push_s) = repeat(args.seconds, |i| {
-            let id = UpdateId { worker: "bench".into(), client: "bench".into(), step: i, seq: 0 };
+            let id = UpdateId { worker: "bench".into(), client: format!("bench-{name}"), step: i, seq: 0 };
             client.push(&id, 0, &[(name.as_str(), &ones)]).map_err(strata_core::Error::from)?;
             pushes += 1;
             Ok(())
