@@ -3,11 +3,21 @@
 
 use super::ServerOptimizer;
 
-/// Applies one update with gradient `g` to `w` (a range of a variable) and its optimizer
-/// slots over the same range. `t` is the variable's step count after this update (1 for its
-/// first update), used by AdamW's bias correction.
-pub(crate) fn apply(opt: &ServerOptimizer, w: &mut [f32], g: &[f32], slots: &mut [&mut [f32]], t: u64) {
-    debug_assert_eq!(w.len(), g.len());
+/// The f32 values of little-endian bytes (a pushed chunk, at any alignment).
+pub(crate) fn le_f32s(bytes: &[u8]) -> impl Iterator<Item = f32> + '_ {
+    bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+}
+
+/// Applies one update with gradient `g` (as many values as `w` has) to `w` (a range of a
+/// variable) and its optimizer slots over the same range. `t` is the variable's step count
+/// after this update (1 for its first update), used by AdamW's bias correction.
+pub(crate) fn apply(
+    opt: &ServerOptimizer,
+    w: &mut [f32],
+    g: impl Iterator<Item = f32>,
+    slots: &mut [&mut [f32]],
+    t: u64,
+) {
     match *opt {
         ServerOptimizer::Sgd { lr } => {
             let lr = lr as f32;
@@ -77,7 +87,7 @@ mod tests {
         let mut slots = new_slots(&opt, 1);
         for (i, &g) in grads.iter().enumerate() {
             let mut refs: Vec<&mut [f32]> = slots.iter_mut().map(|s| s.as_mut_slice()).collect();
-            apply(&opt, &mut w, &[g], &mut refs, i as u64 + 1);
+            apply(&opt, &mut w, [g].into_iter(), &mut refs, i as u64 + 1);
         }
         w[0]
     }

@@ -3,6 +3,7 @@
 //! requests are validated before anything is applied.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::sync::Arc;
 
 use prost::bytes::Bytes;
 use serde::{Deserialize, Serialize};
@@ -53,7 +54,8 @@ pub(crate) enum PushDecision {
 
 struct Var {
     info: VariableInfo,
-    value: Vec<f32>,
+    /// Shared with the chunks of pulls in flight: an update copies it only while one is.
+    value: Arc<Vec<f32>>,
     slots: Vec<Vec<f32>>,
     version: u64,
 }
@@ -106,29 +108,37 @@ pub(crate) struct Snapshot {
     pub table: Vec<(UpdateKey, Answer)>,
 }
 
-/// The f32 values of a chunk: borrowed when the bytes are aligned for f32, else decoded into
-/// `scratch` (reused from chunk to chunk, so no allocation per chunk).
-pub(crate) fn f32s<'a>(data: &'a [u8], scratch: &'a mut Vec<f32>) -> &'a [f32] {
-    match bytemuck::try_cast_slice::<u8, f32>(data) {
-        Ok(s) => s,
-        Err(_) => {
-            scratch.clear();
-            scratch.extend(data.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])));
-            scratch
-        }
+/// Writes the f32 values of a chunk into `dst` (of the same length): a plain copy of the
+/// bytes, whatever their alignment (the host is little-endian, like the wire).
+pub(crate) fn copy_f32s(data: &[u8], dst: &mut [f32]) {
+    bytemuck::cast_slice_mut::<f32, u8>(dst).copy_from_slice(data);
+}
+
+/// A range of a variable's values, shared with the variable: the bytes of a pulled chunk
+/// without a copy.
+struct SharedRange {
+    values: Arc<Vec<f32>>,
+    start: usize,
+    end: usize,
+}
+
+impl AsRef<[u8]> for SharedRange {
+    fn as_ref(&self) -> &[u8] {
+        bytemuck::cast_slice(&self.values[self.start..self.end])
     }
 }
 
-/// Writes the f32 values of a chunk into `dst` (of the same length), in one pass.
-pub(crate) fn copy_f32s(data: &[u8], dst: &mut [f32]) {
-    match bytemuck::try_cast_slice::<u8, f32>(data) {
-        Ok(s) => dst.copy_from_slice(s),
-        Err(_) => {
-            for (d, b) in dst.iter_mut().zip(data.chunks_exact(4)) {
-                *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-            }
-        }
-    }
+/// Chunks of a variable's values that share its memory (no copy).
+fn shared_chunks(var: u32, values: &Arc<Vec<f32>>) -> impl Iterator<Item = TensorChunk> + '_ {
+    (0..values.len()).step_by(MAX_CHUNK_ELEMENTS).map(move |start| TensorChunk {
+        variable: var,
+        offset: start as u64,
+        data: Bytes::from_owner(SharedRange {
+            values: values.clone(),
+            start,
+            end: (start + MAX_CHUNK_ELEMENTS).min(values.len()),
+        }),
+    })
 }
 
 /// Appends the f32 values of a chunk to `dst`.
@@ -282,7 +292,7 @@ impl State {
                 }
                 let slots = optim::new_slots(&optimizer, value.len());
                 self.index.insert(info.name.clone(), self.vars.len());
-                self.vars.push(Var { info: info.clone(), value, slots, version: 0 });
+                self.vars.push(Var { info: info.clone(), value: Arc::new(value), slots, version: 0 });
             }
         }
         self.optimizer = Some(optimizer);
@@ -386,14 +396,14 @@ impl State {
             }
         }
         // Async and stale: apply where each chunk lands.
-        let mut scratch = Vec::new();
         for c in chunks {
             let var = &mut self.vars[at[c.var as usize]];
-            let g = f32s(&c.data, &mut scratch);
+            let n = c.data.len() / 4;
             let start = c.offset as usize;
-            let end = start + g.len();
+            let end = start + n;
             let mut slots: Vec<&mut [f32]> = var.slots.iter_mut().map(|s| &mut s[start..end]).collect();
-            optim::apply(&optimizer, &mut var.value[start..end], g, &mut slots, var.version + 1);
+            let value = Arc::make_mut(&mut var.value);
+            optim::apply(&optimizer, &mut value[start..end], optim::le_f32s(&c.data), &mut slots, var.version + 1);
         }
         for &i in &at {
             self.vars[i].version += 1;
@@ -426,7 +436,8 @@ impl State {
             }
             let var = &mut self.vars[i];
             let mut slots: Vec<&mut [f32]> = var.slots.iter_mut().map(|s| s.as_mut_slice()).collect();
-            optim::apply(optimizer, &mut var.value, &mean, &mut slots, var.version + 1);
+            let value: &mut Vec<f32> = Arc::make_mut(&mut var.value);
+            optim::apply(optimizer, value, mean.iter().copied(), &mut slots, var.version + 1);
             var.version += 1;
         }
         self.version += 1;
@@ -473,7 +484,7 @@ impl State {
         };
         let mut chunks = Vec::new();
         for (k, &i) in at.iter().enumerate() {
-            chunks.extend(chunks_of(k as u32, &self.vars[i].value));
+            chunks.extend(shared_chunks(k as u32, &self.vars[i].value));
         }
         Ok((header, chunks))
     }
@@ -507,7 +518,7 @@ impl State {
             variables: self
                 .vars
                 .iter()
-                .map(|v| (v.info.clone(), v.version, v.value.clone(), v.slots.clone()))
+                .map(|v| (v.info.clone(), v.version, v.value.to_vec(), v.slots.clone()))
                 .collect(),
             optimizer: self.optimizer.clone(),
             mode: self.mode,
@@ -529,7 +540,7 @@ impl State {
         self.index.clear();
         for (info, version, value, slots) in snap.variables {
             self.index.insert(info.name.clone(), self.vars.len());
-            self.vars.push(Var { info, value, slots, version });
+            self.vars.push(Var { info, value: Arc::new(value), slots, version });
         }
         self.optimizer = snap.optimizer;
         self.mode = snap.mode;
