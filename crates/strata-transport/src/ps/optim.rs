@@ -3,25 +3,20 @@
 
 use super::ServerOptimizer;
 
-/// The f32 values of little-endian bytes (a pushed chunk, at any alignment).
-pub(crate) fn le_f32s(bytes: &[u8]) -> impl Iterator<Item = f32> + '_ {
-    bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-}
-
 /// Applies one update with gradient `g` (as many values as `w` has) to `w` (a range of a
 /// variable) and its optimizer slots over the same range. `t` is the variable's step count
 /// after this update (1 for its first update), used by AdamW's bias correction.
 pub(crate) fn apply(
     opt: &ServerOptimizer,
     w: &mut [f32],
-    g: impl Iterator<Item = f32>,
+    g: &[f32],
     slots: &mut [&mut [f32]],
     t: u64,
 ) {
     match *opt {
         ServerOptimizer::Sgd { lr } => {
             let lr = lr as f32;
-            for (w, g) in w.iter_mut().zip(g) {
+            for (w, g) in w.iter_mut().zip(g.iter().copied()) {
                 *w -= lr * g;
             }
         }
@@ -29,12 +24,12 @@ pub(crate) fn apply(
             let (lr, m) = (lr as f32, momentum as f32);
             let [v] = slots else { return };
             if nesterov {
-                for ((w, g), v) in w.iter_mut().zip(g).zip(v.iter_mut()) {
+                for ((w, g), v) in w.iter_mut().zip(g.iter().copied()).zip(v.iter_mut()) {
                     *v = m * *v - lr * g;
                     *w += m * *v - lr * g;
                 }
             } else {
-                for ((w, g), v) in w.iter_mut().zip(g).zip(v.iter_mut()) {
+                for ((w, g), v) in w.iter_mut().zip(g.iter().copied()).zip(v.iter_mut()) {
                     *v = m * *v - lr * g;
                     *w += *v;
                 }
@@ -48,7 +43,7 @@ pub(crate) fn apply(
             let (lr, b1, b2, eps, decay) =
                 (lr as f32, beta1 as f32, beta2 as f32, eps as f32, (lr * weight_decay) as f32);
             let (c1, c2) = (c1 as f32, c2 as f32);
-            for (((w, g), m), v) in w.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+            for (((w, g), m), v) in w.iter_mut().zip(g.iter().copied()).zip(m.iter_mut()).zip(v.iter_mut()) {
                 *w -= decay * *w;
                 *m = b1 * *m + (1.0 - b1) * g;
                 *v = b2 * *v + (1.0 - b2) * g * g;
@@ -60,7 +55,7 @@ pub(crate) fn apply(
         ServerOptimizer::Adagrad { lr, eps, .. } => {
             let [acc] = slots else { return };
             let (lr, eps) = (lr as f32, eps as f32);
-            for ((w, g), a) in w.iter_mut().zip(g).zip(acc.iter_mut()) {
+            for ((w, g), a) in w.iter_mut().zip(g.iter().copied()).zip(acc.iter_mut()) {
                 *a += g * g;
                 *w -= lr * g / (a.sqrt() + eps);
             }
@@ -87,7 +82,7 @@ mod tests {
         let mut slots = new_slots(&opt, 1);
         for (i, &g) in grads.iter().enumerate() {
             let mut refs: Vec<&mut [f32]> = slots.iter_mut().map(|s| s.as_mut_slice()).collect();
-            apply(&opt, &mut w, [g].into_iter(), &mut refs, i as u64 + 1);
+            apply(&opt, &mut w, &[g], &mut refs, i as u64 + 1);
         }
         w[0]
     }

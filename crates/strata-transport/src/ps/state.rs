@@ -108,6 +108,19 @@ pub(crate) struct Snapshot {
     pub table: Vec<(UpdateKey, Answer)>,
 }
 
+/// The f32 values of a chunk: borrowed when the bytes are aligned for f32, else copied into
+/// `scratch` (reused from chunk to chunk).
+pub(crate) fn f32s<'a>(data: &'a [u8], scratch: &'a mut Vec<f32>) -> &'a [f32] {
+    match bytemuck::try_cast_slice::<u8, f32>(data) {
+        Ok(s) => s,
+        Err(_) => {
+            scratch.resize(data.len() / 4, 0.0);
+            copy_f32s(data, scratch);
+            scratch
+        }
+    }
+}
+
 /// Writes the f32 values of a chunk into `dst` (of the same length): a plain copy of the
 /// bytes, whatever their alignment (the host is little-endian, like the wire).
 pub(crate) fn copy_f32s(data: &[u8], dst: &mut [f32]) {
@@ -396,14 +409,16 @@ impl State {
             }
         }
         // Async and stale: apply where each chunk lands.
+        let mut scratch = Vec::new();
         for c in chunks {
             let var = &mut self.vars[at[c.var as usize]];
-            let n = c.data.len() / 4;
+            let g = f32s(&c.data, &mut scratch);
+            let n = g.len();
             let start = c.offset as usize;
             let end = start + n;
             let mut slots: Vec<&mut [f32]> = var.slots.iter_mut().map(|s| &mut s[start..end]).collect();
             let value = Arc::make_mut(&mut var.value);
-            optim::apply(&optimizer, &mut value[start..end], optim::le_f32s(&c.data), &mut slots, var.version + 1);
+            optim::apply(&optimizer, &mut value[start..end], g, &mut slots, var.version + 1);
         }
         for &i in &at {
             self.vars[i].version += 1;
@@ -437,7 +452,7 @@ impl State {
             let var = &mut self.vars[i];
             let mut slots: Vec<&mut [f32]> = var.slots.iter_mut().map(|s| s.as_mut_slice()).collect();
             let value: &mut Vec<f32> = Arc::make_mut(&mut var.value);
-            optim::apply(optimizer, value, mean.iter().copied(), &mut slots, var.version + 1);
+            optim::apply(optimizer, value, &mean, &mut slots, var.version + 1);
             var.version += 1;
         }
         self.version += 1;
