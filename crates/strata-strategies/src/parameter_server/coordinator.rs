@@ -28,6 +28,9 @@ use strata_core::{Error, Result};
 use strata_transport::executor::{WorkerClient, STEP_UNAVAILABLE, WORKER_UNREACHABLE};
 use strata_transport::ClusterToken;
 
+/// How long the queue stays empty before sync rounds stop waiting for idle workers, when no
+/// one waits in [`ClusterCoordinator::join`] (a loop of `schedule` calls is not a drain).
+const DRAIN_GRACE: Duration = Duration::from_millis(50);
 /// How often a lost worker is pinged.
 const REVIVE_INTERVAL: Duration = Duration::from_millis(500);
 /// The first and the longest wait before a step whose ps task was unavailable runs again.
@@ -204,6 +207,10 @@ struct State {
     stopping: bool,
     /// No step is handed out while the ps tasks are told a larger number of workers.
     paused: bool,
+    /// Callers waiting in `join`.
+    joining: usize,
+    /// When the queue last became empty (`None` while steps are queued).
+    empty_since: Option<Instant>,
 }
 
 struct Shared {
@@ -228,11 +235,14 @@ impl Shared {
     }
 
     /// The number of pushes a sync round should wait for: every live worker while steps are
-    /// queued; once the queue is empty, only the steps still running (so the last round of a
-    /// batch of steps does not wait for a worker that has nothing to run).
+    /// queued; once the queue has drained (someone waits in `join`, or it stayed empty for
+    /// [`DRAIN_GRACE`]), only the steps still running, so the last round of a batch of steps
+    /// does not wait for a worker that has nothing to run.
     fn desired(st: &State) -> u32 {
         let live = Self::live_count(st);
-        let want = if st.queue.is_empty() { live.min(st.running.max(1)) } else { live };
+        let drained =
+            st.queue.is_empty() && (st.joining > 0 || st.empty_since.is_none_or(|t| t.elapsed() >= DRAIN_GRACE));
+        let want = if drained { live.min(st.running.max(1)) } else { live };
         u32::try_from(want.max(1)).unwrap_or(u32::MAX)
     }
 
@@ -281,7 +291,24 @@ impl Shared {
             if let Some(at) = st.queue.iter().position(|p| p.not_before.is_none_or(|t| t <= now)) {
                 let p = st.queue.remove(at)?;
                 st.running += 1;
+                if st.queue.is_empty() {
+                    st.empty_since = Some(now);
+                }
                 return Some(p);
+            }
+            if st.queue.is_empty() && st.empty_since.is_some_and(|t| t.elapsed() >= DRAIN_GRACE) {
+                // The queue drained: let sync rounds complete with the steps still running.
+                drop(st);
+                self.reannounce();
+                st = lock(&self.state);
+                if st.queue.is_empty() {
+                    st = self
+                        .changed
+                        .wait_timeout(st, Duration::from_millis(100))
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .0;
+                }
+                continue;
             }
             let wait = st
                 .queue
@@ -540,6 +567,8 @@ impl ClusterCoordinator {
                 all_lost_since: None,
                 stopping: false,
                 paused: false,
+                joining: 0,
+                empty_since: None,
             }),
             changed: Condvar::new(),
             completed: AtomicU64::new(0),
@@ -601,6 +630,7 @@ impl ClusterCoordinator {
             return value;
         }
         st.queue.push_back(pending);
+        st.empty_since = None;
         let want = Shared::desired(&st);
         let change = !self.shared.ps.is_empty() && want != *announced;
         st.paused = change;
@@ -617,10 +647,21 @@ impl ClusterCoordinator {
 
     /// Waits until every scheduled step finished; the first step error since the last join.
     pub fn join(&self) -> Result<()> {
-        let mut st = lock(&self.shared.state);
-        while !(st.queue.is_empty() && st.running == 0) {
-            st = self.shared.changed.wait(st).unwrap_or_else(PoisonError::into_inner);
+        lock(&self.shared.state).joining += 1;
+        loop {
+            // Waiting here means no more steps are coming: sync rounds need not wait for idle
+            // workers.
+            self.shared.reannounce();
+            let st = lock(&self.shared.state);
+            if st.queue.is_empty() && st.running == 0 {
+                break;
+            }
+            drop(
+                self.shared.changed.wait_timeout(st, Duration::from_millis(50)).unwrap_or_else(PoisonError::into_inner),
+            );
         }
+        let mut st = lock(&self.shared.state);
+        st.joining -= 1;
         match st.first_error.take() {
             Some(e) => Err(e.to_error()),
             None => Ok(()),
