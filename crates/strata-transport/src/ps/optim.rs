@@ -6,13 +6,7 @@ use super::ServerOptimizer;
 /// Applies one update with gradient `g` (as many values as `w` has) to `w` (a range of a
 /// variable) and its optimizer slots over the same range. `t` is the variable's step count
 /// after this update (1 for its first update), used by AdamW's bias correction.
-pub(crate) fn apply(
-    opt: &ServerOptimizer,
-    w: &mut [f32],
-    g: &[f32],
-    slots: &mut [&mut [f32]],
-    t: u64,
-) {
+pub(crate) fn apply(opt: &ServerOptimizer, w: &mut [f32], g: &[f32], slots: &mut [&mut [f32]], t: u64) {
     match *opt {
         ServerOptimizer::Sgd { lr } => {
             let lr = lr as f32;
