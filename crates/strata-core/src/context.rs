@@ -164,6 +164,23 @@ impl<'a> ReplicaContext<'a> {
         let _s = tracing::trace_span!("all_reduce", replica = self.replica, %op, elements = t.elem_count()).entered();
         let input = t.to_dtype(candle_core::DType::F32)?.contiguous()?;
         let seq = self.shared.group.next_seq(self.replica);
+        let ops = self.shared.ext.cross_device_ops();
+        if ops.reduces_in_place() {
+            // A copy of its own: the reduction overwrites it, and `t` stays the caller's.
+            let buf = input.copy()?;
+            let group = &self.shared.group;
+            ops.reduce(
+                group,
+                self.replica,
+                seq,
+                op,
+                Destination::AllReplicas,
+                std::slice::from_ref(&buf),
+                1.0,
+                &mut |_| {},
+            )?;
+            return Ok(buf.to_dtype(t.dtype())?);
+        }
         let mut out = Vec::with_capacity(input.elem_count());
         self.shared.ext.cross_device_ops().reduce(
             &self.shared.group,
@@ -288,6 +305,19 @@ impl<'a> ReplicaContext<'a> {
                     .entered();
             let seq = self.shared.group.next_seq(self.replica);
             let range = bucket.tensors.clone();
+            if ops.reduces_in_place() {
+                ops.reduce(
+                    &self.shared.group,
+                    self.replica,
+                    seq,
+                    ReduceOp::Sum,
+                    dest,
+                    &grads[range],
+                    self.batch_weight(),
+                    &mut |_| {},
+                )?;
+                continue;
+            }
             let (mut cur, mut filled) = (range.start, 0usize);
             ops.reduce(
                 &self.shared.group,

@@ -31,6 +31,25 @@ impl CentralStorageStrategy {
         Ok(Self { ext: LocalStrategy::build("central-storage", devices, policy, reduction, options)? })
     }
 
+    /// One replica per device, reducing with `ops` (TensorFlow's `cross_device_ops=`): for
+    /// GPU replicas, the ops strata-cuda's selection rule picks (NCCL or Strata's kernels).
+    /// `ops` must be built for exactly these devices, in this order.
+    pub fn with_cross_device_ops(
+        devices: Vec<LogicalDevice>,
+        ops: Box<dyn strata_core::cross_device::CrossDeviceOps>,
+        options: StrategyOptions,
+    ) -> Result<Self> {
+        Ok(Self {
+            ext: LocalStrategy::build_with_ops(
+                "central-storage",
+                devices,
+                VariablePolicy::Central { parameter_replica: 0 },
+                ops,
+                options,
+            )?,
+        })
+    }
+
     /// `n` logical CPU devices of one thread each.
     pub fn logical_cpus(n: usize) -> Result<Self> {
         Self::new(strata_core::device::logical_cpus(n)?)

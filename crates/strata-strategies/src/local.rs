@@ -53,12 +53,36 @@ impl LocalStrategy {
         Self::build_with(name, devices, policy, reduction, options, None)
     }
 
+    /// As [`LocalStrategy::build`], reducing with `ops` (TensorFlow's `cross_device_ops=`
+    /// argument): NCCL or Strata's CUDA kernels for GPU replicas, or any other implementation.
+    pub(crate) fn build_with_ops(
+        name: &'static str,
+        devices: Vec<LogicalDevice>,
+        policy: VariablePolicy,
+        ops: Box<dyn CrossDeviceOps>,
+        options: StrategyOptions,
+    ) -> Result<Arc<dyn StrategyExtended>> {
+        Self::build_inner(name, devices, policy, Err(ops), options, None)
+    }
+
     /// As [`LocalStrategy::build`], with the cross-worker half of a multi-worker strategy.
     pub(crate) fn build_with(
         name: &'static str,
         devices: Vec<LogicalDevice>,
         policy: VariablePolicy,
         reduction: CpuReduction,
+        options: StrategyOptions,
+        cross: Option<CrossWorker>,
+    ) -> Result<Arc<dyn StrategyExtended>> {
+        Self::build_inner(name, devices, policy, Ok(reduction), options, cross)
+    }
+
+    /// `reduction`: the CPU reduction to build, or ready-made ops.
+    fn build_inner(
+        name: &'static str,
+        devices: Vec<LogicalDevice>,
+        policy: VariablePolicy,
+        reduction: std::result::Result<CpuReduction, Box<dyn CrossDeviceOps>>,
         options: StrategyOptions,
         cross: Option<CrossWorker>,
     ) -> Result<Arc<dyn StrategyExtended>> {
@@ -75,14 +99,19 @@ impl LocalStrategy {
             strata_core::runtime::candle_device(d)?;
         }
         let n = devices.len();
-        let ops = match reduction {
-            CpuReduction::InMemoryAllReduce => CpuCrossDeviceOps::in_memory_all_reduce(n)?,
-            CpuReduction::ReductionToOneDevice => CpuCrossDeviceOps::reduction_to_one_device(n)?,
-        };
-        let ops = ops.with_devices(devices.iter().map(|d| d.spec.clone()).collect())?;
-        let (ops, workers, auto_shard): (Box<dyn CrossDeviceOps>, _, _) = match cross {
-            None => (Box::new(ops), None, AutoShardPolicy::Data),
-            Some(c) => ((c.ops)(ops), Some(c.workers), c.auto_shard),
+        let (ops, workers, auto_shard): (Box<dyn CrossDeviceOps>, _, _) = match reduction {
+            Ok(reduction) => {
+                let ops = match reduction {
+                    CpuReduction::InMemoryAllReduce => CpuCrossDeviceOps::in_memory_all_reduce(n)?,
+                    CpuReduction::ReductionToOneDevice => CpuCrossDeviceOps::reduction_to_one_device(n)?,
+                };
+                let ops = ops.with_devices(devices.iter().map(|d| d.spec.clone()).collect())?;
+                match cross {
+                    None => (Box::new(ops), None, AutoShardPolicy::Data),
+                    Some(c) => ((c.ops)(ops), Some(c.workers), c.auto_shard),
+                }
+            }
+            Err(ops) => (ops, None, AutoShardPolicy::Data),
         };
         let pools = ReplicaPools::for_devices(&devices)?;
         let candle_threads = candle_core::utils::get_num_threads();

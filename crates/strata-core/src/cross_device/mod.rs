@@ -57,4 +57,12 @@ pub trait CrossDeviceOps: Send + Sync + std::fmt::Debug {
         weight: f32,
         out: &mut dyn FnMut(&[f32]),
     ) -> Result<()>;
+
+    /// `true` for device-resident implementations (NCCL, Strata's CUDA kernels) whose
+    /// [`reduce`](CrossDeviceOps::reduce) writes the result into the `input` tensors themselves,
+    /// on their device, and never calls `out`: the caller then reads the result from its
+    /// inputs (where it receives one). The host implementations return `false`.
+    fn reduces_in_place(&self) -> bool {
+        false
+    }
 }

@@ -53,6 +53,88 @@ pub fn central(n: usize) -> StrategyHandle {
     CentralStorageStrategy::logical_cpus(n).unwrap().handle()
 }
 
+/// The host all-reduce behind the in-place contract of device-resident ops (NCCL, Strata's
+/// CUDA kernels): the result is written into the input tensors, `out` is never called. Every
+/// strategy test body also runs through it, so the path GPU ops take is tested here.
+#[derive(Debug)]
+pub struct InPlace(pub strata_core::cross_device::CpuCrossDeviceOps);
+
+struct WriteAt<'a>(usize, &'a [f32]);
+
+impl candle_core::InplaceOp1 for WriteAt<'_> {
+    fn name(&self) -> &'static str {
+        "test-write-at"
+    }
+    fn cpu_fwd(&self, s: &mut candle_core::CpuStorage, l: &candle_core::Layout) -> candle_core::Result<()> {
+        match (s, l.contiguous_offsets()) {
+            (candle_core::CpuStorage::F32(v), Some((lo, _))) => {
+                v[lo + self.0..lo + self.0 + self.1.len()].copy_from_slice(self.1);
+                Ok(())
+            }
+            _ => candle_core::bail!("not a contiguous f32 tensor"),
+        }
+    }
+}
+
+impl strata_core::cross_device::CrossDeviceOps for InPlace {
+    fn name(&self) -> &'static str {
+        "in-place(cpu)"
+    }
+    fn reduce(
+        &self,
+        group: &strata_core::group::ReplicaGroup,
+        replica: usize,
+        seq: u64,
+        op: strata_core::ReduceOp,
+        dest: strata_core::cross_device::Destination,
+        input: &[Tensor],
+        weight: f32,
+        out: &mut dyn FnMut(&[f32]),
+    ) -> strata_core::Result<()> {
+        let _ = out;
+        let sizes: Vec<usize> = input.iter().map(Tensor::elem_count).collect();
+        let (mut cur, mut filled) = (0usize, 0usize);
+        let mut failed = None;
+        self.0.reduce(group, replica, seq, op, dest, input, weight, &mut |mut piece: &[f32]| {
+            while !piece.is_empty() {
+                while filled == sizes[cur] {
+                    (cur, filled) = (cur + 1, 0);
+                }
+                let take = (sizes[cur] - filled).min(piece.len());
+                if let Err(e) = input[cur].inplace_op1(&WriteAt(filled, &piece[..take])) {
+                    failed.get_or_insert(e);
+                }
+                filled += take;
+                piece = &piece[take..];
+            }
+        })?;
+        match failed {
+            Some(e) => Err(e.into()),
+            None => Ok(()),
+        }
+    }
+    fn reduces_in_place(&self) -> bool {
+        true
+    }
+}
+
+fn in_place_ops(n: usize) -> Box<dyn strata_core::cross_device::CrossDeviceOps> {
+    let devices = strata_core::device::logical_cpus(n).unwrap();
+    let ops = strata_core::cross_device::CpuCrossDeviceOps::in_memory_all_reduce(n)
+        .unwrap()
+        .with_devices(devices.into_iter().map(|d| d.spec).collect())
+        .unwrap();
+    Box::new(InPlace(ops))
+}
+pub fn mirrored_in_place(n: usize) -> StrategyHandle {
+    let devices = strata_core::device::logical_cpus(n).unwrap();
+    MirroredStrategy::with_cross_device_ops(devices, in_place_ops(n), Default::default()).unwrap().handle()
+}
+pub fn central_in_place(n: usize) -> StrategyHandle {
+    let devices = strata_core::device::logical_cpus(n).unwrap();
+    CentralStorageStrategy::with_cross_device_ops(devices, in_place_ops(n), Default::default()).unwrap().handle()
+}
+
 /// A one-worker MultiWorkerMirrored job of `n` replicas in this process: every collective
 /// goes through the hierarchical op, the ring and the coordination service.
 pub fn multi_worker(n: usize) -> StrategyHandle {
@@ -117,6 +199,14 @@ macro_rules! strategy_test {
             #[test]
             fn central_storage_4() {
                 ($body)(common::central(4))
+            }
+            #[test]
+            fn mirrored_in_place_3() {
+                ($body)(common::mirrored_in_place(3))
+            }
+            #[test]
+            fn central_storage_in_place_2() {
+                ($body)(common::central_in_place(2))
             }
             #[test]
             fn multi_worker_1x2() {
