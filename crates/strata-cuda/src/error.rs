@@ -20,9 +20,75 @@ pub enum Error {
     #[error("invalid launch of {kernel}: {detail}")]
     InvalidLaunch { kernel: &'static str, detail: String },
 
+    /// A CUDA driver call failed (`call` is the driver function, e.g. `cuMemAlloc`).
+    #[cfg(feature = "cuda")]
+    #[error("{call} failed: {source}")]
+    Driver {
+        call: &'static str,
+        #[source]
+        source: DriverError,
+    },
+
+    /// An allocation that would take a (logical) device past its memory limit. Sizes are exact
+    /// bytes; `limit_source` says where the limit comes from and `fix` what to change.
+    #[error(
+        "cannot allocate {requested} bytes on {device}: {in_use} bytes are in use and the limit is {limit} bytes \
+         ({limit_source}); {fix}"
+    )]
+    MemoryLimit { device: String, requested: u64, in_use: u64, limit: u64, limit_source: String, fix: String },
+
+    /// The device, or the memory reserved on it, has no room for an allocation.
+    #[error("out of memory on {device}: cannot allocate {requested} bytes: {detail}")]
+    OutOfMemory { device: String, requested: u64, detail: String },
+
     /// An error from strata-core (device lists, visibility, memory configuration).
     #[error(transparent)]
     Core(#[from] strata_core::Error),
+}
+
+/// A status code of the CUDA driver, as cudarc reports it; displays as
+/// `CUDA_ERROR_OUT_OF_MEMORY: out of memory`.
+#[cfg(feature = "cuda")]
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct DriverError(pub cudarc::driver::DriverError);
+
+#[cfg(feature = "cuda")]
+impl DriverError {
+    /// Whether this is `CUDA_ERROR_OUT_OF_MEMORY`.
+    pub fn is_out_of_memory(&self) -> bool {
+        self.0 .0 == cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl std::fmt::Debug for DriverError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DriverError({:?})", self.0 .0)
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl std::fmt::Display for DriverError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The code's name is known without calling into the driver; its description needs
+        // the driver, which is loaded whenever an error came from it.
+        let name = format!("{:?}", self.0 .0);
+        match self.0.error_string() {
+            Ok(text) => write!(f, "{name}: {}", text.to_string_lossy()),
+            Err(_) => f.write_str(&name),
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl std::error::Error for DriverError {}
+
+#[cfg(feature = "cuda")]
+impl Error {
+    /// A closure for `map_err` that wraps a cudarc driver error of the driver function `call`.
+    pub fn driver(call: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> Error {
+        move |e| Error::Driver { call, source: DriverError(e) }
+    }
 }
 
 /// `Result` with strata-cuda's [`Error`].

@@ -16,8 +16,12 @@
 //! }
 //! ```
 
+pub mod alloc;
+pub mod device;
 mod error;
 pub mod probe;
 pub mod testing;
 
+#[cfg(feature = "cuda")]
+pub use error::DriverError;
 pub use error::{Error, Result};
