@@ -20,6 +20,10 @@ pub enum Error {
     #[error("invalid launch of {kernel}: {detail}")]
     InvalidLaunch { kernel: &'static str, detail: String },
 
+    /// NVRTC did not compile a kernel source (`log` is NVRTC's program log, or its status).
+    #[error("nvrtc could not compile {file} for {arch}: {log}")]
+    Compile { file: &'static str, arch: String, log: String },
+
     /// A CUDA driver call failed (`call` is the driver function, e.g. `cuMemAlloc`).
     #[cfg(feature = "cuda")]
     #[error("{call} failed: {source}")]
@@ -40,6 +44,36 @@ pub enum Error {
     /// The device, or the memory reserved on it, has no room for an allocation.
     #[error("out of memory on {device}: cannot allocate {requested} bytes: {detail}")]
     OutOfMemory { device: String, requested: u64, detail: String },
+
+    /// An NCCL call failed (`call`: the NCCL function; `place`: the rank and GPU, as
+    /// `rank 1 of 4 (GPU 1)`; `detail`: NCCL's last error message, if any).
+    #[cfg(feature = "nccl")]
+    #[error("{call} failed on {place}: {source}{detail}")]
+    Nccl {
+        call: &'static str,
+        place: String,
+        #[source]
+        source: crate::nccl::NcclError,
+        detail: String,
+    },
+
+    /// An NCCL initialisation or collective did not finish within its timeout (a peer process
+    /// is lost, stuck, or never joined); the communicator was aborted.
+    #[error("nccl {what} on {place} timed out after {timeout:?}; the communicator was aborted (a peer process is lost, stuck or never joined)")]
+    NcclTimeout { what: &'static str, place: String, timeout: std::time::Duration },
+
+    /// An NCCL initialisation or collective was abandoned because the job failed elsewhere (or
+    /// the communicator had been aborted before); the communicator is aborted.
+    #[error("nccl {what} on {place} was aborted: {reason}")]
+    NcclAborted { what: &'static str, place: String, reason: String },
+
+    /// Bytes that are not an NCCL unique id.
+    #[error("invalid nccl unique id: {0}")]
+    InvalidNcclId(String),
+
+    /// An explicit choice of cross-device ops that cannot work on the replica devices.
+    #[error("cannot use {choice} for cross-device ops: {reason}")]
+    CrossDeviceChoice { choice: &'static str, reason: String },
 
     /// An error from strata-core (device lists, visibility, memory configuration).
     #[error(transparent)]

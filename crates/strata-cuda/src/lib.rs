@@ -19,7 +19,9 @@
 pub mod alloc;
 pub mod device;
 mod error;
+pub mod nccl;
 pub mod probe;
+pub mod select;
 pub mod testing;
 
 #[cfg(feature = "cuda")]

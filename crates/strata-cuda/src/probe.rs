@@ -45,7 +45,7 @@ pub fn nvrtc() -> Result<()> {
     }
 }
 
-/// NCCL (`libnccl.so.2`), for all-reduce across GPUs.
+/// NCCL (`libnccl.so`, a link to NCCL's `libnccl.so.2`), for all-reduce across GPUs.
 pub fn nccl() -> Result<()> {
     #[cfg(feature = "nccl")]
     {
@@ -55,8 +55,10 @@ pub fn nccl() -> Result<()> {
         }
         Err(Error::LibraryMissing {
             what: "NCCL",
-            library: "libnccl.so.2",
-            hint: " (install NCCL, or `pip install nvidia-nccl-cu13` and add its lib directory to LD_LIBRARY_PATH)",
+            library: "libnccl.so",
+            // cudarc opens `libnccl.so` (or `.so.1`, `.so.9` to `.so.13`), never NCCL's soname
+            // `libnccl.so.2`, which is all that NCCL's runtime packages and the PyPI wheel ship.
+            hint: " (install NCCL, or `pip install nvidia-nccl-cu13`; NCCL ships libnccl.so.2, so put a link libnccl.so -> libnccl.so.2 in a directory on LD_LIBRARY_PATH, as scripts/gpu-test does)",
         })
     }
     #[cfg(not(feature = "nccl"))]
