@@ -19,6 +19,7 @@
 pub mod alloc;
 pub mod device;
 mod error;
+pub mod kernels;
 pub mod nccl;
 pub mod probe;
 pub mod select;

@@ -1,0 +1,241 @@
+//! CPU references of the kernels: the same contract (arguments, validation through
+//! [`validate`](super::validate), errors) and the same f32 operations in the same order as
+//! `kernels/*.cu`, so a kernel's output equals its reference bit for bit (see the module
+//! [`kernels`](super) for the NaN payload exception). Rust never contracts `a * b + c` into an
+//! FMA, and the kernels use `_rn` intrinsics, so neither side fuses.
+//!
+//! 16-bit floats are passed as their bits (`u16`), as the kernels take them; the scalar
+//! conversions equal the `half` crate's.
+
+use super::{validate, AdamWScalars, ReduceOp, CANONICAL_NAN};
+use crate::Result;
+
+fn combine(op: ReduceOp, acc: f32, x: f32) -> f32 {
+    match op {
+        ReduceOp::Sum | ReduceOp::Mean => acc + x,
+        ReduceOp::Max => {
+            if x > acc || x.is_nan() {
+                x
+            } else {
+                acc
+            }
+        }
+        ReduceOp::Min => {
+            if x < acc || x.is_nan() {
+                x
+            } else {
+                acc
+            }
+        }
+    }
+}
+
+fn finish(op: ReduceOp, acc: f32, n: u32) -> f32 {
+    let acc = if op == ReduceOp::Mean { acc / n as f32 } else { acc };
+    if acc.is_nan() {
+        f32::from_bits(CANONICAL_NAN)
+    } else {
+        acc
+    }
+}
+
+/// One element of a reduction: `srcs` yields the inputs in replica order.
+fn reduce_one(op: ReduceOp, n: u32, mut values: impl Iterator<Item = f32>) -> f32 {
+    let first = values.next().expect("validated: at least one buffer");
+    finish(op, values.fold(first, |acc, x| combine(op, acc, x)), n)
+}
+
+/// `strata_reduce_f32`: `dst[i] = op(srcs[0][i], srcs[1][i], ...)`, in replica order; every NaN
+/// result is the canonical NaN. At least one source, every source as long as `dst`.
+pub fn reduce(op: ReduceOp, srcs: &[&[f32]], dst: &mut [f32]) -> Result<()> {
+    let lens: Vec<usize> = srcs.iter().map(|s| s.len()).collect();
+    let n = validate::reduce("strata_reduce_f32", &lens, dst.len())?;
+    for (i, d) in dst.iter_mut().enumerate() {
+        *d = reduce_one(op, n, srcs.iter().map(|s| s[i]));
+    }
+    Ok(())
+}
+
+/// `strata_allreduce_chunk_f32`: reduces elements `[off, off + len)` of every buffer (as
+/// [`reduce`] does) and writes the result into every buffer at those elements. At least one
+/// buffer, all of the same length, the chunk inside them.
+pub fn allreduce_chunk(op: ReduceOp, bufs: &mut [&mut [f32]], off: usize, len: usize) -> Result<()> {
+    let lens: Vec<usize> = bufs.iter().map(|b| b.len()).collect();
+    let n = validate::allreduce_chunk("strata_allreduce_chunk_f32", &lens, off, len)?;
+    for i in off..off + len {
+        let r = reduce_one(op, n, bufs.iter().map(|b| b[i]));
+        for b in bufs.iter_mut() {
+            b[i] = r;
+        }
+    }
+    Ok(())
+}
+
+/// `strata_axpy_f32`: `dst[i] = dst[i] + alpha * src[i]` (two rounded operations).
+pub fn axpy(alpha: f32, src: &[f32], dst: &mut [f32]) -> Result<()> {
+    validate::same_len("strata_axpy_f32", &[("dst", dst.len()), ("src", src.len())])?;
+    dst.iter_mut().zip(src).for_each(|(d, s)| *d += alpha * *s);
+    Ok(())
+}
+
+/// `strata_scale_f32`: `dst[i] = alpha * src[i]`.
+pub fn scale(alpha: f32, src: &[f32], dst: &mut [f32]) -> Result<()> {
+    validate::same_len("strata_scale_f32", &[("dst", dst.len()), ("src", src.len())])?;
+    dst.iter_mut().zip(src).for_each(|(d, s)| *d = alpha * *s);
+    Ok(())
+}
+
+/// f32 to bf16 bits: round to nearest even, NaN kept (quiet, sign and top payload bits).
+pub fn f32_to_bf16_bits(value: f32) -> u16 {
+    let x = value.to_bits();
+    if x & 0x7FFF_FFFF > 0x7F80_0000 {
+        return ((x >> 16) | 0x0040) as u16;
+    }
+    let round_bit = 0x0000_8000u32;
+    if (x & round_bit) != 0 && (x & (3 * round_bit - 1)) != 0 {
+        ((x >> 16) + 1) as u16
+    } else {
+        (x >> 16) as u16
+    }
+}
+
+/// bf16 bits to f32, exact (a NaN is made quiet).
+pub fn bf16_bits_to_f32(i: u16) -> f32 {
+    let b = u32::from(i);
+    if b & 0x7FFF > 0x7F80 {
+        f32::from_bits((b | 0x0040) << 16)
+    } else {
+        f32::from_bits(b << 16)
+    }
+}
+
+/// f32 to f16 bits: round to nearest even, overflow to infinity, subnormals, NaN kept.
+pub fn f32_to_f16_bits(value: f32) -> u16 {
+    let x = value.to_bits();
+    let sign = x & 0x8000_0000;
+    let exp = x & 0x7F80_0000;
+    let man = x & 0x007F_FFFF;
+    if exp == 0x7F80_0000 {
+        let nan_bit = if man == 0 { 0 } else { 0x0200 };
+        return ((sign >> 16) | 0x7C00 | nan_bit | (man >> 13)) as u16;
+    }
+    let half_sign = sign >> 16;
+    let half_exp = (exp >> 23) as i32 - 127 + 15;
+    if half_exp >= 0x1F {
+        return (half_sign | 0x7C00) as u16;
+    }
+    if half_exp <= 0 {
+        if 14 - half_exp > 24 {
+            return half_sign as u16;
+        }
+        let m = man | 0x0080_0000;
+        let mut half_man = m >> (14 - half_exp);
+        let round_bit = 1u32 << (13 - half_exp);
+        if (m & round_bit) != 0 && (m & (3 * round_bit - 1)) != 0 {
+            half_man += 1;
+        }
+        return (half_sign | half_man) as u16;
+    }
+    let bits = half_sign | ((half_exp as u32) << 10) | (man >> 13);
+    let round_bit = 0x0000_1000u32;
+    if (man & round_bit) != 0 && (man & (3 * round_bit - 1)) != 0 {
+        (bits + 1) as u16
+    } else {
+        bits as u16
+    }
+}
+
+/// f16 bits to f32, exact (subnormals normalised, a NaN made quiet).
+pub fn f16_bits_to_f32(i: u16) -> f32 {
+    let h = u32::from(i);
+    if h & 0x7FFF == 0 {
+        return f32::from_bits(h << 16);
+    }
+    let half_sign = h & 0x8000;
+    let half_exp = h & 0x7C00;
+    let half_man = h & 0x03FF;
+    if half_exp == 0x7C00 {
+        if half_man == 0 {
+            return f32::from_bits((half_sign << 16) | 0x7F80_0000);
+        }
+        return f32::from_bits((half_sign << 16) | 0x7FC0_0000 | (half_man << 13));
+    }
+    let sign = half_sign << 16;
+    if half_exp == 0 {
+        let e = (half_man.leading_zeros() as i32 - 16) - 6;
+        let exp32 = ((127 - 15 - e) as u32) << 23;
+        let man32 = (half_man << (14 + e)) & 0x7F_FFFF;
+        return f32::from_bits(sign | exp32 | man32);
+    }
+    let unbiased = (half_exp as i32 >> 10) - 15;
+    f32::from_bits(sign | (((unbiased + 127) as u32) << 23) | (half_man << 13))
+}
+
+/// `strata_f32_to_bf16`.
+pub fn f32_to_bf16(src: &[f32], dst: &mut [u16]) -> Result<()> {
+    validate::same_len("strata_f32_to_bf16", &[("dst", dst.len()), ("src", src.len())])?;
+    dst.iter_mut().zip(src).for_each(|(d, s)| *d = f32_to_bf16_bits(*s));
+    Ok(())
+}
+
+/// `strata_f32_to_f16`.
+pub fn f32_to_f16(src: &[f32], dst: &mut [u16]) -> Result<()> {
+    validate::same_len("strata_f32_to_f16", &[("dst", dst.len()), ("src", src.len())])?;
+    dst.iter_mut().zip(src).for_each(|(d, s)| *d = f32_to_f16_bits(*s));
+    Ok(())
+}
+
+/// `strata_bf16_to_f32`.
+pub fn bf16_to_f32(src: &[u16], dst: &mut [f32]) -> Result<()> {
+    validate::same_len("strata_bf16_to_f32", &[("dst", dst.len()), ("src", src.len())])?;
+    dst.iter_mut().zip(src).for_each(|(d, s)| *d = bf16_bits_to_f32(*s));
+    Ok(())
+}
+
+/// `strata_f16_to_f32`.
+pub fn f16_to_f32(src: &[u16], dst: &mut [f32]) -> Result<()> {
+    validate::same_len("strata_f16_to_f32", &[("dst", dst.len()), ("src", src.len())])?;
+    dst.iter_mut().zip(src).for_each(|(d, s)| *d = f16_bits_to_f32(*s));
+    Ok(())
+}
+
+/// `strata_sgd_f32`: `param = param - (grad * lr + 0)`, strata-core's `FusedSgd` (candle-nn's
+/// `SGD`) on one variable.
+pub fn sgd(lr: f32, param: &mut [f32], grad: &[f32]) -> Result<()> {
+    validate::same_len("strata_sgd_f32", &[("param", param.len()), ("grad", grad.len())])?;
+    param.iter_mut().zip(grad).for_each(|(t, g)| *t -= *g * lr + 0.0);
+    Ok(())
+}
+
+/// `strata_sgd_momentum_f32`: `velocity = velocity * momentum + grad`, then
+/// `param = param - (velocity * lr + 0)` (heavy ball, no dampening; the velocity starts at zero).
+pub fn sgd_momentum(lr: f32, momentum: f32, param: &mut [f32], grad: &[f32], velocity: &mut [f32]) -> Result<()> {
+    validate::same_len(
+        "strata_sgd_momentum_f32",
+        &[("param", param.len()), ("grad", grad.len()), ("velocity", velocity.len())],
+    )?;
+    for ((t, g), v) in param.iter_mut().zip(grad).zip(velocity.iter_mut()) {
+        *v = *v * momentum + *g;
+        *t -= *v * lr + 0.0;
+    }
+    Ok(())
+}
+
+/// `strata_adamw_f32`: one step of strata-core's `FusedAdamW` (candle-nn's `AdamW`) on one
+/// variable, its three passes fused; `s` from [`AdamWScalars::new`].
+pub fn adamw(s: &AdamWScalars, param: &mut [f32], grad: &[f32], m: &mut [f32], v: &mut [f32]) -> Result<()> {
+    validate::same_len(
+        "strata_adamw_f32",
+        &[("param", param.len()), ("grad", grad.len()), ("m", m.len()), ("v", v.len())],
+    )?;
+    for (((t, g), m), v) in param.iter_mut().zip(grad).zip(m.iter_mut()).zip(v.iter_mut()) {
+        let g = *g;
+        *m = (*m * s.beta1 + 0.0) + (g * s.one_minus_beta1 + 0.0);
+        *v = (*v * s.beta2 + 0.0) + ((g * g) * s.one_minus_beta2 + 0.0);
+        let m_hat = *m * s.scale_m + 0.0;
+        let v_hat = *v * s.scale_v + 0.0;
+        let adjusted = m_hat / (v_hat.sqrt() * 1.0 + s.eps);
+        *t = (*t * s.keep + 0.0) - (adjusted * s.lr + 0.0);
+    }
+    Ok(())
+}
