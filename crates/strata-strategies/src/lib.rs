@@ -28,6 +28,8 @@ pub mod cluster;
 mod local;
 mod mirrored;
 mod multi_worker;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 mod one_device;
 pub mod parameter_server;
 
