@@ -33,14 +33,23 @@ pub enum Command {
     /// Serve one worker task: run the step functions registered in this binary for a
     /// coordinator, until SIGTERM.
     Worker(ps::WorkerArgs),
-    /// List physical and logical devices as the visibility rules resolve them.
-    Devices,
+    /// List physical and logical devices as the visibility rules resolve them, and the GPUs
+    /// with the CUDA_VISIBLE_DEVICES entry that selected each, their memory and peer access.
+    Devices(DevicesArgs),
     /// Benchmarks; each prints this machine's ceiling measured in the same run.
     Bench {
         /// Which benchmark.
         #[command(subcommand)]
         which: BenchCommand,
     },
+}
+
+/// Options of `strata devices`.
+#[derive(clap::Args, Debug)]
+pub struct DevicesArgs {
+    /// Also ask the CUDA driver for each GPU's free memory (this creates a context on every GPU).
+    #[arg(long)]
+    pub driver_memory: bool,
 }
 
 /// The benchmarks.
@@ -65,14 +74,39 @@ pub fn run(cli: Cli) -> crate::Result<()> {
         Command::Launch(args) => launch::run(&args),
         Command::Ps(args) => ps::run_ps(&args),
         Command::Worker(args) => ps::run_worker(&args),
-        Command::Devices => {
-            let registry = strata_core::device::DeviceRegistry::global();
-            print!("{}", strata_core::device::describe_devices(registry)?);
-            Ok(())
-        }
+        Command::Devices(args) => devices(&args),
         Command::Bench { which: BenchCommand::Allreduce(args) } => bench::allreduce::run(&args),
         Command::Bench { which: BenchCommand::Train(args) } => bench::train::run(&args),
         Command::Bench { which: BenchCommand::Transport(args) } => bench::transport::run(&args),
         Command::Bench { which: BenchCommand::Ps(args) } => bench::ps::run(&args),
     }
+}
+
+/// `strata devices`: the registry's report, with the GPUs from the CUDA driver when there is
+/// one; without a driver (or a build without the `cuda` feature) one line says why.
+fn devices(args: &DevicesArgs) -> crate::Result<()> {
+    let registry = strata_core::device::DeviceRegistry::global();
+    let registered = strata_cuda::device::register_cuda_enumerator(registry);
+    let mut text = strata_core::device::describe_devices(registry)?;
+    match registered {
+        Ok(()) => match strata_cuda::device::discover()
+            .and_then(|topology| strata_cuda::device::describe_gpus(registry, &topology, args.driver_memory))
+        {
+            Ok(gpus) => text.push_str(&gpus),
+            Err(strata_cuda::Error::Core(e)) => return Err(e.into()),
+            Err(e) => text.push_str(&format!("GPUs: {e}\n")),
+        },
+        Err(strata_cuda::Error::Core(e)) => return Err(e.into()),
+        Err(e) => {
+            let line = format!("GPUs: {e}\n");
+            let generic = "GPUs: no GPU enumerator registered (build with the cuda feature)\n";
+            if text.contains(generic) {
+                text = text.replace(generic, &line);
+            } else {
+                text.push_str(&line);
+            }
+        }
+    }
+    print!("{text}");
+    Ok(())
 }
