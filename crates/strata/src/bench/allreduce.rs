@@ -94,6 +94,10 @@ pub struct AllreduceArgs {
     /// cross-worker ring); comma-separated counts run one after the other.
     #[arg(long, value_delimiter = ',', conflicts_with = "local")]
     pub workers: Vec<usize>,
+    /// NCCL all-reduce across every visible GPU of this machine, beside the device-to-device
+    /// copy bandwidth of the same GPUs (needs a build with `--features nccl` and a GPU).
+    #[arg(long, conflicts_with_all = ["local", "workers"])]
+    pub gpus: bool,
     /// Replica counts to time with --local, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "2,4")]
     pub replicas: Vec<usize>,
@@ -173,10 +177,11 @@ pub fn sizes(min: u64, max: u64) -> Vec<u64> {
 impl AllreduceArgs {
     /// Checks the flags and turns them into a [`Plan`].
     pub fn plan(&self) -> Result<Plan> {
-        if !self.local && self.workers.is_empty() && self.worker_rank.is_none() {
+        if !self.local && !self.gpus && self.workers.is_empty() && self.worker_rank.is_none() {
             return Err(Error::Usage(
-                "strata bench allreduce: pass --local (the replicas of this machine) or --workers N (N worker \
-                 processes on loopback, MultiWorkerMirrored's cross-worker ring)"
+                "strata bench allreduce: pass --local (the replicas of this machine), --workers N (N worker \
+                 processes on loopback, MultiWorkerMirrored's cross-worker ring) or --gpus (NCCL across this \
+                 machine's GPUs)"
                     .into(),
             ));
         }
@@ -469,7 +474,8 @@ struct ReplicaOutcome {
     wrong: usize,
 }
 
-fn adaptive_iters(per_iter: Duration) -> usize {
+/// Timed iterations for a row whose one iteration takes `per_iter` (~0.15 s of timing, 5 to 1000).
+pub(crate) fn adaptive_iters(per_iter: Duration) -> usize {
     let t = per_iter.as_secs_f64().max(1e-9);
     ((ADAPTIVE_LOOP_SECS / t).ceil() as usize).clamp(ADAPTIVE_MIN_ITERS, ADAPTIVE_MAX_ITERS)
 }
@@ -749,6 +755,9 @@ fn print_summary(k: usize, rows: &[Row]) {
 /// differed from the closed form (after printing every row).
 pub fn run(args: &AllreduceArgs) -> Result<()> {
     let plan = args.plan()?;
+    if args.gpus {
+        return super::gpu::run(&plan);
+    }
     if let Some(rank) = args.worker_rank {
         return worker_main(&plan, rank, args.worker_count.unwrap_or(0), args.tcp_ceiling);
     }

@@ -2,6 +2,7 @@
 //! run, beside Strata's figure.
 
 pub mod allreduce;
+pub mod gpu;
 pub mod ps;
 pub mod train;
 pub mod transport;
