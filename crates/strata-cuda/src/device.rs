@@ -6,8 +6,8 @@
 //! [`discover`] calls `cuInit`, `cuDeviceGetCount`, `cuDeviceGet`, `cuDeviceGetName`,
 //! `cuDeviceGetUuid`, `cuDeviceTotalMem`, `cuDeviceGetAttribute` and `cuDeviceCanAccessPeer`,
 //! none of which needs or creates a context: listing GPUs costs no GPU memory and leaves the
-//! visibility and logical configuration free to change. Contexts are created by [`context`]
-//! (one primary context per GPU, shared by the whole process and kept until it exits) the
+//! visibility and logical configuration free to change. Contexts are created by `context` (feature
+//! `cuda`; one primary context per GPU, shared by the whole process and kept until it exits) the
 //! first time something allocates on, launches on, or asks the free memory of a GPU.
 //! It probes for the driver first ([`crate::probe::driver`]): without `libcuda.so.1` it is a
 //! clear error, never cudarc's panic.
@@ -28,7 +28,7 @@
 //!   further, and logical device configurations split what stays visible.
 //!
 //! The composition is the same as applying strata-core's pure
-//! [`resolve_visible_devices`](strata_core::device::resolve_visible_devices) to the full list:
+//! [`resolve_visible_devices`] to the full list:
 //! [`GpuTopology::as_driver_shows`] simulates the driver's renumbering, and the tests check that
 //! both routes give the same logical GPUs (by UUID). Changing `CUDA_VISIBLE_DEVICES` after the
 //! driver is initialized has no effect on this process; [`describe_gpus`] shows the mapping
@@ -165,7 +165,7 @@ pub fn format_pci_bus_id(domain: u32, bus: u32, device: u32) -> String {
 /// The GPUs the driver shows this process, with their peer access. Creates no context.
 ///
 /// Errors: [`Error::NotBuilt`] without the `cuda` feature, [`Error::LibraryMissing`] without a
-/// driver, [`Error::Driver`] when a driver call fails. No GPU at all (including
+/// driver, `Error::Driver` when a driver call fails. No GPU at all (including
 /// `CUDA_VISIBLE_DEVICES` hiding every GPU, where `cuInit` reports `CUDA_ERROR_NO_DEVICE`) is an
 /// empty topology.
 pub fn discover() -> Result<GpuTopology> {
@@ -201,7 +201,7 @@ pub struct DriverMemoryInfo {
 }
 
 /// The driver's free and total memory of GPU `ordinal` (`cuMemGetInfo`). This needs a context:
-/// it creates the GPU's primary context through [`context`] if there is none yet (a few hundred
+/// it creates the GPU's primary context through `context` if there is none yet (a few hundred
 /// MiB of device memory, kept until the process exits). Strata's own use is
 /// [`strata_core::device::memory_info`].
 pub fn driver_memory_info(ordinal: u32) -> Result<DriverMemoryInfo> {
