@@ -9,6 +9,9 @@ pub enum Error {
     /// From candle.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
+    /// From the GPU path (a missing driver or feature, too few GPUs, a CUDA failure).
+    #[error(transparent)]
+    Cuda(#[from] strata_cuda::Error),
     /// A data file that is missing, unreadable or malformed.
     #[error("data file {path}: {reason}")]
     Data {
@@ -46,6 +49,12 @@ impl Error {
                 | C::InvalidMemoryConfig(_)
                 | C::InvalidArgument(_)
                 | C::InvalidCluster(_),
+            ) => 2,
+            Error::Cuda(
+                strata_cuda::Error::NotBuilt { .. }
+                | strata_cuda::Error::LibraryMissing { .. }
+                | strata_cuda::Error::NoGpu(_)
+                | strata_cuda::Error::CrossDeviceChoice { .. },
             ) => 2,
             _ => 1,
         }

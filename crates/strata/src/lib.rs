@@ -37,6 +37,7 @@ pub mod bench;
 pub mod cli;
 pub mod digits;
 mod error;
+pub mod gpu;
 pub mod model;
 pub mod ps_job;
 pub mod trainer;

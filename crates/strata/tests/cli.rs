@@ -131,3 +131,23 @@ fn devices_lists_the_cpu() {
     let text = String::from_utf8_lossy(&o.stdout);
     assert!(text.contains("CPU"), "{text}");
 }
+
+/// Asking for GPUs where there are none (this test machine: no driver, and the default build has
+/// no GPU support) is one line that says what is missing, with exit code 2: never a panic.
+#[test]
+fn gpus_without_cuda_are_a_one_line_error() {
+    for strategy in ["mirrored", "central-storage"] {
+        let o = strata(&["train", "--strategy", strategy, "--gpus", "2", "--epochs", "1", "--no-progress"]);
+        let err = stderr(&o);
+        let needle = if cfg!(feature = "cuda") { "no CUDA driver found" } else { "rebuild with `--features cuda`" };
+        if cfg!(feature = "cuda") && strata_cuda::probe::driver().is_ok() {
+            continue; // a machine with a driver: the GPU tests cover it
+        }
+        assert_one_line_error(&o, needle);
+        assert!(!err.contains("panicked"), "{err}");
+    }
+    let o = strata(&["train", "--gpus", "0", "--epochs", "1"]);
+    assert_one_line_error(&o, "--gpus 0 asks for no GPU; pass 1 or more");
+    let o = strata(&["train", "--gpus", "1", "--cross-device-ops", "fastest"]);
+    assert_one_line_error(&o, "\"fastest\" is not one of auto, nccl, kernels, cpu");
+}

@@ -130,8 +130,17 @@ pub struct TrainArgs {
     #[arg(long, value_enum, default_value = "mirrored")]
     pub strategy: StrategyKind,
     /// Replicas (logical CPU devices of one thread each); one-device always uses 1.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "gpus")]
     pub replicas: Option<usize>,
+    /// Train on the first N visible GPUs, one replica each (mirrored, central-storage,
+    /// one-device), instead of logical CPU devices. Needs a binary built with
+    /// `--features candle-cuda` and a CUDA driver.
+    #[arg(long, value_name = "N")]
+    pub gpus: Option<usize>,
+    /// With --gpus: how the replicas reduce (auto: NCCL between whole GPUs when it loads,
+    /// Strata's CUDA kernels otherwise; nccl; kernels).
+    #[arg(long, default_value = "auto", value_parser = parse_cross_device_ops)]
+    pub cross_device_ops: strata_cuda::select::CrossDeviceChoice,
     /// Hidden layer sizes, comma-separated.
     #[arg(long, default_value = "256,256", value_delimiter = ',')]
     pub hidden: Vec<usize>,
@@ -259,8 +268,15 @@ pub struct Summary {
     pub parameter_servers: Option<super::ps::PsSummary>,
 }
 
+fn parse_cross_device_ops(s: &str) -> std::result::Result<strata_cuda::select::CrossDeviceChoice, String> {
+    s.parse().map_err(|e: strata_cuda::Error| e.to_string())
+}
+
 /// Builds the strategy the flags ask for.
 pub fn make_strategy(args: &TrainArgs, options: StrategyOptions) -> Result<StrategyHandle> {
+    if let Some(n) = args.gpus {
+        return crate::gpu::gpu_strategy(args.strategy, n, args.cross_device_ops, options);
+    }
     let reduction = match args.reduction {
         ReductionKind::InMemory => CpuReduction::InMemoryAllReduce,
         ReductionKind::ToOneDevice => CpuReduction::ReductionToOneDevice,

@@ -1,0 +1,96 @@
+//! GPU replicas for `strata train --gpus N`: the visible GPUs, the cross-device ops the
+//! selection rule picks, and the strategy over them.
+//!
+//! Every step that can fail on a machine without GPUs fails here with one line that says what is
+//! missing (exit code 2): a binary built without the `cuda` feature, no CUDA driver, fewer GPUs
+//! than asked for, or a binary whose candle computes on the CPU only (`candle-cuda`).
+
+use strata_core::device::{DeviceRegistry, DeviceType, LogicalDevice};
+use strata_core::{StrategyHandle, StrategyOptions};
+use strata_cuda::select::CrossDeviceChoice;
+
+use crate::cli::train::StrategyKind;
+use crate::{Error, Result};
+
+/// The first `n` logical GPUs of this process (after `CUDA_VISIBLE_DEVICES`, applied by the
+/// driver, and any logical device configuration).
+pub fn gpu_devices(n: usize) -> Result<Vec<LogicalDevice>> {
+    if n == 0 {
+        return Err(Error::Usage(
+            "--gpus 0 asks for no GPU; pass 1 or more, or drop --gpus to train on logical CPU devices".into(),
+        ));
+    }
+    let registry = DeviceRegistry::global();
+    if !registry.has_enumerator(DeviceType::Gpu) {
+        strata_cuda::device::register_cuda_enumerator(registry)?;
+    }
+    let gpus = registry.list_logical_devices(Some(DeviceType::Gpu))?;
+    if gpus.len() < n {
+        return Err(strata_cuda::Error::NoGpu(format!(
+            "--gpus {n} asks for {n} GPU(s) but this process sees {} (CUDA_VISIBLE_DEVICES={:?}); pass --gpus {} or fewer",
+            gpus.len(),
+            std::env::var(strata_core::device::CUDA_VISIBLE_DEVICES).unwrap_or_default(),
+            gpus.len()
+        ))
+        .into());
+    }
+    Ok(gpus[..n].to_vec())
+}
+
+/// The strategy `kind` with one replica on each of the first `n` GPUs, reducing with the ops
+/// `choice` selects.
+pub fn gpu_strategy(
+    kind: StrategyKind,
+    n: usize,
+    choice: CrossDeviceChoice,
+    options: StrategyOptions,
+) -> Result<StrategyHandle> {
+    if matches!(kind, StrategyKind::MultiWorkerMirrored | StrategyKind::ParameterServer) {
+        return Err(Error::Usage(
+            "--gpus places the replicas of one process; multi-worker and parameter-server jobs keep their replicas on logical CPU devices for now".into(),
+        ));
+    }
+    if kind == StrategyKind::OneDevice && n != 1 {
+        return Err(Error::Usage(format!(
+            "--strategy one-device runs 1 replica, not --gpus {n}; use --strategy mirrored"
+        )));
+    }
+    let devices = gpu_devices(n)?;
+    build(kind, devices, choice, options)
+}
+
+#[cfg(feature = "candle-cuda")]
+fn build(
+    kind: StrategyKind,
+    devices: Vec<LogicalDevice>,
+    choice: CrossDeviceChoice,
+    options: StrategyOptions,
+) -> Result<StrategyHandle> {
+    use strata_strategies::{CentralStorageStrategy, MirroredStrategy, OneDeviceStrategy};
+    if kind == StrategyKind::OneDevice {
+        return Ok(OneDeviceStrategy::with_options(devices[0].clone(), options)?.handle());
+    }
+    let machine = DeviceRegistry::global().list_logical_devices(Some(DeviceType::Gpu))?;
+    let ops = strata_cuda::candle_ops::GpuCrossDeviceOps::new(&devices, &machine, choice)?;
+    eprintln!("cross-device ops: {} ({})", ops.selection().implementation, ops.selection().reason);
+    let ops = Box::new(ops);
+    Ok(match kind {
+        StrategyKind::CentralStorage => CentralStorageStrategy::with_cross_device_ops(devices, ops, options)?.handle(),
+        _ => MirroredStrategy::with_cross_device_ops(devices, ops, options)?.handle(),
+    })
+}
+
+#[cfg(not(feature = "candle-cuda"))]
+fn build(
+    _kind: StrategyKind,
+    devices: Vec<LogicalDevice>,
+    _choice: CrossDeviceChoice,
+    _options: StrategyOptions,
+) -> Result<StrategyHandle> {
+    let names: Vec<String> = devices.iter().map(|d| format!("{} ({})", d.spec, d.physical.name)).collect();
+    Err(Error::Usage(format!(
+        "found {} GPU(s): {}; but this strata's candle computes on the CPU only: rebuild with `--features candle-cuda` to train on GPUs",
+        devices.len(),
+        names.join(", ")
+    )))
+}
