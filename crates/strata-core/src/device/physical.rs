@@ -6,8 +6,12 @@ use crate::Result;
 /// A device as the driver reports it.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct PhysicalDevice {
-    /// The ordinal the driver enumerates the device under (for GPUs, the index in
-    /// `nvidia-smi`, unaffected by `CUDA_VISIBLE_DEVICES`).
+    /// The ordinal the driver enumerates the device under. For GPUs found through the CUDA
+    /// driver this is the CUDA ordinal in this process, which every CUDA call takes: the
+    /// driver applies `CUDA_VISIBLE_DEVICES` itself when it starts, so with `2,3` the boards
+    /// `nvidia-smi` numbers 2 and 3 are ordinals 0 and 1 here (the UUID says which board it is;
+    /// see `strata_cuda::device`). A list built without the driver (tests, simulations) may use
+    /// `nvidia-smi`'s numbering and let the registry apply the variable instead.
     pub index: u32,
     /// CPU or GPU.
     pub device_type: DeviceType,
