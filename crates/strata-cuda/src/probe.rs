@@ -8,9 +8,15 @@ use crate::{Error, Result};
 pub fn driver() -> Result<()> {
     #[cfg(feature = "cuda")]
     {
+        #[cfg(not(feature = "candle-cuda"))]
         // SAFETY: is_culib_present only tries to dlopen the library by its candidate names and
         // closes it again; it runs no library code besides the loader's.
-        if unsafe { cudarc::driver::sys::is_culib_present() } {
+        let present = unsafe { cudarc::driver::sys::is_culib_present() };
+        // With candle's CUDA, cudarc is linked to libcuda: the process could not have started
+        // without it.
+        #[cfg(feature = "candle-cuda")]
+        let present = true;
+        if present {
             return Ok(());
         }
         Err(Error::LibraryMissing {
@@ -29,8 +35,12 @@ pub fn driver() -> Result<()> {
 pub fn nvrtc() -> Result<()> {
     #[cfg(feature = "cuda")]
     {
+        #[cfg(not(feature = "candle-cuda"))]
         // SAFETY: as in `driver`: a dlopen attempt and nothing else.
-        if unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        let present = unsafe { cudarc::nvrtc::sys::is_culib_present() };
+        #[cfg(feature = "candle-cuda")]
+        let present = true;
+        if present {
             return Ok(());
         }
         Err(Error::LibraryMissing {
@@ -49,8 +59,12 @@ pub fn nvrtc() -> Result<()> {
 pub fn nccl() -> Result<()> {
     #[cfg(feature = "nccl")]
     {
+        #[cfg(not(feature = "candle-cuda"))]
         // SAFETY: as in `driver`: a dlopen attempt and nothing else.
-        if unsafe { cudarc::nccl::sys::is_culib_present() } {
+        let present = unsafe { cudarc::nccl::sys::is_culib_present() };
+        #[cfg(feature = "candle-cuda")]
+        let present = true;
+        if present {
             return Ok(());
         }
         Err(Error::LibraryMissing {
