@@ -17,6 +17,8 @@
 //! ```
 
 pub mod alloc;
+#[cfg(feature = "candle-cuda")]
+pub mod candle_ops;
 pub mod device;
 mod error;
 pub mod kernels;

@@ -25,7 +25,7 @@ pub struct Cli {
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Train the digits MLP (the main job).
-    Train(train::TrainArgs),
+    Train(Box<train::TrainArgs>),
     /// Start a local cluster: one process per task, each with its TF_CONFIG (like torchrun).
     Launch(launch::LaunchArgs),
     /// Serve one parameter-server task (variables, the optimizer, checkpoints) until SIGTERM.

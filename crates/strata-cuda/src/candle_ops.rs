@@ -1,0 +1,296 @@
+//! Cross-device ops for replicas that compute with candle's CUDA backend (feature
+//! `candle-cuda`): [`GpuCrossDeviceOps`] implements strata-core's
+//! [`CrossDeviceOps`] for GPU replicas, with the implementation the selection rule
+//! ([`crate::select`]) picks: NCCL between whole physical GPUs when it loads, Strata's CUDA
+//! kernels otherwise (and always on virtual GPUs).
+//!
+//! One collective, for a bucket of gradient tensors:
+//!
+//! 1. every replica concatenates its (flattened, f32) tensors into one buffer on its GPU and
+//!    multiplies it by its weight; the replicas exchange handles to these buffers;
+//! 2. the *leader* (replica 0 for an all-reduce, the destination for a reduce) combines them:
+//!    - **NCCL**: a copy of each buffer, owned by Strata, is all-reduced in place with one
+//!      grouped call over the process's communicators ([`NcclComms::all_local`]);
+//!    - **kernels**: the buffers are copied to the leader's GPU (device to device), reduced
+//!      there by `strata_reduce_f32` ([`Kernels::reduce`]) in replica order (so every run gives
+//!      the same bits), and, for an all-reduce, the result is copied to every replica's GPU
+//!      (TensorFlow's reduction to one device followed by a hierarchical copy);
+//! 3. after a rendezvous, every replica that receives the result writes it into its own input
+//!    tensors (candle's in-place `slice_set`): [`CrossDeviceOps::reduces_in_place`] is `true`,
+//!    so the strategy reads the reduced gradients from the tensors it passed.
+//!
+//! The leader's failure (NCCL, a kernel, a copy) poisons the replica group, so every replica
+//! returns the error instead of waiting.
+//!
+//! This module builds only with candle's CUDA backend, whose kernels candle compiles with
+//! `nvcc` at build time: `scripts/check-candle-cuda` type-checks it outside CI, and it has not
+//! run on a GPU.
+
+use std::sync::{Arc, Mutex, PoisonError};
+
+use candle_core::backend::BackendStorage;
+use candle_core::op::BackpropOp;
+use candle_core::{CudaStorage, DType, Device, Storage, Tensor};
+use cudarc::driver::CudaSlice;
+use strata_core::cross_device::{CrossDeviceOps, Destination};
+use strata_core::device::LogicalDevice;
+use strata_core::group::{OpKey, ReplicaGroup};
+use strata_core::ReduceOp;
+
+use crate::kernels::launch::Kernels;
+#[cfg(feature = "nccl")]
+use crate::nccl::{nccl_available, NcclComms};
+use crate::select::{select_cross_device_ops, CrossDeviceChoice, CrossDeviceImpl, Selection};
+use crate::{Error, Result};
+
+/// GPU cross-device ops over candle CUDA tensors (see the [module docs](self)).
+pub struct GpuCrossDeviceOps {
+    selection: Selection,
+    devices: Vec<LogicalDevice>,
+    #[cfg(feature = "nccl")]
+    nccl: Option<Mutex<NcclComms>>,
+    /// The leader's results, one per replica, alternating by collective number.
+    results: [Mutex<std::result::Result<Vec<Option<Tensor>>, String>>; 2],
+}
+
+impl std::fmt::Debug for GpuCrossDeviceOps {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuCrossDeviceOps")
+            .field("implementation", &self.selection.implementation)
+            .field("devices", &self.devices.iter().map(|d| d.spec.to_string()).collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+impl GpuCrossDeviceOps {
+    /// Ops for `replicas` (logical GPUs, one per replica, in replica order). `machine_gpus` are
+    /// the machine's logical GPUs (to see which physical GPUs are split), `choice` the user's
+    /// request ([`CrossDeviceChoice::Auto`] applies TensorFlow's rule).
+    pub fn new(replicas: &[LogicalDevice], machine_gpus: &[LogicalDevice], choice: CrossDeviceChoice) -> Result<Self> {
+        #[cfg(not(feature = "nccl"))]
+        let nccl_available = || false;
+        let selection = select_cross_device_ops(replicas, machine_gpus, nccl_available(), choice)?;
+        #[cfg_attr(not(feature = "nccl"), allow(clippy::let_unit_value, unused_variables))]
+        let nccl = match selection.implementation {
+            CrossDeviceImpl::Cpu => {
+                return Err(Error::CrossDeviceChoice {
+                    choice: "GPU cross-device ops",
+                    reason: format!("{}; use strata-core's CpuCrossDeviceOps", selection.reason),
+                })
+            }
+            CrossDeviceImpl::Kernels => None,
+            #[cfg(feature = "nccl")]
+            CrossDeviceImpl::Nccl => {
+                let ordinals: Vec<usize> = replicas.iter().map(|d| d.physical.index as usize).collect();
+                Some(Mutex::new(NcclComms::all_local(&ordinals)?))
+            }
+            #[cfg(not(feature = "nccl"))]
+            CrossDeviceImpl::Nccl => unreachable!("the selection rule never picks NCCL when it is unavailable"),
+        };
+        tracing::info!(implementation = %selection.implementation, reason = %selection.reason, "GPU cross-device ops");
+        Ok(Self {
+            selection,
+            devices: replicas.to_vec(),
+            #[cfg(feature = "nccl")]
+            nccl,
+            results: [Mutex::new(Ok(vec![])), Mutex::new(Ok(vec![]))],
+        })
+    }
+
+    /// What was chosen, and why.
+    pub fn selection(&self) -> &Selection {
+        &self.selection
+    }
+
+    /// The leader's part: every replica's result (those that receive one).
+    fn combine(&self, op: ReduceOp, dest: Destination, flats: &[Tensor], leader: usize) -> Result<Vec<Option<Tensor>>> {
+        let n = flats.len();
+        let receives = |r: usize| dest == Destination::AllReplicas || dest == Destination::Replica(r);
+        #[cfg(feature = "nccl")]
+        if let Some(comms) = &self.nccl {
+            let mut bufs = flats.iter().map(owned_copy).collect::<Result<Vec<_>>>()?;
+            comms.lock().unwrap_or_else(PoisonError::into_inner).all_reduce_in_place(&mut bufs, op)?;
+            return bufs
+                .into_iter()
+                .zip(flats)
+                .enumerate()
+                .map(|(r, (buf, flat))| if receives(r) { wrap(buf, flat.device()).map(Some) } else { Ok(None) })
+                .collect();
+        }
+        let home = flats[leader].device().clone();
+        let on_leader = flats.iter().map(|t| t.to_device(&home)).collect::<candle_core::Result<Vec<Tensor>>>()?;
+        let reduced = reduce_with_kernels(op, &on_leader, &home)?;
+        (0..n)
+            .map(|r| {
+                if !receives(r) {
+                    Ok(None)
+                } else if r == leader {
+                    Ok(Some(reduced.clone()))
+                } else {
+                    Ok(Some(reduced.to_device(flats[r].device())?))
+                }
+            })
+            .collect()
+    }
+}
+
+/// A copy of a contiguous f32 CUDA tensor's elements, owned by Strata, on the tensor's stream.
+#[cfg(feature = "nccl")]
+fn owned_copy(t: &Tensor) -> Result<CudaSlice<f32>> {
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cuda(cs) = &*storage else {
+        return Err(not_cuda(t));
+    };
+    let Some((lo, hi)) = layout.contiguous_offsets() else {
+        return Err(invalid(format!("a non-contiguous tensor of shape {:?}", t.dims())));
+    };
+    let slice = cs.as_cuda_slice::<f32>()?;
+    let stream = cs.device().cuda_stream();
+    stream.clone_dtod(&slice.slice(lo..hi)).map_err(Error::driver("cuMemcpyDtoDAsync"))
+}
+
+/// A 1-D tensor owning `buf`, on `device` (the device `buf` lives on).
+fn wrap(buf: CudaSlice<f32>, device: &Device) -> Result<Tensor> {
+    let Device::Cuda(dev) = device else {
+        return Err(invalid(format!("a result for a replica on {device:?}, which is not a CUDA device")));
+    };
+    let len = buf.len();
+    let storage = Storage::Cuda(CudaStorage::wrap_cuda_slice(buf, dev.clone()));
+    Ok(Tensor::from_storage(storage, len, BackpropOp::none(), false))
+}
+
+/// `op` over `srcs` (1-D f32 tensors of one length, all on `home`) with Strata's kernel.
+fn reduce_with_kernels(op: ReduceOp, srcs: &[Tensor], home: &Device) -> Result<Tensor> {
+    let Device::Cuda(dev) = home else {
+        return Err(invalid(format!("reduction to {home:?}, which is not a CUDA device")));
+    };
+    let stream = dev.cuda_stream();
+    let kernels = Kernels::get(stream.context())?;
+    let len = srcs.first().map_or(0, Tensor::elem_count);
+    let mut out: CudaSlice<f32> = stream.alloc_zeros(len).map_err(Error::driver("cuMemAllocAsync"))?;
+    {
+        let guards: Vec<_> = srcs.iter().map(Tensor::storage_and_layout).collect();
+        let mut views = Vec::with_capacity(srcs.len());
+        for ((storage, layout), t) in guards.iter().zip(srcs) {
+            let Storage::Cuda(cs) = &**storage else {
+                return Err(not_cuda(t));
+            };
+            let Some((lo, hi)) = layout.contiguous_offsets() else {
+                return Err(invalid(format!("a non-contiguous tensor of shape {:?}", t.dims())));
+            };
+            views.push(cs.as_cuda_slice::<f32>()?.slice(lo..hi));
+        }
+        let refs: Vec<&_> = views.iter().collect();
+        kernels.reduce(&stream, kernel_op(op), &refs, &mut out)?;
+    }
+    wrap(out, home)
+}
+
+fn kernel_op(op: ReduceOp) -> crate::kernels::ReduceOp {
+    use crate::kernels::ReduceOp as K;
+    match op {
+        ReduceOp::Sum => K::Sum,
+        ReduceOp::Mean => K::Mean,
+        ReduceOp::Max => K::Max,
+        ReduceOp::Min => K::Min,
+    }
+}
+
+fn invalid(detail: String) -> Error {
+    Error::InvalidLaunch { kernel: "GPU cross-device reduction", detail }
+}
+
+fn not_cuda(t: &Tensor) -> Error {
+    invalid(format!("a tensor on {:?}: GPU cross-device ops take CUDA tensors only", t.device()))
+}
+
+impl CrossDeviceOps for GpuCrossDeviceOps {
+    fn name(&self) -> &'static str {
+        match self.selection.implementation {
+            CrossDeviceImpl::Nccl => "nccl",
+            _ => "cuda-kernels",
+        }
+    }
+
+    fn reduce(
+        &self,
+        group: &ReplicaGroup,
+        replica: usize,
+        seq: u64,
+        op: ReduceOp,
+        dest: Destination,
+        input: &[Tensor],
+        weight: f32,
+        _out: &mut dyn FnMut(&[f32]),
+    ) -> strata_core::Result<()> {
+        let leader = match dest {
+            Destination::AllReplicas => 0,
+            Destination::Replica(d) => d,
+        };
+        // 1. this replica's contribution, one buffer on its GPU
+        let flat = (|| -> candle_core::Result<Tensor> {
+            if let Some(t) = input.iter().find(|t| t.dtype() != DType::F32 || !t.is_contiguous()) {
+                candle_core::bail!(
+                    "GPU reductions write their result into contiguous f32 tensors; got {:?} of shape {:?}",
+                    t.dtype(),
+                    t.dims()
+                )
+            }
+            let parts = input.iter().map(Tensor::flatten_all).collect::<candle_core::Result<Vec<_>>>()?;
+            let flat = Tensor::cat(&parts, 0)?;
+            if weight == 1.0 {
+                Ok(flat)
+            } else {
+                flat.affine(f64::from(weight), 0.0)
+            }
+        })();
+        let flat = match flat {
+            Ok(f) => f,
+            Err(e) => {
+                group.poison(format!("replica {replica} could not prepare its input to a GPU reduction: {e}"));
+                return Err(e.into());
+            }
+        };
+        let len = flat.elem_count();
+        let key = OpKey {
+            seq,
+            op: match dest {
+                Destination::AllReplicas => format!("all_reduce({op}) on GPUs"),
+                Destination::Replica(d) => format!("reduce({op}) to replica {d} on GPUs"),
+            },
+            shape: vec![len],
+        };
+        let flats = group.exchange(replica, &key, flat)?;
+        // 2. the leader combines
+        let slot = &self.results[(seq % 2) as usize];
+        if replica == leader {
+            let combined = self.combine(op, dest, &flats, leader).map_err(|e| e.to_string());
+            if let Err(e) = &combined {
+                group.poison(format!("replica {replica} (the leader) failed the GPU reduction {}: {e}", key.op));
+            }
+            *slot.lock().unwrap_or_else(PoisonError::into_inner) = combined;
+        }
+        drop(flats);
+        group.arrive(replica, &OpKey { op: format!("{} (combined)", key.op), ..key.clone() })?;
+        group.release(replica, seq);
+        // 3. the receivers write the result into their own inputs
+        let mine = match &*slot.lock().unwrap_or_else(PoisonError::into_inner) {
+            Ok(results) => results.get(replica).cloned().flatten(),
+            Err(e) => return Err(strata_core::Error::Cluster(format!("GPU reduction {}: {e}", key.op))),
+        };
+        if let Some(result) = mine {
+            let mut offset = 0usize;
+            for t in input {
+                let n = t.elem_count();
+                let piece = result.narrow(0, offset, n)?;
+                t.flatten_all()?.slice_set(&piece, 0, 0)?;
+                offset += n;
+            }
+        }
+        Ok(())
+    }
+
+    fn reduces_in_place(&self) -> bool {
+        true
+    }
+}
