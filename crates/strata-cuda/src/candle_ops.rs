@@ -181,19 +181,9 @@ fn reduce_with_kernels(op: ReduceOp, srcs: &[Tensor], home: &Device) -> Result<T
             views.push(cs.as_cuda_slice::<f32>()?.slice(lo..hi));
         }
         let refs: Vec<&_> = views.iter().collect();
-        kernels.reduce(&stream, kernel_op(op), &refs, &mut out)?;
+        kernels.reduce(&stream, op.into(), &refs, &mut out)?;
     }
     wrap(out, home)
-}
-
-fn kernel_op(op: ReduceOp) -> crate::kernels::ReduceOp {
-    use crate::kernels::ReduceOp as K;
-    match op {
-        ReduceOp::Sum => K::Sum,
-        ReduceOp::Mean => K::Mean,
-        ReduceOp::Max => K::Max,
-        ReduceOp::Min => K::Min,
-    }
 }
 
 fn invalid(detail: String) -> Error {

@@ -21,6 +21,8 @@
 //! | SGD, SGD with momentum, AdamW | `optim.cu` | [`reference::sgd`], [`reference::sgd_momentum`], [`reference::adamw`] |
 
 #[cfg(feature = "cuda")]
+pub mod bench;
+#[cfg(feature = "cuda")]
 pub mod launch;
 #[cfg(feature = "cuda")]
 pub mod nvrtc;
@@ -108,6 +110,17 @@ impl ReduceOp {
             ReduceOp::Mean => 1,
             ReduceOp::Max => 2,
             ReduceOp::Min => 3,
+        }
+    }
+}
+
+impl From<strata_core::ReduceOp> for ReduceOp {
+    fn from(op: strata_core::ReduceOp) -> Self {
+        match op {
+            strata_core::ReduceOp::Sum => ReduceOp::Sum,
+            strata_core::ReduceOp::Mean => ReduceOp::Mean,
+            strata_core::ReduceOp::Max => ReduceOp::Max,
+            strata_core::ReduceOp::Min => ReduceOp::Min,
         }
     }
 }

@@ -12,8 +12,8 @@
 //! Without the `nccl` feature, without a CUDA driver, without NCCL or without a GPU it says so
 //! in one line and exits with code 2.
 //!
-//! Strata's own reduction kernels get rows here once their launchers land (see the `HOOK`
-//! below); the target for them is 80% or more of the copy bandwidth from 64 MiB up.
+//! Strata's own reduction kernel (`strata_reduce_f32`, the reduction to one device) gets its own
+//! table: its memory traffic against the copy's, the target being 80% or more from 64 MiB up.
 
 use super::allreduce::Plan;
 #[cfg(not(feature = "nccl"))]
@@ -42,6 +42,7 @@ mod imp {
     use std::time::Duration;
 
     use strata_core::device::format_bytes;
+    use strata_cuda::kernels::bench::KernelReduceBench;
     use strata_cuda::nccl::bench::{copy_bandwidth, gpu_name, AllReduceBench, Timing};
 
     use super::super::allreduce::{adaptive_iters, Plan};
@@ -154,12 +155,52 @@ mod imp {
                 large.push(algbw * 1e9);
             }
         }
-        // HOOK(kernels): rows for Strata's own reduction kernels (reduction to one device and
-        // the chunked on-node all-reduce over peer-accessible buffers, crates/strata-cuda/src/
-        // kernels) go here, with the same columns and closed-form check, once their launchers
-        // are available; their target is algbw >= 80% of the copy ceiling from 64 MiB up.
+        // Strata's reduction kernel on GPU 0: the reduction to one device once the replicas'
+        // buffers are there. It reads `inputs` buffers and writes one: (inputs + 1) x size of
+        // memory traffic, against the copy's 2 x size.
         println!("#");
-        println!("# Strata's reduction kernels: not timed by this build (their launchers are not wired into the benchmark yet)");
+        let inputs = n.max(2);
+        let kernel_bench = KernelReduceBench::new(0, inputs).map_err(gpu_error)?;
+        println!(
+            "# Strata's strata_reduce_f32 on GPU 0: {inputs} input buffers into one (traffic = {} x size; the copy moves 2 x size)",
+            inputs + 1
+        );
+        println!(
+            "# {:>10} {:>12} {:>6} {:>6}  {:>10} {:>8} {:>10} {:>9} {:>7}",
+            "size", "count", "type", "redop", "time(us)", "algbw", "traffic", "of copy", "#wrong"
+        );
+        let mut kernel_large = Vec::new();
+        for &bytes in &plan.sizes {
+            let count = usize::try_from(bytes / 4).map_err(|_| Error::Usage(format!("{bytes} bytes is too large")))?;
+            let bytes = count as u64 * 4;
+            let t = kernel_bench.run(count, plan.op.into(), plan.warmup, plan.iters, &adaptive).map_err(gpu_error)?;
+            let secs = t.time.as_secs_f64().max(1e-12);
+            let traffic = (inputs + 1) as f64 * bytes as f64 / secs;
+            let of_copy = if local_copy > 0.0 { traffic / (2.0 * local_copy) } else { 0.0 };
+            println!(
+                "  {:>10} {:>12} {:>6} {:>6}  {:>10.1} {:>8.2} {:>10.2} {:>8.0}% {:>7}",
+                bytes,
+                count,
+                "float",
+                plan.op.to_string(),
+                secs * 1e6,
+                bytes as f64 / secs / 1e9,
+                traffic / 1e9,
+                of_copy * 100.0,
+                t.wrong
+            );
+            wrong += t.wrong;
+            if bytes >= 64 << 20 {
+                kernel_large.push(of_copy);
+            }
+        }
+        if !kernel_large.is_empty() {
+            kernel_large.sort_by(f64::total_cmp);
+            println!(
+                "# strata_reduce_f32 memory traffic over rows >= 64 MiB: median {:.0}% of the copy's (target: 80% or more)",
+                kernel_large[kernel_large.len() / 2] * 100.0
+            );
+        }
         if !large.is_empty() && local_copy > 0.0 {
             large.sort_by(f64::total_cmp);
             let median = large[large.len() / 2];
