@@ -305,20 +305,9 @@ impl<'a> ReplicaContext<'a> {
                     .entered();
             let seq = self.shared.group.next_seq(self.replica);
             let range = bucket.tensors.clone();
-            if ops.reduces_in_place() {
-                ops.reduce(
-                    &self.shared.group,
-                    self.replica,
-                    seq,
-                    ReduceOp::Sum,
-                    dest,
-                    &grads[range],
-                    self.batch_weight(),
-                    &mut |_| {},
-                )?;
-                continue;
-            }
             let (mut cur, mut filled) = (range.start, 0usize);
+            // Device-resident ops write the result into `grads` themselves.
+            let in_place = ops.reduces_in_place();
             ops.reduce(
                 &self.shared.group,
                 self.replica,
@@ -328,6 +317,9 @@ impl<'a> ReplicaContext<'a> {
                 &grads[range.clone()],
                 self.batch_weight(),
                 &mut |mut piece: &[f32]| {
+                    if in_place {
+                        return;
+                    }
                     while !piece.is_empty() {
                         while filled == sizes[cur] {
                             (cur, filled) = (cur + 1, 0);

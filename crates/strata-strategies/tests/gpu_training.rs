@@ -8,11 +8,10 @@
 
 mod common;
 
-use candle_nn::{Optimizer, SGD};
-use common::{data, max_rel_diff, params, tensors, Mlp};
-use strata_core::data::DistributedBatch;
+use candle_nn::SGD;
+use common::{max_rel_diff, train};
 use strata_core::device::{DeviceRegistry, DeviceType, LogicalDevice, LogicalDeviceConfiguration};
-use strata_core::{Strategy, StrategyHandle};
+use strata_core::StrategyHandle;
 use strata_cuda::candle_ops::GpuCrossDeviceOps;
 use strata_cuda::select::{CrossDeviceChoice, CrossDeviceImpl};
 use strata_cuda::testing::require_gpus;
@@ -20,26 +19,6 @@ use strata_strategies::{CentralStorageStrategy, MirroredStrategy, OneDeviceStrat
 
 /// GPU and CPU kernels sum in different orders: parameters agree to this relative difference.
 const TOLERANCE: f32 = 1e-3;
-
-fn train<O: Optimizer + Send>(s: &StrategyHandle, cfg: O::Config, steps: usize, batch: usize) -> Vec<(String, Vec<f32>)>
-where
-    O::Config: Clone,
-{
-    let model = s.scope(|sc| Mlp::new(sc.var_builder())).unwrap();
-    let opt = model.optimizer::<O>(cfg).unwrap();
-    for step in 0..steps {
-        let global = data(batch, step as u64);
-        let db = DistributedBatch::split(&global, s.num_replicas_in_sync()).unwrap();
-        s.run_batch(&db, |ctx, shard| {
-            let (x, y) = tensors(&shard.batch, ctx.candle_device());
-            let loss = model.on(ctx)?.loss(&x, &y)?;
-            ctx.backward_and_sync(&loss, &opt)?;
-            Ok(())
-        })
-        .unwrap();
-    }
-    params(&model)
-}
 
 /// The logical GPUs of a registry with the CUDA enumerator; `split`: GPU 0 as two logical GPUs.
 fn gpus(split: bool) -> Vec<LogicalDevice> {

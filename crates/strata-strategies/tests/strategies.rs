@@ -4,39 +4,10 @@
 mod common;
 
 use candle_core::{Device, Tensor};
-use candle_nn::{AdamW, Optimizer, ParamsAdamW, SGD};
-use common::{data, max_rel_diff, params, tensors, Mlp};
+use candle_nn::{AdamW, ParamsAdamW, SGD};
+use common::{data, max_rel_diff, params, tensors, train, Mlp};
 use strata_core::data::{DistributedBatch, TailPolicy};
 use strata_core::{Error, ReduceOp, Strategy, StrategyHandle, SyncOnReadVariable, VariableAggregation};
-
-/// Trains `steps` steps of optimizer `O` on global batches of `batch` examples.
-fn train<O: Optimizer + Send>(s: &StrategyHandle, cfg: O::Config, steps: usize, batch: usize) -> Vec<(String, Vec<f32>)>
-where
-    O::Config: Clone,
-{
-    let model = s.scope(|sc| Mlp::new(sc.var_builder())).unwrap();
-    let opt = model.optimizer::<O>(cfg).unwrap();
-    for step in 0..steps {
-        let global = data(batch, step as u64);
-        let db = DistributedBatch::split(&global, s.num_replicas_in_sync()).unwrap();
-        s.run_batch(&db, |ctx, shard| {
-            let (x, y) = tensors(&shard.batch, ctx.candle_device());
-            let loss = model.on(ctx)?.loss(&x, &y)?;
-            ctx.backward_and_sync(&loss, &opt)?;
-            Ok(())
-        })
-        .unwrap();
-        // Mirrored copies are bitwise identical after every step.
-        for c in 1..model.num_copies() {
-            for ((n, a), (_, b)) in model.variables(0).iter().zip(model.variables(c)) {
-                let a = a.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-                let b = b.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-                assert!(a == b, "step {step}: copy {c} of {n} differs from copy 0");
-            }
-        }
-    }
-    params(&model)
-}
 
 strategy_test!(same_parameters_as_one_device_sgd, |s: StrategyHandle| {
     // An uneven global batch (30 over 4 replicas is 8,8,7,7) checks the weighting too.

@@ -4,9 +4,9 @@
 #![allow(dead_code)]
 
 use candle_core::{DType, Device, Tensor};
-use candle_nn::{Linear, Module, VarBuilder};
+use candle_nn::{Linear, Module, Optimizer, VarBuilder};
 use rand::{Rng, SeedableRng};
-use strata_core::data::Batch;
+use strata_core::data::{Batch, DistributedBatch};
 use strata_core::{Strategy, StrategyHandle};
 use strata_strategies::{CentralStorageStrategy, CpuReduction, MirroredStrategy, OneDeviceStrategy};
 
@@ -214,4 +214,38 @@ macro_rules! strategy_test {
             }
         }
     };
+}
+
+/// Trains the MLP `steps` steps of optimizer `O` on global batches of `batch` examples.
+pub fn train<O: Optimizer + Send>(
+    s: &StrategyHandle,
+    cfg: O::Config,
+    steps: usize,
+    batch: usize,
+) -> Vec<(String, Vec<f32>)>
+where
+    O::Config: Clone,
+{
+    let model = s.scope(|sc| Mlp::new(sc.var_builder())).unwrap();
+    let opt = model.optimizer::<O>(cfg).unwrap();
+    for step in 0..steps {
+        let global = data(batch, step as u64);
+        let db = DistributedBatch::split(&global, s.num_replicas_in_sync()).unwrap();
+        s.run_batch(&db, |ctx, shard| {
+            let (x, y) = tensors(&shard.batch, ctx.candle_device());
+            let loss = model.on(ctx)?.loss(&x, &y)?;
+            ctx.backward_and_sync(&loss, &opt)?;
+            Ok(())
+        })
+        .unwrap();
+        // Mirrored copies are bitwise identical after every step.
+        for c in 1..model.num_copies() {
+            for ((n, a), (_, b)) in model.variables(0).iter().zip(model.variables(c)) {
+                let a = a.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                let b = b.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                assert!(a == b, "step {step}: copy {c} of {n} differs from copy 0");
+            }
+        }
+    }
+    params(&model)
 }
