@@ -26,8 +26,9 @@
 //! `nvcc` at build time: `scripts/check-candle-cuda` type-checks it outside CI, and it has not
 //! run on a GPU.
 
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Mutex, PoisonError};
 
+#[cfg(feature = "nccl")]
 use candle_core::backend::BackendStorage;
 use candle_core::op::BackpropOp;
 use candle_core::{CudaStorage, DType, Device, Storage, Tensor};
@@ -70,22 +71,19 @@ impl GpuCrossDeviceOps {
         #[cfg(not(feature = "nccl"))]
         let nccl_available = || false;
         let selection = select_cross_device_ops(replicas, machine_gpus, nccl_available(), choice)?;
-        #[cfg_attr(not(feature = "nccl"), allow(clippy::let_unit_value, unused_variables))]
+        if selection.implementation == CrossDeviceImpl::Cpu {
+            return Err(Error::CrossDeviceChoice {
+                choice: "GPU cross-device ops",
+                reason: format!("{}; use strata-core's CpuCrossDeviceOps", selection.reason),
+            });
+        }
+        #[cfg(feature = "nccl")]
         let nccl = match selection.implementation {
-            CrossDeviceImpl::Cpu => {
-                return Err(Error::CrossDeviceChoice {
-                    choice: "GPU cross-device ops",
-                    reason: format!("{}; use strata-core's CpuCrossDeviceOps", selection.reason),
-                })
-            }
-            CrossDeviceImpl::Kernels => None,
-            #[cfg(feature = "nccl")]
             CrossDeviceImpl::Nccl => {
                 let ordinals: Vec<usize> = replicas.iter().map(|d| d.physical.index as usize).collect();
                 Some(Mutex::new(NcclComms::all_local(&ordinals)?))
             }
-            #[cfg(not(feature = "nccl"))]
-            CrossDeviceImpl::Nccl => unreachable!("the selection rule never picks NCCL when it is unavailable"),
+            _ => None,
         };
         tracing::info!(implementation = %selection.implementation, reason = %selection.reason, "GPU cross-device ops");
         Ok(Self {

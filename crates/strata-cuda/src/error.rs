@@ -75,6 +75,11 @@ pub enum Error {
     #[error("cannot use {choice} for cross-device ops: {reason}")]
     CrossDeviceChoice { choice: &'static str, reason: String },
 
+    /// An error from candle's CUDA backend (GPU cross-device ops on candle tensors).
+    #[cfg(feature = "candle-cuda")]
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+
     /// An error from strata-core (device lists, visibility, memory configuration).
     #[error(transparent)]
     Core(#[from] strata_core::Error),

@@ -11,7 +11,7 @@ mod common;
 use candle_nn::SGD;
 use common::{max_rel_diff, train};
 use strata_core::device::{DeviceRegistry, DeviceType, LogicalDevice, LogicalDeviceConfiguration};
-use strata_core::StrategyHandle;
+use strata_core::{Strategy, StrategyHandle};
 use strata_cuda::candle_ops::GpuCrossDeviceOps;
 use strata_cuda::select::{CrossDeviceChoice, CrossDeviceImpl};
 use strata_cuda::testing::require_gpus;

@@ -66,6 +66,7 @@ fn build(
     choice: CrossDeviceChoice,
     options: StrategyOptions,
 ) -> Result<StrategyHandle> {
+    use strata_core::Strategy;
     use strata_strategies::{CentralStorageStrategy, MirroredStrategy, OneDeviceStrategy};
     if kind == StrategyKind::OneDevice {
         return Ok(OneDeviceStrategy::with_options(devices[0].clone(), options)?.handle());
