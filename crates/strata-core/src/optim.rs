@@ -8,7 +8,9 @@
 //! but update the variables in place: AdamW makes three passes (first moment, second moment,
 //! parameter) instead of about fifteen, SGD one instead of three, and neither allocates.
 //!
-//! They run on CPU tensors of f32; other devices and dtypes fall back to candle-nn's kernels.
+//! They run on CPU tensors of f32; on other devices they use the [`DeviceFusedUpdates`] a device
+//! crate registered (strata-cuda's CUDA kernels on GPUs), and otherwise, like other dtypes, fall
+//! back to candle-nn's formulation.
 
 use candle_core::{CpuStorage, DType, Layout, Tensor, Var};
 use candle_nn::{Optimizer, ParamsAdamW};
@@ -138,6 +140,39 @@ impl candle_core::InplaceOp2 for SgdParam {
     }
 }
 
+/// Fused updates for variables that are not on the CPU, registered by a device crate
+/// (strata-cuda registers its CUDA kernels when a GPU strategy is built); without one, or where
+/// it answers `None`, such variables take candle-nn's formulation. strata-core itself calls no
+/// device library.
+pub trait DeviceFusedUpdates: Send + Sync {
+    /// `var -= lr * g` in place, or `None` where `var` is not on a device this serves.
+    fn sgd(&self, var: &Var, g: &Tensor, lr: f64) -> Option<candle_core::Result<()>>;
+
+    /// One AdamW step (`step_t` counts from 1) on `var` and its moments `m` and `v`, in place,
+    /// with [`FusedAdamW`]'s results; or `None` where `var` is not on a device this serves.
+    fn adamw(
+        &self,
+        var: &Var,
+        g: &Tensor,
+        m: &Var,
+        v: &Var,
+        params: &ParamsAdamW,
+        step_t: usize,
+    ) -> Option<candle_core::Result<()>>;
+}
+
+static DEVICE_UPDATES: std::sync::OnceLock<&'static dyn DeviceFusedUpdates> = std::sync::OnceLock::new();
+
+/// Registers the fused updates of a device crate, once per process; `false` if some were
+/// registered already (they stay).
+pub fn register_device_fused_updates(updates: &'static dyn DeviceFusedUpdates) -> bool {
+    DEVICE_UPDATES.set(updates).is_ok()
+}
+
+fn device_updates() -> Option<&'static dyn DeviceFusedUpdates> {
+    DEVICE_UPDATES.get().copied()
+}
+
 fn fusable(t: &Tensor) -> bool {
     t.device().is_cpu() && t.dtype() == DType::F32 && t.is_contiguous()
 }
@@ -192,6 +227,10 @@ impl Optimizer for FusedAdamW {
             let Some(g) = grads.get(var) else { continue };
             let g = if g.is_contiguous() { g.clone() } else { g.contiguous()? };
             if !(fusable(var) && fusable(&g)) {
+                if let Some(done) = device_updates().and_then(|d| d.adamw(var, &g, m, v, p, self.step_t)) {
+                    done?;
+                    continue;
+                }
                 // candle-nn's formulation, for devices and dtypes the fused kernels do not cover.
                 let next_m = ((m.as_tensor() * beta1)? + (&g * (1.0 - beta1))?)?;
                 let next_v = ((v.as_tensor() * beta2)? + (g.sqr()? * (1.0 - beta2))?)?;
@@ -248,6 +287,8 @@ impl Optimizer for FusedSgd {
             let g = if g.is_contiguous() { g.clone() } else { g.contiguous()? };
             if fusable(var) && fusable(&g) {
                 var.inplace_op2(&g, &SgdParam { lr: self.lr as f32 })?;
+            } else if let Some(done) = device_updates().and_then(|d| d.sgd(var, &g, self.lr)) {
+                done?;
             } else {
                 var.set(&var.sub(&(g * self.lr)?)?)?;
             }

@@ -85,6 +85,8 @@ impl GpuCrossDeviceOps {
             }
             _ => None,
         };
+        // The optimizer then updates GPU variables with Strata's fused kernels too.
+        crate::candle_optim::register();
         tracing::info!(implementation = %selection.implementation, reason = %selection.reason, "GPU cross-device ops");
         Ok(Self {
             selection,

@@ -19,6 +19,8 @@
 pub mod alloc;
 #[cfg(feature = "candle-cuda")]
 pub mod candle_ops;
+#[cfg(feature = "candle-cuda")]
+pub mod candle_optim;
 pub mod device;
 mod error;
 pub mod kernels;
