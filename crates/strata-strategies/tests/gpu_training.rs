@@ -93,3 +93,39 @@ fn virtual_gpus_use_the_kernels_and_equal_one_gpu() {
     let ops = GpuCrossDeviceOps::new(&replicas, &machine, CrossDeviceChoice::Nccl);
     assert!(ops.is_err(), "NCCL on virtual GPUs must be refused");
 }
+
+/// `FusedSgd` and `FusedAdamW` on a CUDA variable run Strata's kernels (registered by the GPU
+/// cross-device ops, or here directly) and give the CPU's bits.
+#[test]
+fn fused_optimizers_on_a_gpu_give_the_cpu_bits() {
+    use candle_core::backprop::GradStore;
+    use candle_core::{Device, Tensor, Var};
+    use candle_nn::{Optimizer, ParamsAdamW};
+    use strata_core::optim::{FusedAdamW, FusedSgd};
+    if !require_gpus(1) {
+        return;
+    }
+    strata_cuda::candle_optim::register();
+    fn run<O: Optimizer>(dev: &Device, cfg: O::Config) -> Vec<u32>
+    where
+        O::Config: Clone,
+    {
+        let n = 1_000_003;
+        let var = Var::from_vec((0..n).map(|i| (i as f32 * 0.37).sin()).collect(), n, dev).unwrap();
+        let mut opt = O::new(vec![var.clone()], cfg).unwrap();
+        for step in 0..10 {
+            let g: Vec<f32> = (0..n).map(|i| ((i * 7 + step) as f32 * 0.011).cos()).collect();
+            let mut grads = GradStore::default();
+            grads.insert(var.as_tensor(), Tensor::from_vec(g, n, dev).unwrap());
+            opt.step(&grads).unwrap();
+        }
+        var.as_tensor().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect()
+    }
+    let gpu = Device::new_cuda(0).unwrap();
+    assert!(run::<FusedSgd>(&gpu, 0.1) == run::<FusedSgd>(&Device::Cpu, 0.1), "FusedSgd on a GPU differs from the CPU");
+    let cfg = ParamsAdamW { lr: 0.01, weight_decay: 0.1, ..Default::default() };
+    assert!(
+        run::<FusedAdamW>(&gpu, cfg.clone()) == run::<FusedAdamW>(&Device::Cpu, cfg),
+        "FusedAdamW on a GPU differs from the CPU"
+    );
+}
