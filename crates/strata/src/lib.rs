@@ -35,9 +35,11 @@
 
 pub mod bench;
 pub mod cli;
+pub mod compare;
 pub mod digits;
 mod error;
 pub mod gpu;
+pub mod metrics;
 pub mod model;
 pub mod ps_job;
 pub mod trainer;

@@ -207,6 +207,14 @@ impl ServerOptimizer {
             ServerOptimizer::AdamW { .. } => 2,
         }
     }
+
+    /// Applies one update exactly as a ps task does: gradient `g` to `w` and its optimizer
+    /// `slots` (as many as [`ServerOptimizer::slots`], each as long as `w`, zero at the start;
+    /// Adagrad's accumulator starts at its initial value). `t` is the update's number, from 1
+    /// (AdamW's bias correction). Used by `strata compare --simulate`.
+    pub fn apply(&self, w: &mut [f32], g: &[f32], slots: &mut [&mut [f32]], t: u64) {
+        optim::apply(self, w, g, slots, t)
+    }
 }
 
 impl fmt::Display for ServerOptimizer {

@@ -1,0 +1,1 @@
+//! The plots (being written).

@@ -1,0 +1,1 @@
+//! The report (being written).

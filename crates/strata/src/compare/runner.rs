@@ -1,0 +1,1 @@
+//! Real runs (being written).
