@@ -124,8 +124,14 @@ impl DistributedBatch {
         self.shards.values().iter().map(Shard::weight).collect()
     }
 
-    /// The number of examples in the global batch.
+    /// The number of examples in the global batch, over every worker (a multi-worker
+    /// strategy's batch holds only this worker's shards).
     pub fn global_len(&self) -> usize {
+        self.shards.values().first().map_or(0, |s| s.global_len)
+    }
+
+    /// The number of examples in this worker's shards.
+    pub fn local_len(&self) -> usize {
         self.shards.values().iter().map(|s| s.batch.len()).sum()
     }
 }

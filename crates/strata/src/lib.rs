@@ -39,6 +39,7 @@ pub mod compare;
 pub mod digits;
 mod error;
 pub mod gpu;
+pub mod inject;
 pub mod metrics;
 pub mod model;
 pub mod ps_job;

@@ -69,20 +69,30 @@ pub struct DigitsStepResult {
     pub dropped: bool,
     /// Seconds the step took on the worker.
     pub seconds: f64,
+    /// When the push was answered (seconds since the Unix epoch, on the worker's clock).
+    #[serde(default)]
+    pub finished_unix: f64,
+    /// Updates applied between the pull and the push (the largest over the ps tasks).
+    #[serde(default)]
+    pub staleness: u64,
+    /// The ps tasks' version after the push (the largest): updates applied so far.
+    #[serde(default)]
+    pub version: u64,
+    /// Bytes pushed (and pulled) by the step.
+    #[serde(default)]
+    pub bytes_sent: u64,
+    /// Bytes pulled by the step.
+    #[serde(default)]
+    pub bytes_received: u64,
 }
 
 /// How a worker runs the digits step.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct WorkerStepOptions {
-    /// Slow this worker down by this factor (1: no slowdown) by sleeping after the gradient
-    /// computation, to study stragglers.
-    pub slowdown: f64,
-}
-
-impl Default for WorkerStepOptions {
-    fn default() -> Self {
-        Self { slowdown: 1.0 }
-    }
+    /// Slow workers and random stragglers: a step sleeps after its gradient computation (its
+    /// pull and compute time times the factor minus one, plus a straggler's delay), to study
+    /// stragglers.
+    pub delays: crate::inject::StepDelays,
 }
 
 /// What a worker keeps between steps.
@@ -196,7 +206,7 @@ fn run_step(
     ctx: &WorkerContext,
     step: DigitsStep,
     state: &Mutex<Option<WorkerState>>,
-    options: WorkerStepOptions,
+    options: &WorkerStepOptions,
 ) -> Result<DigitsStepResult> {
     let started = Instant::now();
     let mut guard = lock(state);
@@ -205,20 +215,42 @@ fn run_step(
     }
     let st = guard.as_mut().ok_or_else(|| Error::Usage("worker state missing".into()))?;
     let batch = st.batch(step.epoch, step.batch, step.batch_size)?;
+    let bytes0 = strata_transport::inject::bytes();
     let ticket = ctx.pull(&st.vars)?;
     st.mirror_copy0()?;
     let (loss, grads) = st.gradients(&batch)?;
-    if options.slowdown > 1.0 {
-        std::thread::sleep(started.elapsed().mul_f64(options.slowdown - 1.0));
-    }
+    let global_step = step.epoch * 1_000_000 + step.batch;
+    std::thread::sleep(options.delays.delay(ctx.worker_index(), global_step, started.elapsed()));
     let pushed = ctx.push(&ticket, &grads)?;
+    let bytes1 = strata_transport::inject::bytes();
+    let (mut staleness, mut version) = (0, 0);
+    for (i, (_, outcome)) in pushed.outcomes.iter().enumerate() {
+        let base = ticket.versions().get(i).copied().unwrap_or(0);
+        match *outcome {
+            strata_transport::ps::PushOutcome::Applied { version: v, .. } => {
+                staleness = staleness.max(v.saturating_sub(base + 1));
+                version = version.max(v);
+            }
+            strata_transport::ps::PushOutcome::Dropped { version: v } => version = version.max(v),
+        }
+    }
     Ok(DigitsStepResult {
         loss,
         examples: batch.len(),
         worker: ctx.worker_index(),
         dropped: pushed.dropped(),
         seconds: started.elapsed().as_secs_f64(),
+        finished_unix: unix_now(),
+        staleness,
+        version,
+        bytes_sent: bytes1.0 - bytes0.0,
+        bytes_received: bytes1.1 - bytes0.1,
     })
+}
+
+/// Seconds since the Unix epoch (the clock every process on this machine shares).
+pub fn unix_now() -> f64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
 }
 
 /// The step functions of the digits job, for `strata worker`.
@@ -226,7 +258,7 @@ pub fn worker_registry(options: WorkerStepOptions) -> StepRegistry {
     let state: Arc<Mutex<Option<WorkerState>>> = Arc::new(Mutex::new(None));
     let mut registry = StepRegistry::new();
     registry.register(TRAIN_STEP, move |ctx: &WorkerContext, step: DigitsStep| {
-        run_step(ctx, step, &state, options).map_err(into_core)
+        run_step(ctx, step, &state, &options).map_err(into_core)
     });
     registry
 }
@@ -253,6 +285,8 @@ pub struct PsTrainConfig {
     pub progress: bool,
     /// Stop after this many steps.
     pub max_steps: Option<usize>,
+    /// Write a record per worker step and per evaluation here.
+    pub metrics: Option<Arc<crate::metrics::MetricsWriter>>,
 }
 
 /// What the coordinator saw besides the training figures.
@@ -287,6 +321,8 @@ pub fn train_coordinator(
     let (mut steps, mut steady_examples, mut steady_time) = (0usize, 0usize, Duration::ZERO);
     let mut final_accuracy = 0.0;
     let mut dropped = 0u64;
+    let started_unix = unix_now() - started.elapsed().as_secs_f64();
+    let (mut recorded_steps, mut recorded_examples, mut updates) = (0u64, 0u64, 0u64);
     for epoch in 0..config.epochs {
         let mut n = steps_per_epoch;
         if let Some(max) = config.max_steps {
@@ -310,14 +346,38 @@ pub fn train_coordinator(
             })
             .collect();
         let (mut loss, mut examples) = (0.0f64, 0usize);
+        let mut results = Vec::with_capacity(values.len());
         for v in &values {
             let r = v.fetch()?;
             loss += f64::from(r.loss) * r.examples as f64;
             examples += r.examples;
             dropped += u64::from(r.dropped);
             bar.inc(1);
+            results.push(r);
         }
         coordinator.join()?;
+        if let Some(m) = &config.metrics {
+            // In the order the pushes were answered.
+            results.sort_by(|a, b| a.finished_unix.total_cmp(&b.finished_unix));
+            for r in &results {
+                recorded_steps += 1;
+                recorded_examples += r.examples as u64;
+                updates = updates.max(r.version);
+                let mut rec = crate::metrics::MetricRecord::step(
+                    recorded_steps,
+                    r.version,
+                    (r.finished_unix - started_unix).max(0.0),
+                    recorded_examples,
+                    r.loss,
+                );
+                rec.staleness = (!r.dropped).then_some(r.staleness);
+                rec.bytes_sent = r.bytes_sent;
+                rec.bytes_received = r.bytes_received;
+                rec.worker = Some(r.worker as u32);
+                rec.dropped = r.dropped;
+                m.write(&rec)?;
+            }
+        }
         let step_time = t0.elapsed();
         steps += n;
         if epoch > 0 || config.epochs == 1 {
@@ -327,6 +387,10 @@ pub fn train_coordinator(
         model.pull()?;
         let correct = model.model().correct(&x_test, &y_test)?;
         final_accuracy = correct as f32 / test.len().max(1) as f32;
+        if let Some(m) = &config.metrics {
+            let wall = unix_now() - started_unix;
+            m.write(&crate::metrics::MetricRecord::eval(recorded_steps, updates, wall, recorded_examples, final_accuracy))?;
+        }
         let train_loss = (loss / examples.max(1) as f64) as f32;
         bar.set_message(format!("loss {train_loss:.4} accuracy {:.2}%", final_accuracy * 100.0));
         epochs.push(EpochReport {

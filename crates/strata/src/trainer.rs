@@ -42,6 +42,12 @@ pub struct TrainConfig {
     pub checkpoint: Option<CheckpointConfig>,
     /// Stop after this many steps in total (counting a resumed run's earlier steps).
     pub max_steps: Option<usize>,
+    /// Write a record per step and per evaluation here (the chief does); steps then run one
+    /// per execution, so that each has its own time.
+    pub metrics: Option<std::sync::Arc<crate::metrics::MetricsWriter>>,
+    /// Slow workers and random stragglers (`strata compare`'s injection): in-process
+    /// strategies apply them by replica, multi-worker ones by worker.
+    pub delays: Option<crate::inject::StepDelays>,
 }
 
 /// Where and how often the chief writes checkpoints.
@@ -66,6 +72,8 @@ impl Default for TrainConfig {
             steps_per_execution: None,
             checkpoint: None,
             max_steps: None,
+            metrics: None,
+            delays: None,
         }
     }
 }
@@ -193,6 +201,10 @@ impl Trainer {
             None => 0,
         };
         let mut global_step = resumed;
+        let workers = strategy.extended().workers();
+        let num_workers = workers.map_or(1, |w| w.num_workers()) as u64;
+        // Only the chief writes records.
+        let metrics = cfg.metrics.clone().filter(|_| is_chief(strategy));
         let bar = progress_bar(cfg.progress, (steps_per_epoch * cfg.epochs) as u64);
         let mut epochs = Vec::with_capacity(cfg.epochs);
         let (mut steps, mut steady_time, mut steady_examples, mut skipped) = (0usize, Duration::ZERO, 0usize, 0usize);
@@ -213,7 +225,9 @@ impl Trainer {
             if let Some(max) = cfg.max_steps {
                 epoch_batches = &epoch_batches[..epoch_batches.len().min(max.saturating_sub(global_step))];
             }
-            let per_execution = cfg.steps_per_execution.unwrap_or(epoch_batches.len()).max(1);
+            let per_step = cfg.metrics.is_some() || cfg.delays.as_ref().is_some_and(|d| !d.is_empty());
+            let per_execution =
+                if per_step { 1 } else { cfg.steps_per_execution.unwrap_or(epoch_batches.len()).max(1) };
             let (mut epoch_time, mut loss_n) = (Duration::ZERO, 0usize);
             let mut local_loss = vec![0f32; strategy.extended().num_replicas()];
             let mut executions = Vec::new();
@@ -233,16 +247,27 @@ impl Trainer {
                 done += execution.len();
                 let _s = tracing::debug_span!("execution", first_step = steps, steps = execution.len()).entered();
                 let t0 = Instant::now();
+                let bytes0 = strata_transport::inject::bytes();
+                let step_number = (global_step + 1) as u64;
                 let losses = strategy
                     .run_batches(execution, |ctx, shard| {
+                        let started = Instant::now();
                         let fwd = ctx.phase("step", "forward");
                         let x = shard.batch.features_tensor(ctx.candle_device())?;
                         let y = shard.batch.labels_tensor(ctx.candle_device())?;
                         let loss = model.on(ctx)?.loss(&x, &y)?;
                         drop(fwd);
-                        ctx.backward_and_sync(&loss, opt)?;
-                        // The replica's share of the global batch's mean loss.
-                        Ok(loss.to_scalar::<f32>()? * shard.weight())
+                        match cfg.delays.as_ref().filter(|d| !d.is_empty()) {
+                            Some(delays) => {
+                                let grads = loss.backward()?;
+                                let worker = workers.map_or(ctx.replica_id(), |w| w.worker_index());
+                                std::thread::sleep(delays.delay(worker, step_number, started.elapsed()));
+                                ctx.sync_and_apply(grads, opt)?;
+                            }
+                            None => ctx.backward_and_sync(&loss, opt)?,
+                        }
+                        // The replica's share of the global batch's mean loss, and that share.
+                        Ok((loss.to_scalar::<f32>()? * shard.weight(), shard.weight()))
                     })
                     .map_err(|e| match e {
                         strata_core::Error::Cluster(m) => strata_core::Error::Cluster(format!(
@@ -264,10 +289,20 @@ impl Trainer {
                 steps += execution.len();
                 global_step += execution.len();
                 for l in &losses {
-                    for (acc, v) in local_loss.iter_mut().zip(l.values()) {
+                    for (acc, (v, _)) in local_loss.iter_mut().zip(l.values()) {
                         *acc += v;
                     }
                     loss_n += 1;
+                }
+                if let (Some(m), Some(l)) = (&metrics, losses.last()) {
+                    // This worker's replicas' mean loss (the whole batch's on one machine).
+                    let (sum, weight) = l.values().iter().fold((0.0, 0.0), |(s, w), (v, x)| (s + v, w + x));
+                    let (sent, received) = strata_transport::inject::bytes();
+                    let mut r = crate::metrics::MetricRecord::step(global_step as u64, global_step as u64, start.elapsed().as_secs_f64(), all_examples as u64, sum / weight.max(f32::MIN_POSITIVE));
+                    // The ring is symmetric: every worker moves what this one did.
+                    r.bytes_sent = (sent - bytes0.0) * num_workers;
+                    r.bytes_received = (received - bytes0.1) * num_workers;
+                    m.write(&r)?;
                 }
                 bar.inc(execution.len() as u64);
                 if let Some((c, h)) = ckpt {
@@ -281,6 +316,10 @@ impl Trainer {
             let loss_sum = strategy.reduce(ReduceOp::Sum, &strata_core::PerReplica::new(local_loss)?)?;
             skipped += data.skipped_examples();
             let acc = evaluate(model.primary(), test)?;
+            if let Some(m) = &metrics {
+                let g = global_step as u64;
+                m.write(&crate::metrics::MetricRecord::eval(g, g, start.elapsed().as_secs_f64(), all_examples as u64, acc))?;
+            }
             let train_loss = loss_sum / loss_n.max(1) as f32;
             tracing::info!(epoch, train_loss, test_accuracy = acc, "epoch done");
             bar.set_message(format!("epoch {} loss {train_loss:.4} test accuracy {:.2}%", epoch + 1, acc * 100.0));

@@ -257,7 +257,9 @@ impl PsClient {
                 }
             }
         };
+        crate::inject::delay_blocking();
         let r = self.stream_call("Push", produce, |mut raw, stream| async move { raw.push(stream).await })?;
+        crate::inject::count_sent(grads.iter().map(|(_, g)| g.len() * 4).sum());
         let r = r.into_inner();
         Ok(if r.dropped {
             PushOutcome::Dropped { version: r.version }
@@ -268,7 +270,8 @@ impl PsClient {
 
     fn pull_chunks(&self, names: &[&str], min_version: u64) -> Result<(PullHeader, Vec<TensorChunk>)> {
         let request = PullRequest { variables: names.iter().map(|n| n.to_string()).collect(), min_version };
-        self.call("Pull", |mut raw| {
+        crate::inject::delay_blocking();
+        let pulled = self.call("Pull", |mut raw| {
             let request = request.clone();
             async move {
                 let mut stream = raw.pull(request).await?.into_inner();
@@ -284,7 +287,9 @@ impl PsClient {
                 let header = header.ok_or_else(|| Status::internal("the pull stream has no header"))?;
                 Ok((header, chunks))
             }
-        })
+        })?;
+        crate::inject::count_received(pulled.1.iter().map(|c| c.data.len()).sum());
+        Ok(pulled)
     }
 
     fn protocol(&self, detail: String) -> Error {

@@ -118,7 +118,10 @@ impl Reader {
         let r = self.rd.read_exact(buf).await;
         Ctx::end(&ctx.reading, self.peer);
         match r {
-            Ok(_) => Ok(()),
+            Ok(_) => {
+                crate::inject::count_received(buf.len());
+                Ok(())
+            }
             Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Err(ctx.lost(self.peer, "connection closed")),
             Err(e) => Err(ctx.lost(self.peer, format!("receive failed: {e}"))),
         }
@@ -274,9 +277,13 @@ impl Writer {
 
     /// Writes whole frames.
     pub(crate) async fn send(&mut self, ctx: &Ctx<'_>, bytes: &[u8]) -> Result<()> {
+        crate::inject::delay_async().await;
         self.clean = false;
         Ctx::begin(&ctx.writing, self.peer);
         let r = self.wr.write_all(bytes).await;
+        if r.is_ok() {
+            crate::inject::count_sent(bytes.len());
+        }
         Ctx::end(&ctx.writing, self.peer);
         r.map_err(|e| ctx.lost(self.peer, format!("send failed: {e}")))?;
         self.clean = true;

@@ -1,6 +1,7 @@
 //! The `strata` command line.
 
-mod launch;
+pub mod compare;
+pub(crate) mod launch;
 pub use launch::TOKEN_VAR;
 pub mod ps;
 pub mod train;
@@ -36,6 +37,9 @@ pub enum Command {
     /// List physical and logical devices as the visibility rules resolve them, and the GPUs
     /// with the CUDA_VISIBLE_DEVICES entry that selected each, their memory and peer access.
     Devices(DevicesArgs),
+    /// Run the same training under several strategies (real processes, or --simulate'd in
+    /// virtual time), and write runs.csv, summary.json, plots and REPORT.md.
+    Compare(compare::CompareArgs),
     /// Benchmarks; each prints this machine's ceiling measured in the same run.
     Bench {
         /// Which benchmark.
@@ -75,6 +79,7 @@ pub fn run(cli: Cli) -> crate::Result<()> {
         Command::Ps(args) => ps::run_ps(&args),
         Command::Worker(args) => ps::run_worker(&args),
         Command::Devices(args) => devices(&args),
+        Command::Compare(args) => compare::run(&args),
         Command::Bench { which: BenchCommand::Allreduce(args) } => bench::allreduce::run(&args),
         Command::Bench { which: BenchCommand::Train(args) } => bench::train::run(&args),
         Command::Bench { which: BenchCommand::Transport(args) } => bench::transport::run(&args),

@@ -84,6 +84,18 @@ pub struct WorkerArgs {
     /// Slow this worker down by this factor (a straggler, for experiments).
     #[arg(long, default_value_t = 1.0)]
     pub slowdown: f64,
+    /// Random stragglers: the chance that a step is delayed (with --straggler-delay).
+    #[arg(long, default_value_t = 0.0, value_name = "P")]
+    pub straggler_probability: f64,
+    /// Random stragglers: fixed:50ms, uniform:10ms..50ms or exp:20ms.
+    #[arg(long, value_name = "DISTRIBUTION")]
+    pub straggler_delay: Option<String>,
+    /// Seed of the straggler draws.
+    #[arg(long, default_value_t = 0)]
+    pub inject_seed: u64,
+    /// Add this delay to every pull and push, e.g. 2ms.
+    #[arg(long, value_name = "DURATION", value_parser = crate::compare::experiment::parse_duration)]
+    pub network_delay: Option<Duration>,
 }
 
 fn token(file: Option<&std::path::Path>) -> Result<ClusterToken> {
@@ -182,7 +194,17 @@ pub fn run_worker(args: &WorkerArgs) -> Result<()> {
     let signals = block_signals()?;
     let mut options = WorkerOptions::new(index, ps, token(args.cluster_token_file.as_deref())?);
     options.task_index = index;
-    let registry = ps_job::worker_registry(WorkerStepOptions { slowdown: args.slowdown });
+    let mut delays = crate::inject::StepDelays::from_flags(
+        &[],
+        args.straggler_probability,
+        args.straggler_delay.as_deref(),
+        args.inject_seed,
+    )?;
+    delays.slowdown = vec![(index, args.slowdown)];
+    if let Some(d) = args.network_delay {
+        strata_transport::inject::set_network_delay(d);
+    }
+    let registry = ps_job::worker_registry(WorkerStepOptions { delays });
     let server = serve_worker(address, registry, options)?;
     eprintln!("worker:{index} listening on {}", server.address());
     let signal = wait_for_signal(&signals);
@@ -259,22 +281,16 @@ fn ps_mode(args: &TrainArgs, workers: usize) -> Result<PsMode> {
     })
 }
 
-/// `--worker-slowdown INDEX=FACTOR` values.
-fn slowdowns(args: &TrainArgs, workers: usize) -> Result<Vec<f64>> {
-    let mut out = vec![1.0; workers];
-    for s in &args.worker_slowdown {
-        let bad = || Error::Usage(format!("--worker-slowdown {s:?} is not INDEX=FACTOR, e.g. 2=5"));
-        let (i, f) = s.split_once('=').ok_or_else(bad)?;
-        let i: usize = i.trim().parse().map_err(|_| bad())?;
-        let f: f64 = f.trim().parse().map_err(|_| bad())?;
-        if i >= workers || !(f.is_finite() && f >= 1.0) {
-            return Err(Error::Usage(format!(
-                "--worker-slowdown {s:?}: the index must be below --workers {workers} and the factor 1 or more"
-            )));
-        }
-        out[i] = f;
+/// The slow workers and stragglers of `--worker-slowdown` and `--straggler-*`, checked
+/// against the number of workers.
+fn step_delays(args: &TrainArgs, workers: usize) -> Result<crate::inject::StepDelays> {
+    let delays = args.step_delays()?;
+    if let Some((i, _)) = delays.slowdown.iter().find(|(i, _)| *i >= workers) {
+        return Err(Error::Usage(format!(
+            "--worker-slowdown {i}=...: the index must be below --workers {workers}"
+        )));
     }
-    Ok(out)
+    Ok(delays)
 }
 
 /// Child processes of a local run, stopped (SIGTERM, then SIGKILL) when dropped, on Ctrl-C, and
@@ -309,7 +325,7 @@ impl Drop for LocalCluster {
 
 impl LocalCluster {
     /// Starts `ps` ps tasks and `workers` worker tasks of this executable.
-    fn start(args: &TrainArgs, cluster: &ClusterSpec, token: &str, slowdowns: &[f64]) -> Result<Self> {
+    fn start(args: &TrainArgs, cluster: &ClusterSpec, token: &str, delays: &crate::inject::StepDelays) -> Result<Self> {
         let exe = std::env::current_exe().map_err(|e| Error::io("finding the strata executable", e))?;
         let children: Arc<Mutex<Vec<(TaskId, Child)>>> = Arc::new(Mutex::new(Vec::new()));
         let me = Self { children: children.clone() };
@@ -337,7 +353,10 @@ impl LocalCluster {
                     }
                 }
                 _ => {
-                    cmd.arg("worker").arg("--slowdown").arg(slowdowns[task.index].to_string());
+                    cmd.arg("worker").args(delays.to_worker_flags(task.index));
+                    if let Some(d) = args.network_delay {
+                        cmd.arg("--network-delay").arg(format!("{}us", d.as_micros()));
+                    }
                 }
             }
             cmd.env("TF_CONFIG", launch::tf_config(cluster, task)?)
@@ -413,7 +432,11 @@ pub fn train(args: &TrainArgs, started: Instant) -> Result<()> {
                     ps: Vec::new(),
                     bind: args.bind,
                     cluster_token_file: args.cluster_token_file.clone(),
-                    slowdown: 1.0,
+                    slowdown: args.step_delays()?.factor(c.task.index),
+                    straggler_probability: args.straggler_probability,
+                    straggler_delay: args.straggler_delay.clone(),
+                    inject_seed: args.seed,
+                    network_delay: args.network_delay,
                 })
             }
             TaskType::Chief => {
@@ -437,8 +460,8 @@ pub fn train(args: &TrainArgs, started: Instant) -> Result<()> {
             let addresses = launch::free_addresses(args.bind, tasks.len())?;
             let spec = launch::cluster_spec(&tasks, &addresses)?;
             token_text = launch::cluster_token();
-            let slow = slowdowns(args, args.workers)?;
-            let local = LocalCluster::start(args, &spec, &token_text, &slow)?;
+            let delays = step_delays(args, args.workers)?;
+            let local = LocalCluster::start(args, &spec, &token_text, &delays)?;
             (spec, Some(local))
         }
     };
@@ -462,6 +485,7 @@ pub fn train(args: &TrainArgs, started: Instant) -> Result<()> {
         batch_size: args.batch,
         progress: !args.no_progress,
         max_steps: args.max_steps,
+        metrics: args.metrics_writer()?,
     };
     let (report, stats) = ps_job::train_coordinator(&strategy, &model, &config)?;
     let mut tasks = Vec::new();

@@ -229,9 +229,46 @@ pub struct TrainArgs {
     /// Momentum of --optimizer momentum.
     #[arg(long, default_value_t = 0.9)]
     pub momentum: f64,
-    /// Parameter server: slow worker INDEX down by FACTOR (a straggler), e.g. 2=5; repeatable.
+    /// Slow worker INDEX down by FACTOR (a straggler: its steps sleep FACTOR - 1 times their
+    /// compute time), e.g. 2=5; repeatable. Workers are worker tasks in multi-worker and
+    /// parameter-server jobs, replicas otherwise.
     #[arg(long, value_name = "INDEX=FACTOR")]
     pub worker_slowdown: Vec<String>,
+    /// Random stragglers: the chance that a worker's step is delayed (with --straggler-delay).
+    #[arg(long, default_value_t = 0.0, value_name = "P")]
+    pub straggler_probability: f64,
+    /// Random stragglers: how long, fixed:50ms, uniform:10ms..50ms or exp:20ms (the mean).
+    #[arg(long, value_name = "DISTRIBUTION")]
+    pub straggler_delay: Option<String>,
+    /// Add this delay to every data-plane message between processes (ring frames, pulls,
+    /// pushes), e.g. 2ms.
+    #[arg(long, value_name = "DURATION", value_parser = parse_delay)]
+    pub network_delay: Option<std::time::Duration>,
+    /// Write a JSON line per step and per evaluation here (wall time, loss, staleness, bytes,
+    /// accuracy), as `strata compare` reads them.
+    #[arg(long, value_name = "FILE")]
+    pub metrics: Option<PathBuf>,
+}
+
+fn parse_delay(s: &str) -> std::result::Result<std::time::Duration, String> {
+    crate::compare::experiment::parse_duration(s)
+}
+
+impl TrainArgs {
+    /// The slow workers and stragglers the flags ask for.
+    pub fn step_delays(&self) -> Result<crate::inject::StepDelays> {
+        crate::inject::StepDelays::from_flags(
+            &self.worker_slowdown,
+            self.straggler_probability,
+            self.straggler_delay.as_deref(),
+            self.seed,
+        )
+    }
+
+    /// The metrics file's writer, if asked for.
+    pub fn metrics_writer(&self) -> Result<Option<Arc<crate::metrics::MetricsWriter>>> {
+        self.metrics.as_deref().map(|p| crate::metrics::MetricsWriter::create(p).map(Arc::new)).transpose()
+    }
 }
 
 /// The JSON summary `--out` writes.
@@ -346,8 +383,23 @@ pub fn run(args: &TrainArgs) -> Result<()> {
             args.collective_timeout
         )));
     }
+    let delays = args.step_delays()?;
+    if let Some(d) = args.network_delay {
+        strata_transport::inject::set_network_delay(d);
+    }
     if args.strategy == StrategyKind::ParameterServer {
         return super::ps::train(args, started);
+    }
+    let local_replicas = match args.strategy {
+        StrategyKind::OneDevice => 1,
+        _ => args.gpus.or(args.replicas).unwrap_or(2),
+    };
+    if args.strategy != StrategyKind::MultiWorkerMirrored {
+        if let Some((w, _)) = delays.slowdown.iter().find(|(w, _)| *w >= local_replicas) {
+            return Err(Error::Usage(format!(
+                "--worker-slowdown names replica {w}, but this run has {local_replicas}; slow a replica below that"
+            )));
+        }
     }
     let options = StrategyOptions {
         bucket_bytes: (args.bucket_mib * 1024.0 * 1024.0) as usize,
@@ -405,6 +457,8 @@ fn train_with(
             keep: 3,
         }),
         max_steps: args.max_steps,
+        metrics: args.metrics_writer()?,
+        delays: Some(args.step_delays()?),
         ..Default::default()
     });
     let report = args.optimizer.fit(args.lr, &trainer, &strategy, &model, &train, &test)?;
