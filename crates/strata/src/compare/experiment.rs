@@ -102,6 +102,8 @@ pub struct RunSpec {
     pub backup_workers: usize,
     /// Stale mode: the largest accepted staleness.
     pub staleness: u64,
+    /// This run's own time limit (default: the experiment's `run_timeout`).
+    pub timeout: Option<Duration>,
 }
 
 impl RunSpec {
@@ -444,6 +446,10 @@ impl Experiment {
                 mode,
                 backup_workers,
                 staleness,
+                timeout: match &r.timeout {
+                    Some(t) => Some(parse_duration(t.get_ref()).map_err(|m| at.error(t.span(), &field("timeout"), m))?),
+                    None => None,
+                },
             };
             spec.name = match &r.name {
                 Some(n) => n.get_ref().clone(),
@@ -581,6 +587,7 @@ struct RawRun {
     mode: Option<Spanned<PsMode>>,
     backup_workers: Option<Spanned<usize>>,
     staleness: Option<Spanned<u64>>,
+    timeout: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
