@@ -39,7 +39,8 @@ impl StepDelays {
     pub fn delay(&self, w: usize, step: u64, compute: Duration) -> Duration {
         let mut d = compute.mul_f64((self.factor(w) - 1.0).max(0.0));
         if let Some(s) = &self.stragglers {
-            let key = self.seed ^ (w as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ step.wrapping_mul(0xc2b2_ae3d_27d4_eb4f);
+            let key =
+                self.seed ^ (w as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ step.wrapping_mul(0xc2b2_ae3d_27d4_eb4f);
             let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(key);
             if rng.random::<f64>() < s.probability {
                 d += s.delay.sample(rng.random::<f64>());
@@ -52,7 +53,8 @@ impl StepDelays {
     pub fn from_flags(slowdown: &[String], probability: f64, delay: Option<&str>, seed: u64) -> Result<Self> {
         let mut out = StepDelays { seed, ..Default::default() };
         for s in slowdown {
-            let bad = || Error::Usage(format!("--worker-slowdown {s:?} is not INDEX=FACTOR with FACTOR >= 1, e.g. 2=5"));
+            let bad =
+                || Error::Usage(format!("--worker-slowdown {s:?} is not INDEX=FACTOR with FACTOR >= 1, e.g. 2=5"));
             let (i, f) = s.split_once('=').ok_or_else(bad)?;
             let (i, f): (usize, f64) = (i.trim().parse().map_err(|_| bad())?, f.trim().parse().map_err(|_| bad())?);
             if !(f.is_finite() && f >= 1.0) {
@@ -114,7 +116,15 @@ mod tests {
         assert!(StepDelays::from_flags(&["1=0.5".into()], 0.0, None, 0).is_err());
         assert!(StepDelays::from_flags(&[], 0.5, None, 0).unwrap_err().to_string().contains("--straggler-delay"));
         assert!(StepDelays::from_flags(&[], 1.5, Some("exp:1ms"), 0).is_err());
-        let back = StepDelays::from_flags(&[], 0.5, Some(&"uniform:1ms..3ms".parse::<DelayDistribution>().unwrap().to_string()), 0);
-        assert_eq!(back.unwrap().stragglers.unwrap().delay, DelayDistribution::Uniform(Duration::from_millis(1), Duration::from_millis(3)));
+        let back = StepDelays::from_flags(
+            &[],
+            0.5,
+            Some(&"uniform:1ms..3ms".parse::<DelayDistribution>().unwrap().to_string()),
+            0,
+        );
+        assert_eq!(
+            back.unwrap().stragglers.unwrap().delay,
+            DelayDistribution::Uniform(Duration::from_millis(1), Duration::from_millis(3))
+        );
     }
 }

@@ -121,17 +121,14 @@ impl MetricsWriter {
 
 /// Reads a metrics file; a torn last line (a run killed while writing) is ignored.
 pub fn read(path: &Path) -> Result<Vec<MetricRecord>> {
-    let text =
-        std::fs::read_to_string(path).map_err(|e| Error::io(format!("cannot read {}", path.display()), e))?;
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(format!("cannot read {}", path.display()), e))?;
     let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
     let mut out = Vec::with_capacity(lines.len());
     for (i, line) in lines.iter().enumerate() {
         match serde_json::from_str::<MetricRecord>(line) {
             Ok(r) => out.push(r),
             Err(_) if i + 1 == lines.len() && !text.ends_with('\n') => break,
-            Err(e) => {
-                return Err(Error::Usage(format!("{} line {}: not a metric record: {e}", path.display(), i + 1)))
-            }
+            Err(e) => return Err(Error::Usage(format!("{} line {}: not a metric record: {e}", path.display(), i + 1))),
         }
     }
     Ok(out)

@@ -389,7 +389,13 @@ pub fn train_coordinator(
         final_accuracy = correct as f32 / test.len().max(1) as f32;
         if let Some(m) = &config.metrics {
             let wall = unix_now() - started_unix;
-            m.write(&crate::metrics::MetricRecord::eval(recorded_steps, updates, wall, recorded_examples, final_accuracy))?;
+            m.write(&crate::metrics::MetricRecord::eval(
+                recorded_steps,
+                updates,
+                wall,
+                recorded_examples,
+                final_accuracy,
+            ))?;
         }
         let train_loss = (loss / examples.max(1) as f64) as f32;
         bar.set_message(format!("loss {train_loss:.4} accuracy {:.2}%", final_accuracy * 100.0));

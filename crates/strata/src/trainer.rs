@@ -298,7 +298,13 @@ impl Trainer {
                     // This worker's replicas' mean loss (the whole batch's on one machine).
                     let (sum, weight) = l.values().iter().fold((0.0, 0.0), |(s, w), (v, x)| (s + v, w + x));
                     let (sent, received) = strata_transport::inject::bytes();
-                    let mut r = crate::metrics::MetricRecord::step(global_step as u64, global_step as u64, start.elapsed().as_secs_f64(), all_examples as u64, sum / weight.max(f32::MIN_POSITIVE));
+                    let mut r = crate::metrics::MetricRecord::step(
+                        global_step as u64,
+                        global_step as u64,
+                        start.elapsed().as_secs_f64(),
+                        all_examples as u64,
+                        sum / weight.max(f32::MIN_POSITIVE),
+                    );
                     // The ring is symmetric: every worker moves what this one did.
                     r.bytes_sent = (sent - bytes0.0) * num_workers;
                     r.bytes_received = (received - bytes0.1) * num_workers;
@@ -318,7 +324,13 @@ impl Trainer {
             let acc = evaluate(model.primary(), test)?;
             if let Some(m) = &metrics {
                 let g = global_step as u64;
-                m.write(&crate::metrics::MetricRecord::eval(g, g, start.elapsed().as_secs_f64(), all_examples as u64, acc))?;
+                m.write(&crate::metrics::MetricRecord::eval(
+                    g,
+                    g,
+                    start.elapsed().as_secs_f64(),
+                    all_examples as u64,
+                    acc,
+                ))?;
             }
             let train_loss = loss_sum / loss_n.max(1) as f32;
             tracing::info!(epoch, train_loss, test_accuracy = acc, "epoch done");

@@ -157,7 +157,14 @@ fn the_harness_records_what_strata_train_gives_and_survives_a_failed_run() {
 fn a_malformed_experiment_names_the_field_and_line() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("bad.toml");
-    std::fs::write(&file, EXPERIMENT.replace("workers = 2\n\n[[run]]\nstrategy = \"parameter-server\"\nmode = \"sync\"", "workers = 0\n\n[[run]]\nstrategy = \"parameter-server\"\nmode = \"sync\"")).unwrap();
+    std::fs::write(
+        &file,
+        EXPERIMENT.replace(
+            "workers = 2\n\n[[run]]\nstrategy = \"parameter-server\"\nmode = \"sync\"",
+            "workers = 0\n\n[[run]]\nstrategy = \"parameter-server\"\nmode = \"sync\"",
+        ),
+    )
+    .unwrap();
     let out = wait(
         strata().arg("compare").arg(&file).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap(),
         Instant::now() + Duration::from_secs(30),

@@ -11,7 +11,17 @@ use strata::metrics::{MetricRecord, RecordKind};
 use strata::model::Mlp;
 
 fn spec(name: &str, strategy: RunStrategy, mode: Option<PsMode>, backup_workers: usize, staleness: u64) -> RunSpec {
-    RunSpec { name: name.into(), strategy, replicas: 1, workers: 1, ps_tasks: 1, mode, backup_workers, staleness, timeout: None }
+    RunSpec {
+        name: name.into(),
+        strategy,
+        replicas: 1,
+        workers: 1,
+        ps_tasks: 1,
+        mode,
+        backup_workers,
+        staleness,
+        timeout: None,
+    }
 }
 
 fn experiment(runs: Vec<RunSpec>, injection: Injection) -> Experiment {

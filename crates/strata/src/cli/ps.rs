@@ -286,9 +286,7 @@ fn ps_mode(args: &TrainArgs, workers: usize) -> Result<PsMode> {
 fn step_delays(args: &TrainArgs, workers: usize) -> Result<crate::inject::StepDelays> {
     let delays = args.step_delays()?;
     if let Some((i, _)) = delays.slowdown.iter().find(|(i, _)| *i >= workers) {
-        return Err(Error::Usage(format!(
-            "--worker-slowdown {i}=...: the index must be below --workers {workers}"
-        )));
+        return Err(Error::Usage(format!("--worker-slowdown {i}=...: the index must be below --workers {workers}")));
     }
     Ok(delays)
 }

@@ -236,8 +236,7 @@ impl Injection {
 
     /// One line per injected effect, for the report.
     pub fn describe(&self) -> Vec<String> {
-        let mut out: Vec<String> =
-            self.slowdown.iter().map(|(i, f)| format!("worker {i} is {f}x slower")).collect();
+        let mut out: Vec<String> = self.slowdown.iter().map(|(i, f)| format!("worker {i} is {f}x slower")).collect();
         if let Some(s) = &self.stragglers {
             out.push(format!("random stragglers: probability {} per step, delay {}", s.probability, s.delay));
         }
@@ -306,7 +305,11 @@ impl Experiment {
         }
         let hidden = e.hidden.clone().into_inner();
         if hidden.is_empty() || hidden.contains(&0) {
-            return Err(at.error(e.hidden.span(), "experiment.hidden", "needs layer sizes of at least 1, e.g. [256, 256]"));
+            return Err(at.error(
+                e.hidden.span(),
+                "experiment.hidden",
+                "needs layer sizes of at least 1, e.g. [256, 256]",
+            ));
         }
         let positive = |v: &Spanned<usize>, field: &str| -> Result<usize> {
             if *v.get_ref() == 0 {
@@ -340,7 +343,11 @@ impl Experiment {
         }
         let target = *e.target_accuracy.get_ref();
         if !(target > 0.0 && target <= 1.0) {
-            return Err(at.error(e.target_accuracy.span(), "experiment.target_accuracy", "must be in (0, 1], e.g. 0.95"));
+            return Err(at.error(
+                e.target_accuracy.span(),
+                "experiment.target_accuracy",
+                "must be in (0, 1], e.g. 0.95",
+            ));
         }
         let run_timeout = match &e.run_timeout {
             Some(t) => parse_duration(t.get_ref()).map_err(|m| at.error(t.span(), "experiment.run_timeout", m))?,
@@ -367,7 +374,11 @@ impl Experiment {
             let replicas = match r.strategy {
                 RunStrategy::OneDevice => {
                     if let Some(v) = r.replicas.as_ref().filter(|v| *v.get_ref() != 1) {
-                        return Err(at.error(v.span(), &field("replicas"), "one-device runs 1 replica; drop it or use mirrored"));
+                        return Err(at.error(
+                            v.span(),
+                            &field("replicas"),
+                            "one-device runs 1 replica; drop it or use mirrored",
+                        ));
                     }
                     1
                 }
@@ -484,18 +495,29 @@ impl Experiment {
                 for (k, s) in inj.slowdown.iter().enumerate() {
                     let v = s.get_ref();
                     if !(v.factor.is_finite() && v.factor >= 1.0) {
-                        return Err(at.error(s.span(), &format!("injection.slowdown[{k}].factor"), "must be 1 or more (3.0: three times slower)"));
+                        return Err(at.error(
+                            s.span(),
+                            &format!("injection.slowdown[{k}].factor"),
+                            "must be 1 or more (3.0: three times slower)",
+                        ));
                     }
                     let max = runs.iter().map(|r| r.parallelism()).max().unwrap_or(1);
                     if v.worker >= max {
                         return Err(at.error(
                             s.span(),
                             &format!("injection.slowdown[{k}].worker"),
-                            format!("worker {} does not exist: the largest run has {max} workers or replicas", v.worker),
+                            format!(
+                                "worker {} does not exist: the largest run has {max} workers or replicas",
+                                v.worker
+                            ),
                         ));
                     }
                     if out.slowdown.iter().any(|(w, _)| *w == v.worker) {
-                        return Err(at.error(s.span(), &format!("injection.slowdown[{k}].worker"), format!("worker {} is slowed twice", v.worker)));
+                        return Err(at.error(
+                            s.span(),
+                            &format!("injection.slowdown[{k}].worker"),
+                            format!("worker {} is slowed twice", v.worker),
+                        ));
                     }
                     out.slowdown.push((v.worker, v.factor));
                 }
@@ -707,10 +729,7 @@ network_delay = "1ms"
         assert_eq!(e.injection.factor(1), 3.0);
         assert_eq!(e.injection.factor(0), 1.0);
         assert_eq!(e.injection.network_delay, Duration::from_millis(1));
-        assert_eq!(
-            e.injection.stragglers.unwrap().delay,
-            DelayDistribution::Exponential(Duration::from_millis(20))
-        );
+        assert_eq!(e.injection.stragglers.unwrap().delay, DelayDistribution::Exponential(Duration::from_millis(20)));
         assert_eq!(e.injection.describe().len(), 3);
     }
 
@@ -751,7 +770,10 @@ network_delay = "1ms"
         assert!(e.contains("line 8: experiment.target_accuracy"), "{e}");
         let e = error(&format!("{GOOD}\n[[run]]\nstrategy = \"one-device\"\n"));
         assert!(e.contains("run[3].name") && e.contains("earlier run"), "{e}");
-        let e = error(&GOOD.replace("[[run]]\nstrategy = \"one-device\"", "[[run]]\nstrategy = \"mirrored\"\noptimizer = \"sgd\""));
+        let e = error(
+            &GOOD
+                .replace("[[run]]\nstrategy = \"one-device\"", "[[run]]\nstrategy = \"mirrored\"\noptimizer = \"sgd\""),
+        );
         assert!(e.contains("line 12") && e.contains("optimizer"), "{e}");
         let e = error("[experiment\nname = 1");
         assert!(e.contains("x.toml line 1"), "{e}");

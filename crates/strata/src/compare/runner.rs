@@ -149,7 +149,14 @@ fn run_one(exe: &Path, exp: &Experiment, spec: &RunSpec, runs_dir: &Path, bar: &
     let _ = std::fs::remove_file(&metrics);
     let _ = std::fs::remove_file(&summary);
     let started = Instant::now();
-    let outcome = spawn_and_wait(exe, &command_line(exp, spec, &metrics, &summary), &log, spec.timeout.unwrap_or(exp.run_timeout), &metrics, bar);
+    let outcome = spawn_and_wait(
+        exe,
+        &command_line(exp, spec, &metrics, &summary),
+        &log,
+        spec.timeout.unwrap_or(exp.run_timeout),
+        &metrics,
+        bar,
+    );
     let wall_s = started.elapsed().as_secs_f64();
     let (records, read_error) = match crate::metrics::read(&metrics) {
         Ok(r) => (r, None),
