@@ -318,7 +318,9 @@ pub fn report_text(
     }
 
     md.push_str("## What was run\n\n");
-    let hidden: Vec<String> = exp.hidden.iter().map(usize::to_string).collect();
+    // Simulated runs train the [simulate] table's model, optimizer and batch.
+    let sim = exp.simulate.as_ref().filter(|_| simulated);
+    let hidden: Vec<String> = sim.map_or(&exp.hidden, |s| &s.hidden).iter().map(usize::to_string).collect();
     let hidden = if hidden.is_empty() {
         "no hidden layer".to_string()
     } else {
@@ -326,11 +328,14 @@ pub fn report_text(
     };
     let _ = writeln!(
         md,
-        "- Model: MLP on the digits data, {hidden}; optimizer {} with learning rate {}; global batch {}; seed {}{}.",
-        exp.optimizer,
-        exp.lr,
-        exp.global_batch,
-        exp.seed,
+        "- Model: MLP on the digits data, {hidden}; optimizer {} with learning rate {}; {}; seed {}{}.",
+        sim.and_then(|s| s.optimizer.clone()).unwrap_or_else(|| exp.optimizer.clone()),
+        sim.and_then(|s| s.lr).unwrap_or(exp.lr),
+        match sim {
+            Some(s) => format!("{} examples per worker step (global batch: workers × that)", s.per_worker_batch),
+            None => format!("global batch {}", exp.global_batch),
+        },
+        sim.and_then(|s| s.seed).unwrap_or(exp.seed),
         if simulated { String::new() } else { format!("; {} epoch(s)", exp.epochs) },
     );
     if let Some(sim) = exp.simulate.as_ref().filter(|_| simulated) {
