@@ -22,6 +22,11 @@
 //! The leader's failure (NCCL, a kernel, a copy) poisons the replica group, so every replica
 //! returns the error instead of waiting.
 //!
+//! Across worker processes ([`GpuCrossDeviceOps::across_processes`], MultiWorkerMirrored with
+//! one GPU per worker): the communicator is one rank of a job-wide NCCL communicator
+//! ([`NcclComms::join`]), so step 2's grouped call all-reduces across every worker's GPU at
+//! once; the job's failure signal is checked while it waits, as the ring checks it.
+//!
 //! This module builds only with candle's CUDA backend, whose kernels candle compiles with
 //! `nvcc` at build time: `scripts/check-candle-cuda` type-checks it outside CI, and it has not
 //! run on a GPU.
@@ -44,12 +49,20 @@ use crate::nccl::{nccl_available, NcclComms};
 use crate::select::{select_cross_device_ops, CrossDeviceChoice, CrossDeviceImpl, Selection};
 use crate::{Error, Result};
 
+/// The job's failure signal, as [`NcclComms::join`] takes it.
+#[cfg(feature = "nccl")]
+pub type AbortCheck = std::sync::Arc<dyn Fn() -> Option<String> + Send + Sync>;
+
 /// GPU cross-device ops over candle CUDA tensors (see the [module docs](self)).
 pub struct GpuCrossDeviceOps {
     selection: Selection,
     devices: Vec<LogicalDevice>,
     #[cfg(feature = "nccl")]
     nccl: Option<Mutex<NcclComms>>,
+    /// The job's failure signal (`Some(reason)` once the job failed elsewhere), checked while
+    /// a multi-process NCCL all-reduce is waited for.
+    #[cfg(feature = "nccl")]
+    abort: Option<AbortCheck>,
     /// The leader's results, one per replica, alternating by collective number.
     results: [Mutex<std::result::Result<Vec<Option<Tensor>>, String>>; 2],
 }
@@ -93,6 +106,40 @@ impl GpuCrossDeviceOps {
             devices: replicas.to_vec(),
             #[cfg(feature = "nccl")]
             nccl,
+            #[cfg(feature = "nccl")]
+            abort: None,
+            results: [Mutex::new(Ok(vec![])), Mutex::new(Ok(vec![]))],
+        })
+    }
+
+    /// Ops for a worker process with one GPU replica (`replica`) that holds one rank of a
+    /// job-wide communicator (`comms`, from [`NcclComms::join`]): every all-reduce is one NCCL
+    /// all-reduce across the workers' GPUs, waited for with the communicator's timeout and
+    /// `abort` (the job's failure signal).
+    #[cfg(feature = "nccl")]
+    pub fn across_processes(replica: LogicalDevice, comms: NcclComms, abort: AbortCheck) -> Result<Self> {
+        if comms.ranks().len() != 1 || comms.ordinals() != [replica.physical.index as usize] {
+            return Err(Error::CrossDeviceChoice {
+                choice: "nccl across processes",
+                reason: format!(
+                    "the communicator holds ranks {:?} on GPUs {:?}, but the worker's replica is {}; join one rank on the replica's GPU",
+                    comms.ranks(),
+                    comms.ordinals(),
+                    replica.spec
+                ),
+            });
+        }
+        crate::candle_optim::register();
+        let selection = Selection {
+            implementation: CrossDeviceImpl::Nccl,
+            reason: format!("one rank per worker process of a {}-rank NCCL communicator", comms.world_size()),
+        };
+        tracing::info!(world = comms.world_size(), ranks = ?comms.ranks(), "GPU cross-device ops across processes: nccl");
+        Ok(Self {
+            selection,
+            devices: vec![replica],
+            nccl: Some(Mutex::new(comms)),
+            abort: Some(abort),
             results: [Mutex::new(Ok(vec![])), Mutex::new(Ok(vec![]))],
         })
     }
@@ -109,7 +156,16 @@ impl GpuCrossDeviceOps {
         #[cfg(feature = "nccl")]
         if let Some(comms) = &self.nccl {
             let mut bufs = flats.iter().map(owned_copy).collect::<Result<Vec<_>>>()?;
-            comms.lock().unwrap_or_else(PoisonError::into_inner).all_reduce_in_place(&mut bufs, op)?;
+            let mut comms = comms.lock().unwrap_or_else(PoisonError::into_inner);
+            match &self.abort {
+                Some(abort) => {
+                    comms.all_reduce_in_place_async(&mut bufs, op)?;
+                    let streams: Vec<_> = bufs.iter().map(|b| b.stream().clone()).collect();
+                    comms.synchronize(&streams, &|| abort())?;
+                }
+                None => comms.all_reduce_in_place(&mut bufs, op)?,
+            }
+            drop(comms);
             return bufs
                 .into_iter()
                 .zip(flats)

@@ -45,6 +45,46 @@ pub struct MultiWorkerOptions {
     pub options: StrategyOptions,
     /// How input is split across workers.
     pub auto_shard: AutoShardPolicy,
+    /// Cross-device ops that replace the hierarchical ones (in memory, then the ring), built
+    /// once every worker has joined: NCCL across every worker's GPU
+    /// (`strata_strategies::nccl::nccl_across_workers`, features `nccl` and `candle-cuda`).
+    pub cross_worker_ops: Option<CrossWorkerOps>,
+}
+
+/// What a [`CrossWorkerOps`] factory gets: this worker's place in the job, its membership of
+/// the coordination service (whose key-value store agrees an NCCL id), and the job's failure
+/// signal.
+pub struct CrossWorkerSetup<'a> {
+    /// This worker's rank, from 0 (the chief).
+    pub rank: usize,
+    /// The number of workers.
+    pub world: usize,
+    /// This task's name, e.g. `worker:1`.
+    pub task: &'a str,
+    /// This worker's replica devices.
+    pub local_devices: &'a [LogicalDevice],
+    /// The coordination service, through this task's membership.
+    pub member: &'a CoordinationMember,
+    /// Raised (with the reason) when the job failed elsewhere.
+    pub abort: AbortSignal,
+    /// The deadline of every collective (and of joining a communicator).
+    pub timeout: std::time::Duration,
+}
+
+/// A function that builds a multi-worker job's cross-device ops.
+pub type CrossWorkerOpsFn = dyn Fn(&CrossWorkerSetup<'_>) -> Result<Box<dyn CrossDeviceOps>> + Send + Sync;
+
+/// Builds the cross-device ops of a multi-worker job from its [`CrossWorkerSetup`].
+#[derive(Clone)]
+pub struct CrossWorkerOps(
+    /// The factory.
+    pub Arc<CrossWorkerOpsFn>,
+);
+
+impl std::fmt::Debug for CrossWorkerOps {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("CrossWorkerOps(..)")
+    }
 }
 
 impl MultiWorkerOptions {
@@ -57,6 +97,7 @@ impl MultiWorkerOptions {
             coordination: CoordinationConfig::default(),
             options: StrategyOptions::default(),
             auto_shard: AutoShardPolicy::Data,
+            cross_worker_ops: None,
         })
     }
 }
@@ -281,9 +322,34 @@ impl MultiWorkerMirroredStrategy {
             index: reg.rank,
             task,
         });
+        let custom = match &options.cross_worker_ops {
+            Some(factory) => {
+                let guard = lock(&job.member);
+                let member =
+                    guard.as_ref().ok_or_else(|| Error::Cluster(format!("task {}: left the job", job.task)))?;
+                let setup = CrossWorkerSetup {
+                    rank: job.index,
+                    world: job.ring.size(),
+                    task: &job.task,
+                    local_devices: &options.local_devices,
+                    member,
+                    abort: job.abort.clone(),
+                    timeout: options.options.collective_timeout,
+                };
+                let ops = (factory.0)(&setup).inspect_err(|e| {
+                    let _ = member.report_error(&e.to_string());
+                })?;
+                tracing::info!(task = %job.task, ops = ops.name(), "cross-worker ops");
+                Some(ops)
+            }
+            None => None,
+        };
         let ops_job = job.clone();
         let cross = CrossWorker {
-            ops: Box::new(move |local| Box::new(HierarchicalOps { local, job: ops_job }) as Box<dyn CrossDeviceOps>),
+            ops: Box::new(move |local| match custom {
+                Some(ops) => ops,
+                None => Box::new(HierarchicalOps { local, job: ops_job }) as Box<dyn CrossDeviceOps>,
+            }),
             workers: job.clone(),
             auto_shard: options.auto_shard,
         };

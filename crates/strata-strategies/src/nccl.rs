@@ -79,6 +79,51 @@ pub fn to_transport_error(e: strata_cuda::Error, collective: &str, step: u64) ->
     }
 }
 
+/// The name of MultiWorkerMirrored's job-wide communicator (its id's key is
+/// `strata/nccl-id/multi-worker-mirrored`).
+pub const MULTI_WORKER_COMMUNICATOR: &str = "multi-worker-mirrored";
+
+/// MultiWorkerMirrored's cross-worker ops with NCCL (TensorFlow's
+/// `CommunicationImplementation.NCCL`): every worker process holds one GPU replica and one
+/// rank of a job-wide communicator, whose id the chief creates and publishes through the
+/// coordination service; each gradient bucket is then one NCCL all-reduce across every
+/// worker's GPU. Joining waits at most the collective timeout and gives up when the job fails
+/// elsewhere; its failures read as the ring's (see [`to_transport_error`]).
+#[cfg(feature = "candle-cuda")]
+pub fn nccl_across_workers() -> crate::CrossWorkerOps {
+    use std::sync::Arc;
+
+    use strata_core::Error as CoreError;
+    use strata_cuda::candle_ops::GpuCrossDeviceOps;
+    use strata_cuda::nccl::NcclComms;
+
+    crate::CrossWorkerOps(Arc::new(|s: &crate::CrossWorkerSetup<'_>| {
+        let [replica] = s.local_devices else {
+            return Err(CoreError::InvalidArgument(format!(
+                "nccl across workers takes one GPU replica per worker process, and task {} has {}; start one task per GPU",
+                s.task,
+                s.local_devices.len()
+            )));
+        };
+        if replica.physical.device_type != strata_core::device::DeviceType::Gpu {
+            return Err(CoreError::InvalidArgument(format!(
+                "nccl across workers needs a GPU replica, and task {} computes on {}",
+                s.task, replica.spec
+            )));
+        }
+        let cluster = |e: Error| CoreError::Cluster(format!("task {}: {e}", s.task));
+        let id = nccl_id_via_coordination(s.member, s.rank, MULTI_WORKER_COMMUNICATOR, s.timeout).map_err(cluster)?;
+        let abort = s.abort.clone();
+        let comms =
+            NcclComms::join(&id, s.rank, s.world, replica.physical.index as usize, s.timeout, &|| abort.reason())
+                .map_err(|e| cluster(to_transport_error(e, "joining the nccl communicator", 0)))?;
+        let abort = s.abort.clone();
+        let ops = GpuCrossDeviceOps::across_processes(replica.clone(), comms, Arc::new(move || abort.reason()))
+            .map_err(|e| CoreError::Cluster(format!("task {}: {e}", s.task)))?;
+        Ok(Box::new(ops) as Box<dyn strata_core::cross_device::CrossDeviceOps>)
+    }))
+}
+
 #[cfg(test)]
 mod tests {
     use strata_cuda::nccl::NCCL_ID_BYTES;

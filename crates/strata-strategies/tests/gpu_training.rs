@@ -129,3 +129,57 @@ fn fused_optimizers_on_a_gpu_give_the_cpu_bits() {
         "FusedAdamW on a GPU differs from the CPU"
     );
 }
+
+/// MultiWorkerMirrored with one GPU per worker (two workers as threads of this process, each
+/// a complete worker with its own coordination membership and ring) and NCCL across them ends
+/// with the parameters of one GPU on the same global batch.
+#[cfg(feature = "nccl")]
+#[test]
+fn multi_worker_mirrored_with_nccl_across_workers_equals_one_gpu() {
+    use strata_core::data::TailPolicy;
+    use strata_strategies::cluster::{ClusterConfig, ClusterSpec, TaskId};
+    use strata_strategies::{MultiWorkerMirroredStrategy, MultiWorkerOptions};
+
+    if !require_gpus(2) {
+        return;
+    }
+    let machine = gpus(false);
+    let want = train::<SGD>(&one_gpu(&machine[0]), 0.1, 20, 32);
+    let ports: Vec<u16> =
+        (0..2).map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()).collect();
+    let spec = ClusterSpec::workers(ports.iter().map(|p| format!("127.0.0.1:{p}")).collect::<Vec<_>>()).unwrap();
+    let handles: Vec<_> = (0..2)
+        .map(|i| {
+            let (spec, device) = (spec.clone(), machine[i].clone());
+            std::thread::spawn(move || {
+                let token = strata_transport::ClusterToken::new("0123456789abcdef0123456789abcdef").unwrap();
+                let mut o = MultiWorkerOptions::new(token).unwrap();
+                o.local_devices = vec![device];
+                o.cross_worker_ops = Some(strata_strategies::nccl::nccl_across_workers());
+                let config = ClusterConfig::new(spec, TaskId::worker(i)).unwrap();
+                let s = MultiWorkerMirroredStrategy::new(config, o).unwrap();
+                assert_eq!(s.extended().cross_device_ops().name(), "nccl");
+                let model = s.scope(|sc| common::Mlp::new(sc.var_builder())).unwrap();
+                let opt = model.optimizer::<SGD>(0.1).unwrap();
+                for step in 0..20u64 {
+                    let global = common::data(32, step);
+                    let db = s.distribute_dataset(std::iter::once(global), TailPolicy::Split).next().unwrap();
+                    s.run_batch(&db, |ctx, shard| {
+                        let (x, y) = common::tensors(&shard.batch, ctx.candle_device());
+                        let loss = model.on(ctx)?.loss(&x, &y)?;
+                        ctx.backward_and_sync(&loss, &opt)?;
+                        Ok(())
+                    })
+                    .unwrap();
+                }
+                let p = common::params(&model);
+                let _ = s.finish();
+                p
+            })
+        })
+        .collect();
+    let got: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    assert_eq!(got[0], got[1], "the two workers' parameters differ");
+    let d = max_rel_diff(&want, &got[0]);
+    assert!(d <= TOLERANCE, "multi-worker mirrored with nccl: relative difference {d}");
+}

@@ -169,3 +169,114 @@ fn input_pipelines_are_one_per_worker_and_auto_sharding_keeps_each_workers_slice
     assert_eq!(out[0], vec![vec![0.0, 1.0, 2.0], vec![3.0, 4.0, 5.0]]);
     assert_eq!(out[1], vec![vec![6.0, 7.0], vec![8.0, 9.0]]);
 }
+
+/// Ops that scale a lone replica's input by 10 instead of reducing across workers, to see
+/// that a job's `cross_worker_ops` replace the hierarchical ones.
+#[derive(Debug)]
+struct TimesTen;
+
+impl strata_core::cross_device::CrossDeviceOps for TimesTen {
+    fn name(&self) -> &'static str {
+        "times-ten"
+    }
+
+    fn reduce(
+        &self,
+        _group: &strata_core::group::ReplicaGroup,
+        _replica: usize,
+        _seq: u64,
+        _op: ReduceOp,
+        _dest: strata_core::cross_device::Destination,
+        input: &[candle_core::Tensor],
+        weight: f32,
+        out: &mut dyn FnMut(&[f32]),
+    ) -> strata_core::Result<()> {
+        let mut buf = Vec::new();
+        for t in input {
+            buf.extend(t.flatten_all()?.to_vec1::<f32>()?.into_iter().map(|x| x * weight * 10.0));
+        }
+        out(&buf);
+        Ok(())
+    }
+}
+
+#[test]
+fn cross_worker_ops_are_built_with_the_job_and_replace_the_ring() {
+    use std::sync::Arc;
+    use strata_strategies::{CrossWorkerOps, CrossWorkerSetup};
+
+    let spec = spec(2);
+    let handles: Vec<_> = (0..2)
+        .map(|i| {
+            let spec = spec.clone();
+            std::thread::spawn(move || {
+                let mut o = options(1);
+                o.cross_worker_ops = Some(CrossWorkerOps(Arc::new(|s: &CrossWorkerSetup<'_>| {
+                    // Agree a value through the coordination service, as the NCCL id is.
+                    let key = "test/agreed";
+                    if s.rank == 0 {
+                        s.member
+                            .set_key(key, b"from the chief")
+                            .map_err(|e| strata_core::Error::Cluster(e.to_string()))?;
+                    }
+                    let agreed =
+                        s.member.get_key(key, s.timeout).map_err(|e| strata_core::Error::Cluster(e.to_string()))?;
+                    assert_eq!(agreed, b"from the chief");
+                    assert_eq!((s.world, s.local_devices.len()), (2, 1));
+                    assert_eq!(s.task, format!("worker:{}", s.rank));
+                    assert!(s.abort.reason().is_none());
+                    Ok(Box::new(TimesTen) as Box<dyn strata_core::cross_device::CrossDeviceOps>)
+                })));
+                let config = ClusterConfig::new(spec, TaskId::worker(i)).unwrap();
+                let s = MultiWorkerMirroredStrategy::new(config, o).unwrap();
+                assert_eq!(s.extended().cross_device_ops().name(), "times-ten");
+                let r = s.run(|ctx| ctx.all_reduce_slice(ReduceOp::Sum, &[1.0, 2.0])).unwrap();
+                // Worker-level collectives (the loss reduction, broadcasts) still use the ring.
+                let total = s.reduce(ReduceOp::Sum, &s.run(|_| Ok(1.0f32)).unwrap()).unwrap();
+                let _ = s.finish();
+                (r.into_values(), total)
+            })
+        })
+        .collect();
+    for h in handles {
+        let (values, total) = h.join().unwrap();
+        assert_eq!(values, vec![vec![10.0, 20.0]]);
+        assert_eq!(total, 2.0);
+    }
+}
+
+#[test]
+fn a_cross_worker_ops_failure_fails_the_worker_with_its_message() {
+    use std::sync::Arc;
+    use strata_strategies::{CrossWorkerOps, CrossWorkerSetup};
+
+    let spec = spec(2);
+    let handles: Vec<_> = (0..2)
+        .map(|i| {
+            let spec = spec.clone();
+            std::thread::spawn(move || {
+                let mut o = options(1);
+                o.options.collective_timeout = Duration::from_secs(10);
+                o.cross_worker_ops = Some(CrossWorkerOps(Arc::new(|s: &CrossWorkerSetup<'_>| {
+                    if s.rank == 1 {
+                        return Err(strata_core::Error::InvalidArgument("no GPU on this worker".into()));
+                    }
+                    Ok(Box::new(TimesTen) as Box<dyn strata_core::cross_device::CrossDeviceOps>)
+                })));
+                let config = ClusterConfig::new(spec, TaskId::worker(i)).unwrap();
+                match MultiWorkerMirroredStrategy::new(config, o) {
+                    Err(e) => Err(e.to_string()),
+                    Ok(s) => {
+                        // The chief learns it from the service at its next collective.
+                        let r = s.reduce(ReduceOp::Sum, &s.run(|_| Ok(1.0f32)).unwrap()).map_err(|e| e.to_string());
+                        let _ = s.finish();
+                        r.map(|_| String::new())
+                    }
+                }
+            })
+        })
+        .collect();
+    let out: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    assert!(out[1].as_ref().unwrap_err().contains("no GPU on this worker"), "{out:?}");
+    assert!(out[0].is_err(), "the chief must not carry on alone: {out:?}");
+}

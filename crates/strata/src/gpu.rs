@@ -45,9 +45,14 @@ pub fn gpu_strategy(
     choice: CrossDeviceChoice,
     options: StrategyOptions,
 ) -> Result<StrategyHandle> {
-    if matches!(kind, StrategyKind::MultiWorkerMirrored | StrategyKind::ParameterServer) {
+    if kind == StrategyKind::MultiWorkerMirrored {
         return Err(Error::Usage(
-            "--gpus places the replicas of one process; multi-worker and parameter-server jobs keep their replicas on logical CPU devices for now".into(),
+            "multi-worker-mirrored places its GPU per worker task: see strata::gpu::multi_worker_gpus".into(),
+        ));
+    }
+    if kind == StrategyKind::ParameterServer {
+        return Err(Error::Usage(
+            "--gpus places the replicas of one process; parameter-server jobs keep their replicas on logical CPU devices for now".into(),
         ));
     }
     if kind == StrategyKind::OneDevice && n != 1 {
@@ -57,6 +62,54 @@ pub fn gpu_strategy(
     }
     let devices = gpu_devices(n)?;
     build(kind, devices, choice, options)
+}
+
+/// A MultiWorkerMirrored worker on GPUs: its one GPU replica (`--gpus 1`; start one task per
+/// GPU), and the cross-worker reduction `choice` selects: NCCL across every worker's GPU
+/// (`auto` when NCCL loads, or `nccl`), or the gradients copied to the host and all-reduced on
+/// the TCP ring (`kernels`, or `auto` without NCCL).
+/// Returns the worker's replica devices and the cross-worker ops (none: the ring).
+pub fn multi_worker_gpus(n: usize, choice: CrossDeviceChoice) -> Result<(Vec<LogicalDevice>, Option<CrossWorkerOps>)> {
+    if n != 1 {
+        return Err(Error::Usage(format!(
+            "--strategy multi-worker-mirrored --gpus {n}: a worker task holds one GPU; start one task per GPU (e.g. strata launch --workers {n}, or Slurm's --gpus-per-task=1) and pass --gpus 1"
+        )));
+    }
+    let devices = gpu_devices(1)?;
+    let ops = multi_worker_ops(&devices, choice)?;
+    Ok((devices, ops))
+}
+
+use strata_strategies::CrossWorkerOps;
+
+#[cfg(feature = "candle-cuda")]
+fn multi_worker_ops(_devices: &[LogicalDevice], choice: CrossDeviceChoice) -> Result<Option<CrossWorkerOps>> {
+    #[cfg(feature = "nccl")]
+    let nccl = strata_cuda::nccl::nccl_available();
+    #[cfg(not(feature = "nccl"))]
+    let nccl = false;
+    let use_nccl = match choice {
+        CrossDeviceChoice::Nccl if !nccl => {
+            return Err(Error::Usage(
+                "--cross-device-ops nccl: NCCL is not available to this strata (build with --features nccl and put libnccl.so.2 on the library path), or pass --cross-device-ops auto".into(),
+            ))
+        }
+        CrossDeviceChoice::Nccl => true,
+        CrossDeviceChoice::Auto => nccl,
+        _ => false,
+    };
+    if use_nccl {
+        eprintln!("cross-worker ops: nccl (one rank per worker task)");
+        #[cfg(feature = "nccl")]
+        return Ok(Some(strata_strategies::nccl::nccl_across_workers()));
+    }
+    eprintln!("cross-worker ops: the gradients copied to the host and all-reduced on the ring");
+    Ok(None)
+}
+
+#[cfg(not(feature = "candle-cuda"))]
+fn multi_worker_ops(devices: &[LogicalDevice], choice: CrossDeviceChoice) -> Result<Option<CrossWorkerOps>> {
+    build(StrategyKind::MultiWorkerMirrored, devices.to_vec(), choice, StrategyOptions::default()).map(|_| None)
 }
 
 #[cfg(feature = "candle-cuda")]

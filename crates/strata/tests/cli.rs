@@ -148,6 +148,14 @@ fn gpus_without_cuda_are_a_one_line_error() {
     }
     let o = strata(&["train", "--gpus", "0", "--epochs", "1"]);
     assert_one_line_error(&o, "--gpus 0 asks for no GPU; pass 1 or more");
+    // A multi-worker task holds one GPU, and says so before it looks for its cluster.
+    let o = strata(&["train", "--strategy", "multi-worker-mirrored", "--gpus", "2", "--epochs", "1"]);
+    assert_one_line_error(&o, "a worker task holds one GPU; start one task per GPU");
+    if !(cfg!(feature = "cuda") && strata_cuda::probe::driver().is_ok()) {
+        let o = strata(&["train", "--strategy", "multi-worker-mirrored", "--gpus", "1", "--epochs", "1"]);
+        let needle = if cfg!(feature = "cuda") { "no CUDA driver found" } else { "rebuild with `--features cuda`" };
+        assert_one_line_error(&o, needle);
+    }
     let o = strata(&["train", "--gpus", "1", "--cross-device-ops", "fastest"]);
     assert_one_line_error(&o, "\"fastest\" is not one of auto, nccl, kernels, cpu");
 }

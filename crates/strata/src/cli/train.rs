@@ -347,6 +347,8 @@ pub fn make_strategy(args: &TrainArgs, options: StrategyOptions) -> Result<Strat
 
 /// Joins the multi-worker job this task belongs to.
 pub fn make_multi_worker(args: &TrainArgs, options: StrategyOptions) -> Result<MultiWorkerMirroredStrategy> {
+    // The GPU checks first: they are this task's own, and fail without a cluster.
+    let gpus = args.gpus.map(|n| crate::gpu::multi_worker_gpus(n, args.cross_device_ops)).transpose()?;
     let resolver: Box<dyn ClusterResolver> = match args.cluster {
         ClusterSource::TfConfig => Box::new(TFConfigClusterResolver::from_env()?),
         ClusterSource::Slurm => Box::new(SlurmClusterResolver::from_env()),
@@ -354,7 +356,13 @@ pub fn make_multi_worker(args: &TrainArgs, options: StrategyOptions) -> Result<M
     let token = strata_transport::ClusterToken::resolve(args.cluster_token_file.as_deref())
         .map_err(|e| Error::Usage(e.to_string()))?;
     let mut mw = MultiWorkerOptions::new(token)?;
-    mw.local_devices = strata_core::device::logical_cpus(args.replicas.unwrap_or(1))?;
+    match gpus {
+        Some((devices, ops)) => {
+            mw.local_devices = devices;
+            mw.cross_worker_ops = ops;
+        }
+        None => mw.local_devices = strata_core::device::logical_cpus(args.replicas.unwrap_or(1))?,
+    }
     mw.bind = args.bind;
     mw.options = options;
     mw.auto_shard = match args.auto_shard {
