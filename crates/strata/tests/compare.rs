@@ -172,4 +172,20 @@ fn a_malformed_experiment_names_the_field_and_line() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("bad.toml line 26: run[3].workers: must be at least 1"), "{err}");
+    // A run that is not in the file.
+    std::fs::write(&file, EXPERIMENT).unwrap();
+    for simulate in [false, true] {
+        let mut cmd = strata();
+        cmd.arg("compare").arg(&file).args(["--only", "mirrored,warp-drive"]);
+        if simulate {
+            cmd.arg("--simulate");
+        }
+        let out = wait(
+            cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap(),
+            Instant::now() + Duration::from_secs(30),
+        );
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        assert!(err.contains("--only \"warp-drive\": no such run; the runs are one-device, mirrored"), "{err}");
+    }
 }

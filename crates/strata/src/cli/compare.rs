@@ -28,6 +28,10 @@ pub struct CompareArgs {
 /// Runs `strata compare`.
 pub fn run(args: &CompareArgs) -> Result<()> {
     let exp = Experiment::load(&args.experiment)?;
+    if let Some(name) = args.only.iter().find(|n| !exp.runs.iter().any(|r| &r.name == *n)) {
+        let names: Vec<&str> = exp.runs.iter().map(|r| r.name.as_str()).collect();
+        return Err(Error::Usage(format!("--only {name:?}: no such run; the runs are {}", names.join(", "))));
+    }
     let dir = args.out.clone().unwrap_or_else(|| runner::default_dir(&exp, args.simulate));
     let runs = if args.simulate {
         let cfg = exp.simulate.clone().ok_or_else(|| {
