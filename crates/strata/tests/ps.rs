@@ -96,7 +96,9 @@ fn async_mode_with_two_ps_tasks_and_three_workers_reaches_93_percent() {
     let out_path = dir.path().join("out.json");
     let mut cmd = strata();
     cmd.args(["train", "--strategy", "parameter-server", "--ps-tasks", "2", "--workers", "3", "--ps-mode", "async"])
-        .args(["--epochs", "20", "--no-progress", "--out"])
+        // 30 epochs (the default): at 20 the accuracy is still climbing through 0.93-0.98, and
+        // an unlucky order of stale updates on a loaded machine ended one CI run at 0.928.
+        .args(["--epochs", "30", "--no-progress", "--out"])
         .arg(&out_path);
     let out = wait(spawn(cmd), Instant::now() + Duration::from_secs(300));
     ok(&out);
@@ -104,12 +106,12 @@ fn async_mode_with_two_ps_tasks_and_three_workers_reaches_93_percent() {
     let accuracy = summary["final_test_accuracy"].as_f64().unwrap();
     assert!(accuracy >= 0.93, "async PS reached only {accuracy}");
     assert_eq!(summary["strategy"], "parameter-server");
-    // 20 epochs of ceil(1438 / 256) = 6 steps; each applied exactly once on each ps task.
+    // 30 epochs of ceil(1438 / 256) = 6 steps; each applied exactly once on each ps task.
     let tasks = ps_tasks(&summary);
     assert_eq!(tasks.len(), 2);
     for t in &tasks {
-        assert_eq!(t["pushes_applied"], 120, "{t}");
-        assert_eq!(t["version"], 120, "{t}");
+        assert_eq!(t["pushes_applied"], 180, "{t}");
+        assert_eq!(t["version"], 180, "{t}");
     }
     // Size-balanced placement: neither task holds more than the biggest variable above half.
     let bytes: Vec<u64> = tasks.iter().map(|t| t["bytes"].as_u64().unwrap()).collect();
