@@ -13,13 +13,13 @@ use std::time::Duration;
 use prost::bytes::Bytes;
 use strata_proto::v1::parameter_server_client::ParameterServerClient;
 use strata_proto::v1::{
-    create_message, push_message, CreateHeader, CreateMessage, PsStatusRequest, PushHeader, PushMessage, PushResponse,
-    TensorChunk, VariableSpec,
+    create_message, pull_message, push_message, CreateHeader, CreateMessage, PsStatusRequest, PullRequest, PushHeader,
+    PushMessage, PushResponse, TensorChunk, VariableSpec,
 };
 use strata_transport::auth::{client_interceptor, ClientAuth};
 use strata_transport::ps::{
     FaultInjection, PsClient, PsClientConfig, PsMode, PsServerConfig, PsServerHandle, PushOutcome, ServerOptimizer,
-    UpdateId, VariableInfo, MAX_CHUNK_BYTES,
+    UpdateId, VariableInfo, MAX_CHUNK_BYTES, MAX_CHUNK_ELEMENTS,
 };
 use strata_transport::{ClusterToken, Error};
 use tonic::codegen::InterceptedService;
@@ -323,6 +323,58 @@ fn a_wrong_or_missing_token_is_refused_and_changes_nothing() {
     });
 }
 
+/// `Push` and `Pull` are served below tonic's codec, with the proto's messages on the wire: a
+/// plain generated gRPC client pushes a three-chunk gradient that is applied exactly as the
+/// `PsClient`'s would be, and pulls the result chunk for chunk.
+#[test]
+fn a_plain_grpc_client_pushes_and_pulls_through_the_data_path() {
+    within_limit("plain gRPC", || {
+        let mut config = server_config();
+        config.checkpoint_dir = None;
+        let server = start(config);
+        let client = connect(&server);
+        let n = 2 * MAX_CHUNK_ELEMENTS + 3;
+        let init: Vec<f32> = (0..n).map(|i| i as f32).collect();
+        create(&client, &[("v", &[n], &init)], &ServerOptimizer::Sgd { lr: 0.5 }, PsMode::Async);
+        let grad: Vec<f32> = (0..n).map(|i| (i % 7) as f32).collect();
+        let want: Vec<f32> = init.iter().zip(&grad).map(|(w, g)| w - 0.5 * g).collect();
+        let rt = raw_runtime();
+        let pulled = rt.block_on(async {
+            let mut raw = raw(server.address()).await.max_decoding_message_size(2 << 20);
+            let mut msgs = vec![push_header(0, &["v"])];
+            for (i, c) in grad.chunks(MAX_CHUNK_ELEMENTS).enumerate() {
+                msgs.push(push_chunk(0, (i * MAX_CHUNK_ELEMENTS) as u64, f32_bytes(c)));
+            }
+            let r = raw_push(&mut raw, msgs).await.unwrap();
+            assert!(r.applied && !r.duplicate && !r.dropped, "{r:?}");
+            assert_eq!(r.version, 1);
+            let request = PullRequest { variables: vec!["v".into()], min_version: 1 };
+            let mut stream = raw.pull(request).await.unwrap().into_inner();
+            let mut values = Vec::new();
+            let mut kinds = Vec::new();
+            while let Some(m) = stream.message().await.unwrap() {
+                match m.kind.unwrap() {
+                    pull_message::Kind::Header(h) => {
+                        assert_eq!((h.version, h.variable_versions.clone()), (1, vec![1]));
+                        kinds.push("header");
+                    }
+                    pull_message::Kind::Chunk(c) => {
+                        assert_eq!((c.variable, c.offset as usize), (0, values.len()));
+                        assert!(c.data.len() <= MAX_CHUNK_BYTES);
+                        values.extend(c.data.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])));
+                        kinds.push("chunk");
+                    }
+                }
+            }
+            assert_eq!(kinds, ["header", "chunk", "chunk", "chunk"]);
+            values
+        });
+        assert_eq!(first_difference(&pulled, &want), None);
+        assert_eq!(first_difference(&pull1(&client, "v").2, &want), None);
+        server.shutdown();
+    });
+}
+
 /// (3) Malformed requests are refused with the right code, change nothing, are not recorded as
 /// applied, and the server keeps serving (garbage on its TCP port included).
 #[test]
@@ -379,6 +431,11 @@ fn malformed_requests_are_refused_and_the_server_keeps_serving() {
                 "a chunk over 1 MiB",
                 raw_push(&mut raw, vec![push_header(10, &["big"]), push_chunk(0, 0, oversize)]).await,
                 tonic::Code::InvalidArgument,
+            );
+            expect_code(
+                "a message over the 1 MiB chunk and its framing",
+                raw_push(&mut raw, vec![push_header(10, &["big"]), push_chunk(0, 0, ones(2 * big_len))]).await,
+                tonic::Code::ResourceExhausted,
             );
             let mut odd = ones(4).to_vec();
             odd.extend_from_slice(&[0, 0]);

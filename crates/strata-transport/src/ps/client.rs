@@ -4,25 +4,45 @@ use std::future::Future;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use prost::bytes::Bytes;
+use prost::Message;
 use strata_proto::v1::parameter_server_client::ParameterServerClient;
 use strata_proto::v1::{
-    create_message, pull_message, push_message, CreateHeader, CreateMessage, PsCheckpointRequest, PsConfigureRequest,
-    PsStatusRequest, PullHeader, PullRequest, PushHeader, PushMessage, TensorChunk,
+    create_message, push_message, CreateHeader, CreateMessage, PsCheckpointRequest, PsConfigureRequest,
+    PsStatusRequest, PullHeader, PullRequest, PushHeader, PushMessage, PushResponse,
 };
 use tokio_stream::wrappers::ReceiverStream;
+use tonic::codegen::Service;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Status};
 
-use super::state::{chunks_of, copy_f32s};
+use super::state::{chunks_of, copy_f32s, Chunk};
+use super::wire;
 use super::{
     CreateOutcome, PsMode, PsStatus, Pulled, PushOutcome, ServerOptimizer, UpdateId, VariableInfo, MAX_CHUNK_BYTES,
+    MAX_CHUNK_ELEMENTS,
 };
 use crate::auth::{client_interceptor, ClientAuth, ClusterToken};
 use crate::rt::runtime;
 use crate::{Error, Result};
 
-type Raw = ParameterServerClient<InterceptedService<Channel, ClientAuth>>;
+type Authed = InterceptedService<Channel, ClientAuth>;
+type Raw = ParameterServerClient<Authed>;
+
+/// The largest message a client decodes: one chunk plus its framing.
+const MAX_MESSAGE_BYTES: usize = MAX_CHUNK_BYTES + (64 << 10);
+
+/// Sends a `Push` or `Pull` below tonic's codec ([`wire`]) and returns the response's messages.
+async fn frames_call(
+    mut svc: Authed,
+    path: &'static str,
+    body: tonic::body::Body,
+) -> Result<wire::Messages<tonic::body::Body>, Status> {
+    std::future::poll_fn(|cx| svc.poll_ready(cx)).await.map_err(|e| Status::from_error(Box::new(e)))?;
+    let response = svc.call(wire::request(path, body)).await.map_err(|e| Status::from_error(Box::new(e)))?;
+    wire::response_messages(response.map(tonic::body::Body::new), MAX_MESSAGE_BYTES)
+}
 
 /// Deadlines and retries of a [`PsClient`].
 #[derive(Clone, Debug)]
@@ -48,6 +68,7 @@ impl Default for PsClientConfig {
 #[derive(Clone)]
 pub struct PsClient {
     raw: Raw,
+    svc: Authed,
     address: String,
     task: String,
     config: PsClientConfig,
@@ -79,10 +100,11 @@ impl PsClient {
             let _entered = runtime().enter();
             endpoint.connect_lazy()
         };
-        let raw = ParameterServerClient::new(InterceptedService::new(channel, client_interceptor(token)))
-            .max_decoding_message_size(MAX_CHUNK_BYTES + (64 << 10))
-            .max_encoding_message_size(MAX_CHUNK_BYTES + (64 << 10));
-        Ok(Self { raw, address: address.to_string(), task: task.to_string(), config })
+        let svc = InterceptedService::new(channel, client_interceptor(token));
+        let raw = ParameterServerClient::new(svc.clone())
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES);
+        Ok(Self { raw, svc, address: address.to_string(), task: task.to_string(), config })
     }
 
     /// The task's address.
@@ -173,13 +195,13 @@ impl PsClient {
     where
         M: Send + 'static,
         T: Send + 'static,
-        F: Fn(Raw, ReceiverStream<M>) -> Fut,
+        F: Fn(ReceiverStream<M>) -> Fut,
         Fut: Future<Output = Result<T, Status>> + Send + 'static,
     {
         let timeout = self.config.timeout;
         self.retry(rpc, || {
-            let (tx, rx) = tokio::sync::mpsc::channel::<M>(4);
-            let call = start(self.raw.clone(), ReceiverStream::new(rx));
+            let (tx, rx) = tokio::sync::mpsc::channel::<M>(8);
+            let call = start(ReceiverStream::new(rx));
             let task = runtime().spawn(async move { tokio::time::timeout(timeout, call).await });
             produce(&mut |m| tx.blocking_send(m).is_ok());
             drop(tx);
@@ -226,8 +248,9 @@ impl PsClient {
                 }
             }
         };
-        let r = self.stream_call("CreateVariables", produce, |mut raw, stream| async move {
-            raw.create_variables(stream).await
+        let r = self.stream_call("CreateVariables", produce, |stream| {
+            let mut raw = self.raw.clone();
+            async move { raw.create_variables(stream).await }
         })?;
         let r = r.into_inner();
         Ok(CreateOutcome { versions: r.versions, existed: r.existed, version: r.version })
@@ -245,22 +268,37 @@ impl PsClient {
             base_version,
             variables: grads.iter().map(|(n, _)| n.to_string()).collect(),
         };
-        let produce = |send: &mut dyn FnMut(PushMessage) -> bool| {
-            if !send(PushMessage { kind: Some(push_message::Kind::Header(header.clone())) }) {
+        // The gradient's bytes are copied once, into the buffers the connection sends from.
+        let produce = |send: &mut dyn FnMut(Bytes) -> bool| {
+            if !send(wire::message(&PushMessage { kind: Some(push_message::Kind::Header(header.clone())) })) {
                 return;
             }
             for (k, (_, g)) in grads.iter().enumerate() {
-                for c in chunks_of(k as u32, g) {
-                    if !send(PushMessage { kind: Some(push_message::Kind::Chunk(c)) }) {
-                        return;
+                for (i, c) in g.chunks(MAX_CHUNK_ELEMENTS).enumerate() {
+                    let data = Bytes::copy_from_slice(bytemuck::cast_slice(c));
+                    for b in wire::chunk_message(k as u32, (i * MAX_CHUNK_ELEMENTS) as u64, data) {
+                        if !send(b) {
+                            return;
+                        }
                     }
                 }
             }
         };
         crate::inject::delay_blocking();
-        let r = self.stream_call("Push", produce, |mut raw, stream| async move { raw.push(stream).await })?;
+        let r = self.stream_call("Push", produce, |stream| {
+            let svc = self.svc.clone();
+            async move {
+                let mut messages = frames_call(svc, wire::PUSH_PATH, wire::body(stream, false)).await?;
+                let answer = match (messages.next().await?, messages.next().await?) {
+                    (Some(m), None) => PushResponse::decode(m.contiguous())
+                        .map_err(|e| Status::internal(format!("a Push answer that is not valid protobuf: {e}")))?,
+                    _ => return Err(Status::internal("a Push answer must be one message")),
+                };
+                messages.finish()?;
+                Ok(answer)
+            }
+        })?;
         crate::inject::count_sent(grads.iter().map(|(_, g)| g.len() * 4).sum());
-        let r = r.into_inner();
         Ok(if r.dropped {
             PushOutcome::Dropped { version: r.version }
         } else {
@@ -268,27 +306,30 @@ impl PsClient {
         })
     }
 
-    fn pull_chunks(&self, names: &[&str], min_version: u64) -> Result<(PullHeader, Vec<TensorChunk>)> {
+    fn pull_chunks(&self, names: &[&str], min_version: u64) -> Result<(PullHeader, Vec<Chunk>)> {
         let request = PullRequest { variables: names.iter().map(|n| n.to_string()).collect(), min_version };
+        let request = wire::message(&request);
         crate::inject::delay_blocking();
-        let pulled = self.call("Pull", |mut raw| {
-            let request = request.clone();
+        let pulled = self.call("Pull", |_| {
+            let body = wire::body(tokio_stream::once(request.clone()), false);
+            let svc = self.svc.clone();
             async move {
-                let mut stream = raw.pull(request).await?.into_inner();
+                let mut messages = frames_call(svc, wire::PULL_PATH, body).await?;
                 let mut header = None;
                 let mut chunks = Vec::new();
-                while let Some(m) = stream.message().await? {
-                    match m.kind {
-                        Some(pull_message::Kind::Header(h)) if header.is_none() => header = Some(h),
-                        Some(pull_message::Kind::Chunk(c)) if header.is_some() => chunks.push(c),
+                while let Some(m) = messages.next().await? {
+                    match wire::decode_part::<PullHeader>(m, "Pull")? {
+                        wire::Part::Header(h) if header.is_none() => header = Some(h),
+                        wire::Part::Chunk(c) if header.is_some() => chunks.push(c),
                         _ => return Err(Status::internal("the pull stream is out of order")),
                     }
                 }
+                messages.finish()?;
                 let header = header.ok_or_else(|| Status::internal("the pull stream has no header"))?;
                 Ok((header, chunks))
             }
         })?;
-        crate::inject::count_received(pulled.1.iter().map(|c| c.data.len()).sum());
+        crate::inject::count_received(pulled.1.iter().map(|c| c.elements() * 4).sum());
         Ok(pulled)
     }
 
@@ -298,22 +339,26 @@ impl PsClient {
 
     /// Copies `chunks` into `out` (one slice per variable of the header), checking that they
     /// cover each exactly.
-    fn fill(&self, header: &PullHeader, chunks: &[TensorChunk], out: &mut [&mut [f32]]) -> Result<()> {
+    fn fill(&self, header: &PullHeader, chunks: &[Chunk], out: &mut [&mut [f32]]) -> Result<()> {
         if header.variables.len() != out.len() {
             return Err(self.protocol(format!("pulled {} variables, asked for {}", header.variables.len(), out.len())));
         }
         let mut next = vec![0usize; out.len()];
         for c in chunks {
-            let v = c.variable as usize;
-            let n = c.data.len() / 4;
+            let v = c.var as usize;
+            let n = c.elements();
             let Some(dst) = out.get_mut(v) else {
                 return Err(self.protocol(format!("a chunk of variable #{v}, which was not pulled")));
             };
             let start = c.offset as usize;
-            if !c.data.len().is_multiple_of(4) || start != next[v] || start + n > dst.len() {
+            if start != next[v] || start + n > dst.len() {
                 return Err(self.protocol(format!("a malformed chunk of variable #{v} at element {start}")));
             }
-            copy_f32s(&c.data, &mut dst[start..start + n]);
+            let mut at = start;
+            for p in &c.pieces {
+                copy_f32s(p, &mut dst[at..at + p.len() / 4]);
+                at += p.len() / 4;
+            }
             next[v] += n;
         }
         for (v, (covered, dst)) in next.iter().zip(out.iter()).enumerate() {

@@ -22,7 +22,10 @@
 //! Semantics (the proto, `proto/strata/v1/ps.proto`, is the reference):
 //!
 //! - **Chunks.** Tensors travel as little-endian f32 chunks of at most [`MAX_CHUNK_BYTES`] over
-//!   streams, never as one message; a larger chunk is refused with `INVALID_ARGUMENT`.
+//!   streams, never as one message; a larger chunk is refused with `INVALID_ARGUMENT`. `Push`
+//!   and `Pull` are served and called below tonic's codec: the messages on the wire are the
+//!   proto's, so any gRPC client can call them, but tensor bytes are neither reassembled into a
+//!   decode buffer nor encoded into an encode buffer (a pull sends the variable's own memory).
 //! - **Versions.** Every variable counts the updates applied to it; the task's version counts
 //!   its applies (one per push in async and stale modes, one per round in sync mode).
 //! - **Exactly once.** A push is identified by its [`UpdateId`]; a retry of an update already
@@ -47,6 +50,7 @@ mod client;
 mod optim;
 mod server;
 mod state;
+mod wire;
 
 pub use client::{PsClient, PsClientConfig};
 pub use server::PsServerHandle;

@@ -1,5 +1,6 @@
 //! The parameter server's gRPC service (`strata ps` runs it).
 
+use std::future::Future;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
@@ -8,20 +9,24 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use candle_core::{Device, Tensor};
+use prost::bytes::Bytes;
+use prost::Message;
 use serde::{Deserialize, Serialize};
 use strata_core::checkpoint::{self, CheckpointTensor, CheckpointWriter, ShardInfo};
 use strata_proto::v1::parameter_server_server::{ParameterServer, ParameterServerServer};
 use strata_proto::v1::{
     create_message, pull_message, push_message, CreateMessage, CreateVariablesResponse, PsCheckpointRequest,
-    PsCheckpointResponse, PsConfigureRequest, PsConfigureResponse, PsStatusRequest, PsStatusResponse, PullMessage,
-    PullRequest, PushMessage, PushResponse,
+    PsCheckpointResponse, PsConfigureRequest, PsConfigureResponse, PsStatusRequest, PsStatusResponse, PullHeader,
+    PullMessage, PullRequest, PushHeader, PushMessage, PushResponse, TensorChunk,
 };
 use tokio::sync::watch;
 use tokio_stream::Stream;
+use tonic::codegen::{http, Service};
 use tonic::service::interceptor::InterceptedService;
 use tonic::{Request, Response, Status, Streaming};
 
-use super::state::{Answer, Chunk, Counters, PushDecision, Snapshot, State, UpdateKey};
+use super::state::{check_chunk_len, Answer, Chunk, Counters, PushDecision, Snapshot, State, UpdateKey};
+use super::wire;
 use super::{PsMode, PsServerConfig, ServerOptimizer, VariableInfo, MAX_CHUNK_BYTES};
 use crate::auth::server_interceptor;
 use crate::rt::{runtime, ServerTask};
@@ -55,19 +60,52 @@ impl Shared {
 struct Svc(Arc<Shared>);
 
 fn chunk_of(c: strata_proto::v1::TensorChunk) -> Result<Chunk, Status> {
-    if c.data.len() > MAX_CHUNK_BYTES {
-        return Err(Status::invalid_argument(format!(
-            "a chunk carries {} bytes; the limit is {MAX_CHUNK_BYTES} (1 MiB): cut tensors into smaller chunks",
-            c.data.len()
-        )));
+    check_chunk_len(c.data.len())?;
+    Ok(Chunk { var: c.variable, offset: c.offset, pieces: vec![c.data] })
+}
+
+/// Collects the parts of a `Push` (or `CreateVariables`) stream: one header first, then chunks,
+/// their bytes bounded by what the task could hold (`max_bytes`).
+struct Collect<H> {
+    what: &'static str,
+    header: Option<H>,
+    chunks: Vec<Chunk>,
+    bytes: usize,
+    max_bytes: usize,
+}
+
+impl<H> Collect<H> {
+    fn new(what: &'static str, max_bytes: usize) -> Self {
+        Self { what, header: None, chunks: Vec::new(), bytes: 0, max_bytes }
     }
-    if !c.data.len().is_multiple_of(4) {
-        return Err(Status::invalid_argument(format!(
-            "a chunk carries {} bytes, not a whole number of f32 elements",
-            c.data.len()
-        )));
+
+    fn header(&mut self, h: H) -> Result<(), Status> {
+        if self.header.replace(h).is_some() {
+            return Err(Status::invalid_argument(format!("a {} stream carries two headers", self.what)));
+        }
+        Ok(())
     }
-    Ok(Chunk { var: c.variable, offset: c.offset, data: c.data })
+
+    fn chunk(&mut self, c: Chunk) -> Result<(), Status> {
+        if self.header.is_none() {
+            return Err(Status::invalid_argument(format!("a {} stream must start with its header", self.what)));
+        }
+        self.bytes += c.elements() * 4;
+        if self.bytes > self.max_bytes {
+            return Err(Status::invalid_argument(format!(
+                "the {} stream carries more than {} bytes, more than its variables can hold",
+                self.what, self.max_bytes
+            )));
+        }
+        self.chunks.push(c);
+        Ok(())
+    }
+
+    fn finish(self) -> Result<(H, Vec<Chunk>), Status> {
+        let header =
+            self.header.ok_or_else(|| Status::invalid_argument(format!("a {} stream without a header", self.what)))?;
+        Ok((header, self.chunks))
+    }
 }
 
 /// Waits until the task's version exceeds `base` (the round computed from it was applied).
@@ -91,6 +129,119 @@ async fn wait_round(shared: &Shared, key: &UpdateKey, base: u64, duplicate: bool
 
 type PullStream = Pin<Box<dyn Stream<Item = Result<PullMessage, Status>> + Send>>;
 
+/// Applies (or queues, or refuses) a received push, and answers it.
+async fn push(shared: &Shared, header: &PushHeader, chunks: &[Chunk]) -> Result<PushResponse, Status> {
+    let faults = &shared.config.faults;
+    let n = shared.pushes_seen.fetch_add(1, Ordering::Relaxed) + 1;
+    if faults.drop_request_every > 0 && n.is_multiple_of(faults.drop_request_every) {
+        return Err(Status::unavailable("injected fault: request dropped"));
+    }
+    let decision = {
+        let mut state = shared.lock();
+        let before = state.version;
+        let decision = state.push(header, chunks)?;
+        if state.version != before {
+            shared.version.send_replace(state.version);
+        }
+        decision
+    };
+    let response = match decision {
+        PushDecision::Done(r) => r,
+        PushDecision::Wait { key, base, duplicate } => wait_round(shared, &key, base, duplicate).await?,
+    };
+    if faults.drop_reply_every > 0 && n.is_multiple_of(faults.drop_reply_every) {
+        return Err(Status::unavailable("injected fault: reply dropped"));
+    }
+    Ok(response)
+}
+
+/// The header and chunks (sharing the variables' memory) of a pull, once the task's version
+/// has reached the request's `min_version`.
+async fn pull(shared: &Shared, r: &PullRequest) -> Result<(PullHeader, Vec<TensorChunk>), Status> {
+    if r.min_version > 0 {
+        let mut rx = shared.version.subscribe();
+        if tokio::time::timeout(MAX_PULL_WAIT, rx.wait_for(|&v| v >= r.min_version)).await.is_err() {
+            return Err(Status::deadline_exceeded(format!(
+                "{} did not reach version {} within {MAX_PULL_WAIT:?}",
+                shared.config.task, r.min_version
+            )));
+        }
+    }
+    shared.lock().pull(&r.variables)
+}
+
+/// `Push` below tonic's codec: the chunks stay in the HTTP/2 frames they arrived in until they
+/// are applied.
+async fn push_frames(shared: &Shared, body: tonic::body::Body) -> Result<PushResponse, Status> {
+    let mut messages = wire::Messages::new(body, MAX_MESSAGE_BYTES);
+    let mut parts = Collect::new("Push", shared.lock().bytes());
+    while let Some(m) = messages.next().await? {
+        match wire::decode_part::<PushHeader>(m, "Push")? {
+            wire::Part::Header(h) => parts.header(h)?,
+            wire::Part::Chunk(c) => parts.chunk(c)?,
+        }
+    }
+    let (header, chunks) = parts.finish()?;
+    push(shared, &header, &chunks).await
+}
+
+/// `Pull` below tonic's codec: every chunk leaves as the variable's own memory.
+async fn pull_frames(shared: &Shared, body: tonic::body::Body) -> Result<Vec<Bytes>, Status> {
+    let mut messages = wire::Messages::new(body, MAX_MESSAGE_BYTES);
+    let request = match (messages.next().await?, messages.next().await?) {
+        (Some(m), None) => PullRequest::decode(m.contiguous())
+            .map_err(|e| Status::invalid_argument(format!("a Pull request that is not valid protobuf: {e}")))?,
+        _ => return Err(Status::invalid_argument("a Pull call carries exactly one request message")),
+    };
+    let (header, chunks) = pull(shared, &request).await?;
+    let mut out = Vec::with_capacity(1 + 2 * chunks.len());
+    out.push(wire::message(&PullMessage { kind: Some(pull_message::Kind::Header(header)) }));
+    for c in chunks {
+        out.extend(wire::chunk_message(c.variable, c.offset, c.data));
+    }
+    Ok(out)
+}
+
+/// The `ParameterServer` service with `Push` and `Pull` served below tonic's codec
+/// ([`wire`]) and every other method by the generated server.
+#[derive(Clone)]
+struct TensorPaths {
+    shared: Arc<Shared>,
+    generated: ParameterServerServer<Svc>,
+}
+
+impl tonic::server::NamedService for TensorPaths {
+    const NAME: &'static str = <ParameterServerServer<Svc> as tonic::server::NamedService>::NAME;
+}
+
+impl Service<http::Request<tonic::body::Body>> for TensorPaths {
+    type Response = http::Response<tonic::body::Body>;
+    type Error = std::convert::Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send>>;
+
+    fn poll_ready(&mut self, _cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), Self::Error>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: http::Request<tonic::body::Body>) -> Self::Future {
+        let shared = self.shared.clone();
+        match req.uri().path() {
+            wire::PUSH_PATH => Box::pin(async move {
+                let answer = push_frames(&shared, req.into_body()).await;
+                Ok(wire::response(answer.map(|r| tokio_stream::once(wire::message(&r)))))
+            }),
+            wire::PULL_PATH => Box::pin(async move {
+                let answer = pull_frames(&shared, req.into_body()).await;
+                Ok(wire::response(answer.map(tokio_stream::iter)))
+            }),
+            _ => {
+                let mut generated = self.generated.clone();
+                Box::pin(async move { generated.call(req).await })
+            }
+        }
+    }
+}
+
 #[tonic::async_trait]
 impl ParameterServer for Svc {
     async fn create_variables(
@@ -98,25 +249,15 @@ impl ParameterServer for Svc {
         req: Request<Streaming<CreateMessage>>,
     ) -> Result<Response<CreateVariablesResponse>, Status> {
         let mut stream = req.into_inner();
-        let mut header = None;
-        let mut chunks = Vec::new();
+        let mut parts = Collect::new("CreateVariables", usize::MAX);
         while let Some(msg) = stream.message().await? {
             match msg.kind {
-                Some(create_message::Kind::Header(h)) => {
-                    if header.replace(h).is_some() {
-                        return Err(Status::invalid_argument("a CreateVariables stream carries two headers"));
-                    }
-                }
-                Some(create_message::Kind::Chunk(c)) => {
-                    if header.is_none() {
-                        return Err(Status::invalid_argument("a CreateVariables stream must start with its header"));
-                    }
-                    chunks.push(chunk_of(c)?);
-                }
+                Some(create_message::Kind::Header(h)) => parts.header(h)?,
+                Some(create_message::Kind::Chunk(c)) => parts.chunk(chunk_of(c)?)?,
                 None => return Err(Status::invalid_argument("an empty CreateVariables message")),
             }
         }
-        let header = header.ok_or_else(|| Status::invalid_argument("a CreateVariables stream without a header"))?;
+        let (header, chunks) = parts.finish()?;
         let response = self.0.lock().create(&header, &chunks)?;
         tracing::info!(task = %self.0.config.task, variables = header.variables.len(), existed = response.existed, "variables created");
         Ok(Response::new(response))
@@ -124,63 +265,22 @@ impl ParameterServer for Svc {
 
     async fn push(&self, req: Request<Streaming<PushMessage>>) -> Result<Response<PushResponse>, Status> {
         let mut stream = req.into_inner();
-        let mut header = None;
-        let mut chunks = Vec::new();
+        let mut parts = Collect::new("Push", self.0.lock().bytes());
         while let Some(msg) = stream.message().await? {
             match msg.kind {
-                Some(push_message::Kind::Header(h)) => {
-                    if header.replace(h).is_some() {
-                        return Err(Status::invalid_argument("a Push stream carries two headers"));
-                    }
-                }
-                Some(push_message::Kind::Chunk(c)) => {
-                    if header.is_none() {
-                        return Err(Status::invalid_argument("a Push stream must start with its header"));
-                    }
-                    chunks.push(chunk_of(c)?);
-                }
+                Some(push_message::Kind::Header(h)) => parts.header(h)?,
+                Some(push_message::Kind::Chunk(c)) => parts.chunk(chunk_of(c)?)?,
                 None => return Err(Status::invalid_argument("an empty Push message")),
             }
         }
-        let header = header.ok_or_else(|| Status::invalid_argument("a Push stream without a header"))?;
-        let faults = &self.0.config.faults;
-        let n = self.0.pushes_seen.fetch_add(1, Ordering::Relaxed) + 1;
-        if faults.drop_request_every > 0 && n.is_multiple_of(faults.drop_request_every) {
-            return Err(Status::unavailable("injected fault: request dropped"));
-        }
-        let decision = {
-            let mut state = self.0.lock();
-            let before = state.version;
-            let decision = state.push(&header, &chunks)?;
-            if state.version != before {
-                self.0.version.send_replace(state.version);
-            }
-            decision
-        };
-        let response = match decision {
-            PushDecision::Done(r) => r,
-            PushDecision::Wait { key, base, duplicate } => wait_round(&self.0, &key, base, duplicate).await?,
-        };
-        if faults.drop_reply_every > 0 && n.is_multiple_of(faults.drop_reply_every) {
-            return Err(Status::unavailable("injected fault: reply dropped"));
-        }
-        Ok(Response::new(response))
+        let (header, chunks) = parts.finish()?;
+        push(&self.0, &header, &chunks).await.map(Response::new)
     }
 
     type PullStream = PullStream;
 
     async fn pull(&self, req: Request<PullRequest>) -> Result<Response<Self::PullStream>, Status> {
-        let r = req.into_inner();
-        if r.min_version > 0 {
-            let mut rx = self.0.version.subscribe();
-            if tokio::time::timeout(MAX_PULL_WAIT, rx.wait_for(|&v| v >= r.min_version)).await.is_err() {
-                return Err(Status::deadline_exceeded(format!(
-                    "{} did not reach version {} within {MAX_PULL_WAIT:?}",
-                    self.0.config.task, r.min_version
-                )));
-            }
-        }
-        let (header, chunks) = self.0.lock().pull(&r.variables)?;
+        let (header, chunks) = pull(&self.0, &req.into_inner()).await?;
         let messages = std::iter::once(PullMessage { kind: Some(pull_message::Kind::Header(header)) })
             .chain(chunks.into_iter().map(|c| PullMessage { kind: Some(pull_message::Kind::Chunk(c)) }))
             .map(Ok);
@@ -358,9 +458,10 @@ impl PsServerHandle {
         let done = runtime().spawn(async move {
             let (reporter, health) = tonic_health::server::health_reporter();
             reporter.set_serving::<ParameterServerServer<Svc>>().await;
-            let service = ParameterServerServer::new(Svc(shared))
+            let generated = ParameterServerServer::new(Svc(shared.clone()))
                 .max_decoding_message_size(MAX_MESSAGE_BYTES)
                 .max_encoding_message_size(MAX_MESSAGE_BYTES);
+            let service = TensorPaths { shared, generated };
             let result = tonic::transport::Server::builder()
                 .tcp_nodelay(true)
                 .initial_stream_window_size(8 << 20)

@@ -13,7 +13,7 @@ use strata_proto::v1::{
 use tonic::Status;
 
 use super::optim;
-use super::{PsMode, ServerOptimizer, VariableInfo, MAX_CHUNK_ELEMENTS};
+use super::{PsMode, ServerOptimizer, VariableInfo, MAX_CHUNK_BYTES, MAX_CHUNK_ELEMENTS};
 
 #[cfg(target_endian = "big")]
 compile_error!("the parameter server's wire format is little-endian f32; big-endian hosts are not supported");
@@ -40,7 +40,37 @@ pub(crate) enum Answer {
 pub(crate) struct Chunk {
     pub var: u32,
     pub offset: u64,
-    pub data: Bytes,
+    /// The little-endian f32 data, in pieces of whole elements (the frames it arrived in).
+    pub pieces: Vec<Bytes>,
+}
+
+impl Chunk {
+    /// The number of f32 elements.
+    pub fn elements(&self) -> usize {
+        self.pieces.iter().map(Bytes::len).sum::<usize>() / 4
+    }
+
+    /// Appends the elements to `dst`.
+    fn extend(&self, dst: &mut Vec<f32>) {
+        for p in &self.pieces {
+            extend_f32s(p, dst);
+        }
+    }
+}
+
+/// Checks the data length of a chunk: at most [`MAX_CHUNK_BYTES`], whole f32 elements.
+pub(crate) fn check_chunk_len(len: usize) -> Result<(), Status> {
+    if len > MAX_CHUNK_BYTES {
+        return Err(Status::invalid_argument(format!(
+            "a chunk carries {len} bytes; the limit is {MAX_CHUNK_BYTES} (1 MiB): cut tensors into smaller chunks"
+        )));
+    }
+    if !len.is_multiple_of(4) {
+        return Err(Status::invalid_argument(format!(
+            "a chunk carries {len} bytes, not a whole number of f32 elements"
+        )));
+    }
+    Ok(())
 }
 
 /// What a push handler does next.
@@ -181,7 +211,7 @@ fn check_coverage(chunks: &[Chunk], names: &[&str], sizes: &[usize], what: &str)
                 sizes.len()
             )));
         };
-        let n = c.data.len() / 4;
+        let n = c.elements();
         if c.offset != next[v] as u64 {
             return Err(Status::invalid_argument(format!(
                 "a chunk of variable {} starts at element {}, expected {} (chunks must cover each variable in order)",
@@ -243,6 +273,11 @@ impl State {
         self.table.get(key).copied()
     }
 
+    /// The bytes of all the variables the task holds (what one push can carry at most).
+    pub fn bytes(&self) -> usize {
+        self.vars.iter().map(|v| v.value.len() * 4).sum()
+    }
+
     /// `CreateVariables`.
     pub fn create(&mut self, header: &CreateHeader, chunks: &[Chunk]) -> Result<CreateVariablesResponse, Status> {
         let infos = header
@@ -297,7 +332,7 @@ impl State {
             check_coverage(chunks, &names, &sizes, "request")?;
             let mut values: Vec<Vec<f32>> = sizes.iter().map(|&n| Vec::with_capacity(n)).collect();
             for c in chunks {
-                extend_f32s(&c.data, &mut values[c.var as usize]);
+                c.extend(&mut values[c.var as usize]);
             }
             for (info, value) in infos.iter().zip(values) {
                 if self.index.contains_key(&info.name) {
@@ -397,7 +432,7 @@ impl State {
                 }
                 let mut grads: Vec<(usize, Vec<f32>)> = at.iter().map(|&i| (i, Vec::new())).collect();
                 for c in chunks {
-                    extend_f32s(&c.data, &mut grads[c.var as usize].1);
+                    c.extend(&mut grads[c.var as usize].1);
                 }
                 let base = self.version;
                 self.round.insert(key.clone(), Contribution { worker: h.worker.clone(), grads });
@@ -412,13 +447,15 @@ impl State {
         let mut scratch = Vec::new();
         for c in chunks {
             let var = &mut self.vars[at[c.var as usize]];
-            let g = f32s(&c.data, &mut scratch);
-            let n = g.len();
-            let start = c.offset as usize;
-            let end = start + n;
-            let mut slots: Vec<&mut [f32]> = var.slots.iter_mut().map(|s| &mut s[start..end]).collect();
-            let value = Arc::make_mut(&mut var.value);
-            optim::apply(&optimizer, &mut value[start..end], g, &mut slots, var.version + 1);
+            let mut start = c.offset as usize;
+            for p in &c.pieces {
+                let g = f32s(p, &mut scratch);
+                let end = start + g.len();
+                let mut slots: Vec<&mut [f32]> = var.slots.iter_mut().map(|s| &mut s[start..end]).collect();
+                let value = Arc::make_mut(&mut var.value);
+                optim::apply(&optimizer, &mut value[start..end], g, &mut slots, var.version + 1);
+                start = end;
+            }
         }
         for &i in &at {
             self.vars[i].version += 1;
