@@ -33,6 +33,81 @@ type Raw = ParameterServerClient<Authed>;
 /// The largest message a client decodes: one chunk plus its framing.
 const MAX_MESSAGE_BYTES: usize = MAX_CHUNK_BYTES + (64 << 10);
 
+/// Where pulled values go.
+enum Dest<'a, 'b> {
+    /// Buffers allocated from the pull's header.
+    Allocated(Vec<Vec<f32>>),
+    /// The caller's buffers, one per variable.
+    Given(&'a mut [&'b mut [f32]]),
+}
+
+/// Pulled chunks copied where they belong, checked to cover each variable exactly, in order.
+struct Filling<'a, 'b> {
+    into: Dest<'a, 'b>,
+    /// Per variable: the elements filled so far.
+    next: Vec<usize>,
+}
+
+impl Filling<'_, '_> {
+    /// The pull's header: sizes the buffers (or checks the caller's).
+    fn start(&mut self, header: &PullHeader) -> Result<(), String> {
+        let n = header.variables.len();
+        match &mut self.into {
+            Dest::Allocated(values) => {
+                *values = header
+                    .variables
+                    .iter()
+                    .map(|spec| VariableInfo::from_spec(spec).map(|i| vec![0.0; i.numel()]))
+                    .collect::<Result<_>>()
+                    .map_err(|e| e.to_string())?;
+            }
+            Dest::Given(out) if out.len() != n => return Err(format!("pulled {n} variables, asked for {}", out.len())),
+            Dest::Given(_) => {}
+        }
+        self.next = vec![0; n];
+        Ok(())
+    }
+
+    fn slot(&mut self, v: usize) -> Option<&mut [f32]> {
+        match &mut self.into {
+            Dest::Allocated(values) => values.get_mut(v).map(Vec::as_mut_slice),
+            Dest::Given(out) => out.get_mut(v).map(|s| &mut **s),
+        }
+    }
+
+    fn chunk(&mut self, c: &Chunk) -> Result<(), String> {
+        let v = c.var as usize;
+        let (start, n) = (c.offset as usize, c.elements());
+        let expected = self.next.get(v).copied();
+        let Some(dst) = self.slot(v) else {
+            return Err(format!("a chunk of variable #{v}, which was not pulled"));
+        };
+        if Some(start) != expected || start + n > dst.len() {
+            return Err(format!("a malformed chunk of variable #{v} at element {start}"));
+        }
+        let mut at = start;
+        for p in &c.pieces {
+            copy_f32s(p, &mut dst[at..at + p.len() / 4]);
+            at += p.len() / 4;
+        }
+        self.next[v] += n;
+        Ok(())
+    }
+
+    fn finish(&self) -> Result<(), String> {
+        let lens: Vec<usize> = match &self.into {
+            Dest::Allocated(values) => values.iter().map(Vec::len).collect(),
+            Dest::Given(out) => out.iter().map(|s| s.len()).collect(),
+        };
+        for (v, (covered, len)) in self.next.iter().zip(lens).enumerate() {
+            if *covered != len {
+                return Err(format!("variable #{v} has {len} elements, {covered} were pulled"));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Sends a `Push` or `Pull` below tonic's codec ([`wire`]) and returns the response's messages.
 async fn frames_call(
     mut svc: Authed,
@@ -306,84 +381,61 @@ impl PsClient {
         })
     }
 
-    fn pull_chunks(&self, names: &[&str], min_version: u64) -> Result<(PullHeader, Vec<Chunk>)> {
+    /// Pulls `names` into `fill`, chunk by chunk as they arrive (while their bytes are still in
+    /// cache); returns the pull's header.
+    fn pull_with(&self, names: &[&str], min_version: u64, fill: &mut Filling<'_, '_>) -> Result<PullHeader> {
         let request = PullRequest { variables: names.iter().map(|n| n.to_string()).collect(), min_version };
         let request = wire::message(&request);
         crate::inject::delay_blocking();
+        let fill = std::cell::RefCell::new(fill);
         let pulled = self.call("Pull", |_| {
             let body = wire::body(tokio_stream::once(request.clone()), false);
             let svc = self.svc.clone();
+            let fill = &fill;
             async move {
                 let mut messages = frames_call(svc, wire::PULL_PATH, body).await?;
                 let mut header = None;
-                let mut chunks = Vec::new();
                 while let Some(m) = messages.next().await? {
-                    match wire::decode_part::<PullHeader>(m, "Pull")? {
-                        wire::Part::Header(h) if header.is_none() => header = Some(h),
-                        wire::Part::Chunk(c) if header.is_some() => chunks.push(c),
-                        _ => return Err(Status::internal("the pull stream is out of order")),
+                    let step = match wire::decode_part::<PullHeader>(m, "Pull")? {
+                        wire::Part::Header(h) if header.is_none() => {
+                            let started = fill.borrow_mut().start(&h);
+                            header = Some(h);
+                            started
+                        }
+                        wire::Part::Chunk(c) if header.is_some() => fill.borrow_mut().chunk(&c),
+                        _ => Err("the pull stream is out of order".to_string()),
+                    };
+                    if let Err(detail) = step {
+                        return Ok(Err(detail));
                     }
                 }
                 messages.finish()?;
-                let header = header.ok_or_else(|| Status::internal("the pull stream has no header"))?;
-                Ok((header, chunks))
+                Ok(header.ok_or_else(|| "the pull stream has no header".to_string()))
             }
         })?;
-        crate::inject::count_received(pulled.1.iter().map(|c| c.elements() * 4).sum());
-        Ok(pulled)
+        let header = pulled.and_then(|h| fill.borrow().finish().map(|()| h)).map_err(|d| self.protocol(d))?;
+        crate::inject::count_received(fill.borrow().next.iter().sum::<usize>() * 4);
+        Ok(header)
     }
 
     fn protocol(&self, detail: String) -> Error {
         Error::Protocol { peer: self.task.clone(), detail }
     }
 
-    /// Copies `chunks` into `out` (one slice per variable of the header), checking that they
-    /// cover each exactly.
-    fn fill(&self, header: &PullHeader, chunks: &[Chunk], out: &mut [&mut [f32]]) -> Result<()> {
-        if header.variables.len() != out.len() {
-            return Err(self.protocol(format!("pulled {} variables, asked for {}", header.variables.len(), out.len())));
-        }
-        let mut next = vec![0usize; out.len()];
-        for c in chunks {
-            let v = c.var as usize;
-            let n = c.elements();
-            let Some(dst) = out.get_mut(v) else {
-                return Err(self.protocol(format!("a chunk of variable #{v}, which was not pulled")));
-            };
-            let start = c.offset as usize;
-            if start != next[v] || start + n > dst.len() {
-                return Err(self.protocol(format!("a malformed chunk of variable #{v} at element {start}")));
-            }
-            let mut at = start;
-            for p in &c.pieces {
-                copy_f32s(p, &mut dst[at..at + p.len() / 4]);
-                at += p.len() / 4;
-            }
-            next[v] += n;
-        }
-        for (v, (covered, dst)) in next.iter().zip(out.iter()).enumerate() {
-            if *covered != dst.len() {
-                return Err(self.protocol(format!("variable #{v} has {} elements, {covered} were pulled", dst.len())));
-            }
-        }
-        Ok(())
-    }
-
     /// The current values of `names` (every variable if empty) once the task's version has
     /// reached `min_version`.
     pub fn pull(&self, names: &[&str], min_version: u64) -> Result<Pulled> {
-        let (header, chunks) = self.pull_chunks(names, min_version)?;
+        let mut fill = Filling { into: Dest::Allocated(Vec::new()), next: Vec::new() };
+        let header = self.pull_with(names, min_version, &mut fill)?;
+        let Dest::Allocated(values) = fill.into else {
+            return Err(self.protocol("pulled values went to the wrong buffers".into()));
+        };
         let infos = header
             .variables
             .iter()
             .map(VariableInfo::from_spec)
             .collect::<Result<Vec<_>>>()
             .map_err(|e| self.protocol(e.to_string()))?;
-        let mut values: Vec<Vec<f32>> = infos.iter().map(|i| vec![0.0; i.numel()]).collect();
-        {
-            let mut out: Vec<&mut [f32]> = values.iter_mut().map(|v| v.as_mut_slice()).collect();
-            self.fill(&header, &chunks, &mut out)?;
-        }
         let versions = header.variable_versions.iter().copied().chain(std::iter::repeat(0));
         Ok(Pulled {
             version: header.version,
@@ -392,7 +444,8 @@ impl PsClient {
     }
 
     /// The hot path of a worker: writes the named variables' values into `out` (same order,
-    /// exact lengths) and returns the task's version.
+    /// exact lengths) and returns the task's version. Chunks are copied into `out` as they
+    /// arrive: after an error, `out` may hold part of the pulled values.
     pub fn pull_into(&self, names: &[&str], min_version: u64, out: &mut [&mut [f32]]) -> Result<u64> {
         if names.is_empty() || names.len() != out.len() {
             return Err(Error::Config(format!(
@@ -401,9 +454,8 @@ impl PsClient {
                 out.len()
             )));
         }
-        let (header, chunks) = self.pull_chunks(names, min_version)?;
-        self.fill(&header, &chunks, out)?;
-        Ok(header.version)
+        let mut fill = Filling { into: Dest::Given(out), next: Vec::new() };
+        Ok(self.pull_with(names, min_version, &mut fill)?.version)
     }
 
     /// Writes a checkpoint named for `step`; returns its directory and the task's version.
