@@ -18,8 +18,8 @@ use strata_proto::v1::{
 };
 use strata_transport::auth::{client_interceptor, ClientAuth};
 use strata_transport::ps::{
-    FaultInjection, PsClient, PsClientConfig, PsMode, PsServerConfig, PsServerHandle, PushOutcome, ServerOptimizer,
-    UpdateId, VariableInfo, MAX_CHUNK_BYTES, MAX_CHUNK_ELEMENTS,
+    F32Bytes, FaultInjection, PsClient, PsClientConfig, PsMode, PsServerConfig, PsServerHandle, PushOutcome,
+    ServerOptimizer, UpdateId, VariableInfo, MAX_CHUNK_BYTES, MAX_CHUNK_ELEMENTS,
 };
 use strata_transport::{ClusterToken, Error};
 use tonic::codegen::InterceptedService;
@@ -879,6 +879,13 @@ fn big_tensors_round_trip_exactly() {
         let mut out = vec![0.0f32; N];
         assert_eq!(client.pull_into(&["big"], 1, &mut [&mut out[..]]).unwrap(), 1);
         assert!(first_difference(&out, &expected).is_none());
+        // The same update from a buffer handed over (no copy): applied once more, exactly.
+        let grad: Vec<f32> = (0..N).map(|i| (i % 5) as f32).collect();
+        let shared = F32Bytes::from_vec(grad.clone());
+        assert_eq!(shared.len(), N);
+        assert_eq!(applied(client.push_shared(&id("worker:0", 1, 0), 1, &[("big", shared)]).unwrap()), 2);
+        let expected: Vec<f32> = expected.iter().zip(&grad).map(|(v, g)| v - g).collect();
+        assert!(first_difference(&pull1(&client, "big").2, &expected).is_none());
         server.shutdown();
     });
 }

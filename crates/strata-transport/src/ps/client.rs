@@ -20,8 +20,8 @@ use tonic::{Code, Status};
 use super::state::{chunks_of, copy_f32s, Chunk};
 use super::wire;
 use super::{
-    CreateOutcome, PsMode, PsStatus, Pulled, PushOutcome, ServerOptimizer, UpdateId, VariableInfo, MAX_CHUNK_BYTES,
-    MAX_CHUNK_ELEMENTS,
+    CreateOutcome, F32Bytes, PsMode, PsStatus, Pulled, PushOutcome, ServerOptimizer, UpdateId, VariableInfo,
+    MAX_CHUNK_BYTES, MAX_CHUNK_ELEMENTS,
 };
 use crate::auth::{client_interceptor, ClientAuth, ClusterToken};
 use crate::rt::runtime;
@@ -333,25 +333,50 @@ impl PsClient {
 
     /// Pushes one update computed from task version `base_version`. Retried with the same
     /// `id` while the task is unavailable, so it is applied at most once; a push refused as
-    /// stale is [`Error::Stale`] (pull and compute it again).
+    /// stale is [`Error::Stale`] (pull and compute it again). The gradients are copied once,
+    /// chunk by chunk while earlier chunks are sent; [`push_shared`](Self::push_shared) sends
+    /// buffers the caller hands over without that copy.
     pub fn push(&self, id: &UpdateId, base_version: u64, grads: &[(&str, &[f32])]) -> Result<PushOutcome> {
+        let names: Vec<&str> = grads.iter().map(|(n, _)| *n).collect();
+        let lens: Vec<usize> = grads.iter().map(|(_, g)| g.len()).collect();
+        self.push_with(id, base_version, &names, &lens, |k, r| {
+            Bytes::copy_from_slice(bytemuck::cast_slice(&grads[k].1[r]))
+        })
+    }
+
+    /// [`push`](Self::push) of gradients in [`F32Bytes`]: their memory goes to the connection
+    /// as it is, with no copy.
+    pub fn push_shared(&self, id: &UpdateId, base_version: u64, grads: &[(&str, F32Bytes)]) -> Result<PushOutcome> {
+        let names: Vec<&str> = grads.iter().map(|(n, _)| *n).collect();
+        let lens: Vec<usize> = grads.iter().map(|(_, g)| g.len()).collect();
+        self.push_with(id, base_version, &names, &lens, |k, r| grads[k].1.elements(r))
+    }
+
+    /// Pushes variables `names` of `lens` elements, chunk `r` of variable `k` being `data(k, r)`.
+    fn push_with(
+        &self,
+        id: &UpdateId,
+        base_version: u64,
+        names: &[&str],
+        lens: &[usize],
+        data: impl Fn(usize, std::ops::Range<usize>) -> Bytes,
+    ) -> Result<PushOutcome> {
         let header = PushHeader {
             worker: id.worker.clone(),
             client: id.client.clone(),
             step: id.step,
             seq: id.seq,
             base_version,
-            variables: grads.iter().map(|(n, _)| n.to_string()).collect(),
+            variables: names.iter().map(|n| n.to_string()).collect(),
         };
-        // The gradient's bytes are copied once, into the buffers the connection sends from.
         let produce = |send: &mut dyn FnMut(Bytes) -> bool| {
             if !send(wire::message(&PushMessage { kind: Some(push_message::Kind::Header(header.clone())) })) {
                 return;
             }
-            for (k, (_, g)) in grads.iter().enumerate() {
-                for (i, c) in g.chunks(MAX_CHUNK_ELEMENTS).enumerate() {
-                    let data = Bytes::copy_from_slice(bytemuck::cast_slice(c));
-                    for b in wire::chunk_message(k as u32, (i * MAX_CHUNK_ELEMENTS) as u64, data) {
+            for (k, &len) in lens.iter().enumerate() {
+                for start in (0..len).step_by(MAX_CHUNK_ELEMENTS) {
+                    let end = (start + MAX_CHUNK_ELEMENTS).min(len);
+                    for b in wire::chunk_message(k as u32, start as u64, data(k, start..end)) {
                         if !send(b) {
                             return;
                         }
@@ -373,7 +398,7 @@ impl PsClient {
                 Ok(answer)
             }
         })?;
-        crate::inject::count_sent(grads.iter().map(|(_, g)| g.len() * 4).sum());
+        crate::inject::count_sent(lens.iter().sum::<usize>() * 4);
         Ok(if r.dropped {
             PushOutcome::Dropped { version: r.version }
         } else {

@@ -55,6 +55,42 @@ mod wire;
 pub use client::{PsClient, PsClientConfig};
 pub use server::PsServerHandle;
 
+/// f32 values in memory the transport can send without a copy (for
+/// [`PsClient::push_shared`]): a `Vec<f32>` handed over, shared by clones.
+#[derive(Clone, Debug, Default)]
+pub struct F32Bytes(prost::bytes::Bytes);
+
+/// A `Vec<f32>` seen as its little-endian bytes.
+struct F32Owner(Vec<f32>);
+
+impl AsRef<[u8]> for F32Owner {
+    fn as_ref(&self) -> &[u8] {
+        bytemuck::cast_slice(&self.0)
+    }
+}
+
+impl F32Bytes {
+    /// Takes `values` over, without a copy.
+    pub fn from_vec(values: Vec<f32>) -> Self {
+        Self(prost::bytes::Bytes::from_owner(F32Owner(values)))
+    }
+
+    /// The number of f32 values.
+    pub fn len(&self) -> usize {
+        self.0.len() / 4
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The bytes of elements `r` (within bounds), sharing the memory.
+    pub(crate) fn elements(&self, r: std::ops::Range<usize>) -> prost::bytes::Bytes {
+        self.0.slice(r.start * 4..r.end * 4)
+    }
+}
+
 /// The most payload bytes (f32 elements times 4) one `TensorChunk` carries.
 pub const MAX_CHUNK_BYTES: usize = 1 << 20;
 

@@ -238,6 +238,90 @@ fn check_coverage(chunks: &[Chunk], names: &[&str], sizes: &[usize], what: &str)
     Ok(())
 }
 
+/// Pushes of at least this many bytes are applied on two threads: the pushing worker waits for
+/// the answer, so a core is free (the optimizer's pass is memory-bound and took a third of a
+/// 64 MiB push on one thread).
+const PARALLEL_APPLY_BYTES: usize = 4 << 20;
+
+/// One piece of an update: gradient bytes and the ranges of the variable and of its optimizer
+/// slots they land on.
+struct Piece<'a> {
+    g: &'a Bytes,
+    w: &'a mut [f32],
+    slots: Vec<&'a mut [f32]>,
+    t: u64,
+}
+
+/// A variable's range not yet handed out, its optimizer slots' ranges, and its step count.
+type Ranges<'a> = (&'a mut [f32], Vec<&'a mut [f32]>, u64);
+
+fn apply_pieces(optimizer: &ServerOptimizer, pieces: Vec<Piece<'_>>) {
+    let mut scratch = Vec::new();
+    for mut p in pieces {
+        let g = f32s(p.g, &mut scratch);
+        optim::apply(optimizer, p.w, g, &mut p.slots, p.t);
+    }
+}
+
+/// Applies a validated update (`chunks` cover each of the variables `at` exactly, in order) to
+/// the variables, on two threads when it is large.
+fn apply_update(optimizer: &ServerOptimizer, vars: &mut [Var], at: &[usize], chunks: &[Chunk]) {
+    // The ranges not yet handed out, per pushed variable (`at[k]` is variable `k` of the push).
+    let mut rest: Vec<Option<Ranges<'_>>> = at.iter().map(|_| None).collect();
+    let mut pushed_as = vec![None; vars.len()];
+    for (k, &i) in at.iter().enumerate() {
+        pushed_as[i] = Some(k);
+    }
+    for (var, k) in vars.iter_mut().zip(pushed_as) {
+        if let Some(k) = k {
+            let t = var.version + 1;
+            let slots = var.slots.iter_mut().map(Vec::as_mut_slice).collect();
+            rest[k] = Some((Arc::make_mut(&mut var.value).as_mut_slice(), slots, t));
+        }
+    }
+    let mut pieces = Vec::new();
+    let mut bytes = 0;
+    for c in chunks {
+        let Some((w, slots, t)) = rest.get_mut(c.var as usize).and_then(Option::as_mut) else { continue };
+        for g in &c.pieces {
+            let n = (g.len() / 4).min(w.len());
+            let (head, tail) = std::mem::take(w).split_at_mut(n);
+            *w = tail;
+            let mut piece_slots = Vec::with_capacity(slots.len());
+            for s in slots.iter_mut() {
+                let (head, tail) = std::mem::take(s).split_at_mut(n);
+                *s = tail;
+                piece_slots.push(head);
+            }
+            bytes += g.len();
+            pieces.push(Piece { g, w: head, slots: piece_slots, t: *t });
+        }
+    }
+    if bytes < PARALLEL_APPLY_BYTES {
+        return apply_pieces(optimizer, pieces);
+    }
+    // Halves by bytes: the second half on a helper thread (or here, if none can start).
+    let mut half = 0;
+    let split = pieces.iter().position(|p| {
+        half += p.g.len();
+        half >= bytes / 2
+    });
+    let second = std::sync::Mutex::new(Some(pieces.split_off(split.map_or(pieces.len(), |i| i + 1))));
+    std::thread::scope(|scope| {
+        let helper = std::thread::Builder::new().name("strata-ps-apply".into()).spawn_scoped(scope, || {
+            if let Some(p) = second.lock().ok().and_then(|mut s| s.take()) {
+                apply_pieces(optimizer, p);
+            }
+        });
+        apply_pieces(optimizer, pieces);
+        if helper.is_err() {
+            if let Some(p) = second.lock().ok().and_then(|mut s| s.take()) {
+                apply_pieces(optimizer, p);
+            }
+        }
+    });
+}
+
 impl State {
     pub fn new(task: String) -> Self {
         Self {
@@ -444,19 +528,7 @@ impl State {
             }
         }
         // Async and stale: apply where each chunk lands.
-        let mut scratch = Vec::new();
-        for c in chunks {
-            let var = &mut self.vars[at[c.var as usize]];
-            let mut start = c.offset as usize;
-            for p in &c.pieces {
-                let g = f32s(p, &mut scratch);
-                let end = start + g.len();
-                let mut slots: Vec<&mut [f32]> = var.slots.iter_mut().map(|s| &mut s[start..end]).collect();
-                let value = Arc::make_mut(&mut var.value);
-                optim::apply(&optimizer, &mut value[start..end], g, &mut slots, var.version + 1);
-                start = end;
-            }
-        }
+        apply_update(&optimizer, &mut self.vars, &at, chunks);
         for &i in &at {
             self.vars[i].version += 1;
         }
@@ -606,5 +678,79 @@ impl State {
         self.round.clear();
         self.restored_step = step;
         self.restored_version = snap.version;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bytes_of(v: &[f32]) -> Bytes {
+        Bytes::copy_from_slice(bytemuck::cast_slice(v))
+    }
+
+    /// A push large enough to be applied on two threads, arriving in frames of odd sizes (and
+    /// at odd addresses), changes the variables and the optimizer's slots exactly as one pass
+    /// of the optimizer over each whole variable does.
+    #[test]
+    fn a_large_push_applied_on_two_threads_equals_one_pass() {
+        let opt = ServerOptimizer::AdamW { lr: 0.01, beta1: 0.9, beta2: 0.999, eps: 1e-7, weight_decay: 0.01 };
+        let sizes = [MAX_CHUNK_ELEMENTS * 3 + 5, 7, MAX_CHUNK_ELEMENTS + 1];
+        let names = ["a", "b", "c"];
+        let init: Vec<Vec<f32>> = sizes
+            .iter()
+            .enumerate()
+            .map(|(v, &n)| (0..n).map(|i| ((i * 31 + v) % 97) as f32 * 0.01).collect())
+            .collect();
+        let grads: Vec<Vec<f32>> =
+            sizes.iter().map(|&n| (0..n).map(|i| ((i * 17) % 89) as f32 * 0.1 - 4.0).collect()).collect();
+        let mut state = State::new("ps:0".into());
+        let header = CreateHeader {
+            variables: names.iter().zip(sizes).map(|(n, s)| VariableInfo::whole(*n, vec![s]).to_spec()).collect(),
+            optimizer: Some(opt.to_spec()),
+            mode: Some(PsMode::Async.to_spec()),
+        };
+        let create: Vec<Chunk> = init
+            .iter()
+            .enumerate()
+            .map(|(v, x)| Chunk { var: v as u32, offset: 0, pieces: vec![bytes_of(x)] })
+            .collect();
+        state.create(&header, &create).unwrap();
+        // Pushed in the order c, a, b; chunks of at most 1 MiB cut into pieces of 65,539
+        // elements, each piece copied one byte into its buffer so that it is misaligned.
+        let order = [2usize, 0, 1];
+        let mut chunks = Vec::new();
+        for (k, &v) in order.iter().enumerate() {
+            for (i, c) in grads[v].chunks(MAX_CHUNK_ELEMENTS).enumerate() {
+                let pieces = c
+                    .chunks(65_539)
+                    .map(|p| {
+                        let mut b = vec![0u8];
+                        b.extend_from_slice(bytemuck::cast_slice(p));
+                        Bytes::from(b).slice(1..)
+                    })
+                    .collect();
+                chunks.push(Chunk { var: k as u32, offset: (i * MAX_CHUNK_ELEMENTS) as u64, pieces });
+            }
+        }
+        let push = PushHeader {
+            worker: "worker:0".into(),
+            client: "worker:0".into(),
+            variables: order.iter().map(|&v| names[v].to_string()).collect(),
+            ..Default::default()
+        };
+        assert!(chunks.iter().map(|c| c.elements() * 4).sum::<usize>() >= PARALLEL_APPLY_BYTES);
+        state.push(&push, &chunks).unwrap();
+        for (v, name) in names.iter().enumerate() {
+            let mut w = init[v].clone();
+            let mut slots = optim::new_slots(&opt, w.len());
+            let mut refs: Vec<&mut [f32]> = slots.iter_mut().map(Vec::as_mut_slice).collect();
+            optim::apply(&opt, &mut w, &grads[v], &mut refs, 1);
+            let var = &state.vars[state.index[*name]];
+            assert_eq!(var.version, 1);
+            let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(same(&var.value, &w), "variable {name}");
+            assert!(var.slots.iter().zip(&slots).all(|(a, b)| same(a, b)), "slots of {name}");
+        }
     }
 }

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use candle_nn::ParamsAdamW;
 use strata_core::optim::FusedAdamW;
-use strata_transport::ps::{PsClient, PsClientConfig, PsMode, ServerOptimizer, UpdateId, VariableInfo};
+use strata_transport::ps::{F32Bytes, PsClient, PsClientConfig, PsMode, ServerOptimizer, UpdateId, VariableInfo};
 use strata_transport::ClusterToken;
 
 use crate::{Error, Result};
@@ -114,12 +114,16 @@ pub fn run(args: &BenchPsArgs) -> Result<()> {
     println!("# strata bench ps: one variable on a `strata ps` process over loopback gRPC (1 MiB chunks), SGD lr 1 on the server");
     println!("# raw TCP: one loopback connection in the same run (the ceiling); push/pull: GB/s of f32 payload");
     println!(
-        "#{:>9} {:>11} {:>6} {:>11} {:>11} {:>11} {:>11} {:>11} {:>8} {:>8} {:>6}",
+        "# push: push_shared (the caller's buffer is sent as it is); copy: push from a borrowed slice (one more copy)"
+    );
+    println!(
+        "#{:>9} {:>11} {:>6} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>8} {:>8} {:>6}",
         "size",
         "count",
         "type",
         "push(us)",
         "push GB/s",
+        "copy GB/s",
         "pull(us)",
         "pull GB/s",
         "TCP GB/s",
@@ -142,10 +146,19 @@ pub fn run(args: &BenchPsArgs) -> Result<()> {
                 PsMode::Async,
             )
             .map_err(strata_core::Error::from)?;
+        // `push_shared`: the gradient's memory goes to the connection (what workers do); `push`
+        // from a borrowed slice copies it once more, into the buffers it sends from.
         let ones = vec![1f32; count];
+        let shared = F32Bytes::from_vec(ones.clone());
         let mut pushes = 0u64;
         let (_, push_s) = repeat(args.seconds, |i| {
             let id = UpdateId { worker: "bench".into(), client: format!("bench-{name}"), step: i, seq: 0 };
+            client.push_shared(&id, 0, &[(name.as_str(), shared.clone())]).map_err(strata_core::Error::from)?;
+            pushes += 1;
+            Ok(())
+        })?;
+        let (_, copy_s) = repeat(args.seconds, |i| {
+            let id = UpdateId { worker: "bench".into(), client: format!("bench-{name}-copy"), step: i, seq: 0 };
             client.push(&id, 0, &[(name.as_str(), &ones)]).map_err(strata_core::Error::from)?;
             pushes += 1;
             Ok(())
@@ -166,12 +179,13 @@ pub fn run(args: &BenchPsArgs) -> Result<()> {
             worst_large = worst_large.min(push / tcp).min(pull / tcp);
         }
         println!(
-            "{:>10} {:>11} {:>6} {:>11.1} {:>11.2} {:>11.1} {:>11.2} {:>11.2} {:>7.0}% {:>7.0}% {:>6}",
+            "{:>10} {:>11} {:>6} {:>11.1} {:>11.2} {:>11.2} {:>11.1} {:>11.2} {:>11.2} {:>7.0}% {:>7.0}% {:>6}",
             size_label(bytes),
             count,
             "float",
             push_s * 1e6,
             push,
+            gbps(bytes, copy_s),
             pull_s * 1e6,
             pull,
             tcp,
