@@ -7,10 +7,20 @@ use super::ServerOptimizer;
 /// variable) and its optimizer slots over the same range. `t` is the variable's step count
 /// after this update (1 for its first update), used by AdamW's bias correction.
 pub(crate) fn apply(opt: &ServerOptimizer, w: &mut [f32], g: &[f32], slots: &mut [&mut [f32]], t: u64) {
+    apply_iter(opt, w, g.iter().copied(), slots, t)
+}
+
+/// [`apply`] with the gradient as little-endian f32 bytes at any alignment (a received frame),
+/// read in place.
+pub(crate) fn apply_le_bytes(opt: &ServerOptimizer, w: &mut [f32], g: &[u8], slots: &mut [&mut [f32]], t: u64) {
+    apply_iter(opt, w, g.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])), slots, t)
+}
+
+fn apply_iter(opt: &ServerOptimizer, w: &mut [f32], g: impl Iterator<Item = f32>, slots: &mut [&mut [f32]], t: u64) {
     match *opt {
         ServerOptimizer::Sgd { lr } => {
             let lr = lr as f32;
-            for (w, g) in w.iter_mut().zip(g.iter().copied()) {
+            for (w, g) in w.iter_mut().zip(g) {
                 *w -= lr * g;
             }
         }
@@ -18,12 +28,12 @@ pub(crate) fn apply(opt: &ServerOptimizer, w: &mut [f32], g: &[f32], slots: &mut
             let (lr, m) = (lr as f32, momentum as f32);
             let [v] = slots else { return };
             if nesterov {
-                for ((w, g), v) in w.iter_mut().zip(g.iter().copied()).zip(v.iter_mut()) {
+                for ((w, g), v) in w.iter_mut().zip(g).zip(v.iter_mut()) {
                     *v = m * *v - lr * g;
                     *w += m * *v - lr * g;
                 }
             } else {
-                for ((w, g), v) in w.iter_mut().zip(g.iter().copied()).zip(v.iter_mut()) {
+                for ((w, g), v) in w.iter_mut().zip(g).zip(v.iter_mut()) {
                     *v = m * *v - lr * g;
                     *w += *v;
                 }
@@ -37,7 +47,7 @@ pub(crate) fn apply(opt: &ServerOptimizer, w: &mut [f32], g: &[f32], slots: &mut
             let (lr, b1, b2, eps, decay) =
                 (lr as f32, beta1 as f32, beta2 as f32, eps as f32, (lr * weight_decay) as f32);
             let (c1, c2) = (c1 as f32, c2 as f32);
-            for (((w, g), m), v) in w.iter_mut().zip(g.iter().copied()).zip(m.iter_mut()).zip(v.iter_mut()) {
+            for (((w, g), m), v) in w.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
                 *w -= decay * *w;
                 *m = b1 * *m + (1.0 - b1) * g;
                 *v = b2 * *v + (1.0 - b2) * g * g;
@@ -49,7 +59,7 @@ pub(crate) fn apply(opt: &ServerOptimizer, w: &mut [f32], g: &[f32], slots: &mut
         ServerOptimizer::Adagrad { lr, eps, .. } => {
             let [acc] = slots else { return };
             let (lr, eps) = (lr as f32, eps as f32);
-            for ((w, g), a) in w.iter_mut().zip(g.iter().copied()).zip(acc.iter_mut()) {
+            for ((w, g), a) in w.iter_mut().zip(g).zip(acc.iter_mut()) {
                 *a += g * g;
                 *w -= lr * g / (a.sqrt() + eps);
             }

@@ -138,19 +138,6 @@ pub(crate) struct Snapshot {
     pub table: Vec<(UpdateKey, Answer)>,
 }
 
-/// The f32 values of a chunk: borrowed when the bytes are aligned for f32, else copied into
-/// `scratch` (reused from chunk to chunk).
-pub(crate) fn f32s<'a>(data: &'a [u8], scratch: &'a mut Vec<f32>) -> &'a [f32] {
-    match bytemuck::try_cast_slice::<u8, f32>(data) {
-        Ok(s) => s,
-        Err(_) => {
-            scratch.resize(data.len() / 4, 0.0);
-            copy_f32s(data, scratch);
-            scratch
-        }
-    }
-}
-
 /// Writes the f32 values of a chunk into `dst` (of the same length): a plain copy of the
 /// bytes, whatever their alignment (the host is little-endian, like the wire).
 pub(crate) fn copy_f32s(data: &[u8], dst: &mut [f32]) {
@@ -256,10 +243,8 @@ struct Piece<'a> {
 type Ranges<'a> = (&'a mut [f32], Vec<&'a mut [f32]>, u64);
 
 fn apply_pieces(optimizer: &ServerOptimizer, pieces: Vec<Piece<'_>>) {
-    let mut scratch = Vec::new();
     for mut p in pieces {
-        let g = f32s(p.g, &mut scratch);
-        optim::apply(optimizer, p.w, g, &mut p.slots, p.t);
+        optim::apply_le_bytes(optimizer, p.w, p.g, &mut p.slots, p.t);
     }
 }
 
