@@ -806,21 +806,23 @@ impl<'a> Simulator<'a> {
     /// The loss of update `round + 1` of the plain synchronous trajectory with `n` workers,
     /// and the accuracy after it if it is evaluated.
     fn plain_round(&mut self, n: usize, round: u64) -> Result<(f32, Option<f32>)> {
-        if !self.sync_cache.contains_key(&n) {
-            let server = Server::new(self.initial.clone(), &self.opt);
-            let state = self.core().sync_state(server, self.seed, n);
-            self.sync_cache.insert(n, SyncTrajectory { state, losses: Vec::new(), accuracy: HashMap::new() });
-        }
-        let core = SimCore {
-            cfg: self.cfg,
-            net: &self.net,
-            train: &self.train,
-            test_x: &self.test_x,
-            test_y: &self.test_y,
-            test_len: self.test_len,
-            opt: &self.opt,
+        // Out of the cache while it advances (the model and data stay borrowed from `self`).
+        let mut traj = match self.sync_cache.remove(&n) {
+            Some(t) => t,
+            None => SyncTrajectory {
+                state: self.core().sync_state(Server::new(self.initial.clone(), &self.opt), self.seed, n),
+                losses: Vec::new(),
+                accuracy: HashMap::new(),
+            },
         };
-        let traj = self.sync_cache.get_mut(&n).expect("inserted above");
+        let advanced = self.advance(&mut traj, n, round);
+        self.sync_cache.insert(n, traj);
+        advanced
+    }
+
+    /// Advances `traj` (of `n` workers) through update `round + 1`.
+    fn advance(&self, traj: &mut SyncTrajectory, n: usize, round: u64) -> Result<(f32, Option<f32>)> {
+        let core = self.core();
         let all = vec![true; n];
         while traj.losses.len() as u64 <= round {
             let loss = traj.state.round(&core, &all)?;
