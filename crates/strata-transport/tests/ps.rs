@@ -263,6 +263,117 @@ fn every_update_is_applied_exactly_once_despite_dropped_requests_and_replies() {
     });
 }
 
+/// (1b) Large pushes (3 MiB, three chunks: applied while they arrive unless streaming is
+/// off) from 4 workers at once, under dropped requests and replies: every logical push is
+/// applied exactly once, streamed or not.
+#[test]
+fn large_pushes_are_applied_exactly_once_despite_faults_streamed_or_not() {
+    within_limit("exactly_once_large", || {
+        const N: usize = 3 * MAX_CHUNK_ELEMENTS;
+        for stream_min_bytes in [Some(2 * MAX_CHUNK_BYTES), None] {
+            let mut config = server_config();
+            config.faults = FaultInjection { drop_reply_every: 3, drop_request_every: 5 };
+            config.stream_min_bytes = stream_min_bytes;
+            let server = start(config);
+            let client = connect(&server);
+            create(&client, &[("w", &[N], &vec![0.0; N])], &ServerOptimizer::Sgd { lr: 1.0 }, PsMode::Async);
+            let threads: Vec<_> = (0..4)
+                .map(|c| {
+                    let client = client.clone();
+                    std::thread::spawn(move || {
+                        let ones = F32Bytes::from_vec(vec![1.0f32; N]);
+                        let worker = format!("worker:{c}");
+                        for step in 0..10 {
+                            match client.push_shared(&id(&worker, step, c), 0, &[("w", ones.clone())]) {
+                                Ok(PushOutcome::Applied { .. }) => {}
+                                other => panic!("{worker} step {step}: {other:?}"),
+                            }
+                        }
+                    })
+                })
+                .collect();
+            for t in threads {
+                t.join().unwrap();
+            }
+            let (version, var_version, value) = pull1(&client, "w");
+            if let Some((i, g, w)) = first_difference(&value, &vec![-40.0; N]) {
+                panic!("{stream_min_bytes:?}: element {i} is {g}, expected {w}: an update was lost or applied twice");
+            }
+            assert_eq!((version, var_version), (40, 40));
+            let status = client.status().unwrap();
+            assert_eq!(status.pushes_applied, 40, "{status:?}");
+            assert!(status.pushes_duplicate > 0, "no dropped reply was retried: {status:?}");
+            assert!(!status.streaming);
+            match stream_min_bytes {
+                Some(_) => assert!(status.pushes_streamed > 0, "no push was streamed: {status:?}"),
+                None => assert_eq!(status.pushes_streamed, 0, "{status:?}"),
+            }
+            server.shutdown();
+        }
+    });
+}
+
+/// (1c) A streamed push whose client stalls loses its turn: a push waiting behind it is
+/// applied once the stream has received nothing for a second, the stalled push then gets
+/// ABORTED with nothing of it applied, and sent again it applies once.
+#[test]
+fn a_stalled_streamed_push_loses_its_turn_and_is_aborted() {
+    within_limit("stalled stream", || {
+        const N: usize = 3 * MAX_CHUNK_ELEMENTS;
+        let server = start(server_config());
+        let client = connect(&server);
+        let sgd = ServerOptimizer::Sgd { lr: 1.0 };
+        let infos = [(whole("big", &[N]), &vec![0.0f32; N][..]), (whole("small", &[4]), &[0.0f32; 4][..])];
+        client.create_variables(&infos, &sgd, PsMode::Async).unwrap();
+        let twos = f32_bytes(&vec![2.0f32; MAX_CHUNK_ELEMENTS]);
+        let messages = |from: usize| -> Vec<PushMessage> {
+            (from..3).map(|i| push_chunk(0, (i * MAX_CHUNK_ELEMENTS) as u64, twos.clone())).collect()
+        };
+        // A runtime with a thread of its own, so that the raw call goes on while this thread waits.
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        let mut raw = rt.block_on(raw(server.address()));
+        // The raw client's push of `big`: its header and first chunk, then nothing.
+        let (tx, rx) = tokio::sync::mpsc::channel::<PushMessage>(4);
+        let call = {
+            let mut raw = raw.clone();
+            rt.spawn(async move { raw.push(tokio_stream::wrappers::ReceiverStream::new(rx)).await })
+        };
+        rt.block_on(async {
+            tx.send(push_header(0, &["big"])).await.unwrap();
+            tx.send(messages(0).remove(0)).await.unwrap();
+        });
+        while !client.status().unwrap().streaming {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        // Another worker's push waits while the stream is stalled, then is applied.
+        assert_eq!(applied(client.push(&id("worker:1", 0, 0), 0, &[("small", &[1.0; 4])]).unwrap()), 1);
+        // The stalled push resumes and ends: refused, nothing of it applied.
+        let result = rt.block_on(async move {
+            for m in messages(1) {
+                tx.send(m).await.unwrap();
+            }
+            drop(tx);
+            call.await.unwrap().map(|r| r.into_inner())
+        });
+        expect_code("a push under which another was applied", result, tonic::Code::Aborted);
+        assert_eq!(first_difference(&pull1(&client, "big").2, &vec![0.0; N]), None, "the aborted push changed big");
+        let status = client.status().unwrap();
+        assert_eq!((status.version, status.pushes_applied, status.pushes_aborted), (1, 1, 1), "{status:?}");
+        // Sent again, whole: applied once; a third time, a duplicate.
+        for (time, duplicate) in [(2, false), (3, true)] {
+            let mut msgs = vec![push_header(0, &["big"])];
+            msgs.extend(messages(0));
+            let r = rt.block_on(raw_push(&mut raw, msgs)).unwrap();
+            assert!(r.applied && r.duplicate == duplicate && r.version == 2, "send {time}: {r:?}");
+        }
+        assert_eq!(first_difference(&pull1(&client, "big").2, &vec![-2.0; N]), None);
+        assert_eq!(pull1(&client, "small").2, vec![-1.0; 4]);
+        let status = client.status().unwrap();
+        assert_eq!((status.pushes_applied, status.pushes_streamed, status.pushes_duplicate), (2, 1, 1), "{status:?}");
+        server.shutdown();
+    });
+}
+
 /// (2) Without the cluster token nothing is answered and nothing changes.
 #[test]
 fn a_wrong_or_missing_token_is_refused_and_changes_nothing() {

@@ -198,7 +198,8 @@ impl PsClient {
             Code::Unauthenticated => {
                 Error::Unauthenticated(format!("{rpc} to {} at {}: {detail}", self.task, self.address))
             }
-            Code::Unavailable | Code::Cancelled => {
+            // ABORTED: a streamed push another update overtook; nothing of it was applied.
+            Code::Unavailable | Code::Cancelled | Code::Aborted => {
                 Error::Unavailable { peer: self.task.clone(), rpc: rpc.into(), detail }
             }
             Code::Unknown
@@ -385,10 +386,10 @@ impl PsClient {
             }
         };
         crate::inject::delay_blocking();
-        let r = self.stream_call("Push", produce, |stream| {
+        let call = |body: tonic::body::Body| {
             let svc = self.svc.clone();
             async move {
-                let mut messages = frames_call(svc, wire::PUSH_PATH, wire::body(stream, false)).await?;
+                let mut messages = frames_call(svc, wire::PUSH_PATH, body).await?;
                 let answer = match (messages.next().await?, messages.next().await?) {
                     (Some(m), None) => PushResponse::decode(m.contiguous())
                         .map_err(|e| Status::internal(format!("a Push answer that is not valid protobuf: {e}")))?,
@@ -397,7 +398,19 @@ impl PsClient {
                 messages.finish()?;
                 Ok(answer)
             }
-        })?;
+        };
+        let r = if lens.iter().sum::<usize>() <= MAX_CHUNK_ELEMENTS {
+            // One chunk at most: its messages are made here at once and the call runs on this
+            // thread, with no hand-over to the runtime's threads.
+            let mut messages = Vec::with_capacity(1 + 2 * lens.len());
+            produce(&mut |m| {
+                messages.push(m);
+                true
+            });
+            self.call("Push", |_| call(wire::body(tokio_stream::iter(messages.clone()), false)))?
+        } else {
+            self.stream_call("Push", produce, |stream| call(wire::body(stream, false)))?
+        };
         crate::inject::count_sent(lens.iter().sum::<usize>() * 4);
         Ok(if r.dropped {
             PushOutcome::Dropped { version: r.version }
@@ -508,6 +521,9 @@ impl PsClient {
             pushes_duplicate: r.pushes_duplicate,
             pushes_dropped: r.pushes_dropped,
             pushes_stale: r.pushes_stale,
+            pushes_streamed: r.pushes_streamed,
+            pushes_aborted: r.pushes_aborted,
+            streaming: r.streaming,
             restored_step: r.restored_step,
             restored_version: r.restored_version,
             mode: PsMode::from_spec(&r.mode.unwrap_or_default()).map_err(|e| self.protocol(e.to_string()))?,

@@ -447,10 +447,17 @@ pub struct PsServerConfig {
     pub faults: FaultInjection,
     /// In sync mode, how long a push waits for its round to be applied.
     pub round_timeout: Duration,
+    /// Async and stale modes: a push of at least this many bytes is applied while it arrives,
+    /// each chunk as it comes, into spare buffers swapped in at the end (the push is still
+    /// applied whole or not at all). The task then keeps one spare copy of the variables and
+    /// optimizer slots such pushes update. `None`: every push is applied after its last chunk,
+    /// in place. Default: 2 MiB (two chunks).
+    pub stream_min_bytes: Option<usize>,
 }
 
 impl PsServerConfig {
-    /// A task with no checkpoints, no faults and a 120 s round timeout.
+    /// A task with no checkpoints, no faults, a 120 s round timeout, and pushes of 2 MiB and
+    /// more applied as they arrive.
     pub fn new(task: impl Into<String>, token: ClusterToken) -> Self {
         Self {
             task: task.into(),
@@ -460,6 +467,7 @@ impl PsServerConfig {
             restore: None,
             faults: FaultInjection::default(),
             round_timeout: Duration::from_secs(120),
+            stream_min_bytes: Some(2 * MAX_CHUNK_BYTES),
         }
     }
 }
@@ -558,4 +566,12 @@ pub struct PsStatus {
     pub rounds: u64,
     /// Per worker, how many of its pushes were applied.
     pub applied_by_worker: BTreeMap<String, u64>,
+    /// Pushes applied while they arrived (async and stale modes; counted in `pushes_applied`
+    /// too).
+    pub pushes_streamed: u64,
+    /// Streamed pushes refused with `ABORTED` because another update was applied while they
+    /// arrived (the client sends them again).
+    pub pushes_aborted: u64,
+    /// Whether a streamed push is arriving now.
+    pub streaming: bool,
 }

@@ -16,6 +16,26 @@ pub(crate) fn apply_le_bytes(opt: &ServerOptimizer, w: &mut [f32], g: &[u8], slo
     apply_iter(opt, w, g.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])), slots, t)
 }
 
+/// [`apply_le_bytes`] out of place: writes into `w` and `slots` the update of `w0` and `slots0`
+/// (ranges of the same length), which stay as they are. The same bits as copying `w0` and
+/// `slots0` over and applying in place, which is what it does: the ranges are a frame's worth
+/// (256 KiB at most), so the copies are still in cache when the update reads them.
+pub(crate) fn apply_le_bytes_from(
+    opt: &ServerOptimizer,
+    w0: &[f32],
+    w: &mut [f32],
+    g: &[u8],
+    slots0: &[&[f32]],
+    slots: &mut [&mut [f32]],
+    t: u64,
+) {
+    w.copy_from_slice(w0);
+    for (s, s0) in slots.iter_mut().zip(slots0) {
+        s.copy_from_slice(s0);
+    }
+    apply_le_bytes(opt, w, g, slots, t)
+}
+
 fn apply_iter(opt: &ServerOptimizer, w: &mut [f32], g: impl Iterator<Item = f32>, slots: &mut [&mut [f32]], t: u64) {
     match *opt {
         ServerOptimizer::Sgd { lr } => {

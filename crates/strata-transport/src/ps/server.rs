@@ -25,7 +25,7 @@ use tonic::codegen::{http, Service};
 use tonic::service::interceptor::InterceptedService;
 use tonic::{Request, Response, Status, Streaming};
 
-use super::state::{check_chunk_len, Answer, Chunk, Counters, PushDecision, Snapshot, State, UpdateKey};
+use super::state::{check_chunk_len, Answer, Chunk, Counters, PushDecision, Snapshot, State, Streamed, UpdateKey};
 use super::wire;
 use super::{PsMode, PsServerConfig, ServerOptimizer, VariableInfo, MAX_CHUNK_BYTES};
 use crate::auth::server_interceptor;
@@ -41,10 +41,20 @@ const MAX_PULL_WAIT: Duration = Duration::from_secs(300);
 /// The safetensors file of a ps checkpoint.
 const VARIABLES_FILE: &str = "variables.safetensors";
 
+/// A collected push waits to be applied while a streamed push is in progress and receives a
+/// chunk at least this often: applying it would make the streamed one fail with `ABORTED` (it
+/// commits only onto the version it was computed from). A stream that stalls this long loses
+/// its turn, so a stalled client delays the others by this much at most.
+const STREAM_STALL: Duration = Duration::from_secs(1);
+
 struct Shared {
     config: PsServerConfig,
     state: Mutex<State>,
     version: watch::Sender<u64>,
+    /// Whether a streamed push is in progress (mirrors the state's flag, for waiting).
+    streaming: watch::Sender<bool>,
+    /// Chunks applied by streamed pushes (their progress, for waiting).
+    streamed_chunks: AtomicU64,
     pushes_seen: AtomicU64,
 }
 
@@ -86,7 +96,20 @@ impl<H> Collect<H> {
         Ok(())
     }
 
+    /// Keeps a chunk that [`count`](Self::count) took.
+    fn keep(&mut self, c: Chunk) {
+        self.chunks.push(c);
+    }
+
+    /// Counts a chunk against the stream's bound, and keeps it.
     fn chunk(&mut self, c: Chunk) -> Result<(), Status> {
+        self.count(&c)?;
+        self.keep(c);
+        Ok(())
+    }
+
+    /// Counts a chunk against the stream's bound.
+    fn count(&mut self, c: &Chunk) -> Result<(), Status> {
         if self.header.is_none() {
             return Err(Status::invalid_argument(format!("a {} stream must start with its header", self.what)));
         }
@@ -97,7 +120,6 @@ impl<H> Collect<H> {
                 self.what, self.max_bytes
             )));
         }
-        self.chunks.push(c);
         Ok(())
     }
 
@@ -129,21 +151,98 @@ async fn wait_round(shared: &Shared, key: &UpdateKey, base: u64, duplicate: bool
 
 type PullStream = Pin<Box<dyn Stream<Item = Result<PullMessage, Status>> + Send>>;
 
-/// Applies (or queues, or refuses) a received push, and answers it.
-async fn push(shared: &Shared, header: &PushHeader, chunks: &[Chunk]) -> Result<PushResponse, Status> {
+/// The streamed push a `Push` call may carry: aborted if the call ends (or its future is
+/// dropped, as when the client goes away) before [`push`] finishes it.
+struct StreamGuard<'a> {
+    shared: &'a Shared,
+    streamed: Option<Streamed>,
+}
+
+impl<'a> StreamGuard<'a> {
+    fn new(shared: &'a Shared) -> Self {
+        Self { shared, streamed: None }
+    }
+
+    /// Streams the push headed by `h`, if the task takes it as a streamed push.
+    fn begin(&mut self, h: &PushHeader) {
+        self.streamed = self.shared.lock().begin_stream(h);
+        if self.streamed.is_some() {
+            self.shared.streaming.send_replace(true);
+        }
+    }
+
+    /// Applies a received chunk if the push is streamed (the chunk is dropped then), or keeps
+    /// it in `parts`.
+    fn chunk(&mut self, c: Chunk, parts: &mut Collect<PushHeader>) -> Result<(), Status> {
+        parts.count(&c)?;
+        match &mut self.streamed {
+            Some(s) => {
+                s.apply(&c)?;
+                self.shared.streamed_chunks.fetch_add(1, Ordering::Relaxed);
+            }
+            None => parts.keep(c),
+        }
+        Ok(())
+    }
+}
+
+/// Waits while a streamed push is in progress and making progress (see [`STREAM_STALL`]);
+/// returns whether one stalled.
+async fn wait_for_stream(shared: &Shared) -> bool {
+    let mut rx = shared.streaming.subscribe();
+    while *rx.borrow_and_update() {
+        let seen = shared.streamed_chunks.load(Ordering::Relaxed);
+        if tokio::time::timeout(STREAM_STALL, rx.wait_for(|s| !*s)).await.is_ok() {
+            return false;
+        }
+        if shared.streamed_chunks.load(Ordering::Relaxed) == seen {
+            return true;
+        }
+    }
+    false
+}
+
+impl Drop for StreamGuard<'_> {
+    fn drop(&mut self) {
+        if let Some(s) = self.streamed.take() {
+            self.shared.lock().abort_stream(s);
+            self.shared.streaming.send_replace(false);
+        }
+    }
+}
+
+/// Applies (or queues, or refuses) a received push, and answers it; `stream` finishes it if it
+/// was streamed.
+async fn push(
+    shared: &Shared,
+    header: &PushHeader,
+    chunks: &[Chunk],
+    mut stream: StreamGuard<'_>,
+) -> Result<PushResponse, Status> {
     let faults = &shared.config.faults;
     let n = shared.pushes_seen.fetch_add(1, Ordering::Relaxed) + 1;
     if faults.drop_request_every > 0 && n.is_multiple_of(faults.drop_request_every) {
         return Err(Status::unavailable("injected fault: request dropped"));
     }
-    let decision = {
+    let decision = loop {
+        // A collected push waits for a streamed one in progress (checked again under the lock,
+        // where streams begin), unless that one stalled.
+        let stalled = stream.streamed.is_none() && wait_for_stream(shared).await;
         let mut state = shared.lock();
         let before = state.version;
-        let decision = state.push(header, chunks)?;
+        let decision = match stream.streamed.take() {
+            Some(s) => {
+                let decision = state.finish_stream(s);
+                shared.streaming.send_replace(false);
+                decision
+            }
+            None if state.streaming() && !stalled => continue,
+            None => state.push(header, chunks),
+        };
         if state.version != before {
             shared.version.send_replace(state.version);
         }
-        decision
+        break decision?;
     };
     let response = match decision {
         PushDecision::Done(r) => r,
@@ -175,14 +274,20 @@ async fn pull(shared: &Shared, r: &PullRequest) -> Result<(PullHeader, Vec<Tenso
 async fn push_frames(shared: &Shared, body: tonic::body::Body) -> Result<PushResponse, Status> {
     let mut messages = wire::Messages::new(body, MAX_MESSAGE_BYTES);
     let mut parts = Collect::new("Push", shared.lock().bytes());
+    let mut stream = StreamGuard::new(shared);
     while let Some(m) = messages.next().await? {
         match wire::decode_part::<PushHeader>(m, "Push")? {
-            wire::Part::Header(h) => parts.header(h)?,
-            wire::Part::Chunk(c) => parts.chunk(c)?,
+            wire::Part::Header(h) => {
+                if parts.header.is_none() {
+                    stream.begin(&h);
+                }
+                parts.header(h)?
+            }
+            wire::Part::Chunk(c) => stream.chunk(c, &mut parts)?,
         }
     }
     let (header, chunks) = parts.finish()?;
-    push(shared, &header, &chunks).await
+    push(shared, &header, &chunks, stream).await
 }
 
 /// `Pull` below tonic's codec: every chunk leaves as the variable's own memory.
@@ -253,7 +358,9 @@ impl ParameterServer for Svc {
         while let Some(msg) = stream.message().await? {
             match msg.kind {
                 Some(create_message::Kind::Header(h)) => parts.header(h)?,
-                Some(create_message::Kind::Chunk(c)) => parts.chunk(chunk_of(c)?)?,
+                Some(create_message::Kind::Chunk(c)) => {
+                    parts.chunk(chunk_of(c)?)?;
+                }
                 None => return Err(Status::invalid_argument("an empty CreateVariables message")),
             }
         }
@@ -269,12 +376,14 @@ impl ParameterServer for Svc {
         while let Some(msg) = stream.message().await? {
             match msg.kind {
                 Some(push_message::Kind::Header(h)) => parts.header(h)?,
-                Some(push_message::Kind::Chunk(c)) => parts.chunk(chunk_of(c)?)?,
+                Some(push_message::Kind::Chunk(c)) => {
+                    parts.chunk(chunk_of(c)?)?;
+                }
                 None => return Err(Status::invalid_argument("an empty Push message")),
             }
         }
         let (header, chunks) = parts.finish()?;
-        push(&self.0, &header, &chunks).await.map(Response::new)
+        push(&self.0, &header, &chunks, StreamGuard::new(&self.0)).await.map(Response::new)
     }
 
     type PullStream = PullStream;
@@ -438,7 +547,7 @@ impl PsServerHandle {
     /// Restores `config.restore` (if set) and starts serving on `bind` (port 0 picks a free
     /// one). Must not be called from inside a tokio runtime thread.
     pub fn start(bind: SocketAddr, config: PsServerConfig) -> Result<Self> {
-        let mut state = State::new(config.task.clone());
+        let mut state = State::new(config.task.clone(), config.stream_min_bytes);
         if let Some(path) = &config.restore {
             let (snap, step) = read_snapshot(path)?;
             tracing::info!(task = %config.task, step, version = snap.version, "restored from a checkpoint");
@@ -452,7 +561,14 @@ impl PsServerHandle {
         let (version, _) = watch::channel(state.version);
         let task = config.task.clone();
         let interceptor = server_interceptor(config.token.clone());
-        let shared = Arc::new(Shared { config, state: Mutex::new(state), version, pushes_seen: AtomicU64::new(0) });
+        let shared = Arc::new(Shared {
+            config,
+            state: Mutex::new(state),
+            version,
+            streaming: watch::channel(false).0,
+            streamed_chunks: AtomicU64::new(0),
+            pushes_seen: AtomicU64::new(0),
+        });
         let (tx, mut rx) = watch::channel(false);
         let name = task.clone();
         let done = runtime().spawn(async move {

@@ -84,10 +84,90 @@ pub(crate) enum PushDecision {
 
 struct Var {
     info: VariableInfo,
-    /// Shared with the chunks of pulls in flight: an update copies it only while one is.
+    /// Shared with the chunks of pulls in flight and with a streamed push computing from it: an
+    /// in-place update copies it only while one of those holds it.
     value: Arc<Vec<f32>>,
-    slots: Vec<Vec<f32>>,
+    /// The optimizer's slots, shared like `value` (with streamed pushes only).
+    slots: Vec<Arc<Vec<f32>>>,
     version: u64,
+}
+
+/// Buffers a streamed push computes a variable's new values and slots into: the variable's
+/// previous buffers, kept after a streamed push replaced them, so that the next one writes into
+/// memory already mapped (a fresh 64 MiB buffer costs the kernel a page fault and a zeroed
+/// page every 4 KiB).
+type Spare = (Vec<f32>, Vec<Vec<f32>>);
+
+/// One variable of a [`Streamed`] push.
+struct StreamVar {
+    /// The variable's index in the task.
+    index: usize,
+    /// Its values and slots when the push began (shared with the task, read only).
+    base: Arc<Vec<f32>>,
+    base_slots: Vec<Arc<Vec<f32>>>,
+    /// The new values and slots, computed from `base` as chunks arrive.
+    value: Vec<f32>,
+    slots: Vec<Vec<f32>>,
+    /// Elements covered so far (chunks cover a variable in order).
+    next: usize,
+    /// The variable's step count after this update (AdamW's bias correction).
+    t: u64,
+}
+
+/// A push applied while it arrives: each chunk updates the variables out of place, from their
+/// values when the push began into spare buffers, while later chunks are still on the wire, and
+/// is dropped (the connection's receive buffers are reused instead of new memory for every
+/// push). [`State::finish_stream`] swaps the new buffers in if nothing was applied to the task
+/// in between; otherwise nothing of the push is applied and it is refused with `ABORTED`, for
+/// the client to send again. Either way the push is applied whole, once, or not at all.
+pub(crate) struct Streamed {
+    key: UpdateKey,
+    worker: String,
+    names: Vec<String>,
+    /// The task's version the update is computed from.
+    task_version: u64,
+    optimizer: ServerOptimizer,
+    vars: Vec<StreamVar>,
+}
+
+impl Streamed {
+    /// Validates a received chunk (the push's variables covered in order, none past its end)
+    /// and computes the new values of the elements it carries.
+    pub fn apply(&mut self, c: &Chunk) -> Result<(), Status> {
+        let count = self.vars.len();
+        let Some(v) = self.vars.get_mut(c.var as usize) else {
+            return Err(unknown_chunk_variable(c.var as usize, count, "push"));
+        };
+        let name = &self.names[c.var as usize];
+        let size = v.base.len();
+        if c.offset != v.next as u64 {
+            return Err(out_of_order(name, c.offset, v.next));
+        }
+        if v.next + c.elements() > size {
+            return Err(overrun(name, size, v.next + c.elements(), "push"));
+        }
+        let mut slots0: Vec<&[f32]> = v.base_slots.iter().map(|s| s.as_slice()).collect();
+        let mut at = v.next;
+        for g in &c.pieces {
+            let end = at + g.len() / 4;
+            for (s0, s) in slots0.iter_mut().zip(&v.base_slots) {
+                *s0 = &s[at..end];
+            }
+            let mut slots: Vec<&mut [f32]> = v.slots.iter_mut().map(|s| &mut s[at..end]).collect();
+            optim::apply_le_bytes_from(
+                &self.optimizer,
+                &v.base[at..end],
+                &mut v.value[at..end],
+                g,
+                &slots0,
+                &mut slots,
+                v.t,
+            );
+            at = end;
+        }
+        v.next = at;
+        Ok(())
+    }
 }
 
 /// One push accepted into the current sync round.
@@ -105,6 +185,11 @@ pub(crate) struct Counters {
     pub pushes_stale: u64,
     pub rounds: u64,
     pub applied_by_worker: BTreeMap<String, u64>,
+    /// Absent from checkpoints written before pushes were streamed.
+    #[serde(default)]
+    pub pushes_streamed: u64,
+    #[serde(default)]
+    pub pushes_aborted: u64,
 }
 
 /// A task's state.
@@ -122,6 +207,12 @@ pub(crate) struct State {
     pub counters: Counters,
     pub restored_step: u64,
     pub restored_version: u64,
+    /// Pushes of at least this many bytes are streamed (async and stale modes); `None`: never.
+    stream_min_bytes: Option<usize>,
+    /// Whether a streamed push is in progress (one at a time).
+    streaming: bool,
+    /// Per variable, the buffers the next streamed push computes into.
+    spare: Vec<Option<Spare>>,
 }
 
 /// One variable in a snapshot: its info, version, values and optimizer slots.
@@ -187,39 +278,44 @@ pub(crate) fn chunks_of(var: u32, values: &[f32]) -> impl Iterator<Item = Tensor
     })
 }
 
+fn unknown_chunk_variable(v: usize, count: usize, what: &str) -> Status {
+    Status::invalid_argument(format!("a chunk refers to variable #{v}, but the {what} names {count} variables"))
+}
+
+fn out_of_order(name: &str, offset: u64, expected: usize) -> Status {
+    Status::invalid_argument(format!(
+        "a chunk of variable {name} starts at element {offset}, expected {expected} (chunks must cover each variable in order)"
+    ))
+}
+
+fn incomplete(name: &str, size: usize, covered: usize, what: &str) -> Status {
+    Status::invalid_argument(format!("variable {name} has {size} elements, the {what} covers {covered}"))
+}
+
+fn overrun(name: &str, size: usize, covered: usize, what: &str) -> Status {
+    Status::invalid_argument(format!("variable {name} has {size} elements, the {what} covers at least {covered}"))
+}
+
 /// Checks that `chunks` cover each of `sizes` exactly once, in order.
 fn check_coverage(chunks: &[Chunk], names: &[&str], sizes: &[usize], what: &str) -> Result<(), Status> {
     let mut next = vec![0usize; sizes.len()];
     for c in chunks {
         let v = c.var as usize;
         let Some(&size) = sizes.get(v) else {
-            return Err(Status::invalid_argument(format!(
-                "a chunk refers to variable #{v}, but the {what} names {} variables",
-                sizes.len()
-            )));
+            return Err(unknown_chunk_variable(v, sizes.len(), what));
         };
         let n = c.elements();
         if c.offset != next[v] as u64 {
-            return Err(Status::invalid_argument(format!(
-                "a chunk of variable {} starts at element {}, expected {} (chunks must cover each variable in order)",
-                names[v], c.offset, next[v]
-            )));
+            return Err(out_of_order(names[v], c.offset, next[v]));
         }
         if next[v] + n > size {
-            return Err(Status::invalid_argument(format!(
-                "variable {} has {size} elements, the {what} covers at least {}",
-                names[v],
-                next[v] + n
-            )));
+            return Err(overrun(names[v], size, next[v] + n, what));
         }
         next[v] += n;
     }
     for (v, (&covered, &size)) in next.iter().zip(sizes).enumerate() {
         if covered != size {
-            return Err(Status::invalid_argument(format!(
-                "variable {} has {size} elements, the {what} covers {covered}",
-                names[v]
-            )));
+            return Err(incomplete(names[v], size, covered, what));
         }
     }
     Ok(())
@@ -260,7 +356,7 @@ fn apply_update(optimizer: &ServerOptimizer, vars: &mut [Var], at: &[usize], chu
     for (var, k) in vars.iter_mut().zip(pushed_as) {
         if let Some(k) = k {
             let t = var.version + 1;
-            let slots = var.slots.iter_mut().map(Vec::as_mut_slice).collect();
+            let slots = var.slots.iter_mut().map(|s| Arc::make_mut(s).as_mut_slice()).collect();
             rest[k] = Some((Arc::make_mut(&mut var.value).as_mut_slice(), slots, t));
         }
     }
@@ -308,7 +404,8 @@ fn apply_update(optimizer: &ServerOptimizer, vars: &mut [Var], at: &[usize], chu
 }
 
 impl State {
-    pub fn new(task: String) -> Self {
+    /// A task that streams pushes of at least `stream_min_bytes` bytes (`None`: never).
+    pub fn new(task: String, stream_min_bytes: Option<usize>) -> Self {
         Self {
             task,
             vars: Vec::new(),
@@ -323,6 +420,9 @@ impl State {
             counters: Counters::default(),
             restored_step: 0,
             restored_version: 0,
+            stream_min_bytes,
+            streaming: false,
+            spare: Vec::new(),
         }
     }
 
@@ -407,7 +507,7 @@ impl State {
                 if self.index.contains_key(&info.name) {
                     continue;
                 }
-                let slots = optim::new_slots(&optimizer, value.len());
+                let slots = optim::new_slots(&optimizer, value.len()).into_iter().map(Arc::new).collect();
                 self.index.insert(info.name.clone(), self.vars.len());
                 self.vars.push(Var { info: info.clone(), value: Arc::new(value), slots, version: 0 });
             }
@@ -423,20 +523,26 @@ impl State {
         self.live_workers.map_or(base, |l| l.min(base)).max(1) as usize
     }
 
+    /// The answer to a push of an update already taken (counted as a duplicate), if it was.
+    fn duplicate(&mut self, key: &UpdateKey) -> Option<PushDecision> {
+        let answer = self.answer(key)?;
+        self.counters.pushes_duplicate += 1;
+        Some(match answer {
+            Answer::Applied(version) => {
+                PushDecision::Done(PushResponse { applied: true, duplicate: true, dropped: false, version })
+            }
+            Answer::Dropped(version) => {
+                PushDecision::Done(PushResponse { applied: false, duplicate: true, dropped: true, version })
+            }
+            Answer::Pending(base) => PushDecision::Wait { key: key.clone(), base, duplicate: true },
+        })
+    }
+
     /// `Push`: validates, then applies, drops, refuses or queues the update.
     pub fn push(&mut self, h: &PushHeader, chunks: &[Chunk]) -> Result<PushDecision, Status> {
         let key: UpdateKey = (h.client.clone(), h.step, h.seq);
-        if let Some(answer) = self.answer(&key) {
-            self.counters.pushes_duplicate += 1;
-            return Ok(match answer {
-                Answer::Applied(version) => {
-                    PushDecision::Done(PushResponse { applied: true, duplicate: true, dropped: false, version })
-                }
-                Answer::Dropped(version) => {
-                    PushDecision::Done(PushResponse { applied: false, duplicate: true, dropped: true, version })
-                }
-                Answer::Pending(base) => PushDecision::Wait { key, base, duplicate: true },
-            });
+        if let Some(answer) = self.duplicate(&key) {
+            return Ok(answer);
         }
         let (Some(optimizer), Some(mode)) = (self.optimizer.clone(), self.mode) else {
             return Err(Status::failed_precondition(format!(
@@ -524,6 +630,141 @@ impl State {
         Ok(PushDecision::Done(PushResponse { applied: true, duplicate: false, dropped: false, version: self.version }))
     }
 
+    /// Starts streaming a push whose header is `h`, if it can be: async or stale mode, its
+    /// variables known and named once, at least the streaming size in all, no other streamed
+    /// push in progress, its update not already taken, and (stale mode) not too stale. `None`
+    /// otherwise: the push is then collected and handled by [`State::push`], which also gives
+    /// any error.
+    pub fn begin_stream(&mut self, h: &PushHeader) -> Option<Streamed> {
+        let min_bytes = self.stream_min_bytes?;
+        if self.streaming {
+            return None;
+        }
+        let key: UpdateKey = (h.client.clone(), h.step, h.seq);
+        if self.table.contains_key(&key) {
+            return None;
+        }
+        let (Some(optimizer), Some(mode)) = (self.optimizer.clone(), self.mode) else { return None };
+        match mode {
+            PsMode::Async => {}
+            PsMode::Stale { staleness } => {
+                if h.base_version > self.version || self.version - h.base_version > staleness {
+                    return None;
+                }
+            }
+            PsMode::Sync { .. } => return None,
+        }
+        let mut seen = HashSet::new();
+        let mut at = Vec::with_capacity(h.variables.len());
+        for name in &h.variables {
+            if !seen.insert(name.as_str()) {
+                return None;
+            }
+            at.push(*self.index.get(name)?);
+        }
+        if at.iter().map(|&i| self.vars[i].value.len() * 4).sum::<usize>() < min_bytes {
+            return None;
+        }
+        self.streaming = true;
+        self.spare.resize_with(self.vars.len(), || None);
+        let vars = at
+            .into_iter()
+            .map(|index| {
+                let var = &self.vars[index];
+                let n = var.value.len();
+                let (value, slots) =
+                    self.spare[index].take().unwrap_or_else(|| (vec![0.0; n], vec![vec![0.0; n]; var.slots.len()]));
+                StreamVar {
+                    index,
+                    base: var.value.clone(),
+                    base_slots: var.slots.clone(),
+                    value,
+                    slots,
+                    next: 0,
+                    t: var.version + 1,
+                }
+            })
+            .collect();
+        Some(Streamed {
+            key,
+            worker: h.worker.clone(),
+            names: h.variables.clone(),
+            task_version: self.version,
+            optimizer,
+            vars,
+        })
+    }
+
+    /// Keeps a streamed push's buffers for the next one (its read-only references to the
+    /// variables go first, so that an in-place update need not copy them).
+    fn keep_spare(&mut self, s: Streamed) {
+        for v in s.vars {
+            let StreamVar { index, base, base_slots, value, slots, .. } = v;
+            drop((base, base_slots));
+            if let Some(spare) = self.spare.get_mut(index) {
+                *spare = Some((value, slots));
+            }
+        }
+    }
+
+    /// Whether a streamed push is in progress.
+    pub fn streaming(&self) -> bool {
+        self.streaming
+    }
+
+    /// A streamed push that will not finish (its stream broke, or it was refused).
+    pub fn abort_stream(&mut self, s: Streamed) {
+        self.streaming = false;
+        self.keep_spare(s);
+    }
+
+    /// Finishes a streamed push whose stream has ended: swaps its new values in when it
+    /// covered every variable and the task's version is still the one it was computed from.
+    /// Otherwise nothing changes: a duplicate gets the first answer, an incomplete push its
+    /// error, and a push under which another update was applied `ABORTED`.
+    pub fn finish_stream(&mut self, s: Streamed) -> Result<PushDecision, Status> {
+        self.streaming = false;
+        if let Some(answer) = self.duplicate(&s.key) {
+            self.keep_spare(s);
+            return Ok(answer);
+        }
+        if let Some((v, name)) = s.vars.iter().zip(&s.names).find(|(v, _)| v.next != v.base.len()) {
+            let e = incomplete(name, v.base.len(), v.next, "push");
+            self.keep_spare(s);
+            return Err(e);
+        }
+        if s.task_version != self.version {
+            self.counters.pushes_aborted += 1;
+            let e = Status::aborted(format!(
+                "{} applied another update while this push arrived (its stream stalled for over a second and lost its turn): nothing of it was applied; send it again",
+                self.task
+            ));
+            self.keep_spare(s);
+            return Err(e);
+        }
+        let Streamed { key, worker, vars, .. } = s;
+        for v in vars {
+            let StreamVar { index, base, base_slots, value, slots, .. } = v;
+            drop((base, base_slots));
+            let var = &mut self.vars[index];
+            let old = std::mem::replace(&mut var.value, Arc::new(value));
+            let old_slots = std::mem::replace(&mut var.slots, slots.into_iter().map(Arc::new).collect());
+            var.version += 1;
+            // Unless a pull in flight still sends them, the old buffers are the next spare.
+            let old_slots: Option<Vec<Vec<f32>>> = old_slots.into_iter().map(|s| Arc::try_unwrap(s).ok()).collect();
+            if let (Ok(value), Some(slots), Some(spare)) = (Arc::try_unwrap(old), old_slots, self.spare.get_mut(index))
+            {
+                *spare = Some((value, slots));
+            }
+        }
+        self.version += 1;
+        self.counters.pushes_applied += 1;
+        self.counters.pushes_streamed += 1;
+        *self.counters.applied_by_worker.entry(worker).or_default() += 1;
+        self.remember(key, Answer::Applied(self.version));
+        Ok(PushDecision::Done(PushResponse { applied: true, duplicate: false, dropped: false, version: self.version }))
+    }
+
     /// Applies the current sync round's mean gradient (summed in ascending update order, so
     /// the result does not depend on arrival order).
     fn apply_round(&mut self, optimizer: &ServerOptimizer) {
@@ -544,7 +785,7 @@ impl State {
                 *m *= scale;
             }
             let var = &mut self.vars[i];
-            let mut slots: Vec<&mut [f32]> = var.slots.iter_mut().map(|s| s.as_mut_slice()).collect();
+            let mut slots: Vec<&mut [f32]> = var.slots.iter_mut().map(|s| Arc::make_mut(s).as_mut_slice()).collect();
             let value: &mut Vec<f32> = Arc::make_mut(&mut var.value);
             optim::apply(optimizer, value, &mean, &mut slots, var.version + 1);
             var.version += 1;
@@ -615,6 +856,9 @@ impl State {
             optimizer: self.optimizer.as_ref().map(ServerOptimizer::to_spec),
             rounds: self.counters.rounds,
             applied_by_worker: self.counters.applied_by_worker.clone().into_iter().collect(),
+            pushes_streamed: self.counters.pushes_streamed,
+            pushes_aborted: self.counters.pushes_aborted,
+            streaming: self.streaming,
         }
     }
 
@@ -627,7 +871,7 @@ impl State {
             variables: self
                 .vars
                 .iter()
-                .map(|v| (v.info.clone(), v.version, v.value.to_vec(), v.slots.clone()))
+                .map(|v| (v.info.clone(), v.version, v.value.to_vec(), v.slots.iter().map(|s| s.to_vec()).collect()))
                 .collect(),
             optimizer: self.optimizer.clone(),
             mode: self.mode,
@@ -649,6 +893,7 @@ impl State {
         self.index.clear();
         for (info, version, value, slots) in snap.variables {
             self.index.insert(info.name.clone(), self.vars.len());
+            let slots = slots.into_iter().map(Arc::new).collect();
             self.vars.push(Var { info, value: Arc::new(value), slots, version });
         }
         self.optimizer = snap.optimizer;
@@ -661,6 +906,7 @@ impl State {
             self.remember(k, a);
         }
         self.round.clear();
+        self.spare.clear();
         self.restored_step = step;
         self.restored_version = snap.version;
     }
@@ -689,7 +935,7 @@ mod tests {
             .collect();
         let grads: Vec<Vec<f32>> =
             sizes.iter().map(|&n| (0..n).map(|i| ((i * 17) % 89) as f32 * 0.1 - 4.0).collect()).collect();
-        let mut state = State::new("ps:0".into());
+        let mut state = State::new("ps:0".into(), None);
         let header = CreateHeader {
             variables: names.iter().zip(sizes).map(|(n, s)| VariableInfo::whole(*n, vec![s]).to_spec()).collect(),
             optimizer: Some(opt.to_spec()),
@@ -736,6 +982,192 @@ mod tests {
             let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
             assert!(same(&var.value, &w), "variable {name}");
             assert!(var.slots.iter().zip(&slots).all(|(a, b)| same(a, b)), "slots of {name}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod stream_tests {
+    use super::*;
+
+    const NAMES: [&str; 3] = ["a", "b", "c"];
+    /// Three chunks and a tail, one element, and a chunk and a tail.
+    const SIZES: [usize; 3] = [MAX_CHUNK_ELEMENTS * 3 + 5, 1, MAX_CHUNK_ELEMENTS + 70_001];
+
+    fn optimizers() -> [ServerOptimizer; 5] {
+        [
+            ServerOptimizer::Sgd { lr: 0.1 },
+            ServerOptimizer::Momentum { lr: 0.1, momentum: 0.9, nesterov: false },
+            ServerOptimizer::Momentum { lr: 0.1, momentum: 0.9, nesterov: true },
+            ServerOptimizer::AdamW { lr: 0.01, beta1: 0.9, beta2: 0.999, eps: 1e-7, weight_decay: 0.01 },
+            ServerOptimizer::Adagrad { lr: 0.1, initial_accumulator: 0.1, eps: 1e-7 },
+        ]
+    }
+
+    /// A task holding [`NAMES`] of [`SIZES`], streaming pushes of any size or none.
+    fn task(optimizer: &ServerOptimizer, streamed: bool) -> State {
+        let mut state = State::new("ps:0".into(), streamed.then_some(0));
+        let header = CreateHeader {
+            variables: NAMES.iter().zip(SIZES).map(|(n, s)| VariableInfo::whole(*n, vec![s]).to_spec()).collect(),
+            optimizer: Some(optimizer.to_spec()),
+            mode: Some(PsMode::Async.to_spec()),
+        };
+        let chunks: Vec<Chunk> = SIZES
+            .iter()
+            .enumerate()
+            .map(|(v, &n)| {
+                let x: Vec<f32> = (0..n).map(|i| ((i * 31 + v) % 97) as f32 * 0.01 - 0.3).collect();
+                Chunk { var: v as u32, offset: 0, pieces: vec![Bytes::copy_from_slice(bytemuck::cast_slice(&x))] }
+            })
+            .collect();
+        state.create(&header, &chunks).unwrap();
+        state
+    }
+
+    fn header(key: &str, step: u64, order: &[usize]) -> PushHeader {
+        PushHeader {
+            worker: "worker:0".into(),
+            client: key.into(),
+            step,
+            variables: order.iter().map(|&v| NAMES[v].to_string()).collect(),
+            ..Default::default()
+        }
+    }
+
+    /// The chunks of a push of `order`'s variables, step `step`'s gradients, in frames of
+    /// 65,539 elements at odd addresses (as a connection cuts them).
+    fn chunks(step: u64, order: &[usize]) -> Vec<Chunk> {
+        let mut out = Vec::new();
+        for (k, &v) in order.iter().enumerate() {
+            let g: Vec<f32> = (0..SIZES[v]).map(|i| ((i * 17 + step as usize * 7) % 89) as f32 * 0.1 - 4.0).collect();
+            for (i, c) in g.chunks(MAX_CHUNK_ELEMENTS).enumerate() {
+                let pieces = c
+                    .chunks(65_539)
+                    .map(|p| {
+                        let mut b = vec![0u8];
+                        b.extend_from_slice(bytemuck::cast_slice(p));
+                        Bytes::from(b).slice(1..)
+                    })
+                    .collect();
+                out.push(Chunk { var: k as u32, offset: (i * MAX_CHUNK_ELEMENTS) as u64, pieces });
+            }
+        }
+        out
+    }
+
+    /// Each variable's version, values and slots, as bits.
+    fn bits(s: &State) -> Vec<(u64, Vec<u32>, Vec<Vec<u32>>)> {
+        let b = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
+        s.vars.iter().map(|v| (v.version, b(&v.value), v.slots.iter().map(|s| b(s)).collect())).collect()
+    }
+
+    fn streamed(s: &mut State, h: &PushHeader, chunks: &[Chunk]) -> Result<PushDecision, Status> {
+        let mut stream = s.begin_stream(h).expect("the push is streamed");
+        for c in chunks {
+            stream.apply(c)?;
+        }
+        s.finish_stream(stream)
+    }
+
+    fn applied(d: PushDecision) -> u64 {
+        match d {
+            PushDecision::Done(PushResponse { applied: true, duplicate: false, version, .. }) => version,
+            _ => panic!("not a fresh apply"),
+        }
+    }
+
+    /// Streamed pushes (out of place, chunk by chunk, into recycled buffers) leave every
+    /// variable and optimizer slot with the bits of the same pushes applied in place, for each
+    /// optimizer, over steps that reach the variables in different orders; and a pull while a
+    /// push streams sees the values from before it.
+    #[test]
+    fn streamed_pushes_give_the_bits_of_pushes_applied_in_place() {
+        for opt in optimizers() {
+            let (mut in_place, mut streaming) = (task(&opt, false), task(&opt, true));
+            for step in 0..4u64 {
+                let order: Vec<usize> = (0..3).map(|k| (k + step as usize) % 3).collect();
+                let (h, c) = (header("w", step, &order), chunks(step, &order));
+                assert_eq!(applied(in_place.push(&h, &c).unwrap()), step + 1);
+                let before = streaming.pull(&[]).unwrap().1;
+                let mut stream = streaming.begin_stream(&h).expect("streamed");
+                assert!(streaming.begin_stream(&header("other", step, &[0])).is_none(), "one stream at a time");
+                for c in &c {
+                    stream.apply(c).unwrap();
+                    let now = streaming.pull(&[]).unwrap().1;
+                    assert!(
+                        now.iter().zip(&before).all(|(a, b)| a.data == b.data),
+                        "{opt:?}: a pull saw a partial push"
+                    );
+                }
+                // (A pull still holding the old values would keep them from being recycled.)
+                drop(before);
+                assert_eq!(applied(streaming.finish_stream(stream).unwrap()), step + 1);
+                assert!(bits(&in_place) == bits(&streaming), "{opt:?} step {step}: streamed bits differ");
+            }
+            assert_eq!((in_place.counters.pushes_streamed, streaming.counters.pushes_streamed), (0, 4));
+            assert_eq!(streaming.counters.pushes_applied, 4);
+            assert!(streaming.spare.iter().all(Option::is_some), "the replaced buffers are kept for the next push");
+        }
+    }
+
+    /// A streamed push that breaks off, covers too little, or sends a chunk out of order
+    /// changes nothing and is not recorded: the same update applies afterwards.
+    #[test]
+    fn a_streamed_push_that_breaks_off_or_is_incomplete_changes_nothing() {
+        let opt = ServerOptimizer::AdamW { lr: 0.01, beta1: 0.9, beta2: 0.999, eps: 1e-7, weight_decay: 0.01 };
+        let mut s = task(&opt, true);
+        let start = bits(&s);
+        let (h, c) = (header("w", 0, &[0, 1, 2]), chunks(0, &[0, 1, 2]));
+        // Broken off after one chunk (the connection went away).
+        let mut stream = s.begin_stream(&h).unwrap();
+        stream.apply(&c[0]).unwrap();
+        s.abort_stream(stream);
+        assert!(!s.streaming());
+        // The last chunk missing.
+        let e = streamed(&mut s, &h, &c[..c.len() - 1]).err().expect("incomplete");
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        assert!(e.message().contains("variable c has") && e.message().contains("the push covers"), "{e:?}");
+        // A chunk out of order.
+        let e = streamed(&mut s, &h, &[c[1].clone_chunk(), c[0].clone_chunk()]).err().expect("out of order");
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        assert!(e.message().contains("must cover each variable in order"), "{e:?}");
+        s.streaming = false; // the server aborts a stream whose chunk was refused
+        assert!(bits(&s) == start, "a refused streamed push changed the task");
+        assert_eq!((s.version, s.counters.pushes_applied), (0, 0));
+        assert_eq!(applied(streamed(&mut s, &h, &c).unwrap()), 1);
+    }
+
+    /// An update applied while a push streams (its stream stalled) makes the streamed push
+    /// fail with ABORTED and change nothing; sent again it applies once, and a third time it
+    /// is a duplicate. The result equals the two updates applied in place in that order.
+    #[test]
+    fn a_push_applied_under_a_streamed_one_aborts_it_and_its_retry_applies_once() {
+        let opt = ServerOptimizer::Momentum { lr: 0.1, momentum: 0.9, nesterov: true };
+        let (mut s, mut reference) = (task(&opt, true), task(&opt, false));
+        let (h1, c1) = (header("slow", 0, &[0, 1, 2]), chunks(1, &[0, 1, 2]));
+        let (h2, c2) = (header("fast", 0, &[2, 0]), chunks(2, &[2, 0]));
+        let mut stream = s.begin_stream(&h1).unwrap();
+        for c in &c1 {
+            stream.apply(c).unwrap();
+        }
+        assert_eq!(applied(s.push(&h2, &c2).unwrap()), 1);
+        let e = s.finish_stream(stream).err().expect("aborted");
+        assert_eq!(e.code(), tonic::Code::Aborted, "{e:?}");
+        assert_eq!((s.version, s.counters.pushes_aborted, s.counters.pushes_applied), (1, 1, 1));
+        assert_eq!(applied(streamed(&mut s, &h1, &c1).unwrap()), 2);
+        assert!(s.begin_stream(&h1).is_none(), "an update already taken is not streamed again");
+        match s.push(&h1, &c1).unwrap() {
+            PushDecision::Done(PushResponse { duplicate: true, applied: true, version: 2, .. }) => {}
+            _ => panic!("the third send is not answered as a duplicate"),
+        }
+        reference.push(&h2, &c2).unwrap();
+        reference.push(&h1, &c1).unwrap();
+        assert!(bits(&s) == bits(&reference), "the retried push did not apply onto the newer values");
+    }
+
+    impl Chunk {
+        fn clone_chunk(&self) -> Chunk {
+            Chunk { var: self.var, offset: self.offset, pieces: self.pieces.clone() }
         }
     }
 }

@@ -30,6 +30,10 @@ pub struct BenchPsArgs {
     /// Largest variable, MiB (sizes go from 4 KiB up by 4x, and 16 and 64 MiB).
     #[arg(long, default_value_t = 64)]
     pub max_mib: usize,
+    /// Only these variable sizes, e.g. `16M,64M` or `4K` (K and M are KiB and MiB; a multiple
+    /// of 4 bytes); instead of the 4 KiB to `--max-mib` ladder.
+    #[arg(long, value_delimiter = ',', value_parser = parse_size)]
+    pub sizes: Vec<usize>,
     /// Seconds each throughput figure runs (at least 3 operations).
     #[arg(long, default_value_t = 1.0)]
     pub seconds: f64,
@@ -54,15 +58,34 @@ impl Drop for PsProcess {
     }
 }
 
+/// A size such as `4K`, `16M` or `4096` (bytes), a positive multiple of 4.
+fn parse_size(text: &str) -> std::result::Result<usize, String> {
+    let t = text.trim();
+    let (digits, unit) = match t.strip_suffix(['K', 'k']) {
+        Some(d) => (d, 1usize << 10),
+        None => match t.strip_suffix(['M', 'm']) {
+            Some(d) => (d, 1 << 20),
+            None => (t, 1),
+        },
+    };
+    let n: usize = digits.parse().map_err(|_| format!("{text:?} is not a size: write it as 4096, 4K or 16M"))?;
+    match n.checked_mul(unit) {
+        Some(b) if b > 0 && b % 4 == 0 && b <= 1 << 30 => Ok(b),
+        _ => Err(format!("{text:?}: a size must be a positive multiple of 4 bytes, at most 1024M")),
+    }
+}
+
 fn gbps(bytes: usize, seconds: f64) -> f64 {
     bytes as f64 / seconds.max(1e-12) / 1e9
 }
 
 fn size_label(bytes: usize) -> String {
-    if bytes >= 1 << 20 {
+    if bytes.is_multiple_of(1 << 20) {
         format!("{}M", bytes >> 20)
-    } else {
+    } else if bytes.is_multiple_of(1 << 10) {
         format!("{}K", bytes >> 10)
+    } else {
+        format!("{bytes}B")
     }
 }
 
@@ -131,9 +154,14 @@ pub fn run(args: &BenchPsArgs) -> Result<()> {
         "pull/TCP",
         "wrong"
     );
-    let mut sizes: Vec<usize> =
-        std::iter::successors(Some(4usize << 10), |s| Some(s * 4)).take_while(|&s| s < 16 << 20).collect();
-    sizes.extend([16 << 20, 64 << 20].into_iter().filter(|&s| s <= args.max_mib << 20));
+    let sizes: Vec<usize> = if args.sizes.is_empty() {
+        let mut ladder: Vec<usize> =
+            std::iter::successors(Some(4usize << 10), |s| Some(s * 4)).take_while(|&s| s < 16 << 20).collect();
+        ladder.extend([16 << 20, 64 << 20].into_iter().filter(|&s| s <= args.max_mib << 20));
+        ladder
+    } else {
+        args.sizes.clone()
+    };
     let mut worst_large = f64::INFINITY;
     for &bytes in &sizes {
         let count = bytes / 4;

@@ -55,6 +55,13 @@ pub struct PsArgs {
     /// Checkpoints to keep.
     #[arg(long, default_value_t = 3)]
     pub keep_checkpoints: usize,
+    /// Apply async and stale pushes of at least this many MiB while they arrive, each chunk as
+    /// it comes (the task then keeps a spare copy of the variables and slots they update).
+    #[arg(long, default_value_t = 2.0)]
+    pub stream_min_mib: f64,
+    /// Apply every push after its last chunk, in place: no spare copy of the variables.
+    #[arg(long)]
+    pub no_stream: bool,
     /// Test facility: apply every Nth push but answer it as lost (UNAVAILABLE).
     #[arg(long, hide = true, default_value_t = 0)]
     pub inject_drop_reply_every: u64,
@@ -166,6 +173,13 @@ pub fn run_ps(args: &PsArgs) -> Result<()> {
         drop_reply_every: args.inject_drop_reply_every,
         drop_request_every: args.inject_drop_request_every,
     };
+    if !(args.stream_min_mib.is_finite() && args.stream_min_mib >= 0.0) {
+        return Err(Error::Usage(format!(
+            "--stream-min-mib {} is not a size: give a number of MiB, 0 or more (or --no-stream)",
+            args.stream_min_mib
+        )));
+    }
+    config.stream_min_bytes = (!args.no_stream).then_some((args.stream_min_mib * (1 << 20) as f64) as usize);
     let server = PsServerHandle::start(address, config).map_err(strata_core::Error::from)?;
     eprintln!("ps:{index} listening on {}", server.address());
     let signal = wait_for_signal(&signals);
@@ -241,6 +255,10 @@ pub struct PsTaskSummary {
     pub pushes_dropped: u64,
     /// Stale pushes refused.
     pub pushes_stale: u64,
+    /// Pushes applied while they arrived (counted in `pushes_applied` too).
+    pub pushes_streamed: u64,
+    /// Streamed pushes refused because another update overtook them (sent again).
+    pub pushes_aborted: u64,
     /// The checkpoint step it was restored from (0: fresh).
     pub restored_step: u64,
     /// Its version in that checkpoint.
@@ -419,6 +437,8 @@ pub fn train(args: &TrainArgs, started: Instant) -> Result<()> {
                     checkpoint_dir: args.checkpoint_dir.as_ref().map(|d| d.join(format!("ps-{}", c.task.index))),
                     restore: None,
                     keep_checkpoints: 3,
+                    stream_min_mib: 2.0,
+                    no_stream: false,
                     inject_drop_reply_every: 0,
                     inject_drop_request_every: 0,
                 })
@@ -499,6 +519,8 @@ pub fn train(args: &TrainArgs, started: Instant) -> Result<()> {
             pushes_duplicate: s.pushes_duplicate,
             pushes_dropped: s.pushes_dropped,
             pushes_stale: s.pushes_stale,
+            pushes_streamed: s.pushes_streamed,
+            pushes_aborted: s.pushes_aborted,
             restored_step: s.restored_step,
             restored_version: s.restored_version,
             rounds: s.rounds,
