@@ -35,6 +35,14 @@
 //!   push per worker per round (the first `workers - backup_workers` of them; later ones, and
 //!   pushes computed from an older version, are dropped); [`PsMode::Stale`] refuses a push
 //!   computed from a version more than the bound behind ([`crate::Error::Stale`]).
+//! - **Streamed pushes.** In async and stale modes a push of at least
+//!   [`PsServerConfig::stream_min_bytes`] (2 MiB) is applied while it arrives: each chunk
+//!   updates the variables out of place, into spare buffers, as it comes, and the new buffers
+//!   are swapped in when the last one has arrived, so the push is still applied whole or not at
+//!   all and a pull never sees part of it. Other pushes to the task wait while such a stream
+//!   makes progress; one that stalls for a second loses its turn, and is then refused with
+//!   `ABORTED` and nothing applied, which [`PsClient`] sends again (the update id keeps it
+//!   exactly-once).
 
 use std::collections::BTreeMap;
 use std::fmt;

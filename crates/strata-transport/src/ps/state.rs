@@ -95,8 +95,16 @@ struct Var {
 /// Buffers a streamed push computes a variable's new values and slots into: the variable's
 /// previous buffers, kept after a streamed push replaced them, so that the next one writes into
 /// memory already mapped (a fresh 64 MiB buffer costs the kernel a page fault and a zeroed
-/// page every 4 KiB).
-type Spare = (Vec<f32>, Vec<Vec<f32>>);
+/// page every 4 KiB). Kept shared: a pull in flight may still be sending the old values, and
+/// the next streamed push takes them if it has finished by then.
+type Spare = (Arc<Vec<f32>>, Vec<Arc<Vec<f32>>>);
+
+/// A spare's buffers, if nothing else holds them any more.
+fn unwrap_spare((value, slots): Spare) -> Option<(Vec<f32>, Vec<Vec<f32>>)> {
+    let value = Arc::try_unwrap(value).ok()?;
+    let slots = slots.into_iter().map(|s| Arc::try_unwrap(s).ok()).collect::<Option<Vec<_>>>()?;
+    Some((value, slots))
+}
 
 /// One variable of a [`Streamed`] push.
 struct StreamVar {
@@ -672,8 +680,10 @@ impl State {
             .map(|index| {
                 let var = &self.vars[index];
                 let n = var.value.len();
-                let (value, slots) =
-                    self.spare[index].take().unwrap_or_else(|| (vec![0.0; n], vec![vec![0.0; n]; var.slots.len()]));
+                let (value, slots) = self.spare[index]
+                    .take()
+                    .and_then(unwrap_spare)
+                    .unwrap_or_else(|| (vec![0.0; n], vec![vec![0.0; n]; var.slots.len()]));
                 StreamVar {
                     index,
                     base: var.value.clone(),
@@ -702,7 +712,7 @@ impl State {
             let StreamVar { index, base, base_slots, value, slots, .. } = v;
             drop((base, base_slots));
             if let Some(spare) = self.spare.get_mut(index) {
-                *spare = Some((value, slots));
+                *spare = Some((Arc::new(value), slots.into_iter().map(Arc::new).collect()));
             }
         }
     }
@@ -750,11 +760,8 @@ impl State {
             let old = std::mem::replace(&mut var.value, Arc::new(value));
             let old_slots = std::mem::replace(&mut var.slots, slots.into_iter().map(Arc::new).collect());
             var.version += 1;
-            // Unless a pull in flight still sends them, the old buffers are the next spare.
-            let old_slots: Option<Vec<Vec<f32>>> = old_slots.into_iter().map(|s| Arc::try_unwrap(s).ok()).collect();
-            if let (Ok(value), Some(slots), Some(spare)) = (Arc::try_unwrap(old), old_slots, self.spare.get_mut(index))
-            {
-                *spare = Some((value, slots));
+            if let Some(spare) = self.spare.get_mut(index) {
+                *spare = Some((old, old_slots));
             }
         }
         self.version += 1;
@@ -1099,14 +1106,18 @@ mod stream_tests {
                         "{opt:?}: a pull saw a partial push"
                     );
                 }
-                // (A pull still holding the old values would keep them from being recycled.)
-                drop(before);
                 assert_eq!(applied(streaming.finish_stream(stream).unwrap()), step + 1);
+                // The pull from before the push still holds the replaced values: the next
+                // streamed push takes them once it is done.
+                drop(before);
                 assert!(bits(&in_place) == bits(&streaming), "{opt:?} step {step}: streamed bits differ");
             }
             assert_eq!((in_place.counters.pushes_streamed, streaming.counters.pushes_streamed), (0, 4));
             assert_eq!(streaming.counters.pushes_applied, 4);
-            assert!(streaming.spare.iter().all(Option::is_some), "the replaced buffers are kept for the next push");
+            assert!(
+                streaming.spare.iter_mut().all(|s| s.take().and_then(unwrap_spare).is_some()),
+                "the replaced buffers are kept for the next push"
+            );
         }
     }
 
