@@ -34,7 +34,8 @@ pub struct BenchPsArgs {
     /// of 4 bytes); instead of the 4 KiB to `--max-mib` ladder.
     #[arg(long, value_delimiter = ',', value_parser = parse_size)]
     pub sizes: Vec<usize>,
-    /// Seconds each throughput figure runs (at least 3 operations).
+    /// Seconds each throughput figure runs (in 3 rounds, interleaved with the others; each round
+    /// at least 3 operations).
     #[arg(long, default_value_t = 1.0)]
     pub seconds: f64,
     /// Concurrent clients for the RPC rate (besides the single-client figure).
@@ -89,6 +90,14 @@ fn size_label(bytes: usize) -> String {
     }
 }
 
+/// Rounds of each figure per size (the table gives their medians).
+const ROUNDS: usize = 3;
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
 /// Repeats `op` for `seconds` (at least 3 times); (count, seconds per op).
 fn repeat(seconds: f64, mut op: impl FnMut(u64) -> Result<()>) -> Result<(u64, f64)> {
     op(0)?; // warm-up: connection, allocation
@@ -137,6 +146,9 @@ pub fn run(args: &BenchPsArgs) -> Result<()> {
     println!("# strata bench ps: one variable on a `strata ps` process over loopback gRPC (1 MiB chunks), SGD lr 1 on the server");
     println!("# raw TCP: one loopback connection in the same run (the ceiling); push/pull: GB/s of f32 payload");
     println!(
+        "# each figure: the median of {ROUNDS} rounds, the four figures of a size measured in turn in every round"
+    );
+    println!(
         "# push: push_shared (the caller's buffer is sent as it is); copy: push from a borrowed slice (one more copy)"
     );
     println!(
@@ -178,30 +190,48 @@ pub fn run(args: &BenchPsArgs) -> Result<()> {
         // from a borrowed slice copies it once more, into the buffers it sends from.
         let ones = vec![1f32; count];
         let shared = F32Bytes::from_vec(ones.clone());
-        let mut pushes = 0u64;
-        let (_, push_s) = repeat(args.seconds, |i| {
-            let id = UpdateId { worker: "bench".into(), client: format!("bench-{name}"), step: i, seq: 0 };
-            client.push_shared(&id, 0, &[(name.as_str(), shared.clone())]).map_err(strata_core::Error::from)?;
-            pushes += 1;
-            Ok(())
-        })?;
-        let (_, copy_s) = repeat(args.seconds, |i| {
-            let id = UpdateId { worker: "bench".into(), client: format!("bench-{name}-copy"), step: i, seq: 0 };
-            client.push(&id, 0, &[(name.as_str(), &ones)]).map_err(strata_core::Error::from)?;
-            pushes += 1;
-            Ok(())
-        })?;
+        let (mut pushes, mut step) = (0u64, 0u64);
         let mut out = vec![0f32; count];
-        let (_, pull_s) = repeat(args.seconds, |_| {
-            let mut slots = [out.as_mut_slice()];
-            client.pull_into(&[name.as_str()], 0, &mut slots).map_err(strata_core::Error::from)?;
-            Ok(())
-        })?;
+        let reps = (((256usize << 20) / bytes).clamp(3, 200)).min(50).div_ceil(ROUNDS);
+        let (mut push_t, mut copy_t, mut pull_t, mut tcp_t) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        // Rounds of each figure in turn, medians: a spell in which other tenants slow the
+        // machine then lowers the ceiling too, not only one figure.
+        for _ in 0..ROUNDS {
+            let round = args.seconds / ROUNDS as f64;
+            push_t.push(
+                repeat(round, |_| {
+                    let id = UpdateId { worker: "bench".into(), client: format!("bench-{name}"), step, seq: 0 };
+                    client.push_shared(&id, 0, &[(name.as_str(), shared.clone())]).map_err(strata_core::Error::from)?;
+                    (pushes, step) = (pushes + 1, step + 1);
+                    Ok(())
+                })?
+                .1,
+            );
+            copy_t.push(
+                repeat(round, |_| {
+                    let id = UpdateId { worker: "bench".into(), client: format!("bench-{name}"), step, seq: 0 };
+                    client.push(&id, 0, &[(name.as_str(), &ones)]).map_err(strata_core::Error::from)?;
+                    (pushes, step) = (pushes + 1, step + 1);
+                    Ok(())
+                })?
+                .1,
+            );
+            pull_t.push(
+                repeat(round, |_| {
+                    let mut slots = [out.as_mut_slice()];
+                    client.pull_into(&[name.as_str()], 0, &mut slots).map_err(strata_core::Error::from)?;
+                    Ok(())
+                })?
+                .1,
+            );
+            tcp_t.push(
+                strata_transport::probe::tcp_seconds(bytes, bytes.min(1 << 20), reps)
+                    .map_err(strata_core::Error::from)?,
+            );
+        }
         let want = -(pushes as f32);
         let wrong = out.iter().filter(|&&x| x != want).count();
-        let reps = (((256usize << 20) / bytes).clamp(3, 200)).min(50);
-        let tcp_s =
-            strata_transport::probe::tcp_seconds(bytes, bytes.min(1 << 20), reps).map_err(strata_core::Error::from)?;
+        let [push_s, copy_s, pull_s, tcp_s] = [push_t, copy_t, pull_t, tcp_t].map(median);
         let (push, pull, tcp) = (gbps(bytes, push_s), gbps(bytes, pull_s), gbps(bytes, tcp_s));
         if bytes >= 16 << 20 {
             worst_large = worst_large.min(push / tcp).min(pull / tcp);
