@@ -1,9 +1,17 @@
-//! The cluster token: how every server of a job tells its own tasks from anyone else.
+//! The cluster's credentials: how every server of a job tells its own tasks from anyone else.
 //!
 //! Every RPC carries `authorization: Bearer <token>`; servers compare it in constant time
 //! (`subtle`) and answer `UNAUTHENTICATED`, changing nothing, when it is missing or wrong. The
 //! token comes from `STRATA_CLUSTER_TOKEN` or a file (`--cluster-token-file`); `strata launch`
 //! makes a fresh one for each local job.
+//!
+//! On a network that others can read, add mutual TLS ([`MutualTls`], rustls): with
+//! `STRATA_TLS_DIR` naming a directory of `ca.pem`, `cert.pem` and `key.pem`, every gRPC
+//! server (parameter server, worker executor, coordination service) serves TLS only and
+//! admits only clients that present a certificate signed by the cluster's CA, and every client
+//! connects over TLS with its own certificate and checks the server's against the same CA. The
+//! token is still checked inside the encrypted connection. (The data plane of
+//! MultiWorkerMirrored's ring is raw TCP, authenticated by the token, not encrypted.)
 
 use std::path::Path;
 use std::sync::Arc;
@@ -17,16 +25,110 @@ use crate::{Error, Result};
 /// The environment variable that holds the cluster token.
 pub const TOKEN_ENV: &str = "STRATA_CLUSTER_TOKEN";
 
+/// The environment variable that names the directory of the cluster's TLS files.
+pub const TLS_DIR_ENV: &str = "STRATA_TLS_DIR";
+
+/// A task's mutual-TLS identity in a cluster: the cluster's CA certificate, and this task's
+/// certificate (signed by that CA; its subject alternative names cover the host names or IP
+/// addresses other tasks dial) and private key, all PEM. The same identity serves as server and
+/// as client.
+#[derive(Clone)]
+pub struct MutualTls {
+    ca: Vec<u8>,
+    cert: Vec<u8>,
+    key: Vec<u8>,
+}
+
+impl std::fmt::Debug for MutualTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("MutualTls(<redacted>)")
+    }
+}
+
+impl MutualTls {
+    /// An identity from PEM text; each must hold a PEM block (`-----BEGIN `).
+    pub fn from_pem(ca: impl Into<Vec<u8>>, cert: impl Into<Vec<u8>>, key: impl Into<Vec<u8>>) -> Result<Self> {
+        let (ca, cert, key) = (ca.into(), cert.into(), key.into());
+        for (what, pem) in [("the CA certificate", &ca), ("the certificate", &cert), ("the private key", &key)] {
+            if !pem.windows(11).any(|w| w == b"-----BEGIN ") {
+                return Err(Error::Config(format!("{what} is not PEM (no -----BEGIN line)")));
+            }
+        }
+        Ok(Self { ca, cert, key })
+    }
+
+    /// The identity in `dir`: `ca.pem`, `cert.pem` and `key.pem`.
+    pub fn from_dir(dir: &Path) -> Result<Self> {
+        let read = |name: &str| {
+            let path = dir.join(name);
+            std::fs::read(&path).map_err(|e| {
+                Error::io(format!("reading {} ({TLS_DIR_ENV} needs ca.pem, cert.pem and key.pem)", path.display()), e)
+            })
+        };
+        Self::from_pem(read("ca.pem")?, read("cert.pem")?, read("key.pem")?)
+            .map_err(|e| Error::Config(format!("{}: {e}", dir.display())))
+    }
+
+    /// The identity in the directory `STRATA_TLS_DIR` names, if it is set.
+    pub fn from_env() -> Result<Option<Self>> {
+        match std::env::var_os(TLS_DIR_ENV) {
+            Some(d) if !d.is_empty() => Self::from_dir(Path::new(&d)).map(Some),
+            _ => Ok(None),
+        }
+    }
+
+    fn identity(&self) -> tonic::transport::Identity {
+        tonic::transport::Identity::from_pem(&self.cert, &self.key)
+    }
+
+    fn ca(&self) -> tonic::transport::Certificate {
+        tonic::transport::Certificate::from_pem(&self.ca)
+    }
+}
+
+/// A gRPC server builder for `token`'s cluster: TLS that requires a client certificate when
+/// the token carries [`MutualTls`].
+pub(crate) fn server_builder(token: &ClusterToken) -> Result<tonic::transport::Server> {
+    let builder = tonic::transport::Server::builder();
+    match token.tls() {
+        None => Ok(builder),
+        Some(tls) => builder
+            .tls_config(tonic::transport::ServerTlsConfig::new().identity(tls.identity()).client_ca_root(tls.ca()))
+            .map_err(|e| Error::Config(format!("the cluster's TLS identity cannot serve: {e}"))),
+    }
+}
+
+/// A gRPC endpoint of task `task` at `address` (`host:port`) for `token`'s cluster: over TLS
+/// with the task's certificate when the token carries [`MutualTls`].
+pub(crate) fn endpoint(address: &str, task: &str, token: &ClusterToken) -> Result<tonic::transport::Endpoint> {
+    let usable =
+        |e: &dyn std::fmt::Display| Error::Config(format!("the address {address:?} of {task} is not usable: {e}"));
+    match token.tls() {
+        None => tonic::transport::Endpoint::from_shared(format!("http://{address}")).map_err(|e| usable(&e)),
+        Some(tls) => tonic::transport::Endpoint::from_shared(format!("https://{address}"))
+            .map_err(|e| usable(&e))?
+            .tls_config(tonic::transport::ClientTlsConfig::new().ca_certificate(tls.ca()).identity(tls.identity()))
+            .map_err(|e| usable(&e)),
+    }
+}
+
 /// The shortest token accepted (a guessable token makes the cluster public).
 pub const MIN_TOKEN_LEN: usize = 16;
 
-/// A cluster's shared secret. Its `Debug` form never shows the secret.
+/// A cluster's shared secret, and its mutual-TLS identity when it has one. Its `Debug` form
+/// never shows the secret.
 #[derive(Clone)]
-pub struct ClusterToken(Arc<str>);
+pub struct ClusterToken {
+    secret: Arc<str>,
+    tls: Option<Arc<MutualTls>>,
+}
 
 impl std::fmt::Debug for ClusterToken {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("ClusterToken(<redacted>)")
+        match self.tls {
+            None => f.write_str("ClusterToken(<redacted>)"),
+            Some(_) => f.write_str("ClusterToken(<redacted>, mutual TLS)"),
+        }
     }
 }
 
@@ -40,7 +142,17 @@ impl ClusterToken {
                 t.len()
             )));
         }
-        Ok(Self(t.into()))
+        Ok(Self { secret: t.into(), tls: None })
+    }
+
+    /// The same token, with every server and client of the cluster on mutual TLS.
+    pub fn with_tls(self, tls: MutualTls) -> Self {
+        Self { tls: Some(Arc::new(tls)), ..self }
+    }
+
+    /// The cluster's mutual-TLS identity, if it has one.
+    pub fn tls(&self) -> Option<&MutualTls> {
+        self.tls.as_deref()
     }
 
     /// The token in `STRATA_CLUSTER_TOKEN`, if it is set.
@@ -66,30 +178,34 @@ impl ClusterToken {
     }
 
     /// The token from `file` if given, else from `STRATA_CLUSTER_TOKEN`; an error that says
-    /// how to provide one if neither is there.
+    /// how to provide one if neither is there. With mutual TLS when `STRATA_TLS_DIR` is set.
     pub fn resolve(file: Option<&Path>) -> Result<Self> {
-        if let Some(f) = file {
-            return Self::from_file(f);
-        }
-        Self::from_env()?.ok_or_else(|| {
-            Error::Config(format!(
-                "no cluster token: set {TOKEN_ENV} to the same secret in every task (strata launch does this for you), or pass --cluster-token-file"
-            ))
+        let token = match file {
+            Some(f) => Self::from_file(f)?,
+            None => Self::from_env()?.ok_or_else(|| {
+                Error::Config(format!(
+                    "no cluster token: set {TOKEN_ENV} to the same secret in every task (strata launch does this for you), or pass --cluster-token-file"
+                ))
+            })?,
+        };
+        Ok(match MutualTls::from_env()? {
+            Some(tls) => token.with_tls(tls),
+            None => token,
         })
     }
 
     /// The secret itself, for handshakes that carry it (the data plane's).
     pub fn secret(&self) -> &str {
-        &self.0
+        &self.secret
     }
 
     /// Whether `presented` is this token (constant time in the token's length).
     pub fn matches(&self, presented: &[u8]) -> bool {
-        self.0.as_bytes().ct_eq(presented).into()
+        self.secret.as_bytes().ct_eq(presented).into()
     }
 
     fn header(&self) -> Option<MetadataValue<tonic::metadata::Ascii>> {
-        format!("Bearer {}", self.0).parse().ok()
+        format!("Bearer {}", self.secret).parse().ok()
     }
 }
 

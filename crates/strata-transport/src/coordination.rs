@@ -429,6 +429,7 @@ impl CoordinationServerHandle {
         let address = listener.local_addr().map_err(|e| Error::io("reading the coordination service's address", e))?;
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         let svc = service.clone();
+        let mut builder = crate::auth::server_builder(&token)?;
         let interceptor = server_interceptor(token);
         let done = runtime().spawn(async move {
             let (reporter, health) = tonic_health::server::health_reporter();
@@ -443,7 +444,7 @@ impl CoordinationServerHandle {
                     }
                 })
             };
-            let result = tonic::transport::Server::builder()
+            let result = builder
                 .add_service(InterceptedService::new(health, interceptor.clone()))
                 .add_service(CoordinationServer::with_interceptor(Svc(svc), interceptor))
                 .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), async {
@@ -561,9 +562,7 @@ impl CoordinationMember {
     /// Connects task `task` (e.g. `worker:1`) to the service at `address`, retrying until the
     /// rendezvous deadline (the chief may start after its workers).
     pub fn connect(address: &str, task: &str, token: ClusterToken, config: CoordinationConfig) -> Result<Self> {
-        let uri = format!("http://{address}");
-        let endpoint = Channel::from_shared(uri.clone())
-            .map_err(|e| Error::Config(format!("the coordination address {address:?} is not usable: {e}")))?
+        let endpoint = crate::auth::endpoint(address, "the coordination service", &token)?
             .connect_timeout(Duration::from_secs(2))
             .tcp_nodelay(true);
         let deadline = Instant::now() + config.rendezvous_timeout;

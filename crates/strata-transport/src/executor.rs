@@ -195,13 +195,14 @@ impl WorkerExecutorHandle {
             incarnation: random_u64(),
             stopping: rx.clone(),
         });
+        let mut builder = crate::auth::server_builder(&token)?;
         let interceptor = server_interceptor(token);
         let mut stop_rx = rx;
         let name = task.clone();
         let done = runtime().spawn(async move {
             let (reporter, health) = tonic_health::server::health_reporter();
             reporter.set_serving::<WorkerExecutorServer<Svc>>().await;
-            let result = tonic::transport::Server::builder()
+            let result = builder
                 .add_service(InterceptedService::new(health, interceptor.clone()))
                 .add_service(InterceptedService::new(
                     WorkerExecutorServer::new(Svc(service))
@@ -273,8 +274,7 @@ impl WorkerClient {
     /// A client of task `task` (`worker:<index>`, named in errors) at `address` (`host:port`);
     /// `timeout` bounds each RPC. Connects lazily: an unreachable worker fails its first call.
     pub fn connect(address: &str, task: &str, token: ClusterToken, timeout: Duration) -> Result<Self> {
-        let endpoint = Channel::from_shared(format!("http://{address}"))
-            .map_err(|e| Error::Config(format!("the address {address:?} of {task} is not usable: {e}")))?
+        let endpoint = crate::auth::endpoint(address, task, &token)?
             .connect_timeout(Duration::from_secs(2).min(timeout.max(Duration::from_millis(100))))
             .tcp_nodelay(true);
         let channel = {

@@ -32,6 +32,6 @@ pub mod ps;
 pub mod ring;
 pub mod rt;
 
-pub use auth::ClusterToken;
+pub use auth::{ClusterToken, MutualTls};
 pub use coordination::{CoordinationConfig, CoordinationMember, CoordinationServerHandle, Registration};
 pub use error::{Error, Result};

@@ -415,3 +415,59 @@ fn bad_tf_config_is_a_one_line_error_that_says_what_to_fix() {
         assert!(err.contains(needle), "{json}: {err} does not mention {needle}");
     }
 }
+
+/// Writes a cluster's TLS directory into `dir`: a CA and one identity (a certificate for
+/// localhost and 127.0.0.1, server and client use) that every task shares.
+fn write_tls_dir(dir: &Path) {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair};
+    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca.distinguished_name.push(DnType::CommonName, "strata test cluster CA");
+    let ca_key = KeyPair::generate().unwrap();
+    let ca = ca.self_signed(&ca_key).unwrap();
+    let mut task = CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()]).unwrap();
+    task.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
+    let key = KeyPair::generate().unwrap();
+    let cert = task.signed_by(&key, &ca, &ca_key).unwrap();
+    std::fs::write(dir.join("ca.pem"), ca.pem()).unwrap();
+    std::fs::write(dir.join("cert.pem"), cert.pem()).unwrap();
+    std::fs::write(dir.join("key.pem"), key.serialize_pem()).unwrap();
+}
+
+/// (6) With STRATA_TLS_DIR every process of a parameter-server job (coordinator, ps tasks,
+/// workers) talks mutual TLS, and the job trains with every push applied once; a TLS
+/// directory that lacks its files stops the job with an error naming the file.
+#[test]
+fn a_job_over_mutual_tls_trains_and_a_broken_tls_dir_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let tls = dir.path().join("tls");
+    std::fs::create_dir(&tls).unwrap();
+    write_tls_dir(&tls);
+    let out_path = dir.path().join("out.json");
+    let mut cmd = strata();
+    cmd.env("STRATA_TLS_DIR", &tls)
+        .args(["train", "--strategy", "parameter-server", "--ps-tasks", "1", "--workers", "2"])
+        .args(["--epochs", "2", "--no-progress", "--out"])
+        .arg(&out_path);
+    let out = wait(spawn(cmd), Instant::now() + Duration::from_secs(300));
+    ok(&out);
+    let tasks = ps_tasks(&read_json(&out_path));
+    // 2 epochs of ceil(1438 / 256) = 6 steps, each applied once.
+    assert_eq!((tasks[0]["pushes_applied"].as_u64(), tasks[0]["version"].as_u64()), (Some(12), Some(12)), "{tasks:?}");
+
+    let empty = dir.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    let mut cmd = strata();
+    cmd.env("STRATA_TLS_DIR", &empty).args([
+        "train",
+        "--strategy",
+        "parameter-server",
+        "--epochs",
+        "1",
+        "--no-progress",
+    ]);
+    let out = wait(spawn(cmd), Instant::now() + Duration::from_secs(120));
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("ca.pem") && stderr.contains("STRATA_TLS_DIR"), "{stderr}");
+}

@@ -14,7 +14,7 @@ use strata_proto::v1::{
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::codegen::Service;
 use tonic::service::interceptor::InterceptedService;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 use tonic::{Code, Status};
 
 use super::state::{chunks_of, copy_f32s, Chunk};
@@ -147,6 +147,8 @@ pub struct PsClient {
     address: String,
     task: String,
     config: PsClientConfig,
+    /// Whether it connects over mutual TLS.
+    tls: bool,
 }
 
 impl std::fmt::Debug for PsClient {
@@ -164,8 +166,8 @@ impl PsClient {
     /// A client of task `task` (`ps:<index>`, named in errors) at `address` (`host:port`).
     /// The connection is made on the first call (and remade after a failure).
     pub fn connect(address: &str, task: &str, token: ClusterToken, config: PsClientConfig) -> Result<Self> {
-        let endpoint = Endpoint::from_shared(format!("http://{address}"))
-            .map_err(|e| Error::Config(format!("the address {address:?} of {task} is not usable: {e}")))?
+        let tls = token.tls().is_some();
+        let endpoint = crate::auth::endpoint(address, task, &token)?
             .connect_timeout(Duration::from_secs(2))
             .tcp_nodelay(true)
             .initial_stream_window_size(8 << 20)
@@ -179,7 +181,7 @@ impl PsClient {
         let raw = ParameterServerClient::new(svc.clone())
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES);
-        Ok(Self { raw, svc, address: address.to_string(), task: task.to_string(), config })
+        Ok(Self { raw, svc, address: address.to_string(), task: task.to_string(), config, tls })
     }
 
     /// The task's address.
@@ -221,6 +223,13 @@ impl PsClient {
             Code::DeadlineExceeded => {
                 Error::Rejected { peer: self.task.clone(), rpc: rpc.into(), code: "DeadlineExceeded".into(), detail }
             }
+            // A plaintext client's HTTP/2 bytes reaching a TLS server (or the other way round).
+            Code::Internal if detail.contains("h2 protocol error") && !self.tls => Error::Rejected {
+                peer: self.task.clone(),
+                rpc: rpc.into(),
+                code: "Internal".into(),
+                detail: format!("{detail} (if the cluster uses mutual TLS, set STRATA_TLS_DIR in this task too)"),
+            },
             code => Error::Rejected { peer: self.task.clone(), rpc: rpc.into(), code: format!("{code:?}"), detail },
         }
     }

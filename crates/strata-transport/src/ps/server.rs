@@ -571,6 +571,7 @@ impl PsServerHandle {
         });
         let (tx, mut rx) = watch::channel(false);
         let name = task.clone();
+        let builder = crate::auth::server_builder(&shared.config.token)?;
         let done = runtime().spawn(async move {
             let (reporter, health) = tonic_health::server::health_reporter();
             reporter.set_serving::<ParameterServerServer<Svc>>().await;
@@ -578,7 +579,7 @@ impl PsServerHandle {
                 .max_decoding_message_size(MAX_MESSAGE_BYTES)
                 .max_encoding_message_size(MAX_MESSAGE_BYTES);
             let service = TensorPaths { shared, generated };
-            let result = tonic::transport::Server::builder()
+            let result = builder
                 .tcp_nodelay(true)
                 .initial_stream_window_size(8 << 20)
                 .initial_connection_window_size(32 << 20)

@@ -23,7 +23,7 @@ use strata_strategies::parameter_server::{
     serve_worker, ParameterServerOptions, ParameterServerStrategy, Partitioner, WorkerOptions,
 };
 use strata_transport::ps::{FaultInjection, PsMode, PsServerConfig, PsServerHandle, ServerOptimizer};
-use strata_transport::ClusterToken;
+use strata_transport::{ClusterToken, MutualTls};
 
 use super::launch::{self, TOKEN_VAR};
 use super::train::{OptimizerKind, TrainArgs};
@@ -484,7 +484,15 @@ pub fn train(args: &TrainArgs, started: Instant) -> Result<()> {
         }
     };
     let token = match &_local {
-        Some(_) => ClusterToken::new(&token_text).map_err(|e| Error::Usage(e.to_string()))?,
+        // The tasks it started take the same token from their environment, and mutual TLS from
+        // STRATA_TLS_DIR as this process does.
+        Some(_) => {
+            let token = ClusterToken::new(&token_text).map_err(|e| Error::Usage(e.to_string()))?;
+            match MutualTls::from_env().map_err(|e| Error::Usage(e.to_string()))? {
+                Some(tls) => token.with_tls(tls),
+                None => token,
+            }
+        }
         None => token(args.cluster_token_file.as_deref())?,
     };
     let workers = cluster.num_tasks(TaskType::Worker);
