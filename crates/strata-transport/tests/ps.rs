@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
-use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::mpsc;
 use std::time::Duration;
 
 use prost::bytes::Bytes;
@@ -25,31 +25,11 @@ use strata_transport::{ClusterToken, Error};
 use tonic::codegen::InterceptedService;
 use tonic::transport::Channel;
 
-/// The hard limit of every test.
-const LIMIT: Duration = Duration::from_secs(60);
+mod common;
+
+use common::within_limit;
 
 const TOKEN: &str = "0123456789abcdef0123456789abcdef";
-
-/// Runs `body` in its own thread and fails the test if it panics or does not finish within
-/// [`LIMIT`].
-fn within_limit<F: FnOnce() + Send + 'static>(name: &str, body: F) {
-    let (tx, rx) = mpsc::channel();
-    let handle = std::thread::Builder::new()
-        .name(name.to_string())
-        .spawn(move || {
-            body();
-            let _ = tx.send(());
-        })
-        .unwrap();
-    match rx.recv_timeout(LIMIT) {
-        Ok(()) => handle.join().unwrap(),
-        Err(RecvTimeoutError::Disconnected) => match handle.join() {
-            Err(panic) => std::panic::resume_unwind(panic),
-            Ok(()) => panic!("{name}: the test body ended without reporting"),
-        },
-        Err(RecvTimeoutError::Timeout) => panic!("{name} did not finish within {LIMIT:?}"),
-    }
-}
 
 fn token() -> ClusterToken {
     ClusterToken::new(TOKEN).unwrap()
@@ -220,6 +200,36 @@ fn specs_round_trip_and_display() {
 
 /// (1) Lost replies and refused requests are retried with the same update id; every update is
 /// applied exactly once.
+/// Pushes gradients of ones to `w` (`n` elements) from `workers` threads at once, `steps` each
+/// (worker `c`'s updates are `(worker:c, step, c)`), and checks that each was applied; with
+/// `shared` through `push_shared`, else `push`.
+fn push_ones_from_threads(client: &PsClient, workers: u64, steps: u64, n: usize, shared: bool) {
+    let threads: Vec<_> = (0..workers)
+        .map(|c| {
+            let client = client.clone();
+            std::thread::spawn(move || {
+                let ones = vec![1.0f32; n];
+                let handed_over = F32Bytes::from_vec(ones.clone());
+                let worker = format!("worker:{c}");
+                for step in 0..steps {
+                    let id = id(&worker, step, c);
+                    let outcome = match shared {
+                        true => client.push_shared(&id, 0, &[("w", handed_over.clone())]),
+                        false => client.push(&id, 0, &[("w", &ones)]),
+                    };
+                    match outcome {
+                        Ok(PushOutcome::Applied { .. }) => {}
+                        other => panic!("{worker} step {step}: {other:?}"),
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+}
+
 #[test]
 fn every_update_is_applied_exactly_once_despite_dropped_requests_and_replies() {
     within_limit("exactly_once", || {
@@ -229,24 +239,7 @@ fn every_update_is_applied_exactly_once_despite_dropped_requests_and_replies() {
         let client = connect(&server);
         create(&client, &[("w", &[1024], &[0.0; 1024])], &ServerOptimizer::Sgd { lr: 1.0 }, PsMode::Async);
 
-        let threads: Vec<_> = (0..4)
-            .map(|c| {
-                let client = client.clone();
-                std::thread::spawn(move || {
-                    let ones = vec![1.0f32; 1024];
-                    let worker = format!("worker:{c}");
-                    for step in 0..40 {
-                        match client.push(&id(&worker, step, c), 0, &[("w", &ones)]) {
-                            Ok(PushOutcome::Applied { .. }) => {}
-                            other => panic!("{worker} step {step}: {other:?}"),
-                        }
-                    }
-                })
-            })
-            .collect();
-        for t in threads {
-            t.join().unwrap();
-        }
+        push_ones_from_threads(&client, 4, 40, 1024, false);
 
         let (version, var_version, value) = pull1(&client, "w");
         if let Some((i, g, w)) = first_difference(&value, &[-160.0; 1024]) {
@@ -277,24 +270,7 @@ fn large_pushes_are_applied_exactly_once_despite_faults_streamed_or_not() {
             let server = start(config);
             let client = connect(&server);
             create(&client, &[("w", &[N], &vec![0.0; N])], &ServerOptimizer::Sgd { lr: 1.0 }, PsMode::Async);
-            let threads: Vec<_> = (0..4)
-                .map(|c| {
-                    let client = client.clone();
-                    std::thread::spawn(move || {
-                        let ones = F32Bytes::from_vec(vec![1.0f32; N]);
-                        let worker = format!("worker:{c}");
-                        for step in 0..10 {
-                            match client.push_shared(&id(&worker, step, c), 0, &[("w", ones.clone())]) {
-                                Ok(PushOutcome::Applied { .. }) => {}
-                                other => panic!("{worker} step {step}: {other:?}"),
-                            }
-                        }
-                    })
-                })
-                .collect();
-            for t in threads {
-                t.join().unwrap();
-            }
+            push_ones_from_threads(&client, 4, 10, N, true);
             let (version, var_version, value) = pull1(&client, "w");
             if let Some((i, g, w)) = first_difference(&value, &vec![-40.0; N]) {
                 panic!("{stream_min_bytes:?}: element {i} is {g}, expected {w}: an update was lost or applied twice");

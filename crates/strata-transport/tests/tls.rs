@@ -4,7 +4,6 @@
 //! are all refused with nothing applied, and the server keeps serving. Certificates are made
 //! for the test (rcgen); every body runs under a hard limit.
 
-use std::sync::mpsc;
 use std::time::Duration;
 
 use rcgen::{BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair};
@@ -18,24 +17,11 @@ use strata_transport::ps::{
 use strata_transport::{ClusterToken, Error, MutualTls};
 use tonic::transport::{Certificate, Channel, ClientTlsConfig};
 
-const LIMIT: Duration = Duration::from_secs(60);
-const TOKEN: &str = "0123456789abcdef0123456789abcdef";
+mod common;
 
-fn within_limit<F: FnOnce() + Send + 'static>(name: &str, body: F) {
-    let (tx, rx) = mpsc::channel();
-    let handle = std::thread::Builder::new()
-        .name(name.into())
-        .spawn(move || {
-            body();
-            let _ = tx.send(());
-        })
-        .unwrap();
-    match rx.recv_timeout(LIMIT) {
-        Ok(()) => handle.join().unwrap(),
-        Err(mpsc::RecvTimeoutError::Disconnected) => std::panic::resume_unwind(handle.join().unwrap_err()),
-        Err(mpsc::RecvTimeoutError::Timeout) => panic!("{name} did not finish within {LIMIT:?}"),
-    }
-}
+use common::within_limit;
+
+const TOKEN: &str = "0123456789abcdef0123456789abcdef";
 
 /// A certificate authority: its certificate (PEM) and what signs with it.
 struct Ca {

@@ -919,6 +919,20 @@ impl State {
     }
 }
 
+/// `values` as a connection may deliver them: pieces of `piece` elements, each at an odd
+/// address.
+#[cfg(test)]
+fn misaligned_pieces(values: &[f32], piece: usize) -> Vec<Bytes> {
+    values
+        .chunks(piece)
+        .map(|p| {
+            let mut b = vec![0u8];
+            b.extend_from_slice(bytemuck::cast_slice(p));
+            Bytes::from(b).slice(1..)
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -960,14 +974,7 @@ mod tests {
         let mut chunks = Vec::new();
         for (k, &v) in order.iter().enumerate() {
             for (i, c) in grads[v].chunks(MAX_CHUNK_ELEMENTS).enumerate() {
-                let pieces = c
-                    .chunks(65_539)
-                    .map(|p| {
-                        let mut b = vec![0u8];
-                        b.extend_from_slice(bytemuck::cast_slice(p));
-                        Bytes::from(b).slice(1..)
-                    })
-                    .collect();
+                let pieces = misaligned_pieces(c, 65_539);
                 chunks.push(Chunk { var: k as u32, offset: (i * MAX_CHUNK_ELEMENTS) as u64, pieces });
             }
         }
@@ -1048,14 +1055,7 @@ mod stream_tests {
         for (k, &v) in order.iter().enumerate() {
             let g: Vec<f32> = (0..SIZES[v]).map(|i| ((i * 17 + step as usize * 7) % 89) as f32 * 0.1 - 4.0).collect();
             for (i, c) in g.chunks(MAX_CHUNK_ELEMENTS).enumerate() {
-                let pieces = c
-                    .chunks(65_539)
-                    .map(|p| {
-                        let mut b = vec![0u8];
-                        b.extend_from_slice(bytemuck::cast_slice(p));
-                        Bytes::from(b).slice(1..)
-                    })
-                    .collect();
+                let pieces = misaligned_pieces(c, 65_539);
                 out.push(Chunk { var: k as u32, offset: (i * MAX_CHUNK_ELEMENTS) as u64, pieces });
             }
         }
