@@ -4,7 +4,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -55,6 +55,9 @@ struct Shared {
     streaming: watch::Sender<bool>,
     /// Chunks applied by streamed pushes (their progress, for waiting).
     streamed_chunks: AtomicU64,
+    /// Collected pushes waiting for a stream to end: no new stream begins while there are any,
+    /// so a steady flow of large pushes cannot keep them waiting.
+    waiting: AtomicUsize,
     pushes_seen: AtomicU64,
 }
 
@@ -163,9 +166,14 @@ impl<'a> StreamGuard<'a> {
         Self { shared, streamed: None }
     }
 
-    /// Streams the push headed by `h`, if the task takes it as a streamed push.
+    /// Streams the push headed by `h`, if the task takes it as a streamed push and no
+    /// collected push is waiting.
     fn begin(&mut self, h: &PushHeader) {
-        self.streamed = self.shared.lock().begin_stream(h);
+        if self.shared.waiting.load(Ordering::Relaxed) > 0 {
+            return;
+        }
+        let mut state = self.shared.lock();
+        self.streamed = state.begin_stream(h);
         if self.streamed.is_some() {
             self.shared.streaming.send_replace(true);
         }
@@ -186,10 +194,31 @@ impl<'a> StreamGuard<'a> {
     }
 }
 
+/// Counts a collected push among the waiting ones until it is dropped (also when its call is).
+struct Waiting<'a>(&'a AtomicUsize);
+
+impl<'a> Waiting<'a> {
+    fn new(count: &'a AtomicUsize) -> Self {
+        count.fetch_add(1, Ordering::Relaxed);
+        Self(count)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 /// Waits while a streamed push is in progress and making progress (see [`STREAM_STALL`]);
-/// returns whether one stalled.
-async fn wait_for_stream(shared: &Shared) -> bool {
+/// returns whether one stalled. A push that waits is counted in `waiting` until it is
+/// decided, so that no new stream begins before it.
+async fn wait_for_stream<'a>(shared: &'a Shared, waiting: &mut Option<Waiting<'a>>) -> bool {
     let mut rx = shared.streaming.subscribe();
+    if !*rx.borrow_and_update() {
+        return false;
+    }
+    waiting.get_or_insert_with(|| Waiting::new(&shared.waiting));
     while *rx.borrow_and_update() {
         let seen = shared.streamed_chunks.load(Ordering::Relaxed);
         if tokio::time::timeout(STREAM_STALL, rx.wait_for(|s| !*s)).await.is_ok() {
@@ -205,7 +234,8 @@ async fn wait_for_stream(shared: &Shared) -> bool {
 impl Drop for StreamGuard<'_> {
     fn drop(&mut self) {
         if let Some(s) = self.streamed.take() {
-            self.shared.lock().abort_stream(s);
+            let mut state = self.shared.lock();
+            state.abort_stream(s);
             self.shared.streaming.send_replace(false);
         }
     }
@@ -224,10 +254,11 @@ async fn push(
     if faults.drop_request_every > 0 && n.is_multiple_of(faults.drop_request_every) {
         return Err(Status::unavailable("injected fault: request dropped"));
     }
+    let mut waiting = None;
     let decision = loop {
         // A collected push waits for a streamed one in progress (checked again under the lock,
         // where streams begin), unless that one stalled.
-        let stalled = stream.streamed.is_none() && wait_for_stream(shared).await;
+        let stalled = stream.streamed.is_none() && wait_for_stream(shared, &mut waiting).await;
         let mut state = shared.lock();
         let before = state.version;
         let decision = match stream.streamed.take() {
@@ -244,6 +275,7 @@ async fn push(
         }
         break decision?;
     };
+    drop(waiting);
     let response = match decision {
         PushDecision::Done(r) => r,
         PushDecision::Wait { key, base, duplicate } => wait_round(shared, &key, base, duplicate).await?,
@@ -567,6 +599,7 @@ impl PsServerHandle {
             version,
             streaming: watch::channel(false).0,
             streamed_chunks: AtomicU64::new(0),
+            waiting: AtomicUsize::new(0),
             pushes_seen: AtomicU64::new(0),
         });
         let (tx, mut rx) = watch::channel(false);
