@@ -40,7 +40,8 @@
 //!   updates the variables out of place, into spare buffers, as it comes, and the new buffers
 //!   are swapped in when the last one has arrived, so the push is still applied whole or not at
 //!   all and a pull never sees part of it. Other pushes to the task wait while such a stream
-//!   makes progress; one that stalls for a second loses its turn, and is then refused with
+//!   makes progress (and no new stream begins while they wait); one that stalls for a second
+//!   loses its turn, and is then refused with
 //!   `ABORTED` and nothing applied, which [`PsClient`] sends again (the update id keeps it
 //!   exactly-once).
 
