@@ -1,7 +1,7 @@
 //! Strata's CUDA kernels: their sources, their CPU references, and (with the `cuda` feature)
 //! their compilation by NVRTC and checked launches.
 //!
-//! The sources live in `crates/strata-cuda/kernels/*.cu`, are self-contained (no `#include`) and
+//! The sources live in `kernels/*.cu` (the repository root), are self-contained (no `#include`) and
 //! are embedded here with `include_str!` ([`SOURCES`]). NVRTC compiles each one at first use per
 //! compute capability ([`nvrtc`], cached) and each device loads them once ([`launch::Kernels`]).
 //!
@@ -32,7 +32,7 @@ pub mod validate;
 /// One kernel source file: its name, its text and the `extern "C"` functions it defines.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Source {
-    /// The file name under `crates/strata-cuda/kernels/`, e.g. `"reduce.cu"`.
+    /// The file name under `kernels/` (the repository root), e.g. `"reduce.cu"`.
     pub name: &'static str,
     /// The CUDA C++ source.
     pub code: &'static str,
@@ -43,7 +43,7 @@ pub struct Source {
 /// `reduce.cu`: reduction of N buffers into one, and the chunked all-reduce step.
 pub const REDUCE: Source = Source {
     name: "reduce.cu",
-    code: include_str!("../../kernels/reduce.cu"),
+    code: include_str!("../../../../kernels/reduce.cu"),
     functions: &[
         "strata_reduce_f32",
         "strata_reduce_f32_v4",
@@ -55,21 +55,21 @@ pub const REDUCE: Source = Source {
 /// `axpy.cu`: scaled accumulate and scale.
 pub const AXPY: Source = Source {
     name: "axpy.cu",
-    code: include_str!("../../kernels/axpy.cu"),
+    code: include_str!("../../../../kernels/axpy.cu"),
     functions: &["strata_axpy_f32", "strata_axpy_f32_v4", "strata_scale_f32", "strata_scale_f32_v4"],
 };
 
 /// `cast.cu`: f32 to and from bf16 and f16.
 pub const CAST: Source = Source {
     name: "cast.cu",
-    code: include_str!("../../kernels/cast.cu"),
+    code: include_str!("../../../../kernels/cast.cu"),
     functions: &["strata_f32_to_bf16", "strata_f32_to_f16", "strata_bf16_to_f32", "strata_f16_to_f32"],
 };
 
 /// `optim.cu`: fused SGD, SGD with momentum and AdamW.
 pub const OPTIM: Source = Source {
     name: "optim.cu",
-    code: include_str!("../../kernels/optim.cu"),
+    code: include_str!("../../../../kernels/optim.cu"),
     functions: &["strata_sgd_f32", "strata_sgd_momentum_f32", "strata_adamw_f32"],
 };
 

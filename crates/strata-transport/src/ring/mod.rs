@@ -42,7 +42,7 @@
 //! ~1.5 GB/s to ~0.8 GB/s); Linux's socket buffer autotuning left on (see `SOCKET_BUFFER`).
 //! AF_UNIX sockets were no faster than loopback TCP here (about 4 GB/s one way, both).
 //!
-//! Where it stands (medians of 3 runs against PyTorch 2.15's gloo, `bench/compare-allreduce.sh`,
+//! Where it stands (medians of 3 runs against PyTorch 2.15's gloo, `scripts/bench/compare-allreduce.sh`,
 //! same sizes and timing method, this 2-core machine partly loaded by other builds): busbw for 2
 //! workers 1.86 / 1.50 / 1.61 / 1.49 GB/s at 1 / 16 / 64 / 256 MiB (gloo 0.70 / 0.92 / 1.06 /
 //! 1.31), for 4 workers 0.89 / 0.83 / 0.82 / 0.84 (gloo 0.17 / 0.73 / 0.75 / 0.79); 4 KiB

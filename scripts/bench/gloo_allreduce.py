@@ -5,9 +5,9 @@ N processes (torch.multiprocessing) on loopback all-reduce (sum) float32 buffers
 --min-bytes to --max-bytes, stepping x4. Every iteration refills the buffer, meets the others
 at a barrier, times one all_reduce and meets them again before checking the result against the
 closed form (#wrong); the reported time is the slowest rank's median. Rank 0 prints the nccl-tests columns in the
-same format as strata's table, so bench/compare-allreduce.sh can read both.
+same format as strata's table, so scripts/bench/compare-allreduce.sh can read both.
 
-    python3 bench/gloo_allreduce.py --workers 2,4
+    python3 scripts/bench/gloo_allreduce.py --workers 2,4
 """
 
 import argparse

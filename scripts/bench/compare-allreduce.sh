@@ -4,15 +4,15 @@
 # worker's median), RUNS times each, interleaved. Prints, per process count and size, the
 # median busbw of each and their ratio, and the ratio of the 4 KiB latencies.
 #
-#   bench/compare-allreduce.sh                      # 2 and 4 workers, 4 KiB to 256 MiB, 3 runs
-#   RUNS=5 WORKERS=2 MAX_BYTES=64MiB bench/compare-allreduce.sh
+#   scripts/bench/compare-allreduce.sh                      # 2 and 4 workers, 4 KiB to 256 MiB, 3 runs
+#   RUNS=5 WORKERS=2 MAX_BYTES=64MiB scripts/bench/compare-allreduce.sh
 #
 # Environment: PYTHON (a python with torch; default python3), STRATA (the strata binary;
 # default: build target/release/strata), RUNS, WORKERS, MIN_BYTES, MAX_BYTES, OUT (where the
 # raw tables go; default a temporary directory).
 set -euo pipefail
 
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PYTHON=${PYTHON:-python3}
 RUNS=${RUNS:-3}
 WORKERS=${WORKERS:-2,4}
@@ -37,7 +37,7 @@ for ((run = 1; run <= RUNS; run++)); do
     "$STRATA" bench allreduce --workers "$WORKERS" --min-bytes "$MIN_BYTES" --max-bytes "$MAX_BYTES" \
         > "$OUT/strata.$run.txt"
     echo "run $run of $RUNS: gloo" >&2
-    "$PYTHON" bench/gloo_allreduce.py --workers "$WORKERS" --min-bytes "$MIN_BYTES" --max-bytes "$MAX_BYTES" \
+    "$PYTHON" scripts/bench/gloo_allreduce.py --workers "$WORKERS" --min-bytes "$MIN_BYTES" --max-bytes "$MAX_BYTES" \
         > "$OUT/gloo.$run.txt"
 done
 
