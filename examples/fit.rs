@@ -1,4 +1,5 @@
-//! The high-level loop: `Trainer::fit` runs epochs, shuffles, evaluates and draws progress.
+//! The high-level loop: `Trainer::fit` runs epochs, shuffles, evaluates and reports progress
+//! (a line per epoch on standard error).
 //!
 //! `cargo run --release -p strata-examples --example fit -- central-storage 2`
 
@@ -6,7 +7,7 @@ use candle_nn::ParamsAdamW;
 use strata::model::Mlp;
 use strata::optim::FusedAdamW;
 use strata::prelude::*;
-use strata::trainer::{TrainConfig, Trainer};
+use strata::trainer::{EpochLog, TrainConfig, Trainer};
 
 fn main() -> strata::Result<()> {
     strata::init_cpu_threads();
@@ -15,8 +16,8 @@ fn main() -> strata::Result<()> {
     let model = strategy.scope(|s| Mlp::new(s.var_builder(), 64, &[256, 256], 10))?;
     // Strata's fused AdamW: candle-nn's configuration and results, updated in place.
     let opt = model.optimizer::<FusedAdamW>(ParamsAdamW { lr: 3e-3, ..Default::default() })?;
-    let report =
-        Trainer::new(TrainConfig { epochs: 20, ..Default::default() }).fit(&strategy, &model, &opt, &train, &test)?;
+    let config = TrainConfig { epochs: 20, progress: Some(std::sync::Arc::new(EpochLog)), ..Default::default() };
+    let report = Trainer::new(config).fit(&strategy, &model, &opt, &train, &test)?;
     println!(
         "{} replicas: test accuracy {:.2}%, {:.0} examples/s",
         strategy.num_replicas_in_sync(),

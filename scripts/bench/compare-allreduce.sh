@@ -26,7 +26,7 @@ if ! "$PYTHON" -c 'import torch, torch.distributed' 2>/dev/null; then
     exit 2
 fi
 if [[ -z "${STRATA:-}" ]]; then
-    cargo build --release -p strata >&2
+    cargo build --release -p strata-cli >&2
     STRATA=target/release/strata
 fi
 OUT=${OUT:-$(mktemp -d)}

@@ -4,7 +4,7 @@ use std::any::Any;
 use std::sync::Arc;
 
 use candle_core::backprop::GradStore;
-use candle_core::{Device, Tensor};
+use candle_core::{Device, Tensor, Var};
 use candle_nn::Optimizer;
 
 use crate::cross_device::{plan_buckets, Destination};
@@ -281,6 +281,31 @@ impl<'a> ReplicaContext<'a> {
             return Ok(opt.lock(0).step(&grads)?);
         }
         let vars = opt.vars(copy);
+        let dest = match policy {
+            VariablePolicy::Mirrored => Destination::AllReplicas,
+            VariablePolicy::Central { parameter_replica } => Destination::Replica(parameter_replica),
+        };
+        if let Some(reduced) = self.reduce_gradients(&grads, &vars, dest)? {
+            let _p = self.phase("step", "optimizer");
+            let mut store = GradStore::default();
+            for (v, g) in vars.iter().zip(reduced) {
+                store.insert(v.as_tensor(), g);
+            }
+            opt.lock(copy).step(&store)?;
+        }
+        if matches!(policy, VariablePolicy::Central { .. }) {
+            // Replicas read the central variables only after the update is applied.
+            self.barrier()?;
+        }
+        Ok(())
+    }
+
+    /// Reduces this replica's gradients of `vars` (from `grads`; a variable without one counts
+    /// as zeros) with the strategy's cross-device op, in fused buckets: the sum over every
+    /// replica (and worker) of each replica's gradient times its share of the batch. Returns the
+    /// reduced gradients, in the order of `vars`, on the replicas `dest` names, and `None` on
+    /// the others. Collective: every replica calls it with the same variables.
+    pub fn reduce_gradients(&self, grads: &GradStore, vars: &[Var], dest: Destination) -> Result<Option<Vec<Tensor>>> {
         let grads: Vec<Tensor> = vars
             .iter()
             .map(|v| match grads.get(v) {
@@ -289,10 +314,6 @@ impl<'a> ReplicaContext<'a> {
             })
             .collect::<Result<_>>()?;
         let sizes: Vec<usize> = grads.iter().map(Tensor::elem_count).collect();
-        let dest = match policy {
-            VariablePolicy::Mirrored => Destination::AllReplicas,
-            VariablePolicy::Central { parameter_replica } => Destination::Replica(parameter_replica),
-        };
         let ops = self.shared.ext.cross_device_ops();
         // The reduced gradient is written back into this replica's own gradient tensors: after
         // a bucket's second rendezvous no peer reads them any more, their pages are already
@@ -341,19 +362,7 @@ impl<'a> ReplicaContext<'a> {
             Destination::AllReplicas => true,
             Destination::Replica(p) => p == self.replica,
         };
-        if receives {
-            let _p = self.phase("step", "optimizer");
-            let mut store = GradStore::default();
-            for (v, g) in vars.iter().zip(grads) {
-                store.insert(v.as_tensor(), g);
-            }
-            opt.lock(copy).step(&store)?;
-        }
-        if matches!(policy, VariablePolicy::Central { .. }) {
-            // Replicas read the central variables only after the update is applied.
-            self.barrier()?;
-        }
-        Ok(())
+        Ok(receives.then_some(grads))
     }
 }
 

@@ -9,7 +9,7 @@ use strata_core::device::{DeviceRegistry, DeviceType, LogicalDevice};
 use strata_core::{StrategyHandle, StrategyOptions};
 use strata_cuda::select::CrossDeviceChoice;
 
-use crate::cli::train::StrategyKind;
+use crate::kind::StrategyKind;
 use crate::{Error, Result};
 
 /// The first `n` logical GPUs of this process (after `CUDA_VISIBLE_DEVICES`, applied by the

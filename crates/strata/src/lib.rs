@@ -33,19 +33,17 @@
 //! Call [`init_cpu_threads`] first thing in `main` so that every replica runs candle's CPU
 //! kernels on its own thread (the `strata` binary does).
 
-pub mod bench;
-pub mod cli;
-pub mod compare;
 pub mod digits;
 mod error;
 pub mod gpu;
-pub mod inject;
+pub mod kind;
 pub mod metrics;
 pub mod model;
 pub mod ps_job;
 pub mod trainer;
 
 pub use error::{Error, Result};
+pub use kind::{NamedKind, OptimizerKind, StrategyKind};
 pub use strata_core::checkpoint;
 pub use strata_core::Error as CoreError;
 pub use strata_core::{

@@ -6,8 +6,9 @@
 //! holds the variables, and `strata train --strategy parameter-server` schedules it. A step
 //! names its batch by `(epoch, batch)`; every worker draws the same seeded permutation of the
 //! training set per epoch (the one [`crate::trainer::Trainer`] uses), so the coordinator sends
-//! a few numbers, never data. Within a worker the step runs on the worker's local replicas and
-//! their gradients are summed on the worker's CPU before one push.
+//! a few numbers, never data. Within a worker the step runs on the worker's local replicas, whose
+//! gradients the worker's strategy reduces to its first replica (its cross-device op, as every
+//! strategy reduces) before one push.
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -17,14 +18,15 @@ use candle_core::{Device, Var};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use serde::{Deserialize, Serialize};
+use strata_core::cross_device::Destination;
 use strata_core::data::{Batch, DistributedBatch};
-use strata_core::{Replicated, Strategy, StrategyHandle};
+use strata_core::{PerReplica, ReduceOp, Replicated, Strategy, StrategyHandle};
 use strata_strategies::parameter_server::{ParameterServerStrategy, PsModel, StepRegistry, WorkerContext};
 use strata_strategies::{MirroredStrategy, OneDeviceStrategy};
 
 use crate::digits;
 use crate::model::{Classifier, Mlp};
-use crate::trainer::{EpochReport, FitReport};
+use crate::trainer::{EpochReport, FitReport, Progress, StepHook};
 use crate::{Error, Result};
 
 /// The name the digits training step is registered under.
@@ -89,10 +91,9 @@ pub struct DigitsStepResult {
 /// How a worker runs the digits step.
 #[derive(Clone, Debug, Default)]
 pub struct WorkerStepOptions {
-    /// Slow workers and random stragglers: a step sleeps after its gradient computation (its
-    /// pull and compute time times the factor minus one, plus a straggler's delay), to study
-    /// stragglers.
-    pub delays: crate::inject::StepDelays,
+    /// Called between a step's gradients and its push, with the step's pull and compute time
+    /// (`strata compare`'s slow workers and stragglers sleep here).
+    pub hook: Option<Arc<dyn StepHook>>,
 }
 
 /// What a worker keeps between steps.
@@ -147,8 +148,9 @@ impl WorkerState {
         Ok(digits::gather(&self.train, &order[start..(start + size).min(order.len())]))
     }
 
-    /// The mean loss of `batch` and its gradient, summed over the local replicas (each weighted
-    /// by its share of the batch) on this worker's CPU, in variable order.
+    /// The mean loss of `batch` and its gradient, in variable order: each local replica's
+    /// gradient weighted by its share of the batch, summed into the first replica by the
+    /// worker's cross-device op.
     fn gradients(&self, batch: &Batch) -> Result<(f32, Gradients)> {
         let split = DistributedBatch::split(batch, self.strategy.num_replicas_in_sync())?;
         let model = &self.model;
@@ -157,26 +159,24 @@ impl WorkerState {
             let x = shard.batch.features_tensor(dev)?;
             let y = shard.batch.labels_tensor(dev)?;
             let loss = model.on(ctx)?.loss(&x, &y)?;
-            let weighted = (&loss * f64::from(shard.weight()))?;
-            let grads = weighted.backward()?;
-            let vars = model.variables(ctx.replica_id());
-            let mut out = Vec::with_capacity(vars.len());
-            for (_, v) in vars {
-                out.push(match grads.get(v.as_tensor()) {
-                    Some(g) => g.flatten_all()?.to_vec1::<f32>()?,
-                    None => vec![0.0; v.as_tensor().elem_count()],
-                });
-            }
-            Ok((loss.to_scalar::<f32>()? * shard.weight(), out))
+            let grads = loss.backward()?;
+            let vars: Vec<Var> = model.variables(ctx.replica_id()).iter().map(|(_, v)| v.clone()).collect();
+            let reduced = ctx.reduce_gradients(&grads, &vars, Destination::Replica(0))?;
+            let flat = match reduced {
+                Some(g) => {
+                    Some(g.iter().map(|t| t.flatten_all()?.to_vec1::<f32>()).collect::<candle_core::Result<Vec<_>>>()?)
+                }
+                None => None,
+            };
+            Ok((loss.to_scalar::<f32>()? * shard.weight(), flat))
         })?;
-        let mut replicas = per.into_values().into_iter();
-        let (mut loss, mut sum) = replicas.next().ok_or_else(|| Error::Usage("a worker with no replica".into()))?;
-        for (l, g) in replicas {
-            loss += l;
-            for (acc, part) in sum.iter_mut().zip(g) {
-                acc.iter_mut().zip(part).for_each(|(a, b)| *a += b);
-            }
-        }
+        let losses = PerReplica::new(per.values().iter().map(|(l, _)| *l).collect())?;
+        let loss = self.strategy.reduce(ReduceOp::Sum, &losses)?;
+        let sum = per
+            .into_values()
+            .into_iter()
+            .find_map(|(_, g)| g)
+            .ok_or_else(|| Error::Usage("no replica received the reduced gradients".into()))?;
         Ok((loss, self.vars.iter().map(|(n, _)| n.clone()).zip(sum).collect()))
     }
 
@@ -220,7 +220,9 @@ fn run_step(
     st.mirror_copy0()?;
     let (loss, grads) = st.gradients(&batch)?;
     let global_step = step.epoch * 1_000_000 + step.batch;
-    std::thread::sleep(options.delays.delay(ctx.worker_index(), global_step, started.elapsed()));
+    if let Some(hook) = &options.hook {
+        hook.after_backward(ctx.worker_index(), global_step, started.elapsed());
+    }
     let pushed = ctx.push(&ticket, &grads)?;
     let bytes1 = strata_transport::inject::bytes();
     let (mut staleness, mut version) = (0, 0);
@@ -281,8 +283,8 @@ pub struct PsTrainConfig {
     pub epochs: usize,
     /// Examples per scheduled step (one worker's batch).
     pub batch_size: usize,
-    /// Draw a progress bar (on a terminal).
-    pub progress: bool,
+    /// Where progress goes.
+    pub progress: Option<Arc<dyn Progress>>,
     /// Stop after this many steps.
     pub max_steps: Option<usize>,
     /// Write a record per worker step and per evaluation here.
@@ -315,7 +317,8 @@ pub fn train_coordinator(
     }
     let coordinator = strategy.coordinator()?;
     let steps_per_epoch = train.len().div_ceil(config.batch_size);
-    let bar = crate::trainer::progress_bar(config.progress, (steps_per_epoch * config.epochs) as u64);
+    let progress: &dyn Progress = config.progress.as_deref().unwrap_or(&crate::trainer::Silent);
+    progress.begin((steps_per_epoch * config.epochs) as u64);
     let (x_test, y_test) = (test.features_tensor(&Device::Cpu)?, test.labels_tensor(&Device::Cpu)?);
     let mut epochs = Vec::with_capacity(config.epochs);
     let (mut steps, mut steady_examples, mut steady_time) = (0usize, 0usize, Duration::ZERO);
@@ -352,7 +355,7 @@ pub fn train_coordinator(
             loss += f64::from(r.loss) * r.examples as f64;
             examples += r.examples;
             dropped += u64::from(r.dropped);
-            bar.inc(1);
+            progress.advance(1);
             results.push(r);
         }
         coordinator.join()?;
@@ -398,7 +401,7 @@ pub fn train_coordinator(
             ))?;
         }
         let train_loss = (loss / examples.max(1) as f64) as f32;
-        bar.set_message(format!("loss {train_loss:.4} accuracy {:.2}%", final_accuracy * 100.0));
+        progress.epoch(epoch, &format!("loss {train_loss:.4} accuracy {:.2}%", final_accuracy * 100.0));
         epochs.push(EpochReport {
             epoch,
             train_loss,
@@ -406,7 +409,7 @@ pub fn train_coordinator(
             step_seconds: step_time.as_secs_f64(),
         });
     }
-    bar.finish_and_clear();
+    progress.end();
     tracing::info!(
         steps,
         rescheduled = coordinator.steps_rescheduled(),

@@ -3,10 +3,13 @@
 //! Per epoch: a seeded shuffle of the training set, global batches split over the replicas
 //! ([`TailPolicy::Split`]: the uneven last batch is weighted exactly), one synchronous step per
 //! batch (handed to the replicas a whole epoch at a time, or `steps_per_execution` at a time,
-//! with [`Strategy::run_batches`]), then an evaluation on the test set. A progress bar (indicatif, on a terminal) shows
-//! loss and accuracy; tracing spans mark every epoch and step, and the strategy's timeline (if
-//! any) records every replica's forward, backward, bucket reductions and optimizer step.
+//! with [`Strategy::run_batches`]), then an evaluation on the test set. A [`Progress`] (the `strata` command's progress bar, or
+//! [`EpochLog`]'s lines) shows loss and accuracy; tracing spans mark every epoch and step, and
+//! the strategy's timeline (if any) records every replica's forward, backward, bucket reductions
+//! and optimizer step. A [`StepHook`] sees every replica between its backward pass and its
+//! gradient synchronisation (the seam through which `strata compare` slows workers down).
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Tensor};
@@ -33,8 +36,8 @@ pub struct TrainConfig {
     pub seed: u64,
     /// Steps at the start whose time is not counted in the steady-state throughput.
     pub warmup_steps: usize,
-    /// Draw a progress bar (only on a terminal).
-    pub progress: bool,
+    /// Where progress goes (`None`: nowhere).
+    pub progress: Option<Arc<dyn Progress>>,
     /// Steps handed to the replicas at once (`None`: a whole epoch), as Keras'
     /// `steps_per_execution`: fewer hand-offs between the caller and the replica threads.
     pub steps_per_execution: Option<usize>,
@@ -45,9 +48,49 @@ pub struct TrainConfig {
     /// Write a record per step and per evaluation here (the chief does); steps then run one
     /// per execution, so that each has its own time.
     pub metrics: Option<std::sync::Arc<crate::metrics::MetricsWriter>>,
-    /// Slow workers and random stragglers (`strata compare`'s injection): in-process
-    /// strategies apply them by replica, multi-worker ones by worker.
-    pub delays: Option<crate::inject::StepDelays>,
+    /// Called on every replica between each step's backward pass and its gradient
+    /// synchronisation; steps then run one per execution, so that each has its own time.
+    pub step_hook: Option<Arc<dyn StepHook>>,
+}
+
+/// What the trainer reports while it runs: the `strata` command draws a progress bar,
+/// [`EpochLog`] prints a line per epoch.
+pub trait Progress: Send + Sync {
+    /// Training of `steps` steps in all begins.
+    fn begin(&self, steps: u64) {
+        let _ = steps;
+    }
+    /// `steps` more steps are done.
+    fn advance(&self, steps: u64) {
+        let _ = steps;
+    }
+    /// An epoch ended; `summary` says how it went (loss, accuracy).
+    fn epoch(&self, epoch: usize, summary: &str) {
+        let _ = (epoch, summary);
+    }
+    /// Training ended.
+    fn end(&self) {}
+}
+
+/// A [`Progress`] that prints one line per epoch to standard error.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct EpochLog;
+
+impl Progress for EpochLog {
+    fn epoch(&self, epoch: usize, summary: &str) {
+        eprintln!("epoch {}: {summary}", epoch + 1);
+    }
+}
+
+/// Called on every replica of every step between its backward pass and its gradient
+/// synchronisation (or, on a parameter-server worker, between its gradients and its push): the
+/// seam through which a test or `strata compare` injects slow workers and stragglers, outside
+/// the training loop's own code.
+pub trait StepHook: Send + Sync {
+    /// The gradients of step `step` (counted from 1) are ready on `worker` (the worker's index
+    /// in a multi-worker or parameter-server job, the replica's otherwise), `compute` after the
+    /// step began. The hook may block (a slow worker sleeps here).
+    fn after_backward(&self, worker: usize, step: u64, compute: Duration);
 }
 
 /// Where and how often the chief writes checkpoints.
@@ -61,6 +104,18 @@ pub struct CheckpointConfig {
     pub keep: usize,
 }
 
+impl std::fmt::Debug for dyn Progress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("dyn Progress")
+    }
+}
+
+impl std::fmt::Debug for dyn StepHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("dyn StepHook")
+    }
+}
+
 impl Default for TrainConfig {
     fn default() -> Self {
         Self {
@@ -68,12 +123,12 @@ impl Default for TrainConfig {
             global_batch: 256,
             seed: 0,
             warmup_steps: 3,
-            progress: true,
+            progress: None,
             steps_per_execution: None,
             checkpoint: None,
             max_steps: None,
             metrics: None,
-            delays: None,
+            step_hook: None,
         }
     }
 }
@@ -205,7 +260,8 @@ impl Trainer {
         let num_workers = workers.map_or(1, |w| w.num_workers()) as u64;
         // Only the chief writes records.
         let metrics = cfg.metrics.clone().filter(|_| is_chief(strategy));
-        let bar = progress_bar(cfg.progress, (steps_per_epoch * cfg.epochs) as u64);
+        let progress: &dyn Progress = cfg.progress.as_deref().unwrap_or(&Silent);
+        progress.begin((steps_per_epoch * cfg.epochs) as u64);
         let mut epochs = Vec::with_capacity(cfg.epochs);
         let (mut steps, mut steady_time, mut steady_examples, mut skipped) = (0usize, Duration::ZERO, 0usize, 0usize);
         let (mut all_time, mut all_examples) = (Duration::ZERO, 0usize);
@@ -225,7 +281,7 @@ impl Trainer {
             if let Some(max) = cfg.max_steps {
                 epoch_batches = &epoch_batches[..epoch_batches.len().min(max.saturating_sub(global_step))];
             }
-            let per_step = cfg.metrics.is_some() || cfg.delays.as_ref().is_some_and(|d| !d.is_empty());
+            let per_step = cfg.metrics.is_some() || cfg.step_hook.is_some();
             let per_execution =
                 if per_step { 1 } else { cfg.steps_per_execution.unwrap_or(epoch_batches.len()).max(1) };
             let (mut epoch_time, mut loss_n) = (Duration::ZERO, 0usize);
@@ -257,11 +313,11 @@ impl Trainer {
                         let y = shard.batch.labels_tensor(ctx.candle_device())?;
                         let loss = model.on(ctx)?.loss(&x, &y)?;
                         drop(fwd);
-                        match cfg.delays.as_ref().filter(|d| !d.is_empty()) {
-                            Some(delays) => {
+                        match cfg.step_hook.as_deref() {
+                            Some(hook) => {
                                 let grads = loss.backward()?;
                                 let worker = workers.map_or(ctx.replica_id(), |w| w.worker_index());
-                                std::thread::sleep(delays.delay(worker, step_number, started.elapsed()));
+                                hook.after_backward(worker, step_number, started.elapsed());
                                 ctx.sync_and_apply(grads, opt)?;
                             }
                             None => ctx.backward_and_sync(&loss, opt)?,
@@ -310,7 +366,7 @@ impl Trainer {
                     r.bytes_received = (received - bytes0.1) * num_workers;
                     m.write(&r)?;
                 }
-                bar.inc(execution.len() as u64);
+                progress.advance(execution.len() as u64);
                 if let Some((c, h)) = ckpt {
                     let last = epoch + 1 == cfg.epochs && done == epoch_batches.len();
                     if global_step % c.every_steps.max(1) == 0 || last {
@@ -334,10 +390,10 @@ impl Trainer {
             }
             let train_loss = loss_sum / loss_n.max(1) as f32;
             tracing::info!(epoch, train_loss, test_accuracy = acc, "epoch done");
-            bar.set_message(format!("epoch {} loss {train_loss:.4} test accuracy {:.2}%", epoch + 1, acc * 100.0));
+            progress.epoch(epoch, &format!("loss {train_loss:.4} test accuracy {:.2}%", acc * 100.0));
             epochs.push(EpochReport { epoch, train_loss, test_accuracy: acc, step_seconds: epoch_time.as_secs_f64() });
         }
-        bar.finish_and_clear();
+        progress.end();
         // A run too short to have a steady state reports the throughput of all its steps.
         let (time, examples) =
             if steady_time.is_zero() { (all_time, all_examples) } else { (steady_time, steady_examples) };
@@ -473,14 +529,7 @@ pub fn evaluate<M: Classifier>(model: &M, data: &Batch) -> Result<f32> {
     Ok(correct as f32 / data.len() as f32)
 }
 
-pub(crate) fn progress_bar(show: bool, len: u64) -> indicatif::ProgressBar {
-    use std::io::IsTerminal;
-    if !show || !std::io::stderr().is_terminal() {
-        return indicatif::ProgressBar::hidden();
-    }
-    let bar = indicatif::ProgressBar::new(len);
-    if let Ok(style) = indicatif::ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} steps {msg}") {
-        bar.set_style(style.progress_chars("=> "));
-    }
-    bar
-}
+/// The [`Progress`] of a trainer given none.
+pub(crate) struct Silent;
+
+impl Progress for Silent {}

@@ -1,0 +1,448 @@
+//! `strata bench train`: training throughput and peak RSS of one device, Mirrored(K) and
+//! MultiWorkerMirrored (K worker processes of one replica each, over loopback) on the two
+//! benchmark MLPs, beside the machine's compute ceiling measured in the same run.
+//!
+//! The ceiling is what this machine gives K independent single-thread copies of the same
+//! per-replica step (forward, loss, backward and optimizer step on `global / K` examples)
+//! running at once, with plain candle and no Strata in the loop. Mirrored(K) divided by it is
+//! the share of the machine Strata delivers; `1 - that` is Strata's overhead (reduction,
+//! synchronisation). Every configuration runs in its own process (this binary, re-invoked), so
+//! peak RSS is per configuration, and the rounds interleave the configurations so that a
+//! noisy neighbour hurts all of them alike; medians over rounds are reported.
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap, SGD};
+use serde::{Deserialize, Serialize};
+use strata_core::data::{Batch, DistributedBatch};
+use strata_core::optim::{FusedAdamW, FusedSgd};
+use strata_core::Strategy;
+use strata_strategies::{MirroredStrategy, OneDeviceStrategy};
+
+use strata::digits::{self, CLASSES, FEATURES};
+use strata::model::{Classifier, Mlp};
+use strata::OptimizerKind;
+
+use crate::{kind_parser, Error, Result};
+
+/// TensorFlow 2.21's `MirroredStrategy` over 2 logical CPUs on these MLPs, measured on a quiet
+/// machine of this kind (from the foundation issue), examples/s.
+const TF_REFERENCE: [(&str, f64); 2] = [("small", 25_000.0), ("large", 1_100.0)];
+
+/// TensorFlow 2.21's `MultiWorkerMirroredStrategy` with 2 worker processes here (from the
+/// multi-worker issue), examples/s.
+const TF_MWMS_REFERENCE: [(&str, f64); 2] = [("small", 15_000.0), ("large", 900.0)];
+
+/// PyTorch DDP with gloo, 2 processes here (from the multi-worker issue), examples/s.
+const DDP_REFERENCE: [(&str, f64); 2] = [("small", 39_000.0), ("large", 2_500.0)];
+
+/// `strata bench train` flags.
+#[derive(clap::Args, Debug, Clone)]
+pub struct BenchTrainArgs {
+    /// Replicas of Mirrored (and copies in the ceiling).
+    #[arg(long, default_value_t = 2)]
+    pub replicas: usize,
+    /// Models: `small` (64-256-256-10, 85k parameters) and/or `large` (64-2048-2048-10, 4.3M).
+    #[arg(long, default_value = "small,large", value_delimiter = ',')]
+    pub models: Vec<String>,
+    /// Rounds; medians over rounds are reported.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
+    /// Seconds each measurement runs (after 3 warm-up steps).
+    #[arg(long, default_value_t = 2.0)]
+    pub seconds: f64,
+    /// Global batch.
+    #[arg(long, default_value_t = 256)]
+    pub batch: usize,
+    /// Optimizer (the ceiling uses the same one): `adamw` is the fused, in-place AdamW.
+    #[arg(long, default_value = "adamw", value_parser = kind_parser::<OptimizerKind>())]
+    pub optimizer: OptimizerKind,
+    /// Internal: measure one `MODEL:CONFIG` in this process and print JSON.
+    #[arg(long, hide = true)]
+    pub worker: Option<String>,
+}
+
+/// One measurement.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Measurement {
+    /// Examples per second.
+    pub examples_per_second: f64,
+    /// Mean seconds per global step (per per-replica step for the ceiling).
+    pub step_seconds: f64,
+    /// Peak resident set size of the process, bytes.
+    pub peak_rss_bytes: u64,
+}
+
+pub(crate) fn hidden_of(model: &str) -> Result<Vec<usize>> {
+    match model {
+        "small" => Ok(vec![256, 256]),
+        "large" => Ok(vec![2048, 2048]),
+        _ => Err(Error::Usage(format!("unknown model {model:?}: use small or large"))),
+    }
+}
+
+/// Peak RSS (VmHWM) of this process, bytes; 0 where /proc is not available.
+pub fn peak_rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        })
+        .map_or(0, |kib| kib * 1024)
+}
+
+/// The full global batches of the digits training set.
+pub(crate) fn batches(global: usize) -> Result<Vec<Batch>> {
+    let (train, _) = digits::train_test_split(&digits::load(None)?, 0.2, 0);
+    let full = train.len() / global;
+    if full == 0 {
+        return Err(Error::Usage(format!("--batch {global} is larger than the {} training examples", train.len())));
+    }
+    Ok((0..full).map(|i| train.slice(i * global..(i + 1) * global)).collect())
+}
+
+/// Three warm-up steps, `ready()`, then steps for `seconds` (at least 5): (steps, time).
+fn time_steps(
+    seconds: f64,
+    ready: impl FnOnce(),
+    mut step: impl FnMut(usize) -> Result<()>,
+) -> Result<(usize, Duration)> {
+    for i in 0..3 {
+        step(i)?;
+    }
+    ready();
+    let t0 = Instant::now();
+    let mut n = 0;
+    while n < 5 || t0.elapsed().as_secs_f64() < seconds {
+        step(n)?;
+        n += 1;
+    }
+    Ok((n, t0.elapsed()))
+}
+
+/// The learning rate of the benchmark (it does not change the work of a step).
+pub(crate) const LR: f64 = 1e-3;
+
+fn measure_strategy<S: Strategy, O: Optimizer + Send>(
+    s: &S,
+    cfg: O::Config,
+    hidden: &[usize],
+    data: &[Batch],
+    seconds: f64,
+) -> Result<Measurement>
+where
+    O::Config: Clone,
+{
+    let model = s.scope(|sc| Mlp::new(sc.var_builder(), FEATURES, hidden, CLASSES))?;
+    let opt = model.optimizer::<O>(cfg)?;
+    let dist: Vec<DistributedBatch> =
+        s.distribute_dataset(data.iter().cloned(), strata_core::data::TailPolicy::Split).collect();
+    // One execution runs every batch of the epoch (as `Trainer::fit` does): a "step" of the
+    // timing loop below is an execution of `dist.len()` training steps.
+    let execute = || -> Result<()> {
+        s.run_batches(&dist, |ctx, shard| {
+            let x = shard.batch.features_tensor(ctx.candle_device())?;
+            let y = shard.batch.labels_tensor(ctx.candle_device())?;
+            let loss = model.on(ctx)?.loss(&x, &y)?;
+            ctx.backward_and_sync(&loss, &opt)
+        })?;
+        Ok(())
+    };
+    let (executions, dt) = match s.extended().workers() {
+        None => time_steps(seconds, || {}, |_| execute())?,
+        Some(w) => {
+            // Workers must run the same number of executions: the chief decides when to stop
+            // and broadcasts it after each execution.
+            for _ in 0..3 {
+                execute()?;
+            }
+            let t0 = Instant::now();
+            let mut n = 0;
+            loop {
+                execute()?;
+                n += 1;
+                let mut stop = [f32::from(u8::from(n >= 5 && t0.elapsed().as_secs_f64() >= seconds))];
+                w.broadcast(0, &mut stop)?;
+                if stop[0] == 1.0 {
+                    break (n, t0.elapsed());
+                }
+            }
+        }
+    };
+    let steps = executions * dist.len();
+    let global = data[0].len();
+    Ok(Measurement {
+        examples_per_second: (steps * global) as f64 / dt.as_secs_f64(),
+        step_seconds: dt.as_secs_f64() / steps as f64,
+        peak_rss_bytes: peak_rss_bytes(),
+    })
+}
+
+/// K independent single-thread copies of the per-replica step, plain candle, at once.
+pub(crate) fn measure_ceiling<O: Optimizer>(
+    k: usize,
+    cfg: O::Config,
+    hidden: &[usize],
+    data: &[Batch],
+    seconds: f64,
+) -> Result<Measurement>
+where
+    O::Config: Clone + Sync,
+{
+    let per = data[0].len() / k;
+    let barrier = std::sync::Barrier::new(k);
+    let results: Vec<Result<(usize, Duration)>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..k)
+            .map(|r| {
+                let (barrier, cfg) = (&barrier, &cfg);
+                s.spawn(move || -> Result<(usize, Duration)> {
+                    let dev = Device::Cpu;
+                    let vm = VarMap::new();
+                    let model = Mlp::new(VarBuilder::from_varmap(&vm, DType::F32, &dev), FEATURES, hidden, CLASSES)?;
+                    let mut opt = O::new(vm.all_vars(), cfg.clone())?;
+                    let shards: Vec<Batch> = data.iter().map(|b| b.slice(r * per..(r + 1) * per)).collect();
+                    let step = |i: usize| -> Result<()> {
+                        let b = &shards[i % shards.len()];
+                        let x = Tensor::from_slice(&b.features, (b.len(), b.dim), &dev)?;
+                        let y = Tensor::from_slice(&b.labels, b.len(), &dev)?;
+                        let loss = model.loss(&x, &y)?;
+                        opt.backward_step(&loss)?;
+                        Ok(())
+                    };
+                    // All copies start timing together.
+                    time_steps(
+                        seconds,
+                        || {
+                            barrier.wait();
+                        },
+                        step,
+                    )
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err(Error::Usage("a ceiling thread panicked".into()))))
+            .collect()
+    });
+    let mut eps = 0.0;
+    let mut step = 0.0;
+    for r in results {
+        let (n, dt) = r?;
+        eps += (n * per) as f64 / dt.as_secs_f64();
+        step += dt.as_secs_f64() / n as f64 / k as f64;
+    }
+    Ok(Measurement { examples_per_second: eps, step_seconds: step, peak_rss_bytes: peak_rss_bytes() })
+}
+
+fn worker(spec: &str, args: &BenchTrainArgs) -> Result<()> {
+    let (model, config) = spec.split_once(':').ok_or_else(|| Error::Usage(format!("bad worker spec {spec:?}")))?;
+    let hidden = hidden_of(model)?;
+    let data = batches(args.batch)?;
+    let adamw = ParamsAdamW { lr: LR, ..Default::default() };
+    let m = match args.optimizer {
+        OptimizerKind::Adamw => measure::<FusedAdamW>(config, adamw, args, &hidden, &data)?,
+        OptimizerKind::CandleAdamw => measure::<AdamW>(config, adamw, args, &hidden, &data)?,
+        OptimizerKind::Sgd => measure::<FusedSgd>(config, LR, args, &hidden, &data)?,
+        OptimizerKind::CandleSgd => measure::<SGD>(config, LR, args, &hidden, &data)?,
+        OptimizerKind::Momentum | OptimizerKind::Adagrad => {
+            return Err(Error::Usage("strata bench train measures adamw and sgd; momentum and adagrad run on a parameter server (strata bench ps)".into()))
+        }
+    };
+    println!("{}", serde_json::to_string(&m).map_err(|e| Error::io("cannot encode", e.into()))?);
+    Ok(())
+}
+
+fn measure<O: Optimizer + Send>(
+    config: &str,
+    cfg: O::Config,
+    args: &BenchTrainArgs,
+    hidden: &[usize],
+    data: &[Batch],
+) -> Result<Measurement>
+where
+    O::Config: Clone + Sync,
+{
+    match config {
+        "one-device" => measure_strategy::<_, O>(&OneDeviceStrategy::cpu()?, cfg, hidden, data, args.seconds),
+        "mirrored" => {
+            measure_strategy::<_, O>(&MirroredStrategy::logical_cpus(args.replicas)?, cfg, hidden, data, args.seconds)
+        }
+        "ceiling" => measure_ceiling::<O>(args.replicas, cfg, hidden, data, args.seconds),
+        "multi-worker" => {
+            let token = strata_transport::ClusterToken::resolve(None).map_err(|e| Error::Usage(e.to_string()))?;
+            let resolver = strata_strategies::cluster::TFConfigClusterResolver::from_env()?;
+            let s = strata_strategies::MultiWorkerMirroredStrategy::from_resolver(
+                &resolver,
+                strata_strategies::MultiWorkerOptions::new(token)?,
+            )?;
+            let m = measure_strategy::<_, O>(&s, cfg, hidden, data, args.seconds)?;
+            s.finish()?;
+            Ok(m)
+        }
+        _ => Err(Error::Usage(format!("unknown configuration {config:?}"))),
+    }
+}
+
+fn command(spec: &str, args: &BenchTrainArgs) -> Result<Command> {
+    let exe = std::env::current_exe().map_err(|e| Error::io("cannot find the strata binary", e))?;
+    let mut c = Command::new(exe);
+    c.args(["bench", "train", "--worker", spec])
+        .args(["--replicas", &args.replicas.to_string(), "--seconds", &args.seconds.to_string()])
+        .args(["--batch", &args.batch.to_string(), "--optimizer", args.optimizer.name()])
+        .env("CANDLE_NUM_THREADS", "1")
+        .env("RAYON_NUM_THREADS", "1");
+    Ok(c)
+}
+
+/// K worker processes on loopback; the chief's measurement is the job's.
+fn spawn_multi_worker(spec: &str, args: &BenchTrainArgs) -> Result<Measurement> {
+    let k = args.replicas;
+    let ports: Vec<u16> = (0..k)
+        .map(|_| {
+            std::net::TcpListener::bind("127.0.0.1:0")
+                .and_then(|l| l.local_addr())
+                .map(|a| a.port())
+                .map_err(|e| Error::io("cannot find a free port", e))
+        })
+        .collect::<Result<_>>()?;
+    let spec_json: Vec<String> = ports.iter().map(|p| format!("\"127.0.0.1:{p}\"")).collect();
+    let token = format!("{:032x}", rand::random::<u128>());
+    let children = (0..k)
+        .map(|i| {
+            command(spec, args)?
+                .env(
+                    "TF_CONFIG",
+                    format!(
+                        r#"{{"cluster":{{"worker":[{}]}},"task":{{"type":"worker","index":{i}}}}}"#,
+                        spec_json.join(",")
+                    ),
+                )
+                .env("STRATA_CLUSTER_TOKEN", &token)
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .map_err(|e| Error::io("cannot start a benchmark process", e))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let mut outs = Vec::new();
+    for c in children {
+        outs.push(c.wait_with_output().map_err(|e| Error::io("waiting for a benchmark process", e))?);
+    }
+    parse_output(spec, outs.swap_remove(0))
+}
+
+fn spawn(spec: &str, args: &BenchTrainArgs) -> Result<Measurement> {
+    if spec.ends_with(":multi-worker") {
+        return spawn_multi_worker(spec, args);
+    }
+    let out = command(spec, args)?.output().map_err(|e| Error::io("cannot start a benchmark process", e))?;
+    parse_output(spec, out)
+}
+
+fn parse_output(spec: &str, out: std::process::Output) -> Result<Measurement> {
+    if !out.status.success() {
+        return Err(Error::Usage(format!(
+            "benchmark process {spec} failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    serde_json::from_str(text.lines().last().unwrap_or(""))
+        .map_err(|e| Error::Usage(format!("benchmark process {spec} printed no result ({e}): {text}")))
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n == 0 {
+        0.0
+    } else if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// Runs the benchmark and prints the table.
+pub fn run(args: &BenchTrainArgs) -> Result<()> {
+    if let Some(spec) = &args.worker {
+        return worker(spec, args);
+    }
+    if args.replicas == 0 || args.rounds == 0 {
+        return Err(Error::Usage("--replicas and --rounds must be at least 1".into()));
+    }
+    let k = args.replicas;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    println!(
+        "# strata bench train: global batch {}, f32, optimizer {}, {} rounds of {:.1} s per configuration",
+        args.batch, args.optimizer, args.rounds, args.seconds
+    );
+    println!("# machine: {cores} cores; ceiling = {k} independent single-thread copies of the per-replica step at once (plain candle), measured now");
+    println!("# every configuration in its own process; medians over rounds");
+    println!();
+    println!(
+        "{:<6} {:>9} {:<12} {:>8} {:>12} {:>10} {:>10} {:>11} {:>12} {:>12}",
+        "model",
+        "params",
+        "config",
+        "replicas",
+        "examples/s",
+        "step(ms)",
+        "peakRSS",
+        "of ceiling",
+        "vs TF 2.21",
+        "vs DDP gloo"
+    );
+    for model in &args.models {
+        let hidden = hidden_of(model)?;
+        let params = Mlp::parameter_count(FEATURES, &hidden, CLASSES);
+        let configs = ["ceiling", "one-device", "mirrored", "multi-worker"];
+        let mut runs: Vec<Vec<Measurement>> = vec![Vec::new(); configs.len()];
+        for round in 0..args.rounds {
+            for (i, c) in configs.iter().enumerate() {
+                let m = spawn(&format!("{model}:{c}"), args)?;
+                tracing::info!(model, config = c, round, eps = m.examples_per_second, "measured");
+                runs[i].push(m);
+            }
+        }
+        let med = |i: usize, f: fn(&Measurement) -> f64| median(runs[i].iter().map(f).collect());
+        let ceiling = med(0, |m| m.examples_per_second);
+        let tf = TF_REFERENCE.iter().find(|(n, _)| n == model).map(|(_, v)| *v);
+        let tf_mw = TF_MWMS_REFERENCE.iter().find(|(n, _)| n == model).map(|(_, v)| *v);
+        let ddp = DDP_REFERENCE.iter().find(|(n, _)| n == model).map(|(_, v)| *v);
+        for (i, c) in configs.iter().enumerate() {
+            let eps = med(i, |m| m.examples_per_second);
+            let replicas = if *c == "one-device" { 1 } else { k };
+            let of_ceiling = if *c == "ceiling" { "-".to_string() } else { format!("{:.1}%", 100.0 * eps / ceiling) };
+            let vs_tf = match (tf, tf_mw, *c) {
+                (Some(t), _, "mirrored") if k == 2 => format!("{:.2}x", eps / t),
+                (_, Some(t), "multi-worker") if k == 2 => format!("{:.2}x", eps / t),
+                _ => "-".to_string(),
+            };
+            let vs_ddp = match (ddp, *c) {
+                (Some(t), "multi-worker") if k == 2 => format!("{:.2}x", eps / t),
+                _ => "-".to_string(),
+            };
+            println!(
+                "{:<6} {:>9} {:<12} {:>8} {:>12.0} {:>10.2} {:>9.0}M {:>11} {:>12} {:>12}",
+                model,
+                params,
+                c,
+                replicas,
+                eps,
+                1e3 * med(i, |m| m.step_seconds),
+                med(i, |m| m.peak_rss_bytes as f64) / (1024.0 * 1024.0),
+                of_ceiling,
+                vs_tf,
+                vs_ddp
+            );
+        }
+    }
+    println!();
+    println!("# targets: mirrored >= 90% of the ceiling; mirrored(2) >= 2x TensorFlow 2.21 MirroredStrategy over 2 logical CPUs");
+    println!("# (reference, quiet machine of this kind: small 25,000 and large 1,100 examples/s)");
+    println!("# multi-worker(2 processes) >= 1.5x PyTorch DDP gloo (39,000 and 2,500) and >= 2x TF 2.21 MultiWorkerMirrored (15,000 and 900)");
+    Ok(())
+}

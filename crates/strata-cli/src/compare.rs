@@ -1,0 +1,74 @@
+//! `strata compare EXPERIMENT.toml`: see [`crate::compare`].
+
+use std::path::PathBuf;
+
+use strata_compare::{self as compare, experiment::Experiment, runner};
+
+use crate::{Error, Result};
+
+/// `strata compare` flags.
+#[derive(clap::Args, Debug, Clone)]
+pub struct CompareArgs {
+    /// The experiment file (TOML; see experiments/ for ready-made ones).
+    pub experiment: PathBuf,
+    /// Simulate the runs in virtual time over the worker counts of the file's [simulate] table,
+    /// instead of running real processes.
+    #[arg(long)]
+    pub simulate: bool,
+    /// Output directory (default: compare-out/NAME, or compare-out/NAME-simulated).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Run only these runs (by name, comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    pub only: Vec<String>,
+    /// Do not draw progress bars.
+    #[arg(long)]
+    pub no_progress: bool,
+}
+
+/// Runs `strata compare`.
+pub fn run(args: &CompareArgs) -> Result<()> {
+    let exp = Experiment::load(&args.experiment)?;
+    if let Some(name) = args.only.iter().find(|n| !exp.runs.iter().any(|r| &r.name == *n)) {
+        let names: Vec<&str> = exp.runs.iter().map(|r| r.name.as_str()).collect();
+        return Err(Error::Usage(format!("--only {name:?}: no such run; the runs are {}", names.join(", "))));
+    }
+    let dir = args.out.clone().unwrap_or_else(|| runner::default_dir(&exp, args.simulate));
+    let runs = if args.simulate {
+        let cfg = exp.simulate.clone().ok_or_else(|| {
+            Error::Usage(format!(
+                "{}: --simulate needs a [simulate] table (worker counts, compute time, bandwidth, latency); see experiments/straggler.toml",
+                args.experiment.display()
+            ))
+        })?;
+        let mut exp = exp.clone();
+        if !args.only.is_empty() {
+            exp.runs.retain(|r| args.only.contains(&r.name));
+        }
+        let bar = strata_compare::progress::bar(!args.no_progress, 1000);
+        let runs = compare::simulate::simulate(&exp, &cfg, &|name: &str, done: f64| {
+            bar.set_message(name.to_string());
+            bar.set_position((done.clamp(0.0, 1.0) * 1000.0) as u64);
+        })?;
+        bar.finish_and_clear();
+        runs
+    } else {
+        runner::run_all(&exp, &dir, &args.only, !args.no_progress)?
+    };
+    compare::report::write_outputs(&dir, &exp, &runs, args.simulate)?;
+    for s in compare::summarize(&runs, exp.target_accuracy) {
+        let fmt = |v: Option<f64>, unit: &str| v.map_or("-".to_string(), |v| format!("{v:.2}{unit}"));
+        println!(
+            "{:<28} {:<13} accuracy {:>7}  to {:.0}%: {:>9}  {:>9} ex/s{}",
+            s.name,
+            s.status,
+            s.final_accuracy.map_or("-".into(), |a| format!("{:.2}%", a * 100.0)),
+            exp.target_accuracy * 100.0,
+            fmt(s.time_to_target_s, " s"),
+            s.examples_per_s.map_or("-".into(), |v| format!("{v:.0}")),
+            s.error.map(|e| format!("  error: {e}")).unwrap_or_default()
+        );
+    }
+    println!("report: {}", dir.join("REPORT.md").display());
+    Ok(())
+}

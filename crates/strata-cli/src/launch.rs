@@ -1,0 +1,425 @@
+//! `strata launch`: a local cluster of processes, one per task, like torchrun.
+//!
+//! The launcher picks a free loopback port for every task, writes each task's `TF_CONFIG` as
+//! TensorFlow writes it, starts the processes, prefixes their output lines with the task, and
+//! supervises them: a signal to the launcher reaches every task, and the first task that fails
+//! stops the whole group.
+//!
+//! Every task runs in its own process group, and signals go to that group, so a task's own
+//! children (a shell's `sleep`, a Python worker's data loaders) are stopped with it, and a
+//! Ctrl-C in the terminal reaches the tasks once, through the launcher, not twice.
+
+use std::ffi::{OsStr, OsString};
+use std::io::{self, BufRead, BufReader, Read, Write};
+use std::net::{IpAddr, SocketAddr, TcpListener};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc::{self, RecvTimeoutError, Sender};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{kill, SigSet, Signal};
+use nix::unistd::Pid;
+use strata_compare::experiment::parse_duration_or_seconds;
+use strata_strategies::cluster::{ClusterConfig, ClusterSpec, TaskId, TaskType};
+
+use crate::{Error, Result};
+
+/// The environment variable that carries the cluster token every task's servers require.
+pub const TOKEN_VAR: &str = "STRATA_CLUSTER_TOKEN";
+/// The environment variable that names the task, e.g. `worker:1`.
+pub const TASK_VAR: &str = "STRATA_TASK";
+
+/// How often the launcher looks for tasks that have exited.
+const POLL: Duration = Duration::from_millis(20);
+/// How long the launcher waits for the last output of tasks that have exited.
+const DRAIN: Duration = Duration::from_secs(2);
+
+/// The long help of `strata launch`, also the documentation of [`LaunchArgs`].
+macro_rules! launch_help {
+    () => {
+        "Every task runs PROGRAM with ARGS; `strata` as PROGRAM runs this very executable, so
+`strata launch --workers 2 -- strata train --strategy multi-worker-mirrored` needs no strata on PATH.
+Tasks: `chief:0` with --chief, `worker:0` .. `worker:N-1`, `ps:0` .. `ps:M-1`.
+
+Each task's environment has:
+- TF_CONFIG: the cluster and the task as TensorFlow writes it, on free ports of --host, empty jobs
+  left out, e.g. {\"cluster\":{\"worker\":[\"127.0.0.1:40001\",\"127.0.0.1:40002\"]},\"task\":{\"type\":\"worker\",\"index\":1}};
+- STRATA_TASK: the task, e.g. `worker:1`;
+- STRATA_CLUSTER_TOKEN: the launcher's own if it has one, else a fresh random token shared by the
+  tasks, so that the local cluster is private.
+
+Each line a task writes is printed with the task in front, `[worker:1] ...`, its stdout on stdout
+and its stderr on stderr. Stdin is closed. Each task runs in its own process group.
+
+SIGINT (Ctrl-C), SIGTERM and SIGHUP to the launcher are forwarded to every task; tasks still running
+after --grace-period are killed (a second signal kills them at once). When a task exits non-zero or
+is killed, the launcher names it, stops the other tasks (SIGTERM, then SIGKILL after
+--grace-period) and exits with that task's code (128 + the signal for a task killed by a signal).
+It exits 0 when every task exits 0, and 128 + the signal when it was interrupted and every task
+still exited 0."
+    };
+}
+
+/// `strata launch` flags: start a local cluster, one process per task, each with its `TF_CONFIG`.
+///
+#[doc = launch_help!()]
+#[derive(clap::Args, Debug, Clone)]
+#[command(after_long_help = launch_help!())]
+pub struct LaunchArgs {
+    /// Worker tasks (`worker:0` .. `worker:N-1`); without --chief, worker 0 acts as chief.
+    #[arg(long, value_name = "N")]
+    pub workers: usize,
+    /// Also start a chief task (`chief:0`).
+    #[arg(long)]
+    pub chief: bool,
+    /// Parameter-server tasks (`ps:0` .. `ps:M-1`).
+    #[arg(long, value_name = "M", default_value_t = 0)]
+    pub ps: usize,
+    /// The address the tasks listen on; a free port is picked on it for every task.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: IpAddr,
+    /// How long tasks have to exit after a signal before they are killed (e.g. 5s, 500ms, 1m).
+    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = parse_duration_or_seconds)]
+    pub grace_period: Duration,
+    /// The program every task runs, and its arguments, after `--`.
+    #[arg(last = true, required = true, value_name = "PROGRAM [ARGS]")]
+    pub command: Vec<OsString>,
+}
+
+/// The tasks of a cluster of an optional chief, `workers` workers and `ps` parameter servers,
+/// in that order.
+pub fn tasks(chief: bool, workers: usize, ps: usize) -> Vec<TaskId> {
+    let chief = (0..usize::from(chief)).map(|_| TaskId::chief());
+    chief.chain((0..workers).map(TaskId::worker)).chain((0..ps).map(TaskId::ps)).collect()
+}
+
+/// The `TF_CONFIG` JSON of `task` in `cluster`, as TensorFlow writes it.
+pub fn tf_config(cluster: &ClusterSpec, task: TaskId) -> Result<String> {
+    Ok(ClusterConfig::new(cluster.clone(), task)?.to_tf_config())
+}
+
+/// The cluster token: the launcher's own `STRATA_CLUSTER_TOKEN` when set and not empty, else
+/// 32 fresh random bytes in hex.
+pub(crate) fn cluster_token() -> String {
+    match std::env::var(TOKEN_VAR) {
+        Ok(token) if !token.is_empty() => token,
+        _ => rand::random::<[u8; 32]>().iter().map(|b| format!("{b:02x}")).collect(),
+    }
+}
+
+/// Picks `n` distinct free ports on `host`: binds them all at once, reads them, releases them.
+pub(crate) fn free_addresses(host: IpAddr, n: usize) -> Result<Vec<String>> {
+    let bind_error = |e: io::Error| {
+        Error::Usage(format!(
+            "--host {host}: cannot bind a port ({e}); pass an address of this machine such as 127.0.0.1"
+        ))
+    };
+    let listeners = (0..n).map(|_| TcpListener::bind((host, 0)).map_err(bind_error)).collect::<Result<Vec<_>>>()?;
+    listeners
+        .iter()
+        .map(|l| {
+            let port = l.local_addr().map_err(|e| Error::io(format!("reading the port bound on {host}"), e))?.port();
+            Ok(SocketAddr::new(host, port).to_string())
+        })
+        .collect()
+}
+
+/// The cluster spec of `tasks` at `addresses` (one per task, in order).
+pub(crate) fn cluster_spec(tasks: &[TaskId], addresses: &[String]) -> Result<ClusterSpec> {
+    let jobs = [TaskType::Chief, TaskType::Worker, TaskType::Ps].map(|kind| {
+        let addrs: Vec<String> =
+            tasks.iter().zip(addresses).filter(|(t, _)| t.kind == kind).map(|(_, a)| a.clone()).collect();
+        (kind, addrs)
+    });
+    Ok(ClusterSpec::new(jobs.into_iter().filter(|(_, a)| !a.is_empty()))?)
+}
+
+/// What the supervisor hears about.
+pub(crate) enum Event {
+    /// A signal to the launcher.
+    Signal(Signal),
+    /// One of the tasks' output pipes reached its end.
+    OutputClosed,
+}
+
+/// A started task.
+struct Running {
+    task: TaskId,
+    child: Child,
+    /// The task's process group (its own pid).
+    group: Pid,
+    status: Option<ExitStatus>,
+}
+
+/// Sends `signal` to the process groups of the tasks not yet reaped (a group whose leader is not
+/// reaped cannot have its id reused, so this never reaches an unrelated process).
+fn signal_running(running: &[Running], signal: Signal) {
+    for r in running.iter().filter(|r| r.status.is_none()) {
+        // ESRCH: the group is already gone.
+        let _ = kill(Pid::from_raw(-r.group.as_raw()), signal);
+    }
+}
+
+/// The exit code a launcher passes on for a task's status: the code, or 128 + the signal.
+fn exit_code(status: ExitStatus) -> i32 {
+    status.code().or_else(|| status.signal().map(|s| 128 + s)).unwrap_or(1)
+}
+
+/// Copies `source` to the launcher's stdout or stderr line by line, each line prefixed; a last
+/// line without a newline is still printed. Write errors (a closed terminal) are ignored so
+/// that the task never blocks on a full pipe.
+pub(crate) fn forward_lines(
+    source: impl Read + Send + 'static,
+    prefix: String,
+    to_stderr: bool,
+    events: Sender<Event>,
+) {
+    std::thread::spawn(move || {
+        let mut reader = BufReader::new(source);
+        let mut text = Vec::new();
+        let mut line = Vec::new();
+        loop {
+            text.clear();
+            match reader.read_until(b'\n', &mut text) {
+                Ok(0) => break,
+                Ok(_) => {
+                    if text.last() == Some(&b'\n') {
+                        text.pop();
+                    }
+                    line.clear();
+                    line.extend_from_slice(prefix.as_bytes());
+                    line.extend_from_slice(&text);
+                    line.push(b'\n');
+                    let _ = if to_stderr {
+                        write_line(io::stderr().lock(), &line)
+                    } else {
+                        write_line(io::stdout().lock(), &line)
+                    };
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(_) => break,
+            }
+        }
+        let _ = events.send(Event::OutputClosed);
+    });
+}
+
+fn write_line(mut out: impl Write, line: &[u8]) -> io::Result<()> {
+    out.write_all(line)?;
+    out.flush()
+}
+
+/// Starts every task; on failure, kills those already started and names the program.
+fn start(
+    program: &OsStr,
+    executable: &OsStr,
+    args: &[OsString],
+    tasks: &[TaskId],
+    cluster: &ClusterSpec,
+    token: &str,
+    events: &Sender<Event>,
+) -> Result<Vec<Running>> {
+    let mut running: Vec<Running> = Vec::with_capacity(tasks.len());
+    for task in tasks {
+        let spawned = Command::new(executable)
+            .args(args)
+            .env("TF_CONFIG", tf_config(cluster, *task)?)
+            .env(TASK_VAR, task.to_string())
+            .env(TOKEN_VAR, token)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0)
+            .spawn();
+        let mut child = match spawned {
+            Ok(child) => child,
+            Err(e) => {
+                signal_running(&running, Signal::SIGKILL);
+                for r in &mut running {
+                    let _ = r.child.wait();
+                }
+                let why = match e.kind() {
+                    io::ErrorKind::NotFound => "no such program".to_string(),
+                    io::ErrorKind::PermissionDenied => "permission denied".to_string(),
+                    _ => e.to_string(),
+                };
+                return Err(Error::Usage(format!(
+                    "cannot start `{}` for task {task}: {why}; pass a program on PATH or the path of an executable after --",
+                    program.to_string_lossy()
+                )));
+            }
+        };
+        let prefix = format!("[{task}] ");
+        if let Some(out) = child.stdout.take() {
+            forward_lines(out, prefix.clone(), false, events.clone());
+        }
+        if let Some(err) = child.stderr.take() {
+            forward_lines(err, prefix, true, events.clone());
+        }
+        let group = Pid::from_raw(i32::try_from(child.id()).unwrap_or(i32::MAX));
+        running.push(Running { task: *task, child, group, status: None });
+    }
+    Ok(running)
+}
+
+/// Runs `strata launch`. Returns when every task exited 0; otherwise ends the process with the
+/// failed task's exit code (or 128 + the signal that interrupted the launcher).
+pub fn run(args: &LaunchArgs) -> Result<()> {
+    if args.workers == 0 && !args.chief {
+        return Err(Error::Usage("--workers 0 without --chief starts no task; pass --workers 1 or more".into()));
+    }
+    let Some((program, program_args)) = args.command.split_first() else {
+        return Err(Error::Usage(
+            "no program to launch; pass it after --, e.g. strata launch --workers 2 -- strata train".into(),
+        ));
+    };
+    let executable: OsString = if program == "strata" {
+        std::env::current_exe().map_err(|e| Error::io("finding the strata executable", e))?.into_os_string()
+    } else {
+        PathBuf::from(program).into_os_string()
+    };
+
+    let tasks = tasks(args.chief, args.workers, args.ps);
+    let addresses = free_addresses(args.host, tasks.len())?;
+    let cluster = cluster_spec(&tasks, &addresses)?;
+    let token = cluster_token();
+
+    // Block the signals we forward before any thread starts, so that every thread inherits the
+    // mask and only the signal thread receives them (through sigwait). Children start with an
+    // empty mask: std's Command resets it.
+    let mut signals = SigSet::empty();
+    for s in [Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP] {
+        signals.add(s);
+    }
+    signals.thread_block().map_err(|e| Error::io("blocking SIGINT and SIGTERM", e.into()))?;
+    let (events, received) = mpsc::channel();
+    {
+        let events = events.clone();
+        std::thread::spawn(move || {
+            while let Ok(signal) = signals.wait() {
+                if events.send(Event::Signal(signal)).is_err() {
+                    break;
+                }
+            }
+        });
+    }
+
+    let mut running = start(program, &executable, program_args, &tasks, &cluster, &token, &events)?;
+    let mut outputs_open = 2 * running.len();
+    let mut failure: Option<i32> = None;
+    let mut interrupted: Option<Signal> = None;
+    let mut kill_at: Option<Instant> = None;
+    let mut killed = false;
+    let grace = args.grace_period;
+
+    while running.iter().any(|r| r.status.is_none()) {
+        match received.recv_timeout(POLL) {
+            Ok(Event::Signal(signal)) => {
+                if interrupted.is_none() {
+                    interrupted = Some(signal);
+                    eprintln!(
+                        "strata launch: {signal} received; forwarding it to every task (killed after {:?}, or at a second signal)",
+                        grace
+                    );
+                    signal_running(&running, signal);
+                    kill_at.get_or_insert(Instant::now() + grace);
+                } else if !killed {
+                    eprintln!("strata launch: second signal ({signal}); killing every task");
+                    signal_running(&running, Signal::SIGKILL);
+                    killed = true;
+                }
+            }
+            Ok(Event::OutputClosed) => outputs_open = outputs_open.saturating_sub(1),
+            Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => {}
+        }
+        for i in 0..running.len() {
+            if running[i].status.is_some() {
+                continue;
+            }
+            let status = match running[i].child.try_wait() {
+                Ok(None) => continue,
+                Ok(Some(status)) => status,
+                Err(e) => {
+                    // Cannot happen for our own child; treat the task as failed.
+                    eprintln!("strata launch: waiting for task {}: {e}", running[i].task);
+                    ExitStatus::from_raw(1 << 8)
+                }
+            };
+            running[i].status = Some(status);
+            if status.success() || failure.is_some() {
+                continue;
+            }
+            failure = Some(exit_code(status));
+            let task = &running[i].task;
+            if kill_at.is_none() {
+                eprintln!(
+                    "strata launch: task {task} {}; stopping the other tasks",
+                    strata_compare::runner::describe(status)
+                );
+                signal_running(&running, Signal::SIGTERM);
+                kill_at = Some(Instant::now() + grace);
+            } else {
+                eprintln!("strata launch: task {task} {}", strata_compare::runner::describe(status));
+            }
+        }
+        if !killed && kill_at.is_some_and(|at| Instant::now() >= at) {
+            signal_running(&running, Signal::SIGKILL);
+            killed = true;
+        }
+    }
+
+    // The last lines of output may still be on their way.
+    let drained_by = Instant::now() + DRAIN;
+    while outputs_open > 0 {
+        let left = drained_by.saturating_duration_since(Instant::now());
+        match received.recv_timeout(left) {
+            Ok(Event::OutputClosed) => outputs_open -= 1,
+            Ok(Event::Signal(_)) => {}
+            Err(_) => break,
+        }
+    }
+
+    let code = failure.or(interrupted.map(|s| 128 + s as i32));
+    match code {
+        None => Ok(()),
+        Some(code) => {
+            let _ = io::stdout().flush();
+            let _ = io::stderr().flush();
+            std::process::exit(code)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_parse_with_units() {
+        assert_eq!(parse_duration_or_seconds("5s"), Ok(Duration::from_secs(5)));
+        assert_eq!(parse_duration_or_seconds("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration_or_seconds("1.5m"), Ok(Duration::from_secs(90)));
+        assert_eq!(parse_duration_or_seconds("10"), Ok(Duration::from_secs(10)));
+        assert_eq!(parse_duration_or_seconds("0s"), Ok(Duration::ZERO));
+        assert!(parse_duration_or_seconds("5 parsecs").is_err());
+        assert!(parse_duration_or_seconds("-1s").is_err());
+        assert!(parse_duration_or_seconds("").is_err());
+    }
+
+    #[test]
+    fn tf_config_is_tensorflows() {
+        let tasks = tasks(true, 2, 1);
+        let addresses: Vec<String> = (0..4).map(|i| format!("127.0.0.1:{}", 1000 + i)).collect();
+        let spec = cluster_spec(&tasks, &addresses).unwrap();
+        assert_eq!(
+            tf_config(&spec, tasks[2]).unwrap(),
+            r#"{"cluster":{"chief":["127.0.0.1:1000"],"worker":["127.0.0.1:1001","127.0.0.1:1002"],"ps":["127.0.0.1:1003"]},"task":{"type":"worker","index":1}}"#
+        );
+        let only_workers = cluster_spec(&tasks[1..3], &addresses[1..3]).unwrap();
+        assert_eq!(
+            tf_config(&only_workers, tasks[1]).unwrap(),
+            r#"{"cluster":{"worker":["127.0.0.1:1001","127.0.0.1:1002"]},"task":{"type":"worker","index":0}}"#
+        );
+    }
+}

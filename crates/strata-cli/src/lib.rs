@@ -1,0 +1,129 @@
+//! The `strata` command: its subcommands (`train`, `launch`, `ps`, `worker`, `devices`,
+//! `compare`) and the benchmarks (`strata bench ...`). The library a training program depends
+//! on is the `strata` crate; this crate owns the command line (clap), process control (nix,
+//! ctrlc), progress bars (indicatif) and the allocator (mimalloc), and converts its flags into
+//! the library's types here, at the edge.
+
+pub mod bench;
+pub mod compare;
+pub(crate) mod launch;
+pub use launch::TOKEN_VAR;
+pub mod ps;
+pub mod train;
+
+use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
+use clap::{Parser, Subcommand};
+use strata::NamedKind;
+pub use strata::{Error, Result};
+
+/// A clap value parser for one of the library's named kinds (its names, each with its help).
+pub(crate) fn kind_parser<K: NamedKind>() -> impl TypedValueParser<Value = K> {
+    PossibleValuesParser::new(K::all().iter().map(|k| PossibleValue::new(k.name()).help(k.help())))
+        .try_map(|s| s.parse::<K>())
+}
+
+/// Strata: distribution strategies for data-parallel training.
+#[derive(Parser, Debug)]
+#[command(name = "strata", version, about, propagate_version = true)]
+pub struct Cli {
+    /// Log filter (tracing's env-filter syntax, e.g. `info` or `strata_core=debug`).
+    #[arg(long, global = true, default_value = "warn", env = "STRATA_LOG")]
+    pub log: String,
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Train the digits MLP (the main job).
+    Train(Box<train::TrainArgs>),
+    /// Start a local cluster: one process per task, each with its TF_CONFIG (like torchrun).
+    Launch(launch::LaunchArgs),
+    /// Serve one parameter-server task (variables, the optimizer, checkpoints) until SIGTERM.
+    Ps(ps::PsArgs),
+    /// Serve one worker task: run the step functions registered in this binary for a
+    /// coordinator, until SIGTERM.
+    Worker(ps::WorkerArgs),
+    /// List physical and logical devices as the visibility rules resolve them, and the GPUs
+    /// with the CUDA_VISIBLE_DEVICES entry that selected each, their memory and peer access.
+    Devices(DevicesArgs),
+    /// Run the same training under several strategies (real processes, or --simulate'd in
+    /// virtual time), and write runs.csv, summary.json, plots and REPORT.md.
+    Compare(compare::CompareArgs),
+    /// Benchmarks; each prints this machine's ceiling measured in the same run.
+    Bench {
+        /// Which benchmark.
+        #[command(subcommand)]
+        which: BenchCommand,
+    },
+}
+
+/// Options of `strata devices`.
+#[derive(clap::Args, Debug)]
+pub struct DevicesArgs {
+    /// Also ask the CUDA driver for each GPU's free memory (this creates a context on every GPU).
+    #[arg(long)]
+    pub driver_memory: bool,
+}
+
+/// The benchmarks.
+#[derive(Subcommand, Debug)]
+pub enum BenchCommand {
+    /// All-reduce bandwidth in the style of nccl-tests, beside the memcpy floor.
+    Allreduce(bench::allreduce::AllreduceArgs),
+    /// Training throughput and peak RSS of one device and Mirrored, beside the ceiling of K
+    /// independent copies of the step.
+    Train(bench::train::BenchTrainArgs),
+    /// Parameter-server push/pull throughput and push rate beside raw loopback TCP, and async
+    /// PS training throughput beside the ceiling.
+    Ps(bench::ps::BenchPsArgs),
+    /// gRPC streaming against raw TCP throughput on loopback (why the data plane is raw TCP).
+    Transport(bench::transport::BenchTransportArgs),
+}
+
+/// Runs the command line.
+pub fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Train(args) => train::run(&args),
+        Command::Launch(args) => launch::run(&args),
+        Command::Ps(args) => ps::run_ps(&args),
+        Command::Worker(args) => ps::run_worker(&args),
+        Command::Devices(args) => devices(&args),
+        Command::Compare(args) => compare::run(&args),
+        Command::Bench { which: BenchCommand::Allreduce(args) } => bench::allreduce::run(&args),
+        Command::Bench { which: BenchCommand::Train(args) } => bench::train::run(&args),
+        Command::Bench { which: BenchCommand::Transport(args) } => bench::transport::run(&args),
+        Command::Bench { which: BenchCommand::Ps(args) } => bench::ps::run(&args),
+    }
+}
+
+/// `strata devices`: the registry's report, with the GPUs from the CUDA driver when there is
+/// one; without a driver (or a build without the `cuda` feature) one line says why.
+fn devices(args: &DevicesArgs) -> Result<()> {
+    let registry = strata_core::device::DeviceRegistry::global();
+    let registered = strata_cuda::device::register_cuda_enumerator(registry);
+    let mut text = strata_core::device::describe_devices(registry)?;
+    match registered {
+        Ok(()) => match strata_cuda::device::discover()
+            .and_then(|topology| strata_cuda::device::describe_gpus(registry, &topology, args.driver_memory))
+        {
+            Ok(gpus) => text.push_str(&gpus),
+            Err(strata_cuda::Error::Core(e)) => return Err(e.into()),
+            Err(e) => text.push_str(&format!("GPUs: {e}\n")),
+        },
+        Err(strata_cuda::Error::Core(e)) => return Err(e.into()),
+        Err(e) => {
+            let line = format!("GPUs: {e}\n");
+            let generic = "GPUs: no GPU enumerator registered (build with the cuda feature)\n";
+            if text.contains(generic) {
+                text = text.replace(generic, &line);
+            } else {
+                text.push_str(&line);
+            }
+        }
+    }
+    print!("{text}");
+    Ok(())
+}

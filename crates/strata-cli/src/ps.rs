@@ -1,0 +1,530 @@
+//! `strata ps`, `strata worker`, and `strata train --strategy parameter-server`.
+//!
+//! Every task of a ParameterServerStrategy job runs this one binary: `strata ps` serves
+//! variables, `strata worker` runs the step functions registered in it (the digits step), and
+//! `strata train --strategy parameter-server` is the coordinator. Without `TF_CONFIG`, `strata
+//! train` starts the ps and worker processes itself on loopback, and stops them when it ends,
+//! fails or is interrupted; with `TF_CONFIG`, each task acts as its `task.type` says.
+
+use std::net::{IpAddr, SocketAddr};
+use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{kill, SigSet, Signal};
+use nix::unistd::Pid;
+use serde::Serialize;
+use strata_strategies::cluster::{
+    ClusterConfig, ClusterResolver, ClusterSpec, TFConfigClusterResolver, TaskId, TaskType,
+};
+use strata_strategies::parameter_server::{
+    serve_worker, ParameterServerOptions, ParameterServerStrategy, Partitioner, WorkerOptions,
+};
+use strata_transport::ps::{FaultInjection, PsMode, PsServerConfig, PsServerHandle};
+use strata_transport::{ClusterToken, MutualTls};
+
+use strata::digits;
+use strata::model::Mlp;
+use strata::ps_job::{self, DigitsSpec, PsTrainConfig, WorkerStepOptions};
+use strata_compare::inject::StepDelays;
+
+use crate::launch::{self, TOKEN_VAR};
+use crate::train::{PsModeKind, TrainArgs};
+use crate::{Error, Result};
+
+/// `strata ps` flags: serve one parameter-server task until SIGTERM or Ctrl-C.
+#[derive(clap::Args, Debug, Clone)]
+pub struct PsArgs {
+    /// Listen here (host:port). Default: this task's address in `TF_CONFIG`, on --bind.
+    #[arg(long)]
+    pub address: Option<String>,
+    /// This task's index (`ps:<index>`) when --address is given without `TF_CONFIG`.
+    #[arg(long, default_value_t = 0)]
+    pub task_index: usize,
+    /// The IP address to bind to with `TF_CONFIG`'s port (0.0.0.0 on a real cluster).
+    #[arg(long, default_value = "127.0.0.1")]
+    pub bind: IpAddr,
+    /// The cluster token's file (default: the STRATA_CLUSTER_TOKEN variable).
+    #[arg(long)]
+    pub cluster_token_file: Option<PathBuf>,
+    /// Write checkpoints here when the coordinator asks (`ckpt-<step>` directories).
+    #[arg(long)]
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Start from the latest checkpoint in this directory (or this `ckpt-<step>` directory).
+    #[arg(long)]
+    pub restore: Option<PathBuf>,
+    /// Checkpoints to keep.
+    #[arg(long, default_value_t = 3)]
+    pub keep_checkpoints: usize,
+    /// Apply async and stale pushes of at least this many MiB while they arrive, each chunk as
+    /// it comes (the task then keeps a spare copy of the variables and slots they update).
+    #[arg(long, default_value_t = 2.0)]
+    pub stream_min_mib: f64,
+    /// Apply every push after its last chunk, in place: no spare copy of the variables.
+    #[arg(long)]
+    pub no_stream: bool,
+    /// Test facility: apply every Nth push but answer it as lost (UNAVAILABLE).
+    #[arg(long, hide = true, default_value_t = 0)]
+    pub inject_drop_reply_every: u64,
+    /// Test facility: refuse every Nth push before applying it (UNAVAILABLE).
+    #[arg(long, hide = true, default_value_t = 0)]
+    pub inject_drop_request_every: u64,
+}
+
+/// `strata worker` flags: run the registered step functions for a coordinator until SIGTERM.
+#[derive(clap::Args, Debug, Clone)]
+pub struct WorkerArgs {
+    /// Listen here (host:port). Default: this task's address in `TF_CONFIG`, on --bind.
+    #[arg(long)]
+    pub address: Option<String>,
+    /// This task's index (`worker:<index>`) when --address is given without `TF_CONFIG`.
+    #[arg(long, default_value_t = 0)]
+    pub task_index: usize,
+    /// The parameter servers, comma-separated host:port in task order (default: `TF_CONFIG`'s).
+    #[arg(long, value_delimiter = ',')]
+    pub ps: Vec<String>,
+    /// The IP address to bind to with `TF_CONFIG`'s port (0.0.0.0 on a real cluster).
+    #[arg(long, default_value = "127.0.0.1")]
+    pub bind: IpAddr,
+    /// The cluster token's file (default: the STRATA_CLUSTER_TOKEN variable).
+    #[arg(long)]
+    pub cluster_token_file: Option<PathBuf>,
+    /// Slow this worker down by this factor (a straggler, for experiments).
+    #[arg(long, default_value_t = 1.0)]
+    pub slowdown: f64,
+    /// Random stragglers: the chance that a step is delayed (with --straggler-delay).
+    #[arg(long, default_value_t = 0.0, value_name = "P")]
+    pub straggler_probability: f64,
+    /// Random stragglers: fixed:50ms, uniform:10ms..50ms or exp:20ms.
+    #[arg(long, value_name = "DISTRIBUTION")]
+    pub straggler_delay: Option<String>,
+    /// Seed of the straggler draws.
+    #[arg(long, default_value_t = 0)]
+    pub inject_seed: u64,
+    /// Add this delay to every pull and push, e.g. 2ms.
+    #[arg(long, value_name = "DURATION", value_parser = strata_compare::experiment::parse_duration)]
+    pub network_delay: Option<Duration>,
+}
+
+fn token(file: Option<&std::path::Path>) -> Result<ClusterToken> {
+    ClusterToken::resolve(file).map_err(|e| Error::Usage(e.to_string()))
+}
+
+/// This task's cluster from `TF_CONFIG`, if the variable is set.
+fn tf_config() -> Result<Option<ClusterConfig>> {
+    if std::env::var_os("TF_CONFIG").is_none() {
+        return Ok(None);
+    }
+    let resolver = TFConfigClusterResolver::from_env()?;
+    Ok(Some(resolver.resolve()?))
+}
+
+/// Where a task listens: --address, or its `TF_CONFIG` port on --bind.
+fn listen_address(
+    address: &Option<String>,
+    bind: IpAddr,
+    cluster: Option<&ClusterConfig>,
+    kind: TaskType,
+) -> Result<SocketAddr> {
+    if let Some(a) = address {
+        return a.parse().map_err(|_| {
+            Error::Usage(format!("--address {a:?} is not host:port with an IP host, e.g. 127.0.0.1:2222"))
+        });
+    }
+    let Some(c) = cluster else {
+        return Err(Error::Usage(format!(
+            "no address for this {kind} task: pass --address host:port, or set TF_CONFIG with a {kind} task"
+        )));
+    };
+    if c.task.kind != kind {
+        return Err(Error::Usage(format!(
+            "TF_CONFIG says this task is {}, but `strata {kind}` runs a {kind} task; fix task.type in TF_CONFIG",
+            c.task
+        )));
+    }
+    Ok(SocketAddr::new(bind, c.port()?))
+}
+
+/// Blocks SIGINT, SIGTERM and SIGHUP in this thread (and the threads it starts), so that
+/// [`wait_for_signal`] receives them.
+fn block_signals() -> Result<SigSet> {
+    let mut signals = SigSet::empty();
+    for s in [Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP] {
+        signals.add(s);
+    }
+    signals.thread_block().map_err(|e| Error::io("blocking SIGINT and SIGTERM", e.into()))?;
+    Ok(signals)
+}
+
+fn wait_for_signal(signals: &SigSet) -> Signal {
+    signals.wait().unwrap_or(Signal::SIGTERM)
+}
+
+/// Runs `strata ps`.
+pub fn run_ps(args: &PsArgs) -> Result<()> {
+    let cluster = if args.address.is_some() { None } else { tf_config()? };
+    let address = listen_address(&args.address, args.bind, cluster.as_ref(), TaskType::Ps)?;
+    let index = cluster.as_ref().map_or(args.task_index, |c| c.task.index);
+    let signals = block_signals()?;
+    let mut config = PsServerConfig::new(format!("ps:{index}"), token(args.cluster_token_file.as_deref())?);
+    config.checkpoint_dir = args.checkpoint_dir.clone();
+    config.keep_checkpoints = args.keep_checkpoints.max(1);
+    config.restore = args.restore.clone();
+    config.faults = FaultInjection {
+        drop_reply_every: args.inject_drop_reply_every,
+        drop_request_every: args.inject_drop_request_every,
+    };
+    if !(args.stream_min_mib.is_finite() && args.stream_min_mib >= 0.0) {
+        return Err(Error::Usage(format!(
+            "--stream-min-mib {} is not a size: give a number of MiB, 0 or more (or --no-stream)",
+            args.stream_min_mib
+        )));
+    }
+    config.stream_min_bytes = (!args.no_stream).then_some((args.stream_min_mib * (1 << 20) as f64) as usize);
+    let server = PsServerHandle::start(address, config).map_err(strata_core::Error::from)?;
+    eprintln!("ps:{index} listening on {}", server.address());
+    let signal = wait_for_signal(&signals);
+    eprintln!("ps:{index}: {signal} received; stopping");
+    server.shutdown();
+    Ok(())
+}
+
+/// Runs `strata worker`.
+pub fn run_worker(args: &WorkerArgs) -> Result<()> {
+    if !(args.slowdown.is_finite() && args.slowdown >= 1.0) {
+        return Err(Error::Usage(format!("--slowdown {} must be 1 or more", args.slowdown)));
+    }
+    let cluster = if args.address.is_some() && !args.ps.is_empty() { None } else { tf_config()? };
+    let address = listen_address(&args.address, args.bind, cluster.as_ref(), TaskType::Worker)?;
+    let index = cluster.as_ref().map_or(args.task_index, |c| c.task.index);
+    let ps: Vec<String> = if !args.ps.is_empty() {
+        args.ps.clone()
+    } else {
+        let c = cluster.as_ref().ok_or_else(|| Error::Usage("pass --ps host:port,... or set TF_CONFIG".into()))?;
+        c.spec.require_ps()?;
+        (0..c.spec.num_tasks(TaskType::Ps))
+            .map(|i| c.spec.address(TaskId::ps(i)).map(str::to_string))
+            .collect::<Result<_, _>>()?
+    };
+    let signals = block_signals()?;
+    let mut options = WorkerOptions::new(index, ps, token(args.cluster_token_file.as_deref())?);
+    options.task_index = index;
+    let mut delays =
+        StepDelays::from_flags(&[], args.straggler_probability, args.straggler_delay.as_deref(), args.inject_seed)?;
+    delays.slowdown = vec![(index, args.slowdown)];
+    if let Some(d) = args.network_delay {
+        strata_transport::inject::set_network_delay(d);
+    }
+    let hook = (!delays.is_empty()).then(|| Arc::new(delays) as Arc<dyn strata::trainer::StepHook>);
+    let registry = ps_job::worker_registry(WorkerStepOptions { hook });
+    let server = serve_worker(address, registry, options)?;
+    eprintln!("worker:{index} listening on {}", server.address());
+    let signal = wait_for_signal(&signals);
+    eprintln!("worker:{index}: {signal} received; stopping");
+    server.shutdown();
+    Ok(())
+}
+
+/// The parameter-server part of `--out`.
+#[derive(Debug, Serialize)]
+pub struct PsSummary {
+    /// The mode, as the ps tasks report it.
+    pub mode: String,
+    /// Worker tasks.
+    pub workers: usize,
+    /// What the coordinator saw.
+    pub coordinator: ps_job::CoordinatorStats,
+    /// What each ps task did.
+    pub tasks: Vec<PsTaskSummary>,
+}
+
+/// One ps task's counters at the end of training.
+#[derive(Debug, Serialize)]
+pub struct PsTaskSummary {
+    /// `ps:<index>`.
+    pub task: String,
+    /// Applies made (the task's version).
+    pub version: u64,
+    /// Updates applied.
+    pub pushes_applied: u64,
+    /// Retries answered as duplicates.
+    pub pushes_duplicate: u64,
+    /// Sync pushes dropped.
+    pub pushes_dropped: u64,
+    /// Stale pushes refused.
+    pub pushes_stale: u64,
+    /// Pushes applied while they arrived (counted in `pushes_applied` too).
+    pub pushes_streamed: u64,
+    /// Streamed pushes refused because another update overtook them (sent again).
+    pub pushes_aborted: u64,
+    /// The checkpoint step it was restored from (0: fresh).
+    pub restored_step: u64,
+    /// Its version in that checkpoint.
+    pub restored_version: u64,
+    /// Sync rounds applied.
+    pub rounds: u64,
+    /// Updates applied per worker.
+    pub applied_by_worker: std::collections::BTreeMap<String, u64>,
+    /// Bytes of variables it holds.
+    pub bytes: u64,
+}
+
+fn ps_mode(args: &TrainArgs, workers: usize) -> Result<PsMode> {
+    Ok(match args.ps_mode {
+        PsModeKind::Async => PsMode::Async,
+        PsModeKind::Sync => {
+            if args.backup_workers as usize >= workers {
+                return Err(Error::Usage(format!(
+                    "--backup-workers {} leaves no worker to aggregate out of {workers}; pass fewer than {workers}",
+                    args.backup_workers
+                )));
+            }
+            PsMode::Sync { workers: workers as u32, backup_workers: args.backup_workers }
+        }
+        PsModeKind::Stale => PsMode::Stale { staleness: args.staleness },
+    })
+}
+
+/// The slow workers and stragglers of `--worker-slowdown` and `--straggler-*`, checked
+/// against the number of workers.
+fn step_delays(args: &TrainArgs, workers: usize) -> Result<StepDelays> {
+    let delays = args.step_delays()?;
+    if let Some((i, _)) = delays.slowdown.iter().find(|(i, _)| *i >= workers) {
+        return Err(Error::Usage(format!("--worker-slowdown {i}=...: the index must be below --workers {workers}")));
+    }
+    Ok(delays)
+}
+
+/// Child processes of a local run, stopped (SIGTERM, then SIGKILL) when dropped, on Ctrl-C, and
+/// when a ps task dies.
+struct LocalCluster {
+    children: Arc<Mutex<Vec<(TaskId, Child)>>>,
+}
+
+fn stop_children(children: &Mutex<Vec<(TaskId, Child)>>) {
+    let mut children = children.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    for (_, c) in children.iter() {
+        let _ = kill(Pid::from_raw(-(c.id() as i32)), Signal::SIGTERM);
+    }
+    let deadline = Instant::now() + Duration::from_secs(3);
+    for (_, c) in children.iter_mut() {
+        while matches!(c.try_wait(), Ok(None)) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        if matches!(c.try_wait(), Ok(None)) {
+            let _ = kill(Pid::from_raw(-(c.id() as i32)), Signal::SIGKILL);
+            let _ = c.wait();
+        }
+    }
+    children.clear();
+}
+
+impl Drop for LocalCluster {
+    fn drop(&mut self) {
+        stop_children(&self.children);
+    }
+}
+
+impl LocalCluster {
+    /// Starts `ps` ps tasks and `workers` worker tasks of this executable.
+    fn start(args: &TrainArgs, cluster: &ClusterSpec, token: &str, delays: &StepDelays) -> Result<Self> {
+        let exe = std::env::current_exe().map_err(|e| Error::io("finding the strata executable", e))?;
+        let children: Arc<Mutex<Vec<(TaskId, Child)>>> = Arc::new(Mutex::new(Vec::new()));
+        let me = Self { children: children.clone() };
+        {
+            let children = children.clone();
+            // Ctrl-C or SIGTERM: stop every task, then exit as interrupted.
+            let _ = ctrlc::set_handler(move || {
+                eprintln!("strata train: interrupted; stopping the ps and worker tasks");
+                stop_children(&children);
+                std::process::exit(130);
+            });
+        }
+        let (events, _drain) = std::sync::mpsc::channel();
+        let tasks: Vec<TaskId> = (0..cluster.num_tasks(TaskType::Ps))
+            .map(TaskId::ps)
+            .chain((0..cluster.num_tasks(TaskType::Worker)).map(TaskId::worker))
+            .collect();
+        for task in tasks {
+            let mut cmd = Command::new(&exe);
+            match task.kind {
+                TaskType::Ps => {
+                    cmd.arg("ps");
+                    if let Some(dir) = &args.checkpoint_dir {
+                        cmd.arg("--checkpoint-dir").arg(dir.join(format!("ps-{}", task.index)));
+                    }
+                }
+                _ => {
+                    cmd.arg("worker").args(delays.to_worker_flags(task.index));
+                    if let Some(d) = args.network_delay {
+                        cmd.arg("--network-delay").arg(format!("{}us", d.as_micros()));
+                    }
+                }
+            }
+            cmd.env("TF_CONFIG", launch::tf_config(cluster, task)?)
+                .env(launch::TASK_VAR, task.to_string())
+                .env(TOKEN_VAR, token)
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .process_group(0);
+            let mut child = cmd.spawn().map_err(|e| Error::io(format!("starting {task}"), e))?;
+            let prefix = format!("[{task}] ");
+            if let Some(out) = child.stdout.take() {
+                launch::forward_lines(out, prefix.clone(), false, events.clone());
+            }
+            if let Some(err) = child.stderr.take() {
+                launch::forward_lines(err, prefix, true, events.clone());
+            }
+            children.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push((task, child));
+        }
+        // A ps task that dies ends the run (nobody restarts it here); a worker that dies is
+        // survived (its steps run on the others).
+        std::thread::spawn(move || loop {
+            std::thread::sleep(Duration::from_millis(200));
+            let mut guard = children.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            if guard.is_empty() {
+                return;
+            }
+            let mut ps_died = None;
+            for (task, c) in guard.iter_mut() {
+                if let Ok(Some(status)) = c.try_wait() {
+                    if task.kind == TaskType::Ps && ps_died.is_none() {
+                        ps_died = Some(format!("task {task} {}", strata_compare::runner::describe(status)));
+                    }
+                }
+            }
+            drop(guard);
+            if let Some(why) = ps_died {
+                eprintln!(
+                    "error: {why}; its variables are gone, so training stops (restart it with --restore to resume)"
+                );
+                stop_children(&children);
+                std::process::exit(1);
+            }
+        });
+        Ok(me)
+    }
+}
+
+/// Trains the digits MLP under ParameterServerStrategy (the coordinator's side), starting the
+/// ps and worker tasks on loopback unless `TF_CONFIG` describes the cluster.
+pub fn train(args: &TrainArgs, started: Instant) -> Result<()> {
+    let from_env = tf_config()?;
+    let mut token_text = String::new();
+    let (cluster, _local) = match from_env {
+        Some(c) => match c.task.kind {
+            TaskType::Ps => {
+                return run_ps(&PsArgs {
+                    address: None,
+                    task_index: 0,
+                    bind: args.bind,
+                    cluster_token_file: args.cluster_token_file.clone(),
+                    checkpoint_dir: args.checkpoint_dir.as_ref().map(|d| d.join(format!("ps-{}", c.task.index))),
+                    restore: None,
+                    keep_checkpoints: 3,
+                    stream_min_mib: 2.0,
+                    no_stream: false,
+                    inject_drop_reply_every: 0,
+                    inject_drop_request_every: 0,
+                })
+            }
+            TaskType::Worker => {
+                return run_worker(&WorkerArgs {
+                    address: None,
+                    task_index: 0,
+                    ps: Vec::new(),
+                    bind: args.bind,
+                    cluster_token_file: args.cluster_token_file.clone(),
+                    slowdown: args.step_delays()?.factor(c.task.index),
+                    straggler_probability: args.straggler_probability,
+                    straggler_delay: args.straggler_delay.clone(),
+                    inject_seed: args.seed,
+                    network_delay: args.network_delay,
+                })
+            }
+            TaskType::Chief => {
+                c.spec.require_ps()?;
+                (c.spec.clone(), None)
+            }
+            other => {
+                return Err(Error::Usage(format!(
+                    "TF_CONFIG names a {other} task; a parameter-server job has chief (the coordinator), worker and ps tasks"
+                )))
+            }
+        },
+        None => {
+            if args.ps_tasks == 0 || args.workers == 0 {
+                return Err(Error::Usage(format!(
+                    "--ps-tasks {} --workers {}: a parameter-server job needs at least one of each",
+                    args.ps_tasks, args.workers
+                )));
+            }
+            let tasks = launch::tasks(true, args.workers, args.ps_tasks);
+            let addresses = launch::free_addresses(args.bind, tasks.len())?;
+            let spec = launch::cluster_spec(&tasks, &addresses)?;
+            token_text = launch::cluster_token();
+            let delays = step_delays(args, args.workers)?;
+            let local = LocalCluster::start(args, &spec, &token_text, &delays)?;
+            (spec, Some(local))
+        }
+    };
+    let token = match &_local {
+        // The tasks it started take the same token from their environment, and mutual TLS from
+        // STRATA_TLS_DIR as this process does.
+        Some(_) => {
+            let token = ClusterToken::new(&token_text).map_err(|e| Error::Usage(e.to_string()))?;
+            match MutualTls::from_env().map_err(|e| Error::Usage(e.to_string()))? {
+                Some(tls) => token.with_tls(tls),
+                None => token,
+            }
+        }
+        None => token(args.cluster_token_file.as_deref())?,
+    };
+    let workers = cluster.num_tasks(TaskType::Worker);
+    let mut options = ParameterServerOptions::new(token);
+    options.optimizer = args.optimizer.server_optimizer(args.lr, args.momentum);
+    options.mode = ps_mode(args, workers)?;
+    options.partitioner = Partitioner::parse(&args.partitioner)?;
+    options.seed = args.seed;
+    options.checkpoint_every = args.checkpoint_dir.as_ref().map(|_| args.checkpoint_every.max(1) as u64);
+    let strategy = ParameterServerStrategy::new(cluster, options)?;
+    let hidden = args.hidden.clone();
+    let model = strategy.scope(|s| Mlp::new(s.var_builder(), digits::FEATURES, &hidden, digits::CLASSES))?;
+    let config = PsTrainConfig {
+        spec: DigitsSpec { hidden, replicas: args.replicas.unwrap_or(1), seed: args.seed, data: args.data.clone() },
+        epochs: args.epochs,
+        batch_size: args.batch,
+        progress: Some(Arc::new(strata_compare::progress::Bar::new(!args.no_progress))),
+        max_steps: args.max_steps,
+        metrics: args.metrics_writer()?,
+    };
+    let (report, stats) = ps_job::train_coordinator(&strategy, &model, &config)?;
+    let mut tasks = Vec::new();
+    let mut mode = String::new();
+    for (i, c) in strategy.ps_clients().iter().enumerate() {
+        let s = c.status().map_err(strata_core::Error::from)?;
+        mode = s.mode.to_string();
+        let bytes = s.variables.iter().map(|(v, _)| v.numel() as u64 * 4).sum();
+        tasks.push(PsTaskSummary {
+            task: format!("ps:{i}"),
+            version: s.version,
+            pushes_applied: s.pushes_applied,
+            pushes_duplicate: s.pushes_duplicate,
+            pushes_dropped: s.pushes_dropped,
+            pushes_stale: s.pushes_stale,
+            pushes_streamed: s.pushes_streamed,
+            pushes_aborted: s.pushes_aborted,
+            restored_step: s.restored_step,
+            restored_version: s.restored_version,
+            rounds: s.rounds,
+            applied_by_worker: s.applied_by_worker,
+            bytes,
+        });
+    }
+    let ps = PsSummary { mode, workers, coordinator: stats, tasks };
+    let replicas = workers * args.replicas.unwrap_or(1);
+    crate::train::finish(args, started, replicas, &report, model.variables(), 0, Some(ps))
+}

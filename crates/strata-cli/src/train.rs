@@ -1,0 +1,503 @@
+//! `strata train`: the main job.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use serde::Serialize;
+use strata_core::strategy::AutoShardPolicy;
+use strata_core::timeline::Timeline;
+use strata_core::{Strategy, StrategyHandle, StrategyOptions};
+use strata_strategies::cluster::{ClusterResolver, SlurmClusterResolver, TFConfigClusterResolver};
+use strata_strategies::{
+    CentralStorageStrategy, CpuReduction, MirroredStrategy, MultiWorkerMirroredStrategy, MultiWorkerOptions,
+    OneDeviceStrategy,
+};
+
+use strata::digits;
+use strata::model::Mlp;
+use strata::trainer::{FitReport, TrainConfig, Trainer};
+use strata::{OptimizerKind, StrategyKind};
+use strata_compare::inject::StepDelays;
+
+use crate::{kind_parser, Error, Result};
+
+/// How parameter servers apply pushes.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PsModeKind {
+    /// Apply each push as it arrives (TensorFlow's ParameterServerStrategy).
+    Async,
+    /// Average one push per worker per step, then apply once (--backup-workers: apply after
+    /// the first workers minus backups, drop the late ones).
+    Sync,
+    /// Apply each push, refuse those computed from values more than --staleness versions old.
+    Stale,
+}
+
+/// Where a multi-worker task learns its cluster.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ClusterSource {
+    /// The `TF_CONFIG` environment variable, as TensorFlow (and Kubeflow's TFJob) writes it.
+    TfConfig,
+    /// Slurm's variables (`SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_JOB_NODELIST`, ...).
+    Slurm,
+}
+
+/// How a multi-worker job splits the data across workers.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AutoShardKind {
+    /// Every worker keeps its slice of each global batch.
+    Data,
+    /// No sharding: each worker's batches are its own.
+    Off,
+}
+
+/// Which CPU reduction.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReductionKind {
+    /// Each replica reduces its own chunk (reduce-scatter), then all read the result.
+    InMemory,
+    /// One replica reduces everything.
+    ToOneDevice,
+}
+
+/// `strata train` flags.
+#[derive(clap::Args, Debug, Clone)]
+pub struct TrainArgs {
+    /// The distribution strategy.
+    #[arg(long, default_value = "mirrored", value_parser = kind_parser::<StrategyKind>())]
+    pub strategy: StrategyKind,
+    /// Replicas (logical CPU devices of one thread each); one-device always uses 1.
+    #[arg(long, conflicts_with = "gpus")]
+    pub replicas: Option<usize>,
+    /// Train on the first N visible GPUs, one replica each (mirrored, central-storage,
+    /// one-device), instead of logical CPU devices. Needs a binary built with
+    /// `--features candle-cuda` and a CUDA driver.
+    #[arg(long, value_name = "N")]
+    pub gpus: Option<usize>,
+    /// With --gpus: how the replicas reduce (auto: NCCL between whole GPUs when it loads,
+    /// Strata's CUDA kernels otherwise; nccl; kernels).
+    #[arg(long, default_value = "auto", value_parser = parse_cross_device_ops)]
+    pub cross_device_ops: strata_cuda::select::CrossDeviceChoice,
+    /// Hidden layer sizes, comma-separated.
+    #[arg(long, default_value = "256,256", value_delimiter = ',')]
+    pub hidden: Vec<usize>,
+    /// Passes over the training set.
+    #[arg(long, default_value_t = 30)]
+    pub epochs: usize,
+    /// Global batch size (examples per step over all replicas).
+    #[arg(long, default_value_t = 256)]
+    pub batch: usize,
+    /// Learning rate.
+    #[arg(long, default_value_t = 0.003)]
+    pub lr: f64,
+    /// Optimizer.
+    #[arg(long, default_value = "adamw", value_parser = kind_parser::<OptimizerKind>())]
+    pub optimizer: OptimizerKind,
+    /// Seed of initialisation and shuffling (the train/test split is fixed).
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Digits CSV (.csv or .csv.gz); default: the copy shipped in data/ (built into the binary).
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    /// Write a JSON summary here.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Write a Chrome trace of every replica's step phases here (open it in Perfetto).
+    #[arg(long)]
+    pub timeline: Option<PathBuf>,
+    /// The CPU cross-device reduction.
+    #[arg(long, value_enum, default_value = "in-memory")]
+    pub reduction: ReductionKind,
+    /// Gradient fusion bucket size in MiB (0: one bucket per tensor).
+    #[arg(long, default_value_t = 25.0)]
+    pub bucket_mib: f64,
+    /// Do not draw a progress bar.
+    #[arg(long)]
+    pub no_progress: bool,
+    /// Multi-worker: where this task reads its cluster from.
+    #[arg(long, value_enum, default_value = "tf-config")]
+    pub cluster: ClusterSource,
+    /// Multi-worker: the address servers bind to (default loopback; 0.0.0.0 on a real cluster).
+    #[arg(long, default_value = "127.0.0.1")]
+    pub bind: std::net::IpAddr,
+    /// Multi-worker: the cluster token's file (default: STRATA_CLUSTER_TOKEN).
+    #[arg(long)]
+    pub cluster_token_file: Option<PathBuf>,
+    /// Multi-worker: how the data is split across workers.
+    #[arg(long, value_enum, default_value = "data")]
+    pub auto_shard: AutoShardKind,
+    /// Deadline of every collective, in seconds.
+    #[arg(long, default_value_t = 60.0)]
+    pub collective_timeout: f64,
+    /// Write checkpoints here (the chief does), and resume from the latest one found.
+    #[arg(long)]
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Steps between checkpoints.
+    #[arg(long, default_value_t = 100)]
+    pub checkpoint_every: usize,
+    /// Write the final parameters here (safetensors; the chief does, or every worker with
+    /// `{task}` in the path, which is replaced by the worker's index).
+    #[arg(long)]
+    pub save_params: Option<PathBuf>,
+    /// Stop after this many steps in total (a resumed run counts the steps before its
+    /// checkpoint), for tests of interruption and resumption.
+    #[arg(long, hide = true)]
+    pub max_steps: Option<usize>,
+    /// Parameter server: ps tasks to start (without TF_CONFIG).
+    #[arg(long, default_value_t = 2)]
+    pub ps_tasks: usize,
+    /// Parameter server: worker tasks to start (without TF_CONFIG).
+    #[arg(long, default_value_t = 2)]
+    pub workers: usize,
+    /// Parameter server: how pushes are applied.
+    #[arg(long, value_enum, default_value = "async")]
+    pub ps_mode: PsModeKind,
+    /// Parameter server, sync mode: backup workers (a round is applied after workers minus
+    /// this many pushes; the late ones are dropped).
+    #[arg(long, default_value_t = 0)]
+    pub backup_workers: u32,
+    /// Parameter server, stale mode: the largest accepted staleness, in versions.
+    #[arg(long, default_value_t = 4)]
+    pub staleness: u64,
+    /// Parameter server: how variables are split over ps tasks: none, fixed:N,
+    /// min:BYTES[:MAX_SHARDS], max:BYTES[:MAX_SHARDS] (TensorFlow's partitioners).
+    #[arg(long, default_value = "none")]
+    pub partitioner: String,
+    /// Momentum of --optimizer momentum.
+    #[arg(long, default_value_t = 0.9)]
+    pub momentum: f64,
+    /// Slow worker INDEX down by FACTOR (a straggler: its steps sleep FACTOR - 1 times their
+    /// compute time), e.g. 2=5; repeatable. Workers are worker tasks in multi-worker and
+    /// parameter-server jobs, replicas otherwise.
+    #[arg(long, value_name = "INDEX=FACTOR")]
+    pub worker_slowdown: Vec<String>,
+    /// Random stragglers: the chance that a worker's step is delayed (with --straggler-delay).
+    #[arg(long, default_value_t = 0.0, value_name = "P")]
+    pub straggler_probability: f64,
+    /// Random stragglers: how long, fixed:50ms, uniform:10ms..50ms or exp:20ms (the mean).
+    #[arg(long, value_name = "DISTRIBUTION")]
+    pub straggler_delay: Option<String>,
+    /// Add this delay to every data-plane message between processes (ring frames, pulls,
+    /// pushes), e.g. 2ms.
+    #[arg(long, value_name = "DURATION", value_parser = parse_delay)]
+    pub network_delay: Option<std::time::Duration>,
+    /// Write a JSON line per step and per evaluation here (wall time, loss, staleness, bytes,
+    /// accuracy), as `strata compare` reads them.
+    #[arg(long, value_name = "FILE")]
+    pub metrics: Option<PathBuf>,
+}
+
+fn parse_delay(s: &str) -> std::result::Result<std::time::Duration, String> {
+    strata_compare::experiment::parse_duration(s)
+}
+
+impl TrainArgs {
+    /// The slow workers and stragglers the flags ask for.
+    pub fn step_delays(&self) -> Result<StepDelays> {
+        StepDelays::from_flags(
+            &self.worker_slowdown,
+            self.straggler_probability,
+            self.straggler_delay.as_deref(),
+            self.seed,
+        )
+    }
+
+    /// The slow workers and stragglers the flags ask for, as a trainer's step hook (none when
+    /// no step is ever delayed).
+    pub fn step_hook(&self) -> Result<Option<Arc<dyn strata::trainer::StepHook>>> {
+        let delays = self.step_delays()?;
+        Ok((!delays.is_empty()).then(|| Arc::new(delays) as Arc<dyn strata::trainer::StepHook>))
+    }
+
+    /// The metrics file's writer, if asked for.
+    pub fn metrics_writer(&self) -> Result<Option<Arc<strata::metrics::MetricsWriter>>> {
+        self.metrics.as_deref().map(|p| strata::metrics::MetricsWriter::create(p).map(Arc::new)).transpose()
+    }
+}
+
+/// The JSON summary `--out` writes.
+#[derive(Debug, Serialize)]
+pub struct Summary {
+    /// The strategy.
+    pub strategy: StrategyKind,
+    /// Replicas in sync.
+    pub replicas: usize,
+    /// Hidden layer sizes.
+    pub hidden: Vec<usize>,
+    /// Parameters of the model.
+    pub parameters: usize,
+    /// Epochs.
+    pub epochs: usize,
+    /// Global batch.
+    pub global_batch: usize,
+    /// Optimizer.
+    pub optimizer: OptimizerKind,
+    /// Learning rate.
+    pub learning_rate: f64,
+    /// Seed.
+    pub seed: u64,
+    /// Test accuracy after the last epoch.
+    pub final_test_accuracy: f32,
+    /// Examples per second over the steady-state steps.
+    pub examples_per_second: f64,
+    /// Wall seconds of the whole run (data loading and evaluation included).
+    pub wall_seconds: f64,
+    /// Per epoch: loss, test accuracy, step seconds.
+    pub history: Vec<strata::trainer::EpochReport>,
+    /// Parameter server: what the ps tasks and the coordinator did.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub parameter_servers: Option<crate::ps::PsSummary>,
+}
+
+fn parse_cross_device_ops(s: &str) -> std::result::Result<strata_cuda::select::CrossDeviceChoice, String> {
+    s.parse().map_err(|e: strata_cuda::Error| e.to_string())
+}
+
+/// Builds the strategy the flags ask for.
+pub fn make_strategy(args: &TrainArgs, options: StrategyOptions) -> Result<StrategyHandle> {
+    if let Some(n) = args.gpus {
+        return strata::gpu::gpu_strategy(args.strategy, n, args.cross_device_ops, options);
+    }
+    let reduction = match args.reduction {
+        ReductionKind::InMemory => CpuReduction::InMemoryAllReduce,
+        ReductionKind::ToOneDevice => CpuReduction::ReductionToOneDevice,
+    };
+    if args.replicas == Some(0) {
+        return Err(strata_core::Error::ZeroReplicas.into());
+    }
+    Ok(match args.strategy {
+        StrategyKind::OneDevice => {
+            if let Some(n) = args.replicas.filter(|&n| n != 1) {
+                return Err(Error::Usage(format!(
+                    "--strategy one-device runs 1 replica, not {n}; drop --replicas or use --strategy mirrored"
+                )));
+            }
+            let device = strata_core::device::logical_cpus(1)?.remove(0);
+            OneDeviceStrategy::with_options(device, options)?.handle()
+        }
+        StrategyKind::Mirrored => {
+            let devices = strata_core::device::logical_cpus(args.replicas.unwrap_or(2))?;
+            MirroredStrategy::with_options(devices, reduction, options)?.handle()
+        }
+        StrategyKind::CentralStorage => {
+            let devices = strata_core::device::logical_cpus(args.replicas.unwrap_or(2))?;
+            CentralStorageStrategy::with_options(devices, reduction, options)?.handle()
+        }
+        StrategyKind::MultiWorkerMirrored | StrategyKind::ParameterServer => {
+            return Err(Error::Usage("multi-worker strategies are built by their own functions".into()))
+        }
+    })
+}
+
+/// Joins the multi-worker job this task belongs to.
+pub fn make_multi_worker(args: &TrainArgs, options: StrategyOptions) -> Result<MultiWorkerMirroredStrategy> {
+    // The GPU checks first: they are this task's own, and fail without a cluster.
+    let gpus = args.gpus.map(|n| strata::gpu::multi_worker_gpus(n, args.cross_device_ops)).transpose()?;
+    let resolver: Box<dyn ClusterResolver> = match args.cluster {
+        ClusterSource::TfConfig => Box::new(TFConfigClusterResolver::from_env()?),
+        ClusterSource::Slurm => Box::new(SlurmClusterResolver::from_env()),
+    };
+    let token = strata_transport::ClusterToken::resolve(args.cluster_token_file.as_deref())
+        .map_err(|e| Error::Usage(e.to_string()))?;
+    let mut mw = MultiWorkerOptions::new(token)?;
+    match gpus {
+        Some((devices, ops)) => {
+            mw.local_devices = devices;
+            mw.cross_worker_ops = ops;
+        }
+        None => mw.local_devices = strata_core::device::logical_cpus(args.replicas.unwrap_or(1))?,
+    }
+    mw.bind = args.bind;
+    mw.options = options;
+    mw.auto_shard = match args.auto_shard {
+        AutoShardKind::Data => AutoShardPolicy::Data,
+        AutoShardKind::Off => AutoShardPolicy::Off,
+    };
+    Ok(MultiWorkerMirroredStrategy::from_resolver(resolver.as_ref(), mw)?)
+}
+
+/// Trains and reports.
+pub fn run(args: &TrainArgs) -> Result<()> {
+    let started = std::time::Instant::now();
+    if args.hidden.is_empty() || args.hidden.contains(&0) {
+        return Err(Error::Usage("--hidden needs layer sizes of at least 1, e.g. --hidden 256,256".into()));
+    }
+    if !(args.lr.is_finite() && args.lr > 0.0) {
+        return Err(Error::Usage(format!("--lr {} is not a positive learning rate", args.lr)));
+    }
+    if !(args.bucket_mib.is_finite() && args.bucket_mib >= 0.0) {
+        return Err(Error::Usage(format!("--bucket-mib {} must be 0 or more", args.bucket_mib)));
+    }
+    let timeline = args.timeline.as_ref().map(|_| Arc::new(Timeline::new()));
+    if !(args.collective_timeout.is_finite() && args.collective_timeout > 0.0) {
+        return Err(Error::Usage(format!(
+            "--collective-timeout {} must be a positive number of seconds",
+            args.collective_timeout
+        )));
+    }
+    let delays = args.step_delays()?;
+    if let Some(d) = args.network_delay {
+        strata_transport::inject::set_network_delay(d);
+    }
+    if args.strategy == StrategyKind::ParameterServer {
+        return crate::ps::train(args, started);
+    }
+    let local_replicas = match args.strategy {
+        StrategyKind::OneDevice => 1,
+        _ => args.gpus.or(args.replicas).unwrap_or(2),
+    };
+    if args.strategy != StrategyKind::MultiWorkerMirrored {
+        if let Some((w, _)) = delays.slowdown.iter().find(|(w, _)| *w >= local_replicas) {
+            return Err(Error::Usage(format!(
+                "--worker-slowdown names replica {w}, but this run has {local_replicas}; slow a replica below that"
+            )));
+        }
+    }
+    let options = StrategyOptions {
+        bucket_bytes: (args.bucket_mib * 1024.0 * 1024.0) as usize,
+        timeline: timeline.clone(),
+        seed: args.seed,
+        collective_timeout: std::time::Duration::from_secs_f64(args.collective_timeout),
+    };
+    let multi = match args.strategy {
+        StrategyKind::MultiWorkerMirrored => Some(make_multi_worker(args, options.clone())?),
+        _ => None,
+    };
+    let result = train_with(
+        args,
+        started,
+        multi.as_ref().map_or_else(|| make_strategy(args, options), |m| Ok(m.handle()))?,
+        &timeline,
+        multi.as_ref(),
+    );
+    if let Some(m) = &multi {
+        match &result {
+            Ok(()) => m.finish()?,
+            Err(e) => m.report_error(&strata_core::Error::Cluster(e.to_string())),
+        }
+    }
+    result
+}
+
+fn train_with(
+    args: &TrainArgs,
+    started: std::time::Instant,
+    strategy: StrategyHandle,
+    timeline: &Option<Arc<Timeline>>,
+    multi: Option<&MultiWorkerMirroredStrategy>,
+) -> Result<()> {
+    let all = digits::load(args.data.as_deref())?;
+    let (train, test) = digits::train_test_split(&all, 0.2, 0);
+    let replicas = strategy.num_replicas_in_sync();
+    if args.batch < replicas {
+        return Err(Error::Usage(format!(
+            "--batch {} is smaller than the {replicas} replicas; every replica needs at least one example per step",
+            args.batch
+        )));
+    }
+    let hidden = args.hidden.clone();
+    let model = strategy.scope(|s| Mlp::new(s.var_builder(), digits::FEATURES, &hidden, digits::CLASSES))?;
+    let is_chief = multi.is_none_or(|m| m.is_chief());
+    let trainer = Trainer::new(TrainConfig {
+        epochs: args.epochs,
+        global_batch: args.batch,
+        seed: args.seed,
+        progress: Some(Arc::new(strata_compare::progress::Bar::new(!args.no_progress && is_chief))),
+        checkpoint: args.checkpoint_dir.as_ref().map(|dir| strata::trainer::CheckpointConfig {
+            dir: dir.clone(),
+            every_steps: args.checkpoint_every.max(1),
+            keep: 3,
+        }),
+        max_steps: args.max_steps,
+        metrics: args.metrics_writer()?,
+        step_hook: args.step_hook()?,
+        ..Default::default()
+    });
+    let report = args.optimizer.fit(args.lr, &trainer, &strategy, &model, &train, &test)?;
+    if let (Some(path), Some(t)) = (&args.timeline, timeline) {
+        t.write_chrome_trace(path)?;
+        eprintln!("timeline: {} events written to {}", t.len(), path.display());
+    }
+    if let Some(m) = multi {
+        // Every worker must end with the same parameters; print a digest to compare.
+        eprintln!("worker {}: parameter digest {}", m.worker_index(), parameter_digest(&model)?);
+    }
+    if is_chief {
+        finish(args, started, replicas, &report, model.variables(0), multi.map_or(0, |m| m.worker_index()), None)?;
+    } else if let Some(path) = &args.save_params {
+        if path.to_string_lossy().contains("{task}") {
+            save_params(path, multi.map_or(0, |m| m.worker_index()), model.variables(0))?;
+        }
+    }
+    Ok(())
+}
+
+/// Writes `vars` as safetensors to `path` with `{task}` replaced by `index`.
+fn save_params(path: &std::path::Path, index: usize, vars: &[(String, candle_core::Var)]) -> Result<()> {
+    let path = PathBuf::from(path.to_string_lossy().replace("{task}", &index.to_string()));
+    let tensors: std::collections::HashMap<String, candle_core::Tensor> =
+        vars.iter().map(|(n, v)| (n.clone(), v.as_tensor().clone())).collect();
+    candle_core::safetensors::save(&tensors, &path)
+        .map_err(|e| Error::io(format!("cannot write {}", path.display()), std::io::Error::other(e)))
+}
+
+/// The chief's (or coordinator's) end of a run: the one-line result, `--save-params` and `--out`.
+pub(crate) fn finish(
+    args: &TrainArgs,
+    started: std::time::Instant,
+    replicas: usize,
+    report: &FitReport,
+    vars: &[(String, candle_core::Var)],
+    task_index: usize,
+    parameter_servers: Option<crate::ps::PsSummary>,
+) -> Result<()> {
+    let summary = Summary {
+        strategy: args.strategy,
+        replicas,
+        parameters: Mlp::parameter_count(digits::FEATURES, &args.hidden, digits::CLASSES),
+        hidden: args.hidden.clone(),
+        epochs: args.epochs,
+        global_batch: args.batch,
+        optimizer: args.optimizer,
+        learning_rate: args.lr,
+        seed: args.seed,
+        final_test_accuracy: report.final_test_accuracy,
+        examples_per_second: report.examples_per_second,
+        wall_seconds: started.elapsed().as_secs_f64(),
+        history: report.epochs.clone(),
+        parameter_servers,
+    };
+    println!(
+        "{} x{}: test accuracy {:.2}% after {} epochs ({} steps), {:.0} examples/s in steady state, {:.2} s",
+        args.strategy,
+        replicas,
+        summary.final_test_accuracy * 100.0,
+        args.epochs,
+        report.steps,
+        summary.examples_per_second,
+        summary.wall_seconds
+    );
+    if let Some(path) = &args.save_params {
+        save_params(path, task_index, vars)?;
+    }
+    if let Some(path) = &args.out {
+        let json =
+            serde_json::to_string_pretty(&summary).map_err(|e| Error::io("cannot encode the summary", e.into()))?;
+        std::fs::write(path, json + "\n").map_err(|e| Error::io(format!("cannot write {}", path.display()), e))?;
+    }
+    Ok(())
+}
+
+/// A digest of every parameter's bits (FNV-1a over the f32 bit patterns, in variable order).
+pub fn parameter_digest<M>(model: &strata_core::Replicated<M>) -> Result<String> {
+    let mut h: u64 = 0xcbf29ce484222325;
+    for (name, v) in model.variables(0) {
+        for b in name.bytes() {
+            h = (h ^ b as u64).wrapping_mul(0x100000001b3);
+        }
+        for x in v.as_tensor().flatten_all()?.to_vec1::<f32>()? {
+            h = (h ^ x.to_bits() as u64).wrapping_mul(0x100000001b3);
+        }
+    }
+    Ok(format!("{h:016x}"))
+}

@@ -1,0 +1,827 @@
+//! The experiment file: what `strata compare` runs, as TOML.
+//!
+//! ```toml
+//! [experiment]
+//! name = "digits-mlp"
+//! hidden = [256, 256]
+//! epochs = 20
+//! global_batch = 256
+//! lr = 0.003
+//! optimizer = "adamw"
+//! seed = 0
+//! target_accuracy = 0.95
+//!
+//! [[run]]
+//! strategy = "one-device"
+//!
+//! [[run]]
+//! strategy = "parameter-server"
+//! mode = "sync"
+//! workers = 4
+//! backup_workers = 1
+//!
+//! [injection]
+//! slowdown = [{ worker = 1, factor = 3.0 }]
+//! stragglers = { probability = 0.1, delay = "exp:20ms" }
+//! network_delay = "1ms"
+//! ```
+//!
+//! Errors name the field and the line: `experiments/x.toml line 12: run[3].workers: ...`.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::{Error, Result};
+
+/// The strategies a run can use (the names of `strata train --strategy`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RunStrategy {
+    /// One device.
+    OneDevice,
+    /// Mirrored over `replicas` logical CPU devices.
+    Mirrored,
+    /// CentralStorage over `replicas` logical CPU devices.
+    CentralStorage,
+    /// MultiWorkerMirrored over `workers` processes.
+    MultiWorkerMirrored,
+    /// ParameterServer with `workers` worker and `ps_tasks` ps processes.
+    ParameterServer,
+}
+
+impl RunStrategy {
+    /// The name `strata train --strategy` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            RunStrategy::OneDevice => "one-device",
+            RunStrategy::Mirrored => "mirrored",
+            RunStrategy::CentralStorage => "central-storage",
+            RunStrategy::MultiWorkerMirrored => "multi-worker-mirrored",
+            RunStrategy::ParameterServer => "parameter-server",
+        }
+    }
+
+    /// Whether the run's workers are separate processes (injection applies to them by task
+    /// index); in-process strategies apply it to their replicas.
+    pub fn is_multi_process(self) -> bool {
+        matches!(self, RunStrategy::MultiWorkerMirrored | RunStrategy::ParameterServer)
+    }
+}
+
+/// A parameter-server mode.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PsMode {
+    /// Every push applied as it arrives.
+    Async,
+    /// One averaged update per round of pushes (with `backup_workers`: the first
+    /// `workers - backup_workers` of them).
+    Sync,
+    /// Async, refusing pushes more than `staleness` updates old.
+    Stale,
+}
+
+/// One run of the experiment.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct RunSpec {
+    /// Unique name (default: the strategy, and the mode for parameter servers).
+    pub name: String,
+    /// The strategy.
+    pub strategy: RunStrategy,
+    /// Replicas of an in-process strategy (one-device: 1); replicas per worker otherwise.
+    pub replicas: usize,
+    /// Worker processes (multi-process strategies; 1 otherwise).
+    pub workers: usize,
+    /// Parameter-server tasks.
+    pub ps_tasks: usize,
+    /// Parameter-server mode.
+    pub mode: Option<PsMode>,
+    /// Sync mode: backup workers.
+    pub backup_workers: usize,
+    /// Stale mode: the largest accepted staleness.
+    pub staleness: u64,
+    /// This run's own time limit (default: the experiment's `run_timeout`).
+    pub timeout: Option<Duration>,
+}
+
+impl RunSpec {
+    /// Replicas or workers: the parallelism the scaling efficiency divides by.
+    pub fn parallelism(&self) -> usize {
+        if self.strategy.is_multi_process() {
+            self.workers
+        } else {
+            self.replicas
+        }
+    }
+
+    /// The mode as the report shows it.
+    pub fn mode_label(&self) -> Option<String> {
+        self.mode.map(|m| match m {
+            PsMode::Async => "async".to_string(),
+            PsMode::Sync if self.backup_workers > 0 => format!("sync, {} backup", self.backup_workers),
+            PsMode::Sync => "sync".to_string(),
+            PsMode::Stale => format!("stale <= {}", self.staleness),
+        })
+    }
+}
+
+/// A delay distribution of random stragglers.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub enum DelayDistribution {
+    /// Always this long.
+    Fixed(Duration),
+    /// Uniform between the two.
+    Uniform(Duration, Duration),
+    /// Exponential with this mean.
+    Exponential(Duration),
+}
+
+impl DelayDistribution {
+    /// A delay drawn with `u`, uniform in [0, 1).
+    pub fn sample(&self, u: f64) -> Duration {
+        match *self {
+            DelayDistribution::Fixed(d) => d,
+            DelayDistribution::Uniform(a, b) => a + (b.saturating_sub(a)).mul_f64(u),
+            DelayDistribution::Exponential(mean) => mean.mul_f64(-(1.0 - u).max(f64::MIN_POSITIVE).ln()),
+        }
+    }
+}
+
+impl std::fmt::Display for DelayDistribution {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let ms = |d: Duration| format!("{}ms", d.as_secs_f64() * 1e3);
+        match *self {
+            DelayDistribution::Fixed(d) => write!(f, "fixed:{}", ms(d)),
+            DelayDistribution::Uniform(a, b) => write!(f, "uniform:{}..{}", ms(a), ms(b)),
+            DelayDistribution::Exponential(m) => write!(f, "exp:{}", ms(m)),
+        }
+    }
+}
+
+impl std::str::FromStr for DelayDistribution {
+    type Err = String;
+
+    /// `fixed:50ms`, `uniform:10ms..50ms`, `exp:20ms` (units: us, ms, s).
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        let bad = || format!("{s:?} is not a delay distribution; write fixed:50ms, uniform:10ms..50ms or exp:20ms");
+        let (kind, rest) = s.split_once(':').ok_or_else(bad)?;
+        let d = |t: &str| parse_duration(t).map_err(|e| format!("{s:?}: {e}"));
+        match kind.trim() {
+            "fixed" => Ok(DelayDistribution::Fixed(d(rest)?)),
+            "exp" | "exponential" => Ok(DelayDistribution::Exponential(d(rest)?)),
+            "uniform" => {
+                let (a, b) = rest.split_once("..").ok_or_else(bad)?;
+                let (a, b) = (d(a)?, d(b)?);
+                if b < a {
+                    return Err(format!("{s:?}: the uniform range runs from the smaller delay to the larger"));
+                }
+                Ok(DelayDistribution::Uniform(a, b))
+            }
+            _ => Err(bad()),
+        }
+    }
+}
+
+/// `250us`, `20ms`, `1.5s`.
+pub fn parse_duration(text: &str) -> std::result::Result<Duration, String> {
+    let t = text.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.' || c == '-' || c == '+')).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let scale = match unit.trim() {
+        "us" => 1e-6,
+        "ms" => 1e-3,
+        "s" => 1.0,
+        "m" | "min" => 60.0,
+        "h" => 3600.0,
+        "" => return Err(format!("{t:?} needs a unit: us, ms, s, m or h (e.g. 20ms)")),
+        _ => return Err(format!("{t:?} is not a duration (e.g. 20ms, 5s or 1m)")),
+    };
+    let v: f64 = num.trim().parse().map_err(|_| format!("{t:?} is not a duration (e.g. 20ms, 5s or 1m)"))?;
+    if !(v.is_finite() && v >= 0.0) {
+        return Err(format!("{t:?} must be a duration of 0 or more"));
+    }
+    Duration::try_from_secs_f64(v * scale).map_err(|_| format!("{t:?} is too long a duration"))
+}
+
+/// [`parse_duration`], where a bare number is seconds (`10` is `10s`).
+pub fn parse_duration_or_seconds(text: &str) -> std::result::Result<Duration, String> {
+    match text.trim() {
+        t if !t.is_empty() && t.bytes().all(|b| b.is_ascii_digit() || b == b'.') => parse_duration(&format!("{t}s")),
+        t => parse_duration(t),
+    }
+}
+
+/// Random stragglers: every step of every worker is delayed with `probability`.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct Stragglers {
+    /// The chance that a step is delayed.
+    pub probability: f64,
+    /// How long.
+    pub delay: DelayDistribution,
+}
+
+/// What is injected to make the trade-offs show on one machine.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Injection {
+    /// Per worker (by index): how many times slower its steps are (1: not slowed).
+    pub slowdown: Vec<(usize, f64)>,
+    /// Random stragglers.
+    pub stragglers: Option<Stragglers>,
+    /// Added to every message between processes (one way).
+    pub network_delay: Duration,
+}
+
+impl Injection {
+    /// Whether anything is injected.
+    pub fn is_empty(&self) -> bool {
+        self.slowdown.is_empty() && self.stragglers.is_none() && self.network_delay.is_zero()
+    }
+
+    /// The slowdown factor of worker `index` (1: none).
+    pub fn factor(&self, index: usize) -> f64 {
+        self.slowdown.iter().find(|(i, _)| *i == index).map_or(1.0, |(_, f)| *f)
+    }
+
+    /// One line per injected effect, for the report.
+    pub fn describe(&self) -> Vec<String> {
+        let mut out: Vec<String> = self.slowdown.iter().map(|(i, f)| format!("worker {i} is {f}x slower")).collect();
+        if let Some(s) = &self.stragglers {
+            out.push(format!("random stragglers: probability {} per step, delay {}", s.probability, s.delay));
+        }
+        if !self.network_delay.is_zero() {
+            out.push(format!("network delay {:.3} ms per message", self.network_delay.as_secs_f64() * 1e3));
+        }
+        out
+    }
+}
+
+/// The experiment: shared settings and the runs.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Experiment {
+    /// Where it was read from.
+    pub path: PathBuf,
+    /// Its name (the output directory's).
+    pub name: String,
+    /// What it studies, for the report.
+    pub description: String,
+    /// Hidden layer sizes of the MLP.
+    pub hidden: Vec<usize>,
+    /// Passes over the training set (real runs).
+    pub epochs: usize,
+    /// Examples per synchronous step, over all replicas or workers.
+    pub global_batch: usize,
+    /// Learning rate.
+    pub lr: f64,
+    /// Optimizer (`strata train --optimizer`).
+    pub optimizer: String,
+    /// Seed of initialisation and shuffling.
+    pub seed: u64,
+    /// The accuracy the time-to-target column measures.
+    pub target_accuracy: f32,
+    /// Digits file (default: the shipped one).
+    pub data: Option<PathBuf>,
+    /// Seconds a real run may take before it is stopped and reported as failed.
+    pub run_timeout: Duration,
+    /// The runs.
+    pub runs: Vec<RunSpec>,
+    /// What is injected.
+    pub injection: Injection,
+    /// Simulated mode's settings.
+    pub simulate: Option<super::simulate::SimConfig>,
+}
+
+impl Experiment {
+    /// Reads and checks an experiment file.
+    pub fn load(path: &Path) -> Result<Self> {
+        let text =
+            std::fs::read_to_string(path).map_err(|e| Error::io(format!("cannot read {}", path.display()), e))?;
+        Self::parse(&text, path)
+    }
+
+    /// Parses and checks `text` (read from `path`). Errors name the line and the field.
+    pub fn parse(text: &str, path: &Path) -> Result<Self> {
+        let at = Locator { text, path };
+        let raw: RawFile = toml::from_str(text).map_err(|e| at.toml_error(&e))?;
+        let e = raw.experiment;
+        let name = e.name.get_ref().clone();
+        if name.is_empty() || name.contains(['/', '\\']) || name.starts_with('.') {
+            return Err(at.error(
+                e.name.span(),
+                "experiment.name",
+                format!("{name:?} must be a plain directory name (no slashes), e.g. \"digits-mlp\""),
+            ));
+        }
+        let hidden = e.hidden.clone().into_inner();
+        if hidden.is_empty() || hidden.contains(&0) {
+            return Err(at.error(
+                e.hidden.span(),
+                "experiment.hidden",
+                "needs layer sizes of at least 1, e.g. [256, 256]",
+            ));
+        }
+        let positive = |v: &Spanned<usize>, field: &str| -> Result<usize> {
+            if *v.get_ref() == 0 {
+                Err(at.error(v.span(), field, "must be at least 1"))
+            } else {
+                Ok(*v.get_ref())
+            }
+        };
+        let epochs = positive(&e.epochs, "experiment.epochs")?;
+        let global_batch = positive(&e.global_batch, "experiment.global_batch")?;
+        let lr = *e.lr.get_ref();
+        if !(lr.is_finite() && lr > 0.0) {
+            return Err(at.error(e.lr.span(), "experiment.lr", "must be a positive learning rate, e.g. 0.003"));
+        }
+        let optimizer = e.optimizer.get_ref().clone();
+        if optimizer.parse::<strata::OptimizerKind>().is_err() {
+            return Err(at.error(
+                e.optimizer.span(),
+                "experiment.optimizer",
+                format!("{optimizer:?} is not one of adamw, sgd, momentum, adagrad"),
+            ));
+        }
+        if matches!(optimizer.as_str(), "momentum" | "adagrad")
+            && raw.run.iter().any(|r| r.get_ref().strategy != RunStrategy::ParameterServer)
+        {
+            return Err(at.error(
+                e.optimizer.span(),
+                "experiment.optimizer",
+                format!("{optimizer} runs on parameter servers only; use adamw or sgd to compare every strategy"),
+            ));
+        }
+        let target = *e.target_accuracy.get_ref();
+        if !(target > 0.0 && target <= 1.0) {
+            return Err(at.error(
+                e.target_accuracy.span(),
+                "experiment.target_accuracy",
+                "must be in (0, 1], e.g. 0.95",
+            ));
+        }
+        let run_timeout = match &e.run_timeout {
+            Some(t) => parse_duration(t.get_ref()).map_err(|m| at.error(t.span(), "experiment.run_timeout", m))?,
+            None => Duration::from_secs(600),
+        };
+        if raw.run.is_empty() {
+            return Err(Error::Usage(format!(
+                "{}: no [[run]] tables; add at least one, e.g. [[run]] strategy = \"mirrored\"",
+                path.display()
+            )));
+        }
+        let mut runs: Vec<RunSpec> = Vec::new();
+        for (i, r) in raw.run.iter().enumerate() {
+            let field = |f: &str| format!("run[{i}].{f}");
+            let span = r.span();
+            let r = r.get_ref();
+            let opt_positive = |v: &Option<Spanned<usize>>, f: &str, default: usize| -> Result<usize> {
+                match v {
+                    Some(v) => positive(v, &field(f)),
+                    None => Ok(default),
+                }
+            };
+            let multi = r.strategy.is_multi_process();
+            let replicas = match r.strategy {
+                RunStrategy::OneDevice => {
+                    if let Some(v) = r.replicas.as_ref().filter(|v| *v.get_ref() != 1) {
+                        return Err(at.error(
+                            v.span(),
+                            &field("replicas"),
+                            "one-device runs 1 replica; drop it or use mirrored",
+                        ));
+                    }
+                    1
+                }
+                RunStrategy::Mirrored | RunStrategy::CentralStorage => opt_positive(&r.replicas, "replicas", 2)?,
+                _ => opt_positive(&r.replicas, "replicas", 1)?,
+            };
+            if !multi {
+                if let Some(v) = r.workers.as_ref().or(r.ps_tasks.as_ref()) {
+                    return Err(at.error(
+                        v.span(),
+                        &field(if r.workers.is_some() { "workers" } else { "ps_tasks" }),
+                        format!("{} runs in one process; set replicas instead", r.strategy.name()),
+                    ));
+                }
+            }
+            let workers = if multi { opt_positive(&r.workers, "workers", 2)? } else { 1 };
+            let ps_tasks = if r.strategy == RunStrategy::ParameterServer {
+                opt_positive(&r.ps_tasks, "ps_tasks", 1)?
+            } else {
+                if let Some(v) = &r.ps_tasks {
+                    return Err(at.error(v.span(), &field("ps_tasks"), "only parameter-server runs have ps tasks"));
+                }
+                0
+            };
+            let mode = match (r.strategy, &r.mode) {
+                (RunStrategy::ParameterServer, m) => Some(m.as_ref().map_or(PsMode::Async, |m| *m.get_ref())),
+                (_, Some(m)) => {
+                    return Err(at.error(m.span(), &field("mode"), "only parameter-server runs have a mode; drop it"))
+                }
+                (_, None) => None,
+            };
+            let backup_workers = match &r.backup_workers {
+                Some(b) if mode != Some(PsMode::Sync) => {
+                    return Err(at.error(b.span(), &field("backup_workers"), "backup workers need mode = \"sync\""))
+                }
+                Some(b) if *b.get_ref() >= workers => {
+                    return Err(at.error(
+                        b.span(),
+                        &field("backup_workers"),
+                        format!("{} backup workers leave none of the {workers} workers; use fewer", b.get_ref()),
+                    ))
+                }
+                Some(b) => *b.get_ref(),
+                None => 0,
+            };
+            let staleness = match &r.staleness {
+                Some(s) if mode != Some(PsMode::Stale) => {
+                    return Err(at.error(s.span(), &field("staleness"), "a staleness bound needs mode = \"stale\""))
+                }
+                Some(s) => *s.get_ref(),
+                None => 4,
+            };
+            let total = if multi { workers * replicas } else { replicas };
+            if global_batch < total {
+                return Err(at.error(
+                    span,
+                    &format!("run[{i}]"),
+                    format!("experiment.global_batch {global_batch} is smaller than its {total} replicas; every replica needs an example per step"),
+                ));
+            }
+            if r.strategy == RunStrategy::ParameterServer && global_batch % workers != 0 {
+                return Err(at.error(
+                    r.workers.as_ref().map_or(span, |w| w.span()),
+                    &field("workers"),
+                    format!(
+                        "experiment.global_batch {global_batch} does not split evenly over {workers} workers; each pushes global_batch / workers examples per step"
+                    ),
+                ));
+            }
+            let mut spec = RunSpec {
+                name: String::new(),
+                strategy: r.strategy,
+                replicas,
+                workers,
+                ps_tasks,
+                mode,
+                backup_workers,
+                staleness,
+                timeout: match &r.timeout {
+                    Some(t) => Some(parse_duration(t.get_ref()).map_err(|m| at.error(t.span(), &field("timeout"), m))?),
+                    None => None,
+                },
+            };
+            spec.name = match &r.name {
+                Some(n) => n.get_ref().clone(),
+                None => match spec.mode {
+                    Some(PsMode::Sync) if backup_workers > 0 => format!("ps-sync-backup{backup_workers}"),
+                    Some(PsMode::Sync) => "ps-sync".into(),
+                    Some(PsMode::Async) => "ps-async".into(),
+                    Some(PsMode::Stale) => format!("ps-stale{staleness}"),
+                    None => r.strategy.name().into(),
+                },
+            };
+            if spec.name.is_empty() || spec.name.contains(['/', '\\', ',', '"']) {
+                return Err(at.error(
+                    r.name.as_ref().map_or(span, |n| n.span()),
+                    &field("name"),
+                    "must be non-empty, without slashes, commas or quotes",
+                ));
+            }
+            if runs.iter().any(|o| o.name == spec.name) {
+                return Err(at.error(
+                    r.name.as_ref().map_or(span, |n| n.span()),
+                    &field("name"),
+                    format!("{:?} is the name of an earlier run; give this one a name = \"...\"", spec.name),
+                ));
+            }
+            runs.push(spec);
+        }
+        let injection = match raw.injection {
+            None => Injection::default(),
+            Some(inj) => {
+                let mut out = Injection::default();
+                for (k, s) in inj.slowdown.iter().enumerate() {
+                    let v = s.get_ref();
+                    if !(v.factor.is_finite() && v.factor >= 1.0) {
+                        return Err(at.error(
+                            s.span(),
+                            &format!("injection.slowdown[{k}].factor"),
+                            "must be 1 or more (3.0: three times slower)",
+                        ));
+                    }
+                    let max = runs.iter().map(|r| r.parallelism()).max().unwrap_or(1);
+                    if v.worker >= max {
+                        return Err(at.error(
+                            s.span(),
+                            &format!("injection.slowdown[{k}].worker"),
+                            format!(
+                                "worker {} does not exist: the largest run has {max} workers or replicas",
+                                v.worker
+                            ),
+                        ));
+                    }
+                    if out.slowdown.iter().any(|(w, _)| *w == v.worker) {
+                        return Err(at.error(
+                            s.span(),
+                            &format!("injection.slowdown[{k}].worker"),
+                            format!("worker {} is slowed twice", v.worker),
+                        ));
+                    }
+                    out.slowdown.push((v.worker, v.factor));
+                }
+                if let Some(s) = &inj.stragglers {
+                    let v = s.get_ref();
+                    if !(0.0..=1.0).contains(&v.probability) {
+                        return Err(at.error(s.span(), "injection.stragglers.probability", "must be between 0 and 1"));
+                    }
+                    let delay: DelayDistribution =
+                        v.delay.parse().map_err(|m: String| at.error(s.span(), "injection.stragglers.delay", m))?;
+                    out.stragglers = Some(Stragglers { probability: v.probability, delay });
+                }
+                if let Some(d) = &inj.network_delay {
+                    out.network_delay =
+                        parse_duration(d.get_ref()).map_err(|m| at.error(d.span(), "injection.network_delay", m))?;
+                }
+                out
+            }
+        };
+        let simulate = match raw.simulate {
+            Some(s) => {
+                s.get_ref().validate().map_err(|m| at.error(s.span(), "simulate", m))?;
+                Some(s.into_inner())
+            }
+            None => None,
+        };
+        Ok(Experiment {
+            path: path.to_path_buf(),
+            name,
+            description: e.description.unwrap_or_default(),
+            hidden,
+            epochs,
+            global_batch,
+            lr,
+            optimizer,
+            seed: e.seed,
+            target_accuracy: target,
+            data: e.data,
+            run_timeout,
+            runs,
+            injection,
+            simulate,
+        })
+    }
+}
+
+use toml::Spanned;
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawFile {
+    experiment: RawExperiment,
+    #[serde(default)]
+    run: Vec<Spanned<RawRun>>,
+    injection: Option<RawInjection>,
+    simulate: Option<Spanned<super::simulate::SimConfig>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawExperiment {
+    name: Spanned<String>,
+    description: Option<String>,
+    hidden: Spanned<Vec<usize>>,
+    epochs: Spanned<usize>,
+    global_batch: Spanned<usize>,
+    lr: Spanned<f64>,
+    #[serde(default = "default_optimizer")]
+    optimizer: Spanned<String>,
+    #[serde(default)]
+    seed: u64,
+    target_accuracy: Spanned<f32>,
+    data: Option<PathBuf>,
+    run_timeout: Option<Spanned<String>>,
+}
+
+fn default_optimizer() -> Spanned<String> {
+    Spanned::new(0..0, "adamw".to_string())
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRun {
+    name: Option<Spanned<String>>,
+    strategy: RunStrategy,
+    replicas: Option<Spanned<usize>>,
+    workers: Option<Spanned<usize>>,
+    ps_tasks: Option<Spanned<usize>>,
+    mode: Option<Spanned<PsMode>>,
+    backup_workers: Option<Spanned<usize>>,
+    staleness: Option<Spanned<u64>>,
+    timeout: Option<Spanned<String>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawInjection {
+    #[serde(default)]
+    slowdown: Vec<Spanned<RawSlow>>,
+    stragglers: Option<Spanned<RawStragglers>>,
+    network_delay: Option<Spanned<String>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawSlow {
+    worker: usize,
+    factor: f64,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawStragglers {
+    probability: f64,
+    delay: String,
+}
+
+/// Turns byte offsets into lines for error messages.
+struct Locator<'a> {
+    text: &'a str,
+    path: &'a Path,
+}
+
+impl Locator<'_> {
+    fn line(&self, offset: usize) -> usize {
+        self.text[..offset.min(self.text.len())].bytes().filter(|b| *b == b'\n').count() + 1
+    }
+
+    fn error(&self, span: std::ops::Range<usize>, field: &str, message: impl std::fmt::Display) -> Error {
+        if span.is_empty() && span.start == 0 {
+            return Error::Usage(format!("{}: {field}: {message}", self.path.display()));
+        }
+        Error::Usage(format!("{} line {}: {field}: {message}", self.path.display(), self.line(span.start)))
+    }
+
+    /// toml's own errors (syntax, unknown or missing fields, wrong types), with the line and the
+    /// key of the line they point at.
+    fn toml_error(&self, e: &toml::de::Error) -> Error {
+        let message = e.message().trim().to_string();
+        match e.span() {
+            Some(span) => {
+                let line_no = self.line(span.start);
+                let line = self.text.lines().nth(line_no - 1).unwrap_or("").trim();
+                let key = line
+                    .split_once('=')
+                    .map(|(k, _)| k.trim().to_string())
+                    .filter(|k| !k.is_empty() && !k.starts_with('['))
+                    .unwrap_or_else(|| line.to_string());
+                Error::Usage(format!("{} line {line_no}: {key}: {message}", self.path.display()))
+            }
+            None => Error::Usage(format!("{}: {message}", self.path.display())),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+[experiment]
+name = "t"
+hidden = [16]
+epochs = 2
+global_batch = 64
+lr = 0.01
+target_accuracy = 0.9
+
+[[run]]
+strategy = "one-device"
+
+[[run]]
+strategy = "parameter-server"
+mode = "sync"
+workers = 4
+backup_workers = 1
+
+[[run]]
+strategy = "parameter-server"
+mode = "stale"
+workers = 2
+staleness = 3
+
+[injection]
+slowdown = [{ worker = 1, factor = 3.0 }]
+stragglers = { probability = 0.1, delay = "exp:20ms" }
+network_delay = "1ms"
+"#;
+
+    fn parse(text: &str) -> Result<Experiment> {
+        Experiment::parse(text, Path::new("x.toml"))
+    }
+
+    fn error(text: &str) -> String {
+        parse(text).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn a_good_file_parses_with_its_defaults() {
+        let e = parse(GOOD).unwrap();
+        assert_eq!(e.optimizer, "adamw");
+        assert_eq!(e.run_timeout, Duration::from_secs(600));
+        let names: Vec<&str> = e.runs.iter().map(|r| r.name.as_str()).collect();
+        assert_eq!(names, ["one-device", "ps-sync-backup1", "ps-stale3"]);
+        assert_eq!(e.runs[1].mode_label().as_deref(), Some("sync, 1 backup"));
+        assert_eq!(e.runs[1].ps_tasks, 1);
+        assert_eq!(e.runs[0].parallelism(), 1);
+        assert_eq!(e.runs[1].parallelism(), 4);
+        assert_eq!(e.injection.factor(1), 3.0);
+        assert_eq!(e.injection.factor(0), 1.0);
+        assert_eq!(e.injection.network_delay, Duration::from_millis(1));
+        assert_eq!(e.injection.stragglers.unwrap().delay, DelayDistribution::Exponential(Duration::from_millis(20)));
+        assert_eq!(e.injection.describe().len(), 3);
+    }
+
+    #[test]
+    fn errors_name_the_field_and_the_line() {
+        // An unknown key (toml's error), on line 6.
+        let e = error(&GOOD.replace("lr = 0.01", "learning_rate = 0.01"));
+        assert!(e.contains("x.toml line 7") && e.contains("learning_rate"), "{e}");
+        // A wrong type.
+        let e = error(&GOOD.replace("epochs = 2", "epochs = \"two\""));
+        assert!(e.contains("line 5") && e.contains("epochs"), "{e}");
+        // Values checked after parsing.
+        let e = error(&GOOD.replace("epochs = 2", "epochs = 0"));
+        assert!(e.contains("line 5: experiment.epochs: must be at least 1"), "{e}");
+        let e = error(&GOOD.replace("backup_workers = 1", "backup_workers = 4"));
+        assert!(e.contains("line 17: run[1].backup_workers") && e.contains("use fewer"), "{e}");
+        let e = error(&GOOD.replace("staleness = 3", "staleness = 3\nbackup_workers = 1"));
+        assert!(e.contains("run[2].backup_workers: backup workers need mode = \"sync\""), "{e}");
+        let e = error(&GOOD.replace("strategy = \"one-device\"", "strategy = \"one-device\"\nmode = \"async\""));
+        assert!(e.contains("line 12: run[0].mode"), "{e}");
+        let e = error(&GOOD.replace("strategy = \"one-device\"", "strategy = \"mirrored\"\nworkers = 2"));
+        assert!(e.contains("run[0].workers") && e.contains("set replicas instead"), "{e}");
+        let e = error(&GOOD.replace("strategy = \"one-device\"", "strategy = \"warp-drive\""));
+        assert!(e.contains("line 11") && e.contains("strategy") && e.contains("warp-drive"), "{e}");
+        let e = error(&GOOD.replace("factor = 3.0", "factor = 0.5"));
+        assert!(e.contains("line 26: injection.slowdown[0].factor"), "{e}");
+        let e = error(&GOOD.replace("worker = 1,", "worker = 9,"));
+        assert!(e.contains("injection.slowdown[0].worker: worker 9 does not exist"), "{e}");
+        let e = error(&GOOD.replace("exp:20ms", "poisson:20ms"));
+        assert!(e.contains("line 27: injection.stragglers.delay"), "{e}");
+        let e = error(&GOOD.replace("\"1ms\"", "\"1 fortnight\""));
+        assert!(e.contains("line 28: injection.network_delay"), "{e}");
+        let e = error(&GOOD.replace("global_batch = 64", "global_batch = 63"));
+        assert!(e.contains("run[1].workers") && e.contains("does not split evenly"), "{e}");
+        let e = error(&GOOD.replace("name = \"t\"", "name = \"../t\""));
+        assert!(e.contains("line 3: experiment.name"), "{e}");
+        let e = error(&GOOD.replace("target_accuracy = 0.9", "target_accuracy = 90"));
+        assert!(e.contains("line 8: experiment.target_accuracy"), "{e}");
+        let e = error(&format!("{GOOD}\n[[run]]\nstrategy = \"one-device\"\n"));
+        assert!(e.contains("run[3].name") && e.contains("earlier run"), "{e}");
+        let e = error(
+            &GOOD
+                .replace("[[run]]\nstrategy = \"one-device\"", "[[run]]\nstrategy = \"mirrored\"\noptimizer = \"sgd\""),
+        );
+        assert!(e.contains("line 12") && e.contains("optimizer"), "{e}");
+        let e = error("[experiment\nname = 1");
+        assert!(e.contains("x.toml line 1"), "{e}");
+        let e = error(&GOOD.replace("lr = 0.01", "lr = 0.01\noptimizer = \"momentum\""));
+        assert!(e.contains("line 8: experiment.optimizer: momentum runs on parameter servers only"), "{e}");
+        let e = error(&format!("{GOOD}\n[simulate]\nworkers = [0]\n"));
+        assert!(e.contains("line 30: simulate") && e.contains("at least 1"), "{e}");
+        let e = error(&format!("{GOOD}\n[simulate]\nwarp = 1\n"));
+        assert!(e.contains("line 31") && e.contains("warp"), "{e}");
+        let e = error(&GOOD[..GOOD.find("[[run]]").unwrap()]);
+        assert!(e.contains("no [[run]] tables"), "{e}");
+    }
+
+    #[test]
+    fn delay_distributions_parse_and_sample() {
+        let d: DelayDistribution = "uniform:10ms..30ms".parse().unwrap();
+        assert_eq!(d.sample(0.5), Duration::from_millis(20));
+        assert_eq!("fixed:2s".parse::<DelayDistribution>().unwrap().sample(0.9), Duration::from_secs(2));
+        let e: DelayDistribution = "exp:10ms".parse().unwrap();
+        assert_eq!(e.sample(0.0), Duration::ZERO);
+        assert!((e.sample(1.0 - (-1.0f64).exp()).as_secs_f64() - 0.010).abs() < 1e-9);
+        assert!("uniform:30ms..10ms".parse::<DelayDistribution>().is_err());
+        assert!("fixed:10".parse::<DelayDistribution>().unwrap_err().contains("needs a unit"));
+        assert_eq!(parse_duration("250us").unwrap(), Duration::from_micros(250));
+    }
+
+    #[test]
+    fn the_shipped_experiments_parse() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../experiments");
+        let mut n = 0;
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_some_and(|e| e == "toml") {
+                let e = Experiment::load(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+                assert!(e.simulate.is_some(), "{}", path.display());
+                n += 1;
+            }
+        }
+        assert!(n >= 3);
+    }
+}

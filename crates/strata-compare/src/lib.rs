@@ -1,0 +1,197 @@
+//! `strata compare`: the same training under several strategies, measured and drawn.
+//!
+//! An experiment file (TOML, see `experiments/`) names the model, the data, the seed, the
+//! global batch and a list of runs (one device, Mirrored, CentralStorage, MultiWorkerMirrored,
+//! ParameterServer in async, sync, sync-with-backup and bounded-staleness modes), plus the
+//! heterogeneity to inject (slow workers, random stragglers, network delay). Every run is a
+//! real `strata train` process (several, for the multi-process strategies) that writes its
+//! per-step and per-evaluation records ([`strata::metrics`]); `--simulate` runs the same
+//! strategies in virtual time over hundreds of workers instead ([`simulate`]). The output is
+//! one directory per experiment: `runs.csv`, `summary.json`, plots (PNG and SVG) and
+//! `REPORT.md`.
+
+pub mod experiment;
+pub mod inject;
+pub mod plot;
+pub mod progress;
+pub mod report;
+pub mod runner;
+pub mod simulate;
+
+use serde::Serialize;
+
+use strata::metrics::{MetricRecord, RecordKind};
+pub use strata::{Error, Result};
+
+/// Everything one run produced.
+#[derive(Clone, Debug, Serialize)]
+pub struct RunResult {
+    /// The run's name, unique in the experiment (e.g. `ps-async`).
+    pub name: String,
+    /// The strategy, as `strata train --strategy` names it.
+    pub strategy: String,
+    /// The parameter-server mode (`async`, `sync`, `sync, 1 backup`, `stale <= 4`), if any.
+    pub mode: Option<String>,
+    /// Replicas (in-process strategies) or worker tasks (multi-process strategies).
+    pub workers: usize,
+    /// Examples per synchronous step (parameter servers: per round of one push per worker).
+    pub global_batch: usize,
+    /// Whether the figures are virtual (simulated mode).
+    pub simulated: bool,
+    /// The per-step and per-evaluation records, in the order they were written.
+    pub records: Vec<MetricRecord>,
+    /// Why the run failed, if it did.
+    pub error: Option<String>,
+    /// Seconds the whole run took (virtual seconds in simulated mode).
+    pub wall_s: f64,
+}
+
+/// One line of the report's table.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct RunSummary {
+    /// The run's name.
+    pub name: String,
+    /// The strategy.
+    pub strategy: String,
+    /// The parameter-server mode, if any.
+    pub mode: Option<String>,
+    /// Replicas or workers.
+    pub workers: usize,
+    /// Whether the figures are virtual.
+    pub simulated: bool,
+    /// `ok`, `failed` or `below target`.
+    pub status: String,
+    /// The failure, if any.
+    pub error: Option<String>,
+    /// Seconds until the first evaluation at or above the target accuracy.
+    pub time_to_target_s: Option<f64>,
+    /// Model updates until then.
+    pub updates_to_target: Option<u64>,
+    /// The last evaluation's accuracy.
+    pub final_accuracy: Option<f32>,
+    /// Training examples per second between the first and the last step record.
+    pub examples_per_s: Option<f64>,
+    /// Examples per second over `workers` times the single-worker run's (the first run with
+    /// one worker, of the same kind: real or simulated).
+    pub scaling_efficiency: Option<f64>,
+    /// Bytes sent and received between processes per training example.
+    pub bytes_per_example: Option<f64>,
+    /// Mean staleness of the steps that report one.
+    pub mean_staleness: Option<f64>,
+    /// Largest staleness seen.
+    pub max_staleness: Option<u64>,
+    /// Step records.
+    pub steps: u64,
+    /// Updates applied in the end.
+    pub updates: u64,
+}
+
+/// The table's figures for every run, against `target` accuracy.
+pub fn summarize(runs: &[RunResult], target: f32) -> Vec<RunSummary> {
+    let mut out: Vec<RunSummary> = runs.iter().map(|r| summarize_one(r, target)).collect();
+    for i in 0..out.len() {
+        let base = runs
+            .iter()
+            .zip(&out)
+            .find(|(r, s)| r.workers == 1 && r.simulated == runs[i].simulated && s.examples_per_s.is_some())
+            .and_then(|(_, s)| s.examples_per_s);
+        if let (Some(base), Some(eps)) = (base, out[i].examples_per_s) {
+            if base > 0.0 {
+                out[i].scaling_efficiency = Some(eps / (base * runs[i].workers.max(1) as f64));
+            }
+        }
+    }
+    out
+}
+
+fn summarize_one(r: &RunResult, target: f32) -> RunSummary {
+    let steps: Vec<&MetricRecord> = r.records.iter().filter(|x| x.kind == RecordKind::Step).collect();
+    let evals: Vec<&MetricRecord> = r.records.iter().filter(|x| x.kind == RecordKind::Eval).collect();
+    let hit = evals.iter().find(|e| e.accuracy.is_some_and(|a| a >= target));
+    let final_accuracy = evals.last().and_then(|e| e.accuracy);
+    let examples_per_s = match (steps.first(), steps.last()) {
+        (Some(a), Some(b)) if b.wall_s > a.wall_s && b.examples > a.examples => {
+            Some((b.examples - a.examples) as f64 / (b.wall_s - a.wall_s))
+        }
+        _ => None,
+    };
+    let examples = steps.iter().map(|s| s.examples).max().unwrap_or(0);
+    let bytes: u64 = steps.iter().map(|s| s.bytes_sent + s.bytes_received).sum();
+    let stale: Vec<u64> = steps.iter().filter_map(|s| s.staleness).collect();
+    let status = match (&r.error, hit) {
+        (Some(_), _) => "failed",
+        (None, Some(_)) => "ok",
+        (None, None) => "below target",
+    };
+    RunSummary {
+        name: r.name.clone(),
+        strategy: r.strategy.clone(),
+        mode: r.mode.clone(),
+        workers: r.workers,
+        simulated: r.simulated,
+        status: status.into(),
+        error: r.error.clone(),
+        time_to_target_s: hit.map(|e| e.wall_s),
+        updates_to_target: hit.map(|e| e.updates),
+        final_accuracy,
+        examples_per_s,
+        scaling_efficiency: None,
+        bytes_per_example: (examples > 0).then(|| bytes as f64 / examples as f64),
+        mean_staleness: (!stale.is_empty()).then(|| stale.iter().sum::<u64>() as f64 / stale.len() as f64),
+        max_staleness: stale.iter().copied().max(),
+        steps: steps.len() as u64,
+        updates: r.records.iter().map(|x| x.updates).max().unwrap_or(0),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(name: &str, workers: usize, records: Vec<MetricRecord>) -> RunResult {
+        RunResult {
+            name: name.into(),
+            strategy: "mirrored".into(),
+            mode: None,
+            workers,
+            global_batch: 8,
+            simulated: false,
+            records,
+            error: None,
+            wall_s: 10.0,
+        }
+    }
+
+    #[test]
+    fn summary_figures_follow_from_the_records() {
+        let mut a = vec![
+            MetricRecord::step(1, 1, 1.0, 100, 2.0),
+            MetricRecord::step(2, 2, 2.0, 200, 1.5),
+            MetricRecord::eval(2, 2, 2.5, 200, 0.5),
+            MetricRecord::step(3, 3, 3.0, 300, 1.0),
+            MetricRecord::eval(3, 3, 3.5, 300, 0.9),
+        ];
+        a[1].bytes_sent = 500;
+        a[3].bytes_received = 100;
+        a[3].staleness = Some(4);
+        a[1].staleness = Some(0);
+        let b = vec![MetricRecord::step(1, 1, 1.0, 100, 2.0), MetricRecord::step(2, 2, 1.25, 400, 1.0)];
+        let mut failed = run("c", 2, vec![]);
+        failed.error = Some("boom".into());
+        let s = summarize(&[run("a", 1, a), run("b", 2, b), failed], 0.8);
+        assert_eq!(s[0].status, "ok");
+        assert_eq!(s[0].time_to_target_s, Some(3.5));
+        assert_eq!(s[0].updates_to_target, Some(3));
+        assert_eq!(s[0].final_accuracy, Some(0.9));
+        assert_eq!(s[0].examples_per_s, Some(100.0));
+        assert_eq!(s[0].scaling_efficiency, Some(1.0));
+        assert_eq!(s[0].bytes_per_example, Some(2.0));
+        assert_eq!(s[0].mean_staleness, Some(2.0));
+        assert_eq!(s[0].max_staleness, Some(4));
+        assert_eq!(s[1].status, "below target");
+        assert_eq!(s[1].examples_per_s, Some(1200.0));
+        assert_eq!(s[1].scaling_efficiency, Some(6.0));
+        assert_eq!(s[2].status, "failed");
+        assert_eq!(s[2].error.as_deref(), Some("boom"));
+    }
+}

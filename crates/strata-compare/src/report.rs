@@ -1,0 +1,639 @@
+//! The output directory of `strata compare`: `runs.csv`, `summary.json`, the plots and
+//! `REPORT.md`.
+//!
+//! - `runs.csv`: every metric record of every run, one row each (long format);
+//! - `summary.json`: the experiment's settings, what was injected, whether the figures are
+//!   simulated, and the table's figures per run ([`super::summarize`]) with each run's error;
+//! - the plots of [`super::plot`], as PNG and SVG;
+//! - `REPORT.md`: what was run, the table, the plots and what the numbers show.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use serde_json::json;
+
+use super::experiment::Experiment;
+use super::plot::{self, Plot};
+use super::{summarize, RunResult, RunSummary};
+use crate::{Error, Result};
+use strata::metrics::RecordKind;
+
+/// The columns of `runs.csv`, in order.
+pub const CSV_COLUMNS: [&str; 17] = [
+    "run",
+    "strategy",
+    "mode",
+    "workers",
+    "simulated",
+    "kind",
+    "step",
+    "updates",
+    "wall_s",
+    "examples",
+    "loss",
+    "staleness",
+    "bytes_sent",
+    "bytes_received",
+    "worker",
+    "dropped",
+    "accuracy",
+];
+
+/// What [`write_outputs`] wrote.
+#[derive(Clone, Debug)]
+pub struct Outputs {
+    /// The output directory.
+    pub dir: PathBuf,
+    /// `runs.csv`.
+    pub runs_csv: PathBuf,
+    /// `summary.json`.
+    pub summary_json: PathBuf,
+    /// `REPORT.md`.
+    pub report_md: PathBuf,
+    /// The plots, in the order the report shows them.
+    pub plots: Vec<Plot>,
+    /// The table's figures, one per run, in the runs' order.
+    pub summaries: Vec<RunSummary>,
+}
+
+impl Outputs {
+    /// Every file written, the plots' PNG and SVG included.
+    pub fn files(&self) -> Vec<PathBuf> {
+        let mut out = vec![self.runs_csv.clone(), self.summary_json.clone(), self.report_md.clone()];
+        for p in &self.plots {
+            out.push(p.png.clone());
+            out.push(p.svg.clone());
+        }
+        out
+    }
+}
+
+/// Creates `dir` (and its parents) and writes `runs.csv`, `summary.json`, the plots and
+/// `REPORT.md` for `runs` of `exp`; `simulated` says whether the figures are virtual.
+pub fn write_outputs(dir: &Path, exp: &Experiment, runs: &[RunResult], simulated: bool) -> Result<Outputs> {
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(format!("cannot create {}", dir.display()), e))?;
+    let summaries = summarize(runs, exp.target_accuracy);
+
+    let runs_csv = dir.join("runs.csv");
+    write_file(&runs_csv, &runs_csv_text(runs))?;
+
+    let summary_json = dir.join("summary.json");
+    let value = summary_value(exp, runs, &summaries, simulated);
+    let text = serde_json::to_string_pretty(&value)
+        .map_err(|e| Error::io(format!("cannot encode {}", summary_json.display()), e.into()))?;
+    write_file(&summary_json, &(text + "\n"))?;
+
+    let plots = plot::draw_all(dir, runs, &summaries, exp.target_accuracy, simulated)?;
+
+    let report_md = dir.join("REPORT.md");
+    write_file(&report_md, &report_text(exp, runs, &summaries, &plots, simulated))?;
+
+    Ok(Outputs { dir: dir.to_path_buf(), runs_csv, summary_json, report_md, plots, summaries })
+}
+
+fn write_file(path: &Path, text: &str) -> Result<()> {
+    std::fs::write(path, text).map_err(|e| Error::io(format!("cannot write {}", path.display()), e))
+}
+
+/// One CSV field, quoted when it holds a comma, a quote or a line break.
+pub fn csv_field(s: &str) -> String {
+    if s.contains([',', '"', '\n', '\r']) {
+        format!("\"{}\"", s.replace('"', "\"\""))
+    } else {
+        s.to_string()
+    }
+}
+
+fn opt<T: ToString>(v: Option<T>) -> String {
+    v.map(|x| x.to_string()).unwrap_or_default()
+}
+
+/// `runs.csv`: a header and one row per record of every run (absent values: empty cells).
+pub fn runs_csv_text(runs: &[RunResult]) -> String {
+    let mut out = CSV_COLUMNS.join(",");
+    out.push('\n');
+    for r in runs {
+        for m in &r.records {
+            let kind = match m.kind {
+                RecordKind::Step => "step",
+                RecordKind::Eval => "eval",
+            };
+            let row = [
+                r.name.clone(),
+                r.strategy.clone(),
+                r.mode.clone().unwrap_or_default(),
+                r.workers.to_string(),
+                r.simulated.to_string(),
+                kind.to_string(),
+                m.step.to_string(),
+                m.updates.to_string(),
+                m.wall_s.to_string(),
+                m.examples.to_string(),
+                opt(m.loss),
+                opt(m.staleness),
+                m.bytes_sent.to_string(),
+                m.bytes_received.to_string(),
+                opt(m.worker),
+                m.dropped.to_string(),
+                opt(m.accuracy),
+            ];
+            let cells: Vec<String> = row.iter().map(|c| csv_field(c)).collect();
+            out.push_str(&cells.join(","));
+            out.push('\n');
+        }
+    }
+    out
+}
+
+/// Logical CPU cores of this machine (0 when unknown).
+fn cores() -> usize {
+    std::thread::available_parallelism().map_or(0, |n| n.get())
+}
+
+/// `summary.json`'s content.
+pub fn summary_value(
+    exp: &Experiment,
+    runs: &[RunResult],
+    summaries: &[RunSummary],
+    simulated: bool,
+) -> serde_json::Value {
+    let runs_json: Vec<serde_json::Value> = summaries
+        .iter()
+        .zip(runs)
+        .map(|(s, r)| {
+            let mut v = serde_json::to_value(s).unwrap_or(serde_json::Value::Null);
+            if let Some(map) = v.as_object_mut() {
+                map.insert("error".into(), json!(r.error));
+                map.insert("global_batch".into(), json!(r.global_batch));
+                map.insert("wall_s".into(), json!(r.wall_s));
+                map.insert("records".into(), json!(r.records.len()));
+            }
+            v
+        })
+        .collect();
+    json!({
+        "experiment": {
+            "name": exp.name,
+            "description": exp.description,
+            "path": exp.path.display().to_string(),
+            "hidden": exp.hidden,
+            "epochs": exp.epochs,
+            "global_batch": exp.global_batch,
+            "lr": exp.lr,
+            "optimizer": exp.optimizer,
+            "seed": exp.seed,
+            "target_accuracy": exp.target_accuracy,
+            "data": exp.data.as_ref().map(|p| p.display().to_string()),
+            "run_timeout_s": exp.run_timeout.as_secs_f64(),
+            "simulate": exp.simulate,
+        },
+        "injection": exp.injection.describe(),
+        "simulated": simulated,
+        "machine": { "cores": cores() },
+        "runs": runs_json,
+    })
+}
+
+/// Escapes text for a markdown table cell (one line, no column breaks, no markup).
+pub fn md_cell(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for ch in s.trim().chars() {
+        match ch {
+            '|' => out.push_str("\\|"),
+            '\\' | '*' | '_' | '`' | '[' | ']' => {
+                out.push('\\');
+                out.push(ch);
+            }
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '\n' => out.push_str("<br>"),
+            '\r' => {}
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// Seconds with two decimals (`12.34 s`); four below a tenth of a second (`0.0412 s`).
+pub fn fmt_seconds(s: f64) -> String {
+    if s.abs() < 0.1 && s != 0.0 {
+        format!("{s:.4} s")
+    } else {
+        format!("{s:.2} s")
+    }
+}
+
+/// An accuracy in [0, 1] as a percentage with two decimals: `97.12%`.
+pub fn fmt_accuracy(a: f32) -> String {
+    format!("{:.2}%", f64::from(a) * 100.0)
+}
+
+/// Bytes with decimal units: `512 B`, `1.23 kB`, `4.50 MB`.
+pub fn fmt_bytes(b: f64) -> String {
+    if !b.is_finite() {
+        return "—".into();
+    }
+    let units = ["B", "kB", "MB", "GB", "TB"];
+    let mut v = b;
+    let mut u = 0;
+    while v.abs() >= 1000.0 && u + 1 < units.len() {
+        v /= 1000.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{v:.0} B")
+    } else {
+        format!("{v:.2} {}", units[u])
+    }
+}
+
+const NONE: &str = "—";
+
+fn or_dash<T>(v: Option<T>, f: impl Fn(T) -> String) -> String {
+    v.map_or_else(|| NONE.to_string(), f)
+}
+
+/// The table's header, its separator and one row per run.
+pub fn table(summaries: &[RunSummary], simulated: bool) -> String {
+    let time = if simulated { "time to target (virtual)" } else { "time to target" };
+    let eps = if simulated { "examples/s (virtual)" } else { "examples/s" };
+    let mut out = format!(
+        "| run | strategy | mode | workers | status | {time} | updates to target | final accuracy | {eps} | scaling efficiency | bytes/example | staleness mean / max |\n"
+    );
+    out.push_str("|---|---|---|--:|---|--:|--:|--:|--:|--:|--:|--:|\n");
+    for s in summaries {
+        out.push_str(&table_row(s));
+        out.push('\n');
+    }
+    out
+}
+
+/// One row of the table.
+pub fn table_row(s: &RunSummary) -> String {
+    let status = match &s.error {
+        Some(e) => format!("failed: {}", md_cell(e)),
+        None => md_cell(&s.status),
+    };
+    let staleness = match (s.mean_staleness, s.max_staleness) {
+        (Some(m), Some(x)) => format!("{m:.2} / {x}"),
+        _ => NONE.to_string(),
+    };
+    let cells = [
+        md_cell(&s.name),
+        md_cell(&s.strategy),
+        s.mode.as_deref().map_or_else(|| NONE.to_string(), md_cell),
+        s.workers.to_string(),
+        status,
+        or_dash(s.time_to_target_s, fmt_seconds),
+        or_dash(s.updates_to_target, |u| plot::group_thousands(u as f64)),
+        or_dash(s.final_accuracy, fmt_accuracy),
+        or_dash(s.examples_per_s, plot::group_thousands),
+        or_dash(s.scaling_efficiency, |e| format!("{:.0}%", e * 100.0)),
+        or_dash(s.bytes_per_example, fmt_bytes),
+        staleness,
+    ];
+    format!("| {} |", cells.join(" | "))
+}
+
+/// The line that says every figure is simulated.
+pub const SIMULATED_LINE: &str =
+    "**Every figure in this report is simulated: times are virtual seconds, compute and network \
+are modelled, and nothing was measured on this machine.**";
+
+/// `REPORT.md`'s text.
+pub fn report_text(
+    exp: &Experiment,
+    runs: &[RunResult],
+    summaries: &[RunSummary],
+    plots: &[Plot],
+    simulated: bool,
+) -> String {
+    let mut md = String::new();
+    let _ = writeln!(md, "# Strata compare: {}\n", exp.name);
+    if !exp.description.trim().is_empty() {
+        let _ = writeln!(md, "{}\n", exp.description.trim());
+    }
+    if simulated {
+        let _ = writeln!(md, "{SIMULATED_LINE}\n");
+    }
+
+    md.push_str("## What was run\n\n");
+    // Simulated runs train the [simulate] table's model, optimizer and batch.
+    let sim = exp.simulate.as_ref().filter(|_| simulated);
+    let hidden: Vec<String> = sim.map_or(&exp.hidden, |s| &s.hidden).iter().map(usize::to_string).collect();
+    let hidden = if hidden.is_empty() {
+        "no hidden layer".to_string()
+    } else {
+        format!("hidden layers {}", hidden.join(" × "))
+    };
+    let _ = writeln!(
+        md,
+        "- Model: MLP on the digits data, {hidden}; optimizer {} with learning rate {}; {}; seed {}{}.",
+        sim.and_then(|s| s.optimizer.clone()).unwrap_or_else(|| exp.optimizer.clone()),
+        sim.and_then(|s| s.lr).unwrap_or(exp.lr),
+        match sim {
+            Some(s) => format!("{} examples per worker step (global batch: workers × that)", s.per_worker_batch),
+            None => format!("global batch {}", exp.global_batch),
+        },
+        sim.and_then(|s| s.seed).unwrap_or(exp.seed),
+        if simulated { String::new() } else { format!("; {} epoch(s)", exp.epochs) },
+    );
+    if let Some(sim) = exp.simulate.as_ref().filter(|_| simulated) {
+        if let Ok(serde_json::Value::Object(map)) = serde_json::to_value(sim) {
+            let items: Vec<String> = map.iter().map(|(k, v)| format!("{k} = {v}")).collect();
+            let _ = writeln!(md, "- Simulation model (`[simulate]`): {}.", md_cell(&items.join(", ")));
+        }
+    }
+    let _ = writeln!(md, "- Target accuracy: {} (test set).", fmt_accuracy(exp.target_accuracy));
+    let injection = exp.injection.describe();
+    if injection.is_empty() {
+        md.push_str("- Injected: nothing.\n");
+    } else {
+        md.push_str("- Injected:\n");
+        for line in &injection {
+            let _ = writeln!(md, "  - {line}");
+        }
+    }
+    let failed = runs.iter().filter(|r| r.error.is_some()).count();
+    let _ = writeln!(
+        md,
+        "- Runs: {}{}.",
+        runs.len(),
+        if failed > 0 { format!(", {failed} of them failed") } else { String::new() }
+    );
+    let cores = cores();
+    let cores = if cores == 0 { "an unknown number of".to_string() } else { cores.to_string() };
+    if simulated {
+        let _ = writeln!(
+            md,
+            "- Machine: generated on a machine with {cores} logical CPU cores; simulated figures do not depend on it.\n"
+        );
+    } else {
+        let _ = writeln!(md, "- Machine: {cores} logical CPU cores, shared by every process of a run.\n");
+    }
+
+    md.push_str("## Results\n\n");
+    md.push_str(&table(summaries, simulated));
+    let _ = writeln!(
+        md,
+        "\nTime and updates to target: until the first evaluation at or above {}. Examples/s: between a run's \
+         first and last step record. Scaling efficiency: examples/s over (workers × the 1-worker run's). \
+         Bytes/example: bytes sent and received between processes per training example. Staleness: model \
+         updates between a worker's pull and its push (parameter servers only). {NONE}: not measured or not reached.",
+        fmt_accuracy(exp.target_accuracy)
+    );
+    if failed > 0 {
+        md.push_str("\n### Failed runs\n\n");
+        for r in runs.iter().filter(|r| r.error.is_some()) {
+            let error = r.error.as_deref().unwrap_or_default();
+            let _ = writeln!(md, "- {}:\n\n  ```text\n{}\n  ```", md_cell(&r.name), indent(error.trim_end(), "  "));
+        }
+    }
+
+    md.push_str("\n## Plots\n\n");
+    for p in plots {
+        let file = |path: &Path| path.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
+        if p.empty {
+            let _ = writeln!(md, "- {}: nothing to draw ([{}]({}) says why).\n", p.title, file(&p.png), file(&p.png));
+        } else {
+            let _ = writeln!(md, "### {}\n", p.title);
+            if let Some(note) = &p.note {
+                let _ = writeln!(md, "{}.\n", capitalize(note));
+            }
+            let _ = writeln!(md, "![{}]({})\n", p.title, file(&p.png));
+            let _ = writeln!(md, "[SVG]({})\n", file(&p.svg));
+        }
+    }
+
+    md.push_str("## What it shows\n\n");
+    let findings = findings(exp, runs, summaries, simulated);
+    if findings.is_empty() {
+        md.push_str("- The runs produced too few figures to compare.\n");
+    }
+    for f in findings {
+        let _ = writeln!(md, "- {f}");
+    }
+    md
+}
+
+fn indent(text: &str, prefix: &str) -> String {
+    text.lines().map(|l| format!("{prefix}{l}")).collect::<Vec<_>>().join("\n")
+}
+
+fn capitalize(s: &str) -> String {
+    let mut c = s.chars();
+    c.next().map_or_else(String::new, |f| f.to_uppercase().chain(c).collect())
+}
+
+fn name(s: &RunSummary) -> String {
+    format!("`{}`", s.name.replace('`', "'"))
+}
+
+/// Plain statements the table supports, one per line.
+pub fn findings(exp: &Experiment, runs: &[RunResult], summaries: &[RunSummary], simulated: bool) -> Vec<String> {
+    let mut out = Vec::new();
+    let secs = if simulated { "virtual seconds" } else { "seconds" };
+    let time = |t: f64| if simulated { format!("{} (virtual)", fmt_seconds(t)) } else { fmt_seconds(t) };
+    let target = fmt_accuracy(exp.target_accuracy);
+    let ok: Vec<&RunSummary> = summaries.iter().filter(|s| s.error.is_none()).collect();
+
+    // Time to target.
+    let mut reached: Vec<&RunSummary> = ok.iter().copied().filter(|s| s.time_to_target_s.is_some()).collect();
+    reached.sort_by(|a, b| {
+        a.time_to_target_s.unwrap_or(f64::INFINITY).total_cmp(&b.time_to_target_s.unwrap_or(f64::INFINITY))
+    });
+    match reached.as_slice() {
+        [] if !ok.is_empty() => out.push(format!("No run reached the target accuracy of {target}.")),
+        [] => {}
+        [first, rest @ ..] => {
+            let mut s = format!(
+                "{} reached {target} first, after {} ({} updates)",
+                name(first),
+                time(first.time_to_target_s.unwrap_or_default()),
+                plot::group_thousands(first.updates_to_target.unwrap_or_default() as f64)
+            );
+            if let Some(second) = rest.first() {
+                let t1 = first.time_to_target_s.unwrap_or_default();
+                let t2 = second.time_to_target_s.unwrap_or_default();
+                let _ = write!(s, "; the next, {}, took {}", name(second), time(t2));
+                if t1 > 0.0 {
+                    let _ = write!(s, " ({:.2}× as long)", t2 / t1);
+                }
+            }
+            s.push('.');
+            out.push(s);
+            let missed: Vec<String> = ok.iter().filter(|s| s.time_to_target_s.is_none()).map(|s| name(s)).collect();
+            if !missed.is_empty() && missed.len() <= 8 {
+                out.push(format!("Never reached {target}: {}.", missed.join(", ")));
+            } else if !missed.is_empty() {
+                out.push(format!("{} runs never reached {target}.", missed.len()));
+            }
+        }
+    }
+
+    // Fewest updates to target: accuracy per update.
+    if let Some(best) = reached.iter().filter(|s| s.updates_to_target.is_some()).min_by_key(|s| s.updates_to_target) {
+        let most = reached.iter().filter_map(|s| s.updates_to_target.map(|u| (u, s))).max_by_key(|(u, _)| *u);
+        let mut s = format!(
+            "Fewest model updates to the target: {} with {}",
+            name(best),
+            plot::group_thousands(best.updates_to_target.unwrap_or_default() as f64)
+        );
+        if let Some((u, worst)) = most {
+            if worst.name != best.name {
+                let _ = write!(s, " (most: {} with {})", name(worst), plot::group_thousands(u as f64));
+            }
+        }
+        s.push('.');
+        out.push(s);
+    }
+
+    // Final accuracy.
+    if let Some(best) = ok
+        .iter()
+        .filter(|s| s.final_accuracy.is_some_and(f32::is_finite))
+        .max_by(|a, b| a.final_accuracy.unwrap_or_default().total_cmp(&b.final_accuracy.unwrap_or_default()))
+    {
+        let worst = ok
+            .iter()
+            .filter(|s| s.final_accuracy.is_some_and(f32::is_finite))
+            .min_by(|a, b| a.final_accuracy.unwrap_or_default().total_cmp(&b.final_accuracy.unwrap_or_default()));
+        let best_acc = best.final_accuracy.unwrap_or_default();
+        let s = match worst {
+            Some(w) if w.final_accuracy.unwrap_or_default() < best_acc => format!(
+                "Highest final accuracy: {} at {}; lowest: {} at {}.",
+                name(best),
+                fmt_accuracy(best_acc),
+                name(w),
+                fmt_accuracy(w.final_accuracy.unwrap_or_default())
+            ),
+            _ if ok.len() > 1 => format!("Every run that finished ended at {} accuracy.", fmt_accuracy(best_acc)),
+            _ => format!("Final accuracy: {} at {}.", name(best), fmt_accuracy(best_acc)),
+        };
+        out.push(s);
+    }
+
+    // Throughput.
+    if let Some(best) = ok
+        .iter()
+        .filter(|s| s.examples_per_s.is_some())
+        .max_by(|a, b| a.examples_per_s.unwrap_or_default().total_cmp(&b.examples_per_s.unwrap_or_default()))
+    {
+        let eps = best.examples_per_s.unwrap_or_default();
+        let mut s = format!(
+            "Highest throughput: {} with {} examples per {}",
+            name(best),
+            plot::group_thousands(eps),
+            &secs[..secs.len() - 1]
+        );
+        if let Some(e) = best.scaling_efficiency {
+            let _ = write!(s, " ({:.0}% scaling efficiency on {} workers)", e * 100.0, best.workers);
+        }
+        s.push('.');
+        out.push(s);
+    }
+
+    // Sync against async parameter servers with the same workers: what stragglers cost.
+    let injected = !exp.injection.is_empty();
+    // In a sweep, only at the largest worker count (one statement per strategy pair).
+    let largest_sync = ok.iter().filter(|s| s.mode.as_deref() == Some("sync")).map(|s| s.workers).max().unwrap_or(0);
+    let sweep = plot::is_sweep(runs);
+    for sync in ok
+        .iter()
+        .filter(|s| s.mode.as_deref() == Some("sync") && s.workers > 1 && (!sweep || s.workers == largest_sync))
+    {
+        let Some(asy) = ok
+            .iter()
+            .find(|a| a.mode.as_deref() == Some("async") && a.workers == sync.workers && a.simulated == sync.simulated)
+        else {
+            continue;
+        };
+        if let (Some(se), Some(ae)) = (sync.examples_per_s, asy.examples_per_s) {
+            if ae > 0.0 {
+                out.push(format!(
+                    "{}: {} processed {} examples/s against {}'s {} ({:+.0}%) on {} workers.",
+                    if injected { "With the injected delays" } else { "With nothing injected" },
+                    name(sync),
+                    plot::group_thousands(se),
+                    name(asy),
+                    plot::group_thousands(ae),
+                    (se / ae - 1.0) * 100.0,
+                    sync.workers
+                ));
+            }
+        }
+        let backup = ok.iter().find(|b| {
+            b.workers == sync.workers
+                && b.simulated == sync.simulated
+                && b.mode.as_deref().is_some_and(|m| m.starts_with("sync,"))
+        });
+        if let Some(b) = backup {
+            if let (Some(ts), Some(tb)) = (sync.time_to_target_s, b.time_to_target_s) {
+                if ts > 0.0 {
+                    out.push(format!(
+                        "Backup workers: {} reached the target in {} against {} for {} ({:+.0}%).",
+                        name(b),
+                        time(tb),
+                        time(ts),
+                        name(sync),
+                        (tb / ts - 1.0) * 100.0
+                    ));
+                }
+            }
+        }
+    }
+
+    // Staleness.
+    if let Some(s) = ok
+        .iter()
+        .filter(|s| s.mean_staleness.is_some())
+        .max_by(|a, b| a.mean_staleness.unwrap_or_default().total_cmp(&b.mean_staleness.unwrap_or_default()))
+    {
+        if s.mean_staleness.unwrap_or_default() > 0.0 {
+            out.push(format!(
+                "Most stale: {}, whose pushes were {:.2} updates old on average (at most {}).",
+                name(s),
+                s.mean_staleness.unwrap_or_default(),
+                s.max_staleness.unwrap_or_default()
+            ));
+        }
+    }
+
+    // Sweeps: scaling efficiency at the largest worker count of each strategy.
+    if plot::is_sweep(runs) {
+        let mut bases: Vec<&str> = Vec::new();
+        for s in &ok {
+            let b = plot::sweep_base(&s.name);
+            if s.name.contains("/N=") && !bases.contains(&b) {
+                bases.push(b);
+            }
+        }
+        let mut parts = Vec::new();
+        for b in bases {
+            let largest = ok
+                .iter()
+                .filter(|s| s.name.contains("/N=") && plot::sweep_base(&s.name) == b && s.scaling_efficiency.is_some())
+                .max_by_key(|s| s.workers);
+            if let Some(s) = largest {
+                parts.push(format!(
+                    "{} {:.0}% at {} workers",
+                    b,
+                    s.scaling_efficiency.unwrap_or_default() * 100.0,
+                    s.workers
+                ));
+            }
+        }
+        if !parts.is_empty() {
+            out.push(format!("Scaling efficiency at each strategy's largest worker count: {}.", parts.join("; ")));
+        }
+    }
+
+    let failed: Vec<String> = summaries.iter().filter(|s| s.error.is_some()).map(name).collect();
+    if !failed.is_empty() {
+        out.push(format!("Failed (see above): {}.", failed.join(", ")));
+    }
+    if simulated && !out.is_empty() {
+        out.push("All of these are properties of the simulation's model, not measurements.".into());
+    }
+    out
+}

@@ -1,0 +1,1015 @@
+//! Simulated mode (`strata compare --simulate`): the experiment's strategies in *virtual* time,
+//! over up to hundreds of workers, with the real update rules and real gradients of a small
+//! model.
+//!
+//! Every figure a simulated run reports is virtual: the seconds are the model's seconds (compute
+//! and communication times below), not measured ones, and [`RunResult::simulated`] is `true`.
+//! What is real is the learning: the model is Strata's [`Mlp`] (of [`SimConfig::hidden`]) on
+//! the digits data, the gradients are candle's backward pass on the parameter values a worker
+//! actually had (stale ones, for asynchronous parameter servers), and every update is applied
+//! with the parameter server's own optimizer, [`ServerOptimizer::apply`]. Accuracy, loss and
+//! staleness therefore follow from the simulated schedule exactly as they would on a cluster
+//! that ran with those timings.
+//!
+//! # The model
+//!
+//! The MLP is built once per call inside a [`OneDeviceStrategy`] scope seeded with the seed
+//! ([`SimConfig::seed`], or the experiment's), so its initial values are those every real run
+//! of the experiment starts from. One flat `f32` vector per variable holds the server's (the
+//! model's) values; a gradient is computed by loading the values a worker pulled into the
+//! model's variables, taking the mean cross-entropy of the worker's batch and reading the
+//! gradients after `backward`. The optimizer is the experiment's `optimizer` and `lr` (or
+//! [`SimConfig::optimizer`] / [`SimConfig::lr`]) mapped the way `strata train` maps them for a
+//! parameter server ([`OptimizerKind::server_optimizer`], momentum 0.9, `strata train`'s
+//! default); every strategy, synchronous or not, applies its updates with it, so the strategies
+//! differ only in *which* gradients are applied and *when*.
+//!
+//! A synchronous round applies the mean of its workers' gradients. It is computed as one
+//! backward pass over the workers' batches together (in worker order): with equal batches
+//! and a mean loss that is the mean of the per-worker gradients (up to float rounding), at
+//! the cost of one candle pass instead of N. The loss is candle-nn's `cross_entropy`
+//! (log-softmax, the label's entry, the mean) written out with a weight per distinct row, so a
+//! row drawn by several workers is computed once: a 256-worker round over the 1,438 training
+//! rows costs at most 1,438 rows. Plain synchronous strategies (one-device, mirrored,
+//! central-storage, multi-worker-mirrored, and parameter-server sync without backup workers)
+//! apply exactly the same updates for a given worker count (only their clocks differ), so
+//! their trajectory (losses and accuracies per update) is computed once per worker count and
+//! shared. An asynchronous push's gradient is computed from the values its worker pulled when
+//! the push is applied (it depends on nothing else), so a refused push costs no gradient.
+//!
+//! Each worker draws its batches of [`SimConfig::per_worker_batch`] examples from its own
+//! seeded shuffle of the training split (80% of the data, as `strata train` splits it),
+//! reshuffled every epoch; the k-th batch of worker w is the same under every strategy.
+//!
+//! # Time
+//!
+//! A worker's step (one gradient on its batch) takes `compute_ms x slowdown(w)` plus, with the
+//! injection's random stragglers, a delay drawn with the straggler probability from the
+//! injection's distribution. The draws come from a generator per worker seeded from the seed
+//! and the worker's index, so the k-th step of worker w is equally slow under every strategy.
+//!
+//! Communication, with `L = latency_us + network_delay` (the injection's delay is added to
+//! every message of every strategy), link bandwidth `B = bandwidth_gbps` and `M` = the model's
+//! bytes (4 x parameters):
+//!
+//! - **one-device**: one worker, no communication; a step takes the compute time.
+//! - **mirrored, multi-worker-mirrored**: a ring all-reduce of the gradients after the slowest
+//!   worker's compute: `2(N-1) (L + M / (N B))`. Each worker sends and receives
+//!   `2(N-1) M / N` bytes.
+//! - **central-storage**: the gradients are reduced onto the parameter device and the new
+//!   values broadcast back, each phase one latency plus `N M / B` through the parameter
+//!   device's link: `2 (L + N M / B)`. `N M` bytes each way.
+//! - **parameter-server**: every pull and push is one message of `M` bytes split evenly over
+//!   the `ps_tasks` tasks. Each task's link is a FIFO (one queue for pulls and pushes alike):
+//!   a message reaches it after `L`, waits for the messages ahead of it, and occupies it for
+//!   `M / ps_tasks / B`; the worker's own link needs `M / B`, so an uncontended message takes
+//!   `L + M / B` and hundreds of asynchronous workers saturate the ps links.
+//!   - *sync*: every round, all N workers pull, compute and push; the round ends when the
+//!     `N - b` th push is delivered (`b` = backup workers), whose gradients are averaged into
+//!     one update; the `b` late pushes are dropped (cancelled with the round, so their traffic
+//!     does not delay the next one).
+//!   - *async*: a discrete-event simulation: each worker pulls (the server's values when the
+//!     pull is issued), computes, pushes; the server applies each push on delivery.
+//!     Staleness = updates applied between the pull and the push's delivery. Events at the
+//!     same virtual time keep the order they were scheduled in, so without stragglers the
+//!     same workers win every race.
+//!   - *stale* (bounded staleness): as async, but a push whose staleness is above the bound is
+//!     refused and the worker pulls again and recomputes the same batch (the time is wasted).
+//!
+//! A run ends after [`SimConfig::max_updates`] updates, or at [`SimConfig::max_virtual_s`]
+//! (no update is applied after it), whichever comes first.
+//!
+//! # Records
+//!
+//! - Synchronous strategies write one `Step` record per round (the N workers' steps
+//!   aggregated, to keep 256-worker CSVs small): `step` counts rounds (as real runs of these
+//!   strategies count replica-group steps), `loss` is the mean batch loss of the round, the
+//!   bytes are summed over workers, `worker` is unset. Parameter-server sync rounds count
+//!   pushes in `step` (as real parameter-server runs do), report `staleness` 0, and are
+//!   followed by one `dropped` record per late backup push (its `worker` set, no `loss`).
+//! - Asynchronous and stale runs write one `Step` record per push: `worker`, `staleness`,
+//!   `loss` (of the gradient pushed), `bytes_sent` = the push, `bytes_received` = the pull
+//!   before it. A refused stale push is a `dropped` record without `loss` or `staleness` (its
+//!   staleness exceeded the bound and was not applied), so the staleness figures describe the
+//!   applied pushes.
+//! - `examples` counts the examples processed (gradients computed), dropped ones included, as
+//!   real parameter-server runs count them.
+//! - An `Eval` record (test accuracy on the 20% test split) follows every
+//!   [`SimConfig::eval_every_updates`]-th update and the `max_updates`-th.
+
+use std::cmp::{Ordering, Reverse};
+use std::collections::{BinaryHeap, HashMap};
+
+use std::rc::Rc;
+
+use candle_core::{Device, Tensor, Var, D};
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::{Deserialize, Serialize};
+use strata_core::data::Batch;
+use strata_core::{Replicated, Strategy, StrategyOptions};
+use strata_strategies::OneDeviceStrategy;
+use strata_transport::ps::ServerOptimizer;
+
+use super::experiment::{Experiment, Injection, PsMode, RunSpec, RunStrategy};
+use super::RunResult;
+use strata::metrics::MetricRecord;
+use strata::model::{Classifier, Mlp};
+use strata::{digits, OptimizerKind};
+
+use crate::{Error, Result};
+
+/// Momentum of `optimizer = "momentum"` (`strata train --momentum`'s default).
+pub const MOMENTUM: f64 = 0.9;
+
+/// The most workers one simulated run may have.
+pub const MAX_WORKERS: usize = 4096;
+
+/// Simulated mode's settings (the experiment file's `[simulate]` table). Every field is
+/// optional; [`SimConfig::default`] holds the defaults.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SimConfig {
+    /// The worker counts to sweep: every run of the experiment (but one-device, which runs
+    /// with one) is simulated once per count. Default `[1, 2, 4, ..., 256]`.
+    #[serde(default = "default_workers")]
+    pub workers: Vec<usize>,
+    /// Examples in one worker's batch (a run's global batch is `workers` times this).
+    /// Default 32.
+    #[serde(default = "default_per_worker_batch")]
+    pub per_worker_batch: usize,
+    /// Hidden layer sizes of the simulated MLP (64 inputs, 10 classes). Default `[32]`.
+    #[serde(default = "default_hidden")]
+    pub hidden: Vec<usize>,
+    /// Modelled milliseconds of one worker step (one gradient on its batch), before slowdown
+    /// and stragglers. Default 10.
+    #[serde(default = "default_compute_ms")]
+    pub compute_ms: f64,
+    /// Bandwidth of every link, in gigabits per second. Default 10.
+    #[serde(default = "default_bandwidth_gbps")]
+    pub bandwidth_gbps: f64,
+    /// Latency of every message, in microseconds (the injection's `network_delay` is added).
+    /// Default 50.
+    #[serde(default = "default_latency_us")]
+    pub latency_us: f64,
+    /// Updates after which a run stops. Default 600.
+    #[serde(default = "default_max_updates")]
+    pub max_updates: u64,
+    /// Virtual seconds after which a run stops (no update is applied later); default none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_virtual_s: Option<f64>,
+    /// An evaluation on the test set every this many updates. Default 10.
+    #[serde(default = "default_eval_every_updates")]
+    pub eval_every_updates: u64,
+    /// Seed of initialisation, data order and stragglers (default: the experiment's seed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seed: Option<u64>,
+    /// Optimizer (a `strata train --optimizer` name; default: the experiment's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub optimizer: Option<String>,
+    /// Learning rate (default: the experiment's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lr: Option<f64>,
+}
+
+fn default_workers() -> Vec<usize> {
+    vec![1, 2, 4, 8, 16, 32, 64, 128, 256]
+}
+fn default_per_worker_batch() -> usize {
+    32
+}
+fn default_hidden() -> Vec<usize> {
+    vec![32]
+}
+fn default_compute_ms() -> f64 {
+    10.0
+}
+fn default_bandwidth_gbps() -> f64 {
+    10.0
+}
+fn default_latency_us() -> f64 {
+    50.0
+}
+fn default_max_updates() -> u64 {
+    600
+}
+fn default_eval_every_updates() -> u64 {
+    10
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        Self {
+            workers: default_workers(),
+            per_worker_batch: default_per_worker_batch(),
+            hidden: default_hidden(),
+            compute_ms: default_compute_ms(),
+            bandwidth_gbps: default_bandwidth_gbps(),
+            latency_us: default_latency_us(),
+            max_updates: default_max_updates(),
+            max_virtual_s: None,
+            eval_every_updates: default_eval_every_updates(),
+            seed: None,
+            optimizer: None,
+            lr: None,
+        }
+    }
+}
+
+impl SimConfig {
+    /// Checks the values; the message names the field and says what to write instead.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        if self.workers.is_empty() {
+            return Err("workers must list at least one worker count, e.g. [1, 4, 16]".into());
+        }
+        if let Some(&n) = self.workers.iter().find(|&&n| n == 0) {
+            return Err(format!("workers must be at least 1, not {n}"));
+        }
+        if let Some(&n) = self.workers.iter().find(|&&n| n > MAX_WORKERS) {
+            return Err(format!("workers must be at most {MAX_WORKERS}, not {n}"));
+        }
+        if self.per_worker_batch == 0 {
+            return Err("per_worker_batch must be at least 1".into());
+        }
+        if self.hidden.contains(&0) {
+            return Err("hidden layer sizes must be at least 1".into());
+        }
+        let positive = |what: &str, v: f64| {
+            if v.is_finite() && v > 0.0 {
+                Ok(())
+            } else {
+                Err(format!("{what} must be a number above 0, not {}", v.to_string().to_lowercase()))
+            }
+        };
+        positive("compute_ms", self.compute_ms)?;
+        positive("bandwidth_gbps", self.bandwidth_gbps)?;
+        if !(self.latency_us.is_finite() && self.latency_us >= 0.0) {
+            let v = self.latency_us.to_string().to_lowercase();
+            return Err(format!("latency_us must be a number of 0 or more, not {v}"));
+        }
+        if self.max_updates == 0 {
+            return Err("max_updates must be at least 1".into());
+        }
+        if let Some(s) = self.max_virtual_s {
+            positive("max_virtual_s", s)?;
+        }
+        if self.eval_every_updates == 0 {
+            return Err("eval_every_updates must be at least 1".into());
+        }
+        if let Some(o) = &self.optimizer {
+            optimizer_kind(o)?;
+        }
+        if let Some(lr) = self.lr {
+            positive("lr", lr)?;
+        }
+        Ok(())
+    }
+
+    /// The optimizer simulated runs apply (the override, or the experiment's).
+    pub fn server_optimizer(&self, exp: &Experiment) -> Result<ServerOptimizer> {
+        let name = self.optimizer.as_deref().unwrap_or(&exp.optimizer);
+        let kind = optimizer_kind(name).map_err(Error::Usage)?;
+        let lr = self.lr.unwrap_or(exp.lr);
+        if !(lr.is_finite() && lr > 0.0) {
+            return Err(Error::Usage(format!("lr must be a number above 0, not {lr}")));
+        }
+        Ok(kind.server_optimizer(lr, MOMENTUM))
+    }
+
+    /// The simulated model's bytes (4 per parameter), what every message carries.
+    pub fn model_bytes(&self) -> u64 {
+        4 * Mlp::parameter_count(digits::FEATURES, &self.hidden, digits::CLASSES) as u64
+    }
+
+    /// The network as this configuration models it, with `network_delay` added to every
+    /// message.
+    pub fn network(&self, network_delay: std::time::Duration) -> Network {
+        Network {
+            latency_s: self.latency_us * 1e-6 + network_delay.as_secs_f64(),
+            bytes_per_s: self.bandwidth_gbps * 1e9 / 8.0,
+            model_bytes: self.model_bytes() as f64,
+        }
+    }
+}
+
+fn optimizer_kind(name: &str) -> std::result::Result<OptimizerKind, String> {
+    name.to_ascii_lowercase().parse::<OptimizerKind>().map_err(|_| {
+        format!("optimizer {name:?} is not known; write adamw, sgd, candle-adamw, candle-sgd, momentum or adagrad")
+    })
+}
+
+/// The closed-form communication times of the synchronous strategies (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Network {
+    /// Seconds of latency per message.
+    pub latency_s: f64,
+    /// Bytes per second of every link.
+    pub bytes_per_s: f64,
+    /// Bytes of the model (and of its gradient).
+    pub model_bytes: f64,
+}
+
+impl Network {
+    /// Seconds of a ring all-reduce over `n` workers: `2(n-1) (L + M / (n B))`.
+    pub fn ring_allreduce_s(&self, n: usize) -> f64 {
+        let n = n as f64;
+        2.0 * (n - 1.0) * (self.latency_s + self.model_bytes / (n * self.bytes_per_s))
+    }
+
+    /// Seconds of a central-storage step's communication over `n` replicas:
+    /// `2 (L + n M / B)`.
+    pub fn central_storage_s(&self, n: usize) -> f64 {
+        2.0 * (self.latency_s + n as f64 * self.model_bytes / self.bytes_per_s)
+    }
+
+    /// Seconds of one uncontended parameter-server message (a pull or a push): `L + M / B`.
+    pub fn message_s(&self) -> f64 {
+        self.latency_s + self.model_bytes / self.bytes_per_s
+    }
+}
+
+/// Simulates every run of `exp` at every worker count of `cfg` (one-device once, with one
+/// worker; a sync run with `backup_workers >= N` is skipped at that N), in the order of the
+/// experiment's runs and, within a run, of `cfg.workers`.
+///
+/// A result is named `"{run}/N={n}"`, or just `"{run}"` when `cfg.workers` has one count.
+/// `progress(name, fraction)` is called as each run advances (fraction in `[0, 1]`, 1 at its
+/// end). Fails on an invalid `cfg` or optimizer, or if the digits data cannot be read.
+pub fn simulate(exp: &Experiment, cfg: &SimConfig, progress: &dyn Fn(&str, f64)) -> Result<Vec<RunResult>> {
+    cfg.validate().map_err(Error::Usage)?;
+    let mut sim = Simulator::new(exp, cfg)?;
+    let mut out = Vec::new();
+    for spec in &exp.runs {
+        let counts: Vec<usize> = if spec.strategy == RunStrategy::OneDevice { vec![1] } else { cfg.workers.clone() };
+        for n in counts {
+            if spec.mode == Some(PsMode::Sync) && spec.backup_workers >= n {
+                continue;
+            }
+            let name = if cfg.workers.len() == 1 { spec.name.clone() } else { format!("{}/N={n}", spec.name) };
+            out.push(sim.run(spec, n, &name, progress)?);
+        }
+    }
+    Ok(out)
+}
+
+/// Mixes a seed with two keys (SplitMix64), for independent generator streams.
+fn mix(seed: u64, a: u64, b: u64) -> u64 {
+    let mut z = seed ^ a.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ b.wrapping_mul(0xc2b2_ae3d_27d4_eb4f);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// The model, the data and the settings shared by all runs of one call.
+struct Simulator<'a> {
+    cfg: &'a SimConfig,
+    injection: &'a Injection,
+    seed: u64,
+    net: Net,
+    train: Batch,
+    test_x: Tensor,
+    test_y: Tensor,
+    test_len: usize,
+    opt: ServerOptimizer,
+    network: Network,
+    /// The model's initial values (the variables themselves hold whatever was loaded last).
+    initial: Params,
+    /// Plain synchronous trajectories by worker count.
+    sync_cache: HashMap<usize, SyncTrajectory>,
+}
+
+/// The candle model whose variables take the values a gradient is computed at.
+struct Net {
+    model: Replicated<Mlp>,
+    vars: Vec<Var>,
+}
+
+type Params = Vec<Vec<f32>>;
+
+impl Net {
+    fn load(&self, params: &Params) -> Result<()> {
+        for (v, p) in self.vars.iter().zip(params) {
+            v.set(&Tensor::from_slice(p, v.shape(), &Device::Cpu)?)?;
+        }
+        Ok(())
+    }
+
+    /// The mean cross-entropy of the training rows `rows` (repeats counted) and its gradient
+    /// at `params`. Each distinct row is computed once, weighted by how often it occurs:
+    /// candle-nn's `cross_entropy` (log-softmax, the label's entry, the mean) written out with
+    /// per-row weights, so a 256-worker round over a 1,438-row training set costs at most
+    /// 1,438 rows.
+    fn gradient(&self, params: &Params, train: &Batch, rows: &[usize], counts: &mut [u32]) -> Result<(f32, Params)> {
+        let mut distinct = Vec::with_capacity(rows.len().min(train.len()));
+        for &r in rows {
+            if counts[r] == 0 {
+                distinct.push(r);
+            }
+            counts[r] += 1;
+        }
+        let total = rows.len().max(1) as f32;
+        let weights: Vec<f32> = distinct.iter().map(|&r| counts[r] as f32 / total).collect();
+        for &r in &distinct {
+            counts[r] = 0;
+        }
+        let batch = digits::gather(train, &distinct);
+        self.load(params)?;
+        let x = batch.features_tensor(&Device::Cpu)?;
+        let y = batch.labels_tensor(&Device::Cpu)?;
+        let w = Tensor::from_vec(weights, distinct.len(), &Device::Cpu)?;
+        let logits = self.model.primary().logits(&x)?;
+        let logp = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
+        let picked = logp.gather(&y.unsqueeze(1)?, 1)?.squeeze(1)?;
+        let loss = picked.mul(&w)?.sum_all()?.neg()?;
+        let grads = loss.backward()?;
+        let g = self
+            .vars
+            .iter()
+            .map(|v| match grads.get(v.as_tensor()) {
+                Some(g) => Ok(g.flatten_all()?.to_vec1::<f32>()?),
+                None => Ok(vec![0.0; v.elem_count()]),
+            })
+            .collect::<Result<Params>>()?;
+        Ok((loss.to_scalar::<f32>()?, g))
+    }
+}
+
+/// The parameters (the server's values) and the optimizer's slots.
+#[derive(Clone)]
+struct Server {
+    params: Params,
+    slots: Vec<Vec<Vec<f32>>>,
+    version: u64,
+}
+
+impl Server {
+    fn new(params: Params, opt: &ServerOptimizer) -> Self {
+        let start = match *opt {
+            ServerOptimizer::Adagrad { initial_accumulator, .. } => initial_accumulator as f32,
+            _ => 0.0,
+        };
+        let slots = params.iter().map(|p| vec![vec![start; p.len()]; opt.slots()]).collect();
+        Self { params, slots, version: 0 }
+    }
+
+    fn apply(&mut self, opt: &ServerOptimizer, grad: &Params) {
+        self.version += 1;
+        for ((w, g), slots) in self.params.iter_mut().zip(grad).zip(&mut self.slots) {
+            let mut refs: Vec<&mut [f32]> = slots.iter_mut().map(Vec::as_mut_slice).collect();
+            opt.apply(w, g, &mut refs, self.version);
+        }
+    }
+}
+
+/// One worker's batches: its own seeded shuffle of the training rows, reshuffled per epoch.
+#[derive(Clone)]
+struct Stream {
+    rng: ChaCha8Rng,
+    perm: Vec<usize>,
+    pos: usize,
+}
+
+impl Stream {
+    fn new(seed: u64, worker: usize, rows: usize) -> Self {
+        let mut s =
+            Self { rng: ChaCha8Rng::seed_from_u64(mix(seed, worker as u64, 1)), perm: (0..rows).collect(), pos: 0 };
+        s.perm.shuffle(&mut s.rng);
+        s
+    }
+
+    fn next_into(&mut self, size: usize, out: &mut Vec<usize>) {
+        for _ in 0..size {
+            if self.pos == self.perm.len() {
+                self.perm.shuffle(&mut self.rng);
+                self.pos = 0;
+            }
+            out.push(self.perm[self.pos]);
+            self.pos += 1;
+        }
+    }
+}
+
+/// Compute times of every worker's steps.
+struct Clock {
+    compute_s: f64,
+    factors: Vec<f64>,
+    injection: Injection,
+    rngs: Vec<ChaCha8Rng>,
+}
+
+impl Clock {
+    fn new(cfg: &SimConfig, injection: &Injection, seed: u64, n: usize) -> Self {
+        Self {
+            compute_s: cfg.compute_ms * 1e-3,
+            factors: (0..n).map(|w| injection.factor(w)).collect(),
+            injection: injection.clone(),
+            rngs: (0..n).map(|w| ChaCha8Rng::seed_from_u64(mix(seed, w as u64, 2))).collect(),
+        }
+    }
+
+    /// Seconds of worker `w`'s next step.
+    fn step_s(&mut self, w: usize) -> f64 {
+        let mut t = self.compute_s * self.factors[w];
+        if let Some(s) = &self.injection.stragglers {
+            let rng = &mut self.rngs[w];
+            if rng.random::<f64>() < s.probability {
+                t += s.delay.sample(rng.random::<f64>()).as_secs_f64();
+            }
+        }
+        t
+    }
+}
+
+/// The parameter-server links: every task's link sees the same traffic (each message is split
+/// evenly over the tasks), so one FIFO stands for all of them.
+struct PsLink {
+    free: f64,
+    latency_s: f64,
+    shard_s: f64,
+    whole_s: f64,
+}
+
+impl PsLink {
+    fn new(network: &Network, ps_tasks: usize) -> Self {
+        let whole_s = network.model_bytes / network.bytes_per_s;
+        Self { free: 0.0, latency_s: network.latency_s, shard_s: whole_s / ps_tasks.max(1) as f64, whole_s }
+    }
+
+    /// Delivery time of a message sent at `t` (messages must be sent in time order).
+    fn send(&mut self, t: f64) -> f64 {
+        let arrive = t + self.latency_s;
+        let start = arrive.max(self.free);
+        self.free = start + self.shard_s;
+        self.free.max(arrive + self.whole_s)
+    }
+}
+
+/// Synchronous training state: the server and every worker's batches.
+struct SyncState {
+    server: Server,
+    streams: Vec<Stream>,
+    rows: Vec<usize>,
+    counts: Vec<u32>,
+    per_worker: usize,
+}
+
+impl SyncState {
+    /// One round: every worker draws its batch, those in `applied` contribute to the mean
+    /// gradient, which is applied. Returns the applied batches' mean loss.
+    fn round(&mut self, sim: &SimCore<'_>, applied: &[bool]) -> Result<f32> {
+        self.rows.clear();
+        let mut scratch = Vec::with_capacity(self.per_worker);
+        for (stream, &used) in self.streams.iter_mut().zip(applied) {
+            scratch.clear();
+            stream.next_into(self.per_worker, &mut scratch);
+            if used {
+                self.rows.extend_from_slice(&scratch);
+            }
+        }
+        let (loss, g) = sim.net.gradient(&self.server.params, sim.train, &self.rows, &mut self.counts)?;
+        self.server.apply(sim.opt, &g);
+        Ok(loss)
+    }
+}
+
+/// The shared trajectory of the plain synchronous strategies at one worker count.
+struct SyncTrajectory {
+    state: SyncState,
+    /// Loss of round `i` (update `i + 1`).
+    losses: Vec<f32>,
+    /// Accuracy after the update that is the key.
+    accuracy: HashMap<u64, f32>,
+}
+
+/// The borrowed parts every run needs.
+struct SimCore<'a> {
+    cfg: &'a SimConfig,
+    net: &'a Net,
+    train: &'a Batch,
+    test_x: &'a Tensor,
+    test_y: &'a Tensor,
+    test_len: usize,
+    opt: &'a ServerOptimizer,
+}
+
+impl SimCore<'_> {
+    fn accuracy(&self, params: &Params) -> Result<f32> {
+        self.net.load(params)?;
+        let correct = self.net.model.primary().correct(self.test_x, self.test_y)?;
+        Ok(correct as f32 / self.test_len.max(1) as f32)
+    }
+
+    fn evaluates(&self, updates: u64) -> bool {
+        updates.is_multiple_of(self.cfg.eval_every_updates) || updates == self.cfg.max_updates
+    }
+
+    fn sync_state(&self, server: Server, seed: u64, n: usize) -> SyncState {
+        SyncState {
+            server,
+            streams: (0..n).map(|w| Stream::new(seed, w, self.train.len())).collect(),
+            rows: Vec::new(),
+            counts: vec![0; self.train.len()],
+            per_worker: self.cfg.per_worker_batch,
+        }
+    }
+}
+
+/// Calls `progress` when the fraction has moved on by a percent.
+struct Progress<'a> {
+    name: &'a str,
+    f: &'a dyn Fn(&str, f64),
+    last: f64,
+}
+
+impl Progress<'_> {
+    fn update(&mut self, fraction: f64) {
+        let fraction = fraction.clamp(0.0, 1.0);
+        if fraction >= self.last + 0.01 {
+            self.last = fraction;
+            (self.f)(self.name, fraction);
+        }
+    }
+}
+
+/// How a synchronous round's communication is timed.
+#[derive(Clone, Copy, PartialEq)]
+enum SyncComm {
+    None,
+    Ring,
+    Central,
+    Ps { ps_tasks: usize, backup: usize },
+}
+
+/// An event of the asynchronous simulation, ordered by time then by creation.
+#[derive(PartialEq)]
+struct Event {
+    t: f64,
+    seq: u64,
+    worker: usize,
+    arrive: bool,
+}
+
+impl Eq for Event {}
+
+impl Ord for Event {
+    fn cmp(&self, other: &Self) -> Ordering {
+        self.t.total_cmp(&other.t).then(self.seq.cmp(&other.seq))
+    }
+}
+
+impl PartialOrd for Event {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+/// The asynchronous simulation's pending events.
+#[derive(Default)]
+struct Queue {
+    heap: BinaryHeap<Reverse<Event>>,
+    seq: u64,
+}
+
+impl Queue {
+    /// Worker `worker`'s push is sent (`arrive` false) or delivered (true) at `t`.
+    fn push(&mut self, t: f64, worker: usize, arrive: bool) {
+        self.heap.push(Reverse(Event { t, seq: self.seq, worker, arrive }));
+        self.seq += 1;
+    }
+}
+
+/// An asynchronous worker's step in flight: the values it pulled and its batch. The gradient
+/// is computed when the push is applied (it depends on nothing else), so refused pushes cost
+/// no gradient.
+struct Pending {
+    rows: Vec<usize>,
+    params: Rc<Params>,
+    base: u64,
+}
+
+/// The asynchronous workers: batches, clocks and steps in flight.
+struct AsyncWorkers {
+    streams: Vec<Stream>,
+    clock: Clock,
+    pending: Vec<Option<Pending>>,
+    /// The server's values at `snapshot_version`, shared by every pull of that version.
+    snapshot: Option<(u64, Rc<Params>)>,
+    per_worker: usize,
+}
+
+impl AsyncWorkers {
+    /// Worker `w` pulls at `now` (the server's current values) and computes on `rows` (its
+    /// next batch if none); its push is sent when the compute time has passed.
+    fn start(
+        &mut self,
+        w: usize,
+        now: f64,
+        rows: Option<Vec<usize>>,
+        server: &Server,
+        queue: &mut Queue,
+        link: &mut PsLink,
+    ) {
+        let rows = rows.unwrap_or_else(|| {
+            let mut r = Vec::with_capacity(self.per_worker);
+            self.streams[w].next_into(self.per_worker, &mut r);
+            r
+        });
+        let params = match &self.snapshot {
+            Some((v, p)) if *v == server.version => Rc::clone(p),
+            _ => {
+                let p = Rc::new(server.params.clone());
+                self.snapshot = Some((server.version, Rc::clone(&p)));
+                p
+            }
+        };
+        let pulled = link.send(now);
+        self.pending[w] = Some(Pending { rows, params, base: server.version });
+        queue.push(pulled + self.clock.step_s(w), w, false);
+    }
+}
+
+impl<'a> Simulator<'a> {
+    fn new(exp: &'a Experiment, cfg: &'a SimConfig) -> Result<Self> {
+        let seed = cfg.seed.unwrap_or(exp.seed);
+        let opt = cfg.server_optimizer(exp)?;
+        let all = digits::load(exp.data.as_deref())?;
+        let (train, test) = digits::train_test_split(&all, 0.2, 0);
+        let device = strata_core::device::logical_cpus(1)?.remove(0);
+        let strategy = OneDeviceStrategy::with_options(device, StrategyOptions { seed, ..Default::default() })?;
+        let hidden = cfg.hidden.clone();
+        let model = strategy.scope(|s| Mlp::new(s.var_builder(), digits::FEATURES, &hidden, digits::CLASSES))?;
+        let vars = model.variables(0).iter().map(|(_, v)| v.clone()).collect();
+        let net = Net { model, vars };
+        let initial =
+            net.vars.iter().map(|v| Ok(v.as_tensor().flatten_all()?.to_vec1::<f32>()?)).collect::<Result<Params>>()?;
+        Ok(Self {
+            initial,
+            cfg,
+            injection: &exp.injection,
+            seed,
+            test_x: test.features_tensor(&Device::Cpu)?,
+            test_y: test.labels_tensor(&Device::Cpu)?,
+            test_len: test.len(),
+            train,
+            net,
+            opt,
+            network: cfg.network(exp.injection.network_delay),
+            sync_cache: HashMap::new(),
+        })
+    }
+
+    fn run(&mut self, spec: &RunSpec, n: usize, name: &str, progress: &dyn Fn(&str, f64)) -> Result<RunResult> {
+        let mut progress = Progress { name, f: progress, last: -1.0 };
+        progress.update(0.0);
+        let (records, wall_s) = match (spec.strategy, spec.mode) {
+            (RunStrategy::OneDevice, _) => self.run_sync(n, SyncComm::None, &mut progress)?,
+            (RunStrategy::Mirrored | RunStrategy::MultiWorkerMirrored, _) => {
+                self.run_sync(n, SyncComm::Ring, &mut progress)?
+            }
+            (RunStrategy::CentralStorage, _) => self.run_sync(n, SyncComm::Central, &mut progress)?,
+            (RunStrategy::ParameterServer, None | Some(PsMode::Async)) => {
+                self.run_async(n, spec.ps_tasks, None, &mut progress)?
+            }
+            (RunStrategy::ParameterServer, Some(PsMode::Stale)) => {
+                self.run_async(n, spec.ps_tasks, Some(spec.staleness), &mut progress)?
+            }
+            (RunStrategy::ParameterServer, Some(PsMode::Sync)) => {
+                self.run_sync(n, SyncComm::Ps { ps_tasks: spec.ps_tasks, backup: spec.backup_workers }, &mut progress)?
+            }
+        };
+        (progress.f)(name, 1.0);
+        Ok(RunResult {
+            name: name.to_string(),
+            strategy: spec.strategy.name().to_string(),
+            mode: spec.mode_label(),
+            workers: n,
+            global_batch: n * self.cfg.per_worker_batch,
+            simulated: true,
+            records,
+            error: None,
+            wall_s,
+        })
+    }
+
+    fn core(&self) -> SimCore<'_> {
+        SimCore {
+            cfg: self.cfg,
+            net: &self.net,
+            train: &self.train,
+            test_x: &self.test_x,
+            test_y: &self.test_y,
+            test_len: self.test_len,
+            opt: &self.opt,
+        }
+    }
+
+    /// The loss of update `round + 1` of the plain synchronous trajectory with `n` workers,
+    /// and the accuracy after it if it is evaluated.
+    fn plain_round(&mut self, n: usize, round: u64) -> Result<(f32, Option<f32>)> {
+        // Out of the cache while it advances (the model and data stay borrowed from `self`).
+        let mut traj = match self.sync_cache.remove(&n) {
+            Some(t) => t,
+            None => SyncTrajectory {
+                state: self.core().sync_state(Server::new(self.initial.clone(), &self.opt), self.seed, n),
+                losses: Vec::new(),
+                accuracy: HashMap::new(),
+            },
+        };
+        let advanced = self.advance(&mut traj, n, round);
+        self.sync_cache.insert(n, traj);
+        advanced
+    }
+
+    /// Advances `traj` (of `n` workers) through update `round + 1`.
+    fn advance(&self, traj: &mut SyncTrajectory, n: usize, round: u64) -> Result<(f32, Option<f32>)> {
+        let core = self.core();
+        let all = vec![true; n];
+        while traj.losses.len() as u64 <= round {
+            let loss = traj.state.round(&core, &all)?;
+            traj.losses.push(loss);
+            let updates = traj.losses.len() as u64;
+            if core.evaluates(updates) {
+                traj.accuracy.insert(updates, core.accuracy(&traj.state.server.params)?);
+            }
+        }
+        Ok((traj.losses[round as usize], traj.accuracy.get(&(round + 1)).copied()))
+    }
+
+    /// A synchronous run: one update per round.
+    fn run_sync(&mut self, n: usize, comm: SyncComm, progress: &mut Progress<'_>) -> Result<(Vec<MetricRecord>, f64)> {
+        let cfg = self.cfg;
+        let m = self.network.model_bytes as u64;
+        let nu = n as u64;
+        let b = cfg.per_worker_batch as u64;
+        let mut clock = Clock::new(cfg, self.injection, self.seed, n);
+        let backup = match comm {
+            SyncComm::Ps { backup, .. } => backup,
+            _ => 0,
+        };
+        // Backup workers change which gradients are applied: their trajectory is their own.
+        let mut own = if backup > 0 {
+            let server = Server::new(self.initial.clone(), &self.opt);
+            Some(self.core().sync_state(server, self.seed, n))
+        } else {
+            None
+        };
+        let mut link = match comm {
+            SyncComm::Ps { ps_tasks, .. } => Some(PsLink::new(&self.network, ps_tasks)),
+            _ => None,
+        };
+        let (mut records, mut t, mut steps, mut examples) = (Vec::new(), 0.0f64, 0u64, 0u64);
+        let mut compute = vec![0.0; n];
+        for round in 0..cfg.max_updates {
+            for (w, c) in compute.iter_mut().enumerate() {
+                *c = clock.step_s(w);
+            }
+            let slowest = compute.iter().copied().fold(0.0, f64::max);
+            let (end, applied, sent, received) = match comm {
+                SyncComm::None => (t + slowest, vec![true; n], 0, 0),
+                SyncComm::Ring => {
+                    let bytes = 2 * (nu - 1) * m;
+                    (t + slowest + self.network.ring_allreduce_s(n), vec![true; n], bytes, bytes)
+                }
+                SyncComm::Central => (t + slowest + self.network.central_storage_s(n), vec![true; n], nu * m, nu * m),
+                SyncComm::Ps { .. } => {
+                    let link = link.as_mut().expect("ps runs have a link");
+                    link.free = t;
+                    let pulled: Vec<f64> = (0..n).map(|_| link.send(t)).collect();
+                    let mut order: Vec<usize> = (0..n).collect();
+                    order.sort_by(|&a, &c| {
+                        (pulled[a] + compute[a]).total_cmp(&(pulled[c] + compute[c])).then(a.cmp(&c))
+                    });
+                    let mut delivered: Vec<(f64, usize)> =
+                        order.iter().map(|&w| (link.send(pulled[w] + compute[w]), w)).collect();
+                    delivered.sort_by(|x, y| x.0.total_cmp(&y.0).then(x.1.cmp(&y.1)));
+                    let mut applied = vec![false; n];
+                    for &(_, w) in &delivered[..n - backup] {
+                        applied[w] = true;
+                    }
+                    (delivered[n - backup - 1].0, applied, (nu - backup as u64) * m, nu * m)
+                }
+            };
+            if cfg.max_virtual_s.is_some_and(|cap| end > cap) {
+                break;
+            }
+            t = end;
+            let updates = round + 1;
+            let (loss, accuracy) = match own.as_mut() {
+                Some(state) => {
+                    let core = self.core();
+                    let loss = state.round(&core, &applied)?;
+                    let acc = if core.evaluates(updates) { Some(core.accuracy(&state.server.params)?) } else { None };
+                    (loss, acc)
+                }
+                None => self.plain_round(n, round)?,
+            };
+            let is_ps = matches!(comm, SyncComm::Ps { .. });
+            let used = (n - backup) as u64;
+            steps += if is_ps { used } else { 1 };
+            examples += used * b;
+            let mut r = MetricRecord::step(steps, updates, t, examples, loss);
+            r.bytes_sent = sent;
+            r.bytes_received = received;
+            if is_ps {
+                r.staleness = Some(0);
+            }
+            records.push(r);
+            for w in (0..n).filter(|&w| !applied[w]) {
+                steps += 1;
+                examples += b;
+                let mut d = MetricRecord::step(steps, updates, t, examples, 0.0);
+                d.loss = None;
+                d.bytes_sent = m;
+                d.worker = Some(w as u32);
+                d.dropped = true;
+                records.push(d);
+            }
+            if let Some(a) = accuracy {
+                records.push(MetricRecord::eval(steps, updates, t, examples, a));
+            }
+            progress.update(self.fraction(updates, t));
+        }
+        Ok((records, t))
+    }
+
+    fn fraction(&self, updates: u64, t: f64) -> f64 {
+        let by_updates = updates as f64 / self.cfg.max_updates as f64;
+        match self.cfg.max_virtual_s {
+            Some(cap) => by_updates.max(t / cap),
+            None => by_updates,
+        }
+    }
+
+    /// An asynchronous (or, with a bound, bounded-staleness) parameter-server run.
+    fn run_async(
+        &self,
+        n: usize,
+        ps_tasks: usize,
+        bound: Option<u64>,
+        progress: &mut Progress<'_>,
+    ) -> Result<(Vec<MetricRecord>, f64)> {
+        let cfg = self.cfg;
+        let core = self.core();
+        let m = self.network.model_bytes as u64;
+        let b = cfg.per_worker_batch;
+        let mut link = PsLink::new(&self.network, ps_tasks);
+        let mut server = Server::new(self.initial.clone(), &self.opt);
+        let mut workers = AsyncWorkers {
+            streams: (0..n).map(|w| Stream::new(self.seed, w, self.train.len())).collect(),
+            clock: Clock::new(cfg, self.injection, self.seed, n),
+            pending: (0..n).map(|_| None).collect(),
+            snapshot: None,
+            per_worker: b,
+        };
+        let mut queue = Queue::default();
+        let mut counts = vec![0u32; self.train.len()];
+        for w in 0..n {
+            workers.start(w, 0.0, None, &server, &mut queue, &mut link);
+        }
+        let (mut records, mut t, mut steps, mut examples) = (Vec::new(), 0.0f64, 0u64, 0u64);
+        while let Some(Reverse(ev)) = queue.heap.pop() {
+            if !ev.arrive {
+                queue.push(link.send(ev.t), ev.worker, true);
+                continue;
+            }
+            if cfg.max_virtual_s.is_some_and(|cap| ev.t > cap) {
+                break;
+            }
+            t = ev.t;
+            let w = ev.worker;
+            let p = workers.pending[w].take().expect("a push in flight has its step");
+            let staleness = server.version - p.base;
+            steps += 1;
+            examples += b as u64;
+            let mut r = MetricRecord::step(steps, server.version, t, examples, 0.0);
+            r.bytes_sent = m;
+            r.bytes_received = m;
+            r.worker = Some(w as u32);
+            if bound.is_some_and(|s| staleness > s) {
+                r.loss = None;
+                r.dropped = true;
+                records.push(r);
+                workers.start(w, t, Some(p.rows), &server, &mut queue, &mut link);
+                continue;
+            }
+            let (loss, grad) = core.net.gradient(&p.params, core.train, &p.rows, &mut counts)?;
+            drop(p);
+            server.apply(core.opt, &grad);
+            r.updates = server.version;
+            r.loss = Some(loss);
+            r.staleness = Some(staleness);
+            records.push(r);
+            if core.evaluates(server.version) {
+                let a = core.accuracy(&server.params)?;
+                records.push(MetricRecord::eval(steps, server.version, t, examples, a));
+            }
+            progress.update(self.fraction(server.version, t));
+            if server.version >= cfg.max_updates {
+                break;
+            }
+            workers.start(w, t, None, &server, &mut queue, &mut link);
+        }
+        Ok((records, t))
+    }
+}

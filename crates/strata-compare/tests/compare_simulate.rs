@@ -1,0 +1,390 @@
+//! Simulated mode (`strata compare --simulate`): orderings and closed forms that hold by
+//! construction of the model.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use strata::metrics::{MetricRecord, RecordKind};
+use strata::model::Mlp;
+use strata_compare::experiment::{Experiment, Injection, PsMode, RunSpec, RunStrategy, Stragglers};
+use strata_compare::simulate::{simulate, SimConfig};
+use strata_compare::{summarize, RunResult};
+
+fn spec(name: &str, strategy: RunStrategy, mode: Option<PsMode>, backup_workers: usize, staleness: u64) -> RunSpec {
+    RunSpec {
+        name: name.into(),
+        strategy,
+        replicas: 1,
+        workers: 1,
+        ps_tasks: 1,
+        mode,
+        backup_workers,
+        staleness,
+        timeout: None,
+    }
+}
+
+fn experiment(runs: Vec<RunSpec>, injection: Injection) -> Experiment {
+    Experiment {
+        path: PathBuf::from("sim.toml"),
+        name: "sim".into(),
+        description: String::new(),
+        hidden: vec![32],
+        epochs: 1,
+        global_batch: 32,
+        lr: 0.003,
+        optimizer: "adamw".into(),
+        seed: 0,
+        target_accuracy: 0.9,
+        data: None,
+        run_timeout: Duration::from_secs(60),
+        runs,
+        injection,
+        simulate: None,
+    }
+}
+
+fn all_specs() -> Vec<RunSpec> {
+    vec![
+        spec("one-device", RunStrategy::OneDevice, None, 0, 0),
+        spec("mirrored", RunStrategy::Mirrored, None, 0, 0),
+        spec("central-storage", RunStrategy::CentralStorage, None, 0, 0),
+        spec("mwm", RunStrategy::MultiWorkerMirrored, None, 0, 0),
+        spec("ps-sync", RunStrategy::ParameterServer, Some(PsMode::Sync), 0, 0),
+        spec("ps-backup", RunStrategy::ParameterServer, Some(PsMode::Sync), 1, 0),
+        spec("ps-async", RunStrategy::ParameterServer, Some(PsMode::Async), 0, 0),
+        spec("ps-stale", RunStrategy::ParameterServer, Some(PsMode::Stale), 0, 4),
+    ]
+}
+
+fn run<'a>(runs: &'a [RunResult], name: &str) -> &'a RunResult {
+    runs.iter().find(|r| r.name == name).unwrap_or_else(|| panic!("no run {name}"))
+}
+
+fn steps(r: &RunResult) -> impl Iterator<Item = &MetricRecord> {
+    r.records.iter().filter(|x| x.kind == RecordKind::Step)
+}
+
+fn ttt(runs: &[RunResult], target: f32, name: &str) -> f64 {
+    let s = summarize(runs, target);
+    let s = s.iter().find(|s| s.name == name).unwrap();
+    s.time_to_target_s.unwrap_or_else(|| panic!("{name} never reached {target}: {s:?}"))
+}
+
+fn quiet(_: &str, _: f64) {}
+
+/// Parameters of the default model (64 inputs, hidden [32], 10 classes).
+fn model_bytes(hidden: &[usize]) -> f64 {
+    4.0 * Mlp::parameter_count(64, hidden, 10) as f64
+}
+
+#[test]
+fn with_a_3x_straggler_async_and_backup_workers_reach_the_target_sooner_than_sync() {
+    let exp = experiment(
+        vec![
+            spec("sync", RunStrategy::ParameterServer, Some(PsMode::Sync), 0, 0),
+            spec("backup", RunStrategy::ParameterServer, Some(PsMode::Sync), 1, 0),
+            spec("async", RunStrategy::ParameterServer, Some(PsMode::Async), 0, 0),
+            spec("mirrored", RunStrategy::Mirrored, None, 0, 0),
+        ],
+        Injection { slowdown: vec![(1, 3.0)], ..Default::default() },
+    );
+    let cfg = SimConfig { workers: vec![4], max_updates: 300, ..Default::default() };
+    let runs = simulate(&exp, &cfg, &quiet).unwrap();
+    assert!(runs.iter().all(|r| r.simulated && r.workers == 4 && r.global_batch == 128 && r.error.is_none()));
+    let target = 0.9;
+    let (sync, backup, asy, mirrored) = (
+        ttt(&runs, target, "sync"),
+        ttt(&runs, target, "backup"),
+        ttt(&runs, target, "async"),
+        ttt(&runs, target, "mirrored"),
+    );
+    println!("time to {target}: sync {sync:.3} s, mirrored {mirrored:.3} s, backup {backup:.3} s, async {asy:.3} s");
+    // Every sync round waits for the 3x worker; backups and async do not.
+    assert!(backup < 0.6 * sync, "backup {backup} vs sync {sync}");
+    assert!(asy < 0.6 * sync, "async {asy} vs sync {sync}");
+    assert!(backup < 0.6 * mirrored && asy < 0.6 * mirrored);
+}
+
+#[test]
+fn without_stragglers_sync_is_at_least_as_accurate_as_async_per_update() {
+    let exp = experiment(
+        vec![
+            spec("sync", RunStrategy::ParameterServer, Some(PsMode::Sync), 0, 0),
+            spec("async", RunStrategy::ParameterServer, Some(PsMode::Async), 0, 0),
+        ],
+        Injection::default(),
+    );
+    let cfg = SimConfig { workers: vec![8], max_updates: 300, ..Default::default() };
+    let runs = simulate(&exp, &cfg, &quiet).unwrap();
+    let evals = |name: &str| -> Vec<(u64, f32)> {
+        run(&runs, name)
+            .records
+            .iter()
+            .filter(|x| x.kind == RecordKind::Eval)
+            .map(|x| (x.updates, x.accuracy.unwrap()))
+            .collect()
+    };
+    let (sync, asy) = (evals("sync"), evals("async"));
+    assert_eq!(sync.iter().map(|e| e.0).collect::<Vec<_>>(), asy.iter().map(|e| e.0).collect::<Vec<_>>());
+    assert_eq!(sync.len(), 30);
+    let s = summarize(&runs, 0.9);
+    let (us, ua) = (s[0].updates_to_target.unwrap(), s[1].updates_to_target.unwrap_or(u64::MAX));
+    println!("updates to 0.9: sync {us}, async {ua}");
+    assert!(us <= ua);
+    let mean = |v: &[(u64, f32)]| v.iter().map(|e| e.1).sum::<f32>() / v.len() as f32;
+    println!("mean accuracy over the evaluations: sync {}, async {}", mean(&sync), mean(&asy));
+    assert!(mean(&sync) >= mean(&asy));
+    assert!(sync.last().unwrap().1 >= asy.last().unwrap().1);
+}
+
+#[test]
+fn the_same_seed_gives_the_same_records() {
+    let exp = experiment(
+        all_specs(),
+        Injection {
+            slowdown: vec![(0, 2.0)],
+            stragglers: Some(Stragglers { probability: 0.3, delay: "exp:5ms".parse().unwrap() }),
+            network_delay: Duration::from_micros(100),
+        },
+    );
+    let cfg = SimConfig { workers: vec![1, 3], max_updates: 40, ..Default::default() };
+    let a = simulate(&exp, &cfg, &quiet).unwrap();
+    let b = simulate(&exp, &cfg, &quiet).unwrap();
+    let names: Vec<&str> = a.iter().map(|r| r.name.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "one-device/N=1",
+            "mirrored/N=1",
+            "mirrored/N=3",
+            "central-storage/N=1",
+            "central-storage/N=3",
+            "mwm/N=1",
+            "mwm/N=3",
+            "ps-sync/N=1",
+            "ps-sync/N=3",
+            "ps-backup/N=3",
+            "ps-async/N=1",
+            "ps-async/N=3",
+            "ps-stale/N=1",
+            "ps-stale/N=3",
+        ]
+    );
+    for (x, y) in a.iter().zip(&b) {
+        assert_eq!(x.records, y.records, "{}", x.name);
+        assert_eq!(x.wall_s, y.wall_s);
+        assert_eq!(x.mode, y.mode);
+    }
+    assert_eq!(run(&a, "ps-backup/N=3").mode.as_deref(), Some("sync, 1 backup"));
+    assert_eq!(run(&a, "ps-stale/N=3").mode.as_deref(), Some("stale <= 4"));
+    assert_eq!(run(&a, "mwm/N=3").strategy, "multi-worker-mirrored");
+    let other = simulate(&exp, &SimConfig { seed: Some(7), ..cfg }, &quiet).unwrap();
+    assert_ne!(other[2].records, a[2].records, "another seed trains differently");
+}
+
+#[test]
+fn staleness_is_zero_for_sync_and_positive_for_async() {
+    let exp = experiment(all_specs(), Injection::default());
+    let cfg = SimConfig { workers: vec![1, 4], max_updates: 60, ..Default::default() };
+    let runs = simulate(&exp, &cfg, &quiet).unwrap();
+    for name in ["ps-sync/N=1", "ps-sync/N=4", "ps-backup/N=4", "ps-async/N=1", "ps-stale/N=1"] {
+        assert!(steps(run(&runs, name)).filter(|s| !s.dropped).all(|s| s.staleness == Some(0)), "{name}");
+    }
+    for name in ["mirrored/N=4", "central-storage/N=4", "one-device/N=1"] {
+        assert!(steps(run(&runs, name)).all(|s| s.staleness.is_none()), "{name}");
+    }
+    let asy: Vec<u64> = steps(run(&runs, "ps-async/N=4")).filter_map(|s| s.staleness).collect();
+    assert_eq!(asy.len(), 60);
+    assert!(asy.iter().any(|&s| s > 0), "{asy:?}");
+    // One pull and one push per applied async update.
+    let r = run(&runs, "ps-async/N=4");
+    let m = model_bytes(&[32]) as u64;
+    assert!(steps(r).all(|s| s.bytes_sent == m && s.bytes_received == m && s.worker.is_some()));
+    assert_eq!(steps(r).last().unwrap().updates, 60);
+}
+
+#[test]
+fn stale_mode_never_applies_a_push_beyond_the_bound() {
+    let exp = experiment(
+        vec![spec("stale", RunStrategy::ParameterServer, Some(PsMode::Stale), 0, 2)],
+        Injection {
+            stragglers: Some(Stragglers { probability: 0.5, delay: "uniform:0ms..20ms".parse().unwrap() }),
+            ..Default::default()
+        },
+    );
+    let cfg = SimConfig { workers: vec![8], max_updates: 100, ..Default::default() };
+    let runs = simulate(&exp, &cfg, &quiet).unwrap();
+    let r = &runs[0];
+    let applied: Vec<&MetricRecord> = steps(r).filter(|s| !s.dropped).collect();
+    let refused: Vec<&MetricRecord> = steps(r).filter(|s| s.dropped).collect();
+    assert_eq!(applied.len(), 100);
+    assert!(applied.iter().all(|s| s.staleness.is_some_and(|x| x <= 2)));
+    assert!(applied.iter().any(|s| s.staleness == Some(2)));
+    assert!(!refused.is_empty(), "8 workers and a bound of 2 must refuse some pushes");
+    assert!(refused.iter().all(|s| s.staleness.is_none() && s.loss.is_none() && s.worker.is_some()));
+    // Updates count the applied pushes only.
+    for (i, s) in applied.iter().enumerate() {
+        assert_eq!(s.updates, i as u64 + 1);
+    }
+}
+
+#[test]
+fn backup_workers_drop_exactly_b_pushes_per_round() {
+    let exp = experiment(
+        vec![spec("backup", RunStrategy::ParameterServer, Some(PsMode::Sync), 2, 0)],
+        Injection {
+            stragglers: Some(Stragglers { probability: 0.3, delay: "exp:10ms".parse().unwrap() }),
+            ..Default::default()
+        },
+    );
+    let cfg = SimConfig { workers: vec![2, 6], max_updates: 50, ..Default::default() };
+    let runs = simulate(&exp, &cfg, &quiet).unwrap();
+    assert_eq!(runs.len(), 1, "2 backups of 2 workers is skipped");
+    let r = &runs[0];
+    assert_eq!(r.name, "backup/N=6");
+    for u in 1..=50 {
+        let round: Vec<&MetricRecord> = steps(r).filter(|s| s.updates == u).collect();
+        assert_eq!(round.iter().filter(|s| s.dropped).count(), 2, "round {u}");
+        assert_eq!(round.iter().filter(|s| !s.dropped).count(), 1, "round {u}");
+        assert_eq!(round.last().unwrap().step, 6 * u);
+        assert_eq!(round.last().unwrap().examples, 6 * 32 * u);
+    }
+}
+
+#[test]
+fn step_times_follow_the_closed_forms() {
+    let delay = Duration::from_micros(30);
+    let exp = experiment(all_specs(), Injection { network_delay: delay, ..Default::default() });
+    let cfg = SimConfig { workers: vec![1, 4], max_updates: 20, eval_every_updates: 5, ..Default::default() };
+    let runs = simulate(&exp, &cfg, &quiet).unwrap();
+    let c = cfg.compute_ms * 1e-3;
+    let l = cfg.latency_us * 1e-6 + delay.as_secs_f64();
+    let bw = cfg.bandwidth_gbps * 1e9 / 8.0;
+    let m = model_bytes(&cfg.hidden);
+    let n = 4.0;
+    let expect = [
+        ("one-device/N=1", c),
+        ("mirrored/N=1", c),
+        ("mirrored/N=4", c + 2.0 * (n - 1.0) * (l + m / (n * bw))),
+        ("mwm/N=4", c + 2.0 * (n - 1.0) * (l + m / (n * bw))),
+        ("central-storage/N=4", c + 2.0 * (l + n * m / bw)),
+        ("ps-sync/N=1", c + 2.0 * (l + m / bw)),
+        // 4 pulls queue on the one ps link; the last pull's worker pushes last.
+        ("ps-sync/N=4", (l + 4.0 * m / bw) + c + (l + m / bw)),
+        ("ps-async/N=1", c + 2.0 * (l + m / bw)),
+    ];
+    let s = summarize(&runs, 0.5);
+    for (name, step) in expect {
+        let r = run(&runs, name);
+        let times: Vec<f64> = steps(r).map(|s| s.wall_s).collect();
+        assert_eq!(times.len(), 20, "{name}");
+        for (i, t) in times.iter().enumerate() {
+            let want = step * (i + 1) as f64;
+            assert!((t - want).abs() <= 1e-9 * want.max(1.0), "{name} step {i}: {t} vs {want}");
+        }
+        assert!((r.wall_s - 20.0 * step).abs() < 1e-9);
+        let eps = s.iter().find(|x| x.name == name).unwrap().examples_per_s.unwrap();
+        let want = r.workers as f64 * 32.0 / step;
+        assert!((eps - want).abs() <= 1e-6 * want, "{name}: {eps} vs {want}");
+        assert_eq!(r.records.iter().filter(|x| x.kind == RecordKind::Eval).count(), 4, "{name}");
+    }
+    let ring = steps(run(&runs, "mirrored/N=4")).next().unwrap().bytes_sent as f64;
+    assert_eq!(ring, 2.0 * 3.0 * m);
+}
+
+#[test]
+fn sync_throughput_falls_behind_async_as_workers_grow() {
+    let exp = experiment(
+        vec![
+            spec("mirrored", RunStrategy::Mirrored, None, 0, 0),
+            spec("async", RunStrategy::ParameterServer, Some(PsMode::Async), 0, 0),
+        ],
+        Injection {
+            stragglers: Some(Stragglers { probability: 0.1, delay: "fixed:20ms".parse().unwrap() }),
+            ..Default::default()
+        },
+    );
+    let counts = [2usize, 8, 32];
+    let cfg = SimConfig { workers: counts.to_vec(), max_updates: 200, ..Default::default() };
+    let runs = simulate(&exp, &cfg, &quiet).unwrap();
+    let s = summarize(&runs, 0.5);
+    let eps = |name: String| s.iter().find(|x| x.name == name).unwrap().examples_per_s.unwrap();
+    let ratios: Vec<f64> =
+        counts.iter().map(|n| eps(format!("mirrored/N={n}")) / eps(format!("async/N={n}"))).collect();
+    println!("sync / async examples per second at N = {counts:?}: {ratios:?}");
+    assert!(ratios.windows(2).all(|w| w[1] < w[0]), "{ratios:?}");
+    assert!(ratios[2] < 0.8);
+}
+
+#[test]
+fn hundreds_of_async_workers_saturate_the_ps_link() {
+    let hidden = [256];
+    let mut ps = spec("async", RunStrategy::ParameterServer, Some(PsMode::Async), 0, 0);
+    ps.ps_tasks = 2;
+    let exp = experiment(vec![ps], Injection::default());
+    let (n, updates) = (128, 150);
+    let cfg = SimConfig {
+        workers: vec![n],
+        hidden: hidden.to_vec(),
+        compute_ms: 1.0,
+        max_updates: updates,
+        ..Default::default()
+    };
+    let runs = simulate(&exp, &cfg, &quiet).unwrap();
+    // Each task's link carries M / 2 bytes of every pull and push: the n first pulls and the
+    // applied pushes at least went through it before the last update.
+    let shard_s = model_bytes(&hidden) / 2.0 / (cfg.bandwidth_gbps * 1e9 / 8.0);
+    let busy = (n + updates as usize) as f64 * shard_s;
+    println!("last update at {:.6} s, link busy at least {busy:.6} s", runs[0].wall_s);
+    assert!(runs[0].wall_s >= busy);
+    // Unlimited links would let 128 workers of 1 ms run far faster.
+    let eps = summarize(&runs, 0.5)[0].examples_per_s.unwrap();
+    let unlimited = n as f64 * 32.0 / (1e-3 + 2.0 * (50e-6 + 2.0 * shard_s));
+    println!("examples/s {eps:.0}, without the link bottleneck {unlimited:.0}");
+    assert!(eps < 0.25 * unlimited);
+}
+
+#[test]
+fn the_config_has_defaults_and_checks_its_values() {
+    let cfg: SimConfig = toml::from_str("workers = [4, 16]\nmax_virtual_s = 2.5").unwrap();
+    assert_eq!(cfg, SimConfig { workers: vec![4, 16], max_virtual_s: Some(2.5), ..Default::default() });
+    assert!(toml::from_str::<SimConfig>("worker = [4]").is_err());
+    assert_eq!(toml::from_str::<SimConfig>("").unwrap(), SimConfig::default());
+    assert!(SimConfig::default().validate().is_ok());
+    let bad = |c: SimConfig, want: &str| {
+        let e = c.validate().unwrap_err();
+        assert!(e.contains(want), "{e}");
+        assert_eq!(e, e.to_lowercase(), "{e}");
+    };
+    bad(SimConfig { workers: vec![4, 0], ..Default::default() }, "workers must be at least 1");
+    bad(SimConfig { workers: vec![], ..Default::default() }, "workers must list");
+    bad(SimConfig { per_worker_batch: 0, ..Default::default() }, "per_worker_batch");
+    bad(SimConfig { compute_ms: f64::NAN, ..Default::default() }, "compute_ms");
+    bad(SimConfig { bandwidth_gbps: 0.0, ..Default::default() }, "bandwidth_gbps");
+    bad(SimConfig { latency_us: -1.0, ..Default::default() }, "latency_us");
+    bad(SimConfig { max_updates: 0, ..Default::default() }, "max_updates");
+    bad(SimConfig { eval_every_updates: 0, ..Default::default() }, "eval_every_updates");
+    bad(SimConfig { optimizer: Some("lion".into()), ..Default::default() }, "optimizer");
+    bad(SimConfig { hidden: vec![0], ..Default::default() }, "hidden");
+    let exp = experiment(all_specs(), Injection::default());
+    let e = simulate(&exp, &SimConfig { max_updates: 0, ..Default::default() }, &quiet).unwrap_err();
+    assert!(e.to_string().contains("max_updates"), "{e}");
+}
+
+#[test]
+fn a_virtual_time_budget_stops_every_run_at_the_same_time() {
+    let exp = experiment(all_specs(), Injection::default());
+    let cfg = SimConfig { workers: vec![4], max_updates: 10_000, max_virtual_s: Some(0.5), ..Default::default() };
+    let seen = std::cell::RefCell::new(Vec::new());
+    let runs = simulate(&exp, &cfg, &|name, f| seen.borrow_mut().push((name.to_string(), f))).unwrap();
+    for r in &runs {
+        assert!(r.wall_s <= 0.5 && r.wall_s > 0.4, "{} {}", r.name, r.wall_s);
+        assert!(r.records.iter().all(|x| x.wall_s <= 0.5));
+    }
+    let seen = seen.into_inner();
+    assert!(seen.iter().all(|(_, f)| (0.0..=1.0).contains(f)));
+    for r in &runs {
+        assert_eq!(seen.iter().filter(|(n, f)| n == &r.name && *f == 1.0).count(), 1, "{}", r.name);
+    }
+}

@@ -1,0 +1,243 @@
+//! Strategies and optimizers chosen by name at run time: from a command line (`strata train
+//! --strategy mirrored --optimizer adamw`) or an experiment file (`strategy = "mirrored"`).
+//!
+//! Each kind has a fixed kebab-case name ([`StrategyKind::name`]), parses from it
+//! ([`std::str::FromStr`]), prints as it, serialises as it, and carries a one-line help text
+//! ([`StrategyKind::help`]), so a command line lists the same names and texts the library
+//! parses.
+
+use std::fmt;
+use std::str::FromStr;
+
+use candle_nn::{AdamW, Optimizer, ParamsAdamW, SGD};
+use strata_core::data::Batch;
+use strata_core::optim::{FusedAdamW, FusedSgd};
+use strata_core::{Replicated, StrategyHandle};
+use strata_transport::ps::ServerOptimizer;
+
+use crate::model::Classifier;
+use crate::trainer::{FitReport, Trainer};
+use crate::{Error, Result};
+
+/// A name that is none of a kind's names.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("unknown {what} {given:?}; use one of: {}", .names.join(", "))]
+pub struct UnknownName {
+    /// What was named (`strategy`, `optimizer`).
+    pub what: &'static str,
+    /// The name given.
+    pub given: String,
+    /// The names there are.
+    pub names: Vec<&'static str>,
+}
+
+/// A kind chosen by name: what a command line needs to list, explain and parse it.
+pub trait NamedKind: Copy + Send + Sync + FromStr<Err = UnknownName> + 'static {
+    /// Every kind, in the order to list them.
+    fn all() -> &'static [Self];
+    /// The kebab-case name.
+    fn name(self) -> &'static str;
+    /// One line saying what it is.
+    fn help(self) -> &'static str;
+}
+
+macro_rules! named_kinds {
+    ($(#[$meta:meta])* $ty:ident, $what:literal { $($(#[$vmeta:meta])* $variant:ident = $name:literal : $help:literal,)+ }) => {
+        $(#[$meta])*
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        pub enum $ty {
+            $($(#[$vmeta])* $variant,)+
+        }
+
+        impl $ty {
+            /// Every kind, in the order a command line lists them.
+            pub const ALL: &'static [$ty] = &[$($ty::$variant,)+];
+
+            /// The kebab-case name.
+            pub fn name(self) -> &'static str {
+                match self {
+                    $($ty::$variant => $name,)+
+                }
+            }
+
+            /// One line saying what it is.
+            pub fn help(self) -> &'static str {
+                match self {
+                    $($ty::$variant => $help,)+
+                }
+            }
+        }
+
+        impl NamedKind for $ty {
+            fn all() -> &'static [Self] {
+                Self::ALL
+            }
+            fn name(self) -> &'static str {
+                $ty::name(self)
+            }
+            fn help(self) -> &'static str {
+                $ty::help(self)
+            }
+        }
+
+        impl FromStr for $ty {
+            type Err = UnknownName;
+
+            fn from_str(s: &str) -> std::result::Result<Self, UnknownName> {
+                Self::ALL.iter().copied().find(|k| k.name() == s).ok_or_else(|| UnknownName {
+                    what: $what,
+                    given: s.to_string(),
+                    names: Self::ALL.iter().map(|k| k.name()).collect(),
+                })
+            }
+        }
+
+        impl fmt::Display for $ty {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.name())
+            }
+        }
+
+        impl serde::Serialize for $ty {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+                s.serialize_str(self.name())
+            }
+        }
+    };
+}
+
+named_kinds! {
+    /// The distribution strategies.
+    StrategyKind, "strategy" {
+        /// `OneDeviceStrategy`.
+        OneDevice = "one-device": "One device, no reduction.",
+        /// `MirroredStrategy`.
+        Mirrored = "mirrored": "A variable copy per replica, all-reduce every step.",
+        /// `CentralStorageStrategy`.
+        CentralStorage = "central-storage": "One variable copy on the parameter device, reduce to it every step.",
+        /// `MultiWorkerMirroredStrategy`.
+        MultiWorkerMirrored = "multi-worker-mirrored": "A copy on every replica of every worker process; local reduction, then a ring all-reduce across workers. Run one process per task (`strata launch` does it).",
+        /// `ParameterServerStrategy`.
+        ParameterServer = "parameter-server": "Variables sharded over parameter-server tasks that apply the optimizer; workers pull values and push gradients (async, sync or bounded-staleness). Without `TF_CONFIG`, `strata train` starts --ps-tasks and --workers processes on loopback and coordinates them.",
+    }
+}
+
+named_kinds! {
+    /// The optimizers. `adamw` and `sgd` are Strata's fused, in-place versions of candle-nn's
+    /// optimizers (bitwise the same results, a fraction of the memory passes); `candle-adamw`
+    /// and `candle-sgd` are candle-nn's own; `momentum` and `adagrad` run on parameter
+    /// servers.
+    OptimizerKind, "optimizer" {
+        /// [`FusedAdamW`].
+        Adamw = "adamw": "AdamW, fused and in place (`strata::optim::FusedAdamW`).",
+        /// [`FusedSgd`].
+        Sgd = "sgd": "SGD, in place (`strata::optim::FusedSgd`).",
+        /// candle-nn's `AdamW`.
+        CandleAdamw = "candle-adamw": "candle-nn's `AdamW`.",
+        /// candle-nn's `SGD`.
+        CandleSgd = "candle-sgd": "candle-nn's `SGD`.",
+        /// SGD with momentum, on parameter servers.
+        Momentum = "momentum": "SGD with momentum (--momentum), parameter-server only.",
+        /// Adagrad, on parameter servers.
+        Adagrad = "adagrad": "Adagrad, Keras' semantics (parameter-server only).",
+    }
+}
+
+impl OptimizerKind {
+    /// Whether replicas can apply it (the in-process and multi-worker strategies), rather than
+    /// only parameter servers.
+    pub fn runs_on_replicas(self) -> bool {
+        !matches!(self, OptimizerKind::Momentum | OptimizerKind::Adagrad)
+    }
+
+    /// Trains `model` under `strategy` with this optimizer at learning rate `lr`.
+    pub fn fit<M: Classifier>(
+        self,
+        lr: f64,
+        trainer: &Trainer,
+        strategy: &StrategyHandle,
+        model: &Replicated<M>,
+        train: &Batch,
+        test: &Batch,
+    ) -> Result<FitReport> {
+        let adamw = ParamsAdamW { lr, ..Default::default() };
+        match self {
+            OptimizerKind::Adamw => fit_with_state::<FusedAdamW, M>(trainer, strategy, model, adamw, train, test),
+            OptimizerKind::Sgd => fit_with_state::<FusedSgd, M>(trainer, strategy, model, lr, train, test),
+            OptimizerKind::CandleAdamw => fit::<AdamW, M>(trainer, strategy, model, adamw, train, test),
+            OptimizerKind::CandleSgd => fit::<SGD, M>(trainer, strategy, model, lr, train, test),
+            OptimizerKind::Momentum | OptimizerKind::Adagrad => Err(Error::Usage(format!(
+                "the {self} optimizer runs on parameter servers only; train with the parameter-server strategy, or choose adamw or sgd"
+            ))),
+        }
+    }
+
+    /// The optimizer parameter servers run for this kind, at learning rate `lr` (and
+    /// `momentum` for [`OptimizerKind::Momentum`]).
+    pub fn server_optimizer(self, lr: f64, momentum: f64) -> ServerOptimizer {
+        match self {
+            OptimizerKind::Adamw | OptimizerKind::CandleAdamw => {
+                ServerOptimizer::AdamW { lr, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 }
+            }
+            OptimizerKind::Sgd | OptimizerKind::CandleSgd => ServerOptimizer::Sgd { lr },
+            OptimizerKind::Momentum => ServerOptimizer::Momentum { lr, momentum, nesterov: false },
+            OptimizerKind::Adagrad => ServerOptimizer::Adagrad { lr, initial_accumulator: 0.1, eps: 1e-7 },
+        }
+    }
+}
+
+fn fit_with_state<O, M: Classifier>(
+    trainer: &Trainer,
+    strategy: &StrategyHandle,
+    model: &Replicated<M>,
+    config: O::Config,
+    train: &Batch,
+    test: &Batch,
+) -> Result<FitReport>
+where
+    O: Optimizer + strata_core::checkpoint::OptimizerState + Send,
+    O::Config: Clone,
+{
+    let opt = model.optimizer::<O>(config)?;
+    if trainer.config.checkpoint.is_some() {
+        trainer.fit_checkpointed(strategy, model, &opt, train, test)
+    } else {
+        trainer.fit(strategy, model, &opt, train, test)
+    }
+}
+
+fn fit<O: Optimizer + Send, M: Classifier>(
+    trainer: &Trainer,
+    strategy: &StrategyHandle,
+    model: &Replicated<M>,
+    config: O::Config,
+    train: &Batch,
+    test: &Batch,
+) -> Result<FitReport>
+where
+    O::Config: Clone,
+{
+    let opt = model.optimizer::<O>(config)?;
+    trainer.fit(strategy, model, &opt, train, test)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_parse_back_and_unknown_ones_list_the_known() {
+        for k in StrategyKind::ALL {
+            assert_eq!(k.name().parse::<StrategyKind>().unwrap(), *k);
+            assert_eq!(serde_json::to_string(k).unwrap(), format!("\"{}\"", k.name()));
+        }
+        for k in OptimizerKind::ALL {
+            assert_eq!(k.to_string().parse::<OptimizerKind>().unwrap(), *k);
+        }
+        let e = "adam".parse::<OptimizerKind>().unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "unknown optimizer \"adam\"; use one of: adamw, sgd, candle-adamw, candle-sgd, momentum, adagrad"
+        );
+    }
+}

@@ -1,0 +1,77 @@
+//! What the tests that run real `strata` processes share: the `strata` binary (built on demand,
+//! so `cargo test -p strata-integration-tests` works alone), a fixed cluster token, free
+//! loopback ports, and waiting for a process with a hard deadline.
+//!
+//! The binary is `$STRATA_BIN` when set (to test a release build, say); otherwise this crate
+//! builds the `strata-cli` package's `strata` binary with the profile the tests were built
+//! with (and this crate's `cuda` feature), once per test process (a no-op when it is up to
+//! date), and runs it from the target directory.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+/// The cluster token every test process shares.
+pub const TOKEN: &str = "0123456789abcdef0123456789abcdef";
+
+/// The `strata` binary's path: `$STRATA_BIN`, or the workspace's own, built if needed.
+pub fn strata_bin() -> &'static Path {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        if let Some(bin) = std::env::var_os("STRATA_BIN") {
+            return PathBuf::from(bin);
+        }
+        // The test executable is target/<profile dir>/deps/<test>-<hash>.
+        let exe = std::env::current_exe().expect("the test executable has a path");
+        let dir = exe.parent().and_then(Path::parent).expect("the test executable is in target/<profile>/deps");
+        let profile = if cfg!(debug_assertions) { "test" } else { "release" };
+        let mut cargo = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
+        cargo.args(["build", "--quiet", "--profile", profile, "-p", "strata-cli", "--bin", "strata"]);
+        if cfg!(feature = "cuda") {
+            cargo.args(["--features", "strata-cli/cuda"]);
+        }
+        let status = cargo.current_dir(env!("CARGO_MANIFEST_DIR")).status().expect("cargo runs");
+        assert!(status.success(), "building the strata binary failed");
+        let bin = dir.join("strata");
+        assert!(bin.is_file(), "the strata binary is not at {}", bin.display());
+        bin
+    })
+}
+
+/// The `strata` binary as a user runs it (the environment untouched).
+pub fn strata_command() -> Command {
+    Command::new(strata_bin())
+}
+
+/// The `strata` binary with the test token, no `TF_CONFIG`, and warnings only.
+pub fn strata() -> Command {
+    let mut c = strata_command();
+    c.env("STRATA_CLUSTER_TOKEN", TOKEN).env_remove("TF_CONFIG").env("STRATA_LOG", "warn");
+    c
+}
+
+/// `n` loopback ports that were free a moment ago.
+pub fn free_ports(n: usize) -> Vec<u16> {
+    let ls: Vec<_> = (0..n).map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("a free port")).collect();
+    ls.iter().map(|l| l.local_addr().expect("a bound port").port()).collect()
+}
+
+/// Waits for a child with a hard deadline (killing it, and failing, if it passes).
+pub fn wait(mut child: Child, deadline: Instant) -> Output {
+    loop {
+        if child.try_wait().expect("the child can be waited for").is_some() {
+            return child.wait_with_output().expect("the child's output");
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let out = child.wait_with_output().expect("the child's output");
+            panic!(
+                "a process did not finish in time; stdout:\n{}\nstderr:\n{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

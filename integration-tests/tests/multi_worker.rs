@@ -1,0 +1,152 @@
+//! MultiWorkerMirroredStrategy with real worker processes on loopback: identical parameters on
+//! every worker, equal to one process on the same global batch; a worker killed mid-training;
+//! relaunching from a checkpoint. Every wait has a hard deadline.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use strata_integration_tests::{free_ports, strata, wait};
+
+fn tf_config(ports: &[u16], index: usize) -> String {
+    let workers: Vec<String> = ports.iter().map(|p| format!("\"127.0.0.1:{p}\"")).collect();
+    format!(r#"{{"cluster":{{"worker":[{}]}},"task":{{"type":"worker","index":{index}}}}}"#, workers.join(","))
+}
+
+/// Starts `n` workers of `strata train --strategy multi-worker-mirrored ARGS`.
+fn start_workers(n: usize, args: &[&str], dir: &Path) -> Vec<Child> {
+    let ports = free_ports(n);
+    (0..n)
+        .map(|i| {
+            strata()
+                .args(["train", "--strategy", "multi-worker-mirrored", "--no-progress"])
+                .args(args)
+                .env("TF_CONFIG", tf_config(&ports, i))
+                .current_dir(dir)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect()
+}
+
+fn run_job(n: usize, args: &[&str], dir: &Path) -> Vec<Output> {
+    let deadline = Instant::now() + Duration::from_secs(240);
+    let outs: Vec<Output> = start_workers(n, args, dir).into_iter().map(|c| wait(c, deadline)).collect();
+    for (i, o) in outs.iter().enumerate() {
+        assert!(o.status.success(), "worker {i} failed: {}", String::from_utf8_lossy(&o.stderr));
+    }
+    outs
+}
+
+fn load(path: &Path) -> HashMap<String, Vec<f32>> {
+    candle_core::safetensors::load(path, &candle_core::Device::Cpu)
+        .unwrap()
+        .into_iter()
+        .map(|(k, v)| (k, v.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
+        .collect()
+}
+
+fn assert_close(a: &HashMap<String, Vec<f32>>, b: &HashMap<String, Vec<f32>>, rel: f32) {
+    assert_eq!(a.len(), b.len());
+    for (k, x) in a {
+        let y = &b[k];
+        let scale = x.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
+        let worst = x.iter().zip(y).map(|(p, q)| (p - q).abs()).fold(0f32, f32::max);
+        assert!(worst <= rel * scale, "{k}: max difference {worst} exceeds {rel} of {scale}");
+    }
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("strata-mw-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+const TRAIN: &[&str] = &["--epochs", "2", "--batch", "128", "--hidden", "64", "--optimizer", "sgd", "--lr", "0.1"];
+
+fn equal_to_one_process(workers: usize) {
+    let dir = tmp(&format!("equal{workers}"));
+    let mut args = TRAIN.to_vec();
+    args.extend(["--save-params", "params-{task}.safetensors", "--out", "out.json"]);
+    run_job(workers, &args, &dir);
+    let first = std::fs::read(dir.join("params-0.safetensors")).unwrap();
+    for i in 1..workers {
+        let other = std::fs::read(dir.join(format!("params-{i}.safetensors"))).unwrap();
+        assert!(first == other, "worker {i}'s parameters differ from the chief's");
+    }
+    let out: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("out.json")).unwrap()).unwrap();
+    assert_eq!(out["strategy"], "multi-worker-mirrored");
+    assert_eq!(out["replicas"], workers);
+    // One process, one device, the same global batch.
+    let mut single = strata();
+    single.args(["train", "--strategy", "one-device", "--no-progress", "--save-params", "single.safetensors"]);
+    let o = wait(
+        single.args(TRAIN).current_dir(&dir).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap(),
+        Instant::now() + Duration::from_secs(120),
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_close(&load(&dir.join("params-0.safetensors")), &load(&dir.join("single.safetensors")), 1e-4);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn two_workers_end_bitwise_identical_and_equal_to_one_process() {
+    equal_to_one_process(2);
+}
+
+#[test]
+fn four_workers_end_bitwise_identical_and_equal_to_one_process() {
+    equal_to_one_process(4);
+}
+
+#[test]
+fn a_killed_worker_fails_the_others_and_a_relaunch_resumes_to_the_same_parameters() {
+    let dir = tmp("kill");
+    let base = ["--epochs", "12", "--batch", "64", "--hidden", "64", "--optimizer", "adamw"];
+    // The uninterrupted run.
+    let mut args = base.to_vec();
+    args.extend(["--save-params", "uninterrupted.safetensors"]);
+    run_job(3, &args, &dir);
+    // The same run with checkpoints; worker 1 is killed after the first checkpoint.
+    let ckpt = dir.join("ckpt");
+    let ckpt_s = ckpt.to_string_lossy().to_string();
+    let mut args = base.to_vec();
+    args.extend(["--checkpoint-dir", &ckpt_s, "--checkpoint-every", "20", "--save-params", "resumed.safetensors"]);
+    let mut children = start_workers(3, &args, &dir);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !ckpt.join("latest").exists() {
+        assert!(Instant::now() < deadline, "no checkpoint was written");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let victim = children.remove(1);
+    let killed = Instant::now();
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(victim.id() as i32), nix::sys::signal::Signal::SIGKILL).unwrap();
+    let _ = wait(victim, deadline);
+    for (i, c) in children.into_iter().enumerate() {
+        let o = wait(c, killed + Duration::from_secs(20));
+        let err = String::from_utf8_lossy(&o.stderr);
+        eprintln!("survivor {i} after {:?}: {}", killed.elapsed(), err.lines().last().unwrap_or(""));
+        assert!(!o.status.success(), "a survivor exited 0: {err}");
+        assert!(err.contains("worker:1"), "survivor {i}'s error does not name the lost task: {err}");
+        assert!(
+            err.contains("all_reduce")
+                || err.contains("broadcast")
+                || err.contains("barrier")
+                || err.contains("heartbeat"),
+            "survivor {i}'s error does not name the collective: {err}"
+        );
+    }
+    assert!(killed.elapsed() < Duration::from_secs(20));
+    // The relaunch resumes from the last checkpoint.
+    let outs = run_job(3, &args, &dir);
+    let err = String::from_utf8_lossy(&outs[0].stderr);
+    assert!(err.contains("resumed from the checkpoint of step"), "{err}");
+    let a = std::fs::read(dir.join("uninterrupted.safetensors")).unwrap();
+    let b = std::fs::read(dir.join("resumed.safetensors")).unwrap();
+    assert!(a == b, "the resumed run's parameters differ from the uninterrupted run's");
+    let _ = std::fs::remove_dir_all(&dir);
+}
