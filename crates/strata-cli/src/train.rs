@@ -253,9 +253,30 @@ fn parse_cross_device_ops(s: &str) -> std::result::Result<strata_cuda::select::C
     s.parse().map_err(|e: strata_cuda::Error| e.to_string())
 }
 
+/// The refusals of `--gpus N` that depend on the other flags (before any GPU is looked for).
+fn check_gpus(args: &TrainArgs, n: usize) -> Result<()> {
+    let refusal = match args.strategy {
+        _ if n == 0 => {
+            "--gpus 0 asks for no GPU; pass 1 or more, or drop --gpus to train on logical CPU devices".to_string()
+        }
+        StrategyKind::MultiWorkerMirrored if n != 1 => format!(
+            "--strategy multi-worker-mirrored --gpus {n}: a worker task holds one GPU; start one task per GPU (e.g. strata launch --workers {n}, or Slurm's --gpus-per-task=1) and pass --gpus 1"
+        ),
+        StrategyKind::ParameterServer => {
+            "--gpus places the replicas of one process; parameter-server jobs keep their replicas on logical CPU devices for now".to_string()
+        }
+        StrategyKind::OneDevice if n != 1 => {
+            format!("--strategy one-device runs 1 replica, not --gpus {n}; use --strategy mirrored")
+        }
+        _ => return Ok(()),
+    };
+    Err(Error::Usage(refusal))
+}
+
 /// Builds the strategy the flags ask for.
 pub fn make_strategy(args: &TrainArgs, options: StrategyOptions) -> Result<StrategyHandle> {
     if let Some(n) = args.gpus {
+        check_gpus(args, n)?;
         return strata::gpu::gpu_strategy(args.strategy, n, args.cross_device_ops, options);
     }
     let reduction = match args.reduction {
@@ -263,7 +284,7 @@ pub fn make_strategy(args: &TrainArgs, options: StrategyOptions) -> Result<Strat
         ReductionKind::ToOneDevice => CpuReduction::ReductionToOneDevice,
     };
     if args.replicas == Some(0) {
-        return Err(strata_core::Error::ZeroReplicas.into());
+        return Err(Error::Usage("--replicas 0: a strategy needs at least one replica; pass --replicas 1 or more".into()));
     }
     Ok(match args.strategy {
         StrategyKind::OneDevice => {
@@ -292,6 +313,9 @@ pub fn make_strategy(args: &TrainArgs, options: StrategyOptions) -> Result<Strat
 /// Joins the multi-worker job this task belongs to.
 pub fn make_multi_worker(args: &TrainArgs, options: StrategyOptions) -> Result<MultiWorkerMirroredStrategy> {
     // The GPU checks first: they are this task's own, and fail without a cluster.
+    if let Some(n) = args.gpus {
+        check_gpus(args, n)?;
+    }
     let gpus = args.gpus.map(|n| strata::gpu::multi_worker_gpus(n, args.cross_device_ops)).transpose()?;
     let resolver: Box<dyn ClusterResolver> = match args.cluster {
         ClusterSource::TfConfig => Box::new(TFConfigClusterResolver::from_env()?),
@@ -324,6 +348,9 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     }
     if !(args.lr.is_finite() && args.lr > 0.0) {
         return Err(Error::Usage(format!("--lr {} is not a positive learning rate", args.lr)));
+    }
+    if args.batch == 0 {
+        return Err(Error::Usage("--batch 0: a step needs at least 1 example; pass --batch 1 or more".into()));
     }
     if !(args.bucket_mib.is_finite() && args.bucket_mib >= 0.0) {
         return Err(Error::Usage(format!("--bucket-mib {} must be 0 or more", args.bucket_mib)));

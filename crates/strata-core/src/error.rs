@@ -23,7 +23,7 @@ pub enum Error {
     InvalidMemoryConfig(String),
 
     /// A strategy needs at least one replica.
-    #[error("a strategy needs at least one replica; got 0 (pass --replicas 1 or more)")]
+    #[error("a strategy needs at least one replica; got 0")]
     ZeroReplicas,
 
     /// Shapes that must agree across replicas (or with a variable) do not.

@@ -28,7 +28,7 @@ pub fn load(path: Option<&Path>) -> Result<Batch> {
         Some(p) => {
             let bytes = std::fs::read(p).map_err(|e| Error::Data {
                 path: p.display().to_string(),
-                reason: format!("cannot read it ({e}); pass --data with the path of a digits CSV (.csv or .csv.gz)"),
+                reason: format!("cannot read it ({e}); give the path of a digits CSV (.csv or .csv.gz)"),
             })?;
             (p.display().to_string(), bytes)
         }

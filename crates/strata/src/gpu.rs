@@ -1,5 +1,5 @@
-//! GPU replicas for `strata train --gpus N`: the visible GPUs, the cross-device ops the
-//! selection rule picks, and the strategy over them.
+//! GPU replicas: the visible GPUs, the cross-device ops the selection rule picks, and the
+//! strategy over them (what `strata train --gpus N` builds).
 //!
 //! Every step that can fail on a machine without GPUs fails here with one line that says what is
 //! missing (exit code 2): a binary built without the `cuda` feature, no CUDA driver, fewer GPUs
@@ -16,9 +16,7 @@ use crate::{Error, Result};
 /// driver, and any logical device configuration).
 pub fn gpu_devices(n: usize) -> Result<Vec<LogicalDevice>> {
     if n == 0 {
-        return Err(Error::Usage(
-            "--gpus 0 asks for no GPU; pass 1 or more, or drop --gpus to train on logical CPU devices".into(),
-        ));
+        return Err(Error::Usage("no GPU asked for: ask for 1 or more, or train on logical CPU devices".into()));
     }
     let registry = DeviceRegistry::global();
     if !registry.has_enumerator(DeviceType::Gpu) {
@@ -27,7 +25,7 @@ pub fn gpu_devices(n: usize) -> Result<Vec<LogicalDevice>> {
     let gpus = registry.list_logical_devices(Some(DeviceType::Gpu))?;
     if gpus.len() < n {
         return Err(strata_cuda::Error::NoGpu(format!(
-            "--gpus {n} asks for {n} GPU(s) but this process sees {} (CUDA_VISIBLE_DEVICES={:?}); pass --gpus {} or fewer",
+            "{n} GPU(s) asked for but this process sees {} (CUDA_VISIBLE_DEVICES={:?}); ask for {} or fewer",
             gpus.len(),
             std::env::var(strata_core::device::CUDA_VISIBLE_DEVICES).unwrap_or_default(),
             gpus.len()
@@ -47,32 +45,30 @@ pub fn gpu_strategy(
 ) -> Result<StrategyHandle> {
     if kind == StrategyKind::MultiWorkerMirrored {
         return Err(Error::Usage(
-            "multi-worker-mirrored places its GPU per worker task: see strata::gpu::multi_worker_gpus".into(),
+            "multi-worker-mirrored places one GPU per worker task: build its worker with multi_worker_gpus".into(),
         ));
     }
     if kind == StrategyKind::ParameterServer {
         return Err(Error::Usage(
-            "--gpus places the replicas of one process; parameter-server jobs keep their replicas on logical CPU devices for now".into(),
+            "the parameter-server strategy keeps its workers' replicas on logical CPU devices; it places no GPU".into(),
         ));
     }
     if kind == StrategyKind::OneDevice && n != 1 {
-        return Err(Error::Usage(format!(
-            "--strategy one-device runs 1 replica, not --gpus {n}; use --strategy mirrored"
-        )));
+        return Err(Error::Usage(format!("one-device runs 1 replica, not {n} GPUs; use mirrored")));
     }
     let devices = gpu_devices(n)?;
     build(kind, devices, choice, options)
 }
 
-/// A MultiWorkerMirrored worker on GPUs: its one GPU replica (`--gpus 1`; start one task per
-/// GPU), and the cross-worker reduction `choice` selects: NCCL across every worker's GPU
+/// A MultiWorkerMirrored worker on GPUs: its one GPU replica (`n` must be 1: start one task
+/// per GPU), and the cross-worker reduction `choice` selects: NCCL across every worker's GPU
 /// (`auto` when NCCL loads, or `nccl`), or the gradients copied to the host and all-reduced on
 /// the TCP ring (`kernels`, or `auto` without NCCL).
 /// Returns the worker's replica devices and the cross-worker ops (none: the ring).
 pub fn multi_worker_gpus(n: usize, choice: CrossDeviceChoice) -> Result<(Vec<LogicalDevice>, Option<CrossWorkerOps>)> {
     if n != 1 {
         return Err(Error::Usage(format!(
-            "--strategy multi-worker-mirrored --gpus {n}: a worker task holds one GPU; start one task per GPU (e.g. strata launch --workers {n}, or Slurm's --gpus-per-task=1) and pass --gpus 1"
+            "a multi-worker-mirrored worker task holds one GPU, not {n}; start one task per GPU"
         )));
     }
     let devices = gpu_devices(1)?;
@@ -91,7 +87,7 @@ fn multi_worker_ops(_devices: &[LogicalDevice], choice: CrossDeviceChoice) -> Re
     let use_nccl = match choice {
         CrossDeviceChoice::Nccl if !nccl => {
             return Err(Error::Usage(
-                "--cross-device-ops nccl: NCCL is not available to this strata (build with --features nccl and put libnccl.so.2 on the library path), or pass --cross-device-ops auto".into(),
+                "nccl cross-device ops asked for, but NCCL is not available to this build (build with the nccl feature and put libnccl.so.2 on the library path), or choose auto".into(),
             ))
         }
         CrossDeviceChoice::Nccl => true,

@@ -118,7 +118,7 @@ named_kinds! {
         /// `MultiWorkerMirroredStrategy`.
         MultiWorkerMirrored = "multi-worker-mirrored": "A copy on every replica of every worker process; local reduction, then a ring all-reduce across workers. Run one process per task (`strata launch` does it).",
         /// `ParameterServerStrategy`.
-        ParameterServer = "parameter-server": "Variables sharded over parameter-server tasks that apply the optimizer; workers pull values and push gradients (async, sync or bounded-staleness). Without `TF_CONFIG`, `strata train` starts --ps-tasks and --workers processes on loopback and coordinates them.",
+        ParameterServer = "parameter-server": "Variables sharded over parameter-server tasks that apply the optimizer; workers pull values and push gradients (async, sync or bounded-staleness). Without `TF_CONFIG`, `strata train` starts the ps and worker processes on loopback and coordinates them.",
     }
 }
 
@@ -137,7 +137,7 @@ named_kinds! {
         /// candle-nn's `SGD`.
         CandleSgd = "candle-sgd": "candle-nn's `SGD`.",
         /// SGD with momentum, on parameter servers.
-        Momentum = "momentum": "SGD with momentum (--momentum), parameter-server only.",
+        Momentum = "momentum": "SGD with momentum, parameter-server only.",
         /// Adagrad, on parameter servers.
         Adagrad = "adagrad": "Adagrad, Keras' semantics (parameter-server only).",
     }

@@ -313,7 +313,7 @@ pub fn train_coordinator(
     let all = digits::load(config.spec.data.as_deref())?;
     let (train, test) = digits::train_test_split(&all, 0.2, 0);
     if config.batch_size == 0 {
-        return Err(Error::Usage("--batch must be at least 1".into()));
+        return Err(Error::Usage("a batch of 0 examples: a step needs at least 1".into()));
     }
     let coordinator = strategy.coordinator()?;
     let steps_per_epoch = train.len().div_ceil(config.batch_size);

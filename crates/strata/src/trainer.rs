@@ -246,7 +246,7 @@ impl Trainer {
     {
         let cfg = &self.config;
         if cfg.global_batch == 0 {
-            return Err(crate::Error::Usage("the global batch must be at least 1; pass --batch 1 or more".into()));
+            return Err(crate::Error::Usage("a global batch of 0 examples: a step needs at least 1".into()));
         }
         let start = Instant::now();
         let steps_per_epoch = train.len().div_ceil(cfg.global_batch);
