@@ -27,9 +27,12 @@ pub fn strata_bin() -> &'static Path {
         let dir = exe.parent().and_then(Path::parent).expect("the test executable is in target/<profile>/deps");
         let profile = if cfg!(debug_assertions) { "test" } else { "release" };
         let mut cargo = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
-        cargo.args(["build", "--quiet", "--profile", profile, "-p", "strata-cli", "--bin", "strata"]);
+        // With this package selected too, the build resolves the features a test build of it
+        // does (strata-cli is one of its dependencies), so the two never rebuild each other's.
+        cargo.args(["build", "--quiet", "--profile", profile, "-p", "strata-integration-tests", "-p", "strata-cli"]);
+        cargo.args(["--bin", "strata"]);
         if cfg!(feature = "cuda") {
-            cargo.args(["--features", "strata-cli/cuda"]);
+            cargo.args(["--features", "strata-integration-tests/cuda"]);
         }
         let status = cargo.current_dir(env!("CARGO_MANIFEST_DIR")).status().expect("cargo runs");
         assert!(status.success(), "building the strata binary failed");

@@ -284,7 +284,9 @@ pub fn make_strategy(args: &TrainArgs, options: StrategyOptions) -> Result<Strat
         ReductionKind::ToOneDevice => CpuReduction::ReductionToOneDevice,
     };
     if args.replicas == Some(0) {
-        return Err(Error::Usage("--replicas 0: a strategy needs at least one replica; pass --replicas 1 or more".into()));
+        return Err(Error::Usage(
+            "--replicas 0: a strategy needs at least one replica; pass --replicas 1 or more".into(),
+        ));
     }
     Ok(match args.strategy {
         StrategyKind::OneDevice => {
