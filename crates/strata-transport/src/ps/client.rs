@@ -394,7 +394,7 @@ impl PsClient {
                 }
             }
         };
-        crate::inject::delay_blocking();
+        crate::hooks::before_send_blocking();
         let call = |body: tonic::body::Body| {
             let svc = self.svc.clone();
             async move {
@@ -420,7 +420,7 @@ impl PsClient {
         } else {
             self.stream_call("Push", produce, |stream| call(wire::body(stream, false)))?
         };
-        crate::inject::count_sent(lens.iter().sum::<usize>() * 4);
+        crate::hooks::sent(lens.iter().sum::<usize>() * 4);
         Ok(if r.dropped {
             PushOutcome::Dropped { version: r.version }
         } else {
@@ -433,7 +433,7 @@ impl PsClient {
     fn pull_with(&self, names: &[&str], min_version: u64, fill: &mut Filling<'_, '_>) -> Result<PullHeader> {
         let request = PullRequest { variables: names.iter().map(|n| n.to_string()).collect(), min_version };
         let request = wire::message(&request);
-        crate::inject::delay_blocking();
+        crate::hooks::before_send_blocking();
         let fill = std::cell::RefCell::new(fill);
         let pulled = self.call("Pull", |_| {
             let body = wire::body(tokio_stream::once(request.clone()), false);
@@ -461,7 +461,7 @@ impl PsClient {
             }
         })?;
         let header = pulled.and_then(|h| fill.borrow().finish().map(|()| h)).map_err(|d| self.protocol(d))?;
-        crate::inject::count_received(fill.borrow().next.iter().sum::<usize>() * 4);
+        crate::hooks::received(fill.borrow().next.iter().sum::<usize>() * 4);
         Ok(header)
     }
 
