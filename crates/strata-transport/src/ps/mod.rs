@@ -56,12 +56,14 @@ use strata_proto::v1::{ModeSpec, OptimizerSpec, VariableSpec};
 use crate::{ClusterToken, Error, Result};
 
 mod client;
+mod faults;
 mod optim;
 mod server;
 mod state;
 mod wire;
 
 pub use client::{PsClient, PsClientConfig};
+pub use faults::FaultInjection;
 pub use server::PsServerHandle;
 
 /// f32 values in memory the transport can send without a copy (for
@@ -427,17 +429,6 @@ impl VariableInfo {
     }
 }
 
-/// Faults a parameter server injects on purpose: a test facility for the exactly-once and
-/// retry paths (`strata ps --inject-drop-reply-every`), never used in a real job.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct FaultInjection {
-    /// Every k-th push (k > 0, counted over pushes that parsed) is applied normally but
-    /// answered `UNAVAILABLE`, as if the reply was lost.
-    pub drop_reply_every: u64,
-    /// Every k-th push is refused with `UNAVAILABLE` before anything is applied.
-    pub drop_request_every: u64,
-}
-
 /// How a parameter-server task serves.
 #[derive(Clone, Debug)]
 pub struct PsServerConfig {
@@ -452,7 +443,8 @@ pub struct PsServerConfig {
     /// A checkpoint to restore at start: a root holding `ckpt-*` directories (the latest is
     /// used) or one `ckpt-<step>` directory.
     pub restore: Option<PathBuf>,
-    /// Faults to inject (tests only).
+    /// Faults to inject (tests only): when any is asked for, the service is wrapped in a layer
+    /// that injects them on `Push` calls.
     pub faults: FaultInjection,
     /// In sync mode, how long a push waits for its round to be applied.
     pub round_timeout: Duration,

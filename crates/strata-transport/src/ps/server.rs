@@ -25,6 +25,7 @@ use tonic::codegen::{http, Service};
 use tonic::service::interceptor::InterceptedService;
 use tonic::{Request, Response, Status, Streaming};
 
+use super::faults::Faulty;
 use super::state::{check_chunk_len, Answer, Chunk, Counters, PushDecision, Snapshot, State, Streamed, UpdateKey};
 use super::wire;
 use super::{PsMode, PsServerConfig, ServerOptimizer, VariableInfo, MAX_CHUNK_BYTES};
@@ -58,7 +59,6 @@ struct Shared {
     /// Collected pushes waiting for a stream to end: no new stream begins while there are any,
     /// so a steady flow of large pushes cannot keep them waiting.
     waiting: AtomicUsize,
-    pushes_seen: AtomicU64,
 }
 
 impl Shared {
@@ -249,11 +249,6 @@ async fn push(
     chunks: &[Chunk],
     mut stream: StreamGuard<'_>,
 ) -> Result<PushResponse, Status> {
-    let faults = &shared.config.faults;
-    let n = shared.pushes_seen.fetch_add(1, Ordering::Relaxed) + 1;
-    if faults.drop_request_every > 0 && n.is_multiple_of(faults.drop_request_every) {
-        return Err(Status::unavailable("injected fault: request dropped"));
-    }
     let mut waiting = None;
     let decision = loop {
         // A collected push waits for a streamed one in progress (checked again under the lock,
@@ -276,14 +271,10 @@ async fn push(
         break decision?;
     };
     drop(waiting);
-    let response = match decision {
+    Ok(match decision {
         PushDecision::Done(r) => r,
         PushDecision::Wait { key, base, duplicate } => wait_round(shared, &key, base, duplicate).await?,
-    };
-    if faults.drop_reply_every > 0 && n.is_multiple_of(faults.drop_reply_every) {
-        return Err(Status::unavailable("injected fault: reply dropped"));
-    }
-    Ok(response)
+    })
 }
 
 /// The header and chunks (sharing the variables' memory) of a pull, once the task's version
@@ -600,7 +591,6 @@ impl PsServerHandle {
             streaming: watch::channel(false).0,
             streamed_chunks: AtomicU64::new(0),
             waiting: AtomicUsize::new(0),
-            pushes_seen: AtomicU64::new(0),
         });
         let (tx, mut rx) = watch::channel(false);
         let name = task.clone();
@@ -611,14 +601,21 @@ impl PsServerHandle {
             let generated = ParameterServerServer::new(Svc(shared.clone()))
                 .max_decoding_message_size(MAX_MESSAGE_BYTES)
                 .max_encoding_message_size(MAX_MESSAGE_BYTES);
+            let faults = shared.config.faults.clone();
             let service = TensorPaths { shared, generated };
-            let result = builder
+            let router = builder
                 .tcp_nodelay(true)
                 .initial_stream_window_size(8 << 20)
                 .initial_connection_window_size(32 << 20)
                 .max_frame_size(crate::rt::frame_size())
-                .add_service(InterceptedService::new(health, interceptor.clone()))
-                .add_service(InterceptedService::new(service, interceptor))
+                .add_service(InterceptedService::new(health, interceptor.clone()));
+            // Faults (tests only) are a layer around the service, never a branch of its pushes.
+            let router = if faults.any() {
+                router.add_service(InterceptedService::new(Faulty::new(service, faults), interceptor))
+            } else {
+                router.add_service(InterceptedService::new(service, interceptor))
+            };
+            let result = router
                 .serve_with_incoming_shutdown(crate::rt::incoming(listener), async {
                     let _ = rx.wait_for(|s| *s).await;
                 })
