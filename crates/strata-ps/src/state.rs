@@ -1,0 +1,1097 @@
+//! What one parameter-server task holds, and the rules by which pushes change it. Every
+//! method either changes the state completely or not at all (requests are validated before
+//! anything is applied); a server calls them under one lock per task.
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+
+use crate::chunk::shared_chunks;
+use crate::optimizer::{apply_le_bytes, apply_le_bytes_from};
+use crate::{
+    Chunk, CreateHeader, CreateOutcome, Error, PsMode, PsStatus, PullResult, PushHeader, PushReply, RequestKind,
+    Result, ServerOptimizer, VariableInfo,
+};
+
+/// How many applied-update answers a task remembers (the oldest are forgotten first). A retry
+/// arrives within seconds of its original, so this covers any retry by a wide margin.
+pub const MAX_REMEMBERED_UPDATES: usize = 1 << 20;
+
+/// (client, step, seq): the key of the applied-update table.
+pub type UpdateKey = (String, u64, u64);
+
+/// The answer recorded for an update (in the applied-update table and in checkpoints).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Answer {
+    /// Applied; the task's version after it.
+    Applied(u64),
+    /// Dropped (sync mode); the task's version then.
+    Dropped(u64),
+    /// Accepted into the sync round computed from this base version, not yet applied.
+    Pending(u64),
+}
+
+impl Answer {
+    /// The reply this answer gives (`duplicate` when it answers a retry); `None` while the
+    /// update waits in its sync round.
+    pub fn reply(self, duplicate: bool) -> Option<PushReply> {
+        match self {
+            Answer::Applied(version) => Some(PushReply::Applied { version, duplicate }),
+            Answer::Dropped(version) => Some(PushReply::Dropped { version, duplicate }),
+            Answer::Pending(_) => None,
+        }
+    }
+}
+
+/// The applied-update table's key of a push.
+fn key_of(h: &PushHeader) -> UpdateKey {
+    (h.id.client.clone(), h.id.step, h.id.seq)
+}
+
+/// What a push handler does next.
+#[derive(Debug)]
+pub enum PushDecision {
+    /// Answer at once.
+    Done(PushReply),
+    /// Sync mode: wait until the round computed from `base` is applied, then answer from the
+    /// table.
+    Wait { key: UpdateKey, base: u64, duplicate: bool },
+}
+
+struct Var {
+    info: VariableInfo,
+    /// Shared with the chunks of pulls in flight and with a streamed push computing from it: an
+    /// in-place update copies it only while one of those holds it.
+    value: Arc<Vec<f32>>,
+    /// The optimizer's slots, shared like `value` (with streamed pushes only).
+    slots: Vec<Arc<Vec<f32>>>,
+    version: u64,
+}
+
+/// Buffers a streamed push computes a variable's new values and slots into: the variable's
+/// previous buffers, kept after a streamed push replaced them, so that the next one writes into
+/// memory already mapped (a fresh 64 MiB buffer costs the kernel a page fault and a zeroed
+/// page every 4 KiB). Kept shared: a pull in flight may still be sending the old values, and
+/// the next streamed push takes them if it has finished by then.
+type Spare = (Arc<Vec<f32>>, Vec<Arc<Vec<f32>>>);
+
+/// A spare's buffers, if nothing else holds them any more.
+fn unwrap_spare((value, slots): Spare) -> Option<(Vec<f32>, Vec<Vec<f32>>)> {
+    let value = Arc::try_unwrap(value).ok()?;
+    let slots = slots.into_iter().map(|s| Arc::try_unwrap(s).ok()).collect::<Option<Vec<_>>>()?;
+    Some((value, slots))
+}
+
+/// One variable of a [`Streamed`] push.
+struct StreamVar {
+    /// The variable's index in the task.
+    index: usize,
+    /// Its values and slots when the push began (shared with the task, read only).
+    base: Arc<Vec<f32>>,
+    base_slots: Vec<Arc<Vec<f32>>>,
+    /// The new values and slots, computed from `base` as chunks arrive.
+    value: Vec<f32>,
+    slots: Vec<Vec<f32>>,
+    /// Elements covered so far (chunks cover a variable in order).
+    next: usize,
+    /// The variable's step count after this update (AdamW's bias correction).
+    t: u64,
+}
+
+/// A push applied while it arrives: each chunk updates the variables out of place, from their
+/// values when the push began into spare buffers, while later chunks are still on the wire, and
+/// is dropped (the connection's receive buffers are reused instead of new memory for every
+/// push). [`State::finish_stream`] swaps the new buffers in if nothing was applied to the task
+/// in between; otherwise nothing of the push is applied and it is refused with `ABORTED`, for
+/// the client to send again. Either way the push is applied whole, once, or not at all.
+pub struct Streamed {
+    key: UpdateKey,
+    worker: String,
+    names: Vec<String>,
+    /// The task's version the update is computed from.
+    task_version: u64,
+    optimizer: ServerOptimizer,
+    vars: Vec<StreamVar>,
+}
+
+impl Streamed {
+    /// Validates a received chunk (the push's variables covered in order, none past its end)
+    /// and computes the new values of the elements it carries.
+    pub fn apply(&mut self, c: &Chunk) -> Result<()> {
+        let count = self.vars.len();
+        let Some(v) = self.vars.get_mut(c.var as usize) else {
+            return Err(Error::UnknownChunkVariable { index: c.var as usize, count, request: RequestKind::Push });
+        };
+        let name = &self.names[c.var as usize];
+        let size = v.base.len();
+        if c.offset != v.next as u64 {
+            return Err(out_of_order(name, c.offset, v.next));
+        }
+        if v.next + c.elements() > size {
+            return Err(overrun(name, size, v.next + c.elements(), RequestKind::Push));
+        }
+        let mut slots0: Vec<&[f32]> = v.base_slots.iter().map(|s| s.as_slice()).collect();
+        let mut at = v.next;
+        for g in &c.pieces {
+            let end = at + g.len() / 4;
+            for (s0, s) in slots0.iter_mut().zip(&v.base_slots) {
+                *s0 = &s[at..end];
+            }
+            let mut slots: Vec<&mut [f32]> = v.slots.iter_mut().map(|s| &mut s[at..end]).collect();
+            apply_le_bytes_from(&self.optimizer, &v.base[at..end], &mut v.value[at..end], g, &slots0, &mut slots, v.t);
+            at = end;
+        }
+        v.next = at;
+        Ok(())
+    }
+}
+
+/// One push accepted into the current sync round.
+struct Contribution {
+    worker: String,
+    grads: Vec<(usize, Vec<f32>)>,
+}
+
+/// The counters a task reports and checkpoints (see [`PsStatus`] for what each counts).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Counters {
+    /// Updates applied (in sync mode, pushes in applied rounds).
+    pub pushes_applied: u64,
+    /// Retries answered from the applied-update table.
+    pub pushes_duplicate: u64,
+    /// Sync-mode pushes dropped.
+    pub pushes_dropped: u64,
+    /// Stale pushes refused.
+    pub pushes_stale: u64,
+    /// Sync mode: the rounds applied.
+    pub rounds: u64,
+    /// Per worker, how many of its pushes were applied.
+    pub applied_by_worker: BTreeMap<String, u64>,
+    /// Pushes applied while they arrived. Absent from checkpoints written before pushes were
+    /// streamed.
+    #[serde(default)]
+    pub pushes_streamed: u64,
+    /// Streamed pushes refused because another update was applied while they arrived.
+    #[serde(default)]
+    pub pushes_aborted: u64,
+}
+
+/// What one parameter-server task holds: its variables and their optimizer slots, versions,
+/// mode, the applied-update table, the current sync round and the counters. Every method
+/// changes the state completely or not at all.
+pub struct State {
+    task: String,
+    vars: Vec<Var>,
+    index: HashMap<String, usize>,
+    optimizer: Option<ServerOptimizer>,
+    mode: Option<PsMode>,
+    version: u64,
+    table: HashMap<UpdateKey, Answer>,
+    order: VecDeque<UpdateKey>,
+    round: BTreeMap<UpdateKey, Contribution>,
+    live_workers: Option<u32>,
+    counters: Counters,
+    restored_step: u64,
+    restored_version: u64,
+    /// Pushes of at least this many bytes are streamed (async and stale modes); `None`: never.
+    stream_min_bytes: Option<usize>,
+    /// Whether a streamed push is in progress (one at a time).
+    streaming: bool,
+    /// Per variable, the buffers the next streamed push computes into.
+    spare: Vec<Option<Spare>>,
+}
+
+/// One variable in a snapshot: its info, version, values and optimizer slots.
+pub type SnapshotVariable = (VariableInfo, u64, Vec<f32>, Vec<Vec<f32>>);
+
+/// A copy of a task's state for a checkpoint, taken under the lock and written outside it
+/// ([`write_snapshot`](crate::write_snapshot)), or read back from one.
+#[derive(Clone, Debug)]
+pub struct Snapshot {
+    /// The task's name.
+    pub task: String,
+    /// The task's version.
+    pub version: u64,
+    /// The variables.
+    pub variables: Vec<SnapshotVariable>,
+    /// The optimizer, once variables were created.
+    pub optimizer: Option<ServerOptimizer>,
+    /// The mode, once variables were created.
+    pub mode: Option<PsMode>,
+    /// The counters.
+    pub counters: Counters,
+    /// The applied-update table's final answers, oldest first.
+    pub table: Vec<(UpdateKey, Answer)>,
+}
+
+fn out_of_order(name: &str, offset: u64, expected: usize) -> Error {
+    Error::ChunkOutOfOrder { variable: name.into(), offset, expected }
+}
+
+fn incomplete(name: &str, size: usize, covered: usize, request: RequestKind) -> Error {
+    Error::Incomplete { variable: name.into(), size, covered, request }
+}
+
+fn overrun(name: &str, size: usize, covered: usize, request: RequestKind) -> Error {
+    Error::Overrun { variable: name.into(), size, covered, request }
+}
+
+/// Checks that `chunks` cover each of `sizes` exactly once, in order.
+fn check_coverage(chunks: &[Chunk], names: &[&str], sizes: &[usize], what: RequestKind) -> Result<()> {
+    let mut next = vec![0usize; sizes.len()];
+    for c in chunks {
+        let v = c.var as usize;
+        let Some(&size) = sizes.get(v) else {
+            return Err(Error::UnknownChunkVariable { index: v, count: sizes.len(), request: what });
+        };
+        let n = c.elements();
+        if c.offset != next[v] as u64 {
+            return Err(out_of_order(names[v], c.offset, next[v]));
+        }
+        if next[v] + n > size {
+            return Err(overrun(names[v], size, next[v] + n, what));
+        }
+        next[v] += n;
+    }
+    for (v, (&covered, &size)) in next.iter().zip(sizes).enumerate() {
+        if covered != size {
+            return Err(incomplete(names[v], size, covered, what));
+        }
+    }
+    Ok(())
+}
+
+/// Pushes of at least this many bytes are applied on two threads: the pushing worker waits for
+/// the answer, so a core is free (the optimizer's pass is memory-bound and took a third of a
+/// 64 MiB push on one thread).
+const PARALLEL_APPLY_BYTES: usize = 4 << 20;
+
+/// One piece of an update: gradient bytes and the ranges of the variable and of its optimizer
+/// slots they land on.
+struct Piece<'a> {
+    g: &'a Bytes,
+    w: &'a mut [f32],
+    slots: Vec<&'a mut [f32]>,
+    t: u64,
+}
+
+/// A variable's range not yet handed out, its optimizer slots' ranges, and its step count.
+type Ranges<'a> = (&'a mut [f32], Vec<&'a mut [f32]>, u64);
+
+fn apply_pieces(optimizer: &ServerOptimizer, pieces: Vec<Piece<'_>>) {
+    for mut p in pieces {
+        apply_le_bytes(optimizer, p.w, p.g, &mut p.slots, p.t);
+    }
+}
+
+/// Applies a validated update (`chunks` cover each of the variables `at` exactly, in order) to
+/// the variables, on two threads when it is large.
+fn apply_update(optimizer: &ServerOptimizer, vars: &mut [Var], at: &[usize], chunks: &[Chunk]) {
+    // The ranges not yet handed out, per pushed variable (`at[k]` is variable `k` of the push).
+    let mut rest: Vec<Option<Ranges<'_>>> = at.iter().map(|_| None).collect();
+    let mut pushed_as = vec![None; vars.len()];
+    for (k, &i) in at.iter().enumerate() {
+        pushed_as[i] = Some(k);
+    }
+    for (var, k) in vars.iter_mut().zip(pushed_as) {
+        if let Some(k) = k {
+            let t = var.version + 1;
+            let slots = var.slots.iter_mut().map(|s| Arc::make_mut(s).as_mut_slice()).collect();
+            rest[k] = Some((Arc::make_mut(&mut var.value).as_mut_slice(), slots, t));
+        }
+    }
+    let mut pieces = Vec::new();
+    let mut bytes = 0;
+    for c in chunks {
+        let Some((w, slots, t)) = rest.get_mut(c.var as usize).and_then(Option::as_mut) else { continue };
+        for g in &c.pieces {
+            let n = (g.len() / 4).min(w.len());
+            let (head, tail) = std::mem::take(w).split_at_mut(n);
+            *w = tail;
+            let mut piece_slots = Vec::with_capacity(slots.len());
+            for s in slots.iter_mut() {
+                let (head, tail) = std::mem::take(s).split_at_mut(n);
+                *s = tail;
+                piece_slots.push(head);
+            }
+            bytes += g.len();
+            pieces.push(Piece { g, w: head, slots: piece_slots, t: *t });
+        }
+    }
+    if bytes < PARALLEL_APPLY_BYTES {
+        return apply_pieces(optimizer, pieces);
+    }
+    // Halves by bytes: the second half on a helper thread (or here, if none can start).
+    let mut half = 0;
+    let split = pieces.iter().position(|p| {
+        half += p.g.len();
+        half >= bytes / 2
+    });
+    let second = std::sync::Mutex::new(Some(pieces.split_off(split.map_or(pieces.len(), |i| i + 1))));
+    std::thread::scope(|scope| {
+        let helper = std::thread::Builder::new().name("strata-ps-apply".into()).spawn_scoped(scope, || {
+            if let Some(p) = second.lock().ok().and_then(|mut s| s.take()) {
+                apply_pieces(optimizer, p);
+            }
+        });
+        apply_pieces(optimizer, pieces);
+        if helper.is_err() {
+            if let Some(p) = second.lock().ok().and_then(|mut s| s.take()) {
+                apply_pieces(optimizer, p);
+            }
+        }
+    });
+}
+
+impl State {
+    /// A task that streams pushes of at least `stream_min_bytes` bytes (`None`: never).
+    pub fn new(task: String, stream_min_bytes: Option<usize>) -> Self {
+        Self {
+            task,
+            vars: Vec::new(),
+            index: HashMap::new(),
+            optimizer: None,
+            mode: None,
+            version: 0,
+            table: HashMap::new(),
+            order: VecDeque::new(),
+            round: BTreeMap::new(),
+            live_workers: None,
+            counters: Counters::default(),
+            restored_step: 0,
+            restored_version: 0,
+            stream_min_bytes,
+            streaming: false,
+            spare: Vec::new(),
+        }
+    }
+
+    fn remember(&mut self, key: UpdateKey, answer: Answer) {
+        if self.table.insert(key.clone(), answer).is_none() {
+            self.order.push_back(key);
+            while self.order.len() > MAX_REMEMBERED_UPDATES {
+                if let Some(old) = self.order.pop_front() {
+                    self.table.remove(&old);
+                }
+            }
+        }
+    }
+
+    /// The answer recorded for `key`, if any.
+    pub fn answer(&self, key: &UpdateKey) -> Option<Answer> {
+        self.table.get(key).copied()
+    }
+
+    /// The task's version: how many pushes (async and stale modes) or rounds (sync mode) it
+    /// has applied.
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+
+    /// The task's name.
+    pub fn task(&self) -> &str {
+        &self.task
+    }
+
+    /// The bytes of all the variables the task holds (what one push can carry at most).
+    pub fn bytes(&self) -> usize {
+        self.vars.iter().map(|v| v.value.len() * 4).sum()
+    }
+
+    /// `CreateVariables`.
+    /// `CreateVariables`: validates the header (variables, optimizer, mode) and, unless every
+    /// variable exists already, the chunks of their initial values; then creates the variables
+    /// that do not exist. A task takes one optimizer and one mode, and a variable it holds
+    /// must be described the same way again.
+    pub fn create(&mut self, header: &CreateHeader, chunks: &[Chunk]) -> Result<CreateOutcome> {
+        let infos = &header.variables;
+        for i in infos {
+            i.validate()?;
+        }
+        let mut seen = HashSet::new();
+        for i in infos {
+            if !seen.insert(i.name.as_str()) {
+                return Err(Error::NamedTwice { variable: i.name.clone() });
+            }
+        }
+        let optimizer = header.optimizer.clone();
+        optimizer.validate()?;
+        let mode = header.mode;
+        mode.validate()?;
+        if let Some(have) = &self.optimizer {
+            if *have != optimizer {
+                return Err(Error::OptimizerMismatch {
+                    task: self.task.clone(),
+                    have: Box::new(have.clone()),
+                    want: Box::new(optimizer),
+                });
+            }
+        }
+        if let Some(have) = self.mode {
+            if have != mode {
+                return Err(Error::ModeMismatch { task: self.task.clone(), have, want: mode });
+            }
+        }
+        let mut existing = 0;
+        for i in infos {
+            if let Some(&at) = self.index.get(&i.name) {
+                let have = &self.vars[at].info;
+                if have != i {
+                    return Err(Error::VariableMismatch {
+                        task: self.task.clone(),
+                        have: Box::new(have.clone()),
+                        want: Box::new(i.clone()),
+                    });
+                }
+                existing += 1;
+            }
+        }
+        let names: Vec<&str> = infos.iter().map(|i| i.name.as_str()).collect();
+        let sizes: Vec<usize> = infos.iter().map(VariableInfo::numel).collect();
+        let all_exist = existing == infos.len() && !infos.is_empty();
+        if !all_exist {
+            check_coverage(chunks, &names, &sizes, RequestKind::Create)?;
+            let mut values: Vec<Vec<f32>> = sizes.iter().map(|&n| Vec::with_capacity(n)).collect();
+            for c in chunks {
+                c.extend(&mut values[c.var as usize]);
+            }
+            for (info, value) in infos.iter().zip(values) {
+                if self.index.contains_key(&info.name) {
+                    continue;
+                }
+                let slots = optimizer.new_slots(value.len()).into_iter().map(Arc::new).collect();
+                self.index.insert(info.name.clone(), self.vars.len());
+                self.vars.push(Var { info: info.clone(), value: Arc::new(value), slots, version: 0 });
+            }
+        }
+        self.optimizer = Some(optimizer);
+        self.mode = Some(mode);
+        let versions = infos.iter().map(|i| self.index.get(&i.name).map_or(0, |&at| self.vars[at].version)).collect();
+        Ok(CreateOutcome { versions, existed: all_exist, version: self.version })
+    }
+
+    fn required(&self, workers: u32, backup: u32) -> usize {
+        let base = workers.saturating_sub(backup).max(1);
+        self.live_workers.map_or(base, |l| l.min(base)).max(1) as usize
+    }
+
+    /// The answer to a push of an update already taken (counted as a duplicate), if it was.
+    fn duplicate(&mut self, key: &UpdateKey) -> Option<PushDecision> {
+        let answer = self.answer(key)?;
+        self.counters.pushes_duplicate += 1;
+        if let Answer::Pending(base) = answer {
+            return Some(PushDecision::Wait { key: key.clone(), base, duplicate: true });
+        }
+        answer.reply(true).map(PushDecision::Done)
+    }
+
+    /// `Push`: validates, then applies, drops, refuses or queues the update.
+    pub fn push(&mut self, h: &PushHeader, chunks: &[Chunk]) -> Result<PushDecision> {
+        let key = key_of(h);
+        if let Some(answer) = self.duplicate(&key) {
+            return Ok(answer);
+        }
+        let (Some(optimizer), Some(mode)) = (self.optimizer.clone(), self.mode) else {
+            return Err(Error::NoVariables { task: self.task.clone() });
+        };
+        // Resolve and validate everything before changing anything.
+        let mut at = Vec::with_capacity(h.variables.len());
+        let mut seen = HashSet::new();
+        for name in &h.variables {
+            if !seen.insert(name.as_str()) {
+                return Err(Error::PushedTwice { variable: name.clone() });
+            }
+            match self.index.get(name) {
+                Some(&i) => at.push(i),
+                None => return Err(self.unknown(name)),
+            }
+        }
+        let names: Vec<&str> = h.variables.iter().map(String::as_str).collect();
+        let sizes: Vec<usize> = at.iter().map(|&i| self.vars[i].value.len()).collect();
+        check_coverage(chunks, &names, &sizes, RequestKind::Push)?;
+        match mode {
+            PsMode::Async => {}
+            PsMode::Stale { staleness } => {
+                if h.base_version > self.version {
+                    return Err(self.ahead(h.base_version));
+                }
+                if self.version - h.base_version > staleness {
+                    self.counters.pushes_stale += 1;
+                    return Err(Error::Stale { base: h.base_version, version: self.version, bound: staleness });
+                }
+            }
+            PsMode::Sync { workers, backup_workers } => {
+                if h.base_version > self.version {
+                    return Err(self.ahead(h.base_version));
+                }
+                if h.base_version < self.version {
+                    self.counters.pushes_dropped += 1;
+                    self.remember(key, Answer::Dropped(self.version));
+                    return Ok(PushDecision::Done(PushReply::Dropped { version: self.version, duplicate: false }));
+                }
+                let mut grads: Vec<(usize, Vec<f32>)> = at.iter().map(|&i| (i, Vec::new())).collect();
+                for c in chunks {
+                    c.extend(&mut grads[c.var as usize].1);
+                }
+                let base = self.version;
+                self.round.insert(key.clone(), Contribution { worker: h.id.worker.clone(), grads });
+                self.remember(key.clone(), Answer::Pending(base));
+                if self.round.len() >= self.required(workers, backup_workers) {
+                    self.apply_round(&optimizer);
+                }
+                return Ok(PushDecision::Wait { key, base, duplicate: false });
+            }
+        }
+        // Async and stale: apply where each chunk lands.
+        apply_update(&optimizer, &mut self.vars, &at, chunks);
+        for &i in &at {
+            self.vars[i].version += 1;
+        }
+        self.version += 1;
+        self.counters.pushes_applied += 1;
+        *self.counters.applied_by_worker.entry(h.id.worker.clone()).or_default() += 1;
+        self.remember(key, Answer::Applied(self.version));
+        Ok(PushDecision::Done(PushReply::Applied { version: self.version, duplicate: false }))
+    }
+
+    fn unknown(&self, name: &str) -> Error {
+        Error::UnknownVariable { task: self.task.clone(), variable: name.into(), held: self.vars.len() }
+    }
+
+    fn ahead(&self, base: u64) -> Error {
+        Error::AheadOfTask { task: self.task.clone(), base, version: self.version }
+    }
+
+    /// Starts streaming a push whose header is `h`, if it can be: async or stale mode, its
+    /// variables known and named once, at least the streaming size in all, no other streamed
+    /// push in progress, its update not already taken, and (stale mode) not too stale. `None`
+    /// otherwise: the push is then collected and handled by [`State::push`], which also gives
+    /// any error.
+    pub fn begin_stream(&mut self, h: &PushHeader) -> Option<Streamed> {
+        let min_bytes = self.stream_min_bytes?;
+        if self.streaming {
+            return None;
+        }
+        let key = key_of(h);
+        if self.table.contains_key(&key) {
+            return None;
+        }
+        let (Some(optimizer), Some(mode)) = (self.optimizer.clone(), self.mode) else { return None };
+        match mode {
+            PsMode::Async => {}
+            PsMode::Stale { staleness } => {
+                if h.base_version > self.version || self.version - h.base_version > staleness {
+                    return None;
+                }
+            }
+            PsMode::Sync { .. } => return None,
+        }
+        let mut seen = HashSet::new();
+        let mut at = Vec::with_capacity(h.variables.len());
+        for name in &h.variables {
+            if !seen.insert(name.as_str()) {
+                return None;
+            }
+            at.push(*self.index.get(name)?);
+        }
+        if at.iter().map(|&i| self.vars[i].value.len() * 4).sum::<usize>() < min_bytes {
+            return None;
+        }
+        self.streaming = true;
+        self.spare.resize_with(self.vars.len(), || None);
+        let vars = at
+            .into_iter()
+            .map(|index| {
+                let var = &self.vars[index];
+                let n = var.value.len();
+                let (value, slots) = self.spare[index]
+                    .take()
+                    .and_then(unwrap_spare)
+                    .unwrap_or_else(|| (vec![0.0; n], vec![vec![0.0; n]; var.slots.len()]));
+                StreamVar {
+                    index,
+                    base: var.value.clone(),
+                    base_slots: var.slots.clone(),
+                    value,
+                    slots,
+                    next: 0,
+                    t: var.version + 1,
+                }
+            })
+            .collect();
+        Some(Streamed {
+            key,
+            worker: h.id.worker.clone(),
+            names: h.variables.clone(),
+            task_version: self.version,
+            optimizer,
+            vars,
+        })
+    }
+
+    /// Keeps a streamed push's buffers for the next one (its read-only references to the
+    /// variables go first, so that an in-place update need not copy them).
+    fn keep_spare(&mut self, s: Streamed) {
+        for v in s.vars {
+            let StreamVar { index, base, base_slots, value, slots, .. } = v;
+            drop((base, base_slots));
+            if let Some(spare) = self.spare.get_mut(index) {
+                *spare = Some((Arc::new(value), slots.into_iter().map(Arc::new).collect()));
+            }
+        }
+    }
+
+    /// Whether a streamed push is in progress.
+    pub fn streaming(&self) -> bool {
+        self.streaming
+    }
+
+    /// A streamed push that will not finish (its stream broke, or it was refused).
+    pub fn abort_stream(&mut self, s: Streamed) {
+        self.streaming = false;
+        self.keep_spare(s);
+    }
+
+    /// Finishes a streamed push whose stream has ended: swaps its new values in when it
+    /// covered every variable and the task's version is still the one it was computed from.
+    /// Otherwise nothing changes: a duplicate gets the first answer, an incomplete push its
+    /// error, and a push under which another update was applied `ABORTED`.
+    pub fn finish_stream(&mut self, s: Streamed) -> Result<PushDecision> {
+        self.streaming = false;
+        if let Some(answer) = self.duplicate(&s.key) {
+            self.keep_spare(s);
+            return Ok(answer);
+        }
+        if let Some((v, name)) = s.vars.iter().zip(&s.names).find(|(v, _)| v.next != v.base.len()) {
+            let e = incomplete(name, v.base.len(), v.next, RequestKind::Push);
+            self.keep_spare(s);
+            return Err(e);
+        }
+        if s.task_version != self.version {
+            self.counters.pushes_aborted += 1;
+            let e = Error::Overtaken { task: self.task.clone() };
+            self.keep_spare(s);
+            return Err(e);
+        }
+        let Streamed { key, worker, vars, .. } = s;
+        for v in vars {
+            let StreamVar { index, base, base_slots, value, slots, .. } = v;
+            drop((base, base_slots));
+            let var = &mut self.vars[index];
+            let old = std::mem::replace(&mut var.value, Arc::new(value));
+            let old_slots = std::mem::replace(&mut var.slots, slots.into_iter().map(Arc::new).collect());
+            var.version += 1;
+            if let Some(spare) = self.spare.get_mut(index) {
+                *spare = Some((old, old_slots));
+            }
+        }
+        self.version += 1;
+        self.counters.pushes_applied += 1;
+        self.counters.pushes_streamed += 1;
+        *self.counters.applied_by_worker.entry(worker).or_default() += 1;
+        self.remember(key, Answer::Applied(self.version));
+        Ok(PushDecision::Done(PushReply::Applied { version: self.version, duplicate: false }))
+    }
+
+    /// Applies the current sync round's mean gradient (summed in ascending update order, so
+    /// the result does not depend on arrival order).
+    fn apply_round(&mut self, optimizer: &ServerOptimizer) {
+        let round = std::mem::take(&mut self.round);
+        let mut sums: BTreeMap<usize, (Vec<f32>, u32)> = BTreeMap::new();
+        for c in round.values() {
+            for (i, g) in &c.grads {
+                let (sum, n) = sums.entry(*i).or_insert_with(|| (vec![0.0; g.len()], 0));
+                for (s, g) in sum.iter_mut().zip(g) {
+                    *s += g;
+                }
+                *n += 1;
+            }
+        }
+        for (i, (mut mean, n)) in sums {
+            let scale = 1.0 / n as f32;
+            for m in &mut mean {
+                *m *= scale;
+            }
+            let var = &mut self.vars[i];
+            let mut slots: Vec<&mut [f32]> = var.slots.iter_mut().map(|s| Arc::make_mut(s).as_mut_slice()).collect();
+            let value: &mut Vec<f32> = Arc::make_mut(&mut var.value);
+            optimizer.apply(value, &mean, &mut slots, var.version + 1);
+            var.version += 1;
+        }
+        self.version += 1;
+        self.counters.rounds += 1;
+        for (key, c) in round {
+            self.counters.pushes_applied += 1;
+            *self.counters.applied_by_worker.entry(c.worker).or_default() += 1;
+            self.table.insert(key, Answer::Applied(self.version));
+        }
+    }
+
+    /// `Configure`: the number of live workers; may complete the current round. Returns
+    /// whether the version changed.
+    pub fn configure(&mut self, live: u32) -> bool {
+        self.live_workers = Some(live.max(1));
+        if let (Some(PsMode::Sync { workers, backup_workers }), Some(opt)) = (self.mode, self.optimizer.clone()) {
+            if !self.round.is_empty() && self.round.len() >= self.required(workers, backup_workers) {
+                self.apply_round(&opt);
+                return true;
+            }
+        }
+        false
+    }
+
+    /// `Pull`: the named variables (every variable if none), their versions and chunks of
+    /// their values that share the variables' memory.
+    pub fn pull(&self, names: &[String]) -> Result<PullResult> {
+        let at: Vec<usize> = if names.is_empty() {
+            (0..self.vars.len()).collect()
+        } else {
+            names.iter().map(|n| self.index.get(n).copied().ok_or_else(|| self.unknown(n))).collect::<Result<_>>()?
+        };
+        let mut chunks = Vec::new();
+        for (k, &i) in at.iter().enumerate() {
+            chunks.extend(shared_chunks(k as u32, &self.vars[i].value));
+        }
+        Ok(PullResult {
+            version: self.version,
+            variables: at.iter().map(|&i| (self.vars[i].info.clone(), self.vars[i].version)).collect(),
+            chunks,
+        })
+    }
+
+    /// `Status`.
+    pub fn status(&self) -> PsStatus {
+        PsStatus {
+            task: self.task.clone(),
+            version: self.version,
+            variables: self.vars.iter().map(|v| (v.info.clone(), v.version)).collect(),
+            pushes_applied: self.counters.pushes_applied,
+            pushes_duplicate: self.counters.pushes_duplicate,
+            pushes_dropped: self.counters.pushes_dropped,
+            pushes_stale: self.counters.pushes_stale,
+            restored_step: self.restored_step,
+            restored_version: self.restored_version,
+            mode: self.mode.unwrap_or(PsMode::Async),
+            optimizer: self.optimizer.clone(),
+            rounds: self.counters.rounds,
+            applied_by_worker: self.counters.applied_by_worker.clone(),
+            pushes_streamed: self.counters.pushes_streamed,
+            pushes_aborted: self.counters.pushes_aborted,
+            streaming: self.streaming,
+        }
+    }
+
+    /// A copy for a checkpoint. Pushes waiting in an incomplete sync round are not part of
+    /// it (their answers are not final).
+    pub fn snapshot(&self) -> Snapshot {
+        Snapshot {
+            task: self.task.clone(),
+            version: self.version,
+            variables: self
+                .vars
+                .iter()
+                .map(|v| (v.info.clone(), v.version, v.value.to_vec(), v.slots.iter().map(|s| s.to_vec()).collect()))
+                .collect(),
+            optimizer: self.optimizer.clone(),
+            mode: self.mode,
+            counters: self.counters.clone(),
+            table: self
+                .order
+                .iter()
+                .filter_map(|k| match self.table.get(k) {
+                    Some(a @ (Answer::Applied(_) | Answer::Dropped(_))) => Some((k.clone(), *a)),
+                    _ => None,
+                })
+                .collect(),
+        }
+    }
+
+    /// Replaces the state with a restored one.
+    pub fn restore(&mut self, snap: Snapshot, step: u64) {
+        self.vars.clear();
+        self.index.clear();
+        for (info, version, value, slots) in snap.variables {
+            self.index.insert(info.name.clone(), self.vars.len());
+            let slots = slots.into_iter().map(Arc::new).collect();
+            self.vars.push(Var { info, value: Arc::new(value), slots, version });
+        }
+        self.optimizer = snap.optimizer;
+        self.mode = snap.mode;
+        self.version = snap.version;
+        self.counters = snap.counters;
+        self.table.clear();
+        self.order.clear();
+        for (k, a) in snap.table {
+            self.remember(k, a);
+        }
+        self.round.clear();
+        self.spare.clear();
+        self.restored_step = step;
+        self.restored_version = snap.version;
+    }
+}
+
+/// `values` as a connection may deliver them: pieces of `piece` elements, each at an odd
+/// address.
+#[cfg(test)]
+fn misaligned_pieces(values: &[f32], piece: usize) -> Vec<Bytes> {
+    values
+        .chunks(piece)
+        .map(|p| {
+            let mut b = vec![0u8];
+            b.extend_from_slice(bytemuck::cast_slice(p));
+            Bytes::from(b).slice(1..)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{UpdateId, MAX_CHUNK_ELEMENTS};
+
+    fn bytes_of(v: &[f32]) -> Bytes {
+        Bytes::copy_from_slice(bytemuck::cast_slice(v))
+    }
+
+    /// A push large enough to be applied on two threads, arriving in frames of odd sizes (and
+    /// at odd addresses), changes the variables and the optimizer's slots exactly as one pass
+    /// of the optimizer over each whole variable does.
+    #[test]
+    fn a_large_push_applied_on_two_threads_equals_one_pass() {
+        let opt = ServerOptimizer::AdamW { lr: 0.01, beta1: 0.9, beta2: 0.999, eps: 1e-7, weight_decay: 0.01 };
+        let sizes = [MAX_CHUNK_ELEMENTS * 3 + 5, 7, MAX_CHUNK_ELEMENTS + 1];
+        let names = ["a", "b", "c"];
+        let init: Vec<Vec<f32>> = sizes
+            .iter()
+            .enumerate()
+            .map(|(v, &n)| (0..n).map(|i| ((i * 31 + v) % 97) as f32 * 0.01).collect())
+            .collect();
+        let grads: Vec<Vec<f32>> =
+            sizes.iter().map(|&n| (0..n).map(|i| ((i * 17) % 89) as f32 * 0.1 - 4.0).collect()).collect();
+        let mut state = State::new("ps:0".into(), None);
+        let header = CreateHeader {
+            variables: names.iter().zip(sizes).map(|(n, s)| VariableInfo::whole(*n, vec![s])).collect(),
+            optimizer: opt.clone(),
+            mode: PsMode::Async,
+        };
+        let create: Vec<Chunk> = init
+            .iter()
+            .enumerate()
+            .map(|(v, x)| Chunk { var: v as u32, offset: 0, pieces: vec![bytes_of(x)] })
+            .collect();
+        state.create(&header, &create).unwrap();
+        // Pushed in the order c, a, b; chunks of at most 1 MiB cut into pieces of 65,539
+        // elements, each piece copied one byte into its buffer so that it is misaligned.
+        let order = [2usize, 0, 1];
+        let mut chunks = Vec::new();
+        for (k, &v) in order.iter().enumerate() {
+            for (i, c) in grads[v].chunks(MAX_CHUNK_ELEMENTS).enumerate() {
+                let pieces = misaligned_pieces(c, 65_539);
+                chunks.push(Chunk { var: k as u32, offset: (i * MAX_CHUNK_ELEMENTS) as u64, pieces });
+            }
+        }
+        let push = PushHeader {
+            id: UpdateId { worker: "worker:0".into(), client: "worker:0".into(), step: 0, seq: 0 },
+            base_version: 0,
+            variables: order.iter().map(|&v| names[v].to_string()).collect(),
+        };
+        assert!(chunks.iter().map(|c| c.elements() * 4).sum::<usize>() >= PARALLEL_APPLY_BYTES);
+        state.push(&push, &chunks).unwrap();
+        for (v, name) in names.iter().enumerate() {
+            let mut w = init[v].clone();
+            let mut slots = opt.new_slots(w.len());
+            let mut refs: Vec<&mut [f32]> = slots.iter_mut().map(Vec::as_mut_slice).collect();
+            opt.apply(&mut w, &grads[v], &mut refs, 1);
+            let var = &state.vars[state.index[*name]];
+            assert_eq!(var.version, 1);
+            let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(same(&var.value, &w), "variable {name}");
+            assert!(var.slots.iter().zip(&slots).all(|(a, b)| same(a, b)), "slots of {name}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod stream_tests {
+    use super::*;
+    use crate::{ErrorKind, UpdateId, MAX_CHUNK_ELEMENTS};
+
+    const NAMES: [&str; 3] = ["a", "b", "c"];
+    /// Three chunks and a tail, one element, and a chunk and a tail.
+    const SIZES: [usize; 3] = [MAX_CHUNK_ELEMENTS * 3 + 5, 1, MAX_CHUNK_ELEMENTS + 70_001];
+
+    fn optimizers() -> [ServerOptimizer; 5] {
+        [
+            ServerOptimizer::Sgd { lr: 0.1 },
+            ServerOptimizer::Momentum { lr: 0.1, momentum: 0.9, nesterov: false },
+            ServerOptimizer::Momentum { lr: 0.1, momentum: 0.9, nesterov: true },
+            ServerOptimizer::AdamW { lr: 0.01, beta1: 0.9, beta2: 0.999, eps: 1e-7, weight_decay: 0.01 },
+            ServerOptimizer::Adagrad { lr: 0.1, initial_accumulator: 0.1, eps: 1e-7 },
+        ]
+    }
+
+    /// A task holding [`NAMES`] of [`SIZES`], streaming pushes of any size or none.
+    fn task(optimizer: &ServerOptimizer, streamed: bool) -> State {
+        let mut state = State::new("ps:0".into(), streamed.then_some(0));
+        let header = CreateHeader {
+            variables: NAMES.iter().zip(SIZES).map(|(n, s)| VariableInfo::whole(*n, vec![s])).collect(),
+            optimizer: optimizer.clone(),
+            mode: PsMode::Async,
+        };
+        let chunks: Vec<Chunk> = SIZES
+            .iter()
+            .enumerate()
+            .map(|(v, &n)| {
+                let x: Vec<f32> = (0..n).map(|i| ((i * 31 + v) % 97) as f32 * 0.01 - 0.3).collect();
+                Chunk { var: v as u32, offset: 0, pieces: vec![Bytes::copy_from_slice(bytemuck::cast_slice(&x))] }
+            })
+            .collect();
+        state.create(&header, &chunks).unwrap();
+        state
+    }
+
+    fn header(key: &str, step: u64, order: &[usize]) -> PushHeader {
+        PushHeader {
+            id: UpdateId { worker: "worker:0".into(), client: key.into(), step, seq: 0 },
+            base_version: 0,
+            variables: order.iter().map(|&v| NAMES[v].to_string()).collect(),
+        }
+    }
+
+    /// The chunks of a push of `order`'s variables, step `step`'s gradients, in frames of
+    /// 65,539 elements at odd addresses (as a connection cuts them).
+    fn chunks(step: u64, order: &[usize]) -> Vec<Chunk> {
+        let mut out = Vec::new();
+        for (k, &v) in order.iter().enumerate() {
+            let g: Vec<f32> = (0..SIZES[v]).map(|i| ((i * 17 + step as usize * 7) % 89) as f32 * 0.1 - 4.0).collect();
+            for (i, c) in g.chunks(MAX_CHUNK_ELEMENTS).enumerate() {
+                let pieces = misaligned_pieces(c, 65_539);
+                out.push(Chunk { var: k as u32, offset: (i * MAX_CHUNK_ELEMENTS) as u64, pieces });
+            }
+        }
+        out
+    }
+
+    /// Each variable's version, values and slots, as bits.
+    fn bits(s: &State) -> Vec<(u64, Vec<u32>, Vec<Vec<u32>>)> {
+        let b = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
+        s.vars.iter().map(|v| (v.version, b(&v.value), v.slots.iter().map(|s| b(s)).collect())).collect()
+    }
+
+    fn streamed(s: &mut State, h: &PushHeader, chunks: &[Chunk]) -> Result<PushDecision> {
+        let mut stream = s.begin_stream(h).expect("the push is streamed");
+        for c in chunks {
+            stream.apply(c)?;
+        }
+        s.finish_stream(stream)
+    }
+
+    fn applied(d: PushDecision) -> u64 {
+        match d {
+            PushDecision::Done(PushReply::Applied { duplicate: false, version }) => version,
+            _ => panic!("not a fresh apply"),
+        }
+    }
+
+    /// Streamed pushes (out of place, chunk by chunk, into recycled buffers) leave every
+    /// variable and optimizer slot with the bits of the same pushes applied in place, for each
+    /// optimizer, over steps that reach the variables in different orders; and a pull while a
+    /// push streams sees the values from before it.
+    #[test]
+    fn streamed_pushes_give_the_bits_of_pushes_applied_in_place() {
+        for opt in optimizers() {
+            let (mut in_place, mut streaming) = (task(&opt, false), task(&opt, true));
+            for step in 0..4u64 {
+                let order: Vec<usize> = (0..3).map(|k| (k + step as usize) % 3).collect();
+                let (h, c) = (header("w", step, &order), chunks(step, &order));
+                assert_eq!(applied(in_place.push(&h, &c).unwrap()), step + 1);
+                let before = streaming.pull(&[]).unwrap().chunks;
+                let mut stream = streaming.begin_stream(&h).expect("streamed");
+                assert!(streaming.begin_stream(&header("other", step, &[0])).is_none(), "one stream at a time");
+                for c in &c {
+                    stream.apply(c).unwrap();
+                    let now = streaming.pull(&[]).unwrap().chunks;
+                    assert!(
+                        now.iter().zip(&before).all(|(a, b)| a.data == b.data),
+                        "{opt:?}: a pull saw a partial push"
+                    );
+                }
+                assert_eq!(applied(streaming.finish_stream(stream).unwrap()), step + 1);
+                // The pull from before the push still holds the replaced values: the next
+                // streamed push takes them once it is done.
+                drop(before);
+                assert!(bits(&in_place) == bits(&streaming), "{opt:?} step {step}: streamed bits differ");
+            }
+            assert_eq!((in_place.counters.pushes_streamed, streaming.counters.pushes_streamed), (0, 4));
+            assert_eq!(streaming.counters.pushes_applied, 4);
+            assert!(
+                streaming.spare.iter_mut().all(|s| s.take().and_then(unwrap_spare).is_some()),
+                "the replaced buffers are kept for the next push"
+            );
+        }
+    }
+
+    /// A streamed push that breaks off, covers too little, or sends a chunk out of order
+    /// changes nothing and is not recorded: the same update applies afterwards.
+    #[test]
+    fn a_streamed_push_that_breaks_off_or_is_incomplete_changes_nothing() {
+        let opt = ServerOptimizer::AdamW { lr: 0.01, beta1: 0.9, beta2: 0.999, eps: 1e-7, weight_decay: 0.01 };
+        let mut s = task(&opt, true);
+        let start = bits(&s);
+        let (h, c) = (header("w", 0, &[0, 1, 2]), chunks(0, &[0, 1, 2]));
+        // Broken off after one chunk (the connection went away).
+        let mut stream = s.begin_stream(&h).unwrap();
+        stream.apply(&c[0]).unwrap();
+        s.abort_stream(stream);
+        assert!(!s.streaming());
+        // The last chunk missing.
+        let e = streamed(&mut s, &h, &c[..c.len() - 1]).expect_err("incomplete");
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+        assert!(
+            matches!(&e, Error::Incomplete { variable, request: RequestKind::Push, .. } if variable == "c"),
+            "{e:?}"
+        );
+        assert!(e.to_string().contains("variable c has") && e.to_string().contains("the push covers"), "{e:?}");
+        // A chunk out of order.
+        let e = streamed(&mut s, &h, &[c[1].clone(), c[0].clone()]).expect_err("out of order");
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+        assert!(matches!(e, Error::ChunkOutOfOrder { .. }), "{e:?}");
+        assert!(e.to_string().contains("must cover each variable in order"), "{e:?}");
+        s.streaming = false; // the server aborts a stream whose chunk was refused
+        assert!(bits(&s) == start, "a refused streamed push changed the task");
+        assert_eq!((s.version, s.counters.pushes_applied), (0, 0));
+        assert_eq!(applied(streamed(&mut s, &h, &c).unwrap()), 1);
+    }
+
+    /// An update applied while a push streams (its stream stalled) makes the streamed push
+    /// fail with ABORTED and change nothing; sent again it applies once, and a third time it
+    /// is a duplicate. The result equals the two updates applied in place in that order.
+    #[test]
+    fn a_push_applied_under_a_streamed_one_aborts_it_and_its_retry_applies_once() {
+        let opt = ServerOptimizer::Momentum { lr: 0.1, momentum: 0.9, nesterov: true };
+        let (mut s, mut reference) = (task(&opt, true), task(&opt, false));
+        let (h1, c1) = (header("slow", 0, &[0, 1, 2]), chunks(1, &[0, 1, 2]));
+        let (h2, c2) = (header("fast", 0, &[2, 0]), chunks(2, &[2, 0]));
+        let mut stream = s.begin_stream(&h1).unwrap();
+        for c in &c1 {
+            stream.apply(c).unwrap();
+        }
+        assert_eq!(applied(s.push(&h2, &c2).unwrap()), 1);
+        let e = s.finish_stream(stream).expect_err("aborted");
+        assert_eq!(e.kind(), ErrorKind::Aborted, "{e:?}");
+        assert!(matches!(e, Error::Overtaken { .. }), "{e:?}");
+        assert_eq!((s.version, s.counters.pushes_aborted, s.counters.pushes_applied), (1, 1, 1));
+        assert_eq!(applied(streamed(&mut s, &h1, &c1).unwrap()), 2);
+        assert!(s.begin_stream(&h1).is_none(), "an update already taken is not streamed again");
+        match s.push(&h1, &c1).unwrap() {
+            PushDecision::Done(PushReply::Applied { duplicate: true, version: 2 }) => {}
+            _ => panic!("the third send is not answered as a duplicate"),
+        }
+        reference.push(&h2, &c2).unwrap();
+        reference.push(&h1, &c1).unwrap();
+        assert!(bits(&s) == bits(&reference), "the retried push did not apply onto the newer values");
+    }
+}
