@@ -83,7 +83,8 @@ pub enum OptimizerKind {
     CandleAdamw,
     /// candle-nn's `SGD`.
     CandleSgd,
-    /// SGD with momentum (--momentum), Keras' semantics (parameter-server only).
+    /// SGD with momentum (--momentum), PyTorch's form, Keras' at a constant learning rate
+    /// (parameter-server only).
     Momentum,
     /// Adagrad, Keras' semantics (parameter-server only).
     Adagrad,
