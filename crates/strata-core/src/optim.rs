@@ -11,9 +11,16 @@
 //! They run on CPU tensors of f32; on other devices they use the [`DeviceFusedUpdates`] a device
 //! crate registered (strata-cuda's CUDA kernels on GPUs), and otherwise, like other dtypes, fall
 //! back to candle-nn's formulation.
+//!
+//! The element-wise formulas themselves are in [`rules`], which the parameter server's
+//! optimizers and the CUDA kernels' references share.
 
 use candle_core::{CpuStorage, DType, Layout, Tensor, Var};
 use candle_nn::{Optimizer, ParamsAdamW};
+
+pub mod rules;
+
+use rules::AdamWScalars;
 
 fn slice<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> candle_core::Result<&'a [f32]> {
     match (s, l.contiguous_offsets()) {
@@ -45,8 +52,8 @@ fn with_gradient<'a>(
     Ok((d, g))
 }
 
-/// `m = (m * decay + 0) + (g * scale + 0)`, or with `g * g` for the second moment: the f32
-/// operations candle-nn's AdamW performs (`affine` adds 0.0, which matters for negative zeros).
+/// `m = (m * decay + 0) + (g * scale + 0)`, or with `g * g` for the second moment
+/// ([`rules::moment`]): the f32 operations candle-nn's AdamW performs.
 struct Moment {
     decay: f32,
     scale: f32,
@@ -68,22 +75,17 @@ impl candle_core::InplaceOp2 for Moment {
         let (m, g) = with_gradient(dst, dst_l, "moment", src, src_l)?;
         let (d, s) = (self.decay, self.scale);
         if self.square {
-            m.iter_mut().zip(g).for_each(|(m, g)| *m = (*m * d + 0.0) + ((*g * *g) * s + 0.0));
+            m.iter_mut().zip(g).for_each(|(m, g)| rules::moment(m, *g * *g, d, s));
         } else {
-            m.iter_mut().zip(g).for_each(|(m, g)| *m = (*m * d + 0.0) + (*g * s + 0.0));
+            m.iter_mut().zip(g).for_each(|(m, g)| rules::moment(m, *g, d, s));
         }
         Ok(())
     }
 }
 
-/// `theta = (theta * keep + 0) - ((m * sm + 0) / (sqrt(v * sv + 0) * 1 + eps) * lr + 0)`.
-struct AdamWParam {
-    keep: f32,
-    scale_m: f32,
-    scale_v: f32,
-    eps: f32,
-    lr: f32,
-}
+/// `theta = (theta * keep + 0) - ((m * sm + 0) / (sqrt(v * sv + 0) * 1 + eps) * lr + 0)`
+/// ([`rules::adamw_param`]).
+struct AdamWParam(AdamWScalars);
 
 impl candle_core::InplaceOp3 for AdamWParam {
     fn name(&self) -> &'static str {
@@ -105,18 +107,15 @@ impl candle_core::InplaceOp3 for AdamWParam {
         if t.len() != m.len() || t.len() != v.len() {
             candle_core::bail!("fused optimizer: parameter, moments and gradient differ in size");
         }
-        let AdamWParam { keep, scale_m, scale_v, eps, lr } = *self;
+        let s = &self.0;
         for ((t, m), v) in t.iter_mut().zip(m).zip(v) {
-            let m_hat = *m * scale_m + 0.0;
-            let v_hat = *v * scale_v + 0.0;
-            let adjusted = m_hat / (v_hat.sqrt() * 1.0 + eps);
-            *t = (*t * keep + 0.0) - (adjusted * lr + 0.0);
+            rules::adamw_param(t, *m, *v, s);
         }
         Ok(())
     }
 }
 
-/// `theta = theta - (g * lr + 0)`.
+/// `theta = theta - (g * lr + 0)` ([`rules::sgd`]).
 struct SgdParam {
     lr: f32,
 }
@@ -135,7 +134,7 @@ impl candle_core::InplaceOp2 for SgdParam {
     ) -> candle_core::Result<()> {
         let (t, g) = with_gradient(dst, dst_l, "parameter", src, src_l)?;
         let lr = self.lr;
-        t.iter_mut().zip(g).for_each(|(t, g)| *t -= *g * lr + 0.0);
+        t.iter_mut().zip(g).for_each(|(t, g)| rules::sgd(t, *g, lr));
         Ok(())
     }
 }
@@ -223,6 +222,7 @@ impl Optimizer for FusedAdamW {
         let lr_lambda = lr * p.weight_decay;
         let scale_m = 1f64 / (1f64 - beta1.powi(self.step_t as i32));
         let scale_v = 1f64 / (1f64 - beta2.powi(self.step_t as i32));
+        let s = AdamWScalars::new(lr, beta1, beta2, p.eps, p.weight_decay, self.step_t);
         for AdamWVar { var, m, v } in &self.vars {
             let Some(g) = grads.get(var) else { continue };
             let g = if g.is_contiguous() { g.clone() } else { g.contiguous()? };
@@ -241,19 +241,9 @@ impl Optimizer for FusedAdamW {
                 var.set(&next)?;
                 continue;
             }
-            m.inplace_op2(&g, &Moment { decay: beta1 as f32, scale: (1.0 - beta1) as f32, square: false })?;
-            v.inplace_op2(&g, &Moment { decay: beta2 as f32, scale: (1.0 - beta2) as f32, square: true })?;
-            var.inplace_op3(
-                m.as_tensor(),
-                v.as_tensor(),
-                &AdamWParam {
-                    keep: (1f64 - lr_lambda) as f32,
-                    scale_m: scale_m as f32,
-                    scale_v: scale_v as f32,
-                    eps: p.eps as f32,
-                    lr: lr as f32,
-                },
-            )?;
+            m.inplace_op2(&g, &Moment { decay: s.beta1, scale: s.one_minus_beta1, square: false })?;
+            v.inplace_op2(&g, &Moment { decay: s.beta2, scale: s.one_minus_beta2, square: true })?;
+            var.inplace_op3(m.as_tensor(), v.as_tensor(), &AdamWParam(s))?;
         }
         Ok(())
     }

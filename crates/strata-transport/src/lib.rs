@@ -26,6 +26,7 @@ pub mod auth;
 pub mod coordination;
 mod error;
 pub mod executor;
+pub mod hooks;
 pub mod inject;
 pub mod probe;
 pub mod ps;

@@ -18,7 +18,7 @@ use strata_proto::v1::{
 };
 use strata_transport::auth::{client_interceptor, ClientAuth};
 use strata_transport::ps::{
-    F32Bytes, FaultInjection, PsClient, PsClientConfig, PsMode, PsServerConfig, PsServerHandle, PushOutcome,
+    F32Bytes, FaultInjection, ProtoSpec, PsClient, PsClientConfig, PsMode, PsServerConfig, PsServerHandle, PushOutcome,
     ServerOptimizer, UpdateId, VariableInfo, MAX_CHUNK_BYTES, MAX_CHUNK_ELEMENTS,
 };
 use strata_transport::{ClusterToken, Error};

@@ -137,7 +137,7 @@ named_kinds! {
         /// candle-nn's `SGD`.
         CandleSgd = "candle-sgd": "candle-nn's `SGD`.",
         /// SGD with momentum, on parameter servers.
-        Momentum = "momentum": "SGD with momentum, parameter-server only.",
+        Momentum = "momentum": "SGD with momentum (PyTorch's form; Keras' at a constant learning rate), parameter-server only.",
         /// Adagrad, on parameter servers.
         Adagrad = "adagrad": "Adagrad, Keras' semantics (parameter-server only).",
     }

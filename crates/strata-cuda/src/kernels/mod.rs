@@ -7,7 +7,9 @@
 //!
 //! Every kernel has a CPU reference in [`reference`] with the same contract: the same argument
 //! validation ([`validate`], shared with the launchers, so it is tested without a GPU) and the
-//! same f32 operations in the same order, so results are equal bit for bit. The exceptions are
+//! same f32 operations in the same order, so results are equal bit for bit. The optimizers'
+//! references apply strata-core's element-wise rules ([`strata_core::optim::rules`]), the one
+//! set of formulas the fused CPU optimizers and the parameter server share. The exceptions are
 //! NaN payloads of arithmetic results (axpy, scale, the optimizers), which differ between CPUs
 //! and GPUs: there a NaN result is only guaranteed to be a NaN. The reductions write every NaN
 //! result as the canonical quiet NaN `0x7FC00000`, so they are equal bit for bit everywhere.
@@ -128,44 +130,9 @@ impl From<strata_core::ReduceOp> for ReduceOp {
 /// The canonical quiet NaN the reductions write for every NaN result.
 pub const CANONICAL_NAN: u32 = 0x7FC0_0000;
 
-/// The f32 scalars of one AdamW step, computed from candle-nn's `ParamsAdamW` fields (f64) and the
-/// step count exactly as strata-core's `FusedAdamW` does (in f64, then rounded to f32).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct AdamWScalars {
-    pub beta1: f32,
-    pub one_minus_beta1: f32,
-    pub beta2: f32,
-    pub one_minus_beta2: f32,
-    /// `1 / (1 - beta1^t)`
-    pub scale_m: f32,
-    /// `1 / (1 - beta2^t)`
-    pub scale_v: f32,
-    pub eps: f32,
-    pub lr: f32,
-    /// `1 - lr * weight_decay`
-    pub keep: f32,
-}
-
-impl AdamWScalars {
-    /// The scalars of step `step_t` (1 for the first step) with the given hyper-parameters
-    /// (`candle_nn::ParamsAdamW { lr, beta1, beta2, eps, weight_decay }`).
-    pub fn new(lr: f64, beta1: f64, beta2: f64, eps: f64, weight_decay: f64, step_t: usize) -> Self {
-        let lr_lambda = lr * weight_decay;
-        let scale_m = 1f64 / (1f64 - beta1.powi(step_t as i32));
-        let scale_v = 1f64 / (1f64 - beta2.powi(step_t as i32));
-        AdamWScalars {
-            beta1: beta1 as f32,
-            one_minus_beta1: (1.0 - beta1) as f32,
-            beta2: beta2 as f32,
-            one_minus_beta2: (1.0 - beta2) as f32,
-            scale_m: scale_m as f32,
-            scale_v: scale_v as f32,
-            eps: eps as f32,
-            lr: lr as f32,
-            keep: (1f64 - lr_lambda) as f32,
-        }
-    }
-}
+/// The f32 scalars of one AdamW step (strata-core's [`rules::AdamWScalars`](strata_core::optim::rules::AdamWScalars),
+/// which `FusedAdamW` and the parameter server compute the same way).
+pub use strata_core::optim::rules::AdamWScalars;
 
 #[cfg(test)]
 mod tests {

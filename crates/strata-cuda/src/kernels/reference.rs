@@ -7,6 +7,8 @@
 //! 16-bit floats are passed as their bits (`u16`), as the kernels take them; the scalar
 //! conversions equal the `half` crate's.
 
+use strata_core::optim::rules;
+
 use super::{validate, AdamWScalars, ReduceOp, CANONICAL_NAN};
 use crate::Result;
 
@@ -199,43 +201,37 @@ pub fn f16_to_f32(src: &[u16], dst: &mut [f32]) -> Result<()> {
     Ok(())
 }
 
-/// `strata_sgd_f32`: `param = param - (grad * lr + 0)`, strata-core's `FusedSgd` (candle-nn's
-/// `SGD`) on one variable.
+/// `strata_sgd_f32`: `param = param - (grad * lr + 0)` ([`rules::sgd`]), strata-core's
+/// `FusedSgd` (candle-nn's `SGD`) on one variable.
 pub fn sgd(lr: f32, param: &mut [f32], grad: &[f32]) -> Result<()> {
     validate::same_len("strata_sgd_f32", &[("param", param.len()), ("grad", grad.len())])?;
-    param.iter_mut().zip(grad).for_each(|(t, g)| *t -= *g * lr + 0.0);
+    param.iter_mut().zip(grad).for_each(|(t, g)| rules::sgd(t, *g, lr));
     Ok(())
 }
 
 /// `strata_sgd_momentum_f32`: `velocity = velocity * momentum + grad`, then
-/// `param = param - (velocity * lr + 0)` (heavy ball, no dampening; the velocity starts at zero).
+/// `param = param - (velocity * lr + 0)` ([`rules::momentum`]: heavy ball, no dampening; the
+/// velocity starts at zero), the parameter server's momentum on one variable.
 pub fn sgd_momentum(lr: f32, momentum: f32, param: &mut [f32], grad: &[f32], velocity: &mut [f32]) -> Result<()> {
     validate::same_len(
         "strata_sgd_momentum_f32",
         &[("param", param.len()), ("grad", grad.len()), ("velocity", velocity.len())],
     )?;
     for ((t, g), v) in param.iter_mut().zip(grad).zip(velocity.iter_mut()) {
-        *v = *v * momentum + *g;
-        *t -= *v * lr + 0.0;
+        rules::momentum(t, v, *g, lr, momentum);
     }
     Ok(())
 }
 
 /// `strata_adamw_f32`: one step of strata-core's `FusedAdamW` (candle-nn's `AdamW`) on one
-/// variable, its three passes fused; `s` from [`AdamWScalars::new`].
+/// variable, its three passes fused ([`rules::adamw`]); `s` from [`AdamWScalars::new`].
 pub fn adamw(s: &AdamWScalars, param: &mut [f32], grad: &[f32], m: &mut [f32], v: &mut [f32]) -> Result<()> {
     validate::same_len(
         "strata_adamw_f32",
         &[("param", param.len()), ("grad", grad.len()), ("m", m.len()), ("v", v.len())],
     )?;
     for (((t, g), m), v) in param.iter_mut().zip(grad).zip(m.iter_mut()).zip(v.iter_mut()) {
-        let g = *g;
-        *m = (*m * s.beta1 + 0.0) + (g * s.one_minus_beta1 + 0.0);
-        *v = (*v * s.beta2 + 0.0) + ((g * g) * s.one_minus_beta2 + 0.0);
-        let m_hat = *m * s.scale_m + 0.0;
-        let v_hat = *v * s.scale_v + 0.0;
-        let adjusted = m_hat / (v_hat.sqrt() * 1.0 + s.eps);
-        *t = (*t * s.keep + 0.0) - (adjusted * s.lr + 0.0);
+        rules::adamw(t, m, v, *g, s);
     }
     Ok(())
 }

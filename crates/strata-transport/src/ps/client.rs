@@ -8,16 +8,17 @@ use prost::bytes::Bytes;
 use prost::Message;
 use strata_proto::v1::parameter_server_client::ParameterServerClient;
 use strata_proto::v1::{
-    create_message, push_message, CreateHeader, CreateMessage, PsCheckpointRequest, PsConfigureRequest,
-    PsStatusRequest, PullHeader, PullRequest, PushHeader, PushMessage, PushResponse,
+    create_message, push_message, CreateMessage, PsCheckpointRequest, PsConfigureRequest, PsStatusRequest, PullHeader,
+    PullRequest, PushMessage, PushResponse,
 };
+use strata_ps::{copy_f32s, Chunk};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::codegen::Service;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 use tonic::{Code, Status};
 
-use super::state::{chunks_of, copy_f32s, Chunk};
+use super::convert;
 use super::wire;
 use super::{
     CreateOutcome, F32Bytes, PsMode, PsStatus, Pulled, PushOutcome, ServerOptimizer, UpdateId, VariableInfo,
@@ -54,12 +55,11 @@ impl Filling<'_, '_> {
         let n = header.variables.len();
         match &mut self.into {
             Dest::Allocated(values) => {
-                *values = header
-                    .variables
+                *values = convert::pulled_variables(header)
+                    .map_err(|e| Error::from(e).to_string())?
                     .iter()
-                    .map(|spec| VariableInfo::from_spec(spec).map(|i| vec![0.0; i.numel()]))
-                    .collect::<Result<_>>()
-                    .map_err(|e| e.to_string())?;
+                    .map(|i| vec![0.0; i.numel()])
+                    .collect();
             }
             Dest::Given(out) if out.len() != n => return Err(format!("pulled {n} variables, asked for {}", out.len())),
             Dest::Given(_) => {}
@@ -316,17 +316,13 @@ impl PsClient {
                 )));
             }
         }
-        let header = CreateHeader {
-            variables: vars.iter().map(|(i, _)| i.to_spec()).collect(),
-            optimizer: Some(optimizer.to_spec()),
-            mode: Some(mode.to_spec()),
-        };
+        let header = convert::create_header_spec(vars.iter().map(|(i, _)| i), optimizer, mode);
         let produce = |send: &mut dyn FnMut(CreateMessage) -> bool| {
             if !send(CreateMessage { kind: Some(create_message::Kind::Header(header.clone())) }) {
                 return;
             }
             for (k, (_, values)) in vars.iter().enumerate() {
-                for c in chunks_of(k as u32, values) {
+                for c in convert::chunks_of(k as u32, values) {
                     if !send(CreateMessage { kind: Some(create_message::Kind::Chunk(c)) }) {
                         return;
                     }
@@ -337,8 +333,7 @@ impl PsClient {
             let mut raw = self.raw.clone();
             async move { raw.create_variables(stream).await }
         })?;
-        let r = r.into_inner();
-        Ok(CreateOutcome { versions: r.versions, existed: r.existed, version: r.version })
+        Ok(convert::create_outcome(r.into_inner()))
     }
 
     /// Pushes one update computed from task version `base_version`. Retried with the same
@@ -371,14 +366,7 @@ impl PsClient {
         lens: &[usize],
         data: impl Fn(usize, std::ops::Range<usize>) -> Bytes,
     ) -> Result<PushOutcome> {
-        let header = PushHeader {
-            worker: id.worker.clone(),
-            client: id.client.clone(),
-            step: id.step,
-            seq: id.seq,
-            base_version,
-            variables: names.iter().map(|n| n.to_string()).collect(),
-        };
+        let header = convert::push_header_spec(id, base_version, names);
         let produce = |send: &mut dyn FnMut(Bytes) -> bool| {
             if !send(wire::message(&PushMessage { kind: Some(push_message::Kind::Header(header.clone())) })) {
                 return;
@@ -394,7 +382,7 @@ impl PsClient {
                 }
             }
         };
-        crate::inject::delay_blocking();
+        crate::hooks::before_send_blocking();
         let call = |body: tonic::body::Body| {
             let svc = self.svc.clone();
             async move {
@@ -420,12 +408,8 @@ impl PsClient {
         } else {
             self.stream_call("Push", produce, |stream| call(wire::body(stream, false)))?
         };
-        crate::inject::count_sent(lens.iter().sum::<usize>() * 4);
-        Ok(if r.dropped {
-            PushOutcome::Dropped { version: r.version }
-        } else {
-            PushOutcome::Applied { version: r.version, duplicate: r.duplicate }
-        })
+        crate::hooks::sent(lens.iter().sum::<usize>() * 4);
+        Ok(convert::push_outcome(&r))
     }
 
     /// Pulls `names` into `fill`, chunk by chunk as they arrive (while their bytes are still in
@@ -433,7 +417,7 @@ impl PsClient {
     fn pull_with(&self, names: &[&str], min_version: u64, fill: &mut Filling<'_, '_>) -> Result<PullHeader> {
         let request = PullRequest { variables: names.iter().map(|n| n.to_string()).collect(), min_version };
         let request = wire::message(&request);
-        crate::inject::delay_blocking();
+        crate::hooks::before_send_blocking();
         let fill = std::cell::RefCell::new(fill);
         let pulled = self.call("Pull", |_| {
             let body = wire::body(tokio_stream::once(request.clone()), false);
@@ -461,7 +445,7 @@ impl PsClient {
             }
         })?;
         let header = pulled.and_then(|h| fill.borrow().finish().map(|()| h)).map_err(|d| self.protocol(d))?;
-        crate::inject::count_received(fill.borrow().next.iter().sum::<usize>() * 4);
+        crate::hooks::received(fill.borrow().next.iter().sum::<usize>() * 4);
         Ok(header)
     }
 
@@ -477,12 +461,7 @@ impl PsClient {
         let Dest::Allocated(values) = fill.into else {
             return Err(self.protocol("pulled values went to the wrong buffers".into()));
         };
-        let infos = header
-            .variables
-            .iter()
-            .map(VariableInfo::from_spec)
-            .collect::<Result<Vec<_>>>()
-            .map_err(|e| self.protocol(e.to_string()))?;
+        let infos = convert::pulled_variables(&header).map_err(|e| self.protocol(Error::from(e).to_string()))?;
         let versions = header.variable_versions.iter().copied().chain(std::iter::repeat(0));
         Ok(Pulled {
             version: header.version,
@@ -515,35 +494,7 @@ impl PsClient {
     /// What the task holds and has done.
     pub fn status(&self) -> Result<PsStatus> {
         let r = self.call("Status", |mut raw| async move { raw.status(PsStatusRequest {}).await })?.into_inner();
-        let variables = r
-            .variables
-            .iter()
-            .map(VariableInfo::from_spec)
-            .collect::<Result<Vec<_>>>()
-            .map_err(|e| self.protocol(e.to_string()))?;
-        let versions = r.variable_versions.iter().copied().chain(std::iter::repeat(0));
-        Ok(PsStatus {
-            task: r.task,
-            version: r.version,
-            variables: variables.into_iter().zip(versions).collect(),
-            pushes_applied: r.pushes_applied,
-            pushes_duplicate: r.pushes_duplicate,
-            pushes_dropped: r.pushes_dropped,
-            pushes_stale: r.pushes_stale,
-            pushes_streamed: r.pushes_streamed,
-            pushes_aborted: r.pushes_aborted,
-            streaming: r.streaming,
-            restored_step: r.restored_step,
-            restored_version: r.restored_version,
-            mode: PsMode::from_spec(&r.mode.unwrap_or_default()).map_err(|e| self.protocol(e.to_string()))?,
-            optimizer: r
-                .optimizer
-                .map(|o| ServerOptimizer::from_spec(&o))
-                .transpose()
-                .map_err(|e| self.protocol(e.to_string()))?,
-            rounds: r.rounds,
-            applied_by_worker: r.applied_by_worker.into_iter().collect(),
-        })
+        convert::ps_status(r).map_err(|e| self.protocol(Error::from(e).to_string()))
     }
 
     /// Tells a sync-mode task how many workers are alive (a round then needs no more pushes

@@ -19,6 +19,13 @@
 //! # Ok::<(), strata_transport::Error>(())
 //! ```
 //!
+//! The semantics are strata-ps' ([`strata_ps`]: the task's state, the modes, exactly-once,
+//! the optimizers, checkpoints), plain Rust without RPC; this module carries them over gRPC and
+//! re-exports their types. `convert` is the one place where the protocol's messages become
+//! strata-ps' types and back, and where a [`strata_ps::Error`] becomes a gRPC status (by its
+//! [`ErrorKind`](strata_ps::ErrorKind)); the protocol's specs of an optimizer, a mode and a
+//! variable are [`ProtoSpec`].
+//!
 //! Semantics (the proto, `proto/strata/v1/ps.proto`, is the reference):
 //!
 //! - **Chunks.** Tensors travel as little-endian f32 chunks of at most [`MAX_CHUNK_BYTES`] over
@@ -45,24 +52,25 @@
 //!   `ABORTED` and nothing applied, which [`PsClient`] sends again (the update id keeps it
 //!   exactly-once).
 
-use std::collections::BTreeMap;
-use std::fmt;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
-use strata_proto::v1::{ModeSpec, OptimizerSpec, VariableSpec};
-
-use crate::{ClusterToken, Error, Result};
+use crate::ClusterToken;
 
 mod client;
-mod optim;
+mod convert;
+mod faults;
 mod server;
-mod state;
 mod wire;
 
 pub use client::{PsClient, PsClientConfig};
+pub use convert::ProtoSpec;
+pub use faults::FaultInjection;
 pub use server::PsServerHandle;
+pub use strata_ps::{
+    CreateOutcome, PsMode, PsStatus, PushOutcome, ServerOptimizer, UpdateId, VariableInfo, MAX_CHUNK_BYTES,
+    MAX_CHUNK_ELEMENTS, MAX_VARIABLE_ELEMENTS,
+};
 
 /// f32 values in memory the transport can send without a copy (for
 /// [`PsClient::push_shared`]): a `Vec<f32>` handed over, shared by clones.
@@ -100,344 +108,6 @@ impl F32Bytes {
     }
 }
 
-/// The most payload bytes (f32 elements times 4) one `TensorChunk` carries.
-pub const MAX_CHUNK_BYTES: usize = 1 << 20;
-
-/// The most f32 elements one `TensorChunk` carries.
-pub const MAX_CHUNK_ELEMENTS: usize = MAX_CHUNK_BYTES / 4;
-
-/// The largest variable (in elements) a task accepts.
-pub const MAX_VARIABLE_ELEMENTS: usize = 1 << 31;
-
-/// The optimizer a parameter server applies to every update, in f32.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub enum ServerOptimizer {
-    /// `w -= lr * g`.
-    Sgd {
-        /// The learning rate.
-        lr: f64,
-    },
-    /// Keras' SGD with momentum: `v = m * v - lr * g; w += v` (Nesterov: `w += m * v - lr * g`).
-    Momentum {
-        /// The learning rate.
-        lr: f64,
-        /// The momentum `m`.
-        momentum: f64,
-        /// Nesterov momentum.
-        nesterov: bool,
-    },
-    /// Adam with decoupled weight decay (`w -= lr * wd * w`, then the bias-corrected Adam
-    /// step with `eps` outside the square root).
-    AdamW {
-        /// The learning rate.
-        lr: f64,
-        /// The first moment's decay.
-        beta1: f64,
-        /// The second moment's decay.
-        beta2: f64,
-        /// Added to the denominator.
-        eps: f64,
-        /// The decoupled weight decay.
-        weight_decay: f64,
-    },
-    /// Keras' Adagrad: `acc += g^2; w -= lr * g / (sqrt(acc) + eps)`.
-    Adagrad {
-        /// The learning rate.
-        lr: f64,
-        /// The accumulator's start value (Keras: 0.1).
-        initial_accumulator: f64,
-        /// Added to the denominator.
-        eps: f64,
-    },
-}
-
-impl ServerOptimizer {
-    /// The optimizer as the protocol carries it.
-    pub fn to_spec(&self) -> OptimizerSpec {
-        let mut s = OptimizerSpec { kind: self.name().into(), ..Default::default() };
-        match *self {
-            ServerOptimizer::Sgd { lr } => s.learning_rate = lr,
-            ServerOptimizer::Momentum { lr, momentum, nesterov } => {
-                s.learning_rate = lr;
-                s.momentum = momentum;
-                s.nesterov = nesterov;
-            }
-            ServerOptimizer::AdamW { lr, beta1, beta2, eps, weight_decay } => {
-                s.learning_rate = lr;
-                s.beta1 = beta1;
-                s.beta2 = beta2;
-                s.epsilon = eps;
-                s.weight_decay = weight_decay;
-            }
-            ServerOptimizer::Adagrad { lr, initial_accumulator, eps } => {
-                s.learning_rate = lr;
-                s.initial_accumulator = initial_accumulator;
-                s.epsilon = eps;
-            }
-        }
-        s
-    }
-
-    /// The optimizer a spec names, checked.
-    pub fn from_spec(s: &OptimizerSpec) -> Result<Self> {
-        let lr = s.learning_rate;
-        let finite = [s.learning_rate, s.momentum, s.beta1, s.beta2, s.epsilon, s.weight_decay, s.initial_accumulator];
-        if finite.iter().any(|v| !v.is_finite()) {
-            return Err(Error::Config(format!("the {} optimizer's parameters must be finite numbers", s.kind)));
-        }
-        if lr <= 0.0 {
-            return Err(Error::Config(format!("the learning rate must be positive, not {lr}")));
-        }
-        let opt = match s.kind.as_str() {
-            "sgd" => ServerOptimizer::Sgd { lr },
-            "momentum" => {
-                if !(0.0..1.0).contains(&s.momentum) {
-                    return Err(Error::Config(format!("momentum must be in [0, 1), not {}", s.momentum)));
-                }
-                ServerOptimizer::Momentum { lr, momentum: s.momentum, nesterov: s.nesterov }
-            }
-            "adamw" => {
-                for (what, b) in [("beta1", s.beta1), ("beta2", s.beta2)] {
-                    if !(0.0..1.0).contains(&b) {
-                        return Err(Error::Config(format!("{what} must be in [0, 1), not {b}")));
-                    }
-                }
-                if s.epsilon <= 0.0 || s.weight_decay < 0.0 {
-                    return Err(Error::Config("adamw needs epsilon > 0 and weight_decay >= 0".into()));
-                }
-                ServerOptimizer::AdamW {
-                    lr,
-                    beta1: s.beta1,
-                    beta2: s.beta2,
-                    eps: s.epsilon,
-                    weight_decay: s.weight_decay,
-                }
-            }
-            "adagrad" => {
-                if s.initial_accumulator < 0.0 || s.epsilon < 0.0 {
-                    return Err(Error::Config("adagrad needs initial_accumulator >= 0 and epsilon >= 0".into()));
-                }
-                ServerOptimizer::Adagrad { lr, initial_accumulator: s.initial_accumulator, eps: s.epsilon }
-            }
-            other => {
-                return Err(Error::Config(format!(
-                    "unknown optimizer {other:?}; a parameter server runs sgd, momentum, adamw or adagrad"
-                )))
-            }
-        };
-        Ok(opt)
-    }
-
-    /// `sgd`, `momentum`, `adamw` or `adagrad`.
-    pub fn name(&self) -> &'static str {
-        match self {
-            ServerOptimizer::Sgd { .. } => "sgd",
-            ServerOptimizer::Momentum { .. } => "momentum",
-            ServerOptimizer::AdamW { .. } => "adamw",
-            ServerOptimizer::Adagrad { .. } => "adagrad",
-        }
-    }
-
-    /// The learning rate.
-    pub fn learning_rate(&self) -> f64 {
-        match *self {
-            ServerOptimizer::Sgd { lr }
-            | ServerOptimizer::Momentum { lr, .. }
-            | ServerOptimizer::AdamW { lr, .. }
-            | ServerOptimizer::Adagrad { lr, .. } => lr,
-        }
-    }
-
-    /// How many f32 slots per element the optimizer keeps.
-    pub fn slots(&self) -> usize {
-        match self {
-            ServerOptimizer::Sgd { .. } => 0,
-            ServerOptimizer::Momentum { .. } | ServerOptimizer::Adagrad { .. } => 1,
-            ServerOptimizer::AdamW { .. } => 2,
-        }
-    }
-
-    /// Applies one update exactly as a ps task does: gradient `g` to `w` and its optimizer
-    /// `slots` (as many as [`ServerOptimizer::slots`], each as long as `w`, zero at the start;
-    /// Adagrad's accumulator starts at its initial value). `t` is the update's number, from 1
-    /// (AdamW's bias correction). Used by `strata compare --simulate`.
-    pub fn apply(&self, w: &mut [f32], g: &[f32], slots: &mut [&mut [f32]], t: u64) {
-        optim::apply(self, w, g, slots, t)
-    }
-}
-
-impl fmt::Display for ServerOptimizer {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}(lr {})", self.name(), self.learning_rate())
-    }
-}
-
-/// How a parameter server applies pushes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum PsMode {
-    /// Each push is applied as it arrives (TF's `ParameterServerStrategy`).
-    Async,
-    /// One mean gradient per round, from the first `workers - backup_workers` pushes computed
-    /// from the task's current version; later ones are dropped.
-    Sync {
-        /// The workers that push each round.
-        workers: u32,
-        /// How many of them are backups whose late pushes are dropped.
-        backup_workers: u32,
-    },
-    /// Async, but a push computed from a version more than `staleness` behind is refused.
-    Stale {
-        /// The largest accepted distance between the task's version and a push's base.
-        staleness: u64,
-    },
-}
-
-impl PsMode {
-    /// The mode as the protocol carries it.
-    pub fn to_spec(&self) -> ModeSpec {
-        match *self {
-            PsMode::Async => ModeSpec { mode: "async".into(), ..Default::default() },
-            PsMode::Sync { workers, backup_workers } => {
-                ModeSpec { mode: "sync".into(), workers, backup_workers, ..Default::default() }
-            }
-            PsMode::Stale { staleness } => ModeSpec { mode: "stale".into(), staleness, ..Default::default() },
-        }
-    }
-
-    /// The mode a spec names, checked.
-    pub fn from_spec(s: &ModeSpec) -> Result<Self> {
-        match s.mode.as_str() {
-            "async" | "" => Ok(PsMode::Async),
-            "sync" => {
-                if s.workers == 0 {
-                    return Err(Error::Config("sync mode needs at least one worker".into()));
-                }
-                if s.backup_workers >= s.workers {
-                    return Err(Error::Config(format!(
-                        "{} backup workers leave none of the {} workers to aggregate; use fewer backup workers",
-                        s.backup_workers, s.workers
-                    )));
-                }
-                Ok(PsMode::Sync { workers: s.workers, backup_workers: s.backup_workers })
-            }
-            "stale" => Ok(PsMode::Stale { staleness: s.staleness }),
-            other => Err(Error::Config(format!("unknown mode {other:?}; use async, sync or stale"))),
-        }
-    }
-}
-
-impl fmt::Display for PsMode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match *self {
-            PsMode::Async => write!(f, "async"),
-            PsMode::Sync { workers, backup_workers } => {
-                write!(f, "sync({workers} workers, {backup_workers} backup)")
-            }
-            PsMode::Stale { staleness } => write!(f, "stale({staleness})"),
-        }
-    }
-}
-
-/// A variable, or one shard of a partitioned variable, as one parameter server holds it.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct VariableInfo {
-    /// The shard's name (the variable's, with `/part_<i>` for a shard).
-    pub name: String,
-    /// The shard's shape.
-    pub shape: Vec<usize>,
-    /// The whole variable's name.
-    pub variable: String,
-    /// This shard's index along the first axis.
-    pub part: u32,
-    /// How many shards the variable has.
-    pub num_parts: u32,
-    /// The shard's first row in the whole variable.
-    pub row_offset: u64,
-    /// The whole variable's shape.
-    pub full_shape: Vec<usize>,
-}
-
-impl VariableInfo {
-    /// A variable that is not partitioned.
-    pub fn whole(name: impl Into<String>, shape: Vec<usize>) -> Self {
-        let name = name.into();
-        Self { variable: name.clone(), name, full_shape: shape.clone(), shape, part: 0, num_parts: 1, row_offset: 0 }
-    }
-
-    /// The shard's number of elements.
-    pub fn numel(&self) -> usize {
-        self.shape.iter().product()
-    }
-
-    /// The variable as the protocol carries it.
-    pub fn to_spec(&self) -> VariableSpec {
-        VariableSpec {
-            name: self.name.clone(),
-            shape: self.shape.iter().map(|&d| d as u64).collect(),
-            dtype: "f32".into(),
-            variable: self.variable.clone(),
-            part: self.part,
-            num_parts: self.num_parts,
-            row_offset: self.row_offset,
-            full_shape: self.full_shape.iter().map(|&d| d as u64).collect(),
-        }
-    }
-
-    /// The variable a spec describes, checked (dtype, name, size).
-    pub fn from_spec(s: &VariableSpec) -> Result<Self> {
-        if s.name.is_empty() {
-            return Err(Error::Config("a variable needs a name".into()));
-        }
-        if s.dtype != "f32" {
-            return Err(Error::Config(format!(
-                "variable {} has dtype {:?}; a parameter server holds f32 variables only",
-                s.name, s.dtype
-            )));
-        }
-        let dims = |d: &[u64]| -> Result<Vec<usize>> {
-            let mut n: u64 = 1;
-            let mut out = Vec::with_capacity(d.len());
-            for &x in d {
-                n = n.checked_mul(x).filter(|&n| n <= MAX_VARIABLE_ELEMENTS as u64).ok_or_else(|| {
-                    Error::Config(format!(
-                        "variable {} has shape {d:?}, more than {MAX_VARIABLE_ELEMENTS} elements; partition it",
-                        s.name
-                    ))
-                })?;
-                out.push(x as usize);
-            }
-            Ok(out)
-        };
-        let shape = dims(&s.shape)?;
-        let full_shape = if s.full_shape.is_empty() { shape.clone() } else { dims(&s.full_shape)? };
-        let variable = if s.variable.is_empty() { s.name.clone() } else { s.variable.clone() };
-        let num_parts = s.num_parts.max(1);
-        if s.part >= num_parts {
-            return Err(Error::Config(format!("variable {} is part {} of {num_parts}", s.name, s.part)));
-        }
-        Ok(Self {
-            name: s.name.clone(),
-            shape,
-            variable,
-            part: s.part,
-            num_parts,
-            row_offset: s.row_offset,
-            full_shape,
-        })
-    }
-}
-
-/// Faults a parameter server injects on purpose: a test facility for the exactly-once and
-/// retry paths (`strata ps --inject-drop-reply-every`), never used in a real job.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct FaultInjection {
-    /// Every k-th push (k > 0, counted over pushes that parsed) is applied normally but
-    /// answered `UNAVAILABLE`, as if the reply was lost.
-    pub drop_reply_every: u64,
-    /// Every k-th push is refused with `UNAVAILABLE` before anything is applied.
-    pub drop_request_every: u64,
-}
-
 /// How a parameter-server task serves.
 #[derive(Clone, Debug)]
 pub struct PsServerConfig {
@@ -452,7 +122,8 @@ pub struct PsServerConfig {
     /// A checkpoint to restore at start: a root holding `ckpt-*` directories (the latest is
     /// used) or one `ckpt-<step>` directory.
     pub restore: Option<PathBuf>,
-    /// Faults to inject (tests only).
+    /// Faults to inject (tests only): when any is asked for, the service is wrapped in a layer
+    /// that injects them on `Push` calls.
     pub faults: FaultInjection,
     /// In sync mode, how long a push waits for its round to be applied.
     pub round_timeout: Duration,
@@ -481,62 +152,6 @@ impl PsServerConfig {
     }
 }
 
-/// Identifies one update: a parameter server applies it at most once.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-pub struct UpdateId {
-    /// The task that computed it, e.g. `worker:2`.
-    pub worker: String,
-    /// Who numbers the steps: the coordinator's run id, or the worker's own name.
-    pub client: String,
-    /// The step.
-    pub step: u64,
-    /// The update's number within the step.
-    pub seq: u64,
-}
-
-/// What became of a push.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum PushOutcome {
-    /// The update was applied (in sync mode: its round was); `duplicate` when this was a
-    /// retry answered from the applied-update table.
-    Applied {
-        /// The task's version after the update.
-        version: u64,
-        /// This was a retry of an update already taken.
-        duplicate: bool,
-    },
-    /// Sync mode: the update came after its round was complete and was dropped.
-    Dropped {
-        /// The task's version.
-        version: u64,
-    },
-}
-
-impl PushOutcome {
-    /// The task's version in the answer.
-    pub fn version(&self) -> u64 {
-        match *self {
-            PushOutcome::Applied { version, .. } | PushOutcome::Dropped { version } => version,
-        }
-    }
-
-    /// Whether the update was dropped.
-    pub fn dropped(&self) -> bool {
-        matches!(self, PushOutcome::Dropped { .. })
-    }
-}
-
-/// What `CreateVariables` answered.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct CreateOutcome {
-    /// The versions of the variables, in the order given.
-    pub versions: Vec<u64>,
-    /// Every variable existed already (a restored task, or a second coordinator).
-    pub existed: bool,
-    /// The task's version.
-    pub version: u64,
-}
-
 /// Values pulled from one parameter server.
 #[derive(Clone, Debug)]
 pub struct Pulled {
@@ -544,43 +159,4 @@ pub struct Pulled {
     pub version: u64,
     /// Each variable, its version and its values.
     pub variables: Vec<(VariableInfo, u64, Vec<f32>)>,
-}
-
-/// What a parameter server holds and has done.
-#[derive(Clone, Debug)]
-pub struct PsStatus {
-    /// The task's name.
-    pub task: String,
-    /// The task's version.
-    pub version: u64,
-    /// The variables and their versions.
-    pub variables: Vec<(VariableInfo, u64)>,
-    /// Updates applied (in sync mode, pushes in applied rounds).
-    pub pushes_applied: u64,
-    /// Retries answered from the applied-update table.
-    pub pushes_duplicate: u64,
-    /// Sync-mode pushes dropped.
-    pub pushes_dropped: u64,
-    /// Stale pushes refused.
-    pub pushes_stale: u64,
-    /// The step of the checkpoint the task was restored from (0: started fresh).
-    pub restored_step: u64,
-    /// The restored checkpoint's task version.
-    pub restored_version: u64,
-    /// The mode.
-    pub mode: PsMode,
-    /// The optimizer, once variables were created.
-    pub optimizer: Option<ServerOptimizer>,
-    /// Sync mode: the rounds applied.
-    pub rounds: u64,
-    /// Per worker, how many of its pushes were applied.
-    pub applied_by_worker: BTreeMap<String, u64>,
-    /// Pushes applied while they arrived (async and stale modes; counted in `pushes_applied`
-    /// too).
-    pub pushes_streamed: u64,
-    /// Streamed pushes refused with `ABORTED` because another update was applied while they
-    /// arrived (the client sends them again).
-    pub pushes_aborted: u64,
-    /// Whether a streamed push is arriving now.
-    pub streaming: bool,
 }

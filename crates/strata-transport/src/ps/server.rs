@@ -2,22 +2,22 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use candle_core::{Device, Tensor};
 use prost::bytes::Bytes;
 use prost::Message;
-use serde::{Deserialize, Serialize};
-use strata_core::checkpoint::{self, CheckpointTensor, CheckpointWriter, ShardInfo};
 use strata_proto::v1::parameter_server_server::{ParameterServer, ParameterServerServer};
 use strata_proto::v1::{
     create_message, pull_message, push_message, CreateMessage, CreateVariablesResponse, PsCheckpointRequest,
-    PsCheckpointResponse, PsConfigureRequest, PsConfigureResponse, PsStatusRequest, PsStatusResponse, PullHeader,
-    PullMessage, PullRequest, PushHeader, PushMessage, PushResponse, TensorChunk,
+    PsCheckpointResponse, PsConfigureRequest, PsConfigureResponse, PsStatusRequest, PsStatusResponse, PullMessage,
+    PullRequest, PushMessage, PushResponse, TensorChunk,
+};
+use strata_ps::{
+    read_snapshot, write_snapshot, Chunk, PullResult, PushDecision, PushHeader, PushReply, State, Streamed, UpdateKey,
+    MAX_CHUNK_BYTES,
 };
 use tokio::sync::watch;
 use tokio_stream::Stream;
@@ -25,9 +25,10 @@ use tonic::codegen::{http, Service};
 use tonic::service::interceptor::InterceptedService;
 use tonic::{Request, Response, Status, Streaming};
 
-use super::state::{check_chunk_len, Answer, Chunk, Counters, PushDecision, Snapshot, State, Streamed, UpdateKey};
+use super::convert::{self, status};
+use super::faults::Faulty;
 use super::wire;
-use super::{PsMode, PsServerConfig, ServerOptimizer, VariableInfo, MAX_CHUNK_BYTES};
+use super::PsServerConfig;
 use crate::auth::server_interceptor;
 use crate::rt::{runtime, ServerTask};
 use crate::{Error, Result};
@@ -37,9 +38,6 @@ const MAX_MESSAGE_BYTES: usize = MAX_CHUNK_BYTES + (64 << 10);
 
 /// How long a pull waits for `min_version` when the call carries no deadline.
 const MAX_PULL_WAIT: Duration = Duration::from_secs(300);
-
-/// The safetensors file of a ps checkpoint.
-const VARIABLES_FILE: &str = "variables.safetensors";
 
 /// A collected push waits to be applied while a streamed push is in progress and receives a
 /// chunk at least this often: applying it would make the streamed one fail with `ABORTED` (it
@@ -58,7 +56,6 @@ struct Shared {
     /// Collected pushes waiting for a stream to end: no new stream begins while there are any,
     /// so a steady flow of large pushes cannot keep them waiting.
     waiting: AtomicUsize,
-    pushes_seen: AtomicU64,
 }
 
 impl Shared {
@@ -71,11 +68,6 @@ impl Shared {
 
 #[derive(Clone)]
 struct Svc(Arc<Shared>);
-
-fn chunk_of(c: strata_proto::v1::TensorChunk) -> Result<Chunk, Status> {
-    check_chunk_len(c.data.len())?;
-    Ok(Chunk { var: c.variable, offset: c.offset, pieces: vec![c.data] })
-}
 
 /// Collects the parts of a `Push` (or `CreateVariables`) stream: one header first, then chunks,
 /// their bytes bounded by what the task could hold (`max_bytes`).
@@ -134,21 +126,15 @@ impl<H> Collect<H> {
 }
 
 /// Waits until the task's version exceeds `base` (the round computed from it was applied).
-async fn wait_round(shared: &Shared, key: &UpdateKey, base: u64, duplicate: bool) -> Result<PushResponse, Status> {
+async fn wait_round(shared: &Shared, key: &UpdateKey, base: u64, duplicate: bool) -> strata_ps::Result<PushReply> {
     let mut rx = shared.version.subscribe();
     let waited = tokio::time::timeout(shared.config.round_timeout, rx.wait_for(|&v| v > base)).await.map(|_| ());
-    let answer = shared.lock().answer(key);
-    match (waited, answer) {
-        (_, Some(Answer::Applied(version))) => Ok(PushResponse { applied: true, duplicate, dropped: false, version }),
-        (_, Some(Answer::Dropped(version))) => Ok(PushResponse { applied: false, duplicate, dropped: true, version }),
-        (Err(_), _) => Err(Status::deadline_exceeded(format!(
-            "the sync round from version {base} of {} did not complete within {:?}: fewer workers pushed than it needs (is a worker down?)",
-            shared.config.task, shared.config.round_timeout
-        ))),
-        (Ok(_), _) => Err(Status::internal(format!(
-            "the sync round from version {base} of {} completed without recording this update",
-            shared.config.task
-        ))),
+    let reply = shared.lock().answer(key).and_then(|a| a.reply(duplicate));
+    let task = shared.config.task.clone();
+    match (waited, reply) {
+        (_, Some(reply)) => Ok(reply),
+        (Err(_), None) => Err(strata_ps::Error::RoundTimeout { task, base, timeout: shared.config.round_timeout }),
+        (Ok(_), None) => Err(strata_ps::Error::RoundUnrecorded { task, base }),
     }
 }
 
@@ -185,7 +171,7 @@ impl<'a> StreamGuard<'a> {
         parts.count(&c)?;
         match &mut self.streamed {
             Some(s) => {
-                s.apply(&c)?;
+                s.apply(&c).map_err(status)?;
                 self.shared.streamed_chunks.fetch_add(1, Ordering::Relaxed);
             }
             None => parts.keep(c),
@@ -248,19 +234,14 @@ async fn push(
     header: &PushHeader,
     chunks: &[Chunk],
     mut stream: StreamGuard<'_>,
-) -> Result<PushResponse, Status> {
-    let faults = &shared.config.faults;
-    let n = shared.pushes_seen.fetch_add(1, Ordering::Relaxed) + 1;
-    if faults.drop_request_every > 0 && n.is_multiple_of(faults.drop_request_every) {
-        return Err(Status::unavailable("injected fault: request dropped"));
-    }
+) -> strata_ps::Result<PushResponse> {
     let mut waiting = None;
     let decision = loop {
         // A collected push waits for a streamed one in progress (checked again under the lock,
         // where streams begin), unless that one stalled.
         let stalled = stream.streamed.is_none() && wait_for_stream(shared, &mut waiting).await;
         let mut state = shared.lock();
-        let before = state.version;
+        let before = state.version();
         let decision = match stream.streamed.take() {
             Some(s) => {
                 let decision = state.finish_stream(s);
@@ -270,32 +251,30 @@ async fn push(
             None if state.streaming() && !stalled => continue,
             None => state.push(header, chunks),
         };
-        if state.version != before {
-            shared.version.send_replace(state.version);
+        if state.version() != before {
+            shared.version.send_replace(state.version());
         }
         break decision?;
     };
     drop(waiting);
-    let response = match decision {
+    let reply = match decision {
         PushDecision::Done(r) => r,
         PushDecision::Wait { key, base, duplicate } => wait_round(shared, &key, base, duplicate).await?,
     };
-    if faults.drop_reply_every > 0 && n.is_multiple_of(faults.drop_reply_every) {
-        return Err(Status::unavailable("injected fault: reply dropped"));
-    }
-    Ok(response)
+    Ok(convert::push_response(reply))
 }
 
 /// The header and chunks (sharing the variables' memory) of a pull, once the task's version
 /// has reached the request's `min_version`.
-async fn pull(shared: &Shared, r: &PullRequest) -> Result<(PullHeader, Vec<TensorChunk>), Status> {
+async fn pull(shared: &Shared, r: &PullRequest) -> strata_ps::Result<PullResult> {
     if r.min_version > 0 {
         let mut rx = shared.version.subscribe();
         if tokio::time::timeout(MAX_PULL_WAIT, rx.wait_for(|&v| v >= r.min_version)).await.is_err() {
-            return Err(Status::deadline_exceeded(format!(
-                "{} did not reach version {} within {MAX_PULL_WAIT:?}",
-                shared.config.task, r.min_version
-            )));
+            return Err(strata_ps::Error::VersionTimeout {
+                task: shared.config.task.clone(),
+                version: r.min_version,
+                waited: MAX_PULL_WAIT,
+            });
         }
     }
     shared.lock().pull(&r.variables)
@@ -308,8 +287,9 @@ async fn push_frames(shared: &Shared, body: tonic::body::Body) -> Result<PushRes
     let mut parts = Collect::new("Push", shared.lock().bytes());
     let mut stream = StreamGuard::new(shared);
     while let Some(m) = messages.next().await? {
-        match wire::decode_part::<PushHeader>(m, "Push")? {
+        match wire::decode_part::<strata_proto::v1::PushHeader>(m, "Push")? {
             wire::Part::Header(h) => {
+                let h = convert::push_header(h);
                 if parts.header.is_none() {
                     stream.begin(&h);
                 }
@@ -319,7 +299,7 @@ async fn push_frames(shared: &Shared, body: tonic::body::Body) -> Result<PushRes
         }
     }
     let (header, chunks) = parts.finish()?;
-    push(shared, &header, &chunks, stream).await
+    push(shared, &header, &chunks, stream).await.map_err(status)
 }
 
 /// `Pull` below tonic's codec: every chunk leaves as the variable's own memory.
@@ -330,11 +310,12 @@ async fn pull_frames(shared: &Shared, body: tonic::body::Body) -> Result<Vec<Byt
             .map_err(|e| Status::invalid_argument(format!("a Pull request that is not valid protobuf: {e}")))?,
         _ => return Err(Status::invalid_argument("a Pull call carries exactly one request message")),
     };
-    let (header, chunks) = pull(shared, &request).await?;
-    let mut out = Vec::with_capacity(1 + 2 * chunks.len());
+    let pulled = pull(shared, &request).await.map_err(status)?;
+    let mut out = Vec::with_capacity(1 + 2 * pulled.chunks.len());
+    let (header, chunks) = convert::pull_parts(pulled);
     out.push(wire::message(&PullMessage { kind: Some(pull_message::Kind::Header(header)) }));
-    for c in chunks {
-        out.extend(wire::chunk_message(c.variable, c.offset, c.data));
+    for (var, offset, data) in chunks {
+        out.extend(wire::chunk_message(var, offset, data));
     }
     Ok(out)
 }
@@ -391,15 +372,16 @@ impl ParameterServer for Svc {
             match msg.kind {
                 Some(create_message::Kind::Header(h)) => parts.header(h)?,
                 Some(create_message::Kind::Chunk(c)) => {
-                    parts.chunk(chunk_of(c)?)?;
+                    parts.chunk(convert::chunk(c).map_err(status)?)?;
                 }
                 None => return Err(Status::invalid_argument("an empty CreateVariables message")),
             }
         }
         let (header, chunks) = parts.finish()?;
-        let response = self.0.lock().create(&header, &chunks)?;
-        tracing::info!(task = %self.0.config.task, variables = header.variables.len(), existed = response.existed, "variables created");
-        Ok(Response::new(response))
+        let header = convert::create_header(&header).map_err(status)?;
+        let outcome = self.0.lock().create(&header, &chunks).map_err(status)?;
+        tracing::info!(task = %self.0.config.task, variables = header.variables.len(), existed = outcome.existed, "variables created");
+        Ok(Response::new(convert::create_response(outcome)))
     }
 
     async fn push(&self, req: Request<Streaming<PushMessage>>) -> Result<Response<PushResponse>, Status> {
@@ -407,23 +389,25 @@ impl ParameterServer for Svc {
         let mut parts = Collect::new("Push", self.0.lock().bytes());
         while let Some(msg) = stream.message().await? {
             match msg.kind {
-                Some(push_message::Kind::Header(h)) => parts.header(h)?,
+                Some(push_message::Kind::Header(h)) => parts.header(convert::push_header(h))?,
                 Some(push_message::Kind::Chunk(c)) => {
-                    parts.chunk(chunk_of(c)?)?;
+                    parts.chunk(convert::chunk(c).map_err(status)?)?;
                 }
                 None => return Err(Status::invalid_argument("an empty Push message")),
             }
         }
         let (header, chunks) = parts.finish()?;
-        push(&self.0, &header, &chunks, StreamGuard::new(&self.0)).await.map(Response::new)
+        push(&self.0, &header, &chunks, StreamGuard::new(&self.0)).await.map(Response::new).map_err(status)
     }
 
     type PullStream = PullStream;
 
     async fn pull(&self, req: Request<PullRequest>) -> Result<Response<Self::PullStream>, Status> {
-        let (header, chunks) = pull(&self.0, &req.into_inner()).await?;
+        let pulled = pull(&self.0, &req.into_inner()).await.map_err(status)?;
+        let (header, chunks) = convert::pull_parts(pulled);
+        let chunks = chunks.map(|(variable, offset, data)| TensorChunk { variable, offset, data });
         let messages = std::iter::once(PullMessage { kind: Some(pull_message::Kind::Header(header)) })
-            .chain(chunks.into_iter().map(|c| PullMessage { kind: Some(pull_message::Kind::Chunk(c)) }))
+            .chain(chunks.map(|c| PullMessage { kind: Some(pull_message::Kind::Chunk(c)) }))
             .map(Ok);
         Ok(Response::new(Box::pin(tokio_stream::iter(messages))))
     }
@@ -431,10 +415,7 @@ impl ParameterServer for Svc {
     async fn checkpoint(&self, req: Request<PsCheckpointRequest>) -> Result<Response<PsCheckpointResponse>, Status> {
         let step = req.into_inner().step;
         let Some(root) = self.0.config.checkpoint_dir.clone() else {
-            return Err(Status::failed_precondition(format!(
-                "{} has no checkpoint directory; start the ps task with one (strata ps --checkpoint-dir DIR)",
-                self.0.config.task
-            )));
+            return Err(status(strata_ps::Error::NoCheckpointDir { task: self.0.config.task.clone() }));
         };
         let snapshot = self.0.lock().snapshot();
         let keep = self.0.config.keep_checkpoints.max(1);
@@ -442,124 +423,23 @@ impl ParameterServer for Svc {
         let written = tokio::task::spawn_blocking(move || write_snapshot(&root, step, snapshot, keep))
             .await
             .map_err(|_| Status::internal("the checkpoint writer stopped"))?
-            .map_err(|e| Status::internal(e.to_string()))?;
+            .map_err(status)?;
         tracing::info!(task = %self.0.config.task, step, version, path = %written.display(), "checkpoint written");
         Ok(Response::new(PsCheckpointResponse { path: written.display().to_string(), version }))
     }
 
     async fn status(&self, _req: Request<PsStatusRequest>) -> Result<Response<PsStatusResponse>, Status> {
-        Ok(Response::new(self.0.lock().status()))
+        Ok(Response::new(convert::status_response(self.0.lock().status())))
     }
 
     async fn configure(&self, req: Request<PsConfigureRequest>) -> Result<Response<PsConfigureResponse>, Status> {
         let live = req.into_inner().live_workers;
         let mut state = self.0.lock();
         if state.configure(live) {
-            self.0.version.send_replace(state.version);
+            self.0.version.send_replace(state.version());
         }
         Ok(Response::new(PsConfigureResponse {}))
     }
-}
-
-/// The metadata of a ps checkpoint (in the manifest, as JSON).
-#[derive(Serialize, Deserialize)]
-struct PsMeta {
-    task: String,
-    version: u64,
-    variables: Vec<(VariableInfo, u64)>,
-    optimizer: Option<ServerOptimizer>,
-    mode: Option<PsMode>,
-    counters: Counters,
-    table: Vec<(UpdateKey, Answer)>,
-}
-
-const META_KEY: &str = "strata.ps";
-
-fn to_tensor(values: Vec<f32>, shape: &[usize]) -> Result<Tensor> {
-    Tensor::from_vec(values, shape, &Device::Cpu)
-        .map_err(|e| Error::Config(format!("building a checkpoint tensor: {e}")))
-}
-
-fn write_snapshot(root: &Path, step: u64, snap: Snapshot, keep: usize) -> Result<PathBuf> {
-    let mut entries = Vec::new();
-    let mut infos = Vec::new();
-    for (info, version, value, slots) in snap.variables {
-        let shard = (info.num_parts > 1).then_some(ShardInfo {
-            index: info.part as usize,
-            count: info.num_parts as usize,
-            offset: info.row_offset as usize,
-        });
-        let mut t =
-            CheckpointTensor::new(format!("var/{}", info.name), to_tensor(value, &info.shape)?).with_version(version);
-        if let Some(s) = shard {
-            t = t.with_shard(s);
-        }
-        entries.push(t);
-        for (k, slot) in slots.into_iter().enumerate() {
-            entries.push(CheckpointTensor::new(format!("slot/{}/{k}", info.name), to_tensor(slot, &info.shape)?));
-        }
-        infos.push((info, version));
-    }
-    let meta = PsMeta {
-        task: snap.task,
-        version: snap.version,
-        variables: infos,
-        optimizer: snap.optimizer,
-        mode: snap.mode,
-        counters: snap.counters,
-        table: snap.table,
-    };
-    let meta = serde_json::to_string(&meta).map_err(|e| Error::Config(format!("encoding checkpoint metadata: {e}")))?;
-    let dir = CheckpointWriter::new(root, step).meta(META_KEY, meta).file(VARIABLES_FILE, entries).write()?;
-    checkpoint::keep_last(root, keep)?;
-    Ok(dir)
-}
-
-/// Reads a ps checkpoint: `path` is one `ckpt-*` directory or a root holding them.
-fn read_snapshot(path: &Path) -> Result<(Snapshot, u64)> {
-    let ckpt = if path.join(checkpoint::MANIFEST).is_file() {
-        checkpoint::read_checkpoint(path)?
-    } else {
-        checkpoint::read_latest(path)?.ok_or_else(|| {
-            Error::Config(format!("{}: no checkpoint to restore (no ckpt-* directory in it)", path.display()))
-        })?
-    };
-    let bad = |what: String| Error::Config(format!("{}: {what}", ckpt.dir.display()));
-    let meta = ckpt.metadata.get(META_KEY).ok_or_else(|| {
-        bad("not a parameter-server checkpoint (no strata.ps metadata); restore a ps task's own".into())
-    })?;
-    let meta: PsMeta =
-        serde_json::from_str(meta).map_err(|e| bad(format!("corrupt parameter-server metadata: {e}")))?;
-    let slots = meta.optimizer.as_ref().map_or(0, ServerOptimizer::slots);
-    let read = |name: &str, numel: usize| -> Result<Vec<f32>> {
-        let t = ckpt.tensor(name)?;
-        let v = t
-            .flatten_all()
-            .and_then(|t| t.to_dtype(candle_core::DType::F32))
-            .and_then(|t| t.to_vec1::<f32>())
-            .map_err(|e| bad(format!("tensor {name}: {e}")))?;
-        if v.len() != numel {
-            return Err(bad(format!("tensor {name} has {} elements, the manifest says {numel}", v.len())));
-        }
-        Ok(v)
-    };
-    let mut variables = Vec::new();
-    for (info, version) in meta.variables {
-        let n = info.numel();
-        let value = read(&format!("var/{}", info.name), n)?;
-        let slots = (0..slots).map(|k| read(&format!("slot/{}/{k}", info.name), n)).collect::<Result<Vec<_>>>()?;
-        variables.push((info, version, value, slots));
-    }
-    let snap = Snapshot {
-        task: meta.task,
-        version: meta.version,
-        variables,
-        optimizer: meta.optimizer,
-        mode: meta.mode,
-        counters: meta.counters,
-        table: meta.table,
-    };
-    Ok((snap, ckpt.step))
 }
 
 /// A running parameter-server task.
@@ -590,7 +470,7 @@ impl PsServerHandle {
             .map_err(|e| Error::io(format!("binding the parameter server {} to {bind}", config.task), e))?;
         let address =
             listener.local_addr().map_err(|e| Error::io(format!("reading the address of {}", config.task), e))?;
-        let (version, _) = watch::channel(state.version);
+        let (version, _) = watch::channel(state.version());
         let task = config.task.clone();
         let interceptor = server_interceptor(config.token.clone());
         let shared = Arc::new(Shared {
@@ -600,7 +480,6 @@ impl PsServerHandle {
             streaming: watch::channel(false).0,
             streamed_chunks: AtomicU64::new(0),
             waiting: AtomicUsize::new(0),
-            pushes_seen: AtomicU64::new(0),
         });
         let (tx, mut rx) = watch::channel(false);
         let name = task.clone();
@@ -611,14 +490,21 @@ impl PsServerHandle {
             let generated = ParameterServerServer::new(Svc(shared.clone()))
                 .max_decoding_message_size(MAX_MESSAGE_BYTES)
                 .max_encoding_message_size(MAX_MESSAGE_BYTES);
+            let faults = shared.config.faults.clone();
             let service = TensorPaths { shared, generated };
-            let result = builder
+            let router = builder
                 .tcp_nodelay(true)
                 .initial_stream_window_size(8 << 20)
                 .initial_connection_window_size(32 << 20)
                 .max_frame_size(crate::rt::frame_size())
-                .add_service(InterceptedService::new(health, interceptor.clone()))
-                .add_service(InterceptedService::new(service, interceptor))
+                .add_service(InterceptedService::new(health, interceptor.clone()));
+            // Faults (tests only) are a layer around the service, never a branch of its pushes.
+            let router = if faults.any() {
+                router.add_service(InterceptedService::new(Faulty::new(service, faults), interceptor))
+            } else {
+                router.add_service(InterceptedService::new(service, interceptor))
+            };
+            let result = router
                 .serve_with_incoming_shutdown(crate::rt::incoming(listener), async {
                     let _ = rx.wait_for(|s| *s).await;
                 })

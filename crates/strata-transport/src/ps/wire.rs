@@ -16,7 +16,9 @@ use prost::Message;
 use tonic::codegen::http;
 use tonic::Status;
 
-use super::state::{check_chunk_len, Chunk};
+use strata_ps::{check_chunk_len, Chunk};
+
+use super::convert::status;
 
 /// The HTTP/2 path of `ParameterServer.Push`.
 pub(crate) const PUSH_PATH: &str = "/strata.v1.ParameterServer/Push";
@@ -274,7 +276,7 @@ fn decode_chunk(mut m: Rope, what: &str) -> Result<Chunk, Status> {
             (_, wire) => skip(&mut m, wire, what)?,
         }
     }
-    check_chunk_len(data.len())?;
+    check_chunk_len(data.len()).map_err(status)?;
     Ok(Chunk { var, offset, pieces: data.into_f32_pieces() })
 }
 

@@ -119,7 +119,7 @@ impl Reader {
         Ctx::end(&ctx.reading, self.peer);
         match r {
             Ok(_) => {
-                crate::inject::count_received(buf.len());
+                crate::hooks::received(buf.len());
                 Ok(())
             }
             Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Err(ctx.lost(self.peer, "connection closed")),
@@ -277,12 +277,12 @@ impl Writer {
 
     /// Writes whole frames.
     pub(crate) async fn send(&mut self, ctx: &Ctx<'_>, bytes: &[u8]) -> Result<()> {
-        crate::inject::delay_async().await;
+        crate::hooks::before_send().await;
         self.clean = false;
         Ctx::begin(&ctx.writing, self.peer);
         let r = self.wr.write_all(bytes).await;
         if r.is_ok() {
-            crate::inject::count_sent(bytes.len());
+            crate::hooks::sent(bytes.len());
         }
         Ctx::end(&ctx.writing, self.peer);
         r.map_err(|e| ctx.lost(self.peer, format!("send failed: {e}")))?;

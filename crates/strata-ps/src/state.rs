@@ -1,33 +1,30 @@
 //! What one parameter-server task holds, and the rules by which pushes change it. Every
-//! method runs under the task's lock and either changes the state completely or not at all:
-//! requests are validated before anything is applied.
+//! method either changes the state completely or not at all (requests are validated before
+//! anything is applied); a server calls them under one lock per task.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
-use prost::bytes::Bytes;
+use bytes::Bytes;
 use serde::{Deserialize, Serialize};
-use strata_proto::v1::{
-    CreateHeader, CreateVariablesResponse, PsStatusResponse, PullHeader, PushHeader, PushResponse, TensorChunk,
+
+use crate::chunk::shared_chunks;
+use crate::optimizer::{apply_le_bytes, apply_le_bytes_from};
+use crate::{
+    Chunk, CreateHeader, CreateOutcome, Error, PsMode, PsStatus, PullResult, PushHeader, PushReply, RequestKind,
+    Result, ServerOptimizer, VariableInfo,
 };
-use tonic::Status;
-
-use super::optim;
-use super::{PsMode, ServerOptimizer, VariableInfo, MAX_CHUNK_BYTES, MAX_CHUNK_ELEMENTS};
-
-#[cfg(target_endian = "big")]
-compile_error!("the parameter server's wire format is little-endian f32; big-endian hosts are not supported");
 
 /// How many applied-update answers a task remembers (the oldest are forgotten first). A retry
 /// arrives within seconds of its original, so this covers any retry by a wide margin.
-pub(crate) const MAX_REMEMBERED_UPDATES: usize = 1 << 20;
+pub const MAX_REMEMBERED_UPDATES: usize = 1 << 20;
 
 /// (client, step, seq): the key of the applied-update table.
-pub(crate) type UpdateKey = (String, u64, u64);
+pub type UpdateKey = (String, u64, u64);
 
-/// The answer recorded for an update.
+/// The answer recorded for an update (in the applied-update table and in checkpoints).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) enum Answer {
+pub enum Answer {
     /// Applied; the task's version after it.
     Applied(u64),
     /// Dropped (sync mode); the task's version then.
@@ -36,47 +33,28 @@ pub(crate) enum Answer {
     Pending(u64),
 }
 
-/// A received chunk: element `offset` of the request's variable number `var`.
-pub(crate) struct Chunk {
-    pub var: u32,
-    pub offset: u64,
-    /// The little-endian f32 data, in pieces of whole elements (the frames it arrived in).
-    pub pieces: Vec<Bytes>,
-}
-
-impl Chunk {
-    /// The number of f32 elements.
-    pub fn elements(&self) -> usize {
-        self.pieces.iter().map(Bytes::len).sum::<usize>() / 4
-    }
-
-    /// Appends the elements to `dst`.
-    fn extend(&self, dst: &mut Vec<f32>) {
-        for p in &self.pieces {
-            extend_f32s(p, dst);
+impl Answer {
+    /// The reply this answer gives (`duplicate` when it answers a retry); `None` while the
+    /// update waits in its sync round.
+    pub fn reply(self, duplicate: bool) -> Option<PushReply> {
+        match self {
+            Answer::Applied(version) => Some(PushReply::Applied { version, duplicate }),
+            Answer::Dropped(version) => Some(PushReply::Dropped { version, duplicate }),
+            Answer::Pending(_) => None,
         }
     }
 }
 
-/// Checks the data length of a chunk: at most [`MAX_CHUNK_BYTES`], whole f32 elements.
-pub(crate) fn check_chunk_len(len: usize) -> Result<(), Status> {
-    if len > MAX_CHUNK_BYTES {
-        return Err(Status::invalid_argument(format!(
-            "a chunk carries {len} bytes; the limit is {MAX_CHUNK_BYTES} (1 MiB): cut tensors into smaller chunks"
-        )));
-    }
-    if !len.is_multiple_of(4) {
-        return Err(Status::invalid_argument(format!(
-            "a chunk carries {len} bytes, not a whole number of f32 elements"
-        )));
-    }
-    Ok(())
+/// The applied-update table's key of a push.
+fn key_of(h: &PushHeader) -> UpdateKey {
+    (h.id.client.clone(), h.id.step, h.id.seq)
 }
 
 /// What a push handler does next.
-pub(crate) enum PushDecision {
+#[derive(Debug)]
+pub enum PushDecision {
     /// Answer at once.
-    Done(PushResponse),
+    Done(PushReply),
     /// Sync mode: wait until the round computed from `base` is applied, then answer from the
     /// table.
     Wait { key: UpdateKey, base: u64, duplicate: bool },
@@ -128,7 +106,7 @@ struct StreamVar {
 /// push). [`State::finish_stream`] swaps the new buffers in if nothing was applied to the task
 /// in between; otherwise nothing of the push is applied and it is refused with `ABORTED`, for
 /// the client to send again. Either way the push is applied whole, once, or not at all.
-pub(crate) struct Streamed {
+pub struct Streamed {
     key: UpdateKey,
     worker: String,
     names: Vec<String>,
@@ -141,10 +119,10 @@ pub(crate) struct Streamed {
 impl Streamed {
     /// Validates a received chunk (the push's variables covered in order, none past its end)
     /// and computes the new values of the elements it carries.
-    pub fn apply(&mut self, c: &Chunk) -> Result<(), Status> {
+    pub fn apply(&mut self, c: &Chunk) -> Result<()> {
         let count = self.vars.len();
         let Some(v) = self.vars.get_mut(c.var as usize) else {
-            return Err(unknown_chunk_variable(c.var as usize, count, "push"));
+            return Err(Error::UnknownChunkVariable { index: c.var as usize, count, request: RequestKind::Push });
         };
         let name = &self.names[c.var as usize];
         let size = v.base.len();
@@ -152,7 +130,7 @@ impl Streamed {
             return Err(out_of_order(name, c.offset, v.next));
         }
         if v.next + c.elements() > size {
-            return Err(overrun(name, size, v.next + c.elements(), "push"));
+            return Err(overrun(name, size, v.next + c.elements(), RequestKind::Push));
         }
         let mut slots0: Vec<&[f32]> = v.base_slots.iter().map(|s| s.as_slice()).collect();
         let mut at = v.next;
@@ -162,15 +140,7 @@ impl Streamed {
                 *s0 = &s[at..end];
             }
             let mut slots: Vec<&mut [f32]> = v.slots.iter_mut().map(|s| &mut s[at..end]).collect();
-            optim::apply_le_bytes_from(
-                &self.optimizer,
-                &v.base[at..end],
-                &mut v.value[at..end],
-                g,
-                &slots0,
-                &mut slots,
-                v.t,
-            );
+            apply_le_bytes_from(&self.optimizer, &v.base[at..end], &mut v.value[at..end], g, &slots0, &mut slots, v.t);
             at = end;
         }
         v.next = at;
@@ -184,37 +154,47 @@ struct Contribution {
     grads: Vec<(usize, Vec<f32>)>,
 }
 
-/// The counters a task reports and checkpoints.
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
-pub(crate) struct Counters {
+/// The counters a task reports and checkpoints (see [`PsStatus`] for what each counts).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Counters {
+    /// Updates applied (in sync mode, pushes in applied rounds).
     pub pushes_applied: u64,
+    /// Retries answered from the applied-update table.
     pub pushes_duplicate: u64,
+    /// Sync-mode pushes dropped.
     pub pushes_dropped: u64,
+    /// Stale pushes refused.
     pub pushes_stale: u64,
+    /// Sync mode: the rounds applied.
     pub rounds: u64,
+    /// Per worker, how many of its pushes were applied.
     pub applied_by_worker: BTreeMap<String, u64>,
-    /// Absent from checkpoints written before pushes were streamed.
+    /// Pushes applied while they arrived. Absent from checkpoints written before pushes were
+    /// streamed.
     #[serde(default)]
     pub pushes_streamed: u64,
+    /// Streamed pushes refused because another update was applied while they arrived.
     #[serde(default)]
     pub pushes_aborted: u64,
 }
 
-/// A task's state.
-pub(crate) struct State {
+/// What one parameter-server task holds: its variables and their optimizer slots, versions,
+/// mode, the applied-update table, the current sync round and the counters. Every method
+/// changes the state completely or not at all.
+pub struct State {
     task: String,
     vars: Vec<Var>,
     index: HashMap<String, usize>,
     optimizer: Option<ServerOptimizer>,
     mode: Option<PsMode>,
-    pub version: u64,
+    version: u64,
     table: HashMap<UpdateKey, Answer>,
     order: VecDeque<UpdateKey>,
     round: BTreeMap<UpdateKey, Contribution>,
     live_workers: Option<u32>,
-    pub counters: Counters,
-    pub restored_step: u64,
-    pub restored_version: u64,
+    counters: Counters,
+    restored_step: u64,
+    restored_version: u64,
     /// Pushes of at least this many bytes are streamed (async and stale modes); `None`: never.
     stream_min_bytes: Option<usize>,
     /// Whether a streamed push is in progress (one at a time).
@@ -224,93 +204,47 @@ pub(crate) struct State {
 }
 
 /// One variable in a snapshot: its info, version, values and optimizer slots.
-pub(crate) type SnapshotVariable = (VariableInfo, u64, Vec<f32>, Vec<Vec<f32>>);
+pub type SnapshotVariable = (VariableInfo, u64, Vec<f32>, Vec<Vec<f32>>);
 
-/// A copy of a task's state for a checkpoint, taken under the lock and written outside it.
-pub(crate) struct Snapshot {
+/// A copy of a task's state for a checkpoint, taken under the lock and written outside it
+/// ([`write_snapshot`](crate::write_snapshot)), or read back from one.
+#[derive(Clone, Debug)]
+pub struct Snapshot {
+    /// The task's name.
     pub task: String,
+    /// The task's version.
     pub version: u64,
+    /// The variables.
     pub variables: Vec<SnapshotVariable>,
+    /// The optimizer, once variables were created.
     pub optimizer: Option<ServerOptimizer>,
+    /// The mode, once variables were created.
     pub mode: Option<PsMode>,
+    /// The counters.
     pub counters: Counters,
+    /// The applied-update table's final answers, oldest first.
     pub table: Vec<(UpdateKey, Answer)>,
 }
 
-/// Writes the f32 values of a chunk into `dst` (of the same length): a plain copy of the
-/// bytes, whatever their alignment (the host is little-endian, like the wire).
-pub(crate) fn copy_f32s(data: &[u8], dst: &mut [f32]) {
-    bytemuck::cast_slice_mut::<f32, u8>(dst).copy_from_slice(data);
+fn out_of_order(name: &str, offset: u64, expected: usize) -> Error {
+    Error::ChunkOutOfOrder { variable: name.into(), offset, expected }
 }
 
-/// A range of a variable's values, shared with the variable: the bytes of a pulled chunk
-/// without a copy.
-struct SharedRange {
-    values: Arc<Vec<f32>>,
-    start: usize,
-    end: usize,
+fn incomplete(name: &str, size: usize, covered: usize, request: RequestKind) -> Error {
+    Error::Incomplete { variable: name.into(), size, covered, request }
 }
 
-impl AsRef<[u8]> for SharedRange {
-    fn as_ref(&self) -> &[u8] {
-        bytemuck::cast_slice(&self.values[self.start..self.end])
-    }
-}
-
-/// Chunks of a variable's values that share its memory (no copy).
-fn shared_chunks(var: u32, values: &Arc<Vec<f32>>) -> impl Iterator<Item = TensorChunk> + '_ {
-    (0..values.len()).step_by(MAX_CHUNK_ELEMENTS).map(move |start| TensorChunk {
-        variable: var,
-        offset: start as u64,
-        data: Bytes::from_owner(SharedRange {
-            values: values.clone(),
-            start,
-            end: (start + MAX_CHUNK_ELEMENTS).min(values.len()),
-        }),
-    })
-}
-
-/// Appends the f32 values of a chunk to `dst`.
-fn extend_f32s(data: &[u8], dst: &mut Vec<f32>) {
-    let start = dst.len();
-    dst.resize(start + data.len() / 4, 0.0);
-    copy_f32s(data, &mut dst[start..]);
-}
-
-/// Chunks of at most [`MAX_CHUNK_ELEMENTS`] of one variable's values.
-pub(crate) fn chunks_of(var: u32, values: &[f32]) -> impl Iterator<Item = TensorChunk> + '_ {
-    values.chunks(MAX_CHUNK_ELEMENTS).enumerate().map(move |(i, c)| TensorChunk {
-        variable: var,
-        offset: (i * MAX_CHUNK_ELEMENTS) as u64,
-        data: Bytes::copy_from_slice(bytemuck::cast_slice(c)),
-    })
-}
-
-fn unknown_chunk_variable(v: usize, count: usize, what: &str) -> Status {
-    Status::invalid_argument(format!("a chunk refers to variable #{v}, but the {what} names {count} variables"))
-}
-
-fn out_of_order(name: &str, offset: u64, expected: usize) -> Status {
-    Status::invalid_argument(format!(
-        "a chunk of variable {name} starts at element {offset}, expected {expected} (chunks must cover each variable in order)"
-    ))
-}
-
-fn incomplete(name: &str, size: usize, covered: usize, what: &str) -> Status {
-    Status::invalid_argument(format!("variable {name} has {size} elements, the {what} covers {covered}"))
-}
-
-fn overrun(name: &str, size: usize, covered: usize, what: &str) -> Status {
-    Status::invalid_argument(format!("variable {name} has {size} elements, the {what} covers at least {covered}"))
+fn overrun(name: &str, size: usize, covered: usize, request: RequestKind) -> Error {
+    Error::Overrun { variable: name.into(), size, covered, request }
 }
 
 /// Checks that `chunks` cover each of `sizes` exactly once, in order.
-fn check_coverage(chunks: &[Chunk], names: &[&str], sizes: &[usize], what: &str) -> Result<(), Status> {
+fn check_coverage(chunks: &[Chunk], names: &[&str], sizes: &[usize], what: RequestKind) -> Result<()> {
     let mut next = vec![0usize; sizes.len()];
     for c in chunks {
         let v = c.var as usize;
         let Some(&size) = sizes.get(v) else {
-            return Err(unknown_chunk_variable(v, sizes.len(), what));
+            return Err(Error::UnknownChunkVariable { index: v, count: sizes.len(), request: what });
         };
         let n = c.elements();
         if c.offset != next[v] as u64 {
@@ -348,7 +282,7 @@ type Ranges<'a> = (&'a mut [f32], Vec<&'a mut [f32]>, u64);
 
 fn apply_pieces(optimizer: &ServerOptimizer, pieces: Vec<Piece<'_>>) {
     for mut p in pieces {
-        optim::apply_le_bytes(optimizer, p.w, p.g, &mut p.slots, p.t);
+        apply_le_bytes(optimizer, p.w, p.g, &mut p.slots, p.t);
     }
 }
 
@@ -450,54 +384,66 @@ impl State {
         self.table.get(key).copied()
     }
 
+    /// The task's version: how many pushes (async and stale modes) or rounds (sync mode) it
+    /// has applied.
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+
+    /// The task's name.
+    pub fn task(&self) -> &str {
+        &self.task
+    }
+
     /// The bytes of all the variables the task holds (what one push can carry at most).
     pub fn bytes(&self) -> usize {
         self.vars.iter().map(|v| v.value.len() * 4).sum()
     }
 
     /// `CreateVariables`.
-    pub fn create(&mut self, header: &CreateHeader, chunks: &[Chunk]) -> Result<CreateVariablesResponse, Status> {
-        let infos = header
-            .variables
-            .iter()
-            .map(VariableInfo::from_spec)
-            .collect::<crate::Result<Vec<_>>>()
-            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+    /// `CreateVariables`: validates the header (variables, optimizer, mode) and, unless every
+    /// variable exists already, the chunks of their initial values; then creates the variables
+    /// that do not exist. A task takes one optimizer and one mode, and a variable it holds
+    /// must be described the same way again.
+    pub fn create(&mut self, header: &CreateHeader, chunks: &[Chunk]) -> Result<CreateOutcome> {
+        let infos = &header.variables;
+        for i in infos {
+            i.validate()?;
+        }
         let mut seen = HashSet::new();
-        for i in &infos {
+        for i in infos {
             if !seen.insert(i.name.as_str()) {
-                return Err(Status::invalid_argument(format!("variable {} is named twice", i.name)));
+                return Err(Error::NamedTwice { variable: i.name.clone() });
             }
         }
-        let optimizer = ServerOptimizer::from_spec(&header.optimizer.clone().unwrap_or_default())
-            .map_err(|e| Status::invalid_argument(e.to_string()))?;
-        let mode = PsMode::from_spec(&header.mode.clone().unwrap_or_default())
-            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let optimizer = header.optimizer.clone();
+        optimizer.validate()?;
+        let mode = header.mode;
+        mode.validate()?;
         if let Some(have) = &self.optimizer {
             if *have != optimizer {
-                return Err(Status::failed_precondition(format!(
-                    "{} applies {have:?}; this job asks for {optimizer:?} (start a fresh ps task or use the same optimizer)",
-                    self.task
-                )));
+                return Err(Error::OptimizerMismatch {
+                    task: self.task.clone(),
+                    have: Box::new(have.clone()),
+                    want: Box::new(optimizer),
+                });
             }
         }
         if let Some(have) = self.mode {
             if have != mode {
-                return Err(Status::failed_precondition(format!(
-                    "{} runs in mode {have}; this job asks for {mode} (start a fresh ps task or use the same mode)",
-                    self.task
-                )));
+                return Err(Error::ModeMismatch { task: self.task.clone(), have, want: mode });
             }
         }
         let mut existing = 0;
-        for i in &infos {
+        for i in infos {
             if let Some(&at) = self.index.get(&i.name) {
                 let have = &self.vars[at].info;
                 if have != i {
-                    return Err(Status::failed_precondition(format!(
-                        "variable {} exists on {} with shape {:?} (part {} of {}); this job creates it with shape {:?} (part {} of {})",
-                        i.name, self.task, have.shape, have.part, have.num_parts, i.shape, i.part, i.num_parts
-                    )));
+                    return Err(Error::VariableMismatch {
+                        task: self.task.clone(),
+                        have: Box::new(have.clone()),
+                        want: Box::new(i.clone()),
+                    });
                 }
                 existing += 1;
             }
@@ -506,7 +452,7 @@ impl State {
         let sizes: Vec<usize> = infos.iter().map(VariableInfo::numel).collect();
         let all_exist = existing == infos.len() && !infos.is_empty();
         if !all_exist {
-            check_coverage(chunks, &names, &sizes, "request")?;
+            check_coverage(chunks, &names, &sizes, RequestKind::Create)?;
             let mut values: Vec<Vec<f32>> = sizes.iter().map(|&n| Vec::with_capacity(n)).collect();
             for c in chunks {
                 c.extend(&mut values[c.var as usize]);
@@ -515,7 +461,7 @@ impl State {
                 if self.index.contains_key(&info.name) {
                     continue;
                 }
-                let slots = optim::new_slots(&optimizer, value.len()).into_iter().map(Arc::new).collect();
+                let slots = optimizer.new_slots(value.len()).into_iter().map(Arc::new).collect();
                 self.index.insert(info.name.clone(), self.vars.len());
                 self.vars.push(Var { info: info.clone(), value: Arc::new(value), slots, version: 0 });
             }
@@ -523,7 +469,7 @@ impl State {
         self.optimizer = Some(optimizer);
         self.mode = Some(mode);
         let versions = infos.iter().map(|i| self.index.get(&i.name).map_or(0, |&at| self.vars[at].version)).collect();
-        Ok(CreateVariablesResponse { versions, existed: all_exist, version: self.version })
+        Ok(CreateOutcome { versions, existed: all_exist, version: self.version })
     }
 
     fn required(&self, workers: u32, backup: u32) -> usize {
@@ -535,90 +481,62 @@ impl State {
     fn duplicate(&mut self, key: &UpdateKey) -> Option<PushDecision> {
         let answer = self.answer(key)?;
         self.counters.pushes_duplicate += 1;
-        Some(match answer {
-            Answer::Applied(version) => {
-                PushDecision::Done(PushResponse { applied: true, duplicate: true, dropped: false, version })
-            }
-            Answer::Dropped(version) => {
-                PushDecision::Done(PushResponse { applied: false, duplicate: true, dropped: true, version })
-            }
-            Answer::Pending(base) => PushDecision::Wait { key: key.clone(), base, duplicate: true },
-        })
+        if let Answer::Pending(base) = answer {
+            return Some(PushDecision::Wait { key: key.clone(), base, duplicate: true });
+        }
+        answer.reply(true).map(PushDecision::Done)
     }
 
     /// `Push`: validates, then applies, drops, refuses or queues the update.
-    pub fn push(&mut self, h: &PushHeader, chunks: &[Chunk]) -> Result<PushDecision, Status> {
-        let key: UpdateKey = (h.client.clone(), h.step, h.seq);
+    pub fn push(&mut self, h: &PushHeader, chunks: &[Chunk]) -> Result<PushDecision> {
+        let key = key_of(h);
         if let Some(answer) = self.duplicate(&key) {
             return Ok(answer);
         }
         let (Some(optimizer), Some(mode)) = (self.optimizer.clone(), self.mode) else {
-            return Err(Status::failed_precondition(format!(
-                "{} holds no variables yet; create them (strategy.scope) before pushing",
-                self.task
-            )));
+            return Err(Error::NoVariables { task: self.task.clone() });
         };
         // Resolve and validate everything before changing anything.
         let mut at = Vec::with_capacity(h.variables.len());
         let mut seen = HashSet::new();
         for name in &h.variables {
             if !seen.insert(name.as_str()) {
-                return Err(Status::invalid_argument(format!("variable {name} is pushed twice in one update")));
+                return Err(Error::PushedTwice { variable: name.clone() });
             }
             match self.index.get(name) {
                 Some(&i) => at.push(i),
-                None => {
-                    return Err(Status::not_found(format!(
-                        "{} holds no variable named {name:?} (it holds {} variables)",
-                        self.task,
-                        self.vars.len()
-                    )))
-                }
+                None => return Err(self.unknown(name)),
             }
         }
         let names: Vec<&str> = h.variables.iter().map(String::as_str).collect();
         let sizes: Vec<usize> = at.iter().map(|&i| self.vars[i].value.len()).collect();
-        check_coverage(chunks, &names, &sizes, "push")?;
+        check_coverage(chunks, &names, &sizes, RequestKind::Push)?;
         match mode {
             PsMode::Async => {}
             PsMode::Stale { staleness } => {
                 if h.base_version > self.version {
-                    return Err(Status::invalid_argument(format!(
-                        "the push was computed from version {}, ahead of {}'s version {}",
-                        h.base_version, self.task, self.version
-                    )));
+                    return Err(self.ahead(h.base_version));
                 }
                 if self.version - h.base_version > staleness {
                     self.counters.pushes_stale += 1;
-                    return Err(Status::failed_precondition(format!(
-                        "stale push: computed from version {}, the task is at version {}, the bound is {}",
-                        h.base_version, self.version, staleness
-                    )));
+                    return Err(Error::Stale { base: h.base_version, version: self.version, bound: staleness });
                 }
             }
             PsMode::Sync { workers, backup_workers } => {
                 if h.base_version > self.version {
-                    return Err(Status::invalid_argument(format!(
-                        "the push was computed from version {}, ahead of {}'s version {}",
-                        h.base_version, self.task, self.version
-                    )));
+                    return Err(self.ahead(h.base_version));
                 }
                 if h.base_version < self.version {
                     self.counters.pushes_dropped += 1;
                     self.remember(key, Answer::Dropped(self.version));
-                    return Ok(PushDecision::Done(PushResponse {
-                        applied: false,
-                        duplicate: false,
-                        dropped: true,
-                        version: self.version,
-                    }));
+                    return Ok(PushDecision::Done(PushReply::Dropped { version: self.version, duplicate: false }));
                 }
                 let mut grads: Vec<(usize, Vec<f32>)> = at.iter().map(|&i| (i, Vec::new())).collect();
                 for c in chunks {
                     c.extend(&mut grads[c.var as usize].1);
                 }
                 let base = self.version;
-                self.round.insert(key.clone(), Contribution { worker: h.worker.clone(), grads });
+                self.round.insert(key.clone(), Contribution { worker: h.id.worker.clone(), grads });
                 self.remember(key.clone(), Answer::Pending(base));
                 if self.round.len() >= self.required(workers, backup_workers) {
                     self.apply_round(&optimizer);
@@ -633,9 +551,17 @@ impl State {
         }
         self.version += 1;
         self.counters.pushes_applied += 1;
-        *self.counters.applied_by_worker.entry(h.worker.clone()).or_default() += 1;
+        *self.counters.applied_by_worker.entry(h.id.worker.clone()).or_default() += 1;
         self.remember(key, Answer::Applied(self.version));
-        Ok(PushDecision::Done(PushResponse { applied: true, duplicate: false, dropped: false, version: self.version }))
+        Ok(PushDecision::Done(PushReply::Applied { version: self.version, duplicate: false }))
+    }
+
+    fn unknown(&self, name: &str) -> Error {
+        Error::UnknownVariable { task: self.task.clone(), variable: name.into(), held: self.vars.len() }
+    }
+
+    fn ahead(&self, base: u64) -> Error {
+        Error::AheadOfTask { task: self.task.clone(), base, version: self.version }
     }
 
     /// Starts streaming a push whose header is `h`, if it can be: async or stale mode, its
@@ -648,7 +574,7 @@ impl State {
         if self.streaming {
             return None;
         }
-        let key: UpdateKey = (h.client.clone(), h.step, h.seq);
+        let key = key_of(h);
         if self.table.contains_key(&key) {
             return None;
         }
@@ -697,7 +623,7 @@ impl State {
             .collect();
         Some(Streamed {
             key,
-            worker: h.worker.clone(),
+            worker: h.id.worker.clone(),
             names: h.variables.clone(),
             task_version: self.version,
             optimizer,
@@ -732,23 +658,20 @@ impl State {
     /// covered every variable and the task's version is still the one it was computed from.
     /// Otherwise nothing changes: a duplicate gets the first answer, an incomplete push its
     /// error, and a push under which another update was applied `ABORTED`.
-    pub fn finish_stream(&mut self, s: Streamed) -> Result<PushDecision, Status> {
+    pub fn finish_stream(&mut self, s: Streamed) -> Result<PushDecision> {
         self.streaming = false;
         if let Some(answer) = self.duplicate(&s.key) {
             self.keep_spare(s);
             return Ok(answer);
         }
         if let Some((v, name)) = s.vars.iter().zip(&s.names).find(|(v, _)| v.next != v.base.len()) {
-            let e = incomplete(name, v.base.len(), v.next, "push");
+            let e = incomplete(name, v.base.len(), v.next, RequestKind::Push);
             self.keep_spare(s);
             return Err(e);
         }
         if s.task_version != self.version {
             self.counters.pushes_aborted += 1;
-            let e = Status::aborted(format!(
-                "{} applied another update while this push arrived (its stream stalled for over a second and lost its turn): nothing of it was applied; send it again",
-                self.task
-            ));
+            let e = Error::Overtaken { task: self.task.clone() };
             self.keep_spare(s);
             return Err(e);
         }
@@ -769,7 +692,7 @@ impl State {
         self.counters.pushes_streamed += 1;
         *self.counters.applied_by_worker.entry(worker).or_default() += 1;
         self.remember(key, Answer::Applied(self.version));
-        Ok(PushDecision::Done(PushResponse { applied: true, duplicate: false, dropped: false, version: self.version }))
+        Ok(PushDecision::Done(PushReply::Applied { version: self.version, duplicate: false }))
     }
 
     /// Applies the current sync round's mean gradient (summed in ascending update order, so
@@ -794,7 +717,7 @@ impl State {
             let var = &mut self.vars[i];
             let mut slots: Vec<&mut [f32]> = var.slots.iter_mut().map(|s| Arc::make_mut(s).as_mut_slice()).collect();
             let value: &mut Vec<f32> = Arc::make_mut(&mut var.value);
-            optim::apply(optimizer, value, &mean, &mut slots, var.version + 1);
+            optimizer.apply(value, &mean, &mut slots, var.version + 1);
             var.version += 1;
         }
         self.version += 1;
@@ -819,50 +742,41 @@ impl State {
         false
     }
 
-    /// `Pull`: the header and the chunks of the named variables (every variable if none).
-    pub fn pull(&self, names: &[String]) -> Result<(PullHeader, Vec<TensorChunk>), Status> {
+    /// `Pull`: the named variables (every variable if none), their versions and chunks of
+    /// their values that share the variables' memory.
+    pub fn pull(&self, names: &[String]) -> Result<PullResult> {
         let at: Vec<usize> = if names.is_empty() {
             (0..self.vars.len()).collect()
         } else {
-            names
-                .iter()
-                .map(|n| {
-                    self.index
-                        .get(n)
-                        .copied()
-                        .ok_or_else(|| Status::not_found(format!("{} holds no variable named {n:?}", self.task)))
-                })
-                .collect::<Result<_, _>>()?
-        };
-        let header = PullHeader {
-            version: self.version,
-            variables: at.iter().map(|&i| self.vars[i].info.to_spec()).collect(),
-            variable_versions: at.iter().map(|&i| self.vars[i].version).collect(),
+            names.iter().map(|n| self.index.get(n).copied().ok_or_else(|| self.unknown(n))).collect::<Result<_>>()?
         };
         let mut chunks = Vec::new();
         for (k, &i) in at.iter().enumerate() {
             chunks.extend(shared_chunks(k as u32, &self.vars[i].value));
         }
-        Ok((header, chunks))
+        Ok(PullResult {
+            version: self.version,
+            variables: at.iter().map(|&i| (self.vars[i].info.clone(), self.vars[i].version)).collect(),
+            chunks,
+        })
     }
 
     /// `Status`.
-    pub fn status(&self) -> PsStatusResponse {
-        PsStatusResponse {
+    pub fn status(&self) -> PsStatus {
+        PsStatus {
             task: self.task.clone(),
             version: self.version,
-            variables: self.vars.iter().map(|v| v.info.to_spec()).collect(),
-            variable_versions: self.vars.iter().map(|v| v.version).collect(),
+            variables: self.vars.iter().map(|v| (v.info.clone(), v.version)).collect(),
             pushes_applied: self.counters.pushes_applied,
             pushes_duplicate: self.counters.pushes_duplicate,
             pushes_dropped: self.counters.pushes_dropped,
             pushes_stale: self.counters.pushes_stale,
             restored_step: self.restored_step,
             restored_version: self.restored_version,
-            mode: Some(self.mode.unwrap_or(PsMode::Async).to_spec()),
-            optimizer: self.optimizer.as_ref().map(ServerOptimizer::to_spec),
+            mode: self.mode.unwrap_or(PsMode::Async),
+            optimizer: self.optimizer.clone(),
             rounds: self.counters.rounds,
-            applied_by_worker: self.counters.applied_by_worker.clone().into_iter().collect(),
+            applied_by_worker: self.counters.applied_by_worker.clone(),
             pushes_streamed: self.counters.pushes_streamed,
             pushes_aborted: self.counters.pushes_aborted,
             streaming: self.streaming,
@@ -936,6 +850,7 @@ fn misaligned_pieces(values: &[f32], piece: usize) -> Vec<Bytes> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::{UpdateId, MAX_CHUNK_ELEMENTS};
 
     fn bytes_of(v: &[f32]) -> Bytes {
         Bytes::copy_from_slice(bytemuck::cast_slice(v))
@@ -958,9 +873,9 @@ mod tests {
             sizes.iter().map(|&n| (0..n).map(|i| ((i * 17) % 89) as f32 * 0.1 - 4.0).collect()).collect();
         let mut state = State::new("ps:0".into(), None);
         let header = CreateHeader {
-            variables: names.iter().zip(sizes).map(|(n, s)| VariableInfo::whole(*n, vec![s]).to_spec()).collect(),
-            optimizer: Some(opt.to_spec()),
-            mode: Some(PsMode::Async.to_spec()),
+            variables: names.iter().zip(sizes).map(|(n, s)| VariableInfo::whole(*n, vec![s])).collect(),
+            optimizer: opt.clone(),
+            mode: PsMode::Async,
         };
         let create: Vec<Chunk> = init
             .iter()
@@ -979,18 +894,17 @@ mod tests {
             }
         }
         let push = PushHeader {
-            worker: "worker:0".into(),
-            client: "worker:0".into(),
+            id: UpdateId { worker: "worker:0".into(), client: "worker:0".into(), step: 0, seq: 0 },
+            base_version: 0,
             variables: order.iter().map(|&v| names[v].to_string()).collect(),
-            ..Default::default()
         };
         assert!(chunks.iter().map(|c| c.elements() * 4).sum::<usize>() >= PARALLEL_APPLY_BYTES);
         state.push(&push, &chunks).unwrap();
         for (v, name) in names.iter().enumerate() {
             let mut w = init[v].clone();
-            let mut slots = optim::new_slots(&opt, w.len());
+            let mut slots = opt.new_slots(w.len());
             let mut refs: Vec<&mut [f32]> = slots.iter_mut().map(Vec::as_mut_slice).collect();
-            optim::apply(&opt, &mut w, &grads[v], &mut refs, 1);
+            opt.apply(&mut w, &grads[v], &mut refs, 1);
             let var = &state.vars[state.index[*name]];
             assert_eq!(var.version, 1);
             let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
@@ -1003,6 +917,7 @@ mod tests {
 #[cfg(test)]
 mod stream_tests {
     use super::*;
+    use crate::{ErrorKind, UpdateId, MAX_CHUNK_ELEMENTS};
 
     const NAMES: [&str; 3] = ["a", "b", "c"];
     /// Three chunks and a tail, one element, and a chunk and a tail.
@@ -1022,9 +937,9 @@ mod stream_tests {
     fn task(optimizer: &ServerOptimizer, streamed: bool) -> State {
         let mut state = State::new("ps:0".into(), streamed.then_some(0));
         let header = CreateHeader {
-            variables: NAMES.iter().zip(SIZES).map(|(n, s)| VariableInfo::whole(*n, vec![s]).to_spec()).collect(),
-            optimizer: Some(optimizer.to_spec()),
-            mode: Some(PsMode::Async.to_spec()),
+            variables: NAMES.iter().zip(SIZES).map(|(n, s)| VariableInfo::whole(*n, vec![s])).collect(),
+            optimizer: optimizer.clone(),
+            mode: PsMode::Async,
         };
         let chunks: Vec<Chunk> = SIZES
             .iter()
@@ -1040,11 +955,9 @@ mod stream_tests {
 
     fn header(key: &str, step: u64, order: &[usize]) -> PushHeader {
         PushHeader {
-            worker: "worker:0".into(),
-            client: key.into(),
-            step,
+            id: UpdateId { worker: "worker:0".into(), client: key.into(), step, seq: 0 },
+            base_version: 0,
             variables: order.iter().map(|&v| NAMES[v].to_string()).collect(),
-            ..Default::default()
         }
     }
 
@@ -1068,7 +981,7 @@ mod stream_tests {
         s.vars.iter().map(|v| (v.version, b(&v.value), v.slots.iter().map(|s| b(s)).collect())).collect()
     }
 
-    fn streamed(s: &mut State, h: &PushHeader, chunks: &[Chunk]) -> Result<PushDecision, Status> {
+    fn streamed(s: &mut State, h: &PushHeader, chunks: &[Chunk]) -> Result<PushDecision> {
         let mut stream = s.begin_stream(h).expect("the push is streamed");
         for c in chunks {
             stream.apply(c)?;
@@ -1078,7 +991,7 @@ mod stream_tests {
 
     fn applied(d: PushDecision) -> u64 {
         match d {
-            PushDecision::Done(PushResponse { applied: true, duplicate: false, version, .. }) => version,
+            PushDecision::Done(PushReply::Applied { duplicate: false, version }) => version,
             _ => panic!("not a fresh apply"),
         }
     }
@@ -1095,12 +1008,12 @@ mod stream_tests {
                 let order: Vec<usize> = (0..3).map(|k| (k + step as usize) % 3).collect();
                 let (h, c) = (header("w", step, &order), chunks(step, &order));
                 assert_eq!(applied(in_place.push(&h, &c).unwrap()), step + 1);
-                let before = streaming.pull(&[]).unwrap().1;
+                let before = streaming.pull(&[]).unwrap().chunks;
                 let mut stream = streaming.begin_stream(&h).expect("streamed");
                 assert!(streaming.begin_stream(&header("other", step, &[0])).is_none(), "one stream at a time");
                 for c in &c {
                     stream.apply(c).unwrap();
-                    let now = streaming.pull(&[]).unwrap().1;
+                    let now = streaming.pull(&[]).unwrap().chunks;
                     assert!(
                         now.iter().zip(&before).all(|(a, b)| a.data == b.data),
                         "{opt:?}: a pull saw a partial push"
@@ -1135,13 +1048,18 @@ mod stream_tests {
         s.abort_stream(stream);
         assert!(!s.streaming());
         // The last chunk missing.
-        let e = streamed(&mut s, &h, &c[..c.len() - 1]).err().expect("incomplete");
-        assert_eq!(e.code(), tonic::Code::InvalidArgument);
-        assert!(e.message().contains("variable c has") && e.message().contains("the push covers"), "{e:?}");
+        let e = streamed(&mut s, &h, &c[..c.len() - 1]).expect_err("incomplete");
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+        assert!(
+            matches!(&e, Error::Incomplete { variable, request: RequestKind::Push, .. } if variable == "c"),
+            "{e:?}"
+        );
+        assert!(e.to_string().contains("variable c has") && e.to_string().contains("the push covers"), "{e:?}");
         // A chunk out of order.
-        let e = streamed(&mut s, &h, &[c[1].clone_chunk(), c[0].clone_chunk()]).err().expect("out of order");
-        assert_eq!(e.code(), tonic::Code::InvalidArgument);
-        assert!(e.message().contains("must cover each variable in order"), "{e:?}");
+        let e = streamed(&mut s, &h, &[c[1].clone(), c[0].clone()]).expect_err("out of order");
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+        assert!(matches!(e, Error::ChunkOutOfOrder { .. }), "{e:?}");
+        assert!(e.to_string().contains("must cover each variable in order"), "{e:?}");
         s.streaming = false; // the server aborts a stream whose chunk was refused
         assert!(bits(&s) == start, "a refused streamed push changed the task");
         assert_eq!((s.version, s.counters.pushes_applied), (0, 0));
@@ -1162,23 +1080,18 @@ mod stream_tests {
             stream.apply(c).unwrap();
         }
         assert_eq!(applied(s.push(&h2, &c2).unwrap()), 1);
-        let e = s.finish_stream(stream).err().expect("aborted");
-        assert_eq!(e.code(), tonic::Code::Aborted, "{e:?}");
+        let e = s.finish_stream(stream).expect_err("aborted");
+        assert_eq!(e.kind(), ErrorKind::Aborted, "{e:?}");
+        assert!(matches!(e, Error::Overtaken { .. }), "{e:?}");
         assert_eq!((s.version, s.counters.pushes_aborted, s.counters.pushes_applied), (1, 1, 1));
         assert_eq!(applied(streamed(&mut s, &h1, &c1).unwrap()), 2);
         assert!(s.begin_stream(&h1).is_none(), "an update already taken is not streamed again");
         match s.push(&h1, &c1).unwrap() {
-            PushDecision::Done(PushResponse { duplicate: true, applied: true, version: 2, .. }) => {}
+            PushDecision::Done(PushReply::Applied { duplicate: true, version: 2 }) => {}
             _ => panic!("the third send is not answered as a duplicate"),
         }
         reference.push(&h2, &c2).unwrap();
         reference.push(&h1, &c1).unwrap();
         assert!(bits(&s) == bits(&reference), "the retried push did not apply onto the newer values");
-    }
-
-    impl Chunk {
-        fn clone_chunk(&self) -> Chunk {
-            Chunk { var: self.var, offset: self.offset, pieces: self.pieces.clone() }
-        }
     }
 }

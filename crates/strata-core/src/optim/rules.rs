@@ -1,0 +1,187 @@
+//! The element-wise update rules of Strata's optimizers: one set of f32 formulas that every
+//! optimizer applies, so that they agree bit for bit.
+//!
+//! - strata-core's [`FusedSgd`](super::FusedSgd) and [`FusedAdamW`](super::FusedAdamW) (and
+//!   through them candle-nn's `SGD` and `AdamW`, whose formulation these are),
+//! - the parameter server's optimizers (strata-ps' `ServerOptimizer`), over the range of a
+//!   variable a pushed chunk covers,
+//! - the CPU references of strata-cuda's kernels (`kernels/optim.cu`), which the kernels equal
+//!   bit for bit.
+//!
+//! Each rule is a plain function of f32 values, written as the sequence of rounded f32
+//! operations it performs; Rust never contracts `a * b + c` into a fused multiply-add, so the
+//! order written is the order computed. The `+ 0.0` terms are candle's `affine(x, mul, 0)`: they
+//! turn a negative zero into a positive one, which matters for bitwise equality.
+//!
+//! ```
+//! use strata_core::optim::rules;
+//!
+//! let (mut w, mut v) = (1.0f32, 0.0f32);
+//! rules::momentum(&mut w, &mut v, 2.0, 0.1, 0.9);
+//! assert_eq!((w, v), (0.8, 2.0));
+//! ```
+
+/// candle's `affine(x, mul, 0.0)`: `x * mul + 0`.
+#[inline]
+pub fn affine0(x: f32, mul: f32) -> f32 {
+    x * mul + 0.0
+}
+
+/// Plain SGD (candle-nn's `SGD`): `theta - (g * lr + 0)`.
+#[inline]
+pub fn sgd(theta: &mut f32, g: f32, lr: f32) {
+    *theta -= affine0(g, lr);
+}
+
+/// SGD with momentum, PyTorch's heavy ball (no dampening; the velocity starts at zero and is
+/// in units of the gradient): `v = v * momentum + g`, then `theta = theta - (v * lr + 0)`.
+///
+/// At a constant learning rate this is Keras' form (`v' = momentum * v' - lr * g; theta += v'`)
+/// with `v' = -lr * v`. With `momentum = 0` and a finite velocity it equals [`sgd`] bit for
+/// bit.
+#[inline]
+pub fn momentum(theta: &mut f32, v: &mut f32, g: f32, lr: f32, momentum: f32) {
+    *v = *v * momentum + g;
+    *theta -= affine0(*v, lr);
+}
+
+/// SGD with Nesterov momentum, as PyTorch computes it: `v = v * momentum + g`, then
+/// `g' = g + v * momentum` and `theta = theta - (g' * lr + 0)`.
+#[inline]
+pub fn nesterov(theta: &mut f32, v: &mut f32, g: f32, lr: f32, momentum: f32) {
+    *v = *v * momentum + g;
+    let look_ahead = g + *v * momentum;
+    *theta -= affine0(look_ahead, lr);
+}
+
+/// The f32 scalars of one AdamW step, computed from the hyper-parameters (f64, as candle-nn's
+/// `ParamsAdamW` holds them) and the step count exactly as candle-nn's `AdamW` does: in f64,
+/// then rounded to f32.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamWScalars {
+    /// The first moment's decay.
+    pub beta1: f32,
+    /// `1 - beta1`
+    pub one_minus_beta1: f32,
+    /// The second moment's decay.
+    pub beta2: f32,
+    /// `1 - beta2`
+    pub one_minus_beta2: f32,
+    /// `1 / (1 - beta1^t)`
+    pub scale_m: f32,
+    /// `1 / (1 - beta2^t)`
+    pub scale_v: f32,
+    /// Added to the denominator, outside the square root.
+    pub eps: f32,
+    /// The learning rate.
+    pub lr: f32,
+    /// `1 - lr * weight_decay`
+    pub keep: f32,
+}
+
+impl AdamWScalars {
+    /// The scalars of step `step_t` (1 for the first step) with the given hyper-parameters
+    /// (`candle_nn::ParamsAdamW { lr, beta1, beta2, eps, weight_decay }`).
+    pub fn new(lr: f64, beta1: f64, beta2: f64, eps: f64, weight_decay: f64, step_t: usize) -> Self {
+        let lr_lambda = lr * weight_decay;
+        let scale_m = 1f64 / (1f64 - beta1.powi(step_t as i32));
+        let scale_v = 1f64 / (1f64 - beta2.powi(step_t as i32));
+        AdamWScalars {
+            beta1: beta1 as f32,
+            one_minus_beta1: (1.0 - beta1) as f32,
+            beta2: beta2 as f32,
+            one_minus_beta2: (1.0 - beta2) as f32,
+            scale_m: scale_m as f32,
+            scale_v: scale_v as f32,
+            eps: eps as f32,
+            lr: lr as f32,
+            keep: (1f64 - lr_lambda) as f32,
+        }
+    }
+}
+
+/// An exponential moving average as candle-nn's AdamW updates its moments:
+/// `m = (m * decay + 0) + (x * scale + 0)`, where `x` is the gradient for the first moment
+/// and its square `g * g` for the second.
+#[inline]
+pub fn moment(m: &mut f32, x: f32, decay: f32, scale: f32) {
+    *m = affine0(*m, decay) + affine0(x, scale);
+}
+
+/// AdamW's parameter update from the moments already updated (candle-nn's formulation):
+/// `theta = (theta * keep + 0) - ((m * scale_m + 0) / (sqrt(v * scale_v + 0) * 1 + eps) * lr + 0)`.
+#[inline]
+pub fn adamw_param(theta: &mut f32, m: f32, v: f32, s: &AdamWScalars) {
+    let m_hat = affine0(m, s.scale_m);
+    let v_hat = affine0(v, s.scale_v);
+    let adjusted = m_hat / (v_hat.sqrt() * 1.0 + s.eps);
+    *theta = affine0(*theta, s.keep) - affine0(adjusted, s.lr);
+}
+
+/// One AdamW step of one element: both moments ([`moment`]), then the parameter
+/// ([`adamw_param`]). The same bits as candle-nn's three whole-tensor passes, since each
+/// element's operations depend on that element only.
+#[inline]
+pub fn adamw(theta: &mut f32, m: &mut f32, v: &mut f32, g: f32, s: &AdamWScalars) {
+    moment(m, g, s.beta1, s.one_minus_beta1);
+    moment(v, g * g, s.beta2, s.one_minus_beta2);
+    adamw_param(theta, *m, *v, s);
+}
+
+/// Keras' Adagrad: `acc = acc + g * g`, then `theta = theta - (lr * g) / (sqrt(acc) + eps)`
+/// (the accumulator starts at Keras' `initial_accumulator_value`).
+#[inline]
+pub fn adagrad(theta: &mut f32, acc: &mut f32, g: f32, lr: f32, eps: f32) {
+    *acc += g * g;
+    *theta -= lr * g / (acc.sqrt() + eps);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn zero_momentum_is_sgd_and_affine_makes_negative_zeros_positive() {
+        for (w0, g) in [(1.0f32, 0.25f32), (-3.5, 7.0), (0.0, -0.0), (-0.0, 0.0), (1e-30, 3e-9)] {
+            let (mut a, mut b, mut v) = (w0, w0, 0.0f32);
+            sgd(&mut a, g, 0.3);
+            momentum(&mut b, &mut v, g, 0.3, 0.0);
+            assert_eq!(a.to_bits(), b.to_bits(), "{w0} {g}");
+        }
+        assert_eq!(affine0(-0.0, 1.0).to_bits(), 0.0f32.to_bits());
+    }
+
+    /// Heavy ball and Nesterov at a constant learning rate equal Keras' forms (in exact
+    /// arithmetic; here to a few ulps), whose velocity is `-lr` times this one.
+    #[test]
+    fn momentum_forms_equal_keras_at_a_constant_learning_rate() {
+        let (lr, mu) = (0.1f64, 0.9f64);
+        let grads = [1.0f64, 2.0, -0.5, 0.25, 3.0];
+        for nesterov_form in [false, true] {
+            let (mut w, mut v) = (1.0f32, 0.0f32);
+            let (mut kw, mut kv) = (1.0f64, 0.0f64);
+            for &g in &grads {
+                if nesterov_form {
+                    nesterov(&mut w, &mut v, g as f32, lr as f32, mu as f32);
+                    kv = mu * kv - lr * g;
+                    kw += mu * kv - lr * g;
+                } else {
+                    momentum(&mut w, &mut v, g as f32, lr as f32, mu as f32);
+                    kv = mu * kv - lr * g;
+                    kw += kv;
+                }
+                assert!((w as f64 - kw).abs() < 1e-6, "nesterov {nesterov_form}: {w} vs {kw}");
+                assert!((-(lr * v as f64) - kv).abs() < 1e-6, "nesterov {nesterov_form}: velocity {v} vs {kv}");
+            }
+        }
+    }
+
+    #[test]
+    fn adamw_scalars_are_candle_nn_s() {
+        let s = AdamWScalars::new(0.01, 0.9, 0.999, 1e-7, 0.1, 2);
+        assert_eq!(s.one_minus_beta1, (1.0f64 - 0.9) as f32);
+        assert_eq!(s.scale_m, (1.0f64 / (1.0 - 0.9f64.powi(2))) as f32);
+        assert_eq!(s.scale_v, (1.0f64 / (1.0 - 0.999f64.powi(2))) as f32);
+        assert_eq!(s.keep, (1.0f64 - 0.01 * 0.1) as f32);
+    }
+}

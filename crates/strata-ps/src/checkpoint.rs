@@ -1,0 +1,247 @@
+//! A parameter-server task's checkpoints: strata-core's checkpoint format (safetensors files
+//! and a manifest, written to a temporary directory, fsynced, renamed) holding `var/<name>`
+//! (each variable's values, with its version and shard) and `slot/<name>/<k>` (its optimizer
+//! slots), and the task's metadata ([`PsMeta`], JSON under the manifest's `strata.ps` key).
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{Device, Tensor};
+use serde::{Deserialize, Serialize};
+use strata_core::checkpoint::{self, CheckpointTensor, CheckpointWriter, ShardInfo};
+
+use crate::state::{Answer, Counters, Snapshot, UpdateKey};
+use crate::{Error, PsMode, Result, ServerOptimizer, VariableInfo};
+
+/// The safetensors file of a ps checkpoint.
+pub const VARIABLES_FILE: &str = "variables.safetensors";
+
+/// The manifest's metadata key of a ps checkpoint.
+pub const META_KEY: &str = "strata.ps";
+
+/// The version of [`PsMeta`] this build writes. 1: the momentum optimizer's slot holds
+/// PyTorch's velocity (`v = m * v + g`, in units of the gradient). 0 (checkpoints written
+/// before the field existed): it holds Keras' velocity (`v' = m * v' - lr * g`, `-lr` times
+/// PyTorch's), which [`read_snapshot`] converts.
+pub const PS_META_FORMAT: u32 = 1;
+
+/// The metadata of a ps checkpoint (in the manifest, as JSON).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct PsMeta {
+    /// The task's name.
+    pub task: String,
+    /// The task's version.
+    pub version: u64,
+    /// The variables and their versions (their values and slots are tensors).
+    pub variables: Vec<(VariableInfo, u64)>,
+    /// The optimizer.
+    pub optimizer: Option<ServerOptimizer>,
+    /// The mode.
+    pub mode: Option<PsMode>,
+    /// The counters.
+    pub counters: Counters,
+    /// The applied-update table, oldest first.
+    pub table: Vec<(UpdateKey, Answer)>,
+    /// [`PS_META_FORMAT`] when written; absent (0) in older checkpoints.
+    #[serde(default)]
+    pub format: u32,
+}
+
+fn to_tensor(name: &str, values: Vec<f32>, shape: &[usize]) -> Result<Tensor> {
+    Tensor::from_vec(values, shape, &Device::Cpu)
+        .map_err(|e| Error::BuildTensor { tensor: name.into(), source: Box::new(e) })
+}
+
+/// Writes `snap` as the checkpoint of `step` under `root` (`root/ckpt-<step>`), and removes all
+/// but the `keep` newest checkpoints there. Returns the checkpoint's directory.
+pub fn write_snapshot(root: &Path, step: u64, snap: Snapshot, keep: usize) -> Result<PathBuf> {
+    let mut entries = Vec::new();
+    let mut infos = Vec::new();
+    for (info, version, value, slots) in snap.variables {
+        let shard = (info.num_parts > 1).then_some(ShardInfo {
+            index: info.part as usize,
+            count: info.num_parts as usize,
+            offset: info.row_offset as usize,
+        });
+        let name = format!("var/{}", info.name);
+        let mut t = CheckpointTensor::new(name.clone(), to_tensor(&name, value, &info.shape)?).with_version(version);
+        if let Some(s) = shard {
+            t = t.with_shard(s);
+        }
+        entries.push(t);
+        for (k, slot) in slots.into_iter().enumerate() {
+            let name = format!("slot/{}/{k}", info.name);
+            entries.push(CheckpointTensor::new(name.clone(), to_tensor(&name, slot, &info.shape)?));
+        }
+        infos.push((info, version));
+    }
+    let meta = PsMeta {
+        task: snap.task,
+        version: snap.version,
+        variables: infos,
+        optimizer: snap.optimizer,
+        mode: snap.mode,
+        counters: snap.counters,
+        table: snap.table,
+        format: PS_META_FORMAT,
+    };
+    let meta = serde_json::to_string(&meta).map_err(Error::EncodeMetadata)?;
+    let dir = CheckpointWriter::new(root, step).meta(META_KEY, meta).file(VARIABLES_FILE, entries).write()?;
+    checkpoint::keep_last(root, keep)?;
+    Ok(dir)
+}
+
+/// Reads a ps checkpoint: `path` is one `ckpt-*` directory or a root holding them (the latest
+/// is read). Returns the snapshot and the checkpoint's step. A checkpoint of an older format
+/// is converted to this build's meaning of the optimizer slots.
+pub fn read_snapshot(path: &Path) -> Result<(Snapshot, u64)> {
+    let ckpt = if path.join(checkpoint::MANIFEST).is_file() {
+        checkpoint::read_checkpoint(path)?
+    } else {
+        checkpoint::read_latest(path)?.ok_or_else(|| Error::NoCheckpoint { path: path.to_path_buf() })?
+    };
+    let dir = ckpt.dir.clone();
+    let meta = ckpt.metadata.get(META_KEY).ok_or_else(|| Error::NotPsCheckpoint { dir: dir.clone() })?;
+    let meta: PsMeta =
+        serde_json::from_str(meta).map_err(|source| Error::CorruptMetadata { dir: dir.clone(), source })?;
+    let slots = meta.optimizer.as_ref().map_or(0, ServerOptimizer::slots);
+    let read = |name: &str, numel: usize| -> Result<Vec<f32>> {
+        let t = ckpt.tensor(name)?;
+        let v = t
+            .flatten_all()
+            .and_then(|t| t.to_dtype(candle_core::DType::F32))
+            .and_then(|t| t.to_vec1::<f32>())
+            .map_err(|e| Error::ReadTensor { dir: dir.clone(), tensor: name.into(), source: Box::new(e) })?;
+        if v.len() != numel {
+            return Err(Error::TensorSize {
+                dir: dir.clone(),
+                tensor: name.into(),
+                elements: v.len(),
+                expected: numel,
+            });
+        }
+        Ok(v)
+    };
+    let mut variables = Vec::new();
+    for (info, version) in meta.variables {
+        let n = info.numel();
+        let value = read(&format!("var/{}", info.name), n)?;
+        let mut slots = (0..slots).map(|k| read(&format!("slot/{}/{k}", info.name), n)).collect::<Result<Vec<_>>>()?;
+        if meta.format == 0 {
+            if let (Some(ServerOptimizer::Momentum { lr, .. }), [velocity]) = (&meta.optimizer, slots.as_mut_slice()) {
+                from_keras_velocity(velocity, *lr);
+            }
+        }
+        variables.push((info, version, value, slots));
+    }
+    let snap = Snapshot {
+        task: meta.task,
+        version: meta.version,
+        variables,
+        optimizer: meta.optimizer,
+        mode: meta.mode,
+        counters: meta.counters,
+        table: meta.table,
+    };
+    Ok((snap, ckpt.step))
+}
+
+/// Keras' momentum velocity (`v' = m * v' - lr * g`) as PyTorch's (`v = m * v + g`): at a
+/// constant learning rate `v' = -lr * v`.
+fn from_keras_velocity(velocity: &mut [f32], lr: f64) {
+    for v in velocity {
+        *v = (-f64::from(*v) / lr) as f32;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Chunk, CreateHeader, PushHeader, State, UpdateId};
+
+    fn task(optimizer: &ServerOptimizer) -> State {
+        let mut s = State::new("ps:0".into(), None);
+        let header = CreateHeader {
+            variables: vec![VariableInfo::whole("w", vec![2, 2])],
+            optimizer: optimizer.clone(),
+            mode: PsMode::Async,
+        };
+        let x = [1.0f32, -2.0, 0.5, 3.0];
+        let chunk = Chunk { var: 0, offset: 0, pieces: vec![bytes::Bytes::copy_from_slice(bytemuck::cast_slice(&x))] };
+        s.create(&header, &[chunk]).unwrap();
+        s
+    }
+
+    fn push(s: &mut State, step: u64, g: [f32; 4]) {
+        let h = PushHeader {
+            id: UpdateId { worker: "worker:0".into(), client: "c".into(), step, seq: 0 },
+            base_version: s.version(),
+            variables: vec!["w".into()],
+        };
+        let chunk = Chunk { var: 0, offset: 0, pieces: vec![bytes::Bytes::copy_from_slice(bytemuck::cast_slice(&g))] };
+        s.push(&h, &[chunk]).unwrap();
+    }
+
+    fn values(s: &State) -> Vec<f32> {
+        s.snapshot().variables[0].2.clone()
+    }
+
+    /// A snapshot written and read back restores the same task: values, slots, versions, the
+    /// applied-update table and the counters; and it goes on with the same bits.
+    #[test]
+    fn snapshots_round_trip() {
+        let tmp = tempfile::tempdir().unwrap();
+        let optimizer = ServerOptimizer::AdamW { lr: 0.01, beta1: 0.9, beta2: 0.999, eps: 1e-7, weight_decay: 0.1 };
+        let mut s = task(&optimizer);
+        push(&mut s, 0, [0.5, -1.0, 2.0, 0.0]);
+        let dir = write_snapshot(tmp.path(), 7, s.snapshot(), 2).unwrap();
+        assert!(dir.starts_with(tmp.path()));
+        let (snap, step) = read_snapshot(tmp.path()).unwrap();
+        assert_eq!(step, 7);
+        let mut r = State::new("ps:0".into(), None);
+        r.restore(snap, step);
+        let (a, b) = (s.snapshot(), r.snapshot());
+        assert_eq!((a.version, &a.counters, &a.table), (b.version, &b.counters, &b.table));
+        assert_eq!(a.variables, b.variables);
+        assert_eq!((r.status().restored_step, r.status().restored_version), (7, 1));
+        push(&mut s, 1, [1.0, 1.0, -1.0, 0.25]);
+        push(&mut r, 1, [1.0, 1.0, -1.0, 0.25]);
+        assert_eq!(values(&s), values(&r));
+    }
+
+    /// A checkpoint written before the format field (Keras' momentum velocity) restores to the
+    /// task it was: the next update gives the values Keras' form would.
+    #[test]
+    fn older_momentum_checkpoints_restore_with_their_velocity_converted() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (lr, mu) = (0.1f64, 0.9f64);
+        let optimizer = ServerOptimizer::Momentum { lr, momentum: mu, nesterov: false };
+        let mut s = task(&optimizer);
+        push(&mut s, 0, [1.0, 2.0, -1.0, 0.5]);
+        // What the task before this format held: the same values, Keras' velocity -lr * g.
+        let mut old = s.snapshot();
+        for v in &mut old.variables[0].3[0] {
+            *v = (-lr * f64::from(*v)) as f32;
+        }
+        let dir = write_snapshot(tmp.path(), 1, old, 1).unwrap();
+        let manifest = dir.join(checkpoint::MANIFEST);
+        let text = std::fs::read_to_string(&manifest).unwrap();
+        assert!(text.contains("\\\"format\\\":1"), "{text}");
+        std::fs::write(&manifest, text.replace(",\\\"format\\\":1", "")).unwrap();
+        let (snap, step) = read_snapshot(&dir).unwrap_or_else(|e| panic!("{e}"));
+        let mut r = State::new("ps:0".into(), None);
+        r.restore(snap, step);
+        push(&mut s, 1, [0.5, 0.5, 0.5, 0.5]);
+        push(&mut r, 1, [0.5, 0.5, 0.5, 0.5]);
+        for (a, b) in values(&s).iter().zip(values(&r)) {
+            assert!((a - b).abs() < 1e-6, "{a} vs {b}");
+        }
+    }
+
+    #[test]
+    fn what_is_not_a_ps_checkpoint_is_refused_naming_it() {
+        let tmp = tempfile::tempdir().unwrap();
+        let e = read_snapshot(tmp.path()).unwrap_err();
+        assert!(matches!(&e, Error::NoCheckpoint { path } if path == tmp.path()), "{e:?}");
+        assert!(e.to_string().contains("no checkpoint to restore"), "{e}");
+    }
+}

@@ -1,0 +1,517 @@
+//! The one error type of `strata-ps`: every way a request to a parameter-server task can be
+//! refused, and every way its checkpoints can fail, each with the data that says what went
+//! wrong. [`Error::kind`] sorts them into the few kinds an RPC layer answers with (strata-transport
+//! maps each kind to a gRPC status code, in one place).
+
+use std::fmt;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::{PsMode, ServerOptimizer, VariableInfo, MAX_CHUNK_BYTES, MAX_VARIABLE_ELEMENTS};
+
+/// The kind of an [`Error`]: what the caller can do about it. An RPC layer maps each kind to
+/// its status code (gRPC: `INVALID_ARGUMENT`, `FAILED_PRECONDITION`, ...).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ErrorKind {
+    /// The request itself is malformed or out of range: sending it again cannot succeed.
+    InvalidArgument,
+    /// The request is well-formed but the task is not in a state to take it (no variables
+    /// yet, another optimizer or mode, a stale push, no checkpoint directory).
+    FailedPrecondition,
+    /// The request names a variable the task does not hold.
+    NotFound,
+    /// The request was overtaken by another one and nothing of it was applied: send it again.
+    Aborted,
+    /// A wait (a sync round, a version to reach) ran out of time.
+    DeadlineExceeded,
+    /// The task failed to do what it should have (a checkpoint it could not write or read,
+    /// an inconsistency): not the caller's doing.
+    Internal,
+}
+
+/// Which request a chunk belongs to, as errors name it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RequestKind {
+    /// `CreateVariables` (named "request" in messages).
+    Create,
+    /// `Push`.
+    Push,
+}
+
+impl fmt::Display for RequestKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            RequestKind::Create => "request",
+            RequestKind::Push => "push",
+        })
+    }
+}
+
+/// Errors from strata-ps. Messages are lower case, without a trailing period, and say what to
+/// change where the cause is the caller's.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A chunk carries more than [`MAX_CHUNK_BYTES`].
+    #[error("a chunk carries {bytes} bytes; the limit is {MAX_CHUNK_BYTES} (1 MiB): cut tensors into smaller chunks")]
+    ChunkTooLarge {
+        /// The chunk's payload bytes.
+        bytes: usize,
+    },
+
+    /// A chunk's payload is not a whole number of f32 elements.
+    #[error("a chunk carries {bytes} bytes, not a whole number of f32 elements")]
+    ChunkNotWholeElements {
+        /// The chunk's payload bytes.
+        bytes: usize,
+    },
+
+    /// A chunk refers to a variable number the request does not have.
+    #[error("a chunk refers to variable #{index}, but the {request} names {count} variables")]
+    UnknownChunkVariable {
+        /// The chunk's variable number.
+        index: usize,
+        /// How many variables the request names.
+        count: usize,
+        /// The request.
+        request: RequestKind,
+    },
+
+    /// A chunk does not start where the previous chunk of its variable ended.
+    #[error(
+        "a chunk of variable {variable} starts at element {offset}, expected {expected} (chunks must cover each variable in order)"
+    )]
+    ChunkOutOfOrder {
+        /// The variable.
+        variable: String,
+        /// Where the chunk starts.
+        offset: u64,
+        /// Where it should start.
+        expected: usize,
+    },
+
+    /// Chunks run past the end of their variable.
+    #[error("variable {variable} has {size} elements, the {request} covers at least {covered}")]
+    Overrun {
+        /// The variable.
+        variable: String,
+        /// Its number of elements.
+        size: usize,
+        /// The elements covered so far, the offending chunk included.
+        covered: usize,
+        /// The request.
+        request: RequestKind,
+    },
+
+    /// Chunks end before their variable does.
+    #[error("variable {variable} has {size} elements, the {request} covers {covered}")]
+    Incomplete {
+        /// The variable.
+        variable: String,
+        /// Its number of elements.
+        size: usize,
+        /// The elements the request covered.
+        covered: usize,
+        /// The request.
+        request: RequestKind,
+    },
+
+    /// An optimizer no parameter server runs.
+    #[error("unknown optimizer {kind:?}; a parameter server runs sgd, momentum, adamw or adagrad")]
+    UnknownOptimizer {
+        /// The name asked for.
+        kind: String,
+    },
+
+    /// An optimizer parameter that is NaN or infinite.
+    #[error("the {kind} optimizer's parameters must be finite numbers")]
+    NonFiniteOptimizer {
+        /// The optimizer's name.
+        kind: String,
+    },
+
+    /// A learning rate that is zero or negative.
+    #[error("the learning rate must be positive, not {lr}")]
+    LearningRate {
+        /// The learning rate asked for.
+        lr: f64,
+    },
+
+    /// A momentum outside `[0, 1)`.
+    #[error("momentum must be in [0, 1), not {momentum}")]
+    Momentum {
+        /// The momentum asked for.
+        momentum: f64,
+    },
+
+    /// An AdamW decay (`beta1` or `beta2`) outside `[0, 1)`.
+    #[error("{which} must be in [0, 1), not {value}")]
+    Beta {
+        /// `"beta1"` or `"beta2"`.
+        which: &'static str,
+        /// The value asked for.
+        value: f64,
+    },
+
+    /// AdamW's epsilon not positive, or its weight decay negative.
+    #[error("adamw needs epsilon > 0 and weight_decay >= 0")]
+    AdamWParameters {
+        /// The epsilon asked for.
+        eps: f64,
+        /// The weight decay asked for.
+        weight_decay: f64,
+    },
+
+    /// Adagrad's initial accumulator or epsilon negative.
+    #[error("adagrad needs initial_accumulator >= 0 and epsilon >= 0")]
+    AdagradParameters {
+        /// The initial accumulator asked for.
+        initial_accumulator: f64,
+        /// The epsilon asked for.
+        eps: f64,
+    },
+
+    /// A mode no parameter server runs.
+    #[error("unknown mode {mode:?}; use async, sync or stale")]
+    UnknownMode {
+        /// The name asked for.
+        mode: String,
+    },
+
+    /// Sync mode with no workers.
+    #[error("sync mode needs at least one worker")]
+    SyncWithoutWorkers,
+
+    /// Sync mode with as many backup workers as workers, or more.
+    #[error(
+        "{backup_workers} backup workers leave none of the {workers} workers to aggregate; use fewer backup workers"
+    )]
+    TooManyBackupWorkers {
+        /// The workers.
+        workers: u32,
+        /// The backup workers.
+        backup_workers: u32,
+    },
+
+    /// A variable without a name.
+    #[error("a variable needs a name")]
+    UnnamedVariable,
+
+    /// A variable of a dtype other than f32.
+    #[error("variable {variable} has dtype {dtype:?}; a parameter server holds f32 variables only")]
+    UnsupportedDtype {
+        /// The variable.
+        variable: String,
+        /// Its dtype.
+        dtype: String,
+    },
+
+    /// A variable (or its whole variable) of more than [`MAX_VARIABLE_ELEMENTS`] elements.
+    #[error("variable {variable} has shape {shape:?}, more than {MAX_VARIABLE_ELEMENTS} elements; partition it")]
+    VariableTooLarge {
+        /// The variable.
+        variable: String,
+        /// The shape.
+        shape: Vec<u64>,
+    },
+
+    /// A shard numbered past its variable's number of shards.
+    #[error("variable {variable} is part {part} of {num_parts}")]
+    PartOutOfRange {
+        /// The shard.
+        variable: String,
+        /// Its number.
+        part: u32,
+        /// The variable's number of shards.
+        num_parts: u32,
+    },
+
+    /// A create request names a variable twice.
+    #[error("variable {variable} is named twice")]
+    NamedTwice {
+        /// The variable.
+        variable: String,
+    },
+
+    /// A push names a variable twice.
+    #[error("variable {variable} is pushed twice in one update")]
+    PushedTwice {
+        /// The variable.
+        variable: String,
+    },
+
+    /// A create request asks for another optimizer than the task applies.
+    #[error("{task} applies {have:?}; this job asks for {want:?} (start a fresh ps task or use the same optimizer)")]
+    OptimizerMismatch {
+        /// The task.
+        task: String,
+        /// The optimizer it applies.
+        have: Box<ServerOptimizer>,
+        /// The optimizer asked for.
+        want: Box<ServerOptimizer>,
+    },
+
+    /// A create request asks for another mode than the task runs.
+    #[error("{task} runs in mode {have}; this job asks for {want} (start a fresh ps task or use the same mode)")]
+    ModeMismatch {
+        /// The task.
+        task: String,
+        /// Its mode.
+        have: PsMode,
+        /// The mode asked for.
+        want: PsMode,
+    },
+
+    /// A create request describes a variable the task holds differently.
+    #[error(
+        "variable {} exists on {task} with shape {:?} (part {} of {}); this job creates it with shape {:?} (part {} of {})",
+        want.name, have.shape, have.part, have.num_parts, want.shape, want.part, want.num_parts
+    )]
+    VariableMismatch {
+        /// The task.
+        task: String,
+        /// The variable as the task holds it.
+        have: Box<VariableInfo>,
+        /// The variable as the request describes it.
+        want: Box<VariableInfo>,
+    },
+
+    /// A push reached a task that holds no variables yet.
+    #[error("{task} holds no variables yet; create them (strategy.scope) before pushing")]
+    NoVariables {
+        /// The task.
+        task: String,
+    },
+
+    /// A push or pull names a variable the task does not hold.
+    #[error("{task} holds no variable named {variable:?} (it holds {held} variables)")]
+    UnknownVariable {
+        /// The task.
+        task: String,
+        /// The name asked for.
+        variable: String,
+        /// How many variables the task holds.
+        held: usize,
+    },
+
+    /// A push computed from a version the task has not reached.
+    #[error("the push was computed from version {base}, ahead of {task}'s version {version}")]
+    AheadOfTask {
+        /// The task.
+        task: String,
+        /// The push's base version.
+        base: u64,
+        /// The task's version.
+        version: u64,
+    },
+
+    /// Bounded staleness: a push computed from a version more than the bound behind. The
+    /// message begins with `stale push` and gives the three numbers in this order (clients
+    /// read them back).
+    #[error("stale push: computed from version {base}, the task is at version {version}, the bound is {bound}")]
+    Stale {
+        /// The push's base version.
+        base: u64,
+        /// The task's version.
+        version: u64,
+        /// The mode's staleness bound.
+        bound: u64,
+    },
+
+    /// A streamed push under which another update was applied: nothing of it was applied.
+    #[error(
+        "{task} applied another update while this push arrived (its stream stalled for over a second and lost its turn): nothing of it was applied; send it again"
+    )]
+    Overtaken {
+        /// The task.
+        task: String,
+    },
+
+    /// Sync mode: a push's round did not complete in time.
+    #[error(
+        "the sync round from version {base} of {task} did not complete within {timeout:?}: fewer workers pushed than it needs (is a worker down?)"
+    )]
+    RoundTimeout {
+        /// The task.
+        task: String,
+        /// The round's base version.
+        base: u64,
+        /// How long the push waited.
+        timeout: Duration,
+    },
+
+    /// Sync mode: a round completed without an answer for one of its pushes (a bug).
+    #[error("the sync round from version {base} of {task} completed without recording this update")]
+    RoundUnrecorded {
+        /// The task.
+        task: String,
+        /// The round's base version.
+        base: u64,
+    },
+
+    /// A pull waited for a version the task did not reach in time.
+    #[error("{task} did not reach version {version} within {waited:?}")]
+    VersionTimeout {
+        /// The task.
+        task: String,
+        /// The version asked for.
+        version: u64,
+        /// How long the pull waited.
+        waited: Duration,
+    },
+
+    /// A checkpoint was asked of a task without a checkpoint directory.
+    #[error("{task} has no checkpoint directory; start the ps task with one (strata ps --checkpoint-dir DIR)")]
+    NoCheckpointDir {
+        /// The task.
+        task: String,
+    },
+
+    /// A restore from a directory that holds no checkpoint.
+    #[error("{}: no checkpoint to restore (no ckpt-* directory in it)", path.display())]
+    NoCheckpoint {
+        /// The directory.
+        path: PathBuf,
+    },
+
+    /// A checkpoint that is not a parameter server's.
+    #[error("{}: not a parameter-server checkpoint (no strata.ps metadata); restore a ps task's own", dir.display())]
+    NotPsCheckpoint {
+        /// The checkpoint's directory.
+        dir: PathBuf,
+    },
+
+    /// A parameter-server checkpoint whose metadata cannot be read.
+    #[error("{}: corrupt parameter-server metadata: {source}", dir.display())]
+    CorruptMetadata {
+        /// The checkpoint's directory.
+        dir: PathBuf,
+        /// Why the metadata does not parse.
+        #[source]
+        source: serde_json::Error,
+    },
+
+    /// A tensor of a parameter-server checkpoint that cannot be read as f32 values.
+    #[error("{}: tensor {tensor}: {source}", dir.display())]
+    ReadTensor {
+        /// The checkpoint's directory.
+        dir: PathBuf,
+        /// The tensor's name.
+        tensor: String,
+        /// Why it cannot be read.
+        #[source]
+        source: Box<candle_core::Error>,
+    },
+
+    /// A tensor of a parameter-server checkpoint whose size is not the one its metadata gives.
+    #[error("{}: tensor {tensor} has {elements} elements, the manifest says {expected}", dir.display())]
+    TensorSize {
+        /// The checkpoint's directory.
+        dir: PathBuf,
+        /// The tensor's name.
+        tensor: String,
+        /// Its number of elements.
+        elements: usize,
+        /// The number its variable's shape gives.
+        expected: usize,
+    },
+
+    /// A variable or slot that could not be made into a checkpoint tensor.
+    #[error("building checkpoint tensor {tensor}: {source}")]
+    BuildTensor {
+        /// The tensor's name.
+        tensor: String,
+        /// Why.
+        #[source]
+        source: Box<candle_core::Error>,
+    },
+
+    /// The checkpoint's metadata could not be encoded.
+    #[error("encoding checkpoint metadata: {0}")]
+    EncodeMetadata(#[source] serde_json::Error),
+
+    /// Writing or reading a checkpoint failed (strata-core's checkpoint module names the file
+    /// and what to do).
+    #[error("{0}")]
+    Checkpoint(#[from] strata_core::Error),
+}
+
+impl Error {
+    /// What kind of failure this is (the status an RPC layer answers with).
+    pub fn kind(&self) -> ErrorKind {
+        use Error::*;
+        match self {
+            ChunkTooLarge { .. }
+            | ChunkNotWholeElements { .. }
+            | UnknownChunkVariable { .. }
+            | ChunkOutOfOrder { .. }
+            | Overrun { .. }
+            | Incomplete { .. }
+            | UnknownOptimizer { .. }
+            | NonFiniteOptimizer { .. }
+            | LearningRate { .. }
+            | Momentum { .. }
+            | Beta { .. }
+            | AdamWParameters { .. }
+            | AdagradParameters { .. }
+            | UnknownMode { .. }
+            | SyncWithoutWorkers
+            | TooManyBackupWorkers { .. }
+            | UnnamedVariable
+            | UnsupportedDtype { .. }
+            | VariableTooLarge { .. }
+            | PartOutOfRange { .. }
+            | NamedTwice { .. }
+            | PushedTwice { .. }
+            | AheadOfTask { .. } => ErrorKind::InvalidArgument,
+            OptimizerMismatch { .. }
+            | ModeMismatch { .. }
+            | VariableMismatch { .. }
+            | NoVariables { .. }
+            | Stale { .. }
+            | NoCheckpointDir { .. } => ErrorKind::FailedPrecondition,
+            UnknownVariable { .. } => ErrorKind::NotFound,
+            Overtaken { .. } => ErrorKind::Aborted,
+            RoundTimeout { .. } | VersionTimeout { .. } => ErrorKind::DeadlineExceeded,
+            RoundUnrecorded { .. }
+            | NoCheckpoint { .. }
+            | NotPsCheckpoint { .. }
+            | CorruptMetadata { .. }
+            | ReadTensor { .. }
+            | TensorSize { .. }
+            | BuildTensor { .. }
+            | EncodeMetadata(_)
+            | Checkpoint(_) => ErrorKind::Internal,
+        }
+    }
+}
+
+/// The result type of strata-ps.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_are_lower_case_without_a_trailing_period_and_kinds_are_sorted() {
+        let cases = [
+            (Error::ChunkTooLarge { bytes: 5 << 20 }, ErrorKind::InvalidArgument),
+            (Error::Stale { base: 1, version: 5, bound: 2 }, ErrorKind::FailedPrecondition),
+            (Error::UnknownVariable { task: "ps:0".into(), variable: "nope".into(), held: 2 }, ErrorKind::NotFound),
+            (Error::Overtaken { task: "ps:0".into() }, ErrorKind::Aborted),
+            (
+                Error::RoundTimeout { task: "ps:0".into(), base: 3, timeout: Duration::from_secs(1) },
+                ErrorKind::DeadlineExceeded,
+            ),
+            (Error::NoCheckpoint { path: "/tmp/x".into() }, ErrorKind::Internal),
+        ];
+        for (e, kind) in cases {
+            assert_eq!(e.kind(), kind, "{e}");
+            let m = e.to_string();
+            assert!(!m.ends_with('.'), "{m}");
+            assert!(!m.starts_with(|c: char| c.is_uppercase()), "{m}");
+        }
+        let stale = Error::Stale { base: 1, version: 5, bound: 2 }.to_string();
+        assert_eq!(stale, "stale push: computed from version 1, the task is at version 5, the bound is 2");
+    }
+}

@@ -1,0 +1,82 @@
+//! # strata-ps
+//!
+//! The semantics of a parameter-server task of a `ParameterServerStrategy` job, as plain Rust:
+//! what one task holds ([`State`]: variables or shards of them, their optimizer slots and
+//! versions), the rules by which pushes change it, and its checkpoints. No RPC: strata-transport
+//! carries requests to a [`State`] over gRPC and its answers and [`Error`]s back (each error's
+//! [`ErrorKind`] is the status it answers with), and `strata compare --simulate` applies
+//! updates with the same [`ServerOptimizer`].
+//!
+//! ```
+//! use bytes::Bytes;
+//! use strata_ps::{Chunk, CreateHeader, PsMode, PushDecision, PushHeader, PushReply, ServerOptimizer, State, UpdateId, VariableInfo};
+//!
+//! let f32s = |x: &[f32]| Bytes::copy_from_slice(bytemuck::cast_slice(x));
+//! let mut task = State::new("ps:0".into(), None);
+//! let header = CreateHeader {
+//!     variables: vec![VariableInfo::whole("w", vec![2, 2])],
+//!     optimizer: ServerOptimizer::Sgd { lr: 0.5 },
+//!     mode: PsMode::Async,
+//! };
+//! task.create(&header, &[Chunk { var: 0, offset: 0, pieces: vec![f32s(&[1.0, 2.0, 3.0, 4.0])] }])?;
+//! let push = PushHeader {
+//!     id: UpdateId { worker: "worker:0".into(), client: "worker:0".into(), step: 0, seq: 0 },
+//!     base_version: 0,
+//!     variables: vec!["w".into()],
+//! };
+//! let grads = [Chunk { var: 0, offset: 0, pieces: vec![f32s(&[2.0; 4])] }];
+//! assert!(matches!(task.push(&push, &grads)?, PushDecision::Done(PushReply::Applied { version: 1, duplicate: false })));
+//! // The same update again is answered from the applied-update table and changes nothing.
+//! assert!(matches!(task.push(&push, &grads)?, PushDecision::Done(PushReply::Applied { version: 1, duplicate: true })));
+//! let pulled = task.pull(&[])?;
+//! assert_eq!(pulled.chunks[0].data, f32s(&[0.0, 1.0, 2.0, 3.0]));
+//! # Ok::<(), strata_ps::Error>(())
+//! ```
+//!
+//! Semantics:
+//!
+//! - **Chunks.** Tensors travel as little-endian f32 [`Chunk`]s of at most [`MAX_CHUNK_BYTES`],
+//!   which must cover each variable of a request exactly once, in order.
+//! - **Validation first.** Every request is validated completely (names, sizes, coverage,
+//!   versions) before anything changes; a refused request changes nothing and is not
+//!   recorded, so it can be corrected and sent again.
+//! - **Versions.** Every variable counts the updates applied to it; the task's version counts
+//!   its applies (one per push in async and stale modes, one per round in sync mode).
+//! - **Exactly once.** A push is identified by its [`UpdateId`]; a retry of an update already
+//!   taken gets the first answer again, marked `duplicate`, and changes nothing.
+//! - **Modes.** [`PsMode::Async`] applies each push as it arrives; [`PsMode::Sync`] averages one
+//!   push per worker per round (the first `workers - backup_workers` of them, summed in update
+//!   order so the mean does not depend on arrival order; later ones, and pushes computed from an
+//!   older version, are dropped); [`PsMode::Stale`] refuses a push computed from a version more
+//!   than the bound behind ([`Error::Stale`]).
+//! - **Streamed pushes.** In async and stale modes a large push can be applied while it
+//!   arrives ([`State::begin_stream`], [`Streamed::apply`] per chunk, [`State::finish_stream`]):
+//!   each chunk updates the variables out of place, into spare buffers, and the new buffers are
+//!   swapped in at the end, so the push is still applied whole or not at all and a pull never
+//!   sees part of it. If another update was applied meanwhile, nothing of the streamed push is
+//!   applied and it is refused ([`Error::Overtaken`]) for the client to send again.
+//! - **Large pushes** collected whole (4 MiB and more) are applied on two threads.
+//! - **Checkpoints** ([`write_snapshot`], [`read_snapshot`]) hold the values, the optimizer
+//!   slots, the versions, the counters and the applied-update table, in strata-core's checkpoint
+//!   format.
+
+mod checkpoint;
+mod chunk;
+mod error;
+mod optimizer;
+mod state;
+mod types;
+
+pub use checkpoint::{read_snapshot, write_snapshot, PsMeta, META_KEY, PS_META_FORMAT, VARIABLES_FILE};
+pub use chunk::{
+    check_chunk_len, copy_f32s, Chunk, ValueChunk, MAX_CHUNK_BYTES, MAX_CHUNK_ELEMENTS, MAX_VARIABLE_ELEMENTS,
+};
+pub use error::{Error, ErrorKind, RequestKind, Result};
+pub use optimizer::ServerOptimizer;
+pub use state::{
+    Answer, Counters, PushDecision, Snapshot, SnapshotVariable, State, Streamed, UpdateKey, MAX_REMEMBERED_UPDATES,
+};
+pub use types::{
+    CreateHeader, CreateOutcome, PsMode, PsStatus, PullResult, PushHeader, PushOutcome, PushReply, UpdateId,
+    VariableInfo,
+};

@@ -1,0 +1,326 @@
+//! The values a parameter-server task is configured with, the requests it takes and the answers
+//! it gives, independent of any wire format.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use crate::{Error, Result, ServerOptimizer, ValueChunk, MAX_VARIABLE_ELEMENTS};
+
+/// How a parameter server applies pushes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PsMode {
+    /// Each push is applied as it arrives (TF's `ParameterServerStrategy`).
+    Async,
+    /// One mean gradient per round, from the first `workers - backup_workers` pushes computed
+    /// from the task's current version; later ones are dropped.
+    Sync {
+        /// The workers that push each round.
+        workers: u32,
+        /// How many of them are backups whose late pushes are dropped.
+        backup_workers: u32,
+    },
+    /// Async, but a push computed from a version more than `staleness` behind is refused.
+    Stale {
+        /// The largest accepted distance between the task's version and a push's base.
+        staleness: u64,
+    },
+}
+
+impl PsMode {
+    /// Checks the mode: sync mode needs a worker, and fewer backup workers than workers.
+    pub fn validate(&self) -> Result<()> {
+        if let PsMode::Sync { workers, backup_workers } = *self {
+            if workers == 0 {
+                return Err(Error::SyncWithoutWorkers);
+            }
+            if backup_workers >= workers {
+                return Err(Error::TooManyBackupWorkers { workers, backup_workers });
+            }
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Display for PsMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            PsMode::Async => write!(f, "async"),
+            PsMode::Sync { workers, backup_workers } => {
+                write!(f, "sync({workers} workers, {backup_workers} backup)")
+            }
+            PsMode::Stale { staleness } => write!(f, "stale({staleness})"),
+        }
+    }
+}
+
+/// A variable, or one shard of a partitioned variable, as one parameter server holds it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VariableInfo {
+    /// The shard's name (the variable's, with `/part_<i>` for a shard).
+    pub name: String,
+    /// The shard's shape.
+    pub shape: Vec<usize>,
+    /// The whole variable's name.
+    pub variable: String,
+    /// This shard's index along the first axis.
+    pub part: u32,
+    /// How many shards the variable has.
+    pub num_parts: u32,
+    /// The shard's first row in the whole variable.
+    pub row_offset: u64,
+    /// The whole variable's shape.
+    pub full_shape: Vec<usize>,
+}
+
+impl VariableInfo {
+    /// A variable that is not partitioned.
+    pub fn whole(name: impl Into<String>, shape: Vec<usize>) -> Self {
+        let name = name.into();
+        Self { variable: name.clone(), name, full_shape: shape.clone(), shape, part: 0, num_parts: 1, row_offset: 0 }
+    }
+
+    /// The shard's number of elements.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Checks the variable: a name, at most [`MAX_VARIABLE_ELEMENTS`] elements (the shard and
+    /// the whole variable), and a part number below the number of parts.
+    pub fn validate(&self) -> Result<()> {
+        if self.name.is_empty() {
+            return Err(Error::UnnamedVariable);
+        }
+        for shape in [&self.shape, &self.full_shape] {
+            let mut n: usize = 1;
+            for &d in shape {
+                n = n.checked_mul(d).filter(|&n| n <= MAX_VARIABLE_ELEMENTS).ok_or_else(|| {
+                    Error::VariableTooLarge {
+                        variable: self.name.clone(),
+                        shape: shape.iter().map(|&d| d as u64).collect(),
+                    }
+                })?;
+            }
+        }
+        if self.part >= self.num_parts {
+            return Err(Error::PartOutOfRange {
+                variable: self.name.clone(),
+                part: self.part,
+                num_parts: self.num_parts,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Identifies one update: a parameter server applies it at most once.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct UpdateId {
+    /// The task that computed it, e.g. `worker:2`.
+    pub worker: String,
+    /// Who numbers the steps: the coordinator's run id, or the worker's own name.
+    pub client: String,
+    /// The step.
+    pub step: u64,
+    /// The update's number within the step.
+    pub seq: u64,
+}
+
+/// What became of a push.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PushOutcome {
+    /// The update was applied (in sync mode: its round was); `duplicate` when this was a
+    /// retry answered from the applied-update table.
+    Applied {
+        /// The task's version after the update.
+        version: u64,
+        /// This was a retry of an update already taken.
+        duplicate: bool,
+    },
+    /// Sync mode: the update came after its round was complete and was dropped.
+    Dropped {
+        /// The task's version.
+        version: u64,
+    },
+}
+
+impl PushOutcome {
+    /// The task's version in the answer.
+    pub fn version(&self) -> u64 {
+        match *self {
+            PushOutcome::Applied { version, .. } | PushOutcome::Dropped { version } => version,
+        }
+    }
+
+    /// Whether the update was dropped.
+    pub fn dropped(&self) -> bool {
+        matches!(self, PushOutcome::Dropped { .. })
+    }
+}
+
+/// A task's answer to a push: a [`PushOutcome`], and for a dropped update too whether this was
+/// a retry answered from the applied-update table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PushReply {
+    /// Applied (in sync mode: its round was).
+    Applied {
+        /// The task's version after the update.
+        version: u64,
+        /// This was a retry of an update already taken.
+        duplicate: bool,
+    },
+    /// Sync mode: dropped (it came after its round was complete, or from an older version).
+    Dropped {
+        /// The task's version.
+        version: u64,
+        /// This was a retry of an update already dropped.
+        duplicate: bool,
+    },
+}
+
+impl PushReply {
+    /// What became of the push.
+    pub fn outcome(&self) -> PushOutcome {
+        match *self {
+            PushReply::Applied { version, duplicate } => PushOutcome::Applied { version, duplicate },
+            PushReply::Dropped { version, .. } => PushOutcome::Dropped { version },
+        }
+    }
+
+    /// The task's version in the answer.
+    pub fn version(&self) -> u64 {
+        match *self {
+            PushReply::Applied { version, .. } | PushReply::Dropped { version, .. } => version,
+        }
+    }
+
+    /// Whether this was a retry answered from the applied-update table.
+    pub fn duplicate(&self) -> bool {
+        match *self {
+            PushReply::Applied { duplicate, .. } | PushReply::Dropped { duplicate, .. } => duplicate,
+        }
+    }
+}
+
+/// What creating variables answered.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CreateOutcome {
+    /// The versions of the variables, in the order given.
+    pub versions: Vec<u64>,
+    /// Every variable existed already (a restored task, or a second coordinator).
+    pub existed: bool,
+    /// The task's version.
+    pub version: u64,
+}
+
+/// What a parameter server holds and has done.
+#[derive(Clone, Debug)]
+pub struct PsStatus {
+    /// The task's name.
+    pub task: String,
+    /// The task's version.
+    pub version: u64,
+    /// The variables and their versions.
+    pub variables: Vec<(VariableInfo, u64)>,
+    /// Updates applied (in sync mode, pushes in applied rounds).
+    pub pushes_applied: u64,
+    /// Retries answered from the applied-update table.
+    pub pushes_duplicate: u64,
+    /// Sync-mode pushes dropped.
+    pub pushes_dropped: u64,
+    /// Stale pushes refused.
+    pub pushes_stale: u64,
+    /// The step of the checkpoint the task was restored from (0: started fresh).
+    pub restored_step: u64,
+    /// The restored checkpoint's task version.
+    pub restored_version: u64,
+    /// The mode.
+    pub mode: PsMode,
+    /// The optimizer, once variables were created.
+    pub optimizer: Option<ServerOptimizer>,
+    /// Sync mode: the rounds applied.
+    pub rounds: u64,
+    /// Per worker, how many of its pushes were applied.
+    pub applied_by_worker: BTreeMap<String, u64>,
+    /// Pushes applied while they arrived (async and stale modes; counted in `pushes_applied`
+    /// too).
+    pub pushes_streamed: u64,
+    /// Streamed pushes refused with `ABORTED` because another update was applied while they
+    /// arrived (the client sends them again).
+    pub pushes_aborted: u64,
+    /// Whether a streamed push is arriving now.
+    pub streaming: bool,
+}
+
+/// The header of a request that creates variables: what the [`Chunk`](crate::Chunk)s after it fill.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CreateHeader {
+    /// The variables, in the order the chunks number them.
+    pub variables: Vec<VariableInfo>,
+    /// The optimizer the task applies (the same for every request of a task).
+    pub optimizer: ServerOptimizer,
+    /// How the task applies pushes (the same for every request of a task).
+    pub mode: PsMode,
+}
+
+/// The header of a push: the update's identity, the version it was computed from, and the
+/// variables its [`Chunk`]s carry gradients for, in the order the chunks number them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PushHeader {
+    /// The update's identity (exactly once).
+    pub id: UpdateId,
+    /// The task's version the gradients were computed from.
+    pub base_version: u64,
+    /// The variables pushed.
+    pub variables: Vec<String>,
+}
+
+/// The values a pull reads: the task's version, each variable with its version, and chunks of
+/// their values that share the variables' memory (no copy).
+#[derive(Clone, Debug)]
+pub struct PullResult {
+    /// The task's version when the values were read.
+    pub version: u64,
+    /// The variables pulled and their versions, in the order the chunks number them.
+    pub variables: Vec<(VariableInfo, u64)>,
+    /// The values, in chunks of at most [`MAX_CHUNK_ELEMENTS`](crate::MAX_CHUNK_ELEMENTS),
+    /// each variable's in order.
+    pub chunks: Vec<ValueChunk>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn modes_and_variables_are_checked_and_shown() {
+        PsMode::Sync { workers: 3, backup_workers: 2 }.validate().unwrap();
+        assert!(matches!(PsMode::Sync { workers: 0, backup_workers: 0 }.validate(), Err(Error::SyncWithoutWorkers)));
+        let e = PsMode::Sync { workers: 2, backup_workers: 2 }.validate().unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "2 backup workers leave none of the 2 workers to aggregate; use fewer backup workers"
+        );
+        assert_eq!(PsMode::Sync { workers: 3, backup_workers: 1 }.to_string(), "sync(3 workers, 1 backup)");
+
+        VariableInfo::whole("w", vec![1 << 16, 1 << 15]).validate().unwrap();
+        let e = VariableInfo::whole("w", vec![1 << 16, 1 << 16]).validate().unwrap_err();
+        assert!(
+            matches!(&e, Error::VariableTooLarge { variable, shape } if variable == "w" && shape == &[1 << 16, 1 << 16])
+        );
+        assert!(matches!(VariableInfo::whole("", vec![1]).validate(), Err(Error::UnnamedVariable)));
+        let mut shard = VariableInfo::whole("w/part_2", vec![3]);
+        shard.part = 2;
+        shard.num_parts = 2;
+        assert_eq!(shard.validate().unwrap_err().to_string(), "variable w/part_2 is part 2 of 2");
+    }
+
+    #[test]
+    fn replies_give_the_outcome() {
+        let r = PushReply::Dropped { version: 3, duplicate: true };
+        assert_eq!((r.outcome(), r.version(), r.duplicate()), (PushOutcome::Dropped { version: 3 }, 3, true));
+        let r = PushReply::Applied { version: 4, duplicate: false };
+        assert_eq!(r.outcome(), PushOutcome::Applied { version: 4, duplicate: false });
+    }
+}

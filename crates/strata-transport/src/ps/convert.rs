@@ -1,0 +1,397 @@
+//! The edge between the protocol (`proto/strata/v1/ps.proto`, strata-proto's messages) and the
+//! parameter server's semantics (strata-ps' types): every conversion between the two, and
+//! [`status`], the one place where a [`strata_ps::Error`] becomes a `tonic::Status`.
+
+use prost::bytes::Bytes;
+use strata_proto::v1 as proto;
+use strata_ps::{
+    Chunk, CreateOutcome, ErrorKind, PsMode, PsStatus, PullResult, PushHeader, PushOutcome, PushReply, ServerOptimizer,
+    UpdateId, VariableInfo, MAX_CHUNK_ELEMENTS, MAX_VARIABLE_ELEMENTS,
+};
+use tonic::Status;
+
+use crate::{Error, Result};
+
+/// The gRPC status a parameter-server error answers with: its [`ErrorKind`]'s code and its
+/// message. The client reads some of them back (`FAILED_PRECONDITION "stale push..."` is
+/// [`Error::Stale`], `ABORTED` is retried).
+pub(crate) fn status(e: strata_ps::Error) -> Status {
+    let message = e.to_string();
+    match e.kind() {
+        ErrorKind::InvalidArgument => Status::invalid_argument(message),
+        ErrorKind::FailedPrecondition => Status::failed_precondition(message),
+        ErrorKind::NotFound => Status::not_found(message),
+        ErrorKind::Aborted => Status::aborted(message),
+        ErrorKind::DeadlineExceeded => Status::deadline_exceeded(message),
+        ErrorKind::Internal => Status::internal(message),
+    }
+}
+
+/// A parameter-server error outside an RPC (a checkpoint to restore at start, a spec to read):
+/// strata-core's checkpoint errors stay what they are, the others are configurations that
+/// cannot be used.
+impl From<strata_ps::Error> for Error {
+    fn from(e: strata_ps::Error) -> Self {
+        match e {
+            strata_ps::Error::Checkpoint(e) => Error::Checkpoint(e),
+            other => Error::Config(other.to_string()),
+        }
+    }
+}
+
+/// A value of the parameter server's configuration as the protocol carries it: an optimizer
+/// ([`proto::OptimizerSpec`]), a mode ([`proto::ModeSpec`]) or a variable
+/// ([`proto::VariableSpec`]).
+pub trait ProtoSpec: Sized {
+    /// The protocol's message.
+    type Spec;
+
+    /// The value as the protocol carries it.
+    fn to_spec(&self) -> Self::Spec;
+
+    /// The value a spec describes, checked (as strata-ps' `validate` does, and the fields only
+    /// the protocol has: names, dtypes, sizes); an unusable one is [`Error::Config`].
+    fn from_spec(spec: &Self::Spec) -> Result<Self>;
+}
+
+impl ProtoSpec for ServerOptimizer {
+    type Spec = proto::OptimizerSpec;
+
+    fn to_spec(&self) -> proto::OptimizerSpec {
+        let mut s = proto::OptimizerSpec { kind: self.name().into(), ..Default::default() };
+        match *self {
+            ServerOptimizer::Sgd { lr } => s.learning_rate = lr,
+            ServerOptimizer::Momentum { lr, momentum, nesterov } => {
+                s.learning_rate = lr;
+                s.momentum = momentum;
+                s.nesterov = nesterov;
+            }
+            ServerOptimizer::AdamW { lr, beta1, beta2, eps, weight_decay } => {
+                s.learning_rate = lr;
+                s.beta1 = beta1;
+                s.beta2 = beta2;
+                s.epsilon = eps;
+                s.weight_decay = weight_decay;
+            }
+            ServerOptimizer::Adagrad { lr, initial_accumulator, eps } => {
+                s.learning_rate = lr;
+                s.initial_accumulator = initial_accumulator;
+                s.epsilon = eps;
+            }
+        }
+        s
+    }
+
+    fn from_spec(s: &proto::OptimizerSpec) -> Result<Self> {
+        Ok(optimizer(s)?)
+    }
+}
+
+impl ProtoSpec for PsMode {
+    type Spec = proto::ModeSpec;
+
+    fn to_spec(&self) -> proto::ModeSpec {
+        match *self {
+            PsMode::Async => proto::ModeSpec { mode: "async".into(), ..Default::default() },
+            PsMode::Sync { workers, backup_workers } => {
+                proto::ModeSpec { mode: "sync".into(), workers, backup_workers, ..Default::default() }
+            }
+            PsMode::Stale { staleness } => proto::ModeSpec { mode: "stale".into(), staleness, ..Default::default() },
+        }
+    }
+
+    fn from_spec(s: &proto::ModeSpec) -> Result<Self> {
+        Ok(mode(s)?)
+    }
+}
+
+impl ProtoSpec for VariableInfo {
+    type Spec = proto::VariableSpec;
+
+    fn to_spec(&self) -> proto::VariableSpec {
+        proto::VariableSpec {
+            name: self.name.clone(),
+            shape: self.shape.iter().map(|&d| d as u64).collect(),
+            dtype: "f32".into(),
+            variable: self.variable.clone(),
+            part: self.part,
+            num_parts: self.num_parts,
+            row_offset: self.row_offset,
+            full_shape: self.full_shape.iter().map(|&d| d as u64).collect(),
+        }
+    }
+
+    fn from_spec(s: &proto::VariableSpec) -> Result<Self> {
+        Ok(variable(s)?)
+    }
+}
+
+/// The optimizer a spec names, checked. Every number of the spec must be finite, also those
+/// the named optimizer does not use.
+fn optimizer(s: &proto::OptimizerSpec) -> strata_ps::Result<ServerOptimizer> {
+    let lr = s.learning_rate;
+    let numbers = [s.learning_rate, s.momentum, s.beta1, s.beta2, s.epsilon, s.weight_decay, s.initial_accumulator];
+    if numbers.iter().any(|v| !v.is_finite()) {
+        return Err(strata_ps::Error::NonFiniteOptimizer { kind: s.kind.clone() });
+    }
+    if lr <= 0.0 {
+        return Err(strata_ps::Error::LearningRate { lr });
+    }
+    let opt = match s.kind.as_str() {
+        "sgd" => ServerOptimizer::Sgd { lr },
+        "momentum" => ServerOptimizer::Momentum { lr, momentum: s.momentum, nesterov: s.nesterov },
+        "adamw" => {
+            ServerOptimizer::AdamW { lr, beta1: s.beta1, beta2: s.beta2, eps: s.epsilon, weight_decay: s.weight_decay }
+        }
+        "adagrad" => ServerOptimizer::Adagrad { lr, initial_accumulator: s.initial_accumulator, eps: s.epsilon },
+        other => return Err(strata_ps::Error::UnknownOptimizer { kind: other.into() }),
+    };
+    opt.validate()?;
+    Ok(opt)
+}
+
+/// The mode a spec names (`""` is async), checked.
+fn mode(s: &proto::ModeSpec) -> strata_ps::Result<PsMode> {
+    let mode = match s.mode.as_str() {
+        "async" | "" => PsMode::Async,
+        "sync" => PsMode::Sync { workers: s.workers, backup_workers: s.backup_workers },
+        "stale" => PsMode::Stale { staleness: s.staleness },
+        other => return Err(strata_ps::Error::UnknownMode { mode: other.into() }),
+    };
+    mode.validate()?;
+    Ok(mode)
+}
+
+/// The variable a spec describes (an empty `variable` is the shard's name, an empty
+/// `full_shape` its shape, `num_parts` 0 is 1), checked: a name, dtype f32, sizes.
+fn variable(s: &proto::VariableSpec) -> strata_ps::Result<VariableInfo> {
+    if s.name.is_empty() {
+        return Err(strata_ps::Error::UnnamedVariable);
+    }
+    if s.dtype != "f32" {
+        return Err(strata_ps::Error::UnsupportedDtype { variable: s.name.clone(), dtype: s.dtype.clone() });
+    }
+    let dims = |d: &[u64]| -> strata_ps::Result<Vec<usize>> {
+        d.iter()
+            .map(|&x| usize::try_from(x).ok().filter(|&x| x <= MAX_VARIABLE_ELEMENTS))
+            .collect::<Option<Vec<usize>>>()
+            .ok_or_else(|| strata_ps::Error::VariableTooLarge { variable: s.name.clone(), shape: d.to_vec() })
+    };
+    let shape = dims(&s.shape)?;
+    let full_shape = if s.full_shape.is_empty() { shape.clone() } else { dims(&s.full_shape)? };
+    let info = VariableInfo {
+        name: s.name.clone(),
+        shape,
+        variable: if s.variable.is_empty() { s.name.clone() } else { s.variable.clone() },
+        part: s.part,
+        num_parts: s.num_parts.max(1),
+        row_offset: s.row_offset,
+        full_shape,
+    };
+    info.validate()?;
+    Ok(info)
+}
+
+/// A `CreateVariables` header, checked (a missing optimizer is refused, a missing mode is
+/// async).
+pub(crate) fn create_header(h: &proto::CreateHeader) -> strata_ps::Result<strata_ps::CreateHeader> {
+    let variables = h.variables.iter().map(variable).collect::<strata_ps::Result<Vec<_>>>()?;
+    Ok(strata_ps::CreateHeader {
+        variables,
+        optimizer: optimizer(&h.optimizer.clone().unwrap_or_default())?,
+        mode: mode(&h.mode.clone().unwrap_or_default())?,
+    })
+}
+
+/// The protocol's create header of variables, an optimizer and a mode.
+pub(crate) fn create_header_spec<'a>(
+    vars: impl IntoIterator<Item = &'a VariableInfo>,
+    optimizer: &ServerOptimizer,
+    mode: PsMode,
+) -> proto::CreateHeader {
+    proto::CreateHeader {
+        variables: vars.into_iter().map(ProtoSpec::to_spec).collect(),
+        optimizer: Some(optimizer.to_spec()),
+        mode: Some(mode.to_spec()),
+    }
+}
+
+/// The answer to `CreateVariables`.
+pub(crate) fn create_response(o: CreateOutcome) -> proto::CreateVariablesResponse {
+    proto::CreateVariablesResponse { versions: o.versions, existed: o.existed, version: o.version }
+}
+
+/// What a `CreateVariables` answer says.
+pub(crate) fn create_outcome(r: proto::CreateVariablesResponse) -> CreateOutcome {
+    CreateOutcome { versions: r.versions, existed: r.existed, version: r.version }
+}
+
+/// A received chunk (its length checked) whose data is one piece.
+pub(crate) fn chunk(c: proto::TensorChunk) -> strata_ps::Result<Chunk> {
+    strata_ps::check_chunk_len(c.data.len())?;
+    Ok(Chunk { var: c.variable, offset: c.offset, pieces: vec![c.data] })
+}
+
+/// Chunks of at most [`MAX_CHUNK_ELEMENTS`] of one variable's values (copied).
+pub(crate) fn chunks_of(var: u32, values: &[f32]) -> impl Iterator<Item = proto::TensorChunk> + '_ {
+    values.chunks(MAX_CHUNK_ELEMENTS).enumerate().map(move |(i, c)| proto::TensorChunk {
+        variable: var,
+        offset: (i * MAX_CHUNK_ELEMENTS) as u64,
+        data: Bytes::copy_from_slice(bytemuck::cast_slice(c)),
+    })
+}
+
+/// A `Push` header as strata-ps takes it.
+pub(crate) fn push_header(h: proto::PushHeader) -> PushHeader {
+    PushHeader {
+        id: UpdateId { worker: h.worker, client: h.client, step: h.step, seq: h.seq },
+        base_version: h.base_version,
+        variables: h.variables,
+    }
+}
+
+/// The protocol's `Push` header of update `id`, computed from `base_version`, of `names`.
+pub(crate) fn push_header_spec(id: &UpdateId, base_version: u64, names: &[&str]) -> proto::PushHeader {
+    proto::PushHeader {
+        worker: id.worker.clone(),
+        client: id.client.clone(),
+        step: id.step,
+        seq: id.seq,
+        base_version,
+        variables: names.iter().map(|n| n.to_string()).collect(),
+    }
+}
+
+/// The answer to a `Push`.
+pub(crate) fn push_response(r: PushReply) -> proto::PushResponse {
+    match r {
+        PushReply::Applied { version, duplicate } => {
+            proto::PushResponse { applied: true, duplicate, dropped: false, version }
+        }
+        PushReply::Dropped { version, duplicate } => {
+            proto::PushResponse { applied: false, duplicate, dropped: true, version }
+        }
+    }
+}
+
+/// What a `Push` answer says.
+pub(crate) fn push_outcome(r: &proto::PushResponse) -> PushOutcome {
+    if r.dropped {
+        PushOutcome::Dropped { version: r.version }
+    } else {
+        PushOutcome::Applied { version: r.version, duplicate: r.duplicate }
+    }
+}
+
+/// The header of a `Pull` answer, and its chunks as (variable, offset, data).
+pub(crate) fn pull_parts(p: PullResult) -> (proto::PullHeader, impl Iterator<Item = (u32, u64, Bytes)>) {
+    let header = proto::PullHeader {
+        version: p.version,
+        variables: p.variables.iter().map(|(info, _)| info.to_spec()).collect(),
+        variable_versions: p.variables.iter().map(|(_, v)| *v).collect(),
+    };
+    (header, p.chunks.into_iter().map(|c| (c.var, c.offset, c.data)))
+}
+
+/// The answer to `Status`.
+pub(crate) fn status_response(s: PsStatus) -> proto::PsStatusResponse {
+    proto::PsStatusResponse {
+        task: s.task,
+        version: s.version,
+        variables: s.variables.iter().map(|(info, _)| info.to_spec()).collect(),
+        variable_versions: s.variables.iter().map(|(_, v)| *v).collect(),
+        pushes_applied: s.pushes_applied,
+        pushes_duplicate: s.pushes_duplicate,
+        pushes_dropped: s.pushes_dropped,
+        pushes_stale: s.pushes_stale,
+        restored_step: s.restored_step,
+        restored_version: s.restored_version,
+        mode: Some(s.mode.to_spec()),
+        optimizer: s.optimizer.as_ref().map(ProtoSpec::to_spec),
+        rounds: s.rounds,
+        applied_by_worker: s.applied_by_worker.into_iter().collect(),
+        pushes_streamed: s.pushes_streamed,
+        pushes_aborted: s.pushes_aborted,
+        streaming: s.streaming,
+    }
+}
+
+/// What a `Status` answer says (a variable without a version is at version 0).
+pub(crate) fn ps_status(r: proto::PsStatusResponse) -> strata_ps::Result<PsStatus> {
+    let variables = r.variables.iter().map(variable).collect::<strata_ps::Result<Vec<_>>>()?;
+    let versions = r.variable_versions.iter().copied().chain(std::iter::repeat(0));
+    Ok(PsStatus {
+        task: r.task,
+        version: r.version,
+        variables: variables.into_iter().zip(versions).collect(),
+        pushes_applied: r.pushes_applied,
+        pushes_duplicate: r.pushes_duplicate,
+        pushes_dropped: r.pushes_dropped,
+        pushes_stale: r.pushes_stale,
+        pushes_streamed: r.pushes_streamed,
+        pushes_aborted: r.pushes_aborted,
+        streaming: r.streaming,
+        restored_step: r.restored_step,
+        restored_version: r.restored_version,
+        mode: mode(&r.mode.unwrap_or_default())?,
+        optimizer: r.optimizer.as_ref().map(optimizer).transpose()?,
+        rounds: r.rounds,
+        applied_by_worker: r.applied_by_worker.into_iter().collect(),
+    })
+}
+
+/// The variables a `Pull` answer's header describes, checked.
+pub(crate) fn pulled_variables(h: &proto::PullHeader) -> strata_ps::Result<Vec<VariableInfo>> {
+    h.variables.iter().map(variable).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kind_has_its_code() {
+        let cases = [
+            (strata_ps::Error::ChunkNotWholeElements { bytes: 6 }, tonic::Code::InvalidArgument),
+            (strata_ps::Error::NoVariables { task: "ps:0".into() }, tonic::Code::FailedPrecondition),
+            (strata_ps::Error::Stale { base: 1, version: 4, bound: 2 }, tonic::Code::FailedPrecondition),
+            (
+                strata_ps::Error::UnknownVariable { task: "ps:0".into(), variable: "x".into(), held: 1 },
+                tonic::Code::NotFound,
+            ),
+            (strata_ps::Error::Overtaken { task: "ps:0".into() }, tonic::Code::Aborted),
+            (
+                strata_ps::Error::VersionTimeout {
+                    task: "ps:0".into(),
+                    version: 3,
+                    waited: std::time::Duration::from_secs(1),
+                },
+                tonic::Code::DeadlineExceeded,
+            ),
+            (strata_ps::Error::RoundUnrecorded { task: "ps:0".into(), base: 2 }, tonic::Code::Internal),
+        ];
+        for (e, code) in cases {
+            let message = e.to_string();
+            let s = status(e);
+            assert_eq!((s.code(), s.message()), (code, message.as_str()));
+        }
+    }
+
+    #[test]
+    fn specs_are_checked_as_before() {
+        let mut s = ServerOptimizer::Sgd { lr: 0.5 }.to_spec();
+        s.momentum = f64::NAN;
+        let e = ServerOptimizer::from_spec(&s).unwrap_err();
+        assert!(e.to_string().contains("the sgd optimizer's parameters must be finite numbers"), "{e}");
+        let v = proto::VariableSpec {
+            name: "x".into(),
+            shape: vec![1 << 31, 2],
+            dtype: "f32".into(),
+            ..Default::default()
+        };
+        let e = VariableInfo::from_spec(&v).unwrap_err();
+        assert!(e.to_string().contains("more than 2147483648 elements; partition it"), "{e}");
+        let v = proto::VariableSpec { name: "x".into(), shape: vec![3], dtype: "f32".into(), ..Default::default() };
+        assert_eq!(VariableInfo::from_spec(&v).unwrap(), VariableInfo::whole("x", vec![3]));
+    }
+}
