@@ -108,7 +108,16 @@ pub struct WorkerArgs {
     pub network_delay: Option<Duration>,
 }
 
-fn token(file: Option<&std::path::Path>) -> Result<ClusterToken> {
+pub(crate) fn token(file: Option<&std::path::Path>) -> Result<ClusterToken> {
+    let unset = match std::env::var(TOKEN_VAR) {
+        Ok(t) => t.trim().is_empty(),
+        Err(e) => e == std::env::VarError::NotPresent,
+    };
+    if file.is_none() && unset {
+        return Err(Error::Usage(format!(
+            "no cluster token: set {TOKEN_VAR} to the same secret in every task (strata launch does this for you), or pass --cluster-token-file"
+        )));
+    }
     ClusterToken::resolve(file).map_err(|e| Error::Usage(e.to_string()))
 }
 

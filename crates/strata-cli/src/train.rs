@@ -323,8 +323,7 @@ pub fn make_multi_worker(args: &TrainArgs, options: StrategyOptions) -> Result<M
         ClusterSource::TfConfig => Box::new(TFConfigClusterResolver::from_env()?),
         ClusterSource::Slurm => Box::new(SlurmClusterResolver::from_env()),
     };
-    let token = strata_transport::ClusterToken::resolve(args.cluster_token_file.as_deref())
-        .map_err(|e| Error::Usage(e.to_string()))?;
+    let token = crate::ps::token(args.cluster_token_file.as_deref())?;
     let mut mw = MultiWorkerOptions::new(token)?;
     match gpus {
         Some((devices, ops)) => {

@@ -360,7 +360,7 @@ pub enum Error {
     },
 
     /// A checkpoint was asked of a task without a checkpoint directory.
-    #[error("{task} has no checkpoint directory; start the ps task with one (strata ps --checkpoint-dir DIR)")]
+    #[error("{task} has no checkpoint directory; start the ps task with one")]
     NoCheckpointDir {
         /// The task.
         task: String,

@@ -2,7 +2,7 @@
 //!
 //! Every RPC carries `authorization: Bearer <token>`; servers compare it in constant time
 //! (`subtle`) and answer `UNAUTHENTICATED`, changing nothing, when it is missing or wrong. The
-//! token comes from `STRATA_CLUSTER_TOKEN` or a file (`--cluster-token-file`); `strata launch`
+//! token comes from `STRATA_CLUSTER_TOKEN` or a file; `strata launch`
 //! makes a fresh one for each local job.
 //!
 //! On a network that others can read, add mutual TLS ([`MutualTls`], rustls): with
@@ -184,7 +184,7 @@ impl ClusterToken {
             Some(f) => Self::from_file(f)?,
             None => Self::from_env()?.ok_or_else(|| {
                 Error::Config(format!(
-                    "no cluster token: set {TOKEN_ENV} to the same secret in every task (strata launch does this for you), or pass --cluster-token-file"
+                    "no cluster token: set {TOKEN_ENV} to the same secret in every task (strata launch does this for you), or give a file that holds it"
                 ))
             })?,
         };
