@@ -34,7 +34,7 @@ use tonic::transport::Channel;
 use tonic::{Code, Request, Response, Status};
 
 use crate::auth::{client_interceptor, server_interceptor, ClientAuth, ClusterToken};
-use crate::rt::runtime;
+use crate::rt::{runtime, ServerTask};
 use crate::{Error, Result};
 
 /// The largest key or value the key-value store accepts.
@@ -390,8 +390,7 @@ impl Coordination for Svc {
 pub struct CoordinationServerHandle {
     service: Arc<Service>,
     address: SocketAddr,
-    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
-    done: Option<tokio::task::JoinHandle<()>>,
+    server: ServerTask,
 }
 
 impl CoordinationServerHandle {
@@ -423,41 +422,39 @@ impl CoordinationServerHandle {
             state: Mutex::new(state),
             changed: Notify::new(),
         });
-        let listener = runtime()
-            .block_on(tokio::net::TcpListener::bind(bind))
-            .map_err(|e| Error::io(format!("binding the coordination service to {bind}"), e))?;
-        let address = listener.local_addr().map_err(|e| Error::io("reading the coordination service's address", e))?;
-        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let (listener, address) = crate::rt::listen(bind, "the coordination service")?;
         let svc = service.clone();
         let mut builder = crate::auth::server_builder(&token)?;
         let interceptor = server_interceptor(token);
-        let done = runtime().spawn(async move {
-            let (reporter, health) = tonic_health::server::health_reporter();
-            reporter.set_serving::<CoordinationServer<Svc>>().await;
-            let monitor = {
-                let svc = svc.clone();
-                tokio::spawn(async move {
-                    let mut tick = tokio::time::interval(Duration::from_millis(100));
-                    loop {
-                        tick.tick().await;
-                        svc.check_liveness();
-                    }
-                })
-            };
-            let result = builder
-                .add_service(InterceptedService::new(health, interceptor.clone()))
-                .add_service(CoordinationServer::with_interceptor(Svc(svc), interceptor))
-                .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), async {
-                    let _ = rx.await;
-                })
-                .await;
-            monitor.abort();
-            if let Err(e) = result {
-                tracing::error!(error = %e, "the coordination service stopped");
-            }
-        });
+        let what = "the coordination service".to_string();
+        let server = crate::rt::spawn_server(
+            listener,
+            what,
+            tokio::sync::watch::channel(false).0,
+            |(incoming, stop)| async move {
+                let (reporter, health) = tonic_health::server::health_reporter();
+                reporter.set_serving::<CoordinationServer<Svc>>().await;
+                let monitor = {
+                    let svc = svc.clone();
+                    tokio::spawn(async move {
+                        let mut tick = tokio::time::interval(Duration::from_millis(100));
+                        loop {
+                            tick.tick().await;
+                            svc.check_liveness();
+                        }
+                    })
+                };
+                let result = builder
+                    .add_service(InterceptedService::new(health, interceptor.clone()))
+                    .add_service(CoordinationServer::with_interceptor(Svc(svc), interceptor))
+                    .serve_with_incoming_shutdown(incoming, stop)
+                    .await;
+                monitor.abort();
+                result
+            },
+        );
         tracing::info!(%address, "coordination service listening");
-        Ok(Self { service, address, shutdown: Some(tx), done: Some(done) })
+        Ok(Self { service, address, server })
     }
 
     /// Where the service listens.
@@ -486,12 +483,7 @@ impl CoordinationServerHandle {
     }
 
     fn stop(&mut self) {
-        if let Some(tx) = self.shutdown.take() {
-            let _ = tx.send(());
-        }
-        if let Some(done) = self.done.take() {
-            let _ = runtime().block_on(async { tokio::time::timeout(Duration::from_secs(5), done).await });
-        }
+        self.server.stop();
     }
 }
 

@@ -181,28 +181,22 @@ impl WorkerExecutorHandle {
     /// Starts serving task `task` (`worker:<index>`) on `bind` (port 0 picks a free one),
     /// admitting only calls with `token`. Must not be called from inside a tokio runtime thread.
     pub fn start(bind: SocketAddr, task: String, token: ClusterToken, handler: Arc<dyn StepHandler>) -> Result<Self> {
-        let listener = runtime()
-            .block_on(tokio::net::TcpListener::bind(bind))
-            .map_err(|e| Error::io(format!("binding the worker executor of {task} to {bind}"), e))?;
-        let address = listener
-            .local_addr()
-            .map_err(|e| Error::io(format!("reading the worker executor address of {task}"), e))?;
+        let (listener, address) = crate::rt::listen(bind, &format!("the worker executor of {task}"))?;
         let (tx, rx) = tokio::sync::watch::channel(false);
         let service = Arc::new(Service {
             task: task.clone(),
             handler,
             steps_run: AtomicU64::new(0),
             incarnation: random_u64(),
-            stopping: rx.clone(),
+            stopping: rx,
         });
         let mut builder = crate::auth::server_builder(&token)?;
         let interceptor = server_interceptor(token);
-        let mut stop_rx = rx;
-        let name = task.clone();
-        let done = runtime().spawn(async move {
+        let what = format!("the worker executor of {task}");
+        let server = crate::rt::spawn_server(listener, what, tx, |(incoming, stop)| async move {
             let (reporter, health) = tonic_health::server::health_reporter();
             reporter.set_serving::<WorkerExecutorServer<Svc>>().await;
-            let result = builder
+            builder
                 .add_service(InterceptedService::new(health, interceptor.clone()))
                 .add_service(InterceptedService::new(
                     WorkerExecutorServer::new(Svc(service))
@@ -210,16 +204,11 @@ impl WorkerExecutorHandle {
                         .max_encoding_message_size(MAX_MESSAGE_BYTES),
                     interceptor,
                 ))
-                .serve_with_incoming_shutdown(crate::rt::incoming(listener), async move {
-                    let _ = stop_rx.wait_for(|s| *s).await;
-                })
-                .await;
-            if let Err(e) = result {
-                tracing::error!(task = %name, error = %e, "the worker executor stopped");
-            }
+                .serve_with_incoming_shutdown(incoming, stop)
+                .await
         });
         tracing::info!(%task, %address, "worker executor listening");
-        Ok(Self { address, task, server: ServerTask::new(tx, done) })
+        Ok(Self { address, task, server })
     }
 
     /// Where the service listens.

@@ -1,9 +1,14 @@
 //! The tokio runtime the transport's servers and clients run on. Strata's strategies are
 //! synchronous (replica threads), so they call into it with `block_on` from their own threads.
 
+use std::future::Future;
+use std::net::SocketAddr;
 use std::sync::OnceLock;
 
+use tokio::net::TcpListener;
 use tokio::runtime::Runtime;
+
+use crate::{Error, Result};
 
 /// The process-wide transport runtime (two worker threads: the data plane does not run here).
 pub fn runtime() -> &'static Runtime {
@@ -22,8 +27,51 @@ pub fn runtime() -> &'static Runtime {
     })
 }
 
+/// Binds a listener for a server (`what`: "the parameter server ps:0") on `bind` (port 0 picks
+/// a free one) and reads the address it got. Must not be called from inside the runtime.
+pub(crate) fn listen(bind: SocketAddr, what: &str) -> Result<(TcpListener, SocketAddr)> {
+    let listener =
+        runtime().block_on(TcpListener::bind(bind)).map_err(|e| Error::io(format!("binding {what} to {bind}"), e))?;
+    let address = listener.local_addr().map_err(|e| Error::io(format!("reading the address of {what}"), e))?;
+    Ok((listener, address))
+}
+
+/// What a server's body gets: the connections to serve, and the future that completes when the
+/// server must stop (pass both to `serve_with_incoming_shutdown`).
+pub(crate) type Serve = (
+    std::pin::Pin<Box<dyn tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> + Send>>,
+    std::pin::Pin<Box<dyn Future<Output = ()> + Send>>,
+);
+
+/// Runs a gRPC server on the transport runtime: `body` builds it and serves the connections of
+/// `listener` (Nagle's algorithm off) until `stop` turns true (the returned [`ServerTask`] turns
+/// it); a server that ends with an error logs it as `what`. Every server of this crate starts
+/// and stops here.
+pub(crate) fn spawn_server<F, Fut>(
+    listener: TcpListener,
+    what: String,
+    stop: tokio::sync::watch::Sender<bool>,
+    body: F,
+) -> ServerTask
+where
+    F: FnOnce(Serve) -> Fut + Send + 'static,
+    Fut: Future<Output = std::result::Result<(), tonic::transport::Error>> + Send + 'static,
+{
+    let mut rx = stop.subscribe();
+    let done = runtime().spawn(async move {
+        let shutdown = Box::pin(async move {
+            let _ = rx.wait_for(|s| *s).await;
+        });
+        if let Err(e) = body((Box::pin(incoming(listener)), shutdown)).await {
+            tracing::error!(server = %what, error = %e, "a server stopped");
+        }
+    });
+    ServerTask::new(stop, done)
+}
+
 /// A server running on the transport runtime, with the switch that stops it: the handles of the
-/// parameter server and the worker executor hold one. Dropping it stops the server.
+/// parameter server, the worker executor and the coordination service hold one. Dropping it
+/// stops the server.
 pub(crate) struct ServerTask {
     stop: Option<tokio::sync::watch::Sender<bool>>,
     done: Option<tokio::task::JoinHandle<()>>,
@@ -31,7 +79,7 @@ pub(crate) struct ServerTask {
 
 impl ServerTask {
     /// A server task `done` that ends once `stop` turns true.
-    pub(crate) fn new(stop: tokio::sync::watch::Sender<bool>, done: tokio::task::JoinHandle<()>) -> Self {
+    fn new(stop: tokio::sync::watch::Sender<bool>, done: tokio::task::JoinHandle<()>) -> Self {
         Self { stop: Some(stop), done: Some(done) }
     }
 
@@ -53,6 +101,12 @@ impl ServerTask {
     }
 }
 
+impl std::fmt::Debug for ServerTask {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServerTask").field("running", &self.done.is_some()).finish()
+    }
+}
+
 impl Drop for ServerTask {
     fn drop(&mut self) {
         self.stop();
@@ -62,9 +116,7 @@ impl Drop for ServerTask {
 /// The connections `listener` accepts, with Nagle's algorithm off: tonic's own `tcp_nodelay`
 /// applies only to the listeners it binds, and a small reply held back for a delayed ACK
 /// costs 40 ms.
-pub(crate) fn incoming(
-    listener: tokio::net::TcpListener,
-) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
+fn incoming(listener: TcpListener) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
     use tokio_stream::StreamExt;
     tokio_stream::wrappers::TcpListenerStream::new(listener).map(|conn| {
         conn.inspect(|s| {

@@ -30,8 +30,8 @@ use super::faults::Faulty;
 use super::wire;
 use super::PsServerConfig;
 use crate::auth::server_interceptor;
-use crate::rt::{runtime, ServerTask};
-use crate::{Error, Result};
+use crate::rt::ServerTask;
+use crate::Result;
 
 /// The largest message the server decodes: one chunk plus its framing.
 const MAX_MESSAGE_BYTES: usize = MAX_CHUNK_BYTES + (64 << 10);
@@ -465,11 +465,7 @@ impl PsServerHandle {
             tracing::info!(task = %config.task, step, version = snap.version, "restored from a checkpoint");
             state.restore(snap, step);
         }
-        let listener = runtime()
-            .block_on(tokio::net::TcpListener::bind(bind))
-            .map_err(|e| Error::io(format!("binding the parameter server {} to {bind}", config.task), e))?;
-        let address =
-            listener.local_addr().map_err(|e| Error::io(format!("reading the address of {}", config.task), e))?;
+        let (listener, address) = crate::rt::listen(bind, &format!("the parameter server {}", config.task))?;
         let (version, _) = watch::channel(state.version());
         let task = config.task.clone();
         let interceptor = server_interceptor(config.token.clone());
@@ -481,10 +477,9 @@ impl PsServerHandle {
             streamed_chunks: AtomicU64::new(0),
             waiting: AtomicUsize::new(0),
         });
-        let (tx, mut rx) = watch::channel(false);
-        let name = task.clone();
         let builder = crate::auth::server_builder(&shared.config.token)?;
-        let done = runtime().spawn(async move {
+        let what = format!("the parameter server {task}");
+        let server = crate::rt::spawn_server(listener, what, watch::channel(false).0, |(incoming, stop)| async move {
             let (reporter, health) = tonic_health::server::health_reporter();
             reporter.set_serving::<ParameterServerServer<Svc>>().await;
             let generated = ParameterServerServer::new(Svc(shared.clone()))
@@ -504,17 +499,10 @@ impl PsServerHandle {
             } else {
                 router.add_service(InterceptedService::new(service, interceptor))
             };
-            let result = router
-                .serve_with_incoming_shutdown(crate::rt::incoming(listener), async {
-                    let _ = rx.wait_for(|s| *s).await;
-                })
-                .await;
-            if let Err(e) = result {
-                tracing::error!(task = %name, error = %e, "the parameter server stopped");
-            }
+            router.serve_with_incoming_shutdown(incoming, stop).await
         });
         tracing::info!(%task, %address, "parameter server listening");
-        Ok(Self { address, task, server: ServerTask::new(tx, done) })
+        Ok(Self { address, task, server })
     }
 
     /// Where the task listens.
