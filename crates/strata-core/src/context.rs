@@ -9,12 +9,18 @@ use std::sync::Arc;
 use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, Var};
 
-use crate::cross_device::{plan_buckets, Destination};
+use crate::cross_device::{plan_buckets, Destination, ReduceRequest};
 pub use crate::extended::{CrossReplicaContext, ReplicaContext, StepShared};
 use crate::group::OpKey;
 use crate::{Error, PerReplica, ReduceOp, Result};
 
 impl ReplicaContext<'_> {
+    /// This replica's request for the next collective reduction of the step.
+    fn request<'r>(&'r self, op: ReduceOp, dest: Destination, input: &'r [Tensor], weight: f32) -> ReduceRequest<'r> {
+        let (group, replica) = (&self.shared.group, self.replica);
+        ReduceRequest { group, replica, seq: group.next_seq(replica), op, dest, input, weight }
+    }
+
     fn next_key(&self, op: String, shape: Vec<usize>) -> OpKey {
         OpKey { seq: self.shared.group.next_seq(self.replica), op, shape }
     }
@@ -52,35 +58,16 @@ impl ReplicaContext<'_> {
         let _p = self.phase("collective", &format!("all_reduce({op})"));
         let _s = tracing::trace_span!("all_reduce", replica = self.replica, %op, elements = t.elem_count()).entered();
         let input = t.to_dtype(candle_core::DType::F32)?.contiguous()?;
-        let seq = self.shared.group.next_seq(self.replica);
         let ops = self.shared.ext.cross_device_ops();
         if ops.reduces_in_place() {
             // A copy of its own: the reduction overwrites it, and `t` stays the caller's.
             let buf = input.copy()?;
-            let group = &self.shared.group;
-            ops.reduce(
-                group,
-                self.replica,
-                seq,
-                op,
-                Destination::AllReplicas,
-                std::slice::from_ref(&buf),
-                1.0,
-                &mut |_| {},
-            )?;
+            ops.reduce(self.request(op, Destination::AllReplicas, std::slice::from_ref(&buf), 1.0), &mut |_| {})?;
             return Ok(buf.to_dtype(t.dtype())?);
         }
         let mut out = Vec::with_capacity(input.elem_count());
-        self.shared.ext.cross_device_ops().reduce(
-            &self.shared.group,
-            self.replica,
-            seq,
-            op,
-            Destination::AllReplicas,
-            std::slice::from_ref(&input),
-            1.0,
-            &mut |p| out.extend_from_slice(p),
-        )?;
+        let req = self.request(op, Destination::AllReplicas, std::slice::from_ref(&input), 1.0);
+        ops.reduce(req, &mut |p| out.extend_from_slice(p))?;
         Ok(Tensor::from_vec(out, t.shape(), self.candle_device())?.to_dtype(t.dtype())?)
     }
 
@@ -167,45 +154,32 @@ impl ReplicaContext<'_> {
             let _s =
                 tracing::trace_span!("reduce_bucket", replica = self.replica, bucket = b, elements = bucket.elements)
                     .entered();
-            let seq = self.shared.group.next_seq(self.replica);
             let range = bucket.tensors.clone();
             let (mut cur, mut filled) = (range.start, 0usize);
             // Device-resident ops write the result into `grads` themselves.
             let in_place = ops.reduces_in_place();
-            ops.reduce(
-                &self.shared.group,
-                self.replica,
-                seq,
-                ReduceOp::Sum,
-                dest,
-                &grads[range.clone()],
-                self.batch_weight(),
-                &mut |mut piece: &[f32]| {
-                    if in_place {
-                        return;
+            let req = self.request(ReduceOp::Sum, dest, &grads[range.clone()], self.batch_weight());
+            ops.reduce(req, &mut |mut piece: &[f32]| {
+                if in_place {
+                    return;
+                }
+                while !piece.is_empty() {
+                    while filled == sizes[cur] {
+                        (cur, filled) = (cur + 1, 0);
                     }
-                    while !piece.is_empty() {
-                        while filled == sizes[cur] {
-                            (cur, filled) = (cur + 1, 0);
-                        }
-                        let take = (sizes[cur] - filled).min(piece.len());
-                        if let Err(e) = grads[cur].inplace_op1(&WriteAt { offset: filled, data: &piece[..take] }) {
-                            failed.get_or_insert(e);
-                        }
-                        filled += take;
-                        piece = &piece[take..];
+                    let take = (sizes[cur] - filled).min(piece.len());
+                    if let Err(e) = grads[cur].inplace_op1(&WriteAt { offset: filled, data: &piece[..take] }) {
+                        failed.get_or_insert(e);
                     }
-                },
-            )?;
+                    filled += take;
+                    piece = &piece[take..];
+                }
+            })?;
         }
         if let Some(e) = failed {
             return Err(e.into());
         }
-        let receives = match dest {
-            Destination::AllReplicas => true,
-            Destination::Replica(p) => p == self.replica,
-        };
-        Ok(receives.then_some(grads))
+        Ok(dest.receives(self.replica).then_some(grads))
     }
 }
 

@@ -4,8 +4,10 @@
 //! each replica, [`ReplicaContext`] (with its step's [`StepShared`]).
 //!
 //! This is the bottom of the strategy machinery: it depends only on the leaf vocabulary
-//! (devices, [`ReduceOp`], errors, the timeline, the replica group and the cross-device ops'
-//! trait). The context's type lives here because the two refer to each other (a job receives a
+//! (devices, errors, the timeline, the replica group and the collective interfaces of
+//! [`cross_device`](crate::cross_device), where [`WorkerCollectives`] is defined next to
+//! `CrossDeviceOps` since the hierarchical cross-device op uses it; it is re-exported here).
+//! The context's type lives here because the two refer to each other (a job receives a
 //! `ReplicaContext`, a context holds its strategy); its collectives are in
 //! [`context`](crate::context), the optimizer step in [`variables`](crate::variables), and the
 //! user-facing [`Strategy`](crate::strategy::Strategy) sits above all of them.
@@ -18,11 +20,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+pub use crate::cross_device::WorkerCollectives;
 use crate::cross_device::{CrossDeviceOps, DEFAULT_BUCKET_BYTES};
 use crate::device::LogicalDevice;
 use crate::group::DEFAULT_COLLECTIVE_TIMEOUT;
 use crate::timeline::Timeline;
-use crate::{ReduceOp, Result};
+use crate::Result;
 
 /// Identifies one strategy object; values and variables remember the strategy that made them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -88,25 +91,6 @@ pub enum AutoShardPolicy {
     Data,
     /// No sharding: each worker's batches are its own part of the step.
     Off,
-}
-
-/// The cross-worker half of a multi-worker strategy: collectives between the workers of a
-/// job. On each worker one replica thread calls them (after the worker's replicas have
-/// combined their values locally), in the same order on every worker; the implementation
-/// numbers them and checks that order.
-pub trait WorkerCollectives: Send + Sync + std::fmt::Debug {
-    /// The number of workers in sync.
-    fn num_workers(&self) -> usize;
-    /// This worker's index (0 is the chief).
-    fn worker_index(&self) -> usize;
-    /// All-reduces `data` in place across the workers (`Mean` averages over workers).
-    fn all_reduce(&self, op: ReduceOp, data: &mut [f32]) -> Result<()>;
-    /// Gathers every worker's `mine` (lengths may differ), in worker order.
-    fn all_gather(&self, mine: &[f32]) -> Result<Vec<Vec<f32>>>;
-    /// Overwrites `data` on every worker with worker `root`'s.
-    fn broadcast(&self, root: usize, data: &mut [f32]) -> Result<()>;
-    /// Waits until every worker reaches this point.
-    fn barrier(&self) -> Result<()>;
 }
 
 /// A job run once on every replica.
