@@ -236,7 +236,7 @@ fn reduce_with_kernels(op: ReduceOp, srcs: &[Tensor], home: &Device) -> Result<T
             views.push(cs.as_cuda_slice::<f32>()?.slice(lo..hi));
         }
         let refs: Vec<&_> = views.iter().collect();
-        kernels.reduce(&stream, op.into(), &refs, &mut out)?;
+        kernels.reduce(&stream, op, &refs, &mut out)?;
     }
     wrap(out, home)
 }

@@ -7,7 +7,9 @@
 //! 16-bit floats are passed as their bits (`u16`), as the kernels take them; the scalar
 //! conversions equal the `half` crate's.
 
-use super::{validate, AdamWScalars, ReduceOp, CANONICAL_NAN};
+use strata_core::ReduceOp;
+
+use super::{validate, AdamWScalars, CANONICAL_NAN};
 use crate::Result;
 
 fn combine(op: ReduceOp, acc: f32, x: f32) -> f32 {
