@@ -51,7 +51,7 @@ mod spec;
 mod visibility;
 
 pub use candle::candle_device;
-pub use describe::describe_devices;
+pub use describe::{describe_devices, write_table};
 pub use logical::{logical_cpus, split_physical, LogicalDevice, LogicalDeviceConfiguration, LogicalKind};
 pub use memory::{format_bytes, memory_info, parse_bytes, MemoryInfo, MemoryPolicy, MemoryTracker};
 pub use physical::{CpuEnumerator, DeviceEnumerator, PhysicalDevice, StaticEnumerator};
