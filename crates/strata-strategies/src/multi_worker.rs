@@ -152,6 +152,9 @@ impl WorkerCollectives for WorkerJob {
     fn broadcast(&self, root: usize, data: &mut [f32]) -> Result<()> {
         self.collective("broadcast", |seq| self.ring.broadcast(seq, root, data))
     }
+    fn broadcast_u64s(&self, root: usize, data: &mut [u64]) -> Result<()> {
+        self.collective("broadcast_u64s", |seq| self.ring.broadcast_u64s(seq, root, data))
+    }
     fn barrier(&self) -> Result<()> {
         self.collective("barrier", |seq| self.ring.barrier(seq))
     }

@@ -106,6 +106,9 @@ mod tests {
         fn broadcast(&self, _root: usize, _data: &mut [f32]) -> Result<()> {
             Ok(())
         }
+        fn broadcast_u64s(&self, _root: usize, _data: &mut [u64]) -> Result<()> {
+            Ok(())
+        }
         fn barrier(&self) -> Result<()> {
             Ok(())
         }

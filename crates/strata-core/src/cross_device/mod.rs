@@ -118,6 +118,9 @@ pub trait WorkerCollectives: Send + Sync + std::fmt::Debug {
     fn all_gather(&self, mine: &[f32]) -> Result<Vec<Vec<f32>>>;
     /// Overwrites `data` on every worker with worker `root`'s.
     fn broadcast(&self, root: usize, data: &mut [f32]) -> Result<()>;
+    /// Overwrites `data` on every worker with worker `root`'s: integers (a step, a flag), bit
+    /// for bit, where [`broadcast`](WorkerCollectives::broadcast) carries f32 values.
+    fn broadcast_u64s(&self, root: usize, data: &mut [u64]) -> Result<()>;
     /// Waits until every worker reaches this point.
     fn barrier(&self) -> Result<()>;
 }
