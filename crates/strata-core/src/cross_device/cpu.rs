@@ -450,6 +450,11 @@ mod tests {
         }
     }
 
+    /// Replica `replica`'s request for the first all-reduce (sum) of a step.
+    fn first_sum<'a>(group: &'a ReplicaGroup, replica: usize, input: &'a [Tensor], weight: f32) -> ReduceRequest<'a> {
+        ReduceRequest { group, replica, seq: 0, op: ReduceOp::Sum, dest: Destination::AllReplicas, input, weight }
+    }
+
     #[test]
     fn weights_scale_each_contribution() {
         let ops = CpuCrossDeviceOps::in_memory_all_reduce(2).unwrap();
@@ -462,16 +467,7 @@ mod tests {
                         let data = vec![Tensor::ones(5, candle_core::DType::F32, &Device::Cpu).unwrap()];
                         let w = if r == 0 { 0.75 } else { 0.25 };
                         let mut got = Vec::new();
-                        let req = ReduceRequest {
-                            group,
-                            replica: r,
-                            seq: 0,
-                            op: ReduceOp::Sum,
-                            dest: Destination::AllReplicas,
-                            input: &data,
-                            weight: w,
-                        };
-                        ops.reduce(req, &mut |p| got.extend_from_slice(p)).unwrap();
+                        ops.reduce(first_sum(group, r, &data, w), &mut |p| got.extend_from_slice(p)).unwrap();
                         got
                     })
                 })
@@ -492,16 +488,7 @@ mod tests {
                     let (ops, group) = (&ops, &group);
                     s.spawn(move || {
                         let data = vec![Tensor::ones(5 + r, candle_core::DType::F32, &Device::Cpu).unwrap()];
-                        let req = ReduceRequest {
-                            group,
-                            replica: r,
-                            seq: 0,
-                            op: ReduceOp::Sum,
-                            dest: Destination::AllReplicas,
-                            input: &data,
-                            weight: 1.0,
-                        };
-                        ops.reduce(req, &mut |_| {})
+                        ops.reduce(first_sum(group, r, &data, 1.0), &mut |_| {})
                     })
                 })
                 .collect();
