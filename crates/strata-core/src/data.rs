@@ -156,7 +156,7 @@ pub struct DistributedDataset<I> {
     first_len: Option<usize>,
     skipped: usize,
     /// Multi-worker: (workers, this worker, policy).
-    worker: Option<(usize, usize, crate::strategy::AutoShardPolicy)>,
+    worker: Option<(usize, usize, crate::extended::AutoShardPolicy)>,
 }
 
 impl<I: Iterator<Item = Batch>> DistributedDataset<I> {
@@ -166,7 +166,7 @@ impl<I: Iterator<Item = Batch>> DistributedDataset<I> {
     }
 
     /// Splits for worker `index` of `workers`, each with `local` replicas. With
-    /// [`AutoShardPolicy::Data`](crate::strategy::AutoShardPolicy::Data) every worker reads the
+    /// [`AutoShardPolicy::Data`](crate::extended::AutoShardPolicy::Data) every worker reads the
     /// same global batches, splits each over all `local * workers` replicas and keeps its own
     /// replicas' shards, so the job computes exactly what one process would on that batch.
     /// With `Off`, each worker's batches are its own part of the step (weighted as if every
@@ -176,7 +176,7 @@ impl<I: Iterator<Item = Batch>> DistributedDataset<I> {
         local: usize,
         workers: usize,
         index: usize,
-        policy: crate::strategy::AutoShardPolicy,
+        policy: crate::extended::AutoShardPolicy,
         tail: TailPolicy,
     ) -> Self {
         let mut d = Self::new(inner, local, tail);
@@ -198,7 +198,7 @@ impl<I: Iterator<Item = Batch>> Iterator for DistributedDataset<I> {
             let b = self.inner.next()?;
             let first = *self.first_len.get_or_insert(b.len());
             let split_over = match self.worker {
-                Some((w, _, crate::strategy::AutoShardPolicy::Data)) => self.n * w,
+                Some((w, _, crate::extended::AutoShardPolicy::Data)) => self.n * w,
                 _ => self.n,
             };
             let keep = match self.tail {
@@ -212,13 +212,13 @@ impl<I: Iterator<Item = Batch>> Iterator for DistributedDataset<I> {
             }
             return match self.worker {
                 None => DistributedBatch::split(&b, self.n).ok(),
-                Some((w, index, crate::strategy::AutoShardPolicy::Data)) => {
+                Some((w, index, crate::extended::AutoShardPolicy::Data)) => {
                     let all = DistributedBatch::split(&b, self.n * w).ok()?;
                     let mine: Vec<Shard> =
                         all.shards.into_values().into_iter().skip(index * self.n).take(self.n).collect();
                     PerReplica::new(mine).ok().map(|shards| DistributedBatch { shards })
                 }
-                Some((w, _, crate::strategy::AutoShardPolicy::Off)) => {
+                Some((w, _, crate::extended::AutoShardPolicy::Off)) => {
                     let mut local = DistributedBatch::split(&b, self.n).ok()?;
                     let shards: Vec<Shard> = local
                         .shards

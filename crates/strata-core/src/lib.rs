@@ -22,6 +22,24 @@
 //!
 //! The strategies themselves (`MirroredStrategy`, `CentralStorageStrategy`, ...) live in
 //! `strata-strategies`; the `strata` crate re-exports everything.
+//!
+//! ## Layers
+//!
+//! The modules form layers; a module uses only those below it (`tests/module_graph.rs` checks
+//! that the `crate::` paths between them have no cycle):
+//!
+//! - [`error`](Error), `reduce` ([`ReduceOp`]), `values` ([`PerReplica`], [`Mirrored`]),
+//!   [`timeline`], [`group`], [`device`], [`checkpoint`]: the leaf vocabulary;
+//!   [`optim`] uses the checkpoint's `OptimizerState`;
+//! - [`cross_device`]: the collective interfaces and their CPU implementations;
+//! - [`extended`]: what a strategy implementation provides ([`StrategyExtended`] and its
+//!   vocabulary) and the [`ReplicaContext`] type a job receives;
+//! - [`context`]: the replica context's collectives;
+//! - [`runtime`]: running a step on replica threads, the default strategy;
+//! - [`scope`]: the scope stack ([`get_strategy`]);
+//! - [`data`]: batches, shards and distributed datasets;
+//! - [`variables`]: the scope's variables and the distributed optimizer;
+//! - [`strategy`]: the user-facing [`Strategy`] and [`StrategyHandle`].
 
 pub mod checkpoint;
 pub mod context;
@@ -29,10 +47,12 @@ pub mod cross_device;
 pub mod data;
 pub mod device;
 mod error;
+pub mod extended;
 pub mod group;
 pub mod optim;
 mod reduce;
 pub mod runtime;
+pub mod scope;
 pub mod strategy;
 pub mod timeline;
 mod values;
@@ -42,12 +62,13 @@ pub use checkpoint::{
     keep_last, latest_checkpoint, read_checkpoint, write_checkpoint, Checkpoint, CheckpointTensor, CheckpointWriter,
     LoadedTensor, OptimizerState, ShardInfo,
 };
-pub use context::{CrossReplicaContext, ReplicaContext};
 pub use error::{Error, Result};
-pub use reduce::ReduceOp;
-pub use strategy::{
-    get_strategy, has_strategy, Strategy, StrategyExtended, StrategyHandle, StrategyId, StrategyOptions, VariablePolicy,
+pub use extended::{
+    CrossReplicaContext, ReplicaContext, StrategyExtended, StrategyId, StrategyOptions, VariablePolicy,
 };
+pub use reduce::ReduceOp;
+pub use scope::{get_strategy, has_strategy};
+pub use strategy::{Strategy, StrategyHandle};
 pub use values::{Mirrored, PerReplica};
 pub use variables::{
     DistributedOptimizer, DistributedVariable, Replicated, Scope, SyncOnReadVariable, VariableAggregation,

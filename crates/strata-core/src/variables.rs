@@ -14,13 +14,17 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Shape, Tensor, Var};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{Init, Optimizer, VarBuilder};
 use rand::{Rng, SeedableRng};
 
 use crate::context::ReplicaContext;
-use crate::strategy::{ScopeGuard, StrategyExtended, StrategyId, VariablePolicy};
+use crate::cross_device::Destination;
+use crate::device::candle_device;
+use crate::extended::{StrategyExtended, StrategyId, VariablePolicy, WorkerCollectives};
+use crate::scope::ScopeGuard;
 use crate::{Error, ReduceOp, Result};
 
 /// How per-replica values of a variable combine when it is read or written across replicas.
@@ -219,7 +223,7 @@ pub(crate) fn build_replicated<M>(
             created: created.clone(),
             primary: primary.clone(),
         };
-        let dev = crate::runtime::candle_device(device)?;
+        let dev = candle_device(device)?;
         let vb = VarBuilder::from_backend(Box::new(backend), DType::F32, dev);
         let model = build(&Scope { vb, copy, copies: n, ext })?;
         let made = std::mem::take(&mut *lock(&created));
@@ -248,7 +252,7 @@ pub(crate) fn build_replicated<M>(
 /// Multi-worker: the chief's initial values reach every worker before the first step (they
 /// agree already when every worker seeds the same way; this makes it so whatever the model's
 /// initialisers do).
-fn broadcast_from_chief(w: &dyn crate::strategy::WorkerCollectives, vars: &[Vec<(String, Var)>]) -> Result<()> {
+fn broadcast_from_chief(w: &dyn WorkerCollectives, vars: &[Vec<(String, Var)>]) -> Result<()> {
     let Some(first) = vars.first() else { return Ok(()) };
     let mut data = Vec::new();
     for (_, v) in first {
@@ -467,6 +471,57 @@ impl<O: Optimizer> DistributedOptimizer<O> {
     /// The learning rate of the first copy.
     pub fn learning_rate(&self) -> f64 {
         lock(&self.copies[0]).learning_rate()
+    }
+}
+
+/// How a replica applies its gradients through a [`DistributedOptimizer`] (next to the
+/// optimizer, whose copies and policy it uses; the reduction itself is
+/// [`ReplicaContext::reduce_gradients`]).
+impl ReplicaContext<'_> {
+    /// Computes the gradients of `loss` and synchronises and applies them the strategy's way:
+    /// mirrored variables all-reduce and every replica applies the same update to its copy;
+    /// central variables reduce to the parameter device, which applies the update once.
+    pub fn backward_and_sync<O: Optimizer>(&self, loss: &Tensor, opt: &DistributedOptimizer<O>) -> Result<()> {
+        let grads = {
+            let _p = self.phase("step", "backward");
+            let _s = tracing::trace_span!("backward", replica = self.replica).entered();
+            loss.backward()?
+        };
+        self.sync_and_apply(grads, opt)
+    }
+
+    /// Synchronises already computed gradients and applies them (see
+    /// [`ReplicaContext::backward_and_sync`]).
+    pub fn sync_and_apply<O: Optimizer>(&self, grads: GradStore, opt: &DistributedOptimizer<O>) -> Result<()> {
+        opt.check_strategy(self)?;
+        let n = self.shared.group.num_replicas();
+        let policy = opt.policy();
+        let copy = match policy {
+            VariablePolicy::Mirrored => self.replica,
+            VariablePolicy::Central { .. } => 0,
+        };
+        if n == 1 && self.shared.ext.workers().is_none() {
+            let _p = self.phase("step", "optimizer");
+            return Ok(opt.lock(0).step(&grads)?);
+        }
+        let vars = opt.vars(copy);
+        let dest = match policy {
+            VariablePolicy::Mirrored => Destination::AllReplicas,
+            VariablePolicy::Central { parameter_replica } => Destination::Replica(parameter_replica),
+        };
+        if let Some(reduced) = self.reduce_gradients(&grads, vars, dest)? {
+            let _p = self.phase("step", "optimizer");
+            let mut store = GradStore::default();
+            for (v, g) in vars.iter().zip(reduced) {
+                store.insert(v.as_tensor(), g);
+            }
+            opt.lock(copy).step(&store)?;
+        }
+        if matches!(policy, VariablePolicy::Central { .. }) {
+            // Replicas read the central variables only after the update is applied.
+            self.barrier()?;
+        }
+        Ok(())
     }
 }
 

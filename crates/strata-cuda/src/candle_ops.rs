@@ -38,9 +38,9 @@ use candle_core::backend::BackendStorage;
 use candle_core::op::BackpropOp;
 use candle_core::{CudaStorage, DType, Device, Storage, Tensor};
 use cudarc::driver::CudaSlice;
-use strata_core::cross_device::{CrossDeviceOps, Destination};
+use strata_core::cross_device::{CrossDeviceOps, Destination, ReduceRequest};
 use strata_core::device::LogicalDevice;
-use strata_core::group::{OpKey, ReplicaGroup};
+use strata_core::group::OpKey;
 use strata_core::ReduceOp;
 
 use crate::kernels::launch::Kernels;
@@ -152,7 +152,6 @@ impl GpuCrossDeviceOps {
     /// The leader's part: every replica's result (those that receive one).
     fn combine(&self, op: ReduceOp, dest: Destination, flats: &[Tensor], leader: usize) -> Result<Vec<Option<Tensor>>> {
         let n = flats.len();
-        let receives = |r: usize| dest == Destination::AllReplicas || dest == Destination::Replica(r);
         #[cfg(feature = "nccl")]
         if let Some(comms) = &self.nccl {
             let mut bufs = flats.iter().map(owned_copy).collect::<Result<Vec<_>>>()?;
@@ -170,7 +169,7 @@ impl GpuCrossDeviceOps {
                 .into_iter()
                 .zip(flats)
                 .enumerate()
-                .map(|(r, (buf, flat))| if receives(r) { wrap(buf, flat.device()).map(Some) } else { Ok(None) })
+                .map(|(r, (buf, flat))| if dest.receives(r) { wrap(buf, flat.device()).map(Some) } else { Ok(None) })
                 .collect();
         }
         let home = flats[leader].device().clone();
@@ -178,7 +177,7 @@ impl GpuCrossDeviceOps {
         let reduced = reduce_with_kernels(op, &on_leader, &home)?;
         (0..n)
             .map(|r| {
-                if !receives(r) {
+                if !dest.receives(r) {
                     Ok(None)
                 } else if r == leader {
                     Ok(Some(reduced.clone()))
@@ -237,7 +236,7 @@ fn reduce_with_kernels(op: ReduceOp, srcs: &[Tensor], home: &Device) -> Result<T
             views.push(cs.as_cuda_slice::<f32>()?.slice(lo..hi));
         }
         let refs: Vec<&_> = views.iter().collect();
-        kernels.reduce(&stream, op.into(), &refs, &mut out)?;
+        kernels.reduce(&stream, op, &refs, &mut out)?;
     }
     wrap(out, home)
 }
@@ -258,17 +257,8 @@ impl CrossDeviceOps for GpuCrossDeviceOps {
         }
     }
 
-    fn reduce(
-        &self,
-        group: &ReplicaGroup,
-        replica: usize,
-        seq: u64,
-        op: ReduceOp,
-        dest: Destination,
-        input: &[Tensor],
-        weight: f32,
-        _out: &mut dyn FnMut(&[f32]),
-    ) -> strata_core::Result<()> {
+    fn reduce(&self, req: ReduceRequest<'_>, _out: &mut dyn FnMut(&[f32])) -> strata_core::Result<()> {
+        let ReduceRequest { group, replica, seq, op, dest, input, weight } = req;
         let leader = match dest {
             Destination::AllReplicas => 0,
             Destination::Replica(d) => d,

@@ -40,7 +40,7 @@
 use std::fmt::Write as _;
 
 use strata_core::device::{
-    format_bytes, resolve_visible_devices, DeviceEnumerator, DeviceRegistry, DeviceType, PhysicalDevice,
+    format_bytes, resolve_visible_devices, write_table, DeviceEnumerator, DeviceRegistry, DeviceType, PhysicalDevice,
     CUDA_VISIBLE_DEVICES,
 };
 
@@ -351,7 +351,7 @@ pub fn describe_gpus(registry: &DeviceRegistry, topology: &GpuTopology, driver_m
         }
         rows.push(row);
     }
-    table(&mut out, &rows);
+    write_table(&mut out, &rows, 1);
     if topology.gpus.len() > 1 {
         out.push_str("Peer access (row can access column):\n");
         let mut rows = vec![std::iter::once(String::new())
@@ -370,25 +370,9 @@ pub fn describe_gpus(registry: &DeviceRegistry, topology: &GpuTopology, driver_m
             }
             rows.push(row);
         }
-        table(&mut out, &rows);
+        write_table(&mut out, &rows, 1);
     }
     Ok(out)
-}
-
-/// Appends `rows` as left-aligned columns, indented by two spaces.
-fn table(out: &mut String, rows: &[Vec<String>]) {
-    let columns = rows.iter().map(Vec::len).max().unwrap_or(0);
-    let widths: Vec<usize> = (0..columns)
-        .map(|c| rows.iter().filter_map(|r| r.get(c)).map(|s| s.chars().count()).max().unwrap_or(0))
-        .collect();
-    for r in rows {
-        let mut line = String::from(" ");
-        for (c, cell) in r.iter().enumerate() {
-            let _ = write!(line, " {cell:<width$}", width = widths[c]);
-        }
-        out.push_str(line.trim_end());
-        out.push('\n');
-    }
 }
 
 #[cfg(feature = "cuda")]

@@ -9,8 +9,9 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
 use rand::{Rng, SeedableRng};
+use strata_core::ReduceOp;
 use strata_cuda::kernels::launch::{Kernels, RawBuf};
-use strata_cuda::kernels::{reference as r, AdamWScalars, ReduceOp};
+use strata_cuda::kernels::{reference as r, AdamWScalars};
 use strata_cuda::testing::require_gpus;
 use strata_cuda::Error;
 

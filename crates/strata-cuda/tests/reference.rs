@@ -5,7 +5,8 @@
 use candle_core::{Device, Tensor, Var};
 use candle_nn::{Optimizer, ParamsAdamW};
 use rand::{Rng, SeedableRng};
-use strata_cuda::kernels::{reference as r, AdamWScalars, ReduceOp, CANONICAL_NAN};
+use strata_core::ReduceOp;
+use strata_cuda::kernels::{reference as r, AdamWScalars, CANONICAL_NAN};
 use strata_cuda::Error;
 
 fn random(n: usize, seed: u64) -> Vec<f32> {

@@ -168,3 +168,64 @@ impl StrategyExtended for LocalStrategy {
         self.auto_shard
     }
 }
+
+/// Defines a single-machine strategy type over [`LocalStrategy`]: `pub struct $ty` (holding its
+/// `Arc<dyn StrategyExtended>`) with `new`, `with_options`, `with_cross_device_ops` and
+/// `logical_cpus`, and its `Strategy` implementation. The types differ only in their name, their
+/// [`VariablePolicy`] and the docs of `new` and `with_options`.
+macro_rules! local_strategy {
+    (
+        $(#[$meta:meta])*
+        pub struct $ty:ident;
+        name: $name:literal,
+        policy: $policy:expr,
+        new: $new_doc:literal,
+        with_options: $options_doc:literal $(,)?
+    ) => {
+        $(#[$meta])*
+        #[derive(Clone, Debug)]
+        pub struct $ty {
+            ext: std::sync::Arc<dyn strata_core::StrategyExtended>,
+        }
+
+        impl $ty {
+            #[doc = $new_doc]
+            pub fn new(devices: Vec<strata_core::device::LogicalDevice>) -> strata_core::Result<Self> {
+                Self::with_options(devices, $crate::local::CpuReduction::default(), strata_core::StrategyOptions::default())
+            }
+
+            #[doc = $options_doc]
+            pub fn with_options(
+                devices: Vec<strata_core::device::LogicalDevice>,
+                reduction: $crate::local::CpuReduction,
+                options: strata_core::StrategyOptions,
+            ) -> strata_core::Result<Self> {
+                Ok(Self { ext: $crate::local::LocalStrategy::build($name, devices, $policy, reduction, options)? })
+            }
+
+            /// One replica per device, reducing with `ops` (TensorFlow's `cross_device_ops=`): for
+            /// GPU replicas, the ops strata-cuda's selection rule picks (NCCL or Strata's kernels).
+            /// `ops` must be built for exactly these devices, in this order.
+            pub fn with_cross_device_ops(
+                devices: Vec<strata_core::device::LogicalDevice>,
+                ops: Box<dyn strata_core::cross_device::CrossDeviceOps>,
+                options: strata_core::StrategyOptions,
+            ) -> strata_core::Result<Self> {
+                Ok(Self { ext: $crate::local::LocalStrategy::build_with_ops($name, devices, $policy, ops, options)? })
+            }
+
+            /// `n` logical CPU devices of one thread each.
+            pub fn logical_cpus(n: usize) -> strata_core::Result<Self> {
+                Self::new(strata_core::device::logical_cpus(n)?)
+            }
+        }
+
+        impl strata_core::Strategy for $ty {
+            fn extended(&self) -> &std::sync::Arc<dyn strata_core::StrategyExtended> {
+                &self.ext
+            }
+        }
+    };
+}
+
+pub(crate) use local_strategy;

@@ -16,10 +16,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use candle_core::Tensor;
-use strata_core::cross_device::{CpuCrossDeviceOps, CrossDeviceOps, Destination};
+use strata_core::cross_device::{CrossDeviceOps, HierarchicalOps};
 use strata_core::device::LogicalDevice;
-use strata_core::group::{OpKey, ReplicaGroup};
 use strata_core::strategy::{AutoShardPolicy, WorkerCollectives};
 use strata_core::{Error, ReduceOp, Result, Strategy, StrategyExtended, StrategyOptions, VariablePolicy};
 use strata_transport::coordination::Progress;
@@ -154,75 +152,11 @@ impl WorkerCollectives for WorkerJob {
     fn broadcast(&self, root: usize, data: &mut [f32]) -> Result<()> {
         self.collective("broadcast", |seq| self.ring.broadcast(seq, root, data))
     }
+    fn broadcast_u64s(&self, root: usize, data: &mut [u64]) -> Result<()> {
+        self.collective("broadcast_u64s", |seq| self.ring.broadcast_u64s(seq, root, data))
+    }
     fn barrier(&self) -> Result<()> {
         self.collective("barrier", |seq| self.ring.barrier(seq))
-    }
-}
-
-/// Hierarchical all-reduce: the worker's replicas reduce to replica 0 (in memory), replica 0
-/// all-reduces across workers over the ring, and every local replica reads the result.
-#[derive(Debug)]
-struct HierarchicalOps {
-    local: CpuCrossDeviceOps,
-    job: Arc<WorkerJob>,
-}
-
-impl CrossDeviceOps for HierarchicalOps {
-    fn name(&self) -> &'static str {
-        "hierarchical(in-memory, ring)"
-    }
-
-    fn reduce(
-        &self,
-        group: &ReplicaGroup,
-        replica: usize,
-        seq: u64,
-        op: ReduceOp,
-        dest: Destination,
-        input: &[Tensor],
-        weight: f32,
-        out: &mut dyn FnMut(&[f32]),
-    ) -> Result<()> {
-        if dest != Destination::AllReplicas {
-            return Err(Error::InvalidArgument(
-                "multi-worker mirrored reduces to every replica; reduction to one device is not supported".into(),
-            ));
-        }
-        let n = group.num_replicas();
-        if n == 1 {
-            let len: usize = input.iter().map(Tensor::elem_count).sum();
-            let mut buf = Vec::with_capacity(len);
-            for t in input {
-                let v = t.flatten_all()?.to_vec1::<f32>()?;
-                if weight == 1.0 {
-                    buf.extend_from_slice(&v);
-                } else {
-                    buf.extend(v.iter().map(|x| x * weight));
-                }
-            }
-            self.job.all_reduce(op, &mut buf)?;
-            out(&buf);
-            return Ok(());
-        }
-        let mut buf = Vec::new();
-        self.local.reduce(group, replica, seq, op, Destination::Replica(0), input, weight, &mut |p| {
-            buf.extend_from_slice(p)
-        })?;
-        let mine: std::result::Result<Arc<Vec<f32>>, String> = if replica == 0 {
-            self.job.all_reduce(op, &mut buf).map(|_| Arc::new(buf)).map_err(|e| e.to_string())
-        } else {
-            Ok(Arc::new(Vec::new()))
-        };
-        let key = OpKey { seq: group.next_seq(replica), op: format!("all_reduce({op}) across workers"), shape: vec![] };
-        let all = group.exchange(replica, &key, mine)?;
-        match all.into_iter().next() {
-            Some(Ok(v)) => {
-                out(&v);
-                Ok(())
-            }
-            Some(Err(e)) => Err(Error::Cluster(e)),
-            None => Err(Error::Scope("a cross-worker reduction produced no result".into())),
-        }
     }
 }
 
@@ -348,7 +282,7 @@ impl MultiWorkerMirroredStrategy {
         let cross = CrossWorker {
             ops: Box::new(move |local| match custom {
                 Some(ops) => ops,
-                None => Box::new(HierarchicalOps { local, job: ops_job }) as Box<dyn CrossDeviceOps>,
+                None => Box::new(HierarchicalOps::new(local, ops_job)) as Box<dyn CrossDeviceOps>,
             }),
             workers: job.clone(),
             auto_shard: options.auto_shard,

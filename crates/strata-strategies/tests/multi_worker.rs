@@ -182,18 +182,12 @@ impl strata_core::cross_device::CrossDeviceOps for TimesTen {
 
     fn reduce(
         &self,
-        _group: &strata_core::group::ReplicaGroup,
-        _replica: usize,
-        _seq: u64,
-        _op: ReduceOp,
-        _dest: strata_core::cross_device::Destination,
-        input: &[candle_core::Tensor],
-        weight: f32,
+        req: strata_core::cross_device::ReduceRequest<'_>,
         out: &mut dyn FnMut(&[f32]),
     ) -> strata_core::Result<()> {
         let mut buf = Vec::new();
-        for t in input {
-            buf.extend(t.flatten_all()?.to_vec1::<f32>()?.into_iter().map(|x| x * weight * 10.0));
+        for t in req.input {
+            buf.extend(t.flatten_all()?.to_vec1::<f32>()?.into_iter().map(|x| x * req.weight * 10.0));
         }
         out(&buf);
         Ok(())

@@ -200,6 +200,43 @@ fn broadcast_from_a_non_zero_root_reaches_every_rank() {
 }
 
 #[test]
+fn u64_broadcasts_carry_integers_bit_for_bit() {
+    // 1,001 u64s with 4-byte chunks: a value split between DATA frames, and some more than
+    // f32 holds exactly.
+    for (n, chunk_bytes) in [(2, 4), (3, 4096)] {
+        let cfgs = configs(n, move |_, c| c.chunk_bytes = chunk_bytes);
+        let results = run(cfgs, move |r, ring| {
+            let ring = ring.unwrap();
+            let mut data: Vec<u64> = (0..1001u64).map(|i| (i << 40) ^ (r as u64 + 1)).collect();
+            ring.broadcast_u64s(0, n - 1, &mut data).unwrap();
+            let mut header = if r == 0 { [1u64, (1 << 53) + 1] } else { [0, 0] };
+            ring.broadcast_u64s(1, 0, &mut header).unwrap();
+            (data, header)
+        });
+        for (data, header) in &results {
+            assert!(data.iter().enumerate().all(|(i, x)| *x == ((i as u64) << 40) ^ n as u64), "{n} workers");
+            assert_eq!(header, &[1, (1 << 53) + 1]);
+        }
+    }
+}
+
+#[test]
+fn a_u64_broadcast_against_an_f32_one_is_a_mismatch() {
+    let cfgs = configs(2, |_, c| c.timeout = Duration::from_secs(20));
+    let results = run(cfgs, |r, ring| {
+        let ring = ring.unwrap();
+        if r == 0 {
+            ring.broadcast_u64s(2, 0, &mut [7u64; 2]).unwrap_err()
+        } else {
+            ring.broadcast(2, 0, &mut [0f32; 2]).unwrap_err()
+        }
+    });
+    for e in &results {
+        assert_mismatch(e, &["worker:0", "worker:1", "broadcast(root 0, 2 u64)", "broadcast(root 0, 2 f32)"]);
+    }
+}
+
+#[test]
 fn barrier_waits_for_every_rank() {
     let late = Arc::new(AtomicBool::new(false));
     let flag = late.clone();

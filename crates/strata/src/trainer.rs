@@ -464,10 +464,10 @@ fn restore<S: Strategy, M>(
     let vars: Vec<(String, Tensor)> =
         model.variables(0).iter().map(|(n, v)| (format!("model/{n}"), v.as_tensor().clone())).collect();
     let state: Vec<(String, Tensor)> = (h.save)()?;
-    let (mut header, mut values) = (vec![0f32; 4], Vec::new());
+    // [1, step] when the chief found a checkpoint, [0, 0] when not: integers, bit for bit.
+    let (mut header, mut values) = ([0u64; 2], Vec::new());
     if let Some(ck) = &found {
-        let step = ck.step;
-        header = vec![1.0, (step & 0xffff) as f32, ((step >> 16) & 0xffff) as f32, ((step >> 32) & 0xffff) as f32];
+        header = [1, ck.step];
         let keys =
             vars.iter().map(|(n, t)| (n.clone(), t)).chain(state.iter().map(|(n, t)| (format!("optimizer/{n}"), t)));
         for (key, t) in keys {
@@ -485,19 +485,19 @@ fn restore<S: Strategy, M>(
         }
     }
     if let Some(w) = workers {
-        w.broadcast(0, &mut header)?;
-        if header[0] == 1.0 && found.is_none() {
+        w.broadcast_u64s(0, &mut header)?;
+        if header[0] == 1 && found.is_none() {
             let len: usize = vars.iter().chain(state.iter()).map(|(_, t)| t.elem_count()).sum();
             values = vec![0f32; len];
         }
-        if header[0] == 1.0 {
+        if header[0] == 1 {
             w.broadcast(0, &mut values)?;
         }
     }
-    if header[0] != 1.0 {
+    let [found_one, step] = header;
+    if found_one != 1 {
         return Ok(0);
     }
-    let step = header[1] as u64 | ((header[2] as u64) << 16) | ((header[3] as u64) << 32);
     let mut at = 0;
     let mut take = |t: &Tensor| -> Result<Tensor> {
         let n = t.elem_count();

@@ -21,7 +21,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
-use strata_core::cross_device::{CpuCrossDeviceOps, CrossDeviceOps, Destination};
+use strata_core::cross_device::{CpuCrossDeviceOps, CrossDeviceOps, Destination, ReduceRequest};
 use strata_core::device::{format_bytes, parse_bytes};
 use strata_core::group::{OpKey, ReplicaGroup, DEFAULT_COLLECTIVE_TIMEOUT};
 use strata_core::ReduceOp;
@@ -494,7 +494,8 @@ fn replica_main(ctx: &RowCtx<'_>, r: usize) -> Result<ReplicaOutcome> {
     let mut iterate = |out: &mut dyn FnMut(&[f32])| -> Result<Duration> {
         ctx.group.arrive(r, &start)?;
         let t0 = Instant::now();
-        ctx.ops.reduce(ctx.group, r, seq, ctx.op, Destination::AllReplicas, &input, 1.0, out)?;
+        let (group, op, dest) = (ctx.group, ctx.op, Destination::AllReplicas);
+        ctx.ops.reduce(ReduceRequest { group, replica: r, seq, op, dest, input: &input, weight: 1.0 }, out)?;
         seq += 1;
         ctx.group.arrive(r, &end)?;
         Ok(t0.elapsed())

@@ -173,7 +173,7 @@ mod imp {
         for &bytes in &plan.sizes {
             let count = usize::try_from(bytes / 4).map_err(|_| Error::Usage(format!("{bytes} bytes is too large")))?;
             let bytes = count as u64 * 4;
-            let t = kernel_bench.run(count, plan.op.into(), plan.warmup, plan.iters, &adaptive).map_err(gpu_error)?;
+            let t = kernel_bench.run(count, plan.op, plan.warmup, plan.iters, &adaptive).map_err(gpu_error)?;
             let secs = t.time.as_secs_f64().max(1e-12);
             let traffic = (inputs + 1) as f64 * bytes as f64 / secs;
             let of_copy = if local_copy > 0.0 { traffic / (2.0 * local_copy) } else { 0.0 };

@@ -4,9 +4,9 @@ use std::sync::{PoisonError, RwLock};
 
 use candle_core::{CpuStorage, Storage, Tensor};
 
-use super::{CrossDeviceOps, Destination};
+use super::{CrossDeviceOps, Destination, ReduceRequest};
 use crate::device::{DeviceSpec, MemoryTracker};
-use crate::group::{OpKey, ReplicaGroup};
+use crate::group::OpKey;
 use crate::{Error, ReduceOp, Result};
 
 /// Which replica reduces chunk `j`.
@@ -268,17 +268,8 @@ impl CrossDeviceOps for CpuCrossDeviceOps {
         }
     }
 
-    fn reduce(
-        &self,
-        group: &ReplicaGroup,
-        replica: usize,
-        seq: u64,
-        op: ReduceOp,
-        dest: Destination,
-        input: &[Tensor],
-        weight: f32,
-        out: &mut dyn FnMut(&[f32]),
-    ) -> Result<()> {
+    fn reduce(&self, req: ReduceRequest<'_>, out: &mut dyn FnMut(&[f32])) -> Result<()> {
+        let ReduceRequest { group, replica, seq, op, dest, input, weight } = req;
         let n = self.n;
         if group.num_replicas() != n {
             return Err(Error::InvalidArgument(format!(
@@ -293,7 +284,7 @@ impl CrossDeviceOps for CpuCrossDeviceOps {
                 )));
             }
         }
-        let len: usize = input.iter().map(Tensor::elem_count).sum();
+        let len = req.len();
         let key = OpKey {
             seq,
             op: match dest {
@@ -337,7 +328,7 @@ impl CrossDeviceOps for CpuCrossDeviceOps {
         // Every reducer is done with the inputs: drop this replica's handles to its tensors.
         group.release(replica, seq);
 
-        if dest == Destination::AllReplicas || dest == Destination::Replica(replica) {
+        if req.receives() {
             for r in &results[..self.chunks] {
                 out(&r.read().unwrap_or_else(unpoison));
             }
@@ -349,6 +340,7 @@ impl CrossDeviceOps for CpuCrossDeviceOps {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::group::ReplicaGroup;
     use candle_core::Device;
     use std::time::Duration;
 
@@ -390,7 +382,8 @@ mod tests {
                         // twice, to exercise both buffer sets
                         for seq in 0..2 {
                             got.clear();
-                            ops.reduce(group, r, seq, op, dest, &input, 1.0, &mut |p| {
+                            let req = ReduceRequest { group, replica: r, seq, op, dest, input: &input, weight: 1.0 };
+                            ops.reduce(req, &mut |p| {
                                 any = true;
                                 got.extend_from_slice(p)
                             })
@@ -457,6 +450,11 @@ mod tests {
         }
     }
 
+    /// Replica `replica`'s request for the first all-reduce (sum) of a step.
+    fn first_sum<'a>(group: &'a ReplicaGroup, replica: usize, input: &'a [Tensor], weight: f32) -> ReduceRequest<'a> {
+        ReduceRequest { group, replica, seq: 0, op: ReduceOp::Sum, dest: Destination::AllReplicas, input, weight }
+    }
+
     #[test]
     fn weights_scale_each_contribution() {
         let ops = CpuCrossDeviceOps::in_memory_all_reduce(2).unwrap();
@@ -469,10 +467,7 @@ mod tests {
                         let data = vec![Tensor::ones(5, candle_core::DType::F32, &Device::Cpu).unwrap()];
                         let w = if r == 0 { 0.75 } else { 0.25 };
                         let mut got = Vec::new();
-                        ops.reduce(group, r, 0, ReduceOp::Sum, Destination::AllReplicas, &data, w, &mut |p| {
-                            got.extend_from_slice(p)
-                        })
-                        .unwrap();
+                        ops.reduce(first_sum(group, r, &data, w), &mut |p| got.extend_from_slice(p)).unwrap();
                         got
                     })
                 })
@@ -493,7 +488,7 @@ mod tests {
                     let (ops, group) = (&ops, &group);
                     s.spawn(move || {
                         let data = vec![Tensor::ones(5 + r, candle_core::DType::F32, &Device::Cpu).unwrap()];
-                        ops.reduce(group, r, 0, ReduceOp::Sum, Destination::AllReplicas, &data, 1.0, &mut |_| {})
+                        ops.reduce(first_sum(group, r, &data, 1.0), &mut |_| {})
                     })
                 })
                 .collect();

@@ -1,8 +1,10 @@
-//! Cross-device operations: how the replicas of one machine combine their values.
+//! Cross-device operations: how the replicas of a step combine their values, and the
+//! collectives between the workers of a multi-worker job.
 //!
 //! A [`CrossDeviceOps`] is a *collective*: every replica thread of a step calls it with its own
-//! contribution, and it returns when the result is available. Two CPU implementations share one
-//! data path ([`CpuCrossDeviceOps`]):
+//! contribution (a [`ReduceRequest`]), and it returns when the result is available. GPU
+//! implementations live in strata-cuda; here are the CPU ones. Two share one data path
+//! ([`CpuCrossDeviceOps`]):
 //!
 //! - [`CpuCrossDeviceOps::in_memory_all_reduce`]: each replica thread reduces its own chunk of
 //!   every replica's buffer, reading the replicas' tensors in place (a reduce-scatter: `K`
@@ -11,14 +13,21 @@
 //! - [`CpuCrossDeviceOps::reduction_to_one_device`]: the destination replica reduces every
 //!   chunk alone, as TensorFlow's `ReductionToOneDevice` does.
 //!
+//! [`HierarchicalOps`] (MultiWorkerMirrored's default) reduces a worker's replicas in memory to
+//! replica 0, which all-reduces across the workers through [`WorkerCollectives`] (the
+//! cross-worker half, implemented over the ring by strata-strategies), and every local replica
+//! receives the result.
+//!
 //! Gradients are fused into buckets ([`plan_buckets`]) of at most
 //! [`DEFAULT_BUCKET_BYTES`] so that one collective carries many small tensors.
 
 mod bucket;
 mod cpu;
+mod hierarchical;
 
 pub use bucket::{plan_buckets, Bucket, DEFAULT_BUCKET_BYTES};
 pub use cpu::CpuCrossDeviceOps;
+pub use hierarchical::HierarchicalOps;
 
 use candle_core::Tensor;
 
@@ -34,34 +43,104 @@ pub enum Destination {
     Replica(usize),
 }
 
+impl Destination {
+    /// Whether `replica` receives the result.
+    pub fn receives(self, replica: usize) -> bool {
+        match self {
+            Destination::AllReplicas => true,
+            Destination::Replica(d) => d == replica,
+        }
+    }
+}
+
+/// One replica's part of a collective reduction: every replica of `group` makes the same
+/// request (the same `seq`, `op`, `dest` and total input length), each with its own
+/// `replica`, `input` and `weight`.
+///
+/// The replica's contribution is the concatenation of the (flattened, f32, contiguous) `input`
+/// tensors, each element multiplied by `weight`; peers may read the tensors in place, so they
+/// are not copied. Where the result goes depends on the ops' output mode (see
+/// [`CrossDeviceOps::reduces_in_place`]):
+///
+/// - **host pieces** (`reduces_in_place() == false`, the CPU ops): the receiving replicas'
+///   `out` sink is called with consecutive pieces of the result, in order; a piece stays valid
+///   only during the call, and `input` is left as it was;
+/// - **in place** (`reduces_in_place() == true`, device-resident ops: NCCL, Strata's CUDA
+///   kernels): the result is written into the receiving replicas' own `input` tensors, on
+///   their device, and `out` is never called.
+#[derive(Clone, Copy, Debug)]
+pub struct ReduceRequest<'a> {
+    /// The replicas of the step, where they meet.
+    pub group: &'a ReplicaGroup,
+    /// The calling replica.
+    pub replica: usize,
+    /// The collective's sequence number in the step ([`ReplicaGroup::next_seq`]).
+    pub seq: u64,
+    /// How the contributions combine.
+    pub op: ReduceOp,
+    /// Which replicas receive the result.
+    pub dest: Destination,
+    /// This replica's contribution (and, for in-place ops, where its result is written).
+    pub input: &'a [Tensor],
+    /// The factor every element of this replica's contribution is multiplied by.
+    pub weight: f32,
+}
+
+impl ReduceRequest<'_> {
+    /// The number of elements of this replica's contribution.
+    pub fn len(&self) -> usize {
+        self.input.iter().map(Tensor::elem_count).sum()
+    }
+
+    /// Whether the contribution has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Whether the calling replica receives the result.
+    pub fn receives(&self) -> bool {
+        self.dest.receives(self.replica)
+    }
+}
+
+/// The cross-worker half of a multi-worker strategy: collectives between the workers of a
+/// job. On each worker one replica thread calls them (after the worker's replicas have
+/// combined their values locally), in the same order on every worker; the implementation
+/// numbers them and checks that order.
+pub trait WorkerCollectives: Send + Sync + std::fmt::Debug {
+    /// The number of workers in sync.
+    fn num_workers(&self) -> usize;
+    /// This worker's index (0 is the chief).
+    fn worker_index(&self) -> usize;
+    /// All-reduces `data` in place across the workers (`Mean` averages over workers).
+    fn all_reduce(&self, op: ReduceOp, data: &mut [f32]) -> Result<()>;
+    /// Gathers every worker's `mine` (lengths may differ), in worker order.
+    fn all_gather(&self, mine: &[f32]) -> Result<Vec<Vec<f32>>>;
+    /// Overwrites `data` on every worker with worker `root`'s.
+    fn broadcast(&self, root: usize, data: &mut [f32]) -> Result<()>;
+    /// Overwrites `data` on every worker with worker `root`'s: integers (a step, a flag), bit
+    /// for bit, where [`broadcast`](WorkerCollectives::broadcast) carries f32 values.
+    fn broadcast_u64s(&self, root: usize, data: &mut [u64]) -> Result<()>;
+    /// Waits until every worker reaches this point.
+    fn barrier(&self) -> Result<()>;
+}
+
 /// A collective reduction across the replicas of one machine.
 pub trait CrossDeviceOps: Send + Sync + std::fmt::Debug {
     /// A short name for logs and benchmarks.
     fn name(&self) -> &'static str;
 
-    /// Collective: every replica of `group` calls this with the same `seq`, `op`, length and
-    /// `dest`. The replica's contribution is the concatenation of the (flattened, f32,
-    /// contiguous) `input` tensors, each element multiplied by `weight`; peers read it in place,
-    /// so it is not copied. When the result reaches this replica (every replica for
-    /// [`Destination::AllReplicas`]), `out` is called with consecutive pieces of it, in order;
-    /// the pieces stay valid only during the call.
-    #[allow(clippy::too_many_arguments)]
-    fn reduce(
-        &self,
-        group: &ReplicaGroup,
-        replica: usize,
-        seq: u64,
-        op: ReduceOp,
-        dest: Destination,
-        input: &[Tensor],
-        weight: f32,
-        out: &mut dyn FnMut(&[f32]),
-    ) -> Result<()>;
+    /// Collective: every replica of `req.group` calls this with its [`ReduceRequest`], and it
+    /// returns when this replica's part is done (its result delivered, if it receives one).
+    /// Host implementations hand the result to `out`; in-place ones write it into
+    /// `req.input` and ignore `out` (see [`CrossDeviceOps::reduces_in_place`]).
+    fn reduce(&self, req: ReduceRequest<'_>, out: &mut dyn FnMut(&[f32])) -> Result<()>;
 
-    /// `true` for device-resident implementations (NCCL, Strata's CUDA kernels) whose
-    /// [`reduce`](CrossDeviceOps::reduce) writes the result into the `input` tensors themselves,
-    /// on their device, and never calls `out`: the caller then reads the result from its
-    /// inputs (where it receives one). The host implementations return `false`.
+    /// The output mode: `true` for device-resident implementations (NCCL, Strata's CUDA
+    /// kernels) whose [`reduce`](CrossDeviceOps::reduce) writes the result into the request's
+    /// `input` tensors themselves, on their device, and never calls `out`: the caller then
+    /// reads the result from its inputs (where it receives one). The host implementations
+    /// return `false` and hand the result to `out` in pieces.
     fn reduces_in_place(&self) -> bool {
         false
     }

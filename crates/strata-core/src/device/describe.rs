@@ -36,7 +36,7 @@ pub fn describe_devices(registry: &DeviceRegistry) -> Result<String> {
             if mine.is_empty() { "(not visible)".to_string() } else { mine.join(", ") },
         ]);
     }
-    table(&mut out, &rows);
+    write_table(&mut out, &rows, 2);
 
     if !registry.has_enumerator(DeviceType::Gpu) {
         out.push_str("GPUs: no GPU enumerator registered (build with the cuda feature)\n");
@@ -75,7 +75,7 @@ pub fn describe_devices(registry: &DeviceRegistry) -> Result<String> {
     if logical.is_empty() {
         out.push_str("  none\n");
     } else {
-        table(&mut out, &rows);
+        write_table(&mut out, &rows, 2);
     }
     Ok(out)
 }
@@ -84,19 +84,21 @@ fn row<const N: usize>(cells: [&str; N]) -> Vec<String> {
     cells.iter().map(|c| c.to_string()).collect()
 }
 
-/// Appends `rows` as left-aligned columns, indented by two spaces.
-fn table(out: &mut String, rows: &[Vec<String>]) {
+/// Appends `rows` to `out` as left-aligned columns, indented by two spaces and separated by
+/// `gap` spaces, each line without trailing spaces: the tables of `strata devices` (this
+/// module's use 2, strata-cuda's GPU report 1).
+pub fn write_table(out: &mut String, rows: &[Vec<String>], gap: usize) {
     let columns = rows.iter().map(Vec::len).max().unwrap_or(0);
     let widths: Vec<usize> = (0..columns)
         .map(|c| rows.iter().filter_map(|r| r.get(c)).map(|s| s.chars().count()).max().unwrap_or(0))
         .collect();
     for r in rows {
-        let mut line = String::from(" ");
+        let mut line = String::from("  ");
         for (c, cell) in r.iter().enumerate() {
-            let _ = write!(line, " {cell:<width$}", width = widths[c]);
-            if c + 1 < r.len() {
-                line.push(' ');
+            if c > 0 {
+                line.extend(std::iter::repeat_n(' ', gap));
             }
+            let _ = write!(line, "{cell:<width$}", width = widths[c]);
         }
         out.push_str(line.trim_end());
         out.push('\n');
@@ -163,7 +165,18 @@ mod tests {
     #[test]
     fn table_aligns_columns() {
         let mut out = String::new();
-        table(&mut out, &[row(["A", "BB"]), row(["CCC", "D"])]);
+        write_table(&mut out, &[row(["A", "BB"]), row(["CCC", "D"])], 2);
         assert_eq!(out, "  A    BB\n  CCC  D\n");
+    }
+
+    #[test]
+    fn tables_are_left_aligned_columns_with_a_gap_and_no_trailing_spaces() {
+        let rows = vec![row(["A", "BB", ""]), row(["CCC", "D", "E"])];
+        let mut two = String::new();
+        write_table(&mut two, &rows, 2);
+        assert_eq!(two, "  A    BB\n  CCC  D   E\n");
+        let mut one = String::new();
+        write_table(&mut one, &rows, 1);
+        assert_eq!(one, "  A   BB\n  CCC D  E\n");
     }
 }

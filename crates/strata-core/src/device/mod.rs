@@ -39,7 +39,9 @@
 //! * [`resolve_visible_devices`]: the rules of `CUDA_VISIBLE_DEVICES`.
 //! * [`MemoryPolicy`] and [`MemoryTracker`]: how much memory Strata may use, and uses.
 //! * [`describe_devices`]: the report `strata devices` prints.
+//! * [`candle_device`]: the candle device a logical device computes on.
 
+mod candle;
 mod describe;
 mod logical;
 mod memory;
@@ -48,7 +50,8 @@ mod registry;
 mod spec;
 mod visibility;
 
-pub use describe::describe_devices;
+pub use candle::candle_device;
+pub use describe::{describe_devices, write_table};
 pub use logical::{logical_cpus, split_physical, LogicalDevice, LogicalDeviceConfiguration, LogicalKind};
 pub use memory::{format_bytes, memory_info, parse_bytes, MemoryInfo, MemoryPolicy, MemoryTracker};
 pub use physical::{CpuEnumerator, DeviceEnumerator, PhysicalDevice, StaticEnumerator};

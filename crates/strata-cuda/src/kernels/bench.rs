@@ -7,9 +7,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaSlice, CudaStream};
+use strata_core::ReduceOp;
 
 use super::launch::Kernels;
-use super::{reference, ReduceOp};
+use super::reference;
 use crate::{Error, Result};
 
 /// One measured reduction: the mean over `iters` back-to-back launches.

@@ -26,8 +26,9 @@ use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
+use strata_core::ReduceOp;
 
-use super::{nvrtc, validate, AdamWScalars, ReduceOp, SOURCES};
+use super::{nvrtc, op_code, validate, AdamWScalars, SOURCES};
 use crate::{Error, Result};
 
 /// A device buffer of `len` elements at device address `ptr`, for the `*_raw` launches.
@@ -160,7 +161,7 @@ impl Kernels {
         let Some(dims) = validate::grid(kernel, items)? else { return Ok(()) };
         let table: CudaSlice<u64> = stream.clone_htod(ptrs).map_err(Error::driver("cuMemcpyHtoDAsync"))?;
         let f = self.function(if vectorized { kernel_v4 } else { kernel });
-        let (len, code) = (len as u64, op.code());
+        let (len, code) = (len as u64, op_code(op));
         // strata_allreduce_chunk_f32(bufs, n, off, len, op), or strata_reduce_f32(srcs, n, dst,
         // len, op) where dst is the last entry of the table
         let third = off.unwrap_or(ptrs[ptrs.len() - 1]);

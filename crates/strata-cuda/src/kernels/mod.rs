@@ -31,6 +31,8 @@ pub mod nvrtc;
 pub mod reference;
 pub mod validate;
 
+use strata_core::ReduceOp;
+
 /// One kernel source file: its name, its text and the `extern "C"` functions it defines.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Source {
@@ -88,42 +90,17 @@ pub const MAX_GRID: u32 = 65_535;
 /// The byte alignment every pointer of a vectorized (`_v4`, `float4`) launch needs.
 pub const VECTOR_ALIGN: u64 = 16;
 
-/// The reduction of [`reference::reduce`] and [`reference::allreduce_chunk`] (and their kernels).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum ReduceOp {
-    /// The f32 sum, in replica order.
-    Sum,
-    /// The sum divided by the number of buffers (as f32).
-    Mean,
-    /// The maximum; NaN if any input is NaN; on ties the earlier replica's value.
-    Max,
-    /// The minimum; NaN if any input is NaN; on ties the earlier replica's value.
-    Min,
-}
-
-impl ReduceOp {
-    /// Every operation.
-    pub const ALL: [ReduceOp; 4] = [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max, ReduceOp::Min];
-
-    /// The `op` argument of the kernels (`0` sum, `1` mean, `2` max, `3` min).
-    pub fn code(self) -> i32 {
-        match self {
-            ReduceOp::Sum => 0,
-            ReduceOp::Mean => 1,
-            ReduceOp::Max => 2,
-            ReduceOp::Min => 3,
-        }
-    }
-}
-
-impl From<strata_core::ReduceOp> for ReduceOp {
-    fn from(op: strata_core::ReduceOp) -> Self {
-        match op {
-            strata_core::ReduceOp::Sum => ReduceOp::Sum,
-            strata_core::ReduceOp::Mean => ReduceOp::Mean,
-            strata_core::ReduceOp::Max => ReduceOp::Max,
-            strata_core::ReduceOp::Min => ReduceOp::Min,
-        }
+/// The `op` argument of the reduction kernels (`reduce.cu`'s `STRATA_SUM` 0, `STRATA_MEAN` 1,
+/// `STRATA_MAX` 2, `STRATA_MIN` 3). On the GPU and in [`reference::reduce`] and
+/// [`reference::allreduce_chunk`]: `Sum` is the f32 sum in replica order, `Mean` that sum divided
+/// by the number of buffers (as f32), `Max` and `Min` are NaN if any input is NaN and take the
+/// earlier replica's value on ties.
+pub fn op_code(op: ReduceOp) -> i32 {
+    match op {
+        ReduceOp::Sum => 0,
+        ReduceOp::Mean => 1,
+        ReduceOp::Max => 2,
+        ReduceOp::Min => 3,
     }
 }
 
@@ -159,7 +136,7 @@ mod tests {
     fn op_codes_match_the_kernel_defines() {
         for op in ReduceOp::ALL {
             let name = format!("{op:?}").to_uppercase();
-            assert!(REDUCE.code.contains(&format!("#define STRATA_{name} {}", op.code())), "{op:?}");
+            assert!(REDUCE.code.contains(&format!("#define STRATA_{name} {}", op_code(op))), "{op:?}");
         }
     }
 }

@@ -8,8 +8,9 @@
 //! conversions equal the `half` crate's.
 
 use strata_core::optim::rules;
+use strata_core::ReduceOp;
 
-use super::{validate, AdamWScalars, ReduceOp, CANONICAL_NAN};
+use super::{validate, AdamWScalars, CANONICAL_NAN};
 use crate::Result;
 
 fn combine(op: ReduceOp, acc: f32, x: f32) -> f32 {

@@ -82,20 +82,14 @@ impl strata_core::cross_device::CrossDeviceOps for InPlace {
     }
     fn reduce(
         &self,
-        group: &strata_core::group::ReplicaGroup,
-        replica: usize,
-        seq: u64,
-        op: strata_core::ReduceOp,
-        dest: strata_core::cross_device::Destination,
-        input: &[Tensor],
-        weight: f32,
-        out: &mut dyn FnMut(&[f32]),
+        req: strata_core::cross_device::ReduceRequest<'_>,
+        _out: &mut dyn FnMut(&[f32]),
     ) -> strata_core::Result<()> {
-        let _ = out;
+        let input = req.input;
         let sizes: Vec<usize> = input.iter().map(Tensor::elem_count).collect();
         let (mut cur, mut filled) = (0usize, 0usize);
         let mut failed = None;
-        self.0.reduce(group, replica, seq, op, dest, input, weight, &mut |mut piece: &[f32]| {
+        self.0.reduce(req, &mut |mut piece: &[f32]| {
             while !piece.is_empty() {
                 while filled == sizes[cur] {
                     (cur, filled) = (cur + 1, 0);

@@ -14,7 +14,9 @@
 //! - **All-gather**: every task sends its buffer to every peer (the same bytes per task as a
 //!   ring, in one hop); lengths may differ.
 //! - **Broadcast**: up to `small_bytes` the root sends to every peer; above, a pipelined chain
-//!   around the ring starting at the root, so the root sends the buffer once.
+//!   around the ring starting at the root, so the root sends the buffer once. A broadcast of
+//!   u64s (integers such as a checkpoint's step) always goes directly, its bytes in the same
+//!   DATA frames.
 //! - **Barrier**: every task sends its OPEN frame to every peer and waits for theirs.
 //!
 //! Every collective starts with OPEN frames, compared on receipt, so a peer that called a
@@ -46,25 +48,37 @@ fn ring_pos(r: usize, offset: isize, n: usize) -> usize {
     (r as isize + offset).rem_euclid(n as isize) as usize
 }
 
-/// An OPEN frame followed by `data` in DATA frames of `chunk` elements.
-fn message(ctx: &Ctx<'_>, data: &[f32]) -> Vec<u8> {
-    let frames = data.len().div_ceil(ctx.chunk_elems.max(1));
-    let mut out = Vec::with_capacity(HEADER + wire::OPEN_LEN + frames * HEADER + data.len() * 4);
+/// An OPEN frame followed by `len` payload bytes in DATA frames of the chunk size
+/// (`4 * chunk_elems` bytes), `put(out, range)` appending the payload bytes of `range`.
+fn framed(ctx: &Ctx<'_>, len: usize, mut put: impl FnMut(&mut Vec<u8>, Range<usize>)) -> Vec<u8> {
+    let chunk = ctx.chunk_elems.max(1) * 4;
+    let frames = len.div_ceil(chunk);
+    let mut out = Vec::with_capacity(HEADER + wire::OPEN_LEN + frames * HEADER + len);
     out.extend_from_slice(&wire::open_frame(ctx.step, &ctx.call));
-    for r in chunks(0..data.len(), ctx.chunk_elems) {
-        out.extend_from_slice(&wire::header(TAG_DATA, r.len() * 4));
-        wire::put_f32s(&mut out, &data[r]);
+    for r in chunks(0..len, chunk) {
+        out.extend_from_slice(&wire::header(TAG_DATA, r.len()));
+        put(&mut out, r);
     }
     out
 }
 
-/// Reads `len` f32s in DATA frames of the chunk size, as raw bytes.
-async fn read_f32s(ctx: &Ctx<'_>, rd: &mut Reader, len: usize) -> Result<Vec<u8>> {
-    let mut buf = vec![0u8; len * 4];
-    for r in chunks(0..len, ctx.chunk_elems) {
-        rd.data(ctx, &mut buf[r.start * 4..r.end * 4]).await?;
+/// An OPEN frame followed by `data` in DATA frames of `chunk_elems` f32 each.
+fn message(ctx: &Ctx<'_>, data: &[f32]) -> Vec<u8> {
+    framed(ctx, data.len() * 4, |out, r| wire::put_f32s(out, &data[r.start / 4..r.end / 4]))
+}
+
+/// Reads `len` bytes in DATA frames of the chunk size (as [`framed`] sends them).
+async fn read_bytes(ctx: &Ctx<'_>, rd: &mut Reader, len: usize) -> Result<Vec<u8>> {
+    let mut buf = vec![0u8; len];
+    for r in chunks(0..len, ctx.chunk_elems.max(1) * 4) {
+        rd.data(ctx, &mut buf[r]).await?;
     }
     Ok(buf)
+}
+
+/// Reads `len` f32s in DATA frames of the chunk size, as raw bytes.
+async fn read_f32s(ctx: &Ctx<'_>, rd: &mut Reader, len: usize) -> Result<Vec<u8>> {
+    read_bytes(ctx, rd, len * 4).await
 }
 
 /// One chunk to send: its elements, and how many received chunks must be processed first.
@@ -259,24 +273,53 @@ pub(crate) async fn all_gather(ctx: &Ctx<'_>, links: &mut Links, mine: &[f32]) -
     Ok(out)
 }
 
-/// Broadcast from `root` to every peer directly.
-pub(crate) async fn direct_broadcast(ctx: &Ctx<'_>, links: &mut Links, root: usize, data: &mut [f32]) -> Result<()> {
+/// Broadcast from `root` to every peer directly: the root sends `message()` (an OPEN frame and
+/// `len` payload bytes, [`framed`]) to every peer and waits for their OPEN frames; every other
+/// task sends its OPEN frame to the root and returns the `len` bytes it receives.
+async fn direct_broadcast_bytes(
+    ctx: &Ctx<'_>,
+    links: &mut Links,
+    root: usize,
+    message: impl FnOnce() -> Vec<u8>,
+    len: usize,
+) -> Result<Option<Vec<u8>>> {
     if ctx.rank == root {
-        let msg = message(ctx, data);
+        let msg = message();
         let sends: Vec<_> = links.writers.iter_mut().flatten().map(|w| w.send(ctx, &msg)).collect();
         let opens: Vec<_> = links.readers.iter_mut().flatten().map(|rd| rd.open(ctx)).collect();
         tokio::try_join!(try_join_all(sends), try_join_all(opens))?;
-        return Ok(());
+        return Ok(None);
     }
     let (rd, wr, idle) = links.pair(root, root)?;
     let open = wire::open_frame(ctx.step, &ctx.call);
     let recv = async {
         rd.open(ctx).await?;
-        let len = data.len();
-        read_f32s(ctx, rd, len).await
+        read_bytes(ctx, rd, len).await
     };
     let (_, bytes) = watching(ctx, idle, async { tokio::try_join!(wr.send(ctx, &open), recv) }).await?;
-    wire::store_f32s(data, &bytes);
+    Ok(Some(bytes))
+}
+
+/// Broadcast from `root` to every peer directly.
+pub(crate) async fn direct_broadcast(ctx: &Ctx<'_>, links: &mut Links, root: usize, data: &mut [f32]) -> Result<()> {
+    let len = data.len() * 4;
+    if let Some(bytes) = direct_broadcast_bytes(ctx, links, root, || message(ctx, data), len).await? {
+        wire::store_f32s(data, &bytes);
+    }
+    Ok(())
+}
+
+/// Broadcast of u64s from `root` to every peer directly (integers, bit for bit).
+pub(crate) async fn broadcast_u64s(ctx: &Ctx<'_>, links: &mut Links, root: usize, data: &mut [u64]) -> Result<()> {
+    let len = data.len() * 8;
+    let message = || {
+        let mut bytes = Vec::with_capacity(len);
+        wire::put_u64s(&mut bytes, data);
+        framed(ctx, len, |out, r| out.extend_from_slice(&bytes[r]))
+    };
+    if let Some(bytes) = direct_broadcast_bytes(ctx, links, root, message, len).await? {
+        wire::store_u64s(data, &bytes);
+    }
     Ok(())
 }
 

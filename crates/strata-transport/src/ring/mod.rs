@@ -4,8 +4,8 @@
 //! ranks and accepts the higher ones, in any start order, retrying until the connect
 //! deadline), authenticated by the cluster token and checked against the cluster fingerprint.
 //! The collectives then run over it: ring all-reduce (reduce-scatter then all-gather, pipelined
-//! in chunks) for large buffers, a direct exchange for small ones, all-gather, broadcast and
-//! barrier. The algorithms are described in `algo.rs`, the bytes on the wire in `wire.rs`.
+//! in chunks) for large buffers, a direct exchange for small ones, all-gather, broadcast (of f32s,
+//! or of u64s for integers) and barrier. The algorithms are described in `algo.rs`, the bytes on the wire in `wire.rs`.
 //!
 //! # No hangs
 //!
@@ -376,12 +376,7 @@ impl Ring {
     }
 
     fn broadcast_here(&self, step: u64, root: usize, data: &mut [f32]) -> Result<()> {
-        if root >= self.size() {
-            return Err(Error::Config(format!(
-                "broadcast root {root} is not a rank of this ring of {} workers",
-                self.size()
-            )));
-        }
+        self.check_root(root)?;
         let call = Call::Broadcast { root: root as u32, count: data.len() as u64 };
         let mut st = self.begin(step, &call)?;
         if self.size() == 1 {
@@ -394,6 +389,35 @@ impl Ring {
             self.drive(&ctx, algo::chain_broadcast(&ctx, &mut st.links, root, data))
         };
         self.conclude(&mut st, res)
+    }
+
+    /// Copies `root`'s `data` (integers, bit for bit) into every worker's `data` (the lengths
+    /// must agree): the same OPEN and DATA frame checks as [`Ring::broadcast`], always sent
+    /// directly from the root to every peer.
+    pub fn broadcast_u64s(&self, step: u64, root: usize, data: &mut [u64]) -> Result<()> {
+        off_runtime(|| self.broadcast_u64s_here(step, root, data))
+    }
+
+    fn broadcast_u64s_here(&self, step: u64, root: usize, data: &mut [u64]) -> Result<()> {
+        self.check_root(root)?;
+        let call = Call::BroadcastU64 { root: root as u32, count: data.len() as u64 };
+        let mut st = self.begin(step, &call)?;
+        if self.size() == 1 {
+            return Ok(());
+        }
+        let ctx = self.ctx(step, call);
+        let res = self.drive(&ctx, algo::broadcast_u64s(&ctx, &mut st.links, root, data));
+        self.conclude(&mut st, res)
+    }
+
+    fn check_root(&self, root: usize) -> Result<()> {
+        if root >= self.size() {
+            return Err(Error::Config(format!(
+                "broadcast root {root} is not a rank of this ring of {} workers",
+                self.size()
+            )));
+        }
+        Ok(())
     }
 
     /// Returns once every worker has called `barrier` with this `step`.

@@ -5,8 +5,9 @@
 //!
 //! - `OPEN` (32-byte payload): the collective a task is about to run (step, kind, op, root,
 //!   element count). Each side compares the peer's with its own before any data moves.
-//! - `DATA`: f32 values, little endian; at most `chunk_bytes` of them per frame, and exactly the
-//!   lengths both sides compute from the collective, so a receiver knows every length in advance.
+//! - `DATA`: f32 values (u64 values for `broadcast_u64s`), little endian; at most `chunk_bytes`
+//!   of them per frame, and exactly the lengths both sides compute from the collective, so a
+//!   receiver knows every length in advance.
 //! - `ERROR` (JSON, at most [`MAX_ERROR_BYTES`]): the task failed; the payload says why, so its
 //!   peers fail with the same cause instead of a bare "connection closed".
 //!
@@ -56,6 +57,8 @@ pub(crate) enum Call {
     AllGather { count: u64 },
     /// `broadcast(root, count f32)`.
     Broadcast { root: u32, count: u64 },
+    /// `broadcast(root, count u64)`: integers, bit for bit.
+    BroadcastU64 { root: u32, count: u64 },
     /// `barrier()`.
     Barrier,
 }
@@ -76,6 +79,7 @@ impl Call {
             Call::AllGather { count } => (2, NO_OP, 0, count),
             Call::Broadcast { root, count } => (3, NO_OP, root, count),
             Call::Barrier => (4, NO_OP, 0, 0),
+            Call::BroadcastU64 { root, count } => (5, NO_OP, root, count),
         }
     }
 }
@@ -87,6 +91,7 @@ impl fmt::Display for Call {
             Call::AllGather { count } => write!(f, "all_gather({count} f32)"),
             Call::Broadcast { root, count } => write!(f, "broadcast(root {root}, {count} f32)"),
             Call::Barrier => f.write_str("barrier"),
+            Call::BroadcastU64 { root, count } => write!(f, "broadcast(root {root}, {count} u64)"),
         }
     }
 }
@@ -147,6 +152,7 @@ pub(crate) fn parse_open(p: &[u8]) -> Result<(u64, Call), String> {
         2 => Call::AllGather { count },
         3 => Call::Broadcast { root, count },
         4 => Call::Barrier,
+        5 => Call::BroadcastU64 { root, count },
         k => return Err(format!("an OPEN frame for unknown collective kind {k}")),
     };
     Ok((step, call))
@@ -244,6 +250,20 @@ pub(crate) fn put_f32s(out: &mut Vec<u8>, src: &[f32]) {
 pub(crate) fn write_f32s(dst: &mut [u8], src: &[f32]) {
     for (o, x) in dst.chunks_exact_mut(4).zip(src) {
         o.copy_from_slice(&x.to_le_bytes());
+    }
+}
+
+/// Appends `src` as little-endian bytes to `out`.
+pub(crate) fn put_u64s(out: &mut Vec<u8>, src: &[u64]) {
+    out.extend(src.iter().flat_map(|x| x.to_le_bytes()));
+}
+
+/// Overwrites `dst` with the little-endian u64s in `bytes` (`bytes.len() == 8 * dst.len()`).
+pub(crate) fn store_u64s(dst: &mut [u64], bytes: &[u8]) {
+    for (d, b) in dst.iter_mut().zip(bytes.chunks_exact(8)) {
+        let mut x = [0u8; 8];
+        x.copy_from_slice(b);
+        *d = u64::from_le_bytes(x);
     }
 }
 
@@ -385,6 +405,7 @@ mod tests {
             Call::AllGather { count: 0 },
             Call::Broadcast { root: 3, count: 7 },
             Call::Barrier,
+            Call::BroadcastU64 { root: 1, count: 2 },
         ];
         for (i, c) in calls.iter().enumerate() {
             let f = open_frame(i as u64 + 9, c);
@@ -395,6 +416,8 @@ mod tests {
         }
         assert_eq!(calls[0].to_string(), "all_reduce(mean, 1000003 f32)");
         assert_eq!(calls[2].to_string(), "broadcast(root 3, 7 f32)");
+        assert_eq!(calls[4].to_string(), "broadcast(root 1, 2 u64)");
+        assert!(!calls[4].agrees_with(&Call::Broadcast { root: 1, count: 2 }));
     }
 
     #[test]
@@ -454,6 +477,17 @@ mod tests {
             op.combine(&mut y, &b);
             assert_eq!(x.map(f32::to_bits), y.map(f32::to_bits), "{op}");
         }
+    }
+
+    #[test]
+    fn u64_bytes_round_trip_bit_for_bit() {
+        let xs = [0u64, 1, u64::MAX, 0x0123_4567_89ab_cdef, 1 << 53 | 1];
+        let mut bytes = Vec::new();
+        put_u64s(&mut bytes, &xs);
+        assert_eq!(bytes.len(), 40);
+        let mut back = [0u64; 5];
+        store_u64s(&mut back, &bytes);
+        assert_eq!(back, xs);
     }
 
     #[test]

@@ -1,0 +1,138 @@
+//! What a strategy implementation provides: [`StrategyExtended`] (TensorFlow's name) and the
+//! vocabulary it is written in ([`StrategyId`], [`VariablePolicy`], [`StrategyOptions`],
+//! [`AutoShardPolicy`], [`WorkerCollectives`], [`ReplicaJob`]), and the type a job receives on
+//! each replica, [`ReplicaContext`] (with its step's [`StepShared`]).
+//!
+//! This is the bottom of the strategy machinery: it depends only on the leaf vocabulary
+//! (devices, errors, the timeline, the replica group and the collective interfaces of
+//! [`cross_device`](crate::cross_device), where [`WorkerCollectives`] is defined next to
+//! `CrossDeviceOps` since the hierarchical cross-device op uses it; it is re-exported here).
+//! The context's type lives here because the two refer to each other (a job receives a
+//! `ReplicaContext`, a context holds its strategy); its collectives are in
+//! [`context`](crate::context), the optimizer step in [`variables`](crate::variables), and the
+//! user-facing [`Strategy`](crate::strategy::Strategy) sits above all of them.
+
+mod replica;
+
+pub use replica::{CrossReplicaContext, ReplicaContext, StepShared};
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+pub use crate::cross_device::WorkerCollectives;
+use crate::cross_device::{CrossDeviceOps, DEFAULT_BUCKET_BYTES};
+use crate::device::LogicalDevice;
+use crate::group::DEFAULT_COLLECTIVE_TIMEOUT;
+use crate::timeline::Timeline;
+use crate::Result;
+
+/// Identifies one strategy object; values and variables remember the strategy that made them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct StrategyId(u64);
+
+impl StrategyId {
+    /// A fresh id.
+    pub fn fresh() -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        StrategyId(NEXT.fetch_add(1, Ordering::Relaxed))
+    }
+}
+
+impl std::fmt::Display for StrategyId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "#{}", self.0)
+    }
+}
+
+/// Where a strategy keeps variables.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum VariablePolicy {
+    /// A copy per replica, kept identical by synchronised writes (Mirrored, OneDevice).
+    Mirrored,
+    /// One copy on the parameter device; replicas read it and reduce their gradients to it.
+    /// `parameter_replica` is the replica thread that applies the update.
+    Central {
+        /// The replica that applies updates on behalf of the parameter device.
+        parameter_replica: usize,
+    },
+}
+
+/// Settings every strategy shares.
+#[derive(Clone, Debug)]
+pub struct StrategyOptions {
+    /// Gradient fusion bucket size in bytes (default 25 MiB; 0 disables fusion).
+    pub bucket_bytes: usize,
+    /// Deadline of every collective (default 60 s).
+    pub collective_timeout: Duration,
+    /// Where step phases are recorded, if anywhere.
+    pub timeline: Option<Arc<Timeline>>,
+    /// Seed of variable initialisation.
+    pub seed: u64,
+}
+
+impl Default for StrategyOptions {
+    fn default() -> Self {
+        Self {
+            bucket_bytes: DEFAULT_BUCKET_BYTES,
+            collective_timeout: DEFAULT_COLLECTIVE_TIMEOUT,
+            timeline: None,
+            seed: 0,
+        }
+    }
+}
+
+/// How a multi-worker strategy splits input across workers (TensorFlow's `AutoShardPolicy`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AutoShardPolicy {
+    /// Every worker reads the same global batches and keeps its slice of each: the job trains
+    /// on exactly the batches one process would (the default).
+    #[default]
+    Data,
+    /// No sharding: each worker's batches are its own part of the step.
+    Off,
+}
+
+/// A job run once on every replica.
+pub type ReplicaJob<'a> = dyn Fn(&ReplicaContext<'_>) -> Result<()> + Sync + 'a;
+
+/// What a strategy implementation provides (TensorFlow's `StrategyExtended`). Users call
+/// [`Strategy`](crate::Strategy); implementers fill this in. Object safe, so strategies chosen at run time work
+/// through `Arc<dyn StrategyExtended>`.
+pub trait StrategyExtended: Send + Sync + std::fmt::Debug {
+    /// This strategy object's id.
+    fn id(&self) -> StrategyId;
+    /// The strategy's name (`one-device`, `mirrored`, `central-storage`, ...).
+    fn name(&self) -> &'static str;
+    /// One logical device per replica, in replica order.
+    fn replica_devices(&self) -> &[LogicalDevice];
+    /// Where variables live.
+    fn variable_policy(&self) -> VariablePolicy;
+    /// How the replicas combine values.
+    fn cross_device_ops(&self) -> &dyn CrossDeviceOps;
+    /// Shared settings.
+    fn options(&self) -> &StrategyOptions;
+    /// Runs `job` once per replica, concurrently, and returns when every replica is done. The
+    /// `weights` are each replica's share of the global batch (they sum to 1).
+    fn execute(&self, weights: &[f32], job: &ReplicaJob<'_>) -> Result<()>;
+
+    /// The number of replicas of this worker (one per replica device).
+    fn num_replicas(&self) -> usize {
+        self.replica_devices().len()
+    }
+
+    /// The other workers of a multi-worker strategy, if it has any.
+    fn workers(&self) -> Option<&dyn WorkerCollectives> {
+        None
+    }
+
+    /// How input is split across workers.
+    fn auto_shard(&self) -> AutoShardPolicy {
+        AutoShardPolicy::Data
+    }
+
+    /// The number of replicas in sync across every worker.
+    fn num_replicas_in_sync(&self) -> usize {
+        self.num_replicas() * self.workers().map_or(1, |w| w.num_workers())
+    }
+}
