@@ -427,13 +427,12 @@ impl CoordinationServerHandle {
         let mut builder = crate::auth::server_builder(&token)?;
         let interceptor = server_interceptor(token);
         let what = "the coordination service".to_string();
-        let server = crate::rt::spawn_server(
+        let server = crate::rt::spawn_server::<CoordinationServer<Svc>, _, _>(
             listener,
             what,
             tokio::sync::watch::channel(false).0,
-            |(incoming, stop)| async move {
-                let (reporter, health) = tonic_health::server::health_reporter();
-                reporter.set_serving::<CoordinationServer<Svc>>().await;
+            interceptor.clone(),
+            |health, (incoming, stop)| async move {
                 let monitor = {
                     let svc = svc.clone();
                     tokio::spawn(async move {
@@ -445,7 +444,7 @@ impl CoordinationServerHandle {
                     })
                 };
                 let result = builder
-                    .add_service(InterceptedService::new(health, interceptor.clone()))
+                    .add_service(health)
                     .add_service(CoordinationServer::with_interceptor(Svc(svc), interceptor))
                     .serve_with_incoming_shutdown(incoming, stop)
                     .await;

@@ -26,7 +26,7 @@ use tonic::transport::Channel;
 use tonic::{Code, Request, Response, Status};
 
 use crate::auth::{client_interceptor, server_interceptor, ClientAuth, ClusterToken};
-use crate::rt::{runtime, ServerTask};
+use crate::rt::{runtime, ServerHandle};
 use crate::{Error, Result};
 
 /// The prefix of the message of a step that reported a parameter server unavailable.
@@ -164,18 +164,14 @@ impl WorkerExecutor for Svc {
     }
 }
 
-/// A running worker executor service (held by a worker task).
-pub struct WorkerExecutorHandle {
-    address: SocketAddr,
-    task: String,
-    server: ServerTask,
-}
+/// Marks a [`ServerHandle`] as a worker executor's.
+#[derive(Debug)]
+pub enum WorkerExecutorTask {}
 
-impl std::fmt::Debug for WorkerExecutorHandle {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("WorkerExecutorHandle").field("task", &self.task).field("address", &self.address).finish()
-    }
-}
+/// A running worker executor service (held by a worker task). Its `shutdown` answers running
+/// steps `UNAVAILABLE` at once (the coordinator runs them elsewhere; their step functions finish
+/// in the background) and refuses new connections.
+pub type WorkerExecutorHandle = ServerHandle<WorkerExecutorTask>;
 
 impl WorkerExecutorHandle {
     /// Starts serving task `task` (`worker:<index>`) on `bind` (port 0 picks a free one),
@@ -193,39 +189,24 @@ impl WorkerExecutorHandle {
         let mut builder = crate::auth::server_builder(&token)?;
         let interceptor = server_interceptor(token);
         let what = format!("the worker executor of {task}");
-        let server = crate::rt::spawn_server(listener, what, tx, |(incoming, stop)| async move {
-            let (reporter, health) = tonic_health::server::health_reporter();
-            reporter.set_serving::<WorkerExecutorServer<Svc>>().await;
-            builder
-                .add_service(InterceptedService::new(health, interceptor.clone()))
-                .add_service(InterceptedService::new(
-                    WorkerExecutorServer::new(Svc(service))
-                        .max_decoding_message_size(MAX_MESSAGE_BYTES)
-                        .max_encoding_message_size(MAX_MESSAGE_BYTES),
-                    interceptor,
-                ))
-                .serve_with_incoming_shutdown(incoming, stop)
-                .await
-        });
+        let server = crate::rt::spawn_server::<WorkerExecutorServer<Svc>, _, _>(
+            listener,
+            what,
+            tx,
+            interceptor.clone(),
+            |health, (incoming, stop)| async move {
+                let service = WorkerExecutorServer::new(Svc(service))
+                    .max_decoding_message_size(MAX_MESSAGE_BYTES)
+                    .max_encoding_message_size(MAX_MESSAGE_BYTES);
+                builder
+                    .add_service(health)
+                    .add_service(InterceptedService::new(service, interceptor))
+                    .serve_with_incoming_shutdown(incoming, stop)
+                    .await
+            },
+        );
         tracing::info!(%task, %address, "worker executor listening");
-        Ok(Self { address, task, server })
-    }
-
-    /// Where the service listens.
-    pub fn address(&self) -> SocketAddr {
-        self.address
-    }
-
-    /// Stops serving: running steps are answered `UNAVAILABLE` at once (the coordinator runs
-    /// them elsewhere; their step functions finish in the background) and new connections are
-    /// refused. Returns when the server task ended.
-    pub fn shutdown(mut self) {
-        self.server.stop();
-    }
-
-    /// Blocks until the server stops (used by `strata worker`).
-    pub fn wait(mut self) {
-        self.server.wait();
+        Ok(Self::new(address, task, server))
     }
 }
 

@@ -32,6 +32,7 @@ pub mod probe;
 pub mod ps;
 pub mod ring;
 pub mod rt;
+pub use rt::ServerHandle;
 
 pub use auth::{ClusterToken, MutualTls};
 pub use coordination::{CoordinationConfig, CoordinationMember, CoordinationServerHandle, Registration};

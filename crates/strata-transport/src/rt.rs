@@ -43,30 +43,82 @@ pub(crate) type Serve = (
     std::pin::Pin<Box<dyn Future<Output = ()> + Send>>,
 );
 
-/// Runs a gRPC server on the transport runtime: `body` builds it and serves the connections of
-/// `listener` (Nagle's algorithm off) until `stop` turns true (the returned [`ServerTask`] turns
-/// it); a server that ends with an error logs it as `what`. Every server of this crate starts
-/// and stops here.
-pub(crate) fn spawn_server<F, Fut>(
+/// The health service every server carries, behind the cluster token.
+pub(crate) type Health = tonic::service::interceptor::InterceptedService<
+    tonic_health::pb::health_server::HealthServer<tonic_health::server::HealthService>,
+    crate::auth::ServerAuth,
+>;
+
+/// Runs a gRPC server on the transport runtime: `body` gets the health service (which reports
+/// service `S` serving, behind `auth`) and builds the server, serving the connections of
+/// `listener` (Nagle's algorithm off) until `stop` turns true (the returned [`ServerTask`]
+/// turns it); a server that ends with an error logs it as `what`. Every server of this crate
+/// starts and stops here.
+pub(crate) fn spawn_server<S, F, Fut>(
     listener: TcpListener,
     what: String,
     stop: tokio::sync::watch::Sender<bool>,
+    auth: crate::auth::ServerAuth,
     body: F,
 ) -> ServerTask
 where
-    F: FnOnce(Serve) -> Fut + Send + 'static,
+    S: tonic::server::NamedService,
+    F: FnOnce(Health, Serve) -> Fut + Send + 'static,
     Fut: Future<Output = std::result::Result<(), tonic::transport::Error>> + Send + 'static,
 {
     let mut rx = stop.subscribe();
     let done = runtime().spawn(async move {
+        let reporter = tonic_health::server::HealthReporter::new();
+        reporter.set_serving::<S>().await;
+        let health = tonic_health::pb::health_server::HealthServer::new(
+            tonic_health::server::HealthService::from_health_reporter(reporter),
+        );
         let shutdown = Box::pin(async move {
             let _ = rx.wait_for(|s| *s).await;
         });
-        if let Err(e) = body((Box::pin(incoming(listener)), shutdown)).await {
+        let health = tonic::service::interceptor::InterceptedService::new(health, auth);
+        if let Err(e) = body(health, (Box::pin(incoming(listener)), shutdown)).await {
             tracing::error!(server = %what, error = %e, "a server stopped");
         }
     });
     ServerTask::new(stop, done)
+}
+
+/// A running server of one task: where it listens and the switch that stops it. The handles of
+/// the parameter server and of the worker executor are this type, told apart by `K`, each with
+/// its own `start`.
+pub struct ServerHandle<K> {
+    address: SocketAddr,
+    task: String,
+    server: ServerTask,
+    kind: std::marker::PhantomData<fn() -> K>,
+}
+
+impl<K> std::fmt::Debug for ServerHandle<K> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServerHandle").field("task", &self.task).field("address", &self.address).finish()
+    }
+}
+
+impl<K> ServerHandle<K> {
+    pub(crate) fn new(address: SocketAddr, task: String, server: ServerTask) -> Self {
+        Self { address, task, server, kind: std::marker::PhantomData }
+    }
+
+    /// Where the server listens.
+    pub fn address(&self) -> SocketAddr {
+        self.address
+    }
+
+    /// Stops serving and returns when the server task ended (open calls get up to 5 s).
+    pub fn shutdown(mut self) {
+        self.server.stop();
+    }
+
+    /// Blocks until the server stops.
+    pub fn wait(mut self) {
+        self.server.wait();
+    }
 }
 
 /// A server running on the transport runtime, with the switch that stops it: the handles of the

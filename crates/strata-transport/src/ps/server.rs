@@ -30,7 +30,7 @@ use super::faults::Faulty;
 use super::wire;
 use super::PsServerConfig;
 use crate::auth::server_interceptor;
-use crate::rt::ServerTask;
+use crate::rt::ServerHandle;
 use crate::Result;
 
 /// The largest message the server decodes: one chunk plus its framing.
@@ -442,18 +442,12 @@ impl ParameterServer for Svc {
     }
 }
 
-/// A running parameter-server task.
-pub struct PsServerHandle {
-    address: SocketAddr,
-    task: String,
-    server: ServerTask,
-}
+/// Marks a [`ServerHandle`] as a parameter-server task's.
+#[derive(Debug)]
+pub enum PsTask {}
 
-impl std::fmt::Debug for PsServerHandle {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PsServerHandle").field("task", &self.task).field("address", &self.address).finish()
-    }
-}
+/// A running parameter-server task.
+pub type PsServerHandle = ServerHandle<PsTask>;
 
 impl PsServerHandle {
     /// Restores `config.restore` (if set) and starts serving on `bind` (port 0 picks a free
@@ -479,44 +473,34 @@ impl PsServerHandle {
         });
         let builder = crate::auth::server_builder(&shared.config.token)?;
         let what = format!("the parameter server {task}");
-        let server = crate::rt::spawn_server(listener, what, watch::channel(false).0, |(incoming, stop)| async move {
-            let (reporter, health) = tonic_health::server::health_reporter();
-            reporter.set_serving::<ParameterServerServer<Svc>>().await;
-            let generated = ParameterServerServer::new(Svc(shared.clone()))
-                .max_decoding_message_size(MAX_MESSAGE_BYTES)
-                .max_encoding_message_size(MAX_MESSAGE_BYTES);
-            let faults = shared.config.faults.clone();
-            let service = TensorPaths { shared, generated };
-            let router = builder
-                .tcp_nodelay(true)
-                .initial_stream_window_size(8 << 20)
-                .initial_connection_window_size(32 << 20)
-                .max_frame_size(crate::rt::frame_size())
-                .add_service(InterceptedService::new(health, interceptor.clone()));
-            // Faults (tests only) are a layer around the service, never a branch of its pushes.
-            let router = if faults.any() {
-                router.add_service(InterceptedService::new(Faulty::new(service, faults), interceptor))
-            } else {
-                router.add_service(InterceptedService::new(service, interceptor))
-            };
-            router.serve_with_incoming_shutdown(incoming, stop).await
-        });
+        let stop = watch::channel(false).0;
+        let server = crate::rt::spawn_server::<ParameterServerServer<Svc>, _, _>(
+            listener,
+            what,
+            stop,
+            interceptor.clone(),
+            |health, (incoming, stop)| async move {
+                let generated = ParameterServerServer::new(Svc(shared.clone()))
+                    .max_decoding_message_size(MAX_MESSAGE_BYTES)
+                    .max_encoding_message_size(MAX_MESSAGE_BYTES);
+                let faults = shared.config.faults.clone();
+                let service = TensorPaths { shared, generated };
+                let router = builder
+                    .tcp_nodelay(true)
+                    .initial_stream_window_size(8 << 20)
+                    .initial_connection_window_size(32 << 20)
+                    .max_frame_size(crate::rt::frame_size())
+                    .add_service(health);
+                // Faults (tests only) are a layer around the service, never a branch of its pushes.
+                let router = if faults.any() {
+                    router.add_service(InterceptedService::new(Faulty::new(service, faults), interceptor))
+                } else {
+                    router.add_service(InterceptedService::new(service, interceptor))
+                };
+                router.serve_with_incoming_shutdown(incoming, stop).await
+            },
+        );
         tracing::info!(%task, %address, "parameter server listening");
-        Ok(Self { address, task, server })
-    }
-
-    /// Where the task listens.
-    pub fn address(&self) -> SocketAddr {
-        self.address
-    }
-
-    /// Stops serving and returns when the server task ended (open calls get up to 5 s).
-    pub fn shutdown(mut self) {
-        self.server.stop();
-    }
-
-    /// Blocks until the server stops.
-    pub fn wait(mut self) {
-        self.server.wait();
+        Ok(Self::new(address, task, server))
     }
 }
