@@ -7,6 +7,8 @@
 //! with (and this crate's `cuda` feature), once per test process (a no-op when it is up to
 //! date), and runs it from the target directory.
 
+pub mod cluster;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output};
 use std::sync::OnceLock;

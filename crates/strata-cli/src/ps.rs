@@ -31,7 +31,7 @@ use strata::ps_job::{self, DigitsSpec, PsTrainConfig, WorkerStepOptions};
 use strata_compare::inject::StepDelays;
 
 use crate::launch::{self, TOKEN_VAR};
-use crate::train::{PsModeKind, TrainArgs};
+use crate::train::{ClusterSource, PsModeKind, TrainArgs};
 use crate::{Error, Result};
 
 /// `strata ps` flags: serve one parameter-server task until SIGTERM or Ctrl-C.
@@ -174,6 +174,11 @@ fn wait_for_signal(signals: &SigSet) -> Signal {
 /// Runs `strata ps`.
 pub fn run_ps(args: &PsArgs) -> Result<()> {
     let cluster = if args.address.is_some() { None } else { tf_config()? };
+    run_ps_in(args, cluster)
+}
+
+/// Runs a ps task of `cluster` (resolved by the caller), or of `--address` alone.
+fn run_ps_in(args: &PsArgs, cluster: Option<ClusterConfig>) -> Result<()> {
     let address = listen_address(&args.address, args.bind, cluster.as_ref(), TaskType::Ps)?;
     let index = cluster.as_ref().map_or(args.task_index, |c| c.task.index);
     let signals = block_signals()?;
@@ -202,10 +207,15 @@ pub fn run_ps(args: &PsArgs) -> Result<()> {
 
 /// Runs `strata worker`.
 pub fn run_worker(args: &WorkerArgs) -> Result<()> {
+    let cluster = if args.address.is_some() && !args.ps.is_empty() { None } else { tf_config()? };
+    run_worker_in(args, cluster)
+}
+
+/// Runs a worker task of `cluster` (resolved by the caller), or of `--address` and `--ps`.
+fn run_worker_in(args: &WorkerArgs, cluster: Option<ClusterConfig>) -> Result<()> {
     if !(args.slowdown.is_finite() && args.slowdown >= 1.0) {
         return Err(Error::Usage(format!("--slowdown {} must be 1 or more", args.slowdown)));
     }
-    let cluster = if args.address.is_some() && !args.ps.is_empty() { None } else { tf_config()? };
     let address = listen_address(&args.address, args.bind, cluster.as_ref(), TaskType::Worker)?;
     let index = cluster.as_ref().map_or(args.task_index, |c| c.task.index);
     let ps: Vec<String> = if !args.ps.is_empty() {
@@ -421,38 +431,52 @@ impl LocalCluster {
 /// Trains the digits MLP under ParameterServerStrategy (the coordinator's side), starting the
 /// ps and worker tasks on loopback unless `TF_CONFIG` describes the cluster.
 pub fn train(args: &TrainArgs, started: Instant) -> Result<()> {
-    let from_env = tf_config()?;
+    let (from_env, cluster_source) = match args.cluster {
+        ClusterSource::TfConfig if args.slurm_jobs.is_none() => (tf_config()?, "TF_CONFIG"),
+        _ => {
+            let resolver = crate::train::resolver(args)?;
+            (Some(resolver.resolve()?), resolver.source())
+        }
+    };
     let mut token_text = String::new();
     let (cluster, _local) = match from_env {
         Some(c) => match c.task.kind {
             TaskType::Ps => {
-                return run_ps(&PsArgs {
+                let checkpoint_dir = args.checkpoint_dir.as_ref().map(|d| d.join(format!("ps-{}", c.task.index)));
+                return run_ps_in(
+                    &PsArgs {
                     address: None,
                     task_index: 0,
                     bind: args.bind,
                     cluster_token_file: args.cluster_token_file.clone(),
-                    checkpoint_dir: args.checkpoint_dir.as_ref().map(|d| d.join(format!("ps-{}", c.task.index))),
+                    checkpoint_dir,
                     restore: None,
                     keep_checkpoints: 3,
                     stream_min_mib: 2.0,
                     no_stream: false,
                     inject_drop_reply_every: 0,
                     inject_drop_request_every: 0,
-                })
+                    },
+                    Some(c),
+                );
             }
             TaskType::Worker => {
-                return run_worker(&WorkerArgs {
+                let slowdown = args.step_delays()?.factor(c.task.index);
+                return run_worker_in(
+                    &WorkerArgs {
                     address: None,
                     task_index: 0,
                     ps: Vec::new(),
                     bind: args.bind,
                     cluster_token_file: args.cluster_token_file.clone(),
-                    slowdown: args.step_delays()?.factor(c.task.index),
+                    slowdown,
                     straggler_probability: args.straggler_probability,
                     straggler_delay: args.straggler_delay.clone(),
                     inject_seed: args.seed,
                     network_delay: args.network_delay,
-                })
+                    },
+                    Some(c),
+                );
             }
             TaskType::Chief => {
                 c.spec.require_ps()?;
@@ -498,6 +522,7 @@ pub fn train(args: &TrainArgs, started: Instant) -> Result<()> {
     options.mode = ps_mode(args, workers)?;
     options.partitioner = Partitioner::parse(&args.partitioner)?;
     options.seed = args.seed;
+    options.cluster_source = cluster_source;
     options.checkpoint_every = args.checkpoint_dir.as_ref().map(|_| args.checkpoint_every.max(1) as u64);
     let strategy = ParameterServerStrategy::new(cluster, options)?;
     let hidden = args.hidden.clone();

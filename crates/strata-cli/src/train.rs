@@ -7,7 +7,7 @@ use serde::Serialize;
 use strata_core::strategy::AutoShardPolicy;
 use strata_core::timeline::Timeline;
 use strata_core::{Strategy, StrategyHandle, StrategyOptions};
-use strata_strategies::cluster::{ClusterResolver, SlurmClusterResolver, TFConfigClusterResolver};
+use strata_strategies::cluster::{ClusterResolver, SlurmClusterResolver, SlurmJobs, TFConfigClusterResolver};
 use strata_strategies::{
     CentralStorageStrategy, CpuReduction, MirroredStrategy, MultiWorkerMirroredStrategy, MultiWorkerOptions,
     OneDeviceStrategy,
@@ -117,6 +117,10 @@ pub struct TrainArgs {
     /// Multi-worker: where this task reads its cluster from.
     #[arg(long, value_enum, default_value = "tf-config")]
     pub cluster: ClusterSource,
+    /// With --cluster slurm: the job step's ranks assigned to jobs in order, e.g.
+    /// `chief=1,ps=1,worker=2` for a parameter-server job (default: every task a worker).
+    #[arg(long, value_name = "JOB=N,...", value_parser = parse_slurm_jobs)]
+    pub slurm_jobs: Option<SlurmJobs>,
     /// Multi-worker: the address servers bind to (default loopback; 0.0.0.0 on a real cluster).
     #[arg(long, default_value = "127.0.0.1")]
     pub bind: std::net::IpAddr,
@@ -312,6 +316,24 @@ pub fn make_strategy(args: &TrainArgs, options: StrategyOptions) -> Result<Strat
     })
 }
 
+fn parse_slurm_jobs(s: &str) -> std::result::Result<SlurmJobs, String> {
+    s.parse().map_err(|e: strata_core::Error| e.to_string())
+}
+
+/// The resolver of `--cluster` (with `--slurm-jobs`).
+pub fn resolver(args: &TrainArgs) -> Result<Box<dyn ClusterResolver>> {
+    Ok(match (args.cluster, &args.slurm_jobs) {
+        (ClusterSource::TfConfig, Some(_)) => {
+            return Err(Error::Usage(
+                "--slurm-jobs applies to --cluster slurm; with TF_CONFIG the jobs are TF_CONFIG's own".into(),
+            ))
+        }
+        (ClusterSource::TfConfig, None) => Box::new(TFConfigClusterResolver::from_env()?),
+        (ClusterSource::Slurm, None) => Box::new(SlurmClusterResolver::from_env()),
+        (ClusterSource::Slurm, Some(jobs)) => Box::new(SlurmClusterResolver::from_env().jobs(jobs.clone())),
+    })
+}
+
 /// Joins the multi-worker job this task belongs to.
 pub fn make_multi_worker(args: &TrainArgs, options: StrategyOptions) -> Result<MultiWorkerMirroredStrategy> {
     // The GPU checks first: they are this task's own, and fail without a cluster.
@@ -319,10 +341,7 @@ pub fn make_multi_worker(args: &TrainArgs, options: StrategyOptions) -> Result<M
         check_gpus(args, n)?;
     }
     let gpus = args.gpus.map(|n| strata::gpu::multi_worker_gpus(n, args.cross_device_ops)).transpose()?;
-    let resolver: Box<dyn ClusterResolver> = match args.cluster {
-        ClusterSource::TfConfig => Box::new(TFConfigClusterResolver::from_env()?),
-        ClusterSource::Slurm => Box::new(SlurmClusterResolver::from_env()),
-    };
+    let resolver = resolver(args)?;
     let token = crate::ps::token(args.cluster_token_file.as_deref())?;
     let mut mw = MultiWorkerOptions::new(token)?;
     match gpus {

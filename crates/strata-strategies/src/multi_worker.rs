@@ -172,7 +172,8 @@ pub struct MultiWorkerMirroredStrategy {
 impl MultiWorkerMirroredStrategy {
     /// Joins the job described by `resolver` (rendezvous, heartbeats, the ring). Returns when
     /// every worker has joined.
-    pub fn from_resolver(resolver: &dyn ClusterResolver, options: MultiWorkerOptions) -> Result<Self> {
+    pub fn from_resolver(resolver: &dyn ClusterResolver, mut options: MultiWorkerOptions) -> Result<Self> {
+        options.coordination.cluster_source = resolver.source();
         Self::new(resolver.resolve()?, options)
     }
 
@@ -185,6 +186,8 @@ impl MultiWorkerMirroredStrategy {
                 config.task
             )));
         };
+        // A node name nobody resolves fails here, at once, not at the rendezvous deadline.
+        crate::cluster::check_hosts(spec, options.coordination.cluster_source)?;
         let workers = spec.sync_workers();
         let names: Vec<String> = workers.iter().map(ToString::to_string).collect();
         let chief = workers[0];
@@ -212,8 +215,14 @@ impl MultiWorkerMirroredStrategy {
         } else {
             None
         };
-        let listener = std::net::TcpListener::bind(SocketAddr::new(options.bind, 0))
-            .map_err(|e| Error::io(format!("binding the data plane of {} to {}", config.task, options.bind), e))?;
+        let data_bind = SocketAddr::new(options.bind, 0);
+        let listener = std::net::TcpListener::bind(data_bind).map_err(|e| {
+            strata_core::Error::from(strata_transport::Error::bind(
+                format!("the data plane of {}", config.task),
+                data_bind,
+                e,
+            ))
+        })?;
         let data_port = listener.local_addr().map_err(|e| Error::io("reading the data plane's address", e))?.port();
         let data_address = format!("{own_host}:{data_port}");
         let coordinator =

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use strata_core::Error;
 use strata_strategies::cluster::{
     expand_nodelist, split_host_port, ClusterConfig, ClusterResolver, ClusterSpec, SimpleClusterResolver,
-    SlurmClusterResolver, SlurmLayout, TFConfigClusterResolver, TaskId, TaskType,
+    SlurmClusterResolver, SlurmJobs, SlurmLayout, TFConfigClusterResolver, TaskId, TaskType,
 };
 
 /// Resolves a TF_CONFIG JSON.
@@ -463,6 +463,55 @@ fn slurm_two_node_allocation() {
     let chief = SlurmClusterResolver::from_vars(&v).resolve().unwrap();
     assert!(chief.is_chief());
     assert_eq!(chief.spec.fingerprint(), c.spec.fingerprint());
+}
+
+/// A parameter-server job under Slurm: `chief=1,ps=1,worker=2` over 2 nodes x 2 tasks assigns
+/// the ranks to the jobs in order, as TensorFlow's `SlurmClusterResolver(jobs=...)` does.
+#[test]
+fn slurm_jobs_assign_ranks_in_order() {
+    let jobs: SlurmJobs = "chief=1, ps=1,worker=2".parse().unwrap();
+    assert_eq!(jobs.to_string(), "chief=1,ps=1,worker=2");
+    let expected = [TaskId::chief(), TaskId::ps(0), TaskId::worker(0), TaskId::worker(1)];
+    let mut fingerprints = Vec::new();
+    for (rank, want) in expected.iter().enumerate() {
+        let local = (rank % 2).to_string();
+        let rank = rank.to_string();
+        let v = vars(&[
+            ("SLURM_PROCID", &rank),
+            ("SLURM_NTASKS", "4"),
+            ("SLURM_LOCALID", &local),
+            ("SLURM_JOB_NODELIST", "n[1-2]"),
+            ("SLURM_TASKS_PER_NODE", "2(x2)"),
+        ]);
+        let c = SlurmClusterResolver::from_vars(&v).jobs(jobs.clone()).resolve().unwrap();
+        assert_eq!(c.task, *want);
+        assert_eq!(c.spec.address(TaskId::chief()).unwrap(), "n1:8888");
+        assert_eq!(c.spec.address(TaskId::ps(0)).unwrap(), "n1:8889");
+        assert_eq!(c.spec.address(TaskId::worker(0)).unwrap(), "n2:8888");
+        assert_eq!(c.spec.address(TaskId::worker(1)).unwrap(), "n2:8889");
+        fingerprints.push(c.spec.fingerprint());
+    }
+    assert!(fingerprints.windows(2).all(|w| w[0] == w[1]), "every task sees the same cluster");
+
+    // A mapping that does not cover the step is refused, naming both counts.
+    let v = vars(&[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "3"), ("SLURM_JOB_NODELIST", "n[1-3]")]);
+    let e = SlurmClusterResolver::from_vars(&v).jobs(jobs).resolve().unwrap_err().to_string();
+    assert!(e.contains("chief=1,ps=1,worker=2 has 4 tasks but the job step has 3"), "{e}");
+
+    for (bad, why) in [
+        ("", "is not job=count"),
+        ("ps", "is not job=count"),
+        ("ps=1,ps=2", "names ps twice"),
+        ("ps=0,worker=1", "gives ps no task"),
+        ("chief=2,worker=1", "at most one chief"),
+        ("master=1", "is \"chief\" now"),
+        ("boss=1", "\"boss\" is not a job name"),
+        ("worker=x", "is not a whole number"),
+    ] {
+        let e = bad.parse::<SlurmJobs>().unwrap_err().to_string();
+        assert!(e.contains(why), "{bad:?}: {e}");
+        assert!(!e.contains('\n') && !e.ends_with('.'), "{e}");
+    }
 }
 
 /// 2 nodes x 2 tasks, 2 GPUs per task: the last task gets GPUs 2,3 of the second node.

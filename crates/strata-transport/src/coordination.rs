@@ -51,6 +51,9 @@ pub struct CoordinationConfig {
     pub heartbeat_timeout: Duration,
     /// The deadline of one RPC that does not wait for peers (default 10 s).
     pub rpc_timeout: Duration,
+    /// Where the cluster comes from, as the service's messages name it (`"TF_CONFIG"`,
+    /// `"Slurm's job step"`; default `"the cluster spec"`).
+    pub cluster_source: &'static str,
 }
 
 impl Default for CoordinationConfig {
@@ -60,6 +63,7 @@ impl Default for CoordinationConfig {
             heartbeat_interval: Duration::from_millis(500),
             heartbeat_timeout: Duration::from_secs(3),
             rpc_timeout: Duration::from_secs(10),
+            cluster_source: "the cluster spec",
         }
     }
 }
@@ -114,8 +118,9 @@ impl Service {
         let name = task_string(task);
         self.names.iter().position(|n| *n == name).ok_or_else(|| {
             Status::not_found(format!(
-                "task {name} is not in this job (its tasks are {}); check TF_CONFIG's task",
-                self.names.join(", ")
+                "task {name} is not in this job (its tasks are {}); check this task's place in {}",
+                self.names.join(", "),
+                self.config.cluster_source
             ))
         })
     }
@@ -192,8 +197,8 @@ impl Coordination for Svc {
         let name = &self.names[rank];
         if r.cluster_fingerprint != self.cluster_fingerprint {
             return Err(Status::failed_precondition(format!(
-                "task {name} runs cluster [{}] but the chief runs [{}]; give every task the same TF_CONFIG cluster",
-                r.cluster_fingerprint, self.cluster_fingerprint
+                "task {name} runs cluster [{}] but the chief runs [{}]; give every task the same cluster ({})",
+                r.cluster_fingerprint, self.cluster_fingerprint, self.config.cluster_source
             )));
         }
         if r.strategy_fingerprint != self.strategy_fingerprint {
@@ -214,7 +219,8 @@ impl Coordination for Svc {
             match st.tasks[rank].incarnation {
                 Some(inc) if inc != r.incarnation => {
                     let m = format!(
-                        "task {name} registered twice (a restarted process, or two processes with the same TF_CONFIG task); relaunch the whole job"
+                        "task {name} registered twice (a restarted process, or two processes given the same task by {}); relaunch the whole job",
+                        self.config.cluster_source
                     );
                     self.fail(&mut st, m.clone());
                     return Err(Status::already_exists(m));
@@ -263,9 +269,10 @@ impl Coordination for Svc {
                     .map(|(_, n)| n.as_str())
                     .collect();
                 Err(Status::deadline_exceeded(format!(
-                    "rendezvous timed out after {:?}: {} never registered; start every task of TF_CONFIG's cluster",
+                    "rendezvous timed out after {:?}: {} never registered; start every task of the cluster ({})",
                     self.config.rendezvous_timeout,
-                    missing.join(", ")
+                    missing.join(", "),
+                    self.config.cluster_source
                 )))
             }
             other => other.map(Response::new),

@@ -62,6 +62,16 @@ pub enum Error {
     #[error("{0}")]
     Checkpoint(#[from] strata_core::Error),
 
+    /// A server could not listen on its address: the address, and what to check.
+    #[error("{what} cannot listen on {address}: {source}; {hint}")]
+    Bind {
+        what: String,
+        address: std::net::SocketAddr,
+        hint: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+
     /// An I/O error, with the operation or address it concerns.
     #[error("{context}: {source}")]
     Io {
@@ -78,6 +88,22 @@ impl Error {
     /// An I/O error with context.
     pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
         Error::Io { context: context.into(), source }
+    }
+
+    /// `what` could not listen on `address`; the hint says what to check for the usual
+    /// causes (an address no interface has, a port in use).
+    pub fn bind(what: impl Into<String>, address: std::net::SocketAddr, source: std::io::Error) -> Self {
+        let hint = match source.kind() {
+            std::io::ErrorKind::AddrNotAvailable => {
+                "no interface of this host has that address: bind to one of this host's addresses, or to 0.0.0.0"
+            }
+            std::io::ErrorKind::AddrInUse => {
+                "another process (or another task given the same port) holds the port: stop it, or give this task another port"
+            }
+            std::io::ErrorKind::PermissionDenied => "ports below 1024 need privileges: use a port of 1024 or more",
+            _ => "check the address and port of this task",
+        };
+        Error::Bind { what: what.into(), address, hint, source }
     }
 }
 

@@ -21,8 +21,10 @@ const MAX_NODES: usize = 100_000;
 /// step may run on part of the job's allocation.
 ///
 /// Tasks are numbered node by node (Slurm's default block distribution): task `i`'s address is
-/// `node:base_port + its local index on the node`. Every task is a `worker`; `worker:0` acts
-/// as chief.
+/// `node:base_port + its local index on the node`. By default every task is a `worker` and
+/// `worker:0` acts as chief; [`jobs`](Self::jobs) assigns the ranks to jobs in order instead
+/// (`chief=1,ps=1,worker=2`: rank 0 is the chief, rank 1 `ps:0`, ranks 2 and 3 the workers), as
+/// TensorFlow's `SlurmClusterResolver(jobs={...})` does.
 ///
 /// ```
 /// use std::collections::HashMap;
@@ -48,6 +50,110 @@ pub struct SlurmClusterResolver {
     base_port: u16,
     gpus_per_task: usize,
     tasks_per_node: Option<usize>,
+    jobs: Option<SlurmJobs>,
+}
+
+/// How a Slurm step's ranks are assigned to jobs: `(job, count)` in rank order, parsed from
+/// `chief=1,ps=1,worker=2`.
+///
+/// ```
+/// use strata_strategies::cluster::{SlurmJobs, TaskType};
+/// let jobs: SlurmJobs = "ps=1,worker=3".parse()?;
+/// assert_eq!(jobs.jobs(), &[(TaskType::Ps, 1), (TaskType::Worker, 3)]);
+/// assert_eq!(jobs.total(), 4);
+/// # Ok::<(), strata_core::Error>(())
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SlurmJobs {
+    jobs: Vec<(TaskType, usize)>,
+}
+
+impl SlurmJobs {
+    /// The jobs and their task counts, in rank order; each job once, `chief` and `evaluator`
+    /// with at most one task.
+    pub fn new(jobs: impl IntoIterator<Item = (TaskType, usize)>) -> Result<Self> {
+        let jobs: Vec<_> = jobs.into_iter().collect();
+        check_jobs(&jobs).map_err(|why| Error::InvalidCluster(format!("Slurm job mapping {why}")))?;
+        Ok(SlurmJobs { jobs })
+    }
+
+    /// The jobs and their task counts, in rank order.
+    pub fn jobs(&self) -> &[(TaskType, usize)] {
+        &self.jobs
+    }
+
+    /// The number of tasks the mapping covers.
+    pub fn total(&self) -> usize {
+        self.jobs.iter().map(|&(_, n)| n).sum()
+    }
+
+    /// The task that rank `rank` runs, if the mapping covers it.
+    pub fn task(&self, rank: usize) -> Option<TaskId> {
+        let mut first = 0;
+        for &(kind, n) in &self.jobs {
+            if rank < first + n {
+                return Some(TaskId::new(kind, rank - first));
+            }
+            first += n;
+        }
+        None
+    }
+}
+
+impl std::fmt::Display for SlurmJobs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (i, (kind, n)) in self.jobs.iter().enumerate() {
+            write!(f, "{}{kind}={n}", if i > 0 { "," } else { "" })?;
+        }
+        Ok(())
+    }
+}
+
+impl std::str::FromStr for SlurmJobs {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        let bad = |why: String| Error::InvalidCluster(format!("Slurm job mapping {s:?} {why}"));
+        let mut jobs = Vec::new();
+        for part in s.split(',') {
+            let (name, count) = part.trim().split_once('=').ok_or_else(|| {
+                bad(format!("has {part:?}, which is not job=count; write it as e.g. chief=1,ps=1,worker=2"))
+            })?;
+            let kind = TaskType::parse(name.trim()).map_err(|why| bad(format!("names {why}")))?;
+            let count: usize = count
+                .trim()
+                .parse()
+                .map_err(|_| bad(format!("gives {name} the count {count:?}, which is not a whole number")))?;
+            jobs.push((kind, count));
+        }
+        check_jobs(&jobs).map_err(bad)?;
+        Ok(SlurmJobs { jobs })
+    }
+}
+
+/// The most tasks one job of a mapping may have (the node-list bound).
+const MAX_JOB_TASKS: usize = MAX_NODES * 64;
+
+fn check_jobs(jobs: &[(TaskType, usize)]) -> std::result::Result<(), String> {
+    if jobs.is_empty() {
+        return Err("is empty; give each job its task count, e.g. ps=1,worker=2".into());
+    }
+    let mut seen = HashSet::new();
+    for &(kind, n) in jobs {
+        if !seen.insert(kind) {
+            return Err(format!("names {kind} twice; give each job once"));
+        }
+        if n == 0 {
+            return Err(format!("gives {kind} no task; leave the job out or give it 1 or more"));
+        }
+        if n > MAX_JOB_TASKS {
+            return Err(format!("gives {kind} {n} tasks, more than {MAX_JOB_TASKS}"));
+        }
+        if matches!(kind, TaskType::Chief | TaskType::Evaluator) && n > 1 {
+            return Err(format!("gives {kind} {n} tasks; a cluster has at most one {kind}"));
+        }
+    }
+    Ok(())
 }
 
 /// Where a Slurm task sits in its job step, as [`SlurmClusterResolver::layout`] finds it.
@@ -98,7 +204,7 @@ impl SlurmClusterResolver {
     }
 
     fn with_vars(vars: HashMap<String, String>) -> Self {
-        SlurmClusterResolver { vars, base_port: Self::DEFAULT_BASE_PORT, gpus_per_task: 0, tasks_per_node: None }
+        SlurmClusterResolver { vars, base_port: Self::DEFAULT_BASE_PORT, gpus_per_task: 0, tasks_per_node: None, jobs: None }
     }
 
     /// The port of each node's first task (default 8888); the node's task `l` uses
@@ -119,6 +225,13 @@ impl SlurmClusterResolver {
     /// `SLURM_TASKS_PER_NODE`.
     pub fn tasks_per_node(mut self, tasks: usize) -> Self {
         self.tasks_per_node = Some(tasks);
+        self
+    }
+
+    /// Assigns the step's ranks to jobs in order (see [`SlurmJobs`]); without it every task is
+    /// a worker. The mapping must cover exactly the step's tasks.
+    pub fn jobs(mut self, jobs: SlurmJobs) -> Self {
+        self.jobs = Some(jobs);
         self
     }
 
@@ -239,6 +352,10 @@ impl SlurmClusterResolver {
 }
 
 impl ClusterResolver for SlurmClusterResolver {
+    fn source(&self) -> &'static str {
+        "Slurm's job step"
+    }
+
     fn resolve(&self) -> Result<ClusterConfig> {
         let layout = self.layout()?;
         if self.base_port == 0 {
@@ -258,9 +375,31 @@ impl ClusterResolver for SlurmClusterResolver {
                 addresses.push(format!("{node}:{}", usize::from(self.base_port) + local));
             }
         }
-        let spec = ClusterSpec::validated(BTreeMap::from([(TaskType::Worker, addresses)]), "")
+        let (jobs, task) = match &self.jobs {
+            None => (BTreeMap::from([(TaskType::Worker, addresses)]), TaskId::worker(layout.proc_id)),
+            Some(mapping) => {
+                if mapping.total() != addresses.len() {
+                    return Err(Error::InvalidCluster(format!(
+                        "the Slurm job mapping {mapping} has {} tasks but the job step has {}; make them agree \
+                         (srun --ntasks, or the mapping's counts)",
+                        mapping.total(),
+                        addresses.len()
+                    )));
+                }
+                let mut jobs = BTreeMap::new();
+                let mut rest = addresses.into_iter();
+                for &(kind, n) in mapping.jobs() {
+                    jobs.insert(kind, rest.by_ref().take(n).collect::<Vec<_>>());
+                }
+                let task = mapping.task(layout.proc_id).ok_or_else(|| {
+                    Error::InvalidCluster(format!("rank {} is past the Slurm job mapping {mapping}", layout.proc_id))
+                })?;
+                (jobs, task)
+            }
+        };
+        let spec = ClusterSpec::validated(jobs, "")
             .map_err(|m| Error::InvalidCluster(format!("Slurm node list: {m}")))?;
-        ClusterConfig::new(spec, TaskId::worker(layout.proc_id))
+        ClusterConfig::new(spec, task)
     }
 }
 

@@ -69,6 +69,10 @@ impl TFConfigClusterResolver {
 }
 
 impl ClusterResolver for TFConfigClusterResolver {
+    fn source(&self) -> &'static str {
+        "TF_CONFIG"
+    }
+
     fn resolve(&self) -> Result<ClusterConfig> {
         parse_tf_config(&self.json)
     }

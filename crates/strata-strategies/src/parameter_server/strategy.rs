@@ -36,6 +36,9 @@ pub struct ParameterServerOptions {
     pub step_retry_for: Duration,
     /// The seed of variable initialisation (the same seed gives every strategy the same values).
     pub seed: u64,
+    /// Where the cluster comes from, as messages name it (see
+    /// [`ClusterResolver::source`](crate::cluster::ClusterResolver::source)).
+    pub cluster_source: &'static str,
 }
 
 impl ParameterServerOptions {
@@ -52,6 +55,7 @@ impl ParameterServerOptions {
             checkpoint_every: None,
             step_retry_for: Duration::from_secs(120),
             seed: 0,
+            cluster_source: "the cluster spec",
         }
     }
 }
@@ -114,6 +118,8 @@ impl ParameterServerStrategy {
                     .into(),
             ));
         }
+        // A node name nobody resolves fails here, at once, not after the connect retries.
+        crate::cluster::check_hosts(&cluster, options.cluster_source)?;
         let mut ps_clients = Vec::with_capacity(num_ps);
         for i in 0..num_ps {
             let address = cluster.address(TaskId::ps(i))?;
