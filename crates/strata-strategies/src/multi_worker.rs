@@ -219,8 +219,13 @@ impl MultiWorkerMirroredStrategy {
         let coordinator =
             if rank == 0 { format!("{}:{}", loopback_for(options.bind), spec.port(chief)?) } else { chief_address };
         let task = config.task.to_string();
-        let mut member =
-            CoordinationMember::connect(&coordinator, &task, options.token.clone(), options.coordination.clone())?;
+        let mut member = CoordinationMember::connect(
+            &coordinator,
+            &chief.to_string(),
+            &task,
+            options.token.clone(),
+            options.coordination.clone(),
+        )?;
         let reg = member.register(&spec.fingerprint(), &strategy_fingerprint, &data_address)?;
         let addresses = reg
             .data_addresses

@@ -15,6 +15,11 @@
 //!   the same way; the data plane checks it in every frame, and the heartbeats record it here so
 //!   that a timeout or a loss names what each task was doing.
 //! - **Key-value store.** Set once, read with a wait (the NCCL unique id travels this way).
+//! - **Bounded requests.** Every name, string and count a request brings is checked against a
+//!   limit ([`MAX_KEY_BYTES`], [`MAX_KV_BYTES`], [`MAX_KEYS`], [`MAX_BARRIERS`],
+//!   [`MAX_ERROR_BYTES`], [`MAX_FINGERPRINT_BYTES`], [`MAX_TASK_TYPE_BYTES`],
+//!   [`MAX_REQUEST_BYTES`]) before it is used; a request over one is `INVALID_ARGUMENT` naming
+//!   the limit, and so is one that does not decode.
 
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
@@ -34,11 +39,49 @@ use tonic::transport::Channel;
 use tonic::{Code, Request, Response, Status};
 
 use crate::auth::{client_interceptor, server_interceptor, ClientAuth, ClusterToken};
+use crate::guard::DecodeErrors;
 use crate::rt::{runtime, ServerTask};
 use crate::{Error, Result};
 
-/// The largest key or value the key-value store accepts.
+/// The largest value the key-value store accepts.
 pub const MAX_KV_BYTES: usize = 64 * 1024;
+
+/// The longest key of the key-value store and the longest barrier name, in bytes.
+pub const MAX_KEY_BYTES: usize = 256;
+
+/// The most keys the key-value store holds.
+pub const MAX_KEYS: usize = 1024;
+
+/// The most distinct barriers a job enters.
+pub const MAX_BARRIERS: usize = 1024;
+
+/// The longest error a task reports, in bytes ([`CoordinationMember::report_error`] cuts
+/// longer ones to this).
+pub const MAX_ERROR_BYTES: usize = 4096;
+
+/// The longest cluster or strategy fingerprint, in bytes.
+pub const MAX_FINGERPRINT_BYTES: usize = 64 * 1024;
+
+/// The longest task type (`chief`, `worker`, ...), in bytes.
+pub const MAX_TASK_TYPE_BYTES: usize = 32;
+
+/// The largest request message the service decodes: a value of the key-value store, or two
+/// fingerprints, and their framing.
+pub const MAX_REQUEST_BYTES: usize = 2 * MAX_FINGERPRINT_BYTES + 4096;
+
+/// A refusal of a request over a limit.
+fn over_limit(what: &str, bytes: usize, limit: usize) -> Status {
+    Status::invalid_argument(format!("{what} of {bytes} bytes is over the limit of {limit} bytes"))
+}
+
+/// `s` cut to at most `max` bytes, at a character boundary.
+fn truncated(s: &str, max: usize) -> &str {
+    let mut end = s.len().min(max);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
 
 /// Timing of the coordination service.
 #[derive(Clone, Debug)]
@@ -111,6 +154,9 @@ struct Service {
 
 impl Service {
     fn rank(&self, task: &Option<TaskName>) -> std::result::Result<usize, Status> {
+        if let Some(t) = task.as_ref().filter(|t| t.r#type.len() > MAX_TASK_TYPE_BYTES) {
+            return Err(over_limit("a task type", t.r#type.len(), MAX_TASK_TYPE_BYTES));
+        }
         let name = task_string(task);
         self.names.iter().position(|n| *n == name).ok_or_else(|| {
             Status::not_found(format!(
@@ -141,7 +187,10 @@ impl Service {
                 let doing = if t.collective.is_empty() {
                     String::new()
                 } else {
-                    format!(", last seen in {} #{}", t.collective, t.seq)
+                    // The collective's number stays in the log: an error names one counter,
+                    // the training step of whoever reports it.
+                    tracing::warn!(task = %self.names[i], collective = %t.collective, seq = t.seq, "a task stopped sending heartbeats");
+                    format!(", last seen in {}", t.collective)
                 };
                 format!("lost task {}: no heartbeat for {:.1} s{doing}", self.names[i], silent.as_secs_f64())
             })
@@ -190,6 +239,13 @@ impl Coordination for Svc {
         let r = req.into_inner();
         let rank = self.rank(&r.task)?;
         let name = &self.names[rank];
+        for (what, f) in
+            [("a cluster fingerprint", &r.cluster_fingerprint), ("a strategy fingerprint", &r.strategy_fingerprint)]
+        {
+            if f.len() > MAX_FINGERPRINT_BYTES {
+                return Err(over_limit(what, f.len(), MAX_FINGERPRINT_BYTES));
+            }
+        }
         if r.cluster_fingerprint != self.cluster_fingerprint {
             return Err(Status::failed_precondition(format!(
                 "task {name} runs cluster [{}] but the chief runs [{}]; give every task the same TF_CONFIG cluster",
@@ -202,8 +258,10 @@ impl Coordination for Svc {
                 r.strategy_fingerprint, self.strategy_fingerprint
             )));
         }
-        if r.data_address.len() > 512 || r.data_address.parse::<SocketAddr>().is_err() && !r.data_address.contains(':')
-        {
+        if r.data_address.len() > 512 {
+            return Err(over_limit("a data address", r.data_address.len(), 512));
+        }
+        if r.data_address.parse::<SocketAddr>().is_err() && !r.data_address.contains(':') {
             return Err(Status::invalid_argument(format!("task {name} sent a malformed data address")));
         }
         {
@@ -293,11 +351,19 @@ impl Coordination for Svc {
     async fn barrier(&self, req: Request<BarrierRequest>) -> std::result::Result<Response<BarrierResponse>, Status> {
         let r = req.into_inner();
         let rank = self.rank(&r.task)?;
-        if r.name.len() > 256 {
-            return Err(Status::invalid_argument("barrier names are at most 256 bytes"));
+        if r.name.len() > MAX_KEY_BYTES {
+            return Err(over_limit("a barrier name", r.name.len(), MAX_KEY_BYTES));
         }
         let n = self.names.len();
-        lock(&self.state).barriers.entry(r.name.clone()).or_default().insert(rank);
+        {
+            let mut st = lock(&self.state);
+            if !st.barriers.contains_key(&r.name) && st.barriers.len() >= MAX_BARRIERS {
+                return Err(Status::invalid_argument(format!(
+                    "the job has entered {MAX_BARRIERS} barriers, the limit; reuse barrier names"
+                )));
+            }
+            st.barriers.entry(r.name.clone()).or_default().insert(rank);
+        }
         self.changed.notify_waiters();
         let timeout = Duration::from_millis(r.timeout_ms.clamp(1, 24 * 3600 * 1000));
         let name = r.name.clone();
@@ -328,7 +394,10 @@ impl Coordination for Svc {
     async fn report_error(&self, req: Request<ReportErrorRequest>) -> std::result::Result<Response<Empty>, Status> {
         let r = req.into_inner();
         let rank = self.rank(&r.task)?;
-        let message: String = r.message.chars().take(2000).collect();
+        if r.message.len() > MAX_ERROR_BYTES {
+            return Err(over_limit("an error message", r.message.len(), MAX_ERROR_BYTES));
+        }
+        let message = r.message;
         let mut st = lock(&self.state);
         self.fail(&mut st, format!("task {} failed: {message}", self.names[rank]));
         Ok(Response::new(Empty {}))
@@ -345,12 +414,18 @@ impl Coordination for Svc {
 
     async fn set_key(&self, req: Request<SetKeyRequest>) -> std::result::Result<Response<Empty>, Status> {
         let r = req.into_inner();
-        if r.key.len() > 256 || r.value.len() > MAX_KV_BYTES {
-            return Err(Status::invalid_argument(format!(
-                "keys are at most 256 bytes and values at most {MAX_KV_BYTES} bytes"
-            )));
+        if r.key.len() > MAX_KEY_BYTES {
+            return Err(over_limit("a key", r.key.len(), MAX_KEY_BYTES));
+        }
+        if r.value.len() > MAX_KV_BYTES {
+            return Err(over_limit("a value", r.value.len(), MAX_KV_BYTES));
         }
         let mut st = lock(&self.state);
+        if !st.kv.contains_key(&r.key) && st.kv.len() >= MAX_KEYS {
+            return Err(Status::invalid_argument(format!(
+                "the key-value store holds {MAX_KEYS} keys, the limit; reuse keys"
+            )));
+        }
         match st.kv.get(&r.key) {
             Some(v) if *v != r.value => {
                 return Err(Status::already_exists(format!("key {:?} is already set to another value", r.key)))
@@ -365,6 +440,9 @@ impl Coordination for Svc {
 
     async fn get_key(&self, req: Request<GetKeyRequest>) -> std::result::Result<Response<GetKeyResponse>, Status> {
         let r = req.into_inner();
+        if r.key.len() > MAX_KEY_BYTES {
+            return Err(over_limit("a key", r.key.len(), MAX_KEY_BYTES));
+        }
         let timeout = Duration::from_millis(r.timeout_ms.clamp(1, 24 * 3600 * 1000));
         let key = r.key.clone();
         self.wait_until(Instant::now() + timeout, |st| {
@@ -444,9 +522,10 @@ impl CoordinationServerHandle {
                         }
                     })
                 };
+                let coordination = CoordinationServer::new(Svc(svc)).max_decoding_message_size(MAX_REQUEST_BYTES);
                 let result = builder
-                    .add_service(InterceptedService::new(health, interceptor.clone()))
-                    .add_service(CoordinationServer::with_interceptor(Svc(svc), interceptor))
+                    .add_service(InterceptedService::new(DecodeErrors(health), interceptor.clone()))
+                    .add_service(InterceptedService::new(DecodeErrors(coordination), interceptor))
                     .serve_with_incoming_shutdown(incoming, stop)
                     .await;
                 monitor.abort();
@@ -524,6 +603,8 @@ impl Progress {
 /// A task's connection to the coordination service.
 pub struct CoordinationMember {
     client: Client,
+    /// The task that serves the service (`chief:0`, or `worker:0` when there is no chief job).
+    chief: String,
     task: String,
     incarnation: u64,
     config: CoordinationConfig,
@@ -551,9 +632,16 @@ fn rpc_error(rpc: &str, peer: &str, s: Status) -> Error {
 }
 
 impl CoordinationMember {
-    /// Connects task `task` (e.g. `worker:1`) to the service at `address`, retrying until the
-    /// rendezvous deadline (the chief may start after its workers).
-    pub fn connect(address: &str, task: &str, token: ClusterToken, config: CoordinationConfig) -> Result<Self> {
+    /// Connects task `task` (e.g. `worker:1`) to the service that task `chief` (`chief:0`, or
+    /// `worker:0` when the cluster has no chief job; errors name it) serves at `address`,
+    /// retrying until the rendezvous deadline (the chief may start after its workers).
+    pub fn connect(
+        address: &str,
+        chief: &str,
+        task: &str,
+        token: ClusterToken,
+        config: CoordinationConfig,
+    ) -> Result<Self> {
         let endpoint = crate::auth::endpoint(address, "the coordination service", &token)?
             .connect_timeout(Duration::from_secs(2))
             .tcp_nodelay(true);
@@ -564,7 +652,7 @@ impl CoordinationMember {
                     Ok(c) => return Ok(c),
                     Err(e) if Instant::now() >= deadline => {
                         return Err(Error::PeerLost {
-                            task: "chief".into(),
+                            task: chief.to_string(),
                             collective: "rendezvous".into(),
                             step: 0,
                             detail: format!("the coordination service at {address} did not answer: {e}"),
@@ -577,6 +665,7 @@ impl CoordinationMember {
         let client = CoordinationClient::with_interceptor(channel, client_interceptor(token));
         Ok(Self {
             client,
+            chief: chief.to_string(),
             task: task.to_string(),
             incarnation: rand_incarnation(),
             config,
@@ -617,8 +706,8 @@ impl CoordinationMember {
     /// fails (a task lost or an error reported) or the service stops answering.
     pub fn start_heartbeats(&mut self, on_failure: impl Fn(String) + Send + 'static) {
         let mut client = self.client.clone();
-        let (task, incarnation, config, peer) =
-            (self.task.clone(), self.incarnation, self.config.clone(), self.peer.clone());
+        let (task, incarnation, config, peer, chief) =
+            (self.task.clone(), self.incarnation, self.config.clone(), self.peer.clone(), self.chief.clone());
         let (progress, stop) = (self.progress.clone(), self.stop.clone());
         let handle = std::thread::Builder::new().name("strata-heartbeat".into()).spawn(move || {
             let mut last_ok = Instant::now();
@@ -643,7 +732,7 @@ impl CoordinationMember {
                     Err(s) if last_ok.elapsed() > config.heartbeat_timeout => {
                         if !stop.load(Ordering::Relaxed) {
                             on_failure(format!(
-                                "lost task chief: {peer} has not answered heartbeats for {:.1} s ({})",
+                                "lost task {chief}: {peer} has not answered heartbeats for {:.1} s ({})",
                                 last_ok.elapsed().as_secs_f64(),
                                 s.message()
                             ));
@@ -677,6 +766,7 @@ impl CoordinationMember {
     /// Tells every task that this one failed.
     pub fn report_error(&self, message: &str) -> Result<()> {
         let mut client = self.client.clone();
+        let message = truncated(message, MAX_ERROR_BYTES);
         let mut req = Request::new(ReportErrorRequest { task: Some(task_proto(&self.task)), message: message.into() });
         req.set_timeout(self.config.rpc_timeout);
         runtime().block_on(client.report_error(req)).map_err(|s| rpc_error("ReportError", &self.peer, s))?;

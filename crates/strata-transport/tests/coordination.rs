@@ -44,7 +44,8 @@ fn rendezvous_returns_every_address_in_rank_order() {
         .map(|i| {
             let addr = addr.clone();
             std::thread::spawn(move || {
-                let m = CoordinationMember::connect(&addr, &format!("worker:{i}"), token(), config()).unwrap();
+                let m =
+                    CoordinationMember::connect(&addr, "worker:0", &format!("worker:{i}"), token(), config()).unwrap();
                 let r = m.register("cluster-a", "mwms/1", &format!("127.0.0.1:{}", 9000 + i)).unwrap();
                 m.barrier("end", Duration::from_secs(10)).unwrap();
                 r
@@ -64,7 +65,7 @@ fn rendezvous_returns_every_address_in_rank_order() {
 fn a_peer_with_another_cluster_or_token_is_refused() {
     let s = server(2);
     let addr = s.address().to_string();
-    let m = CoordinationMember::connect(&addr, "worker:1", token(), config()).unwrap();
+    let m = CoordinationMember::connect(&addr, "worker:0", "worker:1", token(), config()).unwrap();
     let e = m.register("cluster-b", "mwms/1", "127.0.0.1:1").unwrap_err();
     let msg = e.to_string();
     assert!(matches!(e, Error::Config(_)), "{msg}");
@@ -72,10 +73,10 @@ fn a_peer_with_another_cluster_or_token_is_refused() {
     let e = m.register("cluster-a", "ps/1", "127.0.0.1:1").unwrap_err().to_string();
     assert!(e.contains("strategy"), "{e}");
     let wrong = ClusterToken::new("ffffffffffffffffffffffffffffffff").unwrap();
-    let m = CoordinationMember::connect(&addr, "worker:0", wrong, config()).unwrap();
+    let m = CoordinationMember::connect(&addr, "worker:0", "worker:0", wrong, config()).unwrap();
     let e = m.register("cluster-a", "mwms/1", "127.0.0.1:1").unwrap_err();
     assert!(matches!(e, Error::Unauthenticated(_)), "{e}");
-    let m = CoordinationMember::connect(&addr, "worker:7", token(), config()).unwrap();
+    let m = CoordinationMember::connect(&addr, "worker:0", "worker:7", token(), config()).unwrap();
     let e = m.register("cluster-a", "mwms/1", "127.0.0.1:1").unwrap_err().to_string();
     assert!(e.contains("worker:7") && e.contains("not in this job"), "{e}");
 }
@@ -89,7 +90,8 @@ fn a_silent_task_is_declared_lost_and_every_survivor_hears_it() {
         .map(|i| {
             let (addr, tx) = (addr.clone(), tx.clone());
             std::thread::spawn(move || {
-                let mut m = CoordinationMember::connect(&addr, &format!("worker:{i}"), token(), config()).unwrap();
+                let mut m =
+                    CoordinationMember::connect(&addr, "worker:0", &format!("worker:{i}"), token(), config()).unwrap();
                 m.register("cluster-a", "mwms/1", "127.0.0.1:1").unwrap();
                 m.progress().enter(41, "all_reduce(sum)");
                 if i == 2 {
@@ -113,7 +115,9 @@ fn a_silent_task_is_declared_lost_and_every_survivor_hears_it() {
     heard.sort();
     assert_eq!(heard.iter().map(|h| h.0).collect::<Vec<_>>(), vec![0, 1]);
     for (_, reason) in &heard {
-        assert!(reason.contains("lost task worker:2") && reason.contains("all_reduce(sum) #41"), "{reason}");
+        // What the lost task was doing, and no second counter beside the reporter's step.
+        assert!(reason.contains("lost task worker:2") && reason.contains("last seen in all_reduce(sum)"), "{reason}");
+        assert!(!reason.contains("#41"), "{reason}");
     }
     assert!(s.error().unwrap().contains("worker:2"));
     drop(handles);
@@ -123,8 +127,8 @@ fn a_silent_task_is_declared_lost_and_every_survivor_hears_it() {
 fn reported_errors_reach_everyone_and_keys_wait_for_their_value() {
     let s = server(2);
     let addr = s.address().to_string();
-    let a = CoordinationMember::connect(&addr, "worker:0", token(), config()).unwrap();
-    let b = CoordinationMember::connect(&addr, "worker:1", token(), config()).unwrap();
+    let a = CoordinationMember::connect(&addr, "worker:0", "worker:0", token(), config()).unwrap();
+    let b = CoordinationMember::connect(&addr, "worker:0", "worker:1", token(), config()).unwrap();
     let t = std::thread::spawn(move || {
         b.register("cluster-a", "mwms/1", "127.0.0.1:2").unwrap();
         b.get_key("nccl-id", Duration::from_secs(10)).unwrap()
@@ -137,4 +141,38 @@ fn reported_errors_reach_everyone_and_keys_wait_for_their_value() {
     a.report_error("out of memory").unwrap();
     let e = a.barrier("after", Duration::from_secs(5)).unwrap_err().to_string();
     assert!(e.contains("task worker:0 failed: out of memory"), "{e}");
+}
+
+/// The chief is named as the cluster names it: `worker:0` when there is no chief job, never
+/// "chief", both when it cannot be reached and when it stops answering heartbeats.
+#[test]
+fn a_lost_chief_is_named_by_its_task() {
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = closed.local_addr().unwrap().to_string();
+    drop(closed);
+    let short = CoordinationConfig { rendezvous_timeout: Duration::from_millis(500), ..config() };
+    let e = CoordinationMember::connect(&addr, "worker:0", "worker:1", token(), short).unwrap_err().to_string();
+    assert!(e.starts_with("lost task worker:0 during rendezvous:"), "{e}");
+    assert!(!e.contains("chief"), "{e}");
+
+    let s = server(2);
+    let addr = s.address().to_string();
+    let other = {
+        let addr = addr.clone();
+        std::thread::spawn(move || {
+            let m = CoordinationMember::connect(&addr, "worker:0", "worker:0", token(), config()).unwrap();
+            m.register("cluster-a", "mwms/1", "127.0.0.1:1").unwrap();
+        })
+    };
+    let mut m = CoordinationMember::connect(&addr, "worker:0", "worker:1", token(), config()).unwrap();
+    m.register("cluster-a", "mwms/1", "127.0.0.1:2").unwrap();
+    other.join().unwrap();
+    let (tx, rx) = mpsc::channel();
+    m.start_heartbeats(move |reason| {
+        let _ = tx.send(reason);
+    });
+    drop(s);
+    let reason = rx.recv_timeout(Duration::from_secs(15)).expect("the lost service was noticed");
+    assert!(reason.starts_with("lost task worker:0: the coordination service at"), "{reason}");
+    assert!(!reason.contains("task chief"), "{reason}");
 }

@@ -83,7 +83,7 @@ impl StepRegistry {
         let fname = name.clone();
         let erased = move |ctx: &WorkerContext, args: &[u8]| -> std::result::Result<Vec<u8>, RunError> {
             let a: A = serde_json::from_slice(args).map_err(|e| {
-                RunError::Step(StepFailure::Failed(format!(
+                RunError::Step(StepFailure::InvalidArgument(format!(
                     "step function {fname:?} cannot decode its arguments as {}: {e}; schedule it with that type",
                     std::any::type_name::<A>()
                 )))
@@ -91,6 +91,9 @@ impl StepRegistry {
             let r = f(ctx, a).map_err(|e| match e {
                 Error::Stale(m) => RunError::Stale(m),
                 Error::Unavailable(m) => RunError::Step(StepFailure::Unavailable(m)),
+                Error::InvalidArgument(m) => {
+                    RunError::Step(StepFailure::InvalidArgument(format!("step function {fname:?}: {m}")))
+                }
                 other => RunError::Step(StepFailure::Failed(format!("step function {fname:?} failed: {other}"))),
             })?;
             serde_json::to_vec(&r).map_err(|e| {
