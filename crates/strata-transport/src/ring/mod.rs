@@ -443,8 +443,9 @@ impl Ring {
     fn begin(&self, step: u64, call: &Call) -> Result<MutexGuard<'_, State>> {
         let st = self.state.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(why) = &st.broken {
+            tracing::debug!(%call, step, "a collective on a broken ring");
             return Err(Error::Aborted(format!(
-                "{call} at step {step} on task {}: the ring is unusable after an earlier failure: {why}",
+                "{call} on task {}: the ring is unusable after an earlier failure: {why}",
                 self.names[self.rank]
             )));
         }
@@ -469,9 +470,10 @@ impl Ring {
                     _ = tokio::time::sleep_until(deadline) => return Err(ctx.timed_out(timeout)),
                     _ = tick.tick() => {
                         if let Some(reason) = self.abort.reason() {
+                            tracing::debug!(call = %ctx.call, step = ctx.step, "a collective aborted");
                             return Err(Error::Aborted(format!(
-                                "{} at step {} on task {} was aborted: {reason}",
-                                ctx.call, ctx.step, ctx.me()
+                                "{} on task {} was aborted: {reason}",
+                                ctx.call, ctx.me()
                             )));
                         }
                     }
