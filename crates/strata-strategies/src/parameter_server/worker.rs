@@ -71,6 +71,9 @@ impl StepRegistry {
 
     /// Registers `f` as the step function `name` (replacing one of the same name): its
     /// arguments arrive as JSON of `A`, its result goes back as JSON of `R`.
+    /// Arguments that do not decode, and an [`Error::InvalidArgument`] from `f` (arguments over
+    /// what the step allows: check sizes that come from the network before using them), are
+    /// answered `INVALID_ARGUMENT`.
     pub fn register<A, R>(
         &mut self,
         name: impl Into<String>,
