@@ -229,6 +229,29 @@ fn a_failing_task_stops_the_group_with_its_exit_code() {
     assert!(left.is_empty(), "tasks left running: {left:?}");
 }
 
+/// The task that exits first is not always the one that had the error: a worker that lost its
+/// peer ends before the chief has finished reporting why. The launcher names the task whose
+/// stderr carried the `error:` line and exits with its code.
+#[test]
+fn the_task_with_the_error_is_named_not_the_first_to_exit() {
+    // worker:0 is slow to fail (it ignores the SIGTERM the launcher sends when worker:1 exits);
+    // worker:1 exits first, without an error line.
+    let script = r#"if [ "$STRATA_TASK" = worker:0 ]; then trap '' TERM; sleep 1; echo 'error: checkpoint: the real cause' >&2; exit 3; fi; sleep 0.2; exit 1"#;
+    let o = run(launcher(&["--workers", "2", "--grace-period", "5s", "--", "sh", "-c", script]));
+    assert_eq!(o.status.code(), Some(3), "the code of the task with the error; stderr: {}", o.stderr);
+    assert!(
+        o.stderr.contains("strata launch: task worker:1 exited with code 1; stopping the other tasks"),
+        "{}",
+        o.stderr
+    );
+    let last = o.stderr.lines().filter(|l| l.starts_with("strata launch:")).last().unwrap_or_default();
+    assert_eq!(
+        last, "strata launch: the job failed in task worker:0 (exited with code 3): error: checkpoint: the real cause",
+        "stderr: {}",
+        o.stderr
+    );
+}
+
 #[test]
 fn a_task_killed_by_a_signal_gives_128_plus_the_signal() {
     let o = run(launcher(&[

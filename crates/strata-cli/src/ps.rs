@@ -176,6 +176,9 @@ pub fn run_ps(args: &PsArgs) -> Result<()> {
     let cluster = if args.address.is_some() { None } else { tf_config()? };
     let address = listen_address(&args.address, args.bind, cluster.as_ref(), TaskType::Ps)?;
     let index = cluster.as_ref().map_or(args.task_index, |c| c.task.index);
+    if let Some(dir) = &args.checkpoint_dir {
+        crate::train::checkpoint_dir_writable(dir)?;
+    }
     let signals = block_signals()?;
     let mut config = PsServerConfig::new(format!("ps:{index}"), token(args.cluster_token_file.as_deref())?);
     config.checkpoint_dir = args.checkpoint_dir.clone();
@@ -382,10 +385,10 @@ impl LocalCluster {
             let mut child = cmd.spawn().map_err(|e| Error::io(format!("starting {task}"), e))?;
             let prefix = format!("[{task}] ");
             if let Some(out) = child.stdout.take() {
-                launch::forward_lines(out, prefix.clone(), false, events.clone());
+                launch::forward_lines(out, prefix.clone(), false, events.clone(), None);
             }
             if let Some(err) = child.stderr.take() {
-                launch::forward_lines(err, prefix, true, events.clone());
+                launch::forward_lines(err, prefix, true, events.clone(), None);
             }
             children.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push((task, child));
         }
@@ -470,6 +473,17 @@ pub fn train(args: &TrainArgs, started: Instant) -> Result<()> {
                     "--ps-tasks {} --workers {}: a parameter-server job needs at least one of each",
                     args.ps_tasks, args.workers
                 )));
+            }
+            if args.ps_tasks.saturating_add(args.workers) > launch::MAX_LOCAL_TASKS {
+                return Err(Error::Usage(format!(
+                    "--ps-tasks {} --workers {}: over the limit of {} processes started on this machine; start fewer, or give TF_CONFIG a cluster of several machines",
+                    args.ps_tasks,
+                    args.workers,
+                    launch::MAX_LOCAL_TASKS
+                )));
+            }
+            if let Some(dir) = &args.checkpoint_dir {
+                crate::train::checkpoint_dir_writable(dir)?;
             }
             let tasks = launch::tasks(true, args.workers, args.ps_tasks);
             let addresses = launch::free_addresses(args.bind, tasks.len())?;

@@ -341,11 +341,24 @@ pub fn make_multi_worker(args: &TrainArgs, options: StrategyOptions) -> Result<M
     Ok(MultiWorkerMirroredStrategy::from_resolver(resolver.as_ref(), mw)?)
 }
 
+/// Refuses a `--checkpoint-dir` this process cannot write, naming it (exit code 2).
+pub(crate) fn checkpoint_dir_writable(dir: &std::path::Path) -> Result<()> {
+    strata::checkpoint::check_writable(dir).map_err(|e| match e {
+        strata_core::Error::Checkpoint(m) => Error::Usage(format!("--checkpoint-dir {m}")),
+        other => other.into(),
+    })
+}
+
 /// Trains and reports.
 pub fn run(args: &TrainArgs) -> Result<()> {
     let started = std::time::Instant::now();
     if args.hidden.is_empty() || args.hidden.contains(&0) {
         return Err(Error::Usage("--hidden needs layer sizes of at least 1, e.g. --hidden 256,256".into()));
+    }
+    strata::model::check_mlp(digits::FEATURES, &args.hidden, digits::CLASSES)
+        .map_err(|e| Error::Usage(format!("--hidden: {e}")))?;
+    if args.epochs == 0 {
+        return Err(Error::Usage("--epochs 0 trains nothing; pass --epochs 1 or more".into()));
     }
     if !(args.lr.is_finite() && args.lr > 0.0) {
         return Err(Error::Usage(format!("--lr {} is not a positive learning rate", args.lr)));
@@ -364,6 +377,22 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         )));
     }
     let delays = args.step_delays()?;
+    // The cheap checks of the replica count come before any thread or device exists.
+    if let Some(n) = args.replicas {
+        strata_core::device::check_replicas(n, "replicas").map_err(|_| {
+            Error::Usage(format!(
+                "--replicas {n}: over the limit of {} replicas per process (one thread each); pass {} or fewer",
+                strata_core::device::MAX_REPLICAS,
+                strata_core::device::MAX_REPLICAS
+            ))
+        })?;
+    }
+    let distributed = matches!(args.strategy, StrategyKind::MultiWorkerMirrored | StrategyKind::ParameterServer);
+    if let Some(dir) = args.checkpoint_dir.as_ref().filter(|_| !distributed) {
+        // A multi-worker chief checks it itself (only the chief writes there), and so do the
+        // ps tasks (each under `ps-<index>`) and a local parameter-server job's coordinator.
+        checkpoint_dir_writable(dir)?;
+    }
     if let Some(d) = args.network_delay {
         strata_transport::inject::set_network_delay(d);
     }
@@ -374,6 +403,12 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         StrategyKind::OneDevice => 1,
         _ => args.gpus.or(args.replicas).unwrap_or(2),
     };
+    if args.batch < local_replicas {
+        return Err(Error::Usage(format!(
+            "--batch {} is smaller than the {local_replicas} replicas; every replica needs at least one example per step",
+            args.batch
+        )));
+    }
     if args.strategy != StrategyKind::MultiWorkerMirrored {
         if let Some((w, _)) = delays.slowdown.iter().find(|(w, _)| *w >= local_replicas) {
             return Err(Error::Usage(format!(

@@ -101,7 +101,8 @@ fn wait_for(what: &str, mut ok: impl FnMut() -> bool) {
 struct FakePs {
     checkpoints: Mutex<Vec<u64>>,
     configured: Mutex<Vec<u32>>,
-    fail_checkpoints: bool,
+    /// The checkpoints from this one on (counted from 0) fail.
+    fail_from: Option<usize>,
 }
 
 impl PsControl for FakePs {
@@ -109,8 +110,9 @@ impl PsControl for FakePs {
         "ps:0".into()
     }
     fn checkpoint(&self, step: u64) -> Result<PathBuf, String> {
-        self.checkpoints.lock().unwrap().push(step);
-        if self.fail_checkpoints {
+        let mut done = self.checkpoints.lock().unwrap();
+        done.push(step);
+        if self.fail_from.is_some_and(|k| done.len() > k) {
             return Err("disk full".into());
         }
         Ok(PathBuf::from(format!("/tmp/ckpt-{step}")))
@@ -271,16 +273,45 @@ fn checkpoints_every_n_steps() {
     coord.join().unwrap();
     assert_eq!(coord.steps_completed(), 10);
     coord.shutdown();
-    // With one worker the completions are sequential: exactly every 3 steps; a failing
-    // checkpoint is not fatal.
-    let ps = Arc::new(FakePs { fail_checkpoints: true, ..FakePs::default() });
+    // With one worker the completions are sequential: exactly every 3 steps.
+    let ps = Arc::new(FakePs::default());
     let coord =
-        ClusterCoordinator::with_ps_tasks(c.addresses.clone(), vec![ps.clone() as Arc<dyn PsControl>], o).unwrap();
+        ClusterCoordinator::with_ps_tasks(c.addresses.clone(), vec![ps.clone() as Arc<dyn PsControl>], o.clone())
+            .unwrap();
     for i in 0..10i64 {
         coord.schedule::<_, i64>("add", &(i, i));
     }
     coord.join().unwrap();
     assert_eq!(*ps.checkpoints.lock().unwrap(), vec![3, 6, 9]);
+}
+
+/// A checkpoint that cannot be written stops the job there: the steps still queued fail with
+/// an error naming the failure and the last good checkpoint, and `join` returns it.
+#[test]
+fn a_failing_checkpoint_stops_the_job_naming_the_last_good_one() {
+    let c = cluster(1);
+    let mut o = options();
+    o.checkpoint_every = Some(3);
+    for (fail_from, good) in
+        [(0, "no checkpoint was written before it"), (1, "the last good checkpoint is step 3 (/tmp/ckpt-3)")]
+    {
+        let ps = Arc::new(FakePs { fail_from: Some(fail_from), ..FakePs::default() });
+        let coord =
+            ClusterCoordinator::with_ps_tasks(c.addresses.clone(), vec![ps.clone() as Arc<dyn PsControl>], o.clone())
+                .unwrap();
+        let values: Vec<_> = (0..10i64).map(|i| coord.schedule::<_, i64>("add", &(i, i))).collect();
+        let e = coord.join().unwrap_err().to_string();
+        let failed_at = 3 * (fail_from as u64 + 1);
+        assert!(
+            e.contains(&format!("the checkpoint of step {failed_at} failed on ps:0: disk full")) && e.contains(good),
+            "{e}"
+        );
+        assert_eq!(ps.checkpoints.lock().unwrap().last(), Some(&failed_at), "no checkpoint after the failure");
+        assert!(coord.steps_completed() < 10, "the job stopped: {}", coord.steps_completed());
+        let last = values.last().unwrap().fetch().unwrap_err().to_string();
+        assert!(last.contains("disk full") && last.contains(good), "{last}");
+        coord.shutdown();
+    }
 }
 
 #[test]

@@ -248,6 +248,9 @@ impl Trainer {
         if cfg.global_batch == 0 {
             return Err(crate::Error::Usage("a global batch of 0 examples: a step needs at least 1".into()));
         }
+        if cfg.epochs == 0 {
+            return Err(crate::Error::Usage("0 epochs train nothing: train for 1 epoch or more".into()));
+        }
         let start = Instant::now();
         let steps_per_epoch = train.len().div_ceil(cfg.global_batch);
         let ckpt = cfg.checkpoint.as_ref().zip(hooks.as_ref());
@@ -255,6 +258,14 @@ impl Trainer {
             Some((c, h)) => restore(strategy, model, c, h)?,
             None => 0,
         };
+        if let (Some(c), true) = (&cfg.checkpoint, is_chief(strategy)) {
+            // Before the first step, not at the first checkpoint: a directory that cannot take
+            // one fails the job before it trains.
+            checkpoint::check_writable(&c.dir).map_err(|e| match e {
+                strata_core::Error::Checkpoint(m) => crate::Error::Usage(format!("checkpoint directory {m}")),
+                other => other.into(),
+            })?;
+        }
         let mut global_step = resumed;
         let workers = strategy.extended().workers();
         let num_workers = workers.map_or(1, |w| w.num_workers()) as u64;

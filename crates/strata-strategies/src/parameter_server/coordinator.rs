@@ -13,7 +13,10 @@
 //!   [`CoordinatorOptions::step_retry_for`], then its value fails. Any other failure fails the
 //!   value at once, and [`ClusterCoordinator::join`] returns the first one.
 //! - Every [`CoordinatorOptions::checkpoint_every`] completed steps, every ps task writes a
-//!   checkpoint (a failure is logged and tried again at the next interval).
+//!   checkpoint. A checkpoint that cannot be written stops the job cleanly: the steps still
+//!   queued fail with an error that names the failure and the last good checkpoint, and
+//!   [`ClusterCoordinator::join`] returns it (never a job that ends well without the
+//!   checkpoints it was asked for).
 
 use std::collections::VecDeque;
 use std::marker::PhantomData;
@@ -213,6 +216,13 @@ struct State {
     empty_since: Option<Instant>,
 }
 
+/// The last checkpoint every ps task wrote: its step (0: none yet) and where each task wrote it.
+#[derive(Debug, Default)]
+struct LastCheckpoint {
+    step: u64,
+    paths: Vec<PathBuf>,
+}
+
 struct Shared {
     run_id: String,
     names: Vec<String>,
@@ -224,7 +234,7 @@ struct Shared {
     completed: AtomicU64,
     failures: AtomicU64,
     rescheduled: AtomicU64,
-    last_checkpoint: Mutex<u64>,
+    last_checkpoint: Mutex<LastCheckpoint>,
     /// The number of workers the ps tasks were last told to expect per sync round (0: none yet).
     announced: Mutex<u32>,
 }
@@ -451,20 +461,49 @@ impl Shared {
         }
         let mut last = lock(&self.last_checkpoint);
         let done = self.completed.load(Ordering::SeqCst);
-        if done < *last + every {
+        if done < last.step + every || lock(&self.state).stopping {
             return;
         }
+        let mut paths = Vec::with_capacity(self.ps.len());
         for ps in &self.ps {
             match ps.checkpoint(done) {
                 Ok(path) => {
-                    tracing::info!(ps = %ps.ps_task(), step = done, path = %path.display(), "checkpoint written")
+                    tracing::info!(ps = %ps.ps_task(), step = done, path = %path.display(), "checkpoint written");
+                    paths.push(path);
                 }
                 Err(e) => {
-                    tracing::warn!(ps = %ps.ps_task(), step = done, error = %e, "checkpoint failed; trying again at the next interval")
+                    let good = if last.step == 0 {
+                        "no checkpoint was written before it".to_string()
+                    } else {
+                        let at: Vec<String> = last.paths.iter().map(|p| p.display().to_string()).collect();
+                        format!("the last good checkpoint is step {} ({})", last.step, at.join(", "))
+                    };
+                    let m = format!(
+                        "the checkpoint of step {done} failed on {}: {e}; training stopped there, and {good}",
+                        ps.ps_task()
+                    );
+                    tracing::error!(ps = %ps.ps_task(), step = done, error = %e, "a checkpoint failed; stopping");
+                    self.stop_with(StepError::Cluster(m));
+                    return;
                 }
             }
         }
-        *last = done;
+        *last = LastCheckpoint { step: done, paths };
+    }
+
+    /// Stops handing out steps: every queued step fails with `e`, which [`ClusterCoordinator::join`]
+    /// returns; running steps finish.
+    fn stop_with(&self, e: StepError) {
+        let mut st = lock(&self.state);
+        st.stopping = true;
+        if st.first_error.is_none() {
+            st.first_error = Some(e.clone());
+        }
+        while let Some(p) = st.queue.pop_front() {
+            p.slot.set(Err(e.clone()));
+        }
+        drop(st);
+        self.changed.notify_all();
     }
 
     fn dispatch(&self, worker: usize) {
@@ -574,7 +613,7 @@ impl ClusterCoordinator {
             completed: AtomicU64::new(0),
             failures: AtomicU64::new(0),
             rescheduled: AtomicU64::new(0),
-            last_checkpoint: Mutex::new(0),
+            last_checkpoint: Mutex::new(LastCheckpoint::default()),
             announced: Mutex::new(0),
         });
         let mut me = Self { shared: shared.clone(), dispatchers: Vec::with_capacity(n) };
