@@ -139,6 +139,9 @@ fn a_killed_worker_fails_the_others_and_a_relaunch_resumes_to_the_same_parameter
                 || err.contains("heartbeat"),
             "survivor {i}'s error does not name the collective: {err}"
         );
+        // One counter per message: the training steps, never a collective's number beside them.
+        let line = err.lines().rfind(|l| l.starts_with("error:")).unwrap_or_default();
+        assert!(!line.contains(" at step ") && !line.contains('#'), "survivor {i}: more than one counter: {line}");
     }
     assert!(killed.elapsed() < Duration::from_secs(20));
     // The relaunch resumes from the last checkpoint.
@@ -148,5 +151,55 @@ fn a_killed_worker_fails_the_others_and_a_relaunch_resumes_to_the_same_parameter
     let a = std::fs::read(dir.join("uninterrupted.safetensors")).unwrap();
     let b = std::fs::read(dir.join("resumed.safetensors")).unwrap();
     assert!(a == b, "the resumed run's parameters differ from the uninterrupted run's");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A corrupt checkpoint: the chief refuses it at restore, naming the file, and `strata launch`
+/// blames the chief, whichever task exits first.
+#[test]
+fn a_corrupt_checkpoint_is_refused_and_the_launcher_blames_the_chief() {
+    let dir = tmp("corrupt");
+    let ckpt = dir.join("ckpt");
+    let ckpt_s = ckpt.to_string_lossy().to_string();
+    let launch = |dir: &Path| {
+        let o = wait(
+            strata()
+                .args(["launch", "--workers", "2", "--", "strata", "train", "--strategy", "multi-worker-mirrored"])
+                .args(["--no-progress", "--epochs", "1", "--batch", "64", "--hidden", "16"])
+                .args(["--checkpoint-dir", &ckpt_s, "--checkpoint-every", "5"])
+                .current_dir(dir)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap(),
+            Instant::now() + Duration::from_secs(120),
+        );
+        (o.status.code(), String::from_utf8_lossy(&o.stderr).into_owned())
+    };
+    let (code, err) = launch(&dir);
+    assert_eq!(code, Some(0), "{err}");
+    // One bit of the metadata: a digit of when the checkpoint was written (still valid JSON).
+    let latest = std::fs::read_to_string(ckpt.join("latest")).unwrap();
+    let manifest = ckpt.join(latest.lines().next().unwrap()).join("manifest.json");
+    let text = std::fs::read_to_string(&manifest).unwrap();
+    let at = text.find("\"created_unix_ms\": ").unwrap() + 23;
+    let mut bytes = text.into_bytes();
+    bytes[at] ^= 0x01;
+    std::fs::write(&manifest, bytes).unwrap();
+    let (code, err) = launch(&dir);
+    assert_eq!(code, Some(1), "{err}");
+    let chief_error = err.lines().find(|l| l.starts_with("[worker:0] error:")).unwrap_or_else(|| panic!("{err}"));
+    assert!(chief_error.contains("checksum mismatch") && chief_error.contains("manifest.json"), "{chief_error}");
+    let named: Vec<&str> = err.lines().filter(|l| l.starts_with("strata launch:")).collect();
+    let first = named.first().unwrap_or_else(|| panic!("{err}"));
+    if !first.contains("task worker:0") {
+        assert!(
+            named
+                .iter()
+                .any(|l| l.starts_with("strata launch: the job failed in task worker:0 (exited with code 1): error:")),
+            "the launcher does not name the chief: {err}"
+        );
+    }
+    assert!(!err.contains("the job failed in task worker:1"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }

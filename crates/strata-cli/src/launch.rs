@@ -59,8 +59,9 @@ SIGINT (Ctrl-C), SIGTERM and SIGHUP to the launcher are forwarded to every task;
 after --grace-period are killed (a second signal kills them at once). When a task exits non-zero or
 is killed, the launcher names it, stops the other tasks (SIGTERM, then SIGKILL after
 --grace-period) and exits with the code of the task that had the error: the first failed task
-whose stderr carried an `error:` line, else the first that exited with a non-zero code, else the
-first killed by a signal (128 + the signal). When that is not the task that exited first, a last
+whose stderr carried an `error:` line (or the task that line names as lost or failed, when that
+one failed too), else the first that exited with a non-zero code, else the first killed by a
+signal (128 + the signal). When that is not the task that exited first, a last
 line names it and its error.
 It exits 0 when every task exits 0, and 128 + the signal when it was interrupted and every task
 still exited 0."
@@ -407,7 +408,8 @@ pub fn run(args: &LaunchArgs) -> Result<()> {
     }
 
     let statuses: Vec<Option<ExitStatus>> = running.iter().map(|r| r.status).collect();
-    if let Some((blamed, line)) = blamed_task(&statuses, &error_lines) {
+    let names: Vec<String> = running.iter().map(|r| r.task.to_string()).collect();
+    if let Some((blamed, line)) = blamed_task(&names, &statuses, &error_lines) {
         if first_failed.is_some_and(|f| f != blamed) {
             let status = statuses[blamed].map_or_else(|| "failed".to_string(), strata_compare::runner::describe);
             match line {
@@ -441,14 +443,31 @@ fn note_error(lines: &mut Vec<(usize, String)>, task: usize, line: String) {
 }
 
 /// The task a failed job is blamed on, and its `error:` line if it wrote one: the first failed
-/// task (by when its `error:` line arrived) whose stderr carried one; else the first task, in
-/// task order, that exited with a non-zero code; else the first killed by a signal. `None`
-/// when no task failed. The task that exits first is often a bystander: a worker that lost
-/// its peer ends before the chief that had the error has finished reporting it.
-fn blamed_task(statuses: &[Option<ExitStatus>], error_lines: &[(usize, String)]) -> Option<(usize, Option<String>)> {
+/// task (by when its `error:` line arrived) whose stderr carried one, followed to the task that
+/// line blames when it says another failed task was lost or failed (`lost task worker:0`,
+/// `task worker:0 failed`); else the first task, in task order, that exited with a non-zero
+/// code; else the first killed by a signal. `None` when no task failed. The task that exits or
+/// complains first is often a bystander: a worker that lost its peer ends before the chief that
+/// had the error has finished reporting it.
+fn blamed_task(
+    names: &[String],
+    statuses: &[Option<ExitStatus>],
+    error_lines: &[(usize, String)],
+) -> Option<(usize, Option<String>)> {
     let failed = |t: usize| statuses.get(t).copied().flatten().is_some_and(|s| !s.success());
-    if let Some((t, line)) = error_lines.iter().find(|(t, _)| failed(*t)) {
-        return Some((*t, Some(line.clone())));
+    if let Some((mut t, mut line)) = error_lines.iter().find(|(t, _)| failed(*t)).cloned() {
+        for _ in 0..names.len() {
+            let blames =
+                |n: &String| line.contains(&format!("lost task {n}")) || line.contains(&format!("task {n} failed"));
+            let next = (0..names.len()).find(|&o| o != t && failed(o) && blames(&names[o]));
+            let Some(o) = next else { break };
+            t = o;
+            match error_lines.iter().find(|(e, _)| *e == o) {
+                Some((_, l)) => line = l.clone(),
+                None => return Some((o, None)),
+            }
+        }
+        return Some((t, Some(line)));
     }
     let coded = (0..statuses.len()).find(|&t| failed(t) && statuses[t].is_some_and(|s| s.code().is_some()));
     coded.or_else(|| (0..statuses.len()).find(|&t| failed(t))).map(|t| (t, None))
@@ -462,17 +481,29 @@ mod tests {
     fn the_task_with_the_error_is_blamed_not_the_first_to_exit() {
         let code = |c: i32| Some(ExitStatus::from_raw(c << 8));
         let killed = |s: i32| Some(ExitStatus::from_raw(s));
-        // Worker 1 exited first (code 1, no error line), the chief wrote the error.
+        let names: Vec<String> = ["worker:0", "worker:1", "worker:2"].map(String::from).to_vec();
+        let corrupt = "error: checkpoint: corrupt".to_string();
+        let lost = "error: task worker:1: lost task worker:0 during broadcast(root 0, 2 u64)".to_string();
+        // The chief wrote the error first; worker 1 exited first.
         let statuses = [code(1), code(1), Some(ExitStatus::from_raw(0))];
-        let lines = vec![(0, "error: checkpoint: corrupt".to_string()), (1, "error: lost task worker:0".to_string())];
-        assert_eq!(blamed_task(&statuses, &lines), Some((0, Some("error: checkpoint: corrupt".into()))));
-        // A task whose error line came first but that exited 0 is not blamed.
-        let statuses = [Some(ExitStatus::from_raw(0)), code(3)];
-        assert_eq!(blamed_task(&statuses, &lines), Some((1, Some("error: lost task worker:0".into()))));
+        let lines = vec![(0, corrupt.clone()), (1, lost.clone())];
+        assert_eq!(blamed_task(&names, &statuses, &lines), Some((0, Some(corrupt.clone()))));
+        // Worker 1's line arrived first, but it blames the chief, which failed too.
+        let lines = vec![(1, lost.clone()), (0, corrupt.clone())];
+        assert_eq!(blamed_task(&names, &statuses, &lines), Some((0, Some(corrupt.clone()))));
+        let reported =
+            vec![(2, "error: task worker:1 failed: out of memory".to_string()), (1, "error: out of memory".into())];
+        assert_eq!(
+            blamed_task(&names, &[code(1), code(1), code(1)], &reported),
+            Some((1, Some("error: out of memory".into())))
+        );
+        // A task whose error line came first but that exited 0 is not blamed, nor followed to.
+        let statuses = [Some(ExitStatus::from_raw(0)), code(3), None];
+        assert_eq!(blamed_task(&names, &statuses, &lines), Some((1, Some(lost))));
         // Without error lines: a non-zero code before a signal.
-        assert_eq!(blamed_task(&[killed(15), code(7)], &[]), Some((1, None)));
-        assert_eq!(blamed_task(&[killed(9), None], &[]), Some((0, None)));
-        assert_eq!(blamed_task(&[code(0), None], &[]), None);
+        assert_eq!(blamed_task(&names, &[killed(15), code(7)], &[]), Some((1, None)));
+        assert_eq!(blamed_task(&names, &[killed(9), None], &[]), Some((0, None)));
+        assert_eq!(blamed_task(&names, &[code(0), None], &[]), None);
     }
 
     #[test]
