@@ -208,6 +208,8 @@ fn chief_workers_and_ps_are_three_jobs() {
 #[test]
 fn a_failing_task_stops_the_group_with_its_exit_code() {
     let script = r#"if [ "$STRATA_TASK" = worker:1 ]; then sleep 1; exit 7; fi; echo "pid $$"; exec sleep 30"#;
+    // The binary first (the harness may build it), so that the bound is the launcher's own.
+    strata_integration_tests::strata_bin();
     let started = Instant::now();
     let o = run(launcher(&["--workers", "3", "--grace-period", "2s", "--", "sh", "-c", script]));
     assert_eq!(o.status.code(), Some(7), "stderr: {}", o.stderr);
