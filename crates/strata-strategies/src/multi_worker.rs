@@ -221,6 +221,7 @@ impl MultiWorkerMirroredStrategy {
         let task = config.task.to_string();
         let mut member =
             CoordinationMember::connect(&coordinator, &task, options.token.clone(), options.coordination.clone())?;
+        member.set_service_task(&names[0]);
         let reg = member.register(&spec.fingerprint(), &strategy_fingerprint, &data_address)?;
         let addresses = reg
             .data_addresses
@@ -318,9 +319,15 @@ impl MultiWorkerMirroredStrategy {
         self.job.ring.size()
     }
 
-    /// Tells every task that this one failed (its next collective or heartbeat fails).
+    /// Tells every task that this one failed (its next collective or heartbeat fails). When
+    /// the job already failed elsewhere (the coordination service said so, or is lost), there
+    /// is nothing to tell, and nothing waits on a lost task.
     pub fn report_error(&self, error: &Error) {
+        let known = self.job.abort.reason().is_some();
         self.job.abort.abort(error.to_string());
+        if known {
+            return;
+        }
         if let Some(m) = lock(&self.job.member).as_ref() {
             let _ = m.report_error(&error.to_string());
         }

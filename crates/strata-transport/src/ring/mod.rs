@@ -490,6 +490,8 @@ impl Ring {
         if let Ok(rt) = self.runtime() {
             let links = &mut st.links;
             rt.block_on(async {
+                // One deadline for both: a stopped or cut-off peer neither reads the farewell
+                // (its buffers are full) nor closes its side, and must not hold this task up.
                 let farewells: Vec<_> = links
                     .writers
                     .iter_mut()
@@ -499,11 +501,13 @@ impl Ring {
                         Ok::<_, Error>(())
                     })
                     .collect();
-                let _ = tokio::time::timeout(FAREWELL, try_join_all(farewells)).await;
                 // Read what the peers already sent, so that closing does not reset the
                 // connections before they have read the ERROR frames.
                 let drains: Vec<_> = links.readers.iter_mut().flatten().map(Reader::drain).collect();
-                let _ = tokio::time::timeout(FAREWELL, try_join_all(drains)).await;
+                let _ = tokio::time::timeout(FAREWELL, async {
+                    tokio::join!(try_join_all(farewells), try_join_all(drains))
+                })
+                .await;
             });
         }
         st.links.readers.iter_mut().for_each(|r| *r = None);
