@@ -207,10 +207,12 @@ impl Service {
                 continue;
             }
             t.lost = true;
-            let doing = if t.collective.is_empty() {
-                String::new()
-            } else {
+            let doing = if !t.collective.is_empty() {
                 format!(", last seen in {} #{}", t.collective, t.seq)
+            } else if t.seq == 0 {
+                ", last seen before its first collective".to_string()
+            } else {
+                String::new()
             };
             lost.push(format!("lost task {}: no heartbeat for {:.1} s{doing}", self.names[i], silent.as_secs_f64()));
         }

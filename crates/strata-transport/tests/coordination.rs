@@ -92,10 +92,10 @@ fn a_silent_task_is_declared_lost_and_every_survivor_hears_it() {
             std::thread::spawn(move || {
                 let mut m = CoordinationMember::connect(&addr, &format!("worker:{i}"), token(), config()).unwrap();
                 m.register("cluster-a", "mwms/1", "127.0.0.1:1").unwrap();
-                m.progress().enter(41, "all_reduce(sum)");
                 if i == 2 {
                     // Sends a few heartbeats, then dies without leaving: its heartbeats stop.
                     m.start_heartbeats(|_| {});
+                    m.progress().enter(41, "all_reduce(sum)");
                     std::thread::sleep(Duration::from_millis(400));
                     drop(m);
                     return;

@@ -444,7 +444,7 @@ impl Ring {
         let st = self.state.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(why) = &st.broken {
             return Err(Error::Aborted(format!(
-                "{call} at step {step} on task {}: the ring is unusable after an earlier failure: {why}",
+                "{call} (collective #{step}) on task {}: the ring is unusable after an earlier failure: {why}",
                 self.names[self.rank]
             )));
         }
@@ -470,7 +470,7 @@ impl Ring {
                     _ = tick.tick() => {
                         if let Some(reason) = self.abort.reason() {
                             return Err(Error::Aborted(format!(
-                                "{} at step {} on task {} was aborted: {reason}",
+                                "{} (collective #{}) on task {} was aborted: {reason}",
                                 ctx.call, ctx.step, ctx.me()
                             )));
                         }
