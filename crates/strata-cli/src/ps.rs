@@ -496,6 +496,9 @@ pub fn train(args: &TrainArgs, started: Instant) -> Result<()> {
     options.partitioner = Partitioner::parse(&args.partitioner)?;
     options.seed = args.seed;
     options.checkpoint_every = args.checkpoint_dir.as_ref().map(|_| args.checkpoint_every.max(1) as u64);
+    // With TF_CONFIG and checkpoints, a lost ps task can be restarted with --restore (by hand or
+    // by the cluster manager): wait for it. A local cluster restarts nothing.
+    options.wait_for_restarted_ps = _local.is_none() && args.checkpoint_dir.is_some();
     let strategy = ParameterServerStrategy::new(cluster, options)?;
     let hidden = args.hidden.clone();
     let model = strategy.scope(|s| Mlp::new(s.var_builder(), digits::FEATURES, &hidden, digits::CLASSES))?;

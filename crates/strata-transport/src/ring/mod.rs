@@ -181,6 +181,15 @@ impl AbortSignal {
     }
 }
 
+/// Completes when `abort` is raised (never without one), checking every [`ABORT_POLL`]: for
+/// calls that must give up when the job fails.
+pub(crate) async fn raised(abort: Option<&AbortSignal>) {
+    let Some(a) = abort else { return std::future::pending().await };
+    while a.reason().is_none() {
+        tokio::time::sleep(ABORT_POLL).await;
+    }
+}
+
 /// A connected group of workers and the collectives between them.
 ///
 /// Every rank must call the same collectives in the same order with the same `step` (the
