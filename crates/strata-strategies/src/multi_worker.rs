@@ -354,10 +354,14 @@ fn host_of(address: &str) -> String {
     }
 }
 
+/// Where the chief reaches its own coordination service: loopback when it binds every address,
+/// else the one address it binds (a host of a real network binds that network's address).
 fn loopback_for(bind: IpAddr) -> String {
     match bind {
-        IpAddr::V6(_) => "[::1]".into(),
-        IpAddr::V4(_) => "127.0.0.1".into(),
+        IpAddr::V6(a) if a.is_unspecified() => "[::1]".into(),
+        IpAddr::V4(a) if a.is_unspecified() => "127.0.0.1".into(),
+        IpAddr::V6(a) => format!("[{a}]"),
+        IpAddr::V4(a) => a.to_string(),
     }
 }
 
