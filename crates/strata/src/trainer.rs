@@ -501,8 +501,9 @@ impl Trainer {
 }
 
 /// Whether to stop now: this process's request, or in a multi-worker job the largest request
-/// of any worker (one all-reduce of one number, so every worker decides alike).
-fn agreed_stop<S: Strategy>(strategy: &S, signal: &StopSignal) -> strata_core::Result<Option<u32>> {
+/// of any worker (one all-reduce of one number, so every worker decides alike). Every worker
+/// must call it at the same point of its program, as [`Trainer::fit`] does between executions.
+pub fn agreed_stop<S: Strategy>(strategy: &S, signal: &StopSignal) -> strata_core::Result<Option<u32>> {
     let mine = signal.requested().unwrap_or(0);
     let code = match strategy.extended().workers() {
         None => mine,
