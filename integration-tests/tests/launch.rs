@@ -358,3 +358,16 @@ fn no_task_at_all_is_a_usage_error() {
     let config = tf_config_of(&o.stdout, "chief:0");
     assert_eq!(config["cluster"].as_object().unwrap().keys().collect::<Vec<_>>(), ["chief"]);
 }
+
+#[test]
+fn tasks_start_with_no_signal_blocked() {
+    // The issue measured SigBlk 0x4003 (SIGHUP, SIGINT, SIGTERM) in every task: the launcher's
+    // own blocked mask was inherited.
+    let o = run(launcher(&["--workers", "2", "--", "sh", "-c", "grep -E '^Sig(Blk|Ign)' /proc/self/status"]));
+    assert!(o.status.success(), "stderr: {}", o.stderr);
+    for task in ["worker:0", "worker:1"] {
+        let lines = lines_of(&o.stdout, task);
+        let blocked = lines.iter().find(|l| l.starts_with("SigBlk:")).unwrap_or_else(|| panic!("{:?}", o.stdout));
+        assert_eq!(blocked.split_whitespace().nth(1), Some("0000000000000000"), "{task}: {blocked}");
+    }
+}

@@ -18,7 +18,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc::{self, RecvTimeoutError, Sender};
 use std::time::{Duration, Instant};
 
-use nix::sys::signal::{kill, SigSet, Signal};
+use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use strata_compare::experiment::parse_duration_or_seconds;
 use strata_strategies::cluster::{ClusterConfig, ClusterSpec, TaskId, TaskType};
@@ -306,19 +306,14 @@ pub fn run(args: &LaunchArgs) -> Result<()> {
     let cluster = cluster_spec(&tasks, &addresses)?;
     let token = cluster_token();
 
-    // Block the signals we forward before any thread starts, so that every thread inherits the
-    // mask and only the signal thread receives them (through sigwait). Children start with an
-    // empty mask: std's Command resets it.
-    let mut signals = SigSet::empty();
-    for s in [Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP] {
-        signals.add(s);
-    }
-    signals.thread_block().map_err(|e| Error::io("blocking SIGINT and SIGTERM", e.into()))?;
+    // Handlers, not a blocked mask: a mask is inherited by the tasks (std's Command does not
+    // reset it), which then never see SIGINT or SIGTERM (see `signals`).
+    let signals = crate::signals::handle()?;
     let (events, received) = mpsc::channel();
     {
         let events = events.clone();
         std::thread::spawn(move || {
-            while let Ok(signal) = signals.wait() {
+            while let Ok(signal) = signals.recv() {
                 if events.send(Event::Signal(signal)).is_err() {
                     break;
                 }

@@ -9,6 +9,7 @@ pub mod compare;
 pub(crate) mod launch;
 pub use launch::TOKEN_VAR;
 pub mod ps;
+pub(crate) mod signals;
 pub mod train;
 
 use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};

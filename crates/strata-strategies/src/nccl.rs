@@ -144,6 +144,7 @@ mod tests {
             heartbeat_interval: Duration::from_millis(100),
             heartbeat_timeout: Duration::from_millis(1500),
             rpc_timeout: Duration::from_secs(5),
+            ..CoordinationConfig::default()
         }
     }
 

@@ -103,6 +103,8 @@ struct FakePs {
     configured: Mutex<Vec<u32>>,
     /// The checkpoints from this one on (counted from 0) fail.
     fail_from: Option<usize>,
+    /// Probes fail (after sleeping out their deadline) once this is set.
+    silent: std::sync::atomic::AtomicBool,
 }
 
 impl PsControl for FakePs {
@@ -121,6 +123,60 @@ impl PsControl for FakePs {
         self.configured.lock().unwrap().push(live_workers);
         Ok(())
     }
+    fn probe(&self, deadline: Duration) -> Result<(), String> {
+        if self.silent.load(Ordering::SeqCst) {
+            std::thread::sleep(deadline);
+            return Err("no answer".into());
+        }
+        Ok(())
+    }
+}
+
+#[test]
+fn a_ps_task_that_stops_answering_ends_the_job_within_the_probe_timeout() {
+    let c = cluster(2);
+    let ps = Arc::new(FakePs::default());
+    let mut o = options();
+    o.probe_timeout = Duration::from_millis(800);
+    o.probe_interval = Duration::from_millis(100);
+    let abort = o.abort.clone();
+    let coord =
+        ClusterCoordinator::with_ps_tasks(c.addresses.clone(), vec![ps.clone() as Arc<dyn PsControl>], o).unwrap();
+    // Steps that take a while, so that some are running when the ps task goes silent.
+    let values: Vec<_> = (0..40).map(|_| coord.schedule::<_, u64>("sleep", &200u64)).collect();
+    std::thread::sleep(Duration::from_millis(300));
+    ps.silent.store(true, Ordering::SeqCst);
+    let silent = Instant::now();
+    let e = coord.join().unwrap_err().to_string();
+    let took = silent.elapsed();
+    assert!(took < Duration::from_millis(800 + 600), "{took:?}");
+    assert!(e.contains("lost task ps:0: no answer to health checks") && e.contains("completed"), "{e}");
+    assert!(e.contains("(sleep) on worker:"), "the steps in flight: {e}");
+    assert!(abort.reason().is_some_and(|r| r.contains("lost task ps:0")), "the job's calls were not abandoned");
+    // Every step that did not complete failed with the job, at once; later ones too.
+    let failed = values.iter().filter(|v| v.fetch().is_err()).count();
+    assert!(failed >= 30, "{failed} of 40 failed");
+    assert!(coord.schedule::<_, i64>("add", &(1, 1)).fetch().unwrap_err().to_string().contains("lost task ps:0"));
+    let t0 = Instant::now();
+    coord.shutdown();
+    assert!(t0.elapsed() < Duration::from_secs(1), "shutting down took {:?}", t0.elapsed());
+}
+
+#[test]
+fn a_lost_ps_task_that_will_be_restarted_is_waited_for() {
+    let c = cluster(1);
+    let ps = Arc::new(FakePs::default());
+    let mut o = options();
+    o.probe_timeout = Duration::from_millis(300);
+    o.probe_interval = Duration::from_millis(50);
+    o.wait_for_restarted_ps = true;
+    let coord =
+        ClusterCoordinator::with_ps_tasks(c.addresses.clone(), vec![ps.clone() as Arc<dyn PsControl>], o).unwrap();
+    ps.silent.store(true, Ordering::SeqCst);
+    std::thread::sleep(Duration::from_millis(800));
+    ps.silent.store(false, Ordering::SeqCst);
+    assert_eq!(coord.schedule::<_, i64>("add", &(2, 3)).fetch().unwrap(), 5);
+    coord.join().unwrap();
 }
 
 #[test]

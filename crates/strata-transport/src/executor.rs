@@ -32,6 +32,7 @@ use tonic::{Code, Request, Response, Status};
 
 use crate::auth::{client_interceptor, server_interceptor, ClientAuth, ClusterToken};
 use crate::guard::DecodeErrors;
+use crate::ring::AbortSignal;
 use crate::rt::{runtime, ServerTask};
 use crate::{Error, Result};
 
@@ -355,6 +356,21 @@ impl WorkerClient {
     /// when the step reported a parameter server unavailable; [`Error::Rejected`] for an
     /// unregistered function (`NotFound`) or a failed one (`Internal`); [`Error::Timeout`].
     pub fn run_step(&self, function: &str, step: u64, client: &str, args: &[u8]) -> Result<Vec<u8>> {
+        self.run_step_until(function, step, client, args, &AbortSignal::new())
+    }
+
+    /// [`run_step`](Self::run_step) that gives up once `cancel` is raised (the coordinator
+    /// found the worker lost, or the job failed): an [`Error::Unavailable`] whose detail starts
+    /// with `"worker unreachable"` and carries the reason. The step may still finish on the
+    /// worker; its pushes are then answered as duplicates of the re-run's.
+    pub fn run_step_until(
+        &self,
+        function: &str,
+        step: u64,
+        client: &str,
+        args: &[u8],
+        cancel: &AbortSignal,
+    ) -> Result<Vec<u8>> {
         let mut c = self.client.clone();
         let mut req = Request::new(RunStepRequest {
             function: function.to_string(),
@@ -364,9 +380,24 @@ impl WorkerClient {
         });
         req.set_timeout(self.timeout);
         let rpc = format!("RunStep({function}) of step {step}");
-        match runtime().block_on(c.run_step(req)) {
-            Ok(r) => Ok(r.into_inner().result.to_vec()),
-            Err(s) => Err(self.error(&rpc, step, s)),
+        let outcome = runtime().block_on(async {
+            tokio::select! {
+                r = c.run_step(req) => Some(r),
+                () = crate::ring::raised(Some(cancel)) => None,
+            }
+        });
+        match outcome {
+            Some(Ok(r)) => Ok(r.into_inner().result.to_vec()),
+            Some(Err(s)) => Err(self.error(&rpc, step, s)),
+            None => Err(Error::Unavailable {
+                peer: self.task.clone(),
+                rpc,
+                detail: format!(
+                    "{WORKER_UNREACHABLE} at {}: {}",
+                    self.address,
+                    cancel.reason().unwrap_or_else(|| "cancelled".into())
+                ),
+            }),
         }
     }
 
@@ -385,10 +416,24 @@ impl WorkerClient {
 
     /// Asks the worker who it is and what it offers.
     pub fn ping(&self) -> Result<WorkerInfo> {
+        self.ping_within(self.timeout.min(Duration::from_secs(10)))
+    }
+
+    /// [`ping`](Self::ping) with its own deadline (a liveness probe).
+    pub fn ping_within(&self, deadline: Duration) -> Result<WorkerInfo> {
         let mut c = self.client.clone();
         let mut req = Request::new(WorkerPingRequest {});
-        req.set_timeout(self.timeout.min(Duration::from_secs(10)));
-        let r = runtime().block_on(c.ping(req)).map_err(|s| self.error("Ping", 0, s))?.into_inner();
+        req.set_timeout(deadline);
+        let r = runtime()
+            .block_on(async { tokio::time::timeout(deadline, c.ping(req)).await })
+            .map_err(|_| Error::Timeout {
+                task: self.task.clone(),
+                collective: "Ping".into(),
+                step: 0,
+                timeout: deadline,
+            })?
+            .map_err(|s| self.error("Ping", 0, s))?
+            .into_inner();
         Ok(WorkerInfo { task: r.task, functions: r.functions, steps_run: r.steps_run, incarnation: r.incarnation })
     }
 }

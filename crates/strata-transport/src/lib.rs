@@ -37,3 +37,4 @@ pub mod rt;
 pub use auth::{ClusterToken, MutualTls};
 pub use coordination::{CoordinationConfig, CoordinationMember, CoordinationServerHandle, Registration};
 pub use error::{Error, Result};
+pub use ring::AbortSignal;

@@ -85,11 +85,22 @@ impl ServerTask {
 
     /// Asks the server to stop and waits (up to 5 s) for it to end.
     pub(crate) fn stop(&mut self) {
+        self.stop_within(std::time::Duration::from_secs(5));
+    }
+
+    /// Asks the server to stop, waits up to `grace` for its graceful shutdown, then drops it.
+    /// A graceful HTTP/2 shutdown waits for every client to acknowledge it, which a stopped or
+    /// cut-off client never does: after a failure, stop with a short grace.
+    pub(crate) fn stop_within(&mut self, grace: std::time::Duration) {
         if let Some(tx) = self.stop.take() {
             let _ = tx.send(true);
         }
-        if let Some(done) = self.done.take() {
-            let _ = runtime().block_on(async { tokio::time::timeout(std::time::Duration::from_secs(5), done).await });
+        if let Some(mut done) = self.done.take() {
+            let ended = runtime().block_on(async { tokio::time::timeout(grace, &mut done).await.is_ok() });
+            if !ended {
+                done.abort();
+                tracing::debug!(?grace, "a server did not stop gracefully in time; dropped it");
+            }
         }
     }
 

@@ -464,6 +464,7 @@ pub fn train_coordinator(
         resumed_from_step: 0,
         skipped_examples: 0,
         wall_seconds: started.elapsed().as_secs_f64(),
+        stopped: None,
     };
     Ok((report, stats))
 }

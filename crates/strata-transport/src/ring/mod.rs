@@ -181,6 +181,15 @@ impl AbortSignal {
     }
 }
 
+/// Completes when `abort` is raised (never without one), checking every [`ABORT_POLL`]: for
+/// calls that must give up when the job fails.
+pub(crate) async fn raised(abort: Option<&AbortSignal>) {
+    let Some(a) = abort else { return std::future::pending().await };
+    while a.reason().is_none() {
+        tokio::time::sleep(ABORT_POLL).await;
+    }
+}
+
 /// A connected group of workers and the collectives between them.
 ///
 /// Every rank must call the same collectives in the same order with the same `step` (the
@@ -492,6 +501,8 @@ impl Ring {
         if let Ok(rt) = self.runtime() {
             let links = &mut st.links;
             rt.block_on(async {
+                // One deadline for both: a stopped or cut-off peer neither reads the farewell
+                // (its buffers are full) nor closes its side, and must not hold this task up.
                 let farewells: Vec<_> = links
                     .writers
                     .iter_mut()
@@ -501,11 +512,13 @@ impl Ring {
                         Ok::<_, Error>(())
                     })
                     .collect();
-                let _ = tokio::time::timeout(FAREWELL, try_join_all(farewells)).await;
                 // Read what the peers already sent, so that closing does not reset the
                 // connections before they have read the ERROR frames.
                 let drains: Vec<_> = links.readers.iter_mut().flatten().map(Reader::drain).collect();
-                let _ = tokio::time::timeout(FAREWELL, try_join_all(drains)).await;
+                let _ = tokio::time::timeout(FAREWELL, async {
+                    tokio::join!(try_join_all(farewells), try_join_all(drains))
+                })
+                .await;
             });
         }
         st.links.readers.iter_mut().for_each(|r| *r = None);
