@@ -371,8 +371,8 @@ impl std::ops::Deref for Svc {
 impl Coordination for Svc {
     async fn register(&self, req: Request<RegisterRequest>) -> std::result::Result<Response<RegisterResponse>, Status> {
         let r = req.into_inner();
-        let rank = self.rank(&r.task).map_err(|s| self.refuse(s))?;
-        let name = &self.names[rank];
+        // A request over a limit or without a task is malformed, not a misconfigured task of
+        // the job: refused without failing the rendezvous. A well-formed refusal fails it.
         for (what, f) in
             [("a cluster fingerprint", &r.cluster_fingerprint), ("a strategy fingerprint", &r.strategy_fingerprint)]
         {
@@ -380,6 +380,15 @@ impl Coordination for Svc {
                 return Err(over_limit(what, f.len(), MAX_FINGERPRINT_BYTES));
             }
         }
+        if r.data_address.len() > 512 {
+            return Err(over_limit("a data address", r.data_address.len(), 512));
+        }
+        if r.task.as_ref().is_none_or(|t| t.r#type.is_empty()) {
+            return Err(Status::invalid_argument("a registration that names no task; set TF_CONFIG's task"));
+        }
+        let rank =
+            self.rank(&r.task).map_err(|s| if s.code() == Code::InvalidArgument { s } else { self.refuse(s) })?;
+        let name = &self.names[rank];
         if r.cluster_fingerprint != self.cluster_fingerprint {
             return Err(self.refuse(Status::failed_precondition(format!(
                 "task {name} runs cluster [{}] but the chief runs [{}]; give every task the same TF_CONFIG cluster",
@@ -391,9 +400,6 @@ impl Coordination for Svc {
                 "task {name} runs strategy [{}] but the chief runs [{}]; run the same program and flags on every task",
                 r.strategy_fingerprint, self.strategy_fingerprint
             ))));
-        }
-        if r.data_address.len() > 512 {
-            return Err(self.refuse(over_limit("a data address", r.data_address.len(), 512)));
         }
         if r.data_address.parse::<SocketAddr>().is_err() && !r.data_address.contains(':') {
             return Err(self.refuse(Status::invalid_argument(format!("task {name} sent a malformed data address"))));

@@ -520,7 +520,9 @@ fn task_name(rng: &mut StdRng) -> Option<proto::TaskName> {
     })
 }
 
-fn coordination_request(rng: &mut StdRng) -> (&'static str, Bytes, u64) {
+/// A valid coordination request of a kind drawn from `kinds` (0: Register, 1: Barrier, 2: SetKey,
+/// 3: GetKey, 4: ReportError, 5: Leave).
+fn coordination_request(rng: &mut StdRng, kinds: std::ops::Range<u32>) -> (&'static str, Bytes, u64) {
     let bytes = |rng: &mut StdRng| -> Vec<u8> {
         match rng.random_range(0..4) {
             0 => vec![],
@@ -536,7 +538,7 @@ fn coordination_request(rng: &mut StdRng) -> (&'static str, Bytes, u64) {
             _ => name(rng),
         }
     };
-    match rng.random_range(0..6) {
+    match rng.random_range(kinds) {
         0 => {
             let r = proto::RegisterRequest {
                 task: task_name(rng),
@@ -597,18 +599,45 @@ fn the_coordination_service_survives_hostile_requests() {
         )
         .unwrap();
         let addr = server.address();
+        // Every service but Register: no call of these may fail the job. (A well-formed
+        // registration refused for its fingerprints fails the rendezvous by design, so that the
+        // chief names the misconfigured task at once: Register is fuzzed on its own below.)
         let paths = [
-            "/strata.v1.Coordination/Register",
             "/strata.v1.Coordination/Barrier",
             "/strata.v1.Coordination/SetKey",
             "/strata.v1.Coordination/GetKey",
             "/strata.v1.Coordination/ReportError",
             "/strata.v1.Coordination/Leave",
         ];
-        let tally = runtime().block_on(fuzz(addr, 29, 2500, &paths, coordination_request));
+        let tally = runtime().block_on(fuzz(addr, 29, 2000, &paths, |rng| coordination_request(rng, 1..6)));
         eprintln!("coordination fuzz: {tally:?}");
-        assert_eq!(tally.calls, 2500);
+        assert_eq!(tally.calls, 2000);
         assert!(runtime().block_on(serving(addr, "strata.v1.Coordination")));
+        // Registrations over a limit, or that name no task, are refused without failing the job.
+        runtime().block_on(async {
+            let mut channel = Channel::from_shared(format!("http://{addr}")).unwrap().connect().await.unwrap();
+            let task = || Some(proto::TaskName { r#type: "worker".into(), index: 1 });
+            let r = proto::RegisterRequest {
+                task: task(),
+                cluster_fingerprint: "c".repeat(70 << 10),
+                strategy_fingerprint: "strategy-f".into(),
+                data_address: "127.0.0.1:1".into(),
+                incarnation: 7,
+            };
+            let (code, message) =
+                call(&mut channel, "/strata.v1.Coordination/Register", frames(&[r.encode_to_vec()]), 2000).await;
+            assert_eq!(code, Code::InvalidArgument);
+            assert_eq!(message, "a cluster fingerprint of 71680 bytes is over the limit of 65536 bytes");
+            let r =
+                proto::RegisterRequest { task: None, cluster_fingerprint: "cluster-f".into(), ..Default::default() };
+            let (code, _) =
+                call(&mut channel, "/strata.v1.Coordination/Register", frames(&[r.encode_to_vec()]), 2000).await;
+            assert_eq!(code, Code::InvalidArgument);
+            let r = proto::RegisterRequest { task: task(), data_address: "a".repeat(600), ..Default::default() };
+            let (code, _) =
+                call(&mut channel, "/strata.v1.Coordination/Register", frames(&[r.encode_to_vec()]), 2000).await;
+            assert_eq!(code, Code::InvalidArgument);
+        });
         // The limits are named in the refusals, and the job is still usable: no hostile call
         // failed it.
         let (code, message) = runtime().block_on(async {
@@ -630,5 +659,27 @@ fn the_coordination_service_survives_hostile_requests() {
         member.set_key("after-fuzz", b"v").unwrap();
         assert_eq!(member.get_key("after-fuzz", Duration::from_secs(5)).unwrap(), b"v");
         drop(server);
+
+        // Register alone, on a job of its own: every call gets a status, the service serves
+        // afterwards, and the job fails, if at all, only with a refusal at rendezvous.
+        let server = CoordinationServerHandle::start(
+            "127.0.0.1:0".parse().unwrap(),
+            vec!["worker:0".to_string(), "worker:1".to_string()],
+            "cluster-f".into(),
+            "strategy-f".into(),
+            token(),
+            CoordinationConfig { rendezvous_timeout: Duration::from_secs(600), ..CoordinationConfig::default() },
+        )
+        .unwrap();
+        let addr = server.address();
+        let tally = runtime().block_on(fuzz(addr, 31, 500, &["/strata.v1.Coordination/Register"], |rng| {
+            coordination_request(rng, 0..1)
+        }));
+        eprintln!("register fuzz: {tally:?}, the job's error: {:?}", server.error());
+        assert_eq!(tally.calls, 500);
+        assert!(runtime().block_on(serving(addr, "strata.v1.Coordination")));
+        if let Some(e) = server.error() {
+            assert!(e.starts_with("rendezvous failed: task "), "{e}");
+        }
     });
 }
