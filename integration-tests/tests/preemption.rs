@@ -22,7 +22,8 @@ fn tmp(name: &str) -> PathBuf {
 /// The step of the checkpoint `latest` names in `ckpt`.
 fn latest_step(ckpt: &Path) -> u64 {
     let latest = std::fs::read_to_string(ckpt.join("latest")).unwrap();
-    let name = latest.trim().rsplit('/').next().unwrap().to_string();
+    // Its first line names the checkpoint; the second is that line's crc32.
+    let name = latest.lines().next().unwrap_or("").trim().rsplit('/').next().unwrap().to_string();
     name.strip_prefix("ckpt-").and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("latest names {latest:?}"))
 }
 

@@ -259,7 +259,7 @@ impl Service {
             let doing = if !t.collective.is_empty() {
                 format!(", last seen in {}", t.collective)
             } else if t.seq == 0 {
-                ", last seen before its first collective".to_string()
+                ", its last heartbeat came before its first collective".to_string()
             } else {
                 String::new()
             };
