@@ -225,6 +225,27 @@ fn endless_data_files_are_a_one_line_error() {
     assert_one_line_error(&strata(&["train", "--data", big.to_str().unwrap()]), "line 1 is longer than 4096 bytes");
 }
 
+/// A data file of short lines that goes on past 256 MiB of text is refused at the limit, not
+/// read to its end.
+#[test]
+fn a_data_file_over_the_text_limit_is_a_one_line_error() {
+    use std::io::Write;
+    let dir = tempfile::tempdir().unwrap();
+    let big = dir.path().join("blank.csv");
+    let mut f = std::io::BufWriter::new(std::fs::File::create(&big).unwrap());
+    // Blank lines of 4 KiB (each within the line limit, and skipped), 257 MiB of them.
+    let line = format!("{}\n", " ".repeat(4095));
+    for _ in 0..(257 << 8) {
+        f.write_all(line.as_bytes()).unwrap();
+    }
+    f.flush().unwrap();
+    drop(f);
+    assert_one_line_error(
+        &strata(&["train", "--data", big.to_str().unwrap()]),
+        "more than 268435456 bytes of text, the limit; a digits file is a few MiB",
+    );
+}
+
 #[test]
 fn a_checkpoint_dir_that_cannot_be_written_fails_at_start() {
     let tmp = tempfile::tempdir().unwrap();

@@ -261,7 +261,10 @@ fn a_stopped_worker_fails_every_survivor(victim: usize) -> Vec<Duration> {
         assert!(last.contains("training step"), "the error does not name the step: {err}");
     }
     for t in &times {
-        assert!(*t < HEARTBEAT_TIMEOUT + Duration::from_secs(3), "a survivor took {t:?} (bound: timeout + 1 s)");
+        assert!(
+            *t < HEARTBEAT_TIMEOUT + Duration::from_secs(3),
+            "a survivor took {t:?} (asked for: the timeout + 1 s; asserted with 2 s more for a loaded machine)"
+        );
     }
     let _ = std::fs::remove_dir_all(&dir);
     times

@@ -137,7 +137,10 @@ fn a_partition_between_two_hosts_fails_both_sides_within_the_heartbeat_timeout()
         eprintln!("worker:{i} failed {took:?} after the partition: {last}");
         assert!(!o.status.success(), "worker:{i} exited 0: {err}");
         assert!(last.contains(&format!("lost task worker:{}", 1 - i)), "worker:{i} does not name its peer: {err}");
-        assert!(took < Duration::from_secs(3 + 3), "worker:{i} took {took:?} (bound: a 3 s timeout + 1 s)");
+        assert!(
+            took < Duration::from_secs(3 + 3),
+            "worker:{i} took {took:?} (asked for: a 3 s timeout + 1 s; asserted with 2 s more for a loaded machine)"
+        );
     }
     drop(hosts);
     let _ = std::fs::remove_dir_all(&dir);

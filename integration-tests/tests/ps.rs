@@ -515,7 +515,10 @@ fn a_stopped_ps_task_ends_the_job_within_the_heartbeat_timeout() {
     assert!(!out.status.success(), "{err}");
     assert!(last.contains("lost task ps:1"), "{err}");
     assert!(last.contains("step") && last.contains("completed"), "what the job was doing: {err}");
-    assert!(took < Duration::from_secs(3 + 3), "{took:?} (the bound: a 3 s timeout + 1 s)");
+    assert!(
+        took < Duration::from_secs(3 + 3),
+        "{took:?} (asked for: a 3 s timeout + 1 s; asserted with 2 s more for a loaded machine)"
+    );
 }
 
 #[test]
