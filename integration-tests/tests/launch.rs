@@ -246,7 +246,7 @@ fn the_task_with_the_error_is_named_not_the_first_to_exit() {
         "{}",
         o.stderr
     );
-    let last = o.stderr.lines().filter(|l| l.starts_with("strata launch:")).last().unwrap_or_default();
+    let last = o.stderr.lines().rfind(|l| l.starts_with("strata launch:")).unwrap_or_default();
     assert_eq!(
         last, "strata launch: the job failed in task worker:0 (exited with code 3): error: checkpoint: the real cause",
         "stderr: {}",

@@ -510,7 +510,7 @@ fn a_stopped_ps_task_ends_the_job_within_the_heartbeat_timeout() {
     let took = stopped.elapsed();
     let _ = kill(Pid::from_raw(ps1[0]), Signal::SIGKILL);
     let err = String::from_utf8_lossy(&out.stderr);
-    let last = err.lines().filter(|l| l.starts_with("error:")).last().unwrap_or("");
+    let last = err.lines().rfind(|l| l.starts_with("error:")).unwrap_or("");
     eprintln!("the coordinator failed {took:?} after ps:1 stopped: {last}");
     assert!(!out.status.success(), "{err}");
     assert!(last.contains("lost task ps:1"), "{err}");

@@ -807,25 +807,16 @@ impl ClusterCoordinator {
                 .map_err(|e| Error::io("starting a coordinator dispatcher thread", e))?;
             me.dispatchers.push(h);
         }
-        let watchers: Vec<(String, Box<dyn FnOnce(&Shared) + Send>)> = (0..me.shared.ps.len())
-            .map(|i| {
-                (
-                    format!("strata-probe-ps{i}"),
-                    Box::new(move |s: &Shared| s.watch_ps(i)) as Box<dyn FnOnce(&Shared) + Send>,
-                )
-            })
-            .chain((0..n).map(|i| {
-                (
-                    format!("strata-probe-w{i}"),
-                    Box::new(move |s: &Shared| s.watch_worker(i)) as Box<dyn FnOnce(&Shared) + Send>,
-                )
-            }))
+        // (thread name, whether it watches a ps task, the task's index)
+        let watchers: Vec<(String, bool, usize)> = (0..me.shared.ps.len())
+            .map(|i| (format!("strata-probe-ps{i}"), true, i))
+            .chain((0..n).map(|i| (format!("strata-probe-w{i}"), false, i)))
             .collect();
-        for (thread, watch) in watchers {
+        for (thread, ps, i) in watchers {
             let s = shared.clone();
             let h = std::thread::Builder::new()
                 .name(thread)
-                .spawn(move || watch(&s))
+                .spawn(move || if ps { s.watch_ps(i) } else { s.watch_worker(i) })
                 .map_err(|e| Error::io("starting a coordinator probe thread", e))?;
             me.dispatchers.push(h);
         }
