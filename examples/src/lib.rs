@@ -66,9 +66,17 @@ pub mod ps_step {
             let model = model.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             let vars = model.variables(0).to_vec();
             let ticket = ctx.pull(&vars)?; // fresh values from every ps task
-            let order = strata::ps_job::epoch_order(train.len(), 0, args.epoch);
-            let start = args.batch * args.batch_size;
-            let idx = &order[start.min(order.len())..(start + args.batch_size).min(order.len())];
+            // The arguments come from the network: check them before they size anything.
+            let n = train.len();
+            let start = args.batch.checked_mul(args.batch_size).filter(|&s| s < n);
+            let Some(start) = start.filter(|_| (1..=n).contains(&args.batch_size)) else {
+                return Err(strata::CoreError::InvalidArgument(format!(
+                    "batch {} of {} examples: a batch holds 1 to {n} examples and starts inside the {n} training examples",
+                    args.batch, args.batch_size
+                )));
+            };
+            let order = strata::ps_job::epoch_order(n, 0, args.epoch);
+            let idx = &order[start..(start + args.batch_size).min(n)];
             let batch = strata::digits::gather(&train, idx);
             let x = batch.features_tensor(&candle_core::Device::Cpu)?;
             let y = batch.labels_tensor(&candle_core::Device::Cpu)?;

@@ -159,3 +159,102 @@ fn gpus_without_cuda_are_a_one_line_error() {
     let o = strata(&["train", "--gpus", "1", "--cross-device-ops", "fastest"]);
     assert_one_line_error(&o, "\"fastest\" is not one of auto, nccl, kernels, cpu");
 }
+
+/// A directory this process cannot write: mode 0555 for a user, `/sys/kernel` (sysfs) for
+/// root, whom file modes do not stop.
+fn unwritable_dir(tmp: &std::path::Path) -> std::path::PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tmp.join("read-only");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o555)).unwrap();
+    if std::fs::File::create(dir.join("probe")).is_ok() {
+        return std::path::PathBuf::from("/sys/kernel");
+    }
+    dir
+}
+
+#[test]
+fn zero_epochs_is_a_one_line_error() {
+    assert_one_line_error(&strata(&["train", "--epochs", "0"]), "--epochs 0 trains nothing; pass --epochs 1 or more");
+    assert_one_line_error(
+        &strata(&["train", "--strategy", "parameter-server", "--epochs", "0"]),
+        "--epochs 0 trains nothing",
+    );
+}
+
+/// Replica counts beyond what the batch or the machine can take are refused before any thread
+/// starts: at once, where 100,000 replicas took about a minute of starting threads.
+#[test]
+fn absurd_replica_counts_are_refused_before_any_thread_starts() {
+    let started = std::time::Instant::now();
+    assert_one_line_error(
+        &strata(&["train", "--replicas", "100000"]),
+        "--replicas 100000: over the limit of 1024 replicas per process (one thread each); pass 1024 or fewer",
+    );
+    assert_one_line_error(
+        &strata(&["train", "--replicas", "1000", "--batch", "256"]),
+        "--batch 256 is smaller than the 1000 replicas",
+    );
+    assert_one_line_error(
+        &strata(&["train", "--strategy", "parameter-server", "--ps-tasks", "1", "--workers", "100000"]),
+        "over the limit of 256 processes started on this machine",
+    );
+    assert!(started.elapsed() < std::time::Duration::from_secs(30), "{:?}", started.elapsed());
+}
+
+#[test]
+fn absurd_model_sizes_are_a_one_line_error() {
+    assert_one_line_error(
+        &strata(&["train", "--hidden", "1099511627776"]),
+        "--hidden: a hidden layer of 1099511627776 units, over the limit of 65536",
+    );
+    assert_one_line_error(&strata(&["train", "--hidden", "65536,65536"]), "parameters, the limit");
+}
+
+/// A data file that never ends, or whose lines never do, is refused after its first line.
+#[test]
+fn endless_data_files_are_a_one_line_error() {
+    assert_one_line_error(
+        &strata(&["train", "--data", "/dev/zero"]),
+        "data file /dev/zero: line 1 is longer than 4096 bytes, the limit",
+    );
+    // A sparse file of 8 GiB: no line ends in it either.
+    let dir = tempfile::tempdir().unwrap();
+    let big = dir.path().join("huge.csv");
+    std::fs::File::create(&big).unwrap().set_len(8 << 30).unwrap();
+    assert_one_line_error(&strata(&["train", "--data", big.to_str().unwrap()]), "line 1 is longer than 4096 bytes");
+}
+
+/// A data file of short lines that goes on past 256 MiB of text is refused at the limit, not
+/// read to its end.
+#[test]
+fn a_data_file_over_the_text_limit_is_a_one_line_error() {
+    use std::io::Write;
+    let dir = tempfile::tempdir().unwrap();
+    let big = dir.path().join("blank.csv");
+    let mut f = std::io::BufWriter::new(std::fs::File::create(&big).unwrap());
+    // Blank lines of 4 KiB (each within the line limit, and skipped), 257 MiB of them.
+    let line = format!("{}\n", " ".repeat(4095));
+    for _ in 0..(257 << 8) {
+        f.write_all(line.as_bytes()).unwrap();
+    }
+    f.flush().unwrap();
+    drop(f);
+    assert_one_line_error(
+        &strata(&["train", "--data", big.to_str().unwrap()]),
+        "more than 268435456 bytes of text, the limit; a digits file is a few MiB",
+    );
+}
+
+#[test]
+fn a_checkpoint_dir_that_cannot_be_written_fails_at_start() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ro = unwritable_dir(tmp.path());
+    let ro_text = ro.display().to_string();
+    let o = strata(&["train", "--epochs", "1", "--checkpoint-dir", &ro_text]);
+    assert_one_line_error(&o, &format!("--checkpoint-dir {ro_text}: cannot write a file in it"));
+    let o = strata(&["train", "--strategy", "parameter-server", "--epochs", "1", "--checkpoint-dir", &ro_text]);
+    assert_one_line_error(&o, &format!("--checkpoint-dir {ro_text}: cannot write a file in it"));
+    let o = strata(&["ps", "--address", "127.0.0.1:0", "--checkpoint-dir", &ro_text]);
+    assert_one_line_error(&o, &format!("--checkpoint-dir {ro_text}: cannot write a file in it"));
+}

@@ -208,6 +208,8 @@ fn chief_workers_and_ps_are_three_jobs() {
 #[test]
 fn a_failing_task_stops_the_group_with_its_exit_code() {
     let script = r#"if [ "$STRATA_TASK" = worker:1 ]; then sleep 1; exit 7; fi; echo "pid $$"; exec sleep 30"#;
+    // The binary first (the harness may build it), so that the bound is the launcher's own.
+    strata_integration_tests::strata_bin();
     let started = Instant::now();
     let o = run(launcher(&["--workers", "3", "--grace-period", "2s", "--", "sh", "-c", script]));
     assert_eq!(o.status.code(), Some(7), "stderr: {}", o.stderr);
@@ -227,6 +229,29 @@ fn a_failing_task_stops_the_group_with_its_exit_code() {
         let _ = kill(Pid::from_raw(p), Signal::SIGKILL);
     }
     assert!(left.is_empty(), "tasks left running: {left:?}");
+}
+
+/// The task that exits first is not always the one that had the error: a worker that lost its
+/// peer ends before the chief has finished reporting why. The launcher names the task whose
+/// stderr carried the `error:` line and exits with its code.
+#[test]
+fn the_task_with_the_error_is_named_not_the_first_to_exit() {
+    // worker:0 is slow to fail (it ignores the SIGTERM the launcher sends when worker:1 exits);
+    // worker:1 exits first, without an error line.
+    let script = r#"if [ "$STRATA_TASK" = worker:0 ]; then trap '' TERM; sleep 1; echo 'error: checkpoint: the real cause' >&2; exit 3; fi; sleep 0.2; exit 1"#;
+    let o = run(launcher(&["--workers", "2", "--grace-period", "5s", "--", "sh", "-c", script]));
+    assert_eq!(o.status.code(), Some(3), "the code of the task with the error; stderr: {}", o.stderr);
+    assert!(
+        o.stderr.contains("strata launch: task worker:1 exited with code 1; stopping the other tasks"),
+        "{}",
+        o.stderr
+    );
+    let last = o.stderr.lines().rfind(|l| l.starts_with("strata launch:")).unwrap_or_default();
+    assert_eq!(
+        last, "strata launch: the job failed in task worker:0 (exited with code 3): error: checkpoint: the real cause",
+        "stderr: {}",
+        o.stderr
+    );
 }
 
 #[test]
@@ -332,4 +357,17 @@ fn no_task_at_all_is_a_usage_error() {
     assert!(o.status.success(), "a chief alone is a cluster: {}", o.stderr);
     let config = tf_config_of(&o.stdout, "chief:0");
     assert_eq!(config["cluster"].as_object().unwrap().keys().collect::<Vec<_>>(), ["chief"]);
+}
+
+#[test]
+fn tasks_start_with_no_signal_blocked() {
+    // The issue measured SigBlk 0x4003 (SIGHUP, SIGINT, SIGTERM) in every task: the launcher's
+    // own blocked mask was inherited.
+    let o = run(launcher(&["--workers", "2", "--", "sh", "-c", "grep -E '^Sig(Blk|Ign)' /proc/self/status"]));
+    assert!(o.status.success(), "stderr: {}", o.stderr);
+    for task in ["worker:0", "worker:1"] {
+        let lines = lines_of(&o.stdout, task);
+        let blocked = lines.iter().find(|l| l.starts_with("SigBlk:")).unwrap_or_else(|| panic!("{:?}", o.stdout));
+        assert_eq!(blocked.split_whitespace().nth(1), Some("0000000000000000"), "{task}: {blocked}");
+    }
 }

@@ -139,6 +139,9 @@ fn a_killed_worker_fails_the_others_and_a_relaunch_resumes_to_the_same_parameter
                 || err.contains("heartbeat"),
             "survivor {i}'s error does not name the collective: {err}"
         );
+        // One counter per message: the training steps, never a collective's number beside them.
+        let line = err.lines().rfind(|l| l.starts_with("error:")).unwrap_or_default();
+        assert!(!line.contains(" at step ") && !line.contains('#'), "survivor {i}: more than one counter: {line}");
     }
     assert!(killed.elapsed() < Duration::from_secs(20));
     // The relaunch resumes from the last checkpoint.
@@ -148,5 +151,165 @@ fn a_killed_worker_fails_the_others_and_a_relaunch_resumes_to_the_same_parameter
     let a = std::fs::read(dir.join("uninterrupted.safetensors")).unwrap();
     let b = std::fs::read(dir.join("resumed.safetensors")).unwrap();
     assert!(a == b, "the resumed run's parameters differ from the uninterrupted run's");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A corrupt checkpoint: the chief refuses it at restore, naming the file, and `strata launch`
+/// blames the chief, whichever task exits first.
+#[test]
+fn a_corrupt_checkpoint_is_refused_and_the_launcher_blames_the_chief() {
+    let dir = tmp("corrupt");
+    let ckpt = dir.join("ckpt");
+    let ckpt_s = ckpt.to_string_lossy().to_string();
+    let launch = |dir: &Path| {
+        let o = wait(
+            strata()
+                .args(["launch", "--workers", "2", "--", "strata", "train", "--strategy", "multi-worker-mirrored"])
+                .args(["--no-progress", "--epochs", "1", "--batch", "64", "--hidden", "16"])
+                .args(["--checkpoint-dir", &ckpt_s, "--checkpoint-every", "5"])
+                .current_dir(dir)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap(),
+            Instant::now() + Duration::from_secs(120),
+        );
+        (o.status.code(), String::from_utf8_lossy(&o.stderr).into_owned())
+    };
+    let (code, err) = launch(&dir);
+    assert_eq!(code, Some(0), "{err}");
+    // One bit of the metadata: a digit of when the checkpoint was written (still valid JSON).
+    let latest = std::fs::read_to_string(ckpt.join("latest")).unwrap();
+    let manifest = ckpt.join(latest.lines().next().unwrap()).join("manifest.json");
+    let text = std::fs::read_to_string(&manifest).unwrap();
+    let at = text.find("\"created_unix_ms\": ").unwrap() + 23;
+    let mut bytes = text.into_bytes();
+    bytes[at] ^= 0x01;
+    std::fs::write(&manifest, bytes).unwrap();
+    let (code, err) = launch(&dir);
+    assert_eq!(code, Some(1), "{err}");
+    let chief_error = err.lines().find(|l| l.starts_with("[worker:0] error:")).unwrap_or_else(|| panic!("{err}"));
+    assert!(chief_error.contains("checksum mismatch") && chief_error.contains("manifest.json"), "{chief_error}");
+    let named: Vec<&str> = err.lines().filter(|l| l.starts_with("strata launch:")).collect();
+    let first = named.first().unwrap_or_else(|| panic!("{err}"));
+    if !first.contains("task worker:0") {
+        assert!(
+            named
+                .iter()
+                .any(|l| l.starts_with("strata launch: the job failed in task worker:0 (exited with code 1): error:")),
+            "the launcher does not name the chief: {err}"
+        );
+    }
+    assert!(!err.contains("the job failed in task worker:1"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The heartbeat timeout `strata train` runs with.
+const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(3);
+
+fn signal(child: &Child, signal: nix::sys::signal::Signal) {
+    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), signal);
+}
+
+/// Starts 3 workers, stops worker `victim` with SIGSTOP once training is under way, and checks
+/// that every survivor fails within the heartbeat timeout (plus slack for a loaded machine),
+/// naming the stopped task. Returns the survivors' times.
+fn a_stopped_worker_fails_every_survivor(victim: usize) -> Vec<Duration> {
+    let dir = tmp(&format!("sigstop{victim}"));
+    let ckpt = dir.join("ckpt");
+    let ckpt_s = ckpt.to_string_lossy().to_string();
+    let args = [
+        "--epochs",
+        "500",
+        "--batch",
+        "64",
+        "--hidden",
+        "64",
+        "--optimizer",
+        "sgd",
+        "--checkpoint-dir",
+        &ckpt_s,
+        "--checkpoint-every",
+        "10",
+    ];
+    let mut children = start_workers(3, &args, &dir);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !ckpt.join("latest").exists() {
+        assert!(Instant::now() < deadline, "no checkpoint was written");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let stopped = children.remove(victim);
+    signal(&stopped, nix::sys::signal::Signal::SIGSTOP);
+    let at = Instant::now();
+    let mut times = Vec::new();
+    let mut failures = Vec::new();
+    for (i, c) in children.into_iter().enumerate() {
+        let o = wait(c, at + HEARTBEAT_TIMEOUT + Duration::from_secs(10));
+        let took = at.elapsed();
+        let err = String::from_utf8_lossy(&o.stderr).to_string();
+        eprintln!("survivor {i} failed {took:?} after worker:{victim} stopped: {}", err.lines().last().unwrap_or(""));
+        times.push(took);
+        failures.push((o.status, err));
+    }
+    // SIGKILL ends a stopped process too.
+    signal(&stopped, nix::sys::signal::Signal::SIGKILL);
+    let _ = wait(stopped, Instant::now() + Duration::from_secs(10));
+    for (status, err) in &failures {
+        assert!(!status.success(), "a survivor exited 0: {err}");
+        let last = err.lines().last().unwrap_or("");
+        assert!(last.contains(&format!("lost task worker:{victim}")), "the error does not name the lost task: {err}");
+        assert!(last.contains("training step"), "the error does not name the step: {err}");
+    }
+    for t in &times {
+        assert!(
+            *t < HEARTBEAT_TIMEOUT + Duration::from_secs(3),
+            "a survivor took {t:?} (asked for: the timeout + 1 s; asserted with 2 s more for a loaded machine)"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    times
+}
+
+#[test]
+fn a_stopped_worker_fails_the_others_within_the_heartbeat_timeout() {
+    a_stopped_worker_fails_every_survivor(1);
+}
+
+#[test]
+fn a_stopped_chief_fails_the_others_within_the_heartbeat_timeout() {
+    // worker:0 serves the coordination service.
+    a_stopped_worker_fails_every_survivor(0);
+}
+
+#[test]
+fn a_worker_with_the_wrong_token_fails_the_chief_within_seconds_naming_it() {
+    let dir = tmp("token");
+    let ports = free_ports(2);
+    let start = |i: usize, token: &str| {
+        strata()
+            .args(["train", "--strategy", "multi-worker-mirrored", "--no-progress"])
+            .args(TRAIN)
+            .env("TF_CONFIG", tf_config(&ports, i))
+            .env("STRATA_CLUSTER_TOKEN", token)
+            .current_dir(&dir)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let chief = start(0, strata_integration_tests::TOKEN);
+    let refused = wait(start(1, "ffffffffffffffffffffffffffffffff"), Instant::now() + Duration::from_secs(60));
+    let at = Instant::now();
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success());
+    assert!(err.contains("wrong cluster token"), "{err}");
+    // The rendezvous' own timeout is 120 s.
+    let o = wait(chief, at + Duration::from_secs(30));
+    let took = at.elapsed();
+    let err = String::from_utf8_lossy(&o.stderr);
+    eprintln!("the chief failed {took:?} after the refused worker exited: {}", err.trim());
+    assert!(!o.status.success());
+    assert!(err.contains("worker:1 was refused: wrong cluster token"), "{err}");
+    assert!(took < Duration::from_secs(8), "{took:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -469,3 +469,79 @@ fn a_job_over_mutual_tls_trains_and_a_broken_tls_dir_is_named() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("ca.pem") && stderr.contains("STRATA_TLS_DIR"), "{stderr}");
 }
+
+/// The processes whose parent is `parent` and whose `STRATA_TASK` is `task`.
+fn children_named(parent: u32, task: &str) -> Vec<i32> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else { continue };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
+        let ppid = stat.rsplit_once(") ").and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<u32>().ok());
+        if ppid != Some(parent) {
+            continue;
+        }
+        let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+        if environ.split(|b| *b == 0).any(|v| v == format!("STRATA_TASK={task}").as_bytes()) {
+            found.push(pid);
+        }
+    }
+    found
+}
+
+#[test]
+fn a_stopped_ps_task_ends_the_job_within_the_heartbeat_timeout() {
+    use nix::sys::signal::{kill, Signal};
+    use nix::unistd::Pid;
+    let dir = tempfile::tempdir().unwrap();
+    let mut cmd = strata();
+    cmd.args(["train", "--strategy", "parameter-server", "--ps-tasks", "2", "--workers", "2", "--no-progress"])
+        .args(["--epochs", "1000", "--batch", "64", "--metrics"])
+        .arg(dir.path().join("m.jsonl"));
+    let coordinator = spawn(cmd);
+    // Training is under way once steps are recorded.
+    eventually(Duration::from_secs(120), "the first steps", || {
+        std::fs::read_to_string(dir.path().join("m.jsonl")).is_ok_and(|t| t.lines().count() >= 10)
+    });
+    let ps1 = children_named(coordinator.id(), "ps:1");
+    assert_eq!(ps1.len(), 1, "one ps:1 process");
+    kill(Pid::from_raw(ps1[0]), Signal::SIGSTOP).unwrap();
+    let stopped = Instant::now();
+    let out = wait(coordinator, stopped + Duration::from_secs(30));
+    let took = stopped.elapsed();
+    let _ = kill(Pid::from_raw(ps1[0]), Signal::SIGKILL);
+    let err = String::from_utf8_lossy(&out.stderr);
+    let last = err.lines().rfind(|l| l.starts_with("error:")).unwrap_or("");
+    eprintln!("the coordinator failed {took:?} after ps:1 stopped: {last}");
+    assert!(!out.status.success(), "{err}");
+    assert!(last.contains("lost task ps:1"), "{err}");
+    assert!(last.contains("step") && last.contains("completed"), "what the job was doing: {err}");
+    assert!(
+        took < Duration::from_secs(3 + 3),
+        "{took:?} (asked for: a 3 s timeout + 1 s; asserted with 2 s more for a loaded machine)"
+    );
+}
+
+#[test]
+fn a_stopped_worker_has_its_steps_run_elsewhere_and_no_step_is_lost() {
+    use nix::sys::signal::{kill, Signal};
+    use nix::unistd::Pid;
+    let dir = tempfile::tempdir().unwrap();
+    let out_path = dir.path().join("out.json");
+    let cluster = Cluster::new(3, 2);
+    let ps: Vec<Child> = (0..2).map(|i| start_ps(&cluster, i, &[])).collect();
+    let workers: Vec<Child> = (0..3).map(|i| start_worker(&cluster, i, &["--slowdown", "3"])).collect();
+    let coordinator = start_coordinator(&cluster, &["--epochs", "6", "--batch", "64"], &out_path);
+    let watch = client(&cluster.ps_address(0), "ps:0", TOKEN);
+    eventually(Duration::from_secs(120), "20 updates on ps:0", || watch.status().is_ok_and(|s| s.version >= 20));
+    // Stopped, not dead: its connections stay open and its step never answers.
+    kill(Pid::from_raw(workers[1].id() as i32), Signal::SIGSTOP).unwrap();
+    let out = wait(coordinator, Instant::now() + Duration::from_secs(300));
+    let _ = kill(Pid::from_raw(workers[1].id() as i32), Signal::SIGKILL);
+    ok(&out);
+    let summary = read_json(&out_path);
+    for t in ps_tasks(&summary) {
+        assert_eq!(t["pushes_applied"], 138, "6 epochs of 23 steps, each applied once: {t}");
+    }
+    assert!(summary["parameter_servers"]["coordinator"]["worker_failures"].as_u64().unwrap() >= 1);
+    stop(ps.into_iter().chain(workers).collect());
+}

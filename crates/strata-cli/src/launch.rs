@@ -18,7 +18,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc::{self, RecvTimeoutError, Sender};
 use std::time::{Duration, Instant};
 
-use nix::sys::signal::{kill, SigSet, Signal};
+use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use strata_compare::experiment::parse_duration_or_seconds;
 use strata_strategies::cluster::{ClusterConfig, ClusterSpec, TaskId, TaskType};
@@ -29,6 +29,9 @@ use crate::{Error, Result};
 pub const TOKEN_VAR: &str = "STRATA_CLUSTER_TOKEN";
 /// The environment variable that names the task, e.g. `worker:1`.
 pub const TASK_VAR: &str = "STRATA_TASK";
+
+/// The most processes a local cluster starts on this machine.
+pub(crate) const MAX_LOCAL_TASKS: usize = 256;
 
 /// How often the launcher looks for tasks that have exited.
 const POLL: Duration = Duration::from_millis(20);
@@ -55,7 +58,11 @@ and its stderr on stderr. Stdin is closed. Each task runs in its own process gro
 SIGINT (Ctrl-C), SIGTERM and SIGHUP to the launcher are forwarded to every task; tasks still running
 after --grace-period are killed (a second signal kills them at once). When a task exits non-zero or
 is killed, the launcher names it, stops the other tasks (SIGTERM, then SIGKILL after
---grace-period) and exits with that task's code (128 + the signal for a task killed by a signal).
+--grace-period) and exits with the code of the task that had the error: the first failed task
+whose stderr carried an `error:` line (or the task that line names as lost or failed, when that
+one failed too), else the first that exited with a non-zero code, else the first killed by a
+signal (128 + the signal). When that is not the task that exited first, a last
+line names it and its error.
 It exits 0 when every task exits 0, and 128 + the signal when it was interrupted and every task
 still exited 0."
     };
@@ -141,6 +148,8 @@ pub(crate) enum Event {
     Signal(Signal),
     /// One of the tasks' output pipes reached its end.
     OutputClosed,
+    /// Task number `.0` wrote a line beginning with `error:` on its stderr (`.1`).
+    ErrorLine(usize, String),
 }
 
 /// A started task.
@@ -168,12 +177,14 @@ fn exit_code(status: ExitStatus) -> i32 {
 
 /// Copies `source` to the launcher's stdout or stderr line by line, each line prefixed; a last
 /// line without a newline is still printed. Write errors (a closed terminal) are ignored so
-/// that the task never blocks on a full pipe.
+/// that the task never blocks on a full pipe. With `task`, the first line that begins with
+/// `error:` is reported as [`Event::ErrorLine`].
 pub(crate) fn forward_lines(
     source: impl Read + Send + 'static,
     prefix: String,
     to_stderr: bool,
     events: Sender<Event>,
+    task: Option<usize>,
 ) {
     std::thread::spawn(move || {
         let mut reader = BufReader::new(source);
@@ -186,6 +197,10 @@ pub(crate) fn forward_lines(
                 Ok(_) => {
                     if text.last() == Some(&b'\n') {
                         text.pop();
+                    }
+                    if let Some(t) = task.filter(|_| text.starts_with(b"error:")) {
+                        let line = String::from_utf8_lossy(&text[..text.len().min(512)]).into_owned();
+                        let _ = events.send(Event::ErrorLine(t, line));
                     }
                     line.clear();
                     line.extend_from_slice(prefix.as_bytes());
@@ -252,10 +267,10 @@ fn start(
         };
         let prefix = format!("[{task}] ");
         if let Some(out) = child.stdout.take() {
-            forward_lines(out, prefix.clone(), false, events.clone());
+            forward_lines(out, prefix.clone(), false, events.clone(), None);
         }
         if let Some(err) = child.stderr.take() {
-            forward_lines(err, prefix, true, events.clone());
+            forward_lines(err, prefix, true, events.clone(), Some(running.len()));
         }
         let group = Pid::from_raw(i32::try_from(child.id()).unwrap_or(i32::MAX));
         running.push(Running { task: *task, child, group, status: None });
@@ -268,6 +283,12 @@ fn start(
 pub fn run(args: &LaunchArgs) -> Result<()> {
     if args.workers == 0 && !args.chief {
         return Err(Error::Usage("--workers 0 without --chief starts no task; pass --workers 1 or more".into()));
+    }
+    if args.workers.saturating_add(args.ps).saturating_add(usize::from(args.chief)) > MAX_LOCAL_TASKS {
+        return Err(Error::Usage(format!(
+            "--workers {} --ps {}: over the limit of {MAX_LOCAL_TASKS} tasks started on this machine; start fewer",
+            args.workers, args.ps
+        )));
     }
     let Some((program, program_args)) = args.command.split_first() else {
         return Err(Error::Usage(
@@ -285,19 +306,14 @@ pub fn run(args: &LaunchArgs) -> Result<()> {
     let cluster = cluster_spec(&tasks, &addresses)?;
     let token = cluster_token();
 
-    // Block the signals we forward before any thread starts, so that every thread inherits the
-    // mask and only the signal thread receives them (through sigwait). Children start with an
-    // empty mask: std's Command resets it.
-    let mut signals = SigSet::empty();
-    for s in [Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP] {
-        signals.add(s);
-    }
-    signals.thread_block().map_err(|e| Error::io("blocking SIGINT and SIGTERM", e.into()))?;
+    // Handlers, not a blocked mask: a mask is inherited by the tasks (std's Command does not
+    // reset it), which then never see SIGINT or SIGTERM (see `signals`).
+    let signals = crate::signals::handle()?;
     let (events, received) = mpsc::channel();
     {
         let events = events.clone();
         std::thread::spawn(move || {
-            while let Ok(signal) = signals.wait() {
+            while let Ok(signal) = signals.recv() {
                 if events.send(Event::Signal(signal)).is_err() {
                     break;
                 }
@@ -308,6 +324,9 @@ pub fn run(args: &LaunchArgs) -> Result<()> {
     let mut running = start(program, &executable, program_args, &tasks, &cluster, &token, &events)?;
     let mut outputs_open = 2 * running.len();
     let mut failure: Option<i32> = None;
+    // The first task to fail, and each task's first `error:` line in the order they arrived.
+    let mut first_failed: Option<usize> = None;
+    let mut error_lines: Vec<(usize, String)> = Vec::new();
     let mut interrupted: Option<Signal> = None;
     let mut kill_at: Option<Instant> = None;
     let mut killed = false;
@@ -331,6 +350,7 @@ pub fn run(args: &LaunchArgs) -> Result<()> {
                 }
             }
             Ok(Event::OutputClosed) => outputs_open = outputs_open.saturating_sub(1),
+            Ok(Event::ErrorLine(t, line)) => note_error(&mut error_lines, t, line),
             Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => {}
         }
         for i in 0..running.len() {
@@ -351,6 +371,7 @@ pub fn run(args: &LaunchArgs) -> Result<()> {
                 continue;
             }
             failure = Some(exit_code(status));
+            first_failed = Some(i);
             let task = &running[i].task;
             if kill_at.is_none() {
                 eprintln!(
@@ -375,8 +396,26 @@ pub fn run(args: &LaunchArgs) -> Result<()> {
         let left = drained_by.saturating_duration_since(Instant::now());
         match received.recv_timeout(left) {
             Ok(Event::OutputClosed) => outputs_open -= 1,
+            Ok(Event::ErrorLine(t, line)) => note_error(&mut error_lines, t, line),
             Ok(Event::Signal(_)) => {}
             Err(_) => break,
+        }
+    }
+
+    let statuses: Vec<Option<ExitStatus>> = running.iter().map(|r| r.status).collect();
+    let names: Vec<String> = running.iter().map(|r| r.task.to_string()).collect();
+    if let Some((blamed, line)) = blamed_task(&names, &statuses, &error_lines) {
+        if first_failed.is_some_and(|f| f != blamed) {
+            let status = statuses[blamed].map_or_else(|| "failed".to_string(), strata_compare::runner::describe);
+            match line {
+                Some(line) => {
+                    eprintln!("strata launch: the job failed in task {} ({status}): {line}", running[blamed].task)
+                }
+                None => eprintln!("strata launch: the job failed in task {} ({status})", running[blamed].task),
+            }
+        }
+        if let Some(status) = statuses[blamed] {
+            failure = Some(exit_code(status));
         }
     }
 
@@ -391,9 +430,76 @@ pub fn run(args: &LaunchArgs) -> Result<()> {
     }
 }
 
+/// Keeps a task's first `error:` line, in arrival order.
+fn note_error(lines: &mut Vec<(usize, String)>, task: usize, line: String) {
+    if !lines.iter().any(|(t, _)| *t == task) {
+        lines.push((task, line));
+    }
+}
+
+/// The task a failed job is blamed on, and its `error:` line if it wrote one: the first failed
+/// task (by when its `error:` line arrived) whose stderr carried one, followed to the task that
+/// line blames when it says another failed task was lost or failed (`lost task worker:0`,
+/// `task worker:0 failed`); else the first task, in task order, that exited with a non-zero
+/// code; else the first killed by a signal. `None` when no task failed. The task that exits or
+/// complains first is often a bystander: a worker that lost its peer ends before the chief that
+/// had the error has finished reporting it.
+fn blamed_task(
+    names: &[String],
+    statuses: &[Option<ExitStatus>],
+    error_lines: &[(usize, String)],
+) -> Option<(usize, Option<String>)> {
+    let failed = |t: usize| statuses.get(t).copied().flatten().is_some_and(|s| !s.success());
+    if let Some((mut t, mut line)) = error_lines.iter().find(|(t, _)| failed(*t)).cloned() {
+        for _ in 0..names.len() {
+            let blames =
+                |n: &String| line.contains(&format!("lost task {n}")) || line.contains(&format!("task {n} failed"));
+            let next = (0..names.len()).find(|&o| o != t && failed(o) && blames(&names[o]));
+            let Some(o) = next else { break };
+            t = o;
+            match error_lines.iter().find(|(e, _)| *e == o) {
+                Some((_, l)) => line = l.clone(),
+                None => return Some((o, None)),
+            }
+        }
+        return Some((t, Some(line)));
+    }
+    let coded = (0..statuses.len()).find(|&t| failed(t) && statuses[t].is_some_and(|s| s.code().is_some()));
+    coded.or_else(|| (0..statuses.len()).find(|&t| failed(t))).map(|t| (t, None))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_task_with_the_error_is_blamed_not_the_first_to_exit() {
+        let code = |c: i32| Some(ExitStatus::from_raw(c << 8));
+        let killed = |s: i32| Some(ExitStatus::from_raw(s));
+        let names: Vec<String> = ["worker:0", "worker:1", "worker:2"].map(String::from).to_vec();
+        let corrupt = "error: checkpoint: corrupt".to_string();
+        let lost = "error: task worker:1: lost task worker:0 during broadcast(root 0, 2 u64)".to_string();
+        // The chief wrote the error first; worker 1 exited first.
+        let statuses = [code(1), code(1), Some(ExitStatus::from_raw(0))];
+        let lines = vec![(0, corrupt.clone()), (1, lost.clone())];
+        assert_eq!(blamed_task(&names, &statuses, &lines), Some((0, Some(corrupt.clone()))));
+        // Worker 1's line arrived first, but it blames the chief, which failed too.
+        let lines = vec![(1, lost.clone()), (0, corrupt.clone())];
+        assert_eq!(blamed_task(&names, &statuses, &lines), Some((0, Some(corrupt.clone()))));
+        let reported =
+            vec![(2, "error: task worker:1 failed: out of memory".to_string()), (1, "error: out of memory".into())];
+        assert_eq!(
+            blamed_task(&names, &[code(1), code(1), code(1)], &reported),
+            Some((1, Some("error: out of memory".into())))
+        );
+        // A task whose error line came first but that exited 0 is not blamed, nor followed to.
+        let statuses = [Some(ExitStatus::from_raw(0)), code(3), None];
+        assert_eq!(blamed_task(&names, &statuses, &lines), Some((1, Some(lost))));
+        // Without error lines: a non-zero code before a signal.
+        assert_eq!(blamed_task(&names, &[killed(15), code(7)], &[]), Some((1, None)));
+        assert_eq!(blamed_task(&names, &[killed(9), None], &[]), Some((0, None)));
+        assert_eq!(blamed_task(&names, &[code(0), None], &[]), None);
+    }
 
     #[test]
     fn durations_parse_with_units() {

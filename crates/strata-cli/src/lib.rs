@@ -1,7 +1,7 @@
 //! The `strata` command: its subcommands (`train`, `launch`, `ps`, `worker`, `devices`,
 //! `compare`) and the benchmarks (`strata bench ...`). The library a training program depends
 //! on is the `strata` crate; this crate owns the command line (clap), process control (nix,
-//! ctrlc), progress bars (indicatif) and the allocator (mimalloc), and converts its flags into
+//! signal handlers in `signals`), progress bars (indicatif) and the allocator (mimalloc), and converts its flags into
 //! the library's types here, at the edge.
 
 pub mod bench;
@@ -9,6 +9,7 @@ pub mod compare;
 pub(crate) mod launch;
 pub use launch::TOKEN_VAR;
 pub mod ps;
+pub(crate) mod signals;
 pub mod train;
 
 use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};

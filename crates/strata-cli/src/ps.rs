@@ -13,7 +13,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use nix::sys::signal::{kill, SigSet, Signal};
+use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use serde::Serialize;
 use strata_strategies::cluster::{
@@ -156,19 +156,10 @@ fn listen_address(
     Ok(SocketAddr::new(bind, c.port()?))
 }
 
-/// Blocks SIGINT, SIGTERM and SIGHUP in this thread (and the threads it starts), so that
-/// [`wait_for_signal`] receives them.
-fn block_signals() -> Result<SigSet> {
-    let mut signals = SigSet::empty();
-    for s in [Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP] {
-        signals.add(s);
-    }
-    signals.thread_block().map_err(|e| Error::io("blocking SIGINT and SIGTERM", e.into()))?;
-    Ok(signals)
-}
-
-fn wait_for_signal(signals: &SigSet) -> Signal {
-    signals.wait().unwrap_or(Signal::SIGTERM)
+/// Waits for SIGINT, SIGTERM or SIGHUP (handled from the start of the subcommand, see
+/// `signals`).
+fn wait_for_signal(signals: &std::sync::mpsc::Receiver<Signal>) -> Signal {
+    signals.recv().unwrap_or(Signal::SIGTERM)
 }
 
 /// Runs `strata ps`.
@@ -181,7 +172,10 @@ pub fn run_ps(args: &PsArgs) -> Result<()> {
 fn run_ps_in(args: &PsArgs, cluster: Option<ClusterConfig>) -> Result<()> {
     let address = listen_address(&args.address, args.bind, cluster.as_ref(), TaskType::Ps)?;
     let index = cluster.as_ref().map_or(args.task_index, |c| c.task.index);
-    let signals = block_signals()?;
+    if let Some(dir) = &args.checkpoint_dir {
+        crate::train::checkpoint_dir_writable(dir)?;
+    }
+    let signals = crate::signals::handle()?;
     let mut config = PsServerConfig::new(format!("ps:{index}"), token(args.cluster_token_file.as_deref())?);
     config.checkpoint_dir = args.checkpoint_dir.clone();
     config.keep_checkpoints = args.keep_checkpoints.max(1);
@@ -227,7 +221,7 @@ fn run_worker_in(args: &WorkerArgs, cluster: Option<ClusterConfig>) -> Result<()
             .map(|i| c.spec.address(TaskId::ps(i)).map(str::to_string))
             .collect::<Result<_, _>>()?
     };
-    let signals = block_signals()?;
+    let signals = crate::signals::handle()?;
     let mut options = WorkerOptions::new(index, ps, token(args.cluster_token_file.as_deref())?);
     options.task_index = index;
     let mut delays =
@@ -325,7 +319,10 @@ struct LocalCluster {
 fn stop_children(children: &Mutex<Vec<(TaskId, Child)>>) {
     let mut children = children.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     for (_, c) in children.iter() {
-        let _ = kill(Pid::from_raw(-(c.id() as i32)), Signal::SIGTERM);
+        let group = Pid::from_raw(-(c.id() as i32));
+        let _ = kill(group, Signal::SIGTERM);
+        // A stopped task (SIGSTOP) holds a handled SIGTERM until it runs again.
+        let _ = kill(group, Signal::SIGCONT);
     }
     let deadline = Instant::now() + Duration::from_secs(3);
     for (_, c) in children.iter_mut() {
@@ -354,11 +351,14 @@ impl LocalCluster {
         let me = Self { children: children.clone() };
         {
             let children = children.clone();
-            // Ctrl-C or SIGTERM: stop every task, then exit as interrupted.
-            let _ = ctrlc::set_handler(move || {
-                eprintln!("strata train: interrupted; stopping the ps and worker tasks");
-                stop_children(&children);
-                std::process::exit(130);
+            // Ctrl-C or SIGTERM: stop every task, then exit as that signal would.
+            let signals = crate::signals::handle()?;
+            std::thread::spawn(move || {
+                if let Ok(signal) = signals.recv() {
+                    eprintln!("strata train: {signal} received; stopping the ps and worker tasks");
+                    stop_children(&children);
+                    std::process::exit(crate::signals::exit_code(signal));
+                }
             });
         }
         let (events, _drain) = std::sync::mpsc::channel();
@@ -392,10 +392,10 @@ impl LocalCluster {
             let mut child = cmd.spawn().map_err(|e| Error::io(format!("starting {task}"), e))?;
             let prefix = format!("[{task}] ");
             if let Some(out) = child.stdout.take() {
-                launch::forward_lines(out, prefix.clone(), false, events.clone());
+                launch::forward_lines(out, prefix.clone(), false, events.clone(), None);
             }
             if let Some(err) = child.stderr.take() {
-                launch::forward_lines(err, prefix, true, events.clone());
+                launch::forward_lines(err, prefix, true, events.clone(), None);
             }
             children.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push((task, child));
         }
@@ -495,6 +495,17 @@ pub fn train(args: &TrainArgs, started: Instant) -> Result<()> {
                     args.ps_tasks, args.workers
                 )));
             }
+            if args.ps_tasks.saturating_add(args.workers) > launch::MAX_LOCAL_TASKS {
+                return Err(Error::Usage(format!(
+                    "--ps-tasks {} --workers {}: over the limit of {} processes started on this machine; start fewer, or give TF_CONFIG a cluster of several machines",
+                    args.ps_tasks,
+                    args.workers,
+                    launch::MAX_LOCAL_TASKS
+                )));
+            }
+            if let Some(dir) = &args.checkpoint_dir {
+                crate::train::checkpoint_dir_writable(dir)?;
+            }
             let tasks = launch::tasks(true, args.workers, args.ps_tasks);
             let addresses = launch::free_addresses(args.bind, tasks.len())?;
             let spec = launch::cluster_spec(&tasks, &addresses)?;
@@ -524,6 +535,9 @@ pub fn train(args: &TrainArgs, started: Instant) -> Result<()> {
     options.seed = args.seed;
     options.cluster_source = cluster_source;
     options.checkpoint_every = args.checkpoint_dir.as_ref().map(|_| args.checkpoint_every.max(1) as u64);
+    // With TF_CONFIG and checkpoints, a lost ps task can be restarted with --restore (by hand or
+    // by the cluster manager): wait for it. A local cluster restarts nothing.
+    options.wait_for_restarted_ps = _local.is_none() && args.checkpoint_dir.is_some();
     let strategy = ParameterServerStrategy::new(cluster, options)?;
     let hidden = args.hidden.clone();
     let model = strategy.scope(|s| Mlp::new(s.var_builder(), digits::FEATURES, &hidden, digits::CLASSES))?;

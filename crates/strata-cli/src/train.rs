@@ -15,7 +15,7 @@ use strata_strategies::{
 
 use strata::digits;
 use strata::model::Mlp;
-use strata::trainer::{FitReport, TrainConfig, Trainer};
+use strata::trainer::{FitReport, StopSignal, TrainConfig, Trainer};
 use strata::{OptimizerKind, StrategyKind};
 use strata_compare::inject::StepDelays;
 
@@ -360,11 +360,24 @@ pub fn make_multi_worker(args: &TrainArgs, options: StrategyOptions) -> Result<M
     Ok(MultiWorkerMirroredStrategy::from_resolver(resolver.as_ref(), mw)?)
 }
 
+/// Refuses a `--checkpoint-dir` this process cannot write, naming it (exit code 2).
+pub(crate) fn checkpoint_dir_writable(dir: &std::path::Path) -> Result<()> {
+    strata::checkpoint::check_writable(dir).map_err(|e| match e {
+        strata_core::Error::Checkpoint(m) => Error::Usage(format!("--checkpoint-dir {m}")),
+        other => other.into(),
+    })
+}
+
 /// Trains and reports.
 pub fn run(args: &TrainArgs) -> Result<()> {
     let started = std::time::Instant::now();
     if args.hidden.is_empty() || args.hidden.contains(&0) {
         return Err(Error::Usage("--hidden needs layer sizes of at least 1, e.g. --hidden 256,256".into()));
+    }
+    strata::model::check_mlp(digits::FEATURES, &args.hidden, digits::CLASSES)
+        .map_err(|e| Error::Usage(format!("--hidden: {e}")))?;
+    if args.epochs == 0 {
+        return Err(Error::Usage("--epochs 0 trains nothing; pass --epochs 1 or more".into()));
     }
     if !(args.lr.is_finite() && args.lr > 0.0) {
         return Err(Error::Usage(format!("--lr {} is not a positive learning rate", args.lr)));
@@ -383,6 +396,22 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         )));
     }
     let delays = args.step_delays()?;
+    // The cheap checks of the replica count come before any thread or device exists.
+    if let Some(n) = args.replicas {
+        strata_core::device::check_replicas(n, "replicas").map_err(|_| {
+            Error::Usage(format!(
+                "--replicas {n}: over the limit of {} replicas per process (one thread each); pass {} or fewer",
+                strata_core::device::MAX_REPLICAS,
+                strata_core::device::MAX_REPLICAS
+            ))
+        })?;
+    }
+    let distributed = matches!(args.strategy, StrategyKind::MultiWorkerMirrored | StrategyKind::ParameterServer);
+    if let Some(dir) = args.checkpoint_dir.as_ref().filter(|_| !distributed) {
+        // A multi-worker chief checks it itself (only the chief writes there), and so do the
+        // ps tasks (each under `ps-<index>`) and a local parameter-server job's coordinator.
+        checkpoint_dir_writable(dir)?;
+    }
     if let Some(d) = args.network_delay {
         strata_transport::inject::set_network_delay(d);
     }
@@ -393,6 +422,12 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         StrategyKind::OneDevice => 1,
         _ => args.gpus.or(args.replicas).unwrap_or(2),
     };
+    if args.batch < local_replicas {
+        return Err(Error::Usage(format!(
+            "--batch {} is smaller than the {local_replicas} replicas; every replica needs at least one example per step",
+            args.batch
+        )));
+    }
     if args.strategy != StrategyKind::MultiWorkerMirrored {
         if let Some((w, _)) = delays.slowdown.iter().find(|(w, _)| *w >= local_replicas) {
             return Err(Error::Usage(format!(
@@ -406,6 +441,10 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         seed: args.seed,
         collective_timeout: std::time::Duration::from_secs_f64(args.collective_timeout),
     };
+    // SIGTERM and SIGINT stop training after the current step (with a checkpoint when
+    // --checkpoint-dir is set); a second signal ends the process at once.
+    let stop = StopSignal::new();
+    arm(&stop)?;
     let multi = match args.strategy {
         StrategyKind::MultiWorkerMirrored => Some(make_multi_worker(args, options.clone())?),
         _ => None,
@@ -416,14 +455,54 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         multi.as_ref().map_or_else(|| make_strategy(args, options), |m| Ok(m.handle()))?,
         &timeline,
         multi.as_ref(),
+        &stop,
     );
     if let Some(m) = &multi {
         match &result {
-            Ok(()) => m.finish()?,
+            // A stop on request is agreed by every worker: they leave the job cleanly.
+            Ok(()) | Err(Error::Stopped { .. }) => m.finish()?,
             Err(e) => m.report_error(&strata_core::Error::Cluster(e.to_string())),
         }
     }
     result
+}
+
+/// Makes SIGTERM, SIGINT and SIGHUP request `stop` (the first one) or end the process at once
+/// with 128 + the signal (the second).
+fn arm(stop: &StopSignal) -> Result<()> {
+    let signals = crate::signals::handle()?;
+    let stop = stop.clone();
+    std::thread::spawn(move || {
+        let mut asked = false;
+        while let Ok(signal) = signals.recv() {
+            if asked {
+                eprintln!("strata train: second signal ({signal}); exiting now");
+                std::process::exit(crate::signals::exit_code(signal));
+            }
+            asked = true;
+            eprintln!(
+                "strata train: {signal} received; stopping after the current step (a second signal exits at once)"
+            );
+            stop.request(signal as u32);
+        }
+    });
+    Ok(())
+}
+
+/// The error that ends a run stopped on request: where it stopped, and how to resume.
+fn stopped_error(args: &TrainArgs, stopped: &strata::trainer::Stopped) -> Error {
+    let signal = nix::sys::signal::Signal::try_from(stopped.code as i32)
+        .map_or_else(|_| format!("code {}", stopped.code), |s| s.to_string());
+    let resume = match (&stopped.checkpoint, &args.checkpoint_dir) {
+        (Some(dir), _) => format!(
+            "; the checkpoint of step {} is in {}: run the same command again to resume",
+            stopped.step,
+            dir.display()
+        ),
+        (None, Some(_)) => String::new(),
+        (None, None) => "; without --checkpoint-dir nothing was saved".to_string(),
+    };
+    Error::Stopped { step: stopped.step, code: stopped.code, detail: format!("asked to stop by {signal}{resume}") }
 }
 
 fn train_with(
@@ -432,6 +511,7 @@ fn train_with(
     strategy: StrategyHandle,
     timeline: &Option<Arc<Timeline>>,
     multi: Option<&MultiWorkerMirroredStrategy>,
+    stop: &StopSignal,
 ) -> Result<()> {
     let all = digits::load(args.data.as_deref())?;
     let (train, test) = digits::train_test_split(&all, 0.2, 0);
@@ -458,9 +538,14 @@ fn train_with(
         max_steps: args.max_steps,
         metrics: args.metrics_writer()?,
         step_hook: args.step_hook()?,
+        stop: Some(stop.clone()),
         ..Default::default()
     });
     let report = args.optimizer.fit(args.lr, &trainer, &strategy, &model, &train, &test)?;
+    if let Some(stopped) = &report.stopped {
+        // No summary and no final parameters: the run is not over.
+        return Err(stopped_error(args, stopped));
+    }
     if let (Some(path), Some(t)) = (&args.timeline, timeline) {
         t.write_chrome_trace(path)?;
         eprintln!("timeline: {} events written to {}", t.len(), path.display());

@@ -1,18 +1,27 @@
 //! Atomic, verified checkpoints: safetensors files plus a manifest, as DESIGN.md §6 asks.
 //!
-//! A checkpoint is a directory `<root>/ckpt-<step:010>/` holding one or more safetensors files
-//! and a `manifest.json` that lists every file (byte length and crc32) and every tensor (file,
-//! shape, dtype, version, shard, crc32 of its bytes). Writing is atomic: everything goes into a
+//! A checkpoint is a directory `<root>/ckpt-<step:010>/` holding one or more safetensors files,
+//! a `manifest.json` that lists every file (byte length and crc32) and every tensor (file,
+//! shape, dtype, version, shard, crc32 of its bytes) beside the writer's metadata, and
+//! `manifest.crc32`, the crc32 of the manifest's bytes. Writing is atomic: everything goes into a
 //! temporary sibling directory (`.tmp-ckpt-...`), every file and the directory are fsynced, the
 //! directory is renamed to its final name, the root is fsynced, and only then is `<root>/latest`
 //! replaced (temporary file, fsync, rename). A crash at any point leaves either the previous
 //! checkpoint or the new one as the latest, never a half-written one; `.tmp-*` leftovers are
 //! ignored by the readers.
 //!
-//! Reading verifies everything before returning anything: the manifest parses and has the
-//! format this code writes, every file exists with the listed length (a torn file) and crc32
-//! (a flipped bit), the safetensors header parses, and every tensor is present with the listed
-//! shape, dtype and crc32. Errors are [`Error::Checkpoint`] naming the file and what to do.
+//! **Every byte a restore reads is covered by a checksum**: the tensors and the safetensors
+//! headers by the crc32 of each file (and of each tensor) in the manifest, the manifest (the
+//! step, the metadata, the listed checksums) by `manifest.crc32`, whose own bytes must be
+//! exactly the text this code writes for the manifest (`crc32:<8 hex digits>` and a newline),
+//! and `<root>/latest` by the crc32 of the name it holds (`ckpt-<step>`, a newline,
+//! `crc32:<8 hex digits>`, a newline). A byte changed anywhere, metadata included, is refused.
+//!
+//! Reading verifies everything before returning anything: the manifest parses, has the
+//! format this code writes and matches its checksum, every file exists with the listed length
+//! (a torn file) and crc32 (a flipped bit), the safetensors header parses, and every tensor is
+//! present with the listed shape, dtype and crc32. Errors are [`Error::Checkpoint`] naming the
+//! file and what to do.
 //!
 //! ```
 //! use std::collections::BTreeMap;
@@ -45,10 +54,13 @@ use serde::{Deserialize, Serialize};
 
 use crate::{Error, Result};
 
-/// The `format` field this code writes and reads.
-pub const FORMAT: &str = "strata-checkpoint/1";
+/// The `format` field this code writes and reads. Format 1 (before the manifest had a
+/// checksum of its own) is refused: its metadata cannot be verified.
+pub const FORMAT: &str = "strata-checkpoint/2";
 /// The name of the manifest inside a checkpoint directory.
 pub const MANIFEST: &str = "manifest.json";
+/// The name of the file beside the manifest that holds its checksum ([`manifest_checksum`]).
+pub const MANIFEST_CHECKSUM: &str = "manifest.crc32";
 /// The name of the file in the root that names the latest checkpoint directory.
 pub const LATEST: &str = "latest";
 /// The safetensors file [`write_checkpoint`] writes.
@@ -237,6 +249,46 @@ fn parse_dir_name(name: &str) -> Option<u64> {
         return None;
     }
     digits.parse().ok()
+}
+
+/// The text of [`MANIFEST_CHECKSUM`] for a manifest of these bytes: `crc32:<8 lower-case hex
+/// digits>` and a newline. A reader accepts exactly this text and nothing else.
+pub fn manifest_checksum(manifest: &[u8]) -> String {
+    format!("crc32:{:08x}\n", crc32fast::hash(manifest))
+}
+
+/// The text of `<root>/latest` naming the checkpoint directory `name`: the name, a newline,
+/// `crc32:<8 hex digits>` of the name, a newline.
+fn pointer_text(name: &str) -> String {
+    format!("{name}\ncrc32:{:08x}\n", crc32fast::hash(name.as_bytes()))
+}
+
+/// Checks that `root` is (or can be made) a checkpoint root this process can write: creates it
+/// if missing, then creates, writes, fsyncs and removes a temporary file in it. Call it before
+/// training starts, so that a directory that cannot take a checkpoint fails at once rather than
+/// at the first checkpoint.
+pub fn check_writable(root: &Path) -> Result<()> {
+    let refuse = |what: &str, e: std::io::Error| {
+        Error::Checkpoint(format!(
+            "{}: {what} ({e}); checkpoints cannot be written there, give a directory this process can write",
+            root.display()
+        ))
+    };
+    fs::create_dir_all(root).map_err(|e| refuse("cannot create the directory", e))?;
+    if !root.is_dir() {
+        return Err(Error::Checkpoint(format!(
+            "{}: not a directory; give a directory for the checkpoints",
+            root.display()
+        )));
+    }
+    let probe = root.join(unique_name(&format!("{TMP_PREFIX}writable")));
+    let written = File::create(&probe).and_then(|mut f| {
+        f.write_all(b"strata")?;
+        f.sync_all()
+    });
+    let removed = if probe.exists() { fs::remove_file(&probe) } else { Ok(()) };
+    written.map_err(|e| refuse("cannot write a file in it", e))?;
+    removed.map_err(|e| refuse("cannot remove a file from it", e))
 }
 
 /// Writes a checkpoint of `step` under `root` with every entry in one file,
@@ -470,6 +522,7 @@ fn write_into(tmp: &Path, step: u64, metadata: BTreeMap<String, String>, files: 
     let path = tmp.join(MANIFEST);
     let json = serde_json::to_vec_pretty(&manifest)
         .map_err(|e| Error::Checkpoint(format!("{}: cannot encode the manifest: {e}", path.display())))?;
+    write_synced(&tmp.join(MANIFEST_CHECKSUM), manifest_checksum(&json).as_bytes())?;
     write_synced(&path, &json)?;
     sync_dir(tmp)
 }
@@ -497,7 +550,7 @@ fn publish(root: &Path, tmp: &Path, final_dir: &Path) -> Result<()> {
         }
     }
     let latest_tmp = root.join(unique_name(&format!("{TMP_PREFIX}{LATEST}")));
-    write_synced(&latest_tmp, format!("{}\n", dir_name(final_dir)).as_bytes())?;
+    write_synced(&latest_tmp, pointer_text(&dir_name(final_dir)).as_bytes())?;
     let latest = root.join(LATEST);
     if let Err(e) = fs::rename(&latest_tmp, &latest) {
         fs::remove_file(&latest_tmp).ok();
@@ -580,18 +633,22 @@ fn list_checkpoints(root: &Path) -> Result<Vec<(u64, PathBuf)>> {
 }
 
 /// The directory `<root>/latest` names, if the file exists and names a complete checkpoint.
+/// A pointer that does not match its checksum (or is not of the form this code writes) is
+/// refused: it would otherwise name another checkpoint than the latest.
 fn latest_pointer(root: &Path) -> Result<Option<PathBuf>> {
     let path = root.join(LATEST);
-    let text = match fs::read_to_string(&path) {
-        Ok(text) => text,
+    let bytes = match fs::read(&path) {
+        Ok(bytes) => bytes,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(ckpt_io(&path, "cannot read the latest-checkpoint pointer", e)),
     };
-    let name = text.trim();
-    if parse_dir_name(name).is_none() {
-        tracing::warn!(file = %path.display(), content = name, "the latest-checkpoint pointer does not name a checkpoint directory; scanning the root instead");
-        return Ok(None);
-    }
+    let name = std::str::from_utf8(&bytes).ok().and_then(|t| t.split_once('\n')).map(|(name, _)| name);
+    let Some(name) = name.filter(|n| parse_dir_name(n).is_some() && pointer_text(n).as_bytes() == bytes) else {
+        return Err(Error::Checkpoint(format!(
+            "{}: the latest-checkpoint pointer does not match its checksum; it is corrupt, delete it to restore from the newest complete checkpoint",
+            path.display()
+        )));
+    };
     let dir = root.join(name);
     if dir.join(MANIFEST).is_file() {
         Ok(Some(dir))
@@ -646,7 +703,8 @@ pub fn keep_last(root: &Path, k: usize) -> Result<Vec<PathBuf>> {
     Ok(removed)
 }
 
-/// Reads and parses `<dir>/manifest.json` without reading the tensors.
+/// Reads and parses `<dir>/manifest.json` without reading the tensors, and verifies it against
+/// `<dir>/manifest.crc32`.
 pub fn read_manifest(dir: &Path) -> Result<Manifest> {
     let path = dir.join(MANIFEST);
     let bytes = match fs::read(&path) {
@@ -670,6 +728,27 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest> {
             "{}: format {:?} is not supported; this version of strata reads {FORMAT:?}",
             path.display(),
             manifest.format
+        )));
+    }
+    let sum_path = dir.join(MANIFEST_CHECKSUM);
+    let sum = match fs::read(&sum_path) {
+        Ok(sum) => sum,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(Error::Checkpoint(format!(
+                "{}: missing, so the manifest cannot be verified; the checkpoint is incomplete, restore from an older one or delete it",
+                sum_path.display()
+            )))
+        }
+        Err(e) => return Err(ckpt_io(&sum_path, "cannot read the manifest's checksum", e)),
+    };
+    let expected = manifest_checksum(&bytes);
+    if sum != expected.as_bytes() {
+        return Err(Error::Checkpoint(format!(
+            "{}: checksum mismatch ({} says {:?}, the manifest has {:?}); the checkpoint is corrupt, restore from an older one or delete it",
+            path.display(),
+            MANIFEST_CHECKSUM,
+            String::from_utf8_lossy(&sum[..sum.len().min(32)]).trim_end(),
+            expected.trim_end()
         )));
     }
     Ok(manifest)

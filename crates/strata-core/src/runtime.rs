@@ -27,6 +27,8 @@ impl ReplicaPools {
     /// Pools for `devices`: a logical CPU device of `t > 1` threads gets a pool of `t` threads,
     /// in which candle's parallel kernels of that replica run.
     pub fn for_devices(devices: &[LogicalDevice]) -> Result<Self> {
+        // Before any thread starts.
+        crate::device::check_replicas(devices.len(), "replicas")?;
         let pools = devices
             .iter()
             .map(|d| match d.kind {

@@ -10,7 +10,8 @@ use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{Optimizer, ParamsAdamW};
 use strata_core::checkpoint::{
     checkpoint_dir_name, keep_last, latest_checkpoint, optimizer_entries, read_checkpoint, read_latest,
-    write_checkpoint, CheckpointTensor, CheckpointWriter, OptimizerState, ShardInfo, LATEST, MANIFEST, MODEL_FILE,
+    write_checkpoint, CheckpointTensor, CheckpointWriter, OptimizerState, ShardInfo, LATEST, MANIFEST,
+    MANIFEST_CHECKSUM, MODEL_FILE,
 };
 use strata_core::optim::{FusedAdamW, FusedSgd};
 use strata_core::Error;
@@ -29,6 +30,18 @@ fn meta(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
 fn write_simple(root: &Path, step: u64) -> Result<PathBuf, Error> {
     let t = Tensor::new(&[step as f32, 1.0, 2.0, 3.0], &cpu())?;
     write_checkpoint(root, step, &[CheckpointTensor::new("w", t)], &BTreeMap::new())
+}
+
+/// Rewrites `dir`'s manifest with `bytes` and its checksum to match, as a writer that
+/// produced this manifest would: the checks behind the manifest's checksum still refuse it.
+fn write_sealed_manifest(dir: &Path, bytes: &[u8]) -> Result<(), std::io::Error> {
+    fs::write(dir.join(MANIFEST), bytes)?;
+    fs::write(dir.join(MANIFEST_CHECKSUM), format!("crc32:{:08x}\n", crc32fast::hash(bytes)))
+}
+
+/// The text of a `latest` pointer naming `name`, checksum included.
+fn pointer(name: &str) -> String {
+    format!("{name}\ncrc32:{:08x}\n", crc32fast::hash(name.as_bytes()))
 }
 
 fn checkpoint_message(e: Error) -> String {
@@ -63,7 +76,11 @@ fn round_trip_keeps_values_shapes_metadata_versions_and_shards() -> TestResult {
     let dir = write_checkpoint(root.path(), 40, &entries, &metadata)?;
     assert_eq!(dir, root.path().join("ckpt-0000000040"));
     assert!(dir.join(MODEL_FILE).is_file() && dir.join(MANIFEST).is_file());
-    assert_eq!(fs::read_to_string(root.path().join(LATEST))?, "ckpt-0000000040\n");
+    assert_eq!(fs::read_to_string(root.path().join(LATEST))?, pointer("ckpt-0000000040"));
+    assert_eq!(
+        fs::read_to_string(dir.join(MANIFEST_CHECKSUM))?,
+        format!("crc32:{:08x}\n", crc32fast::hash(&fs::read(dir.join(MANIFEST))?))
+    );
 
     let ckpt = read_checkpoint(&dir)?;
     assert_eq!(ckpt.step, 40);
@@ -172,7 +189,7 @@ fn latest_checkpoint_follows_the_pointer_and_ignores_leftovers() -> TestResult {
     fs::create_dir(root.path().join(checkpoint_dir_name(50)))?;
     assert_eq!(latest_checkpoint(root.path())?, Some(root.path().join(checkpoint_dir_name(30))));
     // a pointer to a directory that is gone falls back to the scan too
-    fs::write(root.path().join(LATEST), "ckpt-0000000077\n")?;
+    fs::write(root.path().join(LATEST), pointer("ckpt-0000000077"))?;
     assert_eq!(latest_checkpoint(root.path())?, Some(root.path().join(checkpoint_dir_name(30))));
 
     let ckpt = read_latest(root.path())?.ok_or("a checkpoint")?;
@@ -249,7 +266,7 @@ fn a_tensor_checksum_catches_a_consistent_rewrite() -> TestResult {
     let manifest_path = dir.join(MANIFEST);
     let mut manifest: serde_json::Value = serde_json::from_slice(&fs::read(&manifest_path)?)?;
     manifest["files"][0]["crc32"] = serde_json::json!(crc32fast::hash(&bytes));
-    fs::write(&manifest_path, serde_json::to_vec(&manifest)?)?;
+    write_sealed_manifest(&dir, &serde_json::to_vec(&manifest)?)?;
     let e = checkpoint_message(read_checkpoint(&dir).unwrap_err());
     assert!(e.contains(&file.display().to_string()) && e.contains("tensor \"w\""), "{e}");
     assert!(e.contains("checksum mismatch"), "{e}");
@@ -266,8 +283,8 @@ fn a_garbage_manifest_is_refused_naming_it() -> TestResult {
     assert!(e.contains(&manifest.display().to_string()), "{e}");
     assert!(e.contains("line 3"), "serde's position is reported: {e}");
 
-    fs::write(
-        &manifest,
+    write_sealed_manifest(
+        &dir,
         br#"{"format":"strata-checkpoint/9","step":40,"created_unix_ms":0,"metadata":{},"files":[],"tensors":[]}"#,
     )?;
     let e = checkpoint_message(read_checkpoint(&dir).unwrap_err());
@@ -288,7 +305,7 @@ fn a_manifest_listing_a_missing_file_is_refused_naming_it() -> TestResult {
     manifest["files"].as_array_mut().ok_or("files")?.push(serde_json::json!({
         "file": "extra.safetensors", "bytes": 8, "crc32": 0
     }));
-    fs::write(&manifest_path, serde_json::to_vec(&manifest)?)?;
+    write_sealed_manifest(&dir, &serde_json::to_vec(&manifest)?)?;
     let e = checkpoint_message(read_checkpoint(&dir).unwrap_err());
     assert!(e.contains(&dir.join("extra.safetensors").display().to_string()) && e.contains("missing"), "{e}");
 
@@ -309,19 +326,19 @@ fn a_manifest_that_disagrees_with_the_file_is_refused() -> TestResult {
     let original = fs::read(&manifest_path)?;
     let mut manifest: serde_json::Value = serde_json::from_slice(&original)?;
     manifest["tensors"][0]["shape"] = serde_json::json!([2, 2]);
-    fs::write(&manifest_path, serde_json::to_vec(&manifest)?)?;
+    write_sealed_manifest(&dir, &serde_json::to_vec(&manifest)?)?;
     let e = checkpoint_message(read_checkpoint(&dir).unwrap_err());
     assert!(e.contains("shape [4]") && e.contains("[2, 2]"), "{e}");
 
     let mut manifest: serde_json::Value = serde_json::from_slice(&original)?;
     manifest["tensors"][0]["name"] = serde_json::json!("v");
-    fs::write(&manifest_path, serde_json::to_vec(&manifest)?)?;
+    write_sealed_manifest(&dir, &serde_json::to_vec(&manifest)?)?;
     let e = checkpoint_message(read_checkpoint(&dir).unwrap_err());
     assert!(e.contains("tensor \"v\"") && e.contains("missing"), "{e}");
 
     let mut manifest: serde_json::Value = serde_json::from_slice(&original)?;
     manifest["step"] = serde_json::json!(41);
-    fs::write(&manifest_path, serde_json::to_vec(&manifest)?)?;
+    write_sealed_manifest(&dir, &serde_json::to_vec(&manifest)?)?;
     let e = checkpoint_message(read_checkpoint(&dir).unwrap_err());
     assert!(e.contains("step 41") && e.contains("step 40"), "{e}");
     Ok(())
@@ -493,5 +510,151 @@ fn mismatched_optimizer_state_is_a_clear_error_and_changes_nothing() -> TestResu
         .map(|(_, t)| t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>())
         .collect::<Result<_, _>>()?;
     assert_eq!(before, after);
+    Ok(())
+}
+
+/// Every regular file a restore of `root` reads: `latest` and the files of the checkpoint it
+/// names.
+fn files_a_restore_reads(root: &Path) -> Result<Vec<PathBuf>, std::io::Error> {
+    let dir = latest_checkpoint(root).map_err(std::io::Error::other)?.ok_or(std::io::ErrorKind::NotFound)?;
+    let mut files = vec![root.join(LATEST)];
+    for e in fs::read_dir(&dir)? {
+        files.push(e?.path());
+    }
+    files.sort();
+    Ok(files)
+}
+
+/// Flips every byte of every file a restore reads, one at a time (three ways each), and
+/// checks that each is refused by a checkpoint error naming a file of the checkpoint, and that
+/// the untouched checkpoint still reads.
+fn every_flipped_byte_is_refused(root: &Path) -> TestResult {
+    let files = files_a_restore_reads(root)?;
+    assert!(files.len() >= 4, "latest, the manifest, its checksum and a safetensors file: {files:?}");
+    let mut refused = 0usize;
+    for file in &files {
+        let original = fs::read(file)?;
+        for at in 0..original.len() {
+            for mask in [0x01u8, 0x20, 0x80] {
+                let mut bytes = original.clone();
+                bytes[at] ^= mask;
+                fs::write(file, &bytes)?;
+                match read_latest(root) {
+                    Ok(_) => panic!("{}: byte {at} ^ {mask:#04x} was not refused", file.display()),
+                    Err(Error::Checkpoint(m)) => {
+                        assert!(m.contains(&root.display().to_string()), "the error names the checkpoint: {m}");
+                        refused += 1;
+                    }
+                    Err(other) => {
+                        panic!("{}: byte {at} ^ {mask:#04x}: not a checkpoint error: {other}", file.display())
+                    }
+                }
+            }
+        }
+        fs::write(file, &original)?;
+    }
+    let total: usize = files.iter().map(|f| fs::metadata(f).map(|m| m.len() as usize)).sum::<Result<_, _>>()?;
+    assert_eq!(refused, 3 * total);
+    assert!(read_latest(root)?.is_some(), "the restored files read again");
+    Ok(())
+}
+
+#[test]
+fn every_byte_of_every_file_a_restore_reads_is_covered() -> TestResult {
+    let root = tempfile::tempdir()?;
+    let dev = cpu();
+    let vars = fresh_vars()?;
+    let mut opt = FusedAdamW::new(vars.clone(), ParamsAdamW { lr: 0.007, ..Default::default() })?;
+    opt.step(&step_grads(&vars, 0)?)?;
+    let mut entries: Vec<_> = vars
+        .iter()
+        .enumerate()
+        .map(|(i, v)| CheckpointTensor::new(format!("model/{i}"), v.as_tensor().clone()).with_version(96))
+        .collect();
+    entries.extend(optimizer_entries("optimizer/", &opt)?);
+    entries.push(CheckpointTensor::new("shard", Tensor::new(&[1f32, 2.], &dev)?).with_shard(ShardInfo {
+        index: 1,
+        count: 2,
+        offset: 3,
+    }));
+    write_checkpoint(root.path(), 96, &entries, &meta(&[("lr", "0.007"), ("strategy", "mirrored")]))?;
+    every_flipped_byte_is_refused(root.path())
+}
+
+#[test]
+fn an_edited_manifest_is_refused_by_its_checksum() -> TestResult {
+    let root = tempfile::tempdir()?;
+    let t = Tensor::new(&[1f32, 2.0], &cpu())?;
+    let dir =
+        write_checkpoint(root.path(), 7, &[CheckpointTensor::new("w", t).with_version(96)], &meta(&[("lr", "0.007")]))?;
+    let manifest = dir.join(MANIFEST);
+    let text = fs::read_to_string(&manifest)?;
+    // Valid JSON with another learning rate and another version: what a flipped bit can give.
+    for (from, to) in [("0.007", "0.005"), ("\"version\": 96", "\"version\": 98")] {
+        assert!(text.contains(from), "{text}");
+        fs::write(&manifest, text.replace(from, to))?;
+        let e = checkpoint_message(read_checkpoint(&dir).unwrap_err());
+        assert!(e.contains(&manifest.display().to_string()) && e.contains("checksum mismatch"), "{e}");
+        assert!(e.contains(MANIFEST_CHECKSUM) && e.contains("corrupt"), "{e}");
+    }
+    fs::write(&manifest, &text)?;
+    assert_eq!(read_checkpoint(&dir)?.metadata, meta(&[("lr", "0.007")]));
+
+    fs::remove_file(dir.join(MANIFEST_CHECKSUM))?;
+    let e = checkpoint_message(read_checkpoint(&dir).unwrap_err());
+    assert!(e.contains(&dir.join(MANIFEST_CHECKSUM).display().to_string()) && e.contains("missing"), "{e}");
+
+    // A checkpoint of the format before the manifest had a checksum cannot be verified.
+    write_sealed_manifest(&dir, text.replace("strata-checkpoint/2", "strata-checkpoint/1").as_bytes())?;
+    let e = checkpoint_message(read_checkpoint(&dir).unwrap_err());
+    assert!(e.contains("\"strata-checkpoint/1\" is not supported"), "{e}");
+    Ok(())
+}
+
+#[test]
+fn a_corrupt_latest_pointer_is_refused() -> TestResult {
+    let root = tempfile::tempdir()?;
+    write_simple(root.path(), 40)?;
+    write_simple(root.path(), 41)?;
+    // One digit off names the other checkpoint: refused, never read in its place.
+    fs::write(root.path().join(LATEST), "ckpt-0000000040\ncrc32:00000000\n")?;
+    let e = checkpoint_message(read_latest(root.path()).unwrap_err());
+    assert!(e.contains(&root.path().join(LATEST).display().to_string()) && e.contains("checksum"), "{e}");
+    fs::write(root.path().join(LATEST), "ckpt-0000000040\n")?;
+    assert!(read_latest(root.path()).is_err(), "a pointer without its checksum is refused");
+    fs::write(root.path().join(LATEST), pointer("ckpt-0000000040"))?;
+    assert_eq!(read_latest(root.path())?.map(|c| c.step), Some(40));
+    Ok(())
+}
+
+/// A directory this process cannot write: mode 0555 for a user, `/sys/kernel` (sysfs) for
+/// root, whom file modes do not stop.
+fn unwritable_dir(tmp: &Path) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tmp.join("read-only");
+    fs::create_dir_all(&dir).expect("a temporary directory");
+    fs::set_permissions(&dir, fs::Permissions::from_mode(0o555)).expect("chmod");
+    if fs::File::create(dir.join("probe")).is_ok() {
+        return PathBuf::from("/sys/kernel");
+    }
+    dir
+}
+
+#[test]
+fn check_writable_creates_the_root_and_refuses_what_cannot_be_written() -> TestResult {
+    let tmp = tempfile::tempdir()?;
+    let nested = tmp.path().join("a/b/ckpts");
+    strata_core::checkpoint::check_writable(&nested)?;
+    assert!(nested.is_dir());
+    assert_eq!(fs::read_dir(&nested)?.count(), 0, "the probe is removed");
+
+    let ro = unwritable_dir(tmp.path());
+    let e = checkpoint_message(strata_core::checkpoint::check_writable(&ro).unwrap_err());
+    assert!(e.contains(&ro.display().to_string()) && e.contains("cannot write a file in it"), "{e}");
+
+    let file = tmp.path().join("plain-file");
+    fs::write(&file, b"x")?;
+    let e = checkpoint_message(strata_core::checkpoint::check_writable(&file).unwrap_err());
+    assert!(e.contains(&file.display().to_string()), "{e}");
     Ok(())
 }

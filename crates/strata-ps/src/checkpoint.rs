@@ -52,8 +52,15 @@ fn to_tensor(name: &str, values: Vec<f32>, shape: &[usize]) -> Result<Tensor> {
 }
 
 /// Writes `snap` as the checkpoint of `step` under `root` (`root/ckpt-<step>`), and removes all
-/// but the `keep` newest checkpoints there. Returns the checkpoint's directory.
+/// but the `keep` newest checkpoints there. Returns the checkpoint's directory. The metadata
+/// (versions, the optimizer and its learning rate, the mode, the counters, the applied-update
+/// table) is in the manifest, which its checksum covers like the tensors.
 pub fn write_snapshot(root: &Path, step: u64, snap: Snapshot, keep: usize) -> Result<PathBuf> {
+    write_snapshot_as(root, step, snap, keep, PS_META_FORMAT)
+}
+
+/// [`write_snapshot`] with the metadata's `format` field set to `format`.
+fn write_snapshot_as(root: &Path, step: u64, snap: Snapshot, keep: usize, format: u32) -> Result<PathBuf> {
     let mut entries = Vec::new();
     let mut infos = Vec::new();
     for (info, version, value, slots) in snap.variables {
@@ -82,7 +89,7 @@ pub fn write_snapshot(root: &Path, step: u64, snap: Snapshot, keep: usize) -> Re
         mode: snap.mode,
         counters: snap.counters,
         table: snap.table,
-        format: PS_META_FORMAT,
+        format,
     };
     let meta = serde_json::to_string(&meta).map_err(Error::EncodeMetadata)?;
     let dir = CheckpointWriter::new(root, step).meta(META_KEY, meta).file(VARIABLES_FILE, entries).write()?;
@@ -222,11 +229,15 @@ mod tests {
         for v in &mut old.variables[0].3[0] {
             *v = (-lr * f64::from(*v)) as f32;
         }
-        let dir = write_snapshot(tmp.path(), 1, old, 1).unwrap();
-        let manifest = dir.join(checkpoint::MANIFEST);
-        let text = std::fs::read_to_string(&manifest).unwrap();
-        assert!(text.contains("\\\"format\\\":1"), "{text}");
-        std::fs::write(&manifest, text.replace(",\\\"format\\\":1", "")).unwrap();
+        // Format 0 reads as a checkpoint written before the field existed (`#[serde(default)]`).
+        let dir = write_snapshot_as(tmp.path(), 1, old, 1, 0).unwrap();
+        let text = std::fs::read_to_string(dir.join(checkpoint::MANIFEST)).unwrap();
+        assert!(text.contains("\\\"format\\\":0"), "{text}");
+        // ... as one without the field does.
+        let ckpt = checkpoint::read_checkpoint(&dir).unwrap();
+        let meta = ckpt.metadata[META_KEY].replace(",\"format\":0", "");
+        assert!(!meta.contains("format"), "{meta}");
+        assert_eq!(serde_json::from_str::<PsMeta>(&meta).unwrap().format, 0);
         let (snap, step) = read_snapshot(&dir).unwrap_or_else(|e| panic!("{e}"));
         let mut r = State::new("ps:0".into(), None);
         r.restore(snap, step);
@@ -235,6 +246,51 @@ mod tests {
         for (a, b) in values(&s).iter().zip(values(&r)) {
             assert!((a - b).abs() < 1e-6, "{a} vs {b}");
         }
+    }
+
+    /// Every byte of every file a restore reads, flipped in turn (three ways each), is refused:
+    /// the values, the slots, and the metadata (the learning rate, the versions, the table).
+    #[test]
+    fn every_flipped_byte_of_a_ps_checkpoint_is_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let optimizer = ServerOptimizer::AdamW { lr: 0.007, beta1: 0.9, beta2: 0.999, eps: 1e-7, weight_decay: 0.0 };
+        let mut s = task(&optimizer);
+        push(&mut s, 0, [0.5, -1.0, 2.0, 0.0]);
+        let dir = write_snapshot(tmp.path(), 96, s.snapshot(), 2).unwrap();
+        let mut files = vec![tmp.path().join(checkpoint::LATEST)];
+        files.extend(std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()));
+        files.sort();
+        assert_eq!(files.len(), 4, "latest, the manifest, its checksum, the variables: {files:?}");
+        let text = std::fs::read_to_string(dir.join(checkpoint::MANIFEST)).unwrap();
+        assert!(text.contains("0.007") && text.contains("version"), "the metadata is in the manifest: {text}");
+        let mut refused = 0;
+        for file in &files {
+            let original = std::fs::read(file).unwrap();
+            for at in 0..original.len() {
+                for mask in [0x01u8, 0x20, 0x80] {
+                    let mut bytes = original.clone();
+                    bytes[at] ^= mask;
+                    std::fs::write(file, &bytes).unwrap();
+                    match read_snapshot(tmp.path()) {
+                        Ok((snap, step)) => panic!(
+                            "{}: byte {at} ^ {mask:#04x} was restored (step {step}, version {}, {:?})",
+                            file.display(),
+                            snap.version,
+                            snap.optimizer
+                        ),
+                        Err(e) => {
+                            assert!(matches!(e, Error::Checkpoint(_)), "{}: byte {at}: {e}", file.display());
+                            refused += 1;
+                        }
+                    }
+                }
+            }
+            std::fs::write(file, &original).unwrap();
+        }
+        let total: usize = files.iter().map(|f| std::fs::metadata(f).unwrap().len() as usize).sum();
+        assert_eq!(refused, 3 * total);
+        let (snap, step) = read_snapshot(tmp.path()).unwrap();
+        assert_eq!((step, snap.version, snap.optimizer), (96, 1, Some(optimizer)));
     }
 
     #[test]

@@ -66,6 +66,27 @@ pub fn check_chunk_len(len: usize) -> Result<()> {
     Ok(())
 }
 
+/// The first element of the little-endian f32 `data` that is NaN or infinite, with its index
+/// and value. One pass over aligned 32-bit words (its exponent bits all set), which the
+/// compiler vectorises; the few bytes around them are checked one element at a time.
+pub fn first_non_finite(data: &[u8]) -> Option<(usize, f32)> {
+    const EXPONENT: u32 = 0x7f80_0000;
+    let at = |i: usize| f32::from_le_bytes([data[4 * i], data[4 * i + 1], data[4 * i + 2], data[4 * i + 3]]);
+    let n = data.len() / 4;
+    let (head, words, _) = bytemuck::pod_align_to::<u8, u32>(data);
+    if head.len() % 4 != 0 {
+        // Words do not start on an element: check element by element.
+        return (0..n).map(|i| (i, at(i))).find(|(_, v)| !v.is_finite());
+    }
+    if !words.iter().any(|w| u32::from_le(*w) & EXPONENT == EXPONENT) {
+        // Only the elements outside the aligned words remain.
+        let skip = head.len() / 4;
+        let done = skip + words.len();
+        return (0..skip).chain(done..n).map(|i| (i, at(i))).find(|(_, v)| !v.is_finite());
+    }
+    (0..n).map(|i| (i, at(i))).find(|(_, v)| !v.is_finite())
+}
+
 /// Writes the little-endian f32 values in `data` into `dst` (of the same length): a plain copy
 /// of the bytes, whatever their alignment (the host is little-endian, like the data).
 pub fn copy_f32s(data: &[u8], dst: &mut [f32]) {
@@ -118,6 +139,35 @@ mod tests {
             matches!(check_chunk_len(MAX_CHUNK_BYTES + 4), Err(Error::ChunkTooLarge { bytes }) if bytes == MAX_CHUNK_BYTES + 4)
         );
         assert!(matches!(check_chunk_len(6), Err(Error::ChunkNotWholeElements { bytes: 6 })));
+    }
+
+    #[test]
+    fn non_finite_elements_are_found_at_any_alignment() {
+        let mut values: Vec<f32> = (0..100).map(|i| i as f32 - 50.0).collect();
+        let bytes: Vec<u8> = bytemuck::cast_slice(&values).to_vec();
+        for offset in 0..4 {
+            let mut shifted = vec![0u8; offset];
+            shifted.extend_from_slice(&bytes);
+            assert_eq!(first_non_finite(&shifted[offset..]), None);
+        }
+        for (at, bad) in [(0, f32::NAN), (37, f32::INFINITY), (99, f32::NEG_INFINITY)] {
+            values[at] = bad;
+            let bytes: Vec<u8> = bytemuck::cast_slice(&values).to_vec();
+            for offset in 0..4 {
+                let mut shifted = vec![0u8; offset];
+                shifted.extend_from_slice(&bytes);
+                let (i, v) = first_non_finite(&shifted[offset..]).unwrap();
+                assert_eq!((i, v.to_bits()), (at, bad.to_bits()), "offset {offset}");
+            }
+            values[at] = 1.0;
+        }
+        values[5] = f32::NAN;
+        values[60] = f32::INFINITY;
+        let bytes: Vec<u8> = bytemuck::cast_slice(&values).to_vec();
+        assert_eq!(first_non_finite(&bytes).map(|(i, _)| i), Some(5), "the first of two");
+        // Largest finite values and subnormals are finite.
+        let edge = [f32::MAX, f32::MIN, f32::MIN_POSITIVE / 2.0, -0.0];
+        assert_eq!(first_non_finite(bytemuck::cast_slice(&edge)), None);
     }
 
     #[test]

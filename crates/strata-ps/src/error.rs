@@ -7,6 +7,7 @@ use std::fmt;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use crate::limits::{MAX_NAME_BYTES, MAX_RANK, MAX_TASK_BYTES, MAX_VARIABLES, MAX_WORKERS};
 use crate::{PsMode, ServerOptimizer, VariableInfo, MAX_CHUNK_BYTES, MAX_VARIABLE_ELEMENTS};
 
 /// The kind of an [`Error`]: what the caller can do about it. An RPC layer maps each kind to
@@ -24,6 +25,9 @@ pub enum ErrorKind {
     Aborted,
     /// A wait (a sync round, a version to reach) ran out of time.
     DeadlineExceeded,
+    /// The task could not get the memory a request needs; it serves on, and the request may
+    /// succeed later or on a task with more memory.
+    ResourceExhausted,
     /// The task failed to do what it should have (a checkpoint it could not write or read,
     /// an inconsistency): not the caller's doing.
     Internal,
@@ -51,6 +55,124 @@ impl fmt::Display for RequestKind {
 /// change where the cause is the caller's.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    /// A name (of a variable, a worker, a client, ...) longer than [`MAX_NAME_BYTES`].
+    #[error("a {what} name of {bytes} bytes is over the limit of {MAX_NAME_BYTES} bytes; use a shorter name")]
+    NameTooLong {
+        /// Which name: `variable`, `worker`, `client`, `optimizer`, `mode` or `dtype`.
+        what: &'static str,
+        /// Its length.
+        bytes: usize,
+    },
+
+    /// A request that would leave a task with more than [`MAX_VARIABLES`] variables.
+    #[error("{task} would hold {count} variables, over the limit of {MAX_VARIABLES}; use fewer, larger variables or more ps tasks")]
+    TooManyVariables {
+        /// The task.
+        task: String,
+        /// How many it would hold.
+        count: usize,
+    },
+
+    /// A request that would leave a task with more than [`MAX_TASK_BYTES`] bytes of variables.
+    #[error("{task} would hold {bytes} bytes of variables, over the limit of {MAX_TASK_BYTES}; partition the variables over more ps tasks")]
+    TaskTooLarge {
+        /// The task.
+        task: String,
+        /// How many bytes it would hold.
+        bytes: u64,
+    },
+
+    /// A shape of more than [`MAX_RANK`] axes.
+    #[error("variable {variable} has {rank} axes, over the limit of {MAX_RANK}")]
+    RankTooLarge {
+        /// The variable.
+        variable: String,
+        /// Its number of axes.
+        rank: usize,
+    },
+
+    /// A shard whose shape does not fit its whole variable's.
+    #[error(
+        "variable {variable} has shape {shape:?}, which is not a block of rows of its whole variable's shape {full_shape:?}; every axis but the first must match"
+    )]
+    ShardShape {
+        /// The shard.
+        variable: String,
+        /// Its shape.
+        shape: Vec<usize>,
+        /// The whole variable's shape.
+        full_shape: Vec<usize>,
+    },
+
+    /// A shard whose rows lie outside its whole variable.
+    #[error("variable {variable} holds rows from {row_offset} on ({rows} rows), past the {full_rows} rows of its whole variable")]
+    ShardRows {
+        /// The shard.
+        variable: String,
+        /// Its first row.
+        row_offset: u64,
+        /// Its rows.
+        rows: usize,
+        /// The whole variable's rows.
+        full_rows: usize,
+    },
+
+    /// A pushed gradient with a NaN or infinite element.
+    #[error("the gradient of variable {variable} holds {value} at element {element}; nothing was applied (the worker's training diverged: lower the learning rate or check its data)")]
+    NonFiniteGradient {
+        /// The variable.
+        variable: String,
+        /// The element's index in the variable.
+        element: usize,
+        /// The value (NaN, inf or -inf).
+        value: f32,
+    },
+
+    /// Initial values with a NaN or infinite element.
+    #[error("the initial value of variable {variable} holds {value} at element {element}; give finite values")]
+    NonFiniteValue {
+        /// The variable.
+        variable: String,
+        /// The element's index in the variable.
+        element: usize,
+        /// The value (NaN, inf or -inf).
+        value: f32,
+    },
+
+    /// A live-worker count out of range.
+    #[error("live_workers {live} is out of range; a job has 1 to {max} workers")]
+    LiveWorkers {
+        /// The count asked for.
+        live: u32,
+        /// The largest accepted (the sync mode's workers, or [`MAX_WORKERS`]).
+        max: u32,
+    },
+
+    /// Sync mode with more workers than [`MAX_WORKERS`].
+    #[error("sync mode with {workers} workers is over the limit of {MAX_WORKERS}")]
+    TooManyWorkers {
+        /// The workers asked for.
+        workers: u32,
+    },
+
+    /// A push from a worker name beyond the [`MAX_WORKERS`] names a task counts.
+    #[error("{task} already counts pushes of {MAX_WORKERS} workers, the limit; name workers worker:<index>")]
+    TooManyWorkerNames {
+        /// The task.
+        task: String,
+    },
+
+    /// The task could not allocate the memory a request needs.
+    #[error("{task} cannot allocate {bytes} bytes for {what}; it serves on, but needs more memory (or fewer, smaller variables) for this request")]
+    OutOfMemory {
+        /// The task.
+        task: String,
+        /// The bytes asked for.
+        bytes: usize,
+        /// What they were for.
+        what: &'static str,
+    },
+
     /// A chunk carries more than [`MAX_CHUNK_BYTES`].
     #[error("a chunk carries {bytes} bytes; the limit is {MAX_CHUNK_BYTES} (1 MiB): cut tensors into smaller chunks")]
     ChunkTooLarge {
@@ -462,7 +584,19 @@ impl Error {
             | PartOutOfRange { .. }
             | NamedTwice { .. }
             | PushedTwice { .. }
-            | AheadOfTask { .. } => ErrorKind::InvalidArgument,
+            | AheadOfTask { .. }
+            | NameTooLong { .. }
+            | TooManyVariables { .. }
+            | TaskTooLarge { .. }
+            | RankTooLarge { .. }
+            | ShardShape { .. }
+            | ShardRows { .. }
+            | NonFiniteGradient { .. }
+            | NonFiniteValue { .. }
+            | LiveWorkers { .. }
+            | TooManyWorkers { .. }
+            | TooManyWorkerNames { .. } => ErrorKind::InvalidArgument,
+            OutOfMemory { .. } => ErrorKind::ResourceExhausted,
             OptimizerMismatch { .. }
             | ModeMismatch { .. }
             | VariableMismatch { .. }
@@ -504,6 +638,13 @@ mod tests {
                 ErrorKind::DeadlineExceeded,
             ),
             (Error::NoCheckpoint { path: "/tmp/x".into() }, ErrorKind::Internal),
+            (Error::NameTooLong { what: "worker", bytes: 10240 }, ErrorKind::InvalidArgument),
+            (Error::LiveWorkers { live: 0, max: 4 }, ErrorKind::InvalidArgument),
+            (
+                Error::NonFiniteGradient { variable: "w".into(), element: 3, value: f32::NAN },
+                ErrorKind::InvalidArgument,
+            ),
+            (Error::OutOfMemory { task: "ps:0".into(), bytes: 1 << 40, what: "values" }, ErrorKind::ResourceExhausted),
         ];
         for (e, kind) in cases {
             assert_eq!(e.kind(), kind, "{e}");
@@ -511,6 +652,10 @@ mod tests {
             assert!(!m.ends_with('.'), "{m}");
             assert!(!m.starts_with(|c: char| c.is_uppercase()), "{m}");
         }
+        let long = Error::NameTooLong { what: "worker", bytes: 10240 }.to_string();
+        assert_eq!(long, "a worker name of 10240 bytes is over the limit of 256 bytes; use a shorter name");
+        let nan = Error::NonFiniteGradient { variable: "w".into(), element: 3, value: f32::NAN }.to_string();
+        assert!(nan.starts_with("the gradient of variable w holds NaN at element 3; nothing was applied"), "{nan}");
         let stale = Error::Stale { base: 1, version: 5, bound: 2 }.to_string();
         assert_eq!(stale, "stale push: computed from version 1, the task is at version 5, the bound is 2");
     }

@@ -38,8 +38,13 @@
 //! - **Chunks.** Tensors travel as little-endian f32 [`Chunk`]s of at most [`MAX_CHUNK_BYTES`],
 //!   which must cover each variable of a request exactly once, in order.
 //! - **Validation first.** Every request is validated completely (names, sizes, coverage,
-//!   versions) before anything changes; a refused request changes nothing and is not
-//!   recorded, so it can be corrected and sent again.
+//!   versions, finite values) before anything changes; a refused request changes nothing and
+//!   is not recorded, so it can be corrected and sent again. Every size a request can make a
+//!   task allocate or loop over has a limit ([`limits`]); memory a request gets is reserved
+//!   fallibly, so a task that cannot have it refuses the request and serves on.
+//! - **Finite values only.** A pushed gradient (or an initial value) with a NaN or infinite
+//!   element is refused ([`Error::NonFiniteGradient`]), never applied: one diverged worker
+//!   would otherwise turn every variable into NaN.
 //! - **Versions.** Every variable counts the updates applied to it; the task's version counts
 //!   its applies (one per push in async and stale modes, one per round in sync mode).
 //! - **Exactly once.** A push is identified by its [`UpdateId`]; a retry of an update already
@@ -63,13 +68,15 @@
 mod checkpoint;
 mod chunk;
 mod error;
+pub mod limits;
 mod optimizer;
 mod state;
 mod types;
 
 pub use checkpoint::{read_snapshot, write_snapshot, PsMeta, META_KEY, PS_META_FORMAT, VARIABLES_FILE};
 pub use chunk::{
-    check_chunk_len, copy_f32s, Chunk, ValueChunk, MAX_CHUNK_BYTES, MAX_CHUNK_ELEMENTS, MAX_VARIABLE_ELEMENTS,
+    check_chunk_len, copy_f32s, first_non_finite, Chunk, ValueChunk, MAX_CHUNK_BYTES, MAX_CHUNK_ELEMENTS,
+    MAX_VARIABLE_ELEMENTS,
 };
 pub use error::{Error, ErrorKind, RequestKind, Result};
 pub use optimizer::ServerOptimizer;
@@ -77,6 +84,6 @@ pub use state::{
     Answer, Counters, PushDecision, Snapshot, SnapshotVariable, State, Streamed, UpdateKey, MAX_REMEMBERED_UPDATES,
 };
 pub use types::{
-    CreateHeader, CreateOutcome, PsMode, PsStatus, PullResult, PushHeader, PushOutcome, PushReply, UpdateId,
-    VariableInfo,
+    check_name, CreateHeader, CreateOutcome, PsMode, PsStatus, PullResult, PushHeader, PushOutcome, PushReply,
+    UpdateId, VariableInfo,
 };

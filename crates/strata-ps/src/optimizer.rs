@@ -147,6 +147,29 @@ impl ServerOptimizer {
             ServerOptimizer::Adagrad { initial_accumulator, .. } => vec![vec![initial_accumulator as f32; n]],
         }
     }
+
+    /// [`ServerOptimizer::new_slots`], or `None` when the memory cannot be allocated (a ps
+    /// task refuses the request then, and serves on).
+    pub fn try_new_slots(&self, n: usize) -> Option<Vec<Vec<f32>>> {
+        let init = match *self {
+            ServerOptimizer::Adagrad { initial_accumulator, .. } => initial_accumulator as f32,
+            _ => 0.0,
+        };
+        let mut slots = Vec::new();
+        slots.try_reserve_exact(self.slots()).ok()?;
+        for _ in 0..self.slots() {
+            slots.push(filled(n, init)?);
+        }
+        Some(slots)
+    }
+}
+
+/// `n` copies of `value`, or `None` when the memory cannot be allocated.
+pub(crate) fn filled(n: usize, value: f32) -> Option<Vec<f32>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).ok()?;
+    v.resize(n, value);
+    Some(v)
 }
 
 impl fmt::Display for ServerOptimizer {

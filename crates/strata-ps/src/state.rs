@@ -9,10 +9,11 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
 use crate::chunk::shared_chunks;
-use crate::optimizer::{apply_le_bytes, apply_le_bytes_from};
+use crate::limits::{MAX_TASK_BYTES, MAX_VARIABLES, MAX_WORKERS};
+use crate::optimizer::{apply_le_bytes, apply_le_bytes_from, filled};
 use crate::{
-    Chunk, CreateHeader, CreateOutcome, Error, PsMode, PsStatus, PullResult, PushHeader, PushReply, RequestKind,
-    Result, ServerOptimizer, VariableInfo,
+    check_name, first_non_finite, Chunk, CreateHeader, CreateOutcome, Error, PsMode, PsStatus, PullResult, PushHeader,
+    PushReply, RequestKind, Result, ServerOptimizer, VariableInfo,
 };
 
 /// How many applied-update answers a task remembers (the oldest are forgotten first). A retry
@@ -132,6 +133,7 @@ impl Streamed {
         if v.next + c.elements() > size {
             return Err(overrun(name, size, v.next + c.elements(), RequestKind::Push));
         }
+        check_finite(c, name, v.next, true)?;
         let mut slots0: Vec<&[f32]> = v.base_slots.iter().map(|s| s.as_slice()).collect();
         let mut at = v.next;
         for g in &c.pieces {
@@ -261,6 +263,41 @@ fn check_coverage(chunks: &[Chunk], names: &[&str], sizes: &[usize], what: Reque
         }
     }
     Ok(())
+}
+
+/// Refuses a chunk with a NaN or infinite element (`gradient`: of a push, else initial values);
+/// `start` is the chunk's first element in its variable.
+fn check_finite(c: &Chunk, name: &str, start: usize, gradient: bool) -> Result<()> {
+    let mut at = start;
+    for p in &c.pieces {
+        if let Some((i, value)) = first_non_finite(p) {
+            let (variable, element) = (name.to_string(), at + i);
+            return Err(if gradient {
+                Error::NonFiniteGradient { variable, element, value }
+            } else {
+                Error::NonFiniteValue { variable, element, value }
+            });
+        }
+        at += p.len() / 4;
+    }
+    Ok(())
+}
+
+/// Refuses chunks (covering their variables in order, already checked) with a NaN or infinite
+/// element.
+fn check_all_finite(chunks: &[Chunk], names: &[&str], gradient: bool) -> Result<()> {
+    for c in chunks {
+        let name = names.get(c.var as usize).copied().unwrap_or_default();
+        check_finite(c, name, usize::try_from(c.offset).unwrap_or(usize::MAX), gradient)?;
+    }
+    Ok(())
+}
+
+/// An empty vector with room for `n` f32s, or the task's refusal when there is no memory.
+fn reserve(task: &str, n: usize, what: &'static str) -> Result<Vec<f32>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| Error::OutOfMemory { task: task.into(), bytes: n.saturating_mul(4), what })?;
+    Ok(v)
 }
 
 /// Pushes of at least this many bytes are applied on two threads: the pushing worker waits for
@@ -452,17 +489,41 @@ impl State {
         let sizes: Vec<usize> = infos.iter().map(VariableInfo::numel).collect();
         let all_exist = existing == infos.len() && !infos.is_empty();
         if !all_exist {
+            let count = self.vars.len() + (infos.len() - existing);
+            if count > MAX_VARIABLES {
+                return Err(Error::TooManyVariables { task: self.task.clone(), count });
+            }
+            let adding: u64 = infos
+                .iter()
+                .filter(|i| !self.index.contains_key(&i.name))
+                .map(|i| i.numel() as u64 * 4)
+                .fold(self.bytes() as u64, u64::saturating_add);
+            if adding > MAX_TASK_BYTES {
+                return Err(Error::TaskTooLarge { task: self.task.clone(), bytes: adding });
+            }
             check_coverage(chunks, &names, &sizes, RequestKind::Create)?;
-            let mut values: Vec<Vec<f32>> = sizes.iter().map(|&n| Vec::with_capacity(n)).collect();
+            check_all_finite(chunks, &names, false)?;
+            let mut values = Vec::with_capacity(sizes.len());
+            for &n in &sizes {
+                values.push(reserve(&self.task, n, "the variables' values")?);
+            }
             for c in chunks {
                 c.extend(&mut values[c.var as usize]);
             }
+            let mut created = Vec::with_capacity(infos.len());
             for (info, value) in infos.iter().zip(values) {
                 if self.index.contains_key(&info.name) {
                     continue;
                 }
-                let slots = optimizer.new_slots(value.len()).into_iter().map(Arc::new).collect();
+                let Some(slots) = optimizer.try_new_slots(value.len()) else {
+                    let bytes = value.len().saturating_mul(4 * optimizer.slots());
+                    return Err(Error::OutOfMemory { task: self.task.clone(), bytes, what: "optimizer slots" });
+                };
+                created.push((info, value, slots));
+            }
+            for (info, value, slots) in created {
                 self.index.insert(info.name.clone(), self.vars.len());
+                let slots = slots.into_iter().map(Arc::new).collect();
                 self.vars.push(Var { info: info.clone(), value: Arc::new(value), slots, version: 0 });
             }
         }
@@ -487,8 +548,25 @@ impl State {
         answer.reply(true).map(PushDecision::Done)
     }
 
+    /// Refuses a push whose names are too long, or that comes from one worker name more than
+    /// the task counts.
+    fn check_pusher(&self, h: &PushHeader) -> Result<()> {
+        check_name("worker", &h.id.worker)?;
+        check_name("client", &h.id.client)?;
+        for name in &h.variables {
+            check_name("variable", name)?;
+        }
+        let known = self.counters.applied_by_worker.contains_key(&h.id.worker)
+            || self.round.values().any(|c| c.worker == h.id.worker);
+        if !known && self.counters.applied_by_worker.len() >= MAX_WORKERS as usize {
+            return Err(Error::TooManyWorkerNames { task: self.task.clone() });
+        }
+        Ok(())
+    }
+
     /// `Push`: validates, then applies, drops, refuses or queues the update.
     pub fn push(&mut self, h: &PushHeader, chunks: &[Chunk]) -> Result<PushDecision> {
+        self.check_pusher(h)?;
         let key = key_of(h);
         if let Some(answer) = self.duplicate(&key) {
             return Ok(answer);
@@ -511,6 +589,7 @@ impl State {
         let names: Vec<&str> = h.variables.iter().map(String::as_str).collect();
         let sizes: Vec<usize> = at.iter().map(|&i| self.vars[i].value.len()).collect();
         check_coverage(chunks, &names, &sizes, RequestKind::Push)?;
+        check_all_finite(chunks, &names, true)?;
         match mode {
             PsMode::Async => {}
             PsMode::Stale { staleness } => {
@@ -531,7 +610,10 @@ impl State {
                     self.remember(key, Answer::Dropped(self.version));
                     return Ok(PushDecision::Done(PushReply::Dropped { version: self.version, duplicate: false }));
                 }
-                let mut grads: Vec<(usize, Vec<f32>)> = at.iter().map(|&i| (i, Vec::new())).collect();
+                let mut grads: Vec<(usize, Vec<f32>)> = Vec::with_capacity(at.len());
+                for (&i, &n) in at.iter().zip(&sizes) {
+                    grads.push((i, reserve(&self.task, n, "a sync round's gradient")?));
+                }
                 for c in chunks {
                     c.extend(&mut grads[c.var as usize].1);
                 }
@@ -571,7 +653,7 @@ impl State {
     /// any error.
     pub fn begin_stream(&mut self, h: &PushHeader) -> Option<Streamed> {
         let min_bytes = self.stream_min_bytes?;
-        if self.streaming {
+        if self.streaming || self.check_pusher(h).is_err() {
             return None;
         }
         let key = key_of(h);
@@ -599,28 +681,31 @@ impl State {
         if at.iter().map(|&i| self.vars[i].value.len() * 4).sum::<usize>() < min_bytes {
             return None;
         }
-        self.streaming = true;
         self.spare.resize_with(self.vars.len(), || None);
-        let vars = at
-            .into_iter()
-            .map(|index| {
-                let var = &self.vars[index];
-                let n = var.value.len();
-                let (value, slots) = self.spare[index]
-                    .take()
-                    .and_then(unwrap_spare)
-                    .unwrap_or_else(|| (vec![0.0; n], vec![vec![0.0; n]; var.slots.len()]));
-                StreamVar {
-                    index,
-                    base: var.value.clone(),
-                    base_slots: var.slots.clone(),
-                    value,
-                    slots,
-                    next: 0,
-                    t: var.version + 1,
-                }
-            })
-            .collect();
+        let mut vars = Vec::with_capacity(at.len());
+        for index in at {
+            let var = &self.vars[index];
+            let n = var.value.len();
+            let buffers = match self.spare[index].take().and_then(unwrap_spare) {
+                Some(spare) => Some(spare),
+                None => filled(n, 0.0).and_then(|value| {
+                    let slots = (0..var.slots.len()).map(|_| filled(n, 0.0)).collect::<Option<Vec<_>>>()?;
+                    Some((value, slots))
+                }),
+            };
+            // Without memory for the spare buffers the push is collected and applied in place.
+            let (value, slots) = buffers?;
+            vars.push(StreamVar {
+                index,
+                base: var.value.clone(),
+                base_slots: var.slots.clone(),
+                value,
+                slots,
+                next: 0,
+                t: var.version + 1,
+            });
+        }
+        self.streaming = true;
         Some(Streamed {
             key,
             worker: h.id.worker.clone(),
@@ -699,15 +784,28 @@ impl State {
     /// the result does not depend on arrival order).
     fn apply_round(&mut self, optimizer: &ServerOptimizer) {
         let round = std::mem::take(&mut self.round);
+        let mut workers = Vec::with_capacity(round.len());
+        // Each variable's sum lands in the first gradient pushed for it (no new memory):
+        // `0 + g1 + g2 + ...`, in key order.
         let mut sums: BTreeMap<usize, (Vec<f32>, u32)> = BTreeMap::new();
-        for c in round.values() {
-            for (i, g) in &c.grads {
-                let (sum, n) = sums.entry(*i).or_insert_with(|| (vec![0.0; g.len()], 0));
-                for (s, g) in sum.iter_mut().zip(g) {
-                    *s += g;
+        for (key, c) in round {
+            for (i, mut g) in c.grads {
+                match sums.get_mut(&i) {
+                    Some((sum, n)) => {
+                        for (s, g) in sum.iter_mut().zip(&g) {
+                            *s += g;
+                        }
+                        *n += 1;
+                    }
+                    None => {
+                        for x in &mut g {
+                            *x += 0.0;
+                        }
+                        sums.insert(i, (g, 1));
+                    }
                 }
-                *n += 1;
             }
+            workers.push((key, c.worker));
         }
         for (i, (mut mean, n)) in sums {
             let scale = 1.0 / n as f32;
@@ -722,29 +820,40 @@ impl State {
         }
         self.version += 1;
         self.counters.rounds += 1;
-        for (key, c) in round {
+        for (key, worker) in workers {
             self.counters.pushes_applied += 1;
-            *self.counters.applied_by_worker.entry(c.worker).or_default() += 1;
+            *self.counters.applied_by_worker.entry(worker).or_default() += 1;
             self.table.insert(key, Answer::Applied(self.version));
         }
     }
 
-    /// `Configure`: the number of live workers; may complete the current round. Returns
-    /// whether the version changed.
-    pub fn configure(&mut self, live: u32) -> bool {
-        self.live_workers = Some(live.max(1));
+    /// `Configure`: the number of live workers, 1 to the sync mode's workers (to
+    /// [`MAX_WORKERS`] before the mode is known, or in another mode); may complete the current
+    /// round. Returns whether the version changed.
+    pub fn configure(&mut self, live: u32) -> Result<bool> {
+        let max = match self.mode {
+            Some(PsMode::Sync { workers, .. }) => workers,
+            _ => MAX_WORKERS,
+        };
+        if live == 0 || live > max {
+            return Err(Error::LiveWorkers { live, max });
+        }
+        self.live_workers = Some(live);
         if let (Some(PsMode::Sync { workers, backup_workers }), Some(opt)) = (self.mode, self.optimizer.clone()) {
             if !self.round.is_empty() && self.round.len() >= self.required(workers, backup_workers) {
                 self.apply_round(&opt);
-                return true;
+                return Ok(true);
             }
         }
-        false
+        Ok(false)
     }
 
     /// `Pull`: the named variables (every variable if none), their versions and chunks of
     /// their values that share the variables' memory.
     pub fn pull(&self, names: &[String]) -> Result<PullResult> {
+        for name in names {
+            check_name("variable", name)?;
+        }
         let at: Vec<usize> = if names.is_empty() {
             (0..self.vars.len()).collect()
         } else {
@@ -1093,5 +1202,171 @@ mod stream_tests {
         reference.push(&h2, &c2).unwrap();
         reference.push(&h1, &c1).unwrap();
         assert!(bits(&s) == bits(&reference), "the retried push did not apply onto the newer values");
+    }
+}
+
+#[cfg(test)]
+mod limits_tests {
+    use super::*;
+    use crate::limits::MAX_NAME_BYTES;
+    use crate::{ErrorKind, UpdateId, MAX_VARIABLE_ELEMENTS};
+
+    fn f32s(x: &[f32]) -> Bytes {
+        Bytes::copy_from_slice(bytemuck::cast_slice(x))
+    }
+
+    fn task(mode: PsMode, streamed: bool) -> State {
+        let mut s = State::new("ps:0".into(), streamed.then_some(0));
+        let header = CreateHeader {
+            variables: vec![VariableInfo::whole("w", vec![4])],
+            optimizer: ServerOptimizer::Sgd { lr: 0.5 },
+            mode,
+        };
+        s.create(&header, &[Chunk { var: 0, offset: 0, pieces: vec![f32s(&[1.0, 2.0, 3.0, 4.0])] }]).unwrap();
+        s
+    }
+
+    fn push_header(worker: &str, step: u64) -> PushHeader {
+        PushHeader {
+            id: UpdateId { worker: worker.into(), client: "c".into(), step, seq: 0 },
+            base_version: 0,
+            variables: vec!["w".into()],
+        }
+    }
+
+    fn grad(g: [f32; 4]) -> Vec<Chunk> {
+        vec![Chunk { var: 0, offset: 0, pieces: vec![f32s(&g)] }]
+    }
+
+    fn values(s: &State) -> Vec<f32> {
+        s.vars[0].value.to_vec()
+    }
+
+    /// A NaN or infinite gradient is refused in every mode, streamed or not: nothing is
+    /// applied, nothing is recorded, and the corrected push applies afterwards.
+    #[test]
+    fn non_finite_gradients_are_refused_never_applied() {
+        let modes = [PsMode::Async, PsMode::Stale { staleness: 2 }, PsMode::Sync { workers: 1, backup_workers: 0 }];
+        for (mode, streamed) in modes.into_iter().flat_map(|m| [(m, false), (m, true)]) {
+            let mut s = task(mode, streamed);
+            for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+                let h = push_header("worker:0", 0);
+                let chunks = grad([0.5, 0.5, bad, 0.5]);
+                let e = match s.begin_stream(&h) {
+                    Some(mut stream) => {
+                        let e = stream.apply(&chunks[0]).unwrap_err();
+                        s.abort_stream(stream);
+                        e
+                    }
+                    None => s.push(&h, &chunks).unwrap_err(),
+                };
+                assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{mode} streamed={streamed}: {e}");
+                assert!(
+                    matches!(&e, Error::NonFiniteGradient { variable, element: 2, .. } if variable == "w"),
+                    "{mode}: {e}"
+                );
+                assert_eq!(values(&s), vec![1.0, 2.0, 3.0, 4.0], "{mode}: applied");
+                assert_eq!((s.version, s.counters.pushes_applied), (0, 0));
+                assert!(s.answer(&("c".into(), 0, 0)).is_none(), "a refused push is not recorded");
+            }
+            let h = push_header("worker:0", 0);
+            match s.begin_stream(&h) {
+                Some(mut stream) => {
+                    stream.apply(&grad([2.0; 4])[0]).unwrap();
+                    s.finish_stream(stream).unwrap();
+                }
+                None => {
+                    s.push(&h, &grad([2.0; 4])).unwrap();
+                }
+            }
+            assert_eq!(values(&s), vec![0.0, 1.0, 2.0, 3.0], "{mode}: the corrected push applies");
+        }
+    }
+
+    #[test]
+    fn non_finite_initial_values_are_refused() {
+        let mut s = State::new("ps:0".into(), None);
+        let header = CreateHeader {
+            variables: vec![VariableInfo::whole("w", vec![2])],
+            optimizer: ServerOptimizer::Sgd { lr: 0.5 },
+            mode: PsMode::Async,
+        };
+        let e = s.create(&header, &[Chunk { var: 0, offset: 0, pieces: vec![f32s(&[1.0, f32::NAN])] }]).unwrap_err();
+        assert!(matches!(&e, Error::NonFiniteValue { element: 1, .. }), "{e}");
+        assert!(s.vars.is_empty() && s.optimizer.is_none(), "nothing was created");
+    }
+
+    #[test]
+    fn live_worker_counts_are_checked() {
+        let mut s = task(PsMode::Sync { workers: 3, backup_workers: 0 }, false);
+        for live in [0, 4, u32::MAX] {
+            let e = s.configure(live).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+            assert_eq!(e.to_string(), format!("live_workers {live} is out of range; a job has 1 to 3 workers"));
+        }
+        assert!(!s.configure(3).unwrap());
+        let mut fresh = State::new("ps:1".into(), None);
+        assert!(fresh.configure(0).is_err());
+        assert!(fresh.configure(MAX_WORKERS + 1).is_err());
+        assert!(!fresh.configure(MAX_WORKERS).unwrap());
+    }
+
+    #[test]
+    fn names_are_bounded_before_anything_is_looked_up() {
+        let mut s = task(PsMode::Async, false);
+        let long = "w".repeat(10 << 10);
+        for h in [
+            push_header(&long, 0),
+            PushHeader {
+                id: UpdateId { client: long.clone(), ..push_header("worker:0", 0).id },
+                ..push_header("x", 0)
+            },
+            PushHeader { variables: vec![long.clone()], ..push_header("worker:0", 0) },
+        ] {
+            let e = s.push(&h, &grad([1.0; 4])).unwrap_err();
+            assert!(matches!(e, Error::NameTooLong { bytes: 10240, .. }), "{e}");
+            assert!(e.to_string().contains(&format!("over the limit of {MAX_NAME_BYTES} bytes")), "{e}");
+            assert!(s.begin_stream(&h).is_none());
+        }
+        let e = s.pull(&[long]).unwrap_err();
+        assert!(matches!(e, Error::NameTooLong { what: "variable", .. }), "{e}");
+        assert_eq!(s.version, 0);
+    }
+
+    #[test]
+    fn the_number_and_size_of_variables_are_bounded() {
+        let mut s = State::new("ps:0".into(), None);
+        let sgd = ServerOptimizer::Sgd { lr: 0.5 };
+        // Three variables of the largest size: 24 GiB declared, refused before any chunk.
+        let big = CreateHeader {
+            variables: (0..3).map(|i| VariableInfo::whole(format!("v{i}"), vec![MAX_VARIABLE_ELEMENTS])).collect(),
+            optimizer: sgd.clone(),
+            mode: PsMode::Async,
+        };
+        let e = s.create(&big, &[]).unwrap_err();
+        assert!(matches!(e, Error::TaskTooLarge { bytes, .. } if bytes == 3 * 4 * MAX_VARIABLE_ELEMENTS as u64), "{e}");
+        assert!(e.to_string().contains("over the limit of 17179869184"), "{e}");
+        // One variable too many.
+        let many = CreateHeader {
+            variables: (0..=MAX_VARIABLES).map(|i| VariableInfo::whole(format!("v{i}"), vec![0])).collect(),
+            optimizer: sgd,
+            mode: PsMode::Async,
+        };
+        let e = s.create(&many, &[]).unwrap_err();
+        assert!(matches!(e, Error::TooManyVariables { count, .. } if count == MAX_VARIABLES + 1), "{e}");
+        assert!(s.vars.is_empty());
+    }
+
+    #[test]
+    fn worker_names_beyond_the_limit_are_refused() {
+        let mut s = task(PsMode::Async, false);
+        for i in 0..MAX_WORKERS as u64 {
+            s.push(&push_header(&format!("worker:{i}"), i), &grad([0.0; 4])).unwrap();
+        }
+        let e = s.push(&push_header("one-more", 1 << 40), &grad([0.0; 4])).unwrap_err();
+        assert!(matches!(e, Error::TooManyWorkerNames { .. }), "{e}");
+        // A known worker pushes on.
+        s.push(&push_header("worker:7", 1 << 41), &grad([0.0; 4])).unwrap();
+        assert_eq!(s.counters.applied_by_worker.len(), MAX_WORKERS as usize);
     }
 }

@@ -89,6 +89,7 @@ impl LocalStrategy {
         if devices.is_empty() {
             return Err(Error::ZeroReplicas);
         }
+        strata_core::device::check_replicas(devices.len(), "replicas")?;
         for (i, d) in devices.iter().enumerate() {
             if let Some(j) = devices[..i].iter().position(|e| e.spec == d.spec) {
                 return Err(Error::InvalidDeviceList(format!(

@@ -228,8 +228,13 @@ impl MultiWorkerMirroredStrategy {
         let coordinator =
             if rank == 0 { format!("{}:{}", loopback_for(options.bind), spec.port(chief)?) } else { chief_address };
         let task = config.task.to_string();
-        let mut member =
-            CoordinationMember::connect(&coordinator, &task, options.token.clone(), options.coordination.clone())?;
+        let mut member = CoordinationMember::connect(
+            &coordinator,
+            &chief.to_string(),
+            &task,
+            options.token.clone(),
+            options.coordination.clone(),
+        )?;
         let reg = member.register(&spec.fingerprint(), &strategy_fingerprint, &data_address)?;
         let addresses = reg
             .data_addresses
@@ -327,9 +332,15 @@ impl MultiWorkerMirroredStrategy {
         self.job.ring.size()
     }
 
-    /// Tells every task that this one failed (its next collective or heartbeat fails).
+    /// Tells every task that this one failed (its next collective or heartbeat fails). When
+    /// the job already failed elsewhere (the coordination service said so, or is lost), there
+    /// is nothing to tell, and nothing waits on a lost task.
     pub fn report_error(&self, error: &Error) {
+        let known = self.job.abort.reason().is_some();
         self.job.abort.abort(error.to_string());
+        if known {
+            return;
+        }
         if let Some(m) = lock(&self.job.member).as_ref() {
             let _ = m.report_error(&error.to_string());
         }
@@ -356,10 +367,14 @@ fn host_of(address: &str) -> String {
     }
 }
 
+/// Where the chief reaches its own coordination service: loopback when it binds every address,
+/// else the one address it binds (a host of a real network binds that network's address).
 fn loopback_for(bind: IpAddr) -> String {
     match bind {
-        IpAddr::V6(_) => "[::1]".into(),
-        IpAddr::V4(_) => "127.0.0.1".into(),
+        IpAddr::V6(a) if a.is_unspecified() => "[::1]".into(),
+        IpAddr::V4(a) if a.is_unspecified() => "127.0.0.1".into(),
+        IpAddr::V6(a) => format!("[{a}]"),
+        IpAddr::V4(a) => a.to_string(),
     }
 }
 

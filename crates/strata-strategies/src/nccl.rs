@@ -75,7 +75,10 @@ pub fn to_transport_error(e: strata_cuda::Error, collective: &str, step: u64) ->
         strata_cuda::Error::Nccl { ref source, .. } if source.is_remote() => {
             Error::PeerLost { task: PEER.into(), collective: collective.into(), step, detail: e.to_string() }
         }
-        other => Error::Aborted(format!("{collective} (collective #{step}) failed: {other}")),
+        other => {
+            tracing::debug!(%collective, step, "an nccl collective failed");
+            Error::Aborted(format!("{collective} failed: {other}"))
+        }
     }
 }
 
@@ -157,7 +160,10 @@ mod tests {
         )
         .unwrap();
         let addr = s.address().to_string();
-        let members = names.iter().map(|t| CoordinationMember::connect(&addr, t, token(), config()).unwrap()).collect();
+        let members = names
+            .iter()
+            .map(|t| CoordinationMember::connect(&addr, "worker:0", t, token(), config()).unwrap())
+            .collect();
         (s, members)
     }
 
@@ -225,7 +231,8 @@ mod tests {
             57,
         );
         assert!(matches!(&t, Error::Timeout { step: 57, timeout, .. } if *timeout == Duration::from_secs(3)), "{t}");
-        assert!(t.to_string().starts_with("all_reduce(sum) (collective #57) timed out after 3s"), "{t}");
+        assert!(t.to_string().starts_with("all_reduce(sum) timed out after 3s"), "{t}");
+        assert!(!t.to_string().contains("57"), "one counter, the caller's: {t}");
         let a = to_transport_error(
             strata_cuda::Error::NcclAborted {
                 what: "all-reduce",
@@ -237,6 +244,6 @@ mod tests {
         );
         assert!(matches!(&a, Error::Aborted(r) if r.starts_with("lost task worker:0")), "{a}");
         let o = to_transport_error(strata_cuda::Error::InvalidNcclId("x".into()), "all_reduce(max)", 1);
-        assert!(o.to_string().contains("all_reduce(max) (collective #1) failed: invalid nccl unique id"), "{o}");
+        assert!(o.to_string().contains("all_reduce(max) failed: invalid nccl unique id"), "{o}");
     }
 }

@@ -101,7 +101,10 @@ fn wait_for(what: &str, mut ok: impl FnMut() -> bool) {
 struct FakePs {
     checkpoints: Mutex<Vec<u64>>,
     configured: Mutex<Vec<u32>>,
-    fail_checkpoints: bool,
+    /// The checkpoints from this one on (counted from 0) fail.
+    fail_from: Option<usize>,
+    /// Probes fail (after sleeping out their deadline) once this is set.
+    silent: std::sync::atomic::AtomicBool,
 }
 
 impl PsControl for FakePs {
@@ -109,8 +112,9 @@ impl PsControl for FakePs {
         "ps:0".into()
     }
     fn checkpoint(&self, step: u64) -> Result<PathBuf, String> {
-        self.checkpoints.lock().unwrap().push(step);
-        if self.fail_checkpoints {
+        let mut done = self.checkpoints.lock().unwrap();
+        done.push(step);
+        if self.fail_from.is_some_and(|k| done.len() > k) {
             return Err("disk full".into());
         }
         Ok(PathBuf::from(format!("/tmp/ckpt-{step}")))
@@ -119,6 +123,60 @@ impl PsControl for FakePs {
         self.configured.lock().unwrap().push(live_workers);
         Ok(())
     }
+    fn probe(&self, deadline: Duration) -> Result<(), String> {
+        if self.silent.load(Ordering::SeqCst) {
+            std::thread::sleep(deadline);
+            return Err("no answer".into());
+        }
+        Ok(())
+    }
+}
+
+#[test]
+fn a_ps_task_that_stops_answering_ends_the_job_within_the_probe_timeout() {
+    let c = cluster(2);
+    let ps = Arc::new(FakePs::default());
+    let mut o = options();
+    o.probe_timeout = Duration::from_millis(800);
+    o.probe_interval = Duration::from_millis(100);
+    let abort = o.abort.clone();
+    let coord =
+        ClusterCoordinator::with_ps_tasks(c.addresses.clone(), vec![ps.clone() as Arc<dyn PsControl>], o).unwrap();
+    // Steps that take a while, so that some are running when the ps task goes silent.
+    let values: Vec<_> = (0..40).map(|_| coord.schedule::<_, u64>("sleep", &200u64)).collect();
+    std::thread::sleep(Duration::from_millis(300));
+    ps.silent.store(true, Ordering::SeqCst);
+    let silent = Instant::now();
+    let e = coord.join().unwrap_err().to_string();
+    let took = silent.elapsed();
+    assert!(took < Duration::from_millis(800 + 600), "{took:?}");
+    assert!(e.contains("lost task ps:0: no answer to health checks") && e.contains("completed"), "{e}");
+    assert!(e.contains("(sleep) on worker:"), "the steps in flight: {e}");
+    assert!(abort.reason().is_some_and(|r| r.contains("lost task ps:0")), "the job's calls were not abandoned");
+    // Every step that did not complete failed with the job, at once; later ones too.
+    let failed = values.iter().filter(|v| v.fetch().is_err()).count();
+    assert!(failed >= 30, "{failed} of 40 failed");
+    assert!(coord.schedule::<_, i64>("add", &(1, 1)).fetch().unwrap_err().to_string().contains("lost task ps:0"));
+    let t0 = Instant::now();
+    coord.shutdown();
+    assert!(t0.elapsed() < Duration::from_secs(1), "shutting down took {:?}", t0.elapsed());
+}
+
+#[test]
+fn a_lost_ps_task_that_will_be_restarted_is_waited_for() {
+    let c = cluster(1);
+    let ps = Arc::new(FakePs::default());
+    let mut o = options();
+    o.probe_timeout = Duration::from_millis(300);
+    o.probe_interval = Duration::from_millis(50);
+    o.wait_for_restarted_ps = true;
+    let coord =
+        ClusterCoordinator::with_ps_tasks(c.addresses.clone(), vec![ps.clone() as Arc<dyn PsControl>], o).unwrap();
+    ps.silent.store(true, Ordering::SeqCst);
+    std::thread::sleep(Duration::from_millis(800));
+    ps.silent.store(false, Ordering::SeqCst);
+    assert_eq!(coord.schedule::<_, i64>("add", &(2, 3)).fetch().unwrap(), 5);
+    coord.join().unwrap();
 }
 
 #[test]
@@ -271,16 +329,45 @@ fn checkpoints_every_n_steps() {
     coord.join().unwrap();
     assert_eq!(coord.steps_completed(), 10);
     coord.shutdown();
-    // With one worker the completions are sequential: exactly every 3 steps; a failing
-    // checkpoint is not fatal.
-    let ps = Arc::new(FakePs { fail_checkpoints: true, ..FakePs::default() });
+    // With one worker the completions are sequential: exactly every 3 steps.
+    let ps = Arc::new(FakePs::default());
     let coord =
-        ClusterCoordinator::with_ps_tasks(c.addresses.clone(), vec![ps.clone() as Arc<dyn PsControl>], o).unwrap();
+        ClusterCoordinator::with_ps_tasks(c.addresses.clone(), vec![ps.clone() as Arc<dyn PsControl>], o.clone())
+            .unwrap();
     for i in 0..10i64 {
         coord.schedule::<_, i64>("add", &(i, i));
     }
     coord.join().unwrap();
     assert_eq!(*ps.checkpoints.lock().unwrap(), vec![3, 6, 9]);
+}
+
+/// A checkpoint that cannot be written stops the job there: the steps still queued fail with
+/// an error naming the failure and the last good checkpoint, and `join` returns it.
+#[test]
+fn a_failing_checkpoint_stops_the_job_naming_the_last_good_one() {
+    let c = cluster(1);
+    let mut o = options();
+    o.checkpoint_every = Some(3);
+    for (fail_from, good) in
+        [(0, "no checkpoint was written before it"), (1, "the last good checkpoint is step 3 (/tmp/ckpt-3)")]
+    {
+        let ps = Arc::new(FakePs { fail_from: Some(fail_from), ..FakePs::default() });
+        let coord =
+            ClusterCoordinator::with_ps_tasks(c.addresses.clone(), vec![ps.clone() as Arc<dyn PsControl>], o.clone())
+                .unwrap();
+        let values: Vec<_> = (0..10i64).map(|i| coord.schedule::<_, i64>("add", &(i, i))).collect();
+        let e = coord.join().unwrap_err().to_string();
+        let failed_at = 3 * (fail_from as u64 + 1);
+        assert!(
+            e.contains(&format!("the checkpoint of step {failed_at} failed on ps:0: disk full")) && e.contains(good),
+            "{e}"
+        );
+        assert_eq!(ps.checkpoints.lock().unwrap().last(), Some(&failed_at), "no checkpoint after the failure");
+        assert!(coord.steps_completed() < 10, "the job stopped: {}", coord.steps_completed());
+        let last = values.last().unwrap().fetch().unwrap_err().to_string();
+        assert!(last.contains("disk full") && last.contains(good), "{last}");
+        coord.shutdown();
+    }
 }
 
 #[test]

@@ -209,9 +209,49 @@ impl ClusterToken {
     }
 }
 
+/// The metadata key in which a client names its task (`worker:1`), so that a server can say
+/// which task it refused.
+pub const TASK_METADATA: &str = "x-strata-task";
+
+/// The longest task name a refused call may claim (longer claims are recorded as unnamed).
+const MAX_CLAIMED_TASK: usize = 64;
+
+/// Why the token check refused a call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// The call carried another cluster's token.
+    WrongToken,
+    /// The call carried no token at all.
+    MissingToken,
+}
+
+impl std::fmt::Display for Refusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Refusal::WrongToken => "wrong cluster token",
+            Refusal::MissingToken => "no cluster token",
+        })
+    }
+}
+
+/// Told of every call the token check refuses: the task the call claimed to come from (its
+/// `x-strata-task` metadata; empty when absent or longer than 64 bytes), the peer's address,
+/// and why. It runs on the server's threads for every refused call, so it must be cheap and
+/// keep bounded state (an unauthenticated caller controls how often it runs).
+pub type RefusalRecorder = Arc<dyn Fn(&str, Option<std::net::SocketAddr>, Refusal) + Send + Sync>;
+
 /// The server side: admits only calls carrying the cluster token.
-#[derive(Clone, Debug)]
-pub struct ServerAuth(ClusterToken);
+#[derive(Clone)]
+pub struct ServerAuth {
+    token: ClusterToken,
+    recorder: Option<RefusalRecorder>,
+}
+
+impl std::fmt::Debug for ServerAuth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServerAuth").field("token", &self.token).field("records", &self.recorder.is_some()).finish()
+    }
+}
 
 impl tonic::service::Interceptor for ServerAuth {
     fn call(&mut self, req: Request<()>) -> Result<Request<()>, Status> {
@@ -221,24 +261,46 @@ impl tonic::service::Interceptor for ServerAuth {
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "))
             .map(str::as_bytes);
-        match presented {
-            Some(p) if self.0.matches(p) => Ok(req),
-            Some(_) => Err(Status::unauthenticated("wrong cluster token; every task of a job needs the same token")),
-            None => Err(Status::unauthenticated(
-                "missing cluster token: send `authorization: Bearer <token>` (set STRATA_CLUSTER_TOKEN)",
-            )),
+        let refusal = match presented {
+            Some(p) if self.token.matches(p) => return Ok(req),
+            Some(_) => Refusal::WrongToken,
+            None => Refusal::MissingToken,
+        };
+        if let Some(record) = &self.recorder {
+            let claimed = req
+                .metadata()
+                .get(TASK_METADATA)
+                .and_then(|v| v.to_str().ok())
+                .filter(|t| t.len() <= MAX_CLAIMED_TASK)
+                .unwrap_or("");
+            record(claimed, req.remote_addr(), refusal);
         }
+        Err(match refusal {
+            Refusal::WrongToken => {
+                Status::unauthenticated("wrong cluster token; every task of a job needs the same token")
+            }
+            Refusal::MissingToken => Status::unauthenticated(
+                "missing cluster token: send `authorization: Bearer <token>` (set STRATA_CLUSTER_TOKEN)",
+            ),
+        })
     }
 }
 
-/// The client side: adds the cluster token to every call.
+/// The client side: adds the cluster token (and the caller's task name, when it has one) to
+/// every call.
 #[derive(Clone, Debug)]
-pub struct ClientAuth(Option<MetadataValue<tonic::metadata::Ascii>>);
+pub struct ClientAuth {
+    token: Option<MetadataValue<tonic::metadata::Ascii>>,
+    task: Option<MetadataValue<tonic::metadata::Ascii>>,
+}
 
 impl tonic::service::Interceptor for ClientAuth {
     fn call(&mut self, mut req: Request<()>) -> Result<Request<()>, Status> {
-        if let Some(h) = &self.0 {
+        if let Some(h) = &self.token {
             req.metadata_mut().insert("authorization", h.clone());
+        }
+        if let Some(t) = &self.task {
+            req.metadata_mut().insert(TASK_METADATA, t.clone());
         }
         Ok(req)
     }
@@ -246,12 +308,23 @@ impl tonic::service::Interceptor for ClientAuth {
 
 /// A server interceptor that admits only calls carrying `token`.
 pub fn server_interceptor(token: ClusterToken) -> ServerAuth {
-    ServerAuth(token)
+    ServerAuth { token, recorder: None }
+}
+
+/// A server interceptor that admits only calls carrying `token` and tells `recorder` of every
+/// call it refuses.
+pub fn server_interceptor_recording(token: ClusterToken, recorder: RefusalRecorder) -> ServerAuth {
+    ServerAuth { token, recorder: Some(recorder) }
 }
 
 /// A client interceptor that adds `token` to every call.
 pub fn client_interceptor(token: ClusterToken) -> ClientAuth {
-    ClientAuth(token.header())
+    ClientAuth { token: token.header(), task: None }
+}
+
+/// A client interceptor that adds `token` and the caller's task name (`worker:1`) to every call.
+pub fn client_interceptor_as(token: ClusterToken, task: &str) -> ClientAuth {
+    ClientAuth { token: token.header(), task: task.parse().ok() }
 }
 
 #[cfg(test)]
@@ -275,5 +348,34 @@ mod tests {
         assert_eq!(e.code(), tonic::Code::Unauthenticated);
         let mut wrong = client_interceptor(ClusterToken::new("ffffffffffffffffffff").unwrap());
         assert_eq!(admit.call(wrong.call(Request::new(())).unwrap()).unwrap_err().code(), tonic::Code::Unauthenticated);
+    }
+
+    #[test]
+    fn refused_calls_are_recorded_under_the_task_they_claim() {
+        let t = ClusterToken::new("0123456789abcdef0123").unwrap();
+        let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let record: RefusalRecorder = {
+            let seen = seen.clone();
+            Arc::new(move |task: &str, _, why| seen.lock().unwrap().push((task.to_string(), why)))
+        };
+        use tonic::service::Interceptor;
+        let mut admit = server_interceptor_recording(t.clone(), record);
+        let wrong = ClusterToken::new("ffffffffffffffffffff").unwrap();
+        let mut as_worker = client_interceptor_as(wrong, "worker:1");
+        assert!(admit.call(as_worker.call(Request::new(())).unwrap()).is_err());
+        assert!(admit.call(Request::new(())).is_err());
+        let mut right = client_interceptor_as(t, "worker:0");
+        assert!(admit.call(right.call(Request::new(())).unwrap()).is_ok());
+        let mut long = Request::new(());
+        long.metadata_mut().insert(TASK_METADATA, "w".repeat(100).parse().unwrap());
+        assert!(admit.call(long).is_err());
+        assert_eq!(
+            *seen.lock().unwrap(),
+            [
+                ("worker:1".to_string(), Refusal::WrongToken),
+                (String::new(), Refusal::MissingToken),
+                (String::new(), Refusal::MissingToken)
+            ]
+        );
     }
 }

@@ -5,16 +5,41 @@
 //!   fingerprint and its data-plane address. A task whose fingerprints differ from the chief's
 //!   is refused (`FAILED_PRECONDITION`, naming both); registration returns, once every task is
 //!   in, every task's data-plane address in rank order.
-//! - **Heartbeats.** Every task calls `Heartbeat` every [`CoordinationConfig::heartbeat_interval`]
-//!   with the collective it is in. The service marks a task that stays silent for
-//!   [`CoordinationConfig::heartbeat_timeout`] as lost, and from then on every heartbeat answer
-//!   carries the job's error ("lost task worker:1: no heartbeat for 3.0 s, last seen in
-//!   all_reduce(sum) #57"), so every survivor stops within a heartbeat. A task that cannot reach
-//!   the service for that long concludes that the chief is lost.
+//! - **Refusals.** A task refused at registration for its cluster or strategy fingerprint (it
+//!   presented the token, so it is one of the job's own tasks) fails the job at once, naming it
+//!   and the difference. A call refused for its *token* never reaches the service; the token
+//!   check records it under the task name the caller claims (`x-strata-task`), in one slot per
+//!   task of the job. Such a record is never trusted to fail a job on its own (anyone who can
+//!   reach the port can claim any name): it only ends a rendezvous early when every other task
+//!   has registered, the claimed task has not, and neither changed for
+//!   [`CoordinationConfig::refusal_grace`]; the error then says which task was refused, why,
+//!   and from which address. The rendezvous would otherwise wait its whole timeout for a task
+//!   that already gave up, so the worst an impostor without the token can do is end a
+//!   rendezvous early whose real task is more than that grace late.
+//! - **Heartbeats.** Every task calls `Heartbeat` in a loop with the collective it is in; the
+//!   service holds each answer for up to [`CoordinationConfig::heartbeat_interval`] unless the
+//!   job fails meanwhile (a long poll), so every task hears of a failure the moment it is
+//!   declared, not at its next heartbeat. The service marks a task whose heartbeats stop
+//!   arriving for [`CoordinationConfig::heartbeat_timeout`] as lost ("lost task worker:1: no
+//!   heartbeat for 3.0 s, last seen in all_reduce(sum) #57"); a task whose heartbeats go
+//!   unanswered for as long concludes that the task serving the service is lost. Both sides
+//!   measure from the last heartbeat that crossed, so a task that is killed, stopped
+//!   (SIGSTOP) or cut off is declared lost by everyone within the timeout, whichever task it
+//!   is. Heartbeat calls have deadlines that end when the timeout does: a stopped peer's TCP
+//!   connection stays open and would never answer.
+//! - **No shutdown waits on a lost task.** Reports to a lost service are skipped, and a service
+//!   whose job failed stops as soon as every surviving task has heard why (at most
+//!   [`LINGER`]), without the graceful HTTP/2 shutdown that waits for every client's
+//!   acknowledgement.
 //! - **Agreed collective order.** Every collective has a sequence number that every task counts
 //!   the same way; the data plane checks it in every frame, and the heartbeats record it here so
 //!   that a timeout or a loss names what each task was doing.
 //! - **Key-value store.** Set once, read with a wait (the NCCL unique id travels this way).
+//! - **Bounded requests.** Every name, string and count a request brings is checked against a
+//!   limit ([`MAX_KEY_BYTES`], [`MAX_KV_BYTES`], [`MAX_KEYS`], [`MAX_BARRIERS`],
+//!   [`MAX_ERROR_BYTES`], [`MAX_FINGERPRINT_BYTES`], [`MAX_TASK_TYPE_BYTES`],
+//!   [`MAX_REQUEST_BYTES`]) before it is used; a request over one is `INVALID_ARGUMENT` naming
+//!   the limit, and so is one that does not decode.
 
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
@@ -33,27 +58,82 @@ use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 use tonic::{Code, Request, Response, Status};
 
-use crate::auth::{client_interceptor, server_interceptor, ClientAuth, ClusterToken};
+use crate::auth::{client_interceptor_as, server_interceptor_recording, ClientAuth, ClusterToken, Refusal};
+use crate::guard::DecodeErrors;
 use crate::rt::{runtime, ServerTask};
 use crate::{Error, Result};
 
-/// The largest key or value the key-value store accepts.
+/// The largest value the key-value store accepts.
 pub const MAX_KV_BYTES: usize = 64 * 1024;
+
+/// The longest key of the key-value store and the longest barrier name, in bytes.
+pub const MAX_KEY_BYTES: usize = 256;
+
+/// The most keys the key-value store holds.
+pub const MAX_KEYS: usize = 1024;
+
+/// The most distinct barriers a job enters.
+pub const MAX_BARRIERS: usize = 1024;
+
+/// The longest error a task reports, in bytes ([`CoordinationMember::report_error`] cuts
+/// longer ones to this).
+pub const MAX_ERROR_BYTES: usize = 4096;
+
+/// The longest cluster or strategy fingerprint, in bytes.
+pub const MAX_FINGERPRINT_BYTES: usize = 64 * 1024;
+
+/// The longest task type (`chief`, `worker`, ...), in bytes.
+pub const MAX_TASK_TYPE_BYTES: usize = 32;
+
+/// The largest request message the service decodes: a value of the key-value store, or two
+/// fingerprints, and their framing.
+pub const MAX_REQUEST_BYTES: usize = 2 * MAX_FINGERPRINT_BYTES + 4096;
+
+/// A refusal of a request over a limit.
+fn over_limit(what: &str, bytes: usize, limit: usize) -> Status {
+    Status::invalid_argument(format!("{what} of {bytes} bytes is over the limit of {limit} bytes"))
+}
+
+/// `s` cut to at most `max` bytes, at a character boundary.
+fn truncated(s: &str, max: usize) -> &str {
+    let mut end = s.len().min(max);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+/// The longest the service holds a heartbeat's answer.
+const MAX_HEARTBEAT_WAIT: Duration = Duration::from_secs(5);
+
+/// How long a service whose job failed keeps answering, at most, so that every surviving task
+/// hears why before it stops.
+pub const LINGER: Duration = Duration::from_secs(1);
+
+/// The deadline of a report of this task's own failure: the job fails anyway when the report
+/// does not arrive (this task's heartbeats stop), so it never waits long on a lost service.
+const REPORT_DEADLINE: Duration = Duration::from_secs(2);
 
 /// Timing of the coordination service.
 #[derive(Clone, Debug)]
 pub struct CoordinationConfig {
     /// How long registration waits for every task (default 120 s).
     pub rendezvous_timeout: Duration,
-    /// How often each task sends a heartbeat (default 500 ms).
+    /// How often each task's heartbeat reaches the service (default 500 ms): the service holds
+    /// each answer this long unless the job fails.
     pub heartbeat_interval: Duration,
-    /// How long a task may stay silent before it is declared lost (default 3 s).
+    /// How long a task may stay silent before it is declared lost, and how long the service may
+    /// leave heartbeats unanswered before a task declares it lost (default 3 s).
     pub heartbeat_timeout: Duration,
     /// The deadline of one RPC that does not wait for peers (default 10 s).
     pub rpc_timeout: Duration,
     /// Where the cluster comes from, as the service's messages name it (`"TF_CONFIG"`,
     /// `"Slurm's job step"`; default `"the cluster spec"`).
     pub cluster_source: &'static str,
+    /// How long a rendezvous waits, once every task but those refused for their token has
+    /// registered, before it fails naming the refused ones (default 2 s; see the module's
+    /// documentation for why it waits at all).
+    pub refusal_grace: Duration,
 }
 
 impl Default for CoordinationConfig {
@@ -64,6 +144,7 @@ impl Default for CoordinationConfig {
             heartbeat_timeout: Duration::from_secs(3),
             rpc_timeout: Duration::from_secs(10),
             cluster_source: "the cluster spec",
+            refusal_grace: Duration::from_secs(2),
         }
     }
 }
@@ -92,15 +173,34 @@ struct TaskState {
     left: bool,
     collective: String,
     seq: u64,
+    /// Declared lost (its heartbeats stopped).
+    lost: bool,
+    /// Was answered with the job's error.
+    told: bool,
+    /// The last call refused for its token that claimed to be this task.
+    refused: Option<RefusedCall>,
+}
+
+/// A call refused for its token, recorded under the task it claimed to be.
+#[derive(Clone, Copy, Debug)]
+struct RefusedCall {
+    why: Refusal,
+    peer: Option<SocketAddr>,
+    at: Instant,
+    count: u64,
 }
 
 #[derive(Debug)]
 struct JobState {
     tasks: Vec<TaskState>,
     rendezvous_done: bool,
+    /// When the last task registered (the rendezvous' progress).
+    last_registered: Instant,
     error: Option<String>,
     barriers: HashMap<String, HashSet<usize>>,
     kv: HashMap<String, Vec<u8>>,
+    /// Refused calls that claimed no task of this job.
+    refused_unnamed: u64,
 }
 
 #[derive(Debug)]
@@ -115,6 +215,9 @@ struct Service {
 
 impl Service {
     fn rank(&self, task: &Option<TaskName>) -> std::result::Result<usize, Status> {
+        if let Some(t) = task.as_ref().filter(|t| t.r#type.len() > MAX_TASK_TYPE_BYTES) {
+            return Err(over_limit("a task type", t.r#type.len(), MAX_TASK_TYPE_BYTES));
+        }
         let name = task_string(task);
         self.names.iter().position(|n| *n == name).ok_or_else(|| {
             Status::not_found(format!(
@@ -133,26 +236,106 @@ impl Service {
         self.changed.notify_waiters();
     }
 
-    /// Declares tasks lost whose heartbeats stopped.
+    /// Declares tasks lost whose heartbeats stopped; ends a rendezvous that waits only for
+    /// tasks refused for their token.
     fn check_liveness(&self) {
         let mut st = lock(&self.state);
-        if !st.rendezvous_done || st.error.is_some() {
+        if st.error.is_some() {
+            return;
+        }
+        if !st.rendezvous_done {
+            if let Some(m) = self.refused_rendezvous(&st) {
+                self.fail(&mut st, m);
+            }
             return;
         }
         let now = Instant::now();
-        let lost = st.tasks.iter().enumerate().find_map(|(i, t)| {
-            let silent = now.duration_since(t.last_seen?);
-            (!t.left && silent > self.config.heartbeat_timeout).then(|| {
-                let doing = if t.collective.is_empty() {
-                    String::new()
-                } else {
-                    format!(", last seen in {} #{}", t.collective, t.seq)
-                };
-                format!("lost task {}: no heartbeat for {:.1} s{doing}", self.names[i], silent.as_secs_f64())
+        let mut lost = Vec::new();
+        for (i, t) in st.tasks.iter_mut().enumerate() {
+            let Some(seen) = t.last_seen else { continue };
+            let silent = now.duration_since(seen);
+            if t.left || silent <= self.config.heartbeat_timeout {
+                continue;
+            }
+            t.lost = true;
+            // The collective's number stays in the log: an error names one counter, the
+            // training step of whoever reports it.
+            tracing::warn!(task = %self.names[i], collective = %t.collective, seq = t.seq, "a task stopped sending heartbeats");
+            let doing = if !t.collective.is_empty() {
+                format!(", last seen in {}", t.collective)
+            } else if t.seq == 0 {
+                ", its last heartbeat came before its first collective".to_string()
+            } else {
+                String::new()
+            };
+            lost.push(format!("lost task {}: no heartbeat for {:.1} s{doing}", self.names[i], silent.as_secs_f64()));
+        }
+        if !lost.is_empty() {
+            self.fail(&mut st, lost.join("; "));
+        }
+    }
+
+    /// The rendezvous' error when every task that has not registered was refused for its token
+    /// and nothing changed for the grace period (see the module documentation).
+    fn refused_rendezvous(&self, st: &JobState) -> Option<String> {
+        let missing: Vec<usize> = (0..st.tasks.len()).filter(|&i| st.tasks[i].incarnation.is_none()).collect();
+        let refused: Vec<RefusedCall> = missing.iter().map(|&i| st.tasks[i].refused).collect::<Option<_>>()?;
+        let latest = refused.iter().map(|r| r.at).chain([st.last_registered]).max()?;
+        if missing.is_empty() || latest.elapsed() < self.config.refusal_grace {
+            return None;
+        }
+        Some(format!(
+            "rendezvous failed: {}; give every task the same cluster token ({})",
+            self.refusals(st, &missing).join("; "),
+            crate::auth::TOKEN_ENV
+        ))
+    }
+
+    /// "worker:1 was refused: wrong cluster token (3 calls, the last from 10.0.0.2:4711)" for
+    /// each of `tasks` that has a record.
+    fn refusals(&self, st: &JobState, tasks: &[usize]) -> Vec<String> {
+        tasks
+            .iter()
+            .filter_map(|&i| {
+                let r = st.tasks[i].refused?;
+                let from = r.peer.map(|p| format!(", the last from {p}")).unwrap_or_default();
+                let calls = if r.count == 1 { "1 call".to_string() } else { format!("{} calls", r.count) };
+                Some(format!("{} was refused: {} ({calls}{from})", self.names[i], r.why))
             })
-        });
-        if let Some(m) = lost {
-            self.fail(&mut st, m);
+            .collect()
+    }
+
+    /// Records a call the token check refused (bounded: one slot per task of the job).
+    fn record_refusal(&self, claimed: &str, peer: Option<SocketAddr>, why: Refusal) {
+        let mut st = lock(&self.state);
+        let Some(i) = self.names.iter().position(|n| n == claimed) else {
+            st.refused_unnamed += 1;
+            if st.refused_unnamed.is_power_of_two() {
+                tracing::warn!(?peer, %why, count = st.refused_unnamed, "refused calls that name no task of this job");
+            }
+            return;
+        };
+        let count = st.tasks[i].refused.map_or(0, |r| r.count) + 1;
+        st.tasks[i].refused = Some(RefusedCall { why, peer, at: Instant::now(), count });
+        if count.is_power_of_two() {
+            tracing::warn!(task = %self.names[i], ?peer, %why, count, "refused a call that claims to be a task of this job");
+        }
+    }
+
+    /// Fails the job when an authenticated task was refused at registration: it is one of the
+    /// job's own tasks, misconfigured, and the rendezvous cannot complete without it.
+    fn refuse(&self, status: Status) -> Status {
+        let mut st = lock(&self.state);
+        if !st.rendezvous_done {
+            self.fail(&mut st, format!("rendezvous failed: {}", status.message()));
+        }
+        status
+    }
+
+    /// Marks `rank` as told of the job's error.
+    fn told(&self, rank: usize) {
+        if let Some(t) = lock(&self.state).tasks.get_mut(rank) {
+            t.told = true;
         }
     }
 
@@ -193,23 +376,41 @@ impl std::ops::Deref for Svc {
 impl Coordination for Svc {
     async fn register(&self, req: Request<RegisterRequest>) -> std::result::Result<Response<RegisterResponse>, Status> {
         let r = req.into_inner();
-        let rank = self.rank(&r.task)?;
+        // A request over a limit or without a task is malformed, not a misconfigured task of
+        // the job: refused without failing the rendezvous. A well-formed refusal fails it.
+        for (what, f) in
+            [("a cluster fingerprint", &r.cluster_fingerprint), ("a strategy fingerprint", &r.strategy_fingerprint)]
+        {
+            if f.len() > MAX_FINGERPRINT_BYTES {
+                return Err(over_limit(what, f.len(), MAX_FINGERPRINT_BYTES));
+            }
+        }
+        if r.data_address.len() > 512 {
+            return Err(over_limit("a data address", r.data_address.len(), 512));
+        }
+        if r.task.as_ref().is_none_or(|t| t.r#type.is_empty()) {
+            return Err(Status::invalid_argument(format!(
+                "a registration that names no task; give this task its place in {}",
+                self.config.cluster_source
+            )));
+        }
+        let rank =
+            self.rank(&r.task).map_err(|s| if s.code() == Code::InvalidArgument { s } else { self.refuse(s) })?;
         let name = &self.names[rank];
         if r.cluster_fingerprint != self.cluster_fingerprint {
-            return Err(Status::failed_precondition(format!(
+            return Err(self.refuse(Status::failed_precondition(format!(
                 "task {name} runs cluster [{}] but the chief runs [{}]; give every task the same cluster ({})",
                 r.cluster_fingerprint, self.cluster_fingerprint, self.config.cluster_source
-            )));
+            ))));
         }
         if r.strategy_fingerprint != self.strategy_fingerprint {
-            return Err(Status::failed_precondition(format!(
+            return Err(self.refuse(Status::failed_precondition(format!(
                 "task {name} runs strategy [{}] but the chief runs [{}]; run the same program and flags on every task",
                 r.strategy_fingerprint, self.strategy_fingerprint
-            )));
+            ))));
         }
-        if r.data_address.len() > 512 || r.data_address.parse::<SocketAddr>().is_err() && !r.data_address.contains(':')
-        {
-            return Err(Status::invalid_argument(format!("task {name} sent a malformed data address")));
+        if r.data_address.parse::<SocketAddr>().is_err() && !r.data_address.contains(':') {
+            return Err(self.refuse(Status::invalid_argument(format!("task {name} sent a malformed data address"))));
         }
         {
             let mut st = lock(&self.state);
@@ -231,6 +432,7 @@ impl Coordination for Svc {
             t.incarnation = Some(r.incarnation);
             t.data_address = r.data_address;
             t.last_seen = Some(Instant::now());
+            st.last_registered = Instant::now();
             if st.tasks.iter().all(|t| t.incarnation.is_some()) && !st.rendezvous_done {
                 st.rendezvous_done = true;
                 let now = Instant::now();
@@ -246,6 +448,7 @@ impl Coordination for Svc {
         let result = self
             .wait_until(deadline, |st| {
                 if let Some(e) = &st.error {
+                    st.tasks[rank].told = true;
                     return Some(Err(Status::aborted(e.clone())));
                 }
                 st.rendezvous_done.then(|| {
@@ -261,17 +464,13 @@ impl Coordination for Svc {
         match result {
             Err(s) if s.code() == Code::DeadlineExceeded => {
                 let st = lock(&self.state);
-                let missing: Vec<&str> = st
-                    .tasks
-                    .iter()
-                    .zip(&self.names)
-                    .filter(|(t, _)| t.incarnation.is_none())
-                    .map(|(_, n)| n.as_str())
-                    .collect();
+                let missing: Vec<usize> = (0..st.tasks.len()).filter(|&i| st.tasks[i].incarnation.is_none()).collect();
+                let names: Vec<&str> = missing.iter().map(|&i| self.names[i].as_str()).collect();
+                let refused: String = self.refusals(&st, &missing).into_iter().map(|r| format!(" ({r})")).collect();
                 Err(Status::deadline_exceeded(format!(
-                    "rendezvous timed out after {:?}: {} never registered; start every task of the cluster ({})",
+                    "rendezvous timed out after {:?}: {} never registered{refused}; start every task of the cluster ({})",
                     self.config.rendezvous_timeout,
-                    missing.join(", "),
+                    names.join(", "),
                     self.config.cluster_source
                 )))
             }
@@ -285,32 +484,53 @@ impl Coordination for Svc {
     ) -> std::result::Result<Response<HeartbeatResponse>, Status> {
         let r = req.into_inner();
         let rank = self.rank(&r.task)?;
-        let mut st = lock(&self.state);
-        if st.tasks[rank].incarnation.is_some_and(|i| i != r.incarnation) {
-            let m = format!("task {} sent heartbeats from two processes; relaunch the whole job", self.names[rank]);
-            self.fail(&mut st, m);
+        {
+            let mut st = lock(&self.state);
+            if st.tasks[rank].incarnation.is_some_and(|i| i != r.incarnation) {
+                let m = format!("task {} sent heartbeats from two processes; relaunch the whole job", self.names[rank]);
+                self.fail(&mut st, m);
+            }
+            let t = &mut st.tasks[rank];
+            t.last_seen = Some(Instant::now());
+            t.seq = r.collective_seq;
+            t.collective = r.collective.chars().take(200).collect();
+            if let Some(e) = st.error.clone() {
+                st.tasks[rank].told = true;
+                return Ok(Response::new(HeartbeatResponse { error: e }));
+            }
         }
-        let t = &mut st.tasks[rank];
-        t.last_seen = Some(Instant::now());
-        t.seq = r.collective_seq;
-        t.collective = r.collective.chars().take(200).collect();
-        Ok(Response::new(HeartbeatResponse { error: st.error.clone().unwrap_or_default() }))
+        // A long poll: answer when the job fails, or once the wait is over.
+        let wait = Duration::from_millis(r.wait_ms).min(MAX_HEARTBEAT_WAIT);
+        let error = self.wait_until(Instant::now() + wait, |st| st.error.clone().map(Ok)).await.unwrap_or_default();
+        if !error.is_empty() {
+            self.told(rank);
+        }
+        Ok(Response::new(HeartbeatResponse { error }))
     }
 
     async fn barrier(&self, req: Request<BarrierRequest>) -> std::result::Result<Response<BarrierResponse>, Status> {
         let r = req.into_inner();
         let rank = self.rank(&r.task)?;
-        if r.name.len() > 256 {
-            return Err(Status::invalid_argument("barrier names are at most 256 bytes"));
+        if r.name.len() > MAX_KEY_BYTES {
+            return Err(over_limit("a barrier name", r.name.len(), MAX_KEY_BYTES));
         }
         let n = self.names.len();
-        lock(&self.state).barriers.entry(r.name.clone()).or_default().insert(rank);
+        {
+            let mut st = lock(&self.state);
+            if !st.barriers.contains_key(&r.name) && st.barriers.len() >= MAX_BARRIERS {
+                return Err(Status::invalid_argument(format!(
+                    "the job has entered {MAX_BARRIERS} barriers, the limit; reuse barrier names"
+                )));
+            }
+            st.barriers.entry(r.name.clone()).or_default().insert(rank);
+        }
         self.changed.notify_waiters();
         let timeout = Duration::from_millis(r.timeout_ms.clamp(1, 24 * 3600 * 1000));
         let name = r.name.clone();
         let result = self
             .wait_until(Instant::now() + timeout, |st| {
                 if let Some(e) = &st.error {
+                    st.tasks[rank].told = true;
                     return Some(Err(Status::aborted(e.clone())));
                 }
                 (st.barriers.get(&name).map_or(0, HashSet::len) == n).then_some(Ok(BarrierResponse {}))
@@ -335,7 +555,10 @@ impl Coordination for Svc {
     async fn report_error(&self, req: Request<ReportErrorRequest>) -> std::result::Result<Response<Empty>, Status> {
         let r = req.into_inner();
         let rank = self.rank(&r.task)?;
-        let message: String = r.message.chars().take(2000).collect();
+        if r.message.len() > MAX_ERROR_BYTES {
+            return Err(over_limit("an error message", r.message.len(), MAX_ERROR_BYTES));
+        }
+        let message = r.message;
         let mut st = lock(&self.state);
         self.fail(&mut st, format!("task {} failed: {message}", self.names[rank]));
         Ok(Response::new(Empty {}))
@@ -352,12 +575,18 @@ impl Coordination for Svc {
 
     async fn set_key(&self, req: Request<SetKeyRequest>) -> std::result::Result<Response<Empty>, Status> {
         let r = req.into_inner();
-        if r.key.len() > 256 || r.value.len() > MAX_KV_BYTES {
-            return Err(Status::invalid_argument(format!(
-                "keys are at most 256 bytes and values at most {MAX_KV_BYTES} bytes"
-            )));
+        if r.key.len() > MAX_KEY_BYTES {
+            return Err(over_limit("a key", r.key.len(), MAX_KEY_BYTES));
+        }
+        if r.value.len() > MAX_KV_BYTES {
+            return Err(over_limit("a value", r.value.len(), MAX_KV_BYTES));
         }
         let mut st = lock(&self.state);
+        if !st.kv.contains_key(&r.key) && st.kv.len() >= MAX_KEYS {
+            return Err(Status::invalid_argument(format!(
+                "the key-value store holds {MAX_KEYS} keys, the limit; reuse keys"
+            )));
+        }
         match st.kv.get(&r.key) {
             Some(v) if *v != r.value => {
                 return Err(Status::already_exists(format!("key {:?} is already set to another value", r.key)))
@@ -372,6 +601,9 @@ impl Coordination for Svc {
 
     async fn get_key(&self, req: Request<GetKeyRequest>) -> std::result::Result<Response<GetKeyResponse>, Status> {
         let r = req.into_inner();
+        if r.key.len() > MAX_KEY_BYTES {
+            return Err(over_limit("a key", r.key.len(), MAX_KEY_BYTES));
+        }
         let timeout = Duration::from_millis(r.timeout_ms.clamp(1, 24 * 3600 * 1000));
         let key = r.key.clone();
         self.wait_until(Instant::now() + timeout, |st| {
@@ -417,9 +649,11 @@ impl CoordinationServerHandle {
         let state = JobState {
             tasks: names.iter().map(|_| TaskState::default()).collect(),
             rendezvous_done: false,
+            last_registered: Instant::now(),
             error: None,
             barriers: HashMap::new(),
             kv: HashMap::new(),
+            refused_unnamed: 0,
         };
         let service = Arc::new(Service {
             names,
@@ -432,7 +666,13 @@ impl CoordinationServerHandle {
         let (listener, address) = crate::rt::listen(bind, "the coordination service")?;
         let svc = service.clone();
         let mut builder = crate::auth::server_builder(&token)?;
-        let interceptor = server_interceptor(token);
+        let recorder = {
+            let svc = service.clone();
+            Arc::new(move |claimed: &str, peer: Option<SocketAddr>, why: Refusal| {
+                svc.record_refusal(claimed, peer, why)
+            })
+        };
+        let interceptor = server_interceptor_recording(token, recorder);
         let what = "the coordination service".to_string();
         let server = crate::rt::spawn_server::<CoordinationServer<Svc>, _, _>(
             listener,
@@ -450,9 +690,10 @@ impl CoordinationServerHandle {
                         }
                     })
                 };
+                let coordination = CoordinationServer::new(Svc(svc)).max_decoding_message_size(MAX_REQUEST_BYTES);
                 let result = builder
                     .add_service(health)
-                    .add_service(CoordinationServer::with_interceptor(Svc(svc), interceptor))
+                    .add_service(InterceptedService::new(DecodeErrors(coordination), interceptor))
                     .serve_with_incoming_shutdown(incoming, stop)
                     .await;
                 monitor.abort();
@@ -488,8 +729,30 @@ impl CoordinationServerHandle {
         self.stop();
     }
 
+    /// Stops. After a failure, first lets every surviving task hear why (at most [`LINGER`]),
+    /// then drops the connections without waiting for a graceful shutdown, which a lost task
+    /// would never acknowledge.
     fn stop(&mut self) {
-        self.server.stop();
+        let failed = {
+            let deadline = Instant::now() + LINGER;
+            loop {
+                let st = lock(&self.service.state);
+                if st.error.is_none() {
+                    break false;
+                }
+                let untold = st.tasks.iter().any(|t| t.incarnation.is_some() && !t.lost && !t.left && !t.told);
+                if !untold || Instant::now() >= deadline {
+                    break true;
+                }
+                drop(st);
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        };
+        if failed {
+            self.server.stop_within(Duration::from_millis(100));
+        } else {
+            self.server.stop();
+        }
     }
 }
 
@@ -534,8 +797,13 @@ pub struct CoordinationMember {
     incarnation: u64,
     config: CoordinationConfig,
     peer: String,
+    /// The task that serves the service (`chief:0`, or `worker:0` when there is no chief job;
+    /// named when it is lost).
+    service_task: String,
     progress: Arc<Progress>,
-    stop: Arc<AtomicBool>,
+    /// Set once the heartbeats concluded that the service is lost: nothing more is sent to it.
+    service_lost: Arc<AtomicBool>,
+    stop: tokio::sync::watch::Sender<bool>,
     heartbeats: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -557,9 +825,16 @@ fn rpc_error(rpc: &str, peer: &str, s: Status) -> Error {
 }
 
 impl CoordinationMember {
-    /// Connects task `task` (e.g. `worker:1`) to the service at `address`, retrying until the
-    /// rendezvous deadline (the chief may start after its workers).
-    pub fn connect(address: &str, task: &str, token: ClusterToken, config: CoordinationConfig) -> Result<Self> {
+    /// Connects task `task` (e.g. `worker:1`) to the service that task `chief` (`chief:0`, or
+    /// `worker:0` when the cluster has no chief job; errors name it) serves at `address`,
+    /// retrying until the rendezvous deadline (the chief may start after its workers).
+    pub fn connect(
+        address: &str,
+        chief: &str,
+        task: &str,
+        token: ClusterToken,
+        config: CoordinationConfig,
+    ) -> Result<Self> {
         let endpoint = crate::auth::endpoint(address, "the coordination service", &token)?
             .connect_timeout(Duration::from_secs(2))
             .tcp_nodelay(true);
@@ -570,7 +845,7 @@ impl CoordinationMember {
                     Ok(c) => return Ok(c),
                     Err(e) if Instant::now() >= deadline => {
                         return Err(Error::PeerLost {
-                            task: "chief".into(),
+                            task: chief.to_string(),
                             collective: "rendezvous".into(),
                             step: 0,
                             detail: format!("the coordination service at {address} did not answer: {e}"),
@@ -580,15 +855,17 @@ impl CoordinationMember {
                 }
             }
         })?;
-        let client = CoordinationClient::with_interceptor(channel, client_interceptor(token));
+        let client = CoordinationClient::with_interceptor(channel, client_interceptor_as(token, task));
         Ok(Self {
             client,
             task: task.to_string(),
             incarnation: rand_incarnation(),
             config,
             peer: format!("the coordination service at {address}"),
+            service_task: chief.to_string(),
             progress: Arc::new(Progress::default()),
-            stop: Arc::new(AtomicBool::new(false)),
+            service_lost: Arc::new(AtomicBool::new(false)),
+            stop: tokio::sync::watch::channel(false).0,
             heartbeats: None,
         })
     }
@@ -596,6 +873,11 @@ impl CoordinationMember {
     /// The task's progress record, which its heartbeats report.
     pub fn progress(&self) -> Arc<Progress> {
         self.progress.clone()
+    }
+
+    /// Whether the heartbeats concluded that the service is lost.
+    pub fn service_lost(&self) -> bool {
+        self.service_lost.load(Ordering::Relaxed)
     }
 
     /// Registers and waits for every task (the rendezvous).
@@ -620,49 +902,77 @@ impl CoordinationMember {
     }
 
     /// Starts the heartbeat thread. `on_failure` is called once, with the reason, when the job
-    /// fails (a task lost or an error reported) or the service stops answering.
+    /// fails (a task lost or an error reported) or the service stops answering: within
+    /// [`CoordinationConfig::heartbeat_timeout`] of the last answer, however the service was
+    /// lost (killed, stopped, cut off).
     pub fn start_heartbeats(&mut self, on_failure: impl Fn(String) + Send + 'static) {
         let mut client = self.client.clone();
-        let (task, incarnation, config, peer) =
-            (self.task.clone(), self.incarnation, self.config.clone(), self.peer.clone());
-        let (progress, stop) = (self.progress.clone(), self.stop.clone());
+        let (task, incarnation, config, peer, service_task) =
+            (self.task.clone(), self.incarnation, self.config.clone(), self.peer.clone(), self.service_task.clone());
+        let (progress, lost, mut stop) = (self.progress.clone(), self.service_lost.clone(), self.stop.subscribe());
         let handle = std::thread::Builder::new().name("strata-heartbeat".into()).spawn(move || {
-            let mut last_ok = Instant::now();
-            while !stop.load(Ordering::Relaxed) {
-                let what = *lock(&progress.what);
-                let mut req = Request::new(HeartbeatRequest {
-                    task: Some(task_proto(&task)),
-                    incarnation,
-                    collective_seq: progress.seq.load(Ordering::Relaxed),
-                    collective: what.to_string(),
-                });
-                req.set_timeout(config.heartbeat_interval.max(Duration::from_millis(500)));
-                match runtime().block_on(client.heartbeat(req)) {
-                    Ok(r) => {
-                        last_ok = Instant::now();
-                        let e = r.into_inner().error;
-                        if !e.is_empty() {
-                            on_failure(e);
-                            return;
-                        }
-                    }
-                    Err(s) if last_ok.elapsed() > config.heartbeat_timeout => {
-                        if !stop.load(Ordering::Relaxed) {
-                            on_failure(format!(
-                                "lost task chief: {peer} has not answered heartbeats for {:.1} s ({})",
-                                last_ok.elapsed().as_secs_f64(),
-                                s.message()
-                            ));
-                        }
+            runtime().block_on(async move {
+                let interval = config.heartbeat_interval.max(Duration::from_millis(10));
+                // The service holds an answer for `interval`; give the answer as long again.
+                let patience = interval * 2 + Duration::from_millis(200);
+                let mut last_ok = Instant::now();
+                let mut last_error = String::from("no answer yet");
+                loop {
+                    if *stop.borrow() {
                         return;
                     }
-                    Err(_) => {}
+                    let left = (last_ok + config.heartbeat_timeout).saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        lost.store(true, Ordering::Relaxed);
+                        let what = *lock(&progress.what);
+                        let doing = if what.is_empty() {
+                            String::new()
+                        } else {
+                            // The collective's number stays in the log (one counter per error).
+                            tracing::warn!(%task, collective = what, seq = progress.seq.load(Ordering::Relaxed), "the coordination service stopped answering");
+                            format!("; task {task} was in {what}")
+                        };
+                        on_failure(format!(
+                            "lost task {service_task}: {peer} has not answered heartbeats for {:.1} s ({last_error}){doing}",
+                            last_ok.elapsed().as_secs_f64(),
+                        ));
+                        return;
+                    }
+                    let mut req = Request::new(HeartbeatRequest {
+                        task: Some(task_proto(&task)),
+                        incarnation,
+                        collective_seq: progress.seq.load(Ordering::Relaxed),
+                        collective: (*lock(&progress.what)).to_string(),
+                        wait_ms: interval.as_millis() as u64,
+                    });
+                    let deadline = left.min(patience);
+                    req.set_timeout(deadline);
+                    let call = tokio::time::timeout(deadline, client.heartbeat(req));
+                    let outcome = tokio::select! {
+                        _ = stop.changed() => return,
+                        outcome = call => outcome,
+                    };
+                    match outcome {
+                        Ok(Ok(r)) => {
+                            last_ok = Instant::now();
+                            let e = r.into_inner().error;
+                            if !e.is_empty() {
+                                on_failure(e);
+                                return;
+                            }
+                            continue;
+                        }
+                        Ok(Err(s)) => last_error = format!("{:?}: {}", s.code(), s.message()),
+                        Err(_) => last_error = format!("no answer within {deadline:?}"),
+                    }
+                    // Refused or unreachable: try again soon, until the timeout says it is lost.
+                    let pause = Duration::from_millis(100).min(left);
+                    tokio::select! {
+                        _ = stop.changed() => return,
+                        _ = tokio::time::sleep(pause) => {}
+                    }
                 }
-                let until = Instant::now() + config.heartbeat_interval;
-                while Instant::now() < until && !stop.load(Ordering::Relaxed) {
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-            }
+            })
         });
         self.heartbeats = handle.ok();
     }
@@ -680,18 +990,36 @@ impl CoordinationMember {
         Ok(())
     }
 
-    /// Tells every task that this one failed.
+    /// Tells every task that this one failed. Does nothing when the service is known to be
+    /// lost, and waits at most 2 s (the job fails anyway once this task stops sending
+    /// heartbeats).
     pub fn report_error(&self, message: &str) -> Result<()> {
+        if self.service_lost() {
+            return Ok(());
+        }
         let mut client = self.client.clone();
+        let message = truncated(message, MAX_ERROR_BYTES);
         let mut req = Request::new(ReportErrorRequest { task: Some(task_proto(&self.task)), message: message.into() });
-        req.set_timeout(self.config.rpc_timeout);
-        runtime().block_on(client.report_error(req)).map_err(|s| rpc_error("ReportError", &self.peer, s))?;
+        let deadline = self.config.rpc_timeout.min(REPORT_DEADLINE);
+        req.set_timeout(deadline);
+        runtime()
+            .block_on(async { tokio::time::timeout(deadline, client.report_error(req)).await })
+            .map_err(|_| Error::Timeout {
+                task: self.service_task.clone(),
+                collective: "ReportError".into(),
+                step: 0,
+                timeout: deadline,
+            })?
+            .map_err(|s| rpc_error("ReportError", &self.peer, s))?;
         Ok(())
     }
 
     /// Leaves the job cleanly and stops the heartbeats.
     pub fn leave(&mut self) -> Result<()> {
         self.stop_heartbeats();
+        if self.service_lost() {
+            return Err(Error::Aborted(format!("task {} cannot leave: {} is lost", self.task, self.service_task)));
+        }
         let mut client = self.client.clone();
         let mut req = Request::new(LeaveRequest { task: Some(task_proto(&self.task)), incarnation: self.incarnation });
         req.set_timeout(self.config.rpc_timeout);
@@ -717,7 +1045,7 @@ impl CoordinationMember {
     }
 
     fn stop_heartbeats(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
+        self.stop.send_replace(true);
         if let Some(h) = self.heartbeats.take() {
             let _ = h.join();
         }

@@ -4,7 +4,10 @@ use std::time::Duration;
 
 /// Errors from strata-transport. Messages are lower case, without a trailing period, and name
 /// the peer task and the operation. `tonic::Status` is converted into these at the transport
-/// boundary and nowhere else.
+/// boundary and nowhere else. The collective's number (`step` in the ring's variants) is kept
+/// for the program and the log, not shown: an error names one counter, the training step its
+/// caller adds, and a number is shown only where it is the disagreement itself (a mismatch of
+/// numbers, in the calls the [`Error::Mismatch`] names).
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// A configuration that cannot be used (addresses, sizes, tokens).
@@ -17,17 +20,15 @@ pub enum Error {
 
     /// A peer task was lost (connection closed, reset, or its heartbeats stopped) while this
     /// task needed it.
-    #[error("lost task {task} during {collective} (collective #{step}): {detail}")]
+    #[error("lost task {task} during {collective}: {detail}")]
     PeerLost { task: String, collective: String, step: u64, detail: String },
 
     /// A collective or RPC did not complete within its deadline.
-    #[error("{collective} (collective #{step}) timed out after {timeout:?} waiting for task {task}")]
+    #[error("{collective} timed out after {timeout:?} waiting for task {task}")]
     Timeout { task: String, collective: String, step: u64, timeout: Duration },
 
     /// Peers issued different collectives at the same sequence number.
-    #[error(
-        "collective order mismatch at collective #{step}: task {me} called {mine} but task {peer} called {theirs}"
-    )]
+    #[error("collective order mismatch: task {me} called {mine} but task {peer} called {theirs}")]
     Mismatch { step: u64, me: String, mine: String, peer: String, theirs: String },
 
     /// The collective was aborted because the cluster failed elsewhere.

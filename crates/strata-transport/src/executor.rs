@@ -5,9 +5,14 @@
 //! - The server ([`WorkerExecutorHandle`]) admits only calls carrying the cluster token, serves
 //!   `grpc.health.v1` behind the same check, and runs [`StepHandler::run`] on tokio's blocking
 //!   pool (step functions call the blocking parameter-server clients).
-//! - [`StepFailure::NotFound`] is answered `NOT_FOUND`, [`StepFailure::Unavailable`] `UNAVAILABLE`
-//!   (message prefixed `"step unavailable: "`: a parameter server could not be reached and the
-//!   coordinator retries the step), [`StepFailure::Failed`] `INTERNAL` with its message.
+//! - [`StepFailure::NotFound`] is answered `NOT_FOUND`, [`StepFailure::InvalidArgument`]
+//!   `INVALID_ARGUMENT` (arguments that do not decode, or ask for more than the step allows),
+//!   [`StepFailure::Unavailable`] `UNAVAILABLE` (message prefixed `"step unavailable: "`: a
+//!   parameter server could not be reached and the coordinator retries the step),
+//!   [`StepFailure::Failed`] `INTERNAL` with its message.
+//! - Requests are bounded: a function or client name of at most [`MAX_NAME_BYTES`], arguments
+//!   of at most [`MAX_ARGS_BYTES`], at most [`MAX_STEPS_IN_FLIGHT`] steps running at once
+//!   (`RESOURCE_EXHAUSTED` beyond); an undecodable request is `INVALID_ARGUMENT`.
 //! - The client ([`WorkerClient`]) is blocking and tells a worker that could not be reached
 //!   (`Error::Unavailable` whose detail starts with `"worker unreachable"`) from a step that
 //!   reported a parameter server unavailable (detail starting with `"step unavailable: "`).
@@ -26,6 +31,8 @@ use tonic::transport::Channel;
 use tonic::{Code, Request, Response, Status};
 
 use crate::auth::{client_interceptor, server_interceptor, ClientAuth, ClusterToken};
+use crate::guard::DecodeErrors;
+use crate::ring::AbortSignal;
 use crate::rt::{runtime, ServerHandle};
 use crate::{Error, Result};
 
@@ -35,17 +42,28 @@ pub const STEP_UNAVAILABLE: &str = "step unavailable: ";
 /// The prefix of the detail of an [`Error::Unavailable`] for a worker that could not be reached.
 pub const WORKER_UNREACHABLE: &str = "worker unreachable";
 
-/// The largest step arguments or result (serialized) a worker or the coordinator accepts.
+/// The largest step result (serialized) the coordinator accepts.
 pub const MAX_MESSAGE_BYTES: usize = 256 << 20;
 
-/// The longest function name a worker accepts.
-const MAX_FUNCTION_NAME: usize = 256;
+/// The largest `RunStep` request (the step's serialized arguments and names) a worker accepts:
+/// steps name their work (a batch, a file), they do not carry it.
+pub const MAX_ARGS_BYTES: usize = 16 << 20;
+
+/// The longest function or client name a worker accepts, in bytes.
+pub const MAX_NAME_BYTES: usize = 256;
+
+/// The most steps a worker runs at once; more are refused with `RESOURCE_EXHAUSTED` (a
+/// coordinator runs one step per worker at a time).
+pub const MAX_STEPS_IN_FLIGHT: usize = 32;
 
 /// Why a step function did not return a result.
 #[derive(Debug, Clone)]
 pub enum StepFailure {
     /// No function of this name is registered (the text: the function's name, or more detail).
     NotFound(String),
+    /// The arguments do not decode, or ask for more than the step function allows (the text
+    /// says which, and the limit).
+    InvalidArgument(String),
     /// A parameter server could not be reached; the coordinator retries the step.
     Unavailable(String),
     /// The function failed; the text says why.
@@ -80,6 +98,8 @@ struct Service {
     steps_run: AtomicU64,
     incarnation: u64,
     stopping: tokio::sync::watch::Receiver<bool>,
+    /// Steps running now (at most [`MAX_STEPS_IN_FLIGHT`]).
+    in_flight: Arc<tokio::sync::Semaphore>,
 }
 
 #[derive(Clone)]
@@ -99,6 +119,9 @@ impl Svc {
                     "no step function named {function} is registered in {task}{extra} (registered: {have}); register it in the binary every task runs"
                 ))
             }
+            StepFailure::InvalidArgument(detail) => {
+                Status::invalid_argument(format!("step {step} ({function}) refused by {task}: {detail}"))
+            }
             StepFailure::Unavailable(detail) => Status::unavailable(format!("{STEP_UNAVAILABLE}{detail}")),
             StepFailure::Failed(detail) => {
                 Status::internal(format!("step {step} ({function}) failed in {task}: {detail}"))
@@ -111,21 +134,35 @@ impl Svc {
 impl WorkerExecutor for Svc {
     async fn run_step(&self, req: Request<RunStepRequest>) -> std::result::Result<Response<RunStepResponse>, Status> {
         let r = req.into_inner();
-        if r.function.is_empty() || r.function.len() > MAX_FUNCTION_NAME {
+        if r.function.is_empty() || r.function.len() > MAX_NAME_BYTES {
             return Err(Status::invalid_argument(format!(
-                "a step function name must be 1 to {MAX_FUNCTION_NAME} bytes"
+                "a step function name of {} bytes; the limit is 1 to {MAX_NAME_BYTES} bytes",
+                r.function.len()
             )));
         }
-        if r.client.len() > MAX_FUNCTION_NAME {
-            return Err(Status::invalid_argument(format!("a client name must be at most {MAX_FUNCTION_NAME} bytes")));
+        if r.client.len() > MAX_NAME_BYTES {
+            return Err(Status::invalid_argument(format!(
+                "a client name of {} bytes; the limit is {MAX_NAME_BYTES} bytes",
+                r.client.len()
+            )));
         }
         let mut stopping = self.0.stopping.clone();
         if *stopping.borrow() {
             return Err(Status::unavailable(format!("worker {} is shutting down", self.0.task)));
         }
+        let Ok(permit) = self.0.in_flight.clone().try_acquire_owned() else {
+            return Err(Status::resource_exhausted(format!(
+                "worker {} runs {MAX_STEPS_IN_FLIGHT} steps already, the limit; send the step again when one has finished",
+                self.0.task
+            )));
+        };
         let svc = self.0.clone();
         let (function, step) = (r.function.clone(), r.step);
-        let job = tokio::task::spawn_blocking(move || svc.handler.run(&r.function, r.step, &r.client, &r.args));
+        let job = tokio::task::spawn_blocking(move || {
+            let result = svc.handler.run(&r.function, r.step, &r.client, &r.args);
+            drop(permit);
+            result
+        });
         let outcome = tokio::select! {
             joined = job => joined,
             _ = stopping.wait_for(|s| *s) => {
@@ -185,6 +222,7 @@ impl WorkerExecutorHandle {
             steps_run: AtomicU64::new(0),
             incarnation: random_u64(),
             stopping: rx,
+            in_flight: Arc::new(tokio::sync::Semaphore::new(MAX_STEPS_IN_FLIGHT)),
         });
         let mut builder = crate::auth::server_builder(&token)?;
         let interceptor = server_interceptor(token);
@@ -196,11 +234,11 @@ impl WorkerExecutorHandle {
             interceptor.clone(),
             |health, (incoming, stop)| async move {
                 let service = WorkerExecutorServer::new(Svc(service))
-                    .max_decoding_message_size(MAX_MESSAGE_BYTES)
+                    .max_decoding_message_size(MAX_ARGS_BYTES)
                     .max_encoding_message_size(MAX_MESSAGE_BYTES);
                 builder
                     .add_service(health)
-                    .add_service(InterceptedService::new(service, interceptor))
+                    .add_service(InterceptedService::new(DecodeErrors(service), interceptor))
                     .serve_with_incoming_shutdown(incoming, stop)
                     .await
             },
@@ -217,6 +255,8 @@ type Client = WorkerExecutorClient<InterceptedService<Channel, ClientAuth>>;
 #[derive(Clone)]
 pub struct WorkerClient {
     client: Client,
+    /// The same authenticated channel, for the health service.
+    raw: InterceptedService<Channel, ClientAuth>,
     address: String,
     task: String,
     timeout: Duration,
@@ -251,10 +291,11 @@ impl WorkerClient {
             let _guard = runtime().enter();
             endpoint.connect_lazy()
         };
-        let client = WorkerExecutorClient::with_interceptor(channel, client_interceptor(token))
+        let raw = InterceptedService::new(channel, client_interceptor(token));
+        let client = WorkerExecutorClient::new(raw.clone())
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES);
-        Ok(Self { client, address: address.to_string(), task: task.to_string(), timeout })
+        Ok(Self { client, raw, address: address.to_string(), task: task.to_string(), timeout })
     }
 
     /// The worker's address.
@@ -294,6 +335,21 @@ impl WorkerClient {
     /// when the step reported a parameter server unavailable; [`Error::Rejected`] for an
     /// unregistered function (`NotFound`) or a failed one (`Internal`); [`Error::Timeout`].
     pub fn run_step(&self, function: &str, step: u64, client: &str, args: &[u8]) -> Result<Vec<u8>> {
+        self.run_step_until(function, step, client, args, &AbortSignal::new())
+    }
+
+    /// [`run_step`](Self::run_step) that gives up once `cancel` is raised (the coordinator
+    /// found the worker lost, or the job failed): an [`Error::Unavailable`] whose detail starts
+    /// with `"worker unreachable"` and carries the reason. The step may still finish on the
+    /// worker; its pushes are then answered as duplicates of the re-run's.
+    pub fn run_step_until(
+        &self,
+        function: &str,
+        step: u64,
+        client: &str,
+        args: &[u8],
+        cancel: &AbortSignal,
+    ) -> Result<Vec<u8>> {
         let mut c = self.client.clone();
         let mut req = Request::new(RunStepRequest {
             function: function.to_string(),
@@ -303,18 +359,60 @@ impl WorkerClient {
         });
         req.set_timeout(self.timeout);
         let rpc = format!("RunStep({function}) of step {step}");
-        match runtime().block_on(c.run_step(req)) {
-            Ok(r) => Ok(r.into_inner().result.to_vec()),
-            Err(s) => Err(self.error(&rpc, step, s)),
+        let outcome = runtime().block_on(async {
+            tokio::select! {
+                r = c.run_step(req) => Some(r),
+                () = crate::ring::raised(Some(cancel)) => None,
+            }
+        });
+        match outcome {
+            Some(Ok(r)) => Ok(r.into_inner().result.to_vec()),
+            Some(Err(s)) => Err(self.error(&rpc, step, s)),
+            None => Err(Error::Unavailable {
+                peer: self.task.clone(),
+                rpc,
+                detail: format!(
+                    "{WORKER_UNREACHABLE} at {}: {}",
+                    self.address,
+                    cancel.reason().unwrap_or_else(|| "cancelled".into())
+                ),
+            }),
         }
+    }
+
+    /// Whether the worker's `grpc.health.v1` service answers SERVING for the executor.
+    pub fn serving(&self) -> Result<bool> {
+        use tonic_health::pb::health_check_response::ServingStatus;
+        use tonic_health::pb::health_client::HealthClient;
+        use tonic_health::pb::HealthCheckRequest;
+        let mut health = HealthClient::new(self.raw.clone());
+        let service = <WorkerExecutorServer<Svc> as tonic::server::NamedService>::NAME;
+        let mut req = Request::new(HealthCheckRequest { service: service.into() });
+        req.set_timeout(self.timeout.min(Duration::from_secs(10)));
+        let r = runtime().block_on(health.check(req)).map_err(|s| self.error("Check", 0, s))?.into_inner();
+        Ok(r.status == ServingStatus::Serving as i32)
     }
 
     /// Asks the worker who it is and what it offers.
     pub fn ping(&self) -> Result<WorkerInfo> {
+        self.ping_within(self.timeout.min(Duration::from_secs(10)))
+    }
+
+    /// [`ping`](Self::ping) with its own deadline (a liveness probe).
+    pub fn ping_within(&self, deadline: Duration) -> Result<WorkerInfo> {
         let mut c = self.client.clone();
         let mut req = Request::new(WorkerPingRequest {});
-        req.set_timeout(self.timeout.min(Duration::from_secs(10)));
-        let r = runtime().block_on(c.ping(req)).map_err(|s| self.error("Ping", 0, s))?.into_inner();
+        req.set_timeout(deadline);
+        let r = runtime()
+            .block_on(async { tokio::time::timeout(deadline, c.ping(req)).await })
+            .map_err(|_| Error::Timeout {
+                task: self.task.clone(),
+                collective: "Ping".into(),
+                step: 0,
+                timeout: deadline,
+            })?
+            .map_err(|s| self.error("Ping", 0, s))?
+            .into_inner();
         Ok(WorkerInfo { task: r.task, functions: r.functions, steps_run: r.steps_run, incarnation: r.incarnation })
     }
 }

@@ -16,7 +16,7 @@
 //!     CoordinationConfig::default(),
 //! )?;
 //! let member =
-//!     CoordinationMember::connect(&server.address().to_string(), "worker:0", token, CoordinationConfig::default())?;
+//!     CoordinationMember::connect(&server.address().to_string(), "worker:0", "worker:0", token, CoordinationConfig::default())?;
 //! let job = member.register("worker=127.0.0.1:2222", "multi-worker-mirrored", "127.0.0.1:7000")?;
 //! assert_eq!((job.rank, job.data_addresses.len()), (0, 1));
 //! # Ok::<(), strata_transport::Error>(())
@@ -26,6 +26,7 @@ pub mod auth;
 pub mod coordination;
 mod error;
 pub mod executor;
+mod guard;
 pub mod hooks;
 pub mod inject;
 pub mod probe;
@@ -37,3 +38,4 @@ pub use rt::ServerHandle;
 pub use auth::{ClusterToken, MutualTls};
 pub use coordination::{CoordinationConfig, CoordinationMember, CoordinationServerHandle, Registration};
 pub use error::{Error, Result};
+pub use ring::AbortSignal;

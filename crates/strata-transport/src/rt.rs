@@ -45,12 +45,12 @@ pub(crate) type Serve = (
 
 /// The health service every server carries, behind the cluster token.
 pub(crate) type Health = tonic::service::interceptor::InterceptedService<
-    tonic_health::pb::health_server::HealthServer<tonic_health::server::HealthService>,
+    crate::guard::DecodeErrors<tonic_health::pb::health_server::HealthServer<tonic_health::server::HealthService>>,
     crate::auth::ServerAuth,
 >;
 
 /// Runs a gRPC server on the transport runtime: `body` gets the health service (which reports
-/// service `S` serving, behind `auth`) and builds the server, serving the connections of
+/// service `S` serving, behind `auth`; undecodable requests answer `INVALID_ARGUMENT`) and builds the server, serving the connections of
 /// `listener` (Nagle's algorithm off) until `stop` turns true (the returned [`ServerTask`]
 /// turns it); a server that ends with an error logs it as `what`. Every server of this crate
 /// starts and stops here.
@@ -76,7 +76,7 @@ where
         let shutdown = Box::pin(async move {
             let _ = rx.wait_for(|s| *s).await;
         });
-        let health = tonic::service::interceptor::InterceptedService::new(health, auth);
+        let health = tonic::service::interceptor::InterceptedService::new(crate::guard::DecodeErrors(health), auth);
         if let Err(e) = body(health, (Box::pin(incoming(listener)), shutdown)).await {
             tracing::error!(server = %what, error = %e, "a server stopped");
         }
@@ -137,11 +137,22 @@ impl ServerTask {
 
     /// Asks the server to stop and waits (up to 5 s) for it to end.
     pub(crate) fn stop(&mut self) {
+        self.stop_within(std::time::Duration::from_secs(5));
+    }
+
+    /// Asks the server to stop, waits up to `grace` for its graceful shutdown, then drops it.
+    /// A graceful HTTP/2 shutdown waits for every client to acknowledge it, which a stopped or
+    /// cut-off client never does: after a failure, stop with a short grace.
+    pub(crate) fn stop_within(&mut self, grace: std::time::Duration) {
         if let Some(tx) = self.stop.take() {
             let _ = tx.send(true);
         }
-        if let Some(done) = self.done.take() {
-            let _ = runtime().block_on(async { tokio::time::timeout(std::time::Duration::from_secs(5), done).await });
+        if let Some(mut done) = self.done.take() {
+            let ended = runtime().block_on(async { tokio::time::timeout(grace, &mut done).await.is_ok() });
+            if !ended {
+                done.abort();
+                tracing::debug!(?grace, "a server did not stop gracefully in time; dropped it");
+            }
         }
     }
 

@@ -349,7 +349,7 @@ fn different_steps_are_a_mismatch() {
     let cfgs = configs(2, |_, c| c.timeout = Duration::from_secs(20));
     let results = run(cfgs, |r, ring| ring.unwrap().barrier(if r == 0 { 3 } else { 4 }).unwrap_err());
     for e in &results {
-        assert_mismatch(e, &["barrier at step 3", "barrier at step 4"]);
+        assert_mismatch(e, &["barrier as collective #3", "barrier as collective #4"]);
     }
 }
 

@@ -23,6 +23,17 @@ pub enum Error {
     /// A command-line value that cannot be used; the message says what to pass instead.
     #[error("{0}")]
     Usage(String),
+    /// Training stopped early, cleanly, on request (a [`crate::trainer::StopSignal`]; the
+    /// `strata` command's on SIGTERM or SIGINT, `code` being the signal's number).
+    #[error("training stopped after step {step}: {detail}")]
+    Stopped {
+        /// The last step trained.
+        step: usize,
+        /// The request's code.
+        code: u32,
+        /// Why, and how to resume.
+        detail: String,
+    },
     /// An I/O error with context.
     #[error("{context}: {source}")]
     Io {
@@ -36,11 +47,14 @@ pub enum Error {
 
 impl Error {
     /// The process exit code for this error: 2 for input the user can fix (flags, files,
-    /// replica counts, device lists), 1 for failures at run time.
+    /// replica counts, device lists), 128 plus the code of a stop on request (143 after
+    /// SIGTERM), 1 for failures at run time.
     pub fn exit_code(&self) -> i32 {
         use strata_core::Error as C;
         match self {
             Error::Data { .. } | Error::Usage(_) => 2,
+            // As a process killed by that signal would (128 + SIGTERM: 143).
+            Error::Stopped { code, .. } => 128 + (*code).min(127) as i32,
             Error::Core(
                 C::ZeroReplicas
                 | C::InvalidDeviceSpec { .. }

@@ -3,6 +3,40 @@
 use candle_core::{Tensor, D};
 use candle_nn::{Init, VarBuilder};
 
+/// The most hidden layers of an MLP built from a command line or a step's arguments.
+pub const MAX_HIDDEN_LAYERS: usize = 64;
+/// The widest hidden layer: 65,536 units.
+pub const MAX_LAYER_UNITS: usize = 1 << 16;
+/// The most parameters of such an MLP: 2^26, 256 MiB of f32 per copy (the benchmarks' large
+/// MLP has 4.3 million); a replica holds its copy, its gradients and its optimizer's state.
+pub const MAX_PARAMETERS: usize = 1 << 26;
+
+/// Checks the sizes of an MLP `input -> hidden... -> classes` against [`MAX_HIDDEN_LAYERS`],
+/// [`MAX_LAYER_UNITS`] and [`MAX_PARAMETERS`] before anything is allocated; returns its number
+/// of parameters.
+pub fn check_mlp(input: usize, hidden: &[usize], classes: usize) -> crate::Result<usize> {
+    let usage = |m: String| crate::Error::Usage(m);
+    if hidden.is_empty() || hidden.contains(&0) {
+        return Err(usage("hidden layer sizes of at least 1 are needed, e.g. 256,256".into()));
+    }
+    if hidden.len() > MAX_HIDDEN_LAYERS {
+        return Err(usage(format!("{} hidden layers, over the limit of {MAX_HIDDEN_LAYERS}", hidden.len())));
+    }
+    if let Some(&wide) = hidden.iter().find(|&&h| h > MAX_LAYER_UNITS) {
+        return Err(usage(format!("a hidden layer of {wide} units, over the limit of {MAX_LAYER_UNITS}")));
+    }
+    let dims: Vec<usize> = std::iter::once(input).chain(hidden.iter().copied()).chain([classes]).collect();
+    let count = dims
+        .windows(2)
+        .try_fold(0usize, |n, w| w[0].checked_mul(w[1])?.checked_add(w[1])?.checked_add(n))
+        .filter(|&n| n <= MAX_PARAMETERS);
+    count.ok_or_else(|| {
+        usage(format!(
+            "hidden layers {hidden:?} make an MLP of more than {MAX_PARAMETERS} parameters, the limit; use smaller layers"
+        ))
+    })
+}
+
 /// A model that maps a batch of features to class logits.
 pub trait Classifier: Send + Sync {
     /// Logits of shape `(rows, classes)`.
@@ -96,5 +130,18 @@ mod tests {
     fn parameter_counts_of_the_benchmark_models() {
         assert_eq!(Mlp::parameter_count(64, &[256, 256], 10), 85_002);
         assert_eq!(Mlp::parameter_count(64, &[2048, 2048], 10), 4_349_962);
+        assert_eq!(check_mlp(64, &[2048, 2048], 10).unwrap(), 4_349_962);
+    }
+
+    #[test]
+    fn absurd_sizes_are_refused_before_anything_is_allocated() {
+        let e = check_mlp(64, &[1 << 40], 10).unwrap_err().to_string();
+        assert_eq!(e, "a hidden layer of 1099511627776 units, over the limit of 65536");
+        let e = check_mlp(64, &[65_536, 65_536], 10).unwrap_err().to_string();
+        assert!(e.contains("more than 67108864 parameters, the limit"), "{e}");
+        let e = check_mlp(64, &[8; 65], 10).unwrap_err().to_string();
+        assert_eq!(e, "65 hidden layers, over the limit of 64");
+        assert!(check_mlp(64, &[], 10).is_err() && check_mlp(64, &[3, 0], 10).is_err());
+        assert!(check_mlp(usize::MAX, &[2], 10).is_err(), "overflow is refused, not wrapped");
     }
 }

@@ -45,6 +45,30 @@ pub struct DigitsSpec {
     pub data: Option<PathBuf>,
 }
 
+impl DigitsSpec {
+    /// Checks what the spec asks a worker to build before it builds anything: the MLP's sizes
+    /// ([`crate::model::check_mlp`]), 1 to [`strata_core::device::MAX_REPLICAS`] replicas, and
+    /// at most [`crate::model::MAX_PARAMETERS`] times 4 parameters over all of them (each
+    /// replica holds a copy of the model). A step's arguments arrive from the network, so a
+    /// worker checks them here; an error is `Usage`, which the worker answers
+    /// `INVALID_ARGUMENT`.
+    pub fn validate(&self) -> Result<()> {
+        let parameters = crate::model::check_mlp(digits::FEATURES, &self.hidden, digits::CLASSES)?;
+        let max = strata_core::device::MAX_REPLICAS;
+        if self.replicas == 0 || self.replicas > max {
+            return Err(Error::Usage(format!("{} replicas per worker; the limit is 1 to {max}", self.replicas)));
+        }
+        let limit = 4 * crate::model::MAX_PARAMETERS;
+        if parameters.saturating_mul(self.replicas) > limit {
+            return Err(Error::Usage(format!(
+                "{} replicas of a {parameters}-parameter MLP hold more than {limit} parameters, the limit; use fewer replicas or smaller layers",
+                self.replicas
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// One scheduled step: batch `batch` of epoch `epoch`.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct DigitsStep {
@@ -209,8 +233,14 @@ fn run_step(
     options: &WorkerStepOptions,
 ) -> Result<DigitsStepResult> {
     let started = Instant::now();
+    step.spec.validate()?;
+    if step.batch_size == 0 {
+        return Err(Error::Usage("a batch of 0 examples: a step needs at least 1".into()));
+    }
     let mut guard = lock(state);
     if guard.as_ref().is_none_or(|s| s.spec != step.spec) {
+        // The old model goes first: the new one is built within the limits, not beside them.
+        *guard = None;
         *guard = Some(WorkerState::new(&step.spec)?);
     }
     let st = guard.as_mut().ok_or_else(|| Error::Usage("worker state missing".into()))?;
@@ -310,11 +340,15 @@ pub fn train_coordinator(
     config: &PsTrainConfig,
 ) -> Result<(FitReport, CoordinatorStats)> {
     let started = Instant::now();
-    let all = digits::load(config.spec.data.as_deref())?;
-    let (train, test) = digits::train_test_split(&all, 0.2, 0);
+    config.spec.validate()?;
+    if config.epochs == 0 {
+        return Err(Error::Usage("0 epochs train nothing: train for 1 epoch or more".into()));
+    }
     if config.batch_size == 0 {
         return Err(Error::Usage("a batch of 0 examples: a step needs at least 1".into()));
     }
+    let all = digits::load(config.spec.data.as_deref())?;
+    let (train, test) = digits::train_test_split(&all, 0.2, 0);
     let coordinator = strategy.coordinator()?;
     let steps_per_epoch = train.len().div_ceil(config.batch_size);
     let progress: &dyn Progress = config.progress.as_deref().unwrap_or(&crate::trainer::Silent);
@@ -430,6 +464,7 @@ pub fn train_coordinator(
         resumed_from_step: 0,
         skipped_examples: 0,
         wall_seconds: started.elapsed().as_secs_f64(),
+        stopped: None,
     };
     Ok((report, stats))
 }

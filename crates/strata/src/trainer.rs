@@ -8,7 +8,16 @@
 //! the strategy's timeline (if any) records every replica's forward, backward, bucket reductions
 //! and optimizer step. A [`StepHook`] sees every replica between its backward pass and its
 //! gradient synchronisation (the seam through which `strata compare` slows workers down).
+//!
+//! A [`StopSignal`] stops a fit cleanly between steps (the seam through which the `strata`
+//! command handles SIGTERM and SIGINT, as TensorFlow's `PreemptionCheckpointHandler` does):
+//! the fit checks it every [`TrainConfig::stop_check_steps`] steps, every worker of a
+//! multi-worker job agrees on it with one all-reduce of a single number (the largest code any
+//! worker was asked to stop with), so every worker stops after the same step; the chief then
+//! writes a checkpoint of that step, and the fit returns with [`FitReport::stopped`] set.
+//! Resuming from that checkpoint ends bit for bit where an uninterrupted run ends.
 
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -51,6 +60,48 @@ pub struct TrainConfig {
     /// Called on every replica between each step's backward pass and its gradient
     /// synchronisation; steps then run one per execution, so that each has its own time.
     pub step_hook: Option<Arc<dyn StepHook>>,
+    /// Stop cleanly when asked (see [`StopSignal`]). In a multi-worker job every worker must
+    /// be given one (or none), with the same [`stop_check_steps`](Self::stop_check_steps).
+    pub stop: Option<StopSignal>,
+    /// With [`stop`](Self::stop): steps between checks (an execution runs at most this many
+    /// steps). Each check of a multi-worker job is one all-reduce of one number.
+    pub stop_check_steps: usize,
+}
+
+/// Asks a running fit to stop after the step it is in (cheap to clone; clones share the
+/// request). The `strata` command arms one from SIGTERM and SIGINT; a program may request a
+/// stop for any reason of its own.
+#[derive(Clone, Debug, Default)]
+pub struct StopSignal(Arc<AtomicU32>);
+
+impl StopSignal {
+    /// A signal not yet raised.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Asks training to stop. `code` (at least 1) says why, for the caller's own use (the
+    /// `strata` command passes the signal's number and exits with 128 plus it); in a
+    /// multi-worker job, every worker's fit reports the largest code any worker asked with.
+    pub fn request(&self, code: u32) {
+        self.0.fetch_max(code.max(1), Ordering::SeqCst);
+    }
+
+    /// The code of the request, once one was made.
+    pub fn requested(&self) -> Option<u32> {
+        Some(self.0.load(Ordering::SeqCst)).filter(|c| *c > 0)
+    }
+}
+
+/// Where and why a fit stopped on a [`StopSignal`].
+#[derive(Clone, Debug, Serialize)]
+pub struct Stopped {
+    /// The last step trained (counting a resumed run's earlier steps).
+    pub step: usize,
+    /// The largest code any worker was asked to stop with.
+    pub code: u32,
+    /// The checkpoint of that step, on the chief, when checkpoints are configured.
+    pub checkpoint: Option<std::path::PathBuf>,
 }
 
 /// What the trainer reports while it runs: the `strata` command draws a progress bar,
@@ -129,6 +180,8 @@ impl Default for TrainConfig {
             max_steps: None,
             metrics: None,
             step_hook: None,
+            stop: None,
+            stop_check_steps: 10,
         }
     }
 }
@@ -163,6 +216,8 @@ pub struct FitReport {
     pub skipped_examples: usize,
     /// Wall seconds of the whole fit, evaluation included.
     pub wall_seconds: f64,
+    /// Set when the fit stopped early on its [`StopSignal`].
+    pub stopped: Option<Stopped>,
 }
 
 /// The high-level training loop.
@@ -248,6 +303,9 @@ impl Trainer {
         if cfg.global_batch == 0 {
             return Err(crate::Error::Usage("a global batch of 0 examples: a step needs at least 1".into()));
         }
+        if cfg.epochs == 0 {
+            return Err(crate::Error::Usage("0 epochs train nothing: train for 1 epoch or more".into()));
+        }
         let start = Instant::now();
         let steps_per_epoch = train.len().div_ceil(cfg.global_batch);
         let ckpt = cfg.checkpoint.as_ref().zip(hooks.as_ref());
@@ -255,6 +313,14 @@ impl Trainer {
             Some((c, h)) => restore(strategy, model, c, h)?,
             None => 0,
         };
+        if let (Some(c), true) = (&cfg.checkpoint, is_chief(strategy)) {
+            // Before the first step, not at the first checkpoint: a directory that cannot take
+            // one fails the job before it trains.
+            checkpoint::check_writable(&c.dir).map_err(|e| match e {
+                strata_core::Error::Checkpoint(m) => crate::Error::Usage(format!("checkpoint directory {m}")),
+                other => other.into(),
+            })?;
+        }
         let mut global_step = resumed;
         let workers = strategy.extended().workers();
         let num_workers = workers.map_or(1, |w| w.num_workers()) as u64;
@@ -265,6 +331,10 @@ impl Trainer {
         let mut epochs = Vec::with_capacity(cfg.epochs);
         let (mut steps, mut steady_time, mut steady_examples, mut skipped) = (0usize, Duration::ZERO, 0usize, 0usize);
         let (mut all_time, mut all_examples) = (Duration::ZERO, 0usize);
+        let mut stopped: Option<Stopped> = None;
+        // The step replica 0 is in (counted from 1), for errors.
+        let current_step = AtomicUsize::new(global_step);
+        let mut saved_step = None;
         for epoch in resumed / steps_per_epoch.max(1)..cfg.epochs {
             if cfg.max_steps.is_some_and(|m| global_step >= m) {
                 break;
@@ -282,8 +352,11 @@ impl Trainer {
                 epoch_batches = &epoch_batches[..epoch_batches.len().min(max.saturating_sub(global_step))];
             }
             let per_step = cfg.metrics.is_some() || cfg.step_hook.is_some();
-            let per_execution =
+            let mut per_execution =
                 if per_step { 1 } else { cfg.steps_per_execution.unwrap_or(epoch_batches.len()).max(1) };
+            if cfg.stop.is_some() {
+                per_execution = per_execution.min(cfg.stop_check_steps.max(1));
+            }
             let (mut epoch_time, mut loss_n) = (Duration::ZERO, 0usize);
             let mut local_loss = vec![0f32; strategy.extended().num_replicas()];
             let mut executions = Vec::new();
@@ -305,9 +378,13 @@ impl Trainer {
                 let t0 = Instant::now();
                 let bytes0 = strata_transport::inject::bytes();
                 let step_number = (global_step + 1) as u64;
+                current_step.store(global_step, Ordering::Relaxed);
                 let losses = strategy
                     .run_batches(execution, |ctx, shard| {
                         let started = Instant::now();
+                        if ctx.replica_id() == 0 {
+                            current_step.fetch_add(1, Ordering::Relaxed);
+                        }
                         let fwd = ctx.phase("step", "forward");
                         let x = shard.batch.features_tensor(ctx.candle_device())?;
                         let y = shard.batch.labels_tensor(ctx.candle_device())?;
@@ -327,9 +404,8 @@ impl Trainer {
                     })
                     .map_err(|e| match e {
                         strata_core::Error::Cluster(m) => strata_core::Error::Cluster(format!(
-                            "training steps {}..={} (epoch {epoch}): {m}",
-                            global_step + 1,
-                            global_step + execution.len()
+                            "training step {} (epoch {epoch}): {m}",
+                            current_step.load(Ordering::Relaxed).max(global_step + 1)
                         )),
                         other => other,
                     })?;
@@ -371,8 +447,32 @@ impl Trainer {
                     let last = epoch + 1 == cfg.epochs && done == epoch_batches.len();
                     if global_step % c.every_steps.max(1) == 0 || last {
                         save_checkpoint(strategy, model, c, h, global_step)?;
+                        saved_step = Some(global_step);
                     }
                 }
+                if let Some(code) = match &cfg.stop {
+                    Some(signal) => agreed_stop(strategy, signal).map_err(|e| match e {
+                        strata_core::Error::Cluster(m) => strata_core::Error::Cluster(format!(
+                            "agreeing whether to stop after training step {global_step} (epoch {epoch}): {m}"
+                        )),
+                        other => other,
+                    })?,
+                    None => None,
+                } {
+                    let mut checkpoint = None;
+                    if let Some((c, h)) = ckpt {
+                        if saved_step != Some(global_step) {
+                            save_checkpoint(strategy, model, c, h, global_step)?;
+                        }
+                        checkpoint = is_chief(strategy).then(|| c.dir.clone());
+                    }
+                    tracing::info!(step = global_step, code, "stopped on request");
+                    stopped = Some(Stopped { step: global_step, code, checkpoint });
+                    break;
+                }
+            }
+            if stopped.is_some() {
+                break;
             }
             // One cross-replica (and cross-worker) reduction of the epoch's losses.
             let loss_sum = strategy.reduce(ReduceOp::Sum, &strata_core::PerReplica::new(local_loss)?)?;
@@ -406,8 +506,26 @@ impl Trainer {
             resumed_from_step: resumed,
             skipped_examples: skipped,
             wall_seconds: start.elapsed().as_secs_f64(),
+            stopped,
         })
     }
+}
+
+/// Whether to stop now: this process's request, or in a multi-worker job the largest request
+/// of any worker (one all-reduce of one number, so every worker decides alike). Every worker
+/// must call it at the same point of its program, as [`Trainer::fit`] does between executions.
+pub fn agreed_stop<S: Strategy>(strategy: &S, signal: &StopSignal) -> strata_core::Result<Option<u32>> {
+    let mine = signal.requested().unwrap_or(0);
+    let code = match strategy.extended().workers() {
+        None => mine,
+        Some(w) => {
+            // Codes are small integers: exact in an f32.
+            let mut v = [mine.min(1 << 24) as f32];
+            w.all_reduce(ReduceOp::Max, &mut v)?;
+            v[0] as u32
+        }
+    };
+    Ok((code > 0).then_some(code))
 }
 
 /// How the trainer saves and restores an optimizer's state.

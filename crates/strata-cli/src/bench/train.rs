@@ -59,6 +59,10 @@ pub struct BenchTrainArgs {
     /// Optimizer (the ceiling uses the same one): `adamw` is the fused, in-place AdamW.
     #[arg(long, default_value = "adamw", value_parser = kind_parser::<OptimizerKind>())]
     pub optimizer: OptimizerKind,
+    /// After every execution, agree whether to stop as `strata train` does (its SIGTERM
+    /// handling: one all-reduce of one number across workers), to measure what that costs.
+    #[arg(long)]
+    pub stop_check: bool,
     /// Internal: measure one `MODEL:CONFIG` in this process and print JSON.
     #[arg(long, hide = true)]
     pub worker: Option<String>,
@@ -131,6 +135,7 @@ fn measure_strategy<S: Strategy, O: Optimizer + Send>(
     hidden: &[usize],
     data: &[Batch],
     seconds: f64,
+    stop_check: bool,
 ) -> Result<Measurement>
 where
     O::Config: Clone,
@@ -141,6 +146,7 @@ where
         s.distribute_dataset(data.iter().cloned(), strata_core::data::TailPolicy::Split).collect();
     // One execution runs every batch of the epoch (as `Trainer::fit` does): a "step" of the
     // timing loop below is an execution of `dist.len()` training steps.
+    let never = strata::trainer::StopSignal::new();
     let execute = || -> Result<()> {
         s.run_batches(&dist, |ctx, shard| {
             let x = shard.batch.features_tensor(ctx.candle_device())?;
@@ -148,6 +154,9 @@ where
             let loss = model.on(ctx)?.loss(&x, &y)?;
             ctx.backward_and_sync(&loss, &opt)
         })?;
+        if stop_check {
+            strata::trainer::agreed_stop(s, &never)?;
+        }
         Ok(())
     };
     let (executions, dt) = match s.extended().workers() {
@@ -265,10 +274,17 @@ where
     O::Config: Clone + Sync,
 {
     match config {
-        "one-device" => measure_strategy::<_, O>(&OneDeviceStrategy::cpu()?, cfg, hidden, data, args.seconds),
-        "mirrored" => {
-            measure_strategy::<_, O>(&MirroredStrategy::logical_cpus(args.replicas)?, cfg, hidden, data, args.seconds)
+        "one-device" => {
+            measure_strategy::<_, O>(&OneDeviceStrategy::cpu()?, cfg, hidden, data, args.seconds, args.stop_check)
         }
+        "mirrored" => measure_strategy::<_, O>(
+            &MirroredStrategy::logical_cpus(args.replicas)?,
+            cfg,
+            hidden,
+            data,
+            args.seconds,
+            args.stop_check,
+        ),
         "ceiling" => measure_ceiling::<O>(args.replicas, cfg, hidden, data, args.seconds),
         "multi-worker" => {
             let token = strata_transport::ClusterToken::resolve(None).map_err(|e| Error::Usage(e.to_string()))?;
@@ -277,7 +293,7 @@ where
                 &resolver,
                 strata_strategies::MultiWorkerOptions::new(token)?,
             )?;
-            let m = measure_strategy::<_, O>(&s, cfg, hidden, data, args.seconds)?;
+            let m = measure_strategy::<_, O>(&s, cfg, hidden, data, args.seconds, args.stop_check)?;
             s.finish()?;
             Ok(m)
         }
@@ -291,6 +307,7 @@ fn command(spec: &str, args: &BenchTrainArgs) -> Result<Command> {
     c.args(["bench", "train", "--worker", spec])
         .args(["--replicas", &args.replicas.to_string(), "--seconds", &args.seconds.to_string()])
         .args(["--batch", &args.batch.to_string(), "--optimizer", args.optimizer.name()])
+        .args(args.stop_check.then_some("--stop-check"))
         .env("CANDLE_NUM_THREADS", "1")
         .env("RAYON_NUM_THREADS", "1");
     Ok(c)
@@ -381,6 +398,9 @@ pub fn run(args: &BenchTrainArgs) -> Result<()> {
     );
     println!("# machine: {cores} cores; ceiling = {k} independent single-thread copies of the per-replica step at once (plain candle), measured now");
     println!("# every configuration in its own process; medians over rounds");
+    if args.stop_check {
+        println!("# --stop-check: after every execution ({} steps), the stop agreement of strata train (an all-reduce of one number across workers)", batches(args.batch)?.len());
+    }
     println!();
     println!(
         "{:<6} {:>9} {:<12} {:>8} {:>12} {:>10} {:>10} {:>11} {:>12} {:>12}",

@@ -66,18 +66,34 @@ impl LogicalDeviceConfiguration {
     }
 }
 
+/// The most replicas (logical devices, each run by its own thread with its own copy of the
+/// model) one process runs, and the most threads one logical CPU device has: 1024. More are
+/// refused before any thread starts; a machine needs a core per replica thread to be of use.
+pub const MAX_REPLICAS: usize = 1024;
+
+/// Refuses `n` replicas (or threads) over [`MAX_REPLICAS`]; `what` names what is counted.
+pub fn check_replicas(n: usize, what: &str) -> Result<()> {
+    if n > MAX_REPLICAS {
+        return Err(Error::InvalidDeviceList(format!(
+            "{n} {what}, over the limit of {MAX_REPLICAS} per process (one thread each); ask for fewer"
+        )));
+    }
+    Ok(())
+}
+
 /// Splits `physical` into one logical device per configuration, named
 /// `/device:<type>:<first_index + i>`.
 ///
 /// CPU configurations need `threads >= 1` and no `memory_limit`; GPU configurations need a
 /// positive `memory_limit` and no `threads`, and their limits together must fit the device's
-/// memory when it is known. `configs` must not be empty.
+/// memory when it is known. `configs` must not be empty, nor longer than [`MAX_REPLICAS`].
 pub fn split_physical(
     physical: &PhysicalDevice,
     configs: &[LogicalDeviceConfiguration],
     first_index: u32,
 ) -> Result<Vec<LogicalDevice>> {
     let device = physical.label();
+    check_replicas(configs.len(), "logical devices")?;
     if configs.is_empty() {
         return Err(Error::InvalidDeviceList(format!(
             "no logical device configuration for {device}; pass at least one"
@@ -96,7 +112,10 @@ pub fn split_physical(
                     )));
                 }
                 match config.threads {
-                    Some(threads) if threads >= 1 => LogicalKind::Cpu { threads },
+                    Some(threads) if threads >= 1 => {
+                        check_replicas(threads, &format!("threads for {which}"))?;
+                        LogicalKind::Cpu { threads }
+                    }
                     _ => {
                         return Err(Error::InvalidDeviceList(format!(
                             "{which} needs threads >= 1; set threads to 1 or more"
@@ -168,6 +187,7 @@ pub fn logical_cpus(n: usize) -> Result<Vec<LogicalDevice>> {
     if n == 0 {
         return Err(Error::InvalidDeviceList("0 logical CPU devices requested; ask for at least one".to_string()));
     }
+    check_replicas(n, "logical CPU devices")?;
     let physical = CpuEnumerator
         .physical_devices()?
         .into_iter()
@@ -179,6 +199,19 @@ pub fn logical_cpus(n: usize) -> Result<Vec<LogicalDevice>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn absurd_replica_counts_are_refused_before_any_device_exists() {
+        let e = logical_cpus(100_000).unwrap_err();
+        assert!(matches!(e, Error::InvalidDeviceList(_)), "{e}");
+        assert_eq!(
+            e.to_string(),
+            "invalid device list: 100000 logical CPU devices, over the limit of 1024 per process (one thread each); ask for fewer"
+        );
+        assert_eq!(logical_cpus(MAX_REPLICAS).unwrap().len(), MAX_REPLICAS);
+        let e = split_physical(&cpu(), &[LogicalDeviceConfiguration::cpu(1 << 20)], 0).unwrap_err();
+        assert!(e.to_string().contains("1048576 threads for logical device configuration #0"), "{e}");
+    }
 
     fn cpu() -> PhysicalDevice {
         PhysicalDevice {

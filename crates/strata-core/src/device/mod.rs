@@ -52,7 +52,9 @@ mod visibility;
 
 pub use candle::candle_device;
 pub use describe::{describe_devices, write_table};
-pub use logical::{logical_cpus, split_physical, LogicalDevice, LogicalDeviceConfiguration, LogicalKind};
+pub use logical::{
+    check_replicas, logical_cpus, split_physical, LogicalDevice, LogicalDeviceConfiguration, LogicalKind, MAX_REPLICAS,
+};
 pub use memory::{format_bytes, memory_info, parse_bytes, MemoryInfo, MemoryPolicy, MemoryTracker};
 pub use physical::{CpuEnumerator, DeviceEnumerator, PhysicalDevice, StaticEnumerator};
 pub use registry::DeviceRegistry;

@@ -13,7 +13,20 @@
 //!   [`CoordinatorOptions::step_retry_for`], then its value fails. Any other failure fails the
 //!   value at once, and [`ClusterCoordinator::join`] returns the first one.
 //! - Every [`CoordinatorOptions::checkpoint_every`] completed steps, every ps task writes a
-//!   checkpoint (a failure is logged and tried again at the next interval).
+//!   checkpoint. A checkpoint that cannot be written stops the job cleanly: the steps still
+//!   queued fail with an error that names the failure and the last good checkpoint, and
+//!   [`ClusterCoordinator::join`] returns it (never a job that ends well without the
+//!   checkpoints it was asked for).
+//! - **Liveness.** Every ps task and every worker is probed (a health check, a ping) every
+//!   [`CoordinatorOptions::probe_interval`], each probe with a deadline that ends when
+//!   [`CoordinatorOptions::probe_timeout`] does: a task that stops answering (killed, stopped
+//!   with SIGSTOP, cut off; a stopped task's TCP connection stays open and never fails) is lost
+//!   within the timeout. A lost worker's step in flight is abandoned and runs elsewhere (the ps
+//!   tasks answer its pushes, should they still come, as duplicates of the re-run's). A lost ps
+//!   task ends the job at once, naming it and the steps in flight, unless
+//!   [`CoordinatorOptions::wait_for_restarted_ps`] says it will come back from its checkpoint;
+//!   ending it raises [`CoordinatorOptions::abort`], which abandons every call in flight, so no
+//!   shutdown waits on the lost task.
 
 use std::collections::VecDeque;
 use std::marker::PhantomData;
@@ -26,7 +39,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use strata_core::{Error, Result};
 use strata_transport::executor::{WorkerClient, STEP_UNAVAILABLE, WORKER_UNREACHABLE};
-use strata_transport::ClusterToken;
+use strata_transport::{AbortSignal, ClusterToken};
 
 /// How long the queue stays empty before sync rounds stop waiting for idle workers, when no
 /// one waits in [`ClusterCoordinator::join`] (a loop of `schedule` calls is not a drain).
@@ -51,6 +64,17 @@ pub struct CoordinatorOptions {
     pub step_retry_for: Duration,
     /// Completed steps between parameter-server checkpoints (`None`: never).
     pub checkpoint_every: Option<u64>,
+    /// How often every ps task and worker is probed (default 500 ms).
+    pub probe_interval: Duration,
+    /// How long a task may leave probes unanswered before it is lost (default 3 s).
+    pub probe_timeout: Duration,
+    /// Whether a lost ps task will be restarted from its checkpoint (`strata ps --restore`):
+    /// the job then waits, its steps retried for `step_retry_for`, instead of ending at once
+    /// (default false).
+    pub wait_for_restarted_ps: bool,
+    /// Raised when the job fails; calls that carry it give up at once (the strategy's ps
+    /// clients do).
+    pub abort: AbortSignal,
 }
 
 impl CoordinatorOptions {
@@ -62,6 +86,10 @@ impl CoordinatorOptions {
             connect_timeout: Duration::from_secs(60),
             step_retry_for: Duration::from_secs(120),
             checkpoint_every: None,
+            probe_interval: Duration::from_millis(500),
+            probe_timeout: Duration::from_secs(3),
+            wait_for_restarted_ps: false,
+            abort: AbortSignal::new(),
         }
     }
 }
@@ -75,6 +103,11 @@ pub trait PsControl: Send + Sync + 'static {
     fn checkpoint(&self, step: u64) -> std::result::Result<PathBuf, String>;
     /// Tells the task how many workers are live.
     fn configure(&self, live_workers: u32) -> std::result::Result<(), String>;
+    /// Whether the task answers within `deadline` (a liveness probe; default: always).
+    fn probe(&self, deadline: Duration) -> std::result::Result<(), String> {
+        let _ = deadline;
+        Ok(())
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -211,6 +244,17 @@ struct State {
     joining: usize,
     /// When the queue last became empty (`None` while steps are queued).
     empty_since: Option<Instant>,
+    /// The error that ended the job (a lost ps task): every step fails with it.
+    fatal: Option<StepError>,
+    /// Per worker: the step it runs (id, function), and how to abandon it.
+    running_on: Vec<Option<(u64, String, AbortSignal)>>,
+}
+
+/// The last checkpoint every ps task wrote: its step (0: none yet) and where each task wrote it.
+#[derive(Debug, Default)]
+struct LastCheckpoint {
+    step: u64,
+    paths: Vec<PathBuf>,
 }
 
 struct Shared {
@@ -224,7 +268,7 @@ struct Shared {
     completed: AtomicU64,
     failures: AtomicU64,
     rescheduled: AtomicU64,
-    last_checkpoint: Mutex<u64>,
+    last_checkpoint: Mutex<LastCheckpoint>,
     /// The number of workers the ps tasks were last told to expect per sync round (0: none yet).
     announced: Mutex<u32>,
 }
@@ -280,7 +324,7 @@ impl Shared {
     fn next_step(&self) -> Option<Pending> {
         let mut st = lock(&self.state);
         loop {
-            if st.stopping {
+            if st.stopping || st.fatal.is_some() {
                 return None;
             }
             let now = Instant::now();
@@ -331,6 +375,7 @@ impl Shared {
     fn finish(&self, worker: usize, mut p: Pending, result: strata_transport::Result<Vec<u8>>) {
         let name = &self.names[worker];
         let (step, function) = (p.slot.step, p.slot.function.clone());
+        lock(&self.state).running_on[worker] = None;
         let e = match result {
             Ok(bytes) => {
                 p.slot.set(Ok(bytes));
@@ -352,16 +397,19 @@ impl Shared {
         };
         let mut st = lock(&self.state);
         st.running -= 1;
+        if let Some(fatal) = st.fatal.clone() {
+            // The job failed: the step was abandoned with it.
+            p.slot.set(Err(fatal));
+            drop(st);
+            self.changed.notify_all();
+            return;
+        }
         match detail {
             Some(d) if d.starts_with(WORKER_UNREACHABLE) => {
                 // The worker is lost: its step runs again on another worker.
-                st.live[worker] = false;
+                self.mark_lost(&mut st, worker);
                 let live = Self::live_count(&st);
-                if live == 0 && st.all_lost_since.is_none() {
-                    st.all_lost_since = Some(Instant::now());
-                }
                 tracing::warn!(worker = %name, step, %function, live, error = %e, "lost a worker; rescheduling its step");
-                self.failures.fetch_add(1, Ordering::SeqCst);
                 self.rescheduled.fetch_add(1, Ordering::SeqCst);
                 if st.stopping {
                     self.fail(
@@ -451,20 +499,181 @@ impl Shared {
         }
         let mut last = lock(&self.last_checkpoint);
         let done = self.completed.load(Ordering::SeqCst);
-        if done < *last + every {
+        if done < last.step + every || lock(&self.state).stopping {
             return;
         }
+        let mut paths = Vec::with_capacity(self.ps.len());
         for ps in &self.ps {
             match ps.checkpoint(done) {
                 Ok(path) => {
-                    tracing::info!(ps = %ps.ps_task(), step = done, path = %path.display(), "checkpoint written")
+                    tracing::info!(ps = %ps.ps_task(), step = done, path = %path.display(), "checkpoint written");
+                    paths.push(path);
                 }
                 Err(e) => {
-                    tracing::warn!(ps = %ps.ps_task(), step = done, error = %e, "checkpoint failed; trying again at the next interval")
+                    let good = if last.step == 0 {
+                        "no checkpoint was written before it".to_string()
+                    } else {
+                        let at: Vec<String> = last.paths.iter().map(|p| p.display().to_string()).collect();
+                        format!("the last good checkpoint is step {} ({})", last.step, at.join(", "))
+                    };
+                    let m = format!(
+                        "the checkpoint of step {done} failed on {}: {e}; training stopped there, and {good}",
+                        ps.ps_task()
+                    );
+                    tracing::error!(ps = %ps.ps_task(), step = done, error = %e, "a checkpoint failed; stopping");
+                    self.stop_with(StepError::Cluster(m));
+                    return;
                 }
             }
         }
-        *last = done;
+        *last = LastCheckpoint { step: done, paths };
+    }
+
+    /// Stops handing out steps: every queued step fails with `e`, which [`ClusterCoordinator::join`]
+    /// returns; running steps finish.
+    fn stop_with(&self, e: StepError) {
+        let mut st = lock(&self.state);
+        st.stopping = true;
+        if st.first_error.is_none() {
+            st.first_error = Some(e.clone());
+        }
+        while let Some(p) = st.queue.pop_front() {
+            p.slot.set(Err(e.clone()));
+        }
+        drop(st);
+        self.changed.notify_all();
+    }
+
+    /// Marks `worker` lost (counted once per loss) and abandons the step it runs.
+    fn mark_lost(&self, st: &mut State, worker: usize) {
+        if st.live[worker] {
+            st.live[worker] = false;
+            self.failures.fetch_add(1, Ordering::SeqCst);
+        }
+        if Self::live_count(st) == 0 && st.all_lost_since.is_none() {
+            st.all_lost_since = Some(Instant::now());
+        }
+        if let Some((_, _, cancel)) = &st.running_on[worker] {
+            cancel.abort(format!("{} stopped answering", self.names[worker]));
+        }
+    }
+
+    /// "steps 57 (train) on worker:0, 58 (train) on worker:1; 55 completed"
+    fn doing(&self, st: &State) -> String {
+        let running: Vec<String> = st
+            .running_on
+            .iter()
+            .zip(&self.names)
+            .filter_map(|(r, name)| r.as_ref().map(|(step, f, _)| format!("{step} ({f}) on {name}")))
+            .collect();
+        let done = self.completed.load(Ordering::SeqCst);
+        match running.len() {
+            0 => format!("no step was running; {done} completed"),
+            1 => format!("step {} was running; {done} completed", running[0]),
+            _ => format!("steps {} were running; {done} completed", running.join(", ")),
+        }
+    }
+
+    /// Ends the job: every queued, running and later step fails with `message`, and every call
+    /// that carries the job's abort signal gives up.
+    fn fail_job(&self, message: String) {
+        let mut st = lock(&self.state);
+        if st.fatal.is_some() {
+            return;
+        }
+        tracing::error!(%message, "the job failed");
+        let e = StepError::Cluster(message.clone());
+        st.fatal = Some(e.clone());
+        st.first_error = Some(e.clone());
+        while let Some(p) = st.queue.pop_front() {
+            p.slot.set(Err(e.clone()));
+        }
+        for (_, _, cancel) in st.running_on.iter().flatten() {
+            cancel.abort(message.clone());
+        }
+        drop(st);
+        self.options.abort.abort(message);
+        self.changed.notify_all();
+    }
+
+    /// Probes task `name` with `probe` until the coordinator stops; `lost` is called (with the
+    /// silence and the last error) each time the task has not answered for the timeout, and
+    /// `back` when it answers again.
+    fn watch(
+        &self,
+        name: &str,
+        probe: &dyn Fn(Duration) -> std::result::Result<(), String>,
+        lost: &dyn Fn(Duration, &str),
+        back: &dyn Fn(),
+    ) {
+        let (interval, timeout) =
+            (self.options.probe_interval.max(Duration::from_millis(10)), self.options.probe_timeout);
+        let mut last_ok = Instant::now();
+        let mut is_lost = false;
+        while !self.stopping() && lock(&self.state).fatal.is_none() {
+            let left = (last_ok + timeout).saturating_duration_since(Instant::now());
+            let began = Instant::now();
+            match probe(interval.min(left).max(Duration::from_millis(10))) {
+                Ok(()) => {
+                    last_ok = Instant::now();
+                    if is_lost {
+                        is_lost = false;
+                        tracing::info!(task = name, "answers probes again");
+                        back();
+                    }
+                    self.sleep_until(began + interval);
+                }
+                Err(e) => {
+                    tracing::debug!(task = name, error = %e, silent = ?last_ok.elapsed(), "a probe failed");
+                    if last_ok.elapsed() >= timeout {
+                        is_lost = true;
+                        lost(last_ok.elapsed(), &e);
+                    }
+                    self.sleep_until(Instant::now() + Duration::from_millis(100).min(left));
+                }
+            }
+        }
+    }
+
+    fn sleep_until(&self, until: Instant) {
+        while Instant::now() < until && !self.stopping() {
+            std::thread::sleep((until - Instant::now()).min(Duration::from_millis(20)));
+        }
+    }
+
+    /// Watches ps task `i`: a lost one ends the job, unless it will be restarted.
+    fn watch_ps(&self, i: usize) {
+        let ps = self.ps[i].clone();
+        let name = ps.ps_task();
+        let warned = std::sync::atomic::AtomicBool::new(false);
+        self.watch(&name, &|d| ps.probe(d), &|silent, e| {
+            if self.options.wait_for_restarted_ps {
+                if !warned.swap(true, Ordering::SeqCst) {
+                    tracing::warn!(ps = %name, error = %e, "lost a ps task; waiting for it to be restarted from its checkpoint");
+                }
+                return;
+            }
+            let doing = self.doing(&lock(&self.state));
+            self.fail_job(format!(
+                "lost task {name}: no answer to health checks for {:.1} s ({e}); {doing}; its variables are gone: relaunch the job (ps tasks that write checkpoints can be restarted from them instead)",
+                silent.as_secs_f64()
+            ));
+        }, &|| warned.store(false, Ordering::SeqCst));
+    }
+
+    /// Watches worker `i`: a lost one's step runs elsewhere.
+    fn watch_worker(&self, i: usize) {
+        let name = self.names[i].clone();
+        let client = self.workers[i].clone();
+        self.watch(&name, &|d| client.ping_within(d).map(|_| ()).map_err(|e| e.to_string()), &|silent, e| {
+            let mut st = lock(&self.state);
+            if st.live[i] {
+                tracing::warn!(worker = %name, error = %e, silent = silent.as_secs_f64(), "a worker stopped answering; its step runs elsewhere");
+            }
+            self.mark_lost(&mut st, i);
+            drop(st);
+            self.changed.notify_all();
+        }, &|| {});
     }
 
     fn dispatch(&self, worker: usize) {
@@ -473,7 +682,7 @@ impl Shared {
                 if self.stopping() {
                     return;
                 }
-                match self.workers[worker].ping() {
+                match self.workers[worker].ping_within(self.options.probe_interval.max(Duration::from_millis(100))) {
                     Ok(info) => self.revive(worker, info.incarnation),
                     Err(_) => {
                         self.fail_if_all_lost();
@@ -490,7 +699,17 @@ impl Shared {
             }
             let Some(p) = self.next_step() else { return };
             self.reannounce();
-            let result = self.workers[worker].run_step(&p.slot.function, p.slot.step, &self.run_id, &p.args);
+            let cancel = AbortSignal::new();
+            {
+                let mut st = lock(&self.state);
+                st.running_on[worker] = Some((p.slot.step, p.slot.function.clone(), cancel.clone()));
+                if !st.live[worker] || st.fatal.is_some() {
+                    // Found lost (or the job failed) between taking the step and now.
+                    cancel.abort(format!("{} was lost", self.names[worker]));
+                }
+            }
+            let result =
+                self.workers[worker].run_step_until(&p.slot.function, p.slot.step, &self.run_id, &p.args, &cancel);
             self.finish(worker, p, result);
         }
     }
@@ -569,12 +788,14 @@ impl ClusterCoordinator {
                 paused: false,
                 joining: 0,
                 empty_since: None,
+                fatal: None,
+                running_on: vec![None; n],
             }),
             changed: Condvar::new(),
             completed: AtomicU64::new(0),
             failures: AtomicU64::new(0),
             rescheduled: AtomicU64::new(0),
-            last_checkpoint: Mutex::new(0),
+            last_checkpoint: Mutex::new(LastCheckpoint::default()),
             announced: Mutex::new(0),
         });
         let mut me = Self { shared: shared.clone(), dispatchers: Vec::with_capacity(n) };
@@ -584,6 +805,19 @@ impl ClusterCoordinator {
                 .name(format!("strata-dispatch-{i}"))
                 .spawn(move || s.dispatch(i))
                 .map_err(|e| Error::io("starting a coordinator dispatcher thread", e))?;
+            me.dispatchers.push(h);
+        }
+        // (thread name, whether it watches a ps task, the task's index)
+        let watchers: Vec<(String, bool, usize)> = (0..me.shared.ps.len())
+            .map(|i| (format!("strata-probe-ps{i}"), true, i))
+            .chain((0..n).map(|i| (format!("strata-probe-w{i}"), false, i)))
+            .collect();
+        for (thread, ps, i) in watchers {
+            let s = shared.clone();
+            let h = std::thread::Builder::new()
+                .name(thread)
+                .spawn(move || if ps { s.watch_ps(i) } else { s.watch_worker(i) })
+                .map_err(|e| Error::io("starting a coordinator probe thread", e))?;
             me.dispatchers.push(h);
         }
         tracing::info!(run_id = %me.shared.run_id, workers = n, "cluster coordinator started");
@@ -624,6 +858,10 @@ impl ClusterCoordinator {
             }
         };
         let pending = Pending { slot, args, unavailable_since: None, retries: 0, not_before: None };
+        if let Some(e) = st.fatal.clone() {
+            self.shared.fail(&mut st, pending, e);
+            return value;
+        }
         if st.stopping {
             let m = StepError::Cluster(format!("the coordinator shut down; step {step} ({function}) was not run"));
             self.shared.fail(&mut st, pending, m);
@@ -653,7 +891,7 @@ impl ClusterCoordinator {
             // workers.
             self.shared.reannounce();
             let st = lock(&self.shared.state);
-            if st.queue.is_empty() && st.running == 0 {
+            if st.queue.is_empty() && st.running == 0 || st.fatal.is_some() {
                 break;
             }
             drop(
@@ -662,6 +900,9 @@ impl ClusterCoordinator {
         }
         let mut st = lock(&self.shared.state);
         st.joining -= 1;
+        if let Some(e) = &st.fatal {
+            return Err(e.to_error());
+        }
         match st.first_error.take() {
             Some(e) => Err(e.to_error()),
             None => Ok(()),

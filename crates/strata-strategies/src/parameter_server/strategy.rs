@@ -7,7 +7,7 @@ use std::time::Duration;
 use candle_core::{DType, Var};
 use strata_core::{Error, Replicated, Result, Strategy, StrategyOptions};
 use strata_transport::ps::{PsClient, PsClientConfig, PsMode, ServerOptimizer, VariableInfo};
-use strata_transport::ClusterToken;
+use strata_transport::{AbortSignal, ClusterToken};
 
 use super::coordinator::{ClusterCoordinator, CoordinatorOptions, PsControl};
 use super::partition::{shard_range, Partitioner, Placement, PlacementPolicy};
@@ -39,6 +39,10 @@ pub struct ParameterServerOptions {
     /// Where the cluster comes from, as messages name it (see
     /// [`ClusterResolver::source`](crate::cluster::ClusterResolver::source)).
     pub cluster_source: &'static str,
+    /// Whether a lost ps task will be restarted from its checkpoint, so that the coordinator
+    /// waits for it instead of ending the job (see
+    /// [`CoordinatorOptions::wait_for_restarted_ps`]; default false).
+    pub wait_for_restarted_ps: bool,
 }
 
 impl ParameterServerOptions {
@@ -56,6 +60,7 @@ impl ParameterServerOptions {
             step_retry_for: Duration::from_secs(120),
             seed: 0,
             cluster_source: "the cluster spec",
+            wait_for_restarted_ps: false,
         }
     }
 }
@@ -72,6 +77,8 @@ pub struct ParameterServerStrategy {
     options: ParameterServerOptions,
     ps_clients: Vec<PsClient>,
     placement: Mutex<Option<Arc<Placement>>>,
+    /// Raised when the job fails: the ps clients' calls give up at once.
+    abort: AbortSignal,
 }
 
 impl std::fmt::Debug for ParameterServerStrategy {
@@ -100,6 +107,10 @@ impl PsControl for PsTask {
     fn configure(&self, live_workers: u32) -> std::result::Result<(), String> {
         self.0.configure(live_workers).map_err(|e| e.to_string())
     }
+
+    fn probe(&self, deadline: Duration) -> std::result::Result<(), String> {
+        self.0.probe(deadline).map_err(|e| e.to_string())
+    }
 }
 
 impl ParameterServerStrategy {
@@ -120,17 +131,16 @@ impl ParameterServerStrategy {
         }
         // A node name nobody resolves fails here, at once, not after the connect retries.
         crate::cluster::check_hosts(&cluster, options.cluster_source)?;
+        let abort = AbortSignal::new();
         let mut ps_clients = Vec::with_capacity(num_ps);
         for i in 0..num_ps {
             let address = cluster.address(TaskId::ps(i))?;
-            ps_clients.push(PsClient::connect(
-                address,
-                &format!("ps:{i}"),
-                options.token.clone(),
-                options.rpc.clone(),
-            )?);
+            ps_clients.push(
+                PsClient::connect(address, &format!("ps:{i}"), options.token.clone(), options.rpc.clone())?
+                    .with_abort(abort.clone()),
+            );
         }
-        Ok(Self { cluster, options, ps_clients, placement: Mutex::new(None) })
+        Ok(Self { cluster, options, ps_clients, placement: Mutex::new(None), abort })
     }
 
     /// The strategy of the cluster `resolver` describes.
@@ -221,6 +231,8 @@ impl ParameterServerStrategy {
         let mut options = CoordinatorOptions::new(self.options.token.clone());
         options.step_retry_for = self.options.step_retry_for;
         options.checkpoint_every = self.options.checkpoint_every;
+        options.wait_for_restarted_ps = self.options.wait_for_restarted_ps;
+        options.abort = self.abort.clone();
         ClusterCoordinator::with_ps_tasks(workers, ps, options)
     }
 

@@ -71,6 +71,9 @@ impl StepRegistry {
 
     /// Registers `f` as the step function `name` (replacing one of the same name): its
     /// arguments arrive as JSON of `A`, its result goes back as JSON of `R`.
+    /// Arguments that do not decode, and an [`Error::InvalidArgument`] from `f` (arguments over
+    /// what the step allows: check sizes that come from the network before using them), are
+    /// answered `INVALID_ARGUMENT`.
     pub fn register<A, R>(
         &mut self,
         name: impl Into<String>,
@@ -83,7 +86,7 @@ impl StepRegistry {
         let fname = name.clone();
         let erased = move |ctx: &WorkerContext, args: &[u8]| -> std::result::Result<Vec<u8>, RunError> {
             let a: A = serde_json::from_slice(args).map_err(|e| {
-                RunError::Step(StepFailure::Failed(format!(
+                RunError::Step(StepFailure::InvalidArgument(format!(
                     "step function {fname:?} cannot decode its arguments as {}: {e}; schedule it with that type",
                     std::any::type_name::<A>()
                 )))
@@ -91,6 +94,9 @@ impl StepRegistry {
             let r = f(ctx, a).map_err(|e| match e {
                 Error::Stale(m) => RunError::Stale(m),
                 Error::Unavailable(m) => RunError::Step(StepFailure::Unavailable(m)),
+                Error::InvalidArgument(m) => {
+                    RunError::Step(StepFailure::InvalidArgument(format!("step function {fname:?}: {m}")))
+                }
                 other => RunError::Step(StepFailure::Failed(format!("step function {fname:?} failed: {other}"))),
             })?;
             serde_json::to_vec(&r).map_err(|e| {

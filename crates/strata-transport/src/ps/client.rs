@@ -25,6 +25,7 @@ use super::{
     MAX_CHUNK_BYTES, MAX_CHUNK_ELEMENTS,
 };
 use crate::auth::{client_interceptor, ClientAuth, ClusterToken};
+use crate::ring::{raised, AbortSignal};
 use crate::rt::runtime;
 use crate::{Error, Result};
 
@@ -149,6 +150,8 @@ pub struct PsClient {
     config: PsClientConfig,
     /// Whether it connects over mutual TLS.
     tls: bool,
+    /// When raised, calls in flight and later calls fail at once (the job failed).
+    abort: Option<AbortSignal>,
 }
 
 impl std::fmt::Debug for PsClient {
@@ -181,7 +184,55 @@ impl PsClient {
         let raw = ParameterServerClient::new(svc.clone())
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES);
-        Ok(Self { raw, svc, address: address.to_string(), task: task.to_string(), config, tls })
+        Ok(Self { raw, svc, address: address.to_string(), task: task.to_string(), config, tls, abort: None })
+    }
+
+    /// The same client, whose calls (in flight or later) fail at once with [`Error::Aborted`]
+    /// once `abort` is raised: a coordinator raises it when the job fails, so that nothing
+    /// waits out a deadline on a lost task.
+    pub fn with_abort(mut self, abort: AbortSignal) -> Self {
+        self.abort = Some(abort);
+        self
+    }
+
+    fn aborted(&self, rpc: &str) -> Option<Error> {
+        let reason = self.abort.as_ref()?.reason()?;
+        Some(Error::Aborted(format!("{rpc} to {} was abandoned: {reason}", self.task)))
+    }
+
+    /// Whether the task answers a health check within `deadline` (a liveness probe; the
+    /// health service does not take the task's lock, so a busy task answers too).
+    pub fn probe(&self, deadline: Duration) -> Result<()> {
+        let mut health = tonic_health::pb::health_client::HealthClient::new(self.svc.clone());
+        let mut req = tonic::Request::new(tonic_health::pb::HealthCheckRequest { service: String::new() });
+        req.set_timeout(deadline);
+        let answer = runtime().block_on(async {
+            tokio::select! {
+                r = tokio::time::timeout(deadline, health.check(req)) => Some(r),
+                () = raised(self.abort.as_ref()) => None,
+            }
+        });
+        match answer {
+            None => Err(self.aborted("a health check").unwrap_or_else(|| Error::Aborted("aborted".into()))),
+            Some(Ok(Ok(_))) => Ok(()),
+            // An answer of the task's own, even a refusal, means it is alive (a deadline that
+            // passed comes back as CANCELLED from the client itself).
+            Some(Ok(Err(s)))
+                if matches!(
+                    s.code(),
+                    Code::Unimplemented | Code::NotFound | Code::Unauthenticated | Code::PermissionDenied
+                ) =>
+            {
+                Ok(())
+            }
+            Some(Ok(Err(s))) => Err(self.error("a health check", s)),
+            Some(Err(_)) => Err(Error::Timeout {
+                task: self.task.clone(),
+                collective: "a health check".into(),
+                step: 0,
+                timeout: deadline,
+            }),
+        }
     }
 
     /// The task's address.
@@ -240,7 +291,14 @@ impl PsClient {
         let deadline = Instant::now() + self.config.retry_for;
         let mut backoff = Duration::from_millis(50);
         loop {
-            let err = match attempt() {
+            if let Some(e) = self.aborted(rpc) {
+                return Err(e);
+            }
+            let outcome = attempt();
+            if let Some(e) = self.aborted(rpc) {
+                return Err(e);
+            }
+            let err = match outcome {
                 Some(Ok(v)) => return Ok(v),
                 Some(Err(s)) => self.error(rpc, s),
                 None => {
@@ -269,7 +327,15 @@ impl PsClient {
         Fut: Future<Output = Result<T, Status>>,
     {
         let timeout = self.config.timeout;
-        self.retry(rpc, || runtime().block_on(async { tokio::time::timeout(timeout, f(self.raw.clone())).await }).ok())
+        let abort = self.abort.as_ref();
+        self.retry(rpc, || {
+            runtime().block_on(async {
+                tokio::select! {
+                    r = tokio::time::timeout(timeout, f(self.raw.clone())) => r.ok(),
+                    () = raised(abort) => Some(Err(Status::cancelled("the job failed"))),
+                }
+            })
+        })
     }
 
     /// Runs a client-streaming call whose messages this thread makes (`produce` hands each to
@@ -287,7 +353,13 @@ impl PsClient {
         self.retry(rpc, || {
             let (tx, rx) = tokio::sync::mpsc::channel::<M>(8);
             let call = start(ReceiverStream::new(rx));
-            let task = runtime().spawn(async move { tokio::time::timeout(timeout, call).await });
+            let abort = self.abort.clone();
+            let task = runtime().spawn(async move {
+                tokio::select! {
+                    r = tokio::time::timeout(timeout, call) => r,
+                    () = raised(abort.as_ref()) => Ok(Err(Status::cancelled("the job failed"))),
+                }
+            });
             produce(&mut |m| tx.blocking_send(m).is_ok());
             drop(tx);
             match runtime().block_on(task) {

@@ -23,6 +23,7 @@ pub(crate) fn status(e: strata_ps::Error) -> Status {
         ErrorKind::NotFound => Status::not_found(message),
         ErrorKind::Aborted => Status::aborted(message),
         ErrorKind::DeadlineExceeded => Status::deadline_exceeded(message),
+        ErrorKind::ResourceExhausted => Status::resource_exhausted(message),
         ErrorKind::Internal => Status::internal(message),
     }
 }
@@ -129,6 +130,7 @@ impl ProtoSpec for VariableInfo {
 /// The optimizer a spec names, checked. Every number of the spec must be finite, also those
 /// the named optimizer does not use.
 fn optimizer(s: &proto::OptimizerSpec) -> strata_ps::Result<ServerOptimizer> {
+    strata_ps::check_name("optimizer", &s.kind)?;
     let lr = s.learning_rate;
     let numbers = [s.learning_rate, s.momentum, s.beta1, s.beta2, s.epsilon, s.weight_decay, s.initial_accumulator];
     if numbers.iter().any(|v| !v.is_finite()) {
@@ -152,6 +154,7 @@ fn optimizer(s: &proto::OptimizerSpec) -> strata_ps::Result<ServerOptimizer> {
 
 /// The mode a spec names (`""` is async), checked.
 fn mode(s: &proto::ModeSpec) -> strata_ps::Result<PsMode> {
+    strata_ps::check_name("mode", &s.mode)?;
     let mode = match s.mode.as_str() {
         "async" | "" => PsMode::Async,
         "sync" => PsMode::Sync { workers: s.workers, backup_workers: s.backup_workers },
@@ -167,6 +170,15 @@ fn mode(s: &proto::ModeSpec) -> strata_ps::Result<PsMode> {
 fn variable(s: &proto::VariableSpec) -> strata_ps::Result<VariableInfo> {
     if s.name.is_empty() {
         return Err(strata_ps::Error::UnnamedVariable);
+    }
+    strata_ps::check_name("variable", &s.name)?;
+    strata_ps::check_name("variable", &s.variable)?;
+    strata_ps::check_name("dtype", &s.dtype)?;
+    if s.shape.len() > strata_ps::limits::MAX_RANK || s.full_shape.len() > strata_ps::limits::MAX_RANK {
+        return Err(strata_ps::Error::RankTooLarge {
+            variable: s.name.clone(),
+            rank: s.shape.len().max(s.full_shape.len()),
+        });
     }
     if s.dtype != "f32" {
         return Err(strata_ps::Error::UnsupportedDtype { variable: s.name.clone(), dtype: s.dtype.clone() });
@@ -201,6 +213,16 @@ pub(crate) fn create_header(h: &proto::CreateHeader) -> strata_ps::Result<strata
         optimizer: optimizer(&h.optimizer.clone().unwrap_or_default())?,
         mode: mode(&h.mode.clone().unwrap_or_default())?,
     })
+}
+
+/// The bytes of values a checked create header's chunks may carry: its variables' elements
+/// times 4, refused over the task's limit ([`strata_ps::limits::MAX_TASK_BYTES`]).
+pub(crate) fn declared_bytes(h: &strata_ps::CreateHeader) -> strata_ps::Result<usize> {
+    let bytes = h.variables.iter().map(|v| v.numel() as u64 * 4).fold(0u64, u64::saturating_add);
+    if bytes > strata_ps::limits::MAX_TASK_BYTES {
+        return Err(strata_ps::Error::TaskTooLarge { task: "this task".into(), bytes });
+    }
+    Ok(usize::try_from(bytes).unwrap_or(usize::MAX))
 }
 
 /// The protocol's create header of variables, an optimizer and a mode.

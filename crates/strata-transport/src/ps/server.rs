@@ -30,6 +30,7 @@ use super::faults::Faulty;
 use super::wire;
 use super::PsServerConfig;
 use crate::auth::server_interceptor;
+use crate::guard::DecodeErrors;
 use crate::rt::ServerHandle;
 use crate::Result;
 
@@ -111,7 +112,7 @@ impl<H> Collect<H> {
         self.bytes += c.elements() * 4;
         if self.bytes > self.max_bytes {
             return Err(Status::invalid_argument(format!(
-                "the {} stream carries more than {} bytes, more than its variables can hold",
+                "the {} stream carries more than {} bytes, the limit: more than its variables can hold",
                 self.what, self.max_bytes
             )));
         }
@@ -123,6 +124,12 @@ impl<H> Collect<H> {
             self.header.ok_or_else(|| Status::invalid_argument(format!("a {} stream without a header", self.what)))?;
         Ok((header, self.chunks))
     }
+}
+
+/// A status from reading a request stream: the codec's refusals of undecodable messages are
+/// `INVALID_ARGUMENT` (see [`crate::guard`]).
+fn decode_status(s: Status) -> Status {
+    crate::guard::undecodable(&s).unwrap_or(s)
 }
 
 /// Waits until the task's version exceeds `base` (the round computed from it was applied).
@@ -367,10 +374,16 @@ impl ParameterServer for Svc {
         req: Request<Streaming<CreateMessage>>,
     ) -> Result<Response<CreateVariablesResponse>, Status> {
         let mut stream = req.into_inner();
-        let mut parts = Collect::new("CreateVariables", usize::MAX);
-        while let Some(msg) = stream.message().await? {
+        // Bounded by what the header declares (itself bounded by the task's limits), once it
+        // has arrived: the chunks before it are refused.
+        let mut parts = Collect::new("CreateVariables", 0);
+        while let Some(msg) = stream.message().await.map_err(decode_status)? {
             match msg.kind {
-                Some(create_message::Kind::Header(h)) => parts.header(h)?,
+                Some(create_message::Kind::Header(h)) => {
+                    let header = convert::create_header(&h).map_err(status)?;
+                    parts.max_bytes = convert::declared_bytes(&header).map_err(status)?;
+                    parts.header(header)?
+                }
                 Some(create_message::Kind::Chunk(c)) => {
                     parts.chunk(convert::chunk(c).map_err(status)?)?;
                 }
@@ -378,7 +391,6 @@ impl ParameterServer for Svc {
             }
         }
         let (header, chunks) = parts.finish()?;
-        let header = convert::create_header(&header).map_err(status)?;
         let outcome = self.0.lock().create(&header, &chunks).map_err(status)?;
         tracing::info!(task = %self.0.config.task, variables = header.variables.len(), existed = outcome.existed, "variables created");
         Ok(Response::new(convert::create_response(outcome)))
@@ -387,7 +399,7 @@ impl ParameterServer for Svc {
     async fn push(&self, req: Request<Streaming<PushMessage>>) -> Result<Response<PushResponse>, Status> {
         let mut stream = req.into_inner();
         let mut parts = Collect::new("Push", self.0.lock().bytes());
-        while let Some(msg) = stream.message().await? {
+        while let Some(msg) = stream.message().await.map_err(decode_status)? {
             match msg.kind {
                 Some(push_message::Kind::Header(h)) => parts.header(convert::push_header(h))?,
                 Some(push_message::Kind::Chunk(c)) => {
@@ -435,7 +447,7 @@ impl ParameterServer for Svc {
     async fn configure(&self, req: Request<PsConfigureRequest>) -> Result<Response<PsConfigureResponse>, Status> {
         let live = req.into_inner().live_workers;
         let mut state = self.0.lock();
-        if state.configure(live) {
+        if state.configure(live).map_err(status)? {
             self.0.version.send_replace(state.version());
         }
         Ok(Response::new(PsConfigureResponse {}))
@@ -450,9 +462,14 @@ pub enum PsTask {}
 pub type PsServerHandle = ServerHandle<PsTask>;
 
 impl PsServerHandle {
-    /// Restores `config.restore` (if set) and starts serving on `bind` (port 0 picks a free
-    /// one). Must not be called from inside a tokio runtime thread.
+    /// Checks that `config.checkpoint_dir` (if set) can be written, restores `config.restore`
+    /// (if set) and starts serving on `bind` (port 0 picks a free one). Must not be called
+    /// from inside a tokio runtime thread.
     pub fn start(bind: SocketAddr, config: PsServerConfig) -> Result<Self> {
+        if let Some(dir) = &config.checkpoint_dir {
+            // At start, not at the first checkpoint the coordinator asks for.
+            strata_core::checkpoint::check_writable(dir)?;
+        }
         let mut state = State::new(config.task.clone(), config.stream_min_bytes);
         if let Some(path) = &config.restore {
             let (snap, step) = read_snapshot(path)?;
@@ -493,9 +510,9 @@ impl PsServerHandle {
                     .add_service(health);
                 // Faults (tests only) are a layer around the service, never a branch of its pushes.
                 let router = if faults.any() {
-                    router.add_service(InterceptedService::new(Faulty::new(service, faults), interceptor))
+                    router.add_service(InterceptedService::new(DecodeErrors(Faulty::new(service, faults)), interceptor))
                 } else {
-                    router.add_service(InterceptedService::new(service, interceptor))
+                    router.add_service(InterceptedService::new(DecodeErrors(service), interceptor))
                 };
                 router.serve_with_incoming_shutdown(incoming, stop).await
             },

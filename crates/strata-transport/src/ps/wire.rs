@@ -183,13 +183,13 @@ where
         loop {
             if let Some([flag, a, b, c, d]) = self.buffered.peek::<PREFIX>() {
                 if flag != 0 {
-                    return Err(Status::unimplemented(
-                        "a compressed message: the parameter server takes uncompressed messages only",
-                    ));
+                    return Err(Status::invalid_argument(format!(
+                        "a message with compression flag {flag}: the parameter server takes uncompressed messages only (flag 0)"
+                    )));
                 }
                 let len = u32::from_be_bytes([a, b, c, d]) as usize;
                 if len > self.limit {
-                    return Err(Status::resource_exhausted(format!(
+                    return Err(Status::invalid_argument(format!(
                         "a message of {len} bytes; the limit is {} (a 1 MiB chunk and its framing)",
                         self.limit
                     )));
@@ -471,8 +471,13 @@ mod tests {
             let mut m = Messages::new(body(tokio_stream::iter([Bytes::from(bytes)]), false), limit);
             m.next().await.map(|o| o.map(|r| r.len())).map_err(|e| e.code())
         };
-        assert_eq!(first([&[0, 0, 0, 4, 1][..], &[0; 1025]].concat(), 1024).await, Err(tonic::Code::ResourceExhausted));
-        assert_eq!(first(vec![1, 0, 0, 0, 1, 0], 1024).await, Err(tonic::Code::Unimplemented));
+        // Every refusal of a request is the caller's: INVALID_ARGUMENT, the limit named.
+        assert_eq!(first([&[0, 0, 0, 4, 1][..], &[0; 1025]].concat(), 1024).await, Err(tonic::Code::InvalidArgument));
+        let mut m = Messages::new(body(tokio_stream::iter([Bytes::from(vec![0, 0, 0, 4, 1, 0])]), false), 1024);
+        let e = m.next().await.unwrap_err();
+        assert!(e.message().contains("a message of 1025 bytes; the limit is 1024"), "{}", e.message());
+        assert_eq!(first(vec![1, 0, 0, 0, 1, 0], 1024).await, Err(tonic::Code::InvalidArgument));
+        assert_eq!(first(vec![7, 0, 0, 0, 1, 0], 1024).await, Err(tonic::Code::InvalidArgument));
         assert_eq!(first(vec![0, 0, 0, 0, 9, 0], 1024).await, Err(tonic::Code::InvalidArgument));
     }
 }

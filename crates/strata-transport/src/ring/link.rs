@@ -66,10 +66,7 @@ impl<'a> Ctx<'a> {
 
     /// Peer `p` broke the protocol.
     pub(crate) fn protocol(&self, p: usize, detail: impl std::fmt::Display) -> Error {
-        Error::Protocol {
-            peer: self.name(p).to_string(),
-            detail: format!("{detail} during {} at step {}", self.call, self.step),
-        }
+        Error::Protocol { peer: self.name(p).to_string(), detail: format!("{detail} during {}", self.call) }
     }
 
     /// The deadline passed: names the peers this task was reading from (else writing to).
@@ -162,7 +159,7 @@ impl Reader {
             let (mine, theirs) = if step == ctx.step {
                 (ctx.call.to_string(), theirs.to_string())
             } else {
-                (format!("{} at step {}", ctx.call, ctx.step), format!("{theirs} at step {step}"))
+                (format!("{} as collective #{}", ctx.call, ctx.step), format!("{theirs} as collective #{step}"))
             };
             return Err(Error::Mismatch {
                 step: ctx.step,

@@ -181,6 +181,15 @@ impl AbortSignal {
     }
 }
 
+/// Completes when `abort` is raised (never without one), checking every [`ABORT_POLL`]: for
+/// calls that must give up when the job fails.
+pub(crate) async fn raised(abort: Option<&AbortSignal>) {
+    let Some(a) = abort else { return std::future::pending().await };
+    while a.reason().is_none() {
+        tokio::time::sleep(ABORT_POLL).await;
+    }
+}
+
 /// A connected group of workers and the collectives between them.
 ///
 /// Every rank must call the same collectives in the same order with the same `step` (the
@@ -443,8 +452,9 @@ impl Ring {
     fn begin(&self, step: u64, call: &Call) -> Result<MutexGuard<'_, State>> {
         let st = self.state.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(why) = &st.broken {
+            tracing::debug!(%call, step, "a collective on a broken ring");
             return Err(Error::Aborted(format!(
-                "{call} at step {step} on task {}: the ring is unusable after an earlier failure: {why}",
+                "{call} on task {}: the ring is unusable after an earlier failure: {why}",
                 self.names[self.rank]
             )));
         }
@@ -469,9 +479,10 @@ impl Ring {
                     _ = tokio::time::sleep_until(deadline) => return Err(ctx.timed_out(timeout)),
                     _ = tick.tick() => {
                         if let Some(reason) = self.abort.reason() {
+                            tracing::debug!(call = %ctx.call, step = ctx.step, "a collective aborted");
                             return Err(Error::Aborted(format!(
-                                "{} at step {} on task {} was aborted: {reason}",
-                                ctx.call, ctx.step, ctx.me()
+                                "{} on task {} was aborted: {reason}",
+                                ctx.call, ctx.me()
                             )));
                         }
                     }
@@ -490,6 +501,8 @@ impl Ring {
         if let Ok(rt) = self.runtime() {
             let links = &mut st.links;
             rt.block_on(async {
+                // One deadline for both: a stopped or cut-off peer neither reads the farewell
+                // (its buffers are full) nor closes its side, and must not hold this task up.
                 let farewells: Vec<_> = links
                     .writers
                     .iter_mut()
@@ -499,11 +512,13 @@ impl Ring {
                         Ok::<_, Error>(())
                     })
                     .collect();
-                let _ = tokio::time::timeout(FAREWELL, try_join_all(farewells)).await;
                 // Read what the peers already sent, so that closing does not reset the
                 // connections before they have read the ERROR frames.
                 let drains: Vec<_> = links.readers.iter_mut().flatten().map(Reader::drain).collect();
-                let _ = tokio::time::timeout(FAREWELL, try_join_all(drains)).await;
+                let _ = tokio::time::timeout(FAREWELL, async {
+                    tokio::join!(try_join_all(farewells), try_join_all(drains))
+                })
+                .await;
             });
         }
         st.links.readers.iter_mut().for_each(|r| *r = None);
