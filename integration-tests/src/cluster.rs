@@ -188,6 +188,12 @@ impl Hosts {
         c
     }
 
+    /// Cuts host `i` off the others (its link down at both ends), as a network partition does.
+    pub fn cut(&self, i: usize) {
+        must(&mut ip(&["-n", &self.netns(i), "link", "set", "eth0", "down"]));
+        must(&mut ip(&["link", "set", &format!("sv{}x{i}", self.tag), "down"]));
+    }
+
     /// Bytes that crossed the hosts' links so far (every byte a host sent onto the bridge).
     pub fn link_bytes(&self) -> u64 {
         (0..self.len())
