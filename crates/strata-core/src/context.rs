@@ -130,17 +130,68 @@ impl ReplicaContext<'_> {
         }
     }
 
-    /// Reduces this replica's gradients of `vars` (from `grads`; a variable without one counts
-    /// as zeros) with the strategy's cross-device op, in fused buckets: the sum over every
-    /// replica (and worker) of each replica's gradient times its share of the batch. Returns the
-    /// reduced gradients, in the order of `vars`, on the replicas `dest` names, and `None` on
-    /// the others. Collective: every replica calls it with the same variables.
-    pub fn reduce_gradients(&self, grads: &GradStore, vars: &[Var], dest: Destination) -> Result<Option<Vec<Tensor>>> {
-        let grads: Vec<Tensor> = vars
+    /// Which of `mine` is true on any replica of the step, on any worker: a small collective
+    /// (the flags travel as bits between local replicas and as one f32 per flag between
+    /// workers). Every replica calls it with as many flags.
+    pub fn any_replica(&self, mine: &[bool]) -> Result<Vec<bool>> {
+        let mut words = vec![0u64; mine.len().div_ceil(64)];
+        for (i, _) in mine.iter().enumerate().filter(|(_, b)| **b) {
+            words[i / 64] |= 1 << (i % 64);
+        }
+        let key = self.next_key("any_replica".into(), vec![mine.len()]);
+        let all = self.shared.group.exchange(self.replica, &key, Arc::new(words))?;
+        let mut any = vec![0u64; mine.len().div_ceil(64)];
+        for w in &all {
+            any.iter_mut().zip(w.iter()).for_each(|(a, w)| *a |= w);
+        }
+        let bit = |words: &[u64], i: usize| words[i / 64] >> (i % 64) & 1 == 1;
+        let local: Vec<bool> = (0..mine.len()).map(|i| bit(&any, i)).collect();
+        let Some(w) = self.shared.ext.workers() else { return Ok(local) };
+        let across = if self.replica == 0 {
+            let mut flags: Vec<f32> = local.iter().map(|&b| f32::from(u8::from(b))).collect();
+            w.all_reduce(ReduceOp::Max, &mut flags).map(|()| Arc::new(flags)).map_err(|e| e.to_string())
+        } else {
+            Ok(Arc::new(Vec::new()))
+        };
+        let flags = self.share_from_first("any_replica(workers)", across)?;
+        Ok(flags.iter().map(|&f| f > 0.0).collect())
+    }
+
+    /// Reduces this replica's gradients of `vars` (from `grads`) with the strategy's
+    /// cross-device op, in fused buckets: the sum over every replica (and worker) of each
+    /// replica's gradient times its share of the batch. Only the variables that some replica,
+    /// on some worker, has a gradient for are reduced (a replica without one contributes
+    /// zeros); which those are is agreed first with [`ReplicaContext::any_replica`]. Returns
+    /// the reduced gradients, in the order of `vars` and `None` for a variable no replica has
+    /// a gradient for, on the replicas `dest` names, and `None` on the others. Collective:
+    /// every replica calls it with the same variables.
+    pub fn reduce_gradients(
+        &self,
+        grads: &GradStore,
+        vars: &[Var],
+        dest: Destination,
+    ) -> Result<Option<Vec<Option<Tensor>>>> {
+        let local: Vec<Option<Tensor>> = vars.iter().map(|v| grads.get(v).cloned()).collect();
+        self.reduce_present(local, vars, dest, self.batch_weight())
+    }
+
+    /// [`ReplicaContext::reduce_gradients`] of gradients already taken from a store, in the
+    /// order of `vars`, each multiplied by `weight`.
+    pub(crate) fn reduce_present(
+        &self,
+        local: Vec<Option<Tensor>>,
+        vars: &[Var],
+        dest: Destination,
+        weight: f32,
+    ) -> Result<Option<Vec<Option<Tensor>>>> {
+        let mine: Vec<bool> = local.iter().map(Option::is_some).collect();
+        let present = self.any_replica(&mine)?;
+        let index: Vec<usize> = (0..vars.len()).filter(|&i| present[i]).collect();
+        let grads: Vec<Tensor> = index
             .iter()
-            .map(|v| match grads.get(v) {
+            .map(|&i| match &local[i] {
                 Some(g) => Ok(g.contiguous()?),
-                None => Ok(v.zeros_like()?),
+                None => Ok(vars[i].zeros_like()?),
             })
             .collect::<Result<_>>()?;
         let sizes: Vec<usize> = grads.iter().map(Tensor::elem_count).collect();
@@ -158,7 +209,7 @@ impl ReplicaContext<'_> {
             let (mut cur, mut filled) = (range.start, 0usize);
             // Device-resident ops write the result into `grads` themselves.
             let in_place = ops.reduces_in_place();
-            let req = self.request(ReduceOp::Sum, dest, &grads[range.clone()], self.batch_weight());
+            let req = self.request(ReduceOp::Sum, dest, &grads[range.clone()], weight);
             ops.reduce(req, &mut |mut piece: &[f32]| {
                 if in_place {
                     return;
@@ -179,7 +230,14 @@ impl ReplicaContext<'_> {
         if let Some(e) = failed {
             return Err(e.into());
         }
-        Ok(dest.receives(self.replica).then_some(grads))
+        if !dest.receives(self.replica) {
+            return Ok(None);
+        }
+        let mut out: Vec<Option<Tensor>> = vec![None; vars.len()];
+        for (i, g) in index.into_iter().zip(grads) {
+            out[i] = Some(g);
+        }
+        Ok(Some(out))
     }
 }
 

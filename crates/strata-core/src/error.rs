@@ -62,6 +62,10 @@ pub enum Error {
     #[error("replica {replica} panicked: {message}")]
     ReplicaPanicked { replica: usize, message: String },
 
+    /// A variable name or pattern (to freeze, say) that matches no variable of the model.
+    #[error("no variable matches {pattern:?}; the model's variables are: {variables}")]
+    NoSuchVariable { pattern: String, variables: String },
+
     /// Bad dataset input (sizes, batch sizes).
     #[error("dataset: {0}")]
     Dataset(String),

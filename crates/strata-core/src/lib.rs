@@ -71,5 +71,5 @@ pub use scope::{get_strategy, has_strategy};
 pub use strategy::{Strategy, StrategyHandle};
 pub use values::{Mirrored, PerReplica};
 pub use variables::{
-    DistributedOptimizer, DistributedVariable, Replicated, Scope, SyncOnReadVariable, VariableAggregation,
+    DistributedOptimizer, DistributedVariable, Replicated, Scope, SyncOnReadVariable, VariableAggregation, VariableKind,
 };

@@ -163,9 +163,15 @@ impl WorkerState {
             let vars: Vec<Var> = model.variables(ctx.replica_id()).iter().map(|(_, v)| v.clone()).collect();
             let reduced = ctx.reduce_gradients(&grads, &vars, Destination::Replica(0))?;
             let flat = match reduced {
-                Some(g) => {
-                    Some(g.iter().map(|t| t.flatten_all()?.to_vec1::<f32>()).collect::<candle_core::Result<Vec<_>>>()?)
-                }
+                Some(g) => Some(
+                    g.iter()
+                        .zip(&vars)
+                        .map(|(t, v)| match t {
+                            Some(t) => t.flatten_all()?.to_vec1::<f32>(),
+                            None => Ok(vec![0.0; v.elem_count()]),
+                        })
+                        .collect::<candle_core::Result<Vec<_>>>()?,
+                ),
                 None => None,
             };
             Ok((loss.to_scalar::<f32>()? * shard.weight(), flat))

@@ -222,7 +222,7 @@ impl Trainer {
     {
         let save = || -> Result<Vec<(String, Tensor)>> { Ok(opt.lock(0).state_tensors()?) };
         let load = |state: &[(String, Tensor)]| -> Result<()> {
-            for c in 0..model.num_copies() {
+            for c in 0..opt.num_copies() {
                 opt.lock(c).load_state_tensors(state)?;
             }
             Ok(())
