@@ -96,7 +96,7 @@ struct StreamVar {
     slots: Vec<Vec<f32>>,
     /// Elements covered so far (chunks cover a variable in order).
     next: usize,
-    /// The variable's step count after this update (AdamW's bias correction).
+    /// The task's update number of this update (AdamW's bias correction).
     t: u64,
 }
 
@@ -287,8 +287,9 @@ fn apply_pieces(optimizer: &ServerOptimizer, pieces: Vec<Piece<'_>>) {
 }
 
 /// Applies a validated update (`chunks` cover each of the variables `at` exactly, in order) to
-/// the variables, on two threads when it is large.
-fn apply_update(optimizer: &ServerOptimizer, vars: &mut [Var], at: &[usize], chunks: &[Chunk]) {
+/// the variables, on two threads when it is large; `t` is the task's update number (AdamW's
+/// bias correction).
+fn apply_update(optimizer: &ServerOptimizer, vars: &mut [Var], at: &[usize], chunks: &[Chunk], t: u64) {
     // The ranges not yet handed out, per pushed variable (`at[k]` is variable `k` of the push).
     let mut rest: Vec<Option<Ranges<'_>>> = at.iter().map(|_| None).collect();
     let mut pushed_as = vec![None; vars.len()];
@@ -297,7 +298,6 @@ fn apply_update(optimizer: &ServerOptimizer, vars: &mut [Var], at: &[usize], chu
     }
     for (var, k) in vars.iter_mut().zip(pushed_as) {
         if let Some(k) = k {
-            let t = var.version + 1;
             let slots = var.slots.iter_mut().map(|s| Arc::make_mut(s).as_mut_slice()).collect();
             rest[k] = Some((Arc::make_mut(&mut var.value).as_mut_slice(), slots, t));
         }
@@ -545,7 +545,7 @@ impl State {
             }
         }
         // Async and stale: apply where each chunk lands.
-        apply_update(&optimizer, &mut self.vars, &at, chunks);
+        apply_update(&optimizer, &mut self.vars, &at, chunks, self.version + 1);
         for &i in &at {
             self.vars[i].version += 1;
         }
@@ -617,7 +617,7 @@ impl State {
                     value,
                     slots,
                     next: 0,
-                    t: var.version + 1,
+                    t: self.version + 1,
                 }
             })
             .collect();
@@ -696,28 +696,30 @@ impl State {
     }
 
     /// Applies the current sync round's mean gradient (summed in ascending update order, so
-    /// the result does not depend on arrival order).
+    /// the result does not depend on arrival order). The mean is over the round's pushes: a
+    /// variable some pushes carry no gradient for counts zeros for them (as one device's
+    /// gradient of the whole batch would), and one no push carries is not updated at all.
     fn apply_round(&mut self, optimizer: &ServerOptimizer) {
         let round = std::mem::take(&mut self.round);
-        let mut sums: BTreeMap<usize, (Vec<f32>, u32)> = BTreeMap::new();
+        let mut sums: BTreeMap<usize, Vec<f32>> = BTreeMap::new();
         for c in round.values() {
             for (i, g) in &c.grads {
-                let (sum, n) = sums.entry(*i).or_insert_with(|| (vec![0.0; g.len()], 0));
+                let sum = sums.entry(*i).or_insert_with(|| vec![0.0; g.len()]);
                 for (s, g) in sum.iter_mut().zip(g) {
                     *s += g;
                 }
-                *n += 1;
             }
         }
-        for (i, (mut mean, n)) in sums {
-            let scale = 1.0 / n as f32;
+        let scale = 1.0 / round.len().max(1) as f32;
+        let t = self.version + 1;
+        for (i, mut mean) in sums {
             for m in &mut mean {
                 *m *= scale;
             }
             let var = &mut self.vars[i];
             let mut slots: Vec<&mut [f32]> = var.slots.iter_mut().map(|s| Arc::make_mut(s).as_mut_slice()).collect();
             let value: &mut Vec<f32> = Arc::make_mut(&mut var.value);
-            optimizer.apply(value, &mean, &mut slots, var.version + 1);
+            optimizer.apply(value, &mean, &mut slots, t);
             var.version += 1;
         }
         self.version += 1;
@@ -911,6 +913,85 @@ mod tests {
             assert!(same(&var.value, &w), "variable {name}");
             assert!(var.slots.iter().zip(&slots).all(|(a, b)| same(a, b)), "slots of {name}");
         }
+    }
+}
+
+#[cfg(test)]
+mod partial_tests {
+    use super::*;
+    use crate::UpdateId;
+
+    fn bytes_of(v: &[f32]) -> Bytes {
+        Bytes::copy_from_slice(bytemuck::cast_slice(v))
+    }
+
+    /// A task of `a` (2 elements) and `b` (1) in `mode`, `a = [1, 2]`, `b = [3]`.
+    fn task(opt: &ServerOptimizer, mode: PsMode) -> State {
+        let mut state = State::new("ps:0".into(), None);
+        let header = CreateHeader {
+            variables: vec![VariableInfo::whole("a", vec![2]), VariableInfo::whole("b", vec![1])],
+            optimizer: opt.clone(),
+            mode,
+        };
+        let create = vec![
+            Chunk { var: 0, offset: 0, pieces: vec![bytes_of(&[1.0, 2.0])] },
+            Chunk { var: 1, offset: 0, pieces: vec![bytes_of(&[3.0])] },
+        ];
+        state.create(&header, &create).unwrap();
+        state
+    }
+
+    /// A push from `worker` at `step` of `grads` (by name), computed from version `base`.
+    fn push(s: &mut State, worker: &str, step: u64, base: u64, grads: &[(&str, &[f32])]) -> PushDecision {
+        let h = PushHeader {
+            id: UpdateId { worker: worker.into(), client: "c".into(), step, seq: 0 },
+            base_version: base,
+            variables: grads.iter().map(|(n, _)| n.to_string()).collect(),
+        };
+        let chunks: Vec<Chunk> = grads
+            .iter()
+            .enumerate()
+            .map(|(k, (_, g))| Chunk { var: k as u32, offset: 0, pieces: vec![bytes_of(g)] })
+            .collect();
+        s.push(&h, &chunks).unwrap()
+    }
+
+    fn value(s: &State, name: &str) -> Vec<f32> {
+        s.vars[s.index[name]].value.to_vec()
+    }
+
+    /// A push that carries no gradient for a variable leaves it (and its AdamW moments) alone,
+    /// an empty push still counts as an update, and AdamW's bias correction counts the task's
+    /// updates, as candle-nn's AdamW counts steps on one device.
+    #[test]
+    fn variables_without_a_gradient_are_not_updated_and_adamw_counts_the_tasks_updates() {
+        let opt = ServerOptimizer::AdamW { lr: 0.1, beta1: 0.9, beta2: 0.999, eps: 1e-7, weight_decay: 0.5 };
+        let mut s = task(&opt, PsMode::Async);
+        push(&mut s, "worker:0", 0, 0, &[("a", &[1.0, -1.0])]);
+        assert_eq!(value(&s, "b"), vec![3.0], "no decay without a gradient");
+        assert!(s.vars[s.index["b"]].slots.iter().all(|sl| sl.iter().all(|x| *x == 0.0)));
+        push(&mut s, "worker:0", 1, 1, &[]);
+        assert_eq!(s.version(), 2, "an empty push is an update of the task");
+        push(&mut s, "worker:0", 2, 2, &[("b", &[0.5])]);
+        // One step of AdamW on b at t = 3, from zero moments.
+        let mut w = vec![3.0f32];
+        let mut slots = opt.new_slots(1);
+        let mut refs: Vec<&mut [f32]> = slots.iter_mut().map(Vec::as_mut_slice).collect();
+        opt.apply(&mut w, &[0.5], &mut refs, 3);
+        assert_eq!(value(&s, "b")[0].to_bits(), w[0].to_bits());
+        assert_eq!(s.vars[s.index["b"]].version, 1);
+    }
+
+    /// A sync round averages over its pushes, counting zeros for a push without a variable's
+    /// gradient, and leaves a variable no push carries alone.
+    #[test]
+    fn a_sync_round_counts_zeros_for_a_missing_gradient() {
+        let mut s = task(&ServerOptimizer::Sgd { lr: 1.0 }, PsMode::Sync { workers: 2, backup_workers: 0 });
+        push(&mut s, "worker:0", 0, 0, &[("a", &[2.0, 4.0])]);
+        push(&mut s, "worker:1", 1, 0, &[]);
+        assert_eq!(s.version(), 1);
+        assert_eq!(value(&s, "a"), vec![0.0, 0.0], "mean of [2, 4] and zeros is [1, 2]");
+        assert_eq!(value(&s, "b"), vec![3.0]);
     }
 }
 
