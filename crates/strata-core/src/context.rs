@@ -9,12 +9,22 @@ use std::sync::Arc;
 use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, Var};
 
-use crate::cross_device::{plan_buckets, Destination, ReduceRequest};
+use crate::cross_device::{plan_buckets, Destination, ReduceRequest, WorkerCollectives};
 pub use crate::extended::{CrossReplicaContext, ReplicaContext, StepShared};
-use crate::group::OpKey;
+use crate::group::{OpKey, ReplicaGroup};
 use crate::{Error, PerReplica, ReduceOp, Result};
 
 impl ReplicaContext<'_> {
+    /// A handle to this replica's collectives that outlives the context (see
+    /// [`ReplicaHandle`]).
+    pub fn handle(&self) -> ReplicaHandle {
+        ReplicaHandle {
+            group: self.shared.group.clone(),
+            replica: self.replica,
+            workers: self.shared.ext.worker_collectives(),
+        }
+    }
+
     /// This replica's request for the next collective reduction of the step.
     fn request<'r>(&'r self, op: ReduceOp, dest: Destination, input: &'r [Tensor], weight: f32) -> ReduceRequest<'r> {
         let (group, replica) = (&self.shared.group, self.replica);
@@ -238,6 +248,88 @@ impl ReplicaContext<'_> {
             out[i] = Some(g);
         }
         Ok(Some(out))
+    }
+}
+
+/// A handle to the collectives of the replica the current thread runs, for code that has no
+/// [`ReplicaContext`] at hand: a layer's forward or backward pass (candle's `Module` takes a
+/// tensor), such as [`SyncBatchNorm`](crate::layers::SyncBatchNorm)'s. Every replica thread of
+/// a step sets it (TensorFlow's `get_replica_context()`); outside a step there is none.
+#[derive(Clone)]
+pub struct ReplicaHandle {
+    group: Arc<ReplicaGroup>,
+    replica: usize,
+    workers: Option<Arc<dyn WorkerCollectives>>,
+}
+
+impl std::fmt::Debug for ReplicaHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReplicaHandle")
+            .field("replica", &self.replica)
+            .field("replicas", &self.group.num_replicas())
+            .field("workers", &self.workers.as_ref().map(|w| w.num_workers()))
+            .finish()
+    }
+}
+
+thread_local! {
+    static CURRENT: std::cell::RefCell<Option<ReplicaHandle>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Restores the thread's previous replica handle when dropped.
+pub(crate) struct CurrentReplica(Option<ReplicaHandle>);
+
+impl Drop for CurrentReplica {
+    fn drop(&mut self) {
+        let previous = self.0.take();
+        CURRENT.with(|c| *c.borrow_mut() = previous);
+    }
+}
+
+impl ReplicaHandle {
+    /// The handle of the replica this thread runs, if it runs one.
+    pub fn current() -> Option<ReplicaHandle> {
+        CURRENT.with(|c| c.borrow().clone())
+    }
+
+    /// Makes `self` the thread's current replica until the returned guard drops.
+    pub(crate) fn enter(self) -> CurrentReplica {
+        CurrentReplica(CURRENT.with(|c| c.borrow_mut().replace(self)))
+    }
+
+    /// This replica's index on its worker.
+    pub fn replica_id(&self) -> usize {
+        self.replica
+    }
+
+    /// Whether this replica is the only one in sync (nothing to combine).
+    pub fn is_single(&self) -> bool {
+        self.group.num_replicas() == 1 && self.workers.is_none()
+    }
+
+    /// The element-wise sum of every replica's `data` (on every worker), in replica then
+    /// worker order, so every replica gets the same bits. Collective: every replica calls it
+    /// with as many values and the same `tag`, which names it in a mismatch.
+    pub fn all_reduce_sum(&self, tag: &str, data: Vec<f32>) -> Result<Vec<f32>> {
+        let (group, replica) = (&*self.group, self.replica);
+        let key = OpKey { seq: group.next_seq(replica), op: format!("all_reduce_sum({tag})"), shape: vec![data.len()] };
+        let all = group.exchange(replica, &key, Arc::new(data))?;
+        let mut sum = all[0].as_ref().clone();
+        for v in &all[1..] {
+            sum.iter_mut().zip(v.iter()).for_each(|(s, x)| *s += x);
+        }
+        let Some(w) = &self.workers else { return Ok(sum) };
+        let mine = if replica == 0 {
+            w.all_reduce(ReduceOp::Sum, &mut sum).map(|()| Arc::new(sum)).map_err(|e| e.to_string())
+        } else {
+            Ok(Arc::new(Vec::new()))
+        };
+        let key = OpKey { seq: group.next_seq(replica), op: format!("all_reduce_sum({tag}, workers)"), shape: vec![] };
+        match group.exchange(replica, &key, mine)?.into_iter().next() {
+            Some(Ok(v)) => Ok(v.as_ref().clone()),
+            Some(Err(e)) => Err(Error::Cluster(e)),
+            None => Err(Error::Scope(format!("all_reduce_sum({tag}) produced no result"))),
+        }
     }
 }
 

@@ -34,7 +34,9 @@
 //! - [`cross_device`]: the collective interfaces and their CPU implementations;
 //! - [`extended`]: what a strategy implementation provides ([`StrategyExtended`] and its
 //!   vocabulary) and the [`ReplicaContext`] type a job receives;
-//! - [`context`]: the replica context's collectives;
+//! - [`context`]: the replica context's collectives, and [`context::ReplicaHandle`] (a
+//!   replica's collectives for layers, found through the thread);
+//! - [`layers`]: layers whose computation spans the replicas ([`layers::SyncBatchNorm`]);
 //! - [`runtime`]: running a step on replica threads, the default strategy;
 //! - [`scope`]: the scope stack ([`get_strategy`]);
 //! - [`data`]: batches, shards and distributed datasets;
@@ -49,6 +51,7 @@ pub mod device;
 mod error;
 pub mod extended;
 pub mod group;
+pub mod layers;
 pub mod optim;
 mod reduce;
 pub mod runtime;

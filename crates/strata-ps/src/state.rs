@@ -98,6 +98,8 @@ struct StreamVar {
     next: usize,
     /// The task's update number of this update (AdamW's bias correction).
     t: u64,
+    /// Whether the variable is state (the push's change is added, see [`STATE_UPDATE`]).
+    state: bool,
 }
 
 /// A push applied while it arrives: each chunk updates the variables out of place, from their
@@ -140,7 +142,8 @@ impl Streamed {
                 *s0 = &s[at..end];
             }
             let mut slots: Vec<&mut [f32]> = v.slots.iter_mut().map(|s| &mut s[at..end]).collect();
-            apply_le_bytes_from(&self.optimizer, &v.base[at..end], &mut v.value[at..end], g, &slots0, &mut slots, v.t);
+            let opt = if v.state { &STATE_UPDATE } else { &self.optimizer };
+            apply_le_bytes_from(opt, &v.base[at..end], &mut v.value[at..end], g, &slots0, &mut slots, v.t);
             at = end;
         }
         v.next = at;
@@ -263,6 +266,20 @@ fn check_coverage(chunks: &[Chunk], names: &[&str], sizes: &[usize], what: Reque
     Ok(())
 }
 
+/// How a task applies a push to a variable of [state](VariableInfo::state): it adds the pushed
+/// change (`w - (g * -1 + 0)`, plain SGD at a learning rate of -1), with no optimizer slot and
+/// no step count.
+const STATE_UPDATE: ServerOptimizer = ServerOptimizer::Sgd { lr: -1.0 };
+
+/// The update a variable takes: the task's optimizer, or [`STATE_UPDATE`] for state.
+fn update_of<'a>(optimizer: &'a ServerOptimizer, info: &VariableInfo) -> &'a ServerOptimizer {
+    if info.state {
+        &STATE_UPDATE
+    } else {
+        optimizer
+    }
+}
+
 /// Pushes of at least this many bytes are applied on two threads: the pushing worker waits for
 /// the answer, so a core is free (the optimizer's pass is memory-bound and took a third of a
 /// 64 MiB push on one thread).
@@ -271,18 +288,20 @@ const PARALLEL_APPLY_BYTES: usize = 4 << 20;
 /// One piece of an update: gradient bytes and the ranges of the variable and of its optimizer
 /// slots they land on.
 struct Piece<'a> {
+    opt: &'a ServerOptimizer,
     g: &'a Bytes,
     w: &'a mut [f32],
     slots: Vec<&'a mut [f32]>,
     t: u64,
 }
 
-/// A variable's range not yet handed out, its optimizer slots' ranges, and its step count.
-type Ranges<'a> = (&'a mut [f32], Vec<&'a mut [f32]>, u64);
+/// A variable's range not yet handed out, its optimizer slots' ranges, its step count and its
+/// update.
+type Ranges<'a, 'o> = (&'a mut [f32], Vec<&'a mut [f32]>, u64, &'o ServerOptimizer);
 
-fn apply_pieces(optimizer: &ServerOptimizer, pieces: Vec<Piece<'_>>) {
+fn apply_pieces(pieces: Vec<Piece<'_>>) {
     for mut p in pieces {
-        apply_le_bytes(optimizer, p.w, p.g, &mut p.slots, p.t);
+        apply_le_bytes(p.opt, p.w, p.g, &mut p.slots, p.t);
     }
 }
 
@@ -291,21 +310,22 @@ fn apply_pieces(optimizer: &ServerOptimizer, pieces: Vec<Piece<'_>>) {
 /// bias correction).
 fn apply_update(optimizer: &ServerOptimizer, vars: &mut [Var], at: &[usize], chunks: &[Chunk], t: u64) {
     // The ranges not yet handed out, per pushed variable (`at[k]` is variable `k` of the push).
-    let mut rest: Vec<Option<Ranges<'_>>> = at.iter().map(|_| None).collect();
+    let mut rest: Vec<Option<Ranges<'_, '_>>> = at.iter().map(|_| None).collect();
     let mut pushed_as = vec![None; vars.len()];
     for (k, &i) in at.iter().enumerate() {
         pushed_as[i] = Some(k);
     }
     for (var, k) in vars.iter_mut().zip(pushed_as) {
         if let Some(k) = k {
+            let opt = update_of(optimizer, &var.info);
             let slots = var.slots.iter_mut().map(|s| Arc::make_mut(s).as_mut_slice()).collect();
-            rest[k] = Some((Arc::make_mut(&mut var.value).as_mut_slice(), slots, t));
+            rest[k] = Some((Arc::make_mut(&mut var.value).as_mut_slice(), slots, t, opt));
         }
     }
     let mut pieces = Vec::new();
     let mut bytes = 0;
     for c in chunks {
-        let Some((w, slots, t)) = rest.get_mut(c.var as usize).and_then(Option::as_mut) else { continue };
+        let Some((w, slots, t, opt)) = rest.get_mut(c.var as usize).and_then(Option::as_mut) else { continue };
         for g in &c.pieces {
             let n = (g.len() / 4).min(w.len());
             let (head, tail) = std::mem::take(w).split_at_mut(n);
@@ -317,11 +337,11 @@ fn apply_update(optimizer: &ServerOptimizer, vars: &mut [Var], at: &[usize], chu
                 piece_slots.push(head);
             }
             bytes += g.len();
-            pieces.push(Piece { g, w: head, slots: piece_slots, t: *t });
+            pieces.push(Piece { opt: *opt, g, w: head, slots: piece_slots, t: *t });
         }
     }
     if bytes < PARALLEL_APPLY_BYTES {
-        return apply_pieces(optimizer, pieces);
+        return apply_pieces(pieces);
     }
     // Halves by bytes: the second half on a helper thread (or here, if none can start).
     let mut half = 0;
@@ -333,13 +353,13 @@ fn apply_update(optimizer: &ServerOptimizer, vars: &mut [Var], at: &[usize], chu
     std::thread::scope(|scope| {
         let helper = std::thread::Builder::new().name("strata-ps-apply".into()).spawn_scoped(scope, || {
             if let Some(p) = second.lock().ok().and_then(|mut s| s.take()) {
-                apply_pieces(optimizer, p);
+                apply_pieces(p);
             }
         });
-        apply_pieces(optimizer, pieces);
+        apply_pieces(pieces);
         if helper.is_err() {
             if let Some(p) = second.lock().ok().and_then(|mut s| s.take()) {
-                apply_pieces(optimizer, p);
+                apply_pieces(p);
             }
         }
     });
@@ -618,6 +638,7 @@ impl State {
                     slots,
                     next: 0,
                     t: self.version + 1,
+                    state: var.info.state,
                 }
             })
             .collect();
@@ -719,7 +740,7 @@ impl State {
             let var = &mut self.vars[i];
             let mut slots: Vec<&mut [f32]> = var.slots.iter_mut().map(|s| Arc::make_mut(s).as_mut_slice()).collect();
             let value: &mut Vec<f32> = Arc::make_mut(&mut var.value);
-            optimizer.apply(value, &mean, &mut slots, t);
+            update_of(optimizer, &var.info).apply(value, &mean, &mut slots, t);
             var.version += 1;
         }
         self.version += 1;
@@ -980,6 +1001,52 @@ mod partial_tests {
         opt.apply(&mut w, &[0.5], &mut refs, 3);
         assert_eq!(value(&s, "b")[0].to_bits(), w[0].to_bits());
         assert_eq!(s.vars[s.index["b"]].version, 1);
+    }
+
+    /// A variable of state takes the pushed change as it is (added, no optimizer), whether
+    /// collected, streamed or in a sync round (the round's mean change).
+    #[test]
+    fn state_adds_the_pushed_change() {
+        let opt = ServerOptimizer::AdamW { lr: 0.1, beta1: 0.9, beta2: 0.999, eps: 1e-7, weight_decay: 0.5 };
+        for mode in [PsMode::Async, PsMode::Sync { workers: 2, backup_workers: 0 }] {
+            for streamed in [false, true] {
+                let mut state = State::new("ps:0".into(), streamed.then_some(0));
+                let mut b = VariableInfo::whole("b", vec![1]);
+                b.state = true;
+                let header = CreateHeader {
+                    variables: vec![VariableInfo::whole("a", vec![2]), b],
+                    optimizer: opt.clone(),
+                    mode,
+                };
+                let create = vec![
+                    Chunk { var: 0, offset: 0, pieces: vec![bytes_of(&[1.0, 2.0])] },
+                    Chunk { var: 1, offset: 0, pieces: vec![bytes_of(&[3.0])] },
+                ];
+                state.create(&header, &create).unwrap();
+                let h = |worker: &str, step| PushHeader {
+                    id: UpdateId { worker: worker.into(), client: "c".into(), step, seq: 0 },
+                    base_version: 0,
+                    variables: vec!["b".into()],
+                };
+                let c = vec![Chunk { var: 0, offset: 0, pieces: vec![bytes_of(&[0.25])] }];
+                if streamed && mode == PsMode::Async {
+                    let mut stream = state.begin_stream(&h("worker:0", 0)).unwrap();
+                    stream.apply(&c[0]).unwrap();
+                    state.finish_stream(stream).unwrap();
+                } else {
+                    state.push(&h("worker:0", 0), &c).unwrap();
+                    if mode != PsMode::Async {
+                        state
+                            .push(&h("worker:1", 1), &[Chunk { var: 0, offset: 0, pieces: vec![bytes_of(&[0.75])] }])
+                            .unwrap();
+                    }
+                }
+                let want = if mode == PsMode::Async { 3.25 } else { 3.5 };
+                assert_eq!(value(&state, "b"), vec![want], "{mode:?} streamed {streamed}");
+                assert!(state.vars[state.index["b"]].slots.iter().all(|sl| sl.iter().all(|x| *x == 0.0)));
+                assert_eq!(value(&state, "a"), vec![1.0, 2.0]);
+            }
+        }
     }
 
     /// A sync round averages over its pushes, counting zeros for a push without a variable's

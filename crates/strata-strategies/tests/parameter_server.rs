@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{Init, Linear, VarBuilder};
-use common::models::{data, Frozen, Heads, TestModel};
+use common::models::{data, BnNet, Frozen, Heads, TestModel};
 use strata_core::data::Batch;
 use strata_core::optim::FusedAdamW;
 use strata_core::{Strategy, StrategyOptions};
@@ -125,6 +125,7 @@ fn registry() -> StepRegistry {
     r.register("linreg", |ctx: &WorkerContext, (): ()| linreg_step(ctx));
     register_model::<Heads>(&mut r, "heads", 2, &[]);
     register_model::<Frozen>(&mut r, "frozen", 1, &["late.*"]);
+    register_model::<BnNet<false>>(&mut r, "bn", 1, &[]);
     r
 }
 
@@ -635,20 +636,28 @@ fn ps_against_one_device<M: TestModel>(
 /// Async with one worker: the steps of a model with heads unused in some steps (and on some
 /// of the worker's two replicas) and of a model with frozen layers end on one device's
 /// parameters under AdamW with weight decay (which a zero gradient would move), over two ps
-/// tasks, one of which gets empty pushes.
+/// tasks, one of which gets empty pushes; and a model with BatchNorm, whose running statistics
+/// (state on the ps tasks, moved by the worker's pushed changes) end as one device's too.
 #[test]
 fn async_one_worker_unused_and_frozen_end_as_one_device() {
     with_timeout(TEST_LIMIT, "async_one_worker_unused_and_frozen_end_as_one_device", || {
         let steps: Vec<ModelStep> =
             (0..8).map(|k| ModelStep { phase: k / 3, seed: 300 + k as u64, examples: 15 }).collect();
         let rounds: Vec<_> = steps.iter().map(|s| (s.phase, vec![data(s.examples, 6, s.seed)])).collect();
-        for name in ["heads", "frozen"] {
+        let images: Vec<_> = steps.iter().map(|s| (s.phase, vec![data(s.examples, 36, s.seed)])).collect();
+        for name in ["heads", "frozen", "bn"] {
             let job = Job::start(2, 1, None);
-            let (strategy, want, got) = if name == "heads" {
-                ps_against_one_device::<Heads>(&job, PsMode::Async, name, &[], &steps, &rounds, true)
-            } else {
-                ps_against_one_device::<Frozen>(&job, PsMode::Async, name, &["late.*"], &steps, &rounds, true)
+            let (strategy, want, got) = match name {
+                "heads" => ps_against_one_device::<Heads>(&job, PsMode::Async, name, &[], &steps, &rounds, true),
+                "frozen" => {
+                    ps_against_one_device::<Frozen>(&job, PsMode::Async, name, &["late.*"], &steps, &rounds, true)
+                }
+                _ => ps_against_one_device::<BnNet<false>>(&job, PsMode::Async, name, &[], &steps, &images, true),
             };
+            if name == "bn" {
+                let mean = &got.iter().find(|(n, _)| n == "bn.running_mean").unwrap().1;
+                assert!(mean.iter().all(|x| *x != 0.0), "the statistics must move: {mean:?}");
+            }
             let d = common::max_rel_diff(&want, &got);
             assert!(d <= 1e-5, "{name}: the parameter servers differ from one device by {d}");
             for ps in 0..2 {

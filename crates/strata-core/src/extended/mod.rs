@@ -126,6 +126,12 @@ pub trait StrategyExtended: Send + Sync + std::fmt::Debug {
         None
     }
 
+    /// The other workers of a multi-worker strategy, shared (for handles that outlive a
+    /// borrow of the strategy, such as a replica's [`ReplicaHandle`](crate::context::ReplicaHandle)).
+    fn worker_collectives(&self) -> Option<Arc<dyn WorkerCollectives>> {
+        None
+    }
+
     /// How input is split across workers.
     fn auto_shard(&self) -> AutoShardPolicy {
         AutoShardPolicy::Data

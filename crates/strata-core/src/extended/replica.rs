@@ -12,7 +12,7 @@ use crate::{Error, Result};
 /// What the replicas of one step share.
 pub struct StepShared<'a> {
     pub(crate) ext: &'a dyn StrategyExtended,
-    pub(crate) group: ReplicaGroup,
+    pub(crate) group: std::sync::Arc<ReplicaGroup>,
     pub(crate) weights: &'a [f32],
     pub(crate) devices: Vec<Device>,
 }
@@ -25,7 +25,8 @@ impl<'a> StepShared<'a> {
             return Err(Error::InvalidArgument(format!("{} batch weights for {n} replicas", weights.len())));
         }
         let devices = ext.replica_devices().iter().map(candle_device).collect::<Result<_>>()?;
-        Ok(Self { ext, group: ReplicaGroup::new(n, ext.options().collective_timeout)?, weights, devices })
+        let group = std::sync::Arc::new(ReplicaGroup::new(n, ext.options().collective_timeout)?);
+        Ok(Self { ext, group, weights, devices })
     }
 
     /// The group the replicas meet in.

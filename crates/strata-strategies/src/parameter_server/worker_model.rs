@@ -32,6 +32,15 @@
 //! none of whose variables has a gradient gets an empty push, which counts the update without
 //! changing anything: frozen variables and parameters unused in a step are neither pushed nor
 //! updated, as on one device.
+//!
+//! **State** (BatchNorm's running statistics) lives on the ps tasks too, marked as state: each
+//! step pulls it, the replicas' forward passes update their copies, and the push carries the
+//! change (averaged over the worker's replicas), which the ps task adds instead of applying
+//! its optimizer (TensorFlow's workers assign moving averages on the ps tasks the same way).
+//! With one worker the ps tasks then hold what the worker's replicas computed, one device's
+//! statistics for a worker of one replica; with several, every worker's batches move them, in
+//! the order the pushes arrive (async) or by the round's mean change (sync). The coordinator's
+//! pulls read them, so its evaluation uses the trained statistics.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -56,6 +65,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 pub struct PushSlot {
     target: Mutex<Option<(WorkerContext, PullTicket)>>,
     outcome: Mutex<Option<Result<PushSummary>>>,
+    /// The state's values as pulled (the push carries the change from them).
+    state_base: Mutex<Vec<Vec<f32>>>,
 }
 
 impl std::fmt::Debug for PushSlot {
@@ -69,6 +80,8 @@ impl std::fmt::Debug for PushSlot {
 #[derive(Clone, Debug)]
 pub struct PushConfig {
     names: Arc<Vec<(String, Var)>>,
+    /// The model's state, by name, with every copy's variable.
+    state: Arc<Vec<(String, Vec<Var>)>>,
     slot: Arc<PushSlot>,
 }
 
@@ -78,6 +91,7 @@ pub struct PushConfig {
 #[derive(Debug)]
 pub struct PushToPs {
     vars: Vec<(String, Var)>,
+    state: Arc<Vec<(String, Vec<Var>)>>,
     slot: Arc<PushSlot>,
 }
 
@@ -98,7 +112,7 @@ impl Optimizer for PushToPs {
                 }
             })
             .collect::<candle_core::Result<_>>()?;
-        Ok(Self { vars, slot: config.slot })
+        Ok(Self { vars, state: config.state, slot: config.slot })
     }
 
     /// The ps tasks' optimizer has the learning rate; this one reports 0.
@@ -120,6 +134,17 @@ impl Optimizer for PushToPs {
             if let Some(g) = grads.get(v) {
                 pushed.push((name.clone(), g.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?));
             }
+        }
+        // State: the change the replicas' forward passes made, averaged over the replicas.
+        let base = lock(&self.slot.state_base).clone();
+        for ((name, copies), base) in self.state.iter().zip(base) {
+            let mut mean = vec![0f32; base.len()];
+            for v in copies {
+                let now = v.as_tensor().to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                mean.iter_mut().zip(now).for_each(|(m, x)| *m += x);
+            }
+            let k = copies.len().max(1) as f32;
+            pushed.push((name.clone(), mean.iter().zip(&base).map(|(m, b)| m / k - b).collect()));
         }
         let outcome = ctx.push(&ticket, &pushed);
         let failed = outcome.as_ref().err().map(ToString::to_string);
@@ -184,7 +209,15 @@ impl<M> PsWorkerModel<M> {
     }
 
     fn push_optimizer(model: &Replicated<M>, slot: &Arc<PushSlot>) -> Result<DistributedOptimizer<PushToPs>> {
-        let config = PushConfig { names: Arc::new(model.variables(0).to_vec()), slot: slot.clone() };
+        let state = (0..model.kinds().len())
+            .filter(|&i| model.kinds()[i] == VariableKind::State)
+            .map(|i| {
+                let copies = (0..model.num_copies()).map(|c| model.variables(c)[i].1.clone()).collect();
+                (model.variables(0)[i].0.clone(), copies)
+            })
+            .collect();
+        let config =
+            PushConfig { names: Arc::new(model.variables(0).to_vec()), state: Arc::new(state), slot: slot.clone() };
         model.optimizer::<PushToPs>(config)
     }
 
@@ -234,6 +267,13 @@ impl<M> PsWorkerModel<M> {
         let ticket = w.pull(&vars)?;
         self.frozen_pulled.store(true, Ordering::Release);
         self.mirror_pulled(&vars)?;
+        let mut base = Vec::new();
+        for ((_, v), k) in self.model.variables(0).iter().zip(self.model.kinds()) {
+            if *k == VariableKind::State {
+                base.push(v.as_tensor().to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?);
+            }
+        }
+        *lock(&self.slot.state_base) = base;
         *lock(&self.slot.outcome) = None;
         *lock(&self.slot.target) = Some((w.clone(), ticket.clone()));
         let split = DistributedBatch::split(batch, self.strategy.num_replicas_in_sync())?;

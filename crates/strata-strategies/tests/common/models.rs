@@ -113,3 +113,46 @@ pub fn data(n: usize, dim: usize, seed: u64) -> Batch {
     let labels = (0..n).map(|_| rng.random_range(0..3u32)).collect();
     Batch::new(features, labels, dim).unwrap()
 }
+
+/// conv2d(1 -> 3, 3x3, no bias: the batch norm's mean would cancel it, leaving its gradient
+/// rounding noise that AdamW would amplify) -> batch norm -> relu -> max-pool 2 ->
+/// linear(12 -> 3), on 6x6 images; the batch norm is candle-nn's (`SYNC = false`) or Strata's
+/// `SyncBatchNorm` (`true`), with the same variable names.
+pub struct BnNet<const SYNC: bool> {
+    conv: candle_nn::Conv2d,
+    plain: Option<candle_nn::BatchNorm>,
+    sync: Option<strata_core::layers::SyncBatchNorm>,
+    fc: candle_nn::Linear,
+}
+
+impl<const SYNC: bool> TestModel for BnNet<SYNC> {
+    const DIM: usize = 36;
+    fn build(sc: &Scope) -> candle_core::Result<Self> {
+        let vb = sc.var_builder();
+        let cfg = candle_nn::BatchNormConfig { momentum: 0.2, ..Default::default() };
+        let (plain, sync) = if SYNC {
+            (None, Some(strata_core::layers::sync_batch_norm(3, cfg, vb.pp("bn"))?))
+        } else {
+            (Some(candle_nn::batch_norm(3, cfg, vb.pp("bn"))?), None)
+        };
+        Ok(Self {
+            conv: candle_nn::conv2d_no_bias(1, 3, 3, Default::default(), vb.pp("conv"))?,
+            plain,
+            sync,
+            fc: candle_nn::linear(12, 3, vb.pp("fc"))?,
+        })
+    }
+    fn loss(&self, _: usize, b: &Batch, dev: &Device) -> candle_core::Result<Tensor> {
+        use candle_nn::ModuleT;
+        let x = Tensor::from_slice(&b.features, (b.len(), 1, 6, 6), dev)?;
+        let h = self.conv.forward(&x)?;
+        let h = match (&self.plain, &self.sync) {
+            (Some(bn), _) => bn.forward_t(&h, true)?,
+            (_, Some(bn)) => bn.forward_t(&h, true)?,
+            _ => h,
+        };
+        let h = h.relu()?.max_pool2d(2)?.flatten_from(1)?;
+        let y = Tensor::from_slice(&b.labels, b.len(), dev)?;
+        candle_nn::loss::cross_entropy(&self.fc.forward(&h)?, &y)
+    }
+}
