@@ -66,6 +66,14 @@ pub enum Error {
     #[error("no variable matches {pattern:?}; the model's variables are: {variables}")]
     NoSuchVariable { pattern: String, variables: String },
 
+    /// A learning-rate schedule that cannot be followed.
+    #[error("{schedule} learning-rate schedule: {detail}")]
+    InvalidSchedule { schedule: String, detail: String },
+
+    /// An optimizer setting (clipping norm, accumulation) out of its range.
+    #[error("{setting} of {value}: {expected}")]
+    OptimizerSetting { setting: &'static str, value: String, expected: &'static str },
+
     /// Bad dataset input (sizes, batch sizes).
     #[error("dataset: {0}")]
     Dataset(String),

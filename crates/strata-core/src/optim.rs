@@ -21,6 +21,7 @@ use candle_core::{CpuStorage, DType, Layout, Tensor, Var};
 use candle_nn::{Optimizer, ParamsAdamW};
 
 pub mod rules;
+pub mod schedule;
 
 use rules::AdamWScalars;
 

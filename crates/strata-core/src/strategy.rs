@@ -77,7 +77,7 @@ pub trait Strategy {
                 .iter()
                 .map(|b| {
                     let shard = &b.shards.values()[r];
-                    ctx.set_batch_weight(shard.weight());
+                    ctx.set_batch(shard.weight(), shard.global_len);
                     step(ctx, shard)
                 })
                 .collect::<Result<Vec<T>>>()

@@ -592,7 +592,14 @@ impl<M> Replicated<M> {
             .iter()
             .map(|vs| O::new(vs.clone(), config.clone()).map(Mutex::new))
             .collect::<candle_core::Result<Vec<_>>>()?;
-        Ok(DistributedOptimizer::from_parts(self.strategy, self.strategy_name, self.policy, copies, vars))
+        Ok(DistributedOptimizer::from_parts(
+            self.strategy,
+            self.strategy_name,
+            self.policy,
+            copies,
+            vars,
+            self.ext.num_replicas(),
+        ))
     }
 }
 
@@ -667,6 +674,14 @@ impl DistributedVariable {
 
 /// One optimizer per model copy: mirrored copies each apply the same all-reduced gradient;
 /// a central copy is updated once, on the parameter device.
+///
+/// What Keras' and PyTorch Lightning's training loops add to an optimizer step, each the same
+/// computation one device makes on the global batch:
+/// [`with_clip_global_norm`](Self::with_clip_global_norm) (on the reduced gradient, so every
+/// replica and worker scales by the same factor), [`with_schedule`](Self::with_schedule) (the
+/// learning rate of every step, on every copy) and
+/// [`with_accumulation`](Self::with_accumulation) (several micro-batches per optimizer step,
+/// equal to one step on their concatenation).
 #[derive(Debug)]
 pub struct DistributedOptimizer<O> {
     strategy: StrategyId,
@@ -674,6 +689,26 @@ pub struct DistributedOptimizer<O> {
     policy: VariablePolicy,
     copies: Vec<Mutex<O>>,
     vars: Vec<Vec<Var>>,
+    /// Optimizer steps each copy applied.
+    steps: Vec<std::sync::atomic::AtomicU64>,
+    clip_global_norm: Option<f64>,
+    schedule: Option<crate::optim::schedule::LrSchedule>,
+    /// Micro-batches per optimizer step (1: none accumulated).
+    accumulation: usize,
+    /// Each local replica's accumulated gradients.
+    accumulated: Vec<Mutex<Accumulated>>,
+}
+
+/// A replica's gradients summed over the micro-batches of an optimizer step so far.
+#[derive(Debug, Default)]
+struct Accumulated {
+    /// Per variable of the optimizer: the sum of each micro-batch's gradient times its examples
+    /// on this replica.
+    grads: Vec<Option<Tensor>>,
+    /// Micro-batches so far.
+    micro_batches: usize,
+    /// Examples of the micro-batches' global batches so far.
+    examples: usize,
 }
 
 impl<O: Optimizer> DistributedOptimizer<O> {
@@ -685,8 +720,67 @@ impl<O: Optimizer> DistributedOptimizer<O> {
         policy: VariablePolicy,
         copies: Vec<Mutex<O>>,
         vars: Vec<Vec<Var>>,
+        replicas: usize,
     ) -> Self {
-        Self { strategy, strategy_name, policy, copies, vars }
+        Self {
+            strategy,
+            strategy_name,
+            policy,
+            steps: copies.iter().map(|_| std::sync::atomic::AtomicU64::new(0)).collect(),
+            copies,
+            vars,
+            clip_global_norm: None,
+            schedule: None,
+            accumulation: 1,
+            accumulated: (0..replicas.max(1)).map(|_| Mutex::new(Accumulated::default())).collect(),
+        }
+    }
+
+    /// Scales each step's gradient so that its global norm (over every variable of the
+    /// step, computed on the gradient reduced over every replica and worker) is at most
+    /// `max_norm`: TensorFlow's `clip_by_global_norm` (a gradient already within the norm is
+    /// left as it is), the same factor on every replica, as one device clipping the global
+    /// batch's gradient.
+    pub fn with_clip_global_norm(mut self, max_norm: f64) -> Result<Self> {
+        if !(max_norm.is_finite() && max_norm > 0.0) {
+            return Err(Error::OptimizerSetting {
+                setting: "a global clipping norm",
+                value: max_norm.to_string(),
+                expected: "use a finite norm above 0",
+            });
+        }
+        self.clip_global_norm = Some(max_norm);
+        Ok(self)
+    }
+
+    /// Sets every copy's learning rate to `schedule.at(step)` before each optimizer step
+    /// (counting the steps this optimizer applied, from 0).
+    pub fn with_schedule(mut self, schedule: crate::optim::schedule::LrSchedule) -> Result<Self> {
+        schedule.validate()?;
+        self.schedule = Some(schedule);
+        Ok(self)
+    }
+
+    /// Accumulates the gradients of `micro_batches` calls of
+    /// [`ReplicaContext::backward_and_sync`] locally (no communication) and reduces and applies
+    /// them at the last: one optimizer step equal to one step on the micro-batches'
+    /// concatenated global batch (each micro-batch weighted by its examples, uneven ones
+    /// included).
+    pub fn with_accumulation(mut self, micro_batches: usize) -> Result<Self> {
+        if micro_batches == 0 {
+            return Err(Error::OptimizerSetting {
+                setting: "gradient accumulation",
+                value: "0 micro-batches".into(),
+                expected: "accumulate over 1 or more",
+            });
+        }
+        self.accumulation = micro_batches;
+        Ok(self)
+    }
+
+    /// Optimizer steps applied so far (by the first copy).
+    pub fn iterations(&self) -> u64 {
+        self.steps[0].load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The number of optimizer copies (one per replica for mirrored variables, one for
@@ -698,13 +792,26 @@ impl<O: Optimizer> DistributedOptimizer<O> {
     /// Applies `grads` (in the order of copy `copy`'s variables; `None` for a variable that
     /// no replica computed a gradient for, which the optimizer then skips) with copy `copy`.
     pub(crate) fn apply(&self, copy: usize, grads: Vec<Option<Tensor>>) -> Result<()> {
+        let step = self.steps[copy].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let scale = match self.clip_global_norm {
+            Some(max) => clip_scale(&grads, max)?,
+            None => None,
+        };
         let mut store = GradStore::default();
         for (v, g) in self.vars[copy].iter().zip(grads) {
             if let Some(g) = g {
+                let g = match scale {
+                    Some(k) => (g * k)?,
+                    None => g,
+                };
                 store.insert(v.as_tensor(), g);
             }
         }
-        Ok(self.lock(copy).step(&store)?)
+        let mut opt = self.lock(copy);
+        if let Some(s) = &self.schedule {
+            opt.set_learning_rate(s.at(step));
+        }
+        Ok(opt.step(&store)?)
     }
     pub(crate) fn check_strategy(&self, ctx: &ReplicaContext<'_>) -> Result<()> {
         if ctx.strategy_id() != self.strategy {
@@ -745,6 +852,17 @@ impl<O: Optimizer> DistributedOptimizer<O> {
     }
 }
 
+/// The factor that brings `grads`' global norm to at most `max` (`None`: within it already):
+/// `max / norm`, the norm summed in f64 over the variables in order.
+fn clip_scale(grads: &[Option<Tensor>], max: f64) -> Result<Option<f64>> {
+    let mut sq = 0f64;
+    for g in grads.iter().flatten() {
+        sq += g.to_dtype(DType::F32)?.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
+    }
+    let norm = sq.sqrt();
+    Ok((norm > max).then(|| max / norm))
+}
+
 /// How a replica applies its gradients through a [`DistributedOptimizer`] (next to the
 /// optimizer, whose copies and policy it uses; the reduction itself is
 /// [`ReplicaContext::reduce_gradients`]).
@@ -774,15 +892,47 @@ impl ReplicaContext<'_> {
             VariablePolicy::Central { .. } => 0,
         };
         let vars = opt.vars(copy);
+        let mut local: Vec<Option<Tensor>> = vars.iter().map(|v| grads.get(v).cloned()).collect();
+        let mut weight = self.batch_weight();
+        if opt.accumulation > 1 {
+            // Sum this replica's gradient times its examples; reduce at the last micro-batch.
+            let mut acc = lock(&opt.accumulated[self.replica]);
+            let global = self.batch_global_len();
+            let examples = (self.batch_weight() as f64 * global as f64).round();
+            acc.grads.resize(vars.len(), None);
+            for (sum, g) in acc.grads.iter_mut().zip(&local) {
+                if let Some(g) = g {
+                    let g = (g * examples)?;
+                    *sum = Some(match sum.take() {
+                        Some(s) => (s + g)?,
+                        None => g,
+                    });
+                }
+            }
+            acc.micro_batches += 1;
+            acc.examples += global;
+            if acc.micro_batches < opt.accumulation {
+                return Ok(());
+            }
+            let done = std::mem::take(&mut *acc);
+            local = done.grads;
+            weight = 1.0 / done.examples.max(1) as f32;
+        }
         if n == 1 && self.shared.ext.workers().is_none() {
             let _p = self.phase("step", "optimizer");
-            return opt.apply(copy, vars.iter().map(|v| grads.get(v).cloned()).collect());
+            if opt.accumulation > 1 {
+                local = local
+                    .into_iter()
+                    .map(|g| g.map(|g| g * weight as f64).transpose())
+                    .collect::<candle_core::Result<_>>()?;
+            }
+            return opt.apply(copy, local);
         }
         let dest = match policy {
             VariablePolicy::Mirrored => Destination::AllReplicas,
             VariablePolicy::Central { parameter_replica } => Destination::Replica(parameter_replica),
         };
-        if let Some(reduced) = self.reduce_gradients(&grads, vars, dest)? {
+        if let Some(reduced) = self.reduce_present(local, vars, dest, weight)? {
             let _p = self.phase("step", "optimizer");
             opt.apply(copy, reduced)?;
         }
