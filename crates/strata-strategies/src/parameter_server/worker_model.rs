@@ -47,7 +47,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use candle_core::{DType, Var};
 use candle_nn::Optimizer;
-use strata_core::data::{Batch, DistributedBatch, Shard};
+use strata_core::data::{BatchData, DistributedBatch, Shard};
 use strata_core::{
     DistributedOptimizer, Error, PerReplica, ReplicaContext, Replicated, Result, Scope, Strategy, StrategyHandle,
     StrategyOptions, VariableKind,
@@ -245,15 +245,15 @@ impl<M> PsWorkerModel<M> {
     }
 
     /// Pulls the model's variables from the ps tasks (trainable ones and state every time,
-    /// frozen ones the first time), splits `batch` over the worker's replicas (uneven shards
-    /// weighted exactly) and runs `step` on each; a `backward_and_sync` with
+    /// frozen ones the first time), splits `batch` (any [`BatchData`]) over the worker's replicas
+    /// (uneven shards weighted exactly) and runs `step` on each; a `backward_and_sync` with
     /// [`PsWorkerModel::optimizer`] in it pushes the step's reduced gradients. A stale refusal
     /// comes back as [`Error::Stale`], so the registry runs the step again.
-    pub fn run_batch<T: Send>(
+    pub fn run_batch<B: BatchData, T: Send>(
         &self,
         w: &WorkerContext,
-        batch: &Batch,
-        step: impl Fn(&ReplicaContext<'_>, &Shard) -> Result<T> + Sync,
+        batch: &B,
+        step: impl Fn(&ReplicaContext<'_>, &Shard<B>) -> Result<T> + Sync,
     ) -> Result<PsStep<T>> {
         let first = !self.frozen_pulled.load(Ordering::Acquire);
         let vars: Vec<(String, Var)> = self
