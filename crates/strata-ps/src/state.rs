@@ -337,7 +337,7 @@ fn apply_update(optimizer: &ServerOptimizer, vars: &mut [Var], at: &[usize], chu
                 piece_slots.push(head);
             }
             bytes += g.len();
-            pieces.push(Piece { opt: *opt, g, w: head, slots: piece_slots, t: *t });
+            pieces.push(Piece { opt, g, w: head, slots: piece_slots, t: *t });
         }
     }
     if bytes < PARALLEL_APPLY_BYTES {

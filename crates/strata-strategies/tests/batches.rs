@@ -228,7 +228,7 @@ fn named(n: usize, seed: u64) -> Named {
     let extra = Tensor::from_vec(f(n * 2), (n, 2), dev).unwrap().to_dtype(DType::F16).unwrap();
     let target = Tensor::from_vec(f(n), n, dev).unwrap();
     let ids: Vec<i64> = (0..n).map(|i| ((i as u64 * 7 + seed) % 10) as i64).collect();
-    let mask: Vec<u8> = (0..n).map(|i| u8::from((i as u64 + seed) % 4 != 0)).collect();
+    let mask: Vec<u8> = (0..n).map(|i| u8::from(!(i as u64 + seed).is_multiple_of(4))).collect();
     [
         ("image", image),
         ("extra", extra),

@@ -597,6 +597,9 @@ fn adamw() -> (ServerOptimizer, candle_nn::ParamsAdamW) {
     (ServerOptimizer::AdamW { lr: p.lr, beta1: p.beta1, beta2: p.beta2, eps: p.eps, weight_decay: p.weight_decay }, p)
 }
 
+/// Parameter values by name.
+type Values = Vec<(String, Vec<f32>)>;
+
 /// Runs `steps` of the registered step `name` (of `M`, `freeze` frozen) on `job` in `mode`
 /// with AdamW, one at a time when `sequential`; returns the ps tasks' values and one device's
 /// on `rounds`.
@@ -608,7 +611,7 @@ fn ps_against_one_device<M: TestModel>(
     steps: &[ModelStep],
     rounds: &[(usize, Vec<Batch>)],
     sequential: bool,
-) -> (ParameterServerStrategy, Vec<(String, Vec<f32>)>, Vec<(String, Vec<f32>)>) {
+) -> (ParameterServerStrategy, Values, Values) {
     let (server, params) = adamw();
     let strategy = job.strategy(options(server, mode));
     let model = strategy.scope(M::build).unwrap();
