@@ -126,8 +126,13 @@ pub trait Strategy {
         }
     }
 
-    /// Splits each global batch of `batches` (any [`BatchData`]) into per-replica shards;
-    /// across workers by the strategy's [`AutoShardPolicy`].
+    /// Splits each global batch of `batches` (any [`BatchData`]: a tensor, tuples and named
+    /// maps of tensors, [`Batch`](crate::data::Batch), a type of one's own) into per-replica
+    /// shards of contiguous rows, each weighted by its rows over the global batch's; across
+    /// workers by the strategy's [`AutoShardPolicy`] (`File` shards a dataset that is not
+    /// files by data; see [`Strategy::distribute_files`]). A batch whose parts disagree on
+    /// their rows ends the iteration, and the dataset's
+    /// [`take_error`](DistributedDataset::take_error) returns the error.
     fn distribute_dataset<I>(&self, batches: I, tail: TailPolicy) -> DistributedDataset<I::IntoIter>
     where
         I: IntoIterator,
