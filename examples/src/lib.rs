@@ -36,7 +36,7 @@ pub fn strategy_from_args() -> strata::Result<StrategyHandle> {
 pub mod ps_step {
     use serde::{Deserialize, Serialize};
     use strata::model::{Classifier, Mlp};
-    use strata::parameter_server::{StepRegistry, WorkerContext};
+    use strata::parameter_server::{PsWorkerModel, StepRegistry, WorkerContext};
     use strata::prelude::*;
 
     /// The name the step is registered under.
@@ -55,17 +55,14 @@ pub mod ps_step {
         pub batch_size: usize,
     }
 
-    /// Registers the step: pull the variables, compute the batch's gradient on this worker,
-    /// push it; the parameter servers apply it. Returns the batch's loss.
+    /// Registers the step. It reads like a `run_batch` step under any other strategy: the
+    /// worker's model pulls the ps tasks' values, each replica computes its shard's loss, and
+    /// `backward_and_sync` reduces the replicas' gradients and pushes those that exist, once per
+    /// step (the parameter servers apply them, exactly once). Returns the batch's loss.
     pub fn register(registry: &mut StepRegistry) -> strata::Result<()> {
         let (train, _) = strata::digits::train_test_split(&strata::digits::load(None)?, 0.2, 0);
-        let strategy = OneDeviceStrategy::cpu()?;
-        let model = strategy.scope(|s| Mlp::new(s.var_builder(), 64, &HIDDEN, 10))?;
-        let model = std::sync::Mutex::new(model);
+        let worker = PsWorkerModel::new(1, Default::default(), |s| Mlp::new(s.var_builder(), 64, &HIDDEN, 10))?;
         registry.register(NAME, move |ctx: &WorkerContext, args: Args| -> Result<f32, strata::CoreError> {
-            let model = model.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            let vars = model.variables(0).to_vec();
-            let ticket = ctx.pull(&vars)?; // fresh values from every ps task
             // The arguments come from the network: check them before they size anything.
             let n = train.len();
             let start = args.batch.checked_mul(args.batch_size).filter(|&s| s < n);
@@ -78,20 +75,14 @@ pub mod ps_step {
             let order = strata::ps_job::epoch_order(n, 0, args.epoch);
             let idx = &order[start..(start + args.batch_size).min(n)];
             let batch = strata::digits::gather(&train, idx);
-            let x = batch.features_tensor(&candle_core::Device::Cpu)?;
-            let y = batch.labels_tensor(&candle_core::Device::Cpu)?;
-            let loss = model.primary().loss(&x, &y)?;
-            let grads = loss.backward()?;
-            let mut pushed = Vec::with_capacity(vars.len());
-            for (name, v) in &vars {
-                let g = match grads.get(v.as_tensor()) {
-                    Some(g) => g.flatten_all()?.to_vec1::<f32>()?,
-                    None => vec![0.0; v.as_tensor().elem_count()],
-                };
-                pushed.push((name.clone(), g));
-            }
-            ctx.push(&ticket, &pushed)?; // one update per ps task, applied exactly once
-            Ok(loss.to_scalar::<f32>()?)
+            let step = worker.run_batch(ctx, &batch, |rctx, shard| {
+                let x = shard.batch.features_tensor(rctx.candle_device())?;
+                let y = shard.batch.labels_tensor(rctx.candle_device())?;
+                let loss = worker.model().on(rctx)?.loss(&x, &y)?;
+                rctx.backward_and_sync(&loss, worker.optimizer())?; // reduce, push, applied once
+                Ok(loss.to_scalar::<f32>()? * shard.weight())
+            })?;
+            worker.strategy().reduce(ReduceOp::Sum, &step.values)
         });
         Ok(())
     }

@@ -550,6 +550,8 @@ fn train_with(
         t.write_chrome_trace(path)?;
         eprintln!("timeline: {} events written to {}", t.len(), path.display());
     }
+    // The saved (and compared) state is the mean over replicas and workers (every worker calls it).
+    model.sync_state()?;
     if let Some(m) = multi {
         // Every worker must end with the same parameters; print a digest to compare.
         eprintln!("worker {}: parameter digest {}", m.worker_index(), parameter_digest(&model)?);

@@ -9,12 +9,22 @@ use std::sync::Arc;
 use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, Var};
 
-use crate::cross_device::{plan_buckets, Destination, ReduceRequest};
+use crate::cross_device::{plan_buckets, Destination, ReduceRequest, WorkerCollectives};
 pub use crate::extended::{CrossReplicaContext, ReplicaContext, StepShared};
-use crate::group::OpKey;
+use crate::group::{OpKey, ReplicaGroup};
 use crate::{Error, PerReplica, ReduceOp, Result};
 
 impl ReplicaContext<'_> {
+    /// A handle to this replica's collectives that outlives the context (see
+    /// [`ReplicaHandle`]).
+    pub fn handle(&self) -> ReplicaHandle {
+        ReplicaHandle {
+            group: self.shared.group.clone(),
+            replica: self.replica,
+            workers: self.shared.ext.worker_collectives(),
+        }
+    }
+
     /// This replica's request for the next collective reduction of the step.
     fn request<'r>(&'r self, op: ReduceOp, dest: Destination, input: &'r [Tensor], weight: f32) -> ReduceRequest<'r> {
         let (group, replica) = (&self.shared.group, self.replica);
@@ -130,17 +140,68 @@ impl ReplicaContext<'_> {
         }
     }
 
-    /// Reduces this replica's gradients of `vars` (from `grads`; a variable without one counts
-    /// as zeros) with the strategy's cross-device op, in fused buckets: the sum over every
-    /// replica (and worker) of each replica's gradient times its share of the batch. Returns the
-    /// reduced gradients, in the order of `vars`, on the replicas `dest` names, and `None` on
-    /// the others. Collective: every replica calls it with the same variables.
-    pub fn reduce_gradients(&self, grads: &GradStore, vars: &[Var], dest: Destination) -> Result<Option<Vec<Tensor>>> {
-        let grads: Vec<Tensor> = vars
+    /// Which of `mine` is true on any replica of the step, on any worker: a small collective
+    /// (the flags travel as bits between local replicas and as one f32 per flag between
+    /// workers). Every replica calls it with as many flags.
+    pub fn any_replica(&self, mine: &[bool]) -> Result<Vec<bool>> {
+        let mut words = vec![0u64; mine.len().div_ceil(64)];
+        for (i, _) in mine.iter().enumerate().filter(|(_, b)| **b) {
+            words[i / 64] |= 1 << (i % 64);
+        }
+        let key = self.next_key("any_replica".into(), vec![mine.len()]);
+        let all = self.shared.group.exchange(self.replica, &key, Arc::new(words))?;
+        let mut any = vec![0u64; mine.len().div_ceil(64)];
+        for w in &all {
+            any.iter_mut().zip(w.iter()).for_each(|(a, w)| *a |= w);
+        }
+        let bit = |words: &[u64], i: usize| words[i / 64] >> (i % 64) & 1 == 1;
+        let local: Vec<bool> = (0..mine.len()).map(|i| bit(&any, i)).collect();
+        let Some(w) = self.shared.ext.workers() else { return Ok(local) };
+        let across = if self.replica == 0 {
+            let mut flags: Vec<f32> = local.iter().map(|&b| f32::from(u8::from(b))).collect();
+            w.all_reduce(ReduceOp::Max, &mut flags).map(|()| Arc::new(flags)).map_err(|e| e.to_string())
+        } else {
+            Ok(Arc::new(Vec::new()))
+        };
+        let flags = self.share_from_first("any_replica(workers)", across)?;
+        Ok(flags.iter().map(|&f| f > 0.0).collect())
+    }
+
+    /// Reduces this replica's gradients of `vars` (from `grads`) with the strategy's
+    /// cross-device op, in fused buckets: the sum over every replica (and worker) of each
+    /// replica's gradient times its share of the batch. Only the variables that some replica,
+    /// on some worker, has a gradient for are reduced (a replica without one contributes
+    /// zeros); which those are is agreed first with [`ReplicaContext::any_replica`]. Returns
+    /// the reduced gradients, in the order of `vars` and `None` for a variable no replica has
+    /// a gradient for, on the replicas `dest` names, and `None` on the others. Collective:
+    /// every replica calls it with the same variables.
+    pub fn reduce_gradients(
+        &self,
+        grads: &GradStore,
+        vars: &[Var],
+        dest: Destination,
+    ) -> Result<Option<Vec<Option<Tensor>>>> {
+        let local: Vec<Option<Tensor>> = vars.iter().map(|v| grads.get(v).cloned()).collect();
+        self.reduce_present(local, vars, dest, self.batch_weight())
+    }
+
+    /// [`ReplicaContext::reduce_gradients`] of gradients already taken from a store, in the
+    /// order of `vars`, each multiplied by `weight`.
+    pub(crate) fn reduce_present(
+        &self,
+        local: Vec<Option<Tensor>>,
+        vars: &[Var],
+        dest: Destination,
+        weight: f32,
+    ) -> Result<Option<Vec<Option<Tensor>>>> {
+        let mine: Vec<bool> = local.iter().map(Option::is_some).collect();
+        let present = self.any_replica(&mine)?;
+        let index: Vec<usize> = (0..vars.len()).filter(|&i| present[i]).collect();
+        let grads: Vec<Tensor> = index
             .iter()
-            .map(|v| match grads.get(v) {
+            .map(|&i| match &local[i] {
                 Some(g) => Ok(g.contiguous()?),
-                None => Ok(v.zeros_like()?),
+                None => Ok(vars[i].zeros_like()?),
             })
             .collect::<Result<_>>()?;
         let sizes: Vec<usize> = grads.iter().map(Tensor::elem_count).collect();
@@ -158,7 +219,7 @@ impl ReplicaContext<'_> {
             let (mut cur, mut filled) = (range.start, 0usize);
             // Device-resident ops write the result into `grads` themselves.
             let in_place = ops.reduces_in_place();
-            let req = self.request(ReduceOp::Sum, dest, &grads[range.clone()], self.batch_weight());
+            let req = self.request(ReduceOp::Sum, dest, &grads[range.clone()], weight);
             ops.reduce(req, &mut |mut piece: &[f32]| {
                 if in_place {
                     return;
@@ -179,7 +240,96 @@ impl ReplicaContext<'_> {
         if let Some(e) = failed {
             return Err(e.into());
         }
-        Ok(dest.receives(self.replica).then_some(grads))
+        if !dest.receives(self.replica) {
+            return Ok(None);
+        }
+        let mut out: Vec<Option<Tensor>> = vec![None; vars.len()];
+        for (i, g) in index.into_iter().zip(grads) {
+            out[i] = Some(g);
+        }
+        Ok(Some(out))
+    }
+}
+
+/// A handle to the collectives of the replica the current thread runs, for code that has no
+/// [`ReplicaContext`] at hand: a layer's forward or backward pass (candle's `Module` takes a
+/// tensor), such as [`SyncBatchNorm`](crate::layers::SyncBatchNorm)'s. Every replica thread of
+/// a step sets it (TensorFlow's `get_replica_context()`); outside a step there is none.
+#[derive(Clone)]
+pub struct ReplicaHandle {
+    group: Arc<ReplicaGroup>,
+    replica: usize,
+    workers: Option<Arc<dyn WorkerCollectives>>,
+}
+
+impl std::fmt::Debug for ReplicaHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReplicaHandle")
+            .field("replica", &self.replica)
+            .field("replicas", &self.group.num_replicas())
+            .field("workers", &self.workers.as_ref().map(|w| w.num_workers()))
+            .finish()
+    }
+}
+
+thread_local! {
+    static CURRENT: std::cell::RefCell<Option<ReplicaHandle>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Restores the thread's previous replica handle when dropped.
+pub(crate) struct CurrentReplica(Option<ReplicaHandle>);
+
+impl Drop for CurrentReplica {
+    fn drop(&mut self) {
+        let previous = self.0.take();
+        CURRENT.with(|c| *c.borrow_mut() = previous);
+    }
+}
+
+impl ReplicaHandle {
+    /// The handle of the replica this thread runs, if it runs one.
+    pub fn current() -> Option<ReplicaHandle> {
+        CURRENT.with(|c| c.borrow().clone())
+    }
+
+    /// Makes `self` the thread's current replica until the returned guard drops.
+    pub(crate) fn enter(self) -> CurrentReplica {
+        CurrentReplica(CURRENT.with(|c| c.borrow_mut().replace(self)))
+    }
+
+    /// This replica's index on its worker.
+    pub fn replica_id(&self) -> usize {
+        self.replica
+    }
+
+    /// Whether this replica is the only one in sync (nothing to combine).
+    pub fn is_single(&self) -> bool {
+        self.group.num_replicas() == 1 && self.workers.is_none()
+    }
+
+    /// The element-wise sum of every replica's `data` (on every worker), in replica then
+    /// worker order, so every replica gets the same bits. Collective: every replica calls it
+    /// with as many values and the same `tag`, which names it in a mismatch.
+    pub fn all_reduce_sum(&self, tag: &str, data: Vec<f32>) -> Result<Vec<f32>> {
+        let (group, replica) = (&*self.group, self.replica);
+        let key = OpKey { seq: group.next_seq(replica), op: format!("all_reduce_sum({tag})"), shape: vec![data.len()] };
+        let all = group.exchange(replica, &key, Arc::new(data))?;
+        let mut sum = all[0].as_ref().clone();
+        for v in &all[1..] {
+            sum.iter_mut().zip(v.iter()).for_each(|(s, x)| *s += x);
+        }
+        let Some(w) = &self.workers else { return Ok(sum) };
+        let mine = if replica == 0 {
+            w.all_reduce(ReduceOp::Sum, &mut sum).map(|()| Arc::new(sum)).map_err(|e| e.to_string())
+        } else {
+            Ok(Arc::new(Vec::new()))
+        };
+        let key = OpKey { seq: group.next_seq(replica), op: format!("all_reduce_sum({tag}, workers)"), shape: vec![] };
+        match group.exchange(replica, &key, mine)?.into_iter().next() {
+            Some(Ok(v)) => Ok(v.as_ref().clone()),
+            Some(Err(e)) => Err(Error::Cluster(e)),
+            None => Err(Error::Scope(format!("all_reduce_sum({tag}) produced no result"))),
+        }
     }
 }
 

@@ -62,6 +62,30 @@ pub enum Error {
     #[error("replica {replica} panicked: {message}")]
     ReplicaPanicked { replica: usize, message: String },
 
+    /// A variable name or pattern (to freeze, say) that matches no variable of the model.
+    #[error("no variable matches {pattern:?}; the model's variables are: {variables}")]
+    NoSuchVariable { pattern: String, variables: String },
+
+    /// A learning-rate schedule that cannot be followed.
+    #[error("{schedule} learning-rate schedule: {detail}")]
+    InvalidSchedule { schedule: String, detail: String },
+
+    /// An optimizer setting (clipping norm, accumulation) out of its range.
+    #[error("{setting} of {value}: {expected}")]
+    OptimizerSetting { setting: &'static str, value: String, expected: &'static str },
+
+    /// The parts of one batch disagree on its number of examples (its first axis).
+    #[error("the parts of a batch disagree on its examples: {first} has {first_rows} rows but {other} has {other_rows}; give every part of a batch one row per example")]
+    BatchRows { first: String, first_rows: usize, other: String, other_rows: usize },
+
+    /// A file of fixed-size records whose size is not a whole number of records.
+    #[error("{path} has {size} bytes, not a whole number of records of {record} bytes; write whole records or give the record's size")]
+    RecordFile { path: String, size: u64, record: u64 },
+
+    /// Fewer files than workers to hand each worker whole files.
+    #[error("{files} files for {workers} workers under the file sharding policy: each worker needs a whole file; split the dataset into at least {workers} files or shard by data")]
+    TooFewFiles { files: usize, workers: usize },
+
     /// Bad dataset input (sizes, batch sizes).
     #[error("dataset: {0}")]
     Dataset(String),

@@ -23,6 +23,16 @@
 //! The strategies themselves (`MirroredStrategy`, `CentralStorageStrategy`, ...) live in
 //! `strata-strategies`; the `strata` crate re-exports everything.
 //!
+//! ## Batches
+//!
+//! Datasets and steps take any batch that splits along its first axis
+//! ([`data::BatchData`]): a tensor of any dtype, tuples and named maps of tensors, the
+//! features-and-labels [`data::Batch`], or a type of one's own. Each replica gets a
+//! contiguous run of the global batch's rows and a weight of its rows over the global rows,
+//! so uneven batches train exactly as one device would; across workers the
+//! [`AutoShardPolicy`](extended::AutoShardPolicy) (`Data`, `Off`, `File`) applies to every
+//! kind, and [`data::files`] streams datasets larger than memory from record files.
+//!
 //! ## Layers
 //!
 //! The modules form layers; a module uses only those below it (`tests/module_graph.rs` checks
@@ -34,10 +44,12 @@
 //! - [`cross_device`]: the collective interfaces and their CPU implementations;
 //! - [`extended`]: what a strategy implementation provides ([`StrategyExtended`] and its
 //!   vocabulary) and the [`ReplicaContext`] type a job receives;
-//! - [`context`]: the replica context's collectives;
+//! - [`context`]: the replica context's collectives, and [`context::ReplicaHandle`] (a
+//!   replica's collectives for layers, found through the thread);
+//! - [`layers`]: layers whose computation spans the replicas ([`layers::SyncBatchNorm`]);
 //! - [`runtime`]: running a step on replica threads, the default strategy;
 //! - [`scope`]: the scope stack ([`get_strategy`]);
-//! - [`data`]: batches, shards and distributed datasets;
+//! - [`data`]: batches ([`data::BatchData`]), shards, distributed datasets, record files;
 //! - [`variables`]: the scope's variables and the distributed optimizer;
 //! - [`strategy`]: the user-facing [`Strategy`] and [`StrategyHandle`].
 
@@ -49,6 +61,7 @@ pub mod device;
 mod error;
 pub mod extended;
 pub mod group;
+pub mod layers;
 pub mod optim;
 mod reduce;
 pub mod runtime;
@@ -71,5 +84,5 @@ pub use scope::{get_strategy, has_strategy};
 pub use strategy::{Strategy, StrategyHandle};
 pub use values::{Mirrored, PerReplica};
 pub use variables::{
-    DistributedOptimizer, DistributedVariable, Replicated, Scope, SyncOnReadVariable, VariableAggregation,
+    DistributedOptimizer, DistributedVariable, Replicated, Scope, SyncOnReadVariable, VariableAggregation, VariableKind,
 };

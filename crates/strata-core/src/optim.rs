@@ -1,4 +1,5 @@
-//! Fused optimizers: candle-nn's `AdamW` and `SGD`, computed in place in one pass per tensor.
+//! Fused optimizers: candle-nn's `AdamW` and `SGD`, computed in place in one pass per tensor,
+//! and SGD with momentum ([`FusedMomentum`], which candle-nn lacks).
 //!
 //! candle-nn's optimizers build each update from a dozen whole-tensor operations, every one
 //! allocating a new tensor and making a pass over memory; on a model of a few million
@@ -13,12 +14,14 @@
 //! back to candle-nn's formulation.
 //!
 //! The element-wise formulas themselves are in [`rules`], which the parameter server's
-//! optimizers and the CUDA kernels' references share.
+//! optimizers and the CUDA kernels' references share. Every optimizer here skips a variable
+//! without a gradient in a step (no decay, no moment or velocity update), as candle-nn's do.
 
 use candle_core::{CpuStorage, DType, Layout, Tensor, Var};
 use candle_nn::{Optimizer, ParamsAdamW};
 
 pub mod rules;
+pub mod schedule;
 
 use rules::AdamWScalars;
 
@@ -158,6 +161,20 @@ pub trait DeviceFusedUpdates: Send + Sync {
         params: &ParamsAdamW,
         step_t: usize,
     ) -> Option<candle_core::Result<()>>;
+
+    /// One step of SGD with momentum ([`FusedMomentum`]'s results) on `var` and its
+    /// `velocity`, in place; or `None` where `var` is not on a device this serves or the form
+    /// (Nesterov, say) has no kernel. The default serves nothing.
+    fn momentum(
+        &self,
+        var: &Var,
+        g: &Tensor,
+        velocity: &Var,
+        params: &ParamsMomentum,
+    ) -> Option<candle_core::Result<()>> {
+        let _ = (var, g, velocity, params);
+        None
+    }
 }
 
 static DEVICE_UPDATES: std::sync::OnceLock<&'static dyn DeviceFusedUpdates> = std::sync::OnceLock::new();
@@ -287,6 +304,172 @@ impl Optimizer for FusedSgd {
     }
 }
 
+/// The configuration of [`FusedMomentum`]: SGD with momentum in PyTorch's form (no dampening,
+/// no weight decay), as the parameter server's `Momentum` and the CUDA kernel compute it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ParamsMomentum {
+    /// The learning rate.
+    pub lr: f64,
+    /// The momentum, in `[0, 1)`.
+    pub momentum: f64,
+    /// Nesterov momentum ([`rules::nesterov`]) instead of the heavy ball ([`rules::momentum`]).
+    pub nesterov: bool,
+}
+
+impl Default for ParamsMomentum {
+    /// PyTorch's and Keras' usual choice: learning rate 0.01, momentum 0.9, heavy ball.
+    fn default() -> Self {
+        Self { lr: 0.01, momentum: 0.9, nesterov: false }
+    }
+}
+
+/// `v = v * momentum + g` ([`rules::velocity`]).
+struct Velocity {
+    momentum: f32,
+}
+
+impl candle_core::InplaceOp2 for Velocity {
+    fn name(&self) -> &'static str {
+        "strata-velocity"
+    }
+
+    fn cpu_fwd(
+        &self,
+        dst: &mut CpuStorage,
+        dst_l: &Layout,
+        src: &CpuStorage,
+        src_l: &Layout,
+    ) -> candle_core::Result<()> {
+        let (v, g) = with_gradient(dst, dst_l, "velocity", src, src_l)?;
+        let m = self.momentum;
+        v.iter_mut().zip(g).for_each(|(v, g)| rules::velocity(v, *g, m));
+        Ok(())
+    }
+}
+
+/// The parameter from the updated velocity: [`rules::momentum_param`], or with the gradient
+/// [`rules::nesterov_param`].
+struct MomentumParam {
+    lr: f32,
+    momentum: f32,
+}
+
+impl candle_core::InplaceOp2 for MomentumParam {
+    fn name(&self) -> &'static str {
+        "strata-momentum-param"
+    }
+
+    fn cpu_fwd(
+        &self,
+        dst: &mut CpuStorage,
+        dst_l: &Layout,
+        src: &CpuStorage,
+        src_l: &Layout,
+    ) -> candle_core::Result<()> {
+        let (t, v) = with_gradient(dst, dst_l, "parameter", src, src_l)?;
+        let lr = self.lr;
+        t.iter_mut().zip(v).for_each(|(t, v)| rules::momentum_param(t, *v, lr));
+        Ok(())
+    }
+}
+
+impl candle_core::InplaceOp3 for MomentumParam {
+    fn name(&self) -> &'static str {
+        "strata-nesterov-param"
+    }
+
+    fn cpu_fwd(
+        &self,
+        dst: &mut CpuStorage,
+        dst_l: &Layout,
+        v: &CpuStorage,
+        v_l: &Layout,
+        g: &CpuStorage,
+        g_l: &Layout,
+    ) -> candle_core::Result<()> {
+        let (t, v) = with_gradient(dst, dst_l, "parameter", v, v_l)?;
+        let g = slice(g, g_l, "gradient")?;
+        if g.len() != t.len() {
+            candle_core::bail!("fused optimizer: parameter of {} elements, gradient of {}", t.len(), g.len());
+        }
+        let (lr, m) = (self.lr, self.momentum);
+        for ((t, v), g) in t.iter_mut().zip(v).zip(g) {
+            rules::nesterov_param(t, *v, *g, lr, m);
+        }
+        Ok(())
+    }
+}
+
+/// SGD with momentum (PyTorch's `SGD(momentum=..)`, Keras' at a constant learning rate), in
+/// place: one velocity per variable, starting at zero, updated with [`rules::velocity`] and
+/// the parameter with [`rules::momentum_param`] (or Nesterov's), the formulas the parameter
+/// servers and the CUDA kernel apply. A variable without a gradient in a step is skipped:
+/// neither its velocity nor its value changes (PyTorch skips parameters whose `grad` is
+/// `None`). candle-nn has no momentum SGD; this is Strata's.
+#[derive(Debug)]
+pub struct FusedMomentum {
+    vars: Vec<(Var, Var)>,
+    params: ParamsMomentum,
+}
+
+impl Optimizer for FusedMomentum {
+    type Config = ParamsMomentum;
+
+    fn new(vars: Vec<Var>, params: ParamsMomentum) -> candle_core::Result<Self> {
+        if !(0.0..1.0).contains(&params.momentum) || !params.lr.is_finite() {
+            candle_core::bail!(
+                "momentum SGD with learning rate {} and momentum {}: use a finite learning rate and a momentum in [0, 1)",
+                params.lr,
+                params.momentum
+            );
+        }
+        let vars = vars
+            .into_iter()
+            .filter(|v| v.dtype().is_float())
+            .map(|var| {
+                let v = Var::zeros(var.shape(), var.dtype(), var.device())?;
+                Ok((var, v))
+            })
+            .collect::<candle_core::Result<_>>()?;
+        Ok(Self { vars, params })
+    }
+
+    fn learning_rate(&self) -> f64 {
+        self.params.lr
+    }
+
+    fn set_learning_rate(&mut self, lr: f64) {
+        self.params.lr = lr
+    }
+
+    fn step(&mut self, grads: &candle_core::backprop::GradStore) -> candle_core::Result<()> {
+        let p = self.params;
+        let (lr, m) = (p.lr as f32, p.momentum as f32);
+        for (var, v) in &self.vars {
+            let Some(g) = grads.get(var) else { continue };
+            let g = if g.is_contiguous() { g.clone() } else { g.contiguous()? };
+            if fusable(var) && fusable(&g) && fusable(v) {
+                v.inplace_op2(&g, &Velocity { momentum: m })?;
+                let param = MomentumParam { lr, momentum: m };
+                if p.nesterov {
+                    var.inplace_op3(v.as_tensor(), &g, &param)?;
+                } else {
+                    var.inplace_op2(v.as_tensor(), &param)?;
+                }
+            } else if let Some(done) = device_updates().and_then(|d| d.momentum(var, &g, v, &p)) {
+                done?;
+            } else {
+                // candle's formulation, for devices and dtypes the fused kernels do not cover.
+                let next_v = ((v.as_tensor() * p.momentum)? + &g)?;
+                let step = if p.nesterov { (&g + (&next_v * p.momentum)?)? } else { next_v.clone() };
+                var.set(&var.sub(&(step * p.lr)?)?)?;
+                v.set(&next_v)?;
+            }
+        }
+        Ok(())
+    }
+}
+
 /// The state of a fused optimizer, checked against the variables it would be loaded into.
 fn state_error(optimizer: &str, what: String) -> crate::Error {
     crate::Error::Checkpoint(format!("optimizer state for {optimizer}: {what}"))
@@ -402,6 +585,48 @@ impl crate::checkpoint::OptimizerState for FusedSgd {
     }
 }
 
+/// `FusedMomentum` saves, for the i-th floating-point variable it was created with, `v.{i}`
+/// (its velocity).
+impl crate::checkpoint::OptimizerState for FusedMomentum {
+    fn state_tensors(&self) -> crate::Result<Vec<(String, Tensor)>> {
+        self.vars.iter().enumerate().map(|(i, (_, v))| Ok((format!("v.{i}"), v.as_tensor().copy()?))).collect()
+    }
+
+    fn load_state_tensors(&mut self, state: &[(String, Tensor)]) -> crate::Result<()> {
+        const NAME: &str = "FusedMomentum";
+        let n = self.vars.len();
+        let mut by_name = std::collections::HashMap::with_capacity(state.len());
+        for (key, tensor) in state {
+            if by_name.insert(key.as_str(), tensor).is_some() {
+                return Err(state_error(NAME, format!("tensor {key:?} is given twice")));
+            }
+        }
+        let mut next = Vec::with_capacity(n);
+        for (i, (var, _)) in self.vars.iter().enumerate() {
+            let key = format!("v.{i}");
+            let t = by_name.remove(key.as_str()).ok_or_else(|| {
+                state_error(
+                    NAME,
+                    format!("tensor {key:?} is missing (the optimizer has {n} variables); load state saved from the same model"),
+                )
+            })?;
+            next.push(state_for(NAME, &key, t, var)?);
+        }
+        if let Some(extra) = by_name.keys().min() {
+            return Err(state_error(
+                NAME,
+                format!(
+                    "unknown tensor {extra:?} (the optimizer has {n} variables); load state saved from the same model"
+                ),
+            ));
+        }
+        for ((_, v), t) in self.vars.iter().zip(next) {
+            v.set(&t)?;
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -443,6 +668,64 @@ mod tests {
     #[test]
     fn fused_sgd_is_bitwise_candle_nn_sgd() {
         assert_eq!(run::<SGD>(0.3, 25), run::<FusedSgd>(0.3, 25));
+    }
+
+    /// The fused momentum optimizer applies the element-wise rules (and so the parameter
+    /// servers' and the CUDA kernel's updates) bit for bit, its fallback agrees to rounding,
+    /// and a variable without a gradient keeps its value and velocity.
+    #[test]
+    fn fused_momentum_applies_the_rules() {
+        for nesterov in [false, true] {
+            let p = ParamsMomentum { lr: 0.05, momentum: 0.9, nesterov };
+            let got = run::<FusedMomentum>(p, 7);
+            let (mut a, mut va) = (random(35, 1), vec![0f32; 35]);
+            for s in 0..7 {
+                let g = random(35, 10 + s as u64);
+                for ((w, v), g) in a.iter_mut().zip(va.iter_mut()).zip(g) {
+                    if nesterov {
+                        rules::nesterov(w, v, g, 0.05, 0.9);
+                    } else {
+                        rules::momentum(w, v, g, 0.05, 0.9);
+                    }
+                }
+            }
+            assert_eq!(got[0], a, "nesterov {nesterov}");
+        }
+        // A step without a gradient for `b` leaves it and its velocity alone.
+        let dev = Device::Cpu;
+        let a = Var::from_vec(vec![1.0f32, 2.0], 2, &dev).unwrap();
+        let b = Var::from_vec(vec![3.0f32], 1, &dev).unwrap();
+        let mut opt =
+            FusedMomentum::new(vec![a.clone(), b.clone()], ParamsMomentum { lr: 0.5, momentum: 0.5, nesterov: false })
+                .unwrap();
+        let mut grads = candle_core::backprop::GradStore::default();
+        grads.insert(a.as_tensor(), Tensor::new(&[2.0f32, -2.0], &dev).unwrap());
+        grads.insert(b.as_tensor(), Tensor::new(&[4.0f32], &dev).unwrap());
+        opt.step(&grads).unwrap(); // v_b = 4, b = 3 - 2 = 1
+        let mut only_a = candle_core::backprop::GradStore::default();
+        only_a.insert(a.as_tensor(), Tensor::new(&[2.0f32, -2.0], &dev).unwrap());
+        opt.step(&only_a).unwrap();
+        assert_eq!(b.to_vec1::<f32>().unwrap(), vec![1.0]);
+        let state = crate::checkpoint::OptimizerState::state_tensors(&opt).unwrap();
+        assert_eq!(state[1].1.to_vec1::<f32>().unwrap(), vec![4.0], "b's velocity is untouched");
+        // v_a = 2 then 2 * 0.5 + 2 = 3: a = 1 - 1 - 1.5
+        assert_eq!(a.to_vec1::<f32>().unwrap()[0], -1.5);
+        assert!(FusedMomentum::new(vec![a], ParamsMomentum { momentum: 1.0, ..Default::default() }).is_err());
+    }
+
+    #[test]
+    fn fused_adamw_skips_variables_without_a_gradient() {
+        let dev = Device::Cpu;
+        let a = Var::from_vec(vec![1.0f32, 2.0], 2, &dev).unwrap();
+        let b = Var::from_vec(vec![3.0f32], 1, &dev).unwrap();
+        let cfg = ParamsAdamW { lr: 0.1, weight_decay: 0.5, ..Default::default() };
+        let mut opt = FusedAdamW::new(vec![a.clone(), b.clone()], cfg).unwrap();
+        let mut grads = candle_core::backprop::GradStore::default();
+        grads.insert(a.as_tensor(), Tensor::new(&[2.0f32, -2.0], &dev).unwrap());
+        opt.step(&grads).unwrap();
+        assert_eq!(b.to_vec1::<f32>().unwrap(), vec![3.0], "no decay without a gradient");
+        let state = crate::checkpoint::OptimizerState::state_tensors(&opt).unwrap();
+        assert!(state.iter().filter(|(k, _)| k.ends_with(".1")).all(|(_, t)| t.to_vec1::<f32>().unwrap() == vec![0.0]));
     }
 
     #[test]

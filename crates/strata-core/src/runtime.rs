@@ -100,7 +100,11 @@ pub fn execute_local(
     let run_one = |r: usize| -> Result<()> {
         let _leave = LeaveOnDrop(&shared, r);
         let ctx = ReplicaContext::new(&shared, r);
-        let res = pools.run(r, || catch_unwind(AssertUnwindSafe(|| job(&ctx))));
+        let res = pools.run(r, || {
+            // Layers find their replica's collectives through the thread's current handle.
+            let _current = ctx.handle().enter();
+            catch_unwind(AssertUnwindSafe(|| job(&ctx)))
+        });
         let res = match res {
             Ok(r) => r,
             Err(p) => Err(Error::ReplicaPanicked { replica: r, message: panic_message(p) }),

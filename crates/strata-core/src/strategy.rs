@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use candle_core::Tensor;
 
-use crate::data::{DistributedBatch, DistributedDataset, InputContext, TailPolicy};
+use crate::data::{BatchData, DistributedBatch, DistributedDataset, InputContext, Shard, TailPolicy};
 use crate::extended::ReplicaContext;
 pub use crate::extended::{
     AutoShardPolicy, ReplicaJob, StrategyExtended, StrategyId, StrategyOptions, VariablePolicy, WorkerCollectives,
@@ -41,11 +41,12 @@ pub trait Strategy {
         crate::runtime::run_collect(self.extended().as_ref(), &weights, |ctx| step(ctx))
     }
 
-    /// Runs `step` on every replica with its shard of `batch`; returns each replica's result.
-    fn run_batch<T: Send>(
+    /// Runs `step` on every replica with its shard of `batch` (any [`BatchData`]); returns each
+    /// replica's result.
+    fn run_batch<B: BatchData, T: Send>(
         &self,
-        batch: &DistributedBatch,
-        step: impl Fn(&ReplicaContext<'_>, &crate::data::Shard) -> Result<T> + Sync,
+        batch: &DistributedBatch<B>,
+        step: impl Fn(&ReplicaContext<'_>, &Shard<B>) -> Result<T> + Sync,
     ) -> Result<PerReplica<T>> {
         self.run_batches(std::slice::from_ref(batch), step)?
             .pop()
@@ -58,10 +59,10 @@ pub trait Strategy {
     /// collectives; what is saved is handing every step to the replica threads and waiting for
     /// them, which on a step of a few milliseconds is a visible cost. Returns one
     /// `PerReplica` per batch.
-    fn run_batches<T: Send>(
+    fn run_batches<B: BatchData, T: Send>(
         &self,
-        batches: &[DistributedBatch],
-        step: impl Fn(&ReplicaContext<'_>, &crate::data::Shard) -> Result<T> + Sync,
+        batches: &[DistributedBatch<B>],
+        step: impl Fn(&ReplicaContext<'_>, &Shard<B>) -> Result<T> + Sync,
     ) -> Result<Vec<PerReplica<T>>> {
         let n = self.extended().num_replicas();
         if let Some(b) = batches.iter().find(|b| b.shards.num_replicas() != n) {
@@ -77,7 +78,7 @@ pub trait Strategy {
                 .iter()
                 .map(|b| {
                     let shard = &b.shards.values()[r];
-                    ctx.set_batch_weight(shard.weight());
+                    ctx.set_batch(shard.weight(), shard.global_len);
                     step(ctx, shard)
                 })
                 .collect::<Result<Vec<T>>>()
@@ -125,10 +126,17 @@ pub trait Strategy {
         }
     }
 
-    /// Splits each global batch of `batches` into per-replica shards.
+    /// Splits each global batch of `batches` (any [`BatchData`]: a tensor, tuples and named
+    /// maps of tensors, [`Batch`](crate::data::Batch), a type of one's own) into per-replica
+    /// shards of contiguous rows, each weighted by its rows over the global batch's; across
+    /// workers by the strategy's [`AutoShardPolicy`] (`File` shards a dataset that is not
+    /// files by data; see [`Strategy::distribute_files`]). A batch whose parts disagree on
+    /// their rows ends the iteration, and the dataset's
+    /// [`take_error`](DistributedDataset::take_error) returns the error.
     fn distribute_dataset<I>(&self, batches: I, tail: TailPolicy) -> DistributedDataset<I::IntoIter>
     where
-        I: IntoIterator<Item = crate::data::Batch>,
+        I: IntoIterator,
+        I::Item: BatchData,
     {
         let ext = self.extended();
         match ext.workers() {
@@ -144,11 +152,71 @@ pub trait Strategy {
         }
     }
 
+    /// Batches of a dataset stored as `files` (shards of records), each file opened with `read`
+    /// (which streams its batches, as [`TokenRecords`](crate::data::files::TokenRecords)
+    /// does), cut to `global_batch` examples across file boundaries and split over the
+    /// replicas like [`Strategy::distribute_dataset`]'s. Memory stays within one batch and one
+    /// read. Across workers, by the strategy's [`AutoShardPolicy`]:
+    ///
+    /// - `File`: worker `i` of `W` reads whole files `i`, `i + W`, ... (TensorFlow's
+    ///   `AutoShardPolicy.FILE`), in batches of `global_batch / W` that are its part of each
+    ///   step. The workers must hold as many batches each (files of equal sizes), since every
+    ///   step needs every worker.
+    /// - `Data`: every worker reads every file and keeps its replicas' slice of each global
+    ///   batch (exactly one process's split).
+    /// - `Off`: every worker reads every file, in batches of `global_batch / W`.
+    ///
+    /// An error, before anything is read, if there are fewer files than workers under `File`,
+    /// or `global_batch` is zero or (under `File` and `Off`) not a multiple of the workers. A
+    /// file that cannot be opened or read ends the iteration; the dataset's
+    /// [`take_error`](DistributedDataset::take_error) says why.
+    fn distribute_files<B, I, F>(
+        &self,
+        files: &[std::path::PathBuf],
+        global_batch: usize,
+        tail: TailPolicy,
+        read: F,
+    ) -> Result<DistributedDataset<crate::data::files::FileBatches<B, I, F>>>
+    where
+        B: BatchData,
+        I: Iterator<Item = Result<B>>,
+        F: FnMut(&std::path::Path) -> Result<I>,
+    {
+        let ext = self.extended();
+        let (workers, index) = ext.workers().map_or((1, 0), |w| (w.num_workers(), w.worker_index()));
+        let policy = if workers > 1 { ext.auto_shard() } else { AutoShardPolicy::Data };
+        if global_batch == 0 || (policy != AutoShardPolicy::Data && !global_batch.is_multiple_of(workers)) {
+            return Err(Error::Dataset(format!(
+                "a global batch of {global_batch} examples over {workers} workers: use a positive multiple of {workers}"
+            )));
+        }
+        let (mine, size, shard_by) = match policy {
+            AutoShardPolicy::Data => (files.to_vec(), global_batch, AutoShardPolicy::Data),
+            AutoShardPolicy::File => {
+                if files.len() < workers {
+                    return Err(Error::TooFewFiles { files: files.len(), workers });
+                }
+                let mine = files.iter().skip(index).step_by(workers).cloned().collect();
+                (mine, global_batch / workers, AutoShardPolicy::Off)
+            }
+            AutoShardPolicy::Off => (files.to_vec(), global_batch / workers, AutoShardPolicy::Off),
+        };
+        let slot = crate::data::ErrorSlot::default();
+        let batches = crate::data::files::FileBatches::new(mine, size, read, slot.clone());
+        let d = if workers > 1 {
+            DistributedDataset::for_worker(batches, ext.num_replicas(), workers, index, shard_by, tail)
+        } else {
+            DistributedDataset::new(batches, ext.num_replicas(), tail)
+        };
+        Ok(d.with_error_slot(slot))
+    }
+
     /// Gives each input pipeline an [`InputContext`] and lets it build its own per-replica
     /// batches; each step takes one batch per replica from the pipelines in turn.
     fn distribute_datasets_from_function<I, F>(&self, make: F) -> Result<crate::data::PipelineDataset<I>>
     where
-        I: Iterator<Item = crate::data::Batch>,
+        I: Iterator,
+        I::Item: BatchData,
         F: FnMut(&InputContext) -> Result<I>,
     {
         let ext = self.extended();

@@ -9,6 +9,24 @@
 //!
 //! Initial values come from a seeded generator keyed by the variable's name, so the same model
 //! under any strategy starts from the same parameters.
+//!
+//! # Kinds of variables, and what every strategy does with them
+//!
+//! Every variable of a model built in a scope has a [`VariableKind`]:
+//!
+//! | kind | made by | in a step | read (values, evaluation, checkpoints) |
+//! |---|---|---|---|
+//! | [`Trainable`](VariableKind::Trainable) | [`Scope::var_builder`] | its gradient is reduced over every replica and worker and the optimizer applies it, **if any replica (or worker) computed one**; a variable no replica computed a gradient for is neither reduced nor stepped (no decay, no moment or velocity update), as on one device; one that only some replicas computed a gradient for is reduced with zeros for the others | the value (every copy holds the same) |
+//! | [`Frozen`](VariableKind::Frozen) | [`Scope::frozen_var_builder`], or [`Replicated::freeze`] by name | never reduced, never updated, no communication; made through the frozen builder, the model holds it detached, so backward does not even compute its gradient | the value |
+//! | [`State`](VariableKind::State) | [`Scope::state_var_builder`], and every variable candle-nn's `batch_norm` names `running_mean` or `running_var` | each replica updates its own copy in its forward pass (TensorFlow's sync-on-read variables with `MEAN` aggregation); no optimizer touches it | the mean over the replicas (and, after [`Replicated::sync_state`], over the workers) |
+//!
+//! Per strategy: **Mirrored** and **OneDevice** keep a copy of every variable per replica;
+//! **CentralStorage** keeps one copy of trainable and frozen variables and, for a model with
+//! state, one copy of its state per replica (so no two replica threads write one copy);
+//! **MultiWorkerMirrored** is Mirrored on every worker, with gradients and the presence of
+//! gradients reduced across workers and [`Replicated::sync_state`] averaging state across
+//! them. The parameter-server strategy's variables live on its ps tasks (see
+//! `strata_strategies::parameter_server`).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -86,19 +104,64 @@ pub fn init_values(init: &Init, shape: &Shape, seed: u64) -> Vec<f32> {
     }
 }
 
-/// The `VarBuilder` backend of a scope: creates (copy 0) or mirrors (other copies) variables.
+/// What a variable is, which decides what a strategy does with it (see the
+/// [module docs](self#kinds-of-variables-and-what-every-strategy-does-with-them)).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum VariableKind {
+    /// Updated by the optimizer from its gradient, reduced over every replica and worker.
+    Trainable,
+    /// Never reduced, never updated, never communicated (TensorFlow's `trainable=False`).
+    Frozen,
+    /// Non-trainable state that the forward pass updates (BatchNorm's running statistics):
+    /// each replica updates its own copy; reading gives the mean over replicas (TensorFlow's
+    /// sync-on-read variables with `MEAN` aggregation).
+    State,
+}
+
+impl VariableKind {
+    /// The kind of a variable made through a builder of `kind` (`None`: the plain builder):
+    /// the names candle-nn's `batch_norm` gives its running statistics are state whatever
+    /// the builder, everything else takes the builder's kind.
+    fn of(name: &str, kind: Option<VariableKind>) -> VariableKind {
+        let last = name.rsplit('.').next().unwrap_or(name);
+        if matches!(last, "running_mean" | "running_var") {
+            return VariableKind::State;
+        }
+        kind.unwrap_or(VariableKind::Trainable)
+    }
+}
+
+/// One created variable: its name, the variable, its kind.
+type Created = (String, Var, VariableKind);
+
+/// The `VarBuilder` backend of a scope: creates (copy 0) or mirrors (other copies) variables;
+/// under a central policy, copies after the first share copy 0's trainable and frozen
+/// variables and get state of their own.
 struct ScopeBackend {
     copy: usize,
     seed: u64,
     strategy: String,
+    /// The kind this builder gives (`None`: trainable, or state by candle-nn's names).
+    kind: Option<VariableKind>,
     open: Arc<AtomicBool>,
-    created: Arc<Mutex<Vec<(String, Var)>>>,
+    created: Arc<Mutex<Vec<Created>>>,
     primary: Option<Arc<HashMap<String, Tensor>>>,
+    /// Central copies after the first: copy 0's variables to share, by name.
+    shared: Option<Arc<HashMap<String, (Var, VariableKind)>>>,
 }
 
 impl ScopeBackend {
-    fn existing(&self, name: &str) -> Option<Var> {
-        lock(&self.created).iter().find(|(n, _)| n == name).map(|(_, v)| v.clone())
+    fn existing(&self, name: &str) -> Option<(Var, VariableKind)> {
+        lock(&self.created).iter().find(|(n, _, _)| n == name).map(|(_, v, k)| (v.clone(), *k))
+    }
+}
+
+/// What the model holds of a variable: a frozen one detached, so that backward computes no
+/// gradient for it (the storage is the variable's, so assignments reach the model).
+fn held(var: &Var, kind: VariableKind) -> Tensor {
+    match kind {
+        VariableKind::Frozen => var.as_tensor().detach(),
+        VariableKind::Trainable | VariableKind::State => var.as_tensor().clone(),
     }
 }
 
@@ -110,7 +173,7 @@ impl SimpleBackend for ScopeBackend {
                 self.strategy
             );
         }
-        if let Some(v) = self.existing(name) {
+        if let Some((v, kind)) = self.existing(name) {
             if v.shape() != &s {
                 candle_core::bail!(
                     "variable {name:?} was created with shape {:?} and is now asked for with {:?}",
@@ -118,7 +181,17 @@ impl SimpleBackend for ScopeBackend {
                     s
                 );
             }
-            return Ok(v.as_tensor().clone());
+            return Ok(held(&v, kind));
+        }
+        let kind = VariableKind::of(name, self.kind);
+        if let Some(shared) = &self.shared {
+            match shared.get(name) {
+                Some((v, k)) if *k != VariableKind::State && v.shape() == &s => {
+                    lock(&self.created).push((name.to_string(), v.clone(), *k));
+                    return Ok(held(v, *k));
+                }
+                _ => {}
+            }
         }
         let value = match &self.primary {
             None => Tensor::from_vec(init_values(&h, &s, name_seed(self.seed, name)), s.clone(), dev)?,
@@ -135,13 +208,13 @@ impl SimpleBackend for ScopeBackend {
             },
         };
         let var = Var::from_tensor(&value.to_dtype(dtype)?)?;
-        lock(&self.created).push((name.to_string(), var.clone()));
-        Ok(var.as_tensor().clone())
+        lock(&self.created).push((name.to_string(), var.clone(), kind));
+        Ok(held(&var, kind))
     }
 
     fn get_unchecked(&self, name: &str, _dtype: DType, _dev: &Device) -> candle_core::Result<Tensor> {
         match self.existing(name) {
-            Some(v) => Ok(v.as_tensor().clone()),
+            Some((v, kind)) => Ok(held(&v, kind)),
             None => candle_core::bail!("variable {name:?} does not exist in this scope"),
         }
     }
@@ -151,9 +224,11 @@ impl SimpleBackend for ScopeBackend {
     }
 }
 
-/// What the scope closure gets: a `VarBuilder` whose variables are created the strategy's way.
+/// What the scope closure gets: `VarBuilder`s whose variables are created the strategy's way.
 pub struct Scope<'a> {
     vb: VarBuilder<'static>,
+    frozen: VarBuilder<'static>,
+    state: VarBuilder<'static>,
     copy: usize,
     copies: usize,
     ext: &'a Arc<dyn StrategyExtended>,
@@ -166,9 +241,32 @@ impl std::fmt::Debug for Scope<'_> {
 }
 
 impl Scope<'_> {
-    /// The `VarBuilder` to build the model with (candle-nn layers take it unchanged).
+    /// The `VarBuilder` to build the model with (candle-nn layers take it unchanged): its
+    /// variables are trainable, except the running statistics of candle-nn's `batch_norm`,
+    /// which are [state](VariableKind::State).
     pub fn var_builder(&self) -> VarBuilder<'static> {
         self.vb.clone()
+    }
+
+    /// A `VarBuilder` whose variables are [frozen](VariableKind::Frozen) (Keras'
+    /// `trainable = False`): the model holds them detached, so backward computes no gradient
+    /// for them, and no strategy reduces, updates or communicates them. Running statistics
+    /// made through it stay [state](VariableKind::State) (a frozen BatchNorm in training mode
+    /// still updates them; run it with `forward_t(x, false)` to keep them too).
+    pub fn frozen_var_builder(&self) -> VarBuilder<'static> {
+        self.frozen.clone()
+    }
+
+    /// A `VarBuilder` whose variables are [state](VariableKind::State): updated by the model's
+    /// own forward pass (with `Var::set`), per replica, and read as the mean over replicas.
+    pub fn state_var_builder(&self) -> VarBuilder<'static> {
+        self.state.clone()
+    }
+
+    /// The strategy whose scope this is, shared (for layers that keep it, such as
+    /// `SyncBatchNorm`).
+    pub fn strategy_arc(&self) -> Arc<dyn StrategyExtended> {
+        self.ext.clone()
     }
 
     /// Which copy of the model is being built (always 0 for central variables).
@@ -188,7 +286,8 @@ impl Scope<'_> {
 }
 
 /// A model built in a strategy's scope: one copy per replica (mirrored) or one shared copy
-/// (central). Get the replica's copy with [`Replicated::on`].
+/// (central; with state, one copy per replica sharing the central variables). Get the
+/// replica's copy with [`Replicated::on`].
 #[derive(Debug)]
 pub struct Replicated<M> {
     strategy: StrategyId,
@@ -196,6 +295,9 @@ pub struct Replicated<M> {
     policy: VariablePolicy,
     copies: Vec<M>,
     vars: Vec<Vec<(String, Var)>>,
+    kinds: Vec<VariableKind>,
+    /// The strategy's cross-worker collectives (for [`Replicated::sync_state`]).
+    ext: Arc<dyn StrategyExtended>,
 }
 
 pub(crate) fn build_replicated<M>(
@@ -204,7 +306,7 @@ pub(crate) fn build_replicated<M>(
 ) -> Result<Replicated<M>> {
     let _guard = ScopeGuard::enter(ext)?;
     let policy = ext.variable_policy();
-    let n = match policy {
+    let mut n = match policy {
         VariablePolicy::Mirrored => ext.num_replicas(),
         VariablePolicy::Central { .. } => 1,
     };
@@ -212,41 +314,81 @@ pub(crate) fn build_replicated<M>(
     let devices = ext.replica_devices();
     let mut copies = Vec::with_capacity(n);
     let mut vars: Vec<Vec<(String, Var)>> = Vec::with_capacity(n);
+    let mut kinds: Vec<VariableKind> = Vec::new();
     let mut primary: Option<Arc<HashMap<String, Tensor>>> = None;
-    for (copy, device) in devices.iter().enumerate().take(n) {
+    let mut shared: Option<Arc<HashMap<String, (Var, VariableKind)>>> = None;
+    let mut copy = 0;
+    while copy < n {
         let created = Arc::new(Mutex::new(Vec::new()));
-        let backend = ScopeBackend {
+        let backend = |kind| ScopeBackend {
             copy,
             seed: ext.options().seed,
             strategy: format!("{} {}", ext.name(), ext.id()),
+            kind,
             open: open.clone(),
             created: created.clone(),
             primary: primary.clone(),
+            shared: shared.clone(),
         };
+        // Central copies after the first compute on copy 0's device, as the central variables.
+        let device = if shared.is_some() { &devices[0] } else { &devices[copy] };
         let dev = candle_device(device)?;
-        let vb = VarBuilder::from_backend(Box::new(backend), DType::F32, dev);
-        let model = build(&Scope { vb, copy, copies: n, ext })?;
+        let vb = VarBuilder::from_backend(Box::new(backend(None)), DType::F32, dev.clone());
+        let frozen = VarBuilder::from_backend(Box::new(backend(Some(VariableKind::Frozen))), DType::F32, dev.clone());
+        let state = VarBuilder::from_backend(Box::new(backend(Some(VariableKind::State))), DType::F32, dev);
+        let model = build(&Scope { vb, frozen, state, copy, copies: n, ext })?;
         let made = std::mem::take(&mut *lock(&created));
         if let Some(first) = vars.first() {
             let a: Vec<&str> = first.iter().map(|(n, _)| n.as_str()).collect();
-            let b: Vec<&str> = made.iter().map(|(n, _)| n.as_str()).collect();
+            let b: Vec<&str> = made.iter().map(|(n, _, _)| n.as_str()).collect();
             if a != b {
                 return Err(Error::Scope(format!(
                     "copy {copy} of the model created variables {b:?} but copy 0 created {a:?}; the scope closure must build the same model every time"
                 )));
             }
         } else {
-            let values = made.iter().map(|(n, v)| Ok((n.clone(), v.as_tensor().copy()?)));
+            let values = made.iter().map(|(n, v, _)| Ok((n.clone(), v.as_tensor().copy()?)));
             primary = Some(Arc::new(values.collect::<candle_core::Result<_>>()?));
+            kinds = made.iter().map(|(_, _, k)| *k).collect();
+            // Central state: one copy per replica, so that no two replica threads write one.
+            if matches!(policy, VariablePolicy::Central { .. }) && kinds.contains(&VariableKind::State) {
+                n = ext.num_replicas();
+                shared = Some(Arc::new(made.iter().map(|(n, v, k)| (n.clone(), (v.clone(), *k))).collect()));
+            }
         }
         copies.push(model);
-        vars.push(made);
+        vars.push(made.into_iter().map(|(n, v, _)| (n, v)).collect());
+        copy += 1;
     }
     open.store(false, Ordering::Release);
     if let Some(w) = ext.workers() {
         broadcast_from_chief(w, &vars)?;
     }
-    Ok(Replicated { strategy: ext.id(), strategy_name: ext.name(), policy, copies, vars })
+    Ok(Replicated { strategy: ext.id(), strategy_name: ext.name(), policy, copies, vars, kinds, ext: ext.clone() })
+}
+
+/// Whether `name` matches `pattern`, where `*` matches any run of characters (`backbone.*`,
+/// `*.bias`, an exact name).
+fn glob(pattern: &str, name: &str) -> bool {
+    let (p, n) = (pattern.as_bytes(), name.as_bytes());
+    let (mut pi, mut ni, mut star, mut mark) = (0, 0, None, 0);
+    while ni < n.len() {
+        if pi < p.len() && p[pi] == b'*' {
+            star = Some(pi);
+            mark = ni;
+            pi += 1;
+        } else if pi < p.len() && p[pi] == n[ni] {
+            pi += 1;
+            ni += 1;
+        } else if let Some(s) = star {
+            pi = s + 1;
+            mark += 1;
+            ni = mark;
+        } else {
+            return false;
+        }
+    }
+    p[pi..].iter().all(|&c| c == b'*')
 }
 
 /// Multi-worker: the chief's initial values reach every worker before the first step (they
@@ -288,20 +430,111 @@ impl<M> Replicated<M> {
     /// The copy a replica computes with.
     pub fn on(&self, ctx: &ReplicaContext<'_>) -> Result<&M> {
         self.check(ctx)?;
-        Ok(match self.policy {
-            VariablePolicy::Mirrored => &self.copies[ctx.replica_id()],
-            VariablePolicy::Central { .. } => &self.copies[0],
-        })
+        Ok(self.copies.get(ctx.replica_id()).unwrap_or(&self.copies[0]))
     }
 
-    /// The first copy, for cross-replica reads (evaluation, checkpoints).
+    /// The first copy, for cross-replica reads (evaluation, checkpoints). Its
+    /// [state](VariableKind::State) is replica 0's own until [`Replicated::sync_state`] makes
+    /// every copy hold the mean.
     pub fn primary(&self) -> &M {
         &self.copies[0]
     }
 
-    /// The number of copies.
+    /// The number of copies of the model (one per replica, or one for a central model
+    /// without state).
     pub fn num_copies(&self) -> usize {
         self.copies.len()
+    }
+
+    /// The kind of every variable, in creation order.
+    pub fn kinds(&self) -> &[VariableKind] {
+        &self.kinds
+    }
+
+    /// The kind of variable `name`.
+    pub fn kind(&self, name: &str) -> Option<VariableKind> {
+        self.vars[0].iter().position(|(n, _)| n == name).map(|i| self.kinds[i])
+    }
+
+    /// Freezes every trainable variable whose name matches one of `patterns` (`*` matches any
+    /// run of characters: `backbone.*`, `*.bias`, an exact name): optimizers made afterwards
+    /// ([`Replicated::optimizer`]) leave them out, so they are never reduced, updated or
+    /// communicated. The model still computes their gradients (use
+    /// [`Scope::frozen_var_builder`] to spare that too). A pattern that matches no variable is
+    /// an error naming it.
+    pub fn freeze(&mut self, patterns: &[&str]) -> Result<()> {
+        for p in patterns {
+            if !self.vars[0].iter().any(|(n, _)| glob(p, n)) {
+                let names: Vec<&str> = self.vars[0].iter().map(|(n, _)| n.as_str()).collect();
+                return Err(Error::NoSuchVariable { pattern: p.to_string(), variables: names.join(", ") });
+            }
+        }
+        for ((name, _), kind) in self.vars[0].iter().zip(self.kinds.iter_mut()) {
+            if *kind == VariableKind::Trainable && patterns.iter().any(|p| glob(p, name)) {
+                *kind = VariableKind::Frozen;
+            }
+        }
+        Ok(())
+    }
+
+    /// Copy `copy`'s trainable variables, by name, in creation order (what an optimizer made
+    /// now would update).
+    pub fn trainable_variables(&self, copy: usize) -> Vec<(String, Var)> {
+        self.of_kind(copy, VariableKind::Trainable)
+    }
+
+    fn of_kind(&self, copy: usize, kind: VariableKind) -> Vec<(String, Var)> {
+        self.vars[copy].iter().zip(&self.kinds).filter(|(_, k)| **k == kind).map(|(v, _)| v.clone()).collect()
+    }
+
+    /// Makes every copy's [state](VariableKind::State) the mean over the replicas and, in a
+    /// multi-worker job, over the workers (a collective there: every worker calls it at the
+    /// same point). Cross-replica context. Evaluation and checkpoints then read the mean from
+    /// any copy. Since state such as BatchNorm's running statistics is updated linearly
+    /// (an exponential moving average), averaging the copies at any point leaves the mean of
+    /// later reads as if each replica had kept its own.
+    pub fn sync_state(&self) -> Result<()> {
+        let idx: Vec<usize> = (0..self.kinds.len()).filter(|&i| self.kinds[i] == VariableKind::State).collect();
+        if idx.is_empty() {
+            return Ok(());
+        }
+        let mut means = Vec::with_capacity(idx.len());
+        for &i in &idx {
+            means.push(self.local_mean(i)?);
+        }
+        if let Some(w) = self.ext.workers() {
+            let mut flat = Vec::new();
+            for m in &means {
+                flat.extend(m.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?);
+            }
+            w.all_reduce(ReduceOp::Mean, &mut flat)?;
+            let mut at = 0;
+            for m in &mut means {
+                let k = m.elem_count();
+                *m = Tensor::from_slice(&flat[at..at + k], m.shape(), m.device())?.to_dtype(m.dtype())?;
+                at += k;
+            }
+        }
+        for (&i, mean) in idx.iter().zip(&means) {
+            for copy in &self.vars {
+                let v = &copy[i].1;
+                v.set(&mean.to_device(v.device())?.to_dtype(v.dtype())?)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The mean over this worker's copies of variable `i` (its value where all copies are one).
+    fn local_mean(&self, i: usize) -> Result<Tensor> {
+        let first = self.vars[0][i].1.as_tensor();
+        if self.vars.len() == 1 || self.kinds[i] != VariableKind::State {
+            return Ok(first.copy()?);
+        }
+        let mut sum = first.to_dtype(DType::F32)?;
+        for copy in &self.vars[1..] {
+            sum = (sum + copy[i].1.as_tensor().to_device(first.device())?.to_dtype(DType::F32)?)?;
+        }
+        Ok((sum / self.vars.len() as f64)?.to_dtype(first.dtype())?)
     }
 
     /// The strategy that built this model.
@@ -319,38 +552,54 @@ impl<M> Replicated<M> {
         &self.vars[copy]
     }
 
-    /// The variable `name` with all its copies.
+    /// The variable `name` with all its copies (one for a central variable; central state has
+    /// one per replica).
     pub fn variable(&self, name: &str) -> Option<DistributedVariable> {
         let i = self.vars[0].iter().position(|(n, _)| n == name)?;
-        Some(DistributedVariable {
-            name: name.to_string(),
-            policy: self.policy,
-            copies: self.vars.iter().map(|v| v[i].1.clone()).collect(),
-        })
+        let central = matches!(self.policy, VariablePolicy::Central { .. });
+        let (policy, copies) = if central && self.kinds[i] != VariableKind::State {
+            (self.policy, vec![self.vars[0][i].1.clone()])
+        } else if central {
+            (VariablePolicy::Mirrored, self.vars.iter().map(|v| v[i].1.clone()).collect())
+        } else {
+            (self.policy, self.vars.iter().map(|v| v[i].1.clone()).collect())
+        };
+        Some(DistributedVariable { name: name.to_string(), policy, copies })
     }
 
-    /// The primary copy's values, by name.
+    /// The values, by name: the primary copy's, and for [state](VariableKind::State) the mean
+    /// over this worker's copies (call [`Replicated::sync_state`] first in a multi-worker job
+    /// for the mean over every worker).
     pub fn values(&self) -> Result<Vec<(String, Tensor)>> {
-        self.vars[0].iter().map(|(n, v)| Ok((n.clone(), v.as_tensor().copy()?))).collect()
+        self.vars[0].iter().enumerate().map(|(i, (n, _))| Ok((n.clone(), self.local_mean(i)?))).collect()
     }
 
-    /// Builds one optimizer per copy (candle-nn's `SGD`, `AdamW`, or any `Optimizer`).
+    /// Builds one optimizer per copy of the [trainable](VariableKind::Trainable) variables
+    /// (candle-nn's `SGD`, `AdamW`, Strata's fused optimizers, or any `Optimizer`): one per
+    /// replica for mirrored variables, one for central ones. Frozen variables and state are
+    /// left out.
     pub fn optimizer<O: Optimizer>(&self, config: O::Config) -> Result<DistributedOptimizer<O>>
     where
         O::Config: Clone,
     {
-        let copies = self
-            .vars
+        let n = match self.policy {
+            VariablePolicy::Mirrored => self.vars.len(),
+            VariablePolicy::Central { .. } => 1,
+        };
+        let vars: Vec<Vec<Var>> =
+            (0..n).map(|c| self.trainable_variables(c).into_iter().map(|(_, v)| v).collect()).collect();
+        let copies = vars
             .iter()
-            .map(|vs| O::new(vs.iter().map(|(_, v)| v.clone()).collect(), config.clone()).map(Mutex::new))
+            .map(|vs| O::new(vs.clone(), config.clone()).map(Mutex::new))
             .collect::<candle_core::Result<Vec<_>>>()?;
-        Ok(DistributedOptimizer {
-            strategy: self.strategy,
-            strategy_name: self.strategy_name,
-            policy: self.policy,
+        Ok(DistributedOptimizer::from_parts(
+            self.strategy,
+            self.strategy_name,
+            self.policy,
             copies,
-            vars: self.vars.iter().map(|vs| vs.iter().map(|(_, v)| v.clone()).collect()).collect(),
-        })
+            vars,
+            self.ext.num_replicas(),
+        ))
     }
 }
 
@@ -425,6 +674,14 @@ impl DistributedVariable {
 
 /// One optimizer per model copy: mirrored copies each apply the same all-reduced gradient;
 /// a central copy is updated once, on the parameter device.
+///
+/// What Keras' and PyTorch Lightning's training loops add to an optimizer step, each the same
+/// computation one device makes on the global batch:
+/// [`with_clip_global_norm`](Self::with_clip_global_norm) (on the reduced gradient, so every
+/// replica and worker scales by the same factor), [`with_schedule`](Self::with_schedule) (the
+/// learning rate of every step, on every copy) and
+/// [`with_accumulation`](Self::with_accumulation) (several micro-batches per optimizer step,
+/// equal to one step on their concatenation).
 #[derive(Debug)]
 pub struct DistributedOptimizer<O> {
     strategy: StrategyId,
@@ -432,9 +689,130 @@ pub struct DistributedOptimizer<O> {
     policy: VariablePolicy,
     copies: Vec<Mutex<O>>,
     vars: Vec<Vec<Var>>,
+    /// Optimizer steps each copy applied.
+    steps: Vec<std::sync::atomic::AtomicU64>,
+    clip_global_norm: Option<f64>,
+    schedule: Option<crate::optim::schedule::LrSchedule>,
+    /// Micro-batches per optimizer step (1: none accumulated).
+    accumulation: usize,
+    /// Each local replica's accumulated gradients.
+    accumulated: Vec<Mutex<Accumulated>>,
+}
+
+/// A replica's gradients summed over the micro-batches of an optimizer step so far.
+#[derive(Debug, Default)]
+struct Accumulated {
+    /// Per variable of the optimizer: the sum of each micro-batch's gradient times its examples
+    /// on this replica.
+    grads: Vec<Option<Tensor>>,
+    /// Micro-batches so far.
+    micro_batches: usize,
+    /// Examples of the micro-batches' global batches so far.
+    examples: usize,
 }
 
 impl<O: Optimizer> DistributedOptimizer<O> {
+    /// An optimizer of `copies` (one per copy of `vars`, the variables each updates) for a
+    /// model of `strategy` whose variables follow `policy`.
+    pub(crate) fn from_parts(
+        strategy: StrategyId,
+        strategy_name: &'static str,
+        policy: VariablePolicy,
+        copies: Vec<Mutex<O>>,
+        vars: Vec<Vec<Var>>,
+        replicas: usize,
+    ) -> Self {
+        Self {
+            strategy,
+            strategy_name,
+            policy,
+            steps: copies.iter().map(|_| std::sync::atomic::AtomicU64::new(0)).collect(),
+            copies,
+            vars,
+            clip_global_norm: None,
+            schedule: None,
+            accumulation: 1,
+            accumulated: (0..replicas.max(1)).map(|_| Mutex::new(Accumulated::default())).collect(),
+        }
+    }
+
+    /// Scales each step's gradient so that its global norm (over every variable of the
+    /// step, computed on the gradient reduced over every replica and worker) is at most
+    /// `max_norm`: TensorFlow's `clip_by_global_norm` (a gradient already within the norm is
+    /// left as it is), the same factor on every replica, as one device clipping the global
+    /// batch's gradient.
+    pub fn with_clip_global_norm(mut self, max_norm: f64) -> Result<Self> {
+        if !(max_norm.is_finite() && max_norm > 0.0) {
+            return Err(Error::OptimizerSetting {
+                setting: "a global clipping norm",
+                value: max_norm.to_string(),
+                expected: "use a finite norm above 0",
+            });
+        }
+        self.clip_global_norm = Some(max_norm);
+        Ok(self)
+    }
+
+    /// Sets every copy's learning rate to `schedule.at(step)` before each optimizer step
+    /// (counting the steps this optimizer applied, from 0).
+    pub fn with_schedule(mut self, schedule: crate::optim::schedule::LrSchedule) -> Result<Self> {
+        schedule.validate()?;
+        self.schedule = Some(schedule);
+        Ok(self)
+    }
+
+    /// Accumulates the gradients of `micro_batches` calls of
+    /// [`ReplicaContext::backward_and_sync`] locally (no communication) and reduces and applies
+    /// them at the last: one optimizer step equal to one step on the micro-batches'
+    /// concatenated global batch (each micro-batch weighted by its examples, uneven ones
+    /// included).
+    pub fn with_accumulation(mut self, micro_batches: usize) -> Result<Self> {
+        if micro_batches == 0 {
+            return Err(Error::OptimizerSetting {
+                setting: "gradient accumulation",
+                value: "0 micro-batches".into(),
+                expected: "accumulate over 1 or more",
+            });
+        }
+        self.accumulation = micro_batches;
+        Ok(self)
+    }
+
+    /// Optimizer steps applied so far (by the first copy).
+    pub fn iterations(&self) -> u64 {
+        self.steps[0].load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The number of optimizer copies (one per replica for mirrored variables, one for
+    /// central ones).
+    pub fn num_copies(&self) -> usize {
+        self.copies.len()
+    }
+
+    /// Applies `grads` (in the order of copy `copy`'s variables; `None` for a variable that
+    /// no replica computed a gradient for, which the optimizer then skips) with copy `copy`.
+    pub(crate) fn apply(&self, copy: usize, grads: Vec<Option<Tensor>>) -> Result<()> {
+        let step = self.steps[copy].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let scale = match self.clip_global_norm {
+            Some(max) => clip_scale(&grads, max)?,
+            None => None,
+        };
+        let mut store = GradStore::default();
+        for (v, g) in self.vars[copy].iter().zip(grads) {
+            if let Some(g) = g {
+                let g = match scale {
+                    Some(k) => (g * k)?,
+                    None => g,
+                };
+                store.insert(v.as_tensor(), g);
+            }
+        }
+        let mut opt = self.lock(copy);
+        if let Some(s) = &self.schedule {
+            opt.set_learning_rate(s.at(step));
+        }
+        Ok(opt.step(&store)?)
+    }
     pub(crate) fn check_strategy(&self, ctx: &ReplicaContext<'_>) -> Result<()> {
         if ctx.strategy_id() != self.strategy {
             return Err(Error::Scope(format!(
@@ -474,13 +852,26 @@ impl<O: Optimizer> DistributedOptimizer<O> {
     }
 }
 
+/// The factor that brings `grads`' global norm to at most `max` (`None`: within it already):
+/// `max / norm`, the norm summed in f64 over the variables in order.
+fn clip_scale(grads: &[Option<Tensor>], max: f64) -> Result<Option<f64>> {
+    let mut sq = 0f64;
+    for g in grads.iter().flatten() {
+        sq += g.to_dtype(DType::F32)?.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
+    }
+    let norm = sq.sqrt();
+    Ok((norm > max).then(|| max / norm))
+}
+
 /// How a replica applies its gradients through a [`DistributedOptimizer`] (next to the
 /// optimizer, whose copies and policy it uses; the reduction itself is
 /// [`ReplicaContext::reduce_gradients`]).
 impl ReplicaContext<'_> {
     /// Computes the gradients of `loss` and synchronises and applies them the strategy's way:
     /// mirrored variables all-reduce and every replica applies the same update to its copy;
-    /// central variables reduce to the parameter device, which applies the update once.
+    /// central variables reduce to the parameter device, which applies the update once. Only
+    /// the optimizer's (trainable) variables that some replica, on some worker, computed a
+    /// gradient for are reduced and stepped (see [`ReplicaContext::reduce_gradients`]).
     pub fn backward_and_sync<O: Optimizer>(&self, loss: &Tensor, opt: &DistributedOptimizer<O>) -> Result<()> {
         let grads = {
             let _p = self.phase("step", "backward");
@@ -500,22 +891,50 @@ impl ReplicaContext<'_> {
             VariablePolicy::Mirrored => self.replica,
             VariablePolicy::Central { .. } => 0,
         };
+        let vars = opt.vars(copy);
+        let mut local: Vec<Option<Tensor>> = vars.iter().map(|v| grads.get(v).cloned()).collect();
+        let mut weight = self.batch_weight();
+        if opt.accumulation > 1 {
+            // Sum this replica's gradient times its examples; reduce at the last micro-batch.
+            let mut acc = lock(&opt.accumulated[self.replica]);
+            let global = self.batch_global_len();
+            let examples = (self.batch_weight() as f64 * global as f64).round();
+            acc.grads.resize(vars.len(), None);
+            for (sum, g) in acc.grads.iter_mut().zip(&local) {
+                if let Some(g) = g {
+                    let g = (g * examples)?;
+                    *sum = Some(match sum.take() {
+                        Some(s) => (s + g)?,
+                        None => g,
+                    });
+                }
+            }
+            acc.micro_batches += 1;
+            acc.examples += global;
+            if acc.micro_batches < opt.accumulation {
+                return Ok(());
+            }
+            let done = std::mem::take(&mut *acc);
+            local = done.grads;
+            weight = 1.0 / done.examples.max(1) as f32;
+        }
         if n == 1 && self.shared.ext.workers().is_none() {
             let _p = self.phase("step", "optimizer");
-            return Ok(opt.lock(0).step(&grads)?);
+            if opt.accumulation > 1 {
+                local = local
+                    .into_iter()
+                    .map(|g| g.map(|g| g * weight as f64).transpose())
+                    .collect::<candle_core::Result<_>>()?;
+            }
+            return opt.apply(copy, local);
         }
-        let vars = opt.vars(copy);
         let dest = match policy {
             VariablePolicy::Mirrored => Destination::AllReplicas,
             VariablePolicy::Central { parameter_replica } => Destination::Replica(parameter_replica),
         };
-        if let Some(reduced) = self.reduce_gradients(&grads, vars, dest)? {
+        if let Some(reduced) = self.reduce_present(local, vars, dest, weight)? {
             let _p = self.phase("step", "optimizer");
-            let mut store = GradStore::default();
-            for (v, g) in vars.iter().zip(reduced) {
-                store.insert(v.as_tensor(), g);
-            }
-            opt.lock(copy).step(&store)?;
+            opt.apply(copy, reduced)?;
         }
         if matches!(policy, VariablePolicy::Central { .. }) {
             // Replicas read the central variables only after the update is applied.

@@ -1,6 +1,7 @@
 //! strata-core's fused optimizers on GPUs (feature `candle-cuda`): [`CudaFusedUpdates`]
 //! implements [`DeviceFusedUpdates`] with Strata's kernels (`strata_sgd_f32`,
-//! `strata_adamw_f32`, one pass per variable), so `FusedSgd` and `FusedAdamW` update CUDA
+//! `strata_sgd_momentum_f32`, `strata_adamw_f32`, one pass per variable), so `FusedSgd`,
+//! `FusedMomentum` (heavy ball) and `FusedAdamW` update CUDA
 //! variables in place, as they do CPU ones, instead of through candle-nn's dozen whole-tensor
 //! operations. This is what CentralStorage applies once per step on its parameter GPU, and
 //! Mirrored on every replica's. [`register`] installs it (a GPU strategy built with
@@ -20,7 +21,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CudaStorage, DType, Device, InplaceOp1, InplaceOp2, Layout, Tensor, Var};
 use candle_nn::ParamsAdamW;
 use cudarc::driver::CudaViewMut;
-use strata_core::optim::{register_device_fused_updates, DeviceFusedUpdates};
+use strata_core::optim::{register_device_fused_updates, DeviceFusedUpdates, ParamsMomentum};
 
 use crate::kernels::launch::Kernels;
 use crate::kernels::AdamWScalars;
@@ -70,6 +71,70 @@ impl DeviceFusedUpdates for CudaFusedUpdates {
         }
         let s = AdamWScalars::new(p.lr, p.beta1, p.beta2, p.eps, p.weight_decay, step_t);
         Some(m.inplace_op1(&WithM { var, g, v, s }))
+    }
+
+    /// The heavy ball with `strata_sgd_momentum_f32`; Nesterov has no kernel and takes
+    /// candle's formulation.
+    fn momentum(&self, var: &Var, g: &Tensor, velocity: &Var, p: &ParamsMomentum) -> Option<candle_core::Result<()>> {
+        if p.nesterov || ![var.as_tensor(), g, velocity.as_tensor()].into_iter().all(served) {
+            return None;
+        }
+        Some(velocity.inplace_op1(&WithVelocity { var, g, lr: p.lr as f32, momentum: p.momentum as f32 }))
+    }
+}
+
+/// The outer op of a momentum step: holds the velocity mutably, then the variable.
+struct WithVelocity<'a> {
+    var: &'a Var,
+    g: &'a Tensor,
+    lr: f32,
+    momentum: f32,
+}
+
+impl InplaceOp1 for WithVelocity<'_> {
+    fn name(&self) -> &'static str {
+        "strata-cuda-momentum"
+    }
+
+    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout) -> candle_core::Result<()> {
+        candle_core::bail!("strata-cuda's fused momentum runs on CUDA variables only")
+    }
+
+    fn cuda_fwd(&self, v: &mut CudaStorage, lv: &Layout) -> candle_core::Result<()> {
+        let (lo, hi) = range(lv, "the velocity")?;
+        let mut v = v.as_cuda_slice_mut::<f32>()?.slice_mut(lo..hi);
+        let v = RefCell::new(Some(&mut v));
+        self.var.inplace_op2(self.g, &MomentumParam { v: &v, lr: self.lr, momentum: self.momentum })
+    }
+}
+
+/// The inner op of a momentum step: the variable and its gradient; launches
+/// `strata_sgd_momentum_f32`.
+struct MomentumParam<'a, 'v, 'vb> {
+    v: &'a Slot<'v, 'vb>,
+    lr: f32,
+    momentum: f32,
+}
+
+impl InplaceOp2 for MomentumParam<'_, '_, '_> {
+    fn name(&self) -> &'static str {
+        "strata-cuda-momentum"
+    }
+
+    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> candle_core::Result<()> {
+        candle_core::bail!("strata-cuda's fused momentum runs on CUDA variables only")
+    }
+
+    fn cuda_fwd(&self, p: &mut CudaStorage, lp: &Layout, g: &CudaStorage, lg: &Layout) -> candle_core::Result<()> {
+        let ((plo, phi), (glo, ghi)) = (range(lp, "the variable")?, range(lg, "the gradient")?);
+        let Some(v) = self.v.borrow_mut().take() else {
+            candle_core::bail!("strata-cuda's fused momentum: the velocity was already used")
+        };
+        let stream = p.device().cuda_stream();
+        let kernels = Kernels::get(stream.context()).map_err(candle_err)?;
+        let g = g.as_cuda_slice::<f32>()?.slice(glo..ghi);
+        let mut p = p.as_cuda_slice_mut::<f32>()?.slice_mut(plo..phi);
+        kernels.sgd_momentum(&stream, self.lr, self.momentum, &mut p, &g, v).map_err(candle_err)
     }
 }
 

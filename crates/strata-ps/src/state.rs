@@ -97,8 +97,10 @@ struct StreamVar {
     slots: Vec<Vec<f32>>,
     /// Elements covered so far (chunks cover a variable in order).
     next: usize,
-    /// The variable's step count after this update (AdamW's bias correction).
+    /// The task's update number of this update (AdamW's bias correction).
     t: u64,
+    /// Whether the variable is state (the push's change is added, see [`STATE_UPDATE`]).
+    state: bool,
 }
 
 /// A push applied while it arrives: each chunk updates the variables out of place, from their
@@ -142,7 +144,8 @@ impl Streamed {
                 *s0 = &s[at..end];
             }
             let mut slots: Vec<&mut [f32]> = v.slots.iter_mut().map(|s| &mut s[at..end]).collect();
-            apply_le_bytes_from(&self.optimizer, &v.base[at..end], &mut v.value[at..end], g, &slots0, &mut slots, v.t);
+            let opt = if v.state { &STATE_UPDATE } else { &self.optimizer };
+            apply_le_bytes_from(opt, &v.base[at..end], &mut v.value[at..end], g, &slots0, &mut slots, v.t);
             at = end;
         }
         v.next = at;
@@ -300,6 +303,20 @@ fn reserve(task: &str, n: usize, what: &'static str) -> Result<Vec<f32>> {
     Ok(v)
 }
 
+/// How a task applies a push to a variable of [state](VariableInfo::state): it adds the pushed
+/// change (`w - (g * -1 + 0)`, plain SGD at a learning rate of -1), with no optimizer slot and
+/// no step count.
+const STATE_UPDATE: ServerOptimizer = ServerOptimizer::Sgd { lr: -1.0 };
+
+/// The update a variable takes: the task's optimizer, or [`STATE_UPDATE`] for state.
+fn update_of<'a>(optimizer: &'a ServerOptimizer, info: &VariableInfo) -> &'a ServerOptimizer {
+    if info.state {
+        &STATE_UPDATE
+    } else {
+        optimizer
+    }
+}
+
 /// Pushes of at least this many bytes are applied on two threads: the pushing worker waits for
 /// the answer, so a core is free (the optimizer's pass is memory-bound and took a third of a
 /// 64 MiB push on one thread).
@@ -308,41 +325,44 @@ const PARALLEL_APPLY_BYTES: usize = 4 << 20;
 /// One piece of an update: gradient bytes and the ranges of the variable and of its optimizer
 /// slots they land on.
 struct Piece<'a> {
+    opt: &'a ServerOptimizer,
     g: &'a Bytes,
     w: &'a mut [f32],
     slots: Vec<&'a mut [f32]>,
     t: u64,
 }
 
-/// A variable's range not yet handed out, its optimizer slots' ranges, and its step count.
-type Ranges<'a> = (&'a mut [f32], Vec<&'a mut [f32]>, u64);
+/// A variable's range not yet handed out, its optimizer slots' ranges, its step count and its
+/// update.
+type Ranges<'a, 'o> = (&'a mut [f32], Vec<&'a mut [f32]>, u64, &'o ServerOptimizer);
 
-fn apply_pieces(optimizer: &ServerOptimizer, pieces: Vec<Piece<'_>>) {
+fn apply_pieces(pieces: Vec<Piece<'_>>) {
     for mut p in pieces {
-        apply_le_bytes(optimizer, p.w, p.g, &mut p.slots, p.t);
+        apply_le_bytes(p.opt, p.w, p.g, &mut p.slots, p.t);
     }
 }
 
 /// Applies a validated update (`chunks` cover each of the variables `at` exactly, in order) to
-/// the variables, on two threads when it is large.
-fn apply_update(optimizer: &ServerOptimizer, vars: &mut [Var], at: &[usize], chunks: &[Chunk]) {
+/// the variables, on two threads when it is large; `t` is the task's update number (AdamW's
+/// bias correction).
+fn apply_update(optimizer: &ServerOptimizer, vars: &mut [Var], at: &[usize], chunks: &[Chunk], t: u64) {
     // The ranges not yet handed out, per pushed variable (`at[k]` is variable `k` of the push).
-    let mut rest: Vec<Option<Ranges<'_>>> = at.iter().map(|_| None).collect();
+    let mut rest: Vec<Option<Ranges<'_, '_>>> = at.iter().map(|_| None).collect();
     let mut pushed_as = vec![None; vars.len()];
     for (k, &i) in at.iter().enumerate() {
         pushed_as[i] = Some(k);
     }
     for (var, k) in vars.iter_mut().zip(pushed_as) {
         if let Some(k) = k {
-            let t = var.version + 1;
+            let opt = update_of(optimizer, &var.info);
             let slots = var.slots.iter_mut().map(|s| Arc::make_mut(s).as_mut_slice()).collect();
-            rest[k] = Some((Arc::make_mut(&mut var.value).as_mut_slice(), slots, t));
+            rest[k] = Some((Arc::make_mut(&mut var.value).as_mut_slice(), slots, t, opt));
         }
     }
     let mut pieces = Vec::new();
     let mut bytes = 0;
     for c in chunks {
-        let Some((w, slots, t)) = rest.get_mut(c.var as usize).and_then(Option::as_mut) else { continue };
+        let Some((w, slots, t, opt)) = rest.get_mut(c.var as usize).and_then(Option::as_mut) else { continue };
         for g in &c.pieces {
             let n = (g.len() / 4).min(w.len());
             let (head, tail) = std::mem::take(w).split_at_mut(n);
@@ -354,11 +374,11 @@ fn apply_update(optimizer: &ServerOptimizer, vars: &mut [Var], at: &[usize], chu
                 piece_slots.push(head);
             }
             bytes += g.len();
-            pieces.push(Piece { g, w: head, slots: piece_slots, t: *t });
+            pieces.push(Piece { opt, g, w: head, slots: piece_slots, t: *t });
         }
     }
     if bytes < PARALLEL_APPLY_BYTES {
-        return apply_pieces(optimizer, pieces);
+        return apply_pieces(pieces);
     }
     // Halves by bytes: the second half on a helper thread (or here, if none can start).
     let mut half = 0;
@@ -370,13 +390,13 @@ fn apply_update(optimizer: &ServerOptimizer, vars: &mut [Var], at: &[usize], chu
     std::thread::scope(|scope| {
         let helper = std::thread::Builder::new().name("strata-ps-apply".into()).spawn_scoped(scope, || {
             if let Some(p) = second.lock().ok().and_then(|mut s| s.take()) {
-                apply_pieces(optimizer, p);
+                apply_pieces(p);
             }
         });
-        apply_pieces(optimizer, pieces);
+        apply_pieces(pieces);
         if helper.is_err() {
             if let Some(p) = second.lock().ok().and_then(|mut s| s.take()) {
-                apply_pieces(optimizer, p);
+                apply_pieces(p);
             }
         }
     });
@@ -627,7 +647,7 @@ impl State {
             }
         }
         // Async and stale: apply where each chunk lands.
-        apply_update(&optimizer, &mut self.vars, &at, chunks);
+        apply_update(&optimizer, &mut self.vars, &at, chunks, self.version + 1);
         for &i in &at {
             self.vars[i].version += 1;
         }
@@ -702,7 +722,8 @@ impl State {
                 value,
                 slots,
                 next: 0,
-                t: var.version + 1,
+                t: self.version + 1,
+                state: var.info.state,
             });
         }
         self.streaming = true;
@@ -781,41 +802,46 @@ impl State {
     }
 
     /// Applies the current sync round's mean gradient (summed in ascending update order, so
-    /// the result does not depend on arrival order).
+    /// the result does not depend on arrival order). The mean is over the round's pushes: a
+    /// variable some pushes carry no gradient for counts zeros for them (as one device's
+    /// gradient of the whole batch would), and one no push carries is not updated at all.
     fn apply_round(&mut self, optimizer: &ServerOptimizer) {
         let round = std::mem::take(&mut self.round);
-        let mut workers = Vec::with_capacity(round.len());
+        let pushes = round.len();
+        let mut workers = Vec::with_capacity(pushes);
         // Each variable's sum lands in the first gradient pushed for it (no new memory):
-        // `0 + g1 + g2 + ...`, in key order.
-        let mut sums: BTreeMap<usize, (Vec<f32>, u32)> = BTreeMap::new();
+        // `0 + g1 + g2 + ...`, in key order. The mean is over the round's pushes: a variable
+        // some pushes carry no gradient for counts zeros for them (as one device's gradient of
+        // the whole batch would), and one no push carries is not updated at all.
+        let mut sums: BTreeMap<usize, Vec<f32>> = BTreeMap::new();
         for (key, c) in round {
             for (i, mut g) in c.grads {
                 match sums.get_mut(&i) {
-                    Some((sum, n)) => {
+                    Some(sum) => {
                         for (s, g) in sum.iter_mut().zip(&g) {
                             *s += g;
                         }
-                        *n += 1;
                     }
                     None => {
                         for x in &mut g {
                             *x += 0.0;
                         }
-                        sums.insert(i, (g, 1));
+                        sums.insert(i, g);
                     }
                 }
             }
             workers.push((key, c.worker));
         }
-        for (i, (mut mean, n)) in sums {
-            let scale = 1.0 / n as f32;
+        let scale = 1.0 / pushes.max(1) as f32;
+        let t = self.version + 1;
+        for (i, mut mean) in sums {
             for m in &mut mean {
                 *m *= scale;
             }
             let var = &mut self.vars[i];
             let mut slots: Vec<&mut [f32]> = var.slots.iter_mut().map(|s| Arc::make_mut(s).as_mut_slice()).collect();
             let value: &mut Vec<f32> = Arc::make_mut(&mut var.value);
-            optimizer.apply(value, &mean, &mut slots, var.version + 1);
+            update_of(optimizer, &var.info).apply(value, &mean, &mut slots, t);
             var.version += 1;
         }
         self.version += 1;
@@ -1020,6 +1046,131 @@ mod tests {
             assert!(same(&var.value, &w), "variable {name}");
             assert!(var.slots.iter().zip(&slots).all(|(a, b)| same(a, b)), "slots of {name}");
         }
+    }
+}
+
+#[cfg(test)]
+mod partial_tests {
+    use super::*;
+    use crate::UpdateId;
+
+    fn bytes_of(v: &[f32]) -> Bytes {
+        Bytes::copy_from_slice(bytemuck::cast_slice(v))
+    }
+
+    /// A task of `a` (2 elements) and `b` (1) in `mode`, `a = [1, 2]`, `b = [3]`.
+    fn task(opt: &ServerOptimizer, mode: PsMode) -> State {
+        let mut state = State::new("ps:0".into(), None);
+        let header = CreateHeader {
+            variables: vec![VariableInfo::whole("a", vec![2]), VariableInfo::whole("b", vec![1])],
+            optimizer: opt.clone(),
+            mode,
+        };
+        let create = vec![
+            Chunk { var: 0, offset: 0, pieces: vec![bytes_of(&[1.0, 2.0])] },
+            Chunk { var: 1, offset: 0, pieces: vec![bytes_of(&[3.0])] },
+        ];
+        state.create(&header, &create).unwrap();
+        state
+    }
+
+    /// A push from `worker` at `step` of `grads` (by name), computed from version `base`.
+    fn push(s: &mut State, worker: &str, step: u64, base: u64, grads: &[(&str, &[f32])]) -> PushDecision {
+        let h = PushHeader {
+            id: UpdateId { worker: worker.into(), client: "c".into(), step, seq: 0 },
+            base_version: base,
+            variables: grads.iter().map(|(n, _)| n.to_string()).collect(),
+        };
+        let chunks: Vec<Chunk> = grads
+            .iter()
+            .enumerate()
+            .map(|(k, (_, g))| Chunk { var: k as u32, offset: 0, pieces: vec![bytes_of(g)] })
+            .collect();
+        s.push(&h, &chunks).unwrap()
+    }
+
+    fn value(s: &State, name: &str) -> Vec<f32> {
+        s.vars[s.index[name]].value.to_vec()
+    }
+
+    /// A push that carries no gradient for a variable leaves it (and its AdamW moments) alone,
+    /// an empty push still counts as an update, and AdamW's bias correction counts the task's
+    /// updates, as candle-nn's AdamW counts steps on one device.
+    #[test]
+    fn variables_without_a_gradient_are_not_updated_and_adamw_counts_the_tasks_updates() {
+        let opt = ServerOptimizer::AdamW { lr: 0.1, beta1: 0.9, beta2: 0.999, eps: 1e-7, weight_decay: 0.5 };
+        let mut s = task(&opt, PsMode::Async);
+        push(&mut s, "worker:0", 0, 0, &[("a", &[1.0, -1.0])]);
+        assert_eq!(value(&s, "b"), vec![3.0], "no decay without a gradient");
+        assert!(s.vars[s.index["b"]].slots.iter().all(|sl| sl.iter().all(|x| *x == 0.0)));
+        push(&mut s, "worker:0", 1, 1, &[]);
+        assert_eq!(s.version(), 2, "an empty push is an update of the task");
+        push(&mut s, "worker:0", 2, 2, &[("b", &[0.5])]);
+        // One step of AdamW on b at t = 3, from zero moments.
+        let mut w = vec![3.0f32];
+        let mut slots = opt.new_slots(1);
+        let mut refs: Vec<&mut [f32]> = slots.iter_mut().map(Vec::as_mut_slice).collect();
+        opt.apply(&mut w, &[0.5], &mut refs, 3);
+        assert_eq!(value(&s, "b")[0].to_bits(), w[0].to_bits());
+        assert_eq!(s.vars[s.index["b"]].version, 1);
+    }
+
+    /// A variable of state takes the pushed change as it is (added, no optimizer), whether
+    /// collected, streamed or in a sync round (the round's mean change).
+    #[test]
+    fn state_adds_the_pushed_change() {
+        let opt = ServerOptimizer::AdamW { lr: 0.1, beta1: 0.9, beta2: 0.999, eps: 1e-7, weight_decay: 0.5 };
+        for mode in [PsMode::Async, PsMode::Sync { workers: 2, backup_workers: 0 }] {
+            for streamed in [false, true] {
+                let mut state = State::new("ps:0".into(), streamed.then_some(0));
+                let mut b = VariableInfo::whole("b", vec![1]);
+                b.state = true;
+                let header = CreateHeader {
+                    variables: vec![VariableInfo::whole("a", vec![2]), b],
+                    optimizer: opt.clone(),
+                    mode,
+                };
+                let create = vec![
+                    Chunk { var: 0, offset: 0, pieces: vec![bytes_of(&[1.0, 2.0])] },
+                    Chunk { var: 1, offset: 0, pieces: vec![bytes_of(&[3.0])] },
+                ];
+                state.create(&header, &create).unwrap();
+                let h = |worker: &str, step| PushHeader {
+                    id: UpdateId { worker: worker.into(), client: "c".into(), step, seq: 0 },
+                    base_version: 0,
+                    variables: vec!["b".into()],
+                };
+                let c = vec![Chunk { var: 0, offset: 0, pieces: vec![bytes_of(&[0.25])] }];
+                if streamed && mode == PsMode::Async {
+                    let mut stream = state.begin_stream(&h("worker:0", 0)).unwrap();
+                    stream.apply(&c[0]).unwrap();
+                    state.finish_stream(stream).unwrap();
+                } else {
+                    state.push(&h("worker:0", 0), &c).unwrap();
+                    if mode != PsMode::Async {
+                        state
+                            .push(&h("worker:1", 1), &[Chunk { var: 0, offset: 0, pieces: vec![bytes_of(&[0.75])] }])
+                            .unwrap();
+                    }
+                }
+                let want = if mode == PsMode::Async { 3.25 } else { 3.5 };
+                assert_eq!(value(&state, "b"), vec![want], "{mode:?} streamed {streamed}");
+                assert!(state.vars[state.index["b"]].slots.iter().all(|sl| sl.iter().all(|x| *x == 0.0)));
+                assert_eq!(value(&state, "a"), vec![1.0, 2.0]);
+            }
+        }
+    }
+
+    /// A sync round averages over its pushes, counting zeros for a push without a variable's
+    /// gradient, and leaves a variable no push carries alone.
+    #[test]
+    fn a_sync_round_counts_zeros_for_a_missing_gradient() {
+        let mut s = task(&ServerOptimizer::Sgd { lr: 1.0 }, PsMode::Sync { workers: 2, backup_workers: 0 });
+        push(&mut s, "worker:0", 0, 0, &[("a", &[2.0, 4.0])]);
+        push(&mut s, "worker:1", 1, 0, &[]);
+        assert_eq!(s.version(), 1);
+        assert_eq!(value(&s, "a"), vec![0.0, 0.0], "mean of [2, 4] and zeros is [1, 2]");
+        assert_eq!(value(&s, "b"), vec![3.0]);
     }
 }
 

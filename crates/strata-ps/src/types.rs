@@ -85,13 +85,26 @@ pub struct VariableInfo {
     pub row_offset: u64,
     /// The whole variable's shape.
     pub full_shape: Vec<usize>,
+    /// Non-trainable state (BatchNorm's running statistics): a push carries the change a
+    /// worker's forward pass made to it, which the task adds (no optimizer, no slots).
+    #[serde(default)]
+    pub state: bool,
 }
 
 impl VariableInfo {
     /// A variable that is not partitioned.
     pub fn whole(name: impl Into<String>, shape: Vec<usize>) -> Self {
         let name = name.into();
-        Self { variable: name.clone(), name, full_shape: shape.clone(), shape, part: 0, num_parts: 1, row_offset: 0 }
+        Self {
+            variable: name.clone(),
+            name,
+            full_shape: shape.clone(),
+            shape,
+            part: 0,
+            num_parts: 1,
+            row_offset: 0,
+            state: false,
+        }
     }
 
     /// The shard's number of elements.

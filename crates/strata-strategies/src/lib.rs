@@ -44,5 +44,5 @@ pub use multi_worker::{CrossWorkerOps, CrossWorkerSetup, MultiWorkerMirroredStra
 pub use one_device::OneDeviceStrategy;
 pub use parameter_server::{
     ClusterCoordinator, ParameterServerOptions, ParameterServerStrategy, Partitioner, PlacementPolicy, PsModel,
-    StepRegistry, WorkerContext, WorkerOptions,
+    PsWorkerModel, StepRegistry, WorkerContext, WorkerOptions,
 };

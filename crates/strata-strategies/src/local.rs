@@ -165,6 +165,9 @@ impl StrategyExtended for LocalStrategy {
     fn workers(&self) -> Option<&dyn WorkerCollectives> {
         self.workers.as_deref()
     }
+    fn worker_collectives(&self) -> Option<Arc<dyn WorkerCollectives>> {
+        self.workers.clone()
+    }
     fn auto_shard(&self) -> AutoShardPolicy {
         self.auto_shard
     }

@@ -3,17 +3,22 @@
 //! that creates the variables and schedules registered steps. Every test body runs in its own
 //! thread under a hard timeout, and asserts exact (or closed-form) values.
 
+mod common;
+
 use std::panic::AssertUnwindSafe;
 use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{Init, Linear, VarBuilder};
+use common::models::{data, BnNet, Frozen, Heads, TestModel};
+use strata_core::data::Batch;
+use strata_core::optim::FusedAdamW;
 use strata_core::{Strategy, StrategyOptions};
 use strata_strategies::cluster::{ClusterSpec, TaskType};
 use strata_strategies::parameter_server::{
     rows_per_shard, serve_worker, ClusterCoordinator, ParameterServerOptions, ParameterServerStrategy, Partitioner,
-    PsModel, StepRegistry, WorkerContext, WorkerOptions,
+    PsModel, PsWorkerModel, StepRegistry, WorkerContext, WorkerOptions,
 };
 use strata_strategies::OneDeviceStrategy;
 use strata_transport::executor::WorkerExecutorHandle;
@@ -118,7 +123,38 @@ fn registry() -> StepRegistry {
     r.register("ones", |ctx: &WorkerContext, (): ()| ones_step(ctx, 0));
     r.register("ones_slow", |ctx: &WorkerContext, sleep_ms: u64| ones_step(ctx, sleep_ms));
     r.register("linreg", |ctx: &WorkerContext, (): ()| linreg_step(ctx));
+    register_model::<Heads>(&mut r, "heads", 2, &[]);
+    register_model::<Frozen>(&mut r, "frozen", 1, &["late.*"]);
+    register_model::<BnNet<false>>(&mut r, "bn", 1, &[]);
     r
+}
+
+/// One step of a test model on a parameter-server worker.
+#[derive(Clone, Copy, Debug, serde::Serialize, serde::Deserialize)]
+struct ModelStep {
+    /// The model's phase (which head `Heads` uses).
+    phase: usize,
+    /// The seed of the step's batch.
+    seed: u64,
+    /// Examples in the batch.
+    examples: usize,
+}
+
+/// Registers `name`: a step of `M` over `replicas` local replicas of the worker (frozen
+/// `freeze`), written as under any strategy with [`PsWorkerModel`].
+fn register_model<M: TestModel + 'static>(r: &mut StepRegistry, name: &str, replicas: usize, freeze: &[&str]) {
+    let mut worker = PsWorkerModel::new(replicas, StrategyOptions::default(), M::build).unwrap();
+    if !freeze.is_empty() {
+        worker.freeze(freeze).unwrap();
+    }
+    r.register(name, move |ctx: &WorkerContext, s: ModelStep| -> strata_core::Result<bool> {
+        let batch = data(s.examples, M::DIM, s.seed);
+        let out = worker.run_batch(ctx, &batch, |rctx, shard| {
+            let loss = worker.model().on(rctx)?.loss(s.phase, &shard.batch, rctx.candle_device())?;
+            rctx.backward_and_sync(&loss, worker.optimizer())
+        })?;
+        Ok(out.push.is_some_and(|p| p.applied() || p.dropped()))
+    });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -522,5 +558,144 @@ fn restarted_coordinator_gets_trained_values() {
         drop(model);
         drop(second);
         job.shutdown();
+    });
+}
+
+/// One device's parameters after the steps `rounds` (each a phase and the batches whose
+/// concatenation is the round's global batch) of `M` with AdamW (`opt`'s parameters), `freeze`
+/// frozen, from the seed-7 initial values the ps tasks start from.
+fn one_device_reference<M: TestModel>(
+    rounds: &[(usize, Vec<Batch>)],
+    opt: &candle_nn::ParamsAdamW,
+    freeze: &[&str],
+) -> Vec<(String, Vec<f32>)> {
+    let cpu = strata_core::device::logical_cpus(1).unwrap().remove(0);
+    let one = OneDeviceStrategy::with_options(cpu, StrategyOptions { seed: 7, ..Default::default() }).unwrap();
+    let mut model = one.scope(M::build).unwrap();
+    if !freeze.is_empty() {
+        model.freeze(freeze).unwrap();
+    }
+    let o = model.optimizer::<FusedAdamW>(opt.clone()).unwrap();
+    for (phase, parts) in rounds {
+        let mut global = parts[0].clone();
+        for p in &parts[1..] {
+            global.features.extend_from_slice(&p.features);
+            global.labels.extend_from_slice(&p.labels);
+        }
+        let db = strata_core::data::DistributedBatch::split(&global, 1).unwrap();
+        one.run_batch(&db, |ctx, shard| {
+            let loss = model.on(ctx)?.loss(*phase, &shard.batch, ctx.candle_device())?;
+            ctx.backward_and_sync(&loss, &o)
+        })
+        .unwrap();
+    }
+    model.values().unwrap().into_iter().map(|(n, t)| (n, t.flatten_all().unwrap().to_vec1::<f32>().unwrap())).collect()
+}
+
+fn adamw() -> (ServerOptimizer, candle_nn::ParamsAdamW) {
+    let p = candle_nn::ParamsAdamW { lr: 0.01, beta1: 0.9, beta2: 0.999, eps: 1e-7, weight_decay: 0.1 };
+    (ServerOptimizer::AdamW { lr: p.lr, beta1: p.beta1, beta2: p.beta2, eps: p.eps, weight_decay: p.weight_decay }, p)
+}
+
+/// Parameter values by name.
+type Values = Vec<(String, Vec<f32>)>;
+
+/// Runs `steps` of the registered step `name` (of `M`, `freeze` frozen) on `job` in `mode`
+/// with AdamW, one at a time when `sequential`; returns the ps tasks' values and one device's
+/// on `rounds`.
+fn ps_against_one_device<M: TestModel>(
+    job: &Job,
+    mode: PsMode,
+    name: &str,
+    freeze: &[&str],
+    steps: &[ModelStep],
+    rounds: &[(usize, Vec<Batch>)],
+    sequential: bool,
+) -> (ParameterServerStrategy, Values, Values) {
+    let (server, params) = adamw();
+    let strategy = job.strategy(options(server, mode));
+    let model = strategy.scope(M::build).unwrap();
+    let want = one_device_reference::<M>(rounds, &params, freeze);
+    let coordinator = strategy.coordinator().unwrap();
+    let mut pending = Vec::new();
+    for s in steps {
+        let v = coordinator.schedule::<ModelStep, bool>(name, s);
+        if sequential {
+            // One at a time, so that each step starts from the previous one's values.
+            assert!(v.fetch().unwrap(), "{name}: step {} was not applied", v.step());
+        } else {
+            pending.push(v);
+        }
+    }
+    coordinator.join().unwrap();
+    for v in pending {
+        assert!(v.fetch().unwrap(), "{name}: step {} was not applied", v.step());
+    }
+    let got = pulled(&model);
+    drop(coordinator);
+    (strategy, want, got)
+}
+
+/// Async with one worker: the steps of a model with heads unused in some steps (and on some
+/// of the worker's two replicas) and of a model with frozen layers end on one device's
+/// parameters under AdamW with weight decay (which a zero gradient would move), over two ps
+/// tasks, one of which gets empty pushes; and a model with BatchNorm, whose running statistics
+/// (state on the ps tasks, moved by the worker's pushed changes) end as one device's too.
+#[test]
+fn async_one_worker_unused_and_frozen_end_as_one_device() {
+    with_timeout(TEST_LIMIT, "async_one_worker_unused_and_frozen_end_as_one_device", || {
+        let steps: Vec<ModelStep> =
+            (0..8).map(|k| ModelStep { phase: k / 3, seed: 300 + k as u64, examples: 15 }).collect();
+        let rounds: Vec<_> = steps.iter().map(|s| (s.phase, vec![data(s.examples, 6, s.seed)])).collect();
+        let images: Vec<_> = steps.iter().map(|s| (s.phase, vec![data(s.examples, 36, s.seed)])).collect();
+        for name in ["heads", "frozen", "bn"] {
+            let job = Job::start(2, 1, None);
+            let (strategy, want, got) = match name {
+                "heads" => ps_against_one_device::<Heads>(&job, PsMode::Async, name, &[], &steps, &rounds, true),
+                "frozen" => {
+                    ps_against_one_device::<Frozen>(&job, PsMode::Async, name, &["late.*"], &steps, &rounds, true)
+                }
+                _ => ps_against_one_device::<BnNet<false>>(&job, PsMode::Async, name, &[], &steps, &images, true),
+            };
+            if name == "bn" {
+                let mean = &got.iter().find(|(n, _)| n == "bn.running_mean").unwrap().1;
+                assert!(mean.iter().all(|x| *x != 0.0), "the statistics must move: {mean:?}");
+            }
+            let d = common::max_rel_diff(&want, &got);
+            assert!(d <= 1e-5, "{name}: the parameter servers differ from one device by {d}");
+            for ps in 0..2 {
+                assert_eq!(status(&strategy, ps).version, 8, "{name}: every step is one update of every task");
+            }
+            drop(strategy);
+            job.shutdown();
+        }
+    });
+}
+
+/// Sync with two workers: each round averages the two workers' pushes, with zeros for a head
+/// only one of them used; it ends on one device's parameters on the concatenated batches.
+#[test]
+fn sync_two_workers_unused_and_frozen_end_as_one_device() {
+    with_timeout(TEST_LIMIT, "sync_two_workers_unused_and_frozen_end_as_one_device", || {
+        // Round r is steps 2r and 2r + 1 (a worker waits in its push until its round is
+        // applied), both in phase r.
+        let steps: Vec<ModelStep> =
+            (0..8).map(|k| ModelStep { phase: k / 2, seed: 500 + k as u64, examples: 12 }).collect();
+        let rounds: Vec<(usize, Vec<Batch>)> =
+            steps.chunks(2).map(|r| (r[0].phase, r.iter().map(|s| data(s.examples, 6, s.seed)).collect())).collect();
+        let mode = PsMode::Sync { workers: 2, backup_workers: 0 };
+        for name in ["heads", "frozen"] {
+            let job = Job::start(1, 2, Some(Duration::from_secs(30)));
+            let (strategy, want, got) = if name == "heads" {
+                ps_against_one_device::<Heads>(&job, mode, name, &[], &steps, &rounds, false)
+            } else {
+                ps_against_one_device::<Frozen>(&job, mode, name, &["late.*"], &steps, &rounds, false)
+            };
+            let d = common::max_rel_diff(&want, &got);
+            assert!(d <= 1e-5, "{name}: the sync parameter servers differ from one device by {d}");
+            assert_eq!(status(&strategy, 0).rounds, 4);
+            drop(strategy);
+            job.shutdown();
+        }
     });
 }

@@ -183,6 +183,7 @@ fn variable_spec(rng: &mut StdRng) -> proto::VariableSpec {
         num_parts: extreme_u32(rng),
         row_offset: extreme_u64(rng),
         full_shape: if rng.random_bool(0.5) { vec![] } else { shape(rng) },
+        state: rng.random_bool(0.5),
     }
 }
 

@@ -585,6 +585,7 @@ fn malformed_requests_are_refused_and_the_server_keeps_serving() {
                 num_parts: 1,
                 row_offset: 0,
                 full_shape: vec![2],
+                state: false,
             };
             let msgs = vec![
                 CreateMessage {

@@ -47,9 +47,9 @@ pub use kind::{NamedKind, OptimizerKind, StrategyKind};
 pub use strata_core::checkpoint;
 pub use strata_core::Error as CoreError;
 pub use strata_core::{
-    context, cross_device, data, device, group, optim, timeline, CrossReplicaContext, DistributedOptimizer,
+    context, cross_device, data, device, group, layers, optim, timeline, CrossReplicaContext, DistributedOptimizer,
     DistributedVariable, Mirrored, PerReplica, ReduceOp, ReplicaContext, Replicated, Scope, Strategy, StrategyExtended,
-    StrategyHandle, StrategyOptions, SyncOnReadVariable, VariableAggregation, VariablePolicy,
+    StrategyHandle, StrategyOptions, SyncOnReadVariable, VariableAggregation, VariableKind, VariablePolicy,
 };
 pub use strata_strategies::cluster;
 pub use strata_strategies::parameter_server;

@@ -6,23 +6,23 @@
 //! holds the variables, and `strata train --strategy parameter-server` schedules it. A step
 //! names its batch by `(epoch, batch)`; every worker draws the same seeded permutation of the
 //! training set per epoch (the one [`crate::trainer::Trainer`] uses), so the coordinator sends
-//! a few numbers, never data. Within a worker the step runs on the worker's local replicas, whose
-//! gradients the worker's strategy reduces to its first replica (its cross-device op, as every
-//! strategy reduces) before one push.
+//! a few numbers, never data. Within a worker the step runs on the worker's local replicas
+//! ([`PsWorkerModel`]): `backward_and_sync` reduces their gradients to the parameter replica
+//! and pushes them, once per step.
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use candle_core::{Device, Var};
+use candle_core::Device;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use serde::{Deserialize, Serialize};
-use strata_core::cross_device::Destination;
-use strata_core::data::{Batch, DistributedBatch};
-use strata_core::{PerReplica, ReduceOp, Replicated, Strategy, StrategyHandle};
-use strata_strategies::parameter_server::{ParameterServerStrategy, PsModel, StepRegistry, WorkerContext};
-use strata_strategies::{MirroredStrategy, OneDeviceStrategy};
+use strata_core::data::Batch;
+use strata_core::{ReduceOp, Strategy};
+use strata_strategies::parameter_server::{
+    ParameterServerStrategy, PsModel, PsWorkerModel, StepRegistry, WorkerContext,
+};
 
 use crate::digits;
 use crate::model::{Classifier, Mlp};
@@ -121,16 +121,11 @@ pub struct WorkerStepOptions {
 }
 
 /// What a worker keeps between steps.
-/// Whole-variable gradients by name, as a step pushes them.
-type Gradients = Vec<(String, Vec<f32>)>;
-
 struct WorkerState {
     spec: DigitsSpec,
     train: Batch,
-    strategy: StrategyHandle,
-    model: Replicated<Mlp>,
-    /// Copy 0's variables, which pulls fill.
-    vars: Vec<(String, Var)>,
+    /// The MLP over the worker's replicas; its optimizer pushes.
+    worker: PsWorkerModel<Mlp>,
     /// The permutation of the current epoch.
     order: Option<(u64, Vec<usize>)>,
 }
@@ -140,20 +135,11 @@ impl WorkerState {
         let all = digits::load(spec.data.as_deref())?;
         let (train, _) = digits::train_test_split(&all, 0.2, 0);
         let options = strata_core::StrategyOptions { seed: spec.seed, ..Default::default() };
-        let strategy = match spec.replicas {
-            0 => return Err(strata_core::Error::ZeroReplicas.into()),
-            1 => OneDeviceStrategy::with_options(strata_core::device::logical_cpus(1)?.remove(0), options)?.handle(),
-            n => MirroredStrategy::with_options(
-                strata_core::device::logical_cpus(n)?,
-                strata_strategies::CpuReduction::InMemoryAllReduce,
-                options,
-            )?
-            .handle(),
-        };
         let hidden = spec.hidden.clone();
-        let model = strategy.scope(|s| Mlp::new(s.var_builder(), digits::FEATURES, &hidden, digits::CLASSES))?;
-        let vars = model.variables(0).to_vec();
-        Ok(Self { spec: spec.clone(), train, strategy, model, vars, order: None })
+        let worker = PsWorkerModel::new(spec.replicas, options, |s| {
+            Mlp::new(s.var_builder(), digits::FEATURES, &hidden, digits::CLASSES)
+        })?;
+        Ok(Self { spec: spec.clone(), train, worker, order: None })
     }
 
     /// The examples of batch `batch` of `epoch`.
@@ -170,48 +156,6 @@ impl WorkerState {
             )));
         }
         Ok(digits::gather(&self.train, &order[start..(start + size).min(order.len())]))
-    }
-
-    /// The mean loss of `batch` and its gradient, in variable order: each local replica's
-    /// gradient weighted by its share of the batch, summed into the first replica by the
-    /// worker's cross-device op.
-    fn gradients(&self, batch: &Batch) -> Result<(f32, Gradients)> {
-        let split = DistributedBatch::split(batch, self.strategy.num_replicas_in_sync())?;
-        let model = &self.model;
-        let per = self.strategy.run_batch(&split, |ctx, shard| {
-            let dev = ctx.candle_device();
-            let x = shard.batch.features_tensor(dev)?;
-            let y = shard.batch.labels_tensor(dev)?;
-            let loss = model.on(ctx)?.loss(&x, &y)?;
-            let grads = loss.backward()?;
-            let vars: Vec<Var> = model.variables(ctx.replica_id()).iter().map(|(_, v)| v.clone()).collect();
-            let reduced = ctx.reduce_gradients(&grads, &vars, Destination::Replica(0))?;
-            let flat = match reduced {
-                Some(g) => {
-                    Some(g.iter().map(|t| t.flatten_all()?.to_vec1::<f32>()).collect::<candle_core::Result<Vec<_>>>()?)
-                }
-                None => None,
-            };
-            Ok((loss.to_scalar::<f32>()? * shard.weight(), flat))
-        })?;
-        let losses = PerReplica::new(per.values().iter().map(|(l, _)| *l).collect())?;
-        let loss = self.strategy.reduce(ReduceOp::Sum, &losses)?;
-        let sum = per
-            .into_values()
-            .into_iter()
-            .find_map(|(_, g)| g)
-            .ok_or_else(|| Error::Usage("no replica received the reduced gradients".into()))?;
-        Ok((loss, self.vars.iter().map(|(n, _)| n.clone()).zip(sum).collect()))
-    }
-
-    /// Copies copy 0's (freshly pulled) values into the other local copies.
-    fn mirror_copy0(&self) -> Result<()> {
-        for copy in 1..self.model.num_copies() {
-            for ((_, src), (_, dst)) in self.vars.iter().zip(self.model.variables(copy)) {
-                dst.set(&src.as_tensor().to_device(dst.device())?)?;
-            }
-        }
-        Ok(())
     }
 }
 
@@ -246,14 +190,24 @@ fn run_step(
     let st = guard.as_mut().ok_or_else(|| Error::Usage("worker state missing".into()))?;
     let batch = st.batch(step.epoch, step.batch, step.batch_size)?;
     let bytes0 = strata_transport::inject::bytes();
-    let ticket = ctx.pull(&st.vars)?;
-    st.mirror_copy0()?;
-    let (loss, grads) = st.gradients(&batch)?;
     let global_step = step.epoch * 1_000_000 + step.batch;
-    if let Some(hook) = &options.hook {
-        hook.after_backward(ctx.worker_index(), global_step, started.elapsed());
-    }
-    let pushed = ctx.push(&ticket, &grads)?;
+    let worker = &st.worker;
+    // The step as under any strategy: the worker's replicas compute their shards' gradients,
+    // reduce them to the parameter replica, and the optimizer pushes them.
+    let out = worker.run_batch(ctx, &batch, |rctx, shard| {
+        let dev = rctx.candle_device();
+        let (x, y) = (shard.batch.features_tensor(dev)?, shard.batch.labels_tensor(dev)?);
+        let loss = worker.model().on(rctx)?.loss(&x, &y)?;
+        let grads = loss.backward()?;
+        if let (Some(hook), 0) = (&options.hook, rctx.replica_id()) {
+            hook.after_backward(ctx.worker_index(), global_step, started.elapsed());
+        }
+        rctx.sync_and_apply(grads, worker.optimizer())?;
+        Ok(loss.to_scalar::<f32>()? * shard.weight())
+    })?;
+    let loss = worker.strategy().reduce(ReduceOp::Sum, &out.values)?;
+    let ticket = out.pull;
+    let pushed = out.push.ok_or_else(|| Error::Usage("the digits step pushed nothing".into()))?;
     let bytes1 = strata_transport::inject::bytes();
     let (mut staleness, mut version) = (0, 0);
     for (i, (_, outcome)) in pushed.outcomes.iter().enumerate() {

@@ -277,7 +277,7 @@ impl Trainer {
     {
         let save = || -> Result<Vec<(String, Tensor)>> { Ok(opt.lock(0).state_tensors()?) };
         let load = |state: &[(String, Tensor)]| -> Result<()> {
-            for c in 0..model.num_copies() {
+            for c in 0..opt.num_copies() {
                 opt.lock(c).load_state_tensors(state)?;
             }
             Ok(())
@@ -477,6 +477,8 @@ impl Trainer {
             // One cross-replica (and cross-worker) reduction of the epoch's losses.
             let loss_sum = strategy.reduce(ReduceOp::Sum, &strata_core::PerReplica::new(local_loss)?)?;
             skipped += data.skipped_examples();
+            // Evaluation reads the state (BatchNorm's statistics) as the mean over replicas.
+            model.sync_state()?;
             let acc = evaluate(model.primary(), test)?;
             if let Some(m) = &metrics {
                 let g = global_step as u64;
@@ -549,6 +551,8 @@ fn save_checkpoint<S: Strategy, M>(
     h: &OptimizerHooks<'_>,
     step: usize,
 ) -> Result<()> {
+    // Every worker: the checkpoint holds the state's mean over replicas and workers.
+    model.sync_state()?;
     if !is_chief(strategy) {
         return Ok(());
     }

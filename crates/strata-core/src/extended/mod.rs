@@ -91,6 +91,11 @@ pub enum AutoShardPolicy {
     Data,
     /// No sharding: each worker's batches are its own part of the step.
     Off,
+    /// Each worker reads whole files of a sharded dataset (files `i`, `i + W`, ... on worker
+    /// `i` of `W`; TensorFlow's `AutoShardPolicy.FILE`) and its batches are its own part of
+    /// the step, through [`files::distribute_files`](crate::data::files::distribute_files);
+    /// other datasets are sharded by data.
+    File,
 }
 
 /// A job run once on every replica.
@@ -123,6 +128,12 @@ pub trait StrategyExtended: Send + Sync + std::fmt::Debug {
 
     /// The other workers of a multi-worker strategy, if it has any.
     fn workers(&self) -> Option<&dyn WorkerCollectives> {
+        None
+    }
+
+    /// The other workers of a multi-worker strategy, shared (for handles that outlive a
+    /// borrow of the strategy, such as a replica's [`ReplicaHandle`](crate::context::ReplicaHandle)).
+    fn worker_collectives(&self) -> Option<Arc<dyn WorkerCollectives>> {
         None
     }
 

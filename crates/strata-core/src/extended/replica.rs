@@ -12,7 +12,7 @@ use crate::{Error, Result};
 /// What the replicas of one step share.
 pub struct StepShared<'a> {
     pub(crate) ext: &'a dyn StrategyExtended,
-    pub(crate) group: ReplicaGroup,
+    pub(crate) group: std::sync::Arc<ReplicaGroup>,
     pub(crate) weights: &'a [f32],
     pub(crate) devices: Vec<Device>,
 }
@@ -25,7 +25,8 @@ impl<'a> StepShared<'a> {
             return Err(Error::InvalidArgument(format!("{} batch weights for {n} replicas", weights.len())));
         }
         let devices = ext.replica_devices().iter().map(candle_device).collect::<Result<_>>()?;
-        Ok(Self { ext, group: ReplicaGroup::new(n, ext.options().collective_timeout)?, weights, devices })
+        let group = std::sync::Arc::new(ReplicaGroup::new(n, ext.options().collective_timeout)?);
+        Ok(Self { ext, group, weights, devices })
     }
 
     /// The group the replicas meet in.
@@ -50,6 +51,8 @@ pub struct ReplicaContext<'a> {
     /// This replica's share of the current global batch (changes between the steps of one
     /// execution, see [`Strategy::run_batches`](crate::Strategy::run_batches)).
     weight: std::sync::atomic::AtomicU32,
+    /// The number of examples in the current global batch, over every worker.
+    global_len: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for ReplicaContext<'_> {
@@ -65,12 +68,30 @@ impl std::fmt::Debug for ReplicaContext<'_> {
 impl<'a> ReplicaContext<'a> {
     /// The context of `replica` in a step.
     pub fn new(shared: &'a StepShared<'a>, replica: usize) -> Self {
-        Self { shared, replica, weight: std::sync::atomic::AtomicU32::new(shared.weights[replica].to_bits()) }
+        Self {
+            shared,
+            replica,
+            weight: std::sync::atomic::AtomicU32::new(shared.weights[replica].to_bits()),
+            global_len: std::sync::atomic::AtomicU64::new(shared.ext.num_replicas_in_sync() as u64),
+        }
     }
 
     /// Sets this replica's share of the global batch for the next step.
     pub fn set_batch_weight(&self, weight: f32) {
         self.weight.store(weight.to_bits(), std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Sets this replica's share of the global batch for the next step, and the global batch's
+    /// number of examples (over every worker).
+    pub fn set_batch(&self, weight: f32, global_len: usize) {
+        self.set_batch_weight(weight);
+        self.global_len.store(global_len as u64, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The number of examples in the current global batch, over every worker (the number of
+    /// replicas in sync for a step without a batch, whose replicas each count one).
+    pub fn batch_global_len(&self) -> usize {
+        self.global_len.load(std::sync::atomic::Ordering::Relaxed) as usize
     }
 
     /// This replica's id, `0..num_replicas_in_sync()`.

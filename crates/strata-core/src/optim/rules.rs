@@ -41,16 +41,36 @@ pub fn sgd(theta: &mut f32, g: f32, lr: f32) {
 /// bit.
 #[inline]
 pub fn momentum(theta: &mut f32, v: &mut f32, g: f32, lr: f32, momentum: f32) {
+    velocity(v, g, momentum);
+    momentum_param(theta, *v, lr);
+}
+
+/// The velocity of SGD with momentum (heavy ball and Nesterov): `v = v * momentum + g`.
+#[inline]
+pub fn velocity(v: &mut f32, g: f32, momentum: f32) {
     *v = *v * momentum + g;
-    *theta -= affine0(*v, lr);
+}
+
+/// The heavy ball's parameter update from the velocity already updated ([`velocity`]):
+/// `theta = theta - (v * lr + 0)`. [`momentum`] is [`velocity`] then this.
+#[inline]
+pub fn momentum_param(theta: &mut f32, v: f32, lr: f32) {
+    *theta -= affine0(v, lr);
 }
 
 /// SGD with Nesterov momentum, as PyTorch computes it: `v = v * momentum + g`, then
 /// `g' = g + v * momentum` and `theta = theta - (g' * lr + 0)`.
 #[inline]
 pub fn nesterov(theta: &mut f32, v: &mut f32, g: f32, lr: f32, momentum: f32) {
-    *v = *v * momentum + g;
-    let look_ahead = g + *v * momentum;
+    velocity(v, g, momentum);
+    nesterov_param(theta, *v, g, lr, momentum);
+}
+
+/// Nesterov's parameter update from the velocity already updated ([`velocity`]):
+/// `theta = theta - ((g + v * momentum) * lr + 0)`. [`nesterov`] is [`velocity`] then this.
+#[inline]
+pub fn nesterov_param(theta: &mut f32, v: f32, g: f32, lr: f32, momentum: f32) {
+    let look_ahead = g + v * momentum;
     *theta -= affine0(look_ahead, lr);
 }
 

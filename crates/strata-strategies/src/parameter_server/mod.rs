@@ -10,6 +10,7 @@ pub mod coordinator;
 pub mod partition;
 pub mod strategy;
 pub mod worker;
+pub mod worker_model;
 
 pub use coordinator::{ClusterCoordinator, CoordinatorOptions, RemoteValue};
 pub use partition::{rows_per_shard, shard_range, Partitioner, PlacedShard, Placement, PlacementPolicy};
@@ -17,3 +18,4 @@ pub use strategy::{ParameterServerOptions, ParameterServerStrategy, PsModel};
 pub use worker::{
     serve_worker, PullTicket, PushSummary, StepRegistry, WorkerContext, WorkerOptions, WorkerStepHandler,
 };
+pub use worker_model::{PsStep, PsWorkerModel, PushToPs};

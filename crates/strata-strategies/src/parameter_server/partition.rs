@@ -212,6 +212,7 @@ impl Placement {
                     num_parts: 1,
                     row_offset: 0,
                     full_shape: shape.clone(),
+                    state: false,
                 }]
             } else {
                 let mut offset = 0usize;
@@ -229,6 +230,7 @@ impl Placement {
                             num_parts: n as u32,
                             row_offset: offset as u64,
                             full_shape: shape.clone(),
+                            state: false,
                         };
                         offset += rows;
                         info
@@ -332,6 +334,15 @@ impl Placement {
     /// The number of ps tasks.
     pub fn num_ps(&self) -> usize {
         self.num_ps
+    }
+
+    /// Marks the shards of `variables` as non-trainable state (see [`VariableInfo::state`]).
+    pub fn mark_state(&mut self, variables: &[&str]) {
+        for s in &mut self.shards {
+            if variables.contains(&s.info.variable.as_str()) {
+                s.info.state = true;
+            }
+        }
     }
 
     /// Every shard, variable by variable, part by part.

@@ -170,12 +170,17 @@ impl ParameterServerStrategy {
             shapes.push((name.clone(), var.dims().to_vec()));
             values.push(var.as_tensor().flatten_all()?.to_vec1::<f32>()?);
         }
-        let placement = Arc::new(Placement::plan(
-            &shapes,
-            self.ps_clients.len(),
-            &self.options.partitioner,
-            self.options.placement,
-        )?);
+        let mut placement =
+            Placement::plan(&shapes, self.ps_clients.len(), &self.options.partitioner, self.options.placement)?;
+        // State (BatchNorm's statistics) takes the workers' changes, not the optimizer.
+        let state: Vec<&str> = vars
+            .iter()
+            .zip(model.kinds())
+            .filter(|(_, k)| **k == strata_core::VariableKind::State)
+            .map(|((n, _), _)| n.as_str())
+            .collect();
+        placement.mark_state(&state);
+        let placement = Arc::new(placement);
         let position = |var: &str| shapes.iter().position(|(n, _)| n == var);
         let results: Vec<Result<bool>> = std::thread::scope(|s| {
             let handles: Vec<_> = self

@@ -224,8 +224,12 @@ impl StepHandler for WorkerStepHandler {
         let f = self.registry.functions.get(function).ok_or_else(|| StepFailure::NotFound(function.to_string()))?;
         let mut last = String::new();
         for _ in 0..=MAX_STALE_RERUNS {
-            let ctx =
-                WorkerContext { shared: self.shared.clone(), step, client: client.to_string(), seq: AtomicU64::new(0) };
+            let ctx = WorkerContext {
+                shared: self.shared.clone(),
+                step,
+                client: client.to_string(),
+                seq: Arc::new(AtomicU64::new(0)),
+            };
             let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| f(&ctx, args))).unwrap_or_else(|p| {
                 let message = p
                     .downcast_ref::<&str>()
@@ -297,12 +301,14 @@ impl PushSummary {
     }
 }
 
-/// What a step function gets: the step, and the parameter servers.
+/// What a step function gets: the step, and the parameter servers. Clones share the step's
+/// push sequence, so every push of the step keeps its own number.
+#[derive(Clone)]
 pub struct WorkerContext {
     shared: Arc<WorkerShared>,
     step: u64,
     client: String,
-    seq: AtomicU64,
+    seq: Arc<AtomicU64>,
 }
 
 impl std::fmt::Debug for WorkerContext {
@@ -362,7 +368,10 @@ impl WorkerContext {
 
     /// Pushes gradients of whole variables (row-major f32, by name), computed from the values
     /// of `ticket`, to the ps tasks holding them, one push per task in parallel. Each push of a
-    /// step has its own sequence number, so a re-run of the step is applied once.
+    /// step has its own sequence number, so a re-run of the step is applied once. Every ps task
+    /// gets a push, an empty one where none of its variables has a gradient: it counts the
+    /// update (AdamW's step, a sync round) without changing any variable, as one device's
+    /// optimizer step skips variables without a gradient.
     pub fn push(&self, ticket: &PullTicket, grads: &[(String, Vec<f32>)]) -> Result<PushSummary> {
         let placement = &ticket.placement;
         let num_ps = placement.num_ps();
@@ -384,38 +393,30 @@ impl WorkerContext {
             step: self.step,
             seq: self.seq.fetch_add(1, Ordering::SeqCst),
         };
-        let results: Vec<Option<Result<PushOutcome>>> = std::thread::scope(|s| {
-            let handles: Vec<_> =
-                per_task
-                    .iter()
-                    .enumerate()
-                    .map(|(ps, list)| {
-                        let id = &id;
-                        let client = &self.shared.clients[ps];
-                        let base = ticket.versions.get(ps).copied().unwrap_or(0);
-                        s.spawn(move || {
-                            if list.is_empty() {
-                                None
-                            } else {
-                                Some(client.push(id, base, list).map_err(Error::from))
-                            }
-                        })
-                    })
-                    .collect();
+        let results: Vec<Result<PushOutcome>> = std::thread::scope(|s| {
+            let handles: Vec<_> = per_task
+                .iter()
+                .enumerate()
+                .map(|(ps, list)| {
+                    let id = &id;
+                    let client = &self.shared.clients[ps];
+                    let base = ticket.versions.get(ps).copied().unwrap_or(0);
+                    s.spawn(move || client.push(id, base, list).map_err(Error::from))
+                })
+                .collect();
             handles
                 .into_iter()
-                .map(|h| h.join().unwrap_or_else(|_| Some(Err(Error::Cluster("a push thread panicked".into())))))
+                .map(|h| h.join().unwrap_or_else(|_| Err(Error::Cluster("a push thread panicked".into()))))
                 .collect()
         });
         let mut outcomes = Vec::new();
         let mut first_error = None;
         for (ps, r) in results.into_iter().enumerate() {
             match r {
-                None => {}
-                Some(Ok(o)) => outcomes.push((format!("ps:{ps}"), o)),
+                Ok(o) => outcomes.push((format!("ps:{ps}"), o)),
                 // A stale refusal wins: the step runs again and the others' pushes repeat as duplicates.
-                Some(Err(e)) if first_error.is_none() || matches!(e, Error::Stale(_)) => first_error = Some(e),
-                Some(Err(_)) => {}
+                Err(e) if first_error.is_none() || matches!(e, Error::Stale(_)) => first_error = Some(e),
+                Err(_) => {}
             }
         }
         match first_error {

@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod models;
+
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{Linear, Module, Optimizer, VarBuilder};
 use rand::{Rng, SeedableRng};
@@ -141,6 +143,37 @@ pub fn multi_worker(n: usize) -> StrategyHandle {
     strata_strategies::MultiWorkerMirroredStrategy::new(ClusterConfig::new(spec, TaskId::worker(0)).unwrap(), o)
         .unwrap()
         .handle()
+}
+
+/// Runs `body(worker index, strategy)` on `n` MultiWorkerMirrored workers of `local` replicas
+/// each, one thread per worker (each with its own coordination membership and ring).
+pub fn on_workers<T: Send + 'static>(
+    n: usize,
+    local: usize,
+    body: impl Fn(usize, &strata_strategies::MultiWorkerMirroredStrategy) -> T + Send + Sync + Clone + 'static,
+) -> Vec<T> {
+    use strata_strategies::cluster::{ClusterConfig, ClusterSpec, TaskId};
+    let ports: Vec<u16> =
+        (0..n).map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()).collect();
+    let spec = ClusterSpec::workers(ports.iter().map(|p| format!("127.0.0.1:{p}")).collect::<Vec<_>>()).unwrap();
+    let handles: Vec<_> = (0..n)
+        .map(|i| {
+            let (spec, body) = (spec.clone(), body.clone());
+            std::thread::spawn(move || {
+                let token = strata_transport::ClusterToken::new("0123456789abcdef0123456789abcdef").unwrap();
+                let mut o = strata_strategies::MultiWorkerOptions::new(token).unwrap();
+                o.local_devices = strata_core::device::logical_cpus(local).unwrap();
+                o.coordination.rendezvous_timeout = std::time::Duration::from_secs(30);
+                o.options.collective_timeout = std::time::Duration::from_secs(30);
+                let config = ClusterConfig::new(spec, TaskId::worker(i)).unwrap();
+                let s = strata_strategies::MultiWorkerMirroredStrategy::new(config, o).unwrap();
+                let out = body(i, &s);
+                let _ = s.finish();
+                out
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
 }
 
 /// Flattened parameter values of a model's primary copy.

@@ -119,6 +119,7 @@ impl ProtoSpec for VariableInfo {
             num_parts: self.num_parts,
             row_offset: self.row_offset,
             full_shape: self.full_shape.iter().map(|&d| d as u64).collect(),
+            state: self.state,
         }
     }
 
@@ -199,6 +200,7 @@ fn variable(s: &proto::VariableSpec) -> strata_ps::Result<VariableInfo> {
         num_parts: s.num_parts.max(1),
         row_offset: s.row_offset,
         full_shape,
+        state: s.state,
     };
     info.validate()?;
     Ok(info)

@@ -11,10 +11,47 @@
 //! example: with [`TailPolicy::Split`] (the default) it is skipped and counted in
 //! [`DistributedDataset::skipped_examples`]; with [`TailPolicy::DropRemainder`] every batch
 //! smaller than the first one is skipped, as `drop_remainder=True` does in TensorFlow.
+//!
+//! # Any batch
+//!
+//! A batch is anything that splits along its first axis ([`BatchData`]): a candle tensor of
+//! any dtype (images `(N, C, H, W)`, token ids `(N, T)`, masks, targets), tuples and named maps
+//! of them, [`Batch`] (row-major f32 features and u32 labels), or a type of one's own that
+//! says how many rows it has, how to take a run of them and how to join batches. Every part
+//! of a batch is cut at the same rows, and the shard's weight is its rows over the global
+//! batch's, whatever the parts hold (the loss a step computes should be the mean over its
+//! shard's examples, as one device's is over the batch's). A batch whose parts disagree on
+//! the number of rows ends the iteration with [`Error::BatchRows`](crate::Error::BatchRows),
+//! which [`DistributedDataset::take_error`] returns.
+//!
+//! # Across workers
+//!
+//! A multi-worker strategy shards input by its
+//! [`AutoShardPolicy`](crate::extended::AutoShardPolicy), for every kind of batch: `Data`
+//! (every worker reads the same global batches and keeps its replicas' shards), `Off` (every
+//! worker's batches are its own part of the step), and `File` (worker `i` of `W` reads whole
+//! files `i`, `i + W`, ... of a dataset stored as files, through
+//! [`Strategy::distribute_files`](crate::Strategy::distribute_files); a dataset that is not
+//! files is sharded by data, as TensorFlow's `AUTO` does).
+//!
+//! # Datasets larger than memory
+//!
+//! [`files`] streams batches from files of fixed-size records (token sequences and their
+//! next-token targets: [`files::TokenRecords`]) a window of records at a time, and re-cuts
+//! them into global batches across file boundaries ([`files::FileBatches`]); memory stays
+//! within one batch and one read, whatever the files' sizes. A file whose size is not a whole
+//! number of records is [`Error::RecordFile`](crate::Error::RecordFile).
+
+use std::sync::{Arc, Mutex, PoisonError};
 
 use candle_core::{Device, Tensor};
 
 use crate::{Error, PerReplica, Result};
+
+pub mod batch;
+pub mod files;
+
+pub use batch::BatchData;
 
 /// A batch of examples: row-major f32 features and u32 class labels.
 #[derive(Clone, Debug, PartialEq)]
@@ -73,49 +110,50 @@ impl Batch {
 
 /// One replica's part of a global batch.
 #[derive(Clone, Debug, PartialEq)]
-pub struct Shard {
+pub struct Shard<B = Batch> {
     /// The replica's examples.
-    pub batch: Batch,
+    pub batch: B,
     /// The number of examples in the whole global batch.
     pub global_len: usize,
 }
 
-impl Shard {
+impl<B: BatchData> Shard<B> {
     /// This shard's share of the global batch.
     pub fn weight(&self) -> f32 {
-        self.batch.len() as f32 / self.global_len.max(1) as f32
+        self.batch.rows().unwrap_or(0) as f32 / self.global_len.max(1) as f32
     }
 }
 
 /// A global batch split into one shard per replica.
 #[derive(Clone, Debug)]
-pub struct DistributedBatch {
+pub struct DistributedBatch<B = Batch> {
     /// The shards, in replica order.
-    pub shards: PerReplica<Shard>,
+    pub shards: PerReplica<Shard<B>>,
 }
 
-impl DistributedBatch {
-    /// Splits `batch` over `n` replicas (sizes differ by at most one, in replica order).
-    pub fn split(batch: &Batch, n: usize) -> Result<Self> {
+impl<B: BatchData> DistributedBatch<B> {
+    /// Splits `batch` over `n` replicas (sizes differ by at most one, in replica order). An
+    /// error if its parts disagree on the number of examples, or it has fewer than `n`.
+    pub fn split(batch: &B, n: usize) -> Result<Self> {
         if n == 0 {
             return Err(Error::ZeroReplicas);
         }
-        if batch.len() < n {
+        let rows = batch.rows()?;
+        if rows < n {
             return Err(Error::Dataset(format!(
-                "a batch of {} examples cannot give each of {n} replicas an example; use a global batch of at least {n}",
-                batch.len()
+                "a batch of {rows} examples cannot give each of {n} replicas an example; use a global batch of at least {n}"
             )));
         }
-        let (q, r) = (batch.len() / n, batch.len() % n);
+        let (q, r) = (rows / n, rows % n);
         let mut start = 0;
         let shards = (0..n)
             .map(|i| {
                 let len = q + usize::from(i < r);
-                let s = Shard { batch: batch.slice(start..start + len), global_len: batch.len() };
+                let s = Shard { batch: batch.slice(start..start + len)?, global_len: rows };
                 start += len;
-                s
+                Ok(s)
             })
-            .collect();
+            .collect::<Result<Vec<_>>>()?;
         Ok(Self { shards: PerReplica::new(shards)? })
     }
 
@@ -132,7 +170,7 @@ impl DistributedBatch {
 
     /// The number of examples in this worker's shards.
     pub fn local_len(&self) -> usize {
-        self.shards.values().iter().map(|s| s.batch.len()).sum()
+        self.shards.values().iter().map(|s| s.batch.rows().unwrap_or(0)).sum()
     }
 }
 
@@ -147,7 +185,12 @@ pub enum TailPolicy {
     DropRemainder,
 }
 
-/// Global batches split into per-replica shards.
+/// Where a dataset leaves the error that ended it (an iterator of batches yields batches).
+pub type ErrorSlot = Arc<Mutex<Option<Error>>>;
+
+/// Global batches split into per-replica shards. A batch that cannot be split (its parts
+/// disagree on the number of examples, say) or a file that cannot be read ends the iteration;
+/// [`DistributedDataset::take_error`] then says why.
 #[derive(Debug)]
 pub struct DistributedDataset<I> {
     inner: I,
@@ -157,12 +200,33 @@ pub struct DistributedDataset<I> {
     skipped: usize,
     /// Multi-worker: (workers, this worker, policy).
     worker: Option<(usize, usize, crate::extended::AutoShardPolicy)>,
+    error: ErrorSlot,
 }
 
-impl<I: Iterator<Item = Batch>> DistributedDataset<I> {
+impl<I> DistributedDataset<I>
+where
+    I: Iterator,
+    I::Item: BatchData,
+{
     /// Splits `inner`'s global batches over `n` replicas.
     pub fn new(inner: I, n: usize, tail: TailPolicy) -> Self {
-        Self { inner, n: n.max(1), tail, first_len: None, skipped: 0, worker: None }
+        Self { inner, n: n.max(1), tail, first_len: None, skipped: 0, worker: None, error: ErrorSlot::default() }
+    }
+
+    /// Leaves errors in `slot` (shared with the source of the batches, such as a file reader).
+    pub fn with_error_slot(mut self, slot: ErrorSlot) -> Self {
+        self.error = slot;
+        self
+    }
+
+    /// The error that ended the iteration, if one did (taken: a second call returns `None`).
+    pub fn take_error(&self) -> Option<Error> {
+        self.error.lock().unwrap_or_else(PoisonError::into_inner).take()
+    }
+
+    fn fail(&self, e: Error) {
+        tracing::error!(error = %e, "a distributed dataset stopped");
+        self.error.lock().unwrap_or_else(PoisonError::into_inner).get_or_insert(e);
     }
 
     /// Splits for worker `index` of `workers`, each with `local` replicas. With
@@ -170,7 +234,7 @@ impl<I: Iterator<Item = Batch>> DistributedDataset<I> {
     /// same global batches, splits each over all `local * workers` replicas and keeps its own
     /// replicas' shards, so the job computes exactly what one process would on that batch.
     /// With `Off`, each worker's batches are its own part of the step (weighted as if every
-    /// worker's batch had the same size).
+    /// worker's batch had the same size). `File` shards these batches (not files) by data.
     pub fn for_worker(
         inner: I,
         local: usize,
@@ -188,46 +252,68 @@ impl<I: Iterator<Item = Batch>> DistributedDataset<I> {
     pub fn skipped_examples(&self) -> usize {
         self.skipped
     }
+
+    /// The source of the global batches (a [`files::FileBatches`], say, to see what it holds).
+    pub fn get_ref(&self) -> &I {
+        &self.inner
+    }
 }
 
-impl<I: Iterator<Item = Batch>> Iterator for DistributedDataset<I> {
-    type Item = DistributedBatch;
+impl<I> Iterator for DistributedDataset<I>
+where
+    I: Iterator,
+    I::Item: BatchData,
+{
+    type Item = DistributedBatch<I::Item>;
 
-    fn next(&mut self) -> Option<DistributedBatch> {
+    fn next(&mut self) -> Option<Self::Item> {
+        use crate::extended::AutoShardPolicy;
         loop {
             let b = self.inner.next()?;
-            let first = *self.first_len.get_or_insert(b.len());
+            let rows = match b.rows() {
+                Ok(r) => r,
+                Err(e) => {
+                    self.fail(e);
+                    return None;
+                }
+            };
+            let first = *self.first_len.get_or_insert(rows);
+            // A dataset that is not files is sharded by data under the file policy (as
+            // TensorFlow's AUTO falls back to); `Strategy::distribute_files` hands out whole
+            // files and shards its batches as `Off`.
             let split_over = match self.worker {
-                Some((w, _, crate::extended::AutoShardPolicy::Data)) => self.n * w,
+                Some((w, _, AutoShardPolicy::Data | AutoShardPolicy::File)) => self.n * w,
                 _ => self.n,
             };
             let keep = match self.tail {
-                TailPolicy::Split => b.len() >= split_over,
-                TailPolicy::DropRemainder => b.len() >= first && b.len() >= split_over,
+                TailPolicy::Split => rows >= split_over,
+                TailPolicy::DropRemainder => rows >= first && rows >= split_over,
             };
             if !keep {
-                tracing::debug!(examples = b.len(), replicas = self.n, "skipping a batch by the tail policy");
-                self.skipped += b.len();
+                tracing::debug!(examples = rows, replicas = self.n, "skipping a batch by the tail policy");
+                self.skipped += rows;
                 continue;
             }
-            return match self.worker {
-                None => DistributedBatch::split(&b, self.n).ok(),
-                Some((w, index, crate::extended::AutoShardPolicy::Data)) => {
-                    let all = DistributedBatch::split(&b, self.n * w).ok()?;
-                    let mine: Vec<Shard> =
-                        all.shards.into_values().into_iter().skip(index * self.n).take(self.n).collect();
-                    PerReplica::new(mine).ok().map(|shards| DistributedBatch { shards })
+            let split = match self.worker {
+                None => DistributedBatch::split(&b, self.n),
+                Some((w, index, AutoShardPolicy::Data | AutoShardPolicy::File)) => {
+                    DistributedBatch::split(&b, self.n * w).and_then(|all| {
+                        let mine: Vec<Shard<I::Item>> =
+                            all.shards.into_values().into_iter().skip(index * self.n).take(self.n).collect();
+                        Ok(DistributedBatch { shards: PerReplica::new(mine)? })
+                    })
                 }
-                Some((w, _, crate::extended::AutoShardPolicy::Off)) => {
-                    let mut local = DistributedBatch::split(&b, self.n).ok()?;
-                    let shards: Vec<Shard> = local
-                        .shards
-                        .into_values()
-                        .into_iter()
-                        .map(|s| Shard { global_len: s.global_len * w, ..s })
-                        .collect();
-                    local.shards = PerReplica::new(shards).ok()?;
-                    Some(local)
+                Some((w, _, AutoShardPolicy::Off)) => DistributedBatch::split(&b, self.n).and_then(|local| {
+                    let shards =
+                        local.shards.into_values().into_iter().map(|s| Shard { global_len: s.global_len * w, ..s });
+                    Ok(DistributedBatch { shards: PerReplica::new(shards.collect())? })
+                }),
+            };
+            return match split {
+                Ok(d) => Some(d),
+                Err(e) => {
+                    self.fail(e);
+                    None
                 }
             };
         }
@@ -259,16 +345,22 @@ impl InputContext {
 }
 
 /// Per-replica batches from input pipelines built by a function: each step takes one batch
-/// per replica, from the pipelines in turn. The step ends when a pipeline runs dry.
+/// per replica, from the pipelines in turn. The iteration ends when a pipeline runs dry or
+/// yields a batch that cannot be split ([`PipelineDataset::take_error`] says which).
 #[derive(Debug)]
 pub struct PipelineDataset<I> {
     pipelines: Vec<I>,
     n: usize,
     /// How many workers' pipelines make up a step (their batches are assumed equal in size).
     workers: usize,
+    error: Option<Error>,
 }
 
-impl<I: Iterator<Item = Batch>> PipelineDataset<I> {
+impl<I> PipelineDataset<I>
+where
+    I: Iterator,
+    I::Item: BatchData,
+{
     /// Calls `make` once per pipeline, with its [`InputContext`].
     pub fn new(n: usize, num_pipelines: usize, mut make: impl FnMut(&InputContext) -> Result<I>) -> Result<Self> {
         if n == 0 {
@@ -283,7 +375,7 @@ impl<I: Iterator<Item = Batch>> PipelineDataset<I> {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Self { pipelines, n, workers: 1 })
+        Ok(Self { pipelines, n, workers: 1, error: None })
     }
 
     /// The pipeline of worker `index` of `workers` (each with `local` replicas): `make` is
@@ -302,24 +394,41 @@ impl<I: Iterator<Item = Batch>> PipelineDataset<I> {
             input_pipeline_id: index,
             num_replicas_in_sync: local * workers.max(1),
         })?;
-        Ok(Self { pipelines: vec![p], n: local, workers: workers.max(1) })
+        Ok(Self { pipelines: vec![p], n: local, workers: workers.max(1), error: None })
+    }
+
+    /// The error that ended the iteration (a batch whose parts disagree on their rows), if
+    /// one did (taken: a second call returns `None`).
+    pub fn take_error(&mut self) -> Option<Error> {
+        self.error.take()
     }
 }
 
-impl<I: Iterator<Item = Batch>> Iterator for PipelineDataset<I> {
-    type Item = DistributedBatch;
+impl<I> Iterator for PipelineDataset<I>
+where
+    I: Iterator,
+    I::Item: BatchData,
+{
+    type Item = DistributedBatch<I::Item>;
 
-    fn next(&mut self) -> Option<DistributedBatch> {
+    fn next(&mut self) -> Option<Self::Item> {
         let p = self.pipelines.len();
         let mut batches = Vec::with_capacity(self.n);
+        let mut local = 0;
         for r in 0..self.n {
             let b = self.pipelines[r % p].next()?;
-            if b.is_empty() {
-                return None;
+            match b.rows() {
+                Ok(0) => return None,
+                Ok(rows) => local += rows,
+                Err(e) => {
+                    tracing::error!(error = %e, "an input pipeline's batch cannot be split");
+                    self.error.get_or_insert(e);
+                    return None;
+                }
             }
             batches.push(b);
         }
-        let global: usize = batches.iter().map(Batch::len).sum::<usize>() * self.workers;
+        let global: usize = local * self.workers;
         let shards = batches.into_iter().map(|batch| Shard { batch, global_len: global }).collect();
         PerReplica::new(shards).ok().map(|shards| DistributedBatch { shards })
     }

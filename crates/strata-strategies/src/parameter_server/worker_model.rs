@@ -1,0 +1,305 @@
+//! A model on a parameter-server worker, stepped the way every other strategy steps one.
+//!
+//! [`PsWorkerModel`] builds the model under a local strategy of the worker's replicas (one
+//! device, or CentralStorage over several logical CPUs: one copy of the variables, which the
+//! pulls fill) and an optimizer, [`PushToPs`], whose step pushes instead of updating. A step
+//! registered for the parameter server then reads like a `run_batch` step:
+//!
+//! ```no_run
+//! # use strata_strategies::parameter_server::{PsWorkerModel, StepRegistry, WorkerContext};
+//! # use strata_core::data::Batch;
+//! # use strata_core::{ReduceOp, Strategy};
+//! # fn batch_for(step: u64) -> Batch { unimplemented!() }
+//! let worker = PsWorkerModel::new(2, Default::default(), |s| candle_nn::linear(4, 2, s.var_builder().pp("fc")))?;
+//! let mut registry = StepRegistry::new();
+//! registry.register("train", move |w: &WorkerContext, step: u64| {
+//!     let out = worker.run_batch(w, &batch_for(step), |ctx, shard| {
+//!         let x = shard.batch.features_tensor(ctx.candle_device())?;
+//!         let loss = candle_nn::Module::forward(worker.model().on(ctx)?, &x)?.sqr()?.mean_all()?;
+//!         ctx.backward_and_sync(&loss, worker.optimizer())?; // reduce, then one push per ps task
+//!         Ok(loss.to_scalar::<f32>()? * shard.weight())
+//!     })?;
+//!     worker.strategy().reduce(ReduceOp::Sum, &out.values)
+//! });
+//! # Ok::<(), strata_core::Error>(())
+//! ```
+//!
+//! `run_batch` pulls the variables into the model (every trainable variable each step; frozen
+//! ones once, since nothing changes them), runs the step on the worker's replicas, and
+//! `backward_and_sync` reduces their gradients to the parameter replica as CentralStorage does
+//! (only the variables some replica computed a gradient for) and pushes those, with the step's
+//! exactly-once identity (coordinator run, step, sequence), one push per ps task. A ps task
+//! none of whose variables has a gradient gets an empty push, which counts the update without
+//! changing anything: frozen variables and parameters unused in a step are neither pushed nor
+//! updated, as on one device.
+//!
+//! **State** (BatchNorm's running statistics) lives on the ps tasks too, marked as state: each
+//! step pulls it, the replicas' forward passes update their copies, and the push carries the
+//! change (averaged over the worker's replicas), which the ps task adds instead of applying
+//! its optimizer (TensorFlow's workers assign moving averages on the ps tasks the same way).
+//! With one worker the ps tasks then hold what the worker's replicas computed, one device's
+//! statistics for a worker of one replica; with several, every worker's batches move them, in
+//! the order the pushes arrive (async) or by the round's mean change (sync). The coordinator's
+//! pulls read them, so its evaluation uses the trained statistics.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use candle_core::{DType, Var};
+use candle_nn::Optimizer;
+use strata_core::data::{BatchData, DistributedBatch, Shard};
+use strata_core::{
+    DistributedOptimizer, Error, PerReplica, ReplicaContext, Replicated, Result, Scope, Strategy, StrategyHandle,
+    StrategyOptions, VariableKind,
+};
+
+use super::worker::{PullTicket, PushSummary, WorkerContext};
+use crate::{CentralStorageStrategy, CpuReduction, OneDeviceStrategy};
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Where [`PushToPs`] finds the step it pushes for, and leaves what happened.
+#[derive(Default)]
+pub struct PushSlot {
+    target: Mutex<Option<(WorkerContext, PullTicket)>>,
+    outcome: Mutex<Option<Result<PushSummary>>>,
+    /// The state's values as pulled (the push carries the change from them).
+    state_base: Mutex<Vec<Vec<f32>>>,
+}
+
+impl std::fmt::Debug for PushSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PushSlot").field("armed", &lock(&self.target).is_some()).finish()
+    }
+}
+
+/// The configuration of [`PushToPs`]: the model's variables by name, and the slot a
+/// [`PsWorkerModel`] arms for each step.
+#[derive(Clone, Debug)]
+pub struct PushConfig {
+    names: Arc<Vec<(String, Var)>>,
+    /// The model's state, by name, with every copy's variable.
+    state: Arc<Vec<(String, Vec<Var>)>>,
+    slot: Arc<PushSlot>,
+}
+
+/// The optimizer of a parameter-server worker: its step pushes the (reduced) gradients of the
+/// variables that have one to the ps tasks, whose own optimizer applies them. Made by
+/// [`PsWorkerModel`]; stepping it outside [`PsWorkerModel::run_batch`] is an error.
+#[derive(Debug)]
+pub struct PushToPs {
+    vars: Vec<(String, Var)>,
+    state: Arc<Vec<(String, Vec<Var>)>>,
+    slot: Arc<PushSlot>,
+}
+
+impl Optimizer for PushToPs {
+    type Config = PushConfig;
+
+    fn new(vars: Vec<Var>, config: PushConfig) -> candle_core::Result<Self> {
+        let vars = vars
+            .into_iter()
+            .map(|v| {
+                let name = config.names.iter().find(|(_, w)| w.as_tensor().id() == v.as_tensor().id());
+                match name {
+                    Some((n, _)) => Ok((n.clone(), v)),
+                    None => candle_core::bail!(
+                        "a variable of shape {:?} is not the model's; push the model's own variables",
+                        v.dims()
+                    ),
+                }
+            })
+            .collect::<candle_core::Result<_>>()?;
+        Ok(Self { vars, state: config.state, slot: config.slot })
+    }
+
+    /// The ps tasks' optimizer has the learning rate; this one reports 0.
+    fn learning_rate(&self) -> f64 {
+        0.0
+    }
+
+    /// The ps tasks' optimizer has the learning rate; setting it here changes nothing.
+    fn set_learning_rate(&mut self, _lr: f64) {}
+
+    fn step(&mut self, grads: &candle_core::backprop::GradStore) -> candle_core::Result<()> {
+        let Some((ctx, ticket)) = lock(&self.slot.target).clone() else {
+            candle_core::bail!(
+                "a parameter-server worker's optimizer was stepped outside PsWorkerModel::run_batch; step inside it"
+            )
+        };
+        let mut pushed = Vec::with_capacity(self.vars.len());
+        for (name, v) in &self.vars {
+            if let Some(g) = grads.get(v) {
+                pushed.push((name.clone(), g.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?));
+            }
+        }
+        // State: the change the replicas' forward passes made, averaged over the replicas.
+        let base = lock(&self.slot.state_base).clone();
+        for ((name, copies), base) in self.state.iter().zip(base) {
+            let mut mean = vec![0f32; base.len()];
+            for v in copies {
+                let now = v.as_tensor().to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                mean.iter_mut().zip(now).for_each(|(m, x)| *m += x);
+            }
+            let k = copies.len().max(1) as f32;
+            pushed.push((name.clone(), mean.iter().zip(&base).map(|(m, b)| m / k - b).collect()));
+        }
+        let outcome = ctx.push(&ticket, &pushed);
+        let failed = outcome.as_ref().err().map(ToString::to_string);
+        *lock(&self.slot.outcome) = Some(outcome);
+        match failed {
+            Some(m) => candle_core::bail!("{m}"),
+            None => Ok(()),
+        }
+    }
+}
+
+/// What [`PsWorkerModel::run_batch`] did.
+#[derive(Debug)]
+pub struct PsStep<T> {
+    /// Every replica's value of the step function.
+    pub values: PerReplica<T>,
+    /// The versions the step's values were pulled at.
+    pub pull: PullTicket,
+    /// What the ps tasks did with the push (`None` if the step did not step the optimizer).
+    pub push: Option<PushSummary>,
+}
+
+/// A model on a parameter-server worker, over the worker's replicas (see the
+/// [module docs](self)).
+pub struct PsWorkerModel<M> {
+    strategy: StrategyHandle,
+    model: Replicated<M>,
+    optimizer: DistributedOptimizer<PushToPs>,
+    slot: Arc<PushSlot>,
+    /// Whether the frozen variables were pulled (once per worker process).
+    frozen_pulled: AtomicBool,
+}
+
+impl<M> std::fmt::Debug for PsWorkerModel<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PsWorkerModel")
+            .field("replicas", &self.strategy.num_replicas_in_sync())
+            .field("variables", &self.model.variables(0).len())
+            .finish()
+    }
+}
+
+impl<M> PsWorkerModel<M> {
+    /// Builds the model over `replicas` logical CPUs of this worker (one device for 1,
+    /// CentralStorage for more) with `options` (the seed: the ps tasks' values replace the
+    /// initial ones at the first pull).
+    pub fn new(
+        replicas: usize,
+        options: StrategyOptions,
+        build: impl FnMut(&Scope) -> candle_core::Result<M>,
+    ) -> Result<Self> {
+        let devices = strata_core::device::logical_cpus(replicas)?;
+        let strategy = match devices.len() {
+            0 => return Err(Error::ZeroReplicas),
+            1 => OneDeviceStrategy::with_options(devices[0].clone(), options)?.handle(),
+            _ => CentralStorageStrategy::with_options(devices, CpuReduction::default(), options)?.handle(),
+        };
+        let model = strategy.scope(build)?;
+        let slot = Arc::new(PushSlot::default());
+        let optimizer = Self::push_optimizer(&model, &slot)?;
+        Ok(Self { strategy, model, optimizer, slot, frozen_pulled: AtomicBool::new(false) })
+    }
+
+    fn push_optimizer(model: &Replicated<M>, slot: &Arc<PushSlot>) -> Result<DistributedOptimizer<PushToPs>> {
+        let state = (0..model.kinds().len())
+            .filter(|&i| model.kinds()[i] == VariableKind::State)
+            .map(|i| {
+                let copies = (0..model.num_copies()).map(|c| model.variables(c)[i].1.clone()).collect();
+                (model.variables(0)[i].0.clone(), copies)
+            })
+            .collect();
+        let config =
+            PushConfig { names: Arc::new(model.variables(0).to_vec()), state: Arc::new(state), slot: slot.clone() };
+        model.optimizer::<PushToPs>(config)
+    }
+
+    /// Freezes the variables whose names match `patterns` (see [`Replicated::freeze`]): they
+    /// are pulled once and never pushed.
+    pub fn freeze(&mut self, patterns: &[&str]) -> Result<()> {
+        self.model.freeze(patterns)?;
+        self.optimizer = Self::push_optimizer(&self.model, &self.slot)?;
+        Ok(())
+    }
+
+    /// The model (its copy for a replica: `model().on(ctx)`).
+    pub fn model(&self) -> &Replicated<M> {
+        &self.model
+    }
+
+    /// The optimizer to pass to [`ReplicaContext::backward_and_sync`]: it pushes.
+    pub fn optimizer(&self) -> &DistributedOptimizer<PushToPs> {
+        &self.optimizer
+    }
+
+    /// The worker's local strategy (for `reduce` of the step's values).
+    pub fn strategy(&self) -> &StrategyHandle {
+        &self.strategy
+    }
+
+    /// Pulls the model's variables from the ps tasks (trainable ones and state every time,
+    /// frozen ones the first time), splits `batch` (any [`BatchData`]) over the worker's replicas
+    /// (uneven shards weighted exactly) and runs `step` on each; a `backward_and_sync` with
+    /// [`PsWorkerModel::optimizer`] in it pushes the step's reduced gradients. A stale refusal
+    /// comes back as [`Error::Stale`], so the registry runs the step again.
+    pub fn run_batch<B: BatchData, T: Send>(
+        &self,
+        w: &WorkerContext,
+        batch: &B,
+        step: impl Fn(&ReplicaContext<'_>, &Shard<B>) -> Result<T> + Sync,
+    ) -> Result<PsStep<T>> {
+        let first = !self.frozen_pulled.load(Ordering::Acquire);
+        let vars: Vec<(String, Var)> = self
+            .model
+            .variables(0)
+            .iter()
+            .zip(self.model.kinds())
+            .filter(|(_, k)| first || **k != VariableKind::Frozen)
+            .map(|(v, _)| v.clone())
+            .collect();
+        let ticket = w.pull(&vars)?;
+        self.frozen_pulled.store(true, Ordering::Release);
+        self.mirror_pulled(&vars)?;
+        let mut base = Vec::new();
+        for ((_, v), k) in self.model.variables(0).iter().zip(self.model.kinds()) {
+            if *k == VariableKind::State {
+                base.push(v.as_tensor().to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?);
+            }
+        }
+        *lock(&self.slot.state_base) = base;
+        *lock(&self.slot.outcome) = None;
+        *lock(&self.slot.target) = Some((w.clone(), ticket.clone()));
+        let split = DistributedBatch::split(batch, self.strategy.num_replicas_in_sync())?;
+        let ran = self.strategy.run_batch(&split, step);
+        *lock(&self.slot.target) = None;
+        let outcome = lock(&self.slot.outcome).take();
+        let push = match (ran, outcome) {
+            (Ok(values), Some(Ok(push))) => return Ok(PsStep { values, pull: ticket, push: Some(push) }),
+            (Ok(values), None) => return Ok(PsStep { values, pull: ticket, push: None }),
+            // The push's own error (a stale refusal stays one), not the replica's wrapping of it.
+            (_, Some(Err(e))) => e,
+            (Err(e), _) => e,
+        };
+        Err(push)
+    }
+
+    /// Copies the pulled values of copy 0 into the other copies (central state, one per
+    /// replica; trainable and frozen variables are shared).
+    fn mirror_pulled(&self, pulled: &[(String, Var)]) -> Result<()> {
+        for copy in 1..self.model.num_copies() {
+            for ((name, dst), (_, src)) in self.model.variables(copy).iter().zip(self.model.variables(0)) {
+                if dst.as_tensor().id() != src.as_tensor().id() && pulled.iter().any(|(n, _)| n == name) {
+                    dst.set(&src.as_tensor().to_device(dst.device())?)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
