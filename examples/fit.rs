@@ -7,7 +7,7 @@ use candle_nn::ParamsAdamW;
 use strata::model::Mlp;
 use strata::optim::FusedAdamW;
 use strata::prelude::*;
-use strata::trainer::{EpochLog, TrainConfig, Trainer};
+use strata::trainer::{EpochLog, Task, TrainConfig, Trainer};
 
 fn main() -> strata::Result<()> {
     strata::init_cpu_threads();
@@ -17,7 +17,7 @@ fn main() -> strata::Result<()> {
     // Strata's fused AdamW: candle-nn's configuration and results, updated in place.
     let opt = model.optimizer::<FusedAdamW>(ParamsAdamW { lr: 3e-3, ..Default::default() })?;
     let config = TrainConfig { epochs: 20, progress: Some(std::sync::Arc::new(EpochLog)), ..Default::default() };
-    let report = Trainer::new(config).fit(&strategy, &model, &opt, &train, &test)?;
+    let report = Trainer::new(config).fit(&strategy, &model, &opt, &Task::classifier(), &train, &test)?;
     println!(
         "{} replicas: test accuracy {:.2}%, {:.0} examples/s",
         strategy.num_replicas_in_sync(),

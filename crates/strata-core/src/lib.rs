@@ -33,6 +33,20 @@
 //! [`AutoShardPolicy`](extended::AutoShardPolicy) (`Data`, `Off`, `File`) applies to every
 //! kind, and [`data::files`] streams datasets larger than memory from record files.
 //!
+//! ## What each strategy does with each kind of variable
+//!
+//! Every variable a model builds in a [`Scope`] has a [`VariableKind`]; whatever the strategy,
+//! training ends where one device's would (the tests of `strata-strategies` check it for a
+//! CNN, unused heads, frozen layers and BatchNorm under SGD, momentum and AdamW):
+//!
+//! | kind | Mirrored | CentralStorage | MultiWorkerMirrored | ParameterServer |
+//! |---|---|---|---|---|
+//! | **trainable**, with a gradient on some replica | a copy per replica; the gradients are all-reduced (weighted by each shard's share, zeros for replicas without one) and every copy steps its optimizer identically | one central copy; the gradients are reduced to it and one optimizer steps it | as Mirrored, reduced in memory, then on the ring across workers | on the ps tasks; a worker pulls it each step, pushes the reduced gradient, and the task's optimizer applies it (a sync round: the mean over its pushes, zeros for a push without it) |
+//! | **unused** in a step (no replica, on any worker, has a gradient) | not reduced, not stepped: no weight decay, its optimizer state unchanged (TensorFlow skips a `None` gradient) | the same | the same: the presence of each gradient is agreed across workers first | not pushed, not updated; the task counts the step |
+//! | **frozen** ([`Scope::frozen_var_builder`], or [`Replicated::freeze`] by name) | never reduced, never updated, never communicated; the frozen builder also spares computing its gradient | the same | the same | pulled once per worker, never pushed nor updated |
+//! | **non-trainable state** (BatchNorm's running statistics, [`Scope::state_var_builder`]) | each replica updates its own copy in training; reading it ([`Replicated::values`], [`Replicated::sync_state`], evaluation, checkpoints) gives the mean over replicas: TensorFlow's sync-on-read `MEAN` | a copy per replica (never one copy written by two threads), read as their mean | each worker's replicas' mean, and after [`Replicated::sync_state`] (which evaluation, checkpoints and `--save-params` call) the mean over every replica of every worker | on the ps tasks: each step pulls it and pushes the replicas' mean change, which the task adds (no optimizer) |
+//! | **[`layers::SyncBatchNorm`]** | the batch statistics of the global batch (all-reduced in forward and backward), so training equals one device's BatchNorm on the global batch | the same | the same, across workers | the statistics of the worker's batch, over its own replicas |
+//!
 //! ## Layers
 //!
 //! The modules form layers; a module uses only those below it (`tests/module_graph.rs` checks

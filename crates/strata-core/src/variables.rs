@@ -778,6 +778,12 @@ impl<O: Optimizer> DistributedOptimizer<O> {
         Ok(self)
     }
 
+    /// Micro-batches per optimizer step (1 unless [`with_accumulation`](Self::with_accumulation)
+    /// said otherwise).
+    pub fn accumulation(&self) -> usize {
+        self.accumulation
+    }
+
     /// Optimizer steps applied so far (by the first copy).
     pub fn iterations(&self) -> u64 {
         self.steps[0].load(std::sync::atomic::Ordering::Relaxed)

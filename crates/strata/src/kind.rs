@@ -16,7 +16,7 @@ use strata_core::{Replicated, StrategyHandle};
 use strata_transport::ps::ServerOptimizer;
 
 use crate::model::Classifier;
-use crate::trainer::{FitReport, Trainer};
+use crate::trainer::{FitReport, Task, Trainer};
 use crate::{Error, Result};
 
 /// A name that is none of a kind's names.
@@ -198,11 +198,12 @@ where
     O: Optimizer + strata_core::checkpoint::OptimizerState + Send,
     O::Config: Clone,
 {
-    let opt = model.optimizer::<O>(config)?;
+    let opt = trainer.optimizer::<M, O>(model, config)?;
+    let task = Task::classifier();
     if trainer.config.checkpoint.is_some() {
-        trainer.fit_checkpointed(strategy, model, &opt, train, test)
+        trainer.fit_checkpointed(strategy, model, &opt, &task, train, test)
     } else {
-        trainer.fit(strategy, model, &opt, train, test)
+        trainer.fit(strategy, model, &opt, &task, train, test)
     }
 }
 
@@ -217,8 +218,8 @@ fn fit<O: Optimizer + Send, M: Classifier>(
 where
     O::Config: Clone,
 {
-    let opt = model.optimizer::<O>(config)?;
-    trainer.fit(strategy, model, &opt, train, test)
+    let opt = trainer.optimizer::<M, O>(model, config)?;
+    trainer.fit(strategy, model, &opt, &Task::classifier(), train, test)
 }
 
 #[cfg(test)]

@@ -30,6 +30,17 @@
 //! # Ok::<(), strata::Error>(())
 //! ```
 //!
+//! Any candle model works the same way: build it from the scope's `VarBuilder` (frozen parts
+//! from `frozen_var_builder`, or frozen afterwards by name with [`Replicated::freeze`]), and
+//! train it with a loop like the one above or with [`trainer::Trainer::fit`] and a
+//! [`trainer::Task`] (a loss closure and metrics). What each strategy does with trainable,
+//! unused and frozen variables, with non-trainable state such as BatchNorm's statistics, and
+//! with [`layers::SyncBatchNorm`], is tabled in the crate docs of `strata_core` (under "What
+//! each strategy does with each kind of variable"): in short, every strategy ends where one
+//! device would; unused and frozen variables are never stepped and frozen ones never
+//! communicated; state is each replica's own and reads as the mean over replicas and workers
+//! (TensorFlow's sync-on-read `MEAN`), on the ps tasks it is pulled and its mean change pushed.
+//!
 //! Call [`init_cpu_threads`] first thing in `main` so that every replica runs candle's CPU
 //! kernels on its own thread (the `strata` binary does).
 
@@ -46,6 +57,7 @@ pub use error::{Error, Result};
 pub use kind::{NamedKind, OptimizerKind, StrategyKind};
 pub use strata_core::checkpoint;
 pub use strata_core::Error as CoreError;
+pub use strata_core::Result as CoreResult;
 pub use strata_core::{
     context, cross_device, data, device, group, layers, optim, timeline, CrossReplicaContext, DistributedOptimizer,
     DistributedVariable, Mirrored, PerReplica, ReduceOp, ReplicaContext, Replicated, Scope, Strategy, StrategyExtended,

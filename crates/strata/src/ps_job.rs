@@ -395,6 +395,7 @@ pub fn train_coordinator(
             train_loss,
             test_accuracy: final_accuracy,
             step_seconds: step_time.as_secs_f64(),
+            test_metrics: vec![crate::trainer::MetricValue { name: "accuracy".into(), value: final_accuracy as f64 }],
         });
     }
     progress.end();
@@ -413,6 +414,7 @@ pub fn train_coordinator(
     let report = FitReport {
         epochs,
         final_test_accuracy: final_accuracy,
+        final_metrics: vec![crate::trainer::MetricValue { name: "accuracy".into(), value: final_accuracy as f64 }],
         examples_per_second: steady_examples as f64 / steady_time.as_secs_f64().max(1e-9),
         steps,
         resumed_from_step: 0,

@@ -1,9 +1,20 @@
-//! `Trainer::fit`: the high-level training loop, for users who do not write their own.
+//! `Trainer::fit`: the high-level training loop, for users who do not write their own, over
+//! any model.
+//!
+//! What is trained and measured is a [`Task`]: a loss closure `(model, ctx, batch) -> loss`
+//! (the replica's copy of the model, its [`ReplicaContext`], its shard), optionally an
+//! evaluation closure that returns [`Outputs`] (loss, logits, targets), and a list of
+//! [`Metric`]s ([`Accuracy`], [`Loss`], [`Perplexity`], or the user's own). No model trait is
+//! needed; [`Task::classifier`] is the task of a [`Classifier`] such as the shipped MLP.
 //!
 //! Per epoch: a seeded shuffle of the training set, global batches split over the replicas
 //! ([`TailPolicy::Split`]: the uneven last batch is weighted exactly), one synchronous step per
 //! batch (handed to the replicas a whole epoch at a time, or `steps_per_execution` at a time,
-//! with [`Strategy::run_batches`]), then an evaluation on the test set. A [`Progress`] (the `strata` command's progress bar, or
+//! with [`Strategy::run_batches`]), then an evaluation on the test set, itself split over the
+//! replicas (and workers): every metric is a total and a count per shard (correct rows and
+//! rows, say), summed over replicas and workers, so the result is exactly the whole test set's.
+//! Gradient clipping by global norm, accumulation over micro-batches and learning-rate
+//! schedules are [`TrainConfig`] options that [`Trainer::optimizer`] applies. A [`Progress`] (the `strata` command's progress bar, or
 //! [`EpochLog`]'s lines) shows loss and accuracy; tracing spans mark every epoch and step, and
 //! the strategy's timeline (if any) records every replica's forward, backward, bucket reductions
 //! and optimizer step. A [`StepHook`] sees every replica between its backward pass and its
@@ -21,14 +32,15 @@ use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Tensor, D};
 use candle_nn::Optimizer;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use serde::Serialize;
 use strata_core::checkpoint::{self, CheckpointTensor, OptimizerState};
-use strata_core::data::{Batch, TailPolicy};
-use strata_core::{DistributedOptimizer, ReduceOp, Replicated, Strategy};
+use strata_core::data::{Batch, DistributedBatch, TailPolicy};
+use strata_core::optim::schedule::LrSchedule;
+use strata_core::{DistributedOptimizer, ReduceOp, ReplicaContext, Replicated, Strategy};
 
 use crate::digits::gather;
 use crate::model::Classifier;
@@ -66,6 +78,15 @@ pub struct TrainConfig {
     /// With [`stop`](Self::stop): steps between checks (an execution runs at most this many
     /// steps). Each check of a multi-worker job is one all-reduce of one number.
     pub stop_check_steps: usize,
+    /// Clip every optimizer step's gradient to this global norm, computed on the gradient
+    /// reduced over every replica and worker (applied by [`Trainer::optimizer`]).
+    pub clip_global_norm: Option<f64>,
+    /// Micro-batches (global batches of [`global_batch`](Self::global_batch) examples) per
+    /// optimizer step, equal to one step on their concatenation (applied by
+    /// [`Trainer::optimizer`]; 1: none accumulated).
+    pub accumulation: usize,
+    /// The learning rate of every optimizer step (applied by [`Trainer::optimizer`]).
+    pub schedule: Option<LrSchedule>,
 }
 
 /// Asks a running fit to stop after the step it is in (cheap to clone; clones share the
@@ -182,6 +203,9 @@ impl Default for TrainConfig {
             step_hook: None,
             stop: None,
             stop_check_steps: 10,
+            clip_global_norm: None,
+            accumulation: 1,
+            schedule: None,
         }
     }
 }
@@ -193,10 +217,13 @@ pub struct EpochReport {
     pub epoch: usize,
     /// Mean training loss over the epoch's steps.
     pub train_loss: f32,
-    /// Test accuracy after the epoch.
+    /// Test accuracy after the epoch (0 when the task does not measure [`Accuracy`]).
     pub test_accuracy: f32,
     /// Seconds spent in training steps.
     pub step_seconds: f64,
+    /// Every metric of the task on the test set after the epoch, in the task's order.
+    #[serde(skip)]
+    pub test_metrics: Vec<MetricValue>,
 }
 
 /// What a fit did.
@@ -206,6 +233,8 @@ pub struct FitReport {
     pub epochs: Vec<EpochReport>,
     /// Test accuracy after the last epoch.
     pub final_test_accuracy: f32,
+    /// Every metric of the task on the test set after the last epoch.
+    pub final_metrics: Vec<MetricValue>,
     /// Training examples per second over the steps after the warm-up (evaluation excluded).
     pub examples_per_second: f64,
     /// Steps run (by this fit; a resumed fit does not count the steps before its checkpoint).
@@ -233,18 +262,44 @@ impl Trainer {
         Self { config }
     }
 
-    /// Trains `model` with `opt` under `strategy` on `train`, evaluating on `test` each epoch.
+    /// The optimizer of `model` with `config`, and this trainer's clipping, accumulation and
+    /// schedule ([`TrainConfig::clip_global_norm`], [`TrainConfig::accumulation`],
+    /// [`TrainConfig::schedule`]) applied.
+    pub fn optimizer<M, O: Optimizer>(
+        &self,
+        model: &Replicated<M>,
+        config: O::Config,
+    ) -> Result<DistributedOptimizer<O>>
+    where
+        O::Config: Clone,
+    {
+        let mut opt = model.optimizer::<O>(config)?;
+        if let Some(norm) = self.config.clip_global_norm {
+            opt = opt.with_clip_global_norm(norm)?;
+        }
+        if self.config.accumulation != 1 {
+            opt = opt.with_accumulation(self.config.accumulation)?;
+        }
+        if let Some(s) = &self.config.schedule {
+            opt = opt.with_schedule(s.clone())?;
+        }
+        Ok(opt)
+    }
+
+    /// Trains `model` with `opt` under `strategy` on `train` as `task` says (its loss),
+    /// evaluating `task`'s metrics on `test` each epoch.
     pub fn fit<S, M, O>(
         &self,
         strategy: &S,
         model: &Replicated<M>,
         opt: &DistributedOptimizer<O>,
+        task: &Task<'_, M>,
         train: &Batch,
         test: &Batch,
     ) -> Result<FitReport>
     where
         S: Strategy,
-        M: Classifier,
+        M: Send + Sync,
         O: Optimizer + Send,
     {
         if self.config.checkpoint.is_some() {
@@ -252,7 +307,7 @@ impl Trainer {
                 "checkpoints need an optimizer whose state can be saved (Strata's fused AdamW or SGD); use Trainer::fit_checkpointed".into(),
             ));
         }
-        self.fit_inner(strategy, model, opt, train, test, None)
+        self.fit_inner(strategy, model, opt, task, train, test, None)
     }
 
     /// [`Trainer::fit`] with backup and restore: if the checkpoint directory holds a
@@ -267,12 +322,13 @@ impl Trainer {
         strategy: &S,
         model: &Replicated<M>,
         opt: &DistributedOptimizer<O>,
+        task: &Task<'_, M>,
         train: &Batch,
         test: &Batch,
     ) -> Result<FitReport>
     where
         S: Strategy,
-        M: Classifier,
+        M: Send + Sync,
         O: Optimizer + OptimizerState + Send,
     {
         let save = || -> Result<Vec<(String, Tensor)>> { Ok(opt.lock(0).state_tensors()?) };
@@ -282,21 +338,23 @@ impl Trainer {
             }
             Ok(())
         };
-        self.fit_inner(strategy, model, opt, train, test, Some(OptimizerHooks { save: &save, load: &load }))
+        self.fit_inner(strategy, model, opt, task, train, test, Some(OptimizerHooks { save: &save, load: &load }))
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn fit_inner<S, M, O>(
         &self,
         strategy: &S,
         model: &Replicated<M>,
         opt: &DistributedOptimizer<O>,
+        task: &Task<'_, M>,
         train: &Batch,
         test: &Batch,
         hooks: Option<OptimizerHooks<'_>>,
     ) -> Result<FitReport>
     where
         S: Strategy,
-        M: Classifier,
+        M: Send + Sync,
         O: Optimizer + Send,
     {
         let cfg = &self.config;
@@ -308,6 +366,15 @@ impl Trainer {
         }
         let start = Instant::now();
         let steps_per_epoch = train.len().div_ceil(cfg.global_batch);
+        let accumulation = opt.accumulation();
+        if let Some(c) = cfg.checkpoint.as_ref().filter(|_| accumulation > 1) {
+            if c.every_steps % accumulation != 0 || steps_per_epoch % accumulation != 0 {
+                return Err(crate::Error::Usage(format!(
+                    "checkpoints every {} batches of an epoch of {steps_per_epoch} with gradients accumulated over {accumulation}: checkpoints must fall on optimizer steps; make both multiples of {accumulation}",
+                    c.every_steps
+                )));
+            }
+        }
         let ckpt = cfg.checkpoint.as_ref().zip(hooks.as_ref());
         let resumed = match ckpt {
             Some((c, h)) => restore(strategy, model, c, h)?,
@@ -386,9 +453,7 @@ impl Trainer {
                             current_step.fetch_add(1, Ordering::Relaxed);
                         }
                         let fwd = ctx.phase("step", "forward");
-                        let x = shard.batch.features_tensor(ctx.candle_device())?;
-                        let y = shard.batch.labels_tensor(ctx.candle_device())?;
-                        let loss = model.on(ctx)?.loss(&x, &y)?;
+                        let loss = (task.loss)(model.on(ctx)?, ctx, &shard.batch)?;
                         drop(fwd);
                         match cfg.step_hook.as_deref() {
                             Some(hook) => {
@@ -479,7 +544,8 @@ impl Trainer {
             skipped += data.skipped_examples();
             // Evaluation reads the state (BatchNorm's statistics) as the mean over replicas.
             model.sync_state()?;
-            let acc = evaluate(model.primary(), test)?;
+            let test_metrics = self.evaluate(strategy, model, task, test)?;
+            let acc = accuracy_of(&test_metrics);
             if let Some(m) = &metrics {
                 let g = global_step as u64;
                 m.write(&crate::metrics::MetricRecord::eval(
@@ -492,8 +558,14 @@ impl Trainer {
             }
             let train_loss = loss_sum / loss_n.max(1) as f32;
             tracing::info!(epoch, train_loss, test_accuracy = acc, "epoch done");
-            progress.epoch(epoch, &format!("loss {train_loss:.4} test accuracy {:.2}%", acc * 100.0));
-            epochs.push(EpochReport { epoch, train_loss, test_accuracy: acc, step_seconds: epoch_time.as_secs_f64() });
+            progress.epoch(epoch, &format!("loss {train_loss:.4}{}", describe(&test_metrics)));
+            epochs.push(EpochReport {
+                epoch,
+                train_loss,
+                test_accuracy: acc,
+                step_seconds: epoch_time.as_secs_f64(),
+                test_metrics,
+            });
         }
         progress.end();
         // A run too short to have a steady state reports the throughput of all its steps.
@@ -502,6 +574,7 @@ impl Trainer {
         let examples_per_second = if time.is_zero() { 0.0 } else { examples as f64 / time.as_secs_f64() };
         Ok(FitReport {
             final_test_accuracy: epochs.last().map_or(0.0, |e| e.test_accuracy),
+            final_metrics: epochs.last().map_or_else(Vec::new, |e| e.test_metrics.clone()),
             epochs,
             examples_per_second,
             steps,
@@ -655,3 +728,323 @@ pub fn evaluate<M: Classifier>(model: &M, data: &Batch) -> Result<f32> {
 pub(crate) struct Silent;
 
 impl Progress for Silent {}
+
+/// The loss of a replica's shard: `(the replica's copy of the model, its context, its shard)`.
+pub type LossFn<'a, M> = dyn Fn(&M, &ReplicaContext<'_>, &Batch) -> strata_core::Result<Tensor> + Send + Sync + 'a;
+
+/// What evaluation computes on a replica's shard, for the metrics to read.
+pub type OutputsFn<'a, M> = dyn Fn(&M, &ReplicaContext<'_>, &Batch) -> strata_core::Result<Outputs> + Send + Sync + 'a;
+
+/// What [`Trainer::fit`] trains and measures, for a model of any type `M`: the loss of a
+/// shard (training), what evaluation computes on a shard ([`Outputs`]), and the metrics.
+///
+/// ```
+/// use candle_core::{Module, Tensor};
+/// use strata::trainer::{Accuracy, Loss, Outputs, Task};
+///
+/// struct Linear(candle_nn::Linear); // the user's own model
+/// let task = Task::new(|m: &Linear, ctx, b| {
+///     let x = b.features_tensor(ctx.candle_device())?;
+///     let y = b.labels_tensor(ctx.candle_device())?;
+///     Ok(candle_nn::loss::cross_entropy(&m.0.forward(&x)?, &y)?)
+/// })
+/// .with_outputs(|m: &Linear, ctx, b| {
+///     let x = b.features_tensor(ctx.candle_device())?;
+///     Outputs::classification(m.0.forward(&x)?, b.labels_tensor(ctx.candle_device())?)
+/// })
+/// .with_metrics(vec![Box::new(Accuracy), Box::new(Loss)]);
+/// assert_eq!(task.metric_names(), ["accuracy", "loss"]);
+/// ```
+pub struct Task<'a, M> {
+    loss: Box<LossFn<'a, M>>,
+    outputs: Option<Box<OutputsFn<'a, M>>>,
+    metrics: Vec<Box<dyn Metric + 'a>>,
+}
+
+impl<M> std::fmt::Debug for Task<'_, M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Task").field("metrics", &self.metric_names()).finish_non_exhaustive()
+    }
+}
+
+impl<'a, M> Task<'a, M> {
+    /// A task whose loss on a shard is `loss` (the shard's mean loss: the trainer weighs each
+    /// replica's by its share of the global batch). Evaluation measures [`Loss`] with it
+    /// until [`with_outputs`](Self::with_outputs) and [`with_metrics`](Self::with_metrics)
+    /// say otherwise.
+    pub fn new(
+        loss: impl Fn(&M, &ReplicaContext<'_>, &Batch) -> strata_core::Result<Tensor> + Send + Sync + 'a,
+    ) -> Self {
+        Self { loss: Box::new(loss), outputs: None, metrics: vec![Box::new(Loss)] }
+    }
+
+    /// What evaluation computes on a shard (the model in evaluation mode, say
+    /// `forward_t(x, false)`); without it, evaluation's outputs hold only the loss closure's
+    /// loss.
+    pub fn with_outputs(
+        mut self,
+        outputs: impl Fn(&M, &ReplicaContext<'_>, &Batch) -> strata_core::Result<Outputs> + Send + Sync + 'a,
+    ) -> Self {
+        self.outputs = Some(Box::new(outputs));
+        self
+    }
+
+    /// The metrics evaluation reports, in this order.
+    pub fn with_metrics(mut self, metrics: Vec<Box<dyn Metric + 'a>>) -> Self {
+        self.metrics = metrics;
+        self
+    }
+
+    /// The metrics' names, in order.
+    pub fn metric_names(&self) -> Vec<&str> {
+        self.metrics.iter().map(|m| m.name()).collect()
+    }
+
+    /// Evaluation's outputs on a shard.
+    fn outputs(&self, model: &M, ctx: &ReplicaContext<'_>, batch: &Batch) -> strata_core::Result<Outputs> {
+        match &self.outputs {
+            Some(f) => f(model, ctx, batch),
+            None => Ok(Outputs { loss: Some((self.loss)(model, ctx, batch)?), logits: None, targets: None }),
+        }
+    }
+}
+
+impl<M: Classifier> Task<'_, M> {
+    /// The task of a [`Classifier`] (such as [`crate::model::Mlp`]): its cross-entropy loss on
+    /// the batch's features and labels, and [`Accuracy`] on the test set.
+    pub fn classifier() -> Self {
+        Task::new(|m: &M, ctx, b| {
+            let (x, y) = (b.features_tensor(ctx.candle_device())?, b.labels_tensor(ctx.candle_device())?);
+            Ok(m.loss(&x, &y)?)
+        })
+        .with_outputs(|m: &M, ctx, b| {
+            let x = b.features_tensor(ctx.candle_device())?;
+            Ok(Outputs {
+                loss: None,
+                logits: Some(m.logits(&x)?),
+                targets: Some(b.labels_tensor(ctx.candle_device())?),
+            })
+        })
+        .with_metrics(vec![Box::new(Accuracy)])
+    }
+}
+
+/// What evaluation computed on one replica's shard.
+#[derive(Clone, Debug)]
+pub struct Outputs {
+    /// The shard's mean loss (a scalar).
+    pub loss: Option<Tensor>,
+    /// Scores over classes (or the vocabulary), the classes on the last axis: `(rows,
+    /// classes)`, or `(rows, positions, vocabulary)` for a token model.
+    pub logits: Option<Tensor>,
+    /// The class (or token) of each row (or position), u32: the logits' shape without its
+    /// last axis.
+    pub targets: Option<Tensor>,
+}
+
+impl Outputs {
+    /// The outputs of a classifier: `logits` and `targets`, and their mean cross-entropy (over
+    /// every position) as the loss.
+    pub fn classification(logits: Tensor, targets: Tensor) -> strata_core::Result<Self> {
+        let (flat_logits, flat_targets) = flatten_classes(&logits, &targets)?;
+        let loss = candle_nn::loss::cross_entropy(&flat_logits, &flat_targets)?;
+        Ok(Self { loss: Some(loss), logits: Some(logits), targets: Some(targets) })
+    }
+}
+
+/// `(positions, classes)` logits and `(positions,)` targets.
+fn flatten_classes(logits: &Tensor, targets: &Tensor) -> strata_core::Result<(Tensor, Tensor)> {
+    let classes = logits.dims().last().copied().unwrap_or(0);
+    if logits.rank() < 2 || logits.dims()[..logits.rank() - 1] != *targets.dims() {
+        return Err(strata_core::Error::Dataset(format!(
+            "logits of shape {:?} and targets of shape {:?}: give the logits the targets' shape and the classes as their last axis",
+            logits.dims(),
+            targets.dims()
+        )));
+    }
+    Ok((logits.reshape(((), classes))?, targets.flatten_all()?))
+}
+
+/// One metric's value on a data set.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct MetricValue {
+    /// The metric's name.
+    pub name: String,
+    /// Its value on the whole data set.
+    pub value: f64,
+}
+
+/// A metric that evaluation computes on the test set, split over the replicas (and workers):
+/// each shard gives a total and a count ([`Metric::measure`]), which are summed over every
+/// replica and worker before [`Metric::result`], so the value is exactly the whole set's
+/// whatever the split. Implement it for a metric of your own.
+pub trait Metric: Send + Sync {
+    /// Its name in reports (`accuracy`, `loss`, ...).
+    fn name(&self) -> &str;
+
+    /// `(total, count)` on one shard, such as (rows classified correctly, rows).
+    fn measure(&self, batch: &Batch, outputs: &Outputs) -> strata_core::Result<(f64, f64)>;
+
+    /// The value from the totals and counts summed over every shard: `total / count` unless
+    /// the metric says otherwise (0 for no examples).
+    fn result(&self, total: f64, count: f64) -> f64 {
+        if count > 0.0 {
+            total / count
+        } else {
+            0.0
+        }
+    }
+}
+
+/// The share of rows (or positions) whose largest logit is the target's.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Accuracy;
+
+impl Metric for Accuracy {
+    fn name(&self) -> &str {
+        "accuracy"
+    }
+    fn measure(&self, _: &Batch, o: &Outputs) -> strata_core::Result<(f64, f64)> {
+        let (logits, targets) = logits_and_targets(self.name(), o)?;
+        let (logits, targets) = flatten_classes(logits, targets)?;
+        let correct = logits.argmax(D::Minus1)?.eq(&targets.to_dtype(DType::U32)?)?;
+        let correct = correct.to_dtype(DType::U32)?.sum_all()?.to_scalar::<u32>()?;
+        Ok((correct as f64, targets.elem_count() as f64))
+    }
+}
+
+/// The mean loss per row: the outputs' loss (a shard's mean) weighted by the shard's rows.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Loss;
+
+impl Metric for Loss {
+    fn name(&self) -> &str {
+        "loss"
+    }
+    fn measure(&self, batch: &Batch, o: &Outputs) -> strata_core::Result<(f64, f64)> {
+        let loss = o.loss.as_ref().ok_or_else(|| missing(self.name(), "a loss"))?;
+        let rows = batch.len() as f64;
+        Ok((loss.to_dtype(DType::F32)?.to_scalar::<f32>()? as f64 * rows, rows))
+    }
+}
+
+/// `exp` of the mean cross-entropy per position (per token of a language model): from the
+/// logits and targets when the outputs have them, from the loss (a per-row mean) otherwise.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Perplexity;
+
+impl Metric for Perplexity {
+    fn name(&self) -> &str {
+        "perplexity"
+    }
+    fn measure(&self, batch: &Batch, o: &Outputs) -> strata_core::Result<(f64, f64)> {
+        if let (Some(logits), Some(targets)) = (&o.logits, &o.targets) {
+            let (logits, targets) = flatten_classes(logits, targets)?;
+            let n = targets.elem_count();
+            let mean = candle_nn::loss::cross_entropy(&logits.to_dtype(DType::F32)?, &targets)?;
+            return Ok((mean.to_scalar::<f32>()? as f64 * n as f64, n as f64));
+        }
+        Loss.measure(batch, o).map_err(|_| missing(self.name(), "logits and targets, or a loss"))
+    }
+    fn result(&self, total: f64, count: f64) -> f64 {
+        if count > 0.0 {
+            (total / count).exp()
+        } else {
+            0.0
+        }
+    }
+}
+
+fn logits_and_targets<'o>(metric: &str, o: &'o Outputs) -> strata_core::Result<(&'o Tensor, &'o Tensor)> {
+    match (&o.logits, &o.targets) {
+        (Some(l), Some(t)) => Ok((l, t)),
+        _ => Err(missing(metric, "logits and targets")),
+    }
+}
+
+fn missing(metric: &str, what: &str) -> strata_core::Error {
+    strata_core::Error::Dataset(format!(
+        "the {metric} metric needs {what} in the evaluation outputs; return them from the task's outputs closure (Task::with_outputs)"
+    ))
+}
+
+/// The accuracy among `values` (0 when not measured).
+fn accuracy_of(values: &[MetricValue]) -> f32 {
+    values.iter().find(|m| m.name == "accuracy").map_or(0.0, |m| m.value as f32)
+}
+
+/// ` test accuracy 97.50% test loss 0.1234`: the epoch line's part after the training loss.
+fn describe(values: &[MetricValue]) -> String {
+    values
+        .iter()
+        .map(|m| match m.name.as_str() {
+            "accuracy" => format!(" test accuracy {:.2}%", m.value * 100.0),
+            name => format!(" test {name} {:.4}", m.value),
+        })
+        .collect()
+}
+
+impl Trainer {
+    /// `task`'s metrics of `model` on `data` under `strategy`: global batches of
+    /// [`TrainConfig::global_batch`] examples (the last merged into the one before when it is
+    /// too small to give every replica an example), split over the replicas and workers as
+    /// training's are, each shard's totals and counts summed over every replica and worker.
+    /// Reads the model as it is (call [`Replicated::sync_state`] first for state such as
+    /// BatchNorm's statistics; [`Trainer::fit`] does).
+    pub fn evaluate<S, M>(
+        &self,
+        strategy: &S,
+        model: &Replicated<M>,
+        task: &Task<'_, M>,
+        data: &Batch,
+    ) -> Result<Vec<MetricValue>>
+    where
+        S: Strategy,
+        M: Send + Sync,
+    {
+        let k = task.metrics.len();
+        let mut sums = vec![0f64; 2 * k];
+        let replicas = strategy.num_replicas_in_sync().max(1);
+        let size = self.config.global_batch.max(replicas);
+        let mut ranges: Vec<std::ops::Range<usize>> =
+            (0..data.len()).step_by(size).map(|i| i..(i + size).min(data.len())).collect();
+        if ranges.len() > 1 && ranges.last().is_some_and(|r| r.len() < replicas) {
+            if let Some(last) = ranges.pop() {
+                if let Some(prev) = ranges.last_mut() {
+                    prev.end = last.end;
+                }
+            }
+        }
+        if !ranges.is_empty() && data.len() < replicas {
+            return Err(crate::Error::Usage(format!(
+                "a test set of {} examples cannot give each of {replicas} replicas an example; evaluate on at least {replicas}",
+                data.len()
+            )));
+        }
+        let batches: Vec<DistributedBatch> =
+            strategy.distribute_dataset(ranges.into_iter().map(|r| data.slice(r)), TailPolicy::Split).collect();
+        let per_batch = strategy.run_batches(&batches, |ctx, shard| {
+            let outputs = task.outputs(model.on(ctx)?, ctx, &shard.batch)?;
+            task.metrics.iter().map(|m| m.measure(&shard.batch, &outputs)).collect::<strata_core::Result<Vec<_>>>()
+        })?;
+        for per_replica in &per_batch {
+            for values in per_replica.values() {
+                for (i, (total, count)) in values.iter().enumerate() {
+                    sums[2 * i] += total;
+                    sums[2 * i + 1] += count;
+                }
+            }
+        }
+        if let Some(w) = strategy.extended().workers() {
+            let mut across: Vec<f32> = sums.iter().map(|&v| v as f32).collect();
+            w.all_reduce(ReduceOp::Sum, &mut across)?;
+            sums = across.into_iter().map(f64::from).collect();
+        }
+        Ok(task
+            .metrics
+            .iter()
+            .enumerate()
+            .map(|(i, m)| MetricValue { name: m.name().to_string(), value: m.result(sums[2 * i], sums[2 * i + 1]) })
+            .collect())
+    }
+}

@@ -7,7 +7,7 @@ use candle_nn::ParamsAdamW;
 use strata::model::Mlp;
 use strata::optim::FusedAdamW;
 use strata::prelude::*;
-use strata::trainer::{CheckpointConfig, TrainConfig, Trainer};
+use strata::trainer::{CheckpointConfig, Task, TrainConfig, Trainer};
 
 #[test]
 fn every_flipped_byte_of_a_trainer_checkpoint_is_refused_at_restore() {
@@ -24,7 +24,7 @@ fn every_flipped_byte_of_a_trainer_checkpoint_is_refused_at_restore() {
             ..Default::default()
         })
     };
-    let first = trainer(1).fit_checkpointed(&strategy, &model, &opt, &train, &test).unwrap();
+    let first = trainer(1).fit_checkpointed(&strategy, &model, &opt, &Task::classifier(), &train, &test).unwrap();
     assert_eq!((first.steps, first.resumed_from_step), (6, 0));
 
     let dir = strata::checkpoint::latest_checkpoint(root.path()).unwrap().unwrap();
@@ -39,7 +39,7 @@ fn every_flipped_byte_of_a_trainer_checkpoint_is_refused_at_restore() {
             let mut bytes = original.clone();
             bytes[at] ^= 0x01;
             std::fs::write(file, &bytes).unwrap();
-            match trainer(2).fit_checkpointed(&strategy, &model, &opt, &train, &test) {
+            match trainer(2).fit_checkpointed(&strategy, &model, &opt, &Task::classifier(), &train, &test) {
                 Ok(r) => panic!("{}: byte {at} flipped, resumed from step {}", file.display(), r.resumed_from_step),
                 Err(e) => {
                     let m = e.to_string();
@@ -52,7 +52,7 @@ fn every_flipped_byte_of_a_trainer_checkpoint_is_refused_at_restore() {
     }
     let total: usize = files.iter().map(|f| std::fs::metadata(f).unwrap().len() as usize).sum();
     assert_eq!(refused, total);
-    let resumed = trainer(2).fit_checkpointed(&strategy, &model, &opt, &train, &test).unwrap();
+    let resumed = trainer(2).fit_checkpointed(&strategy, &model, &opt, &Task::classifier(), &train, &test).unwrap();
     assert_eq!((resumed.resumed_from_step, resumed.steps), (6, 6), "the untouched checkpoint resumes");
 }
 
@@ -82,10 +82,10 @@ fn a_checkpoint_directory_that_cannot_be_written_fails_before_training() {
         checkpoint: Some(CheckpointConfig { dir: dir.clone(), every_steps: 100, keep: 1 }),
         ..Default::default()
     });
-    let e = trainer.fit_checkpointed(&strategy, &model, &opt, &train, &test).unwrap_err();
+    let e = trainer.fit_checkpointed(&strategy, &model, &opt, &Task::classifier(), &train, &test).unwrap_err();
     assert_eq!(e.exit_code(), 2, "{e}");
     assert!(e.to_string().contains(&dir.display().to_string()) && e.to_string().contains("cannot write"), "{e}");
     let zero = Trainer::new(TrainConfig { epochs: 0, ..Default::default() });
-    let e = zero.fit(&strategy, &model, &opt, &train, &test).unwrap_err();
+    let e = zero.fit(&strategy, &model, &opt, &Task::classifier(), &train, &test).unwrap_err();
     assert_eq!((e.exit_code(), e.to_string().as_str()), (2, "0 epochs train nothing: train for 1 epoch or more"));
 }

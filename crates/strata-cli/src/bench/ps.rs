@@ -316,7 +316,8 @@ pub fn run(args: &BenchPsArgs) -> Result<()> {
         let ps = train_ps(&hidden, args.epochs)?;
         let data = super::train::batches(512)?;
         let cfg = ParamsAdamW { lr: super::train::LR, ..Default::default() };
-        let ceiling = super::train::measure_ceiling::<FusedAdamW>(2, cfg, &hidden, &data, 2.0)?.examples_per_second;
+        let ceiling =
+            super::train::measure_ceiling::<FusedAdamW>(2, cfg, &hidden, &data, 2.0, &[])?.examples_per_second;
         let tf = TF_PS_REFERENCE.iter().find(|(m, _)| m == model).map_or(f64::NAN, |(_, v)| *v);
         println!(
             "{:>8} {:>14.0} {:>14.0} {:>9.0}% {:>14.0} {:>9.2}x",

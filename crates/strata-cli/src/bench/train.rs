@@ -9,6 +9,12 @@
 //! synchronisation). Every configuration runs in its own process (this binary, re-invoked), so
 //! peak RSS is per configuration, and the rounds interleave the configurations so that a
 //! noisy neighbour hurts all of them alike; medians over rounds are reported.
+//!
+//! `--freeze` freezes variables by name (`layer0.*`, as `Replicated::freeze` takes them) in
+//! every configuration (the ceiling's optimizer then updates only the others); each row prints
+//! the bytes reduced per step: what each Mirrored replica hands to the all-reduce (counted by a
+//! wrapper around the in-memory all-reduce), or what a multi-worker worker sends on the ring.
+//! Frozen variables are never reduced, so the bytes fall by exactly their share.
 
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -63,6 +69,10 @@ pub struct BenchTrainArgs {
     /// handling: one all-reduce of one number across workers), to measure what that costs.
     #[arg(long)]
     pub stop_check: bool,
+    /// Freeze the variables matching these names (`layer1.*`, comma-separated) in every
+    /// configuration: they are neither reduced nor updated.
+    #[arg(long, value_delimiter = ',')]
+    pub freeze: Vec<String>,
     /// Internal: measure one `MODEL:CONFIG` in this process and print JSON.
     #[arg(long, hide = true)]
     pub worker: Option<String>,
@@ -77,6 +87,33 @@ pub struct Measurement {
     pub step_seconds: f64,
     /// Peak resident set size of the process, bytes.
     pub peak_rss_bytes: u64,
+    /// Bytes reduced per training step: each Mirrored replica's input to the all-reduce, or
+    /// what a multi-worker worker sends on the ring (0 where nothing is reduced).
+    #[serde(default)]
+    pub reduced_bytes_per_step: f64,
+}
+
+/// The in-memory all-reduce, counting the elements replica 0 hands it.
+#[derive(Debug)]
+struct Counting {
+    inner: strata_core::cross_device::CpuCrossDeviceOps,
+    elements: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl strata_core::cross_device::CrossDeviceOps for Counting {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    fn reduce(
+        &self,
+        req: strata_core::cross_device::ReduceRequest<'_>,
+        out: &mut dyn FnMut(&[f32]),
+    ) -> strata_core::Result<()> {
+        if req.replica == 0 {
+            self.elements.fetch_add(req.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        }
+        self.inner.reduce(req, out)
+    }
 }
 
 pub(crate) fn hidden_of(model: &str) -> Result<Vec<usize>> {
@@ -134,14 +171,20 @@ fn measure_strategy<S: Strategy, O: Optimizer + Send>(
     cfg: O::Config,
     hidden: &[usize],
     data: &[Batch],
-    seconds: f64,
-    stop_check: bool,
+    args: &BenchTrainArgs,
+    reduced_elements: Option<&std::sync::atomic::AtomicU64>,
 ) -> Result<Measurement>
 where
     O::Config: Clone,
 {
-    let model = s.scope(|sc| Mlp::new(sc.var_builder(), FEATURES, hidden, CLASSES))?;
+    let seconds = args.seconds;
+    let mut model = s.scope(|sc| Mlp::new(sc.var_builder(), FEATURES, hidden, CLASSES))?;
+    if !args.freeze.is_empty() {
+        model.freeze(&args.freeze.iter().map(String::as_str).collect::<Vec<_>>())?;
+    }
     let opt = model.optimizer::<O>(cfg)?;
+    let counted0 = reduced_elements.map_or(0, |e| e.load(std::sync::atomic::Ordering::Relaxed));
+    let sent0 = strata_transport::inject::bytes().0;
     let dist: Vec<DistributedBatch> =
         s.distribute_dataset(data.iter().cloned(), strata_core::data::TailPolicy::Split).collect();
     // One execution runs every batch of the epoch (as `Trainer::fit` does): a "step" of the
@@ -154,7 +197,7 @@ where
             let loss = model.on(ctx)?.loss(&x, &y)?;
             ctx.backward_and_sync(&loss, &opt)
         })?;
-        if stop_check {
+        if args.stop_check {
             strata::trainer::agreed_stop(s, &never)?;
         }
         Ok(())
@@ -182,10 +225,18 @@ where
     };
     let steps = executions * dist.len();
     let global = data[0].len();
+    // Every step of the run, the warm-up's included.
+    let all_steps = ((executions + 3) * dist.len()) as f64;
+    let reduced_bytes_per_step = match (reduced_elements, s.extended().workers()) {
+        (Some(e), _) => 4.0 * (e.load(std::sync::atomic::Ordering::Relaxed) - counted0) as f64 / all_steps,
+        (None, Some(_)) => (strata_transport::inject::bytes().0 - sent0) as f64 / all_steps,
+        (None, None) => 0.0,
+    };
     Ok(Measurement {
         examples_per_second: (steps * global) as f64 / dt.as_secs_f64(),
         step_seconds: dt.as_secs_f64() / steps as f64,
         peak_rss_bytes: peak_rss_bytes(),
+        reduced_bytes_per_step,
     })
 }
 
@@ -196,6 +247,7 @@ pub(crate) fn measure_ceiling<O: Optimizer>(
     hidden: &[usize],
     data: &[Batch],
     seconds: f64,
+    freeze: &[String],
 ) -> Result<Measurement>
 where
     O::Config: Clone + Sync,
@@ -210,7 +262,13 @@ where
                     let dev = Device::Cpu;
                     let vm = VarMap::new();
                     let model = Mlp::new(VarBuilder::from_varmap(&vm, DType::F32, &dev), FEATURES, hidden, CLASSES)?;
-                    let mut opt = O::new(vm.all_vars(), cfg.clone())?;
+                    // The optimizer updates only what is not frozen.
+                    let frozen = |name: &str| freeze.iter().any(|p| matches_pattern(p, name));
+                    let data_lock = vm.data().lock().map_err(|_| Error::Usage("a poisoned variable map".into()))?;
+                    let vars: Vec<candle_core::Var> =
+                        data_lock.iter().filter(|(n, _)| !frozen(n)).map(|(_, v)| v.clone()).collect();
+                    drop(data_lock);
+                    let mut opt = O::new(vars, cfg.clone())?;
                     let shards: Vec<Batch> = data.iter().map(|b| b.slice(r * per..(r + 1) * per)).collect();
                     let step = |i: usize| -> Result<()> {
                         let b = &shards[i % shards.len()];
@@ -242,7 +300,23 @@ where
         eps += (n * per) as f64 / dt.as_secs_f64();
         step += dt.as_secs_f64() / n as f64 / k as f64;
     }
-    Ok(Measurement { examples_per_second: eps, step_seconds: step, peak_rss_bytes: peak_rss_bytes() })
+    Ok(Measurement {
+        examples_per_second: eps,
+        step_seconds: step,
+        peak_rss_bytes: peak_rss_bytes(),
+        reduced_bytes_per_step: 0.0,
+    })
+}
+
+/// Whether `name` matches `pattern` (`*` for any run of characters), as `Replicated::freeze`
+/// matches.
+fn matches_pattern(pattern: &str, name: &str) -> bool {
+    match pattern.split_once('*') {
+        None => pattern == name,
+        Some((head, tail)) => name.strip_prefix(head).is_some_and(|rest| {
+            (0..=rest.len()).any(|i| rest.is_char_boundary(i) && matches_pattern(tail, &rest[i..]))
+        }),
+    }
 }
 
 fn worker(spec: &str, args: &BenchTrainArgs) -> Result<()> {
@@ -274,18 +348,18 @@ where
     O::Config: Clone + Sync,
 {
     match config {
-        "one-device" => {
-            measure_strategy::<_, O>(&OneDeviceStrategy::cpu()?, cfg, hidden, data, args.seconds, args.stop_check)
+        "one-device" => measure_strategy::<_, O>(&OneDeviceStrategy::cpu()?, cfg, hidden, data, args, None),
+        "mirrored" => {
+            // The in-memory all-reduce Mirrored uses by default, behind a counter.
+            let devices = strata_core::device::logical_cpus(args.replicas)?;
+            let inner = strata_core::cross_device::CpuCrossDeviceOps::in_memory_all_reduce(args.replicas)?
+                .with_devices(devices.iter().map(|d| d.spec.clone()).collect())?;
+            let elements = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+            let ops = Box::new(Counting { inner, elements: elements.clone() });
+            let s = MirroredStrategy::with_cross_device_ops(devices, ops, Default::default())?;
+            measure_strategy::<_, O>(&s, cfg, hidden, data, args, Some(&elements))
         }
-        "mirrored" => measure_strategy::<_, O>(
-            &MirroredStrategy::logical_cpus(args.replicas)?,
-            cfg,
-            hidden,
-            data,
-            args.seconds,
-            args.stop_check,
-        ),
-        "ceiling" => measure_ceiling::<O>(args.replicas, cfg, hidden, data, args.seconds),
+        "ceiling" => measure_ceiling::<O>(args.replicas, cfg, hidden, data, args.seconds, &args.freeze),
         "multi-worker" => {
             let token = strata_transport::ClusterToken::resolve(None).map_err(|e| Error::Usage(e.to_string()))?;
             let resolver = strata_strategies::cluster::TFConfigClusterResolver::from_env()?;
@@ -293,7 +367,7 @@ where
                 &resolver,
                 strata_strategies::MultiWorkerOptions::new(token)?,
             )?;
-            let m = measure_strategy::<_, O>(&s, cfg, hidden, data, args.seconds, args.stop_check)?;
+            let m = measure_strategy::<_, O>(&s, cfg, hidden, data, args, None)?;
             s.finish()?;
             Ok(m)
         }
@@ -308,6 +382,7 @@ fn command(spec: &str, args: &BenchTrainArgs) -> Result<Command> {
         .args(["--replicas", &args.replicas.to_string(), "--seconds", &args.seconds.to_string()])
         .args(["--batch", &args.batch.to_string(), "--optimizer", args.optimizer.name()])
         .args(args.stop_check.then_some("--stop-check"))
+        .args(if args.freeze.is_empty() { vec![] } else { vec!["--freeze".to_string(), args.freeze.join(",")] })
         .env("CANDLE_NUM_THREADS", "1")
         .env("RAYON_NUM_THREADS", "1");
     Ok(c)
@@ -401,9 +476,13 @@ pub fn run(args: &BenchTrainArgs) -> Result<()> {
     if args.stop_check {
         println!("# --stop-check: after every execution ({} steps), the stop agreement of strata train (an all-reduce of one number across workers)", batches(args.batch)?.len());
     }
+    if !args.freeze.is_empty() {
+        println!("# frozen in every configuration: {} (never reduced nor updated)", args.freeze.join(", "));
+    }
+    println!("# reduced/step: bytes each mirrored replica hands to the all-reduce, or each multi-worker worker sends on the ring, per step");
     println!();
     println!(
-        "{:<6} {:>9} {:<12} {:>8} {:>12} {:>10} {:>10} {:>11} {:>12} {:>12}",
+        "{:<6} {:>9} {:<12} {:>8} {:>12} {:>10} {:>10} {:>11} {:>12} {:>12} {:>14}",
         "model",
         "params",
         "config",
@@ -413,7 +492,8 @@ pub fn run(args: &BenchTrainArgs) -> Result<()> {
         "peakRSS",
         "of ceiling",
         "vs TF 2.21",
-        "vs DDP gloo"
+        "vs DDP gloo",
+        "reduced/step"
     );
     for model in &args.models {
         let hidden = hidden_of(model)?;
@@ -445,8 +525,10 @@ pub fn run(args: &BenchTrainArgs) -> Result<()> {
                 (Some(t), "multi-worker") if k == 2 => format!("{:.2}x", eps / t),
                 _ => "-".to_string(),
             };
+            let reduced = med(i, |m| m.reduced_bytes_per_step);
+            let reduced = if reduced > 0.0 { format!("{reduced:.0} B") } else { "-".to_string() };
             println!(
-                "{:<6} {:>9} {:<12} {:>8} {:>12.0} {:>10.2} {:>9.0}M {:>11} {:>12} {:>12}",
+                "{:<6} {:>9} {:<12} {:>8} {:>12.0} {:>10.2} {:>9.0}M {:>11} {:>12} {:>12} {:>14}",
                 model,
                 params,
                 c,
@@ -456,7 +538,8 @@ pub fn run(args: &BenchTrainArgs) -> Result<()> {
                 med(i, |m| m.peak_rss_bytes as f64) / (1024.0 * 1024.0),
                 of_ceiling,
                 vs_tf,
-                vs_ddp
+                vs_ddp,
+                reduced
             );
         }
     }

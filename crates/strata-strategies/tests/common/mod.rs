@@ -212,6 +212,10 @@ macro_rules! strategy_test {
                 ($body)(common::mirrored(2))
             }
             #[test]
+            fn mirrored_3() {
+                ($body)(common::mirrored(3))
+            }
+            #[test]
             fn mirrored_4() {
                 ($body)(common::mirrored(4))
             }
