@@ -321,7 +321,9 @@ impl Slurm {
     pub fn start(hosts: Hosts, cpus: usize) -> Result<Slurm, Skip> {
         for tool in ["slurmctld", "slurmd", "munged", "sbatch", "scontrol", "sinfo", "scancel"] {
             if !["/usr/sbin", "/usr/bin"].iter().any(|d| Path::new(d).join(tool).exists()) {
-                return Err(Skip(format!("`{tool}` is not installed; install Debian's slurm-wlm and munge (.ci/run does)")));
+                return Err(Skip(format!(
+                    "`{tool}` is not installed; install Debian's slurm-wlm and munge (.ci/run does)"
+                )));
             }
         }
         let run = hosts.dir().join("slurm");
@@ -459,7 +461,8 @@ impl Slurm {
             let fields = self.job(job);
             let get = |k: &str| fields.iter().find(|(f, _)| f == k).map(|(_, v)| v.clone()).unwrap_or_default();
             let state = get("JobState");
-            if !state.is_empty() && !["PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED"].contains(&state.as_str())
+            if !state.is_empty()
+                && !["PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED"].contains(&state.as_str())
             {
                 let seconds = parse_run_time(&get("RunTime"));
                 return JobEnd { state, exit_code: get("ExitCode"), seconds };
@@ -488,7 +491,10 @@ impl Slurm {
     /// Stops the daemons and the hosts; returns what is left behind.
     pub fn teardown(&mut self) -> Vec<String> {
         for (_, child) in &mut self.daemons {
-            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), nix::sys::signal::Signal::SIGTERM);
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(child.id() as i32),
+                nix::sys::signal::Signal::SIGTERM,
+            );
         }
         let until = Instant::now() + Duration::from_secs(5);
         for (_, child) in &mut self.daemons {

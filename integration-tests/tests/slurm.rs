@@ -40,7 +40,8 @@ fn submit(slurm: &Slurm, dir: &Path, token: &Path, args: &[&str], script: &Path,
     let token = token.to_str().expect("a UTF-8 path");
     let bytes = slurm.hosts().link_bytes();
     let started = Instant::now();
-    let job = slurm.sbatch(dir, args, script, &[("STRATA", &bin), ("STRATA_TOKEN_FILE", token), ("STRATA_LOG", "warn")]);
+    let job =
+        slurm.sbatch(dir, args, script, &[("STRATA", &bin), ("STRATA_TOKEN_FILE", token), ("STRATA_LOG", "warn")]);
     let end = slurm.wait(job, Duration::from_secs(300));
     let wall = started.elapsed();
     let output = std::fs::read_to_string(dir.join(format!("{out_prefix}-{job}.out"))).unwrap_or_default();
@@ -213,8 +214,8 @@ fn preempted_job_resumes_bitwise() {
     let script = script("train-digits.sbatch");
     let job = slurm.sbatch(reference_dir.path(), &["--nodes=2"], &script, &env);
     let reference = slurm.wait(job, Duration::from_secs(300));
-    let reference_out = std::fs::read_to_string(reference_dir.path().join(format!("strata-digits-{job}.out")))
-        .unwrap_or_default();
+    let reference_out =
+        std::fs::read_to_string(reference_dir.path().join(format!("strata-digits-{job}.out"))).unwrap_or_default();
     assert_eq!(reference.state, "COMPLETED", "{reference_out}");
     let reference_digest = digest_of(&reference_out);
 
@@ -222,7 +223,8 @@ fn preempted_job_resumes_bitwise() {
     let (dir, _) = job_dir();
     std::fs::write(dir.path().join("token"), TOKEN).expect("the token file");
     let token = dir.path().join("token");
-    let env = [("STRATA", bin.as_str()), ("STRATA_TOKEN_FILE", token.to_str().expect("UTF-8")), ("STRATA_EPOCHS", epochs)];
+    let env =
+        [("STRATA", bin.as_str()), ("STRATA_TOKEN_FILE", token.to_str().expect("UTF-8")), ("STRATA_EPOCHS", epochs)];
     let started = Instant::now();
     let job = slurm.sbatch(dir.path(), &["--nodes=2"], &script, &env);
     slurm.wait_running(job, Duration::from_secs(60));

@@ -81,7 +81,7 @@ impl Case for Heads {
         let x = Tensor::from_slice(&b.features, (b.len(), 6), dev)?;
         let y = Tensor::from_slice(&b.labels, b.len(), dev)?;
         let h = self.trunk.forward(&x)?.tanh()?;
-        let head = if step % 2 == 0 { &self.a } else { &self.b };
+        let head = if step.is_multiple_of(2) { &self.a } else { &self.b };
         let mut loss = candle_nn::loss::cross_entropy(&head.forward(&h)?, &y)?;
         let rare: Vec<u32> = (0..b.len() as u32).filter(|&i| b.features[i as usize * 6] > 0.8).collect();
         if !rare.is_empty() {

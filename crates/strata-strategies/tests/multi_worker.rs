@@ -118,7 +118,12 @@ fn a_task_with_another_cluster_spec_is_refused_at_rendezvous() {
     let e = MultiWorkerMirroredStrategy::new(ClusterConfig::new(bad, TaskId::worker(1)).unwrap(), options(1))
         .unwrap_err()
         .to_string();
-    assert!(e.contains("worker:1") && e.contains("cluster") && e.contains("give every task the same cluster (the cluster spec)"), "{e}");
+    assert!(
+        e.contains("worker:1")
+            && e.contains("cluster")
+            && e.contains("give every task the same cluster (the cluster spec)"),
+        "{e}"
+    );
     assert!(chief.join().unwrap().is_err());
 }
 

@@ -30,8 +30,7 @@ pub fn runtime() -> &'static Runtime {
 /// Binds a listener for a server (`what`: "the parameter server ps:0") on `bind` (port 0 picks
 /// a free one) and reads the address it got. Must not be called from inside the runtime.
 pub(crate) fn listen(bind: SocketAddr, what: &str) -> Result<(TcpListener, SocketAddr)> {
-    let listener =
-        runtime().block_on(TcpListener::bind(bind)).map_err(|e| Error::bind(what, bind, e))?;
+    let listener = runtime().block_on(TcpListener::bind(bind)).map_err(|e| Error::bind(what, bind, e))?;
     let address = listener.local_addr().map_err(|e| Error::io(format!("reading the address of {what}"), e))?;
     Ok((listener, address))
 }

@@ -368,7 +368,7 @@ impl Trainer {
         let steps_per_epoch = train.len().div_ceil(cfg.global_batch);
         let accumulation = opt.accumulation();
         if let Some(c) = cfg.checkpoint.as_ref().filter(|_| accumulation > 1) {
-            if c.every_steps % accumulation != 0 || steps_per_epoch % accumulation != 0 {
+            if !c.every_steps.is_multiple_of(accumulation) || !steps_per_epoch.is_multiple_of(accumulation) {
                 return Err(crate::Error::Usage(format!(
                     "checkpoints every {} batches of an epoch of {steps_per_epoch} with gradients accumulated over {accumulation}: checkpoints must fall on optimizer steps; make both multiples of {accumulation}",
                     c.every_steps

@@ -204,7 +204,13 @@ impl SlurmClusterResolver {
     }
 
     fn with_vars(vars: HashMap<String, String>) -> Self {
-        SlurmClusterResolver { vars, base_port: Self::DEFAULT_BASE_PORT, gpus_per_task: 0, tasks_per_node: None, jobs: None }
+        SlurmClusterResolver {
+            vars,
+            base_port: Self::DEFAULT_BASE_PORT,
+            gpus_per_task: 0,
+            tasks_per_node: None,
+            jobs: None,
+        }
     }
 
     /// The port of each node's first task (default 8888); the node's task `l` uses
@@ -397,8 +403,8 @@ impl ClusterResolver for SlurmClusterResolver {
                 (jobs, task)
             }
         };
-        let spec = ClusterSpec::validated(jobs, "")
-            .map_err(|m| Error::InvalidCluster(format!("Slurm node list: {m}")))?;
+        let spec =
+            ClusterSpec::validated(jobs, "").map_err(|m| Error::InvalidCluster(format!("Slurm node list: {m}")))?;
         ClusterConfig::new(spec, task)
     }
 }
