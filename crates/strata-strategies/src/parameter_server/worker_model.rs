@@ -9,7 +9,7 @@
 //! # use strata_strategies::parameter_server::{PsWorkerModel, StepRegistry, WorkerContext};
 //! # use strata_core::data::Batch;
 //! # use strata_core::{ReduceOp, Strategy};
-//! # fn batch_for(step: u64) -> Batch { unimplemented!() }
+//! # fn batch_for(step: u64) -> Batch { Batch::new(vec![step as f32; 32], vec![0; 8], 4).expect("8 rows of 4") }
 //! let worker = PsWorkerModel::new(2, Default::default(), |s| candle_nn::linear(4, 2, s.var_builder().pp("fc")))?;
 //! let mut registry = StepRegistry::new();
 //! registry.register("train", move |w: &WorkerContext, step: u64| {
