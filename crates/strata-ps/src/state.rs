@@ -1060,12 +1060,15 @@ mod partial_tests {
 
     /// A task of `a` (2 elements) and `b` (1) in `mode`, `a = [1, 2]`, `b = [3]`.
     fn task(opt: &ServerOptimizer, mode: PsMode) -> State {
-        let mut state = State::new("ps:0".into(), None);
-        let header = CreateHeader {
-            variables: vec![VariableInfo::whole("a", vec![2]), VariableInfo::whole("b", vec![1])],
-            optimizer: opt.clone(),
-            mode,
-        };
+        task_with(opt, mode, None, VariableInfo::whole("b", vec![1]))
+    }
+
+    /// A task holding `a` = [1, 2] and `b` = [3] (described by `b`), streaming from
+    /// `stream_min_bytes` when given.
+    fn task_with(opt: &ServerOptimizer, mode: PsMode, stream_min_bytes: Option<usize>, b: VariableInfo) -> State {
+        let mut state = State::new("ps:0".into(), stream_min_bytes);
+        let header =
+            CreateHeader { variables: vec![VariableInfo::whole("a", vec![2]), b], optimizer: opt.clone(), mode };
         let create = vec![
             Chunk { var: 0, offset: 0, pieces: vec![bytes_of(&[1.0, 2.0])] },
             Chunk { var: 1, offset: 0, pieces: vec![bytes_of(&[3.0])] },
@@ -1122,19 +1125,9 @@ mod partial_tests {
         let opt = ServerOptimizer::AdamW { lr: 0.1, beta1: 0.9, beta2: 0.999, eps: 1e-7, weight_decay: 0.5 };
         for mode in [PsMode::Async, PsMode::Sync { workers: 2, backup_workers: 0 }] {
             for streamed in [false, true] {
-                let mut state = State::new("ps:0".into(), streamed.then_some(0));
                 let mut b = VariableInfo::whole("b", vec![1]);
                 b.state = true;
-                let header = CreateHeader {
-                    variables: vec![VariableInfo::whole("a", vec![2]), b],
-                    optimizer: opt.clone(),
-                    mode,
-                };
-                let create = vec![
-                    Chunk { var: 0, offset: 0, pieces: vec![bytes_of(&[1.0, 2.0])] },
-                    Chunk { var: 1, offset: 0, pieces: vec![bytes_of(&[3.0])] },
-                ];
-                state.create(&header, &create).unwrap();
+                let mut state = task_with(&opt, mode, streamed.then_some(0), b);
                 let h = |worker: &str, step| PushHeader {
                     id: UpdateId { worker: worker.into(), client: "c".into(), step, seq: 0 },
                     base_version: 0,
