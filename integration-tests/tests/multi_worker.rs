@@ -313,3 +313,76 @@ fn a_worker_with_the_wrong_token_fails_the_chief_within_seconds_naming_it() {
     assert!(took < Duration::from_secs(8), "{took:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Writes `rows` rows of the shipped digits (from row `from`) as a plain CSV at `path`.
+fn digits_shard(path: &Path, from: usize, rows: usize) {
+    let all = strata::digits::load(None).unwrap();
+    let mut text = String::new();
+    for i in from..from + rows {
+        let px = &all.features[i * 64..(i + 1) * 64];
+        let fields: Vec<String> = px.iter().map(|v| format!("{}", (v * 16.0).round() as u32)).collect();
+        text.push_str(&format!("{},{}\n", fields.join(","), all.labels[i]));
+    }
+    std::fs::write(path, text).unwrap();
+}
+
+#[test]
+fn auto_shard_file_gives_each_worker_whole_files() {
+    // Two identical shards: under --auto-shard file each worker reads its own (files 0 and 1),
+    // so a step of --batch 128 is the same 64 rows twice, and the job ends where one process
+    // ends with --batch 64 on one shard. A worker that read both files would run twice the
+    // steps and end elsewhere.
+    let dir = tmp("autoshard");
+    let shards = dir.join("shards");
+    std::fs::create_dir_all(&shards).unwrap();
+    digits_shard(&shards.join("part-0.csv"), 0, 600);
+    digits_shard(&shards.join("part-1.csv"), 0, 600);
+    let common = ["--epochs", "2", "--hidden", "32", "--optimizer", "sgd", "--lr", "0.1"];
+    let mut args = common.to_vec();
+    args.extend([
+        "--auto-shard",
+        "file",
+        "--batch",
+        "128",
+        "--data",
+        "shards",
+        "--save-params",
+        "p-{task}.safetensors",
+    ]);
+    run_job(2, &args, &dir);
+    let (a, b) =
+        (std::fs::read(dir.join("p-0.safetensors")).unwrap(), std::fs::read(dir.join("p-1.safetensors")).unwrap());
+    assert!(a == b, "the workers' parameters differ");
+    let mut single = strata();
+    single.args(["train", "--strategy", "one-device", "--no-progress", "--save-params", "single.safetensors"]);
+    single.args(common).args(["--batch", "64", "--data", "shards/part-0.csv"]);
+    let o = wait(
+        single.current_dir(&dir).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap(),
+        Instant::now() + Duration::from_secs(120),
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_close(&load(&dir.join("p-0.safetensors")), &load(&dir.join("single.safetensors")), 1e-5);
+
+    // Refusals, one line and exit code 2 on every worker: fewer files than workers, a batch
+    // that does not divide, shards of unequal steps.
+    let refused = |args: &[&str], want: &str| {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        for (i, o) in start_workers(2, args, &dir).into_iter().map(|c| wait(c, deadline)).enumerate() {
+            let err = String::from_utf8_lossy(&o.stderr);
+            let line = err.lines().find(|l| l.starts_with("error:")).unwrap_or_default();
+            assert_eq!(o.status.code(), Some(2), "worker {i}: {err}");
+            assert!(line.contains(want), "worker {i}: {err}");
+        }
+    };
+    let one = dir.join("one");
+    std::fs::create_dir_all(&one).unwrap();
+    digits_shard(&one.join("only.csv"), 0, 100);
+    refused(
+        &["--auto-shard", "file", "--data", "one", "--epochs", "1"],
+        "needs at least 2 files, but --data one has 1",
+    );
+    refused(&["--auto-shard", "file", "--data", "shards", "--batch", "127", "--epochs", "1"], "use a multiple of 2");
+    digits_shard(&shards.join("part-1.csv"), 0, 300);
+    refused(&["--auto-shard", "file", "--data", "shards", "--batch", "64", "--epochs", "1"], "steps an epoch");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -49,6 +49,10 @@ pub enum AutoShardKind {
     Data,
     /// No sharding: each worker's batches are its own.
     Off,
+    /// Whole files per worker (TensorFlow's FILE): `--data` is a directory of digits shards;
+    /// worker `i` of `W` trains on files `i`, `i + W`, ... in batches of `--batch / W`, its
+    /// part of each step.
+    File,
 }
 
 /// Which CPU reduction.
@@ -96,7 +100,9 @@ pub struct TrainArgs {
     /// Seed of initialisation and shuffling (the train/test split is fixed).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Digits CSV (.csv or .csv.gz); default: the copy shipped in data/ (built into the binary).
+    /// Digits CSV (.csv or .csv.gz), or a directory of them (a data set sharded into files,
+    /// joined in name order; whole files per worker with --auto-shard file); default: the copy
+    /// shipped in data/ (built into the binary).
     #[arg(long)]
     pub data: Option<PathBuf>,
     /// Write a JSON summary here.
@@ -356,6 +362,9 @@ pub fn make_multi_worker(args: &TrainArgs, options: StrategyOptions) -> Result<M
     mw.auto_shard = match args.auto_shard {
         AutoShardKind::Data => AutoShardPolicy::Data,
         AutoShardKind::Off => AutoShardPolicy::Off,
+        // The command hands each worker its files itself (`worker_data`); what a worker then
+        // holds is its own part of every step.
+        AutoShardKind::File => AutoShardPolicy::Off,
     };
     Ok(MultiWorkerMirroredStrategy::from_resolver(resolver.as_ref(), mw)?)
 }
@@ -505,6 +514,38 @@ fn stopped_error(args: &TrainArgs, stopped: &strata::trainer::Stopped) -> Error 
     Error::Stopped { step: stopped.step, code: stopped.code, detail: format!("asked to stop by {signal}{resume}") }
 }
 
+/// This worker's data and the batch its trainer cuts: every row and `--batch` rows, or, under
+/// `--auto-shard file` in a job of `W` workers, the rows of files `i`, `i + W`, ... of the
+/// `--data` directory and `--batch / W` rows (this worker's part of each step).
+fn worker_data(args: &TrainArgs, multi: Option<&MultiWorkerMirroredStrategy>) -> Result<(strata::data::Batch, usize)> {
+    let workers = multi.map_or(1, |m| m.num_workers());
+    if args.auto_shard != AutoShardKind::File || workers == 1 {
+        return Ok((digits::load(args.data.as_deref())?, args.batch));
+    }
+    let Some(dir) = args.data.as_deref() else {
+        return Err(Error::Usage(format!(
+            "--auto-shard file hands each worker whole files: pass --data with a directory of at least {workers} digits files"
+        )));
+    };
+    let files = digits::shard_files(dir)?;
+    if files.len() < workers {
+        return Err(Error::Usage(format!(
+            "--auto-shard file over {workers} workers needs at least {workers} files, but --data {} has {}; shard the data into more files or use --auto-shard data",
+            dir.display(),
+            files.len()
+        )));
+    }
+    if !args.batch.is_multiple_of(workers) {
+        return Err(Error::Usage(format!(
+            "--batch {} over {workers} workers with --auto-shard file: each worker takes an equal part of a step; use a multiple of {workers}",
+            args.batch
+        )));
+    }
+    let index = multi.map_or(0, |m| m.worker_index());
+    let mine: Vec<_> = files.into_iter().skip(index).step_by(workers).collect();
+    Ok((digits::load_files(&mine)?, args.batch / workers))
+}
+
 fn train_with(
     args: &TrainArgs,
     started: std::time::Instant,
@@ -513,7 +554,7 @@ fn train_with(
     multi: Option<&MultiWorkerMirroredStrategy>,
     stop: &StopSignal,
 ) -> Result<()> {
-    let all = digits::load(args.data.as_deref())?;
+    let (all, global_batch) = worker_data(args, multi)?;
     let (train, test) = digits::train_test_split(&all, 0.2, 0);
     let replicas = strategy.num_replicas_in_sync();
     if args.batch < replicas {
@@ -527,7 +568,7 @@ fn train_with(
     let is_chief = multi.is_none_or(|m| m.is_chief());
     let trainer = Trainer::new(TrainConfig {
         epochs: args.epochs,
-        global_batch: args.batch,
+        global_batch,
         seed: args.seed,
         progress: Some(Arc::new(strata_compare::progress::Bar::new(!args.no_progress && is_chief))),
         checkpoint: args.checkpoint_dir.as_ref().map(|dir| strata::trainer::CheckpointConfig {

@@ -5,7 +5,7 @@
 //! 0..=16 (an 8x8 image) and a label in 0..=9.
 
 use std::io::{BufRead, BufReader, Read};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
@@ -32,9 +32,12 @@ pub const MAX_ROWS: usize = 1 << 21;
 /// is read line by line and refused past [`MAX_LINE_BYTES`] a line, [`MAX_TEXT_BYTES`] or
 /// [`MAX_ROWS`] (so `/dev/zero` or a gzip bomb is an error, not a process that grows until it
 /// is killed).
+///
+/// A directory is a data set sharded into files: its shards ([`shard_files`]) joined.
 pub fn load(path: Option<&Path>) -> Result<Batch> {
     match path {
         None => parse(DIGITS_CSV_GZ, "data/digits.csv.gz (built in)"),
+        Some(p) if p.is_dir() => load_files(&shard_files(p)?),
         Some(p) => {
             let name = p.display().to_string();
             let file = std::fs::File::open(p).map_err(|e| Error::Data {
@@ -44,6 +47,54 @@ pub fn load(path: Option<&Path>) -> Result<Batch> {
             parse_reader(BufReader::new(file), &name)
         }
     }
+}
+
+/// The files of a digits data set at `path`: the file itself, or, for a directory (a data set
+/// sharded into files), its `.csv` and `.csv.gz` files sorted by name. An error names a
+/// directory that holds none.
+pub fn shard_files(path: &Path) -> Result<Vec<PathBuf>> {
+    let name = path.display().to_string();
+    if !path.is_dir() {
+        return Ok(vec![path.to_path_buf()]);
+    }
+    let entries = std::fs::read_dir(path).map_err(|e| Error::Data {
+        path: name.clone(),
+        reason: format!("cannot list the directory ({e}); give a digits CSV or a directory of them"),
+    })?;
+    let mut files: Vec<PathBuf> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            let n = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
+            p.is_file() && (n.ends_with(".csv") || n.ends_with(".csv.gz"))
+        })
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        return Err(Error::Data {
+            path: name,
+            reason: "a directory without .csv or .csv.gz files; put the data set's shards in it".into(),
+        });
+    }
+    Ok(files)
+}
+
+/// Loads `files` (each as [`load`] does) and joins their rows in order: at most [`MAX_ROWS`]
+/// rows in all.
+pub fn load_files(files: &[PathBuf]) -> Result<Batch> {
+    let mut parts = Vec::with_capacity(files.len());
+    let mut rows = 0;
+    for f in files {
+        let part = load(Some(f))?;
+        rows += part.len();
+        if rows > MAX_ROWS {
+            return Err(Error::Data {
+                path: f.display().to_string(),
+                reason: format!("the files up to this one hold more than {MAX_ROWS} rows, the limit"),
+            });
+        }
+        parts.push(part);
+    }
+    Ok(<Batch as strata_core::data::BatchData>::concat(&parts)?)
 }
 
 /// Parses digits CSV bytes (gzip or plain).

@@ -38,11 +38,10 @@ use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use serde::Serialize;
 use strata_core::checkpoint::{self, CheckpointTensor, OptimizerState};
-use strata_core::data::{Batch, DistributedBatch, TailPolicy};
+use strata_core::data::{Batch, BatchData, DistributedBatch, TailPolicy};
 use strata_core::optim::schedule::LrSchedule;
 use strata_core::{DistributedOptimizer, ReduceOp, ReplicaContext, Replicated, Strategy};
 
-use crate::digits::gather;
 use crate::model::Classifier;
 use crate::Result;
 
@@ -288,19 +287,20 @@ impl Trainer {
 
     /// Trains `model` with `opt` under `strategy` on `train` as `task` says (its loss),
     /// evaluating `task`'s metrics on `test` each epoch.
-    pub fn fit<S, M, O>(
+    pub fn fit<S, M, O, B>(
         &self,
         strategy: &S,
         model: &Replicated<M>,
         opt: &DistributedOptimizer<O>,
-        task: &Task<'_, M>,
-        train: &Batch,
-        test: &Batch,
+        task: &Task<'_, M, B>,
+        train: &B,
+        test: &B,
     ) -> Result<FitReport>
     where
         S: Strategy,
         M: Send + Sync,
         O: Optimizer + Send,
+        B: BatchData,
     {
         if self.config.checkpoint.is_some() {
             return Err(crate::Error::Usage(
@@ -317,19 +317,20 @@ impl Trainer {
     /// [`CheckpointConfig::every_steps`] steps (atomic and verified, see
     /// `strata_core::checkpoint`). A resumed run ends with the same parameters as an
     /// uninterrupted one, because the shuffles are seeded per epoch.
-    pub fn fit_checkpointed<S, M, O>(
+    pub fn fit_checkpointed<S, M, O, B>(
         &self,
         strategy: &S,
         model: &Replicated<M>,
         opt: &DistributedOptimizer<O>,
-        task: &Task<'_, M>,
-        train: &Batch,
-        test: &Batch,
+        task: &Task<'_, M, B>,
+        train: &B,
+        test: &B,
     ) -> Result<FitReport>
     where
         S: Strategy,
         M: Send + Sync,
         O: Optimizer + OptimizerState + Send,
+        B: BatchData,
     {
         let save = || -> Result<Vec<(String, Tensor)>> { Ok(opt.lock(0).state_tensors()?) };
         let load = |state: &[(String, Tensor)]| -> Result<()> {
@@ -342,20 +343,21 @@ impl Trainer {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn fit_inner<S, M, O>(
+    fn fit_inner<S, M, O, B>(
         &self,
         strategy: &S,
         model: &Replicated<M>,
         opt: &DistributedOptimizer<O>,
-        task: &Task<'_, M>,
-        train: &Batch,
-        test: &Batch,
+        task: &Task<'_, M, B>,
+        train: &B,
+        test: &B,
         hooks: Option<OptimizerHooks<'_>>,
     ) -> Result<FitReport>
     where
         S: Strategy,
         M: Send + Sync,
         O: Optimizer + Send,
+        B: BatchData,
     {
         let cfg = &self.config;
         if cfg.global_batch == 0 {
@@ -365,7 +367,8 @@ impl Trainer {
             return Err(crate::Error::Usage("0 epochs train nothing: train for 1 epoch or more".into()));
         }
         let start = Instant::now();
-        let steps_per_epoch = train.len().div_ceil(cfg.global_batch);
+        let train_rows = train.rows()?;
+        let steps_per_epoch = train_rows.div_ceil(cfg.global_batch);
         let accumulation = opt.accumulation();
         if let Some(c) = cfg.checkpoint.as_ref().filter(|_| accumulation > 1) {
             if !c.every_steps.is_multiple_of(accumulation) || !steps_per_epoch.is_multiple_of(accumulation) {
@@ -391,6 +394,9 @@ impl Trainer {
         let mut global_step = resumed;
         let workers = strategy.extended().workers();
         let num_workers = workers.map_or(1, |w| w.num_workers()) as u64;
+        if let Some(w) = workers.filter(|w| w.num_workers() > 1) {
+            agree_on_epochs(w, strategy.extended().auto_shard(), train_rows, steps_per_epoch)?;
+        }
         // Only the chief writes records.
         let metrics = cfg.metrics.clone().filter(|_| is_chief(strategy));
         let progress: &dyn Progress = cfg.progress.as_deref().unwrap_or(&Silent);
@@ -407,11 +413,15 @@ impl Trainer {
                 break;
             }
             let _e = tracing::info_span!("epoch", epoch).entered();
-            let mut idx: Vec<usize> = (0..train.len()).collect();
+            let mut idx: Vec<usize> = (0..train_rows).collect();
             idx.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(cfg.seed.wrapping_add(epoch as u64)));
-            let batches = idx.chunks(cfg.global_batch).map(|c| gather(train, c));
+            let batches =
+                idx.chunks(cfg.global_batch).map(|c| train.take_rows(c)).collect::<strata_core::Result<Vec<B>>>()?;
             let mut data = strategy.distribute_dataset(batches, TailPolicy::Split);
             let epoch_batches: Vec<_> = data.by_ref().collect();
+            if let Some(e) = data.take_error() {
+                return Err(e.into());
+            }
             // A resumed epoch skips the steps its checkpoint already holds.
             let done_in_epoch = global_step.saturating_sub(epoch * steps_per_epoch).min(epoch_batches.len());
             let mut epoch_batches = &epoch_batches[done_in_epoch..];
@@ -603,6 +613,39 @@ pub fn agreed_stop<S: Strategy>(strategy: &S, signal: &StopSignal) -> strata_cor
     Ok((code > 0).then_some(code))
 }
 
+/// Every worker of a job must run as many steps per epoch (each step needs every worker). Under
+/// `Data` sharding the workers read the same data set; under `Off` (and `File`, whose workers
+/// hold different files) each holds its own: one all-reduce of `[steps, -steps, rows, -rows]`
+/// finds the largest and smallest, and differing steps are an error before any step.
+fn agree_on_epochs(
+    w: &dyn strata_core::strategy::WorkerCollectives,
+    policy: strata_core::strategy::AutoShardPolicy,
+    rows: usize,
+    steps: usize,
+) -> Result<()> {
+    // Counts below 2^24 are exact in an f32.
+    let (r, st) = (rows.min(1 << 24) as f32, steps.min(1 << 24) as f32);
+    let mut v = [st, -st, r, -r];
+    w.all_reduce(ReduceOp::Max, &mut v)?;
+    let (most, least) = (v[0] as usize, (-v[1]) as usize);
+    if most != least {
+        return Err(crate::Error::Usage(format!(
+            "worker {} has {rows} training examples, {steps} steps an epoch, but another worker has {} steps; every step needs every worker: give the workers equal shares of the data (under {policy:?} sharding each reads its own)",
+            w.worker_index(),
+            if most == steps { least } else { most },
+        )));
+    }
+    if v[2] != -v[3] {
+        tracing::warn!(
+            rows,
+            most = v[2],
+            least = -v[3],
+            "workers hold different numbers of examples: the last step of an epoch weighs each worker's part as if all were equal"
+        );
+    }
+    Ok(())
+}
+
 /// How the trainer saves and restores an optimizer's state.
 type NamedTensors = Vec<(String, Tensor)>;
 type SaveState<'a> = &'a dyn Fn() -> Result<NamedTensors>;
@@ -730,51 +773,55 @@ pub(crate) struct Silent;
 impl Progress for Silent {}
 
 /// The loss of a replica's shard: `(the replica's copy of the model, its context, its shard)`.
-pub type LossFn<'a, M> = dyn Fn(&M, &ReplicaContext<'_>, &Batch) -> strata_core::Result<Tensor> + Send + Sync + 'a;
+pub type LossFn<'a, M, B = Batch> =
+    dyn Fn(&M, &ReplicaContext<'_>, &B) -> strata_core::Result<Tensor> + Send + Sync + 'a;
 
 /// What evaluation computes on a replica's shard, for the metrics to read.
-pub type OutputsFn<'a, M> = dyn Fn(&M, &ReplicaContext<'_>, &Batch) -> strata_core::Result<Outputs> + Send + Sync + 'a;
+pub type OutputsFn<'a, M, B = Batch> =
+    dyn Fn(&M, &ReplicaContext<'_>, &B) -> strata_core::Result<Outputs> + Send + Sync + 'a;
 
-/// What [`Trainer::fit`] trains and measures, for a model of any type `M`: the loss of a
-/// shard (training), what evaluation computes on a shard ([`Outputs`]), and the metrics.
+/// What [`Trainer::fit`] trains and measures, for a model of any type `M` on batches of any
+/// type `B` ([`BatchData`]: a tensor, a tuple or named map of tensors, [`Batch`], a type of the
+/// user's own): the loss of a shard (training), what evaluation computes on a shard
+/// ([`Outputs`]), and the metrics. The closures name the batch type (`b: &B`), which the
+/// data sets given to [`Trainer::fit`] then have.
 ///
 /// ```
 /// use candle_core::{Module, Tensor};
+/// use strata::data::BatchData;
 /// use strata::trainer::{Accuracy, Loss, Outputs, Task};
 ///
 /// struct Linear(candle_nn::Linear); // the user's own model
-/// let task = Task::new(|m: &Linear, ctx, b| {
-///     let x = b.features_tensor(ctx.candle_device())?;
-///     let y = b.labels_tensor(ctx.candle_device())?;
+/// // Batches of (features, labels) tensors, moved to the replica's device.
+/// let task = Task::new(|m: &Linear, ctx, b: &(Tensor, Tensor)| {
+///     let (x, y) = b.to_device(ctx.candle_device())?;
 ///     Ok(candle_nn::loss::cross_entropy(&m.0.forward(&x)?, &y)?)
 /// })
-/// .with_outputs(|m: &Linear, ctx, b| {
-///     let x = b.features_tensor(ctx.candle_device())?;
-///     Outputs::classification(m.0.forward(&x)?, b.labels_tensor(ctx.candle_device())?)
+/// .with_outputs(|m: &Linear, ctx, b: &(Tensor, Tensor)| {
+///     let (x, y) = b.to_device(ctx.candle_device())?;
+///     Outputs::classification(m.0.forward(&x)?, y)
 /// })
 /// .with_metrics(vec![Box::new(Accuracy), Box::new(Loss)]);
 /// assert_eq!(task.metric_names(), ["accuracy", "loss"]);
 /// ```
-pub struct Task<'a, M> {
-    loss: Box<LossFn<'a, M>>,
-    outputs: Option<Box<OutputsFn<'a, M>>>,
-    metrics: Vec<Box<dyn Metric + 'a>>,
+pub struct Task<'a, M, B = Batch> {
+    loss: Box<LossFn<'a, M, B>>,
+    outputs: Option<Box<OutputsFn<'a, M, B>>>,
+    metrics: Vec<Box<dyn Metric<B> + 'a>>,
 }
 
-impl<M> std::fmt::Debug for Task<'_, M> {
+impl<M, B: BatchData> std::fmt::Debug for Task<'_, M, B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Task").field("metrics", &self.metric_names()).finish_non_exhaustive()
     }
 }
 
-impl<'a, M> Task<'a, M> {
+impl<'a, M, B: BatchData + 'a> Task<'a, M, B> {
     /// A task whose loss on a shard is `loss` (the shard's mean loss: the trainer weighs each
     /// replica's by its share of the global batch). Evaluation measures [`Loss`] with it
     /// until [`with_outputs`](Self::with_outputs) and [`with_metrics`](Self::with_metrics)
     /// say otherwise.
-    pub fn new(
-        loss: impl Fn(&M, &ReplicaContext<'_>, &Batch) -> strata_core::Result<Tensor> + Send + Sync + 'a,
-    ) -> Self {
+    pub fn new(loss: impl Fn(&M, &ReplicaContext<'_>, &B) -> strata_core::Result<Tensor> + Send + Sync + 'a) -> Self {
         Self { loss: Box::new(loss), outputs: None, metrics: vec![Box::new(Loss)] }
     }
 
@@ -783,14 +830,14 @@ impl<'a, M> Task<'a, M> {
     /// loss.
     pub fn with_outputs(
         mut self,
-        outputs: impl Fn(&M, &ReplicaContext<'_>, &Batch) -> strata_core::Result<Outputs> + Send + Sync + 'a,
+        outputs: impl Fn(&M, &ReplicaContext<'_>, &B) -> strata_core::Result<Outputs> + Send + Sync + 'a,
     ) -> Self {
         self.outputs = Some(Box::new(outputs));
         self
     }
 
     /// The metrics evaluation reports, in this order.
-    pub fn with_metrics(mut self, metrics: Vec<Box<dyn Metric + 'a>>) -> Self {
+    pub fn with_metrics(mut self, metrics: Vec<Box<dyn Metric<B> + 'a>>) -> Self {
         self.metrics = metrics;
         self
     }
@@ -801,7 +848,7 @@ impl<'a, M> Task<'a, M> {
     }
 
     /// Evaluation's outputs on a shard.
-    fn outputs(&self, model: &M, ctx: &ReplicaContext<'_>, batch: &Batch) -> strata_core::Result<Outputs> {
+    fn outputs(&self, model: &M, ctx: &ReplicaContext<'_>, batch: &B) -> strata_core::Result<Outputs> {
         match &self.outputs {
             Some(f) => f(model, ctx, batch),
             None => Ok(Outputs { loss: Some((self.loss)(model, ctx, batch)?), logits: None, targets: None }),
@@ -813,11 +860,11 @@ impl<M: Classifier> Task<'_, M> {
     /// The task of a [`Classifier`] (such as [`crate::model::Mlp`]): its cross-entropy loss on
     /// the batch's features and labels, and [`Accuracy`] on the test set.
     pub fn classifier() -> Self {
-        Task::new(|m: &M, ctx, b| {
+        Task::new(|m: &M, ctx, b: &Batch| {
             let (x, y) = (b.features_tensor(ctx.candle_device())?, b.labels_tensor(ctx.candle_device())?);
             Ok(m.loss(&x, &y)?)
         })
-        .with_outputs(|m: &M, ctx, b| {
+        .with_outputs(|m: &M, ctx, b: &Batch| {
             let x = b.features_tensor(ctx.candle_device())?;
             Ok(Outputs {
                 loss: None,
@@ -878,12 +925,15 @@ pub struct MetricValue {
 /// each shard gives a total and a count ([`Metric::measure`]), which are summed over every
 /// replica and worker before [`Metric::result`], so the value is exactly the whole set's
 /// whatever the split. Implement it for a metric of your own.
-pub trait Metric: Send + Sync {
+///
+/// A metric reads the evaluation [`Outputs`] and the shard of the batch type `B` it was
+/// computed on ([`Batch`] unless said otherwise); the shipped ones work on every batch type.
+pub trait Metric<B = Batch>: Send + Sync {
     /// Its name in reports (`accuracy`, `loss`, ...).
     fn name(&self) -> &str;
 
     /// `(total, count)` on one shard, such as (rows classified correctly, rows).
-    fn measure(&self, batch: &Batch, outputs: &Outputs) -> strata_core::Result<(f64, f64)>;
+    fn measure(&self, batch: &B, outputs: &Outputs) -> strata_core::Result<(f64, f64)>;
 
     /// The value from the totals and counts summed over every shard: `total / count` unless
     /// the metric says otherwise (0 for no examples).
@@ -900,12 +950,12 @@ pub trait Metric: Send + Sync {
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Accuracy;
 
-impl Metric for Accuracy {
+impl<B: BatchData> Metric<B> for Accuracy {
     fn name(&self) -> &str {
         "accuracy"
     }
-    fn measure(&self, _: &Batch, o: &Outputs) -> strata_core::Result<(f64, f64)> {
-        let (logits, targets) = logits_and_targets(self.name(), o)?;
+    fn measure(&self, _: &B, o: &Outputs) -> strata_core::Result<(f64, f64)> {
+        let (logits, targets) = logits_and_targets("accuracy", o)?;
         let (logits, targets) = flatten_classes(logits, targets)?;
         let correct = logits.argmax(D::Minus1)?.eq(&targets.to_dtype(DType::U32)?)?;
         let correct = correct.to_dtype(DType::U32)?.sum_all()?.to_scalar::<u32>()?;
@@ -917,13 +967,13 @@ impl Metric for Accuracy {
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Loss;
 
-impl Metric for Loss {
+impl<B: BatchData> Metric<B> for Loss {
     fn name(&self) -> &str {
         "loss"
     }
-    fn measure(&self, batch: &Batch, o: &Outputs) -> strata_core::Result<(f64, f64)> {
-        let loss = o.loss.as_ref().ok_or_else(|| missing(self.name(), "a loss"))?;
-        let rows = batch.len() as f64;
+    fn measure(&self, batch: &B, o: &Outputs) -> strata_core::Result<(f64, f64)> {
+        let loss = o.loss.as_ref().ok_or_else(|| missing("loss", "a loss"))?;
+        let rows = batch.rows()? as f64;
         Ok((loss.to_dtype(DType::F32)?.to_scalar::<f32>()? as f64 * rows, rows))
     }
 }
@@ -933,18 +983,18 @@ impl Metric for Loss {
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Perplexity;
 
-impl Metric for Perplexity {
+impl<B: BatchData> Metric<B> for Perplexity {
     fn name(&self) -> &str {
         "perplexity"
     }
-    fn measure(&self, batch: &Batch, o: &Outputs) -> strata_core::Result<(f64, f64)> {
+    fn measure(&self, batch: &B, o: &Outputs) -> strata_core::Result<(f64, f64)> {
         if let (Some(logits), Some(targets)) = (&o.logits, &o.targets) {
             let (logits, targets) = flatten_classes(logits, targets)?;
             let n = targets.elem_count();
             let mean = candle_nn::loss::cross_entropy(&logits.to_dtype(DType::F32)?, &targets)?;
             return Ok((mean.to_scalar::<f32>()? as f64 * n as f64, n as f64));
         }
-        Loss.measure(batch, o).map_err(|_| missing(self.name(), "logits and targets, or a loss"))
+        Loss.measure(batch, o).map_err(|_| missing("perplexity", "logits and targets, or a loss"))
     }
     fn result(&self, total: f64, count: f64) -> f64 {
         if count > 0.0 {
@@ -991,23 +1041,25 @@ impl Trainer {
     /// training's are, each shard's totals and counts summed over every replica and worker.
     /// Reads the model as it is (call [`Replicated::sync_state`] first for state such as
     /// BatchNorm's statistics; [`Trainer::fit`] does).
-    pub fn evaluate<S, M>(
+    pub fn evaluate<S, M, B>(
         &self,
         strategy: &S,
         model: &Replicated<M>,
-        task: &Task<'_, M>,
-        data: &Batch,
+        task: &Task<'_, M, B>,
+        data: &B,
     ) -> Result<Vec<MetricValue>>
     where
         S: Strategy,
         M: Send + Sync,
+        B: BatchData,
     {
+        let rows = data.rows()?;
         let k = task.metrics.len();
         let mut sums = vec![0f64; 2 * k];
         let replicas = strategy.num_replicas_in_sync().max(1);
         let size = self.config.global_batch.max(replicas);
         let mut ranges: Vec<std::ops::Range<usize>> =
-            (0..data.len()).step_by(size).map(|i| i..(i + size).min(data.len())).collect();
+            (0..rows).step_by(size).map(|i| i..(i + size).min(rows)).collect();
         if ranges.len() > 1 && ranges.last().is_some_and(|r| r.len() < replicas) {
             if let Some(last) = ranges.pop() {
                 if let Some(prev) = ranges.last_mut() {
@@ -1015,14 +1067,17 @@ impl Trainer {
                 }
             }
         }
-        if !ranges.is_empty() && data.len() < replicas {
+        if !ranges.is_empty() && rows < replicas {
             return Err(crate::Error::Usage(format!(
-                "a test set of {} examples cannot give each of {replicas} replicas an example; evaluate on at least {replicas}",
-                data.len()
+                "a test set of {rows} examples cannot give each of {replicas} replicas an example; evaluate on at least {replicas}"
             )));
         }
-        let batches: Vec<DistributedBatch> =
-            strategy.distribute_dataset(ranges.into_iter().map(|r| data.slice(r)), TailPolicy::Split).collect();
+        let parts = ranges.into_iter().map(|r| data.slice(r)).collect::<strata_core::Result<Vec<B>>>()?;
+        let mut dataset = strategy.distribute_dataset(parts, TailPolicy::Split);
+        let batches: Vec<DistributedBatch<B>> = dataset.by_ref().collect();
+        if let Some(e) = dataset.take_error() {
+            return Err(e.into());
+        }
         let per_batch = strategy.run_batches(&batches, |ctx, shard| {
             let outputs = task.outputs(model.on(ctx)?, ctx, &shard.batch)?;
             task.metrics.iter().map(|m| m.measure(&shard.batch, &outputs)).collect::<strata_core::Result<Vec<_>>>()

@@ -6,7 +6,7 @@
 
 use candle_core::{Device, Tensor};
 use candle_nn::{Module, ParamsAdamW};
-use strata::data::Batch;
+use strata::data::{Batch, BatchData};
 use strata::optim::schedule::LrSchedule;
 use strata::optim::{FusedAdamW, FusedSgd};
 use strata::prelude::*;
@@ -50,11 +50,11 @@ impl Metric for Confidence {
 }
 
 fn task<'a>() -> Task<'a, DigitCnn> {
-    Task::new(|m: &DigitCnn, ctx, b| {
+    Task::new(|m: &DigitCnn, ctx, b: &Batch| {
         let y = b.labels_tensor(ctx.candle_device())?;
         Ok(candle_nn::loss::cross_entropy(&m.logits(b, ctx.candle_device())?, &y)?)
     })
-    .with_outputs(|m: &DigitCnn, ctx, b| {
+    .with_outputs(|m: &DigitCnn, ctx, b: &Batch| {
         Outputs::classification(m.logits(b, ctx.candle_device())?, b.labels_tensor(ctx.candle_device())?)
     })
     .with_metrics(vec![Box::new(Accuracy), Box::new(Loss), Box::new(Perplexity), Box::new(Confidence)])
@@ -200,11 +200,62 @@ fn a_metric_without_what_it_needs_is_a_one_line_error() {
     let (_, test) = digits();
     let s = OneDeviceStrategy::cpu().unwrap();
     let model = s.scope(DigitCnn::new).unwrap();
-    let only_loss = Task::new(|m: &DigitCnn, ctx, b| {
+    let only_loss = Task::new(|m: &DigitCnn, ctx, b: &Batch| {
         let y = b.labels_tensor(ctx.candle_device())?;
         Ok(candle_nn::loss::cross_entropy(&m.logits(b, ctx.candle_device())?, &y)?)
     })
     .with_metrics(vec![Box::new(Loss), Box::new(Accuracy)]);
     let e = Trainer::default().evaluate(&s, &model, &only_loss, &test).unwrap_err().to_string();
     assert!(e.contains("accuracy metric needs logits and targets") && !e.contains('\n'), "{e}");
+}
+
+/// The same digits as `(images (N, 1, 8, 8) f32, labels (N,) u32)` tensors.
+type Images = (Tensor, Tensor);
+
+fn as_images(b: &Batch) -> Images {
+    let x = Tensor::from_slice(&b.features, (b.len(), 1, 8, 8), &Device::Cpu).unwrap();
+    (x, b.labels_tensor(&Device::Cpu).unwrap())
+}
+
+fn image_task<'a>() -> Task<'a, DigitCnn, Images> {
+    let logits = |m: &DigitCnn, x: &Tensor| m.fc.forward(&m.conv.forward(x)?.relu()?.max_pool2d(2)?.flatten_from(1)?);
+    Task::new(move |m: &DigitCnn, ctx, b: &Images| {
+        let (x, y) = b.to_device(ctx.candle_device())?;
+        Ok(candle_nn::loss::cross_entropy(&logits(m, &x)?, &y)?)
+    })
+    .with_outputs(move |m: &DigitCnn, ctx, b: &Images| {
+        let (x, y) = b.to_device(ctx.candle_device())?;
+        Outputs::classification(logits(m, &x)?, y)
+    })
+    .with_metrics(vec![Box::new(Accuracy), Box::new(Loss), Box::new(Perplexity)])
+}
+
+#[test]
+fn tensor_batches_train_as_the_same_rows_in_a_batch_do() {
+    // Trainer::fit over a tuple of tensors (any BatchData): the same shuffles, splits and
+    // steps as over `Batch`, so the same parameters and metrics, on one device, Mirrored(2) and
+    // CentralStorage(2).
+    let (train, test) = digits();
+    let (train_t, test_t) = (as_images(&train), as_images(&test));
+    let one = OneDeviceStrategy::cpu().unwrap();
+    let (want, want_metrics, _, _) = fit(&one, config());
+    let central = CentralStorageStrategy::logical_cpus(2).unwrap();
+    for s in [one.handle(), MirroredStrategy::logical_cpus(2).unwrap().handle(), central.handle()] {
+        let model = s.scope(DigitCnn::new).unwrap();
+        let trainer = Trainer::new(config());
+        let opt = trainer.optimizer::<_, FusedAdamW>(&model, ParamsAdamW { lr: 0.01, ..Default::default() }).unwrap();
+        let report = trainer.fit(&s, &model, &opt, &image_task(), &train_t, &test_t).unwrap();
+        assert_eq!((report.steps, report.skipped_examples, opt.iterations()), (12, 0, 12));
+        let d = max_rel_diff(&want, &params(&model));
+        assert!(d <= 1e-5, "{}: relative difference {d} from Batch rows on one device", s.extended().name());
+        assert_same_metrics(&want_metrics[..3], &report.final_metrics);
+    }
+    // Parts that disagree on their rows: one line, before any step.
+    let bad = (train_t.0.clone(), test_t.1.clone());
+    let model = one.scope(DigitCnn::new).unwrap();
+    let trainer = Trainer::new(config());
+    let opt = trainer.optimizer::<_, FusedSgd>(&model, 0.1).unwrap();
+    let e = trainer.fit(&one, &model, &opt, &image_task(), &bad, &test_t).unwrap_err().to_string();
+    assert!(e.contains("part 0 has 322 rows but part 1 has 97") && !e.contains('\n'), "{e}");
+    assert_eq!(opt.iterations(), 0);
 }

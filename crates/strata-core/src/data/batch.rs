@@ -75,6 +75,23 @@ pub trait BatchData: Clone + Send + Sync {
     /// at least one batch, and they agree on everything but their rows.
     fn concat(parts: &[Self]) -> Result<Self>;
 
+    /// Rows `rows`, in that order, as a batch of the same kind (the trainer's seeded shuffle
+    /// takes each global batch this way). The default joins [`slice`](Self::slice)s of the runs
+    /// of consecutive rows with [`concat`](Self::concat); tensors take their rows with one
+    /// `index_select`. An error if a row is not below [`rows`](Self::rows) or `rows` is empty.
+    fn take_rows(&self, rows: &[usize]) -> Result<Self> {
+        check_rows(self.rows()?, rows)?;
+        let mut runs = Vec::new();
+        let mut start = 0;
+        for i in 1..=rows.len() {
+            if i == rows.len() || rows[i] != rows[i - 1] + 1 {
+                runs.push(self.slice(rows[start]..rows[i - 1] + 1)?);
+                start = i;
+            }
+        }
+        Self::concat(&runs)
+    }
+
     /// The batch with its tensors on `device` (a replica's: `ctx.candle_device()`). The default
     /// returns the batch as it is, which suits batches of host data ([`Batch`]).
     fn to_device(&self, device: &Device) -> Result<Self> {
@@ -109,6 +126,17 @@ fn check_range(rows: usize, range: &Range<usize>) -> Result<()> {
     Ok(())
 }
 
+/// Checks that `rows` is not empty and every row is below `have`; returns `have`.
+fn check_rows(have: usize, rows: &[usize]) -> Result<usize> {
+    if rows.is_empty() {
+        return Err(Error::Dataset("taking no rows of a batch; take at least one".into()));
+    }
+    if let Some(&bad) = rows.iter().find(|&&r| r >= have) {
+        return Err(Error::Dataset(format!("row {bad} of a batch of {have}: take rows within the batch")));
+    }
+    Ok(have)
+}
+
 fn no_parts() -> Error {
     Error::Dataset("no batches to join; join at least one".into())
 }
@@ -133,6 +161,13 @@ impl BatchData for Tensor {
             return Err(no_parts());
         }
         Ok(Tensor::cat(parts, 0)?)
+    }
+
+    fn take_rows(&self, rows: &[usize]) -> Result<Self> {
+        check_rows(self.rows()?, rows)?;
+        let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+        let idx = Tensor::from_vec(idx, rows.len(), self.device())?;
+        Ok(self.contiguous()?.index_select(&idx, 0)?)
     }
 
     fn to_device(&self, device: &Device) -> Result<Self> {
@@ -162,6 +197,17 @@ impl BatchData for Batch {
         let labels = parts.iter().flat_map(|b| b.labels.iter().copied()).collect();
         Batch::new(features, labels, dim)
     }
+
+    fn take_rows(&self, rows: &[usize]) -> Result<Self> {
+        check_rows(self.len(), rows)?;
+        let mut features = Vec::with_capacity(rows.len() * self.dim);
+        let mut labels = Vec::with_capacity(rows.len());
+        for &i in rows {
+            features.extend_from_slice(&self.features[i * self.dim..(i + 1) * self.dim]);
+            labels.push(self.labels[i]);
+        }
+        Batch::new(features, labels, self.dim)
+    }
 }
 
 macro_rules! tuple_batch {
@@ -178,6 +224,11 @@ macro_rules! tuple_batch {
 
             fn concat(parts: &[Self]) -> Result<Self> {
                 Ok(($($t::concat(&parts.iter().map(|p| p.$i.clone()).collect::<Vec<_>>())?,)+))
+            }
+
+            fn take_rows(&self, rows: &[usize]) -> Result<Self> {
+                self.rows()?;
+                Ok(($(self.$i.take_rows(rows)?,)+))
             }
 
             fn to_device(&self, device: &Device) -> Result<Self> {
@@ -213,6 +264,11 @@ impl<T: BatchData> BatchData for Vec<T> {
             )));
         }
         (0..n).map(|i| T::concat(&parts.iter().map(|p| p[i].clone()).collect::<Vec<_>>())).collect()
+    }
+
+    fn take_rows(&self, rows: &[usize]) -> Result<Self> {
+        self.rows()?;
+        self.iter().map(|t| t.take_rows(rows)).collect()
     }
 
     fn to_device(&self, device: &Device) -> Result<Self> {
@@ -254,6 +310,11 @@ macro_rules! map_batch {
                         Ok((k.clone(), T::concat(&all)?))
                     })
                     .collect()
+            }
+
+            fn take_rows(&self, rows: &[usize]) -> Result<Self> {
+                self.rows()?;
+                self.iter().map(|(k, t)| Ok((k.clone(), t.take_rows(rows)?))).collect()
             }
 
             fn to_device(&self, device: &Device) -> Result<Self> {
@@ -306,6 +367,41 @@ mod tests {
         let scalar = Tensor::new(1f32, &Device::Cpu).unwrap();
         assert!(scalar.rows().unwrap_err().to_string().contains("first axis"));
         assert!(t(3, DType::F32).slice(2..4).is_err());
+    }
+
+    #[test]
+    fn take_rows_in_order_for_every_kind() {
+        let order = [3usize, 0, 1, 4, 2, 2];
+        for dtype in [DType::F32, DType::U32, DType::I64, DType::U8] {
+            let g = t(5, dtype).take_rows(&order).unwrap().to_dtype(DType::F64).unwrap().to_vec2::<f64>().unwrap();
+            let want: Vec<Vec<f64>> = order.iter().map(|&r| vec![2.0 * r as f64, 2.0 * r as f64 + 1.0]).collect();
+            assert_eq!(g, want, "{dtype:?}");
+        }
+        // The default (runs of slices, joined) agrees with a tensor's index_select.
+        #[derive(Clone)]
+        struct Own(Tensor);
+        impl BatchData for Own {
+            fn rows(&self) -> Result<usize> {
+                self.0.rows()
+            }
+            fn slice(&self, r: Range<usize>) -> Result<Self> {
+                Ok(Own(self.0.slice(r)?))
+            }
+            fn concat(parts: &[Self]) -> Result<Self> {
+                Ok(Own(Tensor::concat(&parts.iter().map(|p| p.0.clone()).collect::<Vec<_>>())?))
+            }
+        }
+        let x = t(5, DType::F32);
+        let a = Own(x.clone()).take_rows(&order).unwrap().0.to_vec2::<f32>().unwrap();
+        assert_eq!(a, x.take_rows(&order).unwrap().to_vec2::<f32>().unwrap());
+        let pair = (t(5, DType::F32), t(5, DType::U8)).take_rows(&[4, 1]).unwrap();
+        assert_eq!(pair.1.to_vec2::<u8>().unwrap(), [[8, 9], [2, 3]]);
+        let b = Batch::new((0..10).map(|v| v as f32).collect(), (0..5).collect(), 2).unwrap();
+        let g = b.take_rows(&[4, 0]).unwrap();
+        assert_eq!((g.features, g.labels), (vec![8.0, 9.0, 0.0, 1.0], vec![4, 0]));
+        let e = x.take_rows(&[1, 5]).unwrap_err().to_string();
+        assert_eq!(e, "dataset: row 5 of a batch of 5: take rows within the batch");
+        assert!(Own(x).take_rows(&[]).is_err());
     }
 
     #[test]
