@@ -20,10 +20,6 @@ use strata_transport::ClusterToken;
 
 use crate::{Error, Result};
 
-/// TensorFlow 2.21's ParameterServerStrategy (1 ps, 2 workers) here, from the
-/// parameter-server issue, examples/s.
-const TF_PS_REFERENCE: [(&str, f64); 2] = [("small", 25_000.0), ("large", 2_100.0)];
-
 /// `strata bench ps` flags.
 #[derive(clap::Args, Debug, Clone)]
 pub struct BenchPsArgs {
@@ -306,10 +302,7 @@ pub fn run(args: &BenchPsArgs) -> Result<()> {
     if !models.is_empty() {
         println!("# async ParameterServerStrategy, 1 ps + 2 workers (processes), batch 256 per step, AdamW on the ps");
         println!("# ceiling: 2 independent single-thread copies of the same step (plain candle) at once, same run");
-        println!(
-            "{:>8} {:>14} {:>14} {:>10} {:>14} {:>10}",
-            "model", "PS ex/s", "ceiling ex/s", "of ceiling", "TF PS ex/s", "vs TF"
-        );
+        println!("{:>8} {:>14} {:>14} {:>10}", "model", "PS ex/s", "ceiling ex/s", "of ceiling");
     }
     for model in models {
         let hidden = super::train::hidden_of(model)?;
@@ -318,16 +311,7 @@ pub fn run(args: &BenchPsArgs) -> Result<()> {
         let cfg = ParamsAdamW { lr: super::train::LR, ..Default::default() };
         let ceiling =
             super::train::measure_ceiling::<FusedAdamW>(2, cfg, &hidden, &data, 2.0, &[])?.examples_per_second;
-        let tf = TF_PS_REFERENCE.iter().find(|(m, _)| m == model).map_or(f64::NAN, |(_, v)| *v);
-        println!(
-            "{:>8} {:>14.0} {:>14.0} {:>9.0}% {:>14.0} {:>9.2}x",
-            model,
-            ps,
-            ceiling,
-            100.0 * ps / ceiling,
-            tf,
-            ps / tf
-        );
+        println!("{:>8} {:>14.0} {:>14.0} {:>9.0}%", model, ps, ceiling, 100.0 * ps / ceiling);
     }
     Ok(())
 }

@@ -15,6 +15,12 @@
 //! the bytes reduced per step: what each Mirrored replica hands to the all-reduce (counted by a
 //! wrapper around the in-memory all-reduce), or what a multi-worker worker sends on the ring.
 //! Frozen variables are never reduced, so the bytes fall by exactly their share.
+//!
+//! The compute limit is the matmul throughput of K threads at once (K single-thread candle
+//! matmuls of 2048x2048 by 2048x2048 f32, the shape of the large MLP's hidden layer, through
+//! the same backend the models use), measured in the same run, divided by the model's FLOPs per
+//! example (6 per weight: 2 forward, 4 backward); `of limit` is a row's share of it. Ratios to
+//! other frameworks come only from `scripts/bench/peers.sh`, which runs them side by side.
 
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -33,16 +39,8 @@ use strata::OptimizerKind;
 
 use crate::{kind_parser, Error, Result};
 
-/// TensorFlow 2.21's `MirroredStrategy` over 2 logical CPUs on these MLPs, measured on a quiet
-/// machine of this kind (from the foundation issue), examples/s.
-const TF_REFERENCE: [(&str, f64); 2] = [("small", 25_000.0), ("large", 1_100.0)];
-
-/// TensorFlow 2.21's `MultiWorkerMirroredStrategy` with 2 worker processes here (from the
-/// multi-worker issue), examples/s.
-const TF_MWMS_REFERENCE: [(&str, f64); 2] = [("small", 15_000.0), ("large", 900.0)];
-
-/// PyTorch DDP with gloo, 2 processes here (from the multi-worker issue), examples/s.
-const DDP_REFERENCE: [(&str, f64); 2] = [("small", 39_000.0), ("large", 2_500.0)];
+/// The side of the square matmuls that measure the compute limit.
+const LIMIT_MATMUL: usize = 2048;
 
 /// `strata bench train` flags.
 #[derive(clap::Args, Debug, Clone)]
@@ -91,6 +89,9 @@ pub struct Measurement {
     /// what a multi-worker worker sends on the ring (0 where nothing is reduced).
     #[serde(default)]
     pub reduced_bytes_per_step: f64,
+    /// The `limit` configuration's matmul GFLOP/s of K threads at once (0 elsewhere).
+    #[serde(default)]
+    pub gflops: f64,
 }
 
 /// The in-memory all-reduce, counting the elements replica 0 hands it.
@@ -237,6 +238,7 @@ where
         step_seconds: dt.as_secs_f64() / steps as f64,
         peak_rss_bytes: peak_rss_bytes(),
         reduced_bytes_per_step,
+        gflops: 0.0,
     })
 }
 
@@ -305,7 +307,56 @@ where
         step_seconds: step,
         peak_rss_bytes: peak_rss_bytes(),
         reduced_bytes_per_step: 0.0,
+        gflops: 0.0,
     })
+}
+
+/// The matmul GFLOP/s of `k` threads at once, each multiplying two
+/// [`LIMIT_MATMUL`]-square f32 matrices on its own (one candle CPU thread each) for `seconds`.
+pub(crate) fn measure_limit(k: usize, seconds: f64) -> Result<Measurement> {
+    let n = LIMIT_MATMUL;
+    let start = std::sync::Barrier::new(k);
+    let per_thread = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..k)
+            .map(|i| {
+                let start = &start;
+                scope.spawn(move || -> candle_core::Result<(u64, f64)> {
+                    let a = Tensor::randn(0f32, 1.0, (n, n), &Device::Cpu)?;
+                    let b = Tensor::randn(i as f32, 1.0, (n, n), &Device::Cpu)?;
+                    a.matmul(&b)?; // warm-up: pages, packing buffers
+                    start.wait();
+                    let t0 = Instant::now();
+                    let mut done = 0u64;
+                    while done == 0 || t0.elapsed().as_secs_f64() < seconds {
+                        a.matmul(&b)?;
+                        done += 1;
+                    }
+                    Ok((done, t0.elapsed().as_secs_f64()))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect::<Vec<_>>()
+    });
+    let flops = 2.0 * (n as f64).powi(3);
+    let mut gflops = 0.0;
+    for r in per_thread {
+        let (done, dt) = r?;
+        gflops += done as f64 * flops / dt / 1e9;
+    }
+    Ok(Measurement {
+        examples_per_second: 0.0,
+        step_seconds: 0.0,
+        peak_rss_bytes: peak_rss_bytes(),
+        reduced_bytes_per_step: 0.0,
+        gflops,
+    })
+}
+
+/// FLOPs of one training example of an MLP `input -> hidden -> classes`: 6 per weight (2 in
+/// the forward pass, 4 in the backward: the input's gradient and the weight's).
+pub(crate) fn mlp_flops_per_example(hidden: &[usize]) -> f64 {
+    let dims: Vec<usize> = std::iter::once(FEATURES).chain(hidden.iter().copied()).chain([CLASSES]).collect();
+    6.0 * dims.windows(2).map(|w| (w[0] * w[1]) as f64).sum::<f64>()
 }
 
 /// Whether `name` matches `pattern` (`*` for any run of characters), as `Replicated::freeze`
@@ -321,6 +372,11 @@ fn matches_pattern(pattern: &str, name: &str) -> bool {
 
 fn worker(spec: &str, args: &BenchTrainArgs) -> Result<()> {
     let (model, config) = spec.split_once(':').ok_or_else(|| Error::Usage(format!("bad worker spec {spec:?}")))?;
+    if config == "limit" {
+        let m = measure_limit(args.replicas, args.seconds)?;
+        println!("{}", serde_json::to_string(&m).map_err(|e| Error::io("cannot encode", e.into()))?);
+        return Ok(());
+    }
     let hidden = hidden_of(model)?;
     let data = batches(args.batch)?;
     let adamw = ParamsAdamW { lr: LR, ..Default::default() };
@@ -472,7 +528,8 @@ pub fn run(args: &BenchTrainArgs) -> Result<()> {
         args.batch, args.optimizer, args.rounds, args.seconds
     );
     println!("# machine: {cores} cores; ceiling = {k} independent single-thread copies of the per-replica step at once (plain candle), measured now");
-    println!("# every configuration in its own process; medians over rounds");
+    println!("# limit = the matmul GFLOP/s of {k} threads at once ({LIMIT_MATMUL}^3 f32, candle's CPU backend), measured now, over the model's FLOPs per example (6 per weight)");
+    println!("# every configuration in its own process; medians over rounds; peers (TensorFlow, PyTorch) side by side: scripts/bench/peers.sh");
     if args.stop_check {
         println!("# --stop-check: after every execution ({} steps), the stop agreement of strata train (an all-reduce of one number across workers)", batches(args.batch)?.len());
     }
@@ -482,7 +539,7 @@ pub fn run(args: &BenchTrainArgs) -> Result<()> {
     println!("# reduced/step: bytes each mirrored replica hands to the all-reduce, or each multi-worker worker sends on the ring, per step");
     println!();
     println!(
-        "{:<6} {:>9} {:<12} {:>8} {:>12} {:>10} {:>10} {:>11} {:>12} {:>12} {:>14}",
+        "{:<6} {:>9} {:<12} {:>8} {:>12} {:>10} {:>10} {:>11} {:>9} {:>14}",
         "model",
         "params",
         "config",
@@ -491,14 +548,13 @@ pub fn run(args: &BenchTrainArgs) -> Result<()> {
         "step(ms)",
         "peakRSS",
         "of ceiling",
-        "vs TF 2.21",
-        "vs DDP gloo",
+        "of limit",
         "reduced/step"
     );
     for model in &args.models {
         let hidden = hidden_of(model)?;
         let params = Mlp::parameter_count(FEATURES, &hidden, CLASSES);
-        let configs = ["ceiling", "one-device", "mirrored", "multi-worker"];
+        let configs = ["limit", "ceiling", "one-device", "mirrored", "multi-worker"];
         let mut runs: Vec<Vec<Measurement>> = vec![Vec::new(); configs.len()];
         for round in 0..args.rounds {
             for (i, c) in configs.iter().enumerate() {
@@ -508,44 +564,39 @@ pub fn run(args: &BenchTrainArgs) -> Result<()> {
             }
         }
         let med = |i: usize, f: fn(&Measurement) -> f64| median(runs[i].iter().map(f).collect());
-        let ceiling = med(0, |m| m.examples_per_second);
-        let tf = TF_REFERENCE.iter().find(|(n, _)| n == model).map(|(_, v)| *v);
-        let tf_mw = TF_MWMS_REFERENCE.iter().find(|(n, _)| n == model).map(|(_, v)| *v);
-        let ddp = DDP_REFERENCE.iter().find(|(n, _)| n == model).map(|(_, v)| *v);
+        let gflops = med(0, |m| m.gflops);
+        let flops = mlp_flops_per_example(&hidden);
+        // Examples per second if every thread ran its matmuls at the measured rate.
+        let limit = gflops * 1e9 / flops;
+        let ceiling = med(1, |m| m.examples_per_second);
+        println!("# {model}: {:.1} MFLOP per example; {k} threads' matmul {gflops:.1} GFLOP/s, so at most {limit:.0} examples/s", flops / 1e6);
         for (i, c) in configs.iter().enumerate() {
-            let eps = med(i, |m| m.examples_per_second);
+            let eps = if *c == "limit" { limit } else { med(i, |m| m.examples_per_second) };
             let replicas = if *c == "one-device" { 1 } else { k };
-            let of_ceiling = if *c == "ceiling" { "-".to_string() } else { format!("{:.1}%", 100.0 * eps / ceiling) };
-            let vs_tf = match (tf, tf_mw, *c) {
-                (Some(t), _, "mirrored") if k == 2 => format!("{:.2}x", eps / t),
-                (_, Some(t), "multi-worker") if k == 2 => format!("{:.2}x", eps / t),
-                _ => "-".to_string(),
+            let of_ceiling = match *c {
+                "ceiling" | "limit" => "-".to_string(),
+                _ => format!("{:.1}%", 100.0 * eps / ceiling),
             };
-            let vs_ddp = match (ddp, *c) {
-                (Some(t), "multi-worker") if k == 2 => format!("{:.2}x", eps / t),
-                _ => "-".to_string(),
-            };
+            let of_limit = if *c == "limit" { "-".to_string() } else { format!("{:.1}%", 100.0 * eps / limit) };
             let reduced = med(i, |m| m.reduced_bytes_per_step);
             let reduced = if reduced > 0.0 { format!("{reduced:.0} B") } else { "-".to_string() };
+            let step = if *c == "limit" { "-".to_string() } else { format!("{:.2}", 1e3 * med(i, |m| m.step_seconds)) };
             println!(
-                "{:<6} {:>9} {:<12} {:>8} {:>12.0} {:>10.2} {:>9.0}M {:>11} {:>12} {:>12} {:>14}",
+                "{:<6} {:>9} {:<12} {:>8} {:>12.0} {:>10} {:>9.0}M {:>11} {:>9} {:>14}",
                 model,
                 params,
                 c,
                 replicas,
                 eps,
-                1e3 * med(i, |m| m.step_seconds),
+                step,
                 med(i, |m| m.peak_rss_bytes as f64) / (1024.0 * 1024.0),
                 of_ceiling,
-                vs_tf,
-                vs_ddp,
+                of_limit,
                 reduced
             );
         }
     }
     println!();
-    println!("# targets: mirrored >= 90% of the ceiling; mirrored(2) >= 2x TensorFlow 2.21 MirroredStrategy over 2 logical CPUs");
-    println!("# (reference, quiet machine of this kind: small 25,000 and large 1,100 examples/s)");
-    println!("# multi-worker(2 processes) >= 1.5x PyTorch DDP gloo (39,000 and 2,500) and >= 2x TF 2.21 MultiWorkerMirrored (15,000 and 900)");
+    println!("# targets: mirrored >= 90% of the ceiling; the large MLP under mirrored(2) and multi-worker(2) >= 85% of the limit");
     Ok(())
 }
