@@ -1,0 +1,33 @@
+//! `strata bench train` runs every configuration and prints the table with the same run's
+//! compute limit and ceiling beside each figure. It checks the shape of the report, never a
+//! timing.
+
+use std::process::Command;
+
+#[test]
+fn bench_train_prints_every_configuration_beside_the_limit_and_the_ceiling() {
+    let o = Command::new(strata_integration_tests::strata_bin())
+        .args(["bench", "train", "--models", "small", "--rounds", "1", "--seconds", "0.2", "--optimizer", "sgd"])
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{out}{}", String::from_utf8_lossy(&o.stderr));
+    let header = out.lines().find(|l| l.starts_with("model")).expect("a header row");
+    for column in ["examples/s", "of ceiling", "of limit", "reduced/step"] {
+        assert!(header.contains(column), "{column} missing from {header}");
+    }
+    assert!(!out.contains("TF") && !out.contains("DDP"), "no ratio to a figure measured elsewhere: {out}");
+    let limit = out.lines().find(|l| l.starts_with("# small:")).expect("the limit's line");
+    assert!(limit.contains("0.5 MFLOP per example") && limit.contains("GFLOP/s"), "{limit}");
+    let rows: Vec<Vec<&str>> =
+        out.lines().filter(|l| l.starts_with("small ")).map(|l| l.split_whitespace().collect()).collect();
+    let configs: Vec<&str> = rows.iter().map(|r| r[2]).collect();
+    assert_eq!(configs, ["limit", "ceiling", "one-device", "mirrored", "multi-worker"]);
+    for r in &rows {
+        let eps: f64 = r[4].parse().unwrap();
+        assert!(eps > 0.0, "{r:?}");
+    }
+    // Mirrored hands the all-reduce every trainable parameter, 4 bytes each, per step.
+    let mirrored = rows.iter().find(|r| r[2] == "mirrored").unwrap();
+    assert_eq!(mirrored[mirrored.len() - 2..], ["340008", "B"]);
+}
