@@ -95,6 +95,7 @@ for r in m.requires("torch") or []:
     print(str(req).split(";")[0].strip())
 PY
 )
+            echo "(pip may warn that torch requires triton and cuda-bindings: they are left out on purpose)" >&2
             if ((${#reqs[@]})); then pip_install "${reqs[@]}"; fi
         fi
         if ! "$PY" -c 'import torch' 2>/dev/null; then

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -57,10 +58,32 @@ def free_port():
         return s.getsockname()[1]
 
 
-def start(cmd, env):
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+def start(cmd, env, out=subprocess.PIPE, err=subprocess.PIPE):
+    p = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, text=True, start_new_session=True)
     children.append(p)
     return p
+
+
+def wait_all(ps, timeout):
+    """Waits for every process; the first to fail, or the timeout, ends the others (a lone
+    worker would otherwise wait for its peer until the timeout). Returns None, or why not."""
+    deadline = time.time() + timeout
+    while True:
+        codes = [p.poll() for p in ps]
+        if any(c not in (None, 0) for c in codes) and None in codes:
+            time.sleep(2)  # let the others print why, then end them
+            break
+        if None not in codes:
+            return None
+        if time.time() > deadline:
+            kill_children()
+            return f"timed out after {timeout:.0f} s"
+        time.sleep(0.2)
+    for p in ps:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    return None
 
 
 def run_peer(name, model, a):
@@ -82,20 +105,26 @@ def run_peer(name, model, a):
         for i in range(procs):
             envs.append(dict(os.environ, RANK=str(i), WORLD_SIZE=str(procs), MASTER_ADDR="127.0.0.1",
                              MASTER_PORT=port, OMP_NUM_THREADS="1"))
-    ps = [start(cmd, e) for e in envs]
-    deadline = time.time() + a.timeout
-    outs = []
+    files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in envs]
+    ps = [start(cmd, e, o, r) for e, (o, r) in zip(envs, files)]
     try:
-        for p in ps:
-            outs.append(p.communicate(timeout=max(1, deadline - time.time())))
-    except subprocess.TimeoutExpired:
-        kill_children()
-        return None, f"timed out after {a.timeout:.0f} s"
+        why = wait_all(ps, a.timeout)
+        outs = []
+        for o, r in files:
+            o.seek(0)
+            r.seek(0)
+            outs.append((o.read(), r.read()))
     finally:
         for p in ps:
             if p in children:
                 children.remove(p)
+        for o, r in files:
+            o.close()
+            r.close()
+    if why:
+        return None, why
     bad = [(p.returncode, err) for p, (_, err) in zip(ps, outs) if p.returncode != 0]
+    bad.sort(key=lambda b: b[0] < 0)  # a process that failed before one this launcher ended
     if bad:
         code, err = bad[0]
         last = [line for line in err.strip().splitlines() if line.strip()][-1:] or ["(no message)"]
