@@ -171,21 +171,23 @@ def run_strata(models, a):
 
 
 def parse_strata(text):
-    """Rows of `strata bench train`'s table: its header names the columns (examples/s, or
-    tokens/s where a model reports tokens)."""
+    """Rows of `strata bench train`'s tables: the header names the columns; the model, config
+    and rate columns (examples/s, or tokens/s where a model reports tokens) come before any
+    header of two words ("of ceiling"), so their word index is the field index of a row."""
     res, cols = {}, None
     for line in text.splitlines():
         f = line.split()
         if f[:1] == ["model"] and "config" in f:
             cols = f
             continue
-        if cols is None or len(f) < len(cols) or line.startswith("#"):
+        if cols is None or not f or line.startswith("#"):
             continue
-        row = dict(zip(cols, f))
-        rate = row.get("examples/s") or row.get("tokens/s")
+        rate = next((i for i, c in enumerate(cols) if c in ("examples/s", "tokens/s")), None)
+        if rate is None or len(f) <= rate:
+            continue
         try:
-            res[(row["model"], row["config"])] = float(rate)
-        except (KeyError, TypeError, ValueError):
+            res[(f[cols.index("model")], f[cols.index("config")])] = float(f[rate].replace(",", ""))
+        except ValueError:
             pass
     return res
 
@@ -307,6 +309,10 @@ def main():
         print(line(r))
     print()
     print("# ratio = Strata / peer, both measured above in this run; n/a: not measured (a model strata bench train does not have)")
+    for m in models:
+        other = [f"{c} {fmt(v)}" for (mm, c), v in strata.items() if mm == m and c not in ("mirrored", "multi-worker")]
+        if other:
+            print(f"# strata bench train's other rows, same run, {m}: " + ", ".join(other))
     if a.raw and raw:
         print("# strata bench train's own output:")
         print(raw)
