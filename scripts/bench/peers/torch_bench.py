@@ -6,6 +6,11 @@
 
 Eager mode, torch.optim.AdamW (fused=True where this build has the fused CPU kernel); the
 transformer's attention is F.scaled_dot_product_attention(is_causal=True).
+
+On a loaded machine `threads` can collapse: every OpenMP parallel region waits for the slower of
+its 2 threads, and a niced thread is descheduled for long stretches (seen here at a load average
+of 10: 1,000 examples/s on the small MLP with 2 threads against 88,000 with 1). Measure on a
+quiet machine.
 """
 
 import argparse
