@@ -230,17 +230,17 @@ def ratio(s, p):
 
 
 def main():
-    ap = argparse.ArgumentParser(description="Strata beside TensorFlow and PyTorch, measured in one run.")
-    ap.add_argument("--models", default="small,large,cnn,transformer")
+    ap = argparse.ArgumentParser(description="Strata beside TensorFlow and PyTorch, measured in one run (scripts/bench/peers.sh adds --no-install: skip the pip step).")
+    ap.add_argument("--models", default="small,large,cnn,transformer", help="of " + ", ".join(common.MODELS))
     ap.add_argument("--configs", default=",".join(CONFIGS), help="of " + ", ".join(CONFIGS))
     ap.add_argument("--seconds", type=float, default=10.0, help="timed steady state of each configuration")
     ap.add_argument("--steps", type=int, default=0, help="timed steps instead of --seconds (peers only)")
-    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=10, help="untimed steps before the timing")
     ap.add_argument("--quick", action="store_true", help="~2 s per configuration, 3 warm-up steps, 1 Strata round")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds one configuration may take")
     ap.add_argument("--strata", default=os.environ.get("STRATA", ""), help="the strata binary (default target/release/strata, built if missing)")
-    ap.add_argument("--strata-rounds", type=int, default=3)
-    ap.add_argument("--no-strata", action="store_true")
+    ap.add_argument("--strata-rounds", type=int, default=3, help="strata bench train --rounds (it reports medians)")
+    ap.add_argument("--no-strata", action="store_true", help="the peers only")
     ap.add_argument("--raw", action="store_true", help="also print strata bench train's own table")
     a = ap.parse_args()
     if a.quick:
