@@ -98,13 +98,11 @@ fn two_workers_train_the_transformer_to_the_same_parameters() {
     let deadline = Instant::now() + Duration::from_secs(240);
     let children: Vec<_> = (0..2)
         .map(|i| {
-            let tf_config = format!(
-                r#"{{"cluster":{{"worker":[{}]}},"task":{{"type":"worker","index":{i}}}}}"#,
-                workers.join(",")
-            );
+            let tf_config =
+                format!(r#"{{"cluster":{{"worker":[{}]}},"task":{{"type":"worker","index":{i}}}}}"#, workers.join(","));
             strata()
                 .args(["train", "--strategy", "multi-worker-mirrored", "--model", "transformer", "--no-progress"])
-                .args(["--steps", "3", "--batch", "8"])
+                .args(["--steps", "3", "--batch", "8", "--collective-timeout", "180"])
                 .env("TF_CONFIG", tf_config)
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
@@ -128,7 +126,10 @@ fn two_workers_train_the_transformer_to_the_same_parameters() {
 fn flags_that_do_not_apply_to_the_model_are_one_line_errors() {
     assert_one_line_error(&run(&["train", "--model", "cnn", "--hidden", "8"]), "--hidden applies to --model mlp");
     assert_one_line_error(&run(&["train", "--steps", "3"]), "--steps applies to --model transformer");
-    assert_one_line_error(&run(&["train", "--model", "cnn", "--sample", "3"]), "--sample applies to --model transformer");
+    assert_one_line_error(
+        &run(&["train", "--model", "cnn", "--sample", "3"]),
+        "--sample applies to --model transformer",
+    );
     assert_one_line_error(&run(&["train", "--model", "transformer", "--data", "x.csv"]), "--data applies to");
     assert_one_line_error(
         &run(&["train", "--model", "transformer", "--strategy", "parameter-server"]),

@@ -18,8 +18,8 @@ use strata::digits;
 use strata::model::Mlp;
 use strata::optim::schedule::LrSchedule;
 use strata::shakespeare;
-use strata::transformer::{CharTransformer, TransformerConfig};
 use strata::trainer::{FitReport, StopSignal, TrainConfig, Trainer};
+use strata::transformer::{CharTransformer, TransformerConfig};
 use strata::{OptimizerKind, StrategyKind};
 use strata_compare::inject::StepDelays;
 

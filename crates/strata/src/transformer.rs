@@ -71,7 +71,9 @@ impl TransformerConfig {
     pub fn check(&self) -> crate::Result<()> {
         let usage = |m: String| Err(crate::Error::Usage(m));
         if self.vocab == 0 || self.width == 0 || self.layers == 0 || self.heads == 0 || self.context == 0 {
-            return usage(format!("a transformer needs a vocabulary, width, layers, heads and context of at least 1, not {self:?}"));
+            return usage(format!(
+                "a transformer needs a vocabulary, width, layers, heads and context of at least 1, not {self:?}"
+            ));
         }
         if !self.width.is_multiple_of(self.heads) {
             return usage(format!(
@@ -300,7 +302,10 @@ mod tests {
         let (la, lb) = (m.forward(&a).unwrap(), m.forward(&b).unwrap());
         let prefix = |l: &Tensor| l.narrow(1, 0, 3).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
         assert_eq!(prefix(&la), prefix(&lb), "a position sees no later token");
-        assert_ne!(la.flatten_all().unwrap().to_vec1::<f32>().unwrap(), lb.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+        assert_ne!(
+            la.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            lb.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+        );
         let loss = m.loss(&a, &b).unwrap();
         let grads = loss.backward().unwrap();
         for v in vm.all_vars() {

@@ -110,7 +110,10 @@ fn the_cnn_learns_the_digits() {
     let config = TrainConfig { epochs: 8, global_batch: 64, seed: 0, ..Default::default() };
     let report = fit_with(&s, &model, OptimizerKind::Adamw, 0.003, config, &Task::classifier(), &train, &test);
     assert!(report.final_test_accuracy >= 0.9, "test accuracy {} after 8 epochs", report.final_test_accuracy);
-    assert_eq!(strata::cnn::Cnn::parameter_count(), model.values().unwrap().iter().map(|(_, t)| t.elem_count()).sum::<usize>());
+    assert_eq!(
+        strata::cnn::Cnn::parameter_count(),
+        model.values().unwrap().iter().map(|(_, t)| t.elem_count()).sum::<usize>()
+    );
 }
 
 fn small() -> TransformerConfig {
@@ -129,13 +132,8 @@ fn the_transformer_under_mirrored_and_central_storage_ends_as_one_device() {
         let mut want: Option<(Params, f64)> = None;
         for s in strategies() {
             let model = s.scope(|sc| CharTransformer::new(c, sc.var_builder())).unwrap();
-            let config = TrainConfig {
-                epochs: 1,
-                global_batch: 8,
-                seed: 5,
-                clip_global_norm: Some(1.0),
-                ..Default::default()
-            };
+            let config =
+                TrainConfig { epochs: 1, global_batch: 8, seed: 5, clip_global_norm: Some(1.0), ..Default::default() };
             let report = fit_with(&s, &model, kind, lr, config, &strata::transformer::task(), &train, &test);
             assert_eq!(report.steps, 4);
             let loss = report.final_metrics[0].value;
@@ -154,19 +152,19 @@ fn the_transformer_under_mirrored_and_central_storage_ends_as_one_device() {
 
 #[test]
 fn the_transformer_learns_past_a_bigram_model() {
-    // A small model, 300 steps of 32 windows with AdamW, warm-up and cosine decay, clipping:
+    // A small model, 150 steps of 32 windows with AdamW, warm-up and cosine decay, clipping:
     // the validation loss (nats per character) falls from ln(65) = 4.17 below 2.6, about a
     // bigram model's.
     let corpus = strata::shakespeare::load().unwrap();
     let c = TransformerConfig { vocab: corpus.vocab_size(), width: 64, layers: 2, heads: 4, context: 32 };
-    let steps = 300;
+    let steps = 150;
     let train = corpus.random_windows(steps * 32, c.context, 0).unwrap();
     let (vx, vy) = corpus.validation_windows(c.context).unwrap();
-    let test: (Tensor, Tensor) = (vx.narrow(0, 0, 512).unwrap(), vy.narrow(0, 0, 512).unwrap());
-    let s = MirroredStrategy::logical_cpus(2).unwrap().handle();
+    let test: (Tensor, Tensor) = (vx.narrow(0, 0, 256).unwrap(), vy.narrow(0, 0, 256).unwrap());
+    let s = OneDeviceStrategy::cpu().unwrap().handle();
     let model = s.scope(|sc| CharTransformer::new(c, sc.var_builder())).unwrap();
     let schedule =
-        LrSchedule::WarmupCosine { peak: 0.01, warmup_steps: 30, total_steps: steps as u64, final_lr: 0.001 };
+        LrSchedule::WarmupCosine { peak: 0.01, warmup_steps: 15, total_steps: steps as u64, final_lr: 0.001 };
     let config = TrainConfig {
         epochs: 1,
         global_batch: 32,
@@ -177,6 +175,7 @@ fn the_transformer_learns_past_a_bigram_model() {
     };
     let report = fit_with(&s, &model, OptimizerKind::Adamw, 0.01, config, &strata::transformer::task(), &train, &test);
     let loss = report.final_metrics[0].value;
+    eprintln!("validation loss {loss} nats per character after {steps} steps");
     assert!(loss < 2.6, "validation loss {loss} nats per character after {steps} steps");
     let sample = model.primary().generate(&corpus.encode("ROMEO:").unwrap(), 50, 1.0, 0).unwrap();
     assert_eq!(corpus.decode(&sample).chars().count(), 50);
