@@ -38,7 +38,8 @@ pub struct Cli {
 /// The subcommands.
 #[derive(Subcommand, Debug)]
 pub enum Command {
-    /// Train the digits MLP (the main job).
+    /// Train a model: the digits MLP (the main job), the digits CNN or the character
+    /// transformer (--model).
     Train(Box<train::TrainArgs>),
     /// Start a local cluster: one process per task, each with its TF_CONFIG (like torchrun).
     Launch(launch::LaunchArgs),

@@ -539,12 +539,12 @@ pub fn train(args: &TrainArgs, started: Instant) -> Result<()> {
     // by the cluster manager): wait for it. A local cluster restarts nothing.
     options.wait_for_restarted_ps = _local.is_none() && args.checkpoint_dir.is_some();
     let strategy = ParameterServerStrategy::new(cluster, options)?;
-    let hidden = args.hidden.clone();
+    let hidden = args.hidden();
     let model = strategy.scope(|s| Mlp::new(s.var_builder(), digits::FEATURES, &hidden, digits::CLASSES))?;
     let config = PsTrainConfig {
         spec: DigitsSpec { hidden, replicas: args.replicas.unwrap_or(1), seed: args.seed, data: args.data.clone() },
-        epochs: args.epochs,
-        batch_size: args.batch,
+        epochs: args.epochs(),
+        batch_size: args.batch(),
         progress: Some(Arc::new(strata_compare::progress::Bar::new(!args.no_progress))),
         max_steps: args.max_steps,
         metrics: args.metrics_writer()?,

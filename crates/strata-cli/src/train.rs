@@ -13,9 +13,13 @@ use strata_strategies::{
     OneDeviceStrategy,
 };
 
+use strata::cnn::Cnn;
 use strata::digits;
 use strata::model::Mlp;
+use strata::optim::schedule::LrSchedule;
+use strata::shakespeare;
 use strata::trainer::{FitReport, StopSignal, TrainConfig, Trainer};
+use strata::transformer::{CharTransformer, TransformerConfig};
 use strata::{OptimizerKind, StrategyKind};
 use strata_compare::inject::StepDelays;
 
@@ -55,6 +59,35 @@ pub enum AutoShardKind {
     File,
 }
 
+/// Which model `strata train` trains.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ModelKind {
+    /// The digits MLP (`--hidden` sizes; 30 epochs of 256 examples by default).
+    Mlp,
+    /// The digits CNN on 8x8 images (`strata::cnn::Cnn`; 30 epochs of 256 examples by default).
+    Cnn,
+    /// The character transformer on Tiny Shakespeare (`strata::transformer`, 0.82M
+    /// parameters; 1 epoch of --steps steps of 32 windows of 64 characters by default, AdamW
+    /// with warm-up and cosine decay, clipping at 1.0).
+    Transformer,
+}
+
+impl ModelKind {
+    /// Its name on the command line and in summaries.
+    pub fn name(self) -> &'static str {
+        match self {
+            ModelKind::Mlp => "mlp",
+            ModelKind::Cnn => "cnn",
+            ModelKind::Transformer => "transformer",
+        }
+    }
+}
+
+/// The transformer's default steps per epoch (`--steps`): sized to finish well within 5 minutes
+/// on a 2-core machine in a release build.
+pub const TRANSFORMER_STEPS: usize = 1200;
+
 /// Which CPU reduction.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ReductionKind {
@@ -82,15 +115,26 @@ pub struct TrainArgs {
     /// Strata's CUDA kernels otherwise; nccl; kernels).
     #[arg(long, default_value = "auto", value_parser = parse_cross_device_ops)]
     pub cross_device_ops: strata_cuda::select::CrossDeviceChoice,
-    /// Hidden layer sizes, comma-separated.
-    #[arg(long, default_value = "256,256", value_delimiter = ',')]
-    pub hidden: Vec<usize>,
-    /// Passes over the training set.
-    #[arg(long, default_value_t = 30)]
-    pub epochs: usize,
-    /// Global batch size (examples per step over all replicas).
-    #[arg(long, default_value_t = 256)]
-    pub batch: usize,
+    /// The model: mlp (digits), cnn (digits as 8x8 images) or transformer (Tiny Shakespeare).
+    #[arg(long, value_enum, default_value = "mlp")]
+    pub model: ModelKind,
+    /// Hidden layer sizes of --model mlp, comma-separated [default: 256,256].
+    #[arg(long = "hidden", value_delimiter = ',', value_name = "SIZES")]
+    pub hidden_flag: Option<Vec<usize>>,
+    /// Passes over the training set [default: 30; transformer: 1].
+    #[arg(long = "epochs", value_name = "N")]
+    pub epochs_flag: Option<usize>,
+    /// Global batch size, examples (transformer: windows of 64 characters) per step over all
+    /// replicas [default: 256; transformer: 32].
+    #[arg(long = "batch", value_name = "N")]
+    pub batch_flag: Option<usize>,
+    /// --model transformer: steps per epoch (the training set is steps x batch windows at
+    /// random offsets, drawn with --seed) [default: 1200].
+    #[arg(long, value_name = "N")]
+    pub steps: Option<usize>,
+    /// --model transformer: after training, print N characters sampled from the model.
+    #[arg(long, value_name = "N")]
+    pub sample: Option<usize>,
     /// Learning rate.
     #[arg(long, default_value_t = 0.003)]
     pub lr: f64,
@@ -202,6 +246,56 @@ fn parse_delay(s: &str) -> std::result::Result<std::time::Duration, String> {
 }
 
 impl TrainArgs {
+    /// The MLP's hidden layer sizes (`--hidden`, or 256,256).
+    pub fn hidden(&self) -> Vec<usize> {
+        self.hidden_flag.clone().unwrap_or_else(|| vec![256, 256])
+    }
+
+    /// Passes over the training set (`--epochs`, or the model's default).
+    pub fn epochs(&self) -> usize {
+        self.epochs_flag.unwrap_or(if self.model == ModelKind::Transformer { 1 } else { 30 })
+    }
+
+    /// The global batch (`--batch`, or the model's default).
+    pub fn batch(&self) -> usize {
+        self.batch_flag.unwrap_or(if self.model == ModelKind::Transformer { 32 } else { 256 })
+    }
+
+    /// Refuses flags that do not apply to `--model` (or the strategy), one line each.
+    fn check_model_flags(&self) -> Result<()> {
+        let m = self.model.name();
+        let refuse = |flag: &str, applies: &str| {
+            Err(Error::Usage(format!("{flag} applies to {applies}, not --model {m}; drop it")))
+        };
+        if self.model != ModelKind::Mlp && self.hidden_flag.is_some() {
+            return refuse("--hidden", "--model mlp");
+        }
+        if self.model != ModelKind::Transformer {
+            if self.steps.is_some() {
+                return refuse("--steps", "--model transformer");
+            }
+            if self.sample.is_some() {
+                return refuse("--sample", "--model transformer");
+            }
+        } else {
+            if self.data.is_some() {
+                return refuse("--data", "the digits models (--model mlp or cnn)");
+            }
+            if self.auto_shard == AutoShardKind::File {
+                return refuse("--auto-shard file", "the digits models (--model mlp or cnn)");
+            }
+            if self.steps == Some(0) {
+                return Err(Error::Usage("--steps 0 trains nothing; pass --steps 1 or more".into()));
+            }
+        }
+        if self.model != ModelKind::Mlp && self.strategy == StrategyKind::ParameterServer {
+            return Err(Error::Usage(format!(
+                "the parameter-server strategy trains only --model mlp for now, not {m}; use another strategy"
+            )));
+        }
+        Ok(())
+    }
+
     /// The slow workers and stragglers the flags ask for.
     pub fn step_delays(&self) -> Result<StepDelays> {
         StepDelays::from_flags(
@@ -228,11 +322,14 @@ impl TrainArgs {
 /// The JSON summary `--out` writes.
 #[derive(Debug, Serialize)]
 pub struct Summary {
+    /// The model (mlp, cnn, transformer).
+    pub model: ModelKind,
     /// The strategy.
     pub strategy: StrategyKind,
     /// Replicas in sync.
     pub replicas: usize,
-    /// Hidden layer sizes.
+    /// Hidden layer sizes (the MLP's).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
     pub hidden: Vec<usize>,
     /// Parameters of the model.
     pub parameters: usize,
@@ -246,8 +343,15 @@ pub struct Summary {
     pub learning_rate: f64,
     /// Seed.
     pub seed: u64,
-    /// Test accuracy after the last epoch.
-    pub final_test_accuracy: f32,
+    /// Test accuracy after the last epoch (the digits models).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub final_test_accuracy: Option<f32>,
+    /// The transformer: validation loss after the last epoch, in nats per character.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub validation_loss: Option<f64>,
+    /// The transformer: training tokens per second over the steady-state steps.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tokens_per_second: Option<f64>,
     /// Examples per second over the steady-state steps.
     pub examples_per_second: f64,
     /// Wall seconds of the whole run (data loading and evaluation included).
@@ -380,18 +484,20 @@ pub(crate) fn checkpoint_dir_writable(dir: &std::path::Path) -> Result<()> {
 /// Trains and reports.
 pub fn run(args: &TrainArgs) -> Result<()> {
     let started = std::time::Instant::now();
-    if args.hidden.is_empty() || args.hidden.contains(&0) {
+    args.check_model_flags()?;
+    let hidden = args.hidden();
+    if hidden.is_empty() || hidden.contains(&0) {
         return Err(Error::Usage("--hidden needs layer sizes of at least 1, e.g. --hidden 256,256".into()));
     }
-    strata::model::check_mlp(digits::FEATURES, &args.hidden, digits::CLASSES)
+    strata::model::check_mlp(digits::FEATURES, &hidden, digits::CLASSES)
         .map_err(|e| Error::Usage(format!("--hidden: {e}")))?;
-    if args.epochs == 0 {
+    if args.epochs() == 0 {
         return Err(Error::Usage("--epochs 0 trains nothing; pass --epochs 1 or more".into()));
     }
     if !(args.lr.is_finite() && args.lr > 0.0) {
         return Err(Error::Usage(format!("--lr {} is not a positive learning rate", args.lr)));
     }
-    if args.batch == 0 {
+    if args.batch() == 0 {
         return Err(Error::Usage("--batch 0: a step needs at least 1 example; pass --batch 1 or more".into()));
     }
     if !(args.bucket_mib.is_finite() && args.bucket_mib >= 0.0) {
@@ -431,10 +537,10 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         StrategyKind::OneDevice => 1,
         _ => args.gpus.or(args.replicas).unwrap_or(2),
     };
-    if args.batch < local_replicas {
+    if args.batch() < local_replicas {
         return Err(Error::Usage(format!(
             "--batch {} is smaller than the {local_replicas} replicas; every replica needs at least one example per step",
-            args.batch
+            args.batch()
         )));
     }
     if args.strategy != StrategyKind::MultiWorkerMirrored {
@@ -520,7 +626,7 @@ fn stopped_error(args: &TrainArgs, stopped: &strata::trainer::Stopped) -> Error 
 fn worker_data(args: &TrainArgs, multi: Option<&MultiWorkerMirroredStrategy>) -> Result<(strata::data::Batch, usize)> {
     let workers = multi.map_or(1, |m| m.num_workers());
     if args.auto_shard != AutoShardKind::File || workers == 1 {
-        return Ok((digits::load(args.data.as_deref())?, args.batch));
+        return Ok((digits::load(args.data.as_deref())?, args.batch()));
     }
     let Some(dir) = args.data.as_deref() else {
         return Err(Error::Usage(format!(
@@ -535,15 +641,15 @@ fn worker_data(args: &TrainArgs, multi: Option<&MultiWorkerMirroredStrategy>) ->
             files.len()
         )));
     }
-    if !args.batch.is_multiple_of(workers) {
+    if !args.batch().is_multiple_of(workers) {
         return Err(Error::Usage(format!(
             "--batch {} over {workers} workers with --auto-shard file: each worker takes an equal part of a step; use a multiple of {workers}",
-            args.batch
+            args.batch()
         )));
     }
     let index = multi.map_or(0, |m| m.worker_index());
     let mine: Vec<_> = files.into_iter().skip(index).step_by(workers).collect();
-    Ok((digits::load_files(&mine)?, args.batch / workers))
+    Ok((digits::load_files(&mine)?, args.batch() / workers))
 }
 
 fn train_with(
@@ -554,57 +660,126 @@ fn train_with(
     multi: Option<&MultiWorkerMirroredStrategy>,
     stop: &StopSignal,
 ) -> Result<()> {
-    let (all, global_batch) = worker_data(args, multi)?;
-    let (train, test) = digits::train_test_split(&all, 0.2, 0);
     let replicas = strategy.num_replicas_in_sync();
-    if args.batch < replicas {
+    if args.batch() < replicas {
         return Err(Error::Usage(format!(
             "--batch {} is smaller than the {replicas} replicas; every replica needs at least one example per step",
-            args.batch
+            args.batch()
         )));
     }
-    let hidden = args.hidden.clone();
-    let model = strategy.scope(|s| Mlp::new(s.var_builder(), digits::FEATURES, &hidden, digits::CLASSES))?;
     let is_chief = multi.is_none_or(|m| m.is_chief());
-    let trainer = Trainer::new(TrainConfig {
-        epochs: args.epochs,
-        global_batch,
-        seed: args.seed,
-        progress: Some(Arc::new(strata_compare::progress::Bar::new(!args.no_progress && is_chief))),
-        checkpoint: args.checkpoint_dir.as_ref().map(|dir| strata::trainer::CheckpointConfig {
-            dir: dir.clone(),
-            every_steps: args.checkpoint_every.max(1),
-            keep: 3,
-        }),
-        max_steps: args.max_steps,
-        metrics: args.metrics_writer()?,
-        step_hook: args.step_hook()?,
-        stop: Some(stop.clone()),
-        ..Default::default()
-    });
-    let report = args.optimizer.fit(args.lr, &trainer, &strategy, &model, &train, &test)?;
-    if let Some(stopped) = &report.stopped {
-        // No summary and no final parameters: the run is not over.
-        return Err(stopped_error(args, stopped));
-    }
-    if let (Some(path), Some(t)) = (&args.timeline, timeline) {
-        t.write_chrome_trace(path)?;
-        eprintln!("timeline: {} events written to {}", t.len(), path.display());
-    }
-    // The saved (and compared) state is the mean over replicas and workers (every worker calls it).
-    model.sync_state()?;
-    if let Some(m) = multi {
-        // Every worker must end with the same parameters; print a digest to compare.
-        eprintln!("worker {}: parameter digest {}", m.worker_index(), parameter_digest(&model)?);
-    }
-    if is_chief {
-        finish(args, started, replicas, &report, model.variables(0), multi.map_or(0, |m| m.worker_index()), None)?;
-    } else if let Some(path) = &args.save_params {
-        if path.to_string_lossy().contains("{task}") {
-            save_params(path, multi.map_or(0, |m| m.worker_index()), model.variables(0))?;
+    let config = |global_batch: usize| -> Result<TrainConfig> {
+        Ok(TrainConfig {
+            epochs: args.epochs(),
+            global_batch,
+            seed: args.seed,
+            progress: Some(Arc::new(strata_compare::progress::Bar::new(!args.no_progress && is_chief))),
+            checkpoint: args.checkpoint_dir.as_ref().map(|dir| strata::trainer::CheckpointConfig {
+                dir: dir.clone(),
+                every_steps: args.checkpoint_every.max(1),
+                keep: 3,
+            }),
+            max_steps: args.max_steps,
+            metrics: args.metrics_writer()?,
+            step_hook: args.step_hook()?,
+            stop: Some(stop.clone()),
+            ..Default::default()
+        })
+    };
+    let run = Run { args, started, timeline, multi, replicas, is_chief };
+    match args.model {
+        ModelKind::Mlp | ModelKind::Cnn => {
+            let (all, global_batch) = worker_data(args, multi)?;
+            let (train, test) = digits::train_test_split(&all, 0.2, 0);
+            let trainer = Trainer::new(config(global_batch)?);
+            if args.model == ModelKind::Mlp {
+                let hidden = args.hidden();
+                let model =
+                    strategy.scope(|s| Mlp::new(s.var_builder(), digits::FEATURES, &hidden, digits::CLASSES))?;
+                let report = args.optimizer.fit(args.lr, &trainer, &strategy, &model, &train, &test)?;
+                run.end(&report, &model)
+            } else {
+                let model = strategy.scope(|s| Cnn::new(s.var_builder()))?;
+                let report = args.optimizer.fit(args.lr, &trainer, &strategy, &model, &train, &test)?;
+                run.end(&report, &model)
+            }
+        }
+        ModelKind::Transformer => {
+            let corpus = shakespeare::load()?;
+            let shape = TransformerConfig { vocab: corpus.vocab_size(), ..Default::default() };
+            shape.check()?;
+            let steps = args.steps.unwrap_or(TRANSFORMER_STEPS);
+            let windows = steps.checked_mul(args.batch()).filter(|&n| n <= 1 << 24).ok_or_else(|| {
+                Error::Usage(format!(
+                    "--steps {steps} of --batch {} draws more than 2^24 windows; use fewer steps per epoch and more --epochs",
+                    args.batch()
+                ))
+            })?;
+            let train = corpus.random_windows(windows, shape.context, args.seed)?;
+            let validation = corpus.validation_windows(shape.context)?;
+            let mut cfg = config(args.batch())?;
+            let total = (steps * args.epochs()) as u64;
+            cfg.clip_global_norm = Some(1.0);
+            cfg.schedule = Some(LrSchedule::WarmupCosine {
+                peak: args.lr,
+                warmup_steps: (total / 20).min(100),
+                total_steps: total,
+                final_lr: args.lr / 10.0,
+            });
+            let trainer = Trainer::new(cfg);
+            let model = strategy.scope(|s| CharTransformer::new(shape, s.var_builder()))?;
+            let task = strata::transformer::task();
+            let report = args.optimizer.fit_task(args.lr, &trainer, &strategy, &model, &task, &train, &validation)?;
+            run.end(&report, &model)?;
+            if let (Some(n), true) = (args.sample, is_chief) {
+                let prompt = corpus.encode("\n")?;
+                let ids = model.primary().generate(&prompt, n, 0.8, args.seed)?;
+                println!("sample ({n} characters, temperature 0.8):\n{}", corpus.decode(&ids));
+            }
+            Ok(())
         }
     }
-    Ok(())
+}
+
+/// What the end of a run needs to know about it.
+struct Run<'a> {
+    args: &'a TrainArgs,
+    started: std::time::Instant,
+    timeline: &'a Option<Arc<Timeline>>,
+    multi: Option<&'a MultiWorkerMirroredStrategy>,
+    replicas: usize,
+    is_chief: bool,
+}
+
+impl Run<'_> {
+    /// The end of a fit: the stop error, the timeline, the state's mean, the digest and the
+    /// chief's summary (or a worker's own `--save-params`).
+    fn end<M>(&self, report: &FitReport, model: &strata_core::Replicated<M>) -> Result<()> {
+        let (args, multi) = (self.args, self.multi);
+        if let Some(stopped) = &report.stopped {
+            // No summary and no final parameters: the run is not over.
+            return Err(stopped_error(args, stopped));
+        }
+        if let (Some(path), Some(t)) = (&args.timeline, self.timeline) {
+            t.write_chrome_trace(path)?;
+            eprintln!("timeline: {} events written to {}", t.len(), path.display());
+        }
+        // The saved (and compared) state is the mean over replicas and workers (every worker calls it).
+        model.sync_state()?;
+        if let Some(m) = multi {
+            // Every worker must end with the same parameters; print a digest to compare.
+            eprintln!("worker {}: parameter digest {}", m.worker_index(), parameter_digest(model)?);
+        }
+        let index = multi.map_or(0, |m| m.worker_index());
+        if self.is_chief {
+            finish(args, self.started, self.replicas, report, model.variables(0), index, None)?;
+        } else if let Some(path) = &args.save_params {
+            if path.to_string_lossy().contains("{task}") {
+                save_params(path, index, model.variables(0))?;
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Writes `vars` as safetensors to `path` with `{task}` replaced by `index`.
@@ -626,32 +801,56 @@ pub(crate) fn finish(
     task_index: usize,
     parameter_servers: Option<crate::ps::PsSummary>,
 ) -> Result<()> {
+    let transformer = args.model == ModelKind::Transformer;
+    let context = TransformerConfig::default().context;
+    let validation_loss =
+        transformer.then(|| report.final_metrics.iter().find(|m| m.name == "loss").map_or(f64::NAN, |m| m.value));
+    let parameters = match args.model {
+        ModelKind::Mlp => Mlp::parameter_count(digits::FEATURES, &args.hidden(), digits::CLASSES),
+        ModelKind::Cnn => Cnn::parameter_count(),
+        ModelKind::Transformer => TransformerConfig::default().parameter_count(),
+    };
     let summary = Summary {
+        model: args.model,
         strategy: args.strategy,
         replicas,
-        parameters: Mlp::parameter_count(digits::FEATURES, &args.hidden, digits::CLASSES),
-        hidden: args.hidden.clone(),
-        epochs: args.epochs,
-        global_batch: args.batch,
+        parameters,
+        hidden: if args.model == ModelKind::Mlp { args.hidden() } else { Vec::new() },
+        epochs: args.epochs(),
+        global_batch: args.batch(),
         optimizer: args.optimizer,
         learning_rate: args.lr,
         seed: args.seed,
-        final_test_accuracy: report.final_test_accuracy,
+        final_test_accuracy: (!transformer).then_some(report.final_test_accuracy),
+        validation_loss,
+        tokens_per_second: transformer.then_some(report.examples_per_second * context as f64),
         examples_per_second: report.examples_per_second,
         wall_seconds: started.elapsed().as_secs_f64(),
         history: report.epochs.clone(),
         parameter_servers,
     };
-    println!(
-        "{} x{}: test accuracy {:.2}% after {} epochs ({} steps), {:.0} examples/s in steady state, {:.2} s",
-        args.strategy,
-        replicas,
-        summary.final_test_accuracy * 100.0,
-        args.epochs,
-        report.steps,
-        summary.examples_per_second,
-        summary.wall_seconds
-    );
+    if let (Some(loss), Some(tokens)) = (summary.validation_loss, summary.tokens_per_second) {
+        println!(
+            "{} x{}: transformer validation loss {loss:.4} nats per character after {} epochs ({} steps), {tokens:.0} tokens/s in steady state, {:.2} s",
+            args.strategy,
+            replicas,
+            args.epochs(),
+            report.steps,
+            summary.wall_seconds
+        );
+    } else {
+        println!(
+            "{} x{}: {}test accuracy {:.2}% after {} epochs ({} steps), {:.0} examples/s in steady state, {:.2} s",
+            args.strategy,
+            replicas,
+            if args.model == ModelKind::Cnn { "cnn " } else { "" },
+            report.final_test_accuracy * 100.0,
+            args.epochs(),
+            report.steps,
+            summary.examples_per_second,
+            summary.wall_seconds
+        );
+    }
     if let Some(path) = &args.save_params {
         save_params(path, task_index, vars)?;
     }

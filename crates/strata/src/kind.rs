@@ -10,7 +10,7 @@ use std::fmt;
 use std::str::FromStr;
 
 use candle_nn::{AdamW, Optimizer, ParamsAdamW, SGD};
-use strata_core::data::Batch;
+use strata_core::data::{Batch, BatchData};
 use strata_core::optim::{FusedAdamW, FusedSgd};
 use strata_core::{Replicated, StrategyHandle};
 use strata_transport::ps::ServerOptimizer;
@@ -160,12 +160,29 @@ impl OptimizerKind {
         train: &Batch,
         test: &Batch,
     ) -> Result<FitReport> {
+        self.fit_task(lr, trainer, strategy, model, &Task::classifier(), train, test)
+    }
+
+    /// Trains `model` under `strategy` on `task` with this optimizer at learning rate `lr`
+    /// (checkpointed when the trainer's configuration asks for checkpoints; the fused
+    /// optimizers only).
+    #[allow(clippy::too_many_arguments)]
+    pub fn fit_task<M: Send + Sync, B: BatchData>(
+        self,
+        lr: f64,
+        trainer: &Trainer,
+        strategy: &StrategyHandle,
+        model: &Replicated<M>,
+        task: &Task<'_, M, B>,
+        train: &B,
+        test: &B,
+    ) -> Result<FitReport> {
         let adamw = ParamsAdamW { lr, ..Default::default() };
         match self {
-            OptimizerKind::Adamw => fit_with_state::<FusedAdamW, M>(trainer, strategy, model, adamw, train, test),
-            OptimizerKind::Sgd => fit_with_state::<FusedSgd, M>(trainer, strategy, model, lr, train, test),
-            OptimizerKind::CandleAdamw => fit::<AdamW, M>(trainer, strategy, model, adamw, train, test),
-            OptimizerKind::CandleSgd => fit::<SGD, M>(trainer, strategy, model, lr, train, test),
+            OptimizerKind::Adamw => fit_with_state::<FusedAdamW, M, B>(trainer, strategy, model, adamw, task, train, test),
+            OptimizerKind::Sgd => fit_with_state::<FusedSgd, M, B>(trainer, strategy, model, lr, task, train, test),
+            OptimizerKind::CandleAdamw => fit::<AdamW, M, B>(trainer, strategy, model, adamw, task, train, test),
+            OptimizerKind::CandleSgd => fit::<SGD, M, B>(trainer, strategy, model, lr, task, train, test),
             OptimizerKind::Momentum | OptimizerKind::Adagrad => Err(Error::Usage(format!(
                 "the {self} optimizer runs on parameter servers only; train with the parameter-server strategy, or choose adamw or sgd"
             ))),
@@ -186,40 +203,41 @@ impl OptimizerKind {
     }
 }
 
-fn fit_with_state<O, M: Classifier>(
+fn fit_with_state<O, M: Send + Sync, B: BatchData>(
     trainer: &Trainer,
     strategy: &StrategyHandle,
     model: &Replicated<M>,
     config: O::Config,
-    train: &Batch,
-    test: &Batch,
+    task: &Task<'_, M, B>,
+    train: &B,
+    test: &B,
 ) -> Result<FitReport>
 where
     O: Optimizer + strata_core::checkpoint::OptimizerState + Send,
     O::Config: Clone,
 {
     let opt = trainer.optimizer::<M, O>(model, config)?;
-    let task = Task::classifier();
     if trainer.config.checkpoint.is_some() {
-        trainer.fit_checkpointed(strategy, model, &opt, &task, train, test)
+        trainer.fit_checkpointed(strategy, model, &opt, task, train, test)
     } else {
-        trainer.fit(strategy, model, &opt, &task, train, test)
+        trainer.fit(strategy, model, &opt, task, train, test)
     }
 }
 
-fn fit<O: Optimizer + Send, M: Classifier>(
+fn fit<O: Optimizer + Send, M: Send + Sync, B: BatchData>(
     trainer: &Trainer,
     strategy: &StrategyHandle,
     model: &Replicated<M>,
     config: O::Config,
-    train: &Batch,
-    test: &Batch,
+    task: &Task<'_, M, B>,
+    train: &B,
+    test: &B,
 ) -> Result<FitReport>
 where
     O::Config: Clone,
 {
     let opt = trainer.optimizer::<M, O>(model, config)?;
-    trainer.fit(strategy, model, &opt, &Task::classifier(), train, test)
+    trainer.fit(strategy, model, &opt, task, train, test)
 }
 
 #[cfg(test)]

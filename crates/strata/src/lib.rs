@@ -44,6 +44,7 @@
 //! Call [`init_cpu_threads`] first thing in `main` so that every replica runs candle's CPU
 //! kernels on its own thread (the `strata` binary does).
 
+pub mod cnn;
 pub mod digits;
 mod error;
 pub mod gpu;
@@ -51,7 +52,9 @@ pub mod kind;
 pub mod metrics;
 pub mod model;
 pub mod ps_job;
+pub mod shakespeare;
 pub mod trainer;
+pub mod transformer;
 
 pub use error::{Error, Result};
 pub use kind::{NamedKind, OptimizerKind, StrategyKind};

@@ -64,7 +64,7 @@ pub trait Classifier: Send + Sync {
 #[derive(Debug)]
 pub struct Dense {
     weight: Tensor,
-    bias: Tensor,
+    bias: Option<Tensor>,
 }
 
 impl Dense {
@@ -74,12 +74,30 @@ impl Dense {
         let weight = vb.get_with_hints((input, output), "weight", Init::Randn { mean: 0.0, stdev: std })?;
         let bound = 1.0 / (input as f64).sqrt();
         let bias = vb.get_with_hints(output, "bias", Init::Uniform { lo: -bound, up: bound })?;
-        Ok(Self { weight, bias })
+        Ok(Self { weight, bias: Some(bias) })
+    }
+
+    /// A layer of `input -> output` whose weight is drawn from a normal of mean 0 and `stdev`
+    /// and whose bias starts at zero (GPT-2's initialisation, which the transformer uses).
+    pub fn with_stdev(input: usize, output: usize, stdev: f64, vb: VarBuilder) -> candle_core::Result<Self> {
+        let weight = vb.get_with_hints((input, output), "weight", Init::Randn { mean: 0.0, stdev })?;
+        let bias = vb.get_with_hints(output, "bias", Init::Const(0.0))?;
+        Ok(Self { weight, bias: Some(bias) })
+    }
+
+    /// [`Dense::with_stdev`] without a bias: `x W`, whose only variable is `weight`.
+    pub fn no_bias(input: usize, output: usize, stdev: f64, vb: VarBuilder) -> candle_core::Result<Self> {
+        let weight = vb.get_with_hints((input, output), "weight", Init::Randn { mean: 0.0, stdev })?;
+        Ok(Self { weight, bias: None })
     }
 
     /// `x W + b`.
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        x.matmul(&self.weight)?.broadcast_add(&self.bias)
+        let y = x.matmul(&self.weight)?;
+        match &self.bias {
+            Some(b) => y.broadcast_add(b),
+            None => Ok(y),
+        }
     }
 }
 

@@ -1,0 +1,52 @@
+//! A small convolutional network on the digits as 1x8x8 images: plain candle-nn code, unchanged
+//! under every strategy (`strategy.scope(|s| Cnn::new(s.var_builder()))`).
+
+use candle_core::Tensor;
+use candle_nn::{Conv2d, Conv2dConfig, Module, VarBuilder};
+
+use crate::model::{Classifier, Dense};
+
+/// The digits' image side (8x8 pixels).
+pub const SIDE: usize = 8;
+
+/// conv2d(1 -> 16, 3x3, padding 1), relu, max-pool 2, conv2d(16 -> 32, 3x3, padding 1), relu,
+/// max-pool 2, flatten (32 x 2 x 2 = 128), dense 128 -> 64, relu, dense 64 -> 10.
+///
+/// It takes the digits' feature rows `(N, 64)` (row-major 8x8 images, as [`crate::digits`]
+/// loads them) or images `(N, 1, 8, 8)`. Variables: `conv1.{weight,bias}`,
+/// `conv2.{weight,bias}`, `fc1.{weight,bias}`, `fc2.{weight,bias}`.
+#[derive(Debug)]
+pub struct Cnn {
+    conv1: Conv2d,
+    conv2: Conv2d,
+    fc1: Dense,
+    fc2: Dense,
+}
+
+impl Cnn {
+    /// The network, its variables made by `vb` (the scope's `VarBuilder`).
+    pub fn new(vb: VarBuilder) -> candle_core::Result<Self> {
+        let same = Conv2dConfig { padding: 1, ..Default::default() };
+        Ok(Self {
+            conv1: candle_nn::conv2d(1, 16, 3, same, vb.pp("conv1"))?,
+            conv2: candle_nn::conv2d(16, 32, 3, same, vb.pp("conv2"))?,
+            fc1: Dense::new(32 * 2 * 2, 64, vb.pp("fc1"))?,
+            fc2: Dense::new(64, crate::digits::CLASSES, vb.pp("fc2"))?,
+        })
+    }
+
+    /// The number of parameters: 13,706.
+    pub fn parameter_count() -> usize {
+        (16 * 9 + 16) + (32 * 16 * 9 + 32) + (128 * 64 + 64) + (64 * 10 + 10)
+    }
+}
+
+impl Classifier for Cnn {
+    fn logits(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let n = x.dim(0)?;
+        let x = x.reshape((n, 1, SIDE, SIDE))?;
+        let h = self.conv1.forward(&x)?.relu()?.max_pool2d(2)?;
+        let h = self.conv2.forward(&h)?.relu()?.max_pool2d(2)?.flatten_from(1)?;
+        self.fc2.forward(&self.fc1.forward(&h)?.relu()?)
+    }
+}

@@ -1,0 +1,321 @@
+//! A decoder-only character language model (GPT-style): token and learned position
+//! embeddings, blocks of (layer norm, causal multi-head self-attention, residual, layer norm,
+//! MLP 4x with GELU, residual), a final layer norm and a linear head to the vocabulary. Plain
+//! candle code built from the scope's `VarBuilder`, unchanged under every strategy:
+//!
+//! ```no_run
+//! use strata::prelude::*;
+//! use strata::transformer::{CharTransformer, TransformerConfig};
+//!
+//! let strategy = MirroredStrategy::logical_cpus(2)?;
+//! let config = TransformerConfig::default();
+//! let model = strategy.scope(|s| CharTransformer::new(config, s.var_builder()))?;
+//! # Ok::<(), strata::Error>(())
+//! ```
+//!
+//! Batches are `(inputs, targets)` of u32 `(N, T)` character ids ([`crate::shakespeare`]); the
+//! loss is the mean cross-entropy over every position, in nats per character.
+//!
+//! Only operations with a backward pass are used: candle-nn's fused `layer_norm` and
+//! `softmax_last_dim` are forward-only (their gradients would silently be missing), so layer
+//! norm is candle-nn's `layer_norm_slow` and the softmax is written out. Activations stay
+//! `(N * T, width)` matrices between the attention's batched `(N, heads, T, T)` products, so
+//! every dense layer is one matrix product with a contiguous gradient ([`Dense`] keeps its
+//! weight `(in, out)`).
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+
+use candle_core::{DType, Device, Tensor, D};
+use candle_nn::{Init, VarBuilder};
+use rand::SeedableRng;
+
+use crate::model::Dense;
+use crate::trainer::Task;
+
+/// The most parameters a transformer built from a command line may have (2^26, as the MLP's).
+pub const MAX_PARAMETERS: usize = 1 << 26;
+
+/// The shape of a [`CharTransformer`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct TransformerConfig {
+    /// Distinct tokens (65 characters for Tiny Shakespeare).
+    pub vocab: usize,
+    /// The embedding width.
+    pub width: usize,
+    /// Blocks.
+    pub layers: usize,
+    /// Attention heads (they divide the width).
+    pub heads: usize,
+    /// The longest sequence (learned positions).
+    pub context: usize,
+}
+
+impl Default for TransformerConfig {
+    /// 4 layers, width 128, 4 heads, context 64, Tiny Shakespeare's 65 characters: 0.82M
+    /// parameters.
+    fn default() -> Self {
+        Self { vocab: 65, width: 128, layers: 4, heads: 4, context: 64 }
+    }
+}
+
+impl TransformerConfig {
+    /// The number of parameters (816,705 for the default).
+    pub fn parameter_count(&self) -> usize {
+        let (v, c, l, t) = (self.vocab, self.width, self.layers, self.context);
+        let block = 2 * (2 * c) + c * 3 * c + (c * c + c) + (c * 4 * c + 4 * c) + (4 * c * c + c);
+        v * c + t * c + l * block + 2 * c + (c * v + v)
+    }
+
+    /// Checks the sizes before anything is allocated; one line saying what to change.
+    pub fn check(&self) -> crate::Result<()> {
+        let usage = |m: String| Err(crate::Error::Usage(m));
+        if self.vocab == 0 || self.width == 0 || self.layers == 0 || self.heads == 0 || self.context == 0 {
+            return usage(format!(
+                "a transformer needs a vocabulary, width, layers, heads and context of at least 1, not {self:?}"
+            ));
+        }
+        if !self.width.is_multiple_of(self.heads) {
+            return usage(format!(
+                "a width of {} does not split into {} heads; use a width that is a multiple of the heads",
+                self.width, self.heads
+            ));
+        }
+        let fits = [self.vocab, self.width, self.layers, self.context].iter().all(|&n| n <= 1 << 16);
+        if !fits || self.parameter_count() > MAX_PARAMETERS {
+            return usage(format!(
+                "a transformer of {self:?} has more than {MAX_PARAMETERS} parameters, the limit; use a smaller width or fewer layers"
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Layer norm over the last axis with a learned scale (`weight`, from 1) and shift (`bias`, from 0).
+#[derive(Debug)]
+struct LayerNorm {
+    weight: Tensor,
+    bias: Tensor,
+}
+
+impl LayerNorm {
+    fn new(width: usize, vb: VarBuilder) -> candle_core::Result<Self> {
+        Ok(Self {
+            weight: vb.get_with_hints(width, "weight", Init::Const(1.0))?,
+            bias: vb.get_with_hints(width, "bias", Init::Const(0.0))?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        candle_nn::ops::layer_norm_slow(x, &self.weight, &self.bias, 1e-5)
+    }
+}
+
+/// Softmax over the last axis, with a backward pass (the maximum is a constant shift).
+fn softmax_last(x: &Tensor) -> candle_core::Result<Tensor> {
+    let max = x.max_keepdim(D::Minus1)?.detach();
+    let e = x.broadcast_sub(&max)?.exp()?;
+    e.broadcast_div(&e.sum_keepdim(D::Minus1)?)
+}
+
+#[derive(Debug)]
+struct Block {
+    ln1: LayerNorm,
+    qkv: Dense,
+    proj: Dense,
+    ln2: LayerNorm,
+    fc: Dense,
+    out: Dense,
+}
+
+impl Block {
+    fn new(c: &TransformerConfig, vb: VarBuilder) -> candle_core::Result<Self> {
+        let w = c.width;
+        // GPT-2's initialisation: 0.02, the projections into the residual stream scaled down
+        // by the square root of twice the depth.
+        let residual = 0.02 / ((2 * c.layers) as f64).sqrt();
+        Ok(Self {
+            ln1: LayerNorm::new(w, vb.pp("ln1"))?,
+            // No bias: the keys' would get no gradient (the softmax ignores a shift shared by
+            // every key), only rounding noise that Adam would turn into full-size steps.
+            qkv: Dense::no_bias(w, 3 * w, 0.02, vb.pp("attn.qkv"))?,
+            proj: Dense::with_stdev(w, w, residual, vb.pp("attn.proj"))?,
+            ln2: LayerNorm::new(w, vb.pp("ln2"))?,
+            fc: Dense::with_stdev(w, 4 * w, 0.02, vb.pp("mlp.fc"))?,
+            out: Dense::with_stdev(4 * w, w, residual, vb.pp("mlp.proj"))?,
+        })
+    }
+
+    /// `x`: `(n * t, width)`; `mask`: `(t, t)`, 0 on and below the diagonal, -inf above.
+    fn forward(&self, x: &Tensor, n: usize, t: usize, heads: usize, mask: &Tensor) -> candle_core::Result<Tensor> {
+        let w = x.dim(1)?;
+        let hd = w / heads;
+        let qkv = self.qkv.forward(&self.ln1.forward(x)?)?;
+        // (n, t, 3, heads, hd) -> (3, n, heads, t, hd): every head's q, k, v contiguous.
+        let qkv = qkv.reshape((n, t, 3, heads, hd))?.permute((2, 0, 3, 1, 4))?.contiguous()?;
+        let q = (qkv.get(0)? * (1.0 / (hd as f64).sqrt()))?;
+        let (k, v) = (qkv.get(1)?, qkv.get(2)?);
+        let att = q.matmul(&k.t()?)?.broadcast_add(mask)?;
+        let y = softmax_last(&att)?.matmul(&v)?; // (n, heads, t, hd)
+        let y = y.transpose(1, 2)?.reshape((n * t, w))?;
+        let x = (x + self.proj.forward(&y)?)?;
+        let h = self.fc.forward(&self.ln2.forward(&x)?)?.gelu()?;
+        x + self.out.forward(&h)?
+    }
+}
+
+/// The character language model; see the module docs. Variables: `tok.weight`, `pos.weight`,
+/// `block{i}.attn.qkv.weight`, `block{i}.{ln1,attn.proj,ln2,mlp.fc,mlp.proj}.{weight,bias}`, `ln_f.{weight,bias}`,
+/// `head.{weight,bias}`.
+#[derive(Debug)]
+pub struct CharTransformer {
+    config: TransformerConfig,
+    tok: Tensor,
+    pos: Tensor,
+    blocks: Vec<Block>,
+    ln_f: LayerNorm,
+    head: Dense,
+    device: Device,
+    /// The causal mask of each sequence length met so far.
+    masks: Mutex<BTreeMap<usize, Tensor>>,
+}
+
+impl CharTransformer {
+    /// The model of `config`, its variables made by `vb` (the scope's `VarBuilder`).
+    pub fn new(config: TransformerConfig, vb: VarBuilder) -> candle_core::Result<Self> {
+        let c = config;
+        let embed = Init::Randn { mean: 0.0, stdev: 0.02 };
+        Ok(Self {
+            tok: vb.get_with_hints((c.vocab, c.width), "tok.weight", embed)?,
+            pos: vb.get_with_hints((c.context, c.width), "pos.weight", embed)?,
+            blocks: (0..c.layers).map(|i| Block::new(&c, vb.pp(format!("block{i}")))).collect::<Result<_, _>>()?,
+            ln_f: LayerNorm::new(c.width, vb.pp("ln_f"))?,
+            head: Dense::with_stdev(c.width, c.vocab, 0.02, vb.pp("head"))?,
+            device: vb.device().clone(),
+            masks: Mutex::new(BTreeMap::new()),
+            config,
+        })
+    }
+
+    /// Its shape.
+    pub fn config(&self) -> TransformerConfig {
+        self.config
+    }
+
+    fn mask(&self, t: usize) -> candle_core::Result<Tensor> {
+        let mut masks = self.masks.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(m) = masks.get(&t) {
+            return Ok(m.clone());
+        }
+        let values: Vec<f32> =
+            (0..t).flat_map(|i| (0..t).map(move |j| if j > i { f32::NEG_INFINITY } else { 0.0 })).collect();
+        let m = Tensor::from_vec(values, (t, t), &self.device)?;
+        masks.insert(t, m.clone());
+        Ok(m)
+    }
+
+    /// Logits `(n, t, vocab)` of the next character at every position of `ids` (u32 `(n, t)`,
+    /// `t` at most the context).
+    pub fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        let (n, t) = ids.dims2()?;
+        if t > self.config.context {
+            candle_core::bail!("sequences of {t} tokens are longer than the context of {}", self.config.context);
+        }
+        let w = self.config.width;
+        let x = self.tok.index_select(&ids.flatten_all()?, 0)?.reshape((n, t, w))?;
+        let mut x = x.broadcast_add(&self.pos.narrow(0, 0, t)?)?.reshape((n * t, w))?;
+        let mask = self.mask(t)?;
+        for b in &self.blocks {
+            x = b.forward(&x, n, t, self.config.heads, &mask)?;
+        }
+        self.head.forward(&self.ln_f.forward(&x)?)?.reshape((n, t, self.config.vocab))
+    }
+
+    /// The mean cross-entropy of the next character over every position of `(ids, targets)`
+    /// (both u32 `(n, t)`), in nats per character.
+    pub fn loss(&self, ids: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
+        let logits = self.forward(ids)?;
+        candle_nn::loss::cross_entropy(&logits.flatten_to(1)?, &targets.flatten_all()?)
+    }
+
+    /// `count` tokens sampled after `prompt` (at least one token), each from the softmax of the
+    /// last position's logits divided by `temperature` (seeded: the same seed gives the same
+    /// text), the input cut to the last `context` tokens.
+    pub fn generate(&self, prompt: &[u32], count: usize, temperature: f64, seed: u64) -> candle_core::Result<Vec<u32>> {
+        if prompt.is_empty() || !(temperature.is_finite() && temperature > 0.0) {
+            candle_core::bail!("sampling needs a prompt of at least one token and a positive temperature");
+        }
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let mut ids = prompt.to_vec();
+        for _ in 0..count {
+            let start = ids.len().saturating_sub(self.config.context);
+            let window = Tensor::new(&ids[start..], &self.device)?.unsqueeze(0)?;
+            let logits = self.forward(&window)?.get(0)?.get(ids.len() - start - 1)?;
+            let p = softmax_last(&(logits.to_dtype(DType::F32)? / temperature)?)?.to_vec1::<f32>()?;
+            let r: f32 = rand::Rng::random(&mut rng);
+            let mut acc = 0f32;
+            let next = p.iter().position(|&x| {
+                acc += x;
+                acc > r
+            });
+            ids.push(next.unwrap_or(p.len() - 1) as u32);
+        }
+        Ok(ids[prompt.len()..].to_vec())
+    }
+}
+
+/// The task of [`crate::trainer::Trainer::fit`] for the transformer on `(inputs, targets)`
+/// batches: its loss, and the loss (nats per character) as the evaluation's metric.
+pub fn task<'a>() -> Task<'a, CharTransformer, (Tensor, Tensor)> {
+    Task::new(|m: &CharTransformer, ctx, b: &(Tensor, Tensor)| {
+        use strata_core::data::BatchData;
+        let (x, y) = b.to_device(ctx.candle_device())?;
+        Ok(m.loss(&x, &y)?)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_has_0_82m_parameters_and_bad_shapes_are_refused() {
+        assert_eq!(TransformerConfig::default().parameter_count(), 816_705);
+        let vm = candle_nn::VarMap::new();
+        let vb = VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
+        CharTransformer::new(TransformerConfig::default(), vb).unwrap();
+        let n: usize = vm.all_vars().iter().map(|v| v.elem_count()).sum();
+        assert_eq!(n, 816_705);
+        let e = TransformerConfig { heads: 3, ..Default::default() }.check().unwrap_err().to_string();
+        assert!(e.contains("does not split into 3 heads"), "{e}");
+        assert!(TransformerConfig { layers: 0, ..Default::default() }.check().is_err());
+    }
+
+    #[test]
+    fn the_attention_is_causal_and_every_variable_gets_a_gradient() {
+        let vm = candle_nn::VarMap::new();
+        let vb = VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
+        let c = TransformerConfig { vocab: 11, width: 16, layers: 2, heads: 2, context: 8 };
+        let m = CharTransformer::new(c, vb).unwrap();
+        let a = Tensor::new(&[[1u32, 2, 3, 4, 5, 6]], &Device::Cpu).unwrap();
+        let b = Tensor::new(&[[1u32, 2, 3, 9, 9, 9]], &Device::Cpu).unwrap();
+        let (la, lb) = (m.forward(&a).unwrap(), m.forward(&b).unwrap());
+        let prefix = |l: &Tensor| l.narrow(1, 0, 3).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(prefix(&la), prefix(&lb), "a position sees no later token");
+        assert_ne!(
+            la.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            lb.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+        );
+        let loss = m.loss(&a, &b).unwrap();
+        let grads = loss.backward().unwrap();
+        for v in vm.all_vars() {
+            let g = grads.get(v.as_tensor()).expect("every variable has a gradient");
+            let norm = g.sqr().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap();
+            assert!(norm > 0.0 && norm.is_finite(), "a gradient of norm {norm}");
+        }
+        let text = m.generate(&[1, 2], 20, 1.0, 3).unwrap();
+        assert_eq!(text.len(), 20);
+        assert!(text.iter().all(|&i| i < 11));
+        assert_eq!(text, m.generate(&[1, 2], 20, 1.0, 3).unwrap());
+    }
+}
