@@ -215,13 +215,7 @@ pub fn train_test_split(all: &Batch, test_fraction: f64, seed: u64) -> (Batch, B
 
 /// The rows `idx` of `b`, in that order.
 pub fn gather(b: &Batch, idx: &[usize]) -> Batch {
-    let mut features = Vec::with_capacity(idx.len() * b.dim);
-    let mut labels = Vec::with_capacity(idx.len());
-    for &i in idx {
-        features.extend_from_slice(&b.features[i * b.dim..(i + 1) * b.dim]);
-        labels.push(b.labels[i]);
-    }
-    Batch { features, labels, dim: b.dim }
+    b.select_rows(idx)
 }
 
 #[cfg(test)]

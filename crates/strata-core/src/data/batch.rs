@@ -200,13 +200,7 @@ impl BatchData for Batch {
 
     fn take_rows(&self, rows: &[usize]) -> Result<Self> {
         check_rows(self.len(), rows)?;
-        let mut features = Vec::with_capacity(rows.len() * self.dim);
-        let mut labels = Vec::with_capacity(rows.len());
-        for &i in rows {
-            features.extend_from_slice(&self.features[i * self.dim..(i + 1) * self.dim]);
-            labels.push(self.labels[i]);
-        }
-        Batch::new(features, labels, self.dim)
+        Ok(self.select_rows(rows))
     }
 }
 

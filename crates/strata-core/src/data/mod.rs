@@ -97,6 +97,17 @@ impl Batch {
         }
     }
 
+    /// Rows `idx`, in that order, as a new batch (every index below [`Batch::len`]).
+    pub fn select_rows(&self, idx: &[usize]) -> Batch {
+        let mut features = Vec::with_capacity(idx.len() * self.dim);
+        let mut labels = Vec::with_capacity(idx.len());
+        for &i in idx {
+            features.extend_from_slice(&self.features[i * self.dim..(i + 1) * self.dim]);
+            labels.push(self.labels[i]);
+        }
+        Batch { features, labels, dim: self.dim }
+    }
+
     /// The features as a `(rows, dim)` tensor on `device`.
     pub fn features_tensor(&self, device: &Device) -> Result<Tensor> {
         Ok(Tensor::from_slice(&self.features, (self.len(), self.dim), device)?)
