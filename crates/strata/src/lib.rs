@@ -101,3 +101,21 @@ pub fn init_cpu_threads() {
         }
     }
 }
+
+/// The CPU backend candle's matrix products run on in this build, and the widest vector
+/// kernels it uses on this CPU (detected now), for instance
+/// `"gemm crate, x86-v4 kernels on (AVX-512 in use)"`. Benchmarks print it beside their figures.
+pub fn cpu_backend() -> String {
+    #[cfg(target_arch = "x86_64")]
+    let (avx512, avx2) = (std::is_x86_feature_detected!("avx512f"), std::is_x86_feature_detected!("avx2"));
+    #[cfg(not(target_arch = "x86_64"))]
+    let (avx512, avx2) = (false, false);
+    let widest = match (cfg!(feature = "avx512") && avx512, avx2) {
+        (true, _) => "AVX-512 in use",
+        (false, true) if avx512 => "AVX2 in use; this CPU has AVX-512, which the avx512 feature would use",
+        (false, true) => "AVX2 in use",
+        (false, false) => "no AVX2: SSE or scalar kernels",
+    };
+    let v4 = if cfg!(feature = "avx512") { "on" } else { "off" };
+    format!("gemm crate, x86-v4 kernels {v4} ({widest})")
+}

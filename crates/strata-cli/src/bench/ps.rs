@@ -13,8 +13,6 @@ use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use candle_nn::ParamsAdamW;
-use strata_core::optim::FusedAdamW;
 use strata_transport::ps::{F32Bytes, PsClient, PsClientConfig, PsMode, ServerOptimizer, UpdateId, VariableInfo};
 use strata_transport::ClusterToken;
 
@@ -305,12 +303,12 @@ pub fn run(args: &BenchPsArgs) -> Result<()> {
         println!("{:>8} {:>14} {:>14} {:>10}", "model", "PS ex/s", "ceiling ex/s", "of ceiling");
     }
     for model in models {
-        let hidden = super::train::hidden_of(model)?;
-        let ps = train_ps(&hidden, args.epochs)?;
-        let data = super::train::batches(512)?;
-        let cfg = ParamsAdamW { lr: super::train::LR, ..Default::default() };
-        let ceiling =
-            super::train::measure_ceiling::<FusedAdamW>(2, cfg, &hidden, &data, 2.0, &[])?.examples_per_second;
+        let bm = super::train::BenchModel::one(model)?;
+        let super::train::BenchModel::Mlp(_, hidden) = &bm else {
+            return Err(Error::Usage(format!("strata bench ps measures the MLPs small and large, not {model}")));
+        };
+        let ps = train_ps(hidden, args.epochs)?;
+        let ceiling = super::train::ceiling_examples_per_second(&bm, 2, 512, 2.0)?;
         println!("{:>8} {:>14.0} {:>14.0} {:>9.0}%", model, ps, ceiling, 100.0 * ps / ceiling);
     }
     Ok(())

@@ -1,6 +1,7 @@
 //! `strata bench train`: training throughput and peak RSS of one device, Mirrored(K) and
-//! MultiWorkerMirrored (K worker processes of one replica each, over loopback) on the two
-//! benchmark MLPs, beside the machine's compute ceiling measured in the same run.
+//! MultiWorkerMirrored (K worker processes of one replica each, over loopback) on the benchmark
+//! models (the MLPs `small` and `large`, the digits `cnn` and the character `transformer`),
+//! beside the machine's compute ceiling measured in the same run.
 //!
 //! The ceiling is what this machine gives K independent single-thread copies of the same
 //! per-replica step (forward, loss, backward and optimizer step on `global / K` examples)
@@ -28,13 +29,16 @@ use std::time::{Duration, Instant};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap, SGD};
 use serde::{Deserialize, Serialize};
-use strata_core::data::{Batch, DistributedBatch};
+use strata_core::data::{Batch, BatchData, DistributedBatch};
 use strata_core::optim::{FusedAdamW, FusedSgd};
 use strata_core::Strategy;
 use strata_strategies::{MirroredStrategy, OneDeviceStrategy};
 
+use strata::cnn::Cnn;
 use strata::digits::{self, CLASSES, FEATURES};
 use strata::model::{Classifier, Mlp};
+use strata::shakespeare;
+use strata::transformer::{CharTransformer, TransformerConfig};
 use strata::OptimizerKind;
 
 use crate::{kind_parser, Error, Result};
@@ -48,8 +52,10 @@ pub struct BenchTrainArgs {
     /// Replicas of Mirrored (and copies in the ceiling).
     #[arg(long, default_value_t = 2)]
     pub replicas: usize,
-    /// Models: `small` (64-256-256-10, 85k parameters) and/or `large` (64-2048-2048-10, 4.3M).
-    #[arg(long, default_value = "small,large", value_delimiter = ',')]
+    /// Models (`--model` works too): the MLPs `small` (64-256-256-10, 85k parameters) and
+    /// `large` (64-2048-2048-10, 4.3M), `mlp` (both), `cnn` (the digits CNN, 13.7k) and
+    /// `transformer` (the character model, 0.82M, on Tiny Shakespeare; reported in tokens/s).
+    #[arg(long, alias = "model", default_value = "small,large", value_delimiter = ',')]
     pub models: Vec<String>,
     /// Rounds; medians over rounds are reported.
     #[arg(long, default_value_t = 3)]
@@ -57,9 +63,9 @@ pub struct BenchTrainArgs {
     /// Seconds each measurement runs (after 3 warm-up steps).
     #[arg(long, default_value_t = 2.0)]
     pub seconds: f64,
-    /// Global batch.
-    #[arg(long, default_value_t = 256)]
-    pub batch: usize,
+    /// Global batch [default: 256 examples; 32 windows of 64 characters for the transformer].
+    #[arg(long)]
+    pub batch: Option<usize>,
     /// Optimizer (the ceiling uses the same one): `adamw` is the fused, in-place AdamW.
     #[arg(long, default_value = "adamw", value_parser = kind_parser::<OptimizerKind>())]
     pub optimizer: OptimizerKind,
@@ -117,11 +123,157 @@ impl strata_core::cross_device::CrossDeviceOps for Counting {
     }
 }
 
-pub(crate) fn hidden_of(model: &str) -> Result<Vec<usize>> {
-    match model {
-        "small" => Ok(vec![256, 256]),
-        "large" => Ok(vec![2048, 2048]),
-        _ => Err(Error::Usage(format!("unknown model {model:?}: use small or large"))),
+/// A benchmark model: its shape, its data and what one of its training examples costs.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum BenchModel {
+    /// An MLP on the digits: its name (`small`, `large`) and hidden layers.
+    Mlp(&'static str, Vec<usize>),
+    /// [`Cnn`] on the digits.
+    Cnn,
+    /// [`CharTransformer`] (the default shape) on Tiny Shakespeare.
+    Transformer(TransformerConfig),
+}
+
+impl BenchModel {
+    /// The models a `--models` entry names (`mlp` is both MLPs).
+    pub(crate) fn parse(name: &str) -> Result<Vec<Self>> {
+        Ok(match name {
+            "small" => vec![Self::Mlp("small", vec![256, 256])],
+            "large" => vec![Self::Mlp("large", vec![2048, 2048])],
+            "mlp" => vec![Self::Mlp("small", vec![256, 256]), Self::Mlp("large", vec![2048, 2048])],
+            "cnn" => vec![Self::Cnn],
+            "transformer" => vec![Self::Transformer(TransformerConfig::default())],
+            _ => {
+                return Err(Error::Usage(format!(
+                    "unknown model {name:?}: use small, large, mlp (both), cnn or transformer"
+                )))
+            }
+        })
+    }
+
+    /// The model named `name` (one of [`Self::parse`]'s single models).
+    pub(crate) fn one(name: &str) -> Result<Self> {
+        let mut v = Self::parse(name)?;
+        match v.len() {
+            1 => Ok(v.remove(0)),
+            _ => Err(Error::Usage(format!("bad worker model {name:?}"))),
+        }
+    }
+
+    pub(crate) fn name(&self) -> &'static str {
+        match self {
+            Self::Mlp(name, _) => name,
+            Self::Cnn => "cnn",
+            Self::Transformer(_) => "transformer",
+        }
+    }
+
+    fn parameter_count(&self) -> usize {
+        match self {
+            Self::Mlp(_, hidden) => Mlp::parameter_count(FEATURES, hidden, CLASSES),
+            Self::Cnn => Cnn::parameter_count(),
+            Self::Transformer(c) => c.parameter_count(),
+        }
+    }
+
+    /// The global batch without `--batch`: 256 examples, or 32 windows for the transformer.
+    pub(crate) fn default_batch(&self) -> usize {
+        match self {
+            Self::Transformer(_) => 32,
+            _ => 256,
+        }
+    }
+
+    /// What the rates count: examples, or tokens (characters) for the transformer.
+    fn unit(&self) -> &'static str {
+        match self {
+            Self::Transformer(_) => "tokens/s",
+            _ => "examples/s",
+        }
+    }
+
+    /// Units (examples or tokens) in one example (row) of a batch.
+    fn units_per_example(&self) -> usize {
+        match self {
+            Self::Transformer(c) => c.context,
+            _ => 1,
+        }
+    }
+
+    /// FLOPs of training on one unit (example or token): 6 per multiply-add of the forward
+    /// pass (2 forward, 4 backward: the input's gradient and the weight's). The transformer
+    /// counts its dense layers and head, and the attention's two products over the whole
+    /// `context x context` square it computes.
+    pub(crate) fn flops_per_unit(&self) -> f64 {
+        match self {
+            Self::Mlp(_, hidden) => {
+                let dims: Vec<usize> =
+                    std::iter::once(FEATURES).chain(hidden.iter().copied()).chain([CLASSES]).collect();
+                6.0 * dims.windows(2).map(|w| (w[0] * w[1]) as f64).sum::<f64>()
+            }
+            Self::Cnn => {
+                let side = strata::cnn::SIDE;
+                let conv1 = side * side * 16 * 9;
+                let conv2 = (side / 2) * (side / 2) * 32 * 16 * 9;
+                6.0 * (conv1 + conv2 + 128 * 64 + 64 * CLASSES) as f64
+            }
+            Self::Transformer(c) => {
+                let (d, l, t, v) = (c.width as f64, c.layers as f64, c.context as f64, c.vocab as f64);
+                6.0 * (l * 12.0 * d * d + d * v) + 12.0 * l * t * d
+            }
+        }
+    }
+}
+
+/// How a benchmark model is built, fed and scored, for the strategies and the ceiling alike.
+trait Workload: Sync {
+    type Model: Send + Sync;
+    type B: BatchData + Clone + Send + Sync;
+    fn build(&self, vb: VarBuilder) -> candle_core::Result<Self::Model>;
+    fn loss(&self, model: &Self::Model, batch: &Self::B, device: &Device) -> strata_core::Result<Tensor>;
+    /// The global batches of `global` rows the timing loops cycle through.
+    fn batches(&self, global: usize) -> Result<Vec<Self::B>>;
+}
+
+/// The MLPs and the CNN on the digits.
+struct Digits(BenchModel);
+
+impl Workload for Digits {
+    type Model = Box<dyn Classifier>;
+    type B = Batch;
+    fn build(&self, vb: VarBuilder) -> candle_core::Result<Self::Model> {
+        Ok(match &self.0 {
+            BenchModel::Mlp(_, hidden) => Box::new(Mlp::new(vb, FEATURES, hidden, CLASSES)?),
+            _ => Box::new(Cnn::new(vb)?),
+        })
+    }
+    fn loss(&self, model: &Self::Model, b: &Batch, device: &Device) -> strata_core::Result<Tensor> {
+        Ok(model.loss(&b.features_tensor(device)?, &b.labels_tensor(device)?)?)
+    }
+    fn batches(&self, global: usize) -> Result<Vec<Batch>> {
+        batches(global)
+    }
+}
+
+/// The transformer on Tiny Shakespeare: batches of random training windows.
+struct Chars(TransformerConfig);
+
+impl Workload for Chars {
+    type Model = CharTransformer;
+    type B = (Tensor, Tensor);
+    fn build(&self, vb: VarBuilder) -> candle_core::Result<CharTransformer> {
+        CharTransformer::new(self.0, vb)
+    }
+    fn loss(&self, model: &CharTransformer, b: &(Tensor, Tensor), device: &Device) -> strata_core::Result<Tensor> {
+        let (x, y) = b.to_device(device)?;
+        Ok(model.loss(&x, &y)?)
+    }
+    fn batches(&self, global: usize) -> Result<Vec<(Tensor, Tensor)>> {
+        if global == 0 {
+            return Err(Error::Usage("--batch must be at least 1".into()));
+        }
+        let corpus = shakespeare::load()?;
+        (0..8).map(|i| Ok(corpus.random_windows(global, self.0.context, i)?)).collect()
     }
 }
 
@@ -167,11 +319,11 @@ fn time_steps(
 /// The learning rate of the benchmark (it does not change the work of a step).
 pub(crate) const LR: f64 = 1e-3;
 
-fn measure_strategy<S: Strategy, O: Optimizer + Send>(
+fn measure_strategy<S: Strategy, O: Optimizer + Send, W: Workload>(
     s: &S,
     cfg: O::Config,
-    hidden: &[usize],
-    data: &[Batch],
+    w: &W,
+    data: &[W::B],
     args: &BenchTrainArgs,
     reduced_elements: Option<&std::sync::atomic::AtomicU64>,
 ) -> Result<Measurement>
@@ -179,23 +331,21 @@ where
     O::Config: Clone,
 {
     let seconds = args.seconds;
-    let mut model = s.scope(|sc| Mlp::new(sc.var_builder(), FEATURES, hidden, CLASSES))?;
+    let mut model = s.scope(|sc| w.build(sc.var_builder()))?;
     if !args.freeze.is_empty() {
         model.freeze(&args.freeze.iter().map(String::as_str).collect::<Vec<_>>())?;
     }
     let opt = model.optimizer::<O>(cfg)?;
     let counted0 = reduced_elements.map_or(0, |e| e.load(std::sync::atomic::Ordering::Relaxed));
     let sent0 = strata_transport::inject::bytes().0;
-    let dist: Vec<DistributedBatch> =
+    let dist: Vec<DistributedBatch<W::B>> =
         s.distribute_dataset(data.iter().cloned(), strata_core::data::TailPolicy::Split).collect();
     // One execution runs every batch of the epoch (as `Trainer::fit` does): a "step" of the
     // timing loop below is an execution of `dist.len()` training steps.
     let never = strata::trainer::StopSignal::new();
     let execute = || -> Result<()> {
         s.run_batches(&dist, |ctx, shard| {
-            let x = shard.batch.features_tensor(ctx.candle_device())?;
-            let y = shard.batch.labels_tensor(ctx.candle_device())?;
-            let loss = model.on(ctx)?.loss(&x, &y)?;
+            let loss = w.loss(model.on(ctx)?, &shard.batch, ctx.candle_device())?;
             ctx.backward_and_sync(&loss, &opt)
         })?;
         if args.stop_check {
@@ -225,7 +375,7 @@ where
         }
     };
     let steps = executions * dist.len();
-    let global = data[0].len();
+    let global = data[0].rows()?;
     // Every step of the run, the warm-up's included.
     let all_steps = ((executions + 3) * dist.len()) as f64;
     let reduced_bytes_per_step = match (reduced_elements, s.extended().workers()) {
@@ -243,51 +393,58 @@ where
 }
 
 /// K independent single-thread copies of the per-replica step, plain candle, at once.
-pub(crate) fn measure_ceiling<O: Optimizer>(
+fn measure_ceiling<O: Optimizer, W: Workload>(
     k: usize,
     cfg: O::Config,
-    hidden: &[usize],
-    data: &[Batch],
+    w: &W,
+    data: &[W::B],
     seconds: f64,
     freeze: &[String],
 ) -> Result<Measurement>
 where
     O::Config: Clone + Sync,
 {
-    let per = data[0].len() / k;
+    let per = data[0].rows()? / k;
     let barrier = std::sync::Barrier::new(k);
     let results: Vec<Result<(usize, Duration)>> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..k)
             .map(|r| {
                 let (barrier, cfg) = (&barrier, &cfg);
                 s.spawn(move || -> Result<(usize, Duration)> {
-                    let dev = Device::Cpu;
-                    let vm = VarMap::new();
-                    let model = Mlp::new(VarBuilder::from_varmap(&vm, DType::F32, &dev), FEATURES, hidden, CLASSES)?;
-                    // The optimizer updates only what is not frozen.
-                    let frozen = |name: &str| freeze.iter().any(|p| matches_pattern(p, name));
-                    let data_lock = vm.data().lock().map_err(|_| Error::Usage("a poisoned variable map".into()))?;
-                    let vars: Vec<candle_core::Var> =
-                        data_lock.iter().filter(|(n, _)| !frozen(n)).map(|(_, v)| v.clone()).collect();
-                    drop(data_lock);
-                    let mut opt = O::new(vars, cfg.clone())?;
-                    let shards: Vec<Batch> = data.iter().map(|b| b.slice(r * per..(r + 1) * per)).collect();
-                    let step = |i: usize| -> Result<()> {
-                        let b = &shards[i % shards.len()];
-                        let x = Tensor::from_slice(&b.features, (b.len(), b.dim), &dev)?;
-                        let y = Tensor::from_slice(&b.labels, b.len(), &dev)?;
-                        let loss = model.loss(&x, &y)?;
-                        opt.backward_step(&loss)?;
-                        Ok(())
-                    };
-                    // All copies start timing together.
-                    time_steps(
-                        seconds,
-                        || {
-                            barrier.wait();
-                        },
-                        step,
-                    )
+                    // Each copy in a one-thread pool of its own, as each Mirrored replica's
+                    // kernels run: candle's parallel kernels (convolutions, some element-wise
+                    // maps) would otherwise queue for the one thread of rayon's global pool.
+                    let pool = rayon::ThreadPoolBuilder::new()
+                        .num_threads(1)
+                        .build()
+                        .map_err(|e| Error::Usage(format!("cannot start a ceiling thread: {e}")))?;
+                    pool.install(move || -> Result<(usize, Duration)> {
+                        let dev = Device::Cpu;
+                        let vm = VarMap::new();
+                        let model = w.build(VarBuilder::from_varmap(&vm, DType::F32, &dev))?;
+                        // The optimizer updates only what is not frozen.
+                        let frozen = |name: &str| freeze.iter().any(|p| matches_pattern(p, name));
+                        let data_lock = vm.data().lock().map_err(|_| Error::Usage("a poisoned variable map".into()))?;
+                        let vars: Vec<candle_core::Var> =
+                            data_lock.iter().filter(|(n, _)| !frozen(n)).map(|(_, v)| v.clone()).collect();
+                        drop(data_lock);
+                        let mut opt = O::new(vars, cfg.clone())?;
+                        let shards: Vec<W::B> =
+                            data.iter().map(|b| b.slice(r * per..(r + 1) * per)).collect::<strata_core::Result<_>>()?;
+                        let step = |i: usize| -> Result<()> {
+                            let loss = w.loss(&model, &shards[i % shards.len()], &dev)?;
+                            opt.backward_step(&loss)?;
+                            Ok(())
+                        };
+                        // All copies start timing together.
+                        time_steps(
+                            seconds,
+                            || {
+                                barrier.wait();
+                            },
+                            step,
+                        )
+                    })
                 })
             })
             .collect();
@@ -352,13 +509,6 @@ pub(crate) fn measure_limit(k: usize, seconds: f64) -> Result<Measurement> {
     })
 }
 
-/// FLOPs of one training example of an MLP `input -> hidden -> classes`: 6 per weight (2 in
-/// the forward pass, 4 in the backward: the input's gradient and the weight's).
-pub(crate) fn mlp_flops_per_example(hidden: &[usize]) -> f64 {
-    let dims: Vec<usize> = std::iter::once(FEATURES).chain(hidden.iter().copied()).chain([CLASSES]).collect();
-    6.0 * dims.windows(2).map(|w| (w[0] * w[1]) as f64).sum::<f64>()
-}
-
 /// Whether `name` matches `pattern` (`*` for any run of characters), as `Replicated::freeze`
 /// matches.
 fn matches_pattern(pattern: &str, name: &str) -> bool {
@@ -372,39 +522,61 @@ fn matches_pattern(pattern: &str, name: &str) -> bool {
 
 fn worker(spec: &str, args: &BenchTrainArgs) -> Result<()> {
     let (model, config) = spec.split_once(':').ok_or_else(|| Error::Usage(format!("bad worker spec {spec:?}")))?;
-    if config == "limit" {
-        let m = measure_limit(args.replicas, args.seconds)?;
-        println!("{}", serde_json::to_string(&m).map_err(|e| Error::io("cannot encode", e.into()))?);
-        return Ok(());
-    }
-    let hidden = hidden_of(model)?;
-    let data = batches(args.batch)?;
-    let adamw = ParamsAdamW { lr: LR, ..Default::default() };
-    let m = match args.optimizer {
-        OptimizerKind::Adamw => measure::<FusedAdamW>(config, adamw, args, &hidden, &data)?,
-        OptimizerKind::CandleAdamw => measure::<AdamW>(config, adamw, args, &hidden, &data)?,
-        OptimizerKind::Sgd => measure::<FusedSgd>(config, LR, args, &hidden, &data)?,
-        OptimizerKind::CandleSgd => measure::<SGD>(config, LR, args, &hidden, &data)?,
-        OptimizerKind::Momentum | OptimizerKind::Adagrad => {
-            return Err(Error::Usage("strata bench train measures adamw and sgd; momentum and adagrad run on a parameter server (strata bench ps)".into()))
+    let m = if config == "limit" {
+        measure_limit(args.replicas, args.seconds)?
+    } else {
+        match BenchModel::one(model)? {
+            BenchModel::Transformer(c) => measure_with(config, args, &Chars(c))?,
+            m => measure_with(config, args, &Digits(m))?,
         }
     };
     println!("{}", serde_json::to_string(&m).map_err(|e| Error::io("cannot encode", e.into()))?);
     Ok(())
 }
 
-fn measure<O: Optimizer + Send>(
+/// The ceiling's examples/s for `model`: `k` copies, AdamW, `global` examples per step.
+pub(crate) fn ceiling_examples_per_second(model: &BenchModel, k: usize, global: usize, seconds: f64) -> Result<f64> {
+    let cfg = ParamsAdamW { lr: LR, ..Default::default() };
+    let m = match model {
+        BenchModel::Transformer(c) => {
+            let w = Chars(*c);
+            measure_ceiling::<FusedAdamW, _>(k, cfg, &w, &w.batches(global)?, seconds, &[])?
+        }
+        m => {
+            let w = Digits(m.clone());
+            measure_ceiling::<FusedAdamW, _>(k, cfg, &w, &w.batches(global)?, seconds, &[])?
+        }
+    };
+    Ok(m.examples_per_second)
+}
+
+fn measure_with<W: Workload>(config: &str, args: &BenchTrainArgs, w: &W) -> Result<Measurement> {
+    let data = w.batches(args.batch.ok_or_else(|| Error::Usage("a worker needs --batch".into()))?)?;
+    let adamw = ParamsAdamW { lr: LR, ..Default::default() };
+    match args.optimizer {
+        OptimizerKind::Adamw => measure::<FusedAdamW, W>(config, adamw, args, w, &data),
+        OptimizerKind::CandleAdamw => measure::<AdamW, W>(config, adamw, args, w, &data),
+        OptimizerKind::Sgd => measure::<FusedSgd, W>(config, LR, args, w, &data),
+        OptimizerKind::CandleSgd => measure::<SGD, W>(config, LR, args, w, &data),
+        OptimizerKind::Momentum | OptimizerKind::Adagrad => Err(Error::Usage(
+            "strata bench train measures adamw and sgd; momentum and adagrad run on a parameter server (strata bench ps)"
+                .into(),
+        )),
+    }
+}
+
+fn measure<O: Optimizer + Send, W: Workload>(
     config: &str,
     cfg: O::Config,
     args: &BenchTrainArgs,
-    hidden: &[usize],
-    data: &[Batch],
+    w: &W,
+    data: &[W::B],
 ) -> Result<Measurement>
 where
     O::Config: Clone + Sync,
 {
     match config {
-        "one-device" => measure_strategy::<_, O>(&OneDeviceStrategy::cpu()?, cfg, hidden, data, args, None),
+        "one-device" => measure_strategy::<_, O, W>(&OneDeviceStrategy::cpu()?, cfg, w, data, args, None),
         "mirrored" => {
             // The in-memory all-reduce Mirrored uses by default, behind a counter.
             let devices = strata_core::device::logical_cpus(args.replicas)?;
@@ -413,9 +585,9 @@ where
             let elements = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
             let ops = Box::new(Counting { inner, elements: elements.clone() });
             let s = MirroredStrategy::with_cross_device_ops(devices, ops, Default::default())?;
-            measure_strategy::<_, O>(&s, cfg, hidden, data, args, Some(&elements))
+            measure_strategy::<_, O, W>(&s, cfg, w, data, args, Some(&elements))
         }
-        "ceiling" => measure_ceiling::<O>(args.replicas, cfg, hidden, data, args.seconds, &args.freeze),
+        "ceiling" => measure_ceiling::<O, W>(args.replicas, cfg, w, data, args.seconds, &args.freeze),
         "multi-worker" => {
             let token = strata_transport::ClusterToken::resolve(None).map_err(|e| Error::Usage(e.to_string()))?;
             let resolver = strata_strategies::cluster::TFConfigClusterResolver::from_env()?;
@@ -423,7 +595,7 @@ where
                 &resolver,
                 strata_strategies::MultiWorkerOptions::new(token)?,
             )?;
-            let m = measure_strategy::<_, O>(&s, cfg, hidden, data, args, None)?;
+            let m = measure_strategy::<_, O, W>(&s, cfg, w, data, args, None)?;
             s.finish()?;
             Ok(m)
         }
@@ -431,12 +603,12 @@ where
     }
 }
 
-fn command(spec: &str, args: &BenchTrainArgs) -> Result<Command> {
+fn command(spec: &str, args: &BenchTrainArgs, batch: usize) -> Result<Command> {
     let exe = std::env::current_exe().map_err(|e| Error::io("cannot find the strata binary", e))?;
     let mut c = Command::new(exe);
     c.args(["bench", "train", "--worker", spec])
         .args(["--replicas", &args.replicas.to_string(), "--seconds", &args.seconds.to_string()])
-        .args(["--batch", &args.batch.to_string(), "--optimizer", args.optimizer.name()])
+        .args(["--batch", &batch.to_string(), "--optimizer", args.optimizer.name()])
         .args(args.stop_check.then_some("--stop-check"))
         .args(if args.freeze.is_empty() { vec![] } else { vec!["--freeze".to_string(), args.freeze.join(",")] })
         .env("CANDLE_NUM_THREADS", "1")
@@ -445,7 +617,7 @@ fn command(spec: &str, args: &BenchTrainArgs) -> Result<Command> {
 }
 
 /// K worker processes on loopback; the chief's measurement is the job's.
-fn spawn_multi_worker(spec: &str, args: &BenchTrainArgs) -> Result<Measurement> {
+fn spawn_multi_worker(spec: &str, args: &BenchTrainArgs, batch: usize) -> Result<Measurement> {
     let k = args.replicas;
     let ports: Vec<u16> = (0..k)
         .map(|_| {
@@ -459,7 +631,7 @@ fn spawn_multi_worker(spec: &str, args: &BenchTrainArgs) -> Result<Measurement> 
     let token = format!("{:032x}", rand::random::<u128>());
     let children = (0..k)
         .map(|i| {
-            command(spec, args)?
+            command(spec, args, batch)?
                 .env(
                     "TF_CONFIG",
                     format!(
@@ -481,11 +653,11 @@ fn spawn_multi_worker(spec: &str, args: &BenchTrainArgs) -> Result<Measurement> 
     parse_output(spec, outs.swap_remove(0))
 }
 
-fn spawn(spec: &str, args: &BenchTrainArgs) -> Result<Measurement> {
+fn spawn(spec: &str, args: &BenchTrainArgs, batch: usize) -> Result<Measurement> {
     if spec.ends_with(":multi-worker") {
-        return spawn_multi_worker(spec, args);
+        return spawn_multi_worker(spec, args, batch);
     }
-    let out = command(spec, args)?.output().map_err(|e| Error::io("cannot start a benchmark process", e))?;
+    let out = command(spec, args, batch)?.output().map_err(|e| Error::io("cannot start a benchmark process", e))?;
     parse_output(spec, out)
 }
 
@@ -513,7 +685,7 @@ fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
-/// Runs the benchmark and prints the table.
+/// Runs the benchmark and prints one table per model.
 pub fn run(args: &BenchTrainArgs) -> Result<()> {
     if let Some(spec) = &args.worker {
         return worker(spec, args);
@@ -521,73 +693,93 @@ pub fn run(args: &BenchTrainArgs) -> Result<()> {
     if args.replicas == 0 || args.rounds == 0 {
         return Err(Error::Usage("--replicas and --rounds must be at least 1".into()));
     }
+    let mut models = Vec::new();
+    for name in &args.models {
+        for m in BenchModel::parse(name)? {
+            if !models.contains(&m) {
+                models.push(m);
+            }
+        }
+    }
     let k = args.replicas;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let batch_note = args
+        .batch
+        .map_or("256 examples (32 windows of 64 characters for the transformer)".to_string(), |b| b.to_string());
     println!(
-        "# strata bench train: global batch {}, f32, optimizer {}, {} rounds of {:.1} s per configuration",
-        args.batch, args.optimizer, args.rounds, args.seconds
+        "# strata bench train: global batch {batch_note}, f32, optimizer {}, {} rounds of {:.1} s per configuration",
+        args.optimizer, args.rounds, args.seconds
     );
-    println!("# machine: {cores} cores; ceiling = {k} independent single-thread copies of the per-replica step at once (plain candle), measured now");
-    println!("# limit = the matmul GFLOP/s of {k} threads at once ({LIMIT_MATMUL}^3 f32, candle's CPU backend), measured now, over the model's FLOPs per example (6 per weight)");
+    println!("# machine: {cores} cores; backend: {}", strata::cpu_backend());
+    println!(
+        "# ceiling = {k} independent single-thread copies of the per-replica step at once (plain candle), measured now"
+    );
+    println!("# limit = the matmul GFLOP/s of {k} threads at once ({LIMIT_MATMUL}^3 f32, candle's CPU backend), measured now, over the model's FLOPs per example or token (6 per multiply-add of the forward pass)");
     println!("# every configuration in its own process; medians over rounds; peers (TensorFlow, PyTorch) side by side: scripts/bench/peers.sh");
     if args.stop_check {
-        println!("# --stop-check: after every execution ({} steps), the stop agreement of strata train (an all-reduce of one number across workers)", batches(args.batch)?.len());
+        println!("# --stop-check: after every execution (one pass over the benchmark's batches), the stop agreement of strata train (an all-reduce of one number across workers)");
     }
     if !args.freeze.is_empty() {
         println!("# frozen in every configuration: {} (never reduced nor updated)", args.freeze.join(", "));
     }
     println!("# reduced/step: bytes each mirrored replica hands to the all-reduce, or each multi-worker worker sends on the ring, per step");
-    println!();
-    println!(
-        "{:<6} {:>9} {:<12} {:>8} {:>12} {:>10} {:>10} {:>11} {:>9} {:>14}",
-        "model",
-        "params",
-        "config",
-        "replicas",
-        "examples/s",
-        "step(ms)",
-        "peakRSS",
-        "of ceiling",
-        "of limit",
-        "reduced/step"
-    );
-    for model in &args.models {
-        let hidden = hidden_of(model)?;
-        let params = Mlp::parameter_count(FEATURES, &hidden, CLASSES);
+    for model in &models {
+        let name = model.name();
+        let batch = args.batch.unwrap_or(model.default_batch());
+        let units = model.units_per_example() as f64;
         let configs = ["limit", "ceiling", "one-device", "mirrored", "multi-worker"];
         let mut runs: Vec<Vec<Measurement>> = vec![Vec::new(); configs.len()];
         for round in 0..args.rounds {
             for (i, c) in configs.iter().enumerate() {
-                let m = spawn(&format!("{model}:{c}"), args)?;
-                tracing::info!(model, config = c, round, eps = m.examples_per_second, "measured");
+                let m = spawn(&format!("{name}:{c}"), args, batch)?;
+                tracing::info!(model = name, config = c, round, eps = m.examples_per_second, "measured");
                 runs[i].push(m);
             }
         }
         let med = |i: usize, f: fn(&Measurement) -> f64| median(runs[i].iter().map(f).collect());
         let gflops = med(0, |m| m.gflops);
-        let flops = mlp_flops_per_example(&hidden);
-        // Examples per second if every thread ran its matmuls at the measured rate.
+        let flops = model.flops_per_unit();
+        // Units per second if every thread ran its matmuls at the measured rate.
         let limit = gflops * 1e9 / flops;
-        let ceiling = med(1, |m| m.examples_per_second);
-        println!("# {model}: {:.1} MFLOP per example; {k} threads' matmul {gflops:.1} GFLOP/s, so at most {limit:.0} examples/s", flops / 1e6);
+        let ceiling = med(1, |m| m.examples_per_second) * units;
+        let unit = model.unit();
+        println!();
+        println!(
+            "# {name}: global batch {batch}; {:.3} MFLOP per {}; {k} threads' matmul {gflops:.1} GFLOP/s, so at most {limit:.0} {unit}",
+            flops / 1e6,
+            if units > 1.0 { "token" } else { "example" }
+        );
+        println!(
+            "{:<11} {:>9} {:<12} {:>8} {:>12} {:>10} {:>10} {:>11} {:>9} {:>14}",
+            "model",
+            "params",
+            "config",
+            "replicas",
+            unit,
+            "step(ms)",
+            "peakRSS",
+            "of ceiling",
+            "of limit",
+            "reduced/step"
+        );
         for (i, c) in configs.iter().enumerate() {
-            let eps = if *c == "limit" { limit } else { med(i, |m| m.examples_per_second) };
+            let rate = if *c == "limit" { limit } else { med(i, |m| m.examples_per_second) * units };
             let replicas = if *c == "one-device" { 1 } else { k };
             let of_ceiling = match *c {
                 "ceiling" | "limit" => "-".to_string(),
-                _ => format!("{:.1}%", 100.0 * eps / ceiling),
+                _ => format!("{:.1}%", 100.0 * rate / ceiling),
             };
-            let of_limit = if *c == "limit" { "-".to_string() } else { format!("{:.1}%", 100.0 * eps / limit) };
+            let of_limit = if *c == "limit" { "-".to_string() } else { format!("{:.1}%", 100.0 * rate / limit) };
             let reduced = med(i, |m| m.reduced_bytes_per_step);
             let reduced = if reduced > 0.0 { format!("{reduced:.0} B") } else { "-".to_string() };
             let step = if *c == "limit" { "-".to_string() } else { format!("{:.2}", 1e3 * med(i, |m| m.step_seconds)) };
             println!(
-                "{:<6} {:>9} {:<12} {:>8} {:>12.0} {:>10} {:>9.0}M {:>11} {:>9} {:>14}",
-                model,
-                params,
+                "{:<11} {:>9} {:<12} {:>8} {:>12.0} {:>10} {:>9.0}M {:>11} {:>9} {:>14}",
+                name,
+                model.parameter_count(),
                 c,
                 replicas,
-                eps,
+                rate,
                 step,
                 med(i, |m| m.peak_rss_bytes as f64) / (1024.0 * 1024.0),
                 of_ceiling,
