@@ -47,6 +47,7 @@
 pub mod cnn;
 pub mod digits;
 mod error;
+pub mod fused;
 pub mod gpu;
 pub mod kind;
 pub mod metrics;

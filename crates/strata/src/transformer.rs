@@ -17,16 +17,14 @@
 //! loss is the mean cross-entropy over every position, in nats per character.
 //!
 //! Only operations with a backward pass are used: candle-nn's fused `layer_norm` and
-//! `softmax_last_dim` are forward-only (their gradients would silently be missing), so layer
-//! norm is candle-nn's `layer_norm_slow` and the softmax is written out. Activations stay
+//! `softmax_last_dim` are forward-only (their gradients would silently be missing). Layer
+//! norm, GELU and the attention's masked softmax are [`crate::fused`]'s kernels, one pass
+//! each way on the CPU (candle's composed operations on other devices). Activations stay
 //! `(N * T, width)` matrices between the attention's batched `(N, heads, T, T)` products, so
 //! every dense layer is one matrix product with a contiguous gradient ([`Dense`] keeps its
 //! weight `(in, out)`).
 
-use std::collections::BTreeMap;
-use std::sync::Mutex;
-
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::{DType, Device, Tensor};
 use candle_nn::{Init, VarBuilder};
 use rand::SeedableRng;
 
@@ -107,15 +105,8 @@ impl LayerNorm {
     }
 
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        candle_nn::ops::layer_norm_slow(x, &self.weight, &self.bias, 1e-5)
+        crate::fused::layer_norm(x, &self.weight, &self.bias, 1e-5)
     }
-}
-
-/// Softmax over the last axis, with a backward pass (the maximum is a constant shift).
-fn softmax_last(x: &Tensor) -> candle_core::Result<Tensor> {
-    let max = x.max_keepdim(D::Minus1)?.detach();
-    let e = x.broadcast_sub(&max)?.exp()?;
-    e.broadcast_div(&e.sum_keepdim(D::Minus1)?)
 }
 
 #[derive(Debug)]
@@ -146,8 +137,8 @@ impl Block {
         })
     }
 
-    /// `x`: `(n * t, width)`; `mask`: `(t, t)`, 0 on and below the diagonal, -inf above.
-    fn forward(&self, x: &Tensor, n: usize, t: usize, heads: usize, mask: &Tensor) -> candle_core::Result<Tensor> {
+    /// `x`: `(n * t, width)`.
+    fn forward(&self, x: &Tensor, n: usize, t: usize, heads: usize) -> candle_core::Result<Tensor> {
         let w = x.dim(1)?;
         let hd = w / heads;
         let qkv = self.qkv.forward(&self.ln1.forward(x)?)?;
@@ -155,11 +146,11 @@ impl Block {
         let qkv = qkv.reshape((n, t, 3, heads, hd))?.permute((2, 0, 3, 1, 4))?.contiguous()?;
         let q = (qkv.get(0)? * (1.0 / (hd as f64).sqrt()))?;
         let (k, v) = (qkv.get(1)?, qkv.get(2)?);
-        let att = q.matmul(&k.t()?)?.broadcast_add(mask)?;
-        let y = softmax_last(&att)?.matmul(&v)?; // (n, heads, t, hd)
+        let att = q.matmul(&k.t()?)?;
+        let y = crate::fused::causal_softmax(&att)?.matmul(&v)?; // (n, heads, t, hd)
         let y = y.transpose(1, 2)?.reshape((n * t, w))?;
         let x = (x + self.proj.forward(&y)?)?;
-        let h = self.fc.forward(&self.ln2.forward(&x)?)?.gelu()?;
+        let h = crate::fused::gelu(&self.fc.forward(&self.ln2.forward(&x)?)?)?;
         x + self.out.forward(&h)?
     }
 }
@@ -176,8 +167,6 @@ pub struct CharTransformer {
     ln_f: LayerNorm,
     head: Dense,
     device: Device,
-    /// The causal mask of each sequence length met so far.
-    masks: Mutex<BTreeMap<usize, Tensor>>,
 }
 
 impl CharTransformer {
@@ -192,7 +181,6 @@ impl CharTransformer {
             ln_f: LayerNorm::new(c.width, vb.pp("ln_f"))?,
             head: Dense::with_stdev(c.width, c.vocab, 0.02, vb.pp("head"))?,
             device: vb.device().clone(),
-            masks: Mutex::new(BTreeMap::new()),
             config,
         })
     }
@@ -200,18 +188,6 @@ impl CharTransformer {
     /// Its shape.
     pub fn config(&self) -> TransformerConfig {
         self.config
-    }
-
-    fn mask(&self, t: usize) -> candle_core::Result<Tensor> {
-        let mut masks = self.masks.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(m) = masks.get(&t) {
-            return Ok(m.clone());
-        }
-        let values: Vec<f32> =
-            (0..t).flat_map(|i| (0..t).map(move |j| if j > i { f32::NEG_INFINITY } else { 0.0 })).collect();
-        let m = Tensor::from_vec(values, (t, t), &self.device)?;
-        masks.insert(t, m.clone());
-        Ok(m)
     }
 
     /// Logits `(n, t, vocab)` of the next character at every position of `ids` (u32 `(n, t)`,
@@ -224,9 +200,8 @@ impl CharTransformer {
         let w = self.config.width;
         let x = self.tok.index_select(&ids.flatten_all()?, 0)?.reshape((n, t, w))?;
         let mut x = x.broadcast_add(&self.pos.narrow(0, 0, t)?)?.reshape((n * t, w))?;
-        let mask = self.mask(t)?;
         for b in &self.blocks {
-            x = b.forward(&x, n, t, self.config.heads, &mask)?;
+            x = b.forward(&x, n, t, self.config.heads)?;
         }
         self.head.forward(&self.ln_f.forward(&x)?)?.reshape((n, t, self.config.vocab))
     }
@@ -251,7 +226,7 @@ impl CharTransformer {
             let start = ids.len().saturating_sub(self.config.context);
             let window = Tensor::new(&ids[start..], &self.device)?.unsqueeze(0)?;
             let logits = self.forward(&window)?.get(0)?.get(ids.len() - start - 1)?;
-            let p = softmax_last(&(logits.to_dtype(DType::F32)? / temperature)?)?.to_vec1::<f32>()?;
+            let p = crate::fused::softmax_composed(&(logits.to_dtype(DType::F32)? / temperature)?)?.to_vec1::<f32>()?;
             let r: f32 = rand::Rng::random(&mut rng);
             let mut acc = 0f32;
             let next = p.iter().position(|&x| {
