@@ -1,7 +1,7 @@
 //! A real `strata worker` under hostile `RunStep`s from a holder of the cluster token: step
-//! arguments (the digits job's JSON, `DigitsStep { spec: DigitsSpec, .. }`) asking for models
-//! of 2^40 units, absurd replica counts and batch sizes, data files that never end, arguments
-//! that do not decode, names of 10 KiB. A few thousand calls from a seeded generator: every
+//! arguments (the job's JSON, `DigitsStep { spec: PsJobSpec, .. }`, the MLP's or the
+//! transformer's) asking for models of 2^40 units, absurd replica counts and batch sizes,
+//! data files that never end, arguments that do not decode, names of 10 KiB. A few thousand calls from a seeded generator: every
 //! one is answered with a refusal (INVALID_ARGUMENT with the limit, or NOT_FOUND), the process
 //! lives on, its health check answers SERVING, and it still runs a well-formed step's
 //! refusal the same way afterwards.
@@ -48,7 +48,9 @@ impl Drop for Worker {
 /// must be refused while it is read.
 fn hostile_spec(g: &mut Gen) -> (serde_json::Value, &'static str) {
     let huge = [1u64 << 40, 1 << 32, u64::MAX, 65_537];
-    match g.below(6) {
+    let shape =
+        |width: u64, heads: u64| json!({"vocab": 65, "width": width, "layers": 2, "heads": heads, "context": 64});
+    match g.below(8) {
         0 => (json!({"hidden": [g.pick(&huge)], "replicas": 1, "seed": 0, "data": null}), "over the limit of 65536"),
         1 => (json!({"hidden": [65_536, 65_536], "replicas": 1, "seed": 0, "data": null}), "parameters, the limit"),
         2 => {
@@ -59,6 +61,15 @@ fn hostile_spec(g: &mut Gen) -> (serde_json::Value, &'static str) {
         4 => (
             json!({"hidden": [2048, 2048], "replicas": 64, "seed": 0, "data": null}),
             "parameters, the limit; use fewer replicas",
+        ),
+        // The transformer: a shape over the limit, or one that does not split into its heads.
+        5 => (
+            json!({"model": "transformer", "transformer": shape(g.pick(&huge), 4), "replicas": 1, "seed": 0, "data": null}),
+            "parameters, the limit",
+        ),
+        6 => (
+            json!({"model": "transformer", "transformer": shape(130, 4), "replicas": 1, "seed": 0, "data": null}),
+            "does not split into 4 heads",
         ),
         // A valid model whose data file never ends: refused after one line.
         _ => {

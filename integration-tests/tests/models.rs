@@ -131,9 +131,5 @@ fn flags_that_do_not_apply_to_the_model_are_one_line_errors() {
         "--sample applies to --model transformer",
     );
     assert_one_line_error(&run(&["train", "--model", "transformer", "--data", "x.csv"]), "--data applies to");
-    assert_one_line_error(
-        &run(&["train", "--model", "transformer", "--strategy", "parameter-server"]),
-        "trains only --model mlp",
-    );
     assert_one_line_error(&run(&["train", "--model", "rnn"]), "rnn");
 }

@@ -56,14 +56,17 @@ pub fn run(args: &CompareArgs) -> Result<()> {
         runner::run_all(&exp, &dir, &args.only, !args.no_progress)?
     };
     compare::report::write_outputs(&dir, &exp, &runs, args.simulate)?;
-    for s in compare::summarize(&runs, exp.target_accuracy) {
+    for s in compare::summarize(&runs, exp.target) {
         let fmt = |v: Option<f64>, unit: &str| v.map_or("-".to_string(), |v| format!("{v:.2}{unit}"));
+        let last = match (s.final_accuracy, s.final_validation_loss) {
+            (None, Some(loss)) => format!("loss {loss:>7.4}"),
+            (a, _) => format!("accuracy {:>7}", a.map_or("-".into(), |a| format!("{:.2}%", a * 100.0))),
+        };
         println!(
-            "{:<28} {:<13} accuracy {:>7}  to {:.0}%: {:>9}  {:>9} ex/s{}",
+            "{:<28} {:<13} {last}  to {}: {:>9}  {:>9} ex/s{}",
             s.name,
             s.status,
-            s.final_accuracy.map_or("-".into(), |a| format!("{:.2}%", a * 100.0)),
-            exp.target_accuracy * 100.0,
+            exp.target.short(),
             fmt(s.time_to_target_s, " s"),
             s.examples_per_s.map_or("-".into(), |v| format!("{v:.0}")),
             s.error.map(|e| format!("  error: {e}")).unwrap_or_default()

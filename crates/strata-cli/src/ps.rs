@@ -1,7 +1,7 @@
 //! `strata ps`, `strata worker`, and `strata train --strategy parameter-server`.
 //!
 //! Every task of a ParameterServerStrategy job runs this one binary: `strata ps` serves
-//! variables, `strata worker` runs the step functions registered in it (the digits step), and
+//! variables, `strata worker` runs the step functions registered in it (the training step of every model), and
 //! `strata train --strategy parameter-server` is the coordinator. Without `TF_CONFIG`, `strata
 //! train` starts the ps and worker processes itself on loopback, and stops them when it ends,
 //! fails or is interrupted; with `TF_CONFIG`, each task acts as its `task.type` says.
@@ -25,13 +25,12 @@ use strata_strategies::parameter_server::{
 use strata_transport::ps::{FaultInjection, PsMode, PsServerConfig, PsServerHandle};
 use strata_transport::{ClusterToken, MutualTls};
 
-use strata::digits;
-use strata::model::Mlp;
-use strata::ps_job::{self, DigitsSpec, PsTrainConfig, WorkerStepOptions};
+use strata::ps_job::{self, PsJobModel, PsJobSpec, PsTrainConfig, WorkerStepOptions};
+use strata::transformer::TransformerConfig;
 use strata_compare::inject::StepDelays;
 
 use crate::launch::{self, TOKEN_VAR};
-use crate::train::{ClusterSource, PsModeKind, TrainArgs};
+use crate::train::{ClusterSource, ModelKind, PsModeKind, TrainArgs, TRANSFORMER_STEPS};
 use crate::{Error, Result};
 
 /// `strata ps` flags: serve one parameter-server task until SIGTERM or Ctrl-C.
@@ -428,9 +427,24 @@ impl LocalCluster {
     }
 }
 
-/// Trains the digits MLP under ParameterServerStrategy (the coordinator's side), starting the
-/// ps and worker tasks on loopback unless `TF_CONFIG` describes the cluster.
+/// The job every worker builds: `--model` (the MLP of `--hidden`, the CNN, or the default
+/// transformer), `--replicas` per worker, `--seed` and `--data`.
+pub fn job_spec(args: &TrainArgs) -> PsJobSpec {
+    let replicas = args.replicas.unwrap_or(1);
+    match args.model {
+        ModelKind::Mlp => PsJobSpec::mlp(args.hidden(), replicas, args.seed, args.data.clone()),
+        ModelKind::Cnn => PsJobSpec::cnn(replicas, args.seed, args.data.clone()),
+        ModelKind::Transformer => PsJobSpec::transformer(TransformerConfig::default(), replicas, args.seed),
+    }
+}
+
+/// Trains `--model` under ParameterServerStrategy (the coordinator's side), starting the ps and
+/// worker tasks on loopback unless `TF_CONFIG` describes the cluster.
 pub fn train(args: &TrainArgs, started: Instant) -> Result<()> {
+    // The job's sizes are checked before any task starts (the workers check them again).
+    let job = job_spec(args);
+    job.validate()?;
+    job.validate_batch(args.batch())?;
     let (from_env, cluster_source) = match args.cluster {
         ClusterSource::TfConfig if args.slurm_jobs.is_none() => (tf_config()?, "TF_CONFIG"),
         _ => {
@@ -539,12 +553,12 @@ pub fn train(args: &TrainArgs, started: Instant) -> Result<()> {
     // by the cluster manager): wait for it. A local cluster restarts nothing.
     options.wait_for_restarted_ps = _local.is_none() && args.checkpoint_dir.is_some();
     let strategy = ParameterServerStrategy::new(cluster, options)?;
-    let hidden = args.hidden();
-    let model = strategy.scope(|s| Mlp::new(s.var_builder(), digits::FEATURES, &hidden, digits::CLASSES))?;
+    let model = PsJobModel::build(&strategy, &job)?;
     let config = PsTrainConfig {
-        spec: DigitsSpec { hidden, replicas: args.replicas.unwrap_or(1), seed: args.seed, data: args.data.clone() },
+        spec: job,
         epochs: args.epochs(),
         batch_size: args.batch(),
+        steps_per_epoch: (args.model == ModelKind::Transformer).then(|| args.steps.unwrap_or(TRANSFORMER_STEPS)),
         progress: Some(Arc::new(strata_compare::progress::Bar::new(!args.no_progress))),
         max_steps: args.max_steps,
         metrics: args.metrics_writer()?,

@@ -69,7 +69,8 @@ pub enum ModelKind {
     Cnn,
     /// The character transformer on Tiny Shakespeare (`strata::transformer`, 0.82M
     /// parameters; 1 epoch of --steps steps of 32 windows of 64 characters by default, AdamW
-    /// with warm-up and cosine decay, clipping at 1.0).
+    /// with warm-up and cosine decay, clipping at 1.0; on parameter servers: the ps tasks'
+    /// constant --lr, clipping on the workers).
     Transformer,
 }
 
@@ -115,7 +116,8 @@ pub struct TrainArgs {
     /// Strata's CUDA kernels otherwise; nccl; kernels).
     #[arg(long, default_value = "auto", value_parser = parse_cross_device_ops)]
     pub cross_device_ops: strata_cuda::select::CrossDeviceChoice,
-    /// The model: mlp (digits), cnn (digits as 8x8 images) or transformer (Tiny Shakespeare).
+    /// The model: mlp (digits), cnn (digits as 8x8 images) or transformer (Tiny Shakespeare);
+    /// every strategy trains each, parameter servers included.
     #[arg(long, value_enum, default_value = "mlp")]
     pub model: ModelKind,
     /// Hidden layer sizes of --model mlp, comma-separated [default: 256,256].
@@ -125,11 +127,12 @@ pub struct TrainArgs {
     #[arg(long = "epochs", value_name = "N")]
     pub epochs_flag: Option<usize>,
     /// Global batch size, examples (transformer: windows of 64 characters) per step over all
-    /// replicas [default: 256; transformer: 32].
+    /// replicas; parameter-server: per worker step [default: 256; transformer: 32].
     #[arg(long = "batch", value_name = "N")]
     pub batch_flag: Option<usize>,
     /// --model transformer: steps per epoch (the training set is steps x batch windows at
-    /// random offsets, drawn with --seed) [default: 1200].
+    /// random offsets, drawn with --seed; parameter-server: worker steps, each drawing its
+    /// --batch windows from --seed, the epoch and the step) [default: 1200].
     #[arg(long, value_name = "N")]
     pub steps: Option<usize>,
     /// --model transformer: after training, print N characters sampled from the model.
@@ -287,11 +290,6 @@ impl TrainArgs {
             if self.steps == Some(0) {
                 return Err(Error::Usage("--steps 0 trains nothing; pass --steps 1 or more".into()));
             }
-        }
-        if self.model != ModelKind::Mlp && self.strategy == StrategyKind::ParameterServer {
-            return Err(Error::Usage(format!(
-                "the parameter-server strategy trains only --model mlp for now, not {m}; use another strategy"
-            )));
         }
         Ok(())
     }

@@ -3,7 +3,8 @@
 //! ```toml
 //! [experiment]
 //! name = "digits-mlp"
-//! hidden = [256, 256]
+//! model = "mlp"          # mlp (default), cnn or transformer
+//! hidden = [256, 256]    # the MLP's only
 //! epochs = 20
 //! global_batch = 256
 //! lr = 0.003
@@ -25,6 +26,16 @@
 //! stragglers = { probability = 0.1, delay = "exp:20ms" }
 //! network_delay = "1ms"
 //! ```
+//!
+//! `model` picks what every run trains (`strata train --model`): the digits MLP of `hidden`
+//! (default `[256, 256]`; the field applies to the MLP only), the digits CNN, or the character
+//! transformer on Tiny Shakespeare. The digits models are measured by test accuracy and need
+//! `target_accuracy` (in (0, 1]); the transformer by validation loss in nats per character and
+//! needs `target_loss` instead (lower is better: time to target is the first evaluation at or
+//! below it), takes `steps` (global batches per epoch, `strata train --steps`, default 1200; a
+//! parameter-server run schedules `steps × workers` worker steps of `global_batch / workers`
+//! windows, the same windows per epoch) and no `data`, and has no simulated mode (`[simulate]` models the digits MLP). `global_batch` is in
+//! windows of 64 characters for the transformer. See `experiments/transformer.toml`.
 //!
 //! Errors name the field and the line: `experiments/x.toml line 12: run[3].workers: ...`.
 
@@ -67,6 +78,30 @@ impl RunStrategy {
     /// index); in-process strategies apply it to their replicas.
     pub fn is_multi_process(self) -> bool {
         matches!(self, RunStrategy::MultiWorkerMirrored | RunStrategy::ParameterServer)
+    }
+}
+
+/// The model every run of an experiment trains (`strata train --model`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RunModel {
+    /// The digits MLP of `hidden`.
+    #[default]
+    Mlp,
+    /// The digits CNN.
+    Cnn,
+    /// The character transformer on Tiny Shakespeare.
+    Transformer,
+}
+
+impl RunModel {
+    /// The name `strata train --model` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            RunModel::Mlp => "mlp",
+            RunModel::Cnn => "cnn",
+            RunModel::Transformer => "transformer",
+        }
     }
 }
 
@@ -266,8 +301,12 @@ pub struct Experiment {
     pub name: String,
     /// What it studies, for the report.
     pub description: String,
-    /// Hidden layer sizes of the MLP.
+    /// The model every run trains.
+    pub model: RunModel,
+    /// Hidden layer sizes of the MLP (empty for the other models).
     pub hidden: Vec<usize>,
+    /// The transformer's steps per epoch (`None`: `strata train`'s default).
+    pub steps: Option<usize>,
     /// Passes over the training set (real runs).
     pub epochs: usize,
     /// Examples per synchronous step, over all replicas or workers.
@@ -278,8 +317,9 @@ pub struct Experiment {
     pub optimizer: String,
     /// Seed of initialisation and shuffling.
     pub seed: u64,
-    /// The accuracy the time-to-target column measures.
-    pub target_accuracy: f32,
+    /// What the time-to-target column measures: a test accuracy (digits models) or a
+    /// validation loss (the transformer).
+    pub target: crate::Target,
     /// Digits file (default: the shipped one).
     pub data: Option<PathBuf>,
     /// Seconds a real run may take before it is stopped and reported as failed.
@@ -313,13 +353,31 @@ impl Experiment {
                 format!("{name:?} must be a plain directory name (no slashes), e.g. \"digits-mlp\""),
             ));
         }
-        let hidden = e.hidden.clone().into_inner();
-        if hidden.is_empty() || hidden.contains(&0) {
-            return Err(at.error(
-                e.hidden.span(),
-                "experiment.hidden",
-                "needs layer sizes of at least 1, e.g. [256, 256]",
-            ));
+        let model = e.model.as_ref().map_or(RunModel::Mlp, |m| *m.get_ref());
+        let model_name = model.name();
+        let not_for = |span: std::ops::Range<usize>, field: &str, applies: &str| {
+            Err(at.error(span, field, format!("applies to {applies}, not model = \"{model_name}\"; drop it")))
+        };
+        let hidden = match &e.hidden {
+            Some(h) if model != RunModel::Mlp => return not_for(h.span(), "experiment.hidden", "model = \"mlp\""),
+            Some(h) => h.get_ref().clone(),
+            None if model == RunModel::Mlp => vec![256, 256],
+            None => Vec::new(),
+        };
+        if model == RunModel::Mlp && (hidden.is_empty() || hidden.contains(&0)) {
+            let span = e.hidden.as_ref().map_or(0..0, |h| h.span());
+            return Err(at.error(span, "experiment.hidden", "needs layer sizes of at least 1, e.g. [256, 256]"));
+        }
+        let steps = match &e.steps {
+            Some(v) if model != RunModel::Transformer => {
+                return not_for(v.span(), "experiment.steps", "model = \"transformer\"")
+            }
+            Some(v) if *v.get_ref() == 0 => return Err(at.error(v.span(), "experiment.steps", "must be at least 1")),
+            Some(v) => Some(*v.get_ref()),
+            None => None,
+        };
+        if let (RunModel::Transformer, Some(d)) = (model, &e.data) {
+            return not_for(d.span(), "experiment.data", "the digits models (model = \"mlp\" or \"cnn\")");
         }
         let positive = |v: &Spanned<usize>, field: &str| -> Result<usize> {
             if *v.get_ref() == 0 {
@@ -351,14 +409,46 @@ impl Experiment {
                 format!("{optimizer} runs on parameter servers only; use adamw or sgd to compare every strategy"),
             ));
         }
-        let target = *e.target_accuracy.get_ref();
-        if !(target > 0.0 && target <= 1.0) {
-            return Err(at.error(
-                e.target_accuracy.span(),
-                "experiment.target_accuracy",
-                "must be in (0, 1], e.g. 0.95",
-            ));
-        }
+        let target = match (model, &e.target_accuracy, &e.target_loss) {
+            (RunModel::Transformer, Some(a), _) => {
+                return Err(at.error(
+                    a.span(),
+                    "experiment.target_accuracy",
+                    "the transformer is measured by validation loss; set target_loss (nats per character, e.g. 1.9) instead",
+                ))
+            }
+            (RunModel::Transformer, None, Some(l)) => {
+                let t = *l.get_ref();
+                if !(t.is_finite() && t > 0.0) {
+                    return Err(at.error(
+                        l.span(),
+                        "experiment.target_loss",
+                        "must be a positive loss in nats per character, e.g. 1.9",
+                    ));
+                }
+                crate::Target::Loss(t)
+            }
+            (RunModel::Transformer, None, None) => {
+                return Err(Error::Usage(format!(
+                    "{}: experiment.target_loss: model = \"transformer\" needs a target validation loss, e.g. target_loss = 1.9",
+                    path.display()
+                )))
+            }
+            (_, _, Some(l)) => return not_for(l.span(), "experiment.target_loss", "model = \"transformer\""),
+            (_, Some(a), None) => {
+                let t = *a.get_ref();
+                if !(t > 0.0 && t <= 1.0) {
+                    return Err(at.error(a.span(), "experiment.target_accuracy", "must be in (0, 1], e.g. 0.95"));
+                }
+                crate::Target::Accuracy(t)
+            }
+            (_, None, None) => {
+                return Err(Error::Usage(format!(
+                    "{}: experiment.target_accuracy: model = \"{model_name}\" needs a target test accuracy, e.g. target_accuracy = 0.95",
+                    path.display()
+                )))
+            }
+        };
         let run_timeout = match &e.run_timeout {
             Some(t) => parse_duration(t.get_ref()).map_err(|m| at.error(t.span(), "experiment.run_timeout", m))?,
             None => Duration::from_secs(600),
@@ -548,6 +638,13 @@ impl Experiment {
             }
         };
         let simulate = match raw.simulate {
+            Some(s) if model == RunModel::Transformer => {
+                return Err(at.error(
+                    s.span(),
+                    "simulate",
+                    "simulated mode models the digits MLP, not the transformer; drop [simulate]",
+                ))
+            }
             Some(s) => {
                 s.get_ref().validate().map_err(|m| at.error(s.span(), "simulate", m))?;
                 Some(s.into_inner())
@@ -558,14 +655,16 @@ impl Experiment {
             path: path.to_path_buf(),
             name,
             description: e.description.unwrap_or_default(),
+            model,
             hidden,
+            steps,
             epochs,
             global_batch,
             lr,
             optimizer,
             seed: e.seed,
-            target_accuracy: target,
-            data: e.data,
+            target,
+            data: e.data.map(Spanned::into_inner),
             run_timeout,
             runs,
             injection,
@@ -591,7 +690,9 @@ struct RawFile {
 struct RawExperiment {
     name: Spanned<String>,
     description: Option<String>,
-    hidden: Spanned<Vec<usize>>,
+    model: Option<Spanned<RunModel>>,
+    hidden: Option<Spanned<Vec<usize>>>,
+    steps: Option<Spanned<usize>>,
     epochs: Spanned<usize>,
     global_batch: Spanned<usize>,
     lr: Spanned<f64>,
@@ -599,8 +700,9 @@ struct RawExperiment {
     optimizer: Spanned<String>,
     #[serde(default)]
     seed: u64,
-    target_accuracy: Spanned<f32>,
-    data: Option<PathBuf>,
+    target_accuracy: Option<Spanned<f32>>,
+    target_loss: Option<Spanned<f64>>,
+    data: Option<Spanned<PathBuf>>,
     run_timeout: Option<Spanned<String>>,
 }
 
@@ -798,6 +900,35 @@ network_delay = "1ms"
     }
 
     #[test]
+    fn the_model_and_its_target_parse_and_fields_of_other_models_are_refused() {
+        let e = parse(GOOD).unwrap();
+        assert_eq!((e.model, e.target, e.steps), (RunModel::Mlp, crate::Target::Accuracy(0.9), None));
+        let cnn = parse(&GOOD.replace("hidden = [16]", "model = \"cnn\"")).unwrap();
+        assert_eq!((cnn.model, cnn.hidden.len()), (RunModel::Cnn, 0));
+        let t = GOOD
+            .replace("hidden = [16]", "model = \"transformer\"\nsteps = 5")
+            .replace("target_accuracy = 0.9", "target_loss = 1.9");
+        let tr = parse(&t).unwrap();
+        assert_eq!((tr.model, tr.target, tr.steps), (RunModel::Transformer, crate::Target::Loss(1.9), Some(5)));
+        let e = error(&GOOD.replace("hidden = [16]", "model = \"cnn\"\nhidden = [16]"));
+        assert!(e.contains("x.toml line 5: experiment.hidden: applies to model = \"mlp\", not model = \"cnn\""), "{e}");
+        let e = error(&t.replace("steps = 5", "steps = 5\nhidden = [8]"));
+        assert!(e.contains("line 6: experiment.hidden") && e.contains("not model = \"transformer\""), "{e}");
+        let e = error(&t.replace("target_loss = 1.9", "target_accuracy = 0.9"));
+        assert!(e.contains("experiment.target_accuracy") && e.contains("target_loss"), "{e}");
+        let e = error(&GOOD.replace("target_accuracy = 0.9", "target_loss = 1.9"));
+        assert!(e.contains("line 8: experiment.target_loss: applies to model = \"transformer\""), "{e}");
+        let e = error(&t.replace("target_loss = 1.9", "target_loss = -1"));
+        assert!(e.contains("experiment.target_loss: must be a positive loss"), "{e}");
+        let e = error(&GOOD.replace("lr = 0.01", "lr = 0.01\nsteps = 3"));
+        assert!(e.contains("experiment.steps: applies to model = \"transformer\""), "{e}");
+        let e = error(&GOOD.replace("hidden = [16]", "model = \"rnn\""));
+        assert!(e.contains("line 4: model") && e.contains("rnn"), "{e}");
+        let e = error(&format!("{t}\n[simulate]\nworkers = [1]\n"));
+        assert!(e.contains("simulate: simulated mode models the digits MLP"), "{e}");
+    }
+
+    #[test]
     fn delay_distributions_parse_and_sample() {
         let d: DelayDistribution = "uniform:10ms..30ms".parse().unwrap();
         assert_eq!(d.sample(0.5), Duration::from_millis(20));
@@ -818,7 +949,8 @@ network_delay = "1ms"
             let path = entry.unwrap().path();
             if path.extension().is_some_and(|e| e == "toml") {
                 let e = Experiment::load(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-                assert!(e.simulate.is_some(), "{}", path.display());
+                // Simulated mode models the digits MLP: the others run for real only.
+                assert_eq!(e.simulate.is_some(), e.model != RunModel::Transformer, "{}", path.display());
                 n += 1;
             }
         }

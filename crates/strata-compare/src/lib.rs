@@ -46,6 +46,52 @@ pub struct RunResult {
     pub wall_s: f64,
 }
 
+/// What the time-to-target columns measure: the first evaluation at or above a test accuracy
+/// (the digits models), or at or below a validation loss (the transformer, nats per character;
+/// lower is better).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Target {
+    /// Test accuracy in (0, 1].
+    Accuracy(f32),
+    /// Validation loss in nats per character.
+    Loss(f64),
+}
+
+impl Target {
+    /// Whether evaluation `r` reached the target.
+    pub fn reached(&self, r: &MetricRecord) -> bool {
+        match *self {
+            Target::Accuracy(t) => r.accuracy.is_some_and(|a| a >= t),
+            Target::Loss(t) => r.validation_loss.is_some_and(|l| f64::from(l) <= t),
+        }
+    }
+
+    /// The target accuracy, if it is one.
+    pub fn accuracy(&self) -> Option<f32> {
+        match *self {
+            Target::Accuracy(t) => Some(t),
+            Target::Loss(_) => None,
+        }
+    }
+
+    /// `97.00% test accuracy` or `a validation loss of 1.90 nats per character`.
+    pub fn describe(&self) -> String {
+        match *self {
+            Target::Accuracy(t) => format!("{:.2}% test accuracy", f64::from(t) * 100.0),
+            Target::Loss(t) => format!("a validation loss of {t:.2} nats per character"),
+        }
+    }
+
+    /// The target as a short value: `97.00%` or `loss 1.90`.
+    pub fn short(&self) -> String {
+        match *self {
+            Target::Accuracy(t) => format!("{:.2}%", f64::from(t) * 100.0),
+            Target::Loss(t) => format!("loss {t:.2}"),
+        }
+    }
+}
+
 /// One line of the report's table.
 #[derive(Clone, Debug, Serialize, PartialEq)]
 pub struct RunSummary {
@@ -63,12 +109,16 @@ pub struct RunSummary {
     pub status: String,
     /// The failure, if any.
     pub error: Option<String>,
-    /// Seconds until the first evaluation at or above the target accuracy.
+    /// Seconds until the first evaluation that reached the target (accuracy at or above it,
+    /// validation loss at or below it).
     pub time_to_target_s: Option<f64>,
     /// Model updates until then.
     pub updates_to_target: Option<u64>,
-    /// The last evaluation's accuracy.
+    /// The last evaluation's accuracy (the digits models).
     pub final_accuracy: Option<f32>,
+    /// The last evaluation's validation loss, nats per character (the transformer).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub final_validation_loss: Option<f32>,
     /// Training examples per second between the first and the last step record.
     pub examples_per_s: Option<f64>,
     /// Examples per second over `workers` times the single-worker run's (the first run with
@@ -86,8 +136,8 @@ pub struct RunSummary {
     pub updates: u64,
 }
 
-/// The table's figures for every run, against `target` accuracy.
-pub fn summarize(runs: &[RunResult], target: f32) -> Vec<RunSummary> {
+/// The table's figures for every run, against `target`.
+pub fn summarize(runs: &[RunResult], target: Target) -> Vec<RunSummary> {
     let mut out: Vec<RunSummary> = runs.iter().map(|r| summarize_one(r, target)).collect();
     for i in 0..out.len() {
         let base = runs
@@ -104,11 +154,12 @@ pub fn summarize(runs: &[RunResult], target: f32) -> Vec<RunSummary> {
     out
 }
 
-fn summarize_one(r: &RunResult, target: f32) -> RunSummary {
+fn summarize_one(r: &RunResult, target: Target) -> RunSummary {
     let steps: Vec<&MetricRecord> = r.records.iter().filter(|x| x.kind == RecordKind::Step).collect();
     let evals: Vec<&MetricRecord> = r.records.iter().filter(|x| x.kind == RecordKind::Eval).collect();
-    let hit = evals.iter().find(|e| e.accuracy.is_some_and(|a| a >= target));
+    let hit = evals.iter().find(|e| target.reached(e));
     let final_accuracy = evals.last().and_then(|e| e.accuracy);
+    let final_validation_loss = evals.last().and_then(|e| e.validation_loss);
     let examples_per_s = match (steps.first(), steps.last()) {
         (Some(a), Some(b)) if b.wall_s > a.wall_s && b.examples > a.examples => {
             Some((b.examples - a.examples) as f64 / (b.wall_s - a.wall_s))
@@ -134,6 +185,7 @@ fn summarize_one(r: &RunResult, target: f32) -> RunSummary {
         time_to_target_s: hit.map(|e| e.wall_s),
         updates_to_target: hit.map(|e| e.updates),
         final_accuracy,
+        final_validation_loss,
         examples_per_s,
         scaling_efficiency: None,
         bytes_per_example: (examples > 0).then(|| bytes as f64 / examples as f64),
@@ -178,7 +230,7 @@ mod tests {
         let b = vec![MetricRecord::step(1, 1, 1.0, 100, 2.0), MetricRecord::step(2, 2, 1.25, 400, 1.0)];
         let mut failed = run("c", 2, vec![]);
         failed.error = Some("boom".into());
-        let s = summarize(&[run("a", 1, a), run("b", 2, b), failed], 0.8);
+        let s = summarize(&[run("a", 1, a), run("b", 2, b), failed], Target::Accuracy(0.8));
         assert_eq!(s[0].status, "ok");
         assert_eq!(s[0].time_to_target_s, Some(3.5));
         assert_eq!(s[0].updates_to_target, Some(3));
@@ -193,5 +245,21 @@ mod tests {
         assert_eq!(s[1].scaling_efficiency, Some(6.0));
         assert_eq!(s[2].status, "failed");
         assert_eq!(s[2].error.as_deref(), Some("boom"));
+    }
+
+    #[test]
+    fn a_loss_target_is_reached_at_or_below_it() {
+        let evals = vec![
+            MetricRecord::step(1, 1, 1.0, 100, 4.1),
+            MetricRecord::eval_loss(1, 1, 1.5, 100, 3.0),
+            MetricRecord::eval_loss(2, 2, 2.5, 200, 1.9),
+            MetricRecord::eval_loss(3, 3, 3.5, 300, 1.7),
+        ];
+        let s = summarize(&[run("t", 1, evals.clone())], Target::Loss(1.9));
+        assert_eq!((s[0].status.as_str(), s[0].time_to_target_s, s[0].updates_to_target), ("ok", Some(2.5), Some(2)));
+        assert_eq!((s[0].final_accuracy, s[0].final_validation_loss), (None, Some(1.7)));
+        let s = summarize(&[run("t", 1, evals)], Target::Loss(1.5));
+        assert_eq!((s[0].status.as_str(), s[0].time_to_target_s), ("below target", None));
+        assert!(!Target::Accuracy(0.5).reached(&MetricRecord::eval_loss(1, 1, 1.0, 1, 0.1)));
     }
 }

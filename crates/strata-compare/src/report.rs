@@ -19,7 +19,7 @@ use crate::{Error, Result};
 use strata::metrics::RecordKind;
 
 /// The columns of `runs.csv`, in order.
-pub const CSV_COLUMNS: [&str; 17] = [
+pub const CSV_COLUMNS: [&str; 18] = [
     "run",
     "strategy",
     "mode",
@@ -37,6 +37,7 @@ pub const CSV_COLUMNS: [&str; 17] = [
     "worker",
     "dropped",
     "accuracy",
+    "validation_loss",
 ];
 
 /// What [`write_outputs`] wrote.
@@ -72,7 +73,7 @@ impl Outputs {
 /// `REPORT.md` for `runs` of `exp`; `simulated` says whether the figures are virtual.
 pub fn write_outputs(dir: &Path, exp: &Experiment, runs: &[RunResult], simulated: bool) -> Result<Outputs> {
     std::fs::create_dir_all(dir).map_err(|e| Error::io(format!("cannot create {}", dir.display()), e))?;
-    let summaries = summarize(runs, exp.target_accuracy);
+    let summaries = summarize(runs, exp.target);
 
     let runs_csv = dir.join("runs.csv");
     write_file(&runs_csv, &runs_csv_text(runs))?;
@@ -83,7 +84,7 @@ pub fn write_outputs(dir: &Path, exp: &Experiment, runs: &[RunResult], simulated
         .map_err(|e| Error::io(format!("cannot encode {}", summary_json.display()), e.into()))?;
     write_file(&summary_json, &(text + "\n"))?;
 
-    let plots = plot::draw_all(dir, runs, &summaries, exp.target_accuracy, simulated)?;
+    let plots = plot::draw_all(dir, runs, &summaries, exp.target.accuracy().unwrap_or(f32::NAN), simulated)?;
 
     let report_md = dir.join("REPORT.md");
     write_file(&report_md, &report_text(exp, runs, &summaries, &plots, simulated))?;
@@ -136,6 +137,7 @@ pub fn runs_csv_text(runs: &[RunResult]) -> String {
                 opt(m.worker),
                 m.dropped.to_string(),
                 opt(m.accuracy),
+                opt(m.validation_loss),
             ];
             let cells: Vec<String> = row.iter().map(|c| csv_field(c)).collect();
             out.push_str(&cells.join(","));
@@ -182,7 +184,9 @@ pub fn summary_value(
             "lr": exp.lr,
             "optimizer": exp.optimizer,
             "seed": exp.seed,
-            "target_accuracy": exp.target_accuracy,
+            "model": exp.model.name(),
+            "target_accuracy": exp.target.accuracy(),
+            "target_loss": match exp.target { crate::Target::Loss(t) => Some(t), crate::Target::Accuracy(_) => None },
             "data": exp.data.as_ref().map(|p| p.display().to_string()),
             "run_timeout_s": exp.run_timeout.as_secs_f64(),
             "simulate": exp.simulate,
@@ -257,8 +261,11 @@ fn or_dash<T>(v: Option<T>, f: impl Fn(T) -> String) -> String {
 pub fn table(summaries: &[RunSummary], simulated: bool) -> String {
     let time = if simulated { "time to target (virtual)" } else { "time to target" };
     let eps = if simulated { "examples/s (virtual)" } else { "examples/s" };
+    let loss_only = summaries.iter().all(|s| s.final_accuracy.is_none())
+        && summaries.iter().any(|s| s.final_validation_loss.is_some());
+    let last = if loss_only { "final validation loss" } else { "final accuracy" };
     let mut out = format!(
-        "| run | strategy | mode | workers | status | {time} | updates to target | final accuracy | {eps} | scaling efficiency | bytes/example | staleness mean / max |\n"
+        "| run | strategy | mode | workers | status | {time} | updates to target | {last} | {eps} | scaling efficiency | bytes/example | staleness mean / max |\n"
     );
     out.push_str("|---|---|---|--:|---|--:|--:|--:|--:|--:|--:|--:|\n");
     for s in summaries {
@@ -286,7 +293,10 @@ pub fn table_row(s: &RunSummary) -> String {
         status,
         or_dash(s.time_to_target_s, fmt_seconds),
         or_dash(s.updates_to_target, |u| plot::group_thousands(u as f64)),
-        or_dash(s.final_accuracy, fmt_accuracy),
+        match (s.final_accuracy, s.final_validation_loss) {
+            (None, Some(loss)) => format!("loss {loss:.4}"),
+            (a, _) => or_dash(a, fmt_accuracy),
+        },
         or_dash(s.examples_per_s, plot::group_thousands),
         or_dash(s.scaling_efficiency, |e| format!("{:.0}%", e * 100.0)),
         or_dash(s.bytes_per_example, fmt_bytes),
@@ -326,9 +336,19 @@ pub fn report_text(
     } else {
         format!("hidden layers {}", hidden.join(" × "))
     };
+    let model = match exp.model {
+        _ if simulated => format!("MLP on the digits data, {hidden}"),
+        crate::experiment::RunModel::Mlp => format!("MLP on the digits data, {hidden}"),
+        crate::experiment::RunModel::Cnn => "CNN on the digits data as 8×8 images".to_string(),
+        crate::experiment::RunModel::Transformer => format!(
+            "character transformer on Tiny Shakespeare ({} steps of windows per epoch)",
+            exp.steps.map_or_else(|| "strata train's default".to_string(), |n| n.to_string())
+        ),
+    };
     let _ = writeln!(
         md,
-        "- Model: MLP on the digits data, {hidden}; optimizer {} with learning rate {}; {}; seed {}{}.",
+        "- Model: {}; optimizer {} with learning rate {}; {}; seed {}{}.",
+        model,
         sim.and_then(|s| s.optimizer.clone()).unwrap_or_else(|| exp.optimizer.clone()),
         sim.and_then(|s| s.lr).unwrap_or(exp.lr),
         match sim {
@@ -344,7 +364,12 @@ pub fn report_text(
             let _ = writeln!(md, "- Simulation model (`[simulate]`): {}.", md_cell(&items.join(", ")));
         }
     }
-    let _ = writeln!(md, "- Target accuracy: {} (test set).", fmt_accuracy(exp.target_accuracy));
+    let _ = writeln!(
+        md,
+        "- Target: {} ({}).",
+        exp.target.describe(),
+        if exp.target.accuracy().is_some() { "test set" } else { "validation text" }
+    );
     let injection = exp.injection.describe();
     if injection.is_empty() {
         md.push_str("- Injected: nothing.\n");
@@ -376,11 +401,11 @@ pub fn report_text(
     md.push_str(&table(summaries, simulated));
     let _ = writeln!(
         md,
-        "\nTime and updates to target: until the first evaluation at or above {}. Examples/s: between a run's \
+        "\nTime and updates to target: until the first evaluation that reached {}. Examples/s: between a run's \
          first and last step record. Scaling efficiency: examples/s over (workers × the 1-worker run's). \
          Bytes/example: bytes sent and received between processes per training example. Staleness: model \
          updates between a worker's pull and its push (parameter servers only). {NONE}: not measured or not reached.",
-        fmt_accuracy(exp.target_accuracy)
+        exp.target.describe()
     );
     if failed > 0 {
         md.push_str("\n### Failed runs\n\n");
@@ -434,7 +459,7 @@ pub fn findings(exp: &Experiment, runs: &[RunResult], summaries: &[RunSummary], 
     let mut out = Vec::new();
     let secs = if simulated { "virtual seconds" } else { "seconds" };
     let time = |t: f64| if simulated { format!("{} (virtual)", fmt_seconds(t)) } else { fmt_seconds(t) };
-    let target = fmt_accuracy(exp.target_accuracy);
+    let target = exp.target.short();
     let ok: Vec<&RunSummary> = summaries.iter().filter(|s| s.error.is_none()).collect();
 
     // Time to target.
@@ -443,7 +468,7 @@ pub fn findings(exp: &Experiment, runs: &[RunResult], summaries: &[RunSummary], 
         a.time_to_target_s.unwrap_or(f64::INFINITY).total_cmp(&b.time_to_target_s.unwrap_or(f64::INFINITY))
     });
     match reached.as_slice() {
-        [] if !ok.is_empty() => out.push(format!("No run reached the target accuracy of {target}.")),
+        [] if !ok.is_empty() => out.push(format!("No run reached the target of {}.", exp.target.describe())),
         [] => {}
         [first, rest @ ..] => {
             let mut s = format!(

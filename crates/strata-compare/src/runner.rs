@@ -12,14 +12,24 @@ use std::time::{Duration, Instant};
 
 use std::os::unix::process::CommandExt;
 
-use super::experiment::{Experiment, PsMode, RunSpec, RunStrategy};
+use super::experiment::{Experiment, PsMode, RunModel, RunSpec, RunStrategy};
 use super::RunResult;
 use crate::{Error, Result};
 
 /// The arguments of `strata` (after the executable) that run `spec`.
 pub fn command_line(exp: &Experiment, spec: &RunSpec, metrics: &Path, summary: &Path) -> Vec<String> {
     let mut train: Vec<String> = vec!["train".into(), "--strategy".into(), spec.strategy.name().into()];
-    let hidden = exp.hidden.iter().map(|h| h.to_string()).collect::<Vec<_>>().join(",");
+    train.extend(["--model".into(), exp.model.name().into()]);
+    if exp.model == RunModel::Mlp {
+        let hidden = exp.hidden.iter().map(|h| h.to_string()).collect::<Vec<_>>().join(",");
+        train.extend(["--hidden".into(), hidden]);
+    }
+    if exp.model == RunModel::Transformer {
+        // `steps` counts global batches: a parameter-server run's worker steps take a
+        // worker's share each, so it schedules `workers` times as many (the same windows per
+        // epoch as every other run).
+        train.extend(["--steps".into(), transformer_steps(exp, spec).to_string()]);
+    }
     let batch = match spec.strategy {
         // Each worker pushes its share of the global batch per step, as TensorFlow's
         // per-replica batch of a ParameterServerStrategy job.
@@ -27,8 +37,6 @@ pub fn command_line(exp: &Experiment, spec: &RunSpec, metrics: &Path, summary: &
         _ => exp.global_batch,
     };
     train.extend([
-        "--hidden".into(),
-        hidden,
         "--epochs".into(),
         exp.epochs.to_string(),
         "--batch".into(),
@@ -99,8 +107,24 @@ pub fn command_line(exp: &Experiment, spec: &RunSpec, metrics: &Path, summary: &
     }
 }
 
+/// `strata train`'s steps per epoch of the transformer when `steps` is not given.
+const TRANSFORMER_DEFAULT_STEPS: usize = 1200;
+
+/// The transformer's `--steps` for `spec`: the experiment's `steps` (global batches per
+/// epoch), times the workers for a parameter-server run.
+fn transformer_steps(exp: &Experiment, spec: &RunSpec) -> usize {
+    let steps = exp.steps.unwrap_or(TRANSFORMER_DEFAULT_STEPS);
+    match spec.strategy {
+        RunStrategy::ParameterServer => steps * spec.workers.max(1),
+        _ => steps,
+    }
+}
+
 /// Steps a run makes (for its progress bar).
 fn expected_steps(exp: &Experiment, spec: &RunSpec, train_len: usize) -> u64 {
+    if exp.model == RunModel::Transformer {
+        return (transformer_steps(exp, spec) * exp.epochs) as u64;
+    }
     let batch = match spec.strategy {
         RunStrategy::ParameterServer => exp.global_batch / spec.workers.max(1),
         _ => exp.global_batch,
@@ -114,8 +138,10 @@ pub fn run_all(exp: &Experiment, dir: &Path, only: &[String], progress: bool) ->
     let exe = std::env::current_exe().map_err(|e| Error::io("finding the strata executable", e))?;
     let runs_dir = dir.join("runs");
     std::fs::create_dir_all(&runs_dir).map_err(|e| Error::io(format!("cannot create {}", runs_dir.display()), e))?;
-    let all = strata::digits::load(exp.data.as_deref())?;
-    let (train, _) = strata::digits::train_test_split(&all, 0.2, 0);
+    let train_len = match exp.model {
+        RunModel::Transformer => 0,
+        _ => strata::digits::train_test_split(&strata::digits::load(exp.data.as_deref())?, 0.2, 0).0.len(),
+    };
     for name in only {
         if !exp.runs.iter().any(|r| &r.name == name) {
             let names: Vec<&str> = exp.runs.iter().map(|r| r.name.as_str()).collect();
@@ -124,7 +150,7 @@ pub fn run_all(exp: &Experiment, dir: &Path, only: &[String], progress: bool) ->
     }
     let mut results = Vec::new();
     for spec in exp.runs.iter().filter(|r| only.is_empty() || only.contains(&r.name)) {
-        let bar = crate::progress::bar(progress, expected_steps(exp, spec, train.len()));
+        let bar = crate::progress::bar(progress, expected_steps(exp, spec, train_len));
         bar.set_message(spec.name.clone());
         let result = run_one(&exe, exp, spec, &runs_dir, &bar);
         match &result.error {

@@ -29,13 +29,15 @@ fn experiment(runs: Vec<RunSpec>, injection: Injection) -> Experiment {
         path: PathBuf::from("sim.toml"),
         name: "sim".into(),
         description: String::new(),
+        model: strata_compare::experiment::RunModel::Mlp,
         hidden: vec![32],
+        steps: None,
         epochs: 1,
         global_batch: 32,
         lr: 0.003,
         optimizer: "adamw".into(),
         seed: 0,
-        target_accuracy: 0.9,
+        target: strata_compare::Target::Accuracy(0.9),
         data: None,
         run_timeout: Duration::from_secs(60),
         runs,
@@ -66,7 +68,7 @@ fn steps(r: &RunResult) -> impl Iterator<Item = &MetricRecord> {
 }
 
 fn ttt(runs: &[RunResult], target: f32, name: &str) -> f64 {
-    let s = summarize(runs, target);
+    let s = summarize(runs, strata_compare::Target::Accuracy(target));
     let s = s.iter().find(|s| s.name == name).unwrap();
     s.time_to_target_s.unwrap_or_else(|| panic!("{name} never reached {target}: {s:?}"))
 }
@@ -128,7 +130,7 @@ fn without_stragglers_sync_is_at_least_as_accurate_as_async_per_update() {
     let (sync, asy) = (evals("sync"), evals("async"));
     assert_eq!(sync.iter().map(|e| e.0).collect::<Vec<_>>(), asy.iter().map(|e| e.0).collect::<Vec<_>>());
     assert_eq!(sync.len(), 30);
-    let s = summarize(&runs, 0.9);
+    let s = summarize(&runs, strata_compare::Target::Accuracy(0.9));
     let (us, ua) = (s[0].updates_to_target.unwrap(), s[1].updates_to_target.unwrap_or(u64::MAX));
     println!("updates to 0.9: sync {us}, async {ua}");
     assert!(us <= ua);
@@ -274,7 +276,7 @@ fn step_times_follow_the_closed_forms() {
         ("ps-sync/N=4", (l + 4.0 * m / bw) + c + (l + m / bw)),
         ("ps-async/N=1", c + 2.0 * (l + m / bw)),
     ];
-    let s = summarize(&runs, 0.5);
+    let s = summarize(&runs, strata_compare::Target::Accuracy(0.5));
     for (name, step) in expect {
         let r = run(&runs, name);
         let times: Vec<f64> = steps(r).map(|s| s.wall_s).collect();
@@ -308,7 +310,7 @@ fn sync_throughput_falls_behind_async_as_workers_grow() {
     let counts = [2usize, 8, 32];
     let cfg = SimConfig { workers: counts.to_vec(), max_updates: 200, ..Default::default() };
     let runs = simulate(&exp, &cfg, &quiet).unwrap();
-    let s = summarize(&runs, 0.5);
+    let s = summarize(&runs, strata_compare::Target::Accuracy(0.5));
     let eps = |name: String| s.iter().find(|x| x.name == name).unwrap().examples_per_s.unwrap();
     let ratios: Vec<f64> =
         counts.iter().map(|n| eps(format!("mirrored/N={n}")) / eps(format!("async/N={n}"))).collect();
@@ -339,7 +341,7 @@ fn hundreds_of_async_workers_saturate_the_ps_link() {
     println!("last update at {:.6} s, link busy at least {busy:.6} s", runs[0].wall_s);
     assert!(runs[0].wall_s >= busy);
     // Unlimited links would let 128 workers of 1 ms run far faster.
-    let eps = summarize(&runs, 0.5)[0].examples_per_s.unwrap();
+    let eps = summarize(&runs, strata_compare::Target::Accuracy(0.5))[0].examples_per_s.unwrap();
     let unlimited = n as f64 * 32.0 / (1e-3 + 2.0 * (50e-6 + 2.0 * shard_s));
     println!("examples/s {eps:.0}, without the link bottleneck {unlimited:.0}");
     assert!(eps < 0.25 * unlimited);

@@ -54,9 +54,12 @@ pub struct MetricRecord {
     /// Step (parameter servers, sync mode): a backup worker's late push that was dropped.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub dropped: bool,
-    /// Eval: test accuracy.
+    /// Eval: test accuracy (the digits models).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub accuracy: Option<f32>,
+    /// Eval: validation loss in nats per character (the transformer).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub validation_loss: Option<f32>,
 }
 
 impl MetricRecord {
@@ -75,6 +78,7 @@ impl MetricRecord {
             worker: None,
             dropped: false,
             accuracy: None,
+            validation_loss: None,
         }
     }
 
@@ -93,6 +97,16 @@ impl MetricRecord {
             worker: None,
             dropped: false,
             accuracy: Some(accuracy),
+            validation_loss: None,
+        }
+    }
+
+    /// An evaluation record of a validation loss (the transformer's, in nats per character).
+    pub fn eval_loss(step: u64, updates: u64, wall_s: f64, examples: u64, validation_loss: f32) -> Self {
+        Self {
+            accuracy: None,
+            validation_loss: Some(validation_loss),
+            ..Self::eval(step, updates, wall_s, examples, 0.0)
         }
     }
 }

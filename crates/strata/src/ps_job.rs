@@ -1,59 +1,215 @@
-//! The digits job under [`ParameterServerStrategy`]: the step function every worker registers,
-//! and the coordinator's training loop.
+//! The parameter-server job: the step function every worker registers, and the coordinator's
+//! training loop, for each of the three models (`strata train --model mlp|cnn|transformer`).
 //!
 //! A Rust closure cannot travel to another process, so the step is registered by name
 //! ([`TRAIN_STEP`]) in the one binary every task runs: `strata worker` serves it, `strata ps`
 //! holds the variables, and `strata train --strategy parameter-server` schedules it. A step
-//! names its batch by `(epoch, batch)`; every worker draws the same seeded permutation of the
-//! training set per epoch (the one [`crate::trainer::Trainer`] uses), so the coordinator sends
-//! a few numbers, never data. Within a worker the step runs on the worker's local replicas
-//! ([`PsWorkerModel`]): `backward_and_sync` reduces their gradients to the parameter replica
-//! and pushes them, once per step.
+//! carries the job's [`PsJobSpec`] (the model and its sizes, replicas, seed, data) and names its
+//! batch by `(epoch, batch)`, so the coordinator sends a few numbers, never data; each worker
+//! builds the spec's model once ([`PsWorkerModel`]) and derives the batch itself,
+//! deterministically:
+//!
+//! - the digits models (MLP, CNN): every worker draws the same seeded permutation of the
+//!   training set per epoch (the one [`crate::trainer::Trainer`] uses, [`epoch_order`]) and takes
+//!   rows `batch * size ..` of it;
+//! - the transformer: `batch_size` windows of Tiny Shakespeare at random offsets,
+//!   [`crate::shakespeare::Corpus::random_windows`] seeded with [`window_seed`]`(seed, epoch,
+//!   batch)`; an epoch is as many steps as the coordinator schedules (`--steps`).
+//!
+//! Within a worker the step runs on the worker's local replicas: `sync_and_apply` reduces their
+//! gradients to the parameter replica and pushes them, once per step (the transformer's
+//! gradient clipped to a global norm of [`TRANSFORMER_CLIP_NORM`] first, as the other
+//! strategies clip it; the ps tasks apply it with a constant learning rate: they have no
+//! schedule). The coordinator evaluates the pulled parameters after every epoch: test accuracy
+//! for the digits models, validation loss in nats per character for the transformer
+//! ([`PsJobModel::evaluate`]).
+//!
+//! Everything in a step arrives from the network, so a worker checks it before it builds or
+//! allocates anything ([`PsJobSpec::validate`], [`PsJobSpec::validate_batch`]).
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use candle_core::Device;
+use candle_core::{Device, Tensor};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use serde::{Deserialize, Serialize};
-use strata_core::data::Batch;
+use strata_core::data::{Batch, BatchData};
 use strata_core::{ReduceOp, Strategy};
 use strata_strategies::parameter_server::{
     ParameterServerStrategy, PsModel, PsWorkerModel, StepRegistry, WorkerContext,
 };
 
+use crate::cnn::Cnn;
 use crate::digits;
 use crate::model::{Classifier, Mlp};
-use crate::trainer::{EpochReport, FitReport, Progress, StepHook};
+use crate::shakespeare::{self, Corpus};
+use crate::trainer::{EpochReport, FitReport, MetricValue, Progress, StepHook};
+use crate::transformer::{CharTransformer, TransformerConfig};
 use crate::{Error, Result};
 
-/// The name the digits training step is registered under.
+/// The name the training step is registered under (every model's: the spec names the model).
 pub const TRAIN_STEP: &str = "digits.train";
 
+/// The transformer's gradient clipping (global norm), as `strata train` clips it under the other
+/// strategies.
+pub const TRANSFORMER_CLIP_NORM: f64 = 1.0;
+
+/// The most characters one transformer step may hold (windows times context): 2^18, 128 times
+/// the default step of 32 windows of 64.
+pub const MAX_STEP_TOKENS: usize = 1 << 18;
+
+/// Which model a parameter-server job trains.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PsModelKind {
+    /// The digits MLP of [`PsJobSpec::hidden`].
+    #[default]
+    Mlp,
+    /// The digits CNN ([`Cnn`]).
+    Cnn,
+    /// The character transformer of [`PsJobSpec::transformer`] on Tiny Shakespeare.
+    Transformer,
+}
+
+impl PsModelKind {
+    /// Its name (`strata train --model`'s).
+    pub fn name(self) -> &'static str {
+        match self {
+            PsModelKind::Mlp => "mlp",
+            PsModelKind::Cnn => "cnn",
+            PsModelKind::Transformer => "transformer",
+        }
+    }
+}
+
+/// The transformer's shape as a step carries it ([`TransformerConfig`], which is checked with
+/// [`TransformerConfig::check`] before anything is built).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TransformerShape {
+    /// Distinct tokens (Tiny Shakespeare's 65 characters).
+    pub vocab: usize,
+    /// The embedding width.
+    pub width: usize,
+    /// Blocks.
+    pub layers: usize,
+    /// Attention heads.
+    pub heads: usize,
+    /// The longest sequence, and the length of every training window.
+    pub context: usize,
+}
+
+impl From<TransformerConfig> for TransformerShape {
+    fn from(c: TransformerConfig) -> Self {
+        Self { vocab: c.vocab, width: c.width, layers: c.layers, heads: c.heads, context: c.context }
+    }
+}
+
+impl From<TransformerShape> for TransformerConfig {
+    fn from(s: TransformerShape) -> Self {
+        Self { vocab: s.vocab, width: s.width, layers: s.layers, heads: s.heads, context: s.context }
+    }
+}
+
 /// The model and data a worker builds once and keeps between steps.
+///
+/// The JSON of the digits MLP's spec is the one it has always been (`hidden`, `replicas`,
+/// `seed`, `data`); `model` defaults to `mlp`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct DigitsSpec {
-    /// Hidden layer sizes of the MLP.
+pub struct PsJobSpec {
+    /// The model.
+    #[serde(default)]
+    pub model: PsModelKind,
+    /// Hidden layer sizes of the MLP (empty for the other models).
+    #[serde(default)]
     pub hidden: Vec<usize>,
+    /// The transformer's shape (only for the transformer).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transformer: Option<TransformerShape>,
     /// Replicas of each worker (logical CPU devices; their gradients are summed before a push).
     pub replicas: usize,
-    /// Seed of the shuffles (and of the initial values, which the ps tasks hold).
+    /// Seed of the shuffles and windows (and of the initial values, which the ps tasks hold).
     pub seed: u64,
-    /// The digits file (`None`: the copy built into the binary).
+    /// The digits file (`None`: the copy built into the binary; always `None` for the
+    /// transformer, whose text is built in).
     pub data: Option<PathBuf>,
 }
 
-impl DigitsSpec {
-    /// Checks what the spec asks a worker to build before it builds anything: the MLP's sizes
-    /// ([`crate::model::check_mlp`]), 1 to [`strata_core::device::MAX_REPLICAS`] replicas, and
-    /// at most [`crate::model::MAX_PARAMETERS`] times 4 parameters over all of them (each
-    /// replica holds a copy of the model). A step's arguments arrive from the network, so a
-    /// worker checks them here; an error is `Usage`, which the worker answers
-    /// `INVALID_ARGUMENT`.
+/// The digits job's spec under its former name.
+pub type DigitsSpec = PsJobSpec;
+
+impl PsJobSpec {
+    /// The digits MLP of `hidden`.
+    pub fn mlp(hidden: Vec<usize>, replicas: usize, seed: u64, data: Option<PathBuf>) -> Self {
+        Self { model: PsModelKind::Mlp, hidden, transformer: None, replicas, seed, data }
+    }
+
+    /// The digits CNN.
+    pub fn cnn(replicas: usize, seed: u64, data: Option<PathBuf>) -> Self {
+        Self { model: PsModelKind::Cnn, hidden: Vec::new(), transformer: None, replicas, seed, data }
+    }
+
+    /// The transformer of `shape` on the built-in Tiny Shakespeare.
+    pub fn transformer(shape: TransformerConfig, replicas: usize, seed: u64) -> Self {
+        Self {
+            model: PsModelKind::Transformer,
+            hidden: Vec::new(),
+            transformer: Some(shape.into()),
+            replicas,
+            seed,
+            data: None,
+        }
+    }
+
+    /// The transformer's shape (an error for the other models, or when it is missing).
+    fn shape(&self) -> Result<TransformerConfig> {
+        match (self.model, self.transformer) {
+            (PsModelKind::Transformer, Some(s)) => Ok(s.into()),
+            (PsModelKind::Transformer, None) => {
+                Err(Error::Usage("a transformer spec without its shape (\"transformer\": {...})".into()))
+            }
+            (m, _) => Err(Error::Usage(format!("the {} model has no transformer shape", m.name()))),
+        }
+    }
+
+    /// Checks what the spec asks a worker to build before it builds anything: the model's
+    /// sizes (the MLP's with [`crate::model::check_mlp`], the transformer's with
+    /// [`TransformerConfig::check`] and Tiny Shakespeare's vocabulary; fields of another model
+    /// are refused), 1 to [`strata_core::device::MAX_REPLICAS`] replicas, and at most
+    /// [`crate::model::MAX_PARAMETERS`] times 4 parameters over all of them (each replica
+    /// holds a copy of the model). A step's arguments arrive from the network, so a worker
+    /// checks them here; an error is `Usage`, which the worker answers `INVALID_ARGUMENT`.
     pub fn validate(&self) -> Result<()> {
-        let parameters = crate::model::check_mlp(digits::FEATURES, &self.hidden, digits::CLASSES)?;
+        let m = self.model.name();
+        if self.model != PsModelKind::Mlp && !self.hidden.is_empty() {
+            return Err(Error::Usage(format!("hidden layer sizes apply to the mlp, not the {m}")));
+        }
+        if self.model != PsModelKind::Transformer && self.transformer.is_some() {
+            return Err(Error::Usage(format!("a transformer shape does not apply to the {m}")));
+        }
+        let parameters = match self.model {
+            PsModelKind::Mlp => crate::model::check_mlp(digits::FEATURES, &self.hidden, digits::CLASSES)?,
+            PsModelKind::Cnn => Cnn::parameter_count(),
+            PsModelKind::Transformer => {
+                if self.data.is_some() {
+                    return Err(Error::Usage(
+                        "a data file applies to the digits models; the transformer's text is built in".into(),
+                    ));
+                }
+                let shape = self.shape()?;
+                shape.check()?;
+                // Tiny Shakespeare's vocabulary (the built-in text's, which the worker loads).
+                let vocab = TransformerConfig::default().vocab;
+                if shape.vocab != vocab {
+                    return Err(Error::Usage(format!(
+                        "a transformer of {} tokens on Tiny Shakespeare's {vocab} characters; use a vocabulary of {vocab}",
+                        shape.vocab
+                    )));
+                }
+                shape.parameter_count()
+            }
+        };
         let max = strata_core::device::MAX_REPLICAS;
         if self.replicas == 0 || self.replicas > max {
             return Err(Error::Usage(format!("{} replicas per worker; the limit is 1 to {max}", self.replicas)));
@@ -61,24 +217,54 @@ impl DigitsSpec {
         let limit = 4 * crate::model::MAX_PARAMETERS;
         if parameters.saturating_mul(self.replicas) > limit {
             return Err(Error::Usage(format!(
-                "{} replicas of a {parameters}-parameter MLP hold more than {limit} parameters, the limit; use fewer replicas or smaller layers",
+                "{} replicas of a {parameters}-parameter {m} hold more than {limit} parameters, the limit; use fewer replicas or a smaller model",
                 self.replicas
             )));
         }
         Ok(())
     }
+
+    /// Checks a step's batch size: at least 1 example, and for the transformer at most
+    /// [`MAX_STEP_TOKENS`] characters (windows times context). The digits models take at most
+    /// the training set (a batch past its end is refused when it is cut).
+    pub fn validate_batch(&self, batch_size: usize) -> Result<()> {
+        if batch_size == 0 {
+            return Err(Error::Usage("a batch of 0 examples: a step needs at least 1".into()));
+        }
+        if self.model == PsModelKind::Transformer {
+            let context = self.shape()?.context;
+            if batch_size.saturating_mul(context) > MAX_STEP_TOKENS {
+                return Err(Error::Usage(format!(
+                    "a batch of {batch_size} windows of {context} characters is over the limit of {MAX_STEP_TOKENS} characters per step; use a smaller batch"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The seed of the transformer's windows of batch `batch` of `epoch`: a mix (SplitMix64) of the
+/// three, so every (epoch, batch) draws its own windows and every worker draws the same ones.
+pub fn window_seed(seed: u64, epoch: u64, batch: u64) -> u64 {
+    let mix = |mut z: u64| {
+        z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    };
+    mix(mix(mix(seed) ^ epoch) ^ batch)
 }
 
 /// One scheduled step: batch `batch` of epoch `epoch`.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct DigitsStep {
     /// The model and data.
-    pub spec: DigitsSpec,
-    /// The epoch (the permutation's seed is `seed + epoch`).
+    pub spec: PsJobSpec,
+    /// The epoch (the digits permutation's seed is `seed + epoch`).
     pub epoch: u64,
     /// The batch within the epoch.
     pub batch: u64,
-    /// Examples per batch.
+    /// Examples (transformer: windows) per batch.
     pub batch_size: usize,
 }
 
@@ -120,34 +306,79 @@ pub struct WorkerStepOptions {
     pub hook: Option<Arc<dyn StepHook>>,
 }
 
+/// The model a worker builds from its spec, over the worker's replicas; its optimizer pushes.
+enum WorkerModel {
+    Mlp(PsWorkerModel<Mlp>),
+    Cnn(PsWorkerModel<Cnn>),
+    Transformer(PsWorkerModel<CharTransformer>),
+}
+
+/// Where a worker's batches come from.
+enum WorkerData {
+    /// The digits training split, and the permutation of the current epoch.
+    Digits { train: Batch, order: Option<(u64, Vec<usize>)> },
+    /// Tiny Shakespeare.
+    Text(Box<Corpus>),
+}
+
 /// What a worker keeps between steps.
 struct WorkerState {
-    spec: DigitsSpec,
-    train: Batch,
-    /// The MLP over the worker's replicas; its optimizer pushes.
-    worker: PsWorkerModel<Mlp>,
-    /// The permutation of the current epoch.
-    order: Option<(u64, Vec<usize>)>,
+    spec: PsJobSpec,
+    data: WorkerData,
+    model: WorkerModel,
 }
 
 impl WorkerState {
-    fn new(spec: &DigitsSpec) -> Result<Self> {
-        let all = digits::load(spec.data.as_deref())?;
-        let (train, _) = digits::train_test_split(&all, 0.2, 0);
+    fn new(spec: &PsJobSpec) -> Result<Self> {
         let options = strata_core::StrategyOptions { seed: spec.seed, ..Default::default() };
-        let hidden = spec.hidden.clone();
-        let worker = PsWorkerModel::new(spec.replicas, options, |s| {
-            Mlp::new(s.var_builder(), digits::FEATURES, &hidden, digits::CLASSES)
-        })?;
-        Ok(Self { spec: spec.clone(), train, worker, order: None })
+        let digits_data = || -> Result<WorkerData> {
+            let all = digits::load(spec.data.as_deref())?;
+            let (train, _) = digits::train_test_split(&all, 0.2, 0);
+            Ok(WorkerData::Digits { train, order: None })
+        };
+        let (data, model) = match spec.model {
+            PsModelKind::Mlp => {
+                let hidden = spec.hidden.clone();
+                let worker = PsWorkerModel::new(spec.replicas, options, |s| {
+                    Mlp::new(s.var_builder(), digits::FEATURES, &hidden, digits::CLASSES)
+                })?;
+                (digits_data()?, WorkerModel::Mlp(worker))
+            }
+            PsModelKind::Cnn => {
+                let worker = PsWorkerModel::new(spec.replicas, options, |s| Cnn::new(s.var_builder()))?;
+                (digits_data()?, WorkerModel::Cnn(worker))
+            }
+            PsModelKind::Transformer => {
+                let corpus = shakespeare::load()?;
+                let shape = spec.shape()?;
+                if corpus.vocab_size() != shape.vocab {
+                    return Err(Error::Usage(format!(
+                        "a transformer of {} tokens on a text of {} characters; use a vocabulary of {}",
+                        shape.vocab,
+                        corpus.vocab_size(),
+                        corpus.vocab_size()
+                    )));
+                }
+                let mut worker =
+                    PsWorkerModel::new(spec.replicas, options, |s| CharTransformer::new(shape, s.var_builder()))?;
+                worker.clip_global_norm(TRANSFORMER_CLIP_NORM)?;
+                (WorkerData::Text(Box::new(corpus)), WorkerModel::Transformer(worker))
+            }
+        };
+        Ok(Self { spec: spec.clone(), data, model })
     }
+}
 
-    /// The examples of batch `batch` of `epoch`.
-    fn batch(&mut self, epoch: u64, batch: u64, size: usize) -> Result<Batch> {
-        if self.order.as_ref().is_none_or(|(e, _)| *e != epoch) {
-            self.order = Some((epoch, epoch_order(self.train.len(), self.spec.seed, epoch)));
+impl WorkerData {
+    /// The digits examples of batch `batch` of `epoch` (the permutation of `seed + epoch`).
+    fn digits_batch(&mut self, seed: u64, epoch: u64, batch: u64, size: usize) -> Result<Batch> {
+        let WorkerData::Digits { train, order } = self else {
+            return Err(Error::Usage("the transformer's worker has no digits".into()));
+        };
+        if order.as_ref().is_none_or(|(e, _)| *e != epoch) {
+            *order = Some((epoch, epoch_order(train.len(), seed, epoch)));
         }
-        let order = self.order.as_ref().map(|(_, o)| o.as_slice()).unwrap_or_default();
+        let order = order.as_ref().map(|(_, o)| o.as_slice()).unwrap_or_default();
         let start = (batch as usize).saturating_mul(size);
         if size == 0 || start >= order.len() {
             return Err(Error::Usage(format!(
@@ -155,7 +386,15 @@ impl WorkerState {
                 order.len()
             )));
         }
-        Ok(digits::gather(&self.train, &order[start..(start + size).min(order.len())]))
+        Ok(digits::gather(train, &order[start..(start + size).min(order.len())]))
+    }
+
+    /// The transformer's windows of batch `batch` of `epoch` ([`window_seed`]).
+    fn text_batch(&self, spec: &PsJobSpec, epoch: u64, batch: u64, size: usize) -> Result<(Tensor, Tensor)> {
+        let WorkerData::Text(corpus) = self else {
+            return Err(Error::Usage("a digits worker has no text".into()));
+        };
+        corpus.random_windows(size, spec.shape()?.context, window_seed(spec.seed, epoch, batch))
     }
 }
 
@@ -170,34 +409,31 @@ fn lock(state: &Mutex<Option<WorkerState>>) -> MutexGuard<'_, Option<WorkerState
     state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-fn run_step(
+/// A digits model's loss on a replica's shard.
+fn digits_loss<M: Classifier>(model: &M, dev: &Device, batch: &Batch) -> Result<Tensor> {
+    let (x, y) = (batch.features_tensor(dev)?, batch.labels_tensor(dev)?);
+    Ok(model.loss(&x, &y)?)
+}
+
+/// The transformer's loss on a replica's shard of `(inputs, targets)` windows.
+fn text_loss(model: &CharTransformer, dev: &Device, batch: &(Tensor, Tensor)) -> Result<Tensor> {
+    let (x, y) = batch.to_device(dev)?;
+    Ok(model.loss(&x, &y)?)
+}
+
+/// One step of `worker` on `batch`: the worker's replicas compute their shards' gradients,
+/// reduce them to the parameter replica, and the optimizer pushes them (as under any strategy).
+fn step_on<M: Send + Sync, B: BatchData>(
     ctx: &WorkerContext,
-    step: DigitsStep,
-    state: &Mutex<Option<WorkerState>>,
-    options: &WorkerStepOptions,
-) -> Result<DigitsStepResult> {
-    let started = Instant::now();
-    step.spec.validate()?;
-    if step.batch_size == 0 {
-        return Err(Error::Usage("a batch of 0 examples: a step needs at least 1".into()));
-    }
-    let mut guard = lock(state);
-    if guard.as_ref().is_none_or(|s| s.spec != step.spec) {
-        // The old model goes first: the new one is built within the limits, not beside them.
-        *guard = None;
-        *guard = Some(WorkerState::new(&step.spec)?);
-    }
-    let st = guard.as_mut().ok_or_else(|| Error::Usage("worker state missing".into()))?;
-    let batch = st.batch(step.epoch, step.batch, step.batch_size)?;
-    let bytes0 = strata_transport::inject::bytes();
-    let global_step = step.epoch * 1_000_000 + step.batch;
-    let worker = &st.worker;
-    // The step as under any strategy: the worker's replicas compute their shards' gradients,
-    // reduce them to the parameter replica, and the optimizer pushes them.
-    let out = worker.run_batch(ctx, &batch, |rctx, shard| {
+    worker: &PsWorkerModel<M>,
+    batch: &B,
+    loss_of: impl Fn(&M, &Device, &B) -> Result<Tensor> + Sync,
+    hook: (&WorkerStepOptions, u64, Instant),
+) -> Result<(f32, strata_strategies::parameter_server::PullTicket, strata_strategies::parameter_server::PushSummary)> {
+    let (options, global_step, started) = hook;
+    let out = worker.run_batch(ctx, batch, |rctx, shard| {
         let dev = rctx.candle_device();
-        let (x, y) = (shard.batch.features_tensor(dev)?, shard.batch.labels_tensor(dev)?);
-        let loss = worker.model().on(rctx)?.loss(&x, &y)?;
+        let loss = loss_of(worker.model().on(rctx)?, dev, &shard.batch).map_err(into_core)?;
         let grads = loss.backward()?;
         if let (Some(hook), 0) = (&options.hook, rctx.replica_id()) {
             hook.after_backward(ctx.worker_index(), global_step, started.elapsed());
@@ -206,8 +442,46 @@ fn run_step(
         Ok(loss.to_scalar::<f32>()? * shard.weight())
     })?;
     let loss = worker.strategy().reduce(ReduceOp::Sum, &out.values)?;
-    let ticket = out.pull;
-    let pushed = out.push.ok_or_else(|| Error::Usage("the digits step pushed nothing".into()))?;
+    let pushed = out.push.ok_or_else(|| Error::Usage("the training step pushed nothing".into()))?;
+    Ok((loss, out.pull, pushed))
+}
+
+fn run_step(
+    ctx: &WorkerContext,
+    step: DigitsStep,
+    state: &Mutex<Option<WorkerState>>,
+    options: &WorkerStepOptions,
+) -> Result<DigitsStepResult> {
+    let started = Instant::now();
+    step.spec.validate()?;
+    step.spec.validate_batch(step.batch_size)?;
+    let mut guard = lock(state);
+    if guard.as_ref().is_none_or(|s| s.spec != step.spec) {
+        // The old model goes first: the new one is built within the limits, not beside them.
+        *guard = None;
+        *guard = Some(WorkerState::new(&step.spec)?);
+    }
+    let st = guard.as_mut().ok_or_else(|| Error::Usage("worker state missing".into()))?;
+    let global_step = step.epoch.saturating_mul(1_000_000).saturating_add(step.batch);
+    let hook = (options, global_step, started);
+    let (epoch, index, size) = (step.epoch, step.batch, step.batch_size);
+    let (examples, bytes0, (loss, ticket, pushed)) = match &st.model {
+        WorkerModel::Mlp(w) => {
+            let batch = st.data.digits_batch(st.spec.seed, epoch, index, size)?;
+            let bytes0 = strata_transport::inject::bytes();
+            (batch.len(), bytes0, step_on(ctx, w, &batch, digits_loss, hook)?)
+        }
+        WorkerModel::Cnn(w) => {
+            let batch = st.data.digits_batch(st.spec.seed, epoch, index, size)?;
+            let bytes0 = strata_transport::inject::bytes();
+            (batch.len(), bytes0, step_on(ctx, w, &batch, digits_loss, hook)?)
+        }
+        WorkerModel::Transformer(w) => {
+            let batch = st.data.text_batch(&st.spec, epoch, index, size)?;
+            let bytes0 = strata_transport::inject::bytes();
+            (size, bytes0, step_on(ctx, w, &batch, text_loss, hook)?)
+        }
+    };
     let bytes1 = strata_transport::inject::bytes();
     let (mut staleness, mut version) = (0, 0);
     for (i, (_, outcome)) in pushed.outcomes.iter().enumerate() {
@@ -222,7 +496,7 @@ fn run_step(
     }
     Ok(DigitsStepResult {
         loss,
-        examples: batch.len(),
+        examples,
         worker: ctx.worker_index(),
         dropped: pushed.dropped(),
         seconds: started.elapsed().as_secs_f64(),
@@ -262,17 +536,105 @@ fn into_core(e: Error) -> strata_core::Error {
 #[derive(Clone, Debug)]
 pub struct PsTrainConfig {
     /// The model and data every worker builds.
-    pub spec: DigitsSpec,
-    /// Passes over the training set.
+    pub spec: PsJobSpec,
+    /// Passes over the training set (the transformer: rounds of `steps_per_epoch` steps).
     pub epochs: usize,
-    /// Examples per scheduled step (one worker's batch).
+    /// Examples (transformer: windows) per scheduled step (one worker's batch).
     pub batch_size: usize,
+    /// The transformer's steps per epoch (`--steps`); the digits models step through their
+    /// training set (`ceil(examples / batch_size)` steps).
+    pub steps_per_epoch: Option<usize>,
     /// Where progress goes.
     pub progress: Option<Arc<dyn Progress>>,
     /// Stop after this many steps.
     pub max_steps: Option<usize>,
     /// Write a record per worker step and per evaluation here.
     pub metrics: Option<Arc<crate::metrics::MetricsWriter>>,
+}
+
+/// The coordinator's copy of the model: the variables the ps tasks hold, pulled to evaluate.
+#[derive(Debug)]
+pub enum PsJobModel {
+    /// The digits MLP.
+    Mlp(PsModel<Mlp>),
+    /// The digits CNN.
+    Cnn(PsModel<Cnn>),
+    /// The transformer.
+    Transformer(PsModel<CharTransformer>),
+}
+
+/// What the coordinator evaluates on: the digits test split, or the validation windows.
+enum EvalData {
+    Digits { x: Tensor, y: Tensor, len: usize },
+    Text { inputs: Tensor, targets: Tensor },
+}
+
+/// Validation windows per forward pass of the transformer's evaluation.
+const EVAL_WINDOWS: usize = 256;
+
+impl PsJobModel {
+    /// Creates `spec`'s model's variables on the ps tasks (their initial values from the
+    /// strategy's seed), after checking the spec.
+    pub fn build(strategy: &ParameterServerStrategy, spec: &PsJobSpec) -> Result<Self> {
+        spec.validate()?;
+        Ok(match spec.model {
+            PsModelKind::Mlp => {
+                let hidden = spec.hidden.clone();
+                PsJobModel::Mlp(
+                    strategy.scope(|s| Mlp::new(s.var_builder(), digits::FEATURES, &hidden, digits::CLASSES))?,
+                )
+            }
+            PsModelKind::Cnn => PsJobModel::Cnn(strategy.scope(|s| Cnn::new(s.var_builder()))?),
+            PsModelKind::Transformer => {
+                let shape = spec.shape()?;
+                PsJobModel::Transformer(strategy.scope(|s| CharTransformer::new(shape, s.var_builder()))?)
+            }
+        })
+    }
+
+    /// The variables (the coordinator's copies, as of the last pull).
+    pub fn variables(&self) -> &[(String, candle_core::Var)] {
+        match self {
+            PsJobModel::Mlp(m) => m.variables(),
+            PsJobModel::Cnn(m) => m.variables(),
+            PsJobModel::Transformer(m) => m.variables(),
+        }
+    }
+
+    /// Pulls the variables from the ps tasks.
+    pub fn pull(&self) -> Result<()> {
+        match self {
+            PsJobModel::Mlp(m) => m.pull()?,
+            PsJobModel::Cnn(m) => m.pull()?,
+            PsJobModel::Transformer(m) => m.pull()?,
+        };
+        Ok(())
+    }
+
+    /// The pulled model's metric on `data`: test accuracy (digits) or the mean validation loss
+    /// in nats per character (the transformer, over every validation window).
+    fn evaluate(&self, data: &EvalData) -> Result<MetricValue> {
+        match (self, data) {
+            (PsJobModel::Mlp(m), EvalData::Digits { x, y, len }) => accuracy(m.model(), x, y, *len),
+            (PsJobModel::Cnn(m), EvalData::Digits { x, y, len }) => accuracy(m.model(), x, y, *len),
+            (PsJobModel::Transformer(m), EvalData::Text { inputs, targets }) => {
+                let n = inputs.dim(0)?;
+                let mut sum = 0f64;
+                for start in (0..n).step_by(EVAL_WINDOWS) {
+                    let len = EVAL_WINDOWS.min(n - start);
+                    let loss = m.model().loss(&inputs.narrow(0, start, len)?, &targets.narrow(0, start, len)?)?;
+                    sum += f64::from(loss.to_scalar::<f32>()?) * len as f64;
+                }
+                Ok(MetricValue { name: "loss".into(), value: sum / n.max(1) as f64 })
+            }
+            _ => Err(Error::Usage("the evaluation data does not fit the model".into())),
+        }
+    }
+}
+
+fn accuracy<M: Classifier>(model: &M, x: &Tensor, y: &Tensor, len: usize) -> Result<MetricValue> {
+    let correct = model.correct(x, y)?;
+    Ok(MetricValue { name: "accuracy".into(), value: correct as f64 / len.max(1) as f64 })
 }
 
 /// What the coordinator saw besides the training figures.
@@ -287,10 +649,12 @@ pub struct CoordinatorStats {
 }
 
 /// The coordinator's side: schedules every step of every epoch on the workers, evaluates the
-/// pulled parameters after each epoch, and reports as [`crate::trainer::Trainer::fit`] does.
+/// pulled parameters after each epoch (test accuracy for the digits models, validation loss in
+/// nats per character for the transformer), and reports as [`crate::trainer::Trainer::fit`]
+/// does.
 pub fn train_coordinator(
     strategy: &ParameterServerStrategy,
-    model: &PsModel<Mlp>,
+    model: &PsJobModel,
     config: &PsTrainConfig,
 ) -> Result<(FitReport, CoordinatorStats)> {
     let started = Instant::now();
@@ -298,19 +662,27 @@ pub fn train_coordinator(
     if config.epochs == 0 {
         return Err(Error::Usage("0 epochs train nothing: train for 1 epoch or more".into()));
     }
-    if config.batch_size == 0 {
-        return Err(Error::Usage("a batch of 0 examples: a step needs at least 1".into()));
-    }
-    let all = digits::load(config.spec.data.as_deref())?;
-    let (train, test) = digits::train_test_split(&all, 0.2, 0);
+    config.spec.validate_batch(config.batch_size)?;
+    let transformer = config.spec.model == PsModelKind::Transformer;
+    let (steps_per_epoch, eval_data) = if transformer {
+        let steps = config.steps_per_epoch.filter(|&n| n > 0).ok_or_else(|| {
+            Error::Usage("the transformer's epoch needs a number of steps (--steps 1 or more)".into())
+        })?;
+        let corpus = shakespeare::load()?;
+        let (inputs, targets) = corpus.validation_windows(config.spec.shape()?.context)?;
+        (steps, EvalData::Text { inputs, targets })
+    } else {
+        let all = digits::load(config.spec.data.as_deref())?;
+        let (train, test) = digits::train_test_split(&all, 0.2, 0);
+        let (x, y) = (test.features_tensor(&Device::Cpu)?, test.labels_tensor(&Device::Cpu)?);
+        (train.len().div_ceil(config.batch_size), EvalData::Digits { x, y, len: test.len() })
+    };
     let coordinator = strategy.coordinator()?;
-    let steps_per_epoch = train.len().div_ceil(config.batch_size);
     let progress: &dyn Progress = config.progress.as_deref().unwrap_or(&crate::trainer::Silent);
     progress.begin((steps_per_epoch * config.epochs) as u64);
-    let (x_test, y_test) = (test.features_tensor(&Device::Cpu)?, test.labels_tensor(&Device::Cpu)?);
     let mut epochs = Vec::with_capacity(config.epochs);
     let (mut steps, mut steady_examples, mut steady_time) = (0usize, 0usize, Duration::ZERO);
-    let mut final_accuracy = 0.0;
+    let mut final_metric: Option<MetricValue> = None;
     let mut dropped = 0u64;
     let started_unix = unix_now() - started.elapsed().as_secs_f64();
     let (mut recorded_steps, mut recorded_examples, mut updates) = (0u64, 0u64, 0u64);
@@ -376,27 +748,38 @@ pub fn train_coordinator(
             steady_time += step_time;
         }
         model.pull()?;
-        let correct = model.model().correct(&x_test, &y_test)?;
-        final_accuracy = correct as f32 / test.len().max(1) as f32;
+        let metric = model.evaluate(&eval_data)?;
+        let test_accuracy = if transformer { 0.0 } else { metric.value as f32 };
         if let Some(m) = &config.metrics {
             let wall = unix_now() - started_unix;
-            m.write(&crate::metrics::MetricRecord::eval(
-                recorded_steps,
-                updates,
-                wall,
-                recorded_examples,
-                final_accuracy,
-            ))?;
+            let record = if transformer {
+                crate::metrics::MetricRecord::eval_loss(
+                    recorded_steps,
+                    updates,
+                    wall,
+                    recorded_examples,
+                    metric.value as f32,
+                )
+            } else {
+                crate::metrics::MetricRecord::eval(recorded_steps, updates, wall, recorded_examples, test_accuracy)
+            };
+            m.write(&record)?;
         }
         let train_loss = (loss / examples.max(1) as f64) as f32;
-        progress.epoch(epoch, &format!("loss {train_loss:.4} accuracy {:.2}%", final_accuracy * 100.0));
+        let line = if transformer {
+            format!("loss {train_loss:.4} validation loss {:.4}", metric.value)
+        } else {
+            format!("loss {train_loss:.4} accuracy {:.2}%", metric.value * 100.0)
+        };
+        progress.epoch(epoch, &line);
         epochs.push(EpochReport {
             epoch,
             train_loss,
-            test_accuracy: final_accuracy,
+            test_accuracy,
             step_seconds: step_time.as_secs_f64(),
-            test_metrics: vec![crate::trainer::MetricValue { name: "accuracy".into(), value: final_accuracy as f64 }],
+            test_metrics: vec![metric.clone()],
         });
+        final_metric = Some(metric);
     }
     progress.end();
     tracing::info!(
@@ -413,8 +796,8 @@ pub fn train_coordinator(
     coordinator.shutdown();
     let report = FitReport {
         epochs,
-        final_test_accuracy: final_accuracy,
-        final_metrics: vec![crate::trainer::MetricValue { name: "accuracy".into(), value: final_accuracy as f64 }],
+        final_test_accuracy: final_metric.as_ref().filter(|_| !transformer).map_or(0.0, |m| m.value as f32),
+        final_metrics: final_metric.into_iter().collect(),
         examples_per_second: steady_examples as f64 / steady_time.as_secs_f64().max(1e-9),
         steps,
         resumed_from_step: 0,
@@ -423,4 +806,57 @@ pub fn train_coordinator(
         stopped: None,
     };
     Ok((report, stats))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_mlp_spec_keeps_its_json_and_other_models_are_checked_before_building() {
+        // The digits MLP's JSON as it always was: `model` defaults to mlp.
+        let old: PsJobSpec = serde_json::from_str(r#"{"hidden":[16],"replicas":1,"seed":0,"data":null}"#).unwrap();
+        assert_eq!(old, PsJobSpec::mlp(vec![16], 1, 0, None));
+        old.validate().unwrap();
+        let t = PsJobSpec::transformer(TransformerConfig::default(), 2, 3);
+        let back: PsJobSpec = serde_json::from_str(&serde_json::to_string(&t).unwrap()).unwrap();
+        assert_eq!(back, t);
+        t.validate().unwrap();
+        PsJobSpec::cnn(1, 0, None).validate().unwrap();
+        let err = |s: &PsJobSpec| s.validate().unwrap_err().to_string();
+        let e = err(&PsJobSpec { hidden: vec![8], ..PsJobSpec::cnn(1, 0, None) });
+        assert!(e.contains("hidden layer sizes apply to the mlp, not the cnn"), "{e}");
+        let bad = |f: &dyn Fn(&mut TransformerShape)| {
+            let mut s = t.clone();
+            f(s.transformer.as_mut().unwrap());
+            err(&s)
+        };
+        assert!(bad(&|s| s.heads = 3).contains("does not split into 3 heads"));
+        assert!(bad(&|s| s.width = 1 << 20).contains("the limit"));
+        assert!(bad(&|s| s.vocab = 66).contains("use a vocabulary of 65"));
+        assert!(bad(&|s| s.layers = 0).contains("at least 1"));
+        let e = err(&PsJobSpec { transformer: None, ..t.clone() });
+        assert!(e.contains("without its shape"), "{e}");
+        let e = err(&PsJobSpec { data: Some("x.csv".into()), ..t.clone() });
+        assert!(e.contains("text is built in"), "{e}");
+        let e = err(&PsJobSpec { replicas: 0, ..t.clone() });
+        assert!(e.contains("replicas per worker"), "{e}");
+        assert!(t.validate_batch(0).is_err());
+        t.validate_batch(32).unwrap();
+        let e = t.validate_batch(1 << 20).unwrap_err().to_string();
+        assert!(e.contains("characters per step"), "{e}");
+        for e in [err(&PsJobSpec { replicas: 0, ..t.clone() }), bad(&|s| s.heads = 3)] {
+            assert_eq!(e.lines().count(), 1, "{e}");
+        }
+    }
+
+    #[test]
+    fn window_seeds_differ_per_step_and_are_deterministic() {
+        let seeds: std::collections::HashSet<u64> =
+            (0..4).flat_map(|e| (0..100).map(move |b| window_seed(0, e, b))).collect();
+        assert_eq!(seeds.len(), 400);
+        assert_eq!(window_seed(7, 1, 2), window_seed(7, 1, 2));
+        assert_ne!(window_seed(7, 1, 2), window_seed(8, 1, 2));
+        assert_ne!(window_seed(0, 1, 2), window_seed(0, 2, 1));
+    }
 }

@@ -558,13 +558,14 @@ impl Trainer {
             let acc = accuracy_of(&test_metrics);
             if let Some(m) = &metrics {
                 let g = global_step as u64;
-                m.write(&crate::metrics::MetricRecord::eval(
-                    g,
-                    g,
-                    start.elapsed().as_secs_f64(),
-                    all_examples as u64,
-                    acc,
-                ))?;
+                let mut record =
+                    crate::metrics::MetricRecord::eval(g, g, start.elapsed().as_secs_f64(), all_examples as u64, acc);
+                // A task without accuracy (the transformer's) records its loss instead.
+                if !test_metrics.iter().any(|m| m.name == "accuracy") {
+                    record.accuracy = None;
+                    record.validation_loss = test_metrics.iter().find(|m| m.name == "loss").map(|m| m.value as f32);
+                }
+                m.write(&record)?;
             }
             let train_loss = loss_sum / loss_n.max(1) as f32;
             tracing::info!(epoch, train_loss, test_accuracy = acc, "epoch done");

@@ -176,6 +176,8 @@ pub struct PsWorkerModel<M> {
     slot: Arc<PushSlot>,
     /// Whether the frozen variables were pulled (once per worker process).
     frozen_pulled: AtomicBool,
+    /// The global norm each pushed gradient is clipped to, if any.
+    clip_global_norm: Option<f64>,
 }
 
 impl<M> std::fmt::Debug for PsWorkerModel<M> {
@@ -204,11 +206,15 @@ impl<M> PsWorkerModel<M> {
         };
         let model = strategy.scope(build)?;
         let slot = Arc::new(PushSlot::default());
-        let optimizer = Self::push_optimizer(&model, &slot)?;
-        Ok(Self { strategy, model, optimizer, slot, frozen_pulled: AtomicBool::new(false) })
+        let optimizer = Self::push_optimizer(&model, &slot, None)?;
+        Ok(Self { strategy, model, optimizer, slot, frozen_pulled: AtomicBool::new(false), clip_global_norm: None })
     }
 
-    fn push_optimizer(model: &Replicated<M>, slot: &Arc<PushSlot>) -> Result<DistributedOptimizer<PushToPs>> {
+    fn push_optimizer(
+        model: &Replicated<M>,
+        slot: &Arc<PushSlot>,
+        clip: Option<f64>,
+    ) -> Result<DistributedOptimizer<PushToPs>> {
         let state = (0..model.kinds().len())
             .filter(|&i| model.kinds()[i] == VariableKind::State)
             .map(|i| {
@@ -218,14 +224,26 @@ impl<M> PsWorkerModel<M> {
             .collect();
         let config =
             PushConfig { names: Arc::new(model.variables(0).to_vec()), state: Arc::new(state), slot: slot.clone() };
-        model.optimizer::<PushToPs>(config)
+        let optimizer = model.optimizer::<PushToPs>(config)?;
+        Ok(match clip {
+            Some(norm) => optimizer.with_clip_global_norm(norm)?,
+            None => optimizer,
+        })
+    }
+
+    /// Clips every pushed gradient (the worker's, reduced over its replicas) to a global norm
+    /// of `max_norm` before it is pushed ([`DistributedOptimizer::with_clip_global_norm`]).
+    pub fn clip_global_norm(&mut self, max_norm: f64) -> Result<()> {
+        self.optimizer = Self::push_optimizer(&self.model, &self.slot, Some(max_norm))?;
+        self.clip_global_norm = Some(max_norm);
+        Ok(())
     }
 
     /// Freezes the variables whose names match `patterns` (see [`Replicated::freeze`]): they
     /// are pulled once and never pushed.
     pub fn freeze(&mut self, patterns: &[&str]) -> Result<()> {
         self.model.freeze(patterns)?;
-        self.optimizer = Self::push_optimizer(&self.model, &self.slot)?;
+        self.optimizer = Self::push_optimizer(&self.model, &self.slot, self.clip_global_norm)?;
         Ok(())
     }
 
