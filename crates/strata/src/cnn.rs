@@ -1,16 +1,23 @@
-//! A small convolutional network on the digits as 1x8x8 images: plain candle-nn code, unchanged
-//! under every strategy (`strategy.scope(|s| Cnn::new(s.var_builder()))`).
+//! A small convolutional network on the digits as 1x8x8 images: candle-nn layers, unchanged
+//! under every strategy (`strategy.scope(|s| Cnn::new(s.var_builder()))`), computed with the
+//! fused convolution and pooling of [`crate::fused`] (candle's own on other devices).
 
 use candle_core::Tensor;
-use candle_nn::{Conv2d, Conv2dConfig, Module, VarBuilder};
+use candle_nn::{Conv2d, Conv2dConfig, VarBuilder};
 
+use crate::fused::{conv2d, relu_max_pool2d};
 use crate::model::{Classifier, Dense};
+
+/// candle-nn's layer computed by [`crate::fused::conv2d`].
+fn conv(layer: &Conv2d, x: &Tensor) -> candle_core::Result<Tensor> {
+    conv2d(x, layer.weight(), layer.bias(), layer.config())
+}
 
 /// The digits' image side (8x8 pixels).
 pub const SIDE: usize = 8;
 
 /// conv2d(1 -> 16, 3x3, padding 1), relu, max-pool 2, conv2d(16 -> 32, 3x3, padding 1), relu,
-/// max-pool 2, flatten (32 x 2 x 2 = 128), dense 128 -> 64, relu, dense 64 -> 10.
+/// max-pool 2 (each pooling window's gradient to its largest element: see [`crate::fused`]), flatten (32 x 2 x 2 = 128), dense 128 -> 64, relu, dense 64 -> 10.
 ///
 /// It takes the digits' feature rows `(N, 64)` (row-major 8x8 images, as [`crate::digits`]
 /// loads them) or images `(N, 1, 8, 8)`. Variables: `conv1.{weight,bias}`,
@@ -45,8 +52,8 @@ impl Classifier for Cnn {
     fn logits(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let n = x.dim(0)?;
         let x = x.reshape((n, 1, SIDE, SIDE))?;
-        let h = self.conv1.forward(&x)?.relu()?.max_pool2d(2)?;
-        let h = self.conv2.forward(&h)?.relu()?.max_pool2d(2)?.flatten_from(1)?;
+        let h = relu_max_pool2d(&conv(&self.conv1, &x)?, 2)?;
+        let h = relu_max_pool2d(&conv(&self.conv2, &h)?, 2)?.flatten_from(1)?;
         self.fc2.forward(&self.fc1.forward(&h)?.relu()?)
     }
 }

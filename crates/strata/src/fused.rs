@@ -15,6 +15,9 @@
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
 
+mod conv;
+pub use conv::{conv2d, max_pool2d, relu_max_pool2d};
+
 /// Whether the fused kernels apply to `x`: an f32 tensor on the CPU.
 fn fusable(x: &Tensor) -> bool {
     x.device().is_cpu() && x.dtype() == DType::F32
