@@ -16,7 +16,7 @@
 //! the maximum (a quarter for a unique maximum in a 2x2 window), so its gradients below a pooling
 //! layer are 1/k^2 of the true ones; a test here pins that down.
 
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Device, Layout, Result, Shape, Storage, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp3, Device, Layout, Result, Shape, Storage, Tensor};
 use candle_nn::Conv2dConfig;
 
 use super::{f32s, fusable};
@@ -164,6 +164,8 @@ fn with_f32s<R>(t: &Tensor, op: &str, f: impl FnOnce(&[f32]) -> R) -> Result<R> 
 
 struct Conv2d {
     cfg: Conv2dConfig,
+    /// The forward pass's im2col columns, which the backward pass needs again (taken there).
+    col: std::sync::Mutex<Option<Tensor>>,
 }
 
 impl Conv2d {
@@ -197,6 +199,7 @@ impl CustomOp3 for Conv2d {
         let w = Tensor::from_slice(w, (o, k), &cpu)?;
         // filters x (image, position): the weight (o, k) times the columns (k, n*p).
         let planes = w.matmul(&col)?;
+        *self.col.lock().unwrap_or_else(|e| e.into_inner()) = Some(col);
         // NCHW with the bias: out[img][f] = planes[f][img] + b[f].
         let out = with_f32s(&planes, self.name(), |planes| {
             let mut out = Vec::with_capacity(g.n * o * p);
@@ -236,7 +239,11 @@ impl CustomOp3 for Conv2d {
         })?;
         let dev = x.device();
         let planes = Tensor::from_vec(planes, (o, g.n * p), dev)?;
-        let col = Tensor::from_vec(with_f32s(&x, name, |x| g.im2col(x))?, (k, g.n * p), dev)?;
+        let saved = self.col.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let col = match saved {
+            Some(col) if col.dims() == [k, g.n * p] => col,
+            _ => Tensor::from_vec(with_f32s(&x, name, |x| g.im2col(x))?, (k, g.n * p), dev)?,
+        };
         // dW (o, k) = planes (o, n*p) * col^T (n*p, k).
         let dw = planes.matmul(&col.t()?)?.reshape(w.shape())?;
         // dcol (k, n*p) = W^T (k, o) * planes (o, n*p); dx = col2im(dcol). Skipped for an input
@@ -282,7 +289,7 @@ pub fn conv2d(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, cfg: &Conv2dCo
                 &zeros
             }
         };
-        return x.contiguous()?.apply_op3(&weight.contiguous()?, &bias.contiguous()?, Conv2d { cfg: *cfg });
+        return x.contiguous()?.apply_op3(&weight.contiguous()?, &bias.contiguous()?, Conv2d { cfg: *cfg, col: Default::default() });
     }
     let y = x.conv2d(weight, cfg.padding, cfg.stride, cfg.dilation, cfg.groups)?;
     match bias {
@@ -354,34 +361,42 @@ impl CustomOp1 for MaxPool {
         Ok((CpuStorage::F32(out), shape))
     }
 
-    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+    fn bwd(&self, arg: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         let op = MaxPoolGrad { k: self.k, relu: self.relu };
-        Ok(Some(arg.contiguous()?.apply_op2_no_bwd(&grad.contiguous()?, &op)?))
+        Ok(Some(arg.contiguous()?.apply_op3_no_bwd(&res.contiguous()?, &grad.contiguous()?, &op)?))
     }
 }
 
-/// `(x, dy) -> dx` of [`MaxPool`]: each window's gradient to its first largest element (with
+/// `(x, y, dy) -> dx` of [`MaxPool`]: each window's gradient to its first largest element (with
 /// ReLU, only where that element is above 0).
 struct MaxPoolGrad {
     k: usize,
     relu: bool,
 }
 
-impl CustomOp2 for MaxPoolGrad {
+impl CustomOp3 for MaxPoolGrad {
     fn name(&self) -> &'static str {
         "strata-max-pool2d-grad"
     }
 
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
-        let (x, dy) = (f32s(s1, l1, self.name())?, f32s(s2, l2, self.name())?);
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (x, y, dy) = (f32s(s1, l1, self.name())?, f32s(s2, l2, self.name())?, f32s(s3, l3, self.name())?);
         let pool = MaxPool { k: self.k, relu: self.relu };
         let (n, c, h, w) = l1.shape().dims4()?;
         let want = Shape::from((n, c, h / self.k.max(1), w / self.k.max(1)));
-        if want != *l2.shape() {
-            candle_core::bail!("strata max_pool2d: gradient shape {:?}, output {:?}", l2.shape(), want);
+        if want != *l3.shape() || want != *l2.shape() {
+            candle_core::bail!("strata max_pool2d: gradient shape {:?}, output {:?}", l3.shape(), want);
         }
         if self.k == 2 {
-            return Ok((CpuStorage::F32(pool2_bwd(x, dy, l1.shape(), self.relu)?), l1.shape().clone()));
+            return Ok((CpuStorage::F32(pool2_bwd(x, y, dy, l1.shape(), self.relu)?), l1.shape().clone()));
         }
         let mut dx = vec![0f32; x.len()];
         pool.windows(x, l1.shape(), |o, i| {
@@ -393,8 +408,19 @@ impl CustomOp2 for MaxPoolGrad {
     }
 }
 
-/// The 2x2 windows' maxima (with `relu`, of `max(x, 0)`): the common case, without the general
-/// loop's per-element branches so that it vectorizes.
+/// `a` or `b`, the larger (one `maxps`; NaN handling is not needed where this is used).
+#[inline(always)]
+fn larger(a: f32, b: f32) -> f32 {
+    if a > b {
+        a
+    } else {
+        b
+    }
+}
+
+/// The 2x2 windows' maxima (with `relu`, of `max(x, 0)`): the common case, plain indexed loops
+/// over a pair of rows that the compiler vectorizes (stride-2 loads), without the general loop's
+/// per-element branches.
 fn pool2_fwd(x: &[f32], shape: &Shape, relu: bool) -> Result<(Vec<f32>, Shape)> {
     let (n, c, h, w) = shape.dims4()?;
     if h < 2 || w < 2 {
@@ -402,45 +428,50 @@ fn pool2_fwd(x: &[f32], shape: &Shape, relu: bool) -> Result<(Vec<f32>, Shape)> 
     }
     let (oh, ow) = (h / 2, w / 2);
     let floor = if relu { 0.0 } else { f32::NEG_INFINITY };
-    let mut out = Vec::with_capacity(n * c * oh * ow);
-    for plane in x.chunks_exact(h * w) {
-        for oy in 0..oh {
+    let mut out = vec![0f32; n * c * oh * ow];
+    for (plane, oplane) in x.chunks_exact(h * w).zip(out.chunks_exact_mut(oh * ow)) {
+        for (oy, orow) in oplane.chunks_exact_mut(ow).enumerate() {
             let (r0, r1) = (&plane[2 * oy * w..][..2 * ow], &plane[(2 * oy + 1) * w..][..2 * ow]);
-            out.extend(
-                r0.chunks_exact(2).zip(r1.chunks_exact(2)).map(|(a, b)| a[0].max(a[1]).max(b[0].max(b[1])).max(floor)),
-            );
+            for j in 0..ow {
+                let top = larger(r0[2 * j], r0[2 * j + 1]);
+                let bottom = larger(r1[2 * j], r1[2 * j + 1]);
+                orow[j] = larger(larger(top, bottom), floor);
+            }
         }
     }
     Ok((out, Shape::from((n, c, oh, ow))))
 }
 
-/// The gradient of [`pool2_fwd`]: each window's to its first largest element (with `relu`, only
-/// where that is above 0), every element of the window written, so no branch on the data.
-fn pool2_bwd(x: &[f32], dy: &[f32], shape: &Shape, relu: bool) -> Result<Vec<f32>> {
+/// The gradient of [`pool2_fwd`] given its output `y`: each window's to its first element equal
+/// to the maximum (with `relu`, only where the maximum is above 0), every element of the window
+/// written, so the loop has no branch on the data.
+fn pool2_bwd(x: &[f32], y: &[f32], dy: &[f32], shape: &Shape, relu: bool) -> Result<Vec<f32>> {
     let (n, c, h, w) = shape.dims4()?;
     let (oh, ow) = (h / 2, w / 2);
-    if dy.len() != n * c * oh * ow {
+    if dy.len() != n * c * oh * ow || y.len() != dy.len() {
         candle_core::bail!("strata max_pool2d: {} gradient elements for {} windows", dy.len(), n * c * oh * ow);
     }
     let mut dx = vec![0f32; x.len()];
-    for ((plane, dplane), gplane) in x.chunks_exact(h * w).zip(dx.chunks_exact_mut(h * w)).zip(dy.chunks_exact(oh * ow))
-    {
-        for (oy, grow) in gplane.chunks_exact(ow).enumerate() {
+    let planes = x.chunks_exact(h * w).zip(dx.chunks_exact_mut(h * w));
+    for ((plane, dplane), (yplane, gplane)) in planes.zip(y.chunks_exact(oh * ow).zip(dy.chunks_exact(oh * ow))) {
+        for oy in 0..oh {
             let (r0, r1) = (&plane[2 * oy * w..][..2 * ow], &plane[(2 * oy + 1) * w..][..2 * ow]);
             let (top, bottom) = dplane[2 * oy * w..(2 * oy + 2) * w].split_at_mut(w);
-            let windows = r0.chunks_exact(2).zip(r1.chunks_exact(2));
-            let outs = top.chunks_exact_mut(2).zip(bottom.chunks_exact_mut(2));
-            for (((a, b), (da, db)), &g) in windows.zip(outs).zip(grow) {
-                let m = a[0].max(a[1]).max(b[0].max(b[1]));
-                let g = if relu && !(m > 0.0) { 0.0 } else { g };
-                let e0 = a[0] == m;
-                let e1 = !e0 && a[1] == m;
-                let e2 = !e0 && !e1 && b[0] == m;
+            let (top, bottom) = (&mut top[..2 * ow], &mut bottom[..2 * ow]);
+            let (yrow, grow) = (&yplane[oy * ow..][..ow], &gplane[oy * ow..][..ow]);
+            for j in 0..ow {
+                let m = yrow[j];
+                // With relu, y = max(m, 0): a window with y = 0 had its maximum at or below 0.
+                let g = if relu && m <= 0.0 { 0.0 } else { grow[j] };
+                let (a0, a1, b0) = (r0[2 * j], r0[2 * j + 1], r1[2 * j]);
+                let e0 = a0 == m;
+                let e1 = !e0 && a1 == m;
+                let e2 = !e0 && !e1 && b0 == m;
                 let e3 = !(e0 || e1 || e2);
-                da[0] = if e0 { g } else { 0.0 };
-                da[1] = if e1 { g } else { 0.0 };
-                db[0] = if e2 { g } else { 0.0 };
-                db[1] = if e3 { g } else { 0.0 };
+                top[2 * j] = if e0 { g } else { 0.0 };
+                top[2 * j + 1] = if e1 { g } else { 0.0 };
+                bottom[2 * j] = if e2 { g } else { 0.0 };
+                bottom[2 * j + 1] = if e3 { g } else { 0.0 };
             }
         }
     }
@@ -640,7 +671,7 @@ mod tests {
                 let out_shape =
                     pool.windows(&x, &shape, |_, i| general.push(if relu { x[i].max(0.0) } else { x[i] })).unwrap();
                 let (fast, fast_shape) = pool2_fwd(&x, &shape, relu).unwrap();
-                assert_eq!((general, out_shape), (fast, fast_shape.clone()));
+                assert_eq!((&general, &out_shape), (&fast, &fast_shape));
                 let dy: Vec<f32> = (0..fast_shape.elem_count()).map(|i| i as f32 + 1.0).collect();
                 let mut dx = vec![0f32; x.len()];
                 pool.windows(&x, &shape, |o, i| {
@@ -649,7 +680,7 @@ mod tests {
                     }
                 })
                 .unwrap();
-                assert_eq!(dx, pool2_bwd(&x, &dy, &shape, relu).unwrap(), "relu {relu}");
+                assert_eq!(dx, pool2_bwd(&x, &fast, &dy, &shape, relu).unwrap(), "relu {relu}");
             }
         }
     }
