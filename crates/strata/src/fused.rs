@@ -1,5 +1,7 @@
 //! Fused CPU kernels, with their backward passes, for the element-wise work of a transformer
-//! step: GELU, the causal softmax of attention and layer norm.
+//! step: GELU, the causal softmax of attention and layer norm; and (module `conv`) a
+//! convolutional network's convolution and pooling: [`conv2d`], [`max_pool2d`],
+//! [`relu_max_pool2d`].
 //!
 //! Written with candle's basic operations, each of these is a chain of element-wise passes,
 //! every pass allocating a tensor, and their backward passes are chains again (candle's GELU

@@ -11,8 +11,11 @@
 //! output's gradient; pooling is one pass each way.
 //!
 //! Gradients: the convolution's are the exact ones (tested against candle's composed operations
-//! within 1e-5). Max pooling sends a window's gradient to its first largest element, as PyTorch
-//! does. candle 0.11's `max_pool2d` backward scales it by the fraction of the window that holds
+//! within 1e-5). Max pooling splits a window's gradient evenly among its largest elements (one,
+//! almost always; PyTorch and TensorFlow pick the first). Ties are not rare: a convolution over
+//! the digits' blank background gives equal values across whole windows, and the even split is
+//! what a composed fallback on other devices can compute, so a GPU step equals the CPU's.
+//! candle 0.11's `max_pool2d` backward scales it by the fraction of the window that holds
 //! the maximum (a quarter for a unique maximum in a 2x2 window), so its gradients below a pooling
 //! layer are 1/k^2 of the true ones; a test here pins that down.
 
@@ -289,7 +292,11 @@ pub fn conv2d(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, cfg: &Conv2dCo
                 &zeros
             }
         };
-        return x.contiguous()?.apply_op3(&weight.contiguous()?, &bias.contiguous()?, Conv2d { cfg: *cfg, col: Default::default() });
+        return x.contiguous()?.apply_op3(
+            &weight.contiguous()?,
+            &bias.contiguous()?,
+            Conv2d { cfg: *cfg, col: Default::default() },
+        );
     }
     let y = x.conv2d(weight, cfg.padding, cfg.stride, cfg.dilation, cfg.groups)?;
     match bias {
@@ -306,9 +313,9 @@ struct MaxPool {
 }
 
 impl MaxPool {
-    /// Calls `f(output index, input index of the window's first largest element)` for every
-    /// window, in output order; returns the output's shape.
-    fn windows(&self, x: &[f32], shape: &Shape, mut f: impl FnMut(usize, usize)) -> Result<Shape> {
+    /// Calls `f(output index, input index of the window's top-left element, input index of its
+    /// first largest element)` for every window, in output order; returns the output's shape.
+    fn windows(&self, x: &[f32], shape: &Shape, mut f: impl FnMut(usize, usize, usize)) -> Result<Shape> {
         let (n, c, h, w) = shape.dims4()?;
         let k = self.k;
         if k == 0 || h < k || w < k {
@@ -331,13 +338,43 @@ impl MaxPool {
                             }
                         }
                     }
-                    f(out, pi * h * w + oy * k * w + at);
+                    let corner = pi * h * w + oy * k * w;
+                    f(out, corner + ox * k, corner + at);
                     out += 1;
                 }
             }
         }
         debug_assert_eq!(out, n * c * oh * ow);
         Ok(Shape::from((n, c, oh, ow)))
+    }
+
+    /// The input's gradient (any `k`): each window's gradient split evenly among its elements
+    /// equal to its maximum (of `max(x, 0)` with ReLU, then passed where `x >= 0`).
+    fn grad(&self, x: &[f32], dy: &[f32], shape: &Shape) -> Result<Vec<f32>> {
+        let (_, _, _, w) = shape.dims4()?;
+        let k = self.k;
+        let r = |v: f32| if self.relu { v.max(0.0) } else { v };
+        let mut dx = vec![0f32; x.len()];
+        let mut at = Vec::with_capacity(k * k);
+        self.windows(x, shape, |o, corner, first| {
+            let m = r(x[first]);
+            at.clear();
+            for dy_ in 0..k {
+                for dx_ in 0..k {
+                    let i = corner + dy_ * w + dx_;
+                    if r(x[i]) == m {
+                        at.push(i);
+                    }
+                }
+            }
+            let g = dy[o] / at.len().max(1) as f32;
+            for &i in &at {
+                if !self.relu || x[i] >= 0.0 {
+                    dx[i] = g;
+                }
+            }
+        })?;
+        Ok(dx)
     }
 }
 
@@ -357,7 +394,7 @@ impl CustomOp1 for MaxPool {
             return pool2_fwd(x, l.shape(), relu).map(|(out, shape)| (CpuStorage::F32(out), shape));
         }
         let mut out = Vec::with_capacity(x.len() / (self.k * self.k).max(1));
-        let shape = self.windows(x, l.shape(), |_, i| out.push(if relu { x[i].max(0.0) } else { x[i] }))?;
+        let shape = self.windows(x, l.shape(), |_, _, i| out.push(if relu { x[i].max(0.0) } else { x[i] }))?;
         Ok((CpuStorage::F32(out), shape))
     }
 
@@ -367,8 +404,8 @@ impl CustomOp1 for MaxPool {
     }
 }
 
-/// `(x, y, dy) -> dx` of [`MaxPool`]: each window's gradient to its first largest element (with
-/// ReLU, only where that element is above 0).
+/// `(x, y, dy) -> dx` of [`MaxPool`]: each window's gradient split evenly among its largest
+/// elements (with ReLU, of `max(x, 0)`, then passed where `x >= 0`).
 struct MaxPoolGrad {
     k: usize,
     relu: bool,
@@ -398,13 +435,7 @@ impl CustomOp3 for MaxPoolGrad {
         if self.k == 2 {
             return Ok((CpuStorage::F32(pool2_bwd(x, y, dy, l1.shape(), self.relu)?), l1.shape().clone()));
         }
-        let mut dx = vec![0f32; x.len()];
-        pool.windows(x, l1.shape(), |o, i| {
-            if !self.relu || x[i] > 0.0 {
-                dx[i] = dy[o];
-            }
-        })?;
-        Ok((CpuStorage::F32(dx), l1.shape().clone()))
+        Ok((CpuStorage::F32(pool.grad(x, dy, l1.shape())?), l1.shape().clone()))
     }
 }
 
@@ -442,15 +473,18 @@ fn pool2_fwd(x: &[f32], shape: &Shape, relu: bool) -> Result<(Vec<f32>, Shape)> 
     Ok((out, Shape::from((n, c, oh, ow))))
 }
 
-/// The gradient of [`pool2_fwd`] given its output `y`: each window's to its first element equal
-/// to the maximum (with `relu`, only where the maximum is above 0), every element of the window
-/// written, so the loop has no branch on the data.
+/// The gradient of [`pool2_fwd`] given its output `y`: each window's split evenly among the
+/// window's elements equal to the maximum (of `max(x, 0)` with `relu`, then passed where
+/// `x >= 0`), every element of the window written, so the loop has no branch on the data.
 fn pool2_bwd(x: &[f32], y: &[f32], dy: &[f32], shape: &Shape, relu: bool) -> Result<Vec<f32>> {
     let (n, c, h, w) = shape.dims4()?;
     let (oh, ow) = (h / 2, w / 2);
     if dy.len() != n * c * oh * ow || y.len() != dy.len() {
         candle_core::bail!("strata max_pool2d: {} gradient elements for {} windows", dy.len(), n * c * oh * ow);
     }
+    let floor = if relu { 0.0 } else { f32::NEG_INFINITY };
+    // The gradient an element gets: its share where it is a maximum, ReLU's mask on top.
+    let share = |v: f32, m: f32, g: f32| if larger(v, floor) == m && (!relu || v >= 0.0) { g } else { 0.0 };
     let mut dx = vec![0f32; x.len()];
     let planes = x.chunks_exact(h * w).zip(dx.chunks_exact_mut(h * w));
     for ((plane, dplane), (yplane, gplane)) in planes.zip(y.chunks_exact(oh * ow).zip(dy.chunks_exact(oh * ow))) {
@@ -461,37 +495,38 @@ fn pool2_bwd(x: &[f32], y: &[f32], dy: &[f32], shape: &Shape, relu: bool) -> Res
             let (yrow, grow) = (&yplane[oy * ow..][..ow], &gplane[oy * ow..][..ow]);
             for j in 0..ow {
                 let m = yrow[j];
-                // With relu, y = max(m, 0): a window with y = 0 had its maximum at or below 0.
-                let g = if relu && m <= 0.0 { 0.0 } else { grow[j] };
-                let (a0, a1, b0) = (r0[2 * j], r0[2 * j + 1], r1[2 * j]);
-                let e0 = a0 == m;
-                let e1 = !e0 && a1 == m;
-                let e2 = !e0 && !e1 && b0 == m;
-                let e3 = !(e0 || e1 || e2);
-                top[2 * j] = if e0 { g } else { 0.0 };
-                top[2 * j + 1] = if e1 { g } else { 0.0 };
-                bottom[2 * j] = if e2 { g } else { 0.0 };
-                bottom[2 * j + 1] = if e3 { g } else { 0.0 };
+                let (a0, a1, b0, b1) = (r0[2 * j], r0[2 * j + 1], r1[2 * j], r1[2 * j + 1]);
+                let at = |v: f32| u8::from(larger(v, floor) == m);
+                let ties = at(a0) + at(a1) + at(b0) + at(b1);
+                let g = if ties == 0 { 0.0 } else { grow[j] / f32::from(ties) };
+                top[2 * j] = share(a0, m, g);
+                top[2 * j + 1] = share(a1, m, g);
+                bottom[2 * j] = share(b0, m, g);
+                bottom[2 * j + 1] = share(b1, m, g);
             }
         }
     }
     Ok(dx)
 }
 
-/// candle's `max_pool2d` with its gradient scaled by `k^2`: candle's backward gives each of a
-/// window's `m` largest elements `m / k^2` of the window's gradient, so this is the true gradient
-/// wherever a window's maximum is unique (ties, which the fused kernel sends to the first
-/// largest element, get `m` times it here). The forward value is candle's, bit for bit.
+/// candle's `max_pool2d`, its gradient made the fused kernel's: candle's backward gives each of a
+/// window's `m` largest elements `m / k^2` of the window's gradient (`avg` below, computed as
+/// candle computes it), so the window's gradient is first scaled by `1 / (avg^2 k^2)`, which
+/// leaves each of them `1 / m` of it. The forward value is candle's, bit for bit. Exact where
+/// `k` divides the input's height and width (candle's backward upsamples to the input's size).
 fn candle_max_pool2d(x: &Tensor, k: usize) -> Result<Tensor> {
+    let (_, _, h, w) = x.dims4()?;
     let y = x.max_pool2d(k)?;
     let value = y.detach();
-    &value + ((y - &value)? * (k * k) as f64)?
+    let at_max = x.detach().eq(&value.upsample_nearest2d(h, w)?)?.to_dtype(x.dtype())?;
+    let avg = at_max.avg_pool2d_with_stride(k, k)?;
+    let scale = (avg.sqr()? * (k * k) as f64)?.recip()?;
+    &value + ((y - &value)? * scale)?
 }
 
 /// Max pooling of `x` `(N, C, H, W)` over `k x k` windows with stride `k`, one pass each way on
-/// f32 CPU tensors (the gradient to each window's first largest element, see the module's
-/// note); elsewhere candle's `max_pool2d` with the gradient corrected to the same (where a
-/// window's maximum is unique).
+/// f32 CPU tensors (each window's gradient split evenly among its largest elements, see the
+/// module's note); elsewhere candle's `max_pool2d` with the gradient corrected to the same.
 pub fn max_pool2d(x: &Tensor, k: usize) -> Result<Tensor> {
     if fusable(x) && x.rank() == 4 {
         x.contiguous()?.apply_op1(MaxPool { k, relu: false })
@@ -500,8 +535,9 @@ pub fn max_pool2d(x: &Tensor, k: usize) -> Result<Tensor> {
     }
 }
 
-/// `max_pool2d(relu(x), k)` in one pass each way on f32 CPU tensors (the gradient to each
-/// window's first largest element where it is above 0); elsewhere candle's `relu` and
+/// `max_pool2d(relu(x), k)` in one pass each way on f32 CPU tensors, with the gradients of
+/// those two operations composed: each window's split evenly among the largest elements of
+/// `relu(x)`, then ReLU's (candle's: it passes where `x >= 0`); elsewhere candle's `relu` and
 /// [`max_pool2d`]'s corrected fallback.
 pub fn relu_max_pool2d(x: &Tensor, k: usize) -> Result<Tensor> {
     if fusable(x) && x.rank() == 4 {
@@ -645,44 +681,73 @@ mod tests {
     /// gradients where every window's maximum is unique.
     #[test]
     fn the_composed_fallback_gives_the_fused_gradients() {
-        let xv = Var::from_tensor(&rand(&[3, 4, 8, 6], 21)).unwrap();
+        let x = rand(&[3, 4, 8, 6], 21);
+        let rounded = ((&x * 2.0).unwrap().round().unwrap() / 2.0).unwrap();
         let weights = rand(&[3, 4, 4, 3], 22);
-        for relu in [false, true] {
+        for (relu, x) in [(false, &x), (true, &x), (false, &rounded), (true, &rounded)] {
+            let xv = Var::from_tensor(x).unwrap();
             let fused = if relu { relu_max_pool2d(&xv, 2) } else { max_pool2d(&xv, 2) }.unwrap();
             let composed = if relu { candle_max_pool2d(&xv.relu().unwrap(), 2) } else { candle_max_pool2d(&xv, 2) };
             let composed = composed.unwrap();
             assert_eq!(max_diff(&fused, &composed), 0.0);
             let gf = (fused * &weights).unwrap().sum_all().unwrap().backward().unwrap();
             let gc = (composed * &weights).unwrap().sum_all().unwrap().backward().unwrap();
-            assert_eq!(max_diff(gf.get(&xv).unwrap(), gc.get(&xv).unwrap()), 0.0, "relu {relu}");
+            assert!(max_diff(gf.get(&xv).unwrap(), gc.get(&xv).unwrap()) < 1e-6, "relu {relu}");
         }
     }
 
-    /// The 2x2 fast path and the general loop agree, forward and backward, on odd sizes too.
+    /// The 2x2 fast path and the general loop agree, forward and backward, on odd sizes and on
+    /// inputs full of ties (values rounded to halves, zeros among them).
     #[test]
     fn the_two_by_two_path_equals_the_general_loop() {
-        for shape in [[2usize, 3, 8, 6], [1, 2, 7, 5]] {
-            let x = rand(&shape, 31);
-            let x = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        for (shape, round) in [([2usize, 3, 8, 6], false), ([1, 2, 7, 5], false), ([2, 3, 8, 6], true)] {
+            let x = rand(&shape, 31).flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let x: Vec<f32> = if round { x.iter().map(|v| (v * 2.0).round() / 2.0).collect() } else { x };
             let shape = Shape::from(shape.to_vec());
             for relu in [false, true] {
                 let pool = MaxPool { k: 2, relu };
                 let mut general = Vec::new();
                 let out_shape =
-                    pool.windows(&x, &shape, |_, i| general.push(if relu { x[i].max(0.0) } else { x[i] })).unwrap();
+                    pool.windows(&x, &shape, |_, _, i| general.push(if relu { x[i].max(0.0) } else { x[i] })).unwrap();
                 let (fast, fast_shape) = pool2_fwd(&x, &shape, relu).unwrap();
                 assert_eq!((&general, &out_shape), (&fast, &fast_shape));
                 let dy: Vec<f32> = (0..fast_shape.elem_count()).map(|i| i as f32 + 1.0).collect();
-                let mut dx = vec![0f32; x.len()];
-                pool.windows(&x, &shape, |o, i| {
-                    if !relu || x[i] > 0.0 {
-                        dx[i] = dy[o];
-                    }
-                })
-                .unwrap();
-                assert_eq!(dx, pool2_bwd(&x, &fast, &dy, &shape, relu).unwrap(), "relu {relu}");
+                let want = pool.grad(&x, &dy, &shape).unwrap();
+                assert_eq!(want, pool2_bwd(&x, &fast, &dy, &shape, relu).unwrap(), "relu {relu}, ties {round}");
             }
         }
+    }
+
+    /// Tied maxima share the window's gradient; with ReLU, windows of non-positive values share
+    /// it among their elements and ReLU passes it only where `x >= 0`.
+    #[test]
+    fn tied_maxima_share_the_gradient() {
+        #[rustfmt::skip]
+        let x = Tensor::from_vec(vec![
+            1f32, 1., 0., -1.,
+            0., 1., 0., -2.,
+        ], (1, 1, 2, 4), &Device::Cpu).unwrap();
+        let xv = Var::from_tensor(&x).unwrap();
+        let g = (max_pool2d(&xv, 2).unwrap() * 6.0).unwrap().sum_all().unwrap().backward().unwrap();
+        let got = g.get(&xv).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(got, [2., 2., 3., 0., 0., 2., 3., 0.]);
+        let g = (relu_max_pool2d(&(xv.as_tensor() - 1.0).unwrap(), 2).unwrap() * 6.0)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        // x - 1: [0, 0, -1, -2; -1, 0, -1, -3]: every relu value is 0, the ties are 4 per window.
+        let got = g.get(&xv).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(got, [1.5, 1.5, 0., 0., 0., 1.5, 0., 0.]);
+        // The composed fallback gives the same.
+        let g = (candle_max_pool2d(&(xv.as_tensor() - 1.0).unwrap().relu().unwrap(), 2).unwrap() * 6.0)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        assert_eq!(g.get(&xv).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap(), got);
     }
 
     #[test]
