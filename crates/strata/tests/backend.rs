@@ -11,37 +11,23 @@
 //! The parameters are drawn from a seeded generator (not candle's, which is unseeded on the
 //! CPU), so every build starts from the same values.
 
+mod common;
+
 use std::collections::BTreeMap;
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
-use rand::{Rng, SeedableRng};
 use strata::cnn::Cnn;
 use strata::model::{Classifier, Mlp};
 use strata::transformer::{CharTransformer, TransformerConfig};
+
+use common::seeded;
 
 /// Per model: the loss and, per variable, the gradient's norm and its dot product with a fixed
 /// pattern of +-1 (so a gradient that changed direction is caught, not only its size).
 type Record = BTreeMap<String, (f64, BTreeMap<String, (f64, f64, usize)>)>;
 
 const RECORD: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/backend_step.json");
-
-/// Sets every variable of `vm` from a generator seeded by `seed`: uniform in +-`scale` / sqrt(fan-in).
-fn seeded(vm: &VarMap, seed: u64) {
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-    let data = vm.data().lock().unwrap();
-    let mut names: Vec<&String> = data.keys().collect();
-    names.sort();
-    for name in names {
-        let v = &data[name];
-        let dims = v.dims().to_vec();
-        let fan_in = if dims.len() >= 2 { dims[1..].iter().product::<usize>().max(dims[0].min(dims[1])) } else { 1 };
-        let bound = if name.ends_with("weight") && dims.len() == 1 { 0.0 } else { 1.0 / (fan_in as f32).sqrt() };
-        let base = if name.ends_with("weight") && dims.len() == 1 { 1.0 } else { 0.0 };
-        let values: Vec<f32> = (0..v.elem_count()).map(|_| base + bound * rng.random_range(-1.0f32..1.0)).collect();
-        v.set(&Tensor::from_vec(values, dims, &Device::Cpu).unwrap()).unwrap();
-    }
-}
 
 fn summarise(vm: &VarMap, loss: &Tensor) -> (f64, BTreeMap<String, (f64, f64, usize)>) {
     let grads = loss.backward().unwrap();

@@ -8,6 +8,8 @@
 
 #![cfg(feature = "candle-cuda")]
 
+mod common;
+
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use rand::{Rng, SeedableRng};
@@ -16,24 +18,7 @@ use strata::model::{Classifier, Mlp};
 use strata::transformer::{CharTransformer, TransformerConfig};
 use strata_cuda::testing::require_gpus;
 
-/// Every variable of `vm` from a generator seeded by `seed` (uniform in +-1/sqrt(fan-in), norm
-/// weights near 1), made on the CPU and copied to the variable's device.
-fn seeded(vm: &VarMap, seed: u64) {
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-    let data = vm.data().lock().unwrap();
-    let mut names: Vec<&String> = data.keys().collect();
-    names.sort();
-    for name in names {
-        let v = &data[name];
-        let dims = v.dims().to_vec();
-        let norm = name.ends_with("weight") && dims.len() == 1;
-        let fan_in = if dims.len() >= 2 { dims[1..].iter().product::<usize>().max(dims[0].min(dims[1])) } else { 1 };
-        let (base, bound) = if norm { (1.0, 0.1) } else { (0.0, 1.0 / (fan_in as f32).sqrt()) };
-        let values: Vec<f32> = (0..v.elem_count()).map(|_| base + bound * rng.random_range(-1.0f32..1.0)).collect();
-        let t = Tensor::from_vec(values, dims, &Device::Cpu).unwrap().to_device(v.device()).unwrap();
-        v.set(&t).unwrap();
-    }
-}
+use common::seeded;
 
 /// The loss and every variable's gradient, on the CPU, by name.
 fn step(vm: &VarMap, loss: &Tensor) -> (f32, Vec<(String, Vec<f32>)>) {
