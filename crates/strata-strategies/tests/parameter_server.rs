@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{Init, Linear, VarBuilder};
-use common::models::{data, BnNet, Frozen, Heads, TestModel};
+use common::models::{data, BnNet, Frozen, Heads, TestModel, Tied};
 use strata_core::data::Batch;
 use strata_core::optim::FusedAdamW;
 use strata_core::{Strategy, StrategyOptions};
@@ -125,6 +125,8 @@ fn registry() -> StepRegistry {
     r.register("linreg", |ctx: &WorkerContext, (): ()| linreg_step(ctx));
     register_model::<Heads>(&mut r, "heads", 2, &[]);
     register_model::<Frozen>(&mut r, "frozen", 1, &["late.*"]);
+    // Two replicas: the worker reduces their gradients, which share tensors, before pushing.
+    register_model::<Tied>(&mut r, "tied", 2, &[]);
     register_model::<BnNet<false>>(&mut r, "bn", 1, &[]);
     r
 }
@@ -673,7 +675,8 @@ fn async_one_worker_unused_and_frozen_end_as_one_device() {
 }
 
 /// Sync with two workers: each round averages the two workers' pushes, with zeros for a head
-/// only one of them used; it ends on one device's parameters on the concatenated batches.
+/// only one of them used; it ends on one device's parameters on the concatenated batches, as
+/// does a model whose variables share gradient tensors (on workers of two replicas).
 #[test]
 fn sync_two_workers_unused_and_frozen_end_as_one_device() {
     with_timeout(TEST_LIMIT, "sync_two_workers_unused_and_frozen_end_as_one_device", || {
@@ -684,12 +687,12 @@ fn sync_two_workers_unused_and_frozen_end_as_one_device() {
         let rounds: Vec<(usize, Vec<Batch>)> =
             steps.chunks(2).map(|r| (r[0].phase, r.iter().map(|s| data(s.examples, 6, s.seed)).collect())).collect();
         let mode = PsMode::Sync { workers: 2, backup_workers: 0 };
-        for name in ["heads", "frozen"] {
+        for name in ["heads", "frozen", "tied"] {
             let job = Job::start(1, 2, Some(Duration::from_secs(30)));
-            let (strategy, want, got) = if name == "heads" {
-                ps_against_one_device::<Heads>(&job, mode, name, &[], &steps, &rounds, false)
-            } else {
-                ps_against_one_device::<Frozen>(&job, mode, name, &["late.*"], &steps, &rounds, false)
+            let (strategy, want, got) = match name {
+                "heads" => ps_against_one_device::<Heads>(&job, mode, name, &[], &steps, &rounds, false),
+                "frozen" => ps_against_one_device::<Frozen>(&job, mode, name, &["late.*"], &steps, &rounds, false),
+                _ => ps_against_one_device::<Tied>(&job, mode, name, &[], &steps, &rounds, false),
             };
             let d = common::max_rel_diff(&want, &got);
             assert!(d <= 1e-5, "{name}: the sync parameter servers differ from one device by {d}");

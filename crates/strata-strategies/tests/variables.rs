@@ -1,6 +1,7 @@
 //! Every kind of variable behaves as on one device, under every strategy: a CNN, a model with
 //! parameters unused in some steps (or on some replicas), and a model with frozen layers, each
-//! under SGD, SGD with momentum and AdamW, end on one device's parameters; unused and frozen
+//! under SGD, SGD with momentum and AdamW, end on one device's parameters, as does a model whose
+//! variables share one gradient tensor in the backward pass; unused and frozen
 //! variables are never touched by the optimizer and frozen ones never communicated.
 
 mod common;
@@ -10,10 +11,11 @@ use std::sync::Arc;
 
 use candle_nn::{AdamW, Optimizer, ParamsAdamW, SGD};
 use common::max_rel_diff;
-use common::models::{data, Cnn, Frozen, Heads, TestModel};
+use common::models::{data, Cnn, Frozen, Heads, TestModel, Tied};
 use strata_core::data::{Batch, TailPolicy};
 use strata_core::optim::{FusedAdamW, FusedMomentum, FusedSgd, ParamsMomentum};
-use strata_core::{Error, Replicated, Strategy, StrategyHandle, VariableKind};
+use strata_core::{Error, Replicated, Strategy, StrategyHandle, StrategyOptions, VariableKind};
+use strata_strategies::{CpuReduction, MirroredStrategy};
 
 type Params = Vec<(String, Vec<f32>)>;
 
@@ -109,6 +111,23 @@ strategy_test!(a_cnn_ends_as_on_one_device, |s: StrategyHandle| {
 strategy_test!(unused_parameters_end_as_on_one_device, |s: StrategyHandle| {
     same_as_one_device::<Heads>(&s, 8, 30, &[]);
 });
+
+strategy_test!(variables_sharing_a_gradient_end_as_on_one_device, |s: StrategyHandle| {
+    same_as_one_device::<Tied>(&s, 6, 30, &[]);
+});
+
+/// The same with one fusion bucket per tensor, so that a gradient written back by one bucket
+/// is in place before a later bucket reads the others (the backward pass gives each variable's
+/// gradient its own allocation; `strata-core/tests/backward.rs` checks that directly).
+#[test]
+fn variables_sharing_a_gradient_in_separate_buckets_end_as_on_one_device() {
+    for reduction in [CpuReduction::InMemoryAllReduce, CpuReduction::ReductionToOneDevice] {
+        let options = StrategyOptions { bucket_bytes: 4, ..Default::default() };
+        let devices = strata_core::device::logical_cpus(2).unwrap();
+        let s = MirroredStrategy::with_options(devices, reduction, options).unwrap().handle();
+        same_as_one_device::<Tied>(&s, 4, 30, &[]);
+    }
+}
 
 strategy_test!(frozen_layers_end_as_on_one_device, |s: StrategyHandle| {
     same_as_one_device::<Frozen>(&s, 6, 30, &["late.*"]);

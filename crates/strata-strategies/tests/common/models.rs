@@ -1,6 +1,6 @@
 //! Small models whose variables are of every kind, for the tests of what strategies do with
 //! them: a CNN, a model with heads unused in some steps (or on some replicas), a model with
-//! frozen layers.
+//! frozen layers, a model whose variables' gradients are one tensor.
 
 use candle_core::{Device, Tensor};
 use candle_nn::Module;
@@ -103,6 +103,45 @@ impl TestModel for Frozen {
         let y = Tensor::from_slice(&b.labels, b.len(), dev)?;
         let h = self.late.forward(&self.base.forward(&x)?.tanh()?)?.tanh()?;
         candle_nn::loss::cross_entropy(&self.head.forward(&h)?, &y)
+    }
+}
+
+/// Variables used only through sums and reshapes: `x (w1 + w2 + reshape(w3)) + (b1 + b2) + t`.
+/// The backward pass hands `w1`, `w2` and `reshape(w3)` one gradient tensor (an add passes it
+/// through), `b1` and `b2` another, and `t` the loss's own seed; a strategy that reduced those
+/// gradients in place without their having allocations of their own would reduce them twice.
+pub struct Tied {
+    w1: Tensor,
+    w2: Tensor,
+    w3: Tensor,
+    b1: Tensor,
+    b2: Tensor,
+    t: Tensor,
+}
+
+impl TestModel for Tied {
+    const DIM: usize = 6;
+    fn build(sc: &Scope) -> candle_core::Result<Self> {
+        let vb = sc.var_builder();
+        let init = candle_nn::init::Init::Uniform { lo: -0.5, up: 0.5 };
+        Ok(Self {
+            w1: vb.get_with_hints((6, 3), "w1", init)?,
+            w2: vb.get_with_hints((6, 3), "w2", init)?,
+            w3: vb.get_with_hints(18, "w3", init)?,
+            b1: vb.get_with_hints(3, "b1", init)?,
+            b2: vb.get_with_hints(3, "b2", init)?,
+            t: vb.get_with_hints(1, "t", init)?,
+        })
+    }
+    fn loss(&self, _: usize, b: &Batch, dev: &Device) -> candle_core::Result<Tensor> {
+        let x = Tensor::from_slice(&b.features, (b.len(), 6), dev)?;
+        let y = Tensor::from_slice(&b.labels, b.len(), dev)?;
+        let w = ((&self.w1 + &self.w2)? + self.w3.reshape((6, 3))?)?;
+        let logits = x.matmul(&w)?.broadcast_add(&(&self.b1 + &self.b2)?)?;
+        let ce = candle_nn::loss::cross_entropy(&logits, &y)?.reshape(1)?;
+        // `t` adds a constant to the loss: its gradient is the loss's seed, 1 on each replica
+        // weighted by its share, and AdamW moves it by the same step on every strategy.
+        (ce + &self.t)?.squeeze(0)
     }
 }
 

@@ -1,0 +1,196 @@
+//! The backward pass Strata builds on: candle-core with Strata's patch (vendor/README.md),
+//! which stores a node's first gradient as it is instead of adding it to a fresh zero tensor,
+//! and leaves matmul outputs unzeroed. These pin what that must not change: gradients equal
+//! closed forms (also through transposed matmul operands, whose gradients the patch computes
+//! transposed), every variable's gradient is contiguous, variables' gradients never share an
+//! allocation with each other or with the variable (strategies reduce them in place), and a
+//! matmul over an empty inner dimension is still zero.
+
+use candle_core::{DType, Device, Tensor, Var, D};
+
+fn storage_addr(t: &Tensor) -> usize {
+    let (s, _) = t.storage_and_layout();
+    std::ptr::from_ref(&*s).addr()
+}
+
+fn v2(t: &Tensor) -> Vec<Vec<f32>> {
+    t.to_vec2::<f32>().unwrap()
+}
+
+fn close(a: f32, b: f32) -> bool {
+    (a - b).abs() <= 1e-5 * (1.0 + b.abs())
+}
+
+/// `loss = sum(relu(x W^T + b1 - b2)^2) - sum(a)`, with `x` a constant: every operation's
+/// gradient against the closed form, computed here with loops.
+#[test]
+fn gradients_equal_closed_forms() {
+    let dev = Device::Cpu;
+    let xs = [[0.5f32, -1.0, 2.0], [1.5, 0.25, -0.75]];
+    let ws = [[0.1f32, 0.2, -0.3], [-0.4, 0.5, 0.6], [0.7, -0.8, 0.9], [0.05, 0.15, -0.25]];
+    let b1s = [0.1f32, -0.2, 0.3, 0.0];
+    let b2s = [0.05f32, 0.05, -0.1, 0.2];
+    let x = Tensor::new(&xs, &dev).unwrap();
+    let w = Var::new(&ws, &dev).unwrap();
+    let b1 = Var::new(&b1s, &dev).unwrap();
+    let b2 = Var::new(&b2s, &dev).unwrap();
+    let a = Var::new(&[1.0f32, 2.0], &dev).unwrap();
+    let z = x.matmul(&w.t().unwrap()).unwrap().broadcast_add(&(b1.as_tensor() - b2.as_tensor()).unwrap()).unwrap();
+    let loss = (z.relu().unwrap().sqr().unwrap().sum_all().unwrap() - a.sum_all().unwrap()).unwrap();
+    let grads = loss.backward().unwrap();
+
+    // dL/dz = 2 relu(z); dW = dz^T x; db1 = sum_rows dz; db2 = -db1; da = -1.
+    let mut dz = [[0f32; 4]; 2];
+    for r in 0..2 {
+        for o in 0..4 {
+            let zv: f32 = (0..3).map(|i| xs[r][i] * ws[o][i]).sum::<f32>() + b1s[o] - b2s[o];
+            dz[r][o] = 2.0 * zv.max(0.0);
+        }
+    }
+    let gw = v2(grads.get(&w).unwrap());
+    for o in 0..4 {
+        for i in 0..3 {
+            let want: f32 = (0..2).map(|r| dz[r][o] * xs[r][i]).sum();
+            assert!(close(gw[o][i], want), "dW[{o}][{i}] = {} (want {want})", gw[o][i]);
+        }
+    }
+    let gb1 = grads.get(&b1).unwrap().to_vec1::<f32>().unwrap();
+    let gb2 = grads.get(&b2).unwrap().to_vec1::<f32>().unwrap();
+    for o in 0..4 {
+        let want = dz[0][o] + dz[1][o];
+        assert!(close(gb1[o], want) && close(gb2[o], -want), "db[{o}] = {} / {} (want ±{want})", gb1[o], gb2[o]);
+    }
+    assert_eq!(grads.get(&a).unwrap().to_vec1::<f32>().unwrap(), vec![-1.0, -1.0]);
+    // The weight's gradient reaches it through `w.t()`: stored contiguous all the same.
+    assert!(grads.get(&w).unwrap().is_contiguous());
+}
+
+/// `a + b` hands both variables one gradient tensor; `reshape(c)` and the loss's own seed
+/// pass theirs through. Each variable still ends with an allocation of its own.
+#[test]
+fn variables_sharing_a_gradient_get_their_own_allocations() {
+    let dev = Device::Cpu;
+    let a = Var::new(&[[1.0f32, 2.0], [3.0, 4.0]], &dev).unwrap();
+    let b = Var::new(&[[0.5f32, 0.5], [0.5, 0.5]], &dev).unwrap();
+    let c = Var::new(&[1.0f32, 1.0, 1.0, 1.0], &dev).unwrap();
+    let s = Var::new(&[2.0f32], &dev).unwrap();
+    let h = ((a.as_tensor() + b.as_tensor()).unwrap() + c.reshape((2, 2)).unwrap()).unwrap();
+    let weights = Tensor::new(&[[1.0f32, 2.0], [3.0, 4.0]], &dev).unwrap();
+    let loss = ((h * &weights).unwrap().sum_all().unwrap().reshape(1).unwrap() + s.as_tensor()).unwrap();
+    let loss = loss.squeeze(0).unwrap();
+    let grads = loss.backward().unwrap();
+    let ga = grads.get(&a).unwrap();
+    let gb = grads.get(&b).unwrap();
+    let gc = grads.get(&c).unwrap();
+    let gs = grads.get(&s).unwrap();
+    assert_eq!(v2(ga), vec![vec![1.0, 2.0], vec![3.0, 4.0]]);
+    assert_eq!(v2(gb), vec![vec![1.0, 2.0], vec![3.0, 4.0]]);
+    assert_eq!(gc.to_vec1::<f32>().unwrap(), vec![1.0, 2.0, 3.0, 4.0]);
+    assert_eq!(gs.to_vec1::<f32>().unwrap(), vec![1.0]);
+    let addrs: Vec<usize> = [ga, gb, gc, gs, a.as_tensor(), b.as_tensor(), c.as_tensor(), s.as_tensor(), &weights]
+        .map(storage_addr)
+        .to_vec();
+    for i in 0..addrs.len() {
+        for j in 0..i {
+            assert_ne!(addrs[i], addrs[j], "tensors {j} and {i} share an allocation");
+        }
+    }
+    for g in [ga, gb, gc, gs] {
+        assert!(g.is_contiguous());
+    }
+}
+
+/// A variable used once, whose gradient nothing else holds, keeps the tensor the backward
+/// pass made for it (no copy): its gradient is the matmul's output itself.
+#[test]
+fn a_gradient_used_once_is_not_copied() {
+    let dev = Device::Cpu;
+    let x = Tensor::new(&[[1.0f32, 2.0], [3.0, 4.0]], &dev).unwrap();
+    let w = Var::new(&[[1.0f32, 0.0], [0.0, 1.0]], &dev).unwrap();
+    let grads = x.matmul(w.as_tensor()).unwrap().sum_all().unwrap().backward().unwrap();
+    // dW = x^T 1 = column sums of x, in every column.
+    assert_eq!(v2(grads.get(&w).unwrap()), vec![vec![4.0, 4.0], vec![6.0, 6.0]]);
+    // Two sums of the same gradient: the second pass adds into the first's tensor.
+    let loss = (x.matmul(w.as_tensor()).unwrap().sum_all().unwrap()
+        + x.matmul(w.as_tensor()).unwrap().sum_all().unwrap())
+    .unwrap();
+    let grads = loss.backward().unwrap();
+    assert_eq!(v2(grads.get(&w).unwrap()), vec![vec![8.0, 8.0], vec![12.0, 12.0]]);
+}
+
+/// The matmul output is not zeroed before gemm writes it, except where gemm writes nothing:
+/// an empty inner dimension gives zeros, batched or not.
+#[test]
+fn a_matmul_over_an_empty_inner_dimension_is_zero() {
+    let dev = Device::Cpu;
+    let a = Tensor::zeros((3, 0), DType::F32, &dev).unwrap();
+    let b = Tensor::zeros((0, 4), DType::F32, &dev).unwrap();
+    // Fill the allocator's free lists with non-zero values of the same size first.
+    for _ in 0..4 {
+        drop(Tensor::full(f32::NAN, (3, 4), &dev).unwrap().sqrt().unwrap());
+    }
+    assert_eq!(v2(&a.matmul(&b).unwrap()), vec![vec![0.0; 4]; 3]);
+    let a = Tensor::zeros((2, 3, 0), DType::F32, &dev).unwrap();
+    let b = Tensor::zeros((2, 0, 4), DType::F32, &dev).unwrap();
+    let c = a.matmul(&b).unwrap();
+    assert_eq!(c.sum_all().unwrap().to_scalar::<f32>().unwrap(), 0.0);
+    assert_eq!(c.max_keepdim(D::Minus1).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap(), vec![0.0; 6]);
+}
+
+/// Every output element of a matmul over uninitialized memory is gemm's, for the shapes the
+/// fast paths take (a row, a column, an outer product, a batch).
+#[test]
+fn matmul_outputs_are_fully_written() {
+    let dev = Device::Cpu;
+    for (b, m, k, n) in [(1, 1, 5, 7), (1, 7, 5, 1), (1, 6, 1, 5), (3, 4, 9, 2), (1, 33, 17, 65)] {
+        for _ in 0..4 {
+            drop(Tensor::full(f32::NAN, (b, m, n), &dev).unwrap().sqrt().unwrap());
+        }
+        let lhs = Tensor::arange(0f32, (b * m * k) as f32, &dev).unwrap().reshape((b, m, k)).unwrap();
+        let rhs = Tensor::ones((b, k, n), DType::F32, &dev).unwrap();
+        let out = lhs.matmul(&rhs).unwrap().to_vec3::<f32>().unwrap();
+        let l = lhs.to_vec3::<f32>().unwrap();
+        for (bi, mat) in out.iter().enumerate() {
+            for (r, row) in mat.iter().enumerate() {
+                let want: f32 = l[bi][r].iter().sum();
+                assert!(row.iter().all(|&v| v == want), "({b}, {m}, {k}, {n}) row {r}: {row:?}, want {want}");
+            }
+        }
+    }
+}
+
+/// A transposed operand on either side (`a^T b` with both variables, batched `q k^T`): the
+/// gradients of the transposed products equal those computed from contiguous copies.
+#[test]
+fn transposed_operands_get_the_gradients_of_contiguous_ones() {
+    let dev = Device::Cpu;
+    let det = |shape: &[usize], seed: f32| {
+        let n: usize = shape.iter().product();
+        let v: Vec<f32> = (0..n).map(|i| ((i as f32 * 0.37 + seed).sin() * 2.0).round() / 4.0).collect();
+        Tensor::from_vec(v, shape, &dev).unwrap()
+    };
+    // 2-D: loss = sum((a^T b) * r).
+    let (a0, b0, r) = (det(&[5, 3], 0.1), det(&[5, 4], 0.7), det(&[3, 4], 1.3));
+    let (a, b) = (Var::from_tensor(&a0).unwrap(), Var::from_tensor(&b0).unwrap());
+    let g = (a.t().unwrap().matmul(b.as_tensor()).unwrap() * &r).unwrap().sum_all().unwrap().backward().unwrap();
+    let (ac, bc) = (Var::from_tensor(&a0).unwrap(), Var::from_tensor(&b0).unwrap());
+    let at = ac.t().unwrap().contiguous().unwrap();
+    let gc = (at.matmul(bc.as_tensor()).unwrap() * &r).unwrap().sum_all().unwrap().backward().unwrap();
+    for (x, y) in [(&a, &ac), (&b, &bc)] {
+        let (gx, gy) = (g.get(x).unwrap(), gc.get(y).unwrap());
+        assert!(gx.is_contiguous());
+        assert_eq!(v2(gx), v2(gy));
+    }
+    // Batched: loss = sum((q k^T) * r) over (2, 3, 4) x (2, 5, 4).
+    let (q0, k0, r) = (det(&[2, 3, 4], 0.2), det(&[2, 5, 4], 0.9), det(&[2, 3, 5], 1.7));
+    let (q, k) = (Var::from_tensor(&q0).unwrap(), Var::from_tensor(&k0).unwrap());
+    let g = (q.matmul(&k.t().unwrap()).unwrap() * &r).unwrap().sum_all().unwrap().backward().unwrap();
+    let (qc, kc) = (Var::from_tensor(&q0).unwrap(), Var::from_tensor(&k0).unwrap());
+    let kt = kc.t().unwrap().contiguous().unwrap();
+    let gc = (qc.matmul(&kt).unwrap() * &r).unwrap().sum_all().unwrap().backward().unwrap();
+    for (x, y) in [(&q, &qc), (&k, &kc)] {
+        let (gx, gy) = (g.get(x).unwrap(), gc.get(y).unwrap());
+        assert!(gx.is_contiguous());
+        assert_eq!(gx.to_vec3::<f32>().unwrap(), gy.to_vec3::<f32>().unwrap());
+    }
+}
