@@ -4,7 +4,8 @@
 //! closed forms (also through transposed matmul operands, whose gradients the patch computes
 //! transposed), every variable's gradient is contiguous, variables' gradients never share an
 //! allocation with each other or with the variable (strategies reduce them in place), and a
-//! matmul over an empty inner dimension is still zero.
+//! matmul over an empty inner dimension is still zero, and sums over leading dimensions (the
+//! patch adds whole rows there) keep their values.
 
 use candle_core::{DType, Device, Tensor, Var, D};
 
@@ -193,4 +194,47 @@ fn transposed_operands_get_the_gradients_of_contiguous_ones() {
         assert!(gx.is_contiguous());
         assert_eq!(gx.to_vec3::<f32>().unwrap(), gy.to_vec3::<f32>().unwrap());
     }
+}
+
+/// Sums over leading dimensions (a bias's gradient) take the patch's row-adding path: the
+/// same values as a loop here, in the same order, and as the general path on other dims.
+#[test]
+fn sums_over_leading_dimensions_equal_a_loop() {
+    let dev = Device::Cpu;
+    let (a, b, c) = (4usize, 3usize, 5usize);
+    let v: Vec<f32> = (0..a * b * c).map(|i| ((i as f32 * 0.731).sin() * 1000.0).round() / 7.0).collect();
+    let x = Tensor::from_vec(v.clone(), (a, b, c), &dev).unwrap();
+    // Over dim 0, in row order as candle's general loop adds them.
+    let got = x.sum_keepdim(0).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let mut want = vec![0f32; b * c];
+    for i in 0..a {
+        for j in 0..b * c {
+            want[j] += v[i * b * c + j];
+        }
+    }
+    assert_eq!(got, want);
+    // Over dims 0 and 1.
+    let got = x.sum((0, 1)).unwrap().to_vec1::<f32>().unwrap();
+    let mut want = vec![0f32; c];
+    for i in 0..a * b {
+        for j in 0..c {
+            want[j] += v[i * c + j];
+        }
+    }
+    assert_eq!(got, want);
+    // A bias's gradient through broadcast_add, against the loop.
+    let bias = Var::zeros(c, DType::F32, &dev).unwrap();
+    let g = (x.broadcast_add(bias.as_tensor()).unwrap() * &x).unwrap().sum_all().unwrap().backward().unwrap();
+    let mut want = vec![0f32; c];
+    for i in 0..a * b {
+        for j in 0..c {
+            want[j] += v[i * c + j];
+        }
+    }
+    assert_eq!(g.get(&bias).unwrap().to_vec1::<f32>().unwrap(), want);
+    // Empty inner and outer extents.
+    let e = Tensor::zeros((0, 3), DType::F32, &dev).unwrap();
+    assert_eq!(e.sum_keepdim(0).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap(), vec![0.0; 3]);
+    let e = Tensor::zeros((3, 0), DType::F32, &dev).unwrap();
+    assert_eq!(e.sum_keepdim(0).unwrap().elem_count(), 0);
 }

@@ -344,6 +344,22 @@ impl ReduceSum<'_> {
                     }
                     return Ok(dst);
                 };
+                // STRATA PATCH: reducing over the first dimensions (a bias's gradient: the sum
+                // over a batch's rows) adds whole rows into the destination, in the same order
+                // as the general loop below (so the same bits), without its per-element index
+                // arithmetic, which cost 5% of a transformer's training step.
+                let reduce_over_first_dims = self.reduce_dims.iter().enumerate().all(|(i, &v)| v == i);
+                if reduce_over_first_dims {
+                    let inner = dst.len();
+                    if inner > 0 {
+                        for row in src.chunks_exact(inner) {
+                            for (d, &s) in dst.iter_mut().zip(row) {
+                                *d += s;
+                            }
+                        }
+                    }
+                    return Ok(dst);
+                }
                 for (unstr_index, &src) in src.iter().enumerate() {
                     let mut dst_index = unstr_index;
                     // Set the reduce_dims indexes to 0.
