@@ -91,6 +91,11 @@ impl Dense {
         Ok(Self { weight, bias: None })
     }
 
+    /// The weight, `(input, output)`.
+    pub(crate) fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
     /// `x W + b`.
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let y = x.matmul(&self.weight)?;

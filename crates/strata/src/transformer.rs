@@ -141,11 +141,22 @@ impl Block {
     fn forward(&self, x: &Tensor, n: usize, t: usize, heads: usize) -> candle_core::Result<Tensor> {
         let w = x.dim(1)?;
         let hd = w / heads;
-        let qkv = self.qkv.forward(&self.ln1.forward(x)?)?;
-        // (n, t, 3, heads, hd) -> (3, n, heads, t, hd): every head's q, k, v contiguous.
-        let qkv = qkv.reshape((n, t, 3, heads, hd))?.permute((2, 0, 3, 1, 4))?.contiguous()?;
-        let q = (qkv.get(0)? * (1.0 / (hd as f64).sqrt()))?;
-        let (k, v) = (qkv.get(1)?, qkv.get(2)?);
+        let h = self.ln1.forward(x)?;
+        // q, k and v each from its block of the weight's columns: three products rather than
+        // one split three ways, whose backward pass would pad each part's gradient with zeros
+        // to the whole `(n t, 3 width)` and add the three (it is the weight's `(width, width)`
+        // blocks that get padded here). Each `(n t, width)` -> `(n, heads, t, hd)`, contiguous.
+        // The queries' 1 / sqrt(hd) scales their `(width, width)` weight block rather than the
+        // `(n t, width)` queries.
+        let part = |i: usize, scale: f64| -> candle_core::Result<Tensor> {
+            let mut block = self.qkv.weight().narrow(1, i * w, w)?;
+            if scale != 1.0 {
+                block = (block * scale)?;
+            }
+            h.matmul(&block)?.reshape((n, t, heads, hd))?.transpose(1, 2)?.contiguous()
+        };
+        let q = part(0, 1.0 / (hd as f64).sqrt())?;
+        let (k, v) = (part(1, 1.0)?, part(2, 1.0)?);
         let att = q.matmul(&k.t()?)?;
         let y = crate::fused::causal_softmax(&att)?.matmul(&v)?; // (n, heads, t, hd)
         let y = y.transpose(1, 2)?.reshape((n * t, w))?;
