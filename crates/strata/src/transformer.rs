@@ -147,12 +147,11 @@ impl Block {
         // to the whole `(n t, 3 width)` and add the three (it is the weight's `(width, width)`
         // blocks that get padded here). Each `(n t, width)` -> `(n, heads, t, hd)`, contiguous.
         // The queries' 1 / sqrt(hd) scales their `(width, width)` weight block rather than the
-        // `(n t, width)` queries.
+        // `(n t, width)` queries. The block is made contiguous (candle's CUDA matmul takes no
+        // column slice; a copy of one block is small beside the product).
         let part = |i: usize, scale: f64| -> candle_core::Result<Tensor> {
-            let mut block = self.qkv.weight().narrow(1, i * w, w)?;
-            if scale != 1.0 {
-                block = (block * scale)?;
-            }
+            let block = self.qkv.weight().narrow(1, i * w, w)?;
+            let block = if scale != 1.0 { (block * scale)? } else { block.contiguous()? };
             h.matmul(&block)?.reshape((n, t, heads, hd))?.transpose(1, 2)?.contiguous()
         };
         let q = part(0, 1.0 / (hd as f64).sqrt())?;
