@@ -756,9 +756,11 @@ impl GradStore {
 
     /// STRATA PATCH: adds `grad` to the gradient of `tensor`. The first contribution is stored
     /// as it is (made contiguous unless it is contiguous or a transposed contiguous matrix,
-    /// which copies only other strided views), with no zero tensor and no add (candle's `or_insert` then `add` costs a zeroed allocation and a pass over it for
-    /// every node of the graph); later ones are summed into a new tensor, as before. A first contribution whose shape, dtype or device
-    /// differs from `tensor`'s takes the original path, so it fails as `add` did.
+    /// which copies only other strided views), with no zero tensor and no add: candle's
+    /// `or_insert` then `add` cost a zeroed allocation and a pass over it for every node of
+    /// the graph. Later ones are summed into a new tensor, as before. A first contribution
+    /// whose shape, dtype or device differs from `tensor`'s takes the original path, so it
+    /// fails as `add` did.
     fn accumulate(&mut self, tensor: &Tensor, grad: &Tensor) -> Result<()> {
         match self.0.entry(tensor.id()) {
             Entry::Occupied(mut entry) => {
