@@ -192,6 +192,46 @@ impl Kernel for GeluBwd<'_> {
     }
 }
 
+struct BiasGeluFwd<'a> {
+    h: &'a [f32],
+    b: &'a [f32],
+    y: &'a mut Vec<f32>,
+}
+
+impl Kernel for BiasGeluFwd<'_> {
+    #[inline(always)]
+    fn run(self) {
+        let b = self.b;
+        for hr in self.h.chunks_exact(b.len().max(1)) {
+            append2(self.y, hr, b, |h, b| gelu1(h + b));
+        }
+    }
+}
+
+/// Appends `(rows + 1, d)`: the rows of `dh`, then `db` (their sum over rows).
+struct BiasGeluBwd<'a> {
+    h: &'a [f32],
+    b: &'a [f32],
+    g: &'a [f32],
+    out: &'a mut Vec<f32>,
+}
+
+impl Kernel for BiasGeluBwd<'_> {
+    #[inline(always)]
+    fn run(self) {
+        let (b, d) = (self.b, self.b.len().max(1));
+        let (mut dh, mut db) = (vec![0f32; d], vec![0f32; d]);
+        for (hr, gr) in self.h.chunks_exact(d).zip(self.g.chunks_exact(d)) {
+            for ((((dh, db), &h), &b), &g) in dh.iter_mut().zip(db.iter_mut()).zip(hr).zip(b).zip(gr) {
+                *dh = g * gelu1_grad(h + b);
+                *db += *dh;
+            }
+            self.out.extend_from_slice(&dh);
+        }
+        self.out.extend_from_slice(&db);
+    }
+}
+
 struct CausalSoftmaxFwd<'a> {
     x: &'a [f32],
     t: usize,
@@ -401,6 +441,78 @@ pub fn gelu(x: &Tensor) -> Result<Tensor> {
         x.contiguous()?.apply_op1(Gelu)
     } else {
         x.gelu()
+    }
+}
+
+/// `gelu(h + b)`: a bias `b` of the last axis' size added to `h`, then GELU (tanh
+/// approximation); a dense layer's bias and activation in one pass, and in one backward pass
+/// that also sums the bias' gradient.
+struct BiasGelu;
+
+impl CustomOp2 for BiasGelu {
+    fn name(&self) -> &'static str {
+        "strata-bias-gelu"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (h, b) = (f32s(s1, l1, self.name())?, f32s(s2, l2, self.name())?);
+        bias_of(l1, l2, self.name())?;
+        let mut y = Vec::with_capacity(h.len());
+        simd(BiasGeluFwd { h, b, y: &mut y });
+        Ok((CpuStorage::F32(y), l1.shape().clone()))
+    }
+
+    fn bwd(&self, h: &Tensor, b: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let rows = h.elem_count() / b.elem_count().max(1);
+        let packed = h.apply_op3_no_bwd(b, &grad.contiguous()?, &BiasGeluGrad)?;
+        Ok((Some(packed.narrow(0, 0, rows)?.reshape(h.shape())?), Some(packed.get(rows)?)))
+    }
+}
+
+/// `(h, b, g)` -> `(rows + 1, d)`: the rows of `dh`, then `db`.
+struct BiasGeluGrad;
+
+impl CustomOp3 for BiasGeluGrad {
+    fn name(&self) -> &'static str {
+        "strata-bias-gelu-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        same_shape(l1, l3, self.name())?;
+        bias_of(l1, l2, self.name())?;
+        let (h, b, g) = (f32s(s1, l1, self.name())?, f32s(s2, l2, self.name())?, f32s(s3, l3, self.name())?);
+        let d = b.len().max(1);
+        let mut out = Vec::with_capacity(h.len() + d);
+        simd(BiasGeluBwd { h, b, g, out: &mut out });
+        Ok((CpuStorage::F32(out), Shape::from((h.len() / d + 1, d))))
+    }
+}
+
+/// `b` is a vector of `h`'s last axis' size.
+fn bias_of(h: &Layout, b: &Layout, op: &str) -> Result<()> {
+    let d = h.shape().dims().last().copied().unwrap_or(1);
+    if b.shape().dims() != [d] || d == 0 {
+        candle_core::bail!("{op}: a bias of shape {:?} for rows of {d}", b.shape());
+    }
+    Ok(())
+}
+
+/// `gelu(h + b)` for a bias `b` of `h`'s last axis' size: one pass forward and one backward
+/// (which also sums the bias' gradient) on f32 CPU tensors; `gelu(h.broadcast_add(b))`
+/// elsewhere.
+pub fn bias_gelu(h: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if fusable(h) && fusable(b) {
+        h.contiguous()?.apply_op2(&b.contiguous()?, BiasGelu)
+    } else {
+        gelu(&h.broadcast_add(b)?)
     }
 }
 
@@ -671,6 +783,8 @@ mod tests {
         }
         run(&|o, wide| go(GeluFwd { x: &x, y: o }, wide));
         run(&|o, wide| go(GeluBwd { x: &x, g: &g, d: o }, wide));
+        run(&|o, wide| go(BiasGeluFwd { h: &x, b: &w, y: o }, wide));
+        run(&|o, wide| go(BiasGeluBwd { h: &x, b: &w, g: &g, out: o }, wide));
         run(&|o, wide| go(LayerNormFwd { x: &x, w: &w, b: &b, eps: 1e-5, y: o }, wide));
         run(&|o, wide| go(LayerNormBwd { x: &x, w: &w, g: &g, eps: 1e-5, out: o }, wide));
         run(&|o, wide| go(CausalSoftmaxFwd { x: &sq, t, y: o }, wide));
@@ -684,6 +798,24 @@ mod tests {
         check(&[7, 33], gelu, |x| x.gelu());
         // A non-contiguous input is made contiguous first.
         check(&[6, 6], |x| gelu(&x.t()?), |x| x.t()?.gelu());
+    }
+
+    #[test]
+    fn bias_gelu_matches_the_composed_operations_forward_and_backward() {
+        let b = Var::from_tensor(&Tensor::randn(0f32, 1.0, 40, &Device::Cpu).unwrap()).unwrap();
+        check(&[3, 7, 40], |h| bias_gelu(h, b.as_tensor()), |h| h.broadcast_add(b.as_tensor())?.gelu());
+        let h = Tensor::randn(0f32, 2.0, (9, 40), &Device::Cpu).unwrap();
+        let r = Tensor::randn(0f32, 1.0, (9, 40), &Device::Cpu).unwrap();
+        let ga = (bias_gelu(&h, b.as_tensor()).unwrap() * &r).unwrap().sum_all().unwrap().backward().unwrap();
+        let gb = (h.broadcast_add(b.as_tensor()).unwrap().gelu().unwrap() * &r)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        close(ga.get(b.as_tensor()).unwrap(), gb.get(b.as_tensor()).unwrap(), 1e-5);
+        let e = bias_gelu(&h, &Tensor::zeros(39, DType::F32, &Device::Cpu).unwrap()).unwrap_err().to_string();
+        assert!(e.contains("a bias of shape [39] for rows of 40"), "{e}");
     }
 
     #[test]

@@ -96,6 +96,16 @@ impl Dense {
         &self.weight
     }
 
+    /// `gelu(x W + b)` (tanh approximation), the bias and the activation in one fused pass
+    /// ([`crate::fused::bias_gelu`]).
+    pub fn forward_gelu(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let y = x.matmul(&self.weight)?;
+        match &self.bias {
+            Some(b) => crate::fused::bias_gelu(&y, b),
+            None => crate::fused::gelu(&y),
+        }
+    }
+
     /// `x W + b`.
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let y = x.matmul(&self.weight)?;

@@ -160,7 +160,7 @@ impl Block {
         let y = crate::fused::causal_softmax(&att)?.matmul(&v)?; // (n, heads, t, hd)
         let y = y.transpose(1, 2)?.reshape((n * t, w))?;
         let x = (x + self.proj.forward(&y)?)?;
-        let h = crate::fused::gelu(&self.fc.forward(&self.ln2.forward(&x)?)?)?;
+        let h = self.fc.forward_gelu(&self.ln2.forward(&x)?)?;
         x + self.out.forward(&h)?
     }
 }
