@@ -258,3 +258,36 @@ fn a_checkpoint_dir_that_cannot_be_written_fails_at_start() {
     let o = strata(&["ps", "--address", "127.0.0.1:0", "--checkpoint-dir", &ro_text]);
     assert_one_line_error(&o, &format!("--checkpoint-dir {ro_text}: cannot write a file in it"));
 }
+
+/// `strata` runs with mimalloc's purge delay at 30 s: a process started without
+/// `MIMALLOC_PURGE_DELAY` executes itself once more with it set (the same process, so its
+/// `/proc/<pid>/environ` changes), and a value the user set is kept.
+#[test]
+fn strata_sets_mimallocs_purge_delay_unless_the_user_did() {
+    use std::process::Stdio;
+    use std::time::{Duration, Instant};
+    for (given, expected) in [(None, "MIMALLOC_PURGE_DELAY=30000"), (Some("250"), "MIMALLOC_PURGE_DELAY=250")] {
+        let mut c = Command::new(strata_integration_tests::strata_bin());
+        c.args(["train", "--epochs", "100000", "--no-progress"]).env_remove("MIMALLOC_PURGE_DELAY");
+        if let Some(v) = given {
+            c.env("MIMALLOC_PURGE_DELAY", v);
+        }
+        let mut child = c.stdout(Stdio::null()).stderr(Stdio::null()).spawn().expect("strata starts");
+        let environ = format!("/proc/{}/environ", child.id());
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let found = loop {
+            let vars = std::fs::read(&environ).unwrap_or_default();
+            let vars: Vec<String> = vars.split(|&b| b == 0).map(|v| String::from_utf8_lossy(v).into_owned()).collect();
+            let delay = vars.into_iter().find(|v| v.starts_with("MIMALLOC_PURGE_DELAY="));
+            if delay.as_deref() == Some(expected) || Instant::now() > deadline {
+                break delay;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        let still_running = child.try_wait().expect("the child can be waited for").is_none();
+        let _ = child.kill();
+        let _ = child.wait();
+        assert_eq!(found.as_deref(), Some(expected));
+        assert!(still_running, "strata exited before it was looked at");
+    }
+}
