@@ -496,13 +496,10 @@ impl CustomOp3 for BiasGeluGrad {
     }
 }
 
-/// `b` is a vector of `h`'s last axis' size.
+/// `b` is a vector of `h`'s last axis' size (not 0).
 fn bias_of(h: &Layout, b: &Layout, op: &str) -> Result<()> {
     let d = h.shape().dims().last().copied().unwrap_or(1);
-    if b.shape().dims() != [d] || d == 0 {
-        candle_core::bail!("{op}: a bias of shape {:?} for rows of {d}", b.shape());
-    }
-    Ok(())
+    vector_of(b, d.max(1), op, "bias")
 }
 
 /// `gelu(h + b)` for a bias `b` of `h`'s last axis' size: one pass forward and one backward
@@ -602,9 +599,10 @@ fn row_stats(row: &[f32], eps: f32) -> (f32, f32) {
     (mean, 1.0 / (var + eps).sqrt())
 }
 
-fn vector_of(l: &Layout, d: usize, what: &str) -> Result<()> {
+/// `l` is a vector of `d` elements: `op`'s `what` for rows of `d`.
+fn vector_of(l: &Layout, d: usize, op: &str, what: &str) -> Result<()> {
     if l.shape().dims() != [d] {
-        candle_core::bail!("layer_norm: a {what} of shape {:?} for rows of {d}", l.shape());
+        candle_core::bail!("{op}: a {what} of shape {:?} for rows of {d}", l.shape());
     }
     Ok(())
 }
@@ -625,8 +623,8 @@ impl CustomOp3 for LayerNormOp {
     ) -> Result<(CpuStorage, Shape)> {
         let x = f32s(s1, l1, self.name())?;
         let d = l1.shape().dims().last().copied().unwrap_or(1).max(1);
-        vector_of(l2, d, "weight")?;
-        vector_of(l3, d, "bias")?;
+        vector_of(l2, d, "layer_norm", "weight")?;
+        vector_of(l3, d, "layer_norm", "bias")?;
         let (w, b) = (f32s(s2, l2, self.name())?, f32s(s3, l3, self.name())?);
         let mut out = Vec::with_capacity(x.len());
         simd(LayerNormFwd { x, w, b, eps: self.eps, y: &mut out });
