@@ -319,10 +319,10 @@ impl Kernel for LayerNormBwd<'_> {
             for (h, &v) in xhat.iter_mut().zip(xr) {
                 *h = (v - mean) * rstd;
             }
-            let mean_gw = lane_sum2(gr, w, |g, w| g * w) / d as f32;
             for ((gw, &g), &w) in gw.iter_mut().zip(gr).zip(w) {
                 *gw = g * w;
             }
+            let mean_gw = lane_sum(&gw, |gw| gw) / d as f32;
             let mean_gw_xhat = lane_sum2(&gw, &xhat, |gw, h| gw * h) / d as f32;
             for (((((dx, dw), db), &g), &w), &h) in
                 dxr.iter_mut().zip(dw.iter_mut()).zip(db.iter_mut()).zip(gr).zip(w).zip(&xhat)
