@@ -5,7 +5,8 @@
 //! transposed), every variable's gradient is contiguous, variables' gradients never share an
 //! allocation with each other or with the variable (strategies reduce them in place), and a
 //! matmul over an empty inner dimension is still zero, and sums over leading dimensions (the
-//! patch adds whole rows there) keep their values.
+//! patch adds whole rows there) keep their values, and products with a transposed rhs (which the
+//! patch may compute column-major) equal a loop.
 
 use candle_core::{DType, Device, Tensor, Var, D};
 
@@ -157,6 +158,40 @@ fn matmul_outputs_are_fully_written() {
                 assert!(row.iter().all(|&v| v == want), "({b}, {m}, {k}, {n}) row {r}: {row:?}, want {want}");
             }
         }
+    }
+}
+
+/// A product with a transposed rhs (`x w^T`, candle-nn's `Linear`) that the patch computes
+/// column-major and transposes (few lhs rows, a long inner dimension), beside shapes that keep
+/// the direct call: every element equals a loop's sum (small integers, so exact), in one
+/// product and in batches (`b` products through one buffer), and the contiguous rhs gives the
+/// same bits.
+#[test]
+fn products_with_a_transposed_rhs_equal_a_loop() {
+    let dev = Device::Cpu;
+    for (b, m, n, k) in
+        [(1, 8, 64, 512), (1, 17, 35, 600), (3, 5, 40, 513), (1, 1, 2, 512), (1, 40, 64, 512), (2, 4, 50, 100)]
+    {
+        let lv: Vec<f32> = (0..b * m * k).map(|i| ((i * 7 + 3) % 5) as f32 - 2.0).collect();
+        let wv: Vec<f32> = (0..b * n * k).map(|i| ((i * 11 + 1) % 7) as f32 - 3.0).collect();
+        let lhs = Tensor::from_vec(lv.clone(), (b, m, k), &dev).unwrap();
+        let w = Tensor::from_vec(wv.clone(), (b, n, k), &dev).unwrap();
+        for _ in 0..4 {
+            drop(Tensor::full(f32::NAN, (b, m, n), &dev).unwrap().sqrt().unwrap());
+        }
+        let out = lhs.matmul(&w.t().unwrap()).unwrap();
+        assert!(out.is_contiguous());
+        let got = out.to_vec3::<f32>().unwrap();
+        for bi in 0..b {
+            for i in 0..m {
+                for j in 0..n {
+                    let want: f32 = (0..k).map(|p| lv[(bi * m + i) * k + p] * wv[(bi * n + j) * k + p]).sum();
+                    assert_eq!(got[bi][i][j], want, "({b}, {m}, {n}, {k}) [{bi}][{i}][{j}]");
+                }
+            }
+        }
+        let direct = lhs.matmul(&w.t().unwrap().contiguous().unwrap()).unwrap().to_vec3::<f32>().unwrap();
+        assert_eq!(got, direct, "({b}, {m}, {n}, {k})");
     }
 }
 
