@@ -139,15 +139,21 @@ fn a_matmul_over_an_empty_inner_dimension_is_zero() {
     assert_eq!(c.max_keepdim(D::Minus1).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap(), vec![0.0; 6]);
 }
 
+/// Frees a few NaN-filled tensors of `shape`, so that the next allocation of that size likely
+/// reuses NaN memory: an output element a matmul leaves unwritten then shows.
+fn poison_freed_memory(shape: (usize, usize, usize), dev: &Device) {
+    for _ in 0..4 {
+        drop(Tensor::full(f32::NAN, shape, dev).unwrap().sqrt().unwrap());
+    }
+}
+
 /// Every output element of a matmul over uninitialized memory is gemm's, for the shapes the
 /// fast paths take (a row, a column, an outer product, a batch).
 #[test]
 fn matmul_outputs_are_fully_written() {
     let dev = Device::Cpu;
     for (b, m, k, n) in [(1, 1, 5, 7), (1, 7, 5, 1), (1, 6, 1, 5), (3, 4, 9, 2), (1, 33, 17, 65)] {
-        for _ in 0..4 {
-            drop(Tensor::full(f32::NAN, (b, m, n), &dev).unwrap().sqrt().unwrap());
-        }
+        poison_freed_memory((b, m, n), &dev);
         let lhs = Tensor::arange(0f32, (b * m * k) as f32, &dev).unwrap().reshape((b, m, k)).unwrap();
         let rhs = Tensor::ones((b, k, n), DType::F32, &dev).unwrap();
         let out = lhs.matmul(&rhs).unwrap().to_vec3::<f32>().unwrap();
@@ -176,9 +182,7 @@ fn products_with_a_transposed_rhs_equal_a_loop() {
         let wv: Vec<f32> = (0..b * n * k).map(|i| ((i * 11 + 1) % 7) as f32 - 3.0).collect();
         let lhs = Tensor::from_vec(lv.clone(), (b, m, k), &dev).unwrap();
         let w = Tensor::from_vec(wv.clone(), (b, n, k), &dev).unwrap();
-        for _ in 0..4 {
-            drop(Tensor::full(f32::NAN, (b, m, n), &dev).unwrap().sqrt().unwrap());
-        }
+        poison_freed_memory((b, m, n), &dev);
         let out = lhs.matmul(&w.t().unwrap()).unwrap();
         assert!(out.is_contiguous());
         let got = out.to_vec3::<f32>().unwrap();
