@@ -8,8 +8,8 @@
 # each configuration in its own processes, warm-up steps then a timed steady state; then
 # `strata bench train` runs, and one table prints examples/s (tokens/s for the transformer)
 # of each peer beside Strata's Mirrored(2) and MultiWorkerMirrored(2), with the ratios, the
-# date, the CPU model, its vector width and the peers' versions. The README's speed claims
-# come from this table.
+# date, the CPU model, its vector width and the peers' versions. The speed claims of the README
+# and the guide (docs/benchmarks.md) come from this table; its outputs are kept in docs/bench/.
 #
 #   scripts/bench/peers.sh                         # everything: 4 models x 5 configurations, 10 s each
 #   scripts/bench/peers.sh --quick                 # ~2 s per configuration, 1 Strata round

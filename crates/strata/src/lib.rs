@@ -46,6 +46,8 @@
 
 pub mod cnn;
 pub mod digits;
+#[cfg(doctest)]
+mod doc_snippets;
 mod error;
 pub mod fused;
 pub mod gpu;
