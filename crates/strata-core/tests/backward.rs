@@ -6,7 +6,9 @@
 //! allocation with each other or with the variable (strategies reduce them in place), and a
 //! matmul over an empty inner dimension is still zero, and sums over leading dimensions (the
 //! patch adds whole rows there) keep their values, and products with a transposed rhs (which the
-//! patch may compute column-major) equal a loop.
+//! patch may compute column-major) equal a loop. The patch's one seam, `backward_with_hook`,
+//! hands each variable's gradient over once, when it is final, in the order gradients become
+//! ready, in an allocation of its own.
 
 use candle_core::{DType, Device, Tensor, Var, D};
 
@@ -276,4 +278,107 @@ fn sums_over_leading_dimensions_equal_a_loop() {
     assert_eq!(e.sum_keepdim(0).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap(), vec![0.0; 3]);
     let e = Tensor::zeros((3, 0), DType::F32, &dev).unwrap();
     assert_eq!(e.sum_keepdim(0).unwrap().elem_count(), 0);
+}
+
+/// Runs `loss.backward_with_hook`, recording each variable handed over (by id) with a copy of
+/// its gradient's values at that moment.
+fn hand_overs(loss: &Tensor) -> (candle_core::backprop::GradStore, Vec<(candle_core::TensorId, Vec<f32>)>) {
+    let mut seen = Vec::new();
+    let grads = loss
+        .backward_with_hook(&mut |var, grad| {
+            assert!(grad.is_contiguous(), "a gradient handed over is contiguous");
+            assert_eq!(grad.shape(), var.shape());
+            seen.push((var.id(), grad.flatten_all()?.to_vec1::<f32>()?));
+            Ok(())
+        })
+        .unwrap();
+    (grads, seen)
+}
+
+/// The seam overlap builds on: `backward_with_hook` hands every variable's gradient over once,
+/// as soon as it is final (its values then are the pass's final values), in the reverse order
+/// of the variables' last use; never an unused variable or a constant; and the pass gives the
+/// same gradients, bit for bit, as `backward`.
+#[test]
+fn the_hook_hands_each_final_gradient_over_once_in_reverse_order_of_use() {
+    let dev = Device::Cpu;
+    let x = Tensor::new(&[[1.0f32, -2.0, 0.5], [0.25, 3.0, -1.0]], &dev).unwrap();
+    let w1 = Var::new(&[[0.5f32, -1.0], [1.5, 0.25], [-0.75, 1.0]], &dev).unwrap(); // 3 x 2
+    let b1 = Var::new(&[0.1f32, -0.2], &dev).unwrap();
+    let w2 = Var::new(&[[1.0f32, 2.0], [-0.5, 0.75]], &dev).unwrap(); // 2 x 2
+    let w3 = Var::new(&[[0.3f32], [-1.2]], &dev).unwrap(); // 2 x 1
+    let unused = Var::new(&[1.0f32, 2.0], &dev).unwrap();
+    let frozen = Tensor::new(&[[2.0f32, 0.0], [0.0, 0.5]], &dev).unwrap(); // a constant, no gradient
+    let forward = || {
+        let h = x.matmul(w1.as_tensor()).unwrap().broadcast_add(b1.as_tensor()).unwrap().relu().unwrap();
+        let h = h.matmul(&frozen).unwrap().matmul(w2.as_tensor()).unwrap().tanh().unwrap();
+        h.matmul(w3.as_tensor()).unwrap().sqr().unwrap().sum_all().unwrap()
+    };
+    let plain = forward().backward().unwrap();
+    let (grads, seen) = hand_overs(&forward());
+    let order: Vec<_> = seen.iter().map(|(id, _)| *id).collect();
+    assert_eq!(order, vec![w3.id(), w2.id(), b1.id(), w1.id()], "reverse order of last use, each once");
+    for var in [&w1, &b1, &w2, &w3] {
+        let want = plain.get(var).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let handed = &seen.iter().find(|(id, _)| *id == var.id()).unwrap().1;
+        let kept = grads.get(var).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(handed), bits(&want), "the gradient was final when handed over");
+        assert_eq!(bits(&kept), bits(&want), "the same bits as backward");
+    }
+    // The constant gets a gradient in the store (candle's matmul backward computes both), but
+    // it is no variable, so it is never handed over; the unused variable gets none at all.
+    assert!(grads.get(&unused).is_none());
+}
+
+/// A variable used twice (tied weights) is handed over once, after its last use, with the sum
+/// of both contributions; a variable that is the root itself is handed over too.
+#[test]
+fn a_variable_used_twice_is_handed_over_once_with_both_contributions() {
+    let dev = Device::Cpu;
+    let x = Tensor::new(&[[1.0f32, 2.0], [3.0, -1.0]], &dev).unwrap();
+    let w = Var::new(&[[0.5f32, -0.25], [1.0, 2.0]], &dev).unwrap();
+    let v = Var::new(&[[1.5f32], [-0.5]], &dev).unwrap();
+    let forward = || {
+        let h = x.matmul(w.as_tensor()).unwrap().matmul(w.as_tensor()).unwrap(); // w twice
+        h.matmul(v.as_tensor()).unwrap().sum_all().unwrap()
+    };
+    let plain = forward().backward().unwrap();
+    let (_, seen) = hand_overs(&forward());
+    assert_eq!(seen.iter().map(|(id, _)| *id).collect::<Vec<_>>(), vec![v.id(), w.id()]);
+    assert_eq!(seen[1].1, plain.get(&w).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap());
+    // The root a variable: its gradient is ones, handed over at the end.
+    let (_, seen) = hand_overs(v.as_tensor());
+    assert_eq!(seen, vec![(v.id(), vec![1.0, 1.0])]);
+}
+
+/// The gradient handed over is the store's own, in an allocation nothing else shares: the
+/// hook may write it in place (as an all-reduce does) without touching another variable's
+/// gradient, even where the pass first gave both one tensor (`a + b`); an error from the hook
+/// ends the pass with it.
+#[test]
+fn the_hook_may_write_a_gradient_in_place_and_its_error_ends_the_pass() {
+    let dev = Device::Cpu;
+    let a = Var::new(&[[1.0f32, 2.0], [3.0, 4.0]], &dev).unwrap();
+    let b = Var::new(&[[0.5f32, 0.5], [0.5, 0.5]], &dev).unwrap();
+    let weights = Tensor::new(&[[1.0f32, 2.0], [3.0, 4.0]], &dev).unwrap();
+    let loss = ((a.as_tensor() + b.as_tensor()).unwrap() * &weights).unwrap().sum_all().unwrap();
+    let sevens = Tensor::full(7.0f32, (2, 2), &dev).unwrap();
+    let mut addrs = Vec::new();
+    let grads = loss
+        .backward_with_hook(&mut |var, grad| {
+            addrs.push(storage_addr(grad));
+            if var.id() == a.id() {
+                grad.slice_set(&sevens, 0, 0)?; // in place
+            }
+            Ok(())
+        })
+        .unwrap();
+    assert_eq!(v2(grads.get(&a).unwrap()), vec![vec![7.0, 7.0], vec![7.0, 7.0]], "the store's own tensor");
+    assert_eq!(v2(grads.get(&b).unwrap()), vec![vec![1.0, 2.0], vec![3.0, 4.0]], "b's gradient untouched");
+    assert_eq!(addrs.len(), 2);
+    assert_ne!(addrs[0], addrs[1]);
+    assert!(addrs.contains(&storage_addr(grads.get(&a).unwrap())), "the store keeps the tensor handed over");
+    let err = loss.backward_with_hook(&mut |_, _| candle_core::bail!("bucket 0 failed")).unwrap_err();
+    assert!(err.to_string().contains("bucket 0 failed"), "{err}");
 }

@@ -51,103 +51,13 @@ impl Tensor {
             } else if node.dtype().is_int() {
                 nodes
             } else if let Some(op) = node.op() {
-                match op {
-                    Op::IndexAdd(t1, t2, t3, _)
-                    | Op::Scatter(t1, t2, t3, _)
-                    | Op::ScatterAdd(t1, t2, t3, _)
-                    | Op::CustomOp3(t1, t2, t3, _)
-                    | Op::WhereCond(t1, t2, t3) => {
-                        let (tg, nodes) = walk(t1, nodes, already_seen);
-                        track_grad |= tg;
-                        let (tg, nodes) = walk(t2, nodes, already_seen);
-                        track_grad |= tg;
-                        let (tg, nodes) = walk(t3, nodes, already_seen);
-                        track_grad |= tg;
-                        nodes
-                    }
-                    Op::Conv1D {
-                        arg: lhs,
-                        kernel: rhs,
-                        ..
-                    }
-                    | Op::ConvTranspose1D {
-                        arg: lhs,
-                        kernel: rhs,
-                        ..
-                    }
-                    | Op::Conv2D {
-                        arg: lhs,
-                        kernel: rhs,
-                        ..
-                    }
-                    | Op::ConvTranspose2D {
-                        arg: lhs,
-                        kernel: rhs,
-                        ..
-                    }
-                    | Op::CustomOp2(lhs, rhs, _)
-                    | Op::Binary(lhs, rhs, _)
-                    | Op::Gather(lhs, rhs, _)
-                    | Op::IndexSelect(lhs, rhs, _)
-                    | Op::Matmul(lhs, rhs)
-                    | Op::SliceScatter0(lhs, rhs, _) => {
-                        let (tg, nodes) = walk(lhs, nodes, already_seen);
-                        track_grad |= tg;
-                        let (tg, nodes) = walk(rhs, nodes, already_seen);
-                        track_grad |= tg;
-                        nodes
-                    }
-                    Op::Cat(args, _) => args.iter().fold(nodes, |nodes, arg| {
-                        let (tg, nodes) = walk(arg, nodes, already_seen);
-                        track_grad |= tg;
-                        nodes
-                    }),
-                    Op::Affine { arg, mul, .. } => {
-                        if *mul == 0. {
-                            nodes
-                        } else {
-                            let (tg, nodes) = walk(arg, nodes, already_seen);
-                            track_grad |= tg;
-                            nodes
-                        }
-                    }
-                    Op::Unary(_node, UnaryOp::Ceil)
-                    | Op::Unary(_node, UnaryOp::Floor)
-                    | Op::Unary(_node, UnaryOp::Round)
-                    | Op::Unary(_node, UnaryOp::Sign) => nodes,
-                    Op::Reshape(node)
-                    | Op::UpsampleNearest1D { arg: node, .. }
-                    | Op::UpsampleNearest2D { arg: node, .. }
-                    | Op::UpsampleBilinear2D { arg: node, .. }
-                    | Op::AvgPool2D { arg: node, .. }
-                    | Op::MaxPool2D { arg: node, .. }
-                    | Op::Copy(node)
-                    | Op::Broadcast(node)
-                    | Op::Cmp(node, _)
-                    | Op::Reduce(node, ReduceOp::Min | ReduceOp::Sum | ReduceOp::Max, _)
-                    | Op::ToDevice(node)
-                    | Op::Transpose(node, _, _)
-                    | Op::Permute(node, _)
-                    | Op::Narrow(node, _, _, _)
-                    | Op::Unary(node, _)
-                    | Op::Elu(node, _)
-                    | Op::Powf(node, _)
-                    | Op::CustomOp1(node, _) => {
-                        let (tg, nodes) = walk(node, nodes, already_seen);
-                        track_grad |= tg;
-                        nodes
-                    }
-                    Op::ToDType(node) => {
-                        if node.dtype().is_float() {
-                            let (tg, nodes) = walk(node, nodes, already_seen);
-                            track_grad |= tg;
-                            nodes
-                        } else {
-                            nodes
-                        }
-                    }
-                    Op::Reduce(_, ReduceOp::ArgMin | ReduceOp::ArgMax, _) => nodes,
-                }
+                // STRATA PATCH: the operands are listed by `grad_inputs`, which the backward
+                // pass's hook also uses (the same operands, in the same order, as before).
+                grad_inputs(op).into_iter().fold(nodes, |nodes, arg| {
+                    let (tg, nodes) = walk(arg, nodes, already_seen);
+                    track_grad |= tg;
+                    nodes
+                })
             } else {
                 nodes
             };
@@ -163,10 +73,64 @@ impl Tensor {
     }
 
     pub fn backward(&self) -> Result<GradStore> {
+        self.backward_inner(None)
+    }
+
+    /// STRATA PATCH: [`Tensor::backward`], calling `on_final(variable, gradient)` once for every
+    /// variable that gets a gradient, as soon as that gradient is final: right after the last
+    /// node that uses the variable has been differentiated, while the rest of the pass goes
+    /// on. Variables thus come in the order their gradients become ready, the reverse of their
+    /// last use in the forward pass. The gradient handed over is the one the returned store
+    /// holds, contiguous and in an allocation nothing else shares, and the pass never reads it
+    /// again, so the callback may read it or change it in place (reduce it across replicas)
+    /// while the pass computes the others. An error from the callback ends the pass with it.
+    pub fn backward_with_hook(
+        &self,
+        on_final: &mut dyn FnMut(&Tensor, &Tensor) -> Result<()>,
+    ) -> Result<GradStore> {
+        self.backward_inner(Some(on_final))
+    }
+
+    fn backward_inner(
+        &self,
+        mut on_final: Option<&mut dyn FnMut(&Tensor, &Tensor) -> Result<()>>,
+    ) -> Result<GradStore> {
         let sorted_nodes = self.sorted_nodes();
         let mut grads = GradStore::new();
         grads.insert(self, self.ones_like()?.contiguous()?);
-        for node in sorted_nodes.iter() {
+        // STRATA PATCH: with a hook, `ready[i]` lists the variables whose last use is node `i`.
+        let mut ready: Vec<Vec<&Tensor>> = Vec::new();
+        let mut fired: std::collections::HashSet<TensorId> = std::collections::HashSet::new();
+        if on_final.is_some() {
+            let mut last_use: HashMap<TensorId, (usize, &Tensor)> = HashMap::new();
+            for (i, node) in sorted_nodes.iter().enumerate() {
+                if let (false, Some(op)) = (node.is_variable(), node.op()) {
+                    for arg in grad_inputs(op) {
+                        if arg.is_variable() {
+                            last_use.insert(arg.id(), (i, arg));
+                        }
+                    }
+                }
+            }
+            ready = vec![Vec::new(); sorted_nodes.len()];
+            let mut uses: Vec<(usize, &Tensor)> = last_use.into_values().collect();
+            // Several variables final at one node: in the order `sorted_nodes` lists them.
+            let position: HashMap<TensorId, usize> =
+                sorted_nodes.iter().enumerate().map(|(i, n)| (n.id(), i)).collect();
+            uses.sort_by_key(|(i, v)| (*i, position.get(&v.id()).copied().unwrap_or(usize::MAX)));
+            for (i, var) in uses {
+                ready[i].push(var);
+            }
+        }
+        for (index, node) in sorted_nodes.iter().enumerate() {
+            if let Some(hook) = on_final.as_deref_mut() {
+                // The variables the previous node was the last to use are final now.
+                if let Some(vars) = index.checked_sub(1).map(|i| &ready[i]) {
+                    for var in vars {
+                        grads.hand_over(var, hook, &mut fired)?;
+                    }
+                }
+            }
             if node.is_variable() {
                 continue;
             }
@@ -700,7 +664,7 @@ impl Tensor {
         // gets an allocation of its own here, contiguous as upstream's sums were, copied only
         // where it is shared or strided.
         for node in sorted_nodes.iter() {
-            if !node.is_variable() {
+            if !node.is_variable() || fired.contains(&node.id()) {
                 continue;
             }
             if let Some(g) = grads.0.get_mut(&node.id()) {
@@ -709,7 +673,77 @@ impl Tensor {
                 }
             }
         }
+        // STRATA PATCH: with a hook, the variables not yet handed over (those the last node
+        // used, and the root itself when it is a variable), in the order of `sorted_nodes`.
+        if let Some(hook) = on_final.as_deref_mut() {
+            for node in sorted_nodes.iter() {
+                if node.is_variable() && !fired.contains(&node.id()) {
+                    grads.hand_over(node, hook, &mut fired)?;
+                }
+            }
+        }
         Ok(grads)
+    }
+}
+
+/// STRATA PATCH: the operands of `op` that a gradient flows to, in the order `sorted_nodes`
+/// walks them: none through rounding, sign, argmin/argmax, an affine map that multiplies by
+/// zero or a cast from an integer type.
+fn grad_inputs(op: &Op) -> Vec<&Tensor> {
+    match op {
+        Op::IndexAdd(t1, t2, t3, _)
+        | Op::Scatter(t1, t2, t3, _)
+        | Op::ScatterAdd(t1, t2, t3, _)
+        | Op::CustomOp3(t1, t2, t3, _)
+        | Op::WhereCond(t1, t2, t3) => vec![t1, t2, t3],
+        Op::Conv1D { arg: lhs, kernel: rhs, .. }
+        | Op::ConvTranspose1D { arg: lhs, kernel: rhs, .. }
+        | Op::Conv2D { arg: lhs, kernel: rhs, .. }
+        | Op::ConvTranspose2D { arg: lhs, kernel: rhs, .. }
+        | Op::CustomOp2(lhs, rhs, _)
+        | Op::Binary(lhs, rhs, _)
+        | Op::Gather(lhs, rhs, _)
+        | Op::IndexSelect(lhs, rhs, _)
+        | Op::Matmul(lhs, rhs)
+        | Op::SliceScatter0(lhs, rhs, _) => vec![lhs, rhs],
+        Op::Cat(args, _) => args.iter().collect(),
+        Op::Affine { arg, mul, .. } => {
+            if *mul == 0. {
+                vec![]
+            } else {
+                vec![arg]
+            }
+        }
+        Op::Unary(_node, UnaryOp::Ceil)
+        | Op::Unary(_node, UnaryOp::Floor)
+        | Op::Unary(_node, UnaryOp::Round)
+        | Op::Unary(_node, UnaryOp::Sign) => vec![],
+        Op::Reshape(node)
+        | Op::UpsampleNearest1D { arg: node, .. }
+        | Op::UpsampleNearest2D { arg: node, .. }
+        | Op::UpsampleBilinear2D { arg: node, .. }
+        | Op::AvgPool2D { arg: node, .. }
+        | Op::MaxPool2D { arg: node, .. }
+        | Op::Copy(node)
+        | Op::Broadcast(node)
+        | Op::Cmp(node, _)
+        | Op::Reduce(node, ReduceOp::Min | ReduceOp::Sum | ReduceOp::Max, _)
+        | Op::ToDevice(node)
+        | Op::Transpose(node, _, _)
+        | Op::Permute(node, _)
+        | Op::Narrow(node, _, _, _)
+        | Op::Unary(node, _)
+        | Op::Elu(node, _)
+        | Op::Powf(node, _)
+        | Op::CustomOp1(node, _) => vec![node],
+        Op::ToDType(node) => {
+            if node.dtype().is_float() {
+                vec![node]
+            } else {
+                vec![]
+            }
+        }
+        Op::Reduce(_, ReduceOp::ArgMin | ReduceOp::ArgMax, _) => vec![],
     }
 }
 
@@ -784,6 +818,25 @@ impl GradStore {
                     entry.insert(tensor.zeros_like()?.add(grad)?);
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// STRATA PATCH: hands the final gradient of variable `var`, if it has one, to `hook`,
+    /// after making it contiguous and the only handle to its allocation (the end of
+    /// `backward` then leaves it as it is), and records that it was handed over.
+    fn hand_over(
+        &mut self,
+        var: &Tensor,
+        hook: &mut dyn FnMut(&Tensor, &Tensor) -> Result<()>,
+        fired: &mut std::collections::HashSet<TensorId>,
+    ) -> Result<()> {
+        if let Some(g) = self.0.get_mut(&var.id()) {
+            if !g.is_contiguous() || !g.is_exclusively_owned() || g.same_storage(var) {
+                *g = g.force_contiguous()?;
+            }
+            fired.insert(var.id());
+            hook(var, g)?;
         }
         Ok(())
     }
