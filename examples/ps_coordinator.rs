@@ -15,7 +15,7 @@ fn main() -> strata::Result<()> {
     };
     let cluster =
         ClusterSpec::new([(TaskType::Ps, list(1, "127.0.0.1:7100")), (TaskType::Worker, list(2, "127.0.0.1:7200"))])?;
-    let token = ClusterToken::resolve(None).map_err(|e| strata::Error::Usage(e.to_string()))?;
+    let token = ClusterToken::resolve(None)?;
     let strategy = ParameterServerStrategy::new(cluster, ParameterServerOptions::new(token))?;
     let model = strategy.scope(|s| Mlp::new(s.var_builder(), 64, &HIDDEN, 10))?; // variables on the ps tasks
     let coordinator = strategy.coordinator()?;

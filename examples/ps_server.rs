@@ -20,10 +20,9 @@ fn main() -> strata::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let address = args.get(1).map_or("127.0.0.1:7100", String::as_str);
     let index: usize = args.get(2).and_then(|i| i.parse().ok()).unwrap_or(0);
-    let token = ClusterToken::resolve(None).map_err(|e| strata::Error::Usage(e.to_string()))?;
+    let token = ClusterToken::resolve(None)?;
     let bind = address.parse().map_err(|_| strata::Error::Usage(format!("{address:?} is not ip:port")))?;
-    let server = PsServerHandle::start(bind, PsServerConfig::new(format!("ps:{index}"), token))
-        .map_err(strata::CoreError::from)?;
+    let server = PsServerHandle::start(bind, PsServerConfig::new(format!("ps:{index}"), token))?;
     eprintln!("ps:{index} serving on {}", server.address());
     server.wait(); // until the process is stopped
     Ok(())

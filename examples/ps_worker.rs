@@ -11,7 +11,7 @@ fn main() -> strata::Result<()> {
     let address = args.get(1).map_or("127.0.0.1:7200", String::as_str);
     let index: usize = args.get(2).and_then(|i| i.parse().ok()).unwrap_or(0);
     let ps: Vec<String> = args.get(3).map_or("127.0.0.1:7100", String::as_str).split(',').map(String::from).collect();
-    let token = ClusterToken::resolve(None).map_err(|e| strata::Error::Usage(e.to_string()))?;
+    let token = ClusterToken::resolve(None)?;
 
     let mut registry = StepRegistry::new();
     strata_examples::ps_step::register(&mut registry)?; // steps travel by name, not as closures

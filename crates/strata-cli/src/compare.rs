@@ -11,7 +11,7 @@ use crate::{Error, Result};
 pub struct CompareArgs {
     /// The experiment file (TOML; see experiments/ for ready-made ones).
     pub experiment: PathBuf,
-    /// Simulate the runs in virtual time over the worker counts of the file's [simulate] table,
+    /// Simulate the runs in virtual time over the worker counts of the file's `[simulate]` table,
     /// instead of running real processes.
     #[arg(long)]
     pub simulate: bool,

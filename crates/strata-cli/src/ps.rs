@@ -299,6 +299,26 @@ fn ps_mode(args: &TrainArgs, workers: usize) -> Result<PsMode> {
     })
 }
 
+/// The ps tasks' learning-rate schedule: the transformer's, as under the other strategies
+/// ([`crate::train::transformer_schedule`]), over the optimizer steps the ps tasks will count:
+/// every scheduled step is one applied push to every ps task in async and stale modes, and a
+/// sync round takes one step of each of the `workers` (backups' dropped ones included), so a
+/// task counts `ceil(--steps / workers)` rounds per epoch. The digits models keep the constant
+/// `--lr` (as they do under the other strategies).
+fn ps_schedule(args: &TrainArgs, mode: PsMode, workers: usize) -> Option<strata_transport::ps::LrSchedule> {
+    if args.model != ModelKind::Transformer {
+        return None;
+    }
+    let steps = args.steps.unwrap_or(TRANSFORMER_STEPS);
+    let per_epoch = match mode {
+        PsMode::Sync { .. } => steps.div_ceil(workers.max(1)),
+        PsMode::Async | PsMode::Stale { .. } => steps,
+    };
+    let total = per_epoch.saturating_mul(args.epochs()) as u64;
+    // Without a step the job is refused for its --steps, not for its schedule.
+    (total > 0).then(|| crate::train::transformer_schedule(args.lr, total))
+}
+
 /// The slow workers and stragglers of `--worker-slowdown` and `--straggler-*`, checked
 /// against the number of workers.
 fn step_delays(args: &TrainArgs, workers: usize) -> Result<StepDelays> {
@@ -545,6 +565,7 @@ pub fn train(args: &TrainArgs, started: Instant) -> Result<()> {
     let mut options = ParameterServerOptions::new(token);
     options.optimizer = args.optimizer.server_optimizer(args.lr, args.momentum);
     options.mode = ps_mode(args, workers)?;
+    options.schedule = ps_schedule(args, options.mode, workers);
     options.partitioner = Partitioner::parse(&args.partitioner)?;
     options.seed = args.seed;
     options.cluster_source = cluster_source;

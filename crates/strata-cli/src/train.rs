@@ -4,6 +4,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use serde::Serialize;
+use strata_core::cross_device::compression::Compression;
 use strata_core::strategy::AutoShardPolicy;
 use strata_core::timeline::Timeline;
 use strata_core::{Strategy, StrategyHandle, StrategyOptions};
@@ -69,8 +70,8 @@ pub enum ModelKind {
     Cnn,
     /// The character transformer on Tiny Shakespeare (`strata::transformer`, 0.82M
     /// parameters; 1 epoch of --steps steps of 32 windows of 64 characters by default, AdamW
-    /// with warm-up and cosine decay, clipping at 1.0; on parameter servers: the ps tasks'
-    /// constant --lr, clipping on the workers).
+    /// with warm-up and cosine decay, clipping at 1.0; on parameter servers the same schedule
+    /// over the ps tasks' own update count, clipping on the workers).
     Transformer,
 }
 
@@ -88,6 +89,13 @@ impl ModelKind {
 /// The transformer's default steps per epoch (`--steps`): sized to finish well within 5 minutes
 /// on a 2-core machine in a release build.
 pub const TRANSFORMER_STEPS: usize = 1200;
+
+/// The transformer's learning-rate schedule over `total` optimizer steps, under every strategy:
+/// a linear warm-up over 5% of them (at most 100), then a cosine decay from `lr` to a tenth of
+/// it at the last step.
+pub fn transformer_schedule(lr: f64, total: u64) -> LrSchedule {
+    LrSchedule::WarmupCosine { peak: lr, warmup_steps: (total / 20).min(100), total_steps: total, final_lr: lr / 10.0 }
+}
 
 /// Which CPU reduction.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -164,6 +172,13 @@ pub struct TrainArgs {
     /// Gradient fusion bucket size in MiB (0: one bucket per tensor).
     #[arg(long, default_value_t = 25.0)]
     pub bucket_mib: f64,
+    /// Multi-worker: how gradients cross the network: `none` (f32, exact), `fp16` or `bf16`
+    /// (16 bits on the wire, every hop adding in f32).
+    #[arg(long, default_value = "none", value_parser = parse_compression)]
+    pub compression: Compression,
+    /// Reduce after the backward pass instead of overlapping the reduction with it.
+    #[arg(long)]
+    pub no_overlap: bool,
     /// Do not draw a progress bar.
     #[arg(long)]
     pub no_progress: bool,
@@ -217,7 +232,7 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 4)]
     pub staleness: u64,
     /// Parameter server: how variables are split over ps tasks: none, fixed:N,
-    /// min:BYTES[:MAX_SHARDS], max:BYTES[:MAX_SHARDS] (TensorFlow's partitioners).
+    /// `min:BYTES[:MAX_SHARDS]`, `max:BYTES[:MAX_SHARDS]` (TensorFlow's partitioners).
     #[arg(long, default_value = "none")]
     pub partitioner: String,
     /// Momentum of --optimizer momentum.
@@ -266,6 +281,13 @@ impl TrainArgs {
 
     /// Refuses flags that do not apply to `--model` (or the strategy), one line each.
     fn check_model_flags(&self) -> Result<()> {
+        if self.compression != Compression::None && self.strategy != StrategyKind::MultiWorkerMirrored {
+            return Err(Error::Usage(format!(
+                "--compression {} applies to --strategy multi-worker-mirrored, whose gradients cross a network (--strategy {} has none on a wire); drop it",
+                self.compression,
+                self.strategy.name()
+            )));
+        }
         let m = self.model.name();
         let refuse = |flag: &str, applies: &str| {
             Err(Error::Usage(format!("{flag} applies to {applies}, not --model {m}; drop it")))
@@ -461,6 +483,7 @@ pub fn make_multi_worker(args: &TrainArgs, options: StrategyOptions) -> Result<M
     }
     mw.bind = args.bind;
     mw.options = options;
+    mw.compression = args.compression;
     mw.auto_shard = match args.auto_shard {
         AutoShardKind::Data => AutoShardPolicy::Data,
         AutoShardKind::Off => AutoShardPolicy::Off,
@@ -469,6 +492,12 @@ pub fn make_multi_worker(args: &TrainArgs, options: StrategyOptions) -> Result<M
         AutoShardKind::File => AutoShardPolicy::Off,
     };
     Ok(MultiWorkerMirroredStrategy::from_resolver(resolver.as_ref(), mw)?)
+}
+
+/// `--compression`: `none`, `fp16`, `bf16` (PowerSGD's `powersgd:R` parses, and the strategy
+/// refuses it: not on the ring yet).
+fn parse_compression(s: &str) -> std::result::Result<Compression, String> {
+    s.parse::<Compression>().map_err(|e| e.to_string())
 }
 
 /// Refuses a `--checkpoint-dir` this process cannot write, naming it (exit code 2).
@@ -553,6 +582,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         timeline: timeline.clone(),
         seed: args.seed,
         collective_timeout: std::time::Duration::from_secs_f64(args.collective_timeout),
+        overlap: !args.no_overlap,
     };
     // SIGTERM and SIGINT stop training after the current step (with a checkpoint when
     // --checkpoint-dir is set); a second signal ends the process at once.
@@ -718,12 +748,7 @@ fn train_with(
             let mut cfg = config(args.batch())?;
             let total = (steps * args.epochs()) as u64;
             cfg.clip_global_norm = Some(1.0);
-            cfg.schedule = Some(LrSchedule::WarmupCosine {
-                peak: args.lr,
-                warmup_steps: (total / 20).min(100),
-                total_steps: total,
-                final_lr: args.lr / 10.0,
-            });
+            cfg.schedule = Some(transformer_schedule(args.lr, total));
             let trainer = Trainer::new(cfg);
             let model = strategy.scope(|s| CharTransformer::new(shape, s.var_builder()))?;
             let task = strata::transformer::task();

@@ -26,7 +26,13 @@ impl ReplicaContext<'_> {
     }
 
     /// This replica's request for the next collective reduction of the step.
-    fn request<'r>(&'r self, op: ReduceOp, dest: Destination, input: &'r [Tensor], weight: f32) -> ReduceRequest<'r> {
+    pub(crate) fn request<'r>(
+        &'r self,
+        op: ReduceOp,
+        dest: Destination,
+        input: &'r [Tensor],
+        weight: f32,
+    ) -> ReduceRequest<'r> {
         let (group, replica) = (&self.shared.group, self.replica);
         ReduceRequest { group, replica, seq: group.next_seq(replica), op, dest, input, weight }
     }
@@ -47,7 +53,11 @@ impl ReplicaContext<'_> {
     }
 
     /// Replica 0's result, handed to every local replica.
-    fn share_from_first<T: Any + Send + Clone>(&self, what: &str, mine: std::result::Result<T, String>) -> Result<T> {
+    pub(crate) fn share_from_first<T: Any + Send + Clone>(
+        &self,
+        what: &str,
+        mine: std::result::Result<T, String>,
+    ) -> Result<T> {
         let key = self.next_key(what.into(), vec![]);
         let all = self.shared.group.exchange(self.replica, &key, mine)?;
         match all.into_iter().next() {
@@ -204,42 +214,7 @@ impl ReplicaContext<'_> {
                 None => Ok(vars[i].zeros_like()?),
             })
             .collect::<Result<_>>()?;
-        let sizes: Vec<usize> = grads.iter().map(Tensor::elem_count).collect();
-        let ops = self.shared.ext.cross_device_ops();
-        // The reduced gradient is written back into this replica's own gradient tensors: after
-        // a bucket's second rendezvous no peer reads them any more, their pages are already
-        // mapped (no allocation, no page faults), and the optimizer then reads them as usual.
-        let mut failed: Option<candle_core::Error> = None;
-        for (b, bucket) in plan_buckets(&sizes, self.shared.ext.options().bucket_bytes).iter().enumerate() {
-            let _p = self.phase("reduce", &format!("bucket {b}"));
-            let _s =
-                tracing::trace_span!("reduce_bucket", replica = self.replica, bucket = b, elements = bucket.elements)
-                    .entered();
-            let range = bucket.tensors.clone();
-            let (mut cur, mut filled) = (range.start, 0usize);
-            // Device-resident ops write the result into `grads` themselves.
-            let in_place = ops.reduces_in_place();
-            let req = self.request(ReduceOp::Sum, dest, &grads[range.clone()], weight);
-            ops.reduce(req, &mut |mut piece: &[f32]| {
-                if in_place {
-                    return;
-                }
-                while !piece.is_empty() {
-                    while filled == sizes[cur] {
-                        (cur, filled) = (cur + 1, 0);
-                    }
-                    let take = (sizes[cur] - filled).min(piece.len());
-                    if let Err(e) = grads[cur].inplace_op1(&WriteAt { offset: filled, data: &piece[..take] }) {
-                        failed.get_or_insert(e);
-                    }
-                    filled += take;
-                    piece = &piece[take..];
-                }
-            })?;
-        }
-        if let Some(e) = failed {
-            return Err(e.into());
-        }
+        self.reduce_in_buckets(&grads, dest, weight)?;
         if !dest.receives(self.replica) {
             return Ok(None);
         }
@@ -248,6 +223,84 @@ impl ReplicaContext<'_> {
             out[i] = Some(g);
         }
         Ok(Some(out))
+    }
+}
+
+impl ReplicaContext<'_> {
+    /// Reduces `grads` (contiguous f32 tensors) with the strategy's cross-device op, in fused
+    /// buckets of the strategy's size, each replica's contribution times `weight` (gradients:
+    /// [`CrossDeviceOps::start_gradients`](crate::cross_device::CrossDeviceOps::start_gradients),
+    /// compressed where the strategy compresses them); the result is written back into the
+    /// receiving replicas' `grads`. Collective.
+    pub(crate) fn reduce_in_buckets(&self, grads: &[Tensor], dest: Destination, weight: f32) -> Result<()> {
+        let sizes: Vec<usize> = grads.iter().map(Tensor::elem_count).collect();
+        let ops = self.shared.ext.cross_device_ops();
+        // The reduced gradient is written back into this replica's own gradient tensors: after
+        // a bucket's second rendezvous no peer reads them any more, their pages are already
+        // mapped (no allocation, no page faults), and the optimizer then reads them as usual.
+        // A failure to write back is reported after the last bucket: every replica takes part
+        // in every collective.
+        let mut failed = Ok(());
+        for (b, bucket) in plan_buckets(&sizes, self.shared.ext.options().bucket_bytes).iter().enumerate() {
+            let _p = self.phase("reduce", &format!("bucket {b}"));
+            let _s =
+                tracing::trace_span!("reduce_bucket", replica = self.replica, bucket = b, elements = bucket.elements)
+                    .entered();
+            let tensors = &grads[bucket.tensors.clone()];
+            let mut sink = Scatter::new(tensors, ops.reduces_in_place());
+            let req = self.request(ReduceOp::Sum, dest, tensors, weight);
+            let started = ops.start_gradients(req, &mut |piece| sink.write(piece))?;
+            ops.finish(req, started, &mut |piece| sink.write(piece))?;
+            failed = failed.and(sink.check());
+        }
+        failed
+    }
+}
+
+/// Writes consecutive pieces of a bucket's reduced values back into its tensors, in place
+/// (nothing for device-resident ops, which write the result themselves).
+pub(crate) struct Scatter<'t> {
+    tensors: &'t [Tensor],
+    in_place: bool,
+    cur: usize,
+    filled: usize,
+    failed: Option<candle_core::Error>,
+}
+
+impl<'t> Scatter<'t> {
+    pub(crate) fn new(tensors: &'t [Tensor], in_place: bool) -> Self {
+        Self { tensors, in_place, cur: 0, filled: 0, failed: None }
+    }
+
+    pub(crate) fn write(&mut self, mut piece: &[f32]) {
+        if self.in_place {
+            return;
+        }
+        while !piece.is_empty() {
+            while self.cur < self.tensors.len() && self.filled == self.tensors[self.cur].elem_count() {
+                (self.cur, self.filled) = (self.cur + 1, 0);
+            }
+            let Some(t) = self.tensors.get(self.cur) else {
+                self.failed.get_or_insert_with(|| {
+                    candle_core::Error::Msg("a reduction returned more values than its bucket holds".into())
+                });
+                return;
+            };
+            let take = (t.elem_count() - self.filled).min(piece.len());
+            if let Err(e) = t.inplace_op1(&WriteAt { offset: self.filled, data: &piece[..take] }) {
+                self.failed.get_or_insert(e);
+            }
+            self.filled += take;
+            piece = &piece[take..];
+        }
+    }
+
+    /// The first failure to write, if any.
+    pub(crate) fn check(self) -> Result<()> {
+        match self.failed {
+            Some(e) => Err(e.into()),
+            None => Ok(()),
+        }
     }
 }
 

@@ -8,7 +8,12 @@ use std::time::Duration;
 pub enum Error {
     /// A device string that is not of TensorFlow's form.
     #[error("invalid device spec {spec:?}: {reason}")]
-    InvalidDeviceSpec { spec: String, reason: String },
+    InvalidDeviceSpec {
+        /// The string given.
+        spec: String,
+        /// What is wrong with it.
+        reason: String,
+    },
 
     /// A device list (visible devices, a strategy's devices) that cannot be used.
     #[error("invalid device list: {0}")]
@@ -28,19 +33,51 @@ pub enum Error {
 
     /// Shapes that must agree across replicas (or with a variable) do not.
     #[error("shape mismatch in {op}: {detail}")]
-    ShapeMismatch { op: String, detail: String },
+    ShapeMismatch {
+        /// The operation.
+        op: String,
+        /// Which shapes disagree.
+        detail: String,
+    },
 
     /// Replicas issued different collectives at the same point.
     #[error("collective order mismatch at collective #{seq}: {detail}")]
-    CollectiveMismatch { seq: u64, detail: String },
+    CollectiveMismatch {
+        /// The collective's number in the step.
+        seq: u64,
+        /// What each replica called.
+        detail: String,
+    },
 
     /// A replica left the step while its peers waited in a collective.
     #[error("replica {replica} left the step before collective #{seq} ({op}) that replica {waiting} is waiting in")]
-    ReplicaLeft { replica: usize, waiting: usize, seq: u64, op: String },
+    ReplicaLeft {
+        /// The replica that left.
+        replica: usize,
+        /// A replica still waiting for it.
+        waiting: usize,
+        /// The collective's number in the step.
+        seq: u64,
+        /// The collective.
+        op: String,
+    },
 
     /// A collective did not complete within its deadline.
     #[error("collective #{seq} ({op}) timed out after {timeout:?} on replica {replica}; {arrived} of {expected} replicas arrived")]
-    CollectiveTimeout { seq: u64, op: String, replica: usize, timeout: Duration, arrived: usize, expected: usize },
+    CollectiveTimeout {
+        /// The collective's number in the step.
+        seq: u64,
+        /// The collective.
+        op: String,
+        /// The replica whose wait timed out.
+        replica: usize,
+        /// The deadline.
+        timeout: Duration,
+        /// Replicas that reached the collective.
+        arrived: usize,
+        /// Replicas taking part.
+        expected: usize,
+    },
 
     /// A value or variable was used with a strategy that did not create it, or outside any scope.
     #[error("{0}")]
@@ -53,38 +90,83 @@ pub enum Error {
     /// A replica's step failed; the other replicas were told to stop.
     #[error("replica {replica} failed: {source}")]
     Replica {
+        /// The replica.
         replica: usize,
+        /// Its error.
         #[source]
         source: Box<Error>,
     },
 
     /// A replica thread panicked.
     #[error("replica {replica} panicked: {message}")]
-    ReplicaPanicked { replica: usize, message: String },
+    ReplicaPanicked {
+        /// The replica.
+        replica: usize,
+        /// The panic's message.
+        message: String,
+    },
 
     /// A variable name or pattern (to freeze, say) that matches no variable of the model.
     #[error("no variable matches {pattern:?}; the model's variables are: {variables}")]
-    NoSuchVariable { pattern: String, variables: String },
+    NoSuchVariable {
+        /// The name or pattern given.
+        pattern: String,
+        /// The model's variables, listed.
+        variables: String,
+    },
 
     /// A learning-rate schedule that cannot be followed.
     #[error("{schedule} learning-rate schedule: {detail}")]
-    InvalidSchedule { schedule: String, detail: String },
+    InvalidSchedule {
+        /// The schedule.
+        schedule: String,
+        /// What is wrong, and what to change.
+        detail: String,
+    },
 
     /// An optimizer setting (clipping norm, accumulation) out of its range.
     #[error("{setting} of {value}: {expected}")]
-    OptimizerSetting { setting: &'static str, value: String, expected: &'static str },
+    OptimizerSetting {
+        /// The setting.
+        setting: &'static str,
+        /// The value given.
+        value: String,
+        /// The range it must be in.
+        expected: &'static str,
+    },
 
     /// The parts of one batch disagree on its number of examples (its first axis).
     #[error("the parts of a batch disagree on its examples: {first} has {first_rows} rows but {other} has {other_rows}; give every part of a batch one row per example")]
-    BatchRows { first: String, first_rows: usize, other: String, other_rows: usize },
+    BatchRows {
+        /// The batch's first part.
+        first: String,
+        /// Its rows.
+        first_rows: usize,
+        /// A part with another number of rows.
+        other: String,
+        /// Its rows.
+        other_rows: usize,
+    },
 
     /// A file of fixed-size records whose size is not a whole number of records.
     #[error("{path} has {size} bytes, not a whole number of records of {record} bytes; write whole records or give the record's size")]
-    RecordFile { path: String, size: u64, record: u64 },
+    RecordFile {
+        /// The file.
+        path: String,
+        /// Its size in bytes.
+        size: u64,
+        /// The record's size in bytes.
+        record: u64,
+    },
 
     /// Fewer files than workers to hand each worker whole files.
     #[error("{files} files for {workers} workers under the file sharding policy: each worker needs a whole file; split the dataset into at least {workers} files or shard by data")]
-    TooFewFiles { files: usize, workers: usize },
+    TooFewFiles {
+        /// The dataset's files.
+        files: usize,
+        /// The workers.
+        workers: usize,
+    },
 
     /// Bad dataset input (sizes, batch sizes).
     #[error("dataset: {0}")]
@@ -127,7 +209,9 @@ pub enum Error {
     /// An I/O error, with the path or operation it concerns.
     #[error("{context}: {source}")]
     Io {
+        /// The path or operation.
         context: String,
+        /// The cause.
         #[source]
         source: std::io::Error,
     },

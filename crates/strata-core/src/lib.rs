@@ -67,6 +67,9 @@
 //! - [`variables`]: the scope's variables and the distributed optimizer;
 //! - [`strategy`]: the user-facing [`Strategy`] and [`StrategyHandle`].
 
+// The facade (the strata crate) re-exports this crate's items: every public one is documented.
+#![warn(missing_docs)]
+
 pub mod checkpoint;
 pub mod context;
 pub mod cross_device;

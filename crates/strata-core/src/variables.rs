@@ -697,6 +697,24 @@ pub struct DistributedOptimizer<O> {
     accumulation: usize,
     /// Each local replica's accumulated gradients.
     accumulated: Vec<Mutex<Accumulated>>,
+    /// Each local replica's plan of overlapped reduction, learned in the first step.
+    overlap: Vec<Mutex<Option<Arc<OverlapPlan>>>>,
+}
+
+/// How a replica reduces its gradients while the backward pass runs: the order in which the
+/// gradients became ready in a step without overlap (the first, or one after the variables
+/// with gradients changed), agreed by every replica and worker, cut into buckets that are
+/// reduced in that order, each as soon as its last gradient is final.
+#[derive(Debug)]
+struct OverlapPlan {
+    /// Indices of the optimizer's variables, in the order the buckets take them.
+    order: Vec<usize>,
+    /// The buckets, as ranges of `order`.
+    buckets: Vec<crate::cross_device::Bucket>,
+    /// Each variable's bucket (by variable index), if the plan has the variable.
+    bucket_of: Vec<Option<usize>>,
+    /// A variable's index by the id of this replica's copy of it.
+    index: HashMap<candle_core::TensorId, usize>,
 }
 
 /// A replica's gradients summed over the micro-batches of an optimizer step so far.
@@ -733,6 +751,7 @@ impl<O: Optimizer> DistributedOptimizer<O> {
             schedule: None,
             accumulation: 1,
             accumulated: (0..replicas.max(1)).map(|_| Mutex::new(Accumulated::default())).collect(),
+            overlap: (0..replicas.max(1)).map(|_| Mutex::new(None)).collect(),
         }
     }
 
@@ -840,6 +859,21 @@ impl<O: Optimizer> DistributedOptimizer<O> {
         &self.vars[copy]
     }
 
+    /// The copy replica `replica` steps: its own for mirrored variables, the one central copy
+    /// otherwise.
+    pub(crate) fn copy_of(&self, replica: usize) -> usize {
+        match self.policy {
+            VariablePolicy::Mirrored => replica,
+            VariablePolicy::Central { .. } => 0,
+        }
+    }
+
+    /// The buckets of the plan by which local replica `replica` reduces while its backward
+    /// pass runs (see [`ReplicaContext::backward_and_sync`]), once a step has learned one.
+    pub fn overlap_buckets(&self, replica: usize) -> Option<usize> {
+        self.overlap.get(replica).and_then(|p| lock(p).as_ref().map(|p| p.buckets.len()))
+    }
+
     /// Locks copy `copy`'s optimizer (to change its learning rate, say).
     pub fn lock(&self, copy: usize) -> MutexGuard<'_, O> {
         lock(&self.copies[copy])
@@ -878,13 +912,213 @@ impl ReplicaContext<'_> {
     /// central variables reduce to the parameter device, which applies the update once. Only
     /// the optimizer's (trainable) variables that some replica, on some worker, computed a
     /// gradient for are reduced and stepped (see [`ReplicaContext::reduce_gradients`]).
+    ///
+    /// With [`StrategyOptions::overlap`](crate::StrategyOptions::overlap) (the default), the
+    /// reduction overlaps the backward pass: the first step learns the order in which the
+    /// gradients become ready, and every later step reduces each bucket of that order as soon
+    /// as its last gradient is final, while the pass computes the rest. The result is the
+    /// same, bit for bit where each element's sum keeps its order. Steps with accumulation
+    /// and steps with nothing to reduce (one replica, no workers) take no plan.
     pub fn backward_and_sync<O: Optimizer>(&self, loss: &Tensor, opt: &DistributedOptimizer<O>) -> Result<()> {
+        let reduces = self.shared.group.num_replicas() > 1 || self.shared.ext.workers().is_some();
+        if !reduces || opt.accumulation > 1 || !self.shared.ext.options().overlap {
+            let grads = {
+                let _p = self.phase("step", "backward");
+                let _s = tracing::trace_span!("backward", replica = self.replica).entered();
+                loss.backward()?
+            };
+            return self.sync_and_apply(grads, opt);
+        }
+        opt.check_strategy(self)?;
+        let plan = lock(&opt.overlap[self.replica]).clone();
+        if let Some(plan) = plan {
+            return self.backward_overlapped(loss, opt, &plan);
+        }
+        // No plan yet: reduce after the pass, and learn the order gradients become ready in.
+        let vars = opt.vars(opt.copy_of(self.replica));
+        let index: HashMap<candle_core::TensorId, usize> = vars.iter().enumerate().map(|(i, v)| (v.id(), i)).collect();
+        let mut ready = Vec::new();
         let grads = {
             let _p = self.phase("step", "backward");
             let _s = tracing::trace_span!("backward", replica = self.replica).entered();
-            loss.backward()?
+            loss.backward_with_hook(&mut |var, _| {
+                ready.extend(index.get(&var.id()).copied());
+                Ok(())
+            })?
         };
+        let plan = self.agree_overlap_plan(ready, vars, index)?;
+        *lock(&opt.overlap[self.replica]) = Some(Arc::new(plan));
         self.sync_and_apply(grads, opt)
+    }
+
+    /// The plan every replica and worker follows: replica 0's order of worker 0, in buckets
+    /// of the strategy's size. Collective.
+    fn agree_overlap_plan(
+        &self,
+        ready: Vec<usize>,
+        vars: &[Var],
+        index: HashMap<candle_core::TensorId, usize>,
+    ) -> Result<OverlapPlan> {
+        let order: Arc<Vec<usize>> = self.share_from_first("overlap order", Ok(Arc::new(ready)))?;
+        let order: Vec<usize> = match self.shared.ext.workers() {
+            None => order.to_vec(),
+            Some(w) => {
+                let across = if self.replica == 0 {
+                    let mut len = [order.len() as u64];
+                    let mut words: Vec<u64> = order.iter().map(|&i| i as u64).collect();
+                    w.broadcast_u64s(0, &mut len)
+                        .and_then(|()| {
+                            words.resize(len[0] as usize, 0);
+                            w.broadcast_u64s(0, &mut words)
+                        })
+                        .map(|()| Arc::new(words))
+                        .map_err(|e| e.to_string())
+                } else {
+                    Ok(Arc::new(Vec::new()))
+                };
+                let words = self.share_from_first("overlap order(workers)", across)?;
+                words.iter().map(|&i| i as usize).collect()
+            }
+        };
+        if let Some(&bad) = order.iter().find(|&&i| i >= vars.len()) {
+            return Err(Error::Scope(format!(
+                "the overlap plan names variable {bad}, but this replica's optimizer has {}; every replica must build the same model",
+                vars.len()
+            )));
+        }
+        let sizes: Vec<usize> = order.iter().map(|&i| vars[i].elem_count()).collect();
+        let buckets = crate::cross_device::plan_buckets(&sizes, self.shared.ext.options().bucket_bytes);
+        let mut bucket_of = vec![None; vars.len()];
+        for (b, bucket) in buckets.iter().enumerate() {
+            for &i in &order[bucket.tensors.clone()] {
+                bucket_of[i] = Some(b);
+            }
+        }
+        Ok(OverlapPlan { order, buckets, bucket_of, index })
+    }
+
+    /// A step that reduces each bucket of `plan` as soon as its gradients are final.
+    fn backward_overlapped<O: Optimizer>(
+        &self,
+        loss: &Tensor,
+        opt: &DistributedOptimizer<O>,
+        plan: &OverlapPlan,
+    ) -> Result<()> {
+        let copy = opt.copy_of(self.replica);
+        let vars = opt.vars(copy);
+        let dest = match opt.policy() {
+            VariablePolicy::Mirrored => Destination::AllReplicas,
+            VariablePolicy::Central { parameter_replica } => Destination::Replica(parameter_replica),
+        };
+        let weight = self.batch_weight();
+        let ops = self.shared.ext.cross_device_ops();
+        let mut local: Vec<Option<Tensor>> = vec![None; vars.len()];
+        let mut left: Vec<usize> = plan.buckets.iter().map(|b| b.tensors.len()).collect();
+        let mut launched: Vec<(Vec<Tensor>, u64, crate::cross_device::Started)> = Vec::new();
+        // Starts the next bucket: this replica's final gradients, zeros for a variable it has
+        // none for (as a reduction after the pass gives them).
+        let launch = |local: &[Option<Tensor>], launched: &mut Vec<(Vec<Tensor>, u64, _)>| -> Result<()> {
+            let b = launched.len();
+            let _p = self.phase("reduce", &format!("bucket {b}"));
+            let tensors = plan.order[plan.buckets[b].tensors.clone()]
+                .iter()
+                .map(|&i| match &local[i] {
+                    Some(g) => Ok(g.clone()),
+                    None => Ok(vars[i].zeros_like()?),
+                })
+                .collect::<Result<Vec<Tensor>>>()?;
+            let req = self.request(ReduceOp::Sum, dest, &tensors, weight);
+            let seq = req.seq;
+            let mut sink = crate::context::Scatter::new(&tensors, ops.reduces_in_place());
+            let started = ops.start_gradients(req, &mut |piece| sink.write(piece))?;
+            sink.check()?;
+            launched.push((tensors, seq, started));
+            Ok(())
+        };
+        let mut hook_failed: Option<Error> = None;
+        let grads = {
+            let _p = self.phase("step", "backward");
+            let _s = tracing::trace_span!("backward", replica = self.replica).entered();
+            loss.backward_with_hook(&mut |var, grad| {
+                let Some(&i) = plan.index.get(&var.id()) else { return Ok(()) };
+                let Some(b) = plan.bucket_of[i] else { return Ok(()) };
+                local[i] = Some(grad.clone());
+                left[b] -= 1;
+                // Buckets start in the plan's order, on every replica alike.
+                while launched.len() < plan.buckets.len() && left[launched.len()] == 0 {
+                    if let Err(e) = launch(&local, &mut launched) {
+                        let message = e.to_string();
+                        hook_failed = Some(e);
+                        return Err(candle_core::Error::Msg(message));
+                    }
+                }
+                Ok(())
+            })
+        };
+        let grads = match (grads, hook_failed) {
+            (_, Some(e)) => return Err(e),
+            (grads, None) => grads?,
+        };
+        while launched.len() < plan.buckets.len() {
+            launch(&local, &mut launched)?;
+        }
+        // Which variables some replica, on some worker, has a gradient for.
+        let mine: Vec<bool> = vars.iter().map(|v| grads.get(v).is_some()).collect();
+        let present = self.any_replica(&mine)?;
+        let mut failed = Ok(());
+        for (tensors, seq, started) in launched.iter_mut().map(|(t, s, st)| (&*t, *s, st)) {
+            let req = crate::cross_device::ReduceRequest {
+                group: &self.shared.group,
+                replica: self.replica,
+                seq,
+                op: ReduceOp::Sum,
+                dest,
+                input: tensors,
+                weight,
+            };
+            let started = std::mem::replace(started, crate::cross_device::Started::Done);
+            let mut sink = crate::context::Scatter::new(tensors, ops.reduces_in_place());
+            ops.finish(req, started, &mut |piece| sink.write(piece))?;
+            failed = failed.and(sink.check());
+        }
+        failed?;
+        let mut out: Vec<Option<Tensor>> = vec![None; vars.len()];
+        for (bucket, (tensors, _, _)) in plan.buckets.iter().zip(&launched) {
+            for (&i, t) in plan.order[bucket.tensors.clone()].iter().zip(tensors) {
+                if present[i] {
+                    out[i] = Some(t.clone());
+                }
+            }
+        }
+        // Variables with a gradient the plan does not have: reduced now. The plan no longer
+        // fits (it has variables none has a gradient for, or lacks some), so the next step
+        // learns it again; `present` is agreed, so every replica decides alike.
+        let extra: Vec<usize> = (0..vars.len()).filter(|&i| present[i] && plan.bucket_of[i].is_none()).collect();
+        if !extra.is_empty() || plan.order.iter().any(|&i| !present[i]) {
+            *lock(&opt.overlap[self.replica]) = None;
+        }
+        if !extra.is_empty() {
+            let tensors = extra
+                .iter()
+                .map(|&i| match grads.get(&vars[i]) {
+                    Some(g) => Ok(g.contiguous()?),
+                    None => Ok(vars[i].zeros_like()?),
+                })
+                .collect::<Result<Vec<Tensor>>>()?;
+            self.reduce_in_buckets(&tensors, dest, weight)?;
+            for (i, t) in extra.into_iter().zip(tensors) {
+                out[i] = Some(t);
+            }
+        }
+        if dest.receives(self.replica) {
+            let _p = self.phase("step", "optimizer");
+            opt.apply(copy, out)?;
+        }
+        if matches!(dest, Destination::Replica(_)) {
+            // Replicas read the central variables only after the update is applied.
+            self.barrier()?;
+        }
+        Ok(())
     }
 
     /// Synchronises already computed gradients and applies them (see

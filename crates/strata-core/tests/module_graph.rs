@@ -145,8 +145,13 @@ fn root(lib: &str) -> (BTreeSet<String>, BTreeMap<String, String>) {
     let mut modules = BTreeSet::new();
     let mut reexports = BTreeMap::new();
     for stmt in lib.split(';') {
-        // the statement without its attributes (`#[cfg(..)]` lines)
-        let stmt: String = stmt.lines().map(str::trim).filter(|l| !l.starts_with("#[")).collect::<Vec<_>>().join(" ");
+        // the statement without its attributes (`#[cfg(..)]` lines, the crate's `#![..]` lints)
+        let stmt: String = stmt
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.starts_with("#[") && !l.starts_with("#!["))
+            .collect::<Vec<_>>()
+            .join(" ");
         let stmt = stmt.trim();
         if let Some(m) = stmt.strip_prefix("pub mod ").or_else(|| stmt.strip_prefix("mod ")) {
             modules.insert(m.trim().to_string());

@@ -6,11 +6,23 @@
 pub enum Error {
     /// Strata was built without the feature a call needs.
     #[error("strata was built without the `{feature}` feature; rebuild with `--features {feature}` to use {what}")]
-    NotBuilt { feature: &'static str, what: &'static str },
+    NotBuilt {
+        /// The Cargo feature.
+        feature: &'static str,
+        /// What needs it.
+        what: &'static str,
+    },
 
     /// A CUDA library is not on the library path.
     #[error("no {what} found: {library} is not on the library path{hint}")]
-    LibraryMissing { what: &'static str, library: &'static str, hint: &'static str },
+    LibraryMissing {
+        /// What the library provides (the CUDA driver, NVRTC, NCCL).
+        what: &'static str,
+        /// The library's file name.
+        library: &'static str,
+        /// How to install it or make it found, in parentheses after a space (or empty).
+        hint: &'static str,
+    },
 
     /// Fewer GPUs than asked for.
     #[error("{0}")]
@@ -18,17 +30,31 @@ pub enum Error {
 
     /// A kernel launch or copy whose arguments do not hold (lengths, grid sizes, alignment).
     #[error("invalid launch of {kernel}: {detail}")]
-    InvalidLaunch { kernel: &'static str, detail: String },
+    InvalidLaunch {
+        /// The kernel.
+        kernel: &'static str,
+        /// Which argument does not hold.
+        detail: String,
+    },
 
     /// NVRTC did not compile a kernel source (`log` is NVRTC's program log, or its status).
     #[error("nvrtc could not compile {file} for {arch}: {log}")]
-    Compile { file: &'static str, arch: String, log: String },
+    Compile {
+        /// The kernel source's file.
+        file: &'static str,
+        /// The GPU architecture compiled for.
+        arch: String,
+        /// NVRTC's program log, or its status.
+        log: String,
+    },
 
     /// A CUDA driver call failed (`call` is the driver function, e.g. `cuMemAlloc`).
     #[cfg(feature = "cuda")]
     #[error("{call} failed: {source}")]
     Driver {
+        /// The driver function.
         call: &'static str,
+        /// Its status.
         #[source]
         source: DriverError,
     },
@@ -39,33 +65,71 @@ pub enum Error {
         "cannot allocate {requested} bytes on {device}: {in_use} bytes are in use and the limit is {limit} bytes \
          ({limit_source}); {fix}"
     )]
-    MemoryLimit { device: String, requested: u64, in_use: u64, limit: u64, limit_source: String, fix: String },
+    MemoryLimit {
+        /// The device.
+        device: String,
+        /// The bytes asked for.
+        requested: u64,
+        /// The bytes already in use.
+        in_use: u64,
+        /// The limit, in bytes.
+        limit: u64,
+        /// Where the limit comes from.
+        limit_source: String,
+        /// What to change.
+        fix: String,
+    },
 
     /// The device, or the memory reserved on it, has no room for an allocation.
     #[error("out of memory on {device}: cannot allocate {requested} bytes: {detail}")]
-    OutOfMemory { device: String, requested: u64, detail: String },
+    OutOfMemory {
+        /// The device.
+        device: String,
+        /// The bytes asked for.
+        requested: u64,
+        /// The allocator's or the driver's account.
+        detail: String,
+    },
 
     /// An NCCL call failed (`call`: the NCCL function; `place`: the rank and GPU, as
     /// `rank 1 of 4 (GPU 1)`; `detail`: NCCL's last error message, if any).
     #[cfg(feature = "nccl")]
     #[error("{call} failed on {place}: {source}{detail}")]
     Nccl {
+        /// The NCCL function.
         call: &'static str,
+        /// The rank and GPU, as `rank 1 of 4 (GPU 1)`.
         place: String,
+        /// NCCL's status.
         #[source]
         source: crate::nccl::NcclError,
+        /// NCCL's last error message in parentheses, after a space (empty if it has none).
         detail: String,
     },
 
     /// An NCCL initialisation or collective did not finish within its timeout (a peer process
     /// is lost, stuck, or never joined); the communicator was aborted.
     #[error("nccl {what} on {place} timed out after {timeout:?}; the communicator was aborted (a peer process is lost, stuck or never joined)")]
-    NcclTimeout { what: &'static str, place: String, timeout: std::time::Duration },
+    NcclTimeout {
+        /// The initialisation or collective.
+        what: &'static str,
+        /// The rank and GPU.
+        place: String,
+        /// The timeout.
+        timeout: std::time::Duration,
+    },
 
     /// An NCCL initialisation or collective was abandoned because the job failed elsewhere (or
     /// the communicator had been aborted before); the communicator is aborted.
     #[error("nccl {what} on {place} was aborted: {reason}")]
-    NcclAborted { what: &'static str, place: String, reason: String },
+    NcclAborted {
+        /// The initialisation or collective.
+        what: &'static str,
+        /// The rank and GPU.
+        place: String,
+        /// Why it was abandoned.
+        reason: String,
+    },
 
     /// Bytes that are not an NCCL unique id.
     #[error("invalid nccl unique id: {0}")]
@@ -73,7 +137,12 @@ pub enum Error {
 
     /// An explicit choice of cross-device ops that cannot work on the replica devices.
     #[error("cannot use {choice} for cross-device ops: {reason}")]
-    CrossDeviceChoice { choice: &'static str, reason: String },
+    CrossDeviceChoice {
+        /// The cross-device ops chosen.
+        choice: &'static str,
+        /// Why they cannot work.
+        reason: String,
+    },
 
     /// An error from candle's CUDA backend (GPU cross-device ops on candle tensors).
     #[cfg(feature = "candle-cuda")]

@@ -16,6 +16,9 @@
 //! }
 //! ```
 
+// The facade (the strata crate) re-exports this crate's items: every public one is documented.
+#![warn(missing_docs)]
+
 pub mod alloc;
 #[cfg(feature = "candle-cuda")]
 pub mod candle_ops;

@@ -1,7 +1,14 @@
-//! NCCL all-reduce across GPUs: the GPUs of one process ([`NcclComms::all_local`], one
+//! NCCL all-reduce across GPUs: the GPUs of one process
+// What calls NCCL exists with the `nccl` feature only: linked there, named without it (a link to
+// an item the build leaves out is broken).
+#![cfg_attr(feature = "nccl", doc = "([`NcclComms::all_local`], one")]
+#![cfg_attr(not(feature = "nccl"), doc = "(`NcclComms::all_local`, feature `nccl`; one")]
 //! communicator per device, created together with `ncclCommInitAll`), or one GPU in each of
-//! several processes ([`NcclComms::join`], from an [`NcclId`] that one process creates and the
-//! others receive, in Strata through the coordination service's key-value store).
+//! several processes
+#![cfg_attr(feature = "nccl", doc = "([`NcclComms::join`],")]
+#![cfg_attr(not(feature = "nccl"), doc = "(`NcclComms::join`,")]
+//! from an [`NcclId`] that one process creates and the others receive, in Strata through the
+//! coordination service's key-value store).
 //!
 //! - **Grouped calls.** An all-reduce over several devices is one `ncclGroupStart` /
 //!   `ncclGroupEnd` around one `ncclAllReduce` per device, in place or out of place, on the
@@ -10,15 +17,18 @@
 //! - **Reductions.** `Sum`, `Max` and `Min` are NCCL's; `Mean` is `ncclAvg`, which NCCL computes
 //!   for floating-point types as a sum of inputs premultiplied by `1/n` (exact when `n` is a
 //!   power of two; otherwise within `n` ulps of `sum / n`).
-//! - **Element types.** `f32`, `f64`, `half::f16`, `half::bf16` ([`NcclElement`]).
-//! - **Failures.** Every NCCL status is an [`Error::Nccl`](crate::Error::Nccl) naming the call,
-//!   the rank and the GPU, with NCCL's last error message. Waiting is bounded: a communicator
-//!   whose initialisation or collective does not finish within its timeout (a peer process is
-//!   lost or stuck) is aborted with `ncclCommAbort` and the call returns
-//!   [`Error::NcclTimeout`](crate::Error::NcclTimeout); a caller-supplied abort check (the
-//!   multi-worker job's failure signal) turns the wait into
-//!   [`Error::NcclAborted`](crate::Error::NcclAborted). The multi-worker layer maps these to the
-//!   errors of its ring (`PeerLost`, `Timeout`, `Aborted`).
+//! - **Element types.** `f32`, `f64`, `half::f16`, `half::bf16`
+#![cfg_attr(feature = "nccl", doc = "  ([`NcclElement`]).")]
+#![cfg_attr(not(feature = "nccl"), doc = "  (`NcclElement`).")]
+//! - **Failures.** Every NCCL status is an
+#![cfg_attr(feature = "nccl", doc = "  [`Error::Nccl`]")]
+#![cfg_attr(not(feature = "nccl"), doc = "  `Error::Nccl`")]
+//!   naming the call, the rank and the GPU, with NCCL's last error message. Waiting is bounded:
+//!   a communicator whose initialisation or collective does not finish within its timeout (a
+//!   peer process is lost or stuck) is aborted with `ncclCommAbort` and the call returns
+//!   [`Error::NcclTimeout`]; a caller-supplied abort check (the multi-worker job's failure
+//!   signal) turns the wait into [`Error::NcclAborted`]. The multi-worker layer maps these to
+//!   the errors of its ring (`PeerLost`, `Timeout`, `Aborted`).
 //! - **Multi-process communicators are non-blocking** (`ncclConfig_t.blocking = 0`): no NCCL
 //!   call waits on a peer inside NCCL, so the timeout and the abort check always get to run.
 //!   Communicators of one process come from `ncclCommInitAll` (blocking: no peer process can be

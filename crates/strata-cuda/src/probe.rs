@@ -1,6 +1,5 @@
 //! Probes for the CUDA libraries, done before cudarc touches them: cudarc panics when a library
-//! it needs is missing; these return [`Error::LibraryMissing`](crate::Error::LibraryMissing)
-//! instead.
+//! it needs is missing; these return [`Error::LibraryMissing`] instead.
 
 use crate::{Error, Result};
 

@@ -91,7 +91,7 @@ impl FromStr for CrossDeviceChoice {
 /// The cross-device ops chosen.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum CrossDeviceImpl {
-    /// NCCL all-reduce ([`crate::nccl::NcclComms`], feature `nccl`).
+    /// NCCL all-reduce (`NcclComms` of [`crate::nccl`], feature `nccl`).
     Nccl,
     /// Strata's CUDA kernels.
     Kernels,

@@ -8,7 +8,9 @@ use std::path::{Path, PathBuf};
 use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 use strata_core::checkpoint::{self, CheckpointTensor, CheckpointWriter, ShardInfo};
+use strata_core::optim::schedule::LrSchedule;
 
+use crate::optimizer::{check_schedule, schedule_kind};
 use crate::state::{Answer, Counters, Snapshot, UpdateKey};
 use crate::{Error, PsMode, Result, ServerOptimizer, VariableInfo};
 
@@ -35,6 +37,10 @@ pub struct PsMeta {
     pub variables: Vec<(VariableInfo, u64)>,
     /// The optimizer.
     pub optimizer: Option<ServerOptimizer>,
+    /// The learning-rate schedule the task follows; absent in checkpoints of tasks without
+    /// one (and in those written before schedules existed). Its step is the task's `version`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub schedule: Option<ScheduleMeta>,
     /// The mode.
     pub mode: Option<PsMode>,
     /// The counters.
@@ -46,6 +52,51 @@ pub struct PsMeta {
     pub format: u32,
 }
 
+/// A learning-rate schedule in a checkpoint's metadata, its rates as f64 bit patterns: JSON's
+/// decimal numbers are read back to the nearest f64 only at best effort, and a restored task
+/// must follow its schedule bit for bit.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ScheduleMeta {
+    /// `constant`, `warmup_cosine` or `warmup_linear`.
+    pub kind: String,
+    /// `f64::to_bits` of the rates: `[lr]` (constant), `[peak, final_lr]` (the others).
+    pub rate_bits: Vec<u64>,
+    /// The warm-up's steps (0 for a constant schedule).
+    pub warmup_steps: u64,
+    /// The step at which the decay ends (0 for a constant schedule).
+    pub total_steps: u64,
+}
+
+impl ScheduleMeta {
+    /// The metadata of `schedule`.
+    pub fn of(schedule: &LrSchedule) -> Self {
+        let kind = schedule_kind(schedule).to_string();
+        match *schedule {
+            LrSchedule::Constant { lr } => {
+                Self { kind, rate_bits: vec![lr.to_bits()], warmup_steps: 0, total_steps: 0 }
+            }
+            LrSchedule::WarmupCosine { peak, warmup_steps, total_steps, final_lr }
+            | LrSchedule::WarmupLinear { peak, warmup_steps, total_steps, final_lr } => {
+                Self { kind, rate_bits: vec![peak.to_bits(), final_lr.to_bits()], warmup_steps, total_steps }
+            }
+        }
+    }
+
+    /// The schedule, checked as a task checks one it is asked to follow.
+    pub fn schedule(&self) -> Result<LrSchedule> {
+        let rate = |i: usize| self.rate_bits.get(i).copied().map(f64::from_bits).unwrap_or(f64::NAN);
+        let (warmup_steps, total_steps) = (self.warmup_steps, self.total_steps);
+        let s = match self.kind.as_str() {
+            "constant" => LrSchedule::Constant { lr: rate(0) },
+            "warmup_cosine" => LrSchedule::WarmupCosine { peak: rate(0), warmup_steps, total_steps, final_lr: rate(1) },
+            "warmup_linear" => LrSchedule::WarmupLinear { peak: rate(0), warmup_steps, total_steps, final_lr: rate(1) },
+            other => return Err(Error::UnknownSchedule { kind: other.into() }),
+        };
+        check_schedule(&s)?;
+        Ok(s)
+    }
+}
+
 fn to_tensor(name: &str, values: Vec<f32>, shape: &[usize]) -> Result<Tensor> {
     Tensor::from_vec(values, shape, &Device::Cpu)
         .map_err(|e| Error::BuildTensor { tensor: name.into(), source: Box::new(e) })
@@ -53,8 +104,9 @@ fn to_tensor(name: &str, values: Vec<f32>, shape: &[usize]) -> Result<Tensor> {
 
 /// Writes `snap` as the checkpoint of `step` under `root` (`root/ckpt-<step>`), and removes all
 /// but the `keep` newest checkpoints there. Returns the checkpoint's directory. The metadata
-/// (versions, the optimizer and its learning rate, the mode, the counters, the applied-update
-/// table) is in the manifest, which its checksum covers like the tensors.
+/// (versions, the optimizer and its learning rate, the learning-rate schedule, the mode, the
+/// counters, the applied-update table) is in the manifest, which its checksum covers like the
+/// tensors.
 pub fn write_snapshot(root: &Path, step: u64, snap: Snapshot, keep: usize) -> Result<PathBuf> {
     write_snapshot_as(root, step, snap, keep, PS_META_FORMAT)
 }
@@ -86,6 +138,7 @@ fn write_snapshot_as(root: &Path, step: u64, snap: Snapshot, keep: usize, format
         version: snap.version,
         variables: infos,
         optimizer: snap.optimizer,
+        schedule: snap.schedule.as_ref().map(ScheduleMeta::of),
         mode: snap.mode,
         counters: snap.counters,
         table: snap.table,
@@ -140,11 +193,13 @@ pub fn read_snapshot(path: &Path) -> Result<(Snapshot, u64)> {
         }
         variables.push((info, version, value, slots));
     }
+    let schedule = meta.schedule.as_ref().map(ScheduleMeta::schedule).transpose()?;
     let snap = Snapshot {
         task: meta.task,
         version: meta.version,
         variables,
         optimizer: meta.optimizer,
+        schedule,
         mode: meta.mode,
         counters: meta.counters,
         table: meta.table,
@@ -170,6 +225,7 @@ mod tests {
         let header = CreateHeader {
             variables: vec![VariableInfo::whole("w", vec![2, 2])],
             optimizer: optimizer.clone(),
+            schedule: None,
             mode: PsMode::Async,
         };
         let x = [1.0f32, -2.0, 0.5, 3.0];

@@ -7,6 +7,8 @@ use std::fmt;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use strata_core::optim::schedule::LrSchedule;
+
 use crate::limits::{MAX_NAME_BYTES, MAX_RANK, MAX_TASK_BYTES, MAX_VARIABLES, MAX_WORKERS};
 use crate::{PsMode, ServerOptimizer, VariableInfo, MAX_CHUNK_BYTES, MAX_VARIABLE_ELEMENTS};
 
@@ -58,7 +60,8 @@ pub enum Error {
     /// A name (of a variable, a worker, a client, ...) longer than [`MAX_NAME_BYTES`].
     #[error("a {what} name of {bytes} bytes is over the limit of {MAX_NAME_BYTES} bytes; use a shorter name")]
     NameTooLong {
-        /// Which name: `variable`, `worker`, `client`, `optimizer`, `mode` or `dtype`.
+        /// Which name: `variable`, `worker`, `client`, `optimizer`, `schedule`, `mode` or
+        /// `dtype`.
         what: &'static str,
         /// Its length.
         bytes: usize,
@@ -292,6 +295,27 @@ pub enum Error {
         eps: f64,
     },
 
+    /// A learning-rate schedule no parameter server follows.
+    #[error(
+        "unknown learning-rate schedule {kind:?}; a parameter server follows constant, warmup_cosine or warmup_linear"
+    )]
+    UnknownSchedule {
+        /// The name asked for.
+        kind: String,
+    },
+
+    /// A learning-rate schedule that cannot be followed (refused as strata-core's
+    /// `LrSchedule::validate` refuses it), naming the field that is wrong.
+    #[error("{kind} learning-rate schedule: {field} {detail}")]
+    InvalidSchedule {
+        /// The schedule's kind: `constant`, `warmup_cosine` or `warmup_linear`.
+        kind: &'static str,
+        /// The field: `lr`, `peak`, `final_lr` or `total_steps`.
+        field: &'static str,
+        /// Its value, and what to change.
+        detail: String,
+    },
+
     /// A mode no parameter server runs.
     #[error("unknown mode {mode:?}; use async, sync or stale")]
     UnknownMode {
@@ -370,6 +394,18 @@ pub enum Error {
         have: Box<ServerOptimizer>,
         /// The optimizer asked for.
         want: Box<ServerOptimizer>,
+    },
+
+    /// A create request asks for another learning-rate schedule (or none) than the task
+    /// follows.
+    #[error("{task} follows the learning-rate schedule {have:?}; this job asks for {want:?} (start a fresh ps task or use the same schedule)")]
+    ScheduleMismatch {
+        /// The task.
+        task: String,
+        /// The schedule it follows (`None`: the optimizer's constant rate).
+        have: Box<Option<LrSchedule>>,
+        /// The schedule asked for.
+        want: Box<Option<LrSchedule>>,
     },
 
     /// A create request asks for another mode than the task runs.
@@ -569,6 +605,8 @@ impl Error {
             | Overrun { .. }
             | Incomplete { .. }
             | UnknownOptimizer { .. }
+            | UnknownSchedule { .. }
+            | InvalidSchedule { .. }
             | NonFiniteOptimizer { .. }
             | LearningRate { .. }
             | Momentum { .. }
@@ -598,6 +636,7 @@ impl Error {
             | TooManyWorkerNames { .. } => ErrorKind::InvalidArgument,
             OutOfMemory { .. } => ErrorKind::ResourceExhausted,
             OptimizerMismatch { .. }
+            | ScheduleMismatch { .. }
             | ModeMismatch { .. }
             | VariableMismatch { .. }
             | NoVariables { .. }

@@ -16,6 +16,7 @@
 //! let header = CreateHeader {
 //!     variables: vec![VariableInfo::whole("w", vec![2, 2])],
 //!     optimizer: ServerOptimizer::Sgd { lr: 0.5 },
+//!     schedule: None,
 //!     mode: PsMode::Async,
 //! };
 //! task.create(&header, &[Chunk { var: 0, offset: 0, pieces: vec![f32s(&[1.0, 2.0, 3.0, 4.0])] }])?;
@@ -47,6 +48,9 @@
 //!   would otherwise turn every variable into NaN.
 //! - **Versions.** Every variable counts the updates applied to it; the task's version counts
 //!   its applies (one per push in async and stale modes, one per round in sync mode).
+//! - **Learning-rate schedules.** A task may follow an [`LrSchedule`] ([`CreateHeader::schedule`]):
+//!   its update number `n`, the task's version before the update, is applied at
+//!   `schedule.at(n)` instead of the optimizer's constant rate.
 //! - **Exactly once.** A push is identified by its [`UpdateId`]; a retry of an update already
 //!   taken gets the first answer again, marked `duplicate`, and changes nothing.
 //! - **Modes.** [`PsMode::Async`] applies each push as it arrives; [`PsMode::Sync`] averages one
@@ -65,6 +69,9 @@
 //!   slots, the versions, the counters and the applied-update table, in strata-core's checkpoint
 //!   format.
 
+// The facade (the strata crate) re-exports this crate's items: every public one is documented.
+#![warn(missing_docs)]
+
 mod checkpoint;
 mod chunk;
 mod error;
@@ -73,16 +80,18 @@ mod optimizer;
 mod state;
 mod types;
 
-pub use checkpoint::{read_snapshot, write_snapshot, PsMeta, META_KEY, PS_META_FORMAT, VARIABLES_FILE};
+pub use checkpoint::{read_snapshot, write_snapshot, PsMeta, ScheduleMeta, META_KEY, PS_META_FORMAT, VARIABLES_FILE};
 pub use chunk::{
     check_chunk_len, copy_f32s, first_non_finite, Chunk, ValueChunk, MAX_CHUNK_BYTES, MAX_CHUNK_ELEMENTS,
     MAX_VARIABLE_ELEMENTS,
 };
 pub use error::{Error, ErrorKind, RequestKind, Result};
-pub use optimizer::ServerOptimizer;
+pub use optimizer::{check_schedule, schedule_kind, ServerOptimizer};
 pub use state::{
     Answer, Counters, PushDecision, Snapshot, SnapshotVariable, State, Streamed, UpdateKey, MAX_REMEMBERED_UPDATES,
 };
+/// The learning-rate schedules a task can follow (strata-core's).
+pub use strata_core::optim::schedule::LrSchedule;
 pub use types::{
     check_name, CreateHeader, CreateOutcome, PsMode, PsStatus, PullResult, PushHeader, PushOutcome, PushReply,
     UpdateId, VariableInfo,

@@ -6,6 +6,7 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 use strata_core::optim::rules::{self, AdamWScalars};
+use strata_core::optim::schedule::LrSchedule;
 
 use crate::{Error, Result};
 
@@ -75,6 +76,19 @@ impl ServerOptimizer {
             | ServerOptimizer::AdamW { lr, .. }
             | ServerOptimizer::Adagrad { lr, .. } => lr,
         }
+    }
+
+    /// The same optimizer at learning rate `lr` (a schedule's rate for one step; any number,
+    /// not checked: the schedule was).
+    pub fn with_learning_rate(&self, lr: f64) -> ServerOptimizer {
+        let mut o = self.clone();
+        match &mut o {
+            ServerOptimizer::Sgd { lr: l }
+            | ServerOptimizer::Momentum { lr: l, .. }
+            | ServerOptimizer::AdamW { lr: l, .. }
+            | ServerOptimizer::Adagrad { lr: l, .. } => *l = lr,
+        }
+        o
     }
 
     /// How many f32 slots per element the optimizer keeps.
@@ -161,6 +175,46 @@ impl ServerOptimizer {
             slots.push(filled(n, init)?);
         }
         Some(slots)
+    }
+}
+
+/// A learning-rate schedule's kind, as the protocol and messages name it: `constant`,
+/// `warmup_cosine` or `warmup_linear`.
+pub fn schedule_kind(schedule: &LrSchedule) -> &'static str {
+    match schedule {
+        LrSchedule::Constant { .. } => "constant",
+        LrSchedule::WarmupCosine { .. } => "warmup_cosine",
+        LrSchedule::WarmupLinear { .. } => "warmup_linear",
+    }
+}
+
+/// Checks a learning-rate schedule a ps task is asked to follow: it accepts exactly the
+/// schedules strata-core's [`LrSchedule::validate`] accepts (finite rates of 0 or more, a peak
+/// above 0, a decay that ends after the warm-up), and refuses the others with
+/// [`Error::InvalidSchedule`] naming the field that is wrong.
+pub fn check_schedule(schedule: &LrSchedule) -> Result<()> {
+    if schedule.validate().is_ok() {
+        return Ok(());
+    }
+    let kind = schedule_kind(schedule);
+    let bad = |field: &'static str, detail: String| Err(Error::InvalidSchedule { kind, field, detail });
+    match *schedule {
+        LrSchedule::Constant { lr } => bad("lr", format!("{lr}: use a finite rate of 0 or more")),
+        LrSchedule::WarmupCosine { peak, warmup_steps, total_steps, final_lr }
+        | LrSchedule::WarmupLinear { peak, warmup_steps, total_steps, final_lr } => {
+            if !(peak.is_finite() && peak > 0.0) {
+                return bad("peak", format!("{peak}: use a finite rate above 0"));
+            }
+            if !(final_lr.is_finite() && final_lr >= 0.0) {
+                return bad("final_lr", format!("{final_lr}: use a finite rate of 0 or more"));
+            }
+            bad(
+                "total_steps",
+                format!(
+                    "{total_steps} with warmup_steps {warmup_steps}: the decay must end after the warm-up; use more total_steps than warmup_steps"
+                ),
+            )
+        }
     }
 }
 

@@ -7,10 +7,11 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
+use strata_core::optim::schedule::LrSchedule;
 
 use crate::chunk::shared_chunks;
 use crate::limits::{MAX_TASK_BYTES, MAX_VARIABLES, MAX_WORKERS};
-use crate::optimizer::{apply_le_bytes, apply_le_bytes_from, filled};
+use crate::optimizer::{apply_le_bytes, apply_le_bytes_from, check_schedule, filled};
 use crate::{
     check_name, first_non_finite, Chunk, CreateHeader, CreateOutcome, Error, PsMode, PsStatus, PullResult, PushHeader,
     PushReply, RequestKind, Result, ServerOptimizer, VariableInfo,
@@ -58,7 +59,14 @@ pub enum PushDecision {
     Done(PushReply),
     /// Sync mode: wait until the round computed from `base` is applied, then answer from the
     /// table.
-    Wait { key: UpdateKey, base: u64, duplicate: bool },
+    Wait {
+        /// The update, whose answer the table will hold.
+        key: UpdateKey,
+        /// The version the push was computed from.
+        base: u64,
+        /// Whether the push repeats one already taken.
+        duplicate: bool,
+    },
 }
 
 struct Var {
@@ -191,6 +199,9 @@ pub struct State {
     vars: Vec<Var>,
     index: HashMap<String, usize>,
     optimizer: Option<ServerOptimizer>,
+    /// The learning-rate schedule, by the task's update number (see
+    /// [`CreateHeader::schedule`]).
+    schedule: Option<LrSchedule>,
     mode: Option<PsMode>,
     version: u64,
     table: HashMap<UpdateKey, Answer>,
@@ -223,6 +234,8 @@ pub struct Snapshot {
     pub variables: Vec<SnapshotVariable>,
     /// The optimizer, once variables were created.
     pub optimizer: Option<ServerOptimizer>,
+    /// The learning-rate schedule, if the task follows one (its step is the task's version).
+    pub schedule: Option<LrSchedule>,
     /// The mode, once variables were created.
     pub mode: Option<PsMode>,
     /// The counters.
@@ -410,6 +423,7 @@ impl State {
             vars: Vec::new(),
             index: HashMap::new(),
             optimizer: None,
+            schedule: None,
             mode: None,
             version: 0,
             table: HashMap::new(),
@@ -475,6 +489,9 @@ impl State {
         }
         let optimizer = header.optimizer.clone();
         optimizer.validate()?;
+        if let Some(schedule) = &header.schedule {
+            check_schedule(schedule)?;
+        }
         let mode = header.mode;
         mode.validate()?;
         if let Some(have) = &self.optimizer {
@@ -483,6 +500,13 @@ impl State {
                     task: self.task.clone(),
                     have: Box::new(have.clone()),
                     want: Box::new(optimizer),
+                });
+            }
+            if self.schedule != header.schedule {
+                return Err(Error::ScheduleMismatch {
+                    task: self.task.clone(),
+                    have: Box::new(self.schedule.clone()),
+                    want: Box::new(header.schedule.clone()),
                 });
             }
         }
@@ -548,9 +572,21 @@ impl State {
             }
         }
         self.optimizer = Some(optimizer);
+        self.schedule = header.schedule.clone();
         self.mode = Some(mode);
         let versions = infos.iter().map(|i| self.index.get(&i.name).map_or(0, |&at| self.vars[at].version)).collect();
         Ok(CreateOutcome { versions, existed: all_exist, version: self.version })
+    }
+
+    /// The optimizer of the task's next update, number `self.version` (0 for the first): at
+    /// the schedule's rate for that step, if the task follows one (see
+    /// [`CreateHeader::schedule`]). `None` before variables were created.
+    fn optimizer_now(&self) -> Option<ServerOptimizer> {
+        let optimizer = self.optimizer.as_ref()?;
+        Some(match &self.schedule {
+            Some(s) => optimizer.with_learning_rate(s.at(self.version)),
+            None => optimizer.clone(),
+        })
     }
 
     fn required(&self, workers: u32, backup: u32) -> usize {
@@ -591,7 +627,7 @@ impl State {
         if let Some(answer) = self.duplicate(&key) {
             return Ok(answer);
         }
-        let (Some(optimizer), Some(mode)) = (self.optimizer.clone(), self.mode) else {
+        let (Some(optimizer), Some(mode)) = (self.optimizer_now(), self.mode) else {
             return Err(Error::NoVariables { task: self.task.clone() });
         };
         // Resolve and validate everything before changing anything.
@@ -680,7 +716,9 @@ impl State {
         if self.table.contains_key(&key) {
             return None;
         }
-        let (Some(optimizer), Some(mode)) = (self.optimizer.clone(), self.mode) else { return None };
+        // A streamed push is swapped in only if no other update was applied meanwhile, so it is
+        // update number `self.version` and takes that step's rate.
+        let (Some(optimizer), Some(mode)) = (self.optimizer_now(), self.mode) else { return None };
         match mode {
             PsMode::Async => {}
             PsMode::Stale { staleness } => {
@@ -865,7 +903,7 @@ impl State {
             return Err(Error::LiveWorkers { live, max });
         }
         self.live_workers = Some(live);
-        if let (Some(PsMode::Sync { workers, backup_workers }), Some(opt)) = (self.mode, self.optimizer.clone()) {
+        if let (Some(PsMode::Sync { workers, backup_workers }), Some(opt)) = (self.mode, self.optimizer_now()) {
             if !self.round.is_empty() && self.round.len() >= self.required(workers, backup_workers) {
                 self.apply_round(&opt);
                 return Ok(true);
@@ -910,6 +948,7 @@ impl State {
             restored_version: self.restored_version,
             mode: self.mode.unwrap_or(PsMode::Async),
             optimizer: self.optimizer.clone(),
+            schedule: self.schedule.clone(),
             rounds: self.counters.rounds,
             applied_by_worker: self.counters.applied_by_worker.clone(),
             pushes_streamed: self.counters.pushes_streamed,
@@ -930,6 +969,7 @@ impl State {
                 .map(|v| (v.info.clone(), v.version, v.value.to_vec(), v.slots.iter().map(|s| s.to_vec()).collect()))
                 .collect(),
             optimizer: self.optimizer.clone(),
+            schedule: self.schedule.clone(),
             mode: self.mode,
             counters: self.counters.clone(),
             table: self
@@ -953,6 +993,7 @@ impl State {
             self.vars.push(Var { info, value: Arc::new(value), slots, version });
         }
         self.optimizer = snap.optimizer;
+        self.schedule = snap.schedule;
         self.mode = snap.mode;
         self.version = snap.version;
         self.counters = snap.counters;
@@ -1010,6 +1051,7 @@ mod tests {
         let header = CreateHeader {
             variables: names.iter().zip(sizes).map(|(n, s)| VariableInfo::whole(*n, vec![s])).collect(),
             optimizer: opt.clone(),
+            schedule: None,
             mode: PsMode::Async,
         };
         let create: Vec<Chunk> = init
@@ -1067,8 +1109,12 @@ mod partial_tests {
     /// `stream_min_bytes` when given.
     fn task_with(opt: &ServerOptimizer, mode: PsMode, stream_min_bytes: Option<usize>, b: VariableInfo) -> State {
         let mut state = State::new("ps:0".into(), stream_min_bytes);
-        let header =
-            CreateHeader { variables: vec![VariableInfo::whole("a", vec![2]), b], optimizer: opt.clone(), mode };
+        let header = CreateHeader {
+            variables: vec![VariableInfo::whole("a", vec![2]), b],
+            optimizer: opt.clone(),
+            schedule: None,
+            mode,
+        };
         let create = vec![
             Chunk { var: 0, offset: 0, pieces: vec![bytes_of(&[1.0, 2.0])] },
             Chunk { var: 1, offset: 0, pieces: vec![bytes_of(&[3.0])] },
@@ -1192,6 +1238,7 @@ mod stream_tests {
         let header = CreateHeader {
             variables: NAMES.iter().zip(SIZES).map(|(n, s)| VariableInfo::whole(*n, vec![s])).collect(),
             optimizer: optimizer.clone(),
+            schedule: None,
             mode: PsMode::Async,
         };
         let chunks: Vec<Chunk> = SIZES
@@ -1364,6 +1411,7 @@ mod limits_tests {
         let header = CreateHeader {
             variables: vec![VariableInfo::whole("w", vec![4])],
             optimizer: ServerOptimizer::Sgd { lr: 0.5 },
+            schedule: None,
             mode,
         };
         s.create(&header, &[Chunk { var: 0, offset: 0, pieces: vec![f32s(&[1.0, 2.0, 3.0, 4.0])] }]).unwrap();
@@ -1433,6 +1481,7 @@ mod limits_tests {
         let header = CreateHeader {
             variables: vec![VariableInfo::whole("w", vec![2])],
             optimizer: ServerOptimizer::Sgd { lr: 0.5 },
+            schedule: None,
             mode: PsMode::Async,
         };
         let e = s.create(&header, &[Chunk { var: 0, offset: 0, pieces: vec![f32s(&[1.0, f32::NAN])] }]).unwrap_err();
@@ -1485,6 +1534,7 @@ mod limits_tests {
         let big = CreateHeader {
             variables: (0..3).map(|i| VariableInfo::whole(format!("v{i}"), vec![MAX_VARIABLE_ELEMENTS])).collect(),
             optimizer: sgd.clone(),
+            schedule: None,
             mode: PsMode::Async,
         };
         let e = s.create(&big, &[]).unwrap_err();
@@ -1494,6 +1544,7 @@ mod limits_tests {
         let many = CreateHeader {
             variables: (0..=MAX_VARIABLES).map(|i| VariableInfo::whole(format!("v{i}"), vec![0])).collect(),
             optimizer: sgd,
+            schedule: None,
             mode: PsMode::Async,
         };
         let e = s.create(&many, &[]).unwrap_err();
@@ -1512,5 +1563,234 @@ mod limits_tests {
         // A known worker pushes on.
         s.push(&push_header("worker:7", 1 << 41), &grad([0.0; 4])).unwrap();
         assert_eq!(s.counters.applied_by_worker.len(), MAX_WORKERS as usize);
+    }
+}
+
+#[cfg(test)]
+mod schedule_tests {
+    use super::*;
+    use crate::UpdateId;
+
+    fn f32s(x: &[f32]) -> Bytes {
+        Bytes::copy_from_slice(bytemuck::cast_slice(x))
+    }
+
+    /// Warm-up over 2 steps to 0.5, cosine down to 0.05 at step 6.
+    const SCHEDULE: LrSchedule =
+        LrSchedule::WarmupCosine { peak: 0.5, warmup_steps: 2, total_steps: 6, final_lr: 0.05 };
+    const W0: [f32; 3] = [1.0, -2.0, 0.75];
+
+    /// A task of SGD (whose own rate, 7, the schedule replaces) holding `w` = [`W0`].
+    fn task(schedule: Option<LrSchedule>, mode: PsMode, stream_min_bytes: Option<usize>) -> State {
+        let mut s = State::new("ps:0".into(), stream_min_bytes);
+        let header = CreateHeader {
+            variables: vec![VariableInfo::whole("w", vec![3])],
+            optimizer: ServerOptimizer::Sgd { lr: 7.0 },
+            schedule,
+            mode,
+        };
+        s.create(&header, &[Chunk { var: 0, offset: 0, pieces: vec![f32s(&W0)] }]).unwrap();
+        s
+    }
+
+    fn header(worker: &str, step: u64, base: u64) -> PushHeader {
+        PushHeader {
+            id: UpdateId { worker: worker.into(), client: "c".into(), step, seq: 0 },
+            base_version: base,
+            variables: vec!["w".into()],
+        }
+    }
+
+    /// Pushes `g` (collected, or streamed when the task streams) and returns the decision.
+    fn push(s: &mut State, worker: &str, step: u64, g: &[f32]) -> PushDecision {
+        let h = header(worker, step, s.version());
+        let chunks = [Chunk { var: 0, offset: 0, pieces: vec![f32s(g)] }];
+        match s.begin_stream(&h) {
+            Some(mut stream) => {
+                stream.apply(&chunks[0]).unwrap();
+                s.finish_stream(stream).unwrap()
+            }
+            None => s.push(&h, &chunks).unwrap(),
+        }
+    }
+
+    fn w(s: &State) -> Vec<f32> {
+        s.vars[0].value.to_vec()
+    }
+
+    /// The gradient of step `k`: known, different every step.
+    fn grad(k: u64) -> [f32; 3] {
+        let k = k as f32;
+        [0.5 + k, -1.25 * (k + 1.0), 3.0 - 0.5 * k]
+    }
+
+    /// `value - lr(step) * g` in f32, element by element: SGD at the schedule's rate of the step.
+    fn expected(value: &[f32], step: u64, g: &[f32]) -> Vec<f32> {
+        let lr = SCHEDULE.at(step) as f32;
+        value.iter().zip(g).map(|(w, g)| w - lr * g).collect()
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// Async mode, collected and streamed: push number `k` (the task's version before it) is
+    /// applied at the schedule's rate of step `k`, exactly `value - lr(k) * g`: 0 at the first
+    /// step (the warm-up starts at 0), the peak after the warm-up, the final rate after the
+    /// decay; a retry is no step.
+    #[test]
+    fn sgd_under_a_warmup_cosine_schedule_applies_each_steps_rate() {
+        for stream in [None, Some(0)] {
+            let mut s = task(Some(SCHEDULE.clone()), PsMode::Async, stream);
+            let mut value = W0.to_vec();
+            for k in 0..9u64 {
+                let g = grad(k);
+                assert_eq!(s.version(), k);
+                let d = push(&mut s, "worker:0", k, &g);
+                assert!(
+                    matches!(d, PushDecision::Done(PushReply::Applied { version, duplicate: false }) if version == k + 1)
+                );
+                value = expected(&value, k, &g);
+                assert_eq!(
+                    bits(&w(&s)),
+                    bits(&value),
+                    "step {k} (lr {}), streamed: {}",
+                    SCHEDULE.at(k),
+                    stream.is_some()
+                );
+                if k == 0 {
+                    assert_eq!(w(&s), W0, "the first step's rate is 0");
+                    // A retry of the update is answered from the table and is no step.
+                    let retry = [Chunk { var: 0, offset: 0, pieces: vec![f32s(&g)] }];
+                    s.push(&header("worker:0", 0, 0), &retry).unwrap();
+                    assert_eq!((s.version(), bits(&w(&s))), (1, bits(&value)));
+                }
+            }
+            assert_eq!(s.status().schedule, Some(SCHEDULE));
+            assert_eq!(s.counters.pushes_streamed > 0, stream.is_some());
+        }
+    }
+
+    /// Sync mode: one applied round is one step, at the step's rate, with the round's mean.
+    #[test]
+    fn a_sync_round_is_one_step() {
+        let mut s = task(Some(SCHEDULE.clone()), PsMode::Sync { workers: 2, backup_workers: 0 }, None);
+        let mut value = W0.to_vec();
+        for k in 0..8u64 {
+            let (g0, g1) = (grad(k), grad(k + 10));
+            assert!(matches!(push(&mut s, "worker:0", 2 * k, &g0), PushDecision::Wait { .. }));
+            assert_eq!(s.version(), k, "half a round is no step");
+            push(&mut s, "worker:1", 2 * k + 1, &g1);
+            assert_eq!(s.version(), k + 1);
+            // The round's mean as the task sums it: `(0 + g0) + g1`, times 1/2.
+            let mean: Vec<f32> = g0.iter().zip(&g1).map(|(a, b)| ((a + 0.0) + b) * 0.5).collect();
+            value = expected(&value, k, &mean);
+            assert_eq!(bits(&w(&s)), bits(&value), "round {k}");
+        }
+    }
+
+    /// A task without a schedule applies its optimizer's own rate every step.
+    #[test]
+    fn without_a_schedule_the_rate_is_constant() {
+        let mut s = task(None, PsMode::Async, None);
+        push(&mut s, "worker:0", 0, &[1.0, 1.0, 1.0]);
+        assert_eq!(w(&s), vec![1.0 - 7.0, -2.0 - 7.0, 0.75 - 7.0]);
+        assert_eq!(s.status().schedule, None);
+    }
+
+    /// A task restored from a checkpoint goes on with the schedule where it was: the same bits
+    /// as the task that went on without stopping, and `value - lr(k) * g` at each later step.
+    /// The rates survive the manifest bit for bit, also those JSON's decimals would not.
+    #[test]
+    fn a_restored_task_continues_the_schedule() {
+        let tmp = tempfile::tempdir().unwrap();
+        let lr = 3e-3f64;
+        let odd = LrSchedule::WarmupCosine { peak: lr, warmup_steps: 2, total_steps: 6, final_lr: lr / 10.0 };
+        for (i, schedule) in [SCHEDULE, odd].into_iter().enumerate() {
+            let mut s = task(Some(schedule.clone()), PsMode::Async, None);
+            for k in 0..3 {
+                push(&mut s, "worker:0", k, &grad(k));
+            }
+            let dir = tmp.path().join(i.to_string());
+            crate::write_snapshot(&dir, 3, s.snapshot(), 1).unwrap();
+            let (snap, step) = crate::read_snapshot(&dir).unwrap();
+            let mut r = State::new("ps:0".into(), None);
+            r.restore(snap, step);
+            let restored = r.status().schedule.unwrap();
+            let rate_bits = |s: &LrSchedule| match *s {
+                LrSchedule::WarmupCosine { peak, final_lr, .. } => (peak.to_bits(), final_lr.to_bits()),
+                _ => unreachable!(),
+            };
+            assert_eq!((&restored, rate_bits(&restored)), (&schedule, rate_bits(&schedule)));
+            assert_eq!(r.version(), 3);
+            for k in 3..9 {
+                let before = w(&r);
+                push(&mut s, "worker:0", k, &grad(k));
+                push(&mut r, "worker:0", k, &grad(k));
+                assert_eq!(bits(&w(&r)), bits(&w(&s)), "step {k}");
+                let lr = schedule.at(k) as f32;
+                let want: Vec<f32> = before.iter().zip(grad(k)).map(|(w, g)| w - lr * g).collect();
+                assert_eq!(bits(&w(&r)), bits(&want), "step {k}");
+            }
+            // A coordinator that creates the variables again with the same schedule is answered
+            // with their versions; with another, it is refused.
+            let header = |schedule| CreateHeader {
+                variables: vec![VariableInfo::whole("w", vec![3])],
+                optimizer: ServerOptimizer::Sgd { lr: 7.0 },
+                schedule,
+                mode: PsMode::Async,
+            };
+            assert!(r.create(&header(Some(schedule.clone())), &[]).unwrap().existed);
+            let e = r.create(&header(None), &[]).unwrap_err();
+            assert_eq!(e.kind(), crate::ErrorKind::FailedPrecondition, "{e}");
+            assert!(e.to_string().starts_with("ps:0 follows the learning-rate schedule"), "{e}");
+        }
+    }
+
+    /// A schedule that cannot be followed is refused before anything is created, with one line
+    /// naming the field; the task accepts exactly the schedules strata-core's `validate` does.
+    #[test]
+    fn a_bad_schedule_is_refused_naming_the_field() {
+        let cosine = |peak, warmup_steps, total_steps, final_lr| LrSchedule::WarmupCosine {
+            peak,
+            warmup_steps,
+            total_steps,
+            final_lr,
+        };
+        let cases = [
+            (
+                cosine(0.5, 5, 5, 0.0),
+                "warmup_cosine learning-rate schedule: total_steps 5 with warmup_steps 5: the decay must end after the warm-up; use more total_steps than warmup_steps",
+            ),
+            (cosine(0.0, 1, 5, 0.0), "warmup_cosine learning-rate schedule: peak 0: use a finite rate above 0"),
+            (
+                LrSchedule::WarmupLinear { peak: 0.5, warmup_steps: 1, total_steps: 5, final_lr: -0.1 },
+                "warmup_linear learning-rate schedule: final_lr -0.1: use a finite rate of 0 or more",
+            ),
+            (LrSchedule::Constant { lr: f64::NAN }, "constant learning-rate schedule: lr NaN: use a finite rate of 0 or more"),
+        ];
+        for (schedule, message) in cases {
+            let mut s = State::new("ps:0".into(), None);
+            let header = CreateHeader {
+                variables: vec![VariableInfo::whole("w", vec![3])],
+                optimizer: ServerOptimizer::Sgd { lr: 7.0 },
+                schedule: Some(schedule.clone()),
+                mode: PsMode::Async,
+            };
+            let e = s.create(&header, &[Chunk { var: 0, offset: 0, pieces: vec![f32s(&W0)] }]).unwrap_err();
+            assert_eq!(e.kind(), crate::ErrorKind::InvalidArgument, "{e}");
+            assert_eq!(e.to_string(), message);
+            assert!(s.vars.is_empty() && s.optimizer.is_none() && s.schedule.is_none(), "nothing was created");
+        }
+        for peak in [-1.0, 0.0, 0.5, f64::INFINITY, f64::NAN] {
+            for final_lr in [-0.5, 0.0, 0.1, f64::NAN] {
+                for (warmup_steps, total_steps) in [(0, 0), (0, 1), (3, 3), (3, 2), (3, 4)] {
+                    let s = cosine(peak, warmup_steps, total_steps, final_lr);
+                    assert_eq!(crate::check_schedule(&s).is_ok(), s.validate().is_ok(), "{s:?}");
+                }
+                let c = LrSchedule::Constant { lr: peak };
+                assert_eq!(crate::check_schedule(&c).is_ok(), c.validate().is_ok(), "{c:?}");
+            }
+        }
     }
 }

@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
+use strata_core::optim::schedule::LrSchedule;
 
 use crate::limits::{MAX_NAME_BYTES, MAX_RANK, MAX_WORKERS};
 use crate::{Error, Result, ServerOptimizer, ValueChunk, MAX_VARIABLE_ELEMENTS};
@@ -287,6 +288,8 @@ pub struct PsStatus {
     pub mode: PsMode,
     /// The optimizer, once variables were created.
     pub optimizer: Option<ServerOptimizer>,
+    /// The learning-rate schedule the task follows, if any (see [`CreateHeader::schedule`]).
+    pub schedule: Option<LrSchedule>,
     /// Sync mode: the rounds applied.
     pub rounds: u64,
     /// Per worker, how many of its pushes were applied.
@@ -308,12 +311,26 @@ pub struct CreateHeader {
     pub variables: Vec<VariableInfo>,
     /// The optimizer the task applies (the same for every request of a task).
     pub optimizer: ServerOptimizer,
+    /// The learning-rate schedule the task follows (the same for every request of a task;
+    /// `None`: the optimizer's constant rate). With one, the task's update number `n` (0 for
+    /// the first) applies the optimizer at `schedule.at(n)` instead of its own `lr`, the
+    /// optimizer's other parameters unchanged. `n` is the task's version before the update,
+    /// the updates it has applied: in async and stale modes one per applied push (every worker
+    /// step pushes once to every ps task, an empty push where none of the task's variables has
+    /// a gradient, so `n` counts the job's applied worker steps), in sync mode one per applied
+    /// round. A retry answered as a duplicate, a dropped or stale push and an aborted streamed
+    /// push are no step. One count for every variable of the task, as Keras' `iterations`
+    /// counts applied updates, and the one AdamW's bias correction counts (`t = n + 1`); a
+    /// variable pushed in every update has version `n` too. A checkpoint holds the version
+    /// and the schedule, so a restored task goes on with the next step's rate.
+    pub schedule: Option<LrSchedule>,
     /// How the task applies pushes (the same for every request of a task).
     pub mode: PsMode,
 }
 
 /// The header of a push: the update's identity, the version it was computed from, and the
-/// variables its [`Chunk`]s carry gradients for, in the order the chunks number them.
+/// variables its [`Chunk`](crate::Chunk)s carry gradients for, in the order the chunks number
+/// them.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PushHeader {
     /// The update's identity (exactly once).

@@ -23,6 +23,9 @@
 //! # Ok::<(), strata_core::Error>(())
 //! ```
 
+// The facade (the strata crate) re-exports this crate's items: every public one is documented.
+#![warn(missing_docs)]
+
 mod central_storage;
 pub mod cluster;
 mod local;

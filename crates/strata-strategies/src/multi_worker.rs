@@ -16,7 +16,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use strata_core::cross_device::{CrossDeviceOps, HierarchicalOps};
+use strata_core::cross_device::compression::{Compression, HalfFormat};
+use strata_core::cross_device::{CrossDeviceOps, HierarchicalOps, PendingAllReduce};
 use strata_core::device::LogicalDevice;
 use strata_core::strategy::{AutoShardPolicy, WorkerCollectives};
 use strata_core::{Error, ReduceOp, Result, Strategy, StrategyExtended, StrategyOptions, VariablePolicy};
@@ -47,6 +48,11 @@ pub struct MultiWorkerOptions {
     /// once every worker has joined: NCCL across every worker's GPU
     /// (`strata_strategies::nccl::nccl_across_workers`, features `nccl` and `candle-cuda`).
     pub cross_worker_ops: Option<CrossWorkerOps>,
+    /// How gradients cross the network between workers (TensorFlow's
+    /// `CommunicationOptions`): `None` (f32, exact), or `Fp16` / `Bf16` (16 bits on the wire,
+    /// every hop adding in f32, every worker decompressing the same sum). Every worker must
+    /// use the same (checked at rendezvous). PowerSGD is not available on the ring yet.
+    pub compression: Compression,
 }
 
 /// What a [`CrossWorkerOps`] factory gets: this worker's place in the job, its membership of
@@ -96,6 +102,7 @@ impl MultiWorkerOptions {
             options: StrategyOptions::default(),
             auto_shard: AutoShardPolicy::Data,
             cross_worker_ops: None,
+            compression: Compression::None,
         })
     }
 }
@@ -116,10 +123,90 @@ struct WorkerJob {
     abort: AbortSignal,
     index: usize,
     task: String,
+    /// Collectives started ahead, run in order on a thread of their own.
+    ahead: Ahead,
+}
+
+/// A job for the thread that runs started collectives.
+type AheadJob = Box<dyn FnOnce(&WorkerJob) + Send>;
+
+/// The collectives started with [`WorkerCollectives::start_all_reduce`]: a thread of their own
+/// runs them in the order they were started (so a bucket's ring all-reduce crosses the link
+/// while the backward pass goes on), and a collective called directly first waits until every
+/// started one is done, so that every worker runs them in the same order.
+#[derive(Debug, Default)]
+struct Ahead {
+    /// The thread's queue, made at the first start; it ends with the job.
+    queue: Mutex<Option<std::sync::mpsc::Sender<AheadJob>>>,
+    /// This worker's job, for the thread (set once the job is shared).
+    job: std::sync::OnceLock<std::sync::Weak<WorkerJob>>,
+    /// Started collectives not yet done.
+    outstanding: Mutex<usize>,
+    done: std::sync::Condvar,
+}
+
+impl Ahead {
+    /// Runs `run` on the thread after every collective started before it.
+    fn start(&self, run: AheadJob) -> Result<()> {
+        let mut queue = lock(&self.queue);
+        if queue.is_none() {
+            let job = self.job.get().cloned().ok_or_else(|| {
+                Error::Scope("a collective was started before the multi-worker job was set up".into())
+            })?;
+            let (tx, rx) = std::sync::mpsc::channel::<AheadJob>();
+            std::thread::Builder::new()
+                .name("strata-ring-ahead".into())
+                .spawn(move || {
+                    while let Ok(run) = rx.recv() {
+                        let Some(job) = job.upgrade() else { break };
+                        run(&job);
+                        let mut n = lock(&job.ahead.outstanding);
+                        *n -= 1;
+                        job.ahead.done.notify_all();
+                    }
+                })
+                .map_err(|e| Error::io("starting the thread of started collectives", e))?;
+            *queue = Some(tx);
+        }
+        *lock(&self.outstanding) += 1;
+        let sent = queue.as_ref().is_some_and(|tx| tx.send(run).is_ok());
+        if !sent {
+            *lock(&self.outstanding) -= 1;
+            return Err(Error::Scope("the thread of started collectives has ended".into()));
+        }
+        Ok(())
+    }
+
+    /// Waits until every started collective is done.
+    fn drain(&self) {
+        let mut n = lock(&self.outstanding);
+        while *n > 0 {
+            n = self.done.wait(n).unwrap_or_else(PoisonError::into_inner);
+        }
+    }
 }
 
 impl WorkerJob {
+    /// Runs a collective called directly: after every started one.
     fn collective<T>(&self, what: &'static str, f: impl FnOnce(u64) -> strata_transport::Result<T>) -> Result<T> {
+        self.ahead.drain();
+        self.run_collective(what, f)
+    }
+
+    /// Starts `run` on the thread of started collectives; its result comes back through the
+    /// handle.
+    fn start_ahead(&self, run: impl FnOnce(&WorkerJob) -> Result<Vec<f32>> + Send + 'static) -> PendingAllReduce {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let job: AheadJob = Box::new(move |job: &WorkerJob| {
+            let _ = tx.send(run(job));
+        });
+        match self.ahead.start(job) {
+            Ok(()) => PendingAllReduce::waiting(rx),
+            Err(e) => PendingAllReduce::ready(Err(e)),
+        }
+    }
+
+    fn run_collective<T>(&self, what: &'static str, f: impl FnOnce(u64) -> strata_transport::Result<T>) -> Result<T> {
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
         self.progress.enter(seq, what);
         f(seq).map_err(|e| {
@@ -158,6 +245,16 @@ impl WorkerCollectives for WorkerJob {
     fn barrier(&self) -> Result<()> {
         self.collective("barrier", |seq| self.ring.barrier(seq))
     }
+    fn start_all_reduce_half(&self, mut data: Vec<f32>, format: HalfFormat) -> PendingAllReduce {
+        self.start_ahead(move |job| {
+            job.run_collective("all_reduce", |seq| job.ring.all_reduce_half(seq, &mut data, format)).map(|()| data)
+        })
+    }
+    fn start_all_reduce(&self, op: ReduceOp, mut data: Vec<f32>) -> PendingAllReduce {
+        self.start_ahead(move |job| {
+            job.run_collective("all_reduce", |seq| job.ring.all_reduce(seq, op, &mut data)).map(|()| data)
+        })
+    }
 }
 
 /// Synchronous training across worker processes (TensorFlow's
@@ -195,9 +292,21 @@ impl MultiWorkerMirroredStrategy {
         let own_address = spec.address(config.task)?.to_string();
         let own_host = host_of(&own_address);
         let local_n = options.local_devices.len();
+        if let Compression::PowerSgd { .. } = options.compression {
+            return Err(Error::InvalidArgument(format!(
+                "compression {}: PowerSGD is not available on the ring yet; use none, fp16 or bf16",
+                options.compression
+            )));
+        }
+        if options.compression != Compression::None && options.cross_worker_ops.is_some() {
+            return Err(Error::InvalidArgument(format!(
+                "compression {} applies to the ring, not to cross-worker ops of your own (NCCL); use none with them",
+                options.compression
+            )));
+        }
         let strategy_fingerprint = format!(
-            "multi-worker-mirrored;replicas_per_worker={local_n};auto_shard={:?};bucket_bytes={};seed={}",
-            options.auto_shard, options.options.bucket_bytes, options.options.seed
+            "multi-worker-mirrored;replicas_per_worker={local_n};auto_shard={:?};bucket_bytes={};seed={};compression={}",
+            options.auto_shard, options.options.bucket_bytes, options.options.seed, options.compression
         );
         let server = if rank == 0 {
             let port = spec.port(config.task)?;
@@ -269,7 +378,9 @@ impl MultiWorkerMirroredStrategy {
             abort,
             index: reg.rank,
             task,
+            ahead: Ahead::default(),
         });
+        let _ = job.ahead.job.set(Arc::downgrade(&job));
         let custom = match &options.cross_worker_ops {
             Some(factory) => {
                 let guard = lock(&job.member);
@@ -293,10 +404,13 @@ impl MultiWorkerMirroredStrategy {
             None => None,
         };
         let ops_job = job.clone();
+        let half = options.compression.half_format();
         let cross = CrossWorker {
             ops: Box::new(move |local| match custom {
                 Some(ops) => ops,
-                None => Box::new(HierarchicalOps::new(local, ops_job)) as Box<dyn CrossDeviceOps>,
+                None => {
+                    Box::new(HierarchicalOps::new(local, ops_job).with_gradient_wire(half)) as Box<dyn CrossDeviceOps>
+                }
             }),
             workers: job.clone(),
             auto_shard: options.auto_shard,

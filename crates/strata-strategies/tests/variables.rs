@@ -15,7 +15,7 @@ use common::models::{data, Cnn, Frozen, Heads, TestModel, Tied};
 use strata_core::data::{Batch, TailPolicy};
 use strata_core::optim::{FusedAdamW, FusedMomentum, FusedSgd, ParamsMomentum};
 use strata_core::{Error, Replicated, Strategy, StrategyHandle, StrategyOptions, VariableKind};
-use strata_strategies::{CpuReduction, MirroredStrategy};
+use strata_strategies::{CentralStorageStrategy, CpuReduction, MirroredStrategy};
 
 type Params = Vec<(String, Vec<f32>)>;
 
@@ -300,5 +300,73 @@ fn two_workers_end_as_one_device() {
             let d = max_rel_diff(want, &got);
             assert!(d <= TOLERANCE, "worker {w}, {name}: relative difference {d}");
         }
+    }
+}
+
+/// Overlapping the reduction with the backward pass (the default: each bucket reduced as soon
+/// as its gradients are final, in the order learned in the first step) changes no bit against
+/// reducing after the pass: in memory each element's sum keeps its replica order. Small buckets
+/// (several per model), in memory and to one device, mirrored and central variables; a CNN, tied
+/// variables, frozen layers, and heads that alternate (the plan no longer fits and is learned
+/// again, its missing gradients reduced after the pass).
+#[test]
+fn overlapped_reduction_gives_the_bits_of_reduction_after_the_pass() {
+    fn strategy(kind: usize, overlap: bool) -> StrategyHandle {
+        let options = StrategyOptions { bucket_bytes: 64, overlap, ..Default::default() };
+        match kind {
+            0 => MirroredStrategy::with_options(
+                strata_core::device::logical_cpus(2).unwrap(),
+                CpuReduction::InMemoryAllReduce,
+                options,
+            )
+            .unwrap()
+            .handle(),
+            1 => MirroredStrategy::with_options(
+                strata_core::device::logical_cpus(3).unwrap(),
+                CpuReduction::ReductionToOneDevice,
+                options,
+            )
+            .unwrap()
+            .handle(),
+            _ => CentralStorageStrategy::with_options(
+                strata_core::device::logical_cpus(2).unwrap(),
+                CpuReduction::InMemoryAllReduce,
+                options,
+            )
+            .unwrap()
+            .handle(),
+        }
+    }
+    fn same<M: TestModel>(kind: usize, freeze: &[&str]) {
+        let adamw = ParamsAdamW { lr: 0.01, weight_decay: 0.1, ..Default::default() };
+        let on = train::<M, FusedAdamW>(&strategy(kind, true), adamw.clone(), 5, 30, freeze).1;
+        let off = train::<M, FusedAdamW>(&strategy(kind, false), adamw, 5, 30, freeze).1;
+        for ((name, a), (_, b)) in on.iter().zip(&off) {
+            let (a, b): (Vec<u32>, Vec<u32>) =
+                (a.iter().map(|x| x.to_bits()).collect(), b.iter().map(|x| x.to_bits()).collect());
+            assert!(a == b, "strategy {kind}: overlapped reduction changed {name}");
+        }
+        assert_eq!(on.len(), off.len());
+    }
+    for kind in 0..3 {
+        same::<Cnn>(kind, &[]);
+        same::<Tied>(kind, &[]);
+        same::<Frozen>(kind, &["late.*"]);
+        same::<Heads>(kind, &[]);
+    }
+    // The plan is learned in the first step and used from the second (several buckets).
+    let s = strategy(0, true);
+    let model = s.scope(Cnn::build).unwrap();
+    let opt = model.optimizer::<FusedSgd>(0.1).unwrap();
+    assert_eq!(opt.overlap_buckets(0), None);
+    for step in 0..2 {
+        let db = s.distribute_dataset(vec![data(8, Cnn::DIM, step as u64)], TailPolicy::Split).next().unwrap();
+        s.run_batch(&db, |ctx, shard| {
+            let loss = model.on(ctx)?.loss(step, &shard.batch, ctx.candle_device())?;
+            ctx.backward_and_sync(&loss, &opt)
+        })
+        .unwrap();
+        let buckets = opt.overlap_buckets(0).expect("a plan after the first step");
+        assert!(buckets > 1, "{buckets} bucket(s): the test wants several");
     }
 }

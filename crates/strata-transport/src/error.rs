@@ -21,15 +21,44 @@ pub enum Error {
     /// A peer task was lost (connection closed, reset, or its heartbeats stopped) while this
     /// task needed it.
     #[error("lost task {task} during {collective}: {detail}")]
-    PeerLost { task: String, collective: String, step: u64, detail: String },
+    PeerLost {
+        /// The lost task.
+        task: String,
+        /// The collective or RPC that needed it.
+        collective: String,
+        /// The collective's number (kept for the program and the log, not shown).
+        step: u64,
+        /// How it was lost.
+        detail: String,
+    },
 
     /// A collective or RPC did not complete within its deadline.
     #[error("{collective} timed out after {timeout:?} waiting for task {task}")]
-    Timeout { task: String, collective: String, step: u64, timeout: Duration },
+    Timeout {
+        /// The task waited for.
+        task: String,
+        /// The collective or RPC.
+        collective: String,
+        /// The collective's number (kept for the program and the log, not shown).
+        step: u64,
+        /// The deadline.
+        timeout: Duration,
+    },
 
     /// Peers issued different collectives at the same sequence number.
     #[error("collective order mismatch: task {me} called {mine} but task {peer} called {theirs}")]
-    Mismatch { step: u64, me: String, mine: String, peer: String, theirs: String },
+    Mismatch {
+        /// The sequence number both called at.
+        step: u64,
+        /// This task.
+        me: String,
+        /// The collective this task called.
+        mine: String,
+        /// The peer task.
+        peer: String,
+        /// The collective the peer called.
+        theirs: String,
+    },
 
     /// The collective was aborted because the cluster failed elsewhere.
     #[error("{0}")]
@@ -37,26 +66,63 @@ pub enum Error {
 
     /// A peer sent bytes that do not follow the protocol.
     #[error("protocol error from task {peer}: {detail}")]
-    Protocol { peer: String, detail: String },
+    Protocol {
+        /// The peer task.
+        peer: String,
+        /// What was wrong with its bytes.
+        detail: String,
+    },
 
     /// A peer task could not be reached (connection refused or reset, or it answered
     /// UNAVAILABLE); the operation may be retried once the task is back.
     #[error("task {peer} is unavailable during {rpc}: {detail}")]
-    Unavailable { peer: String, rpc: String, detail: String },
+    Unavailable {
+        /// The peer task.
+        peer: String,
+        /// The RPC or operation.
+        rpc: String,
+        /// What happened.
+        detail: String,
+    },
 
     /// A parameter server refused a push computed from a version too far behind its own
     /// (bounded-staleness mode); pull fresh values and compute the update again.
     #[error("stale push refused by {peer}: computed from version {base}, the task is at version {current}, the bound is {bound}; pull and recompute")]
-    Stale { peer: String, base: u64, current: u64, bound: u64 },
+    Stale {
+        /// The parameter server.
+        peer: String,
+        /// The version the push was computed from.
+        base: u64,
+        /// The server's version.
+        current: u64,
+        /// The largest staleness it accepts, in versions.
+        bound: u64,
+    },
 
     /// A server refused a request it understood (unknown variable, shape mismatch, oversize
     /// chunk, conflicting spec); `code` is the gRPC status code's name.
     #[error("{peer} refused {rpc} ({code}): {detail}")]
-    Rejected { peer: String, rpc: String, code: String, detail: String },
+    Rejected {
+        /// The server.
+        peer: String,
+        /// The RPC.
+        rpc: String,
+        /// The gRPC status code's name.
+        code: String,
+        /// The server's reason.
+        detail: String,
+    },
 
     /// An RPC failed; `status` is the gRPC status, converted here.
     #[error("rpc {rpc} to {peer} failed: {status}")]
-    Rpc { rpc: String, peer: String, status: String },
+    Rpc {
+        /// The RPC.
+        rpc: String,
+        /// The server.
+        peer: String,
+        /// The gRPC status, as text.
+        status: String,
+    },
 
     /// A parameter server's checkpoint could not be written or read (the message names the
     /// file and what to do).
@@ -66,9 +132,13 @@ pub enum Error {
     /// A server could not listen on its address: the address, and what to check.
     #[error("{what} cannot listen on {address}: {source}; {hint}")]
     Bind {
+        /// The server.
         what: String,
+        /// The address it was given.
         address: std::net::SocketAddr,
+        /// What to check for the cause.
         hint: &'static str,
+        /// The cause.
         #[source]
         source: std::io::Error,
     },
@@ -76,7 +146,9 @@ pub enum Error {
     /// An I/O error, with the operation or address it concerns.
     #[error("{context}: {source}")]
     Io {
+        /// The operation or address.
         context: String,
+        /// The cause.
         #[source]
         source: std::io::Error,
     },

@@ -22,6 +22,9 @@
 //! # Ok::<(), strata_transport::Error>(())
 //! ```
 
+// The facade (the strata crate) re-exports this crate's items: every public one is documented.
+#![warn(missing_docs)]
+
 pub mod auth;
 pub mod coordination;
 mod error;

@@ -198,6 +198,18 @@ fn optimizer_spec(rng: &mut StdRng) -> proto::OptimizerSpec {
         epsilon: extreme_f64(rng),
         weight_decay: extreme_f64(rng),
         initial_accumulator: extreme_f64(rng),
+        schedule: rng.random_bool(0.5).then(|| schedule_spec(rng)),
+    }
+}
+
+fn schedule_spec(rng: &mut StdRng) -> proto::LrScheduleSpec {
+    proto::LrScheduleSpec {
+        kind: ["constant", "warmup_cosine", "warmup_linear", "nope", ""][rng.random_range(0..5)].to_string(),
+        lr: extreme_f64(rng),
+        peak: extreme_f64(rng),
+        warmup_steps: extreme_u64(rng),
+        total_steps: extreme_u64(rng),
+        final_lr: extreme_f64(rng),
     }
 }
 

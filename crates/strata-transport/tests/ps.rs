@@ -18,8 +18,8 @@ use strata_proto::v1::{
 };
 use strata_transport::auth::{client_interceptor, ClientAuth};
 use strata_transport::ps::{
-    F32Bytes, FaultInjection, ProtoSpec, PsClient, PsClientConfig, PsMode, PsServerConfig, PsServerHandle, PushOutcome,
-    ServerOptimizer, UpdateId, VariableInfo, MAX_CHUNK_BYTES, MAX_CHUNK_ELEMENTS,
+    F32Bytes, FaultInjection, LrSchedule, ProtoSpec, PsClient, PsClientConfig, PsMode, PsServerConfig, PsServerHandle,
+    PushOutcome, ServerOptimizer, UpdateId, VariableInfo, MAX_CHUNK_BYTES, MAX_CHUNK_ELEMENTS,
 };
 use strata_transport::{ClusterToken, Error};
 use tonic::codegen::InterceptedService;
@@ -1050,6 +1050,92 @@ fn pull_into_writes_the_callers_buffers() {
         assert!(client.pull_into(&["a", "b"], 0, &mut [&mut a[..]]).is_err());
         let e = client.pull_into(&["nope"], 0, &mut [&mut a[..]]).unwrap_err();
         assert_eq!(rejected_code(&e), "NotFound", "{e}");
+        server.shutdown();
+    });
+}
+
+/// A task following a warm-up cosine schedule over gRPC: push number `k` (the task's version
+/// before it) gives exactly `value - lr(k) * g` under SGD, from 0 at the first step through the
+/// peak to the final rate; a retry is no step; a task restored from its checkpoint goes on with
+/// the next step's rate (the same bits as the task that never stopped); and a bad schedule is
+/// refused with `INVALID_ARGUMENT`, one line naming the field, creating nothing.
+#[test]
+fn a_scheduled_task_applies_each_steps_rate_and_a_restored_one_continues() {
+    within_limit("schedule", || {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("ps0");
+        let lr = 3e-3;
+        let schedule = LrSchedule::WarmupCosine { peak: lr, warmup_steps: 3, total_steps: 10, final_lr: lr / 10.0 };
+        // SGD's own rate (1) is replaced by the schedule's.
+        let sgd = ServerOptimizer::Sgd { lr: 1.0 };
+        let w0 = [0.5f32, -1.0, 2.0, 0.25];
+        let grad = |k: u64| -> Vec<f32> { (0..4).map(|i| (i as f32 - 1.5) * (k as f32 + 1.0) + 0.125).collect() };
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let mut config = server_config();
+        config.checkpoint_dir = Some(root.clone());
+        let server = start(config);
+        let client = connect(&server);
+        let out =
+            client.create_variables_scheduled(&[(whole("w", &[4]), &w0[..])], &sgd, Some(&schedule), PsMode::Async);
+        assert!(!out.unwrap().existed);
+        let status = client.status().unwrap();
+        assert_eq!((status.optimizer.as_ref(), status.schedule.as_ref()), (Some(&sgd), Some(&schedule)));
+        let mut value = w0.to_vec();
+        let mut values = Vec::new();
+        for k in 0..12u64 {
+            let g = grad(k);
+            assert_eq!(applied(client.push(&id("worker:0", k, 0), k, &[("w", &g)]).unwrap()), k + 1);
+            let rate = schedule.at(k) as f32;
+            value = value.iter().zip(&g).map(|(w, g)| w - rate * g).collect();
+            assert_eq!(bits(&pull1(&client, "w").2), bits(&value), "step {k} at rate {}", schedule.at(k));
+            if k == 0 {
+                assert_eq!(value, w0, "the warm-up starts at rate 0");
+                let retry = client.push(&id("worker:0", 0, 0), 0, &[("w", &g)]).unwrap();
+                assert_eq!(retry, PushOutcome::Applied { version: 1, duplicate: true });
+            }
+            if k == 4 {
+                client.checkpoint(5).unwrap();
+            }
+            values.push(value.clone());
+        }
+        server.shutdown();
+
+        // Restored at version 5: steps 5.. give the bits the first task had.
+        let mut config = server_config();
+        config.restore = Some(root.clone());
+        let server = start(config);
+        let client = connect(&server);
+        let status = client.status().unwrap();
+        assert_eq!((status.version, status.schedule.as_ref()), (5, Some(&schedule)));
+        // The coordinator's create again is answered from the restored task.
+        let again =
+            client.create_variables_scheduled(&[(whole("w", &[4]), &w0[..])], &sgd, Some(&schedule), PsMode::Async);
+        assert!(again.unwrap().existed);
+        let e = client.create_variables(&[(whole("w", &[4]), &w0[..])], &sgd, PsMode::Async).unwrap_err();
+        assert_eq!(rejected_code(&e), "FailedPrecondition", "{e}");
+        for k in 5..12u64 {
+            applied(client.push(&id("worker:0", k, 0), k, &[("w", &grad(k))]).unwrap());
+            assert_eq!(bits(&pull1(&client, "w").2), bits(&values[k as usize]), "restored, step {k}");
+        }
+        server.shutdown();
+
+        // A bad schedule: refused, one line naming the field, nothing created.
+        let server = start(server_config());
+        let client = connect(&server);
+        let bad = LrSchedule::WarmupCosine { peak: lr, warmup_steps: 10, total_steps: 10, final_lr: 0.0 };
+        let e = client.create_variables_scheduled(&[(whole("w", &[4]), &w0[..])], &sgd, Some(&bad), PsMode::Async);
+        let e = e.unwrap_err();
+        assert_eq!(rejected_code(&e), "InvalidArgument", "{e}");
+        let message = e.to_string();
+        assert!(!message.contains('\n'), "{message}");
+        assert!(
+            message.ends_with(
+                "warmup_cosine learning-rate schedule: total_steps 10 with warmup_steps 10: the decay must end after the warm-up; use more total_steps than warmup_steps"
+            ),
+            "{message}"
+        );
+        let status = client.status().unwrap();
+        assert!(status.variables.is_empty() && status.optimizer.is_none() && status.schedule.is_none());
         server.shutdown();
     });
 }

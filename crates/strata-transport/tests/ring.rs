@@ -613,3 +613,64 @@ fn collectives_work_from_inside_a_tokio_runtime() {
         assert_eq!(gathered, vec![vec![0.0], vec![1.0]]);
     }
 }
+
+/// The 16-bit wire of compressed gradients (`Ring::all_reduce_half`): every value travels in
+/// f16 or bf16 and every hop adds in f32. Where every partial sum is exact in the format
+/// (quarter steps below 256 for f16, small integers for bf16) the result is the closed form,
+/// bit for bit; elsewhere each element is within the format's rounding of every hop; and every
+/// rank ends with the same bits, since the rank that completes a segment keeps what it sends.
+#[test]
+fn a_16_bit_wire_sums_in_f32_and_every_rank_gets_the_same_bits() {
+    use strata_core::cross_device::compression::HalfFormat;
+    let exact = |half: HalfFormat, r: usize, i: usize| -> f32 {
+        match half {
+            HalfFormat::F16 => value(r, i), // multiples of 0.25 below 100: sums need 11 bits
+            HalfFormat::Bf16 => ((i * 7 + r * 13) % 17) as f32 - 8.0, // sums of five below 256
+        }
+    };
+    let inexact = |r: usize, i: usize| -> f32 { ((i * 31 + r * 17) % 1009) as f32 * 0.0137 - 6.9 };
+    for n in [2, 3, 5] {
+        let cfgs = configs(n, |_, c| c.chunk_bytes = 4096);
+        let results = run(cfgs, move |r, ring| {
+            let ring = ring.unwrap();
+            let mut outs = Vec::new();
+            let mut step = 0;
+            for half in [HalfFormat::F16, HalfFormat::Bf16] {
+                for len in SIZES {
+                    let mut data: Vec<f32> = (0..len).map(|i| exact(half, r, i)).collect();
+                    ring.all_reduce_half(step, &mut data, half).unwrap();
+                    let mut rough: Vec<f32> = (0..len).map(|i| inexact(r, i)).collect();
+                    ring.all_reduce_half(step + 1, &mut rough, half).unwrap();
+                    step += 2;
+                    outs.push((half, data, rough));
+                }
+            }
+            outs
+        });
+        for (k, (half, data, rough)) in results[0].iter().enumerate() {
+            let len = data.len();
+            let want = |i: usize| (0..n).map(|r| exact(*half, r, i)).sum::<f32>();
+            let wrong = (0..len).filter(|&i| data[i].to_bits() != want(i).to_bits()).count();
+            assert_eq!(wrong, 0, "{n} workers, {half:?}, {len} elements: exact sums differ");
+            // Each of the n - 1 hops and the final encoding rounds once, to half an ulp.
+            let ulp = match half {
+                HalfFormat::F16 => 2f32.powi(-11),
+                HalfFormat::Bf16 => 2f32.powi(-8),
+            };
+            for (i, got) in rough.iter().enumerate() {
+                let sum: f64 = (0..n).map(|r| f64::from(inexact(r, i))).sum();
+                let scale: f64 = (0..n).map(|r| f64::from(inexact(r, i)).abs()).sum();
+                let bound = n as f64 * f64::from(ulp) * scale + 1e-30;
+                assert!(
+                    (f64::from(*got) - sum).abs() <= bound,
+                    "{n} workers, {half:?}: element {i} is {got}, the sum {sum}"
+                );
+            }
+            for (r, res) in results.iter().enumerate().skip(1) {
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert!(bits(&res[k].1) == bits(data), "rank {r} differs from rank 0 ({n} workers, {half:?}, {len})");
+                assert!(bits(&res[k].2) == bits(rough), "rank {r} differs from rank 0 ({n} workers, {half:?}, {len})");
+            }
+        }
+    }
+}

@@ -12,6 +12,22 @@ pub enum Error {
     /// From the GPU path (a missing driver or feature, too few GPUs, a CUDA failure).
     #[error(transparent)]
     Cuda(#[from] strata_cuda::Error),
+    /// From the transport: a cluster token that is missing or invalid
+    /// ([`ClusterToken::resolve`](crate::ClusterToken::resolve)), a peer that refused this task's
+    /// token, a server that cannot listen on its address, or an RPC to a parameter server or a
+    /// worker that failed ([`ps::PsClient`](crate::ps::PsClient), the strategies' clients).
+    #[error(transparent)]
+    Transport(#[from] strata_transport::Error),
+    /// A parameter-server setting or variable that does not validate
+    /// ([`ps::ServerOptimizer::validate`](crate::ps::ServerOptimizer::validate),
+    /// [`ps::VariableInfo::validate`](crate::ps::VariableInfo::validate)).
+    #[error(transparent)]
+    Ps(#[from] strata_transport::ps::PsError),
+    /// A strategy or optimizer name that is none of the names
+    /// ([`StrategyKind`](crate::StrategyKind) and [`OptimizerKind`](crate::OptimizerKind) parse
+    /// with it).
+    #[error(transparent)]
+    UnknownName(#[from] crate::kind::UnknownName),
     /// A data file that is missing, unreadable or malformed.
     #[error("data file {path}: {reason}")]
     Data {
@@ -47,29 +63,35 @@ pub enum Error {
 
 impl Error {
     /// The process exit code for this error: 2 for input the user can fix (flags, files,
-    /// replica counts, device lists), 128 plus the code of a stop on request (143 after
-    /// SIGTERM), 1 for failures at run time.
+    /// replica counts, device lists, cluster specs, the cluster token, names, a parameter
+    /// server's settings), 128 plus the code of a stop on request (143 after SIGTERM), 1 for
+    /// failures at run time.
     pub fn exit_code(&self) -> i32 {
-        use strata_core::Error as C;
+        use strata_transport::Error as T;
         match self {
-            Error::Data { .. } | Error::Usage(_) => 2,
+            Error::Data { .. } | Error::Usage(_) | Error::UnknownName(_) => 2,
             // As a process killed by that signal would (128 + SIGTERM: 143).
             Error::Stopped { code, .. } => 128 + (*code).min(127) as i32,
-            Error::Core(
-                C::ZeroReplicas
-                | C::InvalidDeviceSpec { .. }
-                | C::InvalidDeviceList(_)
-                | C::UnknownDevice(_)
-                | C::InvalidMemoryConfig(_)
-                | C::InvalidArgument(_)
-                | C::InvalidCluster(_),
-            ) => 2,
+            Error::Core(e) | Error::Cuda(strata_cuda::Error::Core(e)) => core_exit_code(e),
             Error::Cuda(
                 strata_cuda::Error::NotBuilt { .. }
                 | strata_cuda::Error::LibraryMissing { .. }
                 | strata_cuda::Error::NoGpu(_)
                 | strata_cuda::Error::CrossDeviceChoice { .. },
             ) => 2,
+            // A token missing, malformed or not the cluster's; an address to listen on that this
+            // host cannot take (every cause's hint names the address or port to change).
+            Error::Transport(T::Config(_) | T::Unauthenticated(_) | T::Bind { .. }) => 2,
+            // A file the user named (the token file, the TLS directory's) missing or unreadable.
+            Error::Transport(T::Io { source, .. })
+                if matches!(source.kind(), std::io::ErrorKind::NotFound | std::io::ErrorKind::PermissionDenied) =>
+            {
+                2
+            }
+            Error::Transport(T::Checkpoint(e)) => core_exit_code(e),
+            // A setting or request that can never be taken (its kind says so); the others are
+            // the task's state or its failures.
+            Error::Ps(e) if e.kind() == strata_transport::ps::PsErrorKind::InvalidArgument => 2,
             _ => 1,
         }
     }
@@ -77,6 +99,21 @@ impl Error {
     /// An I/O error with context.
     pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
         Error::Io { context: context.into(), source }
+    }
+}
+
+/// The exit code of a strata-core error: 2 for input the user can fix, else 1.
+fn core_exit_code(e: &strata_core::Error) -> i32 {
+    use strata_core::Error as C;
+    match e {
+        C::ZeroReplicas
+        | C::InvalidDeviceSpec { .. }
+        | C::InvalidDeviceList(_)
+        | C::UnknownDevice(_)
+        | C::InvalidMemoryConfig(_)
+        | C::InvalidArgument(_)
+        | C::InvalidCluster(_) => 2,
+        _ => 1,
     }
 }
 

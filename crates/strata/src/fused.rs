@@ -13,7 +13,7 @@
 //! The kernels compute what the composed operations compute (the reference tests in this module
 //! compare them, forward and backward, within 1e-5); sums over a row are taken in 16 lanes, and
 //! `exp` and `tanh` are polynomials within a few ulp of libm's, so that every loop vectorizes.
-//! Each kernel runs under [`simd`], compiled for the widest vector instructions the CPU has
+//! Each kernel runs under pulp's run-time dispatch ([`pulp::Arch::dispatch`]), compiled for the widest vector instructions the CPU has
 //! (AVX-512 or AVX2, chosen at run time), with the same result on every CPU: the operations and
 //! their order are the source's, whatever the vector width. They run on f32 CPU tensors; on any
 //! other device or dtype the functions fall back to the composed operations, so a model written

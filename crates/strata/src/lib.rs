@@ -43,6 +43,42 @@
 //!
 //! Call [`init_cpu_threads`] first thing in `main` so that every replica runs candle's CPU
 //! kernels on its own thread (the `strata` binary does).
+//!
+//! ## Main types
+//!
+//! - The strategies: [`OneDeviceStrategy`] (one device, the baseline), [`MirroredStrategy`]
+//!   (replicas on this machine, gradients all-reduced), [`CentralStorageStrategy`] (variables
+//!   once on the CPU, replicas compute), [`MultiWorkerMirroredStrategy`] (mirrored across worker
+//!   processes) and [`ParameterServerStrategy`] (variables on ps tasks, steps scheduled on
+//!   workers by a [`ClusterCoordinator`]).
+//! - [`Strategy`]: what every strategy offers (`scope`, `run_batch`, `reduce`, datasets);
+//!   [`StrategyExtended`]: what a strategy implements; [`StrategyHandle`]: one chosen at run time.
+//! - [`Scope`]: what the scope closure gets, the `VarBuilder`s that create the strategy's
+//!   variables.
+//! - [`ReplicaContext`]: one replica's view of a step (its device, collectives,
+//!   `backward_and_sync`).
+//! - [`PerReplica`] / [`Mirrored`]: one value per replica / identical copies on every replica.
+//! - [`ReduceOp`]: how the replicas' values combine (sum, mean, max, min).
+//! - [`trainer::Trainer`], [`trainer::Task`], [`trainer::TrainConfig`]: the training loop
+//!   (`fit`), what it trains (a loss and metrics), and how (epochs, batch, checkpoints).
+//! - [`data::BatchData`] / [`data::TailPolicy`]: a batch a strategy can split among replicas /
+//!   what happens to batches too small to split evenly.
+//! - [`optim::FusedAdamW`] / [`optim::FusedSgd`]: in-place optimizers with candle's results.
+//! - [`cluster::TFConfigClusterResolver`], [`cluster::SlurmClusterResolver`],
+//!   [`cluster::SimpleClusterResolver`] ([`cluster::ClusterResolver`]s): where a job's cluster
+//!   and this process's task come from.
+//! - [`ClusterToken`]: the secret every task of a cluster shares.
+//! - [`Error`] / [`Result`]: this crate's error, into which every error of the crates it
+//!   re-exports converts with `?`; [`Error::exit_code`] is the process's exit code for it.
+//!
+//! ## Where to read more
+//!
+//! The modules below document the rest (models, data sets, fused kernels, the parameter-server
+//! job, metrics). The user guide is the mdBook in the repository's `docs/` directory
+//! (`mdbook build docs`): getting started, each strategy, your own model and data, multi-worker
+//! and parameter-server jobs, GPUs, faults and checkpoints, limits and errors.
+
+#![deny(missing_docs)]
 
 pub mod cnn;
 pub mod digits;

@@ -19,10 +19,11 @@
 //! Within a worker the step runs on the worker's local replicas: `sync_and_apply` reduces their
 //! gradients to the parameter replica and pushes them, once per step (the transformer's
 //! gradient clipped to a global norm of [`TRANSFORMER_CLIP_NORM`] first, as the other
-//! strategies clip it; the ps tasks apply it with a constant learning rate: they have no
-//! schedule). The coordinator evaluates the pulled parameters after every epoch: test accuracy
+//! strategies clip it; the ps tasks apply it at the rate of the learning-rate schedule the
+//! coordinator gave them, by their own update count, or at a constant rate without one). The
+//! coordinator evaluates the pulled parameters after every epoch: test accuracy
 //! for the digits models, validation loss in nats per character for the transformer
-//! ([`PsJobModel::evaluate`]).
+//! ([`train_coordinator`]).
 //!
 //! Everything in a step arrives from the network, so a worker checks it before it builds or
 //! allocates anything ([`PsJobSpec::validate`], [`PsJobSpec::validate_batch`]).

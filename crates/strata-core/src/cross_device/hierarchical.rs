@@ -2,9 +2,10 @@
 
 use std::sync::Arc;
 
-use super::{CpuCrossDeviceOps, CrossDeviceOps, Destination, ReduceRequest, WorkerCollectives};
+use super::compression::HalfFormat;
+use super::{CpuCrossDeviceOps, CrossDeviceOps, Destination, ReduceRequest, Started, WorkerCollectives};
 use crate::group::OpKey;
-use crate::{Error, Result};
+use crate::{Error, ReduceOp, Result};
 
 /// Hierarchical all-reduce: the worker's replicas reduce to replica 0 in memory, replica 0
 /// all-reduces across the workers ([`WorkerCollectives::all_reduce`]), and every local replica
@@ -13,29 +14,35 @@ use crate::{Error, Result};
 pub struct HierarchicalOps {
     local: CpuCrossDeviceOps,
     workers: Arc<dyn WorkerCollectives>,
+    /// The 16-bit wire of gradient buckets across workers, if compressed.
+    gradient_wire: Option<HalfFormat>,
 }
 
 impl HierarchicalOps {
     /// Reduces this worker's replicas with `local` and across workers with `workers`.
     pub fn new(local: CpuCrossDeviceOps, workers: Arc<dyn WorkerCollectives>) -> Self {
-        Self { local, workers }
-    }
-}
-
-impl CrossDeviceOps for HierarchicalOps {
-    fn name(&self) -> &'static str {
-        "hierarchical(in-memory, ring)"
+        Self { local, workers, gradient_wire: None }
     }
 
-    fn reduce(&self, req: ReduceRequest<'_>, out: &mut dyn FnMut(&[f32])) -> Result<()> {
+    /// Sends gradient buckets ([`CrossDeviceOps::start_gradients`]) across the workers in 16
+    /// bits (`format`), each hop adding in f32; `None` keeps them in f32.
+    pub fn with_gradient_wire(mut self, format: Option<HalfFormat>) -> Self {
+        self.gradient_wire = format;
+        self
+    }
+
+    fn start_with(&self, req: ReduceRequest<'_>, wire: Option<HalfFormat>) -> Result<Started> {
         let ReduceRequest { group, replica, op, dest, input, weight, .. } = req;
         if dest != Destination::AllReplicas {
             return Err(Error::InvalidArgument(
                 "multi-worker mirrored reduces to every replica; reduction to one device is not supported".into(),
             ));
         }
-        let n = group.num_replicas();
-        if n == 1 {
+        let across = |buf: Vec<f32>| match wire {
+            Some(format) if op == ReduceOp::Sum => self.workers.start_all_reduce_half(buf, format),
+            _ => self.workers.start_all_reduce(op, buf),
+        };
+        if group.num_replicas() == 1 {
             let mut buf = Vec::with_capacity(req.len());
             for t in input {
                 let v = t.flatten_all()?.to_vec1::<f32>()?;
@@ -45,18 +52,53 @@ impl CrossDeviceOps for HierarchicalOps {
                     buf.extend(v.iter().map(|x| x * weight));
                 }
             }
-            self.workers.all_reduce(op, &mut buf)?;
-            out(&buf);
-            return Ok(());
+            return Ok(Started::AcrossWorkers(Some(across(buf))));
         }
         let mut buf = Vec::new();
         let local = ReduceRequest { dest: Destination::Replica(0), ..req };
         self.local.reduce(local, &mut |p| buf.extend_from_slice(p))?;
-        let mine: std::result::Result<Arc<Vec<f32>>, String> = if replica == 0 {
-            self.workers.all_reduce(op, &mut buf).map(|_| Arc::new(buf)).map_err(|e| e.to_string())
-        } else {
-            Ok(Arc::new(Vec::new()))
+        Ok(Started::AcrossWorkers((replica == 0).then(|| across(buf))))
+    }
+}
+
+impl CrossDeviceOps for HierarchicalOps {
+    fn name(&self) -> &'static str {
+        "hierarchical(in-memory, ring)"
+    }
+
+    fn reduce(&self, req: ReduceRequest<'_>, out: &mut dyn FnMut(&[f32])) -> Result<()> {
+        let started = self.start(req, out)?;
+        self.finish(req, started, out)
+    }
+
+    /// Reduces the worker's replicas in memory to replica 0, which starts the cross-worker
+    /// all-reduce and returns without waiting for it.
+    fn start(&self, req: ReduceRequest<'_>, _out: &mut dyn FnMut(&[f32])) -> Result<Started> {
+        self.start_with(req, None)
+    }
+
+    /// [`start`](CrossDeviceOps::start) over the gradient wire, compressed if so configured.
+    fn start_gradients(&self, req: ReduceRequest<'_>, _out: &mut dyn FnMut(&[f32])) -> Result<Started> {
+        self.start_with(req, self.gradient_wire)
+    }
+
+    /// Waits for the cross-worker all-reduce (replica 0) and hands its result to every local
+    /// replica.
+    fn finish(&self, req: ReduceRequest<'_>, started: Started, out: &mut dyn FnMut(&[f32])) -> Result<()> {
+        let ReduceRequest { group, replica, op, .. } = req;
+        let Started::AcrossWorkers(pending) = started else { return Ok(()) };
+        let result = || match pending {
+            Some(p) => p.wait(),
+            None => {
+                Err(Error::Scope("a cross-worker reduction was finished on a replica that did not start it".into()))
+            }
         };
+        if group.num_replicas() == 1 {
+            out(&result()?);
+            return Ok(());
+        }
+        let mine: std::result::Result<Arc<Vec<f32>>, String> =
+            if replica == 0 { result().map(Arc::new).map_err(|e| e.to_string()) } else { Ok(Arc::new(Vec::new())) };
         let key = OpKey { seq: group.next_seq(replica), op: format!("all_reduce({op}) across workers"), shape: vec![] };
         let all = group.exchange(replica, &key, mine)?;
         match all.into_iter().next() {

@@ -22,6 +22,7 @@
 //! [`DEFAULT_BUCKET_BYTES`] so that one collective carries many small tensors.
 
 mod bucket;
+pub mod compression;
 mod cpu;
 mod hierarchical;
 
@@ -123,6 +124,64 @@ pub trait WorkerCollectives: Send + Sync + std::fmt::Debug {
     fn broadcast_u64s(&self, root: usize, data: &mut [u64]) -> Result<()>;
     /// Waits until every worker reaches this point.
     fn barrier(&self) -> Result<()>;
+    /// Starts an all-reduce of `data` across the workers and returns without waiting for it,
+    /// so that the caller can compute meanwhile (a bucket of gradients reduced while the
+    /// backward pass goes on); [`PendingAllReduce::wait`] gives the result. Collectives run in
+    /// the order they are called, started ones included: a collective called after a start
+    /// runs after it. The default runs the all-reduce at once.
+    fn start_all_reduce(&self, op: ReduceOp, mut data: Vec<f32>) -> PendingAllReduce {
+        PendingAllReduce::ready(self.all_reduce(op, &mut data).map(|()| data))
+    }
+    /// [`start_all_reduce`](WorkerCollectives::start_all_reduce) of a sum whose values cross
+    /// the network in 16 bits (`format`), each hop adding in f32 (gradient compression); every
+    /// worker gets the same bits. An implementation without a network of its own sums in f32
+    /// (the default).
+    fn start_all_reduce_half(&self, data: Vec<f32>, format: compression::HalfFormat) -> PendingAllReduce {
+        let _ = format;
+        self.start_all_reduce(ReduceOp::Sum, data)
+    }
+}
+
+/// A cross-worker all-reduce started by [`WorkerCollectives::start_all_reduce`].
+#[derive(Debug)]
+pub struct PendingAllReduce(Pending);
+
+#[derive(Debug)]
+enum Pending {
+    Ready(Result<Vec<f32>>),
+    Waiting(std::sync::mpsc::Receiver<Result<Vec<f32>>>),
+}
+
+impl PendingAllReduce {
+    /// An all-reduce that already finished with `result`.
+    pub fn ready(result: Result<Vec<f32>>) -> Self {
+        Self(Pending::Ready(result))
+    }
+
+    /// An all-reduce whose result `receiver` will get.
+    pub fn waiting(receiver: std::sync::mpsc::Receiver<Result<Vec<f32>>>) -> Self {
+        Self(Pending::Waiting(receiver))
+    }
+
+    /// Waits for the result.
+    pub fn wait(self) -> Result<Vec<f32>> {
+        match self.0 {
+            Pending::Ready(r) => r,
+            Pending::Waiting(rx) => rx.recv().unwrap_or_else(|_| {
+                Err(crate::Error::Cluster("a started cross-worker all-reduce ended without a result".into()))
+            }),
+        }
+    }
+}
+
+/// What [`CrossDeviceOps::start`] leaves for [`CrossDeviceOps::finish`].
+#[derive(Debug)]
+pub enum Started {
+    /// The reduction is complete.
+    Done,
+    /// The local part is done; the cross-worker all-reduce runs (its handle on the replica
+    /// that started it, `None` on the others).
+    AcrossWorkers(Option<PendingAllReduce>),
 }
 
 /// A collective reduction across the replicas of one machine.
@@ -143,5 +202,34 @@ pub trait CrossDeviceOps: Send + Sync + std::fmt::Debug {
     /// return `false` and hand the result to `out` in pieces.
     fn reduces_in_place(&self) -> bool {
         false
+    }
+
+    /// The first half of [`reduce`](CrossDeviceOps::reduce), to overlap a reduction with
+    /// computation: starts it and returns what [`finish`](CrossDeviceOps::finish) completes.
+    /// Collective like `reduce`: every replica starts the same reductions in the same order
+    /// and finishes them in that order; `out` may be called by either half. The default
+    /// reduces at once, and its `finish` has nothing left to do.
+    fn start(&self, req: ReduceRequest<'_>, out: &mut dyn FnMut(&[f32])) -> Result<Started> {
+        self.reduce(req, out).map(|()| Started::Done)
+    }
+
+    /// [`start`](CrossDeviceOps::start) for a bucket of gradients: where the ops carry
+    /// gradients over a network with [compression](compression::Compression), this is where
+    /// it applies (other reductions, such as a layer's statistics, stay exact). The default is
+    /// `start`; [`finish`](CrossDeviceOps::finish) completes either.
+    fn start_gradients(&self, req: ReduceRequest<'_>, out: &mut dyn FnMut(&[f32])) -> Result<Started> {
+        self.start(req, out)
+    }
+
+    /// Completes a reduction [`start`](CrossDeviceOps::start) began, given the same request.
+    fn finish(&self, req: ReduceRequest<'_>, started: Started, out: &mut dyn FnMut(&[f32])) -> Result<()> {
+        let _ = (req, out);
+        match started {
+            Started::Done => Ok(()),
+            Started::AcrossWorkers(_) => Err(crate::Error::Scope(format!(
+                "{} cannot finish a cross-worker reduction it did not start",
+                self.name()
+            ))),
+        }
     }
 }

@@ -21,7 +21,7 @@
 //! of a batch is cut at the same rows, and the shard's weight is its rows over the global
 //! batch's, whatever the parts hold (the loss a step computes should be the mean over its
 //! shard's examples, as one device's is over the batch's). A batch whose parts disagree on
-//! the number of rows ends the iteration with [`Error::BatchRows`](crate::Error::BatchRows),
+//! the number of rows ends the iteration with [`Error::BatchRows`],
 //! which [`DistributedDataset::take_error`] returns.
 //!
 //! # Across workers
@@ -40,7 +40,7 @@
 //! next-token targets: [`files::TokenRecords`]) a window of records at a time, and re-cuts
 //! them into global batches across file boundaries ([`files::FileBatches`]); memory stays
 //! within one batch and one read, whatever the files' sizes. A file whose size is not a whole
-//! number of records is [`Error::RecordFile`](crate::Error::RecordFile).
+//! number of records is [`Error::RecordFile`].
 
 use std::sync::{Arc, Mutex, PoisonError};
 

@@ -1,24 +1,7 @@
 //! `CUDA_VISIBLE_DEVICES`: which physical GPUs a process sees, and in what order.
 //!
-//! [`resolve_visible_devices`] applies CUDA's rules as a pure function of the variable's
-//! value and the physical devices:
-//!
-//! * unset: every device, in physical (index) order;
-//! * empty (or only whitespace): no device;
-//! * otherwise a comma-separated list; whitespace around each entry is ignored. An entry is
-//!   - a decimal index (ASCII digits only, leading zeros allowed) of a physical device, or
-//!   - `GPU-` followed by at least one hex digit or dash: a device UUID or a prefix of one,
-//!     compared without regard to case, which must match exactly one device's UUID.
-//!
-//!   The list ends at the first entry that is not valid: a negative number (so `-1` first
-//!   hides every device), an index no device has, anything else that is not a number, a UUID
-//!   prefix matching no device or more than one, a MIG instance (`MIG-...`, not supported),
-//!   an empty entry (so a trailing comma is harmless). The entries before it are kept; it and
-//!   every entry after it are ignored, and a warning names it.
-//! * Naming a device twice among the kept entries (by index, UUID or both) is an error.
-//!
-//! The position of a device in the list is its logical index: with `2,3`, logical GPU 0 is
-//! physical GPU 2.
+//! [`resolve_visible_devices`] applies CUDA's rules (listed in its docs) as a pure function of
+//! the variable's value and the physical devices.
 
 use std::fmt;
 
@@ -223,7 +206,25 @@ fn resolve_entry(entry: &str, physical: &[PhysicalDevice]) -> std::result::Resul
     }
 }
 
-/// Applies CUDA's `CUDA_VISIBLE_DEVICES` rules (see the [module docs](self)) to `physical`.
+/// Applies CUDA's `CUDA_VISIBLE_DEVICES` rules to `physical`, as a pure function of the
+/// variable's value and the physical devices:
+///
+/// * unset: every device, in physical (index) order;
+/// * empty (or only whitespace): no device;
+/// * otherwise a comma-separated list; whitespace around each entry is ignored. An entry is
+///   - a decimal index (ASCII digits only, leading zeros allowed) of a physical device, or
+///   - `GPU-` followed by at least one hex digit or dash: a device UUID or a prefix of one,
+///     compared without regard to case, which must match exactly one device's UUID.
+///
+///   The list ends at the first entry that is not valid: a negative number (so `-1` first
+///   hides every device), an index no device has, anything else that is not a number, a UUID
+///   prefix matching no device or more than one, a MIG instance (`MIG-...`, not supported),
+///   an empty entry (so a trailing comma is harmless). The entries before it are kept; it and
+///   every entry after it are ignored, and a warning names it.
+/// * Naming a device twice among the kept entries (by index, UUID or both) is an error.
+///
+/// The position of a device in the list is its logical index: with `2,3`, logical GPU 0 is
+/// physical GPU 2.
 ///
 /// `spec` is the variable's value, `None` when it is unset. An entry that ends the list early
 /// is logged with `tracing::warn`. Fails with [`Error::InvalidDeviceList`] when a device is

@@ -69,6 +69,11 @@ pub struct StrategyOptions {
     pub timeline: Option<Arc<Timeline>>,
     /// Seed of variable initialisation.
     pub seed: u64,
+    /// Reduce each bucket of gradients as soon as its last gradient is final, while the
+    /// backward pass goes on (default `true`; the buckets follow the order gradients became
+    /// ready in the first step, which reduces without overlap). The results are the same: bit
+    /// for bit where each element's sum keeps its order (in memory, two workers).
+    pub overlap: bool,
 }
 
 impl Default for StrategyOptions {
@@ -78,6 +83,7 @@ impl Default for StrategyOptions {
             collective_timeout: DEFAULT_COLLECTIVE_TIMEOUT,
             timeline: None,
             seed: 0,
+            overlap: true,
         }
     }
 }
@@ -93,7 +99,7 @@ pub enum AutoShardPolicy {
     Off,
     /// Each worker reads whole files of a sharded dataset (files `i`, `i + W`, ... on worker
     /// `i` of `W`; TensorFlow's `AutoShardPolicy.FILE`) and its batches are its own part of
-    /// the step, through [`files::distribute_files`](crate::data::files::distribute_files);
+    /// the step, through [`Strategy::distribute_files`](crate::Strategy::distribute_files);
     /// other datasets are sharded by data.
     File,
 }

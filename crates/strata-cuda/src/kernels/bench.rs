@@ -1,7 +1,7 @@
 //! Timing of Strata's reduction kernel (`strata_reduce_f32`) for `strata bench allreduce
 //! --gpus`: `inputs` buffers on one GPU reduced into a fresh one, as the reduction to one device
 //! does once the replicas' buffers are on the destination GPU. Results are checked element by
-//! element against the CPU reference ([`reference::reduce`](super::reference::reduce)).
+//! element against the CPU reference ([`reference::reduce`]).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

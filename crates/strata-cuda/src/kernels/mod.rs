@@ -3,11 +3,21 @@
 //!
 //! The sources live in `kernels/*.cu` (the repository root), are self-contained (no `#include`) and
 //! are embedded here with `include_str!` ([`SOURCES`]). NVRTC compiles each one at first use per
-//! compute capability ([`nvrtc`], cached) and each device loads them once ([`launch::Kernels`]).
+// The modules that compile and launch them exist with the `cuda` feature only: linked there,
+// named without it (a link to an item the build leaves out is broken).
+#![cfg_attr(
+    feature = "cuda",
+    doc = "compute capability ([`nvrtc`], cached) and each device loads them once ([`launch::Kernels`])."
+)]
+#![cfg_attr(
+    not(feature = "cuda"),
+    doc = "compute capability (`nvrtc`, cached) and each device loads them once (`launch::Kernels`; both \
+           with the `cuda` feature)."
+)]
 //!
-//! Every kernel has a CPU reference in [`reference`] with the same contract: the same argument
-//! validation ([`validate`], shared with the launchers, so it is tested without a GPU) and the
-//! same f32 operations in the same order, so results are equal bit for bit. The optimizers'
+//! Every kernel has a CPU reference in [`reference`](mod@reference) with the same contract: the
+//! same argument validation ([`validate`], shared with the launchers, so it is tested without a
+//! GPU) and the same f32 operations in the same order, so results are equal bit for bit. The optimizers'
 //! references apply strata-core's element-wise rules ([`strata_core::optim::rules`]), the one
 //! set of formulas the fused CPU optimizers and the parameter server share. The exceptions are
 //! NaN payloads of arithmetic results (axpy, scale, the optimizers), which differ between CPUs

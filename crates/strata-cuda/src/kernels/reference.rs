@@ -1,5 +1,5 @@
 //! CPU references of the kernels: the same contract (arguments, validation through
-//! [`validate`](super::validate), errors) and the same f32 operations in the same order as
+//! [`validate`], errors) and the same f32 operations in the same order as
 //! `kernels/*.cu`, so a kernel's output equals its reference bit for bit (see the module
 //! [`kernels`](super) for the NaN payload exception). Rust never contracts `a * b + c` into an
 //! FMA, and the kernels use `_rn` intrinsics, so neither side fuses.

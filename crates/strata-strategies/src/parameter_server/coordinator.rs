@@ -57,7 +57,7 @@ pub struct CoordinatorOptions {
     pub token: ClusterToken,
     /// The deadline of one step's RPC (default 300 s).
     pub rpc_timeout: Duration,
-    /// How long [`ClusterCoordinator::new`] waits for every worker to answer (default 60 s).
+    /// How long [`ClusterCoordinator::with_ps_tasks`] waits for every worker to answer (default 60 s).
     pub connect_timeout: Duration,
     /// How long a step may keep failing as unavailable (a ps task down, every worker lost)
     /// before its value fails (default 120 s).

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use candle_core::{DType, Var};
 use strata_core::{Error, Replicated, Result, Strategy, StrategyOptions};
-use strata_transport::ps::{PsClient, PsClientConfig, PsMode, ServerOptimizer, VariableInfo};
+use strata_transport::ps::{LrSchedule, PsClient, PsClientConfig, PsMode, ServerOptimizer, VariableInfo};
 use strata_transport::{AbortSignal, ClusterToken};
 
 use super::coordinator::{ClusterCoordinator, CoordinatorOptions, PsControl};
@@ -22,6 +22,13 @@ pub struct ParameterServerOptions {
     pub token: ClusterToken,
     /// The optimizer the ps tasks apply pushed gradients with (default Keras's AdamW).
     pub optimizer: ServerOptimizer,
+    /// The learning-rate schedule the ps tasks apply the optimizer at, in place of its constant
+    /// rate (default none). Each ps task follows it by its own update count: its version
+    /// before the update, one per applied push in async and stale modes (every worker step
+    /// pushes once to every ps task, so a task's count is the job's applied worker steps) and
+    /// one per applied round in sync mode (see [`PsClient::create_variables_scheduled`]). Give
+    /// `total_steps` in that count.
+    pub schedule: Option<LrSchedule>,
     /// Async, sync or bounded-staleness updates (default async).
     pub mode: PsMode,
     /// How variables are split (default not at all).
@@ -37,7 +44,7 @@ pub struct ParameterServerOptions {
     /// The seed of variable initialisation (the same seed gives every strategy the same values).
     pub seed: u64,
     /// Where the cluster comes from, as messages name it (see
-    /// [`ClusterResolver::source`](crate::cluster::ClusterResolver::source)).
+    /// [`ClusterResolver::source`]).
     pub cluster_source: &'static str,
     /// Whether a lost ps task will be restarted from its checkpoint, so that the coordinator
     /// waits for it instead of ending the job (see
@@ -46,12 +53,14 @@ pub struct ParameterServerOptions {
 }
 
 impl ParameterServerOptions {
-    /// The defaults: AdamW (lr 1e-3, betas 0.9/0.999, eps 1e-7, weight decay 0.004, as Keras),
-    /// async, no partitioning, balanced placement, no checkpoints, 120 s of step retries, seed 0.
+    /// The defaults: AdamW (lr 1e-3, betas 0.9/0.999, eps 1e-7, weight decay 0.004, as Keras)
+    /// at a constant rate, async, no partitioning, balanced placement, no checkpoints, 120 s of
+    /// step retries, seed 0.
     pub fn new(token: ClusterToken) -> Self {
         Self {
             token,
             optimizer: ServerOptimizer::AdamW { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-7, weight_decay: 0.004 },
+            schedule: None,
             mode: PsMode::Async,
             partitioner: Partitioner::None,
             placement: PlacementPolicy::BalancedBytes,
@@ -86,6 +95,7 @@ impl std::fmt::Debug for ParameterServerStrategy {
         f.debug_struct("ParameterServerStrategy")
             .field("cluster", &self.cluster)
             .field("optimizer", &self.options.optimizer)
+            .field("schedule", &self.options.schedule)
             .field("mode", &self.options.mode)
             .field("partitioner", &self.options.partitioner)
             .finish()
@@ -199,7 +209,12 @@ impl ParameterServerStrategy {
                             })?;
                             shards.push((info.clone(), &values[v][shard_range(info)]));
                         }
-                        let outcome = client.create_variables(&shards, &options.optimizer, options.mode)?;
+                        let outcome = client.create_variables_scheduled(
+                            &shards,
+                            &options.optimizer,
+                            options.schedule.as_ref(),
+                            options.mode,
+                        )?;
                         Ok(outcome.existed)
                     })
                 })

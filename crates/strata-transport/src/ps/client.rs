@@ -11,7 +11,7 @@ use strata_proto::v1::{
     create_message, push_message, CreateMessage, PsCheckpointRequest, PsConfigureRequest, PsStatusRequest, PullHeader,
     PullRequest, PushMessage, PushResponse,
 };
-use strata_ps::{copy_f32s, Chunk};
+use strata_ps::{copy_f32s, Chunk, LrSchedule};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::codegen::Service;
 use tonic::service::interceptor::InterceptedService;
@@ -369,12 +369,27 @@ impl PsClient {
         })
     }
 
-    /// Creates variables with their initial values and sets the optimizer and mode. Creating
-    /// variables that exist with the same spec is a no-op (`existed`).
+    /// Creates variables with their initial values and sets the optimizer (at its constant
+    /// rate) and mode. Creating variables that exist with the same spec is a no-op (`existed`).
     pub fn create_variables(
         &self,
         vars: &[(VariableInfo, &[f32])],
         optimizer: &ServerOptimizer,
+        mode: PsMode,
+    ) -> Result<CreateOutcome> {
+        self.create_variables_scheduled(vars, optimizer, None, mode)
+    }
+
+    /// [`create_variables`](Self::create_variables) with the optimizer following `schedule`:
+    /// the task's update `n` (its version before the update: one per applied push in async and
+    /// stale modes, one per applied round in sync mode) is applied at `schedule.at(n)`, see
+    /// [`strata_ps::CreateHeader::schedule`]. The task refuses a bad schedule with
+    /// `INVALID_ARGUMENT` naming the field, and creates nothing.
+    pub fn create_variables_scheduled(
+        &self,
+        vars: &[(VariableInfo, &[f32])],
+        optimizer: &ServerOptimizer,
+        schedule: Option<&LrSchedule>,
         mode: PsMode,
     ) -> Result<CreateOutcome> {
         for (info, values) in vars {
@@ -388,7 +403,7 @@ impl PsClient {
                 )));
             }
         }
-        let header = convert::create_header_spec(vars.iter().map(|(i, _)| i), optimizer, mode);
+        let header = convert::create_header_spec(vars.iter().map(|(i, _)| i), optimizer, schedule, mode);
         let produce = |send: &mut dyn FnMut(CreateMessage) -> bool| {
             if !send(CreateMessage { kind: Some(create_message::Kind::Header(header.clone())) }) {
                 return;

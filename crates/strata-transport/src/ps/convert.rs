@@ -5,8 +5,8 @@
 use prost::bytes::Bytes;
 use strata_proto::v1 as proto;
 use strata_ps::{
-    Chunk, CreateOutcome, ErrorKind, PsMode, PsStatus, PullResult, PushHeader, PushOutcome, PushReply, ServerOptimizer,
-    UpdateId, VariableInfo, MAX_CHUNK_ELEMENTS, MAX_VARIABLE_ELEMENTS,
+    Chunk, CreateOutcome, ErrorKind, LrSchedule, PsMode, PsStatus, PullResult, PushHeader, PushOutcome, PushReply,
+    ServerOptimizer, UpdateId, VariableInfo, MAX_CHUNK_ELEMENTS, MAX_VARIABLE_ELEMENTS,
 };
 use tonic::Status;
 
@@ -41,8 +41,8 @@ impl From<strata_ps::Error> for Error {
 }
 
 /// A value of the parameter server's configuration as the protocol carries it: an optimizer
-/// ([`proto::OptimizerSpec`]), a mode ([`proto::ModeSpec`]) or a variable
-/// ([`proto::VariableSpec`]).
+/// ([`proto::OptimizerSpec`]), a learning-rate schedule ([`proto::LrScheduleSpec`]), a mode
+/// ([`proto::ModeSpec`]) or a variable ([`proto::VariableSpec`]).
 pub trait ProtoSpec: Sized {
     /// The protocol's message.
     type Spec;
@@ -85,6 +85,25 @@ impl ProtoSpec for ServerOptimizer {
 
     fn from_spec(s: &proto::OptimizerSpec) -> Result<Self> {
         Ok(optimizer(s)?)
+    }
+}
+
+impl ProtoSpec for LrSchedule {
+    type Spec = proto::LrScheduleSpec;
+
+    fn to_spec(&self) -> proto::LrScheduleSpec {
+        let kind = strata_ps::schedule_kind(self).into();
+        match *self {
+            LrSchedule::Constant { lr } => proto::LrScheduleSpec { kind, lr, ..Default::default() },
+            LrSchedule::WarmupCosine { peak, warmup_steps, total_steps, final_lr }
+            | LrSchedule::WarmupLinear { peak, warmup_steps, total_steps, final_lr } => {
+                proto::LrScheduleSpec { kind, peak, warmup_steps, total_steps, final_lr, ..Default::default() }
+            }
+        }
+    }
+
+    fn from_spec(s: &proto::LrScheduleSpec) -> Result<Self> {
+        Ok(schedule(s)?)
     }
 }
 
@@ -153,6 +172,31 @@ fn optimizer(s: &proto::OptimizerSpec) -> strata_ps::Result<ServerOptimizer> {
     Ok(opt)
 }
 
+/// The learning-rate schedule a spec names, checked as a task checks it
+/// ([`strata_ps::check_schedule`]). Every number of the spec must be finite, also those the
+/// named kind does not use; each refusal names the field.
+fn schedule(s: &proto::LrScheduleSpec) -> strata_ps::Result<LrSchedule> {
+    strata_ps::check_name("schedule", &s.kind)?;
+    let (warmup_steps, total_steps) = (s.warmup_steps, s.total_steps);
+    let schedule = match s.kind.as_str() {
+        "constant" => LrSchedule::Constant { lr: s.lr },
+        "warmup_cosine" => LrSchedule::WarmupCosine { peak: s.peak, warmup_steps, total_steps, final_lr: s.final_lr },
+        "warmup_linear" => LrSchedule::WarmupLinear { peak: s.peak, warmup_steps, total_steps, final_lr: s.final_lr },
+        other => return Err(strata_ps::Error::UnknownSchedule { kind: other.into() }),
+    };
+    for (field, value) in [("lr", s.lr), ("peak", s.peak), ("final_lr", s.final_lr)] {
+        if !value.is_finite() {
+            return Err(strata_ps::Error::InvalidSchedule {
+                kind: strata_ps::schedule_kind(&schedule),
+                field,
+                detail: format!("{value}: every rate of the schedule must be a finite number"),
+            });
+        }
+    }
+    strata_ps::check_schedule(&schedule)?;
+    Ok(schedule)
+}
+
 /// The mode a spec names (`""` is async), checked.
 fn mode(s: &proto::ModeSpec) -> strata_ps::Result<PsMode> {
     strata_ps::check_name("mode", &s.mode)?;
@@ -207,12 +251,13 @@ fn variable(s: &proto::VariableSpec) -> strata_ps::Result<VariableInfo> {
 }
 
 /// A `CreateVariables` header, checked (a missing optimizer is refused, a missing mode is
-/// async).
+/// async, a missing schedule is the optimizer's constant rate).
 pub(crate) fn create_header(h: &proto::CreateHeader) -> strata_ps::Result<strata_ps::CreateHeader> {
     let variables = h.variables.iter().map(variable).collect::<strata_ps::Result<Vec<_>>>()?;
     Ok(strata_ps::CreateHeader {
         variables,
         optimizer: optimizer(&h.optimizer.clone().unwrap_or_default())?,
+        schedule: h.optimizer.as_ref().and_then(|o| o.schedule.as_ref()).map(schedule).transpose()?,
         mode: mode(&h.mode.clone().unwrap_or_default())?,
     })
 }
@@ -227,15 +272,21 @@ pub(crate) fn declared_bytes(h: &strata_ps::CreateHeader) -> strata_ps::Result<u
     Ok(usize::try_from(bytes).unwrap_or(usize::MAX))
 }
 
-/// The protocol's create header of variables, an optimizer and a mode.
+/// The protocol's optimizer spec of `optimizer` following `schedule`.
+fn optimizer_spec(optimizer: &ServerOptimizer, schedule: Option<&LrSchedule>) -> proto::OptimizerSpec {
+    proto::OptimizerSpec { schedule: schedule.map(ProtoSpec::to_spec), ..optimizer.to_spec() }
+}
+
+/// The protocol's create header of variables, an optimizer, its schedule and a mode.
 pub(crate) fn create_header_spec<'a>(
     vars: impl IntoIterator<Item = &'a VariableInfo>,
     optimizer: &ServerOptimizer,
+    schedule: Option<&LrSchedule>,
     mode: PsMode,
 ) -> proto::CreateHeader {
     proto::CreateHeader {
         variables: vars.into_iter().map(ProtoSpec::to_spec).collect(),
-        optimizer: Some(optimizer.to_spec()),
+        optimizer: Some(optimizer_spec(optimizer, schedule)),
         mode: Some(mode.to_spec()),
     }
 }
@@ -331,7 +382,7 @@ pub(crate) fn status_response(s: PsStatus) -> proto::PsStatusResponse {
         restored_step: s.restored_step,
         restored_version: s.restored_version,
         mode: Some(s.mode.to_spec()),
-        optimizer: s.optimizer.as_ref().map(ProtoSpec::to_spec),
+        optimizer: s.optimizer.as_ref().map(|o| optimizer_spec(o, s.schedule.as_ref())),
         rounds: s.rounds,
         applied_by_worker: s.applied_by_worker.into_iter().collect(),
         pushes_streamed: s.pushes_streamed,
@@ -359,6 +410,7 @@ pub(crate) fn ps_status(r: proto::PsStatusResponse) -> strata_ps::Result<PsStatu
         restored_version: r.restored_version,
         mode: mode(&r.mode.unwrap_or_default())?,
         optimizer: r.optimizer.as_ref().map(optimizer).transpose()?,
+        schedule: r.optimizer.as_ref().and_then(|o| o.schedule.as_ref()).map(schedule).transpose()?,
         rounds: r.rounds,
         applied_by_worker: r.applied_by_worker.into_iter().collect(),
     })
@@ -417,5 +469,42 @@ mod tests {
         assert!(e.to_string().contains("more than 2147483648 elements; partition it"), "{e}");
         let v = proto::VariableSpec { name: "x".into(), shape: vec![3], dtype: "f32".into(), ..Default::default() };
         assert_eq!(VariableInfo::from_spec(&v).unwrap(), VariableInfo::whole("x", vec![3]));
+    }
+
+    /// Schedules travel exactly, and a bad one is `INVALID_ARGUMENT` naming the field.
+    #[test]
+    fn schedules_round_trip_and_bad_ones_are_refused_naming_the_field() {
+        for s in [
+            LrSchedule::Constant { lr: 0.25 },
+            LrSchedule::WarmupCosine { peak: 3e-3, warmup_steps: 60, total_steps: 1200, final_lr: 3e-3 / 10.0 },
+            LrSchedule::WarmupLinear { peak: 1.0, warmup_steps: 0, total_steps: 1, final_lr: 0.0 },
+        ] {
+            assert_eq!(LrSchedule::from_spec(&s.to_spec()).unwrap(), s);
+        }
+        let cases = [
+            (
+                proto::LrScheduleSpec { kind: "warmup_cosine".into(), peak: 0.1, warmup_steps: 9, total_steps: 9, ..Default::default() },
+                "warmup_cosine learning-rate schedule: total_steps 9 with warmup_steps 9: the decay must end after the warm-up; use more total_steps than warmup_steps",
+            ),
+            (
+                proto::LrScheduleSpec { kind: "constant".into(), lr: 0.1, peak: f64::INFINITY, ..Default::default() },
+                "constant learning-rate schedule: peak inf: every rate of the schedule must be a finite number",
+            ),
+            (
+                proto::LrScheduleSpec { kind: "exponential".into(), ..Default::default() },
+                "unknown learning-rate schedule \"exponential\"; a parameter server follows constant, warmup_cosine or warmup_linear",
+            ),
+        ];
+        for (spec, message) in cases {
+            let e = schedule(&spec).unwrap_err();
+            let st = status(e);
+            assert_eq!((st.code(), st.message()), (tonic::Code::InvalidArgument, message));
+        }
+        // Inside a create header, and absent: the constant rate.
+        let mut h = create_header_spec([], &ServerOptimizer::Sgd { lr: 0.5 }, None, PsMode::Async);
+        assert_eq!(create_header(&h).unwrap().schedule, None);
+        let s = LrSchedule::WarmupLinear { peak: 1.0, warmup_steps: 2, total_steps: 5, final_lr: 0.5 };
+        h = create_header_spec([], &ServerOptimizer::Sgd { lr: 0.5 }, Some(&s), PsMode::Async);
+        assert_eq!(create_header(&h).unwrap().schedule, Some(s));
     }
 }

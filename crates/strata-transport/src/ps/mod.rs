@@ -68,9 +68,12 @@ pub use convert::ProtoSpec;
 pub use faults::FaultInjection;
 pub use server::PsServerHandle;
 pub use strata_ps::{
-    CreateOutcome, PsMode, PsStatus, PushOutcome, ServerOptimizer, UpdateId, VariableInfo, MAX_CHUNK_BYTES,
+    CreateOutcome, LrSchedule, PsMode, PsStatus, PushOutcome, ServerOptimizer, UpdateId, VariableInfo, MAX_CHUNK_BYTES,
     MAX_CHUNK_ELEMENTS, MAX_VARIABLE_ELEMENTS,
 };
+// The error the types above return (`ServerOptimizer::validate`, `VariableInfo::validate`), named
+// here so that a program using this module (or the strata facade's `ps`) can name it too.
+pub use strata_ps::{Error as PsError, ErrorKind as PsErrorKind};
 
 /// f32 values in memory the transport can send without a copy (for
 /// [`PsClient::push_shared`]): a `Vec<f32>` handed over, shared by clones.

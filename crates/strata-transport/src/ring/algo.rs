@@ -25,6 +25,7 @@
 use std::cell::{Cell, RefCell};
 use std::ops::Range;
 
+use strata_core::cross_device::compression::HalfFormat;
 use strata_core::ReduceOp;
 use tokio::sync::Notify;
 
@@ -103,6 +104,7 @@ struct RecvItem {
 
 /// Sends `sends` to `writer` while receiving `recvs` from `reader`, both preceded by OPEN
 /// frames. A send waits until the receives it depends on are processed.
+/// With a 16-bit `half` wire (sums only), every value travels encoded and is added in f32.
 #[allow(clippy::too_many_arguments)]
 async fn pipeline(
     ctx: &Ctx<'_>,
@@ -110,6 +112,7 @@ async fn pipeline(
     writer: &mut Writer,
     data: &mut [f32],
     op: ReduceOp,
+    half: Option<HalfFormat>,
     sends: &[SendItem],
     recvs: &[RecvItem],
 ) -> Result<()> {
@@ -117,17 +120,26 @@ async fn pipeline(
     let done = Cell::new(0usize);
     let progress = Notify::new();
     let n = ctx.n;
+    let width = if half.is_some() { 2 } else { 4 };
     let send = async {
         writer.send(ctx, &wire::open_frame(ctx.step, &ctx.call)).await?;
         let most = sends.iter().map(|i| i.range.len()).max().unwrap_or(0);
-        let mut buf = vec![0u8; HEADER + most * 4];
+        let mut buf = vec![0u8; HEADER + most * width];
         for item in sends {
             while done.get() < item.need {
                 progress.notified().await;
             }
-            let len = item.range.len() * 4;
+            let len = item.range.len() * width;
             buf[..HEADER].copy_from_slice(&wire::header(TAG_DATA, len));
-            wire::write_f32s(&mut buf[HEADER..HEADER + len], &data.borrow()[item.range.clone()]);
+            {
+                // The borrow ends before the send awaits: the receiver writes meanwhile.
+                let d = data.borrow();
+                let src = &d[item.range.clone()];
+                match half {
+                    None => wire::write_f32s(&mut buf[HEADER..HEADER + len], src),
+                    Some(format) => wire::write_halves(&mut buf[HEADER..HEADER + len], src, format),
+                }
+            }
             writer.send(ctx, &buf[..HEADER + len]).await?;
         }
         Ok::<_, Error>(())
@@ -137,17 +149,24 @@ async fn pipeline(
         for (i, item) in recvs.iter().enumerate() {
             let start = item.range.start;
             reader
-                .data_with(ctx, item.range.len() * 4, |at, bytes| {
+                .data_with_width(ctx, item.range.len() * width, width, |at, bytes| {
                     let mut d = data.borrow_mut();
-                    let dst = &mut d[start + at..start + at + bytes.len() / 4];
-                    match item.action {
-                        Action::Reduce { .. } => wire::combine_bytes(op, dst, bytes),
-                        Action::Store => wire::store_f32s(dst, bytes),
+                    let dst = &mut d[start + at..start + at + bytes.len() / width];
+                    match (item.action, half) {
+                        (Action::Reduce { .. }, None) => wire::combine_bytes(op, dst, bytes),
+                        (Action::Store, None) => wire::store_f32s(dst, bytes),
+                        (Action::Reduce { .. }, Some(format)) => wire::add_halves(dst, bytes, format),
+                        (Action::Store, Some(format)) => wire::store_halves(dst, bytes, format),
                     }
                 })
                 .await?;
             if let Action::Reduce { finish: true } = item.action {
-                op.finish(&mut data.borrow_mut()[item.range.clone()], n);
+                let mut d = data.borrow_mut();
+                op.finish(&mut d[item.range.clone()], n);
+                if let Some(format) = half {
+                    // This task sends the segment on in 16 bits: it keeps what it sends.
+                    wire::round_to(&mut d[item.range.clone()], format);
+                }
             }
             done.set(i + 1);
             progress.notify_one();
@@ -158,8 +177,15 @@ async fn pipeline(
     Ok(())
 }
 
-/// Ring all-reduce: reduce-scatter, then all-gather.
-pub(crate) async fn ring_all_reduce(ctx: &Ctx<'_>, links: &mut Links, op: ReduceOp, data: &mut [f32]) -> Result<()> {
+/// Ring all-reduce: reduce-scatter, then all-gather; over a 16-bit wire when `half` is given
+/// (sums only).
+pub(crate) async fn ring_all_reduce(
+    ctx: &Ctx<'_>,
+    links: &mut Links,
+    op: ReduceOp,
+    data: &mut [f32],
+    half: Option<HalfFormat>,
+) -> Result<()> {
     let (n, r, len) = (ctx.n, ctx.rank, data.len());
     let seg_chunks: Vec<Vec<Range<usize>>> =
         (0..n).map(|k| chunks(seg_start(len, n, k)..seg_start(len, n, k + 1), ctx.chunk_elems).collect()).collect();
@@ -193,7 +219,7 @@ pub(crate) async fn ring_all_reduce(ctx: &Ctx<'_>, links: &mut Links, op: Reduce
         recvs.extend(seg_chunks[rseg].iter().map(|range| RecvItem { range: range.clone(), action }));
     }
     let (reader, writer, idle) = links.pair(ring_pos(r, -1, n), ring_pos(r, 1, n))?;
-    watching(ctx, idle, pipeline(ctx, reader, writer, data, op, &sends, &recvs)).await
+    watching(ctx, idle, pipeline(ctx, reader, writer, data, op, half, &sends, &recvs)).await
 }
 
 /// Direct all-reduce: every task sends its buffer to every peer and reduces in rank order.
@@ -341,7 +367,7 @@ pub(crate) async fn chain_broadcast(ctx: &Ctx<'_>, links: &mut Links, root: usiz
         all.iter().map(|range| RecvItem { range: range.clone(), action: Action::Store }).collect()
     };
     let (reader, writer, idle) = links.pair(ring_pos(r, -1, n), ring_pos(r, 1, n))?;
-    watching(ctx, idle, pipeline(ctx, reader, writer, data, ReduceOp::Sum, &sends, &recvs)).await
+    watching(ctx, idle, pipeline(ctx, reader, writer, data, ReduceOp::Sum, None, &sends, &recvs)).await
 }
 
 /// Barrier: OPEN frames to and from every peer.

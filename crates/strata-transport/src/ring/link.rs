@@ -195,13 +195,16 @@ impl Reader {
     }
 
     /// Reads one DATA frame of exactly `len` bytes, handing its payload to `sink` straight from
-    /// the read buffer (no copy), in pieces of whole f32s: `sink(first element, bytes)`.
-    pub(crate) async fn data_with(
+    /// the read buffer (no copy), in pieces of whole elements of `width` bytes (4: f32s, 2: a
+    /// 16-bit wire): `sink(first element, bytes)`.
+    pub(crate) async fn data_with_width(
         &mut self,
         ctx: &Ctx<'_>,
         len: usize,
+        width: usize,
         mut sink: impl FnMut(usize, &[u8]),
     ) -> Result<()> {
+        debug_assert!(width == 2 || width == 4);
         let (tag, flen) = self.header(ctx).await?;
         if tag != TAG_DATA || flen != len {
             return Err(ctx.protocol(
@@ -210,7 +213,7 @@ impl Reader {
             ));
         }
         let mut done = 0usize; // payload bytes consumed
-        let mut carry = [0u8; 4]; // an f32 split between two reads
+        let mut carry = [0u8; 4]; // an element split between two reads
         let mut carried = 0usize;
         while done < len {
             Ctx::begin(&ctx.reading, self.peer);
@@ -224,18 +227,18 @@ impl Reader {
             let take = avail.len().min(len - done);
             let mut piece = &avail[..take];
             if carried > 0 {
-                let k = (4 - carried).min(piece.len());
+                let k = (width - carried).min(piece.len());
                 carry[carried..carried + k].copy_from_slice(&piece[..k]);
                 carried += k;
                 piece = &piece[k..];
-                if carried == 4 {
-                    sink((done + k) / 4 - 1, &carry);
+                if carried == width {
+                    sink((done + k) / width - 1, &carry[..width]);
                     carried = 0;
                 }
             }
-            let whole = piece.len() / 4 * 4;
+            let whole = piece.len() / width * width;
             if whole > 0 {
-                sink((done + take - piece.len()) / 4, &piece[..whole]);
+                sink((done + take - piece.len()) / width, &piece[..whole]);
             }
             let rest = &piece[whole..];
             carry[..rest.len()].copy_from_slice(rest);
@@ -422,13 +425,13 @@ mod tests {
             let mut got = vec![f32::NAN; values.len()];
             let reading = async {
                 reader
-                    .data_with(&ctx, values.len() * 4, |at, bytes| {
+                    .data_with_width(&ctx, values.len() * 4, 4, |at, bytes| {
                         assert_eq!(bytes.len() % 4, 0);
                         wire::store_f32s(&mut got[at..at + bytes.len() / 4], bytes);
                     })
                     .await
                     .unwrap();
-                reader.data_with(&ctx, 8, |_, _| {}).await.unwrap_err()
+                reader.data_with_width(&ctx, 8, 4, |_, _| {}).await.unwrap_err()
             };
             let ((), e) = tokio::join!(writer, reading);
             assert_eq!(got, values);
@@ -448,7 +451,7 @@ mod tests {
             let mut reader = Reader::new(1, rx.into_split().0);
             // A huge claimed length is refused before anything is allocated or read.
             tx.write_all(&wire::header(TAG_DATA, u32::MAX as usize)).await.unwrap();
-            let e = reader.data_with(&ctx, 16, |_, _| {}).await.unwrap_err();
+            let e = reader.data_with_width(&ctx, 16, 4, |_, _| {}).await.unwrap_err();
             assert!(matches!(&e, Error::Protocol { peer, .. } if peer == "worker:1"), "{e}");
             tx.write_all(&wire::header(TAG_ERROR, MAX_ERROR_BYTES + 1)).await.unwrap();
             let e = reader.open(&ctx).await.unwrap_err();

@@ -60,6 +60,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use strata_core::cross_device::compression::HalfFormat;
 use strata_core::ReduceOp;
 use tokio::runtime::Runtime;
 
@@ -346,19 +347,33 @@ impl Ring {
         off_runtime(|| self.all_reduce_here(step, op, data))
     }
 
+    /// Sums `data` across the workers with every value on the wire in 16 bits (`format`), each
+    /// hop adding in f32 (a gradient compressed for the link): the ring algorithm whatever the
+    /// size, and every task ends with the same bits, the sum as the 16-bit wire carries it.
+    pub fn all_reduce_half(&self, step: u64, data: &mut [f32], format: HalfFormat) -> Result<()> {
+        off_runtime(|| self.all_reduce_inner(step, ReduceOp::Sum, data, Some(format)))
+    }
+
     fn all_reduce_here(&self, step: u64, op: ReduceOp, data: &mut [f32]) -> Result<()> {
-        let call = Call::AllReduce { op, count: data.len() as u64 };
+        self.all_reduce_inner(step, op, data, None)
+    }
+
+    fn all_reduce_inner(&self, step: u64, op: ReduceOp, data: &mut [f32], half: Option<HalfFormat>) -> Result<()> {
+        let call = match half {
+            None => Call::AllReduce { op, count: data.len() as u64 },
+            Some(half) => Call::AllReduceHalf { half, count: data.len() as u64 },
+        };
         let mut st = self.begin(step, &call)?;
         if self.size() == 1 {
             op.finish(data, 1);
             return Ok(());
         }
         let ctx = self.ctx(step, call);
-        let direct = data.len().saturating_mul(4) <= self.small_bytes;
+        let direct = half.is_none() && data.len().saturating_mul(4) <= self.small_bytes;
         let res = if direct {
             self.drive(&ctx, algo::direct_all_reduce(&ctx, &mut st.links, op, data))
         } else {
-            self.drive(&ctx, algo::ring_all_reduce(&ctx, &mut st.links, op, data))
+            self.drive(&ctx, algo::ring_all_reduce(&ctx, &mut st.links, op, data, half))
         };
         self.conclude(&mut st, res)
     }

@@ -17,6 +17,7 @@
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
+use strata_core::cross_device::compression::HalfFormat;
 use strata_core::ReduceOp;
 
 use crate::Error;
@@ -61,6 +62,8 @@ pub(crate) enum Call {
     BroadcastU64 { root: u32, count: u64 },
     /// `barrier()`.
     Barrier,
+    /// `all_reduce(sum, count f32)` with every value on the wire in 16 bits.
+    AllReduceHalf { half: HalfFormat, count: u64 },
 }
 
 impl Call {
@@ -80,6 +83,7 @@ impl Call {
             Call::Broadcast { root, count } => (3, NO_OP, root, count),
             Call::Barrier => (4, NO_OP, 0, 0),
             Call::BroadcastU64 { root, count } => (5, NO_OP, root, count),
+            Call::AllReduceHalf { half, count } => (6, half_code(half), 0, count),
         }
     }
 }
@@ -92,6 +96,13 @@ impl fmt::Display for Call {
             Call::Broadcast { root, count } => write!(f, "broadcast(root {root}, {count} f32)"),
             Call::Barrier => f.write_str("barrier"),
             Call::BroadcastU64 { root, count } => write!(f, "broadcast(root {root}, {count} u64)"),
+            Call::AllReduceHalf { half, count } => {
+                let name = match half {
+                    HalfFormat::F16 => "fp16",
+                    HalfFormat::Bf16 => "bf16",
+                };
+                write!(f, "all_reduce(sum, {count} f32 as {name} on the wire)")
+            }
         }
     }
 }
@@ -104,6 +115,13 @@ fn op_code(op: ReduceOp) -> u8 {
         ReduceOp::Mean => 1,
         ReduceOp::Max => 2,
         ReduceOp::Min => 3,
+    }
+}
+
+fn half_code(h: HalfFormat) -> u8 {
+    match h {
+        HalfFormat::F16 => 0,
+        HalfFormat::Bf16 => 1,
     }
 }
 
@@ -153,6 +171,11 @@ pub(crate) fn parse_open(p: &[u8]) -> Result<(u64, Call), String> {
         3 => Call::Broadcast { root, count },
         4 => Call::Barrier,
         5 => Call::BroadcastU64 { root, count },
+        6 => match p[9] {
+            0 => Call::AllReduceHalf { half: HalfFormat::F16, count },
+            1 => Call::AllReduceHalf { half: HalfFormat::Bf16, count },
+            c => return Err(format!("a 16-bit all_reduce with unknown format code {c}")),
+        },
         k => return Err(format!("an OPEN frame for unknown collective kind {k}")),
     };
     Ok((step, call))
@@ -286,6 +309,57 @@ pub(crate) fn combine_bytes(op: ReduceOp, acc: &mut [f32], bytes: &[u8]) {
         ReduceOp::Sum | ReduceOp::Mean => acc.iter_mut().zip(xs).for_each(|(a, x)| *a += x),
         ReduceOp::Max => acc.iter_mut().zip(xs).for_each(|(a, x)| *a = a.max(x)),
         ReduceOp::Min => acc.iter_mut().zip(xs).for_each(|(a, x)| *a = a.min(x)),
+    }
+}
+
+/// Elements per stack buffer of the 16-bit conversions below (no allocation per frame).
+const HALF_BLOCK: usize = 512;
+
+/// Writes `src` encoded in `format` as little-endian 16-bit words into `dst`
+/// (`dst.len() == 2 * src.len()`).
+pub(crate) fn write_halves(dst: &mut [u8], src: &[f32], format: HalfFormat) {
+    let mut words = [0u16; HALF_BLOCK];
+    for (d, s) in dst.chunks_mut(2 * HALF_BLOCK).zip(src.chunks(HALF_BLOCK)) {
+        let w = &mut words[..s.len()];
+        format.encode(s, w);
+        for (o, x) in d.chunks_exact_mut(2).zip(w.iter()) {
+            o.copy_from_slice(&x.to_le_bytes());
+        }
+    }
+}
+
+/// Calls `f` with the f32 values of the little-endian 16-bit words in `bytes`, a block at a
+/// time, with the block's first element.
+fn decode_blocks(bytes: &[u8], format: HalfFormat, mut f: impl FnMut(usize, &[f32])) {
+    let (mut words, mut values) = ([0u16; HALF_BLOCK], [0f32; HALF_BLOCK]);
+    for (k, b) in bytes.chunks(2 * HALF_BLOCK).enumerate() {
+        let n = b.len() / 2;
+        for (w, x) in words[..n].iter_mut().zip(b.chunks_exact(2)) {
+            *w = u16::from_le_bytes([x[0], x[1]]);
+        }
+        format.decode(&words[..n], &mut values[..n]);
+        f(k * HALF_BLOCK, &values[..n]);
+    }
+}
+
+/// `acc[i] += x[i]` with `x` the 16-bit values in `bytes`, decoded and added in f32.
+pub(crate) fn add_halves(acc: &mut [f32], bytes: &[u8], format: HalfFormat) {
+    decode_blocks(bytes, format, |at, xs| acc[at..at + xs.len()].iter_mut().zip(xs).for_each(|(a, x)| *a += x));
+}
+
+/// Overwrites `dst` with the 16-bit values in `bytes`.
+pub(crate) fn store_halves(dst: &mut [f32], bytes: &[u8], format: HalfFormat) {
+    decode_blocks(bytes, format, |at, xs| dst[at..at + xs.len()].copy_from_slice(xs));
+}
+
+/// Rounds `data` to what `format` carries (encode, then decode): the value a task keeps of a
+/// segment it reduced and sends on in 16 bits, so that every task holds the same bits.
+pub(crate) fn round_to(data: &mut [f32], format: HalfFormat) {
+    let mut words = [0u16; HALF_BLOCK];
+    for d in data.chunks_mut(HALF_BLOCK) {
+        let w = &mut words[..d.len()];
+        format.encode(d, w);
+        format.decode(w, d);
     }
 }
 
