@@ -48,6 +48,8 @@ set -uo pipefail
 
 cd "$(dirname "$0")/../.."
 HERE=scripts/bench
+# shellcheck source=scripts/bench/peers/install-torch.sh
+source scripts/bench/peers/install-torch.sh
 SYS_PY=${PYTHON:-python3}
 VENV=${PEERS_VENV:-$HOME/.cache/strata/peers-venv}
 TORCH_SPEC=${PEERS_TORCH:-torch==2.15.*}
@@ -129,31 +131,7 @@ if ((wants_ddp && install)) && ! { [[ -x "$PY" ]] && "$PY" -c 'import torch, num
         "$SYS_PY" -m venv "$VENV" || echo "cannot create a virtual environment with $SYS_PY" >&2
     fi
     pip_install() { nice -n 19 "$PY" -m pip install --quiet --disable-pip-version-check "$@"; }
-    if [[ -x "$PY" ]] && ! "$PY" -c 'import torch' 2>/dev/null; then
-        echo "installing PyTorch ($TORCH_SPEC) into $VENV (several minutes)" >&2
-        if [[ -n "${PEERS_TORCH_INDEX_URL:-}" ]]; then
-            pip_install "$TORCH_SPEC" --index-url "$PEERS_TORCH_INDEX_URL"
-        elif pip_install --no-deps "$TORCH_SPEC"; then
-            mapfile -t reqs < <("$PY" - <<'PY'
-import importlib.metadata as m
-from pip._vendor.packaging.requirements import Requirement
-for r in m.requires("torch") or []:
-    req = Requirement(r)
-    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
-        continue
-    if req.name.lower().replace("_", "-") in ("triton", "cuda-bindings"):
-        continue
-    print(str(req).split(";")[0].strip())
-PY
-)
-            echo "(pip may warn that torch requires triton and cuda-bindings: they are left out on purpose)" >&2
-            if ((${#reqs[@]})); then pip_install "${reqs[@]}"; fi
-        fi
-        if ! "$PY" -c 'import torch' 2>/dev/null; then
-            echo "torch without triton and cuda-bindings does not import; installing it with all its dependencies" >&2
-            pip_install "$TORCH_SPEC"
-        fi
-    fi
+    if [[ -x "$PY" ]]; then install_torch; fi
     if [[ -x "$PY" ]] && ! "$PY" -c 'import numpy' 2>/dev/null; then
         pip_install numpy # the peers' data code (peers.sh gets it with TensorFlow)
     fi

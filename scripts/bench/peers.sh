@@ -41,6 +41,8 @@
 set -uo pipefail
 
 cd "$(dirname "$0")/../.."
+# shellcheck source=scripts/bench/peers/install-torch.sh
+source scripts/bench/peers/install-torch.sh
 VENV=${PEERS_VENV:-$HOME/.cache/strata/peers-venv}
 TORCH_SPEC=${PEERS_TORCH:-torch==2.15.*}
 PYTHON=${PYTHON:-python3}
@@ -77,34 +79,9 @@ if ((install)); then
         pip_install 'tensorflow-cpu==2.21.*' || pip_install 'tensorflow==2.21.*' ||
             echo "TensorFlow 2.21 cannot be installed (neither tensorflow-cpu nor tensorflow 2.21.* from PyPI): its configurations are skipped" >&2
     fi
-    if ! "$PY" -c 'import torch' 2>/dev/null; then
-        echo "installing PyTorch ($TORCH_SPEC) into $VENV" >&2
-        if [[ -n "${PEERS_TORCH_INDEX_URL:-}" ]]; then
-            pip_install "$TORCH_SPEC" --index-url "$PEERS_TORCH_INDEX_URL"
-        elif pip_install --no-deps "$TORCH_SPEC"; then
-            # torch's declared requirements (markers evaluated here), less the GPU-only ones.
-            mapfile -t reqs < <("$PY" - <<'PY'
-import importlib.metadata as m
-from pip._vendor.packaging.requirements import Requirement
-for r in m.requires("torch") or []:
-    req = Requirement(r)
-    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
-        continue
-    if req.name.lower().replace("_", "-") in ("triton", "cuda-bindings"):
-        continue
-    print(str(req).split(";")[0].strip())
-PY
-)
-            echo "(pip may warn that torch requires triton and cuda-bindings: they are left out on purpose)" >&2
-            if ((${#reqs[@]})); then pip_install "${reqs[@]}"; fi
-        fi
-        if ! "$PY" -c 'import torch' 2>/dev/null; then
-            echo "torch without triton and cuda-bindings does not import; installing it with all its dependencies" >&2
-            pip_install "$TORCH_SPEC"
-        fi
-        "$PY" -c 'import torch' 2>/dev/null ||
-            echo "PyTorch cannot be installed or imported ($TORCH_SPEC): its configurations are skipped" >&2
-    fi
+    install_torch
+    "$PY" -c 'import torch' 2>/dev/null ||
+        echo "PyTorch cannot be installed or imported ($TORCH_SPEC): its configurations are skipped" >&2
 fi
 
 child=
