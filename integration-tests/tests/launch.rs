@@ -371,3 +371,22 @@ fn tasks_start_with_no_signal_blocked() {
         assert_eq!(blocked.split_whitespace().nth(1), Some("0000000000000000"), "{task}: {blocked}");
     }
 }
+
+/// A stopped task (SIGSTOP) cannot act on SIGTERM: when another task fails, reporting it lost,
+/// the launcher kills the stopped one at once instead of waiting out the grace period (60 s
+/// here, past the hard timeout), names it with the survivor's report, and exits with the
+/// survivor's code, not its own kill's (137).
+#[test]
+fn a_stopped_task_is_killed_at_once_and_named_from_the_survivors_report() {
+    let script = r#"if [ "$STRATA_TASK" = worker:1 ]; then kill -STOP $$; exit 0; fi; sleep 0.5; echo 'error: training step 3 (epoch 0): task worker:0: all_reduce(sum, 10 f32) was aborted: lost task worker:1: no heartbeat for 3.1 s' >&2; exit 1"#;
+    let o = run(launcher(&["--workers", "2", "--grace-period", "60s", "--", "sh", "-c", script]));
+    assert_eq!(o.status.code(), Some(1), "the survivor's code; stderr: {}", o.stderr);
+    let last = o.stderr.lines().rfind(|l| l.starts_with("strata launch:")).unwrap_or_default();
+    assert!(
+        last.starts_with("strata launch: the job failed in task worker:1, which task worker:0 reported lost: error:")
+            && last.contains("lost task worker:1: no heartbeat"),
+        "stderr: {}",
+        o.stderr
+    );
+    assert!(!o.stderr.contains("was killed by SIGKILL"), "the launcher's own kill is no cause: {}", o.stderr);
+}

@@ -62,7 +62,9 @@ is killed, the launcher names it, stops the other tasks (SIGTERM, then SIGKILL a
 whose stderr carried an `error:` line (or the task that line names as lost or failed, when that
 one failed too), else the first that exited with a non-zero code, else the first killed by a
 signal (128 + the signal). When that is not the task that exited first, a last
-line names it and its error.
+line names it and its error. A stopped task (SIGSTOP), which cannot act on SIGTERM, is killed
+at once instead of after the grace period; when another task reported it lost, the last line
+names it with that report, and the launcher exits with the reporter's code, not its own kill's.
 It exits 0 when every task exits 0, and 128 + the signal when it was interrupted and every task
 still exited 0."
     };
@@ -167,6 +169,31 @@ fn signal_running(running: &[Running], signal: Signal) {
     for r in running.iter().filter(|r| r.status.is_none()) {
         // ESRCH: the group is already gone.
         let _ = kill(Pid::from_raw(-r.group.as_raw()), signal);
+    }
+}
+
+/// Whether the process `pid` is stopped (SIGSTOP, SIGTSTP, a debugger): it cannot act on
+/// SIGTERM until it is continued.
+fn is_stopped(pid: Pid) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| stat.rsplit_once(") ").and_then(|(_, rest)| rest.chars().next()))
+        .is_some_and(|state| matches!(state, 'T' | 't'))
+}
+
+/// Asks the tasks not yet reaped to stop with `signal`: a stopped task, which could not act on
+/// it, is killed at once (and marked in `killed`); the others get `signal` and then SIGCONT, so
+/// that one stopped in the meantime still receives it.
+fn stop_running(running: &[Running], signal: Signal, killed: &mut [bool]) {
+    for (i, r) in running.iter().enumerate().filter(|(_, r)| r.status.is_none()) {
+        let group = Pid::from_raw(-r.group.as_raw());
+        if is_stopped(r.group) {
+            let _ = kill(group, Signal::SIGKILL);
+            killed[i] = true;
+        } else {
+            let _ = kill(group, signal);
+            let _ = kill(group, Signal::SIGCONT);
+        }
     }
 }
 
@@ -330,6 +357,8 @@ pub fn run(args: &LaunchArgs) -> Result<()> {
     let mut interrupted: Option<Signal> = None;
     let mut kill_at: Option<Instant> = None;
     let mut killed = false;
+    // The tasks the launcher killed itself: their status is its doing, not their failure.
+    let mut killed_by_launcher = vec![false; running.len()];
     let grace = args.grace_period;
 
     while running.iter().any(|r| r.status.is_none()) {
@@ -341,11 +370,12 @@ pub fn run(args: &LaunchArgs) -> Result<()> {
                         "strata launch: {signal} received; forwarding it to every task (killed after {:?}, or at a second signal)",
                         grace
                     );
-                    signal_running(&running, signal);
+                    stop_running(&running, signal, &mut killed_by_launcher);
                     kill_at.get_or_insert(Instant::now() + grace);
                 } else if !killed {
                     eprintln!("strata launch: second signal ({signal}); killing every task");
                     signal_running(&running, Signal::SIGKILL);
+                    mark_running(&running, &mut killed_by_launcher);
                     killed = true;
                 }
             }
@@ -378,7 +408,7 @@ pub fn run(args: &LaunchArgs) -> Result<()> {
                     "strata launch: task {task} {}; stopping the other tasks",
                     strata_compare::runner::describe(status)
                 );
-                signal_running(&running, Signal::SIGTERM);
+                stop_running(&running, Signal::SIGTERM, &mut killed_by_launcher);
                 kill_at = Some(Instant::now() + grace);
             } else {
                 eprintln!("strata launch: task {task} {}", strata_compare::runner::describe(status));
@@ -386,6 +416,7 @@ pub fn run(args: &LaunchArgs) -> Result<()> {
         }
         if !killed && kill_at.is_some_and(|at| Instant::now() >= at) {
             signal_running(&running, Signal::SIGKILL);
+            mark_running(&running, &mut killed_by_launcher);
             killed = true;
         }
     }
@@ -404,7 +435,22 @@ pub fn run(args: &LaunchArgs) -> Result<()> {
 
     let statuses: Vec<Option<ExitStatus>> = running.iter().map(|r| r.status).collect();
     let names: Vec<String> = running.iter().map(|r| r.task.to_string()).collect();
-    if let Some((blamed, line)) = blamed_task(&names, &statuses, &error_lines) {
+    let reported_lost =
+        |blamed: usize| error_lines.iter().find(|(t, l)| *t != blamed && blames_task(l, &names[blamed])).cloned();
+    if let Some((blamed, (reporter, report))) = blamed_task(&names, &statuses, &error_lines)
+        .filter(|(b, line)| line.is_none() && killed_by_launcher[*b])
+        .and_then(|(b, _)| reported_lost(b).map(|r| (b, r)))
+    {
+        // The launcher's own kill of a task another reported lost (a stopped task cannot act
+        // on SIGTERM) is not the cause: name the task and the report, and exit as the reporter.
+        eprintln!(
+            "strata launch: the job failed in task {}, which task {} reported lost: {report}",
+            running[blamed].task, running[reporter].task
+        );
+        if let Some(status) = statuses[reporter] {
+            failure = Some(exit_code(status));
+        }
+    } else if let Some((blamed, line)) = blamed_task(&names, &statuses, &error_lines) {
         if first_failed.is_some_and(|f| f != blamed) {
             let status = statuses[blamed].map_or_else(|| "failed".to_string(), strata_compare::runner::describe);
             match line {
@@ -430,6 +476,20 @@ pub fn run(args: &LaunchArgs) -> Result<()> {
     }
 }
 
+/// Marks the tasks not yet reaped as killed by the launcher.
+fn mark_running(running: &[Running], killed: &mut [bool]) {
+    for (i, r) in running.iter().enumerate() {
+        if r.status.is_none() {
+            killed[i] = true;
+        }
+    }
+}
+
+/// Whether an `error:` line says task `name` was lost or failed.
+fn blames_task(line: &str, name: &str) -> bool {
+    line.contains(&format!("lost task {name}")) || line.contains(&format!("task {name} failed"))
+}
+
 /// Keeps a task's first `error:` line, in arrival order.
 fn note_error(lines: &mut Vec<(usize, String)>, task: usize, line: String) {
     if !lines.iter().any(|(t, _)| *t == task) {
@@ -452,8 +512,7 @@ fn blamed_task(
     let failed = |t: usize| statuses.get(t).copied().flatten().is_some_and(|s| !s.success());
     if let Some((mut t, mut line)) = error_lines.iter().find(|(t, _)| failed(*t)).cloned() {
         for _ in 0..names.len() {
-            let blames =
-                |n: &String| line.contains(&format!("lost task {n}")) || line.contains(&format!("task {n} failed"));
+            let blames = |n: &String| blames_task(&line, n);
             let next = (0..names.len()).find(|&o| o != t && failed(o) && blames(&names[o]));
             let Some(o) = next else { break };
             t = o;
