@@ -922,11 +922,7 @@ impl ReplicaContext<'_> {
     pub fn backward_and_sync<O: Optimizer>(&self, loss: &Tensor, opt: &DistributedOptimizer<O>) -> Result<()> {
         let reduces = self.shared.group.num_replicas() > 1 || self.shared.ext.workers().is_some();
         if !reduces || opt.accumulation > 1 || !self.shared.ext.options().overlap {
-            let grads = {
-                let _p = self.phase("step", "backward");
-                let _s = tracing::trace_span!("backward", replica = self.replica).entered();
-                loss.backward()?
-            };
+            let grads = self.backward_phase(|| loss.backward())?;
             return self.sync_and_apply(grads, opt);
         }
         opt.check_strategy(self)?;
@@ -938,17 +934,22 @@ impl ReplicaContext<'_> {
         let vars = opt.vars(opt.copy_of(self.replica));
         let index: HashMap<candle_core::TensorId, usize> = vars.iter().enumerate().map(|(i, v)| (v.id(), i)).collect();
         let mut ready = Vec::new();
-        let grads = {
-            let _p = self.phase("step", "backward");
-            let _s = tracing::trace_span!("backward", replica = self.replica).entered();
+        let grads = self.backward_phase(|| {
             loss.backward_with_hook(&mut |var, _| {
                 ready.extend(index.get(&var.id()).copied());
                 Ok(())
-            })?
-        };
+            })
+        })?;
         let plan = self.agree_overlap_plan(ready, vars, index)?;
         *lock(&opt.overlap[self.replica]) = Some(Arc::new(plan));
         self.sync_and_apply(grads, opt)
+    }
+
+    /// Runs `pass` (this replica's backward pass) inside its timeline phase and trace span.
+    fn backward_phase<T>(&self, pass: impl FnOnce() -> T) -> T {
+        let _p = self.phase("step", "backward");
+        let _s = tracing::trace_span!("backward", replica = self.replica).entered();
+        pass()
     }
 
     /// The plan every replica and worker follows: replica 0's order of worker 0, in buckets
@@ -1036,9 +1037,7 @@ impl ReplicaContext<'_> {
             Ok(())
         };
         let mut hook_failed: Option<Error> = None;
-        let grads = {
-            let _p = self.phase("step", "backward");
-            let _s = tracing::trace_span!("backward", replica = self.replica).entered();
+        let grads = self.backward_phase(|| {
             loss.backward_with_hook(&mut |var, grad| {
                 let Some(&i) = plan.index.get(&var.id()) else { return Ok(()) };
                 let Some(b) = plan.bucket_of[i] else { return Ok(()) };
@@ -1054,7 +1053,7 @@ impl ReplicaContext<'_> {
                 }
                 Ok(())
             })
-        };
+        });
         let grads = match (grads, hook_failed) {
             (_, Some(e)) => return Err(e),
             (grads, None) => grads?,
