@@ -173,7 +173,8 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 25.0)]
     pub bucket_mib: f64,
     /// Multi-worker: how gradients cross the network: `none` (f32, exact), `fp16` or `bf16`
-    /// (16 bits on the wire, every hop adding in f32).
+    /// (16 bits on the wire, every hop adding in f32), or `powersgd:RANK` (matrix gradients
+    /// as two rank-RANK factors, with error feedback).
     #[arg(long, default_value = "none", value_parser = parse_compression)]
     pub compression: Compression,
     /// Reduce after the backward pass instead of overlapping the reduction with it.
@@ -494,8 +495,7 @@ pub fn make_multi_worker(args: &TrainArgs, options: StrategyOptions) -> Result<M
     Ok(MultiWorkerMirroredStrategy::from_resolver(resolver.as_ref(), mw)?)
 }
 
-/// `--compression`: `none`, `fp16`, `bf16` (PowerSGD's `powersgd:R` parses, and the strategy
-/// refuses it: not on the ring yet).
+/// `--compression`: `none`, `fp16`, `bf16` or `powersgd:RANK`.
 fn parse_compression(s: &str) -> std::result::Result<Compression, String> {
     s.parse::<Compression>().map_err(|e| e.to_string())
 }

@@ -7,7 +7,7 @@ use std::any::Any;
 use std::sync::Arc;
 
 use candle_core::backprop::GradStore;
-use candle_core::{Device, Tensor, Var};
+use candle_core::{Device, Tensor, TensorId, Var};
 
 use crate::cross_device::{plan_buckets, Destination, ReduceRequest, WorkerCollectives};
 pub use crate::extended::{CrossReplicaContext, ReplicaContext, StepShared};
@@ -214,7 +214,8 @@ impl ReplicaContext<'_> {
                 None => Ok(vars[i].zeros_like()?),
             })
             .collect::<Result<_>>()?;
-        self.reduce_in_buckets(&grads, dest, weight)?;
+        let ids: Vec<TensorId> = index.iter().map(|&i| vars[i].id()).collect();
+        self.reduce_in_buckets(&grads, &ids, dest, weight)?;
         if !dest.receives(self.replica) {
             return Ok(None);
         }
@@ -230,9 +231,15 @@ impl ReplicaContext<'_> {
     /// Reduces `grads` (contiguous f32 tensors) with the strategy's cross-device op, in fused
     /// buckets of the strategy's size, each replica's contribution times `weight` (gradients:
     /// [`CrossDeviceOps::start_gradients`](crate::cross_device::CrossDeviceOps::start_gradients),
-    /// compressed where the strategy compresses them); the result is written back into the
-    /// receiving replicas' `grads`. Collective.
-    pub(crate) fn reduce_in_buckets(&self, grads: &[Tensor], dest: Destination, weight: f32) -> Result<()> {
+    /// compressed where the strategy compresses them; `ids` are their variables'); the result
+    /// is written back into the receiving replicas' `grads`. Collective.
+    pub(crate) fn reduce_in_buckets(
+        &self,
+        grads: &[Tensor],
+        ids: &[TensorId],
+        dest: Destination,
+        weight: f32,
+    ) -> Result<()> {
         let sizes: Vec<usize> = grads.iter().map(Tensor::elem_count).collect();
         let ops = self.shared.ext.cross_device_ops();
         // The reduced gradient is written back into this replica's own gradient tensors: after
@@ -249,7 +256,7 @@ impl ReplicaContext<'_> {
             let tensors = &grads[bucket.tensors.clone()];
             let mut sink = Scatter::new(tensors, ops.reduces_in_place());
             let req = self.request(ReduceOp::Sum, dest, tensors, weight);
-            let started = ops.start_gradients(req, &mut |piece| sink.write(piece))?;
+            let started = ops.start_gradients(req, &ids[bucket.tensors.clone()], &mut |piece| sink.write(piece))?;
             ops.finish(req, started, &mut |piece| sink.write(piece))?;
             failed = failed.and(sink.check());
         }

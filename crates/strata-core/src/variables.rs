@@ -588,6 +588,10 @@ impl<M> Replicated<M> {
         };
         let vars: Vec<Vec<Var>> =
             (0..n).map(|c| self.trainable_variables(c).into_iter().map(|(_, v)| v).collect()).collect();
+        if let Some(first) = vars.first() {
+            let shapes: Vec<&[usize]> = first.iter().map(|v| v.dims()).collect();
+            self.ext.cross_device_ops().check_gradients(&shapes)?;
+        }
         let copies = vars
             .iter()
             .map(|vs| O::new(vs.clone(), config.clone()).map(Mutex::new))
@@ -1028,10 +1032,12 @@ impl ReplicaContext<'_> {
                     None => Ok(vars[i].zeros_like()?),
                 })
                 .collect::<Result<Vec<Tensor>>>()?;
+            let ids: Vec<candle_core::TensorId> =
+                plan.order[plan.buckets[b].tensors.clone()].iter().map(|&i| vars[i].id()).collect();
             let req = self.request(ReduceOp::Sum, dest, &tensors, weight);
             let seq = req.seq;
             let mut sink = crate::context::Scatter::new(&tensors, ops.reduces_in_place());
-            let started = ops.start_gradients(req, &mut |piece| sink.write(piece))?;
+            let started = ops.start_gradients(req, &ids, &mut |piece| sink.write(piece))?;
             sink.check()?;
             launched.push((tensors, seq, started));
             Ok(())
@@ -1104,7 +1110,8 @@ impl ReplicaContext<'_> {
                     None => Ok(vars[i].zeros_like()?),
                 })
                 .collect::<Result<Vec<Tensor>>>()?;
-            self.reduce_in_buckets(&tensors, dest, weight)?;
+            let ids: Vec<candle_core::TensorId> = extra.iter().map(|&i| vars[i].id()).collect();
+            self.reduce_in_buckets(&tensors, &ids, dest, weight)?;
             for (i, t) in extra.into_iter().zip(tensors) {
                 out[i] = Some(t);
             }

@@ -49,9 +49,12 @@ pub struct MultiWorkerOptions {
     /// (`strata_strategies::nccl::nccl_across_workers`, features `nccl` and `candle-cuda`).
     pub cross_worker_ops: Option<CrossWorkerOps>,
     /// How gradients cross the network between workers (TensorFlow's
-    /// `CommunicationOptions`): `None` (f32, exact), or `Fp16` / `Bf16` (16 bits on the wire,
-    /// every hop adding in f32, every worker decompressing the same sum). Every worker must
-    /// use the same (checked at rendezvous). PowerSGD is not available on the ring yet.
+    /// `CommunicationOptions`): `None` (f32, exact), `Fp16` / `Bf16` (16 bits on the wire,
+    /// every hop adding in f32, every worker decompressing the same sum), or `PowerSgd`
+    /// (matrix-shaped gradients as two rank-R factors, each all-reduced in f32, with error
+    /// feedback and a warm-started `Q`; other gradients in f32). Every worker must use the
+    /// same (checked at rendezvous); a PowerSGD rank at which none of a model's gradients
+    /// shrinks is refused when its optimizer is built.
     pub compression: Compression,
 }
 
@@ -292,12 +295,6 @@ impl MultiWorkerMirroredStrategy {
         let own_address = spec.address(config.task)?.to_string();
         let own_host = host_of(&own_address);
         let local_n = options.local_devices.len();
-        if let Compression::PowerSgd { .. } = options.compression {
-            return Err(Error::InvalidArgument(format!(
-                "compression {}: PowerSGD is not available on the ring yet; use none, fp16 or bf16",
-                options.compression
-            )));
-        }
         if options.compression != Compression::None && options.cross_worker_ops.is_some() {
             return Err(Error::InvalidArgument(format!(
                 "compression {} applies to the ring, not to cross-worker ops of your own (NCCL); use none with them",
@@ -404,13 +401,12 @@ impl MultiWorkerMirroredStrategy {
             None => None,
         };
         let ops_job = job.clone();
-        let half = options.compression.half_format();
+        let (compression, seed) = (options.compression, options.options.seed);
         let cross = CrossWorker {
             ops: Box::new(move |local| match custom {
                 Some(ops) => ops,
-                None => {
-                    Box::new(HierarchicalOps::new(local, ops_job).with_gradient_wire(half)) as Box<dyn CrossDeviceOps>
-                }
+                None => Box::new(HierarchicalOps::new(local, ops_job).with_compression(compression, seed))
+                    as Box<dyn CrossDeviceOps>,
             }),
             workers: job.clone(),
             auto_shard: options.auto_shard,

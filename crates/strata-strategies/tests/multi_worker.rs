@@ -302,6 +302,17 @@ fn train_mlp(workers: usize, local: usize, overlap: bool) -> Vec<Vec<Vec<f32>>> 
 
 /// [`train_mlp`] with gradients compressed on the ring.
 fn train_mlp_with(workers: usize, local: usize, overlap: bool, compression: Compression) -> Vec<Vec<Vec<f32>>> {
+    train_mlp_batch(workers, local, overlap, compression, 24)
+}
+
+/// [`train_mlp_with`] on global batches of `batch` examples.
+fn train_mlp_batch(
+    workers: usize,
+    local: usize,
+    overlap: bool,
+    compression: Compression,
+    batch: u32,
+) -> Vec<Vec<Vec<f32>>> {
     use candle_nn::Module;
     use strata_core::data::{Batch, TailPolicy};
     on_workers_with(
@@ -312,7 +323,7 @@ fn train_mlp_with(workers: usize, local: usize, overlap: bool, compression: Comp
             o.options.bucket_bytes = 256;
             o.compression = compression;
         },
-        |_, s| {
+        move |_, s| {
             let model = s
                 .scope(|sc| {
                     let vb = sc.var_builder();
@@ -322,8 +333,8 @@ fn train_mlp_with(workers: usize, local: usize, overlap: bool, compression: Comp
             let opt = model.optimizer::<candle_nn::SGD>(0.1).unwrap();
             let batches: Vec<Batch> = (0..6u32)
                 .map(|k| {
-                    let features = (0..24 * 6).map(|i| ((i as u32 * 7 + k * 13) % 17) as f32 / 8.0 - 1.0).collect();
-                    let labels = (0..24u32).map(|i| (i + k) % 3).collect();
+                    let features = (0..batch * 6).map(|i| ((i * 7 + k * 13) % 17) as f32 / 8.0 - 1.0).collect();
+                    let labels = (0..batch).map(|i| (i + k) % 3).collect();
                     Batch::new(features, labels, 6).unwrap()
                 })
                 .collect();
@@ -374,7 +385,7 @@ fn overlapped_ring_reduction_gives_the_same_parameters() {
 /// Gradients compressed on the ring (`bf16`, `fp16`): every worker decompresses the same sum,
 /// so the workers' parameters stay bitwise identical, and after six SGD steps they are within
 /// the formats' rounding of the exact run (relative 1e-2 for bf16's 8 bits, 2e-3 for f16's
-/// 11). PowerSGD, not on the ring yet, is refused before the job starts.
+/// 11).
 #[test]
 fn compressed_gradients_keep_the_workers_identical_and_near_the_exact_run() {
     let bits =
@@ -396,11 +407,71 @@ fn compressed_gradients_keep_the_workers_identical_and_near_the_exact_run() {
             assert!(rel > 0.0, "{workers} workers, {compression}: no difference at all; was it compressed?");
         }
     }
-    let spec = spec(2);
-    let mut o = options(1);
-    o.compression = Compression::PowerSgd { rank: 4 };
-    let e = MultiWorkerMirroredStrategy::new(ClusterConfig::new(spec, TaskId::worker(0)).unwrap(), o).unwrap_err();
-    assert!(e.to_string().contains("PowerSGD is not available on the ring yet"), "{e}");
+}
+
+fn bits(p: &[Vec<f32>]) -> Vec<Vec<u32>> {
+    p.iter().map(|v| v.iter().map(|x| x.to_bits()).collect()).collect()
+}
+
+fn relative(got: &[Vec<f32>], exact: &[Vec<f32>]) -> f64 {
+    let (mut num, mut den) = (0f64, 0f64);
+    for (a, b) in got.iter().flatten().zip(exact.iter().flatten()) {
+        num += f64::from(a - b).powi(2);
+        den += f64::from(*b).powi(2);
+    }
+    (num / den).sqrt()
+}
+
+/// PowerSGD on the ring. The first layer's weight gradient (16 x 6) is a sum of one outer
+/// product per example, so on global batches of 4 it has rank 4 or less, and `powersgd:4`
+/// reconstructs it exactly (its `P` spans the gradient's columns): the run ends within float
+/// rounding of the exact one, with or without overlap, 2 and 3 workers, 1 and 2 replicas a
+/// worker, and every worker bitwise identical. On batches of 24 the gradient has rank 6, so
+/// rank 1 loses most of it: the workers stay identical and the run is measurably elsewhere.
+/// (The second layer's 3 x 16 weight shrinks only at rank 2 or less: at rank 4 it travels in
+/// f32, as the biases always do.)
+#[test]
+fn powersgd_on_the_ring_is_exact_on_gradients_of_rank_r_and_keeps_the_workers_identical() {
+    for (workers, local, overlap) in [(2, 1, true), (2, 2, false), (3, 1, true)] {
+        let exact = train_mlp_batch(workers, local, overlap, Compression::None, 4);
+        let got = train_mlp_batch(workers, local, overlap, Compression::PowerSgd { rank: 4 }, 4);
+        for w in 1..workers {
+            assert_eq!(bits(&got[0]), bits(&got[w]), "{workers}x{local}: worker {w} differs from worker 0");
+        }
+        let rel = relative(&got[0], &exact[0]);
+        assert!(rel <= 1e-5, "{workers}x{local} overlap {overlap}: {rel} from the exact run");
+    }
+    let exact = train_mlp_batch(2, 1, true, Compression::None, 24);
+    let got = train_mlp_batch(2, 1, true, Compression::PowerSgd { rank: 1 }, 24);
+    assert_eq!(bits(&got[0]), bits(&got[1]), "rank 1: the workers differ");
+    let rel = relative(&got[0], &exact[0]);
+    assert!(rel > 1e-4, "rank 1 on rank-6 gradients came within {rel} of the exact run; was it compressed?");
+}
+
+/// A PowerSGD rank at which none of the model's gradients would shrink is refused when the
+/// optimizer is built, naming the rank that would, before any step.
+#[test]
+fn a_powersgd_rank_that_compresses_nothing_is_refused_naming_the_rank_that_would() {
+    let errors = on_workers_with(
+        2,
+        1,
+        |o| o.compression = Compression::PowerSgd { rank: 5 },
+        |_, s| {
+            let model = s
+                .scope(|sc| {
+                    let vb = sc.var_builder();
+                    Ok((candle_nn::linear(6, 16, vb.pp("l1"))?, candle_nn::linear(16, 3, vb.pp("l2"))?))
+                })
+                .unwrap();
+            model.optimizer::<candle_nn::SGD>(0.1).map(|_| ()).unwrap_err().to_string()
+        },
+    );
+    for e in errors {
+        assert_eq!(
+            e,
+            "powersgd rank 5 compresses none of the model's gradients (the largest matrix, 16x6, shrinks only at rank 4 or less): use a rank of at most 4"
+        );
+    }
 }
 
 /// A worker whose compression differs from the chief's is refused at rendezvous, the message

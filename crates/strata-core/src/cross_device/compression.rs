@@ -57,6 +57,18 @@ pub enum CompressionError {
         /// What stood for the rank.
         rank: String,
     },
+    /// A PowerSGD rank at which none of a model's matrices would shrink.
+    #[error("powersgd rank {rank} compresses none of the model's gradients (the largest matrix, {rows}x{cols}, shrinks only at rank {max} or less): {}", if *max == 0 { "use fp16 or bf16".to_string() } else { format!("use a rank of at most {max}") })]
+    CompressesNothing {
+        /// The rank asked for.
+        rank: usize,
+        /// The rows of the matrix that allows the largest rank.
+        rows: usize,
+        /// Its columns.
+        cols: usize,
+        /// The largest rank at which it shrinks (0: at none).
+        max: usize,
+    },
     /// A rank larger than a matrix's smaller side.
     #[error("powersgd rank {rank} is larger than a {rows}x{cols} matrix allows: use a rank of at most {}", rows.min(cols))]
     RankTooLarge {
@@ -141,6 +153,29 @@ impl Compression {
                 Err(CompressionError::RankTooLarge { rank, rows, cols })
             }
             _ => Ok(()),
+        }
+    }
+
+    /// Refuses a PowerSGD rank at which none of the gradients of `shapes` (a model's
+    /// trainable variables) would be compressed, where some of them are matrices: the rank
+    /// was meant for them. Every other compression fits every model.
+    pub fn check_model<'s>(self, shapes: impl IntoIterator<Item = &'s [usize]>) -> Result<(), CompressionError> {
+        let Compression::PowerSgd { rank } = self else { return Ok(()) };
+        let mut best: Option<(usize, usize, usize)> = None;
+        for shape in shapes {
+            if self.compresses(shape) {
+                return Ok(());
+            }
+            if let Some((rows, cols)) = matrix_shape(shape) {
+                let max = (rows.saturating_mul(cols).saturating_sub(1)) / rows.saturating_add(cols).max(1);
+                if best.is_none_or(|(_, _, m)| max > m) {
+                    best = Some((rows, cols, max));
+                }
+            }
+        }
+        match best {
+            Some((rows, cols, max)) => Err(CompressionError::CompressesNothing { rank, rows, cols, max }),
+            None => Ok(()),
         }
     }
 
@@ -463,6 +498,16 @@ impl PowerSgdState {
         &mut self.p
     }
 
+    /// `P` between phases 1 and 2, for a caller that reduces it out of place: write the
+    /// reduced `P` here before [`after_p_reduced`](Self::after_p_reduced).
+    ///
+    /// # Panics
+    /// If [`compress_p`](Self::compress_p) did not come just before.
+    pub fn p_mut(&mut self) -> &mut [f32] {
+        assert_eq!(self.phase, Phase::PReady, "powersgd: p_mut needs compress_p first");
+        &mut self.p
+    }
+
     /// Phase 2, once `P` is reduced: orthonormalizes `P`'s columns and returns this worker's
     /// `Q = Mᵀ P` (`R` columns of `cols`) for the caller to all-reduce in place.
     ///
@@ -479,6 +524,16 @@ impl PowerSgdState {
         }
         self.q_reduced.copy_from_slice(&self.q_local);
         self.phase = Phase::QReady;
+        &mut self.q_reduced
+    }
+
+    /// `Q` between phases 2 and 3, for a caller that reduces it out of place: write the
+    /// reduced `Q` here before [`decompress`](Self::decompress).
+    ///
+    /// # Panics
+    /// If [`after_p_reduced`](Self::after_p_reduced) did not come just before.
+    pub fn q_mut(&mut self) -> &mut [f32] {
+        assert_eq!(self.phase, Phase::QReady, "powersgd: q_mut needs after_p_reduced first");
         &mut self.q_reduced
     }
 
@@ -793,6 +848,21 @@ mod tests {
         let big = Compression::PowerSgd { rank: 5 }.check_matrix(3, 4).unwrap_err();
         assert_eq!(big.to_string(), "powersgd rank 5 is larger than a 3x4 matrix allows: use a rank of at most 3");
         assert_eq!(crate::Error::from(big.clone()).to_string(), big.to_string());
+        // A model's matrices: 16x6 shrinks up to rank 4 (96 > 4 * 22), 3x16 up to rank 2.
+        let model: [&[usize]; 4] = [&[16, 6], &[16], &[3, 16], &[3]];
+        assert_eq!(Compression::PowerSgd { rank: 4 }.check_model(model), Ok(()));
+        assert_eq!(
+            Compression::PowerSgd { rank: 5 }.check_model(model).unwrap_err().to_string(),
+            "powersgd rank 5 compresses none of the model's gradients (the largest matrix, 16x6, shrinks only at rank 4 or less): use a rank of at most 4"
+        );
+        let thin: [&[usize]; 2] = [&[1, 8], &[8]];
+        assert_eq!(
+            Compression::PowerSgd { rank: 1 }.check_model(thin).unwrap_err().to_string(),
+            "powersgd rank 1 compresses none of the model's gradients (the largest matrix, 1x8, shrinks only at rank 0 or less): use fp16 or bf16"
+        );
+        let vectors: [&[usize]; 1] = [&[8]];
+        assert_eq!(Compression::PowerSgd { rank: 1 }.check_model(vectors), Ok(()));
+        assert_eq!(Compression::Bf16.check_model(thin), Ok(()));
         assert!(Compression::PowerSgd { rank: 3 }.check_matrix(3, 4).is_ok());
         assert!(Compression::Fp16.check_matrix(1, 1).is_ok());
         assert_eq!(PowerSgdState::new(3, 4, 5, 0).unwrap_err(), big);

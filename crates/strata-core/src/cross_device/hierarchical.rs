@@ -1,8 +1,11 @@
 //! The hierarchical all-reduce of a multi-worker job.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
-use super::compression::HalfFormat;
+use candle_core::TensorId;
+
+use super::compression::{matrix_shape, Compression, HalfFormat, PowerSgdState};
 use super::{CpuCrossDeviceOps, CrossDeviceOps, Destination, ReduceRequest, Started, WorkerCollectives};
 use crate::group::OpKey;
 use crate::{Error, ReduceOp, Result};
@@ -10,38 +13,69 @@ use crate::{Error, ReduceOp, Result};
 /// Hierarchical all-reduce: the worker's replicas reduce to replica 0 in memory, replica 0
 /// all-reduces across the workers ([`WorkerCollectives::all_reduce`]), and every local replica
 /// receives the result (in host pieces, like the CPU ops). Reduces to every replica only.
+///
+/// Gradient buckets ([`CrossDeviceOps::start_gradients`]) cross the workers under the ops'
+/// [`Compression`]: in 16 bits, or with PowerSGD, whose per-gradient state (error feedback,
+/// warm `Q`) replica 0 keeps here, by variable.
 #[derive(Debug)]
 pub struct HierarchicalOps {
     local: CpuCrossDeviceOps,
     workers: Arc<dyn WorkerCollectives>,
-    /// The 16-bit wire of gradient buckets across workers, if compressed.
-    gradient_wire: Option<HalfFormat>,
+    /// How gradient buckets cross the workers.
+    compression: Compression,
+    /// PowerSGD's states, by variable, and the buckets in flight.
+    power: Mutex<PowerStates>,
+}
+
+#[derive(Debug, Default)]
+struct PowerStates {
+    seed: u64,
+    /// How many states were created: the next one's seed, alike on every worker (buckets are
+    /// started in the same order everywhere).
+    created: u64,
+    states: HashMap<TensorId, PowerSgdState>,
+    /// Buckets whose `P` round is in flight, by the request's sequence number.
+    in_flight: HashMap<u64, InFlight>,
+}
+
+/// A bucket between PowerSGD's `P` round and its `Q` round: the wire is the bucket's
+/// uncompressed tensors in f32, then each compressed tensor's `P`.
+#[derive(Debug)]
+struct InFlight {
+    /// For each tensor of the bucket in order: its state if it is compressed (taken out of
+    /// the map while in flight), else `None`.
+    tensors: Vec<(Option<(TensorId, PowerSgdState)>, usize)>,
+    /// The elements of the uncompressed tensors, first on the wire.
+    raw: usize,
 }
 
 impl HierarchicalOps {
     /// Reduces this worker's replicas with `local` and across workers with `workers`.
     pub fn new(local: CpuCrossDeviceOps, workers: Arc<dyn WorkerCollectives>) -> Self {
-        Self { local, workers, gradient_wire: None }
+        Self { local, workers, compression: Compression::None, power: Mutex::new(PowerStates::default()) }
     }
 
-    /// Sends gradient buckets ([`CrossDeviceOps::start_gradients`]) across the workers in 16
-    /// bits (`format`), each hop adding in f32; `None` keeps them in f32.
-    pub fn with_gradient_wire(mut self, format: Option<HalfFormat>) -> Self {
-        self.gradient_wire = format;
+    /// Sends gradient buckets across the workers under `compression`; PowerSGD's warm `Q`s
+    /// are drawn from `seed` (the same on every worker), one stream per variable in the order
+    /// their gradients are first reduced.
+    pub fn with_compression(mut self, compression: Compression, seed: u64) -> Self {
+        self.compression = compression;
+        self.power = Mutex::new(PowerStates { seed, ..PowerStates::default() });
         self
     }
 
-    fn start_with(&self, req: ReduceRequest<'_>, wire: Option<HalfFormat>) -> Result<Started> {
-        let ReduceRequest { group, replica, op, dest, input, weight, .. } = req;
+    fn power(&self) -> std::sync::MutexGuard<'_, PowerStates> {
+        self.power.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Replica 0's contribution (or the only replica's): the worker's reduced values.
+    fn local_sum(&self, req: ReduceRequest<'_>) -> Result<Option<Vec<f32>>> {
+        let ReduceRequest { group, replica, dest, input, weight, .. } = req;
         if dest != Destination::AllReplicas {
             return Err(Error::InvalidArgument(
                 "multi-worker mirrored reduces to every replica; reduction to one device is not supported".into(),
             ));
         }
-        let across = |buf: Vec<f32>| match wire {
-            Some(format) if op == ReduceOp::Sum => self.workers.start_all_reduce_half(buf, format),
-            _ => self.workers.start_all_reduce(op, buf),
-        };
         if group.num_replicas() == 1 {
             let mut buf = Vec::with_capacity(req.len());
             for t in input {
@@ -52,12 +86,117 @@ impl HierarchicalOps {
                     buf.extend(v.iter().map(|x| x * weight));
                 }
             }
-            return Ok(Started::AcrossWorkers(Some(across(buf))));
+            return Ok(Some(buf));
         }
         let mut buf = Vec::new();
         let local = ReduceRequest { dest: Destination::Replica(0), ..req };
         self.local.reduce(local, &mut |p| buf.extend_from_slice(p))?;
-        Ok(Started::AcrossWorkers((replica == 0).then(|| across(buf))))
+        Ok((replica == 0).then_some(buf))
+    }
+
+    fn start_with(&self, req: ReduceRequest<'_>, wire: Option<HalfFormat>) -> Result<Started> {
+        let op = req.op;
+        let buf = self.local_sum(req)?;
+        Ok(Started::AcrossWorkers(buf.map(|buf| match wire {
+            Some(format) if op == ReduceOp::Sum => self.workers.start_all_reduce_half(buf, format),
+            _ => self.workers.start_all_reduce(op, buf),
+        })))
+    }
+
+    /// PowerSGD's first half on replica 0: each compressed tensor's `P` (after its error is
+    /// added), behind the uncompressed tensors, all-reduced in one collective.
+    fn start_power(&self, req: ReduceRequest<'_>, ids: &[TensorId], rank: usize) -> Result<Started> {
+        if ids.len() != req.input.len() {
+            return Err(Error::InvalidArgument(format!(
+                "a gradient bucket of {} tensors came with {} variable ids",
+                req.input.len(),
+                ids.len()
+            )));
+        }
+        let Some(buf) = self.local_sum(req)? else { return Ok(Started::AcrossWorkers(None)) };
+        let mut power = self.power();
+        let mut tensors = Vec::with_capacity(ids.len());
+        let (mut wire, mut ps) = (Vec::with_capacity(buf.len()), Vec::new());
+        let mut offset = 0;
+        for (t, &id) in req.input.iter().zip(ids) {
+            let len = t.elem_count();
+            let grad = &buf[offset..offset + len];
+            offset += len;
+            let shape = t.dims();
+            let Some((rows, cols)) = matrix_shape(shape).filter(|_| self.compression.compresses(shape)) else {
+                wire.extend_from_slice(grad);
+                tensors.push((None, len));
+                continue;
+            };
+            let mut state = match power.states.remove(&id) {
+                Some(s) if (s.rows(), s.cols()) == (rows, cols) => s,
+                _ => {
+                    let seed = power.seed ^ power.created.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                    power.created += 1;
+                    PowerSgdState::new(rows, cols, rank, seed)?
+                }
+            };
+            ps.extend_from_slice(state.compress_p(grad));
+            tensors.push((Some((id, state)), len));
+        }
+        let raw = wire.len();
+        wire.extend_from_slice(&ps);
+        // A bucket with nothing compressed is a plain all-reduce: no `Q` round.
+        if tensors.iter().any(|(s, _)| s.is_some()) {
+            power.in_flight.insert(req.seq, InFlight { tensors, raw });
+        }
+        drop(power);
+        Ok(Started::AcrossWorkers(Some(self.workers.start_all_reduce(ReduceOp::Sum, wire))))
+    }
+
+    /// PowerSGD's second half on replica 0, given the reduced wire of its first: `Q` of every
+    /// compressed tensor all-reduced in one collective, then the bucket's values.
+    fn finish_power(&self, flight: InFlight, reduced: Result<Vec<f32>>) -> Result<Vec<f32>> {
+        let InFlight { mut tensors, raw } = flight;
+        let outcome = (|| {
+            let reduced = reduced?;
+            let mut at = raw;
+            let mut qs = Vec::new();
+            for (state, _) in tensors.iter_mut() {
+                if let Some((_, s)) = state {
+                    let p = s.p_mut();
+                    let n = p.len();
+                    let got = reduced.get(at..at + n).ok_or_else(|| {
+                        Error::Cluster("a compressed bucket came back shorter than it was sent".into())
+                    })?;
+                    p.copy_from_slice(got);
+                    at += n;
+                    qs.extend_from_slice(s.after_p_reduced());
+                }
+            }
+            self.workers.all_reduce(ReduceOp::Sum, &mut qs)?;
+            let (mut out, mut raw_at, mut q_at) = (Vec::with_capacity(reduced.len()), 0, 0);
+            for (state, len) in tensors.iter_mut() {
+                match state {
+                    Some((_, s)) => {
+                        let q = s.q_mut();
+                        let n = q.len();
+                        q.copy_from_slice(&qs[q_at..q_at + n]);
+                        q_at += n;
+                        let from = out.len();
+                        out.resize(from + *len, 0.0);
+                        s.decompress(&mut out[from..]);
+                    }
+                    None => {
+                        out.extend_from_slice(&reduced[raw_at..raw_at + *len]);
+                        raw_at += *len;
+                    }
+                }
+            }
+            Ok(out)
+        })();
+        // The states go back whatever happened: an abandoned step's gradient stays in the
+        // error buffer, and the next step's first phase starts over.
+        let mut power = self.power();
+        for (id, state) in tensors.into_iter().filter_map(|(s, _)| s) {
+            power.states.insert(id, state);
+        }
+        outcome
     }
 }
 
@@ -78,19 +217,38 @@ impl CrossDeviceOps for HierarchicalOps {
     }
 
     /// [`start`](CrossDeviceOps::start) over the gradient wire, compressed if so configured.
-    fn start_gradients(&self, req: ReduceRequest<'_>, _out: &mut dyn FnMut(&[f32])) -> Result<Started> {
-        self.start_with(req, self.gradient_wire)
+    fn start_gradients(
+        &self,
+        req: ReduceRequest<'_>,
+        ids: &[TensorId],
+        _out: &mut dyn FnMut(&[f32]),
+    ) -> Result<Started> {
+        match self.compression {
+            Compression::PowerSgd { rank } if req.op == ReduceOp::Sum => self.start_power(req, ids, rank),
+            c => self.start_with(req, c.half_format()),
+        }
+    }
+
+    fn check_gradients(&self, shapes: &[&[usize]]) -> Result<()> {
+        Ok(self.compression.check_model(shapes.iter().copied())?)
     }
 
     /// Waits for the cross-worker all-reduce (replica 0) and hands its result to every local
     /// replica.
     fn finish(&self, req: ReduceRequest<'_>, started: Started, out: &mut dyn FnMut(&[f32])) -> Result<()> {
-        let ReduceRequest { group, replica, op, .. } = req;
+        let ReduceRequest { group, replica, op, seq, .. } = req;
         let Started::AcrossWorkers(pending) = started else { return Ok(()) };
-        let result = || match pending {
-            Some(p) => p.wait(),
-            None => {
-                Err(Error::Scope("a cross-worker reduction was finished on a replica that did not start it".into()))
+        let result = || {
+            let flight = self.power().in_flight.remove(&seq);
+            let reduced = match pending {
+                Some(p) => p.wait(),
+                None => {
+                    Err(Error::Scope("a cross-worker reduction was finished on a replica that did not start it".into()))
+                }
+            };
+            match flight {
+                Some(flight) => self.finish_power(flight, reduced),
+                None => reduced,
             }
         };
         if group.num_replicas() == 1 {

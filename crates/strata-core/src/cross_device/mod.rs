@@ -213,12 +213,28 @@ pub trait CrossDeviceOps: Send + Sync + std::fmt::Debug {
         self.reduce(req, out).map(|()| Started::Done)
     }
 
-    /// [`start`](CrossDeviceOps::start) for a bucket of gradients: where the ops carry
-    /// gradients over a network with [compression](compression::Compression), this is where
-    /// it applies (other reductions, such as a layer's statistics, stay exact). The default is
-    /// `start`; [`finish`](CrossDeviceOps::finish) completes either.
-    fn start_gradients(&self, req: ReduceRequest<'_>, out: &mut dyn FnMut(&[f32])) -> Result<Started> {
+    /// [`start`](CrossDeviceOps::start) for a bucket of gradients, `ids` naming the variable
+    /// of each input tensor (stable from step to step): where the ops carry gradients over a
+    /// network with [compression](compression::Compression), this is where it applies, with
+    /// any state it keeps per variable (other reductions, such as a layer's statistics, stay
+    /// exact). The default is `start`; [`finish`](CrossDeviceOps::finish) completes either.
+    fn start_gradients(
+        &self,
+        req: ReduceRequest<'_>,
+        ids: &[candle_core::TensorId],
+        out: &mut dyn FnMut(&[f32]),
+    ) -> Result<Started> {
+        let _ = ids;
         self.start(req, out)
+    }
+
+    /// Refuses gradients of `shapes` (a model's trainable variables) the ops cannot carry as
+    /// configured: a PowerSGD rank at which none of them is compressed
+    /// ([`Compression::check_model`](compression::Compression::check_model)). Called when an
+    /// optimizer is built; the default accepts every model.
+    fn check_gradients(&self, shapes: &[&[usize]]) -> Result<()> {
+        let _ = shapes;
+        Ok(())
     }
 
     /// Completes a reduction [`start`](CrossDeviceOps::start) began, given the same request.
