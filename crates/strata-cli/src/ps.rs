@@ -569,6 +569,7 @@ pub fn train(args: &TrainArgs, started: Instant) -> Result<()> {
     options.partitioner = Partitioner::parse(&args.partitioner)?;
     options.seed = args.seed;
     options.cluster_source = cluster_source;
+    options.compression = args.compression;
     options.checkpoint_every = args.checkpoint_dir.as_ref().map(|_| args.checkpoint_every.max(1) as u64);
     // With TF_CONFIG and checkpoints, a lost ps task can be restarted with --restore (by hand or
     // by the cluster manager): wait for it. A local cluster restarts nothing.

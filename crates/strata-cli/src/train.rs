@@ -172,9 +172,10 @@ pub struct TrainArgs {
     /// Gradient fusion bucket size in MiB (0: one bucket per tensor).
     #[arg(long, default_value_t = 25.0)]
     pub bucket_mib: f64,
-    /// Multi-worker: how gradients cross the network: `none` (f32, exact), `fp16` or `bf16`
-    /// (16 bits on the wire, every hop adding in f32), or `powersgd:RANK` (matrix gradients
-    /// as two rank-RANK factors, with error feedback).
+    /// How gradients cross the network: `none` (f32, exact), `fp16` or `bf16` (16 bits on the
+    /// wire: multi-worker-mirrored's ring, every hop adding in f32, or the parameter server's
+    /// pushes and pulls), or `powersgd:RANK` (multi-worker-mirrored: matrix gradients as two
+    /// rank-RANK factors, with error feedback).
     #[arg(long, default_value = "none", value_parser = parse_compression)]
     pub compression: Compression,
     /// Reduce after the backward pass instead of overlapping the reduction with it.
@@ -282,12 +283,21 @@ impl TrainArgs {
 
     /// Refuses flags that do not apply to `--model` (or the strategy), one line each.
     fn check_model_flags(&self) -> Result<()> {
-        if self.compression != Compression::None && self.strategy != StrategyKind::MultiWorkerMirrored {
-            return Err(Error::Usage(format!(
-                "--compression {} applies to --strategy multi-worker-mirrored, whose gradients cross a network (--strategy {} has none on a wire); drop it",
-                self.compression,
-                self.strategy.name()
-            )));
+        match (self.strategy, self.compression) {
+            (_, Compression::None) | (StrategyKind::MultiWorkerMirrored, _) => {}
+            // The workers' pushes and pulls travel in 16 bits.
+            (StrategyKind::ParameterServer, Compression::Fp16 | Compression::Bf16) => {}
+            (StrategyKind::ParameterServer, c @ Compression::PowerSgd { .. }) => {
+                return Err(Error::Usage(format!(
+                    "--compression {c} applies to --strategy multi-worker-mirrored's ring; use none, fp16 or bf16 with --strategy parameter-server"
+                )));
+            }
+            (strategy, c) => {
+                return Err(Error::Usage(format!(
+                    "--compression {c} applies to --strategy multi-worker-mirrored and parameter-server, whose gradients cross a network (--strategy {} has none on a wire); drop it",
+                    strategy.name()
+                )));
+            }
         }
         let m = self.model.name();
         let refuse = |flag: &str, applies: &str| {

@@ -227,6 +227,7 @@ mod tests {
             optimizer: optimizer.clone(),
             schedule: None,
             mode: PsMode::Async,
+            wire_format: crate::WireFormat::F32,
         };
         let x = [1.0f32, -2.0, 0.5, 3.0];
         let chunk = Chunk { var: 0, offset: 0, pieces: vec![bytes::Bytes::copy_from_slice(bytemuck::cast_slice(&x))] };

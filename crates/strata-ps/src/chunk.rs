@@ -4,7 +4,9 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 
-use crate::{Error, Result};
+use strata_core::cross_device::compression::HalfFormat;
+
+use crate::{Error, Result, WireFormat};
 
 #[cfg(target_endian = "big")]
 compile_error!("the parameter server's data format is little-endian f32; big-endian hosts are not supported");
@@ -64,6 +66,76 @@ pub fn check_chunk_len(len: usize) -> Result<()> {
         return Err(Error::ChunkNotWholeElements { bytes: len });
     }
     Ok(())
+}
+
+/// Checks the data length of a chunk of `format`: for f32 as [`check_chunk_len`]; for a
+/// 16-bit format an even number of bytes, at most [`MAX_CHUNK_ELEMENTS`] elements (the limit
+/// is in elements: a 16-bit chunk carries half the bytes of an f32 one).
+pub fn check_chunk_len_in(len: usize, format: WireFormat) -> Result<()> {
+    if format.half().is_none() {
+        return check_chunk_len(len);
+    }
+    if len / 2 > MAX_CHUNK_ELEMENTS {
+        return Err(Error::ChunkTooManyElements { elements: len / 2, format });
+    }
+    if !len.is_multiple_of(2) {
+        return Err(Error::ChunkNotWholeHalfElements { bytes: len, format });
+    }
+    Ok(())
+}
+
+/// A `Vec<f32>` seen as its little-endian bytes.
+struct F32Vec(Vec<f32>);
+
+impl AsRef<[u8]> for F32Vec {
+    fn as_ref(&self) -> &[u8] {
+        bytemuck::cast_slice(&self.0)
+    }
+}
+
+/// A `Vec<u16>` seen as its little-endian bytes.
+struct U16Vec(Vec<u16>);
+
+impl AsRef<[u8]> for U16Vec {
+    fn as_ref(&self) -> &[u8] {
+        bytemuck::cast_slice(&self.0)
+    }
+}
+
+/// The little-endian 16-bit elements `data` (an even number of bytes, any alignment; checked
+/// by [`check_chunk_len_in`]) decoded exactly into little-endian f32 bytes, as a [`Chunk`]'s
+/// pieces hold them. Allocates 4 bytes per element.
+///
+/// # Panics
+/// If `data` has an odd length.
+pub fn decode_half(data: &[u8], format: HalfFormat) -> Bytes {
+    assert!(data.len().is_multiple_of(2), "decode_half: {} bytes are not whole 16-bit elements", data.len());
+    let mut out = vec![0f32; data.len() / 2];
+    match bytemuck::try_cast_slice::<u8, u16>(data) {
+        Ok(bits) => format.decode(bits, &mut out),
+        Err(_) => format.decode(&bytemuck::pod_collect_to_vec::<u8, u16>(data), &mut out),
+    }
+    Bytes::from_owner(F32Vec(out))
+}
+
+/// `values` encoded as little-endian 16-bit elements, each rounded to nearest even.
+pub fn encode_half(values: &[f32], format: HalfFormat) -> Bytes {
+    let mut bits = vec![0u16; values.len()];
+    format.encode(values, &mut bits);
+    Bytes::from_owner(U16Vec(bits))
+}
+
+/// The little-endian f32 `data` (a whole number of elements, any alignment) encoded as
+/// [`encode_half`] does.
+///
+/// # Panics
+/// If `data`'s length is not a multiple of 4.
+pub fn encode_half_bytes(data: &[u8], format: HalfFormat) -> Bytes {
+    assert!(data.len().is_multiple_of(4), "encode_half_bytes: {} bytes are not whole f32 elements", data.len());
+    match bytemuck::try_cast_slice::<u8, f32>(data) {
+        Ok(values) => encode_half(values, format),
+        Err(_) => encode_half(&bytemuck::pod_collect_to_vec::<u8, f32>(data), format),
+    }
 }
 
 /// The first element of the little-endian f32 `data` that is NaN or infinite, with its index
@@ -139,6 +211,39 @@ mod tests {
             matches!(check_chunk_len(MAX_CHUNK_BYTES + 4), Err(Error::ChunkTooLarge { bytes }) if bytes == MAX_CHUNK_BYTES + 4)
         );
         assert!(matches!(check_chunk_len(6), Err(Error::ChunkNotWholeElements { bytes: 6 })));
+    }
+
+    #[test]
+    fn half_chunks_are_checked_in_elements_and_convert_exactly() {
+        check_chunk_len_in(2 * MAX_CHUNK_ELEMENTS, WireFormat::Bf16).unwrap();
+        check_chunk_len_in(MAX_CHUNK_BYTES, WireFormat::F32).unwrap();
+        let e = check_chunk_len_in(2 * MAX_CHUNK_ELEMENTS + 2, WireFormat::F16).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "a chunk carries 262145 f16 elements; the limit is 262144: cut tensors into smaller chunks"
+        );
+        let e = check_chunk_len_in(7, WireFormat::Bf16).unwrap_err();
+        assert_eq!(e.to_string(), "a chunk carries 7 bytes, not a whole number of bf16 elements (2 bytes each)");
+        assert!(matches!(check_chunk_len_in(6, WireFormat::F32), Err(Error::ChunkNotWholeElements { bytes: 6 })));
+        // 1 + 2^-9 rounds to 1 in bf16 (a tie, to even) and stays in f16; decoding is exact.
+        let values = [1.0 + 2f32.powi(-9), -3.5, 0.1, 65504.0];
+        for (format, want) in [
+            (HalfFormat::Bf16, [1.0, -3.5, 205.0 / 2048.0, 65536.0]),
+            (HalfFormat::F16, [1.0 + 2f32.powi(-9), -3.5, 819.0 / 8192.0, 65504.0]),
+        ] {
+            let wire = encode_half(&values, format);
+            assert_eq!(wire.len(), 8);
+            assert_eq!(encode_half_bytes(bytemuck::cast_slice(&values), format), wire);
+            // At an odd address too.
+            let mut shifted = vec![0u8];
+            shifted.extend_from_slice(&wire);
+            for data in [&wire[..], &shifted[1..]] {
+                let back = decode_half(data, format);
+                let back: Vec<f32> =
+                    back.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+                assert_eq!(back, want, "{format:?}");
+            }
+        }
     }
 
     #[test]

@@ -10,7 +10,9 @@ use std::time::Duration;
 use strata_core::optim::schedule::LrSchedule;
 
 use crate::limits::{MAX_NAME_BYTES, MAX_RANK, MAX_TASK_BYTES, MAX_VARIABLES, MAX_WORKERS};
-use crate::{PsMode, ServerOptimizer, VariableInfo, MAX_CHUNK_BYTES, MAX_VARIABLE_ELEMENTS};
+use crate::{
+    PsMode, ServerOptimizer, VariableInfo, WireFormat, MAX_CHUNK_BYTES, MAX_CHUNK_ELEMENTS, MAX_VARIABLE_ELEMENTS,
+};
 
 /// The kind of an [`Error`]: what the caller can do about it. An RPC layer maps each kind to
 /// its status code (gRPC: `INVALID_ARGUMENT`, `FAILED_PRECONDITION`, ...).
@@ -188,6 +190,31 @@ pub enum Error {
     ChunkNotWholeElements {
         /// The chunk's payload bytes.
         bytes: usize,
+    },
+
+    /// A 16-bit chunk of more than [`MAX_CHUNK_ELEMENTS`] elements.
+    #[error("a chunk carries {elements} {format} elements; the limit is {MAX_CHUNK_ELEMENTS}: cut tensors into smaller chunks")]
+    ChunkTooManyElements {
+        /// The chunk's elements.
+        elements: usize,
+        /// Their format.
+        format: WireFormat,
+    },
+
+    /// A 16-bit chunk whose payload is an odd number of bytes.
+    #[error("a chunk carries {bytes} bytes, not a whole number of {format} elements (2 bytes each)")]
+    ChunkNotWholeHalfElements {
+        /// The chunk's payload bytes.
+        bytes: usize,
+        /// The format the request names.
+        format: WireFormat,
+    },
+
+    /// A wire format (the element type of a push or a pull) no parameter server knows.
+    #[error("unknown wire format {value}; a parameter server takes 0 (f32), 1 (f16) or 2 (bf16)")]
+    UnknownWireFormat {
+        /// The value the request carries.
+        value: i32,
     },
 
     /// A chunk refers to a variable number the request does not have.
@@ -600,6 +627,9 @@ impl Error {
         match self {
             ChunkTooLarge { .. }
             | ChunkNotWholeElements { .. }
+            | ChunkTooManyElements { .. }
+            | ChunkNotWholeHalfElements { .. }
+            | UnknownWireFormat { .. }
             | UnknownChunkVariable { .. }
             | ChunkOutOfOrder { .. }
             | Overrun { .. }

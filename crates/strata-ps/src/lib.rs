@@ -18,6 +18,7 @@
 //!     optimizer: ServerOptimizer::Sgd { lr: 0.5 },
 //!     schedule: None,
 //!     mode: PsMode::Async,
+//!     wire_format: strata_ps::WireFormat::F32,
 //! };
 //! task.create(&header, &[Chunk { var: 0, offset: 0, pieces: vec![f32s(&[1.0, 2.0, 3.0, 4.0])] }])?;
 //! let push = PushHeader {
@@ -37,7 +38,10 @@
 //! Semantics:
 //!
 //! - **Chunks.** Tensors travel as little-endian f32 [`Chunk`]s of at most [`MAX_CHUNK_BYTES`],
-//!   which must cover each variable of a request exactly once, in order.
+//!   which must cover each variable of a request exactly once, in order. On the wire a push or
+//!   a pull may carry 16-bit elements instead ([`WireFormat`]); the RPC layer decodes a 16-bit
+//!   chunk to f32 exactly ([`decode_half`]) before a [`State`] sees it, and encodes pulled
+//!   values rounding to nearest even ([`encode_half_bytes`]): a task holds and applies f32.
 //! - **Validation first.** Every request is validated completely (names, sizes, coverage,
 //!   versions, finite values) before anything changes; a refused request changes nothing and
 //!   is not recorded, so it can be corrected and sent again. Every size a request can make a
@@ -82,8 +86,8 @@ mod types;
 
 pub use checkpoint::{read_snapshot, write_snapshot, PsMeta, ScheduleMeta, META_KEY, PS_META_FORMAT, VARIABLES_FILE};
 pub use chunk::{
-    check_chunk_len, copy_f32s, first_non_finite, Chunk, ValueChunk, MAX_CHUNK_BYTES, MAX_CHUNK_ELEMENTS,
-    MAX_VARIABLE_ELEMENTS,
+    check_chunk_len, check_chunk_len_in, copy_f32s, decode_half, encode_half, encode_half_bytes, first_non_finite,
+    Chunk, ValueChunk, MAX_CHUNK_BYTES, MAX_CHUNK_ELEMENTS, MAX_VARIABLE_ELEMENTS,
 };
 pub use error::{Error, ErrorKind, RequestKind, Result};
 pub use optimizer::{check_schedule, schedule_kind, ServerOptimizer};
@@ -94,5 +98,5 @@ pub use state::{
 pub use strata_core::optim::schedule::LrSchedule;
 pub use types::{
     check_name, CreateHeader, CreateOutcome, PsMode, PsStatus, PullResult, PushHeader, PushOutcome, PushReply,
-    UpdateId, VariableInfo,
+    UpdateId, VariableInfo, WireFormat,
 };

@@ -14,7 +14,7 @@ use crate::limits::{MAX_TASK_BYTES, MAX_VARIABLES, MAX_WORKERS};
 use crate::optimizer::{apply_le_bytes, apply_le_bytes_from, check_schedule, filled};
 use crate::{
     check_name, first_non_finite, Chunk, CreateHeader, CreateOutcome, Error, PsMode, PsStatus, PullResult, PushHeader,
-    PushReply, RequestKind, Result, ServerOptimizer, VariableInfo,
+    PushReply, RequestKind, Result, ServerOptimizer, VariableInfo, WireFormat,
 };
 
 /// How many applied-update answers a task remembers (the oldest are forgotten first). A retry
@@ -217,6 +217,8 @@ pub struct State {
     streaming: bool,
     /// Per variable, the buffers the next streamed push computes into.
     spare: Vec<Option<Spare>>,
+    /// The job's wire format, as the last create request set it.
+    wire_format: WireFormat,
 }
 
 /// One variable in a snapshot: its info, version, values and optimizer slots.
@@ -436,6 +438,7 @@ impl State {
             stream_min_bytes,
             streaming: false,
             spare: Vec::new(),
+            wire_format: WireFormat::F32,
         }
     }
 
@@ -574,6 +577,7 @@ impl State {
         self.optimizer = Some(optimizer);
         self.schedule = header.schedule.clone();
         self.mode = Some(mode);
+        self.wire_format = header.wire_format;
         let versions = infos.iter().map(|i| self.index.get(&i.name).map_or(0, |&at| self.vars[at].version)).collect();
         Ok(CreateOutcome { versions, existed: all_exist, version: self.version })
     }
@@ -954,6 +958,7 @@ impl State {
             pushes_streamed: self.counters.pushes_streamed,
             pushes_aborted: self.counters.pushes_aborted,
             streaming: self.streaming,
+            wire_format: self.wire_format,
         }
     }
 
@@ -1053,6 +1058,7 @@ mod tests {
             optimizer: opt.clone(),
             schedule: None,
             mode: PsMode::Async,
+            wire_format: WireFormat::F32,
         };
         let create: Vec<Chunk> = init
             .iter()
@@ -1114,6 +1120,7 @@ mod partial_tests {
             optimizer: opt.clone(),
             schedule: None,
             mode,
+            wire_format: WireFormat::F32,
         };
         let create = vec![
             Chunk { var: 0, offset: 0, pieces: vec![bytes_of(&[1.0, 2.0])] },
@@ -1240,6 +1247,7 @@ mod stream_tests {
             optimizer: optimizer.clone(),
             schedule: None,
             mode: PsMode::Async,
+            wire_format: WireFormat::F32,
         };
         let chunks: Vec<Chunk> = SIZES
             .iter()
@@ -1413,6 +1421,7 @@ mod limits_tests {
             optimizer: ServerOptimizer::Sgd { lr: 0.5 },
             schedule: None,
             mode,
+            wire_format: WireFormat::F32,
         };
         s.create(&header, &[Chunk { var: 0, offset: 0, pieces: vec![f32s(&[1.0, 2.0, 3.0, 4.0])] }]).unwrap();
         s
@@ -1483,6 +1492,7 @@ mod limits_tests {
             optimizer: ServerOptimizer::Sgd { lr: 0.5 },
             schedule: None,
             mode: PsMode::Async,
+            wire_format: WireFormat::F32,
         };
         let e = s.create(&header, &[Chunk { var: 0, offset: 0, pieces: vec![f32s(&[1.0, f32::NAN])] }]).unwrap_err();
         assert!(matches!(&e, Error::NonFiniteValue { element: 1, .. }), "{e}");
@@ -1536,6 +1546,7 @@ mod limits_tests {
             optimizer: sgd.clone(),
             schedule: None,
             mode: PsMode::Async,
+            wire_format: WireFormat::F32,
         };
         let e = s.create(&big, &[]).unwrap_err();
         assert!(matches!(e, Error::TaskTooLarge { bytes, .. } if bytes == 3 * 4 * MAX_VARIABLE_ELEMENTS as u64), "{e}");
@@ -1546,6 +1557,7 @@ mod limits_tests {
             optimizer: sgd,
             schedule: None,
             mode: PsMode::Async,
+            wire_format: WireFormat::F32,
         };
         let e = s.create(&many, &[]).unwrap_err();
         assert!(matches!(e, Error::TooManyVariables { count, .. } if count == MAX_VARIABLES + 1), "{e}");
@@ -1588,6 +1600,7 @@ mod schedule_tests {
             optimizer: ServerOptimizer::Sgd { lr: 7.0 },
             schedule,
             mode,
+            wire_format: WireFormat::F32,
         };
         s.create(&header, &[Chunk { var: 0, offset: 0, pieces: vec![f32s(&W0)] }]).unwrap();
         s
@@ -1739,6 +1752,7 @@ mod schedule_tests {
                 optimizer: ServerOptimizer::Sgd { lr: 7.0 },
                 schedule,
                 mode: PsMode::Async,
+                wire_format: WireFormat::F32,
             };
             assert!(r.create(&header(Some(schedule.clone())), &[]).unwrap().existed);
             let e = r.create(&header(None), &[]).unwrap_err();
@@ -1776,6 +1790,7 @@ mod schedule_tests {
                 optimizer: ServerOptimizer::Sgd { lr: 7.0 },
                 schedule: Some(schedule.clone()),
                 mode: PsMode::Async,
+                wire_format: WireFormat::F32,
             };
             let e = s.create(&header, &[Chunk { var: 0, offset: 0, pieces: vec![f32s(&W0)] }]).unwrap_err();
             assert_eq!(e.kind(), crate::ErrorKind::InvalidArgument, "{e}");

@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
+use strata_core::cross_device::compression::{Compression, HalfFormat};
 use strata_core::optim::schedule::LrSchedule;
 
 use crate::limits::{MAX_NAME_BYTES, MAX_RANK, MAX_WORKERS};
@@ -66,6 +67,66 @@ impl fmt::Display for PsMode {
             }
             PsMode::Stale { staleness } => write!(f, "stale({staleness})"),
         }
+    }
+}
+
+/// The element type of the values a push carries or a pull returns. A task holds and applies
+/// f32 whatever travels: a 16-bit push is decoded to f32 exactly ([`HalfFormat::decode`]) and
+/// applied as an f32 push is; a 16-bit pull gets each value rounded to nearest even
+/// ([`HalfFormat::encode`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum WireFormat {
+    /// Little-endian f32, exact (4 bytes per element).
+    #[default]
+    F32,
+    /// IEEE binary16 (2 bytes per element): values beyond ±65504 become infinite.
+    F16,
+    /// bfloat16 (2 bytes per element): f32's range, 8 significant bits.
+    Bf16,
+}
+
+impl WireFormat {
+    /// The wire format of a gradient compression: `none` is f32, `fp16` and `bf16` their
+    /// 16-bit formats; `None` for PowerSGD, which a parameter server does not take.
+    pub fn of(compression: Compression) -> Option<Self> {
+        match compression {
+            Compression::None => Some(WireFormat::F32),
+            Compression::Fp16 => Some(WireFormat::F16),
+            Compression::Bf16 => Some(WireFormat::Bf16),
+            Compression::PowerSgd { .. } => None,
+        }
+    }
+
+    /// The 16-bit format, or `None` for f32.
+    pub fn half(self) -> Option<HalfFormat> {
+        match self {
+            WireFormat::F32 => None,
+            WireFormat::F16 => Some(HalfFormat::F16),
+            WireFormat::Bf16 => Some(HalfFormat::Bf16),
+        }
+    }
+
+    /// The bytes of one element: 4 or 2.
+    pub fn element_bytes(self) -> usize {
+        match self {
+            WireFormat::F32 => 4,
+            WireFormat::F16 | WireFormat::Bf16 => 2,
+        }
+    }
+
+    /// The format's name: `f32`, `f16` or `bf16`.
+    pub fn name(self) -> &'static str {
+        match self {
+            WireFormat::F32 => "f32",
+            WireFormat::F16 => "f16",
+            WireFormat::Bf16 => "bf16",
+        }
+    }
+}
+
+impl fmt::Display for WireFormat {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
     }
 }
 
@@ -302,6 +363,9 @@ pub struct PsStatus {
     pub pushes_aborted: u64,
     /// Whether a streamed push is arriving now.
     pub streaming: bool,
+    /// The element type the job's workers push and pull in, as the last create request set
+    /// it ([`CreateHeader::wire_format`]; f32 before any).
+    pub wire_format: WireFormat,
 }
 
 /// The header of a request that creates variables: what the [`Chunk`](crate::Chunk)s after it fill.
@@ -326,6 +390,11 @@ pub struct CreateHeader {
     pub schedule: Option<LrSchedule>,
     /// How the task applies pushes (the same for every request of a task).
     pub mode: PsMode,
+    /// The element type the job's workers push and pull in: the task records it (each create
+    /// request sets it, also one that finds its variables existing) and reports it in
+    /// [`PsStatus::wire_format`], where workers read it. It describes the job, not the
+    /// variables, and is not part of checkpoints. The initial values are f32 whatever it is.
+    pub wire_format: WireFormat,
 }
 
 /// The header of a push: the update's identity, the version it was computed from, and the

@@ -126,6 +126,17 @@ fn extreme_u64(rng: &mut StdRng) -> u64 {
     }
 }
 
+/// A `WireFormat` value: mostly a known one (f32, f16, bf16), sometimes none a server knows.
+fn wire_format(rng: &mut StdRng) -> i32 {
+    match rng.random_range(0..8) {
+        0..=3 => 0,
+        4 => 1,
+        5 => 2,
+        6 => 3,
+        _ => rng.random(),
+    }
+}
+
 fn extreme_u32(rng: &mut StdRng) -> u32 {
     match rng.random_range(0..6) {
         0 => 0,
@@ -240,6 +251,7 @@ fn ps_request(rng: &mut StdRng) -> (&'static str, Bytes, u64) {
                 variables: (0..rng.random_range(0..4)).map(|_| variable_spec(rng)).collect(),
                 optimizer: rng.random_bool(0.8).then(|| optimizer_spec(rng)),
                 mode: rng.random_bool(0.8).then(|| mode_spec(rng)),
+                wire_format: wire_format(rng),
             };
             let mut messages = Vec::new();
             if rng.random_bool(0.9) {
@@ -266,6 +278,7 @@ fn ps_request(rng: &mut StdRng) -> (&'static str, Bytes, u64) {
                 seq: extreme_u64(rng),
                 base_version: if rng.random_bool(0.7) { 0 } else { extreme_u64(rng) },
                 variables,
+                wire_format: wire_format(rng),
             };
             let mut messages = Vec::new();
             if rng.random_bool(0.9) {
@@ -282,6 +295,7 @@ fn ps_request(rng: &mut StdRng) -> (&'static str, Bytes, u64) {
             let request = proto::PullRequest {
                 variables: (0..rng.random_range(0..3)).map(|_| name(rng)).collect(),
                 min_version: if huge { extreme_u64(rng).max(1 << 20) } else { rng.random_range(0..2) },
+                wire_format: wire_format(rng),
             };
             // A pull that waits for a version never reached ends at its deadline.
             ("/strata.v1.ParameterServer/Pull", frames(&[request.encode_to_vec()]), if huge { 50 } else { 3000 })

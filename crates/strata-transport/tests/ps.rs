@@ -140,6 +140,7 @@ fn push_header(step: u64, variables: &[&str]) -> PushMessage {
             seq: 0,
             base_version: 0,
             variables: variables.iter().map(|v| v.to_string()).collect(),
+            ..Default::default()
         })),
     }
 }
@@ -435,7 +436,7 @@ fn a_plain_grpc_client_pushes_and_pulls_through_the_data_path() {
             let r = raw_push(&mut raw, msgs).await.unwrap();
             assert!(r.applied && !r.duplicate && !r.dropped, "{r:?}");
             assert_eq!(r.version, 1);
-            let request = PullRequest { variables: vec!["v".into()], min_version: 1 };
+            let request = PullRequest { variables: vec!["v".into()], min_version: 1, ..Default::default() };
             let mut stream = raw.pull(request).await.unwrap().into_inner();
             let mut values = Vec::new();
             let mut kinds = Vec::new();
@@ -593,6 +594,7 @@ fn malformed_requests_are_refused_and_the_server_keeps_serving() {
                         variables: vec![spec],
                         optimizer: Some(ServerOptimizer::Sgd { lr: 1.0 }.to_spec()),
                         mode: Some(PsMode::Async.to_spec()),
+                        ..Default::default()
                     })),
                 },
                 CreateMessage {

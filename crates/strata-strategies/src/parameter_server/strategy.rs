@@ -5,8 +5,9 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use candle_core::{DType, Var};
+use strata_core::cross_device::compression::Compression;
 use strata_core::{Error, Replicated, Result, Strategy, StrategyOptions};
-use strata_transport::ps::{LrSchedule, PsClient, PsClientConfig, PsMode, ServerOptimizer, VariableInfo};
+use strata_transport::ps::{LrSchedule, PsClient, PsClientConfig, PsMode, ServerOptimizer, VariableInfo, WireFormat};
 use strata_transport::{AbortSignal, ClusterToken};
 
 use super::coordinator::{ClusterCoordinator, CoordinatorOptions, PsControl};
@@ -50,6 +51,15 @@ pub struct ParameterServerOptions {
     /// waits for it instead of ending the job (see
     /// [`CoordinatorOptions::wait_for_restarted_ps`]; default false).
     pub wait_for_restarted_ps: bool,
+    /// What the workers' pushes and pulls carry: [`Compression::None`] (default) exact f32,
+    /// [`Compression::Fp16`] or [`Compression::Bf16`] 16 bits per element, rounded to nearest
+    /// even (gradients by the worker, values by the ps task; the ps tasks keep f32 variables
+    /// and apply in f32). [`scope`](ParameterServerStrategy::scope) records it on the ps tasks
+    /// when it creates the variables, and every worker reads it there
+    /// ([`PsClient::create_variables_for_job`]), so it is set here only. The coordinator's own
+    /// pulls ([`PsModel::pull`]) stay f32. [`Compression::PowerSgd`] is refused by
+    /// [`ParameterServerStrategy::new`]: it applies to multi-worker-mirrored's ring.
+    pub compression: Compression,
 }
 
 impl ParameterServerOptions {
@@ -70,7 +80,19 @@ impl ParameterServerOptions {
             seed: 0,
             cluster_source: "the cluster spec",
             wait_for_restarted_ps: false,
+            compression: Compression::None,
         }
+    }
+
+    /// The element type of the workers' pushes and pulls ([`compression`](Self::compression)),
+    /// or the refusal of one a parameter server does not take (PowerSGD).
+    pub fn wire_format(&self) -> Result<WireFormat> {
+        WireFormat::of(self.compression).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "compression {} applies to multi-worker-mirrored's ring, not to a parameter server's pushes and pulls; use none, fp16 or bf16 with the parameter server",
+                self.compression
+            ))
+        })
     }
 }
 
@@ -98,6 +120,7 @@ impl std::fmt::Debug for ParameterServerStrategy {
             .field("schedule", &self.options.schedule)
             .field("mode", &self.options.mode)
             .field("partitioner", &self.options.partitioner)
+            .field("compression", &self.options.compression)
             .finish()
     }
 }
@@ -125,8 +148,10 @@ impl PsControl for PsTask {
 
 impl ParameterServerStrategy {
     /// The strategy of `cluster` (at least one `ps` and one `worker` task), with a client of
-    /// every ps task (connected lazily).
+    /// every ps task (connected lazily). A [`ParameterServerOptions::compression`] a parameter
+    /// server does not take (PowerSGD) is [`Error::InvalidArgument`].
     pub fn new(cluster: ClusterSpec, options: ParameterServerOptions) -> Result<Self> {
+        options.wire_format()?;
         let num_ps = cluster.num_tasks(TaskType::Ps);
         if num_ps == 0 {
             return Err(Error::InvalidCluster(
@@ -209,11 +234,12 @@ impl ParameterServerStrategy {
                             })?;
                             shards.push((info.clone(), &values[v][shard_range(info)]));
                         }
-                        let outcome = client.create_variables_scheduled(
+                        let outcome = client.create_variables_for_job(
                             &shards,
                             &options.optimizer,
                             options.schedule.as_ref(),
                             options.mode,
+                            options.wire_format()?,
                         )?;
                         Ok(outcome.existed)
                     })

@@ -35,7 +35,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use strata_core::{Error, Result};
 use strata_transport::executor::{StepFailure, StepHandler, WorkerExecutorHandle};
-use strata_transport::ps::{PsClient, PsClientConfig, PushOutcome, UpdateId, VariableInfo};
+use strata_transport::ps::{PsClient, PsClientConfig, PushOutcome, UpdateId, VariableInfo, WireFormat};
 use strata_transport::ClusterToken;
 
 use super::partition::Placement;
@@ -142,24 +142,48 @@ type BufferPool = Mutex<Vec<Vec<Vec<f32>>>>;
 struct WorkerShared {
     task: String,
     index: usize,
+    /// A client of every ps task, in f32 (for `Status`).
     clients: Vec<PsClient>,
+    /// The same clients in the job's wire format, as the ps tasks report it (cached with the
+    /// placement): what pushes and pulls use.
+    wire: Mutex<Option<Arc<Vec<PsClient>>>>,
     placement: Mutex<Option<Arc<Placement>>>,
     buffers: BufferPool,
 }
 
 impl WorkerShared {
-    /// The placement as the ps tasks report it now (cached when it has variables).
+    /// The placement and the job's wire format as the ps tasks report them now (cached when
+    /// there are variables).
     fn refresh(&self) -> Result<Arc<Placement>> {
         let mut tasks = Vec::with_capacity(self.clients.len());
+        let mut formats = Vec::with_capacity(self.clients.len());
         for c in &self.clients {
             let status = c.status()?;
+            formats.push(status.wire_format);
             tasks.push(status.variables.into_iter().map(|(info, _)| info).collect::<Vec<VariableInfo>>());
         }
         let placement = Arc::new(Placement::from_tasks(tasks)?);
         if !placement.variables().is_empty() {
+            let wire = self.clients.iter().zip(formats).map(|(c, f)| c.clone().with_wire_format(f)).collect();
+            *self.wire.lock().unwrap_or_else(PoisonError::into_inner) = Some(Arc::new(wire));
             *self.placement.lock().unwrap_or_else(PoisonError::into_inner) = Some(placement.clone());
         }
         Ok(placement)
+    }
+
+    /// The clients pushes and pulls use: in the job's wire format once the ps tasks reported
+    /// it (with the placement), f32 before.
+    fn wire_clients(&self) -> Arc<Vec<PsClient>> {
+        self.wire
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+            .unwrap_or_else(|| Arc::new(self.clients.clone()))
+    }
+
+    /// The element type this worker's pushes and pulls to ps task `ps` carry now.
+    fn wire_format(&self, ps: usize) -> WireFormat {
+        self.wire_clients().get(ps).map_or(WireFormat::F32, PsClient::wire_format)
     }
 
     fn placement(&self) -> Result<Arc<Placement>> {
@@ -203,6 +227,7 @@ impl WorkerStepHandler {
                 task: format!("worker:{}", options.task_index),
                 index: options.task_index,
                 clients,
+                wire: Mutex::new(None),
                 placement: Mutex::new(None),
                 buffers: Mutex::new(Vec::new()),
             }),
@@ -347,12 +372,19 @@ impl WorkerContext {
         self.shared.placement()
     }
 
+    /// The element type of this worker's pushes to and pulls from ps task `ps`: the job's
+    /// [`ParameterServerOptions::compression`](super::ParameterServerOptions::compression),
+    /// as the task reports it (read with the placement; f32 before).
+    pub fn wire_format(&self, ps: usize) -> WireFormat {
+        self.shared.wire_format(ps)
+    }
+
     /// Assigns the ps tasks' current values of `vars` (whole variables, by name) to them,
     /// pulling from every ps task in parallel.
     pub fn pull(&self, vars: &[(String, Var)]) -> Result<PullTicket> {
         let placement = self.shared.placement()?;
         let pool = Some(&self.shared.buffers);
-        match pull_assign(&self.shared.clients, &placement, vars, pool) {
+        match pull_assign(&self.shared.wire_clients(), &placement, vars, pool) {
             Ok(versions) => Ok(PullTicket { versions, placement }),
             Err(e) if e.is_retryable() => Err(e),
             Err(e) => {
@@ -360,7 +392,7 @@ impl WorkerContext {
                 if *fresh == *placement {
                     return Err(e);
                 }
-                let versions = pull_assign(&self.shared.clients, &fresh, vars, pool)?;
+                let versions = pull_assign(&self.shared.wire_clients(), &fresh, vars, pool)?;
                 Ok(PullTicket { versions, placement: fresh })
             }
         }
@@ -393,13 +425,14 @@ impl WorkerContext {
             step: self.step,
             seq: self.seq.fetch_add(1, Ordering::SeqCst),
         };
+        let clients = self.shared.wire_clients();
         let results: Vec<Result<PushOutcome>> = std::thread::scope(|s| {
             let handles: Vec<_> = per_task
                 .iter()
                 .enumerate()
                 .map(|(ps, list)| {
                     let id = &id;
-                    let client = &self.shared.clients[ps];
+                    let client = &clients[ps];
                     let base = ticket.versions.get(ps).copied().unwrap_or(0);
                     s.spawn(move || client.push(id, base, list).map_err(Error::from))
                 })

@@ -11,7 +11,7 @@ use strata_proto::v1::{
     create_message, push_message, CreateMessage, PsCheckpointRequest, PsConfigureRequest, PsStatusRequest, PullHeader,
     PullRequest, PushMessage, PushResponse,
 };
-use strata_ps::{copy_f32s, Chunk, LrSchedule};
+use strata_ps::{copy_f32s, Chunk, LrSchedule, WireFormat};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::codegen::Service;
 use tonic::service::interceptor::InterceptedService;
@@ -152,6 +152,8 @@ pub struct PsClient {
     tls: bool,
     /// When raised, calls in flight and later calls fail at once (the job failed).
     abort: Option<AbortSignal>,
+    /// The element type of pushed gradients and pulled values on the wire.
+    wire_format: WireFormat,
 }
 
 impl std::fmt::Debug for PsClient {
@@ -184,7 +186,32 @@ impl PsClient {
         let raw = ParameterServerClient::new(svc.clone())
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES);
-        Ok(Self { raw, svc, address: address.to_string(), task: task.to_string(), config, tls, abort: None })
+        Ok(Self {
+            raw,
+            svc,
+            address: address.to_string(),
+            task: task.to_string(),
+            config,
+            tls,
+            abort: None,
+            wire_format: WireFormat::F32,
+        })
+    }
+
+    /// The same client, whose pushes send gradients and whose pulls ask for values in `format`
+    /// (default [`WireFormat::F32`], exact). With a 16-bit format each gradient element is
+    /// rounded to nearest even before it is sent (the task decodes it exactly and applies it in
+    /// f32), and each pulled value is rounded to nearest even by the task (the client decodes
+    /// it exactly): half the bytes either way. Creating variables and other calls are not
+    /// affected (initial values always travel as f32).
+    pub fn with_wire_format(mut self, format: WireFormat) -> Self {
+        self.wire_format = format;
+        self
+    }
+
+    /// The element type of this client's pushes and pulls.
+    pub fn wire_format(&self) -> WireFormat {
+        self.wire_format
     }
 
     /// The same client, whose calls (in flight or later) fail at once with [`Error::Aborted`]
@@ -392,6 +419,22 @@ impl PsClient {
         schedule: Option<&LrSchedule>,
         mode: PsMode,
     ) -> Result<CreateOutcome> {
+        self.create_variables_for_job(vars, optimizer, schedule, mode, WireFormat::F32)
+    }
+
+    /// [`create_variables_scheduled`](Self::create_variables_scheduled) that also records
+    /// `job_format` on the task as the element type the job's workers push and pull in
+    /// ([`strata_ps::CreateHeader::wire_format`]): workers read it from
+    /// [`status`](Self::status) ([`PsStatus::wire_format`]). Every create sets it, also one
+    /// that finds the variables existing. The initial values travel as f32 whatever it is.
+    pub fn create_variables_for_job(
+        &self,
+        vars: &[(VariableInfo, &[f32])],
+        optimizer: &ServerOptimizer,
+        schedule: Option<&LrSchedule>,
+        mode: PsMode,
+        job_format: WireFormat,
+    ) -> Result<CreateOutcome> {
         for (info, values) in vars {
             if info.numel() != values.len() {
                 return Err(Error::Config(format!(
@@ -403,7 +446,7 @@ impl PsClient {
                 )));
             }
         }
-        let header = convert::create_header_spec(vars.iter().map(|(i, _)| i), optimizer, schedule, mode);
+        let header = convert::create_header_spec(vars.iter().map(|(i, _)| i), optimizer, schedule, mode, job_format);
         let produce = |send: &mut dyn FnMut(CreateMessage) -> bool| {
             if !send(CreateMessage { kind: Some(create_message::Kind::Header(header.clone())) }) {
                 return;
@@ -427,21 +470,29 @@ impl PsClient {
     /// `id` while the task is unavailable, so it is applied at most once; a push refused as
     /// stale is [`Error::Stale`] (pull and compute it again). The gradients are copied once,
     /// chunk by chunk while earlier chunks are sent; [`push_shared`](Self::push_shared) sends
-    /// buffers the caller hands over without that copy.
+    /// buffers the caller hands over without that copy. In a 16-bit
+    /// [`wire_format`](Self::with_wire_format) the gradients are encoded chunk by chunk instead
+    /// (rounded to nearest even).
     pub fn push(&self, id: &UpdateId, base_version: u64, grads: &[(&str, &[f32])]) -> Result<PushOutcome> {
         let names: Vec<&str> = grads.iter().map(|(n, _)| *n).collect();
         let lens: Vec<usize> = grads.iter().map(|(_, g)| g.len()).collect();
-        self.push_with(id, base_version, &names, &lens, |k, r| {
-            Bytes::copy_from_slice(bytemuck::cast_slice(&grads[k].1[r]))
+        let half = self.wire_format.half();
+        self.push_with(id, base_version, &names, &lens, |k, r| match half {
+            None => Bytes::copy_from_slice(bytemuck::cast_slice(&grads[k].1[r])),
+            Some(h) => strata_ps::encode_half(&grads[k].1[r], h),
         })
     }
 
     /// [`push`](Self::push) of gradients in [`F32Bytes`]: their memory goes to the connection
-    /// as it is, with no copy.
+    /// as it is, with no copy (in a 16-bit wire format, encoded chunk by chunk).
     pub fn push_shared(&self, id: &UpdateId, base_version: u64, grads: &[(&str, F32Bytes)]) -> Result<PushOutcome> {
         let names: Vec<&str> = grads.iter().map(|(n, _)| *n).collect();
         let lens: Vec<usize> = grads.iter().map(|(_, g)| g.len()).collect();
-        self.push_with(id, base_version, &names, &lens, |k, r| grads[k].1.elements(r))
+        let half = self.wire_format.half();
+        self.push_with(id, base_version, &names, &lens, |k, r| match half {
+            None => grads[k].1.elements(r),
+            Some(h) => strata_ps::encode_half_bytes(&grads[k].1.elements(r), h),
+        })
     }
 
     /// Pushes variables `names` of `lens` elements, chunk `r` of variable `k` being `data(k, r)`.
@@ -453,7 +504,7 @@ impl PsClient {
         lens: &[usize],
         data: impl Fn(usize, std::ops::Range<usize>) -> Bytes,
     ) -> Result<PushOutcome> {
-        let header = convert::push_header_spec(id, base_version, names);
+        let header = convert::push_header_spec(id, base_version, names, self.wire_format);
         let produce = |send: &mut dyn FnMut(Bytes) -> bool| {
             if !send(wire::message(&PushMessage { kind: Some(push_message::Kind::Header(header.clone())) })) {
                 return;
@@ -495,14 +546,19 @@ impl PsClient {
         } else {
             self.stream_call("Push", produce, |stream| call(wire::body(stream, false)))?
         };
-        crate::hooks::sent(lens.iter().sum::<usize>() * 4);
+        crate::hooks::sent(lens.iter().sum::<usize>() * self.wire_format.element_bytes());
         Ok(convert::push_outcome(&r))
     }
 
     /// Pulls `names` into `fill`, chunk by chunk as they arrive (while their bytes are still in
     /// cache); returns the pull's header.
     fn pull_with(&self, names: &[&str], min_version: u64, fill: &mut Filling<'_, '_>) -> Result<PullHeader> {
-        let request = PullRequest { variables: names.iter().map(|n| n.to_string()).collect(), min_version };
+        let format = self.wire_format;
+        let request = PullRequest {
+            variables: names.iter().map(|n| n.to_string()).collect(),
+            min_version,
+            wire_format: convert::wire_format_spec(format),
+        };
         let request = wire::message(&request);
         crate::hooks::before_send_blocking();
         let fill = std::cell::RefCell::new(fill);
@@ -514,9 +570,17 @@ impl PsClient {
                 let mut messages = frames_call(svc, wire::PULL_PATH, body).await?;
                 let mut header = None;
                 while let Some(m) = messages.next().await? {
-                    let step = match wire::decode_part::<PullHeader>(m, "Pull")? {
+                    // Chunks come in the format asked for, which the header confirms.
+                    let step = match wire::decode_part::<PullHeader>(m, "Pull", format)? {
                         wire::Part::Header(h) if header.is_none() => {
-                            let started = fill.borrow_mut().start(&h);
+                            let started = if h.wire_format == convert::wire_format_spec(format) {
+                                fill.borrow_mut().start(&h)
+                            } else {
+                                Err(format!(
+                                    "asked for {format} values, the answer holds wire format {} (a parameter server that predates 16-bit pulls?)",
+                                    h.wire_format
+                                ))
+                            };
                             header = Some(h);
                             started
                         }
@@ -532,7 +596,7 @@ impl PsClient {
             }
         })?;
         let header = pulled.and_then(|h| fill.borrow().finish().map(|()| h)).map_err(|d| self.protocol(d))?;
-        crate::hooks::received(fill.borrow().next.iter().sum::<usize>() * 4);
+        crate::hooks::received(fill.borrow().next.iter().sum::<usize>() * format.element_bytes());
         Ok(header)
     }
 

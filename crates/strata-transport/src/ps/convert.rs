@@ -6,7 +6,7 @@ use prost::bytes::Bytes;
 use strata_proto::v1 as proto;
 use strata_ps::{
     Chunk, CreateOutcome, ErrorKind, LrSchedule, PsMode, PsStatus, PullResult, PushHeader, PushOutcome, PushReply,
-    ServerOptimizer, UpdateId, VariableInfo, MAX_CHUNK_ELEMENTS, MAX_VARIABLE_ELEMENTS,
+    ServerOptimizer, UpdateId, VariableInfo, WireFormat, MAX_CHUNK_ELEMENTS, MAX_VARIABLE_ELEMENTS,
 };
 use tonic::Status;
 
@@ -250,6 +250,27 @@ fn variable(s: &proto::VariableSpec) -> strata_ps::Result<VariableInfo> {
     Ok(info)
 }
 
+/// The wire format a message's `wire_format` field names (0, or absent, is f32); an unknown
+/// value is refused.
+pub(crate) fn wire_format(value: i32) -> strata_ps::Result<WireFormat> {
+    match proto::WireFormat::try_from(value) {
+        Ok(proto::WireFormat::F32) => Ok(WireFormat::F32),
+        Ok(proto::WireFormat::F16) => Ok(WireFormat::F16),
+        Ok(proto::WireFormat::Bf16) => Ok(WireFormat::Bf16),
+        Err(_) => Err(strata_ps::Error::UnknownWireFormat { value }),
+    }
+}
+
+/// The protocol's value of a wire format.
+pub(crate) fn wire_format_spec(format: WireFormat) -> i32 {
+    let f = match format {
+        WireFormat::F32 => proto::WireFormat::F32,
+        WireFormat::F16 => proto::WireFormat::F16,
+        WireFormat::Bf16 => proto::WireFormat::Bf16,
+    };
+    f as i32
+}
+
 /// A `CreateVariables` header, checked (a missing optimizer is refused, a missing mode is
 /// async, a missing schedule is the optimizer's constant rate).
 pub(crate) fn create_header(h: &proto::CreateHeader) -> strata_ps::Result<strata_ps::CreateHeader> {
@@ -259,6 +280,7 @@ pub(crate) fn create_header(h: &proto::CreateHeader) -> strata_ps::Result<strata
         optimizer: optimizer(&h.optimizer.clone().unwrap_or_default())?,
         schedule: h.optimizer.as_ref().and_then(|o| o.schedule.as_ref()).map(schedule).transpose()?,
         mode: mode(&h.mode.clone().unwrap_or_default())?,
+        wire_format: wire_format(h.wire_format)?,
     })
 }
 
@@ -277,17 +299,20 @@ fn optimizer_spec(optimizer: &ServerOptimizer, schedule: Option<&LrSchedule>) ->
     proto::OptimizerSpec { schedule: schedule.map(ProtoSpec::to_spec), ..optimizer.to_spec() }
 }
 
-/// The protocol's create header of variables, an optimizer, its schedule and a mode.
+/// The protocol's create header of variables, an optimizer, its schedule, a mode and the
+/// job's wire format.
 pub(crate) fn create_header_spec<'a>(
     vars: impl IntoIterator<Item = &'a VariableInfo>,
     optimizer: &ServerOptimizer,
     schedule: Option<&LrSchedule>,
     mode: PsMode,
+    format: WireFormat,
 ) -> proto::CreateHeader {
     proto::CreateHeader {
         variables: vars.into_iter().map(ProtoSpec::to_spec).collect(),
         optimizer: Some(optimizer_spec(optimizer, schedule)),
         mode: Some(mode.to_spec()),
+        wire_format: wire_format_spec(format),
     }
 }
 
@@ -301,10 +326,15 @@ pub(crate) fn create_outcome(r: proto::CreateVariablesResponse) -> CreateOutcome
     CreateOutcome { versions: r.versions, existed: r.existed, version: r.version }
 }
 
-/// A received chunk (its length checked) whose data is one piece.
-pub(crate) fn chunk(c: proto::TensorChunk) -> strata_ps::Result<Chunk> {
-    strata_ps::check_chunk_len(c.data.len())?;
-    Ok(Chunk { var: c.variable, offset: c.offset, pieces: vec![c.data] })
+/// A received chunk of `format` (its length checked) whose data is one piece of f32: a 16-bit
+/// chunk is decoded, exactly.
+pub(crate) fn chunk(c: proto::TensorChunk, format: WireFormat) -> strata_ps::Result<Chunk> {
+    strata_ps::check_chunk_len_in(c.data.len(), format)?;
+    let data = match format.half() {
+        None => c.data,
+        Some(half) => strata_ps::decode_half(&c.data, half),
+    };
+    Ok(Chunk { var: c.variable, offset: c.offset, pieces: vec![data] })
 }
 
 /// Chunks of at most [`MAX_CHUNK_ELEMENTS`] of one variable's values (copied).
@@ -316,17 +346,26 @@ pub(crate) fn chunks_of(var: u32, values: &[f32]) -> impl Iterator<Item = proto:
     })
 }
 
-/// A `Push` header as strata-ps takes it.
-pub(crate) fn push_header(h: proto::PushHeader) -> PushHeader {
-    PushHeader {
+/// A `Push` header as strata-ps takes it, and the wire format of its chunks (an unknown one
+/// is refused).
+pub(crate) fn push_header(h: proto::PushHeader) -> strata_ps::Result<(PushHeader, WireFormat)> {
+    let format = wire_format(h.wire_format)?;
+    let header = PushHeader {
         id: UpdateId { worker: h.worker, client: h.client, step: h.step, seq: h.seq },
         base_version: h.base_version,
         variables: h.variables,
-    }
+    };
+    Ok((header, format))
 }
 
-/// The protocol's `Push` header of update `id`, computed from `base_version`, of `names`.
-pub(crate) fn push_header_spec(id: &UpdateId, base_version: u64, names: &[&str]) -> proto::PushHeader {
+/// The protocol's `Push` header of update `id`, computed from `base_version`, of `names`, whose
+/// chunks are in `format`.
+pub(crate) fn push_header_spec(
+    id: &UpdateId,
+    base_version: u64,
+    names: &[&str],
+    format: WireFormat,
+) -> proto::PushHeader {
     proto::PushHeader {
         worker: id.worker.clone(),
         client: id.client.clone(),
@@ -334,6 +373,7 @@ pub(crate) fn push_header_spec(id: &UpdateId, base_version: u64, names: &[&str])
         seq: id.seq,
         base_version,
         variables: names.iter().map(|n| n.to_string()).collect(),
+        wire_format: wire_format_spec(format),
     }
 }
 
@@ -358,14 +398,28 @@ pub(crate) fn push_outcome(r: &proto::PushResponse) -> PushOutcome {
     }
 }
 
-/// The header of a `Pull` answer, and its chunks as (variable, offset, data).
-pub(crate) fn pull_parts(p: PullResult) -> (proto::PullHeader, impl Iterator<Item = (u32, u64, Bytes)>) {
+/// The header of a `Pull` answer in `format`, and its chunks as (variable, offset, data): the
+/// variables' own memory for f32; for a 16-bit format each chunk is encoded (rounded to
+/// nearest even) when the iterator reaches it, so one chunk's copy exists at a time.
+pub(crate) fn pull_parts(
+    p: PullResult,
+    format: WireFormat,
+) -> (proto::PullHeader, impl Iterator<Item = (u32, u64, Bytes)> + Send + 'static) {
     let header = proto::PullHeader {
         version: p.version,
         variables: p.variables.iter().map(|(info, _)| info.to_spec()).collect(),
         variable_versions: p.variables.iter().map(|(_, v)| *v).collect(),
+        wire_format: wire_format_spec(format),
     };
-    (header, p.chunks.into_iter().map(|c| (c.var, c.offset, c.data)))
+    let half = format.half();
+    let chunks = p.chunks.into_iter().map(move |c| {
+        let data = match half {
+            None => c.data,
+            Some(h) => strata_ps::encode_half_bytes(&c.data, h),
+        };
+        (c.var, c.offset, data)
+    });
+    (header, chunks)
 }
 
 /// The answer to `Status`.
@@ -388,6 +442,7 @@ pub(crate) fn status_response(s: PsStatus) -> proto::PsStatusResponse {
         pushes_streamed: s.pushes_streamed,
         pushes_aborted: s.pushes_aborted,
         streaming: s.streaming,
+        wire_format: wire_format_spec(s.wire_format),
     }
 }
 
@@ -413,6 +468,7 @@ pub(crate) fn ps_status(r: proto::PsStatusResponse) -> strata_ps::Result<PsStatu
         schedule: r.optimizer.as_ref().and_then(|o| o.schedule.as_ref()).map(schedule).transpose()?,
         rounds: r.rounds,
         applied_by_worker: r.applied_by_worker.into_iter().collect(),
+        wire_format: wire_format(r.wire_format)?,
     })
 }
 
@@ -451,6 +507,30 @@ mod tests {
             let s = status(e);
             assert_eq!((s.code(), s.message()), (code, message.as_str()));
         }
+    }
+
+    #[test]
+    fn wire_formats_round_trip_and_unknown_ones_are_refused() {
+        for f in [WireFormat::F32, WireFormat::F16, WireFormat::Bf16] {
+            assert_eq!(wire_format(wire_format_spec(f)).unwrap(), f);
+        }
+        for value in [3, -1, i32::MAX] {
+            let st = status(wire_format(value).unwrap_err());
+            assert_eq!(st.code(), tonic::Code::InvalidArgument);
+            assert_eq!(
+                st.message(),
+                format!("unknown wire format {value}; a parameter server takes 0 (f32), 1 (f16) or 2 (bf16)")
+            );
+        }
+        let h = proto::PushHeader { wire_format: 9, ..Default::default() };
+        assert!(matches!(push_header(h), Err(strata_ps::Error::UnknownWireFormat { value: 9 })));
+        // A chunk of the generated path: decoded exactly, its length checked in elements.
+        let c = proto::TensorChunk { variable: 0, offset: 0, data: Bytes::from_static(&[0x80, 0x3f, 0x00, 0xc0]) };
+        let got = chunk(c.clone(), WireFormat::Bf16).unwrap();
+        assert_eq!(&got.pieces[0][..], bytemuck::cast_slice::<f32, u8>(&[1.0, -2.0]));
+        let odd = proto::TensorChunk { data: Bytes::from_static(&[0, 0, 0]), ..c };
+        let e = chunk(odd, WireFormat::F16).unwrap_err();
+        assert_eq!(e.to_string(), "a chunk carries 3 bytes, not a whole number of f16 elements (2 bytes each)");
     }
 
     #[test]
@@ -501,10 +581,10 @@ mod tests {
             assert_eq!((st.code(), st.message()), (tonic::Code::InvalidArgument, message));
         }
         // Inside a create header, and absent: the constant rate.
-        let mut h = create_header_spec([], &ServerOptimizer::Sgd { lr: 0.5 }, None, PsMode::Async);
+        let mut h = create_header_spec([], &ServerOptimizer::Sgd { lr: 0.5 }, None, PsMode::Async, WireFormat::F32);
         assert_eq!(create_header(&h).unwrap().schedule, None);
         let s = LrSchedule::WarmupLinear { peak: 1.0, warmup_steps: 2, total_steps: 5, final_lr: 0.5 };
-        h = create_header_spec([], &ServerOptimizer::Sgd { lr: 0.5 }, Some(&s), PsMode::Async);
+        h = create_header_spec([], &ServerOptimizer::Sgd { lr: 0.5 }, Some(&s), PsMode::Async, WireFormat::F32);
         assert_eq!(create_header(&h).unwrap().schedule, Some(s));
     }
 }

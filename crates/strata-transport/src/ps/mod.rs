@@ -33,6 +33,14 @@
 //!   and `Pull` are served and called below tonic's codec: the messages on the wire are the
 //!   proto's, so any gRPC client can call them, but tensor bytes are neither reassembled into a
 //!   decode buffer nor encoded into an encode buffer (a pull sends the variable's own memory).
+//! - **16-bit pushes and pulls.** A push header and a pull request may name a 16-bit
+//!   [`WireFormat`] (f16 or bf16; a [`PsClient`] sends the one
+//!   [`with_wire_format`](PsClient::with_wire_format) gives it, f32 by default): the chunks
+//!   then carry little-endian u16 elements, at most [`MAX_CHUNK_ELEMENTS`] of them. The task
+//!   holds and applies f32 all the same: a 16-bit push is decoded to f32 exactly and applied as
+//!   an f32 push is (same modes, same exactly-once), and a 16-bit pull gets each value rounded
+//!   to nearest even. An unknown format and a chunk of an odd byte length are refused with
+//!   `INVALID_ARGUMENT`, and nothing is applied.
 //! - **Versions.** Every variable counts the updates applied to it; the task's version counts
 //!   its applies (one per push in async and stale modes, one per round in sync mode).
 //! - **Exactly once.** A push is identified by its [`UpdateId`]; a retry of an update already
@@ -68,8 +76,8 @@ pub use convert::ProtoSpec;
 pub use faults::FaultInjection;
 pub use server::PsServerHandle;
 pub use strata_ps::{
-    CreateOutcome, LrSchedule, PsMode, PsStatus, PushOutcome, ServerOptimizer, UpdateId, VariableInfo, MAX_CHUNK_BYTES,
-    MAX_CHUNK_ELEMENTS, MAX_VARIABLE_ELEMENTS,
+    CreateOutcome, LrSchedule, PsMode, PsStatus, PushOutcome, ServerOptimizer, UpdateId, VariableInfo, WireFormat,
+    MAX_CHUNK_BYTES, MAX_CHUNK_ELEMENTS, MAX_VARIABLE_ELEMENTS,
 };
 // The error the types above return (`ServerOptimizer::validate`, `VariableInfo::validate`), named
 // here so that a program using this module (or the strata facade's `ps`) can name it too.

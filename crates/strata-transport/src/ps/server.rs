@@ -17,7 +17,7 @@ use strata_proto::v1::{
 };
 use strata_ps::{
     read_snapshot, write_snapshot, Chunk, PullResult, PushDecision, PushHeader, PushReply, State, Streamed, UpdateKey,
-    MAX_CHUNK_BYTES,
+    WireFormat, MAX_CHUNK_BYTES,
 };
 use tokio::sync::watch;
 use tokio_stream::Stream;
@@ -293,11 +293,14 @@ async fn push_frames(shared: &Shared, body: tonic::body::Body) -> Result<PushRes
     let mut messages = wire::Messages::new(body, MAX_MESSAGE_BYTES);
     let mut parts = Collect::new("Push", shared.lock().bytes());
     let mut stream = StreamGuard::new(shared);
+    // The chunks' element type, from the header (chunks before it are refused).
+    let mut format = WireFormat::F32;
     while let Some(m) = messages.next().await? {
-        match wire::decode_part::<strata_proto::v1::PushHeader>(m, "Push")? {
+        match wire::decode_part::<strata_proto::v1::PushHeader>(m, "Push", format)? {
             wire::Part::Header(h) => {
-                let h = convert::push_header(h);
+                let (h, f) = convert::push_header(h).map_err(status)?;
                 if parts.header.is_none() {
+                    format = f;
                     stream.begin(&h);
                 }
                 parts.header(h)?
@@ -309,22 +312,25 @@ async fn push_frames(shared: &Shared, body: tonic::body::Body) -> Result<PushRes
     push(shared, &header, &chunks, stream).await.map_err(status)
 }
 
-/// `Pull` below tonic's codec: every chunk leaves as the variable's own memory.
-async fn pull_frames(shared: &Shared, body: tonic::body::Body) -> Result<Vec<Bytes>, Status> {
+/// The buffers of a `Pull` answer, made as the connection takes them.
+type PullBuffers = Box<dyn Iterator<Item = Bytes> + Send>;
+
+/// `Pull` below tonic's codec: every f32 chunk leaves as the variable's own memory; a 16-bit
+/// chunk is encoded when the connection takes it (one chunk's copy at a time).
+async fn pull_frames(shared: &Shared, body: tonic::body::Body) -> Result<PullBuffers, Status> {
     let mut messages = wire::Messages::new(body, MAX_MESSAGE_BYTES);
     let request = match (messages.next().await?, messages.next().await?) {
         (Some(m), None) => PullRequest::decode(m.contiguous())
             .map_err(|e| Status::invalid_argument(format!("a Pull request that is not valid protobuf: {e}")))?,
         _ => return Err(Status::invalid_argument("a Pull call carries exactly one request message")),
     };
+    // Refused before waiting for `min_version` and before reading anything.
+    let format = convert::wire_format(request.wire_format).map_err(status)?;
     let pulled = pull(shared, &request).await.map_err(status)?;
-    let mut out = Vec::with_capacity(1 + 2 * pulled.chunks.len());
-    let (header, chunks) = convert::pull_parts(pulled);
-    out.push(wire::message(&PullMessage { kind: Some(pull_message::Kind::Header(header)) }));
-    for (var, offset, data) in chunks {
-        out.extend(wire::chunk_message(var, offset, data));
-    }
-    Ok(out)
+    let (header, chunks) = convert::pull_parts(pulled, format);
+    let header = wire::message(&PullMessage { kind: Some(pull_message::Kind::Header(header)) });
+    let chunks = chunks.flat_map(|(var, offset, data)| wire::chunk_message(var, offset, data));
+    Ok(Box::new(std::iter::once(header).chain(chunks)))
 }
 
 /// The `ParameterServer` service with `Push` and `Pull` served below tonic's codec
@@ -385,7 +391,8 @@ impl ParameterServer for Svc {
                     parts.header(header)?
                 }
                 Some(create_message::Kind::Chunk(c)) => {
-                    parts.chunk(convert::chunk(c).map_err(status)?)?;
+                    // Initial values travel as f32.
+                    parts.chunk(convert::chunk(c, WireFormat::F32).map_err(status)?)?;
                 }
                 None => return Err(Status::invalid_argument("an empty CreateVariables message")),
             }
@@ -399,11 +406,18 @@ impl ParameterServer for Svc {
     async fn push(&self, req: Request<Streaming<PushMessage>>) -> Result<Response<PushResponse>, Status> {
         let mut stream = req.into_inner();
         let mut parts = Collect::new("Push", self.0.lock().bytes());
+        let mut format = WireFormat::F32;
         while let Some(msg) = stream.message().await.map_err(decode_status)? {
             match msg.kind {
-                Some(push_message::Kind::Header(h)) => parts.header(convert::push_header(h))?,
+                Some(push_message::Kind::Header(h)) => {
+                    let (h, f) = convert::push_header(h).map_err(status)?;
+                    if parts.header.is_none() {
+                        format = f;
+                    }
+                    parts.header(h)?
+                }
                 Some(push_message::Kind::Chunk(c)) => {
-                    parts.chunk(convert::chunk(c).map_err(status)?)?;
+                    parts.chunk(convert::chunk(c, format).map_err(status)?)?;
                 }
                 None => return Err(Status::invalid_argument("an empty Push message")),
             }
@@ -415,8 +429,10 @@ impl ParameterServer for Svc {
     type PullStream = PullStream;
 
     async fn pull(&self, req: Request<PullRequest>) -> Result<Response<Self::PullStream>, Status> {
-        let pulled = pull(&self.0, &req.into_inner()).await.map_err(status)?;
-        let (header, chunks) = convert::pull_parts(pulled);
+        let request = req.into_inner();
+        let format = convert::wire_format(request.wire_format).map_err(status)?;
+        let pulled = pull(&self.0, &request).await.map_err(status)?;
+        let (header, chunks) = convert::pull_parts(pulled, format);
         let chunks = chunks.map(|(variable, offset, data)| TensorChunk { variable, offset, data });
         let messages = std::iter::once(PullMessage { kind: Some(pull_message::Kind::Header(header)) })
             .chain(chunks.map(|c| PullMessage { kind: Some(pull_message::Kind::Chunk(c)) }))

@@ -16,7 +16,7 @@ use prost::Message;
 use tonic::codegen::http;
 use tonic::Status;
 
-use strata_ps::{check_chunk_len, Chunk};
+use strata_ps::{check_chunk_len_in, decode_half, Chunk, WireFormat};
 
 use super::convert::status;
 
@@ -237,8 +237,14 @@ pub(crate) enum Part<H> {
     Chunk(Chunk),
 }
 
-/// Decodes a stream message; a chunk's data stays in its frames. `what` names the stream.
-pub(crate) fn decode_part<H: Message + Default>(mut m: Rope, what: &str) -> Result<Part<H>, Status> {
+/// Decodes a stream message; a chunk's data, in `format` (the stream's header says which),
+/// stays in its frames when it is f32, and is decoded to f32 (exactly) when it is 16-bit.
+/// `what` names the stream.
+pub(crate) fn decode_part<H: Message + Default>(
+    mut m: Rope,
+    what: &str,
+    format: WireFormat,
+) -> Result<Part<H>, Status> {
     let mut part = None;
     while m.len() > 0 {
         let key = m.varint(what)?;
@@ -252,7 +258,7 @@ pub(crate) fn decode_part<H: Message + Default>(mut m: Rope, what: &str) -> Resu
             }
             (2, 2) => {
                 let len = m.varint(what)?;
-                part = Some(Part::Chunk(decode_chunk(m.field(len, what)?, what)?));
+                part = Some(Part::Chunk(decode_chunk(m.field(len, what)?, what, format)?));
             }
             (_, wire) => skip(&mut m, wire, what)?,
         }
@@ -260,8 +266,9 @@ pub(crate) fn decode_part<H: Message + Default>(mut m: Rope, what: &str) -> Resu
     part.ok_or_else(|| Status::invalid_argument(format!("an empty {what} message")))
 }
 
-/// `TensorChunk { uint32 variable = 1; uint64 offset = 2; bytes data = 3; }`.
-fn decode_chunk(mut m: Rope, what: &str) -> Result<Chunk, Status> {
+/// `TensorChunk { uint32 variable = 1; uint64 offset = 2; bytes data = 3; }`, its data in
+/// `format`: checked to be whole elements, at most [`strata_ps::MAX_CHUNK_ELEMENTS`] of them.
+fn decode_chunk(mut m: Rope, what: &str, format: WireFormat) -> Result<Chunk, Status> {
     let (mut var, mut offset, mut data) = (0u32, 0u64, Rope::default());
     while m.len() > 0 {
         let key = m.varint(what)?;
@@ -276,8 +283,13 @@ fn decode_chunk(mut m: Rope, what: &str) -> Result<Chunk, Status> {
             (_, wire) => skip(&mut m, wire, what)?,
         }
     }
-    check_chunk_len(data.len()).map_err(status)?;
-    Ok(Chunk { var, offset, pieces: data.into_f32_pieces() })
+    check_chunk_len_in(data.len(), format).map_err(status)?;
+    let pieces = match format.half() {
+        None => data.into_f32_pieces(),
+        // At most 512 KiB here (checked above), 1 MiB decoded.
+        Some(half) => vec![decode_half(&data.contiguous(), half)],
+    };
+    Ok(Chunk { var, offset, pieces })
 }
 
 /// Skips a field of an unknown number.
@@ -428,7 +440,9 @@ mod tests {
             let [0, a, b, c, d] = r.peek::<5>().unwrap() else { panic!("flag") };
             r.split_to(5);
             assert_eq!(u32::from_be_bytes([a, b, c, d]) as usize, r.len());
-            let Part::Chunk(chunk) = decode_part::<PushHeader>(r, "Push").unwrap() else { panic!("not a chunk") };
+            let Part::Chunk(chunk) = decode_part::<PushHeader>(r, "Push", WireFormat::F32).unwrap() else {
+                panic!("not a chunk")
+            };
             assert_eq!((chunk.var, chunk.offset), (3, 1_000_000_007));
             assert!(chunk.pieces.iter().all(|p| p.len() % 4 == 0), "{cuts:?}");
             assert_eq!(floats(&chunk.pieces), values, "{cuts:?}");
@@ -441,9 +455,11 @@ mod tests {
         let mut m = PushMessage { kind: Some(push_message::Kind::Header(h.clone())) }.encode_to_vec();
         // An unknown varint field and an unknown length-delimited one.
         m.extend_from_slice(&[0x38, 0x96, 0x01, 0x42, 0x02, 0xaa, 0xbb]);
-        let Part::Header(got) = decode_part::<PushHeader>(rope(&m, &[2, 3]), "Push").unwrap() else { panic!() };
+        let Part::Header(got) = decode_part::<PushHeader>(rope(&m, &[2, 3]), "Push", WireFormat::F32).unwrap() else {
+            panic!()
+        };
         assert_eq!(got, h);
-        let code = |bytes: &[u8]| match decode_part::<PushHeader>(rope(bytes, &[]), "Push") {
+        let code = |bytes: &[u8]| match decode_part::<PushHeader>(rope(bytes, &[]), "Push", WireFormat::F32) {
             Err(e) => e.code(),
             Ok(_) => tonic::Code::Ok,
         };
@@ -454,6 +470,34 @@ mod tests {
         assert_eq!(code(&[0x0a, 0x02, 0xff, 0xff]), tonic::Code::InvalidArgument, "a header that is not protobuf");
         // A chunk of 6 bytes: not whole f32 elements.
         assert_eq!(code(&[0x12, 0x08, 0x1a, 0x06, 1, 2, 3, 4, 5, 6]), tonic::Code::InvalidArgument);
+    }
+
+    #[test]
+    fn half_chunks_decode_exactly_across_any_cuts_and_odd_lengths_are_refused() {
+        use strata_core::cross_device::compression::HalfFormat;
+        let values: Vec<f32> = (0..37).map(|i| i as f32 * 0.25 - 3.0 + 2f32.powi(-9)).collect();
+        for (format, half) in [(WireFormat::F16, HalfFormat::F16), (WireFormat::Bf16, HalfFormat::Bf16)] {
+            let wire = strata_ps::encode_half(&values, half);
+            let mut bits = vec![0u16; values.len()];
+            half.encode(&values, &mut bits);
+            let mut want = vec![0f32; values.len()];
+            half.decode(&bits, &mut want);
+            let ours: Vec<u8> = chunk_message(2, 40, wire).concat();
+            for cuts in [vec![], vec![9, 10, 11, 13, 50, 51], (1..ours.len()).collect()] {
+                let mut r = rope(&ours, &cuts);
+                r.split_to(5);
+                let Part::Chunk(chunk) = decode_part::<PushHeader>(r, "Push", format).unwrap() else { panic!() };
+                assert_eq!((chunk.var, chunk.offset, chunk.elements()), (2, 40, 37));
+                assert_eq!(floats(&chunk.pieces), want, "{format:?} {cuts:?}");
+            }
+        }
+        let odd = [0x12, 0x05, 0x1a, 0x03, 1, 2, 3];
+        let e = match decode_part::<PushHeader>(rope(&odd, &[]), "Push", WireFormat::Bf16) {
+            Err(e) => e,
+            Ok(_) => panic!("an odd chunk was taken"),
+        };
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        assert_eq!(e.message(), "a chunk carries 3 bytes, not a whole number of bf16 elements (2 bytes each)");
     }
 
     #[tokio::test]
