@@ -82,9 +82,10 @@ async fn read_f32s(ctx: &Ctx<'_>, rd: &mut Reader, len: usize) -> Result<Vec<u8>
     read_bytes(ctx, rd, len * 4).await
 }
 
-/// One chunk to send: its elements, and how many received chunks must be processed first.
+/// One chunk to send: which chunk of the buffer, and how many received chunks must be
+/// processed first.
 struct SendItem {
-    range: Range<usize>,
+    chunk: usize,
     need: usize,
 }
 
@@ -97,75 +98,136 @@ enum Action {
     Store,
 }
 
+/// One chunk to receive: which chunk of the buffer, what to do with it, and how many sends
+/// must be complete first (the sends that read this chunk before: a correct peer never makes
+/// this wait, since what it sends here depends on them; a faulty one is not allowed to
+/// overwrite a chunk while it is being sent).
 struct RecvItem {
-    range: Range<usize>,
+    chunk: usize,
     action: Action,
+    after_sends: usize,
+}
+
+/// The buffer split into the pipeline's chunks (disjoint, in order, covering it), each its own
+/// cell: the sender holds a chunk while the kernel copies it out of place, the receiver writes
+/// others meanwhile.
+fn split_chunks<'d>(mut data: &'d mut [f32], ranges: &[Range<usize>]) -> Vec<RefCell<&'d mut [f32]>> {
+    let mut at = 0;
+    let mut out = Vec::with_capacity(ranges.len());
+    for r in ranges {
+        debug_assert_eq!(r.start, at, "chunks cover the buffer in order");
+        let (head, tail) = std::mem::take(&mut data).split_at_mut(r.len());
+        out.push(RefCell::new(head));
+        data = tail;
+        at = r.end;
+    }
+    out
+}
+
+/// A chunk's cell, or the protocol error of a schedule that would use it twice at once (never
+/// for the schedules built here: the dependencies order every use).
+fn chunk_error(ctx: &Ctx<'_>, peer: usize) -> Error {
+    ctx.protocol(peer, "a ring chunk was received while it was being sent")
 }
 
 /// Sends `sends` to `writer` while receiving `recvs` from `reader`, both preceded by OPEN
-/// frames. A send waits until the receives it depends on are processed.
-/// With a 16-bit `half` wire (sums only), every value travels encoded and is added in f32.
+/// frames, over `chunks` (the buffer's chunks, [`split_chunks`]). A send waits until the
+/// receives it depends on are processed; a receive until the sends it must follow are written.
+/// f32 chunks are sent from the buffer itself and stored straight from the socket (little-
+/// endian machines); with a 16-bit `half` wire (sums only), every value travels encoded and
+/// is added in f32.
 #[allow(clippy::too_many_arguments)]
 async fn pipeline(
     ctx: &Ctx<'_>,
     reader: &mut Reader,
     writer: &mut Writer,
-    data: &mut [f32],
+    chunks: &[RefCell<&mut [f32]>],
     op: ReduceOp,
     half: Option<HalfFormat>,
     sends: &[SendItem],
     recvs: &[RecvItem],
 ) -> Result<()> {
-    let data = RefCell::new(data);
     let done = Cell::new(0usize);
+    let sent = Cell::new(0usize);
     let progress = Notify::new();
+    let written = Notify::new();
     let n = ctx.n;
     let width = if half.is_some() { 2 } else { 4 };
+    let (left, right) = (reader.peer, writer.peer);
+    // Before either future runs: nothing holds a chunk yet.
+    let most = sends.iter().map(|i| chunks[i.chunk].borrow().len()).max().unwrap_or(0);
     let send = async {
         writer.send(ctx, &wire::open_frame(ctx.step, &ctx.call)).await?;
-        let most = sends.iter().map(|i| i.range.len()).max().unwrap_or(0);
-        let mut buf = vec![0u8; HEADER + most * width];
-        for item in sends {
+        let mut buf = if half.is_some() || cfg!(target_endian = "big") { vec![0u8; most * width] } else { Vec::new() };
+        for (k, item) in sends.iter().enumerate() {
             while done.get() < item.need {
                 progress.notified().await;
             }
-            let len = item.range.len() * width;
-            buf[..HEADER].copy_from_slice(&wire::header(TAG_DATA, len));
-            {
-                // The borrow ends before the send awaits: the receiver writes meanwhile.
-                let d = data.borrow();
-                let src = &d[item.range.clone()];
-                match half {
-                    None => wire::write_f32s(&mut buf[HEADER..HEADER + len], src),
-                    Some(format) => wire::write_halves(&mut buf[HEADER..HEADER + len], src, format),
+            // Held across the write: the receiver writes other chunks meanwhile, and waits
+            // for this send before it writes this one.
+            let chunk = chunks[item.chunk].try_borrow().map_err(|_| chunk_error(ctx, right))?;
+            let len = chunk.len() * width;
+            let header = wire::header(TAG_DATA, len);
+            match half {
+                None if cfg!(target_endian = "little") => {
+                    writer.send_parts(ctx, &header, bytemuck::cast_slice(&chunk[..])).await?;
+                }
+                None => {
+                    wire::write_f32s(&mut buf[..len], &chunk);
+                    writer.send_parts(ctx, &header, &buf[..len]).await?;
+                }
+                Some(format) => {
+                    wire::write_halves(&mut buf[..len], &chunk, format);
+                    writer.send_parts(ctx, &header, &buf[..len]).await?;
                 }
             }
-            writer.send(ctx, &buf[..HEADER + len]).await?;
+            drop(chunk);
+            sent.set(k + 1);
+            written.notify_one();
         }
         Ok::<_, Error>(())
     };
     let recv = async {
         reader.open(ctx).await?;
         for (i, item) in recvs.iter().enumerate() {
-            let start = item.range.start;
-            reader
-                .data_with_width(ctx, item.range.len() * width, width, |at, bytes| {
-                    let mut d = data.borrow_mut();
-                    let dst = &mut d[start + at..start + at + bytes.len() / width];
-                    match (item.action, half) {
-                        (Action::Reduce { .. }, None) => wire::combine_bytes(op, dst, bytes),
-                        (Action::Store, None) => wire::store_f32s(dst, bytes),
-                        (Action::Reduce { .. }, Some(format)) => wire::add_halves(dst, bytes, format),
-                        (Action::Store, Some(format)) => wire::store_halves(dst, bytes, format),
+            while sent.get() < item.after_sends {
+                written.notified().await;
+            }
+            let cell = &chunks[item.chunk];
+            let len = cell.try_borrow().map_err(|_| chunk_error(ctx, left))?.len();
+            match (item.action, half) {
+                (Action::Store, None) if cfg!(target_endian = "little") => {
+                    let mut dst = cell.try_borrow_mut().map_err(|_| chunk_error(ctx, left))?;
+                    reader.data(ctx, bytemuck::cast_slice_mut(&mut dst[..])).await?;
+                }
+                _ => {
+                    let mut failed = false;
+                    reader
+                        .data_with_width(ctx, len * width, width, |at, bytes| {
+                            let Ok(mut d) = cell.try_borrow_mut() else {
+                                failed = true;
+                                return;
+                            };
+                            let dst = &mut d[at..at + bytes.len() / width];
+                            match (item.action, half) {
+                                (Action::Reduce { .. }, None) => wire::combine_bytes(op, dst, bytes),
+                                (Action::Store, None) => wire::store_f32s(dst, bytes),
+                                (Action::Reduce { .. }, Some(format)) => wire::add_halves(dst, bytes, format),
+                                (Action::Store, Some(format)) => wire::store_halves(dst, bytes, format),
+                            }
+                        })
+                        .await?;
+                    if failed {
+                        return Err(chunk_error(ctx, left));
                     }
-                })
-                .await?;
+                }
+            }
             if let Action::Reduce { finish: true } = item.action {
-                let mut d = data.borrow_mut();
-                op.finish(&mut d[item.range.clone()], n);
+                let mut d = cell.try_borrow_mut().map_err(|_| chunk_error(ctx, left))?;
+                op.finish(&mut d, n);
                 if let Some(format) = half {
                     // This task sends the segment on in 16 bits: it keeps what it sends.
-                    wire::round_to(&mut d[item.range.clone()], format);
+                    wire::round_to(&mut d, format);
                 }
             }
             done.set(i + 1);
@@ -205,21 +267,35 @@ pub(crate) async fn ring_all_reduce(
     // carry data. (Interleaving the transfers so that a chunk moves on while still in cache
     // measured slower: it caps the bytes in flight at a few chunks, and every scheduling
     // hiccup on a shared machine then stalls the whole ring.)
+    let mut ranges = Vec::new();
+    let mut first = Vec::with_capacity(n);
+    for seg in &seg_chunks {
+        first.push(ranges.len());
+        ranges.extend(seg.iter().cloned());
+    }
     let mut recvs = Vec::new();
-    let mut sends = Vec::new();
+    let mut sends: Vec<SendItem> = Vec::new();
+    // The sends of each chunk so far: a receive into it waits for them.
+    let mut last_send: Vec<usize> = vec![0; ranges.len()];
     let mut prev_recv_start = 0;
     for t in 0..2 * (n - 1) {
         let (sseg, rseg) = transfer(t);
-        for (c, range) in seg_chunks[sseg].iter().enumerate() {
+        for c in 0..seg_chunks[sseg].len() {
             let need = if t == 0 { 0 } else { prev_recv_start + c + 1 };
-            sends.push(SendItem { range: range.clone(), need });
+            sends.push(SendItem { chunk: first[sseg] + c, need });
+            last_send[first[sseg] + c] = sends.len();
         }
         prev_recv_start = recvs.len();
         let action = if t < n - 1 { Action::Reduce { finish: t == n - 2 } } else { Action::Store };
-        recvs.extend(seg_chunks[rseg].iter().map(|range| RecvItem { range: range.clone(), action }));
+        recvs.extend((0..seg_chunks[rseg].len()).map(|c| RecvItem {
+            chunk: first[rseg] + c,
+            action,
+            after_sends: last_send[first[rseg] + c],
+        }));
     }
+    let chunks = split_chunks(data, &ranges);
     let (reader, writer, idle) = links.pair(ring_pos(r, -1, n), ring_pos(r, 1, n))?;
-    watching(ctx, idle, pipeline(ctx, reader, writer, data, op, half, &sends, &recvs)).await
+    watching(ctx, idle, pipeline(ctx, reader, writer, &chunks, op, half, &sends, &recvs)).await
 }
 
 /// Direct all-reduce: every task sends its buffer to every peer and reduces in rank order.
@@ -355,19 +431,21 @@ pub(crate) async fn chain_broadcast(ctx: &Ctx<'_>, links: &mut Links, root: usiz
     let pos = ring_pos(r, -(root as isize), n);
     let all: Vec<Range<usize>> = chunks(0..data.len(), ctx.chunk_elems).collect();
     let sends: Vec<SendItem> = if pos == 0 {
-        all.iter().map(|range| SendItem { range: range.clone(), need: 0 }).collect()
+        (0..all.len()).map(|chunk| SendItem { chunk, need: 0 }).collect()
     } else if pos < n - 1 {
-        all.iter().enumerate().map(|(c, range)| SendItem { range: range.clone(), need: c + 1 }).collect()
+        (0..all.len()).map(|chunk| SendItem { chunk, need: chunk + 1 }).collect()
     } else {
         Vec::new()
     };
+    // A chunk is received before it is sent on: no receive waits for a send.
     let recvs: Vec<RecvItem> = if pos == 0 {
         Vec::new()
     } else {
-        all.iter().map(|range| RecvItem { range: range.clone(), action: Action::Store }).collect()
+        (0..all.len()).map(|chunk| RecvItem { chunk, action: Action::Store, after_sends: 0 }).collect()
     };
+    let chunks = split_chunks(data, &all);
     let (reader, writer, idle) = links.pair(ring_pos(r, -1, n), ring_pos(r, 1, n))?;
-    watching(ctx, idle, pipeline(ctx, reader, writer, data, ReduceOp::Sum, None, &sends, &recvs)).await
+    watching(ctx, idle, pipeline(ctx, reader, writer, &chunks, ReduceOp::Sum, None, &sends, &recvs)).await
 }
 
 /// Barrier: OPEN frames to and from every peer.

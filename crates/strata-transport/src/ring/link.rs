@@ -290,6 +290,22 @@ impl Writer {
         Ok(())
     }
 
+    /// Writes one frame from its header and its payload, in place (a vectored write: the
+    /// payload is not copied into a frame buffer first).
+    pub(crate) async fn send_parts(&mut self, ctx: &Ctx<'_>, header: &[u8], payload: &[u8]) -> Result<()> {
+        crate::hooks::before_send().await;
+        self.clean = false;
+        Ctx::begin(&ctx.writing, self.peer);
+        let r = write_all_parts(&mut self.wr, header, payload).await;
+        if r.is_ok() {
+            crate::hooks::sent(header.len() + payload.len());
+        }
+        Ctx::end(&ctx.writing, self.peer);
+        r.map_err(|e| ctx.lost(self.peer, format!("send failed: {e}")))?;
+        self.clean = true;
+        Ok(())
+    }
+
     /// Best effort: tells the peer why this task failed (only at a frame boundary), then
     /// closes the write side.
     pub(crate) async fn send_error(&mut self, frame: &[u8]) {
@@ -298,6 +314,20 @@ impl Writer {
         }
         let _ = self.wr.shutdown().await;
     }
+}
+
+/// `write_all` of `head` then `tail`, in vectored writes while `head` is not all written.
+async fn write_all_parts(wr: &mut OwnedWriteHalf, mut head: &[u8], mut tail: &[u8]) -> std::io::Result<()> {
+    while !head.is_empty() {
+        let n = wr.write_vectored(&[std::io::IoSlice::new(head), std::io::IoSlice::new(tail)]).await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        let from_head = n.min(head.len());
+        head = &head[from_head..];
+        tail = &tail[n - from_head..];
+    }
+    wr.write_all(tail).await
 }
 
 /// The connections of this task: `readers[p]` and `writers[p]` talk to rank `p` (`None` for
