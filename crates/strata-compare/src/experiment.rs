@@ -21,6 +21,11 @@
 //! workers = 4
 //! backup_workers = 1
 //!
+//! [[run]]
+//! strategy = "multi-worker-mirrored"
+//! workers = 2
+//! compression = "powersgd:4"   # none (default), fp16, bf16, powersgd:RANK[:START]
+//!
 //! [injection]
 //! slowdown = [{ worker = 1, factor = 3.0 }]
 //! stragglers = { probability = 0.1, delay = "exp:20ms" }
@@ -37,12 +42,18 @@
 //! windows, the same windows per epoch) and no `data`, and has no simulated mode (`[simulate]` models the digits MLP). `global_batch` is in
 //! windows of 64 characters for the transformer. See `experiments/transformer.toml`.
 //!
+//! `compression` is `strata train --compression`: any of them for multi-worker-mirrored runs,
+//! `fp16` or `bf16` for parameter-server runs (their pushes and pulls); a run without a name is
+//! named after it (`multi-worker-mirrored-bf16`). Simulated runs model its bytes on the links
+//! (`[simulate]`), not its effect on the gradients.
+//!
 //! Errors name the field and the line: `experiments/x.toml line 12: run[3].workers: ...`.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
+use strata_core::cross_device::compression::{Compression, CompressionError};
 
 use crate::{Error, Result};
 
@@ -139,6 +150,14 @@ pub struct RunSpec {
     pub staleness: u64,
     /// This run's own time limit (default: the experiment's `run_timeout`).
     pub timeout: Option<Duration>,
+    /// How gradients cross the network (`strata train --compression`): any for
+    /// multi-worker-mirrored, `fp16` or `bf16` for the parameter server, `none` otherwise.
+    #[serde(serialize_with = "display")]
+    pub compression: Compression,
+}
+
+fn display<S: serde::Serializer>(c: &Compression, s: S) -> std::result::Result<S::Ok, S::Error> {
+    s.collect_str(c)
 }
 
 impl RunSpec {
@@ -531,6 +550,37 @@ impl Experiment {
                 Some(s) => *s.get_ref(),
                 None => 4,
             };
+            let compression = match &r.compression {
+                None => Compression::None,
+                Some(c) => {
+                    let parsed: Compression = c
+                        .get_ref()
+                        .parse()
+                        .map_err(|e: CompressionError| at.error(c.span(), &field("compression"), e.to_string()))?;
+                    match (r.strategy, parsed) {
+                        (_, Compression::None) | (RunStrategy::MultiWorkerMirrored, _) => {}
+                        (RunStrategy::ParameterServer, Compression::Fp16 | Compression::Bf16) => {}
+                        (RunStrategy::ParameterServer, _) => {
+                            return Err(at.error(
+                                c.span(),
+                                &field("compression"),
+                                "PowerSGD applies to multi-worker-mirrored's ring; use none, fp16 or bf16 with parameter-server",
+                            ))
+                        }
+                        (strategy, _) => {
+                            return Err(at.error(
+                                c.span(),
+                                &field("compression"),
+                                format!(
+                                    "{} has no gradients on a network; compression applies to multi-worker-mirrored and parameter-server, drop it",
+                                    strategy.name()
+                                ),
+                            ))
+                        }
+                    }
+                    parsed
+                }
+            };
             let total = if multi { workers * replicas } else { replicas };
             if global_batch < total {
                 return Err(at.error(
@@ -561,16 +611,23 @@ impl Experiment {
                     Some(t) => Some(parse_duration(t.get_ref()).map_err(|m| at.error(t.span(), &field("timeout"), m))?),
                     None => None,
                 },
+                compression,
             };
             spec.name = match &r.name {
                 Some(n) => n.get_ref().clone(),
-                None => match spec.mode {
-                    Some(PsMode::Sync) if backup_workers > 0 => format!("ps-sync-backup{backup_workers}"),
-                    Some(PsMode::Sync) => "ps-sync".into(),
-                    Some(PsMode::Async) => "ps-async".into(),
-                    Some(PsMode::Stale) => format!("ps-stale{staleness}"),
-                    None => r.strategy.name().into(),
-                },
+                None => {
+                    let base: String = match spec.mode {
+                        Some(PsMode::Sync) if backup_workers > 0 => format!("ps-sync-backup{backup_workers}"),
+                        Some(PsMode::Sync) => "ps-sync".into(),
+                        Some(PsMode::Async) => "ps-async".into(),
+                        Some(PsMode::Stale) => format!("ps-stale{staleness}"),
+                        None => r.strategy.name().into(),
+                    };
+                    match compression {
+                        Compression::None => base,
+                        c => format!("{base}-{c}"),
+                    }
+                }
             };
             if spec.name.is_empty() || spec.name.contains(['/', '\\', ',', '"']) {
                 return Err(at.error(
@@ -722,6 +779,7 @@ struct RawRun {
     backup_workers: Option<Spanned<usize>>,
     staleness: Option<Spanned<u64>>,
     timeout: Option<Spanned<String>>,
+    compression: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -843,6 +901,40 @@ network_delay = "1ms"
         assert_eq!(e.injection.network_delay, Duration::from_millis(1));
         assert_eq!(e.injection.stragglers.unwrap().delay, DelayDistribution::Exponential(Duration::from_millis(20)));
         assert_eq!(e.injection.describe().len(), 3);
+    }
+
+    #[test]
+    fn compression_is_named_checked_and_passed_on() {
+        let text = GOOD.replace("mode = \"stale\"", "mode = \"stale\"\ncompression = \"bf16\"")
+            + "\n[[run]]\nstrategy = \"multi-worker-mirrored\"\ncompression = \"powersgd:4:100\"\n";
+        let e = parse(&text).unwrap();
+        assert_eq!(e.runs[2].compression, Compression::Bf16);
+        assert_eq!(e.runs[2].name, "ps-stale3-bf16");
+        assert_eq!(e.runs[3].compression, Compression::PowerSgd { rank: 4, start_step: 100 });
+        assert_eq!(e.runs[3].name, "multi-worker-mirrored-powersgd:4:100");
+        assert_eq!(e.runs[0].compression, Compression::None);
+        let line = crate::runner::command_line(&e, &e.runs[3], Path::new("m.jsonl"), Path::new("s.json"));
+        let at = line.iter().position(|a| a == "--compression").expect("--compression passed on");
+        assert_eq!(line[at + 1], "powersgd:4:100");
+        let bad = |from: &str, to: &str, want: &str| {
+            let e = error(&GOOD.replace(from, to));
+            assert!(e.contains(want), "{e}");
+        };
+        bad(
+            "strategy = \"one-device\"",
+            "strategy = \"one-device\"\ncompression = \"bf16\"",
+            "run[0].compression: one-device has no gradients on a network",
+        );
+        bad(
+            "mode = \"stale\"",
+            "mode = \"stale\"\ncompression = \"powersgd:4\"",
+            "run[2].compression: PowerSGD applies to multi-worker-mirrored's ring",
+        );
+        bad(
+            "mode = \"stale\"",
+            "mode = \"stale\"\ncompression = \"zstd\"",
+            "run[2].compression: unknown compression \"zstd\"",
+        );
     }
 
     #[test]

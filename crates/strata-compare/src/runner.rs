@@ -12,6 +12,8 @@ use std::time::{Duration, Instant};
 
 use std::os::unix::process::CommandExt;
 
+use strata_core::cross_device::compression::Compression;
+
 use super::experiment::{Experiment, PsMode, RunModel, RunSpec, RunStrategy};
 use super::RunResult;
 use crate::{Error, Result};
@@ -75,6 +77,9 @@ pub fn command_line(exp: &Experiment, spec: &RunSpec, metrics: &Path, summary: &
     }
     if !inj.network_delay.is_zero() {
         train.extend(["--network-delay".into(), format!("{}us", inj.network_delay.as_micros())]);
+    }
+    if spec.compression != Compression::None {
+        train.extend(["--compression".into(), spec.compression.to_string()]);
     }
     match spec.strategy {
         RunStrategy::ParameterServer => {

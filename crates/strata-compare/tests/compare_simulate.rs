@@ -9,6 +9,7 @@ use strata::model::Mlp;
 use strata_compare::experiment::{Experiment, Injection, PsMode, RunSpec, RunStrategy, Stragglers};
 use strata_compare::simulate::{simulate, SimConfig};
 use strata_compare::{summarize, RunResult};
+use strata_core::cross_device::compression::Compression;
 
 fn spec(name: &str, strategy: RunStrategy, mode: Option<PsMode>, backup_workers: usize, staleness: u64) -> RunSpec {
     RunSpec {
@@ -21,6 +22,7 @@ fn spec(name: &str, strategy: RunStrategy, mode: Option<PsMode>, backup_workers:
         backup_workers,
         staleness,
         timeout: None,
+        compression: Compression::None,
     }
 }
 
@@ -295,6 +297,45 @@ fn step_times_follow_the_closed_forms() {
     assert_eq!(ring, 2.0 * 3.0 * m);
 }
 
+/// Compression sets the bytes of every message (16 bits: half of f32; PowerSGD of rank R: the
+/// factors `4 R (out + in)` of each weight that shrinks, the rest in f32), and overlap hides
+/// that share of the compute's time of the all-reduce: the ring steps follow the closed form.
+#[test]
+fn compression_and_overlap_set_the_ring_step_in_closed_form() {
+    let with = |name: &str, strategy, compression| RunSpec { compression, ..spec(name, strategy, None, 0, 0) };
+    let ps = |name: &str, compression| RunSpec {
+        compression,
+        ..spec(name, RunStrategy::ParameterServer, Some(PsMode::Async), 0, 0)
+    };
+    let exp = experiment(
+        vec![
+            with("none", RunStrategy::MultiWorkerMirrored, Compression::None),
+            with("bf16", RunStrategy::MultiWorkerMirrored, Compression::Bf16),
+            with("p2", RunStrategy::MultiWorkerMirrored, Compression::PowerSgd { rank: 2, start_step: 0 }),
+            ps("ps-bf16", Compression::Bf16),
+        ],
+        Injection::default(),
+    );
+    // 64-32-10: weights 32x64 (shrinks at rank 2: 2048 > 2 * 96) and 10x32 (320 > 2 * 42).
+    let cfg = SimConfig { workers: vec![4], max_updates: 5, bandwidth_gbps: 0.1, overlap: 0.25, ..Default::default() };
+    let m = model_bytes(&cfg.hidden);
+    assert_eq!(cfg.wire_bytes(Compression::None) as f64, m);
+    assert_eq!(cfg.wire_bytes(Compression::Bf16) as f64, m / 2.0);
+    let p2 = 4.0 * 2.0 * (32.0 + 64.0) + 4.0 * 32.0 + 4.0 * 2.0 * (10.0 + 32.0) + 4.0 * 10.0;
+    assert_eq!(cfg.wire_bytes(Compression::PowerSgd { rank: 2, start_step: 0 }) as f64, p2);
+    let runs = simulate(&exp, &cfg, &quiet).unwrap();
+    let (c, l, bw, n) = (cfg.compute_ms * 1e-3, cfg.latency_us * 1e-6, cfg.bandwidth_gbps * 1e9 / 8.0, 4.0);
+    for (name, bytes) in [("none", m), ("bf16", m / 2.0), ("p2", p2)] {
+        let ring = 2.0 * (n - 1.0) * (l + bytes / (n * bw));
+        let step = c + (ring - 0.25 * c).max(0.0);
+        let first = steps(run(&runs, name)).next().unwrap();
+        assert!((first.wall_s - step).abs() <= 1e-9, "{name}: {} vs {step}", first.wall_s);
+        assert_eq!(first.bytes_sent as f64, 2.0 * (n - 1.0) * bytes, "{name}");
+    }
+    let push = steps(run(&runs, "ps-bf16")).next().unwrap();
+    assert_eq!(push.bytes_sent as f64, m / 2.0, "a 16-bit push carries half the model");
+}
+
 #[test]
 fn sync_throughput_falls_behind_async_as_workers_grow() {
     let exp = experiment(
@@ -365,6 +406,8 @@ fn the_config_has_defaults_and_checks_its_values() {
     bad(SimConfig { compute_ms: f64::NAN, ..Default::default() }, "compute_ms");
     bad(SimConfig { bandwidth_gbps: 0.0, ..Default::default() }, "bandwidth_gbps");
     bad(SimConfig { latency_us: -1.0, ..Default::default() }, "latency_us");
+    bad(SimConfig { overlap: 1.0, ..Default::default() }, "overlap must be a share of the step in [0, 1)");
+    bad(SimConfig { overlap: -0.1, ..Default::default() }, "overlap");
     bad(SimConfig { max_updates: 0, ..Default::default() }, "max_updates");
     bad(SimConfig { eval_every_updates: 0, ..Default::default() }, "eval_every_updates");
     bad(SimConfig { optimizer: Some("lion".into()), ..Default::default() }, "optimizer");

@@ -434,7 +434,7 @@ fn relative(got: &[Vec<f32>], exact: &[Vec<f32>]) -> f64 {
 fn powersgd_on_the_ring_is_exact_on_gradients_of_rank_r_and_keeps_the_workers_identical() {
     for (workers, local, overlap) in [(2, 1, true), (2, 2, false), (3, 1, true)] {
         let exact = train_mlp_batch(workers, local, overlap, Compression::None, 4);
-        let got = train_mlp_batch(workers, local, overlap, Compression::PowerSgd { rank: 4 }, 4);
+        let got = train_mlp_batch(workers, local, overlap, Compression::PowerSgd { rank: 4, start_step: 0 }, 4);
         for w in 1..workers {
             assert_eq!(bits(&got[0]), bits(&got[w]), "{workers}x{local}: worker {w} differs from worker 0");
         }
@@ -442,10 +442,17 @@ fn powersgd_on_the_ring_is_exact_on_gradients_of_rank_r_and_keeps_the_workers_id
         assert!(rel <= 1e-5, "{workers}x{local} overlap {overlap}: {rel} from the exact run");
     }
     let exact = train_mlp_batch(2, 1, true, Compression::None, 24);
-    let got = train_mlp_batch(2, 1, true, Compression::PowerSgd { rank: 1 }, 24);
+    let got = train_mlp_batch(2, 1, true, Compression::PowerSgd { rank: 1, start_step: 0 }, 24);
     assert_eq!(bits(&got[0]), bits(&got[1]), "rank 1: the workers differ");
     let rel = relative(&got[0], &exact[0]);
     assert!(rel > 1e-4, "rank 1 on rank-6 gradients came within {rel} of the exact run; was it compressed?");
+    // `powersgd:1:6`: the six steps' gradients all travel uncompressed (the start step), so
+    // this is the exact run bit for bit; `powersgd:1:3` compresses the last three.
+    let late = train_mlp_batch(2, 1, true, Compression::PowerSgd { rank: 1, start_step: 6 }, 24);
+    assert_eq!(bits(&late[0]), bits(&exact[0]), "powersgd:1:6 compressed one of the first six steps");
+    let half = train_mlp_batch(2, 1, true, Compression::PowerSgd { rank: 1, start_step: 3 }, 24);
+    assert_eq!(bits(&half[0]), bits(&half[1]), "powersgd:1:3: the workers differ");
+    assert!(bits(&half[0]) != bits(&exact[0]) && bits(&half[0]) != bits(&got[0]));
 }
 
 /// A PowerSGD rank at which none of the model's gradients would shrink is refused when the
@@ -455,7 +462,7 @@ fn a_powersgd_rank_that_compresses_nothing_is_refused_naming_the_rank_that_would
     let errors = on_workers_with(
         2,
         1,
-        |o| o.compression = Compression::PowerSgd { rank: 5 },
+        |o| o.compression = Compression::PowerSgd { rank: 5, start_step: 0 },
         |_, s| {
             let model = s
                 .scope(|sc| {

@@ -183,7 +183,8 @@ fn powersgd_is_refused_for_the_parameter_server() {
         (TaskType::Worker, vec!["127.0.0.1:2".to_string()]),
     ])
     .unwrap();
-    let e = ParameterServerStrategy::new(spec.clone(), options(Compression::PowerSgd { rank: 4 })).unwrap_err();
+    let e = ParameterServerStrategy::new(spec.clone(), options(Compression::PowerSgd { rank: 4, start_step: 0 }))
+        .unwrap_err();
     assert_eq!(
         e.to_string(),
         strata_core::Error::InvalidArgument(

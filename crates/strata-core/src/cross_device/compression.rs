@@ -30,10 +30,14 @@ pub enum Compression {
     /// bfloat16 (f32's range, 8 significant bits), rounded to nearest even.
     Bf16,
     /// PowerSGD of the given rank for matrix-shaped gradients (see [`PowerSgdState`]); other
-    /// tensors travel as f32.
+    /// tensors travel as f32. Spelled `powersgd:RANK`, or `powersgd:RANK:START` to reduce the
+    /// first `START` gradients of every variable uncompressed (PyTorch's
+    /// `start_powerSGD_iter`: the early, large gradients are the ones a low rank loses most of).
     PowerSgd {
         /// The rank `R` of the approximation (at least 1).
         rank: usize,
+        /// How many of a variable's gradients travel uncompressed before PowerSGD starts.
+        start_step: u64,
     },
 }
 
@@ -69,6 +73,14 @@ pub enum CompressionError {
         /// The largest rank at which it shrinks (0: at none).
         max: usize,
     },
+    /// A start step that is not a whole number.
+    #[error("compression {spec:?} starts at {start:?}, not a whole number of steps: use powersgd:RANK:START, e.g. powersgd:4:100")]
+    InvalidStart {
+        /// The whole spelling.
+        spec: String,
+        /// What stood for the start step.
+        start: String,
+    },
     /// A rank larger than a matrix's smaller side.
     #[error("powersgd rank {rank} is larger than a {rows}x{cols} matrix allows: use a rank of at most {}", rows.min(cols))]
     RankTooLarge {
@@ -93,7 +105,8 @@ impl fmt::Display for Compression {
             Compression::None => f.write_str("none"),
             Compression::Fp16 => f.write_str("fp16"),
             Compression::Bf16 => f.write_str("bf16"),
-            Compression::PowerSgd { rank } => write!(f, "powersgd:{rank}"),
+            Compression::PowerSgd { rank, start_step: 0 } => write!(f, "powersgd:{rank}"),
+            Compression::PowerSgd { rank, start_step } => write!(f, "powersgd:{rank}:{start_step}"),
         }
     }
 }
@@ -109,8 +122,21 @@ impl FromStr for Compression {
             "powersgd" => return Err(CompressionError::MissingRank(s.to_string())),
             _ => {}
         }
-        let Some(rank) = s.strip_prefix("powersgd:") else {
+        let Some(rest) = s.strip_prefix("powersgd:") else {
             return Err(CompressionError::UnknownName(s.to_string()));
+        };
+        let (rank, start) = match rest.split_once(':') {
+            Some((rank, start)) => (rank, Some(start)),
+            None => (rest, None),
+        };
+        let start_step = match start {
+            None => 0,
+            Some(start) if !start.is_empty() && start.bytes().all(|b| b.is_ascii_digit()) => start
+                .parse::<u64>()
+                .map_err(|_| CompressionError::InvalidStart { spec: s.to_string(), start: start.to_string() })?,
+            Some(start) => {
+                return Err(CompressionError::InvalidStart { spec: s.to_string(), start: start.to_string() })
+            }
         };
         if rank.is_empty() {
             return Err(CompressionError::MissingRank(s.to_string()));
@@ -121,7 +147,7 @@ impl FromStr for Compression {
         }
         match rank.parse::<usize>().map_err(|_| invalid())? {
             0 => Err(CompressionError::ZeroRank(s.to_string())),
-            rank => Ok(Compression::PowerSgd { rank }),
+            rank => Ok(Compression::PowerSgd { rank, start_step }),
         }
     }
 }
@@ -149,7 +175,7 @@ impl Compression {
     /// (`rank > min(rows, cols)`); every other compression fits every matrix.
     pub fn check_matrix(self, rows: usize, cols: usize) -> Result<(), CompressionError> {
         match self {
-            Compression::PowerSgd { rank } if rank > rows.min(cols) => {
+            Compression::PowerSgd { rank, .. } if rank > rows.min(cols) => {
                 Err(CompressionError::RankTooLarge { rank, rows, cols })
             }
             _ => Ok(()),
@@ -160,7 +186,7 @@ impl Compression {
     /// trainable variables) would be compressed, where some of them are matrices: the rank
     /// was meant for them. Every other compression fits every model.
     pub fn check_model<'s>(self, shapes: impl IntoIterator<Item = &'s [usize]>) -> Result<(), CompressionError> {
-        let Compression::PowerSgd { rank } = self else { return Ok(()) };
+        let Compression::PowerSgd { rank, .. } = self else { return Ok(()) };
         let mut best: Option<(usize, usize, usize)> = None;
         for shape in shapes {
             if self.compresses(shape) {
@@ -187,7 +213,7 @@ impl Compression {
         match self {
             Compression::None => false,
             Compression::Fp16 | Compression::Bf16 => shape.iter().product::<usize>() > 0,
-            Compression::PowerSgd { rank } => matrix_shape(shape)
+            Compression::PowerSgd { rank, .. } => matrix_shape(shape)
                 .is_some_and(|(rows, cols)| rows.saturating_mul(cols) > rank.saturating_mul(rows.saturating_add(cols))),
         }
     }
@@ -199,7 +225,7 @@ impl Compression {
         let len: usize = shape.iter().product();
         match self {
             Compression::Fp16 | Compression::Bf16 => 2 * len,
-            Compression::PowerSgd { rank } if self.compresses(shape) => {
+            Compression::PowerSgd { rank, .. } if self.compresses(shape) => {
                 let (rows, cols) = matrix_shape(shape).expect("a compressed tensor is a matrix");
                 4 * rank * (rows + cols)
             }
@@ -424,7 +450,7 @@ impl PowerSgdState {
         if rank == 0 {
             return Err(CompressionError::ZeroRank(format!("powersgd:{rank}")));
         }
-        Compression::PowerSgd { rank }.check_matrix(rows, cols)?;
+        Compression::PowerSgd { rank, start_step: 0 }.check_matrix(rows, cols)?;
         let mut state = PowerSgdState {
             rows,
             cols,
@@ -824,10 +850,16 @@ mod tests {
 
     #[test]
     fn spellings_round_trip_and_errors_say_what_to_change() {
-        for c in [Compression::None, Compression::Fp16, Compression::Bf16, Compression::PowerSgd { rank: 4 }] {
+        for c in
+            [Compression::None, Compression::Fp16, Compression::Bf16, Compression::PowerSgd { rank: 4, start_step: 0 }]
+        {
             assert_eq!(c.to_string().parse::<Compression>(), Ok(c));
         }
-        assert_eq!("powersgd:12".parse(), Ok(Compression::PowerSgd { rank: 12 }));
+        assert_eq!("powersgd:12".parse(), Ok(Compression::PowerSgd { rank: 12, start_step: 0 }));
+        let late = Compression::PowerSgd { rank: 4, start_step: 100 };
+        assert_eq!("powersgd:4:100".parse(), Ok(late));
+        assert_eq!(late.to_string(), "powersgd:4:100");
+        assert_eq!("powersgd:4:0".parse::<Compression>().map(|c| c.to_string()), Ok("powersgd:4".to_string()));
         let err = |s: &str| s.parse::<Compression>().unwrap_err().to_string();
         assert_eq!(err("zstd"), r#"unknown compression "zstd": use none, fp16, bf16 or powersgd:RANK"#);
         assert_eq!(err("FP16"), r#"unknown compression "FP16": use none, fp16, bf16 or powersgd:RANK"#);
@@ -845,25 +877,33 @@ mod tests {
             err("powersgd:-1"),
             r#"compression "powersgd:-1" has rank "-1", not a whole number: use powersgd:RANK, e.g. powersgd:4"#
         );
-        let big = Compression::PowerSgd { rank: 5 }.check_matrix(3, 4).unwrap_err();
+        assert_eq!(
+            err("powersgd:4:soon"),
+            r#"compression "powersgd:4:soon" starts at "soon", not a whole number of steps: use powersgd:RANK:START, e.g. powersgd:4:100"#
+        );
+        assert_eq!(
+            err("powersgd:4:"),
+            r#"compression "powersgd:4:" starts at "", not a whole number of steps: use powersgd:RANK:START, e.g. powersgd:4:100"#
+        );
+        let big = Compression::PowerSgd { rank: 5, start_step: 0 }.check_matrix(3, 4).unwrap_err();
         assert_eq!(big.to_string(), "powersgd rank 5 is larger than a 3x4 matrix allows: use a rank of at most 3");
         assert_eq!(crate::Error::from(big.clone()).to_string(), big.to_string());
         // A model's matrices: 16x6 shrinks up to rank 4 (96 > 4 * 22), 3x16 up to rank 2.
         let model: [&[usize]; 4] = [&[16, 6], &[16], &[3, 16], &[3]];
-        assert_eq!(Compression::PowerSgd { rank: 4 }.check_model(model), Ok(()));
+        assert_eq!(Compression::PowerSgd { rank: 4, start_step: 0 }.check_model(model), Ok(()));
         assert_eq!(
-            Compression::PowerSgd { rank: 5 }.check_model(model).unwrap_err().to_string(),
+            Compression::PowerSgd { rank: 5, start_step: 0 }.check_model(model).unwrap_err().to_string(),
             "powersgd rank 5 compresses none of the model's gradients (the largest matrix, 16x6, shrinks only at rank 4 or less): use a rank of at most 4"
         );
         let thin: [&[usize]; 2] = [&[1, 8], &[8]];
         assert_eq!(
-            Compression::PowerSgd { rank: 1 }.check_model(thin).unwrap_err().to_string(),
+            Compression::PowerSgd { rank: 1, start_step: 0 }.check_model(thin).unwrap_err().to_string(),
             "powersgd rank 1 compresses none of the model's gradients (the largest matrix, 1x8, shrinks only at rank 0 or less): use fp16 or bf16"
         );
         let vectors: [&[usize]; 1] = [&[8]];
-        assert_eq!(Compression::PowerSgd { rank: 1 }.check_model(vectors), Ok(()));
+        assert_eq!(Compression::PowerSgd { rank: 1, start_step: 0 }.check_model(vectors), Ok(()));
         assert_eq!(Compression::Bf16.check_model(thin), Ok(()));
-        assert!(Compression::PowerSgd { rank: 3 }.check_matrix(3, 4).is_ok());
+        assert!(Compression::PowerSgd { rank: 3, start_step: 0 }.check_matrix(3, 4).is_ok());
         assert!(Compression::Fp16.check_matrix(1, 1).is_ok());
         assert_eq!(PowerSgdState::new(3, 4, 5, 0).unwrap_err(), big);
         assert!(PowerSgdState::new(3, 4, 0, 0).is_err());
@@ -871,7 +911,7 @@ mod tests {
 
     #[test]
     fn which_shapes_compress_and_their_bytes() {
-        let sgd = |rank| Compression::PowerSgd { rank };
+        let sgd = |rank| Compression::PowerSgd { rank, start_step: 0 };
         assert_eq!(matrix_shape(&[3, 2, 5]), Some((3, 10)));
         assert_eq!(matrix_shape(&[7]), None);
         assert!(sgd(2).compresses(&[12, 10])); // 120 > 2 * 22

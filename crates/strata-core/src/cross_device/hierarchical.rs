@@ -34,6 +34,8 @@ struct PowerStates {
     /// started in the same order everywhere).
     created: u64,
     states: HashMap<TensorId, PowerSgdState>,
+    /// Gradients reduced so far, by variable, while fewer than the compression's start step.
+    warming: HashMap<TensorId, u64>,
     /// Buckets whose `P` round is in flight, by the request's sequence number.
     in_flight: HashMap<u64, InFlight>,
 }
@@ -105,7 +107,7 @@ impl HierarchicalOps {
 
     /// PowerSGD's first half on replica 0: each compressed tensor's `P` (after its error is
     /// added), behind the uncompressed tensors, all-reduced in one collective.
-    fn start_power(&self, req: ReduceRequest<'_>, ids: &[TensorId], rank: usize) -> Result<Started> {
+    fn start_power(&self, req: ReduceRequest<'_>, ids: &[TensorId], rank: usize, start_step: u64) -> Result<Started> {
         if ids.len() != req.input.len() {
             return Err(Error::InvalidArgument(format!(
                 "a gradient bucket of {} tensors came with {} variable ids",
@@ -123,7 +125,21 @@ impl HierarchicalOps {
             let grad = &buf[offset..offset + len];
             offset += len;
             let shape = t.dims();
-            let Some((rows, cols)) = matrix_shape(shape).filter(|_| self.compression.compresses(shape)) else {
+            // The first `start_step` gradients of a variable travel uncompressed.
+            let warm = match power.warming.get_mut(&id) {
+                _ if start_step == 0 => true,
+                Some(n) if *n >= start_step => true,
+                Some(n) => {
+                    *n += 1;
+                    false
+                }
+                None => {
+                    power.warming.insert(id, 1);
+                    false
+                }
+            };
+            let compressed = warm && self.compression.compresses(shape);
+            let Some((rows, cols)) = matrix_shape(shape).filter(|_| compressed) else {
                 wire.extend_from_slice(grad);
                 tensors.push((None, len));
                 continue;
@@ -224,7 +240,9 @@ impl CrossDeviceOps for HierarchicalOps {
         _out: &mut dyn FnMut(&[f32]),
     ) -> Result<Started> {
         match self.compression {
-            Compression::PowerSgd { rank } if req.op == ReduceOp::Sum => self.start_power(req, ids, rank),
+            Compression::PowerSgd { rank, start_step } if req.op == ReduceOp::Sum => {
+                self.start_power(req, ids, rank, start_step)
+            }
             c => self.start_with(req, c.half_format()),
         }
     }
