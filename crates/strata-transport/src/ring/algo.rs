@@ -136,7 +136,11 @@ fn chunk_error(ctx: &Ctx<'_>, peer: usize) -> Error {
 /// f32 chunks are sent from the buffer itself and stored straight from the socket (little-
 /// endian machines); with a 16-bit `half` wire (sums only), every value travels encoded and
 /// is added in f32.
-#[allow(clippy::too_many_arguments)]
+// A chunk's borrow is held across the await that writes or reads it (that is the point: the
+// kernel copies straight from or into the tensor). Every borrow is a `try_borrow`, and the
+// schedule's dependencies order the sender's and the receiver's uses of a chunk, so a conflict
+// is an error, never a panic.
+#[allow(clippy::too_many_arguments, clippy::await_holding_refcell_ref)]
 async fn pipeline(
     ctx: &Ctx<'_>,
     reader: &mut Reader,
