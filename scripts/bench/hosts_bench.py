@@ -653,6 +653,9 @@ def render(rec):
       "rate; limit = global batch / that. Each round's shaped run is paired with the same round's unshaped run of the "
       "configuration; the limit and % of limit shown are the medians over the rounds of those pairs (unshaped rows: "
       "100% by definition). Ratios: Strata's median over DDP's median")
+    p("- ring model: what `strata compare --simulate` charges a MultiWorkerMirrored step with overlap 0 "
+      "(`[simulate] overlap`), the configuration's unshaped step then its ring bytes over the link rate, "
+      "each round's shaped run paired with its unshaped one (median); in brackets, measured over modelled")
     for model in rec["models"]:
         _, _, unit, batch = MODELS[model]
         units = batch_units(model)
@@ -667,7 +670,7 @@ def render(rec):
             p(f"({params:,} parameters, {fmt_bytes(4 * params)} of f32 gradients)")
         p("")
         head = ["hosts", "link", "configuration", "bytes/step/host", unit, "limit", "% of limit",
-                "/ DDP", "/ DDP fp16", "/ DDP PowerSGD"]
+                "/ DDP", "/ DDP fp16", "/ DDP PowerSGD", "ring model (error)"]
         p("| " + " | ".join(head) + " |")
         p("|" + "|".join("---" if i < 3 else "---:" for i in range(len(head))) + "|")
         unshaped = next((link for link, bits in links if bits is None), None)
@@ -690,7 +693,7 @@ def render(rec):
                     rate = med[(kind, variant)]
                     runs = results.get((model, n, link, kind, variant), [])
                     base = results.get((model, n, unshaped, kind, variant), []) if unshaped else []
-                    limits, shares = [], []
+                    limits, shares, modelled = [], [], []
                     for r, b in zip(runs, base):
                         if r is None or b is None:
                             continue
@@ -698,6 +701,14 @@ def render(rec):
                         if lim:
                             limits.append(lim)
                             shares.append(r / lim)
+                        # strata compare's simulated ring step with overlap 0: the unshaped step,
+                        # then the ring's bytes over the link (Network::ring_allreduce_s).
+                        if kind == "strata" and bits is not None and wire is not None:
+                            modelled.append(units / (units / b + wire * 8 / bits))
+                    model_cell = ""
+                    if modelled and rate:
+                        pred = statistics.median(modelled)
+                        model_cell = f"{fmt_num(pred)} ({100 * (rate / pred - 1):+.0f}%)"
                     limit = statistics.median(limits) if limits else None
                     pct = f"{100 * statistics.median(shares):.0f}%" if shares else "n/a"
                     ratios = []
@@ -706,7 +717,7 @@ def render(rec):
                         ratios.append(f"{rate / d:.2f}x" if kind == "strata" and rate and d else "")
                     hosts_cell = f"{n}" + (f" (share {cores} cores)" if n > cores else "")
                     p("| " + " | ".join([hosts_cell, link, name, fmt_bytes(wire), fmt_num(rate), fmt_num(limit), pct]
-                                       + ratios) + " |")
+                                       + ratios + [model_cell]) + " |")
         runs = [f"{n}/{link}/{'Strata' if kind == 'strata' else 'DDP'} {variant or 'none'}: "
                 + ", ".join(fmt_num(v) for v in vs)
                 for (mm, n, link, kind, variant), vs in results.items() if mm == model]
