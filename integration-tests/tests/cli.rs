@@ -291,3 +291,29 @@ fn strata_sets_mimallocs_purge_delay_unless_the_user_did() {
         assert!(still_running, "strata exited before it was looked at");
     }
 }
+
+#[test]
+fn momentum_sets_adamw_s_beta1_and_a_bad_one_is_one_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |momentum: Option<&str>| {
+        let out = dir.path().join(format!("m{}.json", momentum.unwrap_or("default")));
+        let mut args =
+            vec!["train", "--no-progress", "--strategy", "one-device", "--epochs", "1", "--out", out.to_str().unwrap()];
+        let flag = momentum.map(|m| format!("--momentum={m}"));
+        args.extend(flag.as_deref());
+        let o = strata(&args);
+        assert!(o.status.success(), "stderr: {}", stderr(&o));
+        // Losses and accuracies, not the epochs' timings.
+        let s = summary(&out);
+        let h = s["history"].as_array().expect("a history").iter();
+        h.map(|e| (e["train_loss"].as_f64(), e["test_accuracy"].as_f64())).collect::<Vec<_>>()
+    };
+    let default = run(None);
+    assert_eq!(run(Some("0.9")), default, "--momentum 0.9 is the default beta1");
+    assert_ne!(run(Some("0.4")), default, "--momentum 0.4 trains with another beta1");
+    for bad in ["1", "-0.1", "nan", "x"] {
+        let o = strata(&["train", &format!("--momentum={bad}"), "--epochs", "1"]);
+        assert_eq!(o.status.code(), Some(2), "{bad}: {}", stderr(&o));
+        assert!(stderr(&o).contains("is not a coefficient in [0, 1)"), "{bad}: {}", stderr(&o));
+    }
+}

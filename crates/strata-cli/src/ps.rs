@@ -563,7 +563,7 @@ pub fn train(args: &TrainArgs, started: Instant) -> Result<()> {
     };
     let workers = cluster.num_tasks(TaskType::Worker);
     let mut options = ParameterServerOptions::new(token);
-    options.optimizer = args.optimizer.server_optimizer(args.lr, args.momentum);
+    options.optimizer = args.optimizer.server_optimizer(args.hyper());
     options.mode = ps_mode(args, workers)?;
     options.schedule = ps_schedule(args, options.mode, workers);
     options.partitioner = Partitioner::parse(&args.partitioner)?;

@@ -237,8 +237,10 @@ pub struct TrainArgs {
     /// `min:BYTES[:MAX_SHARDS]`, `max:BYTES[:MAX_SHARDS]` (TensorFlow's partitioners).
     #[arg(long, default_value = "none")]
     pub partitioner: String,
-    /// Momentum of --optimizer momentum.
-    #[arg(long, default_value_t = 0.9)]
+    /// Momentum: the coefficient of --optimizer momentum and AdamW's beta1 (adamw,
+    /// candle-adamw), under every strategy. Lower it for asynchronous parameter servers, whose
+    /// staleness adds momentum of its own (e.g. 0.4 with 2 async workers).
+    #[arg(long, default_value_t = 0.9, value_parser = momentum_parser)]
     pub momentum: f64,
     /// Slow worker INDEX down by FACTOR (a straggler: its steps sleep FACTOR - 1 times their
     /// compute time), e.g. 2=5; repeatable. Workers are worker tasks in multi-worker and
@@ -265,7 +267,20 @@ fn parse_delay(s: &str) -> std::result::Result<std::time::Duration, String> {
     strata_compare::experiment::parse_duration(s)
 }
 
+/// `--momentum`: a coefficient in [0, 1).
+fn momentum_parser(s: &str) -> std::result::Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(m) if m.is_finite() && (0.0..1.0).contains(&m) => Ok(m),
+        _ => Err(format!("momentum {s:?} is not a coefficient in [0, 1): use e.g. 0.9 (the default) or 0.4")),
+    }
+}
+
 impl TrainArgs {
+    /// The optimizer's learning rate and momentum (`--lr`, `--momentum`).
+    pub fn hyper(&self) -> strata::Hyper {
+        strata::Hyper { lr: self.lr, momentum: self.momentum }
+    }
+
     /// The MLP's hidden layer sizes (`--hidden`, or 256,256).
     pub fn hidden(&self) -> Vec<usize> {
         self.hidden_flag.clone().unwrap_or_else(|| vec![256, 256])
@@ -734,11 +749,11 @@ fn train_with(
                 let hidden = args.hidden();
                 let model =
                     strategy.scope(|s| Mlp::new(s.var_builder(), digits::FEATURES, &hidden, digits::CLASSES))?;
-                let report = args.optimizer.fit(args.lr, &trainer, &strategy, &model, &train, &test)?;
+                let report = args.optimizer.fit(args.hyper(), &trainer, &strategy, &model, &train, &test)?;
                 run.end(&report, &model)
             } else {
                 let model = strategy.scope(|s| Cnn::new(s.var_builder()))?;
-                let report = args.optimizer.fit(args.lr, &trainer, &strategy, &model, &train, &test)?;
+                let report = args.optimizer.fit(args.hyper(), &trainer, &strategy, &model, &train, &test)?;
                 run.end(&report, &model)
             }
         }
@@ -762,7 +777,8 @@ fn train_with(
             let trainer = Trainer::new(cfg);
             let model = strategy.scope(|s| CharTransformer::new(shape, s.var_builder()))?;
             let task = strata::transformer::task();
-            let report = args.optimizer.fit_task(args.lr, &trainer, &strategy, &model, &task, &train, &validation)?;
+            let report =
+                args.optimizer.fit_task(args.hyper(), &trainer, &strategy, &model, &task, &train, &validation)?;
             run.end(&report, &model)?;
             if let (Some(n), true) = (args.sample, is_chief) {
                 let prompt = corpus.encode("\n")?;

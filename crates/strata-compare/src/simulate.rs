@@ -127,7 +127,7 @@ use strata::{digits, OptimizerKind};
 
 use crate::{Error, Result};
 
-/// Momentum of `optimizer = "momentum"` (`strata train --momentum`'s default).
+/// Momentum of `optimizer = "momentum"` and AdamW's beta1 (`strata train --momentum`'s default).
 pub const MOMENTUM: f64 = 0.9;
 
 /// The most workers one simulated run may have.
@@ -293,7 +293,7 @@ impl SimConfig {
         if !(lr.is_finite() && lr > 0.0) {
             return Err(Error::Usage(format!("lr must be a number above 0, not {lr}")));
         }
-        Ok(kind.server_optimizer(lr, MOMENTUM))
+        Ok(kind.server_optimizer(strata::Hyper { lr, momentum: MOMENTUM }))
     }
 
     /// The simulated model's bytes (4 per parameter), what every message carries.

@@ -143,6 +143,27 @@ named_kinds! {
     }
 }
 
+/// An optimizer's hyperparameters as `strata train` sets them: the learning rate and the
+/// momentum, which is SGD-with-momentum's coefficient and AdamW's `beta1` (candle-nn's default,
+/// 0.9, unless set). SGD and Adagrad have no momentum.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Hyper {
+    /// The learning rate (the peak of a schedule).
+    pub lr: f64,
+    /// SGD-with-momentum's coefficient and AdamW's `beta1`.
+    pub momentum: f64,
+}
+
+impl Hyper {
+    /// The default momentum (0.9: candle-nn's and PyTorch's AdamW `beta1`).
+    pub const DEFAULT_MOMENTUM: f64 = 0.9;
+
+    /// `lr` with the default momentum.
+    pub fn lr(lr: f64) -> Self {
+        Hyper { lr, momentum: Self::DEFAULT_MOMENTUM }
+    }
+}
+
 impl OptimizerKind {
     /// Whether replicas can apply it (the in-process and multi-worker strategies), rather than
     /// only parameter servers.
@@ -150,26 +171,27 @@ impl OptimizerKind {
         !matches!(self, OptimizerKind::Momentum | OptimizerKind::Adagrad)
     }
 
-    /// Trains `model` under `strategy` with this optimizer at learning rate `lr`.
+    /// Trains `model` under `strategy` with this optimizer at `hyper`'s learning rate (and its
+    /// momentum: AdamW's `beta1`).
     pub fn fit<M: Classifier>(
         self,
-        lr: f64,
+        hyper: Hyper,
         trainer: &Trainer,
         strategy: &StrategyHandle,
         model: &Replicated<M>,
         train: &Batch,
         test: &Batch,
     ) -> Result<FitReport> {
-        self.fit_task(lr, trainer, strategy, model, &Task::classifier(), train, test)
+        self.fit_task(hyper, trainer, strategy, model, &Task::classifier(), train, test)
     }
 
-    /// Trains `model` under `strategy` on `task` with this optimizer at learning rate `lr`
-    /// (checkpointed when the trainer's configuration asks for checkpoints; the fused
-    /// optimizers only).
+    /// Trains `model` under `strategy` on `task` with this optimizer at `hyper`'s learning rate
+    /// and momentum (checkpointed when the trainer's configuration asks for checkpoints; the
+    /// fused optimizers only).
     #[allow(clippy::too_many_arguments)]
     pub fn fit_task<M: Send + Sync, B: BatchData>(
         self,
-        lr: f64,
+        hyper: Hyper,
         trainer: &Trainer,
         strategy: &StrategyHandle,
         model: &Replicated<M>,
@@ -177,7 +199,8 @@ impl OptimizerKind {
         train: &B,
         test: &B,
     ) -> Result<FitReport> {
-        let adamw = ParamsAdamW { lr, ..Default::default() };
+        let Hyper { lr, momentum } = hyper;
+        let adamw = ParamsAdamW { lr, beta1: momentum, ..Default::default() };
         match self {
             OptimizerKind::Adamw => fit_with_state::<FusedAdamW, M, B>(trainer, strategy, model, adamw, task, train, test),
             OptimizerKind::Sgd => fit_with_state::<FusedSgd, M, B>(trainer, strategy, model, lr, task, train, test),
@@ -189,12 +212,13 @@ impl OptimizerKind {
         }
     }
 
-    /// The optimizer parameter servers run for this kind, at learning rate `lr` (and
-    /// `momentum` for [`OptimizerKind::Momentum`]).
-    pub fn server_optimizer(self, lr: f64, momentum: f64) -> ServerOptimizer {
+    /// The optimizer parameter servers run for this kind, at `hyper`'s learning rate and
+    /// momentum (the coefficient of [`OptimizerKind::Momentum`], AdamW's `beta1`).
+    pub fn server_optimizer(self, hyper: Hyper) -> ServerOptimizer {
+        let Hyper { lr, momentum } = hyper;
         match self {
             OptimizerKind::Adamw | OptimizerKind::CandleAdamw => {
-                ServerOptimizer::AdamW { lr, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 }
+                ServerOptimizer::AdamW { lr, beta1: momentum, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 }
             }
             OptimizerKind::Sgd | OptimizerKind::CandleSgd => ServerOptimizer::Sgd { lr },
             OptimizerKind::Momentum => ServerOptimizer::Momentum { lr, momentum, nesterov: false },
@@ -258,5 +282,24 @@ mod tests {
             e,
             "unknown optimizer \"adam\"; use one of: adamw, sgd, candle-adamw, candle-sgd, momentum, adagrad"
         );
+    }
+
+    #[test]
+    fn momentum_is_adamw_s_beta1_and_the_momentum_optimizer_s_coefficient() {
+        let h = Hyper { lr: 0.01, momentum: 0.4 };
+        match OptimizerKind::Adamw.server_optimizer(h) {
+            ServerOptimizer::AdamW { lr, beta1, beta2, eps, weight_decay } => {
+                assert_eq!((lr, beta1, beta2, eps, weight_decay), (0.01, 0.4, 0.999, 1e-8, 0.01))
+            }
+            o => panic!("{o:?}"),
+        }
+        match OptimizerKind::Momentum.server_optimizer(h) {
+            ServerOptimizer::Momentum { lr, momentum, nesterov } => {
+                assert_eq!((lr, momentum, nesterov), (0.01, 0.4, false))
+            }
+            o => panic!("{o:?}"),
+        }
+        // The default is candle-nn's beta1, so a default run is the one it always was.
+        assert_eq!(Hyper::lr(0.5).momentum, ParamsAdamW::default().beta1);
     }
 }

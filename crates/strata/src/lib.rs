@@ -96,7 +96,7 @@ pub mod trainer;
 pub mod transformer;
 
 pub use error::{Error, Result};
-pub use kind::{NamedKind, OptimizerKind, StrategyKind};
+pub use kind::{Hyper, NamedKind, OptimizerKind, StrategyKind};
 pub use strata_core::checkpoint;
 pub use strata_core::Error as CoreError;
 pub use strata_core::Result as CoreResult;
