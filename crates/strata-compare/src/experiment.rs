@@ -349,6 +349,8 @@ pub struct Experiment {
     pub injection: Injection,
     /// Simulated mode's settings.
     pub simulate: Option<super::simulate::SimConfig>,
+    /// The emulated hosts multi-process runs run on (`[network]`), or `None`: loopback.
+    pub network: Option<crate::hosts::Network>,
 }
 
 impl Experiment {
@@ -708,6 +710,51 @@ impl Experiment {
             }
             None => None,
         };
+        let network = match raw.network {
+            None => None,
+            Some(n) => {
+                let (span, n) = (n.span(), n.into_inner());
+                let hosts = *n.hosts.get_ref();
+                if !(2..=crate::hosts::MAX_HOSTS).contains(&hosts) {
+                    return Err(at.error(
+                        n.hosts.span(),
+                        "network.hosts",
+                        format!(
+                            "{hosts} hosts: use 2 to {} (one network namespace each), e.g. hosts = 2",
+                            crate::hosts::MAX_HOSTS
+                        ),
+                    ));
+                }
+                let link = n.link.ok_or_else(|| {
+                    at.error(
+                        span.clone(),
+                        "network.link",
+                        "emulated hosts need a link rate: add link = \"1gbit\" (any tc rate), or link = \"unshaped\"",
+                    )
+                })?;
+                let rate_bps =
+                    crate::hosts::parse_rate(link.get_ref()).map_err(|m| at.error(link.span(), "network.link", m))?;
+                if !runs.iter().any(|r| r.strategy.is_multi_process()) {
+                    return Err(at.error(
+                        span,
+                        "network",
+                        "every run is single-process (one-device, mirrored, central-storage): nothing crosses a link; drop [network] or add a multi-worker-mirrored or parameter-server run",
+                    ));
+                }
+                Some(crate::hosts::Network { hosts, link: link.get_ref().trim().to_string(), rate_bps })
+            }
+        };
+        // The simulator's links are the emulated hosts' unless [simulate] names its own
+        // bandwidth (explicit wins; an unshaped link keeps the simulator's default).
+        let simulate = match (simulate, &network) {
+            (Some(mut cfg), Some(crate::hosts::Network { rate_bps: Some(bits), .. }))
+                if !simulate_sets_bandwidth(text) =>
+            {
+                cfg.bandwidth_gbps = bits / 1e9;
+                Some(cfg)
+            }
+            (s, _) => s,
+        };
         Ok(Experiment {
             path: path.to_path_buf(),
             name,
@@ -726,8 +773,17 @@ impl Experiment {
             runs,
             injection,
             simulate,
+            network,
         })
     }
+}
+
+/// Whether the file's `[simulate]` table sets `bandwidth_gbps` itself.
+fn simulate_sets_bandwidth(text: &str) -> bool {
+    toml::from_str::<toml::Table>(text)
+        .ok()
+        .and_then(|t| t.get("simulate").and_then(|s| s.get("bandwidth_gbps")).map(|_| ()))
+        .is_some()
 }
 
 use toml::Spanned;
@@ -740,6 +796,14 @@ struct RawFile {
     run: Vec<Spanned<RawRun>>,
     injection: Option<RawInjection>,
     simulate: Option<Spanned<super::simulate::SimConfig>>,
+    network: Option<Spanned<RawNetwork>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawNetwork {
+    hosts: Spanned<usize>,
+    link: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]

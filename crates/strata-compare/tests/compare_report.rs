@@ -71,6 +71,8 @@ fn run(
         wall_s: (steps * batch) as f64 / speed,
         records,
         error: None,
+        hosts: 0,
+        link_goodput_bps: None,
     }
 }
 
