@@ -165,6 +165,9 @@ impl Network {
     }
 }
 
+/// How tasks map to hosts, for the report.
+pub const PLACEMENT: &str = "worker i on host i mod N, ps task j on host j mod N, the parameter-server coordinator on host 0";
+
 /// Which host each task of a multi-process run is on: worker `i` on host `i mod N`, ps task
 /// `j` on host `j mod N`, a parameter-server run's coordinator (chief) on host 0.
 pub fn host_of(kind: TaskKind, index: usize, hosts: usize) -> usize {

@@ -316,13 +316,13 @@ fn host_tasks(spec: &RunSpec, hosts: usize, base: u16) -> Vec<HostTask> {
 }
 
 /// The `TF_CONFIG` of every task: the cluster of all of them, and its own task.
-fn tf_configs(tasks: &[HostTask], hosts: &Hosts) -> Vec<String> {
+fn tf_configs(tasks: &[HostTask], addr: impl Fn(usize) -> std::net::Ipv4Addr) -> Vec<String> {
     let mut cluster = serde_json::Map::new();
     for kind in [TaskKind::Chief, TaskKind::Ps, TaskKind::Worker] {
         let addrs: Vec<serde_json::Value> = tasks
             .iter()
             .filter(|t| t.kind == kind)
-            .map(|t| serde_json::Value::String(format!("{}:{}", hosts.addr(t.host), t.port)))
+            .map(|t| serde_json::Value::String(format!("{}:{}", addr(t.host), t.port)))
             .collect();
         if !addrs.is_empty() {
             cluster.insert(kind.name().into(), serde_json::Value::Array(addrs));
@@ -336,17 +336,18 @@ fn tf_configs(tasks: &[HostTask], hosts: &Hosts) -> Vec<String> {
         .collect()
 }
 
-/// Drops `--metrics PATH` and `--out PATH`: only the chief (the coordinator, or worker 0)
-/// writes them.
+/// `--metrics` and `--out` sent to `/dev/null`: only the chief (the coordinator, or worker 0)
+/// writes them, but every MultiWorkerMirrored worker must be given them (with per-step
+/// records the workers agree after every step whether to stop, a collective all must make).
 fn without_outputs(args: &[String]) -> Vec<String> {
     let mut out = Vec::with_capacity(args.len());
-    let mut skip = false;
+    let mut replace = false;
     for a in args {
-        if skip {
-            skip = false;
-        } else if a == "--metrics" || a == "--out" {
-            skip = true;
+        if replace {
+            out.push("/dev/null".to_string());
+            replace = false;
         } else {
+            replace = a == "--metrics" || a == "--out";
             out.push(a.clone());
         }
     }
@@ -372,7 +373,7 @@ fn run_on_hosts(
     let started = Instant::now();
     let base = 21_000 + ((run_index * 64) % 40_000) as u16;
     let tasks = host_tasks(spec, hosts.len(), base);
-    let configs = tf_configs(&tasks, hosts);
+    let configs = tf_configs(&tasks, |i| hosts.addr(i));
     let token: String = (0..32).map(|_| format!("{:02x}", rand::random::<u8>())).collect();
     let args = train_args(exp, spec, &metrics, &summary);
     let chief = match spec.strategy {
@@ -639,4 +640,39 @@ fn kill_group(child: &mut std::process::Child) {
 pub fn default_dir(exp: &Experiment, simulated: bool) -> PathBuf {
     let name = if simulated { format!("{}-simulated", exp.name) } else { exp.name.clone() };
     PathBuf::from("compare-out").join(name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_parameter_server_run_maps_its_tasks_to_hosts_and_names_them_in_tf_config() {
+        let text = "[experiment]\nname = \"t\"\nepochs = 1\nglobal_batch = 64\nlr = 0.01\ntarget_accuracy = 0.9\n\
+            [[run]]\nstrategy = \"parameter-server\"\nworkers = 3\nps_tasks = 2\n\
+            [[run]]\nstrategy = \"multi-worker-mirrored\"\nworkers = 2\n";
+        let exp = Experiment::parse(text, Path::new("x.toml")).unwrap();
+        let tasks = host_tasks(&exp.runs[0], 2, 21_000);
+        let placed: Vec<(String, usize, u16)> = tasks.iter().map(|t| (t.label(), t.host, t.port)).collect();
+        let want = [("chief-0", 0, 21_000), ("ps-0", 0, 21_001), ("ps-1", 1, 21_002)]
+            .into_iter()
+            .chain([("worker-0", 0, 21_003), ("worker-1", 1, 21_004), ("worker-2", 0, 21_005)])
+            .map(|(l, h, p)| (l.to_string(), h, p))
+            .collect::<Vec<_>>();
+        assert_eq!(placed, want);
+        let configs = tf_configs(&tasks, |i| std::net::Ipv4Addr::new(10, 0, 0, 11 + i as u8));
+        let v: serde_json::Value = serde_json::from_str(&configs[4]).unwrap();
+        assert_eq!(v["task"], serde_json::json!({"type": "worker", "index": 1}));
+        assert_eq!(v["cluster"]["chief"], serde_json::json!(["10.0.0.11:21000"]));
+        assert_eq!(v["cluster"]["ps"], serde_json::json!(["10.0.0.11:21001", "10.0.0.12:21002"]));
+        assert_eq!(v["cluster"]["worker"][2], "10.0.0.11:21005");
+        let mwms = host_tasks(&exp.runs[1], 2, 21_064);
+        assert_eq!(mwms.iter().map(|t| (t.kind, t.host)).collect::<Vec<_>>(), [(TaskKind::Worker, 0), (TaskKind::Worker, 1)]);
+        let args = train_args(&exp, &exp.runs[1], Path::new("m.jsonl"), Path::new("s.json"));
+        assert!(args.contains(&"--metrics".to_string()) && !args.contains(&"launch".to_string()));
+        let rest = without_outputs(&args);
+        assert!(!rest.iter().any(|a| a == "m.jsonl" || a == "s.json"));
+        let at = rest.iter().position(|a| a == "--metrics").unwrap();
+        assert_eq!((rest[at + 1].as_str(), rest.len()), ("/dev/null", args.len()));
+    }
 }
