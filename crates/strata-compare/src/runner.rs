@@ -648,7 +648,7 @@ mod tests {
 
     #[test]
     fn a_parameter_server_run_maps_its_tasks_to_hosts_and_names_them_in_tf_config() {
-        let text = "[experiment]\nname = \"t\"\nepochs = 1\nglobal_batch = 64\nlr = 0.01\ntarget_accuracy = 0.9\n\
+        let text = "[experiment]\nname = \"t\"\nepochs = 1\nglobal_batch = 96\nlr = 0.01\ntarget_accuracy = 0.9\n\
             [[run]]\nstrategy = \"parameter-server\"\nworkers = 3\nps_tasks = 2\n\
             [[run]]\nstrategy = \"multi-worker-mirrored\"\nworkers = 2\n";
         let exp = Experiment::parse(text, Path::new("x.toml")).unwrap();
