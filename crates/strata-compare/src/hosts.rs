@@ -166,7 +166,8 @@ impl Network {
 }
 
 /// How tasks map to hosts, for the report.
-pub const PLACEMENT: &str = "worker i on host i mod N, ps task j on host j mod N, the parameter-server coordinator on host 0";
+pub const PLACEMENT: &str =
+    "worker i on host i mod N, ps task j on host j mod N, the parameter-server coordinator on host 0";
 
 /// Which host each task of a multi-process run is on: worker `i` on host `i mod N`, ps task
 /// `j` on host `j mod N`, a parameter-server run's coordinator (chief) on host 0.
@@ -203,9 +204,8 @@ impl TaskKind {
 fn on_path(tool: &str, path: Option<&OsStr>) -> bool {
     use std::os::unix::fs::PermissionsExt;
     path.is_some_and(|p| {
-        std::env::split_paths(p).any(|d| {
-            std::fs::metadata(d.join(tool)).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
-        })
+        std::env::split_paths(p)
+            .any(|d| std::fs::metadata(d.join(tool)).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0))
     })
 }
 
@@ -228,10 +228,9 @@ pub fn preflight() -> Result<(), HostsError> {
 }
 
 fn sh(args: &[&str]) -> Result<String, HostsError> {
-    let (prog, rest) = args.split_first().ok_or_else(|| HostsError::Command {
-        command: String::new(),
-        stderr: "no command".into(),
-    })?;
+    let (prog, rest) = args
+        .split_first()
+        .ok_or_else(|| HostsError::Command { command: String::new(), stderr: "no command".into() })?;
     let out = Command::new(prog)
         .args(rest)
         .output()
@@ -344,7 +343,9 @@ impl Hosts {
             let ns = self.netns(i);
             let port = format!("h{}", i + 1);
             sh(&["ip", "netns", "add", &ns])?;
-            sh(&["ip", "link", "add", "eth0", "netns", &ns, "type", "veth", "peer", "name", &port, "netns", BRIDGE_NS])?;
+            sh(&[
+                "ip", "link", "add", "eth0", "netns", &ns, "type", "veth", "peer", "name", &port, "netns", BRIDGE_NS,
+            ])?;
             sh(&["ip", "-n", BRIDGE_NS, "link", "set", &port, "master", "br0", "up"])?;
             sh(&["ip", "-n", &ns, "addr", "add", &format!("{}/24", self.addr(i)), "dev", "eth0"])?;
             sh(&["ip", "-n", &ns, "link", "set", "eth0", "up"])?;

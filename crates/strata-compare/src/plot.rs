@@ -1001,7 +1001,10 @@ pub fn scaling_efficiency(
     }
     if wmax > 1.0 {
         let grey = RGBColor(110, 110, 110);
-        chart.series.insert(0, Series { label: None, color: grey, style: Style::Dashed, points: vec![(1.0, 1.0), (wmax, 1.0)] });
+        chart.series.insert(
+            0,
+            Series { label: None, color: grey, style: Style::Dashed, points: vec![(1.0, 1.0), (wmax, 1.0)] },
+        );
         chart.extra_legend.push(LegendEntry { label: "linear scaling".into(), color: grey, style: Style::Dashed });
     }
     render(dir, "scaling_efficiency", &Figure::Lines(chart)).map(Some)

@@ -18,8 +18,8 @@ use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::Mutex;
 
 use super::experiment::{Experiment, PsMode, RunModel, RunSpec, RunStrategy};
-use crate::hosts::{Hosts, TaskKind};
 use super::RunResult;
+use crate::hosts::{Hosts, TaskKind};
 use crate::{Error, Result};
 
 /// The arguments of `strata` (after the executable) that run `spec` on this machine.
@@ -219,7 +219,7 @@ pub fn run_all(exp: &Experiment, dir: &Path, only: &[String], progress: bool) ->
         RunModel::Transformer => 0,
         _ => strata::digits::train_test_split(&strata::digits::load(exp.data.as_deref())?, 0.2, 0).0.len(),
     };
-    std::fs::create_dir_all(&runs_dir).map_err(|e| Error::io(format!("cannot create {}", runs_dir.display()), e))?;
+    // The lock (another harness's hosts) before the output directory.
     let mut hosts = match network {
         Some(net) => {
             let h = crate::hosts::Hosts::build(net).map_err(hosts_error)?;
@@ -228,15 +228,12 @@ pub fn run_all(exp: &Experiment, dir: &Path, only: &[String], progress: bool) ->
         }
         None => None,
     };
+    std::fs::create_dir_all(&runs_dir).map_err(|e| Error::io(format!("cannot create {}", runs_dir.display()), e))?;
     let goodput = match (&hosts, network) {
         (Some(h), Some(net)) => {
             let g = h.measure_goodput(1.5);
             match g {
-                Some(g) => eprintln!(
-                    "{}; one link's TCP goodput: {:.3} Gbit/s",
-                    net.describe(),
-                    g / 1e9
-                ),
+                Some(g) => eprintln!("{}; one link's TCP goodput: {:.3} Gbit/s", net.describe(), g / 1e9),
                 None => eprintln!("{}; one link's TCP goodput could not be measured", net.describe()),
             }
             g
@@ -330,9 +327,7 @@ fn tf_configs(tasks: &[HostTask], addr: impl Fn(usize) -> std::net::Ipv4Addr) ->
     }
     tasks
         .iter()
-        .map(|t| {
-            serde_json::json!({"cluster": cluster, "task": {"type": t.kind.name(), "index": t.index}}).to_string()
-        })
+        .map(|t| serde_json::json!({"cluster": cluster, "task": {"type": t.kind.name(), "index": t.index}}).to_string())
         .collect()
 }
 
@@ -390,7 +385,8 @@ fn run_on_hosts(
         plan.push((t.label(), t.kind == chief, cmd, log, format!("host {} ({})", t.host, hosts.netns(t.host))));
     }
     // The run's own log: where each task ran.
-    let index: String = plan.iter().map(|(label, _, _, log, at)| format!("{label}: {at}; log {}\n", log.display())).collect();
+    let index: String =
+        plan.iter().map(|(label, _, _, log, at)| format!("{label}: {at}; log {}\n", log.display())).collect();
     let _ = std::fs::write(runs_dir.join(format!("{}.log", spec.name)), index);
     // Servers first (ps tasks, workers of a parameter-server job), the chief last.
     plan.sort_by_key(|p| p.1 && spec.strategy == RunStrategy::ParameterServer);
@@ -667,7 +663,10 @@ mod tests {
         assert_eq!(v["cluster"]["ps"], serde_json::json!(["10.0.0.11:21001", "10.0.0.12:21002"]));
         assert_eq!(v["cluster"]["worker"][2], "10.0.0.11:21005");
         let mwms = host_tasks(&exp.runs[1], 2, 21_064);
-        assert_eq!(mwms.iter().map(|t| (t.kind, t.host)).collect::<Vec<_>>(), [(TaskKind::Worker, 0), (TaskKind::Worker, 1)]);
+        assert_eq!(
+            mwms.iter().map(|t| (t.kind, t.host)).collect::<Vec<_>>(),
+            [(TaskKind::Worker, 0), (TaskKind::Worker, 1)]
+        );
         let args = train_args(&exp, &exp.runs[1], Path::new("m.jsonl"), Path::new("s.json"));
         assert!(args.contains(&"--metrics".to_string()) && !args.contains(&"launch".to_string()));
         let rest = without_outputs(&args);
