@@ -113,7 +113,7 @@ pub fn parse_rate(text: &str) -> Result<Option<f64>, String> {
     }
     let v: f64 = num.parse().map_err(|_| bad())?;
     let bits = v * scale;
-    if !(bits >= 8_000.0 && bits <= 1e13) {
+    if !(8_000.0..=1e13).contains(&bits) {
         return Err(format!("{text:?} is out of range: a link rate from 8kbit to 10tbit, e.g. \"1gbit\""));
     }
     Ok(Some(bits))
