@@ -64,8 +64,8 @@ fn namespaces_left() -> Vec<String> {
         .collect()
 }
 
-/// Processes whose command line names `dir` (every task of the harness gets its metrics or
-/// log path there, or runs in a namespace found by `ip netns pids`).
+/// Processes the harness started and left: their command line names `dir` (the chief's
+/// metrics path is there) or their `TF_CONFIG` names the emulated hosts' subnet (every task's).
 fn processes_naming(dir: &Path) -> Vec<String> {
     let needle = dir.display().to_string();
     let mut found = Vec::new();
@@ -74,11 +74,12 @@ fn processes_naming(dir: &Path) -> Vec<String> {
         if !pid.bytes().all(|b| b.is_ascii_digit()) || pid == std::process::id().to_string() {
             continue;
         }
-        if let Ok(cmd) = std::fs::read(entry.path().join("cmdline")) {
-            let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
-            if cmd.contains(&needle) {
-                found.push(format!("{pid}: {cmd}"));
-            }
+        let read =
+            |f: &str| std::fs::read(entry.path().join(f)).map(|b| String::from_utf8_lossy(&b).replace('\0', " "));
+        let cmd = read("cmdline").unwrap_or_default();
+        let env = read("environ").unwrap_or_default();
+        if cmd.contains(&needle) || env.contains("10.213.78.") {
+            found.push(format!("{pid}: {cmd}"));
         }
     }
     found
@@ -144,7 +145,7 @@ fn sigterm_removes_the_hosts_and_the_runs_processes() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("long.toml");
     // Long enough to be stopped in the middle of its first run.
-    let text = TINY.replace("epochs = 1", "epochs = 200").replace("run_timeout = \"60s\"", "run_timeout = \"120s\"");
+    let text = TINY.replace("epochs = 1", "epochs = 5000").replace("run_timeout = \"60s\"", "run_timeout = \"300s\"");
     std::fs::write(&file, text).unwrap();
     let out_dir = dir.path().join("out");
     let child = strata()
