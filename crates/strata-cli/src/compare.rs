@@ -53,7 +53,28 @@ pub fn run(args: &CompareArgs) -> Result<()> {
         bar.finish_and_clear();
         runs
     } else {
-        runner::run_all(&exp, &dir, &args.only, !args.no_progress)?
+        // Ctrl-C, SIGTERM or SIGHUP: the run in progress is killed and the emulated hosts are
+        // removed by the runner, then the command exits as that signal would; a second signal
+        // (or a runner that does not stop within 30 s) cleans up from here and exits.
+        let signals = crate::signals::handle()?;
+        std::thread::Builder::new()
+            .name("strata-compare-signals".into())
+            .spawn(move || {
+                if let Ok(signal) = signals.recv() {
+                    eprintln!("strata compare: {signal} received; stopping the runs");
+                    runner::request_stop(signal as i32);
+                    let _ = signals.recv_timeout(std::time::Duration::from_secs(30));
+                    runner::emergency_cleanup();
+                    std::process::exit(crate::signals::exit_code(signal));
+                }
+            })
+            .map_err(|e| Error::io("starting the signal thread", e))?;
+        let result = runner::run_all(&exp, &dir, &args.only, !args.no_progress);
+        if let Some(signal) = runner::stop_requested() {
+            eprintln!("strata compare: stopped by signal {signal}; its processes and emulated hosts are removed");
+            std::process::exit(128 + signal);
+        }
+        result?
     };
     compare::report::write_outputs(&dir, &exp, &runs, args.simulate)?;
     for s in compare::summarize(&runs, exp.target) {

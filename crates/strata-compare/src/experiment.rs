@@ -30,7 +30,16 @@
 //! slowdown = [{ worker = 1, factor = 3.0 }]
 //! stragglers = { probability = 0.1, delay = "exp:20ms" }
 //! network_delay = "1ms"
+//!
+//! [network]              # multi-process runs on emulated hosts (root)
+//! hosts = 2              # 2 to 16
+//! link = "1gbit"         # a tc rate, or "unshaped"
 //! ```
+//!
+//! `[network]` runs every multi-process run on `hosts` network namespaces on one bridge, each
+//! link tbf-shaped at `link` ([`crate::hosts`], which says how tasks map to hosts);
+//! single-process runs run as without it. `[simulate]` takes its `bandwidth_gbps` from `link`
+//! unless it sets one.
 //!
 //! `model` picks what every run trains (`strata train --model`): the digits MLP of `hidden`
 //! (default `[256, 256]`; the field applies to the MLP only), the digits CNN, or the character
@@ -349,6 +358,8 @@ pub struct Experiment {
     pub injection: Injection,
     /// Simulated mode's settings.
     pub simulate: Option<super::simulate::SimConfig>,
+    /// The emulated hosts multi-process runs run on (`[network]`), or `None`: loopback.
+    pub network: Option<crate::hosts::Network>,
 }
 
 impl Experiment {
@@ -708,6 +719,51 @@ impl Experiment {
             }
             None => None,
         };
+        let network = match raw.network {
+            None => None,
+            Some(n) => {
+                let (span, n) = (n.span(), n.into_inner());
+                let hosts = *n.hosts.get_ref();
+                if !(2..=crate::hosts::MAX_HOSTS).contains(&hosts) {
+                    return Err(at.error(
+                        n.hosts.span(),
+                        "network.hosts",
+                        format!(
+                            "{hosts} hosts: use 2 to {} (one network namespace each), e.g. hosts = 2",
+                            crate::hosts::MAX_HOSTS
+                        ),
+                    ));
+                }
+                let link = n.link.ok_or_else(|| {
+                    at.error(
+                        span.clone(),
+                        "network.link",
+                        "emulated hosts need a link rate: add link = \"1gbit\" (any tc rate), or link = \"unshaped\"",
+                    )
+                })?;
+                let rate_bps =
+                    crate::hosts::parse_rate(link.get_ref()).map_err(|m| at.error(link.span(), "network.link", m))?;
+                if !runs.iter().any(|r| r.strategy.is_multi_process()) {
+                    return Err(at.error(
+                        span,
+                        "network",
+                        "every run is single-process (one-device, mirrored, central-storage): nothing crosses a link; drop [network] or add a multi-worker-mirrored or parameter-server run",
+                    ));
+                }
+                Some(crate::hosts::Network { hosts, link: link.get_ref().trim().to_string(), rate_bps })
+            }
+        };
+        // The simulator's links are the emulated hosts' unless [simulate] names its own
+        // bandwidth (explicit wins; an unshaped link keeps the simulator's default).
+        let simulate = match (simulate, &network) {
+            (Some(mut cfg), Some(crate::hosts::Network { rate_bps: Some(bits), .. }))
+                if !simulate_sets_bandwidth(text) =>
+            {
+                cfg.bandwidth_gbps = bits / 1e9;
+                Some(cfg)
+            }
+            (s, _) => s,
+        };
         Ok(Experiment {
             path: path.to_path_buf(),
             name,
@@ -726,8 +782,17 @@ impl Experiment {
             runs,
             injection,
             simulate,
+            network,
         })
     }
+}
+
+/// Whether the file's `[simulate]` table sets `bandwidth_gbps` itself.
+fn simulate_sets_bandwidth(text: &str) -> bool {
+    toml::from_str::<toml::Table>(text)
+        .ok()
+        .and_then(|t| t.get("simulate").and_then(|s| s.get("bandwidth_gbps")).map(|_| ()))
+        .is_some()
 }
 
 use toml::Spanned;
@@ -740,6 +805,14 @@ struct RawFile {
     run: Vec<Spanned<RawRun>>,
     injection: Option<RawInjection>,
     simulate: Option<Spanned<super::simulate::SimConfig>>,
+    network: Option<Spanned<RawNetwork>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawNetwork {
+    hosts: Spanned<usize>,
+    link: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -1018,6 +1091,57 @@ network_delay = "1ms"
         assert!(e.contains("line 4: model") && e.contains("rnn"), "{e}");
         let e = error(&format!("{t}\n[simulate]\nworkers = [1]\n"));
         assert!(e.contains("simulate: simulated mode models the digits MLP"), "{e}");
+    }
+
+    #[test]
+    fn the_network_parses_and_bad_values_are_one_line_each() {
+        let net = |body: &str| format!("{GOOD}\n[network]\n{body}\n");
+        let e = parse(&net("hosts = 2\nlink = \"1gbit\"")).unwrap();
+        let n = e.network.unwrap();
+        assert_eq!((n.hosts, n.link.as_str(), n.rate_bps), (2, "1gbit", Some(1e9)));
+        assert_eq!(parse(&net("hosts = 16\nlink = \"unshaped\"")).unwrap().network.unwrap().rate_bps, None);
+        assert_eq!(parse(GOOD).unwrap().network, None);
+        // Line 30 is [network], 31 hosts, 32 link.
+        assert_eq!(
+            error(&net("hosts = 0\nlink = \"1gbit\"")),
+            "x.toml line 31: network.hosts: 0 hosts: use 2 to 16 (one network namespace each), e.g. hosts = 2"
+        );
+        assert_eq!(
+            error(&net("hosts = 17\nlink = \"1gbit\"")),
+            "x.toml line 31: network.hosts: 17 hosts: use 2 to 16 (one network namespace each), e.g. hosts = 2"
+        );
+        assert_eq!(
+            error(&net("hosts = 2\nlink = \"1 gigabit\"")),
+            "x.toml line 32: network.link: \"1 gigabit\" is not a link rate: write a number and one of tc's units bit, kbit, mbit, gbit, bps, kbps, mbps, gbps (bps: bytes per second), e.g. \"1gbit\", or \"unshaped\""
+        );
+        assert_eq!(
+            error(&net("hosts = 2\nlink = \"0mbit\"")),
+            "x.toml line 32: network.link: \"0mbit\" is out of range: a link rate from 8kbit to 10tbit, e.g. \"1gbit\""
+        );
+        assert_eq!(
+            error(&net("hosts = 2")),
+            "x.toml line 30: network.link: emulated hosts need a link rate: add link = \"1gbit\" (any tc rate), or link = \"unshaped\""
+        );
+        let e = error(&net("hosts = 2\nlink = \"1gbit\"\nmtu = 9000"));
+        assert!(e.starts_with("x.toml line 33: mtu: unknown field `mtu`"), "{e}");
+        let single = "[experiment]\nname = \"t\"\nepochs = 1\nglobal_batch = 64\nlr = 0.01\ntarget_accuracy = 0.9\n\n\
+            [[run]]\nstrategy = \"one-device\"\n\n[[run]]\nstrategy = \"mirrored\"\n\n[network]\nhosts = 2\nlink = \"1gbit\"\n";
+        assert_eq!(
+            error(single),
+            "x.toml line 14: network: every run is single-process (one-device, mirrored, central-storage): nothing crosses a link; drop [network] or add a multi-worker-mirrored or parameter-server run"
+        );
+        // The simulator's links are the network's unless [simulate] names its own bandwidth.
+        let sim = |extra: &str| {
+            parse(&format!("{}[simulate]\nworkers = [1, 2]\n{extra}\n", net("hosts = 2\nlink = \"250mbit\"")))
+                .unwrap()
+                .simulate
+                .unwrap()
+                .bandwidth_gbps
+        };
+        assert_eq!(sim(""), 0.25);
+        assert_eq!(sim("bandwidth_gbps = 40.0"), 40.0);
+        let unshaped = format!("{GOOD}\n[network]\nhosts = 2\nlink = \"unshaped\"\n\n[simulate]\nworkers = [1]\n");
+        assert_eq!(parse(&unshaped).unwrap().simulate.unwrap().bandwidth_gbps, 10.0);
     }
 
     #[test]

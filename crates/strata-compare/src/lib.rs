@@ -11,6 +11,7 @@
 //! `REPORT.md`.
 
 pub mod experiment;
+pub mod hosts;
 pub mod inject;
 pub mod plot;
 pub mod progress;
@@ -44,6 +45,10 @@ pub struct RunResult {
     pub error: Option<String>,
     /// Seconds the whole run took (virtual seconds in simulated mode).
     pub wall_s: f64,
+    /// The emulated hosts its processes ran on (`[network]`; 0: this machine's loopback).
+    pub hosts: usize,
+    /// The measured TCP goodput of one link of those hosts, bits per second, if measured.
+    pub link_goodput_bps: Option<f64>,
 }
 
 /// What the time-to-target columns measure: the first evaluation at or above a test accuracy
@@ -211,6 +216,8 @@ mod tests {
             records,
             error: None,
             wall_s: 10.0,
+            hosts: 0,
+            link_goodput_bps: None,
         }
     }
 

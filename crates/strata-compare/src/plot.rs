@@ -964,6 +964,52 @@ pub fn scaling(dir: &Path, runs: &[RunResult], summaries: &[RunSummary], simulat
     render(dir, "scaling", &Figure::Lines(chart)).map(Some)
 }
 
+/// Scaling efficiency against worker count (log2), one line per run spec of the sweep (each
+/// compression and parameter-server mode its own): examples per second per worker over the
+/// spec's own at its smallest worker count (normally 1), so 1 is linear scaling. `None` when
+/// the runs are no sweep.
+pub fn scaling_efficiency(
+    dir: &Path,
+    runs: &[RunResult],
+    summaries: &[RunSummary],
+    simulated: bool,
+) -> Result<Option<Plot>> {
+    check_aligned(runs, summaries)?;
+    if !is_sweep(runs) {
+        return Ok(None);
+    }
+    let mut chart = LineChart::new(
+        format!("Scaling efficiency against worker count{}", simulated_suffix(simulated)),
+        "workers (log scale)",
+        "examples/s per worker over the smallest run's (1 = linear)",
+        "no run of the sweep measured its throughput",
+    );
+    chart.x_log2 = true;
+    chart.y_from_zero = true;
+    let mut wmax: f64 = 0.0;
+    for (base, key, members) in sweep_groups(runs) {
+        let pts: Vec<(f64, f64)> = members
+            .iter()
+            .filter_map(|&(w, i)| {
+                summaries[i].examples_per_s.filter(|v| v.is_finite() && *v > 0.0).map(|v| (w.max(1) as f64, v))
+            })
+            .collect();
+        let Some(&(w0, v0)) = pts.first() else { continue };
+        let pts: Vec<(f64, f64)> = pts.iter().map(|&(w, v)| (w, (v / w) / (v0 / w0))).collect();
+        wmax = pts.iter().map(|p| p.0).fold(wmax, f64::max);
+        chart.series.push(Series { label: Some(base), color: color(key), style: Style::LineMarkers, points: pts });
+    }
+    if wmax > 1.0 {
+        let grey = RGBColor(110, 110, 110);
+        chart.series.insert(
+            0,
+            Series { label: None, color: grey, style: Style::Dashed, points: vec![(1.0, 1.0), (wmax, 1.0)] },
+        );
+        chart.extra_legend.push(LegendEntry { label: "linear scaling".into(), color: grey, style: Style::Dashed });
+    }
+    render(dir, "scaling_efficiency", &Figure::Lines(chart)).map(Some)
+}
+
 /// Time to the target accuracy against worker count (log2), one line per strategy. `None`
 /// when the runs are no sweep.
 pub fn time_to_target_vs_workers(
@@ -1004,7 +1050,7 @@ pub fn time_to_target_vs_workers(
     render(dir, "time_to_target_vs_workers", &Figure::Lines(chart)).map(Some)
 }
 
-/// Draws every plot into `dir` (which must exist): the four always, the two sweep plots when
+/// Draws every plot into `dir` (which must exist): the four always, the three sweep plots when
 /// the runs sweep worker counts. `summaries` is `summarize(runs, target)`.
 pub fn draw_all(
     dir: &Path,
@@ -1020,6 +1066,7 @@ pub fn draw_all(
         staleness_histogram(dir, runs, simulated)?,
     ];
     out.extend(scaling(dir, runs, summaries, simulated)?);
+    out.extend(scaling_efficiency(dir, runs, summaries, simulated)?);
     out.extend(time_to_target_vs_workers(dir, runs, summaries, target, simulated)?);
     Ok(out)
 }

@@ -169,6 +169,7 @@ pub fn summary_value(
                 map.insert("global_batch".into(), json!(r.global_batch));
                 map.insert("wall_s".into(), json!(r.wall_s));
                 map.insert("records".into(), json!(r.records.len()));
+                map.insert("hosts".into(), json!(r.hosts));
             }
             v
         })
@@ -192,6 +193,13 @@ pub fn summary_value(
             "simulate": exp.simulate,
         },
         "injection": exp.injection.describe(),
+        "network": exp.network.as_ref().filter(|_| !simulated).map(|n| json!({
+            "hosts": n.hosts,
+            "link": n.link,
+            "rate_bps": n.rate_bps,
+            "measured_link_goodput_bps": runs.iter().find_map(|r| r.link_goodput_bps),
+            "placement": crate::hosts::PLACEMENT,
+        })),
         "simulated": simulated,
         "machine": { "cores": cores() },
         "runs": runs_json,
@@ -363,6 +371,20 @@ pub fn report_text(
             let items: Vec<String> = map.iter().map(|(k, v)| format!("{k} = {v}")).collect();
             let _ = writeln!(md, "- Simulation model (`[simulate]`): {}.", md_cell(&items.join(", ")));
         }
+        if let Some(n) = &exp.network {
+            let _ = writeln!(
+                md,
+                "- Links: bandwidth_gbps {} ({}), the real runs' `[network]` link is `{}` on {} emulated hosts.",
+                sim.bandwidth_gbps,
+                if n.rate_bps.is_some_and(|b| (b / 1e9 - sim.bandwidth_gbps).abs() < 1e-12) {
+                    "from `[network]`"
+                } else {
+                    "set in `[simulate]`"
+                },
+                n.link,
+                n.hosts
+            );
+        }
     }
     let _ = writeln!(
         md,
@@ -378,6 +400,20 @@ pub fn report_text(
         for line in &injection {
             let _ = writeln!(md, "  - {line}");
         }
+    }
+    if let Some(n) = exp.network.as_ref().filter(|_| !simulated) {
+        let measured = runs.iter().find_map(|r| r.link_goodput_bps).map_or_else(
+            || "not measured".to_string(),
+            |g| format!("{:.3} Gbit/s measured (one TCP stream, host 1 to host 2)", g / 1e9),
+        );
+        let on_hosts: Vec<&str> = runs.iter().filter(|r| r.hosts > 0).map(|r| r.name.as_str()).collect();
+        let _ = writeln!(
+            md,
+            "- Network (`[network]`): {}; link goodput {measured}. Runs on the hosts: {}; {}; single-process runs ran on this machine outside the hosts.",
+            n.describe(),
+            if on_hosts.is_empty() { "none".to_string() } else { on_hosts.join(", ") },
+            crate::hosts::PLACEMENT,
+        );
     }
     let failed = runs.iter().filter(|r| r.error.is_some()).count();
     let _ = writeln!(

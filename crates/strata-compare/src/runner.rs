@@ -14,12 +14,29 @@ use std::os::unix::process::CommandExt;
 
 use strata_core::cross_device::compression::Compression;
 
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::sync::Mutex;
+
 use super::experiment::{Experiment, PsMode, RunModel, RunSpec, RunStrategy};
 use super::RunResult;
+use crate::hosts::{Hosts, TaskKind};
 use crate::{Error, Result};
 
-/// The arguments of `strata` (after the executable) that run `spec`.
+/// The arguments of `strata` (after the executable) that run `spec` on this machine.
 pub fn command_line(exp: &Experiment, spec: &RunSpec, metrics: &Path, summary: &Path) -> Vec<String> {
+    let train = train_args(exp, spec, metrics, summary);
+    if spec.strategy == RunStrategy::MultiWorkerMirrored {
+        let mut launch: Vec<String> =
+            vec!["launch".into(), "--workers".into(), spec.workers.to_string(), "--".into(), "strata".into()];
+        launch.extend(train);
+        return launch;
+    }
+    train
+}
+
+/// The `strata train ...` arguments of `spec` (one process's; `strata launch` or the emulated
+/// hosts start one per worker).
+pub fn train_args(exp: &Experiment, spec: &RunSpec, metrics: &Path, summary: &Path) -> Vec<String> {
     let mut train: Vec<String> = vec!["train".into(), "--strategy".into(), spec.strategy.name().into()];
     train.extend(["--model".into(), exp.model.name().into()]);
     if exp.model == RunModel::Mlp {
@@ -102,12 +119,6 @@ pub fn command_line(exp: &Experiment, spec: &RunSpec, metrics: &Path, summary: &
             ]);
             train
         }
-        RunStrategy::MultiWorkerMirrored => {
-            let mut launch: Vec<String> =
-                vec!["launch".into(), "--workers".into(), spec.workers.to_string(), "--".into(), "strata".into()];
-            launch.extend(train);
-            launch
-        }
         _ => train,
     }
 }
@@ -137,27 +148,113 @@ fn expected_steps(exp: &Experiment, spec: &RunSpec, train_len: usize) -> u64 {
     (train_len.div_ceil(batch.max(1)) * exp.epochs) as u64
 }
 
+/// The signal that asked the runs to stop (0: none).
+static STOP: AtomicI32 = AtomicI32::new(0);
+/// The process groups of the runs' processes now running, for [`emergency_cleanup`].
+static GROUPS: Mutex<Vec<i32>> = Mutex::new(Vec::new());
+/// Whether this process built emulated hosts that still exist.
+static HOSTS_UP: AtomicBool = AtomicBool::new(false);
+
+/// Asks the runs to stop (a signal handler's job): the run in progress is killed, the
+/// emulated hosts removed, and [`run_all`] returns an error.
+pub fn request_stop(signal: i32) {
+    STOP.store(signal.max(1), Ordering::SeqCst);
+}
+
+/// The signal that asked the runs to stop, if one did.
+pub fn stop_requested() -> Option<i32> {
+    match STOP.load(Ordering::SeqCst) {
+        0 => None,
+        s => Some(s),
+    }
+}
+
+/// What a signal handler does when [`run_all`] does not stop in time: kills every run's
+/// process group and, if this process built emulated hosts, every process in them and the
+/// hosts themselves.
+pub fn emergency_cleanup() {
+    use nix::sys::signal::{kill, Signal};
+    let groups: Vec<i32> = GROUPS.lock().map(|g| g.clone()).unwrap_or_default();
+    for g in groups {
+        let _ = kill(nix::unistd::Pid::from_raw(-g), Signal::SIGKILL);
+    }
+    if HOSTS_UP.load(Ordering::SeqCst) {
+        crate::hosts::remove_leftovers();
+    }
+}
+
+fn register_group(pid: u32, on: bool) {
+    if let Ok(mut g) = GROUPS.lock() {
+        g.retain(|p| *p != pid as i32);
+        if on {
+            g.push(pid as i32);
+        }
+    }
+}
+
 /// Runs every run of `exp` (or those named in `only`), writing their logs and records under
-/// `dir/runs`.
+/// `dir/runs`. With `[network]`, the multi-process runs run on emulated hosts
+/// ([`crate::hosts`]), built once before the first run and removed after the last (or on an
+/// error, or when [`request_stop`] is called).
 pub fn run_all(exp: &Experiment, dir: &Path, only: &[String], progress: bool) -> Result<Vec<RunResult>> {
     let exe = std::env::current_exe().map_err(|e| Error::io("finding the strata executable", e))?;
-    let runs_dir = dir.join("runs");
-    std::fs::create_dir_all(&runs_dir).map_err(|e| Error::io(format!("cannot create {}", runs_dir.display()), e))?;
-    let train_len = match exp.model {
-        RunModel::Transformer => 0,
-        _ => strata::digits::train_test_split(&strata::digits::load(exp.data.as_deref())?, 0.2, 0).0.len(),
-    };
     for name in only {
         if !exp.runs.iter().any(|r| &r.name == name) {
             let names: Vec<&str> = exp.runs.iter().map(|r| r.name.as_str()).collect();
             return Err(Error::Usage(format!("--only {name:?}: no such run; the runs are {}", names.join(", "))));
         }
     }
+    let selected: Vec<&RunSpec> = exp.runs.iter().filter(|r| only.is_empty() || only.contains(&r.name)).collect();
+    let network = exp.network.as_ref().filter(|_| selected.iter().any(|r| r.strategy.is_multi_process()));
+    let hosts_error = |e: crate::hosts::HostsError| match e {
+        crate::hosts::HostsError::Io { .. } => Error::from(e),
+        e => Error::Usage(format!("{}: network.hosts: {e}", exp.path.display())),
+    };
+    // Root and the tools before anything is created.
+    if network.is_some() {
+        crate::hosts::preflight().map_err(hosts_error)?;
+    }
+    let runs_dir = dir.join("runs");
+    let train_len = match exp.model {
+        RunModel::Transformer => 0,
+        _ => strata::digits::train_test_split(&strata::digits::load(exp.data.as_deref())?, 0.2, 0).0.len(),
+    };
+    // The lock (another harness's hosts) before the output directory.
+    let mut hosts = match network {
+        Some(net) => {
+            let h = crate::hosts::Hosts::build(net).map_err(hosts_error)?;
+            HOSTS_UP.store(true, Ordering::SeqCst);
+            Some(h)
+        }
+        None => None,
+    };
+    std::fs::create_dir_all(&runs_dir).map_err(|e| Error::io(format!("cannot create {}", runs_dir.display()), e))?;
+    let goodput = match (&hosts, network) {
+        (Some(h), Some(net)) => {
+            let g = h.measure_goodput(1.5);
+            match g {
+                Some(g) => eprintln!("{}; one link's TCP goodput: {:.3} Gbit/s", net.describe(), g / 1e9),
+                None => eprintln!("{}; one link's TCP goodput could not be measured", net.describe()),
+            }
+            g
+        }
+        _ => None,
+    };
     let mut results = Vec::new();
-    for spec in exp.runs.iter().filter(|r| only.is_empty() || only.contains(&r.name)) {
+    for (k, spec) in selected.iter().enumerate() {
+        if stop_requested().is_some() {
+            break;
+        }
         let bar = crate::progress::bar(progress, expected_steps(exp, spec, train_len));
         bar.set_message(spec.name.clone());
-        let result = run_one(&exe, exp, spec, &runs_dir, &bar);
+        let result = match &hosts {
+            Some(h) if spec.strategy.is_multi_process() => {
+                let mut r = run_on_hosts(&exe, exp, spec, &runs_dir, &bar, h, k);
+                r.link_goodput_bps = goodput;
+                r
+            }
+            _ => run_one(&exe, exp, spec, &runs_dir, &bar),
+        };
         match &result.error {
             Some(e) => bar.abandon_with_message(format!("{}: failed: {e}", spec.name)),
             None => bar.finish_with_message(format!("{}: done in {:.1} s", spec.name, result.wall_s)),
@@ -170,26 +267,240 @@ pub fn run_all(exp: &Experiment, dir: &Path, only: &[String], progress: bool) ->
         }
         results.push(result);
     }
+    if let Some(mut h) = hosts.take() {
+        h.teardown();
+        HOSTS_UP.store(false, Ordering::SeqCst);
+    }
+    if let Some(signal) = stop_requested() {
+        return Err(Error::Usage(format!("stopped by signal {signal}; the runs' processes and hosts are removed")));
+    }
     Ok(results)
 }
 
-fn run_one(exe: &Path, exp: &Experiment, spec: &RunSpec, runs_dir: &Path, bar: &indicatif::ProgressBar) -> RunResult {
+/// One task of a run on emulated hosts.
+struct HostTask {
+    kind: TaskKind,
+    index: usize,
+    host: usize,
+    port: u16,
+}
+
+impl HostTask {
+    fn label(&self) -> String {
+        format!("{}-{}", self.kind.name(), self.index)
+    }
+}
+
+/// A run's tasks on `hosts` hosts: workers (and, for parameter servers, the chief and the ps
+/// tasks) mapped by [`crate::hosts::host_of`], each on a port of its own from `base`.
+fn host_tasks(spec: &RunSpec, hosts: usize, base: u16) -> Vec<HostTask> {
+    let mut kinds: Vec<(TaskKind, usize)> = Vec::new();
+    if spec.strategy == RunStrategy::ParameterServer {
+        kinds.push((TaskKind::Chief, 0));
+        kinds.extend((0..spec.ps_tasks).map(|j| (TaskKind::Ps, j)));
+    }
+    kinds.extend((0..spec.workers).map(|i| (TaskKind::Worker, i)));
+    kinds
+        .into_iter()
+        .enumerate()
+        .map(|(k, (kind, index))| HostTask {
+            kind,
+            index,
+            host: crate::hosts::host_of(kind, index, hosts),
+            port: base.wrapping_add(k as u16),
+        })
+        .collect()
+}
+
+/// The `TF_CONFIG` of every task: the cluster of all of them, and its own task.
+fn tf_configs(tasks: &[HostTask], addr: impl Fn(usize) -> std::net::Ipv4Addr) -> Vec<String> {
+    let mut cluster = serde_json::Map::new();
+    for kind in [TaskKind::Chief, TaskKind::Ps, TaskKind::Worker] {
+        let addrs: Vec<serde_json::Value> = tasks
+            .iter()
+            .filter(|t| t.kind == kind)
+            .map(|t| serde_json::Value::String(format!("{}:{}", addr(t.host), t.port)))
+            .collect();
+        if !addrs.is_empty() {
+            cluster.insert(kind.name().into(), serde_json::Value::Array(addrs));
+        }
+    }
+    tasks
+        .iter()
+        .map(|t| serde_json::json!({"cluster": cluster, "task": {"type": t.kind.name(), "index": t.index}}).to_string())
+        .collect()
+}
+
+/// `--metrics` and `--out` sent to `/dev/null`: only the chief (the coordinator, or worker 0)
+/// writes them, but every MultiWorkerMirrored worker must be given them (with per-step
+/// records the workers agree after every step whether to stop, a collective all must make).
+fn without_outputs(args: &[String]) -> Vec<String> {
+    let mut out = Vec::with_capacity(args.len());
+    let mut replace = false;
+    for a in args {
+        if replace {
+            out.push("/dev/null".to_string());
+            replace = false;
+        } else {
+            replace = a == "--metrics" || a == "--out";
+            out.push(a.clone());
+        }
+    }
+    out
+}
+
+/// Runs a multi-process `spec` on the emulated hosts: one `strata train` per task, started with
+/// `ip netns exec` on its host, `TF_CONFIG` naming every task's address, `--bind` its host's
+/// address and one cluster token. Each task's output goes to `runs/<name>.<task>.log`.
+fn run_on_hosts(
+    exe: &Path,
+    exp: &Experiment,
+    spec: &RunSpec,
+    runs_dir: &Path,
+    bar: &indicatif::ProgressBar,
+    hosts: &Hosts,
+    run_index: usize,
+) -> RunResult {
     let metrics = runs_dir.join(format!("{}.jsonl", spec.name));
     let summary = runs_dir.join(format!("{}.json", spec.name));
-    let log = runs_dir.join(format!("{}.log", spec.name));
     let _ = std::fs::remove_file(&metrics);
     let _ = std::fs::remove_file(&summary);
     let started = Instant::now();
-    let outcome = spawn_and_wait(
-        exe,
-        &command_line(exp, spec, &metrics, &summary),
-        &log,
-        spec.timeout.unwrap_or(exp.run_timeout),
-        &metrics,
-        bar,
-    );
-    let wall_s = started.elapsed().as_secs_f64();
-    let (records, read_error) = match strata::metrics::read(&metrics) {
+    let base = 21_000 + ((run_index * 64) % 40_000) as u16;
+    let tasks = host_tasks(spec, hosts.len(), base);
+    let configs = tf_configs(&tasks, |i| hosts.addr(i));
+    let token: String = (0..32).map(|_| format!("{:02x}", rand::random::<u8>())).collect();
+    let args = train_args(exp, spec, &metrics, &summary);
+    let chief = match spec.strategy {
+        RunStrategy::ParameterServer => TaskKind::Chief,
+        _ => TaskKind::Worker,
+    };
+    let mut plan = Vec::new();
+    for (t, config) in tasks.iter().zip(&configs) {
+        let mut a = if t.kind == chief && t.index == 0 { args.clone() } else { without_outputs(&args) };
+        a.extend(["--bind".into(), hosts.addr(t.host).to_string()]);
+        let mut cmd = hosts.command(t.host, exe);
+        cmd.args(&a).env("TF_CONFIG", config).env("STRATA_CLUSTER_TOKEN", &token);
+        let log = runs_dir.join(format!("{}.{}.log", spec.name, t.label()));
+        plan.push((t.label(), t.kind == chief, cmd, log, format!("host {} ({})", t.host, hosts.netns(t.host))));
+    }
+    // The run's own log: where each task ran.
+    let index: String =
+        plan.iter().map(|(label, _, _, log, at)| format!("{label}: {at}; log {}\n", log.display())).collect();
+    let _ = std::fs::write(runs_dir.join(format!("{}.log", spec.name)), index);
+    // Servers first (ps tasks, workers of a parameter-server job), the chief last.
+    plan.sort_by_key(|p| p.1 && spec.strategy == RunStrategy::ParameterServer);
+    let outcome = spawn_tasks_and_wait(plan, spec.timeout.unwrap_or(exp.run_timeout), &metrics, bar);
+    hosts.kill_all();
+    finish(exp, spec, outcome, &metrics, started.elapsed().as_secs_f64(), hosts.len())
+}
+
+/// Starts every `(label, primary, command, log, where)` and waits for the primary ones (the
+/// run is over when they are): the first task that fails, the time limit or a stop request
+/// ends the others.
+fn spawn_tasks_and_wait(
+    plan: Vec<(String, bool, Command, PathBuf, String)>,
+    timeout: Duration,
+    metrics: &Path,
+    bar: &indicatif::ProgressBar,
+) -> std::result::Result<(), String> {
+    let mut children: Vec<(String, bool, std::process::Child, PathBuf)> = Vec::new();
+    let kill_all = |children: &mut Vec<(String, bool, std::process::Child, PathBuf)>| {
+        for (_, _, c, _) in children.iter_mut() {
+            kill_group(c);
+        }
+    };
+    for (label, primary, mut cmd, log, _) in plan {
+        let started = std::fs::File::create(&log)
+            .and_then(|f| Ok((f.try_clone()?, f)))
+            .map_err(|e| format!("cannot create {}: {e}", log.display()))
+            .and_then(|(out, err)| {
+                cmd.stdin(Stdio::null())
+                    .stdout(Stdio::from(out))
+                    .stderr(Stdio::from(err))
+                    .process_group(0)
+                    .spawn()
+                    .map_err(|e| format!("cannot start {label} (ip netns exec): {e}"))
+            });
+        match started {
+            Ok(child) => {
+                register_group(child.id(), true);
+                children.push((label, primary, child, log));
+            }
+            Err(e) => {
+                kill_all(&mut children);
+                return Err(e);
+            }
+        }
+    }
+    let deadline = Instant::now() + timeout;
+    let result = loop {
+        let mut failed = None;
+        let mut primaries_done = true;
+        for (label, primary, c, log) in children.iter_mut() {
+            match c.try_wait() {
+                Ok(Some(status)) if !status.success() => {
+                    failed = Some(task_error(label, status, log));
+                    break;
+                }
+                Ok(Some(_)) => {}
+                Ok(None) => primaries_done &= !*primary,
+                Err(e) => {
+                    failed = Some(format!("cannot wait for {label}: {e}"));
+                    break;
+                }
+            }
+        }
+        if let Some(e) = failed {
+            break Err(e);
+        }
+        if primaries_done {
+            break Ok(());
+        }
+        if let Some(signal) = stop_requested() {
+            break Err(format!("stopped by signal {signal}"));
+        }
+        if Instant::now() >= deadline {
+            break Err(format!("stopped after its time limit of {} s", timeout.as_secs_f64()));
+        }
+        if !bar.is_hidden() {
+            if let Ok(text) = std::fs::read_to_string(metrics) {
+                bar.set_position(text.lines().filter(|l| l.contains("\"kind\":\"step\"")).count() as u64);
+            }
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    // The servers (ps and worker tasks of a parameter-server job) run until stopped.
+    kill_all(&mut children);
+    for (_, _, c, _) in &children {
+        register_group(c.id(), false);
+    }
+    result
+}
+
+/// `worker-1 exited with code 1: <its last error line>`.
+fn task_error(label: &str, status: std::process::ExitStatus, log: &Path) -> String {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let last = text.lines().rev().find_map(|l| {
+        let l = l.trim();
+        l.find("error: ").map(|i| l[i + "error: ".len()..].trim().to_string())
+    });
+    match last {
+        Some(e) => format!("{label}: {e}"),
+        None => format!("{label} {}; see {}", describe(status), log.display()),
+    }
+}
+
+/// The result of a run from its outcome and the records it wrote.
+fn finish(
+    exp: &Experiment,
+    spec: &RunSpec,
+    outcome: std::result::Result<(), String>,
+    metrics: &Path,
+    wall_s: f64,
+    hosts: usize,
+) -> RunResult {
+    let (records, read_error) = match strata::metrics::read(metrics) {
         Ok(r) => (r, None),
         Err(_) if outcome.is_err() => (Vec::new(), None),
         Err(e) => (Vec::new(), Some(e.to_string())),
@@ -208,7 +519,27 @@ fn run_one(exe: &Path, exp: &Experiment, spec: &RunSpec, runs_dir: &Path, bar: &
         records,
         error,
         wall_s,
+        hosts,
+        link_goodput_bps: None,
     }
+}
+
+fn run_one(exe: &Path, exp: &Experiment, spec: &RunSpec, runs_dir: &Path, bar: &indicatif::ProgressBar) -> RunResult {
+    let metrics = runs_dir.join(format!("{}.jsonl", spec.name));
+    let summary = runs_dir.join(format!("{}.json", spec.name));
+    let log = runs_dir.join(format!("{}.log", spec.name));
+    let _ = std::fs::remove_file(&metrics);
+    let _ = std::fs::remove_file(&summary);
+    let started = Instant::now();
+    let outcome = spawn_and_wait(
+        exe,
+        &command_line(exp, spec, &metrics, &summary),
+        &log,
+        spec.timeout.unwrap_or(exp.run_timeout),
+        &metrics,
+        bar,
+    );
+    finish(exp, spec, outcome, &metrics, started.elapsed().as_secs_f64(), 0)
 }
 
 /// Runs `strata ARGS` with its output in `log`; the error is the process's own last `error:`
@@ -231,12 +562,19 @@ fn spawn_and_wait(
         .process_group(0)
         .spawn()
         .map_err(|e| format!("cannot start {}: {e}", exe.display()))?;
+    register_group(child.id(), true);
     let deadline = Instant::now() + timeout;
     let status = loop {
+        if let Some(signal) = stop_requested() {
+            kill_group(&mut child);
+            register_group(child.id(), false);
+            return Err(format!("stopped by signal {signal}"));
+        }
         match child.try_wait() {
             Ok(Some(status)) => break status,
             Ok(None) if Instant::now() >= deadline => {
                 kill_group(&mut child);
+                register_group(child.id(), false);
                 return Err(format!("stopped after its time limit of {} s", timeout.as_secs_f64()));
             }
             Ok(None) => {
@@ -249,10 +587,12 @@ fn spawn_and_wait(
             }
             Err(e) => {
                 kill_group(&mut child);
+                register_group(child.id(), false);
                 return Err(format!("cannot wait for the run: {e}"));
             }
         }
     };
+    register_group(child.id(), false);
     if status.success() {
         return Ok(());
     }
@@ -296,4 +636,42 @@ fn kill_group(child: &mut std::process::Child) {
 pub fn default_dir(exp: &Experiment, simulated: bool) -> PathBuf {
     let name = if simulated { format!("{}-simulated", exp.name) } else { exp.name.clone() };
     PathBuf::from("compare-out").join(name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_parameter_server_run_maps_its_tasks_to_hosts_and_names_them_in_tf_config() {
+        let text = "[experiment]\nname = \"t\"\nepochs = 1\nglobal_batch = 96\nlr = 0.01\ntarget_accuracy = 0.9\n\
+            [[run]]\nstrategy = \"parameter-server\"\nworkers = 3\nps_tasks = 2\n\
+            [[run]]\nstrategy = \"multi-worker-mirrored\"\nworkers = 2\n";
+        let exp = Experiment::parse(text, Path::new("x.toml")).unwrap();
+        let tasks = host_tasks(&exp.runs[0], 2, 21_000);
+        let placed: Vec<(String, usize, u16)> = tasks.iter().map(|t| (t.label(), t.host, t.port)).collect();
+        let want = [("chief-0", 0, 21_000), ("ps-0", 0, 21_001), ("ps-1", 1, 21_002)]
+            .into_iter()
+            .chain([("worker-0", 0, 21_003), ("worker-1", 1, 21_004), ("worker-2", 0, 21_005)])
+            .map(|(l, h, p)| (l.to_string(), h, p))
+            .collect::<Vec<_>>();
+        assert_eq!(placed, want);
+        let configs = tf_configs(&tasks, |i| std::net::Ipv4Addr::new(10, 0, 0, 11 + i as u8));
+        let v: serde_json::Value = serde_json::from_str(&configs[4]).unwrap();
+        assert_eq!(v["task"], serde_json::json!({"type": "worker", "index": 1}));
+        assert_eq!(v["cluster"]["chief"], serde_json::json!(["10.0.0.11:21000"]));
+        assert_eq!(v["cluster"]["ps"], serde_json::json!(["10.0.0.11:21001", "10.0.0.12:21002"]));
+        assert_eq!(v["cluster"]["worker"][2], "10.0.0.11:21005");
+        let mwms = host_tasks(&exp.runs[1], 2, 21_064);
+        assert_eq!(
+            mwms.iter().map(|t| (t.kind, t.host)).collect::<Vec<_>>(),
+            [(TaskKind::Worker, 0), (TaskKind::Worker, 1)]
+        );
+        let args = train_args(&exp, &exp.runs[1], Path::new("m.jsonl"), Path::new("s.json"));
+        assert!(args.contains(&"--metrics".to_string()) && !args.contains(&"launch".to_string()));
+        let rest = without_outputs(&args);
+        assert!(!rest.iter().any(|a| a == "m.jsonl" || a == "s.json"));
+        let at = rest.iter().position(|a| a == "--metrics").unwrap();
+        assert_eq!((rest[at + 1].as_str(), rest.len()), ("/dev/null", args.len()));
+    }
 }

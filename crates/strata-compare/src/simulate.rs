@@ -834,6 +834,8 @@ impl<'a> Simulator<'a> {
             records,
             error: None,
             wall_s,
+            hosts: 0,
+            link_goodput_bps: None,
         })
     }
 

@@ -29,6 +29,7 @@ fn experiment(name: &str) -> Experiment {
         runs: vec![],
         injection: Injection { slowdown: vec![(1, 3.0)], stragglers: None, network_delay: Duration::ZERO },
         simulate: None,
+        network: None,
     }
 }
 
@@ -71,6 +72,8 @@ fn run(
         wall_s: (steps * batch) as f64 / speed,
         records,
         error: None,
+        hosts: 0,
+        link_goodput_bps: None,
     }
 }
 
@@ -251,6 +254,7 @@ fn a_simulated_sweep_adds_the_scaling_plots_and_says_it_is_simulated() {
             "examples_per_second",
             "staleness_histogram",
             "scaling",
+            "scaling_efficiency",
             "time_to_target_vs_workers"
         ]
     );
@@ -266,6 +270,7 @@ fn a_simulated_sweep_adds_the_scaling_plots_and_says_it_is_simulated() {
     assert!(md.contains(SIMULATED_LINE));
     assert!(md.contains("(virtual)"));
     assert!(md.contains("![Throughput against worker count (simulated)](scaling.png)"));
+    assert!(md.contains("![Scaling efficiency against worker count (simulated)](scaling_efficiency.png)"));
     assert!(md.contains("Scaling efficiency at each strategy's largest worker count"));
     let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out.summary_json).unwrap()).unwrap();
     assert_eq!(json["simulated"], true);

@@ -45,6 +45,7 @@ fn experiment(runs: Vec<RunSpec>, injection: Injection) -> Experiment {
         runs,
         injection,
         simulate: None,
+        network: None,
     }
 }
 
