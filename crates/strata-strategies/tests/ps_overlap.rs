@@ -67,9 +67,27 @@ struct Probes {
     done: Arc<AtomicU64>,
     /// Gates of kind [`GateKind::Barrier`] reached.
     arrived: Arc<AtomicU64>,
+    /// Per registered function: its worker model's overlapped pushes (committed, given up),
+    /// after its last step (summed over the workers of the job).
+    overlapped: Arc<Mutex<std::collections::BTreeMap<String, (u64, u64)>>>,
     /// Per gate that waited: the push chunks ps task 0 received between the step's forward
     /// pass and the gate's opening (`None`: its condition did not hold within its limit).
     seen: Arc<Mutex<Vec<Option<u64>>>>,
+}
+
+impl Probes {
+    /// Adds a step's change of a worker model's overlapped pushes to `function`'s.
+    fn record(&self, function: &str, before: (u64, u64), after: (u64, u64)) {
+        let mut all = self.overlapped.lock().unwrap();
+        let e = all.entry(function.to_string()).or_default();
+        e.0 += after.0 - before.0;
+        e.1 += after.1 - before.1;
+    }
+
+    /// `function`'s overlapped pushes: (committed, given up).
+    fn overlapped(&self, function: &str) -> (u64, u64) {
+        self.overlapped.lock().unwrap().get(function).copied().unwrap_or_default()
+    }
 }
 
 /// When a gated step's backward pass goes on past the gate.
@@ -208,7 +226,7 @@ fn worker_options(overlap: bool) -> StrategyOptions {
 /// Registers `<name>:on` and `<name>:off`: a step of `M` (`freeze` frozen) pushing with
 /// [`PsWorkerModel::backward_and_push`], overlap on or off; buckets of one variable each
 /// (`bucket_bytes` 0), so that several buckets start while the pass runs.
-fn register_model<M: TestModel + 'static>(r: &mut StepRegistry, name: &str, freeze: &[&str]) {
+fn register_model<M: TestModel + 'static>(r: &mut StepRegistry, probes: &Probes, name: &str, freeze: &[&str]) {
     for overlap in [true, false] {
         let mut worker = PsWorkerModel::new(1, worker_options(overlap), M::build).unwrap();
         if !freeze.is_empty() {
@@ -217,12 +235,16 @@ fn register_model<M: TestModel + 'static>(r: &mut StepRegistry, name: &str, free
         worker.set_push_bucket_bytes(0);
         assert_eq!(worker.overlaps(), overlap);
         let key = format!("{name}:{}", if overlap { "on" } else { "off" });
+        let (probes, function) = (probes.clone(), key.clone());
         r.register(key, move |ctx: &WorkerContext, s: ModelStep| -> strata_core::Result<bool> {
             let batch = data(s.examples, M::DIM, s.seed);
+            let before = worker.overlapped_pushes();
             let out = worker.run_batch(ctx, &batch, |rctx, shard| {
                 let loss = worker.model().on(rctx)?.loss(s.phase, &shard.batch, rctx.candle_device())?;
                 worker.backward_and_push(rctx, &loss)
-            })?;
+            });
+            probes.record(&function, before, worker.overlapped_pushes());
+            let out = out?;
             Ok(out.push.is_some_and(|p| p.applied() || p.dropped()))
         });
     }
@@ -241,11 +263,16 @@ fn register_gated(r: &mut StepRegistry, probes: &Probes) {
         }
         assert_eq!(worker.overlaps(), key == "gated:on");
         let probes = probes.clone();
+        let function = key.to_string();
         r.register(key, move |ctx: &WorkerContext, s: GatedStep| -> strata_core::Result<bool> {
+            let before = worker.overlapped_pushes();
             let out = worker.run_batch(ctx, &data(s.examples, 6, s.seed), |rctx, _shard| {
                 let loss = worker.model().on(rctx)?.loss(&s, &probes, rctx.candle_device())?;
                 worker.backward_and_push(rctx, &loss)
-            })?;
+            });
+            // Recorded for refused (stale) attempts too.
+            probes.record(&function, before, worker.overlapped_pushes());
+            let out = out?;
             let applied = out.push.is_some_and(|p| p.applied() || p.dropped());
             if applied {
                 probes.done.fetch_add(1, Ordering::SeqCst);
@@ -257,9 +284,9 @@ fn register_gated(r: &mut StepRegistry, probes: &Probes) {
 
 fn registry(probes: &Probes) -> StepRegistry {
     let mut r = StepRegistry::new();
-    register_model::<Heads>(&mut r, "heads", &[]);
-    register_model::<Frozen>(&mut r, "frozen", &["late.*"]);
-    register_model::<BnNet<false>>(&mut r, "bn", &[]);
+    register_model::<Heads>(&mut r, probes, "heads", &[]);
+    register_model::<Frozen>(&mut r, probes, "frozen", &["late.*"]);
+    register_model::<BnNet<false>>(&mut r, probes, "bn", &[]);
     register_gated(&mut r, probes);
     r
 }
@@ -356,7 +383,7 @@ fn run<A: serde::Serialize>(coordinator: &ClusterCoordinator, function: &str, st
 }
 
 /// The ps tasks' bits and statuses after `steps` of `function` on a fresh job of `num_ps` ps
-/// tasks and `num_workers` workers.
+/// tasks and `num_workers` workers, and the function's overlapped pushes (committed, given up).
 #[allow(clippy::too_many_arguments)]
 fn train<M, A: serde::Serialize>(
     build: impl FnMut(&Scope) -> candle_core::Result<M>,
@@ -366,7 +393,7 @@ fn train<M, A: serde::Serialize>(
     function: &str,
     steps: &[A],
     sequential: bool,
-) -> (Vec<(String, Vec<u32>)>, Vec<PsStatus>) {
+) -> (Vec<(String, Vec<u32>)>, Vec<PsStatus>, (u64, u64)) {
     let job = Job::start(num_ps, num_workers);
     let strategy = job.strategy(options);
     let model = strategy.scope(build).unwrap();
@@ -374,11 +401,12 @@ fn train<M, A: serde::Serialize>(
     run(&coordinator, function, steps, sequential);
     let bits = pulled_bits(&model);
     let statuses = (0..num_ps).map(|ps| status(&strategy, ps)).collect();
+    let overlapped = job.probes.overlapped(function);
     drop(coordinator);
     drop(model);
     drop(strategy);
     job.shutdown();
-    (bits, statuses)
+    (bits, statuses, overlapped)
 }
 
 fn model_steps(n: usize, examples: usize, seed: u64) -> Vec<ModelStep> {
@@ -407,7 +435,7 @@ fn async_overlap_on_and_off_end_on_the_same_bits() {
                 options.partitioner = Partitioner::FixedShards(2);
                 options.compression = compression;
                 let function = format!("{name}:{overlap}");
-                let (bits, statuses) = match name {
+                let (bits, statuses, (committed, given_up)) = match name {
                     "heads" => train(Heads::build, options, 2, 1, &function, &model_steps(STEPS, 15, 300), true),
                     "frozen" => train(Frozen::build, options, 2, 1, &function, &model_steps(STEPS, 15, 300), true),
                     _ => train(BnNet::<false>::build, options, 2, 1, &function, &model_steps(STEPS, 15, 300), true),
@@ -415,6 +443,16 @@ fn async_overlap_on_and_off_end_on_the_same_bits() {
                 for st in &statuses {
                     assert_eq!(st.version, STEPS as u64, "{function}: one update per step: {st:?}");
                     assert_eq!(st.pushes_applied, STEPS as u64, "{function}: {st:?}");
+                }
+                eprintln!("{function} ({compression:?}): {committed} overlapped pushes committed, {given_up} given up");
+                match (overlap, name) {
+                    ("off", _) => assert_eq!((committed, given_up), (0, 0), "{function}"),
+                    // The first step learns the order; the heads change with the phase.
+                    ("on", "heads") => {
+                        assert_eq!(committed + given_up, STEPS as u64 - 1, "{function}");
+                        assert!(committed >= 1 && given_up >= 1, "{function}: {committed} {given_up}");
+                    }
+                    _ => assert_eq!((committed, given_up), (STEPS as u64 - 1, 0), "{function}"),
                 }
                 results.push(bits);
             }
@@ -437,10 +475,19 @@ fn sync_two_workers_overlap_on_and_off_end_on_the_same_bits() {
                 // Round r is steps 2r and 2r + 1, in the same phase.
                 let steps: Vec<ModelStep> =
                     (0..STEPS).map(|k| ModelStep { phase: k / 2, seed: 500 + k as u64, examples: 12 }).collect();
-                let (bits, statuses) = match name {
+                let (bits, statuses, (committed, given_up)) = match name {
                     "heads" => train(Heads::build, adamw(mode), 1, 2, &function, &steps, false),
                     _ => train(Frozen::build, adamw(mode), 1, 2, &function, &steps, false),
                 };
+                eprintln!("{function}: {committed} overlapped pushes committed, {given_up} given up");
+                match (overlap, name) {
+                    ("off", _) => assert_eq!((committed, given_up), (0, 0), "{function}"),
+                    // Each worker's steps alternate heads (a round per phase), so every early
+                    // push is given up and pushed after the pass.
+                    ("on", "heads") => assert_eq!(committed + given_up, STEPS as u64 - 2, "{function}"),
+                    // Each worker's first step learns the order.
+                    _ => assert_eq!((committed, given_up), (STEPS as u64 - 2, 0), "{function}"),
+                }
                 assert_eq!(statuses[0].rounds, STEPS as u64 / 2, "{function}: {:?}", statuses[0]);
                 assert_eq!(statuses[0].version, STEPS as u64 / 2, "{function}: {:?}", statuses[0]);
                 results.push(bits);
@@ -500,14 +547,16 @@ fn clipping_falls_back_to_the_same_bits() {
         let steps: Vec<GatedStep> = (0..STEPS).map(|k| GatedStep { phase: k / 2, ..GatedStep::open(k) }).collect();
         let mut results = Vec::new();
         for function in ["gated:on", "gated:off", "gated:clip"] {
-            let (bits, statuses) = train(Gated::build, adamw(PsMode::Async), 1, 1, function, &steps, true);
+            let (bits, statuses, (committed, _)) =
+                train(Gated::build, adamw(PsMode::Async), 1, 1, function, &steps, true);
             assert_eq!(statuses[0].version, STEPS as u64, "{function}");
+            assert_eq!(committed > 0, function == "gated:on", "{function}: {committed} overlapped pushes");
             results.push(bits);
         }
         assert_eq!(results[0], results[1], "overlap on and off differ");
         assert_ne!(results[0], results[2], "clipping at 0.5 must change the update");
         // Clipping with overlap on (which falls back) against clipping with overlap off.
-        let (clip_off, _) = train(Gated::build, adamw(PsMode::Async), 1, 1, "gated:clipoff", &steps, true);
+        let (clip_off, _, _) = train(Gated::build, adamw(PsMode::Async), 1, 1, "gated:clipoff", &steps, true);
         assert_eq!(results[2], clip_off, "clipping with overlap on and off differ");
     });
 }
@@ -536,6 +585,7 @@ fn stale_overlapped_push_is_rerun_and_applied_once() {
         let st = status(&strategy, 0);
         let seen = job.probes.seen.lock().unwrap().clone();
         let got = pulled_bits(&model);
+        let job_overlapped = job.probes.overlapped("gated:on");
         drop(coordinator);
         drop(model);
         drop(strategy);
@@ -546,9 +596,12 @@ fn stale_overlapped_push_is_rerun_and_applied_once() {
         assert_eq!(st.version, 4, "{st:?}");
         assert_eq!(st.applied_by_worker.values().sum::<u64>(), 4, "{st:?}");
         assert_eq!(st.applied_by_worker.len(), 2, "both workers applied steps: {st:?}");
+        // Overlapped: the refused learning step's re-run, A's first push (refused) and its
+        // re-run, and B (each worker's first run learned the order).
+        assert_eq!(job_overlapped, (4, 0), "overlapped pushes (committed, given up)");
         // The reference: the same steps one at a time without overlap, B before A.
         let open = |s: GatedStep| GatedStep { gate: GateKind::Open, ..s };
-        let (want, _) = train(Gated::build, adamw(mode), 1, 1, "gated:off", &[open(learn), open(learn), b, open(a)], true);
+        let (want, _, _) = train(Gated::build, adamw(mode), 1, 1, "gated:off", &[open(learn), open(learn), b, open(a)], true);
         assert_eq!(got, want, "the stale re-run differs from B then A");
     });
 }

@@ -43,7 +43,7 @@
 //! pulls read them, so its evaluation uses the trained statistics.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use candle_core::{DType, Tensor, Var};
@@ -79,6 +79,10 @@ pub struct PushSlot {
     /// The step's push, started while its backward pass ran
     /// ([`PsWorkerModel::backward_and_push`]): the optimizer's step commits it.
     overlapped: Mutex<Option<OverlappedPush>>,
+    /// Steps whose push started while the pass ran and was committed.
+    committed: AtomicU64,
+    /// Steps whose early push was given up (and pushed after the pass).
+    given_up: AtomicU64,
 }
 
 impl std::fmt::Debug for PushSlot {
@@ -149,8 +153,10 @@ impl Optimizer for PushToPs {
                     self.vars.iter().filter(|(_, v)| grads.get(v).is_some()).map(|(n, _)| n.as_str()).collect();
                 if push.matches(&with) {
                     // Every gradient is on its way already: the state's changes, and the end.
+                    self.slot.committed.fetch_add(1, Ordering::Relaxed);
                     push.commit(self.state_changes()?)
                 } else {
+                    self.slot.given_up.fetch_add(1, Ordering::Relaxed);
                     // Other variables have gradients than the push expected: it is given up
                     // (nothing of it applied) and the step pushed after the pass, as the same update.
                     let id = push.id().clone();
@@ -318,6 +324,13 @@ impl<M> PsWorkerModel<M> {
     /// [`backward_and_push`](Self::backward_and_push).
     pub fn overlaps(&self) -> bool {
         self.overlap && self.clip_global_norm.is_none() && self.strategy.num_replicas_in_sync() == 1
+    }
+
+    /// How many steps' pushes started while their backward pass ran and were committed so
+    /// far, and how many such early pushes were given up (and pushed after the pass, because
+    /// other variables had a gradient than the last step's).
+    pub fn overlapped_pushes(&self) -> (u64, u64) {
+        (self.slot.committed.load(Ordering::Relaxed), self.slot.given_up.load(Ordering::Relaxed))
     }
 
     /// Computes the gradients of `loss` and pushes them, in a step of
