@@ -16,7 +16,7 @@
 //!     let out = worker.run_batch(w, &batch_for(step), |ctx, shard| {
 //!         let x = shard.batch.features_tensor(ctx.candle_device())?;
 //!         let loss = candle_nn::Module::forward(worker.model().on(ctx)?, &x)?.sqr()?.mean_all()?;
-//!         ctx.backward_and_sync(&loss, worker.optimizer())?; // reduce, then one push per ps task
+//!         worker.backward_and_push(ctx, &loss)?; // one push per ps task, starting during the pass
 //!         Ok(loss.to_scalar::<f32>()? * shard.weight())
 //!     })?;
 //!     worker.strategy().reduce(ReduceOp::Sum, &out.values)
@@ -28,7 +28,11 @@
 //! ones once, since nothing changes them), runs the step on the worker's replicas, and
 //! `backward_and_sync` reduces their gradients to the parameter replica as CentralStorage does
 //! (only the variables some replica computed a gradient for) and pushes those, with the step's
-//! exactly-once identity (coordinator run, step, sequence), one push per ps task. A ps task
+//! exactly-once identity (coordinator run, step, sequence), one push per ps task;
+//! [`backward_and_push`](PsWorkerModel::backward_and_push) does the same, and where it can (one
+//! replica, no clipping, overlap on) starts each task's push while the backward pass runs and
+//! sends each bucket of gradients as soon as it is final, the push applied whole after the
+//! pass ([`OverlappedPush`]). A ps task
 //! none of whose variables has a gradient gets an empty push, which counts the update without
 //! changing anything: frozen variables and parameters unused in a step are neither pushed nor
 //! updated, as on one device.
