@@ -426,9 +426,12 @@ fn model_steps(n: usize, examples: usize, seed: u64) -> Vec<ModelStep> {
 fn async_overlap_on_and_off_end_on_the_same_bits() {
     with_timeout(TEST_LIMIT, "async_overlap_on_and_off_end_on_the_same_bits", || {
         const STEPS: usize = 8;
-        for (name, compression) in
-            [("heads", Compression::None), ("frozen", Compression::None), ("bn", Compression::None), ("heads", Compression::Bf16)]
-        {
+        for (name, compression) in [
+            ("heads", Compression::None),
+            ("frozen", Compression::None),
+            ("bn", Compression::None),
+            ("heads", Compression::Bf16),
+        ] {
             let mut results = Vec::new();
             for overlap in ["on", "off"] {
                 let mut options = adamw(PsMode::Async);
@@ -512,7 +515,8 @@ fn push_arrives_while_the_backward_pass_is_held() {
         let probes = job.probes.clone();
         // First step: learns the order; the gate is open.
         run(&coordinator, "gated:on", &[GatedStep::open(0)], true);
-        let held = GatedStep { gate: GateKind::Chunks { limit_ms: GATE_LIMIT.as_millis() as u64 }, ..GatedStep::open(1) };
+        let held =
+            GatedStep { gate: GateKind::Chunks { limit_ms: GATE_LIMIT.as_millis() as u64 }, ..GatedStep::open(1) };
         run(&coordinator, "gated:on", &[held], true);
         let seen = std::mem::take(&mut *probes.seen.lock().unwrap());
         assert_eq!(seen.len(), 1, "{seen:?}");
@@ -601,7 +605,8 @@ fn stale_overlapped_push_is_rerun_and_applied_once() {
         assert_eq!(job_overlapped, (4, 0), "overlapped pushes (committed, given up)");
         // The reference: the same steps one at a time without overlap, B before A.
         let open = |s: GatedStep| GatedStep { gate: GateKind::Open, ..s };
-        let (want, _, _) = train(Gated::build, adamw(mode), 1, 1, "gated:off", &[open(learn), open(learn), b, open(a)], true);
+        let (want, _, _) =
+            train(Gated::build, adamw(mode), 1, 1, "gated:off", &[open(learn), open(learn), b, open(a)], true);
         assert_eq!(got, want, "the stale re-run differs from B then A");
     });
 }

@@ -435,7 +435,12 @@ impl WorkerContext {
 
     /// [`push`](Self::push) as update `id` (an overlapped push given up is pushed again as the
     /// same update).
-    pub(crate) fn push_as(&self, id: &UpdateId, ticket: &PullTicket, grads: &[(String, Vec<f32>)]) -> Result<PushSummary> {
+    pub(crate) fn push_as(
+        &self,
+        id: &UpdateId,
+        ticket: &PullTicket,
+        grads: &[(String, Vec<f32>)],
+    ) -> Result<PushSummary> {
         let placement = &ticket.placement;
         self.check_tasks(placement)?;
         let num_ps = placement.num_ps();
