@@ -351,8 +351,11 @@ fn status(strategy: &ParameterServerStrategy, ps: usize) -> PsStatus {
     strategy.ps_clients()[ps].status().unwrap()
 }
 
+/// Every variable's bits, by name.
+type Bits = Vec<(String, Vec<u32>)>;
+
 /// Every variable's bits after pulling them from the ps tasks, by name.
-fn pulled_bits<M>(model: &PsModel<M>) -> Vec<(String, Vec<u32>)> {
+fn pulled_bits<M>(model: &PsModel<M>) -> Bits {
     model.pull().unwrap();
     model
         .variables()
@@ -384,7 +387,6 @@ fn run<A: serde::Serialize>(coordinator: &ClusterCoordinator, function: &str, st
 
 /// The ps tasks' bits and statuses after `steps` of `function` on a fresh job of `num_ps` ps
 /// tasks and `num_workers` workers, and the function's overlapped pushes (committed, given up).
-#[allow(clippy::too_many_arguments)]
 fn train<M, A: serde::Serialize>(
     build: impl FnMut(&Scope) -> candle_core::Result<M>,
     options: ParameterServerOptions,
@@ -393,7 +395,7 @@ fn train<M, A: serde::Serialize>(
     function: &str,
     steps: &[A],
     sequential: bool,
-) -> (Vec<(String, Vec<u32>)>, Vec<PsStatus>, (u64, u64)) {
+) -> (Bits, Vec<PsStatus>, (u64, u64)) {
     let job = Job::start(num_ps, num_workers);
     let strategy = job.strategy(options);
     let model = strategy.scope(build).unwrap();

@@ -395,11 +395,8 @@ impl<M> PsWorkerModel<M> {
             }
             Ok(())
         });
-        let grads = match grads {
-            Ok(g) => g,
-            // Dropping `push` gives it up.
-            Err(e) => return Err(e.into()),
-        };
+        // A failed pass returns here, and dropping `push` gives it up.
+        let grads = grads?;
         *lock(&self.ready) = Some(ready);
         after_backward();
         *lock(&self.slot.overlapped) = push;
