@@ -67,6 +67,8 @@ struct Probes {
     done: Arc<AtomicU64>,
     /// Gates of kind [`GateKind::Barrier`] reached.
     arrived: Arc<AtomicU64>,
+    /// Gates of kind [`GateKind::AfterSteps`] reached.
+    reached: Arc<AtomicU64>,
     /// Per registered function: its worker model's overlapped pushes (committed, given up),
     /// after its last step (summed over the workers of the job).
     overlapped: Arc<Mutex<std::collections::BTreeMap<String, (u64, u64)>>>,
@@ -98,8 +100,11 @@ enum GateKind {
     /// Once ps task 0 received a chunk of a push after this step's forward pass, or after
     /// `limit_ms`.
     Chunks { limit_ms: u64 },
-    /// Once `steps` steps had their push applied (the ps tasks moved past this step's pull).
+    /// Once `steps` steps had their push applied (the ps tasks moved past this step's pull);
+    /// counts the gate as reached first.
     AfterSteps { steps: u64 },
+    /// Once `count` gates of kind [`GateKind::AfterSteps`] were reached (their steps pulled).
+    AfterReached { count: u64 },
     /// Once `parties` gates of this kind were reached (steps running at once, on different
     /// workers).
     Barrier { parties: u64 },
@@ -134,8 +139,13 @@ impl candle_core::CustomOp1 for Gate {
                 (Box::new(move || chunks.load(Ordering::SeqCst) > base), Duration::from_millis(limit_ms))
             }
             GateKind::AfterSteps { steps } => {
+                self.probes.reached.fetch_add(1, Ordering::SeqCst);
                 let done = self.probes.done.clone();
                 (Box::new(move || done.load(Ordering::SeqCst) >= steps), GATE_LIMIT)
+            }
+            GateKind::AfterReached { count } => {
+                let reached = self.probes.reached.clone();
+                (Box::new(move || reached.load(Ordering::SeqCst) >= count), GATE_LIMIT)
             }
             GateKind::Barrier { parties } => {
                 let arrived = self.probes.arrived.clone();
@@ -568,7 +578,7 @@ fn clipping_falls_back_to_the_same_bits() {
 }
 
 /// Stale mode (bound 0) with overlap, two workers: step A's backward pass is held until step
-/// B's push was applied, so A's overlapped push (part of it already sent) is refused as stale;
+/// B's push was applied (B's pass waiting until A pulled), so A's overlapped push (part of it already sent) is refused as stale;
 /// A pulls again, recomputes and pushes once more. Every step is applied exactly once, and
 /// the result is bit for bit that of B then A on one worker without overlap.
 #[test]
@@ -579,7 +589,9 @@ fn stale_overlapped_push_is_rerun_and_applied_once() {
         // order); one of them is refused as stale and re-run, and the two apply in turn.
         let learn = GatedStep { gate: GateKind::Barrier { parties: 2 }, ..GatedStep::open(0) };
         let a = GatedStep { gate: GateKind::AfterSteps { steps: 3 }, ..GatedStep::open(1) };
-        let b = GatedStep::open(2);
+        // B's pass waits until A has pulled (and reached its gate), so B's push is applied
+        // after A's pull: A's push is necessarily stale.
+        let b = GatedStep { gate: GateKind::AfterReached { count: 1 }, ..GatedStep::open(2) };
         let job = Job::start(1, 2);
         let strategy = job.strategy(adamw(mode));
         let model = strategy.scope(Gated::build).unwrap();
@@ -608,7 +620,7 @@ fn stale_overlapped_push_is_rerun_and_applied_once() {
         // The reference: the same steps one at a time without overlap, B before A.
         let open = |s: GatedStep| GatedStep { gate: GateKind::Open, ..s };
         let (want, _, _) =
-            train(Gated::build, adamw(mode), 1, 1, "gated:off", &[open(learn), open(learn), b, open(a)], true);
+            train(Gated::build, adamw(mode), 1, 1, "gated:off", &[open(learn), open(learn), open(b), open(a)], true);
         assert_eq!(got, want, "the stale re-run differs from B then A");
     });
 }

@@ -497,8 +497,9 @@ impl PsClient {
     }
 
     /// [`push`](Self::push) of gradients handed over while the call runs (see [`StagedPush`]):
-    /// the header naming `names` (of the staged push's lengths, in that order) goes at once,
-    /// each variable's chunks as soon as it is staged, and the call ends, and the task applies
+    /// the call starts when the first gradient is staged (or the push committed), with the
+    /// header naming `names` (of the staged push's lengths, in that order), and each
+    /// variable's chunks go as soon as it is staged, and the call ends, and the task applies
     /// the push, only once it is committed. An abandoned push is cancelled before its end, so
     /// the task applies nothing of it: [`Error::Aborted`], after which the same update may be
     /// pushed again. Retried like [`push`](Self::push), sending the staged gradients again.
@@ -523,6 +524,12 @@ impl PsClient {
         let timeout = self.config.timeout;
         crate::hooks::before_send_blocking();
         let r = self.retry("Push", || {
+            // The call starts with the first gradient (a task may stream a large push from its
+            // header on, making other pushes wait), and not at all for a push given up before.
+            if let staged::Next::Abandoned = staged.next(0) {
+                abandoned.store(true, std::sync::atomic::Ordering::Relaxed);
+                return Some(Err(Status::failed_precondition("the push was abandoned")));
+            }
             let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(8);
             let svc = self.svc.clone();
             let call = async move {
