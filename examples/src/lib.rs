@@ -57,8 +57,9 @@ pub mod ps_step {
 
     /// Registers the step. It reads like a `run_batch` step under any other strategy: the
     /// worker's model pulls the ps tasks' values, each replica computes its shard's loss, and
-    /// `backward_and_sync` reduces the replicas' gradients and pushes those that exist, once per
-    /// step (the parameter servers apply them, exactly once). Returns the batch's loss.
+    /// `backward_and_push` pushes the gradients that exist, once per step, the push starting
+    /// while the backward pass runs (the parameter servers apply it whole, exactly once).
+    /// Returns the batch's loss.
     pub fn register(registry: &mut StepRegistry) -> strata::Result<()> {
         let (train, _) = strata::digits::train_test_split(&strata::digits::load(None)?, 0.2, 0);
         let worker = PsWorkerModel::new(1, Default::default(), |s| Mlp::new(s.var_builder(), 64, &HIDDEN, 10))?;
@@ -79,7 +80,7 @@ pub mod ps_step {
                 let x = shard.batch.features_tensor(rctx.candle_device())?;
                 let y = shard.batch.labels_tensor(rctx.candle_device())?;
                 let loss = worker.model().on(rctx)?.loss(&x, &y)?;
-                rctx.backward_and_sync(&loss, worker.optimizer())?; // reduce, push, applied once
+                worker.backward_and_push(rctx, &loss)?; // push (starting during the pass), applied once
                 Ok(loss.to_scalar::<f32>()? * shard.weight())
             })?;
             worker.strategy().reduce(ReduceOp::Sum, &step.values)

@@ -448,14 +448,16 @@ impl LocalCluster {
 }
 
 /// The job every worker builds: `--model` (the MLP of `--hidden`, the CNN, or the default
-/// transformer), `--replicas` per worker, `--seed` and `--data`.
+/// transformer), `--replicas` per worker, `--seed`, `--data` and `--no-overlap`.
 pub fn job_spec(args: &TrainArgs) -> PsJobSpec {
     let replicas = args.replicas.unwrap_or(1);
-    match args.model {
+    let mut spec = match args.model {
         ModelKind::Mlp => PsJobSpec::mlp(args.hidden(), replicas, args.seed, args.data.clone()),
         ModelKind::Cnn => PsJobSpec::cnn(replicas, args.seed, args.data.clone()),
         ModelKind::Transformer => PsJobSpec::transformer(TransformerConfig::default(), replicas, args.seed),
-    }
+    };
+    spec.overlap = !args.no_overlap;
+    spec
 }
 
 /// Trains `--model` under ParameterServerStrategy (the coordinator's side), starting the ps and

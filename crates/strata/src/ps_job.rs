@@ -16,8 +16,10 @@
 //!   [`crate::shakespeare::Corpus::random_windows`] seeded with [`window_seed`]`(seed, epoch,
 //!   batch)`; an epoch is as many steps as the coordinator schedules (`--steps`).
 //!
-//! Within a worker the step runs on the worker's local replicas: `sync_and_apply` reduces their
-//! gradients to the parameter replica and pushes them, once per step (the transformer's
+//! Within a worker the step runs on the worker's local replicas: their gradients are reduced to
+//! the parameter replica and pushed, once per step (with one replica and no clipping the push
+//! starts while the backward pass runs, [`PsWorkerModel::backward_and_push`], unless the spec
+//! turns `overlap` off; the transformer's
 //! gradient clipped to a global norm of [`TRANSFORMER_CLIP_NORM`] first, as the other
 //! strategies clip it; the ps tasks apply it at the rate of the learning-rate schedule the
 //! coordinator gave them, by their own update count, or at a constant rate without one). The
@@ -135,6 +137,18 @@ pub struct PsJobSpec {
     /// The digits file (`None`: the copy built into the binary; always `None` for the
     /// transformer, whose text is built in).
     pub data: Option<PathBuf>,
+    /// Whether a worker's push starts while its backward pass runs (`--no-overlap`: after
+    /// it); see [`PsWorkerModel::backward_and_push`]. Absent from the JSON when `true`.
+    #[serde(default = "overlap_default", skip_serializing_if = "is_true")]
+    pub overlap: bool,
+}
+
+fn overlap_default() -> bool {
+    true
+}
+
+fn is_true(b: &bool) -> bool {
+    *b
 }
 
 /// The digits job's spec under its former name.
@@ -143,12 +157,12 @@ pub type DigitsSpec = PsJobSpec;
 impl PsJobSpec {
     /// The digits MLP of `hidden`.
     pub fn mlp(hidden: Vec<usize>, replicas: usize, seed: u64, data: Option<PathBuf>) -> Self {
-        Self { model: PsModelKind::Mlp, hidden, transformer: None, replicas, seed, data }
+        Self { model: PsModelKind::Mlp, hidden, transformer: None, replicas, seed, data, overlap: true }
     }
 
     /// The digits CNN.
     pub fn cnn(replicas: usize, seed: u64, data: Option<PathBuf>) -> Self {
-        Self { model: PsModelKind::Cnn, hidden: Vec::new(), transformer: None, replicas, seed, data }
+        Self { model: PsModelKind::Cnn, hidden: Vec::new(), transformer: None, replicas, seed, data, overlap: true }
     }
 
     /// The transformer of `shape` on the built-in Tiny Shakespeare.
@@ -160,6 +174,7 @@ impl PsJobSpec {
             replicas,
             seed,
             data: None,
+            overlap: true,
         }
     }
 
@@ -331,7 +346,7 @@ struct WorkerState {
 
 impl WorkerState {
     fn new(spec: &PsJobSpec) -> Result<Self> {
-        let options = strata_core::StrategyOptions { seed: spec.seed, ..Default::default() };
+        let options = strata_core::StrategyOptions { seed: spec.seed, overlap: spec.overlap, ..Default::default() };
         let digits_data = || -> Result<WorkerData> {
             let all = digits::load(spec.data.as_deref())?;
             let (train, _) = digits::train_test_split(&all, 0.2, 0);
@@ -435,11 +450,13 @@ fn step_on<M: Send + Sync, B: BatchData>(
     let out = worker.run_batch(ctx, batch, |rctx, shard| {
         let dev = rctx.candle_device();
         let loss = loss_of(worker.model().on(rctx)?, dev, &shard.batch).map_err(into_core)?;
-        let grads = loss.backward()?;
-        if let (Some(hook), 0) = (&options.hook, rctx.replica_id()) {
-            hook.after_backward(ctx.worker_index(), global_step, started.elapsed());
-        }
-        rctx.sync_and_apply(grads, worker.optimizer())?;
+        // The push starts while the pass runs where the worker overlaps (one replica, no
+        // clipping); the hook runs after the pass, before the push is committed.
+        worker.backward_and_push_then(rctx, &loss, || {
+            if let (Some(hook), 0) = (&options.hook, rctx.replica_id()) {
+                hook.after_backward(ctx.worker_index(), global_step, started.elapsed());
+            }
+        })?;
         Ok(loss.to_scalar::<f32>()? * shard.weight())
     })?;
     let loss = worker.strategy().reduce(ReduceOp::Sum, &out.values)?;

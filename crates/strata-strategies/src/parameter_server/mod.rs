@@ -16,6 +16,7 @@ pub use coordinator::{ClusterCoordinator, CoordinatorOptions, RemoteValue};
 pub use partition::{rows_per_shard, shard_range, Partitioner, PlacedShard, Placement, PlacementPolicy};
 pub use strategy::{ParameterServerOptions, ParameterServerStrategy, PsModel};
 pub use worker::{
-    serve_worker, PullTicket, PushSummary, StepRegistry, WorkerContext, WorkerOptions, WorkerStepHandler,
+    serve_worker, OverlappedPush, PullTicket, PushSummary, StepRegistry, WorkerContext, WorkerOptions,
+    WorkerStepHandler,
 };
-pub use worker_model::{PsStep, PsWorkerModel, PushToPs};
+pub use worker_model::{PsStep, PsWorkerModel, PushToPs, DEFAULT_PUSH_BUCKET_BYTES};

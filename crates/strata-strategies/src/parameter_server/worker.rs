@@ -24,7 +24,7 @@
 //! // In the worker process: `serve_worker(bind, registry, WorkerOptions::new(index, ps_addresses, token))?.wait()`.
 //! ```
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -35,7 +35,9 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use strata_core::{Error, Result};
 use strata_transport::executor::{StepFailure, StepHandler, WorkerExecutorHandle};
-use strata_transport::ps::{PsClient, PsClientConfig, PushOutcome, UpdateId, VariableInfo, WireFormat};
+use strata_transport::ps::{
+    F32Bytes, PsClient, PsClientConfig, PushOutcome, StagedPush, UpdateId, VariableInfo, WireFormat,
+};
 use strata_transport::ClusterToken;
 
 use super::partition::Placement;
@@ -405,7 +407,22 @@ impl WorkerContext {
     /// update (AdamW's step, a sync round) without changing any variable, as one device's
     /// optimizer step skips variables without a gradient.
     pub fn push(&self, ticket: &PullTicket, grads: &[(String, Vec<f32>)]) -> Result<PushSummary> {
-        let placement = &ticket.placement;
+        let id = self.next_update_id();
+        self.push_as(&id, ticket, grads)
+    }
+
+    /// The identity of the step's next push.
+    fn next_update_id(&self) -> UpdateId {
+        UpdateId {
+            worker: self.shared.task.clone(),
+            client: self.client.clone(),
+            step: self.step,
+            seq: self.seq.fetch_add(1, Ordering::SeqCst),
+        }
+    }
+
+    /// Checks that the variables are on as many ps tasks as this worker knows.
+    fn check_tasks(&self, placement: &Placement) -> Result<()> {
         let num_ps = placement.num_ps();
         if num_ps != self.shared.clients.len() {
             return Err(Error::InvalidCluster(format!(
@@ -413,25 +430,32 @@ impl WorkerContext {
                 self.shared.clients.len()
             )));
         }
+        Ok(())
+    }
+
+    /// [`push`](Self::push) as update `id` (an overlapped push given up is pushed again as the
+    /// same update).
+    pub(crate) fn push_as(
+        &self,
+        id: &UpdateId,
+        ticket: &PullTicket,
+        grads: &[(String, Vec<f32>)],
+    ) -> Result<PushSummary> {
+        let placement = &ticket.placement;
+        self.check_tasks(placement)?;
+        let num_ps = placement.num_ps();
         let mut per_task: Vec<Vec<(&str, &[f32])>> = vec![Vec::new(); num_ps];
         for (name, g) in grads {
             for (ps, shard, part) in placement.split(name, g)? {
                 per_task[ps].push((shard, part));
             }
         }
-        let id = UpdateId {
-            worker: self.shared.task.clone(),
-            client: self.client.clone(),
-            step: self.step,
-            seq: self.seq.fetch_add(1, Ordering::SeqCst),
-        };
         let clients = self.shared.wire_clients();
         let results: Vec<Result<PushOutcome>> = std::thread::scope(|s| {
             let handles: Vec<_> = per_task
                 .iter()
                 .enumerate()
                 .map(|(ps, list)| {
-                    let id = &id;
                     let client = &clients[ps];
                     let base = ticket.versions.get(ps).copied().unwrap_or(0);
                     s.spawn(move || client.push(id, base, list).map_err(Error::from))
@@ -442,20 +466,280 @@ impl WorkerContext {
                 .map(|h| h.join().unwrap_or_else(|_| Err(Error::Cluster("a push thread panicked".into()))))
                 .collect()
         });
-        let mut outcomes = Vec::new();
-        let mut first_error = None;
-        for (ps, r) in results.into_iter().enumerate() {
-            match r {
-                Ok(o) => outcomes.push((format!("ps:{ps}"), o)),
-                // A stale refusal wins: the step runs again and the others' pushes repeat as duplicates.
-                Err(e) if first_error.is_none() || matches!(e, Error::Stale(_)) => first_error = Some(e),
-                Err(_) => {}
+        summarize(results)
+    }
+
+    /// Starts the push of this step's gradients before they are computed (see
+    /// [`OverlappedPush`]): one push per ps task, as [`push`](Self::push) makes, each open
+    /// from now on, carrying `gradients` (whole variables, in push order) and then `state`
+    /// (their changes, staged at [`OverlappedPush::commit`]). The gradients are expected to
+    /// become final in the order `ready` (the same variables), and are handed to each task's
+    /// push in buckets of about `bucket_bytes` along that order.
+    pub fn start_overlapped_push(
+        &self,
+        ticket: &PullTicket,
+        gradients: &[String],
+        ready: &[String],
+        state: &[String],
+        bucket_bytes: usize,
+    ) -> Result<OverlappedPush> {
+        let placement = ticket.placement.clone();
+        self.check_tasks(&placement)?;
+        let num_ps = placement.num_ps();
+        let mut names: Vec<Vec<String>> = vec![Vec::new(); num_ps];
+        let mut lens: Vec<Vec<usize>> = vec![Vec::new(); num_ps];
+        let mut routes: HashMap<String, Route> = HashMap::new();
+        for (name, is_state) in gradients.iter().map(|n| (n, false)).chain(state.iter().map(|n| (n, true))) {
+            let numel: usize = placement
+                .shape_of(name)
+                .ok_or_else(|| {
+                    Error::InvalidArgument(format!(
+                        "variable {name:?} is not on the parameter servers; create it in scope"
+                    ))
+                })?
+                .iter()
+                .product();
+            let mut parts = Vec::new();
+            for s in placement.shards_of(name) {
+                parts.push((s.ps, names[s.ps].len(), s.range()));
+                names[s.ps].push(s.info.name.clone());
+                lens[s.ps].push(s.range().len());
+            }
+            if routes.insert(name.clone(), Route { numel, parts, state: is_state, staged: false }).is_some() {
+                return Err(Error::InvalidArgument(format!("variable {name:?} is pushed twice; push it once")));
             }
         }
-        match first_error {
-            Some(e) => Err(e),
-            None => Ok(PushSummary { outcomes }),
+        // Each task's buckets: its shards of the gradients, in the order they should be ready.
+        let mut bucket_of: Vec<Vec<Option<usize>>> = lens.iter().map(|l| vec![None; l.len()]).collect();
+        let mut left: Vec<Vec<usize>> = vec![Vec::new(); num_ps];
+        for ps in 0..num_ps {
+            let mut order: Vec<usize> = Vec::new();
+            for name in ready {
+                let route = routes.get(name).filter(|r| !r.state).ok_or_else(|| {
+                    Error::InvalidArgument(format!("variable {name:?} is expected ready but not among the gradients"))
+                })?;
+                order.extend(route.parts.iter().filter(|(p, _, _)| *p == ps).map(|(_, i, _)| *i));
+            }
+            let sizes: Vec<usize> = order.iter().map(|&i| lens[ps][i]).collect();
+            for (b, bucket) in strata_core::cross_device::plan_buckets(&sizes, bucket_bytes).iter().enumerate() {
+                for &i in &order[bucket.tensors.clone()] {
+                    bucket_of[ps][i] = Some(b);
+                }
+                left[ps].push(bucket.tensors.len());
+            }
         }
+        let id = self.next_update_id();
+        let clients = self.shared.wire_clients();
+        let mut push = OverlappedPush {
+            id: id.clone(),
+            ticket: ticket.clone(),
+            gradients: gradients.to_vec(),
+            routes,
+            pending: left.iter().map(|l| vec![Vec::new(); l.len()]).collect(),
+            bucket_of,
+            left,
+            staged: Vec::with_capacity(num_ps),
+            threads: Vec::with_capacity(num_ps),
+            broken: None,
+        };
+        for (ps, (names, lens)) in names.into_iter().zip(lens).enumerate() {
+            let staged = Arc::new(StagedPush::new(lens));
+            let client = clients[ps].clone();
+            let base = ticket.versions.get(ps).copied().unwrap_or(0);
+            let (id, source) = (id.clone(), staged.clone());
+            let thread = std::thread::Builder::new()
+                .name(format!("push-ps{ps}"))
+                .spawn(move || {
+                    let names: Vec<&str> = names.iter().map(String::as_str).collect();
+                    client.push_staged(&id, base, &names, &source).map_err(Error::from)
+                })
+                .map_err(|e| Error::Cluster(format!("cannot start the thread of the push to ps:{ps}: {e}")));
+            push.staged.push(staged);
+            // Dropping `push` on an error abandons (and joins) the threads started so far.
+            push.threads.push(thread?);
+        }
+        Ok(push)
+    }
+}
+
+/// Where a variable of an [`OverlappedPush`] goes.
+#[derive(Debug)]
+struct Route {
+    numel: usize,
+    /// Per shard: its ps task, its index in that task's push, and its elements.
+    parts: Vec<(usize, usize, std::ops::Range<usize>)>,
+    /// A state variable's change (staged at commit), not a gradient.
+    state: bool,
+    staged: bool,
+}
+
+/// A step's push started before the backward pass ends: one push per ps task, as
+/// [`WorkerContext::push`] makes (the same update identity, the same header, the same chunks),
+/// open from the start; each variable's gradient is handed over as soon as it is final
+/// ([`stage`](Self::stage)), a bucket at a time, and sent while the pass goes on. The ps tasks
+/// apply nothing before [`commit`](Self::commit) ends the pushes, so the step's update stays
+/// whole: one update per task, applied, dropped or refused (stale) as a whole. Dropped before
+/// its commit (or after a [`stage`](Self::stage) it does not expect, see
+/// [`matches`](Self::matches)), the push is abandoned: every call is cancelled before its end,
+/// nothing of it is applied, and the same update can be pushed again.
+pub struct OverlappedPush {
+    id: UpdateId,
+    ticket: PullTicket,
+    gradients: Vec<String>,
+    routes: HashMap<String, Route>,
+    /// Per ps task, per bucket: the shards staged, and how many are still to come.
+    pending: Vec<Vec<Vec<(usize, F32Bytes)>>>,
+    bucket_of: Vec<Vec<Option<usize>>>,
+    left: Vec<Vec<usize>>,
+    staged: Vec<Arc<StagedPush>>,
+    threads: Vec<std::thread::JoinHandle<Result<PushOutcome>>>,
+    /// Why the push cannot be committed, if it cannot.
+    broken: Option<String>,
+}
+
+impl std::fmt::Debug for OverlappedPush {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OverlappedPush")
+            .field("id", &self.id)
+            .field("gradients", &self.gradients)
+            .field("broken", &self.broken)
+            .finish()
+    }
+}
+
+impl OverlappedPush {
+    /// The update this push is (pushed again as itself when it is given up).
+    pub fn id(&self) -> &UpdateId {
+        &self.id
+    }
+
+    /// The pull this push's gradients were computed from.
+    pub fn ticket(&self) -> &PullTicket {
+        &self.ticket
+    }
+
+    /// Hands over the final gradient of variable `name` (row-major f32). Its shards are sent
+    /// with their bucket, once the bucket's last one is here. A variable the push does not
+    /// carry, or one staged twice, makes the push one that [`matches`](Self::matches) nothing.
+    pub fn stage(&mut self, name: &str, grad: Vec<f32>) {
+        if self.broken.is_some() {
+            return;
+        }
+        let Some(route) = self.routes.get_mut(name).filter(|r| !r.state && !r.staged) else {
+            self.broken = Some(format!("variable {name:?} got a gradient this push does not expect"));
+            return;
+        };
+        if grad.len() != route.numel {
+            self.broken = Some(format!("variable {name:?} has {} elements, its gradient {}", route.numel, grad.len()));
+            return;
+        }
+        route.staged = true;
+        let whole = F32Bytes::from_vec(grad);
+        let parts: Vec<_> = route.parts.clone();
+        for (ps, i, range) in parts {
+            let part = whole.slice(range);
+            let Some(b) = self.bucket_of[ps][i] else {
+                // Not in the expected order: sent on its own.
+                if let Err(e) = self.staged[ps].stage(vec![(i, part)]) {
+                    self.broken = Some(e.to_string());
+                }
+                continue;
+            };
+            self.pending[ps][b].push((i, part));
+            self.left[ps][b] -= 1;
+            if self.left[ps][b] == 0 {
+                let bucket = std::mem::take(&mut self.pending[ps][b]);
+                if let Err(e) = self.staged[ps].stage(bucket) {
+                    self.broken = Some(e.to_string());
+                }
+            }
+        }
+    }
+
+    /// Whether the push carries exactly the gradients of `with_gradient` (in push order), and
+    /// every one of them was staged: then [`commit`](Self::commit) pushes what
+    /// [`WorkerContext::push`] of the same gradients would.
+    pub fn matches(&self, with_gradient: &[&str]) -> bool {
+        self.broken.is_none()
+            && self.gradients.len() == with_gradient.len()
+            && self.gradients.iter().zip(with_gradient).all(|(a, b)| a == b)
+            && self.routes.values().all(|r| r.state || r.staged)
+    }
+
+    /// Stages `state` (the state variables' changes, in push order) and ends every task's
+    /// push; waits for their answers. A push that does not [`match`](Self::matches) its
+    /// gradients is refused ([`Error::InvalidArgument`]) and abandoned.
+    pub fn commit(mut self, state: Vec<(String, Vec<f32>)>) -> Result<PushSummary> {
+        for (name, values) in state {
+            let Some(route) = self.routes.get_mut(&name).filter(|r| r.state && !r.staged) else {
+                self.broken = Some(format!("state {name:?} is not in this push, or was staged twice"));
+                break;
+            };
+            if values.len() != route.numel {
+                self.broken = Some(format!("state {name:?} has {} elements, its change {}", route.numel, values.len()));
+                break;
+            }
+            route.staged = true;
+            let whole = F32Bytes::from_vec(values);
+            for (ps, i, range) in route.parts.clone() {
+                if let Err(e) = self.staged[ps].stage(vec![(i, whole.slice(range))]) {
+                    self.broken = Some(e.to_string());
+                }
+            }
+        }
+        if self.broken.is_none() {
+            if let Some((name, _)) = self.routes.iter().find(|(_, r)| !r.staged) {
+                self.broken = Some(format!("variable {name:?} was never staged"));
+            }
+        }
+        if let Some(why) = self.broken.take() {
+            return Err(Error::InvalidArgument(format!("an overlapped push cannot be committed: {why}")));
+        }
+        for s in &self.staged {
+            if let Err(e) = s.commit() {
+                return Err(Error::InvalidArgument(format!("an overlapped push cannot be committed: {e}")));
+            }
+        }
+        let results = std::mem::take(&mut self.threads)
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err(Error::Cluster("a push thread panicked".into()))))
+            .collect();
+        summarize(results)
+    }
+
+    /// Gives the push up: every task's call is cancelled before its end, so nothing of it is
+    /// applied; returns once the calls have ended.
+    pub fn abandon(self) {
+        drop(self);
+    }
+}
+
+impl Drop for OverlappedPush {
+    fn drop(&mut self) {
+        for s in &self.staged {
+            s.abandon();
+        }
+        for h in std::mem::take(&mut self.threads) {
+            let _ = h.join();
+        }
+    }
+}
+
+/// One push's answers from every ps task (in task order), or its first error: a stale
+/// refusal wins, so the step runs again and the others' pushes repeat as duplicates.
+fn summarize(results: Vec<Result<PushOutcome>>) -> Result<PushSummary> {
+    let mut outcomes = Vec::new();
+    let mut first_error = None;
+    for (ps, r) in results.into_iter().enumerate() {
+        match r {
+            Ok(o) => outcomes.push((format!("ps:{ps}"), o)),
+            Err(e) if first_error.is_none() || matches!(e, Error::Stale(_)) => first_error = Some(e),
+            Err(_) => {}
+        }
+    }
+    match first_error {
+        Some(e) => Err(e),
+        None => Ok(PushSummary { outcomes }),
     }
 }
 

@@ -16,7 +16,7 @@
 //!     let out = worker.run_batch(w, &batch_for(step), |ctx, shard| {
 //!         let x = shard.batch.features_tensor(ctx.candle_device())?;
 //!         let loss = candle_nn::Module::forward(worker.model().on(ctx)?, &x)?.sqr()?.mean_all()?;
-//!         ctx.backward_and_sync(&loss, worker.optimizer())?; // reduce, then one push per ps task
+//!         worker.backward_and_push(ctx, &loss)?; // one push per ps task, starting during the pass
 //!         Ok(loss.to_scalar::<f32>()? * shard.weight())
 //!     })?;
 //!     worker.strategy().reduce(ReduceOp::Sum, &out.values)
@@ -28,7 +28,11 @@
 //! ones once, since nothing changes them), runs the step on the worker's replicas, and
 //! `backward_and_sync` reduces their gradients to the parameter replica as CentralStorage does
 //! (only the variables some replica computed a gradient for) and pushes those, with the step's
-//! exactly-once identity (coordinator run, step, sequence), one push per ps task. A ps task
+//! exactly-once identity (coordinator run, step, sequence), one push per ps task;
+//! [`backward_and_push`](PsWorkerModel::backward_and_push) does the same, and where it can (one
+//! replica, no clipping, overlap on) starts each task's push while the backward pass runs and
+//! sends each bucket of gradients as soon as it is final, the push applied whole after the
+//! pass ([`OverlappedPush`]). A ps task
 //! none of whose variables has a gradient gets an empty push, which counts the update without
 //! changing anything: frozen variables and parameters unused in a step are neither pushed nor
 //! updated, as on one device.
@@ -42,10 +46,11 @@
 //! the order the pushes arrive (async) or by the round's mean change (sync). The coordinator's
 //! pulls read them, so its evaluation uses the trained statistics.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use candle_core::{DType, Var};
+use candle_core::{DType, Tensor, Var};
 use candle_nn::Optimizer;
 use strata_core::data::{BatchData, DistributedBatch, Shard};
 use strata_core::{
@@ -53,12 +58,18 @@ use strata_core::{
     StrategyOptions, VariableKind,
 };
 
-use super::worker::{PullTicket, PushSummary, WorkerContext};
+use super::worker::{OverlappedPush, PullTicket, PushSummary, WorkerContext};
 use crate::{CentralStorageStrategy, CpuReduction, OneDeviceStrategy};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
+
+/// The default size of the buckets in which gradients enter an overlapped push
+/// ([`PsWorkerModel::backward_and_push`]): 1 MiB. A bucket costs no call of its own (it joins
+/// the step's open push to its ps task), so buckets are small, and a bucket's push starts soon
+/// after its gradients are final.
+pub const DEFAULT_PUSH_BUCKET_BYTES: usize = 1 << 20;
 
 /// Where [`PushToPs`] finds the step it pushes for, and leaves what happened.
 #[derive(Default)]
@@ -67,6 +78,15 @@ pub struct PushSlot {
     outcome: Mutex<Option<Result<PushSummary>>>,
     /// The state's values as pulled (the push carries the change from them).
     state_base: Mutex<Vec<Vec<f32>>>,
+    /// The optimizer's variables, in the order it pushes their gradients.
+    trainable: Mutex<Vec<(String, Var)>>,
+    /// The step's push, started while its backward pass ran
+    /// ([`PsWorkerModel::backward_and_push`]): the optimizer's step commits it.
+    overlapped: Mutex<Option<OverlappedPush>>,
+    /// Steps whose push started while the pass ran and was committed.
+    committed: AtomicU64,
+    /// Steps whose early push was given up (and pushed after the pass).
+    given_up: AtomicU64,
 }
 
 impl std::fmt::Debug for PushSlot {
@@ -111,7 +131,8 @@ impl Optimizer for PushToPs {
                     ),
                 }
             })
-            .collect::<candle_core::Result<_>>()?;
+            .collect::<candle_core::Result<Vec<(String, Var)>>>()?;
+        *lock(&config.slot.trainable) = vars.clone();
         Ok(Self { vars, state: config.state, slot: config.slot })
     }
 
@@ -129,14 +150,58 @@ impl Optimizer for PushToPs {
                 "a parameter-server worker's optimizer was stepped outside PsWorkerModel::run_batch; step inside it"
             )
         };
+        let overlapped = lock(&self.slot.overlapped).take();
+        let outcome = match overlapped {
+            Some(push) => {
+                let with: Vec<&str> =
+                    self.vars.iter().filter(|(_, v)| grads.get(v).is_some()).map(|(n, _)| n.as_str()).collect();
+                if push.matches(&with) {
+                    // Every gradient is on its way already: the state's changes, and the end.
+                    self.slot.committed.fetch_add(1, Ordering::Relaxed);
+                    push.commit(self.state_changes()?)
+                } else {
+                    self.slot.given_up.fetch_add(1, Ordering::Relaxed);
+                    // Other variables have gradients than the push expected: it is given up
+                    // (nothing of it applied) and the step pushed after the pass, as the same update.
+                    let id = push.id().clone();
+                    push.abandon();
+                    let pushed = self.pushed(grads)?;
+                    ctx.push_as(&id, &ticket, &pushed)
+                }
+            }
+            None => {
+                let pushed = self.pushed(grads)?;
+                ctx.push(&ticket, &pushed)
+            }
+        };
+        let failed = outcome.as_ref().err().map(ToString::to_string);
+        *lock(&self.slot.outcome) = Some(outcome);
+        match failed {
+            Some(m) => candle_core::bail!("{m}"),
+            None => Ok(()),
+        }
+    }
+}
+
+impl PushToPs {
+    /// The gradients of the variables that have one (in the optimizer's order), then the
+    /// state's changes: what a step pushes.
+    fn pushed(&self, grads: &candle_core::backprop::GradStore) -> candle_core::Result<Vec<(String, Vec<f32>)>> {
         let mut pushed = Vec::with_capacity(self.vars.len());
         for (name, v) in &self.vars {
             if let Some(g) = grads.get(v) {
                 pushed.push((name.clone(), g.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?));
             }
         }
-        // State: the change the replicas' forward passes made, averaged over the replicas.
+        pushed.extend(self.state_changes()?);
+        Ok(pushed)
+    }
+
+    /// The change the replicas' forward passes made to each state variable, averaged over the
+    /// replicas.
+    fn state_changes(&self) -> candle_core::Result<Vec<(String, Vec<f32>)>> {
         let base = lock(&self.slot.state_base).clone();
+        let mut changes = Vec::with_capacity(self.state.len());
         for ((name, copies), base) in self.state.iter().zip(base) {
             let mut mean = vec![0f32; base.len()];
             for v in copies {
@@ -144,15 +209,9 @@ impl Optimizer for PushToPs {
                 mean.iter_mut().zip(now).for_each(|(m, x)| *m += x);
             }
             let k = copies.len().max(1) as f32;
-            pushed.push((name.clone(), mean.iter().zip(&base).map(|(m, b)| m / k - b).collect()));
+            changes.push((name.clone(), mean.iter().zip(&base).map(|(m, b)| m / k - b).collect()));
         }
-        let outcome = ctx.push(&ticket, &pushed);
-        let failed = outcome.as_ref().err().map(ToString::to_string);
-        *lock(&self.slot.outcome) = Some(outcome);
-        match failed {
-            Some(m) => candle_core::bail!("{m}"),
-            None => Ok(()),
-        }
+        Ok(changes)
     }
 }
 
@@ -178,6 +237,13 @@ pub struct PsWorkerModel<M> {
     frozen_pulled: AtomicBool,
     /// The global norm each pushed gradient is clipped to, if any.
     clip_global_norm: Option<f64>,
+    /// Whether pushes start while the backward pass runs ([`StrategyOptions::overlap`]).
+    overlap: bool,
+    /// The size of the buckets in which gradients enter an overlapped push.
+    push_bucket_bytes: usize,
+    /// The order the last step's gradients became final in (the next overlapped push
+    /// expects it).
+    ready: Mutex<Option<Vec<String>>>,
 }
 
 impl<M> std::fmt::Debug for PsWorkerModel<M> {
@@ -199,6 +265,7 @@ impl<M> PsWorkerModel<M> {
         build: impl FnMut(&Scope) -> candle_core::Result<M>,
     ) -> Result<Self> {
         let devices = strata_core::device::logical_cpus(replicas)?;
+        let overlap = options.overlap;
         let strategy = match devices.len() {
             0 => return Err(Error::ZeroReplicas),
             1 => OneDeviceStrategy::with_options(devices[0].clone(), options)?.handle(),
@@ -207,7 +274,17 @@ impl<M> PsWorkerModel<M> {
         let model = strategy.scope(build)?;
         let slot = Arc::new(PushSlot::default());
         let optimizer = Self::push_optimizer(&model, &slot, None)?;
-        Ok(Self { strategy, model, optimizer, slot, frozen_pulled: AtomicBool::new(false), clip_global_norm: None })
+        Ok(Self {
+            strategy,
+            model,
+            optimizer,
+            slot,
+            frozen_pulled: AtomicBool::new(false),
+            clip_global_norm: None,
+            overlap,
+            push_bucket_bytes: DEFAULT_PUSH_BUCKET_BYTES,
+            ready: Mutex::new(None),
+        })
     }
 
     fn push_optimizer(
@@ -237,6 +314,96 @@ impl<M> PsWorkerModel<M> {
         self.optimizer = Self::push_optimizer(&self.model, &self.slot, Some(max_norm))?;
         self.clip_global_norm = Some(max_norm);
         Ok(())
+    }
+
+    /// Sets the size of the buckets in which gradients enter an overlapped push (default
+    /// [`DEFAULT_PUSH_BUCKET_BYTES`]; 0: every variable on its own).
+    pub fn set_push_bucket_bytes(&mut self, bytes: usize) {
+        self.push_bucket_bytes = bytes;
+    }
+
+    /// Whether this worker's pushes can start while the backward pass runs: overlap on
+    /// ([`StrategyOptions::overlap`]), one replica (several are reduced on the worker first),
+    /// and no clipping (which needs every gradient first). See
+    /// [`backward_and_push`](Self::backward_and_push).
+    pub fn overlaps(&self) -> bool {
+        self.overlap && self.clip_global_norm.is_none() && self.strategy.num_replicas_in_sync() == 1
+    }
+
+    /// How many steps' pushes started while their backward pass ran and were committed so
+    /// far, and how many such early pushes were given up (and pushed after the pass, because
+    /// other variables had a gradient than the last step's).
+    pub fn overlapped_pushes(&self) -> (u64, u64) {
+        (self.slot.committed.load(Ordering::Relaxed), self.slot.given_up.load(Ordering::Relaxed))
+    }
+
+    /// Computes the gradients of `loss` and pushes them, in a step of
+    /// [`run_batch`](Self::run_batch): what [`ReplicaContext::backward_and_sync`] with
+    /// [`optimizer`](Self::optimizer) does, but where the worker [`overlaps`](Self::overlaps),
+    /// each ps task's push starts while the backward pass runs, and each bucket of gradients
+    /// is sent as soon as its last gradient is final (see [`OverlappedPush`]). The first step
+    /// learns the order gradients become final in and pushes after its pass; so does a step
+    /// whose variables with a gradient differ from the last step's (its early push is given
+    /// up, nothing of it applied). The same update is pushed either way.
+    pub fn backward_and_push(&self, ctx: &ReplicaContext<'_>, loss: &Tensor) -> Result<()> {
+        self.backward_and_push_then(ctx, loss, || ())
+    }
+
+    /// [`backward_and_push`](Self::backward_and_push), calling `after_backward` when the
+    /// backward pass has ended, before the push is committed (nothing of it is applied before).
+    pub fn backward_and_push_then(
+        &self,
+        ctx: &ReplicaContext<'_>,
+        loss: &Tensor,
+        after_backward: impl FnOnce(),
+    ) -> Result<()> {
+        let target = lock(&self.slot.target).clone();
+        let Some((w, ticket)) = target.filter(|_| self.overlaps()) else {
+            let grads = loss.backward()?;
+            after_backward();
+            return ctx.sync_and_apply(grads, &self.optimizer);
+        };
+        let trainable = lock(&self.slot.trainable).clone();
+        let index: HashMap<candle_core::TensorId, usize> =
+            trainable.iter().enumerate().map(|(i, (_, v))| (v.as_tensor().id(), i)).collect();
+        let expected = lock(&self.ready).clone();
+        let mut push = match &expected {
+            Some(ready) => {
+                // The push names the variables in the optimizer's order, as a push after the pass does.
+                let gradients: Vec<String> =
+                    trainable.iter().filter(|(n, _)| ready.contains(n)).map(|(n, _)| n.clone()).collect();
+                let state: Vec<String> = self
+                    .model
+                    .variables(0)
+                    .iter()
+                    .zip(self.model.kinds())
+                    .filter(|(_, k)| **k == VariableKind::State)
+                    .map(|((n, _), _)| n.clone())
+                    .collect();
+                // A push that cannot start (the pushes after the pass report why) is not overlapped.
+                w.start_overlapped_push(&ticket, &gradients, ready, &state, self.push_bucket_bytes).ok()
+            }
+            None => None,
+        };
+        let mut ready = Vec::new();
+        let grads = loss.backward_with_hook(&mut |var, grad| {
+            let Some(&i) = index.get(&var.id()) else { return Ok(()) };
+            let name = &trainable[i].0;
+            ready.push(name.clone());
+            if let Some(p) = push.as_mut() {
+                p.stage(name, grad.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?);
+            }
+            Ok(())
+        });
+        // A failed pass returns here, and dropping `push` gives it up.
+        let grads = grads?;
+        *lock(&self.ready) = Some(ready);
+        after_backward();
+        *lock(&self.slot.overlapped) = push;
+        let done = ctx.sync_and_apply(grads, &self.optimizer);
+        // A push the optimizer did not take (its step failed before) is given up.
+        drop(lock(&self.slot.overlapped).take());
+        done
     }
 
     /// Freezes the variables whose names match `patterns` (see [`Replicated::freeze`]): they
@@ -297,6 +464,7 @@ impl<M> PsWorkerModel<M> {
         let split = DistributedBatch::split(batch, self.strategy.num_replicas_in_sync())?;
         let ran = self.strategy.run_batch(&split, step);
         *lock(&self.slot.target) = None;
+        drop(lock(&self.slot.overlapped).take());
         let outcome = lock(&self.slot.outcome).take();
         let push = match (ran, outcome) {
             (Ok(values), Some(Ok(push))) => return Ok(PsStep { values, pull: ticket, push: Some(push) }),

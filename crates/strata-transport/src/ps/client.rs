@@ -19,6 +19,7 @@ use tonic::transport::Channel;
 use tonic::{Code, Status};
 
 use super::convert;
+use super::staged::{self, StagedPush};
 use super::wire;
 use super::{
     CreateOutcome, F32Bytes, PsMode, PsStatus, Pulled, PushOutcome, ServerOptimizer, UpdateId, VariableInfo,
@@ -493,6 +494,114 @@ impl PsClient {
             None => grads[k].1.elements(r),
             Some(h) => strata_ps::encode_half_bytes(&grads[k].1.elements(r), h),
         })
+    }
+
+    /// [`push`](Self::push) of gradients handed over while the call runs (see [`StagedPush`]):
+    /// the call starts when the first gradient is staged (or the push committed), with the
+    /// header naming `names` (of the staged push's lengths, in that order), and each
+    /// variable's chunks go as soon as it is staged, and the call ends, and the task applies
+    /// the push, only once it is committed. An abandoned push is cancelled before its end, so
+    /// the task applies nothing of it: [`Error::Aborted`], after which the same update may be
+    /// pushed again. Retried like [`push`](Self::push), sending the staged gradients again.
+    pub fn push_staged(
+        &self,
+        id: &UpdateId,
+        base_version: u64,
+        names: &[&str],
+        staged: &StagedPush,
+    ) -> Result<PushOutcome> {
+        let lens = staged.lens();
+        if lens.len() != names.len() {
+            return Err(Error::Config(format!(
+                "a staged push of {} variables was sent with {} names; name every variable once",
+                lens.len(),
+                names.len()
+            )));
+        }
+        let header = convert::push_header_spec(id, base_version, names, self.wire_format);
+        let half = self.wire_format.half();
+        let abandoned = std::sync::atomic::AtomicBool::new(false);
+        let timeout = self.config.timeout;
+        crate::hooks::before_send_blocking();
+        let r = self.retry("Push", || {
+            // The call starts with the first gradient (a task may stream a large push from its
+            // header on, making other pushes wait), and not at all for a push given up before.
+            if let staged::Next::Abandoned = staged.next(0) {
+                abandoned.store(true, std::sync::atomic::Ordering::Relaxed);
+                return Some(Err(Status::failed_precondition("the push was abandoned")));
+            }
+            let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(8);
+            let svc = self.svc.clone();
+            let call = async move {
+                let body = wire::body(ReceiverStream::new(rx), false);
+                let mut messages = frames_call(svc, wire::PUSH_PATH, body).await?;
+                let answer = match (messages.next().await?, messages.next().await?) {
+                    (Some(m), None) => PushResponse::decode(m.contiguous())
+                        .map_err(|e| Status::internal(format!("a Push answer that is not valid protobuf: {e}")))?,
+                    _ => return Err(Status::internal("a Push answer must be one message")),
+                };
+                messages.finish()?;
+                Ok(answer)
+            };
+            let abort = self.abort.clone();
+            let task = runtime().spawn(async move {
+                tokio::select! {
+                    r = tokio::time::timeout(timeout, call) => r,
+                    () = raised(abort.as_ref()) => Ok(Err(Status::cancelled("the job failed"))),
+                }
+            });
+            let mut complete = tx
+                .blocking_send(wire::message(&PushMessage { kind: Some(push_message::Kind::Header(header.clone())) }))
+                .is_ok();
+            let mut i = 0;
+            while complete {
+                let (k, g) = match staged.next(i) {
+                    staged::Next::Variable(k, g) => (k, g),
+                    staged::Next::End => break,
+                    staged::Next::Abandoned => {
+                        abandoned.store(true, std::sync::atomic::Ordering::Relaxed);
+                        break;
+                    }
+                };
+                i += 1;
+                let len = g.len();
+                'chunks: for start in (0..len).step_by(MAX_CHUNK_ELEMENTS) {
+                    let end = (start + MAX_CHUNK_ELEMENTS).min(len);
+                    let data = match half {
+                        None => g.elements(start..end),
+                        Some(h) => strata_ps::encode_half_bytes(&g.elements(start..end), h),
+                    };
+                    for b in wire::chunk_message(k as u32, start as u64, data) {
+                        if tx.blocking_send(b).is_err() {
+                            complete = false;
+                            break 'chunks;
+                        }
+                    }
+                }
+            }
+            if abandoned.load(std::sync::atomic::Ordering::Relaxed) {
+                // Cancelled while the request is still open (its sender alive), so the task
+                // never sees its end and applies nothing.
+                task.abort();
+                let _ = runtime().block_on(task);
+                drop(tx);
+                return Some(Err(Status::failed_precondition("the push was abandoned")));
+            }
+            drop(tx);
+            match runtime().block_on(task) {
+                Ok(outcome) => outcome.ok(),
+                Err(e) => Some(Err(Status::internal(format!("the Push call stopped: {e}")))),
+            }
+        });
+        if abandoned.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err(Error::Aborted(format!(
+                "the push to {} was abandoned before its gradients were complete; nothing of it was applied",
+                self.task
+            )));
+        }
+        let r = r?;
+        crate::hooks::sent(lens.iter().sum::<usize>() * self.wire_format.element_bytes());
+        Ok(convert::push_outcome(&r))
     }
 
     /// Pushes variables `names` of `lens` elements, chunk `r` of variable `k` being `data(k, r)`.

@@ -61,6 +61,8 @@
 //!   exactly-once).
 
 use std::path::PathBuf;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::ClusterToken;
@@ -69,12 +71,14 @@ mod client;
 mod convert;
 mod faults;
 mod server;
+mod staged;
 mod wire;
 
 pub use client::{PsClient, PsClientConfig};
 pub use convert::ProtoSpec;
 pub use faults::FaultInjection;
 pub use server::PsServerHandle;
+pub use staged::{StageError, StagedPush};
 pub use strata_ps::{
     CreateOutcome, LrSchedule, PsMode, PsStatus, PushOutcome, ServerOptimizer, UpdateId, VariableInfo, WireFormat,
     MAX_CHUNK_BYTES, MAX_CHUNK_ELEMENTS, MAX_VARIABLE_ELEMENTS,
@@ -113,6 +117,11 @@ impl F32Bytes {
         self.0.is_empty()
     }
 
+    /// Elements `r` (within bounds), sharing the memory.
+    pub fn slice(&self, r: std::ops::Range<usize>) -> Self {
+        Self(self.elements(r))
+    }
+
     /// The bytes of elements `r` (within bounds), sharing the memory.
     pub(crate) fn elements(&self, r: std::ops::Range<usize>) -> prost::bytes::Bytes {
         self.0.slice(r.start * 4..r.end * 4)
@@ -144,6 +153,10 @@ pub struct PsServerConfig {
     /// optimizer slots such pushes update. `None`: every push is applied after its last chunk,
     /// in place. Default: 2 MiB (two chunks).
     pub stream_min_bytes: Option<usize>,
+    /// Counts every push chunk the task receives, as it arrives (before the push is applied,
+    /// or refused): for tests and monitoring that watch a push's bytes arrive. `None`: not
+    /// counted.
+    pub push_chunks: Option<Arc<AtomicU64>>,
 }
 
 impl PsServerConfig {
@@ -159,6 +172,7 @@ impl PsServerConfig {
             faults: FaultInjection::default(),
             round_timeout: Duration::from_secs(120),
             stream_min_bytes: Some(2 * MAX_CHUNK_BYTES),
+            push_chunks: None,
         }
     }
 }

@@ -60,6 +60,13 @@ struct Shared {
 }
 
 impl Shared {
+    /// Counts a received push chunk, if the config asks for it.
+    fn count_push_chunk(&self) {
+        if let Some(c) = &self.config.push_chunks {
+            c.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
     fn lock(&self) -> MutexGuard<'_, State> {
         // A panic under the lock cannot leave the state half-changed (every method validates
         // first), so a poisoned lock is still usable.
@@ -305,7 +312,10 @@ async fn push_frames(shared: &Shared, body: tonic::body::Body) -> Result<PushRes
                 }
                 parts.header(h)?
             }
-            wire::Part::Chunk(c) => stream.chunk(c, &mut parts)?,
+            wire::Part::Chunk(c) => {
+                shared.count_push_chunk();
+                stream.chunk(c, &mut parts)?
+            }
         }
     }
     let (header, chunks) = parts.finish()?;
@@ -417,6 +427,7 @@ impl ParameterServer for Svc {
                     parts.header(h)?
                 }
                 Some(push_message::Kind::Chunk(c)) => {
+                    self.0.count_push_chunk();
                     parts.chunk(convert::chunk(c, format).map_err(status)?)?;
                 }
                 None => return Err(Status::invalid_argument("an empty Push message")),
