@@ -19,6 +19,7 @@ import datetime
 import gzip
 import json
 import os
+import shlex
 import re
 import shutil
 import signal
@@ -106,6 +107,8 @@ def parser():
         epilog="Example: scripts/bench/hosts.sh --hosts 2 --links 1gbit,10gbit,unshaped --models mlp")
     ap.add_argument("--hosts", help="host counts, comma-separated (default 2,4; 4 hosts share this machine's cores)")
     ap.add_argument("--links", help="link rates in tc's units (1gbit, 100mbit, ...) or 'unshaped' (default 1gbit,10gbit,unshaped)")
+    ap.add_argument("--strata-flags", default="", help="more `strata train` flags for every Strata run, "
+                    "e.g. '--bucket-mib 1' (default none)")
     ap.add_argument("--models", help="of mlp (the 4.3M MLP), cnn, transformer (default all three)")
     ap.add_argument("--repeats", type=int, help="runs of every configuration, alternated; the median is reported (default 3)")
     ap.add_argument("--scale", type=float, help="multiplies every run's length: MLP 20 epochs of 5 steps, CNN 600 epochs, "
@@ -404,6 +407,7 @@ def strata_run(a, model, n, compression, logdir, tag):
     base += ["--steps", str(length)] if model == "transformer" else ["--epochs", str(length), "--data", a.digits]
     if compression is not None:
         base += ["--compression", compression]
+    base += shlex.split(a.strata_flags)
     token = os.environ["STRATA_CLUSTER_TOKEN"]
     jobs = []
     for i in range(n):
