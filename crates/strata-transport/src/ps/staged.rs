@@ -77,8 +77,9 @@ pub enum StageError {
 }
 
 /// The gradients of one push, staged one variable at a time while a [`PsClient`] call sends
-/// them (see the [module docs](self)). Shared between the thread that stages and the one
-/// sending.
+/// them: the call's header names every variable first, then each variable's chunks go as soon
+/// as it is staged; the task applies the push only after [`StagedPush::commit`], and nothing of
+/// it after [`StagedPush::abandon`]. Shared between the thread that stages and the one sending.
 ///
 /// [`PsClient`]: super::PsClient
 #[derive(Debug, Default)]
