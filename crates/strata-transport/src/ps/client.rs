@@ -121,6 +121,18 @@ async fn frames_call(
     wire::response_messages(response.map(tonic::body::Body::new), MAX_MESSAGE_BYTES)
 }
 
+/// Sends a `Push` below tonic's codec and decodes its one answer.
+async fn push_call(svc: Authed, body: tonic::body::Body) -> Result<PushResponse, Status> {
+    let mut messages = frames_call(svc, wire::PUSH_PATH, body).await?;
+    let answer = match (messages.next().await?, messages.next().await?) {
+        (Some(m), None) => PushResponse::decode(m.contiguous())
+            .map_err(|e| Status::internal(format!("a Push answer that is not valid protobuf: {e}")))?,
+        _ => return Err(Status::internal("a Push answer must be one message")),
+    };
+    messages.finish()?;
+    Ok(answer)
+}
+
 /// Deadlines and retries of a [`PsClient`].
 #[derive(Clone, Debug)]
 pub struct PsClientConfig {
@@ -532,17 +544,7 @@ impl PsClient {
             }
             let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(8);
             let svc = self.svc.clone();
-            let call = async move {
-                let body = wire::body(ReceiverStream::new(rx), false);
-                let mut messages = frames_call(svc, wire::PUSH_PATH, body).await?;
-                let answer = match (messages.next().await?, messages.next().await?) {
-                    (Some(m), None) => PushResponse::decode(m.contiguous())
-                        .map_err(|e| Status::internal(format!("a Push answer that is not valid protobuf: {e}")))?,
-                    _ => return Err(Status::internal("a Push answer must be one message")),
-                };
-                messages.finish()?;
-                Ok(answer)
-            };
+            let call = push_call(svc, wire::body(ReceiverStream::new(rx), false));
             let abort = self.abort.clone();
             let task = runtime().spawn(async move {
                 tokio::select! {
@@ -630,19 +632,7 @@ impl PsClient {
             }
         };
         crate::hooks::before_send_blocking();
-        let call = |body: tonic::body::Body| {
-            let svc = self.svc.clone();
-            async move {
-                let mut messages = frames_call(svc, wire::PUSH_PATH, body).await?;
-                let answer = match (messages.next().await?, messages.next().await?) {
-                    (Some(m), None) => PushResponse::decode(m.contiguous())
-                        .map_err(|e| Status::internal(format!("a Push answer that is not valid protobuf: {e}")))?,
-                    _ => return Err(Status::internal("a Push answer must be one message")),
-                };
-                messages.finish()?;
-                Ok(answer)
-            }
-        };
+        let call = |body: tonic::body::Body| push_call(self.svc.clone(), body);
         let r = if lens.iter().sum::<usize>() <= MAX_CHUNK_ELEMENTS {
             // One chunk at most: its messages are made here at once and the call runs on this
             // thread, with no hand-over to the runtime's threads.
