@@ -172,6 +172,10 @@ pub struct TrainArgs {
     /// Gradient fusion bucket size in MiB (0: one bucket per tensor).
     #[arg(long, default_value_t = 25.0)]
     pub bucket_mib: f64,
+    /// Across workers, a large weight's gradient is computed and reduced in blocks of rows of
+    /// this many MiB, each sent while the backward pass computes the next (0: whole).
+    #[arg(long, default_value_t = 2.0)]
+    pub row_block_mib: f64,
     /// How gradients cross the network: `none` (f32, exact), `fp16` or `bf16` (16 bits on the
     /// wire: multi-worker-mirrored's ring, every hop adding in f32, or the parameter server's
     /// pushes and pulls), or `powersgd:RANK` (multi-worker-mirrored: matrix gradients as two
@@ -555,6 +559,9 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     if !(args.bucket_mib.is_finite() && args.bucket_mib >= 0.0) {
         return Err(Error::Usage(format!("--bucket-mib {} must be 0 or more", args.bucket_mib)));
     }
+    if !(args.row_block_mib.is_finite() && args.row_block_mib >= 0.0) {
+        return Err(Error::Usage(format!("--row-block-mib {} must be 0 or more", args.row_block_mib)));
+    }
     let timeline = args.timeline.as_ref().map(|_| Arc::new(Timeline::new()));
     if !(args.collective_timeout.is_finite() && args.collective_timeout > 0.0) {
         return Err(Error::Usage(format!(
@@ -608,6 +615,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         seed: args.seed,
         collective_timeout: std::time::Duration::from_secs_f64(args.collective_timeout),
         overlap: !args.no_overlap,
+        row_block_bytes: (args.row_block_mib * 1024.0 * 1024.0) as usize,
     };
     // SIGTERM and SIGINT stop training after the current step (with a checkpoint when
     // --checkpoint-dir is set); a second signal ends the process at once.

@@ -715,10 +715,145 @@ struct OverlapPlan {
     order: Vec<usize>,
     /// The buckets, as ranges of `order`.
     buckets: Vec<crate::cross_device::Bucket>,
-    /// Each variable's bucket (by variable index), if the plan has the variable.
+    /// Each variable's bucket (by variable index), if the plan has the variable in one.
     bucket_of: Vec<Option<usize>>,
+    /// Each variable's rows per block, for a weight whose gradient is reduced in blocks of
+    /// rows, each as soon as the backward pass has computed it (outside the buckets).
+    rows_of: Vec<Option<usize>>,
+    /// The reductions of a step, in the order every replica and worker starts them.
+    units: Vec<Unit>,
     /// A variable's index by the id of this replica's copy of it.
     index: HashMap<candle_core::TensorId, usize>,
+}
+
+/// One reduction of an overlapped step.
+#[derive(Clone, Copy, Debug)]
+enum Unit {
+    /// A bucket of whole gradients.
+    Bucket(usize),
+    /// Rows `first..first + rows` of variable `var`'s gradient.
+    Rows { var: usize, first: usize, rows: usize },
+}
+
+/// A reduction of an overlapped step, started.
+struct Launched {
+    /// Its input tensors (a bucket's gradients, or one block of rows).
+    input: Vec<Tensor>,
+    seq: u64,
+    started: crate::cross_device::Started,
+    /// A block's result as far as `start` handed it over, written out at `finish`.
+    early: Vec<f32>,
+}
+
+/// The state of an overlapped step, which the backward pass calls as gradients become final.
+struct OverlapStep<'a, 'c> {
+    ctx: &'a ReplicaContext<'c>,
+    plan: &'a OverlapPlan,
+    vars: &'a [Var],
+    dest: Destination,
+    weight: f32,
+    /// This replica's final gradients so far (and, once the reductions finish, their sums).
+    local: Vec<Option<Tensor>>,
+    /// The blocks of rows computed so far, per variable.
+    blocks: Vec<Vec<Tensor>>,
+    /// Gradients each bucket still waits for.
+    left: Vec<usize>,
+    /// The units started so far, a prefix of the plan's.
+    launched: Vec<Launched>,
+    /// The error that ended the pass, if a start failed.
+    failed: Option<Error>,
+}
+
+impl OverlapStep<'_, '_> {
+    /// Whether the next unit's gradients are all final.
+    fn next_ready(&self) -> bool {
+        match self.plan.units.get(self.launched.len()) {
+            None => false,
+            Some(&Unit::Bucket(b)) => self.left[b] == 0,
+            Some(&Unit::Rows { var, first, .. }) => {
+                self.local[var].is_some() || self.blocks[var].len() > first / self.plan.rows_of[var].unwrap_or(1)
+            }
+        }
+    }
+
+    /// Starts the next unit: this replica's final gradients, zeros for a variable it has none
+    /// for (as a reduction after the pass gives them).
+    fn launch(&mut self) -> Result<()> {
+        let n = self.launched.len();
+        let ctx = self.ctx;
+        let (input, ids, label) = match self.plan.units[n] {
+            Unit::Bucket(b) => {
+                let mut input = Vec::new();
+                for &i in &self.plan.order[self.plan.buckets[b].tensors.clone()] {
+                    let g = match &self.local[i] {
+                        Some(g) => g.clone(),
+                        None => self.local[i].insert(self.vars[i].zeros_like()?).clone(),
+                    };
+                    input.push(g);
+                }
+                let ids = self.plan.order[self.plan.buckets[b].tensors.clone()].iter().map(|&i| self.vars[i].id()).collect();
+                (input, ids, format!("bucket {b}"))
+            }
+            Unit::Rows { var, first, rows } => {
+                let block = match (&self.local[var], self.blocks[var].get(first / self.plan.rows_of[var].unwrap_or(1))) {
+                    (_, Some(block)) => block.clone(),
+                    (Some(g), None) => g.narrow(0, first, rows)?,
+                    (None, None) => Tensor::zeros((rows, self.vars[var].dims()[1]), self.vars[var].dtype(), self.vars[var].device())?,
+                };
+                (vec![block], vec![self.vars[var].id()], format!("rows {first}.. of variable {var}"))
+            }
+        };
+        let _p = ctx.phase("reduce", &label);
+        let ops = ctx.shared.ext.cross_device_ops();
+        let req = ctx.request(ReduceOp::Sum, self.dest, &input, self.weight);
+        let seq = req.seq;
+        let mut early = Vec::new();
+        let started = ops.start_gradients(req, &ids, &mut |piece| early.extend_from_slice(piece))?;
+        self.launched.push(Launched { input, seq, started, early });
+        Ok(())
+    }
+
+    /// Starts every unit whose gradients are final, in the plan's order (on every replica
+    /// alike); a failure is kept for the step to return and ends the pass.
+    fn launch_ready(&mut self) -> candle_core::Result<()> {
+        while self.next_ready() {
+            if let Err(e) = self.launch() {
+                let message = e.to_string();
+                self.failed = Some(e);
+                return Err(candle_core::Error::Msg(message));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl candle_core::backprop::GradHook for OverlapStep<'_, '_> {
+    fn on_final(&mut self, var: &Tensor, grad: &Tensor) -> candle_core::Result<()> {
+        let Some(&i) = self.plan.index.get(&var.id()) else { return Ok(()) };
+        if let Some(b) = self.plan.bucket_of[i] {
+            self.local[i] = Some(grad.clone());
+            self.left[b] -= 1;
+        } else if self.plan.rows_of[i].is_some() {
+            self.local[i] = Some(grad.clone());
+        } else {
+            return Ok(());
+        }
+        self.launch_ready()
+    }
+
+    fn rows_per_block(&mut self, var: &Tensor) -> Option<usize> {
+        self.plan.index.get(&var.id()).and_then(|&i| self.plan.rows_of[i])
+    }
+
+    fn on_rows(&mut self, var: &Tensor, first: usize, block: &Tensor) -> candle_core::Result<()> {
+        let Some(&i) = self.plan.index.get(&var.id()) else { return Ok(()) };
+        let Some(n) = self.plan.rows_of[i] else { return Ok(()) };
+        if first != self.blocks[i].len() * n || block.dim(0)? != n.min(var.dim(0)? - first) {
+            return Ok(());
+        }
+        self.blocks[i].push(block.clone());
+        self.launch_ready()
+    }
 }
 
 /// A replica's gradients summed over the micro-batches of an optimizer step so far.
@@ -878,6 +1013,14 @@ impl<O: Optimizer> DistributedOptimizer<O> {
         self.overlap.get(replica).and_then(|p| lock(p).as_ref().map(|p| p.buckets.len()))
     }
 
+    /// The blocks of rows that plan reduces on their own (see
+    /// [`StrategyOptions::row_block_bytes`](crate::StrategyOptions::row_block_bytes)).
+    pub fn overlap_row_blocks(&self, replica: usize) -> Option<usize> {
+        self.overlap.get(replica).and_then(|p| {
+            lock(p).as_ref().map(|p| p.units.iter().filter(|u| matches!(u, Unit::Rows { .. })).count())
+        })
+    }
+
     /// Locks copy `copy`'s optimizer (to change its learning rate, say).
     pub fn lock(&self, copy: usize) -> MutexGuard<'_, O> {
         lock(&self.copies[copy])
@@ -991,18 +1134,47 @@ impl ReplicaContext<'_> {
                 vars.len()
             )));
         }
-        let sizes: Vec<usize> = order.iter().map(|&i| vars[i].elem_count()).collect();
-        let buckets = crate::cross_device::plan_buckets(&sizes, self.shared.ext.options().bucket_bytes);
-        let mut bucket_of = vec![None; vars.len()];
-        for (b, bucket) in buckets.iter().enumerate() {
-            for &i in &order[bucket.tensors.clone()] {
-                bucket_of[i] = Some(b);
+        // Across workers, with ops that reduce blocks of rows as they reduce whole gradients,
+        // a large matrix's gradient goes in blocks of rows; the variables between two such
+        // matrices go in buckets.
+        let ops = self.shared.ext.cross_device_ops();
+        let block_bytes = self.shared.ext.options().row_block_bytes;
+        let by_rows = self.shared.ext.workers().is_some() && ops.takes_row_blocks() && block_bytes > 0;
+        let mut rows_of: Vec<Option<usize>> = vec![None; vars.len()];
+        for &i in order.iter().filter(|_| by_rows) {
+            if let &[rows, cols] = vars[i].dims() {
+                let n = (block_bytes / (cols * std::mem::size_of::<f32>()).max(1)).max(1);
+                rows_of[i] = (rows >= 2 * n).then_some(n);
             }
         }
-        Ok(OverlapPlan { order, buckets, bucket_of, index })
+        let bucket_bytes = self.shared.ext.options().bucket_bytes;
+        let (mut buckets, mut units, mut bucket_of) = (Vec::new(), Vec::new(), vec![None; vars.len()]);
+        let mut start = 0;
+        for end in 0..=order.len() {
+            let split = order.get(end).and_then(|&i| rows_of[i].map(|n| (i, n)));
+            if end < order.len() && split.is_none() {
+                continue;
+            }
+            let sizes: Vec<usize> = order[start..end].iter().map(|&i| vars[i].elem_count()).collect();
+            for bucket in crate::cross_device::plan_buckets(&sizes, bucket_bytes) {
+                let tensors = start + bucket.tensors.start..start + bucket.tensors.end;
+                for &i in &order[tensors.clone()] {
+                    bucket_of[i] = Some(buckets.len());
+                }
+                units.push(Unit::Bucket(buckets.len()));
+                buckets.push(crate::cross_device::Bucket { tensors, elements: bucket.elements });
+            }
+            if let Some((var, n)) = split {
+                let total = vars[var].dims()[0];
+                units.extend((0..total).step_by(n).map(|first| Unit::Rows { var, first, rows: n.min(total - first) }));
+            }
+            start = end + 1;
+        }
+        Ok(OverlapPlan { order, buckets, bucket_of, rows_of, units, index })
     }
 
-    /// A step that reduces each bucket of `plan` as soon as its gradients are final.
+    /// A step that reduces each bucket of `plan` as soon as its gradients are final, and each
+    /// block of rows of a weight split in rows as soon as it is computed.
     fn backward_overlapped<O: Optimizer>(
         &self,
         loss: &Tensor,
@@ -1017,88 +1189,70 @@ impl ReplicaContext<'_> {
         };
         let weight = self.batch_weight();
         let ops = self.shared.ext.cross_device_ops();
-        let mut local: Vec<Option<Tensor>> = vec![None; vars.len()];
-        let mut left: Vec<usize> = plan.buckets.iter().map(|b| b.tensors.len()).collect();
-        let mut launched: Vec<(Vec<Tensor>, u64, crate::cross_device::Started)> = Vec::new();
-        // Starts the next bucket: this replica's final gradients, zeros for a variable it has
-        // none for (as a reduction after the pass gives them).
-        let launch = |local: &[Option<Tensor>], launched: &mut Vec<(Vec<Tensor>, u64, _)>| -> Result<()> {
-            let b = launched.len();
-            let _p = self.phase("reduce", &format!("bucket {b}"));
-            let tensors = plan.order[plan.buckets[b].tensors.clone()]
-                .iter()
-                .map(|&i| match &local[i] {
-                    Some(g) => Ok(g.clone()),
-                    None => Ok(vars[i].zeros_like()?),
-                })
-                .collect::<Result<Vec<Tensor>>>()?;
-            let ids: Vec<candle_core::TensorId> =
-                plan.order[plan.buckets[b].tensors.clone()].iter().map(|&i| vars[i].id()).collect();
-            let req = self.request(ReduceOp::Sum, dest, &tensors, weight);
-            let seq = req.seq;
-            let mut sink = crate::context::Scatter::new(&tensors, ops.reduces_in_place());
-            let started = ops.start_gradients(req, &ids, &mut |piece| sink.write(piece))?;
-            sink.check()?;
-            launched.push((tensors, seq, started));
-            Ok(())
+        let mut step = OverlapStep {
+            ctx: self,
+            plan,
+            vars,
+            dest,
+            weight,
+            local: vec![None; vars.len()],
+            blocks: vec![Vec::new(); vars.len()],
+            left: plan.buckets.iter().map(|b| b.tensors.len()).collect(),
+            launched: Vec::new(),
+            failed: None,
         };
-        let mut hook_failed: Option<Error> = None;
-        let grads = self.backward_phase(|| {
-            loss.backward_with_hook(&mut |var, grad| {
-                let Some(&i) = plan.index.get(&var.id()) else { return Ok(()) };
-                let Some(b) = plan.bucket_of[i] else { return Ok(()) };
-                local[i] = Some(grad.clone());
-                left[b] -= 1;
-                // Buckets start in the plan's order, on every replica alike.
-                while launched.len() < plan.buckets.len() && left[launched.len()] == 0 {
-                    if let Err(e) = launch(&local, &mut launched) {
-                        let message = e.to_string();
-                        hook_failed = Some(e);
-                        return Err(candle_core::Error::Msg(message));
-                    }
-                }
-                Ok(())
-            })
-        });
-        let grads = match (grads, hook_failed) {
+        let grads = self.backward_phase(|| loss.backward_with_hooks(&mut step));
+        let grads = match (grads, step.failed.take()) {
             (_, Some(e)) => return Err(e),
             (grads, None) => grads?,
         };
-        while launched.len() < plan.buckets.len() {
-            launch(&local, &mut launched)?;
+        while step.launched.len() < plan.units.len() {
+            step.launch()?;
         }
+        let OverlapStep { mut local, launched, .. } = step;
         // Which variables some replica, on some worker, has a gradient for.
         let mine: Vec<bool> = vars.iter().map(|v| grads.get(v).is_some()).collect();
         let present = self.any_replica(&mine)?;
         let mut failed = Ok(());
-        for (tensors, seq, started) in launched.iter_mut().map(|(t, s, st)| (&*t, *s, st)) {
+        for (unit, launched) in plan.units.iter().zip(launched) {
+            let Launched { input, seq, started, early } = launched;
             let req = crate::cross_device::ReduceRequest {
                 group: &self.shared.group,
                 replica: self.replica,
                 seq,
                 op: ReduceOp::Sum,
                 dest,
-                input: tensors,
+                input: &input,
                 weight,
             };
-            let started = std::mem::replace(started, crate::cross_device::Started::Done);
-            let mut sink = crate::context::Scatter::new(tensors, ops.reduces_in_place());
+            // A bucket's result goes back into its gradients; a block's into its rows of the
+            // variable's whole gradient (zeros where this replica has none).
+            let target = match *unit {
+                Unit::Bucket(_) => input.clone(),
+                Unit::Rows { var, first, rows } => {
+                    let whole = match &local[var] {
+                        Some(g) => g.clone(),
+                        None => local[var].insert(vars[var].zeros_like()?).clone(),
+                    };
+                    vec![whole.narrow(0, first, rows)?]
+                }
+            };
+            let mut sink = crate::context::Scatter::new(&target, ops.reduces_in_place());
+            sink.write(&early);
             ops.finish(req, started, &mut |piece| sink.write(piece))?;
             failed = failed.and(sink.check());
         }
         failed?;
         let mut out: Vec<Option<Tensor>> = vec![None; vars.len()];
-        for (bucket, (tensors, _, _)) in plan.buckets.iter().zip(&launched) {
-            for (&i, t) in plan.order[bucket.tensors.clone()].iter().zip(tensors) {
-                if present[i] {
-                    out[i] = Some(t.clone());
-                }
+        for &i in &plan.order {
+            if present[i] {
+                out[i] = local[i].clone();
             }
         }
         // Variables with a gradient the plan does not have: reduced now. The plan no longer
         // fits (it has variables none has a gradient for, or lacks some), so the next step
         // learns it again; `present` is agreed, so every replica decides alike.
-        let extra: Vec<usize> = (0..vars.len()).filter(|&i| present[i] && plan.bucket_of[i].is_none()).collect();
+        let extra: Vec<usize> = (0..vars.len()).filter(|&i| present[i] && plan.bucket_of[i].is_none() && plan.rows_of[i].is_none()).collect();
         if !extra.is_empty() || plan.order.iter().any(|&i| !present[i]) {
             *lock(&opt.overlap[self.replica]) = None;
         }

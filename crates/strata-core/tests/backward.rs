@@ -382,3 +382,92 @@ fn the_hook_may_write_a_gradient_in_place_and_its_error_ends_the_pass() {
     let err = loss.backward_with_hook(&mut |_, _| candle_core::bail!("bucket 0 failed")).unwrap_err();
     assert!(err.to_string().contains("bucket 0 failed"), "{err}");
 }
+
+/// A [`GradHook`](candle_core::backprop::GradHook) that asks for blocks of `rows` rows and
+/// records what it is given: the blocks (first row, values) and the final gradients.
+struct Rows {
+    rows: usize,
+    asked: Vec<candle_core::TensorId>,
+    blocks: Vec<(candle_core::TensorId, usize, Vec<Vec<f32>>)>,
+    finals: Vec<candle_core::TensorId>,
+}
+
+impl candle_core::backprop::GradHook for Rows {
+    fn on_final(&mut self, var: &Tensor, grad: &Tensor) -> candle_core::Result<()> {
+        assert!(grad.is_contiguous());
+        self.finals.push(var.id());
+        Ok(())
+    }
+
+    fn rows_per_block(&mut self, var: &Tensor) -> Option<usize> {
+        self.asked.push(var.id());
+        Some(self.rows)
+    }
+
+    fn on_rows(&mut self, var: &Tensor, first: usize, block: &Tensor) -> candle_core::Result<()> {
+        assert!(block.is_contiguous());
+        assert!(self.finals.iter().all(|&id| id != var.id()), "blocks come before the whole gradient");
+        self.blocks.push((var.id(), first, block.to_vec2::<f32>()?));
+        Ok(())
+    }
+}
+
+fn bits2(v: &[Vec<f32>]) -> Vec<Vec<u32>> {
+    v.iter().map(|r| r.iter().map(|x| x.to_bits()).collect()).collect()
+}
+
+/// The row seam: a weight used once as `x.matmul(&w.t())` (candle-nn's `Linear` on a
+/// matrix) has its gradient handed over in blocks of rows, in order, each bit for bit the
+/// rows of the whole gradient, before the whole is; over batches below and above the matmul's
+/// blocking of the inner dimension, and a last block shorter than the others. Weights used
+/// otherwise (twice, under more transposes, through a copy) are never asked and come whole;
+/// the gradients equal `backward`'s bit for bit. (A 3-d input to `Linear` is folded into a
+/// matrix by candle-nn, so its weights take the seam too.)
+#[test]
+fn a_linear_weight_s_gradient_comes_in_blocks_of_rows_equal_to_the_whole() {
+    let dev = Device::Cpu;
+    for (batch, out, inp, rows) in [(1, 8, 5, 3), (7, 10, 33, 4), (128, 96, 64, 32), (600, 70, 300, 16)] {
+        let xs: Vec<f32> = (0..batch * inp).map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0).collect();
+        let x = Tensor::from_vec(xs, (batch, inp), &dev).unwrap();
+        let w: Vec<f32> = (0..out * inp).map(|i| ((i * 53 % 97) as f32 - 48.0) / 41.0).collect();
+        let w = Var::from_tensor(&Tensor::from_vec(w, (out, inp), &dev).unwrap()).unwrap();
+        let b = Var::new(vec![0.25f32; out], &dev).unwrap();
+        let forward = || {
+            let h = x.matmul(&w.as_tensor().t().unwrap()).unwrap().broadcast_add(b.as_tensor()).unwrap();
+            h.tanh().unwrap().sqr().unwrap().sum_all().unwrap()
+        };
+        let plain = forward().backward().unwrap();
+        let mut hook = Rows { rows, asked: Vec::new(), blocks: Vec::new(), finals: Vec::new() };
+        let grads = forward().backward_with_hooks(&mut hook).unwrap();
+        assert_eq!(hook.asked, vec![w.id()], "only the weight is asked");
+        let whole = v2(plain.get(&w).unwrap());
+        let firsts: Vec<usize> = hook.blocks.iter().map(|(_, f, _)| *f).collect();
+        assert_eq!(firsts, (0..out).step_by(rows).collect::<Vec<_>>(), "{batch}x{out}x{inp}: blocks in order");
+        for (id, first, block) in &hook.blocks {
+            assert_eq!(*id, w.id());
+            let n = rows.min(out - first);
+            assert_eq!(bits2(block), bits2(&whole[*first..first + n]), "{batch}x{out}x{inp}: rows {first}..");
+        }
+        assert_eq!(hook.finals, vec![b.id(), w.id()]);
+        assert_eq!(bits2(&v2(grads.get(&w).unwrap())), bits2(&whole), "the whole gradient, bit for bit");
+        assert_eq!(bits2(&[grads.get(&b).unwrap().to_vec1::<f32>().unwrap()]), bits2(&[plain.get(&b).unwrap().to_vec1::<f32>().unwrap()]));
+    }
+    // Used twice (tied), under more than one transpose, or through a copy: never asked.
+    let x = Tensor::new(&[[1.0f32, 2.0], [3.0, -1.0]], &dev).unwrap();
+    let w = Var::new(&[[0.5f32, -0.25], [1.0, 2.0], [0.1, 0.2]], &dev).unwrap();
+    let losses = [
+        x.matmul(&w.as_tensor().t().unwrap()).unwrap().sum_all().unwrap()
+            + w.as_tensor().sum_all().unwrap(),
+        Ok(x.matmul(&w.as_tensor().t().unwrap().t().unwrap().t().unwrap()).unwrap().sum_all().unwrap()),
+        Ok(x.matmul(&w.as_tensor().t().unwrap().contiguous().unwrap()).unwrap().sum_all().unwrap()),
+    ];
+    for (case, loss) in losses.into_iter().enumerate() {
+        let loss = loss.unwrap();
+        let plain = loss.backward().unwrap();
+        let mut hook = Rows { rows: 1, asked: Vec::new(), blocks: Vec::new(), finals: Vec::new() };
+        let grads = loss.backward_with_hooks(&mut hook).unwrap();
+        assert!(hook.asked.is_empty() && hook.blocks.is_empty(), "case {case}");
+        assert_eq!(hook.finals, vec![w.id()]);
+        assert_eq!(v2(grads.get(&w).unwrap()), v2(plain.get(&w).unwrap()));
+    }
+}

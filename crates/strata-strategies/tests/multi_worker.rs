@@ -295,7 +295,8 @@ fn a_cross_worker_ops_failure_fails_the_worker_with_its_message() {
 
 /// Trains a small MLP for 6 steps of SGD on `workers` workers of `local` replicas, with the
 /// reduction overlapped with the backward pass or not, buckets of 256 bytes (several per
-/// step); returns each worker's final parameters.
+/// step) and the weights' gradients in blocks of rows when overlapped; returns each worker's
+/// final parameters.
 fn train_mlp(workers: usize, local: usize, overlap: bool) -> Vec<Vec<Vec<f32>>> {
     train_mlp_with(workers, local, overlap, Compression::None)
 }
@@ -321,6 +322,8 @@ fn train_mlp_batch(
         move |o| {
             o.options.overlap = overlap;
             o.options.bucket_bytes = 256;
+            // Both weights' gradients in blocks of rows (2 of l1's 16, 1 of l2's 3).
+            o.options.row_block_bytes = 48;
             o.compression = compression;
         },
         move |_, s| {
@@ -348,6 +351,12 @@ fn train_mlp_batch(
                 })
                 .unwrap();
             }
+            // The weights went in blocks of rows (under PowerSGD, whole).
+            let want = match compression {
+                Compression::PowerSgd { .. } => 0,
+                _ => 8 + 3,
+            };
+            assert_eq!(opt.overlap_row_blocks(0), overlap.then_some(want));
             model
                 .values()
                 .unwrap()

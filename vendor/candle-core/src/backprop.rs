@@ -88,24 +88,37 @@ impl Tensor {
         &self,
         on_final: &mut dyn FnMut(&Tensor, &Tensor) -> Result<()>,
     ) -> Result<GradStore> {
-        self.backward_inner(Some(on_final))
+        struct FinalOnly<'a>(&'a mut dyn FnMut(&Tensor, &Tensor) -> Result<()>);
+        impl GradHook for FinalOnly<'_> {
+            fn on_final(&mut self, var: &Tensor, grad: &Tensor) -> Result<()> {
+                (self.0)(var, grad)
+            }
+        }
+        self.backward_inner(Some(&mut FinalOnly(on_final)))
     }
 
-    fn backward_inner(
-        &self,
-        mut on_final: Option<&mut dyn FnMut(&Tensor, &Tensor) -> Result<()>>,
-    ) -> Result<GradStore> {
+    /// STRATA PATCH: [`Tensor::backward_with_hook`] with a [`GradHook`], which may also take
+    /// the gradients of weights used as `x.matmul(&w.t())` (candle-nn's `Linear` on a matrix)
+    /// in blocks of rows, each as soon as it is computed (see [`GradHook::rows_per_block`]).
+    pub fn backward_with_hooks(&self, hook: &mut dyn GradHook) -> Result<GradStore> {
+        self.backward_inner(Some(hook))
+    }
+
+    fn backward_inner(&self, mut on_final: Option<&mut dyn GradHook>) -> Result<GradStore> {
         let sorted_nodes = self.sorted_nodes();
         let mut grads = GradStore::new();
         grads.insert(self, self.ones_like()?.contiguous()?);
         // STRATA PATCH: with a hook, `ready[i]` lists the variables whose last use is node `i`.
         let mut ready: Vec<Vec<&Tensor>> = Vec::new();
         let mut fired: std::collections::HashSet<TensorId> = std::collections::HashSet::new();
+        // STRATA PATCH: with a hook, how many nodes of the pass use each node.
+        let mut used_by: HashMap<TensorId, usize> = HashMap::new();
         if on_final.is_some() {
             let mut last_use: HashMap<TensorId, (usize, &Tensor)> = HashMap::new();
             for (i, node) in sorted_nodes.iter().enumerate() {
                 if let (false, Some(op)) = (node.is_variable(), node.op()) {
                     for arg in grad_inputs(op) {
+                        *used_by.entry(arg.id()).or_default() += 1;
                         if arg.is_variable() {
                             last_use.insert(arg.id(), (i, arg));
                         }
@@ -418,7 +431,37 @@ impl Tensor {
                         };
                         grads.accumulate(lhs, &lhs_grad)?;
 
-                        let rhs_grad = if is_transposed_contiguous(rhs) {
+                        // STRATA PATCH: a weight `w` whose only use is this `x.matmul(&w.t())`
+                        // of matrices may have its gradient computed, and handed to the hook,
+                        // in blocks of rows (`grad^T x`, rows `r..r + n` at a time), which it
+                        // may reduce while the next are computed. The product of each element
+                        // is the one the whole matmul computes; the blocks are then joined.
+                        let row_weight = match (on_final.as_deref_mut(), rhs.op()) {
+                            (Some(hook), Some(Op::Transpose(w, 0, 1) | Op::Transpose(w, 1, 0)))
+                                if w.is_variable()
+                                    && w.rank() == 2
+                                    && lhs.rank() == 2
+                                    && is_transposed_contiguous(rhs)
+                                    && used_by.get(&rhs.id()) == Some(&1)
+                                    && used_by.get(&w.id()) == Some(&1) =>
+                            {
+                                let rows = w.dims()[0];
+                                hook.rows_per_block(w)
+                                    .filter(|&n| n > 0 && n < rows)
+                                    .map(|n| (hook, w, rows, n))
+                            }
+                            _ => None,
+                        };
+                        let rhs_grad = if let Some((hook, w, rows, n)) = row_weight {
+                            let grad_t = grad.t()?;
+                            let mut blocks = Vec::with_capacity(rows.div_ceil(n));
+                            for first in (0..rows).step_by(n) {
+                                let block = grad_t.narrow(0, first, n.min(rows - first))?.matmul(lhs)?;
+                                hook.on_rows(w, first, &block)?;
+                                blocks.push(block);
+                            }
+                            Tensor::cat(&blocks, 0)?.t()?
+                        } else if is_transposed_contiguous(rhs) {
                             grad.t()?.matmul(lhs)?.t()?
                         } else {
                             lhs.t()?.matmul(&grad)?
@@ -686,6 +729,30 @@ impl Tensor {
     }
 }
 
+/// STRATA PATCH: what [`Tensor::backward_with_hooks`] calls as the pass goes on.
+pub trait GradHook {
+    /// A variable's gradient is final (see [`Tensor::backward_with_hook`]).
+    fn on_final(&mut self, var: &Tensor, grad: &Tensor) -> Result<()>;
+
+    /// Asked for a matrix variable `var` whose only use is `x.matmul(&var.t())` with `x` a
+    /// matrix, when the pass reaches that product: `Some(n)` (`0 < n <` rows) has its gradient
+    /// computed in blocks of `n` rows, each handed to [`GradHook::on_rows`] as soon as it is
+    /// computed. `None`, the default, computes it whole.
+    fn rows_per_block(&mut self, var: &Tensor) -> Option<usize> {
+        let _ = var;
+        None
+    }
+
+    /// Rows `first..first + block.dim(0)` of `var`'s gradient, final, contiguous and in an
+    /// allocation of their own, which the pass reads once more, after the last block, to join
+    /// them into the whole gradient (then handed to [`GradHook::on_final`]): the hook may read
+    /// a block, and keep it, but must not change it.
+    fn on_rows(&mut self, var: &Tensor, first: usize, block: &Tensor) -> Result<()> {
+        let _ = (var, first, block);
+        Ok(())
+    }
+}
+
 /// STRATA PATCH: the operands of `op` that a gradient flows to, in the order `sorted_nodes`
 /// walks them: none through rounding, sign, argmin/argmax, an affine map that multiplies by
 /// zero or a cast from an integer type.
@@ -828,7 +895,7 @@ impl GradStore {
     fn hand_over(
         &mut self,
         var: &Tensor,
-        hook: &mut dyn FnMut(&Tensor, &Tensor) -> Result<()>,
+        hook: &mut dyn GradHook,
         fired: &mut std::collections::HashSet<TensorId>,
     ) -> Result<()> {
         if let Some(g) = self.0.get_mut(&var.id()) {
@@ -836,7 +903,7 @@ impl GradStore {
                 *g = g.force_contiguous()?;
             }
             fired.insert(var.id());
-            hook(var, g)?;
+            hook.on_final(var, g)?;
         }
         Ok(())
     }

@@ -3,6 +3,10 @@
 /// The default fusion bucket size, as PyTorch DDP's and Horovod's: 25 MiB.
 pub const DEFAULT_BUCKET_BYTES: usize = 25 * 1024 * 1024;
 
+/// The default size of a block of rows of a weight's gradient reduced across workers on its
+/// own, as soon as the backward pass has computed it: 2 MiB.
+pub const DEFAULT_ROW_BLOCK_BYTES: usize = 2 * 1024 * 1024;
+
 /// A run of consecutive tensors reduced by one collective.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Bucket {

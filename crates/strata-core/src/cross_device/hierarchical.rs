@@ -247,6 +247,11 @@ impl CrossDeviceOps for HierarchicalOps {
         }
     }
 
+    /// Rows reduce as the whole does, except under PowerSGD, which compresses whole matrices.
+    fn takes_row_blocks(&self) -> bool {
+        !matches!(self.compression, Compression::PowerSgd { .. })
+    }
+
     fn check_gradients(&self, shapes: &[&[usize]]) -> Result<()> {
         Ok(self.compression.check_model(shapes.iter().copied())?)
     }

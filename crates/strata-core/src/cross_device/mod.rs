@@ -26,7 +26,7 @@ pub mod compression;
 mod cpu;
 mod hierarchical;
 
-pub use bucket::{plan_buckets, Bucket, DEFAULT_BUCKET_BYTES};
+pub use bucket::{plan_buckets, Bucket, DEFAULT_BUCKET_BYTES, DEFAULT_ROW_BLOCK_BYTES};
 pub use cpu::CpuCrossDeviceOps;
 pub use hierarchical::HierarchicalOps;
 
@@ -235,6 +235,14 @@ pub trait CrossDeviceOps: Send + Sync + std::fmt::Debug {
     fn check_gradients(&self, shapes: &[&[usize]]) -> Result<()> {
         let _ = shapes;
         Ok(())
+    }
+
+    /// Whether a gradient may be reduced in blocks of its rows, each a request of its own
+    /// (same variable id), with the result the whole gradient's reduction would give: true for
+    /// elementwise reductions that hand their result to `out`. The default is `false`, which
+    /// keeps every gradient whole.
+    fn takes_row_blocks(&self) -> bool {
+        false
     }
 
     /// Completes a reduction [`start`](CrossDeviceOps::start) began, given the same request.

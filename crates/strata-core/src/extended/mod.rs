@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use crate::cross_device::WorkerCollectives;
-use crate::cross_device::{CrossDeviceOps, DEFAULT_BUCKET_BYTES};
+use crate::cross_device::{CrossDeviceOps, DEFAULT_BUCKET_BYTES, DEFAULT_ROW_BLOCK_BYTES};
 use crate::device::LogicalDevice;
 use crate::group::DEFAULT_COLLECTIVE_TIMEOUT;
 use crate::timeline::Timeline;
@@ -74,6 +74,13 @@ pub struct StrategyOptions {
     /// ready in the first step, which reduces without overlap). The results are the same: bit
     /// for bit where each element's sum keeps its order (in memory, two workers).
     pub overlap: bool,
+    /// With overlap across workers, the gradient of a weight used as `x.matmul(&w.t())`
+    /// (candle-nn's `Linear` on a matrix) of at least two blocks of this many bytes is
+    /// computed and reduced in blocks of rows, each sent while the backward pass computes the
+    /// next (default 2 MiB; 0 keeps every gradient whole). A large layer's gradient then
+    /// crosses the link while it is being computed, instead of after. Not under PowerSGD,
+    /// which compresses whole matrices, nor with ops that reduce on a GPU.
+    pub row_block_bytes: usize,
 }
 
 impl Default for StrategyOptions {
@@ -84,6 +91,7 @@ impl Default for StrategyOptions {
             timeline: None,
             seed: 0,
             overlap: true,
+            row_block_bytes: DEFAULT_ROW_BLOCK_BYTES,
         }
     }
 }
