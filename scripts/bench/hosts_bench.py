@@ -117,6 +117,8 @@ def parser():
                     "the MLP, --scale 0.5 (options given beside it still apply)")
     ap.add_argument("--no-install", action="store_true", help="do not install PyTorch into PEERS_VENV when it is missing "
                     "(hosts.sh's own option)")
+    ap.add_argument("--compressions", help="Strata's compressions to run, of " + ",".join(COMPRESSIONS)
+                    + " (default all this build has)")
     ap.add_argument("--no-ddp", action="store_true", help="Strata only")
     ap.add_argument("--no-strata", action="store_true", help="DDP only")
     ap.add_argument("--strata", default=os.path.join(ROOT, "target", "release", "strata"), help="the strata binary")
@@ -164,6 +166,10 @@ def parse_args(argv):
         bad("--repeats must be 1 or more")
     if not a.scale > 0:
         bad("--scale must be positive")
+    if a.compressions is not None:
+        for c in a.compressions.split(","):
+            if c not in COMPRESSIONS:
+                bad(f"--compressions: unknown compression {c!r}; use some of {','.join(COMPRESSIONS)}")
     if a.no_ddp and a.no_strata:
         bad("--no-ddp and --no-strata leave nothing to run")
     a.link_list, a.host_list, a.model_list = links, hosts, models
@@ -522,6 +528,8 @@ def main(argv):
                 # the options this build's help names (powersgd is not on the ring yet)
                 compressions = [c for c in COMPRESSIONS if c.split(":")[0] in h]
                 skipped = [c for c in COMPRESSIONS if c not in compressions]
+                if a.compressions:
+                    compressions = [c for c in compressions if c in a.compressions.split(",")]
                 comp_note = "strata train has --compression: Strata runs each of " + ", ".join(compressions)
                 if skipped:
                     comp_note += "; not in this build: " + ", ".join(skipped)

@@ -8,7 +8,8 @@
 //! patch adds whole rows there) keep their values, and products with a transposed rhs (which the
 //! patch may compute column-major) equal a loop. The patch's one seam, `backward_with_hook`,
 //! hands each variable's gradient over once, when it is final, in the order gradients become
-//! ready, in an allocation of its own.
+//! ready, in an allocation of its own; with a `GradHook` that asks, a `Linear` weight's
+//! gradient first comes in blocks of rows, bit for bit the whole's.
 
 use candle_core::{DType, Device, Tensor, Var, D};
 
@@ -417,7 +418,7 @@ fn bits2(v: &[Vec<f32>]) -> Vec<Vec<u32>> {
 }
 
 /// The row seam: a weight used once as `x.matmul(&w.t())` (candle-nn's `Linear` on a
-/// matrix) has its gradient handed over in blocks of rows, in order, each bit for bit the
+/// matrix) or `x.matmul(&w)` has its gradient handed over in blocks of rows, in order, each bit for bit the
 /// rows of the whole gradient, before the whole is; over batches below and above the matmul's
 /// blocking of the inner dimension, and a last block shorter than the others. Weights used
 /// otherwise (twice, under more transposes, through a copy) are never asked and come whole;
@@ -426,37 +427,46 @@ fn bits2(v: &[Vec<f32>]) -> Vec<Vec<u32>> {
 #[test]
 fn a_linear_weight_s_gradient_comes_in_blocks_of_rows_equal_to_the_whole() {
     let dev = Device::Cpu;
-    for (batch, out, inp, rows) in [(1, 8, 5, 3), (7, 10, 33, 4), (128, 96, 64, 32), (600, 70, 300, 16)] {
-        let xs: Vec<f32> = (0..batch * inp).map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0).collect();
-        let x = Tensor::from_vec(xs, (batch, inp), &dev).unwrap();
-        let w: Vec<f32> = (0..out * inp).map(|i| ((i * 53 % 97) as f32 - 48.0) / 41.0).collect();
-        let w = Var::from_tensor(&Tensor::from_vec(w, (out, inp), &dev).unwrap()).unwrap();
-        let b = Var::new(vec![0.25f32; out], &dev).unwrap();
-        let forward = || {
-            let h = x.matmul(&w.as_tensor().t().unwrap()).unwrap().broadcast_add(b.as_tensor()).unwrap();
-            h.tanh().unwrap().sqr().unwrap().sum_all().unwrap()
-        };
-        let plain = forward().backward().unwrap();
-        let mut hook = Rows { rows, asked: Vec::new(), blocks: Vec::new(), finals: Vec::new() };
-        let grads = forward().backward_with_hooks(&mut hook).unwrap();
-        assert_eq!(hook.asked, vec![w.id()], "only the weight is asked");
-        let whole = v2(plain.get(&w).unwrap());
-        let firsts: Vec<usize> = hook.blocks.iter().map(|(_, f, _)| *f).collect();
-        assert_eq!(firsts, (0..out).step_by(rows).collect::<Vec<_>>(), "{batch}x{out}x{inp}: blocks in order");
-        for (id, first, block) in &hook.blocks {
-            assert_eq!(*id, w.id());
-            let n = rows.min(out - first);
-            assert_eq!(bits2(block), bits2(&whole[*first..first + n]), "{batch}x{out}x{inp}: rows {first}..");
+    for transposed in [true, false] {
+        for (batch, out, inp, rows) in [(1, 8, 5, 3), (7, 10, 33, 4), (128, 96, 64, 32), (600, 70, 300, 16)] {
+            // `x.matmul(&w.t())` with `w` out x inp, or `x.matmul(&w)` with `w` inp x out.
+            let w_rows = if transposed { out } else { inp };
+            let xs: Vec<f32> = (0..batch * inp).map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0).collect();
+            let x = Tensor::from_vec(xs, (batch, inp), &dev).unwrap();
+            let w: Vec<f32> = (0..out * inp).map(|i| ((i * 53 % 97) as f32 - 48.0) / 41.0).collect();
+            let w = Var::from_tensor(&Tensor::from_vec(w, (w_rows, out * inp / w_rows), &dev).unwrap()).unwrap();
+            let b = Var::new(vec![0.25f32; out], &dev).unwrap();
+            let forward = || {
+                let wt = if transposed { w.as_tensor().t().unwrap() } else { w.as_tensor().clone() };
+                let h = x.matmul(&wt).unwrap().broadcast_add(b.as_tensor()).unwrap();
+                h.tanh().unwrap().sqr().unwrap().sum_all().unwrap()
+            };
+            let case = format!("{batch}x{out}x{inp}, transposed {transposed}");
+            let plain = forward().backward().unwrap();
+            let mut hook = Rows { rows, asked: Vec::new(), blocks: Vec::new(), finals: Vec::new() };
+            let grads = forward().backward_with_hooks(&mut hook).unwrap();
+            assert_eq!(hook.asked, vec![w.id()], "{case}: only the weight is asked");
+            let whole = v2(plain.get(&w).unwrap());
+            let firsts: Vec<usize> = hook.blocks.iter().map(|(_, f, _)| *f).collect();
+            assert_eq!(firsts, (0..w_rows).step_by(rows).collect::<Vec<_>>(), "{case}: blocks in order");
+            for (id, first, block) in &hook.blocks {
+                assert_eq!(*id, w.id());
+                let n = rows.min(w_rows - first);
+                assert_eq!(bits2(block), bits2(&whole[*first..first + n]), "{case}: rows {first}..");
+            }
+            assert_eq!(hook.finals, vec![b.id(), w.id()]);
+            assert_eq!(bits2(&v2(grads.get(&w).unwrap())), bits2(&whole), "{case}: the whole gradient, bit for bit");
+            let bias = |g: &candle_core::backprop::GradStore| g.get(&b).unwrap().to_vec1::<f32>().unwrap();
+            assert_eq!(bits2(&[bias(&grads)]), bits2(&[bias(&plain)]));
         }
-        assert_eq!(hook.finals, vec![b.id(), w.id()]);
-        assert_eq!(bits2(&v2(grads.get(&w).unwrap())), bits2(&whole), "the whole gradient, bit for bit");
-        assert_eq!(bits2(&[grads.get(&b).unwrap().to_vec1::<f32>().unwrap()]), bits2(&[plain.get(&b).unwrap().to_vec1::<f32>().unwrap()]));
     }
     // Used twice (tied), under more than one transpose, or through a copy: never asked.
     let x = Tensor::new(&[[1.0f32, 2.0], [3.0, -1.0]], &dev).unwrap();
     let w = Var::new(&[[0.5f32, -0.25], [1.0, 2.0], [0.1, 0.2]], &dev).unwrap();
     let losses = [
         x.matmul(&w.as_tensor().t().unwrap()).unwrap().sum_all().unwrap()
+            + w.as_tensor().sum_all().unwrap(),
+        x.matmul(&w.as_tensor().t().unwrap().contiguous().unwrap()).unwrap().sum_all().unwrap()
             + w.as_tensor().sum_all().unwrap(),
         Ok(x.matmul(&w.as_tensor().t().unwrap().t().unwrap().t().unwrap()).unwrap().sum_all().unwrap()),
         Ok(x.matmul(&w.as_tensor().t().unwrap().contiguous().unwrap()).unwrap().sum_all().unwrap()),

@@ -99,7 +99,8 @@ impl Tensor {
 
     /// STRATA PATCH: [`Tensor::backward_with_hook`] with a [`GradHook`], which may also take
     /// the gradients of weights used as `x.matmul(&w.t())` (candle-nn's `Linear` on a matrix)
-    /// in blocks of rows, each as soon as it is computed (see [`GradHook::rows_per_block`]).
+    /// or `x.matmul(&w)` in blocks of rows, each as soon as it is computed (see
+    /// [`GradHook::rows_per_block`]).
     pub fn backward_with_hooks(&self, hook: &mut dyn GradHook) -> Result<GradStore> {
         self.backward_inner(Some(hook))
     }
@@ -424,18 +425,12 @@ impl Tensor {
                         // so the transpose's own backward hands the variable a contiguous
                         // gradient with no strided copy (one of a 2048 x 2048 weight cost 8x
                         // its matmul here).
-                        let lhs_grad = if is_transposed_contiguous(lhs) {
-                            rhs.matmul(&grad.t()?)?.t()?
-                        } else {
-                            grad.matmul(&rhs.t()?)?
-                        };
-                        grads.accumulate(lhs, &lhs_grad)?;
-
-                        // STRATA PATCH: a weight `w` whose only use is this `x.matmul(&w.t())`
-                        // of matrices may have its gradient computed, and handed to the hook,
-                        // in blocks of rows (`grad^T x`, rows `r..r + n` at a time), which it
-                        // may reduce while the next are computed. The product of each element
-                        // is the one the whole matmul computes; the blocks are then joined.
+                        // STRATA PATCH: a weight `w` whose only use is this product, as
+                        // `x.matmul(&w.t())` or `x.matmul(&w)` of matrices, may have its gradient
+                        // computed, and handed to the hook, in blocks of rows (`grad^T x` or
+                        // `x^T grad`, rows `r..r + n` at a time), which it may reduce while the
+                        // next are computed. The product of each element is the one the whole
+                        // matmul computes; the blocks are then joined.
                         let row_weight = match (on_final.as_deref_mut(), rhs.op()) {
                             (Some(hook), Some(Op::Transpose(w, 0, 1) | Op::Transpose(w, 1, 0)))
                                 if w.is_variable()
@@ -448,25 +443,55 @@ impl Tensor {
                                 let rows = w.dims()[0];
                                 hook.rows_per_block(w)
                                     .filter(|&n| n > 0 && n < rows)
-                                    .map(|n| (hook, w, rows, n))
+                                    .map(|n| (hook, w, true, rows, n))
+                            }
+                            (Some(hook), _)
+                                if rhs.is_variable()
+                                    && rhs.rank() == 2
+                                    && lhs.rank() == 2
+                                    && used_by.get(&rhs.id()) == Some(&1) =>
+                            {
+                                let rows = rhs.dims()[0];
+                                hook.rows_per_block(rhs)
+                                    .filter(|&n| n > 0 && n < rows)
+                                    .map(|n| (hook, rhs, false, rows, n))
                             }
                             _ => None,
                         };
-                        let rhs_grad = if let Some((hook, w, rows, n)) = row_weight {
-                            let grad_t = grad.t()?;
+                        let lhs_grad = |grads: &mut GradStore| -> Result<()> {
+                            let lhs_grad = if is_transposed_contiguous(lhs) {
+                                rhs.matmul(&grad.t()?)?.t()?
+                            } else {
+                                grad.matmul(&rhs.t()?)?
+                            };
+                            grads.accumulate(lhs, &lhs_grad)
+                        };
+                        if let Some((hook, w, transposed, rows, n)) = row_weight {
+                            // The weight's blocks first, so that they are handed over as early
+                            // in the pass as they can be; then the input's gradient.
+                            let (a, b) = if transposed { (grad.t()?, lhs) } else { (lhs.t()?, &grad) };
                             let mut blocks = Vec::with_capacity(rows.div_ceil(n));
                             for first in (0..rows).step_by(n) {
-                                let block = grad_t.narrow(0, first, n.min(rows - first))?.matmul(lhs)?;
+                                let block = a.narrow(0, first, n.min(rows - first))?.matmul(b)?;
                                 hook.on_rows(w, first, &block)?;
                                 blocks.push(block);
                             }
-                            Tensor::cat(&blocks, 0)?.t()?
-                        } else if is_transposed_contiguous(rhs) {
-                            grad.t()?.matmul(lhs)?.t()?
+                            let whole = Tensor::cat(&blocks, 0)?;
+                            if transposed {
+                                grads.accumulate(rhs, &whole.t()?)?;
+                            } else {
+                                grads.accumulate(rhs, &whole)?;
+                            }
+                            lhs_grad(&mut grads)?;
                         } else {
-                            lhs.t()?.matmul(&grad)?
-                        };
-                        grads.accumulate(rhs, &rhs_grad)?;
+                            lhs_grad(&mut grads)?;
+                            let rhs_grad = if is_transposed_contiguous(rhs) {
+                                grad.t()?.matmul(lhs)?.t()?
+                            } else {
+                                lhs.t()?.matmul(&grad)?
+                            };
+                            grads.accumulate(rhs, &rhs_grad)?;
+                        }
                     }
                     Op::Cat(args, dim) => {
                         let mut start_idx = 0;
@@ -734,8 +759,9 @@ pub trait GradHook {
     /// A variable's gradient is final (see [`Tensor::backward_with_hook`]).
     fn on_final(&mut self, var: &Tensor, grad: &Tensor) -> Result<()>;
 
-    /// Asked for a matrix variable `var` whose only use is `x.matmul(&var.t())` with `x` a
-    /// matrix, when the pass reaches that product: `Some(n)` (`0 < n <` rows) has its gradient
+    /// Asked for a matrix variable `var` whose only use is `x.matmul(&var.t())` or
+    /// `x.matmul(&var)` with `x` a matrix, when the pass reaches that product: `Some(n)`
+    /// (`0 < n <` rows) has its gradient
     /// computed in blocks of `n` rows, each handed to [`GradHook::on_rows`] as soon as it is
     /// computed. `None`, the default, computes it whole.
     fn rows_per_block(&mut self, var: &Tensor) -> Option<usize> {
