@@ -745,6 +745,10 @@ struct Launched {
     early: Vec<f32>,
 }
 
+/// The smallest bucket an overlapped step across workers cuts its gradient into (DDP's first
+/// bucket).
+const MIN_SPLIT_BUCKET_BYTES: usize = 1024 * 1024;
+
 /// The state of an overlapped step, which the backward pass calls as gradients become final.
 struct OverlapStep<'a, 'c> {
     ctx: &'a ReplicaContext<'c>,
@@ -1147,7 +1151,14 @@ impl ReplicaContext<'_> {
                 rows_of[i] = (rows >= 2 * n).then_some(n);
             }
         }
-        let bucket_bytes = self.shared.ext.options().bucket_bytes;
+        // Across workers, where a bucket's bytes take time to cross, the buckets are also at
+        // most an eighth of the gradient (at least 1 MiB), so that a model of a few megabytes
+        // does not wait for the whole backward pass before its first bucket starts.
+        let mut bucket_bytes = self.shared.ext.options().bucket_bytes;
+        if self.shared.ext.workers().is_some() && bucket_bytes > 0 {
+            let total: usize = order.iter().map(|&i| vars[i].elem_count() * std::mem::size_of::<f32>()).sum();
+            bucket_bytes = bucket_bytes.min((total / 8).max(MIN_SPLIT_BUCKET_BYTES));
+        }
         let (mut buckets, mut units, mut bucket_of) = (Vec::new(), Vec::new(), vec![None; vars.len()]);
         let mut start = 0;
         for end in 0..=order.len() {

@@ -74,8 +74,8 @@ pub struct StrategyOptions {
     /// ready in the first step, which reduces without overlap). The results are the same: bit
     /// for bit where each element's sum keeps its order (in memory, two workers).
     pub overlap: bool,
-    /// With overlap across workers, the gradient of a weight used as `x.matmul(&w.t())`
-    /// (candle-nn's `Linear` on a matrix) of at least two blocks of this many bytes is
+    /// With overlap across workers, the gradient of a weight used once, as `x.matmul(&w.t())`
+    /// (candle-nn's `Linear`) or `x.matmul(&w)`, of at least two blocks of this many bytes is
     /// computed and reduced in blocks of rows, each sent while the backward pass computes the
     /// next (default 2 MiB; 0 keeps every gradient whole). A large layer's gradient then
     /// crosses the link while it is being computed, instead of after. Not under PowerSGD,
