@@ -665,9 +665,12 @@ def render(rec):
       "rate; limit = global batch / that. Each round's shaped run is paired with the same round's unshaped run of the "
       "configuration; the limit and % of limit shown are the medians over the rounds of those pairs (unshaped rows: "
       "100% by definition). Ratios: Strata's median over DDP's median")
-    p("- ring model: what `strata compare --simulate` charges a MultiWorkerMirrored step with overlap 0 "
-      "(`[simulate] overlap`), the configuration's unshaped step then its ring bytes over the link rate, "
-      "each round's shaped run paired with its unshaped one (median); in brackets, measured over modelled")
+    p("- ring model: what `strata compare --simulate` charges a MultiWorkerMirrored step, `compute + max(0, ring "
+      "bytes over the link rate - overlap x compute)` (`[simulate] overlap`), compute being the configuration's "
+      "unshaped step, each round's shaped run paired with its unshaped one (median), with the overlap fitted to the "
+      "model's shaped Strata runs (the median of the share each run implies; PowerSGD's, whose bytes hide in any "
+      "step, not counted): the calibration `[simulate] overlap` takes for that model; in brackets, measured over "
+      "modelled")
     for model in rec["models"]:
         _, _, unit, batch = MODELS[model]
         units = batch_units(model)
@@ -681,11 +684,40 @@ def render(rec):
         elif params:
             p(f"({params:,} parameters, {fmt_bytes(4 * params)} of f32 gradients)")
         p("")
+        def wire_of(n, kind, variant):
+            same_shapes = m.get("strata_params") == m.get("ddp_params")
+            if kind == "strata":
+                payload = strata_payload(variant, m.get("strata_params") or params,
+                                         m.get("shapes") if same_shapes else None)
+            else:
+                payload = m.get("ddp_bytes", {}).get(variant)
+            return ring_bytes(payload, n) if payload is not None else None
+
+        unshaped = next((link for link, bits in links if bits is None), None)
+        # The overlap each shaped Strata run implies: compute + comm - step, over compute.
+        implied = []
+        for n in rec["hosts"]:
+            for link, bits in links:
+                for kind, variant in configs:
+                    wire = wire_of(n, kind, variant)
+                    if kind != "strata" or bits is None or unshaped is None or wire is None \
+                            or (variant or "").startswith("powersgd"):
+                        continue
+                    runs = results.get((model, n, link, kind, variant), [])
+                    base = results.get((model, n, unshaped, kind, variant), [])
+                    for r, b in zip(runs, base):
+                        if r and b:
+                            tc, tw = units / b, wire * 8 / bits
+                            implied.append(min(0.95, max(0.0, (tc + tw - units / r) / tc)))
+        overlap = statistics.median(implied) if implied else 0.0
+        if implied:
+            p(f"Ring model overlap fitted to this model's runs: {overlap:.2f} (from {len(implied)} runs, "
+              f"{min(implied):.2f}-{max(implied):.2f}).")
+            p("")
         head = ["hosts", "link", "configuration", "bytes/step/host", unit, "limit", "% of limit",
-                "/ DDP", "/ DDP fp16", "/ DDP PowerSGD", "ring model (error)"]
+                "/ DDP", "/ DDP fp16", "/ DDP PowerSGD", f"ring model, overlap {overlap:.2f} (error)"]
         p("| " + " | ".join(head) + " |")
         p("|" + "|".join("---" if i < 3 else "---:" for i in range(len(head))) + "|")
-        unshaped = next((link for link, bits in links if bits is None), None)
         for n in rec["hosts"]:
             for link, bits in links:
                 med = {}
@@ -693,15 +725,11 @@ def render(rec):
                     v = [x for x in results.get((model, n, link, kind, variant), []) if x is not None]
                     med[(kind, variant)] = statistics.median(v) if v else None
                 for kind, variant in configs:
-                    same_shapes = m.get("strata_params") == m.get("ddp_params")
                     if kind == "strata":
-                        payload = strata_payload(variant, m.get("strata_params") or params,
-                                                 m.get("shapes") if same_shapes else None)
                         name = "Strata MWMS" + (f" {variant}" if variant not in (None, "none") else "")
                     else:
-                        payload = m.get("ddp_bytes", {}).get(variant)
                         name = DDP_LABEL[variant]
-                    wire = ring_bytes(payload, n) if payload is not None else None
+                    wire = wire_of(n, kind, variant)
                     rate = med[(kind, variant)]
                     runs = results.get((model, n, link, kind, variant), [])
                     base = results.get((model, n, unshaped, kind, variant), []) if unshaped else []
@@ -713,10 +741,12 @@ def render(rec):
                         if lim:
                             limits.append(lim)
                             shares.append(r / lim)
-                        # strata compare's simulated ring step with overlap 0: the unshaped step,
-                        # then the ring's bytes over the link (Network::ring_allreduce_s).
+                        # strata compare's simulated ring step: the unshaped step, then what of
+                        # the ring's bytes over the link (Network::ring_allreduce_s) the fitted
+                        # overlap does not hide.
                         if kind == "strata" and bits is not None and wire is not None:
-                            modelled.append(units / (units / b + wire * 8 / bits))
+                            tc = units / b
+                            modelled.append(units / (tc + max(0.0, wire * 8 / bits - overlap * tc)))
                     model_cell = ""
                     if modelled and rate:
                         pred = statistics.median(modelled)

@@ -169,7 +169,8 @@ pub struct TrainArgs {
     /// The CPU cross-device reduction.
     #[arg(long, value_enum, default_value = "in-memory")]
     pub reduction: ReductionKind,
-    /// Gradient fusion bucket size in MiB (0: one bucket per tensor).
+    /// Gradient fusion bucket size in MiB (0: one bucket per tensor); across workers, buckets
+    /// are also at most an eighth of the gradient (at least 1 MiB).
     #[arg(long, default_value_t = 25.0)]
     pub bucket_mib: f64,
     /// Across workers, a large weight's gradient is computed and reduced in blocks of rows of

@@ -158,9 +158,10 @@ pub struct SimConfig {
     pub bandwidth_gbps: f64,
     /// The share of a synchronous step's compute that its all-reduce can run behind
     /// (overlap with the backward pass), in [0, 1): a ring step takes
-    /// `compute + max(0, all-reduce - overlap x compute)`. Default 0: no overlap, what the
-    /// 4.3M MLP measured on emulated hosts (its gradient is one weight, final late in the
-    /// backward pass).
+    /// `compute + max(0, all-reduce - overlap x compute)`. Default 0: no overlap. The hosts
+    /// benchmark (`scripts/bench/hosts.sh`) fits it to a model's measured runs and prints the
+    /// value: 0.60 for the 4.3M MLP with its weight's gradient in blocks of rows (2 hosts, 1
+    /// Gbit/s), within 2% of every shaped run.
     #[serde(default)]
     pub overlap: f64,
     /// Latency of every message, in microseconds (the injection's `network_delay` is added).

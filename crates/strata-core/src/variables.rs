@@ -795,14 +795,20 @@ impl OverlapStep<'_, '_> {
                     };
                     input.push(g);
                 }
-                let ids = self.plan.order[self.plan.buckets[b].tensors.clone()].iter().map(|&i| self.vars[i].id()).collect();
+                let ids =
+                    self.plan.order[self.plan.buckets[b].tensors.clone()].iter().map(|&i| self.vars[i].id()).collect();
                 (input, ids, format!("bucket {b}"))
             }
             Unit::Rows { var, first, rows } => {
-                let block = match (&self.local[var], self.blocks[var].get(first / self.plan.rows_of[var].unwrap_or(1))) {
+                let block = match (&self.local[var], self.blocks[var].get(first / self.plan.rows_of[var].unwrap_or(1)))
+                {
                     (_, Some(block)) => block.clone(),
                     (Some(g), None) => g.narrow(0, first, rows)?,
-                    (None, None) => Tensor::zeros((rows, self.vars[var].dims()[1]), self.vars[var].dtype(), self.vars[var].device())?,
+                    (None, None) => Tensor::zeros(
+                        (rows, self.vars[var].dims()[1]),
+                        self.vars[var].dtype(),
+                        self.vars[var].device(),
+                    )?,
                 };
                 (vec![block], vec![self.vars[var].id()], format!("rows {first}.. of variable {var}"))
             }
@@ -1020,9 +1026,9 @@ impl<O: Optimizer> DistributedOptimizer<O> {
     /// The blocks of rows that plan reduces on their own (see
     /// [`StrategyOptions::row_block_bytes`](crate::StrategyOptions::row_block_bytes)).
     pub fn overlap_row_blocks(&self, replica: usize) -> Option<usize> {
-        self.overlap.get(replica).and_then(|p| {
-            lock(p).as_ref().map(|p| p.units.iter().filter(|u| matches!(u, Unit::Rows { .. })).count())
-        })
+        self.overlap
+            .get(replica)
+            .and_then(|p| lock(p).as_ref().map(|p| p.units.iter().filter(|u| matches!(u, Unit::Rows { .. })).count()))
     }
 
     /// Locks copy `copy`'s optimizer (to change its learning rate, say).
@@ -1263,7 +1269,9 @@ impl ReplicaContext<'_> {
         // Variables with a gradient the plan does not have: reduced now. The plan no longer
         // fits (it has variables none has a gradient for, or lacks some), so the next step
         // learns it again; `present` is agreed, so every replica decides alike.
-        let extra: Vec<usize> = (0..vars.len()).filter(|&i| present[i] && plan.bucket_of[i].is_none() && plan.rows_of[i].is_none()).collect();
+        let extra: Vec<usize> = (0..vars.len())
+            .filter(|&i| present[i] && plan.bucket_of[i].is_none() && plan.rows_of[i].is_none())
+            .collect();
         if !extra.is_empty() || plan.order.iter().any(|&i| !present[i]) {
             *lock(&opt.overlap[self.replica]) = None;
         }

@@ -464,8 +464,7 @@ fn a_linear_weight_s_gradient_comes_in_blocks_of_rows_equal_to_the_whole() {
     let x = Tensor::new(&[[1.0f32, 2.0], [3.0, -1.0]], &dev).unwrap();
     let w = Var::new(&[[0.5f32, -0.25], [1.0, 2.0], [0.1, 0.2]], &dev).unwrap();
     let losses = [
-        x.matmul(&w.as_tensor().t().unwrap()).unwrap().sum_all().unwrap()
-            + w.as_tensor().sum_all().unwrap(),
+        x.matmul(&w.as_tensor().t().unwrap()).unwrap().sum_all().unwrap() + w.as_tensor().sum_all().unwrap(),
         x.matmul(&w.as_tensor().t().unwrap().contiguous().unwrap()).unwrap().sum_all().unwrap()
             + w.as_tensor().sum_all().unwrap(),
         Ok(x.matmul(&w.as_tensor().t().unwrap().t().unwrap().t().unwrap()).unwrap().sum_all().unwrap()),

@@ -303,6 +303,47 @@ fn two_workers_end_as_one_device() {
     }
 }
 
+/// The same across two workers with every weight's gradient in blocks of rows (of one row):
+/// blocks reduced as the backward pass computes them, zeros for
+/// a head a worker or a replica did not use, a plan learned again when a head was used by no
+/// one; the result is one device's, and bit for bit the result without blocks.
+#[test]
+fn two_workers_with_weight_gradients_in_blocks_of_rows_end_as_one_device() {
+    let adamw = ParamsAdamW { lr: 0.01, weight_decay: 0.1, ..Default::default() };
+    let want_heads = train::<Heads, FusedAdamW>(&common::one_device(), adamw.clone(), 8, 30, &[]).1;
+    let want_frozen =
+        train::<Frozen, FusedMomentum>(&common::one_device(), ParamsMomentum::default(), 6, 30, &["late.*"]).1;
+    let want_tied = train::<Tied, SGD>(&common::one_device(), 0.1, 6, 30, &[]).1;
+    let run = |row_block_bytes: usize| {
+        let adamw = adamw.clone();
+        common::on_workers_tuned(
+            2,
+            2,
+            move |o| o.options.row_block_bytes = row_block_bytes,
+            move |_, s| {
+                let heads = train::<Heads, FusedAdamW>(s, adamw.clone(), 8, 30, &[]).1;
+                let frozen = train::<Frozen, FusedMomentum>(s, ParamsMomentum::default(), 6, 30, &["late.*"]).1;
+                let tied = train::<Tied, SGD>(s, 0.1, 6, 30, &[]).1;
+                (heads, frozen, tied)
+            },
+        )
+    };
+    // 24 bytes: every weight (3 x 8, 8 x 6, 8 x 8) in blocks of one row.
+    let blocks = run(24);
+    let whole = run(0);
+    for (w, ((heads, frozen, tied), (heads0, frozen0, tied0))) in blocks.into_iter().zip(whole).enumerate() {
+        for (name, want, got, without) in [
+            ("heads", &want_heads, heads, heads0),
+            ("frozen", &want_frozen, frozen, frozen0),
+            ("tied", &want_tied, tied, tied0),
+        ] {
+            let d = max_rel_diff(want, &got);
+            assert!(d <= TOLERANCE, "worker {w}, {name}: relative difference {d}");
+            assert_eq!(got, without, "worker {w}, {name}: the blocks changed the result");
+        }
+    }
+}
+
 /// Overlapping the reduction with the backward pass (the default: each bucket reduced as soon
 /// as its gradients are final, in the order learned in the first step) changes no bit against
 /// reducing after the pass: in memory each element's sum keeps its replica order. Small buckets

@@ -61,7 +61,9 @@ pub enum VariablePolicy {
 /// Settings every strategy shares.
 #[derive(Clone, Debug)]
 pub struct StrategyOptions {
-    /// Gradient fusion bucket size in bytes (default 25 MiB; 0 disables fusion).
+    /// Gradient fusion bucket size in bytes (default 25 MiB, DDP's; 0 disables fusion). An
+    /// overlapped step across workers also cuts its buckets at an eighth of the model's
+    /// gradient (at least 1 MiB), so that the first starts well before the pass ends.
     pub bucket_bytes: usize,
     /// Deadline of every collective (default 60 s).
     pub collective_timeout: Duration,

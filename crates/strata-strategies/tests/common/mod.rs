@@ -152,19 +152,31 @@ pub fn on_workers<T: Send + 'static>(
     local: usize,
     body: impl Fn(usize, &strata_strategies::MultiWorkerMirroredStrategy) -> T + Send + Sync + Clone + 'static,
 ) -> Vec<T> {
+    on_workers_tuned(n, local, |_| {}, body)
+}
+
+/// [`on_workers`] with the options changed by `tune`.
+#[allow(dead_code)]
+pub fn on_workers_tuned<T: Send + 'static>(
+    n: usize,
+    local: usize,
+    tune: impl Fn(&mut strata_strategies::MultiWorkerOptions) + Send + Sync + Clone + 'static,
+    body: impl Fn(usize, &strata_strategies::MultiWorkerMirroredStrategy) -> T + Send + Sync + Clone + 'static,
+) -> Vec<T> {
     use strata_strategies::cluster::{ClusterConfig, ClusterSpec, TaskId};
     let ports: Vec<u16> =
         (0..n).map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()).collect();
     let spec = ClusterSpec::workers(ports.iter().map(|p| format!("127.0.0.1:{p}")).collect::<Vec<_>>()).unwrap();
     let handles: Vec<_> = (0..n)
         .map(|i| {
-            let (spec, body) = (spec.clone(), body.clone());
+            let (spec, body, tune) = (spec.clone(), body.clone(), tune.clone());
             std::thread::spawn(move || {
                 let token = strata_transport::ClusterToken::new("0123456789abcdef0123456789abcdef").unwrap();
                 let mut o = strata_strategies::MultiWorkerOptions::new(token).unwrap();
                 o.local_devices = strata_core::device::logical_cpus(local).unwrap();
                 o.coordination.rendezvous_timeout = std::time::Duration::from_secs(30);
                 o.options.collective_timeout = std::time::Duration::from_secs(30);
+                tune(&mut o);
                 let config = ClusterConfig::new(spec, TaskId::worker(i)).unwrap();
                 let s = strata_strategies::MultiWorkerMirroredStrategy::new(config, o).unwrap();
                 let out = body(i, &s);
