@@ -5,13 +5,13 @@
 
 mod common;
 
-use std::panic::AssertUnwindSafe;
 use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{Init, Linear, VarBuilder};
 use common::models::{data, BnNet, Frozen, Heads, TestModel, Tied};
+use common::with_timeout;
 use strata_core::data::Batch;
 use strata_core::optim::FusedAdamW;
 use strata_core::{Strategy, StrategyOptions};
@@ -32,24 +32,6 @@ const TEST_LIMIT: Duration = Duration::from_secs(120);
 
 fn token() -> ClusterToken {
     ClusterToken::new(TOKEN).unwrap()
-}
-
-/// Runs `body` in its own thread; panics (failing the test) when it panics or when it does
-/// not finish within `limit`.
-fn with_timeout(limit: Duration, what: &str, body: impl FnOnce() + Send + 'static) {
-    let (tx, rx) = mpsc::channel();
-    std::thread::Builder::new()
-        .name(what.to_string())
-        .spawn(move || {
-            let outcome = std::panic::catch_unwind(AssertUnwindSafe(body));
-            let _ = tx.send(outcome);
-        })
-        .unwrap();
-    match rx.recv_timeout(limit) {
-        Ok(Ok(())) => {}
-        Ok(Err(panic)) => std::panic::resume_unwind(panic),
-        Err(_) => panic!("{what} did not finish within {limit:?}"),
-    }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -7,14 +7,14 @@
 
 mod common;
 
-use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use candle_core::{CpuStorage, DType, Device, Layout, Module, Shape, Tensor};
 use candle_nn::Linear;
 use common::models::{data, BnNet, Frozen, Heads, TestModel};
+use common::with_timeout;
 use strata_core::cross_device::compression::Compression;
 use strata_core::{Scope, StrategyOptions};
 use strata_strategies::cluster::{ClusterSpec, TaskType};
@@ -37,22 +37,6 @@ const GATE_LIMIT: Duration = Duration::from_secs(30);
 
 fn token() -> ClusterToken {
     ClusterToken::new(TOKEN).unwrap()
-}
-
-fn with_timeout(limit: Duration, what: &str, body: impl FnOnce() + Send + 'static) {
-    let (tx, rx) = mpsc::channel();
-    std::thread::Builder::new()
-        .name(what.to_string())
-        .spawn(move || {
-            let outcome = std::panic::catch_unwind(AssertUnwindSafe(body));
-            let _ = tx.send(outcome);
-        })
-        .unwrap();
-    match rx.recv_timeout(limit) {
-        Ok(Ok(())) => {}
-        Ok(Err(panic)) => std::panic::resume_unwind(panic),
-        Err(_) => panic!("{what} did not finish within {limit:?}"),
-    }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -156,7 +156,6 @@ pub fn on_workers<T: Send + 'static>(
 }
 
 /// [`on_workers`] with the options changed by `tune`.
-#[allow(dead_code)]
 pub fn on_workers_tuned<T: Send + 'static>(
     n: usize,
     local: usize,
@@ -291,4 +290,22 @@ where
         }
     }
     params(&model)
+}
+
+/// Runs `body` in its own thread; panics (failing the test) when it panics or when it does
+/// not finish within `limit`.
+pub fn with_timeout(limit: std::time::Duration, what: &str, body: impl FnOnce() + Send + 'static) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name(what.to_string())
+        .spawn(move || {
+            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(body));
+            let _ = tx.send(outcome);
+        })
+        .unwrap();
+    match rx.recv_timeout(limit) {
+        Ok(Ok(())) => {}
+        Ok(Err(panic)) => std::panic::resume_unwind(panic),
+        Err(_) => panic!("{what} did not finish within {limit:?}"),
+    }
 }
