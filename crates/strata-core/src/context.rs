@@ -279,6 +279,17 @@ impl<'t> Scatter<'t> {
         Self { tensors, in_place, cur: 0, filled: 0, failed: None }
     }
 
+    /// Goes on over the same `tensors` where [`pause`](Self::pause) left off.
+    pub(crate) fn resume(tensors: &'t [Tensor], in_place: bool, at: ScatterPos) -> Self {
+        Self { tensors, in_place, cur: at.cur, filled: at.filled, failed: at.failed }
+    }
+
+    /// Where the writes got to (and their first failure), for [`resume`](Self::resume) to go
+    /// on from: a reduction's start and finish write one bucket at two times.
+    pub(crate) fn pause(self) -> ScatterPos {
+        ScatterPos { cur: self.cur, filled: self.filled, failed: self.failed }
+    }
+
     pub(crate) fn write(&mut self, mut piece: &[f32]) {
         if self.in_place {
             return;
@@ -309,6 +320,14 @@ impl<'t> Scatter<'t> {
             None => Ok(()),
         }
     }
+}
+
+/// A paused [`Scatter`]'s position.
+#[derive(Default)]
+pub(crate) struct ScatterPos {
+    cur: usize,
+    filled: usize,
+    failed: Option<candle_core::Error>,
 }
 
 /// A handle to the collectives of the replica the current thread runs, for code that has no

@@ -741,7 +741,11 @@ struct Launched {
     input: Vec<Tensor>,
     seq: u64,
     started: crate::cross_device::Started,
-    /// A block's result as far as `start` handed it over, written out at `finish`.
+    /// A bucket's result as far as `start` handed it over is in its gradients already, up
+    /// to this position.
+    written: crate::context::ScatterPos,
+    /// A block's result as far as `start` handed it over, written out at `finish` (the
+    /// whole gradient it goes into may not exist yet).
     early: Vec<f32>,
 }
 
@@ -818,8 +822,17 @@ impl OverlapStep<'_, '_> {
         let req = ctx.request(ReduceOp::Sum, self.dest, &input, self.weight);
         let seq = req.seq;
         let mut early = Vec::new();
-        let started = ops.start_gradients(req, &ids, &mut |piece| early.extend_from_slice(piece))?;
-        self.launched.push(Launched { input, seq, started, early });
+        let (started, written) = match self.plan.units[n] {
+            Unit::Bucket(_) => {
+                let mut sink = crate::context::Scatter::new(&input, ops.reduces_in_place());
+                let started = ops.start_gradients(req, &ids, &mut |piece| sink.write(piece))?;
+                (started, sink.pause())
+            }
+            Unit::Rows { .. } => {
+                (ops.start_gradients(req, &ids, &mut |piece| early.extend_from_slice(piece))?, Default::default())
+            }
+        };
+        self.launched.push(Launched { input, seq, started, written, early });
         Ok(())
     }
 
@@ -1232,7 +1245,7 @@ impl ReplicaContext<'_> {
         let present = self.any_replica(&mine)?;
         let mut failed = Ok(());
         for (unit, launched) in plan.units.iter().zip(launched) {
-            let Launched { input, seq, started, early } = launched;
+            let Launched { input, seq, started, written, early } = launched;
             let req = crate::cross_device::ReduceRequest {
                 group: &self.shared.group,
                 replica: self.replica,
@@ -1254,7 +1267,7 @@ impl ReplicaContext<'_> {
                     vec![whole.narrow(0, first, rows)?]
                 }
             };
-            let mut sink = crate::context::Scatter::new(&target, ops.reduces_in_place());
+            let mut sink = crate::context::Scatter::resume(&target, ops.reduces_in_place(), written);
             sink.write(&early);
             ops.finish(req, started, &mut |piece| sink.write(piece))?;
             failed = failed.and(sink.check());
