@@ -2,6 +2,8 @@
 //! servers, `schedule` hands steps to whichever worker is free, `join` waits for them, and the
 //! coordinator pulls the trained values to evaluate them. Run it as `ps_server.rs` describes.
 
+use std::time::Duration;
+
 use candle_core::Device;
 use strata::cluster::{ClusterSpec, TaskType};
 use strata::model::{Classifier, Mlp};
@@ -33,6 +35,12 @@ fn main() -> strata::Result<()> {
         let y = test.labels_tensor(&Device::Cpu)?;
         let accuracy = model.model().correct(&x, &y)? as f32 / test.len() as f32;
         println!("epoch {epoch}: loss {mean:.4}, test accuracy {:.2}%", accuracy * 100.0);
+    }
+    // The job is over: every ps task and worker stops serving and exits.
+    for (task, answer) in strategy.finish_job("the coordinator finished training", Duration::from_secs(2)) {
+        if let Err(e) = answer {
+            eprintln!("{task} was not told that the job is over: {e}");
+        }
     }
     Ok(())
 }

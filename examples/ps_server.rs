@@ -24,6 +24,7 @@ fn main() -> strata::Result<()> {
     let bind = address.parse().map_err(|_| strata::Error::Usage(format!("{address:?} is not ip:port")))?;
     let server = PsServerHandle::start(bind, PsServerConfig::new(format!("ps:{index}"), token))?;
     eprintln!("ps:{index} serving on {}", server.address());
-    server.wait(); // until the process is stopped
+    let why = server.wait_finished(); // until the coordinator ends the job
+    eprintln!("ps:{index}: {why}; exiting");
     Ok(())
 }

@@ -19,6 +19,7 @@ fn main() -> strata::Result<()> {
     let bind = address.parse().map_err(|_| strata::Error::Usage(format!("{address:?} is not ip:port")))?;
     let server = serve_worker(bind, registry, WorkerOptions::new(index, ps, token))?;
     eprintln!("worker:{index} serving on {}", server.address());
-    server.wait();
+    let why = server.wait_finished(); // until the coordinator ends the job
+    eprintln!("worker:{index}: {why}; exiting");
     Ok(())
 }

@@ -545,3 +545,61 @@ fn a_stopped_worker_has_its_steps_run_elsewhere_and_no_step_is_lost() {
     assert!(summary["parameter_servers"]["coordinator"]["worker_failures"].as_u64().unwrap() >= 1);
     stop(ps.into_iter().chain(workers).collect());
 }
+
+#[test]
+fn the_chief_ends_every_task_of_a_finished_job_and_they_exit_0() {
+    let dir = tempfile::tempdir().unwrap();
+    let out_path = dir.path().join("out.json");
+    let cluster = Cluster::new(2, 1);
+    let ps = start_ps(&cluster, 0, &[]);
+    let workers: Vec<Child> = (0..2).map(|i| start_worker(&cluster, i, &[])).collect();
+    let coordinator = start_coordinator(&cluster, &["--epochs", "2", "--batch", "64"], &out_path);
+    ok(&wait(coordinator, Instant::now() + Duration::from_secs(300)));
+    // Told by the chief, each task stops serving and exits 0 by itself.
+    for (task, child) in std::iter::once(("ps:0", ps)).chain(["worker:0", "worker:1"].into_iter().zip(workers)) {
+        let out = wait(child, Instant::now() + Duration::from_secs(30));
+        ok(&out);
+        let err = String::from_utf8_lossy(&out.stderr);
+        let line = format!("{task}: the chief finished training; the job is over, exiting");
+        assert!(err.lines().any(|l| l == line), "{task} did not say why it ended:\n{err}");
+    }
+}
+
+#[test]
+fn tasks_whose_chief_is_killed_stop_serving_after_their_chief_timeout() {
+    use nix::sys::signal::{kill, Signal};
+    use nix::unistd::Pid;
+    let dir = tempfile::tempdir().unwrap();
+    let out_path = dir.path().join("out.json");
+    let cluster = Cluster::new(1, 1);
+    let timeout = ["--chief-timeout", "2s"];
+    let ps = start_ps(&cluster, 0, &timeout);
+    let worker = start_worker(&cluster, 0, &[&timeout[..], &["--slowdown", "3"]].concat());
+    let coordinator = start_coordinator(&cluster, &["--epochs", "1000", "--batch", "64"], &out_path);
+    let watch = client(&cluster.ps_address(0), "ps:0", TOKEN);
+    eventually(Duration::from_secs(120), "10 updates on ps:0", || watch.status().is_ok_and(|s| s.version >= 10));
+    drop(watch);
+    kill(Pid::from_raw(coordinator.id() as i32), Signal::SIGKILL).unwrap();
+    let _ = wait(coordinator, Instant::now() + Duration::from_secs(10));
+    // No call for 2 s: each task ends with one line that says why, exit code 1.
+    for (task, child) in [("ps:0", ps), ("worker:0", worker)] {
+        let out = wait(child, Instant::now() + Duration::from_secs(30));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{task}:\n{err}");
+        let last = err.lines().rfind(|l| l.starts_with("error:")).unwrap_or("");
+        assert!(
+            last.starts_with(&format!("error: {task}: no call from the chief or any task for "))
+                && last.contains("the job's chief is gone")
+                && last.contains("--chief-timeout"),
+            "{task}'s last line: {last}\n{err}"
+        );
+    }
+}
+
+#[test]
+fn a_chief_timeout_that_is_not_a_duration_is_refused() {
+    let out = strata().args(["ps", "--address", "127.0.0.1:1", "--chief-timeout", "soon"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--chief-timeout") && err.contains("soon"), "{err}");
+}

@@ -162,7 +162,16 @@ fn parameter_server_job() {
     let (dir, token) = job_dir();
     let run = submit(&slurm, dir.path(), &token, &[], &script("train-digits-ps.sbatch"), "strata-digits-ps");
     run.report("train-digits-ps.sbatch (chief, ps, 2 workers) on 2 hosts");
+    // COMPLETED: srun exited 0, so every task did; the ps task and the workers ended because
+    // the chief told them the job was over, not because srun stopped them.
     run.assert_completed(&slurm);
+    for task in ["ps:0", "worker:0", "worker:1"] {
+        assert!(
+            run.output.contains(&format!("{task}: the chief finished training; the job is over, exiting")),
+            "{task} did not end with the job:\n{}",
+            run.output
+        );
+    }
     assert!(run.accuracy() > 85.0, "{}", run.output);
     let summary = std::fs::read_to_string(dir.path().join(format!("strata-digits-ps-{}.json", run.job)))
         .expect("the chief's summary");

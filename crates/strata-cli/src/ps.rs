@@ -33,7 +33,8 @@ use crate::launch::{self, TOKEN_VAR};
 use crate::train::{ClusterSource, ModelKind, PsModeKind, TrainArgs, TRANSFORMER_STEPS};
 use crate::{Error, Result};
 
-/// `strata ps` flags: serve one parameter-server task until SIGTERM or Ctrl-C.
+/// `strata ps` flags: serve one parameter-server task until the chief ends the job, SIGTERM or
+/// Ctrl-C.
 #[derive(clap::Args, Debug, Clone)]
 pub struct PsArgs {
     /// Listen here (host:port). Default: this task's address in `TF_CONFIG`, on --bind.
@@ -64,6 +65,11 @@ pub struct PsArgs {
     /// Apply every push after its last chunk, in place: no spare copy of the variables.
     #[arg(long)]
     pub no_stream: bool,
+    /// Exit with an error once no call at all has come for this long (the chief probes every
+    /// task twice a second, so silence means the chief is gone for good), e.g. 60s; 0 serves
+    /// until stopped. The chief's end of the job (`Finish`) ends the task at once, exit code 0.
+    #[arg(long, default_value = "60s", value_name = "DURATION", value_parser = strata_compare::experiment::parse_duration_or_seconds)]
+    pub chief_timeout: Duration,
     /// Test facility: apply every Nth push but answer it as lost (UNAVAILABLE).
     #[arg(long, hide = true, default_value_t = 0)]
     pub inject_drop_reply_every: u64,
@@ -72,7 +78,8 @@ pub struct PsArgs {
     pub inject_drop_request_every: u64,
 }
 
-/// `strata worker` flags: run the registered step functions for a coordinator until SIGTERM.
+/// `strata worker` flags: run the registered step functions for a coordinator until it ends the
+/// job, or SIGTERM.
 #[derive(clap::Args, Debug, Clone)]
 pub struct WorkerArgs {
     /// Listen here (host:port). Default: this task's address in `TF_CONFIG`, on --bind.
@@ -105,6 +112,11 @@ pub struct WorkerArgs {
     /// Add this delay to every pull and push, e.g. 2ms.
     #[arg(long, value_name = "DURATION", value_parser = strata_compare::experiment::parse_duration)]
     pub network_delay: Option<Duration>,
+    /// Exit with an error once no call at all has come for this long (the chief probes every
+    /// task twice a second, so silence means the chief is gone for good), e.g. 60s; 0 serves
+    /// until stopped. The chief's end of the job (`Finish`) ends the task at once, exit code 0.
+    #[arg(long, default_value = "60s", value_name = "DURATION", value_parser = strata_compare::experiment::parse_duration_or_seconds)]
+    pub chief_timeout: Duration,
 }
 
 pub(crate) fn token(file: Option<&std::path::Path>) -> Result<ClusterToken> {
@@ -155,10 +167,35 @@ fn listen_address(
     Ok(SocketAddr::new(bind, c.port()?))
 }
 
-/// Waits for SIGINT, SIGTERM or SIGHUP (handled from the start of the subcommand, see
-/// `signals`).
-fn wait_for_signal(signals: &std::sync::mpsc::Receiver<Signal>) -> Signal {
-    signals.recv().unwrap_or(Signal::SIGTERM)
+/// Serves until SIGINT, SIGTERM or SIGHUP (handled from the start of the subcommand, see
+/// `signals`), the chief's end of the job, or `chief_timeout` (not zero) without a call after
+/// the first; then stops serving. `task` (`ps:0`) names the task in its last line.
+fn serve_until_done<K>(
+    task: &str,
+    server: strata_transport::ServerHandle<K>,
+    signals: &std::sync::mpsc::Receiver<Signal>,
+    chief_timeout: Duration,
+) -> Result<()> {
+    use std::sync::mpsc::RecvTimeoutError;
+    let outcome = loop {
+        match signals.recv_timeout(Duration::from_millis(100)) {
+            Ok(signal) => {
+                eprintln!("{task}: {signal} received; stopping");
+                break Ok(());
+            }
+            Err(RecvTimeoutError::Disconnected) => break Ok(()),
+            Err(RecvTimeoutError::Timeout) => {}
+        }
+        if let Some(why) = server.finished() {
+            eprintln!("{task}: {why}; the job is over, exiting");
+            break Ok(());
+        }
+        if let Some(silent) = server.idle_for().filter(|s| !chief_timeout.is_zero() && *s >= chief_timeout) {
+            break Err(Error::ChiefLost { task: task.to_string(), silent });
+        }
+    };
+    server.shutdown();
+    outcome
 }
 
 /// Runs `strata ps`.
@@ -192,10 +229,7 @@ fn run_ps_in(args: &PsArgs, cluster: Option<ClusterConfig>) -> Result<()> {
     config.stream_min_bytes = (!args.no_stream).then_some((args.stream_min_mib * (1 << 20) as f64) as usize);
     let server = PsServerHandle::start(address, config).map_err(strata_core::Error::from)?;
     eprintln!("ps:{index} listening on {}", server.address());
-    let signal = wait_for_signal(&signals);
-    eprintln!("ps:{index}: {signal} received; stopping");
-    server.shutdown();
-    Ok(())
+    serve_until_done(&format!("ps:{index}"), server, &signals, args.chief_timeout)
 }
 
 /// Runs `strata worker`.
@@ -233,10 +267,7 @@ fn run_worker_in(args: &WorkerArgs, cluster: Option<ClusterConfig>) -> Result<()
     let registry = ps_job::worker_registry(WorkerStepOptions { hook });
     let server = serve_worker(address, registry, options)?;
     eprintln!("worker:{index} listening on {}", server.address());
-    let signal = wait_for_signal(&signals);
-    eprintln!("worker:{index}: {signal} received; stopping");
-    server.shutdown();
-    Ok(())
+    serve_until_done(&format!("worker:{index}"), server, &signals, args.chief_timeout)
 }
 
 /// The parameter-server part of `--out`.
@@ -333,6 +364,8 @@ fn step_delays(args: &TrainArgs, workers: usize) -> Result<StepDelays> {
 /// when a ps task dies.
 struct LocalCluster {
     children: Arc<Mutex<Vec<(TaskId, Child)>>>,
+    /// Raised when the chief ends the job: tasks that exit from then on are not lost.
+    finishing: Arc<std::sync::atomic::AtomicBool>,
 }
 
 fn stop_children(children: &Mutex<Vec<(TaskId, Child)>>) {
@@ -356,6 +389,17 @@ fn stop_children(children: &Mutex<Vec<(TaskId, Child)>>) {
     children.clear();
 }
 
+impl LocalCluster {
+    /// Waits up to `within` for every task to exit by itself (after the chief ended the job).
+    fn wait_exited(&self, within: Duration) {
+        let deadline = Instant::now() + within;
+        let mut children = self.children.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        while Instant::now() < deadline && children.iter_mut().any(|(_, c)| matches!(c.try_wait(), Ok(None))) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
 impl Drop for LocalCluster {
     fn drop(&mut self) {
         stop_children(&self.children);
@@ -367,7 +411,8 @@ impl LocalCluster {
     fn start(args: &TrainArgs, cluster: &ClusterSpec, token: &str, delays: &StepDelays) -> Result<Self> {
         let exe = std::env::current_exe().map_err(|e| Error::io("finding the strata executable", e))?;
         let children: Arc<Mutex<Vec<(TaskId, Child)>>> = Arc::new(Mutex::new(Vec::new()));
-        let me = Self { children: children.clone() };
+        let finishing = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let me = Self { children: children.clone(), finishing: finishing.clone() };
         {
             let children = children.clone();
             // Ctrl-C or SIGTERM: stop every task, then exit as that signal would.
@@ -401,6 +446,7 @@ impl LocalCluster {
                     }
                 }
             }
+            cmd.arg("--chief-timeout").arg(format!("{}ms", args.chief_timeout.as_millis()));
             cmd.env("TF_CONFIG", launch::tf_config(cluster, task)?)
                 .env(launch::TASK_VAR, task.to_string())
                 .env(TOKEN_VAR, token)
@@ -423,7 +469,7 @@ impl LocalCluster {
         std::thread::spawn(move || loop {
             std::thread::sleep(Duration::from_millis(200));
             let mut guard = children.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            if guard.is_empty() {
+            if guard.is_empty() || finishing.load(std::sync::atomic::Ordering::SeqCst) {
                 return;
             }
             let mut ps_died = None;
@@ -475,7 +521,7 @@ pub fn train(args: &TrainArgs, started: Instant) -> Result<()> {
         }
     };
     let mut token_text = String::new();
-    let (cluster, _local) = match from_env {
+    let (cluster, local_tasks) = match from_env {
         Some(c) => match c.task.kind {
             TaskType::Ps => {
                 let checkpoint_dir = args.checkpoint_dir.as_ref().map(|d| d.join(format!("ps-{}", c.task.index)));
@@ -492,6 +538,7 @@ pub fn train(args: &TrainArgs, started: Instant) -> Result<()> {
                     no_stream: false,
                     inject_drop_reply_every: 0,
                     inject_drop_request_every: 0,
+                    chief_timeout: args.chief_timeout,
                     },
                     Some(c),
                 );
@@ -510,6 +557,7 @@ pub fn train(args: &TrainArgs, started: Instant) -> Result<()> {
                     straggler_delay: args.straggler_delay.clone(),
                     inject_seed: args.seed,
                     network_delay: args.network_delay,
+                    chief_timeout: args.chief_timeout,
                     },
                     Some(c),
                 );
@@ -551,7 +599,7 @@ pub fn train(args: &TrainArgs, started: Instant) -> Result<()> {
             (spec, Some(local))
         }
     };
-    let token = match &_local {
+    let token = match &local_tasks {
         // The tasks it started take the same token from their environment, and mutual TLS from
         // STRATA_TLS_DIR as this process does.
         Some(_) => {
@@ -575,9 +623,69 @@ pub fn train(args: &TrainArgs, started: Instant) -> Result<()> {
     options.checkpoint_every = args.checkpoint_dir.as_ref().map(|_| args.checkpoint_every.max(1) as u64);
     // With TF_CONFIG and checkpoints, a lost ps task can be restarted with --restore (by hand or
     // by the cluster manager): wait for it. A local cluster restarts nothing.
-    options.wait_for_restarted_ps = _local.is_none() && args.checkpoint_dir.is_some();
+    options.wait_for_restarted_ps = local_tasks.is_none() && args.checkpoint_dir.is_some();
     let strategy = ParameterServerStrategy::new(cluster, options)?;
-    let model = PsJobModel::build(&strategy, &job)?;
+    let outcome = coordinate(args, started, &strategy, job, workers);
+    // The job is over: every ps task and worker is told, stops serving and exits 0, instead of
+    // serving until it is killed. After a failure a local cluster's tasks are stopped as before
+    // (when `local_tasks` is dropped), and a remote cluster's are told within a short deadline,
+    // so that a task that cannot answer (the one whose loss failed the job) delays the error
+    // little.
+    let deadline = match (&outcome, &local_tasks) {
+        (Ok(()), _) => Some(FINISH_DEADLINE),
+        (Err(_), None) => Some(FINISH_DEADLINE_AFTER_FAILURE),
+        (Err(_), Some(_)) => None,
+    };
+    if let Some(deadline) = deadline {
+        let reason = match &outcome {
+            Ok(()) => "the chief finished training".to_string(),
+            Err(e) => format!("the chief failed: {e}"),
+        };
+        if let Some(local) = &local_tasks {
+            // Its tasks exiting from now on are not lost.
+            local.finishing.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+        let reason = within_bytes(&reason, strata_transport::control::MAX_REASON_BYTES);
+        for (task, answer) in strategy.finish_job(&reason, deadline) {
+            if let Err(e) = answer {
+                eprintln!(
+                    "strata train: {task} was not told that the job is over ({e}); it stops after its --chief-timeout"
+                );
+            }
+        }
+        if let Some(local) = &local_tasks {
+            local.wait_exited(FINISH_DEADLINE);
+        }
+    }
+    outcome
+}
+
+/// How long the chief waits for each task to take the end of the job, and a local cluster's
+/// tasks to exit after it.
+const FINISH_DEADLINE: Duration = Duration::from_secs(2);
+
+/// The same after the job failed (a task that cannot answer may be why).
+const FINISH_DEADLINE_AFTER_FAILURE: Duration = Duration::from_millis(500);
+
+/// `text` cut to at most `max` bytes, at a character boundary.
+fn within_bytes(text: &str, max: usize) -> String {
+    let mut end = text.len().min(max);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    text[..end].to_string()
+}
+
+/// The chief's part of a parameter-server job on `strategy`: builds the model, trains it and
+/// writes the summary.
+fn coordinate(
+    args: &TrainArgs,
+    started: Instant,
+    strategy: &ParameterServerStrategy,
+    job: PsJobSpec,
+    workers: usize,
+) -> Result<()> {
+    let model = PsJobModel::build(strategy, &job)?;
     let config = PsTrainConfig {
         spec: job,
         epochs: args.epochs(),
@@ -587,7 +695,7 @@ pub fn train(args: &TrainArgs, started: Instant) -> Result<()> {
         max_steps: args.max_steps,
         metrics: args.metrics_writer()?,
     };
-    let (report, stats) = ps_job::train_coordinator(&strategy, &model, &config)?;
+    let (report, stats) = ps_job::train_coordinator(strategy, &model, &config)?;
     let mut tasks = Vec::new();
     let mut mode = String::new();
     for (i, c) in strategy.ps_clients().iter().enumerate() {

@@ -262,6 +262,11 @@ pub struct TrainArgs {
     /// pushes), e.g. 2ms.
     #[arg(long, value_name = "DURATION", value_parser = parse_delay)]
     pub network_delay: Option<std::time::Duration>,
+    /// Parameter-server ps and worker tasks: exit with an error once no call at all has come
+    /// for this long (the chief probes every task twice a second, so silence means it is gone
+    /// for good); 0 serves until stopped. The chief's end of the job ends them at once.
+    #[arg(long, default_value = "60s", value_name = "DURATION", value_parser = strata_compare::experiment::parse_duration_or_seconds)]
+    pub chief_timeout: std::time::Duration,
     /// Write a JSON line per step and per evaluation here (wall time, loss, staleness, bytes,
     /// accuracy), as `strata compare` reads them.
     #[arg(long, value_name = "FILE")]

@@ -470,7 +470,8 @@ fn spawn_tasks_and_wait(
         }
         std::thread::sleep(Duration::from_millis(100));
     };
-    // The servers (ps and worker tasks of a parameter-server job) run until stopped.
+    // The servers (ps and worker tasks of a parameter-server job) end when the chief ends the
+    // job; any still running (after a failure) are stopped.
     kill_all(&mut children);
     for (_, _, c, _) in &children {
         register_group(c.id(), false);

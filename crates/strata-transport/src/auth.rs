@@ -245,6 +245,17 @@ pub type RefusalRecorder = Arc<dyn Fn(&str, Option<std::net::SocketAddr>, Refusa
 pub struct ServerAuth {
     token: ClusterToken,
     recorder: Option<RefusalRecorder>,
+    /// Told of every admitted call (a task's [`JobEnd`](crate::control::JobEnd)).
+    calls: Option<Arc<crate::control::JobEnd>>,
+}
+
+impl ServerAuth {
+    /// The same check, also noting every call it admits in `end` (how long a task has heard
+    /// nothing from its job).
+    pub(crate) fn noting_calls(mut self, end: Arc<crate::control::JobEnd>) -> Self {
+        self.calls = Some(end);
+        self
+    }
 }
 
 impl std::fmt::Debug for ServerAuth {
@@ -262,7 +273,12 @@ impl tonic::service::Interceptor for ServerAuth {
             .and_then(|v| v.strip_prefix("Bearer "))
             .map(str::as_bytes);
         let refusal = match presented {
-            Some(p) if self.token.matches(p) => return Ok(req),
+            Some(p) if self.token.matches(p) => {
+                if let Some(end) = &self.calls {
+                    end.touch();
+                }
+                return Ok(req);
+            }
             Some(_) => Refusal::WrongToken,
             None => Refusal::MissingToken,
         };
@@ -308,13 +324,13 @@ impl tonic::service::Interceptor for ClientAuth {
 
 /// A server interceptor that admits only calls carrying `token`.
 pub fn server_interceptor(token: ClusterToken) -> ServerAuth {
-    ServerAuth { token, recorder: None }
+    ServerAuth { token, recorder: None, calls: None }
 }
 
 /// A server interceptor that admits only calls carrying `token` and tells `recorder` of every
 /// call it refuses.
 pub fn server_interceptor_recording(token: ClusterToken, recorder: RefusalRecorder) -> ServerAuth {
-    ServerAuth { token, recorder: Some(recorder) }
+    ServerAuth { token, recorder: Some(recorder), calls: None }
 }
 
 /// A client interceptor that adds `token` to every call.

@@ -225,7 +225,9 @@ impl WorkerExecutorHandle {
             in_flight: Arc::new(tokio::sync::Semaphore::new(MAX_STEPS_IN_FLIGHT)),
         });
         let mut builder = crate::auth::server_builder(&token)?;
-        let interceptor = server_interceptor(token);
+        let end = crate::control::JobEnd::new(&task);
+        let interceptor = server_interceptor(token).noting_calls(end.clone());
+        let control = crate::control::service(end.clone(), interceptor.clone());
         let what = format!("the worker executor of {task}");
         let server = crate::rt::spawn_server::<WorkerExecutorServer<Svc>, _, _>(
             listener,
@@ -238,13 +240,14 @@ impl WorkerExecutorHandle {
                     .max_encoding_message_size(MAX_MESSAGE_BYTES);
                 builder
                     .add_service(health)
+                    .add_service(control)
                     .add_service(InterceptedService::new(DecodeErrors(service), interceptor))
                     .serve_with_incoming_shutdown(incoming, stop)
                     .await
             },
         );
         tracing::info!(%task, %address, "worker executor listening");
-        Ok(Self::new(address, task, server))
+        Ok(Self::new(address, task, server).with_end(end))
     }
 }
 

@@ -26,6 +26,7 @@
 #![warn(missing_docs)]
 
 pub mod auth;
+pub mod control;
 pub mod coordination;
 mod error;
 pub mod executor;

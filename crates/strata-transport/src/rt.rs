@@ -90,6 +90,8 @@ pub struct ServerHandle<K> {
     address: SocketAddr,
     task: String,
     server: ServerTask,
+    /// The job's end as the task's `TaskControl` service hears it (ps and worker tasks).
+    end: Option<std::sync::Arc<crate::control::JobEnd>>,
     kind: std::marker::PhantomData<fn() -> K>,
 }
 
@@ -101,7 +103,40 @@ impl<K> std::fmt::Debug for ServerHandle<K> {
 
 impl<K> ServerHandle<K> {
     pub(crate) fn new(address: SocketAddr, task: String, server: ServerTask) -> Self {
-        Self { address, task, server, kind: std::marker::PhantomData }
+        Self { address, task, server, end: None, kind: std::marker::PhantomData }
+    }
+
+    /// The same handle, serving `TaskControl` with `end`.
+    pub(crate) fn with_end(mut self, end: std::sync::Arc<crate::control::JobEnd>) -> Self {
+        self.end = Some(end);
+        self
+    }
+
+    /// Why the job is over, once its chief said so with `Finish`
+    /// ([`finish_task`](crate::control::finish_task)): the program stops serving and exits 0.
+    /// Always `None` for a server without `TaskControl` (the coordination service).
+    pub fn finished(&self) -> Option<String> {
+        self.end.as_ref().and_then(|e| e.finished())
+    }
+
+    /// Serves until the job's chief ends it ([`finished`](Self::finished)), then stops serving
+    /// and returns the chief's reason: what a ps task's or a worker's `main` does last. A
+    /// server without `TaskControl` (the coordination service) serves until the process ends.
+    pub fn wait_finished(self) -> String {
+        loop {
+            if let Some(why) = self.finished() {
+                self.shutdown();
+                return why;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+    }
+
+    /// How long since the server last admitted a call (the chief probes every ps task and
+    /// worker twice a second); `None` before the first, and for a server without
+    /// `TaskControl`.
+    pub fn idle_for(&self) -> Option<std::time::Duration> {
+        self.end.as_ref().and_then(|e| e.idle_for())
     }
 
     /// Where the server listens.

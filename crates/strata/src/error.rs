@@ -50,6 +50,15 @@ pub enum Error {
         /// Why, and how to resume.
         detail: String,
     },
+    /// A ps or worker task heard nothing from its job (not even the chief's probes) for its
+    /// chief timeout: the chief is gone for good, so the task stops serving.
+    #[error("{task}: no call from the chief or any task for {:.1} s: the job's chief is gone, so this task stops serving (a longer --chief-timeout waits longer, 0 serves until stopped)", silent.as_secs_f64())]
+    ChiefLost {
+        /// The task (`ps:0`, `worker:1`).
+        task: String,
+        /// How long it heard nothing.
+        silent: std::time::Duration,
+    },
     /// An I/O error with context.
     #[error("{context}: {source}")]
     Io {

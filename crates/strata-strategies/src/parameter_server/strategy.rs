@@ -311,6 +311,40 @@ impl ParameterServerStrategy {
     pub fn options(&self) -> &ParameterServerOptions {
         &self.options
     }
+
+    /// Ends the job on every ps task and worker of the cluster
+    /// ([`strata_transport::control`]): each answers, stops serving and exits 0, instead of
+    /// serving until it is killed. The chief calls it last, once it has read what it needs
+    /// from the ps tasks, whether training succeeded or not; `reason` (at most 256 bytes) ends
+    /// up in each task's last line. Every task is asked at once, each within `deadline`; one
+    /// that does not answer is listed with its error (it ends when it has heard nothing for its
+    /// own chief timeout). `Ok(true)`: the task had been finished already.
+    pub fn finish_job(&self, reason: &str, deadline: Duration) -> Vec<(TaskId, strata_transport::Result<bool>)> {
+        let tasks: Vec<(TaskId, &str)> =
+            self.cluster.tasks().filter(|(t, _)| matches!(t.kind, TaskType::Ps | TaskType::Worker)).collect();
+        let mut out = Vec::with_capacity(tasks.len());
+        // At most 32 threads at a time, however large the cluster.
+        for some in tasks.chunks(32) {
+            std::thread::scope(|s| {
+                let calls: Vec<_> = some
+                    .iter()
+                    .map(|&(task, address)| {
+                        let token = self.options.token.clone();
+                        s.spawn(move || {
+                            strata_transport::control::finish_task(address, &task.to_string(), token, reason, deadline)
+                        })
+                    })
+                    .collect();
+                for (&(task, _), call) in some.iter().zip(calls) {
+                    let answer = call.join().unwrap_or_else(|_| {
+                        Err(strata_transport::Error::Aborted(format!("finishing {task} panicked")))
+                    });
+                    out.push((task, answer));
+                }
+            });
+        }
+        out
+    }
 }
 
 /// A model whose variables live on the parameter servers, with the coordinator's copy.

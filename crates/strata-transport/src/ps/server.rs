@@ -506,7 +506,9 @@ impl PsServerHandle {
         let (listener, address) = crate::rt::listen(bind, &format!("the parameter server {}", config.task))?;
         let (version, _) = watch::channel(state.version());
         let task = config.task.clone();
-        let interceptor = server_interceptor(config.token.clone());
+        let end = crate::control::JobEnd::new(&task);
+        let interceptor = server_interceptor(config.token.clone()).noting_calls(end.clone());
+        let control = crate::control::service(end.clone(), interceptor.clone());
         let shared = Arc::new(Shared {
             config,
             state: Mutex::new(state),
@@ -534,7 +536,8 @@ impl PsServerHandle {
                     .initial_stream_window_size(8 << 20)
                     .initial_connection_window_size(32 << 20)
                     .max_frame_size(crate::rt::frame_size())
-                    .add_service(health);
+                    .add_service(health)
+                    .add_service(control);
                 // Faults (tests only) are a layer around the service, never a branch of its pushes.
                 let router = if faults.any() {
                     router.add_service(InterceptedService::new(DecodeErrors(Faulty::new(service, faults)), interceptor))
@@ -545,6 +548,6 @@ impl PsServerHandle {
             },
         );
         tracing::info!(%task, %address, "parameter server listening");
-        Ok(Self::new(address, task, server))
+        Ok(Self::new(address, task, server).with_end(end))
     }
 }
