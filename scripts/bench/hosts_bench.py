@@ -24,6 +24,7 @@ import re
 import shutil
 import signal
 import socket
+import math
 import statistics
 import subprocess
 import sys
@@ -668,8 +669,8 @@ def render(rec):
     p("- ring model: what `strata compare --simulate` charges a MultiWorkerMirrored step, `compute + max(0, ring "
       "bytes over the link rate - overlap x compute)` (`[simulate] overlap`), compute being the configuration's "
       "unshaped step, each round's shaped run paired with its unshaped one (median), with the overlap fitted to the "
-      "model's shaped Strata runs (the median of the share each run implies; PowerSGD's, whose bytes hide in any "
-      "step, not counted): the calibration `[simulate] overlap` takes for that model; in brackets, measured over "
+      "model's shaped Strata runs (least squares of the log error over their configurations; PowerSGD's, whose bytes "
+      "hide in any step, not counted): the calibration `[simulate] overlap` takes for that model; in brackets, measured over "
       "modelled")
     for model in rec["models"]:
         _, _, unit, batch = MODELS[model]
@@ -694,8 +695,13 @@ def render(rec):
             return ring_bytes(payload, n) if payload is not None else None
 
         unshaped = next((link for link, bits in links if bits is None), None)
-        # The overlap each shaped Strata run implies: compute + comm - step, over compute.
-        implied = []
+        # The overlap share fitted to the shaped Strata runs (PowerSGD's, whose few bytes hide in
+        # any step, not counted): the one that minimizes the squared log error of the ring
+        # model's median against the measured median over every such configuration (hosts,
+        # link, compression), searched on a grid of 0.01. A share each run implied alone
+        # (compute + comm - step, over compute) is biased low on fast links, where the whole
+        # transfer hides and the step shows only the share it needed.
+        cases = []
         for n in rec["hosts"]:
             for link, bits in links:
                 for kind, variant in configs:
@@ -705,14 +711,22 @@ def render(rec):
                         continue
                     runs = results.get((model, n, link, kind, variant), [])
                     base = results.get((model, n, unshaped, kind, variant), [])
-                    for r, b in zip(runs, base):
-                        if r and b:
-                            tc, tw = units / b, wire * 8 / bits
-                            implied.append(min(0.95, max(0.0, (tc + tw - units / r) / tc)))
-        overlap = statistics.median(implied) if implied else 0.0
-        if implied:
-            p(f"Ring model overlap fitted to this model's runs: {overlap:.2f} (from {len(implied)} runs, "
-              f"{min(implied):.2f}-{max(implied):.2f}).")
+                    pairs = [(r, b) for r, b in zip(runs, base) if r and b]
+                    if pairs:
+                        cases.append((statistics.median(r for r, _ in pairs),
+                                      [(units / b, wire * 8 / bits) for _, b in pairs]))
+
+        def model_error(o):
+            total = 0.0
+            for measured, steps in cases:
+                pred = statistics.median(units / (tc + max(0.0, tw - o * tc)) for tc, tw in steps)
+                total += math.log(measured / pred) ** 2
+            return total
+
+        overlap = min((k / 100 for k in range(96)), key=model_error) if cases else 0.0
+        if cases:
+            p(f"Ring model overlap fitted to this model's runs: {overlap:.2f} (least squares over "
+              f"{len(cases)} shaped configurations).")
             p("")
         head = ["hosts", "link", "configuration", "bytes/step/host", unit, "limit", "% of limit",
                 "/ DDP", "/ DDP fp16", "/ DDP PowerSGD", f"ring model, overlap {overlap:.2f} (error)"]
