@@ -576,10 +576,20 @@ fn a_sigkilled_worker_is_reported_lost_by_every_other_worker() {
             errors[r] = Some(e.to_string());
         }
     }
+    // Worker 0 reads from worker 2 and sees it go. Worker 1 reads from worker 0, whose ERROR
+    // frame naming worker 2 is best effort: it goes out only at a frame boundary, so when worker
+    // 0 aborts in the middle of a DATA frame to worker 1, worker 1 sees that connection close
+    // (or its own send to worker 2 fail) and names the task whose link failed it.
     for (r, e) in errors.iter().enumerate() {
         let e = e.as_ref().unwrap();
-        assert!(e.contains("lost task worker:2") && e.contains("all_reduce(max, 2000000 f32)"), "worker {r}: {e}");
+        let named_the_lost_task = e.contains("lost task worker:2");
+        let upstream_aborted_mid_frame = r == 1 && e.contains("lost task worker:0") && e.contains("connection closed");
+        assert!(
+            (named_the_lost_task || upstream_aborted_mid_frame) && e.contains("all_reduce(max, 2000000 f32)"),
+            "worker {r}: {e}"
+        );
     }
+    assert!(errors[0].as_ref().unwrap().contains("lost task worker:2"), "worker 0: {:?}", errors[0]);
     for (r, c) in workers.0.iter_mut().take(2).enumerate() {
         let status = loop {
             if let Some(s) = c.try_wait().unwrap() {
