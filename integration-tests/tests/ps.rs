@@ -603,3 +603,12 @@ fn a_chief_timeout_that_is_not_a_duration_is_refused() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--chief-timeout") && err.contains("soon"), "{err}");
 }
+
+#[test]
+fn no_lookahead_outside_a_parameter_server_job_is_refused() {
+    let out = strata().args(["train", "--strategy", "mirrored", "--no-lookahead", "--no-progress"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
+    assert!(err.contains("--no-lookahead applies to --strategy parameter-server") && err.contains("drop it"), "{err}");
+}

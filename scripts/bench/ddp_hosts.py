@@ -23,7 +23,6 @@ sends).
 """
 
 import argparse
-import ast
 import json
 import os
 import sys
@@ -52,22 +51,7 @@ torch.manual_seed(0)
 START_POWERSGD_ITER = 2
 
 
-def peers_models():
-    """`Block`, `Transformer` and `build` as scripts/bench/peers/torch_bench.py defines them
-    (that file runs its benchmark when imported, so its definitions are taken from its source)."""
-    path = os.path.join(PEERS, "torch_bench.py")
-    tree = ast.parse(open(path).read(), path)
-    wanted = {"Block", "Transformer", "build"}
-    defs = [n for n in tree.body if isinstance(n, (ast.ClassDef, ast.FunctionDef)) and n.name in wanted]
-    missing = wanted - {n.name for n in defs}
-    if missing:
-        raise SystemExit(f"{path} no longer defines {', '.join(sorted(missing))}")
-    scope = {"torch": torch, "nn": nn, "F": F, "common": common}
-    exec(compile(ast.Module(body=defs, type_ignores=[]), path, "exec"), scope)
-    return scope["build"]
-
-
-build = peers_models()
+build = common.torch_models(torch, nn, F)
 if args.model == "transformer":
     vocab, batches = common.shakespeare_batches()
 else:

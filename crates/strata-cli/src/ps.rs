@@ -503,6 +503,7 @@ pub fn job_spec(args: &TrainArgs) -> PsJobSpec {
         ModelKind::Transformer => PsJobSpec::transformer(TransformerConfig::default(), replicas, args.seed),
     };
     spec.overlap = !args.no_overlap;
+    spec.lookahead = !args.no_lookahead;
     spec
 }
 

@@ -186,6 +186,11 @@ pub struct TrainArgs {
     /// Reduce after the backward pass instead of overlapping the reduction with it.
     #[arg(long)]
     pub no_overlap: bool,
+    /// parameter-server: compute each worker's gradients at the pulled values, not at the
+    /// values extrapolated by the updates expected to land before its push (async and stale
+    /// modes; see docs/parameter-servers.md).
+    #[arg(long)]
+    pub no_lookahead: bool,
     /// Do not draw a progress bar.
     #[arg(long)]
     pub no_progress: bool,
@@ -308,6 +313,12 @@ impl TrainArgs {
 
     /// Refuses flags that do not apply to `--model` (or the strategy), one line each.
     fn check_model_flags(&self) -> Result<()> {
+        if self.no_lookahead && self.strategy != StrategyKind::ParameterServer {
+            return Err(Error::Usage(format!(
+                "--no-lookahead applies to --strategy parameter-server, whose pushes can be stale (--strategy {} has none); drop it",
+                self.strategy.name()
+            )));
+        }
         match (self.strategy, self.compression) {
             (_, Compression::None) | (StrategyKind::MultiWorkerMirrored, _) => {}
             // The workers' pushes and pulls travel in 16 bits.

@@ -110,7 +110,32 @@ fn registry() -> StepRegistry {
     // Two replicas: the worker reduces their gradients, which share tensors, before pushing.
     register_model::<Tied>(&mut r, "tied", 2, &[]);
     register_model::<BnNet<false>>(&mut r, "bn", 1, &[]);
+    register_quadratic(&mut r, "quadratic_ahead", true);
+    register_quadratic(&mut r, "quadratic_pulled", false);
     r
+}
+
+/// Registers `name`: a step of [`build_constant`]'s variables under the loss
+/// `(|w|^2 + |b|^2) / 2` (whose gradient is the values it is computed at) on a worker whose
+/// look-ahead is `lookahead`. Between its pull and its push the step pushes another update of
+/// all-twos gradients, as another worker would: its own push lands one update stale.
+fn register_quadratic(r: &mut StepRegistry, name: &str, lookahead: bool) {
+    let mut worker = PsWorkerModel::new(1, StrategyOptions::default(), |s| build_constant(s.var_builder())).unwrap();
+    worker.set_lookahead(lookahead);
+    r.register(name, move |ctx: &WorkerContext, (): ()| -> strata_core::Result<bool> {
+        let batch = data(1, 1, 0);
+        let out = worker.run_batch(ctx, &batch, |rctx, _| {
+            let others = ps_vars(ctx)?;
+            let ticket = ctx.pull(&others)?;
+            let twos: Vec<(String, Vec<f32>)> =
+                others.iter().map(|(n, v)| (n.clone(), vec![2.0; v.elem_count()])).collect();
+            assert!(ctx.push(&ticket, &twos)?.applied());
+            let (w, b) = worker.model().on(rctx)?;
+            let loss = ((w.sqr()?.sum_all()? + b.sqr()?.sum_all()?)? * 0.5)?;
+            rctx.backward_and_sync(&loss, worker.optimizer())
+        })?;
+        Ok(out.push.is_some_and(|p| p.applied()))
+    });
 }
 
 /// One step of a test model on a parameter-server worker.
@@ -364,6 +389,35 @@ fn async_all_ones_closed_form() {
         drop(model);
         drop(strategy);
         job.shutdown();
+    });
+}
+
+/// The look-ahead in closed form. SGD at 0.5 from `w` = 10, `b` = -2, each step one update
+/// stale (another update of twos lands between its pull and its push):
+/// - step 1 (nothing to extrapolate from): the twos take `w` to 9, its gradient 10 to 4; `b`
+///   goes -3, then -2;
+/// - step 2 pulls `w` = 4 two updates after the last pull's 10, and its pushes have landed one
+///   update stale: its gradient is computed at `4 + 1/2 (4 - 10)` = 1, so `w` goes 3, then
+///   2.5 (without the look-ahead, at 4: 3, then 1); `b` did not move between the pulls and
+///   is -2 either way.
+#[test]
+fn lookahead_computes_a_stale_push_where_it_lands() {
+    with_timeout(TEST_LIMIT, "lookahead_computes_a_stale_push_where_it_lands", || {
+        for (step, w_end) in [("quadratic_ahead", 2.5), ("quadratic_pulled", 1.0)] {
+            let job = Job::start(1, 1, None);
+            let strategy = job.strategy(options(ServerOptimizer::Sgd { lr: 0.5 }, PsMode::Async));
+            let model = strategy.scope(|s| build_constant(s.var_builder())).unwrap();
+            let coordinator = strategy.coordinator().unwrap();
+            run_steps(&coordinator, step, &(), 1);
+            assert_constant(&pulled(&model), 4.0, -2.0);
+            run_steps(&coordinator, step, &(), 1);
+            assert_constant(&pulled(&model), w_end, -2.0);
+            assert_eq!(status(&strategy, 0).version, 4, "{step}: two updates a step");
+            drop(coordinator);
+            drop(model);
+            drop(strategy);
+            job.shutdown();
+        }
     });
 }
 

@@ -141,6 +141,11 @@ pub struct PsJobSpec {
     /// it); see [`PsWorkerModel::backward_and_push`]. Absent from the JSON when `true`.
     #[serde(default = "overlap_default", skip_serializing_if = "is_true")]
     pub overlap: bool,
+    /// Whether a worker computes its gradients at the pulled values extrapolated by the
+    /// updates expected to land before its push (`--no-lookahead`: at the pulled values); see
+    /// [`PsWorkerModel::set_lookahead`]. Absent from the JSON when `true`.
+    #[serde(default = "overlap_default", skip_serializing_if = "is_true")]
+    pub lookahead: bool,
 }
 
 fn overlap_default() -> bool {
@@ -157,12 +162,30 @@ pub type DigitsSpec = PsJobSpec;
 impl PsJobSpec {
     /// The digits MLP of `hidden`.
     pub fn mlp(hidden: Vec<usize>, replicas: usize, seed: u64, data: Option<PathBuf>) -> Self {
-        Self { model: PsModelKind::Mlp, hidden, transformer: None, replicas, seed, data, overlap: true }
+        Self {
+            model: PsModelKind::Mlp,
+            hidden,
+            transformer: None,
+            replicas,
+            seed,
+            data,
+            overlap: true,
+            lookahead: true,
+        }
     }
 
     /// The digits CNN.
     pub fn cnn(replicas: usize, seed: u64, data: Option<PathBuf>) -> Self {
-        Self { model: PsModelKind::Cnn, hidden: Vec::new(), transformer: None, replicas, seed, data, overlap: true }
+        Self {
+            model: PsModelKind::Cnn,
+            hidden: Vec::new(),
+            transformer: None,
+            replicas,
+            seed,
+            data,
+            overlap: true,
+            lookahead: true,
+        }
     }
 
     /// The transformer of `shape` on the built-in Tiny Shakespeare.
@@ -175,6 +198,7 @@ impl PsJobSpec {
             seed,
             data: None,
             overlap: true,
+            lookahead: true,
         }
     }
 
@@ -355,13 +379,15 @@ impl WorkerState {
         let (data, model) = match spec.model {
             PsModelKind::Mlp => {
                 let hidden = spec.hidden.clone();
-                let worker = PsWorkerModel::new(spec.replicas, options, |s| {
+                let mut worker = PsWorkerModel::new(spec.replicas, options, |s| {
                     Mlp::new(s.var_builder(), digits::FEATURES, &hidden, digits::CLASSES)
                 })?;
+                worker.set_lookahead(spec.lookahead);
                 (digits_data()?, WorkerModel::Mlp(worker))
             }
             PsModelKind::Cnn => {
-                let worker = PsWorkerModel::new(spec.replicas, options, |s| Cnn::new(s.var_builder()))?;
+                let mut worker = PsWorkerModel::new(spec.replicas, options, |s| Cnn::new(s.var_builder()))?;
+                worker.set_lookahead(spec.lookahead);
                 (digits_data()?, WorkerModel::Cnn(worker))
             }
             PsModelKind::Transformer => {
@@ -378,6 +404,7 @@ impl WorkerState {
                 let mut worker =
                     PsWorkerModel::new(spec.replicas, options, |s| CharTransformer::new(shape, s.var_builder()))?;
                 worker.clip_global_norm(TRANSFORMER_CLIP_NORM)?;
+                worker.set_lookahead(spec.lookahead);
                 (WorkerData::Text(Box::new(corpus)), WorkerModel::Transformer(worker))
             }
         };

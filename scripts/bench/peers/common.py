@@ -7,6 +7,7 @@ reads the first 90% of Tiny Shakespeare and draws 64 fixed batches of 32 random 
 characters (input 64, target shifted by one), cycled.
 """
 
+import ast
 import gzip
 import json
 import os
@@ -128,3 +129,18 @@ def common_args(parser):
 
 def log(*a):
     print(*a, file=sys.stderr, flush=True)
+
+
+def torch_models(torch, nn, F):
+    """`build(model, vocab)` with `Block` and `Transformer` as torch_bench.py defines them (that
+    file runs its benchmark when imported, so its definitions are taken from its source)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_bench.py")
+    tree = ast.parse(open(path).read(), path)
+    wanted = {"Block", "Transformer", "build"}
+    defs = [n for n in tree.body if isinstance(n, (ast.ClassDef, ast.FunctionDef)) and n.name in wanted]
+    missing = wanted - {n.name for n in defs}
+    if missing:
+        raise SystemExit(f"{path} no longer defines {', '.join(sorted(missing))}")
+    scope = {"torch": torch, "nn": nn, "F": F, "common": sys.modules[__name__]}
+    exec(compile(ast.Module(body=defs, type_ignores=[]), path, "exec"), scope)
+    return scope["build"]

@@ -244,7 +244,25 @@ pub struct PsWorkerModel<M> {
     /// The order the last step's gradients became final in (the next overlapped push
     /// expects it).
     ready: Mutex<Option<Vec<String>>>,
+    /// Whether a step's gradients are computed at values extrapolated to where its push will
+    /// land ([`set_lookahead`](Self::set_lookahead)).
+    lookahead: bool,
+    /// What the look-ahead extrapolates from.
+    ahead: Mutex<Ahead>,
 }
+
+/// The look-ahead's memory: the last pull and how stale this worker's pushes land.
+#[derive(Debug, Default)]
+struct Ahead {
+    /// The ps tasks' versions at the last pull and the trainable variables' values then.
+    last: Option<(Vec<u64>, Vec<Tensor>)>,
+    /// The updates other workers applied between this worker's pulls and its pushes: an
+    /// exponential average over its pushes (`None` before the first).
+    staleness: Option<f64>,
+}
+
+/// The weight of the newest push in [`Ahead::staleness`].
+const STALENESS_WEIGHT: f64 = 0.1;
 
 impl<M> std::fmt::Debug for PsWorkerModel<M> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -284,6 +302,8 @@ impl<M> PsWorkerModel<M> {
             overlap,
             push_bucket_bytes: DEFAULT_PUSH_BUCKET_BYTES,
             ready: Mutex::new(None),
+            lookahead: true,
+            ahead: Mutex::new(Ahead::default()),
         })
     }
 
@@ -320,6 +340,84 @@ impl<M> PsWorkerModel<M> {
     /// [`DEFAULT_PUSH_BUCKET_BYTES`]; 0: every variable on its own).
     pub fn set_push_bucket_bytes(&mut self, bytes: usize) {
         self.push_bucket_bytes = bytes;
+    }
+
+    /// Turns the look-ahead on (the default) or off. A push in async and stale modes is
+    /// computed from values that other workers' updates have moved on from by the time it is
+    /// applied (staleness). With the look-ahead, each step's gradients are computed at the
+    /// pulled values extrapolated by the updates expected to land before its push:
+    /// `w + s / n * (w - w_last)`, where `w_last` is this worker's previous pull, `n` the
+    /// updates applied between the two pulls, and `s` the average staleness this worker's
+    /// pushes have landed with (as DANA's look-ahead, Hakimi et al. 2019, and weight
+    /// prediction in pipelined training). Pushes that land at no staleness (one worker, sync
+    /// mode) are computed at the pulled values exactly, as without it; state and frozen
+    /// variables are never extrapolated. It costs one copy of the trainable variables.
+    pub fn set_lookahead(&mut self, on: bool) {
+        self.lookahead = on;
+        *lock(&self.ahead) = Ahead::default();
+    }
+
+    /// Whether the look-ahead is on ([`set_lookahead`](Self::set_lookahead)).
+    pub fn lookahead(&self) -> bool {
+        self.lookahead
+    }
+
+    /// The average staleness this worker's pushes landed with so far (`None` before its first
+    /// push, or with the look-ahead off), from which the look-ahead extrapolates.
+    pub fn mean_staleness(&self) -> Option<f64> {
+        lock(&self.ahead).staleness
+    }
+
+    /// Extrapolates the trainable variables just pulled at `ticket` (see
+    /// [`set_lookahead`](Self::set_lookahead)) and remembers them for the next pull.
+    fn look_ahead(&self, ticket: &PullTicket) -> Result<()> {
+        let mut ahead = lock(&self.ahead);
+        // Pushes that land as computed need nothing remembered.
+        if ahead.staleness == Some(0.0) {
+            ahead.last = None;
+            return Ok(());
+        }
+        let trainable: Vec<&Var> = self
+            .model
+            .variables(0)
+            .iter()
+            .zip(self.model.kinds())
+            .filter(|(_, k)| **k == VariableKind::Trainable)
+            .map(|((_, v), _)| v)
+            .collect();
+        let pulled = trainable.iter().map(|v| v.as_tensor().copy()).collect::<candle_core::Result<Vec<_>>>()?;
+        if let (Some((versions, last)), Some(s)) = (&ahead.last, ahead.staleness) {
+            let updates = ticket.versions().iter().zip(versions).map(|(now, then)| now.saturating_sub(*then)).max();
+            if let Some(n) = updates.filter(|&n| n > 0 && last.len() == pulled.len()) {
+                let k = s / n as f64;
+                for ((var, w), before) in trainable.iter().zip(&pulled).zip(last) {
+                    var.set(&(w + ((w - before)? * k)?)?)?;
+                }
+            }
+        }
+        ahead.last = Some((ticket.versions().to_vec(), pulled));
+        Ok(())
+    }
+
+    /// Takes the staleness `push` landed with into the look-ahead's average.
+    fn note_staleness(&self, ticket: &PullTicket, push: &PushSummary) {
+        let stale = push
+            .outcomes
+            .iter()
+            .enumerate()
+            .filter_map(|(i, (_, outcome))| match *outcome {
+                strata_transport::ps::PushOutcome::Applied { version, .. } => {
+                    let base = ticket.versions().get(i).copied().unwrap_or(0);
+                    Some(version.saturating_sub(base + 1))
+                }
+                strata_transport::ps::PushOutcome::Dropped { .. } => None,
+            })
+            .max();
+        if let Some(x) = stale {
+            let mut ahead = lock(&self.ahead);
+            let x = x as f64;
+            ahead.staleness = Some(ahead.staleness.map_or(x, |s| s + STALENESS_WEIGHT * (x - s)));
+        }
     }
 
     /// Whether this worker's pushes can start while the backward pass runs: overlap on
@@ -451,6 +549,9 @@ impl<M> PsWorkerModel<M> {
             .collect();
         let ticket = w.pull(&vars)?;
         self.frozen_pulled.store(true, Ordering::Release);
+        if self.lookahead {
+            self.look_ahead(&ticket)?;
+        }
         self.mirror_pulled(&vars)?;
         let mut base = Vec::new();
         for ((_, v), k) in self.model.variables(0).iter().zip(self.model.kinds()) {
@@ -467,7 +568,12 @@ impl<M> PsWorkerModel<M> {
         drop(lock(&self.slot.overlapped).take());
         let outcome = lock(&self.slot.outcome).take();
         let push = match (ran, outcome) {
-            (Ok(values), Some(Ok(push))) => return Ok(PsStep { values, pull: ticket, push: Some(push) }),
+            (Ok(values), Some(Ok(push))) => {
+                if self.lookahead {
+                    self.note_staleness(&ticket, &push);
+                }
+                return Ok(PsStep { values, pull: ticket, push: Some(push) });
+            }
             (Ok(values), None) => return Ok(PsStep { values, pull: ticket, push: None }),
             // The push's own error (a stale refusal stays one), not the replica's wrapping of it.
             (_, Some(Err(e))) => e,
