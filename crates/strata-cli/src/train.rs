@@ -248,8 +248,9 @@ pub struct TrainArgs {
     #[arg(long, default_value = "none")]
     pub partitioner: String,
     /// Momentum: the coefficient of --optimizer momentum and AdamW's beta1 (adamw,
-    /// candle-adamw), under every strategy. Lower it for asynchronous parameter servers, whose
-    /// staleness adds momentum of its own (e.g. 0.4 with 2 async workers).
+    /// candle-adamw), under every strategy. Asynchronous parameter servers gain more from a lower
+    /// --lr than from a lower momentum (the transformer with 2 async workers: --lr 0.0013; see
+    /// docs/parameter-servers.md).
     #[arg(long, default_value_t = 0.9, value_parser = momentum_parser)]
     pub momentum: f64,
     /// Slow worker INDEX down by FACTOR (a straggler: its steps sleep FACTOR - 1 times their
