@@ -41,7 +41,7 @@
 //!   [`MAX_REQUEST_BYTES`]) before it is used; a request over one is `INVALID_ARGUMENT` naming
 //!   the limit, and so is one that does not decode.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -51,7 +51,8 @@ use strata_proto::v1::coordination_client::CoordinationClient;
 use strata_proto::v1::coordination_server::{Coordination, CoordinationServer};
 use strata_proto::v1::{
     BarrierRequest, BarrierResponse, Empty, GetKeyRequest, GetKeyResponse, HeartbeatRequest, HeartbeatResponse,
-    LeaveRequest, RegisterRequest, RegisterResponse, ReportErrorRequest, SetKeyRequest, TaskName,
+    JoinRequest, JoinResponse, LeaveRequest, RegisterRequest, RegisterResponse, ReportErrorRequest, SetKeyRequest,
+    TaskName,
 };
 use tokio::sync::Notify;
 use tonic::service::interceptor::InterceptedService;
@@ -134,6 +135,9 @@ pub struct CoordinationConfig {
     /// registered, before it fails naming the refused ones (default 2 s; see the module's
     /// documentation for why it waits at all).
     pub refusal_grace: Duration,
+    /// Elastic jobs: how long the first generation waits for more tasks once the fewest it
+    /// may start with have joined (default 10 s; it forms at once when every task is in).
+    pub join_window: Duration,
 }
 
 impl Default for CoordinationConfig {
@@ -145,6 +149,7 @@ impl Default for CoordinationConfig {
             rpc_timeout: Duration::from_secs(10),
             cluster_source: "the cluster spec",
             refusal_grace: Duration::from_secs(2),
+            join_window: Duration::from_secs(10),
         }
     }
 }
@@ -179,6 +184,9 @@ struct TaskState {
     told: bool,
     /// The last call refused for its token that claimed to be this task.
     refused: Option<RefusedCall>,
+    /// Elastic jobs: the process (incarnation) declared lost or replaced, and why; it is
+    /// refused from then on.
+    fenced: Option<(u64, String)>,
 }
 
 /// A call refused for its token, recorded under the task it claimed to be.
@@ -201,10 +209,40 @@ struct JobState {
     kv: HashMap<String, Vec<u8>>,
     /// Refused calls that claimed no task of this job.
     refused_unnamed: u64,
+    /// Elastic jobs: the membership.
+    members: Membership,
 }
 
+/// The membership of an elastic job: its generations.
+#[derive(Debug, Default)]
+struct Membership {
+    /// The current generation (0: none formed yet).
+    generation: u64,
+    /// Its members, by task index, ascending (their ranks).
+    members: Vec<usize>,
+    /// Whether the next generation is forming (a member was lost or abandoned its step).
+    forming: bool,
+    /// The tasks that called `Join` for the next generation: members and waiting tasks.
+    joined: BTreeSet<usize>,
+    /// When the last task joined (the first generation's window counts from it).
+    last_join: Option<Instant>,
+    /// The fingerprints the first task joined with; every other must match them.
+    cluster_fingerprint: Option<String>,
+    strategy_fingerprint: Option<String>,
+    /// Why each lost task was lost, for the error when too few remain.
+    lost: Vec<String>,
+}
+
+impl Membership {
+    /// Tasks that joined but are not members: they wait for a step boundary.
+    fn waiting(&self) -> usize {
+        self.joined.iter().filter(|t| !self.members.contains(t)).count()
+    }
+}
 #[derive(Debug)]
 struct Service {
+    /// Elastic jobs: the fewest tasks the job runs with.
+    min_tasks: Option<usize>,
     names: Vec<String>,
     cluster_fingerprint: String,
     strategy_fingerprint: String,
@@ -241,6 +279,10 @@ impl Service {
     fn check_liveness(&self) {
         let mut st = lock(&self.state);
         if st.error.is_some() {
+            return;
+        }
+        if self.min_tasks.is_some() {
+            self.check_members(&mut st);
             return;
         }
         if !st.rendezvous_done {
@@ -291,6 +333,86 @@ impl Service {
         ))
     }
 
+    /// Elastic jobs: declares silent tasks lost (fenced: their process is refused from now
+    /// on), starts forming the next generation when a member is among them, fails the job when
+    /// fewer tasks than its minimum remain, and forms a generation when it is complete.
+    fn check_members(&self, st: &mut JobState) {
+        let now = Instant::now();
+        let mut changed = false;
+        for i in 0..st.tasks.len() {
+            let t = &mut st.tasks[i];
+            let (Some(seen), Some(inc)) = (t.last_seen, t.incarnation) else { continue };
+            let silent = now.duration_since(seen);
+            if t.left || t.lost || silent <= self.config.heartbeat_timeout {
+                continue;
+            }
+            t.lost = true;
+            let doing =
+                if t.collective.is_empty() { String::new() } else { format!(", last seen in {}", t.collective) };
+            let why = format!("no heartbeat for {:.1} s{doing}", silent.as_secs_f64());
+            tracing::warn!(task = %self.names[i], %why, "a task of the elastic job was lost");
+            t.fenced = Some((inc, format!("was declared lost ({why})")));
+            let m = &mut st.members;
+            m.joined.remove(&i);
+            if m.members.contains(&i) {
+                m.forming = true;
+            }
+            m.lost.push(format!("{} ({why})", self.names[i]));
+            changed = true;
+        }
+        self.try_form(st);
+        if changed {
+            self.changed.notify_waiters();
+        }
+    }
+
+    /// Forms the next generation of an elastic job when it is complete: the first once every
+    /// task joined (or the fewest it may start with, and no other for the join window); a
+    /// later one once every live member joined again (tasks waiting to join come with it).
+    fn try_form(&self, st: &mut JobState) {
+        let Some(min) = self.min_tasks else { return };
+        if st.error.is_some() {
+            return;
+        }
+        let m = &st.members;
+        let live = |i: &usize| !st.tasks[*i].lost && !st.tasks[*i].left;
+        if m.generation > 0 && m.forming {
+            let remaining = m.members.iter().filter(|i| live(i)).count() + m.waiting();
+            if remaining < min {
+                let message = format!(
+                    "{remaining} of the job's workers remain, fewer than the {min} it needs: lost {}; start more workers or lower the job's minimum",
+                    m.lost.join(", ")
+                );
+                self.fail(st, message);
+                return;
+            }
+        }
+        let complete = if m.generation == 0 {
+            m.joined.len() == self.names.len()
+                || (m.joined.len() >= min && m.last_join.is_some_and(|t| t.elapsed() >= self.config.join_window))
+        } else {
+            m.forming && m.members.iter().filter(|i| live(i)).all(|i| m.joined.contains(i))
+        };
+        if !complete || m.joined.is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        let m = &mut st.members;
+        m.generation += 1;
+        m.members = std::mem::take(&mut m.joined).into_iter().collect();
+        m.forming = false;
+        let members = m.members.clone();
+        for &i in &members {
+            st.tasks[i].last_seen = Some(now);
+        }
+        tracing::info!(
+            generation = st.members.generation,
+            members = %members.iter().map(|&i| self.names[i].as_str()).collect::<Vec<_>>().join(","),
+            "a generation formed"
+        );
+        self.changed.notify_waiters();
+    }
+
     /// "worker:1 was refused: wrong cluster token (3 calls, the last from 10.0.0.2:4711)" for
     /// each of `tasks` that has a record.
     fn refusals(&self, st: &JobState, tasks: &[usize]) -> Vec<String> {
@@ -337,6 +459,66 @@ impl Service {
         if let Some(t) = lock(&self.state).tasks.get_mut(rank) {
             t.told = true;
         }
+    }
+
+    /// An elastic job's heartbeat: a fenced process is told so (it stops); a member hears the
+    /// generation, whether the next one is forming and how many tasks wait to join, and the
+    /// answer comes early when any of those changes.
+    async fn elastic_heartbeat(
+        &self,
+        rank: usize,
+        r: &HeartbeatRequest,
+    ) -> std::result::Result<HeartbeatResponse, Status> {
+        let view = |st: &JobState| (st.members.generation, st.members.forming, st.members.waiting() as u32);
+        let answer = |st: &mut JobState| -> Option<HeartbeatResponse> {
+            if let Some(e) = st.error.clone() {
+                st.tasks[rank].told = true;
+                return Some(HeartbeatResponse { error: e, ..Default::default() });
+            }
+            if let Some((_, why)) = st.tasks[rank].fenced.as_ref().filter(|(inc, _)| *inc == r.incarnation) {
+                return Some(HeartbeatResponse {
+                    error: self.fenced_message(rank, why, st.members.generation),
+                    ..Default::default()
+                });
+            }
+            None
+        };
+        let start = {
+            let mut st = lock(&self.state);
+            if let Some(a) = answer(&mut st) {
+                return Ok(a);
+            }
+            let t = &mut st.tasks[rank];
+            if t.incarnation == Some(r.incarnation) {
+                t.last_seen = Some(Instant::now());
+                t.seq = r.collective_seq;
+                t.collective = r.collective.chars().take(200).collect();
+            }
+            view(&st)
+        };
+        let wait = Duration::from_millis(r.wait_ms).min(MAX_HEARTBEAT_WAIT);
+        let early = self
+            .wait_until(Instant::now() + wait, |st| {
+                answer(st).or_else(|| (view(st) != start).then(HeartbeatResponse::default)).map(Ok)
+            })
+            .await
+            .ok()
+            .filter(|a| !a.error.is_empty());
+        if let Some(a) = early {
+            self.told(rank);
+            return Ok(a);
+        }
+        let st = lock(&self.state);
+        let (generation, forming, waiting) = view(&st);
+        Ok(HeartbeatResponse { error: String::new(), generation, forming, waiting })
+    }
+
+    /// What a fenced process is told: why, and that it stops.
+    fn fenced_message(&self, rank: usize, why: &str, generation: u64) -> String {
+        format!(
+            "task {} {why}, and the job went on without it (generation {generation}); this process stops: start a new one to join the job again",
+            self.names[rank]
+        )
     }
 
     async fn wait_until<T>(
@@ -392,6 +574,11 @@ impl Coordination for Svc {
             return Err(Status::invalid_argument(format!(
                 "a registration that names no task; give this task its place in {}",
                 self.config.cluster_source
+            )));
+        }
+        if let Some(min) = self.min_tasks {
+            return Err(Status::failed_precondition(format!(
+                "this coordination service runs an elastic job (at least {min} workers): a task joins it with Join; run every task with the same elastic setting"
             )));
         }
         let rank =
@@ -478,12 +665,130 @@ impl Coordination for Svc {
         }
     }
 
+    async fn join(&self, req: Request<JoinRequest>) -> std::result::Result<Response<JoinResponse>, Status> {
+        let r = req.into_inner();
+        let Some(_) = self.min_tasks else {
+            return Err(Status::failed_precondition(
+                "this job is not elastic: its tasks register once; run every task with the same elastic setting",
+            ));
+        };
+        for (what, f) in
+            [("a cluster fingerprint", &r.cluster_fingerprint), ("a strategy fingerprint", &r.strategy_fingerprint)]
+        {
+            if f.len() > MAX_FINGERPRINT_BYTES {
+                return Err(over_limit(what, f.len(), MAX_FINGERPRINT_BYTES));
+            }
+        }
+        if r.data_address.len() > 512 {
+            return Err(over_limit("a data address", r.data_address.len(), 512));
+        }
+        let rank = self.rank(&r.task)?;
+        let name = self.names[rank].clone();
+        if !r.data_address.contains(':') {
+            return Err(Status::invalid_argument(format!("task {name} sent a malformed data address")));
+        }
+        let seen = {
+            let mut st = lock(&self.state);
+            if let Some(e) = &st.error {
+                return Err(Status::aborted(e.clone()));
+            }
+            if let Some((_, why)) = st.tasks[rank].fenced.as_ref().filter(|(inc, _)| *inc == r.incarnation) {
+                return Err(Status::aborted(self.fenced_message(rank, why, st.members.generation)));
+            }
+            // A task whose settings differ is refused; the running job is unharmed.
+            let m = &mut st.members;
+            for (what, mine, job, hint) in [
+                ("cluster", &r.cluster_fingerprint, &mut m.cluster_fingerprint, self.config.cluster_source),
+                (
+                    "strategy",
+                    &r.strategy_fingerprint,
+                    &mut m.strategy_fingerprint,
+                    "the program and flags of the others",
+                ),
+            ] {
+                match job {
+                    Some(j) if j != mine => {
+                        return Err(Status::failed_precondition(format!(
+                            "task {name} runs {what} [{mine}] but the job runs [{j}]; give it the same {what} ({hint})"
+                        )))
+                    }
+                    Some(_) => {}
+                    None => *job = Some(mine.clone()),
+                }
+            }
+            let (generation, member) = (m.generation, m.members.contains(&rank));
+            if r.generation != 0 && (r.generation != generation || !member) {
+                return Err(Status::aborted(format!(
+                    "task {name} was a member of generation {} but the job is at generation {generation} without it; this process stops: start a new one to join the job again",
+                    r.generation
+                )));
+            }
+            let t = &mut st.tasks[rank];
+            if let Some(old) = t.incarnation.filter(|&old| old != r.incarnation && member) {
+                // A new process of a member (restarted before it was declared lost): the old
+                // one is fenced, and the members form a generation with the new one.
+                t.fenced = Some((old, "was replaced by a new process of the same task".into()));
+                st.members.forming = true;
+            }
+            let t = &mut st.tasks[rank];
+            t.incarnation = Some(r.incarnation);
+            t.data_address = r.data_address;
+            t.last_seen = Some(Instant::now());
+            t.lost = false;
+            t.left = false;
+            let m = &mut st.members;
+            m.joined.insert(rank);
+            m.last_join = Some(Instant::now());
+            if r.generation != 0 && member {
+                // A member left its step (it failed, or the members agreed to admit waiting
+                // tasks): the next generation forms.
+                m.forming = true;
+            }
+            self.try_form(&mut st);
+            self.changed.notify_waiters();
+            generation
+        };
+        let deadline = Instant::now() + self.config.rendezvous_timeout;
+        let incarnation = r.incarnation;
+        let result = self
+            .wait_until(deadline, |st| {
+                if let Some(e) = &st.error {
+                    st.tasks[rank].told = true;
+                    return Some(Err(Status::aborted(e.clone())));
+                }
+                if let Some((_, why)) = st.tasks[rank].fenced.as_ref().filter(|(inc, _)| *inc == incarnation) {
+                    return Some(Err(Status::aborted(self.fenced_message(rank, why, st.members.generation))));
+                }
+                let m = &st.members;
+                (m.generation > seen && m.members.contains(&rank)).then(|| {
+                    Ok(JoinResponse {
+                        generation: m.generation,
+                        rank: m.members.iter().position(|&i| i == rank).unwrap_or(0) as u32,
+                        data_addresses: m.members.iter().map(|&i| st.tasks[i].data_address.clone()).collect(),
+                        task_names: m.members.iter().map(|&i| self.names[i].clone()).collect(),
+                        resumed: m.generation > 1,
+                    })
+                })
+            })
+            .await;
+        match result {
+            Err(s) if s.code() == Code::DeadlineExceeded => Err(Status::deadline_exceeded(format!(
+                "task {name} waited {:?} to join the job, and no generation formed with it; start at least the job's minimum of workers ({})",
+                self.config.rendezvous_timeout, self.config.cluster_source
+            ))),
+            other => other.map(Response::new),
+        }
+    }
+
     async fn heartbeat(
         &self,
         req: Request<HeartbeatRequest>,
     ) -> std::result::Result<Response<HeartbeatResponse>, Status> {
         let r = req.into_inner();
         let rank = self.rank(&r.task)?;
+        if self.min_tasks.is_some() {
+            return self.elastic_heartbeat(rank, &r).await.map(Response::new);
+        }
         {
             let mut st = lock(&self.state);
             if st.tasks[rank].incarnation.is_some_and(|i| i != r.incarnation) {
@@ -496,7 +801,7 @@ impl Coordination for Svc {
             t.collective = r.collective.chars().take(200).collect();
             if let Some(e) = st.error.clone() {
                 st.tasks[rank].told = true;
-                return Ok(Response::new(HeartbeatResponse { error: e }));
+                return Ok(Response::new(HeartbeatResponse { error: e, ..Default::default() }));
             }
         }
         // A long poll: answer when the job fails, or once the wait is over.
@@ -505,7 +810,7 @@ impl Coordination for Svc {
         if !error.is_empty() {
             self.told(rank);
         }
-        Ok(Response::new(HeartbeatResponse { error }))
+        Ok(Response::new(HeartbeatResponse { error, ..Default::default() }))
     }
 
     async fn barrier(&self, req: Request<BarrierRequest>) -> std::result::Result<Response<BarrierResponse>, Status> {
@@ -527,13 +832,16 @@ impl Coordination for Svc {
         self.changed.notify_waiters();
         let timeout = Duration::from_millis(r.timeout_ms.clamp(1, 24 * 3600 * 1000));
         let name = r.name.clone();
+        let elastic = self.min_tasks.is_some();
         let result = self
             .wait_until(Instant::now() + timeout, |st| {
                 if let Some(e) = &st.error {
                     st.tasks[rank].told = true;
                     return Some(Err(Status::aborted(e.clone())));
                 }
-                (st.barriers.get(&name).map_or(0, HashSet::len) == n).then_some(Ok(BarrierResponse {}))
+                // An elastic job's barrier waits for the current generation's members.
+                let n = if elastic { st.members.members.len() } else { n };
+                (st.barriers.get(&name).map_or(0, HashSet::len) >= n).then_some(Ok(BarrierResponse {}))
             })
             .await;
         match result {
@@ -643,6 +951,41 @@ impl CoordinationServerHandle {
         token: ClusterToken,
         config: CoordinationConfig,
     ) -> Result<Self> {
+        Self::start_inner(bind, names, cluster_fingerprint, strategy_fingerprint, token, config, None)
+    }
+
+    /// Starts the service of an elastic job on `bind` for the tasks `names` (the most the job
+    /// runs with), which runs while at least `min_tasks` of them live: tasks join with
+    /// [`CoordinationMember::join`], a lost one is fenced and the others form the next
+    /// generation without it, a task that starts later joins at the next step boundary. The
+    /// cluster and strategy fingerprints are the first joiner's. Serve it from a process that
+    /// outlives any one worker (`strata launch` does).
+    pub fn start_elastic(
+        bind: SocketAddr,
+        names: Vec<String>,
+        min_tasks: usize,
+        token: ClusterToken,
+        config: CoordinationConfig,
+    ) -> Result<Self> {
+        if min_tasks == 0 || min_tasks > names.len() {
+            return Err(Error::Config(format!(
+                "an elastic job of {} tasks cannot run with at least {min_tasks}: give a minimum from 1 to {}",
+                names.len(),
+                names.len()
+            )));
+        }
+        Self::start_inner(bind, names, String::new(), String::new(), token, config, Some(min_tasks))
+    }
+
+    fn start_inner(
+        bind: SocketAddr,
+        names: Vec<String>,
+        cluster_fingerprint: String,
+        strategy_fingerprint: String,
+        token: ClusterToken,
+        config: CoordinationConfig,
+        min_tasks: Option<usize>,
+    ) -> Result<Self> {
         if names.is_empty() {
             return Err(Error::Config("a coordination service needs at least one task".into()));
         }
@@ -654,8 +997,10 @@ impl CoordinationServerHandle {
             barriers: HashMap::new(),
             kv: HashMap::new(),
             refused_unnamed: 0,
+            members: Membership::default(),
         };
         let service = Arc::new(Service {
+            min_tasks,
             names,
             cluster_fingerprint,
             strategy_fingerprint,
@@ -714,13 +1059,30 @@ impl CoordinationServerHandle {
         lock(&self.service.state).error.clone()
     }
 
+    /// An elastic job's current generation and its members' names, in rank order.
+    pub fn membership(&self) -> (u64, Vec<String>) {
+        let st = lock(&self.service.state);
+        (st.members.generation, st.members.members.iter().map(|&i| self.service.names[i].clone()).collect())
+    }
+
+    /// An elastic job's lost tasks so far, each with why ("worker:1 (no heartbeat for 3.1 s)").
+    pub fn lost_tasks(&self) -> Vec<String> {
+        lock(&self.service.state).members.lost.clone()
+    }
+
+    /// Whether every task that joined has left (an elastic job that ended).
+    pub fn all_left(&self) -> bool {
+        let st = lock(&self.service.state);
+        st.tasks.iter().any(|t| t.left) && st.tasks.iter().all(|t| t.left || t.lost || t.incarnation.is_none())
+    }
+
     /// Waits (up to `timeout`) until every task has left or the job failed, then stops.
     pub fn shutdown_after_all_left(mut self, timeout: Duration) {
         let deadline = Instant::now() + timeout;
         while Instant::now() < deadline {
             {
                 let st = lock(&self.service.state);
-                if st.error.is_some() || st.tasks.iter().all(|t| t.left || t.incarnation.is_none()) {
+                if st.error.is_some() || st.tasks.iter().all(|t| t.left || t.lost || t.incarnation.is_none()) {
                     break;
                 }
             }
@@ -775,6 +1137,45 @@ pub struct Registration {
     pub task_names: Vec<String>,
 }
 
+/// A generation of an elastic job, as [`CoordinationMember::join`] returns it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Generation {
+    /// Its number (from 1).
+    pub generation: u64,
+    /// This task's rank in it.
+    pub rank: usize,
+    /// Every member's data-plane address, in rank order.
+    pub data_addresses: Vec<String>,
+    /// Every member's name, in rank order.
+    pub task_names: Vec<String>,
+    /// Whether the job was under way before it (a member of an earlier generation is in it):
+    /// a task new to the job takes its state from a member.
+    pub resumed: bool,
+}
+
+/// What an elastic job's heartbeats said last about its membership.
+#[derive(Debug, Default)]
+pub struct MembershipView {
+    generation: std::sync::atomic::AtomicU64,
+    forming: AtomicBool,
+    waiting: std::sync::atomic::AtomicU32,
+}
+
+impl MembershipView {
+    /// The job's current generation.
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
+    }
+    /// Whether the next generation is forming.
+    pub fn forming(&self) -> bool {
+        self.forming.load(Ordering::Acquire)
+    }
+    /// How many tasks wait to join at the next step boundary.
+    pub fn waiting(&self) -> u32 {
+        self.waiting.load(Ordering::Acquire)
+    }
+}
+
 /// What a task reports in its heartbeats: the collective it is in.
 #[derive(Debug, Default)]
 pub struct Progress {
@@ -801,6 +1202,8 @@ pub struct CoordinationMember {
     /// named when it is lost).
     service_task: String,
     progress: Arc<Progress>,
+    /// Elastic jobs: what the heartbeats say about the membership.
+    view: Arc<MembershipView>,
     /// Set once the heartbeats concluded that the service is lost: nothing more is sent to it.
     service_lost: Arc<AtomicBool>,
     stop: tokio::sync::watch::Sender<bool>,
@@ -864,6 +1267,7 @@ impl CoordinationMember {
             peer: format!("the coordination service at {address}"),
             service_task: chief.to_string(),
             progress: Arc::new(Progress::default()),
+            view: Arc::new(MembershipView::default()),
             service_lost: Arc::new(AtomicBool::new(false)),
             stop: tokio::sync::watch::channel(false).0,
             heartbeats: None,
@@ -873,6 +1277,44 @@ impl CoordinationMember {
     /// The task's progress record, which its heartbeats report.
     pub fn progress(&self) -> Arc<Progress> {
         self.progress.clone()
+    }
+
+    /// What the heartbeats say about an elastic job's membership.
+    pub fn membership(&self) -> Arc<MembershipView> {
+        self.view.clone()
+    }
+
+    /// Joins the next generation of an elastic job (`generation`: the one this task was a
+    /// member of, 0 when none) and waits until it forms (see the service's `Join`). A task
+    /// declared lost, replaced, or presenting an old generation gets [`Error::Aborted`] saying
+    /// so: it must stop.
+    pub fn join(
+        &self,
+        cluster_fingerprint: &str,
+        strategy_fingerprint: &str,
+        data_address: &str,
+        generation: u64,
+    ) -> Result<Generation> {
+        let mut client = self.client.clone();
+        let mut req = Request::new(JoinRequest {
+            task: Some(task_proto(&self.task)),
+            incarnation: self.incarnation,
+            cluster_fingerprint: cluster_fingerprint.into(),
+            strategy_fingerprint: strategy_fingerprint.into(),
+            data_address: data_address.into(),
+            generation,
+        });
+        req.set_timeout(self.config.rendezvous_timeout + Duration::from_secs(5));
+        let r = runtime().block_on(client.join(req)).map_err(|s| rpc_error("Join", &self.peer, s))?.into_inner();
+        let g = Generation {
+            generation: r.generation,
+            rank: r.rank as usize,
+            data_addresses: r.data_addresses,
+            task_names: r.task_names,
+            resumed: r.resumed,
+        };
+        self.view.generation.fetch_max(g.generation, Ordering::AcqRel);
+        Ok(g)
     }
 
     /// Whether the heartbeats concluded that the service is lost.
@@ -906,7 +1348,19 @@ impl CoordinationMember {
     /// [`CoordinationConfig::heartbeat_timeout`] of the last answer, however the service was
     /// lost (killed, stopped, cut off).
     pub fn start_heartbeats(&mut self, on_failure: impl Fn(String) + Send + 'static) {
+        self.start_heartbeats_with(on_failure, |_| {});
+    }
+
+    /// [`CoordinationMember::start_heartbeats`], and `on_membership` with every answer of an
+    /// elastic job (after [`CoordinationMember::membership`]'s view is updated): a member
+    /// abandons its step when the next generation is forming.
+    pub fn start_heartbeats_with(
+        &mut self,
+        on_failure: impl Fn(String) + Send + 'static,
+        on_membership: impl Fn(&MembershipView) + Send + 'static,
+    ) {
         let mut client = self.client.clone();
+        let view = self.view.clone();
         let (task, incarnation, config, peer, service_task) =
             (self.task.clone(), self.incarnation, self.config.clone(), self.peer.clone(), self.service_task.clone());
         let (progress, lost, mut stop) = (self.progress.clone(), self.service_lost.clone(), self.stop.subscribe());
@@ -955,10 +1409,16 @@ impl CoordinationMember {
                     match outcome {
                         Ok(Ok(r)) => {
                             last_ok = Instant::now();
-                            let e = r.into_inner().error;
-                            if !e.is_empty() {
-                                on_failure(e);
+                            let r = r.into_inner();
+                            if !r.error.is_empty() {
+                                on_failure(r.error);
                                 return;
+                            }
+                            if r.generation > 0 {
+                                view.generation.store(r.generation, Ordering::Release);
+                                view.forming.store(r.forming, Ordering::Release);
+                                view.waiting.store(r.waiting, Ordering::Release);
+                                on_membership(&view);
                             }
                             continue;
                         }

@@ -40,6 +40,8 @@ pub mod rt;
 pub use rt::ServerHandle;
 
 pub use auth::{ClusterToken, MutualTls};
-pub use coordination::{CoordinationConfig, CoordinationMember, CoordinationServerHandle, Registration};
+pub use coordination::{
+    CoordinationConfig, CoordinationMember, CoordinationServerHandle, Generation, MembershipView, Registration,
+};
 pub use error::{Error, Result};
 pub use ring::AbortSignal;
