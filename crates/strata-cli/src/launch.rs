@@ -91,9 +91,36 @@ pub struct LaunchArgs {
     /// How long tasks have to exit after a signal before they are killed (e.g. 5s, 500ms, 1m).
     #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = parse_duration_or_seconds)]
     pub grace_period: Duration,
+    /// In an elastic job (the program's `--min-workers`): start a new process for a task that
+    /// is lost (exits non-zero or is killed) up to K times per task; it joins the running job.
+    #[arg(long, value_name = "K", default_value_t = 0)]
+    pub max_restarts: usize,
     /// The program every task runs, and its arguments, after `--`.
     #[arg(last = true, required = true, value_name = "PROGRAM [ARGS]")]
     pub command: Vec<OsString>,
+}
+
+/// The environment variable that tells the tasks of an elastic job where its coordination
+/// service listens (`strata train --coordinator`).
+pub const COORDINATOR_VAR: &str = "STRATA_COORDINATOR";
+
+/// The program's `--min-workers N` (or `--min-workers=N`): the job is elastic.
+fn elastic_min_workers(args: &[OsString]) -> Result<Option<usize>> {
+    let mut it = args.iter().map(|a| a.to_string_lossy());
+    while let Some(a) = it.next() {
+        let value = if a == "--min-workers" {
+            it.next().map(|v| v.into_owned())
+        } else if let Some(v) = a.strip_prefix("--min-workers=") {
+            Some(v.to_string())
+        } else {
+            continue;
+        };
+        let v = value.unwrap_or_default();
+        return v.parse::<usize>().map(Some).map_err(|_| {
+            Error::Usage(format!("--min-workers {v:?}: not a number of workers; pass a whole number such as 2"))
+        });
+    }
+    Ok(None)
 }
 
 /// The tasks of a cluster of an optional chief, `workers` workers and `ps` parameter servers,
@@ -260,11 +287,16 @@ fn start(
     tasks: &[TaskId],
     cluster: &ClusterSpec,
     token: &str,
+    coordinator: Option<&str>,
     events: &Sender<Event>,
 ) -> Result<Vec<Running>> {
     let mut running: Vec<Running> = Vec::with_capacity(tasks.len());
     for task in tasks {
-        let spawned = Command::new(executable)
+        let mut command = Command::new(executable);
+        if let Some(c) = coordinator {
+            command.env(COORDINATOR_VAR, c);
+        }
+        let spawned = command
             .args(args)
             .env("TF_CONFIG", tf_config(cluster, *task)?)
             .env(TASK_VAR, task.to_string())
@@ -297,7 +329,8 @@ fn start(
             forward_lines(out, prefix.clone(), false, events.clone(), None);
         }
         if let Some(err) = child.stderr.take() {
-            forward_lines(err, prefix, true, events.clone(), Some(running.len()));
+            let index = tasks.iter().position(|t| t == task).unwrap_or(running.len());
+            forward_lines(err, prefix, true, events.clone(), Some(index));
         }
         let group = Pid::from_raw(i32::try_from(child.id()).unwrap_or(i32::MAX));
         running.push(Running { task: *task, child, group, status: None });
@@ -332,6 +365,36 @@ pub fn run(args: &LaunchArgs) -> Result<()> {
     let addresses = free_addresses(args.host, tasks.len())?;
     let cluster = cluster_spec(&tasks, &addresses)?;
     let token = cluster_token();
+    // An elastic job: the launcher serves its coordination service, which outlives any task.
+    let elastic = elastic_min_workers(program_args)?;
+    if args.max_restarts > 0 && elastic.is_none() {
+        return Err(Error::Usage(format!(
+            "--max-restarts {} restarts a lost task into an elastic job, and this one is not: pass --min-workers N to the program (strata train --strategy multi-worker-mirrored --min-workers N)",
+            args.max_restarts
+        )));
+    }
+    let service = match elastic {
+        Some(min) => {
+            let names: Vec<String> = cluster.sync_workers().iter().map(ToString::to_string).collect();
+            if min == 0 || min > names.len() {
+                return Err(Error::Usage(format!(
+                    "--min-workers {min}: this job has {} workers; pass a minimum from 1 to {}",
+                    names.len(),
+                    names.len()
+                )));
+            }
+            let service = strata_transport::CoordinationServerHandle::start_elastic(
+                SocketAddr::new(args.host, 0),
+                names,
+                min,
+                strata_transport::ClusterToken::new(&token)?,
+                strata_transport::CoordinationConfig::default(),
+            )?;
+            Some(service)
+        }
+        None => None,
+    };
+    let coordinator = service.as_ref().map(|s| s.address().to_string());
 
     // Handlers, not a blocked mask: a mask is inherited by the tasks (std's Command does not
     // reset it), which then never see SIGINT or SIGTERM (see `signals`).
@@ -348,7 +411,9 @@ pub fn run(args: &LaunchArgs) -> Result<()> {
         });
     }
 
-    let mut running = start(program, &executable, program_args, &tasks, &cluster, &token, &events)?;
+    let mut running =
+        start(program, &executable, program_args, &tasks, &cluster, &token, coordinator.as_deref(), &events)?;
+    let mut restarts = vec![0usize; running.len()];
     let mut outputs_open = 2 * running.len();
     let mut failure: Option<i32> = None;
     // The first task to fail, and each task's first `error:` line in the order they arrived.
@@ -400,6 +465,37 @@ pub fn run(args: &LaunchArgs) -> Result<()> {
             if status.success() || failure.is_some() {
                 continue;
             }
+            if let Some(service) = service.as_ref().filter(|s| s.error().is_none() && kill_at.is_none()) {
+                // An elastic job goes on without the task (its members re-form); a restart
+                // joins it at the next step boundary.
+                let task = running[i].task;
+                let why = strata_compare::runner::describe(status);
+                if restarts[i] < args.max_restarts {
+                    restarts[i] += 1;
+                    eprintln!(
+                        "strata launch: task {task} {why}; the elastic job goes on, and a new process joins it (restart {} of {})",
+                        restarts[i], args.max_restarts
+                    );
+                    let mut again = start(
+                        program,
+                        &executable,
+                        program_args,
+                        &[task],
+                        &cluster,
+                        &token,
+                        coordinator.as_deref(),
+                        &events,
+                    )?;
+                    if let Some(r) = again.pop() {
+                        outputs_open += 2;
+                        running[i] = r;
+                    }
+                } else {
+                    eprintln!("strata launch: task {task} {why}; the elastic job goes on without it");
+                }
+                let _ = service;
+                continue;
+            }
             failure = Some(exit_code(status));
             first_failed = Some(i);
             let task = &running[i].task;
@@ -412,6 +508,22 @@ pub fn run(args: &LaunchArgs) -> Result<()> {
                 kill_at = Some(Instant::now() + grace);
             } else {
                 eprintln!("strata launch: task {task} {}", strata_compare::runner::describe(status));
+            }
+        }
+        if let Some(service) = &service {
+            if kill_at.is_none() && service.error().is_some() {
+                // The elastic job failed (too few workers left, or a task's error): stop the rest.
+                eprintln!("strata launch: the elastic job failed; stopping the other tasks");
+                stop_running(&running, Signal::SIGTERM, &mut killed_by_launcher);
+                kill_at = Some(Instant::now() + grace);
+            } else if kill_at.is_none() {
+                // The job is over when every live task has exited: a stopped one (fenced when it
+                // is continued) is killed at once.
+                let pending: Vec<usize> = (0..running.len()).filter(|&i| running[i].status.is_none()).collect();
+                if !pending.is_empty() && pending.iter().all(|&i| is_stopped(running[i].group)) && service.all_left() {
+                    stop_running(&running, Signal::SIGTERM, &mut killed_by_launcher);
+                    kill_at = Some(Instant::now() + grace);
+                }
             }
         }
         if !killed && kill_at.is_some_and(|at| Instant::now() >= at) {
@@ -433,6 +545,26 @@ pub fn run(args: &LaunchArgs) -> Result<()> {
         }
     }
 
+    if let Some(service) = &service {
+        if service.error().is_none() {
+            // The elastic job completed: its outcome is the launcher's, whatever tasks were lost.
+            for l in service.lost_tasks() {
+                eprintln!("strata launch: lost on the way: {l}");
+            }
+            let (generation, members) = service.membership();
+            eprintln!(
+                "strata launch: the elastic job completed in generation {generation} with {}",
+                members.join(", ")
+            );
+            let code = interrupted.map(|s| 128 + s as i32);
+            if let Some(code) = code {
+                let _ = io::stdout().flush();
+                let _ = io::stderr().flush();
+                std::process::exit(code);
+            }
+            return Ok(());
+        }
+    }
     let statuses: Vec<Option<ExitStatus>> = running.iter().map(|r| r.status).collect();
     let names: Vec<String> = running.iter().map(|r| r.task.to_string()).collect();
     let reported_lost =

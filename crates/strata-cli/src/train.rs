@@ -191,6 +191,15 @@ pub struct TrainArgs {
     /// modes; see docs/parameter-servers.md).
     #[arg(long)]
     pub no_lookahead: bool,
+    /// multi-worker-mirrored: an elastic job that runs while at least N of its workers live; a
+    /// lost worker costs a step, not the job, and a worker started later joins it (under strata
+    /// launch, or with --coordinator).
+    #[arg(long, value_name = "N")]
+    pub min_workers: Option<usize>,
+    /// With --min-workers: where the job's coordination service listens (host:port), which
+    /// outlives any worker; strata launch serves it and sets STRATA_COORDINATOR.
+    #[arg(long, value_name = "HOST:PORT", env = "STRATA_COORDINATOR")]
+    pub coordinator: Option<String>,
     /// Do not draw a progress bar.
     #[arg(long)]
     pub no_progress: bool,
@@ -314,6 +323,27 @@ impl TrainArgs {
 
     /// Refuses flags that do not apply to `--model` (or the strategy), one line each.
     fn check_model_flags(&self) -> Result<()> {
+        if let Some(n) = self.min_workers {
+            if self.strategy != StrategyKind::MultiWorkerMirrored {
+                return Err(Error::Usage(format!(
+                    "--min-workers applies to --strategy multi-worker-mirrored, whose workers keep identical copies a lost one can be dropped from (--strategy {} is not elastic); drop it",
+                    self.strategy.name()
+                )));
+            }
+            if n == 0 {
+                return Err(Error::Usage("--min-workers 0: a job needs a worker to train; pass 1 or more".into()));
+            }
+            if self.auto_shard == AutoShardKind::File {
+                return Err(Error::Usage(
+                    "--min-workers with --auto-shard file: whole files belong to workers, and an elastic job re-splits every step over the workers that live; use --auto-shard data".into(),
+                ));
+            }
+            if self.coordinator.is_none() {
+                return Err(Error::Usage(format!(
+                    "--min-workers {n}: an elastic job needs a coordination service that outlives its workers; run it under strata launch (which serves one), or pass --coordinator HOST:PORT"
+                )));
+            }
+        }
         if self.no_lookahead && self.strategy != StrategyKind::ParameterServer {
             return Err(Error::Usage(format!(
                 "--no-lookahead applies to --strategy parameter-server, whose pushes can be stale (--strategy {} has none); drop it",
@@ -532,6 +562,9 @@ pub fn make_multi_worker(args: &TrainArgs, options: StrategyOptions) -> Result<M
     mw.bind = args.bind;
     mw.options = options;
     mw.compression = args.compression;
+    if let (Some(min_workers), Some(coordinator)) = (args.min_workers, &args.coordinator) {
+        mw.elastic = Some(strata::ElasticOptions { min_workers, coordinator: coordinator.clone() });
+    }
     mw.auto_shard = match args.auto_shard {
         AutoShardKind::Data => AutoShardPolicy::Data,
         AutoShardKind::Off => AutoShardPolicy::Off,
@@ -846,7 +879,8 @@ impl Run<'_> {
             eprintln!("worker {}: parameter digest {}", m.worker_index(), parameter_digest(model)?);
         }
         let index = multi.map_or(0, |m| m.worker_index());
-        if self.is_chief {
+        // In an elastic job the chief is worker 0 of the generation that finished.
+        if multi.map_or(self.is_chief, |m| m.is_chief()) {
             finish(args, self.started, self.replicas, report, model.variables(0), index, None)?;
         } else if let Some(path) = &args.save_params {
             if path.to_string_lossy().contains("{task}") {

@@ -361,7 +361,9 @@ pub(crate) fn build_replicated<M>(
         copy += 1;
     }
     open.store(false, Ordering::Release);
-    if let Some(w) = ext.workers() {
+    // A worker that joined an elastic job under way takes its values from a member when it
+    // takes part in its first step, not from a broadcast the members are not in.
+    if let Some(w) = ext.workers().filter(|w| !w.joined_under_way()) {
         broadcast_from_chief(w, &vars)?;
     }
     Ok(Replicated { strategy: ext.id(), strategy_name: ext.name(), policy, copies, vars, kinds, ext: ext.clone() })
@@ -702,7 +704,9 @@ pub struct DistributedOptimizer<O> {
     /// Each local replica's accumulated gradients.
     accumulated: Vec<Mutex<Accumulated>>,
     /// Each local replica's plan of overlapped reduction, learned in the first step.
-    overlap: Vec<Mutex<Option<Arc<OverlapPlan>>>>,
+    /// Each replica's overlap plan, with the generation of the job's membership it was agreed
+    /// in (an elastic job agrees a new plan in every generation).
+    overlap: Vec<Mutex<Option<(u64, Arc<OverlapPlan>)>>>,
 }
 
 /// How a replica reduces its gradients while the backward pass runs: the order in which the
@@ -1033,7 +1037,7 @@ impl<O: Optimizer> DistributedOptimizer<O> {
     /// The buckets of the plan by which local replica `replica` reduces while its backward
     /// pass runs (see [`ReplicaContext::backward_and_sync`]), once a step has learned one.
     pub fn overlap_buckets(&self, replica: usize) -> Option<usize> {
-        self.overlap.get(replica).and_then(|p| lock(p).as_ref().map(|p| p.buckets.len()))
+        self.overlap.get(replica).and_then(|p| lock(p).as_ref().map(|p| p.1.buckets.len()))
     }
 
     /// The blocks of rows that plan reduces on their own (see
@@ -1041,7 +1045,7 @@ impl<O: Optimizer> DistributedOptimizer<O> {
     pub fn overlap_row_blocks(&self, replica: usize) -> Option<usize> {
         self.overlap
             .get(replica)
-            .and_then(|p| lock(p).as_ref().map(|p| p.units.iter().filter(|u| matches!(u, Unit::Rows { .. })).count()))
+            .and_then(|p| lock(p).as_ref().map(|p| p.1.units.iter().filter(|u| matches!(u, Unit::Rows { .. })).count()))
     }
 
     /// Locks copy `copy`'s optimizer (to change its learning rate, say).
@@ -1096,7 +1100,8 @@ impl ReplicaContext<'_> {
             return self.sync_and_apply(grads, opt);
         }
         opt.check_strategy(self)?;
-        let plan = lock(&opt.overlap[self.replica]).clone();
+        let generation = self.shared.ext.workers().map_or(0, |w| w.generation());
+        let plan = lock(&opt.overlap[self.replica]).as_ref().filter(|(g, _)| *g == generation).map(|(_, p)| p.clone());
         if let Some(plan) = plan {
             return self.backward_overlapped(loss, opt, &plan);
         }
@@ -1111,7 +1116,7 @@ impl ReplicaContext<'_> {
             })
         })?;
         let plan = self.agree_overlap_plan(ready, vars, index)?;
-        *lock(&opt.overlap[self.replica]) = Some(Arc::new(plan));
+        *lock(&opt.overlap[self.replica]) = Some((generation, Arc::new(plan)));
         self.sync_and_apply(grads, opt)
     }
 

@@ -43,7 +43,9 @@ pub use cluster::{
 };
 pub use local::CpuReduction;
 pub use mirrored::MirroredStrategy;
-pub use multi_worker::{CrossWorkerOps, CrossWorkerSetup, MultiWorkerMirroredStrategy, MultiWorkerOptions};
+pub use multi_worker::{
+    CrossWorkerOps, CrossWorkerSetup, ElasticOptions, MultiWorkerMirroredStrategy, MultiWorkerOptions,
+};
 pub use one_device::OneDeviceStrategy;
 pub use parameter_server::{
     ClusterCoordinator, ParameterServerOptions, ParameterServerStrategy, Partitioner, PlacementPolicy, PsModel,

@@ -13,7 +13,7 @@
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::Duration;
 
 use strata_core::cross_device::compression::{Compression, HalfFormat};
@@ -21,7 +21,7 @@ use strata_core::cross_device::{CrossDeviceOps, HierarchicalOps, PendingAllReduc
 use strata_core::device::LogicalDevice;
 use strata_core::strategy::{AutoShardPolicy, WorkerCollectives};
 use strata_core::{Error, ReduceOp, Result, Strategy, StrategyExtended, StrategyOptions, VariablePolicy};
-use strata_transport::coordination::Progress;
+use strata_transport::coordination::{MembershipView, Progress};
 use strata_transport::ring::{AbortSignal, Ring, RingConfig};
 use strata_transport::{ClusterToken, CoordinationConfig, CoordinationMember, CoordinationServerHandle};
 
@@ -56,6 +56,24 @@ pub struct MultiWorkerOptions {
     /// same (checked at rendezvous); a PowerSGD rank at which none of a model's gradients
     /// shrinks is refused when its optimizer is built.
     pub compression: Compression,
+    /// Elastic membership (`None`: a lost worker ends the job, as in TensorFlow).
+    pub elastic: Option<ElasticOptions>,
+}
+
+/// The elastic membership of a [`MultiWorkerMirroredStrategy`]: the job runs while at least
+/// `min_workers` of the cluster's workers live. A lost worker (killed, stopped, cut off; the
+/// chief included) costs the step in flight: the others agree on the new membership, re-form
+/// the ring, and go on from the last step any of them completed, with the same global batch
+/// split over fewer workers. A worker that starts later joins at the next step boundary and
+/// takes its state from a member. A process declared lost is fenced: it is refused and stops.
+/// The membership is held by a coordination service that outlives every worker
+/// ([`strata_transport::CoordinationServerHandle::start_elastic`], which `strata launch` serves).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ElasticOptions {
+    /// The fewest workers the job runs with (1 to the cluster's workers).
+    pub min_workers: usize,
+    /// Where the elastic coordination service listens (`host:port`).
+    pub coordinator: String,
 }
 
 /// What a [`CrossWorkerOps`] factory gets: this worker's place in the job, its membership of
@@ -106,6 +124,7 @@ impl MultiWorkerOptions {
             auto_shard: AutoShardPolicy::Data,
             cross_worker_ops: None,
             compression: Compression::None,
+            elastic: None,
         })
     }
 }
@@ -114,20 +133,52 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// The cross-worker state of one worker: its ring, its membership of the job, and (on the
-/// chief) the coordination service.
+/// One generation of a job's membership, as this worker takes part in it: the ring, this
+/// worker's rank, the collectives' counter and the signal that stops them. A job that is not
+/// elastic has one.
+#[derive(Debug)]
+struct Gen {
+    ring: Ring,
+    rank: usize,
+    generation: u64,
+    seq: AtomicU64,
+    abort: AbortSignal,
+}
+
+/// What re-joining an elastic job takes.
+#[derive(Debug)]
+struct Rejoin {
+    cluster_fingerprint: String,
+    strategy_fingerprint: String,
+    bind: IpAddr,
+    host: String,
+    token: String,
+    collective_timeout: Duration,
+    connect_timeout: Duration,
+    /// The membership as the heartbeats report it.
+    view: Arc<MembershipView>,
+    /// Why the job cannot go on (set by the heartbeats: the job failed, or this process was
+    /// fenced): re-joining fails with it.
+    fatal: Arc<Mutex<Option<String>>>,
+}
+
+/// The cross-worker state of one worker: its generation (ring), its membership of the job,
+/// and (on the chief of a job that is not elastic) the coordination service.
 #[derive(Debug)]
 struct WorkerJob {
-    ring: Ring,
+    current: RwLock<Arc<Gen>>,
+    /// The current generation's number and abort signal, for the heartbeats.
+    abort_cell: Arc<Mutex<(u64, AbortSignal)>>,
     member: Mutex<Option<CoordinationMember>>,
     server: Mutex<Option<CoordinationServerHandle>>,
     progress: Arc<Progress>,
-    seq: AtomicU64,
-    abort: AbortSignal,
-    index: usize,
     task: String,
     /// Collectives started ahead, run in order on a thread of their own.
     ahead: Ahead,
+    /// Elastic jobs: what re-joining takes.
+    rejoin: Option<Rejoin>,
+    /// Whether this worker joined an elastic job under way.
+    under_way: bool,
 }
 
 /// A job for the thread that runs started collectives.
@@ -190,18 +241,30 @@ impl Ahead {
 }
 
 impl WorkerJob {
+    /// The current generation.
+    fn gen(&self) -> Arc<Gen> {
+        self.current.read().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
     /// Runs a collective called directly: after every started one.
-    fn collective<T>(&self, what: &'static str, f: impl FnOnce(u64) -> strata_transport::Result<T>) -> Result<T> {
+    fn collective<T>(
+        &self,
+        what: &'static str,
+        f: impl FnOnce(&Ring, u64) -> strata_transport::Result<T>,
+    ) -> Result<T> {
         self.ahead.drain();
-        self.run_collective(what, f)
+        let gen = self.gen();
+        self.run_collective(&gen, what, |seq| f(&gen.ring, seq))
     }
 
     /// Starts `run` on the thread of started collectives; its result comes back through the
     /// handle.
-    fn start_ahead(&self, run: impl FnOnce(&WorkerJob) -> Result<Vec<f32>> + Send + 'static) -> PendingAllReduce {
+    fn start_ahead(&self, run: impl FnOnce(&WorkerJob, &Gen) -> Result<Vec<f32>> + Send + 'static) -> PendingAllReduce {
         let (tx, rx) = std::sync::mpsc::channel();
+        // A started collective belongs to the generation it was started in.
+        let gen = self.gen();
         let job: AheadJob = Box::new(move |job: &WorkerJob| {
-            let _ = tx.send(run(job));
+            let _ = tx.send(run(job, &gen));
         });
         match self.ahead.start(job) {
             Ok(()) => PendingAllReduce::waiting(rx),
@@ -209,13 +272,20 @@ impl WorkerJob {
         }
     }
 
-    fn run_collective<T>(&self, what: &'static str, f: impl FnOnce(u64) -> strata_transport::Result<T>) -> Result<T> {
-        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+    fn run_collective<T>(
+        &self,
+        gen: &Gen,
+        what: &'static str,
+        f: impl FnOnce(u64) -> strata_transport::Result<T>,
+    ) -> Result<T> {
+        let seq = gen.seq.fetch_add(1, Ordering::Relaxed);
         self.progress.enter(seq, what);
         f(seq).map_err(|e| {
             let failed = matches!(e, strata_transport::Error::Aborted(_));
             let message = e.to_string();
-            if !failed {
+            // In an elastic job a failed collective is a change of membership, not the job's
+            // end: the coordination service learns it from the members' joins.
+            if !failed && self.rejoin.is_none() {
                 // Tell the others at once (they would learn it from their heartbeats anyway).
                 if let Some(m) = lock(&self.member).as_ref() {
                     let _ = m.report_error(&message);
@@ -228,36 +298,121 @@ impl WorkerJob {
 
 impl WorkerCollectives for WorkerJob {
     fn num_workers(&self) -> usize {
-        self.ring.size()
+        self.gen().ring.size()
     }
     fn worker_index(&self) -> usize {
-        self.index
+        self.gen().rank
     }
     fn all_reduce(&self, op: ReduceOp, data: &mut [f32]) -> Result<()> {
-        self.collective("all_reduce", |seq| self.ring.all_reduce(seq, op, data))
+        self.collective("all_reduce", |ring, seq| ring.all_reduce(seq, op, data))
     }
     fn all_gather(&self, mine: &[f32]) -> Result<Vec<Vec<f32>>> {
-        self.collective("all_gather", |seq| self.ring.all_gather(seq, mine))
+        self.collective("all_gather", |ring, seq| ring.all_gather(seq, mine))
     }
     fn broadcast(&self, root: usize, data: &mut [f32]) -> Result<()> {
-        self.collective("broadcast", |seq| self.ring.broadcast(seq, root, data))
+        self.collective("broadcast", |ring, seq| ring.broadcast(seq, root, data))
     }
     fn broadcast_u64s(&self, root: usize, data: &mut [u64]) -> Result<()> {
-        self.collective("broadcast_u64s", |seq| self.ring.broadcast_u64s(seq, root, data))
+        self.collective("broadcast_u64s", |ring, seq| ring.broadcast_u64s(seq, root, data))
     }
     fn barrier(&self) -> Result<()> {
-        self.collective("barrier", |seq| self.ring.barrier(seq))
+        self.collective("barrier", |ring, seq| ring.barrier(seq))
     }
     fn start_all_reduce_half(&self, mut data: Vec<f32>, format: HalfFormat) -> PendingAllReduce {
-        self.start_ahead(move |job| {
-            job.run_collective("all_reduce", |seq| job.ring.all_reduce_half(seq, &mut data, format)).map(|()| data)
+        self.start_ahead(move |job, gen| {
+            job.run_collective(gen, "all_reduce", |seq| gen.ring.all_reduce_half(seq, &mut data, format)).map(|()| data)
         })
     }
     fn start_all_reduce(&self, op: ReduceOp, mut data: Vec<f32>) -> PendingAllReduce {
-        self.start_ahead(move |job| {
-            job.run_collective("all_reduce", |seq| job.ring.all_reduce(seq, op, &mut data)).map(|()| data)
+        self.start_ahead(move |job, gen| {
+            job.run_collective(gen, "all_reduce", |seq| gen.ring.all_reduce(seq, op, &mut data)).map(|()| data)
         })
     }
+    fn generation(&self) -> u64 {
+        self.gen().generation
+    }
+    fn is_elastic(&self) -> bool {
+        self.rejoin.is_some()
+    }
+    fn joined_under_way(&self) -> bool {
+        self.under_way
+    }
+    fn rejoin(&self) -> Result<()> {
+        let Some(r) = &self.rejoin else {
+            return Err(Error::Cluster(format!(
+                "task {}: this job is not elastic: a failed collective ends it",
+                self.task
+            )));
+        };
+        // Started collectives end first (they fail at once on a stopped ring).
+        let old = self.gen();
+        old.abort.abort(format!("task {} left generation {}", self.task, old.generation));
+        self.ahead.drain();
+        if let Some(why) = lock(&r.fatal).clone() {
+            return Err(Error::Cluster(format!("task {}: {why}", self.task)));
+        }
+        let guard = lock(&self.member);
+        let member = guard.as_ref().ok_or_else(|| Error::Cluster(format!("task {}: left the job", self.task)))?;
+        let (listener, data_address) = bind_data_plane(r.bind, &r.host, &self.task)?;
+        let g = member
+            .join(&r.cluster_fingerprint, &r.strategy_fingerprint, &data_address, old.generation)
+            .map_err(|e| Error::Cluster(format!("task {}: {e}", self.task)))?;
+        drop(guard);
+        let abort = AbortSignal::new();
+        *lock(&self.abort_cell) = (g.generation, abort.clone());
+        let ring = connect_ring(&g, listener, r, &self.task, abort.clone())?;
+        tracing::info!(task = %self.task, generation = g.generation, rank = g.rank, workers = g.task_names.len(), members = %g.task_names.join(","), "re-formed the job");
+        *self.current.write().unwrap_or_else(PoisonError::into_inner) =
+            Arc::new(Gen { ring, rank: g.rank, generation: g.generation, seq: AtomicU64::new(0), abort });
+        Ok(())
+    }
+    fn admit_waiting(&self) -> Result<bool> {
+        let Some(r) = &self.rejoin else { return Ok(false) };
+        let mut flag = [u64::from(self.gen().rank == 0 && r.view.waiting() > 0)];
+        self.broadcast_u64s(0, &mut flag)?;
+        Ok(flag[0] == 1)
+    }
+}
+
+/// Binds a data-plane listener on `bind` (a free port) and says where peers reach it.
+fn bind_data_plane(bind: IpAddr, host: &str, task: &str) -> Result<(std::net::TcpListener, String)> {
+    let data_bind = SocketAddr::new(bind, 0);
+    let listener = std::net::TcpListener::bind(data_bind).map_err(|e| {
+        strata_core::Error::from(strata_transport::Error::bind(format!("the data plane of {task}"), data_bind, e))
+    })?;
+    let port = listener.local_addr().map_err(|e| Error::io("reading the data plane's address", e))?.port();
+    Ok((listener, format!("{host}:{port}")))
+}
+
+/// Connects the ring of an elastic job's generation `g`.
+fn connect_ring(
+    g: &strata_transport::Generation,
+    listener: std::net::TcpListener,
+    r: &Rejoin,
+    task: &str,
+    abort: AbortSignal,
+) -> Result<Ring> {
+    let addresses = resolve_all(&g.data_addresses)?;
+    let mut rc = RingConfig::new(g.rank, addresses);
+    rc.listener = Some(listener);
+    rc.task_names = g.task_names.clone();
+    rc.token = Some(r.token.clone());
+    // A process of another generation (a fenced one) is refused by every peer.
+    rc.fingerprint = format!("{};{};generation={}", r.cluster_fingerprint, r.strategy_fingerprint, g.generation);
+    rc.timeout = r.collective_timeout;
+    rc.connect_timeout = r.connect_timeout;
+    Ring::connect(rc, abort).map_err(|e| Error::Cluster(format!("task {task}: {e}")))
+}
+
+fn resolve_all(addresses: &[String]) -> Result<Vec<SocketAddr>> {
+    addresses
+        .iter()
+        .map(|a| {
+            a.to_socket_addrs().ok().and_then(|mut it| it.next()).ok_or_else(|| {
+                Error::InvalidCluster(format!("the data-plane address {a:?} of a peer does not resolve"))
+            })
+        })
+        .collect()
 }
 
 /// Synchronous training across worker processes (TensorFlow's
@@ -301,81 +456,135 @@ impl MultiWorkerMirroredStrategy {
                 options.compression
             )));
         }
+        if let Some(e) = &options.elastic {
+            if e.min_workers == 0 || e.min_workers > names.len() {
+                return Err(Error::InvalidArgument(format!(
+                    "an elastic job of {} workers cannot run with at least {}: give a minimum from 1 to {}",
+                    names.len(),
+                    e.min_workers,
+                    names.len()
+                )));
+            }
+            if options.cross_worker_ops.is_some() {
+                return Err(Error::InvalidArgument(
+                    "elastic membership re-forms the ring, not cross-worker ops of your own (NCCL); use the ring with it".into(),
+                ));
+            }
+            if matches!(options.compression, Compression::PowerSgd { .. }) {
+                return Err(Error::InvalidArgument(format!(
+                    "compression {} keeps per-worker error feedback, which an elastic job does not carry across a change of membership yet; use none, fp16 or bf16 with it",
+                    options.compression
+                )));
+            }
+        }
+        let elastic_fingerprint =
+            options.elastic.as_ref().map(|e| format!(";elastic_min={}", e.min_workers)).unwrap_or_default();
         let strategy_fingerprint = format!(
-            "multi-worker-mirrored;replicas_per_worker={local_n};auto_shard={:?};bucket_bytes={};seed={};compression={}",
+            "multi-worker-mirrored;replicas_per_worker={local_n};auto_shard={:?};bucket_bytes={};seed={};compression={}{elastic_fingerprint}",
             options.auto_shard, options.options.bucket_bytes, options.options.seed, options.compression
         );
-        let server = if rank == 0 {
-            let port = spec.port(config.task)?;
-            Some(
-                CoordinationServerHandle::start(
-                    SocketAddr::new(options.bind, port),
-                    names.clone(),
-                    spec.fingerprint(),
-                    strategy_fingerprint.clone(),
-                    options.token.clone(),
-                    options.coordination.clone(),
-                )
-                .map_err(|e| Error::Cluster(format!("task {}: {e}", config.task)))?,
-            )
-        } else {
-            None
-        };
-        let data_bind = SocketAddr::new(options.bind, 0);
-        let listener = std::net::TcpListener::bind(data_bind).map_err(|e| {
-            strata_core::Error::from(strata_transport::Error::bind(
-                format!("the data plane of {}", config.task),
-                data_bind,
-                e,
-            ))
-        })?;
-        let data_port = listener.local_addr().map_err(|e| Error::io("reading the data plane's address", e))?.port();
-        let data_address = format!("{own_host}:{data_port}");
-        let coordinator =
-            if rank == 0 { format!("{}:{}", loopback_for(options.bind), spec.port(chief)?) } else { chief_address };
         let task = config.task.to_string();
-        let mut member = CoordinationMember::connect(
-            &coordinator,
-            &chief.to_string(),
-            &task,
-            options.token.clone(),
-            options.coordination.clone(),
-        )?;
-        let reg = member.register(&spec.fingerprint(), &strategy_fingerprint, &data_address)?;
-        let addresses = reg
-            .data_addresses
-            .iter()
-            .map(|a| {
-                a.to_socket_addrs().ok().and_then(|mut it| it.next()).ok_or_else(|| {
-                    Error::InvalidCluster(format!("the data-plane address {a:?} of a peer does not resolve"))
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let (listener, data_address) = bind_data_plane(options.bind, &own_host, &task)?;
         let abort = AbortSignal::new();
-        let mut rc = RingConfig::new(reg.rank, addresses);
-        rc.listener = Some(listener);
-        rc.task_names = reg.task_names.clone();
-        rc.token = Some(options.token.secret().to_string());
-        rc.fingerprint = format!("{};{strategy_fingerprint}", spec.fingerprint());
-        rc.timeout = options.options.collective_timeout;
-        rc.connect_timeout = options.coordination.rendezvous_timeout;
-        let ring = Ring::connect(rc, abort.clone()).map_err(|e| Error::Cluster(format!("task {task}: {e}")))?;
+        let abort_cell = Arc::new(Mutex::new((0, abort.clone())));
+        let (member, server, gen, rejoin, under_way) = if let Some(e) = &options.elastic {
+            let mut member = CoordinationMember::connect(
+                &e.coordinator,
+                "coordinator",
+                &task,
+                options.token.clone(),
+                options.coordination.clone(),
+            )?;
+            let fatal = Arc::new(Mutex::new(None::<String>));
+            {
+                let (cell, fatal_cell, forming_cell) = (abort_cell.clone(), fatal.clone(), abort_cell.clone());
+                member.start_heartbeats_with(
+                    move |reason| {
+                        *lock(&fatal_cell) = Some(reason.clone());
+                        lock(&cell).1.abort(reason);
+                    },
+                    move |view: &MembershipView| {
+                        // The next generation forms from this one: leave the step in flight.
+                        let cell = lock(&forming_cell);
+                        if view.forming() && view.generation() == cell.0 {
+                            cell.1.abort("the job's membership is changing (a worker was lost)");
+                        }
+                    },
+                );
+                let r = Rejoin {
+                    cluster_fingerprint: spec.fingerprint(),
+                    strategy_fingerprint: strategy_fingerprint.clone(),
+                    bind: options.bind,
+                    host: own_host.clone(),
+                    token: options.token.secret().to_string(),
+                    collective_timeout: options.options.collective_timeout,
+                    connect_timeout: options.coordination.rendezvous_timeout,
+                    view: member.membership(),
+                    fatal,
+                };
+                let g = member
+                    .join(&r.cluster_fingerprint, &strategy_fingerprint, &data_address, 0)
+                    .map_err(|e| Error::Cluster(format!("task {task}: {e}")))?;
+                lock(&abort_cell).0 = g.generation;
+                let ring = connect_ring(&g, listener, &r, &task, abort.clone())?;
+                let gen = Gen { ring, rank: g.rank, generation: g.generation, seq: AtomicU64::new(0), abort };
+                (member, None, gen, Some(r), g.resumed)
+            }
+        } else {
+            let server = if rank == 0 {
+                let port = spec.port(config.task)?;
+                Some(
+                    CoordinationServerHandle::start(
+                        SocketAddr::new(options.bind, port),
+                        names.clone(),
+                        spec.fingerprint(),
+                        strategy_fingerprint.clone(),
+                        options.token.clone(),
+                        options.coordination.clone(),
+                    )
+                    .map_err(|e| Error::Cluster(format!("task {}: {e}", config.task)))?,
+                )
+            } else {
+                None
+            };
+            let coordinator =
+                if rank == 0 { format!("{}:{}", loopback_for(options.bind), spec.port(chief)?) } else { chief_address };
+            let mut member = CoordinationMember::connect(
+                &coordinator,
+                &chief.to_string(),
+                &task,
+                options.token.clone(),
+                options.coordination.clone(),
+            )?;
+            let reg = member.register(&spec.fingerprint(), &strategy_fingerprint, &data_address)?;
+            let addresses = resolve_all(&reg.data_addresses)?;
+            let mut rc = RingConfig::new(reg.rank, addresses);
+            rc.listener = Some(listener);
+            rc.task_names = reg.task_names.clone();
+            rc.token = Some(options.token.secret().to_string());
+            rc.fingerprint = format!("{};{strategy_fingerprint}", spec.fingerprint());
+            rc.timeout = options.options.collective_timeout;
+            rc.connect_timeout = options.coordination.rendezvous_timeout;
+            let ring = Ring::connect(rc, abort.clone()).map_err(|e| Error::Cluster(format!("task {task}: {e}")))?;
+            {
+                let abort = abort.clone();
+                member.start_heartbeats(move |reason| abort.abort(reason));
+            }
+            let gen = Gen { ring, rank: reg.rank, generation: 0, seq: AtomicU64::new(0), abort };
+            (member, server, gen, None, false)
+        };
         let progress = member.progress();
-        {
-            let abort = abort.clone();
-            member.start_heartbeats(move |reason| abort.abort(reason));
-        }
-        tracing::info!(task = %task, rank = reg.rank, workers = names.len(), "joined the multi-worker job");
+        tracing::info!(task = %task, rank = gen.rank, workers = gen.ring.size(), generation = gen.generation, "joined the multi-worker job");
         let job = Arc::new(WorkerJob {
-            ring,
+            current: RwLock::new(Arc::new(gen)),
+            abort_cell,
             member: Mutex::new(Some(member)),
             server: Mutex::new(server),
             progress,
-            seq: AtomicU64::new(0),
-            abort,
-            index: reg.rank,
             task,
             ahead: Ahead::default(),
+            rejoin,
+            under_way,
         });
         let _ = job.ahead.job.set(Arc::downgrade(&job));
         let custom = match &options.cross_worker_ops {
@@ -383,13 +592,14 @@ impl MultiWorkerMirroredStrategy {
                 let guard = lock(&job.member);
                 let member =
                     guard.as_ref().ok_or_else(|| Error::Cluster(format!("task {}: left the job", job.task)))?;
+                let gen = job.gen();
                 let setup = CrossWorkerSetup {
-                    rank: job.index,
-                    world: job.ring.size(),
+                    rank: gen.rank,
+                    world: gen.ring.size(),
                     task: &job.task,
                     local_devices: &options.local_devices,
                     member,
-                    abort: job.abort.clone(),
+                    abort: gen.abort.clone(),
                     timeout: options.options.collective_timeout,
                 };
                 let ops = (factory.0)(&setup).inspect_err(|e| {
@@ -429,25 +639,26 @@ impl MultiWorkerMirroredStrategy {
 
     /// Whether this worker is the chief (it writes checkpoints and summaries).
     pub fn is_chief(&self) -> bool {
-        self.job.index == 0
+        self.job.gen().rank == 0
     }
 
-    /// This worker's index (0 is the chief).
+    /// This worker's index (0 is the chief; in an elastic job, in the current generation).
     pub fn worker_index(&self) -> usize {
-        self.job.index
+        self.job.gen().rank
     }
 
-    /// The number of workers in sync.
+    /// The number of workers in sync (in an elastic job, in the current generation).
     pub fn num_workers(&self) -> usize {
-        self.job.ring.size()
+        self.job.gen().ring.size()
     }
 
     /// Tells every task that this one failed (its next collective or heartbeat fails). When
     /// the job already failed elsewhere (the coordination service said so, or is lost), there
     /// is nothing to tell, and nothing waits on a lost task.
     pub fn report_error(&self, error: &Error) {
-        let known = self.job.abort.reason().is_some();
-        self.job.abort.abort(error.to_string());
+        let abort = self.job.gen().abort.clone();
+        let known = abort.reason().is_some();
+        abort.abort(error.to_string());
         if known {
             return;
         }

@@ -240,12 +240,10 @@ where
     O: Optimizer + strata_core::checkpoint::OptimizerState + Send,
     O::Config: Clone,
 {
+    // With the state's hooks whether or not it checkpoints: an elastic job hands the state
+    // to a worker that joins.
     let opt = trainer.optimizer::<M, O>(model, config)?;
-    if trainer.config.checkpoint.is_some() {
-        trainer.fit_checkpointed(strategy, model, &opt, task, train, test)
-    } else {
-        trainer.fit(strategy, model, &opt, task, train, test)
-    }
+    trainer.fit_checkpointed(strategy, model, &opt, task, train, test)
 }
 
 fn fit<O: Optimizer + Send, M: Send + Sync, B: BatchData>(

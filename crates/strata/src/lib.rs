@@ -109,8 +109,8 @@ pub use strata_strategies::cluster;
 pub use strata_strategies::parameter_server;
 pub use strata_strategies::parameter_server::{ClusterCoordinator, ParameterServerOptions, ParameterServerStrategy};
 pub use strata_strategies::{
-    CentralStorageStrategy, CpuReduction, MirroredStrategy, MultiWorkerMirroredStrategy, MultiWorkerOptions,
-    OneDeviceStrategy,
+    CentralStorageStrategy, CpuReduction, ElasticOptions, MirroredStrategy, MultiWorkerMirroredStrategy,
+    MultiWorkerOptions, OneDeviceStrategy,
 };
 pub use strata_transport::ps;
 pub use strata_transport::ClusterToken;

@@ -379,9 +379,34 @@ impl Trainer {
             }
         }
         let ckpt = cfg.checkpoint.as_ref().zip(hooks.as_ref());
-        let resumed = match ckpt {
-            Some((c, h)) => restore(strategy, model, c, h)?,
-            None => 0,
+        let workers = strategy.extended().workers();
+        // An elastic job: a lost or joining worker costs the step in flight, not the job.
+        let elastic = match workers.filter(|w| w.is_elastic()) {
+            Some(w) => {
+                let Some(h) = hooks.as_ref() else {
+                    return Err(crate::Error::Usage(
+                        "an elastic job hands a joining worker the optimizer's state, which this optimizer cannot give (Strata's fused AdamW or SGD can); use Trainer::fit_checkpointed".into(),
+                    ));
+                };
+                if accumulation > 1 {
+                    return Err(crate::Error::Usage(format!(
+                        "an elastic job re-runs a step a lost worker interrupted, which gradients accumulated over {accumulation} batches would count twice; accumulate over 1 batch in an elastic job"
+                    )));
+                }
+                Some(Elastic { w, h })
+            }
+            None => None,
+        };
+        // A worker that joined an elastic job under way takes the state and the position of
+        // the most advanced member, and no checkpoint.
+        let joined = match &elastic {
+            Some(e) if e.w.joined_under_way() => Some(e.recover(model, None, None)?),
+            _ => None,
+        };
+        let resumed = match (ckpt, joined) {
+            (_, Some(p)) => p.step,
+            (Some((c, h)), None) => restore(strategy, model, c, h)?,
+            (None, None) => 0,
         };
         if let (Some(c), true) = (&cfg.checkpoint, is_chief(strategy)) {
             // Before the first step, not at the first checkpoint: a directory that cannot take
@@ -392,9 +417,8 @@ impl Trainer {
             })?;
         }
         let mut global_step = resumed;
-        let workers = strategy.extended().workers();
         let num_workers = workers.map_or(1, |w| w.num_workers()) as u64;
-        if let Some(w) = workers.filter(|w| w.num_workers() > 1) {
+        if let Some(w) = workers.filter(|w| w.num_workers() > 1 && joined.is_none()) {
             agree_on_epochs(w, strategy.extended().auto_shard(), train_rows, steps_per_epoch)?;
         }
         // Only the chief writes records.
@@ -408,7 +432,27 @@ impl Trainer {
         // The step replica 0 is in (counted from 1), for errors.
         let current_step = AtomicUsize::new(global_step);
         let mut saved_step = None;
-        for epoch in resumed / steps_per_epoch.max(1)..cfg.epochs {
+        // Epochs whose end (loss, evaluation) is done; in an elastic job a member may be one
+        // step or one epoch end ahead of another when a loss interrupts them.
+        let mut ended = joined.map_or(resumed / steps_per_epoch.max(1), |p| p.ended);
+        // In an elastic job: re-forms the membership after a failed collective, takes the most
+        // advanced member's state and position, and resumes from there.
+        macro_rules! recover_or_fail {
+            ($label:lifetime, $e:expr) => {{
+                let e: strata_core::Error = $e;
+                match (&elastic, e) {
+                    (Some(el), strata_core::Error::Cluster(m)) => {
+                        let p = el.recover(model, Some(Position { step: global_step, ended }), Some(&m))?;
+                        global_step = p.step;
+                        ended = p.ended;
+                        continue $label;
+                    }
+                    (_, e) => return Err(e.into()),
+                }
+            }};
+        }
+        'epochs: while ended < cfg.epochs {
+            let epoch = ended;
             if cfg.max_steps.is_some_and(|m| global_step >= m) {
                 break;
             }
@@ -428,7 +472,8 @@ impl Trainer {
             if let Some(max) = cfg.max_steps {
                 epoch_batches = &epoch_batches[..epoch_batches.len().min(max.saturating_sub(global_step))];
             }
-            let per_step = cfg.metrics.is_some() || cfg.step_hook.is_some();
+            // An elastic job runs one step per execution: a loss costs one step.
+            let per_step = cfg.metrics.is_some() || cfg.step_hook.is_some() || elastic.is_some();
             let mut per_execution =
                 if per_step { 1 } else { cfg.steps_per_execution.unwrap_or(epoch_batches.len()).max(1) };
             if cfg.stop.is_some() {
@@ -450,13 +495,23 @@ impl Trainer {
             }
             let mut done = 0;
             for execution in executions {
+                if let Some(el) = &elastic {
+                    // Workers waiting to join come in at a step boundary that every member agrees on.
+                    match el.w.admit_waiting() {
+                        Ok(true) => {
+                            recover_or_fail!('epochs, strata_core::Error::Cluster("admitting workers that wait to join".into()))
+                        }
+                        Ok(false) => {}
+                        Err(e) => recover_or_fail!('epochs, e),
+                    }
+                }
                 done += execution.len();
                 let _s = tracing::debug_span!("execution", first_step = steps, steps = execution.len()).entered();
                 let t0 = Instant::now();
                 let bytes0 = strata_transport::inject::bytes();
                 let step_number = (global_step + 1) as u64;
                 current_step.store(global_step, Ordering::Relaxed);
-                let losses = strategy
+                let losses = match strategy
                     .run_batches(execution, |ctx, shard| {
                         let started = Instant::now();
                         if ctx.replica_id() == 0 {
@@ -483,7 +538,10 @@ impl Trainer {
                             current_step.load(Ordering::Relaxed).max(global_step + 1)
                         )),
                         other => other,
-                    })?;
+                    }) {
+                    Ok(l) => l,
+                    Err(e) => recover_or_fail!('epochs, e),
+                };
                 let dt = t0.elapsed();
                 epoch_time += dt;
                 // Executions that include warm-up steps do not count towards the steady state.
@@ -521,17 +579,25 @@ impl Trainer {
                 if let Some((c, h)) = ckpt {
                     let last = epoch + 1 == cfg.epochs && done == epoch_batches.len();
                     if global_step % c.every_steps.max(1) == 0 || last {
-                        save_checkpoint(strategy, model, c, h, global_step)?;
+                        if let Err(e) = save_checkpoint(strategy, model, c, h, global_step) {
+                            match e {
+                                crate::Error::Core(e) => recover_or_fail!('epochs, e),
+                                e => return Err(e),
+                            }
+                        }
                         saved_step = Some(global_step);
                     }
                 }
                 if let Some(code) = match &cfg.stop {
-                    Some(signal) => agreed_stop(strategy, signal).map_err(|e| match e {
+                    Some(signal) => match agreed_stop(strategy, signal).map_err(|e| match e {
                         strata_core::Error::Cluster(m) => strata_core::Error::Cluster(format!(
                             "agreeing whether to stop after training step {global_step} (epoch {epoch}): {m}"
                         )),
                         other => other,
-                    })?,
+                    }) {
+                        Ok(c) => c,
+                        Err(e) => recover_or_fail!('epochs, e),
+                    },
                     None => None,
                 } {
                     let mut checkpoint = None;
@@ -550,11 +616,20 @@ impl Trainer {
                 break;
             }
             // One cross-replica (and cross-worker) reduction of the epoch's losses.
-            let loss_sum = strategy.reduce(ReduceOp::Sum, &strata_core::PerReplica::new(local_loss)?)?;
+            let loss_sum = match strategy.reduce(ReduceOp::Sum, &strata_core::PerReplica::new(local_loss)?) {
+                Ok(l) => l,
+                Err(e) => recover_or_fail!('epochs, e),
+            };
             skipped += data.skipped_examples();
             // Evaluation reads the state (BatchNorm's statistics) as the mean over replicas.
-            model.sync_state()?;
-            let test_metrics = self.evaluate(strategy, model, task, test)?;
+            if let Err(e) = model.sync_state() {
+                recover_or_fail!('epochs, e);
+            }
+            let test_metrics = match self.evaluate(strategy, model, task, test) {
+                Ok(m) => m,
+                Err(crate::Error::Core(e)) => recover_or_fail!('epochs, e),
+                Err(e) => return Err(e),
+            };
             let acc = accuracy_of(&test_metrics);
             if let Some(m) = &metrics {
                 let g = global_step as u64;
@@ -577,6 +652,7 @@ impl Trainer {
                 step_seconds: epoch_time.as_secs_f64(),
                 test_metrics,
             });
+            ended += 1;
         }
         progress.end();
         // A run too short to have a steady state reports the throughput of all its steps.
@@ -690,6 +766,125 @@ fn save_checkpoint<S: Strategy, M>(
     Ok(())
 }
 
+/// Where a worker is in training: steps completed, and epochs whose end (their loss and
+/// evaluation) is done.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct Position {
+    step: usize,
+    ended: usize,
+}
+
+/// An elastic job's worker collectives and the optimizer's state hooks.
+struct Elastic<'a> {
+    w: &'a dyn strata_core::strategy::WorkerCollectives,
+    h: &'a OptimizerHooks<'a>,
+}
+
+impl Elastic<'_> {
+    /// After a failed collective (`why`; `None` for a worker that joined under way): joins the
+    /// next generation of the membership, and brings every member to the most advanced
+    /// member's state and position (a member that completed the interrupted step hands its
+    /// parameters and optimizer state to those that did not, so every step is applied exactly
+    /// once). Returns that position. Another loss meanwhile starts over.
+    fn recover<M>(&self, model: &Replicated<M>, mine: Option<Position>, why: Option<&str>) -> Result<Position> {
+        if let Some(why) = why {
+            tracing::warn!(step = mine.map(|p| p.step), %why, "a step failed; re-forming the elastic job");
+            self.w.rejoin()?;
+        }
+        loop {
+            match self.sync(model, mine) {
+                Ok(p) => {
+                    tracing::info!(
+                        step = p.step,
+                        workers = self.w.num_workers(),
+                        generation = self.w.generation(),
+                        "training goes on"
+                    );
+                    return Ok(p);
+                }
+                Err(crate::Error::Core(strata_core::Error::Cluster(m))) => {
+                    tracing::warn!(why = %m, "the membership changed again while it was agreed; re-forming");
+                    self.w.rejoin()?;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Every member's position, the most advanced one's state broadcast when they differ.
+    fn sync<M>(&self, model: &Replicated<M>, mine: Option<Position>) -> Result<Position> {
+        // Counts below 2^24 are exact in an f32; a joiner has none.
+        let v = mine.map_or([-1.0, -1.0], |p| [p.step.min(1 << 24) as f32, p.ended.min(1 << 24) as f32]);
+        let all = self.w.all_gather(&v)?;
+        let at = |x: &[f32]| (x.first().copied().unwrap_or(-1.0), x.get(1).copied().unwrap_or(-1.0));
+        let mut source = 0;
+        for (rank, x) in all.iter().enumerate() {
+            if at(x) > at(&all[source]) {
+                source = rank;
+            }
+        }
+        let best = at(&all[source]);
+        if best.0 < 0.0 {
+            return Err(crate::Error::Usage(
+                "every worker of the elastic job joined it under way: none has its state; restart the job".into(),
+            ));
+        }
+        let position = Position { step: best.0 as usize, ended: best.1 as usize };
+        if all.iter().all(|x| at(x) == best) {
+            return Ok(position);
+        }
+        let (vars, state) = state_layout(model, self.h)?;
+        let len: usize = vars.iter().chain(state.iter()).map(|(_, t)| t.elem_count()).sum();
+        let mut values = Vec::with_capacity(len);
+        if self.w.worker_index() == source {
+            for (_, t) in vars.iter().chain(state.iter()) {
+                values.extend(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?);
+            }
+        } else {
+            values.resize(len, 0.0);
+        }
+        self.w.broadcast(source, &mut values)?;
+        if self.w.worker_index() != source {
+            load_flat(model, self.h, &vars, &state, &values)?;
+        }
+        Ok(position)
+    }
+}
+
+/// The state a job carries, in a fixed order: the model's variables (copy 0), then the
+/// optimizer's state.
+fn state_layout<M>(model: &Replicated<M>, h: &OptimizerHooks<'_>) -> Result<(NamedTensors, NamedTensors)> {
+    let vars = model.variables(0).iter().map(|(n, v)| (format!("model/{n}"), v.as_tensor().clone())).collect();
+    Ok((vars, (h.save)()?))
+}
+
+/// Sets every copy of the model's variables and the optimizer's state from `values`, laid out
+/// as [`state_layout`] says.
+fn load_flat<M>(
+    model: &Replicated<M>,
+    h: &OptimizerHooks<'_>,
+    vars: &[(String, Tensor)],
+    state: &[(String, Tensor)],
+    values: &[f32],
+) -> Result<()> {
+    let mut at = 0;
+    let mut take = |t: &Tensor| -> Result<Tensor> {
+        let n = t.elem_count();
+        let v = Tensor::from_slice(&values[at..at + n], t.shape(), t.device())?.to_dtype(t.dtype())?;
+        at += n;
+        Ok(v)
+    };
+    let new_vars: Vec<Tensor> = vars.iter().map(|(_, t)| take(t)).collect::<Result<_>>()?;
+    let new_state: Vec<(String, Tensor)> =
+        state.iter().map(|(n, t)| Ok((n.clone(), take(t)?))).collect::<Result<_>>()?;
+    for copy in 0..model.num_copies() {
+        for ((_, var), value) in model.variables(copy).iter().zip(&new_vars) {
+            var.set(value)?;
+        }
+    }
+    (h.load)(&new_state)
+}
+
 /// Loads the latest checkpoint (on the chief) and hands it to every worker; returns its step.
 fn restore<S: Strategy, M>(
     strategy: &S,
@@ -700,9 +895,7 @@ fn restore<S: Strategy, M>(
     let workers = strategy.extended().workers();
     let found = if is_chief(strategy) { checkpoint::read_latest(&c.dir)? } else { None };
     // The local layout: the model's variables, then the optimizer's state, in a fixed order.
-    let vars: Vec<(String, Tensor)> =
-        model.variables(0).iter().map(|(n, v)| (format!("model/{n}"), v.as_tensor().clone())).collect();
-    let state: Vec<(String, Tensor)> = (h.save)()?;
+    let (vars, state) = state_layout(model, h)?;
     // [1, step] when the chief found a checkpoint, [0, 0] when not: integers, bit for bit.
     let (mut header, mut values) = ([0u64; 2], Vec::new());
     if let Some(ck) = &found {
@@ -737,22 +930,7 @@ fn restore<S: Strategy, M>(
     if found_one != 1 {
         return Ok(0);
     }
-    let mut at = 0;
-    let mut take = |t: &Tensor| -> Result<Tensor> {
-        let n = t.elem_count();
-        let v = Tensor::from_slice(&values[at..at + n], t.shape(), t.device())?.to_dtype(t.dtype())?;
-        at += n;
-        Ok(v)
-    };
-    let new_vars: Vec<Tensor> = vars.iter().map(|(_, t)| take(t)).collect::<Result<_>>()?;
-    let new_state: Vec<(String, Tensor)> =
-        state.iter().map(|(n, t)| Ok((n.clone(), take(t)?))).collect::<Result<_>>()?;
-    for copy in 0..model.num_copies() {
-        for ((_, var), value) in model.variables(copy).iter().zip(&new_vars) {
-            var.set(value)?;
-        }
-    }
-    (h.load)(&new_state)?;
+    load_flat(model, h, &vars, &state, &values)?;
     tracing::info!(step, "resumed from a checkpoint");
     eprintln!("resumed from the checkpoint of step {step} in {}", c.dir.display());
     Ok(step as usize)

@@ -140,6 +140,35 @@ pub trait WorkerCollectives: Send + Sync + std::fmt::Debug {
         let _ = format;
         self.start_all_reduce(ReduceOp::Sum, data)
     }
+    /// Elastic jobs: the current generation of the job's membership, which changes when a
+    /// worker is lost or joins (0 in a job that is not elastic). State agreed between the
+    /// workers (an overlap plan, compression's state) is agreed again in a new generation.
+    fn generation(&self) -> u64 {
+        0
+    }
+    /// Whether the job is elastic: a lost worker costs a step, not the job.
+    fn is_elastic(&self) -> bool {
+        false
+    }
+    /// Elastic jobs: whether this worker joined a job under way, so that it takes its state
+    /// (parameters, optimizer state, step) from a member instead of starting afresh.
+    fn joined_under_way(&self) -> bool {
+        false
+    }
+    /// Elastic jobs: after a collective failed (a worker was lost, or the members agreed to
+    /// admit waiting workers), joins the next generation with the live workers and returns once
+    /// its collectives connect. [`num_workers`](WorkerCollectives::num_workers) and
+    /// [`worker_index`](WorkerCollectives::worker_index) are the new generation's. Fails when
+    /// the job cannot go on (too few workers left, or this worker was declared lost).
+    fn rejoin(&self) -> Result<()> {
+        Err(crate::Error::Cluster("this job is not elastic: a failed collective ends it".into()))
+    }
+    /// Elastic jobs: whether the workers agree to admit the workers waiting to join (worker
+    /// 0's view, broadcast: a collective, called at step boundaries). When it returns true,
+    /// every worker calls [`rejoin`](WorkerCollectives::rejoin).
+    fn admit_waiting(&self) -> Result<bool> {
+        Ok(false)
+    }
 }
 
 /// A cross-worker all-reduce started by [`WorkerCollectives::start_all_reduce`].

@@ -1,0 +1,242 @@
+//! Elastic MultiWorkerMirrored under `strata launch`, with real processes: a worker lost
+//! mid-job (the chief included, killed or stopped) costs a step, not the job; a restarted
+//! worker joins the running job; and the job still ends with one device's parameters, since
+//! every global batch is the same whatever the membership (SGD, so that the sums' order is
+//! the only difference). Every wait has a hard deadline.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Output, Stdio};
+use std::time::{Duration, Instant};
+
+use candle_core::Tensor;
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+use strata_integration_tests::{strata, wait};
+
+/// The longest a job of these tests may run.
+const TIMEOUT: Duration = Duration::from_secs(180);
+
+/// The model and its training: 1.1M parameters, 30 epochs of 6 steps of 256 examples.
+const TRAIN: &[&str] = &["--hidden", "1024,1024", "--epochs", "30", "--optimizer", "sgd", "--no-progress"];
+
+/// The reference: one process, one device, the same global batches.
+fn one_device(dir: &Path) -> HashMap<String, Tensor> {
+    let path = dir.join("one-device.safetensors");
+    let child = strata()
+        .args(["train", "--strategy", "one-device"])
+        .args(TRAIN)
+        .arg("--save-params")
+        .arg(&path)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("strata runs");
+    let o = wait(child, Instant::now() + TIMEOUT);
+    assert!(o.status.success(), "one device: {}", String::from_utf8_lossy(&o.stderr));
+    candle_core::safetensors::load(&path, &candle_core::Device::Cpu).expect("the reference's parameters")
+}
+
+/// ‖a - b‖ / ‖b‖ over every parameter.
+fn l2_relative(a: &HashMap<String, Tensor>, b: &HashMap<String, Tensor>) -> f64 {
+    assert_eq!(a.len(), b.len(), "the same parameters");
+    let (mut diff, mut norm) = (0f64, 0f64);
+    for (name, tb) in b {
+        let ta = &a[name];
+        let va = ta.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let vb = tb.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        for (x, y) in va.iter().zip(&vb) {
+            diff += f64::from(x - y).powi(2);
+            norm += f64::from(*y).powi(2);
+        }
+    }
+    (diff / norm).sqrt()
+}
+
+/// An elastic job of `workers` under `strata launch` (min 2), whose tasks carry `marker` in
+/// their environment so that the test can find their processes.
+struct Job {
+    child: std::process::Child,
+    marker: String,
+    dir: PathBuf,
+}
+
+impl Job {
+    fn start(dir: &Path, workers: usize, launch: &[&str]) -> Job {
+        let marker = format!("{}-{}", std::process::id(), dir.file_name().unwrap().to_string_lossy());
+        let mut cmd = strata();
+        cmd.env("STRATA_TEST_JOB", &marker).env("STRATA_LOG", "info");
+        cmd.args(["launch", "--workers", &workers.to_string()]).args(launch).arg("--");
+        cmd.args(["strata", "train", "--strategy", "multi-worker-mirrored", "--min-workers", "2"]).args(TRAIN);
+        cmd.arg("--save-params").arg(dir.join("p{task}.safetensors"));
+        cmd.arg("--metrics").arg(dir.join("metrics.jsonl"));
+        let child =
+            cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("strata runs");
+        Job { child, marker, dir: dir.to_path_buf() }
+    }
+
+    /// The process of `task` (the one started last, after a restart).
+    fn pid(&self, task: &str) -> Pid {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let mut found = None;
+            for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+                let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else { continue };
+                let Ok(env) = std::fs::read(entry.path().join("environ")) else { continue };
+                let vars: Vec<&[u8]> = env.split(|&b| b == 0).collect();
+                let has = |v: String| vars.iter().any(|x| *x == v.as_bytes());
+                if has(format!("STRATA_TEST_JOB={}", self.marker)) && has(format!("STRATA_TASK={task}")) {
+                    found = found.max(Some(pid));
+                }
+            }
+            if let Some(pid) = found {
+                return Pid::from_raw(pid);
+            }
+            assert!(Instant::now() < deadline, "no process of {task}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Waits until the chief's metrics record `step` steps.
+    fn wait_for_step(&self, step: usize) {
+        let deadline = Instant::now() + TIMEOUT;
+        loop {
+            let text = std::fs::read_to_string(self.dir.join("metrics.jsonl")).unwrap_or_default();
+            if text.lines().filter(|l| l.contains("\"kind\":\"step\"")).count() >= step {
+                return;
+            }
+            assert!(Instant::now() < deadline, "step {step} never came; metrics: {text}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    fn finish(self) -> Output {
+        wait(self.child, Instant::now() + TIMEOUT)
+    }
+}
+
+/// The finished job's parameters, as the workers that ended it wrote them: all bitwise equal.
+fn parameters(dir: &Path, o: &Output) -> HashMap<String, Tensor> {
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "the elastic job completes: {stderr}");
+    let mut found: Vec<HashMap<String, Tensor>> = Vec::new();
+    for i in 0..4 {
+        let path = dir.join(format!("p{i}.safetensors"));
+        if path.exists() {
+            found.push(candle_core::safetensors::load(&path, &candle_core::Device::Cpu).unwrap());
+        }
+    }
+    assert!(found.len() >= 2, "the surviving workers wrote their parameters: {stderr}");
+    for other in &found[1..] {
+        assert_eq!(l2_relative(other, &found[0]), 0.0, "every worker holds the same bits: {stderr}");
+    }
+    found.swap_remove(0)
+}
+
+fn check_against(reference: &HashMap<String, Tensor>, dir: &Path, o: &Output, what: &str) {
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    let got = parameters(dir, o);
+    let d = l2_relative(&got, reference);
+    eprintln!("{what}: L2-relative distance from one device {d:.3e}");
+    // An undisturbed job ends about 1e-6 from one device (float sums in another order); a step
+    // applied twice or skipped moves the parameters by 1e-3 or more.
+    assert!(d < 2e-5, "{what}: {d:.3e} from one device; stderr: {stderr}");
+    assert!(stderr.contains("the elastic job completed"), "{stderr}");
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(stdout.contains("test accuracy") && stdout.contains("after 30 epochs"), "{stdout}");
+}
+
+#[test]
+fn a_lost_worker_costs_a_step_and_the_result_is_still_one_devices() {
+    let tmp = tempfile::tempdir().unwrap();
+    let reference = one_device(tmp.path());
+
+    // Undisturbed: the baseline distance.
+    let dir = tmp.path().join("undisturbed");
+    std::fs::create_dir(&dir).unwrap();
+    let o = Job::start(&dir, 3, &[]).finish();
+    check_against(&reference, &dir, &o, "undisturbed");
+
+    // worker:1 killed at step 60: the others go on without it.
+    let dir = tmp.path().join("kill-1");
+    std::fs::create_dir(&dir).unwrap();
+    let job = Job::start(&dir, 3, &[]);
+    job.wait_for_step(60);
+    kill(job.pid("worker:1"), Signal::SIGKILL).unwrap();
+    let o = job.finish();
+    let stderr = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(stderr.contains("task worker:1 was killed by SIGKILL; the elastic job goes on without it"), "{stderr}");
+    assert!(stderr.contains("the elastic job completed in generation 2 with worker:0, worker:2"), "{stderr}");
+    check_against(&reference, &dir, &o, "worker:1 killed");
+
+    // The chief killed at step 100 with a restart allowed: the others go on, and the new
+    // process of worker:0 joins them at a step boundary, taking its state from a member.
+    let dir = tmp.path().join("chief-and-stop");
+    std::fs::create_dir(&dir).unwrap();
+    let job = Job::start(&dir, 3, &["--max-restarts", "1"]);
+    job.wait_for_step(100);
+    let chief = job.pid("worker:0");
+    kill(chief, Signal::SIGKILL).unwrap();
+    let o = job.finish();
+    let stderr = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(
+        stderr.contains(
+            "task worker:0 was killed by SIGKILL; the elastic job goes on, and a new process joins it (restart 1 of 1)"
+        ),
+        "{stderr}"
+    );
+    check_against(&reference, &dir, &o, "the chief killed and restarted");
+}
+
+#[test]
+fn a_stopped_worker_is_fenced_and_the_job_goes_on() {
+    let tmp = tempfile::tempdir().unwrap();
+    let reference = one_device(tmp.path());
+    let dir = tmp.path().join("stop");
+    std::fs::create_dir(&dir).unwrap();
+    let job = Job::start(&dir, 3, &[]);
+    job.wait_for_step(50);
+    let stopped = job.pid("worker:2");
+    kill(stopped, Signal::SIGSTOP).unwrap();
+    let o = job.finish();
+    let stderr = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(stderr.contains("lost on the way: worker:2 (no heartbeat for"), "{stderr}");
+    assert!(
+        !Path::new(&format!("/proc/{stopped}")).exists() || {
+            let stat = std::fs::read_to_string(format!("/proc/{stopped}/stat")).unwrap_or_default();
+            stat.contains(") Z")
+        },
+        "the stopped process is ended with the job"
+    );
+    check_against(&reference, &dir, &o, "worker:2 stopped");
+}
+
+#[test]
+fn elastic_flags_that_cannot_work_are_refused_in_one_line() {
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &["train", "--strategy", "mirrored", "--min-workers", "2"],
+            "--min-workers applies to --strategy multi-worker-mirrored",
+        ),
+        (
+            &["train", "--strategy", "multi-worker-mirrored", "--min-workers", "0", "--coordinator", "127.0.0.1:1"],
+            "--min-workers 0",
+        ),
+        (&["train", "--strategy", "multi-worker-mirrored", "--min-workers", "2"], "needs a coordination service"),
+        (
+            &["launch", "--workers", "2", "--max-restarts", "1", "--", "strata", "train"],
+            "--max-restarts 1 restarts a lost task into an elastic job",
+        ),
+        (
+            &["launch", "--workers", "2", "--", "strata", "train", "--min-workers", "3"],
+            "--min-workers 3: this job has 2 workers",
+        ),
+    ];
+    for (args, expected) in cases {
+        let o = strata().args(*args).env_remove("STRATA_COORDINATOR").stdin(Stdio::null()).output().unwrap();
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(expected), "{args:?}: {stderr}");
+        assert_eq!(stderr.lines().filter(|l| l.starts_with("error:")).count(), 1, "{args:?}: {stderr}");
+    }
+}
