@@ -275,3 +275,47 @@ fn digest_of_opt(out: &str) -> Option<String> {
 fn digest_of(out: &str) -> String {
     digest_of_opt(out).unwrap_or_else(|| panic!("no parameter digest in the job's output:\n{out}"))
 }
+
+/// `train-digits-elastic.sbatch`, unchanged, on 3 hosts: one host's task is killed mid-job, the
+/// other two go on, and the job ends COMPLETED with the accuracy of an undisturbed run.
+#[test]
+fn elastic_job_survives_a_killed_task() {
+    let Some(slurm) = cluster(Hosts::new(3)) else { return };
+    let bin = strata_bin().to_str().expect("a UTF-8 path").to_string();
+    let (dir, token) = job_dir();
+    let token = token.to_str().expect("a UTF-8 path").to_string();
+    let env = [("STRATA", bin.as_str()), ("STRATA_TOKEN_FILE", token.as_str()), ("STRATA_EPOCHS", "1500")];
+    let job = slurm.sbatch(dir.path(), &["--nodes=3"], &script("train-digits-elastic.sbatch"), &env);
+    slurm.wait_running(job, Duration::from_secs(60));
+    // The third task's process, once it trains.
+    let mut victim = None;
+    strata_integration_tests::cluster::wait_for(Duration::from_secs(60), "the third task", || {
+        victim = slurm.hosts().processes().into_iter().find_map(|(pid, cmd)| {
+            let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+            let third = env.split(|&b| b == 0).any(|v| v == b"SLURM_PROCID=2");
+            (third && cmd.contains(" train ")).then_some(pid)
+        });
+        victim.is_some()
+    });
+    std::thread::sleep(Duration::from_secs(2));
+    let victim = victim.expect("found");
+    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(victim as i32), nix::sys::signal::Signal::SIGKILL);
+    let end = slurm.wait(job, Duration::from_secs(300));
+    let out = std::fs::read_to_string(dir.path().join(format!("strata-digits-elastic-{job}.out"))).unwrap_or_default();
+    eprintln!("elastic job {job}: {} {} in {} s", end.state, end.exit_code, end.seconds);
+    assert!(end.state == "COMPLETED" && end.exit_code == "0:0", "{end:?}\n{out}\nslurmctld:\n{}", slurm.log());
+    assert!(out.contains("lost on the way: worker:2"), "{out}");
+    assert!(out.contains("the job completed in generation 2 with worker:0, worker:1"), "{out}");
+    let digests: Vec<&str> =
+        out.lines().filter_map(|l| l.split_once(": parameter digest ").map(|(_, d)| d.trim())).collect();
+    assert_eq!(digests.len(), 2, "the two workers that finished:\n{out}");
+    assert_eq!(digests[0], digests[1], "{out}");
+    let accuracy: f64 = out
+        .lines()
+        .find_map(|l| l.split("test accuracy ").nth(1))
+        .and_then(|a| a.split('%').next())
+        .and_then(|a| a.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no accuracy line:\n{out}"));
+    assert!(accuracy > 90.0, "{out}");
+    assert_clean(slurm);
+}

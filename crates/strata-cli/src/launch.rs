@@ -66,7 +66,14 @@ line names it and its error. A stopped task (SIGSTOP), which cannot act on SIGTE
 at once instead of after the grace period; when another task reported it lost, the last line
 names it with that report, and the launcher exits with the reporter's code, not its own kill's.
 It exits 0 when every task exits 0, and 128 + the signal when it was interrupted and every task
-still exited 0."
+still exited 0.
+
+An elastic job (the program's `--min-workers N`): the launcher serves the job's coordination
+service itself and gives every task its address in STRATA_COORDINATOR. A task that is lost no
+longer stops the others: the job goes on while N workers live, --max-restarts K starts a new
+process for a lost task (it joins the running job) up to K times per task, a stopped task is
+killed at once when the others are done, and the launcher exits with the job's outcome, naming
+the tasks lost on the way."
     };
 }
 
@@ -279,17 +286,20 @@ fn write_line(mut out: impl Write, line: &[u8]) -> io::Result<()> {
     out.flush()
 }
 
+/// What every task of a launch starts with.
+#[derive(Clone, Copy)]
+struct Spawn<'a> {
+    program: &'a OsStr,
+    executable: &'a OsStr,
+    args: &'a [OsString],
+    cluster: &'a ClusterSpec,
+    token: &'a str,
+    coordinator: Option<&'a str>,
+}
+
 /// Starts every task; on failure, kills those already started and names the program.
-fn start(
-    program: &OsStr,
-    executable: &OsStr,
-    args: &[OsString],
-    tasks: &[TaskId],
-    cluster: &ClusterSpec,
-    token: &str,
-    coordinator: Option<&str>,
-    events: &Sender<Event>,
-) -> Result<Vec<Running>> {
+fn start(spawn: &Spawn<'_>, tasks: &[TaskId], events: &Sender<Event>) -> Result<Vec<Running>> {
+    let Spawn { program, executable, args, cluster, token, coordinator } = *spawn;
     let mut running: Vec<Running> = Vec::with_capacity(tasks.len());
     for task in tasks {
         let mut command = Command::new(executable);
@@ -411,8 +421,15 @@ pub fn run(args: &LaunchArgs) -> Result<()> {
         });
     }
 
-    let mut running =
-        start(program, &executable, program_args, &tasks, &cluster, &token, coordinator.as_deref(), &events)?;
+    let spawn = Spawn {
+        program,
+        executable: &executable,
+        args: program_args,
+        cluster: &cluster,
+        token: &token,
+        coordinator: coordinator.as_deref(),
+    };
+    let mut running = start(&spawn, &tasks, &events)?;
     let mut restarts = vec![0usize; running.len()];
     let mut outputs_open = 2 * running.len();
     let mut failure: Option<i32> = None;
@@ -476,16 +493,7 @@ pub fn run(args: &LaunchArgs) -> Result<()> {
                         "strata launch: task {task} {why}; the elastic job goes on, and a new process joins it (restart {} of {})",
                         restarts[i], args.max_restarts
                     );
-                    let mut again = start(
-                        program,
-                        &executable,
-                        program_args,
-                        &[task],
-                        &cluster,
-                        &token,
-                        coordinator.as_deref(),
-                        &events,
-                    )?;
+                    let mut again = start(&spawn, &[task], &events)?;
                     if let Some(r) = again.pop() {
                         outputs_open += 2;
                         running[i] = r;

@@ -6,6 +6,7 @@
 
 pub mod bench;
 pub mod compare;
+pub(crate) mod coordinator;
 pub(crate) mod launch;
 pub use launch::TOKEN_VAR;
 pub mod ps;
@@ -43,6 +44,9 @@ pub enum Command {
     Train(Box<train::TrainArgs>),
     /// Start a local cluster: one process per task, each with its TF_CONFIG (like torchrun).
     Launch(launch::LaunchArgs),
+    /// Serve the coordination service of an elastic multi-worker job (the workers'
+    /// --coordinator), which outlives every worker, until the job ends.
+    Coordinator(coordinator::CoordinatorArgs),
     /// Serve one parameter-server task (variables, the optimizer, checkpoints) until SIGTERM.
     Ps(ps::PsArgs),
     /// Serve one worker task: run the step functions registered in this binary for a
@@ -90,6 +94,7 @@ pub fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Train(args) => train::run(&args),
         Command::Launch(args) => launch::run(&args),
+        Command::Coordinator(args) => coordinator::run(&args),
         Command::Ps(args) => ps::run_ps(&args),
         Command::Worker(args) => ps::run_worker(&args),
         Command::Devices(args) => devices(&args),

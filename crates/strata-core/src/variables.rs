@@ -678,6 +678,9 @@ impl DistributedVariable {
     }
 }
 
+/// An overlap plan and the generation of the job's membership it was agreed in.
+type AgreedPlan = (u64, Arc<OverlapPlan>);
+
 /// One optimizer per model copy: mirrored copies each apply the same all-reduced gradient;
 /// a central copy is updated once, on the parameter device.
 ///
@@ -706,7 +709,7 @@ pub struct DistributedOptimizer<O> {
     /// Each local replica's plan of overlapped reduction, learned in the first step.
     /// Each replica's overlap plan, with the generation of the job's membership it was agreed
     /// in (an elastic job agrees a new plan in every generation).
-    overlap: Vec<Mutex<Option<(u64, Arc<OverlapPlan>)>>>,
+    overlap: Vec<Mutex<Option<AgreedPlan>>>,
 }
 
 /// How a replica reduces its gradients while the backward pass runs: the order in which the

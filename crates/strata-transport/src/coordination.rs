@@ -760,6 +760,13 @@ impl Coordination for Svc {
                     return Some(Err(Status::aborted(self.fenced_message(rank, why, st.members.generation))));
                 }
                 let m = &st.members;
+                if m.generation > 0 && !m.members.is_empty() && m.members.iter().all(|&i| st.tasks[i].left) {
+                    // The job ended while this task waited to join it.
+                    return Some(Err(Status::aborted(format!(
+                        "the job finished (generation {}) before task {} could join it",
+                        m.generation, self.names[rank]
+                    ))));
+                }
                 (m.generation > seen && m.members.contains(&rank)).then(|| {
                     Ok(JoinResponse {
                         generation: m.generation,
@@ -868,6 +875,15 @@ impl Coordination for Svc {
         }
         let message = r.message;
         let mut st = lock(&self.state);
+        if self.min_tasks.is_some() {
+            let t = &st.tasks[rank];
+            let fenced = t.fenced.as_ref().is_some_and(|(inc, _)| *inc == r.incarnation);
+            if fenced || t.incarnation != Some(r.incarnation) {
+                // A process the job already went on without: its failure is not the job's.
+                tracing::warn!(task = %self.names[rank], %message, "ignored the error of a process that is no longer a member");
+                return Ok(Response::new(Empty {}));
+            }
+        }
         self.fail(&mut st, format!("task {} failed: {message}", self.names[rank]));
         Ok(Response::new(Empty {}))
     }
@@ -1459,7 +1475,11 @@ impl CoordinationMember {
         }
         let mut client = self.client.clone();
         let message = truncated(message, MAX_ERROR_BYTES);
-        let mut req = Request::new(ReportErrorRequest { task: Some(task_proto(&self.task)), message: message.into() });
+        let mut req = Request::new(ReportErrorRequest {
+            task: Some(task_proto(&self.task)),
+            message: message.into(),
+            incarnation: self.incarnation,
+        });
         let deadline = self.config.rpc_timeout.min(REPORT_DEADLINE);
         req.set_timeout(deadline);
         runtime()

@@ -597,6 +597,7 @@ fn coordination_request(rng: &mut StdRng, kinds: std::ops::Range<u32>) -> (&'sta
             let r = proto::ReportErrorRequest {
                 task: Some(proto::TaskName { r#type: "nobody".into(), index: rng.random_range(0..3) }),
                 message: text(rng),
+                incarnation: rng.random(),
             };
             ("/strata.v1.Coordination/ReportError", frames(&[r.encode_to_vec()]), 2000)
         }

@@ -582,6 +582,9 @@ impl Shared {
             return;
         }
         tracing::error!(%message, "the job failed");
+        // Raised before any step fails with the error, so that whoever sees the error sees
+        // the job's calls abandoned too.
+        self.options.abort.abort(message.clone());
         let e = StepError::Cluster(message.clone());
         st.fatal = Some(e.clone());
         st.first_error = Some(e.clone());
@@ -592,7 +595,6 @@ impl Shared {
             cancel.abort(message.clone());
         }
         drop(st);
-        self.options.abort.abort(message);
         self.changed.notify_all();
     }
 
