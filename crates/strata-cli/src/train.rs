@@ -872,8 +872,11 @@ impl Run<'_> {
             t.write_chrome_trace(path)?;
             eprintln!("timeline: {} events written to {}", t.len(), path.display());
         }
-        // The saved (and compared) state is the mean over replicas and workers (every worker calls it).
-        model.sync_state()?;
+        // The saved (and compared) state is the mean over replicas and workers (every worker
+        // calls it; the trainer did in an elastic job, where it can survive a loss).
+        if !multi.is_some_and(|m| m.is_elastic()) {
+            model.sync_state()?;
+        }
         if let Some(m) = multi {
             // Every worker must end with the same parameters; print a digest to compare.
             eprintln!("worker {}: parameter digest {}", m.worker_index(), parameter_digest(model)?);

@@ -667,10 +667,19 @@ impl MultiWorkerMirroredStrategy {
         }
     }
 
+    /// Whether the job is elastic ([`MultiWorkerOptions::elastic`]).
+    pub fn is_elastic(&self) -> bool {
+        self.job.rejoin.is_some()
+    }
+
     /// Leaves the job cleanly: waits for every worker at a final barrier, then (on the chief)
-    /// stops the coordination service once every task has left.
+    /// stops the coordination service once every task has left. An elastic job's members
+    /// have met at the end of training already (`Trainer::fit` does it, re-forming if a worker
+    /// is lost there), so they only leave.
     pub fn finish(&self) -> Result<()> {
-        self.job.barrier()?;
+        if !self.is_elastic() {
+            self.job.barrier()?;
+        }
         if let Some(mut m) = lock(&self.job.member).take() {
             m.leave().map_err(|e| Error::Cluster(format!("task {}: {e}", self.job.task)))?;
         }

@@ -451,11 +451,21 @@ impl Trainer {
                 }
             }};
         }
-        'epochs: while ended < cfg.epochs {
-            let epoch = ended;
-            if cfg.max_steps.is_some_and(|m| global_step >= m) {
+        'epochs: loop {
+            if ended >= cfg.epochs || cfg.max_steps.is_some_and(|m| global_step >= m) {
+                if let Some(el) = &elastic {
+                    // Every live member ends together, with the state's mean: a loss even now
+                    // costs nothing, and no member leaves while another still needs it.
+                    if let Err(e) = model.sync_state() {
+                        recover_or_fail!('epochs, e);
+                    }
+                    if let Err(e) = el.w.barrier() {
+                        recover_or_fail!('epochs, e);
+                    }
+                }
                 break;
             }
+            let epoch = ended;
             let _e = tracing::info_span!("epoch", epoch).entered();
             let mut idx: Vec<usize> = (0..train_rows).collect();
             idx.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(cfg.seed.wrapping_add(epoch as u64)));
