@@ -482,7 +482,7 @@ pub fn run(args: &LaunchArgs) -> Result<()> {
             if status.success() || failure.is_some() {
                 continue;
             }
-            if let Some(service) = service.as_ref().filter(|s| s.error().is_none() && kill_at.is_none()) {
+            if service.as_ref().is_some_and(|s| s.error().is_none() && kill_at.is_none()) {
                 // An elastic job goes on without the task (its members re-form); a restart
                 // joins it at the next step boundary.
                 let task = running[i].task;
@@ -501,7 +501,6 @@ pub fn run(args: &LaunchArgs) -> Result<()> {
                 } else {
                     eprintln!("strata launch: task {task} {why}; the elastic job goes on without it");
                 }
-                let _ = service;
                 continue;
             }
             failure = Some(exit_code(status));

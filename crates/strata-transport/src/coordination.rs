@@ -95,6 +95,19 @@ fn over_limit(what: &str, bytes: usize, limit: usize) -> Status {
     Status::invalid_argument(format!("{what} of {bytes} bytes is over the limit of {limit} bytes"))
 }
 
+/// The sizes a registration or a join brings: two fingerprints and a data address.
+fn check_sizes(cluster: &str, strategy: &str, data_address: &str) -> std::result::Result<(), Status> {
+    for (what, f) in [("a cluster fingerprint", cluster), ("a strategy fingerprint", strategy)] {
+        if f.len() > MAX_FINGERPRINT_BYTES {
+            return Err(over_limit(what, f.len(), MAX_FINGERPRINT_BYTES));
+        }
+    }
+    if data_address.len() > 512 {
+        return Err(over_limit("a data address", data_address.len(), 512));
+    }
+    Ok(())
+}
+
 /// `s` cut to at most `max` bytes, at a character boundary.
 fn truncated(s: &str, max: usize) -> &str {
     let mut end = s.len().min(max);
@@ -560,16 +573,7 @@ impl Coordination for Svc {
         let r = req.into_inner();
         // A request over a limit or without a task is malformed, not a misconfigured task of
         // the job: refused without failing the rendezvous. A well-formed refusal fails it.
-        for (what, f) in
-            [("a cluster fingerprint", &r.cluster_fingerprint), ("a strategy fingerprint", &r.strategy_fingerprint)]
-        {
-            if f.len() > MAX_FINGERPRINT_BYTES {
-                return Err(over_limit(what, f.len(), MAX_FINGERPRINT_BYTES));
-            }
-        }
-        if r.data_address.len() > 512 {
-            return Err(over_limit("a data address", r.data_address.len(), 512));
-        }
+        check_sizes(&r.cluster_fingerprint, &r.strategy_fingerprint, &r.data_address)?;
         if r.task.as_ref().is_none_or(|t| t.r#type.is_empty()) {
             return Err(Status::invalid_argument(format!(
                 "a registration that names no task; give this task its place in {}",
@@ -672,16 +676,7 @@ impl Coordination for Svc {
                 "this job is not elastic: its tasks register once; run every task with the same elastic setting",
             ));
         };
-        for (what, f) in
-            [("a cluster fingerprint", &r.cluster_fingerprint), ("a strategy fingerprint", &r.strategy_fingerprint)]
-        {
-            if f.len() > MAX_FINGERPRINT_BYTES {
-                return Err(over_limit(what, f.len(), MAX_FINGERPRINT_BYTES));
-            }
-        }
-        if r.data_address.len() > 512 {
-            return Err(over_limit("a data address", r.data_address.len(), 512));
-        }
+        check_sizes(&r.cluster_fingerprint, &r.strategy_fingerprint, &r.data_address)?;
         let rank = self.rank(&r.task)?;
         let name = self.names[rank].clone();
         if !r.data_address.contains(':') {

@@ -778,7 +778,7 @@ fn save_checkpoint<S: Strategy, M>(
 
 /// Where a worker is in training: steps completed, and epochs whose end (their loss and
 /// evaluation) is done.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug)]
 struct Position {
     step: usize,
     ended: usize,
