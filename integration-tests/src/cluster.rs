@@ -194,6 +194,12 @@ impl Hosts {
         must(&mut ip(&["link", "set", &format!("sv{}x{i}", self.tag), "down"]));
     }
 
+    /// Joins host `i` to the others again after [`cut`](Self::cut), as a healed partition does.
+    pub fn heal(&self, i: usize) {
+        must(&mut ip(&["link", "set", &format!("sv{}x{i}", self.tag), "up"]));
+        must(&mut ip(&["-n", &self.netns(i), "link", "set", "eth0", "up"]));
+    }
+
     /// Bytes that crossed the hosts' links so far (every byte a host sent onto the bridge).
     pub fn link_bytes(&self) -> u64 {
         (0..self.len())

@@ -313,6 +313,30 @@ fn a_worker_killed_mid_run_does_not_lose_a_step() {
     stop(ps.into_iter().chain(workers.into_iter().flatten()).collect());
 }
 
+/// A worker task that starts after the job began (the coordinator starts without it after its
+/// start grace, 10 s) is given steps once it answers, and every step is still applied once.
+#[test]
+fn a_worker_that_starts_after_the_job_began_is_given_steps() {
+    let dir = tempfile::tempdir().unwrap();
+    let out_path = dir.path().join("out.json");
+    let cluster = Cluster::new(3, 1);
+    let ps = vec![start_ps(&cluster, 0, &[])];
+    let mut workers: Vec<Child> = (0..2).map(|i| start_worker(&cluster, i, &["--slowdown", "3"])).collect();
+    let coordinator = start_coordinator(&cluster, &["--epochs", "12", "--batch", "64"], &out_path);
+    let watch = client(&cluster.ps_address(0), "ps:0", TOKEN);
+    eventually(Duration::from_secs(120), "20 updates on ps:0", || watch.status().is_ok_and(|s| s.version >= 20));
+    workers.push(start_worker(&cluster, 2, &["--slowdown", "3"]));
+    let out = wait(coordinator, Instant::now() + Duration::from_secs(300));
+    ok(&out);
+    let summary = read_json(&out_path);
+    let t = &ps_tasks(&summary)[0];
+    // 12 epochs of 23 batches, every one applied exactly once.
+    assert_eq!(t["pushes_applied"], 276, "{t}");
+    let late = t["applied_by_worker"]["worker:2"].as_u64().unwrap_or(0);
+    assert!(late > 0, "worker:2 was given steps once it answered: {t}");
+    stop(ps.into_iter().chain(workers).collect());
+}
+
 #[test]
 fn a_ps_killed_and_restored_resumes_from_its_checkpoint() {
     let dir = tempfile::tempdir().unwrap();

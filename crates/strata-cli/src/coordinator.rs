@@ -66,6 +66,18 @@ pub fn run(args: &CoordinatorArgs) -> Result<()> {
             for l in service.lost_tasks() {
                 eprintln!("strata coordinator: lost on the way: {l}");
             }
+            for t in service.left_on_request() {
+                eprintln!("strata coordinator: left on request: {t}");
+            }
+            if let Some(code) = service.stopped() {
+                // Stopped, not completed: a scheduler sees the stop's status (143 after SIGTERM).
+                println!(
+                    "strata coordinator: the job stopped on request in generation {generation} with {}",
+                    members.join(", ")
+                );
+                let _ = std::io::Write::flush(&mut std::io::stdout());
+                std::process::exit(128 + code.min(127) as i32);
+            }
             println!("strata coordinator: the job completed in generation {generation} with {}", members.join(", "));
             return Ok(());
         }

@@ -487,6 +487,11 @@ pub fn run(args: &LaunchArgs) -> Result<()> {
                 // joins it at the next step boundary.
                 let task = running[i].task;
                 let why = strata_compare::runner::describe(status);
+                if service.as_ref().is_some_and(|s| s.left_on_request().contains(&task.to_string())) {
+                    // Asked to stop alone (not by this launcher): it left; nothing to restart.
+                    eprintln!("strata launch: task {task} left the elastic job on request; the job goes on without it");
+                    continue;
+                }
                 if restarts[i] < args.max_restarts {
                     restarts[i] += 1;
                     eprintln!(
@@ -559,11 +564,10 @@ pub fn run(args: &LaunchArgs) -> Result<()> {
                 eprintln!("strata launch: lost on the way: {l}");
             }
             let (generation, members) = service.membership();
-            eprintln!(
-                "strata launch: the elastic job completed in generation {generation} with {}",
-                members.join(", ")
-            );
-            let code = interrupted.map(|s| 128 + s as i32);
+            let stopped = service.stopped();
+            let ended = if stopped.is_some() { "stopped on request" } else { "completed" };
+            eprintln!("strata launch: the elastic job {ended} in generation {generation} with {}", members.join(", "));
+            let code = interrupted.map(|s| 128 + s as i32).or(stopped.map(|c| 128 + c.min(127) as i32));
             if let Some(code) = code {
                 let _ = io::stdout().flush();
                 let _ = io::stderr().flush();

@@ -694,7 +694,7 @@ fn coordinate(
         steps_per_epoch: (args.model == ModelKind::Transformer).then(|| args.steps.unwrap_or(TRANSFORMER_STEPS)),
         progress: Some(Arc::new(strata_compare::progress::Bar::new(!args.no_progress))),
         max_steps: args.max_steps,
-        metrics: args.metrics_writer()?,
+        metrics: args.metrics_writer(true)?,
     };
     let (report, stats) = ps_job::train_coordinator(strategy, &model, &config)?;
     let mut tasks = Vec::new();

@@ -411,9 +411,12 @@ impl TrainArgs {
         Ok((!delays.is_empty()).then(|| Arc::new(delays) as Arc<dyn strata::trainer::StepHook>))
     }
 
-    /// The metrics file's writer, if asked for.
-    pub fn metrics_writer(&self) -> Result<Option<Arc<strata::metrics::MetricsWriter>>> {
-        self.metrics.as_deref().map(|p| strata::metrics::MetricsWriter::create(p).map(Arc::new)).transpose()
+    /// The metrics file's writer, if asked for: the file is started afresh by the process
+    /// that writes first (`fresh`, the chief at the start) and appended to by the others (a
+    /// worker that leads an elastic job after its chief, or joined it under way).
+    pub fn metrics_writer(&self, fresh: bool) -> Result<Option<Arc<strata::metrics::MetricsWriter>>> {
+        let open = if fresh { strata::metrics::MetricsWriter::create } else { strata::metrics::MetricsWriter::append };
+        self.metrics.as_deref().map(|p| open(p).map(Arc::new)).transpose()
     }
 }
 
@@ -686,8 +689,10 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     );
     if let Some(m) = &multi {
         match &result {
-            // A stop on request is agreed by every worker: they leave the job cleanly.
-            Ok(()) | Err(Error::Stopped { .. }) => m.finish()?,
+            // A stop on request is agreed by every worker: they leave the job cleanly, saying
+            // why (a worker that left an elastic job alone has left it already).
+            Ok(()) => m.finish()?,
+            Err(Error::Stopped { code, .. }) => m.finish_with(Some(*code))?,
             Err(e) => m.report_error(&strata_core::Error::Cluster(e.to_string())),
         }
     }
@@ -729,6 +734,13 @@ fn stopped_error(args: &TrainArgs, stopped: &strata::trainer::Stopped) -> Error 
         (None, Some(_)) => String::new(),
         (None, None) => "; without --checkpoint-dir nothing was saved".to_string(),
     };
+    if stopped.left_job {
+        return Error::Stopped {
+            step: stopped.step,
+            code: stopped.code,
+            detail: format!("asked to stop by {signal}: this worker left the elastic job, which goes on without it"),
+        };
+    }
     Error::Stopped { step: stopped.step, code: stopped.code, detail: format!("asked to stop by {signal}{resume}") }
 }
 
@@ -780,6 +792,7 @@ fn train_with(
         )));
     }
     let is_chief = multi.is_none_or(|m| m.is_chief());
+    let joined = multi.and_then(|m| m.extended().workers()).is_some_and(|w| w.joined_under_way());
     let config = |global_batch: usize| -> Result<TrainConfig> {
         Ok(TrainConfig {
             epochs: args.epochs(),
@@ -792,7 +805,7 @@ fn train_with(
                 keep: 3,
             }),
             max_steps: args.max_steps,
-            metrics: args.metrics_writer()?,
+            metrics: args.metrics_writer(is_chief && !joined)?,
             step_hook: args.step_hook()?,
             stop: Some(stop.clone()),
             ..Default::default()
@@ -881,7 +894,16 @@ impl Run<'_> {
             // Every worker must end with the same parameters; print a digest to compare.
             eprintln!("worker {}: parameter digest {}", m.worker_index(), parameter_digest(model)?);
         }
-        let index = multi.map_or(0, |m| m.worker_index());
+        // `{task}` in --save-params: the worker's rank, or in an elastic job (where ranks change
+        // with the membership) its task's place in the cluster spec.
+        let index = match multi {
+            Some(m) if m.is_elastic() => {
+                let c = m.cluster();
+                c.spec.sync_workers().iter().position(|t| *t == c.task).unwrap_or_else(|| m.worker_index())
+            }
+            Some(m) => m.worker_index(),
+            None => 0,
+        };
         // In an elastic job the chief is worker 0 of the generation that finished.
         if multi.map_or(self.is_chief, |m| m.is_chief()) {
             finish(args, self.started, self.replicas, report, model.variables(0), index, None)?;

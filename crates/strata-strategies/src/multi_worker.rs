@@ -160,6 +160,10 @@ struct Rejoin {
     /// Why the job cannot go on (set by the heartbeats: the job failed, or this process was
     /// fenced): re-joining fails with it.
     fatal: Arc<Mutex<Option<String>>>,
+    /// The most workers the job has (each loss may cost a re-join one more generation).
+    tasks: usize,
+    /// The fewest it may go on with.
+    min: usize,
 }
 
 /// The cross-worker state of one worker: its generation (ring), its membership of the job,
@@ -348,22 +352,55 @@ impl WorkerCollectives for WorkerJob {
         let old = self.gen();
         old.abort.abort(format!("task {} left generation {}", self.task, old.generation));
         self.ahead.drain();
-        if let Some(why) = lock(&r.fatal).clone() {
-            return Err(Error::Cluster(format!("task {}: {why}", self.task)));
+        // A generation whose ring cannot connect (a member lost meanwhile: the next generation
+        // is forming) is left for the next one, a bounded number of times.
+        let (mut after, attempts) = (old.generation, 8.max(2 * r.tasks));
+        for attempt in 1.. {
+            if let Some(why) = lock(&r.fatal).clone() {
+                return Err(Error::Cluster(format!("task {}: {why}", self.task)));
+            }
+            let guard = lock(&self.member);
+            let member = guard.as_ref().ok_or_else(|| Error::Cluster(format!("task {}: left the job", self.task)))?;
+            let (listener, data_address) = bind_data_plane(r.bind, &r.host, &self.task)?;
+            let g = member
+                .join(&r.cluster_fingerprint, &r.strategy_fingerprint, &data_address, after)
+                .map_err(|e| Error::Cluster(format!("task {}: {e}", self.task)))?;
+            drop(guard);
+            let abort = AbortSignal::new();
+            *lock(&self.abort_cell) = (g.generation, abort.clone());
+            let ring = match connect_ring(&g, listener, r, &self.task, abort.clone()) {
+                Ok(ring) => ring,
+                Err(e) if attempt < attempts => {
+                    tracing::warn!(task = %self.task, generation = g.generation, why = %e, "the generation's ring did not connect; joining the next one");
+                    after = g.generation;
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
+            tracing::info!(task = %self.task, generation = g.generation, rank = g.rank, workers = g.task_names.len(), members = %g.task_names.join(","), "re-formed the job");
+            *self.current.write().unwrap_or_else(PoisonError::into_inner) =
+                Arc::new(Gen { ring, rank: g.rank, generation: g.generation, seq: AtomicU64::new(0), abort });
+            break;
         }
-        let guard = lock(&self.member);
-        let member = guard.as_ref().ok_or_else(|| Error::Cluster(format!("task {}: left the job", self.task)))?;
-        let (listener, data_address) = bind_data_plane(r.bind, &r.host, &self.task)?;
-        let g = member
-            .join(&r.cluster_fingerprint, &r.strategy_fingerprint, &data_address, old.generation)
-            .map_err(|e| Error::Cluster(format!("task {}: {e}", self.task)))?;
-        drop(guard);
-        let abort = AbortSignal::new();
-        *lock(&self.abort_cell) = (g.generation, abort.clone());
-        let ring = connect_ring(&g, listener, r, &self.task, abort.clone())?;
-        tracing::info!(task = %self.task, generation = g.generation, rank = g.rank, workers = g.task_names.len(), members = %g.task_names.join(","), "re-formed the job");
-        *self.current.write().unwrap_or_else(PoisonError::into_inner) =
-            Arc::new(Gen { ring, rank: g.rank, generation: g.generation, seq: AtomicU64::new(0), abort });
+        Ok(())
+    }
+    fn min_workers(&self) -> usize {
+        self.rejoin.as_ref().map_or_else(|| self.num_workers(), |r| r.min)
+    }
+    fn leave_on_request(&self, code: u32) -> Result<()> {
+        if self.rejoin.is_none() {
+            return Err(Error::Cluster(format!(
+                "task {}: this job is not elastic: a worker cannot leave it alone",
+                self.task
+            )));
+        }
+        let old = self.gen();
+        old.abort.abort(format!("task {} left the job on request", self.task));
+        self.ahead.drain();
+        if let Some(mut m) = lock(&self.member).take() {
+            m.leave_on_request(code, true).map_err(|e| Error::Cluster(format!("task {}: {e}", self.task)))?;
+        }
+        tracing::info!(task = %self.task, generation = old.generation, "left the elastic job on request; it goes on without this task");
         Ok(())
     }
     fn admit_waiting(&self) -> Result<bool> {
@@ -470,12 +507,6 @@ impl MultiWorkerMirroredStrategy {
                     "elastic membership re-forms the ring, not cross-worker ops of your own (NCCL); use the ring with it".into(),
                 ));
             }
-            if matches!(options.compression, Compression::PowerSgd { .. }) {
-                return Err(Error::InvalidArgument(format!(
-                    "compression {} keeps per-worker error feedback, which an elastic job does not carry across a change of membership yet; use none, fp16 or bf16 with it",
-                    options.compression
-                )));
-            }
         }
         let elastic_fingerprint =
             options.elastic.as_ref().map(|e| format!(";elastic_min={}", e.min_workers)).unwrap_or_default();
@@ -512,6 +543,8 @@ impl MultiWorkerMirroredStrategy {
                     },
                 );
                 let r = Rejoin {
+                    tasks: names.len(),
+                    min: e.min_workers,
                     cluster_fingerprint: spec.fingerprint(),
                     strategy_fingerprint: strategy_fingerprint.clone(),
                     bind: options.bind,
@@ -677,11 +710,19 @@ impl MultiWorkerMirroredStrategy {
     /// have met at the end of training already (`Trainer::fit` does it, re-forming if a worker
     /// is lost there), so they only leave.
     pub fn finish(&self) -> Result<()> {
+        self.finish_with(None)
+    }
+
+    /// [`finish`](Self::finish) after training ended as `stopped` says: `None` when it
+    /// finished, else the code (a signal's number) of the stop on request that ended it, which
+    /// an elastic job's coordination service reports as the job's outcome.
+    pub fn finish_with(&self, stopped: Option<u32>) -> Result<()> {
         if !self.is_elastic() {
             self.job.barrier()?;
         }
         if let Some(mut m) = lock(&self.job.member).take() {
-            m.leave().map_err(|e| Error::Cluster(format!("task {}: {e}", self.job.task)))?;
+            m.leave_on_request(stopped.unwrap_or(0), false)
+                .map_err(|e| Error::Cluster(format!("task {}: {e}", self.job.task)))?;
         }
         if let Some(s) = lock(&self.job.server).take() {
             s.shutdown_after_all_left(Duration::from_secs(30));

@@ -200,6 +200,8 @@ struct TaskState {
     /// Elastic jobs: the process (incarnation) declared lost or replaced, and why; it is
     /// refused from then on.
     fenced: Option<(u64, String)>,
+    /// Left on request: the stop's code, and whether the job went on without the task.
+    stop: Option<(u32, bool)>,
 }
 
 /// A call refused for its token, recorded under the task it claimed to be.
@@ -887,7 +889,26 @@ impl Coordination for Svc {
         let r = req.into_inner();
         let rank = self.rank(&r.task)?;
         let mut st = lock(&self.state);
-        st.tasks[rank].left = true;
+        if self.min_tasks.is_some() && st.tasks[rank].incarnation.is_some_and(|i| i != r.incarnation) {
+            // A fenced or replaced process: its leaving says nothing of the task's current one.
+            return Ok(Response::new(Empty {}));
+        }
+        let t = &mut st.tasks[rank];
+        t.left = true;
+        if r.stop_code > 0 {
+            t.stop = Some((r.stop_code, r.job_goes_on));
+        }
+        if r.job_goes_on && self.min_tasks.is_some() {
+            // One member stops on request: the others form the next generation without it now,
+            // not after its heartbeat timeout.
+            tracing::info!(task = %self.names[rank], "a task left the elastic job on request; the others go on");
+            let m = &mut st.members;
+            m.joined.remove(&rank);
+            if m.generation > 0 && m.members.contains(&rank) {
+                m.forming = true;
+            }
+            self.try_form(&mut st);
+        }
         self.changed.notify_waiters();
         Ok(Response::new(Empty {}))
     }
@@ -1079,6 +1100,20 @@ impl CoordinationServerHandle {
     /// An elastic job's lost tasks so far, each with why ("worker:1 (no heartbeat for 3.1 s)").
     pub fn lost_tasks(&self) -> Vec<String> {
         lock(&self.service.state).members.lost.clone()
+    }
+
+    /// The tasks that left an elastic job on request while it went on.
+    pub fn left_on_request(&self) -> Vec<String> {
+        let st = lock(&self.service.state);
+        let left = st.tasks.iter().enumerate().filter(|(_, t)| t.stop.is_some_and(|(_, goes_on)| goes_on));
+        left.map(|(i, _)| self.service.names[i].clone()).collect()
+    }
+
+    /// The code of a stop on request that ended the job (every task that stayed to the end left
+    /// with it), if the job ended that way rather than by finishing its training.
+    pub fn stopped(&self) -> Option<u32> {
+        let st = lock(&self.service.state);
+        st.tasks.iter().filter_map(|t| t.stop.filter(|(_, goes_on)| !goes_on).map(|(code, _)| code)).max()
     }
 
     /// Whether every task that joined has left (an elastic job that ended).
@@ -1491,12 +1526,24 @@ impl CoordinationMember {
 
     /// Leaves the job cleanly and stops the heartbeats.
     pub fn leave(&mut self) -> Result<()> {
+        self.leave_on_request(0, false)
+    }
+
+    /// Leaves the job after a stop on request (`code`, a signal's number; 0 for a task that
+    /// finished its training) and stops the heartbeats. With `job_goes_on` (elastic jobs) the
+    /// task alone stops: the other members form the next generation without it at once.
+    pub fn leave_on_request(&mut self, code: u32, job_goes_on: bool) -> Result<()> {
         self.stop_heartbeats();
         if self.service_lost() {
             return Err(Error::Aborted(format!("task {} cannot leave: {} is lost", self.task, self.service_task)));
         }
         let mut client = self.client.clone();
-        let mut req = Request::new(LeaveRequest { task: Some(task_proto(&self.task)), incarnation: self.incarnation });
+        let mut req = Request::new(LeaveRequest {
+            task: Some(task_proto(&self.task)),
+            incarnation: self.incarnation,
+            stop_code: code,
+            job_goes_on,
+        });
         req.set_timeout(self.config.rpc_timeout);
         runtime().block_on(client.leave(req)).map_err(|s| rpc_error("Leave", &self.peer, s))?;
         Ok(())

@@ -605,6 +605,8 @@ fn coordination_request(rng: &mut StdRng, kinds: std::ops::Range<u32>) -> (&'sta
             let r = proto::LeaveRequest {
                 task: Some(proto::TaskName { r#type: "nobody".into(), index: 0 }),
                 incarnation: extreme_u64(rng),
+                stop_code: rng.random(),
+                job_goes_on: rng.random(),
             };
             ("/strata.v1.Coordination/Leave", frames(&[r.encode_to_vec()]), 2000)
         }

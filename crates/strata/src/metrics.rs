@@ -125,6 +125,16 @@ impl MetricsWriter {
         Ok(Self { file: Mutex::new(std::io::BufWriter::new(file)) })
     }
 
+    /// Opens `path` to append to it (creating it if need be).
+    pub fn append(path: &Path) -> Result<Self> {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .map_err(|e| Error::io(format!("cannot open {}", path.display()), e))?;
+        Ok(Self { file: Mutex::new(std::io::BufWriter::new(file)) })
+    }
+
     /// Appends one record.
     pub fn write(&self, record: &MetricRecord) -> Result<()> {
         let line = serde_json::to_string(record).map_err(|e| Error::io("cannot encode a metric record", e.into()))?;

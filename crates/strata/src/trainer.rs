@@ -122,6 +122,9 @@ pub struct Stopped {
     pub code: u32,
     /// The checkpoint of that step, on the chief, when checkpoints are configured.
     pub checkpoint: Option<std::path::PathBuf>,
+    /// In an elastic job: this worker alone was asked to stop, and it left the job, which goes
+    /// on without it (enough workers remain); no checkpoint is written for it.
+    pub left_job: bool,
 }
 
 /// What the trainer reports while it runs: the `strata` command draws a progress bar,
@@ -393,7 +396,7 @@ impl Trainer {
                         "an elastic job re-runs a step a lost worker interrupted, which gradients accumulated over {accumulation} batches would count twice; accumulate over 1 batch in an elastic job"
                     )));
                 }
-                Some(Elastic { w, h })
+                Some(Elastic { w, h, ops: strategy.extended().cross_device_ops() })
             }
             None => None,
         };
@@ -421,8 +424,8 @@ impl Trainer {
         if let Some(w) = workers.filter(|w| w.num_workers() > 1 && joined.is_none()) {
             agree_on_epochs(w, strategy.extended().auto_shard(), train_rows, steps_per_epoch)?;
         }
-        // Only the chief writes records.
-        let metrics = cfg.metrics.clone().filter(|_| is_chief(strategy));
+        // Only the chief writes records (in an elastic job, whichever worker leads now).
+        let metrics = cfg.metrics.clone();
         let progress: &dyn Progress = cfg.progress.as_deref().unwrap_or(&Silent);
         progress.begin((steps_per_epoch * cfg.epochs) as u64);
         let mut epochs = Vec::with_capacity(cfg.epochs);
@@ -569,7 +572,8 @@ impl Trainer {
                     }
                     loss_n += 1;
                 }
-                if let (Some(m), Some(l)) = (&metrics, losses.last()) {
+                tracing::debug!(step = global_step, seconds = dt.as_secs_f64(), "step done");
+                if let (Some(m), Some(l)) = (metrics.as_ref().filter(|_| is_chief(strategy)), losses.last()) {
                     // This worker's replicas' mean loss (the whole batch's on one machine).
                     let (sum, weight) = l.values().iter().fold((0.0, 0.0), |(s, w), (v, x)| (s + v, w + x));
                     let (sent, received) = strata_transport::inject::bytes();
@@ -598,18 +602,39 @@ impl Trainer {
                         saved_step = Some(global_step);
                     }
                 }
-                if let Some(code) = match &cfg.stop {
-                    Some(signal) => match agreed_stop(strategy, signal).map_err(|e| match e {
-                        strata_core::Error::Cluster(m) => strata_core::Error::Cluster(format!(
-                            "agreeing whether to stop after training step {global_step} (epoch {epoch}): {m}"
-                        )),
-                        other => other,
-                    }) {
+                let agreeing = |e| match e {
+                    strata_core::Error::Cluster(m) => strata_core::Error::Cluster(format!(
+                        "agreeing whether to stop after training step {global_step} (epoch {epoch}): {m}"
+                    )),
+                    other => other,
+                };
+                let agreed = match (&cfg.stop, &elastic) {
+                    (None, _) => None,
+                    (Some(signal), None) => match agreed_stop(strategy, signal).map_err(agreeing) {
                         Ok(c) => c,
                         Err(e) => recover_or_fail!('epochs, e),
                     },
-                    None => None,
-                } {
+                    // In an elastic job, workers asked to stop leave it while enough remain.
+                    (Some(signal), Some(el)) => match el.stop_agreement(signal).map_err(agreeing) {
+                        Ok(StopAgreement::GoOn) => None,
+                        Ok(StopAgreement::All(code)) => Some(code),
+                        Ok(StopAgreement::Leave(code)) => {
+                            el.w.leave_on_request(code)?;
+                            tracing::info!(step = global_step, code, "left the elastic job on request");
+                            stopped = Some(Stopped { step: global_step, code, checkpoint: None, left_job: true });
+                            break;
+                        }
+                        Ok(StopAgreement::OthersLeave(n)) => {
+                            let why = format!("{n} worker(s) left the job on request after step {global_step}");
+                            let p = el.recover(model, Some(Position { step: global_step, ended }), Some(&why))?;
+                            global_step = p.step;
+                            ended = p.ended;
+                            continue 'epochs;
+                        }
+                        Err(e) => recover_or_fail!('epochs, e),
+                    },
+                };
+                if let Some(code) = agreed {
                     let mut checkpoint = None;
                     if let Some((c, h)) = ckpt {
                         if saved_step != Some(global_step) {
@@ -618,7 +643,7 @@ impl Trainer {
                         checkpoint = is_chief(strategy).then(|| c.dir.clone());
                     }
                     tracing::info!(step = global_step, code, "stopped on request");
-                    stopped = Some(Stopped { step: global_step, code, checkpoint });
+                    stopped = Some(Stopped { step: global_step, code, checkpoint, left_job: false });
                     break;
                 }
             }
@@ -641,7 +666,7 @@ impl Trainer {
                 Err(e) => return Err(e),
             };
             let acc = accuracy_of(&test_metrics);
-            if let Some(m) = &metrics {
+            if let Some(m) = metrics.as_ref().filter(|_| is_chief(strategy)) {
                 let g = global_step as u64;
                 let mut record =
                     crate::metrics::MetricRecord::eval(g, g, start.elapsed().as_secs_f64(), all_examples as u64, acc);
@@ -776,6 +801,38 @@ fn save_checkpoint<S: Strategy, M>(
     Ok(())
 }
 
+/// What the workers of an elastic job agree after a step about stops on request.
+enum StopAgreement {
+    /// No worker was asked to stop.
+    GoOn,
+    /// The job stops (every worker was asked to, or too few would remain): the largest code.
+    All(u32),
+    /// This worker was asked to stop (its code) and leaves; enough workers remain.
+    Leave(u32),
+    /// That many other workers leave; this one goes on with the rest.
+    OthersLeave(usize),
+}
+
+impl Elastic<'_> {
+    /// Gathers every worker's stop request (a collective, after a step).
+    fn stop_agreement(&self, signal: &StopSignal) -> strata_core::Result<StopAgreement> {
+        let mine = signal.requested().unwrap_or(0);
+        // Codes are small integers: exact in an f32.
+        let all = self.w.all_gather(&[mine.min(1 << 24) as f32])?;
+        let codes: Vec<u32> = all.iter().map(|v| v.first().copied().unwrap_or(0.0) as u32).collect();
+        let stopping = codes.iter().filter(|&&c| c > 0).count();
+        let staying = codes.len() - stopping;
+        Ok(match stopping {
+            0 => StopAgreement::GoOn,
+            _ if staying == 0 || staying < self.w.min_workers() => {
+                StopAgreement::All(codes.iter().copied().max().unwrap_or(mine))
+            }
+            _ if mine > 0 => StopAgreement::Leave(mine),
+            n => StopAgreement::OthersLeave(n),
+        })
+    }
+}
+
 /// Where a worker is in training: steps completed, and epochs whose end (their loss and
 /// evaluation) is done.
 #[derive(Clone, Copy, Debug)]
@@ -788,6 +845,8 @@ struct Position {
 struct Elastic<'a> {
     w: &'a dyn strata_core::strategy::WorkerCollectives,
     h: &'a OptimizerHooks<'a>,
+    /// The reductions, whose state across steps (compression's) follows the membership.
+    ops: &'a dyn strata_core::cross_device::CrossDeviceOps,
 }
 
 impl Elastic<'_> {
@@ -840,6 +899,8 @@ impl Elastic<'_> {
             ));
         }
         let position = Position { step: best.0 as usize, ended: best.1 as usize };
+        let vars: Vec<Tensor> = model.variables(0).iter().map(|(_, v)| v.as_tensor().clone()).collect();
+        self.ops.carry_over(&vars, source)?;
         if all.iter().all(|x| at(x) == best) {
             return Ok(position);
         }

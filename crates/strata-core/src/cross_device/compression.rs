@@ -420,7 +420,9 @@ enum Phase {
 /// columns are kept at unit norm between steps. NaN and infinities propagate to the output.
 ///
 /// A step abandoned between phases (a failed collective) leaves its gradient in the error
-/// buffer, sent with the next step's, and the warm `Q` untouched.
+/// buffer, sent with the next step's, and the warm `Q` untouched; a state
+/// [`keeping_rollback`](Self::keeping_rollback) can instead [`roll_back`](Self::roll_back) to
+/// the error before it (an elastic job runs the abandoned step again).
 #[derive(Clone, Debug)]
 pub struct PowerSgdState {
     rows: usize,
@@ -440,6 +442,8 @@ pub struct PowerSgdState {
     row: Vec<f32>,
     rng: ChaCha8Rng,
     phase: Phase,
+    /// The error before the step in flight, kept when the state can roll back.
+    before: Option<Vec<f32>>,
 }
 
 impl PowerSgdState {
@@ -463,6 +467,7 @@ impl PowerSgdState {
             row: vec![0.0; cols],
             rng: ChaCha8Rng::seed_from_u64(seed),
             phase: Phase::Ready,
+            before: None,
         };
         for k in 0..rank {
             state.draw_q_column(k);
@@ -496,6 +501,45 @@ impl PowerSgdState {
         &self.q
     }
 
+    /// Keeps a copy of the error at the start of every step (one more buffer of the
+    /// gradient's size), so that [`roll_back`](Self::roll_back) can undo a step abandoned
+    /// between phases.
+    pub fn keeping_rollback(mut self) -> Self {
+        self.before = Some(self.error.clone());
+        self
+    }
+
+    /// Undoes a step abandoned between phases: the error goes back to what it was before the
+    /// step's gradient was added (bit for bit, with [`keeping_rollback`](Self::keeping_rollback);
+    /// without it the gradient stays in the error), `Q` stays the warm one, and the next
+    /// [`compress_p`](Self::compress_p) starts a step afresh. Returns whether a step was
+    /// undone.
+    pub fn roll_back(&mut self) -> bool {
+        if self.phase == Phase::Ready {
+            return false;
+        }
+        if let Some(before) = &self.before {
+            self.error.copy_from_slice(before);
+        }
+        self.phase = Phase::Ready;
+        true
+    }
+
+    /// Replaces the error (an elastic job re-splits the members' errors over a new
+    /// membership) and the warm `Q` (`None` keeps it), and restarts `Q`'s generator from
+    /// `seed`: states given the same `Q` and seed go on alike.
+    ///
+    /// # Panics
+    /// If a step is between phases, or a length is not the error's or `Q`'s.
+    pub fn reset(&mut self, error: &[f32], q: Option<&[f32]>, seed: u64) {
+        assert_eq!(self.phase, Phase::Ready, "powersgd: reset between phases; roll_back first");
+        self.error.copy_from_slice(error);
+        if let Some(q) = q {
+            self.q.copy_from_slice(q);
+        }
+        self.rng = ChaCha8Rng::seed_from_u64(seed);
+    }
+
     /// Phase 1: adds `grad` (`rows * cols`, row-major) to the error buffer to form `M` and
     /// returns `P = M Q` (`R` columns of `rows`, one after the other) for the caller to
     /// all-reduce in place. May start over a step abandoned between phases.
@@ -512,6 +556,9 @@ impl PowerSgdState {
             self.error.len(),
             grad.len()
         );
+        if let (Phase::Ready, Some(before)) = (self.phase, &mut self.before) {
+            before.copy_from_slice(&self.error);
+        }
         for (m, &g) in self.error.iter_mut().zip(grad) {
             *m += g;
         }
@@ -1051,5 +1098,40 @@ mod tests {
             let errors: Vec<f32> = a.error().iter().zip(b.error()).map(|(x, y)| x + y).collect();
             assert!(norm(&errors) <= 1e-5 * norm(&sum));
         }
+    }
+
+    #[test]
+    fn an_abandoned_step_rolls_back_to_the_error_before_it_bit_for_bit() {
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let grad = |k: f32| (0..6 * 4).map(|i| ((i as f32) * 0.37 + k).sin()).collect::<Vec<f32>>();
+        let mut s = PowerSgdState::new(6, 4, 2, 5).unwrap().keeping_rollback();
+        let mut out = vec![0.0; 24];
+        s.step::<()>(&grad(1.0), &mut out, |_| Ok(())).unwrap();
+        let (error, q) = (s.error().to_vec(), s.q().to_vec());
+        assert!(error.iter().any(|&x| x != 0.0), "a rank-2 approximation of a full-rank gradient leaves an error");
+        // Abandoned after the first phase, and after the second.
+        s.compress_p(&grad(2.0));
+        assert!(s.roll_back());
+        assert_eq!(bits(s.error()), bits(&error));
+        s.compress_p(&grad(3.0));
+        s.after_p_reduced();
+        assert!(s.roll_back());
+        assert_eq!((bits(s.error()), bits(s.q())), (bits(&error), bits(&q)));
+        assert!(!s.roll_back(), "nothing in flight");
+        // The step run again is the step of a state that never saw the abandoned ones.
+        let mut twin = PowerSgdState::new(6, 4, 2, 5).unwrap();
+        twin.step::<()>(&grad(1.0), &mut [0.0; 24], |_| Ok(())).unwrap();
+        let (mut a, mut b) = (vec![0.0; 24], vec![0.0; 24]);
+        s.step::<()>(&grad(4.0), &mut a, |_| Ok(())).unwrap();
+        twin.step::<()>(&grad(4.0), &mut b, |_| Ok(())).unwrap();
+        assert_eq!(bits(&a), bits(&b));
+        // Without the copy, the abandoned gradient stays in the error, sent with the next step.
+        let mut keeps = PowerSgdState::new(6, 4, 2, 5).unwrap();
+        keeps.compress_p(&grad(2.0));
+        assert!(keeps.roll_back());
+        assert_eq!(bits(keeps.error()), bits(&grad(2.0)));
+        // reset: a given error, Q and generator.
+        keeps.reset(&error, Some(&q), 9);
+        assert_eq!((bits(keeps.error()), bits(keeps.q())), (bits(&error), bits(&q)));
     }
 }

@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use candle_core::TensorId;
+use candle_core::{Tensor, TensorId};
 
 use super::compression::{matrix_shape, Compression, HalfFormat, PowerSgdState};
 use super::{CpuCrossDeviceOps, CrossDeviceOps, Destination, ReduceRequest, Started, WorkerCollectives};
@@ -38,6 +38,9 @@ struct PowerStates {
     warming: HashMap<TensorId, u64>,
     /// Buckets whose `P` round is in flight, by the request's sequence number.
     in_flight: HashMap<u64, InFlight>,
+    /// The variables whose `warming` count a bucket not yet finished raised, by the request's
+    /// sequence number: an abandoned step's counts are undone.
+    counted: HashMap<u64, Vec<TensorId>>,
 }
 
 /// A bucket between PowerSGD's `P` round and its `Q` round: the wire is the bucket's
@@ -118,6 +121,7 @@ impl HierarchicalOps {
         let Some(buf) = self.local_sum(req)? else { return Ok(Started::AcrossWorkers(None)) };
         let mut power = self.power();
         let mut tensors = Vec::with_capacity(ids.len());
+        let mut counted = Vec::new();
         let (mut wire, mut ps) = (Vec::with_capacity(buf.len()), Vec::new());
         let mut offset = 0;
         for (t, &id) in req.input.iter().zip(ids) {
@@ -131,10 +135,12 @@ impl HierarchicalOps {
                 Some(n) if *n >= start_step => true,
                 Some(n) => {
                     *n += 1;
+                    counted.push(id);
                     false
                 }
                 None => {
                     power.warming.insert(id, 1);
+                    counted.push(id);
                     false
                 }
             };
@@ -149,7 +155,12 @@ impl HierarchicalOps {
                 _ => {
                     let seed = power.seed ^ power.created.wrapping_mul(0x9E37_79B9_7F4A_7C15);
                     power.created += 1;
-                    PowerSgdState::new(rows, cols, rank, seed)?
+                    let state = PowerSgdState::new(rows, cols, rank, seed)?;
+                    if self.workers.is_elastic() {
+                        state.keeping_rollback()
+                    } else {
+                        state
+                    }
                 }
             };
             ps.extend_from_slice(state.compress_p(grad));
@@ -157,6 +168,9 @@ impl HierarchicalOps {
         }
         let raw = wire.len();
         wire.extend_from_slice(&ps);
+        if !counted.is_empty() {
+            power.counted.insert(req.seq, counted);
+        }
         // A bucket with nothing compressed is a plain all-reduce: no `Q` round.
         if tensors.iter().any(|(s, _)| s.is_some()) {
             power.in_flight.insert(req.seq, InFlight { tensors, raw });
@@ -247,6 +261,86 @@ impl CrossDeviceOps for HierarchicalOps {
         }
     }
 
+    /// PowerSGD's state (the only state these ops keep): every step in flight is undone (its
+    /// gradients leave the error buffers, its `warming` counts go back), then worker `source`
+    /// hands every worker its set of compressed variables, their warm `Q`s and counts, the
+    /// members' error buffers are summed and split evenly over the new membership (only their
+    /// sum enters the next step's `P` and `Q`, so the split does not change what is sent), and
+    /// every state's generator restarts from the generation. A lost worker's own error is lost
+    /// with it; a joiner starts with its share of the others'.
+    fn carry_over(&self, vars: &[Tensor], source: usize) -> Result<()> {
+        let Compression::PowerSgd { rank, .. } = self.compression else { return Ok(()) };
+        let w = &self.workers;
+        let mut power = self.power();
+        let power = &mut *power;
+        for flight in std::mem::take(&mut power.in_flight).into_values() {
+            for (id, state) in flight.tensors.into_iter().filter_map(|(s, _)| s) {
+                power.states.insert(id, state);
+            }
+        }
+        for state in power.states.values_mut() {
+            state.roll_back();
+        }
+        for id in std::mem::take(&mut power.counted).into_values().flatten() {
+            if let Some(n) = power.warming.get_mut(&id) {
+                *n = n.saturating_sub(1);
+            }
+        }
+        // Worker `source`'s view: how many states it created, then for every variable
+        // whether it has a state and how many gradients it counted.
+        let mut header = Vec::with_capacity(1 + 2 * vars.len());
+        header.push(power.created);
+        for v in vars {
+            header.push(u64::from(power.states.contains_key(&v.id())));
+            header.push(power.warming.get(&v.id()).copied().unwrap_or(0));
+        }
+        w.broadcast_u64s(source, &mut header)?;
+        power.created = header[0];
+        let mut kept = Vec::new();
+        for (v, flags) in vars.iter().zip(header[1..].chunks_exact(2)) {
+            let id = v.id();
+            match flags[1] {
+                0 => power.warming.remove(&id),
+                n => power.warming.insert(id, n),
+            };
+            if flags[0] == 0 {
+                power.states.remove(&id);
+                continue;
+            }
+            let (rows, cols) = matrix_shape(v.dims()).ok_or_else(|| {
+                Error::Cluster(format!(
+                    "worker {source} compresses a variable of shape {:?} that is no matrix here: the workers' models differ",
+                    v.dims()
+                ))
+            })?;
+            if power.states.get(&id).is_none_or(|s| (s.rows(), s.cols()) != (rows, cols)) {
+                power.states.insert(id, PowerSgdState::new(rows, cols, rank, 0)?.keeping_rollback());
+            }
+            kept.push(id);
+        }
+        let mut errors = Vec::new();
+        let mut qs = Vec::new();
+        for id in &kept {
+            errors.extend_from_slice(power.states[id].error());
+            qs.extend_from_slice(power.states[id].q());
+        }
+        w.all_reduce(ReduceOp::Sum, &mut errors)?;
+        w.broadcast(source, &mut qs)?;
+        let share = 1.0 / w.num_workers() as f32;
+        errors.iter_mut().for_each(|e| *e *= share);
+        let generation = w.generation().wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let (mut e_at, mut q_at) = (0, 0);
+        for (k, id) in kept.iter().enumerate() {
+            let state = power.states.get_mut(id).expect("kept above");
+            let (ne, nq) = (state.error().len(), state.q().len());
+            let seed = power.seed ^ generation ^ (k as u64).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            state.reset(&errors[e_at..e_at + ne], Some(&qs[q_at..q_at + nq]), seed);
+            e_at += ne;
+            q_at += nq;
+        }
+        Ok(())
+    }
+
     /// Rows reduce as the whole does, except under PowerSGD, which compresses whole matrices.
     fn takes_row_blocks(&self) -> bool {
         !matches!(self.compression, Compression::PowerSgd { .. })
@@ -269,10 +363,14 @@ impl CrossDeviceOps for HierarchicalOps {
                     Err(Error::Scope("a cross-worker reduction was finished on a replica that did not start it".into()))
                 }
             };
-            match flight {
+            let done = match flight {
                 Some(flight) => self.finish_power(flight, reduced),
                 None => reduced,
+            };
+            if done.is_ok() {
+                self.power().counted.remove(&seq);
             }
+            done
         };
         if group.num_replicas() == 1 {
             out(&result()?);
@@ -308,6 +406,7 @@ mod tests {
     #[derive(Debug)]
     struct Mirror {
         workers: usize,
+        elastic: bool,
     }
 
     impl WorkerCollectives for Mirror {
@@ -335,11 +434,16 @@ mod tests {
         fn barrier(&self) -> Result<()> {
             Ok(())
         }
+        fn is_elastic(&self) -> bool {
+            self.elastic
+        }
     }
 
     fn run(k: usize, dest: Destination, weight: f32) -> Vec<Result<Vec<f32>>> {
-        let ops =
-            HierarchicalOps::new(CpuCrossDeviceOps::in_memory_all_reduce(k).unwrap(), Arc::new(Mirror { workers: 3 }));
+        let ops = HierarchicalOps::new(
+            CpuCrossDeviceOps::in_memory_all_reduce(k).unwrap(),
+            Arc::new(Mirror { workers: 3, elastic: false }),
+        );
         let group = ReplicaGroup::new(k, Duration::from_secs(30)).unwrap();
         std::thread::scope(|s| {
             let hs: Vec<_> = (0..k)
@@ -376,5 +480,207 @@ mod tests {
             let e = got.unwrap_err().to_string();
             assert!(e.contains("reduction to one device is not supported"), "{e}");
         }
+    }
+
+    /// One replica of one of four mirrored workers (sums are exact multiples), under PowerSGD.
+    fn power_ops(elastic: bool, start_step: u64) -> (HierarchicalOps, ReplicaGroup) {
+        let workers = Arc::new(Mirror { workers: 4, elastic });
+        let ops = HierarchicalOps::new(CpuCrossDeviceOps::in_memory_all_reduce(1).unwrap(), workers)
+            .with_compression(Compression::PowerSgd { rank: 1, start_step }, 7);
+        (ops, ReplicaGroup::new(1, Duration::from_secs(30)).unwrap())
+    }
+
+    /// One bucket of `var`'s gradient `k`: its reduction, or `None` when `abandon` drops it
+    /// after its first round started (a collective that failed).
+    fn bucket(ops: &HierarchicalOps, group: &ReplicaGroup, var: &Tensor, k: f32, abandon: bool) -> Option<Vec<u32>> {
+        let grad: Vec<f32> = (0..48).map(|i| ((i as f32) * 0.61 + k).sin()).collect();
+        let input = [Tensor::from_vec(grad, (8, 6), &Device::Cpu).unwrap()];
+        let seq = group.next_seq(0);
+        let req = ReduceRequest {
+            group,
+            replica: 0,
+            seq,
+            op: ReduceOp::Sum,
+            dest: Destination::AllReplicas,
+            input: &input,
+            weight: 1.0,
+        };
+        let mut got = Vec::new();
+        let started = ops.start_gradients(req, &[var.id()], &mut |p| got.extend_from_slice(p)).unwrap();
+        if abandon {
+            return None;
+        }
+        ops.finish(req, started, &mut |p| got.extend_from_slice(p)).unwrap();
+        Some(got.iter().map(|x| x.to_bits()).collect())
+    }
+
+    #[test]
+    fn carry_over_undoes_an_abandoned_powersgd_step_and_its_warm_up_count() {
+        let var = Tensor::zeros((8, 6), candle_core::DType::F32, &Device::Cpu).unwrap();
+        // A step abandoned, the membership carried over, the step run again: as if the
+        // abandoned step never happened.
+        let (ops, group) = power_ops(true, 0);
+        bucket(&ops, &group, &var, 1.0, false);
+        bucket(&ops, &group, &var, 2.0, true);
+        ops.carry_over(std::slice::from_ref(&var), 0).unwrap();
+        let again = bucket(&ops, &group, &var, 3.0, false);
+        let (reference, group_r) = power_ops(true, 0);
+        bucket(&reference, &group_r, &var, 1.0, false);
+        reference.carry_over(std::slice::from_ref(&var), 0).unwrap();
+        assert_eq!(again, bucket(&reference, &group_r, &var, 3.0, false));
+        // Without it (a job that is not elastic goes on only in this test), the abandoned
+        // gradient travels with the next one.
+        let (plain, group_p) = power_ops(false, 0);
+        bucket(&plain, &group_p, &var, 1.0, false);
+        bucket(&plain, &group_p, &var, 2.0, true);
+        assert_ne!(again, bucket(&plain, &group_p, &var, 3.0, false));
+
+        // Two uncompressed steps first: the abandoned one does not count.
+        let (ops, group) = power_ops(true, 2);
+        bucket(&ops, &group, &var, 1.0, false);
+        bucket(&ops, &group, &var, 2.0, true);
+        ops.carry_over(std::slice::from_ref(&var), 0).unwrap();
+        let sum = |k: f32| -> Vec<u32> { (0..48).map(|i| (((i as f32) * 0.61 + k).sin() * 4.0).to_bits()).collect() };
+        assert_eq!(bucket(&ops, &group, &var, 3.0, false).unwrap(), sum(3.0), "the second gradient is uncompressed");
+        assert_ne!(bucket(&ops, &group, &var, 4.0, false).unwrap(), sum(4.0), "the third is compressed");
+    }
+
+    /// Workers on threads of this process, whose membership the test changes (an elastic
+    /// job's generations): collectives meet in the current generation's slots.
+    #[derive(Debug)]
+    struct Party(Mutex<(usize, u64, Arc<Meeting>)>);
+
+    #[derive(Debug)]
+    struct Meeting {
+        n: usize,
+        barrier: std::sync::Barrier,
+        slots: Mutex<Vec<Vec<f32>>>,
+        words: Mutex<Vec<Vec<u64>>>,
+    }
+
+    impl Meeting {
+        fn new(n: usize) -> Arc<Self> {
+            Arc::new(Self {
+                n,
+                barrier: std::sync::Barrier::new(n),
+                slots: Mutex::new(vec![Vec::new(); n]),
+                words: Mutex::new(vec![Vec::new(); n]),
+            })
+        }
+    }
+
+    impl Party {
+        fn at(&self) -> (usize, u64, Arc<Meeting>) {
+            self.0.lock().unwrap().clone()
+        }
+        /// Everyone's `mine`, in worker order.
+        fn meet<T: Clone>(&self, slots: impl Fn(&Meeting) -> &Mutex<Vec<Vec<T>>>, mine: &[T]) -> Vec<Vec<T>> {
+            let (index, _, m) = self.at();
+            slots(&m).lock().unwrap()[index] = mine.to_vec();
+            m.barrier.wait();
+            let all = slots(&m).lock().unwrap().clone();
+            m.barrier.wait();
+            all
+        }
+    }
+
+    impl WorkerCollectives for Party {
+        fn num_workers(&self) -> usize {
+            self.at().2.n
+        }
+        fn worker_index(&self) -> usize {
+            self.at().0
+        }
+        fn all_reduce(&self, op: ReduceOp, data: &mut [f32]) -> Result<()> {
+            assert_eq!(op, ReduceOp::Sum);
+            let all = self.meet(|m| &m.slots, data);
+            for (i, x) in data.iter_mut().enumerate() {
+                *x = all.iter().map(|v| v[i]).fold(0.0, |a, b| a + b);
+            }
+            Ok(())
+        }
+        fn all_gather(&self, mine: &[f32]) -> Result<Vec<Vec<f32>>> {
+            Ok(self.meet(|m| &m.slots, mine))
+        }
+        fn broadcast(&self, root: usize, data: &mut [f32]) -> Result<()> {
+            data.copy_from_slice(&self.meet(|m| &m.slots, data)[root]);
+            Ok(())
+        }
+        fn broadcast_u64s(&self, root: usize, data: &mut [u64]) -> Result<()> {
+            data.copy_from_slice(&self.meet(|m| &m.words, data)[root]);
+            Ok(())
+        }
+        fn barrier(&self) -> Result<()> {
+            self.at().2.barrier.wait();
+            Ok(())
+        }
+        fn generation(&self) -> u64 {
+            self.at().1
+        }
+        fn is_elastic(&self) -> bool {
+            true
+        }
+    }
+
+    #[test]
+    fn carry_over_hands_a_joiner_the_warm_q_and_splits_the_members_errors() {
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let var = || Tensor::zeros((8, 6), candle_core::DType::F32, &Device::Cpu).unwrap();
+        let first = Meeting::new(2);
+        let parties: Vec<Arc<Party>> = (0..2).map(|i| Arc::new(Party(Mutex::new((i, 0, first.clone()))))).collect();
+        let compression = Compression::PowerSgd { rank: 1, start_step: 0 };
+        let ops = |p: &Arc<Party>| {
+            let local = CpuCrossDeviceOps::in_memory_all_reduce(1).unwrap();
+            (
+                HierarchicalOps::new(local, p.clone()).with_compression(compression, 7),
+                ReplicaGroup::new(1, Duration::from_secs(30)).unwrap(),
+            )
+        };
+        let workers: Vec<_> = parties.iter().map(ops).collect();
+        let vars = [var(), var()];
+        let steps = |ks: std::ops::Range<usize>, abandon: bool| {
+            std::thread::scope(|s| {
+                for (w, ((o, g), v)) in workers.iter().zip(&vars).enumerate() {
+                    let ks = ks.clone();
+                    s.spawn(move || ks.for_each(|k| drop(bucket(o, g, v, (10 * w + k) as f32, abandon))));
+                }
+            })
+        };
+        let state = |o: &HierarchicalOps, v: &Tensor| {
+            let p = o.power();
+            let s = &p.states[&v.id()];
+            (s.error().to_vec(), s.q().to_vec(), p.created, p.warming.get(&v.id()).copied())
+        };
+        // Two steps, then a third abandoned by both after its first round.
+        steps(0..2, false);
+        let (error_before, q_before, _, _) = state(&workers[0].0, &vars[0]);
+        steps(2..3, true);
+        // Worker 1 is lost; a new process joins as worker 1 of generation 1, and worker 0
+        // hands it its state.
+        let second = Meeting::new(2);
+        *parties[0].0.lock().unwrap() = (0, 1, second.clone());
+        let joiner = Arc::new(Party(Mutex::new((1, 1, second))));
+        let new = ops(&joiner);
+        let joiner_var = var();
+        std::thread::scope(|s| {
+            s.spawn(|| workers[0].0.carry_over(std::slice::from_ref(&vars[0]), 0).unwrap());
+            s.spawn(|| new.0.carry_over(std::slice::from_ref(&joiner_var), 0).unwrap());
+        });
+        let (e0, q0, c0, w0) = state(&workers[0].0, &vars[0]);
+        let (e1, q1, c1, w1) = state(&new.0, &joiner_var);
+        assert_eq!(bits(&q0), bits(&q_before), "the warm q is the source's");
+        assert_eq!(bits(&q1), bits(&q0), "the joiner's q is the source's");
+        assert_eq!((c0, w0), (c1, w1));
+        let half: Vec<f32> = error_before.iter().map(|e| (e + 0.0) * 0.5).collect();
+        assert!(half.iter().any(|&x| x != 0.0));
+        assert_eq!(bits(&e0), bits(&half), "the members' errors, summed and split");
+        assert_eq!(bits(&e1), bits(&half));
+        // The next step gives both the same bits.
+        let outs: Vec<_> = std::thread::scope(|s| {
+            let a = s.spawn(|| bucket(&workers[0].0, &workers[0].1, &vars[0], 5.0, false));
+            let b = s.spawn(|| bucket(&new.0, &new.1, &joiner_var, 6.0, false));
+            vec![a.join().unwrap(), b.join().unwrap()]
+        });
+        assert_eq!(outs[0], outs[1]);
     }
 }

@@ -163,6 +163,18 @@ pub trait WorkerCollectives: Send + Sync + std::fmt::Debug {
     fn rejoin(&self) -> Result<()> {
         Err(crate::Error::Cluster("this job is not elastic: a failed collective ends it".into()))
     }
+    /// Elastic jobs: the fewest workers the job may go on with (in a job that is not elastic,
+    /// every worker: [`num_workers`](WorkerCollectives::num_workers)).
+    fn min_workers(&self) -> usize {
+        self.num_workers()
+    }
+    /// Elastic jobs: this worker alone stops on request (`code`, a signal's number) and leaves
+    /// the job, which goes on without it: the others [`rejoin`](WorkerCollectives::rejoin)
+    /// at once, without waiting for its heartbeat timeout. Its collectives end.
+    fn leave_on_request(&self, code: u32) -> Result<()> {
+        let _ = code;
+        Err(crate::Error::Cluster("this job is not elastic: a worker cannot leave it alone".into()))
+    }
     /// Elastic jobs: whether the workers agree to admit the workers waiting to join (worker
     /// 0's view, broadcast: a collective, called at step boundaries). When it returns true,
     /// every worker calls [`rejoin`](WorkerCollectives::rejoin).
@@ -272,6 +284,18 @@ pub trait CrossDeviceOps: Send + Sync + std::fmt::Debug {
     /// keeps every gradient whole.
     fn takes_row_blocks(&self) -> bool {
         false
+    }
+
+    /// Elastic jobs, after the membership changed (every worker calls it, once the new
+    /// generation's collectives connect, before the next step): brings the state the ops keep
+    /// from step to step (compression's, by variable) to the new membership. A step abandoned
+    /// by the change is undone, state kept alike on every worker comes from worker `source`
+    /// (the member whose parameters the others take), and state each worker keeps for itself
+    /// is pooled and re-split over the members. `vars` are the model's variables, on this
+    /// worker, in the order every worker creates them. The default keeps nothing.
+    fn carry_over(&self, vars: &[candle_core::Tensor], source: usize) -> Result<()> {
+        let _ = (vars, source);
+        Ok(())
     }
 
     /// Completes a reduction [`start`](CrossDeviceOps::start) began, given the same request.

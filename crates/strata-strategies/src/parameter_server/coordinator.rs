@@ -57,8 +57,14 @@ pub struct CoordinatorOptions {
     pub token: ClusterToken,
     /// The deadline of one step's RPC (default 300 s).
     pub rpc_timeout: Duration,
-    /// How long [`ClusterCoordinator::with_ps_tasks`] waits for every worker to answer (default 60 s).
+    /// How long [`ClusterCoordinator::with_ps_tasks`] waits for a first worker to answer
+    /// (default 60 s).
     pub connect_timeout: Duration,
+    /// Once one worker answers, how long [`ClusterCoordinator::with_ps_tasks`] waits for the
+    /// others (default 10 s). A worker that has not answered by then starts the job lost: it is
+    /// pinged every 500 ms and given steps once it answers (a worker task that starts after the
+    /// job began), as a lost worker that comes back is.
+    pub start_grace: Duration,
     /// How long a step may keep failing as unavailable (a ps task down, every worker lost)
     /// before its value fails (default 120 s).
     pub step_retry_for: Duration,
@@ -84,6 +90,7 @@ impl CoordinatorOptions {
             token,
             rpc_timeout: Duration::from_secs(300),
             connect_timeout: Duration::from_secs(60),
+            start_grace: Duration::from_secs(10),
             step_retry_for: Duration::from_secs(120),
             checkpoint_every: None,
             probe_interval: Duration::from_millis(500),
@@ -685,7 +692,11 @@ impl Shared {
                     return;
                 }
                 match self.workers[worker].ping_within(self.options.probe_interval.max(Duration::from_millis(100))) {
-                    Ok(info) => self.revive(worker, info.incarnation),
+                    Ok(info) if info.task == self.names[worker] => self.revive(worker, info.incarnation),
+                    Ok(info) => {
+                        tracing::warn!(worker = %self.names[worker], answered = %info.task, "another task answers at a worker's address; it is given no steps");
+                        std::thread::sleep(REVIVE_INTERVAL);
+                    }
                     Err(_) => {
                         self.fail_if_all_lost();
                         let until = Instant::now() + REVIVE_INTERVAL;
@@ -751,26 +762,41 @@ impl ClusterCoordinator {
             clients.push(WorkerClient::connect(address, name, options.token.clone(), options.rpc_timeout)?);
         }
         let deadline = Instant::now() + options.connect_timeout;
-        for ((name, address), client) in workers.iter().zip(&clients) {
-            loop {
-                match client.ping() {
+        let mut answered = vec![false; workers.len()];
+        let mut first: Option<Instant> = None;
+        loop {
+            for (i, ((name, address), client)) in workers.iter().zip(&clients).enumerate() {
+                if answered[i] {
+                    continue;
+                }
+                match client.ping_within(Duration::from_millis(500)) {
                     Ok(info) if info.task != *name => {
                         return Err(Error::InvalidCluster(format!(
                             "the worker at {address} says it is {}, not {name}; give every task the same cluster spec",
                             info.task
                         )))
                     }
-                    Ok(_) => break,
+                    Ok(_) => {
+                        answered[i] = true;
+                        first.get_or_insert_with(Instant::now);
+                    }
                     Err(e @ strata_transport::Error::Unauthenticated(_)) => return Err(e.into()),
-                    Err(e) if Instant::now() >= deadline => {
+                    Err(e) if first.is_none() && Instant::now() >= deadline => {
                         return Err(Error::Unavailable(format!(
-                            "worker {name} at {address} did not answer within {:?}; start every worker task (or raise connect_timeout): {e}",
+                            "no worker answered within {:?} (worker {name} at {address}: {e}); start the worker tasks (or raise connect_timeout)",
                             options.connect_timeout
                         )))
                     }
-                    Err(_) => std::thread::sleep(Duration::from_millis(100)),
+                    Err(_) => {}
                 }
             }
+            if answered.iter().all(|&a| a) || first.is_some_and(|t| t.elapsed() >= options.start_grace) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        for ((name, _), _) in workers.iter().zip(&answered).filter(|(_, &a)| !a) {
+            tracing::warn!(worker = %name, grace = ?options.start_grace, "a worker did not answer; the job starts without it and gives it steps once it does");
         }
         let n = workers.len();
         let shared = Arc::new(Shared {
@@ -784,7 +810,7 @@ impl ClusterCoordinator {
                 running: 0,
                 next_step: 0,
                 first_error: None,
-                live: vec![true; n],
+                live: answered.clone(),
                 all_lost_since: None,
                 stopping: false,
                 paused: false,
