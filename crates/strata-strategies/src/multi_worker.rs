@@ -352,36 +352,17 @@ impl WorkerCollectives for WorkerJob {
         let old = self.gen();
         old.abort.abort(format!("task {} left generation {}", self.task, old.generation));
         self.ahead.drain();
-        // A generation whose ring cannot connect (a member lost meanwhile: the next generation
-        // is forming) is left for the next one, a bounded number of times.
-        let (mut after, attempts) = (old.generation, 8.max(2 * r.tasks));
-        for attempt in 1.. {
-            if let Some(why) = lock(&r.fatal).clone() {
-                return Err(Error::Cluster(format!("task {}: {why}", self.task)));
-            }
+        let join = |data_address: &str, after: u64| {
             let guard = lock(&self.member);
             let member = guard.as_ref().ok_or_else(|| Error::Cluster(format!("task {}: left the job", self.task)))?;
-            let (listener, data_address) = bind_data_plane(r.bind, &r.host, &self.task)?;
-            let g = member
-                .join(&r.cluster_fingerprint, &r.strategy_fingerprint, &data_address, after)
-                .map_err(|e| Error::Cluster(format!("task {}: {e}", self.task)))?;
-            drop(guard);
-            let abort = AbortSignal::new();
-            *lock(&self.abort_cell) = (g.generation, abort.clone());
-            let ring = match connect_ring(&g, listener, r, &self.task, abort.clone()) {
-                Ok(ring) => ring,
-                Err(e) if attempt < attempts => {
-                    tracing::warn!(task = %self.task, generation = g.generation, why = %e, "the generation's ring did not connect; joining the next one");
-                    after = g.generation;
-                    continue;
-                }
-                Err(e) => return Err(e),
-            };
-            tracing::info!(task = %self.task, generation = g.generation, rank = g.rank, workers = g.task_names.len(), members = %g.task_names.join(","), "re-formed the job");
-            *self.current.write().unwrap_or_else(PoisonError::into_inner) =
-                Arc::new(Gen { ring, rank: g.rank, generation: g.generation, seq: AtomicU64::new(0), abort });
-            break;
-        }
+            member
+                .join(&r.cluster_fingerprint, &r.strategy_fingerprint, data_address, after)
+                .map_err(|e| Error::Cluster(format!("task {}: {e}", self.task)))
+        };
+        let (g, ring, abort) = join_generation(r, &self.task, &self.abort_cell, old.generation, &join)?;
+        tracing::info!(task = %self.task, generation = g.generation, rank = g.rank, workers = g.task_names.len(), members = %g.task_names.join(","), "re-formed the job");
+        *self.current.write().unwrap_or_else(PoisonError::into_inner) =
+            Arc::new(Gen { ring, rank: g.rank, generation: g.generation, seq: AtomicU64::new(0), abort });
         Ok(())
     }
     fn min_workers(&self) -> usize {
@@ -408,6 +389,39 @@ impl WorkerCollectives for WorkerJob {
         let mut flag = [u64::from(self.gen().rank == 0 && r.view.waiting() > 0)];
         self.broadcast_u64s(0, &mut flag)?;
         Ok(flag[0] == 1)
+    }
+}
+
+/// Elastic jobs: joins the generation after `after` (0: the first) through `join` (given this
+/// worker's data address) and connects its ring. A generation whose ring cannot connect (a
+/// member lost meanwhile: the next one is forming) is left for the next one, a bounded number of
+/// times. Returns the generation, its ring and the ring's abort signal (also in `abort_cell`,
+/// for the heartbeats).
+fn join_generation(
+    r: &Rejoin,
+    task: &str,
+    abort_cell: &Mutex<(u64, AbortSignal)>,
+    mut after: u64,
+    join: &dyn Fn(&str, u64) -> Result<strata_transport::Generation>,
+) -> Result<(strata_transport::Generation, Ring, AbortSignal)> {
+    let attempts = 8.max(2 * r.tasks);
+    let mut attempt = 1;
+    loop {
+        if let Some(why) = lock(&r.fatal).clone() {
+            return Err(Error::Cluster(format!("task {task}: {why}")));
+        }
+        let (listener, data_address) = bind_data_plane(r.bind, &r.host, task)?;
+        let g = join(&data_address, after)?;
+        let abort = AbortSignal::new();
+        *lock(abort_cell) = (g.generation, abort.clone());
+        match connect_ring(&g, listener, r, task, abort.clone()) {
+            Ok(ring) => return Ok((g, ring, abort)),
+            Err(e) if attempt < attempts => {
+                tracing::warn!(task = %task, generation = g.generation, why = %e, "the generation's ring did not connect; joining the next one");
+                (after, attempt) = (g.generation, attempt + 1);
+            }
+            Err(e) => return Err(e),
+        }
     }
 }
 
@@ -515,9 +529,7 @@ impl MultiWorkerMirroredStrategy {
             options.auto_shard, options.options.bucket_bytes, options.options.seed, options.compression
         );
         let task = config.task.to_string();
-        let (listener, data_address) = bind_data_plane(options.bind, &own_host, &task)?;
-        let abort = AbortSignal::new();
-        let abort_cell = Arc::new(Mutex::new((0, abort.clone())));
+        let abort_cell = Arc::new(Mutex::new((0, AbortSignal::new())));
         let (member, server, gen, rejoin, under_way) = if let Some(e) = &options.elastic {
             let mut member = CoordinationMember::connect(
                 &e.coordinator,
@@ -555,15 +567,18 @@ impl MultiWorkerMirroredStrategy {
                     view: member.membership(),
                     fatal,
                 };
-                let g = member
-                    .join(&r.cluster_fingerprint, &strategy_fingerprint, &data_address, 0)
-                    .map_err(|e| Error::Cluster(format!("task {task}: {e}")))?;
-                lock(&abort_cell).0 = g.generation;
-                let ring = connect_ring(&g, listener, &r, &task, abort.clone())?;
+                let join = |data_address: &str, after: u64| {
+                    member
+                        .join(&r.cluster_fingerprint, &r.strategy_fingerprint, data_address, after)
+                        .map_err(|e| Error::Cluster(format!("task {task}: {e}")))
+                };
+                let (g, ring, abort) = join_generation(&r, &task, &abort_cell, 0, &join)?;
                 let gen = Gen { ring, rank: g.rank, generation: g.generation, seq: AtomicU64::new(0), abort };
                 (member, None, gen, Some(r), g.resumed)
             }
         } else {
+            let (listener, data_address) = bind_data_plane(options.bind, &own_host, &task)?;
+            let abort = lock(&abort_cell).1.clone();
             let server = if rank == 0 {
                 let port = spec.port(config.task)?;
                 Some(
