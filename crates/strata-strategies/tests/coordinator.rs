@@ -394,5 +394,5 @@ fn a_coordinator_without_workers_is_refused() {
     let e = ClusterCoordinator::with_ps_tasks(vec![("worker:0".into(), "127.0.0.1:1".into())], vec![], o)
         .unwrap_err()
         .to_string();
-    assert!(e.contains("worker worker:0 at 127.0.0.1:1 did not answer"), "{e}");
+    assert!(e.contains("no worker answered within 300ms (worker worker:0 at 127.0.0.1:1"), "{e}");
 }
