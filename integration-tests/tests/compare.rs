@@ -187,3 +187,148 @@ fn a_malformed_experiment_names_the_field_and_line() {
         assert!(err.contains("--only \"warp-drive\": no such run; the runs are one-device, mirrored"), "{err}");
     }
 }
+
+const LOST_WORKER: &str = r#"
+[experiment]
+name = "lost"
+hidden = [64]
+epochs = 6
+global_batch = 48
+lr = 0.05
+optimizer = "sgd"
+seed = 3
+target_accuracy = 0.8
+run_timeout = "200s"
+
+[[run]]
+name = "elastic"
+strategy = "multi-worker-mirrored"
+workers = 3
+min_workers = 2
+restarts = 1
+
+[[run]]
+name = "restart"
+strategy = "multi-worker-mirrored"
+workers = 3
+checkpoint_every = 20
+restarts = 1
+
+[[run]]
+name = "no-recovery"
+strategy = "multi-worker-mirrored"
+workers = 3
+
+[[run]]
+name = "ps"
+strategy = "parameter-server"
+mode = "async"
+workers = 3
+restarts = 1
+
+[[run]]
+name = "undisturbed"
+strategy = "multi-worker-mirrored"
+workers = 3
+faults = false
+
+[injection]
+kill = [{ worker = 1, at_step = 50 }]
+"#;
+
+/// `[injection] kill`: worker 1 is killed from outside after 50 global batches of every run
+/// that takes faults. The elastic job goes on and ends where the undisturbed one does; the job
+/// restarted from its checkpoint ends bit for bit where it does (every step applied once);
+/// the job without recovery fails naming the loss; the parameter-server job's new worker
+/// process is given steps and every push is applied once.
+#[test]
+fn a_worker_killed_at_a_step_is_survived_as_each_recovery_says() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("lost.toml");
+    std::fs::write(&file, LOST_WORKER).unwrap();
+    let out_dir = dir.path().join("out");
+    let child = strata()
+        .arg("compare")
+        .arg(&file)
+        .arg("--out")
+        .arg(&out_dir)
+        .arg("--no-progress")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = wait(child, Instant::now() + Duration::from_secs(600));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out_dir.join("summary.json")).unwrap()).unwrap();
+    let runs = summary["runs"].as_array().expect("summary.json has runs");
+    let run = |name: &str| runs.iter().find(|r| r["name"] == name).unwrap_or_else(|| panic!("no run {name}"));
+    let log = |name: &str| std::fs::read_to_string(out_dir.join(format!("runs/{name}"))).unwrap_or_default();
+
+    for name in ["elastic", "restart", "no-recovery", "ps"] {
+        let faults = run(name)["faults"].as_array().unwrap_or_else(|| panic!("{name} was not killed: {}", run(name)));
+        assert_eq!(faults.len(), 1, "{name}");
+        assert_eq!(faults[0]["worker"], 1, "{name}");
+        assert!(faults[0]["step"].as_u64().unwrap() >= 50, "{name}: {}", faults[0]);
+        assert!(run(name)["killed_at_s"].as_f64().unwrap() > 0.0, "{name}");
+    }
+    assert!(run("undisturbed")["faults"].is_null(), "faults = false: not killed");
+
+    // 1437 training examples at 48 a step: 30 steps an epoch, 180 in all.
+    let csv = std::fs::read_to_string(out_dir.join("runs.csv")).unwrap();
+    let header: Vec<&str> = csv.lines().next().unwrap().split(',').collect();
+    let col = |n: &str| header.iter().position(|h| *h == n).unwrap();
+    let rows: Vec<Vec<&str>> = csv.lines().skip(1).map(|l| l.split(',').collect()).collect();
+    let steps = |run: &str| -> Vec<u64> {
+        rows.iter()
+            .filter(|r| r[col("run")] == run && r[col("kind")] == "step")
+            .map(|r| r[col("step")].parse().unwrap())
+            .collect()
+    };
+    let acc = |name: &str| run(name)["final_accuracy"].as_f64().unwrap();
+
+    // Elastic: every step recorded once, in order, and the job ends where the undisturbed
+    // one does (SGD; the global batch is re-split over the live workers).
+    let elastic = &run("elastic");
+    assert_eq!(elastic["status"], "ok", "{elastic}");
+    assert_eq!(steps("elastic"), (1..=180).collect::<Vec<u64>>());
+    assert!(log("elastic.log").contains("a new process joins it"), "{}", log("elastic.log"));
+    assert!((acc("elastic") - acc("undisturbed")).abs() <= 1.0 / 360.0 + 1e-9, "{elastic}");
+
+    // Restart the world: the job failed, was relaunched once, resumed from its checkpoint
+    // and ends bit for bit where the undisturbed job does.
+    let restart = &run("restart");
+    assert_eq!(restart["status"], "ok", "{restart}");
+    assert_eq!(restart["relaunches"], 1);
+    let relaunch = log("restart.relaunch-1.log");
+    assert!(relaunch.contains("resumed from the checkpoint of step"), "{relaunch}");
+    let restart_steps = steps("restart");
+    assert_eq!(restart_steps.last(), Some(&180));
+    let killed_at = restart["faults"][0]["step"].as_u64().unwrap();
+    // Steps after the last checkpoint (a multiple of 20) are trained again, no others.
+    let resumed_from = restart_steps.windows(2).find(|w| w[1] <= w[0]).map(|w| w[1] - 1).expect("a relaunch");
+    assert_eq!(resumed_from % 20, 0, "{restart_steps:?}");
+    assert!(resumed_from <= killed_at && resumed_from + 20 > killed_at - 3, "{resumed_from} {killed_at}");
+    assert_eq!(restart["steps_repeated"].as_u64().unwrap(), restart_steps.len() as u64 - 180);
+    assert_eq!(acc("restart").to_bits(), acc("undisturbed").to_bits(), "{restart}");
+
+    // No recovery: the job fails, naming the lost worker.
+    let none = &run("no-recovery");
+    assert_eq!(none["status"], "failed", "{none}");
+    assert!(none["error"].as_str().unwrap().contains("worker:1"), "{none}");
+
+    // Parameter servers: a new worker process took worker 1's place, and every one of the
+    // 540 pushes (90 an epoch of 16 examples) is applied once.
+    let ps = &run("ps");
+    assert_eq!(ps["status"], "ok", "{ps}");
+    assert!(log("ps.log").contains("a new process takes its place"), "{}", log("ps.log"));
+    assert_eq!(ps["updates"], 540, "{ps}");
+
+    // The report and the time-to-accuracy plot.
+    let report = std::fs::read_to_string(out_dir.join("REPORT.md")).unwrap();
+    assert!(report.contains("### Lost workers"), "{report}");
+    assert!(report.contains("restart the world: relaunched whole from its last checkpoint (every 20 steps)"));
+    assert!(report.contains("![Test accuracy against wall time](accuracy_vs_time.png)"), "{report}");
+    assert!(out_dir.join("accuracy_vs_time.svg").is_file());
+}

@@ -255,6 +255,10 @@ fn elastic_flags_that_cannot_work_are_refused_in_one_line() {
             &["launch", "--workers", "2", "--", "strata", "train", "--min-workers", "3"],
             "--min-workers 3: this job has 2 workers",
         ),
+        (
+            &["train", "--strategy", "multi-worker-mirrored", "--max-restarts", "1"],
+            "--max-restarts 1 applies to --strategy parameter-server's local cluster",
+        ),
     ];
     for (args, expected) in cases {
         let o = strata().args(*args).env_remove("STRATA_COORDINATOR").stdin(Stdio::null()).output().unwrap();
@@ -263,6 +267,17 @@ fn elastic_flags_that_cannot_work_are_refused_in_one_line() {
         assert!(stderr.contains(expected), "{args:?}: {stderr}");
         assert_eq!(stderr.lines().filter(|l| l.starts_with("error:")).count(), 1, "{args:?}: {stderr}");
     }
+    // A parameter-server job's cluster from TF_CONFIG is restarted by its cluster manager.
+    let tf_config = r#"{"cluster":{"chief":["127.0.0.1:1"],"ps":["127.0.0.1:2"],"worker":["127.0.0.1:3"]},"task":{"type":"chief","index":0}}"#;
+    let o = strata()
+        .args(["train", "--strategy", "parameter-server", "--max-restarts", "2"])
+        .env("TF_CONFIG", tf_config)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("--max-restarts 2: TF_CONFIG describes a cluster this process did not start"), "{stderr}");
 }
 
 /// The chief killed while it writes a checkpoint, then another worker lost while the others

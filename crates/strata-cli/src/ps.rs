@@ -430,26 +430,29 @@ impl LocalCluster {
             .map(TaskId::ps)
             .chain((0..cluster.num_tasks(TaskType::Worker)).map(TaskId::worker))
             .collect();
-        for task in tasks {
+        let checkpoint_dir = args.checkpoint_dir.clone();
+        let (network_delay, chief_timeout) = (args.network_delay, args.chief_timeout);
+        let (cluster, token, delays) = (cluster.clone(), token.to_string(), delays.clone());
+        let spawn = move |task: TaskId| -> Result<Child> {
             let mut cmd = Command::new(&exe);
             match task.kind {
                 TaskType::Ps => {
                     cmd.arg("ps");
-                    if let Some(dir) = &args.checkpoint_dir {
+                    if let Some(dir) = &checkpoint_dir {
                         cmd.arg("--checkpoint-dir").arg(dir.join(format!("ps-{}", task.index)));
                     }
                 }
                 _ => {
                     cmd.arg("worker").args(delays.to_worker_flags(task.index));
-                    if let Some(d) = args.network_delay {
+                    if let Some(d) = network_delay {
                         cmd.arg("--network-delay").arg(format!("{}us", d.as_micros()));
                     }
                 }
             }
-            cmd.arg("--chief-timeout").arg(format!("{}ms", args.chief_timeout.as_millis()));
-            cmd.env("TF_CONFIG", launch::tf_config(cluster, task)?)
+            cmd.arg("--chief-timeout").arg(format!("{}ms", chief_timeout.as_millis()));
+            cmd.env("TF_CONFIG", launch::tf_config(&cluster, task)?)
                 .env(launch::TASK_VAR, task.to_string())
-                .env(TOKEN_VAR, token)
+                .env(TOKEN_VAR, &token)
                 .stdin(Stdio::null())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
@@ -462,10 +465,17 @@ impl LocalCluster {
             if let Some(err) = child.stderr.take() {
                 launch::forward_lines(err, prefix, true, events.clone(), None);
             }
+            Ok(child)
+        };
+        for task in tasks {
+            let child = spawn(task)?;
             children.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push((task, child));
         }
         // A ps task that dies ends the run (nobody restarts it here); a worker that dies is
-        // survived (its steps run on the others).
+        // survived (its steps run on the others), and started again up to --max-restarts
+        // times (the coordinator gives the new process steps once it answers).
+        let max_restarts = args.max_restarts;
+        let mut restarts: std::collections::HashMap<usize, usize> = std::collections::HashMap::new();
         std::thread::spawn(move || loop {
             std::thread::sleep(Duration::from_millis(200));
             let mut guard = children.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -477,6 +487,18 @@ impl LocalCluster {
                 if let Ok(Some(status)) = c.try_wait() {
                     if task.kind == TaskType::Ps && ps_died.is_none() {
                         ps_died = Some(format!("task {task} {}", strata_compare::runner::describe(status)));
+                    }
+                    let done = restarts.entry(task.index).or_insert(0);
+                    if task.kind == TaskType::Worker && !status.success() && *done < max_restarts {
+                        *done += 1;
+                        eprintln!(
+                            "strata train: task {task} {}; a new process takes its place (restart {done} of {max_restarts})",
+                            strata_compare::runner::describe(status)
+                        );
+                        match spawn(*task) {
+                            Ok(child) => *c = child,
+                            Err(e) => eprintln!("strata train: cannot restart {task}: {e}"),
+                        }
                     }
                 }
             }
@@ -523,6 +545,12 @@ pub fn train(args: &TrainArgs, started: Instant) -> Result<()> {
     };
     let mut token_text = String::new();
     let (cluster, local_tasks) = match from_env {
+        Some(_) if args.max_restarts > 0 => {
+            return Err(Error::Usage(format!(
+                "--max-restarts {}: TF_CONFIG describes a cluster this process did not start, so its cluster manager restarts lost tasks (a restarted worker is given steps); drop it",
+                args.max_restarts
+            )))
+        }
         Some(c) => match c.task.kind {
             TaskType::Ps => {
                 let checkpoint_dir = args.checkpoint_dir.as_ref().map(|d| d.join(format!("ps-{}", c.task.index)));

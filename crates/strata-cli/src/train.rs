@@ -200,6 +200,11 @@ pub struct TrainArgs {
     /// outlives any worker; strata launch serves it and sets STRATA_COORDINATOR.
     #[arg(long, value_name = "HOST:PORT", env = "STRATA_COORDINATOR")]
     pub coordinator: Option<String>,
+    /// parameter-server on this machine (no TF_CONFIG): start a worker task that dies again,
+    /// up to K times per worker (its steps run on the others meanwhile, and the new process
+    /// is given steps once it answers), as a cluster manager would.
+    #[arg(long, value_name = "K", default_value_t = 0)]
+    pub max_restarts: usize,
     /// Do not draw a progress bar.
     #[arg(long)]
     pub no_progress: bool,
@@ -343,6 +348,12 @@ impl TrainArgs {
                     "--min-workers {n}: an elastic job needs a coordination service that outlives its workers; run it under strata launch (which serves one), or pass --coordinator HOST:PORT"
                 )));
             }
+        }
+        if self.max_restarts > 0 && self.strategy != StrategyKind::ParameterServer {
+            return Err(Error::Usage(format!(
+                "--max-restarts {} applies to --strategy parameter-server's local cluster; a multi-worker-mirrored job's lost task is restarted by strata launch --max-restarts (with --min-workers), drop it",
+                self.max_restarts
+            )));
         }
         if self.no_lookahead && self.strategy != StrategyKind::ParameterServer {
             return Err(Error::Usage(format!(

@@ -163,6 +163,21 @@ pub struct RunSpec {
     /// multi-worker-mirrored, `fp16` or `bf16` for the parameter server, `none` otherwise.
     #[serde(serialize_with = "display")]
     pub compression: Compression,
+    /// Multi-worker-mirrored: the job is elastic and runs while this many workers live
+    /// (`strata train --min-workers`); `None`: a lost worker ends the job.
+    pub min_workers: Option<usize>,
+    /// How many times a lost worker is replaced: an elastic job's launcher starts a new
+    /// process that joins (`strata launch --max-restarts`), a parameter-server job's local
+    /// cluster starts a new worker task (`strata train --max-restarts`), and a job that is not
+    /// elastic is relaunched whole from its last checkpoint by the harness (restart the
+    /// world, as torchrun and TensorFlow do).
+    pub restarts: usize,
+    /// Multi-worker-mirrored: write a checkpoint every this many steps (in `runs/<name>.ckpt`),
+    /// where a relaunch resumes from.
+    pub checkpoint_every: Option<usize>,
+    /// Whether `[injection] kill` applies to this run (`faults = false`: an undisturbed
+    /// reference).
+    pub faults: bool,
 }
 
 fn display<S: serde::Serializer>(c: &Compression, s: S) -> std::result::Result<S::Ok, S::Error> {
@@ -294,12 +309,25 @@ pub struct Injection {
     pub stragglers: Option<Stragglers>,
     /// Added to every message between processes (one way).
     pub network_delay: Duration,
+    /// Worker processes killed (SIGKILL, from outside) once the job has trained a number of
+    /// global batches.
+    pub kill: Vec<Kill>,
+}
+
+/// A worker lost at a step: `kill = [{ worker = 1, at_step = 40 }]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Kill {
+    /// The worker task's index (`worker:INDEX`).
+    pub worker: usize,
+    /// Killed once the job has trained this many global batches (a multi-worker-mirrored
+    /// job's steps; a parameter-server job's pushes over its workers).
+    pub at_step: u64,
 }
 
 impl Injection {
     /// Whether anything is injected.
     pub fn is_empty(&self) -> bool {
-        self.slowdown.is_empty() && self.stragglers.is_none() && self.network_delay.is_zero()
+        self.slowdown.is_empty() && self.stragglers.is_none() && self.network_delay.is_zero() && self.kill.is_empty()
     }
 
     /// The slowdown factor of worker `index` (1: none).
@@ -315,6 +343,12 @@ impl Injection {
         }
         if !self.network_delay.is_zero() {
             out.push(format!("network delay {:.3} ms per message", self.network_delay.as_secs_f64() * 1e3));
+        }
+        for k in &self.kill {
+            out.push(format!(
+                "worker {} is killed (SIGKILL) after step {} of the multi-process runs that take faults",
+                k.worker, k.at_step
+            ));
         }
         out
     }
@@ -609,6 +643,57 @@ impl Experiment {
                     ),
                 ));
             }
+            let mwms = r.strategy == RunStrategy::MultiWorkerMirrored;
+            let min_workers = match &r.min_workers {
+                Some(m) if !mwms => {
+                    return Err(at.error(
+                        m.span(),
+                        &field("min_workers"),
+                        format!(
+                            "{} is not elastic; only multi-worker-mirrored runs take min_workers, drop it",
+                            r.strategy.name()
+                        ),
+                    ))
+                }
+                Some(m) if *m.get_ref() == 0 || *m.get_ref() > workers => {
+                    return Err(at.error(
+                        m.span(),
+                        &field("min_workers"),
+                        format!("{} for a run of {workers} workers; use 1 to {workers}", m.get_ref()),
+                    ))
+                }
+                Some(m) => Some(*m.get_ref()),
+                None => None,
+            };
+            let checkpoint_every = match &r.checkpoint_every {
+                Some(c) if !mwms => {
+                    return Err(at.error(
+                        c.span(),
+                        &field("checkpoint_every"),
+                        format!("{} runs are not relaunched from checkpoints here; only multi-worker-mirrored runs take checkpoint_every, drop it", r.strategy.name()),
+                    ))
+                }
+                Some(c) => Some(positive(c, &field("checkpoint_every"))?),
+                None => None,
+            };
+            let restarts = match &r.restarts {
+                Some(k) if !multi => {
+                    return Err(at.error(
+                        k.span(),
+                        &field("restarts"),
+                        format!("{} runs in one process and loses no worker; drop it", r.strategy.name()),
+                    ))
+                }
+                Some(k) if *k.get_ref() > 0 && mwms && min_workers.is_none() && checkpoint_every.is_none() => {
+                    return Err(at.error(
+                        k.span(),
+                        &field("restarts"),
+                        "a job that is not elastic is relaunched whole from its last checkpoint: set checkpoint_every (steps), or min_workers for an elastic job",
+                    ))
+                }
+                Some(k) => *k.get_ref(),
+                None => 0,
+            };
             let mut spec = RunSpec {
                 name: String::new(),
                 strategy: r.strategy,
@@ -623,6 +708,10 @@ impl Experiment {
                     None => None,
                 },
                 compression,
+                min_workers,
+                restarts,
+                checkpoint_every,
+                faults: r.faults.as_ref().is_none_or(|f| *f.get_ref()),
             };
             spec.name = match &r.name {
                 Some(n) => n.get_ref().clone(),
@@ -698,6 +787,42 @@ impl Experiment {
                         v.delay.parse().map_err(|m: String| at.error(s.span(), "injection.stragglers.delay", m))?;
                     out.stragglers = Some(Stragglers { probability: v.probability, delay });
                 }
+                let largest = runs.iter().filter(|r| r.strategy.is_multi_process()).map(|r| r.workers).max();
+                for (k, kill) in inj.kill.iter().enumerate() {
+                    let v = kill.get_ref();
+                    let Some(max) = largest else {
+                        return Err(at.error(
+                            kill.span(),
+                            &format!("injection.kill[{k}]"),
+                            "every run is single-process: there is no worker process to kill; add a multi-worker-mirrored or parameter-server run, or drop it",
+                        ));
+                    };
+                    if v.worker >= max {
+                        return Err(at.error(
+                            kill.span(),
+                            &format!("injection.kill[{k}].worker"),
+                            format!(
+                                "worker {} does not exist: the largest multi-process run has {max} workers",
+                                v.worker
+                            ),
+                        ));
+                    }
+                    if v.at_step == 0 {
+                        return Err(at.error(
+                            kill.span(),
+                            &format!("injection.kill[{k}].at_step"),
+                            "must be at least 1 (the worker is killed once the job has trained that many global batches)",
+                        ));
+                    }
+                    if out.kill.iter().any(|o| o.worker == v.worker) {
+                        return Err(at.error(
+                            kill.span(),
+                            &format!("injection.kill[{k}].worker"),
+                            format!("worker {} is killed twice; each worker is killed at most once", v.worker),
+                        ));
+                    }
+                    out.kill.push(Kill { worker: v.worker, at_step: v.at_step });
+                }
                 if let Some(d) = &inj.network_delay {
                     out.network_delay =
                         parse_duration(d.get_ref()).map_err(|m| at.error(d.span(), "injection.network_delay", m))?;
@@ -743,6 +868,13 @@ impl Experiment {
                 })?;
                 let rate_bps =
                     crate::hosts::parse_rate(link.get_ref()).map_err(|m| at.error(link.span(), "network.link", m))?;
+                if !injection.kill.is_empty() {
+                    return Err(at.error(
+                        span,
+                        "network",
+                        "[injection] kill runs on this machine's loopback (the harness finds and restarts the processes there); drop [network] or the kill",
+                    ));
+                }
                 if !runs.iter().any(|r| r.strategy.is_multi_process()) {
                     return Err(at.error(
                         span,
@@ -853,6 +985,10 @@ struct RawRun {
     staleness: Option<Spanned<u64>>,
     timeout: Option<Spanned<String>>,
     compression: Option<Spanned<String>>,
+    min_workers: Option<Spanned<usize>>,
+    restarts: Option<Spanned<usize>>,
+    checkpoint_every: Option<Spanned<usize>>,
+    faults: Option<Spanned<bool>>,
 }
 
 #[derive(Deserialize)]
@@ -862,6 +998,15 @@ struct RawInjection {
     slowdown: Vec<Spanned<RawSlow>>,
     stragglers: Option<Spanned<RawStragglers>>,
     network_delay: Option<Spanned<String>>,
+    #[serde(default)]
+    kill: Vec<Spanned<RawKill>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawKill {
+    worker: usize,
+    at_step: u64,
 }
 
 #[derive(Deserialize)]
@@ -1145,6 +1290,65 @@ network_delay = "1ms"
     }
 
     #[test]
+    fn kills_and_recoveries_parse_and_bad_values_are_one_line_each() {
+        let runs = "[[run]]\nname = \"el\"\nstrategy = \"multi-worker-mirrored\"\nworkers = 3\nmin_workers = 2\nrestarts = 1\n\
+            [[run]]\nname = \"ck\"\nstrategy = \"multi-worker-mirrored\"\nworkers = 3\ncheckpoint_every = 10\nrestarts = 2\n\
+            [[run]]\nname = \"ps\"\nstrategy = \"parameter-server\"\nworkers = 3\nrestarts = 1\n\
+            [[run]]\nname = \"ref\"\nstrategy = \"multi-worker-mirrored\"\nworkers = 3\nfaults = false\n";
+        let head = "[experiment]\nname = \"t\"\nepochs = 2\nglobal_batch = 96\nlr = 0.01\ntarget_accuracy = 0.9\n";
+        let file = |runs: &str, kill: &str| format!("{head}{runs}[injection]\nkill = [{kill}]\n");
+        let e = parse(&file(runs, "{ worker = 1, at_step = 40 }")).unwrap();
+        assert_eq!(e.injection.kill, vec![Kill { worker: 1, at_step: 40 }]);
+        let by = |n: &str| e.runs.iter().find(|r| r.name == n).unwrap().clone();
+        assert_eq!((by("el").min_workers, by("el").restarts, by("el").faults), (Some(2), 1, true));
+        assert_eq!((by("ck").checkpoint_every, by("ck").restarts), (Some(10), 2));
+        assert_eq!((by("ps").restarts, by("ref").faults), (1, false));
+        assert!(e.injection.describe().iter().any(|l| l.contains("worker 1 is killed (SIGKILL) after step 40")));
+        let bad = |runs: &str, kill: &str, want: &str| {
+            let m = error(&file(runs, kill));
+            assert!(m.contains(want), "{m}\nwants: {want}");
+            assert_eq!(m.lines().count(), 1, "{m}");
+        };
+        let k = "{ worker = 1, at_step = 40 }";
+        bad(
+            runs,
+            "{ worker = 3, at_step = 40 }",
+            "injection.kill[0].worker: worker 3 does not exist: the largest multi-process run has 3 workers",
+        );
+        bad(runs, "{ worker = 1, at_step = 0 }", "injection.kill[0].at_step: must be at least 1");
+        bad(runs, &format!("{k}, {k}"), "injection.kill[1].worker: worker 1 is killed twice");
+        bad("[[run]]\nstrategy = \"mirrored\"\n", k, "there is no worker process to kill");
+        bad(
+            "[[run]]\nstrategy = \"parameter-server\"\nworkers = 3\nmin_workers = 2\n",
+            k,
+            "run[0].min_workers: parameter-server is not elastic",
+        );
+        bad(
+            "[[run]]\nstrategy = \"multi-worker-mirrored\"\nworkers = 3\nmin_workers = 4\n",
+            k,
+            "run[0].min_workers: 4 for a run of 3 workers; use 1 to 3",
+        );
+        bad("[[run]]\nstrategy = \"multi-worker-mirrored\"\nworkers = 3\nrestarts = 1\n", k, "run[0].restarts: a job that is not elastic is relaunched whole from its last checkpoint: set checkpoint_every");
+        bad(
+            "[[run]]\nstrategy = \"mirrored\"\nrestarts = 1\n[[run]]\nstrategy = \"parameter-server\"\nworkers = 3\n",
+            k,
+            "run[0].restarts: mirrored runs in one process",
+        );
+        bad(
+            "[[run]]\nstrategy = \"parameter-server\"\nworkers = 3\ncheckpoint_every = 5\n",
+            k,
+            "run[0].checkpoint_every: parameter-server runs are not relaunched",
+        );
+        bad(
+            "[[run]]\nstrategy = \"multi-worker-mirrored\"\nworkers = 3\ncheckpoint_every = 0\n",
+            k,
+            "run[0].checkpoint_every: must be at least 1",
+        );
+        let m = error(&format!("{}\n[network]\nhosts = 2\nlink = \"1gbit\"\n", file(runs, k)));
+        assert!(m.contains("network: [injection] kill runs on this machine's loopback"), "{m}");
+    }
+
+    #[test]
     fn delay_distributions_parse_and_sample() {
         let d: DelayDistribution = "uniform:10ms..30ms".parse().unwrap();
         assert_eq!(d.sample(0.5), Duration::from_millis(20));
@@ -1165,8 +1369,10 @@ network_delay = "1ms"
             let path = entry.unwrap().path();
             if path.extension().is_some_and(|e| e == "toml") {
                 let e = Experiment::load(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-                // Simulated mode models the digits MLP: the others run for real only.
-                assert_eq!(e.simulate.is_some(), e.model != RunModel::Transformer, "{}", path.display());
+                // Simulated mode models the digits MLP (and no lost workers): the others run
+                // for real only.
+                let simulable = e.model != RunModel::Transformer && e.injection.kill.is_empty();
+                assert_eq!(e.simulate.is_some(), simulable, "{}", path.display());
                 n += 1;
             }
         }

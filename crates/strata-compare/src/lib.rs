@@ -11,6 +11,7 @@
 //! `REPORT.md`.
 
 pub mod experiment;
+pub mod faults;
 pub mod hosts;
 pub mod inject;
 pub mod plot;
@@ -49,6 +50,12 @@ pub struct RunResult {
     pub hosts: usize,
     /// The measured TCP goodput of one link of those hosts, bits per second, if measured.
     pub link_goodput_bps: Option<f64>,
+    /// The workers `[injection] kill` killed, and when.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub faults: Vec<faults::FaultEvent>,
+    /// How many times the harness relaunched the whole job from its last checkpoint.
+    #[serde(default)]
+    pub relaunches: usize,
 }
 
 /// What the time-to-target columns measure: the first evaluation at or above a test accuracy
@@ -139,6 +146,18 @@ pub struct RunSummary {
     pub steps: u64,
     /// Updates applied in the end.
     pub updates: u64,
+    /// When the first worker was killed (`[injection] kill`), seconds from the start.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub killed_at_s: Option<f64>,
+    /// The longest time without a step record from the first kill on: what the loss cost
+    /// before training went on (detection, re-forming or relaunching).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub longest_pause_s: Option<f64>,
+    /// Step records trained again after a relaunch from an earlier checkpoint (steps whose
+    /// number was already recorded).
+    pub steps_repeated: u64,
+    /// Relaunches of the whole job.
+    pub relaunches: usize,
 }
 
 /// The table's figures for every run, against `target`.
@@ -174,6 +193,30 @@ fn summarize_one(r: &RunResult, target: Target) -> RunSummary {
     let examples = steps.iter().map(|s| s.examples).max().unwrap_or(0);
     let bytes: u64 = steps.iter().map(|s| s.bytes_sent + s.bytes_received).sum();
     let stale: Vec<u64> = steps.iter().filter_map(|s| s.staleness).collect();
+    let killed_at_s = r.faults.iter().map(|f| f.wall_s).reduce(f64::min);
+    let longest_pause_s = killed_at_s.map(|k| {
+        let mut times: Vec<f64> = steps.iter().map(|s| s.wall_s).filter(|t| *t >= k).collect();
+        times.sort_by(f64::total_cmp);
+        let mut last = k;
+        let mut longest: f64 = 0.0;
+        for t in times {
+            longest = longest.max(t - last);
+            last = t;
+        }
+        // A run that never stepped again paused until it ended.
+        if last == k {
+            longest = longest.max(r.wall_s - k);
+        }
+        longest
+    });
+    let mut highest = 0u64;
+    let mut steps_repeated = 0u64;
+    for s in &steps {
+        if s.step <= highest {
+            steps_repeated += 1;
+        }
+        highest = highest.max(s.step);
+    }
     let status = match (&r.error, hit) {
         (Some(_), _) => "failed",
         (None, Some(_)) => "ok",
@@ -198,6 +241,10 @@ fn summarize_one(r: &RunResult, target: Target) -> RunSummary {
         max_staleness: stale.iter().copied().max(),
         steps: steps.len() as u64,
         updates: r.records.iter().map(|x| x.updates).max().unwrap_or(0),
+        killed_at_s,
+        longest_pause_s,
+        steps_repeated,
+        relaunches: r.relaunches,
     }
 }
 
@@ -218,6 +265,8 @@ mod tests {
             wall_s: 10.0,
             hosts: 0,
             link_goodput_bps: None,
+            faults: Vec::new(),
+            relaunches: 0,
         }
     }
 
@@ -268,5 +317,27 @@ mod tests {
         let s = summarize(&[run("t", 1, evals)], Target::Loss(1.5));
         assert_eq!((s[0].status.as_str(), s[0].time_to_target_s), ("below target", None));
         assert!(!Target::Accuracy(0.5).reached(&MetricRecord::eval_loss(1, 1, 1.0, 1, 0.1)));
+    }
+
+    #[test]
+    fn a_kill_gives_the_longest_pause_after_it_and_the_steps_trained_again() {
+        // Steps 1..4, a kill at 4.5 s, a relaunch that resumes after step 2 at 7 s.
+        let mut r = run(
+            "restart",
+            3,
+            [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (3, 7.0), (4, 7.5), (5, 8.0)]
+                .into_iter()
+                .map(|(k, t)| MetricRecord::step(k, k, t, k * 8, 1.0))
+                .collect(),
+        );
+        r.faults = vec![faults::FaultEvent { worker: 1, at_step: 4, step: 4, wall_s: 4.5 }];
+        r.relaunches = 1;
+        let s = summarize(&[r.clone()], Target::Accuracy(0.5)).remove(0);
+        assert_eq!((s.killed_at_s, s.longest_pause_s), (Some(4.5), Some(2.5)));
+        assert_eq!((s.steps_repeated, s.relaunches), (2, 1));
+        // A run that never stepped after the kill paused until it ended (wall_s 10).
+        r.records.truncate(4);
+        let s = summarize(&[r], Target::Accuracy(0.5)).remove(0);
+        assert_eq!(s.longest_pause_s, Some(5.5));
     }
 }

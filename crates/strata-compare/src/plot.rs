@@ -198,6 +198,8 @@ struct LineChart {
     y_cap: Option<f64>,
     /// A horizontal dashed line at this y, with its legend label.
     hline: Option<(f64, String)>,
+    /// Vertical dotted lines at these x (a run's lost worker), in the run's color.
+    vlines: Vec<(f64, RGBColor)>,
     /// What to write when there are no points.
     empty_note: String,
 }
@@ -217,6 +219,7 @@ impl LineChart {
             y_from_zero: false,
             y_cap: None,
             hline: None,
+            vlines: Vec::new(),
             empty_note: empty_note.into(),
         }
     }
@@ -569,6 +572,14 @@ fn draw_lines<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, c: &LineChart) 
         let y = ty(*y);
         chart.draw_series(DashedLineSeries::new(vec![(x0, y), (x1, y)], 10, 6, BLACK.stroke_width(1))).map_err(err)?;
     }
+    for &(x, color) in &c.vlines {
+        let x = tx(x);
+        if x.is_finite() {
+            chart
+                .draw_series(DashedLineSeries::new(vec![(x, y0), (x, y1)], 3, 4, color.stroke_width(2)))
+                .map_err(err)?;
+        }
+    }
     if let Some(legend) = legend_area {
         draw_legend(&legend.margin(10, 0, 0, 8), &entries)?;
     }
@@ -802,6 +813,52 @@ pub fn accuracy_vs_steps(dir: &Path, runs: &[RunResult], target: f32, simulated:
         });
     }
     render(dir, "accuracy_vs_steps", &Figure::Lines(chart))
+}
+
+/// Time to accuracy: test accuracy (percent) against wall seconds, the target as a dashed
+/// line and, where `[injection] kill` killed a worker, a dotted line at that moment in the
+/// run's color. `None` when no run recorded an accuracy (the transformer's validation loss).
+pub fn accuracy_vs_time(dir: &Path, runs: &[RunResult], target: f32, simulated: bool) -> Result<Option<Plot>> {
+    let keys = color_keys(runs);
+    let has_accuracy =
+        |i: usize| runs[i].records.iter().any(|r| r.kind == RecordKind::Eval && r.accuracy.is_some_and(f32::is_finite));
+    if !(0..runs.len()).any(has_accuracy) {
+        return Ok(None);
+    }
+    // A run that failed after a kill is drawn too: what a lost worker did to it is the point.
+    let candidates: Vec<usize> = (0..runs.len())
+        .filter(|&i| has_accuracy(i) && (runs[i].error.is_none() || !runs[i].faults.is_empty()))
+        .collect();
+    let (picked, note) = select(runs, candidates);
+    let time = if simulated { "wall time (virtual seconds)" } else { "wall time (s)" };
+    let mut chart = LineChart::new(
+        format!("Test accuracy against wall time{}", simulated_suffix(simulated)),
+        time,
+        "test accuracy (%)",
+        "no run recorded an evaluation",
+    );
+    chart.note = note;
+    chart.y_cap = Some(100.5);
+    if target.is_finite() && target > 0.0 {
+        chart.hline = Some((f64::from(target) * 100.0, format!("target {:.2}%", f64::from(target) * 100.0)));
+    }
+    for i in picked {
+        let mut pts: Vec<(f64, f64)> = runs[i]
+            .records
+            .iter()
+            .filter(|r| r.kind == RecordKind::Eval && r.wall_s.is_finite())
+            .filter_map(|r| r.accuracy.filter(|a| a.is_finite()).map(|a| (r.wall_s, f64::from(a) * 100.0)))
+            .collect();
+        pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let style = if pts.len() <= 30 { Style::LineMarkers } else { Style::Line };
+        let c = color(keys[i]);
+        chart.series.push(Series { label: Some(runs[i].name.clone()), color: c, style, points: thin(pts, 1500) });
+        chart.vlines.extend(runs[i].faults.iter().map(|f| (f.wall_s, c)));
+    }
+    if !chart.vlines.is_empty() {
+        chart.extra_legend.push(LegendEntry { label: "worker killed".into(), color: NOTE_GREY, style: Style::Dashed });
+    }
+    render(dir, "accuracy_vs_time", &Figure::Lines(chart)).map(Some)
 }
 
 fn check_aligned(runs: &[RunResult], summaries: &[RunSummary]) -> Result<()> {
@@ -1065,6 +1122,7 @@ pub fn draw_all(
         examples_per_second(dir, runs, summaries, simulated)?,
         staleness_histogram(dir, runs, simulated)?,
     ];
+    out.extend(accuracy_vs_time(dir, runs, target, simulated)?);
     out.extend(scaling(dir, runs, summaries, simulated)?);
     out.extend(scaling_efficiency(dir, runs, summaries, simulated)?);
     out.extend(time_to_target_vs_workers(dir, runs, summaries, target, simulated)?);

@@ -170,6 +170,14 @@ pub fn summary_value(
                 map.insert("wall_s".into(), json!(r.wall_s));
                 map.insert("records".into(), json!(r.records.len()));
                 map.insert("hosts".into(), json!(r.hosts));
+                if !r.faults.is_empty() {
+                    map.insert("faults".into(), json!(r.faults));
+                }
+                if let Some(spec) =
+                    exp.runs.iter().find(|x| x.name == r.name).filter(|_| !exp.injection.kill.is_empty())
+                {
+                    map.insert("recovery".into(), json!(recovery(spec)));
+                }
             }
             v
         })
@@ -443,6 +451,9 @@ pub fn report_text(
          updates between a worker's pull and its push (parameter servers only). {NONE}: not measured or not reached.",
         exp.target.describe()
     );
+    if !exp.injection.kill.is_empty() && !simulated {
+        md.push_str(&lost_workers(exp, runs, summaries));
+    }
     if failed > 0 {
         md.push_str("\n### Failed runs\n\n");
         for r in runs.iter().filter(|r| r.error.is_some()) {
@@ -474,6 +485,67 @@ pub fn report_text(
     for f in findings {
         let _ = writeln!(md, "- {f}");
     }
+    md
+}
+
+/// How a run recovers from a lost worker, for the report.
+pub fn recovery(spec: &crate::experiment::RunSpec) -> String {
+    use crate::experiment::RunStrategy;
+    let restarts = |what: &str| match spec.restarts {
+        0 => String::new(),
+        1 => format!("; a new process {what} (once)"),
+        k => format!("; a new process {what} (up to {k} times)"),
+    };
+    match (spec.strategy, spec.min_workers, spec.checkpoint_every) {
+        _ if !spec.faults => "not killed (undisturbed)".into(),
+        (RunStrategy::MultiWorkerMirrored, Some(m), _) => {
+            format!("elastic: the others re-form and go on (at least {m}){}", restarts("joins"))
+        }
+        (RunStrategy::MultiWorkerMirrored, None, Some(every)) if spec.restarts > 0 => {
+            format!("restart the world: relaunched whole from its last checkpoint (every {every} steps)")
+        }
+        (RunStrategy::MultiWorkerMirrored, None, _) => "none: the job fails".into(),
+        (RunStrategy::ParameterServer, ..) => {
+            format!("its steps run on the other workers{}", restarts("is given steps"))
+        }
+        _ => "loses no worker (one process)".into(),
+    }
+}
+
+/// The report's section on `[injection] kill`: per run, how it recovers, when the worker was
+/// killed and what it cost.
+fn lost_workers(exp: &Experiment, runs: &[RunResult], summaries: &[RunSummary]) -> String {
+    let mut md = String::from("\n### Lost workers\n\n");
+    md.push_str(
+        "| Run | Recovery | Killed | Longest pause after | Steps trained again | Relaunches | Time to target | Final accuracy |\n\
+         |---|---|---|---|---|---|---|---|\n",
+    );
+    for (r, s) in runs.iter().zip(summaries) {
+        let Some(spec) = exp.runs.iter().find(|x| x.name == r.name) else { continue };
+        let killed: Vec<String> = r
+            .faults
+            .iter()
+            .map(|f| format!("worker {} at {} (step {})", f.worker, fmt_seconds(f.wall_s), f.step))
+            .collect();
+        let _ = writeln!(
+            md,
+            "| {} | {} | {} | {} | {} | {} | {} | {} |",
+            md_cell(&r.name),
+            md_cell(&recovery(spec)),
+            if killed.is_empty() { NONE.to_string() } else { md_cell(&killed.join("; ")) },
+            or_dash(s.longest_pause_s, fmt_seconds),
+            s.steps_repeated,
+            s.relaunches,
+            or_dash(s.time_to_target_s, fmt_seconds),
+            or_dash(s.final_accuracy, fmt_accuracy),
+        );
+    }
+    md.push_str(
+        "\nKilled: SIGKILL from outside once the job had trained that many global batches (the harness reads the \
+         step records, so the kill lands a step or two after). Longest pause after: the longest time without a \
+         step record from the kill on (noticing the loss, re-forming or relaunching, steps trained again before \
+         they are recorded). The dotted lines of the time-to-accuracy plot mark the kills.\n",
+    );
     md
 }
 

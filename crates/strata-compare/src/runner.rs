@@ -26,8 +26,12 @@ use crate::{Error, Result};
 pub fn command_line(exp: &Experiment, spec: &RunSpec, metrics: &Path, summary: &Path) -> Vec<String> {
     let train = train_args(exp, spec, metrics, summary);
     if spec.strategy == RunStrategy::MultiWorkerMirrored {
-        let mut launch: Vec<String> =
-            vec!["launch".into(), "--workers".into(), spec.workers.to_string(), "--".into(), "strata".into()];
+        let mut launch: Vec<String> = vec!["launch".into(), "--workers".into(), spec.workers.to_string()];
+        if spec.min_workers.is_some() && spec.restarts > 0 {
+            // The launcher starts a new process that joins the elastic job.
+            launch.extend(["--max-restarts".into(), spec.restarts.to_string()]);
+        }
+        launch.extend(["--".into(), "strata".into()]);
         launch.extend(train);
         return launch;
     }
@@ -98,6 +102,20 @@ pub fn train_args(exp: &Experiment, spec: &RunSpec, metrics: &Path, summary: &Pa
     if spec.compression != Compression::None {
         train.extend(["--compression".into(), spec.compression.to_string()]);
     }
+    if let Some(n) = spec.min_workers {
+        train.extend(["--min-workers".into(), n.to_string()]);
+    }
+    if let Some(every) = spec.checkpoint_every {
+        train.extend([
+            "--checkpoint-dir".into(),
+            checkpoint_dir(metrics).display().to_string(),
+            "--checkpoint-every".into(),
+            every.to_string(),
+        ]);
+    }
+    if spec.strategy == RunStrategy::ParameterServer && spec.restarts > 0 {
+        train.extend(["--max-restarts".into(), spec.restarts.to_string()]);
+    }
     match spec.strategy {
         RunStrategy::ParameterServer => {
             train.extend([
@@ -121,6 +139,12 @@ pub fn train_args(exp: &Experiment, spec: &RunSpec, metrics: &Path, summary: &Pa
         }
         _ => train,
     }
+}
+
+/// Where a run whose records go to `metrics` (`runs/<name>.jsonl`) writes its checkpoints:
+/// `runs/<name>.ckpt`.
+pub fn checkpoint_dir(metrics: &Path) -> PathBuf {
+    metrics.with_extension("ckpt")
 }
 
 /// `strata train`'s steps per epoch of the transformer when `steps` is not given.
@@ -522,6 +546,8 @@ fn finish(
         wall_s,
         hosts,
         link_goodput_bps: None,
+        faults: Vec::new(),
+        relaunches: 0,
     }
 }
 
@@ -531,16 +557,60 @@ fn run_one(exe: &Path, exp: &Experiment, spec: &RunSpec, runs_dir: &Path, bar: &
     let log = runs_dir.join(format!("{}.log", spec.name));
     let _ = std::fs::remove_file(&metrics);
     let _ = std::fs::remove_file(&summary);
+    // A checkpoint left by an earlier harness would be resumed from.
+    let _ = std::fs::remove_dir_all(checkpoint_dir(&metrics));
     let started = Instant::now();
-    let outcome = spawn_and_wait(
-        exe,
-        &command_line(exp, spec, &metrics, &summary),
-        &log,
-        spec.timeout.unwrap_or(exp.run_timeout),
-        &metrics,
-        bar,
-    );
-    finish(exp, spec, outcome, &metrics, started.elapsed().as_secs_f64(), 0)
+    let timeout = spec.timeout.unwrap_or(exp.run_timeout);
+    let kills: &[crate::experiment::Kill] =
+        if spec.faults && spec.strategy.is_multi_process() { &exp.injection.kill } else { &[] };
+    let kills: Vec<_> = kills.iter().copied().filter(|k| k.worker < spec.workers).collect();
+    let per_batch = if spec.strategy == RunStrategy::ParameterServer { spec.workers as u64 } else { 1 };
+    let mut killer = crate::faults::Killer::new(&kills, per_batch, started);
+    let args = command_line(exp, spec, &metrics, &summary);
+    // Earlier attempts' records (a job relaunched from its checkpoint), on the run's clock.
+    let mut earlier: Vec<strata::metrics::MetricRecord> = Vec::new();
+    let mut relaunches = 0;
+    let outcome = loop {
+        let attempt_start = started.elapsed().as_secs_f64();
+        let kills_before = killer.done.len();
+        let log = if relaunches == 0 {
+            log.clone()
+        } else {
+            runs_dir.join(format!("{}.relaunch-{relaunches}.log", spec.name))
+        };
+        let left = timeout.saturating_sub(started.elapsed());
+        let outcome = spawn_and_wait(exe, &args, &log, left, &metrics, bar, Some(&mut killer));
+        let mut records = strata::metrics::read(&metrics).unwrap_or_default();
+        let shift = killer.end_attempt(attempt_start);
+        for r in &mut records {
+            r.wall_s += shift;
+        }
+        earlier.extend(records);
+        // Restart the world: a job that is not elastic and lost a worker to a kill is
+        // relaunched whole, and resumes from its last checkpoint.
+        let relaunch = outcome.is_err()
+            && spec.min_workers.is_none()
+            && spec.checkpoint_every.is_some()
+            && relaunches < spec.restarts
+            && killer.done.len() > kills_before
+            && stop_requested().is_none()
+            && started.elapsed() < timeout;
+        if !relaunch {
+            break outcome;
+        }
+        relaunches += 1;
+        let _ = std::fs::remove_file(&metrics);
+    };
+    let mut result = finish(exp, spec, outcome, &metrics, started.elapsed().as_secs_f64(), 0);
+    if relaunches > 0 {
+        result.records = earlier;
+        if result.error.is_none() && !result.records.iter().any(|r| r.kind == strata::metrics::RecordKind::Eval) {
+            result.error = Some("the run wrote no evaluation".into());
+        }
+    }
+    result.faults = killer.done;
+    result.relaunches = relaunches;
+    result
 }
 
 /// Runs `strata ARGS` with its output in `log`; the error is the process's own last `error:`
@@ -552,6 +622,7 @@ fn spawn_and_wait(
     timeout: Duration,
     metrics: &Path,
     bar: &indicatif::ProgressBar,
+    mut killer: Option<&mut crate::faults::Killer>,
 ) -> std::result::Result<(), String> {
     let file = std::fs::File::create(log).map_err(|e| format!("cannot create {}: {e}", log.display()))?;
     let err_file = file.try_clone().map_err(|e| format!("cannot open {}: {e}", log.display()))?;
@@ -579,12 +650,20 @@ fn spawn_and_wait(
                 return Err(format!("stopped after its time limit of {} s", timeout.as_secs_f64()));
             }
             Ok(None) => {
-                if !bar.is_hidden() {
+                let watched = killer.as_ref().is_some_and(|k| k.is_active());
+                if !bar.is_hidden() || watched {
                     if let Ok(text) = std::fs::read_to_string(metrics) {
                         bar.set_position(text.lines().filter(|l| l.contains("\"kind\":\"step\"")).count() as u64);
+                        if let Some(k) = killer.as_deref_mut() {
+                            if let Some(progress) = k.observe(&text) {
+                                k.poll(child.id(), progress);
+                            }
+                        }
                     }
                 }
-                std::thread::sleep(Duration::from_millis(100));
+                // A run with kills is watched closely (a step of a small model takes
+                // milliseconds, and the clocks' offset is known to within the interval).
+                std::thread::sleep(Duration::from_millis(if watched { 5 } else { 100 }));
             }
             Err(e) => {
                 kill_group(&mut child);

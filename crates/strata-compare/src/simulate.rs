@@ -837,6 +837,8 @@ impl<'a> Simulator<'a> {
             wall_s,
             hosts: 0,
             link_goodput_bps: None,
+            faults: Vec::new(),
+            relaunches: 0,
         })
     }
 

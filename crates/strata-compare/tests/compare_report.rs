@@ -27,7 +27,7 @@ fn experiment(name: &str) -> Experiment {
         data: None,
         run_timeout: Duration::from_secs(600),
         runs: vec![],
-        injection: Injection { slowdown: vec![(1, 3.0)], stragglers: None, network_delay: Duration::ZERO },
+        injection: Injection { slowdown: vec![(1, 3.0)], ..Default::default() },
         simulate: None,
         network: None,
     }
@@ -74,6 +74,8 @@ fn run(
         error: None,
         hosts: 0,
         link_goodput_bps: None,
+        faults: Vec::new(),
+        relaunches: 0,
     }
 }
 

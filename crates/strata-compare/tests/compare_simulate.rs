@@ -23,6 +23,10 @@ fn spec(name: &str, strategy: RunStrategy, mode: Option<PsMode>, backup_workers:
         staleness,
         timeout: None,
         compression: Compression::None,
+        min_workers: None,
+        restarts: 0,
+        checkpoint_every: None,
+        faults: true,
     }
 }
 
@@ -151,6 +155,7 @@ fn the_same_seed_gives_the_same_records() {
             slowdown: vec![(0, 2.0)],
             stragglers: Some(Stragglers { probability: 0.3, delay: "exp:5ms".parse().unwrap() }),
             network_delay: Duration::from_micros(100),
+            ..Default::default()
         },
     );
     let cfg = SimConfig { workers: vec![1, 3], max_updates: 40, ..Default::default() };
