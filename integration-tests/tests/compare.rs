@@ -329,6 +329,19 @@ fn a_worker_killed_at_a_step_is_survived_as_each_recovery_says() {
     let report = std::fs::read_to_string(out_dir.join("REPORT.md")).unwrap();
     assert!(report.contains("### Lost workers"), "{report}");
     assert!(report.contains("restart the world: relaunched whole from its last checkpoint (every 20 steps)"));
+    // The wall time over the undisturbed twin (the same strategy and workers, faults = false):
+    // given for the runs that finished, not for the one that failed.
+    let over = |run: &str| -> String {
+        let section = &report[report.find("### Lost workers").unwrap()..];
+        let row = section.lines().find(|l| l.starts_with(&format!("| {run} |"))).unwrap_or_else(|| panic!("{report}"));
+        row.split('|').nth(7).unwrap().trim().to_string()
+    };
+    for run in ["elastic", "restart"] {
+        let v = over(run);
+        assert!(v.starts_with(['+', '-']) && v.ends_with(" s"), "{run}: {v:?}");
+    }
+    assert_eq!(over("no-recovery"), "—");
+    assert_eq!(over("ps"), "—", "no undisturbed parameter-server run");
     assert!(report.contains("![Test accuracy against wall time](accuracy_vs_time.png)"), "{report}");
     assert!(out_dir.join("accuracy_vs_time.svg").is_file());
 }

@@ -517,11 +517,26 @@ pub fn recovery(spec: &crate::experiment::RunSpec) -> String {
 fn lost_workers(exp: &Experiment, runs: &[RunResult], summaries: &[RunSummary]) -> String {
     let mut md = String::from("\n### Lost workers\n\n");
     md.push_str(
-        "| Run | Recovery | Killed | Longest pause after | Steps trained again | Relaunches | Time to target | Final accuracy |\n\
-         |---|---|---|---|---|---|---|---|\n",
+        "| Run | Recovery | Killed | Longest pause after | Steps trained again | Relaunches | Wall time over undisturbed | Time to target | Final accuracy |\n\
+         |---|---|---|---|---|---|---|---|---|\n",
     );
+    let spec_of = |name: &str| exp.runs.iter().find(|x| x.name == name);
+    let last_step =
+        |r: &RunResult| r.records.iter().filter(|m| m.kind == RecordKind::Step).map(|m| m.wall_s).reduce(f64::max);
     for (r, s) in runs.iter().zip(summaries) {
-        let Some(spec) = exp.runs.iter().find(|x| x.name == r.name) else { continue };
+        let Some(spec) = spec_of(&r.name) else { continue };
+        // The undisturbed twin: the same strategy, mode and workers with faults = false.
+        let twin = runs.iter().find(|o| {
+            spec.faults
+                && o.error.is_none()
+                && spec_of(&o.name).is_some_and(|t| {
+                    !t.faults && t.strategy == spec.strategy && t.mode == spec.mode && t.workers == spec.workers
+                })
+        });
+        let over = match (twin, last_step(r), r.error.is_none()) {
+            (Some(t), Some(mine), true) => last_step(t).map(|theirs| mine - theirs),
+            _ => None,
+        };
         let killed: Vec<String> = r
             .faults
             .iter()
@@ -529,13 +544,14 @@ fn lost_workers(exp: &Experiment, runs: &[RunResult], summaries: &[RunSummary]) 
             .collect();
         let _ = writeln!(
             md,
-            "| {} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} |",
             md_cell(&r.name),
             md_cell(&recovery(spec)),
             if killed.is_empty() { NONE.to_string() } else { md_cell(&killed.join("; ")) },
             or_dash(s.longest_pause_s, fmt_seconds),
             s.steps_repeated,
             s.relaunches,
+            or_dash(over, |d| format!("{}{}", if d < 0.0 { "-" } else { "+" }, fmt_seconds(d.abs()))),
             or_dash(s.time_to_target_s, fmt_seconds),
             or_dash(s.final_accuracy, fmt_accuracy),
         );
@@ -544,7 +560,9 @@ fn lost_workers(exp: &Experiment, runs: &[RunResult], summaries: &[RunSummary]) 
         "\nKilled: SIGKILL from outside once the job had trained that many global batches (the harness reads the \
          step records, so the kill lands a step or two after). Longest pause after: the longest time without a \
          step record from the kill on (noticing the loss, re-forming or relaunching, steps trained again before \
-         they are recorded). The dotted lines of the time-to-accuracy plot mark the kills.\n",
+         they are recorded). Wall time over undisturbed: the run's last step record less that of the \
+         run with the same strategy, mode and workers and `faults = false`, if the experiment has one (one \
+         run each: the machine's noise is in it). The dotted lines of the time-to-accuracy plot mark the kills.\n",
     );
     md
 }
