@@ -158,7 +158,10 @@ fn real_runs_give_every_file_and_readable_plots() {
     let out = write_outputs(&dir, &exp, &runs, false).unwrap();
 
     let names: Vec<&str> = out.plots.iter().map(|p| p.name.as_str()).collect();
-    assert_eq!(names, ["loss_vs_time", "accuracy_vs_steps", "examples_per_second", "staleness_histogram"]);
+    assert_eq!(
+        names,
+        ["loss_vs_time", "accuracy_vs_steps", "examples_per_second", "staleness_histogram", "accuracy_vs_time"]
+    );
     for f in out.files() {
         assert!(f.is_file(), "{} missing", f.display());
     }
@@ -255,6 +258,7 @@ fn a_simulated_sweep_adds_the_scaling_plots_and_says_it_is_simulated() {
             "accuracy_vs_steps",
             "examples_per_second",
             "staleness_histogram",
+            "accuracy_vs_time",
             "scaling",
             "scaling_efficiency",
             "time_to_target_vs_workers"
