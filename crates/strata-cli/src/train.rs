@@ -7,7 +7,7 @@ use serde::Serialize;
 use strata_core::cross_device::compression::Compression;
 use strata_core::strategy::AutoShardPolicy;
 use strata_core::timeline::Timeline;
-use strata_core::{Strategy, StrategyHandle, StrategyOptions};
+use strata_core::{Strategy, StrategyHandle, StrategyOptions, ZeroStage};
 use strata_strategies::cluster::{ClusterResolver, SlurmClusterResolver, SlurmJobs, TFConfigClusterResolver};
 use strata_strategies::{
     CentralStorageStrategy, CpuReduction, MirroredStrategy, MultiWorkerMirroredStrategy, MultiWorkerOptions,
@@ -186,6 +186,11 @@ pub struct TrainArgs {
     /// Reduce after the backward pass instead of overlapping the reduction with it.
     #[arg(long)]
     pub no_overlap: bool,
+    /// ZeRO: 0 (every replica keeps the whole optimizer state) or 1 (each replica, across every
+    /// worker, keeps the optimizer state of its shard of the parameters and steps that shard;
+    /// mirrored and multi-worker-mirrored, with the fused optimizers).
+    #[arg(long, default_value = "0", value_parser = parse_zero_stage)]
+    pub zero_stage: ZeroStage,
     /// parameter-server: compute each worker's gradients at the pulled values, not at the
     /// values extrapolated by the updates expected to land before its push (async and stale
     /// modes; see docs/parameter-servers.md).
@@ -360,6 +365,31 @@ impl TrainArgs {
                 "--no-lookahead applies to --strategy parameter-server, whose pushes can be stale (--strategy {} has none); drop it",
                 self.strategy.name()
             )));
+        }
+        if self.zero_stage != ZeroStage::Off {
+            let stage = self.zero_stage;
+            if !matches!(self.strategy, StrategyKind::Mirrored | StrategyKind::MultiWorkerMirrored) {
+                return Err(Error::Usage(format!(
+                    "--zero-stage {stage} applies to --strategy mirrored and multi-worker-mirrored, whose replicas each keep a whole copy of the optimizer state (--strategy {} does not); drop it",
+                    self.strategy.name()
+                )));
+            }
+            if matches!(self.optimizer, OptimizerKind::CandleAdamw | OptimizerKind::CandleSgd) {
+                return Err(Error::Usage(format!(
+                    "--zero-stage {stage} with --optimizer {}: candle-nn's optimizers step whole variables; use --optimizer adamw or sgd (Strata's fused ones)",
+                    self.optimizer
+                )));
+            }
+            if self.min_workers.is_some() {
+                return Err(Error::Usage(format!(
+                    "--zero-stage {stage} with --min-workers: shards that follow an elastic job's membership are not built yet; use --zero-stage 0"
+                )));
+            }
+            if self.checkpoint_dir.is_some() {
+                return Err(Error::Usage(format!(
+                    "--zero-stage {stage} with --checkpoint-dir: checkpoints of sharded optimizer state are not built yet; use --zero-stage 0"
+                )));
+            }
         }
         match (self.strategy, self.compression) {
             (_, Compression::None) | (StrategyKind::MultiWorkerMirrored, _) => {}
@@ -589,6 +619,11 @@ pub fn make_multi_worker(args: &TrainArgs, options: StrategyOptions) -> Result<M
     Ok(MultiWorkerMirroredStrategy::from_resolver(resolver.as_ref(), mw)?)
 }
 
+/// `--zero-stage`: `0` or `1`.
+fn parse_zero_stage(s: &str) -> std::result::Result<ZeroStage, String> {
+    s.parse::<ZeroStage>().map_err(|e| e.to_string())
+}
+
 /// `--compression`: `none`, `fp16`, `bf16` or `powersgd:RANK`.
 fn parse_compression(s: &str) -> std::result::Result<Compression, String> {
     s.parse::<Compression>().map_err(|e| e.to_string())
@@ -681,6 +716,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         collective_timeout: std::time::Duration::from_secs_f64(args.collective_timeout),
         overlap: !args.no_overlap,
         row_block_bytes: (args.row_block_mib * 1024.0 * 1024.0) as usize,
+        zero_stage: args.zero_stage,
     };
     // SIGTERM and SIGINT stop training after the current step (with a checkpoint when
     // --checkpoint-dir is set); a second signal ends the process at once.

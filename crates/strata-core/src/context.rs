@@ -122,6 +122,42 @@ impl ReplicaContext<'_> {
         Ok(Tensor::from_slice(&flat, shape, self.candle_device())?.to_dtype(t.dtype())?)
     }
 
+    /// Gathers every replica's `mine` (1-D tensors; their lengths may differ) across every
+    /// replica of every worker, as runs in the order of
+    /// [`replica_id_in_sync_group`](ReplicaContext::replica_id_in_sync_group): this worker's
+    /// replicas' tensors themselves (shared, not copied), and one f32 run on the CPU per other
+    /// worker (its replicas' tensors joined).
+    pub(crate) fn gather_runs(&self, mine: Vec<Tensor>) -> Result<Vec<Tensor>> {
+        let _p = self.phase("collective", "gather_runs");
+        let key = self.next_key("gather_runs".into(), vec![]);
+        let local: Vec<Tensor> = self.shared.group.exchange(self.replica, &key, mine)?.into_iter().flatten().collect();
+        let Some(w) = self.shared.ext.workers() else { return Ok(local) };
+        let gathered = if self.replica == 0 {
+            (|| -> Result<Vec<Vec<f32>>> {
+                let mut flat = Vec::with_capacity(local.iter().map(|t| t.elem_count()).sum());
+                for t in &local {
+                    flat.extend(t.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?);
+                }
+                w.all_gather(&flat)
+            })()
+            .map(Arc::new)
+            .map_err(|e| e.to_string())
+        } else {
+            Ok(Arc::new(Vec::new()))
+        };
+        let all = self.share_from_first("gather_runs(workers)", gathered)?;
+        let me = w.worker_index();
+        let mut runs = Vec::with_capacity(all.len() + local.len());
+        for (i, run) in all.iter().enumerate() {
+            if i == me {
+                runs.extend(local.iter().cloned());
+            } else {
+                runs.push(Tensor::from_slice(run, run.len(), &Device::Cpu)?);
+            }
+        }
+        Ok(runs)
+    }
+
     /// Steps into cross-replica context (TensorFlow's `merge_call`): every replica passes its
     /// `value`; `f` runs once, with all of them, and its result is returned on every replica.
     pub fn merge_call<T, R>(

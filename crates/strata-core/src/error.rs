@@ -135,6 +135,17 @@ pub enum Error {
         expected: &'static str,
     },
 
+    /// A ZeRO stage asked of a strategy, an optimizer or a job that cannot run it.
+    #[error("zero stage {stage} with {what}: {fix}")]
+    ZeroStage {
+        /// The stage asked for.
+        stage: u8,
+        /// What cannot run it.
+        what: String,
+        /// What to change.
+        fix: &'static str,
+    },
+
     /// The parts of one batch disagree on its number of examples (its first axis).
     #[error("the parts of a batch disagree on its examples: {first} has {first_rows} rows but {other} has {other_rows}; give every part of a batch one row per example")]
     BatchRows {

@@ -64,6 +64,7 @@
 //! - [`runtime`]: running a step on replica threads, the default strategy;
 //! - [`scope`]: the scope stack ([`get_strategy`]);
 //! - [`data`]: batches ([`data::BatchData`]), shards, distributed datasets, record files;
+//! - `zero`: ZeRO's shards of the optimizer state ([`ZeroStage`]);
 //! - [`variables`]: the scope's variables and the distributed optimizer;
 //! - [`strategy`]: the user-facing [`Strategy`] and [`StrategyHandle`].
 
@@ -87,6 +88,7 @@ pub mod strategy;
 pub mod timeline;
 mod values;
 pub mod variables;
+mod zero;
 
 pub use checkpoint::{
     keep_last, latest_checkpoint, read_checkpoint, write_checkpoint, Checkpoint, CheckpointTensor, CheckpointWriter,
@@ -94,7 +96,7 @@ pub use checkpoint::{
 };
 pub use error::{Error, Result};
 pub use extended::{
-    CrossReplicaContext, ReplicaContext, StrategyExtended, StrategyId, StrategyOptions, VariablePolicy,
+    CrossReplicaContext, ReplicaContext, StrategyExtended, StrategyId, StrategyOptions, VariablePolicy, ZeroStage,
 };
 pub use reduce::ReduceOp;
 pub use scope::{get_strategy, has_strategy};

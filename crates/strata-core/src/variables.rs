@@ -594,18 +594,56 @@ impl<M> Replicated<M> {
             let shapes: Vec<&[usize]> = first.iter().map(|v| v.dims()).collect();
             self.ext.cross_device_ops().check_gradients(&shapes)?;
         }
+        let stage = self.ext.options().zero_stage;
+        let shards = match stage {
+            crate::ZeroStage::Off => None,
+            _ => Some(self.shards::<O>(stage, &vars)?),
+        };
         let copies = vars
             .iter()
-            .map(|vs| O::new(vs.clone(), config.clone()).map(Mutex::new))
+            .enumerate()
+            .map(|(c, vs)| {
+                let stepped = shards.as_ref().map_or_else(|| vs.clone(), |s| s.piece_vars(c));
+                O::new(stepped, config.clone()).map(Mutex::new)
+            })
             .collect::<candle_core::Result<Vec<_>>>()?;
-        Ok(DistributedOptimizer::from_parts(
+        let mut opt = DistributedOptimizer::from_parts(
             self.strategy,
             self.strategy_name,
             self.policy,
             copies,
             vars,
             self.ext.num_replicas(),
-        ))
+        );
+        opt.shards = shards;
+        Ok(opt)
+    }
+
+    /// ZeRO's shards of `vars` (every local copy's trainable variables) over every replica in
+    /// sync, refusing what cannot run on shards.
+    fn shards<O: Optimizer>(&self, stage: crate::ZeroStage, vars: &[Vec<Var>]) -> Result<crate::zero::Shards> {
+        let refuse = |what: String, fix: &'static str| Error::ZeroStage { stage: stage.number(), what, fix };
+        if self.policy != VariablePolicy::Mirrored {
+            return Err(refuse(
+                format!("the {} strategy", self.strategy_name),
+                "its one central copy is stepped once; use stage 0, or mirrored",
+            ));
+        }
+        if !crate::zero::shardable::<O>() {
+            return Err(refuse(
+                format!("the optimizer {}", std::any::type_name::<O>()),
+                "it steps whole variables; use strata's FusedAdamW, FusedSgd or FusedMomentum, which step any run of a variable's elements",
+            ));
+        }
+        let workers = self.ext.workers();
+        if workers.is_some_and(|w| w.is_elastic()) {
+            return Err(refuse(
+                "an elastic job".into(),
+                "its shards would have to follow the membership, which is not built yet; use stage 0 or a job that is not elastic",
+            ));
+        }
+        let first = workers.map_or(0, |w| w.worker_index()) * self.ext.num_replicas();
+        crate::zero::Shards::new(stage, vars, first, self.ext.num_replicas_in_sync())
     }
 }
 
@@ -710,6 +748,9 @@ pub struct DistributedOptimizer<O> {
     /// Each replica's overlap plan, with the generation of the job's membership it was agreed
     /// in (an elastic job agrees a new plan in every generation).
     overlap: Vec<Mutex<Option<AgreedPlan>>>,
+    /// ZeRO's shards, when the strategy's [`ZeroStage`](crate::ZeroStage) is not `Off`: then
+    /// each copy's optimizer is built over its replica's pieces of the variables only.
+    shards: Option<crate::zero::Shards>,
 }
 
 /// How a replica reduces its gradients while the backward pass runs: the order in which the
@@ -921,6 +962,7 @@ impl<O: Optimizer> DistributedOptimizer<O> {
             accumulation: 1,
             accumulated: (0..replicas.max(1)).map(|_| Mutex::new(Accumulated::default())).collect(),
             overlap: (0..replicas.max(1)).map(|_| Mutex::new(None)).collect(),
+            shards: None,
         }
     }
 
@@ -985,27 +1027,50 @@ impl<O: Optimizer> DistributedOptimizer<O> {
 
     /// Applies `grads` (in the order of copy `copy`'s variables; `None` for a variable that
     /// no replica computed a gradient for, which the optimizer then skips) with copy `copy`.
-    pub(crate) fn apply(&self, copy: usize, grads: Vec<Option<Tensor>>) -> Result<()> {
+    /// With ZeRO's shards, the copy steps its replica's shard and every shard is gathered back
+    /// (collective over every replica of every worker).
+    pub(crate) fn apply(&self, ctx: &ReplicaContext<'_>, copy: usize, grads: Vec<Option<Tensor>>) -> Result<()> {
         let step = self.steps[copy].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let scale = match self.clip_global_norm {
             Some(max) => clip_scale(&grads, max)?,
             None => None,
         };
-        let mut store = GradStore::default();
-        for (v, g) in self.vars[copy].iter().zip(grads) {
-            if let Some(g) = g {
-                let g = match scale {
-                    Some(k) => (g * k)?,
-                    None => g,
-                };
-                store.insert(v.as_tensor(), g);
-            }
-        }
+        let grads = grads
+            .into_iter()
+            .map(|g| match (g, scale) {
+                (Some(g), Some(k)) => Ok(Some((g * k)?)),
+                (g, _) => Ok(g),
+            })
+            .collect::<Result<Vec<_>>>()?;
         let mut opt = self.lock(copy);
         if let Some(s) = &self.schedule {
             opt.set_learning_rate(s.at(step));
         }
+        if let Some(shards) = &self.shards {
+            return shards.step(ctx, copy, &self.vars[copy], &grads, &mut *opt);
+        }
+        let mut store = GradStore::default();
+        for (v, g) in self.vars[copy].iter().zip(grads) {
+            if let Some(g) = g {
+                store.insert(v.as_tensor(), g);
+            }
+        }
         Ok(opt.step(&store)?)
+    }
+
+    /// The ZeRO stage this optimizer runs ([`ZeroStage::Off`](crate::ZeroStage::Off) unless
+    /// the strategy's options asked for one).
+    pub fn zero_stage(&self) -> crate::ZeroStage {
+        self.shards.as_ref().map_or(crate::ZeroStage::Off, |s| s.stage())
+    }
+
+    /// The elements of the variables copy `copy`'s optimizer steps and keeps state for: its
+    /// replica's shard under ZeRO, every trainable element otherwise.
+    pub fn stepped_elements(&self, copy: usize) -> usize {
+        match &self.shards {
+            Some(s) => s.elements(copy),
+            None => self.vars[copy].iter().map(|v| v.elem_count()).sum(),
+        }
     }
     pub(crate) fn check_strategy(&self, ctx: &ReplicaContext<'_>) -> Result<()> {
         if ctx.strategy_id() != self.strategy {
@@ -1312,7 +1377,7 @@ impl ReplicaContext<'_> {
         }
         if dest.receives(self.replica) {
             let _p = self.phase("step", "optimizer");
-            opt.apply(copy, out)?;
+            opt.apply(self, copy, out)?;
         }
         if matches!(dest, Destination::Replica(_)) {
             // Replicas read the central variables only after the update is applied.
@@ -1366,7 +1431,7 @@ impl ReplicaContext<'_> {
                     .map(|g| g.map(|g| g * weight as f64).transpose())
                     .collect::<candle_core::Result<_>>()?;
             }
-            return opt.apply(copy, local);
+            return opt.apply(self, copy, local);
         }
         let dest = match policy {
             VariablePolicy::Mirrored => Destination::AllReplicas,
@@ -1374,7 +1439,7 @@ impl ReplicaContext<'_> {
         };
         if let Some(reduced) = self.reduce_present(local, vars, dest, weight)? {
             let _p = self.phase("step", "optimizer");
-            opt.apply(copy, reduced)?;
+            opt.apply(self, copy, reduced)?;
         }
         if matches!(policy, VariablePolicy::Central { .. }) {
             // Replicas read the central variables only after the update is applied.

@@ -335,6 +335,12 @@ impl Trainer {
         O: Optimizer + OptimizerState + Send,
         B: BatchData,
     {
+        if self.config.checkpoint.is_some() && opt.zero_stage() != strata_core::ZeroStage::Off {
+            return Err(crate::Error::Usage(format!(
+                "checkpoints of optimizer state sharded by zero stage {} are not built yet; checkpoint at stage 0",
+                opt.zero_stage()
+            )));
+        }
         let save = || -> Result<Vec<(String, Tensor)>> { Ok(opt.lock(0).state_tensors()?) };
         let load = |state: &[(String, Tensor)]| -> Result<()> {
             for c in 0..opt.num_copies() {

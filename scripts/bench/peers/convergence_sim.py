@@ -47,6 +47,7 @@ ap.add_argument("--rank", type=int, default=4)
 ap.add_argument("--start", type=int, default=0)
 ap.add_argument("--iters", type=int, default=1)
 ap.add_argument("--freeze-v", type=int, default=-1)
+ap.add_argument("--exact", default="", help="comma-separated name prefixes of parameters PowerSGD leaves uncompressed")
 ap.add_argument("--seed", type=int, default=0)
 ap.add_argument("--threads", type=int, default=1)
 args = ap.parse_args()
@@ -93,6 +94,8 @@ if args.init == "gpt2":
         for block in model.blocks:
             block.qkv.bias.requires_grad_(False)
 params = [p for p in model.parameters() if p.requires_grad]
+names = {p: n for n, p in model.named_parameters()}
+exact = tuple(x for x in args.exact.split(",") if x) or ("\0",)
 opt = torch.optim.AdamW(params, lr=args.lr, betas=(args.beta1, 0.999), weight_decay=common.WEIGHT_DECAY)
 warmup = min(args.steps // 20, 100)
 
@@ -110,7 +113,7 @@ powersgd = {}
 def compress(p, g, t):
     """PowerSGD's output for gradient `g` of `p` at step `t` (the gradient itself where it
     does not apply)."""
-    if g.dim() < 2 or t < args.start:
+    if g.dim() < 2 or t < args.start or names[p].startswith(exact):
         return g
     m = g.reshape(g.shape[0], -1)
     rows, cols = m.shape

@@ -83,6 +83,59 @@ pub struct StrategyOptions {
     /// crosses the link while it is being computed, instead of after. Not under PowerSGD,
     /// which compresses whole matrices, nor with ops that reduce on a GPU.
     pub row_block_bytes: usize,
+    /// How the optimizer state is split over the replicas ([ZeRO](ZeroStage); default
+    /// [`ZeroStage::Off`], a whole copy on every replica). Mirrored and MultiWorkerMirrored
+    /// take it; the other strategies refuse any stage but [`ZeroStage::Off`].
+    pub zero_stage: ZeroStage,
+}
+
+/// ZeRO's stages (DeepSpeed; PyTorch's `ZeroRedundancyOptimizer`): what each replica, across
+/// every worker, keeps of its own shard only. The shards split the model's trainable
+/// parameters, flattened in the optimizer's order, evenly at element granularity, so one large
+/// weight is shared too. Results are the same as [`ZeroStage::Off`]'s, bit for bit: every
+/// replica steps its shard with the same reduced gradient, and an all-gather brings every
+/// replica's parameters back.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum ZeroStage {
+    /// Stage 0: every replica keeps the whole optimizer state and steps every parameter.
+    #[default]
+    Off,
+    /// Stage 1: every replica keeps the optimizer state of its shard and steps its shard only.
+    OptimizerState,
+}
+
+impl ZeroStage {
+    /// The stage's number (0 or 1).
+    pub fn number(self) -> u8 {
+        match self {
+            ZeroStage::Off => 0,
+            ZeroStage::OptimizerState => 1,
+        }
+    }
+}
+
+impl std::fmt::Display for ZeroStage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.number())
+    }
+}
+
+impl std::str::FromStr for ZeroStage {
+    type Err = crate::Error;
+
+    /// `0` or `1`.
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim() {
+            "0" => Ok(ZeroStage::Off),
+            "1" => Ok(ZeroStage::OptimizerState),
+            "2" => Err(crate::Error::InvalidArgument(
+                "zero stage 2 (sharded gradients) is not built yet; use 0 or 1".into(),
+            )),
+            other => Err(crate::Error::InvalidArgument(format!(
+                "zero stage {other:?} is not a stage; use 0 (whole optimizer state on every replica) or 1 (each replica keeps its shard's)"
+            ))),
+        }
+    }
 }
 
 impl Default for StrategyOptions {
@@ -94,6 +147,7 @@ impl Default for StrategyOptions {
             seed: 0,
             overlap: true,
             row_block_bytes: DEFAULT_ROW_BLOCK_BYTES,
+            zero_stage: ZeroStage::Off,
         }
     }
 }

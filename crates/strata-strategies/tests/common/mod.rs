@@ -114,7 +114,7 @@ impl strata_core::cross_device::CrossDeviceOps for InPlace {
     }
 }
 
-fn in_place_ops(n: usize) -> Box<dyn strata_core::cross_device::CrossDeviceOps> {
+pub fn in_place_ops(n: usize) -> Box<dyn strata_core::cross_device::CrossDeviceOps> {
     let devices = strata_core::device::logical_cpus(n).unwrap();
     let ops = strata_core::cross_device::CpuCrossDeviceOps::in_memory_all_reduce(n)
         .unwrap()

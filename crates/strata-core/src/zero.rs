@@ -1,0 +1,190 @@
+//! ZeRO's shards ([`ZeroStage`]): the trainable parameters, flattened in the optimizer's
+//! order, split evenly over every replica in sync (across workers too) at element granularity.
+//! Each replica's optimizer is built over its shard only, so it keeps that shard's state
+//! (AdamW's moments, momentum's velocity), steps that shard with the reduced gradient, and an
+//! all-gather writes every shard back into every replica's copy of the parameters.
+//!
+//! A shard meets a variable in a [`Piece`]: a run of the variable's flattened elements, held in
+//! a `Var` of its own that the optimizer steps. Before each step the piece takes the
+//! variable's current values (so a write to the variable between steps, a restore say, is
+//! seen), and the piece's gradient is the same run of the reduced gradient: the update of
+//! every element is the one a whole-variable step computes, bit for bit, for optimizers that
+//! update element by element (Strata's fused ones).
+
+use std::ops::Range;
+
+use candle_core::backprop::GradStore;
+use candle_core::{Tensor, Var};
+use candle_nn::Optimizer;
+
+use crate::{Error, ReplicaContext, Result, ZeroStage};
+
+/// Elements `start..start + len` of variable `var` (flattened), as one replica's shard holds
+/// them, and the optimizer's copy of them.
+#[derive(Debug)]
+pub(crate) struct Piece {
+    var: usize,
+    start: usize,
+    len: usize,
+    value: Var,
+}
+
+/// Where every replica's shard lies, and this worker's replicas' pieces.
+#[derive(Debug)]
+pub(crate) struct Shards {
+    stage: ZeroStage,
+    /// Each variable's first element in the flattened model.
+    offsets: Vec<usize>,
+    /// Each local replica's pieces, in the order of the flattened model.
+    pieces: Vec<Vec<Piece>>,
+}
+
+/// Shard `g` of `total` elements split over `n` replicas: the sizes differ by at most one.
+pub(crate) fn shard_range(total: usize, n: usize, g: usize) -> Range<usize> {
+    let at = |i: usize| (total as u128 * i as u128 / n.max(1) as u128) as usize;
+    at(g)..at(g + 1)
+}
+
+/// The optimizers that update element by element, and so give a whole variable's results on
+/// any run of its elements.
+pub(crate) fn shardable<O: Optimizer>() -> bool {
+    let o = typeid::of::<O>();
+    [
+        typeid::of::<crate::optim::FusedAdamW>(),
+        typeid::of::<crate::optim::FusedSgd>(),
+        typeid::of::<crate::optim::FusedMomentum>(),
+    ]
+    .contains(&o)
+}
+
+impl Shards {
+    /// The shards of `vars` (each local replica's copy of the optimizer's variables) over
+    /// `in_sync` replicas, of which this worker's are `first..first + vars.len()`.
+    pub(crate) fn new(stage: ZeroStage, vars: &[Vec<Var>], first: usize, in_sync: usize) -> Result<Self> {
+        let sizes: Vec<usize> = vars.first().map_or(Vec::new(), |v| v.iter().map(|v| v.elem_count()).collect());
+        let mut offsets = Vec::with_capacity(sizes.len());
+        let mut total = 0;
+        for n in &sizes {
+            offsets.push(total);
+            total += n;
+        }
+        let mut pieces = Vec::with_capacity(vars.len());
+        for (c, copy) in vars.iter().enumerate() {
+            let shard = shard_range(total, in_sync, first + c);
+            let mut mine = Vec::new();
+            for (i, v) in copy.iter().enumerate() {
+                let (lo, hi) = (offsets[i].max(shard.start), (offsets[i] + sizes[i]).min(shard.end));
+                if lo >= hi {
+                    continue;
+                }
+                let (start, len) = (lo - offsets[i], hi - lo);
+                let value = Var::from_tensor(&v.flatten_all()?.narrow(0, start, len)?.copy()?)?;
+                mine.push(Piece { var: i, start, len, value });
+            }
+            pieces.push(mine);
+        }
+        Ok(Self { stage, offsets, pieces })
+    }
+
+    /// The variables local replica `copy`'s optimizer steps: its pieces.
+    pub(crate) fn piece_vars(&self, copy: usize) -> Vec<Var> {
+        self.pieces[copy].iter().map(|p| p.value.clone()).collect()
+    }
+
+    /// The stage.
+    pub(crate) fn stage(&self) -> ZeroStage {
+        self.stage
+    }
+
+    /// Elements of the optimizer's state-bearing copy local replica `copy` keeps.
+    pub(crate) fn elements(&self, copy: usize) -> usize {
+        self.pieces[copy].iter().map(|p| p.len).sum()
+    }
+
+    /// Steps local replica `copy`'s shard of `vars` with `opt` and the reduced `grads` (by
+    /// variable; `None` for a variable no replica has a gradient for, whose pieces the
+    /// optimizer then skips), then gathers every shard into `vars`. Collective over every
+    /// replica of every worker.
+    pub(crate) fn step<O: Optimizer>(
+        &self,
+        ctx: &ReplicaContext<'_>,
+        copy: usize,
+        vars: &[Var],
+        grads: &[Option<Tensor>],
+        opt: &mut O,
+    ) -> Result<()> {
+        let mut store = GradStore::default();
+        for p in &self.pieces[copy] {
+            let flat = vars[p.var].flatten_all()?;
+            p.value.set(&flat.narrow(0, p.start, p.len)?)?;
+            if let Some(g) = &grads[p.var] {
+                store.insert(p.value.as_tensor(), g.flatten_all()?.narrow(0, p.start, p.len)?.contiguous()?);
+            }
+        }
+        opt.step(&store)?;
+        self.gather(ctx, copy, vars)
+    }
+
+    /// Writes every replica's shard into this replica's `vars`.
+    fn gather(&self, ctx: &ReplicaContext<'_>, copy: usize, vars: &[Var]) -> Result<()> {
+        let mine: Vec<Tensor> = self.pieces[copy].iter().map(|p| p.value.as_tensor().clone()).collect();
+        // The flattened model, in order: this worker's replicas' pieces, one run per other
+        // worker.
+        let runs = ctx.gather_runs(mine)?;
+        let total: usize = runs.iter().map(|r| r.elem_count()).sum();
+        let expected = self.offsets.last().map_or(0, |&o| o + vars.last().map_or(0, |v| v.elem_count()));
+        if total != expected {
+            return Err(Error::Scope(format!(
+                "the gathered shards hold {total} elements, the model {expected}; every replica must build the same model"
+            )));
+        }
+        let (mut run, mut run_start) = (0, 0);
+        for (i, v) in vars.iter().enumerate() {
+            let (lo, hi) = (self.offsets[i], self.offsets[i] + v.elem_count());
+            let mut parts = Vec::new();
+            let mut at = lo;
+            while at < hi {
+                while run_start + runs[run].elem_count() <= at {
+                    run_start += runs[run].elem_count();
+                    run += 1;
+                }
+                let end = hi.min(run_start + runs[run].elem_count());
+                parts.push((at - lo, runs[run].narrow(0, at - run_start, end - at)?));
+                at = end;
+            }
+            let flat = v.as_tensor().flatten_all()?;
+            if parts.iter().all(|(_, p)| p.dtype() == v.dtype() && p.device().same_device(v.device())) {
+                // In place, run by run: no whole copy of the variable is made.
+                for (at, part) in &parts {
+                    flat.slice_set(part, 0, *at)?;
+                }
+            } else {
+                let parts: Vec<Tensor> = parts
+                    .into_iter()
+                    .map(|(_, p)| Ok(p.to_dtype(v.dtype())?.to_device(v.device())?))
+                    .collect::<Result<_>>()?;
+                v.set(&Tensor::cat(&parts, 0)?.reshape(v.shape())?)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shards_split_evenly_and_cover_every_element_once() {
+        for (total, n) in [(10, 3), (7, 7), (5, 8), (4_325_386, 4), (0, 2)] {
+            let ranges: Vec<_> = (0..n).map(|g| shard_range(total, n, g)).collect();
+            assert_eq!(ranges[0].start, 0);
+            assert_eq!(ranges[n - 1].end, total);
+            for w in ranges.windows(2) {
+                assert_eq!(w[0].end, w[1].start);
+            }
+            let (lo, hi) = (ranges.iter().map(|r| r.len()).min(), ranges.iter().map(|r| r.len()).max());
+            assert!(hi.unwrap() - lo.unwrap() <= 1, "{total} over {n}: {ranges:?}");
+        }
+    }
+}

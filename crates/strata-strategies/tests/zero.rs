@@ -1,0 +1,242 @@
+//! ZeRO stage 1 ([`ZeroStage::OptimizerState`]): each replica keeps the optimizer state of its
+//! shard of the flattened parameters and steps that shard only; the parameters every replica
+//! ends with are stage 0's, bit for bit (the reduction is the same, and the fused optimizers
+//! update element by element), for every kind of variable, under Mirrored over 2, 3 and 4
+//! replicas (uneven shards), with in-place ops, and across 2 and 3 workers. What cannot run on
+//! shards is refused in one line.
+
+mod common;
+
+use candle_nn::{Optimizer, ParamsAdamW};
+use common::models::{data, BnNet, Cnn, Frozen, Heads, TestModel, Tied};
+use strata_core::data::{Batch, TailPolicy};
+use strata_core::optim::schedule::LrSchedule;
+use strata_core::optim::{FusedAdamW, FusedMomentum, FusedSgd, ParamsMomentum};
+use strata_core::{Replicated, Strategy, StrategyHandle, StrategyOptions, ZeroStage};
+use strata_strategies::{CentralStorageStrategy, CpuReduction, MirroredStrategy, OneDeviceStrategy};
+
+type Params = Vec<(String, Vec<f32>)>;
+
+fn options(stage: ZeroStage) -> StrategyOptions {
+    StrategyOptions { zero_stage: stage, ..Default::default() }
+}
+
+fn mirrored(n: usize, stage: ZeroStage) -> StrategyHandle {
+    let devices = strata_core::device::logical_cpus(n).unwrap();
+    MirroredStrategy::with_options(devices, CpuReduction::default(), options(stage)).unwrap().handle()
+}
+
+fn every_copy<M>(m: &Replicated<M>) -> Vec<Params> {
+    (0..m.num_copies())
+        .map(|c| {
+            m.variables(c)
+                .iter()
+                .map(|(n, v)| (n.clone(), v.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap()))
+                .collect()
+        })
+        .collect()
+}
+
+/// How a run's optimizer is set up beyond its configuration.
+#[derive(Clone, Copy)]
+struct Extras {
+    clip: Option<f64>,
+    schedule: bool,
+    accumulation: usize,
+}
+
+const PLAIN: Extras = Extras { clip: None, schedule: false, accumulation: 1 };
+
+/// Trains `M` for `steps` steps of `O` under `s` (the same global batches whatever the
+/// strategy), freezing `freeze`; returns every copy's parameters after every step (the
+/// model's state read as the replicas' mean last) and the elements each copy's optimizer
+/// steps.
+fn train<M: TestModel, O: Optimizer + Send>(
+    s: &impl Strategy,
+    cfg: O::Config,
+    steps: usize,
+    freeze: &[&str],
+    extras: Extras,
+) -> (Vec<Vec<Params>>, Params, Vec<usize>)
+where
+    O::Config: Clone,
+{
+    let mut model = s.scope(M::build).unwrap();
+    if !freeze.is_empty() {
+        model.freeze(freeze).unwrap();
+    }
+    let mut opt = model.optimizer::<O>(cfg).unwrap().with_accumulation(extras.accumulation).unwrap();
+    if let Some(c) = extras.clip {
+        opt = opt.with_clip_global_norm(c).unwrap();
+    }
+    if extras.schedule {
+        opt = opt
+            .with_schedule(LrSchedule::WarmupCosine {
+                peak: 0.05,
+                warmup_steps: 2,
+                total_steps: steps as u64,
+                final_lr: 0.005,
+            })
+            .unwrap();
+    }
+    let batches: Vec<Batch> = (0..steps).map(|k| data(12, M::DIM, 300 + k as u64)).collect();
+    let mut after = Vec::new();
+    for (step, db) in s.distribute_dataset(batches, TailPolicy::Split).enumerate() {
+        s.run_batch(&db, |ctx, shard| {
+            let loss = model.on(ctx)?.loss(step, &shard.batch, ctx.candle_device())?;
+            ctx.backward_and_sync(&loss, &opt)
+        })
+        .unwrap();
+        after.push(every_copy(&model));
+    }
+    let read = model.values().unwrap();
+    let read = read.into_iter().map(|(n, t)| (n, t.flatten_all().unwrap().to_vec1::<f32>().unwrap())).collect();
+    let stepped = (0..opt.num_copies()).map(|c| opt.stepped_elements(c)).collect();
+    (after, read, stepped)
+}
+
+/// Stage 1 against stage 0 on `n` replicas, for `M` under every fused optimizer: bitwise.
+fn same_as_stage_0<M: TestModel>(n: usize, freeze: &[&str]) {
+    let adamw = &ParamsAdamW { lr: 0.01, weight_decay: 0.1, ..Default::default() };
+    let momentum = ParamsMomentum { lr: 0.05, momentum: 0.9, nesterov: false };
+    let nesterov = ParamsMomentum { nesterov: true, ..momentum };
+    let clipped = Extras { clip: Some(0.3), schedule: true, accumulation: 1 };
+    let accumulated = Extras { accumulation: 2, ..PLAIN };
+    type Run<'a> = Box<dyn Fn(&StrategyHandle) -> (Vec<Vec<Params>>, Params, Vec<usize>) + 'a>;
+    let runs: Vec<(&str, Run)> = vec![
+        ("fused sgd", Box::new(|s| train::<M, FusedSgd>(s, 0.1, 5, freeze, PLAIN))),
+        ("momentum", Box::new(move |s| train::<M, FusedMomentum>(s, momentum, 5, freeze, PLAIN))),
+        ("nesterov", Box::new(move |s| train::<M, FusedMomentum>(s, nesterov, 5, freeze, PLAIN))),
+        ("adamw", Box::new(move |s| train::<M, FusedAdamW>(s, adamw.clone(), 5, freeze, PLAIN))),
+        (
+            "adamw, clipped and scheduled",
+            Box::new(move |s| train::<M, FusedAdamW>(s, adamw.clone(), 5, freeze, clipped)),
+        ),
+        ("adamw, accumulated", Box::new(move |s| train::<M, FusedAdamW>(s, adamw.clone(), 6, freeze, accumulated))),
+    ];
+    for (what, run) in runs {
+        let (whole, whole_read, whole_stepped) = run(&mirrored(n, ZeroStage::Off));
+        let (sharded, sharded_read, stepped) = run(&mirrored(n, ZeroStage::OptimizerState));
+        assert_eq!(sharded, whole, "{what}, {n} replicas: stage 1 is not stage 0 bit for bit");
+        assert_eq!(sharded_read, whole_read, "{what}, {n} replicas: the state read differs");
+        // Every copy's parameters are the same (a replica's own batch-norm statistics aside).
+        for (step, copies) in sharded.iter().enumerate() {
+            let params = |c: &Params| c.iter().filter(|(n, _)| !n.contains("running_")).cloned().collect::<Params>();
+            assert!(
+                copies.iter().all(|c| params(c) == params(&copies[0])),
+                "{what}: copies differ after step {}",
+                step + 1
+            );
+        }
+        // Each replica steps its shard: the shards cover the model once, evenly.
+        let total = whole_stepped[0];
+        assert_eq!(stepped.iter().sum::<usize>(), total, "{what}: {stepped:?}");
+        let (lo, hi) = (stepped.iter().min().unwrap(), stepped.iter().max().unwrap());
+        assert!(hi - lo <= 1 && *hi == total.div_ceil(n), "{what}: shards of {total} over {n}: {stepped:?}");
+    }
+}
+
+#[test]
+fn stage_1_is_stage_0_bitwise_for_a_cnn_over_2_3_and_4_replicas() {
+    for n in [2, 3, 4] {
+        same_as_stage_0::<Cnn>(n, &[]);
+    }
+}
+
+#[test]
+fn stage_1_keeps_unused_heads_unstepped() {
+    for n in [2, 3] {
+        same_as_stage_0::<Heads>(n, &[]);
+    }
+}
+
+#[test]
+fn stage_1_leaves_frozen_variables_and_shares_one_gradient_tensor_alike() {
+    same_as_stage_0::<Frozen>(3, &["late.*"]);
+    same_as_stage_0::<Tied>(4, &[]);
+}
+
+#[test]
+fn stage_1_keeps_batch_norm_state_the_replicas_own() {
+    same_as_stage_0::<BnNet<false>>(2, &[]);
+    same_as_stage_0::<BnNet<true>>(3, &[]);
+}
+
+#[test]
+fn stage_1_with_ops_that_reduce_in_place() {
+    let adamw = ParamsAdamW { lr: 0.01, weight_decay: 0.1, ..Default::default() };
+    let devices = strata_core::device::logical_cpus(3).unwrap();
+    let ops = common::in_place_ops(3);
+    let s = MirroredStrategy::with_cross_device_ops(devices, ops, options(ZeroStage::OptimizerState)).unwrap();
+    let sharded = train::<Cnn, FusedAdamW>(&s.handle(), adamw.clone(), 4, &[], PLAIN).0;
+    let whole = train::<Cnn, FusedAdamW>(&common::mirrored_in_place(3), adamw, 4, &[], PLAIN).0;
+    assert_eq!(sharded, whole);
+}
+
+/// Stage 1 and stage 0 across `workers` workers of `local` replicas: every worker's copies
+/// after every step, bit for bit.
+fn across_workers(workers: usize, local: usize) {
+    let run = |stage: ZeroStage| {
+        common::on_workers_tuned(
+            workers,
+            local,
+            move |o| o.options.zero_stage = stage,
+            |_, s| {
+                let adamw = ParamsAdamW { lr: 0.01, weight_decay: 0.1, ..Default::default() };
+                let clipped = Extras { clip: Some(0.3), schedule: true, accumulation: 1 };
+                let (after, _, stepped) = train::<Heads, FusedAdamW>(s, adamw, 6, &[], clipped);
+                (after, stepped)
+            },
+        )
+    };
+    let whole = run(ZeroStage::Off);
+    let sharded = run(ZeroStage::OptimizerState);
+    let total = whole[0].1[0];
+    let n = workers * local;
+    let stepped: Vec<usize> = sharded.iter().flat_map(|(_, s)| s.clone()).collect();
+    assert_eq!(stepped.iter().sum::<usize>(), total, "{workers}x{local}: {stepped:?}");
+    assert!(stepped.iter().all(|&k| k == total / n || k == total.div_ceil(n)), "{stepped:?}");
+    for (w, ((a, _), (b, _))) in sharded.iter().zip(&whole).enumerate() {
+        assert_eq!(a, b, "{workers}x{local}: worker {w}'s parameters under stage 1 are not stage 0's");
+    }
+}
+
+#[test]
+fn stage_1_across_2_and_3_workers_is_stage_0_bitwise() {
+    common::with_timeout(std::time::Duration::from_secs(240), "zero across workers", || {
+        across_workers(2, 1);
+        across_workers(3, 1);
+        across_workers(2, 2);
+    });
+}
+
+#[test]
+fn what_cannot_run_on_shards_is_refused_in_one_line() {
+    let cpu = strata_core::device::logical_cpus(2).unwrap();
+    let e = OneDeviceStrategy::with_options(cpu[0].clone(), options(ZeroStage::OptimizerState)).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "zero stage 1 with the one-device strategy: one replica holds the whole model; use stage 0, or mirrored over several devices"
+    );
+    let e = CentralStorageStrategy::with_options(cpu, CpuReduction::default(), options(ZeroStage::OptimizerState))
+        .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "zero stage 1 with the central-storage strategy: its one central copy is stepped once, on the parameter device; use stage 0, or mirrored"
+    );
+    let s = mirrored(2, ZeroStage::OptimizerState);
+    let model = s.scope(Cnn::build).unwrap();
+    let e = model.optimizer::<candle_nn::AdamW>(ParamsAdamW::default()).unwrap_err().to_string();
+    assert_eq!(
+        e,
+        "zero stage 1 with the optimizer candle_nn::optim::AdamW: it steps whole variables; use strata's FusedAdamW, FusedSgd or FusedMomentum, which step any run of a variable's elements"
+    );
+    assert!(model.optimizer::<candle_nn::SGD>(0.1).is_err());
+    for (text, want) in [
+        ("2", "zero stage 2 (sharded gradients) is not built yet; use 0 or 1"),
+        ("3", "zero stage \"3\" is not a stage; use 0 (whole optimizer state on every replica) or 1 (each replica keeps its shard's)"),
+    ] {
+        assert_eq!(text.parse::<ZeroStage>().unwrap_err().to_string(), want);
+    }
+    assert_eq!("1".parse::<ZeroStage>().unwrap(), ZeroStage::OptimizerState);
+}
