@@ -228,17 +228,20 @@ impl ReplicaContext<'_> {
         dest: Destination,
     ) -> Result<Option<Vec<Option<Tensor>>>> {
         let local: Vec<Option<Tensor>> = vars.iter().map(|v| grads.get(v).cloned()).collect();
-        self.reduce_present(local, vars, dest, self.batch_weight())
+        self.reduce_present(local, vars, dest, self.batch_weight(), None)
     }
 
     /// [`ReplicaContext::reduce_gradients`] of gradients already taken from a store, in the
     /// order of `vars`, each multiplied by `weight`.
+    /// `keep`, by variable: the elements of its gradient this replica needs reduced (the rest
+    /// may keep its own values).
     pub(crate) fn reduce_present(
         &self,
         local: Vec<Option<Tensor>>,
         vars: &[Var],
         dest: Destination,
         weight: f32,
+        keep: Option<&[std::ops::Range<usize>]>,
     ) -> Result<Option<Vec<Option<Tensor>>>> {
         let mine: Vec<bool> = local.iter().map(Option::is_some).collect();
         let present = self.any_replica(&mine)?;
@@ -251,7 +254,8 @@ impl ReplicaContext<'_> {
             })
             .collect::<Result<_>>()?;
         let ids: Vec<TensorId> = index.iter().map(|&i| vars[i].id()).collect();
-        self.reduce_in_buckets(&grads, &ids, dest, weight)?;
+        let keep: Option<Vec<std::ops::Range<usize>>> = keep.map(|k| index.iter().map(|&i| k[i].clone()).collect());
+        self.reduce_in_buckets(&grads, &ids, dest, weight, keep.as_deref())?;
         if !dest.receives(self.replica) {
             return Ok(None);
         }
@@ -269,12 +273,16 @@ impl ReplicaContext<'_> {
     /// [`CrossDeviceOps::start_gradients`](crate::cross_device::CrossDeviceOps::start_gradients),
     /// compressed where the strategy compresses them; `ids` are their variables'); the result
     /// is written back into the receiving replicas' `grads`. Collective.
+    ///
+    /// `keep`, by tensor: the elements this replica needs the result of (ZeRO's shard); the
+    /// others keep this replica's own values.
     pub(crate) fn reduce_in_buckets(
         &self,
         grads: &[Tensor],
         ids: &[TensorId],
         dest: Destination,
         weight: f32,
+        keep: Option<&[std::ops::Range<usize>]>,
     ) -> Result<()> {
         let sizes: Vec<usize> = grads.iter().map(Tensor::elem_count).collect();
         let ops = self.shared.ext.cross_device_ops();
@@ -290,7 +298,8 @@ impl ReplicaContext<'_> {
                 tracing::trace_span!("reduce_bucket", replica = self.replica, bucket = b, elements = bucket.elements)
                     .entered();
             let tensors = &grads[bucket.tensors.clone()];
-            let mut sink = Scatter::new(tensors, ops.reduces_in_place());
+            let mut sink =
+                Scatter::new(tensors, ops.reduces_in_place()).keeping(keep.map(|k| &k[bucket.tensors.clone()]));
             let req = self.request(ReduceOp::Sum, dest, tensors, weight);
             let started = ops.start_gradients(req, &ids[bucket.tensors.clone()], &mut |piece| sink.write(piece))?;
             ops.finish(req, started, &mut |piece| sink.write(piece))?;
@@ -305,6 +314,9 @@ impl ReplicaContext<'_> {
 pub(crate) struct Scatter<'t> {
     tensors: &'t [Tensor],
     in_place: bool,
+    /// The elements of each tensor to write (all where `None`): a replica that steps only its
+    /// shard of the parameters (ZeRO) needs the reduced values of that shard only.
+    keep: Option<&'t [std::ops::Range<usize>]>,
     cur: usize,
     filled: usize,
     failed: Option<candle_core::Error>,
@@ -312,12 +324,18 @@ pub(crate) struct Scatter<'t> {
 
 impl<'t> Scatter<'t> {
     pub(crate) fn new(tensors: &'t [Tensor], in_place: bool) -> Self {
-        Self { tensors, in_place, cur: 0, filled: 0, failed: None }
+        Self { tensors, in_place, keep: None, cur: 0, filled: 0, failed: None }
     }
 
     /// Goes on over the same `tensors` where [`pause`](Self::pause) left off.
     pub(crate) fn resume(tensors: &'t [Tensor], in_place: bool, at: ScatterPos) -> Self {
-        Self { tensors, in_place, cur: at.cur, filled: at.filled, failed: at.failed }
+        Self { tensors, in_place, keep: None, cur: at.cur, filled: at.filled, failed: at.failed }
+    }
+
+    /// Writes only elements `keep[i]` of tensor `i` (the others keep what they held).
+    pub(crate) fn keeping(mut self, keep: Option<&'t [std::ops::Range<usize>]>) -> Self {
+        self.keep = keep;
+        self
     }
 
     /// Where the writes got to (and their first failure), for [`resume`](Self::resume) to go
@@ -341,8 +359,15 @@ impl<'t> Scatter<'t> {
                 return;
             };
             let take = (t.elem_count() - self.filled).min(piece.len());
-            if let Err(e) = t.inplace_op1(&WriteAt { offset: self.filled, data: &piece[..take] }) {
-                self.failed.get_or_insert(e);
+            let (lo, hi) = match self.keep.and_then(|k| k.get(self.cur)) {
+                Some(k) => (k.start.max(self.filled), k.end.min(self.filled + take)),
+                None => (self.filled, self.filled + take),
+            };
+            if lo < hi {
+                let data = &piece[lo - self.filled..hi - self.filled];
+                if let Err(e) = t.inplace_op1(&WriteAt { offset: lo, data }) {
+                    self.failed.get_or_insert(e);
+                }
             }
             self.filled += take;
             piece = &piece[take..];

@@ -795,6 +795,8 @@ struct Launched {
     /// A block's result as far as `start` handed it over, written out at `finish` (the
     /// whole gradient it goes into may not exist yet).
     early: Vec<f32>,
+    /// A bucket's runs to write, by tensor, under ZeRO.
+    keep: Option<Vec<std::ops::Range<usize>>>,
 }
 
 /// The smallest bucket an overlapped step across workers cuts its gradient into (DDP's first
@@ -818,6 +820,9 @@ struct OverlapStep<'a, 'c> {
     launched: Vec<Launched>,
     /// The error that ended the pass, if a start failed.
     failed: Option<Error>,
+    /// This replica's run of each variable under ZeRO (the elements of the reduced gradients
+    /// it needs), by variable.
+    keep: Option<&'a [std::ops::Range<usize>]>,
 }
 
 impl OverlapStep<'_, '_> {
@@ -870,9 +875,15 @@ impl OverlapStep<'_, '_> {
         let req = ctx.request(ReduceOp::Sum, self.dest, &input, self.weight);
         let seq = req.seq;
         let mut early = Vec::new();
+        let keep = match (self.plan.units[n], self.keep) {
+            (Unit::Bucket(b), Some(k)) => {
+                Some(self.plan.order[self.plan.buckets[b].tensors.clone()].iter().map(|&i| k[i].clone()).collect())
+            }
+            _ => None,
+        };
         let (started, written) = match self.plan.units[n] {
             Unit::Bucket(_) => {
-                let mut sink = crate::context::Scatter::new(&input, ops.reduces_in_place());
+                let mut sink = crate::context::Scatter::new(&input, ops.reduces_in_place()).keeping(keep.as_deref());
                 let started = ops.start_gradients(req, &ids, &mut |piece| sink.write(piece))?;
                 (started, sink.pause())
             }
@@ -880,7 +891,7 @@ impl OverlapStep<'_, '_> {
                 (ops.start_gradients(req, &ids, &mut |piece| early.extend_from_slice(piece))?, Default::default())
             }
         };
-        self.launched.push(Launched { input, seq, started, written, early });
+        self.launched.push(Launched { input, seq, started, written, early, keep });
         Ok(())
     }
 
@@ -1031,31 +1042,36 @@ impl<O: Optimizer> DistributedOptimizer<O> {
     /// (collective over every replica of every worker).
     pub(crate) fn apply(&self, ctx: &ReplicaContext<'_>, copy: usize, grads: Vec<Option<Tensor>>) -> Result<()> {
         let step = self.steps[copy].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let scale = match self.clip_global_norm {
-            Some(max) => clip_scale(&grads, max)?,
-            None => None,
-        };
-        let grads = grads
-            .into_iter()
-            .map(|g| match (g, scale) {
-                (Some(g), Some(k)) => Ok(Some((g * k)?)),
-                (g, _) => Ok(g),
-            })
-            .collect::<Result<Vec<_>>>()?;
         let mut opt = self.lock(copy);
         if let Some(s) = &self.schedule {
             opt.set_learning_rate(s.at(step));
         }
         if let Some(shards) = &self.shards {
-            return shards.step(ctx, copy, &self.vars[copy], &grads, &mut *opt);
+            // Only the shard's runs of `grads` hold the reduced gradient: the clipping norm is
+            // summed over every replica's shard.
+            return shards.step(ctx, copy, &self.vars[copy], &grads, self.clip_global_norm, &mut *opt);
         }
+        let scale = match self.clip_global_norm {
+            Some(max) => clip_scale(&grads, max)?,
+            None => None,
+        };
         let mut store = GradStore::default();
         for (v, g) in self.vars[copy].iter().zip(grads) {
             if let Some(g) = g {
+                let g = match scale {
+                    Some(k) => (g * k)?,
+                    None => g,
+                };
                 store.insert(v.as_tensor(), g);
             }
         }
         Ok(opt.step(&store)?)
+    }
+
+    /// Copy `copy`'s run of each variable (by index) when it steps a ZeRO shard: the elements
+    /// of the reduced gradients it needs.
+    pub(crate) fn keep(&self, copy: usize) -> Option<&[std::ops::Range<usize>]> {
+        self.shards.as_ref().map(|s| s.keep(copy))
     }
 
     /// The ZeRO stage this optimizer runs ([`ZeroStage::Off`](crate::ZeroStage::Off) unless
@@ -1303,6 +1319,7 @@ impl ReplicaContext<'_> {
             left: plan.buckets.iter().map(|b| b.tensors.len()).collect(),
             launched: Vec::new(),
             failed: None,
+            keep: opt.keep(copy),
         };
         let grads = self.backward_phase(|| loss.backward_with_hooks(&mut step));
         let grads = match (grads, step.failed.take()) {
@@ -1318,7 +1335,7 @@ impl ReplicaContext<'_> {
         let present = self.any_replica(&mine)?;
         let mut failed = Ok(());
         for (unit, launched) in plan.units.iter().zip(launched) {
-            let Launched { input, seq, started, written, early } = launched;
+            let Launched { input, seq, started, written, early, keep } = launched;
             let req = crate::cross_device::ReduceRequest {
                 group: &self.shared.group,
                 replica: self.replica,
@@ -1340,7 +1357,8 @@ impl ReplicaContext<'_> {
                     vec![whole.narrow(0, first, rows)?]
                 }
             };
-            let mut sink = crate::context::Scatter::resume(&target, ops.reduces_in_place(), written);
+            let mut sink = crate::context::Scatter::resume(&target, ops.reduces_in_place(), written)
+                .keeping(if matches!(unit, Unit::Bucket(_)) { keep.as_deref() } else { None });
             sink.write(&early);
             ops.finish(req, started, &mut |piece| sink.write(piece))?;
             failed = failed.and(sink.check());
@@ -1370,7 +1388,9 @@ impl ReplicaContext<'_> {
                 })
                 .collect::<Result<Vec<Tensor>>>()?;
             let ids: Vec<candle_core::TensorId> = extra.iter().map(|&i| vars[i].id()).collect();
-            self.reduce_in_buckets(&tensors, &ids, dest, weight)?;
+            let keep: Option<Vec<std::ops::Range<usize>>> =
+                opt.keep(copy).map(|k| extra.iter().map(|&i| k[i].clone()).collect());
+            self.reduce_in_buckets(&tensors, &ids, dest, weight, keep.as_deref())?;
             for (i, t) in extra.into_iter().zip(tensors) {
                 out[i] = Some(t);
             }
@@ -1437,7 +1457,7 @@ impl ReplicaContext<'_> {
             VariablePolicy::Mirrored => Destination::AllReplicas,
             VariablePolicy::Central { parameter_replica } => Destination::Replica(parameter_replica),
         };
-        if let Some(reduced) = self.reduce_present(local, vars, dest, weight)? {
+        if let Some(reduced) = self.reduce_present(local, vars, dest, weight, opt.keep(copy))? {
             let _p = self.phase("step", "optimizer");
             opt.apply(self, copy, reduced)?;
         }

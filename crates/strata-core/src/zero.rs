@@ -14,7 +14,7 @@
 use std::ops::Range;
 
 use candle_core::backprop::GradStore;
-use candle_core::{Tensor, Var};
+use candle_core::{DType, Tensor, Var};
 use candle_nn::Optimizer;
 
 use crate::{Error, ReplicaContext, Result, ZeroStage};
@@ -37,6 +37,9 @@ pub(crate) struct Shards {
     offsets: Vec<usize>,
     /// Each local replica's pieces, in the order of the flattened model.
     pieces: Vec<Vec<Piece>>,
+    /// Each local replica's run of each variable (by index; empty where its shard has none):
+    /// the only elements of the reduced gradient it needs.
+    keep: Vec<Vec<Range<usize>>>,
 }
 
 /// Shard `g` of `total` elements split over `n` replicas: the sizes differ by at most one.
@@ -69,9 +72,11 @@ impl Shards {
             total += n;
         }
         let mut pieces = Vec::with_capacity(vars.len());
+        let mut keep = Vec::with_capacity(vars.len());
         for (c, copy) in vars.iter().enumerate() {
             let shard = shard_range(total, in_sync, first + c);
             let mut mine = Vec::new();
+            let mut runs = vec![0..0; copy.len()];
             for (i, v) in copy.iter().enumerate() {
                 let (lo, hi) = (offsets[i].max(shard.start), (offsets[i] + sizes[i]).min(shard.end));
                 if lo >= hi {
@@ -80,15 +85,22 @@ impl Shards {
                 let (start, len) = (lo - offsets[i], hi - lo);
                 let value = Var::from_tensor(&v.flatten_all()?.narrow(0, start, len)?.copy()?)?;
                 mine.push(Piece { var: i, start, len, value });
+                runs[i] = start..start + len;
             }
             pieces.push(mine);
+            keep.push(runs);
         }
-        Ok(Self { stage, offsets, pieces })
+        Ok(Self { stage, offsets, pieces, keep })
     }
 
     /// The variables local replica `copy`'s optimizer steps: its pieces.
     pub(crate) fn piece_vars(&self, copy: usize) -> Vec<Var> {
         self.pieces[copy].iter().map(|p| p.value.clone()).collect()
+    }
+
+    /// Local replica `copy`'s run of each variable, by index.
+    pub(crate) fn keep(&self, copy: usize) -> &[Range<usize>] {
+        &self.keep[copy]
     }
 
     /// The stage.
@@ -111,15 +123,35 @@ impl Shards {
         copy: usize,
         vars: &[Var],
         grads: &[Option<Tensor>],
+        clip_global_norm: Option<f64>,
         opt: &mut O,
     ) -> Result<()> {
-        let mut store = GradStore::default();
+        let mut mine = Vec::new();
         for p in &self.pieces[copy] {
             let flat = vars[p.var].flatten_all()?;
             p.value.set(&flat.narrow(0, p.start, p.len)?)?;
             if let Some(g) = &grads[p.var] {
-                store.insert(p.value.as_tensor(), g.flatten_all()?.narrow(0, p.start, p.len)?.contiguous()?);
+                mine.push((p, g.flatten_all()?.narrow(0, p.start, p.len)?.contiguous()?));
             }
+        }
+        if let Some(max) = clip_global_norm {
+            // The global norm: every shard's sum of squares (in f64, piece by piece), summed
+            // over every replica of every worker.
+            let mut sq = 0f64;
+            for (_, g) in &mine {
+                sq += g.to_dtype(DType::F32)?.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
+            }
+            let norm = (ctx.all_reduce_slice(crate::ReduceOp::Sum, &[sq as f32])?[0] as f64).sqrt();
+            if norm > max {
+                let k = max / norm;
+                for (_, g) in &mut mine {
+                    *g = (&*g * k)?;
+                }
+            }
+        }
+        let mut store = GradStore::default();
+        for (p, g) in mine {
+            store.insert(p.value.as_tensor(), g);
         }
         opt.step(&store)?;
         self.gather(ctx, copy, vars)

@@ -31,7 +31,7 @@ use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap, SGD};
 use serde::{Deserialize, Serialize};
 use strata_core::data::{Batch, BatchData, DistributedBatch};
 use strata_core::optim::{FusedAdamW, FusedSgd};
-use strata_core::Strategy;
+use strata_core::{Strategy, ZeroStage};
 use strata_strategies::{MirroredStrategy, OneDeviceStrategy};
 
 use strata::cnn::Cnn;
@@ -77,6 +77,10 @@ pub struct BenchTrainArgs {
     /// configuration: they are neither reduced nor updated.
     #[arg(long, value_delimiter = ',')]
     pub freeze: Vec<String>,
+    /// ZeRO stages to measure Mirrored and MultiWorkerMirrored at (`0,1`: both, side by side);
+    /// each row prints the bytes of parameters, gradients and optimizer state per replica.
+    #[arg(long, value_delimiter = ',', default_value = "0", value_parser = parse_zero_stage)]
+    pub zero_stages: Vec<ZeroStage>,
     /// Internal: measure one `MODEL:CONFIG` in this process and print JSON.
     #[arg(long, hide = true)]
     pub worker: Option<String>,
@@ -98,6 +102,33 @@ pub struct Measurement {
     /// The `limit` configuration's matmul GFLOP/s of K threads at once (0 elsewhere).
     #[serde(default)]
     pub gflops: f64,
+    /// Bytes of one replica's parameters, reduced gradients and optimizer state (replica 0's;
+    /// 0 for the ceiling and the limit).
+    #[serde(default)]
+    pub replica_bytes: ReplicaBytes,
+}
+
+/// What one replica keeps, in bytes.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize)]
+pub struct ReplicaBytes {
+    /// Its copy of the trainable parameters.
+    pub params: u64,
+    /// Its reduced gradients.
+    pub grads: u64,
+    /// Its optimizer's state (AdamW's two moments; SGD has none).
+    pub optimizer: u64,
+}
+
+fn parse_zero_stage(s: &str) -> std::result::Result<ZeroStage, String> {
+    s.parse::<ZeroStage>().map_err(|e| e.to_string())
+}
+
+/// Optimizer state elements per element stepped.
+fn state_per_element(o: OptimizerKind) -> u64 {
+    match o {
+        OptimizerKind::Adamw | OptimizerKind::CandleAdamw => 2,
+        _ => 0,
+    }
 }
 
 /// The in-memory all-reduce, counting the elements replica 0 hands it.
@@ -336,6 +367,12 @@ where
         model.freeze(&args.freeze.iter().map(String::as_str).collect::<Vec<_>>())?;
     }
     let opt = model.optimizer::<O>(cfg)?;
+    let trainable: usize = model.trainable_variables(0).iter().map(|(_, v)| v.elem_count()).sum();
+    let replica_bytes = ReplicaBytes {
+        params: 4 * trainable as u64,
+        grads: 4 * trainable as u64,
+        optimizer: 4 * state_per_element(args.optimizer) * opt.stepped_elements(0) as u64,
+    };
     let counted0 = reduced_elements.map_or(0, |e| e.load(std::sync::atomic::Ordering::Relaxed));
     let sent0 = strata_transport::inject::bytes().0;
     let dist: Vec<DistributedBatch<W::B>> =
@@ -389,6 +426,7 @@ where
         peak_rss_bytes: peak_rss_bytes(),
         reduced_bytes_per_step,
         gflops: 0.0,
+        replica_bytes,
     })
 }
 
@@ -465,6 +503,7 @@ where
         peak_rss_bytes: peak_rss_bytes(),
         reduced_bytes_per_step: 0.0,
         gflops: 0.0,
+        replica_bytes: ReplicaBytes::default(),
     })
 }
 
@@ -506,6 +545,7 @@ pub(crate) fn measure_limit(k: usize, seconds: f64) -> Result<Measurement> {
         peak_rss_bytes: peak_rss_bytes(),
         reduced_bytes_per_step: 0.0,
         gflops,
+        replica_bytes: ReplicaBytes::default(),
     })
 }
 
@@ -575,6 +615,11 @@ fn measure<O: Optimizer + Send, W: Workload>(
 where
     O::Config: Clone + Sync,
 {
+    let (config, stage) = match config.split_once("+zero") {
+        Some((c, n)) => (c, n.parse::<ZeroStage>()?),
+        None => (config, ZeroStage::Off),
+    };
+    let options = strata_core::StrategyOptions { zero_stage: stage, ..Default::default() };
     match config {
         "one-device" => measure_strategy::<_, O, W>(&OneDeviceStrategy::cpu()?, cfg, w, data, args, None),
         "mirrored" => {
@@ -584,17 +629,16 @@ where
                 .with_devices(devices.iter().map(|d| d.spec.clone()).collect())?;
             let elements = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
             let ops = Box::new(Counting { inner, elements: elements.clone() });
-            let s = MirroredStrategy::with_cross_device_ops(devices, ops, Default::default())?;
+            let s = MirroredStrategy::with_cross_device_ops(devices, ops, options)?;
             measure_strategy::<_, O, W>(&s, cfg, w, data, args, Some(&elements))
         }
         "ceiling" => measure_ceiling::<O, W>(args.replicas, cfg, w, data, args.seconds, &args.freeze),
         "multi-worker" => {
             let token = strata_transport::ClusterToken::resolve(None).map_err(|e| Error::Usage(e.to_string()))?;
             let resolver = strata_strategies::cluster::TFConfigClusterResolver::from_env()?;
-            let s = strata_strategies::MultiWorkerMirroredStrategy::from_resolver(
-                &resolver,
-                strata_strategies::MultiWorkerOptions::new(token)?,
-            )?;
+            let mut o = strata_strategies::MultiWorkerOptions::new(token)?;
+            o.options = options;
+            let s = strata_strategies::MultiWorkerMirroredStrategy::from_resolver(&resolver, o)?;
             let m = measure_strategy::<_, O, W>(&s, cfg, w, data, args, None)?;
             s.finish()?;
             Ok(m)
@@ -654,7 +698,7 @@ fn spawn_multi_worker(spec: &str, args: &BenchTrainArgs, batch: usize) -> Result
 }
 
 fn spawn(spec: &str, args: &BenchTrainArgs, batch: usize) -> Result<Measurement> {
-    if spec.ends_with(":multi-worker") {
+    if spec.contains(":multi-worker") {
         return spawn_multi_worker(spec, args, batch);
     }
     let out = command(spec, args, batch)?.output().map_err(|e| Error::io("cannot start a benchmark process", e))?;
@@ -722,12 +766,24 @@ pub fn run(args: &BenchTrainArgs) -> Result<()> {
     if !args.freeze.is_empty() {
         println!("# frozen in every configuration: {} (never reduced nor updated)", args.freeze.join(", "));
     }
+    println!("# params/rep, grads/rep, optim/rep: bytes of one replica's trainable parameters, reduced gradients and optimizer state (+zeroN: ZeRO stage N, each replica's optimizer state for its shard only)");
     println!("# reduced/step: bytes each mirrored replica hands to the all-reduce, or each multi-worker worker sends on the ring, per step");
     for model in &models {
         let name = model.name();
         let batch = args.batch.unwrap_or(model.default_batch());
         let units = model.units_per_example() as f64;
-        let configs = ["limit", "ceiling", "one-device", "mirrored", "multi-worker"];
+        let mut configs: Vec<String> = ["limit", "ceiling", "one-device"].map(String::from).to_vec();
+        for stage in &args.zero_stages {
+            let suffix = match stage {
+                ZeroStage::Off => String::new(),
+                s => format!("+zero{}", s.number()),
+            };
+            for c in ["mirrored", "multi-worker"] {
+                if !configs.contains(&format!("{c}{suffix}")) {
+                    configs.push(format!("{c}{suffix}"));
+                }
+            }
+        }
         let mut runs: Vec<Vec<Measurement>> = vec![Vec::new(); configs.len()];
         for round in 0..args.rounds {
             for (i, c) in configs.iter().enumerate() {
@@ -750,7 +806,7 @@ pub fn run(args: &BenchTrainArgs) -> Result<()> {
             if units > 1.0 { "token" } else { "example" }
         );
         println!(
-            "{:<11} {:>9} {:<12} {:>8} {:>12} {:>10} {:>10} {:>11} {:>9} {:>14}",
+            "{:<11} {:>9} {:<19} {:>8} {:>12} {:>10} {:>10} {:>11} {:>9} {:>14} {:>11} {:>10} {:>10}",
             "model",
             "params",
             "config",
@@ -760,21 +816,26 @@ pub fn run(args: &BenchTrainArgs) -> Result<()> {
             "peakRSS",
             "of ceiling",
             "of limit",
-            "reduced/step"
+            "reduced/step",
+            "params/rep",
+            "grads/rep",
+            "optim/rep"
         );
-        for (i, c) in configs.iter().enumerate() {
-            let rate = if *c == "limit" { limit } else { med(i, |m| m.examples_per_second) * units };
-            let replicas = if *c == "one-device" { 1 } else { k };
-            let of_ceiling = match *c {
+        let mib = |b: u64| if b == 0 { "-".to_string() } else { format!("{:.2}M", b as f64 / (1024.0 * 1024.0)) };
+        for (i, c) in configs.iter().map(String::as_str).enumerate() {
+            let rate = if c == "limit" { limit } else { med(i, |m| m.examples_per_second) * units };
+            let replicas = if c == "one-device" { 1 } else { k };
+            let of_ceiling = match c {
                 "ceiling" | "limit" => "-".to_string(),
                 _ => format!("{:.1}%", 100.0 * rate / ceiling),
             };
-            let of_limit = if *c == "limit" { "-".to_string() } else { format!("{:.1}%", 100.0 * rate / limit) };
+            let of_limit = if c == "limit" { "-".to_string() } else { format!("{:.1}%", 100.0 * rate / limit) };
             let reduced = med(i, |m| m.reduced_bytes_per_step);
             let reduced = if reduced > 0.0 { format!("{reduced:.0} B") } else { "-".to_string() };
-            let step = if *c == "limit" { "-".to_string() } else { format!("{:.2}", 1e3 * med(i, |m| m.step_seconds)) };
+            let step = if c == "limit" { "-".to_string() } else { format!("{:.2}", 1e3 * med(i, |m| m.step_seconds)) };
+            let bytes = runs[i].first().map(|m| m.replica_bytes).unwrap_or_default();
             println!(
-                "{:<11} {:>9} {:<12} {:>8} {:>12.0} {:>10} {:>9.0}M {:>11} {:>9} {:>14}",
+                "{:<11} {:>9} {:<19} {:>8} {:>12.0} {:>10} {:>9.0}M {:>11} {:>9} {:>14} {:>11} {:>10} {:>10}",
                 name,
                 model.parameter_count(),
                 c,
@@ -784,7 +845,10 @@ pub fn run(args: &BenchTrainArgs) -> Result<()> {
                 med(i, |m| m.peak_rss_bytes as f64) / (1024.0 * 1024.0),
                 of_ceiling,
                 of_limit,
-                reduced
+                reduced,
+                mib(bytes.params),
+                mib(bytes.grads),
+                mib(bytes.optimizer)
             );
         }
     }

@@ -1,0 +1,139 @@
+//! ZeRO stage 1 through `strata train --zero-stage 1`, in real processes: Mirrored over 3
+//! replicas and MultiWorkerMirrored with 3 workers of 1 replica and 2 workers of 2 replicas
+//! (uneven shards), each bit for bit the parameters of the same job at stage 0; every worker
+//! the same; what cannot run on shards refused with one line and exit code 2. Every wait has a
+//! hard deadline.
+
+use std::path::{Path, PathBuf};
+use std::process::{Output, Stdio};
+use std::time::{Duration, Instant};
+
+use strata_integration_tests::{free_ports, strata, wait};
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("strata-zero-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// The digits MLP under AdamW (the default optimizer), 1 epoch; 5,018 parameters, so that the
+/// shards over 3 and 4 replicas are uneven.
+const TRAIN: &[&str] = &["--epochs", "1", "--batch", "96", "--hidden", "48,32", "--lr", "0.01", "--no-progress"];
+
+fn tf_config(ports: &[u16], index: usize) -> String {
+    let workers: Vec<String> = ports.iter().map(|p| format!("\"127.0.0.1:{p}\"")).collect();
+    format!(r#"{{"cluster":{{"worker":[{}]}},"task":{{"type":"worker","index":{index}}}}}"#, workers.join(","))
+}
+
+fn check(o: &Output, what: &str) {
+    assert!(o.status.success(), "{what} failed: {}", String::from_utf8_lossy(&o.stderr));
+}
+
+/// `workers` processes of `--replicas local` each at `stage`; every worker's parameters, as
+/// `--save-params` writes them.
+fn multi_worker(dir: &Path, workers: usize, local: usize, stage: &str) -> Vec<Vec<u8>> {
+    let ports = free_ports(workers);
+    let deadline = Instant::now() + Duration::from_secs(240);
+    let children: Vec<_> = (0..workers)
+        .map(|i| {
+            strata()
+                .args(["train", "--strategy", "multi-worker-mirrored", "--replicas", &local.to_string()])
+                .args(["--zero-stage", stage])
+                .args(TRAIN)
+                .args(["--save-params", &format!("w{workers}x{local}-z{stage}-{{task}}.safetensors")])
+                .env("TF_CONFIG", tf_config(&ports, i))
+                .current_dir(dir)
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let outs: Vec<Output> = children.into_iter().map(|c| wait(c, deadline)).collect();
+    for (i, o) in outs.iter().enumerate() {
+        check(o, &format!("worker {i} of {workers}x{local} at stage {stage}"));
+    }
+    (0..workers)
+        .map(|i| std::fs::read(dir.join(format!("w{workers}x{local}-z{stage}-{i}.safetensors"))).unwrap())
+        .collect()
+}
+
+#[test]
+fn stage_1_across_worker_processes_is_stage_0_bit_for_bit() {
+    let dir = tmp("workers");
+    for (workers, local) in [(3, 1), (2, 2)] {
+        let whole = multi_worker(&dir, workers, local, "0");
+        let sharded = multi_worker(&dir, workers, local, "1");
+        for (i, p) in sharded.iter().enumerate() {
+            assert!(p == &sharded[0], "{workers}x{local}: worker {i}'s parameters differ from the chief's");
+            assert!(p == &whole[i], "{workers}x{local}: worker {i} at stage 1 differs from stage 0");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn stage_1_under_mirrored_is_stage_0_bit_for_bit() {
+    let dir = tmp("mirrored");
+    let run = |stage: &str| {
+        let file = format!("m-z{stage}.safetensors");
+        let o = wait(
+            strata()
+                .args(["train", "--strategy", "mirrored", "--replicas", "3", "--zero-stage", stage])
+                .args(TRAIN)
+                .args(["--save-params", &file])
+                .current_dir(&dir)
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap(),
+            Instant::now() + Duration::from_secs(120),
+        );
+        check(&o, &format!("mirrored at stage {stage}"));
+        std::fs::read(dir.join(file)).unwrap()
+    };
+    assert!(run("1") == run("0"), "Mirrored(3) at stage 1 differs from stage 0");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn what_cannot_run_on_shards_is_refused_in_one_line() {
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &["--strategy", "one-device", "--zero-stage", "1"],
+            "--zero-stage 1 applies to --strategy mirrored and multi-worker-mirrored, whose replicas each keep a whole copy of the optimizer state (--strategy one-device does not); drop it",
+        ),
+        (
+            &["--strategy", "parameter-server", "--zero-stage", "1"],
+            "--zero-stage 1 applies to --strategy mirrored and multi-worker-mirrored, whose replicas each keep a whole copy of the optimizer state (--strategy parameter-server does not); drop it",
+        ),
+        (
+            &["--strategy", "mirrored", "--zero-stage", "1", "--optimizer", "candle-adamw"],
+            "--zero-stage 1 with --optimizer candle-adamw: candle-nn's optimizers step whole variables; use --optimizer adamw or sgd (Strata's fused ones)",
+        ),
+        (&["--strategy", "mirrored", "--zero-stage", "3"], "zero stage \"3\" is not a stage"),
+        (&["--strategy", "mirrored", "--zero-stage", "2"], "zero stage 2 (sharded gradients) is not built yet; use 0 or 1"),
+    ];
+    let dir = tmp("refused");
+    for (args, want) in cases {
+        let o = wait(
+            strata()
+                .arg("train")
+                .args(*args)
+                .args(TRAIN)
+                .args(["--save-params", "never.safetensors"])
+                .current_dir(&dir)
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap(),
+            Instant::now() + Duration::from_secs(60),
+        );
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(want), "{args:?}: {err}");
+        assert!(!dir.join("never.safetensors").exists(), "{args:?} wrote parameters");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
