@@ -20,6 +20,8 @@ pub struct TrainingLoops;
 pub struct MultiWorker;
 #[doc = include_str!("../../../docs/elastic.md")]
 pub struct Elastic;
+#[doc = include_str!("../../../docs/zero.md")]
+pub struct Zero;
 #[doc = include_str!("../../../docs/parameter-servers.md")]
 pub struct ParameterServers;
 #[doc = include_str!("../../../docs/gpus.md")]
