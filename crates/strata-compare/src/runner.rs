@@ -613,6 +613,49 @@ fn run_one(exe: &Path, exp: &Experiment, spec: &RunSpec, runs_dir: &Path, bar: &
     result
 }
 
+/// What a run's metrics file holds so far, read as it grows: only the bytes appended since the
+/// last look are read.
+#[derive(Default)]
+struct MetricsTail {
+    /// Bytes read so far.
+    pos: u64,
+    /// The last line, not yet ended.
+    partial: String,
+    /// Step records so far.
+    steps: u64,
+    /// The last step record.
+    last_step: Option<String>,
+}
+
+impl MetricsTail {
+    /// Reads what was appended to `path`; whether a new step record came. A file that shrank
+    /// (a relaunch writes it afresh) is read again from its start.
+    fn update(&mut self, path: &Path) -> bool {
+        use std::io::{Read, Seek, SeekFrom};
+        let Ok(mut f) = std::fs::File::open(path) else { return false };
+        let len = f.metadata().map_or(0, |m| m.len());
+        if len < self.pos {
+            *self = Self::default();
+        }
+        let mut new = Vec::new();
+        if len == self.pos || f.seek(SeekFrom::Start(self.pos)).is_err() || f.read_to_end(&mut new).is_err() {
+            return false;
+        }
+        self.pos += new.len() as u64;
+        self.partial.push_str(&String::from_utf8_lossy(&new));
+        let mut stepped = false;
+        while let Some(end) = self.partial.find('\n') {
+            let line: String = self.partial.drain(..=end).collect();
+            if line.contains("\"kind\":\"step\"") {
+                self.steps += 1;
+                self.last_step = Some(line);
+                stepped = true;
+            }
+        }
+        stepped
+    }
+}
+
 /// Runs `strata ARGS` with its output in `log`; the error is the process's own last `error:`
 /// line where it printed one.
 fn spawn_and_wait(
@@ -636,6 +679,7 @@ fn spawn_and_wait(
         .map_err(|e| format!("cannot start {}: {e}", exe.display()))?;
     register_group(child.id(), true);
     let deadline = Instant::now() + timeout;
+    let mut tail = MetricsTail::default();
     let status = loop {
         if let Some(signal) = stop_requested() {
             kill_group(&mut child);
@@ -651,13 +695,11 @@ fn spawn_and_wait(
             }
             Ok(None) => {
                 let watched = killer.as_ref().is_some_and(|k| k.is_active());
-                if !bar.is_hidden() || watched {
-                    if let Ok(text) = std::fs::read_to_string(metrics) {
-                        bar.set_position(text.lines().filter(|l| l.contains("\"kind\":\"step\"")).count() as u64);
-                        if let Some(k) = killer.as_deref_mut() {
-                            if let Some(progress) = k.observe(&text) {
-                                k.poll(child.id(), progress);
-                            }
+                if (!bar.is_hidden() || watched) && tail.update(metrics) {
+                    bar.set_position(tail.steps);
+                    if let (Some(k), Some(last)) = (killer.as_deref_mut(), &tail.last_step) {
+                        if let Some(progress) = k.observe(last) {
+                            k.poll(child.id(), progress);
                         }
                     }
                 }
