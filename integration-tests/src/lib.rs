@@ -56,6 +56,34 @@ pub fn strata() -> Command {
     c
 }
 
+/// The `TF_CONFIG` of worker `index` of a job of workers on loopback `ports`.
+pub fn worker_tf_config(ports: &[u16], index: usize) -> String {
+    let workers: Vec<String> = ports.iter().map(|p| format!("\"127.0.0.1:{p}\"")).collect();
+    format!(r#"{{"cluster":{{"worker":[{}]}},"task":{{"type":"worker","index":{index}}}}}"#, workers.join(","))
+}
+
+/// Runs `strata compare` on the experiment `toml` (written as `name` in a new temporary
+/// directory) with `--out out --no-progress`, within `limit`: the directory (removed when
+/// dropped), the output directory and the process's output.
+pub fn run_compare(name: &str, toml: &str, limit: Duration) -> (tempfile::TempDir, std::path::PathBuf, Output) {
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let file = dir.path().join(name);
+    std::fs::write(&file, toml).expect("the experiment file written");
+    let out_dir = dir.path().join("out");
+    let child = strata()
+        .arg("compare")
+        .arg(&file)
+        .arg("--out")
+        .arg(&out_dir)
+        .arg("--no-progress")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("strata compare starts");
+    let out = wait(child, Instant::now() + limit);
+    (dir, out_dir, out)
+}
+
 /// `n` loopback ports that were free a moment ago.
 pub fn free_ports(n: usize) -> Vec<u16> {
     let ls: Vec<_> = (0..n).map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("a free port")).collect();

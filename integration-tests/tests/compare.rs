@@ -6,7 +6,7 @@
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use strata_integration_tests::{strata, wait};
+use strata_integration_tests::{run_compare, strata, wait};
 
 const EXPERIMENT: &str = r#"
 [experiment]
@@ -79,21 +79,7 @@ fn accuracy_of_train(args: &[&str], dir: &std::path::Path, name: &str) -> f32 {
 
 #[test]
 fn the_harness_records_what_strata_train_gives_and_survives_a_failed_run() {
-    let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("tiny.toml");
-    std::fs::write(&file, EXPERIMENT).unwrap();
-    let out_dir = dir.path().join("out");
-    let child = strata()
-        .arg("compare")
-        .arg(&file)
-        .arg("--out")
-        .arg(&out_dir)
-        .arg("--no-progress")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let out = wait(child, Instant::now() + Duration::from_secs(300));
+    let (dir, out_dir, out) = run_compare("tiny.toml", EXPERIMENT, Duration::from_secs(300));
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
     for f in ["runs.csv", "summary.json", "REPORT.md", "loss_vs_time.png", "accuracy_vs_steps.svg"] {
@@ -243,21 +229,7 @@ kill = [{ worker = 1, at_step = 50 }]
 /// process is given steps and every push is applied once.
 #[test]
 fn a_worker_killed_at_a_step_is_survived_as_each_recovery_says() {
-    let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("lost.toml");
-    std::fs::write(&file, LOST_WORKER).unwrap();
-    let out_dir = dir.path().join("out");
-    let child = strata()
-        .arg("compare")
-        .arg(&file)
-        .arg("--out")
-        .arg(&out_dir)
-        .arg("--no-progress")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let out = wait(child, Instant::now() + Duration::from_secs(600));
+    let (_dir, out_dir, out) = run_compare("lost.toml", LOST_WORKER, Duration::from_secs(600));
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
     let summary: serde_json::Value =

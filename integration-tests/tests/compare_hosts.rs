@@ -12,7 +12,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use strata_integration_tests::cluster::{or_skip, Skip};
-use strata_integration_tests::{strata, wait};
+use strata_integration_tests::{run_compare, strata, wait};
 
 /// The harness takes a machine-wide lock: one test at a time.
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
@@ -91,21 +91,7 @@ fn runs_on_emulated_hosts_finish_and_leave_nothing_behind() {
         return;
     }
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-    let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("tiny-hosts.toml");
-    std::fs::write(&file, TINY).unwrap();
-    let out_dir = dir.path().join("out");
-    let child = strata()
-        .arg("compare")
-        .arg(&file)
-        .arg("--out")
-        .arg(&out_dir)
-        .arg("--no-progress")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let out = wait(child, Instant::now() + Duration::from_secs(90));
+    let (dir, out_dir, out) = run_compare("tiny-hosts.toml", TINY, Duration::from_secs(90));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{}\n{stderr}", String::from_utf8_lossy(&out.stdout));
     assert!(stderr.contains("2 emulated hosts"), "{stderr}");

@@ -7,12 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use strata_integration_tests::{free_ports, strata, wait};
-
-fn tf_config(ports: &[u16], index: usize) -> String {
-    let workers: Vec<String> = ports.iter().map(|p| format!("\"127.0.0.1:{p}\"")).collect();
-    format!(r#"{{"cluster":{{"worker":[{}]}},"task":{{"type":"worker","index":{index}}}}}"#, workers.join(","))
-}
+use strata_integration_tests::{free_ports, strata, wait, worker_tf_config};
 
 /// Starts `n` workers of `strata train --strategy multi-worker-mirrored ARGS`.
 fn start_workers(n: usize, args: &[&str], dir: &Path) -> Vec<Child> {
@@ -22,7 +17,7 @@ fn start_workers(n: usize, args: &[&str], dir: &Path) -> Vec<Child> {
             strata()
                 .args(["train", "--strategy", "multi-worker-mirrored", "--no-progress"])
                 .args(args)
-                .env("TF_CONFIG", tf_config(&ports, i))
+                .env("TF_CONFIG", worker_tf_config(&ports, i))
                 .current_dir(dir)
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
@@ -289,7 +284,7 @@ fn a_worker_with_the_wrong_token_fails_the_chief_within_seconds_naming_it() {
         strata()
             .args(["train", "--strategy", "multi-worker-mirrored", "--no-progress"])
             .args(TRAIN)
-            .env("TF_CONFIG", tf_config(&ports, i))
+            .env("TF_CONFIG", worker_tf_config(&ports, i))
             .env("STRATA_CLUSTER_TOKEN", token)
             .current_dir(&dir)
             .stdout(Stdio::piped())

@@ -20,7 +20,7 @@ use strata::data::{Batch, TailPolicy};
 use strata::optim::{FusedAdamW, FusedMomentum, FusedSgd, ParamsMomentum};
 use strata::prelude::*;
 use strata::{Replicated, Scope};
-use strata_integration_tests::{free_ports, wait, TOKEN};
+use strata_integration_tests::{free_ports, wait, worker_tf_config, TOKEN};
 
 /// A model of the matrix: built in a scope, a loss for step `step` on a shard.
 trait Case: Sized + Send + Sync {
@@ -246,11 +246,6 @@ fn worker_process() {
     s.finish().unwrap();
 }
 
-fn tf_config(ports: &[u16], index: usize) -> String {
-    let workers: Vec<String> = ports.iter().map(|p| format!("\"127.0.0.1:{p}\"")).collect();
-    format!(r#"{{"cluster":{{"worker":[{}]}},"task":{{"type":"worker","index":{index}}}}}"#, workers.join(","))
-}
-
 fn flat(t: &Tensor) -> Vec<f32> {
     t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
 }
@@ -269,7 +264,7 @@ fn two_processes_end_as_one_device() {
             Command::new(&exe)
                 .args(["--exact", "worker_process", "--nocapture", "--test-threads", "1"])
                 .env("STRATA_VARIABLE_KINDS_OUT", dir.path())
-                .env("TF_CONFIG", tf_config(&ports, i))
+                .env("TF_CONFIG", worker_tf_config(&ports, i))
                 .env("CANDLE_NUM_THREADS", "1")
                 .env("RAYON_NUM_THREADS", "1")
                 .env("STRATA_LOG", "warn")

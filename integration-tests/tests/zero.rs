@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};
 
-use strata_integration_tests::{free_ports, strata, wait};
+use strata_integration_tests::{free_ports, strata, wait, worker_tf_config};
 
 fn tmp(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("strata-zero-{name}-{}", std::process::id()));
@@ -20,11 +20,6 @@ fn tmp(name: &str) -> PathBuf {
 /// The digits MLP under AdamW (the default optimizer), 1 epoch; 5,018 parameters, so that the
 /// shards over 3 and 4 replicas are uneven.
 const TRAIN: &[&str] = &["--epochs", "1", "--batch", "96", "--hidden", "48,32", "--lr", "0.01", "--no-progress"];
-
-fn tf_config(ports: &[u16], index: usize) -> String {
-    let workers: Vec<String> = ports.iter().map(|p| format!("\"127.0.0.1:{p}\"")).collect();
-    format!(r#"{{"cluster":{{"worker":[{}]}},"task":{{"type":"worker","index":{index}}}}}"#, workers.join(","))
-}
 
 fn check(o: &Output, what: &str) {
     assert!(o.status.success(), "{what} failed: {}", String::from_utf8_lossy(&o.stderr));
@@ -42,7 +37,7 @@ fn multi_worker(dir: &Path, workers: usize, local: usize, stage: &str) -> Vec<Ve
                 .args(["--zero-stage", stage])
                 .args(TRAIN)
                 .args(["--save-params", &format!("w{workers}x{local}-z{stage}-{{task}}.safetensors")])
-                .env("TF_CONFIG", tf_config(&ports, i))
+                .env("TF_CONFIG", worker_tf_config(&ports, i))
                 .current_dir(dir)
                 .stdout(Stdio::null())
                 .stderr(Stdio::piped())
