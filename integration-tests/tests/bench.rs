@@ -7,13 +7,13 @@ use std::process::Command;
 #[test]
 fn bench_train_prints_every_configuration_beside_the_limit_and_the_ceiling() {
     let o = Command::new(strata_integration_tests::strata_bin())
-        .args(["bench", "train", "--models", "small", "--rounds", "1", "--seconds", "0.2", "--optimizer", "sgd"])
+        .args(["bench", "train", "--models", "small", "--rounds", "1", "--seconds", "0.2", "--zero-stages", "0,1"])
         .output()
         .unwrap();
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(o.status.success(), "{out}{}", String::from_utf8_lossy(&o.stderr));
     let header = out.lines().find(|l| l.starts_with("model")).expect("a header row");
-    for column in ["examples/s", "of ceiling", "of limit", "reduced/step"] {
+    for column in ["examples/s", "of ceiling", "of limit", "reduced/step", "params/rep", "grads/rep", "optim/rep"] {
         assert!(header.contains(column), "{column} missing from {header}");
     }
     assert!(!out.contains("TF") && !out.contains("DDP"), "no ratio to a figure measured elsewhere: {out}");
@@ -22,12 +22,22 @@ fn bench_train_prints_every_configuration_beside_the_limit_and_the_ceiling() {
     let rows: Vec<Vec<&str>> =
         out.lines().filter(|l| l.starts_with("small ")).map(|l| l.split_whitespace().collect()).collect();
     let configs: Vec<&str> = rows.iter().map(|r| r[2]).collect();
-    assert_eq!(configs, ["limit", "ceiling", "one-device", "mirrored", "multi-worker"]);
+    assert_eq!(
+        configs,
+        ["limit", "ceiling", "one-device", "mirrored", "multi-worker", "mirrored+zero1", "multi-worker+zero1"]
+    );
     for r in &rows {
         let eps: f64 = r[4].parse().unwrap();
         assert!(eps > 0.0, "{r:?}");
     }
-    // Mirrored hands the all-reduce every trainable parameter, 4 bytes each, per step.
-    let mirrored = rows.iter().find(|r| r[2] == "mirrored").unwrap();
-    assert_eq!(mirrored[mirrored.len() - 2..], ["340008", "B"]);
+    // Mirrored hands the all-reduce every trainable parameter, 4 bytes each, per step; a
+    // replica keeps 85,002 parameters and gradients (0.32 MiB each) and AdamW's two moments of
+    // them (0.65 MiB), or at ZeRO stage 1 of its half (0.32 MiB).
+    let tail = |config: &str| {
+        let r = rows.iter().find(|r| r[2] == config).unwrap();
+        r[r.len() - 5..].to_vec()
+    };
+    assert_eq!(tail("mirrored"), ["340008", "B", "0.32M", "0.32M", "0.65M"]);
+    assert_eq!(tail("mirrored+zero1"), ["340008", "B", "0.32M", "0.32M", "0.32M"]);
+    assert_eq!(tail("multi-worker+zero1")[2..], ["0.32M", "0.32M", "0.32M"]);
 }
