@@ -186,9 +186,10 @@ pub struct TrainArgs {
     /// Reduce after the backward pass instead of overlapping the reduction with it.
     #[arg(long)]
     pub no_overlap: bool,
-    /// ZeRO: 0 (every replica keeps the whole optimizer state) or 1 (each replica, across every
-    /// worker, keeps the optimizer state of its shard of the parameters and steps that shard;
-    /// mirrored and multi-worker-mirrored, with the fused optimizers).
+    /// ZeRO: 0 (every replica keeps the whole optimizer state), 1 (each replica, across every
+    /// worker, keeps the optimizer state of its shard of the parameters and steps that shard)
+    /// or 2 (and keeps the reduced gradient of its shard only); mirrored and
+    /// multi-worker-mirrored, with the fused optimizers.
     #[arg(long, default_value = "0", value_parser = parse_zero_stage)]
     pub zero_stage: ZeroStage,
     /// parameter-server: compute each worker's gradients at the pulled values, not at the
@@ -383,11 +384,6 @@ impl TrainArgs {
             if self.min_workers.is_some() {
                 return Err(Error::Usage(format!(
                     "--zero-stage {stage} with --min-workers: shards that follow an elastic job's membership are not built yet; use --zero-stage 0"
-                )));
-            }
-            if self.checkpoint_dir.is_some() {
-                return Err(Error::Usage(format!(
-                    "--zero-stage {stage} with --checkpoint-dir: checkpoints of sharded optimizer state are not built yet; use --zero-stage 0"
                 )));
             }
         }
@@ -619,7 +615,7 @@ pub fn make_multi_worker(args: &TrainArgs, options: StrategyOptions) -> Result<M
     Ok(MultiWorkerMirroredStrategy::from_resolver(resolver.as_ref(), mw)?)
 }
 
-/// `--zero-stage`: `0` or `1`.
+/// `--zero-stage`: `0`, `1` or `2`.
 fn parse_zero_stage(s: &str) -> std::result::Result<ZeroStage, String> {
     s.parse::<ZeroStage>().map_err(|e| e.to_string())
 }

@@ -643,7 +643,7 @@ impl<M> Replicated<M> {
             ));
         }
         let first = workers.map_or(0, |w| w.worker_index()) * self.ext.num_replicas();
-        crate::zero::Shards::new(stage, vars, first, self.ext.num_replicas_in_sync())
+        crate::zero::Shards::new(stage, vars, first, self.ext.num_replicas_in_sync(), self.ext.clone())
     }
 }
 
@@ -950,6 +950,35 @@ struct Accumulated {
     examples: usize,
 }
 
+impl<O: Optimizer + crate::checkpoint::OptimizerState> DistributedOptimizer<O> {
+    /// The optimizer's state as one optimizer over the whole model saves it (copy 0's at
+    /// stage 0): under ZeRO every replica's shard of it gathered, so that a checkpoint resumes
+    /// at any stage on any number of replicas and workers. Under ZeRO across workers every
+    /// worker must call it (an all-gather).
+    pub fn state_tensors(&self) -> Result<Vec<(String, Tensor)>> {
+        match &self.shards {
+            None => self.lock(0).state_tensors(),
+            Some(shards) => {
+                let states = (0..self.copies.len()).map(|c| self.lock(c).state_tensors()).collect::<Result<_>>()?;
+                shards.gather_state(states)
+            }
+        }
+    }
+
+    /// Loads `state` (as [`Self::state_tensors`] gives it, at any stage) into every copy:
+    /// under ZeRO each copy takes its shard of it. Nothing changes where a copy refuses it.
+    pub fn load_state_tensors(&self, state: &[(String, Tensor)]) -> Result<()> {
+        let cut: Vec<Vec<(String, Tensor)>> = match &self.shards {
+            None => vec![state.to_vec(); self.copies.len()],
+            Some(shards) => (0..self.copies.len()).map(|c| shards.cut_state(c, state)).collect::<Result<_>>()?,
+        };
+        for (c, state) in cut.iter().enumerate() {
+            self.lock(c).load_state_tensors(state)?;
+        }
+        Ok(())
+    }
+}
+
 impl<O: Optimizer> DistributedOptimizer<O> {
     /// An optimizer of `copies` (one per copy of `vars`, the variables each updates) for a
     /// model of `strategy` whose variables follow `policy`.
@@ -1049,7 +1078,7 @@ impl<O: Optimizer> DistributedOptimizer<O> {
         if let Some(shards) = &self.shards {
             // Only the shard's runs of `grads` hold the reduced gradient: the clipping norm is
             // summed over every replica's shard.
-            return shards.step(ctx, copy, &self.vars[copy], &grads, self.clip_global_norm, &mut *opt);
+            return shards.step(ctx, copy, &self.vars[copy], grads, self.clip_global_norm, &mut *opt);
         }
         let scale = match self.clip_global_norm {
             Some(max) => clip_scale(&grads, max)?,
@@ -1072,6 +1101,12 @@ impl<O: Optimizer> DistributedOptimizer<O> {
     /// of the reduced gradients it needs.
     pub(crate) fn keep(&self, copy: usize) -> Option<&[std::ops::Range<usize>]> {
         self.shards.as_ref().map(|s| s.keep(copy))
+    }
+
+    /// ZeRO's shards at stage 2, where each replica keeps the reduced gradient of its shard
+    /// only.
+    fn gradient_shards(&self) -> Option<&crate::zero::Shards> {
+        self.shards.as_ref().filter(|s| s.stage().shards_gradients())
     }
 
     /// The ZeRO stage this optimizer runs ([`ZeroStage::Off`](crate::ZeroStage::Off) unless
@@ -1322,7 +1357,7 @@ impl ReplicaContext<'_> {
             keep: opt.keep(copy),
         };
         let grads = self.backward_phase(|| loss.backward_with_hooks(&mut step));
-        let grads = match (grads, step.failed.take()) {
+        let mut grads = match (grads, step.failed.take()) {
             (_, Some(e)) => return Err(e),
             (grads, None) => grads?,
         };
@@ -1362,14 +1397,26 @@ impl ReplicaContext<'_> {
             sink.write(&early);
             ops.finish(req, started, &mut |piece| sink.write(piece))?;
             failed = failed.and(sink.check());
+            if let (Unit::Bucket(b), Some(shards)) = (unit, opt.gradient_shards()) {
+                // Stage 2: this replica keeps its run of the bucket's reduced gradients; the
+                // whole buffers go as soon as the bucket is reduced.
+                drop((input, target));
+                for &i in &plan.order[plan.buckets[*b].tensors.clone()] {
+                    grads.remove(vars[i].as_tensor());
+                    if let Some(g) = local[i].take() {
+                        local[i] = shards.shard_of(copy, i, &g)?;
+                    }
+                }
+            }
         }
         failed?;
         let mut out: Vec<Option<Tensor>> = vec![None; vars.len()];
         for &i in &plan.order {
             if present[i] {
-                out[i] = local[i].clone();
+                out[i] = local[i].take();
             }
         }
+        drop(local);
         // Variables with a gradient the plan does not have: reduced now. The plan no longer
         // fits (it has variables none has a gradient for, or lacks some), so the next step
         // learns it again; `present` is agreed, so every replica decides alike.
@@ -1395,6 +1442,9 @@ impl ReplicaContext<'_> {
                 out[i] = Some(t);
             }
         }
+        // Nothing but `out` holds a gradient now: at stage 2 the optimizer's step releases the
+        // whole ones it still has.
+        drop(grads);
         if dest.receives(self.replica) {
             let _p = self.phase("step", "optimizer");
             opt.apply(self, copy, out)?;
@@ -1418,6 +1468,7 @@ impl ReplicaContext<'_> {
         };
         let vars = opt.vars(copy);
         let mut local: Vec<Option<Tensor>> = vars.iter().map(|v| grads.get(v).cloned()).collect();
+        drop(grads);
         let mut weight = self.batch_weight();
         if opt.accumulation > 1 {
             // Sum this replica's gradient times its examples; reduce at the last micro-batch.

@@ -12,12 +12,13 @@
 //! update element by element (Strata's fused ones).
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 use candle_nn::Optimizer;
 
-use crate::{Error, ReplicaContext, Result, ZeroStage};
+use crate::{Error, ReplicaContext, Result, StrategyExtended, ZeroStage};
 
 /// Elements `start..start + len` of variable `var` (flattened), as one replica's shard holds
 /// them, and the optimizer's copy of them.
@@ -40,6 +41,10 @@ pub(crate) struct Shards {
     /// Each local replica's run of each variable (by index; empty where its shard has none):
     /// the only elements of the reduced gradient it needs.
     keep: Vec<Vec<Range<usize>>>,
+    /// Each variable's shape.
+    shapes: Vec<candle_core::Shape>,
+    /// The strategy, whose workers' collectives gather the optimizer state for a checkpoint.
+    ext: Arc<dyn StrategyExtended>,
 }
 
 /// Shard `g` of `total` elements split over `n` replicas: the sizes differ by at most one.
@@ -63,13 +68,27 @@ pub(crate) fn shardable<O: Optimizer>() -> bool {
 impl Shards {
     /// The shards of `vars` (each local replica's copy of the optimizer's variables) over
     /// `in_sync` replicas, of which this worker's are `first..first + vars.len()`.
-    pub(crate) fn new(stage: ZeroStage, vars: &[Vec<Var>], first: usize, in_sync: usize) -> Result<Self> {
+    pub(crate) fn new(
+        stage: ZeroStage,
+        vars: &[Vec<Var>],
+        first: usize,
+        in_sync: usize,
+        ext: Arc<dyn StrategyExtended>,
+    ) -> Result<Self> {
         let sizes: Vec<usize> = vars.first().map_or(Vec::new(), |v| v.iter().map(|v| v.elem_count()).collect());
+        let shapes = vars.first().map_or(Vec::new(), |v| v.iter().map(|v| v.shape().clone()).collect());
         let mut offsets = Vec::with_capacity(sizes.len());
         let mut total = 0;
         for n in &sizes {
             offsets.push(total);
             total += n;
+        }
+        if total < in_sync {
+            return Err(Error::ZeroStage {
+                stage: stage.number(),
+                what: format!("{total} trainable elements over {in_sync} replicas"),
+                fix: "every replica's shard needs at least one element; use stage 0 or fewer replicas",
+            });
         }
         let mut pieces = Vec::with_capacity(vars.len());
         let mut keep = Vec::with_capacity(vars.len());
@@ -90,7 +109,7 @@ impl Shards {
             pieces.push(mine);
             keep.push(runs);
         }
-        Ok(Self { stage, offsets, pieces, keep })
+        Ok(Self { stage, offsets, pieces, keep, shapes, ext })
     }
 
     /// The variables local replica `copy`'s optimizer steps: its pieces.
@@ -113,16 +132,27 @@ impl Shards {
         self.pieces[copy].iter().map(|p| p.len).sum()
     }
 
+    /// Local replica `copy`'s run of the reduced gradient `g` of variable `var`: a copy of its
+    /// own, so that the whole gradient can be released (stage 2).
+    pub(crate) fn shard_of(&self, copy: usize, var: usize, g: &Tensor) -> Result<Option<Tensor>> {
+        let k = &self.keep[copy][var];
+        if k.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(g.flatten_all()?.narrow(0, k.start, k.len())?.copy()?))
+    }
+
     /// Steps local replica `copy`'s shard of `vars` with `opt` and the reduced `grads` (by
-    /// variable; `None` for a variable no replica has a gradient for, whose pieces the
-    /// optimizer then skips), then gathers every shard into `vars`. Collective over every
-    /// replica of every worker.
+    /// variable, whole or, at stage 2, already cut to the replica's run ([`Self::shard_of`]);
+    /// `None` for a variable no replica has a gradient for, whose pieces the optimizer then
+    /// skips), then gathers every shard into `vars`. Collective over every replica of every
+    /// worker. At stage 2 the whole gradients are released before the optimizer steps.
     pub(crate) fn step<O: Optimizer>(
         &self,
         ctx: &ReplicaContext<'_>,
         copy: usize,
         vars: &[Var],
-        grads: &[Option<Tensor>],
+        grads: Vec<Option<Tensor>>,
         clip_global_norm: Option<f64>,
         opt: &mut O,
     ) -> Result<()> {
@@ -131,9 +161,18 @@ impl Shards {
             let flat = vars[p.var].flatten_all()?;
             p.value.set(&flat.narrow(0, p.start, p.len)?)?;
             if let Some(g) = &grads[p.var] {
-                mine.push((p, g.flatten_all()?.narrow(0, p.start, p.len)?.contiguous()?));
+                let g = g.flatten_all()?;
+                let g = if g.elem_count() == p.len {
+                    g
+                } else if self.stage.shards_gradients() {
+                    g.narrow(0, p.start, p.len)?.copy()?
+                } else {
+                    g.narrow(0, p.start, p.len)?.contiguous()?
+                };
+                mine.push((p, g));
             }
         }
+        drop(grads);
         if let Some(max) = clip_global_norm {
             // The global norm: every shard's sum of squares (in f64, piece by piece), summed
             // over every replica of every worker.
@@ -155,6 +194,126 @@ impl Shards {
         }
         opt.step(&store)?;
         self.gather(ctx, copy, vars)
+    }
+
+    /// Which piece of local replica `copy` a shard's state tensor `key` (`"m.3"`: per piece,
+    /// as the fused optimizers name theirs) belongs to, with the name before the index; `None`
+    /// for a tensor of the whole optimizer (AdamW's step count `t`).
+    fn piece_key<'k>(&self, copy: usize, key: &'k str, t: &Tensor) -> Option<(&'k str, usize)> {
+        let (name, i) = key.rsplit_once('.')?;
+        let i: usize = i.parse().ok()?;
+        (self.pieces[copy].get(i)?.len == t.elem_count()).then_some((name, i))
+    }
+
+    /// The optimizer state of every local replica's shard (`states`, by local replica, as
+    /// each copy's optimizer saves it) gathered into the state one optimizer over the whole
+    /// model saves at stage 0: `name.i` for the model's `i`-th variable, in its shape. Across
+    /// workers every worker must call it (an all-gather).
+    pub(crate) fn gather_state(&self, states: Vec<Vec<(String, Tensor)>>) -> Result<Vec<(String, Tensor)>> {
+        let first = states.first().ok_or_else(|| Error::Checkpoint("no optimizer copy to save".into()))?;
+        // The names of per-piece tensors in copy 0's order (every shard has a piece).
+        let mut names: Vec<String> = Vec::new();
+        let mut out = Vec::new();
+        for (key, t) in first {
+            match self.piece_key(0, key, t) {
+                Some((name, _)) => {
+                    if !names.iter().any(|n| n == name) {
+                        names.push(name.to_string());
+                    }
+                }
+                None => out.push((key.clone(), t.clone())),
+            }
+        }
+        // This worker's run of each name: its replicas' pieces in order, one after another.
+        let mut run: Vec<f32> = Vec::new();
+        let mut dtypes = vec![DType::F32; names.len()];
+        for (k, name) in names.iter().enumerate() {
+            for (c, state) in states.iter().enumerate() {
+                let mut pieces: Vec<Option<&Tensor>> = vec![None; self.pieces[c].len()];
+                for (key, t) in state {
+                    if let Some((n, i)) = self.piece_key(c, key, t).filter(|(n, _)| n == name) {
+                        debug_assert_eq!(n, name);
+                        pieces[i] = Some(t);
+                    }
+                }
+                for (i, t) in pieces.into_iter().enumerate() {
+                    let t = t.ok_or_else(|| {
+                        Error::Checkpoint(format!(
+                            "the optimizer of replica copy {c} saved no {name:?} for its piece {i}"
+                        ))
+                    })?;
+                    dtypes[k] = t.dtype();
+                    run.extend(t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?);
+                }
+            }
+        }
+        let all: Vec<f32> = match self.ext.workers() {
+            Some(w) if w.num_workers() > 1 => w.all_gather(&run)?.concat(),
+            _ => run,
+        };
+        let total: usize = self.shapes.iter().map(|s| s.elem_count()).sum();
+        if all.len() != total * names.len() {
+            return Err(Error::Checkpoint(format!(
+                "the gathered optimizer state holds {} values, {} tensors of the model's {total} elements need {}; every worker must build the same model and optimizer",
+                all.len(),
+                names.len(),
+                total * names.len()
+            )));
+        }
+        // `all` holds, worker by worker, each name's run: reorder name by name.
+        let mut by_name: Vec<Vec<f32>> = vec![Vec::with_capacity(total); names.len()];
+        let mut at = 0;
+        for g in 0..self.workers_runs() {
+            let len = self.worker_elements(g);
+            for v in by_name.iter_mut() {
+                v.extend_from_slice(&all[at..at + len]);
+                at += len;
+            }
+        }
+        for (k, name) in names.iter().enumerate() {
+            for (i, shape) in self.shapes.iter().enumerate() {
+                let flat = &by_name[k][self.offsets[i]..self.offsets[i] + shape.elem_count()];
+                let t = Tensor::from_slice(flat, shape.clone(), &candle_core::Device::Cpu)?.to_dtype(dtypes[k])?;
+                out.push((format!("{name}.{i}"), t));
+            }
+        }
+        Ok(out)
+    }
+
+    /// The number of workers whose runs [`Self::gather_state`] receives.
+    fn workers_runs(&self) -> usize {
+        self.ext.workers().map_or(1, |w| w.num_workers().max(1))
+    }
+
+    /// The elements worker `g`'s replicas' shards hold together.
+    fn worker_elements(&self, g: usize) -> usize {
+        let total: usize = self.shapes.iter().map(|s| s.elem_count()).sum();
+        let local = self.ext.num_replicas();
+        let in_sync = self.workers_runs() * local;
+        let r = shard_range(total, in_sync, g * local).start..shard_range(total, in_sync, (g + 1) * local - 1).end;
+        r.len()
+    }
+
+    /// The state local replica `copy`'s optimizer loads, cut from the state of one optimizer
+    /// over the whole model (stage 0's, or [`Self::gather_state`]'s): for each piece, its run
+    /// of each `name.i` of its variable; tensors of the whole optimizer as they are.
+    pub(crate) fn cut_state(&self, copy: usize, state: &[(String, Tensor)]) -> Result<Vec<(String, Tensor)>> {
+        let mut out = Vec::new();
+        for (key, t) in state {
+            let var = key
+                .rsplit_once('.')
+                .and_then(|(name, i)| Some((name, i.parse::<usize>().ok()?)))
+                .filter(|&(_, i)| self.shapes.get(i).is_some_and(|s| s.elem_count() == t.elem_count()));
+            match var {
+                Some((name, i)) => {
+                    for (k, p) in self.pieces[copy].iter().enumerate().filter(|(_, p)| p.var == i) {
+                        out.push((format!("{name}.{k}"), t.flatten_all()?.narrow(0, p.start, p.len)?.contiguous()?));
+                    }
+                }
+                None => out.push((key.clone(), t.clone())),
+            }
+        }
+        Ok(out)
     }
 
     /// Writes every replica's shard into this replica's `vars`.

@@ -1,6 +1,7 @@
-//! ZeRO stage 1 ([`ZeroStage::OptimizerState`]): each replica keeps the optimizer state of its
-//! shard of the flattened parameters and steps that shard only; the parameters every replica
-//! ends with are stage 0's, bit for bit (the reduction is the same, and the fused optimizers
+//! ZeRO stages 1 ([`ZeroStage::OptimizerState`]) and 2 ([`ZeroStage::Gradients`]): each replica
+//! keeps the optimizer state (and at stage 2 the reduced gradient) of its shard of the flattened
+//! parameters and steps that shard only; the parameters every replica ends with are stage 0's,
+//! bit for bit (the reduction is the same, and the fused optimizers
 //! update element by element), for every kind of variable, under Mirrored over 2, 3 and 4
 //! replicas (uneven shards), with in-place ops, and across 2 and 3 workers. What cannot run on
 //! shards is refused in one line.
@@ -108,7 +109,10 @@ fn l2_relative(a: &Params, b: &Params) -> f64 {
     (diff / norm.max(f64::MIN_POSITIVE)).sqrt()
 }
 
-/// Stage 1 against stage 0 on `n` replicas, for `M` under every fused optimizer: bitwise.
+/// The stages that shard.
+const SHARDED: [ZeroStage; 2] = [ZeroStage::OptimizerState, ZeroStage::Gradients];
+
+/// Stages 1 and 2 against stage 0 on `n` replicas, for `M` under every fused optimizer: bitwise.
 fn same_as_stage_0<M: TestModel>(n: usize, freeze: &[&str]) {
     let adamw = &ParamsAdamW { lr: 0.01, weight_decay: 0.1, ..Default::default() };
     let momentum = ParamsMomentum { lr: 0.05, momentum: 0.9, nesterov: false };
@@ -127,15 +131,16 @@ fn same_as_stage_0<M: TestModel>(n: usize, freeze: &[&str]) {
         ),
         ("adamw, accumulated", Box::new(move |s| train::<M, FusedAdamW>(s, adamw.clone(), 6, freeze, accumulated))),
     ];
-    for (what, run) in runs {
+    for ((what, run), stage) in runs.iter().flat_map(|r| SHARDED.map(|s| (r, s))) {
         let (whole, whole_read, whole_stepped) = run(&mirrored(n, ZeroStage::Off));
-        let (sharded, sharded_read, stepped) = run(&mirrored(n, ZeroStage::OptimizerState));
+        let (sharded, sharded_read, stepped) = run(&mirrored(n, stage));
+        let what = format!("{what} at stage {stage}");
         if what.contains("clipped") {
             // The clipping norm is summed shard by shard: the same within reassociation.
             let err = l2_relative(&sharded.last().unwrap()[0], &whole.last().unwrap()[0]);
             assert!(err <= 1e-6, "{what}, {n} replicas: {err:e} from stage 0");
         } else {
-            assert_eq!(sharded, whole, "{what}, {n} replicas: stage 1 is not stage 0 bit for bit");
+            assert_eq!(sharded, whole, "{what}, {n} replicas: not stage 0 bit for bit");
             assert_eq!(sharded_read, whole_read, "{what}, {n} replicas: the state read differs");
         }
         // Every copy's parameters are the same (a replica's own batch-norm statistics aside).
@@ -156,45 +161,47 @@ fn same_as_stage_0<M: TestModel>(n: usize, freeze: &[&str]) {
 }
 
 #[test]
-fn stage_1_is_stage_0_bitwise_for_a_cnn_over_2_3_and_4_replicas() {
+fn stages_1_and_2_are_stage_0_bitwise_for_a_cnn_over_2_3_and_4_replicas() {
     for n in [2, 3, 4] {
         same_as_stage_0::<Cnn>(n, &[]);
     }
 }
 
 #[test]
-fn stage_1_keeps_unused_heads_unstepped() {
+fn stages_1_and_2_keep_unused_heads_unstepped() {
     for n in [2, 3] {
         same_as_stage_0::<Heads>(n, &[]);
     }
 }
 
 #[test]
-fn stage_1_leaves_frozen_variables_and_shares_one_gradient_tensor_alike() {
+fn stages_1_and_2_leave_frozen_variables_and_share_one_gradient_tensor_alike() {
     same_as_stage_0::<Frozen>(3, &["late.*"]);
     same_as_stage_0::<Tied>(4, &[]);
 }
 
 #[test]
-fn stage_1_keeps_batch_norm_state_the_replicas_own() {
+fn stages_1_and_2_keep_batch_norm_state_the_replicas_own() {
     same_as_stage_0::<BnNet<false>>(2, &[]);
     same_as_stage_0::<BnNet<true>>(3, &[]);
 }
 
 #[test]
-fn stage_1_with_ops_that_reduce_in_place() {
+fn stages_1_and_2_with_ops_that_reduce_in_place() {
     let adamw = ParamsAdamW { lr: 0.01, weight_decay: 0.1, ..Default::default() };
-    let devices = strata_core::device::logical_cpus(3).unwrap();
-    let ops = common::in_place_ops(3);
-    let s = MirroredStrategy::with_cross_device_ops(devices, ops, options(ZeroStage::OptimizerState)).unwrap();
-    let sharded = train::<Cnn, FusedAdamW>(&s.handle(), adamw.clone(), 4, &[], PLAIN).0;
-    let whole = train::<Cnn, FusedAdamW>(&common::mirrored_in_place(3), adamw, 4, &[], PLAIN).0;
-    assert_eq!(sharded, whole);
+    let whole = train::<Cnn, FusedAdamW>(&common::mirrored_in_place(3), adamw.clone(), 4, &[], PLAIN).0;
+    for stage in SHARDED {
+        let devices = strata_core::device::logical_cpus(3).unwrap();
+        let ops = common::in_place_ops(3);
+        let s = MirroredStrategy::with_cross_device_ops(devices, ops, options(stage)).unwrap();
+        let sharded = train::<Cnn, FusedAdamW>(&s.handle(), adamw.clone(), 4, &[], PLAIN).0;
+        assert_eq!(sharded, whole, "stage {stage}");
+    }
 }
 
-/// Stage 1 and stage 0 across `workers` workers of `local` replicas: every worker's copies
-/// after every step, bit for bit.
-fn across_workers(workers: usize, local: usize) {
+/// Stage 1 or 2 (`stage`) and stage 0 across `workers` workers of `local` replicas: every
+/// worker's copies after every step, bit for bit.
+fn across_workers(workers: usize, local: usize, stage: ZeroStage) {
     let run = |stage: ZeroStage| {
         common::on_workers_tuned(
             workers,
@@ -211,7 +218,7 @@ fn across_workers(workers: usize, local: usize) {
         )
     };
     let whole = run(ZeroStage::Off);
-    let sharded = run(ZeroStage::OptimizerState);
+    let sharded = run(stage);
     let total = whole[0].1[0];
     let n = workers * local;
     let stepped: Vec<usize> = sharded.iter().flat_map(|(_, s, _)| s.clone()).collect();
@@ -234,9 +241,18 @@ fn across_workers(workers: usize, local: usize) {
 #[test]
 fn stage_1_across_2_and_3_workers_is_stage_0_bitwise() {
     common::with_timeout(std::time::Duration::from_secs(240), "zero across workers", || {
-        across_workers(2, 1);
-        across_workers(3, 1);
-        across_workers(2, 2);
+        across_workers(2, 1, ZeroStage::OptimizerState);
+        across_workers(3, 1, ZeroStage::OptimizerState);
+        across_workers(2, 2, ZeroStage::OptimizerState);
+    });
+}
+
+#[test]
+fn stage_2_across_2_and_3_workers_is_stage_0_bitwise() {
+    common::with_timeout(std::time::Duration::from_secs(240), "zero 2 across workers", || {
+        across_workers(2, 1, ZeroStage::Gradients);
+        across_workers(3, 1, ZeroStage::Gradients);
+        across_workers(2, 2, ZeroStage::Gradients);
     });
 }
 
@@ -262,11 +278,16 @@ fn what_cannot_run_on_shards_is_refused_in_one_line() {
         "zero stage 1 with the optimizer candle_nn::optim::AdamW: it steps whole variables; use strata's FusedAdamW, FusedSgd or FusedMomentum, which step any run of a variable's elements"
     );
     assert!(model.optimizer::<candle_nn::SGD>(0.1).is_err());
-    for (text, want) in [
-        ("2", "zero stage 2 (sharded gradients) is not built yet; use 0 or 1"),
-        ("3", "zero stage \"3\" is not a stage; use 0 (whole optimizer state on every replica) or 1 (each replica keeps its shard's)"),
-    ] {
-        assert_eq!(text.parse::<ZeroStage>().unwrap_err().to_string(), want);
+    for text in ["3", "-1", "one", ""] {
+        assert_eq!(
+            text.parse::<ZeroStage>().unwrap_err().to_string(),
+            format!("zero stage {text:?} is not a stage; use 0 (whole optimizer state on every replica), 1 (each replica keeps its shard's) or 2 (and its shard's gradient)")
+        );
     }
     assert_eq!("1".parse::<ZeroStage>().unwrap(), ZeroStage::OptimizerState);
+    assert_eq!(" 2".parse::<ZeroStage>().unwrap(), ZeroStage::Gradients);
+    let s = mirrored(2, ZeroStage::Gradients);
+    let model = s.scope(Cnn::build).unwrap();
+    let e = model.optimizer::<candle_nn::SGD>(0.1).unwrap_err().to_string();
+    assert!(e.starts_with("zero stage 2 with the optimizer candle_nn::optim::SGD: it steps whole variables"), "{e}");
 }

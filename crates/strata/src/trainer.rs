@@ -335,20 +335,14 @@ impl Trainer {
         O: Optimizer + OptimizerState + Send,
         B: BatchData,
     {
-        if self.config.checkpoint.is_some() && opt.zero_stage() != strata_core::ZeroStage::Off {
-            return Err(crate::Error::Usage(format!(
-                "checkpoints of optimizer state sharded by zero stage {} are not built yet; checkpoint at stage 0",
-                opt.zero_stage()
-            )));
-        }
-        let save = || -> Result<Vec<(String, Tensor)>> { Ok(opt.lock(0).state_tensors()?) };
-        let load = |state: &[(String, Tensor)]| -> Result<()> {
-            for c in 0..opt.num_copies() {
-                opt.lock(c).load_state_tensors(state)?;
-            }
-            Ok(())
-        };
-        self.fit_inner(strategy, model, opt, task, train, test, Some(OptimizerHooks { save: &save, load: &load }))
+        // Under ZeRO the state is gathered from every replica's shard (a collective), and a
+        // checkpoint holds it whole, as at stage 0: it resumes at any stage, on any number of
+        // replicas and workers.
+        let save = || -> Result<Vec<(String, Tensor)>> { Ok(opt.state_tensors()?) };
+        let load = |state: &[(String, Tensor)]| -> Result<()> { Ok(opt.load_state_tensors(state)?) };
+        let collective = opt.zero_stage() != strata_core::ZeroStage::Off;
+        let hooks = OptimizerHooks { save: &save, load: &load, collective };
+        self.fit_inner(strategy, model, opt, task, train, test, Some(hooks))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -772,6 +766,8 @@ type LoadState<'a> = &'a dyn Fn(&[(String, Tensor)]) -> Result<()>;
 struct OptimizerHooks<'a> {
     save: SaveState<'a>,
     load: LoadState<'a>,
+    /// Whether `save` is a collective every worker calls (ZeRO's shards gathered).
+    collective: bool,
 }
 
 fn is_chief<S: Strategy>(strategy: &S) -> bool {
@@ -787,6 +783,7 @@ fn save_checkpoint<S: Strategy, M>(
 ) -> Result<()> {
     // Every worker: the checkpoint holds the state's mean over replicas and workers.
     model.sync_state()?;
+    let gathered = if h.collective { Some((h.save)()?) } else { None };
     if !is_chief(strategy) {
         return Ok(());
     }
@@ -796,7 +793,11 @@ fn save_checkpoint<S: Strategy, M>(
         .iter()
         .map(|(name, v)| CheckpointTensor::new(format!("model/{name}"), v.as_tensor().clone()))
         .collect();
-    for (name, t) in (h.save)()? {
+    let state = match gathered {
+        Some(state) => state,
+        None => (h.save)()?,
+    };
+    for (name, t) in state {
         entries.push(CheckpointTensor::new(format!("optimizer/{name}"), t));
     }
     let mut meta = std::collections::BTreeMap::new();

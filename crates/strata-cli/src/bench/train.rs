@@ -77,7 +77,7 @@ pub struct BenchTrainArgs {
     /// configuration: they are neither reduced nor updated.
     #[arg(long, value_delimiter = ',')]
     pub freeze: Vec<String>,
-    /// ZeRO stages to measure Mirrored and MultiWorkerMirrored at (`0,1`: both, side by side);
+    /// ZeRO stages to measure Mirrored and MultiWorkerMirrored at (`0,1,2`: side by side);
     /// each row prints the bytes of parameters, gradients and optimizer state per replica.
     #[arg(long, value_delimiter = ',', default_value = "0", value_parser = parse_zero_stage)]
     pub zero_stages: Vec<ZeroStage>,
@@ -370,7 +370,8 @@ where
     let trainable: usize = model.trainable_variables(0).iter().map(|(_, v)| v.elem_count()).sum();
     let replica_bytes = ReplicaBytes {
         params: 4 * trainable as u64,
-        grads: 4 * trainable as u64,
+        // The reduced gradient a replica keeps: its shard's at stage 2.
+        grads: 4 * if opt.zero_stage().shards_gradients() { opt.stepped_elements(0) } else { trainable } as u64,
         optimizer: 4 * state_per_element(args.optimizer) * opt.stepped_elements(0) as u64,
     };
     let counted0 = reduced_elements.map_or(0, |e| e.load(std::sync::atomic::Ordering::Relaxed));
@@ -766,7 +767,7 @@ pub fn run(args: &BenchTrainArgs) -> Result<()> {
     if !args.freeze.is_empty() {
         println!("# frozen in every configuration: {} (never reduced nor updated)", args.freeze.join(", "));
     }
-    println!("# params/rep, grads/rep, optim/rep: bytes of one replica's trainable parameters, reduced gradients and optimizer state (+zeroN: ZeRO stage N, each replica's optimizer state for its shard only)");
+    println!("# params/rep, grads/rep, optim/rep: bytes of one replica's trainable parameters, reduced gradients and optimizer state (+zeroN: ZeRO stage N, each replica's optimizer state for its shard only, and at stage 2 its reduced gradient too)");
     println!("# reduced/step: bytes each mirrored replica hands to the all-reduce, or each multi-worker worker sends on the ring, per step");
     for model in &models {
         let name = model.name();

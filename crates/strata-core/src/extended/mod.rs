@@ -102,15 +102,25 @@ pub enum ZeroStage {
     Off,
     /// Stage 1: every replica keeps the optimizer state of its shard and steps its shard only.
     OptimizerState,
+    /// Stage 2: stage 1, and every replica keeps the reduced gradient of its shard only: the
+    /// reduction writes back only the shard's elements, and the whole gradient buffers are
+    /// released once reduced, before the optimizer steps.
+    Gradients,
 }
 
 impl ZeroStage {
-    /// The stage's number (0 or 1).
+    /// The stage's number (0, 1 or 2).
     pub fn number(self) -> u8 {
         match self {
             ZeroStage::Off => 0,
             ZeroStage::OptimizerState => 1,
+            ZeroStage::Gradients => 2,
         }
+    }
+
+    /// Whether each replica keeps the reduced gradient of its shard only (stage 2).
+    pub fn shards_gradients(self) -> bool {
+        self == ZeroStage::Gradients
     }
 }
 
@@ -123,16 +133,14 @@ impl std::fmt::Display for ZeroStage {
 impl std::str::FromStr for ZeroStage {
     type Err = crate::Error;
 
-    /// `0` or `1`.
+    /// `0`, `1` or `2`.
     fn from_str(s: &str) -> Result<Self> {
         match s.trim() {
             "0" => Ok(ZeroStage::Off),
             "1" => Ok(ZeroStage::OptimizerState),
-            "2" => Err(crate::Error::InvalidArgument(
-                "zero stage 2 (sharded gradients) is not built yet; use 0 or 1".into(),
-            )),
+            "2" => Ok(ZeroStage::Gradients),
             other => Err(crate::Error::InvalidArgument(format!(
-                "zero stage {other:?} is not a stage; use 0 (whole optimizer state on every replica) or 1 (each replica keeps its shard's)"
+                "zero stage {other:?} is not a stage; use 0 (whole optimizer state on every replica), 1 (each replica keeps its shard's) or 2 (and its shard's gradient)"
             ))),
         }
     }
