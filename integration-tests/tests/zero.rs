@@ -28,6 +28,14 @@ fn check(o: &Output, what: &str) {
 /// `workers` processes of `--replicas local` each at `stage`; every worker's parameters, as
 /// `--save-params` writes them.
 fn multi_worker(dir: &Path, workers: usize, local: usize, stage: &str) -> Vec<Vec<u8>> {
+    let file = format!("w{workers}x{local}-z{stage}");
+    workers_run(dir, workers, local, stage, &["--save-params", &format!("{file}-{{task}}.safetensors")]);
+    (0..workers).map(|i| std::fs::read(dir.join(format!("{file}-{i}.safetensors"))).unwrap()).collect()
+}
+
+/// Runs `workers` processes of `--replicas local` each at `stage`, with `args` beside the
+/// training ones; each worker's standard error, once all succeeded.
+fn workers_run(dir: &Path, workers: usize, local: usize, stage: &str, args: &[&str]) -> Vec<String> {
     let ports = free_ports(workers);
     let deadline = Instant::now() + Duration::from_secs(240);
     let children: Vec<_> = (0..workers)
@@ -36,7 +44,7 @@ fn multi_worker(dir: &Path, workers: usize, local: usize, stage: &str) -> Vec<Ve
                 .args(["train", "--strategy", "multi-worker-mirrored", "--replicas", &local.to_string()])
                 .args(["--zero-stage", stage])
                 .args(TRAIN)
-                .args(["--save-params", &format!("w{workers}x{local}-z{stage}-{{task}}.safetensors")])
+                .args(args)
                 .env("TF_CONFIG", worker_tf_config(&ports, i))
                 .current_dir(dir)
                 .stdout(Stdio::null())
@@ -47,11 +55,29 @@ fn multi_worker(dir: &Path, workers: usize, local: usize, stage: &str) -> Vec<Ve
         .collect();
     let outs: Vec<Output> = children.into_iter().map(|c| wait(c, deadline)).collect();
     for (i, o) in outs.iter().enumerate() {
-        check(o, &format!("worker {i} of {workers}x{local} at stage {stage}"));
+        check(o, &format!("worker {i} of {workers}x{local} at stage {stage} with {args:?}"));
     }
-    (0..workers)
-        .map(|i| std::fs::read(dir.join(format!("w{workers}x{local}-z{stage}-{i}.safetensors"))).unwrap())
-        .collect()
+    outs.iter().map(|o| String::from_utf8_lossy(&o.stderr).into_owned()).collect()
+}
+
+/// 2 workers at `stages.0` for 6 steps with a checkpoint every 3, then 3 workers at
+/// `stages.1` resuming from it to the end: the chief's parameters.
+fn resumed_on_3_workers(dir: &Path, stages: (&str, &str)) -> Vec<u8> {
+    let ck = format!("ck-{}-{}", stages.0, stages.1);
+    let saved = format!("resumed-{}-{}.safetensors", stages.0, stages.1);
+    workers_run(dir, 2, 1, stages.0, &["--checkpoint-dir", &ck, "--checkpoint-every", "3", "--max-steps", "6"]);
+    let err = workers_run(dir, 3, 1, stages.1, &["--checkpoint-dir", &ck, "--save-params", &saved]);
+    assert!(err[0].contains("resumed from the checkpoint of step 6"), "{stages:?}: {}", err[0]);
+    std::fs::read(dir.join(saved)).unwrap()
+}
+
+#[test]
+fn a_job_checkpointed_on_2_workers_at_stage_1_resumes_on_3_at_stage_2_as_stage_0_does() {
+    let dir = tmp("resume");
+    let whole = resumed_on_3_workers(&dir, ("0", "0"));
+    assert!(resumed_on_3_workers(&dir, ("1", "2")) == whole, "2 workers at stage 1, then 3 at stage 2");
+    assert!(resumed_on_3_workers(&dir, ("2", "0")) == whole, "2 workers at stage 2, then 3 at stage 0");
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
