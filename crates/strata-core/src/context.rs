@@ -228,13 +228,13 @@ impl ReplicaContext<'_> {
         dest: Destination,
     ) -> Result<Option<Vec<Option<Tensor>>>> {
         let local: Vec<Option<Tensor>> = vars.iter().map(|v| grads.get(v).cloned()).collect();
-        self.reduce_present(local, vars, dest, self.batch_weight(), None)
+        self.reduce_present(local, vars, dest, self.batch_weight(), None, None)
     }
 
     /// [`ReplicaContext::reduce_gradients`] of gradients already taken from a store, in the
     /// order of `vars`, each multiplied by `weight`.
     /// `keep`, by variable: the elements of its gradient this replica needs reduced (the rest
-    /// may keep its own values).
+    /// may keep its own values). `max_run`: see [`ReplicaContext::reduce_in_buckets`].
     pub(crate) fn reduce_present(
         &self,
         local: Vec<Option<Tensor>>,
@@ -242,6 +242,7 @@ impl ReplicaContext<'_> {
         dest: Destination,
         weight: f32,
         keep: Option<&[std::ops::Range<usize>]>,
+        max_run: Option<usize>,
     ) -> Result<Option<Vec<Option<Tensor>>>> {
         let mine: Vec<bool> = local.iter().map(Option::is_some).collect();
         let present = self.any_replica(&mine)?;
@@ -255,7 +256,7 @@ impl ReplicaContext<'_> {
             .collect::<Result<_>>()?;
         let ids: Vec<TensorId> = index.iter().map(|&i| vars[i].id()).collect();
         let keep: Option<Vec<std::ops::Range<usize>>> = keep.map(|k| index.iter().map(|&i| k[i].clone()).collect());
-        self.reduce_in_buckets(&grads, &ids, dest, weight, keep.as_deref())?;
+        self.reduce_in_buckets(&grads, &ids, dest, weight, keep.as_deref(), max_run)?;
         if !dest.receives(self.replica) {
             return Ok(None);
         }
@@ -276,6 +277,12 @@ impl ReplicaContext<'_> {
     ///
     /// `keep`, by tensor: the elements this replica needs the result of (ZeRO's shard); the
     /// others keep this replica's own values.
+    ///
+    /// `max_run`: no reduction is larger than this many elements; a larger tensor is reduced
+    /// in runs of its elements (views of its flattened storage). Only for ops that reduce
+    /// element by element ([`CrossDeviceOps::takes_row_blocks`](crate::cross_device::CrossDeviceOps::takes_row_blocks)),
+    /// whose results do not depend on how a buffer is cut: ZeRO stage 2 keeps the ops' own
+    /// buffers, and the peak of the step, that small.
     pub(crate) fn reduce_in_buckets(
         &self,
         grads: &[Tensor],
@@ -283,6 +290,39 @@ impl ReplicaContext<'_> {
         dest: Destination,
         weight: f32,
         keep: Option<&[std::ops::Range<usize>]>,
+        max_run: Option<usize>,
+    ) -> Result<()> {
+        if let Some(max) = max_run.filter(|&m| m > 0 && grads.iter().any(|g| g.elem_count() > m)) {
+            let (mut runs, mut run_ids, mut run_keep) = (Vec::new(), Vec::new(), Vec::new());
+            for (i, g) in grads.iter().enumerate() {
+                let flat = g.flatten_all()?;
+                let len = flat.elem_count();
+                for at in (0..len.max(1)).step_by(max) {
+                    let n = max.min(len - at);
+                    runs.push(flat.narrow(0, at, n)?);
+                    run_ids.push(ids[i]);
+                    if let Some(k) = keep {
+                        let (lo, hi) = (k[i].start.max(at), k[i].end.min(at + n));
+                        run_keep.push(if lo < hi { lo - at..hi - at } else { 0..0 });
+                    }
+                }
+            }
+            let keep = keep.map(|_| run_keep.as_slice());
+            let bytes = self.shared.ext.options().bucket_bytes.min(max * std::mem::size_of::<f32>());
+            return self.reduce_runs(&runs, &run_ids, dest, weight, keep, bytes);
+        }
+        self.reduce_runs(grads, ids, dest, weight, keep, self.shared.ext.options().bucket_bytes)
+    }
+
+    /// [`ReplicaContext::reduce_in_buckets`] in buckets of at most `bucket_bytes`.
+    fn reduce_runs(
+        &self,
+        grads: &[Tensor],
+        ids: &[TensorId],
+        dest: Destination,
+        weight: f32,
+        keep: Option<&[std::ops::Range<usize>]>,
+        bucket_bytes: usize,
     ) -> Result<()> {
         let sizes: Vec<usize> = grads.iter().map(Tensor::elem_count).collect();
         let ops = self.shared.ext.cross_device_ops();
@@ -292,7 +332,7 @@ impl ReplicaContext<'_> {
         // A failure to write back is reported after the last bucket: every replica takes part
         // in every collective.
         let mut failed = Ok(());
-        for (b, bucket) in plan_buckets(&sizes, self.shared.ext.options().bucket_bytes).iter().enumerate() {
+        for (b, bucket) in plan_buckets(&sizes, bucket_bytes).iter().enumerate() {
             let _p = self.phase("reduce", &format!("bucket {b}"));
             let _s =
                 tracing::trace_span!("reduce_bucket", replica = self.replica, bucket = b, elements = bucket.elements)

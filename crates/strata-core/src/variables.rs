@@ -812,23 +812,44 @@ struct OverlapStep<'a, 'c> {
     weight: f32,
     /// This replica's final gradients so far (and, once the reductions finish, their sums).
     local: Vec<Option<Tensor>>,
-    /// The blocks of rows computed so far, per variable.
-    blocks: Vec<Vec<Tensor>>,
+    /// The blocks of rows computed so far, per variable (each taken when its unit starts).
+    blocks: Vec<Vec<Option<Tensor>>>,
     /// Gradients each bucket still waits for.
     left: Vec<usize>,
-    /// The units started so far, a prefix of the plan's.
-    launched: Vec<Launched>,
+    /// The units started so far: the plan's first `launched`.
+    launched: usize,
+    /// The units started and not yet finished, oldest first, with their index in the plan.
+    pending: std::collections::VecDeque<(usize, Launched)>,
     /// The error that ended the pass, if a start failed.
     failed: Option<Error>,
+    /// The first failure to write a reduced gradient back (reported once every unit is
+    /// finished: every replica takes part in every collective).
+    unwritten: Result<()>,
     /// This replica's run of each variable under ZeRO (the elements of the reduced gradients
     /// it needs), by variable.
     keep: Option<&'a [std::ops::Range<usize>]>,
+    /// ZeRO stage 2: the shards, and this replica's copy. Each unit is then finished as soon
+    /// as it can be in the pass, its run of the result kept in `kept` and its whole
+    /// gradients released; the pass hands the gradients of the plan's variables over (no
+    /// store holds them) and never joins a weight's blocks of rows.
+    shards: Option<(&'a crate::zero::Shards, usize)>,
+    /// Stage 2: this replica's run of each variable's reduced gradient, by variable.
+    kept: Vec<Option<Tensor>>,
+    /// Which of the plan's variables this replica has a gradient for (handed over whole or
+    /// in blocks of rows).
+    had: Vec<bool>,
+    /// The plan's variables in the order their gradients came in.
+    seen: Vec<usize>,
 }
+
+/// ZeRO stage 2 across workers: the cross-worker reductions a replica leaves running while the
+/// pass goes on, before it finishes the oldest (more overlap, more whole gradients held).
+const STAGE2_IN_FLIGHT: usize = 2;
 
 impl OverlapStep<'_, '_> {
     /// Whether the next unit's gradients are all final.
     fn next_ready(&self) -> bool {
-        match self.plan.units.get(self.launched.len()) {
+        match self.plan.units.get(self.launched) {
             None => false,
             Some(&Unit::Bucket(b)) => self.left[b] == 0,
             Some(&Unit::Rows { var, first, .. }) => {
@@ -840,7 +861,7 @@ impl OverlapStep<'_, '_> {
     /// Starts the next unit: this replica's final gradients, zeros for a variable it has none
     /// for (as a reduction after the pass gives them).
     fn launch(&mut self) -> Result<()> {
-        let n = self.launched.len();
+        let n = self.launched;
         let ctx = self.ctx;
         let (input, ids, label) = match self.plan.units[n] {
             Unit::Bucket(b) => {
@@ -857,9 +878,9 @@ impl OverlapStep<'_, '_> {
                 (input, ids, format!("bucket {b}"))
             }
             Unit::Rows { var, first, rows } => {
-                let block = match (&self.local[var], self.blocks[var].get(first / self.plan.rows_of[var].unwrap_or(1)))
-                {
-                    (_, Some(block)) => block.clone(),
+                let k = first / self.plan.rows_of[var].unwrap_or(1);
+                let block = match (&self.local[var], self.blocks[var].get_mut(k).and_then(Option::take)) {
+                    (_, Some(block)) => block,
                     (Some(g), None) => g.narrow(0, first, rows)?,
                     (None, None) => Tensor::zeros(
                         (rows, self.vars[var].dims()[1]),
@@ -891,7 +912,126 @@ impl OverlapStep<'_, '_> {
                 (ops.start_gradients(req, &ids, &mut |piece| early.extend_from_slice(piece))?, Default::default())
             }
         };
-        self.launched.push(Launched { input, seq, started, written, early, keep });
+        self.pending.push_back((n, Launched { input, seq, started, written, early, keep }));
+        self.launched += 1;
+        Ok(())
+    }
+
+    /// Finishes the oldest unit started and not finished: writes its result into this
+    /// replica's gradients (stage 2: keeps this replica's run of it and releases the whole).
+    fn finish_next(&mut self) -> Result<()> {
+        let Some((n, launched)) = self.pending.pop_front() else { return Ok(()) };
+        let ctx = self.ctx;
+        let ops = ctx.shared.ext.cross_device_ops();
+        let Launched { input, seq, started, written, early, keep } = launched;
+        let req = crate::cross_device::ReduceRequest {
+            group: &ctx.shared.group,
+            replica: ctx.replica,
+            seq,
+            op: ReduceOp::Sum,
+            dest: self.dest,
+            input: &input,
+            weight: self.weight,
+        };
+        match (self.plan.units[n], self.shards) {
+            (Unit::Rows { var, first, rows }, Some((shards, copy))) => {
+                let mut result = early;
+                ops.finish(req, started, &mut |piece| result.extend_from_slice(piece))?;
+                if self.dest.receives(ctx.replica) {
+                    let kept = self.keep_rows(shards, copy, var, first, &input[0], &result);
+                    self.unwritten = std::mem::replace(&mut self.unwritten, Ok(())).and(kept);
+                }
+                if first + rows >= self.vars[var].dims()[0] {
+                    // The last block: a whole gradient the pass handed over goes too.
+                    self.local[var] = None;
+                }
+            }
+            (Unit::Rows { var, first, rows }, None) => {
+                // A block's result goes into its rows of the variable's whole gradient (zeros
+                // where this replica has none).
+                let whole = match &self.local[var] {
+                    Some(g) => g.clone(),
+                    None => self.local[var].insert(self.vars[var].zeros_like()?).clone(),
+                };
+                let target = vec![whole.narrow(0, first, rows)?];
+                let mut sink = crate::context::Scatter::resume(&target, ops.reduces_in_place(), written);
+                sink.write(&early);
+                ops.finish(req, started, &mut |piece| sink.write(piece))?;
+                self.unwritten = std::mem::replace(&mut self.unwritten, Ok(())).and(sink.check());
+            }
+            (Unit::Bucket(b), shards) => {
+                // A bucket's result goes back into its gradients.
+                let mut sink =
+                    crate::context::Scatter::resume(&input, ops.reduces_in_place(), written).keeping(keep.as_deref());
+                sink.write(&early);
+                ops.finish(req, started, &mut |piece| sink.write(piece))?;
+                self.unwritten = std::mem::replace(&mut self.unwritten, Ok(())).and(sink.check());
+                if let Some((shards, copy)) = shards {
+                    // Stage 2: this replica keeps its run of the bucket's reduced gradients;
+                    // the whole buffers go now.
+                    drop(input);
+                    for &i in &self.plan.order[self.plan.buckets[b].tensors.clone()] {
+                        if let Some(g) = self.local[i].take() {
+                            self.kept[i] = shards.shard_of(copy, i, &g)?;
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Stage 2: writes this replica's run of the reduced rows `first..` of variable `var`
+    /// (`result`, or in place in `block` for ops that reduce in place) into `kept`.
+    fn keep_rows(
+        &mut self,
+        shards: &crate::zero::Shards,
+        copy: usize,
+        var: usize,
+        first: usize,
+        block: &Tensor,
+        result: &[f32],
+    ) -> Result<()> {
+        let v = &self.vars[var];
+        let k = shards.keep(copy)[var].clone();
+        let at = first * v.dims().get(1).copied().unwrap_or(1);
+        let (lo, hi) = (k.start.max(at), k.end.min(at + block.elem_count()));
+        if lo >= hi {
+            return Ok(());
+        }
+        let part = if self.ctx.shared.ext.cross_device_ops().reduces_in_place() {
+            block.flatten_all()?.narrow(0, lo - at, hi - lo)?
+        } else {
+            let values = result.get(lo - at..hi - at).ok_or_else(|| {
+                Error::Scope(format!(
+                    "the reduction of rows {first}.. of variable {var} returned {} values, {} expected",
+                    result.len(),
+                    block.elem_count()
+                ))
+            })?;
+            Tensor::from_slice(values, hi - lo, &Device::Cpu)?.to_dtype(v.dtype())?.to_device(v.device())?
+        };
+        let dst = match &self.kept[var] {
+            Some(t) => t.clone(),
+            None => self.kept[var].insert(Tensor::zeros(k.len(), v.dtype(), v.device())?).clone(),
+        };
+        dst.slice_set(&part, 0, lo - k.start)?;
+        Ok(())
+    }
+
+    /// Stage 2: finishes the units that can be finished now, oldest first: those already
+    /// complete, and cross-worker ones beyond [`STAGE2_IN_FLIGHT`] (every replica and worker
+    /// finishes the same units at the same point of its pass).
+    fn finish_early(&mut self) -> Result<()> {
+        if self.shards.is_none() {
+            return Ok(());
+        }
+        while let Some((_, l)) = self.pending.front() {
+            if !matches!(l.started, crate::cross_device::Started::Done) && self.pending.len() <= STAGE2_IN_FLIGHT {
+                break;
+            }
+            self.finish_next()?;
+        }
         Ok(())
     }
 
@@ -899,7 +1039,7 @@ impl OverlapStep<'_, '_> {
     /// alike); a failure is kept for the step to return and ends the pass.
     fn launch_ready(&mut self) -> candle_core::Result<()> {
         while self.next_ready() {
-            if let Err(e) = self.launch() {
+            if let Err(e) = self.launch().and_then(|()| self.finish_early()) {
                 let message = e.to_string();
                 self.failed = Some(e);
                 return Err(candle_core::Error::Msg(message));
@@ -920,7 +1060,23 @@ impl candle_core::backprop::GradHook for OverlapStep<'_, '_> {
         } else {
             return Ok(());
         }
+        if !std::mem::replace(&mut self.had[i], true) {
+            self.seen.push(i);
+        }
         self.launch_ready()
+    }
+
+    fn takes(&mut self, var: &Tensor) -> bool {
+        self.shards.is_some()
+            && self
+                .plan
+                .index
+                .get(&var.id())
+                .is_some_and(|&i| self.plan.bucket_of[i].is_some() || self.plan.rows_of[i].is_some())
+    }
+
+    fn joins_rows(&mut self, _var: &Tensor) -> bool {
+        self.shards.is_none()
     }
 
     fn rows_per_block(&mut self, var: &Tensor) -> Option<usize> {
@@ -933,7 +1089,10 @@ impl candle_core::backprop::GradHook for OverlapStep<'_, '_> {
         if first != self.blocks[i].len() * n || block.dim(0)? != n.min(var.dim(0)? - first) {
             return Ok(());
         }
-        self.blocks[i].push(block.clone());
+        self.blocks[i].push(Some(block.clone()));
+        if !std::mem::replace(&mut self.had[i], true) {
+            self.seen.push(i);
+        }
         self.launch_ready()
     }
 }
@@ -1222,11 +1381,23 @@ impl ReplicaContext<'_> {
         let generation = self.shared.ext.workers().map_or(0, |w| w.generation());
         let plan = lock(&opt.overlap[self.replica]).as_ref().filter(|(g, _)| *g == generation).map(|(_, p)| p.clone());
         if let Some(plan) = plan {
-            return self.backward_overlapped(loss, opt, &plan);
+            return self.backward_overlapped(loss, opt, &plan).map(drop);
         }
         // No plan yet: reduce after the pass, and learn the order gradients become ready in.
         let vars = opt.vars(opt.copy_of(self.replica));
         let index: HashMap<candle_core::TensorId, usize> = vars.iter().enumerate().map(|(i, v)| (v.id(), i)).collect();
+        if opt.gradient_shards().is_some() && self.shared.ext.workers().is_none() {
+            // ZeRO stage 2 on one machine holds no whole gradient of a large matrix even in its
+            // first step: that step follows a provisional plan, the variables in the reverse
+            // of their order (the order a backward pass mostly makes them final in), and the
+            // plan is then learned from the order they came in. Across workers the first step
+            // reduces after the pass, as stage 0 does, so that the sums keep stage 0's order.
+            let provisional = self.agree_overlap_plan((0..vars.len()).rev().collect(), vars, index.clone(), true)?;
+            let seen = self.backward_overlapped(loss, opt, &provisional)?;
+            let plan = self.agree_overlap_plan(seen, vars, index, true)?;
+            *lock(&opt.overlap[self.replica]) = Some((generation, Arc::new(plan)));
+            return Ok(());
+        }
         let mut ready = Vec::new();
         let grads = self.backward_phase(|| {
             loss.backward_with_hook(&mut |var, _| {
@@ -1234,7 +1405,7 @@ impl ReplicaContext<'_> {
                 Ok(())
             })
         })?;
-        let plan = self.agree_overlap_plan(ready, vars, index)?;
+        let plan = self.agree_overlap_plan(ready, vars, index, opt.gradient_shards().is_some())?;
         *lock(&opt.overlap[self.replica]) = Some((generation, Arc::new(plan)));
         self.sync_and_apply(grads, opt)
     }
@@ -1253,6 +1424,7 @@ impl ReplicaContext<'_> {
         ready: Vec<usize>,
         vars: &[Var],
         index: HashMap<candle_core::TensorId, usize>,
+        shards_gradients: bool,
     ) -> Result<OverlapPlan> {
         let order: Arc<Vec<usize>> = self.share_from_first("overlap order", Ok(Arc::new(ready)))?;
         let order: Vec<usize> = match self.shared.ext.workers() {
@@ -1281,12 +1453,14 @@ impl ReplicaContext<'_> {
                 vars.len()
             )));
         }
-        // Across workers, with ops that reduce blocks of rows as they reduce whole gradients,
-        // a large matrix's gradient goes in blocks of rows; the variables between two such
+        // Across workers, and at ZeRO stage 2 (which then never holds a large matrix's whole
+        // gradient), with ops that reduce blocks of rows as they reduce whole gradients, a
+        // large matrix's gradient goes in blocks of rows; the variables between two such
         // matrices go in buckets.
         let ops = self.shared.ext.cross_device_ops();
         let block_bytes = self.shared.ext.options().row_block_bytes;
-        let by_rows = self.shared.ext.workers().is_some() && ops.takes_row_blocks() && block_bytes > 0;
+        let by_rows =
+            (self.shared.ext.workers().is_some() || shards_gradients) && ops.takes_row_blocks() && block_bytes > 0;
         let mut rows_of: Vec<Option<usize>> = vec![None; vars.len()];
         for &i in order.iter().filter(|_| by_rows) {
             if let &[rows, cols] = vars[i].dims() {
@@ -1328,13 +1502,14 @@ impl ReplicaContext<'_> {
     }
 
     /// A step that reduces each bucket of `plan` as soon as its gradients are final, and each
-    /// block of rows of a weight split in rows as soon as it is computed.
+    /// block of rows of a weight split in rows as soon as it is computed. Returns the order
+    /// this replica's gradients came in (a variable split in rows at its first block).
     fn backward_overlapped<O: Optimizer>(
         &self,
         loss: &Tensor,
         opt: &DistributedOptimizer<O>,
         plan: &OverlapPlan,
-    ) -> Result<()> {
+    ) -> Result<Vec<usize>> {
         let copy = opt.copy_of(self.replica);
         let vars = opt.vars(copy);
         let dest = match opt.policy() {
@@ -1342,7 +1517,7 @@ impl ReplicaContext<'_> {
             VariablePolicy::Central { parameter_replica } => Destination::Replica(parameter_replica),
         };
         let weight = self.batch_weight();
-        let ops = self.shared.ext.cross_device_ops();
+        let shards = opt.gradient_shards().map(|s| (s, copy));
         let mut step = OverlapStep {
             ctx: self,
             plan,
@@ -1352,71 +1527,41 @@ impl ReplicaContext<'_> {
             local: vec![None; vars.len()],
             blocks: vec![Vec::new(); vars.len()],
             left: plan.buckets.iter().map(|b| b.tensors.len()).collect(),
-            launched: Vec::new(),
+            launched: 0,
+            pending: Default::default(),
             failed: None,
+            unwritten: Ok(()),
             keep: opt.keep(copy),
+            shards,
+            kept: vec![None; vars.len()],
+            had: vec![false; vars.len()],
+            seen: Vec::new(),
         };
         let grads = self.backward_phase(|| loss.backward_with_hooks(&mut step));
-        let mut grads = match (grads, step.failed.take()) {
+        let grads = match (grads, step.failed.take()) {
             (_, Some(e)) => return Err(e),
             (grads, None) => grads?,
         };
-        while step.launched.len() < plan.units.len() {
+        while step.launched < plan.units.len() {
             step.launch()?;
+            step.finish_early()?;
         }
-        let OverlapStep { mut local, launched, .. } = step;
+        while !step.pending.is_empty() {
+            step.finish_next()?;
+        }
+        let OverlapStep { mut local, mut kept, had, unwritten, seen, .. } = step;
         // Which variables some replica, on some worker, has a gradient for.
-        let mine: Vec<bool> = vars.iter().map(|v| grads.get(v).is_some()).collect();
+        let mine: Vec<bool> = vars.iter().zip(&had).map(|(v, &had)| had || grads.get(v).is_some()).collect();
         let present = self.any_replica(&mine)?;
-        let mut failed = Ok(());
-        for (unit, launched) in plan.units.iter().zip(launched) {
-            let Launched { input, seq, started, written, early, keep } = launched;
-            let req = crate::cross_device::ReduceRequest {
-                group: &self.shared.group,
-                replica: self.replica,
-                seq,
-                op: ReduceOp::Sum,
-                dest,
-                input: &input,
-                weight,
-            };
-            // A bucket's result goes back into its gradients; a block's into its rows of the
-            // variable's whole gradient (zeros where this replica has none).
-            let target = match *unit {
-                Unit::Bucket(_) => input.clone(),
-                Unit::Rows { var, first, rows } => {
-                    let whole = match &local[var] {
-                        Some(g) => g.clone(),
-                        None => local[var].insert(vars[var].zeros_like()?).clone(),
-                    };
-                    vec![whole.narrow(0, first, rows)?]
-                }
-            };
-            let mut sink = crate::context::Scatter::resume(&target, ops.reduces_in_place(), written)
-                .keeping(if matches!(unit, Unit::Bucket(_)) { keep.as_deref() } else { None });
-            sink.write(&early);
-            ops.finish(req, started, &mut |piece| sink.write(piece))?;
-            failed = failed.and(sink.check());
-            if let (Unit::Bucket(b), Some(shards)) = (unit, opt.gradient_shards()) {
-                // Stage 2: this replica keeps its run of the bucket's reduced gradients; the
-                // whole buffers go as soon as the bucket is reduced.
-                drop((input, target));
-                for &i in &plan.order[plan.buckets[*b].tensors.clone()] {
-                    grads.remove(vars[i].as_tensor());
-                    if let Some(g) = local[i].take() {
-                        local[i] = shards.shard_of(copy, i, &g)?;
-                    }
-                }
-            }
-        }
-        failed?;
+        unwritten?;
         let mut out: Vec<Option<Tensor>> = vec![None; vars.len()];
         for &i in &plan.order {
             if present[i] {
-                out[i] = local[i].take();
+                // Stage 2 keeps only this replica's run of each reduced gradient.
+                out[i] = if shards.is_some() { kept[i].take() } else { local[i].take() };
             }
         }
-        drop(local);
+        drop((local, kept));
         // Variables with a gradient the plan does not have: reduced now. The plan no longer
         // fits (it has variables none has a gradient for, or lacks some), so the next step
         // learns it again; `present` is agreed, so every replica decides alike.
@@ -1437,7 +1582,7 @@ impl ReplicaContext<'_> {
             let ids: Vec<candle_core::TensorId> = extra.iter().map(|&i| vars[i].id()).collect();
             let keep: Option<Vec<std::ops::Range<usize>>> =
                 opt.keep(copy).map(|k| extra.iter().map(|&i| k[i].clone()).collect());
-            self.reduce_in_buckets(&tensors, &ids, dest, weight, keep.as_deref())?;
+            self.reduce_in_buckets(&tensors, &ids, dest, weight, keep.as_deref(), None)?;
             for (i, t) in extra.into_iter().zip(tensors) {
                 out[i] = Some(t);
             }
@@ -1453,7 +1598,7 @@ impl ReplicaContext<'_> {
             // Replicas read the central variables only after the update is applied.
             self.barrier()?;
         }
-        Ok(())
+        Ok(seen)
     }
 
     /// Synchronises already computed gradients and applies them (see
@@ -1508,7 +1653,14 @@ impl ReplicaContext<'_> {
             VariablePolicy::Mirrored => Destination::AllReplicas,
             VariablePolicy::Central { parameter_replica } => Destination::Replica(parameter_replica),
         };
-        if let Some(reduced) = self.reduce_present(local, vars, dest, weight, opt.keep(copy))? {
+        // Stage 2 on one machine, with ops that reduce element by element: no reduction larger
+        // than a block of rows, so the ops' buffers stay that small.
+        let max_run = (opt.gradient_shards().is_some()
+            && self.shared.ext.workers().is_none()
+            && self.shared.ext.cross_device_ops().takes_row_blocks())
+        .then_some(self.shared.ext.options().row_block_bytes / std::mem::size_of::<f32>())
+        .filter(|&n| n > 0);
+        if let Some(reduced) = self.reduce_present(local, vars, dest, weight, opt.keep(copy), max_run)? {
             let _p = self.phase("step", "optimizer");
             opt.apply(self, copy, reduced)?;
         }

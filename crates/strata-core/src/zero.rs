@@ -102,7 +102,7 @@ impl Shards {
                     continue;
                 }
                 let (start, len) = (lo - offsets[i], hi - lo);
-                let value = Var::from_tensor(&v.flatten_all()?.narrow(0, start, len)?.copy()?)?;
+                let value = Var::from_tensor(&v.flatten_all()?.narrow(0, start, len)?.force_contiguous()?)?;
                 mine.push(Piece { var: i, start, len, value });
                 runs[i] = start..start + len;
             }
@@ -139,7 +139,8 @@ impl Shards {
         if k.is_empty() {
             return Ok(None);
         }
-        Ok(Some(g.flatten_all()?.narrow(0, k.start, k.len())?.copy()?))
+        // `force_contiguous`, not `copy`: candle's `copy` clones the whole storage under the view.
+        Ok(Some(g.flatten_all()?.narrow(0, k.start, k.len())?.force_contiguous()?))
     }
 
     /// Steps local replica `copy`'s shard of `vars` with `opt` and the reduced `grads` (by
@@ -165,7 +166,7 @@ impl Shards {
                 let g = if g.elem_count() == p.len {
                     g
                 } else if self.stage.shards_gradients() {
-                    g.narrow(0, p.start, p.len)?.copy()?
+                    g.narrow(0, p.start, p.len)?.force_contiguous()?
                 } else {
                     g.narrow(0, p.start, p.len)?.contiguous()?
                 };

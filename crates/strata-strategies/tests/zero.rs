@@ -23,8 +23,15 @@ fn options(stage: ZeroStage) -> StrategyOptions {
 }
 
 fn mirrored(n: usize, stage: ZeroStage) -> StrategyHandle {
+    mirrored_in_blocks(n, stage, StrategyOptions::default().row_block_bytes)
+}
+
+/// Mirrored with blocks of rows of `row_block_bytes`: at stage 2, every weight matrix of more
+/// than two blocks has its gradient computed, reduced and kept block by block, never whole.
+fn mirrored_in_blocks(n: usize, stage: ZeroStage, row_block_bytes: usize) -> StrategyHandle {
     let devices = strata_core::device::logical_cpus(n).unwrap();
-    MirroredStrategy::with_options(devices, CpuReduction::default(), options(stage)).unwrap().handle()
+    let options = StrategyOptions { row_block_bytes, ..options(stage) };
+    MirroredStrategy::with_options(devices, CpuReduction::default(), options).unwrap().handle()
 }
 
 fn every_copy<M>(m: &Replicated<M>) -> Vec<Params> {
@@ -109,11 +116,19 @@ fn l2_relative(a: &Params, b: &Params) -> f64 {
     (diff / norm.max(f64::MIN_POSITIVE)).sqrt()
 }
 
+/// The default blocks of rows (2 MiB): the test models' matrices are smaller, so whole.
+const DEFAULT_ROWS: usize = strata_core::cross_device::DEFAULT_ROW_BLOCK_BYTES;
+
 /// The stages that shard.
 const SHARDED: [ZeroStage; 2] = [ZeroStage::OptimizerState, ZeroStage::Gradients];
 
 /// Stages 1 and 2 against stage 0 on `n` replicas, for `M` under every fused optimizer: bitwise.
 fn same_as_stage_0<M: TestModel>(n: usize, freeze: &[&str]) {
+    same_as_stage_0_in_blocks::<M>(n, freeze, StrategyOptions::default().row_block_bytes)
+}
+
+/// [`same_as_stage_0`] with blocks of rows of `row_block_bytes`.
+fn same_as_stage_0_in_blocks<M: TestModel>(n: usize, freeze: &[&str], row_block_bytes: usize) {
     let adamw = &ParamsAdamW { lr: 0.01, weight_decay: 0.1, ..Default::default() };
     let momentum = ParamsMomentum { lr: 0.05, momentum: 0.9, nesterov: false };
     let nesterov = ParamsMomentum { nesterov: true, ..momentum };
@@ -133,7 +148,7 @@ fn same_as_stage_0<M: TestModel>(n: usize, freeze: &[&str]) {
     ];
     for ((what, run), stage) in runs.iter().flat_map(|r| SHARDED.map(|s| (r, s))) {
         let (whole, whole_read, whole_stepped) = run(&mirrored(n, ZeroStage::Off));
-        let (sharded, sharded_read, stepped) = run(&mirrored(n, stage));
+        let (sharded, sharded_read, stepped) = run(&mirrored_in_blocks(n, stage, row_block_bytes));
         let what = format!("{what} at stage {stage}");
         if what.contains("clipped") {
             // The clipping norm is summed shard by shard: the same within reassociation.
@@ -187,6 +202,21 @@ fn stages_1_and_2_keep_batch_norm_state_the_replicas_own() {
 }
 
 #[test]
+fn stage_2_with_weights_reduced_in_blocks_of_rows_is_stage_0_bitwise() {
+    // Blocks of 64 bytes: every matrix of these models is cut into blocks of one or a few
+    // rows, whose gradients stage 2 reduces and keeps as the pass computes them (the first
+    // step on a provisional plan, the next on the learned one), with uneven shards that
+    // start and end inside a block.
+    for n in [2, 3] {
+        same_as_stage_0_in_blocks::<Cnn>(n, &[], 64);
+        same_as_stage_0_in_blocks::<Heads>(n, &[], 64);
+    }
+    same_as_stage_0_in_blocks::<Frozen>(3, &["late.*"], 64);
+    same_as_stage_0_in_blocks::<Tied>(4, &[], 64);
+    same_as_stage_0_in_blocks::<BnNet<true>>(3, &[], 64);
+}
+
+#[test]
 fn stages_1_and_2_with_ops_that_reduce_in_place() {
     let adamw = ParamsAdamW { lr: 0.01, weight_decay: 0.1, ..Default::default() };
     let whole = train::<Cnn, FusedAdamW>(&common::mirrored_in_place(3), adamw.clone(), 4, &[], PLAIN).0;
@@ -199,14 +229,18 @@ fn stages_1_and_2_with_ops_that_reduce_in_place() {
     }
 }
 
-/// Stage 1 or 2 (`stage`) and stage 0 across `workers` workers of `local` replicas: every
-/// worker's copies after every step, bit for bit.
-fn across_workers(workers: usize, local: usize, stage: ZeroStage) {
+/// Stage 1 or 2 (`stage`) and stage 0 across `workers` workers of `local` replicas, both
+/// with blocks of rows of `row_block_bytes`: every worker's copies after every step, bit for
+/// bit.
+fn across_workers(workers: usize, local: usize, stage: ZeroStage, row_block_bytes: usize) {
     let run = |stage: ZeroStage| {
         common::on_workers_tuned(
             workers,
             local,
-            move |o| o.options.zero_stage = stage,
+            move |o| {
+                o.options.zero_stage = stage;
+                o.options.row_block_bytes = row_block_bytes;
+            },
             |_, s| {
                 let adamw = ParamsAdamW { lr: 0.01, weight_decay: 0.1, ..Default::default() };
                 let clipped = Extras { clip: Some(0.3), schedule: true, accumulation: 1 };
@@ -241,18 +275,22 @@ fn across_workers(workers: usize, local: usize, stage: ZeroStage) {
 #[test]
 fn stage_1_across_2_and_3_workers_is_stage_0_bitwise() {
     common::with_timeout(std::time::Duration::from_secs(240), "zero across workers", || {
-        across_workers(2, 1, ZeroStage::OptimizerState);
-        across_workers(3, 1, ZeroStage::OptimizerState);
-        across_workers(2, 2, ZeroStage::OptimizerState);
+        across_workers(2, 1, ZeroStage::OptimizerState, DEFAULT_ROWS);
+        across_workers(3, 1, ZeroStage::OptimizerState, DEFAULT_ROWS);
+        across_workers(2, 2, ZeroStage::OptimizerState, DEFAULT_ROWS);
     });
 }
 
 #[test]
 fn stage_2_across_2_and_3_workers_is_stage_0_bitwise() {
     common::with_timeout(std::time::Duration::from_secs(240), "zero 2 across workers", || {
-        across_workers(2, 1, ZeroStage::Gradients);
-        across_workers(3, 1, ZeroStage::Gradients);
-        across_workers(2, 2, ZeroStage::Gradients);
+        across_workers(2, 1, ZeroStage::Gradients, DEFAULT_ROWS);
+        across_workers(3, 1, ZeroStage::Gradients, DEFAULT_ROWS);
+        across_workers(2, 2, ZeroStage::Gradients, DEFAULT_ROWS);
+        // Blocks of 48 bytes: the heads' matrices go in blocks of rows, each kept in part by
+        // the replica whose shard it meets and never joined.
+        across_workers(3, 1, ZeroStage::Gradients, 48);
+        across_workers(2, 2, ZeroStage::Gradients, 48);
     });
 }
 

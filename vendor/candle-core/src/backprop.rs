@@ -112,6 +112,9 @@ impl Tensor {
         // STRATA PATCH: with a hook, `ready[i]` lists the variables whose last use is node `i`.
         let mut ready: Vec<Vec<&Tensor>> = Vec::new();
         let mut fired: std::collections::HashSet<TensorId> = std::collections::HashSet::new();
+        // STRATA PATCH: the `w.t()` nodes of weights whose blocks of rows the hook did not have
+        // joined (see `GradHook::joins_rows`).
+        let mut unjoined: std::collections::HashSet<TensorId> = std::collections::HashSet::new();
         // STRATA PATCH: with a hook, how many nodes of the pass use each node.
         let mut used_by: HashMap<TensorId, usize> = HashMap::new();
         if on_final.is_some() {
@@ -146,6 +149,11 @@ impl Tensor {
                 }
             }
             if node.is_variable() {
+                continue;
+            }
+            // STRATA PATCH: the transpose `w.t()` whose weight's blocks of rows were not joined
+            // has no gradient, and nothing to pass on.
+            if unjoined.contains(&node.id()) {
                 continue;
             }
             let grad = grads
@@ -470,17 +478,27 @@ impl Tensor {
                             // The weight's blocks first, so that they are handed over as early
                             // in the pass as they can be; then the input's gradient.
                             let (a, b) = if transposed { (grad.t()?, lhs) } else { (lhs.t()?, &grad) };
-                            let mut blocks = Vec::with_capacity(rows.div_ceil(n));
+                            // STRATA PATCH: a hook that keeps what it needs of each block
+                            // (`GradHook::joins_rows` false) has them never joined: the weight
+                            // then has no gradient in the store.
+                            let join = hook.joins_rows(w);
+                            let mut blocks = Vec::with_capacity(if join { rows.div_ceil(n) } else { 0 });
                             for first in (0..rows).step_by(n) {
                                 let block = a.narrow(0, first, n.min(rows - first))?.matmul(b)?;
                                 hook.on_rows(w, first, &block)?;
-                                blocks.push(block);
+                                if join {
+                                    blocks.push(block);
+                                }
                             }
-                            let whole = Tensor::cat(&blocks, 0)?;
-                            if transposed {
-                                grads.accumulate(rhs, &whole.t()?)?;
-                            } else {
-                                grads.accumulate(rhs, &whole)?;
+                            if join {
+                                let whole = Tensor::cat(&blocks, 0)?;
+                                if transposed {
+                                    grads.accumulate(rhs, &whole.t()?)?;
+                                } else {
+                                    grads.accumulate(rhs, &whole)?;
+                                }
+                            } else if transposed {
+                                unjoined.insert(rhs.id());
                             }
                             lhs_grad(&mut grads)?;
                         } else {
@@ -777,6 +795,23 @@ pub trait GradHook {
         let _ = (var, first, block);
         Ok(())
     }
+
+    /// Whether the blocks of `var`'s gradient handed to [`GradHook::on_rows`] are joined into
+    /// its whole gradient afterwards. `false` leaves the store without a gradient for `var`
+    /// (and [`GradHook::on_final`] is not called for it): the hook has kept what it needs of
+    /// each block. The default is `true`.
+    fn joins_rows(&mut self, var: &Tensor) -> bool {
+        let _ = var;
+        true
+    }
+
+    /// Whether the hook takes `var`'s final gradient for its own: the store then drops its
+    /// handle once [`GradHook::on_final`] returns, and the store the pass returns has no
+    /// gradient for `var`. The default is `false`.
+    fn takes(&mut self, var: &Tensor) -> bool {
+        let _ = var;
+        false
+    }
 }
 
 /// STRATA PATCH: the operands of `op` that a gradient flows to, in the order `sorted_nodes`
@@ -930,6 +965,9 @@ impl GradStore {
             }
             fired.insert(var.id());
             hook.on_final(var, g)?;
+            if hook.takes(var) {
+                self.0.remove(&var.id());
+            }
         }
         Ok(())
     }

@@ -152,6 +152,9 @@ impl strata_core::cross_device::CrossDeviceOps for Counting {
         }
         self.inner.reduce(req, out)
     }
+    fn takes_row_blocks(&self) -> bool {
+        self.inner.takes_row_blocks()
+    }
 }
 
 /// A benchmark model: its shape, its data and what one of its training examples costs.

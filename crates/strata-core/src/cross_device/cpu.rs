@@ -268,6 +268,12 @@ impl CrossDeviceOps for CpuCrossDeviceOps {
         }
     }
 
+    /// Element by element, each element's inputs summed in replica order: a block of rows, or
+    /// any run of a buffer, reduces to the bits of the whole.
+    fn takes_row_blocks(&self) -> bool {
+        true
+    }
+
     fn reduce(&self, req: ReduceRequest<'_>, out: &mut dyn FnMut(&[f32])) -> Result<()> {
         let ReduceRequest { group, replica, seq, op, dest, input, weight } = req;
         let n = self.n;
