@@ -480,3 +480,83 @@ fn a_linear_weight_s_gradient_comes_in_blocks_of_rows_equal_to_the_whole() {
         assert_eq!(v2(grads.get(&w).unwrap()), v2(plain.get(&w).unwrap()));
     }
 }
+
+/// A hook that keeps what it is given and takes it from the pass: blocks of rows never joined
+/// (`joins_rows` false) and every final gradient taken from the store (`takes` true), as
+/// ZeRO stage 2 runs the pass.
+#[derive(Default)]
+struct Keeps {
+    blocks: Vec<(candle_core::TensorId, usize, Vec<f32>)>,
+    finals: Vec<(candle_core::TensorId, Vec<f32>)>,
+}
+
+impl candle_core::backprop::GradHook for Keeps {
+    fn on_final(&mut self, var: &Tensor, grad: &Tensor) -> candle_core::Result<()> {
+        self.finals.push((var.id(), grad.flatten_all()?.to_vec1::<f32>()?));
+        Ok(())
+    }
+
+    fn rows_per_block(&mut self, _var: &Tensor) -> Option<usize> {
+        Some(3)
+    }
+
+    fn on_rows(&mut self, var: &Tensor, first: usize, block: &Tensor) -> candle_core::Result<()> {
+        self.blocks.push((var.id(), first, block.flatten_all()?.to_vec1::<f32>()?));
+        Ok(())
+    }
+
+    fn joins_rows(&mut self, _var: &Tensor) -> bool {
+        false
+    }
+
+    fn takes(&mut self, _var: &Tensor) -> bool {
+        true
+    }
+}
+
+/// Blocks not joined and gradients taken: the weight's blocks are its gradient's rows bit for
+/// bit and it is never handed over whole, every other variable (the input before the product
+/// included, past the weight's transpose) is handed over with `backward`'s gradient, and the
+/// store the pass returns holds no variable's gradient.
+#[test]
+fn a_hook_may_keep_the_blocks_unjoined_and_take_every_gradient() {
+    let dev = Device::Cpu;
+    for transposed in [true, false] {
+        let (batch, out, inp) = (5, 8, 7);
+        let w_rows = if transposed { out } else { inp };
+        let xs: Vec<f32> = (0..batch * inp).map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0).collect();
+        let x = Var::from_tensor(&Tensor::from_vec(xs, (batch, inp), &dev).unwrap()).unwrap();
+        let w: Vec<f32> = (0..out * inp).map(|i| ((i * 53 % 97) as f32 - 48.0) / 41.0).collect();
+        let w = Var::from_tensor(&Tensor::from_vec(w, (w_rows, out * inp / w_rows), &dev).unwrap()).unwrap();
+        let b = Var::new(vec![0.25f32; out], &dev).unwrap();
+        let forward = || {
+            let wt = if transposed { w.as_tensor().t().unwrap() } else { w.as_tensor().clone() };
+            let h = x.as_tensor().tanh().unwrap().matmul(&wt).unwrap().broadcast_add(b.as_tensor()).unwrap();
+            h.tanh().unwrap().sqr().unwrap().sum_all().unwrap()
+        };
+        let plain = forward().backward().unwrap();
+        let mut hook = Keeps::default();
+        let grads = forward().backward_with_hooks(&mut hook).unwrap();
+        let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+        let whole = flat(plain.get(&w).unwrap());
+        let cols = out * inp / w_rows;
+        assert_eq!(
+            hook.blocks.iter().map(|(_, f, _)| *f).collect::<Vec<_>>(),
+            (0..w_rows).step_by(3).collect::<Vec<_>>()
+        );
+        for (id, first, block) in &hook.blocks {
+            assert_eq!(*id, w.id());
+            assert_eq!(bits(block), bits(&whole[first * cols..first * cols + block.len()]), "rows {first}..");
+        }
+        let finals: Vec<candle_core::TensorId> = hook.finals.iter().map(|(id, _)| *id).collect();
+        assert_eq!(finals, vec![b.id(), x.id()], "transposed {transposed}: the weight is never handed over whole");
+        for (id, g) in &hook.finals {
+            let v = if *id == b.id() { &b } else { &x };
+            assert_eq!(bits(g), bits(&flat(plain.get(v).unwrap())), "transposed {transposed}");
+        }
+        for v in [&x, &w, &b] {
+            assert!(grads.get(v).is_none(), "transposed {transposed}: the store keeps a gradient taken");
+        }
+    }
+}
