@@ -181,6 +181,12 @@ fn what_cannot_run_on_shards_is_refused_in_one_line() {
             &["--strategy", "central-storage", "--zero-stage", "2"],
             "--zero-stage 2 applies to --strategy mirrored and multi-worker-mirrored",
         ),
+        (&["--strategy", "mirrored", "--memory-limit", "1KiB"], "no zero stage fits (stage 2 needs "),
+        (&["--strategy", "mirrored", "--memory-limit", "0"], "a memory limit of 0 bytes"),
+        (
+            &["--strategy", "parameter-server", "--memory-limit", "1MiB"],
+            "--memory-limit 1.0 MiB applies to the logical CPU devices",
+        ),
     ];
     let dir = tmp("refused");
     for (args, want) in cases {
@@ -202,5 +208,44 @@ fn what_cannot_run_on_shards_is_refused_in_one_line() {
         assert!(err.contains(want), "{args:?}: {err}");
         assert!(!dir.join("never.safetensors").exists(), "{args:?} wrote parameters");
     }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `--memory-limit` just above what stage 2 needs (as a job with too small a limit reports
+/// it): stage 0 is refused in one line naming stage 2, exit code 2, nothing written; stage 2
+/// trains to stage 0's parameters bit for bit.
+#[test]
+fn a_job_over_its_memory_limit_is_refused_at_stage_0_and_trains_at_stage_2() {
+    let dir = tmp("memory-limit");
+    let refused = |stage: &str, limit: &str| {
+        let o = wait(
+            strata()
+                .args(["train", "--strategy", "mirrored", "--replicas", "3", "--zero-stage", stage])
+                .args(["--memory-limit", limit])
+                .args(TRAIN)
+                .args(["--save-params", "never.safetensors"])
+                .current_dir(&dir)
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap(),
+            Instant::now() + Duration::from_secs(60),
+        );
+        let err = String::from_utf8_lossy(&o.stderr).to_string();
+        assert_eq!(o.status.code(), Some(2), "{err}");
+        assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+        assert!(!dir.join("never.safetensors").exists(), "a refused job wrote parameters");
+        err
+    };
+    let err = refused("0", "1KiB");
+    let need = err.split("stage 2 needs ").nth(1).and_then(|r| r.split(')').next()).expect(&err);
+    let need = strata::device::parse_bytes(need).unwrap();
+    // format_bytes rounds to a tenth of its unit: 2% above is above the exact need.
+    let limit = (need + need / 50).to_string();
+    let err = refused("0", &limit);
+    assert!(err.contains("at zero stage 0 (parameters ") && err.contains("use it (--zero-stage 2)"), "{err}");
+    let whole = mirrored(&dir, "0", TRAIN);
+    let args: Vec<&str> = TRAIN.iter().copied().chain(["--memory-limit", limit.as_str()]).collect();
+    assert!(mirrored(&dir, "2", &args) == whole, "stage 2 within the limit differs from stage 0");
     let _ = std::fs::remove_dir_all(&dir);
 }

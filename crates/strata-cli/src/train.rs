@@ -192,6 +192,11 @@ pub struct TrainArgs {
     /// multi-worker-mirrored, with the fused optimizers.
     #[arg(long, default_value = "0", value_parser = parse_zero_stage)]
     pub zero_stage: ZeroStage,
+    /// The memory each replica's logical CPU device may give its model state (parameters,
+    /// gradients, optimizer state), such as `40MiB` or `2GB`: a job over it stops before
+    /// training, naming the bytes and the ZeRO stage that would fit.
+    #[arg(long, value_name = "SIZE", value_parser = parse_memory_limit)]
+    pub memory_limit: Option<u64>,
     /// parameter-server: compute each worker's gradients at the pulled values, not at the
     /// values extrapolated by the updates expected to land before its push (async and stale
     /// modes; see docs/parameter-servers.md).
@@ -366,6 +371,14 @@ impl TrainArgs {
                 "--no-lookahead applies to --strategy parameter-server, whose pushes can be stale (--strategy {} has none); drop it",
                 self.strategy.name()
             )));
+        }
+        if let Some(limit) = self.memory_limit {
+            let limit = strata_core::device::format_bytes(limit);
+            if self.strategy == StrategyKind::ParameterServer || self.gpus.is_some() {
+                return Err(Error::Usage(format!(
+                    "--memory-limit {limit} applies to the logical CPU devices of one-device, mirrored, central-storage and multi-worker-mirrored jobs (not to the parameter server's tasks nor to --gpus); drop it"
+                )));
+            }
         }
         if self.zero_stage != ZeroStage::Off {
             let stage = self.zero_stage;
@@ -547,15 +560,15 @@ pub fn make_strategy(args: &TrainArgs, options: StrategyOptions) -> Result<Strat
                     "--strategy one-device runs 1 replica, not {n}; drop --replicas or use --strategy mirrored"
                 )));
             }
-            let device = strata_core::device::logical_cpus(1)?.remove(0);
+            let device = cpus(args, 1)?.remove(0);
             OneDeviceStrategy::with_options(device, options)?.handle()
         }
         StrategyKind::Mirrored => {
-            let devices = strata_core::device::logical_cpus(args.replicas.unwrap_or(2))?;
+            let devices = cpus(args, args.replicas.unwrap_or(2))?;
             MirroredStrategy::with_options(devices, reduction, options)?.handle()
         }
         StrategyKind::CentralStorage => {
-            let devices = strata_core::device::logical_cpus(args.replicas.unwrap_or(2))?;
+            let devices = cpus(args, args.replicas.unwrap_or(2))?;
             CentralStorageStrategy::with_options(devices, reduction, options)?.handle()
         }
         StrategyKind::MultiWorkerMirrored | StrategyKind::ParameterServer => {
@@ -597,7 +610,7 @@ pub fn make_multi_worker(args: &TrainArgs, options: StrategyOptions) -> Result<M
             mw.local_devices = devices;
             mw.cross_worker_ops = ops;
         }
-        None => mw.local_devices = strata_core::device::logical_cpus(args.replicas.unwrap_or(1))?,
+        None => mw.local_devices = cpus(args, args.replicas.unwrap_or(1))?,
     }
     mw.bind = args.bind;
     mw.options = options;
@@ -616,6 +629,25 @@ pub fn make_multi_worker(args: &TrainArgs, options: StrategyOptions) -> Result<M
 }
 
 /// `--zero-stage`: `0`, `1` or `2`.
+fn parse_memory_limit(s: &str) -> std::result::Result<u64, String> {
+    match strata_core::device::parse_bytes(s) {
+        Ok(0) => Err("a memory limit of 0 bytes; give a positive size such as 40MiB".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// `n` logical CPU devices of one thread each, with `--memory-limit` if given.
+fn cpus(args: &TrainArgs, n: usize) -> Result<Vec<strata_core::device::LogicalDevice>> {
+    let mut devices = strata_core::device::logical_cpus(n)?;
+    for d in &mut devices {
+        if let strata_core::device::LogicalKind::Cpu { memory_limit, .. } = &mut d.kind {
+            *memory_limit = args.memory_limit;
+        }
+    }
+    Ok(devices)
+}
+
 fn parse_zero_stage(s: &str) -> std::result::Result<ZeroStage, String> {
     s.parse::<ZeroStage>().map_err(|e| e.to_string())
 }

@@ -146,6 +146,11 @@ pub enum Error {
         fix: &'static str,
     },
 
+    /// A replica's model state (parameters, gradients, optimizer state) does not fit its
+    /// device's `memory_limit` at the ZeRO stage asked for.
+    #[error(transparent)]
+    MemoryLimit(Box<MemoryLimitExceeded>),
+
     /// The parts of one batch disagree on its number of examples (its first axis).
     #[error("the parts of a batch disagree on its examples: {first} has {first_rows} rows but {other} has {other_rows}; give every part of a batch one row per example")]
     BatchRows {
@@ -242,4 +247,39 @@ impl Error {
     pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
         Error::Io { context: context.into(), source }
     }
+}
+
+/// What [`Error::MemoryLimit`] carries: a replica's bytes at a stage, and the stage that fits.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "replica {replica} on {device} needs {} at zero stage {stage} (parameters {}, gradients {}, optimizer state {}), over its memory_limit of {}; {}",
+    crate::device::format_bytes(params + grads + state),
+    crate::device::format_bytes(*params),
+    crate::device::format_bytes(*grads),
+    crate::device::format_bytes(*state),
+    crate::device::format_bytes(*limit),
+    match fits {
+        Some((s, bytes)) => format!("zero stage {s} needs {}: use it (--zero-stage {s})", crate::device::format_bytes(*bytes)),
+        None => format!("no zero stage fits (stage 2 needs {}): raise memory_limit or add replicas", crate::device::format_bytes(*least)),
+    }
+)]
+pub struct MemoryLimitExceeded {
+    /// The replica (on this worker).
+    pub replica: usize,
+    /// Its device.
+    pub device: crate::device::DeviceSpec,
+    /// The stage asked for.
+    pub stage: u8,
+    /// Its parameters' bytes (every variable's copy).
+    pub params: u64,
+    /// Its gradients' bytes at that stage.
+    pub grads: u64,
+    /// Its optimizer state's bytes at that stage.
+    pub state: u64,
+    /// The device's limit.
+    pub limit: u64,
+    /// The lowest stage that fits, and its bytes.
+    pub fits: Option<(u8, u64)>,
+    /// Stage 2's bytes (the least any stage needs).
+    pub least: u64,
 }

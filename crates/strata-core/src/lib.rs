@@ -94,7 +94,7 @@ pub use checkpoint::{
     keep_last, latest_checkpoint, read_checkpoint, write_checkpoint, Checkpoint, CheckpointTensor, CheckpointWriter,
     LoadedTensor, OptimizerState, ShardInfo,
 };
-pub use error::{Error, Result};
+pub use error::{Error, MemoryLimitExceeded, Result};
 pub use extended::{
     CrossReplicaContext, ReplicaContext, StrategyExtended, StrategyId, StrategyOptions, VariablePolicy, ZeroStage,
 };

@@ -32,7 +32,7 @@ impl ReplicaPools {
         let pools = devices
             .iter()
             .map(|d| match d.kind {
-                LogicalKind::Cpu { threads } if threads > 1 => rayon::ThreadPoolBuilder::new()
+                LogicalKind::Cpu { threads, .. } if threads > 1 => rayon::ThreadPoolBuilder::new()
                     .num_threads(threads)
                     .thread_name(move |i| format!("strata-replica-pool-{i}"))
                     .build()

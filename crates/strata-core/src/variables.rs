@@ -599,6 +599,7 @@ impl<M> Replicated<M> {
             crate::ZeroStage::Off => None,
             _ => Some(self.shards::<O>(stage, &vars)?),
         };
+        self.check_memory_limits::<O>(stage, &vars)?;
         let copies = vars
             .iter()
             .enumerate()
@@ -617,6 +618,52 @@ impl<M> Replicated<M> {
         );
         opt.shards = shards;
         Ok(opt)
+    }
+
+    /// Refuses a replica whose device has a `memory_limit` its model state exceeds at `stage`:
+    /// every variable's copy, the gradients of the trainable ones `vars` (its shard's at stage
+    /// 2) and the optimizer's state (its shard's at stages 1 and 2), naming the lowest stage
+    /// that fits.
+    fn check_memory_limits<O: Optimizer>(&self, stage: crate::ZeroStage, vars: &[Vec<Var>]) -> Result<()> {
+        let devices = self.ext.replica_devices();
+        let in_sync = self.ext.num_replicas_in_sync().max(1) as u64;
+        let per_element = crate::zero::state_per_element::<O>();
+        for (c, copy) in vars.iter().enumerate() {
+            let Some(limit) = devices.get(c).and_then(|d| d.kind.memory_limit()) else { continue };
+            let params: u64 =
+                self.vars[c].iter().map(|(_, v)| (v.elem_count() * v.dtype().size_in_bytes()) as u64).sum();
+            let trainable: u64 = copy.iter().map(|v| v.elem_count() as u64).sum();
+            let size = copy.first().map_or(4, |v| v.dtype().size_in_bytes()) as u64;
+            let shard = trainable.div_ceil(in_sync);
+            // Gradient and state bytes at stage 0, 1 and 2; central copies are never sharded.
+            let need = |s: u8| {
+                let sharded = self.policy == VariablePolicy::Mirrored;
+                let grads = if s >= 2 && sharded { shard } else { trainable } * size;
+                let state = if s >= 1 && sharded { shard } else { trainable } * per_element * size;
+                (grads, state)
+            };
+            let (grads, state) = need(stage.number());
+            if params + grads + state <= limit {
+                continue;
+            }
+            let total = |s: u8| {
+                let (g, st) = need(s);
+                params + g + st
+            };
+            let fits = (stage.number() + 1..=2).find(|&s| total(s) <= limit).map(|s| (s, total(s)));
+            return Err(Error::MemoryLimit(Box::new(crate::MemoryLimitExceeded {
+                replica: c,
+                device: devices[c].spec.clone(),
+                stage: stage.number(),
+                params,
+                grads,
+                state,
+                limit,
+                fits,
+                least: total(2),
+            })));
+        }
+        Ok(())
     }
 
     /// ZeRO's shards of `vars` (every local copy's trainable variables) over every replica in

@@ -65,6 +65,20 @@ pub(crate) fn shardable<O: Optimizer>() -> bool {
     .contains(&o)
 }
 
+/// Floats of state the optimizer keeps per element it steps (AdamW's two moments, momentum's
+/// velocity), for the memory check of `Replicated::optimizer`; 0 for an optimizer it does not
+/// know.
+pub(crate) fn state_per_element<O: Optimizer>() -> u64 {
+    let o = typeid::of::<O>();
+    if o == typeid::of::<crate::optim::FusedAdamW>() || o == typeid::of::<candle_nn::AdamW>() {
+        2
+    } else if o == typeid::of::<crate::optim::FusedMomentum>() {
+        1
+    } else {
+        0
+    }
+}
+
 impl Shards {
     /// The shards of `vars` (each local replica's copy of the optimizer's variables) over
     /// `in_sync` replicas, of which this worker's are `first..first + vars.len()`.

@@ -136,7 +136,7 @@ impl LocalStrategy {
         let candle_threads = candle_core::utils::get_num_threads();
         if let Some(d) = devices
             .iter()
-            .find(|d| matches!(d.kind, LogicalKind::Cpu { threads } if threads > 1 && threads != candle_threads))
+            .find(|d| matches!(d.kind, LogicalKind::Cpu { threads, .. } if threads > 1 && threads != candle_threads))
         {
             tracing::warn!(
                 device = %d.spec,

@@ -329,3 +329,47 @@ fn what_cannot_run_on_shards_is_refused_in_one_line() {
     let e = model.optimizer::<candle_nn::SGD>(0.1).unwrap_err().to_string();
     assert!(e.starts_with("zero stage 2 with the optimizer candle_nn::optim::SGD: it steps whole variables"), "{e}");
 }
+
+/// Mirrored(2) whose logical CPU devices each allow `limit` bytes of model state.
+fn mirrored_limited(stage: ZeroStage, limit: u64) -> StrategyHandle {
+    let mut devices = strata_core::device::logical_cpus(2).unwrap();
+    for d in &mut devices {
+        if let strata_core::device::LogicalKind::Cpu { memory_limit, .. } = &mut d.kind {
+            *memory_limit = Some(limit);
+        }
+    }
+    MirroredStrategy::with_options(devices, CpuReduction::default(), options(stage)).unwrap().handle()
+}
+
+/// A replica's `memory_limit` on a CPU device: the CNN under AdamW over 2 replicas with exactly
+/// stage 2's bytes is refused at stage 0 (and 1) in one line naming its bytes and stage 2,
+/// trains at stage 2 to stage 0's parameters bit for bit, and a byte less fits no stage.
+#[test]
+fn a_model_over_a_replica_s_memory_limit_is_refused_naming_the_stage_that_fits() {
+    use strata_core::device::format_bytes;
+    let adamw = ParamsAdamW { lr: 0.01, weight_decay: 0.1, ..Default::default() };
+    let model = mirrored(2, ZeroStage::Off).scope(Cnn::build).unwrap();
+    let params: u64 = model.variables(0).iter().map(|(_, v)| v.elem_count() as u64 * 4).sum();
+    let trainable: u64 = model.trainable_variables(0).iter().map(|(_, v)| v.elem_count() as u64).sum();
+    // Parameters, gradients, AdamW's two moments: whole at stage 0, a shard of half at stage 2.
+    let stage_0 = params + trainable * 4 * 3;
+    let stage_2 = params + trainable.div_ceil(2) * 4 * 3;
+    for stage in [ZeroStage::Off, ZeroStage::OptimizerState] {
+        let s = mirrored_limited(stage, stage_2);
+        let model = s.scope(Cnn::build).unwrap();
+        let e = model.optimizer::<FusedAdamW>(adamw.clone()).unwrap_err().to_string();
+        assert!(!e.contains('\n'), "{e}");
+        assert!(e.contains(&format!("over its memory_limit of {}", format_bytes(stage_2))), "{e}");
+        assert!(e.contains(&format!("zero stage 2 needs {}: use it (--zero-stage 2)", format_bytes(stage_2))), "{e}");
+        if stage == ZeroStage::Off {
+            assert!(e.contains(&format!("needs {} at zero stage 0", format_bytes(stage_0))), "{e}");
+        }
+    }
+    let whole = train::<Cnn, FusedAdamW>(&mirrored(2, ZeroStage::Off), adamw.clone(), 4, &[], PLAIN).0;
+    let limited =
+        train::<Cnn, FusedAdamW>(&mirrored_limited(ZeroStage::Gradients, stage_2), adamw.clone(), 4, &[], PLAIN).0;
+    assert_eq!(limited, whole, "stage 2 within the limit is stage 0 bit for bit");
+    let s = mirrored_limited(ZeroStage::Gradients, stage_2 - 1);
+    let e = s.scope(Cnn::build).unwrap().optimizer::<FusedAdamW>(adamw).unwrap_err().to_string();
+    assert!(e.contains("no zero stage fits") && e.contains("raise memory_limit or add replicas"), "{e}");
+}

@@ -120,6 +120,7 @@ fn core_exit_code(e: &strata_core::Error) -> i32 {
         | C::InvalidDeviceList(_)
         | C::UnknownDevice(_)
         | C::InvalidMemoryConfig(_)
+        | C::MemoryLimit(_)
         | C::InvalidArgument(_)
         | C::InvalidCluster(_) => 2,
         _ => 1,

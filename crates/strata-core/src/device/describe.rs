@@ -65,8 +65,13 @@ pub fn describe_devices(registry: &DeviceRegistry) -> Result<String> {
     let mut rows = vec![row(["DEVICE", "PHYSICAL", "SHARE"])];
     for l in &logical {
         let share = match l.kind {
-            LogicalKind::Cpu { threads: 1 } => "1 thread".to_string(),
-            LogicalKind::Cpu { threads } => format!("{threads} threads"),
+            LogicalKind::Cpu { threads, memory_limit } => {
+                let threads = if threads == 1 { "1 thread".to_string() } else { format!("{threads} threads") };
+                match memory_limit {
+                    Some(limit) => format!("{threads}, {} memory limit", format_bytes(limit)),
+                    None => threads,
+                }
+            }
             LogicalKind::Gpu { memory_limit: Some(limit) } => format!("{} memory limit", format_bytes(limit)),
             LogicalKind::Gpu { memory_limit: None } => "whole device".to_string(),
         };

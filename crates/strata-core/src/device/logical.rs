@@ -12,6 +12,11 @@ pub enum LogicalKind {
     Cpu {
         /// Threads for the device's kernels.
         threads: usize,
+        /// The memory its replica's model state (parameters, gradients, optimizer state) may
+        /// take in bytes, `None` for no limit: checked when an optimizer is built
+        /// (`Replicated::optimizer`), which names the ZeRO stage that fits.
+        #[serde(default)]
+        memory_limit: Option<u64>,
     },
     /// A share of a GPU.
     Gpu {
@@ -31,6 +36,15 @@ pub struct LogicalDevice {
     pub kind: LogicalKind,
 }
 
+impl LogicalKind {
+    /// The device's memory limit in bytes, if it has one.
+    pub fn memory_limit(&self) -> Option<u64> {
+        match *self {
+            LogicalKind::Cpu { memory_limit, .. } | LogicalKind::Gpu { memory_limit } => memory_limit,
+        }
+    }
+}
+
 impl LogicalDevice {
     /// The device type.
     pub fn device_type(&self) -> DeviceType {
@@ -44,13 +58,13 @@ impl LogicalDevice {
 }
 
 /// How to carve a logical device out of a physical one, like
-/// `tf.config.LogicalDeviceConfiguration`: CPU devices take `threads`, GPU devices
-/// `memory_limit` (bytes).
+/// `tf.config.LogicalDeviceConfiguration`: CPU devices take `threads` (and may take a
+/// `memory_limit`), GPU devices `memory_limit` (bytes).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct LogicalDeviceConfiguration {
     /// Threads of a logical CPU device (at least 1).
     pub threads: Option<usize>,
-    /// Memory of a logical GPU device in bytes.
+    /// Memory of a logical device in bytes (a GPU's, or what a CPU device's replica may hold).
     pub memory_limit: Option<u64>,
 }
 
@@ -58,6 +72,12 @@ impl LogicalDeviceConfiguration {
     /// A logical CPU device with `threads` threads.
     pub fn cpu(threads: usize) -> Self {
         LogicalDeviceConfiguration { threads: Some(threads), memory_limit: None }
+    }
+
+    /// A logical CPU device with `threads` threads whose replica may hold `memory_limit` bytes
+    /// of model state.
+    pub fn cpu_limited(threads: usize, memory_limit: u64) -> Self {
+        LogicalDeviceConfiguration { threads: Some(threads), memory_limit: Some(memory_limit) }
     }
 
     /// A logical GPU device with `memory_limit` bytes.
@@ -84,7 +104,7 @@ pub fn check_replicas(n: usize, what: &str) -> Result<()> {
 /// Splits `physical` into one logical device per configuration, named
 /// `/device:<type>:<first_index + i>`.
 ///
-/// CPU configurations need `threads >= 1` and no `memory_limit`; GPU configurations need a
+/// CPU configurations need `threads >= 1` and may set a positive `memory_limit`; GPU configurations need a
 /// positive `memory_limit` and no `threads`, and their limits together must fit the device's
 /// memory when it is known. `configs` must not be empty, nor longer than [`MAX_REPLICAS`].
 pub fn split_physical(
@@ -105,16 +125,15 @@ pub fn split_physical(
         let which = format!("logical device configuration #{i} of {device}");
         let kind = match physical.device_type {
             DeviceType::Cpu => {
-                if config.memory_limit.is_some() {
+                if config.memory_limit == Some(0) {
                     return Err(Error::InvalidMemoryConfig(format!(
-                        "{which} sets memory_limit, which CPU devices do not support; remove it and \
-                         set threads"
+                        "{which} has a memory_limit of 0; give it a positive number of bytes, or none"
                     )));
                 }
                 match config.threads {
                     Some(threads) if threads >= 1 => {
                         check_replicas(threads, &format!("threads for {which}"))?;
-                        LogicalKind::Cpu { threads }
+                        LogicalKind::Cpu { threads, memory_limit: config.memory_limit }
                     }
                     _ => {
                         return Err(Error::InvalidDeviceList(format!(
@@ -175,7 +194,7 @@ pub fn split_physical(
 /// its memory.
 pub(crate) fn whole_device(physical: &PhysicalDevice, index: u32) -> LogicalDevice {
     let kind = match physical.device_type {
-        DeviceType::Cpu => LogicalKind::Cpu { threads: physical.cores.unwrap_or(1).max(1) },
+        DeviceType::Cpu => LogicalKind::Cpu { threads: physical.cores.unwrap_or(1).max(1), memory_limit: None },
         DeviceType::Gpu => LogicalKind::Gpu { memory_limit: None },
     };
     LogicalDevice { spec: DeviceSpec::device(physical.device_type, index), physical: physical.clone(), kind }
@@ -244,7 +263,7 @@ mod tests {
         assert_eq!(devices.len(), 2);
         assert_eq!(devices[0].spec.to_string(), "/device:CPU:3");
         assert_eq!(devices[1].spec.to_string(), "/device:CPU:4");
-        assert_eq!(devices[1].kind, LogicalKind::Cpu { threads: 6 });
+        assert_eq!(devices[1].kind, LogicalKind::Cpu { threads: 6, memory_limit: None });
         assert_eq!(devices[1].physical, cpu());
         assert_eq!(devices[1].index(), 4);
         assert_eq!(devices[1].device_type(), DeviceType::Cpu);
@@ -270,8 +289,8 @@ mod tests {
             (cpu(), vec![LogicalDeviceConfiguration::default()], "threads >= 1", false),
             (
                 cpu(),
-                vec![LogicalDeviceConfiguration { threads: Some(1), memory_limit: Some(1) }],
-                "remove it and set threads",
+                vec![LogicalDeviceConfiguration { threads: Some(1), memory_limit: Some(0) }],
+                "positive number of bytes, or none",
                 true,
             ),
             (gpu(Some(100)), vec![], "pass at least one", false),
@@ -321,7 +340,7 @@ mod tests {
         assert_eq!(devices.len(), 4);
         for (i, d) in devices.iter().enumerate() {
             assert_eq!(d.spec, DeviceSpec::cpu(i as u32));
-            assert_eq!(d.kind, LogicalKind::Cpu { threads: 1 });
+            assert_eq!(d.kind, LogicalKind::Cpu { threads: 1, memory_limit: None });
             assert_eq!(d.physical.index, 0);
             assert_eq!(d.physical.device_type, DeviceType::Cpu);
         }
@@ -332,10 +351,10 @@ mod tests {
 
     #[test]
     fn whole_devices() {
-        assert_eq!(whole_device(&cpu(), 0).kind, LogicalKind::Cpu { threads: 8 });
+        assert_eq!(whole_device(&cpu(), 0).kind, LogicalKind::Cpu { threads: 8, memory_limit: None });
         let mut no_cores = cpu();
         no_cores.cores = None;
-        assert_eq!(whole_device(&no_cores, 0).kind, LogicalKind::Cpu { threads: 1 });
+        assert_eq!(whole_device(&no_cores, 0).kind, LogicalKind::Cpu { threads: 1, memory_limit: None });
         let g = whole_device(&gpu(Some(1)), 2);
         assert_eq!(g.kind, LogicalKind::Gpu { memory_limit: None });
         assert_eq!(g.spec, DeviceSpec::gpu(2));

@@ -449,7 +449,7 @@ mod tests {
         let logical = r.list_logical_devices(None).unwrap();
         assert!(r.is_initialized());
         assert_eq!(specs(&logical), ["/device:CPU:0"]);
-        assert_eq!(logical[0].kind, LogicalKind::Cpu { threads: physical[0].cores.unwrap() });
+        assert_eq!(logical[0].kind, LogicalKind::Cpu { threads: physical[0].cores.unwrap(), memory_limit: None });
     }
 
     #[test]
@@ -615,7 +615,7 @@ mod tests {
         r.register_enumerator(Box::new(StaticEnumerator::new(DeviceType::Cpu, vec![fake_cpu.clone()]))).unwrap();
         assert_eq!(r.list_physical_devices(None).unwrap()[0], fake_cpu);
         let logical = r.list_logical_devices(Some(DeviceType::Cpu)).unwrap();
-        assert_eq!(logical[0].kind, LogicalKind::Cpu { threads: 3 });
+        assert_eq!(logical[0].kind, LogicalKind::Cpu { threads: 3, memory_limit: None });
     }
 
     #[test]
