@@ -253,21 +253,21 @@ impl Error {
 #[derive(Debug, thiserror::Error)]
 #[error(
     "replica {replica} on {device} needs {} at zero stage {stage} (parameters {}, gradients {}, optimizer state {}), over its memory_limit of {}; {}",
-    crate::device::format_bytes(params + grads + state),
-    crate::device::format_bytes(*params),
-    crate::device::format_bytes(*grads),
-    crate::device::format_bytes(*state),
-    crate::device::format_bytes(*limit),
+    crate::units::format_bytes(params + grads + state),
+    crate::units::format_bytes(*params),
+    crate::units::format_bytes(*grads),
+    crate::units::format_bytes(*state),
+    crate::units::format_bytes(*limit),
     match fits {
-        Some((s, bytes)) => format!("zero stage {s} needs {}: use it (--zero-stage {s})", crate::device::format_bytes(*bytes)),
-        None => format!("no zero stage fits (stage 2 needs {}): raise memory_limit or add replicas", crate::device::format_bytes(*least)),
+        Some((s, bytes)) => format!("zero stage {s} needs {}: use it (--zero-stage {s})", crate::units::format_bytes(*bytes)),
+        None => format!("no zero stage fits (stage 2 needs {}): raise memory_limit or add replicas", crate::units::format_bytes(*least)),
     }
 )]
 pub struct MemoryLimitExceeded {
     /// The replica (on this worker).
     pub replica: usize,
-    /// Its device.
-    pub device: crate::device::DeviceSpec,
+    /// Its device's spec (`/job:localhost/replica:0/task:0/device:CPU:0`).
+    pub device: String,
     /// The stage asked for.
     pub stage: u8,
     /// Its parameters' bytes (every variable's copy).

@@ -86,6 +86,7 @@ pub mod runtime;
 pub mod scope;
 pub mod strategy;
 pub mod timeline;
+mod units;
 mod values;
 pub mod variables;
 mod zero;

@@ -653,7 +653,7 @@ impl<M> Replicated<M> {
             let fits = (stage.number() + 1..=2).find(|&s| total(s) <= limit).map(|s| (s, total(s)));
             return Err(Error::MemoryLimit(Box::new(crate::MemoryLimitExceeded {
                 replica: c,
-                device: devices[c].spec.clone(),
+                device: devices[c].spec.to_string(),
                 stage: stage.number(),
                 params,
                 grads,

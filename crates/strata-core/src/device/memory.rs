@@ -10,10 +10,8 @@ use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use super::spec::DeviceSpec;
 use crate::{Error, Result};
 
-const KIB: u64 = 1 << 10;
-const MIB: u64 = 1 << 20;
-const GIB: u64 = 1 << 30;
-const TIB: u64 = 1 << 40;
+pub use crate::units::format_bytes;
+use crate::units::{GIB, KIB, MIB, TIB};
 
 /// The forms a policy takes, quoted in parse errors.
 const POLICY_FORMS: &str = "expected grab-all, growth, limit:<size> (e.g. limit:4GiB, limit:512MiB, \
@@ -178,17 +176,6 @@ pub fn parse_bytes(s: &str) -> Result<u64> {
         return Err(bad("too large"));
     }
     Ok(bytes as u64)
-}
-
-/// A size for people: `512 B`, `1.5 KiB`, `80.0 GiB`.
-pub fn format_bytes(bytes: u64) -> String {
-    let units = [(TIB, "TiB"), (GIB, "GiB"), (MIB, "MiB"), (KIB, "KiB")];
-    for (size, name) in units {
-        if bytes >= size {
-            return format!("{:.1} {name}", bytes as f64 / size as f64);
-        }
-    }
-    format!("{bytes} B")
 }
 
 /// A size that [`parse_bytes`] reads back exactly: the largest binary unit dividing it
