@@ -4,10 +4,12 @@
 //! (AdamW's moments, momentum's velocity), steps that shard with the reduced gradient, and an
 //! all-gather writes every shard back into every replica's copy of the parameters.
 //!
-//! A shard meets a variable in a [`Piece`]: a run of the variable's flattened elements, held in
-//! a `Var` of its own that the optimizer steps. Before each step the piece takes the
-//! variable's current values (so a write to the variable between steps, a restore say, is
-//! seen), and the piece's gradient is the same run of the reduced gradient: the update of
+//! A shard meets a variable in a [`Piece`]: a run of the variable's flattened elements, in a
+//! `Var` that the optimizer steps. On a CPU device that `Var` is a view of the variable's own
+//! storage (`Var::run_view`, from Strata's candle patch), so the step updates the variable in
+//! place; elsewhere it is a copy that takes the variable's current values before each step.
+//! Either way a write to the variable between steps (a restore, say) is seen, and the
+//! piece's gradient is the same run of the reduced gradient: the update of
 //! every element is the one a whole-variable step computes, bit for bit, for optimizers that
 //! update element by element (Strata's fused ones).
 
@@ -21,13 +23,18 @@ use candle_nn::Optimizer;
 use crate::{Error, ReplicaContext, Result, StrategyExtended, ZeroStage};
 
 /// Elements `start..start + len` of variable `var` (flattened), as one replica's shard holds
-/// them, and the optimizer's copy of them.
+/// them, and the variable the optimizer steps for them.
 #[derive(Debug)]
 pub(crate) struct Piece {
     var: usize,
     start: usize,
     len: usize,
     value: Var,
+    /// Whether `value` shares the variable's storage (a view of its run, on CPU devices): the
+    /// optimizer then updates the variable's elements in place, nothing is copied before a
+    /// step, and the gather leaves this run alone. Otherwise `value` is a copy of its own,
+    /// refreshed from the variable before each step and gathered back after it.
+    aliased: bool,
 }
 
 /// Where every replica's shard lies, and this worker's replicas' pieces.
@@ -116,8 +123,13 @@ impl Shards {
                     continue;
                 }
                 let (start, len) = (lo - offsets[i], hi - lo);
-                let value = Var::from_tensor(&v.flatten_all()?.narrow(0, start, len)?.force_contiguous()?)?;
-                mine.push(Piece { var: i, start, len, value });
+                let aliased = v.device().is_cpu() && v.is_contiguous();
+                let value = if aliased {
+                    v.run_view(start, len)?
+                } else {
+                    Var::from_tensor(&v.flatten_all()?.narrow(0, start, len)?.force_contiguous()?)?
+                };
+                mine.push(Piece { var: i, start, len, value, aliased });
                 runs[i] = start..start + len;
             }
             pieces.push(mine);
@@ -173,8 +185,9 @@ impl Shards {
     ) -> Result<()> {
         let mut mine = Vec::new();
         for p in &self.pieces[copy] {
-            let flat = vars[p.var].flatten_all()?;
-            p.value.set(&flat.narrow(0, p.start, p.len)?)?;
+            if !p.aliased {
+                p.value.set(&vars[p.var].flatten_all()?.narrow(0, p.start, p.len)?)?;
+            }
             if let Some(g) = &grads[p.var] {
                 let g = g.flatten_all()?;
                 let g = if g.elem_count() == p.len {
@@ -358,11 +371,16 @@ impl Shards {
                 parts.push((at - lo, runs[run].narrow(0, at - run_start, end - at)?));
                 at = end;
             }
-            let flat = v.as_tensor().flatten_all()?;
-            if parts.iter().all(|(_, p)| p.dtype() == v.dtype() && p.device().same_device(v.device())) {
-                // In place, run by run: no whole copy of the variable is made.
+            if v.is_contiguous()
+                && parts.iter().all(|(_, p)| p.dtype() == v.dtype() && p.device().same_device(v.device()))
+            {
+                // In place, run by run: no whole copy of the variable is made. A run that is a
+                // view of this very variable (this replica's own piece, which the optimizer
+                // stepped in place) is there already. The other runs may be views of the other
+                // replicas' variables, which they write at the same time: `copy_run_from`
+                // takes the two locks in one order.
                 for (at, part) in &parts {
-                    flat.slice_set(part, 0, *at)?;
+                    v.as_tensor().copy_run_from(*at, part)?;
                 }
             } else {
                 let parts: Vec<Tensor> = parts

@@ -560,3 +560,52 @@ fn a_hook_may_keep_the_blocks_unjoined_and_take_every_gradient() {
         }
     }
 }
+
+/// The patch's views for ZeRO's shards: `Var::run_view` steps a run of a variable in place
+/// (an update through the view is the variable's, a write to the variable the view's), and
+/// `copy_run_from` copies runs between the variables of threads that each write their own
+/// while reading the others' (the shape of a shard gather) without deadlock.
+#[test]
+fn a_run_view_shares_its_variable_and_runs_copy_between_threads() {
+    let dev = Device::Cpu;
+    let w = Var::from_tensor(&Tensor::arange(0f32, 12., &dev).unwrap().reshape((3, 4)).unwrap()).unwrap();
+    let view = w.run_view(5, 4).unwrap();
+    assert_eq!(view.to_vec1::<f32>().unwrap(), [5., 6., 7., 8.]);
+    assert_eq!(storage_addr(view.as_tensor()), storage_addr(w.as_tensor()));
+    view.set(&Tensor::new(&[-1f32, -2., -3., -4.], &dev).unwrap()).unwrap();
+    assert_eq!(v2(w.as_tensor()), [[0., 1., 2., 3.], [4., -1., -2., -3.], [-4., 9., 10., 11.]]);
+    w.set(&Tensor::zeros((3, 4), DType::F32, &dev).unwrap()).unwrap();
+    assert_eq!(view.to_vec1::<f32>().unwrap(), [0.; 4]);
+    // The run onto itself: nothing to copy; another run of the same storage: refused.
+    w.as_tensor().copy_run_from(5, view.as_tensor()).unwrap();
+    assert!(w.as_tensor().copy_run_from(4, view.as_tensor()).is_err());
+    assert!(w.as_tensor().copy_run_from(9, &Tensor::zeros(4, DType::F32, &dev).unwrap()).is_err());
+
+    // 4 threads, each owning one variable whose run `k` it fills with its own number, then
+    // copying every other thread's run into its own variable, 200 times over.
+    let n = 4;
+    let vars: Vec<Var> = (0..n).map(|_| Var::zeros(n * 1000, DType::F32, &dev).unwrap()).collect();
+    let views: Vec<Var> = (0..n).map(|k| vars[k].run_view(k * 1000, 1000).unwrap()).collect();
+    let barrier = std::sync::Barrier::new(n);
+    std::thread::scope(|s| {
+        for k in 0..n {
+            let (vars, views, barrier, dev) = (&vars, &views, &barrier, &dev);
+            s.spawn(move || {
+                for round in 0..200 {
+                    views[k].set(&Tensor::full((k * 1000 + round) as f32, 1000, dev).unwrap()).unwrap();
+                    barrier.wait();
+                    for (j, run) in views.iter().enumerate() {
+                        vars[k].as_tensor().copy_run_from(j * 1000, run.as_tensor()).unwrap();
+                    }
+                    barrier.wait();
+                }
+            });
+        }
+    });
+    for v in &vars {
+        let got = v.to_vec1::<f32>().unwrap();
+        for j in 0..n {
+            assert!(got[j * 1000..(j + 1) * 1000].iter().all(|&x| x == (j * 1000 + 199) as f32), "run {j}");
+        }
+    }
+}

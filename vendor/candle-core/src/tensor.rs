@@ -2800,6 +2800,69 @@ impl Tensor {
         Arc::strong_count(&self.0) == 1 && Arc::strong_count(&self.storage) == 1
     }
 
+    /// STRATA PATCH: a variable over this contiguous tensor's elements that shares its storage
+    /// (no copy): a write through either is seen by both.
+    pub(crate) fn shared_variable(&self) -> Result<Tensor> {
+        if !self.is_contiguous() {
+            Err(Error::RequiresContiguous { op: "shared-variable" }.bt())?
+        }
+        Ok(Tensor(Arc::new(Tensor_ {
+            id: TensorId::new(),
+            storage: self.storage.clone(),
+            layout: self.layout.clone(),
+            op: BackpropOp::none(),
+            is_variable: true,
+            dtype: self.dtype,
+            device: self.device.clone(),
+        })))
+    }
+
+    /// STRATA PATCH: copies the elements of `src` (contiguous) into this contiguous tensor's
+    /// flattened elements `at..at + src.elem_count()`, in place. Unlike `slice_set`, it takes
+    /// the two storages' locks in one global order (by storage), so that threads copying into
+    /// their own tensors from each other's at once never deadlock. A `src` that shares this
+    /// tensor's storage must be those very elements (then there is nothing to copy).
+    pub fn copy_run_from(&self, at: usize, src: &Tensor) -> Result<()> {
+        if !self.is_contiguous() || !src.is_contiguous() {
+            Err(Error::RequiresContiguous { op: "copy-run-from" }.bt())?
+        }
+        if self.same_storage(src) {
+            if src.layout.start_offset() == self.layout.start_offset() + at {
+                return Ok(());
+            }
+            crate::bail!("cannot use copy_run_from from other elements of the same storage")
+        }
+        if self.dtype() != src.dtype() {
+            Err(Error::DTypeMismatchBinaryOp { lhs: self.dtype(), rhs: src.dtype(), op: "copy-run-from" }.bt())?
+        }
+        if self.device().location() != src.device().location() {
+            Err(Error::DeviceMismatchBinaryOp {
+                lhs: self.device().location(),
+                rhs: src.device().location(),
+                op: "copy-run-from",
+            }
+            .bt())?
+        }
+        if at.saturating_add(src.elem_count()) > self.elem_count() {
+            crate::bail!(
+                "copy_run_from: {} elements at {at} do not fit in {}",
+                src.elem_count(),
+                self.elem_count()
+            )
+        }
+        let dst_offset = self.layout.start_offset() + at;
+        let src_l = Layout::contiguous_with_offset(src.elem_count(), src.layout.start_offset());
+        if self.storage_key() < src.storage_key() {
+            let mut dst = self.storage.write();
+            let from = src.storage.read_recursive();
+            from.copy_strided_src(&mut dst, dst_offset, &src_l)
+        } else {
+            let from = src.storage.read_recursive();
+            let mut dst = self.storage.write();
+            from.copy_strided_src(&mut dst, dst_offset, &src_l)
+        }
+    }
+
     /// Normalize a 'relative' axis value: positive values are kept, negative
     /// values means counting the dimensions from the back.
     pub fn normalize_axis(&self, axis: i64) -> Result<usize> {

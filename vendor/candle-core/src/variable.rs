@@ -44,6 +44,17 @@ impl Var {
         }
     }
 
+    /// STRATA PATCH: a variable over elements `start..start + len` of this contiguous
+    /// variable (flattened) that shares its storage (no copy): an optimizer stepping it
+    /// updates those elements of `self` in place, and a write to `self` is seen by it.
+    pub fn run_view(&self, start: usize, len: usize) -> Result<Self> {
+        if !self.is_contiguous() {
+            Err(Error::RequiresContiguous { op: "run-view" }.bt())?
+        }
+        let run = self.as_tensor().flatten_all()?.narrow(0, start, len)?;
+        Ok(Self(run.shared_variable()?))
+    }
+
     pub fn rand_f64<S: Into<Shape>>(
         lo: f64,
         up: f64,
