@@ -190,25 +190,31 @@ fn what_cannot_run_on_shards_is_refused_in_one_line() {
     ];
     let dir = tmp("refused");
     for (args, want) in cases {
-        let o = wait(
-            strata()
-                .arg("train")
-                .args(*args)
-                .args(TRAIN)
-                .args(["--save-params", "never.safetensors"])
-                .current_dir(&dir)
-                .stdout(Stdio::null())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap(),
-            Instant::now() + Duration::from_secs(60),
-        );
+        let o = train_refused(&dir, args);
         let err = String::from_utf8_lossy(&o.stderr);
         assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
         assert!(err.contains(want), "{args:?}: {err}");
         assert!(!dir.join("never.safetensors").exists(), "{args:?} wrote parameters");
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `strata train ARGS` on the shipped data in `dir`, told to save its parameters to
+/// `never.safetensors` (which a refused job must not write); waits at most 60 s.
+fn train_refused(dir: &Path, args: &[&str]) -> Output {
+    wait(
+        strata()
+            .arg("train")
+            .args(args)
+            .args(TRAIN)
+            .args(["--save-params", "never.safetensors"])
+            .current_dir(dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+        Instant::now() + Duration::from_secs(60),
+    )
 }
 
 /// `--memory-limit` just above what stage 2 needs (as a job with too small a limit reports
@@ -218,19 +224,8 @@ fn what_cannot_run_on_shards_is_refused_in_one_line() {
 fn a_job_over_its_memory_limit_is_refused_at_stage_0_and_trains_at_stage_2() {
     let dir = tmp("memory-limit");
     let refused = |stage: &str, limit: &str| {
-        let o = wait(
-            strata()
-                .args(["train", "--strategy", "mirrored", "--replicas", "3", "--zero-stage", stage])
-                .args(["--memory-limit", limit])
-                .args(TRAIN)
-                .args(["--save-params", "never.safetensors"])
-                .current_dir(&dir)
-                .stdout(Stdio::null())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap(),
-            Instant::now() + Duration::from_secs(60),
-        );
+        let args = ["--strategy", "mirrored", "--replicas", "3", "--zero-stage", stage, "--memory-limit", limit];
+        let o = train_refused(&dir, &args);
         let err = String::from_utf8_lossy(&o.stderr).to_string();
         assert_eq!(o.status.code(), Some(2), "{err}");
         assert_eq!(err.trim_end().lines().count(), 1, "{err}");

@@ -117,6 +117,10 @@ fn truncated(s: &str, max: usize) -> &str {
     &s[..end]
 }
 
+/// How much longer than it should a heartbeat's attempt must have taken for the member to
+/// conclude that its own process was stopped meanwhile (its timers fire late, all at once).
+const STALL: Duration = Duration::from_secs(1);
+
 /// The longest the service holds a heartbeat's answer.
 const MAX_HEARTBEAT_WAIT: Duration = Duration::from_secs(5);
 
@@ -1417,12 +1421,17 @@ impl CoordinationMember {
                 let patience = interval * 2 + Duration::from_millis(200);
                 let mut last_ok = Instant::now();
                 let mut last_error = String::from("no answer yet");
+                // Set when this process itself was stopped (SIGSTOP, a suspended machine) while
+                // it waited: the silence was its own, so the service is asked once more, with
+                // the full patience, before it is concluded lost. A stopped member that the job
+                // fenced meanwhile hears so, instead of blaming the service.
+                let mut stalled = false;
                 loop {
                     if *stop.borrow() {
                         return;
                     }
                     let left = (last_ok + config.heartbeat_timeout).saturating_duration_since(Instant::now());
-                    if left.is_zero() {
+                    if left.is_zero() && !stalled {
                         lost.store(true, Ordering::Relaxed);
                         let what = *lock(&progress.what);
                         let doing = if what.is_empty() {
@@ -1445,7 +1454,9 @@ impl CoordinationMember {
                         collective: (*lock(&progress.what)).to_string(),
                         wait_ms: interval.as_millis() as u64,
                     });
-                    let deadline = left.min(patience);
+                    let deadline = if stalled { patience } else { left.min(patience) };
+                    stalled = false;
+                    let started = Instant::now();
                     req.set_timeout(deadline);
                     let call = tokio::time::timeout(deadline, client.heartbeat(req));
                     let outcome = tokio::select! {
@@ -1477,6 +1488,7 @@ impl CoordinationMember {
                         _ = stop.changed() => return,
                         _ = tokio::time::sleep(pause) => {}
                     }
+                    stalled = started.elapsed() > deadline + pause + STALL;
                 }
             })
         });

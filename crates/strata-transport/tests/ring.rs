@@ -158,6 +158,79 @@ fn direct_all_reduce_of_a_large_buffer_matches_the_closed_form() {
     }
 }
 
+/// Rank `r`'s element `i` with bits that sums in another order would change.
+fn inexact(r: usize, i: usize) -> f32 {
+    value(r, i) * 0.1 + 1.0 / (1.0 + r as f32 + (i % 13) as f32)
+}
+
+/// Reduce-scatter, by the ring (`small` 0) and directly (`small` usize::MAX): each rank's
+/// segment holds the closed form, bit for bit what the all-reduce of the same buffer puts there,
+/// and the segments of the ranks cover the buffer once.
+fn check_reduce_scatter(n: usize, small: usize) {
+    let cfgs = configs(n, |_, c| {
+        c.chunk_bytes = 4096 + 4;
+        c.small_bytes = small;
+    });
+    let results = run(cfgs, |r, ring| {
+        let ring = ring.unwrap();
+        let mut outs = Vec::new();
+        let mut step = 0;
+        for op in ReduceOp::ALL {
+            for len in [0usize, 1, 7, 100_003] {
+                let mut data: Vec<f32> = (0..len).map(|i| value(r, i)).collect();
+                let seg = ring.reduce_scatter(step, op, &mut data).unwrap();
+                assert_eq!(seg, ring.scatter_segment(len, r));
+                let mut fuzzy: Vec<f32> = (0..len).map(|i| inexact(r, i)).collect();
+                let mut all = fuzzy.clone();
+                ring.reduce_scatter(step + 1, op, &mut fuzzy).unwrap();
+                ring.all_reduce(step + 2, op, &mut all).unwrap();
+                step += 3;
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert!(bits(&fuzzy[seg.clone()]) == bits(&all[seg.clone()]), "rank {r}: {op}, {len} elements");
+                outs.push((op, len, seg.clone(), data[seg].to_vec()));
+            }
+        }
+        outs
+    });
+    for k in 0..results[0].len() {
+        let (op, len) = (results[0][k].0, results[0][k].1);
+        let mut covered = vec![0u8; len];
+        for res in &results {
+            let (_, _, seg, got) = &res[k];
+            for (j, i) in seg.clone().enumerate() {
+                covered[i] += 1;
+                assert_eq!(got[j].to_bits(), expected(op, n, i).to_bits(), "{n} workers, {op}, {len}, element {i}");
+            }
+        }
+        assert!(covered.iter().all(|&c| c == 1), "{n} workers, {len} elements: the segments cover the buffer once");
+    }
+}
+
+#[test]
+fn reduce_scatter_leaves_each_rank_its_segment_of_the_all_reduce() {
+    for n in [2, 3, 5] {
+        check_reduce_scatter(n, 0);
+        check_reduce_scatter(n, usize::MAX);
+    }
+}
+
+#[test]
+fn a_reduce_scatter_against_an_all_reduce_is_a_mismatch() {
+    let cfgs = configs(2, |_, c| c.timeout = Duration::from_secs(20));
+    let results = run(cfgs, |r, ring| {
+        let ring = ring.unwrap();
+        let mut d = vec![1.0f32; 1000];
+        if r == 0 {
+            ring.reduce_scatter(3, ReduceOp::Sum, &mut d).unwrap_err()
+        } else {
+            ring.all_reduce(3, ReduceOp::Sum, &mut d).unwrap_err()
+        }
+    });
+    for e in &results {
+        assert_mismatch(e, &["reduce_scatter(sum, 1000 f32)", "all_reduce(sum, 1000 f32)"]);
+    }
+}
+
 #[test]
 fn all_gather_returns_every_rank_buffer_whatever_its_length() {
     let lens = [5usize, 0, 70_001, 1];

@@ -95,7 +95,10 @@ pub struct StrategyOptions {
 /// weight is shared too. Results are the same as [`ZeroStage::Off`]'s, bit for bit: every
 /// replica steps its shard with the same reduced gradient, and an all-gather brings every
 /// replica's parameters back.
+///
+/// Non-exhaustive: a later stage (ZeRO's stage 3, parameters sharded too) is a new variant.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum ZeroStage {
     /// Stage 0: every replica keeps the whole optimizer state and steps every parameter.
     #[default]

@@ -11,6 +11,9 @@
 //! - **Direct all-reduce** (buffers up to `small_bytes`): every task sends its whole buffer to
 //!   every peer in one write and reduces the n buffers in rank order itself: one network hop
 //!   instead of 2(n-1), and the same order (so the same bits) on every task.
+//! - **Reduce-scatter**: the ring all-reduce's first n-1 transfers (above `small_bytes`), or
+//!   the direct exchange of each peer's segment only (up to it). Rank r ends with segment
+//!   (r+1) mod n reduced, bit for bit as the all-reduce of the same size computes it.
 //! - **All-gather**: every task sends its buffer to every peer (the same bytes per task as a
 //!   ring, in one hop); lengths may differ.
 //! - **Broadcast**: up to `small_bytes` the root sends to every peer; above, a pipelined chain
@@ -243,6 +246,14 @@ async fn pipeline(
     Ok(())
 }
 
+/// The segment of a `len`-element buffer that rank `rank` of `n` holds reduced after a
+/// reduce-scatter: segment `(rank + 1) mod n`, where the ring's last reducing transfer leaves
+/// it (the same segments, so the same bits, as the all-reduce's).
+pub(crate) fn scatter_segment(len: usize, n: usize, rank: usize) -> Range<usize> {
+    let k = (rank + 1) % n.max(1);
+    seg_start(len, n, k)..seg_start(len, n, k + 1)
+}
+
 /// Ring all-reduce: reduce-scatter, then all-gather; over a 16-bit wire when `half` is given
 /// (sums only).
 pub(crate) async fn ring_all_reduce(
@@ -251,6 +262,30 @@ pub(crate) async fn ring_all_reduce(
     op: ReduceOp,
     data: &mut [f32],
     half: Option<HalfFormat>,
+) -> Result<()> {
+    ring(ctx, links, op, data, half, true).await
+}
+
+/// Ring reduce-scatter: the all-reduce's first n-1 transfers only, after which this task holds
+/// [`scatter_segment`] reduced, bit for bit as the ring all-reduce ends with it; the rest of
+/// `data` holds partial values.
+pub(crate) async fn ring_reduce_scatter(
+    ctx: &Ctx<'_>,
+    links: &mut Links,
+    op: ReduceOp,
+    data: &mut [f32],
+) -> Result<()> {
+    ring(ctx, links, op, data, None, false).await
+}
+
+/// The ring's transfers: the reduce-scatter's n-1, then, with `gather`, the all-gather's n-1.
+async fn ring(
+    ctx: &Ctx<'_>,
+    links: &mut Links,
+    op: ReduceOp,
+    data: &mut [f32],
+    half: Option<HalfFormat>,
+    gather: bool,
 ) -> Result<()> {
     let (n, r, len) = (ctx.n, ctx.rank, data.len());
     let seg_chunks: Vec<Vec<Range<usize>>> =
@@ -282,7 +317,8 @@ pub(crate) async fn ring_all_reduce(
     // The sends of each chunk so far: a receive into it waits for them.
     let mut last_send: Vec<usize> = vec![0; ranges.len()];
     let mut prev_recv_start = 0;
-    for t in 0..2 * (n - 1) {
+    let transfers = if gather { 2 * (n - 1) } else { n - 1 };
+    for t in 0..transfers {
         let (sseg, rseg) = transfer(t);
         for c in 0..seg_chunks[sseg].len() {
             let need = if t == 0 { 0 } else { prev_recv_start + c + 1 };
@@ -318,24 +354,57 @@ pub(crate) async fn direct_all_reduce(ctx: &Ctx<'_>, links: &mut Links, op: Redu
         })
         .collect();
     let (_, got) = tokio::try_join!(try_join_all(sends), try_join_all(recvs))?;
+    reduce_in_rank_order(ctx, op, data, got)
+}
+
+/// `mine` reduced with the peers' buffers (`got`, by peer) in rank order,
+/// ((x0 op x1) op x2) ...: the same order, so the same bits, on every task.
+fn reduce_in_rank_order(ctx: &Ctx<'_>, op: ReduceOp, mine: &mut [f32], got: Vec<(usize, Vec<u8>)>) -> Result<()> {
     let mut by_rank: Vec<Option<Vec<u8>>> = (0..ctx.n).map(|_| None).collect();
     for (p, bytes) in got {
         by_rank[p] = Some(bytes);
     }
-    // ((x0 op x1) op x2) ...: the same order, so the same bits, on every task.
-    let mut acc = vec![0f32; len];
+    let mut acc = vec![0f32; mine.len()];
     for (p, bytes) in by_rank.iter().enumerate() {
         match (p == ctx.rank, bytes, p == 0) {
-            (true, _, true) => acc.copy_from_slice(data),
-            (true, _, false) => op.combine(&mut acc, data),
+            (true, _, true) => acc.copy_from_slice(mine),
+            (true, _, false) => op.combine(&mut acc, mine),
             (false, Some(b), true) => wire::store_f32s(&mut acc, b),
             (false, Some(b), false) => wire::combine_bytes(op, &mut acc, b),
             (false, None, _) => return Err(missing(p)),
         }
     }
     op.finish(&mut acc, ctx.n);
-    data.copy_from_slice(&acc);
+    mine.copy_from_slice(&acc);
     Ok(())
+}
+
+/// Direct reduce-scatter: every task sends each peer that peer's [`scatter_segment`] and
+/// reduces its own from the n buffers in rank order (as [`direct_all_reduce`] does, so the
+/// same bits). The rest of `data` is left as it was.
+pub(crate) async fn direct_reduce_scatter(
+    ctx: &Ctx<'_>,
+    links: &mut Links,
+    op: ReduceOp,
+    data: &mut [f32],
+) -> Result<()> {
+    let (n, len) = (ctx.n, data.len());
+    let own = scatter_segment(len, n, ctx.rank);
+    let own_len = own.len();
+    let messages: Vec<Vec<u8>> = (0..n).map(|p| message(ctx, &data[scatter_segment(len, n, p)])).collect();
+    let sends: Vec<_> = links.writers.iter_mut().flatten().map(|w| w.send(ctx, &messages[w.peer])).collect();
+    let recvs: Vec<_> = links
+        .readers
+        .iter_mut()
+        .flatten()
+        .map(|rd| async move {
+            rd.open(ctx).await?;
+            let bytes = read_f32s(ctx, rd, own_len).await?;
+            Ok((rd.peer, bytes))
+        })
+        .collect();
+    let (_, got) = tokio::try_join!(try_join_all(sends), try_join_all(recvs))?;
+    reduce_in_rank_order(ctx, op, &mut data[own], got)
 }
 
 /// All-gather: every task sends its buffer to every peer.

@@ -4,8 +4,8 @@
 //! ranks and accepts the higher ones, in any start order, retrying until the connect
 //! deadline), authenticated by the cluster token and checked against the cluster fingerprint.
 //! The collectives then run over it: ring all-reduce (reduce-scatter then all-gather, pipelined
-//! in chunks) for large buffers, a direct exchange for small ones, all-gather, broadcast (of f32s,
-//! or of u64s for integers) and barrier. The algorithms are described in `algo.rs`, the bytes on the wire in `wire.rs`.
+//! in chunks) for large buffers, a direct exchange for small ones, reduce-scatter (the same two
+//! algorithms' first half), all-gather, broadcast (of f32s, or of u64s for integers) and barrier. The algorithms are described in `algo.rs`, the bytes on the wire in `wire.rs`.
 //!
 //! # No hangs
 //!
@@ -63,6 +63,7 @@ mod link;
 mod wire;
 
 use std::net::SocketAddr;
+use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -383,6 +384,37 @@ impl Ring {
             self.drive(&ctx, algo::ring_all_reduce(&ctx, &mut st.links, op, data, half))
         };
         self.conclude(&mut st, res)
+    }
+
+    /// Reduces `data` across the workers and leaves this worker with its part of the result
+    /// only: [`Ring::scatter_segment`] of `data` holds the reduced values (bit for bit what
+    /// [`Ring::all_reduce`] puts there), the rest partial values. Each worker sends and
+    /// receives half the bytes of an all-reduce. Returns the segment.
+    pub fn reduce_scatter(&self, step: u64, op: ReduceOp, data: &mut [f32]) -> Result<Range<usize>> {
+        off_runtime(|| self.reduce_scatter_here(step, op, data))
+    }
+
+    /// The segment of a `len`-element buffer that [`Ring::reduce_scatter`] leaves reduced on
+    /// `rank`: segment `(rank + 1) mod n` of the n even segments (`[k*len/n, (k+1)*len/n)`).
+    pub fn scatter_segment(&self, len: usize, rank: usize) -> Range<usize> {
+        algo::scatter_segment(len, self.size(), rank)
+    }
+
+    fn reduce_scatter_here(&self, step: u64, op: ReduceOp, data: &mut [f32]) -> Result<Range<usize>> {
+        let call = Call::ReduceScatter { op, count: data.len() as u64 };
+        let mut st = self.begin(step, &call)?;
+        let own = self.scatter_segment(data.len(), self.rank);
+        if self.size() == 1 {
+            op.finish(data, 1);
+            return Ok(own);
+        }
+        let ctx = self.ctx(step, call);
+        let res = if data.len().saturating_mul(4) <= self.small_bytes {
+            self.drive(&ctx, algo::direct_reduce_scatter(&ctx, &mut st.links, op, data))
+        } else {
+            self.drive(&ctx, algo::ring_reduce_scatter(&ctx, &mut st.links, op, data))
+        };
+        self.conclude(&mut st, res).map(|()| own)
     }
 
     /// Gathers every worker's buffer (lengths may differ): element `r` is rank `r`'s.

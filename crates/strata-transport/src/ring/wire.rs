@@ -64,6 +64,8 @@ pub(crate) enum Call {
     Barrier,
     /// `all_reduce(sum, count f32)` with every value on the wire in 16 bits.
     AllReduceHalf { half: HalfFormat, count: u64 },
+    /// `reduce_scatter(op, count f32)`.
+    ReduceScatter { op: ReduceOp, count: u64 },
 }
 
 impl Call {
@@ -84,6 +86,7 @@ impl Call {
             Call::Barrier => (4, NO_OP, 0, 0),
             Call::BroadcastU64 { root, count } => (5, NO_OP, root, count),
             Call::AllReduceHalf { half, count } => (6, half_code(half), 0, count),
+            Call::ReduceScatter { op, count } => (7, op_code(op), 0, count),
         }
     }
 }
@@ -95,6 +98,7 @@ impl fmt::Display for Call {
             Call::AllGather { count } => write!(f, "all_gather({count} f32)"),
             Call::Broadcast { root, count } => write!(f, "broadcast(root {root}, {count} f32)"),
             Call::Barrier => f.write_str("barrier"),
+            Call::ReduceScatter { op, count } => write!(f, "reduce_scatter({op}, {count} f32)"),
             Call::BroadcastU64 { root, count } => write!(f, "broadcast(root {root}, {count} u64)"),
             Call::AllReduceHalf { half, count } => {
                 let name = match half {
@@ -175,6 +179,10 @@ pub(crate) fn parse_open(p: &[u8]) -> Result<(u64, Call), String> {
             0 => Call::AllReduceHalf { half: HalfFormat::F16, count },
             1 => Call::AllReduceHalf { half: HalfFormat::Bf16, count },
             c => return Err(format!("a 16-bit all_reduce with unknown format code {c}")),
+        },
+        7 => match op_from_code(p[9]) {
+            Some(op) => Call::ReduceScatter { op, count },
+            None => return Err(format!("a reduce_scatter with unknown op code {}", p[9])),
         },
         k => return Err(format!("an OPEN frame for unknown collective kind {k}")),
     };
@@ -480,6 +488,8 @@ mod tests {
             Call::Broadcast { root: 3, count: 7 },
             Call::Barrier,
             Call::BroadcastU64 { root: 1, count: 2 },
+            Call::AllReduceHalf { half: HalfFormat::Bf16, count: 5 },
+            Call::ReduceScatter { op: ReduceOp::Max, count: 11 },
         ];
         for (i, c) in calls.iter().enumerate() {
             let f = open_frame(i as u64 + 9, c);
@@ -492,6 +502,8 @@ mod tests {
         assert_eq!(calls[2].to_string(), "broadcast(root 3, 7 f32)");
         assert_eq!(calls[4].to_string(), "broadcast(root 1, 2 u64)");
         assert!(!calls[4].agrees_with(&Call::Broadcast { root: 1, count: 2 }));
+        assert_eq!(calls[6].to_string(), "reduce_scatter(max, 11 f32)");
+        assert!(!calls[6].agrees_with(&Call::AllReduce { op: ReduceOp::Max, count: 11 }));
     }
 
     #[test]
@@ -503,6 +515,8 @@ mod tests {
         p[8] = 1;
         p[9] = 7;
         assert!(parse_open(&p).unwrap_err().contains("unknown op code 7"));
+        p[8] = 7;
+        assert!(parse_open(&p).unwrap_err().contains("a reduce_scatter with unknown op code 7"));
     }
 
     #[test]
