@@ -220,12 +220,16 @@ fn stage_2_with_weights_reduced_in_blocks_of_rows_is_stage_0_bitwise() {
 fn stages_1_and_2_with_ops_that_reduce_in_place() {
     let adamw = ParamsAdamW { lr: 0.01, weight_decay: 0.1, ..Default::default() };
     let whole = train::<Cnn, FusedAdamW>(&common::mirrored_in_place(3), adamw.clone(), 4, &[], PLAIN).0;
-    for stage in SHARDED {
+    // Whole weights, and blocks of rows (at stage 2 each block's reduced rows are kept from
+    // the block the ops reduced in place).
+    let default_blocks = StrategyOptions::default().row_block_bytes;
+    for (stage, row_block_bytes) in SHARDED.into_iter().flat_map(|s| [(s, default_blocks), (s, 64)]) {
         let devices = strata_core::device::logical_cpus(3).unwrap();
         let ops = common::in_place_ops(3);
-        let s = MirroredStrategy::with_cross_device_ops(devices, ops, options(stage)).unwrap();
+        let options = StrategyOptions { row_block_bytes, ..options(stage) };
+        let s = MirroredStrategy::with_cross_device_ops(devices, ops, options).unwrap();
         let sharded = train::<Cnn, FusedAdamW>(&s.handle(), adamw.clone(), 4, &[], PLAIN).0;
-        assert_eq!(sharded, whole, "stage {stage}");
+        assert_eq!(sharded, whole, "stage {stage}, blocks of {row_block_bytes} bytes");
     }
 }
 

@@ -26,7 +26,9 @@
 //!   measure from the last heartbeat that crossed, so a task that is killed, stopped
 //!   (SIGSTOP) or cut off is declared lost by everyone within the timeout, whichever task it
 //!   is. Heartbeat calls have deadlines that end when the timeout does: a stopped peer's TCP
-//!   connection stays open and would never answer.
+//!   connection stays open and would never answer. A task that was itself stopped while it
+//!   waited (its timers then fire late, all at once) asks once more before it concludes the
+//!   service lost: the silence was its own, and a member the job fenced meanwhile hears so.
 //! - **No shutdown waits on a lost task.** Reports to a lost service are skipped, and a service
 //!   whose job failed stops as soon as every surviving task has heard why (at most
 //!   [`LINGER`]), without the graceful HTTP/2 shutdown that waits for every client's

@@ -126,6 +126,10 @@ pub struct AllreduceArgs {
     /// the ring [default: the ring's default].
     #[arg(long, value_parser = parse_size)]
     pub small_bytes: Option<u64>,
+    /// With --workers: time the reduce-scatter (each worker left with its segment of the
+    /// reduced buffer, ZeRO's gradient reduction) instead of the all-reduce.
+    #[arg(long)]
+    pub reduce_scatter: bool,
     /// Internal: run as this rank of a --workers benchmark (started by the benchmark itself).
     #[arg(long, hide = true, requires = "worker_count")]
     pub worker_rank: Option<usize>,
@@ -158,6 +162,8 @@ pub struct Plan {
     pub chunk_bytes: usize,
     /// The ring's direct-exchange limit (`--workers`).
     pub small_bytes: usize,
+    /// Time the reduce-scatter instead of the all-reduce (`--workers`).
+    pub reduce_scatter: bool,
 }
 
 /// Sizes from `min` to `max` bytes (inclusive), stepping x4: 4KiB..256MiB gives 9 sizes.
@@ -205,6 +211,11 @@ impl AllreduceArgs {
             )));
         }
         let small_bytes = to_usize("--small-bytes", self.small_bytes, ring::DEFAULT_SMALL_BYTES)?;
+        if self.reduce_scatter && self.workers.is_empty() && self.worker_rank.is_none() {
+            return Err(Error::Usage(
+                "--reduce-scatter times the cross-worker ring's reduce-scatter: add --workers N".into(),
+            ));
+        }
         if self.replicas.is_empty() || self.replicas.contains(&0) {
             return Err(Error::Usage(format!(
                 "--replicas {:?}: give one or more replica counts of at least 1, such as --replicas 2,4",
@@ -240,6 +251,7 @@ impl AllreduceArgs {
             implementation: self.implementation,
             chunk_bytes,
             small_bytes,
+            reduce_scatter: self.reduce_scatter,
         })
     }
 }
@@ -414,11 +426,13 @@ impl Expected {
         Self { main, alt }
     }
 
-    /// The elements of a whole result that differ from the closed form.
-    fn count_wrong(&self, data: &[f32]) -> usize {
-        data.chunks(PERIOD)
-            .map(|c| c.iter().zip(&self.main).zip(&self.alt).filter(|((x, m), a)| *x != *m && *x != *a).count())
-            .sum()
+    /// The elements of the result's part starting at element `start` that differ from the
+    /// closed form.
+    fn count_wrong_at(&self, start: usize, data: &[f32]) -> usize {
+        let mut c = self.checker();
+        c.j = start % PERIOD;
+        c.piece(data);
+        c.wrong
     }
 
     fn checker(&self) -> Checker<'_> {
@@ -820,9 +834,11 @@ pub struct WorkerRow {
     pub count: usize,
     /// The reduction.
     pub op: ReduceOp,
+    /// Whether the collective is the reduce-scatter (else the all-reduce).
+    pub reduce_scatter: bool,
     /// Timed iterations.
     pub iters: usize,
-    /// The slowest worker's median time of one all-reduce.
+    /// The slowest worker's median time of one collective.
     pub time: Duration,
     /// Result elements that differ from the closed form, over every iteration and worker.
     pub wrong: u64,
@@ -834,10 +850,12 @@ impl WorkerRow {
         self.bytes as f64 / self.time.as_secs_f64().max(1e-12) / 1e9
     }
 
-    /// Bus bandwidth, nccl-tests' all-reduce convention: algbw * 2(N-1)/N, GB/s.
+    /// Bus bandwidth, nccl-tests' convention: algbw * 2(N-1)/N for the all-reduce, algbw *
+    /// (N-1)/N for the reduce-scatter (each byte crosses a link once, not twice), GB/s.
     pub fn busbw(&self) -> f64 {
         let n = self.workers as f64;
-        self.algbw() * 2.0 * (n - 1.0) / n
+        let hops = if self.reduce_scatter { 1.0 } else { 2.0 };
+        self.algbw() * hops * (n - 1.0) / n
     }
 }
 
@@ -934,8 +952,9 @@ fn run_workers(args: &AllreduceArgs, plan: &Plan) -> Result<()> {
         format_bytes(plan.chunk_bytes as u64)
     );
     println!(
-        "# op {}, f32, warmup {}, iters {}; time = the slowest worker's median of (refill, barrier, timed all-reduce, \
-         barrier, check)",
+        "# {}, op {}, f32, warmup {}, iters {}; time = the slowest worker's median of (refill, barrier, timed \
+         collective, barrier, check)",
+        collective_name(plan),
         plan.op,
         plan.warmup.max(1),
         match plan.iters {
@@ -953,6 +972,15 @@ fn run_workers(args: &AllreduceArgs, plan: &Plan) -> Result<()> {
         run_group(args, plan, n, one)?;
     }
     Ok(())
+}
+
+/// The collective a --workers plan times.
+fn collective_name(plan: &Plan) -> &'static str {
+    if plan.reduce_scatter {
+        "reduce_scatter (each worker keeps its segment; busbw = algbw * (N-1)/N)"
+    } else {
+        "all_reduce (busbw = algbw * 2(N-1)/N)"
+    }
 }
 
 /// The arguments that give a worker the same plan as this process.
@@ -973,6 +1001,9 @@ fn worker_args(args: &AllreduceArgs, plan: &Plan, rank: usize, n: usize, ceiling
     flag("--tcp-ceiling", format!("{ceiling:.4}"));
     if let Some(i) = plan.iters {
         flag("--iters", i.to_string());
+    }
+    if plan.reduce_scatter {
+        a.push("--reduce-scatter".into());
     }
     a
 }
@@ -1099,7 +1130,12 @@ fn worker_main(plan: &Plan, rank: usize, n: usize, ceiling: Option<f64>) -> Resu
     let mut cfg = RingConfig::new(rank, addresses);
     cfg.listener = Some(listener);
     cfg.token = std::env::var(TOKEN_ENV).ok();
-    cfg.fingerprint = format!("strata bench allreduce: {n} workers, {} sizes, op {}", plan.sizes.len(), plan.op);
+    cfg.fingerprint = format!(
+        "strata bench allreduce: {n} workers, {} sizes, op {}, {}",
+        plan.sizes.len(),
+        plan.op,
+        collective_name(plan)
+    );
     cfg.timeout = WORKER_COLLECTIVE_TIMEOUT;
     cfg.connect_timeout = WORKER_START_TIMEOUT;
     cfg.chunk_bytes = plan.chunk_bytes;
@@ -1127,7 +1163,7 @@ fn worker_main(plan: &Plan, rank: usize, n: usize, ceiling: Option<f64>) -> Resu
             "strata bench allreduce",
             std::io::Error::new(
                 std::io::ErrorKind::InvalidData,
-                format!("{wrong} all-reduce result values differ from the closed form (see #wrong)"),
+                format!("{wrong} {} result values differ from the closed form (see #wrong)", collective_name(plan)),
             ),
         ));
     }
@@ -1147,12 +1183,17 @@ pub fn measure_worker_row(ring: &Ring, plan: &Plan, bytes: u64, step: &mut u64) 
         data.copy_from_slice(&input);
         ring.barrier(*step).map_err(transport_error)?;
         let t0 = Instant::now();
-        ring.all_reduce(*step + 1, plan.op, data).map_err(transport_error)?;
+        let reduced = if plan.reduce_scatter {
+            ring.reduce_scatter(*step + 1, plan.op, data).map_err(transport_error)?
+        } else {
+            ring.all_reduce(*step + 1, plan.op, data).map_err(transport_error)?;
+            0..data.len()
+        };
         let t = t0.elapsed();
-        // Nobody checks (untimed work) while a slower worker is still in its timed all-reduce.
+        // Nobody checks (untimed work) while a slower worker is still in its timed collective.
         ring.barrier(*step + 2).map_err(transport_error)?;
         *step += 3;
-        wrong += expected.count_wrong(data) as u64;
+        wrong += expected.count_wrong_at(reduced.start, &data[reduced]) as u64;
         Ok(t)
     };
     let mut warm = Vec::new();
@@ -1184,6 +1225,7 @@ pub fn measure_worker_row(ring: &Ring, plan: &Plan, bytes: u64, step: &mut u64) 
         bytes: count as u64 * 4,
         count,
         op: plan.op,
+        reduce_scatter: plan.reduce_scatter,
         iters,
         time: Duration::from_secs_f64(f64::from(slowest[0]).max(0.0)),
         wrong: ((w[0] as u64) << 20) + w[1] as u64,
@@ -1326,6 +1368,10 @@ mod tests {
         let mut c = e.checker();
         c.piece(&good[..590]);
         assert_eq!(c.finish(600), 10);
+        // A segment is checked against the closed form at its own offset.
+        assert_eq!(e.count_wrong_at(250, &good[250..]), 0);
+        assert_eq!(e.count_wrong_at(250, &bad[250..]), 1);
+        assert_eq!(e.count_wrong_at(251, &good[250..]), 350);
     }
 
     #[test]
@@ -1341,6 +1387,7 @@ mod tests {
                 workers: vec![],
                 chunk_bytes: ring::DEFAULT_CHUNK_BYTES,
                 small_bytes: ring::DEFAULT_SMALL_BYTES,
+                reduce_scatter: false,
             };
             let mut printed = 0;
             let rows = measure(&plan, 2, &mut |_| printed += 1).unwrap();
@@ -1363,6 +1410,7 @@ mod tests {
             workers: vec![],
             chunk_bytes: ring::DEFAULT_CHUNK_BYTES,
             small_bytes: ring::DEFAULT_SMALL_BYTES,
+            reduce_scatter: false,
         };
         let rows = measure(&plan, 3, &mut |_| {}).unwrap();
         assert_eq!(rows[0].wrong, 0);
@@ -1382,6 +1430,7 @@ mod tests {
             "max",
             "--chunk-bytes",
             "64KiB",
+            "--reduce-scatter",
         ]);
         let plan = a.plan().unwrap();
         assert_eq!((plan.workers.clone(), plan.sizes.clone()), (vec![2, 4], vec![MIB, 4 * MIB, 16 * MIB]));
@@ -1390,6 +1439,7 @@ mod tests {
         assert_eq!(&argv[..2], ["bench", "allreduce"]);
         let w = Cli::try_parse_from(std::iter::once("bench").chain(argv[2..].iter().map(String::as_str))).unwrap().args;
         assert_eq!((w.worker_rank, w.worker_count, w.tcp_ceiling), (Some(1), Some(4), Some(2.5)));
+        assert!(plan.reduce_scatter && w.reduce_scatter);
         let wp = w.plan().unwrap();
         assert_eq!(
             (wp.sizes, wp.op, wp.chunk_bytes, wp.small_bytes, wp.iters),
@@ -1398,10 +1448,18 @@ mod tests {
         assert!(Cli::try_parse_from(["bench", "--local", "--workers", "2"]).is_err());
         assert!(matches!(args(&["--workers", "0"]).plan(), Err(Error::Usage(_))));
         assert!(matches!(args(&["--workers", "2", "--chunk-bytes", "2"]).plan(), Err(Error::Usage(_))));
+        assert!(
+            matches!(args(&["--local", "--reduce-scatter"]).plan(), Err(Error::Usage(m)) if m.contains("--workers"))
+        );
     }
 
     #[test]
     fn worker_rows_on_a_ring_of_threads_have_no_wrong_values() {
+        worker_rows_have_no_wrong_values(false);
+        worker_rows_have_no_wrong_values(true);
+    }
+
+    fn worker_rows_have_no_wrong_values(reduce_scatter: bool) {
         let n = 3;
         let listeners: Vec<TcpListener> = (0..n).map(|_| TcpListener::bind("127.0.0.1:0").unwrap()).collect();
         let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
@@ -1415,6 +1473,7 @@ mod tests {
             implementation: Impl::InMemory,
             chunk_bytes: 4096 + 4,
             small_bytes: ring::DEFAULT_SMALL_BYTES,
+            reduce_scatter,
         };
         let rows: Vec<Vec<WorkerRow>> = std::thread::scope(|s| {
             let handles: Vec<_> = listeners
@@ -1443,7 +1502,8 @@ mod tests {
                 // Every worker reports the same agreed row.
                 assert_eq!((row.iters, row.time, row.count, row.workers), (first.iters, first.time, first.count, 3));
                 assert!((ADAPTIVE_MIN_ITERS..=ADAPTIVE_MAX_ITERS).contains(&row.iters));
-                assert!((row.busbw() / row.algbw() - 4.0 / 3.0).abs() < 1e-9);
+                let hops = if reduce_scatter { 2.0 / 3.0 } else { 4.0 / 3.0 };
+                assert!((row.busbw() / row.algbw() - hops).abs() < 1e-9);
             }
         }
     }

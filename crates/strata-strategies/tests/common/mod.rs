@@ -112,6 +112,10 @@ impl strata_core::cross_device::CrossDeviceOps for InPlace {
     fn reduces_in_place(&self) -> bool {
         true
     }
+    /// Blocks of rows too: each block's result is written into the block's own input.
+    fn takes_row_blocks(&self) -> bool {
+        self.0.takes_row_blocks()
+    }
 }
 
 pub fn in_place_ops(n: usize) -> Box<dyn strata_core::cross_device::CrossDeviceOps> {
