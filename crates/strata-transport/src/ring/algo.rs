@@ -340,9 +340,20 @@ async fn ring(
 
 /// Direct all-reduce: every task sends its buffer to every peer and reduces in rank order.
 pub(crate) async fn direct_all_reduce(ctx: &Ctx<'_>, links: &mut Links, op: ReduceOp, data: &mut [f32]) -> Result<()> {
-    let len = data.len();
     let msg = message(ctx, data);
-    let sends: Vec<_> = links.writers.iter_mut().flatten().map(|w| w.send(ctx, &msg)).collect();
+    let got = exchange(ctx, links, |_| &msg, data.len()).await?;
+    reduce_in_rank_order(ctx, op, data, got)
+}
+
+/// Sends `msg(peer)` to every peer while reading `len` f32s from every peer: the bytes
+/// received, with the peer they came from.
+async fn exchange<'m>(
+    ctx: &Ctx<'_>,
+    links: &mut Links,
+    msg: impl Fn(usize) -> &'m [u8],
+    len: usize,
+) -> Result<Vec<(usize, Vec<u8>)>> {
+    let sends: Vec<_> = links.writers.iter_mut().flatten().map(|w| w.send(ctx, msg(w.peer))).collect();
     let recvs: Vec<_> = links
         .readers
         .iter_mut()
@@ -354,7 +365,7 @@ pub(crate) async fn direct_all_reduce(ctx: &Ctx<'_>, links: &mut Links, op: Redu
         })
         .collect();
     let (_, got) = tokio::try_join!(try_join_all(sends), try_join_all(recvs))?;
-    reduce_in_rank_order(ctx, op, data, got)
+    Ok(got)
 }
 
 /// `mine` reduced with the peers' buffers (`got`, by peer) in rank order,
@@ -390,20 +401,11 @@ pub(crate) async fn direct_reduce_scatter(
 ) -> Result<()> {
     let (n, len) = (ctx.n, data.len());
     let own = scatter_segment(len, n, ctx.rank);
-    let own_len = own.len();
-    let messages: Vec<Vec<u8>> = (0..n).map(|p| message(ctx, &data[scatter_segment(len, n, p)])).collect();
-    let sends: Vec<_> = links.writers.iter_mut().flatten().map(|w| w.send(ctx, &messages[w.peer])).collect();
-    let recvs: Vec<_> = links
-        .readers
-        .iter_mut()
-        .flatten()
-        .map(|rd| async move {
-            rd.open(ctx).await?;
-            let bytes = read_f32s(ctx, rd, own_len).await?;
-            Ok((rd.peer, bytes))
-        })
+    // Every peer's segment in a message of its own (none for this task's).
+    let messages: Vec<Vec<u8>> = (0..n)
+        .map(|p| if p == ctx.rank { Vec::new() } else { message(ctx, &data[scatter_segment(len, n, p)]) })
         .collect();
-    let (_, got) = tokio::try_join!(try_join_all(sends), try_join_all(recvs))?;
+    let got = exchange(ctx, links, |p| &messages[p], own.len()).await?;
     reduce_in_rank_order(ctx, op, &mut data[own], got)
 }
 
