@@ -120,6 +120,8 @@ def parser():
                     "(hosts.sh's own option)")
     ap.add_argument("--compressions", help="Strata's compressions to run, of " + ",".join(COMPRESSIONS)
                     + " (default all this build has)")
+    ap.add_argument("--zero-stages", default="0", help="ZeRO stages Strata runs without compression, of 0,1,2 (default 0); "
+                    "stage N > 0 is the configuration none+zeroN, alternated with the others")
     ap.add_argument("--no-ddp", action="store_true", help="Strata only")
     ap.add_argument("--no-strata", action="store_true", help="DDP only")
     ap.add_argument("--strata", default=os.path.join(ROOT, "target", "release", "strata"), help="the strata binary")
@@ -171,6 +173,11 @@ def parse_args(argv):
         for c in a.compressions.split(","):
             if c not in COMPRESSIONS:
                 bad(f"--compressions: unknown compression {c!r}; use some of {','.join(COMPRESSIONS)}")
+    a.zero_list = []
+    for z in a.zero_stages.split(","):
+        if z.strip() not in ("0", "1", "2"):
+            bad(f"--zero-stages: unknown stage {z!r}; use some of 0,1,2")
+        a.zero_list.append(int(z))
     if a.no_ddp and a.no_strata:
         bad("--no-ddp and --no-strata leave nothing to run")
     a.link_list, a.host_list, a.model_list = links, hosts, models
@@ -412,8 +419,11 @@ def strata_run(a, model, n, compression, logdir, tag):
     base = [a.strata, "train", "--strategy", "multi-worker-mirrored", "--replicas", "1"] + flags + [
         "--batch", str(batch), "--lr", "0.003", "--no-progress", "--out", out]
     base += ["--steps", str(length)] if model == "transformer" else ["--epochs", str(length), "--data", a.digits]
+    compression, zero = split_zero(compression)
     if compression is not None:
         base += ["--compression", compression]
+    if zero:
+        base += ["--zero-stage", str(zero)]
     base += shlex.split(a.strata_flags)
     token = os.environ["STRATA_CLUSTER_TOKEN"]
     jobs = []
@@ -463,7 +473,18 @@ def ring_bytes(payload, n):
     return 2 * (n - 1) / n * payload
 
 
+def split_zero(variant):
+    """A Strata configuration's compression and ZeRO stage: `none+zero2` is (none, 2)."""
+    if variant is not None and "+zero" in variant:
+        c, z = variant.split("+zero")
+        return c, int(z)
+    return variant, 0
+
+
 def strata_payload(compression, params, shapes):
+    # ZeRO across workers reduce-scatters the gradients and all-gathers the parameters: each
+    # host sends what a ring all-reduce of the gradients sends.
+    compression = split_zero(compression)[0]
     if compression in (None, "none"):
         return 4 * params
     if compression in ("bf16", "fp16"):
@@ -549,6 +570,9 @@ def main(argv):
     configs = []
     if has_strata:
         configs += [("strata", c) for c in compressions]
+        configs += [("strata", f"none+zero{z}") for z in a.zero_list if z > 0]
+        if any(z > 0 for z in a.zero_list) and 0 not in a.zero_list:
+            configs = [c for c in configs if c != ("strata", "none")]
     if has_torch:
         configs += [("ddp", h) for h in DDP_HOOKS]
     if not configs:

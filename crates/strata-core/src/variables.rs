@@ -689,8 +689,24 @@ impl<M> Replicated<M> {
                 "its shards would have to follow the membership, which is not built yet; use stage 0 or a job that is not elastic",
             ));
         }
-        let first = workers.map_or(0, |w| w.worker_index()) * self.ext.num_replicas();
-        crate::zero::Shards::new(stage, vars, first, self.ext.num_replicas_in_sync(), self.ext.clone())
+        let local = self.ext.num_replicas();
+        let first = workers.map_or(0, |w| w.worker_index()) * local;
+        let sizes: Vec<usize> = vars.first().map_or(Vec::new(), |v| v.iter().map(|v| v.elem_count()).collect());
+        // Across workers each worker's shard is its reduce-scatter segment of every reduction
+        // of the plan an overlapped step follows (fixed here, `fixed_plan`), so that the
+        // reduce-scatter leaves each replica exactly the gradient it steps. Where some replica
+        // would get no element that way (a tiny model over many replicas), the even split.
+        if let (Some(w), Some(copy)) = (workers.filter(|w| w.num_workers() > 1), vars.first()) {
+            let plan = fixed_plan(&*self.ext, copy, HashMap::new(), stage.shards_gradients());
+            let layout = crate::zero::segment_layout(&plan.unit_runs(copy), w.num_workers(), local, |len, g| {
+                w.scatter_segment(len, g)
+            });
+            if layout.iter().all(|s| !s.is_empty()) {
+                return crate::zero::Shards::new(stage, vars, first, layout, true, self.ext.clone());
+            }
+        }
+        let layout = crate::zero::even_layout(&sizes, self.ext.num_replicas_in_sync());
+        crate::zero::Shards::new(stage, vars, first, layout, false, self.ext.clone())
     }
 }
 
@@ -887,6 +903,9 @@ struct OverlapStep<'a, 'c> {
     had: Vec<bool>,
     /// The plan's variables in the order their gradients came in.
     seen: Vec<usize>,
+    /// Whether each replica needs only its worker's reduce-scatter segment of every unit's
+    /// result (ZeRO's shards across workers lie on them).
+    scatter: bool,
 }
 
 /// ZeRO stage 2 across workers: the cross-worker reductions a replica leaves running while the
@@ -949,15 +968,22 @@ impl OverlapStep<'_, '_> {
             }
             _ => None,
         };
+        // ZeRO across workers: each worker needs only its segment of the result, on which its
+        // replicas' shards lie.
+        let start = |req, ids: &[candle_core::TensorId], out: &mut dyn FnMut(&[f32])| {
+            if self.scatter {
+                ops.start_scatter(req, ids, out)
+            } else {
+                ops.start_gradients(req, ids, out)
+            }
+        };
         let (started, written) = match self.plan.units[n] {
             Unit::Bucket(_) => {
                 let mut sink = crate::context::Scatter::new(&input, ops.reduces_in_place()).keeping(keep.as_deref());
-                let started = ops.start_gradients(req, &ids, &mut |piece| sink.write(piece))?;
+                let started = start(req, &ids, &mut |piece| sink.write(piece))?;
                 (started, sink.pause())
             }
-            Unit::Rows { .. } => {
-                (ops.start_gradients(req, &ids, &mut |piece| early.extend_from_slice(piece))?, Default::default())
-            }
+            Unit::Rows { .. } => (start(req, &ids, &mut |piece| early.extend_from_slice(piece))?, Default::default()),
         };
         self.pending.push_back((n, Launched { input, seq, started, written, early, keep }));
         self.launched += 1;
@@ -1028,8 +1054,9 @@ impl OverlapStep<'_, '_> {
         Ok(())
     }
 
-    /// Stage 2: writes this replica's run of the reduced rows `first..` of variable `var`
-    /// (`result`, or in place in `block` for ops that reduce in place) into `kept`.
+    /// Stage 2: writes this replica's runs of the reduced rows `first..` of variable `var`
+    /// (`result`, or in place in `block` for ops that reduce in place) into `kept`, where the
+    /// variable's runs lie one after another.
     fn keep_rows(
         &mut self,
         shards: &crate::zero::Shards,
@@ -1040,29 +1067,34 @@ impl OverlapStep<'_, '_> {
         result: &[f32],
     ) -> Result<()> {
         let v = &self.vars[var];
-        let k = shards.keep(copy)[var].clone();
         let at = first * v.dims().get(1).copied().unwrap_or(1);
-        let (lo, hi) = (k.start.max(at), k.end.min(at + block.elem_count()));
-        if lo >= hi {
-            return Ok(());
+        let mut kept_at = 0;
+        for k in shards.runs(copy, var) {
+            let (lo, hi) = (k.start.max(at), k.end.min(at + block.elem_count()));
+            if lo < hi {
+                let part = if self.ctx.shared.ext.cross_device_ops().reduces_in_place() {
+                    block.flatten_all()?.narrow(0, lo - at, hi - lo)?
+                } else {
+                    let values = result.get(lo - at..hi - at).ok_or_else(|| {
+                        Error::Scope(format!(
+                            "the reduction of rows {first}.. of variable {var} returned {} values, {} expected",
+                            result.len(),
+                            block.elem_count()
+                        ))
+                    })?;
+                    Tensor::from_slice(values, hi - lo, &Device::Cpu)?.to_dtype(v.dtype())?.to_device(v.device())?
+                };
+                let dst = match &self.kept[var] {
+                    Some(t) => t.clone(),
+                    None => {
+                        let len = shards.runs(copy, var).iter().map(|r| r.len()).sum::<usize>();
+                        self.kept[var].insert(Tensor::zeros(len, v.dtype(), v.device())?).clone()
+                    }
+                };
+                dst.slice_set(&part, 0, kept_at + lo - k.start)?;
+            }
+            kept_at += k.len();
         }
-        let part = if self.ctx.shared.ext.cross_device_ops().reduces_in_place() {
-            block.flatten_all()?.narrow(0, lo - at, hi - lo)?
-        } else {
-            let values = result.get(lo - at..hi - at).ok_or_else(|| {
-                Error::Scope(format!(
-                    "the reduction of rows {first}.. of variable {var} returned {} values, {} expected",
-                    result.len(),
-                    block.elem_count()
-                ))
-            })?;
-            Tensor::from_slice(values, hi - lo, &Device::Cpu)?.to_dtype(v.dtype())?.to_device(v.device())?
-        };
-        let dst = match &self.kept[var] {
-            Some(t) => t.clone(),
-            None => self.kept[var].insert(Tensor::zeros(k.len(), v.dtype(), v.device())?).clone(),
-        };
-        dst.slice_set(&part, 0, lo - k.start)?;
         Ok(())
     }
 
@@ -1141,6 +1173,96 @@ impl candle_core::backprop::GradHook for OverlapStep<'_, '_> {
             self.seen.push(i);
         }
         self.launch_ready()
+    }
+}
+
+/// The plan ZeRO's shards across workers are laid out on, and every step there follows: the
+/// variables in the reverse of their order (the order a backward pass mostly makes them final
+/// in), fixed from the optimizer's creation.
+fn fixed_plan(
+    ext: &dyn StrategyExtended,
+    vars: &[Var],
+    index: HashMap<candle_core::TensorId, usize>,
+    shards_gradients: bool,
+) -> OverlapPlan {
+    cut_plan(ext, (0..vars.len()).rev().collect(), vars, index, shards_gradients)
+}
+
+/// The plan of an overlapped step that reduces the variables in `order`: `vars` (a replica's
+/// copy of the optimizer's variables, `index` naming them by id) in buckets of the strategy's
+/// size, a large matrix's gradient in blocks of rows where the ops take them.
+fn cut_plan(
+    ext: &dyn StrategyExtended,
+    order: Vec<usize>,
+    vars: &[Var],
+    index: HashMap<candle_core::TensorId, usize>,
+    shards_gradients: bool,
+) -> OverlapPlan {
+    // Across workers, and at ZeRO stage 2 (which then never holds a large matrix's whole
+    // gradient), with ops that reduce blocks of rows as they reduce whole gradients, a
+    // large matrix's gradient goes in blocks of rows; the variables between two such
+    // matrices go in buckets.
+    let ops = ext.cross_device_ops();
+    let block_bytes = ext.options().row_block_bytes;
+    let by_rows = (ext.workers().is_some() || shards_gradients) && ops.takes_row_blocks() && block_bytes > 0;
+    let mut rows_of: Vec<Option<usize>> = vec![None; vars.len()];
+    for &i in order.iter().filter(|_| by_rows) {
+        if let &[rows, cols] = vars[i].dims() {
+            let n = (block_bytes / (cols * std::mem::size_of::<f32>()).max(1)).max(1);
+            rows_of[i] = (rows >= 2 * n).then_some(n);
+        }
+    }
+    // Across workers, where a bucket's bytes take time to cross, the buckets are also at
+    // most an eighth of the gradient (at least 1 MiB), so that a model of a few megabytes
+    // does not wait for the whole backward pass before its first bucket starts.
+    let mut bucket_bytes = ext.options().bucket_bytes;
+    if ext.workers().is_some() && bucket_bytes > 0 {
+        let total: usize = order.iter().map(|&i| vars[i].elem_count() * std::mem::size_of::<f32>()).sum();
+        bucket_bytes = bucket_bytes.min((total / 8).max(MIN_SPLIT_BUCKET_BYTES));
+    }
+    let (mut buckets, mut units, mut bucket_of) = (Vec::new(), Vec::new(), vec![None; vars.len()]);
+    let mut start = 0;
+    for end in 0..=order.len() {
+        let split = order.get(end).and_then(|&i| rows_of[i].map(|n| (i, n)));
+        if end < order.len() && split.is_none() {
+            continue;
+        }
+        let sizes: Vec<usize> = order[start..end].iter().map(|&i| vars[i].elem_count()).collect();
+        for bucket in crate::cross_device::plan_buckets(&sizes, bucket_bytes) {
+            let tensors = start + bucket.tensors.start..start + bucket.tensors.end;
+            for &i in &order[tensors.clone()] {
+                bucket_of[i] = Some(buckets.len());
+            }
+            units.push(Unit::Bucket(buckets.len()));
+            buckets.push(crate::cross_device::Bucket { tensors, elements: bucket.elements });
+        }
+        if let Some((var, n)) = split {
+            let total = vars[var].dims()[0];
+            units.extend((0..total).step_by(n).map(|first| Unit::Rows { var, first, rows: n.min(total - first) }));
+        }
+        start = end + 1;
+    }
+    OverlapPlan { order, buckets, bucket_of, rows_of, units, index }
+}
+
+impl OverlapPlan {
+    /// The runs of the variables each unit reduces, one after another, in the order they are
+    /// started (ZeRO across workers lays its shards out on them).
+    fn unit_runs(&self, vars: &[Var]) -> Vec<Vec<crate::zero::Run>> {
+        use crate::zero::Run;
+        self.units
+            .iter()
+            .map(|u| match *u {
+                Unit::Bucket(b) => self.order[self.buckets[b].tensors.clone()]
+                    .iter()
+                    .map(|&var| Run { var, start: 0, len: vars[var].elem_count() })
+                    .collect(),
+                Unit::Rows { var, first, rows } => {
+                    let cols = vars[var].dims().get(1).copied().unwrap_or(1);
+                    vec![Run { var, start: first * cols, len: rows * cols }]
+                }
+            })
+            .collect()
     }
 }
 
@@ -1430,9 +1552,16 @@ impl ReplicaContext<'_> {
         if let Some(plan) = plan {
             return self.backward_overlapped(loss, opt, &plan).map(drop);
         }
-        // No plan yet: reduce after the pass, and learn the order gradients become ready in.
         let vars = opt.vars(opt.copy_of(self.replica));
         let index: HashMap<candle_core::TensorId, usize> = vars.iter().enumerate().map(|(i, v)| (v.id(), i)).collect();
+        if let Some(shards) = opt.shards.as_ref().filter(|s| s.on_segments()) {
+            // ZeRO across workers: the plan the shards were laid out on, from the first step on
+            // (every worker has it; nothing to agree).
+            let plan = Arc::new(fixed_plan(&*self.shared.ext, vars, index, shards.stage().shards_gradients()));
+            *lock(&opt.overlap[self.replica]) = Some((generation, plan.clone()));
+            return self.backward_overlapped(loss, opt, &plan).map(drop);
+        }
+        // No plan yet: reduce after the pass, and learn the order gradients become ready in.
         if opt.gradient_shards().is_some() && self.shared.ext.workers().is_none() {
             // ZeRO stage 2 on one machine holds no whole gradient of a large matrix even in its
             // first step: that step follows a provisional plan, the variables in the reverse
@@ -1500,52 +1629,7 @@ impl ReplicaContext<'_> {
                 vars.len()
             )));
         }
-        // Across workers, and at ZeRO stage 2 (which then never holds a large matrix's whole
-        // gradient), with ops that reduce blocks of rows as they reduce whole gradients, a
-        // large matrix's gradient goes in blocks of rows; the variables between two such
-        // matrices go in buckets.
-        let ops = self.shared.ext.cross_device_ops();
-        let block_bytes = self.shared.ext.options().row_block_bytes;
-        let by_rows =
-            (self.shared.ext.workers().is_some() || shards_gradients) && ops.takes_row_blocks() && block_bytes > 0;
-        let mut rows_of: Vec<Option<usize>> = vec![None; vars.len()];
-        for &i in order.iter().filter(|_| by_rows) {
-            if let &[rows, cols] = vars[i].dims() {
-                let n = (block_bytes / (cols * std::mem::size_of::<f32>()).max(1)).max(1);
-                rows_of[i] = (rows >= 2 * n).then_some(n);
-            }
-        }
-        // Across workers, where a bucket's bytes take time to cross, the buckets are also at
-        // most an eighth of the gradient (at least 1 MiB), so that a model of a few megabytes
-        // does not wait for the whole backward pass before its first bucket starts.
-        let mut bucket_bytes = self.shared.ext.options().bucket_bytes;
-        if self.shared.ext.workers().is_some() && bucket_bytes > 0 {
-            let total: usize = order.iter().map(|&i| vars[i].elem_count() * std::mem::size_of::<f32>()).sum();
-            bucket_bytes = bucket_bytes.min((total / 8).max(MIN_SPLIT_BUCKET_BYTES));
-        }
-        let (mut buckets, mut units, mut bucket_of) = (Vec::new(), Vec::new(), vec![None; vars.len()]);
-        let mut start = 0;
-        for end in 0..=order.len() {
-            let split = order.get(end).and_then(|&i| rows_of[i].map(|n| (i, n)));
-            if end < order.len() && split.is_none() {
-                continue;
-            }
-            let sizes: Vec<usize> = order[start..end].iter().map(|&i| vars[i].elem_count()).collect();
-            for bucket in crate::cross_device::plan_buckets(&sizes, bucket_bytes) {
-                let tensors = start + bucket.tensors.start..start + bucket.tensors.end;
-                for &i in &order[tensors.clone()] {
-                    bucket_of[i] = Some(buckets.len());
-                }
-                units.push(Unit::Bucket(buckets.len()));
-                buckets.push(crate::cross_device::Bucket { tensors, elements: bucket.elements });
-            }
-            if let Some((var, n)) = split {
-                let total = vars[var].dims()[0];
-                units.extend((0..total).step_by(n).map(|first| Unit::Rows { var, first, rows: n.min(total - first) }));
-            }
-            start = end + 1;
-        }
-        Ok(OverlapPlan { order, buckets, bucket_of, rows_of, units, index })
+        Ok(cut_plan(&*self.shared.ext, order, vars, index, shards_gradients))
     }
 
     /// A step that reduces each bucket of `plan` as soon as its gradients are final, and each
@@ -1583,6 +1667,7 @@ impl ReplicaContext<'_> {
             kept: vec![None; vars.len()],
             had: vec![false; vars.len()],
             seen: Vec::new(),
+            scatter: opt.shards.as_ref().is_some_and(|s| s.on_segments()),
         };
         let grads = self.backward_phase(|| loss.backward_with_hooks(&mut step));
         let grads = match (grads, step.failed.take()) {
@@ -1615,7 +1700,8 @@ impl ReplicaContext<'_> {
         let extra: Vec<usize> = (0..vars.len())
             .filter(|&i| present[i] && plan.bucket_of[i].is_none() && plan.rows_of[i].is_none())
             .collect();
-        if !extra.is_empty() || plan.order.iter().any(|&i| !present[i]) {
+        let fixed = opt.shards.as_ref().is_some_and(|s| s.on_segments());
+        if !fixed && (!extra.is_empty() || plan.order.iter().any(|&i| !present[i])) {
             *lock(&opt.overlap[self.replica]) = None;
         }
         if !extra.is_empty() {

@@ -332,6 +332,19 @@ impl WorkerCollectives for WorkerJob {
             job.run_collective(gen, "all_reduce", |seq| gen.ring.all_reduce(seq, op, &mut data)).map(|()| data)
         })
     }
+    fn scatter_segment(&self, len: usize, worker: usize) -> std::ops::Range<usize> {
+        self.gen().ring.scatter_segment(len, worker)
+    }
+    fn start_reduce_scatter(&self, op: ReduceOp, mut data: Vec<f32>) -> PendingAllReduce {
+        self.start_ahead(move |job, gen| {
+            let own = job.run_collective(gen, "reduce_scatter", |seq| gen.ring.reduce_scatter(seq, op, &mut data))?;
+            // Nothing outside this worker's segment is reduced: NaN there, so that a reader of
+            // it cannot go unnoticed.
+            data[..own.start].fill(f32::NAN);
+            data[own.end..].fill(f32::NAN);
+            Ok(data)
+        })
+    }
     fn generation(&self) -> u64 {
         self.gen().generation
     }

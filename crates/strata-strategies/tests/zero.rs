@@ -57,15 +57,15 @@ const PLAIN: Extras = Extras { clip: None, schedule: false, accumulation: 1 };
 
 /// Trains `M` for `steps` steps of `O` under `s` (the same global batches whatever the
 /// strategy), freezing `freeze`; returns every copy's parameters after every step (the
-/// model's state read as the replicas' mean last) and the elements each copy's optimizer
-/// steps.
+/// model's state read as the replicas' mean last), the elements each copy's optimizer
+/// steps, and the reductions of the first replica's overlap plan (buckets and blocks of rows).
 fn train<M: TestModel, O: Optimizer + Send>(
     s: &impl Strategy,
     cfg: O::Config,
     steps: usize,
     freeze: &[&str],
     extras: Extras,
-) -> (Vec<Vec<Params>>, Params, Vec<usize>)
+) -> (Vec<Vec<Params>>, Params, (Vec<usize>, usize))
 where
     O::Config: Clone,
 {
@@ -100,7 +100,8 @@ where
     let read = model.values().unwrap();
     let read = read.into_iter().map(|(n, t)| (n, t.flatten_all().unwrap().to_vec1::<f32>().unwrap())).collect();
     let stepped = (0..opt.num_copies()).map(|c| opt.stepped_elements(c)).collect();
-    (after, read, stepped)
+    let units = opt.overlap_buckets(0).unwrap_or(0) + opt.overlap_row_blocks(0).unwrap_or(0);
+    (after, read, (stepped, units))
 }
 
 /// `‖a - b‖ / ‖b‖` over every parameter.
@@ -134,7 +135,7 @@ fn same_as_stage_0_in_blocks<M: TestModel>(n: usize, freeze: &[&str], row_block_
     let nesterov = ParamsMomentum { nesterov: true, ..momentum };
     let clipped = Extras { clip: Some(0.3), schedule: true, accumulation: 1 };
     let accumulated = Extras { accumulation: 2, ..PLAIN };
-    type Run<'a> = Box<dyn Fn(&StrategyHandle) -> (Vec<Vec<Params>>, Params, Vec<usize>) + 'a>;
+    type Run<'a> = Box<dyn Fn(&StrategyHandle) -> (Vec<Vec<Params>>, Params, (Vec<usize>, usize)) + 'a>;
     let runs: Vec<(&str, Run)> = vec![
         ("fused sgd", Box::new(|s| train::<M, FusedSgd>(s, 0.1, 5, freeze, PLAIN))),
         ("momentum", Box::new(move |s| train::<M, FusedMomentum>(s, momentum, 5, freeze, PLAIN))),
@@ -147,8 +148,8 @@ fn same_as_stage_0_in_blocks<M: TestModel>(n: usize, freeze: &[&str], row_block_
         ("adamw, accumulated", Box::new(move |s| train::<M, FusedAdamW>(s, adamw.clone(), 6, freeze, accumulated))),
     ];
     for ((what, run), stage) in runs.iter().flat_map(|r| SHARDED.map(|s| (r, s))) {
-        let (whole, whole_read, whole_stepped) = run(&mirrored(n, ZeroStage::Off));
-        let (sharded, sharded_read, stepped) = run(&mirrored_in_blocks(n, stage, row_block_bytes));
+        let (whole, whole_read, (whole_stepped, _)) = run(&mirrored(n, ZeroStage::Off));
+        let (sharded, sharded_read, (stepped, _)) = run(&mirrored_in_blocks(n, stage, row_block_bytes));
         let what = format!("{what} at stage {stage}");
         if what.contains("clipped") {
             // The clipping norm is summed shard by shard: the same within reassociation.
@@ -257,14 +258,18 @@ fn across_workers(workers: usize, local: usize, stage: ZeroStage, row_block_byte
     };
     let whole = run(ZeroStage::Off);
     let sharded = run(stage);
-    let total = whole[0].1[0];
+    let total = whole[0].1 .0[0];
     let n = workers * local;
-    let stepped: Vec<usize> = sharded.iter().flat_map(|(_, s, _)| s.clone()).collect();
+    let units = sharded[0].1 .1;
+    assert!(units > 0, "{workers}x{local}: no overlap plan");
+    let stepped: Vec<usize> = sharded.iter().flat_map(|(_, s, _)| s.0.clone()).collect();
     for (w, ((_, _, a), (_, _, b))) in sharded.iter().zip(&whole).enumerate() {
         assert_eq!(a, b, "{workers}x{local}: worker {w}'s parameters without clipping are not stage 0's bit for bit");
     }
     assert_eq!(stepped.iter().sum::<usize>(), total, "{workers}x{local}: {stepped:?}");
-    assert!(stepped.iter().all(|&k| k == total / n || k == total.div_ceil(n)), "{stepped:?}");
+    // Each replica's shard is its segment of every one of the plan's reductions, split evenly
+    // over its worker's replicas: within one element per reduction of an even split.
+    assert!(stepped.iter().all(|&k| k.abs_diff(total / n) <= units), "{workers}x{local}: {units} units: {stepped:?}");
     for (w, ((a, _, _), (b, _, _))) in sharded.iter().zip(&whole).enumerate() {
         // Every copy on every worker the same, and within reassociation of stage 0 (the
         // clipping norm is summed shard by shard).

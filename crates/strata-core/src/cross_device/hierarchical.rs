@@ -261,6 +261,19 @@ impl CrossDeviceOps for HierarchicalOps {
         }
     }
 
+    /// Uncompressed: a reduce-scatter across the workers, so that each worker receives (and
+    /// sends) about half an all-reduce's bytes. Compressed ones go as `start_gradients` does.
+    fn start_scatter(&self, req: ReduceRequest<'_>, ids: &[TensorId], out: &mut dyn FnMut(&[f32])) -> Result<Started> {
+        match self.compression {
+            Compression::None => {
+                let op = req.op;
+                let buf = self.local_sum(req)?;
+                Ok(Started::AcrossWorkers(buf.map(|buf| self.workers.start_reduce_scatter(op, buf))))
+            }
+            _ => self.start_gradients(req, ids, out),
+        }
+    }
+
     /// PowerSGD's state (the only state these ops keep): every step in flight is undone (its
     /// gradients leave the error buffers, its `warming` counts go back), then worker `source`
     /// hands every worker its set of compressed variables, their warm `Q`s and counts, the

@@ -140,6 +140,25 @@ pub trait WorkerCollectives: Send + Sync + std::fmt::Debug {
         let _ = format;
         self.start_all_reduce(ReduceOp::Sum, data)
     }
+    /// The elements of a buffer of `len` a reduce-scatter leaves reduced on worker `worker`
+    /// ([`start_reduce_scatter`](WorkerCollectives::start_reduce_scatter)): the ring's
+    /// segment `(worker + 1) mod n` of `n` even segments, which is where a ring all-reduce
+    /// finishes its first half on that worker. ZeRO across workers lays each worker's shard out
+    /// on these segments.
+    fn scatter_segment(&self, len: usize, worker: usize) -> std::ops::Range<usize> {
+        let n = self.num_workers().max(1);
+        let at = |k: usize| (len as u128 * k as u128 / n as u128) as usize;
+        let k = (worker + 1) % n;
+        at(k)..at(k + 1)
+    }
+    /// Starts a reduce-scatter of `data` across the workers: the result holds this worker's
+    /// [`scatter_segment`](WorkerCollectives::scatter_segment) of the all-reduce, bit for bit
+    /// as [`start_all_reduce`](WorkerCollectives::start_all_reduce) leaves it there, for about
+    /// half the bytes; what the result holds elsewhere is unspecified (NaN over the ring). The
+    /// default runs the whole all-reduce.
+    fn start_reduce_scatter(&self, op: ReduceOp, data: Vec<f32>) -> PendingAllReduce {
+        self.start_all_reduce(op, data)
+    }
     /// Elastic jobs: the current generation of the job's membership, which changes when a
     /// worker is lost or joins (0 in a job that is not elastic). State agreed between the
     /// workers (an overlap plan, compression's state) is agreed again in a new generation.
@@ -267,6 +286,19 @@ pub trait CrossDeviceOps: Send + Sync + std::fmt::Debug {
     ) -> Result<Started> {
         let _ = ids;
         self.start(req, out)
+    }
+
+    /// [`start_gradients`](CrossDeviceOps::start_gradients) where every replica needs only
+    /// its worker's [`scatter_segment`](WorkerCollectives::scatter_segment) of the result
+    /// (ZeRO across workers): ops that reduce across workers may then reduce-scatter there,
+    /// and the result elsewhere is unspecified. The default is `start_gradients`.
+    fn start_scatter(
+        &self,
+        req: ReduceRequest<'_>,
+        ids: &[candle_core::TensorId],
+        out: &mut dyn FnMut(&[f32]),
+    ) -> Result<Started> {
+        self.start_gradients(req, ids, out)
     }
 
     /// Refuses gradients of `shapes` (a model's trainable variables) the ops cannot carry as
