@@ -1560,7 +1560,7 @@ impl ReplicaContext<'_> {
         if let Some(shards) = opt.shards.as_ref().filter(|s| s.on_segments()) {
             // ZeRO across workers: the plan the shards were laid out on, from the first step on
             // (every worker has it; nothing to agree).
-            let plan = Arc::new(fixed_plan(&*self.shared.ext, vars, index, shards.stage().shards_gradients()));
+            let plan = Arc::new(fixed_plan(self.shared.ext, vars, index, shards.stage().shards_gradients()));
             *lock(&opt.overlap[self.replica]) = Some((generation, plan.clone()));
             return self.backward_overlapped(loss, opt, &plan).map(drop);
         }
@@ -1632,7 +1632,7 @@ impl ReplicaContext<'_> {
                 vars.len()
             )));
         }
-        Ok(cut_plan(&*self.shared.ext, order, vars, index, shards_gradients))
+        Ok(cut_plan(self.shared.ext, order, vars, index, shards_gradients))
     }
 
     /// A step that reduces each bucket of `plan` as soon as its gradients are final, and each

@@ -570,8 +570,8 @@ mod tests {
         let mut owner: Vec<Vec<Vec<usize>>> = sizes.iter().map(|&n| vec![Vec::new(); n]).collect();
         for (g, runs) in layout.iter().enumerate() {
             for r in runs {
-                for e in r.start..r.start + r.len {
-                    owner[r.var][e].push(g);
+                for o in &mut owner[r.var][r.start..r.start + r.len] {
+                    o.push(g);
                 }
             }
         }

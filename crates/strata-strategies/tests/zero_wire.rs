@@ -43,9 +43,12 @@ impl Wide {
 
 const STEPS: usize = 4;
 
+/// A model's parameters by name, flattened.
+type Params = Vec<(String, Vec<f32>)>;
+
 /// Trains `Wide` for [`STEPS`] steps on 2 workers of `local` replicas at `stage`: every
 /// worker's parameters after the last step, and the bytes the workers sent over the steps.
-fn run(stage: ZeroStage, local: usize) -> (Vec<Vec<(String, Vec<f32>)>>, u64) {
+fn run(stage: ZeroStage, local: usize) -> (Vec<Params>, u64) {
     let sent = std::sync::Arc::new(std::sync::Mutex::new(0u64));
     let counted = sent.clone();
     let params = common::on_workers_tuned(
