@@ -27,10 +27,15 @@ fn one_device(dir: &Path) -> HashMap<String, Tensor> {
 
 /// The reference after `epochs` epochs.
 fn one_device_for(dir: &Path, epochs: usize) -> HashMap<String, Tensor> {
-    let path = dir.join(format!("one-device-{epochs}.safetensors"));
+    one_device_model(dir, TRAIN, epochs)
+}
+
+/// The reference of `model` (the model and its optimizer) after `epochs` epochs.
+fn one_device_model(dir: &Path, model: &[&str], epochs: usize) -> HashMap<String, Tensor> {
+    let path = dir.join(format!("one-device-{}-{epochs}.safetensors", model.join("").replace([',', '-'], "")));
     let child = strata()
         .args(["train", "--strategy", "one-device"])
-        .args(TRAIN)
+        .args(model)
         .args(["--epochs", &epochs.to_string()])
         .arg("--save-params")
         .arg(&path)
@@ -74,12 +79,17 @@ impl Job {
 
     /// A job whose `strata train` also takes `train` (its epochs among them).
     fn start_with(dir: &Path, workers: usize, launch: &[&str], train: &[&str]) -> Job {
+        Job::start_model(dir, workers, launch, TRAIN, train)
+    }
+
+    /// A job whose `strata train` takes `model` (the model and its optimizer) and `train`.
+    fn start_model(dir: &Path, workers: usize, launch: &[&str], model: &[&str], train: &[&str]) -> Job {
         let marker = format!("{}-{}", std::process::id(), dir.file_name().unwrap().to_string_lossy());
         let mut cmd = strata();
         cmd.env("STRATA_TEST_JOB", &marker).env("STRATA_LOG", "info");
         cmd.args(["launch", "--workers", &workers.to_string()]).args(launch).arg("--");
         cmd.args(["strata", "train", "--strategy", "multi-worker-mirrored", "--min-workers", "2"])
-            .args(TRAIN)
+            .args(model)
             .args(train);
         cmd.arg("--save-params").arg(dir.join("p{task}.safetensors"));
         cmd.arg("--metrics").arg(dir.join("metrics.jsonl"));
@@ -259,6 +269,20 @@ fn elastic_flags_that_cannot_work_are_refused_in_one_line() {
             &["train", "--strategy", "multi-worker-mirrored", "--max-restarts", "1"],
             "--max-restarts 1 applies to --strategy parameter-server's local cluster",
         ),
+        (
+            &[
+                "train",
+                "--strategy",
+                "multi-worker-mirrored",
+                "--min-workers",
+                "2",
+                "--coordinator",
+                "127.0.0.1:1",
+                "--zero-stage",
+                "1",
+            ],
+            "--zero-stage 1 with --min-workers and --optimizer adamw: a lost worker takes its shard of AdamW's state with it",
+        ),
     ];
     for (args, expected) in cases {
         let o = strata().args(*args).env_remove("STRATA_COORDINATOR").stdin(Stdio::null()).output().unwrap();
@@ -406,4 +430,104 @@ fn sigterm_to_one_worker_makes_it_leave_and_the_job_goes_on() {
     let stderr = String::from_utf8_lossy(&o.stderr).to_string();
     assert_eq!(o.status.code(), Some(143), "{stderr}");
     assert!(stderr.contains("the elastic job stopped on request in generation"), "{stderr}");
+}
+
+/// ZeRO's shards follow the membership. Plain SGD keeps no state: a lost worker takes nothing
+/// with it, and the members go on from the most advanced one's parameters (an elastic job's
+/// shards are stepped in copies, so a step cut off leaves every member's parameters whole).
+/// AdamW's moments are sharded: a worker that joins or leaves on request is re-split in
+/// memory (the whole state gathered before the change), and a lost one rolls the job back to
+/// its last checkpoint. Every case ends with one device's result.
+#[test]
+fn zero_shards_follow_a_loss_a_join_and_a_leave() {
+    let tmp = tempfile::tempdir().unwrap();
+    let reference = one_device(tmp.path());
+    let resplit = "re-split ZeRO's shards over the new membership";
+
+    // SGD at stage 2: worker:1 killed at step 60 and replaced.
+    let dir = tmp.path().join("sgd-kill-join");
+    std::fs::create_dir(&dir).unwrap();
+    let job = Job::start_with(&dir, 3, &["--max-restarts", "1"], &["--epochs", "30", "--zero-stage", "2"]);
+    job.wait_for_step(60);
+    kill(job.pid("worker:1"), Signal::SIGKILL).unwrap();
+    let o = job.finish();
+    let stderr = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(stderr.contains("task worker:1 was killed by SIGKILL; the elastic job goes on"), "{stderr}");
+    let last = stderr.lines().find(|l| l.contains("the elastic job completed in generation")).unwrap_or_default();
+    assert!(last.ends_with("with worker:0, worker:1, worker:2"), "{stderr}");
+    assert!(stderr.contains(resplit), "{stderr}");
+    assert!(!stderr.contains("rolled back"), "plain SGD loses nothing: {stderr}");
+    check_against(&reference, &dir, &o, "ZeRO stage 2, SGD: worker:1 killed and replaced");
+
+    // AdamW: the reference, and an undisturbed job at stage 1 for the distance it ends at.
+    let adamw: &[&str] = &["--hidden", "1024,1024", "--optimizer", "adamw", "--lr", "0.0005", "--no-progress"];
+    let reference = one_device_model(tmp.path(), adamw, 30);
+    let dir = tmp.path().join("adamw-undisturbed");
+    std::fs::create_dir(&dir).unwrap();
+    let ckpt = dir.join("ckpt");
+    let train = ["--epochs", "30", "--zero-stage", "1", "--checkpoint-every", "12", "--checkpoint-dir"];
+    let o = Job::start_model(&dir, 3, &[], adamw, &[&train[..], &[ckpt.to_str().unwrap()]].concat()).finish();
+    let undisturbed_params = parameters(&dir, &o);
+    let undisturbed = l2_relative(&undisturbed_params, &reference);
+    eprintln!("ZeRO stage 1, AdamW, undisturbed: {undisturbed:.3e} from one device");
+
+    // AdamW at stage 1: worker:1 stopped (SIGSTOP) at step 66 and declared lost, so its
+    // shard of the moments is lost: the job rolls back to the checkpoint of step 60 (or 72,
+    // had one been written meanwhile) and goes on with 2 workers. Once it has, the stopped
+    // process is killed and restarted: the new one joins at a step boundary, the whole state
+    // gathered before the members admit it and re-split in memory, with no roll back.
+    let dir = tmp.path().join("adamw-lose-join");
+    std::fs::create_dir(&dir).unwrap();
+    let ckpt = dir.join("ckpt");
+    let job =
+        Job::start_model(&dir, 3, &["--max-restarts", "1"], adamw, &[&train[..], &[ckpt.to_str().unwrap()]].concat());
+    job.wait_for_step(66);
+    let stopped = job.pid("worker:1");
+    kill(stopped, Signal::SIGSTOP).unwrap();
+    // The others declare it lost (3 s), roll back and train on (the chief records every step
+    // it trains, the steps trained again included).
+    job.wait_for_step(90);
+    kill(stopped, Signal::SIGKILL).unwrap();
+    let o = job.finish();
+    let stderr = String::from_utf8_lossy(&o.stderr).to_string();
+    let lines: Vec<&str> = stderr.lines().collect();
+    let rolled = lines.iter().position(|l| l.contains("rolled back to the checkpoint of step")).unwrap_or(usize::MAX);
+    let rolled_line = lines.get(rolled).copied().unwrap_or_default();
+    assert!(
+        (rolled_line.contains("step 60:") || rolled_line.contains("step 72:")) && rolled_line.ends_with("over 2 workers"),
+        "{stderr}"
+    );
+    assert_eq!(lines.iter().filter(|l| l.contains("rolled back to the checkpoint")).count(), 1, "{stderr}");
+    assert!(
+        lines[rolled..].iter().any(|l| l.contains(resplit)),
+        "the new process's join re-split the shards in memory: {stderr}"
+    );
+    let last = stderr.lines().find(|l| l.contains("the elastic job completed in generation")).unwrap_or_default();
+    assert!(last.ends_with("with worker:0, worker:1, worker:2"), "{stderr}");
+    let got = parameters(&dir, &o);
+    let d = l2_relative(&got, &reference);
+    let u = l2_relative(&got, &undisturbed_params);
+    eprintln!("ZeRO stage 1, AdamW, worker:1 lost (rolled back) and replaced (joined): {d:.3e} from one device, {u:.3e} from the undisturbed job");
+    // A step applied twice or skipped moves AdamW's parameters by 1e-3 or more.
+    assert!(d < 2e-4, "{d:.3e} from one device ({undisturbed:.3e} undisturbed): {stderr}");
+
+    // AdamW at stage 2: worker:1 asked to stop (SIGTERM) at step 60 hands its shard over
+    // before it leaves: no roll back.
+    let dir = tmp.path().join("adamw-term");
+    std::fs::create_dir(&dir).unwrap();
+    let ckpt = dir.join("ckpt");
+    let train2 = ["--epochs", "30", "--zero-stage", "2", "--checkpoint-every", "12", "--checkpoint-dir"];
+    let job = Job::start_model(&dir, 3, &[], adamw, &[&train2[..], &[ckpt.to_str().unwrap()]].concat());
+    job.wait_for_step(60);
+    kill(job.pid("worker:1"), Signal::SIGTERM).unwrap();
+    let o = job.finish();
+    let stderr = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(stderr.contains("task worker:1 left the elastic job on request; the job goes on without it"), "{stderr}");
+    assert!(stderr.contains(resplit), "{stderr}");
+    assert!(!stderr.contains("rolled back"), "the leaver handed its shard over: {stderr}");
+    let got = parameters(&dir, &o);
+    let d = l2_relative(&got, &reference);
+    let u = l2_relative(&got, &undisturbed_params);
+    eprintln!("ZeRO stage 2, AdamW, worker:1 asked to stop at step 60: {d:.3e} from one device, {u:.3e} from the undisturbed job at stage 1");
+    assert!(d < 2e-4, "{d:.3e} from one device ({undisturbed:.3e} undisturbed): {stderr}");
 }

@@ -394,9 +394,9 @@ impl TrainArgs {
                     self.optimizer
                 )));
             }
-            if self.min_workers.is_some() {
+            if self.min_workers.is_some() && self.optimizer == OptimizerKind::Adamw && self.checkpoint_dir.is_none() {
                 return Err(Error::Usage(format!(
-                    "--zero-stage {stage} with --min-workers: shards that follow an elastic job's membership are not built yet; use --zero-stage 0"
+                    "--zero-stage {stage} with --min-workers and --optimizer adamw: a lost worker takes its shard of AdamW's state with it, and the job then rolls back to its last checkpoint; add --checkpoint-dir DIR (--checkpoint-every N says how far back), or use --optimizer sgd, which keeps no state"
                 )));
             }
         }

@@ -225,6 +225,17 @@ pub trait OptimizerState {
     /// optimizer over the same variables. Missing, unknown or mis-shaped tensors are an error,
     /// and then nothing is changed.
     fn load_state_tensors(&mut self, state: &[(String, Tensor)]) -> Result<()>;
+
+    /// An optimizer of the same settings (its learning rate as it is now) over `vars`, with
+    /// fresh state, or `None` for one that cannot make one. ZeRO re-splits an elastic job's
+    /// shards over a new membership with it, then loads the state cut to the new shards.
+    fn renew(&self, vars: Vec<candle_core::Var>) -> Option<Result<Self>>
+    where
+        Self: Sized,
+    {
+        let _ = vars;
+        None
+    }
 }
 
 /// The entries for an optimizer's state, each name prefixed by `prefix` (for instance

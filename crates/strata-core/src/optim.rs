@@ -506,6 +506,10 @@ impl crate::checkpoint::OptimizerState for FusedAdamW {
         Ok(state)
     }
 
+    fn renew(&self, vars: Vec<Var>) -> Option<crate::Result<Self>> {
+        Some(Self::new(vars, self.params.clone()).map_err(Into::into))
+    }
+
     fn load_state_tensors(&mut self, state: &[(String, Tensor)]) -> crate::Result<()> {
         const NAME: &str = "FusedAdamW";
         let mut by_name = std::collections::HashMap::with_capacity(state.len());
@@ -574,6 +578,10 @@ impl crate::checkpoint::OptimizerState for FusedSgd {
         Ok(Vec::new())
     }
 
+    fn renew(&self, vars: Vec<Var>) -> Option<crate::Result<Self>> {
+        Some(Self::new(vars, self.lr).map_err(Into::into))
+    }
+
     fn load_state_tensors(&mut self, state: &[(String, Tensor)]) -> crate::Result<()> {
         match state.first() {
             None => Ok(()),
@@ -590,6 +598,10 @@ impl crate::checkpoint::OptimizerState for FusedSgd {
 impl crate::checkpoint::OptimizerState for FusedMomentum {
     fn state_tensors(&self) -> crate::Result<Vec<(String, Tensor)>> {
         self.vars.iter().enumerate().map(|(i, (_, v))| Ok((format!("v.{i}"), v.as_tensor().copy()?))).collect()
+    }
+
+    fn renew(&self, vars: Vec<Var>) -> Option<crate::Result<Self>> {
+        Some(Self::new(vars, self.params).map_err(Into::into))
     }
 
     fn load_state_tensors(&mut self, state: &[(String, Tensor)]) -> crate::Result<()> {

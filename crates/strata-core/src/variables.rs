@@ -616,7 +616,7 @@ impl<M> Replicated<M> {
             vars,
             self.ext.num_replicas(),
         );
-        opt.shards = shards;
+        opt.shards = std::sync::RwLock::new(shards.map(Arc::new));
         Ok(opt)
     }
 
@@ -682,32 +682,36 @@ impl<M> Replicated<M> {
                 "it steps whole variables; use strata's FusedAdamW, FusedSgd or FusedMomentum, which step any run of a variable's elements",
             ));
         }
-        let workers = self.ext.workers();
-        if workers.is_some_and(|w| w.is_elastic()) {
-            return Err(refuse(
-                "an elastic job".into(),
-                "its shards would have to follow the membership, which is not built yet; use stage 0 or a job that is not elastic",
-            ));
-        }
-        let local = self.ext.num_replicas();
-        let first = workers.map_or(0, |w| w.worker_index()) * local;
-        let sizes: Vec<usize> = vars.first().map_or(Vec::new(), |v| v.iter().map(|v| v.elem_count()).collect());
-        // Across workers each worker's shard is its reduce-scatter segment of every reduction
-        // of the plan an overlapped step follows (fixed here, `fixed_plan`), so that the
-        // reduce-scatter leaves each replica exactly the gradient it steps. Where some replica
-        // would get no element that way (a tiny model over many replicas), the even split.
-        if let (Some(w), Some(copy)) = (workers.filter(|w| w.num_workers() > 1), vars.first()) {
-            let plan = fixed_plan(&*self.ext, copy, HashMap::new(), stage.shards_gradients());
-            let layout = crate::zero::segment_layout(&plan.unit_runs(copy), w.num_workers(), local, |len, g| {
-                w.scatter_segment(len, g)
-            });
-            if layout.iter().all(|s| !s.is_empty()) {
-                return crate::zero::Shards::new(stage, vars, first, layout, true, self.ext.clone());
-            }
-        }
-        let layout = crate::zero::even_layout(&sizes, self.ext.num_replicas_in_sync());
-        crate::zero::Shards::new(stage, vars, first, layout, false, self.ext.clone())
+        lay_out_shards(stage, vars, self.ext.clone())
     }
+}
+
+/// ZeRO's shards of `vars` (every local copy's trainable variables) over every replica in
+/// sync now (in an elastic job, of the current membership).
+fn lay_out_shards(
+    stage: crate::ZeroStage,
+    vars: &[Vec<Var>],
+    ext: Arc<dyn StrategyExtended>,
+) -> Result<crate::zero::Shards> {
+    let workers = ext.workers();
+    let local = ext.num_replicas();
+    let first = workers.map_or(0, |w| w.worker_index()) * local;
+    let sizes: Vec<usize> = vars.first().map_or(Vec::new(), |v| v.iter().map(|v| v.elem_count()).collect());
+    // Across workers each worker's shard is its reduce-scatter segment of every reduction
+    // of the plan an overlapped step follows (fixed here, `fixed_plan`), so that the
+    // reduce-scatter leaves each replica exactly the gradient it steps. Where some replica
+    // would get no element that way (a tiny model over many replicas), the even split.
+    if let (Some(w), Some(copy)) = (workers.filter(|w| w.num_workers() > 1), vars.first()) {
+        let plan = fixed_plan(&*ext, copy, HashMap::new(), stage.shards_gradients());
+        let layout = crate::zero::segment_layout(&plan.unit_runs(copy), w.num_workers(), local, |len, g| {
+            w.scatter_segment(len, g)
+        });
+        if layout.iter().all(|s| !s.is_empty()) {
+            return crate::zero::Shards::new(stage, vars, first, layout, true, ext.clone());
+        }
+    }
+    let layout = crate::zero::even_layout(&sizes, ext.num_replicas_in_sync());
+    crate::zero::Shards::new(stage, vars, first, layout, false, ext)
 }
 
 /// One variable with its copies: mirrored (one per replica) or central (one).
@@ -812,8 +816,12 @@ pub struct DistributedOptimizer<O> {
     /// in (an elastic job agrees a new plan in every generation).
     overlap: Vec<Mutex<Option<AgreedPlan>>>,
     /// ZeRO's shards, when the strategy's [`ZeroStage`](crate::ZeroStage) is not `Off`: then
-    /// each copy's optimizer is built over its replica's pieces of the variables only.
-    shards: Option<crate::zero::Shards>,
+    /// each copy's optimizer is built over its replica's pieces of the variables only. An
+    /// elastic job lays them out again when its membership changes ([`Self::reshard`]).
+    shards: std::sync::RwLock<Option<Arc<crate::zero::Shards>>>,
+    /// Per copy, under ZeRO: whether its last step stepped its shard in place but did not
+    /// gather every shard back (a collective failed in between).
+    torn: Vec<std::sync::atomic::AtomicBool>,
 }
 
 /// How a replica reduces its gradients while the backward pass runs: the order in which the
@@ -1287,7 +1295,7 @@ impl<O: Optimizer + crate::checkpoint::OptimizerState> DistributedOptimizer<O> {
     /// at any stage on any number of replicas and workers. Under ZeRO across workers every
     /// worker must call it (an all-gather).
     pub fn state_tensors(&self) -> Result<Vec<(String, Tensor)>> {
-        match &self.shards {
+        match self.zero() {
             None => self.lock(0).state_tensors(),
             Some(shards) => {
                 let states = (0..self.copies.len()).map(|c| self.lock(c).state_tensors()).collect::<Result<_>>()?;
@@ -1299,7 +1307,7 @@ impl<O: Optimizer + crate::checkpoint::OptimizerState> DistributedOptimizer<O> {
     /// Loads `state` (as [`Self::state_tensors`] gives it, at any stage) into every copy:
     /// under ZeRO each copy takes its shard of it. Nothing changes where a copy refuses it.
     pub fn load_state_tensors(&self, state: &[(String, Tensor)]) -> Result<()> {
-        let cut: Vec<Vec<(String, Tensor)>> = match &self.shards {
+        let cut: Vec<Vec<(String, Tensor)>> = match self.zero() {
             None => vec![state.to_vec(); self.copies.len()],
             Some(shards) => (0..self.copies.len()).map(|c| shards.cut_state(c, state)).collect::<Result<_>>()?,
         };
@@ -1307,6 +1315,38 @@ impl<O: Optimizer + crate::checkpoint::OptimizerState> DistributedOptimizer<O> {
             self.lock(c).load_state_tensors(state)?;
         }
         Ok(())
+    }
+
+    /// Whether the optimizer keeps state across steps (AdamW's moments, momentum's velocity;
+    /// plain SGD keeps none). Local: copy 0's.
+    pub fn keeps_state(&self) -> Result<bool> {
+        Ok(!self.lock(0).state_tensors()?.is_empty())
+    }
+
+    /// ZeRO in an elastic job, after its membership changed: lays the shards out again over
+    /// every replica of the current membership, and gives each copy a new optimizer over its
+    /// new shard, of the same settings and with fresh state. Load the whole state
+    /// ([`Self::load_state_tensors`]) after it. Every worker calls it, and nothing collective
+    /// runs in it. Returns whether there were shards to lay out (none at stage 0).
+    pub fn reshard(&self) -> Result<bool> {
+        let Some(old) = self.zero() else { return Ok(false) };
+        let new = lay_out_shards(old.stage(), &self.vars, old.ext().clone())?;
+        let renewed = (0..self.copies.len())
+            .map(|c| {
+                self.lock(c).renew(new.piece_vars(c)).unwrap_or_else(|| {
+                    Err(Error::ZeroStage {
+                        stage: old.stage().number(),
+                        what: format!("the optimizer {}", std::any::type_name::<O>()),
+                        fix: "it cannot be made again over a new shard; use strata's FusedAdamW, FusedSgd or FusedMomentum",
+                    })
+                })
+            })
+            .collect::<Result<Vec<O>>>()?;
+        for (c, o) in renewed.into_iter().enumerate() {
+            *self.lock(c) = o;
+        }
+        *self.shards.write().unwrap_or_else(PoisonError::into_inner) = Some(Arc::new(new));
+        Ok(true)
     }
 }
 
@@ -1333,7 +1373,8 @@ impl<O: Optimizer> DistributedOptimizer<O> {
             accumulation: 1,
             accumulated: (0..replicas.max(1)).map(|_| Mutex::new(Accumulated::default())).collect(),
             overlap: (0..replicas.max(1)).map(|_| Mutex::new(None)).collect(),
-            shards: None,
+            shards: Default::default(),
+            torn: (0..replicas.max(1)).map(|_| Default::default()).collect(),
         }
     }
 
@@ -1390,6 +1431,15 @@ impl<O: Optimizer> DistributedOptimizer<O> {
         self.steps[0].load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Sets the optimizer steps applied so far on every copy, which a
+    /// [schedule](Self::with_schedule) reads: after a restore from a checkpoint of step `n`
+    /// (or a worker that joined an elastic job at step `n`), `n` divided by the accumulation.
+    pub fn set_iterations(&self, n: u64) {
+        for s in &self.steps {
+            s.store(n, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
     /// The number of optimizer copies (one per replica for mirrored variables, one for
     /// central ones).
     pub fn num_copies(&self) -> usize {
@@ -1406,10 +1456,14 @@ impl<O: Optimizer> DistributedOptimizer<O> {
         if let Some(s) = &self.schedule {
             opt.set_learning_rate(s.at(step));
         }
-        if let Some(shards) = &self.shards {
+        if let Some(shards) = self.zero() {
             // Only the shard's runs of `grads` hold the reduced gradient: the clipping norm is
             // summed over every replica's shard.
-            return shards.step(ctx, copy, &self.vars[copy], grads, self.clip_global_norm, &mut *opt);
+            let torn = &self.torn[copy.min(self.torn.len() - 1)];
+            torn.store(shards.in_place(), std::sync::atomic::Ordering::Relaxed);
+            shards.step(ctx, copy, &self.vars[copy], grads, self.clip_global_norm, &mut *opt)?;
+            torn.store(false, std::sync::atomic::Ordering::Relaxed);
+            return Ok(());
         }
         let scale = match self.clip_global_norm {
             Some(max) => clip_scale(&grads, max)?,
@@ -1428,28 +1482,41 @@ impl<O: Optimizer> DistributedOptimizer<O> {
         Ok(opt.step(&store)?)
     }
 
-    /// Copy `copy`'s run of each variable (by index) when it steps a ZeRO shard: the elements
-    /// of the reduced gradients it needs.
-    pub(crate) fn keep(&self, copy: usize) -> Option<&[std::ops::Range<usize>]> {
-        self.shards.as_ref().map(|s| s.keep(copy))
+    /// ZeRO's shards as they are laid out now (`None` at stage 0).
+    pub(crate) fn zero(&self) -> Option<Arc<crate::zero::Shards>> {
+        self.shards.read().unwrap_or_else(PoisonError::into_inner).clone()
     }
 
-    /// ZeRO's shards at stage 2, where each replica keeps the reduced gradient of its shard
-    /// only.
-    fn gradient_shards(&self) -> Option<&crate::zero::Shards> {
-        self.shards.as_ref().filter(|s| s.stage().shards_gradients())
+    /// Under ZeRO: whether a step of some copy was cut off between stepping its shard (in
+    /// place) and gathering every shard back, so that this worker's parameters are part one
+    /// step's and part the next's. An elastic job then takes them from a member whose are
+    /// whole, or rolls back to a checkpoint.
+    pub fn torn(&self) -> bool {
+        self.torn.iter().any(|t| t.load(std::sync::atomic::Ordering::Relaxed))
+    }
+
+    /// Says that every copy's parameters are whole again (set from a member or a checkpoint).
+    pub fn mend(&self) {
+        for t in &self.torn {
+            t.store(false, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// Whether each replica keeps the reduced gradient of its shard only (ZeRO stage 2).
+    fn shards_gradients(&self) -> bool {
+        self.zero().is_some_and(|s| s.stage().shards_gradients())
     }
 
     /// The ZeRO stage this optimizer runs ([`ZeroStage::Off`](crate::ZeroStage::Off) unless
     /// the strategy's options asked for one).
     pub fn zero_stage(&self) -> crate::ZeroStage {
-        self.shards.as_ref().map_or(crate::ZeroStage::Off, |s| s.stage())
+        self.zero().map_or(crate::ZeroStage::Off, |s| s.stage())
     }
 
     /// The elements of the variables copy `copy`'s optimizer steps and keeps state for: its
     /// replica's shard under ZeRO, every trainable element otherwise.
     pub fn stepped_elements(&self, copy: usize) -> usize {
-        match &self.shards {
+        match self.zero() {
             Some(s) => s.elements(copy),
             None => self.vars[copy].iter().map(|v| v.elem_count()).sum(),
         }
@@ -1557,7 +1624,7 @@ impl ReplicaContext<'_> {
         }
         let vars = opt.vars(opt.copy_of(self.replica));
         let index: HashMap<candle_core::TensorId, usize> = vars.iter().enumerate().map(|(i, v)| (v.id(), i)).collect();
-        if let Some(shards) = opt.shards.as_ref().filter(|s| s.on_segments()) {
+        if let Some(shards) = opt.zero().filter(|s| s.on_segments()) {
             // ZeRO across workers: the plan the shards were laid out on, from the first step on
             // (every worker has it; nothing to agree).
             let plan = Arc::new(fixed_plan(self.shared.ext, vars, index, shards.stage().shards_gradients()));
@@ -1565,7 +1632,7 @@ impl ReplicaContext<'_> {
             return self.backward_overlapped(loss, opt, &plan).map(drop);
         }
         // No plan yet: reduce after the pass, and learn the order gradients become ready in.
-        if opt.gradient_shards().is_some() && self.shared.ext.workers().is_none() {
+        if opt.shards_gradients() && self.shared.ext.workers().is_none() {
             // ZeRO stage 2 on one machine holds no whole gradient of a large matrix even in its
             // first step: that step follows a provisional plan, the variables in the reverse
             // of their order (the order a backward pass mostly makes them final in), and the
@@ -1584,7 +1651,7 @@ impl ReplicaContext<'_> {
                 Ok(())
             })
         })?;
-        let plan = self.agree_overlap_plan(ready, vars, index, opt.gradient_shards().is_some())?;
+        let plan = self.agree_overlap_plan(ready, vars, index, opt.shards_gradients())?;
         *lock(&opt.overlap[self.replica]) = Some((generation, Arc::new(plan)));
         self.sync_and_apply(grads, opt)
     }
@@ -1651,7 +1718,8 @@ impl ReplicaContext<'_> {
             VariablePolicy::Central { parameter_replica } => Destination::Replica(parameter_replica),
         };
         let weight = self.batch_weight();
-        let shards = opt.gradient_shards().map(|s| (s, copy));
+        let zero = opt.zero();
+        let shards = zero.as_deref().filter(|s| s.stage().shards_gradients()).map(|s| (s, copy));
         let mut step = OverlapStep {
             ctx: self,
             plan,
@@ -1665,12 +1733,12 @@ impl ReplicaContext<'_> {
             pending: Default::default(),
             failed: None,
             unwritten: Ok(()),
-            keep: opt.keep(copy),
+            keep: zero.as_deref().map(|s| s.keep(copy)),
             shards,
             kept: vec![None; vars.len()],
             had: vec![false; vars.len()],
             seen: Vec::new(),
-            scatter: opt.shards.as_ref().is_some_and(|s| s.on_segments()),
+            scatter: zero.as_ref().is_some_and(|s| s.on_segments()),
         };
         let grads = self.backward_phase(|| loss.backward_with_hooks(&mut step));
         let grads = match (grads, step.failed.take()) {
@@ -1703,7 +1771,7 @@ impl ReplicaContext<'_> {
         let extra: Vec<usize> = (0..vars.len())
             .filter(|&i| present[i] && plan.bucket_of[i].is_none() && plan.rows_of[i].is_none())
             .collect();
-        let fixed = opt.shards.as_ref().is_some_and(|s| s.on_segments());
+        let fixed = zero.as_ref().is_some_and(|s| s.on_segments());
         if !fixed && (!extra.is_empty() || plan.order.iter().any(|&i| !present[i])) {
             *lock(&opt.overlap[self.replica]) = None;
         }
@@ -1717,7 +1785,7 @@ impl ReplicaContext<'_> {
                 .collect::<Result<Vec<Tensor>>>()?;
             let ids: Vec<candle_core::TensorId> = extra.iter().map(|&i| vars[i].id()).collect();
             let keep: Option<Vec<std::ops::Range<usize>>> =
-                opt.keep(copy).map(|k| extra.iter().map(|&i| k[i].clone()).collect());
+                zero.as_deref().map(|s| extra.iter().map(|&i| s.keep(copy)[i].clone()).collect());
             self.reduce_in_buckets(&tensors, &ids, dest, weight, keep.as_deref(), None)?;
             for (i, t) in extra.into_iter().zip(tensors) {
                 out[i] = Some(t);
@@ -1791,12 +1859,14 @@ impl ReplicaContext<'_> {
         };
         // Stage 2 on one machine, with ops that reduce element by element: no reduction larger
         // than a block of rows, so the ops' buffers stay that small.
-        let max_run = (opt.gradient_shards().is_some()
+        let zero = opt.zero();
+        let max_run = (zero.as_ref().is_some_and(|s| s.stage().shards_gradients())
             && self.shared.ext.workers().is_none()
             && self.shared.ext.cross_device_ops().takes_row_blocks())
         .then_some(self.shared.ext.options().row_block_bytes / std::mem::size_of::<f32>())
         .filter(|&n| n > 0);
-        if let Some(reduced) = self.reduce_present(local, vars, dest, weight, opt.keep(copy), max_run)? {
+        let keep = zero.as_deref().map(|s| s.keep(copy));
+        if let Some(reduced) = self.reduce_present(local, vars, dest, weight, keep, max_run)? {
             let _p = self.phase("step", "optimizer");
             opt.apply(self, copy, reduced)?;
         }

@@ -181,6 +181,7 @@ impl Shards {
         segments: bool,
         ext: Arc<dyn StrategyExtended>,
     ) -> Result<Self> {
+        let elastic = ext.workers().is_some_and(|w| w.is_elastic());
         let sizes: Vec<usize> = vars.first().map_or(Vec::new(), |v| v.iter().map(|v| v.elem_count()).collect());
         let shapes = vars.first().map_or(Vec::new(), |v| v.iter().map(|v| v.shape().clone()).collect());
         let mut offsets = Vec::with_capacity(sizes.len());
@@ -224,7 +225,9 @@ impl Shards {
                 let v = &copy[r.var];
                 let (start, len) = (r.start, r.len);
                 let kept_at = var_runs[r.var].iter().take_while(|k| k.start < start).map(|k| k.len()).sum();
-                let aliased = v.device().is_cpu() && v.is_contiguous();
+                // An elastic job steps copies: a step cut off by a lost worker then leaves the
+                // variables as they were, whole, for the members to go on from.
+                let aliased = v.device().is_cpu() && v.is_contiguous() && !elastic;
                 let value = if aliased {
                     v.run_view(start, len)?
                 } else {
@@ -267,6 +270,18 @@ impl Shards {
     /// its last run's end. It has one run of a variable that is reduced whole, in a bucket.
     pub(crate) fn keep(&self, copy: usize) -> &[Range<usize>] {
         &self.keep[copy]
+    }
+
+    /// Whether some piece is stepped in place (a view of its variable): a step cut off
+    /// between the optimizer and the gather then leaves the variables part one step's, part
+    /// the next's. Never in an elastic job.
+    pub(crate) fn in_place(&self) -> bool {
+        self.pieces.iter().flatten().any(|p| p.aliased)
+    }
+
+    /// The strategy the shards were laid out for.
+    pub(crate) fn ext(&self) -> &Arc<dyn StrategyExtended> {
+        &self.ext
     }
 
     /// The stage.

@@ -341,7 +341,20 @@ impl Trainer {
         let save = || -> Result<Vec<(String, Tensor)>> { Ok(opt.state_tensors()?) };
         let load = |state: &[(String, Tensor)]| -> Result<()> { Ok(opt.load_state_tensors(state)?) };
         let collective = opt.zero_stage() != strata_core::ZeroStage::Off;
-        let hooks = OptimizerHooks { save: &save, load: &load, collective };
+        let reshard = || -> Result<()> { Ok(opt.reshard().map(drop)?) };
+        let at_step = |step: u64| opt.set_iterations(step / opt.accumulation().max(1) as u64);
+        let torn = || opt.torn();
+        let mend = || opt.mend();
+        let hooks = OptimizerHooks {
+            save: &save,
+            load: &load,
+            collective,
+            keeps_state: opt.keeps_state()?,
+            reshard: &reshard,
+            at_step: &at_step,
+            torn: &torn,
+            mend: &mend,
+        };
         self.fit_inner(strategy, model, opt, task, train, test, Some(hooks))
     }
 
@@ -382,6 +395,7 @@ impl Trainer {
             }
         }
         let ckpt = cfg.checkpoint.as_ref().zip(hooks.as_ref());
+        let rollback = ckpt.map(|(c, h)| move || restore_latest(strategy, model, c, h));
         let workers = strategy.extended().workers();
         // An elastic job: a lost or joining worker costs the step in flight, not the job.
         let elastic = match workers.filter(|w| w.is_elastic()) {
@@ -396,7 +410,20 @@ impl Trainer {
                         "an elastic job re-runs a step a lost worker interrupted, which gradients accumulated over {accumulation} batches would count twice; accumulate over 1 batch in an elastic job"
                     )));
                 }
-                Some(Elastic { w, h, ops: strategy.extended().cross_device_ops() })
+                if h.collective && h.keeps_state && ckpt.is_none() {
+                    return Err(crate::Error::Usage(format!(
+                        "an elastic job at ZeRO stage {} with an optimizer that keeps state: a lost worker takes its shard of that state with it, and the job then rolls back to its last checkpoint; give it a checkpoint directory (strata train --checkpoint-dir), or train with plain SGD or at stage 0",
+                        opt.zero_stage().number()
+                    )));
+                }
+                Some(Elastic {
+                    w,
+                    h,
+                    ops: strategy.extended().cross_device_ops(),
+                    prepared: Default::default(),
+                    rollback: rollback.as_ref().map(|f| f as &dyn Fn() -> Result<Option<usize>>),
+                    steps_per_epoch,
+                })
             }
             None => None,
         };
@@ -418,6 +445,13 @@ impl Trainer {
                 strata_core::Error::Checkpoint(m) => crate::Error::Usage(format!("checkpoint directory {m}")),
                 other => other.into(),
             })?;
+        }
+        if let (Some(_), Some((c, h)), None, 0) = (&elastic, ckpt, joined, resumed) {
+            if h.collective && h.keeps_state {
+                // ZeRO in an elastic job: a lost worker's shard of the optimizer state rolls
+                // the job back to its latest checkpoint, from the first step on.
+                save_checkpoint(strategy, model, c, h, 0)?;
+            }
         }
         let mut global_step = resumed;
         let num_workers = workers.map_or(1, |w| w.num_workers()) as u64;
@@ -448,6 +482,8 @@ impl Trainer {
                         let p = el.recover(model, Some(Position { step: global_step, ended }), Some(&m))?;
                         global_step = p.step;
                         ended = p.ended;
+                        // A roll back to a checkpoint ends its epochs again.
+                        epochs.retain(|e: &EpochReport| e.epoch < ended);
                         continue $label;
                     }
                     (_, e) => return Err(e.into()),
@@ -512,6 +548,10 @@ impl Trainer {
                     // Workers waiting to join come in at a step boundary that every member agrees on.
                     match el.w.admit_waiting() {
                         Ok(true) => {
+                            // ZeRO: the whole optimizer state, before the shards are re-split.
+                            if let Err(e) = el.prepare(global_step) {
+                                recover_or_fail!('epochs, e);
+                            }
                             recover_or_fail!('epochs, strata_core::Error::Cluster("admitting workers that wait to join".into()))
                         }
                         Ok(false) => {}
@@ -619,16 +659,23 @@ impl Trainer {
                         Ok(StopAgreement::GoOn) => None,
                         Ok(StopAgreement::All(code)) => Some(code),
                         Ok(StopAgreement::Leave(code)) => {
+                            // ZeRO: this worker's shard of the optimizer state stays with the
+                            // others (a collective, before it leaves).
+                            el.prepare(global_step)?;
                             el.w.leave_on_request(code)?;
                             tracing::info!(step = global_step, code, "left the elastic job on request");
                             stopped = Some(Stopped { step: global_step, code, checkpoint: None, left_job: true });
                             break;
                         }
                         Ok(StopAgreement::OthersLeave(n)) => {
+                            if let Err(e) = el.prepare(global_step) {
+                                recover_or_fail!('epochs, e);
+                            }
                             let why = format!("{n} worker(s) left the job on request after step {global_step}");
                             let p = el.recover(model, Some(Position { step: global_step, ended }), Some(&why))?;
                             global_step = p.step;
                             ended = p.ended;
+                            epochs.retain(|e: &EpochReport| e.epoch < ended);
                             continue 'epochs;
                         }
                         Err(e) => recover_or_fail!('epochs, e),
@@ -768,6 +815,16 @@ struct OptimizerHooks<'a> {
     load: LoadState<'a>,
     /// Whether `save` is a collective every worker calls (ZeRO's shards gathered).
     collective: bool,
+    /// Whether the optimizer keeps state across steps (plain SGD keeps none).
+    keeps_state: bool,
+    /// ZeRO: lays the shards out over the current membership (fresh state; load it after).
+    reshard: &'a dyn Fn() -> Result<()>,
+    /// Sets the optimizer steps applied (a schedule reads them) for the training step given.
+    at_step: &'a dyn Fn(u64),
+    /// ZeRO: whether this worker's parameters were left part one step's, part the next's.
+    torn: &'a dyn Fn() -> bool,
+    /// ZeRO: says they are whole again.
+    mend: &'a dyn Fn(),
 }
 
 fn is_chief<S: Strategy>(strategy: &S) -> bool {
@@ -854,6 +911,14 @@ struct Elastic<'a> {
     h: &'a OptimizerHooks<'a>,
     /// The reductions, whose state across steps (compression's) follows the membership.
     ops: &'a dyn strata_core::cross_device::CrossDeviceOps,
+    /// ZeRO with an optimizer that keeps state: the whole state, gathered over the old
+    /// membership before a change it saw coming (a worker admitted, or leaving on request),
+    /// with the step it is of.
+    prepared: std::cell::RefCell<Option<(usize, NamedTensors)>>,
+    /// ZeRO: loads the latest checkpoint (every worker calls it), for a change that lost a
+    /// shard of the optimizer state; its step, or `None` where there is none.
+    rollback: Option<&'a dyn Fn() -> Result<Option<usize>>>,
+    steps_per_epoch: usize,
 }
 
 impl Elastic<'_> {
@@ -870,6 +935,7 @@ impl Elastic<'_> {
         loop {
             match self.sync(model, mine) {
                 Ok(p) => {
+                    (self.h.at_step)(p.step as u64);
                     tracing::info!(
                         step = p.step,
                         workers = self.w.num_workers(),
@@ -887,8 +953,25 @@ impl Elastic<'_> {
         }
     }
 
+    /// ZeRO with an optimizer that keeps state, before a change of membership every member
+    /// sees coming (every member calls it, over the old membership): gathers the whole state,
+    /// so that no shard of it leaves with a worker.
+    fn prepare(&self, step: usize) -> strata_core::Result<()> {
+        if self.h.collective && self.h.keeps_state {
+            let state = (self.h.save)().map_err(|e| match e {
+                crate::Error::Core(e) => e,
+                other => strata_core::Error::Checkpoint(other.to_string()),
+            })?;
+            *self.prepared.borrow_mut() = Some((step, state));
+        }
+        Ok(())
+    }
+
     /// Every member's position, the most advanced one's state broadcast when they differ.
     fn sync<M>(&self, model: &Replicated<M>, mine: Option<Position>) -> Result<Position> {
+        if self.h.collective {
+            return self.sync_shards(model, mine);
+        }
         // Counts below 2^24 are exact in an f32; a joiner has none.
         let v = mine.map_or([-1.0, -1.0], |p| [p.step.min(1 << 24) as f32, p.ended.min(1 << 24) as f32]);
         let all = self.w.all_gather(&v)?;
@@ -929,6 +1012,105 @@ impl Elastic<'_> {
     }
 }
 
+impl Elastic<'_> {
+    /// [`Self::sync`] under ZeRO, whose shards are laid out again over the new membership: a
+    /// member whose parameters are whole (not cut between stepping its shard and gathering the
+    /// rest) and that holds the whole optimizer state of its step (gathered before the change,
+    /// [`Self::prepare`]; nothing to hold for an optimizer that keeps none) hands both to every
+    /// member, the most advanced such member. Where none can (a lost worker took its shard of
+    /// the state with it), every member rolls back to the latest checkpoint.
+    fn sync_shards<M>(&self, model: &Replicated<M>, mine: Option<Position>) -> Result<Position> {
+        (self.h.reshard)()?;
+        let prepared = self.prepared.borrow().as_ref().map(|(step, _)| *step);
+        let whole = mine.is_some_and(|p| !(self.h.torn)() && (!self.h.keeps_state || prepared == Some(p.step)));
+        // Counts below 2^24 are exact in an f32; a joiner has none.
+        let v = mine.map_or([-1.0, -1.0, 0.0], |p| {
+            [p.step.min(1 << 24) as f32, p.ended.min(1 << 24) as f32, f32::from(u8::from(whole))]
+        });
+        let all = self.w.all_gather(&v)?;
+        let at = |x: &[f32]| (x.first().copied().unwrap_or(-1.0), x.get(1).copied().unwrap_or(-1.0));
+        let can = |x: &[f32]| x.get(2).copied().unwrap_or(0.0) == 1.0;
+        let mut best = 0;
+        let mut source: Option<usize> = None;
+        for (rank, x) in all.iter().enumerate() {
+            if at(x) > at(&all[best]) {
+                best = rank;
+            }
+            if can(x) && source.is_none_or(|s| at(x) > at(&all[s])) {
+                source = Some(rank);
+            }
+        }
+        if at(&all[best]).0 < 0.0 {
+            return Err(crate::Error::Usage(
+                "every worker of the elastic job joined it under way: none has its state; restart the job".into(),
+            ));
+        }
+        let vars: Vec<Tensor> = model.variables(0).iter().map(|(_, v)| v.as_tensor().clone()).collect();
+        match source.filter(|&s| at(&all[s]) == at(&all[best])) {
+            Some(source) => {
+                self.ops.carry_over(&vars, source)?;
+                // The whole state's names and shapes (a collective: every member's shards).
+                let (vars, state) = state_layout(model, self.h)?;
+                let len: usize = vars.iter().chain(state.iter()).map(|(_, t)| t.elem_count()).sum();
+                let mut values = Vec::with_capacity(len);
+                if self.w.worker_index() == source {
+                    let held = self.prepared.borrow();
+                    let held: &[(String, Tensor)] = held.as_ref().map_or(&[], |(_, s)| s.as_slice());
+                    for (_, t) in &vars {
+                        values.extend(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?);
+                    }
+                    for (name, t) in &state {
+                        let t = held.iter().find(|(n, _)| n == name).map_or(t, |(_, h)| h);
+                        values.extend(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?);
+                    }
+                    if values.len() != len {
+                        return Err(strata_core::Error::Checkpoint(format!(
+                            "the optimizer state gathered before the change holds {} values, {len} expected; every worker must build the same model and optimizer",
+                            values.len()
+                        ))
+                        .into());
+                    }
+                } else {
+                    values.resize(len, 0.0);
+                }
+                self.w.broadcast(source, &mut values)?;
+                load_flat(model, self.h, &vars, &state, &values)?;
+                let (step, ended) = at(&all[source]);
+                let position = Position { step: step as usize, ended: ended as usize };
+                (self.h.at_step)(position.step as u64);
+                (self.h.mend)();
+                *self.prepared.borrow_mut() = None;
+                tracing::info!(step = position.step, workers = self.w.num_workers(), "re-split ZeRO's shards over the new membership");
+                Ok(position)
+            }
+            None => {
+                self.ops.carry_over(&vars, best)?;
+                let Some(rollback) = self.rollback else {
+                    return Err(strata_core::Error::Checkpoint(
+                        "a lost worker took its shard of the optimizer state (ZeRO) with it, and the job has no checkpoint to roll back to; give it a checkpoint directory".into(),
+                    )
+                    .into());
+                };
+                let Some(step) = rollback()? else {
+                    return Err(strata_core::Error::Checkpoint(
+                        "a lost worker took its shard of the optimizer state (ZeRO) with it, and no checkpoint was found to roll back to; keep the checkpoint directory where the leading worker reads it".into(),
+                    )
+                    .into());
+                };
+                *self.prepared.borrow_mut() = None;
+                tracing::warn!(step, workers = self.w.num_workers(), "rolled back to a checkpoint: a lost worker took its shard of the optimizer state");
+                if self.w.worker_index() == 0 {
+                    eprintln!(
+                        "rolled back to the checkpoint of step {step}: a lost worker took its shard of the optimizer state (ZeRO) with it; the steps since are trained again over {} workers",
+                        self.w.num_workers()
+                    );
+                }
+                Ok(Position { step, ended: step / self.steps_per_epoch.max(1) })
+            }
+        }
+    }
+}
+
 /// The state a job carries, in a fixed order: the model's variables (copy 0), then the
 /// optimizer's state.
 fn state_layout<M>(model: &Replicated<M>, h: &OptimizerHooks<'_>) -> Result<(NamedTensors, NamedTensors)> {
@@ -963,13 +1145,14 @@ fn load_flat<M>(
     (h.load)(&new_state)
 }
 
-/// Loads the latest checkpoint (on the chief) and hands it to every worker; returns its step.
-fn restore<S: Strategy, M>(
+/// Loads the latest checkpoint (on the chief) and hands it to every worker; returns its step,
+/// or `None` where the chief found none (then nothing changed).
+fn restore_latest<S: Strategy, M>(
     strategy: &S,
     model: &Replicated<M>,
     c: &CheckpointConfig,
     h: &OptimizerHooks<'_>,
-) -> Result<usize> {
+) -> Result<Option<usize>> {
     let workers = strategy.extended().workers();
     let found = if is_chief(strategy) { checkpoint::read_latest(&c.dir)? } else { None };
     // The local layout: the model's variables, then the optimizer's state, in a fixed order.
@@ -1006,12 +1189,25 @@ fn restore<S: Strategy, M>(
     }
     let [found_one, step] = header;
     if found_one != 1 {
-        return Ok(0);
+        return Ok(None);
     }
     load_flat(model, h, &vars, &state, &values)?;
+    (h.at_step)(step);
+    (h.mend)();
+    Ok(Some(step as usize))
+}
+
+/// Loads the latest checkpoint, if any (see [`restore_latest`]); returns its step, or 0.
+fn restore<S: Strategy, M>(
+    strategy: &S,
+    model: &Replicated<M>,
+    c: &CheckpointConfig,
+    h: &OptimizerHooks<'_>,
+) -> Result<usize> {
+    let Some(step) = restore_latest(strategy, model, c, h)? else { return Ok(0) };
     tracing::info!(step, "resumed from a checkpoint");
     eprintln!("resumed from the checkpoint of step {step} in {}", c.dir.display());
-    Ok(step as usize)
+    Ok(step)
 }
 
 /// The accuracy of `model` on `data` (cross-replica: the primary copy evaluates).
