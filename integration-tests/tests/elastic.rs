@@ -494,7 +494,8 @@ fn zero_shards_follow_a_loss_a_join_and_a_leave() {
     let rolled = lines.iter().position(|l| l.contains("rolled back to the checkpoint of step")).unwrap_or(usize::MAX);
     let rolled_line = lines.get(rolled).copied().unwrap_or_default();
     assert!(
-        (rolled_line.contains("step 60:") || rolled_line.contains("step 72:")) && rolled_line.ends_with("over 2 workers"),
+        (rolled_line.contains("step 60:") || rolled_line.contains("step 72:"))
+            && rolled_line.ends_with("over 2 workers"),
         "{stderr}"
     );
     assert_eq!(lines.iter().filter(|l| l.contains("rolled back to the checkpoint")).count(), 1, "{stderr}");

@@ -1080,7 +1080,11 @@ impl Elastic<'_> {
                 (self.h.at_step)(position.step as u64);
                 (self.h.mend)();
                 *self.prepared.borrow_mut() = None;
-                tracing::info!(step = position.step, workers = self.w.num_workers(), "re-split ZeRO's shards over the new membership");
+                tracing::info!(
+                    step = position.step,
+                    workers = self.w.num_workers(),
+                    "re-split ZeRO's shards over the new membership"
+                );
                 Ok(position)
             }
             None => {
@@ -1098,7 +1102,11 @@ impl Elastic<'_> {
                     .into());
                 };
                 *self.prepared.borrow_mut() = None;
-                tracing::warn!(step, workers = self.w.num_workers(), "rolled back to a checkpoint: a lost worker took its shard of the optimizer state");
+                tracing::warn!(
+                    step,
+                    workers = self.w.num_workers(),
+                    "rolled back to a checkpoint: a lost worker took its shard of the optimizer state"
+                );
                 if self.w.worker_index() == 0 {
                     eprintln!(
                         "rolled back to the checkpoint of step {step}: a lost worker took its shard of the optimizer state (ZeRO) with it; the steps since are trained again over {} workers",
