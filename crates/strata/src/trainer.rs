@@ -349,7 +349,8 @@ impl Trainer {
             save: &save,
             load: &load,
             collective,
-            keeps_state: opt.keeps_state()?,
+            // Only ZeRO asks (copy 0's state is then its shard's: cheap to look at).
+            keeps_state: collective && opt.keeps_state()?,
             reshard: &reshard,
             at_step: &at_step,
             torn: &torn,
@@ -815,7 +816,8 @@ struct OptimizerHooks<'a> {
     load: LoadState<'a>,
     /// Whether `save` is a collective every worker calls (ZeRO's shards gathered).
     collective: bool,
-    /// Whether the optimizer keeps state across steps (plain SGD keeps none).
+    /// Under ZeRO: whether the optimizer keeps state across steps (plain SGD keeps none);
+    /// false at stage 0, where nothing asks.
     keeps_state: bool,
     /// ZeRO: lays the shards out over the current membership (fresh state; load it after).
     reshard: &'a dyn Fn() -> Result<()>,
