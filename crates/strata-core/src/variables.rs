@@ -819,9 +819,6 @@ pub struct DistributedOptimizer<O> {
     /// each copy's optimizer is built over its replica's pieces of the variables only. An
     /// elastic job lays them out again when its membership changes ([`Self::reshard`]).
     shards: std::sync::RwLock<Option<Arc<crate::zero::Shards>>>,
-    /// Per copy, under ZeRO: whether its last step stepped its shard in place but did not
-    /// gather every shard back (a collective failed in between).
-    torn: Vec<std::sync::atomic::AtomicBool>,
 }
 
 /// How a replica reduces its gradients while the backward pass runs: the order in which the
@@ -1374,7 +1371,6 @@ impl<O: Optimizer> DistributedOptimizer<O> {
             accumulated: (0..replicas.max(1)).map(|_| Mutex::new(Accumulated::default())).collect(),
             overlap: (0..replicas.max(1)).map(|_| Mutex::new(None)).collect(),
             shards: Default::default(),
-            torn: (0..replicas.max(1)).map(|_| Default::default()).collect(),
         }
     }
 
@@ -1459,11 +1455,7 @@ impl<O: Optimizer> DistributedOptimizer<O> {
         if let Some(shards) = self.zero() {
             // Only the shard's runs of `grads` hold the reduced gradient: the clipping norm is
             // summed over every replica's shard.
-            let torn = &self.torn[copy.min(self.torn.len() - 1)];
-            torn.store(shards.in_place(), std::sync::atomic::Ordering::Relaxed);
-            shards.step(ctx, copy, &self.vars[copy], grads, self.clip_global_norm, &mut *opt)?;
-            torn.store(false, std::sync::atomic::Ordering::Relaxed);
-            return Ok(());
+            return shards.step(ctx, copy, &self.vars[copy], grads, self.clip_global_norm, &mut *opt);
         }
         let scale = match self.clip_global_norm {
             Some(max) => clip_scale(&grads, max)?,
@@ -1485,21 +1477,6 @@ impl<O: Optimizer> DistributedOptimizer<O> {
     /// ZeRO's shards as they are laid out now (`None` at stage 0).
     pub(crate) fn zero(&self) -> Option<Arc<crate::zero::Shards>> {
         self.shards.read().unwrap_or_else(PoisonError::into_inner).clone()
-    }
-
-    /// Under ZeRO: whether a step of some copy was cut off between stepping its shard (in
-    /// place) and gathering every shard back, so that this worker's parameters are part one
-    /// step's and part the next's. An elastic job then takes them from a member whose are
-    /// whole, or rolls back to a checkpoint.
-    pub fn torn(&self) -> bool {
-        self.torn.iter().any(|t| t.load(std::sync::atomic::Ordering::Relaxed))
-    }
-
-    /// Says that every copy's parameters are whole again (set from a member or a checkpoint).
-    pub fn mend(&self) {
-        for t in &self.torn {
-            t.store(false, std::sync::atomic::Ordering::Relaxed);
-        }
     }
 
     /// Whether each replica keeps the reduced gradient of its shard only (ZeRO stage 2).

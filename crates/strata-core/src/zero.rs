@@ -272,13 +272,6 @@ impl Shards {
         &self.keep[copy]
     }
 
-    /// Whether some piece is stepped in place (a view of its variable): a step cut off
-    /// between the optimizer and the gather then leaves the variables part one step's, part
-    /// the next's. Never in an elastic job.
-    pub(crate) fn in_place(&self) -> bool {
-        self.pieces.iter().flatten().any(|p| p.aliased)
-    }
-
     /// The strategy the shards were laid out for.
     pub(crate) fn ext(&self) -> &Arc<dyn StrategyExtended> {
         &self.ext

@@ -343,8 +343,6 @@ impl Trainer {
         let collective = opt.zero_stage() != strata_core::ZeroStage::Off;
         let reshard = || -> Result<()> { Ok(opt.reshard().map(drop)?) };
         let at_step = |step: u64| opt.set_iterations(step / opt.accumulation().max(1) as u64);
-        let torn = || opt.torn();
-        let mend = || opt.mend();
         let hooks = OptimizerHooks {
             save: &save,
             load: &load,
@@ -353,8 +351,6 @@ impl Trainer {
             keeps_state: collective && opt.keeps_state()?,
             reshard: &reshard,
             at_step: &at_step,
-            torn: &torn,
-            mend: &mend,
         };
         self.fit_inner(strategy, model, opt, task, train, test, Some(hooks))
     }
@@ -823,10 +819,6 @@ struct OptimizerHooks<'a> {
     reshard: &'a dyn Fn() -> Result<()>,
     /// Sets the optimizer steps applied (a schedule reads them) for the training step given.
     at_step: &'a dyn Fn(u64),
-    /// ZeRO: whether this worker's parameters were left part one step's, part the next's.
-    torn: &'a dyn Fn() -> bool,
-    /// ZeRO: says they are whole again.
-    mend: &'a dyn Fn(),
 }
 
 fn is_chief<S: Strategy>(strategy: &S) -> bool {
@@ -1016,15 +1008,16 @@ impl Elastic<'_> {
 
 impl Elastic<'_> {
     /// [`Self::sync`] under ZeRO, whose shards are laid out again over the new membership: a
-    /// member whose parameters are whole (not cut between stepping its shard and gathering the
-    /// rest) and that holds the whole optimizer state of its step (gathered before the change,
+    /// member that holds the whole optimizer state of its step (gathered before the change,
     /// [`Self::prepare`]; nothing to hold for an optimizer that keeps none) hands both to every
     /// member, the most advanced such member. Where none can (a lost worker took its shard of
     /// the state with it), every member rolls back to the latest checkpoint.
     fn sync_shards<M>(&self, model: &Replicated<M>, mine: Option<Position>) -> Result<Position> {
         (self.h.reshard)()?;
         let prepared = self.prepared.borrow().as_ref().map(|(step, _)| *step);
-        let whole = mine.is_some_and(|p| !(self.h.torn)() && (!self.h.keeps_state || prepared == Some(p.step)));
+        // An elastic job's shards are stepped in copies: a member's parameters are whole at
+        // its position even when a loss cut its last step off (`zero::Shards::new`).
+        let whole = mine.is_some_and(|p| !self.h.keeps_state || prepared == Some(p.step));
         // Counts below 2^24 are exact in an f32; a joiner has none.
         let v = mine.map_or([-1.0, -1.0, 0.0], |p| {
             [p.step.min(1 << 24) as f32, p.ended.min(1 << 24) as f32, f32::from(u8::from(whole))]
@@ -1080,7 +1073,6 @@ impl Elastic<'_> {
                 let (step, ended) = at(&all[source]);
                 let position = Position { step: step as usize, ended: ended as usize };
                 (self.h.at_step)(position.step as u64);
-                (self.h.mend)();
                 *self.prepared.borrow_mut() = None;
                 tracing::info!(
                     step = position.step,
@@ -1203,7 +1195,6 @@ fn restore_latest<S: Strategy, M>(
     }
     load_flat(model, h, &vars, &state, &values)?;
     (h.at_step)(step);
-    (h.mend)();
     Ok(Some(step as usize))
 }
 
