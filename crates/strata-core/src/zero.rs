@@ -478,8 +478,11 @@ impl Shards {
         let mine: Vec<Tensor> = self.pieces[copy].iter().map(|p| p.value.as_tensor().clone()).collect();
         // This worker's replicas' pieces, one tensor each, and one run per other worker (its
         // replicas' pieces one after another).
-        let gathered = ctx.gather_runs(mine)?;
         let local = self.pieces.len();
+        let counts: Vec<usize> = (0..self.workers_runs())
+            .map(|g| self.layout[g * local..(g + 1) * local].iter().flatten().map(|r| r.len).sum())
+            .collect();
+        let gathered = ctx.gather_runs(mine, &counts)?;
         let me = self.ext.workers().map_or(0, |w| w.worker_index());
         let mut placed: Vec<(Run, Tensor)> = Vec::with_capacity(gathered.len());
         let mut tensors = gathered.into_iter();

@@ -313,6 +313,9 @@ impl WorkerCollectives for WorkerJob {
     fn all_gather(&self, mine: &[f32]) -> Result<Vec<Vec<f32>>> {
         self.collective("all_gather", |ring, seq| ring.all_gather(seq, mine))
     }
+    fn all_gather_into(&self, mine: &[f32], out: &mut [f32], counts: &[usize]) -> Result<()> {
+        self.collective("all_gather", |ring, seq| ring.all_gather_into(seq, mine, out, counts))
+    }
     fn broadcast(&self, root: usize, data: &mut [f32]) -> Result<()> {
         self.collective("broadcast", |ring, seq| ring.broadcast(seq, root, data))
     }

@@ -253,6 +253,41 @@ fn all_gather_returns_every_rank_buffer_whatever_its_length() {
 }
 
 #[test]
+fn all_gather_into_places_every_rank_buffer_and_refuses_another_count() {
+    let lens = [5usize, 0, 70_001, 1];
+    let cfgs = configs(4, |_, c| c.chunk_bytes = 4096 + 4);
+    let results = run(cfgs, move |r, ring| {
+        let ring = ring.unwrap();
+        let mine: Vec<f32> = (0..lens[r]).map(|i| value(r, i)).collect();
+        let mut out = vec![f32::NAN; lens.iter().sum()];
+        ring.all_gather_into(7, &mine, &mut out, &lens).unwrap();
+        // A count this rank did not call with, or counts that do not sum to the output: the
+        // caller's mistake, refused before anything is sent.
+        let bad = ring.all_gather_into(8, &mine, &mut out[1..], &lens).unwrap_err();
+        // Rank 0 expects one element fewer from rank 2 than rank 2 sends.
+        let mut wrong = lens;
+        wrong[2] -= 1;
+        let mut short = vec![0f32; wrong.iter().sum()];
+        let counts = if r == 0 { wrong } else { lens };
+        let out2 = if r == 0 { &mut short[..] } else { &mut out[..] };
+        let peer = ring.all_gather_into(8, &mine, out2, &counts).err();
+        (out, bad.to_string(), peer.map(|e| e.to_string()))
+    });
+    let whole: Vec<f32> = (0..4).flat_map(|r| (0..lens[r]).map(move |i| value(r, i))).collect();
+    for (r, (out, bad, peer)) in results.iter().enumerate() {
+        assert!(
+            out.iter().zip(&whole).all(|(a, b)| a.to_bits() == b.to_bits()) && out.len() == whole.len(),
+            "rank {r}"
+        );
+        assert!(bad.contains("summing to the output"), "{bad}");
+        if r == 0 {
+            let e = peer.as_deref().expect("rank 0 was sent another count than it expects");
+            assert!(e.contains("all_gather of 70001 f32 where this task expects 70000"), "{e}");
+        }
+    }
+}
+
+#[test]
 fn broadcast_from_a_non_zero_root_reaches_every_rank() {
     // 10 elements take the direct path, 300,001 the pipelined chain.
     for len in [10usize, 300_001] {

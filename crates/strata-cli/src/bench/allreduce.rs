@@ -130,6 +130,11 @@ pub struct AllreduceArgs {
     /// reduced buffer, ZeRO's gradient reduction) instead of the all-reduce.
     #[arg(long)]
     pub reduce_scatter: bool,
+    /// With --workers: time the all-gather (each worker contributes an even segment of the
+    /// buffer and receives the others' into place, ZeRO's gather of the parameters) instead of
+    /// the all-reduce; the size is the whole gathered buffer, as nccl-tests counts it.
+    #[arg(long, conflicts_with = "reduce_scatter")]
+    pub all_gather: bool,
     /// Internal: run as this rank of a --workers benchmark (started by the benchmark itself).
     #[arg(long, hide = true, requires = "worker_count")]
     pub worker_rank: Option<usize>,
@@ -162,8 +167,29 @@ pub struct Plan {
     pub chunk_bytes: usize,
     /// The ring's direct-exchange limit (`--workers`).
     pub small_bytes: usize,
-    /// Time the reduce-scatter instead of the all-reduce (`--workers`).
-    pub reduce_scatter: bool,
+    /// The cross-worker collective timed (`--workers`).
+    pub collective: WorkerCollective,
+}
+
+/// The collective a --workers benchmark times.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WorkerCollective {
+    /// `Ring::all_reduce`.
+    AllReduce,
+    /// `Ring::reduce_scatter` (each worker keeps its segment).
+    ReduceScatter,
+    /// `Ring::all_gather_into` (each worker contributes its segment).
+    AllGather,
+}
+
+impl WorkerCollective {
+    /// The number of times each byte crosses a link, over (N-1)/N: busbw = algbw * this * (N-1)/N.
+    fn hops(self) -> f64 {
+        match self {
+            WorkerCollective::AllReduce => 2.0,
+            WorkerCollective::ReduceScatter | WorkerCollective::AllGather => 1.0,
+        }
+    }
 }
 
 /// Sizes from `min` to `max` bytes (inclusive), stepping x4: 4KiB..256MiB gives 9 sizes.
@@ -211,10 +237,14 @@ impl AllreduceArgs {
             )));
         }
         let small_bytes = to_usize("--small-bytes", self.small_bytes, ring::DEFAULT_SMALL_BYTES)?;
-        if self.reduce_scatter && self.workers.is_empty() && self.worker_rank.is_none() {
-            return Err(Error::Usage(
-                "--reduce-scatter times the cross-worker ring's reduce-scatter: add --workers N".into(),
-            ));
+        let collective = match (self.reduce_scatter, self.all_gather) {
+            (true, _) => WorkerCollective::ReduceScatter,
+            (_, true) => WorkerCollective::AllGather,
+            _ => WorkerCollective::AllReduce,
+        };
+        if collective != WorkerCollective::AllReduce && self.workers.is_empty() && self.worker_rank.is_none() {
+            let flag = if self.reduce_scatter { "--reduce-scatter" } else { "--all-gather" };
+            return Err(Error::Usage(format!("{flag} times a collective of the cross-worker ring: add --workers N")));
         }
         if self.replicas.is_empty() || self.replicas.contains(&0) {
             return Err(Error::Usage(format!(
@@ -251,7 +281,7 @@ impl AllreduceArgs {
             implementation: self.implementation,
             chunk_bytes,
             small_bytes,
-            reduce_scatter: self.reduce_scatter,
+            collective,
         })
     }
 }
@@ -834,8 +864,8 @@ pub struct WorkerRow {
     pub count: usize,
     /// The reduction.
     pub op: ReduceOp,
-    /// Whether the collective is the reduce-scatter (else the all-reduce).
-    pub reduce_scatter: bool,
+    /// The collective timed.
+    pub collective: WorkerCollective,
     /// Timed iterations.
     pub iters: usize,
     /// The slowest worker's median time of one collective.
@@ -854,8 +884,7 @@ impl WorkerRow {
     /// (N-1)/N for the reduce-scatter (each byte crosses a link once, not twice), GB/s.
     pub fn busbw(&self) -> f64 {
         let n = self.workers as f64;
-        let hops = if self.reduce_scatter { 1.0 } else { 2.0 };
-        self.algbw() * hops * (n - 1.0) / n
+        self.algbw() * self.collective.hops() * (n - 1.0) / n
     }
 }
 
@@ -976,10 +1005,12 @@ fn run_workers(args: &AllreduceArgs, plan: &Plan) -> Result<()> {
 
 /// The collective a --workers plan times.
 fn collective_name(plan: &Plan) -> &'static str {
-    if plan.reduce_scatter {
-        "reduce_scatter (each worker keeps its segment; busbw = algbw * (N-1)/N)"
-    } else {
-        "all_reduce (busbw = algbw * 2(N-1)/N)"
+    match plan.collective {
+        WorkerCollective::AllReduce => "all_reduce (busbw = algbw * 2(N-1)/N)",
+        WorkerCollective::ReduceScatter => "reduce_scatter (each worker keeps its segment; busbw = algbw * (N-1)/N)",
+        WorkerCollective::AllGather => {
+            "all_gather (each worker gives an even segment of size; busbw = algbw * (N-1)/N)"
+        }
     }
 }
 
@@ -1002,8 +1033,10 @@ fn worker_args(args: &AllreduceArgs, plan: &Plan, rank: usize, n: usize, ceiling
     if let Some(i) = plan.iters {
         flag("--iters", i.to_string());
     }
-    if plan.reduce_scatter {
-        a.push("--reduce-scatter".into());
+    match plan.collective {
+        WorkerCollective::AllReduce => {}
+        WorkerCollective::ReduceScatter => a.push("--reduce-scatter".into()),
+        WorkerCollective::AllGather => a.push("--all-gather".into()),
     }
     a
 }
@@ -1178,22 +1211,43 @@ pub fn measure_worker_row(ring: &Ring, plan: &Plan, bytes: u64, step: &mut u64) 
     let input: Vec<f32> = (0..count).map(|i| value(rank, i)).collect();
     let mut data = input.clone();
     let expected = Expected::new(plan.op, n);
+    // --all-gather: worker k gives elements [k*count/n, (k+1)*count/n) of its input.
+    let edge = |k: usize| (count as u128 * k as u128 / n as u128) as usize;
+    let gather_counts: Vec<usize> = (0..n).map(|k| edge(k + 1) - edge(k)).collect();
     let mut wrong = 0u64;
     let mut one = |data: &mut Vec<f32>, step: &mut u64| -> Result<Duration> {
         data.copy_from_slice(&input);
         ring.barrier(*step).map_err(transport_error)?;
         let t0 = Instant::now();
-        let reduced = if plan.reduce_scatter {
-            ring.reduce_scatter(*step + 1, plan.op, data).map_err(transport_error)?
-        } else {
-            ring.all_reduce(*step + 1, plan.op, data).map_err(transport_error)?;
-            0..data.len()
+        let reduced = match plan.collective {
+            WorkerCollective::ReduceScatter => {
+                ring.reduce_scatter(*step + 1, plan.op, data).map_err(transport_error)?
+            }
+            WorkerCollective::AllReduce => {
+                ring.all_reduce(*step + 1, plan.op, data).map_err(transport_error)?;
+                0..data.len()
+            }
+            WorkerCollective::AllGather => {
+                let at = gather_counts[..rank].iter().sum::<usize>();
+                let mine = &input[at..at + gather_counts[rank]];
+                ring.all_gather_into(*step + 1, mine, data, &gather_counts).map_err(transport_error)?;
+                0..0
+            }
         };
         let t = t0.elapsed();
         // Nobody checks (untimed work) while a slower worker is still in its timed collective.
         ring.barrier(*step + 2).map_err(transport_error)?;
         *step += 3;
-        wrong += expected.count_wrong_at(reduced.start, &data[reduced]) as u64;
+        if plan.collective == WorkerCollective::AllGather {
+            // Element i comes from the worker whose segment holds it.
+            let mut at = 0;
+            for (owner, &c) in gather_counts.iter().enumerate() {
+                wrong += (at..at + c).filter(|&i| data[i].to_bits() != value(owner, i).to_bits()).count() as u64;
+                at += c;
+            }
+        } else {
+            wrong += expected.count_wrong_at(reduced.start, &data[reduced]) as u64;
+        }
         Ok(t)
     };
     let mut warm = Vec::new();
@@ -1225,7 +1279,7 @@ pub fn measure_worker_row(ring: &Ring, plan: &Plan, bytes: u64, step: &mut u64) 
         bytes: count as u64 * 4,
         count,
         op: plan.op,
-        reduce_scatter: plan.reduce_scatter,
+        collective: plan.collective,
         iters,
         time: Duration::from_secs_f64(f64::from(slowest[0]).max(0.0)),
         wrong: ((w[0] as u64) << 20) + w[1] as u64,
@@ -1387,7 +1441,7 @@ mod tests {
                 workers: vec![],
                 chunk_bytes: ring::DEFAULT_CHUNK_BYTES,
                 small_bytes: ring::DEFAULT_SMALL_BYTES,
-                reduce_scatter: false,
+                collective: WorkerCollective::AllReduce,
             };
             let mut printed = 0;
             let rows = measure(&plan, 2, &mut |_| printed += 1).unwrap();
@@ -1410,7 +1464,7 @@ mod tests {
             workers: vec![],
             chunk_bytes: ring::DEFAULT_CHUNK_BYTES,
             small_bytes: ring::DEFAULT_SMALL_BYTES,
-            reduce_scatter: false,
+            collective: WorkerCollective::AllReduce,
         };
         let rows = measure(&plan, 3, &mut |_| {}).unwrap();
         assert_eq!(rows[0].wrong, 0);
@@ -1439,7 +1493,7 @@ mod tests {
         assert_eq!(&argv[..2], ["bench", "allreduce"]);
         let w = Cli::try_parse_from(std::iter::once("bench").chain(argv[2..].iter().map(String::as_str))).unwrap().args;
         assert_eq!((w.worker_rank, w.worker_count, w.tcp_ceiling), (Some(1), Some(4), Some(2.5)));
-        assert!(plan.reduce_scatter && w.reduce_scatter);
+        assert!(plan.collective == WorkerCollective::ReduceScatter && w.reduce_scatter);
         let wp = w.plan().unwrap();
         assert_eq!(
             (wp.sizes, wp.op, wp.chunk_bytes, wp.small_bytes, wp.iters),
@@ -1451,15 +1505,23 @@ mod tests {
         assert!(
             matches!(args(&["--local", "--reduce-scatter"]).plan(), Err(Error::Usage(m)) if m.contains("--workers"))
         );
+        assert!(
+            matches!(args(&["--local", "--all-gather"]).plan(), Err(Error::Usage(m)) if m.contains("--all-gather"))
+        );
+        let g = args(&["--workers", "3", "--all-gather"]);
+        assert_eq!(g.plan().unwrap().collective, WorkerCollective::AllGather);
+        assert!(worker_args(&g, &g.plan().unwrap(), 1, 3, 1.0).contains(&"--all-gather".to_string()));
+        assert!(Cli::try_parse_from(["bench", "--workers", "2", "--all-gather", "--reduce-scatter"]).is_err());
     }
 
     #[test]
     fn worker_rows_on_a_ring_of_threads_have_no_wrong_values() {
-        worker_rows_have_no_wrong_values(false);
-        worker_rows_have_no_wrong_values(true);
+        worker_rows_have_no_wrong_values(WorkerCollective::AllReduce);
+        worker_rows_have_no_wrong_values(WorkerCollective::ReduceScatter);
+        worker_rows_have_no_wrong_values(WorkerCollective::AllGather);
     }
 
-    fn worker_rows_have_no_wrong_values(reduce_scatter: bool) {
+    fn worker_rows_have_no_wrong_values(collective: WorkerCollective) {
         let n = 3;
         let listeners: Vec<TcpListener> = (0..n).map(|_| TcpListener::bind("127.0.0.1:0").unwrap()).collect();
         let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
@@ -1473,7 +1535,7 @@ mod tests {
             implementation: Impl::InMemory,
             chunk_bytes: 4096 + 4,
             small_bytes: ring::DEFAULT_SMALL_BYTES,
-            reduce_scatter,
+            collective,
         };
         let rows: Vec<Vec<WorkerRow>> = std::thread::scope(|s| {
             let handles: Vec<_> = listeners
@@ -1502,7 +1564,7 @@ mod tests {
                 // Every worker reports the same agreed row.
                 assert_eq!((row.iters, row.time, row.count, row.workers), (first.iters, first.time, first.count, 3));
                 assert!((ADAPTIVE_MIN_ITERS..=ADAPTIVE_MAX_ITERS).contains(&row.iters));
-                let hops = if reduce_scatter { 2.0 / 3.0 } else { 4.0 / 3.0 };
+                let hops = if collective == WorkerCollective::AllReduce { 4.0 / 3.0 } else { 2.0 / 3.0 };
                 assert!((row.busbw() / row.algbw() - hops).abs() < 1e-9);
             }
         }

@@ -66,7 +66,9 @@ impl<'a> Segments<'a> {
 }
 
 /// The f32 slices of contiguous CPU tensors, read in place.
-fn read_slices<'g>(guards: &'g [(candle_core::StorageRef<'g>, &'g candle_core::Layout)]) -> Result<Vec<&'g [f32]>> {
+pub(crate) fn read_slices<'g>(
+    guards: &'g [(candle_core::StorageRef<'g>, &'g candle_core::Layout)],
+) -> Result<Vec<&'g [f32]>> {
     guards
         .iter()
         .map(|(storage, layout)| match &**storage {

@@ -27,6 +27,7 @@ mod cpu;
 mod hierarchical;
 
 pub use bucket::{plan_buckets, Bucket, DEFAULT_BUCKET_BYTES, DEFAULT_ROW_BLOCK_BYTES};
+pub(crate) use cpu::read_slices;
 pub use cpu::CpuCrossDeviceOps;
 pub use hierarchical::HierarchicalOps;
 
@@ -117,6 +118,27 @@ pub trait WorkerCollectives: Send + Sync + std::fmt::Debug {
     fn all_reduce(&self, op: ReduceOp, data: &mut [f32]) -> Result<()>;
     /// Gathers every worker's `mine` (lengths may differ), in worker order.
     fn all_gather(&self, mine: &[f32]) -> Result<Vec<Vec<f32>>>;
+    /// Gathers every worker's `mine` into `out`, worker after worker, where every worker's
+    /// length is known beforehand (`counts[w]`, one per worker, summing to `out.len()`): an
+    /// implementation with a network of its own receives each worker's values straight into
+    /// their place. A worker whose length is not its count is an error. The default gathers
+    /// with [`all_gather`](WorkerCollectives::all_gather) and copies.
+    fn all_gather_into(&self, mine: &[f32], out: &mut [f32], counts: &[usize]) -> Result<()> {
+        let all = self.all_gather(mine)?;
+        let lens: Vec<usize> = all.iter().map(Vec::len).collect();
+        if lens != counts || counts.iter().sum::<usize>() != out.len() {
+            return Err(crate::Error::Cluster(format!(
+                "an all-gather into {} values expected {counts:?} from the workers and got {lens:?}; every worker must build the same model",
+                out.len()
+            )));
+        }
+        let mut at = 0;
+        for v in all {
+            out[at..at + v.len()].copy_from_slice(&v);
+            at += v.len();
+        }
+        Ok(())
+    }
     /// Overwrites `data` on every worker with worker `root`'s.
     fn broadcast(&self, root: usize, data: &mut [f32]) -> Result<()>;
     /// Overwrites `data` on every worker with worker `root`'s: integers (a step, a flag), bit

@@ -409,22 +409,57 @@ pub(crate) async fn direct_reduce_scatter(
     reduce_in_rank_order(ctx, op, &mut data[own], got)
 }
 
+/// Sends an OPEN frame and `data` in DATA frames of `chunk_elems` f32 each, every frame
+/// written from `data` itself (little-endian machines) with no whole framed copy.
+async fn send_f32s(ctx: &Ctx<'_>, w: &mut Writer, data: &[f32]) -> Result<()> {
+    w.send(ctx, &wire::open_frame(ctx.step, &ctx.call)).await?;
+    let mut buf = if cfg!(target_endian = "big") { vec![0u8; ctx.chunk_elems.min(data.len()) * 4] } else { Vec::new() };
+    for r in chunks(0..data.len(), ctx.chunk_elems) {
+        let header = wire::header(TAG_DATA, r.len() * 4);
+        if cfg!(target_endian = "little") {
+            w.send_parts(ctx, &header, bytemuck::cast_slice(&data[r])).await?;
+        } else {
+            let bytes = &mut buf[..r.len() * 4];
+            wire::write_f32s(bytes, &data[r]);
+            w.send_parts(ctx, &header, bytes).await?;
+        }
+    }
+    Ok(())
+}
+
+/// Reads `dst.len()` f32s in DATA frames of `chunk_elems` each straight into `dst`
+/// (little-endian machines; else through one chunk's buffer).
+async fn recv_f32s_into(ctx: &Ctx<'_>, rd: &mut Reader, dst: &mut [f32]) -> Result<()> {
+    let mut buf = if cfg!(target_endian = "big") { vec![0u8; ctx.chunk_elems.min(dst.len()) * 4] } else { Vec::new() };
+    for r in chunks(0..dst.len(), ctx.chunk_elems) {
+        if cfg!(target_endian = "little") {
+            rd.data(ctx, bytemuck::cast_slice_mut(&mut dst[r])).await?;
+        } else {
+            let bytes = &mut buf[..r.len() * 4];
+            rd.data(ctx, bytes).await?;
+            wire::store_f32s(&mut dst[r], bytes);
+        }
+    }
+    Ok(())
+}
+
+/// The element count of a peer's OPEN frame for an all-gather.
+fn gather_count(ctx: &Ctx<'_>, peer: usize, theirs: Call) -> Result<u64> {
+    match theirs {
+        Call::AllGather { count } => Ok(count),
+        other => Err(ctx.protocol(peer, format!("an OPEN frame for {other} where all_gather belongs"))),
+    }
+}
+
 /// All-gather: every task sends its buffer to every peer.
 pub(crate) async fn all_gather(ctx: &Ctx<'_>, links: &mut Links, mine: &[f32]) -> Result<Vec<Vec<f32>>> {
-    let msg = message(ctx, mine);
-    let sends: Vec<_> = links.writers.iter_mut().flatten().map(|w| w.send(ctx, &msg)).collect();
+    let sends: Vec<_> = links.writers.iter_mut().flatten().map(|w| send_f32s(ctx, w, mine)).collect();
     let recvs: Vec<_> = links
         .readers
         .iter_mut()
         .flatten()
         .map(|rd| async move {
-            let theirs = rd.open(ctx).await?;
-            let count = match theirs {
-                Call::AllGather { count } => count,
-                other => {
-                    return Err(ctx.protocol(rd.peer, format!("an OPEN frame for {other} where all_gather belongs")))
-                }
-            };
+            let count = gather_count(ctx, rd.peer, rd.open(ctx).await?)?;
             let len = usize::try_from(count).ok().filter(|c| c.checked_mul(4).is_some()).ok_or_else(|| {
                 ctx.protocol(rd.peer, format!("an all_gather of {count} f32, more than this machine can hold"))
             })?;
@@ -448,6 +483,46 @@ pub(crate) async fn all_gather(ctx: &Ctx<'_>, links: &mut Links, mine: &[f32]) -
         out[p] = v;
     }
     Ok(out)
+}
+
+/// All-gather into `out`, rank after rank, where the caller knows every rank's count
+/// (`counts`, summing to `out.len()`, `counts[rank] == mine.len()`): each peer's buffer is
+/// received straight into its place, and a peer whose OPEN frame announces another count is a
+/// protocol error before any of its data is read.
+pub(crate) async fn all_gather_into(
+    ctx: &Ctx<'_>,
+    links: &mut Links,
+    mine: &[f32],
+    out: &mut [f32],
+    counts: &[usize],
+) -> Result<()> {
+    let mut places: Vec<&mut [f32]> = Vec::with_capacity(counts.len());
+    let mut rest = out;
+    for &c in counts {
+        let (head, tail) = std::mem::take(&mut rest).split_at_mut(c);
+        places.push(head);
+        rest = tail;
+    }
+    places[ctx.rank].copy_from_slice(mine);
+    let sends: Vec<_> = links.writers.iter_mut().flatten().map(|w| send_f32s(ctx, w, mine)).collect();
+    let recvs: Vec<_> = links
+        .readers
+        .iter_mut()
+        .zip(places)
+        .filter_map(|(rd, place)| rd.as_mut().map(|rd| (rd, place)))
+        .map(|(rd, place)| async move {
+            let count = gather_count(ctx, rd.peer, rd.open(ctx).await?)?;
+            if count != place.len() as u64 {
+                return Err(ctx.protocol(
+                    rd.peer,
+                    format!("an all_gather of {count} f32 where this task expects {} from it", place.len()),
+                ));
+            }
+            recv_f32s_into(ctx, rd, place).await
+        })
+        .collect();
+    tokio::try_join!(try_join_all(sends), try_join_all(recvs))?;
+    Ok(())
 }
 
 /// Broadcast from `root` to every peer directly: the root sends `message()` (an OPEN frame and

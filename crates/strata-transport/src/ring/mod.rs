@@ -433,6 +433,39 @@ impl Ring {
         self.conclude(&mut st, res)
     }
 
+    /// Gathers every worker's buffer into `out`, rank after rank, where every rank's length is
+    /// known beforehand (`counts[r]` for rank `r`): no buffer is allocated, each peer's values
+    /// are received straight into their place, and a peer that sends another count is an
+    /// error before any of its values are stored. `counts` must have one entry per rank, this
+    /// rank's must be `mine.len()`, and they must sum to `out.len()`.
+    pub fn all_gather_into(&self, step: u64, mine: &[f32], out: &mut [f32], counts: &[usize]) -> Result<()> {
+        if counts.len() != self.size()
+            || counts.get(self.rank) != Some(&mine.len())
+            || counts.iter().try_fold(0usize, |a, &c| a.checked_add(c)) != Some(out.len())
+        {
+            return Err(Error::Config(format!(
+                "all_gather_into of {} f32 into {} with counts {counts:?}: one count per rank of {}, this rank's {} its own length, summing to the output's",
+                mine.len(),
+                out.len(),
+                self.size(),
+                self.rank
+            )));
+        }
+        off_runtime(|| self.all_gather_into_here(step, mine, out, counts))
+    }
+
+    fn all_gather_into_here(&self, step: u64, mine: &[f32], out: &mut [f32], counts: &[usize]) -> Result<()> {
+        let call = Call::AllGather { count: mine.len() as u64 };
+        let mut st = self.begin(step, &call)?;
+        if self.size() == 1 {
+            out.copy_from_slice(mine);
+            return Ok(());
+        }
+        let ctx = self.ctx(step, call);
+        let res = self.drive(&ctx, algo::all_gather_into(&ctx, &mut st.links, mine, out, counts));
+        self.conclude(&mut st, res)
+    }
+
     /// Copies `root`'s `data` into every worker's `data` (the lengths must agree).
     pub fn broadcast(&self, step: u64, root: usize, data: &mut [f32]) -> Result<()> {
         off_runtime(|| self.broadcast_here(step, root, data))
