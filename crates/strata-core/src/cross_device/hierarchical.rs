@@ -696,4 +696,34 @@ mod tests {
         });
         assert_eq!(outs[0], outs[1]);
     }
+
+    #[test]
+    fn the_default_all_gather_into_places_every_worker_and_refuses_another_count() {
+        let m = Meeting::new(3);
+        let parties: Vec<Party> = (0..3).map(|i| Party(Mutex::new((i, 0, m.clone())))).collect();
+        let results: Vec<_> = std::thread::scope(|s| {
+            let hs: Vec<_> = parties
+                .iter()
+                .enumerate()
+                .map(|(w, p)| {
+                    s.spawn(move || {
+                        let mine: Vec<f32> = (0..w + 1).map(|i| (10 * w + i) as f32).collect();
+                        let mut out = vec![f32::NAN; 6];
+                        p.all_gather_into(&mine, &mut out, &[1, 2, 3]).unwrap();
+                        // Worker 0 expects 2 values from worker 2, which gives 3.
+                        let counts = if w == 0 { [1, 2, 2] } else { [1, 2, 3] };
+                        let mut short = vec![0f32; counts.iter().sum()];
+                        let err = p.all_gather_into(&mine, &mut short, &counts).err().map(|e| e.to_string());
+                        (out, err)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (w, (out, err)) in results.iter().enumerate() {
+            assert_eq!(out, &[0.0, 10.0, 11.0, 20.0, 21.0, 22.0], "worker {w}");
+            assert_eq!(err.is_some(), w == 0, "worker {w}: {err:?}");
+        }
+        assert!(results[0].1.as_deref().unwrap().contains("expected [1, 2, 2] from the workers and got [1, 2, 3]"));
+    }
 }
