@@ -432,6 +432,30 @@ fn sigterm_to_one_worker_makes_it_leave_and_the_job_goes_on() {
     assert!(stderr.contains("the elastic job stopped on request in generation"), "{stderr}");
 }
 
+/// A lost worker grows every member's shard: where the larger shard no longer fits a
+/// replica's `--memory-limit`, the job fails in one line naming the bytes instead of training
+/// on past the limit. 6000 KiB holds stage 2 of the 1.1M MLP under SGD over 3 workers
+/// (5.7 MiB: the parameters and a third of the gradient) but not over 2 (6.4 MiB).
+#[test]
+fn a_lost_worker_whose_shards_no_longer_fit_the_memory_limit_fails_the_job_in_one_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("zero-limit");
+    std::fs::create_dir(&dir).unwrap();
+    let job = Job::start_with(&dir, 3, &[], &["--epochs", "30", "--zero-stage", "2", "--memory-limit", "6000KiB"]);
+    job.wait_for_step(30);
+    kill(job.pid("worker:1"), Signal::SIGKILL).unwrap();
+    let o = job.finish();
+    let stderr = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(!o.status.success(), "{stderr}");
+    assert!(stderr.contains("task worker:1 was killed by SIGKILL; the elastic job goes on"), "{stderr}");
+    let line = stderr
+        .lines()
+        .find(|l| l.contains("at zero stage 2") && l.contains("over its memory_limit of 5.9 MiB"))
+        .unwrap_or_else(|| panic!("no memory-limit error: {stderr}"));
+    assert!(line.contains("needs 6.4 MiB") && line.contains("raise memory_limit or add replicas"), "{line}");
+    assert!(!stderr.contains("the elastic job completed"), "{stderr}");
+}
+
 /// ZeRO's shards follow the membership. Plain SGD keeps no state: a lost worker takes nothing
 /// with it, and the members go on from the most advanced one's parameters (an elastic job's
 /// shards are stepped in copies, so a step cut off leaves every member's parameters whole).

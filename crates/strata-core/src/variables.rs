@@ -599,7 +599,10 @@ impl<M> Replicated<M> {
             crate::ZeroStage::Off => None,
             _ => Some(self.shards::<O>(stage, &vars)?),
         };
-        self.check_memory_limits::<O>(stage, &vars)?;
+        let params: Vec<u64> = (0..n)
+            .map(|c| self.vars[c].iter().map(|(_, v)| (v.elem_count() * v.dtype().size_in_bytes()) as u64).sum())
+            .collect();
+        check_memory_limits::<O>(&*self.ext, self.policy, stage, &params, &vars)?;
         let copies = vars
             .iter()
             .enumerate()
@@ -617,53 +620,8 @@ impl<M> Replicated<M> {
             self.ext.num_replicas(),
         );
         opt.shards = std::sync::RwLock::new(shards.map(Arc::new));
+        opt.params_bytes = params;
         Ok(opt)
-    }
-
-    /// Refuses a replica whose device has a `memory_limit` its model state exceeds at `stage`:
-    /// every variable's copy, the gradients of the trainable ones `vars` (its shard's at stage
-    /// 2) and the optimizer's state (its shard's at stages 1 and 2), naming the lowest stage
-    /// that fits.
-    fn check_memory_limits<O: Optimizer>(&self, stage: crate::ZeroStage, vars: &[Vec<Var>]) -> Result<()> {
-        let devices = self.ext.replica_devices();
-        let in_sync = self.ext.num_replicas_in_sync().max(1) as u64;
-        let per_element = crate::zero::state_per_element::<O>();
-        for (c, copy) in vars.iter().enumerate() {
-            let Some(limit) = devices.get(c).and_then(|d| d.kind.memory_limit()) else { continue };
-            let params: u64 =
-                self.vars[c].iter().map(|(_, v)| (v.elem_count() * v.dtype().size_in_bytes()) as u64).sum();
-            let trainable: u64 = copy.iter().map(|v| v.elem_count() as u64).sum();
-            let size = copy.first().map_or(4, |v| v.dtype().size_in_bytes()) as u64;
-            let shard = trainable.div_ceil(in_sync);
-            // Gradient and state bytes at stage 0, 1 and 2; central copies are never sharded.
-            let need = |s: u8| {
-                let sharded = self.policy == VariablePolicy::Mirrored;
-                let grads = if s >= 2 && sharded { shard } else { trainable } * size;
-                let state = if s >= 1 && sharded { shard } else { trainable } * per_element * size;
-                (grads, state)
-            };
-            let (grads, state) = need(stage.number());
-            if params + grads + state <= limit {
-                continue;
-            }
-            let total = |s: u8| {
-                let (g, st) = need(s);
-                params + g + st
-            };
-            let fits = (stage.number() + 1..=2).find(|&s| total(s) <= limit).map(|s| (s, total(s)));
-            return Err(Error::MemoryLimit(Box::new(crate::MemoryLimitExceeded {
-                replica: c,
-                device: devices[c].spec.to_string(),
-                stage: stage.number(),
-                params,
-                grads,
-                state,
-                limit,
-                fits,
-                least: total(2),
-            })));
-        }
-        Ok(())
     }
 
     /// ZeRO's shards of `vars` (every local copy's trainable variables) over every replica in
@@ -684,6 +642,59 @@ impl<M> Replicated<M> {
         }
         lay_out_shards(stage, vars, self.ext.clone())
     }
+}
+
+/// Refuses a replica whose device has a `memory_limit` its model state exceeds at `stage` over
+/// the replicas in sync now: every variable's copy (`params[c]` bytes for copy `c`), the
+/// gradients of the trainable ones `vars` (its shard's at stage 2) and the optimizer's state
+/// (its shard's at stages 1 and 2), naming the lowest stage that fits. Called when the
+/// optimizer is built and again when an elastic job's shards are laid out over a new
+/// membership (fewer workers, larger shards).
+fn check_memory_limits<O: Optimizer>(
+    ext: &dyn StrategyExtended,
+    policy: VariablePolicy,
+    stage: crate::ZeroStage,
+    params: &[u64],
+    vars: &[Vec<Var>],
+) -> Result<()> {
+    let devices = ext.replica_devices();
+    let in_sync = ext.num_replicas_in_sync().max(1) as u64;
+    let per_element = crate::zero::state_per_element::<O>();
+    for (c, copy) in vars.iter().enumerate() {
+        let Some(limit) = devices.get(c).and_then(|d| d.kind.memory_limit()) else { continue };
+        let params = params.get(c).copied().unwrap_or(0);
+        let trainable: u64 = copy.iter().map(|v| v.elem_count() as u64).sum();
+        let size = copy.first().map_or(4, |v| v.dtype().size_in_bytes()) as u64;
+        let shard = trainable.div_ceil(in_sync);
+        // Gradient and state bytes at stage 0, 1 and 2; central copies are never sharded.
+        let need = |s: u8| {
+            let sharded = policy == VariablePolicy::Mirrored;
+            let grads = if s >= 2 && sharded { shard } else { trainable } * size;
+            let state = if s >= 1 && sharded { shard } else { trainable } * per_element * size;
+            (grads, state)
+        };
+        let (grads, state) = need(stage.number());
+        if params + grads + state <= limit {
+            continue;
+        }
+        let total = |s: u8| {
+            let (g, st) = need(s);
+            params + g + st
+        };
+        let fits = (stage.number() + 1..=2).find(|&s| total(s) <= limit).map(|s| (s, total(s)));
+        return Err(Error::MemoryLimit(Box::new(crate::MemoryLimitExceeded {
+            replica: c,
+            device: devices[c].spec.to_string(),
+            stage: stage.number(),
+            params,
+            grads,
+            state,
+            limit,
+            fits,
+            least: total(2),
+        })));
+    }
+    Ok(())
 }
 
 /// ZeRO's shards of `vars` (every local copy's trainable variables) over every replica in
@@ -819,6 +830,9 @@ pub struct DistributedOptimizer<O> {
     /// each copy's optimizer is built over its replica's pieces of the variables only. An
     /// elastic job lays them out again when its membership changes ([`Self::reshard`]).
     shards: std::sync::RwLock<Option<Arc<crate::zero::Shards>>>,
+    /// The bytes of every variable of each copy (trainable or not), for the memory limit's
+    /// check at a re-split ([`Self::reshard`]).
+    params_bytes: Vec<u64>,
 }
 
 /// How a replica reduces its gradients while the backward pass runs: the order in which the
@@ -1327,6 +1341,9 @@ impl<O: Optimizer + crate::checkpoint::OptimizerState> DistributedOptimizer<O> {
     /// runs in it. Returns whether there were shards to lay out (none at stage 0).
     pub fn reshard(&self) -> Result<bool> {
         let Some(old) = self.zero() else { return Ok(false) };
+        // Fewer workers mean larger shards: refused, before anything changes, where they no
+        // longer fit a replica's memory limit.
+        check_memory_limits::<O>(&**old.ext(), self.policy, old.stage(), &self.params_bytes, &self.vars)?;
         let new = lay_out_shards(old.stage(), &self.vars, old.ext().clone())?;
         let renewed = (0..self.copies.len())
             .map(|c| {
@@ -1371,6 +1388,7 @@ impl<O: Optimizer> DistributedOptimizer<O> {
             accumulated: (0..replicas.max(1)).map(|_| Mutex::new(Accumulated::default())).collect(),
             overlap: (0..replicas.max(1)).map(|_| Mutex::new(None)).collect(),
             shards: Default::default(),
+            params_bytes: Vec::new(),
         }
     }
 
