@@ -5,6 +5,7 @@
 //! the only difference). Every wait has a hard deadline.
 
 use std::collections::HashMap;
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};
@@ -84,15 +85,26 @@ impl Job {
 
     /// A job whose `strata train` takes `model` (the model and its optimizer) and `train`.
     fn start_model(dir: &Path, workers: usize, launch: &[&str], model: &[&str], train: &[&str]) -> Job {
+        let mut program: Vec<OsString> =
+            ["strata", "train", "--strategy", "multi-worker-mirrored", "--min-workers", "2"]
+                .iter()
+                .chain(model)
+                .chain(train)
+                .map(OsString::from)
+                .collect();
+        program.extend(["--metrics".into(), dir.join("metrics.jsonl").into_os_string()]);
+        Job::start_program(dir, workers, launch, program, &[])
+    }
+
+    /// A job of `program` (with `--save-params` added) under `strata launch`, every task with
+    /// `env` too.
+    fn start_program(dir: &Path, workers: usize, launch: &[&str], program: Vec<OsString>, env: &[(&str, &str)]) -> Job {
         let marker = format!("{}-{}", std::process::id(), dir.file_name().unwrap().to_string_lossy());
         let mut cmd = strata();
-        cmd.env("STRATA_TEST_JOB", &marker).env("STRATA_LOG", "info");
+        cmd.env("STRATA_TEST_JOB", &marker).env("STRATA_LOG", "info").envs(env.iter().copied());
         cmd.args(["launch", "--workers", &workers.to_string()]).args(launch).arg("--");
-        cmd.args(["strata", "train", "--strategy", "multi-worker-mirrored", "--min-workers", "2"])
-            .args(model)
-            .args(train);
+        cmd.args(program);
         cmd.arg("--save-params").arg(dir.join("p{task}.safetensors"));
-        cmd.arg("--metrics").arg(dir.join("metrics.jsonl"));
         let child =
             cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("strata runs");
         Job { child, marker, dir: dir.to_path_buf() }
@@ -160,14 +172,23 @@ fn check_against(reference: &HashMap<String, Tensor>, dir: &Path, o: &Output, wh
     check_epochs(reference, dir, o, what, 30);
 }
 
+/// How far from one device's parameters an elastic job of SGD may end (L2-relative): sums in
+/// another order. Measured (2026-12-02, these tests): 9e-9 to 1e-7 for every disturbance; a
+/// step applied twice lands far outside it (`a_step_applied_twice_fails_the_bound`).
+const ONE_DEVICE_BOUND: f64 = 5e-7;
+
+/// Whether `d` (from one device) is within [`ONE_DEVICE_BOUND`]: the check every test here
+/// makes, the negative control included.
+fn within_one_device_bound(d: f64) -> bool {
+    d < ONE_DEVICE_BOUND
+}
+
 fn check_epochs(reference: &HashMap<String, Tensor>, dir: &Path, o: &Output, what: &str, epochs: usize) {
     let stderr = String::from_utf8_lossy(&o.stderr);
     let got = parameters(dir, o);
     let d = l2_relative(&got, reference);
-    eprintln!("{what}: L2-relative distance from one device {d:.3e}");
-    // An undisturbed job ends about 1e-6 from one device (float sums in another order); a step
-    // applied twice or skipped moves the parameters by 1e-3 or more.
-    assert!(d < 2e-5, "{what}: {d:.3e} from one device; stderr: {stderr}");
+    eprintln!("{what}: L2-relative distance from one device {d:.3e} (bound {ONE_DEVICE_BOUND:.0e})");
+    assert!(within_one_device_bound(d), "{what}: {d:.3e} from one device; stderr: {stderr}");
     assert!(stderr.contains("the elastic job completed"), "{stderr}");
     let stdout = String::from_utf8_lossy(&o.stdout);
     assert!(stdout.contains("test accuracy") && stdout.contains(&format!("after {epochs} epochs")), "{stdout}");
@@ -263,7 +284,7 @@ fn elastic_flags_that_cannot_work_are_refused_in_one_line() {
         ),
         (
             &["launch", "--workers", "2", "--", "strata", "train", "--min-workers", "3"],
-            "--min-workers 3: this job has 2 workers",
+            "an elastic job of 2 workers cannot run with at least 3 (min_workers; strata train --min-workers): give a minimum from 1 to 2",
         ),
         (
             &["train", "--strategy", "multi-worker-mirrored", "--max-restarts", "1"],
@@ -281,7 +302,7 @@ fn elastic_flags_that_cannot_work_are_refused_in_one_line() {
                 "--zero-stage",
                 "1",
             ],
-            "--zero-stage 1 with --min-workers and --optimizer adamw: a lost worker takes its shard of AdamW's state with it",
+            "an elastic job at ZeRO stage 1 with an optimizer that keeps state, such as AdamW: a lost worker takes its shard of that state with it",
         ),
     ];
     for (args, expected) in cases {
@@ -392,7 +413,7 @@ fn powersgd_state_follows_a_loss_and_a_join() {
     let d = l2_relative(&got, &undisturbed);
     eprintln!("powersgd:4, worker:1 lost at step 60 and replaced: {d:.3e} from the undisturbed job");
     // Measured 1.6e-4 (the lost worker's own error buffer, and sums in another order).
-    assert!(d > 0.0 && d < 2e-3, "{d:.3e} from the undisturbed job: {stderr}");
+    assert!(d > 0.0 && d < 1.5e-3, "{d:.3e} from the undisturbed job: {stderr}");
     let stdout = String::from_utf8_lossy(&o.stdout);
     assert!(stdout.contains("test accuracy") && stdout.contains("after 30 epochs"), "{stdout}");
 }
@@ -456,6 +477,11 @@ fn a_lost_worker_whose_shards_no_longer_fit_the_memory_limit_fails_the_job_in_on
     assert!(!stderr.contains("the elastic job completed"), "{stderr}");
 }
 
+/// How far from one device an AdamW job at ZeRO stage 1 or 2 may end, disturbed or not
+/// (measured about 2e-5), and a disturbed one from the undisturbed job (measured 4e-8).
+const ADAMW_ONE_DEVICE_BOUND: f64 = 2e-4;
+const ADAMW_UNDISTURBED_BOUND: f64 = 4e-7;
+
 /// ZeRO's shards follow the membership. Plain SGD keeps no state: a lost worker takes nothing
 /// with it, and the members go on from the most advanced one's parameters (an elastic job's
 /// shards are stepped in copies, so a step cut off leaves every member's parameters whole).
@@ -494,6 +520,11 @@ fn zero_shards_follow_a_loss_a_join_and_a_leave() {
     let undisturbed_params = parameters(&dir, &o);
     let undisturbed = l2_relative(&undisturbed_params, &reference);
     eprintln!("ZeRO stage 1, AdamW, undisturbed: {undisturbed:.3e} from one device");
+    assert!(
+        undisturbed < ADAMW_ONE_DEVICE_BOUND,
+        "{undisturbed:.3e} from one device: {stderr}",
+        stderr = String::from_utf8_lossy(&o.stderr)
+    );
 
     // AdamW at stage 1: worker:1 stopped (SIGSTOP) at step 66 and declared lost, so its
     // shard of the moments is lost: the job rolls back to the checkpoint of step 60 (or 72,
@@ -534,9 +565,11 @@ fn zero_shards_follow_a_loss_a_join_and_a_leave() {
     let u = l2_relative(&got, &undisturbed_params);
     eprintln!("ZeRO stage 1, AdamW, worker:1 lost (rolled back) and replaced (joined): {d:.3e} from one device, {u:.3e} from the undisturbed job");
     // A step applied twice or skipped moves AdamW's parameters by 1e-3 or more; the job ends
-    // 4e-8 from the undisturbed one (sums in another order while 2 workers trained).
-    assert!(d < 2e-4, "{d:.3e} from one device ({undisturbed:.3e} undisturbed): {stderr}");
-    assert!(u < 1e-5, "{u:.3e} from the undisturbed job: {stderr}");
+    // 4e-8 from the undisturbed one (sums in another order while 2 workers trained), and as
+    // far from one device as the undisturbed job (2e-5: AdamW's division by the second moment
+    // magnifies the sums' order).
+    assert!(d < ADAMW_ONE_DEVICE_BOUND, "{d:.3e} from one device ({undisturbed:.3e} undisturbed): {stderr}");
+    assert!(u < ADAMW_UNDISTURBED_BOUND, "{u:.3e} from the undisturbed job: {stderr}");
 
     // AdamW at stage 2: worker:1 asked to stop (SIGTERM) at step 60 hands its shard over
     // before it leaves: no roll back.
@@ -556,6 +589,116 @@ fn zero_shards_follow_a_loss_a_join_and_a_leave() {
     let d = l2_relative(&got, &reference);
     let u = l2_relative(&got, &undisturbed_params);
     eprintln!("ZeRO stage 2, AdamW, worker:1 asked to stop at step 60: {d:.3e} from one device, {u:.3e} from the undisturbed job at stage 1");
-    assert!(d < 2e-4, "{d:.3e} from one device ({undisturbed:.3e} undisturbed): {stderr}");
-    assert!(u < 1e-5, "{u:.3e} from the undisturbed job at stage 1: {stderr}");
+    assert!(d < ADAMW_ONE_DEVICE_BOUND, "{d:.3e} from one device ({undisturbed:.3e} undisturbed): {stderr}");
+    assert!(u < ADAMW_UNDISTURBED_BOUND, "{u:.3e} from the undisturbed job at stage 1: {stderr}");
+}
+
+/// `examples/elastic_custom_loop.rs`, built as the harness builds the `strata` binary (the
+/// tests' profile, the same packages selected, so that neither build undoes the other's).
+fn custom_loop_bin() -> PathBuf {
+    let exe = std::env::current_exe().expect("the test executable has a path");
+    let dir = exe.parent().and_then(Path::parent).expect("the test executable is in target/<profile>/deps");
+    let profile = if cfg!(debug_assertions) { "test" } else { "release" };
+    let mut cargo = std::process::Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
+    cargo.args(["build", "--quiet", "--profile", profile, "-p", "strata-integration-tests", "-p", "strata-cli"]);
+    cargo.args(["-p", "strata-examples", "--example", "elastic_custom_loop"]);
+    let status = cargo.current_dir(env!("CARGO_MANIFEST_DIR")).status().expect("cargo runs");
+    assert!(status.success(), "building the elastic_custom_loop example failed");
+    let bin = dir.join("examples").join("elastic_custom_loop");
+    assert!(bin.is_file(), "the example is not at {}", bin.display());
+    bin
+}
+
+/// The example's command line: `strata train`'s flags for the model of these tests.
+fn custom_loop(bin: &Path) -> Vec<OsString> {
+    let mut program = vec![bin.as_os_str().to_os_string()];
+    let flags =
+        ["--hidden", "1024,1024", "--optimizer", "sgd", "--lr", "0.003", "--epochs", "30", "--min-workers", "2"];
+    program.extend(flags.iter().map(OsString::from));
+    program
+}
+
+/// A job's standard output, read as it comes (the example's chief prints a line per epoch).
+struct Watched {
+    text: std::sync::Arc<std::sync::Mutex<String>>,
+    reader: std::thread::JoinHandle<()>,
+}
+
+impl Job {
+    fn watch(&mut self) -> Watched {
+        use std::io::BufRead;
+        let out = self.child.stdout.take().expect("the job's stdout is piped");
+        let text = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+        let into = text.clone();
+        let reader = std::thread::spawn(move || {
+            for line in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+                let mut t = into.lock().unwrap();
+                t.push_str(&line);
+                t.push('\n');
+            }
+        });
+        Watched { text, reader }
+    }
+
+    /// Waits until the job's stdout holds `needle`.
+    fn wait_for_output(&self, watched: &Watched, needle: &str) {
+        let deadline = Instant::now() + TIMEOUT;
+        while !watched.text.lock().unwrap().contains(needle) {
+            assert!(Instant::now() < deadline, "{needle:?} never came; stdout: {}", watched.text.lock().unwrap());
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    fn finish_watched(self, watched: Watched) -> Output {
+        let mut o = self.finish();
+        watched.reader.join().unwrap();
+        o.stdout = watched.text.lock().unwrap().clone().into_bytes();
+        o
+    }
+}
+
+/// The hand-written loop of `examples/elastic_custom_loop.rs` (`strata::Elastic` around each
+/// step) under `strata launch`: the chief killed mid-job, then in another job a worker that is
+/// not the chief; the others go on each time, and end with one device's parameters.
+#[test]
+fn a_hand_written_loop_survives_a_lost_chief_with_one_devices_result() {
+    let bin = custom_loop_bin();
+    let tmp = tempfile::tempdir().unwrap();
+    let reference = one_device(tmp.path());
+    for (task, epoch, rest) in [("worker:0", 16, "worker:1, worker:2"), ("worker:2", 8, "worker:0, worker:1")] {
+        let dir = tmp.path().join(format!("custom-loop-{}", task.replace(':', "")));
+        std::fs::create_dir(&dir).unwrap();
+        let mut job = Job::start_program(&dir, 3, &[], custom_loop(&bin), &[]);
+        let watched = job.watch();
+        // 6 steps an epoch: the kill comes in the epoch after.
+        job.wait_for_output(&watched, &format!("epoch {epoch}: test accuracy"));
+        kill(job.pid(task), Signal::SIGKILL).unwrap();
+        let o = job.finish_watched(watched);
+        let stderr = String::from_utf8_lossy(&o.stderr).to_string();
+        assert!(
+            stderr.contains(&format!("task {task} was killed by SIGKILL; the elastic job goes on without it")),
+            "{stderr}"
+        );
+        assert!(stderr.contains(&format!("the elastic job completed in generation 2 with {rest}")), "{stderr}");
+        let stdout = String::from_utf8_lossy(&o.stdout);
+        assert!(stdout.contains("elastic_custom_loop: test accuracy"), "{stdout}");
+        check_against(&reference, &dir, &o, &format!("the hand-written loop, {task} killed after epoch {epoch}"));
+    }
+}
+
+/// The negative control of [`ONE_DEVICE_BOUND`]: the same hand-written loop, undisturbed,
+/// with one step (the 90th of 180) applied twice, ends outside it.
+#[test]
+fn a_step_applied_twice_fails_the_bound() {
+    let bin = custom_loop_bin();
+    let tmp = tempfile::tempdir().unwrap();
+    let reference = one_device(tmp.path());
+    let dir = tmp.path().join("twice");
+    std::fs::create_dir(&dir).unwrap();
+    let o = Job::start_program(&dir, 3, &[], custom_loop(&bin), &[("STRATA_EXAMPLE_STEP_TWICE", "90")]).finish();
+    let d = l2_relative(&parameters(&dir, &o), &reference);
+    eprintln!(
+        "the hand-written loop with step 90 applied twice: {d:.3e} from one device (bound {ONE_DEVICE_BOUND:.0e})"
+    );
+    assert!(!within_one_device_bound(d), "a step applied twice passes the bound: {d:.3e}");
 }

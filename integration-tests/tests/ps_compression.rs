@@ -37,7 +37,7 @@ fn powersgd_and_compression_without_a_wire_are_usage_errors() {
     let cases = [
         (
             vec!["--strategy", "parameter-server", "--compression", "powersgd:2"],
-            "--compression powersgd:2 applies to --strategy multi-worker-mirrored's ring; use none, fp16 or bf16 with --strategy parameter-server",
+            "compression powersgd:2 applies to multi-worker-mirrored's ring, not to a parameter server's pushes and pulls; use none, fp16 or bf16 with the parameter server",
         ),
         (vec!["--strategy", "mirrored", "--compression", "fp16"], "(--strategy mirrored has none on a wire); drop it"),
     ];

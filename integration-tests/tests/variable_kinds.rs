@@ -15,9 +15,9 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
-use candle_nn::{Module, ModuleT, Optimizer, ParamsAdamW};
+use candle_nn::{Module, ModuleT, ParamsAdamW};
 use strata::data::{Batch, TailPolicy};
-use strata::optim::{FusedAdamW, FusedMomentum, FusedSgd, ParamsMomentum};
+use strata::optim::{FusedAdamW, FusedMomentum, FusedSgd, OptimizerMemory, ParamsMomentum};
 use strata::prelude::*;
 use strata::{Replicated, Scope};
 use strata_integration_tests::{free_ports, wait, worker_tf_config, TOKEN};
@@ -194,7 +194,7 @@ fn train<M: Case>(s: &impl Strategy, opt: &str) -> Vec<(String, Tensor)> {
     }
 }
 
-fn train_with<M: Case, O: Optimizer + Send>(s: &impl Strategy, cfg: O::Config) -> Vec<(String, Tensor)>
+fn train_with<M: Case, O: OptimizerMemory + Send>(s: &impl Strategy, cfg: O::Config) -> Vec<(String, Tensor)>
 where
     O::Config: Clone,
 {

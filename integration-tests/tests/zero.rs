@@ -1,8 +1,9 @@
 //! ZeRO stages 1 and 2 through `strata train --zero-stage`, in real processes: Mirrored over 3
 //! replicas and MultiWorkerMirrored with 3 workers of 1 replica and 2 workers of 2 replicas
 //! (uneven shards), each bit for bit the parameters of the same job at stage 0; the transformer
-//! (clipped by global norm) within 1e-6 of stage 0; every worker the same; what cannot run on
-//! shards refused with one line and exit code 2. Every wait has a hard deadline.
+//! (clipped by global norm) within reassociation of stage 0, by a bound that a skipped step
+//! breaks; every worker the same; what cannot run on shards refused with one line and exit
+//! code 2. Every wait has a hard deadline.
 
 use std::path::{Path, PathBuf};
 use std::process::{Output, Stdio};
@@ -147,6 +148,13 @@ fn l2_relative(a: &[u8], b: &[u8]) -> f64 {
     (diff / norm.max(f64::MIN_POSITIVE)).sqrt()
 }
 
+/// How far the transformer at stages 1 and 2 may end from stage 0 (`‖a - b‖ / ‖b‖`): its
+/// clipping norm is summed shard by shard. Measured 3.4e-8 at both stages on 2026-12-02 on this
+/// project's 2-core Xeon (AVX-512; the test prints each distance); the bound is about 4.4x that
+/// (at most 10x, the project's rule for tolerances). The test's negative control: the same
+/// run one step short (a step skipped) ends 8.1e-2 away, far outside it.
+const TRANSFORMER_REASSOCIATION: f64 = 1.5e-7;
+
 #[test]
 fn the_transformer_at_stages_1_and_2_is_stage_0_within_reassociation() {
     // Clipped by its global norm, which a shard sums over its elements only: the same within
@@ -156,8 +164,14 @@ fn the_transformer_at_stages_1_and_2_is_stage_0_within_reassociation() {
     let whole = mirrored(&dir, "0", &args);
     for stage in ["1", "2"] {
         let err = l2_relative(&mirrored(&dir, stage, &args), &whole);
-        assert!(err <= 1e-6, "the transformer at stage {stage} is {err:e} from stage 0");
+        eprintln!("the transformer at stage {stage}: {err:e} from stage 0 (bound {TRANSFORMER_REASSOCIATION:e})");
+        assert!(err <= TRANSFORMER_REASSOCIATION, "the transformer at stage {stage} is {err:e} from stage 0");
     }
+    // A step skipped: the bound must tell it from reassociation.
+    let short = ["--model", "transformer", "--steps", "3", "--batch", "12", "--no-progress"];
+    let skipped = l2_relative(&mirrored(&dir, "1", &short), &whole);
+    eprintln!("the transformer at stage 1 one step short: {skipped:e} from stage 0");
+    assert!(skipped > 100.0 * TRANSFORMER_REASSOCIATION, "a skipped step ends only {skipped:e} from stage 0");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -46,7 +46,7 @@ pub fn run(args: &CoordinatorArgs) -> Result<()> {
             args.min_workers
         )));
     }
-    let token = crate::ps::token(args.cluster_token_file.as_deref())?;
+    let token = crate::cluster_token::resolve(args.cluster_token_file.as_deref())?;
     let chief = (0..usize::from(args.chief)).map(|_| "chief:0".to_string());
     let names: Vec<String> = chief.chain((0..args.workers).map(|i| format!("worker:{i}"))).collect();
     let service = CoordinationServerHandle::start_elastic(

@@ -15,7 +15,7 @@ use std::net::{IpAddr, SocketAddr, TcpListener};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::mpsc::{self, RecvTimeoutError, Sender};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::{kill, Signal};
@@ -23,10 +23,9 @@ use nix::unistd::Pid;
 use strata_compare::experiment::parse_duration_or_seconds;
 use strata_strategies::cluster::{ClusterConfig, ClusterSpec, TaskId, TaskType};
 
+use crate::cluster_token::{self, TOKEN_VAR};
 use crate::{Error, Result};
 
-/// The environment variable that carries the cluster token every task's servers require.
-pub const TOKEN_VAR: &str = "STRATA_CLUSTER_TOKEN";
 /// The environment variable that names the task, e.g. `worker:1`.
 pub const TASK_VAR: &str = "STRATA_TASK";
 
@@ -140,15 +139,6 @@ pub fn tasks(chief: bool, workers: usize, ps: usize) -> Vec<TaskId> {
 /// The `TF_CONFIG` JSON of `task` in `cluster`, as TensorFlow writes it.
 pub fn tf_config(cluster: &ClusterSpec, task: TaskId) -> Result<String> {
     Ok(ClusterConfig::new(cluster.clone(), task)?.to_tf_config())
-}
-
-/// The cluster token: the launcher's own `STRATA_CLUSTER_TOKEN` when set and not empty, else
-/// 32 fresh random bytes in hex.
-pub(crate) fn cluster_token() -> String {
-    match std::env::var(TOKEN_VAR) {
-        Ok(token) if !token.is_empty() => token,
-        _ => rand::random::<[u8; 32]>().iter().map(|b| format!("{b:02x}")).collect(),
-    }
 }
 
 /// Picks `n` distinct free ports on `host`: binds them all at once, reads them, releases them.
@@ -374,36 +364,8 @@ pub fn run(args: &LaunchArgs) -> Result<()> {
     let tasks = tasks(args.chief, args.workers, args.ps);
     let addresses = free_addresses(args.host, tasks.len())?;
     let cluster = cluster_spec(&tasks, &addresses)?;
-    let token = cluster_token();
-    // An elastic job: the launcher serves its coordination service, which outlives any task.
-    let elastic = elastic_min_workers(program_args)?;
-    if args.max_restarts > 0 && elastic.is_none() {
-        return Err(Error::Usage(format!(
-            "--max-restarts {} restarts a lost task into an elastic job, and this one is not: pass --min-workers N to the program (strata train --strategy multi-worker-mirrored --min-workers N)",
-            args.max_restarts
-        )));
-    }
-    let service = match elastic {
-        Some(min) => {
-            let names: Vec<String> = cluster.sync_workers().iter().map(ToString::to_string).collect();
-            if min == 0 || min > names.len() {
-                return Err(Error::Usage(format!(
-                    "--min-workers {min}: this job has {} workers; pass a minimum from 1 to {}",
-                    names.len(),
-                    names.len()
-                )));
-            }
-            let service = strata_transport::CoordinationServerHandle::start_elastic(
-                SocketAddr::new(args.host, 0),
-                names,
-                min,
-                strata_transport::ClusterToken::new(&token)?,
-                strata_transport::CoordinationConfig::default(),
-            )?;
-            Some(service)
-        }
-        None => None,
-    };
+    let token = cluster_token::for_local_cluster();
+    let service = elastic_service(args, program_args, &cluster, &token)?;
     let coordinator = service.as_ref().map(|s| s.address().to_string());
 
     // Handlers, not a blocked mask: a mask is inherited by the tasks (std's Command does not
@@ -429,194 +391,303 @@ pub fn run(args: &LaunchArgs) -> Result<()> {
         token: &token,
         coordinator: coordinator.as_deref(),
     };
-    let mut running = start(&spawn, &tasks, &events)?;
-    let mut restarts = vec![0usize; running.len()];
-    let mut outputs_open = 2 * running.len();
-    let mut failure: Option<i32> = None;
-    // The first task to fail, and each task's first `error:` line in the order they arrived.
-    let mut first_failed: Option<usize> = None;
-    let mut error_lines: Vec<(usize, String)> = Vec::new();
-    let mut interrupted: Option<Signal> = None;
-    let mut kill_at: Option<Instant> = None;
-    let mut killed = false;
-    // The tasks the launcher killed itself: their status is its doing, not their failure.
-    let mut killed_by_launcher = vec![false; running.len()];
-    let grace = args.grace_period;
+    let running = start(&spawn, &tasks, &events)?;
+    let mut supervisor = Supervisor::new(args, &spawn, &events, service.as_ref(), running);
+    while supervisor.running.iter().any(|r| r.status.is_none()) {
+        supervisor.supervise_once(&received)?;
+    }
+    supervisor.drain(&received);
+    supervisor.finish()
+}
 
-    while running.iter().any(|r| r.status.is_none()) {
+/// An elastic job (the program's `--min-workers N`): the launcher serves its coordination
+/// service, which outlives any task. `None` for a job that is not elastic, which
+/// `--max-restarts` does not apply to.
+fn elastic_service(
+    args: &LaunchArgs,
+    program_args: &[OsString],
+    cluster: &ClusterSpec,
+    token: &str,
+) -> Result<Option<strata_transport::CoordinationServerHandle>> {
+    let elastic = elastic_min_workers(program_args)?;
+    if args.max_restarts > 0 && elastic.is_none() {
+        return Err(Error::Usage(format!(
+            "--max-restarts {} restarts a lost task into an elastic job, and this one is not: pass --min-workers N to the program (strata train --strategy multi-worker-mirrored --min-workers N)",
+            args.max_restarts
+        )));
+    }
+    let Some(min) = elastic else { return Ok(None) };
+    let names: Vec<String> = cluster.sync_workers().iter().map(ToString::to_string).collect();
+    strata_strategies::ElasticOptions::check_min_workers(min, names.len())?;
+    let service = strata_transport::CoordinationServerHandle::start_elastic(
+        SocketAddr::new(args.host, 0),
+        names,
+        min,
+        strata_transport::ClusterToken::new(token)?,
+        strata_transport::CoordinationConfig::default(),
+    )?;
+    Ok(Some(service))
+}
+
+/// The launcher's watch over its tasks, from the first start to the last exit.
+struct Supervisor<'a> {
+    args: &'a LaunchArgs,
+    spawn: &'a Spawn<'a>,
+    events: &'a Sender<Event>,
+    /// An elastic job's coordination service.
+    service: Option<&'a strata_transport::CoordinationServerHandle>,
+    running: Vec<Running>,
+    /// Per task: the processes started in place of lost ones.
+    restarts: Vec<usize>,
+    /// Task outputs (stdout and stderr) not yet closed.
+    outputs_open: usize,
+    failure: Option<i32>,
+    /// The first task to fail, and each task's first `error:` line in the order they arrived.
+    first_failed: Option<usize>,
+    error_lines: Vec<(usize, String)>,
+    interrupted: Option<Signal>,
+    kill_at: Option<Instant>,
+    killed: bool,
+    /// The tasks the launcher killed itself: their status is its doing, not their failure.
+    killed_by_launcher: Vec<bool>,
+}
+
+impl<'a> Supervisor<'a> {
+    fn new(
+        args: &'a LaunchArgs,
+        spawn: &'a Spawn<'a>,
+        events: &'a Sender<Event>,
+        service: Option<&'a strata_transport::CoordinationServerHandle>,
+        running: Vec<Running>,
+    ) -> Self {
+        let n = running.len();
+        Self {
+            args,
+            spawn,
+            events,
+            service,
+            running,
+            restarts: vec![0; n],
+            outputs_open: 2 * n,
+            failure: None,
+            first_failed: None,
+            error_lines: Vec::new(),
+            interrupted: None,
+            kill_at: None,
+            killed: false,
+            killed_by_launcher: vec![false; n],
+        }
+    }
+
+    /// One round of the watch: an event (or a poll's wait), every task's exit, the elastic
+    /// job's state, and the kill after the grace period.
+    fn supervise_once(&mut self, received: &Receiver<Event>) -> Result<()> {
         match received.recv_timeout(POLL) {
-            Ok(Event::Signal(signal)) => {
-                if interrupted.is_none() {
-                    interrupted = Some(signal);
-                    eprintln!(
-                        "strata launch: {signal} received; forwarding it to every task (killed after {:?}, or at a second signal)",
-                        grace
-                    );
-                    stop_running(&running, signal, &mut killed_by_launcher);
-                    kill_at.get_or_insert(Instant::now() + grace);
-                } else if !killed {
-                    eprintln!("strata launch: second signal ({signal}); killing every task");
-                    signal_running(&running, Signal::SIGKILL);
-                    mark_running(&running, &mut killed_by_launcher);
-                    killed = true;
-                }
-            }
-            Ok(Event::OutputClosed) => outputs_open = outputs_open.saturating_sub(1),
-            Ok(Event::ErrorLine(t, line)) => note_error(&mut error_lines, t, line),
+            Ok(Event::Signal(signal)) => self.on_signal(signal),
+            Ok(Event::OutputClosed) => self.outputs_open = self.outputs_open.saturating_sub(1),
+            Ok(Event::ErrorLine(t, line)) => note_error(&mut self.error_lines, t, line),
             Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => {}
         }
-        for i in 0..running.len() {
-            if running[i].status.is_some() {
-                continue;
-            }
-            let status = match running[i].child.try_wait() {
-                Ok(None) => continue,
-                Ok(Some(status)) => status,
-                Err(e) => {
-                    // Cannot happen for our own child; treat the task as failed.
-                    eprintln!("strata launch: waiting for task {}: {e}", running[i].task);
-                    ExitStatus::from_raw(1 << 8)
-                }
-            };
-            running[i].status = Some(status);
-            if status.success() || failure.is_some() {
-                continue;
-            }
-            if service.as_ref().is_some_and(|s| s.error().is_none() && kill_at.is_none()) {
-                // An elastic job goes on without the task (its members re-form); a restart
-                // joins it at the next step boundary.
-                let task = running[i].task;
-                let why = strata_compare::runner::describe(status);
-                if service.as_ref().is_some_and(|s| s.left_on_request().contains(&task.to_string())) {
-                    // Asked to stop alone (not by this launcher): it left; nothing to restart.
-                    eprintln!("strata launch: task {task} left the elastic job on request; the job goes on without it");
-                    continue;
-                }
-                if restarts[i] < args.max_restarts {
-                    restarts[i] += 1;
-                    eprintln!(
-                        "strata launch: task {task} {why}; the elastic job goes on, and a new process joins it (restart {} of {})",
-                        restarts[i], args.max_restarts
-                    );
-                    let mut again = start(&spawn, &[task], &events)?;
-                    if let Some(r) = again.pop() {
-                        outputs_open += 2;
-                        running[i] = r;
-                    }
-                } else {
-                    eprintln!("strata launch: task {task} {why}; the elastic job goes on without it");
-                }
-                continue;
-            }
-            failure = Some(exit_code(status));
-            first_failed = Some(i);
-            let task = &running[i].task;
-            if kill_at.is_none() {
-                eprintln!(
-                    "strata launch: task {task} {}; stopping the other tasks",
-                    strata_compare::runner::describe(status)
-                );
-                stop_running(&running, Signal::SIGTERM, &mut killed_by_launcher);
-                kill_at = Some(Instant::now() + grace);
-            } else {
-                eprintln!("strata launch: task {task} {}", strata_compare::runner::describe(status));
-            }
+        for i in 0..self.running.len() {
+            self.reap(i)?;
         }
-        if let Some(service) = &service {
-            if kill_at.is_none() && service.error().is_some() {
-                // The elastic job failed (too few workers left, or a task's error): stop the rest.
-                eprintln!("strata launch: the elastic job failed; stopping the other tasks");
-                stop_running(&running, Signal::SIGTERM, &mut killed_by_launcher);
-                kill_at = Some(Instant::now() + grace);
-            } else if kill_at.is_none() {
-                // The job is over when every live task has exited: a stopped one (fenced when it
-                // is continued) is killed at once.
-                let pending: Vec<usize> = (0..running.len()).filter(|&i| running[i].status.is_none()).collect();
-                if !pending.is_empty() && pending.iter().all(|&i| is_stopped(running[i].group)) && service.all_left() {
-                    stop_running(&running, Signal::SIGTERM, &mut killed_by_launcher);
-                    kill_at = Some(Instant::now() + grace);
-                }
-            }
+        if let Some(service) = self.service {
+            self.watch_elastic_job(service);
         }
-        if !killed && kill_at.is_some_and(|at| Instant::now() >= at) {
-            signal_running(&running, Signal::SIGKILL);
-            mark_running(&running, &mut killed_by_launcher);
-            killed = true;
+        if !self.killed && self.kill_at.is_some_and(|at| Instant::now() >= at) {
+            signal_running(&self.running, Signal::SIGKILL);
+            mark_running(&self.running, &mut self.killed_by_launcher);
+            self.killed = true;
+        }
+        Ok(())
+    }
+
+    /// A signal to the launcher: the first is forwarded to every task (killed after the grace
+    /// period), the second kills them at once.
+    fn on_signal(&mut self, signal: Signal) {
+        if self.interrupted.is_none() {
+            self.interrupted = Some(signal);
+            eprintln!(
+                "strata launch: {signal} received; forwarding it to every task (killed after {:?}, or at a second signal)",
+                self.args.grace_period
+            );
+            stop_running(&self.running, signal, &mut self.killed_by_launcher);
+            self.kill_at.get_or_insert(Instant::now() + self.args.grace_period);
+        } else if !self.killed {
+            eprintln!("strata launch: second signal ({signal}); killing every task");
+            signal_running(&self.running, Signal::SIGKILL);
+            mark_running(&self.running, &mut self.killed_by_launcher);
+            self.killed = true;
         }
     }
 
-    // The last lines of output may still be on their way.
-    let drained_by = Instant::now() + DRAIN;
-    while outputs_open > 0 {
-        let left = drained_by.saturating_duration_since(Instant::now());
-        match received.recv_timeout(left) {
-            Ok(Event::OutputClosed) => outputs_open -= 1,
-            Ok(Event::ErrorLine(t, line)) => note_error(&mut error_lines, t, line),
-            Ok(Event::Signal(_)) => {}
-            Err(_) => break,
-        }
-    }
-
-    if let Some(service) = &service {
-        if service.error().is_none() {
-            // The elastic job completed: its outcome is the launcher's, whatever tasks were lost.
-            for l in service.lost_tasks() {
-                eprintln!("strata launch: lost on the way: {l}");
-            }
-            let (generation, members) = service.membership();
-            let stopped = service.stopped();
-            let ended = if stopped.is_some() { "stopped on request" } else { "completed" };
-            eprintln!("strata launch: the elastic job {ended} in generation {generation} with {}", members.join(", "));
-            let code = interrupted.map(|s| 128 + s as i32).or(stopped.map(|c| 128 + c.min(127) as i32));
-            if let Some(code) = code {
-                let _ = io::stdout().flush();
-                let _ = io::stderr().flush();
-                std::process::exit(code);
-            }
+    /// Task `i`'s exit, if it has exited: a failure stops the others, unless the elastic job
+    /// goes on without it (and a new process may take its place).
+    fn reap(&mut self, i: usize) -> Result<()> {
+        if self.running[i].status.is_some() {
             return Ok(());
         }
-    }
-    let statuses: Vec<Option<ExitStatus>> = running.iter().map(|r| r.status).collect();
-    let names: Vec<String> = running.iter().map(|r| r.task.to_string()).collect();
-    let reported_lost =
-        |blamed: usize| error_lines.iter().find(|(t, l)| *t != blamed && blames_task(l, &names[blamed])).cloned();
-    if let Some((blamed, (reporter, report))) = blamed_task(&names, &statuses, &error_lines)
-        .filter(|(b, line)| line.is_none() && killed_by_launcher[*b])
-        .and_then(|(b, _)| reported_lost(b).map(|r| (b, r)))
-    {
-        // The launcher's own kill of a task another reported lost (a stopped task cannot act
-        // on SIGTERM) is not the cause: name the task and the report, and exit as the reporter.
-        eprintln!(
-            "strata launch: the job failed in task {}, which task {} reported lost: {report}",
-            running[blamed].task, running[reporter].task
-        );
-        if let Some(status) = statuses[reporter] {
-            failure = Some(exit_code(status));
-        }
-    } else if let Some((blamed, line)) = blamed_task(&names, &statuses, &error_lines) {
-        if first_failed.is_some_and(|f| f != blamed) {
-            let status = statuses[blamed].map_or_else(|| "failed".to_string(), strata_compare::runner::describe);
-            match line {
-                Some(line) => {
-                    eprintln!("strata launch: the job failed in task {} ({status}): {line}", running[blamed].task)
-                }
-                None => eprintln!("strata launch: the job failed in task {} ({status})", running[blamed].task),
+        let status = match self.running[i].child.try_wait() {
+            Ok(None) => return Ok(()),
+            Ok(Some(status)) => status,
+            Err(e) => {
+                // Cannot happen for our own child; treat the task as failed.
+                eprintln!("strata launch: waiting for task {}: {e}", self.running[i].task);
+                ExitStatus::from_raw(1 << 8)
             }
+        };
+        self.running[i].status = Some(status);
+        if status.success() || self.failure.is_some() {
+            return Ok(());
         }
-        if let Some(status) = statuses[blamed] {
-            failure = Some(exit_code(status));
+        if self.service.is_some_and(|s| s.error().is_none() && self.kill_at.is_none()) {
+            return self.lost_from_elastic_job(i, status);
+        }
+        self.failure = Some(exit_code(status));
+        self.first_failed = Some(i);
+        let task = &self.running[i].task;
+        if self.kill_at.is_none() {
+            eprintln!(
+                "strata launch: task {task} {}; stopping the other tasks",
+                strata_compare::runner::describe(status)
+            );
+            stop_running(&self.running, Signal::SIGTERM, &mut self.killed_by_launcher);
+            self.kill_at = Some(Instant::now() + self.args.grace_period);
+        } else {
+            eprintln!("strata launch: task {task} {}", strata_compare::runner::describe(status));
+        }
+        Ok(())
+    }
+
+    /// An elastic job goes on without task `i` (its members re-form); a restart joins it at the
+    /// next step boundary.
+    fn lost_from_elastic_job(&mut self, i: usize, status: ExitStatus) -> Result<()> {
+        let task = self.running[i].task;
+        let why = strata_compare::runner::describe(status);
+        if self.service.is_some_and(|s| s.left_on_request().contains(&task.to_string())) {
+            // Asked to stop alone (not by this launcher): it left; nothing to restart.
+            eprintln!("strata launch: task {task} left the elastic job on request; the job goes on without it");
+            return Ok(());
+        }
+        if self.restarts[i] < self.args.max_restarts {
+            self.restarts[i] += 1;
+            eprintln!(
+                "strata launch: task {task} {why}; the elastic job goes on, and a new process joins it (restart {} of {})",
+                self.restarts[i], self.args.max_restarts
+            );
+            let mut again = start(self.spawn, &[task], self.events)?;
+            if let Some(r) = again.pop() {
+                self.outputs_open += 2;
+                self.running[i] = r;
+            }
+        } else {
+            eprintln!("strata launch: task {task} {why}; the elastic job goes on without it");
+        }
+        Ok(())
+    }
+
+    /// An elastic job that failed stops the tasks left; one whose live tasks are all stopped
+    /// (fenced when continued) after every member left is over.
+    fn watch_elastic_job(&mut self, service: &strata_transport::CoordinationServerHandle) {
+        if self.kill_at.is_none() && service.error().is_some() {
+            // The elastic job failed (too few workers left, or a task's error): stop the rest.
+            eprintln!("strata launch: the elastic job failed; stopping the other tasks");
+            stop_running(&self.running, Signal::SIGTERM, &mut self.killed_by_launcher);
+            self.kill_at = Some(Instant::now() + self.args.grace_period);
+        } else if self.kill_at.is_none() {
+            // The job is over when every live task has exited: a stopped one (fenced when it
+            // is continued) is killed at once.
+            let running = &self.running;
+            let pending: Vec<usize> = (0..running.len()).filter(|&i| running[i].status.is_none()).collect();
+            if !pending.is_empty() && pending.iter().all(|&i| is_stopped(running[i].group)) && service.all_left() {
+                stop_running(&self.running, Signal::SIGTERM, &mut self.killed_by_launcher);
+                self.kill_at = Some(Instant::now() + self.args.grace_period);
+            }
         }
     }
 
-    let code = failure.or(interrupted.map(|s| 128 + s as i32));
-    match code {
-        None => Ok(()),
-        Some(code) => {
-            let _ = io::stdout().flush();
-            let _ = io::stderr().flush();
-            std::process::exit(code)
+    /// The last lines of output, which may still be on their way.
+    fn drain(&mut self, received: &Receiver<Event>) {
+        let drained_by = Instant::now() + DRAIN;
+        while self.outputs_open > 0 {
+            let left = drained_by.saturating_duration_since(Instant::now());
+            match received.recv_timeout(left) {
+                Ok(Event::OutputClosed) => self.outputs_open -= 1,
+                Ok(Event::ErrorLine(t, line)) => note_error(&mut self.error_lines, t, line),
+                Ok(Event::Signal(_)) => {}
+                Err(_) => break,
+            }
         }
     }
+
+    /// The launcher's outcome: the elastic job's, or that of the task to blame (named when it
+    /// is not the first that failed), or the interrupting signal's.
+    fn finish(mut self) -> Result<()> {
+        if let Some(service) = self.service.filter(|s| s.error().is_none()) {
+            return elastic_outcome(service, self.interrupted);
+        }
+        let running = &self.running;
+        let statuses: Vec<Option<ExitStatus>> = running.iter().map(|r| r.status).collect();
+        let names: Vec<String> = running.iter().map(|r| r.task.to_string()).collect();
+        let error_lines = &self.error_lines;
+        let reported_lost =
+            |blamed: usize| error_lines.iter().find(|(t, l)| *t != blamed && blames_task(l, &names[blamed])).cloned();
+        if let Some((blamed, (reporter, report))) = blamed_task(&names, &statuses, error_lines)
+            .filter(|(b, line)| line.is_none() && self.killed_by_launcher[*b])
+            .and_then(|(b, _)| reported_lost(b).map(|r| (b, r)))
+        {
+            // The launcher's own kill of a task another reported lost (a stopped task cannot act
+            // on SIGTERM) is not the cause: name the task and the report, and exit as the reporter.
+            eprintln!(
+                "strata launch: the job failed in task {}, which task {} reported lost: {report}",
+                running[blamed].task, running[reporter].task
+            );
+            if let Some(status) = statuses[reporter] {
+                self.failure = Some(exit_code(status));
+            }
+        } else if let Some((blamed, line)) = blamed_task(&names, &statuses, error_lines) {
+            if self.first_failed.is_some_and(|f| f != blamed) {
+                let status = statuses[blamed].map_or_else(|| "failed".to_string(), strata_compare::runner::describe);
+                match line {
+                    Some(line) => {
+                        eprintln!("strata launch: the job failed in task {} ({status}): {line}", running[blamed].task)
+                    }
+                    None => eprintln!("strata launch: the job failed in task {} ({status})", running[blamed].task),
+                }
+            }
+            if let Some(status) = statuses[blamed] {
+                self.failure = Some(exit_code(status));
+            }
+        }
+        match self.failure.or(self.interrupted.map(|s| 128 + s as i32)) {
+            None => Ok(()),
+            Some(code) => exit_now(code),
+        }
+    }
+}
+
+/// The outcome of an elastic job that completed (or stopped on request): the launcher's,
+/// whatever tasks were lost on the way.
+fn elastic_outcome(service: &strata_transport::CoordinationServerHandle, interrupted: Option<Signal>) -> Result<()> {
+    for l in service.lost_tasks() {
+        eprintln!("strata launch: lost on the way: {l}");
+    }
+    let (generation, members) = service.membership();
+    let stopped = service.stopped();
+    let ended = if stopped.is_some() { "stopped on request" } else { "completed" };
+    eprintln!("strata launch: the elastic job {ended} in generation {generation} with {}", members.join(", "));
+    let code = interrupted.map(|s| 128 + s as i32).or(stopped.map(|c| 128 + c.min(127) as i32));
+    match code {
+        Some(code) => exit_now(code),
+        None => Ok(()),
+    }
+}
+
+/// Ends the launcher with `code`, its output flushed.
+fn exit_now(code: i32) -> ! {
+    let _ = io::stdout().flush();
+    let _ = io::stderr().flush();
+    std::process::exit(code)
 }
 
 /// Marks the tasks not yet reaped as killed by the launcher.

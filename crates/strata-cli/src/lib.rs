@@ -5,24 +5,20 @@
 //! the library's types here, at the edge.
 
 pub mod bench;
+pub mod cluster_token;
 pub mod compare;
 pub(crate) mod coordinator;
+pub(crate) mod kinds;
 pub(crate) mod launch;
-pub use launch::TOKEN_VAR;
+pub use cluster_token::TOKEN_VAR;
 pub mod ps;
 pub(crate) mod signals;
+pub mod summary;
 pub mod train;
+pub mod train_args;
 
-use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
 use clap::{Parser, Subcommand};
-use strata::NamedKind;
 pub use strata::{Error, Result};
-
-/// A clap value parser for one of the library's named kinds (its names, each with its help).
-pub(crate) fn kind_parser<K: NamedKind>() -> impl TypedValueParser<Value = K> {
-    PossibleValuesParser::new(K::all().iter().map(|k| PossibleValue::new(k.name()).help(k.help())))
-        .try_map(|s| s.parse::<K>())
-}
 
 /// Strata: distribution strategies for data-parallel training.
 #[derive(Parser, Debug)]
@@ -99,7 +95,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Worker(args) => ps::run_worker(&args),
         Command::Devices(args) => devices(&args),
         Command::Compare(args) => compare::run(&args),
-        Command::Bench { which: BenchCommand::Allreduce(args) } => bench::allreduce::run(&args),
+        Command::Bench { which: BenchCommand::Allreduce(args) } => bench::allreduce(&args),
         Command::Bench { which: BenchCommand::Train(args) } => bench::train::run(&args),
         Command::Bench { which: BenchCommand::Transport(args) } => bench::transport::run(&args),
         Command::Bench { which: BenchCommand::Ps(args) } => bench::ps::run(&args),

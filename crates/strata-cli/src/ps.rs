@@ -15,7 +15,6 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
-use serde::Serialize;
 use strata_strategies::cluster::{
     ClusterConfig, ClusterResolver, ClusterSpec, TFConfigClusterResolver, TaskId, TaskType,
 };
@@ -29,8 +28,10 @@ use strata::ps_job::{self, PsJobModel, PsJobSpec, PsTrainConfig, WorkerStepOptio
 use strata::transformer::TransformerConfig;
 use strata_compare::inject::StepDelays;
 
-use crate::launch::{self, TOKEN_VAR};
-use crate::train::{ClusterSource, ModelKind, PsModeKind, TrainArgs, TRANSFORMER_STEPS};
+use crate::cluster_token::{self, TOKEN_VAR};
+use crate::launch;
+pub use crate::summary::{PsSummary, PsTaskSummary};
+use crate::train_args::{self, ClusterSource, ModelKind, PsModeKind, TrainArgs, TRANSFORMER_STEPS};
 use crate::{Error, Result};
 
 /// `strata ps` flags: serve one parameter-server task until the chief ends the job, SIGTERM or
@@ -119,19 +120,6 @@ pub struct WorkerArgs {
     pub chief_timeout: Duration,
 }
 
-pub(crate) fn token(file: Option<&std::path::Path>) -> Result<ClusterToken> {
-    let unset = match std::env::var(TOKEN_VAR) {
-        Ok(t) => t.trim().is_empty(),
-        Err(e) => e == std::env::VarError::NotPresent,
-    };
-    if file.is_none() && unset {
-        return Err(Error::Usage(format!(
-            "no cluster token: set {TOKEN_VAR} to the same secret in every task (strata launch does this for you), or pass --cluster-token-file"
-        )));
-    }
-    ClusterToken::resolve(file).map_err(|e| Error::Usage(e.to_string()))
-}
-
 /// This task's cluster from `TF_CONFIG`, if the variable is set.
 fn tf_config() -> Result<Option<ClusterConfig>> {
     if std::env::var_os("TF_CONFIG").is_none() {
@@ -209,10 +197,11 @@ fn run_ps_in(args: &PsArgs, cluster: Option<ClusterConfig>) -> Result<()> {
     let address = listen_address(&args.address, args.bind, cluster.as_ref(), TaskType::Ps)?;
     let index = cluster.as_ref().map_or(args.task_index, |c| c.task.index);
     if let Some(dir) = &args.checkpoint_dir {
-        crate::train::checkpoint_dir_writable(dir)?;
+        train_args::checkpoint_dir_writable(dir)?;
     }
     let signals = crate::signals::handle()?;
-    let mut config = PsServerConfig::new(format!("ps:{index}"), token(args.cluster_token_file.as_deref())?);
+    let mut config =
+        PsServerConfig::new(format!("ps:{index}"), cluster_token::resolve(args.cluster_token_file.as_deref())?);
     config.checkpoint_dir = args.checkpoint_dir.clone();
     config.keep_checkpoints = args.keep_checkpoints.max(1);
     config.restore = args.restore.clone();
@@ -255,7 +244,7 @@ fn run_worker_in(args: &WorkerArgs, cluster: Option<ClusterConfig>) -> Result<()
             .collect::<Result<_, _>>()?
     };
     let signals = crate::signals::handle()?;
-    let mut options = WorkerOptions::new(index, ps, token(args.cluster_token_file.as_deref())?);
+    let mut options = WorkerOptions::new(index, ps, cluster_token::resolve(args.cluster_token_file.as_deref())?);
     options.task_index = index;
     let mut delays =
         StepDelays::from_flags(&[], args.straggler_probability, args.straggler_delay.as_deref(), args.inject_seed)?;
@@ -268,50 +257,6 @@ fn run_worker_in(args: &WorkerArgs, cluster: Option<ClusterConfig>) -> Result<()
     let server = serve_worker(address, registry, options)?;
     eprintln!("worker:{index} listening on {}", server.address());
     serve_until_done(&format!("worker:{index}"), server, &signals, args.chief_timeout)
-}
-
-/// The parameter-server part of `--out`.
-#[derive(Debug, Serialize)]
-pub struct PsSummary {
-    /// The mode, as the ps tasks report it.
-    pub mode: String,
-    /// Worker tasks.
-    pub workers: usize,
-    /// What the coordinator saw.
-    pub coordinator: ps_job::CoordinatorStats,
-    /// What each ps task did.
-    pub tasks: Vec<PsTaskSummary>,
-}
-
-/// One ps task's counters at the end of training.
-#[derive(Debug, Serialize)]
-pub struct PsTaskSummary {
-    /// `ps:<index>`.
-    pub task: String,
-    /// Applies made (the task's version).
-    pub version: u64,
-    /// Updates applied.
-    pub pushes_applied: u64,
-    /// Retries answered as duplicates.
-    pub pushes_duplicate: u64,
-    /// Sync pushes dropped.
-    pub pushes_dropped: u64,
-    /// Stale pushes refused.
-    pub pushes_stale: u64,
-    /// Pushes applied while they arrived (counted in `pushes_applied` too).
-    pub pushes_streamed: u64,
-    /// Streamed pushes refused because another update overtook them (sent again).
-    pub pushes_aborted: u64,
-    /// The checkpoint step it was restored from (0: fresh).
-    pub restored_step: u64,
-    /// Its version in that checkpoint.
-    pub restored_version: u64,
-    /// Sync rounds applied.
-    pub rounds: u64,
-    /// Updates applied per worker.
-    pub applied_by_worker: std::collections::BTreeMap<String, u64>,
-    /// Bytes of variables it holds.
-    pub bytes: u64,
 }
 
 fn ps_mode(args: &TrainArgs, workers: usize) -> Result<PsMode> {
@@ -331,7 +276,7 @@ fn ps_mode(args: &TrainArgs, workers: usize) -> Result<PsMode> {
 }
 
 /// The ps tasks' learning-rate schedule: the transformer's, as under the other strategies
-/// ([`crate::train::transformer_schedule`]), over the optimizer steps the ps tasks will count:
+/// ([`train_args::transformer_schedule`]), over the optimizer steps the ps tasks will count:
 /// every scheduled step is one applied push to every ps task in async and stale modes, and a
 /// sync round takes one step of each of the `workers` (backups' dropped ones included), so a
 /// task counts `ceil(--steps / workers)` rounds per epoch. The digits models keep the constant
@@ -347,7 +292,7 @@ fn ps_schedule(args: &TrainArgs, mode: PsMode, workers: usize) -> Option<strata_
     };
     let total = per_epoch.saturating_mul(args.epochs()) as u64;
     // Without a step the job is refused for its --steps, not for its schedule.
-    (total > 0).then(|| crate::train::transformer_schedule(args.lr, total))
+    (total > 0).then(|| train_args::transformer_schedule(args.lr, total))
 }
 
 /// The slow workers and stragglers of `--worker-slowdown` and `--straggler-*`, checked
@@ -539,7 +484,7 @@ pub fn train(args: &TrainArgs, started: Instant) -> Result<()> {
     let (from_env, cluster_source) = match args.cluster {
         ClusterSource::TfConfig if args.slurm_jobs.is_none() => (tf_config()?, "TF_CONFIG"),
         _ => {
-            let resolver = crate::train::resolver(args)?;
+            let resolver = train_args::resolver(args)?;
             (Some(resolver.resolve()?), resolver.source())
         }
     };
@@ -552,45 +497,7 @@ pub fn train(args: &TrainArgs, started: Instant) -> Result<()> {
             )))
         }
         Some(c) => match c.task.kind {
-            TaskType::Ps => {
-                let checkpoint_dir = args.checkpoint_dir.as_ref().map(|d| d.join(format!("ps-{}", c.task.index)));
-                return run_ps_in(
-                    &PsArgs {
-                    address: None,
-                    task_index: 0,
-                    bind: args.bind,
-                    cluster_token_file: args.cluster_token_file.clone(),
-                    checkpoint_dir,
-                    restore: None,
-                    keep_checkpoints: 3,
-                    stream_min_mib: 2.0,
-                    no_stream: false,
-                    inject_drop_reply_every: 0,
-                    inject_drop_request_every: 0,
-                    chief_timeout: args.chief_timeout,
-                    },
-                    Some(c),
-                );
-            }
-            TaskType::Worker => {
-                let slowdown = args.step_delays()?.factor(c.task.index);
-                return run_worker_in(
-                    &WorkerArgs {
-                    address: None,
-                    task_index: 0,
-                    ps: Vec::new(),
-                    bind: args.bind,
-                    cluster_token_file: args.cluster_token_file.clone(),
-                    slowdown,
-                    straggler_probability: args.straggler_probability,
-                    straggler_delay: args.straggler_delay.clone(),
-                    inject_seed: args.seed,
-                    network_delay: args.network_delay,
-                    chief_timeout: args.chief_timeout,
-                    },
-                    Some(c),
-                );
-            }
+            TaskType::Ps | TaskType::Worker => return serve_task(args, c),
             TaskType::Chief => {
                 c.spec.require_ps()?;
                 (c.spec.clone(), None)
@@ -602,29 +509,8 @@ pub fn train(args: &TrainArgs, started: Instant) -> Result<()> {
             }
         },
         None => {
-            if args.ps_tasks == 0 || args.workers == 0 {
-                return Err(Error::Usage(format!(
-                    "--ps-tasks {} --workers {}: a parameter-server job needs at least one of each",
-                    args.ps_tasks, args.workers
-                )));
-            }
-            if args.ps_tasks.saturating_add(args.workers) > launch::MAX_LOCAL_TASKS {
-                return Err(Error::Usage(format!(
-                    "--ps-tasks {} --workers {}: over the limit of {} processes started on this machine; start fewer, or give TF_CONFIG a cluster of several machines",
-                    args.ps_tasks,
-                    args.workers,
-                    launch::MAX_LOCAL_TASKS
-                )));
-            }
-            if let Some(dir) = &args.checkpoint_dir {
-                crate::train::checkpoint_dir_writable(dir)?;
-            }
-            let tasks = launch::tasks(true, args.workers, args.ps_tasks);
-            let addresses = launch::free_addresses(args.bind, tasks.len())?;
-            let spec = launch::cluster_spec(&tasks, &addresses)?;
-            token_text = launch::cluster_token();
-            let delays = step_delays(args, args.workers)?;
-            let local = LocalCluster::start(args, &spec, &token_text, &delays)?;
+            let (spec, local, token) = start_local_cluster(args)?;
+            token_text = token;
             (spec, Some(local))
         }
     };
@@ -638,7 +524,7 @@ pub fn train(args: &TrainArgs, started: Instant) -> Result<()> {
                 None => token,
             }
         }
-        None => token(args.cluster_token_file.as_deref())?,
+        None => cluster_token::resolve(args.cluster_token_file.as_deref())?,
     };
     let workers = cluster.num_tasks(TaskType::Worker);
     let mut options = ParameterServerOptions::new(token);
@@ -655,22 +541,103 @@ pub fn train(args: &TrainArgs, started: Instant) -> Result<()> {
     options.wait_for_restarted_ps = local_tasks.is_none() && args.checkpoint_dir.is_some();
     let strategy = ParameterServerStrategy::new(cluster, options)?;
     let outcome = coordinate(args, started, &strategy, job, workers);
-    // The job is over: every ps task and worker is told, stops serving and exits 0, instead of
-    // serving until it is killed. After a failure a local cluster's tasks are stopped as before
-    // (when `local_tasks` is dropped), and a remote cluster's are told within a short deadline,
-    // so that a task that cannot answer (the one whose loss failed the job) delays the error
-    // little.
-    let deadline = match (&outcome, &local_tasks) {
+    end_job(&strategy, &outcome, local_tasks.as_ref());
+    outcome
+}
+
+/// A ps or worker task of a parameter-server job whose cluster is in `TF_CONFIG` (`c`): serves
+/// as `strata ps` or `strata worker` would, with the flags of `strata train` that apply.
+fn serve_task(args: &TrainArgs, c: ClusterConfig) -> Result<()> {
+    match c.task.kind {
+        TaskType::Ps => {
+            let checkpoint_dir = args.checkpoint_dir.as_ref().map(|d| d.join(format!("ps-{}", c.task.index)));
+            run_ps_in(
+                &PsArgs {
+                    address: None,
+                    task_index: 0,
+                    bind: args.bind,
+                    cluster_token_file: args.cluster_token_file.clone(),
+                    checkpoint_dir,
+                    restore: None,
+                    keep_checkpoints: 3,
+                    stream_min_mib: 2.0,
+                    no_stream: false,
+                    inject_drop_reply_every: 0,
+                    inject_drop_request_every: 0,
+                    chief_timeout: args.chief_timeout,
+                },
+                Some(c),
+            )
+        }
+        // A worker (the caller hands over ps and worker tasks only).
+        _ => {
+            let slowdown = args.step_delays()?.factor(c.task.index);
+            run_worker_in(
+                &WorkerArgs {
+                    address: None,
+                    task_index: 0,
+                    ps: Vec::new(),
+                    bind: args.bind,
+                    cluster_token_file: args.cluster_token_file.clone(),
+                    slowdown,
+                    straggler_probability: args.straggler_probability,
+                    straggler_delay: args.straggler_delay.clone(),
+                    inject_seed: args.seed,
+                    network_delay: args.network_delay,
+                    chief_timeout: args.chief_timeout,
+                },
+                Some(c),
+            )
+        }
+    }
+}
+
+/// Starts a local cluster of `--ps-tasks` ps tasks and `--workers` worker tasks on loopback
+/// (this process is the chief): its spec, its processes and the token they share.
+fn start_local_cluster(args: &TrainArgs) -> Result<(ClusterSpec, LocalCluster, String)> {
+    if args.ps_tasks == 0 || args.workers == 0 {
+        return Err(Error::Usage(format!(
+            "--ps-tasks {} --workers {}: a parameter-server job needs at least one of each",
+            args.ps_tasks, args.workers
+        )));
+    }
+    if args.ps_tasks.saturating_add(args.workers) > launch::MAX_LOCAL_TASKS {
+        return Err(Error::Usage(format!(
+            "--ps-tasks {} --workers {}: over the limit of {} processes started on this machine; start fewer, or give TF_CONFIG a cluster of several machines",
+            args.ps_tasks,
+            args.workers,
+            launch::MAX_LOCAL_TASKS
+        )));
+    }
+    if let Some(dir) = &args.checkpoint_dir {
+        train_args::checkpoint_dir_writable(dir)?;
+    }
+    let tasks = launch::tasks(true, args.workers, args.ps_tasks);
+    let addresses = launch::free_addresses(args.bind, tasks.len())?;
+    let spec = launch::cluster_spec(&tasks, &addresses)?;
+    let token = cluster_token::for_local_cluster();
+    let delays = step_delays(args, args.workers)?;
+    let local = LocalCluster::start(args, &spec, &token, &delays)?;
+    Ok((spec, local, token))
+}
+
+/// The end of the job: every ps task and worker is told, stops serving and exits 0, instead of
+/// serving until it is killed. After a failure a local cluster's tasks are stopped as before
+/// (when `local_tasks` is dropped), and a remote cluster's are told within a short deadline,
+/// so that a task that cannot answer (the one whose loss failed the job) delays the error
+/// little.
+fn end_job(strategy: &ParameterServerStrategy, outcome: &Result<()>, local_tasks: Option<&LocalCluster>) {
+    let deadline = match (outcome, local_tasks) {
         (Ok(()), _) => Some(FINISH_DEADLINE),
         (Err(_), None) => Some(FINISH_DEADLINE_AFTER_FAILURE),
         (Err(_), Some(_)) => None,
     };
     if let Some(deadline) = deadline {
-        let reason = match &outcome {
+        let reason = match outcome {
             Ok(()) => "the chief finished training".to_string(),
             Err(e) => format!("the chief failed: {e}"),
         };
-        if let Some(local) = &local_tasks {
+        if let Some(local) = local_tasks {
             // Its tasks exiting from now on are not lost.
             local.finishing.store(true, std::sync::atomic::Ordering::SeqCst);
         }
@@ -682,11 +649,10 @@ pub fn train(args: &TrainArgs, started: Instant) -> Result<()> {
                 );
             }
         }
-        if let Some(local) = &local_tasks {
+        if let Some(local) = local_tasks {
             local.wait_exited(FINISH_DEADLINE);
         }
     }
-    outcome
 }
 
 /// How long the chief waits for each task to take the end of the job, and a local cluster's
@@ -749,5 +715,5 @@ fn coordinate(
     }
     let ps = PsSummary { mode, workers, coordinator: stats, tasks };
     let replicas = workers * args.replicas.unwrap_or(1);
-    crate::train::finish(args, started, replicas, &report, model.variables(), 0, Some(ps))
+    crate::summary::finish(args, started, replicas, &report, model.variables(), 0, Some(ps))
 }

@@ -391,7 +391,7 @@ pub struct Experiment {
     /// What is injected.
     pub injection: Injection,
     /// Simulated mode's settings.
-    pub simulate: Option<super::simulate::SimConfig>,
+    pub simulate: Option<crate::sim_config::SimConfig>,
     /// The emulated hosts multi-process runs run on (`[network]`), or `None`: loopback.
     pub network: Option<crate::hosts::Network>,
 }
@@ -417,102 +417,15 @@ impl Experiment {
                 format!("{name:?} must be a plain directory name (no slashes), e.g. \"digits-mlp\""),
             ));
         }
-        let model = e.model.as_ref().map_or(RunModel::Mlp, |m| *m.get_ref());
-        let model_name = model.name();
-        let not_for = |span: std::ops::Range<usize>, field: &str, applies: &str| {
-            Err(at.error(span, field, format!("applies to {applies}, not model = \"{model_name}\"; drop it")))
-        };
-        let hidden = match &e.hidden {
-            Some(h) if model != RunModel::Mlp => return not_for(h.span(), "experiment.hidden", "model = \"mlp\""),
-            Some(h) => h.get_ref().clone(),
-            None if model == RunModel::Mlp => vec![256, 256],
-            None => Vec::new(),
-        };
-        if model == RunModel::Mlp && (hidden.is_empty() || hidden.contains(&0)) {
-            let span = e.hidden.as_ref().map_or(0..0, |h| h.span());
-            return Err(at.error(span, "experiment.hidden", "needs layer sizes of at least 1, e.g. [256, 256]"));
-        }
-        let steps = match &e.steps {
-            Some(v) if model != RunModel::Transformer => {
-                return not_for(v.span(), "experiment.steps", "model = \"transformer\"")
-            }
-            Some(v) if *v.get_ref() == 0 => return Err(at.error(v.span(), "experiment.steps", "must be at least 1")),
-            Some(v) => Some(*v.get_ref()),
-            None => None,
-        };
-        if let (RunModel::Transformer, Some(d)) = (model, &e.data) {
-            return not_for(d.span(), "experiment.data", "the digits models (model = \"mlp\" or \"cnn\")");
-        }
-        let positive = |v: &Spanned<usize>, field: &str| -> Result<usize> {
-            if *v.get_ref() == 0 {
-                Err(at.error(v.span(), field, "must be at least 1"))
-            } else {
-                Ok(*v.get_ref())
-            }
-        };
-        let epochs = positive(&e.epochs, "experiment.epochs")?;
-        let global_batch = positive(&e.global_batch, "experiment.global_batch")?;
+        let (model, hidden, steps) = model_fields(&at, &e)?;
+        let epochs = at.positive(&e.epochs, "experiment.epochs")?;
+        let global_batch = at.positive(&e.global_batch, "experiment.global_batch")?;
         let lr = *e.lr.get_ref();
         if !(lr.is_finite() && lr > 0.0) {
             return Err(at.error(e.lr.span(), "experiment.lr", "must be a positive learning rate, e.g. 0.003"));
         }
-        let optimizer = e.optimizer.get_ref().clone();
-        if optimizer.parse::<strata::OptimizerKind>().is_err() {
-            return Err(at.error(
-                e.optimizer.span(),
-                "experiment.optimizer",
-                format!("{optimizer:?} is not one of adamw, sgd, momentum, adagrad"),
-            ));
-        }
-        if matches!(optimizer.as_str(), "momentum" | "adagrad")
-            && raw.run.iter().any(|r| r.get_ref().strategy != RunStrategy::ParameterServer)
-        {
-            return Err(at.error(
-                e.optimizer.span(),
-                "experiment.optimizer",
-                format!("{optimizer} runs on parameter servers only; use adamw or sgd to compare every strategy"),
-            ));
-        }
-        let target = match (model, &e.target_accuracy, &e.target_loss) {
-            (RunModel::Transformer, Some(a), _) => {
-                return Err(at.error(
-                    a.span(),
-                    "experiment.target_accuracy",
-                    "the transformer is measured by validation loss; set target_loss (nats per character, e.g. 1.9) instead",
-                ))
-            }
-            (RunModel::Transformer, None, Some(l)) => {
-                let t = *l.get_ref();
-                if !(t.is_finite() && t > 0.0) {
-                    return Err(at.error(
-                        l.span(),
-                        "experiment.target_loss",
-                        "must be a positive loss in nats per character, e.g. 1.9",
-                    ));
-                }
-                crate::Target::Loss(t)
-            }
-            (RunModel::Transformer, None, None) => {
-                return Err(Error::Usage(format!(
-                    "{}: experiment.target_loss: model = \"transformer\" needs a target validation loss, e.g. target_loss = 1.9",
-                    path.display()
-                )))
-            }
-            (_, _, Some(l)) => return not_for(l.span(), "experiment.target_loss", "model = \"transformer\""),
-            (_, Some(a), None) => {
-                let t = *a.get_ref();
-                if !(t > 0.0 && t <= 1.0) {
-                    return Err(at.error(a.span(), "experiment.target_accuracy", "must be in (0, 1], e.g. 0.95"));
-                }
-                crate::Target::Accuracy(t)
-            }
-            (_, None, None) => {
-                return Err(Error::Usage(format!(
-                    "{}: experiment.target_accuracy: model = \"{model_name}\" needs a target test accuracy, e.g. target_accuracy = 0.95",
-                    path.display()
-                )))
-            }
-        };
+        let optimizer = optimizer(&at, &e.optimizer, &raw.run)?;
+        let target = target(&at, &e, model)?;
         let run_timeout = match &e.run_timeout {
             Some(t) => parse_duration(t.get_ref()).map_err(|m| at.error(t.span(), "experiment.run_timeout", m))?,
             None => Duration::from_secs(600),
@@ -525,221 +438,11 @@ impl Experiment {
         }
         let mut runs: Vec<RunSpec> = Vec::new();
         for (i, r) in raw.run.iter().enumerate() {
-            let field = |f: &str| format!("run[{i}].{f}");
-            let span = r.span();
-            let r = r.get_ref();
-            let opt_positive = |v: &Option<Spanned<usize>>, f: &str, default: usize| -> Result<usize> {
-                match v {
-                    Some(v) => positive(v, &field(f)),
-                    None => Ok(default),
-                }
-            };
-            let multi = r.strategy.is_multi_process();
-            let replicas = match r.strategy {
-                RunStrategy::OneDevice => {
-                    if let Some(v) = r.replicas.as_ref().filter(|v| *v.get_ref() != 1) {
-                        return Err(at.error(
-                            v.span(),
-                            &field("replicas"),
-                            "one-device runs 1 replica; drop it or use mirrored",
-                        ));
-                    }
-                    1
-                }
-                RunStrategy::Mirrored | RunStrategy::CentralStorage => opt_positive(&r.replicas, "replicas", 2)?,
-                _ => opt_positive(&r.replicas, "replicas", 1)?,
-            };
-            if !multi {
-                if let Some(v) = r.workers.as_ref().or(r.ps_tasks.as_ref()) {
-                    return Err(at.error(
-                        v.span(),
-                        &field(if r.workers.is_some() { "workers" } else { "ps_tasks" }),
-                        format!("{} runs in one process; set replicas instead", r.strategy.name()),
-                    ));
-                }
-            }
-            let workers = if multi { opt_positive(&r.workers, "workers", 2)? } else { 1 };
-            let ps_tasks = if r.strategy == RunStrategy::ParameterServer {
-                opt_positive(&r.ps_tasks, "ps_tasks", 1)?
-            } else {
-                if let Some(v) = &r.ps_tasks {
-                    return Err(at.error(v.span(), &field("ps_tasks"), "only parameter-server runs have ps tasks"));
-                }
-                0
-            };
-            let mode = match (r.strategy, &r.mode) {
-                (RunStrategy::ParameterServer, m) => Some(m.as_ref().map_or(PsMode::Async, |m| *m.get_ref())),
-                (_, Some(m)) => {
-                    return Err(at.error(m.span(), &field("mode"), "only parameter-server runs have a mode; drop it"))
-                }
-                (_, None) => None,
-            };
-            let backup_workers = match &r.backup_workers {
-                Some(b) if mode != Some(PsMode::Sync) => {
-                    return Err(at.error(b.span(), &field("backup_workers"), "backup workers need mode = \"sync\""))
-                }
-                Some(b) if *b.get_ref() >= workers => {
-                    return Err(at.error(
-                        b.span(),
-                        &field("backup_workers"),
-                        format!("{} backup workers leave none of the {workers} workers; use fewer", b.get_ref()),
-                    ))
-                }
-                Some(b) => *b.get_ref(),
-                None => 0,
-            };
-            let staleness = match &r.staleness {
-                Some(s) if mode != Some(PsMode::Stale) => {
-                    return Err(at.error(s.span(), &field("staleness"), "a staleness bound needs mode = \"stale\""))
-                }
-                Some(s) => *s.get_ref(),
-                None => 4,
-            };
-            let compression = match &r.compression {
-                None => Compression::None,
-                Some(c) => {
-                    let parsed: Compression = c
-                        .get_ref()
-                        .parse()
-                        .map_err(|e: CompressionError| at.error(c.span(), &field("compression"), e.to_string()))?;
-                    match (r.strategy, parsed) {
-                        (_, Compression::None) | (RunStrategy::MultiWorkerMirrored, _) => {}
-                        (RunStrategy::ParameterServer, Compression::Fp16 | Compression::Bf16) => {}
-                        (RunStrategy::ParameterServer, _) => {
-                            return Err(at.error(
-                                c.span(),
-                                &field("compression"),
-                                "PowerSGD applies to multi-worker-mirrored's ring; use none, fp16 or bf16 with parameter-server",
-                            ))
-                        }
-                        (strategy, _) => {
-                            return Err(at.error(
-                                c.span(),
-                                &field("compression"),
-                                format!(
-                                    "{} has no gradients on a network; compression applies to multi-worker-mirrored and parameter-server, drop it",
-                                    strategy.name()
-                                ),
-                            ))
-                        }
-                    }
-                    parsed
-                }
-            };
-            let total = if multi { workers * replicas } else { replicas };
-            if global_batch < total {
-                return Err(at.error(
-                    span,
-                    &format!("run[{i}]"),
-                    format!("experiment.global_batch {global_batch} is smaller than its {total} replicas; every replica needs an example per step"),
-                ));
-            }
-            if r.strategy == RunStrategy::ParameterServer && global_batch % workers != 0 {
-                return Err(at.error(
-                    r.workers.as_ref().map_or(span, |w| w.span()),
-                    &field("workers"),
-                    format!(
-                        "experiment.global_batch {global_batch} does not split evenly over {workers} workers; each pushes global_batch / workers examples per step"
-                    ),
-                ));
-            }
-            let mwms = r.strategy == RunStrategy::MultiWorkerMirrored;
-            let min_workers = match &r.min_workers {
-                Some(m) if !mwms => {
-                    return Err(at.error(
-                        m.span(),
-                        &field("min_workers"),
-                        format!(
-                            "{} is not elastic; only multi-worker-mirrored runs take min_workers, drop it",
-                            r.strategy.name()
-                        ),
-                    ))
-                }
-                Some(m) if *m.get_ref() == 0 || *m.get_ref() > workers => {
-                    return Err(at.error(
-                        m.span(),
-                        &field("min_workers"),
-                        format!("{} for a run of {workers} workers; use 1 to {workers}", m.get_ref()),
-                    ))
-                }
-                Some(m) => Some(*m.get_ref()),
-                None => None,
-            };
-            let checkpoint_every = match &r.checkpoint_every {
-                Some(c) if !mwms => {
-                    return Err(at.error(
-                        c.span(),
-                        &field("checkpoint_every"),
-                        format!("{} runs are not relaunched from checkpoints here; only multi-worker-mirrored runs take checkpoint_every, drop it", r.strategy.name()),
-                    ))
-                }
-                Some(c) => Some(positive(c, &field("checkpoint_every"))?),
-                None => None,
-            };
-            let restarts = match &r.restarts {
-                Some(k) if !multi => {
-                    return Err(at.error(
-                        k.span(),
-                        &field("restarts"),
-                        format!("{} runs in one process and loses no worker; drop it", r.strategy.name()),
-                    ))
-                }
-                Some(k) if *k.get_ref() > 0 && mwms && min_workers.is_none() && checkpoint_every.is_none() => {
-                    return Err(at.error(
-                        k.span(),
-                        &field("restarts"),
-                        "a job that is not elastic is relaunched whole from its last checkpoint: set checkpoint_every (steps), or min_workers for an elastic job",
-                    ))
-                }
-                Some(k) => *k.get_ref(),
-                None => 0,
-            };
-            let mut spec = RunSpec {
-                name: String::new(),
-                strategy: r.strategy,
-                replicas,
-                workers,
-                ps_tasks,
-                mode,
-                backup_workers,
-                staleness,
-                timeout: match &r.timeout {
-                    Some(t) => Some(parse_duration(t.get_ref()).map_err(|m| at.error(t.span(), &field("timeout"), m))?),
-                    None => None,
-                },
-                compression,
-                min_workers,
-                restarts,
-                checkpoint_every,
-                faults: r.faults.as_ref().is_none_or(|f| *f.get_ref()),
-            };
-            spec.name = match &r.name {
-                Some(n) => n.get_ref().clone(),
-                None => {
-                    let base: String = match spec.mode {
-                        Some(PsMode::Sync) if backup_workers > 0 => format!("ps-sync-backup{backup_workers}"),
-                        Some(PsMode::Sync) => "ps-sync".into(),
-                        Some(PsMode::Async) => "ps-async".into(),
-                        Some(PsMode::Stale) => format!("ps-stale{staleness}"),
-                        None => r.strategy.name().into(),
-                    };
-                    match compression {
-                        Compression::None => base,
-                        c => format!("{base}-{c}"),
-                    }
-                }
-            };
-            if spec.name.is_empty() || spec.name.contains(['/', '\\', ',', '"']) {
-                return Err(at.error(
-                    r.name.as_ref().map_or(span, |n| n.span()),
-                    &field("name"),
-                    "must be non-empty, without slashes, commas or quotes",
-                ));
-            }
+            let spec = run_spec(&at, i, r, global_batch)?;
             if runs.iter().any(|o| o.name == spec.name) {
                 return Err(at.error(
-                    r.name.as_ref().map_or(span, |n| n.span()),
-                    &field("name"),
+                    r.get_ref().name.as_ref().map_or(r.span(), |n| n.span()),
+                    &format!("run[{i}].name"),
                     format!("{:?} is the name of an earlier run; give this one a name = \"...\"", spec.name),
                 ));
             }
@@ -747,88 +450,7 @@ impl Experiment {
         }
         let injection = match raw.injection {
             None => Injection::default(),
-            Some(inj) => {
-                let mut out = Injection::default();
-                for (k, s) in inj.slowdown.iter().enumerate() {
-                    let v = s.get_ref();
-                    if !(v.factor.is_finite() && v.factor >= 1.0) {
-                        return Err(at.error(
-                            s.span(),
-                            &format!("injection.slowdown[{k}].factor"),
-                            "must be 1 or more (3.0: three times slower)",
-                        ));
-                    }
-                    let max = runs.iter().map(|r| r.parallelism()).max().unwrap_or(1);
-                    if v.worker >= max {
-                        return Err(at.error(
-                            s.span(),
-                            &format!("injection.slowdown[{k}].worker"),
-                            format!(
-                                "worker {} does not exist: the largest run has {max} workers or replicas",
-                                v.worker
-                            ),
-                        ));
-                    }
-                    if out.slowdown.iter().any(|(w, _)| *w == v.worker) {
-                        return Err(at.error(
-                            s.span(),
-                            &format!("injection.slowdown[{k}].worker"),
-                            format!("worker {} is slowed twice", v.worker),
-                        ));
-                    }
-                    out.slowdown.push((v.worker, v.factor));
-                }
-                if let Some(s) = &inj.stragglers {
-                    let v = s.get_ref();
-                    if !(0.0..=1.0).contains(&v.probability) {
-                        return Err(at.error(s.span(), "injection.stragglers.probability", "must be between 0 and 1"));
-                    }
-                    let delay: DelayDistribution =
-                        v.delay.parse().map_err(|m: String| at.error(s.span(), "injection.stragglers.delay", m))?;
-                    out.stragglers = Some(Stragglers { probability: v.probability, delay });
-                }
-                let largest = runs.iter().filter(|r| r.strategy.is_multi_process()).map(|r| r.workers).max();
-                for (k, kill) in inj.kill.iter().enumerate() {
-                    let v = kill.get_ref();
-                    let Some(max) = largest else {
-                        return Err(at.error(
-                            kill.span(),
-                            &format!("injection.kill[{k}]"),
-                            "every run is single-process: there is no worker process to kill; add a multi-worker-mirrored or parameter-server run, or drop it",
-                        ));
-                    };
-                    if v.worker >= max {
-                        return Err(at.error(
-                            kill.span(),
-                            &format!("injection.kill[{k}].worker"),
-                            format!(
-                                "worker {} does not exist: the largest multi-process run has {max} workers",
-                                v.worker
-                            ),
-                        ));
-                    }
-                    if v.at_step == 0 {
-                        return Err(at.error(
-                            kill.span(),
-                            &format!("injection.kill[{k}].at_step"),
-                            "must be at least 1 (the worker is killed once the job has trained that many global batches)",
-                        ));
-                    }
-                    if out.kill.iter().any(|o| o.worker == v.worker) {
-                        return Err(at.error(
-                            kill.span(),
-                            &format!("injection.kill[{k}].worker"),
-                            format!("worker {} is killed twice; each worker is killed at most once", v.worker),
-                        ));
-                    }
-                    out.kill.push(Kill { worker: v.worker, at_step: v.at_step });
-                }
-                if let Some(d) = &inj.network_delay {
-                    out.network_delay =
-                        parse_duration(d.get_ref()).map_err(|m| at.error(d.span(), "injection.network_delay", m))?;
-                }
-                out
-            }
+            Some(inj) => injection(&at, &inj, &runs)?,
         };
         let simulate = match raw.simulate {
             Some(s) if model == RunModel::Transformer => {
@@ -844,47 +466,7 @@ impl Experiment {
             }
             None => None,
         };
-        let network = match raw.network {
-            None => None,
-            Some(n) => {
-                let (span, n) = (n.span(), n.into_inner());
-                let hosts = *n.hosts.get_ref();
-                if !(2..=crate::hosts::MAX_HOSTS).contains(&hosts) {
-                    return Err(at.error(
-                        n.hosts.span(),
-                        "network.hosts",
-                        format!(
-                            "{hosts} hosts: use 2 to {} (one network namespace each), e.g. hosts = 2",
-                            crate::hosts::MAX_HOSTS
-                        ),
-                    ));
-                }
-                let link = n.link.ok_or_else(|| {
-                    at.error(
-                        span.clone(),
-                        "network.link",
-                        "emulated hosts need a link rate: add link = \"1gbit\" (any tc rate), or link = \"unshaped\"",
-                    )
-                })?;
-                let rate_bps =
-                    crate::hosts::parse_rate(link.get_ref()).map_err(|m| at.error(link.span(), "network.link", m))?;
-                if !injection.kill.is_empty() {
-                    return Err(at.error(
-                        span,
-                        "network",
-                        "[injection] kill runs on this machine's loopback (the harness finds and restarts the processes there); drop [network] or the kill",
-                    ));
-                }
-                if !runs.iter().any(|r| r.strategy.is_multi_process()) {
-                    return Err(at.error(
-                        span,
-                        "network",
-                        "every run is single-process (one-device, mirrored, central-storage): nothing crosses a link; drop [network] or add a multi-worker-mirrored or parameter-server run",
-                    ));
-                }
-                Some(crate::hosts::Network { hosts, link: link.get_ref().trim().to_string(), rate_bps })
-            }
-        };
+        let network = raw.network.map(|n| network(&at, n, &injection, &runs)).transpose()?;
         // The simulator's links are the emulated hosts' unless [simulate] names its own
         // bandwidth (explicit wins; an unshaped link keeps the simulator's default).
         let simulate = match (simulate, &network) {
@@ -919,6 +501,485 @@ impl Experiment {
     }
 }
 
+/// `[experiment]`'s model and the fields that apply to one model only: the MLP's `hidden`, the
+/// transformer's `steps`, and the digits models' `data`.
+fn model_fields(at: &Locator<'_>, e: &RawExperiment) -> Result<(RunModel, Vec<usize>, Option<usize>)> {
+    let model = e.model.as_ref().map_or(RunModel::Mlp, |m| *m.get_ref());
+    let hidden = match &e.hidden {
+        Some(h) if model != RunModel::Mlp => {
+            return Err(at.not_for(h.span(), "experiment.hidden", "model = \"mlp\"", model))
+        }
+        Some(h) => h.get_ref().clone(),
+        None if model == RunModel::Mlp => vec![256, 256],
+        None => Vec::new(),
+    };
+    if model == RunModel::Mlp && (hidden.is_empty() || hidden.contains(&0)) {
+        let span = e.hidden.as_ref().map_or(0..0, |h| h.span());
+        return Err(at.error(span, "experiment.hidden", "needs layer sizes of at least 1, e.g. [256, 256]"));
+    }
+    let steps = match &e.steps {
+        Some(v) if model != RunModel::Transformer => {
+            return Err(at.not_for(v.span(), "experiment.steps", "model = \"transformer\"", model))
+        }
+        Some(v) if *v.get_ref() == 0 => return Err(at.error(v.span(), "experiment.steps", "must be at least 1")),
+        Some(v) => Some(*v.get_ref()),
+        None => None,
+    };
+    if let (RunModel::Transformer, Some(d)) = (model, &e.data) {
+        return Err(at.not_for(d.span(), "experiment.data", "the digits models (model = \"mlp\" or \"cnn\")", model));
+    }
+    Ok((model, hidden, steps))
+}
+
+/// `[experiment]`'s optimizer: one `strata train --optimizer` takes, and one every run's strategy
+/// can step (`runs`).
+fn optimizer(at: &Locator<'_>, optimizer: &Spanned<String>, runs: &[Spanned<RawRun>]) -> Result<String> {
+    let name = optimizer.get_ref().clone();
+    if name.parse::<strata::OptimizerKind>().is_err() {
+        return Err(at.error(
+            optimizer.span(),
+            "experiment.optimizer",
+            format!("{name:?} is not one of adamw, sgd, momentum, adagrad"),
+        ));
+    }
+    if matches!(name.as_str(), "momentum" | "adagrad")
+        && runs.iter().any(|r| r.get_ref().strategy != RunStrategy::ParameterServer)
+    {
+        return Err(at.error(
+            optimizer.span(),
+            "experiment.optimizer",
+            format!("{name} runs on parameter servers only; use adamw or sgd to compare every strategy"),
+        ));
+    }
+    Ok(name)
+}
+
+/// What time to target measures: `target_accuracy` for the digits models, `target_loss` for the
+/// transformer (the one its model needs, and not the other).
+fn target(at: &Locator<'_>, e: &RawExperiment, model: RunModel) -> Result<crate::Target> {
+    Ok(match (model, &e.target_accuracy, &e.target_loss) {
+        (RunModel::Transformer, Some(a), _) => {
+            return Err(at.error(
+                a.span(),
+                "experiment.target_accuracy",
+                "the transformer is measured by validation loss; set target_loss (nats per character, e.g. 1.9) instead",
+            ))
+        }
+        (RunModel::Transformer, None, Some(l)) => {
+            let t = *l.get_ref();
+            if !(t.is_finite() && t > 0.0) {
+                return Err(at.error(
+                    l.span(),
+                    "experiment.target_loss",
+                    "must be a positive loss in nats per character, e.g. 1.9",
+                ));
+            }
+            crate::Target::Loss(t)
+        }
+        (RunModel::Transformer, None, None) => {
+            return Err(Error::Usage(format!(
+                "{}: experiment.target_loss: model = \"transformer\" needs a target validation loss, e.g. target_loss = 1.9",
+                at.path.display()
+            )))
+        }
+        (_, _, Some(l)) => return Err(at.not_for(l.span(), "experiment.target_loss", "model = \"transformer\"", model)),
+        (_, Some(a), None) => {
+            let t = *a.get_ref();
+            if !(t > 0.0 && t <= 1.0) {
+                return Err(at.error(a.span(), "experiment.target_accuracy", "must be in (0, 1], e.g. 0.95"));
+            }
+            crate::Target::Accuracy(t)
+        }
+        (_, None, None) => {
+            return Err(Error::Usage(format!(
+                "{}: experiment.target_accuracy: model = \"{}\" needs a target test accuracy, e.g. target_accuracy = 0.95",
+                at.path.display(),
+                model.name()
+            )))
+        }
+    })
+}
+
+/// One `[[run]]` table, the `i`th: errors name `run[i].<field>`.
+struct RunAt<'a> {
+    at: &'a Locator<'a>,
+    i: usize,
+    run: &'a RawRun,
+    /// The whole table's.
+    span: std::ops::Range<usize>,
+}
+
+impl RunAt<'_> {
+    fn error(&self, span: std::ops::Range<usize>, field: &str, message: impl std::fmt::Display) -> Error {
+        self.at.error(span, &format!("run[{}].{field}", self.i), message)
+    }
+
+    /// A count that must be at least 1, or `default` when the table leaves it out.
+    fn positive_or(&self, v: &Option<Spanned<usize>>, field: &str, default: usize) -> Result<usize> {
+        match v {
+            Some(v) => self.at.positive(v, &format!("run[{}].{field}", self.i)),
+            None => Ok(default),
+        }
+    }
+}
+
+/// The `i`th `[[run]]` table, checked against itself and `global_batch` (not against the other
+/// runs: the caller checks that its name is new).
+fn run_spec(at: &Locator<'_>, i: usize, r: &Spanned<RawRun>, global_batch: usize) -> Result<RunSpec> {
+    let run = RunAt { at, i, run: r.get_ref(), span: r.span() };
+    let r = run.run;
+    let (replicas, workers, ps_tasks) = run_processes(&run)?;
+    let (mode, backup_workers, staleness) = ps_mode(&run, workers)?;
+    let compression = run_compression(&run)?;
+    let multi = r.strategy.is_multi_process();
+    let total = if multi { workers * replicas } else { replicas };
+    if global_batch < total {
+        return Err(at.error(
+            run.span.clone(),
+            &format!("run[{i}]"),
+            format!("experiment.global_batch {global_batch} is smaller than its {total} replicas; every replica needs an example per step"),
+        ));
+    }
+    if r.strategy == RunStrategy::ParameterServer && global_batch % workers != 0 {
+        return Err(run.error(
+            r.workers.as_ref().map_or(run.span.clone(), |w| w.span()),
+            "workers",
+            format!(
+                "experiment.global_batch {global_batch} does not split evenly over {workers} workers; each pushes global_batch / workers examples per step"
+            ),
+        ));
+    }
+    let (min_workers, checkpoint_every, restarts) = run_recovery(&run, workers)?;
+    let mut spec = RunSpec {
+        name: String::new(),
+        strategy: r.strategy,
+        replicas,
+        workers,
+        ps_tasks,
+        mode,
+        backup_workers,
+        staleness,
+        timeout: match &r.timeout {
+            Some(t) => Some(parse_duration(t.get_ref()).map_err(|m| run.error(t.span(), "timeout", m))?),
+            None => None,
+        },
+        compression,
+        min_workers,
+        restarts,
+        checkpoint_every,
+        faults: r.faults.as_ref().is_none_or(|f| *f.get_ref()),
+    };
+    spec.name = match &r.name {
+        Some(n) => n.get_ref().clone(),
+        None => default_run_name(&spec),
+    };
+    if spec.name.is_empty() || spec.name.contains(['/', '\\', ',', '"']) {
+        return Err(run.error(
+            r.name.as_ref().map_or(run.span.clone(), |n| n.span()),
+            "name",
+            "must be non-empty, without slashes, commas or quotes",
+        ));
+    }
+    Ok(spec)
+}
+
+/// A run's replicas (per worker), worker processes and ps tasks, as its strategy takes them.
+fn run_processes(run: &RunAt<'_>) -> Result<(usize, usize, usize)> {
+    let r = run.run;
+    let multi = r.strategy.is_multi_process();
+    let replicas = match r.strategy {
+        RunStrategy::OneDevice => {
+            if let Some(v) = r.replicas.as_ref().filter(|v| *v.get_ref() != 1) {
+                return Err(run.error(v.span(), "replicas", "one-device runs 1 replica; drop it or use mirrored"));
+            }
+            1
+        }
+        RunStrategy::Mirrored | RunStrategy::CentralStorage => run.positive_or(&r.replicas, "replicas", 2)?,
+        _ => run.positive_or(&r.replicas, "replicas", 1)?,
+    };
+    if !multi {
+        if let Some(v) = r.workers.as_ref().or(r.ps_tasks.as_ref()) {
+            return Err(run.error(
+                v.span(),
+                if r.workers.is_some() { "workers" } else { "ps_tasks" },
+                format!("{} runs in one process; set replicas instead", r.strategy.name()),
+            ));
+        }
+    }
+    let workers = if multi { run.positive_or(&r.workers, "workers", 2)? } else { 1 };
+    let ps_tasks = if r.strategy == RunStrategy::ParameterServer {
+        run.positive_or(&r.ps_tasks, "ps_tasks", 1)?
+    } else {
+        if let Some(v) = &r.ps_tasks {
+            return Err(run.error(v.span(), "ps_tasks", "only parameter-server runs have ps tasks"));
+        }
+        0
+    };
+    Ok((replicas, workers, ps_tasks))
+}
+
+/// A parameter-server run's mode, backup workers (sync) and staleness bound (stale); other runs
+/// have none of them.
+fn ps_mode(run: &RunAt<'_>, workers: usize) -> Result<(Option<PsMode>, usize, u64)> {
+    let r = run.run;
+    let mode = match (r.strategy, &r.mode) {
+        (RunStrategy::ParameterServer, m) => Some(m.as_ref().map_or(PsMode::Async, |m| *m.get_ref())),
+        (_, Some(m)) => return Err(run.error(m.span(), "mode", "only parameter-server runs have a mode; drop it")),
+        (_, None) => None,
+    };
+    let backup_workers = match &r.backup_workers {
+        Some(b) if mode != Some(PsMode::Sync) => {
+            return Err(run.error(b.span(), "backup_workers", "backup workers need mode = \"sync\""))
+        }
+        Some(b) if *b.get_ref() >= workers => {
+            return Err(run.error(
+                b.span(),
+                "backup_workers",
+                format!("{} backup workers leave none of the {workers} workers; use fewer", b.get_ref()),
+            ))
+        }
+        Some(b) => *b.get_ref(),
+        None => 0,
+    };
+    let staleness = match &r.staleness {
+        Some(s) if mode != Some(PsMode::Stale) => {
+            return Err(run.error(s.span(), "staleness", "a staleness bound needs mode = \"stale\""))
+        }
+        Some(s) => *s.get_ref(),
+        None => 4,
+    };
+    Ok((mode, backup_workers, staleness))
+}
+
+/// A run's compression: any for multi-worker-mirrored, what a parameter server takes for
+/// parameter-server runs (its refusal is the strategy's own), none for single-process runs.
+fn run_compression(run: &RunAt<'_>) -> Result<Compression> {
+    let r = run.run;
+    let Some(c) = &r.compression else { return Ok(Compression::None) };
+    let parsed: Compression =
+        c.get_ref().parse().map_err(|e: CompressionError| run.error(c.span(), "compression", e.to_string()))?;
+    match (r.strategy, parsed) {
+        (_, Compression::None) | (RunStrategy::MultiWorkerMirrored, _) => {}
+        (RunStrategy::ParameterServer, _) => {
+            strata::ParameterServerOptions::wire_format_of(parsed)
+                .map_err(|e| run.error(c.span(), "compression", e))?;
+        }
+        (strategy, _) => {
+            return Err(run.error(
+                c.span(),
+                "compression",
+                format!(
+                    "{} has no gradients on a network; compression applies to multi-worker-mirrored and parameter-server, drop it",
+                    strategy.name()
+                ),
+            ))
+        }
+    }
+    Ok(parsed)
+}
+
+/// How a run recovers from a lost worker: its elastic minimum (`min_workers`), its checkpoints
+/// (`checkpoint_every`) and the restarts of lost processes.
+fn run_recovery(run: &RunAt<'_>, workers: usize) -> Result<(Option<usize>, Option<usize>, usize)> {
+    let r = run.run;
+    let mwms = r.strategy == RunStrategy::MultiWorkerMirrored;
+    let min_workers = match &r.min_workers {
+        Some(m) if !mwms => {
+            return Err(run.error(
+                m.span(),
+                "min_workers",
+                format!(
+                    "{} is not elastic; only multi-worker-mirrored runs take min_workers, drop it",
+                    r.strategy.name()
+                ),
+            ))
+        }
+        Some(m) if *m.get_ref() == 0 || *m.get_ref() > workers => {
+            return Err(run.error(
+                m.span(),
+                "min_workers",
+                format!("{} for a run of {workers} workers; use 1 to {workers}", m.get_ref()),
+            ))
+        }
+        Some(m) => Some(*m.get_ref()),
+        None => None,
+    };
+    let checkpoint_every = match &r.checkpoint_every {
+        Some(c) if !mwms => {
+            return Err(run.error(
+                c.span(),
+                "checkpoint_every",
+                format!("{} runs are not relaunched from checkpoints here; only multi-worker-mirrored runs take checkpoint_every, drop it", r.strategy.name()),
+            ))
+        }
+        Some(c) => Some(run.at.positive(c, &format!("run[{}].checkpoint_every", run.i))?),
+        None => None,
+    };
+    let restarts = match &r.restarts {
+        Some(k) if !r.strategy.is_multi_process() => {
+            return Err(run.error(
+                k.span(),
+                "restarts",
+                format!("{} runs in one process and loses no worker; drop it", r.strategy.name()),
+            ))
+        }
+        Some(k) if *k.get_ref() > 0 && mwms && min_workers.is_none() && checkpoint_every.is_none() => {
+            return Err(run.error(
+                k.span(),
+                "restarts",
+                "a job that is not elastic is relaunched whole from its last checkpoint: set checkpoint_every (steps), or min_workers for an elastic job",
+            ))
+        }
+        Some(k) => *k.get_ref(),
+        None => 0,
+    };
+    Ok((min_workers, checkpoint_every, restarts))
+}
+
+/// The name of a run without one: its strategy, or its parameter servers' mode, and its
+/// compression (`ps-sync-backup1`, `multi-worker-mirrored-bf16`).
+fn default_run_name(spec: &RunSpec) -> String {
+    let base: String = match spec.mode {
+        Some(PsMode::Sync) if spec.backup_workers > 0 => format!("ps-sync-backup{}", spec.backup_workers),
+        Some(PsMode::Sync) => "ps-sync".into(),
+        Some(PsMode::Async) => "ps-async".into(),
+        Some(PsMode::Stale) => format!("ps-stale{}", spec.staleness),
+        None => spec.strategy.name().into(),
+    };
+    match spec.compression {
+        Compression::None => base,
+        c => format!("{base}-{c}"),
+    }
+}
+
+/// `[injection]`, checked against the workers of `runs`.
+fn injection(at: &Locator<'_>, inj: &RawInjection, runs: &[RunSpec]) -> Result<Injection> {
+    let mut out = Injection::default();
+    for (k, s) in inj.slowdown.iter().enumerate() {
+        let v = s.get_ref();
+        if !(v.factor.is_finite() && v.factor >= 1.0) {
+            return Err(at.error(
+                s.span(),
+                &format!("injection.slowdown[{k}].factor"),
+                "must be 1 or more (3.0: three times slower)",
+            ));
+        }
+        let max = runs.iter().map(|r| r.parallelism()).max().unwrap_or(1);
+        if v.worker >= max {
+            return Err(at.error(
+                s.span(),
+                &format!("injection.slowdown[{k}].worker"),
+                format!("worker {} does not exist: the largest run has {max} workers or replicas", v.worker),
+            ));
+        }
+        if out.slowdown.iter().any(|(w, _)| *w == v.worker) {
+            return Err(at.error(
+                s.span(),
+                &format!("injection.slowdown[{k}].worker"),
+                format!("worker {} is slowed twice", v.worker),
+            ));
+        }
+        out.slowdown.push((v.worker, v.factor));
+    }
+    if let Some(s) = &inj.stragglers {
+        let v = s.get_ref();
+        if !(0.0..=1.0).contains(&v.probability) {
+            return Err(at.error(s.span(), "injection.stragglers.probability", "must be between 0 and 1"));
+        }
+        let delay: DelayDistribution =
+            v.delay.parse().map_err(|m: String| at.error(s.span(), "injection.stragglers.delay", m))?;
+        out.stragglers = Some(Stragglers { probability: v.probability, delay });
+    }
+    out.kill = kills(at, &inj.kill, runs)?;
+    if let Some(d) = &inj.network_delay {
+        out.network_delay =
+            parse_duration(d.get_ref()).map_err(|m| at.error(d.span(), "injection.network_delay", m))?;
+    }
+    Ok(out)
+}
+
+/// `[injection]`'s `kill`: each of a worker that the largest multi-process run of `runs` has,
+/// at a step of at least 1, at most once per worker.
+fn kills(at: &Locator<'_>, raw: &[Spanned<RawKill>], runs: &[RunSpec]) -> Result<Vec<Kill>> {
+    let largest = runs.iter().filter(|r| r.strategy.is_multi_process()).map(|r| r.workers).max();
+    let mut out: Vec<Kill> = Vec::new();
+    for (k, kill) in raw.iter().enumerate() {
+        let v = kill.get_ref();
+        let Some(max) = largest else {
+            return Err(at.error(
+                kill.span(),
+                &format!("injection.kill[{k}]"),
+                "every run is single-process: there is no worker process to kill; add a multi-worker-mirrored or parameter-server run, or drop it",
+            ));
+        };
+        if v.worker >= max {
+            return Err(at.error(
+                kill.span(),
+                &format!("injection.kill[{k}].worker"),
+                format!("worker {} does not exist: the largest multi-process run has {max} workers", v.worker),
+            ));
+        }
+        if v.at_step == 0 {
+            return Err(at.error(
+                kill.span(),
+                &format!("injection.kill[{k}].at_step"),
+                "must be at least 1 (the worker is killed once the job has trained that many global batches)",
+            ));
+        }
+        if out.iter().any(|o| o.worker == v.worker) {
+            return Err(at.error(
+                kill.span(),
+                &format!("injection.kill[{k}].worker"),
+                format!("worker {} is killed twice; each worker is killed at most once", v.worker),
+            ));
+        }
+        out.push(Kill { worker: v.worker, at_step: v.at_step });
+    }
+    Ok(out)
+}
+
+/// `[network]`: the emulated hosts and their link, for an experiment with a multi-process run
+/// among `runs` and no kill in `injection`.
+fn network(
+    at: &Locator<'_>,
+    n: Spanned<RawNetwork>,
+    injection: &Injection,
+    runs: &[RunSpec],
+) -> Result<crate::hosts::Network> {
+    let (span, n) = (n.span(), n.into_inner());
+    let hosts = *n.hosts.get_ref();
+    if !(2..=crate::hosts::MAX_HOSTS).contains(&hosts) {
+        return Err(at.error(
+            n.hosts.span(),
+            "network.hosts",
+            format!("{hosts} hosts: use 2 to {} (one network namespace each), e.g. hosts = 2", crate::hosts::MAX_HOSTS),
+        ));
+    }
+    let link = n.link.ok_or_else(|| {
+        at.error(
+            span.clone(),
+            "network.link",
+            "emulated hosts need a link rate: add link = \"1gbit\" (any tc rate), or link = \"unshaped\"",
+        )
+    })?;
+    let rate_bps = crate::hosts::parse_rate(link.get_ref()).map_err(|m| at.error(link.span(), "network.link", m))?;
+    if !injection.kill.is_empty() {
+        return Err(at.error(
+            span,
+            "network",
+            "[injection] kill runs on this machine's loopback (the harness finds and restarts the processes there); drop [network] or the kill",
+        ));
+    }
+    if !runs.iter().any(|r| r.strategy.is_multi_process()) {
+        return Err(at.error(
+            span,
+            "network",
+            "every run is single-process (one-device, mirrored, central-storage): nothing crosses a link; drop [network] or add a multi-worker-mirrored or parameter-server run",
+        ));
+    }
+    Ok(crate::hosts::Network { hosts, link: link.get_ref().trim().to_string(), rate_bps })
+}
+
 /// Whether the file's `[simulate]` table sets `bandwidth_gbps` itself.
 fn simulate_sets_bandwidth(text: &str) -> bool {
     toml::from_str::<toml::Table>(text)
@@ -936,7 +997,7 @@ struct RawFile {
     #[serde(default)]
     run: Vec<Spanned<RawRun>>,
     injection: Option<RawInjection>,
-    simulate: Option<Spanned<super::simulate::SimConfig>>,
+    simulate: Option<Spanned<crate::sim_config::SimConfig>>,
     network: Option<Spanned<RawNetwork>>,
 }
 
@@ -1032,6 +1093,20 @@ struct Locator<'a> {
 impl Locator<'_> {
     fn line(&self, offset: usize) -> usize {
         self.text[..offset.min(self.text.len())].bytes().filter(|b| *b == b'\n').count() + 1
+    }
+
+    /// A count that must be at least 1.
+    fn positive(&self, v: &Spanned<usize>, field: &str) -> Result<usize> {
+        if *v.get_ref() == 0 {
+            Err(self.error(v.span(), field, "must be at least 1"))
+        } else {
+            Ok(*v.get_ref())
+        }
+    }
+
+    /// A field that applies to another model than `model`.
+    fn not_for(&self, span: std::ops::Range<usize>, field: &str, applies: &str, model: RunModel) -> Error {
+        self.error(span, field, format!("applies to {applies}, not model = \"{}\"; drop it", model.name()))
     }
 
     fn error(&self, span: std::ops::Range<usize>, field: &str, message: impl std::fmt::Display) -> Error {
@@ -1131,9 +1206,7 @@ network_delay = "1ms"
         assert_eq!(e.runs[3].compression, Compression::PowerSgd { rank: 4, start_step: 100 });
         assert_eq!(e.runs[3].name, "multi-worker-mirrored-powersgd:4:100");
         assert_eq!(e.runs[0].compression, Compression::None);
-        let line = crate::runner::command_line(&e, &e.runs[3], Path::new("m.jsonl"), Path::new("s.json"));
-        let at = line.iter().position(|a| a == "--compression").expect("--compression passed on");
-        assert_eq!(line[at + 1], "powersgd:4:100");
+        // runner.rs's tests: it is passed on as --compression.
         let bad = |from: &str, to: &str, want: &str| {
             let e = error(&GOOD.replace(from, to));
             assert!(e.contains(want), "{e}");
@@ -1146,7 +1219,7 @@ network_delay = "1ms"
         bad(
             "mode = \"stale\"",
             "mode = \"stale\"\ncompression = \"powersgd:4\"",
-            "run[2].compression: PowerSGD applies to multi-worker-mirrored's ring",
+            "run[2].compression: compression powersgd:4 applies to multi-worker-mirrored's ring, not to a parameter server's pushes and pulls",
         );
         bad(
             "mode = \"stale\"",

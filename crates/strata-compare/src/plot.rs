@@ -428,16 +428,20 @@ fn draw_legend<DB: DrawingBackend>(
     Ok(())
 }
 
-fn draw_lines<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, c: &LineChart) -> std::result::Result<(), String> {
-    let entries = legend_entries(c);
-    let (w, _) = area.dim_in_pixel();
-    let (plot_area, legend_area) = if entries.is_empty() {
-        (area.clone(), None)
-    } else {
-        let (a, b) = area.split_horizontally(w - legend_width(&entries));
-        (a, Some(b))
-    };
+/// The axes of a line chart: whether each is logarithmic, and their ranges (in log units on a
+/// log axis).
+struct LineAxes {
+    x_log: bool,
+    y_log: bool,
+    x0: f64,
+    x1: f64,
+    y0: f64,
+    y1: f64,
+}
 
+/// The axes that fit `c`'s points (and its horizontal line): log axes only for positive values,
+/// room around the points, and the chart's own wishes (from zero, a cap, whole numbers).
+fn line_axes(c: &LineChart) -> LineAxes {
     let xs = || c.series.iter().flat_map(|s| s.points.iter().map(|p| p.0));
     let ys = || {
         c.series
@@ -483,6 +487,22 @@ fn draw_lines<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, c: &LineChart) 
             x1 = x0 + 4.0;
         }
     }
+    LineAxes { x_log, y_log, x0, x1, y0, y1 }
+}
+
+fn draw_lines<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, c: &LineChart) -> std::result::Result<(), String> {
+    let entries = legend_entries(c);
+    let (w, _) = area.dim_in_pixel();
+    let (plot_area, legend_area) = if entries.is_empty() {
+        (area.clone(), None)
+    } else {
+        let (a, b) = area.split_horizontally(w - legend_width(&entries));
+        (a, Some(b))
+    };
+
+    let LineAxes { x_log, y_log, x0, x1, y0, y1 } = line_axes(c);
+    let tx = |x: f64| if x_log { x.log2() } else { x };
+    let ty = |y: f64| if y_log { y.log10() } else { y };
 
     let x_fmt = |v: &f64| -> String {
         if x_log {

@@ -342,25 +342,27 @@ pub fn report_text(
     if simulated {
         let _ = writeln!(md, "{SIMULATED_LINE}\n");
     }
+    what_was_run(&mut md, exp, runs, simulated);
+    results_section(&mut md, exp, runs, summaries, simulated);
+    plots_section(&mut md, plots);
+    md.push_str("## What it shows\n\n");
+    let findings = findings(exp, runs, summaries, simulated);
+    if findings.is_empty() {
+        md.push_str("- The runs produced too few figures to compare.\n");
+    }
+    for f in findings {
+        let _ = writeln!(md, "- {f}");
+    }
+    md
+}
 
+/// The report's "What was run": the model and its training, the simulation model, the target,
+/// what was injected, the emulated network, the runs and the machine.
+fn what_was_run(md: &mut String, exp: &Experiment, runs: &[RunResult], simulated: bool) {
     md.push_str("## What was run\n\n");
     // Simulated runs train the [simulate] table's model, optimizer and batch.
     let sim = exp.simulate.as_ref().filter(|_| simulated);
-    let hidden: Vec<String> = sim.map_or(&exp.hidden, |s| &s.hidden).iter().map(usize::to_string).collect();
-    let hidden = if hidden.is_empty() {
-        "no hidden layer".to_string()
-    } else {
-        format!("hidden layers {}", hidden.join(" × "))
-    };
-    let model = match exp.model {
-        _ if simulated => format!("MLP on the digits data, {hidden}"),
-        crate::experiment::RunModel::Mlp => format!("MLP on the digits data, {hidden}"),
-        crate::experiment::RunModel::Cnn => "CNN on the digits data as 8×8 images".to_string(),
-        crate::experiment::RunModel::Transformer => format!(
-            "character transformer on Tiny Shakespeare ({} steps of windows per epoch)",
-            exp.steps.map_or_else(|| "strata train's default".to_string(), |n| n.to_string())
-        ),
-    };
+    let model = model_line(exp, simulated);
     let _ = writeln!(
         md,
         "- Model: {}; optimizer {} with learning rate {}; {}; seed {}{}.",
@@ -440,8 +442,34 @@ pub fn report_text(
     } else {
         let _ = writeln!(md, "- Machine: {cores} logical CPU cores, shared by every process of a run.\n");
     }
+}
 
+/// The model every run trained, in words (simulated runs train the `[simulate]` table's MLP).
+fn model_line(exp: &Experiment, simulated: bool) -> String {
+    // Simulated runs train the [simulate] table's model.
+    let sim = exp.simulate.as_ref().filter(|_| simulated);
+    let hidden: Vec<String> = sim.map_or(&exp.hidden, |s| &s.hidden).iter().map(usize::to_string).collect();
+    let hidden = if hidden.is_empty() {
+        "no hidden layer".to_string()
+    } else {
+        format!("hidden layers {}", hidden.join(" × "))
+    };
+    match exp.model {
+        _ if simulated => format!("MLP on the digits data, {hidden}"),
+        crate::experiment::RunModel::Mlp => format!("MLP on the digits data, {hidden}"),
+        crate::experiment::RunModel::Cnn => "CNN on the digits data as 8×8 images".to_string(),
+        crate::experiment::RunModel::Transformer => format!(
+            "character transformer on Tiny Shakespeare ({} steps of windows per epoch)",
+            exp.steps.map_or_else(|| "strata train's default".to_string(), |n| n.to_string())
+        ),
+    }
+}
+
+/// The report's "Results": the table, what its columns measure, the lost workers and the failed
+/// runs' errors.
+fn results_section(md: &mut String, exp: &Experiment, runs: &[RunResult], summaries: &[RunSummary], simulated: bool) {
     md.push_str("## Results\n\n");
+    let failed = runs.iter().filter(|r| r.error.is_some()).count();
     md.push_str(&table(summaries, simulated));
     let _ = writeln!(
         md,
@@ -461,7 +489,10 @@ pub fn report_text(
             let _ = writeln!(md, "- {}:\n\n  ```text\n{}\n  ```", md_cell(&r.name), indent(error.trim_end(), "  "));
         }
     }
+}
 
+/// The report's "Plots": each plot's PNG and SVG, or why it is empty.
+fn plots_section(md: &mut String, plots: &[Plot]) {
     md.push_str("\n## Plots\n\n");
     for p in plots {
         let file = |path: &Path| path.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
@@ -476,16 +507,6 @@ pub fn report_text(
             let _ = writeln!(md, "[SVG]({})\n", file(&p.svg));
         }
     }
-
-    md.push_str("## What it shows\n\n");
-    let findings = findings(exp, runs, summaries, simulated);
-    if findings.is_empty() {
-        md.push_str("- The runs produced too few figures to compare.\n");
-    }
-    for f in findings {
-        let _ = writeln!(md, "- {f}");
-    }
-    md
 }
 
 /// How a run recovers from a lost worker, for the report.
@@ -583,12 +604,36 @@ fn name(s: &RunSummary) -> String {
 /// Plain statements the table supports, one per line.
 pub fn findings(exp: &Experiment, runs: &[RunResult], summaries: &[RunSummary], simulated: bool) -> Vec<String> {
     let mut out = Vec::new();
-    let secs = if simulated { "virtual seconds" } else { "seconds" };
     let time = |t: f64| if simulated { format!("{} (virtual)", fmt_seconds(t)) } else { fmt_seconds(t) };
-    let target = exp.target.short();
     let ok: Vec<&RunSummary> = summaries.iter().filter(|s| s.error.is_none()).collect();
+    let reached = time_to_target(&mut out, exp, &ok, &time);
+    out.extend(fewest_updates(&reached));
+    out.extend(final_accuracy(&ok));
+    out.extend(throughput(&ok, simulated));
+    sync_against_async(&mut out, exp, runs, &ok, &time);
+    out.extend(most_stale(&ok));
+    if plot::is_sweep(runs) {
+        out.extend(sweep_efficiency(&ok));
+    }
+    let failed: Vec<String> = summaries.iter().filter(|s| s.error.is_some()).map(name).collect();
+    if !failed.is_empty() {
+        out.push(format!("Failed (see above): {}.", failed.join(", ")));
+    }
+    if simulated && !out.is_empty() {
+        out.push("All of these are properties of the simulation's model, not measurements.".into());
+    }
+    out
+}
 
-    // Time to target.
+/// Which run reached the target first and how long the next took, and the runs that never
+/// reached it. Returns the runs that reached it, fastest first.
+fn time_to_target<'a>(
+    out: &mut Vec<String>,
+    exp: &Experiment,
+    ok: &[&'a RunSummary],
+    time: &dyn Fn(f64) -> String,
+) -> Vec<&'a RunSummary> {
+    let target = exp.target.short();
     let mut reached: Vec<&RunSummary> = ok.iter().copied().filter(|s| s.time_to_target_s.is_some()).collect();
     reached.sort_by(|a, b| {
         a.time_to_target_s.unwrap_or(f64::INFINITY).total_cmp(&b.time_to_target_s.unwrap_or(f64::INFINITY))
@@ -621,8 +666,11 @@ pub fn findings(exp: &Experiment, runs: &[RunResult], summaries: &[RunSummary], 
             }
         }
     }
+    reached
+}
 
-    // Fewest updates to target: accuracy per update.
+/// The fewest model updates to the target (accuracy per update), and the most.
+fn fewest_updates(reached: &[&RunSummary]) -> Option<String> {
     if let Some(best) = reached.iter().filter(|s| s.updates_to_target.is_some()).min_by_key(|s| s.updates_to_target) {
         let most = reached.iter().filter_map(|s| s.updates_to_target.map(|u| (u, s))).max_by_key(|(u, _)| *u);
         let mut s = format!(
@@ -636,10 +684,13 @@ pub fn findings(exp: &Experiment, runs: &[RunResult], summaries: &[RunSummary], 
             }
         }
         s.push('.');
-        out.push(s);
+        return Some(s);
     }
+    None
+}
 
-    // Final accuracy.
+/// The highest and lowest final accuracy.
+fn final_accuracy(ok: &[&RunSummary]) -> Option<String> {
     if let Some(best) = ok
         .iter()
         .filter(|s| s.final_accuracy.is_some_and(f32::is_finite))
@@ -661,10 +712,14 @@ pub fn findings(exp: &Experiment, runs: &[RunResult], summaries: &[RunSummary], 
             _ if ok.len() > 1 => format!("Every run that finished ended at {} accuracy.", fmt_accuracy(best_acc)),
             _ => format!("Final accuracy: {} at {}.", name(best), fmt_accuracy(best_acc)),
         };
-        out.push(s);
+        return Some(s);
     }
+    None
+}
 
-    // Throughput.
+/// The highest throughput, with its scaling efficiency.
+fn throughput(ok: &[&RunSummary], simulated: bool) -> Option<String> {
+    let secs = if simulated { "virtual seconds" } else { "seconds" };
     if let Some(best) = ok
         .iter()
         .filter(|s| s.examples_per_s.is_some())
@@ -681,10 +736,20 @@ pub fn findings(exp: &Experiment, runs: &[RunResult], summaries: &[RunSummary], 
             let _ = write!(s, " ({:.0}% scaling efficiency on {} workers)", e * 100.0, best.workers);
         }
         s.push('.');
-        out.push(s);
+        return Some(s);
     }
+    None
+}
 
-    // Sync against async parameter servers with the same workers: what stragglers cost.
+/// Sync against async parameter servers with the same workers (what stragglers cost), and
+/// sync with backup workers against sync.
+fn sync_against_async(
+    out: &mut Vec<String>,
+    exp: &Experiment,
+    runs: &[RunResult],
+    ok: &[&RunSummary],
+    time: &dyn Fn(f64) -> String,
+) {
     let injected = !exp.injection.is_empty();
     // In a sweep, only at the largest worker count (one statement per strategy pair).
     let largest_sync = ok.iter().filter(|s| s.mode.as_deref() == Some("sync")).map(|s| s.workers).max().unwrap_or(0);
@@ -733,15 +798,17 @@ pub fn findings(exp: &Experiment, runs: &[RunResult], summaries: &[RunSummary], 
             }
         }
     }
+}
 
-    // Staleness.
+/// The run whose pushes were the most stale on average.
+fn most_stale(ok: &[&RunSummary]) -> Option<String> {
     if let Some(s) = ok
         .iter()
         .filter(|s| s.mean_staleness.is_some())
         .max_by(|a, b| a.mean_staleness.unwrap_or_default().total_cmp(&b.mean_staleness.unwrap_or_default()))
     {
         if s.mean_staleness.unwrap_or_default() > 0.0 {
-            out.push(format!(
+            return Some(format!(
                 "Most stale: {}, whose pushes were {:.2} updates old on average (at most {}).",
                 name(s),
                 s.mean_staleness.unwrap_or_default(),
@@ -749,42 +816,33 @@ pub fn findings(exp: &Experiment, runs: &[RunResult], summaries: &[RunSummary], 
             ));
         }
     }
+    None
+}
 
-    // Sweeps: scaling efficiency at the largest worker count of each strategy.
-    if plot::is_sweep(runs) {
-        let mut bases: Vec<&str> = Vec::new();
-        for s in &ok {
-            let b = plot::sweep_base(&s.name);
-            if s.name.contains("/N=") && !bases.contains(&b) {
-                bases.push(b);
-            }
-        }
-        let mut parts = Vec::new();
-        for b in bases {
-            let largest = ok
-                .iter()
-                .filter(|s| s.name.contains("/N=") && plot::sweep_base(&s.name) == b && s.scaling_efficiency.is_some())
-                .max_by_key(|s| s.workers);
-            if let Some(s) = largest {
-                parts.push(format!(
-                    "{} {:.0}% at {} workers",
-                    b,
-                    s.scaling_efficiency.unwrap_or_default() * 100.0,
-                    s.workers
-                ));
-            }
-        }
-        if !parts.is_empty() {
-            out.push(format!("Scaling efficiency at each strategy's largest worker count: {}.", parts.join("; ")));
+/// Sweeps: the scaling efficiency at the largest worker count of each strategy.
+fn sweep_efficiency(ok: &[&RunSummary]) -> Option<String> {
+    let mut bases: Vec<&str> = Vec::new();
+    for s in ok {
+        let b = plot::sweep_base(&s.name);
+        if s.name.contains("/N=") && !bases.contains(&b) {
+            bases.push(b);
         }
     }
-
-    let failed: Vec<String> = summaries.iter().filter(|s| s.error.is_some()).map(name).collect();
-    if !failed.is_empty() {
-        out.push(format!("Failed (see above): {}.", failed.join(", ")));
+    let mut parts = Vec::new();
+    for b in bases {
+        let largest = ok
+            .iter()
+            .filter(|s| s.name.contains("/N=") && plot::sweep_base(&s.name) == b && s.scaling_efficiency.is_some())
+            .max_by_key(|s| s.workers);
+        if let Some(s) = largest {
+            parts.push(format!(
+                "{} {:.0}% at {} workers",
+                b,
+                s.scaling_efficiency.unwrap_or_default() * 100.0,
+                s.workers
+            ));
+        }
     }
-    if simulated && !out.is_empty() {
-        out.push("All of these are properties of the simulation's model, not measurements.".into());
-    }
-    out
+    (!parts.is_empty())
+        .then(|| format!("Scaling efficiency at each strategy's largest worker count: {}.", parts.join("; ")))
 }

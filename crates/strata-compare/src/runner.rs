@@ -796,4 +796,14 @@ mod tests {
         let at = rest.iter().position(|a| a == "--metrics").unwrap();
         assert_eq!((rest[at + 1].as_str(), rest.len()), ("/dev/null", args.len()));
     }
+
+    #[test]
+    fn a_run_s_compression_is_passed_on() {
+        let text = "[experiment]\nname = \"t\"\nepochs = 1\nglobal_batch = 64\nlr = 0.01\ntarget_accuracy = 0.9\n\
+            [[run]]\nstrategy = \"multi-worker-mirrored\"\ncompression = \"powersgd:4:100\"\n";
+        let e = Experiment::parse(text, Path::new("x.toml")).unwrap();
+        let line = command_line(&e, &e.runs[0], Path::new("m.jsonl"), Path::new("s.json"));
+        let at = line.iter().position(|a| a == "--compression").expect("--compression passed on");
+        assert_eq!(line[at + 1], "powersgd:4:100");
+    }
 }

@@ -37,7 +37,7 @@ impl ReplicaContext<'_> {
         ReduceRequest { group, replica, seq: group.next_seq(replica), op, dest, input, weight }
     }
 
-    fn next_key(&self, op: String, shape: Vec<usize>) -> OpKey {
+    pub(crate) fn next_key(&self, op: String, shape: Vec<usize>) -> OpKey {
         OpKey { seq: self.shared.group.next_seq(self.replica), op, shape }
     }
 
@@ -120,59 +120,6 @@ impl ReplicaContext<'_> {
             shape[0] = rows;
         }
         Ok(Tensor::from_slice(&flat, shape, self.candle_device())?.to_dtype(t.dtype())?)
-    }
-
-    /// Gathers every replica's `mine` (1-D tensors; their lengths may differ) across every
-    /// replica of every worker, as runs in the order of
-    /// [`replica_id_in_sync_group`](ReplicaContext::replica_id_in_sync_group): this worker's
-    /// replicas' tensors themselves (shared, not copied), and one f32 run on the CPU per other
-    /// worker (its replicas' tensors joined), `counts[w]` elements for worker `w` (a worker
-    /// that sends another count is an error). The other workers' runs are received straight
-    /// into one buffer and handed out as views of it.
-    pub(crate) fn gather_runs(&self, mine: Vec<Tensor>, counts: &[usize]) -> Result<Vec<Tensor>> {
-        let _p = self.phase("collective", "gather_runs");
-        let key = self.next_key("gather_runs".into(), vec![]);
-        let local: Vec<Tensor> = self.shared.group.exchange(self.replica, &key, mine)?.into_iter().flatten().collect();
-        let Some(w) = self.shared.ext.workers() else { return Ok(local) };
-        let me = w.worker_index();
-        let gathered = if self.replica == 0 {
-            (|| -> Result<Tensor> {
-                let total: usize = counts.iter().sum();
-                let mut out = vec![0f32; total];
-                match local.as_slice() {
-                    // One replica on this worker (the common case): sent from its tensor's
-                    // storage in place.
-                    [t] if t.dtype() == candle_core::DType::F32 && t.device().is_cpu() => {
-                        let guard = [t.storage_and_layout()];
-                        let slices = crate::cross_device::read_slices(&guard)?;
-                        w.all_gather_into(slices[0], &mut out, counts)?;
-                    }
-                    _ => {
-                        let mut flat = Vec::with_capacity(local.iter().map(|t| t.elem_count()).sum());
-                        for t in &local {
-                            flat.extend(t.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?);
-                        }
-                        w.all_gather_into(&flat, &mut out, counts)?;
-                    }
-                }
-                Ok(Tensor::from_vec(out, total, &Device::Cpu)?)
-            })()
-            .map_err(|e| e.to_string())
-        } else {
-            Ok(Tensor::zeros(0, candle_core::DType::F32, &Device::Cpu)?)
-        };
-        let all = self.share_from_first("gather_runs(workers)", gathered)?;
-        let mut runs = Vec::with_capacity(counts.len() + local.len());
-        let mut at = 0;
-        for (i, &c) in counts.iter().enumerate() {
-            if i == me {
-                runs.extend(local.iter().cloned());
-            } else {
-                runs.push(all.narrow(0, at, c)?);
-            }
-            at += c;
-        }
-        Ok(runs)
     }
 
     /// Steps into cross-replica context (TensorFlow's `merge_call`): every replica passes its

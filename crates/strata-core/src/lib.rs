@@ -64,9 +64,19 @@
 //! - [`runtime`]: running a step on replica threads, the default strategy;
 //! - [`scope`]: the scope stack ([`get_strategy`]);
 //! - [`data`]: batches ([`data::BatchData`]), shards, distributed datasets, record files;
-//! - `zero`: ZeRO's shards of the optimizer state ([`ZeroStage`]);
-//! - [`variables`]: the scope's variables and the distributed optimizer;
-//! - [`strategy`]: the user-facing [`Strategy`] and [`StrategyHandle`].
+//! - `overlap_plan`: the plan of a step's reductions (buckets, blocks of rows, their order);
+//! - `zero`: ZeRO's shards ([`ZeroStage`]): their layout on that plan, pieces and step, gather,
+//!   memory check, checkpoint state and re-split;
+//! - [`variables`]: the scope's variables ([`Scope`], [`Replicated`], [`DistributedVariable`],
+//!   [`SyncOnReadVariable`]);
+//! - [`distributed_optimizer`]: the [`DistributedOptimizer`] (build, apply, clipping, schedule,
+//!   accumulation), over the optimizers' [`optim::OptimizerMemory`] and
+//!   [`optim::ShardableOptimizer`];
+//! - `overlap`: a replica's step ([`ReplicaContext::backward_and_sync`]), its reductions
+//!   overlapped with the backward pass;
+//! - [`strategy`]: the user-facing [`Strategy`] and [`StrategyHandle`];
+//! - [`elastic`]: recovery of an elastic job's training loop ([`Elastic`]) and checkpoints of
+//!   a model and its optimizer.
 
 // The facade (the strata crate) re-exports this crate's items: every public one is documented.
 #![warn(missing_docs)]
@@ -76,11 +86,15 @@ pub mod context;
 pub mod cross_device;
 pub mod data;
 pub mod device;
+pub mod distributed_optimizer;
+pub mod elastic;
 mod error;
 pub mod extended;
 pub mod group;
 pub mod layers;
 pub mod optim;
+mod overlap;
+mod overlap_plan;
 mod reduce;
 pub mod runtime;
 pub mod scope;
@@ -95,6 +109,8 @@ pub use checkpoint::{
     keep_last, latest_checkpoint, read_checkpoint, write_checkpoint, Checkpoint, CheckpointTensor, CheckpointWriter,
     LoadedTensor, OptimizerState, ShardInfo,
 };
+pub use distributed_optimizer::DistributedOptimizer;
+pub use elastic::{Elastic, StatefulOptimizer};
 pub use error::{Error, MemoryLimitExceeded, Result};
 pub use extended::{
     CrossReplicaContext, ReplicaContext, StrategyExtended, StrategyId, StrategyOptions, VariablePolicy, ZeroStage,
@@ -103,6 +119,4 @@ pub use reduce::ReduceOp;
 pub use scope::{get_strategy, has_strategy};
 pub use strategy::{Strategy, StrategyHandle};
 pub use values::{Mirrored, PerReplica};
-pub use variables::{
-    DistributedOptimizer, DistributedVariable, Replicated, Scope, SyncOnReadVariable, VariableAggregation, VariableKind,
-};
+pub use variables::{DistributedVariable, Replicated, Scope, SyncOnReadVariable, VariableAggregation, VariableKind};

@@ -16,12 +16,18 @@
 //! The element-wise formulas themselves are in [`rules`], which the parameter server's
 //! optimizers and the CUDA kernels' references share. Every optimizer here skips a variable
 //! without a gradient in a step (no decay, no moment or velocity update), as candle-nn's do.
+//!
+//! What the distributed optimizer asks of an optimizer (its state per element; whether it can
+//! step ZeRO's shards) is in [`shardable`]: [`OptimizerMemory`] and [`ShardableOptimizer`].
 
 use candle_core::{CpuStorage, DType, Layout, Tensor, Var};
 use candle_nn::{Optimizer, ParamsAdamW};
 
 pub mod rules;
 pub mod schedule;
+pub mod shardable;
+
+pub use shardable::{OptimizerMemory, ShardableOptimizer};
 
 use rules::AdamWScalars;
 

@@ -102,7 +102,7 @@ pub enum Error {
         place: String,
         /// NCCL's status.
         #[source]
-        source: crate::nccl::NcclError,
+        source: NcclError,
         /// NCCL's last error message in parentheses, after a space (empty if it has none).
         detail: String,
     },
@@ -201,3 +201,62 @@ impl Error {
 
 /// `Result` with strata-cuda's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(feature = "nccl")]
+pub use nccl_status::NcclError;
+
+#[cfg(feature = "nccl")]
+mod nccl_status {
+    use std::ffi::CStr;
+    use std::fmt;
+
+    use cudarc::nccl::sys;
+
+    /// An NCCL status code (`ncclResult_t`) as cudarc reports it; displays as
+    /// `ncclRemoteError: remote process exited or there was a network error`.
+    #[derive(Clone, PartialEq, Eq)]
+    pub struct NcclError(pub cudarc::nccl::result::NcclError);
+
+    impl NcclError {
+        /// The status code.
+        pub fn code(&self) -> sys::ncclResult_t {
+            self.0 .0
+        }
+
+        /// Whether NCCL blames a peer or the network (`ncclRemoteError`, `ncclSystemError`):
+        /// the multi-worker layer reports these as a lost task.
+        pub fn is_remote(&self) -> bool {
+            matches!(self.code(), sys::ncclResult_t::ncclRemoteError | sys::ncclResult_t::ncclSystemError)
+        }
+
+        /// Whether NCCL itself timed out (`ncclTimeout`, NCCL 2.30 and later).
+        pub fn is_timeout(&self) -> bool {
+            self.code() == sys::ncclResult_t::ncclTimeout
+        }
+    }
+
+    impl fmt::Debug for NcclError {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            write!(f, "NcclError({:?})", self.code())
+        }
+    }
+
+    impl fmt::Display for NcclError {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            let name = format!("{:?}", self.code());
+            // SAFETY: an NcclError only comes from a call into libnccl, so the library is
+            // loaded; ncclGetErrorString returns a pointer to a static NUL-terminated string
+            // (or null, checked).
+            let text = unsafe {
+                let p = sys::ncclGetErrorString(self.code());
+                (!p.is_null()).then(|| CStr::from_ptr(p).to_string_lossy().into_owned())
+            };
+            match text {
+                Some(t) if !t.is_empty() => write!(f, "{name}: {t}"),
+                _ => f.write_str(&name),
+            }
+        }
+    }
+
+    impl std::error::Error for NcclError {}
+}

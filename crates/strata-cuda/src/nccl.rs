@@ -170,53 +170,9 @@ mod imp {
     use super::{check_buffer_lens, place, NcclId, DEFAULT_NCCL_TIMEOUT, NCCL_ID_BYTES};
     use crate::{Error, Result};
 
-    /// An NCCL status code (`ncclResult_t`) as cudarc reports it; displays as
-    /// `ncclRemoteError: remote process exited or there was a network error`.
-    #[derive(Clone, PartialEq, Eq)]
-    pub struct NcclError(pub cudarc::nccl::result::NcclError);
-
-    impl NcclError {
-        /// The status code.
-        pub fn code(&self) -> sys::ncclResult_t {
-            self.0 .0
-        }
-
-        /// Whether NCCL blames a peer or the network (`ncclRemoteError`, `ncclSystemError`):
-        /// the multi-worker layer reports these as a lost task.
-        pub fn is_remote(&self) -> bool {
-            matches!(self.code(), sys::ncclResult_t::ncclRemoteError | sys::ncclResult_t::ncclSystemError)
-        }
-
-        /// Whether NCCL itself timed out (`ncclTimeout`, NCCL 2.30 and later).
-        pub fn is_timeout(&self) -> bool {
-            self.code() == sys::ncclResult_t::ncclTimeout
-        }
-    }
-
-    impl fmt::Debug for NcclError {
-        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-            write!(f, "NcclError({:?})", self.code())
-        }
-    }
-
-    impl fmt::Display for NcclError {
-        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-            let name = format!("{:?}", self.code());
-            // SAFETY: an NcclError only comes from a call into libnccl, so the library is
-            // loaded; ncclGetErrorString returns a pointer to a static NUL-terminated string
-            // (or null, checked).
-            let text = unsafe {
-                let p = sys::ncclGetErrorString(self.code());
-                (!p.is_null()).then(|| CStr::from_ptr(p).to_string_lossy().into_owned())
-            };
-            match text {
-                Some(t) if !t.is_empty() => write!(f, "{name}: {t}"),
-                _ => f.write_str(&name),
-            }
-        }
-    }
-
-    impl std::error::Error for NcclError {}
+    // The error module holds NCCL's status (an error's source), so that it does not import
+    // this module.
+    pub use crate::error::NcclError;
 
     /// The NCCL version that was loaded, `(major, minor, patch)`.
     pub fn nccl_version() -> Result<(u32, u32, u32)> {

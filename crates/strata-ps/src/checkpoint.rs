@@ -10,7 +10,8 @@ use serde::{Deserialize, Serialize};
 use strata_core::checkpoint::{self, CheckpointTensor, CheckpointWriter, ShardInfo};
 use strata_core::optim::schedule::LrSchedule;
 
-use crate::optimizer::{check_schedule, schedule_kind};
+use crate::checks::check_schedule;
+use crate::optimizer::schedule_kind;
 use crate::state::{Answer, Counters, Snapshot, UpdateKey};
 use crate::{Error, PsMode, Result, ServerOptimizer, VariableInfo};
 
@@ -356,5 +357,64 @@ mod tests {
         let e = read_snapshot(tmp.path()).unwrap_err();
         assert!(matches!(&e, Error::NoCheckpoint { path } if path == tmp.path()), "{e:?}");
         assert!(e.to_string().contains("no checkpoint to restore"), "{e}");
+    }
+}
+
+// A test of the schedule through a checkpoint, with the schedule tests' task: here, so that the
+// state module's tests do not import this module (which imports the state).
+#[cfg(test)]
+mod schedule_tests {
+    use super::*;
+    use crate::state::schedule_tests::{bits, grad, push, task, w, SCHEDULE};
+    use crate::{CreateHeader, State, WireFormat};
+
+    /// A task restored from a checkpoint goes on with the schedule where it was: the same bits
+    /// as the task that went on without stopping, and `value - lr(k) * g` at each later step.
+    /// The rates survive the manifest bit for bit, also those JSON's decimals would not.
+    #[test]
+    fn a_restored_task_continues_the_schedule() {
+        let tmp = tempfile::tempdir().unwrap();
+        let lr = 3e-3f64;
+        let odd = LrSchedule::WarmupCosine { peak: lr, warmup_steps: 2, total_steps: 6, final_lr: lr / 10.0 };
+        for (i, schedule) in [SCHEDULE, odd].into_iter().enumerate() {
+            let mut s = task(Some(schedule.clone()), PsMode::Async, None);
+            for k in 0..3 {
+                push(&mut s, "worker:0", k, &grad(k));
+            }
+            let dir = tmp.path().join(i.to_string());
+            crate::write_snapshot(&dir, 3, s.snapshot(), 1).unwrap();
+            let (snap, step) = crate::read_snapshot(&dir).unwrap();
+            let mut r = State::new("ps:0".into(), None);
+            r.restore(snap, step);
+            let restored = r.status().schedule.unwrap();
+            let rate_bits = |s: &LrSchedule| match *s {
+                LrSchedule::WarmupCosine { peak, final_lr, .. } => (peak.to_bits(), final_lr.to_bits()),
+                _ => unreachable!(),
+            };
+            assert_eq!((&restored, rate_bits(&restored)), (&schedule, rate_bits(&schedule)));
+            assert_eq!(r.version(), 3);
+            for k in 3..9 {
+                let before = w(&r);
+                push(&mut s, "worker:0", k, &grad(k));
+                push(&mut r, "worker:0", k, &grad(k));
+                assert_eq!(bits(&w(&r)), bits(&w(&s)), "step {k}");
+                let lr = schedule.at(k) as f32;
+                let want: Vec<f32> = before.iter().zip(grad(k)).map(|(w, g)| w - lr * g).collect();
+                assert_eq!(bits(&w(&r)), bits(&want), "step {k}");
+            }
+            // A coordinator that creates the variables again with the same schedule is answered
+            // with their versions; with another, it is refused.
+            let header = |schedule| CreateHeader {
+                variables: vec![VariableInfo::whole("w", vec![3])],
+                optimizer: ServerOptimizer::Sgd { lr: 7.0 },
+                schedule,
+                mode: PsMode::Async,
+                wire_format: WireFormat::F32,
+            };
+            assert!(r.create(&header(Some(schedule.clone())), &[]).unwrap().existed);
+            let e = r.create(&header(None), &[]).unwrap_err();
+            assert_eq!(e.kind(), crate::ErrorKind::FailedPrecondition, "{e}");
+            assert!(e.to_string().starts_with("ps:0 follows the learning-rate schedule"), "{e}");
+        }
     }
 }

@@ -6,19 +6,10 @@ use bytes::Bytes;
 
 use strata_core::cross_device::compression::HalfFormat;
 
-use crate::{Error, Result, WireFormat};
+use crate::limits::MAX_CHUNK_ELEMENTS;
 
 #[cfg(target_endian = "big")]
 compile_error!("the parameter server's data format is little-endian f32; big-endian hosts are not supported");
-
-/// The most payload bytes (f32 elements times 4) one chunk carries.
-pub const MAX_CHUNK_BYTES: usize = 1 << 20;
-
-/// The most f32 elements one chunk carries.
-pub const MAX_CHUNK_ELEMENTS: usize = MAX_CHUNK_BYTES / 4;
-
-/// The largest variable (in elements) a task accepts.
-pub const MAX_VARIABLE_ELEMENTS: usize = 1 << 31;
 
 /// A received chunk: elements from `offset` on of the request's variable number `var`.
 #[derive(Clone, Debug)]
@@ -28,7 +19,7 @@ pub struct Chunk {
     /// The chunk's first element in the variable.
     pub offset: u64,
     /// The little-endian f32 data, in pieces of whole elements (the frames it arrived in),
-    /// [`MAX_CHUNK_BYTES`] at most in all (see [`check_chunk_len`]).
+    /// [`MAX_CHUNK_BYTES`](crate::MAX_CHUNK_BYTES) at most in all (see [`check_chunk_len`](crate::check_chunk_len)).
     pub pieces: Vec<Bytes>,
 }
 
@@ -57,33 +48,6 @@ pub struct ValueChunk {
     pub data: Bytes,
 }
 
-/// Checks the data length of a chunk: at most [`MAX_CHUNK_BYTES`], whole f32 elements.
-pub fn check_chunk_len(len: usize) -> Result<()> {
-    if len > MAX_CHUNK_BYTES {
-        return Err(Error::ChunkTooLarge { bytes: len });
-    }
-    if !len.is_multiple_of(4) {
-        return Err(Error::ChunkNotWholeElements { bytes: len });
-    }
-    Ok(())
-}
-
-/// Checks the data length of a chunk of `format`: for f32 as [`check_chunk_len`]; for a
-/// 16-bit format an even number of bytes, at most [`MAX_CHUNK_ELEMENTS`] elements (the limit
-/// is in elements: a 16-bit chunk carries half the bytes of an f32 one).
-pub fn check_chunk_len_in(len: usize, format: WireFormat) -> Result<()> {
-    if format.half().is_none() {
-        return check_chunk_len(len);
-    }
-    if len / 2 > MAX_CHUNK_ELEMENTS {
-        return Err(Error::ChunkTooManyElements { elements: len / 2, format });
-    }
-    if !len.is_multiple_of(2) {
-        return Err(Error::ChunkNotWholeHalfElements { bytes: len, format });
-    }
-    Ok(())
-}
-
 /// A `Vec<f32>` seen as its little-endian bytes.
 struct F32Vec(Vec<f32>);
 
@@ -103,7 +67,7 @@ impl AsRef<[u8]> for U16Vec {
 }
 
 /// The little-endian 16-bit elements `data` (an even number of bytes, any alignment; checked
-/// by [`check_chunk_len_in`]) decoded exactly into little-endian f32 bytes, as a [`Chunk`]'s
+/// by [`check_chunk_len_in`](crate::check_chunk_len_in)) decoded exactly into little-endian f32 bytes, as a [`Chunk`]'s
 /// pieces hold them. Allocates 4 bytes per element.
 ///
 /// # Panics
@@ -203,28 +167,9 @@ pub(crate) fn shared_chunks(var: u32, values: &Arc<Vec<f32>>) -> impl Iterator<I
 mod tests {
     use super::*;
 
+    // The check of their lengths is `checks.rs`' `half_chunks_are_checked_in_elements`.
     #[test]
-    fn chunk_lengths_are_checked() {
-        check_chunk_len(MAX_CHUNK_BYTES).unwrap();
-        check_chunk_len(0).unwrap();
-        assert!(
-            matches!(check_chunk_len(MAX_CHUNK_BYTES + 4), Err(Error::ChunkTooLarge { bytes }) if bytes == MAX_CHUNK_BYTES + 4)
-        );
-        assert!(matches!(check_chunk_len(6), Err(Error::ChunkNotWholeElements { bytes: 6 })));
-    }
-
-    #[test]
-    fn half_chunks_are_checked_in_elements_and_convert_exactly() {
-        check_chunk_len_in(2 * MAX_CHUNK_ELEMENTS, WireFormat::Bf16).unwrap();
-        check_chunk_len_in(MAX_CHUNK_BYTES, WireFormat::F32).unwrap();
-        let e = check_chunk_len_in(2 * MAX_CHUNK_ELEMENTS + 2, WireFormat::F16).unwrap_err();
-        assert_eq!(
-            e.to_string(),
-            "a chunk carries 262145 f16 elements; the limit is 262144: cut tensors into smaller chunks"
-        );
-        let e = check_chunk_len_in(7, WireFormat::Bf16).unwrap_err();
-        assert_eq!(e.to_string(), "a chunk carries 7 bytes, not a whole number of bf16 elements (2 bytes each)");
-        assert!(matches!(check_chunk_len_in(6, WireFormat::F32), Err(Error::ChunkNotWholeElements { bytes: 6 })));
+    fn half_chunks_convert_exactly() {
         // 1 + 2^-9 rounds to 1 in bf16 (a tie, to even) and stays in f16; decoding is exact.
         let values = [1.0 + 2f32.powi(-9), -3.5, 0.1, 65504.0];
         for (format, want) in [

@@ -77,6 +77,7 @@
 #![warn(missing_docs)]
 
 mod checkpoint;
+mod checks;
 mod chunk;
 mod error;
 pub mod limits;
@@ -85,18 +86,17 @@ mod state;
 mod types;
 
 pub use checkpoint::{read_snapshot, write_snapshot, PsMeta, ScheduleMeta, META_KEY, PS_META_FORMAT, VARIABLES_FILE};
-pub use chunk::{
-    check_chunk_len, check_chunk_len_in, copy_f32s, decode_half, encode_half, encode_half_bytes, first_non_finite,
-    Chunk, ValueChunk, MAX_CHUNK_BYTES, MAX_CHUNK_ELEMENTS, MAX_VARIABLE_ELEMENTS,
-};
+pub use checks::{check_chunk_len, check_chunk_len_in, check_name, check_schedule};
+pub use chunk::{copy_f32s, decode_half, encode_half, encode_half_bytes, first_non_finite, Chunk, ValueChunk};
 pub use error::{Error, ErrorKind, RequestKind, Result};
-pub use optimizer::{check_schedule, schedule_kind, ServerOptimizer};
+pub use limits::{MAX_CHUNK_BYTES, MAX_CHUNK_ELEMENTS, MAX_VARIABLE_ELEMENTS};
+pub use optimizer::{schedule_kind, ServerOptimizer};
 pub use state::{
     Answer, Counters, PushDecision, Snapshot, SnapshotVariable, State, Streamed, UpdateKey, MAX_REMEMBERED_UPDATES,
 };
 /// The learning-rate schedules a task can follow (strata-core's).
 pub use strata_core::optim::schedule::LrSchedule;
 pub use types::{
-    check_name, CreateHeader, CreateOutcome, PsMode, PsStatus, PullResult, PushHeader, PushOutcome, PushReply,
-    UpdateId, VariableInfo, WireFormat,
+    CreateHeader, CreateOutcome, PsMode, PsStatus, PullResult, PushHeader, PushOutcome, PushReply, UpdateId,
+    VariableInfo, WireFormat,
 };

@@ -22,3 +22,12 @@ pub const MAX_TASK_BYTES: u64 = 16 << 30;
 /// The most workers a job has: the largest sync round and live-worker count, and the most
 /// distinct worker names a task counts pushes for.
 pub const MAX_WORKERS: u32 = 1 << 16;
+
+/// The most payload bytes (f32 elements times 4) one chunk carries.
+pub const MAX_CHUNK_BYTES: usize = 1 << 20;
+
+/// The most f32 elements one chunk carries.
+pub const MAX_CHUNK_ELEMENTS: usize = MAX_CHUNK_BYTES / 4;
+
+/// The largest variable (in elements) a task accepts.
+pub const MAX_VARIABLE_ELEMENTS: usize = 1 << 31;

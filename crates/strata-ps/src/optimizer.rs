@@ -8,8 +8,6 @@ use serde::{Deserialize, Serialize};
 use strata_core::optim::rules::{self, AdamWScalars};
 use strata_core::optim::schedule::LrSchedule;
 
-use crate::{Error, Result};
-
 /// The optimizer a parameter server applies to every update, in f32, with strata-core's
 /// element-wise [`rules`].
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -100,49 +98,6 @@ impl ServerOptimizer {
         }
     }
 
-    /// Checks the parameters: finite numbers, a positive learning rate, decays in `[0, 1)`,
-    /// AdamW's epsilon positive and weight decay not negative, Adagrad's accumulator and
-    /// epsilon not negative.
-    pub fn validate(&self) -> Result<()> {
-        let finite = match *self {
-            ServerOptimizer::Sgd { lr } => vec![lr],
-            ServerOptimizer::Momentum { lr, momentum, .. } => vec![lr, momentum],
-            ServerOptimizer::AdamW { lr, beta1, beta2, eps, weight_decay } => vec![lr, beta1, beta2, eps, weight_decay],
-            ServerOptimizer::Adagrad { lr, initial_accumulator, eps } => vec![lr, initial_accumulator, eps],
-        };
-        if finite.iter().any(|v| !v.is_finite()) {
-            return Err(Error::NonFiniteOptimizer { kind: self.name().into() });
-        }
-        let lr = self.learning_rate();
-        if lr <= 0.0 {
-            return Err(Error::LearningRate { lr });
-        }
-        match *self {
-            ServerOptimizer::Sgd { .. } => {}
-            ServerOptimizer::Momentum { momentum, .. } => {
-                if !(0.0..1.0).contains(&momentum) {
-                    return Err(Error::Momentum { momentum });
-                }
-            }
-            ServerOptimizer::AdamW { beta1, beta2, eps, weight_decay, .. } => {
-                for (which, value) in [("beta1", beta1), ("beta2", beta2)] {
-                    if !(0.0..1.0).contains(&value) {
-                        return Err(Error::Beta { which, value });
-                    }
-                }
-                if eps <= 0.0 || weight_decay < 0.0 {
-                    return Err(Error::AdamWParameters { eps, weight_decay });
-                }
-            }
-            ServerOptimizer::Adagrad { initial_accumulator, eps, .. } => {
-                if initial_accumulator < 0.0 || eps < 0.0 {
-                    return Err(Error::AdagradParameters { initial_accumulator, eps });
-                }
-            }
-        }
-        Ok(())
-    }
-
     /// Applies one update exactly as a ps task does: gradient `g` to `w` and its optimizer
     /// `slots` (as many as [`ServerOptimizer::slots`], each as long as `w`, zero at the start;
     /// Adagrad's accumulator starts at its initial value, see [`ServerOptimizer::new_slots`]).
@@ -185,36 +140,6 @@ pub fn schedule_kind(schedule: &LrSchedule) -> &'static str {
         LrSchedule::Constant { .. } => "constant",
         LrSchedule::WarmupCosine { .. } => "warmup_cosine",
         LrSchedule::WarmupLinear { .. } => "warmup_linear",
-    }
-}
-
-/// Checks a learning-rate schedule a ps task is asked to follow: it accepts exactly the
-/// schedules strata-core's [`LrSchedule::validate`] accepts (finite rates of 0 or more, a peak
-/// above 0, a decay that ends after the warm-up), and refuses the others with
-/// [`Error::InvalidSchedule`] naming the field that is wrong.
-pub fn check_schedule(schedule: &LrSchedule) -> Result<()> {
-    if schedule.validate().is_ok() {
-        return Ok(());
-    }
-    let kind = schedule_kind(schedule);
-    let bad = |field: &'static str, detail: String| Err(Error::InvalidSchedule { kind, field, detail });
-    match *schedule {
-        LrSchedule::Constant { lr } => bad("lr", format!("{lr}: use a finite rate of 0 or more")),
-        LrSchedule::WarmupCosine { peak, warmup_steps, total_steps, final_lr }
-        | LrSchedule::WarmupLinear { peak, warmup_steps, total_steps, final_lr } => {
-            if !(peak.is_finite() && peak > 0.0) {
-                return bad("peak", format!("{peak}: use a finite rate above 0"));
-            }
-            if !(final_lr.is_finite() && final_lr >= 0.0) {
-                return bad("final_lr", format!("{final_lr}: use a finite rate of 0 or more"));
-            }
-            bad(
-                "total_steps",
-                format!(
-                    "{total_steps} with warmup_steps {warmup_steps}: the decay must end after the warm-up; use more total_steps than warmup_steps"
-                ),
-            )
-        }
     }
 }
 
@@ -386,43 +311,5 @@ mod tests {
             }
         }
         assert_eq!((bits(&w), bits(&slots[0])), (bits(&rw), bits(&rv)));
-    }
-
-    #[test]
-    fn parameters_are_checked() {
-        let ok = [
-            ServerOptimizer::Sgd { lr: 0.5 },
-            ServerOptimizer::Momentum { lr: 0.1, momentum: 0.0, nesterov: true },
-            ServerOptimizer::AdamW { lr: 0.01, beta1: 0.9, beta2: 0.999, eps: 1e-7, weight_decay: 0.0 },
-            ServerOptimizer::Adagrad { lr: 0.1, initial_accumulator: 0.0, eps: 0.0 },
-        ];
-        for o in ok {
-            o.validate().unwrap();
-        }
-        let bad = [
-            (ServerOptimizer::Sgd { lr: 0.0 }, "the learning rate must be positive, not 0"),
-            (ServerOptimizer::Sgd { lr: f64::NAN }, "the sgd optimizer's parameters must be finite numbers"),
-            (
-                ServerOptimizer::Momentum { lr: 0.1, momentum: 1.0, nesterov: false },
-                "momentum must be in [0, 1), not 1",
-            ),
-            (
-                ServerOptimizer::AdamW { lr: 0.1, beta1: 0.9, beta2: -0.1, eps: 1e-7, weight_decay: 0.0 },
-                "beta2 must be in [0, 1), not -0.1",
-            ),
-            (
-                ServerOptimizer::AdamW { lr: 0.1, beta1: 0.9, beta2: 0.9, eps: 0.0, weight_decay: 0.0 },
-                "adamw needs epsilon > 0 and weight_decay >= 0",
-            ),
-            (
-                ServerOptimizer::Adagrad { lr: 0.1, initial_accumulator: -1.0, eps: 0.0 },
-                "adagrad needs initial_accumulator >= 0 and epsilon >= 0",
-            ),
-        ];
-        for (o, message) in bad {
-            let e = o.validate().unwrap_err();
-            assert_eq!(e.kind(), crate::ErrorKind::InvalidArgument);
-            assert_eq!(e.to_string(), message);
-        }
     }
 }

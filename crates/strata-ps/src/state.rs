@@ -9,9 +9,10 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use strata_core::optim::schedule::LrSchedule;
 
+use crate::checks::check_schedule;
 use crate::chunk::shared_chunks;
 use crate::limits::{MAX_TASK_BYTES, MAX_VARIABLES, MAX_WORKERS};
-use crate::optimizer::{apply_le_bytes, apply_le_bytes_from, check_schedule, filled};
+use crate::optimizer::{apply_le_bytes, apply_le_bytes_from, filled};
 use crate::{
     check_name, first_non_finite, Chunk, CreateHeader, CreateOutcome, Error, PsMode, PsStatus, PullResult, PushHeader,
     PushReply, RequestKind, Result, ServerOptimizer, VariableInfo, WireFormat,
@@ -1579,7 +1580,7 @@ mod limits_tests {
 }
 
 #[cfg(test)]
-mod schedule_tests {
+pub(crate) mod schedule_tests {
     use super::*;
     use crate::UpdateId;
 
@@ -1588,12 +1589,12 @@ mod schedule_tests {
     }
 
     /// Warm-up over 2 steps to 0.5, cosine down to 0.05 at step 6.
-    const SCHEDULE: LrSchedule =
+    pub(crate) const SCHEDULE: LrSchedule =
         LrSchedule::WarmupCosine { peak: 0.5, warmup_steps: 2, total_steps: 6, final_lr: 0.05 };
     const W0: [f32; 3] = [1.0, -2.0, 0.75];
 
     /// A task of SGD (whose own rate, 7, the schedule replaces) holding `w` = [`W0`].
-    fn task(schedule: Option<LrSchedule>, mode: PsMode, stream_min_bytes: Option<usize>) -> State {
+    pub(crate) fn task(schedule: Option<LrSchedule>, mode: PsMode, stream_min_bytes: Option<usize>) -> State {
         let mut s = State::new("ps:0".into(), stream_min_bytes);
         let header = CreateHeader {
             variables: vec![VariableInfo::whole("w", vec![3])],
@@ -1615,7 +1616,7 @@ mod schedule_tests {
     }
 
     /// Pushes `g` (collected, or streamed when the task streams) and returns the decision.
-    fn push(s: &mut State, worker: &str, step: u64, g: &[f32]) -> PushDecision {
+    pub(crate) fn push(s: &mut State, worker: &str, step: u64, g: &[f32]) -> PushDecision {
         let h = header(worker, step, s.version());
         let chunks = [Chunk { var: 0, offset: 0, pieces: vec![f32s(g)] }];
         match s.begin_stream(&h) {
@@ -1627,12 +1628,12 @@ mod schedule_tests {
         }
     }
 
-    fn w(s: &State) -> Vec<f32> {
+    pub(crate) fn w(s: &State) -> Vec<f32> {
         s.vars[0].value.to_vec()
     }
 
     /// The gradient of step `k`: known, different every step.
-    fn grad(k: u64) -> [f32; 3] {
+    pub(crate) fn grad(k: u64) -> [f32; 3] {
         let k = k as f32;
         [0.5 + k, -1.25 * (k + 1.0), 3.0 - 0.5 * k]
     }
@@ -1643,7 +1644,7 @@ mod schedule_tests {
         value.iter().zip(g).map(|(w, g)| w - lr * g).collect()
     }
 
-    fn bits(v: &[f32]) -> Vec<u32> {
+    pub(crate) fn bits(v: &[f32]) -> Vec<u32> {
         v.iter().map(|x| x.to_bits()).collect()
     }
 
@@ -1709,56 +1710,6 @@ mod schedule_tests {
         push(&mut s, "worker:0", 0, &[1.0, 1.0, 1.0]);
         assert_eq!(w(&s), vec![1.0 - 7.0, -2.0 - 7.0, 0.75 - 7.0]);
         assert_eq!(s.status().schedule, None);
-    }
-
-    /// A task restored from a checkpoint goes on with the schedule where it was: the same bits
-    /// as the task that went on without stopping, and `value - lr(k) * g` at each later step.
-    /// The rates survive the manifest bit for bit, also those JSON's decimals would not.
-    #[test]
-    fn a_restored_task_continues_the_schedule() {
-        let tmp = tempfile::tempdir().unwrap();
-        let lr = 3e-3f64;
-        let odd = LrSchedule::WarmupCosine { peak: lr, warmup_steps: 2, total_steps: 6, final_lr: lr / 10.0 };
-        for (i, schedule) in [SCHEDULE, odd].into_iter().enumerate() {
-            let mut s = task(Some(schedule.clone()), PsMode::Async, None);
-            for k in 0..3 {
-                push(&mut s, "worker:0", k, &grad(k));
-            }
-            let dir = tmp.path().join(i.to_string());
-            crate::write_snapshot(&dir, 3, s.snapshot(), 1).unwrap();
-            let (snap, step) = crate::read_snapshot(&dir).unwrap();
-            let mut r = State::new("ps:0".into(), None);
-            r.restore(snap, step);
-            let restored = r.status().schedule.unwrap();
-            let rate_bits = |s: &LrSchedule| match *s {
-                LrSchedule::WarmupCosine { peak, final_lr, .. } => (peak.to_bits(), final_lr.to_bits()),
-                _ => unreachable!(),
-            };
-            assert_eq!((&restored, rate_bits(&restored)), (&schedule, rate_bits(&schedule)));
-            assert_eq!(r.version(), 3);
-            for k in 3..9 {
-                let before = w(&r);
-                push(&mut s, "worker:0", k, &grad(k));
-                push(&mut r, "worker:0", k, &grad(k));
-                assert_eq!(bits(&w(&r)), bits(&w(&s)), "step {k}");
-                let lr = schedule.at(k) as f32;
-                let want: Vec<f32> = before.iter().zip(grad(k)).map(|(w, g)| w - lr * g).collect();
-                assert_eq!(bits(&w(&r)), bits(&want), "step {k}");
-            }
-            // A coordinator that creates the variables again with the same schedule is answered
-            // with their versions; with another, it is refused.
-            let header = |schedule| CreateHeader {
-                variables: vec![VariableInfo::whole("w", vec![3])],
-                optimizer: ServerOptimizer::Sgd { lr: 7.0 },
-                schedule,
-                mode: PsMode::Async,
-                wire_format: WireFormat::F32,
-            };
-            assert!(r.create(&header(Some(schedule.clone())), &[]).unwrap().existed);
-            let e = r.create(&header(None), &[]).unwrap_err();
-            assert_eq!(e.kind(), crate::ErrorKind::FailedPrecondition, "{e}");
-            assert!(e.to_string().starts_with("ps:0 follows the learning-rate schedule"), "{e}");
-        }
     }
 
     /// A schedule that cannot be followed is refused before anything is created, with one line

@@ -8,16 +8,7 @@ use serde::{Deserialize, Serialize};
 use strata_core::cross_device::compression::{Compression, HalfFormat};
 use strata_core::optim::schedule::LrSchedule;
 
-use crate::limits::{MAX_NAME_BYTES, MAX_RANK, MAX_WORKERS};
-use crate::{Error, Result, ServerOptimizer, ValueChunk, MAX_VARIABLE_ELEMENTS};
-
-/// Checks a name's length against [`MAX_NAME_BYTES`]; `what` says which name it is.
-pub fn check_name(what: &'static str, name: &str) -> Result<()> {
-    if name.len() > MAX_NAME_BYTES {
-        return Err(Error::NameTooLong { what, bytes: name.len() });
-    }
-    Ok(())
-}
+use crate::{ServerOptimizer, ValueChunk};
 
 /// How a parameter server applies pushes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -37,25 +28,6 @@ pub enum PsMode {
         /// The largest accepted distance between the task's version and a push's base.
         staleness: u64,
     },
-}
-
-impl PsMode {
-    /// Checks the mode: sync mode needs a worker (at most [`MAX_WORKERS`]), and fewer backup
-    /// workers than workers.
-    pub fn validate(&self) -> Result<()> {
-        if let PsMode::Sync { workers, backup_workers } = *self {
-            if workers == 0 {
-                return Err(Error::SyncWithoutWorkers);
-            }
-            if workers > MAX_WORKERS {
-                return Err(Error::TooManyWorkers { workers });
-            }
-            if backup_workers >= workers {
-                return Err(Error::TooManyBackupWorkers { workers, backup_workers });
-            }
-        }
-        Ok(())
-    }
 }
 
 impl fmt::Display for PsMode {
@@ -172,55 +144,6 @@ impl VariableInfo {
     /// The shard's number of elements.
     pub fn numel(&self) -> usize {
         self.shape.iter().product()
-    }
-
-    /// Checks the variable: a name of at most [`MAX_NAME_BYTES`] (its whole variable's too), at
-    /// most [`MAX_RANK`] axes and [`MAX_VARIABLE_ELEMENTS`] elements (the shard and the whole
-    /// variable), a part number below the number of parts, and the shard a block of rows
-    /// inside its whole variable.
-    pub fn validate(&self) -> Result<()> {
-        if self.name.is_empty() {
-            return Err(Error::UnnamedVariable);
-        }
-        check_name("variable", &self.name)?;
-        check_name("variable", &self.variable)?;
-        for shape in [&self.shape, &self.full_shape] {
-            if shape.len() > MAX_RANK {
-                return Err(Error::RankTooLarge { variable: self.name.clone(), rank: shape.len() });
-            }
-        }
-        for shape in [&self.shape, &self.full_shape] {
-            let mut n: usize = 1;
-            for &d in shape {
-                n = n.checked_mul(d).filter(|&n| n <= MAX_VARIABLE_ELEMENTS).ok_or_else(|| {
-                    Error::VariableTooLarge {
-                        variable: self.name.clone(),
-                        shape: shape.iter().map(|&d| d as u64).collect(),
-                    }
-                })?;
-            }
-        }
-        if self.part >= self.num_parts {
-            return Err(Error::PartOutOfRange {
-                variable: self.name.clone(),
-                part: self.part,
-                num_parts: self.num_parts,
-            });
-        }
-        if self.shape.len() != self.full_shape.len() || self.shape.get(1..) != self.full_shape.get(1..) {
-            return Err(Error::ShardShape {
-                variable: self.name.clone(),
-                shape: self.shape.clone(),
-                full_shape: self.full_shape.clone(),
-            });
-        }
-        let rows = self.shape.first().copied().unwrap_or(1);
-        let full_rows = self.full_shape.first().copied().unwrap_or(1);
-        let end = usize::try_from(self.row_offset).ok().and_then(|o| o.checked_add(rows));
-        if end.is_none_or(|end| end > full_rows) {
-            return Err(Error::ShardRows { variable: self.name.clone(), row_offset: self.row_offset, rows, full_rows });
-        }
-        Ok(())
     }
 }
 
@@ -426,59 +349,6 @@ pub struct PullResult {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn modes_and_variables_are_checked_and_shown() {
-        PsMode::Sync { workers: 3, backup_workers: 2 }.validate().unwrap();
-        assert!(matches!(PsMode::Sync { workers: 0, backup_workers: 0 }.validate(), Err(Error::SyncWithoutWorkers)));
-        let e = PsMode::Sync { workers: 2, backup_workers: 2 }.validate().unwrap_err();
-        assert_eq!(
-            e.to_string(),
-            "2 backup workers leave none of the 2 workers to aggregate; use fewer backup workers"
-        );
-        assert_eq!(PsMode::Sync { workers: 3, backup_workers: 1 }.to_string(), "sync(3 workers, 1 backup)");
-
-        VariableInfo::whole("w", vec![1 << 16, 1 << 15]).validate().unwrap();
-        let e = VariableInfo::whole("w", vec![1 << 16, 1 << 16]).validate().unwrap_err();
-        assert!(
-            matches!(&e, Error::VariableTooLarge { variable, shape } if variable == "w" && shape == &[1 << 16, 1 << 16])
-        );
-        assert!(matches!(VariableInfo::whole("", vec![1]).validate(), Err(Error::UnnamedVariable)));
-        let mut shard = VariableInfo::whole("w/part_2", vec![3]);
-        shard.part = 2;
-        shard.num_parts = 2;
-        assert_eq!(shard.validate().unwrap_err().to_string(), "variable w/part_2 is part 2 of 2");
-
-        // A shard is a block of rows inside its whole variable.
-        let mut shard = VariableInfo::whole("w/part_1", vec![2, 3]);
-        (shard.variable, shard.part, shard.num_parts, shard.row_offset) = ("w".into(), 1, 2, 2);
-        shard.full_shape = vec![4, 3];
-        shard.validate().unwrap();
-        shard.row_offset = u64::MAX - 1;
-        let e = shard.validate().unwrap_err();
-        assert!(matches!(&e, Error::ShardRows { rows: 2, full_rows: 4, .. }), "{e}");
-        shard.row_offset = 3;
-        assert!(matches!(shard.validate(), Err(Error::ShardRows { row_offset: 3, .. })));
-        shard.row_offset = 2;
-        shard.full_shape = vec![4, 5];
-        assert!(matches!(shard.validate(), Err(Error::ShardShape { .. })));
-        let mut whole = VariableInfo::whole("w", vec![3]);
-        whole.row_offset = 1;
-        assert!(matches!(whole.validate(), Err(Error::ShardRows { .. })));
-        let scalar = VariableInfo::whole("s", vec![]);
-        scalar.validate().unwrap();
-
-        // Names and ranks are bounded.
-        let e = VariableInfo::whole("x".repeat(257), vec![1]).validate().unwrap_err();
-        assert!(matches!(e, Error::NameTooLong { what: "variable", bytes: 257 }), "{e}");
-        VariableInfo::whole("x".repeat(256), vec![1]).validate().unwrap();
-        let e = VariableInfo::whole("r", vec![1; 33]).validate().unwrap_err();
-        assert!(matches!(e, Error::RankTooLarge { rank: 33, .. }), "{e}");
-        assert!(matches!(
-            PsMode::Sync { workers: MAX_WORKERS + 1, backup_workers: 0 }.validate(),
-            Err(Error::TooManyWorkers { .. })
-        ));
-    }
 
     #[test]
     fn replies_give_the_outcome() {

@@ -25,7 +25,7 @@ use strata_transport::coordination::{MembershipView, Progress};
 use strata_transport::ring::{AbortSignal, Ring, RingConfig};
 use strata_transport::{ClusterToken, CoordinationConfig, CoordinationMember, CoordinationServerHandle};
 
-use crate::cluster::{ClusterConfig, ClusterResolver};
+use crate::cluster::{ClusterConfig, ClusterResolver, TaskId};
 use crate::local::{CpuReduction, CrossWorker, LocalStrategy};
 
 /// Settings of a [`MultiWorkerMirroredStrategy`] besides the cluster.
@@ -74,6 +74,20 @@ pub struct ElasticOptions {
     pub min_workers: usize,
     /// Where the elastic coordination service listens (`host:port`).
     pub coordinator: String,
+}
+
+impl ElasticOptions {
+    /// Refuses a `min_workers` outside 1 to the job's `workers`: what
+    /// [`MultiWorkerMirroredStrategy::new`] checks first, and a launcher that knows the
+    /// cluster checks before it starts a task (`strata launch` does).
+    pub fn check_min_workers(min_workers: usize, workers: usize) -> Result<()> {
+        if min_workers == 0 || min_workers > workers {
+            return Err(Error::InvalidArgument(format!(
+                "an elastic job of {workers} workers cannot run with at least {min_workers} (min_workers; strata train --min-workers): give a minimum from 1 to {workers}"
+            )));
+        }
+        Ok(())
+    }
 }
 
 /// What a [`CrossWorkerOps`] factory gets: this worker's place in the job, its membership of
@@ -482,6 +496,138 @@ fn resolve_all(addresses: &[String]) -> Result<Vec<SocketAddr>> {
         .collect()
 }
 
+/// What joining a multi-worker job needs to know, whichever way it is joined.
+struct JoinPlan<'a> {
+    config: &'a ClusterConfig,
+    options: &'a MultiWorkerOptions,
+    /// The job's workers, in rank order.
+    names: &'a [String],
+    task: &'a str,
+    /// Where peers reach this worker's host.
+    own_host: &'a String,
+    strategy_fingerprint: &'a String,
+    /// The current generation's number and abort signal, for the heartbeats.
+    abort_cell: &'a Arc<Mutex<(u64, AbortSignal)>>,
+}
+
+/// What joining a multi-worker job gives a worker.
+struct Joined {
+    member: CoordinationMember,
+    /// The coordination service, which the chief of a job that is not elastic serves.
+    server: Option<CoordinationServerHandle>,
+    gen: Gen,
+    rejoin: Option<Rejoin>,
+    /// Whether it joined an elastic job under way.
+    under_way: bool,
+}
+
+impl JoinPlan<'_> {
+    /// Joins an elastic job through the coordination service that outlives its workers: starts
+    /// the heartbeats that abort the step in flight when the membership changes, then joins the
+    /// first generation it can connect the ring of.
+    fn elastic(&self, e: &ElasticOptions) -> Result<Joined> {
+        let (options, task, abort_cell) = (self.options, self.task, self.abort_cell);
+        let (spec, names) = (&self.config.spec, self.names);
+        let (own_host, strategy_fingerprint) = (self.own_host, self.strategy_fingerprint);
+        let mut member = CoordinationMember::connect(
+            &e.coordinator,
+            "coordinator",
+            &task,
+            options.token.clone(),
+            options.coordination.clone(),
+        )?;
+        let fatal = Arc::new(Mutex::new(None::<String>));
+        {
+            let (cell, fatal_cell, forming_cell) = (abort_cell.clone(), fatal.clone(), abort_cell.clone());
+            member.start_heartbeats_with(
+                move |reason| {
+                    *lock(&fatal_cell) = Some(reason.clone());
+                    lock(&cell).1.abort(reason);
+                },
+                move |view: &MembershipView| {
+                    // The next generation forms from this one: leave the step in flight.
+                    let cell = lock(&forming_cell);
+                    if view.forming() && view.generation() == cell.0 {
+                        cell.1.abort("the job's membership is changing (a worker was lost)");
+                    }
+                },
+            );
+            let r = Rejoin {
+                tasks: names.len(),
+                min: e.min_workers,
+                cluster_fingerprint: spec.fingerprint(),
+                strategy_fingerprint: strategy_fingerprint.clone(),
+                bind: options.bind,
+                host: own_host.clone(),
+                token: options.token.secret().to_string(),
+                collective_timeout: options.options.collective_timeout,
+                connect_timeout: options.coordination.rendezvous_timeout,
+                view: member.membership(),
+                fatal,
+            };
+            let join = |data_address: &str, after: u64| {
+                member
+                    .join(&r.cluster_fingerprint, &r.strategy_fingerprint, data_address, after)
+                    .map_err(|e| Error::Cluster(format!("task {task}: {e}")))
+            };
+            let (g, ring, abort) = join_generation(&r, &task, &abort_cell, 0, &join)?;
+            let gen = Gen { ring, rank: g.rank, generation: g.generation, seq: AtomicU64::new(0), abort };
+            Ok(Joined { member, server: None, gen, rejoin: Some(r), under_way: g.resumed })
+        }
+    }
+
+    /// Joins a job that is not elastic: the chief (`rank` 0) serves the coordination service,
+    /// every worker registers with it at `chief_address` and connects the one ring.
+    fn fixed(&self, rank: usize, chief: TaskId, chief_address: String) -> Result<Joined> {
+        let (options, task, abort_cell, config) = (self.options, self.task, self.abort_cell, self.config);
+        let (spec, names) = (&config.spec, self.names);
+        let (own_host, strategy_fingerprint) = (self.own_host, self.strategy_fingerprint);
+        let (listener, data_address) = bind_data_plane(options.bind, &own_host, &task)?;
+        let abort = lock(&abort_cell).1.clone();
+        let server = if rank == 0 {
+            let port = spec.port(config.task)?;
+            Some(
+                CoordinationServerHandle::start(
+                    SocketAddr::new(options.bind, port),
+                    names.to_vec(),
+                    spec.fingerprint(),
+                    strategy_fingerprint.clone(),
+                    options.token.clone(),
+                    options.coordination.clone(),
+                )
+                .map_err(|e| Error::Cluster(format!("task {}: {e}", config.task)))?,
+            )
+        } else {
+            None
+        };
+        let coordinator =
+            if rank == 0 { format!("{}:{}", loopback_for(options.bind), spec.port(chief)?) } else { chief_address };
+        let mut member = CoordinationMember::connect(
+            &coordinator,
+            &chief.to_string(),
+            &task,
+            options.token.clone(),
+            options.coordination.clone(),
+        )?;
+        let reg = member.register(&spec.fingerprint(), &strategy_fingerprint, &data_address)?;
+        let addresses = resolve_all(&reg.data_addresses)?;
+        let mut rc = RingConfig::new(reg.rank, addresses);
+        rc.listener = Some(listener);
+        rc.task_names = reg.task_names.clone();
+        rc.token = Some(options.token.secret().to_string());
+        rc.fingerprint = format!("{};{strategy_fingerprint}", spec.fingerprint());
+        rc.timeout = options.options.collective_timeout;
+        rc.connect_timeout = options.coordination.rendezvous_timeout;
+        let ring = Ring::connect(rc, abort.clone()).map_err(|e| Error::Cluster(format!("task {task}: {e}")))?;
+        {
+            let abort = abort.clone();
+            member.start_heartbeats(move |reason| abort.abort(reason));
+        }
+        let gen = Gen { ring, rank: reg.rank, generation: 0, seq: AtomicU64::new(0), abort };
+        Ok(Joined { member, server, gen, rejoin: None, under_way: false })
+    }
+}
+
 /// Synchronous training across worker processes (TensorFlow's
 /// `MultiWorkerMirroredStrategy`). User code is the same as under `MirroredStrategy`.
 #[derive(Clone, Debug)]
@@ -524,14 +670,7 @@ impl MultiWorkerMirroredStrategy {
             )));
         }
         if let Some(e) = &options.elastic {
-            if e.min_workers == 0 || e.min_workers > names.len() {
-                return Err(Error::InvalidArgument(format!(
-                    "an elastic job of {} workers cannot run with at least {}: give a minimum from 1 to {}",
-                    names.len(),
-                    e.min_workers,
-                    names.len()
-                )));
-            }
+            ElasticOptions::check_min_workers(e.min_workers, names.len())?;
             if options.cross_worker_ops.is_some() {
                 return Err(Error::InvalidArgument(
                     "elastic membership re-forms the ring, not cross-worker ops of your own (NCCL); use the ring with it".into(),
@@ -546,96 +685,18 @@ impl MultiWorkerMirroredStrategy {
         );
         let task = config.task.to_string();
         let abort_cell = Arc::new(Mutex::new((0, AbortSignal::new())));
-        let (member, server, gen, rejoin, under_way) = if let Some(e) = &options.elastic {
-            let mut member = CoordinationMember::connect(
-                &e.coordinator,
-                "coordinator",
-                &task,
-                options.token.clone(),
-                options.coordination.clone(),
-            )?;
-            let fatal = Arc::new(Mutex::new(None::<String>));
-            {
-                let (cell, fatal_cell, forming_cell) = (abort_cell.clone(), fatal.clone(), abort_cell.clone());
-                member.start_heartbeats_with(
-                    move |reason| {
-                        *lock(&fatal_cell) = Some(reason.clone());
-                        lock(&cell).1.abort(reason);
-                    },
-                    move |view: &MembershipView| {
-                        // The next generation forms from this one: leave the step in flight.
-                        let cell = lock(&forming_cell);
-                        if view.forming() && view.generation() == cell.0 {
-                            cell.1.abort("the job's membership is changing (a worker was lost)");
-                        }
-                    },
-                );
-                let r = Rejoin {
-                    tasks: names.len(),
-                    min: e.min_workers,
-                    cluster_fingerprint: spec.fingerprint(),
-                    strategy_fingerprint: strategy_fingerprint.clone(),
-                    bind: options.bind,
-                    host: own_host.clone(),
-                    token: options.token.secret().to_string(),
-                    collective_timeout: options.options.collective_timeout,
-                    connect_timeout: options.coordination.rendezvous_timeout,
-                    view: member.membership(),
-                    fatal,
-                };
-                let join = |data_address: &str, after: u64| {
-                    member
-                        .join(&r.cluster_fingerprint, &r.strategy_fingerprint, data_address, after)
-                        .map_err(|e| Error::Cluster(format!("task {task}: {e}")))
-                };
-                let (g, ring, abort) = join_generation(&r, &task, &abort_cell, 0, &join)?;
-                let gen = Gen { ring, rank: g.rank, generation: g.generation, seq: AtomicU64::new(0), abort };
-                (member, None, gen, Some(r), g.resumed)
-            }
-        } else {
-            let (listener, data_address) = bind_data_plane(options.bind, &own_host, &task)?;
-            let abort = lock(&abort_cell).1.clone();
-            let server = if rank == 0 {
-                let port = spec.port(config.task)?;
-                Some(
-                    CoordinationServerHandle::start(
-                        SocketAddr::new(options.bind, port),
-                        names.clone(),
-                        spec.fingerprint(),
-                        strategy_fingerprint.clone(),
-                        options.token.clone(),
-                        options.coordination.clone(),
-                    )
-                    .map_err(|e| Error::Cluster(format!("task {}: {e}", config.task)))?,
-                )
-            } else {
-                None
-            };
-            let coordinator =
-                if rank == 0 { format!("{}:{}", loopback_for(options.bind), spec.port(chief)?) } else { chief_address };
-            let mut member = CoordinationMember::connect(
-                &coordinator,
-                &chief.to_string(),
-                &task,
-                options.token.clone(),
-                options.coordination.clone(),
-            )?;
-            let reg = member.register(&spec.fingerprint(), &strategy_fingerprint, &data_address)?;
-            let addresses = resolve_all(&reg.data_addresses)?;
-            let mut rc = RingConfig::new(reg.rank, addresses);
-            rc.listener = Some(listener);
-            rc.task_names = reg.task_names.clone();
-            rc.token = Some(options.token.secret().to_string());
-            rc.fingerprint = format!("{};{strategy_fingerprint}", spec.fingerprint());
-            rc.timeout = options.options.collective_timeout;
-            rc.connect_timeout = options.coordination.rendezvous_timeout;
-            let ring = Ring::connect(rc, abort.clone()).map_err(|e| Error::Cluster(format!("task {task}: {e}")))?;
-            {
-                let abort = abort.clone();
-                member.start_heartbeats(move |reason| abort.abort(reason));
-            }
-            let gen = Gen { ring, rank: reg.rank, generation: 0, seq: AtomicU64::new(0), abort };
-            (member, server, gen, None, false)
+        let join = JoinPlan {
+            config: &config,
+            options: &options,
+            names: &names,
+            task: &task,
+            own_host: &own_host,
+            strategy_fingerprint: &strategy_fingerprint,
+            abort_cell: &abort_cell,
+        };
+        let Joined { member, server, gen, rejoin, under_way } = match &options.elastic {
+            Some(e) => join.elastic(e)?,
+            None => join.fixed(rank, chief, chief_address)?,
         };
         let progress = member.progress();
         tracing::info!(task = %task, rank = gen.rank, workers = gen.ring.size(), generation = gen.generation, "joined the multi-worker job");

@@ -10,11 +10,12 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Module, Tensor};
-use candle_nn::{AdamW, Optimizer, ParamsAdamW, SGD};
+use candle_nn::{AdamW, ParamsAdamW, SGD};
 use common::max_rel_diff;
 use rand::{Rng, SeedableRng};
 use strata_core::data::files::{TokenRecords, TokenWidth};
 use strata_core::data::{BatchData, DistributedBatch, TailPolicy};
+use strata_core::optim::OptimizerMemory;
 use strata_core::strategy::AutoShardPolicy;
 use strata_core::{Replicated, Scope, Strategy, StrategyHandle};
 
@@ -44,7 +45,7 @@ trait Model<B>: Sized + Send + Sync {
 /// Trains `M` with `O` on `batches` under `s`, checking that every global batch is split
 /// into shards of the expected sizes (the first `B % N` replicas one larger); returns the
 /// final parameters.
-fn train<B: BatchData, M: Model<B>, O: Optimizer + Send>(s: &StrategyHandle, cfg: O::Config, batches: &[B]) -> Params
+fn train<B: BatchData, M: Model<B>, O: OptimizerMemory + Send>(s: &StrategyHandle, cfg: O::Config, batches: &[B]) -> Params
 where
     O::Config: Clone,
 {

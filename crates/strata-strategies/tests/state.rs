@@ -5,11 +5,11 @@
 mod common;
 
 use candle_core::{Device, Tensor};
-use candle_nn::{AdamW, BatchNormConfig, ModuleT, Optimizer, ParamsAdamW, SGD};
+use candle_nn::{AdamW, BatchNormConfig, ModuleT, ParamsAdamW, SGD};
 use common::max_rel_diff;
 use common::models::{data, BnNet, TestModel};
 use strata_core::data::{Batch, TailPolicy};
-use strata_core::optim::{FusedMomentum, ParamsMomentum};
+use strata_core::optim::{FusedMomentum, OptimizerMemory, ParamsMomentum};
 use strata_core::{Strategy, StrategyHandle, VariableKind};
 
 type Params = Vec<(String, Vec<f32>)>;
@@ -101,7 +101,7 @@ fn central_storage_keeps_a_copy_of_state_per_replica() {
 
 /// Trains `M` with `O` on the same global batches as `train` does in tests/variables.rs, the
 /// uneven 30-example ones included.
-fn train<M: TestModel, O: Optimizer + Send>(s: &impl Strategy, cfg: O::Config, steps: usize) -> Params
+fn train<M: TestModel, O: OptimizerMemory + Send>(s: &impl Strategy, cfg: O::Config, steps: usize) -> Params
 where
     O::Config: Clone,
 {

@@ -9,11 +9,11 @@ mod common;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use candle_nn::{AdamW, Optimizer, ParamsAdamW, SGD};
+use candle_nn::{AdamW, ParamsAdamW, SGD};
 use common::max_rel_diff;
 use common::models::{data, Cnn, Frozen, Heads, TestModel, Tied};
 use strata_core::data::{Batch, TailPolicy};
-use strata_core::optim::{FusedAdamW, FusedMomentum, FusedSgd, ParamsMomentum};
+use strata_core::optim::{FusedAdamW, FusedMomentum, FusedSgd, OptimizerMemory, ParamsMomentum};
 use strata_core::{Error, Replicated, Strategy, StrategyHandle, StrategyOptions, VariableKind};
 use strata_strategies::{CentralStorageStrategy, CpuReduction, MirroredStrategy};
 
@@ -26,7 +26,7 @@ fn values<M>(m: &Replicated<M>) -> Params {
 /// Trains `M` for `steps` steps of `O` on global batches of `batch` examples (the same ones
 /// under every strategy), freezing `freeze`; returns the initial and final values. Mirrored
 /// copies must stay bitwise identical.
-fn train<M: TestModel, O: Optimizer + Send>(
+fn train<M: TestModel, O: OptimizerMemory + Send>(
     s: &impl Strategy,
     cfg: O::Config,
     steps: usize,
@@ -154,7 +154,7 @@ strategy_test!(a_head_without_gradients_is_not_touched, |s: StrategyHandle| {
 });
 
 /// Three steps, all even (head `a`), with `O`.
-fn train_even_steps<O: Optimizer + Send>(s: &StrategyHandle, cfg: O::Config) -> (Params, Params)
+fn train_even_steps<O: OptimizerMemory + Send>(s: &StrategyHandle, cfg: O::Config) -> (Params, Params)
 where
     O::Config: Clone,
 {

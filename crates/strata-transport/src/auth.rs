@@ -240,19 +240,27 @@ impl std::fmt::Display for Refusal {
 /// keep bounded state (an unauthenticated caller controls how often it runs).
 pub type RefusalRecorder = Arc<dyn Fn(&str, Option<std::net::SocketAddr>, Refusal) + Send + Sync>;
 
+/// Told of every call the token check admits: a task's `JobEnd` (in `control`) notes when it
+/// last heard from its job. A trait here, not the type, so that this module, which every
+/// server and client of the crate imports, imports none of them.
+pub(crate) trait NoteCalls: Send + Sync {
+    /// A call was admitted.
+    fn admitted(&self);
+}
+
 /// The server side: admits only calls carrying the cluster token.
 #[derive(Clone)]
 pub struct ServerAuth {
     token: ClusterToken,
     recorder: Option<RefusalRecorder>,
-    /// Told of every admitted call (a task's [`JobEnd`](crate::control::JobEnd)).
-    calls: Option<Arc<crate::control::JobEnd>>,
+    /// Told of every admitted call.
+    calls: Option<Arc<dyn NoteCalls>>,
 }
 
 impl ServerAuth {
     /// The same check, also noting every call it admits in `end` (how long a task has heard
     /// nothing from its job).
-    pub(crate) fn noting_calls(mut self, end: Arc<crate::control::JobEnd>) -> Self {
+    pub(crate) fn noting_calls(mut self, end: Arc<dyn NoteCalls>) -> Self {
         self.calls = Some(end);
         self
     }
@@ -275,7 +283,7 @@ impl tonic::service::Interceptor for ServerAuth {
         let refusal = match presented {
             Some(p) if self.token.matches(p) => {
                 if let Some(end) = &self.calls {
-                    end.touch();
+                    end.admitted();
                 }
                 return Ok(req);
             }

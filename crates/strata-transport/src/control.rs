@@ -4,10 +4,10 @@
 //! TensorFlow's ps and worker tasks serve until they are killed: a cluster manager then sees a
 //! killed step even when training succeeded. Here the chief ends the job by calling
 //! [`finish_task`] on every task; the task answers, and its [`JobEnd`] says so
-//! ([`ServerHandle::finished`](crate::ServerHandle::finished)) for the program to stop serving
+//! ([`ServerHandle::finished`](crate::lifecycle::ServerHandle::finished)) for the program to stop serving
 //! and exit 0. A task whose chief is gone for good (no admitted call at all for a while, though
 //! the chief probes every task twice a second) learns it from
-//! [`ServerHandle::idle_for`](crate::ServerHandle::idle_for).
+//! [`ServerHandle::idle_for`](crate::lifecycle::ServerHandle::idle_for).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -19,7 +19,7 @@ use strata_proto::v1::{FinishRequest, FinishResponse};
 use tonic::service::interceptor::InterceptedService;
 use tonic::{Code, Request, Response, Status};
 
-use crate::auth::{client_interceptor, ServerAuth};
+use crate::auth::{client_interceptor, NoteCalls, ServerAuth};
 use crate::guard::DecodeErrors;
 use crate::rt::runtime;
 use crate::{ClusterToken, Error, Result};
@@ -51,12 +51,6 @@ impl JobEnd {
         })
     }
 
-    /// Notes an admitted call (the token check calls it).
-    pub(crate) fn touch(&self) {
-        let ms = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX - 1);
-        self.last_call.store(ms + 1, Ordering::Relaxed);
-    }
-
     /// Why the job is over, once the chief said so.
     pub fn finished(&self) -> Option<String> {
         self.finished.lock().unwrap_or_else(PoisonError::into_inner).clone()
@@ -78,6 +72,14 @@ impl JobEnd {
         }
         *finished = Some(reason);
         false
+    }
+}
+
+impl NoteCalls for JobEnd {
+    /// Notes an admitted call (the token check calls it).
+    fn admitted(&self) {
+        let ms = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX - 1);
+        self.last_call.store(ms + 1, Ordering::Relaxed);
     }
 }
 

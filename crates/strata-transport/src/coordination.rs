@@ -63,7 +63,8 @@ use tonic::{Code, Request, Response, Status};
 
 use crate::auth::{client_interceptor_as, server_interceptor_recording, ClientAuth, ClusterToken, Refusal};
 use crate::guard::DecodeErrors;
-use crate::rt::{runtime, ServerTask};
+use crate::lifecycle::ServerTask;
+use crate::rt::runtime;
 use crate::{Error, Result};
 
 /// The largest value the key-value store accepts.
@@ -1046,7 +1047,7 @@ impl CoordinationServerHandle {
             state: Mutex::new(state),
             changed: Notify::new(),
         });
-        let (listener, address) = crate::rt::listen(bind, "the coordination service")?;
+        let (listener, address) = crate::lifecycle::listen(bind, "the coordination service")?;
         let svc = service.clone();
         let mut builder = crate::auth::server_builder(&token)?;
         let recorder = {
@@ -1057,7 +1058,7 @@ impl CoordinationServerHandle {
         };
         let interceptor = server_interceptor_recording(token, recorder);
         let what = "the coordination service".to_string();
-        let server = crate::rt::spawn_server::<CoordinationServer<Svc>, _, _>(
+        let server = crate::lifecycle::spawn_server::<CoordinationServer<Svc>, _, _>(
             listener,
             what,
             tokio::sync::watch::channel(false).0,

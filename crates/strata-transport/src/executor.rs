@@ -32,8 +32,9 @@ use tonic::{Code, Request, Response, Status};
 
 use crate::auth::{client_interceptor, server_interceptor, ClientAuth, ClusterToken};
 use crate::guard::DecodeErrors;
+use crate::lifecycle::ServerHandle;
 use crate::ring::AbortSignal;
-use crate::rt::{runtime, ServerHandle};
+use crate::rt::runtime;
 use crate::{Error, Result};
 
 /// The prefix of the message of a step that reported a parameter server unavailable.
@@ -214,7 +215,7 @@ impl WorkerExecutorHandle {
     /// Starts serving task `task` (`worker:<index>`) on `bind` (port 0 picks a free one),
     /// admitting only calls with `token`. Must not be called from inside a tokio runtime thread.
     pub fn start(bind: SocketAddr, task: String, token: ClusterToken, handler: Arc<dyn StepHandler>) -> Result<Self> {
-        let (listener, address) = crate::rt::listen(bind, &format!("the worker executor of {task}"))?;
+        let (listener, address) = crate::lifecycle::listen(bind, &format!("the worker executor of {task}"))?;
         let (tx, rx) = tokio::sync::watch::channel(false);
         let service = Arc::new(Service {
             task: task.clone(),
@@ -229,7 +230,7 @@ impl WorkerExecutorHandle {
         let interceptor = server_interceptor(token).noting_calls(end.clone());
         let control = crate::control::service(end.clone(), interceptor.clone());
         let what = format!("the worker executor of {task}");
-        let server = crate::rt::spawn_server::<WorkerExecutorServer<Svc>, _, _>(
+        let server = crate::lifecycle::spawn_server::<WorkerExecutorServer<Svc>, _, _>(
             listener,
             what,
             tx,

@@ -33,15 +33,16 @@ pub mod executor;
 mod guard;
 pub mod hooks;
 pub mod inject;
+pub mod lifecycle;
 pub mod probe;
 pub mod ps;
 pub mod ring;
 pub mod rt;
-pub use rt::ServerHandle;
 
 pub use auth::{ClusterToken, MutualTls};
 pub use coordination::{
     CoordinationConfig, CoordinationMember, CoordinationServerHandle, Generation, MembershipView, Registration,
 };
 pub use error::{Error, Result};
+pub use lifecycle::ServerHandle;
 pub use ring::AbortSignal;

@@ -27,7 +27,7 @@ pub enum Error {
     /// ([`StrategyKind`](crate::StrategyKind) and [`OptimizerKind`](crate::OptimizerKind) parse
     /// with it).
     #[error(transparent)]
-    UnknownName(#[from] crate::kind::UnknownName),
+    UnknownName(#[from] UnknownName),
     /// A data file that is missing, unreadable or malformed.
     #[error("data file {path}: {reason}")]
     Data {
@@ -129,3 +129,15 @@ fn core_exit_code(e: &strata_core::Error) -> i32 {
 
 /// The result type of the `strata` crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// A name that is none of a kind's names ([`NamedKind`](crate::NamedKind)).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("unknown {what} {given:?}; use one of: {}", .names.join(", "))]
+pub struct UnknownName {
+    /// What was named (`strategy`, `optimizer`).
+    pub what: &'static str,
+    /// The name given.
+    pub given: String,
+    /// The names there are.
+    pub names: Vec<&'static str>,
+}

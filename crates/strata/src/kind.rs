@@ -9,7 +9,7 @@
 use std::fmt;
 use std::str::FromStr;
 
-use candle_nn::{AdamW, Optimizer, ParamsAdamW, SGD};
+use candle_nn::{AdamW, ParamsAdamW, SGD};
 use strata_core::data::{Batch, BatchData};
 use strata_core::optim::{FusedAdamW, FusedSgd};
 use strata_core::{Replicated, StrategyHandle};
@@ -19,17 +19,9 @@ use crate::model::Classifier;
 use crate::trainer::{FitReport, Task, Trainer};
 use crate::{Error, Result};
 
-/// A name that is none of a kind's names.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("unknown {what} {given:?}; use one of: {}", .names.join(", "))]
-pub struct UnknownName {
-    /// What was named (`strategy`, `optimizer`).
-    pub what: &'static str,
-    /// The name given.
-    pub given: String,
-    /// The names there are.
-    pub names: Vec<&'static str>,
-}
+// The error of a name that is none of a kind's: the crate's error module holds it, so that the
+// error does not import this module (which imports the error).
+pub use crate::error::UnknownName;
 
 /// A kind chosen by name: what a command line needs to list, explain and parse it.
 pub trait NamedKind: Copy + Send + Sync + FromStr<Err = UnknownName> + 'static {
@@ -237,7 +229,7 @@ fn fit_with_state<O, M: Send + Sync, B: BatchData>(
     test: &B,
 ) -> Result<FitReport>
 where
-    O: Optimizer + strata_core::checkpoint::OptimizerState + Send,
+    O: strata_core::optim::OptimizerMemory + strata_core::checkpoint::OptimizerState + Send,
     O::Config: Clone,
 {
     // With the state's hooks whether or not it checkpoints: an elastic job hands the state
@@ -246,7 +238,7 @@ where
     trainer.fit_checkpointed(strategy, model, &opt, task, train, test)
 }
 
-fn fit<O: Optimizer + Send, M: Send + Sync, B: BatchData>(
+fn fit<O: strata_core::optim::OptimizerMemory + Send, M: Send + Sync, B: BatchData>(
     trainer: &Trainer,
     strategy: &StrategyHandle,
     model: &Replicated<M>,

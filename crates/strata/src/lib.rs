@@ -61,6 +61,8 @@
 //! - [`ReduceOp`]: how the replicas' values combine (sum, mean, max, min).
 //! - [`trainer::Trainer`], [`trainer::Task`], [`trainer::TrainConfig`]: the training loop
 //!   (`fit`), what it trains (a loss and metrics), and how (epochs, batch, checkpoints).
+//! - [`Elastic`]: elastic recovery around the steps of a loop of your own (a lost, leaving or
+//!   joining worker costs the step in flight, not the job), as `Trainer::fit` uses it.
 //! - [`data::BatchData`] / [`data::TailPolicy`]: a batch a strategy can split among replicas /
 //!   what happens to batches too small to split evenly.
 //! - [`optim::FusedAdamW`] / [`optim::FusedSgd`]: in-place optimizers with candle's results.
@@ -91,6 +93,7 @@ pub mod kind;
 pub mod metrics;
 pub mod model;
 pub mod ps_job;
+pub mod refusals;
 pub mod shakespeare;
 pub mod trainer;
 pub mod transformer;
@@ -98,6 +101,8 @@ pub mod transformer;
 pub use error::{Error, Result};
 pub use kind::{Hyper, NamedKind, OptimizerKind, StrategyKind};
 pub use strata_core::checkpoint;
+pub use strata_core::elastic;
+pub use strata_core::elastic::{Elastic, Position, StatefulOptimizer, Stepped};
 pub use strata_core::Error as CoreError;
 pub use strata_core::Result as CoreResult;
 pub use strata_core::{
@@ -123,6 +128,7 @@ pub mod prelude {
         MultiWorkerOptions, OneDeviceStrategy, ParameterServerOptions, ParameterServerStrategy, PerReplica, ReduceOp,
         ReplicaContext, Strategy, StrategyHandle,
     };
+    pub use crate::{Elastic, Stepped};
 }
 
 /// Makes candle's CPU kernels single-threaded per caller, so that each replica thread is one

@@ -37,10 +37,11 @@ use candle_nn::Optimizer;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use serde::Serialize;
-use strata_core::checkpoint::{self, CheckpointTensor, OptimizerState};
+use strata_core::checkpoint::OptimizerState;
 use strata_core::data::{Batch, BatchData, DistributedBatch, TailPolicy};
+use strata_core::elastic::{self, Elastic, Position, StatefulOptimizer, Stepped, Stop};
 use strata_core::optim::schedule::LrSchedule;
-use strata_core::{DistributedOptimizer, ReduceOp, ReplicaContext, Replicated, Strategy};
+use strata_core::{DistributedOptimizer, PerReplica, ReduceOp, ReplicaContext, Replicated, Strategy};
 
 use crate::model::Classifier;
 use crate::Result;
@@ -167,16 +168,7 @@ pub trait StepHook: Send + Sync {
     fn after_backward(&self, worker: usize, step: u64, compute: Duration);
 }
 
-/// Where and how often the chief writes checkpoints.
-#[derive(Clone, Debug)]
-pub struct CheckpointConfig {
-    /// The checkpoint root (one `ckpt-<step>` directory per checkpoint).
-    pub dir: std::path::PathBuf,
-    /// Write a checkpoint every this many steps (and after the last step).
-    pub every_steps: usize,
-    /// Keep this many checkpoints.
-    pub keep: usize,
-}
+pub use strata_core::elastic::CheckpointConfig;
 
 impl std::fmt::Debug for dyn Progress {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -267,7 +259,7 @@ impl Trainer {
     /// The optimizer of `model` with `config`, and this trainer's clipping, accumulation and
     /// schedule ([`TrainConfig::clip_global_norm`], [`TrainConfig::accumulation`],
     /// [`TrainConfig::schedule`]) applied.
-    pub fn optimizer<M, O: Optimizer>(
+    pub fn optimizer<M, O: strata_core::optim::OptimizerMemory>(
         &self,
         model: &Replicated<M>,
         config: O::Config,
@@ -338,33 +330,21 @@ impl Trainer {
         // Under ZeRO the state is gathered from every replica's shard (a collective), and a
         // checkpoint holds it whole, as at stage 0: it resumes at any stage, on any number of
         // replicas and workers.
-        let save = || -> Result<Vec<(String, Tensor)>> { Ok(opt.state_tensors()?) };
-        let load = |state: &[(String, Tensor)]| -> Result<()> { Ok(opt.load_state_tensors(state)?) };
-        let collective = opt.zero_stage() != strata_core::ZeroStage::Off;
-        let reshard = || -> Result<()> { Ok(opt.reshard().map(drop)?) };
-        let at_step = |step: u64| opt.set_iterations(step / opt.accumulation().max(1) as u64);
-        let hooks = OptimizerHooks {
-            save: &save,
-            load: &load,
-            collective,
-            // Only ZeRO asks (copy 0's state is then its shard's: cheap to look at).
-            keeps_state: collective && opt.keeps_state()?,
-            reshard: &reshard,
-            at_step: &at_step,
-        };
-        self.fit_inner(strategy, model, opt, task, train, test, Some(hooks))
+        self.fit_inner(strategy, model, opt, task, train, test, Some(opt as &dyn StatefulOptimizer))
     }
 
+    /// The fit, with the optimizer's state where it can be saved (checkpoints, resumes and
+    /// elastic recovery need it: [`Elastic`]).
     #[allow(clippy::too_many_arguments)]
-    fn fit_inner<S, M, O, B>(
-        &self,
-        strategy: &S,
-        model: &Replicated<M>,
-        opt: &DistributedOptimizer<O>,
-        task: &Task<'_, M, B>,
-        train: &B,
-        test: &B,
-        hooks: Option<OptimizerHooks<'_>>,
+    fn fit_inner<'f, S, M, O, B>(
+        &'f self,
+        strategy: &'f S,
+        model: &'f Replicated<M>,
+        opt: &'f DistributedOptimizer<O>,
+        task: &'f Task<'_, M, B>,
+        train: &'f B,
+        test: &'f B,
+        state: Option<&'f dyn StatefulOptimizer>,
     ) -> Result<FitReport>
     where
         S: Strategy,
@@ -391,365 +371,448 @@ impl Trainer {
                 )));
             }
         }
-        let ckpt = cfg.checkpoint.as_ref().zip(hooks.as_ref());
-        let rollback = ckpt.map(|(c, h)| move || restore_latest(strategy, model, c, h));
         let workers = strategy.extended().workers();
         // An elastic job: a lost or joining worker costs the step in flight, not the job.
-        let elastic = match workers.filter(|w| w.is_elastic()) {
-            Some(w) => {
-                let Some(h) = hooks.as_ref() else {
-                    return Err(crate::Error::Usage(
-                        "an elastic job hands a joining worker the optimizer's state, which this optimizer cannot give (Strata's fused AdamW or SGD can); use Trainer::fit_checkpointed".into(),
-                    ));
-                };
-                if accumulation > 1 {
-                    return Err(crate::Error::Usage(format!(
-                        "an elastic job re-runs a step a lost worker interrupted, which gradients accumulated over {accumulation} batches would count twice; accumulate over 1 batch in an elastic job"
-                    )));
-                }
-                if h.collective && h.keeps_state && ckpt.is_none() {
-                    return Err(crate::Error::Usage(format!(
-                        "an elastic job at ZeRO stage {} with an optimizer that keeps state: a lost worker takes its shard of that state with it, and the job then rolls back to its last checkpoint; give it a checkpoint directory (strata train --checkpoint-dir), or train with plain SGD or at stage 0",
-                        opt.zero_stage().number()
-                    )));
-                }
-                Some(Elastic {
-                    w,
-                    h,
-                    ops: strategy.extended().cross_device_ops(),
-                    prepared: Default::default(),
-                    rollback: rollback.as_ref().map(|f| f as &dyn Fn() -> Result<Option<usize>>),
-                    steps_per_epoch,
+        let elastic_job = workers.is_some_and(|w| w.is_elastic());
+        if elastic_job && state.is_none() {
+            return Err(crate::Error::Usage(
+                "an elastic job hands a joining worker the optimizer's state, which this optimizer cannot give (Strata's fused AdamW or SGD can); use Trainer::fit_checkpointed".into(),
+            ));
+        }
+        let recovery = match state {
+            Some(s) => {
+                let r = Elastic::new(strategy, model, s)?.with_steps_per_epoch(steps_per_epoch);
+                Some(match &cfg.checkpoint {
+                    Some(c) => r.with_checkpoints(c.clone()),
+                    None => r,
                 })
             }
             None => None,
         };
         // A worker that joined an elastic job under way takes the state and the position of
-        // the most advanced member, and no checkpoint.
-        let joined = match &elastic {
-            Some(e) if e.w.joined_under_way() => Some(e.recover(model, None, None)?),
-            _ => None,
+        // the most advanced member, and no checkpoint; others resume from a checkpoint.
+        let at = match &recovery {
+            Some(r) => r.start()?,
+            None => Position::default(),
         };
-        let resumed = match (ckpt, joined) {
-            (_, Some(p)) => p.step,
-            (Some((c, h)), None) => restore(strategy, model, c, h)?,
-            (None, None) => 0,
-        };
-        if let (Some(c), true) = (&cfg.checkpoint, is_chief(strategy)) {
-            // Before the first step, not at the first checkpoint: a directory that cannot take
-            // one fails the job before it trains.
-            checkpoint::check_writable(&c.dir).map_err(|e| match e {
-                strata_core::Error::Checkpoint(m) => crate::Error::Usage(format!("checkpoint directory {m}")),
-                other => other.into(),
-            })?;
-        }
-        if let (Some(_), Some((c, h)), None, 0) = (&elastic, ckpt, joined, resumed) {
-            if h.collective && h.keeps_state {
-                // ZeRO in an elastic job: a lost worker's shard of the optimizer state rolls
-                // the job back to its latest checkpoint, from the first step on.
-                save_checkpoint(strategy, model, c, h, 0)?;
-            }
-        }
-        let mut global_step = resumed;
-        let num_workers = workers.map_or(1, |w| w.num_workers()) as u64;
-        if let Some(w) = workers.filter(|w| w.num_workers() > 1 && joined.is_none()) {
+        let joined = elastic_job && workers.is_some_and(|w| w.joined_under_way());
+        if let Some(w) = workers.filter(|w| w.num_workers() > 1 && !joined) {
             agree_on_epochs(w, strategy.extended().auto_shard(), train_rows, steps_per_epoch)?;
         }
-        // Only the chief writes records (in an elastic job, whichever worker leads now).
-        let metrics = cfg.metrics.clone();
         let progress: &dyn Progress = cfg.progress.as_deref().unwrap_or(&Silent);
         progress.begin((steps_per_epoch * cfg.epochs) as u64);
-        let mut epochs = Vec::with_capacity(cfg.epochs);
-        let (mut steps, mut steady_time, mut steady_examples, mut skipped) = (0usize, Duration::ZERO, 0usize, 0usize);
-        let (mut all_time, mut all_examples) = (Duration::ZERO, 0usize);
-        let mut stopped: Option<Stopped> = None;
-        // The step replica 0 is in (counted from 1), for errors.
-        let current_step = AtomicUsize::new(global_step);
-        let mut saved_step = None;
-        // Epochs whose end (loss, evaluation) is done; in an elastic job a member may be one
-        // step or one epoch end ahead of another when a loss interrupts them.
-        let mut ended = joined.map_or(resumed / steps_per_epoch.max(1), |p| p.ended);
-        // In an elastic job: re-forms the membership after a failed collective, takes the most
-        // advanced member's state and position, and resumes from there.
-        macro_rules! recover_or_fail {
-            ($label:lifetime, $e:expr) => {{
-                let e: strata_core::Error = $e;
-                match (&elastic, e) {
-                    (Some(el), strata_core::Error::Cluster(m)) => {
-                        let p = el.recover(model, Some(Position { step: global_step, ended }), Some(&m))?;
-                        global_step = p.step;
-                        ended = p.ended;
-                        // A roll back to a checkpoint ends its epochs again.
-                        epochs.retain(|e: &EpochReport| e.epoch < ended);
-                        continue $label;
-                    }
-                    (_, e) => return Err(e.into()),
-                }
-            }};
-        }
-        'epochs: loop {
-            if ended >= cfg.epochs || cfg.max_steps.is_some_and(|m| global_step >= m) {
-                if let Some(el) = &elastic {
-                    // Every live member ends together, with the state's mean: a loss even now
-                    // costs nothing, and no member leaves while another still needs it.
-                    if let Err(e) = model.sync_state() {
-                        recover_or_fail!('epochs, e);
-                    }
-                    if let Err(e) = el.w.barrier() {
-                        recover_or_fail!('epochs, e);
-                    }
-                }
-                break;
-            }
-            let epoch = ended;
-            let _e = tracing::info_span!("epoch", epoch).entered();
-            let mut idx: Vec<usize> = (0..train_rows).collect();
-            idx.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(cfg.seed.wrapping_add(epoch as u64)));
-            let batches =
-                idx.chunks(cfg.global_batch).map(|c| train.take_rows(c)).collect::<strata_core::Result<Vec<B>>>()?;
-            let mut data = strategy.distribute_dataset(batches, TailPolicy::Split);
-            let epoch_batches: Vec<_> = data.by_ref().collect();
-            if let Some(e) = data.take_error() {
-                return Err(e.into());
-            }
-            // A resumed epoch skips the steps its checkpoint already holds.
-            let done_in_epoch = global_step.saturating_sub(epoch * steps_per_epoch).min(epoch_batches.len());
-            let mut epoch_batches = &epoch_batches[done_in_epoch..];
-            if let Some(max) = cfg.max_steps {
-                epoch_batches = &epoch_batches[..epoch_batches.len().min(max.saturating_sub(global_step))];
-            }
-            // An elastic job runs one step per execution: a loss costs one step.
-            let per_step = cfg.metrics.is_some() || cfg.step_hook.is_some() || elastic.is_some();
-            let mut per_execution =
-                if per_step { 1 } else { cfg.steps_per_execution.unwrap_or(epoch_batches.len()).max(1) };
-            if cfg.stop.is_some() {
-                per_execution = per_execution.min(cfg.stop_check_steps.max(1));
-            }
-            let (mut epoch_time, mut loss_n) = (Duration::ZERO, 0usize);
-            let mut local_loss = vec![0f32; strategy.extended().num_replicas()];
-            let mut executions = Vec::new();
-            let mut at = 0;
-            while at < epoch_batches.len() {
-                let mut len = per_execution.min(epoch_batches.len() - at);
-                if let Some((c, _)) = ckpt {
-                    // Executions end at checkpoint steps.
-                    let every = c.every_steps.max(1);
-                    len = len.min(every - (global_step + at) % every);
-                }
-                executions.push(&epoch_batches[at..at + len]);
-                at += len;
-            }
-            let mut done = 0;
-            for execution in executions {
-                if let Some(el) = &elastic {
-                    // Workers waiting to join come in at a step boundary that every member agrees on.
-                    match el.w.admit_waiting() {
-                        Ok(true) => {
-                            // ZeRO: the whole optimizer state, before the shards are re-split.
-                            if let Err(e) = el.prepare(global_step) {
-                                recover_or_fail!('epochs, e);
-                            }
-                            recover_or_fail!('epochs, strata_core::Error::Cluster("admitting workers that wait to join".into()))
-                        }
-                        Ok(false) => {}
-                        Err(e) => recover_or_fail!('epochs, e),
-                    }
-                }
-                done += execution.len();
-                let _s = tracing::debug_span!("execution", first_step = steps, steps = execution.len()).entered();
-                let t0 = Instant::now();
-                let bytes0 = strata_transport::inject::bytes();
-                let step_number = (global_step + 1) as u64;
-                current_step.store(global_step, Ordering::Relaxed);
-                let losses = match strategy
-                    .run_batches(execution, |ctx, shard| {
-                        let started = Instant::now();
-                        if ctx.replica_id() == 0 {
-                            current_step.fetch_add(1, Ordering::Relaxed);
-                        }
-                        let fwd = ctx.phase("step", "forward");
-                        let loss = (task.loss)(model.on(ctx)?, ctx, &shard.batch)?;
-                        drop(fwd);
-                        match cfg.step_hook.as_deref() {
-                            Some(hook) => {
-                                let grads = loss.backward()?;
-                                let worker = workers.map_or(ctx.replica_id(), |w| w.worker_index());
-                                hook.after_backward(worker, step_number, started.elapsed());
-                                ctx.sync_and_apply(grads, opt)?;
-                            }
-                            None => ctx.backward_and_sync(&loss, opt)?,
-                        }
-                        // The replica's share of the global batch's mean loss, and that share.
-                        Ok((loss.to_scalar::<f32>()? * shard.weight(), shard.weight()))
-                    })
-                    .map_err(|e| match e {
-                        strata_core::Error::Cluster(m) => strata_core::Error::Cluster(format!(
-                            "training step {} (epoch {epoch}): {m}",
-                            current_step.load(Ordering::Relaxed).max(global_step + 1)
-                        )),
-                        other => other,
-                    }) {
-                    Ok(l) => l,
-                    Err(e) => recover_or_fail!('epochs, e),
-                };
-                let dt = t0.elapsed();
-                epoch_time += dt;
-                // Executions that include warm-up steps do not count towards the steady state.
-                if steps >= cfg.warmup_steps {
-                    steady_time += dt;
-                    steady_examples += execution.iter().map(|b| b.global_len()).sum::<usize>();
-                }
-                all_time += dt;
-                all_examples += execution.iter().map(|b| b.global_len()).sum::<usize>();
-                steps += execution.len();
-                global_step += execution.len();
-                for l in &losses {
-                    for (acc, (v, _)) in local_loss.iter_mut().zip(l.values()) {
-                        *acc += v;
-                    }
-                    loss_n += 1;
-                }
-                tracing::debug!(step = global_step, seconds = dt.as_secs_f64(), "step done");
-                if let (Some(m), Some(l)) = (metrics.as_ref().filter(|_| is_chief(strategy)), losses.last()) {
-                    // This worker's replicas' mean loss (the whole batch's on one machine).
-                    let (sum, weight) = l.values().iter().fold((0.0, 0.0), |(s, w), (v, x)| (s + v, w + x));
-                    let (sent, received) = strata_transport::inject::bytes();
-                    let mut r = crate::metrics::MetricRecord::step(
-                        global_step as u64,
-                        global_step as u64,
-                        start.elapsed().as_secs_f64(),
-                        all_examples as u64,
-                        sum / weight.max(f32::MIN_POSITIVE),
-                    );
-                    // The ring is symmetric: every worker moves what this one did.
-                    r.bytes_sent = (sent - bytes0.0) * num_workers;
-                    r.bytes_received = (received - bytes0.1) * num_workers;
-                    m.write(&r)?;
-                }
-                progress.advance(execution.len() as u64);
-                if let Some((c, h)) = ckpt {
-                    let last = epoch + 1 == cfg.epochs && done == epoch_batches.len();
-                    if global_step % c.every_steps.max(1) == 0 || last {
-                        if let Err(e) = save_checkpoint(strategy, model, c, h, global_step) {
-                            match e {
-                                crate::Error::Core(e) => recover_or_fail!('epochs, e),
-                                e => return Err(e),
-                            }
-                        }
-                        saved_step = Some(global_step);
-                    }
-                }
-                let agreeing = |e| match e {
-                    strata_core::Error::Cluster(m) => strata_core::Error::Cluster(format!(
-                        "agreeing whether to stop after training step {global_step} (epoch {epoch}): {m}"
-                    )),
-                    other => other,
-                };
-                let agreed = match (&cfg.stop, &elastic) {
-                    (None, _) => None,
-                    (Some(signal), None) => match agreed_stop(strategy, signal).map_err(agreeing) {
-                        Ok(c) => c,
-                        Err(e) => recover_or_fail!('epochs, e),
-                    },
-                    // In an elastic job, workers asked to stop leave it while enough remain.
-                    (Some(signal), Some(el)) => match el.stop_agreement(signal).map_err(agreeing) {
-                        Ok(StopAgreement::GoOn) => None,
-                        Ok(StopAgreement::All(code)) => Some(code),
-                        Ok(StopAgreement::Leave(code)) => {
-                            // ZeRO: this worker's shard of the optimizer state stays with the
-                            // others (a collective, before it leaves).
-                            el.prepare(global_step)?;
-                            el.w.leave_on_request(code)?;
-                            tracing::info!(step = global_step, code, "left the elastic job on request");
-                            stopped = Some(Stopped { step: global_step, code, checkpoint: None, left_job: true });
-                            break;
-                        }
-                        Ok(StopAgreement::OthersLeave(n)) => {
-                            if let Err(e) = el.prepare(global_step) {
-                                recover_or_fail!('epochs, e);
-                            }
-                            let why = format!("{n} worker(s) left the job on request after step {global_step}");
-                            let p = el.recover(model, Some(Position { step: global_step, ended }), Some(&why))?;
-                            global_step = p.step;
-                            ended = p.ended;
-                            epochs.retain(|e: &EpochReport| e.epoch < ended);
-                            continue 'epochs;
-                        }
-                        Err(e) => recover_or_fail!('epochs, e),
-                    },
-                };
-                if let Some(code) = agreed {
-                    let mut checkpoint = None;
-                    if let Some((c, h)) = ckpt {
-                        if saved_step != Some(global_step) {
-                            save_checkpoint(strategy, model, c, h, global_step)?;
-                        }
-                        checkpoint = is_chief(strategy).then(|| c.dir.clone());
-                    }
-                    tracing::info!(step = global_step, code, "stopped on request");
-                    stopped = Some(Stopped { step: global_step, code, checkpoint, left_job: false });
-                    break;
-                }
-            }
-            if stopped.is_some() {
-                break;
-            }
-            // One cross-replica (and cross-worker) reduction of the epoch's losses.
-            let loss_sum = match strategy.reduce(ReduceOp::Sum, &strata_core::PerReplica::new(local_loss)?) {
-                Ok(l) => l,
-                Err(e) => recover_or_fail!('epochs, e),
-            };
-            skipped += data.skipped_examples();
-            // Evaluation reads the state (BatchNorm's statistics) as the mean over replicas.
-            if let Err(e) = model.sync_state() {
-                recover_or_fail!('epochs, e);
-            }
-            let test_metrics = match self.evaluate(strategy, model, task, test) {
-                Ok(m) => m,
-                Err(crate::Error::Core(e)) => recover_or_fail!('epochs, e),
-                Err(e) => return Err(e),
-            };
-            let acc = accuracy_of(&test_metrics);
-            if let Some(m) = metrics.as_ref().filter(|_| is_chief(strategy)) {
-                let g = global_step as u64;
-                let mut record =
-                    crate::metrics::MetricRecord::eval(g, g, start.elapsed().as_secs_f64(), all_examples as u64, acc);
-                // A task without accuracy (the transformer's) records its loss instead.
-                if !test_metrics.iter().any(|m| m.name == "accuracy") {
-                    record.accuracy = None;
-                    record.validation_loss = test_metrics.iter().find(|m| m.name == "loss").map(|m| m.value as f32);
-                }
-                m.write(&record)?;
-            }
-            let train_loss = loss_sum / loss_n.max(1) as f32;
-            tracing::info!(epoch, train_loss, test_accuracy = acc, "epoch done");
-            progress.epoch(epoch, &format!("loss {train_loss:.4}{}", describe(&test_metrics)));
-            epochs.push(EpochReport {
-                epoch,
-                train_loss,
-                test_accuracy: acc,
-                step_seconds: epoch_time.as_secs_f64(),
-                test_metrics,
-            });
-            ended += 1;
-        }
+        let mut fit = Fit {
+            trainer: self,
+            strategy,
+            model,
+            opt,
+            task,
+            train,
+            test,
+            elastic: recovery.filter(|r| r.is_elastic()),
+            ckpt: cfg.checkpoint.as_ref().zip(state),
+            progress,
+            train_rows,
+            steps_per_epoch,
+            start,
+            // The step replica 0 is in (counted from 1), for errors.
+            current_step: AtomicUsize::new(at.step),
+            counts: Counts::default(),
+            epochs: Vec::with_capacity(cfg.epochs),
+            saved_step: None,
+        };
+        let stopped = fit.epochs(at)?;
         progress.end();
+        let c = &fit.counts;
         // A run too short to have a steady state reports the throughput of all its steps.
         let (time, examples) =
-            if steady_time.is_zero() { (all_time, all_examples) } else { (steady_time, steady_examples) };
+            if c.steady_time.is_zero() { (c.all_time, c.all_examples) } else { (c.steady_time, c.steady_examples) };
         let examples_per_second = if time.is_zero() { 0.0 } else { examples as f64 / time.as_secs_f64() };
         Ok(FitReport {
-            final_test_accuracy: epochs.last().map_or(0.0, |e| e.test_accuracy),
-            final_metrics: epochs.last().map_or_else(Vec::new, |e| e.test_metrics.clone()),
-            epochs,
+            final_test_accuracy: fit.epochs.last().map_or(0.0, |e| e.test_accuracy),
+            final_metrics: fit.epochs.last().map_or_else(Vec::new, |e| e.test_metrics.clone()),
             examples_per_second,
-            steps,
-            resumed_from_step: resumed,
-            skipped_examples: skipped,
+            steps: c.steps,
+            resumed_from_step: at.step,
+            skipped_examples: c.skipped,
             wall_seconds: start.elapsed().as_secs_f64(),
             stopped,
+            epochs: fit.epochs,
         })
     }
+}
+
+/// What a fit counts as it goes.
+#[derive(Default)]
+struct Counts {
+    steps: usize,
+    steady_time: Duration,
+    steady_examples: usize,
+    skipped: usize,
+    all_time: Duration,
+    all_examples: usize,
+}
+
+/// Where a part of a fit left it.
+enum Flow {
+    /// Done: go on from here.
+    Next(Position),
+    /// The membership of an elastic job changed: every member goes on from here.
+    Moved(Position),
+    /// Stopped on request.
+    Stopped(Stopped),
+}
+
+/// A fit under way: what it trains, and what it counted.
+struct Fit<'f, 't, S, M, O, B> {
+    trainer: &'f Trainer,
+    strategy: &'f S,
+    model: &'f Replicated<M>,
+    opt: &'f DistributedOptimizer<O>,
+    task: &'f Task<'t, M, B>,
+    train: &'f B,
+    test: &'f B,
+    /// In an elastic job: recovery from a change of membership.
+    elastic: Option<Elastic<'f, M>>,
+    /// Checkpoints, and the optimizer's state they hold.
+    ckpt: Option<(&'f CheckpointConfig, &'f dyn StatefulOptimizer)>,
+    progress: &'f dyn Progress,
+    train_rows: usize,
+    steps_per_epoch: usize,
+    start: Instant,
+    current_step: AtomicUsize,
+    counts: Counts,
+    epochs: Vec<EpochReport>,
+    saved_step: Option<usize>,
+}
+
+impl<S, M, O, B> Fit<'_, '_, S, M, O, B>
+where
+    S: Strategy,
+    M: Send + Sync,
+    O: Optimizer + Send,
+    B: BatchData,
+{
+    /// Every epoch from `at` on; the stop on request, if one came.
+    fn epochs(&mut self, mut at: Position) -> Result<Option<Stopped>> {
+        let trainer = self.trainer;
+        let cfg = &trainer.config;
+        loop {
+            if at.ended >= cfg.epochs || cfg.max_steps.is_some_and(|m| at.step >= m) {
+                // Every live member of an elastic job ends together.
+                if let Some(Stepped::Moved(p)) = self.elastic.as_ref().map(|el| el.finish(at)).transpose()? {
+                    at = self.moved(p);
+                    continue;
+                }
+                return Ok(None);
+            }
+            match self.epoch(at)? {
+                Flow::Next(p) => at = p,
+                Flow::Moved(p) => at = self.moved(p),
+                Flow::Stopped(s) => return Ok(Some(s)),
+            }
+        }
+    }
+
+    /// After a change of membership: goes on from `p` (a roll back to a checkpoint ends its
+    /// epochs again).
+    fn moved(&mut self, p: Position) -> Position {
+        self.epochs.retain(|e| e.epoch < p.ended);
+        p
+    }
+
+    /// Runs `f`, a collective between steps, through the elastic job's recovery, if any.
+    fn guard<T>(&self, at: Position, f: impl FnOnce() -> strata_core::Result<T>) -> Result<Stepped<T>> {
+        match &self.elastic {
+            Some(el) => Ok(el.guard(at, f)?),
+            None => Ok(Stepped::Done(f()?)),
+        }
+    }
+
+    /// Epoch `at.ended` from step `at.step` (a resumed epoch skips the steps its checkpoint
+    /// holds), then its end: the loss over its steps, and the evaluation.
+    fn epoch(&mut self, at: Position) -> Result<Flow> {
+        let trainer = self.trainer;
+        let (cfg, strategy) = (&trainer.config, self.strategy);
+        let epoch = at.ended;
+        let _e = tracing::info_span!("epoch", epoch).entered();
+        let mut idx: Vec<usize> = (0..self.train_rows).collect();
+        idx.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(cfg.seed.wrapping_add(epoch as u64)));
+        let batches =
+            idx.chunks(cfg.global_batch).map(|c| self.train.take_rows(c)).collect::<strata_core::Result<Vec<B>>>()?;
+        let mut data = strategy.distribute_dataset(batches, TailPolicy::Split);
+        let epoch_batches: Vec<_> = data.by_ref().collect();
+        if let Some(e) = data.take_error() {
+            return Err(e.into());
+        }
+        let done_in_epoch = at.step.saturating_sub(epoch * self.steps_per_epoch).min(epoch_batches.len());
+        let mut epoch_batches = &epoch_batches[done_in_epoch..];
+        if let Some(max) = cfg.max_steps {
+            epoch_batches = &epoch_batches[..epoch_batches.len().min(max.saturating_sub(at.step))];
+        }
+        // An elastic job runs one step per execution: a loss costs one step.
+        let per_step = cfg.metrics.is_some() || cfg.step_hook.is_some() || self.elastic.is_some();
+        let mut per_execution =
+            if per_step { 1 } else { cfg.steps_per_execution.unwrap_or(epoch_batches.len()).max(1) };
+        if cfg.stop.is_some() {
+            per_execution = per_execution.min(cfg.stop_check_steps.max(1));
+        }
+        let mut executions = Vec::new();
+        let mut next = 0;
+        while next < epoch_batches.len() {
+            let mut len = per_execution.min(epoch_batches.len() - next);
+            if let Some((c, _)) = self.ckpt {
+                // Executions end at checkpoint steps.
+                let every = c.every_steps.max(1);
+                len = len.min(every - (at.step + next) % every);
+            }
+            executions.push(&epoch_batches[next..next + len]);
+            next += len;
+        }
+        let mut sums =
+            EpochSums { time: Duration::ZERO, losses: 0, local_loss: vec![0f32; strategy.extended().num_replicas()] };
+        let mut pos = at;
+        for (i, execution) in executions.iter().enumerate() {
+            let last = epoch + 1 == cfg.epochs && i + 1 == executions.len();
+            match self.execution(pos, epoch, execution, last, &mut sums)? {
+                Flow::Next(p) => pos = p,
+                flow => return Ok(flow),
+            }
+        }
+        self.end_epoch(pos, sums, data.skipped_examples())
+    }
+
+    /// The end of epoch `at.ended`: one cross-replica (and cross-worker) reduction of its
+    /// losses, then the evaluation on the test set.
+    fn end_epoch(&mut self, at: Position, sums: EpochSums, skipped: usize) -> Result<Flow> {
+        let trainer = self.trainer;
+        let (cfg, strategy, epoch) = (&trainer.config, self.strategy, at.ended);
+        let loss_sum =
+            match self.guard(at, || strategy.reduce(ReduceOp::Sum, &strata_core::PerReplica::new(sums.local_loss)?))? {
+                Stepped::Done(l) => l,
+                Stepped::Moved(p) => return Ok(Flow::Moved(p)),
+            };
+        self.counts.skipped += skipped;
+        // Evaluation reads the state (BatchNorm's statistics) as the mean over replicas.
+        let evaluated = self.guard(at, || {
+            self.model.sync_state()?;
+            // Errors other than the core's (a test set too small) end the fit as they are.
+            match trainer.evaluate(strategy, self.model, self.task, self.test) {
+                Ok(m) => Ok(Ok(m)),
+                Err(crate::Error::Core(e)) => Err(e),
+                Err(e) => Ok(Err(e)),
+            }
+        })?;
+        let test_metrics = match evaluated {
+            Stepped::Done(m) => m?,
+            Stepped::Moved(p) => return Ok(Flow::Moved(p)),
+        };
+        let acc = accuracy_of(&test_metrics);
+        if let Some(m) = cfg.metrics.as_ref().filter(|_| is_chief(strategy)) {
+            let g = at.step as u64;
+            let mut record = crate::metrics::MetricRecord::eval(
+                g,
+                g,
+                self.start.elapsed().as_secs_f64(),
+                self.counts.all_examples as u64,
+                acc,
+            );
+            // A task without accuracy (the transformer's) records its loss instead.
+            if !test_metrics.iter().any(|m| m.name == "accuracy") {
+                record.accuracy = None;
+                record.validation_loss = test_metrics.iter().find(|m| m.name == "loss").map(|m| m.value as f32);
+            }
+            m.write(&record)?;
+        }
+        let train_loss = loss_sum / sums.losses.max(1) as f32;
+        tracing::info!(epoch, train_loss, test_accuracy = acc, "epoch done");
+        self.progress.epoch(epoch, &format!("loss {train_loss:.4}{}", describe(&test_metrics)));
+        self.epochs.push(EpochReport {
+            epoch,
+            train_loss,
+            test_accuracy: acc,
+            step_seconds: sums.time.as_secs_f64(),
+            test_metrics,
+        });
+        Ok(Flow::Next(Position { step: at.step, ended: epoch + 1 }))
+    }
+
+    /// One execution (`execution.len()` steps, one in an elastic job) after `at` of epoch
+    /// `epoch` (`last`: the fit's last), its records and checkpoint, and the agreement on
+    /// stops on request after it.
+    fn execution(
+        &mut self,
+        at: Position,
+        epoch: usize,
+        execution: &[DistributedBatch<B>],
+        last: bool,
+        sums: &mut EpochSums,
+    ) -> Result<Flow> {
+        let trainer = self.trainer;
+        let (cfg, strategy, model, opt, task) = (&trainer.config, self.strategy, self.model, self.opt, self.task);
+        let workers = strategy.extended().workers();
+        let _s = tracing::debug_span!("execution", first_step = self.counts.steps, steps = execution.len()).entered();
+        let step_number = (at.step + 1) as u64;
+        let current_step = &self.current_step;
+        current_step.store(at.step, Ordering::Relaxed);
+        // The time and bytes of the steps alone (not an elastic job's admissions, nor its
+        // checkpoints).
+        let timed = std::cell::Cell::new((Duration::ZERO, (0, 0)));
+        let run = || {
+            let (t0, bytes0) = (Instant::now(), strata_transport::inject::bytes());
+            let losses = strategy
+                .run_batches(execution, |ctx, shard| {
+                    let started = Instant::now();
+                    if ctx.replica_id() == 0 {
+                        current_step.fetch_add(1, Ordering::Relaxed);
+                    }
+                    let fwd = ctx.phase("step", "forward");
+                    let loss = (task.loss)(model.on(ctx)?, ctx, &shard.batch)?;
+                    drop(fwd);
+                    match cfg.step_hook.as_deref() {
+                        Some(hook) => {
+                            let grads = loss.backward()?;
+                            let worker = workers.map_or(ctx.replica_id(), |w| w.worker_index());
+                            hook.after_backward(worker, step_number, started.elapsed());
+                            ctx.sync_and_apply(grads, opt)?;
+                        }
+                        None => ctx.backward_and_sync(&loss, opt)?,
+                    }
+                    // The replica's share of the global batch's mean loss, and that share.
+                    Ok((loss.to_scalar::<f32>()? * shard.weight(), shard.weight()))
+                })
+                .map_err(|e| match e {
+                    strata_core::Error::Cluster(m) => strata_core::Error::Cluster(format!(
+                        "training step {} (epoch {epoch}): {m}",
+                        current_step.load(Ordering::Relaxed).max(at.step + 1)
+                    )),
+                    other => other,
+                });
+            timed.set((t0.elapsed(), bytes0));
+            losses
+        };
+        let losses = match &self.elastic {
+            Some(el) => match el.step(at, run)? {
+                Stepped::Done(l) => l,
+                Stepped::Moved(p) => return Ok(Flow::Moved(p)),
+            },
+            None => run()?,
+        };
+        let (dt, bytes0) = timed.get();
+        let at = Position { step: at.step + execution.len(), ..at };
+        self.count(at.step, execution, dt, &losses, sums);
+        if let (Some(m), Some(l)) = (cfg.metrics.as_ref().filter(|_| is_chief(strategy)), losses.last()) {
+            // This worker's replicas' mean loss (the whole batch's on one machine).
+            let (sum, weight) = l.values().iter().fold((0.0, 0.0), |(s, w), (v, x)| (s + v, w + x));
+            let (sent, received) = strata_transport::inject::bytes();
+            let mut r = crate::metrics::MetricRecord::step(
+                at.step as u64,
+                at.step as u64,
+                self.start.elapsed().as_secs_f64(),
+                self.counts.all_examples as u64,
+                sum / weight.max(f32::MIN_POSITIVE),
+            );
+            // The ring is symmetric: every worker moves what this one did.
+            let num_workers = workers.map_or(1, |w| w.num_workers()) as u64;
+            r.bytes_sent = (sent - bytes0.0) * num_workers;
+            r.bytes_received = (received - bytes0.1) * num_workers;
+            m.write(&r)?;
+        }
+        self.progress.advance(execution.len() as u64);
+        if let Some((c, state)) = self.ckpt {
+            let due = at.step.is_multiple_of(c.every_steps.max(1));
+            match &self.elastic {
+                // The elastic job's recovery wrote the checkpoints due.
+                Some(el) if last && !due => {
+                    if let Stepped::Moved(p) = el.checkpoint(at)? {
+                        return Ok(Flow::Moved(p));
+                    }
+                }
+                Some(_) => {}
+                None if due || last => {
+                    elastic::save_checkpoint(&**strategy.extended(), model, state, c, at.step)?;
+                }
+                None => {}
+            }
+            if due || last {
+                self.saved_step = Some(at.step);
+            }
+        }
+        self.stop_after(at, epoch)
+    }
+
+    /// Adds an execution's time, examples and losses to the counts.
+    fn count(
+        &mut self,
+        step: usize,
+        execution: &[DistributedBatch<B>],
+        dt: Duration,
+        losses: &[PerReplica<(f32, f32)>],
+        sums: &mut EpochSums,
+    ) {
+        let trainer = self.trainer;
+        let cfg = &trainer.config;
+        let c = &mut self.counts;
+        let examples = execution.iter().map(|b| b.global_len()).sum::<usize>();
+        sums.time += dt;
+        // Executions that include warm-up steps do not count towards the steady state.
+        if c.steps >= cfg.warmup_steps {
+            c.steady_time += dt;
+            c.steady_examples += examples;
+        }
+        c.all_time += dt;
+        c.all_examples += examples;
+        c.steps += execution.len();
+        for l in losses {
+            for (acc, (v, _)) in sums.local_loss.iter_mut().zip(l.values()) {
+                *acc += v;
+            }
+            sums.losses += 1;
+        }
+        tracing::debug!(step, seconds = dt.as_secs_f64(), "step done");
+    }
+
+    /// After the steps up to `at`: whether every worker agrees to stop on request (an elastic
+    /// job's worker asked to stop leaves it alone while enough remain); the chief then writes
+    /// a checkpoint of `at`.
+    fn stop_after(&self, at: Position, epoch: usize) -> Result<Flow> {
+        let cfg = &self.trainer.config;
+        let Some(signal) = &cfg.stop else { return Ok(Flow::Next(at)) };
+        let agreed = match &self.elastic {
+            None => agreed_stop(self.strategy, signal).map_err(|e| match e {
+                strata_core::Error::Cluster(m) => strata_core::Error::Cluster(format!(
+                    "agreeing whether to stop after training step {} (epoch {epoch}): {m}",
+                    at.step
+                )),
+                other => other,
+            })?,
+            Some(el) => match el.agree_to_stop(at, signal.requested())? {
+                Stepped::Moved(p) => return Ok(Flow::Moved(p)),
+                Stepped::Done(Stop::GoOn) => None,
+                Stepped::Done(Stop::All(code)) => Some(code),
+                Stepped::Done(Stop::Left(code)) => {
+                    return Ok(Flow::Stopped(Stopped { step: at.step, code, checkpoint: None, left_job: true }))
+                }
+            },
+        };
+        let Some(code) = agreed else { return Ok(Flow::Next(at)) };
+        let mut checkpoint = None;
+        if let Some((c, state)) = self.ckpt {
+            if self.saved_step != Some(at.step) {
+                elastic::save_checkpoint(&**self.strategy.extended(), self.model, state, c, at.step)?;
+            }
+            checkpoint = is_chief(self.strategy).then(|| c.dir.clone());
+        }
+        tracing::info!(step = at.step, code, "stopped on request");
+        Ok(Flow::Stopped(Stopped { step: at.step, code, checkpoint, left_job: false }))
+    }
+}
+
+/// An epoch's sums so far: its steps' time, and its losses per replica.
+struct EpochSums {
+    time: Duration,
+    losses: usize,
+    local_loss: Vec<f32>,
 }
 
 /// Whether to stop now: this process's request, or in a multi-worker job the largest request
@@ -802,413 +865,8 @@ fn agree_on_epochs(
     Ok(())
 }
 
-/// How the trainer saves and restores an optimizer's state.
-type NamedTensors = Vec<(String, Tensor)>;
-type SaveState<'a> = &'a dyn Fn() -> Result<NamedTensors>;
-type LoadState<'a> = &'a dyn Fn(&[(String, Tensor)]) -> Result<()>;
-
-struct OptimizerHooks<'a> {
-    save: SaveState<'a>,
-    load: LoadState<'a>,
-    /// Whether `save` is a collective every worker calls (ZeRO's shards gathered).
-    collective: bool,
-    /// Under ZeRO: whether the optimizer keeps state across steps (plain SGD keeps none);
-    /// false at stage 0, where nothing asks.
-    keeps_state: bool,
-    /// ZeRO: lays the shards out over the current membership (fresh state; load it after).
-    reshard: &'a dyn Fn() -> Result<()>,
-    /// Sets the optimizer steps applied (a schedule reads them) for the training step given.
-    at_step: &'a dyn Fn(u64),
-}
-
 fn is_chief<S: Strategy>(strategy: &S) -> bool {
     strategy.extended().workers().is_none_or(|w| w.worker_index() == 0)
-}
-
-fn save_checkpoint<S: Strategy, M>(
-    strategy: &S,
-    model: &Replicated<M>,
-    c: &CheckpointConfig,
-    h: &OptimizerHooks<'_>,
-    step: usize,
-) -> Result<()> {
-    // Every worker: the checkpoint holds the state's mean over replicas and workers.
-    model.sync_state()?;
-    let gathered = if h.collective { Some((h.save)()?) } else { None };
-    if !is_chief(strategy) {
-        return Ok(());
-    }
-    let _s = tracing::info_span!("checkpoint", step).entered();
-    let mut entries: Vec<CheckpointTensor> = model
-        .variables(0)
-        .iter()
-        .map(|(name, v)| CheckpointTensor::new(format!("model/{name}"), v.as_tensor().clone()))
-        .collect();
-    let state = match gathered {
-        Some(state) => state,
-        None => (h.save)()?,
-    };
-    for (name, t) in state {
-        entries.push(CheckpointTensor::new(format!("optimizer/{name}"), t));
-    }
-    let mut meta = std::collections::BTreeMap::new();
-    meta.insert("strategy".to_string(), strategy.extended().name().to_string());
-    let dir = checkpoint::write_checkpoint(&c.dir, step as u64, &entries, &meta)?;
-    checkpoint::keep_last(&c.dir, c.keep.max(1))?;
-    tracing::info!(dir = %dir.display(), step, "checkpoint written");
-    Ok(())
-}
-
-/// What the workers of an elastic job agree after a step about stops on request.
-enum StopAgreement {
-    /// No worker was asked to stop.
-    GoOn,
-    /// The job stops (every worker was asked to, or too few would remain): the largest code.
-    All(u32),
-    /// This worker was asked to stop (its code) and leaves; enough workers remain.
-    Leave(u32),
-    /// That many other workers leave; this one goes on with the rest.
-    OthersLeave(usize),
-}
-
-impl Elastic<'_> {
-    /// Gathers every worker's stop request (a collective, after a step).
-    fn stop_agreement(&self, signal: &StopSignal) -> strata_core::Result<StopAgreement> {
-        let mine = signal.requested().unwrap_or(0);
-        // Codes are small integers: exact in an f32.
-        let all = self.w.all_gather(&[mine.min(1 << 24) as f32])?;
-        let codes: Vec<u32> = all.iter().map(|v| v.first().copied().unwrap_or(0.0) as u32).collect();
-        let stopping = codes.iter().filter(|&&c| c > 0).count();
-        let staying = codes.len() - stopping;
-        Ok(match stopping {
-            0 => StopAgreement::GoOn,
-            _ if staying == 0 || staying < self.w.min_workers() => {
-                StopAgreement::All(codes.iter().copied().max().unwrap_or(mine))
-            }
-            _ if mine > 0 => StopAgreement::Leave(mine),
-            n => StopAgreement::OthersLeave(n),
-        })
-    }
-}
-
-/// Where a worker is in training: steps completed, and epochs whose end (their loss and
-/// evaluation) is done.
-#[derive(Clone, Copy, Debug)]
-struct Position {
-    step: usize,
-    ended: usize,
-}
-
-/// An elastic job's worker collectives and the optimizer's state hooks.
-struct Elastic<'a> {
-    w: &'a dyn strata_core::strategy::WorkerCollectives,
-    h: &'a OptimizerHooks<'a>,
-    /// The reductions, whose state across steps (compression's) follows the membership.
-    ops: &'a dyn strata_core::cross_device::CrossDeviceOps,
-    /// ZeRO with an optimizer that keeps state: the whole state, gathered over the old
-    /// membership before a change it saw coming (a worker admitted, or leaving on request),
-    /// with the step it is of.
-    prepared: std::cell::RefCell<Option<(usize, NamedTensors)>>,
-    /// ZeRO: loads the latest checkpoint (every worker calls it), for a change that lost a
-    /// shard of the optimizer state; its step, or `None` where there is none.
-    rollback: Option<&'a dyn Fn() -> Result<Option<usize>>>,
-    steps_per_epoch: usize,
-}
-
-impl Elastic<'_> {
-    /// After a failed collective (`why`; `None` for a worker that joined under way): joins the
-    /// next generation of the membership, and brings every member to the most advanced
-    /// member's state and position (a member that completed the interrupted step hands its
-    /// parameters and optimizer state to those that did not, so every step is applied exactly
-    /// once). Returns that position. Another loss meanwhile starts over.
-    fn recover<M>(&self, model: &Replicated<M>, mine: Option<Position>, why: Option<&str>) -> Result<Position> {
-        if let Some(why) = why {
-            tracing::warn!(step = mine.map(|p| p.step), %why, "a step failed; re-forming the elastic job");
-            self.w.rejoin()?;
-        }
-        loop {
-            match self.sync(model, mine) {
-                Ok(p) => {
-                    (self.h.at_step)(p.step as u64);
-                    tracing::info!(
-                        step = p.step,
-                        workers = self.w.num_workers(),
-                        generation = self.w.generation(),
-                        "training goes on"
-                    );
-                    return Ok(p);
-                }
-                Err(crate::Error::Core(strata_core::Error::Cluster(m))) => {
-                    tracing::warn!(why = %m, "the membership changed again while it was agreed; re-forming");
-                    self.w.rejoin()?;
-                }
-                Err(e) => return Err(e),
-            }
-        }
-    }
-
-    /// ZeRO with an optimizer that keeps state, before a change of membership every member
-    /// sees coming (every member calls it, over the old membership): gathers the whole state,
-    /// so that no shard of it leaves with a worker.
-    fn prepare(&self, step: usize) -> strata_core::Result<()> {
-        if self.h.collective && self.h.keeps_state {
-            let state = (self.h.save)().map_err(|e| match e {
-                crate::Error::Core(e) => e,
-                other => strata_core::Error::Checkpoint(other.to_string()),
-            })?;
-            *self.prepared.borrow_mut() = Some((step, state));
-        }
-        Ok(())
-    }
-
-    /// Every member's position, the most advanced one's state broadcast when they differ.
-    fn sync<M>(&self, model: &Replicated<M>, mine: Option<Position>) -> Result<Position> {
-        if self.h.collective {
-            return self.sync_shards(model, mine);
-        }
-        // Counts below 2^24 are exact in an f32; a joiner has none.
-        let v = mine.map_or([-1.0, -1.0], |p| [p.step.min(1 << 24) as f32, p.ended.min(1 << 24) as f32]);
-        let all = self.w.all_gather(&v)?;
-        let at = |x: &[f32]| (x.first().copied().unwrap_or(-1.0), x.get(1).copied().unwrap_or(-1.0));
-        let mut source = 0;
-        for (rank, x) in all.iter().enumerate() {
-            if at(x) > at(&all[source]) {
-                source = rank;
-            }
-        }
-        let best = at(&all[source]);
-        if best.0 < 0.0 {
-            return Err(crate::Error::Usage(
-                "every worker of the elastic job joined it under way: none has its state; restart the job".into(),
-            ));
-        }
-        let position = Position { step: best.0 as usize, ended: best.1 as usize };
-        let vars: Vec<Tensor> = model.variables(0).iter().map(|(_, v)| v.as_tensor().clone()).collect();
-        self.ops.carry_over(&vars, source)?;
-        if all.iter().all(|x| at(x) == best) {
-            return Ok(position);
-        }
-        let (vars, state) = state_layout(model, self.h)?;
-        let len: usize = vars.iter().chain(state.iter()).map(|(_, t)| t.elem_count()).sum();
-        let mut values = Vec::with_capacity(len);
-        if self.w.worker_index() == source {
-            for (_, t) in vars.iter().chain(state.iter()) {
-                values.extend(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?);
-            }
-        } else {
-            values.resize(len, 0.0);
-        }
-        self.w.broadcast(source, &mut values)?;
-        if self.w.worker_index() != source {
-            load_flat(model, self.h, &vars, &state, &values)?;
-        }
-        Ok(position)
-    }
-}
-
-impl Elastic<'_> {
-    /// [`Self::sync`] under ZeRO, whose shards are laid out again over the new membership: a
-    /// member that holds the whole optimizer state of its step (gathered before the change,
-    /// [`Self::prepare`]; nothing to hold for an optimizer that keeps none) hands both to every
-    /// member, the most advanced such member. Where none can (a lost worker took its shard of
-    /// the state with it), every member rolls back to the latest checkpoint.
-    fn sync_shards<M>(&self, model: &Replicated<M>, mine: Option<Position>) -> Result<Position> {
-        (self.h.reshard)()?;
-        let prepared = self.prepared.borrow().as_ref().map(|(step, _)| *step);
-        // An elastic job's shards are stepped in copies: a member's parameters are whole at
-        // its position even when a loss cut its last step off (`zero::Shards::new`).
-        let whole = mine.is_some_and(|p| !self.h.keeps_state || prepared == Some(p.step));
-        // Counts below 2^24 are exact in an f32; a joiner has none.
-        let v = mine.map_or([-1.0, -1.0, 0.0], |p| {
-            [p.step.min(1 << 24) as f32, p.ended.min(1 << 24) as f32, f32::from(u8::from(whole))]
-        });
-        let all = self.w.all_gather(&v)?;
-        let at = |x: &[f32]| (x.first().copied().unwrap_or(-1.0), x.get(1).copied().unwrap_or(-1.0));
-        let can = |x: &[f32]| x.get(2).copied().unwrap_or(0.0) == 1.0;
-        let mut best = 0;
-        let mut source: Option<usize> = None;
-        for (rank, x) in all.iter().enumerate() {
-            if at(x) > at(&all[best]) {
-                best = rank;
-            }
-            if can(x) && source.is_none_or(|s| at(x) > at(&all[s])) {
-                source = Some(rank);
-            }
-        }
-        if at(&all[best]).0 < 0.0 {
-            return Err(crate::Error::Usage(
-                "every worker of the elastic job joined it under way: none has its state; restart the job".into(),
-            ));
-        }
-        let vars: Vec<Tensor> = model.variables(0).iter().map(|(_, v)| v.as_tensor().clone()).collect();
-        match source.filter(|&s| at(&all[s]) == at(&all[best])) {
-            Some(source) => {
-                self.ops.carry_over(&vars, source)?;
-                // The whole state's names and shapes (a collective: every member's shards).
-                let (vars, state) = state_layout(model, self.h)?;
-                let len: usize = vars.iter().chain(state.iter()).map(|(_, t)| t.elem_count()).sum();
-                let mut values = Vec::with_capacity(len);
-                if self.w.worker_index() == source {
-                    let held = self.prepared.borrow();
-                    let held: &[(String, Tensor)] = held.as_ref().map_or(&[], |(_, s)| s.as_slice());
-                    for (_, t) in &vars {
-                        values.extend(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?);
-                    }
-                    for (name, t) in &state {
-                        let t = held.iter().find(|(n, _)| n == name).map_or(t, |(_, h)| h);
-                        values.extend(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?);
-                    }
-                    if values.len() != len {
-                        return Err(strata_core::Error::Checkpoint(format!(
-                            "the optimizer state gathered before the change holds {} values, {len} expected; every worker must build the same model and optimizer",
-                            values.len()
-                        ))
-                        .into());
-                    }
-                } else {
-                    values.resize(len, 0.0);
-                }
-                self.w.broadcast(source, &mut values)?;
-                load_flat(model, self.h, &vars, &state, &values)?;
-                let (step, ended) = at(&all[source]);
-                let position = Position { step: step as usize, ended: ended as usize };
-                (self.h.at_step)(position.step as u64);
-                *self.prepared.borrow_mut() = None;
-                tracing::info!(
-                    step = position.step,
-                    workers = self.w.num_workers(),
-                    "re-split ZeRO's shards over the new membership"
-                );
-                Ok(position)
-            }
-            None => {
-                self.ops.carry_over(&vars, best)?;
-                let Some(rollback) = self.rollback else {
-                    return Err(strata_core::Error::Checkpoint(
-                        "a lost worker took its shard of the optimizer state (ZeRO) with it, and the job has no checkpoint to roll back to; give it a checkpoint directory".into(),
-                    )
-                    .into());
-                };
-                let Some(step) = rollback()? else {
-                    return Err(strata_core::Error::Checkpoint(
-                        "a lost worker took its shard of the optimizer state (ZeRO) with it, and no checkpoint was found to roll back to; keep the checkpoint directory where the leading worker reads it".into(),
-                    )
-                    .into());
-                };
-                *self.prepared.borrow_mut() = None;
-                tracing::warn!(
-                    step,
-                    workers = self.w.num_workers(),
-                    "rolled back to a checkpoint: a lost worker took its shard of the optimizer state"
-                );
-                if self.w.worker_index() == 0 {
-                    eprintln!(
-                        "rolled back to the checkpoint of step {step}: a lost worker took its shard of the optimizer state (ZeRO) with it; the steps since are trained again over {} workers",
-                        self.w.num_workers()
-                    );
-                }
-                Ok(Position { step, ended: step / self.steps_per_epoch.max(1) })
-            }
-        }
-    }
-}
-
-/// The state a job carries, in a fixed order: the model's variables (copy 0), then the
-/// optimizer's state.
-fn state_layout<M>(model: &Replicated<M>, h: &OptimizerHooks<'_>) -> Result<(NamedTensors, NamedTensors)> {
-    let vars = model.variables(0).iter().map(|(n, v)| (format!("model/{n}"), v.as_tensor().clone())).collect();
-    Ok((vars, (h.save)()?))
-}
-
-/// Sets every copy of the model's variables and the optimizer's state from `values`, laid out
-/// as [`state_layout`] says.
-fn load_flat<M>(
-    model: &Replicated<M>,
-    h: &OptimizerHooks<'_>,
-    vars: &[(String, Tensor)],
-    state: &[(String, Tensor)],
-    values: &[f32],
-) -> Result<()> {
-    let mut at = 0;
-    let mut take = |t: &Tensor| -> Result<Tensor> {
-        let n = t.elem_count();
-        let v = Tensor::from_slice(&values[at..at + n], t.shape(), t.device())?.to_dtype(t.dtype())?;
-        at += n;
-        Ok(v)
-    };
-    let new_vars: Vec<Tensor> = vars.iter().map(|(_, t)| take(t)).collect::<Result<_>>()?;
-    let new_state: Vec<(String, Tensor)> =
-        state.iter().map(|(n, t)| Ok((n.clone(), take(t)?))).collect::<Result<_>>()?;
-    for copy in 0..model.num_copies() {
-        for ((_, var), value) in model.variables(copy).iter().zip(&new_vars) {
-            var.set(value)?;
-        }
-    }
-    (h.load)(&new_state)
-}
-
-/// Loads the latest checkpoint (on the chief) and hands it to every worker; returns its step,
-/// or `None` where the chief found none (then nothing changed).
-fn restore_latest<S: Strategy, M>(
-    strategy: &S,
-    model: &Replicated<M>,
-    c: &CheckpointConfig,
-    h: &OptimizerHooks<'_>,
-) -> Result<Option<usize>> {
-    let workers = strategy.extended().workers();
-    let found = if is_chief(strategy) { checkpoint::read_latest(&c.dir)? } else { None };
-    // The local layout: the model's variables, then the optimizer's state, in a fixed order.
-    let (vars, state) = state_layout(model, h)?;
-    // [1, step] when the chief found a checkpoint, [0, 0] when not: integers, bit for bit.
-    let (mut header, mut values) = ([0u64; 2], Vec::new());
-    if let Some(ck) = &found {
-        header = [1, ck.step];
-        let keys =
-            vars.iter().map(|(n, t)| (n.clone(), t)).chain(state.iter().map(|(n, t)| (format!("optimizer/{n}"), t)));
-        for (key, t) in keys {
-            let saved = ck.tensor(&key)?;
-            if saved.dims() != t.dims() {
-                return Err(strata_core::Error::Checkpoint(format!(
-                    "{}: {key} has shape {:?} but the model has {:?}; restore into the model that wrote it",
-                    ck.dir.display(),
-                    saved.dims(),
-                    t.dims()
-                ))
-                .into());
-            }
-            values.extend(saved.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?);
-        }
-    }
-    if let Some(w) = workers {
-        w.broadcast_u64s(0, &mut header)?;
-        if header[0] == 1 && found.is_none() {
-            let len: usize = vars.iter().chain(state.iter()).map(|(_, t)| t.elem_count()).sum();
-            values = vec![0f32; len];
-        }
-        if header[0] == 1 {
-            w.broadcast(0, &mut values)?;
-        }
-    }
-    let [found_one, step] = header;
-    if found_one != 1 {
-        return Ok(None);
-    }
-    load_flat(model, h, &vars, &state, &values)?;
-    (h.at_step)(step);
-    Ok(Some(step as usize))
-}
-
-/// Loads the latest checkpoint, if any (see [`restore_latest`]); returns its step, or 0.
-fn restore<S: Strategy, M>(
-    strategy: &S,
-    model: &Replicated<M>,
-    c: &CheckpointConfig,
-    h: &OptimizerHooks<'_>,
-) -> Result<usize> {
-    let Some(step) = restore_latest(strategy, model, c, h)? else { return Ok(0) };
-    tracing::info!(step, "resumed from a checkpoint");
-    eprintln!("resumed from the checkpoint of step {step} in {}", c.dir.display());
-    Ok(step)
 }
 
 /// The accuracy of `model` on `data` (cross-replica: the primary copy evaluates).

@@ -796,25 +796,23 @@ fn print_summary(k: usize, rows: &[Row]) {
     }
 }
 
-/// Runs the benchmark and prints an nccl-tests style table to stdout. Fails if any result
-/// differed from the closed form (after printing every row).
-pub fn run(args: &AllreduceArgs) -> Result<()> {
-    let plan = args.plan()?;
-    if args.gpus {
-        return super::gpu::run(&plan);
-    }
+/// Runs the benchmark of `plan` (`args` checked) on CPU replicas, or on worker processes with
+/// `--workers`, and prints an nccl-tests style table to stdout. Fails if any result differed
+/// from the closed form (after printing every row). `--gpus` is [`super::gpu::run`]'s
+/// ([`super::allreduce`] picks).
+pub fn run_plan(args: &AllreduceArgs, plan: &Plan) -> Result<()> {
     if let Some(rank) = args.worker_rank {
-        return worker_main(&plan, rank, args.worker_count.unwrap_or(0), args.tcp_ceiling);
+        return worker_main(plan, rank, args.worker_count.unwrap_or(0), args.tcp_ceiling);
     }
     if !plan.workers.is_empty() {
-        return run_workers(args, &plan);
+        return run_workers(args, plan);
     }
-    print_header(&plan);
+    print_header(plan);
     let mut wrong = 0usize;
     let mut busbw = Vec::new();
     for &k in &plan.replicas {
         print_table_header(k);
-        let rows = measure(&plan, k, &mut print_row)?;
+        let rows = measure(plan, k, &mut print_row)?;
         print_summary(k, &rows);
         wrong += rows.iter().map(|r| r.wrong).sum::<usize>();
         busbw.extend(rows.iter().map(Row::busbw));

@@ -72,6 +72,28 @@ mod imp {
         format!("{:>10.1} {:>8.2} {:>8.2} {:>7}", t.time.as_secs_f64() * 1e6, algbw, busbw(algbw, n), t.wrong)
     }
 
+    /// The NCCL table's header, as nccl-tests prints it, for `n` GPUs.
+    fn print_nccl_header(n: usize) {
+        println!("#");
+        println!("# NCCL all-reduce, {n} GPU(s)");
+        println!("# {:>10} {:>12} {:>6} {:>6}  {:^35}  {:^35}", "", "", "", "", "out-of-place", "in-place");
+        println!(
+            "# {:>10} {:>12} {:>6} {:>6}  {:>10} {:>8} {:>8} {:>7}  {:>10} {:>8} {:>8} {:>7}",
+            "size",
+            "count",
+            "type",
+            "redop",
+            "time(us)",
+            "algbw",
+            "busbw",
+            "#wrong",
+            "time(us)",
+            "algbw",
+            "busbw",
+            "#wrong"
+        );
+    }
+
     pub(super) fn run(plan: &Plan) -> Result<()> {
         strata_cuda::probe::driver().map_err(gpu_error)?;
         let n = strata_cuda::testing::gpu_count()
@@ -112,24 +134,7 @@ mod imp {
         let local_copy = copies.first().map(|c| c.bytes_per_sec).unwrap_or(0.0);
 
         let mut bench = AllReduceBench::new(&ordinals).map_err(gpu_error)?;
-        println!("#");
-        println!("# NCCL all-reduce, {n} GPU(s)");
-        println!("# {:>10} {:>12} {:>6} {:>6}  {:^35}  {:^35}", "", "", "", "", "out-of-place", "in-place");
-        println!(
-            "# {:>10} {:>12} {:>6} {:>6}  {:>10} {:>8} {:>8} {:>7}  {:>10} {:>8} {:>8} {:>7}",
-            "size",
-            "count",
-            "type",
-            "redop",
-            "time(us)",
-            "algbw",
-            "busbw",
-            "#wrong",
-            "time(us)",
-            "algbw",
-            "busbw",
-            "#wrong"
-        );
+        print_nccl_header(n);
         let adaptive = |d: Duration| adaptive_iters(d);
         let mut wrong = 0usize;
         let mut busbws = Vec::new();

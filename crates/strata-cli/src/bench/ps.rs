@@ -109,6 +109,29 @@ pub fn run(args: &BenchPsArgs) -> Result<()> {
     if args.clients == 0 || args.seconds.is_nan() || args.seconds <= 0.0 {
         return Err(Error::Usage("--clients must be at least 1 and --seconds positive".into()));
     }
+    let (ps, client) = start_ps_task()?;
+    print_throughput_header();
+    let mut worst_large = f64::INFINITY;
+    for bytes in sizes(args) {
+        let (push_ratio, pull_ratio) = measure_size(&client, args, bytes)?;
+        if bytes >= 16 << 20 {
+            worst_large = worst_large.min(push_ratio).min(pull_ratio);
+        }
+    }
+    if worst_large.is_finite() {
+        println!(
+            "# at 16 MiB and more, the slower of push and pull reaches {:.0}% of raw TCP (target: 50%)",
+            100.0 * worst_large
+        );
+    }
+    push_rate(&client, args)?;
+    drop(ps);
+    training_throughput(args)
+}
+
+/// Starts a `strata ps` task of this executable on a free loopback port, with a fresh token,
+/// and a client of it once it answers.
+fn start_ps_task() -> Result<(PsProcess, PsClient)> {
     let token_text: String = rand::random::<[u8; 16]>().iter().map(|b| format!("{b:02x}")).collect();
     let token = ClusterToken::new(&token_text).map_err(|e| Error::Usage(e.to_string()))?;
     let port = std::net::TcpListener::bind("127.0.0.1:0")
@@ -117,7 +140,7 @@ pub fn run(args: &BenchPsArgs) -> Result<()> {
         .port();
     let address = format!("127.0.0.1:{port}");
     let exe = std::env::current_exe().map_err(|e| Error::io("finding the strata executable", e))?;
-    let _ps = PsProcess(
+    let ps = PsProcess(
         Command::new(exe)
             .args(["ps", "--address", &address])
             .env(crate::TOKEN_VAR, &token_text)
@@ -136,7 +159,11 @@ pub fn run(args: &BenchPsArgs) -> Result<()> {
         }
         std::thread::sleep(Duration::from_millis(50));
     }
+    Ok((ps, client))
+}
 
+/// The throughput table's header.
+fn print_throughput_header() {
     println!("# strata bench ps: one variable on a `strata ps` process over loopback gRPC (1 MiB chunks), SGD lr 1 on the server");
     println!("# raw TCP: one loopback connection in the same run (the ceiling); push/pull: GB/s of f32 payload");
     println!(
@@ -160,100 +187,99 @@ pub fn run(args: &BenchPsArgs) -> Result<()> {
         "pull/TCP",
         "wrong"
     );
-    let sizes: Vec<usize> = if args.sizes.is_empty() {
+}
+
+/// The variable sizes measured: `--sizes`, or 4 KiB times powers of 4 up to `--max-mib`.
+fn sizes(args: &BenchPsArgs) -> Vec<usize> {
+    if args.sizes.is_empty() {
         let mut ladder: Vec<usize> =
             std::iter::successors(Some(4usize << 10), |s| Some(s * 4)).take_while(|&s| s < 16 << 20).collect();
         ladder.extend([16 << 20, 64 << 20].into_iter().filter(|&s| s <= args.max_mib << 20));
         ladder
     } else {
         args.sizes.clone()
-    };
-    let mut worst_large = f64::INFINITY;
-    for &bytes in &sizes {
-        let count = bytes / 4;
-        let name = format!("v{bytes}");
-        let zeros = vec![0f32; count];
-        client
-            .create_variables(
-                &[(VariableInfo::whole(&name, vec![count]), &zeros)],
-                &ServerOptimizer::Sgd { lr: 1.0 },
-                PsMode::Async,
-            )
-            .map_err(strata_core::Error::from)?;
-        // `push_shared`: the gradient's memory goes to the connection (what workers do); `push`
-        // from a borrowed slice copies it once more, into the buffers it sends from.
-        let ones = vec![1f32; count];
-        let shared = F32Bytes::from_vec(ones.clone());
-        let (mut pushes, mut step) = (0u64, 0u64);
-        let mut out = vec![0f32; count];
-        let reps = (((256usize << 20) / bytes).clamp(3, 200)).min(50).div_ceil(ROUNDS);
-        let (mut push_t, mut copy_t, mut pull_t, mut tcp_t) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        // Rounds of each figure in turn, medians: a spell in which other tenants slow the
-        // machine then lowers the ceiling too, not only one figure.
-        for _ in 0..ROUNDS {
-            let round = args.seconds / ROUNDS as f64;
-            push_t.push(
-                repeat(round, |_| {
-                    let id = UpdateId { worker: "bench".into(), client: format!("bench-{name}"), step, seq: 0 };
-                    client.push_shared(&id, 0, &[(name.as_str(), shared.clone())]).map_err(strata_core::Error::from)?;
-                    (pushes, step) = (pushes + 1, step + 1);
-                    Ok(())
-                })?
-                .1,
-            );
-            copy_t.push(
-                repeat(round, |_| {
-                    let id = UpdateId { worker: "bench".into(), client: format!("bench-{name}"), step, seq: 0 };
-                    client.push(&id, 0, &[(name.as_str(), &ones)]).map_err(strata_core::Error::from)?;
-                    (pushes, step) = (pushes + 1, step + 1);
-                    Ok(())
-                })?
-                .1,
-            );
-            pull_t.push(
-                repeat(round, |_| {
-                    let mut slots = [out.as_mut_slice()];
-                    client.pull_into(&[name.as_str()], 0, &mut slots).map_err(strata_core::Error::from)?;
-                    Ok(())
-                })?
-                .1,
-            );
-            tcp_t.push(
-                strata_transport::probe::tcp_seconds(bytes, bytes.min(1 << 20), reps)
-                    .map_err(strata_core::Error::from)?,
-            );
-        }
-        let want = -(pushes as f32);
-        let wrong = out.iter().filter(|&&x| x != want).count();
-        let [push_s, copy_s, pull_s, tcp_s] = [push_t, copy_t, pull_t, tcp_t].map(median);
-        let (push, pull, tcp) = (gbps(bytes, push_s), gbps(bytes, pull_s), gbps(bytes, tcp_s));
-        if bytes >= 16 << 20 {
-            worst_large = worst_large.min(push / tcp).min(pull / tcp);
-        }
-        println!(
-            "{:>10} {:>11} {:>6} {:>11.1} {:>11.2} {:>11.2} {:>11.1} {:>11.2} {:>11.2} {:>7.0}% {:>7.0}% {:>6}",
-            size_label(bytes),
-            count,
-            "float",
-            push_s * 1e6,
-            push,
-            gbps(bytes, copy_s),
-            pull_s * 1e6,
-            pull,
-            tcp,
-            100.0 * push / tcp,
-            100.0 * pull / tcp,
-            wrong
-        );
     }
-    if worst_large.is_finite() {
-        println!(
-            "# at 16 MiB and more, the slower of push and pull reaches {:.0}% of raw TCP (target: 50%)",
-            100.0 * worst_large
-        );
-    }
+}
 
-    // The RPC rate of small pushes.
+/// Measures and prints the row of one variable of `bytes`: push, copying push, pull and raw
+/// TCP, and the values after the pushes checked. Returns push and pull as shares of TCP.
+fn measure_size(client: &PsClient, args: &BenchPsArgs, bytes: usize) -> Result<(f64, f64)> {
+    let count = bytes / 4;
+    let name = format!("v{bytes}");
+    let zeros = vec![0f32; count];
+    client
+        .create_variables(
+            &[(VariableInfo::whole(&name, vec![count]), &zeros)],
+            &ServerOptimizer::Sgd { lr: 1.0 },
+            PsMode::Async,
+        )
+        .map_err(strata_core::Error::from)?;
+    // `push_shared`: the gradient's memory goes to the connection (what workers do); `push`
+    // from a borrowed slice copies it once more, into the buffers it sends from.
+    let ones = vec![1f32; count];
+    let shared = F32Bytes::from_vec(ones.clone());
+    let (mut pushes, mut step) = (0u64, 0u64);
+    let mut out = vec![0f32; count];
+    let reps = (((256usize << 20) / bytes).clamp(3, 200)).min(50).div_ceil(ROUNDS);
+    let (mut push_t, mut copy_t, mut pull_t, mut tcp_t) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    // Rounds of each figure in turn, medians: a spell in which other tenants slow the
+    // machine then lowers the ceiling too, not only one figure.
+    for _ in 0..ROUNDS {
+        let round = args.seconds / ROUNDS as f64;
+        push_t.push(
+            repeat(round, |_| {
+                let id = UpdateId { worker: "bench".into(), client: format!("bench-{name}"), step, seq: 0 };
+                client.push_shared(&id, 0, &[(name.as_str(), shared.clone())]).map_err(strata_core::Error::from)?;
+                (pushes, step) = (pushes + 1, step + 1);
+                Ok(())
+            })?
+            .1,
+        );
+        copy_t.push(
+            repeat(round, |_| {
+                let id = UpdateId { worker: "bench".into(), client: format!("bench-{name}"), step, seq: 0 };
+                client.push(&id, 0, &[(name.as_str(), &ones)]).map_err(strata_core::Error::from)?;
+                (pushes, step) = (pushes + 1, step + 1);
+                Ok(())
+            })?
+            .1,
+        );
+        pull_t.push(
+            repeat(round, |_| {
+                let mut slots = [out.as_mut_slice()];
+                client.pull_into(&[name.as_str()], 0, &mut slots).map_err(strata_core::Error::from)?;
+                Ok(())
+            })?
+            .1,
+        );
+        tcp_t.push(
+            strata_transport::probe::tcp_seconds(bytes, bytes.min(1 << 20), reps).map_err(strata_core::Error::from)?,
+        );
+    }
+    let want = -(pushes as f32);
+    let wrong = out.iter().filter(|&&x| x != want).count();
+    let [push_s, copy_s, pull_s, tcp_s] = [push_t, copy_t, pull_t, tcp_t].map(median);
+    let (push, pull, tcp) = (gbps(bytes, push_s), gbps(bytes, pull_s), gbps(bytes, tcp_s));
+    println!(
+        "{:>10} {:>11} {:>6} {:>11.1} {:>11.2} {:>11.2} {:>11.1} {:>11.2} {:>11.2} {:>7.0}% {:>7.0}% {:>6}",
+        size_label(bytes),
+        count,
+        "float",
+        push_s * 1e6,
+        push,
+        gbps(bytes, copy_s),
+        pull_s * 1e6,
+        pull,
+        tcp,
+        100.0 * push / tcp,
+        100.0 * pull / tcp,
+        wrong
+    );
+    Ok((push / tcp, pull / tcp))
+}
+
+/// The RPC rate of small pushes (4 KiB, one RPC each) from 1 client and from `--clients`.
+fn push_rate(client: &PsClient, args: &BenchPsArgs) -> Result<()> {
     let small = vec![1f32; 1024];
     let zeros = vec![0f32; 1024];
     client
@@ -294,8 +320,12 @@ pub fn run(args: &BenchPsArgs) -> Result<()> {
         let rate = total as f64 / t0.elapsed().as_secs_f64();
         println!("{:>10} clients: {:>10.0} pushes/s ({:.1} us each)", clients, rate, 1e6 / rate * clients as f64);
     }
-    drop(_ps);
+    Ok(())
+}
 
+/// Async ParameterServerStrategy's training throughput on `--models`, beside the ceiling of 2
+/// independent copies of the step.
+fn training_throughput(args: &BenchPsArgs) -> Result<()> {
     let models: Vec<&String> = args.models.iter().filter(|m| m.as_str() != "none").collect();
     if !models.is_empty() {
         println!("# async ParameterServerStrategy, 1 ps + 2 workers (processes), batch 256 per step, AdamW on the ps");

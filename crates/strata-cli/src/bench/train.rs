@@ -30,7 +30,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap, SGD};
 use serde::{Deserialize, Serialize};
 use strata_core::data::{Batch, BatchData, DistributedBatch};
-use strata_core::optim::{FusedAdamW, FusedSgd};
+use strata_core::optim::{FusedAdamW, FusedSgd, OptimizerMemory};
 use strata_core::{Strategy, ZeroStage};
 use strata_strategies::{MirroredStrategy, OneDeviceStrategy};
 
@@ -41,7 +41,8 @@ use strata::shakespeare;
 use strata::transformer::{CharTransformer, TransformerConfig};
 use strata::OptimizerKind;
 
-use crate::{kind_parser, Error, Result};
+use crate::kinds::kind_parser;
+use crate::{Error, Result};
 
 /// The side of the square matmuls that measure the compute limit.
 const LIMIT_MATMUL: usize = 2048;
@@ -353,7 +354,7 @@ fn time_steps(
 /// The learning rate of the benchmark (it does not change the work of a step).
 pub(crate) const LR: f64 = 1e-3;
 
-fn measure_strategy<S: Strategy, O: Optimizer + Send, W: Workload>(
+fn measure_strategy<S: Strategy, O: OptimizerMemory + Send, W: Workload>(
     s: &S,
     cfg: O::Config,
     w: &W,
@@ -609,7 +610,7 @@ fn measure_with<W: Workload>(config: &str, args: &BenchTrainArgs, w: &W) -> Resu
     }
 }
 
-fn measure<O: Optimizer + Send, W: Workload>(
+fn measure<O: OptimizerMemory + Send, W: Workload>(
     config: &str,
     cfg: O::Config,
     args: &BenchTrainArgs,

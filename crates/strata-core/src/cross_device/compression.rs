@@ -4,8 +4,10 @@
 //! the codecs, as plain loops over slices:
 //!
 //! - **16-bit** ([`HalfFormat`]): each element is rounded to f16 or bf16 for the wire, and
-//!   every hop of a ring adds what it receives in f32 ([`add_decoded_into`], [`reencode`]),
-//!   where DDP's fp16 hook sums in fp16.
+//!   every hop of a ring adds what it receives in f32 ([`add_decoded_into`]) and keeps what
+//!   it sends on ([`round_to`]), where DDP's fp16 hook sums in fp16. The conversions are the
+//!   `half` crate's (as fast as a loop of our own: `docs/bench/2026-12-02-half-conversion.md`),
+//!   except bf16 decoding, a shift that keeps a NaN's bits as they are.
 //! - **PowerSGD** ([`PowerSgdState`]), Vogels et al. 2019 as PyTorch's `powerSGD_hook`: a
 //!   matrix-shaped gradient travels as two thin factors `P` (rows x R) and `Q` (cols x R),
 //!   with error feedback and a warm-started `Q`, in phases between which the caller
@@ -248,23 +250,14 @@ pub enum HalfFormat {
 /// Elements per stack buffer of the f16 hop (no allocation in the hot loops).
 const HOP_CHUNK: usize = 256;
 
+/// Elements per stack buffer of [`round_to`].
+const ROUND_BLOCK: usize = 512;
+
 fn check_len(what: &str, a: usize, b: usize) {
     assert_eq!(a, b, "{what}: the f32 slice has {a} elements but the 16-bit slice {b}");
 }
 
-#[inline(always)]
-fn bf16_bits(x: f32) -> u16 {
-    let x = x.to_bits();
-    // Round to nearest even: add just under half an ulp, plus one if the kept part is odd.
-    let rounded = (x.wrapping_add(0x7FFF + ((x >> 16) & 1)) >> 16) as u16;
-    let quiet_nan = ((x >> 16) | 0x0040) as u16;
-    if x & 0x7FFF_FFFF > 0x7F80_0000 {
-        quiet_nan
-    } else {
-        rounded
-    }
-}
-
+/// bf16 bits as f32, exactly: a NaN keeps its bits (`half` sets a signalling NaN's quiet bit).
 #[inline(always)]
 fn bf16_value(bits: u16) -> f32 {
     f32::from_bits(u32::from(bits) << 16)
@@ -285,9 +278,7 @@ pub fn encode_f16(src: &[f32], dst: &mut [u16]) {
 /// If the lengths differ.
 pub fn encode_bf16(src: &[f32], dst: &mut [u16]) {
     check_len("encode_bf16", src.len(), dst.len());
-    for (d, &s) in dst.iter_mut().zip(src) {
-        *d = bf16_bits(s);
-    }
+    dst.reinterpret_cast_mut::<half::bf16>().convert_from_f32_slice(src);
 }
 
 /// Decodes f16 bits `src` into `dst`, exactly.
@@ -355,30 +346,14 @@ pub fn add_decoded_into(acc: &mut [f32], wire: &[u16], format: HalfFormat) {
     }
 }
 
-/// A whole ring hop in one pass: adds the decoded `wire` into `acc` (as [`add_decoded_into`])
-/// and overwrites `wire` with the encoded sum, to forward to the next worker.
-///
-/// The worker that ends a reduce-scatter with the reduced chunk sends `encode(sum)` on the
-/// all-gather; for every worker to hold the same bits it keeps `decode(encode(sum))`, not its
-/// f32 sum.
-///
-/// # Panics
-/// If the lengths differ.
-pub fn reencode(acc: &mut [f32], wire: &mut [u16], format: HalfFormat) {
-    check_len("reencode", acc.len(), wire.len());
-    match format {
-        HalfFormat::Bf16 => {
-            for (a, w) in acc.iter_mut().zip(wire.iter_mut()) {
-                *a += bf16_value(*w);
-                *w = bf16_bits(*a);
-            }
-        }
-        HalfFormat::F16 => {
-            for (a, w) in acc.chunks_mut(HOP_CHUNK).zip(wire.chunks_mut(HOP_CHUNK)) {
-                add_decoded_into(a, w, HalfFormat::F16);
-                encode_f16(a, w);
-            }
-        }
+/// Rounds `data` to what `format` carries (encode, then decode): the value a task keeps of a
+/// segment it reduced and sends on in 16 bits, so that every task holds the same bits.
+pub fn round_to(data: &mut [f32], format: HalfFormat) {
+    let mut words = [0u16; ROUND_BLOCK];
+    for d in data.chunks_mut(ROUND_BLOCK) {
+        let w = &mut words[..d.len()];
+        format.encode(d, w);
+        format.decode(w, d);
     }
 }
 
@@ -884,14 +859,41 @@ mod tests {
                 want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
                 "{format:?}"
             );
-            let (mut acc, mut wire) = (dec(format, &wa), wb.clone());
-            reencode(&mut acc, &mut wire, format);
+            // What a task keeps of the sum it sends on: the sum as the wire carries it.
+            round_to(&mut acc, format);
             assert_eq!(
                 acc.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                dec(format, &enc(format, &want)).iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
                 "{format:?}"
             );
-            assert_eq!(wire, enc(format, &want), "{format:?}");
+        }
+    }
+
+    /// The bf16 encoding before it was `half`'s: rounds to nearest even by adding just under
+    /// half an ulp (plus one when the kept part is odd); a NaN keeps its sign and top payload
+    /// bits with the quiet bit set.
+    fn old_bf16_bits(x: f32) -> u16 {
+        let x = x.to_bits();
+        if x & 0x7FFF_FFFF > 0x7F80_0000 {
+            ((x >> 16) | 0x0040) as u16
+        } else {
+            (x.wrapping_add(0x7FFF + ((x >> 16) & 1)) >> 16) as u16
+        }
+    }
+
+    #[test]
+    fn bf16_encoding_is_the_old_one_bit_for_bit() {
+        // Every upper half (each sign, exponent and kept mantissa: zeros, subnormals, the
+        // largest finite values, infinities, quiet and signalling NaNs) with the lower halves
+        // that decide rounding: exact, just below, at and just above the tie, and the most.
+        // Every f32 was compared once, in the measurement's throwaway program.
+        let lows = [0x0000, 0x0001, 0x7FFF, 0x8000, 0x8001, 0xC000, 0xFFFF];
+        let xs: Vec<f32> = (0..=u16::MAX)
+            .flat_map(|hi| lows.iter().map(move |lo| f32::from_bits((u32::from(hi) << 16) | lo)))
+            .collect();
+        let got = enc(HalfFormat::Bf16, &xs);
+        for (x, g) in xs.iter().zip(&got) {
+            assert_eq!(*g, old_bf16_bits(*x), "bf16 of {:#010x}", x.to_bits());
         }
     }
 

@@ -5,7 +5,7 @@ use std::ops::Range;
 
 use candle_core::{Device, Tensor};
 
-use super::Batch;
+use super::labelled::Batch;
 use crate::{Error, Result};
 
 /// A batch of examples that splits along its first axis: every part of it has one row per

@@ -365,13 +365,6 @@ impl Serialize for ClusterSpec {
     }
 }
 
-impl<'de> Deserialize<'de> for ClusterSpec {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
-        let value = serde_json::Value::deserialize(deserializer)?;
-        super::tf_config::parse_cluster(&value, "cluster.").map_err(serde::de::Error::custom)
-    }
-}
-
 /// The valid task indices of a job, for messages: `the cluster has 2 worker tasks (indices 0..=1)`.
 pub(crate) fn range_note(kind: TaskType, n: usize) -> String {
     match n {
@@ -526,20 +519,6 @@ impl ClusterConfig {
     pub fn to_tf_config(&self) -> String {
         // Serializing strings, numbers and maps of strings cannot fail.
         serde_json::to_string(self).unwrap_or_default()
-    }
-
-    /// Parses a TF_CONFIG JSON (same as [`TFConfigClusterResolver::from_json`] and `resolve`).
-    ///
-    /// [`TFConfigClusterResolver::from_json`]: super::TFConfigClusterResolver::from_json
-    pub fn from_tf_config(json: &str) -> Result<Self> {
-        super::tf_config::parse_tf_config(json)
-    }
-}
-
-impl<'de> Deserialize<'de> for ClusterConfig {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
-        let value = serde_json::Value::deserialize(deserializer)?;
-        super::tf_config::parse_tf_config_value(&value).map_err(serde::de::Error::custom)
     }
 }
 

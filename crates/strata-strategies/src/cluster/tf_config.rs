@@ -3,11 +3,12 @@
 
 use std::collections::BTreeMap;
 
+use serde::{Deserialize, Deserializer};
 use serde_json::Value;
 use strata_core::{Error, Result};
 
+use super::resolver::ClusterResolver;
 use super::spec::{check_task, ClusterConfig, ClusterSpec, TaskId, TaskType};
-use super::ClusterResolver;
 
 /// Resolves the cluster from a `TF_CONFIG` JSON:
 ///
@@ -224,5 +225,28 @@ fn describe(value: &Value) -> String {
         Value::String(s) => format!("a string ({s:?})"),
         Value::Array(_) => "an array".into(),
         Value::Object(_) => "an object".into(),
+    }
+}
+
+// TF_CONFIG's JSON is how the spec and the config deserialize: one parser, with its messages.
+
+impl<'de> Deserialize<'de> for ClusterSpec {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
+        let value = serde_json::Value::deserialize(deserializer)?;
+        parse_cluster(&value, "cluster.").map_err(serde::de::Error::custom)
+    }
+}
+
+impl ClusterConfig {
+    /// Parses a TF_CONFIG JSON (same as [`TFConfigClusterResolver::from_json`] and `resolve`).
+    pub fn from_tf_config(json: &str) -> Result<Self> {
+        parse_tf_config(json)
+    }
+}
+
+impl<'de> Deserialize<'de> for ClusterConfig {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
+        let value = serde_json::Value::deserialize(deserializer)?;
+        parse_tf_config_value(&value).map_err(serde::de::Error::custom)
     }
 }

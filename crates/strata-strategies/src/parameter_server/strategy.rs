@@ -87,10 +87,15 @@ impl ParameterServerOptions {
     /// The element type of the workers' pushes and pulls ([`compression`](Self::compression)),
     /// or the refusal of one a parameter server does not take (PowerSGD).
     pub fn wire_format(&self) -> Result<WireFormat> {
-        WireFormat::of(self.compression).ok_or_else(|| {
+        Self::wire_format_of(self.compression)
+    }
+
+    /// [`wire_format`](Self::wire_format) of `compression`: what a program checks before it
+    /// builds the options or starts a task (the `strata` command does).
+    pub fn wire_format_of(compression: Compression) -> Result<WireFormat> {
+        WireFormat::of(compression).ok_or_else(|| {
             Error::InvalidArgument(format!(
-                "compression {} applies to multi-worker-mirrored's ring, not to a parameter server's pushes and pulls; use none, fp16 or bf16 with the parameter server",
-                self.compression
+                "compression {compression} applies to multi-worker-mirrored's ring, not to a parameter server's pushes and pulls; use none, fp16 or bf16 with the parameter server"
             ))
         })
     }

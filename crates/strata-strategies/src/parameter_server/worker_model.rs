@@ -115,6 +115,10 @@ pub struct PushToPs {
     slot: Arc<PushSlot>,
 }
 
+/// The worker keeps no optimizer state (the ps tasks do), and the parameter-server strategy has
+/// no ZeRO stage to step shards at.
+impl strata_core::optim::OptimizerMemory for PushToPs {}
+
 impl Optimizer for PushToPs {
     type Config = PushConfig;
 

@@ -6,9 +6,10 @@
 pub mod models;
 
 use candle_core::{DType, Device, Tensor};
-use candle_nn::{Linear, Module, Optimizer, VarBuilder};
+use candle_nn::{Linear, Module, VarBuilder};
 use rand::{Rng, SeedableRng};
 use strata_core::data::{Batch, DistributedBatch};
+use strata_core::optim::OptimizerMemory;
 use strata_core::{Strategy, StrategyHandle};
 use strata_strategies::{CentralStorageStrategy, CpuReduction, MirroredStrategy, OneDeviceStrategy};
 
@@ -263,7 +264,7 @@ macro_rules! strategy_test {
 }
 
 /// Trains the MLP `steps` steps of optimizer `O` on global batches of `batch` examples.
-pub fn train<O: Optimizer + Send>(
+pub fn train<O: OptimizerMemory + Send>(
     s: &StrategyHandle,
     cfg: O::Config,
     steps: usize,

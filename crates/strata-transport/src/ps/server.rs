@@ -31,7 +31,7 @@ use super::wire;
 use super::PsServerConfig;
 use crate::auth::server_interceptor;
 use crate::guard::DecodeErrors;
-use crate::rt::ServerHandle;
+use crate::lifecycle::ServerHandle;
 use crate::Result;
 
 /// The largest message the server decodes: one chunk plus its framing.
@@ -503,7 +503,7 @@ impl PsServerHandle {
             tracing::info!(task = %config.task, step, version = snap.version, "restored from a checkpoint");
             state.restore(snap, step);
         }
-        let (listener, address) = crate::rt::listen(bind, &format!("the parameter server {}", config.task))?;
+        let (listener, address) = crate::lifecycle::listen(bind, &format!("the parameter server {}", config.task))?;
         let (version, _) = watch::channel(state.version());
         let task = config.task.clone();
         let end = crate::control::JobEnd::new(&task);
@@ -520,7 +520,7 @@ impl PsServerHandle {
         let builder = crate::auth::server_builder(&shared.config.token)?;
         let what = format!("the parameter server {task}");
         let stop = watch::channel(false).0;
-        let server = crate::rt::spawn_server::<ParameterServerServer<Svc>, _, _>(
+        let server = crate::lifecycle::spawn_server::<ParameterServerServer<Svc>, _, _>(
             listener,
             what,
             stop,

@@ -28,7 +28,7 @@
 use std::cell::{Cell, RefCell};
 use std::ops::Range;
 
-use strata_core::cross_device::compression::HalfFormat;
+use strata_core::cross_device::compression::{self, HalfFormat};
 use strata_core::ReduceOp;
 use tokio::sync::Notify;
 
@@ -234,7 +234,7 @@ async fn pipeline(
                 op.finish(&mut d, n);
                 if let Some(format) = half {
                     // This task sends the segment on in 16 bits: it keeps what it sends.
-                    wire::round_to(&mut d, format);
+                    compression::round_to(&mut d, format);
                 }
             }
             done.set(i + 1);

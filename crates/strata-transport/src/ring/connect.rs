@@ -15,7 +15,7 @@ use tokio::task::JoinSet;
 use tokio::time::{sleep, sleep_until, timeout_at, Instant};
 
 use super::wire::{self, Hello, Reply, HELLO_FIXED};
-use super::AbortSignal;
+use super::{AbortSignal, ABORT_POLL};
 use crate::{Error, Result};
 
 /// What the handshake needs to know about this task and its cluster.
@@ -59,8 +59,6 @@ impl Params {
 
 /// The longest a single handshake may take (a silent connection must not hold up the others).
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-/// How often a pending connect checks the abort signal.
-const ABORT_POLL: Duration = Duration::from_millis(50);
 
 /// Applies the socket options of every ring connection.
 pub(crate) fn configure(s: &TcpStream, buffer: Option<usize>) -> Result<()> {

@@ -57,6 +57,7 @@
 //! 1.17 / 0.91 of the two streams' 2.15 / 1.75 / 2.07 GB/s each, and 2.17 / 1.74 / 2.19x gloo
 //! (0.90 / 1.18 / 0.86 GB/s).
 
+mod abort;
 mod algo;
 mod connect;
 mod link;
@@ -64,7 +65,6 @@ mod wire;
 
 use std::net::SocketAddr;
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -73,6 +73,8 @@ use strata_core::ReduceOp;
 use tokio::runtime::Runtime;
 
 use crate::{Error, Result};
+pub(crate) use abort::raised;
+pub use abort::{AbortSignal, ABORT_POLL};
 use link::{try_join_all, Ctx, Links, Reader, Writer};
 use wire::{Call, WireError};
 
@@ -86,8 +88,6 @@ pub const DEFAULT_CHUNK_BYTES: usize = 256 << 10;
 pub const DEFAULT_SMALL_BYTES: usize = 64 << 10;
 /// The largest chunk accepted.
 pub const MAX_CHUNK_BYTES: usize = 64 << 20;
-/// How often a collective in progress checks its [`AbortSignal`].
-pub const ABORT_POLL: Duration = Duration::from_millis(50);
 /// How long a failing task spends telling its peers why.
 const FAREWELL: Duration = Duration::from_millis(250);
 
@@ -151,51 +151,6 @@ impl std::fmt::Debug for RingConfig {
             .field("chunk_bytes", &self.chunk_bytes)
             .field("small_bytes", &self.small_bytes)
             .finish()
-    }
-}
-
-/// Aborts the collectives of a ring from outside (the coordination service calls
-/// [`AbortSignal::abort`] when a heartbeat says a peer died). Clones share the signal.
-#[derive(Clone, Debug, Default)]
-pub struct AbortSignal(Arc<AbortInner>);
-
-#[derive(Debug, Default)]
-struct AbortInner {
-    set: AtomicBool,
-    reason: Mutex<Option<String>>,
-}
-
-impl AbortSignal {
-    /// A signal not yet raised.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// Raises the signal: the collective in progress (within ~50 ms) and every later one fail
-    /// with [`Error::Aborted`] carrying `reason`. The first reason is kept.
-    pub fn abort(&self, reason: impl Into<String>) {
-        let mut r = self.0.reason.lock().unwrap_or_else(|e| e.into_inner());
-        if r.is_none() {
-            *r = Some(reason.into());
-            self.0.set.store(true, Ordering::Release);
-        }
-    }
-
-    /// The reason, once raised.
-    pub fn reason(&self) -> Option<String> {
-        if !self.0.set.load(Ordering::Acquire) {
-            return None;
-        }
-        self.0.reason.lock().unwrap_or_else(|e| e.into_inner()).clone()
-    }
-}
-
-/// Completes when `abort` is raised (never without one), checking every [`ABORT_POLL`]: for
-/// calls that must give up when the job fails.
-pub(crate) async fn raised(abort: Option<&AbortSignal>) {
-    let Some(a) = abort else { return std::future::pending().await };
-    while a.reason().is_none() {
-        tokio::time::sleep(ABORT_POLL).await;
     }
 }
 

@@ -17,7 +17,7 @@
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
-use strata_core::cross_device::compression::HalfFormat;
+use strata_core::cross_device::compression::{add_decoded_into, HalfFormat};
 use strata_core::ReduceOp;
 
 use crate::Error;
@@ -336,39 +336,28 @@ pub(crate) fn write_halves(dst: &mut [u8], src: &[f32], format: HalfFormat) {
     }
 }
 
-/// Calls `f` with the f32 values of the little-endian 16-bit words in `bytes`, a block at a
-/// time, with the block's first element.
-fn decode_blocks(bytes: &[u8], format: HalfFormat, mut f: impl FnMut(usize, &[f32])) {
-    let (mut words, mut values) = ([0u16; HALF_BLOCK], [0f32; HALF_BLOCK]);
+/// Calls `f` with the little-endian 16-bit words in `bytes`, a block at a time, with the
+/// block's first element.
+fn word_blocks(bytes: &[u8], mut f: impl FnMut(usize, &[u16])) {
+    let mut words = [0u16; HALF_BLOCK];
     for (k, b) in bytes.chunks(2 * HALF_BLOCK).enumerate() {
         let n = b.len() / 2;
         for (w, x) in words[..n].iter_mut().zip(b.chunks_exact(2)) {
             *w = u16::from_le_bytes([x[0], x[1]]);
         }
-        format.decode(&words[..n], &mut values[..n]);
-        f(k * HALF_BLOCK, &values[..n]);
+        f(k * HALF_BLOCK, &words[..n]);
     }
 }
 
-/// `acc[i] += x[i]` with `x` the 16-bit values in `bytes`, decoded and added in f32.
+/// `acc[i] += x[i]` with `x` the 16-bit values in `bytes`, decoded and added in f32 (the
+/// codec's [`add_decoded_into`]: the ring's hop is the bytes around it).
 pub(crate) fn add_halves(acc: &mut [f32], bytes: &[u8], format: HalfFormat) {
-    decode_blocks(bytes, format, |at, xs| acc[at..at + xs.len()].iter_mut().zip(xs).for_each(|(a, x)| *a += x));
+    word_blocks(bytes, |at, ws| add_decoded_into(&mut acc[at..at + ws.len()], ws, format));
 }
 
 /// Overwrites `dst` with the 16-bit values in `bytes`.
 pub(crate) fn store_halves(dst: &mut [f32], bytes: &[u8], format: HalfFormat) {
-    decode_blocks(bytes, format, |at, xs| dst[at..at + xs.len()].copy_from_slice(xs));
-}
-
-/// Rounds `data` to what `format` carries (encode, then decode): the value a task keeps of a
-/// segment it reduced and sends on in 16 bits, so that every task holds the same bits.
-pub(crate) fn round_to(data: &mut [f32], format: HalfFormat) {
-    let mut words = [0u16; HALF_BLOCK];
-    for d in data.chunks_mut(HALF_BLOCK) {
-        let w = &mut words[..d.len()];
-        format.encode(d, w);
-        format.decode(w, d);
-    }
+    word_blocks(bytes, |at, ws| format.decode(ws, &mut dst[at..at + ws.len()]));
 }
 
 /// The handshake a dialing task sends: who it is and what it runs.
@@ -564,6 +553,36 @@ mod tests {
             let mut y = a;
             op.combine(&mut y, &b);
             assert_eq!(x.map(f32::to_bits), y.map(f32::to_bits), "{op}");
+        }
+    }
+
+    #[test]
+    fn half_bytes_add_and_store_as_the_codec_does() {
+        // Longer than a block, and not a whole number of blocks.
+        let n = 2 * HALF_BLOCK + 3;
+        let xs: Vec<f32> = (0..n).map(|i| (i as f32 - 400.0) * 0.37).collect();
+        let acc0: Vec<f32> = (0..n).map(|i| 1.0 / (i as f32 + 1.0)).collect();
+        for format in [HalfFormat::F16, HalfFormat::Bf16] {
+            let mut bytes = vec![0u8; 2 * n];
+            write_halves(&mut bytes, &xs, format);
+            let mut words = vec![0u16; n];
+            format.encode(&xs, &mut words);
+            let le: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+            assert_eq!(bytes, le, "{format:?}");
+            let (mut got, mut want) = (acc0.clone(), acc0.clone());
+            add_halves(&mut got, &bytes, format);
+            add_decoded_into(&mut want, &words, format);
+            assert_eq!(
+                got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                want.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+            );
+            let mut stored = vec![0f32; n];
+            store_halves(&mut stored, &bytes, format);
+            format.decode(&words, &mut want);
+            assert_eq!(
+                stored.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                want.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+            );
         }
     }
 

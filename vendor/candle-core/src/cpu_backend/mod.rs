@@ -1470,17 +1470,24 @@ fn colmajor_dst_wins(m: usize, n: usize, k: usize, lhs_cs: usize, rhs_rs: usize)
 }
 
 /// `dst = src^T` for `src` row-major `(rows, cols)` and `dst` row-major `(cols, rows)`, in 16 x
-/// 16 blocks; with several threads, blocks of 16 rows of `dst` in parallel.
-fn transpose_into<T: Copy + Send + Sync>(src: &[T], rows: usize, cols: usize, dst: &mut [T], parallel: bool) {
+/// 16 blocks; with several threads, blocks of 16 rows of `dst` in parallel. Writes every
+/// element of `dst` (`rows * cols` of them), which may be memory not yet written.
+fn transpose_into<T: Copy + Send + Sync>(
+    src: &[T],
+    rows: usize,
+    cols: usize,
+    dst: &mut [std::mem::MaybeUninit<T>],
+    parallel: bool,
+) {
     const B: usize = 16;
-    let block = |cb: usize, d: &mut [T]| {
+    let block = |cb: usize, d: &mut [std::mem::MaybeUninit<T>]| {
         let ce = (cb + B).min(cols);
         for rb in (0..rows).step_by(B) {
             let re = (rb + B).min(rows);
             for c in cb..ce {
                 let d = &mut d[(c - cb) * rows..(c - cb + 1) * rows];
                 for r in rb..re {
-                    d[r] = src[r * cols + c];
+                    d[r].write(src[r * cols + c]);
                 }
             }
         }
@@ -1534,14 +1541,14 @@ impl Map2 for MatMul {
         // STRATA PATCH: gemm is called with `read_dst = false` and writes every element of
         // the destination, so it is not zeroed first (a memset of every matmul output, and for
         // large outputs the kernel's page clearing besides); with k = 0 gemm writes nothing, so
-        // that case keeps the zeros.
-        #[allow(clippy::uninit_vec)]
-        let mut dst = if k == 0 {
-            vec![T::zero(); b * m * n]
+        // that case keeps the zeros. Until gemm has written it, the destination is only spare
+        // capacity, written through raw pointers (no `&mut [T]` over memory not yet written);
+        // its length is set below the loop.
+        let len = b * m * n;
+        let mut dst: Vec<T> = if k == 0 {
+            vec![T::zero(); len]
         } else {
-            let mut dst = Vec::with_capacity(b * m * n);
-            unsafe { dst.set_len(b * m * n) };
-            dst
+            Vec::with_capacity(len)
         };
         let num_threads = crate::utils::get_num_threads();
         let parallelism = if num_threads > 1 {
@@ -1564,20 +1571,12 @@ impl Map2 for MatMul {
             (b, m, n, k)
         };
         // STRATA PATCH: see `colmajor_dst_wins`; `tmp` is every step's product, column-major
-        // (gemm writes every element of it, as of `dst` above).
+        // (gemm writes every element of it, as of `dst` above; spare capacity until then).
         let via_t = colmajor_dst_wins(m, n, k, lhs_cs, rhs_rs);
-        #[allow(clippy::uninit_vec)]
-        let mut tmp: Vec<T> = if via_t {
-            let mut tmp = Vec::with_capacity(m * n);
-            unsafe { tmp.set_len(m * n) };
-            tmp
-        } else {
-            Vec::new()
-        };
+        let mut tmp: Vec<T> = Vec::with_capacity(if via_t { m * n } else { 0 });
         for step in 0..b {
             let lhs_p = &lhs[step * a_skip..];
             let rhs_p = &rhs[step * b_skip..];
-            let dst_p = &mut dst[step * c_skip..];
             if via_t {
                 unsafe {
                     gemm(
@@ -1602,15 +1601,22 @@ impl Map2 for MatMul {
                         parallelism,
                     )
                 }
-                transpose_into(&tmp, n, m, &mut dst_p[..m * n], num_threads > 1);
+                // SAFETY: the gemm call above wrote all m * n elements of `tmp` (`read_dst =
+                // false`, and k >= 512 on this path), which has a capacity of m * n.
+                unsafe { tmp.set_len(m * n) };
+                let dst_p = &mut dst.spare_capacity_mut()[step * c_skip..][..m * n];
+                transpose_into(&tmp, n, m, dst_p, num_threads > 1);
                 continue;
             }
+            // This step's m x n block of `dst`, inside its allocation (`step * c_skip + m * n
+            // <= len`); gemm writes it through this pointer.
+            let dst_p = dst.as_mut_ptr().wrapping_add(step * c_skip);
             unsafe {
                 gemm(
                     /* m: usize = */ m,
                     /* n: usize = */ n,
                     /* k: usize = */ k,
-                    /* dst: *mut T = */ dst_p.as_mut_ptr(),
+                    /* dst: *mut T = */ dst_p,
                     /* dst_cs: isize = */ dst_cs as isize,
                     /* dst_rs: isize = */ dst_rs as isize,
                     /* read_dst: bool = */ false,
@@ -1628,6 +1634,15 @@ impl Map2 for MatMul {
                     parallelism,
                 )
             }
+        }
+        if k != 0 {
+            // SAFETY: `dst` has a capacity of `len` and every element of `0..len` is written:
+            // with k > 0 and `read_dst = false`, gemm writes all m x n elements of its
+            // destination, row-major with rows n apart (dst_rs = n, dst_cs = 1), and
+            // `transpose_into` all m * n of its block; the steps' blocks start c_skip = m * n
+            // apart, so b steps cover `0..b * m * n`, or, when the batches were folded above,
+            // the one step's (b * m) x n block is all of it.
+            unsafe { dst.set_len(len) };
         }
         Ok(dst)
     }

@@ -1,0 +1,185 @@
+//! The end of a `strata train` run: the one-line result, `--save-params` and the JSON summary
+//! `--out` writes ([`Summary`], with [`PsSummary`] for a parameter-server job), written by the
+//! chief of any strategy or by a parameter-server job's coordinator.
+
+use std::path::PathBuf;
+
+use serde::Serialize;
+use strata::cnn::Cnn;
+use strata::digits;
+use strata::model::Mlp;
+use strata::ps_job;
+use strata::trainer::FitReport;
+use strata::transformer::TransformerConfig;
+use strata::{OptimizerKind, StrategyKind};
+
+use crate::train_args::{ModelKind, TrainArgs};
+use crate::{Error, Result};
+
+/// The JSON summary `--out` writes.
+#[derive(Debug, Serialize)]
+pub struct Summary {
+    /// The model (mlp, cnn, transformer).
+    pub model: ModelKind,
+    /// The strategy.
+    pub strategy: StrategyKind,
+    /// Replicas in sync.
+    pub replicas: usize,
+    /// Hidden layer sizes (the MLP's).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub hidden: Vec<usize>,
+    /// Parameters of the model.
+    pub parameters: usize,
+    /// Epochs.
+    pub epochs: usize,
+    /// Global batch.
+    pub global_batch: usize,
+    /// Optimizer.
+    pub optimizer: OptimizerKind,
+    /// Learning rate.
+    pub learning_rate: f64,
+    /// Seed.
+    pub seed: u64,
+    /// Test accuracy after the last epoch (the digits models).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub final_test_accuracy: Option<f32>,
+    /// The transformer: validation loss after the last epoch, in nats per character.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub validation_loss: Option<f64>,
+    /// The transformer: training tokens per second over the steady-state steps.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tokens_per_second: Option<f64>,
+    /// Examples per second over the steady-state steps.
+    pub examples_per_second: f64,
+    /// Wall seconds of the whole run (data loading and evaluation included).
+    pub wall_seconds: f64,
+    /// Per epoch: loss, test accuracy, step seconds.
+    pub history: Vec<strata::trainer::EpochReport>,
+    /// Parameter server: what the ps tasks and the coordinator did.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub parameter_servers: Option<PsSummary>,
+}
+
+/// Writes `vars` as safetensors to `path` with `{task}` replaced by `index`.
+pub(crate) fn save_params(path: &std::path::Path, index: usize, vars: &[(String, candle_core::Var)]) -> Result<()> {
+    let path = PathBuf::from(path.to_string_lossy().replace("{task}", &index.to_string()));
+    let tensors: std::collections::HashMap<String, candle_core::Tensor> =
+        vars.iter().map(|(n, v)| (n.clone(), v.as_tensor().clone())).collect();
+    candle_core::safetensors::save(&tensors, &path)
+        .map_err(|e| Error::io(format!("cannot write {}", path.display()), std::io::Error::other(e)))
+}
+
+/// The chief's (or coordinator's) end of a run: the one-line result, `--save-params` and `--out`.
+pub(crate) fn finish(
+    args: &TrainArgs,
+    started: std::time::Instant,
+    replicas: usize,
+    report: &FitReport,
+    vars: &[(String, candle_core::Var)],
+    task_index: usize,
+    parameter_servers: Option<PsSummary>,
+) -> Result<()> {
+    let transformer = args.model == ModelKind::Transformer;
+    let context = TransformerConfig::default().context;
+    let validation_loss =
+        transformer.then(|| report.final_metrics.iter().find(|m| m.name == "loss").map_or(f64::NAN, |m| m.value));
+    let parameters = match args.model {
+        ModelKind::Mlp => Mlp::parameter_count(digits::FEATURES, &args.hidden(), digits::CLASSES),
+        ModelKind::Cnn => Cnn::parameter_count(),
+        ModelKind::Transformer => TransformerConfig::default().parameter_count(),
+    };
+    let summary = Summary {
+        model: args.model,
+        strategy: args.strategy,
+        replicas,
+        parameters,
+        hidden: if args.model == ModelKind::Mlp { args.hidden() } else { Vec::new() },
+        epochs: args.epochs(),
+        global_batch: args.batch(),
+        optimizer: args.optimizer,
+        learning_rate: args.lr,
+        seed: args.seed,
+        final_test_accuracy: (!transformer).then_some(report.final_test_accuracy),
+        validation_loss,
+        tokens_per_second: transformer.then_some(report.examples_per_second * context as f64),
+        examples_per_second: report.examples_per_second,
+        wall_seconds: started.elapsed().as_secs_f64(),
+        history: report.epochs.clone(),
+        parameter_servers,
+    };
+    if let (Some(loss), Some(tokens)) = (summary.validation_loss, summary.tokens_per_second) {
+        println!(
+            "{} x{}: transformer validation loss {loss:.4} nats per character after {} epochs ({} steps), {tokens:.0} tokens/s in steady state, {:.2} s",
+            args.strategy,
+            replicas,
+            args.epochs(),
+            report.steps,
+            summary.wall_seconds
+        );
+    } else {
+        println!(
+            "{} x{}: {}test accuracy {:.2}% after {} epochs ({} steps), {:.0} examples/s in steady state, {:.2} s",
+            args.strategy,
+            replicas,
+            if args.model == ModelKind::Cnn { "cnn " } else { "" },
+            report.final_test_accuracy * 100.0,
+            args.epochs(),
+            report.steps,
+            summary.examples_per_second,
+            summary.wall_seconds
+        );
+    }
+    if let Some(path) = &args.save_params {
+        save_params(path, task_index, vars)?;
+    }
+    if let Some(path) = &args.out {
+        let json =
+            serde_json::to_string_pretty(&summary).map_err(|e| Error::io("cannot encode the summary", e.into()))?;
+        std::fs::write(path, json + "\n").map_err(|e| Error::io(format!("cannot write {}", path.display()), e))?;
+    }
+    Ok(())
+}
+
+/// The parameter-server part of `--out`.
+#[derive(Debug, Serialize)]
+pub struct PsSummary {
+    /// The mode, as the ps tasks report it.
+    pub mode: String,
+    /// Worker tasks.
+    pub workers: usize,
+    /// What the coordinator saw.
+    pub coordinator: ps_job::CoordinatorStats,
+    /// What each ps task did.
+    pub tasks: Vec<PsTaskSummary>,
+}
+
+/// One ps task's counters at the end of training.
+#[derive(Debug, Serialize)]
+pub struct PsTaskSummary {
+    /// `ps:<index>`.
+    pub task: String,
+    /// Applies made (the task's version).
+    pub version: u64,
+    /// Updates applied.
+    pub pushes_applied: u64,
+    /// Retries answered as duplicates.
+    pub pushes_duplicate: u64,
+    /// Sync pushes dropped.
+    pub pushes_dropped: u64,
+    /// Stale pushes refused.
+    pub pushes_stale: u64,
+    /// Pushes applied while they arrived (counted in `pushes_applied` too).
+    pub pushes_streamed: u64,
+    /// Streamed pushes refused because another update overtook them (sent again).
+    pub pushes_aborted: u64,
+    /// The checkpoint step it was restored from (0: fresh).
+    pub restored_step: u64,
+    /// Its version in that checkpoint.
+    pub restored_version: u64,
+    /// Sync rounds applied.
+    pub rounds: u64,
+    /// Updates applied per worker.
+    pub applied_by_worker: std::collections::BTreeMap<String, u64>,
+    /// Bytes of variables it holds.
+    pub bytes: u64,
+}

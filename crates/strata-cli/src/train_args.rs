@@ -1,0 +1,509 @@
+//! `strata train`'s flags ([`TrainArgs`]), what they name ([`ModelKind`], [`PsModeKind`],
+//! ...), the refusals of flags that do not go together, and the cluster resolver they select.
+//! Every job `strata train` runs reads them: this process's strategy (`train`) and a
+//! parameter-server job's coordinator (`ps`).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use serde::Serialize;
+use strata_core::cross_device::compression::Compression;
+use strata_core::ZeroStage;
+use strata_strategies::cluster::{ClusterResolver, SlurmClusterResolver, SlurmJobs, TFConfigClusterResolver};
+
+use strata::optim::schedule::LrSchedule;
+use strata::{OptimizerKind, StrategyKind};
+use strata_compare::inject::StepDelays;
+
+use crate::kinds::kind_parser;
+use crate::{Error, Result};
+
+/// How parameter servers apply pushes.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PsModeKind {
+    /// Apply each push as it arrives (TensorFlow's ParameterServerStrategy).
+    Async,
+    /// Average one push per worker per step, then apply once (--backup-workers: apply after
+    /// the first workers minus backups, drop the late ones).
+    Sync,
+    /// Apply each push, refuse those computed from values more than --staleness versions old.
+    Stale,
+}
+
+/// Where a multi-worker task learns its cluster.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ClusterSource {
+    /// The `TF_CONFIG` environment variable, as TensorFlow (and Kubeflow's TFJob) writes it.
+    TfConfig,
+    /// Slurm's variables (`SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_JOB_NODELIST`, ...).
+    Slurm,
+}
+
+/// How a multi-worker job splits the data across workers.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AutoShardKind {
+    /// Every worker keeps its slice of each global batch.
+    Data,
+    /// No sharding: each worker's batches are its own.
+    Off,
+    /// Whole files per worker (TensorFlow's FILE): `--data` is a directory of digits shards;
+    /// worker `i` of `W` trains on files `i`, `i + W`, ... in batches of `--batch / W`, its
+    /// part of each step.
+    File,
+}
+
+/// Which model `strata train` trains.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ModelKind {
+    /// The digits MLP (`--hidden` sizes; 30 epochs of 256 examples by default).
+    Mlp,
+    /// The digits CNN on 8x8 images (`strata::cnn::Cnn`; 30 epochs of 256 examples by default).
+    Cnn,
+    /// The character transformer on Tiny Shakespeare (`strata::transformer`, 0.82M
+    /// parameters; 1 epoch of --steps steps of 32 windows of 64 characters by default, AdamW
+    /// with warm-up and cosine decay, clipping at 1.0; on parameter servers the same schedule
+    /// over the ps tasks' own update count, clipping on the workers).
+    Transformer,
+}
+
+impl ModelKind {
+    /// Its name on the command line and in summaries.
+    pub fn name(self) -> &'static str {
+        match self {
+            ModelKind::Mlp => "mlp",
+            ModelKind::Cnn => "cnn",
+            ModelKind::Transformer => "transformer",
+        }
+    }
+}
+
+/// The transformer's default steps per epoch (`--steps`): sized to finish well within 5 minutes
+/// on a 2-core machine in a release build.
+pub const TRANSFORMER_STEPS: usize = 1200;
+
+/// The transformer's learning-rate schedule over `total` optimizer steps, under every strategy:
+/// a linear warm-up over 5% of them (at most 100), then a cosine decay from `lr` to a tenth of
+/// it at the last step.
+pub fn transformer_schedule(lr: f64, total: u64) -> LrSchedule {
+    LrSchedule::WarmupCosine { peak: lr, warmup_steps: (total / 20).min(100), total_steps: total, final_lr: lr / 10.0 }
+}
+
+/// Which CPU reduction.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReductionKind {
+    /// Each replica reduces its own chunk (reduce-scatter), then all read the result.
+    InMemory,
+    /// One replica reduces everything.
+    ToOneDevice,
+}
+
+/// `strata train` flags.
+#[derive(clap::Args, Debug, Clone)]
+pub struct TrainArgs {
+    /// The distribution strategy.
+    #[arg(long, default_value = "mirrored", value_parser = kind_parser::<StrategyKind>())]
+    pub strategy: StrategyKind,
+    /// Replicas (logical CPU devices of one thread each); one-device always uses 1.
+    #[arg(long, conflicts_with = "gpus")]
+    pub replicas: Option<usize>,
+    /// Train on the first N visible GPUs, one replica each (mirrored, central-storage,
+    /// one-device), instead of logical CPU devices. Needs a binary built with
+    /// `--features candle-cuda` and a CUDA driver.
+    #[arg(long, value_name = "N")]
+    pub gpus: Option<usize>,
+    /// With --gpus: how the replicas reduce (auto: NCCL between whole GPUs when it loads,
+    /// Strata's CUDA kernels otherwise; nccl; kernels).
+    #[arg(long, default_value = "auto", value_parser = parse_cross_device_ops)]
+    pub cross_device_ops: strata_cuda::select::CrossDeviceChoice,
+    /// The model: mlp (digits), cnn (digits as 8x8 images) or transformer (Tiny Shakespeare);
+    /// every strategy trains each, parameter servers included.
+    #[arg(long, value_enum, default_value = "mlp")]
+    pub model: ModelKind,
+    /// Hidden layer sizes of --model mlp, comma-separated [default: 256,256].
+    #[arg(long = "hidden", value_delimiter = ',', value_name = "SIZES")]
+    pub hidden_flag: Option<Vec<usize>>,
+    /// Passes over the training set [default: 30; transformer: 1].
+    #[arg(long = "epochs", value_name = "N")]
+    pub epochs_flag: Option<usize>,
+    /// Global batch size, examples (transformer: windows of 64 characters) per step over all
+    /// replicas; parameter-server: per worker step [default: 256; transformer: 32].
+    #[arg(long = "batch", value_name = "N")]
+    pub batch_flag: Option<usize>,
+    /// --model transformer: steps per epoch (the training set is steps x batch windows at
+    /// random offsets, drawn with --seed; parameter-server: worker steps, each drawing its
+    /// --batch windows from --seed, the epoch and the step) [default: 1200].
+    #[arg(long, value_name = "N")]
+    pub steps: Option<usize>,
+    /// --model transformer: after training, print N characters sampled from the model.
+    #[arg(long, value_name = "N")]
+    pub sample: Option<usize>,
+    /// Learning rate.
+    #[arg(long, default_value_t = 0.003)]
+    pub lr: f64,
+    /// Optimizer.
+    #[arg(long, default_value = "adamw", value_parser = kind_parser::<OptimizerKind>())]
+    pub optimizer: OptimizerKind,
+    /// Seed of initialisation and shuffling (the train/test split is fixed).
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Digits CSV (.csv or .csv.gz), or a directory of them (a data set sharded into files,
+    /// joined in name order; whole files per worker with --auto-shard file); default: the copy
+    /// shipped in data/ (built into the binary).
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    /// Write a JSON summary here.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Write a Chrome trace of every replica's step phases here (open it in Perfetto).
+    #[arg(long)]
+    pub timeline: Option<PathBuf>,
+    /// The CPU cross-device reduction.
+    #[arg(long, value_enum, default_value = "in-memory")]
+    pub reduction: ReductionKind,
+    /// Gradient fusion bucket size in MiB (0: one bucket per tensor); across workers, buckets
+    /// are also at most an eighth of the gradient (at least 1 MiB).
+    #[arg(long, default_value_t = 25.0)]
+    pub bucket_mib: f64,
+    /// Across workers, a large weight's gradient is computed and reduced in blocks of rows of
+    /// this many MiB, each sent while the backward pass computes the next (0: whole).
+    #[arg(long, default_value_t = 2.0)]
+    pub row_block_mib: f64,
+    /// How gradients cross the network: `none` (f32, exact), `fp16` or `bf16` (16 bits on the
+    /// wire: multi-worker-mirrored's ring, every hop adding in f32, or the parameter server's
+    /// pushes and pulls), or `powersgd:RANK` (multi-worker-mirrored: matrix gradients as two
+    /// rank-RANK factors, with error feedback).
+    #[arg(long, default_value = "none", value_parser = parse_compression)]
+    pub compression: Compression,
+    /// Reduce after the backward pass instead of overlapping the reduction with it.
+    #[arg(long)]
+    pub no_overlap: bool,
+    /// ZeRO: 0 (every replica keeps the whole optimizer state), 1 (each replica, across every
+    /// worker, keeps the optimizer state of its shard of the parameters and steps that shard)
+    /// or 2 (and keeps the reduced gradient of its shard only); mirrored and
+    /// multi-worker-mirrored, with the fused optimizers.
+    #[arg(long, default_value = "0", value_parser = parse_zero_stage)]
+    pub zero_stage: ZeroStage,
+    /// The memory each replica's logical CPU device may give its model state (parameters,
+    /// gradients, optimizer state), such as `40MiB` or `2GB`: a job over it stops before
+    /// training, naming the bytes and the ZeRO stage that would fit.
+    #[arg(long, value_name = "SIZE", value_parser = parse_memory_limit)]
+    pub memory_limit: Option<u64>,
+    /// parameter-server: compute each worker's gradients at the pulled values, not at the
+    /// values extrapolated by the updates expected to land before its push (async and stale
+    /// modes; see docs/parameter-servers.md).
+    #[arg(long)]
+    pub no_lookahead: bool,
+    /// multi-worker-mirrored: an elastic job that runs while at least N of its workers live; a
+    /// lost worker costs a step, not the job, and a worker started later joins it (under strata
+    /// launch, or with --coordinator).
+    #[arg(long, value_name = "N")]
+    pub min_workers: Option<usize>,
+    /// With --min-workers: where the job's coordination service listens (host:port), which
+    /// outlives any worker; strata launch serves it and sets STRATA_COORDINATOR.
+    #[arg(long, value_name = "HOST:PORT", env = "STRATA_COORDINATOR")]
+    pub coordinator: Option<String>,
+    /// parameter-server on this machine (no TF_CONFIG): start a worker task that dies again,
+    /// up to K times per worker (its steps run on the others meanwhile, and the new process
+    /// is given steps once it answers), as a cluster manager would.
+    #[arg(long, value_name = "K", default_value_t = 0)]
+    pub max_restarts: usize,
+    /// Do not draw a progress bar.
+    #[arg(long)]
+    pub no_progress: bool,
+    /// Multi-worker: where this task reads its cluster from.
+    #[arg(long, value_enum, default_value = "tf-config")]
+    pub cluster: ClusterSource,
+    /// With --cluster slurm: the job step's ranks assigned to jobs in order, e.g.
+    /// `chief=1,ps=1,worker=2` for a parameter-server job (default: every task a worker).
+    #[arg(long, value_name = "JOB=N,...", value_parser = parse_slurm_jobs)]
+    pub slurm_jobs: Option<SlurmJobs>,
+    /// Multi-worker: the address servers bind to (default loopback; 0.0.0.0 on a real cluster).
+    #[arg(long, default_value = "127.0.0.1")]
+    pub bind: std::net::IpAddr,
+    /// Multi-worker: the cluster token's file (default: STRATA_CLUSTER_TOKEN).
+    #[arg(long)]
+    pub cluster_token_file: Option<PathBuf>,
+    /// Multi-worker: how the data is split across workers.
+    #[arg(long, value_enum, default_value = "data")]
+    pub auto_shard: AutoShardKind,
+    /// Deadline of every collective, in seconds.
+    #[arg(long, default_value_t = 60.0)]
+    pub collective_timeout: f64,
+    /// Write checkpoints here (the chief does), and resume from the latest one found.
+    #[arg(long)]
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Steps between checkpoints.
+    #[arg(long, default_value_t = 100)]
+    pub checkpoint_every: usize,
+    /// Write the final parameters here (safetensors; the chief does, or every worker with
+    /// `{task}` in the path, which is replaced by the worker's index).
+    #[arg(long)]
+    pub save_params: Option<PathBuf>,
+    /// Stop after this many steps in total (a resumed run counts the steps before its
+    /// checkpoint), for tests of interruption and resumption.
+    #[arg(long, hide = true)]
+    pub max_steps: Option<usize>,
+    /// Parameter server: ps tasks to start (without TF_CONFIG).
+    #[arg(long, default_value_t = 2)]
+    pub ps_tasks: usize,
+    /// Parameter server: worker tasks to start (without TF_CONFIG).
+    #[arg(long, default_value_t = 2)]
+    pub workers: usize,
+    /// Parameter server: how pushes are applied.
+    #[arg(long, value_enum, default_value = "async")]
+    pub ps_mode: PsModeKind,
+    /// Parameter server, sync mode: backup workers (a round is applied after workers minus
+    /// this many pushes; the late ones are dropped).
+    #[arg(long, default_value_t = 0)]
+    pub backup_workers: u32,
+    /// Parameter server, stale mode: the largest accepted staleness, in versions.
+    #[arg(long, default_value_t = 4)]
+    pub staleness: u64,
+    /// Parameter server: how variables are split over ps tasks: none, fixed:N,
+    /// `min:BYTES[:MAX_SHARDS]`, `max:BYTES[:MAX_SHARDS]` (TensorFlow's partitioners).
+    #[arg(long, default_value = "none")]
+    pub partitioner: String,
+    /// Momentum: the coefficient of --optimizer momentum and AdamW's beta1 (adamw,
+    /// candle-adamw), under every strategy. Asynchronous parameter servers gain more from a lower
+    /// --lr than from a lower momentum (the transformer with 2 async workers: --lr 0.0013; see
+    /// docs/parameter-servers.md).
+    #[arg(long, default_value_t = 0.9, value_parser = momentum_parser)]
+    pub momentum: f64,
+    /// Slow worker INDEX down by FACTOR (a straggler: its steps sleep FACTOR - 1 times their
+    /// compute time), e.g. 2=5; repeatable. Workers are worker tasks in multi-worker and
+    /// parameter-server jobs, replicas otherwise.
+    #[arg(long, value_name = "INDEX=FACTOR")]
+    pub worker_slowdown: Vec<String>,
+    /// Random stragglers: the chance that a worker's step is delayed (with --straggler-delay).
+    #[arg(long, default_value_t = 0.0, value_name = "P")]
+    pub straggler_probability: f64,
+    /// Random stragglers: how long, fixed:50ms, uniform:10ms..50ms or exp:20ms (the mean).
+    #[arg(long, value_name = "DISTRIBUTION")]
+    pub straggler_delay: Option<String>,
+    /// Add this delay to every data-plane message between processes (ring frames, pulls,
+    /// pushes), e.g. 2ms.
+    #[arg(long, value_name = "DURATION", value_parser = parse_delay)]
+    pub network_delay: Option<std::time::Duration>,
+    /// Parameter-server ps and worker tasks: exit with an error once no call at all has come
+    /// for this long (the chief probes every task twice a second, so silence means it is gone
+    /// for good); 0 serves until stopped. The chief's end of the job ends them at once.
+    #[arg(long, default_value = "60s", value_name = "DURATION", value_parser = strata_compare::experiment::parse_duration_or_seconds)]
+    pub chief_timeout: std::time::Duration,
+    /// Write a JSON line per step and per evaluation here (wall time, loss, staleness, bytes,
+    /// accuracy), as `strata compare` reads them.
+    #[arg(long, value_name = "FILE")]
+    pub metrics: Option<PathBuf>,
+}
+
+fn parse_delay(s: &str) -> std::result::Result<std::time::Duration, String> {
+    strata_compare::experiment::parse_duration(s)
+}
+
+/// `--momentum`: a coefficient in [0, 1).
+fn momentum_parser(s: &str) -> std::result::Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(m) if m.is_finite() && (0.0..1.0).contains(&m) => Ok(m),
+        _ => Err(format!("momentum {s:?} is not a coefficient in [0, 1): use e.g. 0.9 (the default) or 0.4")),
+    }
+}
+
+impl TrainArgs {
+    /// The optimizer's learning rate and momentum (`--lr`, `--momentum`).
+    pub fn hyper(&self) -> strata::Hyper {
+        strata::Hyper { lr: self.lr, momentum: self.momentum }
+    }
+
+    /// The MLP's hidden layer sizes (`--hidden`, or 256,256).
+    pub fn hidden(&self) -> Vec<usize> {
+        self.hidden_flag.clone().unwrap_or_else(|| vec![256, 256])
+    }
+
+    /// Passes over the training set (`--epochs`, or the model's default).
+    pub fn epochs(&self) -> usize {
+        self.epochs_flag.unwrap_or(if self.model == ModelKind::Transformer { 1 } else { 30 })
+    }
+
+    /// The global batch (`--batch`, or the model's default).
+    pub fn batch(&self) -> usize {
+        self.batch_flag.unwrap_or(if self.model == ModelKind::Transformer { 32 } else { 256 })
+    }
+
+    /// Refuses flags that do not apply to `--model` (or the strategy), one line each.
+    pub(crate) fn check_model_flags(&self) -> Result<()> {
+        if let Some(n) = self.min_workers {
+            if self.strategy != StrategyKind::MultiWorkerMirrored {
+                return Err(Error::Usage(format!(
+                    "--min-workers applies to --strategy multi-worker-mirrored, whose workers keep identical copies a lost one can be dropped from (--strategy {} is not elastic); drop it",
+                    self.strategy.name()
+                )));
+            }
+            if n == 0 {
+                return Err(Error::Usage("--min-workers 0: a job needs a worker to train; pass 1 or more".into()));
+            }
+            if self.auto_shard == AutoShardKind::File {
+                return Err(Error::Usage(
+                    "--min-workers with --auto-shard file: whole files belong to workers, and an elastic job re-splits every step over the workers that live; use --auto-shard data".into(),
+                ));
+            }
+            if self.coordinator.is_none() {
+                return Err(Error::Usage(format!(
+                    "--min-workers {n}: an elastic job needs a coordination service that outlives its workers; run it under strata launch (which serves one), or pass --coordinator HOST:PORT"
+                )));
+            }
+        }
+        if self.max_restarts > 0 && self.strategy != StrategyKind::ParameterServer {
+            return Err(Error::Usage(format!(
+                "--max-restarts {} applies to --strategy parameter-server's local cluster; a multi-worker-mirrored job's lost task is restarted by strata launch --max-restarts (with --min-workers), drop it",
+                self.max_restarts
+            )));
+        }
+        if self.no_lookahead && self.strategy != StrategyKind::ParameterServer {
+            return Err(Error::Usage(format!(
+                "--no-lookahead applies to --strategy parameter-server, whose pushes can be stale (--strategy {} has none); drop it",
+                self.strategy.name()
+            )));
+        }
+        if let Some(limit) = self.memory_limit {
+            let limit = strata_core::device::format_bytes(limit);
+            if self.strategy == StrategyKind::ParameterServer || self.gpus.is_some() {
+                return Err(Error::Usage(format!(
+                    "--memory-limit {limit} applies to the logical CPU devices of one-device, mirrored, central-storage and multi-worker-mirrored jobs (not to the parameter server's tasks nor to --gpus); drop it"
+                )));
+            }
+        }
+        if self.zero_stage != ZeroStage::Off {
+            let stage = self.zero_stage;
+            if !matches!(self.strategy, StrategyKind::Mirrored | StrategyKind::MultiWorkerMirrored) {
+                return Err(Error::Usage(format!(
+                    "--zero-stage {stage} applies to --strategy mirrored and multi-worker-mirrored, whose replicas each keep a whole copy of the optimizer state (--strategy {} does not); drop it",
+                    self.strategy.name()
+                )));
+            }
+            if matches!(self.optimizer, OptimizerKind::CandleAdamw | OptimizerKind::CandleSgd) {
+                return Err(Error::Usage(format!(
+                    "--zero-stage {stage} with --optimizer {}: candle-nn's optimizers step whole variables; use --optimizer adamw or sgd (Strata's fused ones)",
+                    self.optimizer
+                )));
+            }
+            if self.min_workers.is_some() {
+                // The trainer refuses it too, but only once the workers have joined.
+                strata::refusals::elastic_zero_state_of(stage, self.optimizer, self.checkpoint_dir.is_some())?;
+            }
+        }
+        match (self.strategy, self.compression) {
+            (_, Compression::None) | (StrategyKind::MultiWorkerMirrored, _) => {}
+            // The workers' pushes and pulls travel in 16 bits; PowerSGD is refused here as the
+            // strategy would refuse it, but before the ps and worker tasks start.
+            (StrategyKind::ParameterServer, c) => {
+                strata::ParameterServerOptions::wire_format_of(c)?;
+            }
+            (strategy, c) => {
+                return Err(Error::Usage(format!(
+                    "--compression {c} applies to --strategy multi-worker-mirrored and parameter-server, whose gradients cross a network (--strategy {} has none on a wire); drop it",
+                    strategy.name()
+                )));
+            }
+        }
+        let m = self.model.name();
+        let refuse = |flag: &str, applies: &str| {
+            Err(Error::Usage(format!("{flag} applies to {applies}, not --model {m}; drop it")))
+        };
+        if self.model != ModelKind::Mlp && self.hidden_flag.is_some() {
+            return refuse("--hidden", "--model mlp");
+        }
+        if self.model != ModelKind::Transformer {
+            if self.steps.is_some() {
+                return refuse("--steps", "--model transformer");
+            }
+            if self.sample.is_some() {
+                return refuse("--sample", "--model transformer");
+            }
+        } else {
+            if self.data.is_some() {
+                return refuse("--data", "the digits models (--model mlp or cnn)");
+            }
+            if self.auto_shard == AutoShardKind::File {
+                return refuse("--auto-shard file", "the digits models (--model mlp or cnn)");
+            }
+            if self.steps == Some(0) {
+                return Err(Error::Usage("--steps 0 trains nothing; pass --steps 1 or more".into()));
+            }
+        }
+        Ok(())
+    }
+
+    /// The slow workers and stragglers the flags ask for.
+    pub fn step_delays(&self) -> Result<StepDelays> {
+        StepDelays::from_flags(
+            &self.worker_slowdown,
+            self.straggler_probability,
+            self.straggler_delay.as_deref(),
+            self.seed,
+        )
+    }
+
+    /// The slow workers and stragglers the flags ask for, as a trainer's step hook (none when
+    /// no step is ever delayed).
+    pub fn step_hook(&self) -> Result<Option<Arc<dyn strata::trainer::StepHook>>> {
+        let delays = self.step_delays()?;
+        Ok((!delays.is_empty()).then(|| Arc::new(delays) as Arc<dyn strata::trainer::StepHook>))
+    }
+
+    /// The metrics file's writer, if asked for: the file is started afresh by the process
+    /// that writes first (`fresh`, the chief at the start) and appended to by the others (a
+    /// worker that leads an elastic job after its chief, or joined it under way).
+    pub fn metrics_writer(&self, fresh: bool) -> Result<Option<Arc<strata::metrics::MetricsWriter>>> {
+        let open = if fresh { strata::metrics::MetricsWriter::create } else { strata::metrics::MetricsWriter::append };
+        self.metrics.as_deref().map(|p| open(p).map(Arc::new)).transpose()
+    }
+}
+
+fn parse_cross_device_ops(s: &str) -> std::result::Result<strata_cuda::select::CrossDeviceChoice, String> {
+    s.parse().map_err(|e: strata_cuda::Error| e.to_string())
+}
+
+fn parse_slurm_jobs(s: &str) -> std::result::Result<SlurmJobs, String> {
+    s.parse().map_err(|e: strata_core::Error| e.to_string())
+}
+
+/// The resolver of `--cluster` (with `--slurm-jobs`).
+pub fn resolver(args: &TrainArgs) -> Result<Box<dyn ClusterResolver>> {
+    Ok(match (args.cluster, &args.slurm_jobs) {
+        (ClusterSource::TfConfig, Some(_)) => {
+            return Err(Error::Usage(
+                "--slurm-jobs applies to --cluster slurm; with TF_CONFIG the jobs are TF_CONFIG's own".into(),
+            ))
+        }
+        (ClusterSource::TfConfig, None) => Box::new(TFConfigClusterResolver::from_env()?),
+        (ClusterSource::Slurm, None) => Box::new(SlurmClusterResolver::from_env()),
+        (ClusterSource::Slurm, Some(jobs)) => Box::new(SlurmClusterResolver::from_env().jobs(jobs.clone())),
+    })
+}
+
+/// `--memory-limit`: a positive size such as 40MiB.
+fn parse_memory_limit(s: &str) -> std::result::Result<u64, String> {
+    match strata_core::device::parse_bytes(s) {
+        Ok(0) => Err("a memory limit of 0 bytes; give a positive size such as 40MiB".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// `--zero-stage`: `0`, `1` or `2`.
+fn parse_zero_stage(s: &str) -> std::result::Result<ZeroStage, String> {
+    s.parse::<ZeroStage>().map_err(|e| e.to_string())
+}
+
+/// `--compression`: `none`, `fp16`, `bf16` or `powersgd:RANK`.
+fn parse_compression(s: &str) -> std::result::Result<Compression, String> {
+    s.parse::<Compression>().map_err(|e| e.to_string())
+}
+
+/// Refuses a `--checkpoint-dir` this process cannot write, naming it (exit code 2).
+pub(crate) fn checkpoint_dir_writable(dir: &std::path::Path) -> Result<()> {
+    strata::checkpoint::check_writable(dir).map_err(|e| match e {
+        strata_core::Error::Checkpoint(m) => Error::Usage(format!("--checkpoint-dir {m}")),
+        other => other.into(),
+    })
+}

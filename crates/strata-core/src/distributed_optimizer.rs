@@ -1,0 +1,423 @@
+//! The distributed optimizer: one optimizer per model copy ([`DistributedOptimizer`]), built
+//! from a model's trainable variables ([`Replicated::optimizer`]), and what it adds to a step:
+//! applying the reduced gradients, clipping by the global norm, a learning-rate schedule,
+//! gradient accumulation, its ZeRO shards (built by `zero`, kept here) and each replica's plan of
+//! overlapped reduction (learned by `overlap`, kept here).
+//!
+//! This module must not know how gradients are reduced or overlapped, nor where ZeRO's shards
+//! lie: it builds, keeps and applies.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Tensor, Var};
+use candle_nn::Optimizer;
+
+use crate::checkpoint::OptimizerState;
+use crate::context::ReplicaContext;
+use crate::extended::{StrategyId, VariablePolicy};
+use crate::optim::schedule::LrSchedule;
+use crate::optim::OptimizerMemory;
+use crate::overlap_plan::{OverlapPlan, Unit};
+use crate::variables::{lock, Replicated};
+use crate::zero::{check_memory_limits, shards_for, Shards};
+use crate::{Error, Result, ZeroStage};
+
+impl<M> Replicated<M> {
+    /// Builds one optimizer per copy of the [trainable](crate::VariableKind::Trainable) variables
+    /// (candle-nn's `SGD`, `AdamW`, Strata's fused optimizers, or any `Optimizer` that
+    /// implements [`OptimizerMemory`]): one per replica for mirrored variables, one for central
+    /// ones. Frozen variables and state are left out. At ZeRO stages 1 and 2 the optimizer must
+    /// implement [`ShardableOptimizer`](crate::optim::ShardableOptimizer): each copy is built
+    /// over its replica's shard only.
+    pub fn optimizer<O: OptimizerMemory>(&self, config: O::Config) -> Result<DistributedOptimizer<O>>
+    where
+        O::Config: Clone,
+    {
+        let n = match self.policy {
+            VariablePolicy::Mirrored => self.vars.len(),
+            VariablePolicy::Central { .. } => 1,
+        };
+        let vars: Vec<Vec<Var>> =
+            (0..n).map(|c| self.trainable_variables(c).into_iter().map(|(_, v)| v).collect()).collect();
+        if let Some(first) = vars.first() {
+            let shapes: Vec<&[usize]> = first.iter().map(|v| v.dims()).collect();
+            self.ext.cross_device_ops().check_gradients(&shapes)?;
+        }
+        let stage = self.ext.options().zero_stage;
+        let shards = match stage {
+            ZeroStage::Off => None,
+            _ => Some(shards_for::<O>(stage, self.policy, self.strategy_name, &vars, self.ext.clone())?),
+        };
+        let params: Vec<u64> = (0..n)
+            .map(|c| self.vars[c].iter().map(|(_, v)| (v.elem_count() * v.dtype().size_in_bytes()) as u64).sum())
+            .collect();
+        let per_element = O::state_per_element();
+        check_memory_limits(&*self.ext, self.policy, stage, per_element, &params, &vars)?;
+        let copies = vars
+            .iter()
+            .enumerate()
+            .map(|(c, vs)| {
+                let stepped = shards.as_ref().map_or_else(|| vs.clone(), |s| s.piece_vars(c));
+                O::new(stepped, config.clone()).map(Mutex::new)
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let mut opt = DistributedOptimizer::from_parts(
+            self.strategy,
+            self.strategy_name,
+            self.policy,
+            copies,
+            vars,
+            self.ext.num_replicas(),
+        );
+        opt.shards = RwLock::new(shards.map(Arc::new));
+        opt.params_bytes = params;
+        opt.state_per_element = per_element;
+        Ok(opt)
+    }
+}
+
+/// An overlap plan and the generation of the job's membership it was agreed in.
+pub(crate) type AgreedPlan = (u64, Arc<OverlapPlan>);
+
+/// One optimizer per model copy: mirrored copies each apply the same all-reduced gradient;
+/// a central copy is updated once, on the parameter device.
+///
+/// What Keras' and PyTorch Lightning's training loops add to an optimizer step, each the same
+/// computation one device makes on the global batch:
+/// [`with_clip_global_norm`](Self::with_clip_global_norm) (on the reduced gradient, so every
+/// replica and worker scales by the same factor), [`with_schedule`](Self::with_schedule) (the
+/// learning rate of every step, on every copy) and
+/// [`with_accumulation`](Self::with_accumulation) (several micro-batches per optimizer step,
+/// equal to one step on their concatenation).
+#[derive(Debug)]
+pub struct DistributedOptimizer<O> {
+    strategy: StrategyId,
+    strategy_name: &'static str,
+    policy: VariablePolicy,
+    copies: Vec<Mutex<O>>,
+    vars: Vec<Vec<Var>>,
+    /// Optimizer steps each copy applied.
+    steps: Vec<AtomicU64>,
+    clip_global_norm: Option<f64>,
+    schedule: Option<LrSchedule>,
+    /// Micro-batches per optimizer step (1: none accumulated).
+    pub(crate) accumulation: usize,
+    /// Each local replica's accumulated gradients.
+    pub(crate) accumulated: Vec<Mutex<Accumulated>>,
+    /// Each replica's overlap plan, learned in its first step, with the generation of the
+    /// job's membership it was agreed in (an elastic job agrees a new plan in every generation).
+    pub(crate) overlap: Vec<Mutex<Option<AgreedPlan>>>,
+    /// ZeRO's shards, when the strategy's [`ZeroStage`] is not `Off`: then each copy's
+    /// optimizer is built over its replica's pieces of the variables only. An elastic job lays
+    /// them out again when its membership changes ([`Self::reshard`]).
+    shards: RwLock<Option<Arc<Shards>>>,
+    /// The bytes of every variable of each copy (trainable or not), for the memory limit's
+    /// check at a re-split ([`Self::reshard`]).
+    params_bytes: Vec<u64>,
+    /// Floats of state the optimizer keeps per element it steps
+    /// ([`OptimizerMemory::state_per_element`]), for the same check.
+    state_per_element: u64,
+}
+
+/// A replica's gradients summed over the micro-batches of an optimizer step so far.
+#[derive(Debug, Default)]
+pub(crate) struct Accumulated {
+    /// Per variable of the optimizer: the sum of each micro-batch's gradient times its examples
+    /// on this replica.
+    pub(crate) grads: Vec<Option<Tensor>>,
+    /// Micro-batches so far.
+    pub(crate) micro_batches: usize,
+    /// Examples of the micro-batches' global batches so far.
+    pub(crate) examples: usize,
+}
+
+impl<O: Optimizer + OptimizerState> DistributedOptimizer<O> {
+    /// The optimizer's state as one optimizer over the whole model saves it (copy 0's at
+    /// stage 0): under ZeRO every replica's shard of it gathered, so that a checkpoint resumes
+    /// at any stage on any number of replicas and workers. Under ZeRO across workers every
+    /// worker must call it (an all-gather).
+    pub fn state_tensors(&self) -> Result<Vec<(String, Tensor)>> {
+        match self.zero() {
+            None => self.lock(0).state_tensors(),
+            Some(shards) => {
+                let states = (0..self.copies.len()).map(|c| self.lock(c).state_tensors()).collect::<Result<_>>()?;
+                shards.gather_state(states)
+            }
+        }
+    }
+
+    /// Loads `state` (as [`Self::state_tensors`] gives it, at any stage) into every copy:
+    /// under ZeRO each copy takes its shard of it. Nothing changes where a copy refuses it.
+    pub fn load_state_tensors(&self, state: &[(String, Tensor)]) -> Result<()> {
+        let cut: Vec<Vec<(String, Tensor)>> = match self.zero() {
+            None => vec![state.to_vec(); self.copies.len()],
+            Some(shards) => (0..self.copies.len()).map(|c| shards.cut_state(c, state)).collect::<Result<_>>()?,
+        };
+        for (c, state) in cut.iter().enumerate() {
+            self.lock(c).load_state_tensors(state)?;
+        }
+        Ok(())
+    }
+
+    /// Whether the optimizer keeps state across steps (AdamW's moments, momentum's velocity;
+    /// plain SGD keeps none). Local: copy 0's.
+    pub fn keeps_state(&self) -> Result<bool> {
+        Ok(!self.lock(0).state_tensors()?.is_empty())
+    }
+
+    /// ZeRO in an elastic job, after its membership changed: lays the shards out again over
+    /// every replica of the current membership, and gives each copy a new optimizer over its
+    /// new shard, of the same settings and with fresh state. Load the whole state
+    /// ([`Self::load_state_tensors`]) after it. Every worker calls it, and nothing collective
+    /// runs in it. Returns whether there were shards to lay out (none at stage 0).
+    pub fn reshard(&self) -> Result<bool> {
+        let Some(old) = self.zero() else { return Ok(false) };
+        // Fewer workers mean larger shards: refused, before anything changes, where they no
+        // longer fit a replica's memory limit.
+        let new = old.reshard(self.policy, self.state_per_element, &self.params_bytes, &self.vars)?;
+        let renewed = (0..self.copies.len())
+            .map(|c| {
+                self.lock(c).renew(new.piece_vars(c)).unwrap_or_else(|| {
+                    Err(Error::ZeroStage {
+                        stage: old.stage().number(),
+                        what: format!("the optimizer {}", std::any::type_name::<O>()),
+                        fix: "it cannot be made again over a new shard; use strata's FusedAdamW, FusedSgd or FusedMomentum",
+                    })
+                })
+            })
+            .collect::<Result<Vec<O>>>()?;
+        for (c, o) in renewed.into_iter().enumerate() {
+            *self.lock(c) = o;
+        }
+        *self.shards.write().unwrap_or_else(PoisonError::into_inner) = Some(Arc::new(new));
+        Ok(true)
+    }
+}
+
+impl<O: Optimizer> DistributedOptimizer<O> {
+    /// An optimizer of `copies` (one per copy of `vars`, the variables each updates) for a
+    /// model of `strategy` whose variables follow `policy`.
+    pub(crate) fn from_parts(
+        strategy: StrategyId,
+        strategy_name: &'static str,
+        policy: VariablePolicy,
+        copies: Vec<Mutex<O>>,
+        vars: Vec<Vec<Var>>,
+        replicas: usize,
+    ) -> Self {
+        Self {
+            strategy,
+            strategy_name,
+            policy,
+            steps: copies.iter().map(|_| AtomicU64::new(0)).collect(),
+            copies,
+            vars,
+            clip_global_norm: None,
+            schedule: None,
+            accumulation: 1,
+            accumulated: (0..replicas.max(1)).map(|_| Mutex::new(Accumulated::default())).collect(),
+            overlap: (0..replicas.max(1)).map(|_| Mutex::new(None)).collect(),
+            shards: Default::default(),
+            params_bytes: Vec::new(),
+            state_per_element: 0,
+        }
+    }
+
+    /// Scales each step's gradient so that its global norm (over every variable of the
+    /// step, computed on the gradient reduced over every replica and worker) is at most
+    /// `max_norm`: TensorFlow's `clip_by_global_norm` (a gradient already within the norm is
+    /// left as it is), the same factor on every replica, as one device clipping the global
+    /// batch's gradient.
+    pub fn with_clip_global_norm(mut self, max_norm: f64) -> Result<Self> {
+        if !(max_norm.is_finite() && max_norm > 0.0) {
+            return Err(Error::OptimizerSetting {
+                setting: "a global clipping norm",
+                value: max_norm.to_string(),
+                expected: "use a finite norm above 0",
+            });
+        }
+        self.clip_global_norm = Some(max_norm);
+        Ok(self)
+    }
+
+    /// Sets every copy's learning rate to `schedule.at(step)` before each optimizer step
+    /// (counting the steps this optimizer applied, from 0).
+    pub fn with_schedule(mut self, schedule: LrSchedule) -> Result<Self> {
+        schedule.validate()?;
+        self.schedule = Some(schedule);
+        Ok(self)
+    }
+
+    /// Accumulates the gradients of `micro_batches` calls of
+    /// [`ReplicaContext::backward_and_sync`] locally (no communication) and reduces and applies
+    /// them at the last: one optimizer step equal to one step on the micro-batches'
+    /// concatenated global batch (each micro-batch weighted by its examples, uneven ones
+    /// included).
+    pub fn with_accumulation(mut self, micro_batches: usize) -> Result<Self> {
+        if micro_batches == 0 {
+            return Err(Error::OptimizerSetting {
+                setting: "gradient accumulation",
+                value: "0 micro-batches".into(),
+                expected: "accumulate over 1 or more",
+            });
+        }
+        self.accumulation = micro_batches;
+        Ok(self)
+    }
+
+    /// Micro-batches per optimizer step (1 unless [`with_accumulation`](Self::with_accumulation)
+    /// said otherwise).
+    pub fn accumulation(&self) -> usize {
+        self.accumulation
+    }
+
+    /// Optimizer steps applied so far (by the first copy).
+    pub fn iterations(&self) -> u64 {
+        self.steps[0].load(Ordering::Relaxed)
+    }
+
+    /// Sets the optimizer steps applied so far on every copy, which a
+    /// [schedule](Self::with_schedule) reads: after a restore from a checkpoint of step `n`
+    /// (or a worker that joined an elastic job at step `n`), `n` divided by the accumulation.
+    pub fn set_iterations(&self, n: u64) {
+        for s in &self.steps {
+            s.store(n, Ordering::Relaxed);
+        }
+    }
+
+    /// The number of optimizer copies (one per replica for mirrored variables, one for
+    /// central ones).
+    pub fn num_copies(&self) -> usize {
+        self.copies.len()
+    }
+
+    /// Applies `grads` (in the order of copy `copy`'s variables; `None` for a variable that
+    /// no replica computed a gradient for, which the optimizer then skips) with copy `copy`.
+    /// With ZeRO's shards, the copy steps its replica's shard and every shard is gathered back
+    /// (collective over every replica of every worker).
+    pub(crate) fn apply(&self, ctx: &ReplicaContext<'_>, copy: usize, grads: Vec<Option<Tensor>>) -> Result<()> {
+        let step = self.steps[copy].fetch_add(1, Ordering::Relaxed);
+        let mut opt = self.lock(copy);
+        if let Some(s) = &self.schedule {
+            opt.set_learning_rate(s.at(step));
+        }
+        if let Some(shards) = self.zero() {
+            // Only the shard's runs of `grads` hold the reduced gradient: the clipping norm is
+            // summed over every replica's shard.
+            return shards.step(ctx, copy, &self.vars[copy], grads, self.clip_global_norm, &mut *opt);
+        }
+        let scale = match self.clip_global_norm {
+            Some(max) => clip_scale(&grads, max)?,
+            None => None,
+        };
+        let mut store = GradStore::default();
+        for (v, g) in self.vars[copy].iter().zip(grads) {
+            if let Some(g) = g {
+                let g = match scale {
+                    Some(k) => (g * k)?,
+                    None => g,
+                };
+                store.insert(v.as_tensor(), g);
+            }
+        }
+        Ok(opt.step(&store)?)
+    }
+
+    /// ZeRO's shards as they are laid out now (`None` at stage 0).
+    pub(crate) fn zero(&self) -> Option<Arc<Shards>> {
+        self.shards.read().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
+    /// Whether each replica keeps the reduced gradient of its shard only (ZeRO stage 2).
+    pub(crate) fn shards_gradients(&self) -> bool {
+        self.zero().is_some_and(|s| s.stage().shards_gradients())
+    }
+
+    /// The ZeRO stage this optimizer runs ([`ZeroStage::Off`] unless
+    /// the strategy's options asked for one).
+    pub fn zero_stage(&self) -> ZeroStage {
+        self.zero().map_or(ZeroStage::Off, |s| s.stage())
+    }
+
+    /// The elements of the variables copy `copy`'s optimizer steps and keeps state for: its
+    /// replica's shard under ZeRO, every trainable element otherwise.
+    pub fn stepped_elements(&self, copy: usize) -> usize {
+        match self.zero() {
+            Some(s) => s.elements(copy),
+            None => self.vars[copy].iter().map(|v| v.elem_count()).sum(),
+        }
+    }
+    pub(crate) fn check_strategy(&self, ctx: &ReplicaContext<'_>) -> Result<()> {
+        if ctx.strategy_id() != self.strategy {
+            return Err(Error::Scope(format!(
+                "an optimizer over variables of {} {} was used in a step of {} {}; create it from a model built in the scope of the strategy that runs it",
+                self.strategy_name,
+                self.strategy,
+                ctx.strategy().name(),
+                ctx.strategy_id()
+            )));
+        }
+        Ok(())
+    }
+
+    pub(crate) fn policy(&self) -> VariablePolicy {
+        self.policy
+    }
+
+    pub(crate) fn vars(&self, copy: usize) -> &[Var] {
+        &self.vars[copy]
+    }
+
+    /// The copy replica `replica` steps: its own for mirrored variables, the one central copy
+    /// otherwise.
+    pub(crate) fn copy_of(&self, replica: usize) -> usize {
+        match self.policy {
+            VariablePolicy::Mirrored => replica,
+            VariablePolicy::Central { .. } => 0,
+        }
+    }
+
+    /// The buckets of the plan by which local replica `replica` reduces while its backward
+    /// pass runs (see [`ReplicaContext::backward_and_sync`]), once a step has learned one.
+    pub fn overlap_buckets(&self, replica: usize) -> Option<usize> {
+        self.overlap.get(replica).and_then(|p| lock(p).as_ref().map(|p| p.1.buckets.len()))
+    }
+
+    /// The blocks of rows that plan reduces on their own (see
+    /// [`StrategyOptions::row_block_bytes`](crate::StrategyOptions::row_block_bytes)).
+    pub fn overlap_row_blocks(&self, replica: usize) -> Option<usize> {
+        self.overlap
+            .get(replica)
+            .and_then(|p| lock(p).as_ref().map(|p| p.1.units.iter().filter(|u| matches!(u, Unit::Rows { .. })).count()))
+    }
+
+    /// Locks copy `copy`'s optimizer (to change its learning rate, say).
+    pub fn lock(&self, copy: usize) -> MutexGuard<'_, O> {
+        lock(&self.copies[copy])
+    }
+
+    /// Sets the learning rate of every copy.
+    pub fn set_learning_rate(&self, lr: f64) {
+        for c in &self.copies {
+            lock(c).set_learning_rate(lr);
+        }
+    }
+
+    /// The learning rate of the first copy.
+    pub fn learning_rate(&self) -> f64 {
+        lock(&self.copies[0]).learning_rate()
+    }
+}
+
+/// The factor that brings `grads`' global norm to at most `max` (`None`: within it already):
+/// `max / norm`, the norm summed in f64 over the variables in order.
+fn clip_scale(grads: &[Option<Tensor>], max: f64) -> Result<Option<f64>> {
+    let mut sq = 0f64;
+    for g in grads.iter().flatten() {
+        sq += g.to_dtype(DType::F32)?.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
+    }
+    let norm = sq.sqrt();
+    Ok((norm > max).then(|| max / norm))
+}

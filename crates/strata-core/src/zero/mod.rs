@@ -1,0 +1,95 @@
+//! ZeRO's shards ([`ZeroStage`]), their one home: the trainable parameters split over every
+//! replica in sync (across workers too) at element granularity. On one machine the parameters,
+//! flattened in the optimizer's order, are split evenly ([`even_layout`](layout::even_layout)); across workers each
+//! worker holds its reduce-scatter segment of every reduction of the step's plan, split evenly
+//! over its replicas ([`segment_layout`](layout::segment_layout)), so that the reduce-scatter leaves it exactly the
+//! gradient it steps, bit for bit what the all-reduce leaves there, at half the bytes.
+//! Each replica's optimizer is built over its shard only, so it keeps that shard's state
+//! (AdamW's moments, momentum's velocity), steps that shard with the reduced gradient, and an
+//! all-gather writes every shard back into every replica's copy of the parameters.
+//!
+//! A shard meets a variable in a `Piece`: a run of the variable's flattened elements, in a
+//! `Var` that the optimizer steps. On a CPU device that `Var` is a view of the variable's own
+//! storage (`Var::run_view`, from Strata's candle patch), so the step updates the variable in
+//! place; elsewhere it is a copy that takes the variable's current values before each step.
+//! Either way a write to the variable between steps (a restore, say) is seen, and the
+//! piece's gradient is the same run of the reduced gradient: the update of
+//! every element is the one a whole-variable step computes, bit for bit, for optimizers that
+//! update element by element (those that implement
+//! [`ShardableOptimizer`](crate::optim::ShardableOptimizer)).
+//!
+//! Following a stage from the optimizer's build to the wire, in this module's files:
+//! [`shards_for`] refuses what cannot run on shards and lays them out (`layout.rs`: the
+//! [`Run`]s, [`fixed_plan`]; `shards.rs`: [`lay_out_shards`]), `memory.rs` checks that they fit
+//! ([`check_memory_limits`]), `shards.rs` holds each replica's pieces and steps them
+//! ([`Shards::step`]), `gather.rs` writes every shard back into every copy, `state.rs` turns the
+//! shards' optimizer state into a whole model's for checkpoints and back, and
+//! [`Shards::reshard`] lays them out again over an elastic job's new membership.
+//!
+//! This module must not know the distributed optimizer nor the overlapped step that use it: it
+//! takes the variables, the strategy and the optimizer's type, and hands back shards; the
+//! reduction keeps its runs through [`Shards::keep`] and [`Shards::shard_of`].
+
+mod gather;
+mod layout;
+mod memory;
+mod shards;
+mod state;
+
+use std::sync::Arc;
+
+use candle_core::Var;
+
+pub(crate) use layout::fixed_plan;
+pub(crate) use memory::check_memory_limits;
+pub(crate) use shards::lay_out_shards;
+pub(crate) use shards::Shards;
+
+use crate::extended::{StrategyExtended, VariablePolicy};
+use crate::optim::OptimizerMemory;
+use crate::{Error, Result, ZeroStage};
+
+/// ZeRO's shards of `vars` (every local copy's trainable variables, of a model whose variables
+/// follow `policy` under the strategy `ext` named `strategy_name`) over every replica in sync,
+/// for an optimizer `O`: refused, in one line, for a central model (stepped once) and for an
+/// optimizer that does not implement [`ShardableOptimizer`](crate::optim::ShardableOptimizer) (it steps whole variables).
+pub(crate) fn shards_for<O: OptimizerMemory>(
+    stage: ZeroStage,
+    policy: VariablePolicy,
+    strategy_name: &str,
+    vars: &[Vec<Var>],
+    ext: Arc<dyn StrategyExtended>,
+) -> Result<Shards> {
+    let refuse = |what: String, fix: &'static str| Error::ZeroStage { stage: stage.number(), what, fix };
+    if policy != VariablePolicy::Mirrored {
+        return Err(refuse(
+            format!("the {strategy_name} strategy"),
+            "its one central copy is stepped once; use stage 0, or mirrored",
+        ));
+    }
+    if !O::steps_shards() {
+        return Err(refuse(format!("the optimizer {}", std::any::type_name::<O>()), NOT_SHARDABLE));
+    }
+    lay_out_shards(stage, vars, ext)
+}
+
+/// Why an optimizer that does not implement [`ShardableOptimizer`](crate::optim::ShardableOptimizer) is refused at stages 1 and 2.
+const NOT_SHARDABLE: &str = "it steps whole variables; stages 1 and 2 step runs of a variable's elements, which needs an optimizer that implements ShardableOptimizer (strata's FusedAdamW, FusedSgd and FusedMomentum do)";
+
+impl Shards {
+    /// The shards laid out again over every replica in sync now (an elastic job's new
+    /// membership), after checking that a replica's model state still fits its device's
+    /// memory limit at their new size (fewer workers, larger shards; see
+    /// [`check_memory_limits`] for `per_element`, `params` and `vars`). Nothing collective runs
+    /// in it.
+    pub(crate) fn reshard(
+        &self,
+        policy: VariablePolicy,
+        per_element: u64,
+        params: &[u64],
+        vars: &[Vec<Var>],
+    ) -> Result<Shards> {
+        check_memory_limits(&**self.ext(), policy, self.stage(), per_element, params, vars)?;
+        lay_out_shards(self.stage(), vars, self.ext().clone())
+    }
+}
