@@ -85,6 +85,11 @@ pub trait ShardableOptimizer: Optimizer {
 /// whole variables only implements it directly, in a line if it keeps no state the memory check
 /// should count: `impl OptimizerMemory for MyOptimizer {}`. candle-nn's `SGD` (0) and `AdamW`
 /// (2) implement it here; ZeRO refuses them, naming [`ShardableOptimizer`].
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` does not say what state it keeps: implement `strata::optim::OptimizerMemory` for it",
+    label = "`model.optimizer::<{Self}>` needs `{Self}: OptimizerMemory`",
+    note = "one line does it where the optimizer keeps no per-element state: `impl strata::optim::OptimizerMemory for {Self} {{}}`; an optimizer that updates element by element implements `strata::optim::ShardableOptimizer` instead, and then also runs on ZeRO's shards"
+)]
 pub trait OptimizerMemory: Optimizer {
     /// Floats of state the optimizer keeps per element it steps (0 unless said otherwise).
     fn state_per_element() -> u64 {
