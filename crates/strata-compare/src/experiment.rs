@@ -640,7 +640,7 @@ fn run_spec(at: &Locator<'_>, i: usize, r: &Spanned<RawRun>, global_batch: usize
             format!("experiment.global_batch {global_batch} is smaller than its {total} replicas; every replica needs an example per step"),
         ));
     }
-    if r.strategy == RunStrategy::ParameterServer && global_batch % workers != 0 {
+    if r.strategy == RunStrategy::ParameterServer && !global_batch.is_multiple_of(workers) {
         return Err(run.error(
             r.workers.as_ref().map_or(run.span.clone(), |w| w.span()),
             "workers",

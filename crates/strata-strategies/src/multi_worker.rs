@@ -532,7 +532,7 @@ impl JoinPlan<'_> {
         let mut member = CoordinationMember::connect(
             &e.coordinator,
             "coordinator",
-            &task,
+            task,
             options.token.clone(),
             options.coordination.clone(),
         )?;
@@ -570,7 +570,7 @@ impl JoinPlan<'_> {
                     .join(&r.cluster_fingerprint, &r.strategy_fingerprint, data_address, after)
                     .map_err(|e| Error::Cluster(format!("task {task}: {e}")))
             };
-            let (g, ring, abort) = join_generation(&r, &task, &abort_cell, 0, &join)?;
+            let (g, ring, abort) = join_generation(&r, task, abort_cell, 0, &join)?;
             let gen = Gen { ring, rank: g.rank, generation: g.generation, seq: AtomicU64::new(0), abort };
             Ok(Joined { member, server: None, gen, rejoin: Some(r), under_way: g.resumed })
         }
@@ -582,8 +582,8 @@ impl JoinPlan<'_> {
         let (options, task, abort_cell, config) = (self.options, self.task, self.abort_cell, self.config);
         let (spec, names) = (&config.spec, self.names);
         let (own_host, strategy_fingerprint) = (self.own_host, self.strategy_fingerprint);
-        let (listener, data_address) = bind_data_plane(options.bind, &own_host, &task)?;
-        let abort = lock(&abort_cell).1.clone();
+        let (listener, data_address) = bind_data_plane(options.bind, own_host, task)?;
+        let abort = lock(abort_cell).1.clone();
         let server = if rank == 0 {
             let port = spec.port(config.task)?;
             Some(
@@ -605,11 +605,11 @@ impl JoinPlan<'_> {
         let mut member = CoordinationMember::connect(
             &coordinator,
             &chief.to_string(),
-            &task,
+            task,
             options.token.clone(),
             options.coordination.clone(),
         )?;
-        let reg = member.register(&spec.fingerprint(), &strategy_fingerprint, &data_address)?;
+        let reg = member.register(&spec.fingerprint(), strategy_fingerprint, &data_address)?;
         let addresses = resolve_all(&reg.data_addresses)?;
         let mut rc = RingConfig::new(reg.rank, addresses);
         rc.listener = Some(listener);

@@ -45,7 +45,11 @@ trait Model<B>: Sized + Send + Sync {
 /// Trains `M` with `O` on `batches` under `s`, checking that every global batch is split
 /// into shards of the expected sizes (the first `B % N` replicas one larger); returns the
 /// final parameters.
-fn train<B: BatchData, M: Model<B>, O: OptimizerMemory + Send>(s: &StrategyHandle, cfg: O::Config, batches: &[B]) -> Params
+fn train<B: BatchData, M: Model<B>, O: OptimizerMemory + Send>(
+    s: &StrategyHandle,
+    cfg: O::Config,
+    batches: &[B],
+) -> Params
 where
     O::Config: Clone,
 {

@@ -170,7 +170,11 @@ fn same_as_stage_0_in_blocks<M: TestModel>(n: usize, freeze: &[&str], row_block_
         let what = format!("{what} at stage {stage}");
         if what.contains("clipped") {
             // The clipping norm is summed shard by shard: the same within reassociation.
-            within_reassociation(&sharded.last().unwrap()[0], &whole.last().unwrap()[0], &format!("{what}, {n} replicas"));
+            within_reassociation(
+                &sharded.last().unwrap()[0],
+                &whole.last().unwrap()[0],
+                &format!("{what}, {n} replicas"),
+            );
         } else {
             assert_eq!(sharded, whole, "{what}, {n} replicas: not stage 0 bit for bit");
             assert_eq!(sharded_read, whole_read, "{what}, {n} replicas: the state read differs");
@@ -226,7 +230,12 @@ fn train_repeating_last<M: TestModel>(
         None => opt,
     };
     let opt = opt
-        .with_schedule(LrSchedule::WarmupCosine { peak: 0.05, warmup_steps: 2, total_steps: steps as u64, final_lr: 0.005 })
+        .with_schedule(LrSchedule::WarmupCosine {
+            peak: 0.05,
+            warmup_steps: 2,
+            total_steps: steps as u64,
+            final_lr: 0.005,
+        })
         .unwrap();
     let mut batches: Vec<Batch> = (0..steps).map(|k| data(12, M::DIM, 300 + k as u64)).collect();
     batches.push(batches[steps - 1].clone());
