@@ -20,7 +20,7 @@
 //! model's variables, taking the mean cross-entropy of the worker's batch and reading the
 //! gradients after `backward`. The optimizer is the experiment's `optimizer` and `lr` (or
 //! [`SimConfig::optimizer`] / [`SimConfig::lr`]) mapped the way `strata train` maps them for a
-//! parameter server ([`OptimizerKind::server_optimizer`], momentum 0.9, `strata train`'s
+//! parameter server ([`SimConfig::server_optimizer`], momentum 0.9, `strata train`'s
 //! default); every strategy, synchronous or not, applies its updates with it, so the strategies
 //! differ only in *which* gradients are applied and *when*.
 //!

@@ -1,7 +1,7 @@
 //! Elastic training for any training loop: what a job does when its membership changes.
 //!
 //! An elastic multi-worker job (a strategy whose
-//! [`WorkerCollectives::is_elastic`](crate::cross_device::WorkerCollectives::is_elastic)) goes
+//! [`WorkerCollectives::is_elastic`]) goes
 //! on when a worker is lost, leaves on request, or joins. Its synchronous replicas hold identical
 //! state after every step, so the state to go on from is in every member's memory; what a
 //! loop must do is the same whoever wrote the loop, and [`Elastic`] does it:

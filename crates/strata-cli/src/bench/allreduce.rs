@@ -799,7 +799,7 @@ fn print_summary(k: usize, rows: &[Row]) {
 /// Runs the benchmark of `plan` (`args` checked) on CPU replicas, or on worker processes with
 /// `--workers`, and prints an nccl-tests style table to stdout. Fails if any result differed
 /// from the closed form (after printing every row). `--gpus` is [`super::gpu::run`]'s
-/// ([`super::allreduce`] picks).
+/// ([`super::allreduce()`] picks).
 pub fn run_plan(args: &AllreduceArgs, plan: &Plan) -> Result<()> {
     if let Some(rank) = args.worker_rank {
         return worker_main(plan, rank, args.worker_count.unwrap_or(0), args.tcp_ceiling);
