@@ -51,9 +51,12 @@ struct Extras {
     clip: Option<f64>,
     schedule: bool,
     accumulation: usize,
+    /// The last batch stepped once more after the last step (a step applied twice: the
+    /// negative control of [`REASSOCIATION`]).
+    repeat_last: bool,
 }
 
-const PLAIN: Extras = Extras { clip: None, schedule: false, accumulation: 1 };
+const PLAIN: Extras = Extras { clip: None, schedule: false, accumulation: 1, repeat_last: false };
 
 /// Trains `M` for `steps` steps of `O` under `s` (the same global batches whatever the
 /// strategy), freezing `freeze`; returns every copy's parameters after every step (the
@@ -87,9 +90,13 @@ where
             })
             .unwrap();
     }
-    let batches: Vec<Batch> = (0..steps).map(|k| data(12, M::DIM, 300 + k as u64)).collect();
+    let mut batches: Vec<Batch> = (0..steps).map(|k| data(12, M::DIM, 300 + k as u64)).collect();
+    if extras.repeat_last {
+        batches.push(batches[steps - 1].clone());
+    }
     let mut after = Vec::new();
     for (step, db) in s.distribute_dataset(batches, TailPolicy::Split).enumerate() {
+        let step = step.min(steps - 1);
         s.run_batch(&db, |ctx, shard| {
             let loss = model.on(ctx)?.loss(step, &shard.batch, ctx.candle_device())?;
             ctx.backward_and_sync(&loss, &opt)
@@ -150,7 +157,7 @@ fn same_as_stage_0_in_blocks<M: TestModel>(n: usize, freeze: &[&str], row_block_
     let adamw = &ParamsAdamW { lr: 0.01, weight_decay: 0.1, ..Default::default() };
     let momentum = ParamsMomentum { lr: 0.05, momentum: 0.9, nesterov: false };
     let nesterov = ParamsMomentum { nesterov: true, ..momentum };
-    let clipped = Extras { clip: Some(0.3), schedule: true, accumulation: 1 };
+    let clipped = Extras { clip: Some(0.3), schedule: true, ..PLAIN };
     let accumulated = Extras { accumulation: 2, ..PLAIN };
     type Run<'a> = Box<dyn Fn(&StrategyHandle) -> (Vec<Vec<Params>>, Params, (Vec<usize>, usize)) + 'a>;
     let runs: Vec<(&str, Run)> = vec![
@@ -202,52 +209,17 @@ fn same_as_stage_0_in_blocks<M: TestModel>(n: usize, freeze: &[&str], row_block_
 #[test]
 fn the_bound_catches_a_step_skipped_or_applied_twice() {
     let adamw = ParamsAdamW { lr: 0.01, weight_decay: 0.1, ..Default::default() };
-    let clipped = Extras { clip: Some(0.3), schedule: true, accumulation: 1 };
+    let clipped = Extras { clip: Some(0.3), schedule: true, ..PLAIN };
     let s = mirrored(2, ZeroStage::Off);
     let (after, _, _) = train::<Heads, FusedAdamW>(&s, adamw.clone(), 6, &[], clipped);
     let last = &after[5][0];
     let skipped = l2_relative(&after[4][0], last);
     assert!(skipped > 100.0 * REASSOCIATION, "a skipped step moves the parameters by only {skipped:e}");
     // Applied twice: the 6th batch stepped again after the 6th step.
-    let twice = train_repeating_last::<Heads>(&s, adamw, 6, clipped);
-    let doubled = l2_relative(&twice[0], last);
+    let (twice, _, _) = train::<Heads, FusedAdamW>(&s, adamw, 6, &[], Extras { repeat_last: true, ..clipped });
+    let doubled = l2_relative(&twice[6][0], last);
     assert!(doubled > 100.0 * REASSOCIATION, "a step applied twice moves the parameters by only {doubled:e}");
     eprintln!("one step skipped: {skipped:e}; applied twice: {doubled:e} (bound {REASSOCIATION:e})");
-}
-
-/// [`train`] of AdamW for `steps` steps, then the last batch once more (a step applied
-/// twice); returns the parameters after that extra step.
-fn train_repeating_last<M: TestModel>(
-    s: &impl Strategy,
-    cfg: ParamsAdamW,
-    steps: usize,
-    extras: Extras,
-) -> Vec<Params> {
-    let model = s.scope(M::build).unwrap();
-    let opt = model.optimizer::<FusedAdamW>(cfg).unwrap();
-    let opt = match extras.clip {
-        Some(c) => opt.with_clip_global_norm(c).unwrap(),
-        None => opt,
-    };
-    let opt = opt
-        .with_schedule(LrSchedule::WarmupCosine {
-            peak: 0.05,
-            warmup_steps: 2,
-            total_steps: steps as u64,
-            final_lr: 0.005,
-        })
-        .unwrap();
-    let mut batches: Vec<Batch> = (0..steps).map(|k| data(12, M::DIM, 300 + k as u64)).collect();
-    batches.push(batches[steps - 1].clone());
-    for (step, db) in s.distribute_dataset(batches, TailPolicy::Split).enumerate() {
-        let step = step.min(steps - 1);
-        s.run_batch(&db, |ctx, shard| {
-            let loss = model.on(ctx)?.loss(step, &shard.batch, ctx.candle_device())?;
-            ctx.backward_and_sync(&loss, &opt)
-        })
-        .unwrap();
-    }
-    every_copy(&model)
 }
 
 #[test]
@@ -370,7 +342,7 @@ fn across_workers(workers: usize, local: usize, stage: ZeroStage, row_block_byte
             },
             |_, s| {
                 let adamw = ParamsAdamW { lr: 0.01, weight_decay: 0.1, ..Default::default() };
-                let clipped = Extras { clip: Some(0.3), schedule: true, accumulation: 1 };
+                let clipped = Extras { clip: Some(0.3), schedule: true, ..PLAIN };
                 let (after, _, stepped) = train::<Heads, FusedAdamW>(s, adamw.clone(), 6, &[], clipped);
                 // Without clipping, bit for bit.
                 let exact = train::<Heads, FusedAdamW>(s, adamw, 4, &[], PLAIN).0;
