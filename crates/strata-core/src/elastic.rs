@@ -339,16 +339,10 @@ impl<'a, M> Elastic<'a, M> {
             }
             other => other,
         };
-        let Some(w) = self.workers() else {
-            return Ok(Stepped::Done(if mine > 0 { Stop::All(mine) } else { Stop::GoOn }));
-        };
-        if !w.is_elastic() {
-            // Codes are small integers: exact in an f32.
-            let mut v = [mine.min(1 << 24) as f32];
-            w.all_reduce(ReduceOp::Max, &mut v).map_err(agreeing)?;
-            let code = v[0] as u32;
+        let Some(w) = self.workers().filter(|w| w.is_elastic()) else {
+            let code = largest_stop_code(self.workers(), mine).map_err(agreeing)?;
             return Ok(Stepped::Done(if code > 0 { Stop::All(code) } else { Stop::GoOn }));
-        }
+        };
         let all = match w.all_gather(&[mine.min(1 << 24) as f32]) {
             Ok(all) => all,
             Err(e) => return self.recover_from(at, agreeing(e)).map(Stepped::Moved),
@@ -776,4 +770,15 @@ fn load_flat<M>(
         }
     }
     opt.load_state_tensors(&new_state)
+}
+
+/// The largest stop code any worker asks for (`mine` alone without workers): one all-reduce
+/// of one number, so every worker decides alike. Every worker must call it at the same point
+/// of its program. 0 means no worker asked to stop.
+pub fn largest_stop_code(workers: Option<&dyn WorkerCollectives>, mine: u32) -> Result<u32> {
+    let Some(w) = workers else { return Ok(mine) };
+    // Codes are small integers: exact in an f32.
+    let mut v = [mine.min(1 << 24) as f32];
+    w.all_reduce(ReduceOp::Max, &mut v)?;
+    Ok(v[0] as u32)
 }

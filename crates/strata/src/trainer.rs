@@ -819,16 +819,7 @@ struct EpochSums {
 /// of any worker (one all-reduce of one number, so every worker decides alike). Every worker
 /// must call it at the same point of its program, as [`Trainer::fit`] does between executions.
 pub fn agreed_stop<S: Strategy>(strategy: &S, signal: &StopSignal) -> strata_core::Result<Option<u32>> {
-    let mine = signal.requested().unwrap_or(0);
-    let code = match strategy.extended().workers() {
-        None => mine,
-        Some(w) => {
-            // Codes are small integers: exact in an f32.
-            let mut v = [mine.min(1 << 24) as f32];
-            w.all_reduce(ReduceOp::Max, &mut v)?;
-            v[0] as u32
-        }
-    };
+    let code = strata_core::elastic::largest_stop_code(strategy.extended().workers(), signal.requested().unwrap_or(0))?;
     Ok((code > 0).then_some(code))
 }
 
