@@ -285,7 +285,7 @@ fn elastic_flags_that_cannot_work_are_refused_in_one_line() {
         ),
         (
             &["launch", "--workers", "2", "--", "strata", "train", "--min-workers", "3"],
-            "an elastic job of 2 workers cannot run with at least 3 (min_workers; strata train --min-workers): give a minimum from 1 to 2",
+            "an elastic job of 2 workers cannot run with at least 3: give a minimum from 1 to 2",
         ),
         (
             &["train", "--strategy", "multi-worker-mirrored", "--max-restarts", "1"],

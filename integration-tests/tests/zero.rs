@@ -180,20 +180,20 @@ fn what_cannot_run_on_shards_is_refused_in_one_line() {
     let cases: &[(&[&str], &str)] = &[
         (
             &["--strategy", "one-device", "--zero-stage", "1"],
-            "--zero-stage 1 applies to --strategy mirrored and multi-worker-mirrored, whose replicas each keep a whole copy of the optimizer state (--strategy one-device does not); drop it",
+            "zero stage 1 with the one-device strategy: one replica holds the whole model; use stage 0, or mirrored over several devices",
         ),
         (
             &["--strategy", "parameter-server", "--zero-stage", "1"],
-            "--zero-stage 1 applies to --strategy mirrored and multi-worker-mirrored, whose replicas each keep a whole copy of the optimizer state (--strategy parameter-server does not); drop it",
+            "zero stage 1 with the parameter-server strategy: its variables live on the ps tasks, which step each of them once; use stage 0, or mirrored or multi-worker-mirrored",
         ),
         (
             &["--strategy", "mirrored", "--zero-stage", "1", "--optimizer", "candle-adamw"],
-            "--zero-stage 1 with --optimizer candle-adamw: candle-nn's optimizers step whole variables; use --optimizer adamw or sgd (Strata's fused ones)",
+            "zero stage 1 with the optimizer candle-adamw: it steps whole variables; stages 1 and 2 step runs of a variable's elements, which needs an optimizer that implements ShardableOptimizer (strata's FusedAdamW, FusedSgd and FusedMomentum do)",
         ),
         (&["--strategy", "mirrored", "--zero-stage", "3"], "zero stage \"3\" is not a stage"),
         (
             &["--strategy", "central-storage", "--zero-stage", "2"],
-            "--zero-stage 2 applies to --strategy mirrored and multi-worker-mirrored",
+            "zero stage 2 with the central-storage strategy: its one central copy is stepped once",
         ),
         (&["--strategy", "mirrored", "--memory-limit", "1KiB"], "no zero stage fits (stage 2 needs "),
         (&["--strategy", "mirrored", "--memory-limit", "0"], "a memory limit of 0 bytes"),

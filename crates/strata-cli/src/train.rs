@@ -28,30 +28,10 @@ pub use crate::train_args::{
 };
 use crate::{Error, Result};
 
-/// The refusals of `--gpus N` that depend on the other flags (before any GPU is looked for).
-fn check_gpus(args: &TrainArgs, n: usize) -> Result<()> {
-    let refusal = match args.strategy {
-        _ if n == 0 => {
-            "--gpus 0 asks for no GPU; pass 1 or more, or drop --gpus to train on logical CPU devices".to_string()
-        }
-        StrategyKind::MultiWorkerMirrored if n != 1 => format!(
-            "--strategy multi-worker-mirrored --gpus {n}: a worker task holds one GPU; start one task per GPU (e.g. strata launch --workers {n}, or Slurm's --gpus-per-task=1) and pass --gpus 1"
-        ),
-        StrategyKind::ParameterServer => {
-            "--gpus places the replicas of one process; parameter-server jobs keep their replicas on logical CPU devices for now".to_string()
-        }
-        StrategyKind::OneDevice if n != 1 => {
-            format!("--strategy one-device runs 1 replica, not --gpus {n}; use --strategy mirrored")
-        }
-        _ => return Ok(()),
-    };
-    Err(Error::Usage(refusal))
-}
-
 /// Builds the strategy the flags ask for.
 pub fn make_strategy(args: &TrainArgs, options: StrategyOptions) -> Result<StrategyHandle> {
     if let Some(n) = args.gpus {
-        check_gpus(args, n)?;
+        strata::gpu::check_gpus(args.strategy, n)?;
         return strata::gpu::gpu_strategy(args.strategy, n, args.cross_device_ops, options);
     }
     let reduction = match args.reduction {
@@ -91,7 +71,7 @@ pub fn make_strategy(args: &TrainArgs, options: StrategyOptions) -> Result<Strat
 pub fn make_multi_worker(args: &TrainArgs, options: StrategyOptions) -> Result<MultiWorkerMirroredStrategy> {
     // The GPU checks first: they are this task's own, and fail without a cluster.
     if let Some(n) = args.gpus {
-        check_gpus(args, n)?;
+        strata::gpu::check_gpus(args.strategy, n)?;
     }
     let gpus = args.gpus.map(|n| strata::gpu::multi_worker_gpus(n, args.cross_device_ops)).transpose()?;
     let resolver = resolver(args)?;

@@ -374,18 +374,7 @@ impl TrainArgs {
         }
         if self.zero_stage != ZeroStage::Off {
             let stage = self.zero_stage;
-            if !matches!(self.strategy, StrategyKind::Mirrored | StrategyKind::MultiWorkerMirrored) {
-                return Err(Error::Usage(format!(
-                    "--zero-stage {stage} applies to --strategy mirrored and multi-worker-mirrored, whose replicas each keep a whole copy of the optimizer state (--strategy {} does not); drop it",
-                    self.strategy.name()
-                )));
-            }
-            if matches!(self.optimizer, OptimizerKind::CandleAdamw | OptimizerKind::CandleSgd) {
-                return Err(Error::Usage(format!(
-                    "--zero-stage {stage} with --optimizer {}: candle-nn's optimizers step whole variables; use --optimizer adamw or sgd (Strata's fused ones)",
-                    self.optimizer
-                )));
-            }
+            strata::refusals::zero_stage_of(stage, self.strategy, self.optimizer)?;
             if self.min_workers.is_some() {
                 // The trainer refuses it too, but only once the workers have joined.
                 strata::refusals::elastic_zero_state_of(stage, self.optimizer, self.checkpoint_dir.is_some())?;

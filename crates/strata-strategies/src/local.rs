@@ -89,24 +89,7 @@ impl LocalStrategy {
         if devices.is_empty() {
             return Err(Error::ZeroReplicas);
         }
-        if options.zero_stage != strata_core::ZeroStage::Off {
-            let fix = match (name, policy) {
-                ("one-device", _) => {
-                    Some("one replica holds the whole model; use stage 0, or mirrored over several devices")
-                }
-                (_, VariablePolicy::Central { .. }) => {
-                    Some("its one central copy is stepped once, on the parameter device; use stage 0, or mirrored")
-                }
-                _ => None,
-            };
-            if let Some(fix) = fix {
-                return Err(Error::ZeroStage {
-                    stage: options.zero_stage.number(),
-                    what: format!("the {name} strategy"),
-                    fix,
-                });
-            }
-        }
+        strata_core::check_zero_strategy(options.zero_stage, name)?;
         strata_core::device::check_replicas(devices.len(), "replicas")?;
         for (i, d) in devices.iter().enumerate() {
             if let Some(j) = devices[..i].iter().position(|e| e.spec == d.spec) {

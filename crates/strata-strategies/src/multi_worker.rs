@@ -81,12 +81,7 @@ impl ElasticOptions {
     /// [`MultiWorkerMirroredStrategy::new`] checks first, and a launcher that knows the
     /// cluster checks before it starts a task (`strata launch` does).
     pub fn check_min_workers(min_workers: usize, workers: usize) -> Result<()> {
-        if min_workers == 0 || min_workers > workers {
-            return Err(Error::InvalidArgument(format!(
-                "an elastic job of {workers} workers cannot run with at least {min_workers} (min_workers; strata train --min-workers): give a minimum from 1 to {workers}"
-            )));
-        }
-        Ok(())
+        Ok(strata_transport::coordination::check_min_workers(min_workers, workers)?)
     }
 }
 

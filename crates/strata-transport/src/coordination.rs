@@ -979,6 +979,16 @@ pub struct CoordinationServerHandle {
     server: ServerTask,
 }
 
+/// Refuses an elastic job of `workers` workers whose minimum `min` is outside 1 to `workers`:
+/// [`CoordinationServerHandle::start_elastic`] calls it, and so does a program that takes the
+/// minimum from its user (`strata train --min-workers`) before anything starts.
+pub fn check_min_workers(min: usize, workers: usize) -> Result<()> {
+    if min == 0 || min > workers {
+        return Err(Error::MinWorkers { min, workers });
+    }
+    Ok(())
+}
+
 impl CoordinationServerHandle {
     /// Starts the service on `bind` (port 0 picks a free one) for the tasks `names` (in rank
     /// order), admitting only calls with `token`.
@@ -1006,13 +1016,7 @@ impl CoordinationServerHandle {
         token: ClusterToken,
         config: CoordinationConfig,
     ) -> Result<Self> {
-        if min_tasks == 0 || min_tasks > names.len() {
-            return Err(Error::Config(format!(
-                "an elastic job of {} tasks cannot run with at least {min_tasks}: give a minimum from 1 to {}",
-                names.len(),
-                names.len()
-            )));
-        }
+        check_min_workers(min_tasks, names.len())?;
         Self::start_inner(bind, names, String::new(), String::new(), token, config, Some(min_tasks))
     }
 

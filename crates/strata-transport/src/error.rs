@@ -14,6 +14,15 @@ pub enum Error {
     #[error("invalid transport configuration: {0}")]
     Config(String),
 
+    /// An elastic job's minimum of workers outside 1 to the number of its workers.
+    #[error("an elastic job of {workers} workers cannot run with at least {min}: give a minimum from 1 to {workers}")]
+    MinWorkers {
+        /// The minimum asked for.
+        min: usize,
+        /// The job's workers.
+        workers: usize,
+    },
+
     /// A peer did not present the cluster token (or presented a wrong one).
     #[error("unauthenticated: {0}")]
     Unauthenticated(String),
@@ -192,6 +201,7 @@ impl From<Error> for strata_core::Error {
     fn from(e: Error) -> Self {
         match e {
             Error::Config(m) => strata_core::Error::InvalidCluster(m),
+            e @ Error::MinWorkers { .. } => strata_core::Error::InvalidArgument(e.to_string()),
             Error::Checkpoint(e) => e,
             e @ (Error::Unavailable { .. } | Error::PeerLost { .. }) => strata_core::Error::Unavailable(e.to_string()),
             e @ Error::Stale { .. } => strata_core::Error::Stale(e.to_string()),

@@ -90,7 +90,7 @@ impl Error {
             ) => 2,
             // A token missing, malformed or not the cluster's; an address to listen on that this
             // host cannot take (every cause's hint names the address or port to change).
-            Error::Transport(T::Config(_) | T::Unauthenticated(_) | T::Bind { .. }) => 2,
+            Error::Transport(T::Config(_) | T::MinWorkers { .. } | T::Unauthenticated(_) | T::Bind { .. }) => 2,
             // A file the user named (the token file, the TLS directory's) missing or unreadable.
             Error::Transport(T::Io { source, .. })
                 if matches!(source.kind(), std::io::ErrorKind::NotFound | std::io::ErrorKind::PermissionDenied) =>
@@ -122,7 +122,8 @@ fn core_exit_code(e: &strata_core::Error) -> i32 {
         | C::InvalidMemoryConfig(_)
         | C::MemoryLimit(_)
         | C::InvalidArgument(_)
-        | C::InvalidCluster(_) => 2,
+        | C::InvalidCluster(_)
+        | C::ZeroStage { .. } => 2,
         _ => 1,
     }
 }

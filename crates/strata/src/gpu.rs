@@ -16,7 +16,7 @@ use crate::{Error, Result};
 /// driver, and any logical device configuration).
 pub fn gpu_devices(n: usize) -> Result<Vec<LogicalDevice>> {
     if n == 0 {
-        return Err(Error::Usage("no GPU asked for: ask for 1 or more, or train on logical CPU devices".into()));
+        return Err(no_gpu());
     }
     let registry = DeviceRegistry::global();
     if !registry.has_enumerator(DeviceType::Gpu) {
@@ -35,26 +35,45 @@ pub fn gpu_devices(n: usize) -> Result<Vec<LogicalDevice>> {
     Ok(gpus[..n].to_vec())
 }
 
+fn no_gpu() -> Error {
+    Error::Usage("--gpus 0 asks for no GPU; pass 1 or more, or drop --gpus to train on logical CPU devices".into())
+}
+
+/// Refuses `n` GPUs asked of the strategy `kind` (`strata train --strategy KIND --gpus N`)
+/// where it cannot place them: none asked for, a multi-worker-mirrored task with other than
+/// one, a parameter-server job, a one-device strategy with more than one. [`gpu_strategy`] and
+/// [`multi_worker_gpus`] call it; a program that takes both from its user calls it before it
+/// looks for a driver or a cluster.
+pub fn check_gpus(kind: StrategyKind, n: usize) -> Result<()> {
+    let refusal = match kind {
+        _ if n == 0 => return Err(no_gpu()),
+        StrategyKind::MultiWorkerMirrored if n != 1 => format!(
+            "--strategy multi-worker-mirrored --gpus {n}: a worker task holds one GPU; start one task per GPU (e.g. strata launch --workers {n}, or Slurm's --gpus-per-task=1) and pass --gpus 1"
+        ),
+        StrategyKind::ParameterServer => {
+            "--gpus places the replicas of one process; parameter-server jobs keep their replicas on logical CPU devices for now".to_string()
+        }
+        StrategyKind::OneDevice if n != 1 => {
+            format!("--strategy one-device runs 1 replica, not --gpus {n}; use --strategy mirrored")
+        }
+        _ => return Ok(()),
+    };
+    Err(Error::Usage(refusal))
+}
+
 /// The strategy `kind` with one replica on each of the first `n` GPUs, reducing with the ops
-/// `choice` selects.
+/// `choice` selects (refused by [`check_gpus`] where `kind` cannot place them).
 pub fn gpu_strategy(
     kind: StrategyKind,
     n: usize,
     choice: CrossDeviceChoice,
     options: StrategyOptions,
 ) -> Result<StrategyHandle> {
+    check_gpus(kind, n)?;
     if kind == StrategyKind::MultiWorkerMirrored {
         return Err(Error::Usage(
             "multi-worker-mirrored places one GPU per worker task: build its worker with multi_worker_gpus".into(),
         ));
-    }
-    if kind == StrategyKind::ParameterServer {
-        return Err(Error::Usage(
-            "the parameter-server strategy keeps its workers' replicas on logical CPU devices; it places no GPU".into(),
-        ));
-    }
-    if kind == StrategyKind::OneDevice && n != 1 {
-        return Err(Error::Usage(format!("one-device runs 1 replica, not {n} GPUs; use mirrored")));
     }
     let devices = gpu_devices(n)?;
     build(kind, devices, choice, options)
@@ -66,11 +85,7 @@ pub fn gpu_strategy(
 /// the TCP ring (`kernels`, or `auto` without NCCL).
 /// Returns the worker's replica devices and the cross-worker ops (none: the ring).
 pub fn multi_worker_gpus(n: usize, choice: CrossDeviceChoice) -> Result<(Vec<LogicalDevice>, Option<CrossWorkerOps>)> {
-    if n != 1 {
-        return Err(Error::Usage(format!(
-            "a multi-worker-mirrored worker task holds one GPU, not {n}; start one task per GPU"
-        )));
-    }
+    check_gpus(StrategyKind::MultiWorkerMirrored, n)?;
     let devices = gpu_devices(1)?;
     let ops = multi_worker_ops(&devices, choice)?;
     Ok((devices, ops))

@@ -9,11 +9,16 @@
 //! - an elastic job's minimum outside its cluster's workers:
 //!   [`ElasticOptions::check_min_workers`](crate::ElasticOptions::check_min_workers);
 //! - an elastic job at a ZeRO stage whose optimizer keeps state, without checkpoints:
-//!   [`strata_core::elastic::check_zero_state`] ([`elastic_zero_state`] here).
+//!   [`strata_core::elastic::check_zero_state`] ([`elastic_zero_state`] here);
+//! - a ZeRO stage under a strategy without a copy per replica, or with an optimizer that steps
+//!   whole variables: [`strata_core::check_zero_strategy`] and
+//!   [`strata_core::check_zero_optimizer`] ([`zero_stage_of`] here);
+//! - GPUs asked of a strategy that cannot place them: [`crate::gpu::check_gpus`].
 
+use strata_core::optim::{FusedAdamW, FusedSgd, OptimizerMemory};
 use strata_core::ZeroStage;
 
-use crate::kind::OptimizerKind;
+use crate::kind::{OptimizerKind, StrategyKind};
 use crate::Result;
 
 /// Refuses an elastic job at a ZeRO `stage` above 0 whose optimizer keeps state
@@ -35,6 +40,23 @@ pub fn elastic_zero_state_of(stage: ZeroStage, optimizer: OptimizerKind, checkpo
     elastic_zero_state(stage, keeps_state, checkpointed)
 }
 
+/// Refuses ZeRO `stage` under the strategy `strategy` or with the optimizer `optimizer`, both
+/// chosen by name (a command line's `--strategy` and `--optimizer`), as the strategy's build
+/// ([`strata_core::check_zero_strategy`]) and the optimizer's
+/// ([`strata_core::check_zero_optimizer`]) would refuse them once the job runs.
+pub fn zero_stage_of(stage: ZeroStage, strategy: StrategyKind, optimizer: OptimizerKind) -> Result<()> {
+    strata_core::check_zero_strategy(stage, strategy.name())?;
+    let steps_shards = match optimizer {
+        OptimizerKind::Adamw => <FusedAdamW as OptimizerMemory>::steps_shards(),
+        OptimizerKind::Sgd => <FusedSgd as OptimizerMemory>::steps_shards(),
+        OptimizerKind::CandleAdamw => <candle_nn::AdamW as OptimizerMemory>::steps_shards(),
+        OptimizerKind::CandleSgd => <candle_nn::SGD as OptimizerMemory>::steps_shards(),
+        // The ps tasks' optimizers: the strategy's refusal above, or the optimizer's own, comes first.
+        OptimizerKind::Momentum | OptimizerKind::Adagrad => true,
+    };
+    Ok(strata_core::check_zero_optimizer(stage, optimizer.name(), steps_shards)?)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -53,5 +75,27 @@ mod tests {
         // By name: AdamW keeps state, SGD none.
         assert!(elastic_zero_state_of(ZeroStage::Gradients, OptimizerKind::Adamw, false).is_err());
         assert!(elastic_zero_state_of(ZeroStage::Gradients, OptimizerKind::Sgd, false).is_ok());
+    }
+
+    #[test]
+    fn a_zero_stage_by_name_is_refused_as_the_library_refuses_it() {
+        let stage = ZeroStage::OptimizerState;
+        for (strategy, fix) in [
+            (StrategyKind::OneDevice, "one replica holds the whole model"),
+            (StrategyKind::CentralStorage, "its one central copy is stepped once"),
+            (StrategyKind::ParameterServer, "its variables live on the ps tasks"),
+        ] {
+            let text = zero_stage_of(stage, strategy, OptimizerKind::Adamw).unwrap_err().to_string();
+            assert!(text.starts_with(&format!("zero stage 1 with the {strategy} strategy: {fix}")), "{text}");
+        }
+        let refused = zero_stage_of(stage, StrategyKind::Mirrored, OptimizerKind::CandleAdamw).unwrap_err();
+        assert_eq!(refused.exit_code(), 2);
+        let text = refused.to_string();
+        assert!(text.starts_with("zero stage 1 with the optimizer candle-adamw: it steps whole variables"), "{text}");
+        assert!(!text.contains('\n') && !text.ends_with('.'), "{text}");
+        for optimizer in [OptimizerKind::Adamw, OptimizerKind::Sgd] {
+            assert!(zero_stage_of(stage, StrategyKind::MultiWorkerMirrored, optimizer).is_ok());
+        }
+        assert!(zero_stage_of(ZeroStage::Off, StrategyKind::OneDevice, OptimizerKind::CandleSgd).is_ok());
     }
 }

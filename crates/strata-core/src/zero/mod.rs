@@ -60,18 +60,57 @@ pub(crate) fn shards_for<O: OptimizerMemory>(
     vars: &[Vec<Var>],
     ext: Arc<dyn StrategyExtended>,
 ) -> Result<Shards> {
-    let refuse = |what: String, fix: &'static str| Error::ZeroStage { stage: stage.number(), what, fix };
-    if policy != VariablePolicy::Mirrored {
-        return Err(refuse(
-            format!("the {strategy_name} strategy"),
-            "its one central copy is stepped once; use stage 0, or mirrored",
-        ));
+    if let VariablePolicy::Central { .. } = policy {
+        return Err(refusal(stage, format!("the {strategy_name} strategy"), CENTRAL));
     }
-    if !O::steps_shards() {
-        return Err(refuse(format!("the optimizer {}", std::any::type_name::<O>()), NOT_SHARDABLE));
-    }
+    check_zero_optimizer(stage, std::any::type_name::<O>(), O::steps_shards())?;
     lay_out_shards(stage, vars, ext)
 }
+
+/// Refuses ZeRO `stage` (above [`ZeroStage::Off`]) under a strategy named `strategy` (its
+/// name as [`StrategyExtended::name`](crate::StrategyExtended::name) and `strata train --strategy` spell it) whose replicas do not each keep a whole copy of the
+/// optimizer state: one-device (one replica), central-storage (one central copy) and
+/// parameter-server (the ps tasks step the variables). Every other name passes: mirrored,
+/// multi-worker-mirrored and a program's own strategies, whose variables' policy the
+/// optimizer's build checks again. The strategies call it when they are built; a program that
+/// takes both settings from its user (the `strata` command) calls it before it starts anything,
+/// so that the refusal reads the same from both.
+pub fn check_zero_strategy(stage: ZeroStage, strategy: &str) -> Result<()> {
+    let fix = match strategy {
+        _ if stage == ZeroStage::Off => return Ok(()),
+        "one-device" => ONE_REPLICA,
+        "central-storage" => CENTRAL,
+        "parameter-server" => PS_TASKS,
+        _ => return Ok(()),
+    };
+    Err(refusal(stage, format!("the {strategy} strategy"), fix))
+}
+
+/// Refuses ZeRO `stage` (above [`ZeroStage::Off`]) with an optimizer named `optimizer` that
+/// does not step runs of a variable's elements (`steps_shards` false:
+/// [`OptimizerMemory::steps_shards`], true exactly for a
+/// [`ShardableOptimizer`](crate::optim::ShardableOptimizer)). The optimizer's build calls it
+/// with the type's name; a program that picks an optimizer by name calls it with that name
+/// before it starts anything.
+pub fn check_zero_optimizer(stage: ZeroStage, optimizer: &str, steps_shards: bool) -> Result<()> {
+    if stage == ZeroStage::Off || steps_shards {
+        return Ok(());
+    }
+    Err(refusal(stage, format!("the optimizer {optimizer}"), NOT_SHARDABLE))
+}
+
+fn refusal(stage: ZeroStage, what: String, fix: &'static str) -> Error {
+    Error::ZeroStage { stage: stage.number(), what, fix }
+}
+
+/// Why OneDevice is refused a stage above 0.
+const ONE_REPLICA: &str = "one replica holds the whole model; use stage 0, or mirrored over several devices";
+
+/// Why a central model (CentralStorage's) is refused a stage above 0.
+const CENTRAL: &str = "its one central copy is stepped once, on the parameter device; use stage 0, or mirrored";
+
+/// Why the parameter-server strategy is refused a stage above 0.
+const PS_TASKS: &str = "its variables live on the ps tasks, which step each of them once; use stage 0, or mirrored or multi-worker-mirrored";
 
 /// Why an optimizer that does not implement [`ShardableOptimizer`](crate::optim::ShardableOptimizer) is refused at stages 1 and 2.
 const NOT_SHARDABLE: &str = "it steps whole variables; stages 1 and 2 step runs of a variable's elements, which needs an optimizer that implements ShardableOptimizer (strata's FusedAdamW, FusedSgd and FusedMomentum do)";

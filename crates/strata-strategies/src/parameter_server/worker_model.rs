@@ -286,6 +286,7 @@ impl<M> PsWorkerModel<M> {
         options: StrategyOptions,
         build: impl FnMut(&Scope) -> candle_core::Result<M>,
     ) -> Result<Self> {
+        strata_core::check_zero_strategy(options.zero_stage, "parameter-server")?;
         let devices = strata_core::device::logical_cpus(replicas)?;
         let overlap = options.overlap;
         let strategy = match devices.len() {
