@@ -31,7 +31,6 @@ use crate::{Error, Result};
 /// Builds the strategy the flags ask for.
 pub fn make_strategy(args: &TrainArgs, options: StrategyOptions) -> Result<StrategyHandle> {
     if let Some(n) = args.gpus {
-        strata::gpu::check_gpus(args.strategy, n)?;
         return strata::gpu::gpu_strategy(args.strategy, n, args.cross_device_ops, options);
     }
     let reduction = match args.reduction {
@@ -69,10 +68,8 @@ pub fn make_strategy(args: &TrainArgs, options: StrategyOptions) -> Result<Strat
 
 /// Joins the multi-worker job this task belongs to.
 pub fn make_multi_worker(args: &TrainArgs, options: StrategyOptions) -> Result<MultiWorkerMirroredStrategy> {
-    // The GPU checks first: they are this task's own, and fail without a cluster.
-    if let Some(n) = args.gpus {
-        strata::gpu::check_gpus(args.strategy, n)?;
-    }
+    // The GPU checks first (`multi_worker_gpus` calls `check_gpus`): they are this task's own,
+    // and fail without a cluster.
     let gpus = args.gpus.map(|n| strata::gpu::multi_worker_gpus(n, args.cross_device_ops)).transpose()?;
     let resolver = resolver(args)?;
     let token = crate::cluster_token::resolve(args.cluster_token_file.as_deref())?;
