@@ -4,8 +4,9 @@
 //!
 //! The binary is `$STRATA_BIN` when set (to test a release build, say); otherwise this crate
 //! builds the `strata-cli` package's `strata` binary with the profile the tests were built
-//! with (and this crate's `cuda` feature), once per test process (a no-op when it is up to
-//! date), and runs it from the target directory.
+//! with, the whole workspace selected (as `cargo test --workspace` selects it) and this crate's
+//! `cuda` feature, once per test process (a no-op when it is up to date), and runs it from the
+//! target directory.
 
 pub mod cluster;
 
@@ -24,24 +25,57 @@ pub fn strata_bin() -> &'static Path {
         if let Some(bin) = std::env::var_os("STRATA_BIN") {
             return PathBuf::from(bin);
         }
-        // The test executable is target/<profile dir>/deps/<test>-<hash>.
-        let exe = std::env::current_exe().expect("the test executable has a path");
-        let dir = exe.parent().and_then(Path::parent).expect("the test executable is in target/<profile>/deps");
-        let profile = if cfg!(debug_assertions) { "test" } else { "release" };
-        let mut cargo = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
-        // With this package selected too, the build resolves the features a test build of it
-        // does (strata-cli is one of its dependencies), so the two never rebuild each other's.
-        cargo.args(["build", "--quiet", "--profile", profile, "-p", "strata-integration-tests", "-p", "strata-cli"]);
-        cargo.args(["--bin", "strata"]);
-        if cfg!(feature = "cuda") {
-            cargo.args(["--features", "strata-integration-tests/cuda"]);
-        }
-        let status = cargo.current_dir(env!("CARGO_MANIFEST_DIR")).status().expect("cargo runs");
-        assert!(status.success(), "building the strata binary failed");
+        let dir = build_in_workspace(&["--bin", "strata"], "the strata binary");
         let bin = dir.join("strata");
         assert!(bin.is_file(), "the strata binary is not at {}", bin.display());
         bin
     })
+}
+
+/// Builds `targets` (cargo's target flags) as the tests were built and returns the target
+/// directory of their profile (`target/debug` for the tests' builds).
+///
+/// The profile is the tests' own. The whole workspace is selected, as the README's and CI's
+/// `cargo test --workspace` select it: cargo turns on the `default` feature of every selected
+/// package (strata's among them), so a narrower selection resolved other features for strata,
+/// strata-compare and strata-cli and compiled all three again (a minute here) for one binary.
+/// CI's GPU tests select the workspace too, with this crate's `cuda` feature, which is passed
+/// on. A test run of one package (`-p`) pays that build once.
+pub fn build_in_workspace(targets: &[&str], what: &str) -> PathBuf {
+    // The test executable is target/<profile dir>/deps/<test>-<hash>.
+    let exe = std::env::current_exe().expect("the test executable has a path");
+    let dir = exe.parent().and_then(Path::parent).expect("the test executable is in target/<profile>/deps");
+    let profile = if cfg!(debug_assertions) { "test" } else { "release" };
+    let mut cargo = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
+    cargo.args(["build", "--quiet", "--profile", profile, "--workspace"]).args(targets);
+    // What `cargo test` sets for the test process describes this package, not the build's:
+    // ring's build script tracks CARGO_MANIFEST_DIR, so with it inherited every crate above
+    // ring (rustls, the transport and all that use it) was compiled again here, and again by
+    // the next `cargo test` in a shell that does not set it.
+    for (name, _) in std::env::vars_os() {
+        let name = name.to_string_lossy();
+        let set_by_cargo_test = name.starts_with("CARGO_PKG_")
+            || matches!(
+                &*name,
+                "CARGO_MANIFEST_DIR"
+                    | "CARGO_MANIFEST_PATH"
+                    | "CARGO_CRATE_NAME"
+                    | "CARGO_BIN_NAME"
+                    | "CARGO_PRIMARY_PACKAGE"
+                    | "CARGO_TARGET_TMPDIR"
+                    | "CARGO_RUSTC_CURRENT_DIR"
+                    | "OUT_DIR"
+            );
+        if set_by_cargo_test {
+            cargo.env_remove(&*name);
+        }
+    }
+    if cfg!(feature = "cuda") {
+        cargo.args(["--features", "strata-integration-tests/cuda"]);
+    }
+    let status = cargo.current_dir(env!("CARGO_MANIFEST_DIR")).status().expect("cargo runs");
+    assert!(status.success(), "building {what} failed");
+    dir.to_path_buf()
 }
 
 /// The `strata` binary as a user runs it (the environment untouched).
