@@ -132,4 +132,38 @@ fn flags_that_do_not_apply_to_the_model_are_one_line_errors() {
     );
     assert_one_line_error(&run(&["train", "--model", "transformer", "--data", "x.csv"]), "--data applies to");
     assert_one_line_error(&run(&["train", "--model", "rnn"]), "rnn");
+    assert_one_line_error(&run(&["train", "--width", "64"]), "--width applies to --model transformer");
+    assert_one_line_error(
+        &run(&["train", "--model", "cnn", "--layers", "2"]),
+        "--layers applies to --model transformer",
+    );
+    assert_one_line_error(&run(&["train", "--heads", "2"]), "--heads applies to --model transformer");
+    // The library's refusals of a shape that cannot be built, before anything starts.
+    let transformer = |flags: &[&str]| run(&[&["train", "--model", "transformer"], flags].concat());
+    assert_one_line_error(&transformer(&["--heads", "3"]), "a width of 128 does not split into 3 heads");
+    assert_one_line_error(&transformer(&["--layers", "0"]), "of at least 1");
+    assert_one_line_error(&transformer(&["--width", "4096", "--layers", "64"]), "parameters, the limit");
+}
+
+/// `--width`, `--layers` and `--heads` shape the transformer under every kind of strategy: the
+/// summary counts the parameters of that shape (12 W^2 + 10 W per block, embeddings and head
+/// besides: 31,553 at width 32, 2 layers, 65 characters, a context of 64), and a
+/// parameter-server job's processes build the same shape from the job they are given.
+#[test]
+fn the_transformers_shape_is_set_by_flags() {
+    let dir = tempfile::tempdir().unwrap();
+    let shape = ["--model", "transformer", "--width", "32", "--layers", "2", "--heads", "4"];
+    let short = ["--steps", "3", "--batch", "8", "--epochs", "1", "--no-progress"];
+    for (name, strategy) in [
+        ("one-device", &["--strategy", "one-device"][..]),
+        ("mirrored", &["--strategy", "mirrored"][..]),
+        ("ps", &["--strategy", "parameter-server", "--ps-tasks", "1", "--workers", "1"][..]),
+    ] {
+        let out = dir.path().join(format!("{name}.json"));
+        let o = run(&[&["train"], &shape[..], &short[..], strategy, &["--out", out.to_str().unwrap()]].concat());
+        assert!(o.status.success(), "{name}: {}", stderr(&o));
+        let s = summary(&out);
+        assert_eq!(s["parameters"], 31_553, "{name}: {s}");
+        assert!(String::from_utf8_lossy(&o.stdout).contains("transformer validation loss"), "{name}");
+    }
 }

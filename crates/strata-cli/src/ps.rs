@@ -25,7 +25,6 @@ use strata_transport::ps::{FaultInjection, PsMode, PsServerConfig, PsServerHandl
 use strata_transport::{ClusterToken, MutualTls};
 
 use strata::ps_job::{self, PsJobModel, PsJobSpec, PsTrainConfig, WorkerStepOptions};
-use strata::transformer::TransformerConfig;
 use strata_compare::inject::StepDelays;
 
 use crate::cluster_token::{self, TOKEN_VAR};
@@ -460,14 +459,14 @@ impl LocalCluster {
     }
 }
 
-/// The job every worker builds: `--model` (the MLP of `--hidden`, the CNN, or the default
-/// transformer), `--replicas` per worker, `--seed`, `--data` and `--no-overlap`.
+/// The job every worker builds: `--model` (the MLP of `--hidden`, the CNN, or the transformer
+/// of `--width`, `--layers` and `--heads`), `--replicas` per worker, `--seed`, `--data` and `--no-overlap`.
 pub fn job_spec(args: &TrainArgs) -> PsJobSpec {
     let replicas = args.replicas.unwrap_or(1);
     let mut spec = match args.model {
         ModelKind::Mlp => PsJobSpec::mlp(args.hidden(), replicas, args.seed, args.data.clone()),
         ModelKind::Cnn => PsJobSpec::cnn(replicas, args.seed, args.data.clone()),
-        ModelKind::Transformer => PsJobSpec::transformer(TransformerConfig::default(), replicas, args.seed),
+        ModelKind::Transformer => PsJobSpec::transformer(args.transformer(), replicas, args.seed),
     };
     spec.overlap = !args.no_overlap;
     spec.lookahead = !args.no_lookahead;

@@ -10,7 +10,6 @@ use strata::digits;
 use strata::model::Mlp;
 use strata::ps_job;
 use strata::trainer::FitReport;
-use strata::transformer::TransformerConfig;
 use strata::{OptimizerKind, StrategyKind};
 
 use crate::train_args::{ModelKind, TrainArgs};
@@ -80,13 +79,13 @@ pub(crate) fn finish(
     parameter_servers: Option<PsSummary>,
 ) -> Result<()> {
     let transformer = args.model == ModelKind::Transformer;
-    let context = TransformerConfig::default().context;
+    let context = args.transformer().context;
     let validation_loss =
         transformer.then(|| report.final_metrics.iter().find(|m| m.name == "loss").map_or(f64::NAN, |m| m.value));
     let parameters = match args.model {
         ModelKind::Mlp => Mlp::parameter_count(digits::FEATURES, &args.hidden(), digits::CLASSES),
         ModelKind::Cnn => Cnn::parameter_count(),
-        ModelKind::Transformer => TransformerConfig::default().parameter_count(),
+        ModelKind::Transformer => args.transformer().parameter_count(),
     };
     let summary = Summary {
         model: args.model,

@@ -349,7 +349,7 @@ fn train_with(
         }
         ModelKind::Transformer => {
             let corpus = shakespeare::load()?;
-            let shape = TransformerConfig { vocab: corpus.vocab_size(), ..Default::default() };
+            let shape = TransformerConfig { vocab: corpus.vocab_size(), ..args.transformer() };
             shape.check()?;
             let steps = args.steps.unwrap_or(TRANSFORMER_STEPS);
             let windows = steps.checked_mul(args.batch()).filter(|&n| n <= 1 << 24).ok_or_else(|| {

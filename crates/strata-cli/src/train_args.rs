@@ -12,6 +12,7 @@ use strata_core::ZeroStage;
 use strata_strategies::cluster::{ClusterResolver, SlurmClusterResolver, SlurmJobs, TFConfigClusterResolver};
 
 use strata::optim::schedule::LrSchedule;
+use strata::transformer::TransformerConfig;
 use strata::{OptimizerKind, StrategyKind};
 use strata_compare::inject::StepDelays;
 
@@ -135,6 +136,15 @@ pub struct TrainArgs {
     /// --batch windows from --seed, the epoch and the step) [default: 1200].
     #[arg(long, value_name = "N")]
     pub steps: Option<usize>,
+    /// --model transformer: the embedding width [default: 128].
+    #[arg(long, value_name = "W")]
+    pub width: Option<usize>,
+    /// --model transformer: blocks [default: 4].
+    #[arg(long, value_name = "L")]
+    pub layers: Option<usize>,
+    /// --model transformer: attention heads, which divide the width [default: 4].
+    #[arg(long, value_name = "H")]
+    pub heads: Option<usize>,
     /// --model transformer: after training, print N characters sampled from the model.
     #[arg(long, value_name = "N")]
     pub sample: Option<usize>,
@@ -319,6 +329,18 @@ impl TrainArgs {
         self.hidden_flag.clone().unwrap_or_else(|| vec![256, 256])
     }
 
+    /// The transformer's shape: `--width`, `--layers` and `--heads` over the default (0.82M
+    /// parameters), Tiny Shakespeare's 65 characters, a context of 64.
+    pub fn transformer(&self) -> TransformerConfig {
+        let d = TransformerConfig::default();
+        TransformerConfig {
+            width: self.width.unwrap_or(d.width),
+            layers: self.layers.unwrap_or(d.layers),
+            heads: self.heads.unwrap_or(d.heads),
+            ..d
+        }
+    }
+
     /// Passes over the training set (`--epochs`, or the model's default).
     pub fn epochs(&self) -> usize {
         self.epochs_flag.unwrap_or(if self.model == ModelKind::Transformer { 1 } else { 30 })
@@ -405,6 +427,11 @@ impl TrainArgs {
             if self.steps.is_some() {
                 return refuse("--steps", "--model transformer");
             }
+            for (flag, set) in [("--width", self.width), ("--layers", self.layers), ("--heads", self.heads)] {
+                if set.is_some() {
+                    return refuse(flag, "--model transformer");
+                }
+            }
             if self.sample.is_some() {
                 return refuse("--sample", "--model transformer");
             }
@@ -418,6 +445,9 @@ impl TrainArgs {
             if self.steps == Some(0) {
                 return Err(Error::Usage("--steps 0 trains nothing; pass --steps 1 or more".into()));
             }
+            // The library's refusal of a shape that cannot be built (a width the heads do not
+            // divide, a zero, more parameters than the limit), before anything starts.
+            self.transformer().check()?;
         }
         Ok(())
     }
