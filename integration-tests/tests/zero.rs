@@ -188,7 +188,7 @@ fn what_cannot_run_on_shards_is_refused_in_one_line() {
         ),
         (
             &["--strategy", "mirrored", "--zero-stage", "1", "--optimizer", "candle-adamw"],
-            "zero stage 1 with the optimizer candle-adamw: it steps whole variables; stages 1 and 2 step runs of a variable's elements, which needs an optimizer that implements ShardableOptimizer (strata's FusedAdamW, FusedSgd and FusedMomentum do)",
+            "zero stage 1 with the optimizer candle-adamw: it steps whole variables; stages 1 to 3 step runs of a variable's elements, which needs an optimizer that implements ShardableOptimizer (strata's FusedAdamW, FusedSgd and FusedMomentum do)",
         ),
         (&["--strategy", "mirrored", "--zero-stage", "3"], "zero stage \"3\" is not a stage"),
         (

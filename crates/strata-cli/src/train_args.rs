@@ -189,9 +189,10 @@ pub struct TrainArgs {
     #[arg(long)]
     pub no_overlap: bool,
     /// ZeRO: 0 (every replica keeps the whole optimizer state), 1 (each replica, across every
-    /// worker, keeps the optimizer state of its shard of the parameters and steps that shard)
-    /// or 2 (and keeps the reduced gradient of its shard only); mirrored and
-    /// multi-worker-mirrored, with the fused optimizers.
+    /// worker, keeps the optimizer state of its shard of the parameters and steps that shard),
+    /// 2 (and keeps the reduced gradient of its shard only) or 3 (and holds only its shard of
+    /// the parameters, each unit of layers gathered while a step uses it); mirrored and
+    /// multi-worker-mirrored (stage 3: mirrored), with the fused optimizers.
     #[arg(long, default_value = "0", value_parser = parse_zero_stage)]
     pub zero_stage: ZeroStage,
     /// The memory each replica's logical CPU device may give its model state (parameters,
@@ -509,7 +510,7 @@ fn parse_memory_limit(s: &str) -> std::result::Result<u64, String> {
     }
 }
 
-/// `--zero-stage`: `0`, `1` or `2`.
+/// `--zero-stage`: `0`, `1`, `2` or `3`.
 fn parse_zero_stage(s: &str) -> std::result::Result<ZeroStage, String> {
     s.parse::<ZeroStage>().map_err(|e| e.to_string())
 }

@@ -21,7 +21,7 @@ use crate::optim::schedule::LrSchedule;
 use crate::optim::OptimizerMemory;
 use crate::overlap_plan::{OverlapPlan, Unit};
 use crate::variables::{lock, Replicated};
-use crate::zero::{check_memory_limits, shards_for, Shards};
+use crate::zero::{check_memory_limits, shards_for, unit_name, Residency, Shards};
 use crate::{Error, Result, ZeroStage};
 
 impl<M> Replicated<M> {
@@ -39,8 +39,9 @@ impl<M> Replicated<M> {
             VariablePolicy::Mirrored => self.vars.len(),
             VariablePolicy::Central { .. } => 1,
         };
-        let vars: Vec<Vec<Var>> =
-            (0..n).map(|c| self.trainable_variables(c).into_iter().map(|(_, v)| v).collect()).collect();
+        let named: Vec<Vec<(String, Var)>> = (0..n).map(|c| self.trainable_variables(c)).collect();
+        let names: Vec<String> = named.first().map_or(Vec::new(), |c| c.iter().map(|(n, _)| n.clone()).collect());
+        let vars: Vec<Vec<Var>> = named.into_iter().map(|c| c.into_iter().map(|(_, v)| v).collect()).collect();
         if let Some(first) = vars.first() {
             let shapes: Vec<&[usize]> = first.iter().map(|v| v.dims()).collect();
             self.ext.cross_device_ops().check_gradients(&shapes)?;
@@ -54,7 +55,9 @@ impl<M> Replicated<M> {
             .map(|c| self.vars[c].iter().map(|(_, v)| (v.elem_count() * v.dtype().size_in_bytes()) as u64).sum())
             .collect();
         let per_element = O::state_per_element();
-        check_memory_limits(&*self.ext, self.policy, stage, per_element, &params, &vars)?;
+        let gathered = two_largest_units(&names, &vars);
+        let max_stage = if self.ext.workers().is_some_and(|w| w.num_workers() > 1) { 2 } else { 3 };
+        check_memory_limits(&*self.ext, self.policy, stage, per_element, &params, &vars, gathered, max_stage)?;
         let copies = vars
             .iter()
             .enumerate()
@@ -71,7 +74,11 @@ impl<M> Replicated<M> {
             vars,
             self.ext.num_replicas(),
         );
-        opt.shards = RwLock::new(shards.map(Arc::new));
+        let shards = shards.map(Arc::new);
+        if let Some(s) = shards.as_ref().filter(|s| s.stage().shards_parameters()) {
+            opt.residency = Some(Residency::new(s.clone(), opt.vars.clone(), &names)?);
+        }
+        opt.shards = RwLock::new(shards);
         opt.params_bytes = params;
         opt.state_per_element = per_element;
         Ok(opt)
@@ -113,6 +120,8 @@ pub struct DistributedOptimizer<O> {
     /// optimizer is built over its replica's pieces of the variables only. An elastic job lays
     /// them out again when its membership changes ([`Self::reshard`]).
     shards: RwLock<Option<Arc<Shards>>>,
+    /// ZeRO stage 3's variables, released between uses and brought back from the shards.
+    residency: Option<Arc<Residency>>,
     /// The bytes of every variable of each copy (trainable or not), for the memory limit's
     /// check at a re-split ([`Self::reshard`]).
     params_bytes: Vec<u64>,
@@ -220,6 +229,7 @@ impl<O: Optimizer> DistributedOptimizer<O> {
             accumulated: (0..replicas.max(1)).map(|_| Mutex::new(Accumulated::default())).collect(),
             overlap: (0..replicas.max(1)).map(|_| Mutex::new(None)).collect(),
             shards: Default::default(),
+            residency: None,
             params_bytes: Vec::new(),
             state_per_element: 0,
         }
@@ -306,7 +316,11 @@ impl<O: Optimizer> DistributedOptimizer<O> {
         if let Some(shards) = self.zero() {
             // Only the shard's runs of `grads` hold the reduced gradient: the clipping norm is
             // summed over every replica's shard.
-            return shards.step(ctx, copy, &self.vars[copy], grads, self.clip_global_norm, &mut *opt);
+            shards.step(ctx, copy, &self.vars[copy], grads, self.clip_global_norm, &mut *opt)?;
+            if let Some(r) = &self.residency {
+                r.release_all(copy)?;
+            }
+            return Ok(());
         }
         let scale = match self.clip_global_norm {
             Some(max) => clip_scale(&grads, max)?,
@@ -333,6 +347,13 @@ impl<O: Optimizer> DistributedOptimizer<O> {
     /// Whether each replica keeps the reduced gradient of its shard only (ZeRO stage 2).
     pub(crate) fn shards_gradients(&self) -> bool {
         self.zero().is_some_and(|s| s.stage().shards_gradients())
+    }
+
+    /// ZeRO stage 3's units of variables, by name, in the order of their first variable
+    /// (empty below stage 3): each is gathered whole when a step first uses one of its
+    /// variables, and released when the step moves on to another.
+    pub fn zero_units(&self) -> Vec<String> {
+        self.residency.as_ref().map_or(Vec::new(), |r| r.unit_names().to_vec())
     }
 
     /// The ZeRO stage this optimizer runs ([`ZeroStage::Off`] unless
@@ -413,6 +434,22 @@ impl<O: Optimizer> DistributedOptimizer<O> {
 
 /// The factor that brings `grads`' global norm to at most `max` (`None`: within it already):
 /// `max / norm`, the norm summed in f64 over the variables in order.
+/// The bytes of the two largest units of `vars` (every copy's trainable variables, named
+/// `names`), whole: what stage 3 holds gathered at once besides its shard.
+fn two_largest_units(names: &[String], vars: &[Vec<Var>]) -> u64 {
+    let Some(first) = vars.first() else { return 0 };
+    let mut units: Vec<(&str, u64)> = Vec::new();
+    for (n, v) in names.iter().zip(first) {
+        let bytes = (v.elem_count() * v.dtype().size_in_bytes()) as u64;
+        match units.iter_mut().find(|(u, _)| *u == unit_name(n)) {
+            Some((_, b)) => *b += bytes,
+            None => units.push((unit_name(n), bytes)),
+        }
+    }
+    units.sort_unstable_by(|a, b| b.1.cmp(&a.1));
+    units.iter().take(2).map(|(_, b)| b).sum()
+}
+
 fn clip_scale(grads: &[Option<Tensor>], max: f64) -> Result<Option<f64>> {
     let mut sq = 0f64;
     for g in grads.iter().flatten() {

@@ -260,7 +260,7 @@ impl Error {
     crate::units::format_bytes(*limit),
     match fits {
         Some((s, bytes)) => format!("zero stage {s} needs {}: use it (--zero-stage {s})", crate::units::format_bytes(*bytes)),
-        None => format!("no zero stage fits (stage 2 needs {}): raise memory_limit or add replicas", crate::units::format_bytes(*least)),
+        None => format!("no zero stage fits (stage {} needs {}): raise memory_limit or add replicas", least.0, crate::units::format_bytes(least.1)),
     }
 )]
 pub struct MemoryLimitExceeded {
@@ -280,6 +280,6 @@ pub struct MemoryLimitExceeded {
     pub limit: u64,
     /// The lowest stage that fits, and its bytes.
     pub fits: Option<(u8, u64)>,
-    /// Stage 2's bytes (the least any stage needs).
-    pub least: u64,
+    /// The highest stage this job could run, and its bytes (the least any stage needs).
+    pub least: (u8, u64),
 }

@@ -609,3 +609,110 @@ fn a_run_view_shares_its_variable_and_runs_copy_between_threads() {
         }
     }
 }
+
+/// The patch's second seam, `Tensor::release_storage` (ZeRO stage 3): a released variable's
+/// elements are gone until their next use, which restores them through the source: an op
+/// through the variable or through a view made before the release, the backward pass reading
+/// a saved operand, or `make_resident`. Gradients are bit for bit those of a variable never
+/// released, and the source is asked once per release.
+mod release {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    use candle_core::{Result, StorageSource, Tensor, Var};
+
+    use super::*;
+
+    /// Restores from a copy kept aside, counting the calls.
+    struct Kept(Tensor, AtomicUsize);
+
+    impl StorageSource for Kept {
+        fn restore(&self) -> Result<Tensor> {
+            self.1.fetch_add(1, Ordering::SeqCst);
+            self.0.copy()
+        }
+    }
+
+    fn kept(v: &Var) -> Arc<Kept> {
+        Arc::new(Kept(v.as_tensor().copy().unwrap(), AtomicUsize::new(0)))
+    }
+
+    fn model(w: &Var, x: &Tensor) -> Tensor {
+        x.matmul(&w.t().unwrap()).unwrap().tanh().unwrap().sqr().unwrap().sum_all().unwrap()
+    }
+
+    #[test]
+    fn a_released_variable_is_restored_on_its_next_use() {
+        let dev = Device::Cpu;
+        let w = Var::randn(0f32, 1.0, (64, 32), &dev).unwrap();
+        let x = Tensor::randn(0f32, 1.0, (8, 32), &dev).unwrap();
+        let want = w.as_tensor().to_vec2::<f32>().unwrap();
+        let source = kept(&w);
+        assert!(w.release_storage(source.clone()).unwrap());
+        assert!(w.is_released());
+        assert_eq!(source.1.load(Ordering::SeqCst), 0);
+        assert_eq!(w.as_tensor().to_vec2::<f32>().unwrap(), want);
+        assert!(!w.is_released());
+        assert_eq!(source.1.load(Ordering::SeqCst), 1);
+        // A view made before the release restores it too.
+        let view = w.t().unwrap();
+        assert!(w.release_storage(source.clone()).unwrap());
+        assert_eq!(view.t().unwrap().to_vec2::<f32>().unwrap(), want);
+        assert_eq!(source.1.load(Ordering::SeqCst), 2);
+        // make_resident restores now; a second call finds nothing to do.
+        assert!(w.release_storage(source.clone()).unwrap());
+        w.make_resident().unwrap();
+        w.make_resident().unwrap();
+        assert_eq!(source.1.load(Ordering::SeqCst), 3);
+        // An op through the variable itself.
+        assert!(w.release_storage(source.clone()).unwrap());
+        let y = x.matmul(&w.t().unwrap()).unwrap();
+        assert_eq!(y.dims(), &[8, 64]);
+        assert_eq!(source.1.load(Ordering::SeqCst), 4);
+    }
+
+    #[test]
+    fn the_backward_pass_restores_a_variable_released_after_the_forward_pass() {
+        let dev = Device::Cpu;
+        let w = Var::randn(0f32, 1.0, (64, 32), &dev).unwrap();
+        let x = Tensor::randn(0f32, 1.0, (8, 32), &dev).unwrap();
+        let want = model(&w, &x).backward().unwrap().get(&w).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let source = kept(&w);
+        let loss = model(&w, &x);
+        // Released between the forward pass and the backward pass, as stage 3 releases a unit:
+        // the matmul's backward reads `w.t()` again.
+        assert!(w.release_storage(source.clone()).unwrap());
+        let got = loss.backward().unwrap().get(&w).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(source.1.load(Ordering::SeqCst), 1);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&got), bits(&want));
+    }
+
+    #[test]
+    fn a_storage_in_use_is_not_released_and_a_wrong_restore_is_an_error() {
+        let dev = Device::Cpu;
+        let w = Var::randn(0f32, 1.0, (4, 4), &dev).unwrap();
+        {
+            let _in_use = w.as_tensor().storage_and_layout();
+            assert!(!w.release_storage(kept(&w)).unwrap());
+        }
+        assert!(!w.is_released());
+        // A view does not cover its storage: refused.
+        let narrow = w.as_tensor().narrow(0, 1, 2).unwrap();
+        assert!(narrow.release_storage(kept(&w)).is_err());
+        // A source that brings back the wrong number of elements: make_resident says so, and
+        // the storage stays released.
+        struct Wrong;
+        impl StorageSource for Wrong {
+            fn restore(&self) -> Result<Tensor> {
+                Tensor::zeros(3, candle_core::DType::F32, &Device::Cpu)
+            }
+        }
+        assert!(w.release_storage(Arc::new(Wrong)).unwrap());
+        let e = w.make_resident().unwrap_err().to_string();
+        assert!(e.contains("16") && e.contains("3"), "{e}");
+        assert!(w.is_released());
+        assert!(w.release_storage(kept(&Var::zeros((4, 4), candle_core::DType::F32, &dev).unwrap())).unwrap());
+        assert_eq!(w.as_tensor().sum_all().unwrap().to_scalar::<f32>().unwrap(), 0.0);
+    }
+}

@@ -145,7 +145,7 @@ fn within_reassociation(a: &Params, b: &Params, what: &str) {
 const DEFAULT_ROWS: usize = strata_core::cross_device::DEFAULT_ROW_BLOCK_BYTES;
 
 /// The stages that shard.
-const SHARDED: [ZeroStage; 2] = [ZeroStage::OptimizerState, ZeroStage::Gradients];
+const SHARDED: [ZeroStage; 3] = [ZeroStage::OptimizerState, ZeroStage::Gradients, ZeroStage::Parameters];
 
 /// Stages 1 and 2 against stage 0 on `n` replicas, for `M` under every fused optimizer: bitwise.
 fn same_as_stage_0<M: TestModel>(n: usize, freeze: &[&str]) {
@@ -415,17 +415,18 @@ fn what_cannot_run_on_shards_is_refused_in_one_line() {
     let e = model.optimizer::<candle_nn::AdamW>(ParamsAdamW::default()).unwrap_err().to_string();
     assert_eq!(
         e,
-        "zero stage 1 with the optimizer candle_nn::optim::AdamW: it steps whole variables; stages 1 and 2 step runs of a variable's elements, which needs an optimizer that implements ShardableOptimizer (strata's FusedAdamW, FusedSgd and FusedMomentum do)"
+        "zero stage 1 with the optimizer candle_nn::optim::AdamW: it steps whole variables; stages 1 to 3 step runs of a variable's elements, which needs an optimizer that implements ShardableOptimizer (strata's FusedAdamW, FusedSgd and FusedMomentum do)"
     );
     assert!(model.optimizer::<candle_nn::SGD>(0.1).is_err());
-    for text in ["3", "-1", "one", ""] {
+    for text in ["4", "-1", "one", ""] {
         assert_eq!(
             text.parse::<ZeroStage>().unwrap_err().to_string(),
-            format!("zero stage {text:?} is not a stage; use 0 (whole optimizer state on every replica), 1 (each replica keeps its shard's) or 2 (and its shard's gradient)")
+            format!("zero stage {text:?} is not a stage; use 0 (whole optimizer state on every replica), 1 (each replica keeps its shard's), 2 (and its shard's gradient) or 3 (and its shard's parameters)")
         );
     }
     assert_eq!("1".parse::<ZeroStage>().unwrap(), ZeroStage::OptimizerState);
     assert_eq!(" 2".parse::<ZeroStage>().unwrap(), ZeroStage::Gradients);
+    assert_eq!("3".parse::<ZeroStage>().unwrap(), ZeroStage::Parameters);
     let s = mirrored(2, ZeroStage::Gradients);
     let model = s.scope(Cnn::build).unwrap();
     let e = model.optimizer::<candle_nn::SGD>(0.1).unwrap_err().to_string();
@@ -474,4 +475,75 @@ fn a_model_over_a_replica_s_memory_limit_is_refused_naming_the_stage_that_fits()
     let s = mirrored_limited(ZeroStage::Gradients, stage_2 - 1);
     let e = s.scope(Cnn::build).unwrap().optimizer::<FusedAdamW>(adamw).unwrap_err().to_string();
     assert!(e.contains("no zero stage fits") && e.contains("raise memory_limit or add replicas"), "{e}");
+}
+
+/// One stage 3 run of `M` over `n` replicas, plain SGD, `steps` steps; after the first step
+/// `tamper` may do what it likes to the model. Returns the first copy's parameters after the
+/// last step.
+fn stage_3_run<M: TestModel>(n: usize, steps: usize, freeze: &[&str], tamper: impl Fn(&Replicated<M>)) -> Params {
+    let s = mirrored(n, ZeroStage::Parameters);
+    let mut model = s.scope(M::build).unwrap();
+    if !freeze.is_empty() {
+        model.freeze(freeze).unwrap();
+    }
+    let opt = model.optimizer::<FusedSgd>(0.1).unwrap();
+    let batches: Vec<Batch> = (0..steps).map(|k| data(12, M::DIM, 300 + k as u64)).collect();
+    for (step, db) in s.distribute_dataset(batches, TailPolicy::Split).enumerate() {
+        s.run_batch(&db, |ctx, shard| {
+            let loss = model.on(ctx)?.loss(step, &shard.batch, ctx.candle_device())?;
+            ctx.backward_and_sync(&loss, &opt)
+        })
+        .unwrap();
+        if step == 0 {
+            tamper(&model);
+        }
+    }
+    every_copy(&model).remove(0)
+}
+
+/// Stage 3 holds a shard of the parameters only: after a step every trainable variable of
+/// every copy is released (its elements freed until its next use) while frozen ones are
+/// whole, its units are the names' first parts; and the bitwise checks above would catch a
+/// unit brought back wrong (the negative control: one variable of one copy brought back as
+/// zeros after the first step ends elsewhere than stage 0).
+#[test]
+fn stage_3_releases_the_trainable_variables_after_each_step_and_a_wrong_gather_is_caught() {
+    let s = mirrored(3, ZeroStage::Parameters);
+    let mut model = s.scope(Frozen::build).unwrap();
+    model.freeze(&["late.*"]).unwrap();
+    let opt = model.optimizer::<FusedSgd>(0.1).unwrap();
+    assert_eq!(opt.zero_units(), ["head"], "the trainable variables' units");
+    let released = |model: &Replicated<Frozen>| -> Vec<(String, bool)> {
+        (0..model.num_copies())
+            .flat_map(|c| model.variables(c).iter().map(|(n, v)| (n.clone(), v.is_released())).collect::<Vec<_>>())
+            .collect()
+    };
+    let check = |model: &Replicated<Frozen>, when: &str| {
+        for (name, gone) in released(model) {
+            assert_eq!(gone, name.starts_with("head"), "{name} {when}");
+        }
+    };
+    check(&model, "when the optimizer is built");
+    let db = s.distribute_dataset(vec![data(12, Frozen::DIM, 1)], TailPolicy::Split).next().unwrap();
+    s.run_batch(&db, |ctx, shard| {
+        let loss = model.on(ctx)?.loss(0, &shard.batch, ctx.candle_device())?;
+        ctx.backward_and_sync(&loss, &opt)
+    })
+    .unwrap();
+    check(&model, "after a step");
+    // Read between steps, a variable comes back whole: stage 0's values.
+    let whole = train::<Frozen, FusedSgd>(&mirrored(3, ZeroStage::Off), 0.1, 3, &["late.*"], PLAIN).0;
+    let got = stage_3_run::<Frozen>(3, 3, &["late.*"], |_| {});
+    assert_eq!(got, whole.last().unwrap()[0], "stage 3 against stage 0");
+    struct Zeros(candle_core::Shape);
+    impl candle_core::StorageSource for Zeros {
+        fn restore(&self) -> candle_core::Result<candle_core::Tensor> {
+            candle_core::Tensor::zeros(&self.0, candle_core::DType::F32, &candle_core::Device::Cpu)
+        }
+    }
+    let wrong = stage_3_run::<Frozen>(3, 3, &["late.*"], |m| {
+        let (_, w) = m.variables(0).iter().find(|(n, _)| n == "head.weight").unwrap();
+        assert!(w.release_storage(std::sync::Arc::new(Zeros(w.shape().clone()))).unwrap());
+    });
+    assert_ne!(wrong, whole.last().unwrap()[0], "a unit brought back as zeros went unnoticed");
 }

@@ -107,7 +107,7 @@ pub use shape::{Shape, D};
 pub use storage::{Storage, StorageMutRef, StorageRef};
 pub use streaming::{StreamTensor, StreamingBinOp, StreamingModule};
 pub use strided_index::{StridedBlocks, StridedIndex};
-pub use tensor::{Tensor, TensorId};
+pub use tensor::{StorageSource, Tensor, TensorId};
 pub use variable::Var;
 
 #[cfg(feature = "cuda")]

@@ -36,12 +36,73 @@ pub struct Tensor_ {
     // Ideally, we would use Arc<Storage> for tensors on which we don't plan on modifying the data
     // and Arc<Mutex<Storage>> for tensors where the data could be modified, e.g. variables but
     // that's tricky to encode in the current setup.
-    storage: Arc<RwLock<Storage>>,
+    // STRATA PATCH: the lock, in a cell that may also hold what restores a released storage
+    // (`Tensor::release_storage`); it derefs to the lock.
+    storage: Arc<StorageCell>,
     layout: Layout,
     op: BackpropOp,
     is_variable: bool,
     dtype: DType,
     device: Device,
+}
+
+/// STRATA PATCH: what brings back the elements of a storage released by
+/// [`Tensor::release_storage`], on their next use.
+pub trait StorageSource: Send + Sync {
+    /// The released elements: a tensor of as many elements as the released tensor, of its
+    /// dtype and on its device (taken over without a copy when it is contiguous, starts at its
+    /// storage's first element and shares its storage with nothing). Called once per release,
+    /// on the thread that first uses the elements, before any lock of the released storage is
+    /// taken; it must not read the released tensor. An op cannot return an error from here:
+    /// when it fails, the op that needed the elements panics with its message, so a source
+    /// that can fail should be made resident with [`Tensor::make_resident`] first.
+    fn restore(&self) -> Result<Tensor>;
+}
+
+/// STRATA PATCH: the number of elements a CPU storage holds (`None` elsewhere, and for the
+/// types stored as raw bytes).
+fn storage_len(s: &Storage) -> Option<usize> {
+    use crate::CpuStorage as C;
+    match s {
+        Storage::Cpu(C::U8(v)) => Some(v.len()),
+        Storage::Cpu(C::U32(v)) => Some(v.len()),
+        Storage::Cpu(C::I16(v)) => Some(v.len()),
+        Storage::Cpu(C::I32(v)) => Some(v.len()),
+        Storage::Cpu(C::I64(v)) => Some(v.len()),
+        Storage::Cpu(C::BF16(v)) => Some(v.len()),
+        Storage::Cpu(C::F16(v)) => Some(v.len()),
+        Storage::Cpu(C::F32(v)) => Some(v.len()),
+        Storage::Cpu(C::F64(v)) => Some(v.len()),
+        _ => None,
+    }
+}
+
+/// STRATA PATCH: a storage's lock, and, while the storage is released, its source and length.
+pub(crate) struct StorageCell {
+    lock: RwLock<Storage>,
+    released: std::sync::atomic::AtomicBool,
+    source: parking_lot::Mutex<Option<(Arc<dyn StorageSource>, usize)>>,
+}
+
+impl StorageCell {
+    fn new(storage: Storage) -> Self {
+        Self {
+            lock: RwLock::new(storage),
+            released: std::sync::atomic::AtomicBool::new(false),
+            source: parking_lot::Mutex::new(None),
+        }
+    }
+
+    fn is_released(&self) -> bool {
+        self.released.load(std::sync::atomic::Ordering::Acquire)
+    }
+}
+
+impl std::ops::Deref for StorageCell {
+    type Target = RwLock<Storage>;
+    fn deref(&self) -> &RwLock<Storage> {
+        &self.lock
+    }
 }
 
 impl AsRef<Tensor> for Tensor {
@@ -168,7 +229,7 @@ pub(crate) fn from_storage<S: Into<Shape>>(
     let device = storage.device();
     let tensor_ = Tensor_ {
         id: TensorId::new(),
-        storage: Arc::new(RwLock::new(storage)),
+        storage: Arc::new(StorageCell::new(storage)),
         layout: Layout::contiguous(shape),
         op,
         is_variable,
@@ -2361,7 +2422,7 @@ impl Tensor {
         let op = BackpropOp::new1(self, Op::Copy);
         let tensor_ = Tensor_ {
             id: TensorId::new(),
-            storage: Arc::new(RwLock::new(self.storage().try_clone(self.layout())?)),
+            storage: Arc::new(StorageCell::new(self.storage().try_clone(self.layout())?)),
             layout: self.layout.clone(),
             op,
             is_variable: false,
@@ -2423,7 +2484,7 @@ impl Tensor {
             let op = BackpropOp::new1(self, Op::ToDevice);
             let tensor_ = Tensor_ {
                 id: TensorId::new(),
-                storage: Arc::new(RwLock::new(storage)),
+                storage: Arc::new(StorageCell::new(storage)),
                 layout: self.layout.clone(),
                 op,
                 is_variable: false,
@@ -2759,32 +2820,139 @@ impl Tensor {
 
     /// Acquire read lock on storage and returns guard.
     /// `read_recursive` allows for shared read access.
+    /// STRATA PATCH: every lock of the storage is taken through `read_storage` or
+    /// `write_storage`, which restore a released storage first.
     pub(crate) fn storage(&self) -> StorageRef<'_> {
-        self.storage.read_recursive()
+        self.read_storage(|s| s.read_recursive())
     }
 
     /// Acquire write lock on storage and returns guard.
     pub(crate) fn storage_mut(&self) -> StorageMutRef<'_> {
-        self.storage.write()
+        self.write_storage()
     }
 
     // If we extend the visibility of this function to be usable outside of this crate, we should
     // make it unsafe.
     pub(crate) fn storage_mut_and_layout(&self) -> (StorageMutRef<'_>, &Layout) {
-        let storage = self.storage.write();
+        let storage = self.write_storage();
         (storage, &self.layout)
     }
 
     /// The storage used by this tensor, together with the layout to use to access it safely.
     pub fn storage_and_layout(&self) -> (StorageRef<'_>, &Layout) {
-        let storage = self.storage.read();
+        let storage = self.read_storage(|s| s.read());
         (storage, &self.layout)
+    }
+
+    /// STRATA PATCH: a read guard of the storage, restored first if it was released.
+    fn read_storage<'a>(&'a self, read: impl Fn(&'a RwLock<Storage>) -> StorageRef<'a>) -> StorageRef<'a> {
+        loop {
+            self.restore_for_use();
+            let guard = read(&self.storage.lock);
+            if !self.storage.is_released() {
+                return guard;
+            }
+        }
+    }
+
+    /// STRATA PATCH: a write guard of the storage, restored first if it was released.
+    fn write_storage(&self) -> StorageMutRef<'_> {
+        loop {
+            self.restore_for_use();
+            let guard = self.storage.lock.write();
+            if !self.storage.is_released() {
+                return guard;
+            }
+        }
+    }
+
+    fn restore_for_use(&self) {
+        if self.storage.is_released() {
+            if let Err(e) = self.make_resident() {
+                panic!("a released storage could not be restored: {e}")
+            }
+        }
+    }
+
+    /// STRATA PATCH: drops the elements of this variable's storage (freeing their memory) until
+    /// their next use, when `source` brings them back ([`StorageSource::restore`]): any op,
+    /// through this tensor or any view of its storage, first restores them. The tensor must be
+    /// contiguous and cover its whole storage. Returns `false`, and releases nothing, while
+    /// any lock of the storage is held (an op under way uses it); releasing a released storage
+    /// replaces its source.
+    pub fn release_storage(&self, source: Arc<dyn StorageSource>) -> Result<bool> {
+        if !self.is_contiguous() || self.layout.start_offset() != 0 {
+            Err(Error::RequiresContiguous { op: "release-storage" }.bt())?
+        }
+        let len = self.elem_count();
+        let Some(mut guard) = self.storage.lock.try_write() else { return Ok(false) };
+        let mut slot = self.storage.source.lock();
+        if !self.storage.is_released() {
+            if guard.dtype() != self.dtype || storage_len(&guard).is_some_and(|n| n != len) {
+                crate::bail!("release_storage: the tensor does not cover its whole storage")
+            }
+            *guard = self.device.zeros(&Shape::from(0usize), self.dtype)?;
+        }
+        *slot = Some((source, len));
+        self.storage.released.store(true, std::sync::atomic::Ordering::Release);
+        Ok(true)
+    }
+
+    /// STRATA PATCH: whether this tensor's storage is released ([`Tensor::release_storage`]).
+    pub fn is_released(&self) -> bool {
+        self.storage.is_released()
+    }
+
+    /// STRATA PATCH: restores this tensor's released storage now, through its source; nothing
+    /// if it is not released. Unlike the restore an op makes, an error is returned (and the
+    /// storage stays released, its source kept).
+    pub fn make_resident(&self) -> Result<()> {
+        let mut slot = self.storage.source.lock();
+        if !self.storage.is_released() {
+            return Ok(());
+        }
+        let Some((source, len)) = slot.clone() else { crate::bail!("a released storage has no source") };
+        let t = source.restore()?;
+        if t.elem_count() != len || t.dtype() != self.dtype || !t.device().same_device(&self.device) {
+            crate::bail!(
+                "a released storage of {len} {:?} elements was restored with {} {:?} elements on {:?}",
+                self.dtype,
+                t.elem_count(),
+                t.dtype(),
+                t.device().location()
+            )
+        }
+        let t = if t.is_contiguous() && t.layout.start_offset() == 0 { t } else { t.force_contiguous()? };
+        let storage = match Arc::try_unwrap(t.0) {
+            Ok(inner) => match Arc::try_unwrap(inner.storage) {
+                Ok(cell) if !cell.is_released() && storage_len(&cell.lock.read()).is_none_or(|n| n == len) => {
+                    cell.lock.into_inner()
+                }
+                Ok(cell) => cell.lock.read().try_clone(&inner.layout)?,
+                Err(cell) => {
+                    let mut s = unsafe { self.device.alloc_uninit(&Shape::from(len), self.dtype)? };
+                    let src = Tensor(Arc::new(Tensor_ { storage: cell, ..inner }));
+                    src.storage().copy_strided_src(&mut s, 0, &Layout::contiguous_with_offset(len, src.layout.start_offset()))?;
+                    s
+                }
+            },
+            Err(shared) => {
+                let src = Tensor(shared);
+                let mut s = unsafe { self.device.alloc_uninit(&Shape::from(len), self.dtype)? };
+                src.storage().copy_strided_src(&mut s, 0, &Layout::contiguous_with_offset(len, src.layout.start_offset()))?;
+                s
+            }
+        };
+        *self.storage.lock.write() = storage;
+        *slot = None;
+        self.storage.released.store(false, std::sync::atomic::Ordering::Release);
+        Ok(())
     }
 
     /// Unique key for this tensor's storage. Equal keys mean the tensors share the same allocation.
     #[inline]
     pub(crate) fn storage_key(&self) -> usize {
-        let lock: &RwLock<Storage> = self.storage.as_ref();
+        let lock: &RwLock<Storage> = &self.storage.lock;
         std::ptr::from_ref(lock).addr()
     }
 
@@ -2850,6 +3018,8 @@ impl Tensor {
                 self.elem_count()
             )
         }
+        self.restore_for_use();
+        src.restore_for_use();
         let dst_offset = self.layout.start_offset() + at;
         let src_l = Layout::contiguous_with_offset(src.elem_count(), src.layout.start_offset());
         if self.storage_key() < src.storage_key() {

@@ -94,7 +94,12 @@ pub struct StrategyOptions {
 /// replica steps its shard with the same reduced gradient, and an all-gather brings every
 /// replica's parameters back.
 ///
-/// Non-exhaustive: a later stage (ZeRO's stage 3, parameters sharded too) is a new variant.
+/// Stage 3 shards the parameters too: each replica holds its shard of every trainable
+/// parameter, and a variable's whole value exists only while it is in use: brought back from
+/// every replica's shard on its first use in a step, and released again when the step moves on
+/// to another unit of variables (see `zero::params`).
+///
+/// Non-exhaustive: a later stage is a new variant.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum ZeroStage {
@@ -107,21 +112,32 @@ pub enum ZeroStage {
     /// reduction writes back only the shard's elements, and the whole gradient buffers are
     /// released once reduced, before the optimizer steps.
     Gradients,
+    /// Stage 3: stage 2, and every replica holds its shard of every trainable parameter only;
+    /// a unit of variables (by default those that share the first part of their names, or the
+    /// first two when the second is a number: `layer.3`) is gathered whole from every replica's
+    /// shard when the step first uses it and released when it moves on to another unit.
+    Parameters,
 }
 
 impl ZeroStage {
-    /// The stage's number (0, 1 or 2).
+    /// The stage's number (0 to 3).
     pub fn number(self) -> u8 {
         match self {
             ZeroStage::Off => 0,
             ZeroStage::OptimizerState => 1,
             ZeroStage::Gradients => 2,
+            ZeroStage::Parameters => 3,
         }
     }
 
-    /// Whether each replica keeps the reduced gradient of its shard only (stage 2).
+    /// Whether each replica keeps the reduced gradient of its shard only (stages 2 and 3).
     pub fn shards_gradients(self) -> bool {
-        self == ZeroStage::Gradients
+        matches!(self, ZeroStage::Gradients | ZeroStage::Parameters)
+    }
+
+    /// Whether each replica holds its shard of the parameters only (stage 3).
+    pub fn shards_parameters(self) -> bool {
+        self == ZeroStage::Parameters
     }
 }
 
@@ -134,14 +150,15 @@ impl std::fmt::Display for ZeroStage {
 impl std::str::FromStr for ZeroStage {
     type Err = crate::Error;
 
-    /// `0`, `1` or `2`.
+    /// `0`, `1`, `2` or `3`.
     fn from_str(s: &str) -> Result<Self> {
         match s.trim() {
             "0" => Ok(ZeroStage::Off),
             "1" => Ok(ZeroStage::OptimizerState),
             "2" => Ok(ZeroStage::Gradients),
+            "3" => Ok(ZeroStage::Parameters),
             other => Err(crate::Error::InvalidArgument(format!(
-                "zero stage {other:?} is not a stage; use 0 (whole optimizer state on every replica), 1 (each replica keeps its shard's) or 2 (and its shard's gradient)"
+                "zero stage {other:?} is not a stage; use 0 (whole optimizer state on every replica), 1 (each replica keeps its shard's), 2 (and its shard's gradient) or 3 (and its shard's parameters)"
             ))),
         }
     }

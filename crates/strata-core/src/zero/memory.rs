@@ -1,5 +1,6 @@
 //! The memory check of a replica's model state against its logical device's `memory_limit`
-//! at a ZeRO stage ([`check_memory_limits`]): parameters, gradients (a shard's at stage 2) and
+//! at a ZeRO stage ([`check_memory_limits`]): parameters (a shard's and the units gathered at
+//! once at stage 3), gradients (a shard's at stage 2, and the gathered units' at stage 3) and
 //! optimizer state (a shard's at stages 1 and 2, by the optimizer's
 //! [`OptimizerMemory::state_per_element`](crate::optim::OptimizerMemory::state_per_element)), naming the stage that fits.
 //!
@@ -24,6 +25,8 @@ pub(crate) fn check_memory_limits(
     per_element: u64,
     params: &[u64],
     vars: &[Vec<Var>],
+    gathered: u64,
+    max_stage: u8,
 ) -> Result<()> {
     let devices = ext.replica_devices();
     let in_sync = ext.num_replicas_in_sync().max(1) as u64;
@@ -33,22 +36,33 @@ pub(crate) fn check_memory_limits(
         let trainable: u64 = copy.iter().map(|v| v.elem_count() as u64).sum();
         let size = copy.first().map_or(4, |v| v.dtype().size_in_bytes()) as u64;
         let shard = trainable.div_ceil(in_sync);
-        // Gradient and state bytes at stage 0, 1 and 2; central copies are never sharded.
+        // Parameter, gradient and state bytes at stages 0 to 3; central copies are never sharded.
         let need = |s: u8| {
             let sharded = policy == VariablePolicy::Mirrored;
-            let grads = if s >= 2 && sharded { shard } else { trainable } * size;
+            let params = if s >= 3 && sharded {
+                params.saturating_sub(trainable * size) + shard * size + gathered.min(trainable * size)
+            } else {
+                params
+            };
+            let grads = if s >= 3 && sharded {
+                shard * size + gathered.min(trainable * size)
+            } else if s >= 2 && sharded {
+                shard * size
+            } else {
+                trainable * size
+            };
             let state = if s >= 1 && sharded { shard } else { trainable } * per_element * size;
-            (grads, state)
+            (params, grads, state)
         };
-        let (grads, state) = need(stage.number());
+        let (params, grads, state) = need(stage.number());
         if params + grads + state <= limit {
             continue;
         }
         let total = |s: u8| {
-            let (g, st) = need(s);
-            params + g + st
+            let (p, g, st) = need(s);
+            p + g + st
         };
-        let fits = (stage.number() + 1..=2).find(|&s| total(s) <= limit).map(|s| (s, total(s)));
+        let fits = (stage.number() + 1..=max_stage).find(|&s| total(s) <= limit).map(|s| (s, total(s)));
         return Err(Error::MemoryLimit(Box::new(crate::MemoryLimitExceeded {
             replica: c,
             device: devices[c].spec.to_string(),
@@ -58,7 +72,7 @@ pub(crate) fn check_memory_limits(
             state,
             limit,
             fits,
-            least: total(2),
+            least: (max_stage, total(max_stage)),
         })));
     }
     Ok(())

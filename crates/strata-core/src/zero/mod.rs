@@ -33,6 +33,7 @@
 mod gather;
 mod layout;
 mod memory;
+mod params;
 mod shards;
 mod state;
 
@@ -42,6 +43,8 @@ use candle_core::Var;
 
 pub(crate) use layout::fixed_plan;
 pub(crate) use memory::check_memory_limits;
+pub use params::unit_name;
+pub(crate) use params::Residency;
 pub(crate) use shards::lay_out_shards;
 pub(crate) use shards::Shards;
 
@@ -70,7 +73,8 @@ pub(crate) fn shards_for<O: OptimizerMemory>(
 /// Refuses ZeRO `stage` (above [`ZeroStage::Off`]) under a strategy named `strategy` (its
 /// name as [`StrategyExtended::name`](crate::StrategyExtended::name) and `strata train --strategy` spell it) whose replicas do not each keep a whole copy of the
 /// optimizer state: one-device (one replica), central-storage (one central copy) and
-/// parameter-server (the ps tasks step the variables). Every other name passes: mirrored,
+/// parameter-server (the ps tasks step the variables); and stage 3 under
+/// multi-worker-mirrored (its gather is one machine's so far). Every other name passes: mirrored,
 /// multi-worker-mirrored and a program's own strategies, whose variables' policy the
 /// optimizer's build checks again. The strategies call it when they are built; a program that
 /// takes both settings from its user (the `strata` command) calls it before it starts anything,
@@ -81,6 +85,7 @@ pub fn check_zero_strategy(stage: ZeroStage, strategy: &str) -> Result<()> {
         "one-device" => ONE_REPLICA,
         "central-storage" => CENTRAL,
         "parameter-server" => PS_TASKS,
+        "multi-worker-mirrored" if stage.shards_parameters() => ACROSS_WORKERS,
         _ => return Ok(()),
     };
     Err(refusal(stage, format!("the {strategy} strategy"), fix))
@@ -109,11 +114,15 @@ const ONE_REPLICA: &str = "one replica holds the whole model; use stage 0, or mi
 /// Why a central model (CentralStorage's) is refused a stage above 0.
 const CENTRAL: &str = "its one central copy is stepped once, on the parameter device; use stage 0, or mirrored";
 
+/// Why stage 3 is refused across workers (for now: its gather reads the shards of one
+/// machine's replicas, in this process's memory).
+pub(crate) const ACROSS_WORKERS: &str = "stage 3 gathers parameters from the replicas of one machine only so far (no workers, no elastic membership); use mirrored, or stage 2 across workers";
+
 /// Why the parameter-server strategy is refused a stage above 0.
 const PS_TASKS: &str = "its variables live on the ps tasks, which step each of them once; use stage 0, or mirrored or multi-worker-mirrored";
 
-/// Why an optimizer that does not implement [`ShardableOptimizer`](crate::optim::ShardableOptimizer) is refused at stages 1 and 2.
-const NOT_SHARDABLE: &str = "it steps whole variables; stages 1 and 2 step runs of a variable's elements, which needs an optimizer that implements ShardableOptimizer (strata's FusedAdamW, FusedSgd and FusedMomentum do)";
+/// Why an optimizer that does not implement [`ShardableOptimizer`](crate::optim::ShardableOptimizer) is refused at stages 1 to 3.
+const NOT_SHARDABLE: &str = "it steps whole variables; stages 1 to 3 step runs of a variable's elements, which needs an optimizer that implements ShardableOptimizer (strata's FusedAdamW, FusedSgd and FusedMomentum do)";
 
 impl Shards {
     /// The shards laid out again over every replica in sync now (an elastic job's new
@@ -128,7 +137,7 @@ impl Shards {
         params: &[u64],
         vars: &[Vec<Var>],
     ) -> Result<Shards> {
-        check_memory_limits(&**self.ext(), policy, self.stage(), per_element, params, vars)?;
+        check_memory_limits(&**self.ext(), policy, self.stage(), per_element, params, vars, 0, 2)?;
         lay_out_shards(self.stage(), vars, self.ext().clone())
     }
 }

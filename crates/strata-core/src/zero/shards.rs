@@ -118,7 +118,8 @@ impl Shards {
                 let kept_at = var_runs[r.var].iter().take_while(|k| k.start < start).map(|k| k.len()).sum();
                 // An elastic job steps copies: a step cut off by a lost worker then leaves the
                 // variables as they were, whole, for the members to go on from.
-                let aliased = v.device().is_cpu() && v.is_contiguous() && !elastic;
+                // Stage 3 releases the variables: its pieces are copies, the master values.
+                let aliased = v.device().is_cpu() && v.is_contiguous() && !elastic && !stage.shards_parameters();
                 let value = if aliased {
                     v.run_view(start, len)?
                 } else {
@@ -207,7 +208,9 @@ impl Shards {
     ) -> Result<()> {
         let mut mine = Vec::new();
         for p in &self.pieces[copy] {
-            if !p.aliased {
+            // A copy takes the variable's values, which a program may have written; at stage 3
+            // only from a variable that is whole now (a released one is the pieces' values).
+            if !p.aliased && !(self.stage.shards_parameters() && vars[p.var].is_released()) {
                 p.value.set(&vars[p.var].flatten_all()?.narrow(0, p.start, p.len)?)?;
             }
             if let Some(g) = &grads[p.var] {
@@ -245,6 +248,11 @@ impl Shards {
             store.insert(p.value.as_tensor(), g);
         }
         opt.step(&store)?;
+        if self.stage.shards_parameters() {
+            // Stage 3 gathers nothing: the next use of a variable brings it back. Every
+            // replica's pieces are stepped before any is read again.
+            return ctx.barrier();
+        }
         self.gather(ctx, copy, vars)
     }
 }

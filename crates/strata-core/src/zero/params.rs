@@ -1,0 +1,206 @@
+//! ZeRO stage 3's parameters ([`Residency`]): each replica holds its shard of every trainable
+//! parameter, its pieces (own copies, which its optimizer steps: the master values), and a
+//! variable's whole value exists only while the step uses it. A variable is released with
+//! candle's `Tensor::release_storage` (Strata's patch): its elements are freed, and its next
+//! use, by any op of the forward or backward pass or by a program reading it, brings them back
+//! from every replica's pieces ([`Source`]). Variables are grouped in units ([`unit_name`]);
+//! when a replica's step first uses a variable of another unit than the last one it brought
+//! back, that last unit is released, as FSDP2 reshards a module after its forward, and after
+//! every optimizer step all of them are.
+//!
+//! On one machine every replica's pieces are in this process's memory, so a variable comes
+//! back by copying its runs out of them, without a collective: a replica's use needs no other
+//! replica to use the same variable at the same time, and a program may read a variable
+//! between steps. The pieces change only in the optimizer step, which ends with a barrier
+//! before the variables are released, so a copy never reads a piece while it is stepped.
+//!
+//! This module must not know the optimizer nor how gradients are reduced: it holds the
+//! variables and brings them back from the shards.
+
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+
+use candle_core::{StorageSource, Tensor, Var};
+
+use super::Shards;
+use crate::{Error, Result};
+
+/// The unit a variable named `name` belongs to by default: its name's first part, or its
+/// first two when the second is a number (`layer.3.attn.q.weight` is in `layer.3`,
+/// `embed.weight` in `embed`, `w` in `w`), as FSDP2 wraps each block of a model's list.
+pub fn unit_name(name: &str) -> &str {
+    let mut parts = name.split('.');
+    let first = parts.next().unwrap_or(name);
+    match parts.next() {
+        Some(second) if !second.is_empty() && second.bytes().all(|b| b.is_ascii_digit()) => {
+            &name[..first.len() + 1 + second.len()]
+        }
+        _ => first,
+    }
+}
+
+/// Each local replica's variables at stage 3, their units, and the unit each replica brought
+/// back last.
+#[derive(Debug)]
+pub(crate) struct Residency {
+    shards: Arc<Shards>,
+    /// Each local copy's trainable variables, in the optimizer's order.
+    vars: Vec<Vec<Var>>,
+    /// Each variable's unit.
+    unit_of: Vec<usize>,
+    /// Each unit's variables.
+    units: Vec<Vec<usize>>,
+    /// Each unit's name.
+    names: Vec<String>,
+    /// Each local copy's unit brought back last (`None` after a step).
+    current: Vec<Mutex<Option<usize>>>,
+    /// This residency, for the sources it hands to the variables it releases.
+    me: Weak<Residency>,
+}
+
+impl Residency {
+    /// The residency of `vars` (every local copy's trainable variables, named `names` in the
+    /// optimizer's order) over `shards` (their stage 3 pieces), every variable released.
+    pub(crate) fn new(shards: Arc<Shards>, vars: Vec<Vec<Var>>, names: &[String]) -> Result<Arc<Self>> {
+        if shards.workers_runs() > 1 || shards.ext().workers().is_some_and(|w| w.is_elastic()) {
+            return Err(Error::ZeroStage {
+                stage: 3,
+                what: match shards.ext().workers() {
+                    Some(w) if w.is_elastic() => "an elastic job".to_string(),
+                    _ => format!("{} workers", shards.workers_runs()),
+                },
+                fix: super::ACROSS_WORKERS,
+            });
+        }
+        let mut names_of_units: Vec<String> = Vec::new();
+        let mut unit_of = Vec::with_capacity(names.len());
+        let mut units: Vec<Vec<usize>> = Vec::new();
+        for (i, n) in names.iter().enumerate() {
+            let u = unit_name(n);
+            let k = match names_of_units.iter().position(|x| x == u) {
+                Some(k) => k,
+                None => {
+                    names_of_units.push(u.to_string());
+                    units.push(Vec::new());
+                    names_of_units.len() - 1
+                }
+            };
+            units[k].push(i);
+            unit_of.push(k);
+        }
+        let current = (0..vars.len()).map(|_| Mutex::new(None)).collect();
+        let r = Arc::new_cyclic(|me| Residency {
+            shards,
+            vars,
+            unit_of,
+            units,
+            names: names_of_units,
+            current,
+            me: me.clone(),
+        });
+        for copy in 0..r.vars.len() {
+            r.release_all(copy)?;
+        }
+        Ok(r)
+    }
+
+    /// The units' names, in the order of their first variable.
+    pub(crate) fn unit_names(&self) -> &[String] {
+        &self.names
+    }
+
+    /// Releases every variable of local copy `copy` (after its optimizer step).
+    pub(crate) fn release_all(&self, copy: usize) -> Result<()> {
+        *self.current[copy].lock().unwrap_or_else(PoisonError::into_inner) = None;
+        for var in 0..self.vars[copy].len() {
+            self.release(copy, var)?;
+        }
+        Ok(())
+    }
+
+    /// Releases variable `var` of copy `copy`, unless an op holds its storage now (then it
+    /// stays until the next release).
+    fn release(&self, copy: usize, var: usize) -> Result<()> {
+        let source = Arc::new(Source { shards: self.shards.clone(), residency: self.me.clone(), copy, var });
+        self.vars[copy][var].release_storage(source)?;
+        Ok(())
+    }
+
+    /// Copy `copy` brought variable `var` back: when it is in another unit than the one the
+    /// copy brought back last, that one is released.
+    fn brought_back(&self, copy: usize, var: usize) {
+        let unit = self.unit_of[var];
+        let previous = {
+            let mut current = self.current[copy].lock().unwrap_or_else(PoisonError::into_inner);
+            match *current {
+                Some(u) if u == unit => return,
+                _ => current.replace(unit),
+            }
+        };
+        if let Some(previous) = previous {
+            for &v in &self.units[previous] {
+                // A failed release leaves the variable whole: more memory, the same values.
+                let _ = self.release(copy, v);
+            }
+        }
+    }
+}
+
+/// Brings a released variable back from every replica's pieces of it.
+struct Source {
+    shards: Arc<Shards>,
+    residency: Weak<Residency>,
+    copy: usize,
+    var: usize,
+}
+
+impl StorageSource for Source {
+    fn restore(&self) -> candle_core::Result<Tensor> {
+        let whole = self.shards.whole(self.var).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        if let Some(r) = self.residency.upgrade() {
+            r.brought_back(self.copy, self.var);
+        }
+        Ok(whole)
+    }
+}
+
+impl Shards {
+    /// Variable `var`'s whole value, joined from every local replica's pieces of it (stage 3 on
+    /// one machine: every replica's shard is here).
+    pub(crate) fn whole(&self, var: usize) -> Result<Tensor> {
+        let mut parts: Vec<(usize, &Var)> = self
+            .pieces
+            .iter()
+            .flatten()
+            .filter(|p| p.var == var)
+            .map(|p| (p.start, &p.value))
+            .collect();
+        parts.sort_by_key(|(at, _)| *at);
+        let shape = &self.shapes[var];
+        let covered: usize = parts.iter().map(|(_, p)| p.elem_count()).sum();
+        if covered != shape.elem_count() {
+            return Err(Error::Scope(format!(
+                "the shards hold {covered} of variable {var}'s {} elements; every replica must build the same model",
+                shape.elem_count()
+            )));
+        }
+        // Detached: the whole value is a tensor of its own, outside any graph.
+        let parts: Vec<Tensor> = parts.into_iter().map(|(_, p)| p.as_tensor().detach()).collect();
+        let whole = if parts.len() == 1 { parts[0].copy()? } else { Tensor::cat(&parts, 0)? };
+        Ok(whole.reshape(shape)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::unit_name;
+
+    #[test]
+    fn units_are_the_first_part_of_a_name_or_two_when_the_second_is_a_number() {
+        assert_eq!(unit_name("layer.3.attn.q.weight"), "layer.3");
+        assert_eq!(unit_name("layer.12"), "layer.12");
+        assert_eq!(unit_name("embed.weight"), "embed");
+        assert_eq!(unit_name("head.0x.weight"), "head");
+        assert_eq!(unit_name("w"), "w");
+        assert_eq!(unit_name("blocks..x"), "blocks");
+    }
+}
