@@ -98,12 +98,13 @@ fn stages_1_and_2_across_worker_processes_are_stage_0_bit_for_bit() {
 }
 
 #[test]
-fn stages_1_and_2_under_mirrored_are_stage_0_bit_for_bit() {
+fn stages_1_to_3_under_mirrored_are_stage_0_bit_for_bit() {
     let dir = tmp("mirrored");
     let run = |stage: &str| mirrored(&dir, stage, TRAIN);
     let whole = run("0");
     assert!(run("1") == whole, "Mirrored(3) at stage 1 differs from stage 0");
     assert!(run("2") == whole, "Mirrored(3) at stage 2 differs from stage 0");
+    assert!(run("3") == whole, "Mirrored(3) at stage 3 differs from stage 0");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -156,13 +157,13 @@ fn l2_relative(a: &[u8], b: &[u8]) -> f64 {
 const TRANSFORMER_REASSOCIATION: f64 = 1.5e-7;
 
 #[test]
-fn the_transformer_at_stages_1_and_2_is_stage_0_within_reassociation() {
+fn the_transformer_at_stages_1_to_3_is_stage_0_within_reassociation() {
     // Clipped by its global norm, which a shard sums over its elements only: the same within
     // reassociation, not bit for bit.
     let dir = tmp("transformer");
     let args = ["--model", "transformer", "--steps", "4", "--batch", "12", "--no-progress"];
     let whole = mirrored(&dir, "0", &args);
-    for stage in ["1", "2"] {
+    for stage in ["1", "2", "3"] {
         let err = l2_relative(&mirrored(&dir, stage, &args), &whole);
         eprintln!("the transformer at stage {stage}: {err:e} from stage 0 (bound {TRANSFORMER_REASSOCIATION:e})");
         assert!(err <= TRANSFORMER_REASSOCIATION, "the transformer at stage {stage} is {err:e} from stage 0");
@@ -190,7 +191,15 @@ fn what_cannot_run_on_shards_is_refused_in_one_line() {
             &["--strategy", "mirrored", "--zero-stage", "1", "--optimizer", "candle-adamw"],
             "zero stage 1 with the optimizer candle-adamw: it steps whole variables; stages 1 to 3 step runs of a variable's elements, which needs an optimizer that implements ShardableOptimizer (strata's FusedAdamW, FusedSgd and FusedMomentum do)",
         ),
-        (&["--strategy", "mirrored", "--zero-stage", "3"], "zero stage \"3\" is not a stage"),
+        (&["--strategy", "mirrored", "--zero-stage", "4"], "zero stage \"4\" is not a stage"),
+        (
+            &["--strategy", "multi-worker-mirrored", "--zero-stage", "3"],
+            "zero stage 3 with the multi-worker-mirrored strategy: stage 3 gathers parameters from the replicas of one machine only so far",
+        ),
+        (
+            &["--strategy", "one-device", "--zero-stage", "3"],
+            "zero stage 3 with the one-device strategy: one replica holds the whole model",
+        ),
         (
             &["--strategy", "central-storage", "--zero-stage", "2"],
             "zero stage 2 with the central-storage strategy: its one central copy is stepped once",
@@ -216,11 +225,16 @@ fn what_cannot_run_on_shards_is_refused_in_one_line() {
 /// `strata train ARGS` on the shipped data in `dir`, told to save its parameters to
 /// `never.safetensors` (which a refused job must not write); waits at most 60 s.
 fn train_refused(dir: &Path, args: &[&str]) -> Output {
+    train_refused_with(dir, args, TRAIN)
+}
+
+/// [`train_refused`] with `train` for [`TRAIN`].
+fn train_refused_with(dir: &Path, args: &[&str], train: &[&str]) -> Output {
     wait(
         strata()
             .arg("train")
             .args(args)
-            .args(TRAIN)
+            .args(train)
             .args(["--save-params", "never.safetensors"])
             .current_dir(dir)
             .stdout(Stdio::null())
@@ -231,15 +245,18 @@ fn train_refused(dir: &Path, args: &[&str]) -> Output {
     )
 }
 
-/// `--memory-limit` just above what stage 2 needs (as a job with too small a limit reports
-/// it): stage 0 is refused in one line naming stage 2, exit code 2, nothing written; stage 2
-/// trains to stage 0's parameters bit for bit.
+/// `--memory-limit` just above what the least stage needs (as a job with too small a limit
+/// reports it): stage 3 for an MLP of twelve hidden layers (13 units), whose shard and two
+/// units gathered at once (with their gradients) are less than stage 2's whole parameters. Stages 0 to 2 are refused in one line naming stage
+/// 3, exit code 2, nothing written; stage 3 trains to stage 0's parameters bit for bit.
 #[test]
-fn a_job_over_its_memory_limit_is_refused_at_stage_0_and_trains_at_stage_2() {
+fn a_job_over_its_memory_limit_is_refused_at_stages_0_to_2_and_trains_at_stage_3() {
     let dir = tmp("memory-limit");
+    let hidden = ["48"; 12].join(",");
+    let deep: Vec<&str> = TRAIN.iter().map(|&a| if a == "48,32" { hidden.as_str() } else { a }).collect();
     let refused = |stage: &str, limit: &str| {
         let args = ["--strategy", "mirrored", "--replicas", "3", "--zero-stage", stage, "--memory-limit", limit];
-        let o = train_refused(&dir, &args);
+        let o = train_refused_with(&dir, &args, &deep);
         let err = String::from_utf8_lossy(&o.stderr).to_string();
         assert_eq!(o.status.code(), Some(2), "{err}");
         assert_eq!(err.trim_end().lines().count(), 1, "{err}");
@@ -247,14 +264,19 @@ fn a_job_over_its_memory_limit_is_refused_at_stage_0_and_trains_at_stage_2() {
         err
     };
     let err = refused("0", "1KiB");
-    let need = err.split("stage 2 needs ").nth(1).and_then(|r| r.split(')').next()).expect(&err);
+    let need = err.split("stage 3 needs ").nth(1).and_then(|r| r.split(')').next()).expect(&err);
     let need = strata::device::parse_bytes(need).unwrap();
     // format_bytes rounds to a tenth of its unit: 2% above is above the exact need.
     let limit = (need + need / 50).to_string();
-    let err = refused("0", &limit);
-    assert!(err.contains("at zero stage 0 (parameters ") && err.contains("use it (--zero-stage 2)"), "{err}");
-    let whole = mirrored(&dir, "0", TRAIN);
-    let args: Vec<&str> = TRAIN.iter().copied().chain(["--memory-limit", limit.as_str()]).collect();
-    assert!(mirrored(&dir, "2", &args) == whole, "stage 2 within the limit differs from stage 0");
+    for stage in ["0", "1", "2"] {
+        let err = refused(stage, &limit);
+        assert!(
+            err.contains(&format!("at zero stage {stage} (parameters ")) && err.contains("use it (--zero-stage 3)"),
+            "{err}"
+        );
+    }
+    let whole = mirrored(&dir, "0", &deep);
+    let args: Vec<&str> = deep.iter().copied().chain(["--memory-limit", limit.as_str()]).collect();
+    assert!(mirrored(&dir, "3", &args) == whole, "stage 3 within the limit differs from stage 0");
     let _ = std::fs::remove_dir_all(&dir);
 }

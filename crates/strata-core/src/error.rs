@@ -280,6 +280,6 @@ pub struct MemoryLimitExceeded {
     pub limit: u64,
     /// The lowest stage that fits, and its bytes.
     pub fits: Option<(u8, u64)>,
-    /// The highest stage this job could run, and its bytes (the least any stage needs).
+    /// The stage that needs the least, and its bytes.
     pub least: (u8, u64),
 }

@@ -72,7 +72,7 @@ pub(crate) fn check_memory_limits(
             state,
             limit,
             fits,
-            least: (max_stage, total(max_stage)),
+            least: (0..=max_stage).map(|s| (s, total(s))).min_by_key(|&(_, b)| b).unwrap_or((0, total(0))),
         })));
     }
     Ok(())
