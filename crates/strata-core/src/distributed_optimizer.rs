@@ -21,7 +21,7 @@ use crate::optim::schedule::LrSchedule;
 use crate::optim::OptimizerMemory;
 use crate::overlap_plan::{OverlapPlan, Unit};
 use crate::variables::{lock, Replicated};
-use crate::zero::{check_memory_limits, shards_for, unit_name, Residency, Shards};
+use crate::zero::{check_memory_limits, shards_for, two_largest_units, Residency, Shards, Stages};
 use crate::{Error, Result, ZeroStage};
 
 impl<M> Replicated<M> {
@@ -55,9 +55,19 @@ impl<M> Replicated<M> {
             .map(|c| self.vars[c].iter().map(|(_, v)| (v.elem_count() * v.dtype().size_in_bytes()) as u64).sum())
             .collect();
         let per_element = O::state_per_element();
-        let gathered = two_largest_units(&names, &vars);
+        let gathered_elements = vars.first().map_or(0, |v| two_largest_units(&names, v));
+        let gathered = vars.first().and_then(|v| v.first()).map_or(0, |v| v.dtype().size_in_bytes()) as u64
+            * gathered_elements as u64;
         let max_stage = if self.ext.workers().is_some_and(|w| w.num_workers() > 1) { 2 } else { 3 };
-        check_memory_limits(&*self.ext, self.policy, stage, per_element, &params, &vars, gathered, max_stage)?;
+        check_memory_limits(
+            &*self.ext,
+            self.policy,
+            stage,
+            per_element,
+            &params,
+            &vars,
+            Stages { gathered, max_stage },
+        )?;
         let copies = vars
             .iter()
             .enumerate()
@@ -77,6 +87,7 @@ impl<M> Replicated<M> {
         let shards = shards.map(Arc::new);
         if let Some(s) = shards.as_ref().filter(|s| s.stage().shards_parameters()) {
             opt.residency = Some(Residency::new(s.clone(), opt.vars.clone(), &names)?);
+            opt.gathered_elements = gathered_elements;
         }
         opt.shards = RwLock::new(shards);
         opt.params_bytes = params;
@@ -122,6 +133,8 @@ pub struct DistributedOptimizer<O> {
     shards: RwLock<Option<Arc<Shards>>>,
     /// ZeRO stage 3's variables, released between uses and brought back from the shards.
     residency: Option<Arc<Residency>>,
+    /// The elements of the two largest units at stage 3 (0 below it).
+    gathered_elements: usize,
     /// The bytes of every variable of each copy (trainable or not), for the memory limit's
     /// check at a re-split ([`Self::reshard`]).
     params_bytes: Vec<u64>,
@@ -230,6 +243,7 @@ impl<O: Optimizer> DistributedOptimizer<O> {
             overlap: (0..replicas.max(1)).map(|_| Mutex::new(None)).collect(),
             shards: Default::default(),
             residency: None,
+            gathered_elements: 0,
             params_bytes: Vec::new(),
             state_per_element: 0,
         }
@@ -356,6 +370,12 @@ impl<O: Optimizer> DistributedOptimizer<O> {
         self.residency.as_ref().map_or(Vec::new(), |r| r.unit_names().to_vec())
     }
 
+    /// The elements a replica holds whole at ZeRO stage 3 besides its shard, at most: its two
+    /// largest units (one in use, the next), by [`unit_name`](crate::unit_name); 0 below stage 3.
+    pub fn gathered_elements(&self) -> usize {
+        self.gathered_elements
+    }
+
     /// The ZeRO stage this optimizer runs ([`ZeroStage::Off`] unless
     /// the strategy's options asked for one).
     pub fn zero_stage(&self) -> ZeroStage {
@@ -434,22 +454,6 @@ impl<O: Optimizer> DistributedOptimizer<O> {
 
 /// The factor that brings `grads`' global norm to at most `max` (`None`: within it already):
 /// `max / norm`, the norm summed in f64 over the variables in order.
-/// The bytes of the two largest units of `vars` (every copy's trainable variables, named
-/// `names`), whole: what stage 3 holds gathered at once besides its shard.
-fn two_largest_units(names: &[String], vars: &[Vec<Var>]) -> u64 {
-    let Some(first) = vars.first() else { return 0 };
-    let mut units: Vec<(&str, u64)> = Vec::new();
-    for (n, v) in names.iter().zip(first) {
-        let bytes = (v.elem_count() * v.dtype().size_in_bytes()) as u64;
-        match units.iter_mut().find(|(u, _)| *u == unit_name(n)) {
-            Some((_, b)) => *b += bytes,
-            None => units.push((unit_name(n), bytes)),
-        }
-    }
-    units.sort_unstable_by(|a, b| b.1.cmp(&a.1));
-    units.iter().take(2).map(|(_, b)| b).sum()
-}
-
 fn clip_scale(grads: &[Option<Tensor>], max: f64) -> Result<Option<f64>> {
     let mut sq = 0f64;
     for g in grads.iter().flatten() {

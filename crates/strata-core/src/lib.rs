@@ -66,7 +66,8 @@
 //! - [`data`]: batches ([`data::BatchData`]), shards, distributed datasets, record files;
 //! - `overlap_plan`: the plan of a step's reductions (buckets, blocks of rows, their order);
 //! - `zero`: ZeRO's shards ([`ZeroStage`]): their layout on that plan, pieces and step, gather,
-//!   memory check, checkpoint state and re-split;
+//!   memory check, checkpoint state and re-split, and stage 3's released variables brought
+//!   back from the shards by unit ([`unit_name`]);
 //! - [`variables`]: the scope's variables ([`Scope`], [`Replicated`], [`DistributedVariable`],
 //!   [`SyncOnReadVariable`]);
 //! - [`distributed_optimizer`]: the [`DistributedOptimizer`] (build, apply, clipping, schedule,
@@ -120,4 +121,4 @@ pub use scope::{get_strategy, has_strategy};
 pub use strategy::{Strategy, StrategyHandle};
 pub use values::{Mirrored, PerReplica};
 pub use variables::{DistributedVariable, Replicated, Scope, SyncOnReadVariable, VariableAggregation, VariableKind};
-pub use zero::{check_zero_optimizer, check_zero_strategy};
+pub use zero::{check_zero_optimizer, check_zero_strategy, unit_name};

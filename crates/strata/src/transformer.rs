@@ -50,14 +50,17 @@ pub struct TransformerConfig {
 }
 
 impl Default for TransformerConfig {
-    /// 4 layers, width 128, 4 heads, context 64, Tiny Shakespeare's 65 characters: 0.82M
-    /// parameters.
+    /// [`TransformerConfig::DEFAULT`].
     fn default() -> Self {
-        Self { vocab: 65, width: 128, layers: 4, heads: 4, context: 64 }
+        Self::DEFAULT
     }
 }
 
 impl TransformerConfig {
+    /// 4 layers, width 128, 4 heads, context 64, Tiny Shakespeare's 65 characters: 0.82M
+    /// parameters.
+    pub const DEFAULT: Self = Self { vocab: 65, width: 128, layers: 4, heads: 4, context: 64 };
+
     /// The number of parameters (816,705 for the default).
     pub fn parameter_count(&self) -> usize {
         let (v, c, l, t) = (self.vocab, self.width, self.layers, self.context);

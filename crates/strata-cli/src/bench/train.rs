@@ -78,7 +78,8 @@ pub struct BenchTrainArgs {
     /// configuration: they are neither reduced nor updated.
     #[arg(long, value_delimiter = ',')]
     pub freeze: Vec<String>,
-    /// ZeRO stages to measure Mirrored and MultiWorkerMirrored at (`0,1,2`: side by side);
+    /// ZeRO stages to measure Mirrored and MultiWorkerMirrored at (`0,1,2,3`: side by side;
+    /// stage 3 under Mirrored only);
     /// each row prints the bytes of parameters, gradients and optimizer state per replica.
     #[arg(long, value_delimiter = ',', default_value = "0", value_parser = parse_zero_stage)]
     pub zero_stages: Vec<ZeroStage>,
@@ -169,6 +170,12 @@ pub(crate) enum BenchModel {
     Transformer(TransformerConfig),
 }
 
+/// The transformer whose model state, not its activations, fills a replica's memory at a small
+/// batch (`strata train --model transformer --width 512 --layers 8 --heads 8`: 25.3M
+/// parameters): ZeRO's benchmark model.
+const TRANSFORMER_25M: TransformerConfig =
+    TransformerConfig { width: 512, layers: 8, heads: 8, ..TransformerConfig::DEFAULT };
+
 impl BenchModel {
     /// The models a `--models` entry names (`mlp` is both MLPs).
     pub(crate) fn parse(name: &str) -> Result<Vec<Self>> {
@@ -178,9 +185,10 @@ impl BenchModel {
             "mlp" => vec![Self::Mlp("small", vec![256, 256]), Self::Mlp("large", vec![2048, 2048])],
             "cnn" => vec![Self::Cnn],
             "transformer" => vec![Self::Transformer(TransformerConfig::default())],
+            "transformer-25m" => vec![Self::Transformer(TRANSFORMER_25M)],
             _ => {
                 return Err(Error::Usage(format!(
-                    "unknown model {name:?}: use small, large, mlp (both), cnn or transformer"
+                    "unknown model {name:?}: use small, large, mlp (both), cnn, transformer or transformer-25m"
                 )))
             }
         })
@@ -199,6 +207,7 @@ impl BenchModel {
         match self {
             Self::Mlp(name, _) => name,
             Self::Cnn => "cnn",
+            Self::Transformer(c) if *c == TRANSFORMER_25M => "transformer-25m",
             Self::Transformer(_) => "transformer",
         }
     }
@@ -372,10 +381,14 @@ where
     }
     let opt = model.optimizer::<O>(cfg)?;
     let trainable: usize = model.trainable_variables(0).iter().map(|(_, v)| v.elem_count()).sum();
+    // Stage 3 holds its shard of the parameters, and the two largest units whole (one in use,
+    // the next gathered), with their gradients.
+    let gathered = opt.gathered_elements().min(trainable);
     let replica_bytes = ReplicaBytes {
-        params: 4 * trainable as u64,
-        // The reduced gradient a replica keeps: its shard's at stage 2.
-        grads: 4 * if opt.zero_stage().shards_gradients() { opt.stepped_elements(0) } else { trainable } as u64,
+        params: 4 * if gathered > 0 { opt.stepped_elements(0) + gathered } else { trainable } as u64,
+        // The reduced gradient a replica keeps: its shard's at stages 2 and 3.
+        grads: 4 * if opt.zero_stage().shards_gradients() { opt.stepped_elements(0) + gathered } else { trainable }
+            as u64,
         optimizer: 4 * state_per_element(args.optimizer) * opt.stepped_elements(0) as u64,
     };
     let counted0 = reduced_elements.map_or(0, |e| e.load(std::sync::atomic::Ordering::Relaxed));
@@ -771,7 +784,7 @@ pub fn run(args: &BenchTrainArgs) -> Result<()> {
     if !args.freeze.is_empty() {
         println!("# frozen in every configuration: {} (never reduced nor updated)", args.freeze.join(", "));
     }
-    println!("# params/rep, grads/rep, optim/rep: bytes of one replica's trainable parameters, reduced gradients and optimizer state (+zeroN: ZeRO stage N, each replica's optimizer state for its shard only, and at stage 2 its reduced gradient too)");
+    println!("# params/rep, grads/rep, optim/rep: bytes of one replica's trainable parameters, reduced gradients and optimizer state (+zeroN: ZeRO stage N, each replica's optimizer state for its shard only, from stage 2 its reduced gradient too, and at stage 3 its shard of the parameters plus the two largest units whole, with their gradients)");
     println!("# reduced/step: bytes each mirrored replica hands to the all-reduce, or each multi-worker worker sends on the ring, per step");
     for model in &models {
         let name = model.name();
@@ -784,6 +797,10 @@ pub fn run(args: &BenchTrainArgs) -> Result<()> {
                 s => format!("+zero{}", s.number()),
             };
             for c in ["mirrored", "multi-worker"] {
+                // Stage 3 gathers from one machine's replicas only.
+                if c == "multi-worker" && stage.shards_parameters() {
+                    continue;
+                }
                 if !configs.contains(&format!("{c}{suffix}")) {
                     configs.push(format!("{c}{suffix}"));
                 }

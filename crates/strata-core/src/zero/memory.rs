@@ -11,6 +11,14 @@ use candle_core::Var;
 use crate::extended::{StrategyExtended, VariablePolicy};
 use crate::{Error, Result, ZeroStage};
 
+/// The stages a job may run, for [`check_memory_limits`]: what stage 3 holds whole besides its
+/// shard (`gathered` bytes: the two largest units), and the highest stage the job can run.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Stages {
+    pub(crate) gathered: u64,
+    pub(crate) max_stage: u8,
+}
+
 /// Refuses a replica whose device has a `memory_limit` its model state exceeds at `stage` over
 /// the replicas in sync now: every variable's copy (`params[c]` bytes for copy `c`), the
 /// gradients of the trainable ones `vars` (its shard's at stage 2) and the optimizer's state
@@ -25,9 +33,9 @@ pub(crate) fn check_memory_limits(
     per_element: u64,
     params: &[u64],
     vars: &[Vec<Var>],
-    gathered: u64,
-    max_stage: u8,
+    stages: Stages,
 ) -> Result<()> {
+    let Stages { gathered, max_stage } = stages;
     let devices = ext.replica_devices();
     let in_sync = ext.num_replicas_in_sync().max(1) as u64;
     for (c, copy) in vars.iter().enumerate() {

@@ -42,9 +42,9 @@ use std::sync::Arc;
 use candle_core::Var;
 
 pub(crate) use layout::fixed_plan;
-pub(crate) use memory::check_memory_limits;
+pub(crate) use memory::{check_memory_limits, Stages};
 pub use params::unit_name;
-pub(crate) use params::Residency;
+pub(crate) use params::{two_largest_units, Residency};
 pub(crate) use shards::lay_out_shards;
 pub(crate) use shards::Shards;
 
@@ -137,7 +137,15 @@ impl Shards {
         params: &[u64],
         vars: &[Vec<Var>],
     ) -> Result<Shards> {
-        check_memory_limits(&**self.ext(), policy, self.stage(), per_element, params, vars, 0, 2)?;
+        check_memory_limits(
+            &**self.ext(),
+            policy,
+            self.stage(),
+            per_element,
+            params,
+            vars,
+            Stages { gathered: 0, max_stage: 2 },
+        )?;
         lay_out_shards(self.stage(), vars, self.ext().clone())
     }
 }

@@ -38,6 +38,20 @@ pub fn unit_name(name: &str) -> &str {
     }
 }
 
+/// The elements of the two largest units of `vars` (a copy's trainable variables, named
+/// `names`): what stage 3 holds whole at once besides its shard.
+pub(crate) fn two_largest_units(names: &[String], vars: &[Var]) -> usize {
+    let mut units: Vec<(&str, usize)> = Vec::new();
+    for (n, v) in names.iter().zip(vars) {
+        match units.iter_mut().find(|(u, _)| *u == unit_name(n)) {
+            Some((_, e)) => *e += v.elem_count(),
+            None => units.push((unit_name(n), v.elem_count())),
+        }
+    }
+    units.sort_unstable_by_key(|u| std::cmp::Reverse(u.1));
+    units.iter().take(2).map(|(_, e)| e).sum()
+}
+
 /// Each local replica's variables at stage 3, their units, and the unit each replica brought
 /// back last.
 #[derive(Debug)]
@@ -167,13 +181,8 @@ impl Shards {
     /// Variable `var`'s whole value, joined from every local replica's pieces of it (stage 3 on
     /// one machine: every replica's shard is here).
     pub(crate) fn whole(&self, var: usize) -> Result<Tensor> {
-        let mut parts: Vec<(usize, &Var)> = self
-            .pieces
-            .iter()
-            .flatten()
-            .filter(|p| p.var == var)
-            .map(|p| (p.start, &p.value))
-            .collect();
+        let mut parts: Vec<(usize, &Var)> =
+            self.pieces.iter().flatten().filter(|p| p.var == var).map(|p| (p.start, &p.value)).collect();
         parts.sort_by_key(|(at, _)| *at);
         let shape = &self.shapes[var];
         let covered: usize = parts.iter().map(|(_, p)| p.elem_count()).sum();

@@ -210,7 +210,7 @@ impl Shards {
         for p in &self.pieces[copy] {
             // A copy takes the variable's values, which a program may have written; at stage 3
             // only from a variable that is whole now (a released one is the pieces' values).
-            if !p.aliased && !(self.stage.shards_parameters() && vars[p.var].is_released()) {
+            if !(p.aliased || self.stage.shards_parameters() && vars[p.var].is_released()) {
                 p.value.set(&vars[p.var].flatten_all()?.narrow(0, p.start, p.len)?)?;
             }
             if let Some(g) = &grads[p.var] {
