@@ -197,6 +197,14 @@ fn what_cannot_run_on_shards_is_refused_in_one_line() {
             "zero stage 3 with the multi-worker-mirrored strategy: stage 3 gathers parameters from the replicas of one machine only so far",
         ),
         (
+            &["--strategy", "mirrored", "--zero-stage", "3", "--zero-units", "layer1,dec"],
+            "zero stage 3's unit \"dec\" names no trainable variable of the model",
+        ),
+        (
+            &["--strategy", "mirrored", "--zero-stage", "2", "--zero-units", "layer1"],
+            "--zero-units applies to --zero-stage 3, which gathers parameters by unit (this run is at stage 2)",
+        ),
+        (
             &["--strategy", "one-device", "--zero-stage", "3"],
             "zero stage 3 with the one-device strategy: one replica holds the whole model",
         ),

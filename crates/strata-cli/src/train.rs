@@ -188,6 +188,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         overlap: !args.no_overlap,
         row_block_bytes: (args.row_block_mib * 1024.0 * 1024.0) as usize,
         zero_stage: args.zero_stage,
+        zero_units: args.zero_units.clone(),
     };
     // SIGTERM and SIGINT stop training after the current step (with a checkpoint when
     // --checkpoint-dir is set); a second signal ends the process at once.

@@ -195,6 +195,12 @@ pub struct TrainArgs {
     /// multi-worker-mirrored (stage 3: mirrored), with the fused optimizers.
     #[arg(long, default_value = "0", value_parser = parse_zero_stage)]
     pub zero_stage: ZeroStage,
+    /// Stage 3's units, comma-separated prefixes of the variables' names (`block0,block1`,
+    /// `layer0`): each is gathered whole while a step uses it, as FSDP2's `fully_shard` per
+    /// module. A variable no prefix names is in its default unit: its name's first part
+    /// (`block3`, `head`). Only with `--zero-stage 3`.
+    #[arg(long, value_delimiter = ',', value_name = "PREFIXES")]
+    pub zero_units: Vec<String>,
     /// The memory each replica's logical CPU device may give its model state (parameters,
     /// gradients, optimizer state), such as `40MiB` or `2GB`: a job over it stops before
     /// training, naming the bytes and the ZeRO stage that would fit.
@@ -394,6 +400,12 @@ impl TrainArgs {
                     "--memory-limit {limit} applies to the logical CPU devices of one-device, mirrored, central-storage and multi-worker-mirrored jobs (not to the parameter server's tasks nor to --gpus); drop it"
                 )));
             }
+        }
+        if !self.zero_units.is_empty() && !self.zero_stage.shards_parameters() {
+            return Err(Error::Usage(format!(
+                "--zero-units applies to --zero-stage 3, which gathers parameters by unit (this run is at stage {}); drop it or add --zero-stage 3",
+                self.zero_stage
+            )));
         }
         if self.zero_stage != ZeroStage::Off {
             let stage = self.zero_stage;

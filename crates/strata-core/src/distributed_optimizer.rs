@@ -21,7 +21,7 @@ use crate::optim::schedule::LrSchedule;
 use crate::optim::OptimizerMemory;
 use crate::overlap_plan::{OverlapPlan, Unit};
 use crate::variables::{lock, Replicated};
-use crate::zero::{check_memory_limits, shards_for, two_largest_units, Residency, Shards, Stages};
+use crate::zero::{check_memory_limits, check_units, shards_for, two_largest_units, Residency, Shards, Stages};
 use crate::{Error, Result, ZeroStage};
 
 impl<M> Replicated<M> {
@@ -55,7 +55,11 @@ impl<M> Replicated<M> {
             .map(|c| self.vars[c].iter().map(|(_, v)| (v.elem_count() * v.dtype().size_in_bytes()) as u64).sum())
             .collect();
         let per_element = O::state_per_element();
-        let gathered_elements = vars.first().map_or(0, |v| two_largest_units(&names, v));
+        let custom = &self.ext.options().zero_units;
+        if stage.shards_parameters() {
+            check_units(&names, custom)?;
+        }
+        let gathered_elements = vars.first().map_or(0, |v| two_largest_units(&names, v, custom));
         let gathered = vars.first().and_then(|v| v.first()).map_or(0, |v| v.dtype().size_in_bytes()) as u64
             * gathered_elements as u64;
         let max_stage = if self.ext.workers().is_some_and(|w| w.num_workers() > 1) { 2 } else { 3 };
@@ -86,7 +90,7 @@ impl<M> Replicated<M> {
         );
         let shards = shards.map(Arc::new);
         if let Some(s) = shards.as_ref().filter(|s| s.stage().shards_parameters()) {
-            opt.residency = Some(Residency::new(s.clone(), opt.vars.clone(), &names)?);
+            opt.residency = Some(Residency::new(s.clone(), opt.vars.clone(), &names, custom)?);
             opt.gathered_elements = gathered_elements;
         }
         opt.shards = RwLock::new(shards);

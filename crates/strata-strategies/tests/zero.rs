@@ -547,3 +547,30 @@ fn stage_3_releases_the_trainable_variables_after_each_step_and_a_wrong_gather_i
     });
     assert_ne!(wrong, whole.last().unwrap()[0], "a unit brought back as zeros went unnoticed");
 }
+
+/// A program's own units at stage 3 (`StrategyOptions::zero_units`, FSDP2's `fully_shard` per
+/// module): a variable goes to the longest prefix its name starts with at a dot, else to its
+/// default unit; the result is stage 0's bit for bit, and a prefix that names no variable is
+/// refused in one line when the optimizer is built.
+#[test]
+fn a_program_names_stage_3_s_units_with_prefixes() {
+    let with_units = |units: &[&str]| {
+        let devices = strata_core::device::logical_cpus(3).unwrap();
+        let options = StrategyOptions {
+            zero_units: units.iter().map(|u| u.to_string()).collect(),
+            ..options(ZeroStage::Parameters)
+        };
+        MirroredStrategy::with_options(devices, CpuReduction::default(), options).unwrap().handle()
+    };
+    let s = with_units(&["conv.weight"]);
+    let opt = s.scope(Cnn::build).unwrap().optimizer::<FusedSgd>(0.1).unwrap();
+    let names: Vec<String> =
+        s.scope(Cnn::build).unwrap().trainable_variables(0).iter().map(|(n, _)| n.clone()).collect();
+    assert_eq!(names, ["conv.weight", "conv.bias", "fc.weight", "fc.bias"]);
+    assert_eq!(opt.zero_units(), ["conv.weight", "conv", "fc"]);
+    let whole = train::<Cnn, FusedSgd>(&mirrored(3, ZeroStage::Off), 0.1, 3, &[], PLAIN).0;
+    let got = train::<Cnn, FusedSgd>(&s, 0.1, 3, &[], PLAIN).0;
+    assert_eq!(got, whole, "stage 3 in the program's units");
+    let e = with_units(&["conv", "dense"]).scope(Cnn::build).unwrap().optimizer::<FusedSgd>(0.1).unwrap_err();
+    assert!(e.to_string().starts_with("zero stage 3's unit \"dense\" names no trainable variable"), "{e}");
+}

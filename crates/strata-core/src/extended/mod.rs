@@ -85,6 +85,13 @@ pub struct StrategyOptions {
     /// [`ZeroStage::Off`], a whole copy on every replica). Mirrored and MultiWorkerMirrored
     /// take it; the other strategies refuse any stage but [`ZeroStage::Off`].
     pub zero_stage: ZeroStage,
+    /// ZeRO stage 3's units, as FSDP2's `fully_shard` names modules: each a prefix of variable
+    /// names (`block3`, `encoder.layer.0`). A trainable variable is in the longest one its name
+    /// starts with (followed by a dot, or the whole name), otherwise in its default unit
+    /// ([`unit_name`](crate::unit_name)). Empty by default; a prefix that names no trainable
+    /// variable is refused in one line when the optimizer is built, and below stage 3 they are
+    /// not used.
+    pub zero_units: Vec<String>,
 }
 
 /// ZeRO's stages (DeepSpeed; PyTorch's `ZeroRedundancyOptimizer`): what each replica, across
@@ -174,6 +181,7 @@ impl Default for StrategyOptions {
             overlap: true,
             row_block_bytes: DEFAULT_ROW_BLOCK_BYTES,
             zero_stage: ZeroStage::Off,
+            zero_units: Vec::new(),
         }
     }
 }

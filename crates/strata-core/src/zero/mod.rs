@@ -44,7 +44,7 @@ use candle_core::Var;
 pub(crate) use layout::fixed_plan;
 pub(crate) use memory::{check_memory_limits, Stages};
 pub use params::unit_name;
-pub(crate) use params::{two_largest_units, Residency};
+pub(crate) use params::{check_units, two_largest_units, Residency};
 pub(crate) use shards::lay_out_shards;
 pub(crate) use shards::Shards;
 

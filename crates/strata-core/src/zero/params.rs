@@ -38,14 +38,41 @@ pub fn unit_name(name: &str) -> &str {
     }
 }
 
+/// The unit of the variable named `name`: the longest of the program's `units` (prefixes) it
+/// starts with, followed by a dot or its end, otherwise its default [`unit_name`].
+pub(crate) fn unit_of<'a>(name: &'a str, units: &'a [String]) -> &'a str {
+    units
+        .iter()
+        .filter(|u| name == u.as_str() || name.strip_prefix(u.as_str()).is_some_and(|rest| rest.starts_with('.')))
+        .max_by_key(|u| u.len())
+        .map_or_else(|| unit_name(name), String::as_str)
+}
+
+/// Refuses a program's unit (a prefix of `ZeroStage::Parameters`' units) that names none of the
+/// trainable variables `names`, or an empty one.
+pub(crate) fn check_units(names: &[String], units: &[String]) -> Result<()> {
+    for u in units {
+        if u.is_empty() || !names.iter().any(|n| unit_of(n, units) == u.as_str()) {
+            let known: Vec<&str> = names.iter().take(4).map(String::as_str).collect();
+            return Err(Error::InvalidArgument(format!(
+                "zero stage 3's unit {u:?} names no trainable variable of the model (its variables are named like {}); give a prefix of their names, such as {:?}",
+                known.join(", "),
+                names.first().map_or("layer.0", |n| unit_name(n))
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// The elements of the two largest units of `vars` (a copy's trainable variables, named
-/// `names`): what stage 3 holds whole at once besides its shard.
-pub(crate) fn two_largest_units(names: &[String], vars: &[Var]) -> usize {
+/// `names`, with the program's `units`): what stage 3 holds whole at once besides its shard.
+pub(crate) fn two_largest_units(names: &[String], vars: &[Var], custom: &[String]) -> usize {
     let mut units: Vec<(&str, usize)> = Vec::new();
     for (n, v) in names.iter().zip(vars) {
-        match units.iter_mut().find(|(u, _)| *u == unit_name(n)) {
+        let u = unit_of(n, custom);
+        match units.iter_mut().find(|(x, _)| *x == u) {
             Some((_, e)) => *e += v.elem_count(),
-            None => units.push((unit_name(n), v.elem_count())),
+            None => units.push((u, v.elem_count())),
         }
     }
     units.sort_unstable_by_key(|u| std::cmp::Reverse(u.1));
@@ -73,8 +100,14 @@ pub(crate) struct Residency {
 
 impl Residency {
     /// The residency of `vars` (every local copy's trainable variables, named `names` in the
-    /// optimizer's order) over `shards` (their stage 3 pieces), every variable released.
-    pub(crate) fn new(shards: Arc<Shards>, vars: Vec<Vec<Var>>, names: &[String]) -> Result<Arc<Self>> {
+    /// optimizer's order) over `shards` (their stage 3 pieces), in the program's `units` and
+    /// the default ones, every variable released.
+    pub(crate) fn new(
+        shards: Arc<Shards>,
+        vars: Vec<Vec<Var>>,
+        names: &[String],
+        custom: &[String],
+    ) -> Result<Arc<Self>> {
         if shards.workers_runs() > 1 || shards.ext().workers().is_some_and(|w| w.is_elastic()) {
             return Err(Error::ZeroStage {
                 stage: 3,
@@ -89,7 +122,7 @@ impl Residency {
         let mut unit_of = Vec::with_capacity(names.len());
         let mut units: Vec<Vec<usize>> = Vec::new();
         for (i, n) in names.iter().enumerate() {
-            let u = unit_name(n);
+            let u = self::unit_of(n, custom);
             let k = match names_of_units.iter().position(|x| x == u) {
                 Some(k) => k,
                 None => {
@@ -201,7 +234,22 @@ impl Shards {
 
 #[cfg(test)]
 mod tests {
-    use super::unit_name;
+    use super::{check_units, unit_name, unit_of};
+
+    #[test]
+    fn a_program_s_units_take_the_longest_prefix_at_a_dot_and_must_name_a_variable() {
+        let units = ["enc".to_string(), "enc.layer.1".to_string()];
+        assert_eq!(unit_of("enc.layer.1.w", &units), "enc.layer.1");
+        assert_eq!(unit_of("enc.layer.10.w", &units), "enc");
+        assert_eq!(unit_of("enc", &units), "enc");
+        assert_eq!(unit_of("encoder.w", &units), "encoder");
+        assert_eq!(unit_of("head.3.w", &units), "head.3");
+        let names: Vec<String> = ["enc.layer.1.w", "head.w"].map(String::from).to_vec();
+        assert!(check_units(&names, &units).is_ok());
+        let e = check_units(&names, &["dec".to_string()]).unwrap_err().to_string();
+        assert!(e.starts_with("zero stage 3's unit \"dec\" names no trainable variable"), "{e}");
+        assert!(check_units(&names, &[String::new()]).is_err());
+    }
 
     #[test]
     fn units_are_the_first_part_of_a_name_or_two_when_the_second_is_a_number() {
