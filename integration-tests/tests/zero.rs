@@ -81,6 +81,46 @@ fn a_job_checkpointed_on_2_workers_at_stage_1_resumes_on_3_at_stage_2_as_stage_0
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Mirrored(3) at `stages.0` for 6 steps with a checkpoint every 3, then Mirrored(2) at
+/// `stages.1` resuming from it to the end: the parameters.
+fn resumed_on_2_replicas(dir: &Path, stages: (&str, &str)) -> Vec<u8> {
+    let ck = format!("mck-{}-{}", stages.0, stages.1);
+    let saved = format!("mresumed-{}-{}.safetensors", stages.0, stages.1);
+    let run = |replicas: &str, stage: &str, args: &[&str]| {
+        let o = wait(
+            strata()
+                .args(["train", "--strategy", "mirrored", "--replicas", replicas, "--zero-stage", stage])
+                .args(TRAIN)
+                .args(["--checkpoint-dir", &ck])
+                .args(args)
+                .current_dir(dir)
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap(),
+            Instant::now() + Duration::from_secs(180),
+        );
+        check(&o, &format!("mirrored({replicas}) at stage {stage} with {args:?}"));
+        String::from_utf8_lossy(&o.stderr).into_owned()
+    };
+    run("3", stages.0, &["--checkpoint-every", "3", "--max-steps", "6"]);
+    let err = run("2", stages.1, &["--save-params", &saved]);
+    assert!(err.contains("resumed from the checkpoint of step 6"), "{stages:?}: {err}");
+    std::fs::read(dir.join(saved)).unwrap()
+}
+
+/// Stage 3's checkpoints hold the whole model and state: a job checkpointed at stage 3 resumes
+/// at stage 0 on fewer replicas, and one checkpointed at stage 0 resumes at stage 3, both as
+/// stage 0 throughout does, bit for bit.
+#[test]
+fn a_mirrored_job_checkpointed_at_stage_3_resumes_at_stage_0_and_back_as_stage_0_does() {
+    let dir = tmp("resume-3");
+    let whole = resumed_on_2_replicas(&dir, ("0", "0"));
+    assert!(resumed_on_2_replicas(&dir, ("3", "0")) == whole, "3 replicas at stage 3, then 2 at stage 0");
+    assert!(resumed_on_2_replicas(&dir, ("0", "3")) == whole, "3 replicas at stage 0, then 2 at stage 3");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn stages_1_and_2_across_worker_processes_are_stage_0_bit_for_bit() {
     let dir = tmp("workers");

@@ -664,11 +664,19 @@ mod release {
         w.make_resident().unwrap();
         w.make_resident().unwrap();
         assert_eq!(source.1.load(Ordering::SeqCst), 3);
+        // A write after a restore is seen: the owner of the source can save it before it
+        // releases again.
+        assert!(!w.written_since_restore());
+        w.set(&w.as_tensor().ones_like().unwrap()).unwrap();
+        assert!(w.written_since_restore());
+        assert!(w.release_storage(source.clone()).unwrap());
+        w.make_resident().unwrap();
+        assert!(!w.written_since_restore());
         // An op through the variable itself.
         assert!(w.release_storage(source.clone()).unwrap());
         let y = x.matmul(&w.t().unwrap()).unwrap();
         assert_eq!(y.dims(), &[8, 64]);
-        assert_eq!(source.1.load(Ordering::SeqCst), 4);
+        assert_eq!(source.1.load(Ordering::SeqCst), 5);
     }
 
     #[test]

@@ -77,10 +77,12 @@ fn storage_len(s: &Storage) -> Option<usize> {
     }
 }
 
-/// STRATA PATCH: a storage's lock, and, while the storage is released, its source and length.
+/// STRATA PATCH: a storage's lock, and, while the storage is released, its source and length;
+/// and whether it was locked for writing since it was last restored.
 pub(crate) struct StorageCell {
     lock: RwLock<Storage>,
     released: std::sync::atomic::AtomicBool,
+    written: std::sync::atomic::AtomicBool,
     source: parking_lot::Mutex<Option<(Arc<dyn StorageSource>, usize)>>,
 }
 
@@ -89,6 +91,7 @@ impl StorageCell {
         Self {
             lock: RwLock::new(storage),
             released: std::sync::atomic::AtomicBool::new(false),
+            written: std::sync::atomic::AtomicBool::new(false),
             source: parking_lot::Mutex::new(None),
         }
     }
@@ -2861,6 +2864,7 @@ impl Tensor {
             self.restore_for_use();
             let guard = self.storage.lock.write();
             if !self.storage.is_released() {
+                self.storage.written.store(true, std::sync::atomic::Ordering::Release);
                 return guard;
             }
         }
@@ -2901,6 +2905,13 @@ impl Tensor {
     /// STRATA PATCH: whether this tensor's storage is released ([`Tensor::release_storage`]).
     pub fn is_released(&self) -> bool {
         self.storage.is_released()
+    }
+
+    /// STRATA PATCH: whether this tensor's storage was locked for writing (`Var::set`, an
+    /// in-place op) since its source last restored it, or ever if it never was: a program
+    /// that releases a storage can first save what was written to it.
+    pub fn written_since_restore(&self) -> bool {
+        self.storage.written.load(std::sync::atomic::Ordering::Acquire)
     }
 
     /// STRATA PATCH: restores this tensor's released storage now, through its source; nothing
@@ -2945,6 +2956,7 @@ impl Tensor {
         };
         *self.storage.lock.write() = storage;
         *slot = None;
+        self.storage.written.store(false, std::sync::atomic::Ordering::Release);
         self.storage.released.store(false, std::sync::atomic::Ordering::Release);
         Ok(())
     }
@@ -3022,6 +3034,7 @@ impl Tensor {
         src.restore_for_use();
         let dst_offset = self.layout.start_offset() + at;
         let src_l = Layout::contiguous_with_offset(src.elem_count(), src.layout.start_offset());
+        self.storage.written.store(true, std::sync::atomic::Ordering::Release);
         if self.storage_key() < src.storage_key() {
             let mut dst = self.storage.write();
             let from = src.storage.read_recursive();

@@ -165,10 +165,17 @@ impl Residency {
     }
 
     /// Releases variable `var` of copy `copy`, unless an op holds its storage now (then it
-    /// stays until the next release).
+    /// stays until the next release). A variable written since it was brought back (a
+    /// checkpoint's values, a program's assignment) first has its values taken into the
+    /// copy's own pieces, so that the write is not lost; a program writes every copy of a
+    /// mirrored variable, so every replica's pieces take it.
     fn release(&self, copy: usize, var: usize) -> Result<()> {
+        let v = &self.vars[copy][var];
+        if !v.is_released() && v.written_since_restore() {
+            self.shards.take_from(copy, var, v)?;
+        }
         let source = Arc::new(Source { shards: self.shards.clone(), residency: self.me.clone(), copy, var });
-        self.vars[copy][var].release_storage(source)?;
+        v.release_storage(source)?;
         Ok(())
     }
 
@@ -211,6 +218,20 @@ impl StorageSource for Source {
 }
 
 impl Shards {
+    /// Copy `copy`'s pieces of variable `var` take their values from `value` (the variable,
+    /// whole).
+    pub(crate) fn take_from(&self, copy: usize, var: usize, value: &Var) -> Result<()> {
+        let pieces: Vec<_> = self.pieces[copy].iter().filter(|p| p.var == var).collect();
+        if pieces.is_empty() {
+            return Ok(());
+        }
+        let flat = value.as_tensor().flatten_all()?;
+        for p in pieces {
+            p.value.set(&flat.narrow(0, p.start, p.len)?)?;
+        }
+        Ok(())
+    }
+
     /// Variable `var`'s whole value, joined from every local replica's pieces of it (stage 3 on
     /// one machine: every replica's shard is here).
     pub(crate) fn whole(&self, var: usize) -> Result<Tensor> {

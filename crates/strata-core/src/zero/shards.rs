@@ -209,8 +209,14 @@ impl Shards {
         let mut mine = Vec::new();
         for p in &self.pieces[copy] {
             // A copy takes the variable's values, which a program may have written; at stage 3
-            // only from a variable that is whole now (a released one is the pieces' values).
-            if !(p.aliased || self.stage.shards_parameters() && vars[p.var].is_released()) {
+            // only from a variable written since it was brought back (the others hold the
+            // pieces' values, or none).
+            let stale = if self.stage.shards_parameters() {
+                !vars[p.var].is_released() && vars[p.var].written_since_restore()
+            } else {
+                !p.aliased
+            };
+            if stale {
                 p.value.set(&vars[p.var].flatten_all()?.narrow(0, p.start, p.len)?)?;
             }
             if let Some(g) = &grads[p.var] {
