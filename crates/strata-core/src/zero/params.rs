@@ -265,8 +265,10 @@ mod tests {
         assert_eq!(unit_of("enc", &units), "enc");
         assert_eq!(unit_of("encoder.w", &units), "encoder");
         assert_eq!(unit_of("head.3.w", &units), "head.3");
-        let names: Vec<String> = ["enc.layer.1.w", "head.w"].map(String::from).to_vec();
+        let names: Vec<String> = ["enc.layer.0.w", "enc.layer.1.w", "head.w"].map(String::from).to_vec();
         assert!(check_units(&names, &units).is_ok());
+        // A prefix whose every variable a longer one takes is a unit of nothing.
+        assert!(check_units(&names[1..], &units).is_err());
         let e = check_units(&names, &["dec".to_string()]).unwrap_err().to_string();
         assert!(e.starts_with("zero stage 3's unit \"dec\" names no trainable variable"), "{e}");
         assert!(check_units(&names, &[String::new()]).is_err());
