@@ -70,6 +70,10 @@ fn unknown_flags_are_a_one_line_error() {
     assert_one_line_error(&strata(&["train", "--no-such-flag"]), "--no-such-flag");
     assert_one_line_error(&strata(&["train", "--strategy", "parameter-sever"]), "parameter-sever");
     assert_one_line_error(&strata(&["train", "--hidden", "12,x"]), "'x'");
+    let cnn = strata(&["train", "--model", "cnn", "--recompute"]);
+    assert_one_line_error(&cnn, "--recompute applies to --model mlp or transformer, not --model cnn; drop it");
+    let ps = strata(&["train", "--strategy", "parameter-server", "--model", "cnn", "--recompute"]);
+    assert_one_line_error(&ps, "--recompute applies to --model mlp or transformer");
 }
 
 #[test]

@@ -28,9 +28,11 @@ fn check(o: &Output, what: &str) {
 
 /// `workers` processes of `--replicas local` each at `stage`; every worker's parameters, as
 /// `--save-params` writes them.
-fn multi_worker(dir: &Path, workers: usize, local: usize, stage: &str) -> Vec<Vec<u8>> {
+fn multi_worker(dir: &Path, workers: usize, local: usize, stage: &str, args: &[&str]) -> Vec<Vec<u8>> {
     let file = format!("w{workers}x{local}-z{stage}");
-    workers_run(dir, workers, local, stage, &["--save-params", &format!("{file}-{{task}}.safetensors")]);
+    let save = format!("{file}-{{task}}.safetensors");
+    let args: Vec<&str> = args.iter().copied().chain(["--save-params", &save]).collect();
+    workers_run(dir, workers, local, stage, &args);
     (0..workers).map(|i| std::fs::read(dir.join(format!("{file}-{i}.safetensors"))).unwrap()).collect()
 }
 
@@ -125,9 +127,9 @@ fn a_mirrored_job_checkpointed_at_stage_3_resumes_at_stage_0_and_back_as_stage_0
 fn stages_1_and_2_across_worker_processes_are_stage_0_bit_for_bit() {
     let dir = tmp("workers");
     for (workers, local) in [(3, 1), (2, 2)] {
-        let whole = multi_worker(&dir, workers, local, "0");
+        let whole = multi_worker(&dir, workers, local, "0", &[]);
         for stage in ["1", "2"] {
-            let sharded = multi_worker(&dir, workers, local, stage);
+            let sharded = multi_worker(&dir, workers, local, stage, &[]);
             for (i, p) in sharded.iter().enumerate() {
                 assert!(p == &sharded[0], "{workers}x{local}: worker {i}'s parameters differ from the chief's");
                 assert!(p == &whole[i], "{workers}x{local}: worker {i} at stage {stage} differs from stage 0");
@@ -213,6 +215,46 @@ fn the_transformer_at_stages_1_to_3_is_stage_0_within_reassociation() {
     let skipped = l2_relative(&mirrored(&dir, "1", &short), &whole);
     eprintln!("the transformer at stage 1 one step short: {skipped:e} from stage 0");
     assert!(skipped > 100.0 * TRANSFORMER_REASSOCIATION, "a skipped step ends only {skipped:e} from stage 0");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Activation recomputation (`--recompute`) trains the same job: the MLP bit for bit on one
+/// device, Mirrored(3) at stages 0 and 3 and 2 worker processes; the transformer (whose
+/// blocks take two contributions to an input's gradient at most, which add in either order
+/// alike) bit for bit at stage 0, and at stage 3 within the reassociation stage 3 has alone.
+#[test]
+fn recomputation_trains_the_same_job_alone_at_stage_3_and_across_workers() {
+    let dir = tmp("recompute");
+    let with = |args: &[&'static str]| -> Vec<&'static str> { args.iter().copied().chain(["--recompute"]).collect() };
+    let one = |args: &[&str]| {
+        let o = wait(
+            strata()
+                .args(["train", "--strategy", "one-device"])
+                .args(args)
+                .args(["--save-params", "one.safetensors"])
+                .current_dir(&dir)
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap(),
+            Instant::now() + Duration::from_secs(180),
+        );
+        check(&o, &format!("one device with {args:?}"));
+        std::fs::read(dir.join("one.safetensors")).unwrap()
+    };
+    assert!(one(&with(TRAIN)) == one(TRAIN), "one device recomputing differs");
+    let whole = mirrored(&dir, "0", TRAIN);
+    assert!(mirrored(&dir, "0", &with(TRAIN)) == whole, "Mirrored(3) recomputing differs");
+    assert!(mirrored(&dir, "3", &with(TRAIN)) == whole, "Mirrored(3) at stage 3 recomputing differs");
+    let workers = multi_worker(&dir, 2, 1, "0", &[]);
+    let recomputed = multi_worker(&dir, 2, 1, "0", &["--recompute"]);
+    assert!(recomputed == workers, "2 workers recomputing differ");
+    let transformer = ["--model", "transformer", "--steps", "3", "--batch", "12", "--no-progress"];
+    let whole = mirrored(&dir, "0", &transformer);
+    assert!(mirrored(&dir, "0", &with(&transformer)) == whole, "the transformer recomputing differs");
+    let err = l2_relative(&mirrored(&dir, "3", &with(&transformer)), &whole);
+    eprintln!("the transformer at stage 3 recomputing: {err:e} from stage 0");
+    assert!(err <= TRANSFORMER_REASSOCIATION, "the transformer at stage 3 recomputing is {err:e} from stage 0");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -338,8 +338,10 @@ fn train_with(
             let trainer = Trainer::new(config(global_batch)?);
             if args.model == ModelKind::Mlp {
                 let hidden = args.hidden();
-                let model =
-                    strategy.scope(|s| Mlp::new(s.var_builder(), digits::FEATURES, &hidden, digits::CLASSES))?;
+                let model = strategy.scope(|s| {
+                    Ok(Mlp::new(s.var_builder(), digits::FEATURES, &hidden, digits::CLASSES)?
+                        .with_recompute(args.recompute))
+                })?;
                 let report = args.optimizer.fit(args.hyper(), &trainer, &strategy, &model, &train, &test)?;
                 run.end(&report, &model)
             } else {
@@ -366,7 +368,8 @@ fn train_with(
             cfg.clip_global_norm = Some(1.0);
             cfg.schedule = Some(transformer_schedule(args.lr, total));
             let trainer = Trainer::new(cfg);
-            let model = strategy.scope(|s| CharTransformer::new(shape, s.var_builder()))?;
+            let model =
+                strategy.scope(|s| Ok(CharTransformer::new(shape, s.var_builder())?.with_recompute(args.recompute)))?;
             let task = strata::transformer::task();
             let report =
                 args.optimizer.fit_task(args.hyper(), &trainer, &strategy, &model, &task, &train, &validation)?;

@@ -145,6 +145,11 @@ pub struct TrainArgs {
     /// --model transformer: attention heads, which divide the width [default: 4].
     #[arg(long, value_name = "H")]
     pub heads: Option<usize>,
+    /// Recompute activations in the backward pass instead of keeping them: the transformer's
+    /// blocks and the MLP's hidden layers each keep only their input (the same gradients, less
+    /// memory, one more forward pass).
+    #[arg(long)]
+    pub recompute: bool,
     /// --model transformer: after training, print N characters sampled from the model.
     #[arg(long, value_name = "N")]
     pub sample: Option<usize>,
@@ -435,6 +440,9 @@ impl TrainArgs {
         };
         if self.model != ModelKind::Mlp && self.hidden_flag.is_some() {
             return refuse("--hidden", "--model mlp");
+        }
+        if self.model == ModelKind::Cnn && self.recompute {
+            return refuse("--recompute", "--model mlp or transformer");
         }
         if self.model != ModelKind::Transformer {
             if self.steps.is_some() {

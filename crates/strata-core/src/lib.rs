@@ -96,6 +96,7 @@ pub mod layers;
 pub mod optim;
 mod overlap;
 mod overlap_plan;
+mod recompute;
 mod reduce;
 pub mod runtime;
 pub mod scope;
@@ -116,6 +117,7 @@ pub use error::{Error, MemoryLimitExceeded, Result};
 pub use extended::{
     CrossReplicaContext, ReplicaContext, StrategyExtended, StrategyId, StrategyOptions, VariablePolicy, ZeroStage,
 };
+pub use recompute::recompute;
 pub use reduce::ReduceOp;
 pub use scope::{get_strategy, has_strategy};
 pub use strategy::{Strategy, StrategyHandle};

@@ -724,3 +724,99 @@ mod release {
         assert_eq!(w.as_tensor().sum_all().unwrap().to_scalar::<f32>().unwrap(), 0.0);
     }
 }
+
+/// The patch's third seam, `Tensor::with_backward` and `Tensor::backward_from` (activation
+/// recomputation): a node of any number of operands whose gradients a function computes, and a
+/// backward pass seeded with a given gradient.
+mod with_backward {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    use candle_core::backprop::BackwardFn;
+    use candle_core::{Result, Tensor, Var};
+
+    use super::*;
+
+    /// `y = a * b + c` elementwise, its gradients in closed form, counting the calls.
+    struct MulAdd(AtomicUsize);
+
+    impl BackwardFn for MulAdd {
+        fn backward(&self, ops: &[Tensor], _node: &Tensor, grad: &Tensor) -> Result<Vec<Option<Tensor>>> {
+            self.0.fetch_add(1, Ordering::SeqCst);
+            Ok(vec![Some(grad.mul(&ops[1])?), Some(grad.mul(&ops[0])?), Some(grad.clone())])
+        }
+    }
+
+    #[test]
+    fn a_node_s_function_gives_its_operands_gradients_once_per_pass() {
+        let dev = Device::Cpu;
+        let a = Var::new(&[1f32, 2.0, 3.0], &dev).unwrap();
+        let b = Var::new(&[4f32, 5.0, 6.0], &dev).unwrap();
+        let c = Var::new(&[7f32, 8.0, 9.0], &dev).unwrap();
+        let value = ((a.as_tensor() * b.as_tensor()).unwrap() + c.as_tensor()).unwrap().detach();
+        let f = Arc::new(MulAdd(AtomicUsize::new(0)));
+        let y = Tensor::with_backward(
+            &value,
+            vec![a.as_tensor().clone(), b.as_tensor().clone(), c.as_tensor().clone()],
+            f.clone(),
+        );
+        assert_eq!(y.to_vec1::<f32>().unwrap(), [11.0, 18.0, 27.0]);
+        // d/da sum(y^2) = 2 y b, and a used again outside the node adds its own part.
+        let loss = (y.sqr().unwrap().sum_all().unwrap() + a.as_tensor().sum_all().unwrap()).unwrap();
+        let g = loss.backward().unwrap();
+        assert_eq!(f.0.load(Ordering::SeqCst), 1);
+        assert_eq!(g.get(&a).unwrap().to_vec1::<f32>().unwrap(), [89.0, 181.0, 325.0]);
+        assert_eq!(g.get(&b).unwrap().to_vec1::<f32>().unwrap(), [22.0, 72.0, 162.0]);
+        assert_eq!(g.get(&c).unwrap().to_vec1::<f32>().unwrap(), [22.0, 36.0, 54.0]);
+        // The hook's hand-over counts the node as a use of each operand.
+        let mut handed = Vec::new();
+        let loss = y.sqr().unwrap().sum_all().unwrap();
+        loss.backward_with_hook(&mut |v, _| {
+            handed.push(v.id());
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(handed.len(), 3, "each operand once");
+        for v in [&a, &b, &c] {
+            assert!(handed.contains(&v.as_tensor().id()));
+        }
+        // Without an operand that tracks gradients, the value itself, detached.
+        let plain = Tensor::with_backward(&value, vec![value.clone()], f.clone());
+        assert!(!plain.track_op());
+    }
+
+    #[test]
+    fn a_wrong_number_of_gradients_is_an_error_and_a_seed_of_another_shape_is_refused() {
+        struct Short;
+        impl BackwardFn for Short {
+            fn backward(&self, _: &[Tensor], _: &Tensor, _: &Tensor) -> Result<Vec<Option<Tensor>>> {
+                Ok(vec![None])
+            }
+        }
+        let dev = Device::Cpu;
+        let a = Var::new(&[1f32, 2.0], &dev).unwrap();
+        let y =
+            Tensor::with_backward(a.as_tensor(), vec![a.as_tensor().clone(), a.as_tensor().clone()], Arc::new(Short));
+        let e = y.sum_all().unwrap().backward().unwrap_err().to_string();
+        assert!(e.contains("1 gradients for 2 operands"), "{e}");
+        let seed = Tensor::new(&[1f32, 2.0, 3.0], &dev).unwrap();
+        assert!(a.as_tensor().sqr().unwrap().backward_from(&seed).is_err());
+    }
+
+    #[test]
+    fn a_seeded_pass_gives_the_gradients_of_the_product_with_its_seed() {
+        let dev = Device::Cpu;
+        let w = Var::randn(0f32, 1.0, (16, 8), &dev).unwrap();
+        let x = Tensor::randn(0f32, 1.0, (4, 16), &dev).unwrap();
+        let seed = Tensor::randn(0f32, 1.0, (4, 8), &dev).unwrap();
+        let y = x.matmul(w.as_tensor()).unwrap().tanh().unwrap();
+        let got = y.backward_from(&seed).unwrap().get(&w).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        // The seed as a constant factor: sum(y * seed) has y's gradient equal to the seed
+        // (ones times the seed), so the same bits.
+        let y = x.matmul(w.as_tensor()).unwrap().tanh().unwrap();
+        let want = (y * &seed).unwrap().sum_all().unwrap().backward().unwrap();
+        let want = want.get(&w).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&got), bits(&want));
+    }
+}

@@ -103,6 +103,7 @@ pub use kind::{Hyper, NamedKind, OptimizerKind, StrategyKind};
 pub use strata_core::checkpoint;
 pub use strata_core::elastic;
 pub use strata_core::elastic::{Elastic, Position, StatefulOptimizer, Stepped};
+pub use strata_core::recompute;
 pub use strata_core::Error as CoreError;
 pub use strata_core::Result as CoreResult;
 pub use strata_core::{

@@ -61,7 +61,7 @@ pub trait Classifier: Send + Sync {
 /// large part of a step on the 4.3M-parameter MLP. Storing `(in, out)` makes every gradient
 /// contiguous. The initialisation is candle-nn's: Kaiming normal over the fan-in for the
 /// weight, uniform in `±1/sqrt(in)` for the bias.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct Dense {
     weight: Tensor,
     bias: Option<Tensor>,
@@ -120,6 +120,7 @@ impl Dense {
 #[derive(Debug)]
 pub struct Mlp {
     layers: Vec<Dense>,
+    recompute: bool,
 }
 
 impl Mlp {
@@ -132,7 +133,15 @@ impl Mlp {
             .enumerate()
             .map(|(i, w)| Dense::new(w[0], w[1], vb.pp(format!("layer{i}"))))
             .collect::<candle_core::Result<_>>()?;
-        Ok(Self { layers })
+        Ok(Self { layers, recompute: false })
+    }
+
+    /// The model recomputing each hidden layer's `relu(x W + b)` in the backward pass instead
+    /// of keeping its product ([`strata_core::recompute`]; `strata train --recompute`), for
+    /// the same gradients.
+    pub fn with_recompute(mut self, recompute: bool) -> Self {
+        self.recompute = recompute;
+        self
     }
 
     /// The number of parameters of an MLP of these sizes.
@@ -146,10 +155,14 @@ impl Classifier for Mlp {
     fn logits(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let mut h = x.clone();
         for (i, l) in self.layers.iter().enumerate() {
-            h = l.forward(&h)?;
-            if i + 1 < self.layers.len() {
-                h = h.relu()?;
-            }
+            h = if i + 1 == self.layers.len() {
+                l.forward(&h)?
+            } else if self.recompute {
+                let l = l.clone();
+                strata_core::recompute(&[h], move |xs| l.forward(&xs[0])?.relu())?
+            } else {
+                l.forward(&h)?.relu()?
+            };
         }
         Ok(h)
     }

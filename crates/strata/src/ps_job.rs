@@ -146,6 +146,11 @@ pub struct PsJobSpec {
     /// [`PsWorkerModel::set_lookahead`]. Absent from the JSON when `true`.
     #[serde(default = "overlap_default", skip_serializing_if = "is_true")]
     pub lookahead: bool,
+    /// Whether the workers recompute the MLP's hidden layers or the transformer's blocks in
+    /// the backward pass (`--recompute`; [`strata_core::recompute`]). Absent from the JSON
+    /// when `false`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub recompute: bool,
 }
 
 fn overlap_default() -> bool {
@@ -171,6 +176,7 @@ impl PsJobSpec {
             data,
             overlap: true,
             lookahead: true,
+            recompute: false,
         }
     }
 
@@ -185,6 +191,7 @@ impl PsJobSpec {
             data,
             overlap: true,
             lookahead: true,
+            recompute: false,
         }
     }
 
@@ -199,6 +206,7 @@ impl PsJobSpec {
             data: None,
             overlap: true,
             lookahead: true,
+            recompute: false,
         }
     }
 
@@ -227,6 +235,12 @@ impl PsJobSpec {
         }
         if self.model != PsModelKind::Transformer && self.transformer.is_some() {
             return Err(Error::Usage(format!("a transformer shape does not apply to the {m}")));
+        }
+        if self.model == PsModelKind::Cnn && self.recompute {
+            return Err(Error::Usage(
+                "recomputation applies to the mlp's hidden layers and the transformer's blocks, not the cnn; drop it"
+                    .into(),
+            ));
         }
         let parameters = match self.model {
             PsModelKind::Mlp => crate::model::check_mlp(digits::FEATURES, &self.hidden, digits::CLASSES)?,
@@ -380,7 +394,8 @@ impl WorkerState {
             PsModelKind::Mlp => {
                 let hidden = spec.hidden.clone();
                 let mut worker = PsWorkerModel::new(spec.replicas, options, |s| {
-                    Mlp::new(s.var_builder(), digits::FEATURES, &hidden, digits::CLASSES)
+                    Ok(Mlp::new(s.var_builder(), digits::FEATURES, &hidden, digits::CLASSES)?
+                        .with_recompute(spec.recompute))
                 })?;
                 worker.set_lookahead(spec.lookahead);
                 (digits_data()?, WorkerModel::Mlp(worker))
@@ -401,8 +416,9 @@ impl WorkerState {
                         corpus.vocab_size()
                     )));
                 }
-                let mut worker =
-                    PsWorkerModel::new(spec.replicas, options, |s| CharTransformer::new(shape, s.var_builder()))?;
+                let mut worker = PsWorkerModel::new(spec.replicas, options, |s| {
+                    Ok(CharTransformer::new(shape, s.var_builder())?.with_recompute(spec.recompute))
+                })?;
                 worker.clip_global_norm(TRANSFORMER_CLIP_NORM)?;
                 worker.set_lookahead(spec.lookahead);
                 (WorkerData::Text(Box::new(corpus)), WorkerModel::Transformer(worker))

@@ -93,7 +93,7 @@ impl TransformerConfig {
 }
 
 /// Layer norm over the last axis with a learned scale (`weight`, from 1) and shift (`bias`, from 0).
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 struct LayerNorm {
     weight: Tensor,
     bias: Tensor,
@@ -112,7 +112,7 @@ impl LayerNorm {
     }
 }
 
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 struct Block {
     ln1: LayerNorm,
     qkv: Dense,
@@ -180,6 +180,7 @@ pub struct CharTransformer {
     ln_f: LayerNorm,
     head: Dense,
     device: Device,
+    recompute: bool,
 }
 
 impl CharTransformer {
@@ -195,7 +196,16 @@ impl CharTransformer {
             head: Dense::with_stdev(c.width, c.vocab, 0.02, vb.pp("head"))?,
             device: vb.device().clone(),
             config,
+            recompute: false,
         })
+    }
+
+    /// The model recomputing each block's inner activations in the backward pass instead of
+    /// keeping them ([`strata_core::recompute`]; `strata train --recompute`): each block keeps
+    /// only its input, for the same gradients.
+    pub fn with_recompute(mut self, recompute: bool) -> Self {
+        self.recompute = recompute;
+        self
     }
 
     /// Its shape.
@@ -213,8 +223,14 @@ impl CharTransformer {
         let w = self.config.width;
         let x = self.tok.index_select(&ids.flatten_all()?, 0)?.reshape((n, t, w))?;
         let mut x = x.broadcast_add(&self.pos.narrow(0, 0, t)?)?.reshape((n * t, w))?;
+        let heads = self.config.heads;
         for b in &self.blocks {
-            x = b.forward(&x, n, t, self.config.heads)?;
+            x = if self.recompute {
+                let b = b.clone();
+                strata_core::recompute(&[x], move |xs| b.forward(&xs[0], n, t, heads))?
+            } else {
+                b.forward(&x, n, t, heads)?
+            };
         }
         self.head.forward(&self.ln_f.forward(&x)?)?.reshape((n, t, self.config.vocab))
     }

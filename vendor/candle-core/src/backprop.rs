@@ -73,7 +73,22 @@ impl Tensor {
     }
 
     pub fn backward(&self) -> Result<GradStore> {
-        self.backward_inner(None)
+        self.backward_inner(None, None)
+    }
+
+    /// STRATA PATCH: [`Tensor::backward`] with `grad` (of this tensor's shape) as this
+    /// tensor's gradient in place of ones: the pass a [`BackwardFn`] runs over a sub-graph of
+    /// its own, given its node's gradient.
+    pub fn backward_from(&self, grad: &Tensor) -> Result<GradStore> {
+        if grad.shape() != self.shape() {
+            Err(Error::ShapeMismatchBinaryOp {
+                lhs: self.shape().clone(),
+                rhs: grad.shape().clone(),
+                op: "backward_from",
+            }
+            .bt())?
+        }
+        self.backward_inner(Some(grad), None)
     }
 
     /// STRATA PATCH: [`Tensor::backward`], calling `on_final(variable, gradient)` once for every
@@ -94,7 +109,7 @@ impl Tensor {
                 (self.0)(var, grad)
             }
         }
-        self.backward_inner(Some(&mut FinalOnly(on_final)))
+        self.backward_inner(None, Some(&mut FinalOnly(on_final)))
     }
 
     /// STRATA PATCH: [`Tensor::backward_with_hook`] with a [`GradHook`], which may also take
@@ -102,13 +117,20 @@ impl Tensor {
     /// or `x.matmul(&w)` in blocks of rows, each as soon as it is computed (see
     /// [`GradHook::rows_per_block`]).
     pub fn backward_with_hooks(&self, hook: &mut dyn GradHook) -> Result<GradStore> {
-        self.backward_inner(Some(hook))
+        self.backward_inner(None, Some(hook))
     }
 
-    fn backward_inner(&self, mut on_final: Option<&mut dyn GradHook>) -> Result<GradStore> {
+    fn backward_inner(
+        &self,
+        seed: Option<&Tensor>,
+        mut on_final: Option<&mut dyn GradHook>,
+    ) -> Result<GradStore> {
         let sorted_nodes = self.sorted_nodes();
         let mut grads = GradStore::new();
-        grads.insert(self, self.ones_like()?.contiguous()?);
+        match seed {
+            Some(grad) => grads.insert(self, grad.detach()),
+            None => grads.insert(self, self.ones_like()?.contiguous()?),
+        };
         // STRATA PATCH: with a hook, `ready[i]` lists the variables whose last use is node `i`.
         let mut ready: Vec<Vec<&Tensor>> = Vec::new();
         let mut fired: std::collections::HashSet<TensorId> = std::collections::HashSet::new();
@@ -715,6 +737,21 @@ impl Tensor {
                             grads.accumulate(arg3, &arg_grad3)?
                         }
                     }
+                    Op::Backward(args, f) => {
+                        let arg_grads = f.backward(args, node, &grad)?;
+                        if arg_grads.len() != args.len() {
+                            crate::bail!(
+                                "a backward function gave {} gradients for {} operands",
+                                arg_grads.len(),
+                                args.len()
+                            )
+                        }
+                        for (arg, arg_grad) in args.iter().zip(arg_grads) {
+                            if let Some(arg_grad) = arg_grad {
+                                grads.accumulate(arg, &arg_grad)?
+                            }
+                        }
+                    }
                     Op::Unary(arg, UnaryOp::Sqr) => {
                         let arg_grad = arg.mul(&grad)?.affine(2., 0.)?;
                         grads.accumulate(arg, &arg_grad)?
@@ -770,6 +807,18 @@ impl Tensor {
         }
         Ok(grads)
     }
+}
+
+/// STRATA PATCH: the gradients of a node made by [`Tensor::with_backward`].
+pub trait BackwardFn: Send + Sync {
+    /// The gradient of each of `operands` (in their order; `None` for one that gets none)
+    /// given `grad`, the gradient of `node` (the value [`Tensor::with_backward`] returned).
+    fn backward(
+        &self,
+        operands: &[Tensor],
+        node: &Tensor,
+        grad: &Tensor,
+    ) -> Result<Vec<Option<Tensor>>>;
 }
 
 /// STRATA PATCH: what [`Tensor::backward_with_hooks`] calls as the pass goes on.
@@ -834,7 +883,7 @@ fn grad_inputs(op: &Op) -> Vec<&Tensor> {
         | Op::IndexSelect(lhs, rhs, _)
         | Op::Matmul(lhs, rhs)
         | Op::SliceScatter0(lhs, rhs, _) => vec![lhs, rhs],
-        Op::Cat(args, _) => args.iter().collect(),
+        Op::Cat(args, _) | Op::Backward(args, _) => args.iter().collect(),
         Op::Affine { arg, mul, .. } => {
             if *mul == 0. {
                 vec![]

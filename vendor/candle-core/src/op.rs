@@ -187,6 +187,9 @@ pub enum Op {
         Tensor,
         std::sync::Arc<Box<dyn crate::CustomOp3 + Send + Sync>>,
     ),
+    /// STRATA PATCH: a node of any number of operands whose gradients a caller's function
+    /// computes (see [`crate::Tensor::with_backward`]).
+    Backward(Vec<Tensor>, std::sync::Arc<dyn crate::backprop::BackwardFn>),
 }
 
 pub trait UnaryOpT {
@@ -1095,6 +1098,18 @@ pub struct BackpropOp(Option<Op>);
 impl BackpropOp {
     pub fn none() -> Self {
         BackpropOp(None)
+    }
+
+    /// STRATA PATCH: [`Op::Backward`] when an operand tracks gradients.
+    pub(crate) fn backward(
+        operands: Vec<Tensor>,
+        f: std::sync::Arc<dyn crate::backprop::BackwardFn>,
+    ) -> Self {
+        if operands.iter().any(|t| t.track_op()) {
+            BackpropOp(Some(Op::Backward(operands, f)))
+        } else {
+            BackpropOp(None)
+        }
     }
 
     pub(crate) fn new1(arg: &Tensor, f: impl Fn(Tensor) -> Op) -> Self {

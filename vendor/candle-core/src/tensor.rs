@@ -2456,6 +2456,30 @@ impl Tensor {
         }
     }
 
+    /// STRATA PATCH: `value` as a node of the graph whose operands are `operands` and whose
+    /// gradients `backward` computes from the node's (the same elements, shared, not copied).
+    /// The backward pass walks from the node to the operands, not into `value`'s own graph:
+    /// `value` is usually computed from detached copies of the operands, so that what it was
+    /// computed from need not be kept (activation recomputation). Without an operand that
+    /// tracks gradients, `value` detached.
+    pub fn with_backward(
+        value: &Tensor,
+        operands: Vec<Tensor>,
+        backward: Arc<dyn crate::backprop::BackwardFn>,
+    ) -> Tensor {
+        let op = BackpropOp::backward(operands, backward);
+        let tensor_ = Tensor_ {
+            id: TensorId::new(),
+            storage: value.storage.clone(),
+            layout: value.layout.clone(),
+            op,
+            is_variable: false,
+            dtype: value.dtype,
+            device: value.device.clone(),
+        };
+        Tensor(Arc::new(tensor_))
+    }
+
     /// If the target device is the same as the tensor device, only a shallow copy is performed.
     pub fn to_device(&self, device: &Device) -> Result<Tensor> {
         if self.device().same_device(device) {

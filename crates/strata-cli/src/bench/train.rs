@@ -83,6 +83,11 @@ pub struct BenchTrainArgs {
     /// each row prints the bytes of parameters, gradients and optimizer state per replica.
     #[arg(long, value_delimiter = ',', default_value = "0", value_parser = parse_zero_stage)]
     pub zero_stages: Vec<ZeroStage>,
+    /// Also measure one-device and mirrored (at each of --zero-stages) recomputing
+    /// activations in the backward pass (`strata train --recompute`: the MLPs' hidden layers,
+    /// the transformer's blocks), rows `+recompute` beside the same configurations keeping them.
+    #[arg(long)]
+    pub recompute: bool,
     /// Internal: measure one `MODEL:CONFIG` in this process and print JSON.
     #[arg(long, hide = true)]
     pub worker: Option<String>,
@@ -279,15 +284,16 @@ trait Workload: Sync {
     fn batches(&self, global: usize) -> Result<Vec<Self::B>>;
 }
 
-/// The MLPs and the CNN on the digits.
-struct Digits(BenchModel);
+/// The MLPs and the CNN on the digits; whether the MLPs' hidden layers are recomputed.
+struct Digits(BenchModel, bool);
 
 impl Workload for Digits {
     type Model = Box<dyn Classifier>;
     type B = Batch;
     fn build(&self, vb: VarBuilder) -> candle_core::Result<Self::Model> {
         Ok(match &self.0 {
-            BenchModel::Mlp(_, hidden) => Box::new(Mlp::new(vb, FEATURES, hidden, CLASSES)?),
+            BenchModel::Mlp(_, hidden) => Box::new(Mlp::new(vb, FEATURES, hidden, CLASSES)?.with_recompute(self.1)),
+            _ if self.1 => candle_core::bail!("the cnn has no blocks to recompute"),
             _ => Box::new(Cnn::new(vb)?),
         })
     }
@@ -299,14 +305,15 @@ impl Workload for Digits {
     }
 }
 
-/// The transformer on Tiny Shakespeare: batches of random training windows.
-struct Chars(TransformerConfig);
+/// The transformer on Tiny Shakespeare: batches of random training windows; whether its
+/// blocks are recomputed.
+struct Chars(TransformerConfig, bool);
 
 impl Workload for Chars {
     type Model = CharTransformer;
     type B = (Tensor, Tensor);
     fn build(&self, vb: VarBuilder) -> candle_core::Result<CharTransformer> {
-        CharTransformer::new(self.0, vb)
+        Ok(CharTransformer::new(self.0, vb)?.with_recompute(self.1))
     }
     fn loss(&self, model: &CharTransformer, b: &(Tensor, Tensor), device: &Device) -> strata_core::Result<Tensor> {
         let (x, y) = b.to_device(device)?;
@@ -580,12 +587,13 @@ fn matches_pattern(pattern: &str, name: &str) -> bool {
 
 fn worker(spec: &str, args: &BenchTrainArgs) -> Result<()> {
     let (model, config) = spec.split_once(':').ok_or_else(|| Error::Usage(format!("bad worker spec {spec:?}")))?;
+    let (config, recompute) = config.strip_suffix("+recompute").map_or((config, false), |c| (c, true));
     let m = if config == "limit" {
         measure_limit(args.replicas, args.seconds)?
     } else {
         match BenchModel::one(model)? {
-            BenchModel::Transformer(c) => measure_with(config, args, &Chars(c))?,
-            m => measure_with(config, args, &Digits(m))?,
+            BenchModel::Transformer(c) => measure_with(config, args, &Chars(c, recompute))?,
+            m => measure_with(config, args, &Digits(m, recompute))?,
         }
     };
     println!("{}", serde_json::to_string(&m).map_err(|e| Error::io("cannot encode", e.into()))?);
@@ -597,11 +605,11 @@ pub(crate) fn ceiling_examples_per_second(model: &BenchModel, k: usize, global: 
     let cfg = ParamsAdamW { lr: LR, ..Default::default() };
     let m = match model {
         BenchModel::Transformer(c) => {
-            let w = Chars(*c);
+            let w = Chars(*c, false);
             measure_ceiling::<FusedAdamW, _>(k, cfg, &w, &w.batches(global)?, seconds, &[])?
         }
         m => {
-            let w = Digits(m.clone());
+            let w = Digits(m.clone(), false);
             measure_ceiling::<FusedAdamW, _>(k, cfg, &w, &w.batches(global)?, seconds, &[])?
         }
     };
@@ -805,6 +813,11 @@ pub fn run(args: &BenchTrainArgs) -> Result<()> {
                     configs.push(format!("{c}{suffix}"));
                 }
             }
+        }
+        if args.recompute && *model != BenchModel::Cnn {
+            let kept: Vec<String> =
+                configs.iter().filter(|c| *c == "one-device" || c.starts_with("mirrored")).cloned().collect();
+            configs.extend(kept.into_iter().map(|c| format!("{c}+recompute")));
         }
         let mut runs: Vec<Vec<Measurement>> = vec![Vec::new(); configs.len()];
         for round in 0..args.rounds {
