@@ -85,12 +85,16 @@ where
         check_same(node, &again)?;
         let grads = again.backward_from(grad)?;
         // An input that tracks no gradient gets none (the sub-graph's pass may have stored
-        // one for it on the way).
+        // one for it on the way). Each gradient is handed over detached: the sub-graph's pass
+        // computed it from the recomputed activations (a weight's gradient is `x^T g`), and a
+        // gradient still holding that graph would keep every recomputed block's activations
+        // alive until the outer pass ends, the memory recomputation is there to save.
+        let detached = |g: &Tensor| g.detach();
         Ok(inputs
             .iter()
             .zip(operands)
-            .map(|(t, outer)| grads.get(t).filter(|_| outer.track_op()).cloned())
-            .chain(operands[self.inputs..].iter().map(|v| grads.get(v).cloned()))
+            .map(|(t, outer)| grads.get(t).filter(|_| outer.track_op()).map(detached))
+            .chain(operands[self.inputs..].iter().map(|v| grads.get(v).map(detached)))
             .collect())
     }
 }

@@ -121,6 +121,25 @@ fn a_recomputed_block_keeps_only_its_input() {
 }
 
 #[test]
+fn a_recomputed_blocks_gradients_hold_none_of_its_activations() {
+    // A weight's gradient is `x^T g`, a tensor whose graph reaches the activation `x`: handed
+    // over with that graph, the gradients of the variables inside recomputed blocks would keep
+    // every recomputed activation alive until the outer pass ends (measured: a 25M-parameter
+    // transformer's backward peak 1.3 GB either way). They come detached.
+    let dev = Device::Cpu;
+    let m = Model::new(&dev);
+    let ids = Tensor::new(&[1u32, 2, 3], &dev).unwrap();
+    let block_vars = &m.vars[1..10];
+    let tracking = |recomputed: bool| {
+        let grads = m.loss(&ids, recomputed).backward().unwrap();
+        block_vars.iter().filter(|v| grads.get(v).unwrap().track_op()).count()
+    };
+    // Kept, the gradients of the blocks' matrices (two per block) still hold the forward graph;
+    // recomputed, none does.
+    assert_eq!((tracking(false), tracking(true)), (6, 0));
+}
+
+#[test]
 fn inputs_without_gradients_and_several_inputs() {
     let dev = Device::Cpu;
     let w = Var::randn(0f32, 1.0, (4, 4), &dev).unwrap();
@@ -139,7 +158,7 @@ fn inputs_without_gradients_and_several_inputs() {
     }
     assert!(got.get(&plain).is_none());
     // Nothing to differentiate: the block's value, no node.
-    let y = recompute(&[plain.clone()], |xs: &[Tensor]| xs[0].exp()).unwrap();
+    let y = recompute(std::slice::from_ref(&plain), |xs: &[Tensor]| xs[0].exp()).unwrap();
     assert!(!y.track_op());
     assert_eq!(bits(&y), bits(&plain.exp().unwrap()));
 }
