@@ -62,7 +62,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
+use strata::transformer::TransformerConfig;
 use strata_core::cross_device::compression::{Compression, CompressionError};
+use strata_core::ZeroStage;
 
 use crate::{Error, Result};
 
@@ -178,6 +180,16 @@ pub struct RunSpec {
     /// Whether `[injection] kill` applies to this run (`faults = false`: an undisturbed
     /// reference).
     pub faults: bool,
+    /// The ZeRO stage (`strata train --zero-stage`): mirrored and multi-worker-mirrored runs.
+    #[serde(serialize_with = "display_stage")]
+    pub zero_stage: ZeroStage,
+    /// Whether the model's blocks are recomputed in the backward pass (`strata train
+    /// --recompute`): the MLP and the transformer.
+    pub recompute: bool,
+}
+
+fn display_stage<S: serde::Serializer>(z: &ZeroStage, s: S) -> std::result::Result<S::Ok, S::Error> {
+    s.collect_str(z)
 }
 
 fn display<S: serde::Serializer>(c: &Compression, s: S) -> std::result::Result<S::Ok, S::Error> {
@@ -369,6 +381,9 @@ pub struct Experiment {
     pub hidden: Vec<usize>,
     /// The transformer's steps per epoch (`None`: `strata train`'s default).
     pub steps: Option<usize>,
+    /// The transformer's shape where the file sets `width`, `layers` or `heads` (`strata train
+    /// --width --layers --heads`; the others keep the default's); `None`: the default model.
+    pub transformer: Option<TransformerConfig>,
     /// Passes over the training set (real runs).
     pub epochs: usize,
     /// Examples per synchronous step, over all replicas or workers.
@@ -418,6 +433,7 @@ impl Experiment {
             ));
         }
         let (model, hidden, steps) = model_fields(&at, &e)?;
+        let transformer = transformer_shape(&at, &e, model)?;
         let epochs = at.positive(&e.epochs, "experiment.epochs")?;
         let global_batch = at.positive(&e.global_batch, "experiment.global_batch")?;
         let lr = *e.lr.get_ref();
@@ -438,7 +454,7 @@ impl Experiment {
         }
         let mut runs: Vec<RunSpec> = Vec::new();
         for (i, r) in raw.run.iter().enumerate() {
-            let spec = run_spec(&at, i, r, global_batch)?;
+            let spec = run_spec(&at, i, r, global_batch, optimizer.as_str(), model)?;
             if runs.iter().any(|o| o.name == spec.name) {
                 return Err(at.error(
                     r.get_ref().name.as_ref().map_or(r.span(), |n| n.span()),
@@ -485,6 +501,7 @@ impl Experiment {
             model,
             hidden,
             steps,
+            transformer,
             epochs,
             global_batch,
             lr,
@@ -529,6 +546,30 @@ fn model_fields(at: &Locator<'_>, e: &RawExperiment) -> Result<(RunModel, Vec<us
         return Err(at.not_for(d.span(), "experiment.data", "the digits models (model = \"mlp\" or \"cnn\")", model));
     }
     Ok((model, hidden, steps))
+}
+
+/// `[experiment]`'s `width`, `layers` and `heads` (the transformer's; any left out keeps the
+/// default model's), checked as `strata train` checks them.
+fn transformer_shape(at: &Locator<'_>, e: &RawExperiment, model: RunModel) -> Result<Option<TransformerConfig>> {
+    let keys = [("width", &e.width), ("layers", &e.layers), ("heads", &e.heads)];
+    let Some(first) = keys.iter().find_map(|(_, v)| v.as_ref()) else { return Ok(None) };
+    if model != RunModel::Transformer {
+        let (key, v) = keys.iter().find(|(_, v)| v.is_some()).map(|(k, v)| (*k, v.as_ref().unwrap())).unwrap();
+        return Err(at.not_for(v.span(), &format!("experiment.{key}"), "model = \"transformer\"", model));
+    }
+    let mut c = TransformerConfig::DEFAULT;
+    for (key, v) in keys {
+        if let Some(v) = v {
+            let n = at.positive(v, &format!("experiment.{key}"))?;
+            match key {
+                "width" => c.width = n,
+                "layers" => c.layers = n,
+                _ => c.heads = n,
+            }
+        }
+    }
+    c.check().map_err(|m| at.error(first.span(), "experiment.width", m))?;
+    Ok(Some(c))
 }
 
 /// `[experiment]`'s optimizer: one `strata train --optimizer` takes, and one every run's strategy
@@ -625,7 +666,14 @@ impl RunAt<'_> {
 
 /// The `i`th `[[run]]` table, checked against itself and `global_batch` (not against the other
 /// runs: the caller checks that its name is new).
-fn run_spec(at: &Locator<'_>, i: usize, r: &Spanned<RawRun>, global_batch: usize) -> Result<RunSpec> {
+fn run_spec(
+    at: &Locator<'_>,
+    i: usize,
+    r: &Spanned<RawRun>,
+    global_batch: usize,
+    optimizer: &str,
+    model: RunModel,
+) -> Result<RunSpec> {
     let run = RunAt { at, i, run: r.get_ref(), span: r.span() };
     let r = run.run;
     let (replicas, workers, ps_tasks) = run_processes(&run)?;
@@ -650,6 +698,8 @@ fn run_spec(at: &Locator<'_>, i: usize, r: &Spanned<RawRun>, global_batch: usize
         ));
     }
     let (min_workers, checkpoint_every, restarts) = run_recovery(&run, workers)?;
+    let (zero_stage, recompute) =
+        run_memory(&run, optimizer, model, min_workers.is_some(), checkpoint_every.is_some())?;
     let mut spec = RunSpec {
         name: String::new(),
         strategy: r.strategy,
@@ -668,6 +718,8 @@ fn run_spec(at: &Locator<'_>, i: usize, r: &Spanned<RawRun>, global_batch: usize
         restarts,
         checkpoint_every,
         faults: r.faults.as_ref().is_none_or(|f| *f.get_ref()),
+        zero_stage,
+        recompute,
     };
     spec.name = match &r.name {
         Some(n) => n.get_ref().clone(),
@@ -681,6 +733,49 @@ fn run_spec(at: &Locator<'_>, i: usize, r: &Spanned<RawRun>, global_batch: usize
         ));
     }
     Ok(spec)
+}
+
+/// A run's ZeRO stage and recomputation, refused where `strata train` would refuse them (a
+/// strategy or optimizer the stage does not take, an elastic run whose sharded state has no
+/// checkpoint, recomputation of the CNN), before any run starts.
+fn run_memory(
+    run: &RunAt<'_>,
+    optimizer: &str,
+    model: RunModel,
+    elastic: bool,
+    checkpointed: bool,
+) -> Result<(ZeroStage, bool)> {
+    let r = run.run;
+    let stage = match &r.zero_stage {
+        None => ZeroStage::Off,
+        Some(z) => {
+            let stage: ZeroStage = z.get_ref().to_string().parse().map_err(|e| run.error(z.span(), "zero_stage", e))?;
+            let refused = |e: strata::Error| run.error(z.span(), "zero_stage", e);
+            let strategy: strata::StrategyKind =
+                r.strategy.name().parse().map_err(|e| run.error(z.span(), "zero_stage", e))?;
+            let optimizer: strata::OptimizerKind =
+                optimizer.parse().map_err(|e| run.error(z.span(), "zero_stage", e))?;
+            if stage != ZeroStage::Off {
+                strata::refusals::zero_stage_of(stage, strategy, optimizer).map_err(refused)?;
+                if elastic {
+                    strata::refusals::elastic_zero_state_of(stage, optimizer, checkpointed).map_err(refused)?;
+                }
+            }
+            stage
+        }
+    };
+    let recompute = match &r.recompute {
+        Some(v) if *v.get_ref() && model == RunModel::Cnn => {
+            return Err(run.error(
+                v.span(),
+                "recompute",
+                "applies to model = \"mlp\" or \"transformer\", not model = \"cnn\"; drop it",
+            ))
+        }
+        Some(v) => *v.get_ref(),
+        None => false,
+    };
+    Ok((stage, recompute))
 }
 
 /// A run's replicas (per worker), worker processes and ps tasks, as its strategy takes them.
@@ -846,10 +941,17 @@ fn default_run_name(spec: &RunSpec) -> String {
         Some(PsMode::Stale) => format!("ps-stale{}", spec.staleness),
         None => spec.strategy.name().into(),
     };
-    match spec.compression {
+    let mut name = match spec.compression {
         Compression::None => base,
         c => format!("{base}-{c}"),
+    };
+    if spec.zero_stage != ZeroStage::Off {
+        name = format!("{name}-zero{}", spec.zero_stage);
     }
+    if spec.recompute {
+        name.push_str("-recompute");
+    }
+    name
 }
 
 /// `[injection]`, checked against the workers of `runs`.
@@ -1016,6 +1118,9 @@ struct RawExperiment {
     model: Option<Spanned<RunModel>>,
     hidden: Option<Spanned<Vec<usize>>>,
     steps: Option<Spanned<usize>>,
+    width: Option<Spanned<usize>>,
+    layers: Option<Spanned<usize>>,
+    heads: Option<Spanned<usize>>,
     epochs: Spanned<usize>,
     global_batch: Spanned<usize>,
     lr: Spanned<f64>,
@@ -1050,6 +1155,8 @@ struct RawRun {
     restarts: Option<Spanned<usize>>,
     checkpoint_every: Option<Spanned<usize>>,
     faults: Option<Spanned<bool>>,
+    zero_stage: Option<Spanned<u8>>,
+    recompute: Option<Spanned<bool>>,
 }
 
 #[derive(Deserialize)]
@@ -1194,6 +1301,63 @@ network_delay = "1ms"
         assert_eq!(e.injection.network_delay, Duration::from_millis(1));
         assert_eq!(e.injection.stragglers.unwrap().delay, DelayDistribution::Exponential(Duration::from_millis(20)));
         assert_eq!(e.injection.describe().len(), 3);
+    }
+
+    #[test]
+    fn a_run_s_zero_stage_and_recomputation_are_named_and_checked() {
+        let text = GOOD.to_string()
+            + "\n[[run]]\nstrategy = \"mirrored\"\nreplicas = 3\nzero_stage = 3\nrecompute = true\n\
+               \n[[run]]\nstrategy = \"multi-worker-mirrored\"\nzero_stage = 2\n";
+        let e = parse(&text).unwrap();
+        assert_eq!((e.runs[3].zero_stage, e.runs[3].recompute), (ZeroStage::Parameters, true));
+        assert_eq!(e.runs[3].name, "mirrored-zero3-recompute");
+        assert_eq!(
+            (e.runs[4].zero_stage, e.runs[4].name.as_str()),
+            (ZeroStage::Gradients, "multi-worker-mirrored-zero2")
+        );
+        assert_eq!((e.runs[0].zero_stage, e.runs[0].recompute), (ZeroStage::Off, false));
+        let bad = |from: &str, to: &str, want: &str| {
+            let e = error(&GOOD.replace(from, to));
+            assert!(e.contains(want), "{e}");
+            assert!(!e.contains('\n'), "{e}");
+        };
+        let one = "strategy = \"one-device\"";
+        bad(one, "strategy = \"one-device\"\nzero_stage = 4", "run[0].zero_stage: zero stage \"4\" is not a stage");
+        bad(one, "strategy = \"one-device\"\nzero_stage = 1", "run[0].zero_stage: ");
+        bad(one, "strategy = \"one-device\"\nzero_stage = 1", "one replica holds the whole model");
+        bad("mode = \"stale\"", "mode = \"stale\"\nzero_stage = 2", "its variables live on the ps tasks");
+        let across = error(&(GOOD.to_string() + "\n[[run]]\nstrategy = \"multi-worker-mirrored\"\nzero_stage = 3\n"));
+        assert!(across.contains("run[3].zero_stage: zero stage 3 with the multi-worker-mirrored strategy: stage 3 gathers parameters from the replicas of one machine only"), "{across}");
+        // Stage 0 is every strategy's.
+        assert!(parse(&GOOD.replace(one, "strategy = \"one-device\"\nzero_stage = 0")).is_ok());
+        // The CNN has no blocks to recompute.
+        let cnn = GOOD.replace("[experiment]", "[experiment]\nmodel = \"cnn\"").replace("hidden = [16]\n", "");
+        assert!(parse(&cnn).is_ok(), "{}", error(&cnn));
+        let refused = error(&cnn.replace(one, "strategy = \"one-device\"\nrecompute = true"));
+        assert!(
+            refused.contains("run[0].recompute: applies to model = \"mlp\" or \"transformer\", not model = \"cnn\""),
+            "{refused}"
+        );
+    }
+
+    #[test]
+    fn the_transformer_s_shape_is_set_checked_and_only_the_transformer_s() {
+        let t = "[experiment]\nname = \"t\"\nmodel = \"transformer\"\nepochs = 1\nglobal_batch = 8\nlr = 0.003\ntarget_loss = 2.0\n";
+        let run = "[[run]]\nstrategy = \"mirrored\"\n";
+        assert_eq!(parse(&format!("{t}{run}")).unwrap().transformer, None);
+        let e = parse(&format!("{t}width = 512\nlayers = 8\nheads = 8\n{run}")).unwrap();
+        let c = e.transformer.unwrap();
+        assert_eq!((c.width, c.layers, c.heads, c.context), (512, 8, 8, TransformerConfig::DEFAULT.context));
+        assert_eq!(c.parameter_count(), 25_307_201);
+        // One key alone keeps the default's others.
+        let c = parse(&format!("{t}layers = 2\n{run}")).unwrap().transformer.unwrap();
+        assert_eq!((c.width, c.layers, c.heads), (128, 2, 4));
+        let e = error(&format!("{t}width = 130\n{run}"));
+        assert!(e.contains("experiment.width") && !e.contains('\n'), "{e}");
+        let e = error(&format!("{t}heads = 0\n{run}"));
+        assert!(e.contains("experiment.heads: must be at least 1"), "{e}");
+        let e = error(&GOOD.replace("[experiment]", "[experiment]\nwidth = 64"));
+        assert!(e.contains("experiment.width: applies to model = \"transformer\", not model = \"mlp\""), "{e}");
     }
 
     #[test]

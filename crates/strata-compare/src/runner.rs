@@ -47,6 +47,17 @@ pub fn train_args(exp: &Experiment, spec: &RunSpec, metrics: &Path, summary: &Pa
         let hidden = exp.hidden.iter().map(|h| h.to_string()).collect::<Vec<_>>().join(",");
         train.extend(["--hidden".into(), hidden]);
     }
+    if let Some(c) = &exp.transformer {
+        for (flag, n) in [("--width", c.width), ("--layers", c.layers), ("--heads", c.heads)] {
+            train.extend([flag.into(), n.to_string()]);
+        }
+    }
+    if spec.zero_stage != strata_core::ZeroStage::Off {
+        train.extend(["--zero-stage".into(), spec.zero_stage.to_string()]);
+    }
+    if spec.recompute {
+        train.push("--recompute".into());
+    }
     if exp.model == RunModel::Transformer {
         // `steps` counts global batches: a parameter-server run's worker steps take a
         // worker's share each, so it schedules `workers` times as many (the same windows per
@@ -805,5 +816,22 @@ mod tests {
         let line = command_line(&e, &e.runs[0], Path::new("m.jsonl"), Path::new("s.json"));
         let at = line.iter().position(|a| a == "--compression").expect("--compression passed on");
         assert_eq!(line[at + 1], "powersgd:4:100");
+    }
+
+    #[test]
+    fn the_shape_zero_stage_and_recomputation_are_passed_on() {
+        let text = "[experiment]\nname = \"t\"\nmodel = \"transformer\"\nwidth = 256\nheads = 8\nepochs = 1\n\
+            global_batch = 8\nlr = 0.003\ntarget_loss = 2.0\n\
+            [[run]]\nstrategy = \"mirrored\"\nzero_stage = 3\nrecompute = true\n[[run]]\nstrategy = \"one-device\"\n";
+        let e = Experiment::parse(text, Path::new("x.toml")).unwrap();
+        let line = command_line(&e, &e.runs[0], Path::new("m.jsonl"), Path::new("s.json"));
+        let value = |flag: &str| line.iter().position(|a| a == flag).map(|at| line[at + 1].clone());
+        assert_eq!(value("--width").as_deref(), Some("256"));
+        assert_eq!(value("--layers").as_deref(), Some("4"));
+        assert_eq!(value("--heads").as_deref(), Some("8"));
+        assert_eq!(value("--zero-stage").as_deref(), Some("3"));
+        assert!(line.iter().any(|a| a == "--recompute"));
+        let plain = command_line(&e, &e.runs[1], Path::new("m.jsonl"), Path::new("s.json"));
+        assert!(!plain.iter().any(|a| a == "--zero-stage" || a == "--recompute"), "{plain:?}");
     }
 }

@@ -18,6 +18,7 @@ fn experiment(name: &str) -> Experiment {
         model: strata_compare::experiment::RunModel::Mlp,
         hidden: vec![64, 32],
         steps: None,
+        transformer: None,
         epochs: 3,
         global_batch: 64,
         lr: 0.01,

@@ -27,6 +27,8 @@ fn spec(name: &str, strategy: RunStrategy, mode: Option<PsMode>, backup_workers:
         restarts: 0,
         checkpoint_every: None,
         faults: true,
+        zero_stage: strata_core::ZeroStage::Off,
+        recompute: false,
     }
 }
 
@@ -38,6 +40,7 @@ fn experiment(runs: Vec<RunSpec>, injection: Injection) -> Experiment {
         model: strata_compare::experiment::RunModel::Mlp,
         hidden: vec![32],
         steps: None,
+        transformer: None,
         epochs: 1,
         global_batch: 32,
         lr: 0.003,
