@@ -179,6 +179,22 @@ impl Residency {
         Ok(())
     }
 
+    /// Before variable `var` is joined from every copy's pieces: where another copy still
+    /// holds it written since it was brought back (a checkpoint's values, a program's
+    /// assignment) and not released since, that copy's pieces take the write now. Otherwise a
+    /// replica thread that lags behind (it releases the variable, taking the write, only at
+    /// its own next use) hands an earlier value to the replicas ahead of it: a resumed job on
+    /// a loaded machine once trained on from a mix of the checkpoint and the initial values.
+    fn take_written(&self, var: usize) -> Result<()> {
+        for (copy, vars) in self.vars.iter().enumerate() {
+            let v = &vars[var];
+            if !v.is_released() && v.written_since_restore() {
+                self.shards.take_from(copy, var, v)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Copy `copy` brought variable `var` back: when it is in another unit than the one the
     /// copy brought back last, that one is released.
     fn brought_back(&self, copy: usize, var: usize) {
@@ -209,8 +225,12 @@ struct Source {
 
 impl StorageSource for Source {
     fn restore(&self) -> candle_core::Result<Tensor> {
+        let residency = self.residency.upgrade();
+        if let Some(r) = &residency {
+            r.take_written(self.var).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        }
         let whole = self.shards.whole(self.var).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
-        if let Some(r) = self.residency.upgrade() {
+        if let Some(r) = residency {
             r.brought_back(self.copy, self.var);
         }
         Ok(whole)
