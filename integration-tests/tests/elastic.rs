@@ -494,25 +494,33 @@ fn sigterm_to_one_worker_makes_it_leave_and_the_job_goes_on() {
 
 /// A lost worker grows every member's shard: where the larger shard no longer fits a
 /// replica's `--memory-limit`, the job fails in one line naming the bytes instead of training
-/// on past the limit. 1650 KiB holds stage 2 of the 301K MLP under SGD over 3 workers
-/// (1.5 MiB: the parameters and a third of the gradient) but not over 2 (1.7 MiB).
+/// on past the limit. The 301K MLP under AdamW at stage 1 with 16 examples per worker: a step
+/// over 3 workers holds 3.6 MiB, counted (parameters and the copy of their shard an elastic job
+/// steps, the whole gradient, a third of the two moments, 0.19 MiB of activations), within
+/// 4,000,000 bytes (3.8 MiB) as the run-time check requires; the model state over 2 needs 4.0
+/// MiB, which stage 2 would hold.
 #[test]
 fn a_lost_worker_whose_shards_no_longer_fit_the_memory_limit_fails_the_job_in_one_line() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("zero-limit");
     std::fs::create_dir(&dir).unwrap();
-    let job = Job::start_with(&dir, 3, &[], &["--epochs", "30", "--zero-stage", "2", "--memory-limit", "1650KiB"]);
+    let ckpt = dir.join("ckpt");
+    let adamw: &[&str] = &["--hidden", "512,512", "--optimizer", "adamw", "--no-progress"];
+    let train = ["--epochs", "30", "--batch", "48", "--zero-stage", "1", "--memory-limit", "4000000"];
+    let saved = ["--checkpoint-every", "30", "--checkpoint-dir", ckpt.to_str().unwrap()];
+    let job = Job::start_model(&dir, 3, &[], adamw, &[&train[..], &saved[..]].concat());
     job.wait_for_step(30);
     kill(job.pid("worker:1"), Signal::SIGKILL).unwrap();
     let o = job.finish();
     let stderr = String::from_utf8_lossy(&o.stderr).to_string();
     assert!(!o.status.success(), "{}", shown(&stderr));
     assert!(stderr.contains("task worker:1 was killed by SIGKILL; the elastic job goes on"), "{}", shown(&stderr));
+    assert!(!stderr.contains(" held "), "no step went over the limit before the loss: {}", shown(&stderr));
     let line = stderr
         .lines()
-        .find(|l| l.contains("at zero stage 2") && l.contains("over its memory_limit of 1.6 MiB"))
+        .find(|l| l.contains("at zero stage 1") && l.contains("over its memory_limit of 3.8 MiB"))
         .unwrap_or_else(|| panic!("no memory-limit error: {}", shown(&stderr)));
-    assert!(line.contains("needs 1.7 MiB") && line.contains("raise memory_limit or add replicas"), "{line}");
+    assert!(line.contains("needs 4.0 MiB") && line.contains("use it (--zero-stage 2)"), "{line}");
     assert!(!stderr.contains("the elastic job completed"), "{}", shown(&stderr));
 }
 

@@ -335,15 +335,25 @@ fn train_refused_with(dir: &Path, args: &[&str], train: &[&str]) -> Output {
     )
 }
 
-/// `--memory-limit` just above what the least stage needs (as a job with too small a limit
-/// reports it): stage 3 for an MLP of twelve hidden layers (13 units), whose shard and two
-/// units gathered at once (with their gradients) are less than stage 2's whole parameters. Stages 0 to 2 are refused in one line naming stage
-/// 3, exit code 2, nothing written; stage 3 trains to stage 0's parameters bit for bit.
+/// `--memory-limit` just above what a stage 3 step holds (its model state and activations,
+/// counted: `peak_replica_bytes` in `--out`'s summary), which is less than stage 2's whole
+/// parameters for an MLP of twelve hidden layers (13 units) at 8 examples per replica. Stages
+/// 0 to 2 are refused in one line naming stage 3, exit code 2, nothing written; stage 3 trains
+/// under it to stage 0's parameters bit for bit; and a limit a little under what its step
+/// holds (above its model state, so the job starts) fails that step in one line naming the
+/// replica, the bytes by kind and what to change, with no parameters written.
 #[test]
 fn a_job_over_its_memory_limit_is_refused_at_stages_0_to_2_and_trains_at_stage_3() {
     let dir = tmp("memory-limit");
     let hidden = ["48"; 12].join(",");
-    let deep: Vec<&str> = TRAIN.iter().map(|&a| if a == "48,32" { hidden.as_str() } else { a }).collect();
+    let deep: Vec<&str> = TRAIN
+        .iter()
+        .map(|&a| match a {
+            "48,32" => hidden.as_str(),
+            "96" => "24",
+            a => a,
+        })
+        .collect();
     let refused = |stage: &str, limit: &str| {
         let args = ["--strategy", "mirrored", "--replicas", "3", "--zero-stage", stage, "--memory-limit", limit];
         let o = train_refused_with(&dir, &args, &deep);
@@ -356,8 +366,15 @@ fn a_job_over_its_memory_limit_is_refused_at_stages_0_to_2_and_trains_at_stage_3
     let err = refused("0", "1KiB");
     let need = err.split("stage 3 needs ").nth(1).and_then(|r| r.split(')').next()).expect(&err);
     let need = strata::device::parse_bytes(need).unwrap();
-    // format_bytes rounds to a tenth of its unit: 2% above is above the exact need.
-    let limit = (need + need / 50).to_string();
+    // What a stage 3 step holds, counted, with no limit.
+    let out = dir.join("stage-3.json");
+    let args: Vec<&str> = deep.iter().copied().chain(["--out", out.to_str().unwrap()]).collect();
+    mirrored(&dir, "3", &args);
+    let summary: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+    let held = summary["peak_replica_bytes"].as_array().unwrap().iter().map(|b| b.as_u64().unwrap()).max().unwrap();
+    assert!(held > need, "a step holds its activations too: {held} B counted, {need} B of model state");
+    // format_bytes rounds to a tenth of its unit: 2% above is above the exact figure.
+    let limit = (held + held / 50).to_string();
     for stage in ["0", "1", "2"] {
         let err = refused(stage, &limit);
         assert!(
@@ -368,5 +385,15 @@ fn a_job_over_its_memory_limit_is_refused_at_stages_0_to_2_and_trains_at_stage_3
     let whole = mirrored(&dir, "0", &deep);
     let args: Vec<&str> = deep.iter().copied().chain(["--memory-limit", limit.as_str()]).collect();
     assert!(mirrored(&dir, "3", &args) == whole, "stage 3 within the limit differs from stage 0");
+    // Between the model state and what the step holds: the first step fails, in one line.
+    let under = ((need + held) / 2).to_string();
+    let args = ["--strategy", "mirrored", "--replicas", "3", "--zero-stage", "3", "--memory-limit", under.as_str()];
+    let o = train_refused_with(&dir, &args, &deep);
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    assert!(err.contains("held ") && err.contains("in step 1 at zero stage 3 (parameters "), "{err}");
+    assert!(err.contains(", activations ") && err.contains("recompute them (strata::recompute, --recompute)"), "{err}");
+    assert!(!dir.join("never.safetensors").exists(), "a failed job wrote parameters");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -54,6 +54,15 @@ pub struct Summary {
     pub wall_seconds: f64,
     /// Per epoch: loss, test accuracy, step seconds.
     pub history: Vec<strata::trainer::EpochReport>,
+    /// The most bytes each replica of the process that wrote this summary held at once in a
+    /// step, counted (parameters as resident, gradients, optimizer state, activations); the
+    /// chief's replica under multi-worker mirrored, where every worker logs its own. Absent for
+    /// a parameter-server job.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub peak_replica_bytes: Vec<u64>,
+    /// The same peaks, by kind.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub peak_replica: Vec<strata::Footprint>,
     /// Parameter server: what the ps tasks and the coordinator did.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub parameter_servers: Option<PsSummary>,
@@ -104,6 +113,8 @@ pub(crate) fn finish(
         examples_per_second: report.examples_per_second,
         wall_seconds: started.elapsed().as_secs_f64(),
         history: report.epochs.clone(),
+        peak_replica_bytes: report.peak_footprints.iter().map(strata::Footprint::total).collect(),
+        peak_replica: report.peak_footprints.clone(),
         parameter_servers,
     };
     if let (Some(loss), Some(tokens)) = (summary.validation_loss, summary.tokens_per_second) {

@@ -206,9 +206,10 @@ pub struct TrainArgs {
     /// (`block3`, `head`). Only with `--zero-stage 3`.
     #[arg(long, value_delimiter = ',', value_name = "PREFIXES")]
     pub zero_units: Vec<String>,
-    /// The memory each replica's logical CPU device may give its model state (parameters,
-    /// gradients, optimizer state), such as `40MiB` or `2GB`: a job over it stops before
-    /// training, naming the bytes and the ZeRO stage that would fit.
+    /// The memory each replica's logical CPU device may give a step, such as `40MiB` or
+    /// `2GB`: a job whose model state (parameters, gradients, optimizer state) is over it stops
+    /// before training, and a step that holds more (its activations counted too) fails before
+    /// its update, each naming the bytes and the ZeRO stage or option that would fit.
     #[arg(long, value_name = "SIZE", value_parser = parse_memory_limit)]
     pub memory_limit: Option<u64>,
     /// parameter-server: compute each worker's gradients at the pulled values, not at the

@@ -16,13 +16,16 @@ use candle_nn::Optimizer;
 
 use crate::checkpoint::OptimizerState;
 use crate::context::ReplicaContext;
-use crate::extended::{StrategyId, VariablePolicy};
+use crate::extended::{StrategyExtended, StrategyId, VariablePolicy};
+use crate::footprint::Tally;
 use crate::optim::schedule::LrSchedule;
 use crate::optim::OptimizerMemory;
 use crate::overlap_plan::{OverlapPlan, Unit};
 use crate::variables::{lock, Replicated};
-use crate::zero::{check_memory_limits, check_units, shards_for, two_largest_units, Residency, Shards, Stages};
-use crate::{Error, Result, ZeroStage};
+use crate::zero::{
+    check_memory_limits, check_step_footprint, check_units, shards_for, two_largest_units, Residency, Shards, Stages,
+};
+use crate::{Error, Footprint, Result, ZeroStage};
 
 impl<M> Replicated<M> {
     /// Builds one optimizer per copy of the [trainable](crate::VariableKind::Trainable) variables
@@ -63,6 +66,9 @@ impl<M> Replicated<M> {
         let gathered = vars.first().and_then(|v| v.first()).map_or(0, |v| v.dtype().size_in_bytes()) as u64
             * gathered_elements as u64;
         let max_stage = if self.ext.workers().is_some_and(|w| w.num_workers() > 1) { 2 } else { 3 };
+        // Stages 1 and 2 step copies of the shard in an elastic job and off the CPU.
+        let piece_copies = self.ext.workers().is_some_and(|w| w.is_elastic())
+            || vars.first().and_then(|v| v.first()).is_some_and(|v| !v.device().is_cpu());
         check_memory_limits(
             &*self.ext,
             self.policy,
@@ -70,7 +76,7 @@ impl<M> Replicated<M> {
             per_element,
             &params,
             &vars,
-            Stages { gathered, max_stage },
+            Stages { gathered, max_stage, copies: piece_copies },
         )?;
         let copies = vars
             .iter()
@@ -96,6 +102,7 @@ impl<M> Replicated<M> {
         opt.shards = RwLock::new(shards);
         opt.params_bytes = params;
         opt.state_per_element = per_element;
+        opt.stages = Stages { gathered, max_stage, copies: piece_copies };
         Ok(opt)
     }
 }
@@ -145,6 +152,10 @@ pub struct DistributedOptimizer<O> {
     /// Floats of state the optimizer keeps per element it steps
     /// ([`OptimizerMemory::state_per_element`]), for the same check.
     state_per_element: u64,
+    /// What stage 3 holds whole and the highest stage the job can run, for the checks.
+    stages: Stages,
+    /// Each local replica's peak of the bytes it held at once in a step, counted.
+    peaks: Vec<Mutex<Footprint>>,
 }
 
 /// A replica's gradients summed over the micro-batches of an optimizer step so far.
@@ -250,6 +261,8 @@ impl<O: Optimizer> DistributedOptimizer<O> {
             gathered_elements: 0,
             params_bytes: Vec::new(),
             state_per_element: 0,
+            stages: Stages { gathered: 0, max_stage: 2, copies: false },
+            peaks: (0..replicas.max(1)).map(|_| Mutex::new(Footprint::default())).collect(),
         }
     }
 
@@ -393,6 +406,68 @@ impl<O: Optimizer> DistributedOptimizer<O> {
             Some(s) => s.elements(copy),
             None => self.vars[copy].iter().map(|v| v.elem_count()).sum(),
         }
+    }
+
+    /// The most bytes local replica `replica` held at once in a step so far, counted at the end
+    /// of each step's backward pass ([`Footprint`]: parameters as resident, gradients,
+    /// optimizer state, activations); `None` before its first step.
+    pub fn peak_footprint(&self, replica: usize) -> Option<Footprint> {
+        let peak = *lock(self.peaks.get(replica)?);
+        (peak.total() > 0).then_some(peak)
+    }
+
+    /// [`Self::peak_footprint`]'s total for every local replica (0 for one that ran no step).
+    pub fn peak_replica_bytes(&self) -> Vec<u64> {
+        self.peaks.iter().map(|p| lock(p).total()).collect()
+    }
+
+    /// Counts what local replica `replica` (stepping copy `copy`) holds now, at the end of its
+    /// backward pass: its variables as resident, its shard's own copies, `grads` (and any
+    /// accumulated gradient), its optimizer's state, and what `loss` keeps for the backward
+    /// pass. Keeps the peak, and fails where the total exceeds the replica's device's
+    /// `memory_limit` (naming a stage that would hold it).
+    pub(crate) fn record_footprint<'a>(
+        &self,
+        ext: &dyn StrategyExtended,
+        (replica, copy): (usize, usize),
+        loss: Option<&Tensor>,
+        grads: impl IntoIterator<Item = &'a Tensor>,
+    ) -> Result<Footprint> {
+        let mut tally = Tally::default();
+        let vars = &self.vars[copy];
+        let mut parameters = tally.count(vars.iter().map(|v| v.as_tensor()));
+        if let Some(s) = self.zero() {
+            parameters += tally.count(s.piece_vars(copy).iter().map(|v| v.as_tensor()));
+        }
+        let mut gradients = tally.count(grads);
+        if self.accumulation > 1 {
+            if let Some(acc) = self.accumulated.get(replica) {
+                gradients += tally.count(lock(acc).grads.iter().flatten());
+            }
+        }
+        let size = vars.first().map_or(4, |v| v.dtype().size_in_bytes()) as u64;
+        let optimizer_state = self.state_per_element * self.stepped_elements(copy) as u64 * size;
+        let activations = loss.map_or(0, |l| tally.activations(l));
+        let held = Footprint { parameters, gradients, optimizer_state, activations };
+        let step = self.steps.get(copy).map_or(0, |s| s.load(Ordering::Relaxed)) + 1;
+        if let Some(p) = self.peaks.get(replica) {
+            let mut p = lock(p);
+            if held.total() > p.total() {
+                *p = held;
+            }
+        }
+        check_step_footprint(
+            ext,
+            self.policy,
+            self.zero_stage(),
+            self.state_per_element,
+            &self.params_bytes,
+            &self.vars,
+            self.stages,
+            (replica, copy, step),
+            held,
+        )?;
+        Ok(held)
     }
     pub(crate) fn check_strategy(&self, ctx: &ReplicaContext<'_>) -> Result<()> {
         if ctx.strategy_id() != self.strategy {

@@ -151,6 +151,11 @@ pub enum Error {
     #[error(transparent)]
     MemoryLimit(Box<MemoryLimitExceeded>),
 
+    /// What a replica held at once in a step (model state and activations, counted) exceeded
+    /// its device's `memory_limit`: the step is not applied.
+    #[error(transparent)]
+    MemoryLimitInStep(Box<MemoryLimitInStep>),
+
     /// The parts of one batch disagree on its number of examples (its first axis).
     #[error("the parts of a batch disagree on its examples: {first} has {first_rows} rows but {other} has {other_rows}; give every part of a batch one row per example")]
     BatchRows {
@@ -282,4 +287,37 @@ pub struct MemoryLimitExceeded {
     pub fits: Option<(u8, u64)>,
     /// The stage that needs the least, and its bytes.
     pub least: (u8, u64),
+}
+
+/// What [`Error::MemoryLimitInStep`] carries: what a replica held in a step, counted, and the
+/// stage that would hold it.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "replica {replica} on {device} held {} in step {step} at zero stage {stage} (parameters {}, gradients {}, optimizer state {}, activations {}), over its memory_limit of {}; {}",
+    crate::units::format_bytes(held.total()),
+    crate::units::format_bytes(held.parameters),
+    crate::units::format_bytes(held.gradients),
+    crate::units::format_bytes(held.optimizer_state),
+    crate::units::format_bytes(held.activations),
+    crate::units::format_bytes(*limit),
+    match fits {
+        Some((s, bytes)) => format!("zero stage {s} would hold about {} with these activations: use it (--zero-stage {s})", crate::units::format_bytes(*bytes)),
+        None => "no zero stage holds these activations too: recompute them (strata::recompute, --recompute), give each replica fewer examples, or raise memory_limit".to_string(),
+    }
+)]
+pub struct MemoryLimitInStep {
+    /// The replica (on this worker).
+    pub replica: usize,
+    /// Its device's spec.
+    pub device: String,
+    /// The training step (counted from 1 by this optimizer's copy).
+    pub step: u64,
+    /// The stage it ran.
+    pub stage: u8,
+    /// What it held at once.
+    pub held: crate::Footprint,
+    /// The device's limit.
+    pub limit: u64,
+    /// A higher stage whose model state (computed) and these activations fit, and its bytes.
+    pub fits: Option<(u8, u64)>,
 }

@@ -75,6 +75,7 @@
 //!   [`optim::ShardableOptimizer`];
 //! - `overlap`: a replica's step ([`ReplicaContext::backward_and_sync`]), its reductions
 //!   overlapped with the backward pass;
+//! - `footprint`: the bytes a replica holds live in a step, counted ([`Footprint`]);
 //! - [`strategy`]: the user-facing [`Strategy`] and [`StrategyHandle`];
 //! - [`elastic`]: recovery of an elastic job's training loop ([`Elastic`]) and checkpoints of
 //!   a model and its optimizer.
@@ -91,6 +92,7 @@ pub mod distributed_optimizer;
 pub mod elastic;
 mod error;
 pub mod extended;
+mod footprint;
 pub mod group;
 pub mod layers;
 pub mod optim;
@@ -113,10 +115,11 @@ pub use checkpoint::{
 };
 pub use distributed_optimizer::DistributedOptimizer;
 pub use elastic::{Elastic, StatefulOptimizer};
-pub use error::{Error, MemoryLimitExceeded, Result};
+pub use error::{Error, MemoryLimitExceeded, MemoryLimitInStep, Result};
 pub use extended::{
     CrossReplicaContext, ReplicaContext, StrategyExtended, StrategyId, StrategyOptions, VariablePolicy, ZeroStage,
 };
+pub use footprint::Footprint;
 pub use recompute::recompute;
 pub use reduce::ReduceOp;
 pub use scope::{get_strategy, has_strategy};

@@ -373,7 +373,7 @@ impl ReplicaContext<'_> {
         let reduces = self.shared.group.num_replicas() > 1 || self.shared.ext.workers().is_some();
         if !reduces || opt.accumulation > 1 || !self.shared.ext.options().overlap {
             let grads = self.backward_phase(|| loss.backward())?;
-            return self.sync_and_apply(grads, opt);
+            return self.sync_and_apply_counted(grads, opt, Some(loss));
         }
         opt.check_strategy(self)?;
         let generation = self.shared.ext.workers().map_or(0, |w| w.generation());
@@ -412,7 +412,7 @@ impl ReplicaContext<'_> {
         })?;
         let plan = self.agree_overlap_plan(ready, vars, index, opt.shards_gradients())?;
         *lock(&opt.overlap[self.replica]) = Some((generation, Arc::new(plan)));
-        self.sync_and_apply(grads, opt)
+        self.sync_and_apply_counted(grads, opt, Some(loss))
     }
 
     /// Runs `pass` (this replica's backward pass) inside its timeline phase and trace span.
@@ -504,6 +504,14 @@ impl ReplicaContext<'_> {
             (_, Some(e)) => return Err(e),
             (grads, None) => grads?,
         };
+        // What the replica holds at the end of its pass: the activations, the gradients the
+        // store keeps and those the reduction holds (whole, or this replica's runs).
+        let held = vars
+            .iter()
+            .filter_map(|v| grads.get(v))
+            .chain(step.local.iter().flatten())
+            .chain(step.kept.iter().flatten());
+        opt.record_footprint(self.shared.ext, (self.replica, copy), Some(loss), held)?;
         while step.launched < plan.units.len() {
             step.launch()?;
             step.finish_early()?;
@@ -567,6 +575,17 @@ impl ReplicaContext<'_> {
     /// Synchronises already computed gradients and applies them (see
     /// [`ReplicaContext::backward_and_sync`]).
     pub fn sync_and_apply<O: Optimizer>(&self, grads: GradStore, opt: &DistributedOptimizer<O>) -> Result<()> {
+        self.sync_and_apply_counted(grads, opt, None)
+    }
+
+    /// [`Self::sync_and_apply`], counting what the replica holds first (with what `loss`
+    /// keeps for the backward pass, where the loss is known).
+    fn sync_and_apply_counted<O: Optimizer>(
+        &self,
+        grads: GradStore,
+        opt: &DistributedOptimizer<O>,
+        loss: Option<&Tensor>,
+    ) -> Result<()> {
         opt.check_strategy(self)?;
         let n = self.shared.group.num_replicas();
         let policy = opt.policy();
@@ -575,6 +594,7 @@ impl ReplicaContext<'_> {
             VariablePolicy::Central { .. } => 0,
         };
         let vars = opt.vars(copy);
+        opt.record_footprint(self.shared.ext, (self.replica, copy), loss, vars.iter().filter_map(|v| grads.get(v)))?;
         let mut local: Vec<Option<Tensor>> = vars.iter().map(|v| grads.get(v).cloned()).collect();
         drop(grads);
         let mut weight = self.batch_weight();

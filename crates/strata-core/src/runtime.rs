@@ -142,7 +142,8 @@ pub fn execute_local(
     for (r, res) in results.enumerate() {
         match res {
             Ok(()) => {}
-            Err(e @ Error::ReplicaPanicked { .. }) => return Err(e),
+            // Errors that name their replica already.
+            Err(e @ (Error::ReplicaPanicked { .. } | Error::MemoryLimitInStep(_))) => return Err(e),
             Err(e) if is_secondary(&e) => {
                 first_secondary.get_or_insert(Error::Replica { replica: r, source: Box::new(e) });
             }

@@ -446,7 +446,8 @@ fn mirrored_limited(stage: ZeroStage, limit: u64) -> StrategyHandle {
 
 /// A replica's `memory_limit` on a CPU device: the CNN under AdamW over 2 replicas with exactly
 /// stage 2's bytes is refused at stage 0 (and 1) in one line naming its bytes and stage 2,
-/// trains at stage 2 to stage 0's parameters bit for bit, and a byte less fits no stage.
+/// trains at stage 2 (under a limit that also holds its activations) to stage 0's parameters
+/// bit for bit, and a byte less fits no stage.
 #[test]
 fn a_model_over_a_replica_s_memory_limit_is_refused_naming_the_stage_that_fits() {
     use strata_core::device::format_bytes;
@@ -469,8 +470,13 @@ fn a_model_over_a_replica_s_memory_limit_is_refused_naming_the_stage_that_fits()
         }
     }
     let whole = train::<Cnn, FusedAdamW>(&mirrored(2, ZeroStage::Off), adamw.clone(), 4, &[], PLAIN).0;
+    // A step also holds its activations (counted at run time against the same limit): the
+    // limit that trains is what a stage 2 step holds, counted.
+    let (_, peaks, _) = one_counted_step::<Cnn, FusedAdamW>(&mirrored(2, ZeroStage::Gradients), adamw.clone());
+    let held = peaks.iter().flatten().map(|f| f.total()).max().unwrap();
+    assert!(held > stage_2, "the activations come on top of the model state");
     let limited =
-        train::<Cnn, FusedAdamW>(&mirrored_limited(ZeroStage::Gradients, stage_2), adamw.clone(), 4, &[], PLAIN).0;
+        train::<Cnn, FusedAdamW>(&mirrored_limited(ZeroStage::Gradients, held), adamw.clone(), 4, &[], PLAIN).0;
     assert_eq!(limited, whole, "stage 2 within the limit is stage 0 bit for bit");
     let s = mirrored_limited(ZeroStage::Gradients, stage_2 - 1);
     let e = s.scope(Cnn::build).unwrap().optimizer::<FusedAdamW>(adamw).unwrap_err().to_string();
@@ -573,4 +579,114 @@ fn a_program_names_stage_3_s_units_with_prefixes() {
     assert_eq!(got, whole, "stage 3 in the program's units");
     let e = with_units(&["conv", "dense"]).scope(Cnn::build).unwrap().optimizer::<FusedSgd>(0.1).unwrap_err();
     assert!(e.to_string().starts_with("zero stage 3's unit \"dense\" names no trainable variable"), "{e}");
+}
+
+/// `loss = sum(x w)`, `w` of 6 x 5 and no bias: what a replica holds in its step has a closed
+/// form.
+struct Product {
+    w: candle_core::Tensor,
+}
+
+impl TestModel for Product {
+    const DIM: usize = 6;
+    fn build(sc: &strata_core::Scope) -> candle_core::Result<Self> {
+        Ok(Self { w: sc.var_builder().get_with_hints((6, 5), "w", candle_nn::Init::Const(0.5))? })
+    }
+    fn loss(&self, _: usize, b: &Batch, dev: &candle_core::Device) -> candle_core::Result<candle_core::Tensor> {
+        let x = candle_core::Tensor::from_slice(&b.features, (b.len(), 6), dev)?;
+        x.matmul(&self.w)?.sum_all()
+    }
+}
+
+/// One step of `M` under `s` with `O`, on a global batch of 12: the step's outcome and what
+/// each local replica held at most (`None` where it ran no step), and the first copy's
+/// parameters after it.
+fn one_counted_step<M: TestModel, O: OptimizerMemory + Send>(
+    s: &StrategyHandle,
+    cfg: O::Config,
+) -> (strata_core::Result<()>, Vec<Option<strata_core::Footprint>>, Params)
+where
+    O::Config: Clone,
+{
+    let model = s.scope(M::build).unwrap();
+    let opt = model.optimizer::<O>(cfg).unwrap();
+    let db = s.distribute_dataset(vec![data(12, M::DIM, 300)], TailPolicy::Split).next().unwrap();
+    let outcome = s
+        .run_batch(&db, |ctx, shard| {
+            let loss = model.on(ctx)?.loss(0, &shard.batch, ctx.candle_device())?;
+            ctx.backward_and_sync(&loss, &opt)
+        })
+        .map(drop);
+    let peaks = (0..s.num_replicas_in_sync()).map(|r| opt.peak_footprint(r)).collect();
+    (outcome, peaks, every_copy(&model).swap_remove(0))
+}
+
+/// What a replica holds at the end of its backward pass, counted, in closed form: `loss =
+/// sum(x w)` (w: 30 floats) over 2 replicas of 6 examples each holds w, its gradient and the
+/// product x w (6 x 5) with the scalar loss; SGD keeps no state, FusedAdamW its two moments of
+/// the replica's shard (15 of the 30 elements at stage 1, all 30 at stage 0); stage 2 keeps
+/// its shard of the gradient.
+#[test]
+fn the_bytes_a_replica_holds_in_a_step_are_counted_in_closed_form() {
+    use strata_core::Footprint;
+    let w = 30 * 4;
+    let activations = (6 * 5 + 1) * 4;
+    let adamw = ParamsAdamW::default();
+    let cases: [(ZeroStage, bool, u64, u64); 4] = [
+        (ZeroStage::Off, false, w, 0),
+        (ZeroStage::Off, true, w, 2 * w),
+        (ZeroStage::OptimizerState, true, w, w),
+        (ZeroStage::Gradients, true, w / 2, w),
+    ];
+    for (stage, with_adamw, gradients, optimizer_state) in cases {
+        let s = mirrored(2, stage);
+        let (outcome, peaks, _) = if with_adamw {
+            one_counted_step::<Product, FusedAdamW>(&s, adamw.clone())
+        } else {
+            one_counted_step::<Product, FusedSgd>(&s, 0.1)
+        };
+        outcome.unwrap();
+        let want = Footprint { parameters: w, gradients, optimizer_state, activations };
+        for (r, p) in peaks.iter().enumerate() {
+            assert_eq!(*p, Some(want), "replica {r} at {stage:?}, AdamW {with_adamw}");
+        }
+    }
+}
+
+/// A replica whose step holds more than its device's `memory_limit` (model state within it,
+/// so the optimizer was built): the step fails in one line naming the replica, the bytes by
+/// kind and a stage that holds them, and nothing is applied.
+#[test]
+fn a_step_over_the_memory_limit_fails_naming_the_stage_that_holds_it() {
+    let adamw = ParamsAdamW::default();
+    let whole = one_counted_step::<Product, FusedAdamW>(&mirrored(2, ZeroStage::Off), adamw.clone());
+    let held = whole.1[0].unwrap().total();
+    let s = mirrored_limited(ZeroStage::Off, held - 1);
+    let model_before = every_copy(&s.scope(Product::build).unwrap()).swap_remove(0);
+    let (outcome, _, after) = one_counted_step::<Product, FusedAdamW>(&s, adamw);
+    let e = outcome.unwrap_err().to_string();
+    assert!(!e.contains('\n'), "{e}");
+    assert!(e.starts_with("replica "), "{e}");
+    let f = whole.1[0].unwrap();
+    assert!(
+        e.contains(&format!(
+            "(parameters {}, gradients {}, optimizer state {}, activations {})",
+            fb(f.parameters),
+            fb(f.gradients),
+            fb(f.optimizer_state),
+            fb(f.activations)
+        )),
+        "{e}"
+    );
+    assert!(e.contains("over its memory_limit of") && e.contains("use it (--zero-stage 1)"), "{e}");
+    assert_eq!(after, model_before, "a step over the limit applied nothing");
+    // A byte more holds it: the same step as without a limit.
+    let (outcome, _, after) =
+        one_counted_step::<Product, FusedAdamW>(&mirrored_limited(ZeroStage::Off, held), ParamsAdamW::default());
+    outcome.unwrap();
+    assert_eq!(after, whole.2);
+}
+
+fn fb(bytes: u64) -> String {
+    strata_core::device::format_bytes(bytes)
 }

@@ -121,6 +121,7 @@ fn core_exit_code(e: &strata_core::Error) -> i32 {
         | C::UnknownDevice(_)
         | C::InvalidMemoryConfig(_)
         | C::MemoryLimit(_)
+        | C::MemoryLimitInStep(_)
         | C::InvalidArgument(_)
         | C::InvalidCluster(_)
         | C::ZeroStage { .. } => 2,

@@ -108,8 +108,9 @@ pub use strata_core::Error as CoreError;
 pub use strata_core::Result as CoreResult;
 pub use strata_core::{
     context, cross_device, data, device, group, layers, optim, timeline, CrossReplicaContext, DistributedOptimizer,
-    DistributedVariable, Mirrored, PerReplica, ReduceOp, ReplicaContext, Replicated, Scope, Strategy, StrategyExtended,
-    StrategyHandle, StrategyOptions, SyncOnReadVariable, VariableAggregation, VariableKind, VariablePolicy, ZeroStage,
+    DistributedVariable, Footprint, Mirrored, PerReplica, ReduceOp, ReplicaContext, Replicated, Scope, Strategy,
+    StrategyExtended, StrategyHandle, StrategyOptions, SyncOnReadVariable, VariableAggregation, VariableKind,
+    VariablePolicy, ZeroStage,
 };
 pub use strata_strategies::cluster;
 pub use strata_strategies::parameter_server;

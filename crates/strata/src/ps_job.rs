@@ -865,6 +865,7 @@ pub fn train_coordinator(
         skipped_examples: 0,
         wall_seconds: started.elapsed().as_secs_f64(),
         stopped: None,
+        peak_footprints: Vec::new(),
     };
     Ok((report, stats))
 }

@@ -41,7 +41,7 @@ use strata_core::checkpoint::OptimizerState;
 use strata_core::data::{Batch, BatchData, DistributedBatch, TailPolicy};
 use strata_core::elastic::{self, Elastic, Position, StatefulOptimizer, Stepped, Stop};
 use strata_core::optim::schedule::LrSchedule;
-use strata_core::{DistributedOptimizer, PerReplica, ReduceOp, ReplicaContext, Replicated, Strategy};
+use strata_core::{DistributedOptimizer, Footprint, PerReplica, ReduceOp, ReplicaContext, Replicated, Strategy};
 
 use crate::model::Classifier;
 use crate::Result;
@@ -241,6 +241,9 @@ pub struct FitReport {
     pub wall_seconds: f64,
     /// Set when the fit stopped early on its [`StopSignal`].
     pub stopped: Option<Stopped>,
+    /// The most bytes each of this process's replicas held at once in a step, counted
+    /// ([`DistributedOptimizer::peak_footprint`]; empty for a parameter-server job).
+    pub peak_footprints: Vec<Footprint>,
 }
 
 /// The high-level training loop.
@@ -423,6 +426,19 @@ impl Trainer {
         };
         let stopped = fit.epochs(at)?;
         progress.end();
+        let peak_footprints: Vec<Footprint> =
+            (0..opt.peak_replica_bytes().len()).map(|r| opt.peak_footprint(r).unwrap_or_default()).collect();
+        for (replica, f) in peak_footprints.iter().enumerate() {
+            tracing::info!(
+                replica,
+                bytes = f.total(),
+                parameters = f.parameters,
+                gradients = f.gradients,
+                optimizer_state = f.optimizer_state,
+                activations = f.activations,
+                "the most a replica held at once in a step"
+            );
+        }
         let c = &fit.counts;
         // A run too short to have a steady state reports the throughput of all its steps.
         let (time, examples) =
@@ -438,6 +454,7 @@ impl Trainer {
             wall_seconds: start.elapsed().as_secs_f64(),
             stopped,
             epochs: fit.epochs,
+            peak_footprints,
         })
     }
 }

@@ -2985,6 +2985,28 @@ impl Tensor {
         Ok(())
     }
 
+    /// STRATA PATCH: this tensor's storage as memory accounting sees it, read without
+    /// restoring a released storage and without waiting for a lock: a key equal for every
+    /// tensor that shares the allocation, and the bytes the allocation holds now (0 while it is
+    /// released). Where its length cannot be read (a device other than the CPU, a type stored
+    /// as raw bytes, a lock held for writing), the bytes this tensor's view spans.
+    pub fn storage_footprint(&self) -> (usize, usize) {
+        let key = self.storage_key();
+        if self.storage.is_released() {
+            return (key, 0);
+        }
+        let held = self.storage.lock.try_read().and_then(|s| storage_len(&s));
+        let elements = held.unwrap_or_else(|| {
+            let l = &self.layout;
+            if l.dims().contains(&0) {
+                l.start_offset()
+            } else {
+                l.start_offset() + 1 + l.dims().iter().zip(l.stride()).map(|(d, s)| (d - 1) * s).sum::<usize>()
+            }
+        });
+        (key, elements * self.dtype.size_in_bytes())
+    }
+
     /// Unique key for this tensor's storage. Equal keys mean the tensors share the same allocation.
     #[inline]
     pub(crate) fn storage_key(&self) -> usize {

@@ -124,6 +124,11 @@ pub struct ReplicaBytes {
     pub grads: u64,
     /// Its optimizer's state (AdamW's two moments; SGD has none).
     pub optimizer: u64,
+    /// The most any replica held at once in a step, counted by the strategy (parameters as
+    /// resident, gradients, optimizer state and activations;
+    /// `DistributedOptimizer::peak_replica_bytes`), beside the computed figures above.
+    #[serde(default)]
+    pub measured: u64,
 }
 
 fn parse_zero_stage(s: &str) -> std::result::Result<ZeroStage, String> {
@@ -391,12 +396,13 @@ where
     // Stage 3 holds its shard of the parameters, and the two largest units whole (one in use,
     // the next gathered), with their gradients.
     let gathered = opt.gathered_elements().min(trainable);
-    let replica_bytes = ReplicaBytes {
+    let mut replica_bytes = ReplicaBytes {
         params: 4 * if gathered > 0 { opt.stepped_elements(0) + gathered } else { trainable } as u64,
         // The reduced gradient a replica keeps: its shard's at stages 2 and 3.
         grads: 4 * if opt.zero_stage().shards_gradients() { opt.stepped_elements(0) + gathered } else { trainable }
             as u64,
         optimizer: 4 * state_per_element(args.optimizer) * opt.stepped_elements(0) as u64,
+        measured: 0,
     };
     let counted0 = reduced_elements.map_or(0, |e| e.load(std::sync::atomic::Ordering::Relaxed));
     let sent0 = strata_transport::inject::bytes().0;
@@ -436,6 +442,7 @@ where
             }
         }
     };
+    replica_bytes.measured = opt.peak_replica_bytes().into_iter().max().unwrap_or(0);
     let steps = executions * dist.len();
     let global = data[0].rows()?;
     // Every step of the run, the warm-up's included.
@@ -841,7 +848,7 @@ pub fn run(args: &BenchTrainArgs) -> Result<()> {
             if units > 1.0 { "token" } else { "example" }
         );
         println!(
-            "{:<11} {:>9} {:<19} {:>8} {:>12} {:>10} {:>10} {:>11} {:>9} {:>14} {:>11} {:>10} {:>10}",
+            "{:<11} {:>9} {:<19} {:>8} {:>12} {:>10} {:>10} {:>11} {:>9} {:>14} {:>11} {:>10} {:>10} {:>10}",
             "model",
             "params",
             "config",
@@ -854,7 +861,8 @@ pub fn run(args: &BenchTrainArgs) -> Result<()> {
             "reduced/step",
             "params/rep",
             "grads/rep",
-            "optim/rep"
+            "optim/rep",
+            "held/rep"
         );
         let mib = |b: u64| if b == 0 { "-".to_string() } else { format!("{:.2}M", b as f64 / (1024.0 * 1024.0)) };
         for (i, c) in configs.iter().map(String::as_str).enumerate() {
@@ -870,7 +878,7 @@ pub fn run(args: &BenchTrainArgs) -> Result<()> {
             let step = if c == "limit" { "-".to_string() } else { format!("{:.2}", 1e3 * med(i, |m| m.step_seconds)) };
             let bytes = runs[i].first().map(|m| m.replica_bytes).unwrap_or_default();
             println!(
-                "{:<11} {:>9} {:<19} {:>8} {:>12.0} {:>10} {:>9.0}M {:>11} {:>9} {:>14} {:>11} {:>10} {:>10}",
+                "{:<11} {:>9} {:<19} {:>8} {:>12.0} {:>10} {:>9.0}M {:>11} {:>9} {:>14} {:>11} {:>10} {:>10} {:>10}",
                 name,
                 model.parameter_count(),
                 c,
@@ -883,7 +891,8 @@ pub fn run(args: &BenchTrainArgs) -> Result<()> {
                 reduced,
                 mib(bytes.params),
                 mib(bytes.grads),
-                mib(bytes.optimizer)
+                mib(bytes.optimizer),
+                mib(bytes.measured)
             );
         }
     }

@@ -9,7 +9,7 @@
 use candle_core::Var;
 
 use crate::extended::{StrategyExtended, VariablePolicy};
-use crate::{Error, Result, ZeroStage};
+use crate::{Error, Footprint, Result, ZeroStage};
 
 /// The stages a job may run, for [`check_memory_limits`]: what stage 3 holds whole besides its
 /// shard (`gathered` bytes: the two largest units), and the highest stage the job can run.
@@ -17,6 +17,9 @@ use crate::{Error, Result, ZeroStage};
 pub(crate) struct Stages {
     pub(crate) gathered: u64,
     pub(crate) max_stage: u8,
+    /// Whether stages 1 and 2 step copies of a replica's shard (an elastic job's, or on a
+    /// device other than the CPU) instead of views of its variables: a shard's parameters more.
+    pub(crate) copies: bool,
 }
 
 /// Refuses a replica whose device has a `memory_limit` its model state exceeds at `stage` over
@@ -35,7 +38,7 @@ pub(crate) fn check_memory_limits(
     vars: &[Vec<Var>],
     stages: Stages,
 ) -> Result<()> {
-    let Stages { gathered, max_stage } = stages;
+    let Stages { gathered, max_stage, copies } = stages;
     let devices = ext.replica_devices();
     let in_sync = ext.num_replicas_in_sync().max(1) as u64;
     for (c, copy) in vars.iter().enumerate() {
@@ -43,25 +46,7 @@ pub(crate) fn check_memory_limits(
         let params = params.get(c).copied().unwrap_or(0);
         let trainable: u64 = copy.iter().map(|v| v.elem_count() as u64).sum();
         let size = copy.first().map_or(4, |v| v.dtype().size_in_bytes()) as u64;
-        let shard = trainable.div_ceil(in_sync);
-        // Parameter, gradient and state bytes at stages 0 to 3; central copies are never sharded.
-        let need = |s: u8| {
-            let sharded = policy == VariablePolicy::Mirrored;
-            let params = if s >= 3 && sharded {
-                params.saturating_sub(trainable * size) + shard * size + gathered.min(trainable * size)
-            } else {
-                params
-            };
-            let grads = if s >= 3 && sharded {
-                shard * size + gathered.min(trainable * size)
-            } else if s >= 2 && sharded {
-                shard * size
-            } else {
-                trainable * size
-            };
-            let state = if s >= 1 && sharded { shard } else { trainable } * per_element * size;
-            (params, grads, state)
-        };
+        let need = |s: u8| model_state(policy, s, per_element, params, trainable, size, in_sync, (gathered, copies));
         let (params, grads, state) = need(stage.number());
         if params + grads + state <= limit {
             continue;
@@ -84,4 +69,87 @@ pub(crate) fn check_memory_limits(
         })));
     }
     Ok(())
+}
+
+/// A replica's model state at stage `s`, computed: (parameters, gradients, optimizer state)
+/// bytes, for `params` bytes of every variable of its copy, `trainable` elements of `size`
+/// bytes, over `in_sync` replicas, stage 3 holding `gathered` bytes of units whole besides its
+/// shard, and stages 1 and 2 a copy of the shard where `copies`; central copies are never
+/// sharded.
+#[allow(clippy::too_many_arguments)]
+fn model_state(
+    policy: VariablePolicy,
+    s: u8,
+    per_element: u64,
+    params: u64,
+    trainable: u64,
+    size: u64,
+    in_sync: u64,
+    (gathered, copies): (u64, bool),
+) -> (u64, u64, u64) {
+    let shard = trainable.div_ceil(in_sync);
+    let sharded = policy == VariablePolicy::Mirrored;
+    let whole = trainable * size;
+    let params = if s >= 3 && sharded {
+        params.saturating_sub(whole) + shard * size + gathered.min(whole)
+    } else if s >= 1 && sharded && copies {
+        params + shard * size
+    } else {
+        params
+    };
+    let grads = if s >= 3 && sharded {
+        shard * size + gathered.min(whole)
+    } else if s >= 2 && sharded {
+        shard * size
+    } else {
+        whole
+    };
+    let state = if s >= 1 && sharded { shard } else { trainable } * per_element * size;
+    (params, grads, state)
+}
+
+/// What a replica held in a step, counted (`held`), against its device's `memory_limit`: over
+/// it, the step fails naming the lowest higher stage whose model state (computed as
+/// [`check_memory_limits`] does) and these activations fit. `replica` runs on
+/// `ext.replica_devices()[replica]` with copy `copy` of the variables (`vars[copy]`,
+/// `params[copy]` bytes).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn check_step_footprint(
+    ext: &dyn StrategyExtended,
+    policy: VariablePolicy,
+    stage: ZeroStage,
+    per_element: u64,
+    params: &[u64],
+    vars: &[Vec<Var>],
+    stages: Stages,
+    (replica, copy, step): (usize, usize, u64),
+    held: Footprint,
+) -> Result<()> {
+    let devices = ext.replica_devices();
+    let Some(device) = devices.get(replica) else { return Ok(()) };
+    let Some(limit) = device.kind.memory_limit() else { return Ok(()) };
+    if held.total() <= limit {
+        return Ok(());
+    }
+    let copy_vars = vars.get(copy).map_or(&[][..], Vec::as_slice);
+    let trainable: u64 = copy_vars.iter().map(|v| v.elem_count() as u64).sum();
+    let size = copy_vars.first().map_or(4, |v| v.dtype().size_in_bytes()) as u64;
+    let in_sync = ext.num_replicas_in_sync().max(1) as u64;
+    let p = params.get(copy).copied().unwrap_or(0);
+    let fits = (stage.number() + 1..=stages.max_stage)
+        .map(|s| {
+            let (a, b, c) =
+                model_state(policy, s, per_element, p, trainable, size, in_sync, (stages.gathered, stages.copies));
+            (s, a + b + c + held.activations)
+        })
+        .find(|&(_, bytes)| bytes <= limit);
+    Err(Error::MemoryLimitInStep(Box::new(crate::MemoryLimitInStep {
+        replica,
+        device: device.spec.to_string(),
+        step,
+        stage: stage.number(),
+        held,
+        limit,
+        fits,
+    })))
 }

@@ -42,7 +42,7 @@ use std::sync::Arc;
 use candle_core::Var;
 
 pub(crate) use layout::fixed_plan;
-pub(crate) use memory::{check_memory_limits, Stages};
+pub(crate) use memory::{check_memory_limits, check_step_footprint, Stages};
 pub use params::unit_name;
 pub(crate) use params::{check_units, two_largest_units, Residency};
 pub(crate) use shards::lay_out_shards;
@@ -144,7 +144,8 @@ impl Shards {
             per_element,
             params,
             vars,
-            Stages { gathered: 0, max_stage: 2 },
+            // An elastic job's shards are copies.
+            Stages { gathered: 0, max_stage: 2, copies: true },
         )?;
         lay_out_shards(self.stage(), vars, self.ext().clone())
     }
