@@ -39,8 +39,9 @@ pub fn strata_bin() -> &'static Path {
 /// `cargo test --workspace` select it: cargo turns on the `default` feature of every selected
 /// package (strata's among them), so a narrower selection resolved other features for strata,
 /// strata-compare and strata-cli and compiled all three again (a minute here) for one binary.
-/// CI's GPU tests select the workspace too, with this crate's `cuda` feature, which is passed
-/// on. A test run of one package (`-p`) pays that build once.
+/// With this crate's `cuda` feature it is passed on (CI's GPU build, which also turns the
+/// default features off, builds the binary itself and passes it as `$STRATA_BIN`). A test run
+/// of one package (`-p`) pays that build once.
 pub fn build_in_workspace(targets: &[&str], what: &str) -> PathBuf {
     // The test executable is target/<profile dir>/deps/<test>-<hash>.
     let exe = std::env::current_exe().expect("the test executable has a path");

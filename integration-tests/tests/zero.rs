@@ -89,21 +89,8 @@ fn resumed_on_2_replicas(dir: &Path, stages: (&str, &str)) -> Vec<u8> {
     let ck = format!("mck-{}-{}", stages.0, stages.1);
     let saved = format!("mresumed-{}-{}.safetensors", stages.0, stages.1);
     let run = |replicas: &str, stage: &str, args: &[&str]| {
-        let o = wait(
-            strata()
-                .args(["train", "--strategy", "mirrored", "--replicas", replicas, "--zero-stage", stage])
-                .args(TRAIN)
-                .args(["--checkpoint-dir", &ck])
-                .args(args)
-                .current_dir(dir)
-                .stdout(Stdio::null())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap(),
-            Instant::now() + Duration::from_secs(180),
-        );
-        check(&o, &format!("mirrored({replicas}) at stage {stage} with {args:?}"));
-        String::from_utf8_lossy(&o.stderr).into_owned()
+        let ck = ["--checkpoint-dir", ck.as_str()];
+        train_mirrored(dir, replicas, stage, &[TRAIN, &ck, args].concat())
     };
     run("3", stages.0, &["--checkpoint-every", "3", "--max-steps", "6"]);
     let err = run("2", stages.1, &["--save-params", &saved]);
@@ -153,23 +140,27 @@ fn stages_1_to_3_under_mirrored_are_stage_0_bit_for_bit() {
 /// `strata train --strategy mirrored --replicas 3` at `stage` with `args`: the parameters, as
 /// `--save-params` writes them.
 fn mirrored(dir: &Path, stage: &str, args: &[&str]) -> Vec<u8> {
-    {
-        let file = format!("m-z{stage}.safetensors");
-        let o = wait(
-            strata()
-                .args(["train", "--strategy", "mirrored", "--replicas", "3", "--zero-stage", stage])
-                .args(args)
-                .args(["--save-params", &file])
-                .current_dir(dir)
-                .stdout(Stdio::null())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap(),
-            Instant::now() + Duration::from_secs(180),
-        );
-        check(&o, &format!("mirrored at stage {stage}"));
-        std::fs::read(dir.join(file)).unwrap()
-    }
+    let file = format!("m-z{stage}.safetensors");
+    train_mirrored(dir, "3", stage, &[args, &["--save-params", &file]].concat());
+    std::fs::read(dir.join(file)).unwrap()
+}
+
+/// `strata train --strategy mirrored --replicas {replicas} --zero-stage {stage} {args}` in
+/// `dir`, which must succeed within 180 s; returns its stderr.
+fn train_mirrored(dir: &Path, replicas: &str, stage: &str, args: &[&str]) -> String {
+    let o = wait(
+        strata()
+            .args(["train", "--strategy", "mirrored", "--replicas", replicas, "--zero-stage", stage])
+            .args(args)
+            .current_dir(dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+        Instant::now() + Duration::from_secs(180),
+    );
+    check(&o, &format!("mirrored({replicas}) at stage {stage} with {args:?}"));
+    String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
 /// `‖a - b‖ / ‖b‖` over every tensor of two `--save-params` files.

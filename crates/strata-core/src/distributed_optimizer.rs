@@ -23,7 +23,8 @@ use crate::optim::OptimizerMemory;
 use crate::overlap_plan::{OverlapPlan, Unit};
 use crate::variables::{lock, Replicated};
 use crate::zero::{
-    check_memory_limits, check_step_footprint, check_units, shards_for, two_largest_units, Residency, Shards, Stages,
+    check_memory_limits, check_step_footprint, check_units, shards_for, two_largest_units, ModelShape, Residency,
+    Shards, Stages,
 };
 use crate::{Error, Footprint, Result, ZeroStage};
 
@@ -69,15 +70,9 @@ impl<M> Replicated<M> {
         // Stages 1 and 2 step copies of the shard in an elastic job and off the CPU.
         let piece_copies = self.ext.workers().is_some_and(|w| w.is_elastic())
             || vars.first().and_then(|v| v.first()).is_some_and(|v| !v.device().is_cpu());
-        check_memory_limits(
-            &*self.ext,
-            self.policy,
-            stage,
-            per_element,
-            &params,
-            &vars,
-            Stages { gathered, max_stage, copies: piece_copies },
-        )?;
+        let stages = Stages { gathered, max_stage, copies: piece_copies };
+        let shape = ModelShape { policy: self.policy, stage, per_element, params: &params, vars: &vars, stages };
+        check_memory_limits(&*self.ext, &shape)?;
         let copies = vars
             .iter()
             .enumerate()
@@ -456,19 +451,21 @@ impl<O: Optimizer> DistributedOptimizer<O> {
                 *p = held;
             }
         }
-        check_step_footprint(
-            ext,
-            self.policy,
-            self.zero_stage(),
-            self.state_per_element,
-            &self.params_bytes,
-            &self.vars,
-            self.stages,
-            (replica, copy, step),
-            held,
-        )?;
+        check_step_footprint(ext, &self.model_shape(), (replica, copy, step), held)?;
         Ok(held)
     }
+    /// The replicas' model state as the memory checks count it.
+    fn model_shape(&self) -> ModelShape<'_> {
+        ModelShape {
+            policy: self.policy,
+            stage: self.zero_stage(),
+            per_element: self.state_per_element,
+            params: &self.params_bytes,
+            vars: &self.vars,
+            stages: self.stages,
+        }
+    }
+
     pub(crate) fn check_strategy(&self, ctx: &ReplicaContext<'_>) -> Result<()> {
         if ctx.strategy_id() != self.strategy {
             return Err(Error::Scope(format!(

@@ -115,6 +115,18 @@ pub enum Error {
         variables: String,
     },
 
+    /// A ZeRO stage 3 unit a program named (a prefix of variable names) that names no trainable
+    /// variable of the model, or an empty one.
+    #[error("zero stage 3's unit {unit:?} names no trainable variable of the model (its variables are named like {named_like}); give a prefix of their names, such as {example:?}")]
+    ZeroUnit {
+        /// The unit given.
+        unit: String,
+        /// The first few trainable variables' names, listed.
+        named_like: String,
+        /// A unit that would name some: the first variable's default unit.
+        example: String,
+    },
+
     /// A learning-rate schedule that cannot be followed.
     #[error("{schedule} learning-rate schedule: {detail}")]
     InvalidSchedule {

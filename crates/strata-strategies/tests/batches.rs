@@ -4,14 +4,14 @@
 //! device's parameters; datasets streamed from record files with bounded memory, handed to
 //! workers whole under the file sharding policy; bad input as one-line errors.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use crate::common::max_rel_diff;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{AdamW, ParamsAdamW, SGD};
-use common::max_rel_diff;
 use rand::{Rng, SeedableRng};
 use strata_core::data::files::{TokenRecords, TokenWidth};
 use strata_core::data::{BatchData, DistributedBatch, TailPolicy};

@@ -712,22 +712,50 @@ fn nodelist_malformed_table() {
     }
 }
 
-/// The only test that touches the process environment (tests run on parallel threads).
+/// The resolvers read the process environment, which no test here may change: the test
+/// binary's other tests run on parallel threads, and a C library reading it (a name lookup, say)
+/// while it changes can crash the process. So each case runs in a child process of this binary
+/// with its own environment ([`resolvers_read_the_environment_in_a_child`]).
 #[test]
 fn resolvers_from_env() {
-    let json = r#"{"cluster":{"worker":["w0:2222","w1:2222"]},"task":{"type":"worker","index":0}}"#;
-    std::env::set_var("TF_CONFIG", json);
-    let c = TFConfigClusterResolver::from_env().unwrap().resolve().unwrap();
-    assert!(c.is_chief());
-    std::env::remove_var("TF_CONFIG");
-    assert!(message(TFConfigClusterResolver::from_env()).contains("TF_CONFIG is not set"));
-
-    for (k, v) in [("SLURM_PROCID", "0"), ("SLURM_NTASKS", "1"), ("SLURM_JOB_NODELIST", "envnode")] {
-        std::env::set_var(k, v);
+    let tf_config = r#"{"cluster":{"worker":["w0:2222","w1:2222"]},"task":{"type":"worker","index":0}}"#;
+    let slurm = [("SLURM_PROCID", "0"), ("SLURM_NTASKS", "1"), ("SLURM_JOB_NODELIST", "envnode")];
+    for (case, vars) in [("tf_config", &[("TF_CONFIG", tf_config)][..]), ("unset", &[][..]), ("slurm", &slurm[..])] {
+        let mut child = std::process::Command::new(std::env::current_exe().unwrap());
+        child.args([
+            "--ignored",
+            "--exact",
+            "cluster::resolvers_read_the_environment_in_a_child",
+            "--test-threads",
+            "1",
+        ]);
+        for k in ["TF_CONFIG", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_NODELIST"] {
+            child.env_remove(k);
+        }
+        let out = child.envs(vars.iter().copied()).env("STRATA_RESOLVER_CASE", case).output().unwrap();
+        let log = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success() && log.contains("1 passed"), "case {case}: {log}");
     }
-    let c = SlurmClusterResolver::from_env().base_port(7000).resolve().unwrap();
-    assert_eq!(c.address().unwrap(), "envnode:7000");
-    for k in ["SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_NODELIST"] {
-        std::env::remove_var(k);
+}
+
+/// One case of [`resolvers_from_env`], named by `STRATA_RESOLVER_CASE`, in the environment its
+/// parent gave it.
+#[test]
+#[ignore = "run by resolvers_from_env in a child process, with the environment of each case"]
+fn resolvers_read_the_environment_in_a_child() {
+    match std::env::var("STRATA_RESOLVER_CASE").as_deref() {
+        Ok("tf_config") => {
+            let c = TFConfigClusterResolver::from_env().unwrap().resolve().unwrap();
+            assert!(c.is_chief());
+        }
+        Ok("slurm") => {
+            let c = SlurmClusterResolver::from_env().base_port(7000).resolve().unwrap();
+            assert_eq!(c.address().unwrap(), "envnode:7000");
+        }
+        _ => {
+            if std::env::var_os("TF_CONFIG").is_none() {
+                assert!(message(TFConfigClusterResolver::from_env()).contains("TF_CONFIG is not set"));
+            }
+        }
     }
 }

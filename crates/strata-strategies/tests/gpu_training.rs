@@ -6,10 +6,10 @@
 
 #![cfg(feature = "candle-cuda")]
 
-mod common;
+use crate::common;
 
+use crate::common::{max_rel_diff, train};
 use candle_nn::SGD;
-use common::{max_rel_diff, train};
 use strata_core::device::{DeviceRegistry, DeviceType, LogicalDevice, LogicalDeviceConfiguration};
 use strata_core::{Strategy, StrategyHandle};
 use strata_cuda::candle_ops::GpuCrossDeviceOps;

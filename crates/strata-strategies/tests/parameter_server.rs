@@ -3,15 +3,15 @@
 //! that creates the variables and schedules registered steps. Every test body runs in its own
 //! thread under a hard timeout, and asserts exact (or closed-form) values.
 
-mod common;
+use crate::common;
 
 use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
+use crate::common::models::{data, BnNet, Frozen, Heads, TestModel, Tied};
+use crate::common::with_timeout;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{Init, Linear, VarBuilder};
-use common::models::{data, BnNet, Frozen, Heads, TestModel, Tied};
-use common::with_timeout;
 use strata_core::data::Batch;
 use strata_core::optim::FusedAdamW;
 use strata_core::{Strategy, StrategyOptions};

@@ -5,16 +5,14 @@
 //! re-run and applied once, and clipping falling back to a push after the pass. Every test
 //! body runs under a hard timeout; nothing asserts a duration.
 
-mod common;
-
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::common::models::{data, BnNet, Frozen, Heads, TestModel};
+use crate::common::with_timeout;
 use candle_core::{CpuStorage, DType, Device, Layout, Module, Shape, Tensor};
 use candle_nn::Linear;
-use common::models::{data, BnNet, Frozen, Heads, TestModel};
-use common::with_timeout;
 use strata_core::cross_device::compression::Compression;
 use strata_core::{Scope, StrategyOptions};
 use strata_strategies::cluster::{ClusterSpec, TaskType};

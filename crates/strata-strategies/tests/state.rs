@@ -2,12 +2,12 @@
 //! own and read as the replicas' mean (closed form), CentralStorage keeps a copy per replica,
 //! and `SyncBatchNorm` trains as one device's BatchNorm on the global batch.
 
-mod common;
+use crate::common;
 
+use crate::common::max_rel_diff;
+use crate::common::models::{data, BnNet, TestModel};
 use candle_core::{Device, Tensor};
 use candle_nn::{AdamW, BatchNormConfig, ModuleT, ParamsAdamW, SGD};
-use common::max_rel_diff;
-use common::models::{data, BnNet, TestModel};
 use strata_core::data::{Batch, TailPolicy};
 use strata_core::optim::{FusedMomentum, OptimizerMemory, ParamsMomentum};
 use strata_core::{Strategy, StrategyHandle, VariableKind};

@@ -1,11 +1,11 @@
 //! One test body, every strategy: the defining property of synchronous data parallelism and
 //! the contracts of replica contexts, variables and errors.
 
-mod common;
+use crate::common;
 
+use crate::common::{data, max_rel_diff, params, tensors, train, Mlp};
 use candle_core::{Device, Tensor};
 use candle_nn::{AdamW, ParamsAdamW, SGD};
-use common::{data, max_rel_diff, params, tensors, train, Mlp};
 use strata_core::data::{DistributedBatch, TailPolicy};
 use strata_core::{Error, ReduceOp, Strategy, StrategyHandle, SyncOnReadVariable, VariableAggregation};
 

@@ -3,12 +3,12 @@
 //! gradient), gradient accumulation over micro-batches (one step on their concatenation) and
 //! learning-rate schedules.
 
-mod common;
+use crate::common;
 
+use crate::common::max_rel_diff;
+use crate::common::models::{data, Cnn, Heads, TestModel};
 use candle_core::backprop::GradStore;
 use candle_nn::{AdamW, Optimizer, ParamsAdamW, SGD};
-use common::max_rel_diff;
-use common::models::{data, Cnn, Heads, TestModel};
 use strata_core::data::{Batch, DistributedBatch, TailPolicy};
 use strata_core::optim::schedule::LrSchedule;
 use strata_core::{DistributedOptimizer, Error, Strategy, StrategyHandle};

@@ -4,14 +4,14 @@
 //! variables share one gradient tensor in the backward pass; unused and frozen
 //! variables are never touched by the optimizer and frozen ones never communicated.
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
+use crate::common::max_rel_diff;
+use crate::common::models::{data, Cnn, Frozen, Heads, TestModel, Tied};
 use candle_nn::{AdamW, ParamsAdamW, SGD};
-use common::max_rel_diff;
-use common::models::{data, Cnn, Frozen, Heads, TestModel, Tied};
 use strata_core::data::{Batch, TailPolicy};
 use strata_core::optim::{FusedAdamW, FusedMomentum, FusedSgd, OptimizerMemory, ParamsMomentum};
 use strata_core::{Error, Replicated, Strategy, StrategyHandle, StrategyOptions, VariableKind};

@@ -6,10 +6,10 @@
 //! replicas (uneven shards), with in-place ops, and across 2 and 3 workers. What cannot run on
 //! shards is refused in one line.
 
-mod common;
+use crate::common;
 
+use crate::common::models::{data, BnNet, Cnn, Frozen, Heads, TestModel, Tied};
 use candle_nn::ParamsAdamW;
-use common::models::{data, BnNet, Cnn, Frozen, Heads, TestModel, Tied};
 use strata_core::data::{Batch, TailPolicy};
 use strata_core::optim::schedule::LrSchedule;
 use strata_core::optim::{FusedAdamW, FusedMomentum, FusedSgd, OptimizerMemory, ParamsMomentum, ShardableOptimizer};

@@ -4,11 +4,11 @@
 //! plane's byte counter (the process's, which every in-process worker shares: this binary holds
 //! one test so that nothing else counts), never timed.
 
-mod common;
+use crate::common;
 
+use crate::common::models::data;
 use candle_core::{Device, Tensor};
 use candle_nn::{Linear, Module, ParamsAdamW};
-use common::models::data;
 use strata_core::data::TailPolicy;
 use strata_core::optim::FusedAdamW;
 use strata_core::{Scope, Strategy, ZeroStage};

@@ -1,7 +1,7 @@
 //! The end of a job (`TaskControl.Finish`) over real gRPC on loopback, served beside a
 //! parameter server and a worker executor.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;

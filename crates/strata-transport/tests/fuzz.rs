@@ -5,8 +5,6 @@
 //! input causes), undecodable requests get INVALID_ARGUMENT, the process lives on, the health
 //! check answers SERVING afterwards and a well-formed client is still served correctly.
 
-mod common;
-
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -27,7 +25,7 @@ use tonic::codegen::Service;
 use tonic::transport::Channel;
 use tonic::Code;
 
-use common::within_limit;
+use crate::common::within_limit;
 
 const TOKEN: &str = "0123456789abcdef0123456789abcdef";
 

@@ -20,9 +20,7 @@ use strata_transport::ClusterToken;
 use tonic::codegen::InterceptedService;
 use tonic::transport::Channel;
 
-mod common;
-
-use common::within_limit;
+use crate::common::within_limit;
 
 const TOKEN: &str = "0123456789abcdef0123456789abcdef";
 

@@ -631,7 +631,7 @@ fn a_sigkilled_worker_is_reported_lost_by_every_other_worker() {
     let mut workers = Workers(Vec::new());
     for r in 0..n {
         let mut child = Command::new(&exe)
-            .args(["--exact", "ring_worker_process", "--nocapture", "--test-threads=1"])
+            .args(["--exact", "ring::ring_worker_process", "--nocapture", "--test-threads=1"])
             .env(WORKER_ENV, r.to_string())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())

@@ -17,9 +17,7 @@ use strata_transport::ps::{
 use strata_transport::{ClusterToken, Error, MutualTls};
 use tonic::transport::{Certificate, Channel, ClientTlsConfig};
 
-mod common;
-
-use common::within_limit;
+use crate::common::within_limit;
 
 const TOKEN: &str = "0123456789abcdef0123456789abcdef";
 

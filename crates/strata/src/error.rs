@@ -124,7 +124,8 @@ fn core_exit_code(e: &strata_core::Error) -> i32 {
         | C::MemoryLimitInStep(_)
         | C::InvalidArgument(_)
         | C::InvalidCluster(_)
-        | C::ZeroStage { .. } => 2,
+        | C::ZeroStage { .. }
+        | C::ZeroUnit { .. } => 2,
         _ => 1,
     }
 }

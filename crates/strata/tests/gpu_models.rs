@@ -8,8 +8,6 @@
 
 #![cfg(feature = "candle-cuda")]
 
-mod common;
-
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use rand::{Rng, SeedableRng};
@@ -18,7 +16,7 @@ use strata::model::{Classifier, Mlp};
 use strata::transformer::{CharTransformer, TransformerConfig};
 use strata_cuda::testing::require_gpus;
 
-use common::seeded;
+use crate::common::seeded;
 
 /// The loss and every variable's gradient, on the CPU, by name.
 fn step(vm: &VarMap, loss: &Tensor) -> (f32, Vec<(String, Vec<f32>)>) {

@@ -22,39 +22,56 @@ pub(crate) struct Stages {
     pub(crate) copies: bool,
 }
 
-/// Refuses a replica whose device has a `memory_limit` its model state exceeds at `stage` over
-/// the replicas in sync now: every variable's copy (`params[c]` bytes for copy `c`), the
-/// gradients of the trainable ones `vars` (its shard's at stage 2) and the optimizer's state
-/// (its shard's at stages 1 and 2: `per_element` floats of state per element it steps, the
-/// optimizer's [`OptimizerMemory::state_per_element`](crate::optim::OptimizerMemory::state_per_element)), naming the lowest stage that fits. Called when the
-/// optimizer is built and again when an elastic job's shards are laid out over a new
+/// A replica's model state as a ZeRO stage shards it, the shape both checks below count:
+/// every variable's copy (`params[c]` bytes for copy `c`), the gradients of the trainable ones
+/// `vars` (its shard's at stage 2) and the optimizer's state (its shard's at stages 1 and 2:
+/// `per_element` floats of state per element it steps, the optimizer's
+/// [`OptimizerMemory::state_per_element`](crate::optim::OptimizerMemory::state_per_element)),
+/// at `stage` and every stage up to `stages.max_stage`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ModelShape<'a> {
+    pub(crate) policy: VariablePolicy,
+    pub(crate) stage: ZeroStage,
+    pub(crate) per_element: u64,
+    pub(crate) params: &'a [u64],
+    pub(crate) vars: &'a [Vec<Var>],
+    pub(crate) stages: Stages,
+}
+
+impl ModelShape<'_> {
+    /// Copy `copy`'s model state at stage `s` over `in_sync` replicas: (parameters, gradients,
+    /// optimizer state) bytes.
+    fn at(&self, copy: usize, s: u8, in_sync: u64) -> (u64, u64, u64) {
+        let vars = self.vars.get(copy).map_or(&[][..], Vec::as_slice);
+        let trainable: u64 = vars.iter().map(|v| v.elem_count() as u64).sum();
+        let size = vars.first().map_or(4, |v| v.dtype().size_in_bytes()) as u64;
+        let params = self.params.get(copy).copied().unwrap_or(0);
+        let Stages { gathered, copies, .. } = self.stages;
+        model_state(self.policy, s, self.per_element, params, trainable, size, in_sync, (gathered, copies))
+    }
+
+    /// [`Self::at`], summed.
+    fn total(&self, copy: usize, s: u8, in_sync: u64) -> u64 {
+        let (p, g, st) = self.at(copy, s, in_sync);
+        p + g + st
+    }
+}
+
+/// Refuses a replica whose device has a `memory_limit` its model state (`shape`) exceeds at
+/// `shape.stage` over the replicas in sync now, naming the lowest stage that fits. Called when
+/// the optimizer is built and again when an elastic job's shards are laid out over a new
 /// membership (fewer workers, larger shards).
-pub(crate) fn check_memory_limits(
-    ext: &dyn StrategyExtended,
-    policy: VariablePolicy,
-    stage: ZeroStage,
-    per_element: u64,
-    params: &[u64],
-    vars: &[Vec<Var>],
-    stages: Stages,
-) -> Result<()> {
-    let Stages { gathered, max_stage, copies } = stages;
+pub(crate) fn check_memory_limits(ext: &dyn StrategyExtended, shape: &ModelShape<'_>) -> Result<()> {
     let devices = ext.replica_devices();
     let in_sync = ext.num_replicas_in_sync().max(1) as u64;
-    for (c, copy) in vars.iter().enumerate() {
+    let (stage, max_stage) = (shape.stage, shape.stages.max_stage);
+    for c in 0..shape.vars.len() {
         let Some(limit) = devices.get(c).and_then(|d| d.kind.memory_limit()) else { continue };
-        let params = params.get(c).copied().unwrap_or(0);
-        let trainable: u64 = copy.iter().map(|v| v.elem_count() as u64).sum();
-        let size = copy.first().map_or(4, |v| v.dtype().size_in_bytes()) as u64;
-        let need = |s: u8| model_state(policy, s, per_element, params, trainable, size, in_sync, (gathered, copies));
-        let (params, grads, state) = need(stage.number());
+        let (params, grads, state) = shape.at(c, stage.number(), in_sync);
         if params + grads + state <= limit {
             continue;
         }
-        let total = |s: u8| {
-            let (p, g, st) = need(s);
-            p + g + st
-        };
+        let total = |s: u8| shape.total(c, s, in_sync);
         let fits = (stage.number() + 1..=max_stage).find(|&s| total(s) <= limit).map(|s| (s, total(s)));
         return Err(Error::MemoryLimit(Box::new(crate::MemoryLimitExceeded {
             replica: c,
@@ -109,19 +126,12 @@ fn model_state(
 }
 
 /// What a replica held in a step, counted (`held`), against its device's `memory_limit`: over
-/// it, the step fails naming the lowest higher stage whose model state (computed as
+/// it, the step fails naming the lowest higher stage whose model state (`shape`, computed as
 /// [`check_memory_limits`] does) and these activations fit. `replica` runs on
-/// `ext.replica_devices()[replica]` with copy `copy` of the variables (`vars[copy]`,
-/// `params[copy]` bytes).
-#[allow(clippy::too_many_arguments)]
+/// `ext.replica_devices()[replica]` with copy `copy` of the variables.
 pub(crate) fn check_step_footprint(
     ext: &dyn StrategyExtended,
-    policy: VariablePolicy,
-    stage: ZeroStage,
-    per_element: u64,
-    params: &[u64],
-    vars: &[Vec<Var>],
-    stages: Stages,
+    shape: &ModelShape<'_>,
     (replica, copy, step): (usize, usize, u64),
     held: Footprint,
 ) -> Result<()> {
@@ -131,17 +141,10 @@ pub(crate) fn check_step_footprint(
     if held.total() <= limit {
         return Ok(());
     }
-    let copy_vars = vars.get(copy).map_or(&[][..], Vec::as_slice);
-    let trainable: u64 = copy_vars.iter().map(|v| v.elem_count() as u64).sum();
-    let size = copy_vars.first().map_or(4, |v| v.dtype().size_in_bytes()) as u64;
     let in_sync = ext.num_replicas_in_sync().max(1) as u64;
-    let p = params.get(copy).copied().unwrap_or(0);
-    let fits = (stage.number() + 1..=stages.max_stage)
-        .map(|s| {
-            let (a, b, c) =
-                model_state(policy, s, per_element, p, trainable, size, in_sync, (stages.gathered, stages.copies));
-            (s, a + b + c + held.activations)
-        })
+    let stage = shape.stage;
+    let fits = (stage.number() + 1..=shape.stages.max_stage)
+        .map(|s| (s, shape.total(copy, s, in_sync) + held.activations))
         .find(|&(_, bytes)| bytes <= limit);
     Err(Error::MemoryLimitInStep(Box::new(crate::MemoryLimitInStep {
         replica,

@@ -42,7 +42,7 @@ use std::sync::Arc;
 use candle_core::Var;
 
 pub(crate) use layout::fixed_plan;
-pub(crate) use memory::{check_memory_limits, check_step_footprint, Stages};
+pub(crate) use memory::{check_memory_limits, check_step_footprint, ModelShape, Stages};
 pub use params::unit_name;
 pub(crate) use params::{check_units, two_largest_units, Residency};
 pub(crate) use shards::lay_out_shards;
@@ -137,16 +137,16 @@ impl Shards {
         params: &[u64],
         vars: &[Vec<Var>],
     ) -> Result<Shards> {
-        check_memory_limits(
-            &**self.ext(),
+        let shape = ModelShape {
             policy,
-            self.stage(),
+            stage: self.stage(),
             per_element,
             params,
             vars,
             // An elastic job's shards are copies.
-            Stages { gathered: 0, max_stage: 2, copies: true },
-        )?;
+            stages: Stages { gathered: 0, max_stage: 2, copies: true },
+        };
+        check_memory_limits(&**self.ext(), &shape)?;
         lay_out_shards(self.stage(), vars, self.ext().clone())
     }
 }

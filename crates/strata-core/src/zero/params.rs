@@ -54,11 +54,11 @@ pub(crate) fn check_units(names: &[String], units: &[String]) -> Result<()> {
     for u in units {
         if u.is_empty() || !names.iter().any(|n| unit_of(n, units) == u.as_str()) {
             let known: Vec<&str> = names.iter().take(4).map(String::as_str).collect();
-            return Err(Error::InvalidArgument(format!(
-                "zero stage 3's unit {u:?} names no trainable variable of the model (its variables are named like {}); give a prefix of their names, such as {:?}",
-                known.join(", "),
-                names.first().map_or("layer.0", |n| unit_name(n))
-            )));
+            return Err(Error::ZeroUnit {
+                unit: u.clone(),
+                named_like: known.join(", "),
+                example: names.first().map_or("layer.0", |n| unit_name(n)).to_string(),
+            });
         }
     }
     Ok(())
