@@ -148,18 +148,18 @@ fn mirrored(dir: &Path, stage: &str, args: &[&str]) -> Vec<u8> {
 /// `strata train --strategy mirrored --replicas {replicas} --zero-stage {stage} {args}` in
 /// `dir`, which must succeed within 180 s; returns its stderr.
 fn train_mirrored(dir: &Path, replicas: &str, stage: &str, args: &[&str]) -> String {
+    let strategy = ["--strategy", "mirrored", "--replicas", replicas, "--zero-stage", stage];
+    train(dir, &[&strategy, args].concat(), &format!("mirrored({replicas}) at stage {stage} with {args:?}"))
+}
+
+/// `strata train {args}` in `dir`, which must succeed within 180 s (`what` names it in a
+/// failure); returns its stderr.
+fn train(dir: &Path, args: &[&str], what: &str) -> String {
     let o = wait(
-        strata()
-            .args(["train", "--strategy", "mirrored", "--replicas", replicas, "--zero-stage", stage])
-            .args(args)
-            .current_dir(dir)
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap(),
+        strata().arg("train").args(args).current_dir(dir).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap(),
         Instant::now() + Duration::from_secs(180),
     );
-    check(&o, &format!("mirrored({replicas}) at stage {stage} with {args:?}"));
+    check(&o, what);
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
@@ -218,19 +218,8 @@ fn recomputation_trains_the_same_job_alone_at_stage_3_and_across_workers() {
     let dir = tmp("recompute");
     let with = |args: &[&'static str]| -> Vec<&'static str> { args.iter().copied().chain(["--recompute"]).collect() };
     let one = |args: &[&str]| {
-        let o = wait(
-            strata()
-                .args(["train", "--strategy", "one-device"])
-                .args(args)
-                .args(["--save-params", "one.safetensors"])
-                .current_dir(&dir)
-                .stdout(Stdio::null())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap(),
-            Instant::now() + Duration::from_secs(180),
-        );
-        check(&o, &format!("one device with {args:?}"));
+        let save = ["--strategy", "one-device", "--save-params", "one.safetensors"];
+        train(&dir, &[args, &save].concat(), &format!("one device with {args:?}"));
         std::fs::read(dir.join("one.safetensors")).unwrap()
     };
     assert!(one(&with(TRAIN)) == one(TRAIN), "one device recomputing differs");
