@@ -31,8 +31,18 @@ fn one_device_for(dir: &Path, epochs: usize) -> HashMap<String, Tensor> {
     one_device_model(dir, TRAIN, epochs)
 }
 
-/// The reference of `model` (the model and its optimizer) after `epochs` epochs.
+/// The reference of `model` (the model and its optimizer) after `epochs` epochs: trained once
+/// per test binary (the tests run in parallel; the first to ask trains it while the others
+/// wait) and kept in memory, its file written in `dir` of the test that trained it.
 fn one_device_model(dir: &Path, model: &[&str], epochs: usize) -> HashMap<String, Tensor> {
+    type References = std::sync::Mutex<HashMap<(String, usize), HashMap<String, Tensor>>>;
+    static REFERENCES: std::sync::OnceLock<References> = std::sync::OnceLock::new();
+    let mut trained = REFERENCES.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
+    trained.entry((model.join(" "), epochs)).or_insert_with(|| train_one_device(dir, model, epochs)).clone()
+}
+
+/// One process, one device: `strata train --strategy one-device` with `model`, for `epochs`.
+fn train_one_device(dir: &Path, model: &[&str], epochs: usize) -> HashMap<String, Tensor> {
     let path = dir.join(format!("one-device-{}-{epochs}.safetensors", model.join("").replace([',', '-'], "")));
     let child = strata()
         .args(["train", "--strategy", "one-device"])

@@ -213,51 +213,56 @@ pub fn ones(n: usize) -> Tensor {
     Tensor::ones(n, DType::F32, &Device::Cpu).unwrap()
 }
 
-/// Runs one test body under every strategy configuration.
+/// Runs one test body under every strategy configuration. The body is one function that every
+/// configuration's test calls (as candle's `test_device!` does): written inline in each test,
+/// its closure and every generic it reaches were compiled once per configuration.
 #[macro_export]
 macro_rules! strategy_test {
     ($name:ident, $body:expr) => {
         mod $name {
             use super::*;
+            fn body(s: strata_core::StrategyHandle) {
+                ($body)(s)
+            }
             #[test]
             fn one_device() {
-                ($body)(common::one_device())
+                body(common::one_device())
             }
             #[test]
             fn mirrored_2() {
-                ($body)(common::mirrored(2))
+                body(common::mirrored(2))
             }
             #[test]
             fn mirrored_3() {
-                ($body)(common::mirrored(3))
+                body(common::mirrored(3))
             }
             #[test]
             fn mirrored_4() {
-                ($body)(common::mirrored(4))
+                body(common::mirrored(4))
             }
             #[test]
             fn mirrored_reduction_to_one_3() {
-                ($body)(common::mirrored_to_one(3))
+                body(common::mirrored_to_one(3))
             }
             #[test]
             fn central_storage_2() {
-                ($body)(common::central(2))
+                body(common::central(2))
             }
             #[test]
             fn central_storage_4() {
-                ($body)(common::central(4))
+                body(common::central(4))
             }
             #[test]
             fn mirrored_in_place_3() {
-                ($body)(common::mirrored_in_place(3))
+                body(common::mirrored_in_place(3))
             }
             #[test]
             fn central_storage_in_place_2() {
-                ($body)(common::central_in_place(2))
+                body(common::central_in_place(2))
             }
             #[test]
             fn multi_worker_1x2() {
-                ($body)(common::multi_worker(2))
+                body(common::multi_worker(2))
             }
         }
     };

@@ -18,7 +18,8 @@ pub mod repack;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod repack_x86;
 #[cfg(not(target_arch = "wasm32"))]
-pub mod tokenizer;
+// Strata's patch: `tokenizer` (GGUF tokenizer loading, the only user of the tokenizers crate) is
+// not compiled; see vendor/README.md.
 #[cfg(not(feature = "metal"))]
 mod metal {
     pub use super::dummy_metal::*;
