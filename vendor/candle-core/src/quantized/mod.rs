@@ -17,7 +17,6 @@ pub mod metal;
 pub mod repack;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod repack_x86;
-#[cfg(not(target_arch = "wasm32"))]
 // Strata's patch: `tokenizer` (GGUF tokenizer loading, the only user of the tokenizers crate) is
 // not compiled; see vendor/README.md.
 #[cfg(not(feature = "metal"))]
