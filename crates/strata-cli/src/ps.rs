@@ -471,6 +471,7 @@ pub fn job_spec(args: &TrainArgs) -> PsJobSpec {
     spec.overlap = !args.no_overlap;
     spec.lookahead = !args.no_lookahead;
     spec.recompute = args.recompute;
+    spec.precision = args.precision;
     spec
 }
 

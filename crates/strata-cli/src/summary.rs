@@ -63,6 +63,12 @@ pub struct Summary {
     /// The same peaks, by kind.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub peak_replica: Vec<strata::Footprint>,
+    /// The type the model computed in (`--precision`).
+    pub precision: strata::Precision,
+    /// fp16's dynamic loss scaling at the end: the scale, and the steps skipped for a gradient
+    /// that was not finite.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<strata::LossScaleState>,
     /// Parameter server: what the ps tasks and the coordinator did.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub parameter_servers: Option<PsSummary>,
@@ -115,6 +121,8 @@ pub(crate) fn finish(
         history: report.epochs.clone(),
         peak_replica_bytes: report.peak_footprints.iter().map(strata::Footprint::total).collect(),
         peak_replica: report.peak_footprints.clone(),
+        precision: args.precision,
+        loss_scale: report.loss_scale,
         parameter_servers,
     };
     if let (Some(loss), Some(tokens)) = (summary.validation_loss, summary.tokens_per_second) {

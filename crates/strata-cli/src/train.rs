@@ -327,6 +327,7 @@ fn train_with(
             metrics: args.metrics_writer(is_chief && !joined)?,
             step_hook: args.step_hook()?,
             stop: Some(stop.clone()),
+            loss_scale: args.precision.needs_loss_scale().then(strata::LossScale::default),
             ..Default::default()
         })
     };
@@ -340,12 +341,13 @@ fn train_with(
                 let hidden = args.hidden();
                 let model = strategy.scope(|s| {
                     Ok(Mlp::new(s.var_builder(), digits::FEATURES, &hidden, digits::CLASSES)?
-                        .with_recompute(args.recompute))
+                        .with_recompute(args.recompute)
+                        .with_precision(args.precision))
                 })?;
                 let report = args.optimizer.fit(args.hyper(), &trainer, &strategy, &model, &train, &test)?;
                 run.end(&report, &model)
             } else {
-                let model = strategy.scope(|s| Cnn::new(s.var_builder()))?;
+                let model = strategy.scope(|s| Ok(Cnn::new(s.var_builder())?.with_precision(args.precision)))?;
                 let report = args.optimizer.fit(args.hyper(), &trainer, &strategy, &model, &train, &test)?;
                 run.end(&report, &model)
             }
@@ -368,8 +370,11 @@ fn train_with(
             cfg.clip_global_norm = Some(1.0);
             cfg.schedule = Some(transformer_schedule(args.lr, total));
             let trainer = Trainer::new(cfg);
-            let model =
-                strategy.scope(|s| Ok(CharTransformer::new(shape, s.var_builder())?.with_recompute(args.recompute)))?;
+            let model = strategy.scope(|s| {
+                Ok(CharTransformer::new(shape, s.var_builder())?
+                    .with_recompute(args.recompute)
+                    .with_precision(args.precision))
+            })?;
             let task = strata::transformer::task();
             let report =
                 args.optimizer.fit_task(args.hyper(), &trainer, &strategy, &model, &task, &train, &validation)?;

@@ -145,6 +145,13 @@ pub struct TrainArgs {
     /// --model transformer: attention heads, which divide the width [default: 4].
     #[arg(long, value_name = "H")]
     pub heads: Option<usize>,
+    /// The type the model computes in: `f32`, or mixed precision with f32 variables and
+    /// optimizer state (sharded under ZeRO) and f32-summed gradients: `bf16` (forward and
+    /// backward in bfloat16), or `fp16` (IEEE half, with dynamic loss scaling: from 2^15,
+    /// halved and the step skipped on a gradient that is not finite, doubled after 2,000
+    /// finite steps, every replica and worker alike).
+    #[arg(long, default_value = "f32", value_parser = parse_precision)]
+    pub precision: strata::Precision,
     /// Recompute activations in the backward pass instead of keeping them: the transformer's
     /// blocks and the MLP's hidden layers each keep only their input (the same gradients, less
     /// memory, one more forward pass).
@@ -445,6 +452,11 @@ impl TrainArgs {
         if self.model == ModelKind::Cnn && self.recompute {
             return refuse("--recompute", "--model mlp or transformer");
         }
+        if self.precision.needs_loss_scale() && self.strategy == StrategyKind::ParameterServer {
+            return Err(Error::Usage(
+                "--precision fp16 needs loss scaling, whose skipped steps every worker must skip alike, which asynchronous parameter servers cannot do; use --precision bf16 (no loss scaling) or a synchronous strategy".into(),
+            ));
+        }
         if self.model != ModelKind::Transformer {
             if self.steps.is_some() {
                 return refuse("--steps", "--model transformer");
@@ -534,6 +546,11 @@ fn parse_memory_limit(s: &str) -> std::result::Result<u64, String> {
 /// `--zero-stage`: `0`, `1`, `2` or `3`.
 fn parse_zero_stage(s: &str) -> std::result::Result<ZeroStage, String> {
     s.parse::<ZeroStage>().map_err(|e| e.to_string())
+}
+
+/// `--precision`: `f32`, `bf16` or `fp16`.
+fn parse_precision(s: &str) -> std::result::Result<strata::Precision, String> {
+    s.parse::<strata::Precision>()
 }
 
 /// `--compression`: `none`, `fp16`, `bf16` or `powersgd:RANK`.

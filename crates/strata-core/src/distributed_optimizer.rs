@@ -21,6 +21,7 @@ use crate::footprint::Tally;
 use crate::optim::schedule::LrSchedule;
 use crate::optim::OptimizerMemory;
 use crate::overlap_plan::{OverlapPlan, Unit};
+use crate::precision::{LossScale, LossScaleState};
 use crate::variables::{lock, Replicated};
 use crate::zero::{
     check_memory_limits, check_step_footprint, check_units, shards_for, two_largest_units, ModelShape, Residency,
@@ -151,6 +152,9 @@ pub struct DistributedOptimizer<O> {
     stages: Stages,
     /// Each local replica's peak of the bytes it held at once in a step, counted.
     peaks: Vec<Mutex<Footprint>>,
+    /// Dynamic loss scaling (fp16): its settings, and each copy's state (every copy updates
+    /// its own from the same reduced gradient, so all agree).
+    loss_scale: Option<(LossScale, Vec<Mutex<LossScaleState>>)>,
 }
 
 /// A replica's gradients summed over the micro-batches of an optimizer step so far.
@@ -171,18 +175,35 @@ impl<O: Optimizer + OptimizerState> DistributedOptimizer<O> {
     /// at any stage on any number of replicas and workers. Under ZeRO across workers every
     /// worker must call it (an all-gather).
     pub fn state_tensors(&self) -> Result<Vec<(String, Tensor)>> {
-        match self.zero() {
-            None => self.lock(0).state_tensors(),
+        let mut state = match self.zero() {
+            None => self.lock(0).state_tensors()?,
             Some(shards) => {
                 let states = (0..self.copies.len()).map(|c| self.lock(c).state_tensors()).collect::<Result<_>>()?;
-                shards.gather_state(states)
+                shards.gather_state(states)?
             }
+        };
+        if let Some(s) = self.loss_scale_state() {
+            state.push((crate::precision::STATE_NAME.to_string(), s.to_tensor()?));
         }
+        Ok(state)
     }
 
     /// Loads `state` (as [`Self::state_tensors`] gives it, at any stage) into every copy:
     /// under ZeRO each copy takes its shard of it. Nothing changes where a copy refuses it.
     pub fn load_state_tensors(&self, state: &[(String, Tensor)]) -> Result<()> {
+        // The loss scale's entry is the distributed optimizer's own: taken here (a job
+        // without loss scaling ignores it; one with it and no entry starts afresh).
+        let (scale, rest): (Vec<_>, Vec<_>) =
+            state.iter().cloned().partition(|(n, _)| n == crate::precision::STATE_NAME);
+        let scale = match scale.first() {
+            Some((_, t)) => Some(LossScaleState::from_tensor(t).ok_or_else(|| Error::OptimizerSetting {
+                setting: "a checkpoint's loss scale",
+                value: format!("{t}"),
+                expected: "expected [scale >= 1, good steps, skipped steps]; the checkpoint is damaged",
+            })?),
+            None => None,
+        };
+        let state = &rest[..];
         let cut: Vec<Vec<(String, Tensor)>> = match self.zero() {
             None => vec![state.to_vec(); self.copies.len()],
             Some(shards) => (0..self.copies.len()).map(|c| shards.cut_state(c, state)).collect::<Result<_>>()?,
@@ -190,13 +211,19 @@ impl<O: Optimizer + OptimizerState> DistributedOptimizer<O> {
         for (c, state) in cut.iter().enumerate() {
             self.lock(c).load_state_tensors(state)?;
         }
+        if let Some((cfg, states)) = &self.loss_scale {
+            let loaded = scale.unwrap_or_else(|| cfg.start());
+            for st in states {
+                *lock(st) = loaded;
+            }
+        }
         Ok(())
     }
 
     /// Whether the optimizer keeps state across steps (AdamW's moments, momentum's velocity;
     /// plain SGD keeps none). Local: copy 0's.
     pub fn keeps_state(&self) -> Result<bool> {
-        Ok(!self.lock(0).state_tensors()?.is_empty())
+        Ok(self.loss_scale.is_some() || !self.lock(0).state_tensors()?.is_empty())
     }
 
     /// ZeRO in an elastic job, after its membership changed: lays the shards out again over
@@ -258,6 +285,40 @@ impl<O: Optimizer> DistributedOptimizer<O> {
             state_per_element: 0,
             stages: Stages { gathered: 0, max_stage: 2, copies: false },
             peaks: (0..replicas.max(1)).map(|_| Mutex::new(Footprint::default())).collect(),
+            loss_scale: None,
+        }
+    }
+
+    /// Dynamic loss scaling (fp16 training, TensorFlow's `LossScaleOptimizer`):
+    /// [`ReplicaContext::backward_and_sync`] multiplies the loss by the current scale before
+    /// the backward pass, and each step divides the reduced gradient by it before clipping
+    /// and the update. A step whose reduced gradient holds an infinity or a NaN anywhere (on
+    /// any replica's shard, under ZeRO) is skipped on every replica and worker, and the scale
+    /// shrinks; it grows after a run of finite steps ([`LossScale`]). The scale is saved with
+    /// the optimizer's state ([`Self::state_tensors`]). A program that computes gradients
+    /// itself scales its loss with [`Self::scale_loss`].
+    pub fn with_loss_scale(mut self, scale: LossScale) -> Result<Self> {
+        scale.check()?;
+        let states = self.copies.iter().map(|_| Mutex::new(scale.start())).collect();
+        self.loss_scale = Some((scale, states));
+        Ok(self)
+    }
+
+    /// Where loss scaling stands (copy 0's, which every copy shares); `None` without it.
+    pub fn loss_scale_state(&self) -> Option<LossScaleState> {
+        self.loss_scale.as_ref().map(|(_, s)| *lock(&s[0]))
+    }
+
+    /// `loss` times the current loss scale for `ctx`'s replica (`loss` itself without loss
+    /// scaling): what to call `backward` on when a program computes gradients itself and
+    /// hands them to [`ReplicaContext::sync_and_apply`].
+    pub fn scale_loss(&self, ctx: &ReplicaContext<'_>, loss: &Tensor) -> Result<Tensor> {
+        match &self.loss_scale {
+            Some((_, states)) => {
+                let scale = lock(&states[self.copy_of(ctx.replica_id())]).scale;
+                Ok((loss * scale)?)
+            }
+            None => Ok(loss.clone()),
         }
     }
 
@@ -339,14 +400,26 @@ impl<O: Optimizer> DistributedOptimizer<O> {
         if let Some(s) = &self.schedule {
             opt.set_learning_rate(s.at(step));
         }
+        let unscale = self.loss_scale.as_ref().map(|(_, st)| 1.0 / lock(&st[copy]).scale);
         if let Some(shards) = self.zero() {
-            // Only the shard's runs of `grads` hold the reduced gradient: the clipping norm is
-            // summed over every replica's shard.
-            shards.step(ctx, copy, &self.vars[copy], grads, self.clip_global_norm, &mut *opt)?;
+            // Only the shard's runs of `grads` hold the reduced gradient: the clipping norm,
+            // and whether the gradient is finite, are summed over every replica's shard.
+            let applied = shards.step(ctx, copy, &self.vars[copy], grads, self.clip_global_norm, unscale, &mut *opt)?;
+            self.update_loss_scale(copy, applied);
             if let Some(r) = &self.residency {
                 r.release_all(copy)?;
             }
             return Ok(());
+        }
+        let mut grads = grads;
+        if let Some(k) = unscale {
+            // Every copy holds the same reduced gradient, so every copy decides alike.
+            let finite = crate::precision::all_finite(grads.iter().flatten())?;
+            self.update_loss_scale(copy, finite);
+            if !finite {
+                return Ok(());
+            }
+            grads = grads.into_iter().map(|g| g.map(|g| g * k).transpose()).collect::<candle_core::Result<_>>()?;
         }
         let scale = match self.clip_global_norm {
             Some(max) => clip_scale(&grads, max)?,
@@ -363,6 +436,13 @@ impl<O: Optimizer> DistributedOptimizer<O> {
             }
         }
         Ok(opt.step(&store)?)
+    }
+
+    /// Copy `copy`'s loss scale after a step whose gradient was finite (`applied`) or not.
+    fn update_loss_scale(&self, copy: usize, applied: bool) {
+        if let Some((cfg, states)) = &self.loss_scale {
+            lock(&states[copy]).update(applied, cfg);
+        }
     }
 
     /// ZeRO's shards as they are laid out now (`None` at stage 0).

@@ -98,6 +98,7 @@ pub mod layers;
 pub mod optim;
 mod overlap;
 mod overlap_plan;
+pub mod precision;
 mod recompute;
 mod reduce;
 pub mod runtime;
@@ -120,6 +121,7 @@ pub use extended::{
     CrossReplicaContext, ReplicaContext, StrategyExtended, StrategyId, StrategyOptions, VariablePolicy, ZeroStage,
 };
 pub use footprint::Footprint;
+pub use precision::{cast_like, LossScale, LossScaleState, Precision};
 pub use recompute::recompute;
 pub use reduce::ReduceOp;
 pub use scope::{get_strategy, has_strategy};

@@ -369,7 +369,13 @@ impl ReplicaContext<'_> {
     /// as its last gradient is final, while the pass computes the rest. The result is the
     /// same, bit for bit where each element's sum keeps its order. Steps with accumulation
     /// and steps with nothing to reduce (one replica, no workers) take no plan.
+    ///
+    /// With loss scaling ([`DistributedOptimizer::with_loss_scale`]) the pass differentiates
+    /// the loss times the current scale.
     pub fn backward_and_sync<O: Optimizer>(&self, loss: &Tensor, opt: &DistributedOptimizer<O>) -> Result<()> {
+        // Loss scaling (fp16): the pass differentiates the scaled loss; the step unscales.
+        let scaled = opt.scale_loss(self, loss)?;
+        let loss = &scaled;
         let reduces = self.shared.group.num_replicas() > 1 || self.shared.ext.workers().is_some();
         if !reduces || opt.accumulation > 1 || !self.shared.ext.options().overlap {
             let grads = self.backward_phase(|| loss.backward())?;

@@ -10,6 +10,7 @@ mod batches;
 mod cluster;
 mod coordinator;
 mod gpu_training;
+mod mixed_precision;
 mod multi_worker;
 mod parameter_server;
 mod ps_compression;

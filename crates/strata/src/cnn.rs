@@ -2,15 +2,19 @@
 //! under every strategy (`strategy.scope(|s| Cnn::new(s.var_builder()))`), computed with the
 //! fused convolution and pooling of [`crate::fused`] (candle's own on other devices).
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 use candle_nn::{Conv2d, Conv2dConfig, VarBuilder};
+use strata_core::Precision;
 
 use crate::fused::{conv2d, relu_max_pool2d};
 use crate::model::{Classifier, Dense};
 
-/// candle-nn's layer computed by [`crate::fused::conv2d`].
+/// candle-nn's layer computed by [`crate::fused::conv2d`], always in f32 (as autocasting
+/// keeps some operations in f32): a 16-bit input is widened for it and the output narrowed
+/// back. candle's CPU convolution has no bf16 kernel, and its f16 one is slow.
 fn conv(layer: &Conv2d, x: &Tensor) -> candle_core::Result<Tensor> {
-    conv2d(x, layer.weight(), layer.bias(), layer.config())
+    let y = conv2d(&x.to_dtype(DType::F32)?, layer.weight(), layer.bias(), layer.config())?;
+    y.to_dtype(x.dtype())
 }
 
 /// The digits' image side (8x8 pixels).
@@ -28,6 +32,7 @@ pub struct Cnn {
     conv2: Conv2d,
     fc1: Dense,
     fc2: Dense,
+    precision: Precision,
 }
 
 impl Cnn {
@@ -39,7 +44,16 @@ impl Cnn {
             conv2: candle_nn::conv2d(16, 32, 3, same, vb.pp("conv2"))?,
             fc1: Dense::new(32 * 2 * 2, 64, vb.pp("fc1"))?,
             fc2: Dense::new(64, crate::digits::CLASSES, vb.pp("fc2"))?,
+            precision: Precision::F32,
         })
+    }
+
+    /// The network computing at `precision` (`strata train --precision`): the images cast to
+    /// its compute type, the convolutions in f32 (see `conv`), the pooling and dense layers in
+    /// the compute type, the logits back in f32; the variables stay f32.
+    pub fn with_precision(mut self, precision: Precision) -> Self {
+        self.precision = precision;
+        self
     }
 
     /// The number of parameters: 13,706.
@@ -51,9 +65,9 @@ impl Cnn {
 impl Classifier for Cnn {
     fn logits(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let n = x.dim(0)?;
-        let x = x.reshape((n, 1, SIDE, SIDE))?;
+        let x = self.precision.cast(&x.reshape((n, 1, SIDE, SIDE))?)?;
         let h = relu_max_pool2d(&conv(&self.conv1, &x)?, 2)?;
         let h = relu_max_pool2d(&conv(&self.conv2, &h)?, 2)?.flatten_from(1)?;
-        self.fc2.forward(&self.fc1.forward(&h)?.relu()?)
+        self.fc2.forward(&self.fc1.forward(&h)?.relu()?)?.to_dtype(DType::F32)
     }
 }

@@ -19,7 +19,11 @@
 //! other device or dtype the functions fall back to the composed operations, so a model written
 //! with them runs everywhere.
 
+use std::borrow::Cow;
+
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
+use half::slice::HalfFloatSliceExt;
+use half::vec::HalfFloatVecExt;
 
 mod conv;
 pub use conv::{conv2d, max_pool2d, relu_max_pool2d};
@@ -338,17 +342,49 @@ impl Kernel for LayerNormBwd<'_> {
     }
 }
 
-/// Whether the fused kernels apply to `x`: an f32 tensor on the CPU.
+/// Whether the f32 kernels apply to `x`: an f32 tensor on the CPU.
 fn fusable(x: &Tensor) -> bool {
     x.device().is_cpu() && x.dtype() == DType::F32
 }
 
-/// The elements of a contiguous f32 CPU tensor.
-fn f32s<'a>(s: &'a CpuStorage, l: &Layout, op: &str) -> Result<&'a [f32]> {
+/// Whether the element-wise kernels (GELU, bias and GELU, the causal softmax, layer norm)
+/// apply to `xs`: CPU tensors of one type, f32 or (mixed precision) bf16 or f16. A 16-bit
+/// tensor is widened to f32 as the kernel reads it, computed in f32, and its result narrowed
+/// back: the same arithmetic as f32's, on 16-bit inputs, keeping 16-bit outputs (so a
+/// backward pass keeps half the bytes).
+fn fusable16(xs: &[&Tensor]) -> bool {
+    let dtype = xs[0].dtype();
+    matches!(dtype, DType::F32 | DType::BF16 | DType::F16)
+        && xs.iter().all(|x| x.device().is_cpu() && x.dtype() == dtype)
+}
+
+/// The elements of a contiguous CPU tensor as f32: an f32 tensor's own, a 16-bit tensor's
+/// widened.
+fn f32s<'a>(s: &'a CpuStorage, l: &Layout, op: &str) -> Result<Cow<'a, [f32]>> {
+    let Some((a, b)) = l.contiguous_offsets() else { candle_core::bail!("{op} needs a contiguous tensor") };
+    Ok(match s {
+        CpuStorage::F32(v) => Cow::Borrowed(&v[a..b]),
+        CpuStorage::BF16(v) => Cow::Owned(v[a..b].to_f32_vec()),
+        CpuStorage::F16(v) => Cow::Owned(v[a..b].to_f32_vec()),
+        _ => candle_core::bail!("{op} takes f32, bf16 or f16 tensors"),
+    })
+}
+
+/// The elements of a contiguous f32 CPU tensor (the convolution's kernels, f32 only).
+fn f32_only<'a>(s: &'a CpuStorage, l: &Layout, op: &str) -> Result<&'a [f32]> {
     let data = s.as_slice::<f32>()?;
     match l.contiguous_offsets() {
         Some((a, b)) => Ok(&data[a..b]),
         None => candle_core::bail!("{op} needs a contiguous tensor"),
+    }
+}
+
+/// `v` stored in the type of `like` (f32, or narrowed to bf16 or f16, rounding to nearest).
+fn stored(like: &CpuStorage, v: Vec<f32>) -> CpuStorage {
+    match like {
+        CpuStorage::BF16(_) => CpuStorage::BF16(Vec::from_f32_slice(&v)),
+        CpuStorage::F16(_) => CpuStorage::F16(Vec::from_f32_slice(&v)),
+        _ => CpuStorage::F32(v),
     }
 }
 
@@ -408,8 +444,8 @@ impl CustomOp1 for Gelu {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let x = f32s(s, l, self.name())?;
         let mut y = Vec::with_capacity(x.len());
-        simd(GeluFwd { x, y: &mut y });
-        Ok((CpuStorage::F32(y), l.shape().clone()))
+        simd(GeluFwd { x: &x, y: &mut y });
+        Ok((stored(s, y), l.shape().clone()))
     }
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
@@ -429,15 +465,15 @@ impl CustomOp2 for GeluGrad {
         same_shape(l1, l2, self.name())?;
         let (x, g) = (f32s(s1, l1, self.name())?, f32s(s2, l2, self.name())?);
         let mut d = Vec::with_capacity(x.len());
-        simd(GeluBwd { x, g, d: &mut d });
-        Ok((CpuStorage::F32(d), l1.shape().clone()))
+        simd(GeluBwd { x: &x, g: &g, d: &mut d });
+        Ok((stored(s1, d), l1.shape().clone()))
     }
 }
 
 /// GELU (tanh approximation) of `x`, one pass forward and one backward on f32 CPU tensors;
 /// candle's `gelu` elsewhere.
 pub fn gelu(x: &Tensor) -> Result<Tensor> {
-    if fusable(x) {
+    if fusable16(&[x]) {
         x.contiguous()?.apply_op1(Gelu)
     } else {
         x.gelu()
@@ -458,8 +494,8 @@ impl CustomOp2 for BiasGelu {
         let (h, b) = (f32s(s1, l1, self.name())?, f32s(s2, l2, self.name())?);
         bias_of(l1, l2, self.name())?;
         let mut y = Vec::with_capacity(h.len());
-        simd(BiasGeluFwd { h, b, y: &mut y });
-        Ok((CpuStorage::F32(y), l1.shape().clone()))
+        simd(BiasGeluFwd { h: &h, b: &b, y: &mut y });
+        Ok((stored(s1, y), l1.shape().clone()))
     }
 
     fn bwd(&self, h: &Tensor, b: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
@@ -491,8 +527,8 @@ impl CustomOp3 for BiasGeluGrad {
         let (h, b, g) = (f32s(s1, l1, self.name())?, f32s(s2, l2, self.name())?, f32s(s3, l3, self.name())?);
         let d = b.len().max(1);
         let mut out = Vec::with_capacity(h.len() + d);
-        simd(BiasGeluBwd { h, b, g, out: &mut out });
-        Ok((CpuStorage::F32(out), Shape::from((h.len() / d + 1, d))))
+        simd(BiasGeluBwd { h: &h, b: &b, g: &g, out: &mut out });
+        Ok((stored(s1, out), Shape::from((h.len() / d + 1, d))))
     }
 }
 
@@ -506,7 +542,7 @@ fn bias_of(h: &Layout, b: &Layout, op: &str) -> Result<()> {
 /// (which also sums the bias' gradient) on f32 CPU tensors; `gelu(h.broadcast_add(b))`
 /// elsewhere.
 pub fn bias_gelu(h: &Tensor, b: &Tensor) -> Result<Tensor> {
-    if fusable(h) && fusable(b) {
+    if fusable16(&[h, b]) {
         h.contiguous()?.apply_op2(&b.contiguous()?, BiasGelu)
     } else {
         gelu(&h.broadcast_add(b)?)
@@ -526,8 +562,8 @@ impl CustomOp1 for CausalSoftmax {
         let x = f32s(s, l, self.name())?;
         let t = square_side(l.shape(), self.name())?;
         let mut out = Vec::with_capacity(x.len());
-        simd(CausalSoftmaxFwd { x, t, y: &mut out });
-        Ok((CpuStorage::F32(out), l.shape().clone()))
+        simd(CausalSoftmaxFwd { x: &x, t, y: &mut out });
+        Ok((stored(s, out), l.shape().clone()))
     }
 
     fn bwd(&self, _arg: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
@@ -558,8 +594,8 @@ impl CustomOp2 for SoftmaxGrad {
         let (y, g) = (f32s(s1, l1, self.name())?, f32s(s2, l2, self.name())?);
         let t = l1.shape().dims().last().copied().unwrap_or(1).max(1);
         let mut out = Vec::with_capacity(y.len());
-        simd(SoftmaxBwd { y, g, t, d: &mut out });
-        Ok((CpuStorage::F32(out), l1.shape().clone()))
+        simd(SoftmaxBwd { y: &y, g: &g, t, d: &mut out });
+        Ok((stored(s1, out), l1.shape().clone()))
     }
 }
 
@@ -567,7 +603,7 @@ impl CustomOp2 for SoftmaxGrad {
 /// columns `0..=i` and 0 beyond. One pass each way on f32 CPU tensors; elsewhere the composed
 /// operations (adding a `-inf` mask above the diagonal, then softmax).
 pub fn causal_softmax(scores: &Tensor) -> Result<Tensor> {
-    if fusable(scores) {
+    if fusable16(&[scores]) {
         square_side(scores.shape(), "causal_softmax")?;
         return scores.contiguous()?.apply_op1(CausalSoftmax);
     }
@@ -627,8 +663,8 @@ impl CustomOp3 for LayerNormOp {
         vector_of(l3, d, "layer_norm", "bias")?;
         let (w, b) = (f32s(s2, l2, self.name())?, f32s(s3, l3, self.name())?);
         let mut out = Vec::with_capacity(x.len());
-        simd(LayerNormFwd { x, w, b, eps: self.eps, y: &mut out });
-        Ok((CpuStorage::F32(out), l1.shape().clone()))
+        simd(LayerNormFwd { x: &x, w: &w, b: &b, eps: self.eps, y: &mut out });
+        Ok((stored(s1, out), l1.shape().clone()))
     }
 
     fn bwd(
@@ -671,8 +707,8 @@ impl CustomOp3 for LayerNormGrad {
         let d = w.len().max(1);
         let rows = x.len() / d;
         let mut out = Vec::with_capacity((rows + 2) * d);
-        simd(LayerNormBwd { x, w, g, eps: self.eps, out: &mut out });
-        Ok((CpuStorage::F32(out), Shape::from((rows + 2, d))))
+        simd(LayerNormBwd { x: &x, w: &w, g: &g, eps: self.eps, out: &mut out });
+        Ok((stored(s1, out), Shape::from((rows + 2, d))))
     }
 }
 
@@ -680,7 +716,7 @@ impl CustomOp3 for LayerNormGrad {
 /// axis' size): one pass each way on f32 CPU tensors; candle-nn's `layer_norm_slow` (composed
 /// operations) elsewhere.
 pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
-    if fusable(x) && fusable(weight) && fusable(bias) {
+    if fusable16(&[x, weight, bias]) {
         x.contiguous()?.apply_op3(&weight.contiguous()?, &bias.contiguous()?, LayerNormOp { eps: eps as f32 })
     } else {
         candle_nn::ops::layer_norm_slow(x, weight, bias, eps as f32)

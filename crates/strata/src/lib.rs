@@ -107,10 +107,10 @@ pub use strata_core::recompute;
 pub use strata_core::Error as CoreError;
 pub use strata_core::Result as CoreResult;
 pub use strata_core::{
-    context, cross_device, data, device, group, layers, optim, timeline, CrossReplicaContext, DistributedOptimizer,
-    DistributedVariable, Footprint, Mirrored, PerReplica, ReduceOp, ReplicaContext, Replicated, Scope, Strategy,
-    StrategyExtended, StrategyHandle, StrategyOptions, SyncOnReadVariable, VariableAggregation, VariableKind,
-    VariablePolicy, ZeroStage,
+    cast_like, context, cross_device, data, device, group, layers, optim, precision, timeline, CrossReplicaContext,
+    DistributedOptimizer, DistributedVariable, Footprint, LossScale, LossScaleState, Mirrored, PerReplica, Precision,
+    ReduceOp, ReplicaContext, Replicated, Scope, Strategy, StrategyExtended, StrategyHandle, StrategyOptions,
+    SyncOnReadVariable, VariableAggregation, VariableKind, VariablePolicy, ZeroStage,
 };
 pub use strata_strategies::cluster;
 pub use strata_strategies::parameter_server;

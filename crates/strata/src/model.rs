@@ -2,6 +2,7 @@
 
 use candle_core::{Tensor, D};
 use candle_nn::{Init, VarBuilder};
+use strata_core::{cast_like, Precision};
 
 /// The most hidden layers of an MLP built from a command line or a step's arguments.
 pub const MAX_HIDDEN_LAYERS: usize = 64;
@@ -60,7 +61,9 @@ pub trait Classifier: Send + Sync {
 /// then arrives as a transposed view that candle's backward accumulates with a strided pass, a
 /// large part of a step on the 4.3M-parameter MLP. Storing `(in, out)` makes every gradient
 /// contiguous. The initialisation is candle-nn's: Kaiming normal over the fan-in for the
-/// weight, uniform in `±1/sqrt(in)` for the bias.
+/// weight, uniform in `±1/sqrt(in)` for the bias. The layer computes in its input's type: with
+/// a 16-bit input (mixed precision, [`Precision`]) its f32 variables are cast to it
+/// ([`cast_like`]), so their gradients still arrive in f32.
 #[derive(Clone, Debug)]
 pub struct Dense {
     weight: Tensor,
@@ -99,18 +102,18 @@ impl Dense {
     /// `gelu(x W + b)` (tanh approximation), the bias and the activation in one fused pass
     /// ([`crate::fused::bias_gelu`]).
     pub fn forward_gelu(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let y = x.matmul(&self.weight)?;
+        let y = x.matmul(&cast_like(&self.weight, x)?)?;
         match &self.bias {
-            Some(b) => crate::fused::bias_gelu(&y, b),
+            Some(b) => crate::fused::bias_gelu(&y, &cast_like(b, x)?),
             None => crate::fused::gelu(&y),
         }
     }
 
     /// `x W + b`.
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let y = x.matmul(&self.weight)?;
+        let y = x.matmul(&cast_like(&self.weight, x)?)?;
         match &self.bias {
-            Some(b) => y.broadcast_add(b),
+            Some(b) => y.broadcast_add(&cast_like(b, x)?),
             None => Ok(y),
         }
     }
@@ -121,6 +124,7 @@ impl Dense {
 pub struct Mlp {
     layers: Vec<Dense>,
     recompute: bool,
+    precision: Precision,
 }
 
 impl Mlp {
@@ -133,7 +137,7 @@ impl Mlp {
             .enumerate()
             .map(|(i, w)| Dense::new(w[0], w[1], vb.pp(format!("layer{i}"))))
             .collect::<candle_core::Result<_>>()?;
-        Ok(Self { layers, recompute: false })
+        Ok(Self { layers, recompute: false, precision: Precision::F32 })
     }
 
     /// The model recomputing each hidden layer's `relu(x W + b)` in the backward pass instead
@@ -141,6 +145,14 @@ impl Mlp {
     /// the same gradients.
     pub fn with_recompute(mut self, recompute: bool) -> Self {
         self.recompute = recompute;
+        self
+    }
+
+    /// The model computing at `precision` (`strata train --precision`): the input cast to its
+    /// compute type, every layer computed in it, the logits back in f32 (for the loss); the
+    /// variables stay f32.
+    pub fn with_precision(mut self, precision: Precision) -> Self {
+        self.precision = precision;
         self
     }
 
@@ -153,7 +165,7 @@ impl Mlp {
 
 impl Classifier for Mlp {
     fn logits(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let mut h = x.clone();
+        let mut h = self.precision.cast(x)?;
         for (i, l) in self.layers.iter().enumerate() {
             h = if i + 1 == self.layers.len() {
                 l.forward(&h)?
@@ -164,7 +176,7 @@ impl Classifier for Mlp {
                 l.forward(&h)?.relu()?
             };
         }
-        Ok(h)
+        h.to_dtype(candle_core::DType::F32)
     }
 }
 

@@ -151,6 +151,15 @@ pub struct PsJobSpec {
     /// when `false`.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub recompute: bool,
+    /// The type the workers' models compute in (`--precision`): f32, or bf16 with f32
+    /// variables (fp16 is refused: its loss scaling skips steps every worker would have to
+    /// skip alike). Absent from the JSON when f32.
+    #[serde(default, skip_serializing_if = "is_f32")]
+    pub precision: strata_core::Precision,
+}
+
+fn is_f32(p: &strata_core::Precision) -> bool {
+    *p == strata_core::Precision::F32
 }
 
 fn overlap_default() -> bool {
@@ -177,6 +186,7 @@ impl PsJobSpec {
             overlap: true,
             lookahead: true,
             recompute: false,
+            precision: strata_core::Precision::F32,
         }
     }
 
@@ -192,6 +202,7 @@ impl PsJobSpec {
             overlap: true,
             lookahead: true,
             recompute: false,
+            precision: strata_core::Precision::F32,
         }
     }
 
@@ -207,6 +218,7 @@ impl PsJobSpec {
             overlap: true,
             lookahead: true,
             recompute: false,
+            precision: strata_core::Precision::F32,
         }
     }
 
@@ -235,6 +247,11 @@ impl PsJobSpec {
         }
         if self.model != PsModelKind::Transformer && self.transformer.is_some() {
             return Err(Error::Usage(format!("a transformer shape does not apply to the {m}")));
+        }
+        if self.precision.needs_loss_scale() {
+            return Err(Error::Usage(
+                "fp16 needs loss scaling, whose skipped steps every worker must skip alike, which asynchronous parameter servers cannot do; use bf16".into(),
+            ));
         }
         if self.model == PsModelKind::Cnn && self.recompute {
             return Err(Error::Usage(
@@ -395,13 +412,16 @@ impl WorkerState {
                 let hidden = spec.hidden.clone();
                 let mut worker = PsWorkerModel::new(spec.replicas, options, |s| {
                     Ok(Mlp::new(s.var_builder(), digits::FEATURES, &hidden, digits::CLASSES)?
-                        .with_recompute(spec.recompute))
+                        .with_recompute(spec.recompute)
+                        .with_precision(spec.precision))
                 })?;
                 worker.set_lookahead(spec.lookahead);
                 (digits_data()?, WorkerModel::Mlp(worker))
             }
             PsModelKind::Cnn => {
-                let mut worker = PsWorkerModel::new(spec.replicas, options, |s| Cnn::new(s.var_builder()))?;
+                let mut worker = PsWorkerModel::new(spec.replicas, options, |s| {
+                    Ok(Cnn::new(s.var_builder())?.with_precision(spec.precision))
+                })?;
                 worker.set_lookahead(spec.lookahead);
                 (digits_data()?, WorkerModel::Cnn(worker))
             }
@@ -417,7 +437,9 @@ impl WorkerState {
                     )));
                 }
                 let mut worker = PsWorkerModel::new(spec.replicas, options, |s| {
-                    Ok(CharTransformer::new(shape, s.var_builder())?.with_recompute(spec.recompute))
+                    Ok(CharTransformer::new(shape, s.var_builder())?
+                        .with_recompute(spec.recompute)
+                        .with_precision(spec.precision))
                 })?;
                 worker.clip_global_norm(TRANSFORMER_CLIP_NORM)?;
                 worker.set_lookahead(spec.lookahead);
@@ -866,6 +888,7 @@ pub fn train_coordinator(
         wall_seconds: started.elapsed().as_secs_f64(),
         stopped: None,
         peak_footprints: Vec::new(),
+        loss_scale: None,
     };
     Ok((report, stats))
 }

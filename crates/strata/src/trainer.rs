@@ -87,6 +87,9 @@ pub struct TrainConfig {
     pub accumulation: usize,
     /// The learning rate of every optimizer step (applied by [`Trainer::optimizer`]).
     pub schedule: Option<LrSchedule>,
+    /// Dynamic loss scaling, for a model that computes in fp16
+    /// ([`strata_core::Precision::Fp16`]; applied by [`Trainer::optimizer`]).
+    pub loss_scale: Option<strata_core::LossScale>,
 }
 
 /// Asks a running fit to stop after the step it is in (cheap to clone; clones share the
@@ -200,6 +203,7 @@ impl Default for TrainConfig {
             clip_global_norm: None,
             accumulation: 1,
             schedule: None,
+            loss_scale: None,
         }
     }
 }
@@ -244,6 +248,9 @@ pub struct FitReport {
     /// The most bytes each of this process's replicas held at once in a step, counted
     /// ([`DistributedOptimizer::peak_footprint`]; empty for a parameter-server job).
     pub peak_footprints: Vec<Footprint>,
+    /// Where dynamic loss scaling ended (the scale, and the steps skipped for a gradient that
+    /// was not finite); `None` without it.
+    pub loss_scale: Option<strata_core::LossScaleState>,
 }
 
 /// The high-level training loop.
@@ -259,9 +266,10 @@ impl Trainer {
         Self { config }
     }
 
-    /// The optimizer of `model` with `config`, and this trainer's clipping, accumulation and
-    /// schedule ([`TrainConfig::clip_global_norm`], [`TrainConfig::accumulation`],
-    /// [`TrainConfig::schedule`]) applied.
+    /// The optimizer of `model` with `config`, and this trainer's clipping, accumulation,
+    /// schedule and loss scaling ([`TrainConfig::clip_global_norm`],
+    /// [`TrainConfig::accumulation`], [`TrainConfig::schedule`], [`TrainConfig::loss_scale`])
+    /// applied.
     pub fn optimizer<M, O: strata_core::optim::OptimizerMemory>(
         &self,
         model: &Replicated<M>,
@@ -279,6 +287,9 @@ impl Trainer {
         }
         if let Some(s) = &self.config.schedule {
             opt = opt.with_schedule(s.clone())?;
+        }
+        if let Some(scale) = self.config.loss_scale {
+            opt = opt.with_loss_scale(scale)?;
         }
         Ok(opt)
     }
@@ -455,6 +466,7 @@ impl Trainer {
             stopped,
             epochs: fit.epochs,
             peak_footprints,
+            loss_scale: opt.loss_scale_state(),
         })
     }
 }
@@ -688,7 +700,7 @@ where
                     drop(fwd);
                     match cfg.step_hook.as_deref() {
                         Some(hook) => {
-                            let grads = loss.backward()?;
+                            let grads = opt.scale_loss(ctx, &loss)?.backward()?;
                             let worker = workers.map_or(ctx.replica_id(), |w| w.worker_index());
                             hook.after_backward(worker, step_number, started.elapsed());
                             ctx.sync_and_apply(grads, opt)?;

@@ -27,6 +27,7 @@
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{Init, VarBuilder};
 use rand::SeedableRng;
+use strata_core::{cast_like, Precision};
 
 use crate::model::Dense;
 use crate::trainer::Task;
@@ -108,7 +109,7 @@ impl LayerNorm {
     }
 
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        crate::fused::layer_norm(x, &self.weight, &self.bias, 1e-5)
+        crate::fused::layer_norm(x, &cast_like(&self.weight, x)?, &cast_like(&self.bias, x)?, 1e-5)
     }
 }
 
@@ -152,8 +153,9 @@ impl Block {
         // The queries' 1 / sqrt(hd) scales their `(width, width)` weight block rather than the
         // `(n t, width)` queries. The block is made contiguous (candle's CUDA matmul takes no
         // column slice; a copy of one block is small beside the product).
+        let qkv = cast_like(self.qkv.weight(), &h)?;
         let part = |i: usize, scale: f64| -> candle_core::Result<Tensor> {
-            let block = self.qkv.weight().narrow(1, i * w, w)?;
+            let block = qkv.narrow(1, i * w, w)?;
             let block = if scale != 1.0 { (block * scale)? } else { block.contiguous()? };
             h.matmul(&block)?.reshape((n, t, heads, hd))?.transpose(1, 2)?.contiguous()
         };
@@ -181,6 +183,7 @@ pub struct CharTransformer {
     head: Dense,
     device: Device,
     recompute: bool,
+    precision: Precision,
 }
 
 impl CharTransformer {
@@ -197,6 +200,7 @@ impl CharTransformer {
             device: vb.device().clone(),
             config,
             recompute: false,
+            precision: Precision::F32,
         })
     }
 
@@ -205,6 +209,14 @@ impl CharTransformer {
     /// only its input, for the same gradients.
     pub fn with_recompute(mut self, recompute: bool) -> Self {
         self.recompute = recompute;
+        self
+    }
+
+    /// The model computing at `precision` (`strata train --precision`): the embeddings cast to
+    /// its compute type, every block, the final norm and the head computed in it, the logits
+    /// back in f32; the variables stay f32.
+    pub fn with_precision(mut self, precision: Precision) -> Self {
+        self.precision = precision;
         self
     }
 
@@ -221,8 +233,8 @@ impl CharTransformer {
             candle_core::bail!("sequences of {t} tokens are longer than the context of {}", self.config.context);
         }
         let w = self.config.width;
-        let x = self.tok.index_select(&ids.flatten_all()?, 0)?.reshape((n, t, w))?;
-        let mut x = x.broadcast_add(&self.pos.narrow(0, 0, t)?)?.reshape((n * t, w))?;
+        let x = self.precision.cast(&self.tok.index_select(&ids.flatten_all()?, 0)?.reshape((n, t, w))?)?;
+        let mut x = x.broadcast_add(&cast_like(&self.pos.narrow(0, 0, t)?, &x)?)?.reshape((n * t, w))?;
         let heads = self.config.heads;
         for b in &self.blocks {
             x = if self.recompute {
@@ -232,7 +244,7 @@ impl CharTransformer {
                 b.forward(&x, n, t, heads)?
             };
         }
-        self.head.forward(&self.ln_f.forward(&x)?)?.reshape((n, t, self.config.vocab))
+        self.head.forward(&self.ln_f.forward(&x)?)?.reshape((n, t, self.config.vocab))?.to_dtype(DType::F32)
     }
 
     /// The mean cross-entropy of the next character over every position of `(ids, targets)`

@@ -197,6 +197,9 @@ impl Shards {
     /// `None` for a variable no replica has a gradient for, whose pieces the optimizer then
     /// skips), then gathers every shard into `vars`. Collective over every replica of every
     /// worker. At stage 2 the whole gradients are released before the optimizer steps.
+    /// With `unscale` (loss scaling), the gradient is multiplied by it first, and where any
+    /// replica's shard of it is not finite no replica steps (returns false).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn step<O: Optimizer>(
         &self,
         ctx: &ReplicaContext<'_>,
@@ -204,8 +207,9 @@ impl Shards {
         vars: &[Var],
         grads: Vec<Option<Tensor>>,
         clip_global_norm: Option<f64>,
+        unscale: Option<f64>,
         opt: &mut O,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         let mut mine = Vec::new();
         for p in &self.pieces[copy] {
             // A copy takes the variable's values, which a program may have written; at stage 3
@@ -234,6 +238,17 @@ impl Shards {
             }
         }
         drop(grads);
+        if let Some(k) = unscale {
+            // Every replica of every worker learns whether any shard is not finite, and all
+            // skip the step alike.
+            let local = !crate::precision::all_finite(mine.iter().map(|(_, g)| g))?;
+            if ctx.all_reduce_slice(crate::ReduceOp::Sum, &[f32::from(u8::from(local))])?[0] > 0.0 {
+                return Ok(false);
+            }
+            for (_, g) in &mut mine {
+                *g = (&*g * k)?;
+            }
+        }
         if let Some(max) = clip_global_norm {
             // The global norm: every shard's sum of squares (in f64, piece by piece), summed
             // over every replica of every worker.
@@ -257,9 +272,11 @@ impl Shards {
         if self.stage.shards_parameters() {
             // Stage 3 gathers nothing: the next use of a variable brings it back. Every
             // replica's pieces are stepped before any is read again.
-            return ctx.barrier();
+            ctx.barrier()?;
+            return Ok(true);
         }
-        self.gather(ctx, copy, vars)
+        self.gather(ctx, copy, vars)?;
+        Ok(true)
     }
 }
 

@@ -22,7 +22,7 @@
 use candle_core::{CpuStorage, CustomOp1, CustomOp3, Device, Layout, Result, Shape, Storage, Tensor};
 use candle_nn::Conv2dConfig;
 
-use super::{f32s, fusable};
+use super::{f32_only as f32s, fusable};
 
 /// The shapes of one convolution (NCHW input, OIHW weight, groups 1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
