@@ -321,3 +321,47 @@ fn momentum_sets_adamw_s_beta1_and_a_bad_one_is_one_line() {
         assert!(stderr(&o).contains("is not a coefficient in [0, 1)"), "{bad}: {}", stderr(&o));
     }
 }
+
+/// Mixed precision from the command line: bf16 and fp16 learn the digits with f32 variables
+/// and report what they computed in (fp16 its loss scale); what cannot run is refused in one
+/// line with exit code 2 and nothing started.
+#[test]
+fn mixed_precision_trains_and_bad_precision_flags_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    for precision in ["bf16", "fp16"] {
+        let out = dir.path().join(format!("{precision}.json"));
+        let o = strata(&[
+            "train",
+            "--no-progress",
+            "--precision",
+            precision,
+            "--epochs",
+            "10",
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{precision}: {}", stderr(&o));
+        let s = summary(&out);
+        assert_eq!(s["precision"], precision);
+        assert!(s["final_test_accuracy"].as_f64().unwrap() >= 0.9, "{precision}: {}", s["final_test_accuracy"]);
+        assert_eq!(s["loss_scale"].is_object(), precision == "fp16", "{s}");
+        // Activations are kept in 16 bits: fewer bytes than the f32 run's (checked in the
+        // strategies' tests; here, that they are reported).
+        assert!(s["peak_replica"][0]["activations"].as_u64().unwrap() > 0);
+    }
+    let refused = [
+        (vec!["--precision", "fp16", "--strategy", "parameter-server"], "use --precision bf16"),
+        (
+            vec!["--precision", "bf16", "--initial-loss-scale", "1024"],
+            "--initial-loss-scale applies to --precision fp16",
+        ),
+        (vec!["--precision", "fp16", "--initial-loss-scale", "0.5"], "use a finite scale of at least 1"),
+    ];
+    for (args, needle) in refused {
+        let o = strata(&[&["train", "--no-progress"], &args[..]].concat());
+        assert_one_line_error(&o, needle);
+    }
+    let o = strata(&["train", "--precision", "f8"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("use f32, bf16 or fp16"), "{}", stderr(&o));
+}

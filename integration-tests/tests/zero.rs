@@ -377,3 +377,89 @@ fn a_job_over_its_memory_limit_is_refused_at_stages_0_to_2_and_trains_at_stage_3
     assert!(!dir.join("never.safetensors").exists(), "a failed job wrote parameters");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The digits MLP of [`TRAIN`] for 2 epochs (30 steps) in fp16, from a loss scale of 2^30, so
+/// that the first steps overflow fp16 and are skipped.
+const FP16: &[&str] = &[
+    "--epochs",
+    "2",
+    "--batch",
+    "96",
+    "--hidden",
+    "48,32",
+    "--lr",
+    "0.01",
+    "--no-progress",
+    "--precision",
+    "fp16",
+    "--initial-loss-scale",
+    "1073741824",
+];
+
+/// The `loss scale S at the end, N steps skipped` lines of a job's standard error.
+fn loss_scale_lines(err: &str) -> Vec<String> {
+    err.lines()
+        .filter(|l| l.contains("loss scale"))
+        .map(|l| l.split("loss scale").nth(1).unwrap().to_string())
+        .collect()
+}
+
+/// fp16's loss scaling across worker processes: the steps that overflow are skipped on both
+/// workers (the same count, the same final scale, the same parameters), and Mirrored(2), whose
+/// replicas see the same shards, skips exactly as many.
+#[test]
+fn fp16_on_2_worker_processes_skips_the_same_steps_and_ends_alike() {
+    let dir = tmp("fp16-workers");
+    let ports = free_ports(2);
+    let deadline = Instant::now() + Duration::from_secs(240);
+    let children: Vec<_> = (0..2)
+        .map(|i| {
+            strata()
+                .args(["train", "--strategy", "multi-worker-mirrored", "--replicas", "1"])
+                .args(FP16)
+                .env("TF_CONFIG", worker_tf_config(&ports, i))
+                .current_dir(&dir)
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let outs: Vec<Output> = children.into_iter().map(|c| wait(c, deadline)).collect();
+    let errs: Vec<String> = outs
+        .iter()
+        .enumerate()
+        .map(|(i, o)| {
+            check(o, &format!("fp16 worker {i}"));
+            String::from_utf8_lossy(&o.stderr).into_owned()
+        })
+        .collect();
+    let digests: Vec<&str> =
+        errs.iter().map(|e| e.lines().find(|l| l.contains("parameter digest")).expect("a digest line")).collect();
+    assert_eq!(digests[0].split("digest").nth(1), digests[1].split("digest").nth(1), "the workers' parameters");
+    let (w0, w1) = (loss_scale_lines(&errs[0]), loss_scale_lines(&errs[1]));
+    assert_eq!((w0.len(), &w0), (1, &w1), "{}", errs[0]);
+    let skipped: u64 = w0[0].split(", ").nth(1).unwrap().split(' ').next().unwrap().parse().unwrap();
+    assert!(skipped >= 5, "a scale of 2^30 overflows fp16 for several steps: {}", w0[0]);
+    let mirrored = train(&dir, &[&["--strategy", "mirrored", "--replicas", "2"], FP16].concat(), "fp16 mirrored(2)");
+    assert_eq!(loss_scale_lines(&mirrored), w0, "mirrored(2) skips as the two workers do");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The loss scale is in checkpoints: an fp16 job stopped at step 6, in the middle of its
+/// skipped steps, resumes with the scale it had and ends bit for bit where the job run through
+/// ends (a resume from the initial scale would skip six more steps).
+#[test]
+fn an_fp16_job_resumes_from_a_checkpoint_with_its_loss_scale() {
+    let dir = tmp("fp16-resume");
+    let m2 = ["--strategy", "mirrored", "--replicas", "2"];
+    let through = train(&dir, &[&m2, FP16, &["--save-params", "through.safetensors"]].concat(), "fp16 through");
+    let ck = ["--checkpoint-dir", "ck"];
+    train(&dir, &[&m2, FP16, &ck, &["--checkpoint-every", "3", "--max-steps", "6"]].concat(), "fp16 to step 6");
+    let resumed = train(&dir, &[&m2, FP16, &ck, &["--save-params", "resumed.safetensors"]].concat(), "fp16 resumed");
+    assert!(resumed.contains("resumed from the checkpoint of step 6"), "{resumed}");
+    assert_eq!(loss_scale_lines(&resumed), loss_scale_lines(&through));
+    let read = |f: &str| std::fs::read(dir.join(f)).unwrap();
+    assert!(read("resumed.safetensors") == read("through.safetensors"), "the resumed job's parameters");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -327,7 +327,7 @@ fn train_with(
             metrics: args.metrics_writer(is_chief && !joined)?,
             step_hook: args.step_hook()?,
             stop: Some(stop.clone()),
-            loss_scale: args.precision.needs_loss_scale().then(strata::LossScale::default),
+            loss_scale: args.loss_scale(),
             ..Default::default()
         })
     };
@@ -416,6 +416,13 @@ impl Run<'_> {
         // calls it; the trainer did in an elastic job, where it can survive a loss).
         if !multi.is_some_and(|m| m.is_elastic()) {
             model.sync_state()?;
+        }
+        if let Some(ls) = report.loss_scale {
+            let who = multi.map_or(String::new(), |m| format!("worker {}: ", m.worker_index()));
+            eprintln!(
+                "{who}loss scale {} at the end, {} steps skipped for a gradient that was not finite",
+                ls.scale, ls.skipped_steps
+            );
         }
         if let Some(m) = multi {
             // Every worker must end with the same parameters; print a digest to compare.

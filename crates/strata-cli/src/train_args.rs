@@ -152,6 +152,9 @@ pub struct TrainArgs {
     /// finite steps, every replica and worker alike).
     #[arg(long, default_value = "f32", value_parser = parse_precision)]
     pub precision: strata::Precision,
+    /// --precision fp16: the loss scale to start from [default: 32768, TensorFlow's 2^15].
+    #[arg(long, value_name = "SCALE")]
+    pub initial_loss_scale: Option<f64>,
     /// Recompute activations in the backward pass instead of keeping them: the transformer's
     /// blocks and the MLP's hidden layers each keep only their input (the same gradients, less
     /// memory, one more forward pass).
@@ -366,6 +369,13 @@ impl TrainArgs {
         self.epochs_flag.unwrap_or(if self.model == ModelKind::Transformer { 1 } else { 30 })
     }
 
+    /// fp16's dynamic loss scaling (`--precision fp16`, from `--initial-loss-scale`); `None`
+    /// at the other precisions.
+    pub fn loss_scale(&self) -> Option<strata::LossScale> {
+        let initial = self.initial_loss_scale.unwrap_or(strata::LossScale::default().initial);
+        self.precision.needs_loss_scale().then(|| strata::LossScale { initial, ..Default::default() })
+    }
+
     /// The global batch (`--batch`, or the model's default).
     pub fn batch(&self) -> usize {
         self.batch_flag.unwrap_or(if self.model == ModelKind::Transformer { 32 } else { 256 })
@@ -451,6 +461,17 @@ impl TrainArgs {
         }
         if self.model == ModelKind::Cnn && self.recompute {
             return refuse("--recompute", "--model mlp or transformer");
+        }
+        if let Some(initial) = self.initial_loss_scale {
+            if !self.precision.needs_loss_scale() {
+                return Err(Error::Usage(format!(
+                    "--initial-loss-scale applies to --precision fp16, not --precision {}; drop it",
+                    self.precision
+                )));
+            }
+            strata::LossScale { initial, ..Default::default() }
+                .check()
+                .map_err(|e| Error::Usage(format!("--initial-loss-scale: {e}")))?;
         }
         if self.precision.needs_loss_scale() && self.strategy == StrategyKind::ParameterServer {
             return Err(Error::Usage(

@@ -820,3 +820,40 @@ mod with_backward {
         assert_eq!(bits(&got), bits(&want));
     }
 }
+
+/// Patch item 13: candle's bf16 adds narrow with `half`'s rounding (to nearest even, NaN kept
+/// quiet) on every CPU, bit for bit `bf16::from_f32(a + b)`: ties, carries into the exponent,
+/// overflow to infinity, subnormals, infinities and NaN, in tensors longer than a vector and
+/// with a tail.
+#[test]
+fn bf16_adds_round_as_half_does() {
+    use half::bf16;
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(13);
+    let special = [
+        0.0f32,
+        -0.0,
+        1.0,
+        1.0 + f32::EPSILON,
+        f32::from_bits(0x3F80_8000), // a tie between two bf16 values, even below
+        f32::from_bits(0x3F81_8000), // a tie, odd below: rounds up
+        f32::from_bits(0x7F7F_FFFF), // f32::MAX: rounds to infinity
+        f32::MIN_POSITIVE / 3.0,     // subnormal
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+    ];
+    let n = 1_003;
+    let a: Vec<f32> =
+        (0..n).map(|i| if i < special.len() { special[i] } else { f32::from_bits(rng.random::<u32>()) }).collect();
+    let b: Vec<f32> = (0..n).map(|i| if i % 3 == 0 { 0.0 } else { f32::from_bits(rng.random::<u32>()) }).collect();
+    let to = |v: &[f32]| Tensor::new(v, &Device::Cpu).unwrap().to_dtype(DType::BF16).unwrap();
+    let sum = (to(&a) + to(&b)).unwrap().to_vec1::<bf16>().unwrap();
+    let widen = |v: &[f32]| v.iter().map(|&x| bf16::from_f32(x).to_f32()).collect::<Vec<f32>>();
+    let (wa, wb) = (widen(&a), widen(&b));
+    for i in 0..n {
+        let want = bf16::from_f32(wa[i] + wb[i]);
+        let same = want.to_bits() == sum[i].to_bits() || (want.is_nan() && sum[i].is_nan());
+        assert!(same, "element {i}: {} + {} gave {:#06x}, not {:#06x}", wa[i], wb[i], sum[i].to_bits(), want.to_bits());
+    }
+}

@@ -754,6 +754,55 @@ mod tests {
         close(ga.get(x.as_tensor()).unwrap(), gb.get(x.as_tensor()).unwrap(), 1e-5);
     }
 
+    /// A fused op on 16-bit inputs (`dtype`, all of them) against the same op on those inputs
+    /// widened to f32, its output narrowed: the same bits forward, and for the gradients of
+    /// `sum(out * r)` (`r` 16-bit too) the f32 op's gradients narrowed. Shapes include rows
+    /// shorter than a vector and with a tail. An op whose backward pass reads its output (the
+    /// softmax) reads the 16-bit output, not f32's: its gradients are compared within
+    /// `from_output`'s relative bound instead.
+    fn check16(dtype: DType, shapes: &[&[usize]], from_output: Option<f32>, op: impl Fn(&[Tensor]) -> Result<Tensor>) {
+        let dev = Device::Cpu;
+        let narrow = |t: &Tensor| t.to_dtype(dtype).unwrap();
+        let bits = |t: &Tensor| t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let inputs: Vec<Tensor> = shapes.iter().map(|s| narrow(&Tensor::randn(0f32, 2.0, *s, &dev).unwrap())).collect();
+        let vars16: Vec<Var> = inputs.iter().map(|t| Var::from_tensor(t).unwrap()).collect();
+        let vars32: Vec<Var> =
+            inputs.iter().map(|t| Var::from_tensor(&t.to_dtype(DType::F32).unwrap()).unwrap()).collect();
+        let t16: Vec<Tensor> = vars16.iter().map(|v| v.as_tensor().clone()).collect();
+        let t32: Vec<Tensor> = vars32.iter().map(|v| v.as_tensor().clone()).collect();
+        let (a, b) = (op(&t16).unwrap(), op(&t32).unwrap());
+        assert_eq!(a.dtype(), dtype, "the output keeps the inputs' type");
+        assert_eq!(bits(&a), bits(&narrow(&b)), "{dtype:?} forward");
+        let r = narrow(&Tensor::randn(0f32, 1.0, a.shape(), &dev).unwrap());
+        let ga = (a * &r).unwrap().sum_all().unwrap().backward().unwrap();
+        let gb = (b * r.to_dtype(DType::F32).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
+        for (v16, v32) in vars16.iter().zip(&vars32) {
+            let (x, y) = (ga.get(v16.as_tensor()).unwrap(), gb.get(v32.as_tensor()).unwrap());
+            assert_eq!(x.dtype(), dtype);
+            match from_output {
+                None => assert_eq!(bits(x), bits(&narrow(y)), "{dtype:?} gradient"),
+                Some(tol) => close(&x.to_dtype(DType::F32).unwrap(), y, tol),
+            }
+        }
+    }
+
+    #[test]
+    fn the_kernels_on_16_bit_inputs_compute_in_f32_and_narrow() {
+        for dtype in [DType::BF16, DType::F16] {
+            for d in [1usize, 7, 16, 37] {
+                check16(dtype, &[&[3, d]], None, |t| gelu(&t[0]));
+                check16(dtype, &[&[5, d], &[d]], None, |t| bias_gelu(&t[0], &t[1]));
+                check16(dtype, &[&[4, d], &[d], &[d]], None, |t| layer_norm(&t[0], &t[1], &t[2], 1e-5));
+                // bf16's output keeps 8 bits: its gradient is f32's within a few of its ulps.
+                check16(dtype, &[&[2, 3, d, d]], Some(3e-2), |t| causal_softmax(&t[0]));
+            }
+        }
+        // Mixed types are not fused: candle's composed operations refuse them as they would.
+        let dev = Device::Cpu;
+        let h = Tensor::ones((2, 4), DType::BF16, &dev).unwrap();
+        assert!(bias_gelu(&h, &Tensor::ones(4, DType::F32, &dev).unwrap()).is_err());
+    }
+
     #[test]
     fn the_rational_tanh_is_libms_within_a_few_ulp() {
         let mut worst = 0f32;
