@@ -434,8 +434,13 @@ impl TrainArgs {
             let stage = self.zero_stage;
             strata::refusals::zero_stage_of(stage, self.strategy, self.optimizer)?;
             if self.min_workers.is_some() {
-                // The trainer refuses it too, but only once the workers have joined.
-                strata::refusals::elastic_zero_state_of(stage, self.optimizer, self.checkpoint_dir.is_some())?;
+                // The trainer refuses it too, but only once the workers have joined. fp16's loss
+                // scale is state the optimizer keeps too.
+                let checkpointed = self.checkpoint_dir.is_some();
+                if self.precision.needs_loss_scale() {
+                    strata::refusals::elastic_zero_state(stage, true, checkpointed)?;
+                }
+                strata::refusals::elastic_zero_state_of(stage, self.optimizer, checkpointed)?;
             }
         }
         match (self.strategy, self.compression) {

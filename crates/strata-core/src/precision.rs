@@ -199,6 +199,8 @@ impl LossScaleState {
 /// for a finite element and NaN otherwise, so its sum is 0 exactly when all are.
 pub(crate) fn all_finite<'a>(grads: impl IntoIterator<Item = &'a Tensor>) -> candle_core::Result<bool> {
     for g in grads {
+        // `g - g` on purpose: the difference is what tells a finite element from the others.
+        #[allow(clippy::eq_op)]
         let z = (g - g)?.sum_all()?.to_dtype(DType::F32)?.to_scalar::<f32>()?;
         if z != 0.0 {
             return Ok(false);

@@ -88,6 +88,11 @@ pub struct BenchTrainArgs {
     /// the transformer's blocks), rows `+recompute` beside the same configurations keeping them.
     #[arg(long)]
     pub recompute: bool,
+    /// Also measure one-device and mirrored computing in these types besides f32 (`bf16`,
+    /// `fp16`: mixed precision, `strata train --precision`, fp16 with loss scaling), rows
+    /// `+bf16` and `+fp16` beside the same configurations in f32.
+    #[arg(long, value_delimiter = ',', default_value = "f32", value_parser = parse_precision)]
+    pub precisions: Vec<strata::Precision>,
     /// Internal: measure one `MODEL:CONFIG` in this process and print JSON.
     #[arg(long, hide = true)]
     pub worker: Option<String>,
@@ -287,19 +292,24 @@ trait Workload: Sync {
     fn loss(&self, model: &Self::Model, batch: &Self::B, device: &Device) -> strata_core::Result<Tensor>;
     /// The global batches of `global` rows the timing loops cycle through.
     fn batches(&self, global: usize) -> Result<Vec<Self::B>>;
+    /// The type it computes in.
+    fn precision(&self) -> strata::Precision;
 }
 
-/// The MLPs and the CNN on the digits; whether the MLPs' hidden layers are recomputed.
-struct Digits(BenchModel, bool);
+/// The MLPs and the CNN on the digits; whether the MLPs' hidden layers are recomputed; the
+/// type they compute in.
+struct Digits(BenchModel, bool, strata::Precision);
 
 impl Workload for Digits {
     type Model = Box<dyn Classifier>;
     type B = Batch;
     fn build(&self, vb: VarBuilder) -> candle_core::Result<Self::Model> {
         Ok(match &self.0 {
-            BenchModel::Mlp(_, hidden) => Box::new(Mlp::new(vb, FEATURES, hidden, CLASSES)?.with_recompute(self.1)),
+            BenchModel::Mlp(_, hidden) => {
+                Box::new(Mlp::new(vb, FEATURES, hidden, CLASSES)?.with_recompute(self.1).with_precision(self.2))
+            }
             _ if self.1 => candle_core::bail!("the cnn has no blocks to recompute"),
-            _ => Box::new(Cnn::new(vb)?),
+            _ => Box::new(Cnn::new(vb)?.with_precision(self.2)),
         })
     }
     fn loss(&self, model: &Self::Model, b: &Batch, device: &Device) -> strata_core::Result<Tensor> {
@@ -308,17 +318,20 @@ impl Workload for Digits {
     fn batches(&self, global: usize) -> Result<Vec<Batch>> {
         batches(global)
     }
+    fn precision(&self) -> strata::Precision {
+        self.2
+    }
 }
 
 /// The transformer on Tiny Shakespeare: batches of random training windows; whether its
-/// blocks are recomputed.
-struct Chars(TransformerConfig, bool);
+/// blocks are recomputed; the type it computes in.
+struct Chars(TransformerConfig, bool, strata::Precision);
 
 impl Workload for Chars {
     type Model = CharTransformer;
     type B = (Tensor, Tensor);
     fn build(&self, vb: VarBuilder) -> candle_core::Result<CharTransformer> {
-        Ok(CharTransformer::new(self.0, vb)?.with_recompute(self.1))
+        Ok(CharTransformer::new(self.0, vb)?.with_recompute(self.1).with_precision(self.2))
     }
     fn loss(&self, model: &CharTransformer, b: &(Tensor, Tensor), device: &Device) -> strata_core::Result<Tensor> {
         let (x, y) = b.to_device(device)?;
@@ -330,6 +343,9 @@ impl Workload for Chars {
         }
         let corpus = shakespeare::load()?;
         (0..8).map(|i| corpus.random_windows(global, self.0.context, i)).collect()
+    }
+    fn precision(&self) -> strata::Precision {
+        self.2
     }
 }
 
@@ -391,7 +407,10 @@ where
     if !args.freeze.is_empty() {
         model.freeze(&args.freeze.iter().map(String::as_str).collect::<Vec<_>>())?;
     }
-    let opt = model.optimizer::<O>(cfg)?;
+    let mut opt = model.optimizer::<O>(cfg)?;
+    if w.precision().needs_loss_scale() {
+        opt = opt.with_loss_scale(strata::LossScale::default())?;
+    }
     let trainable: usize = model.trainable_variables(0).iter().map(|(_, v)| v.elem_count()).sum();
     // Stage 3 holds its shard of the parameters, and the two largest units whole (one in use,
     // the next gathered), with their gradients.
@@ -592,15 +611,26 @@ fn matches_pattern(pattern: &str, name: &str) -> bool {
     }
 }
 
+/// `--precisions`: `f32`, `bf16` or `fp16`, comma-separated.
+fn parse_precision(s: &str) -> std::result::Result<strata::Precision, String> {
+    s.parse::<strata::Precision>()
+}
+
 fn worker(spec: &str, args: &BenchTrainArgs) -> Result<()> {
     let (model, config) = spec.split_once(':').ok_or_else(|| Error::Usage(format!("bad worker spec {spec:?}")))?;
+    let (config, precision) = match config.rsplit_once('+') {
+        Some((c, p)) if p.parse::<strata::Precision>().is_ok() => {
+            (c, p.parse::<strata::Precision>().unwrap_or_default())
+        }
+        _ => (config, strata::Precision::F32),
+    };
     let (config, recompute) = config.strip_suffix("+recompute").map_or((config, false), |c| (c, true));
     let m = if config == "limit" {
         measure_limit(args.replicas, args.seconds)?
     } else {
         match BenchModel::one(model)? {
-            BenchModel::Transformer(c) => measure_with(config, args, &Chars(c, recompute))?,
-            m => measure_with(config, args, &Digits(m, recompute))?,
+            BenchModel::Transformer(c) => measure_with(config, args, &Chars(c, recompute, precision))?,
+            m => measure_with(config, args, &Digits(m, recompute, precision))?,
         }
     };
     println!("{}", serde_json::to_string(&m).map_err(|e| Error::io("cannot encode", e.into()))?);
@@ -612,11 +642,11 @@ pub(crate) fn ceiling_examples_per_second(model: &BenchModel, k: usize, global: 
     let cfg = ParamsAdamW { lr: LR, ..Default::default() };
     let m = match model {
         BenchModel::Transformer(c) => {
-            let w = Chars(*c, false);
+            let w = Chars(*c, false, strata::Precision::F32);
             measure_ceiling::<FusedAdamW, _>(k, cfg, &w, &w.batches(global)?, seconds, &[])?
         }
         m => {
-            let w = Digits(m.clone(), false);
+            let w = Digits(m.clone(), false, strata::Precision::F32);
             measure_ceiling::<FusedAdamW, _>(k, cfg, &w, &w.batches(global)?, seconds, &[])?
         }
     };
@@ -827,6 +857,11 @@ pub fn run(args: &BenchTrainArgs) -> Result<()> {
                 configs.iter().filter(|c| *c == "one-device" || c.starts_with("mirrored")).cloned().collect();
             configs.extend(kept.into_iter().map(|c| format!("{c}+recompute")));
         }
+        let base: Vec<String> =
+            configs.iter().filter(|c| *c == "one-device" || c.starts_with("mirrored")).cloned().collect();
+        for p in args.precisions.iter().filter(|p| **p != strata::Precision::F32) {
+            configs.extend(base.iter().map(|c| format!("{c}+{p}")));
+        }
         let mut runs: Vec<Vec<Measurement>> = vec![Vec::new(); configs.len()];
         for round in 0..args.rounds {
             for (i, c) in configs.iter().enumerate() {
@@ -868,7 +903,7 @@ pub fn run(args: &BenchTrainArgs) -> Result<()> {
         let mib = |b: u64| if b == 0 { "-".to_string() } else { format!("{:.2}M", b as f64 / (1024.0 * 1024.0)) };
         for (i, c) in configs.iter().map(String::as_str).enumerate() {
             let rate = if c == "limit" { limit } else { med(i, |m| m.examples_per_second) * units };
-            let replicas = if c == "one-device" { 1 } else { k };
+            let replicas = if c.starts_with("one-device") { 1 } else { k };
             let of_ceiling = match c {
                 "ceiling" | "limit" => "-".to_string(),
                 _ => format!("{:.1}%", 100.0 * rate / ceiling),
