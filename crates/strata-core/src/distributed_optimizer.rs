@@ -198,7 +198,10 @@ impl<O: Optimizer + OptimizerState> DistributedOptimizer<O> {
         let scale = match scale.first() {
             Some((_, t)) => Some(LossScaleState::from_tensor(t).ok_or_else(|| Error::OptimizerSetting {
                 setting: "a checkpoint's loss scale",
-                value: format!("{t}"),
+                value: match t.flatten_all().and_then(|t| t.to_dtype(DType::F64)).and_then(|t| t.to_vec1::<f64>()) {
+                    Ok(v) if v.len() <= 8 => format!("{v:?}"),
+                    _ => format!("a tensor of shape {:?}", t.dims()),
+                },
                 expected: "expected [scale >= 1, good steps, skipped steps]; the checkpoint is damaged",
             })?),
             None => None,
