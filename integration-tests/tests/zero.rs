@@ -39,14 +39,20 @@ fn multi_worker(dir: &Path, workers: usize, local: usize, stage: &str, args: &[&
 /// Runs `workers` processes of `--replicas local` each at `stage`, with `args` beside the
 /// training ones; each worker's standard error, once all succeeded.
 fn workers_run(dir: &Path, workers: usize, local: usize, stage: &str, args: &[&str]) -> Vec<String> {
+    let local = local.to_string();
+    let what = format!("{workers}x{local} at stage {stage} with {args:?}");
+    multi_worker_job(dir, workers, &[&["--replicas", &local, "--zero-stage", stage], TRAIN, args].concat(), &what)
+}
+
+/// Runs `workers` processes of `strata train --strategy multi-worker-mirrored {args}`; each
+/// worker's standard error, once all succeeded within 240 s (`what` names the job in a failure).
+fn multi_worker_job(dir: &Path, workers: usize, args: &[&str], what: &str) -> Vec<String> {
     let ports = free_ports(workers);
     let deadline = Instant::now() + Duration::from_secs(240);
     let children: Vec<_> = (0..workers)
         .map(|i| {
             strata()
-                .args(["train", "--strategy", "multi-worker-mirrored", "--replicas", &local.to_string()])
-                .args(["--zero-stage", stage])
-                .args(TRAIN)
+                .args(["train", "--strategy", "multi-worker-mirrored"])
                 .args(args)
                 .env("TF_CONFIG", worker_tf_config(&ports, i))
                 .current_dir(dir)
@@ -58,7 +64,7 @@ fn workers_run(dir: &Path, workers: usize, local: usize, stage: &str, args: &[&s
         .collect();
     let outs: Vec<Output> = children.into_iter().map(|c| wait(c, deadline)).collect();
     for (i, o) in outs.iter().enumerate() {
-        check(o, &format!("worker {i} of {workers}x{local} at stage {stage} with {args:?}"));
+        check(o, &format!("worker {i} of {what}"));
     }
     outs.iter().map(|o| String::from_utf8_lossy(&o.stderr).into_owned()).collect()
 }
@@ -410,30 +416,7 @@ fn loss_scale_lines(err: &str) -> Vec<String> {
 #[test]
 fn fp16_on_2_worker_processes_skips_the_same_steps_and_ends_alike() {
     let dir = tmp("fp16-workers");
-    let ports = free_ports(2);
-    let deadline = Instant::now() + Duration::from_secs(240);
-    let children: Vec<_> = (0..2)
-        .map(|i| {
-            strata()
-                .args(["train", "--strategy", "multi-worker-mirrored", "--replicas", "1"])
-                .args(FP16)
-                .env("TF_CONFIG", worker_tf_config(&ports, i))
-                .current_dir(&dir)
-                .stdout(Stdio::null())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    let outs: Vec<Output> = children.into_iter().map(|c| wait(c, deadline)).collect();
-    let errs: Vec<String> = outs
-        .iter()
-        .enumerate()
-        .map(|(i, o)| {
-            check(o, &format!("fp16 worker {i}"));
-            String::from_utf8_lossy(&o.stderr).into_owned()
-        })
-        .collect();
+    let errs = multi_worker_job(&dir, 2, &[&["--replicas", "1"], FP16].concat(), "fp16 on 2 workers");
     let digests: Vec<&str> =
         errs.iter().map(|e| e.lines().find(|l| l.contains("parameter digest")).expect("a digest line")).collect();
     assert_eq!(digests[0].split("digest").nth(1), digests[1].split("digest").nth(1), "the workers' parameters");
