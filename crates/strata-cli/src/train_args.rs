@@ -150,7 +150,7 @@ pub struct TrainArgs {
     /// backward in bfloat16), or `fp16` (IEEE half, with dynamic loss scaling: from 2^15,
     /// halved and the step skipped on a gradient that is not finite, doubled after 2,000
     /// finite steps, every replica and worker alike).
-    #[arg(long, default_value = "f32", value_parser = parse_precision)]
+    #[arg(long, default_value = "f32", value_parser = str::parse::<strata::Precision>)]
     pub precision: strata::Precision,
     /// --precision fp16: the loss scale to start from [default: 32768, TensorFlow's 2^15].
     #[arg(long, value_name = "SCALE")]
@@ -572,11 +572,6 @@ fn parse_memory_limit(s: &str) -> std::result::Result<u64, String> {
 /// `--zero-stage`: `0`, `1`, `2` or `3`.
 fn parse_zero_stage(s: &str) -> std::result::Result<ZeroStage, String> {
     s.parse::<ZeroStage>().map_err(|e| e.to_string())
-}
-
-/// `--precision`: `f32`, `bf16` or `fp16`.
-fn parse_precision(s: &str) -> std::result::Result<strata::Precision, String> {
-    s.parse::<strata::Precision>()
 }
 
 /// `--compression`: `none`, `fp16`, `bf16` or `powersgd:RANK`.

@@ -91,7 +91,7 @@ pub struct BenchTrainArgs {
     /// Also measure one-device and mirrored computing in these types besides f32 (`bf16`,
     /// `fp16`: mixed precision, `strata train --precision`, fp16 with loss scaling), rows
     /// `+bf16` and `+fp16` beside the same configurations in f32.
-    #[arg(long, value_delimiter = ',', default_value = "f32", value_parser = parse_precision)]
+    #[arg(long, value_delimiter = ',', default_value = "f32", value_parser = str::parse::<strata::Precision>)]
     pub precisions: Vec<strata::Precision>,
     /// Internal: measure one `MODEL:CONFIG` in this process and print JSON.
     #[arg(long, hide = true)]
@@ -609,11 +609,6 @@ fn matches_pattern(pattern: &str, name: &str) -> bool {
             (0..=rest.len()).any(|i| rest.is_char_boundary(i) && matches_pattern(tail, &rest[i..]))
         }),
     }
-}
-
-/// `--precisions`: `f32`, `bf16` or `fp16`, comma-separated.
-fn parse_precision(s: &str) -> std::result::Result<strata::Precision, String> {
-    s.parse::<strata::Precision>()
 }
 
 fn worker(spec: &str, args: &BenchTrainArgs) -> Result<()> {
