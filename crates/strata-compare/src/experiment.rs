@@ -758,6 +758,7 @@ fn run_memory(
             if stage != ZeroStage::Off {
                 strata::refusals::zero_stage_of(stage, strategy, optimizer).map_err(refused)?;
                 if elastic {
+                    strata::refusals::elastic_zero_stage(stage).map_err(refused)?;
                     strata::refusals::elastic_zero_state_of(stage, optimizer, checkpointed).map_err(refused)?;
                 }
             }

@@ -67,7 +67,8 @@ impl<M> Replicated<M> {
         let gathered_elements = vars.first().map_or(0, |v| two_largest_units(&names, v, custom));
         let gathered = vars.first().and_then(|v| v.first()).map_or(0, |v| v.dtype().size_in_bytes()) as u64
             * gathered_elements as u64;
-        let max_stage = if self.ext.workers().is_some_and(|w| w.num_workers() > 1) { 2 } else { 3 };
+        // Stage 3 does not follow an elastic job's membership (yet).
+        let max_stage = if self.ext.workers().is_some_and(|w| w.is_elastic()) { 2 } else { 3 };
         // Stages 1 and 2 step copies of the shard in an elastic job and off the CPU.
         let piece_copies = self.ext.workers().is_some_and(|w| w.is_elastic())
             || vars.first().and_then(|v| v.first()).is_some_and(|v| !v.device().is_cpu());
@@ -213,6 +214,11 @@ impl<O: Optimizer + OptimizerState> DistributedOptimizer<O> {
         };
         for (c, state) in cut.iter().enumerate() {
             self.lock(c).load_state_tensors(state)?;
+        }
+        if let Some(r) = &self.residency {
+            // The variables took the checkpoint's values before the state (as
+            // `elastic::restore_latest` loads them): a peer that asks for them now waits for it.
+            r.loaded();
         }
         if let Some((cfg, states)) = &self.loss_scale {
             let loaded = scale.unwrap_or_else(|| cfg.start());
@@ -410,7 +416,7 @@ impl<O: Optimizer> DistributedOptimizer<O> {
             let applied = shards.step(ctx, copy, &self.vars[copy], grads, self.clip_global_norm, unscale, &mut *opt)?;
             self.update_loss_scale(copy, applied);
             if let Some(r) = &self.residency {
-                r.release_all(copy)?;
+                r.stepped(copy)?;
             }
             return Ok(());
         }
@@ -456,6 +462,19 @@ impl<O: Optimizer> DistributedOptimizer<O> {
     /// Whether each replica keeps the reduced gradient of its shard only (ZeRO stage 2).
     pub(crate) fn shards_gradients(&self) -> bool {
         self.zero().is_some_and(|s| s.stage().shards_gradients())
+    }
+
+    /// ZeRO stage 3: brings every variable of every copy back whole and keeps it so (FSDP2's
+    /// `unshard` without a `reshard` after it). Across workers it is collective: every worker
+    /// calls it after its last step, before it reads its model without the others (a
+    /// worker's variables are pulled from the others, who must still be there); it ends with a
+    /// barrier. `strata::trainer::Trainer::fit` calls it. Below stage 3 it does
+    /// nothing.
+    pub fn unshard_parameters(&self) -> Result<()> {
+        match &self.residency {
+            Some(r) => r.unshard(),
+            None => Ok(()),
+        }
     }
 
     /// ZeRO stage 3's units of variables, by name, in the order of their first variable

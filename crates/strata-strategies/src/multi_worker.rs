@@ -409,6 +409,20 @@ impl WorkerCollectives for WorkerJob {
         tracing::info!(task = %self.task, generation = old.generation, "left the elastic job on request; it goes on without this task");
         Ok(())
     }
+    fn serve_pieces(
+        &self,
+        source: std::sync::Weak<dyn strata_core::cross_device::PieceSource>,
+    ) -> Result<Arc<dyn strata_core::cross_device::PeerPieces>> {
+        if self.rejoin.is_some() {
+            return Err(Error::ZeroStage {
+                stage: 3,
+                what: "an elastic job".into(),
+                fix: "stage 3's piece service does not follow an elastic job's membership yet; use stage 2 with --min-workers, or stage 3 without it",
+            });
+        }
+        let pieces = self.collective("serve_pieces", |ring, seq| ring.serve_pieces(seq, source))?;
+        Ok(Arc::new(pieces))
+    }
     fn admit_waiting(&self) -> Result<bool> {
         let Some(r) = &self.rejoin else { return Ok(false) };
         let mut flag = [u64::from(self.gen().rank == 0 && r.view.waiting() > 0)];

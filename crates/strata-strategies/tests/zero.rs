@@ -104,6 +104,8 @@ where
         .unwrap();
         after.push(every_copy(&model));
     }
+    // Stage 3 across workers: every variable whole on every worker before one reads alone.
+    opt.unshard_parameters().unwrap();
     let read = model.values().unwrap();
     let read = read.into_iter().map(|(n, t)| (n, t.flatten_all().unwrap().to_vec1::<f32>().unwrap())).collect();
     let stepped = (0..opt.num_copies()).map(|c| opt.stepped_elements(c)).collect();
@@ -393,6 +395,20 @@ fn stage_2_across_2_and_3_workers_is_stage_0_bitwise() {
         // the replica whose shard it meets and never joined.
         across_workers(3, 1, ZeroStage::Gradients, 48);
         across_workers(2, 2, ZeroStage::Gradients, 48);
+    });
+}
+
+/// Stage 3 across workers: each worker pulls the others' runs of a variable when a replica
+/// first uses it (with blocks of rows of 48 bytes too, where the heads' matrices lie over
+/// several workers in blocks).
+#[test]
+fn stage_3_across_2_and_3_workers_is_stage_0_bitwise() {
+    common::with_timeout(std::time::Duration::from_secs(240), "zero 3 across workers", || {
+        across_workers(2, 1, ZeroStage::Parameters, DEFAULT_ROWS);
+        across_workers(3, 1, ZeroStage::Parameters, DEFAULT_ROWS);
+        across_workers(2, 2, ZeroStage::Parameters, DEFAULT_ROWS);
+        across_workers(3, 1, ZeroStage::Parameters, 48);
+        across_workers(2, 2, ZeroStage::Parameters, 48);
     });
 }
 

@@ -40,6 +40,12 @@ pub fn elastic_zero_state_of(stage: ZeroStage, optimizer: OptimizerKind, checkpo
     elastic_zero_state(stage, keeps_state, checkpointed)
 }
 
+/// Refuses ZeRO stage 3 in an elastic job, as the strategy's build would once the workers
+/// joined ([`strata_core::check_zero_elastic`]).
+pub fn elastic_zero_stage(stage: ZeroStage) -> Result<()> {
+    Ok(strata_core::check_zero_elastic(stage)?)
+}
+
 /// Refuses ZeRO `stage` under the strategy `strategy` or with the optimizer `optimizer`, both
 /// chosen by name (a command line's `--strategy` and `--optimizer`), as the strategy's build
 /// ([`strata_core::check_zero_strategy`]) and the optimizer's

@@ -436,6 +436,9 @@ impl Trainer {
             saved_step: None,
         };
         let stopped = fit.epochs(at)?;
+        // ZeRO stage 3: every variable whole again on every worker (collective), so that each
+        // reads its model after the fit without the others, which may be gone by then.
+        opt.unshard_parameters()?;
         progress.end();
         let peak_footprints: Vec<Footprint> =
             (0..opt.peak_replica_bytes().len()).map(|r| opt.peak_footprint(r).unwrap_or_default()).collect();

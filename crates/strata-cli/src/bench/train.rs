@@ -78,8 +78,7 @@ pub struct BenchTrainArgs {
     /// configuration: they are neither reduced nor updated.
     #[arg(long, value_delimiter = ',')]
     pub freeze: Vec<String>,
-    /// ZeRO stages to measure Mirrored and MultiWorkerMirrored at (`0,1,2,3`: side by side;
-    /// stage 3 under Mirrored only);
+    /// ZeRO stages to measure Mirrored and MultiWorkerMirrored at (`0,1,2,3`: side by side);
     /// each row prints the bytes of parameters, gradients and optimizer state per replica.
     #[arg(long, value_delimiter = ',', default_value = "0", value_parser = parse_zero_stage)]
     pub zero_stages: Vec<ZeroStage>,
@@ -838,10 +837,6 @@ pub fn run(args: &BenchTrainArgs) -> Result<()> {
                 s => format!("+zero{}", s.number()),
             };
             for c in ["mirrored", "multi-worker"] {
-                // Stage 3 gathers from one machine's replicas only.
-                if c == "multi-worker" && stage.shards_parameters() {
-                    continue;
-                }
                 if !configs.contains(&format!("{c}{suffix}")) {
                     configs.push(format!("{c}{suffix}"));
                 }

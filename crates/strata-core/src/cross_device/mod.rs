@@ -222,6 +222,38 @@ pub trait WorkerCollectives: Send + Sync + std::fmt::Debug {
     fn admit_waiting(&self) -> Result<bool> {
         Ok(false)
     }
+    /// ZeRO stage 3 across workers: starts answering the other workers' requests for this
+    /// worker's pieces of the parameters from `source`, and returns what requests theirs
+    /// ([`PeerPieces`]). Collective: every worker calls it once, at the same point (the
+    /// optimizer's build). Requests and answers run beside the collectives, in no order with
+    /// them, so a worker may bring a variable back whenever it uses it. The default serves
+    /// nothing: stage 3 across workers is refused.
+    fn serve_pieces(&self, source: std::sync::Weak<dyn PieceSource>) -> Result<std::sync::Arc<dyn PeerPieces>> {
+        let _ = source;
+        Err(crate::Error::ZeroStage {
+            stage: 3,
+            what: format!("{} workers whose collectives serve no pieces of the parameters", self.num_workers()),
+            fix: "use stage 2 across these workers, or multi-worker-mirrored, whose ring serves them",
+        })
+    }
+}
+
+/// What a worker answers its peers' requests for its pieces of ZeRO stage 3's parameters with
+/// ([`WorkerCollectives::serve_pieces`]).
+pub trait PieceSource: Send + Sync {
+    /// This worker's elements of trainable variable `var` (every local replica's runs of it,
+    /// replica after replica, each in order) as they are after `version` of its updates
+    /// (optimizer steps and loads, which every worker counts alike): waits until the worker
+    /// reaches `version`, and fails where it does not by `deadline`, where it is past it, or
+    /// where `var` is no variable of the model.
+    fn pieces(&self, var: usize, version: u64, deadline: std::time::Instant) -> Result<Vec<f32>>;
+}
+
+/// Requests to the other workers for their pieces of ZeRO stage 3's parameters.
+pub trait PeerPieces: Send + Sync + std::fmt::Debug {
+    /// Worker `worker`'s [`PieceSource::pieces`] of variable `var` at `version`: `len` values,
+    /// or an error naming the worker (lost, too slow, or answering another length).
+    fn pull(&self, worker: usize, var: usize, version: u64, len: usize) -> Result<Vec<f32>>;
 }
 
 /// A cross-worker all-reduce started by [`WorkerCollectives::start_all_reduce`].

@@ -73,8 +73,7 @@ pub(crate) fn shards_for<O: OptimizerMemory>(
 /// Refuses ZeRO `stage` (above [`ZeroStage::Off`]) under a strategy named `strategy` (its
 /// name as [`StrategyExtended::name`](crate::StrategyExtended::name) and `strata train --strategy` spell it) whose replicas do not each keep a whole copy of the
 /// optimizer state: one-device (one replica), central-storage (one central copy) and
-/// parameter-server (the ps tasks step the variables); and stage 3 under
-/// multi-worker-mirrored (its gather is one machine's so far). Every other name passes: mirrored,
+/// parameter-server (the ps tasks step the variables). Every other name passes: mirrored,
 /// multi-worker-mirrored and a program's own strategies, whose variables' policy the
 /// optimizer's build checks again. The strategies call it when they are built; a program that
 /// takes both settings from its user (the `strata` command) calls it before it starts anything,
@@ -85,10 +84,19 @@ pub fn check_zero_strategy(stage: ZeroStage, strategy: &str) -> Result<()> {
         "one-device" => ONE_REPLICA,
         "central-storage" => CENTRAL,
         "parameter-server" => PS_TASKS,
-        "multi-worker-mirrored" if stage.shards_parameters() => ACROSS_WORKERS,
         _ => return Ok(()),
     };
     Err(refusal(stage, format!("the {strategy} strategy"), fix))
+}
+
+/// Refuses ZeRO `stage` 3 in an elastic job (the strategy's build refuses it too, once the
+/// workers have joined): its shards of the parameters, and the service that answers the other
+/// workers' requests for them, do not follow a change of membership yet.
+pub fn check_zero_elastic(stage: ZeroStage) -> Result<()> {
+    if stage.shards_parameters() {
+        return Err(refusal(stage, "an elastic job".to_string(), ELASTIC));
+    }
+    Ok(())
 }
 
 /// Refuses ZeRO `stage` (above [`ZeroStage::Off`]) with an optimizer named `optimizer` that
@@ -114,9 +122,9 @@ const ONE_REPLICA: &str = "one replica holds the whole model; use stage 0, or mi
 /// Why a central model (CentralStorage's) is refused a stage above 0.
 const CENTRAL: &str = "its one central copy is stepped once, on the parameter device; use stage 0, or mirrored";
 
-/// Why stage 3 is refused across workers (for now: its gather reads the shards of one
-/// machine's replicas, in this process's memory).
-pub(crate) const ACROSS_WORKERS: &str = "stage 3 gathers parameters from the replicas of one machine only so far (no workers, no elastic membership); use mirrored, or stage 2 across workers";
+/// Why stage 3 is refused in an elastic job (for now: its pieces and the service that answers
+/// for them do not follow a change of membership).
+pub(crate) const ELASTIC: &str = "stage 3's shards of the parameters do not follow an elastic job's membership yet; use stage 2 with --min-workers, or stage 3 without it";
 
 /// Why the parameter-server strategy is refused a stage above 0.
 const PS_TASKS: &str = "its variables live on the ps tasks, which step each of them once; use stage 0, or mirrored or multi-worker-mirrored";

@@ -14,14 +14,28 @@
 //! between steps. The pieces change only in the optimizer step, which ends with a barrier
 //! before the variables are released, so a copy never reads a piece while it is stepped.
 //!
+//! Across workers the other workers' runs are pulled from them, not gathered in a collective:
+//! each worker answers its peers' requests from a thread of the transport's
+//! ([`WorkerCollectives::serve_pieces`](crate::cross_device::WorkerCollectives::serve_pieces)),
+//! so no worker has to bring units back in the order another does, and a worker may read a
+//! variable alone (the chief, for a checkpoint). A request names the version of the pieces it
+//! needs: the updates (optimizer steps, loads of a checkpoint) its copy has made, which every
+//! worker makes alike. A worker behind it waits to reach it before it answers; none can be
+//! past it, since no worker steps again before every worker's gradient of the step arrives.
+//! After the last step [`Residency::unshard`] (collective) makes every variable whole on every
+//! worker, so that a worker reads its model without its peers once they are gone.
+//!
 //! This module must not know the optimizer nor how gradients are reduced: it holds the
 //! variables and brings them back from the shards.
 
-use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, PoisonError, Weak};
+use std::time::Instant;
 
-use candle_core::{StorageSource, Tensor, Var};
+use candle_core::{DType, Device, StorageSource, Tensor, Var};
 
 use super::Shards;
+use crate::cross_device::{PeerPieces, PieceSource};
 use crate::{Error, Result};
 
 /// The unit a variable named `name` belongs to by default: its name's first part, or its
@@ -96,6 +110,15 @@ pub(crate) struct Residency {
     current: Vec<Mutex<Option<usize>>>,
     /// This residency, for the sources it hands to the variables it releases.
     me: Weak<Residency>,
+    /// Across workers: the requests for the other workers' pieces.
+    peers: OnceLock<Arc<dyn PeerPieces>>,
+    /// Each local copy's updates of its pieces so far (optimizer steps and loads): the
+    /// version a request for pieces names.
+    versions: Mutex<Vec<u64>>,
+    /// Notified when a version changes.
+    updated: Condvar,
+    /// After [`Self::unshard`]: every variable stays whole.
+    held: AtomicBool,
 }
 
 impl Residency {
@@ -108,15 +131,8 @@ impl Residency {
         names: &[String],
         custom: &[String],
     ) -> Result<Arc<Self>> {
-        if shards.workers_runs() > 1 || shards.ext().workers().is_some_and(|w| w.is_elastic()) {
-            return Err(Error::ZeroStage {
-                stage: 3,
-                what: match shards.ext().workers() {
-                    Some(w) if w.is_elastic() => "an elastic job".to_string(),
-                    _ => format!("{} workers", shards.workers_runs()),
-                },
-                fix: super::ACROSS_WORKERS,
-            });
+        if shards.ext().workers().is_some_and(|w| w.is_elastic()) {
+            super::check_zero_elastic(shards.stage())?;
         }
         let mut names_of_units: Vec<String> = Vec::new();
         let mut unit_of = Vec::with_capacity(names.len());
@@ -135,6 +151,7 @@ impl Residency {
             unit_of.push(k);
         }
         let current = (0..vars.len()).map(|_| Mutex::new(None)).collect();
+        let copies = vars.len();
         let r = Arc::new_cyclic(|me| Residency {
             shards,
             vars,
@@ -143,7 +160,15 @@ impl Residency {
             names: names_of_units,
             current,
             me: me.clone(),
+            peers: OnceLock::new(),
+            versions: Mutex::new(vec![0; copies]),
+            updated: Condvar::new(),
+            held: AtomicBool::new(false),
         });
+        if let Some(w) = r.shards.ext().workers().filter(|_| r.shards.workers_runs() > 1) {
+            let source: Weak<dyn PieceSource> = Arc::downgrade(&r) as Weak<dyn PieceSource>;
+            let _ = r.peers.set(w.serve_pieces(source)?);
+        }
         for copy in 0..r.vars.len() {
             r.release_all(copy)?;
         }
@@ -153,6 +178,47 @@ impl Residency {
     /// The units' names, in the order of their first variable.
     pub(crate) fn unit_names(&self) -> &[String] {
         &self.names
+    }
+
+    /// Local copy `copy` stepped its pieces (an optimizer step, applied or skipped alike on
+    /// every worker): its version moves on, and its variables are released.
+    pub(crate) fn stepped(&self, copy: usize) -> Result<()> {
+        self.bump(Some(copy));
+        self.release_all(copy)
+    }
+
+    /// Every local copy's variables took a checkpoint's values (every worker loads it): the
+    /// versions move on, so that a peer's request of the new version waits for the load.
+    pub(crate) fn loaded(&self) {
+        self.bump(None);
+    }
+
+    fn bump(&self, copy: Option<usize>) {
+        let mut v = self.versions.lock().unwrap_or_else(PoisonError::into_inner);
+        match copy {
+            Some(c) => v[c] += 1,
+            None => v.iter_mut().for_each(|x| *x += 1),
+        }
+        self.updated.notify_all();
+    }
+
+    /// Brings every variable of every local copy back and keeps them whole from then on
+    /// (collective across workers: every worker calls it after its last step, so that each
+    /// may read its model once the others are gone). Nothing changes below stage 3's
+    /// release after it, and the memory is a whole model's again.
+    pub(crate) fn unshard(&self) -> Result<()> {
+        if self.held.swap(true, Ordering::AcqRel) {
+            return Ok(());
+        }
+        // Held from here: a variable brought back is released no more.
+        for v in self.vars.iter().flatten() {
+            v.make_resident()?;
+        }
+        if let Some(w) = self.shards.ext().workers().filter(|_| self.peers.get().is_some()) {
+            // No worker leaves before every worker has pulled what it needs from it.
+            w.barrier()?;
+        }
+        Ok(())
     }
 
     /// Releases every variable of local copy `copy` (after its optimizer step).
@@ -171,6 +237,12 @@ impl Residency {
     /// mirrored variable, so every replica's pieces take it.
     fn release(&self, copy: usize, var: usize) -> Result<()> {
         let v = &self.vars[copy][var];
+        if self.held.load(Ordering::Acquire) {
+            if v.written_since_restore() {
+                self.shards.take_from(copy, var, v)?;
+            }
+            return Ok(());
+        }
         if !v.is_released() && v.written_since_restore() {
             self.shards.take_from(copy, var, v)?;
         }
@@ -195,6 +267,23 @@ impl Residency {
         Ok(())
     }
 
+    /// Variable `var`'s whole value for local copy `copy`: every local copy's writes taken
+    /// first, then joined from this worker's pieces and, across workers, the others' pulled
+    /// at the copy's version.
+    fn bring(&self, copy: usize, var: usize) -> Result<Tensor> {
+        self.take_written(var)?;
+        let Some(peers) = self.peers.get() else { return self.shards.whole(var) };
+        let version = self.versions.lock().unwrap_or_else(PoisonError::into_inner)[copy];
+        let v = &self.vars[copy][var];
+        self.shards.whole_across(var, v.dtype(), v.device(), |worker, len| {
+            peers.pull(worker, var, version, len).map_err(|e| {
+                Error::Cluster(format!(
+                    "{e} (at ZeRO stage 3 across workers a worker keeps its optimizer until every worker has called DistributedOptimizer::unshard_parameters, as Trainer::fit does)"
+                ))
+            })
+        })
+    }
+
     /// Copy `copy` brought variable `var` back: when it is in another unit than the one the
     /// copy brought back last, that one is released.
     fn brought_back(&self, copy: usize, var: usize) {
@@ -206,7 +295,7 @@ impl Residency {
                 _ => current.replace(unit),
             }
         };
-        if let Some(previous) = previous {
+        if let Some(previous) = previous.filter(|_| !self.held.load(Ordering::Acquire)) {
             for &v in &self.units[previous] {
                 // A failed release leaves the variable whole: more memory, the same values.
                 let _ = self.release(copy, v);
@@ -227,17 +316,105 @@ impl StorageSource for Source {
     fn restore(&self) -> candle_core::Result<Tensor> {
         let residency = self.residency.upgrade();
         if let Some(r) = &residency {
-            r.take_written(self.var).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
-        }
-        let whole = self.shards.whole(self.var).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
-        if let Some(r) = residency {
+            let whole = r.bring(self.copy, self.var).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
             r.brought_back(self.copy, self.var);
+            return Ok(whole);
         }
-        Ok(whole)
+        Ok(self.shards.whole(self.var).map_err(|e| candle_core::Error::Msg(e.to_string()))?)
+    }
+}
+
+impl PieceSource for Residency {
+    fn pieces(&self, var: usize, version: u64, deadline: Instant) -> Result<Vec<f32>> {
+        let n = self.unit_of.len();
+        if var >= n {
+            return Err(Error::Cluster(format!("a peer asked for variable {var} of a model of {n} trainable variables; every worker must build the same model")));
+        }
+        let mut v = self.versions.lock().unwrap_or_else(PoisonError::into_inner);
+        loop {
+            let have = v.iter().copied().min().unwrap_or(0);
+            if have == version {
+                break;
+            }
+            if have > version {
+                return Err(Error::Cluster(format!(
+                    "a peer asked for the parameters after {version} updates, and this worker's are past it ({have}); every worker must step and load checkpoints alike"
+                )));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(Error::Cluster(format!(
+                    "a peer asked for the parameters after {version} updates, and this worker's did not get past {have} in time"
+                )));
+            }
+            v = self.updated.wait_timeout(v, deadline - now).unwrap_or_else(PoisonError::into_inner).0;
+        }
+        drop(v);
+        self.take_written(var)?;
+        self.shards.pieces_of(var)
     }
 }
 
 impl Shards {
+    /// This worker's pieces of variable `var`, local replica after replica, each in order.
+    fn pieces_of(&self, var: usize) -> Result<Vec<f32>> {
+        let mut out = Vec::new();
+        for p in self.pieces.iter().flatten().filter(|p| p.var == var) {
+            out.extend(p.value.as_tensor().to_dtype(DType::F32)?.to_vec1::<f32>()?);
+        }
+        Ok(out)
+    }
+
+    /// Variable `var`'s whole value (of `dtype`, on `device`), joined from this worker's
+    /// pieces and every other worker's, which `pull(worker, len)` brings (`len` values: that
+    /// worker's runs of the variable, replica after replica, each in order).
+    fn whole_across(
+        &self,
+        var: usize,
+        dtype: DType,
+        device: &Device,
+        pull: impl Fn(usize, usize) -> Result<Vec<f32>>,
+    ) -> Result<Tensor> {
+        let shape = &self.shapes[var];
+        let n = shape.elem_count();
+        let mut out = vec![0f32; n];
+        let mut covered = 0;
+        for p in self.pieces.iter().flatten().filter(|p| p.var == var) {
+            let values = p.value.as_tensor().to_dtype(DType::F32)?.to_vec1::<f32>()?;
+            out[p.start..p.start + p.len].copy_from_slice(&values);
+            covered += p.len;
+        }
+        let local = self.pieces.len();
+        let me = self.ext.workers().map_or(0, |w| w.worker_index());
+        for g in (0..self.workers_runs()).filter(|&g| g != me) {
+            let runs: Vec<_> =
+                self.layout[g * local..(g + 1) * local].iter().flatten().filter(|r| r.var == var).collect();
+            let len: usize = runs.iter().map(|r| r.len).sum();
+            if len == 0 {
+                continue;
+            }
+            let values = pull(g, len)?;
+            if values.len() != len {
+                return Err(Error::Cluster(format!(
+                    "worker {g} answered {} values of variable {var} where its shard holds {len}; every worker must build the same model",
+                    values.len()
+                )));
+            }
+            let mut at = 0;
+            for r in runs {
+                out[r.start..r.start + r.len].copy_from_slice(&values[at..at + r.len]);
+                at += r.len;
+                covered += r.len;
+            }
+        }
+        if covered != n {
+            return Err(Error::Scope(format!(
+                "the shards hold {covered} of variable {var}'s {n} elements; every replica must build the same model"
+            )));
+        }
+        Ok(Tensor::from_vec(out, shape, &Device::Cpu)?.to_dtype(dtype)?.to_device(device)?)
+    }
+
     /// Copy `copy`'s pieces of variable `var` take their values from `value` (the variable,
     /// whole).
     pub(crate) fn take_from(&self, copy: usize, var: usize, value: &Var) -> Result<()> {

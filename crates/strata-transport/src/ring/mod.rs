@@ -61,6 +61,7 @@ mod abort;
 mod algo;
 mod connect;
 mod link;
+mod pieces;
 mod wire;
 
 use std::net::SocketAddr;
@@ -76,6 +77,7 @@ use crate::{Error, Result};
 pub(crate) use abort::raised;
 pub use abort::{AbortSignal, ABORT_POLL};
 use link::{try_join_all, Ctx, Links, Reader, Writer};
+pub use pieces::Pieces;
 use wire::{Call, WireError};
 
 /// The default deadline of each collective.
@@ -169,6 +171,8 @@ pub struct Ring {
     abort: AbortSignal,
     rt: Option<Runtime>,
     state: Mutex<State>,
+    /// How the mesh was built: the piece service builds its own the same way.
+    params: Arc<connect::Params>,
 }
 
 struct State {
@@ -260,7 +264,7 @@ impl Ring {
             } else {
                 None
             };
-            connect::build(params, listener, &abort).await
+            connect::build(params.clone(), listener, &abort).await
         })?;
         let mut readers = Vec::with_capacity(n);
         let mut writers = Vec::with_capacity(n);
@@ -286,6 +290,7 @@ impl Ring {
             abort,
             rt: Some(rt),
             state: Mutex::new(State { links: Links { readers, writers }, broken: None }),
+            params,
         })
     }
 
