@@ -1,4 +1,4 @@
-//! ZeRO stages 1 and 2 through `strata train --zero-stage`, in real processes: Mirrored over 3
+//! ZeRO stages 1 to 3 through `strata train --zero-stage`, in real processes: Mirrored over 3
 //! replicas and MultiWorkerMirrored with 3 workers of 1 replica and 2 workers of 2 replicas
 //! (uneven shards), each bit for bit the parameters of the same job at stage 0; the transformer
 //! (clipped by global norm) within reassociation of stage 0, by a bound that a skipped step
@@ -81,11 +81,15 @@ fn resumed_on_3_workers(dir: &Path, stages: (&str, &str)) -> Vec<u8> {
 }
 
 #[test]
-fn a_job_checkpointed_on_2_workers_at_stage_1_resumes_on_3_at_stage_2_as_stage_0_does() {
+fn a_job_checkpointed_on_2_workers_at_stages_1_to_3_resumes_on_3_at_any_stage_as_stage_0_does() {
     let dir = tmp("resume");
     let whole = resumed_on_3_workers(&dir, ("0", "0"));
     assert!(resumed_on_3_workers(&dir, ("1", "2")) == whole, "2 workers at stage 1, then 3 at stage 2");
     assert!(resumed_on_3_workers(&dir, ("2", "0")) == whole, "2 workers at stage 2, then 3 at stage 0");
+    // Stage 3 across workers: the checkpoint's parameters are pulled from every worker's
+    // pieces, and a resumed worker's peers wait for its load before they answer.
+    assert!(resumed_on_3_workers(&dir, ("3", "0")) == whole, "2 workers at stage 3, then 3 at stage 0");
+    assert!(resumed_on_3_workers(&dir, ("0", "3")) == whole, "2 workers at stage 0, then 3 at stage 3");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -117,11 +121,11 @@ fn a_mirrored_job_checkpointed_at_stage_3_resumes_at_stage_0_and_back_as_stage_0
 }
 
 #[test]
-fn stages_1_and_2_across_worker_processes_are_stage_0_bit_for_bit() {
+fn stages_1_to_3_across_worker_processes_are_stage_0_bit_for_bit() {
     let dir = tmp("workers");
     for (workers, local) in [(3, 1), (2, 2)] {
         let whole = multi_worker(&dir, workers, local, "0", &[]);
-        for stage in ["1", "2"] {
+        for stage in ["1", "2", "3"] {
             let sharded = multi_worker(&dir, workers, local, stage, &[]);
             for (i, p) in sharded.iter().enumerate() {
                 assert!(p == &sharded[0], "{workers}x{local}: worker {i}'s parameters differ from the chief's");
@@ -235,6 +239,8 @@ fn recomputation_trains_the_same_job_alone_at_stage_3_and_across_workers() {
     let workers = multi_worker(&dir, 2, 1, "0", &[]);
     let recomputed = multi_worker(&dir, 2, 1, "0", &["--recompute"]);
     assert!(recomputed == workers, "2 workers recomputing differ");
+    let stage_3 = multi_worker(&dir, 2, 1, "3", &["--recompute"]);
+    assert!(stage_3 == workers, "2 workers at stage 3 recomputing differ");
     let transformer = ["--model", "transformer", "--steps", "3", "--batch", "12", "--no-progress"];
     let whole = mirrored(&dir, "0", &transformer);
     assert!(mirrored(&dir, "0", &with(&transformer)) == whole, "the transformer recomputing differs");
@@ -261,8 +267,8 @@ fn what_cannot_run_on_shards_is_refused_in_one_line() {
         ),
         (&["--strategy", "mirrored", "--zero-stage", "4"], "zero stage \"4\" is not a stage"),
         (
-            &["--strategy", "multi-worker-mirrored", "--zero-stage", "3"],
-            "zero stage 3 with the multi-worker-mirrored strategy: stage 3 gathers parameters from the replicas of one machine only so far",
+            &["--strategy", "multi-worker-mirrored", "--zero-stage", "3", "--min-workers", "1", "--coordinator", "127.0.0.1:9", "--checkpoint-dir", "ck"],
+            "zero stage 3 with an elastic job: stage 3's shards of the parameters do not follow an elastic job's membership yet; use stage 2 with --min-workers, or stage 3 without it",
         ),
         (
             &["--strategy", "mirrored", "--zero-stage", "3", "--zero-units", "layer1,dec"],

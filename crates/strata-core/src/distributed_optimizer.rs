@@ -464,6 +464,17 @@ impl<O: Optimizer> DistributedOptimizer<O> {
         self.zero().is_some_and(|s| s.stage().shards_gradients())
     }
 
+    /// The variables are about to take a checkpoint's values (then
+    /// [`Self::load_state_tensors`]): at ZeRO stage 3 a released variable written now comes
+    /// back without its shards being read, from this worker's or any other's (their values are
+    /// about to be replaced, and the other workers may have loaded theirs already). Below
+    /// stage 3 it does nothing.
+    pub fn begin_load(&self) {
+        if let Some(r) = &self.residency {
+            r.begin_load();
+        }
+    }
+
     /// ZeRO stage 3: brings every variable of every copy back whole and keeps it so (FSDP2's
     /// `unshard` without a `reshard` after it). Across workers it is collective: every worker
     /// calls it after its last step, before it reads its model without the others (a

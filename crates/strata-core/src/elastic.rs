@@ -70,6 +70,11 @@ pub trait StatefulOptimizer {
     fn state_tensors(&self) -> Result<NamedTensors>;
     /// Loads the whole state (under ZeRO each copy takes its shard).
     fn load_state_tensors(&self, state: &[(String, Tensor)]) -> Result<()>;
+    /// The model's variables are about to take a checkpoint's values, before
+    /// [`load_state_tensors`](Self::load_state_tensors): ZeRO stage 3 then brings a released
+    /// variable back without reading its shards (its values are about to be replaced). Nothing
+    /// by default.
+    fn begin_load(&self) {}
     /// Whether the optimizer keeps state across steps (plain SGD keeps none).
     fn keeps_state(&self) -> Result<bool>;
     /// ZeRO: lays the shards out over the current membership (fresh state; load it after).
@@ -88,6 +93,9 @@ impl<O: Optimizer + OptimizerState> StatefulOptimizer for DistributedOptimizer<O
     }
     fn load_state_tensors(&self, state: &[(String, Tensor)]) -> Result<()> {
         DistributedOptimizer::load_state_tensors(self, state)
+    }
+    fn begin_load(&self) {
+        DistributedOptimizer::begin_load(self)
     }
     fn keeps_state(&self) -> Result<bool> {
         DistributedOptimizer::keeps_state(self)
@@ -764,6 +772,7 @@ fn load_flat<M>(
     let new_vars: Vec<Tensor> = vars.iter().map(|(_, t)| take(t)).collect::<Result<_>>()?;
     let new_state: Vec<(String, Tensor)> =
         state.iter().map(|(n, t)| Ok((n.clone(), take(t)?))).collect::<Result<_>>()?;
+    opt.begin_load();
     for copy in 0..model.num_copies() {
         for ((_, var), value) in model.variables(copy).iter().zip(&new_vars) {
             var.set(value)?;

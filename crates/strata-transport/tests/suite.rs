@@ -10,6 +10,7 @@ mod coordination;
 mod elastic;
 mod executor;
 mod fuzz;
+mod pieces;
 mod ps;
 mod ps_half;
 mod ring;

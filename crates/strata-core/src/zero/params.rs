@@ -119,6 +119,9 @@ pub(crate) struct Residency {
     updated: Condvar,
     /// After [`Self::unshard`]: every variable stays whole.
     held: AtomicBool,
+    /// Between [`Self::begin_load`] and [`Self::loaded`]: a variable comes back as zeros, to
+    /// be overwritten.
+    loading: AtomicBool,
 }
 
 impl Residency {
@@ -164,6 +167,7 @@ impl Residency {
             versions: Mutex::new(vec![0; copies]),
             updated: Condvar::new(),
             held: AtomicBool::new(false),
+            loading: AtomicBool::new(false),
         });
         if let Some(w) = r.shards.ext().workers().filter(|_| r.shards.workers_runs() > 1) {
             let source: Weak<dyn PieceSource> = Arc::downgrade(&r) as Weak<dyn PieceSource>;
@@ -191,6 +195,14 @@ impl Residency {
     /// versions move on, so that a peer's request of the new version waits for the load.
     pub(crate) fn loaded(&self) {
         self.bump(None);
+        self.loading.store(false, Ordering::Release);
+    }
+
+    /// Every local copy's variables are about to take a checkpoint's values: until
+    /// [`Self::loaded`] a released variable comes back as zeros (they are replaced at once),
+    /// without asking the other workers, which may be past this worker's version already.
+    pub(crate) fn begin_load(&self) {
+        self.loading.store(true, Ordering::Release);
     }
 
     fn bump(&self, copy: Option<usize>) {
@@ -271,6 +283,10 @@ impl Residency {
     /// first, then joined from this worker's pieces and, across workers, the others' pulled
     /// at the copy's version.
     fn bring(&self, copy: usize, var: usize) -> Result<Tensor> {
+        if self.loading.load(Ordering::Acquire) {
+            let v = &self.vars[copy][var];
+            return Ok(Tensor::zeros(v.shape(), v.dtype(), v.device())?);
+        }
         self.take_written(var)?;
         let Some(peers) = self.peers.get() else { return self.shards.whole(var) };
         let version = self.versions.lock().unwrap_or_else(PoisonError::into_inner)[copy];

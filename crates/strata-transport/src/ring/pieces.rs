@@ -319,7 +319,12 @@ fn serve(requests: &Receiver<Request>, peer: &Weak<Peer>, source: &Weak<dyn Piec
                     if v.len() as u64 == r.len {
                         Ok(v)
                     } else {
-                        Err(format!("this worker holds {} values of variable {}, not {}; every worker must build the same model", v.len(), r.var, r.len))
+                        Err(format!(
+                            "it holds {} values of variable {}, not {}; every worker must build the same model",
+                            v.len(),
+                            r.var,
+                            r.len
+                        ))
                     }
                 }),
             None => Err("this worker's optimizer is gone".to_string()),
