@@ -488,6 +488,15 @@ impl<O: Optimizer> DistributedOptimizer<O> {
         }
     }
 
+    /// ZeRO stage 3 across workers: how many times a replica brought a variable back from
+    /// values pulled ahead of its use (while it computed with the unit before, in the order its
+    /// last step used them), and how many times it had to pull at the use; (0, 0) otherwise.
+    /// After a first step, a step that uses its units in the order of the one before pulls
+    /// nothing at the use.
+    pub fn zero_pulls(&self) -> (u64, u64) {
+        self.residency.as_ref().map_or((0, 0), |r| r.pulls())
+    }
+
     /// ZeRO stage 3's units of variables, by name, in the order of their first variable
     /// (empty below stage 3): each is gathered whole when a step first uses one of its
     /// variables, and released when the step moves on to another.

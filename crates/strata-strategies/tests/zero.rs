@@ -412,6 +412,88 @@ fn stage_3_across_2_and_3_workers_is_stage_0_bitwise() {
     });
 }
 
+/// `M` (frozen `freeze`) at stage 3 and stage 0 across `workers` workers of `local` replicas
+/// under momentum SGD, 4 steps: every copy of every worker after every step, bit for bit (the
+/// reduction and the element-wise updates are stage 0's; a read between steps pulls).
+fn stage_3_across_workers_as_stage_0<M: TestModel>(workers: usize, local: usize, freeze: &'static [&'static str]) {
+    let run = |stage: ZeroStage| {
+        common::on_workers_tuned(
+            workers,
+            local,
+            move |o| o.options.zero_stage = stage,
+            move |_, s| {
+                let momentum = ParamsMomentum { lr: 0.05, momentum: 0.9, nesterov: false };
+                train::<M, FusedMomentum>(s, momentum, 4, freeze, PLAIN).0
+            },
+        )
+    };
+    let (whole, sharded) = (run(ZeroStage::Off), run(ZeroStage::Parameters));
+    for (w, (a, b)) in sharded.iter().zip(&whole).enumerate() {
+        assert!(
+            a == b,
+            "{} over {workers}x{local}: worker {w} at stage 3 is not stage 0 bit for bit",
+            std::any::type_name::<M>()
+        );
+    }
+}
+
+#[test]
+fn stage_3_across_workers_keeps_frozen_unused_tied_and_batch_norm_variables_as_stage_0() {
+    common::with_timeout(std::time::Duration::from_secs(240), "zero 3 models across workers", || {
+        stage_3_across_workers_as_stage_0::<Cnn>(2, 1, &[]);
+        stage_3_across_workers_as_stage_0::<Frozen>(3, 1, &["late.*"]);
+        stage_3_across_workers_as_stage_0::<Heads>(2, 2, &["trunk.*"]);
+        stage_3_across_workers_as_stage_0::<Tied>(2, 1, &[]);
+        stage_3_across_workers_as_stage_0::<BnNet<true>>(2, 1, &[]);
+        stage_3_across_workers_as_stage_0::<BnNet<false>>(3, 1, &[]);
+    });
+}
+
+/// After a first step, a step that uses its units in the order of the one before finds every
+/// other worker's runs pulled ahead of its use: nothing is pulled at the use. The negative
+/// control: a model whose head alternates between steps pulls at the use where the order
+/// changed.
+#[test]
+fn stage_3_pulls_the_next_unit_ahead_of_its_use_across_workers() {
+    common::with_timeout(std::time::Duration::from_secs(120), "zero 3 pulls ahead", || {
+        fn pulls<M: TestModel>(steps: usize) -> Vec<Vec<(u64, u64)>> {
+            common::on_workers_tuned(
+                2,
+                1,
+                |o| o.options.zero_stage = ZeroStage::Parameters,
+                move |_, s| {
+                    let model = s.scope(M::build).unwrap();
+                    let opt = model.optimizer::<FusedSgd>(0.1).unwrap();
+                    let batches: Vec<Batch> = (0..steps).map(|k| data(12, M::DIM, 300 + k as u64)).collect();
+                    let mut after = Vec::new();
+                    for (step, db) in s.distribute_dataset(batches, TailPolicy::Split).enumerate() {
+                        s.run_batch(&db, |ctx, shard| {
+                            let loss = model.on(ctx)?.loss(step, &shard.batch, ctx.candle_device())?;
+                            ctx.backward_and_sync(&loss, &opt)
+                        })
+                        .unwrap();
+                        after.push(opt.zero_pulls());
+                    }
+                    opt.unshard_parameters().unwrap();
+                    after
+                },
+            )
+        }
+        for (w, after) in pulls::<Cnn>(4).iter().enumerate() {
+            let (ahead_1, at_use_1) = after[0];
+            assert!(at_use_1 > 0, "worker {w}: the first step has no order to pull ahead in: {after:?}");
+            for (k, &(ahead, at_use)) in after.iter().enumerate().skip(1) {
+                assert_eq!(at_use, at_use_1, "worker {w}, step {}: pulled at the use: {after:?}", k + 1);
+                assert!(ahead > ahead_1, "worker {w}, step {}: nothing pulled ahead: {after:?}", k + 1);
+            }
+        }
+        // Heads uses head `a` in even steps and `b` in odd ones: the order changes each step.
+        for (w, after) in pulls::<Heads>(4).iter().enumerate() {
+            assert!(after[3].1 > after[1].1, "worker {w}: a changed order pulled nothing at the use: {after:?}");
+        }
+    });
+}
+
 #[test]
 fn what_cannot_run_on_shards_is_refused_in_one_line() {
     let cpu = strata_core::device::logical_cpus(2).unwrap();

@@ -30,6 +30,7 @@
 //! takes the variables, the strategy and the optimizer's type, and hands back shards; the
 //! reduction keeps its runs through [`Shards::keep`] and [`Shards::shard_of`].
 
+mod ahead;
 mod gather;
 mod layout;
 mod memory;

@@ -34,6 +34,7 @@ use std::time::Instant;
 
 use candle_core::{DType, Device, StorageSource, Tensor, Var};
 
+use super::ahead::Ahead;
 use super::Shards;
 use crate::cross_device::{PeerPieces, PieceSource};
 use crate::{Error, Result};
@@ -93,6 +94,9 @@ pub(crate) fn two_largest_units(names: &[String], vars: &[Var], custom: &[String
     units.iter().take(2).map(|(_, e)| e).sum()
 }
 
+/// A pull ahead: copy, variables, version.
+type PullJob = (usize, Vec<usize>, u64);
+
 /// Each local replica's variables at stage 3, their units, and the unit each replica brought
 /// back last.
 #[derive(Debug)]
@@ -122,6 +126,13 @@ pub(crate) struct Residency {
     /// Between [`Self::begin_load`] and [`Self::loaded`]: a variable comes back as zeros, to
     /// be overwritten.
     loading: AtomicBool,
+    /// Across workers: the next unit, pulled ahead.
+    ahead: Ahead,
+    /// The thread that pulls ahead (started at the first pull).
+    puller: Mutex<Option<std::sync::mpsc::Sender<PullJob>>>,
+    /// Across workers: the variables brought back from values pulled ahead, and those pulled
+    /// when used.
+    pulls: [std::sync::atomic::AtomicU64; 2],
 }
 
 impl Residency {
@@ -168,6 +179,9 @@ impl Residency {
             updated: Condvar::new(),
             held: AtomicBool::new(false),
             loading: AtomicBool::new(false),
+            ahead: Ahead::new(copies),
+            puller: Mutex::new(None),
+            pulls: Default::default(),
         });
         if let Some(w) = r.shards.ext().workers().filter(|_| r.shards.workers_runs() > 1) {
             let source: Weak<dyn PieceSource> = Arc::downgrade(&r) as Weak<dyn PieceSource>;
@@ -188,7 +202,57 @@ impl Residency {
     /// every worker): its version moves on, and its variables are released.
     pub(crate) fn stepped(&self, copy: usize) -> Result<()> {
         self.bump(Some(copy));
-        self.release_all(copy)
+        self.release_all(copy)?;
+        if let Some(first) = self.ahead.stepped(copy) {
+            self.pull_ahead(copy, first);
+        }
+        Ok(())
+    }
+
+    /// Across workers: pulls unit `unit` of copy `copy` (its released variables) ahead of its
+    /// use, on the puller thread, at the copy's version now.
+    fn pull_ahead(&self, copy: usize, unit: usize) {
+        if self.peers.get().is_none() || self.held.load(Ordering::Acquire) || self.loading.load(Ordering::Acquire) {
+            return;
+        }
+        let released: Vec<usize> =
+            self.units[unit].iter().copied().filter(|&v| self.vars[copy][v].is_released()).collect();
+        let version = self.version(copy);
+        let current = *self.current[copy].lock().unwrap_or_else(PoisonError::into_inner);
+        let in_use = current.map_or(&[][..], |u| &self.units[u][..]);
+        let vars = self.ahead.claim(copy, &released, in_use, version);
+        if vars.is_empty() {
+            return;
+        }
+        let mut puller = self.puller.lock().unwrap_or_else(PoisonError::into_inner);
+        if puller.is_none() {
+            let (tx, rx) = std::sync::mpsc::channel::<PullJob>();
+            let me = self.me.clone();
+            let started = std::thread::Builder::new().name("strata-zero3-ahead".into()).spawn(move || {
+                while let Ok((copy, vars, version)) = rx.recv() {
+                    let Some(r) = me.upgrade() else { return };
+                    for var in vars {
+                        let value = r.pull_whole(copy, var, version).map_err(|e| e.to_string());
+                        r.ahead.put(copy, var, version, value);
+                    }
+                }
+            });
+            if started.is_err() {
+                // No thread: every use pulls for itself. The claimed values never arrive.
+                drop(puller);
+                self.ahead.clear_claims(copy);
+                return;
+            }
+            *puller = Some(tx);
+        }
+        if puller.as_ref().is_some_and(|tx| tx.send((copy, vars.clone(), version)).is_err()) {
+            self.ahead.clear_claims(copy);
+        }
+    }
+
+    /// Local copy `copy`'s version: the updates its pieces have had.
+    fn version(&self, copy: usize) -> u64 {
+        self.versions.lock().unwrap_or_else(PoisonError::into_inner)[copy]
     }
 
     /// Every local copy's variables took a checkpoint's values (every worker loads it): the
@@ -222,6 +286,7 @@ impl Residency {
         if self.held.swap(true, Ordering::AcqRel) {
             return Ok(());
         }
+        self.ahead.clear();
         // Held from here: a variable brought back is released no more.
         for v in self.vars.iter().flatten() {
             v.make_resident()?;
@@ -287,9 +352,30 @@ impl Residency {
             let v = &self.vars[copy][var];
             return Ok(Tensor::zeros(v.shape(), v.dtype(), v.device())?);
         }
+        if self.peers.get().is_none() {
+            self.take_written(var)?;
+            return self.shards.whole(var);
+        }
+        let version = self.version(copy);
+        if let Some(pulled) = self.ahead.take(copy, var, version) {
+            self.pulls[0].fetch_add(1, Ordering::Relaxed);
+            return pulled.map_err(Error::Cluster);
+        }
+        self.pulls[1].fetch_add(1, Ordering::Relaxed);
+        self.pull_whole(copy, var, version)
+    }
+
+    /// Across workers: the variables brought back so far from values pulled ahead of their
+    /// use, and those pulled when used.
+    pub(crate) fn pulls(&self) -> (u64, u64) {
+        (self.pulls[0].load(Ordering::Relaxed), self.pulls[1].load(Ordering::Relaxed))
+    }
+
+    /// Variable `var`'s whole value at `version` for local copy `copy`: this worker's pieces
+    /// (every local copy's writes taken first) and the other workers', pulled.
+    fn pull_whole(&self, copy: usize, var: usize, version: u64) -> Result<Tensor> {
         self.take_written(var)?;
         let Some(peers) = self.peers.get() else { return self.shards.whole(var) };
-        let version = self.versions.lock().unwrap_or_else(PoisonError::into_inner)[copy];
         let v = &self.vars[copy][var];
         self.shards.whole_across(var, v.dtype(), v.device(), |worker, len| {
             peers.pull(worker, var, version, len).map_err(|e| {
@@ -317,6 +403,11 @@ impl Residency {
                 let _ = self.release(copy, v);
             }
         }
+        // After the release: the next unit may be the one just released (a backward pass
+        // comes back to it).
+        if let Some(next) = self.ahead.entered(copy, unit) {
+            self.pull_ahead(copy, next);
+        }
     }
 }
 
@@ -336,7 +427,7 @@ impl StorageSource for Source {
             r.brought_back(self.copy, self.var);
             return Ok(whole);
         }
-        Ok(self.shards.whole(self.var).map_err(|e| candle_core::Error::Msg(e.to_string()))?)
+        self.shards.whole(self.var).map_err(|e| candle_core::Error::Msg(e.to_string()))
     }
 }
 
