@@ -23,8 +23,9 @@
 # namespace (`ip netns exec`) with TF_CONFIG naming every host's address and port, --bind its
 # address and one STRATA_CLUSTER_TOKEN; the rate is the chief's steady state from --out. When
 # `strata train` has --compression, each of none,bf16,fp16,powersgd:4 runs (--compressions picks
-# some); otherwise only none (the output says so). --zero-stages 0,1,2 adds Strata without
-# compression at ZeRO stages 1 and 2 (none+zero1, none+zero2), alternated with the others. DDP (scripts/bench/ddp_hosts.py): one process per host, 1 thread,
+# some); otherwise only none (the output says so). --zero-stages 0,1,2,3 adds Strata without
+# compression at ZeRO stages 1 to 3 (none+zero1, none+zero2, none+zero3), alternated with the
+# others. DDP (scripts/bench/ddp_hosts.py): one process per host, 1 thread,
 # GLOO_SOCKET_IFNAME=eth0, the models of scripts/bench/peers/torch_bench.py, same global batch
 # split over the hosts, AdamW lr 0.003 (PowerSGD: the model in one DDP bucket; see
 # ddp_hosts.py). Strata trains the digits models on the first 1,600 digits rows (--data), so

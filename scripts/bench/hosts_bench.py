@@ -120,7 +120,7 @@ def parser():
                     "(hosts.sh's own option)")
     ap.add_argument("--compressions", help="Strata's compressions to run, of " + ",".join(COMPRESSIONS)
                     + " (default all this build has)")
-    ap.add_argument("--zero-stages", default="0", help="ZeRO stages Strata runs without compression, of 0,1,2 (default 0); "
+    ap.add_argument("--zero-stages", default="0", help="ZeRO stages Strata runs without compression, of 0,1,2,3 (default 0); "
                     "stage N > 0 is the configuration none+zeroN, alternated with the others")
     ap.add_argument("--no-ddp", action="store_true", help="Strata only")
     ap.add_argument("--no-strata", action="store_true", help="DDP only")
@@ -175,8 +175,8 @@ def parse_args(argv):
                 bad(f"--compressions: unknown compression {c!r}; use some of {','.join(COMPRESSIONS)}")
     a.zero_list = []
     for z in a.zero_stages.split(","):
-        if z.strip() not in ("0", "1", "2"):
-            bad(f"--zero-stages: unknown stage {z!r}; use some of 0,1,2")
+        if z.strip() not in ("0", "1", "2", "3"):
+            bad(f"--zero-stages: unknown stage {z!r}; use some of 0,1,2,3")
         a.zero_list.append(int(z))
     if a.no_ddp and a.no_strata:
         bad("--no-ddp and --no-strata leave nothing to run")
@@ -483,10 +483,12 @@ def split_zero(variant):
 
 def strata_payload(compression, params, shapes):
     # ZeRO across workers reduce-scatters the gradients and all-gathers the parameters: each
-    # host sends what a ring all-reduce of the gradients sends.
-    compression = split_zero(compression)[0]
+    # host sends what a ring all-reduce of the gradients sends. Stage 3 pulls every other
+    # host's shard of the parameters twice (forward and backward) beside the reduce-scatter:
+    # 1.5 times that (less the last forward unit, which the backward pass finds whole).
+    compression, zero = split_zero(compression)
     if compression in (None, "none"):
-        return 4 * params
+        return 6 * params if zero == 3 else 4 * params
     if compression in ("bf16", "fp16"):
         return 2 * params
     m = re.match(r"powersgd:(\d+)", compression)

@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import time
+import types
 
 import numpy as np
 
@@ -131,9 +132,12 @@ def log(*a):
     print(*a, file=sys.stderr, flush=True)
 
 
-def torch_models(torch, nn, F):
+def torch_models(torch, nn, F, width=None, layers=None, heads=None):
     """`build(model, vocab)` with `Block` and `Transformer` as torch_bench.py defines them (that
-    file runs its benchmark when imported, so its definitions are taken from its source)."""
+    file runs its benchmark when imported, so its definitions are taken from its source).
+    `width`, `layers`, `heads`: the transformer's shape when not the default's (T_WIDTH,
+    T_LAYERS, T_HEADS): the definitions then read a copy of this module with those replaced
+    (scripts/bench/fsdp.sh builds the 25M transformer this way; the context stays T_CONTEXT)."""
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_bench.py")
     tree = ast.parse(open(path).read(), path)
     wanted = {"Block", "Transformer", "build"}
@@ -141,6 +145,12 @@ def torch_models(torch, nn, F):
     missing = wanted - {n.name for n in defs}
     if missing:
         raise SystemExit(f"{path} no longer defines {', '.join(sorted(missing))}")
-    scope = {"torch": torch, "nn": nn, "F": F, "common": sys.modules[__name__]}
+    shape = {k: v for k, v in (("T_WIDTH", width), ("T_LAYERS", layers), ("T_HEADS", heads)) if v is not None}
+    module = sys.modules[__name__]
+    if shape:
+        module = types.ModuleType(__name__)
+        module.__dict__.update(sys.modules[__name__].__dict__)
+        module.__dict__.update(shape)
+    scope = {"torch": torch, "nn": nn, "F": F, "common": module}
     exec(compile(ast.Module(body=defs, type_ignores=[]), path, "exec"), scope)
     return scope["build"]
