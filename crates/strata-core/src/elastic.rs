@@ -662,11 +662,15 @@ pub fn save_checkpoint<M>(
         return Ok(());
     }
     let _s = tracing::info_span!("checkpoint", step).entered();
-    let mut entries: Vec<CheckpointTensor> = model
-        .variables(0)
-        .iter()
-        .map(|(name, v)| CheckpointTensor::new(format!("model/{name}"), v.as_tensor().clone()))
-        .collect();
+    let mut entries: Vec<CheckpointTensor> = Vec::new();
+    for (name, v) in model.variables(0) {
+        // ZeRO stage 3 released it: brought back here, where a failure (a peer worker lost
+        // while its runs are pulled) is this call's error, not a panic of the write, and
+        // copied, since reading the next unit releases this one.
+        let t = v.as_tensor();
+        let value = if t.is_released() { t.make_resident().and_then(|()| t.copy())? } else { t.clone() };
+        entries.push(CheckpointTensor::new(format!("model/{name}"), value));
+    }
     let state = match gathered {
         Some(state) => state,
         None => opt.state_tensors()?,
