@@ -1327,8 +1327,11 @@ network_delay = "1ms"
         bad(one, "strategy = \"one-device\"\nzero_stage = 1", "run[0].zero_stage: ");
         bad(one, "strategy = \"one-device\"\nzero_stage = 1", "one replica holds the whole model");
         bad("mode = \"stale\"", "mode = \"stale\"\nzero_stage = 2", "its variables live on the ps tasks");
-        let across = error(&(GOOD.to_string() + "\n[[run]]\nstrategy = \"multi-worker-mirrored\"\nzero_stage = 3\n"));
-        assert!(across.contains("run[3].zero_stage: zero stage 3 with the multi-worker-mirrored strategy: stage 3 gathers parameters from the replicas of one machine only"), "{across}");
+        // Stage 3 across workers runs; in an elastic job it is refused.
+        let across = GOOD.to_string() + "\n[[run]]\nstrategy = \"multi-worker-mirrored\"\nzero_stage = 3\n";
+        assert_eq!(parse(&across).unwrap().runs[3].name, "multi-worker-mirrored-zero3");
+        let elastic = error(&(across + "min_workers = 1\n"));
+        assert!(elastic.contains("run[3].zero_stage: zero stage 3 with an elastic job: stage 3's shards of the parameters do not follow an elastic job's membership yet"), "{elastic}");
         // Stage 0 is every strategy's.
         assert!(parse(&GOOD.replace(one, "strategy = \"one-device\"\nzero_stage = 0")).is_ok());
         // The CNN has no blocks to recompute.
