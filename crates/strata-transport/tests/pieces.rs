@@ -180,7 +180,10 @@ fn a_peer_that_is_gone_is_an_error_not_a_hang() {
     for (r, (gone, late)) in results.iter().take(2).enumerate() {
         assert!(gone.contains("lost task worker:2") || gone.contains("worker:2"), "rank {r}: {gone}");
         if r == 0 {
-            assert!(late.contains("worker:1") && late.contains("version 9 not reached"), "{late}");
+            // The peer's refusal (it answers within 80% of the request's deadline), or, on a
+            // loaded machine, the request's own timeout: an error either way.
+            let why = late.contains("version 9 not reached") || late.contains("timed out");
+            assert!(late.contains("worker:1") && why, "{late}");
         }
     }
 }

@@ -312,8 +312,10 @@ fn read_frames(mut s: TcpStream, peer: &Weak<Peer>, answers: &SyncSender<Answer>
 fn serve(requests: &Receiver<Request>, peer: &Weak<Peer>, source: &Weak<dyn PieceSource>, timeout: Duration) {
     while let Ok(r) = requests.recv() {
         let answer = match source.upgrade() {
+            // Within 80% of the requester's own deadline, so that a version not reached comes
+            // back as this refusal, which says why, rather than as the requester's timeout.
             Some(src) => src
-                .pieces(r.var as usize, r.version, Instant::now() + timeout)
+                .pieces(r.var as usize, r.version, Instant::now() + timeout.mul_f32(0.8))
                 .map_err(|e| e.to_string())
                 .and_then(|v| {
                     if v.len() as u64 == r.len {
