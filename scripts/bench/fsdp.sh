@@ -101,15 +101,7 @@ done
 # PyTorch, as scripts/bench/peers.sh installs it (torch and numpy only).
 PY="$VENV/bin/python"
 if ((wants_fsdp && install)) && ! { [[ -x "$PY" ]] && "$PY" -c 'import torch, numpy' 2>/dev/null; }; then
-    if [[ ! -x "$PY" ]]; then
-        echo "creating the virtual environment $VENV" >&2
-        "$SYS_PY" -m venv "$VENV" || echo "cannot create a virtual environment with $SYS_PY" >&2
-    fi
-    pip_install() { nice -n 19 "$PY" -m pip install --quiet --disable-pip-version-check "$@"; }
-    if [[ -x "$PY" ]]; then install_torch; fi
-    if [[ -x "$PY" ]] && ! "$PY" -c 'import numpy' 2>/dev/null; then
-        pip_install numpy # the peers' data code (peers.sh gets it with TensorFlow)
-    fi
+    install_torch_venv
 fi
 if ((wants_fsdp)) && ! { [[ -x "$PY" ]] && "$PY" -c 'import torch, numpy' 2>/dev/null; }; then
     echo "fsdp.sh: PyTorch and numpy do not import with $PY ($TORCH_SPEC; --no-install skips installing them): FSDP2 cannot run" >&2

@@ -128,15 +128,7 @@ for a in "${args[@]}"; do
 done
 PY="$VENV/bin/python"
 if ((wants_ddp && install)) && ! { [[ -x "$PY" ]] && "$PY" -c 'import torch, numpy' 2>/dev/null; }; then
-    if [[ ! -x "$PY" ]]; then
-        echo "creating the virtual environment $VENV" >&2
-        "$SYS_PY" -m venv "$VENV" || echo "cannot create a virtual environment with $SYS_PY" >&2
-    fi
-    pip_install() { nice -n 19 "$PY" -m pip install --quiet --disable-pip-version-check "$@"; }
-    if [[ -x "$PY" ]]; then install_torch; fi
-    if [[ -x "$PY" ]] && ! "$PY" -c 'import numpy' 2>/dev/null; then
-        pip_install numpy # the peers' data code (peers.sh gets it with TensorFlow)
-    fi
+    install_torch_venv
     "$PY" -c 'import torch, numpy' 2>/dev/null ||
         echo "PyTorch cannot be installed or imported ($TORCH_SPEC): the DDP rows are skipped" >&2
 fi

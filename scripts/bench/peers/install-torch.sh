@@ -1,8 +1,24 @@
-# Sourced by scripts/bench/peers.sh and scripts/bench/hosts.sh: `install_torch` installs PyTorch
+# Sourced by scripts/bench/peers.sh, hosts.sh and fsdp.sh: `install_torch` installs PyTorch
 # ($TORCH_SPEC, or from $PEERS_TORCH_INDEX_URL) into the virtual environment whose python is $PY
 # ($VENV) with the caller's `pip_install`, unless torch already imports there. PyPI's torch is a
 # CUDA build: its GPU-only requirements (triton, cuda-bindings) are left out, and installed
 # after all only if torch does not import without them.
+# `install_torch_venv` (hosts.sh, fsdp.sh): the virtual environment $VENV made with $SYS_PY
+# where it is missing, PyTorch installed into it, and numpy (the peers' data code; peers.sh
+# gets it with TensorFlow), with `pip_install` defined for them. Failures are printed; the
+# caller checks that torch imports.
+install_torch_venv() {
+    if [[ ! -x "$PY" ]]; then
+        echo "creating the virtual environment $VENV" >&2
+        "$SYS_PY" -m venv "$VENV" || echo "cannot create a virtual environment with $SYS_PY" >&2
+    fi
+    pip_install() { nice -n 19 "$PY" -m pip install --quiet --disable-pip-version-check "$@"; }
+    if [[ -x "$PY" ]]; then install_torch; fi
+    if [[ -x "$PY" ]] && ! "$PY" -c 'import numpy' 2>/dev/null; then
+        pip_install numpy
+    fi
+}
+
 install_torch() {
     if "$PY" -c 'import torch' 2>/dev/null; then
         return 0
