@@ -659,6 +659,63 @@ fn zero_shards_follow_a_loss_a_join_and_a_leave() {
     assert!(u < ADAMW_UNDISTURBED_BOUND, "{u:.3e} from the undisturbed job at stage 1: {}", shown(&stderr));
 }
 
+/// ZeRO stage 3's shards of the parameters follow the membership too. A lost worker takes its
+/// shard of the parameters with it, whatever the optimizer: the members that pulled from it
+/// fail the step (not a panic), the job rolls back to its last checkpoint and goes on, and the
+/// restarted process joins (in the recovery, or at a step boundary after it: the model made
+/// whole over the old membership before the members admit it, then re-split in memory). A worker asked to stop hands its shard over before it leaves: no roll back. Plain
+/// SGD, so that every case ends with one device's result.
+#[test]
+fn zero_stage_3_follows_a_loss_a_join_and_a_leave() {
+    let tmp = tempfile::tempdir().unwrap();
+    let reference = one_device(tmp.path());
+    let resplit = "re-split ZeRO's shards over the new membership";
+    let train = ["--epochs", "30", "--zero-stage", "3", "--checkpoint-every", "12", "--checkpoint-dir"];
+
+    // worker:1 asked to stop (SIGTERM) after step 60.
+    let dir = tmp.path().join("term");
+    std::fs::create_dir(&dir).unwrap();
+    let ckpt = dir.join("ckpt");
+    let job = Job::start_with(&dir, 3, &[], &[&train[..], &[ckpt.to_str().unwrap()]].concat());
+    job.wait_for_step(60);
+    kill(job.pid("worker:1"), Signal::SIGTERM).unwrap();
+    let o = job.finish();
+    let stderr = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(
+        stderr.contains("task worker:1 left the elastic job on request; the job goes on without it"),
+        "{}",
+        shown(&stderr)
+    );
+    assert!(stderr.contains(resplit), "{}", shown(&stderr));
+    assert!(!stderr.contains("rolled back"), "the leaver handed its shard over: {}", shown(&stderr));
+    check_against(&reference, &dir, &o, "ZeRO stage 3, SGD: worker:1 asked to stop");
+    // worker:1 killed after step 60 and restarted.
+    let dir = tmp.path().join("kill-join");
+    std::fs::create_dir(&dir).unwrap();
+    let ckpt = dir.join("ckpt");
+    let job = Job::start_with(&dir, 3, &["--max-restarts", "1"], &[&train[..], &[ckpt.to_str().unwrap()]].concat());
+    job.wait_for_step(60);
+    kill(job.pid("worker:1"), Signal::SIGKILL).unwrap();
+    let o = job.finish();
+    let stderr = String::from_utf8_lossy(&o.stderr).to_string();
+    let lines: Vec<&str> = stderr.lines().collect();
+    let rolled = lines.iter().position(|l| l.contains("rolled back to the checkpoint of step")).unwrap_or(usize::MAX);
+    let rolled_line = lines.get(rolled).copied().unwrap_or_default();
+    // The restarted process joins the recovery itself (over 3 workers) or the step boundary
+    // after it (over 2, then a re-split in memory), as fast as it starts.
+    assert!(
+        rolled_line.contains("a lost worker took its shard of the parameters (ZeRO stage 3) with it")
+            && (rolled_line.ends_with("over 3 workers")
+                || rolled_line.ends_with("over 2 workers") && lines[rolled..].iter().any(|l| l.contains(resplit))),
+        "{}",
+        shown(&stderr)
+    );
+    assert_eq!(lines.iter().filter(|l| l.contains("rolled back to the checkpoint")).count(), 1, "{}", shown(&stderr));
+    let last = stderr.lines().find(|l| l.contains("the elastic job completed in generation")).unwrap_or_default();
+    assert!(last.ends_with("with worker:0, worker:1, worker:2"), "{}", shown(&stderr));
+    check_against(&reference, &dir, &o, "ZeRO stage 3, SGD: worker:1 killed (rolled back) and replaced (joined)");
+}
+
 /// `examples/elastic_custom_loop.rs`, built as the harness builds the `strata` binary (the
 /// tests' profile, the workspace selected, so that neither build undoes the other's).
 fn custom_loop_bin() -> PathBuf {

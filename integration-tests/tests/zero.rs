@@ -267,8 +267,8 @@ fn what_cannot_run_on_shards_is_refused_in_one_line() {
         ),
         (&["--strategy", "mirrored", "--zero-stage", "4"], "zero stage \"4\" is not a stage"),
         (
-            &["--strategy", "multi-worker-mirrored", "--zero-stage", "3", "--min-workers", "1", "--coordinator", "127.0.0.1:9", "--checkpoint-dir", "ck"],
-            "zero stage 3 with an elastic job: stage 3's shards of the parameters do not follow an elastic job's membership yet; use stage 2 with --min-workers, or stage 3 without it",
+            &["--strategy", "multi-worker-mirrored", "--zero-stage", "3", "--min-workers", "1", "--coordinator", "127.0.0.1:9", "--optimizer", "sgd"],
+            "an elastic job at ZeRO stage 3: a lost worker takes its shard of the parameters with it, and the job then rolls back to its last checkpoint; give it a checkpoint directory",
         ),
         (
             &["--strategy", "mirrored", "--zero-stage", "3", "--zero-units", "layer1,dec"],

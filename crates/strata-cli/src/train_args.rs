@@ -437,7 +437,6 @@ impl TrainArgs {
                 // The trainer refuses it too, but only once the workers have joined. fp16's loss
                 // scale is state the optimizer keeps too.
                 let checkpointed = self.checkpoint_dir.is_some();
-                strata::refusals::elastic_zero_stage(stage)?;
                 if self.precision.needs_loss_scale() {
                     strata::refusals::elastic_zero_state(stage, true, checkpointed)?;
                 }

@@ -67,12 +67,10 @@ impl<M> Replicated<M> {
         let gathered_elements = vars.first().map_or(0, |v| two_largest_units(&names, v, custom));
         let gathered = vars.first().and_then(|v| v.first()).map_or(0, |v| v.dtype().size_in_bytes()) as u64
             * gathered_elements as u64;
-        // Stage 3 does not follow an elastic job's membership (yet).
-        let max_stage = if self.ext.workers().is_some_and(|w| w.is_elastic()) { 2 } else { 3 };
         // Stages 1 and 2 step copies of the shard in an elastic job and off the CPU.
         let piece_copies = self.ext.workers().is_some_and(|w| w.is_elastic())
             || vars.first().and_then(|v| v.first()).is_some_and(|v| !v.device().is_cpu());
-        let stages = Stages { gathered, max_stage, copies: piece_copies };
+        let stages = Stages { gathered, copies: piece_copies };
         let shape = ModelShape { policy: self.policy, stage, per_element, params: &params, vars: &vars, stages };
         check_memory_limits(&*self.ext, &shape)?;
         let copies = vars
@@ -99,7 +97,7 @@ impl<M> Replicated<M> {
         opt.shards = RwLock::new(shards);
         opt.params_bytes = params;
         opt.state_per_element = per_element;
-        opt.stages = Stages { gathered, max_stage, copies: piece_copies };
+        opt.stages = stages;
         Ok(opt)
     }
 }
@@ -238,13 +236,17 @@ impl<O: Optimizer + OptimizerState> DistributedOptimizer<O> {
     /// ZeRO in an elastic job, after its membership changed: lays the shards out again over
     /// every replica of the current membership, and gives each copy a new optimizer over its
     /// new shard, of the same settings and with fresh state. Load the whole state
-    /// ([`Self::load_state_tensors`]) after it. Every worker calls it, and nothing collective
-    /// runs in it. Returns whether there were shards to lay out (none at stage 0).
+    /// ([`Self::load_state_tensors`]) after it; at stage 3 load the model's variables too
+    /// (before the state, as [`crate::elastic`] does), which the new shards take their
+    /// values from. Every worker calls it at the same point: at stage 3 across workers it
+    /// starts the piece service over the new membership's ring, a collective (nothing
+    /// collective runs in it below stage 3). Returns whether there were shards to lay out
+    /// (none at stage 0).
     pub fn reshard(&self) -> Result<bool> {
         let Some(old) = self.zero() else { return Ok(false) };
         // Fewer workers mean larger shards: refused, before anything changes, where they no
         // longer fit a replica's memory limit.
-        let new = old.reshard(self.policy, self.state_per_element, &self.params_bytes, &self.vars)?;
+        let new = old.reshard(self.policy, self.state_per_element, &self.params_bytes, &self.vars, self.stages)?;
         let renewed = (0..self.copies.len())
             .map(|c| {
                 self.lock(c).renew(new.piece_vars(c)).unwrap_or_else(|| {
@@ -259,7 +261,13 @@ impl<O: Optimizer + OptimizerState> DistributedOptimizer<O> {
         for (c, o) in renewed.into_iter().enumerate() {
             *self.lock(c) = o;
         }
-        *self.shards.write().unwrap_or_else(PoisonError::into_inner) = Some(Arc::new(new));
+        let new = Arc::new(new);
+        *self.shards.write().unwrap_or_else(PoisonError::into_inner) = Some(new.clone());
+        if let Some(r) = &self.residency {
+            // Stage 3: the variables come back from the new shards, over the new membership
+            // (a collective: the piece service of the new generation).
+            r.reshard(new)?;
+        }
         Ok(true)
     }
 }
@@ -292,7 +300,7 @@ impl<O: Optimizer> DistributedOptimizer<O> {
             gathered_elements: 0,
             params_bytes: Vec::new(),
             state_per_element: 0,
-            stages: Stages { gathered: 0, max_stage: 2, copies: false },
+            stages: Stages { gathered: 0, copies: false },
             peaks: (0..replicas.max(1)).map(|_| Mutex::new(Footprint::default())).collect(),
             loss_scale: None,
         }
@@ -411,6 +419,11 @@ impl<O: Optimizer> DistributedOptimizer<O> {
         }
         let unscale = self.loss_scale.as_ref().map(|(_, st)| 1.0 / lock(&st[copy]).scale);
         if let Some(shards) = self.zero() {
+            if let Some(r) = &self.residency {
+                // Nothing computed with a stand-in for a parameter a peer could not give.
+                r.check_restored()?;
+                r.settle(copy)?;
+            }
             // Only the shard's runs of `grads` hold the reduced gradient: the clipping norm,
             // and whether the gradient is finite, are summed over every replica's shard.
             let applied = shards.step(ctx, copy, &self.vars[copy], grads, self.clip_global_norm, unscale, &mut *opt)?;

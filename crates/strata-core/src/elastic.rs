@@ -13,7 +13,8 @@
 //! - the state the cross-device ops keep from step to step (compression's) follows the
 //!   membership ([`CrossDeviceOps::carry_over`]);
 //! - ZeRO's shards are laid out again over the new membership; where a lost worker took its
-//!   shard of an optimizer's state with it, every member rolls back to the latest checkpoint;
+//!   shard of an optimizer's state (or, at stage 3, of the parameters) with it, every member
+//!   rolls back to the latest checkpoint;
 //! - workers waiting to join are admitted at a step boundary every member agrees on, and a
 //!   worker asked to stop leaves alone while enough remain.
 //!
@@ -75,6 +76,12 @@ pub trait StatefulOptimizer {
     /// variable back without reading its shards (its values are about to be replaced). Nothing
     /// by default.
     fn begin_load(&self) {}
+    /// ZeRO stage 3: brings every variable back whole and keeps it so until the shards are
+    /// laid out again ([`reshard`](Self::reshard)); collective across workers. Nothing by
+    /// default.
+    fn unshard_parameters(&self) -> Result<()> {
+        Ok(())
+    }
     /// Whether the optimizer keeps state across steps (plain SGD keeps none).
     fn keeps_state(&self) -> Result<bool>;
     /// ZeRO: lays the shards out over the current membership (fresh state; load it after).
@@ -96,6 +103,9 @@ impl<O: Optimizer + OptimizerState> StatefulOptimizer for DistributedOptimizer<O
     }
     fn begin_load(&self) {
         DistributedOptimizer::begin_load(self)
+    }
+    fn unshard_parameters(&self) -> Result<()> {
+        DistributedOptimizer::unshard_parameters(self)
     }
     fn keeps_state(&self) -> Result<bool> {
         DistributedOptimizer::keeps_state(self)
@@ -169,9 +179,11 @@ pub struct Elastic<'a, M> {
     collective: bool,
     /// Under ZeRO: whether the optimizer keeps state (false at stage 0, where nothing asks).
     keeps_state: bool,
-    /// ZeRO with an optimizer that keeps state: the whole state, gathered over the old
-    /// membership before a change it saw coming (a worker admitted, or leaving on request),
-    /// with the step it is of.
+    /// ZeRO stage 3: each worker holds its shard of the parameters only.
+    shards_parameters: bool,
+    /// ZeRO with an optimizer that keeps state, or at stage 3: the whole state, gathered over
+    /// the old membership before a change it saw coming (a worker admitted, or leaving on
+    /// request), with the step it is of; at stage 3 the parameters were made whole then too.
     prepared: RefCell<Option<(usize, NamedTensors)>>,
     /// A change met after the work of a call was done (a checkpoint written after a step): the
     /// position the next call moves the loop to.
@@ -214,6 +226,7 @@ impl<'a, M> Elastic<'a, M> {
             collective,
             // Only ZeRO asks (copy 0's state is then its shard's: cheap to look at).
             keeps_state: collective && opt.keeps_state()?,
+            shards_parameters: opt.zero_stage().shards_parameters(),
             prepared: RefCell::default(),
             moved: Cell::default(),
         })
@@ -265,9 +278,10 @@ impl<'a, M> Elastic<'a, M> {
         };
         if let Some(c) = &self.checkpoints {
             check_directory(self.ext, c)?;
-            if self.is_elastic() && !joined && position.step == 0 && self.collective && self.keeps_state {
-                // ZeRO in an elastic job: a lost worker's shard of the optimizer state rolls
-                // the job back to its latest checkpoint, from the first step on.
+            if self.is_elastic() && !joined && position.step == 0 && self.sharded_state() {
+                // ZeRO in an elastic job: a lost worker's shard of the optimizer state (or of
+                // the parameters) rolls the job back to its latest checkpoint, from the first
+                // step on.
                 save_checkpoint(self.ext, self.model, self.opt, c, 0)?;
             }
         }
@@ -439,11 +453,19 @@ impl<'a, M> Elastic<'a, M> {
         self.opt.set_iterations(step as u64 / self.opt.accumulation().max(1) as u64);
     }
 
-    /// ZeRO with an optimizer that keeps state, before a change of membership every member
-    /// sees coming (every member calls it, over the old membership): gathers the whole state,
-    /// so that no shard of it leaves with a worker.
+    /// Whether a worker holds a shard of state that no other worker has: ZeRO with an
+    /// optimizer that keeps state, or stage 3 (a shard of the parameters).
+    fn sharded_state(&self) -> bool {
+        self.collective && (self.keeps_state || self.shards_parameters)
+    }
+
+    /// ZeRO with an optimizer that keeps state, or at stage 3, before a change of membership
+    /// every member sees coming (every member calls it, over the old membership): gathers the
+    /// whole state, and at stage 3 makes the parameters whole, so that no shard of either
+    /// leaves with a worker.
     fn prepare(&self, step: usize) -> Result<()> {
-        if self.collective && self.keeps_state {
+        if self.sharded_state() {
+            self.opt.unshard_parameters()?;
             *self.prepared.borrow_mut() = Some((step, self.opt.state_tensors()?));
         }
         Ok(())
@@ -497,9 +519,9 @@ impl<'a, M> Elastic<'a, M> {
     fn sync_shards(&self, w: &dyn WorkerCollectives, mine: Option<Position>) -> Result<Position> {
         self.opt.reshard()?;
         let prepared = self.prepared.borrow().as_ref().map(|(step, _)| *step);
-        // An elastic job's shards are stepped in copies: a member's parameters are whole at
-        // its position even when a loss cut its last step off.
-        let whole = mine.is_some_and(|p| !self.keeps_state || prepared == Some(p.step));
+        // An elastic job's shards are stepped in copies: below stage 3 a member's parameters
+        // are whole at its position even when a loss cut its last step off.
+        let whole = mine.is_some_and(|p| !self.sharded_state() || prepared == Some(p.step));
         // Counts below 2^24 are exact in an f32; a joiner has none.
         let v = mine.map_or([-1.0, -1.0, 0.0], |p| {
             [p.step.min(1 << 24) as f32, p.ended.min(1 << 24) as f32, f32::from(u8::from(whole))]
@@ -565,33 +587,41 @@ impl<'a, M> Elastic<'a, M> {
         Ok(position)
     }
 
-    /// ZeRO, where a lost worker took its shard of the optimizer state: every member rolls
-    /// back to the latest checkpoint (member `best`'s compression state carried over).
+    /// ZeRO, where a lost worker took its shard of the optimizer state (or of the parameters):
+    /// every member rolls back to the latest checkpoint (member `best`'s compression state
+    /// carried over).
     fn roll_back(&self, w: &dyn WorkerCollectives, best: usize) -> Result<Position> {
         self.ops().carry_over(&self.vars(), best)?;
+        let what = self.lost_shard();
         let Some(c) = &self.checkpoints else {
-            return Err(Error::Checkpoint(
-                "a lost worker took its shard of the optimizer state (ZeRO) with it, and the job has no checkpoint to roll back to; give it a checkpoint directory".into(),
-            ));
+            return Err(Error::Checkpoint(format!(
+                "a lost worker took {what} with it, and the job has no checkpoint to roll back to; give it a checkpoint directory"
+            )));
         };
         let Some(step) = restore_latest(self.ext, self.model, self.opt, c)? else {
-            return Err(Error::Checkpoint(
-                "a lost worker took its shard of the optimizer state (ZeRO) with it, and no checkpoint was found to roll back to; keep the checkpoint directory where the leading worker reads it".into(),
-            ));
+            return Err(Error::Checkpoint(format!(
+                "a lost worker took {what} with it, and no checkpoint was found to roll back to; keep the checkpoint directory where the leading worker reads it"
+            )));
         };
         *self.prepared.borrow_mut() = None;
-        tracing::warn!(
-            step,
-            workers = w.num_workers(),
-            "rolled back to a checkpoint: a lost worker took its shard of the optimizer state"
-        );
+        tracing::warn!(step, workers = w.num_workers(), "rolled back to a checkpoint: a lost worker took {what}");
         if w.worker_index() == 0 {
             eprintln!(
-                "rolled back to the checkpoint of step {step}: a lost worker took its shard of the optimizer state (ZeRO) with it; the steps since are trained again over {} workers",
+                "rolled back to the checkpoint of step {step}: a lost worker took {what} with it; the steps since are trained again over {} workers",
                 w.num_workers()
             );
         }
         Ok(Position { step, ended: step / self.steps_per_epoch })
+    }
+
+    /// What a lost worker takes with it: its shard of the parameters at stage 3, otherwise of
+    /// the optimizer state.
+    fn lost_shard(&self) -> &'static str {
+        if self.shards_parameters {
+            "its shard of the parameters (ZeRO stage 3)"
+        } else {
+            "its shard of the optimizer state (ZeRO)"
+        }
     }
 
     /// The reductions, whose state across steps (compression's) follows the membership.
@@ -606,12 +636,21 @@ impl<'a, M> Elastic<'a, M> {
 }
 
 /// Refuses an elastic job at a ZeRO `stage` above 0 whose optimizer keeps state
-/// (`keeps_state`) without checkpoints (`checkpointed` false): a lost worker takes its shard of
-/// that state with it, and only a checkpoint can bring the whole state back. Stage 0, an
-/// optimizer without state (plain SGD) or a job with checkpoints passes. [`Elastic::start`]
-/// calls it; a program may call it before any worker starts.
+/// (`keeps_state`), or at stage 3, without checkpoints (`checkpointed` false): a lost worker
+/// takes its shard of that state (at stage 3 of the parameters) with it, and only a checkpoint
+/// can bring the whole state back. Stage 0, stages 1 and 2 with an optimizer without state
+/// (plain SGD), or a job with checkpoints pass. [`Elastic::start`] calls it; a program may call
+/// it before any worker starts.
 pub fn check_zero_state(stage: ZeroStage, keeps_state: bool, checkpointed: bool) -> Result<()> {
-    if stage == ZeroStage::Off || !keeps_state || checkpointed {
+    if stage == ZeroStage::Off || checkpointed {
+        return Ok(());
+    }
+    if stage.shards_parameters() {
+        return Err(Error::InvalidArgument(
+            "an elastic job at ZeRO stage 3: a lost worker takes its shard of the parameters with it, and the job then rolls back to its last checkpoint; give it a checkpoint directory (strata train --checkpoint-dir DIR; --checkpoint-every N says how far back), or train at stage 2, whose workers each hold the whole parameters".into(),
+        ));
+    }
+    if !keeps_state {
         return Ok(());
     }
     Err(Error::InvalidArgument(format!(

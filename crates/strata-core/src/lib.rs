@@ -128,4 +128,4 @@ pub use scope::{get_strategy, has_strategy};
 pub use strategy::{Strategy, StrategyHandle};
 pub use values::{Mirrored, PerReplica};
 pub use variables::{DistributedVariable, Replicated, Scope, SyncOnReadVariable, VariableAggregation, VariableKind};
-pub use zero::{check_zero_elastic, check_zero_optimizer, check_zero_strategy, unit_name};
+pub use zero::{check_zero_optimizer, check_zero_strategy, unit_name};

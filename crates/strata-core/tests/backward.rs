@@ -723,6 +723,54 @@ mod release {
         assert!(w.release_storage(kept(&Var::zeros((4, 4), candle_core::DType::F32, &dev).unwrap())).unwrap());
         assert_eq!(w.as_tensor().sum_all().unwrap().to_scalar::<f32>().unwrap(), 0.0);
     }
+
+    /// A source whose restore fails, with a stand-in of NaN, counting the stand-ins given.
+    struct Failing(AtomicUsize);
+
+    impl StorageSource for Failing {
+        fn restore(&self) -> Result<Tensor> {
+            candle_core::bail!("the peer that held the elements is gone")
+        }
+        fn stand_in(&self, error: &candle_core::Error) -> Option<Tensor> {
+            assert!(error.to_string().contains("the peer that held the elements is gone"), "{error}");
+            self.0.fetch_add(1, Ordering::SeqCst);
+            Tensor::full(f32::NAN, (4, 4), &Device::Cpu).ok()
+        }
+    }
+
+    #[test]
+    fn a_failed_restore_is_make_resident_s_error_and_an_op_s_stand_in() {
+        let dev = Device::Cpu;
+        let w = Var::ones((4, 4), candle_core::DType::F32, &dev).unwrap();
+        let source = Arc::new(Failing(AtomicUsize::new(0)));
+        assert!(w.release_storage(source.clone()).unwrap());
+        // make_resident returns the error, takes no stand-in, and the storage stays released.
+        let e = w.make_resident().unwrap_err().to_string();
+        assert!(e.contains("the peer that held the elements is gone"), "{e}");
+        assert!(w.is_released());
+        assert_eq!(source.0.load(Ordering::SeqCst), 0);
+        // An op, which cannot return it, computes with the stand-in, which the storage keeps
+        // as if restored (not written since).
+        let y = w.as_tensor().sum_all().unwrap().to_scalar::<f32>().unwrap();
+        assert!(y.is_nan());
+        assert!(!w.is_released());
+        assert!(!w.written_since_restore());
+        assert_eq!(source.0.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    #[should_panic(expected = "a released storage could not be restored: the peer that held the elements is gone")]
+    fn a_failed_restore_without_a_stand_in_panics_in_an_op() {
+        struct NoStandIn;
+        impl StorageSource for NoStandIn {
+            fn restore(&self) -> Result<Tensor> {
+                candle_core::bail!("the peer that held the elements is gone")
+            }
+        }
+        let w = Var::ones((4, 4), candle_core::DType::F32, &Device::Cpu).unwrap();
+        assert!(w.release_storage(Arc::new(NoStandIn)).unwrap());
+        let _ = w.as_tensor().sum_all();
+    }
 }
 
 /// The patch's third seam, `Tensor::with_backward` and `Tensor::backward_from` (activation

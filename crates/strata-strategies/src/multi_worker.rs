@@ -413,15 +413,20 @@ impl WorkerCollectives for WorkerJob {
         &self,
         source: std::sync::Weak<dyn strata_core::cross_device::PieceSource>,
     ) -> Result<Arc<dyn strata_core::cross_device::PeerPieces>> {
-        if self.rejoin.is_some() {
-            return Err(Error::ZeroStage {
-                stage: 3,
-                what: "an elastic job".into(),
-                fix: "stage 3's piece service does not follow an elastic job's membership yet; use stage 2 with --min-workers, or stage 3 without it",
-            });
-        }
+        // In an elastic job every generation's members start one over their ring (ZeRO stage
+        // 3's shards follow the membership); the earlier one's connections close with it.
         let pieces = self.collective("serve_pieces", |ring, seq| ring.serve_pieces(seq, source))?;
         Ok(Arc::new(pieces))
+    }
+    fn abort_generation(&self, why: &str) {
+        let gen = self.gen();
+        gen.abort.abort(format!("task {}: {why}", self.task));
+        if self.rejoin.is_none() {
+            // The job fails: the others learn it at once.
+            if let Some(m) = lock(&self.member).as_ref() {
+                let _ = m.report_error(why);
+            }
+        }
     }
     fn admit_waiting(&self) -> Result<bool> {
         let Some(r) = &self.rejoin else { return Ok(false) };

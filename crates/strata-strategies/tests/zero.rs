@@ -585,7 +585,18 @@ fn a_model_over_a_replica_s_memory_limit_is_refused_naming_the_stage_that_fits()
 /// `tamper` may do what it likes to the model. Returns the first copy's parameters after the
 /// last step.
 fn stage_3_run<M: TestModel>(n: usize, steps: usize, freeze: &[&str], tamper: impl Fn(&Replicated<M>)) -> Params {
-    let s = mirrored(n, ZeroStage::Parameters);
+    run_at::<M>(ZeroStage::Parameters, n, steps, freeze, |m, _| tamper(m))
+}
+
+/// [`stage_3_run`] at any stage, `tamper` given the optimizer too.
+fn run_at<M: TestModel>(
+    stage: ZeroStage,
+    n: usize,
+    steps: usize,
+    freeze: &[&str],
+    tamper: impl Fn(&Replicated<M>, &strata_core::DistributedOptimizer<FusedSgd>),
+) -> Params {
+    let s = mirrored(n, stage);
     let mut model = s.scope(M::build).unwrap();
     if !freeze.is_empty() {
         model.freeze(freeze).unwrap();
@@ -599,10 +610,40 @@ fn stage_3_run<M: TestModel>(n: usize, steps: usize, freeze: &[&str], tamper: im
         })
         .unwrap();
         if step == 0 {
-            tamper(&model);
+            tamper(&model, &opt);
         }
     }
-    every_copy(&model).remove(0)
+    let copies = every_copy(&model);
+    assert!(copies.iter().all(|c| *c == copies[0]), "every copy alike");
+    copies[0].clone()
+}
+
+/// A program's assignment to every copy of a variable between steps (a checkpoint's values, an
+/// elastic member's) is where the next step starts from, and the step after it is not undone,
+/// also where the variable is never released between the assignment and the step (a model of
+/// one unit, used whole) and where the model is held whole (`unshard_parameters`) and trained
+/// on: bit for bit stage 0's.
+#[test]
+fn stage_3_steps_on_from_a_program_s_assignment_and_after_unsharding() {
+    // One value for every copy, as a program (a checkpoint's load) writes a mirrored variable.
+    let assign = |m: &Replicated<Frozen>, _: &strata_core::DistributedOptimizer<FusedSgd>| {
+        let weight = |c: usize| m.variables(c).iter().find(|(n, _)| n == "head.weight").unwrap().1.clone();
+        let value = (weight(0).as_tensor() * 0.5).unwrap();
+        for c in 0..m.num_copies() {
+            weight(c).set(&value).unwrap();
+        }
+    };
+    let want = run_at::<Frozen>(ZeroStage::Off, 3, 4, &["late.*"], assign);
+    let got = run_at::<Frozen>(ZeroStage::Parameters, 3, 4, &["late.*"], assign);
+    assert_eq!(got, want, "an assignment between steps");
+    let unshard = |m: &Replicated<Frozen>, opt: &strata_core::DistributedOptimizer<FusedSgd>| {
+        opt.unshard_parameters().unwrap();
+        assign(m, opt);
+    };
+    let held = run_at::<Frozen>(ZeroStage::Parameters, 3, 4, &["late.*"], unshard);
+    assert_eq!(held, want, "held whole, then trained on");
+    let plain = run_at::<Frozen>(ZeroStage::Off, 3, 4, &["late.*"], |_, _| {});
+    assert_ne!(plain, want, "the assignment changes the result");
 }
 
 /// Stage 3 holds a shard of the parameters only: after a step every trainable variable of

@@ -8,7 +8,8 @@
 //!   [`ParameterServerOptions::wire_format_of`](crate::ParameterServerOptions::wire_format_of);
 //! - an elastic job's minimum outside its cluster's workers:
 //!   [`ElasticOptions::check_min_workers`](crate::ElasticOptions::check_min_workers);
-//! - an elastic job at a ZeRO stage whose optimizer keeps state, without checkpoints:
+//! - an elastic job at a ZeRO stage whose optimizer keeps state, or at stage 3, without
+//!   checkpoints:
 //!   [`strata_core::elastic::check_zero_state`] ([`elastic_zero_state`] here);
 //! - a ZeRO stage under a strategy without a copy per replica, or with an optimizer that steps
 //!   whole variables: [`strata_core::check_zero_strategy`] and
@@ -22,9 +23,10 @@ use crate::kind::{OptimizerKind, StrategyKind};
 use crate::Result;
 
 /// Refuses an elastic job at a ZeRO `stage` above 0 whose optimizer keeps state
-/// (`keeps_state`) without checkpoints (`checkpointed` false): a lost worker takes its shard of
-/// that state with it, and only a checkpoint can bring the whole state back. Stage 0, an
-/// optimizer without state (plain SGD) or a job with checkpoints passes.
+/// (`keeps_state`), or at stage 3, without checkpoints (`checkpointed` false): a lost worker
+/// takes its shard of that state (at stage 3 of the parameters) with it, and only a checkpoint
+/// can bring the whole state back. Stage 0, stages 1 and 2 with an optimizer without state
+/// (plain SGD), or a job with checkpoints pass.
 ///
 /// The refusal is the strategy layer's ([`strata_core::elastic::check_zero_state`], which an
 /// elastic job's recovery calls when it starts); call this to refuse such a job before any
@@ -38,12 +40,6 @@ pub fn elastic_zero_state(stage: ZeroStage, keeps_state: bool, checkpointed: boo
 pub fn elastic_zero_state_of(stage: ZeroStage, optimizer: OptimizerKind, checkpointed: bool) -> Result<()> {
     let keeps_state = !matches!(optimizer, OptimizerKind::Sgd | OptimizerKind::CandleSgd);
     elastic_zero_state(stage, keeps_state, checkpointed)
-}
-
-/// Refuses ZeRO stage 3 in an elastic job, as the strategy's build would once the workers
-/// joined ([`strata_core::check_zero_elastic`]).
-pub fn elastic_zero_stage(stage: ZeroStage) -> Result<()> {
-    Ok(strata_core::check_zero_elastic(stage)?)
 }
 
 /// Refuses ZeRO `stage` under the strategy `strategy` or with the optimizer `optimizer`, both

@@ -54,9 +54,19 @@ pub trait StorageSource: Send + Sync {
     /// storage's first element and shares its storage with nothing). Called once per release,
     /// on the thread that first uses the elements, before any lock of the released storage is
     /// taken; it must not read the released tensor. An op cannot return an error from here:
-    /// when it fails, the op that needed the elements panics with its message, so a source
-    /// that can fail should be made resident with [`Tensor::make_resident`] first.
+    /// when it fails, the op that needed the elements takes [`stand_in`](Self::stand_in)'s
+    /// elements or panics with its message, so a source that can fail should be made resident
+    /// with [`Tensor::make_resident`] first, or give a stand-in.
     fn restore(&self) -> Result<Tensor>;
+
+    /// What an op uses where [`restore`](Self::restore) failed with `error` (an op cannot
+    /// return it): elements as `restore` gives them, which the storage then holds as if
+    /// restored, or `None` (the default) to make the op panic with the error's message. A
+    /// source whose owner learns of the failure by other means (and fails the computation at
+    /// its next fallible step) gives a stand-in; [`Tensor::make_resident`] never takes one.
+    fn stand_in(&self, _error: &Error) -> Option<Tensor> {
+        None
+    }
 }
 
 /// STRATA PATCH: the number of elements a CPU storage holds (`None` elsewhere, and for the
@@ -2896,7 +2906,7 @@ impl Tensor {
 
     fn restore_for_use(&self) {
         if self.storage.is_released() {
-            if let Err(e) = self.make_resident() {
+            if let Err(e) = self.restore_released(true) {
                 panic!("a released storage could not be restored: {e}")
             }
         }
@@ -2942,12 +2952,24 @@ impl Tensor {
     /// if it is not released. Unlike the restore an op makes, an error is returned (and the
     /// storage stays released, its source kept).
     pub fn make_resident(&self) -> Result<()> {
+        self.restore_released(false)
+    }
+
+    /// STRATA PATCH: [`Tensor::make_resident`], where an op's use (`for_op`) takes the
+    /// source's stand-in when the restore fails ([`StorageSource::stand_in`]).
+    fn restore_released(&self, for_op: bool) -> Result<()> {
         let mut slot = self.storage.source.lock();
         if !self.storage.is_released() {
             return Ok(());
         }
         let Some((source, len)) = slot.clone() else { crate::bail!("a released storage has no source") };
-        let t = source.restore()?;
+        let t = match source.restore() {
+            Ok(t) => t,
+            Err(e) => match source.stand_in(&e).filter(|_| for_op) {
+                Some(t) => t,
+                None => return Err(e),
+            },
+        };
         if t.elem_count() != len || t.dtype() != self.dtype || !t.device().same_device(&self.device) {
             crate::bail!(
                 "a released storage of {len} {:?} elements was restored with {} {:?} elements on {:?}",

@@ -222,10 +222,20 @@ pub trait WorkerCollectives: Send + Sync + std::fmt::Debug {
     fn admit_waiting(&self) -> Result<bool> {
         Ok(false)
     }
+    /// Ends this generation's collectives on this worker at once (`why`, a lower-case
+    /// sentence): every one under way, called or started after it fails, and so do the other
+    /// workers' that need this one. An elastic job goes on in the next generation
+    /// ([`rejoin`](WorkerCollectives::rejoin)); any other job fails. ZeRO stage 3 calls it
+    /// where an op could not bring a released variable back from a peer and computed on with a
+    /// stand-in, which no collective may carry. Nothing by default.
+    fn abort_generation(&self, why: &str) {
+        let _ = why;
+    }
     /// ZeRO stage 3 across workers: starts answering the other workers' requests for this
     /// worker's pieces of the parameters from `source`, and returns what requests theirs
-    /// ([`PeerPieces`]). Collective: every worker calls it once, at the same point (the
-    /// optimizer's build). Requests and answers run beside the collectives, in no order with
+    /// ([`PeerPieces`]). Collective: every worker calls it at the same point (the optimizer's
+    /// build, and in an elastic job again in each generation of the membership, whose ring
+    /// serves it; the earlier service stops when its handle is dropped). Requests and answers run beside the collectives, in no order with
     /// them, so a worker may bring a variable back whenever it uses it. The default serves
     /// nothing: stage 3 across workers is refused.
     fn serve_pieces(&self, source: std::sync::Weak<dyn PieceSource>) -> Result<std::sync::Arc<dyn PeerPieces>> {

@@ -11,12 +11,14 @@ use candle_core::Var;
 use crate::extended::{StrategyExtended, VariablePolicy};
 use crate::{Error, Footprint, Result, ZeroStage};
 
+/// The highest ZeRO stage.
+const MAX_STAGE: u8 = 3;
+
 /// The stages a job may run, for [`check_memory_limits`]: what stage 3 holds whole besides its
-/// shard (`gathered` bytes: the two largest units), and the highest stage the job can run.
+/// shard (`gathered` bytes: the two largest units), and how stages 1 and 2 hold their shard.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Stages {
     pub(crate) gathered: u64,
-    pub(crate) max_stage: u8,
     /// Whether stages 1 and 2 step copies of a replica's shard (an elastic job's, or on a
     /// device other than the CPU) instead of views of its variables: a shard's parameters more.
     pub(crate) copies: bool,
@@ -27,7 +29,7 @@ pub(crate) struct Stages {
 /// `vars` (its shard's at stage 2) and the optimizer's state (its shard's at stages 1 and 2:
 /// `per_element` floats of state per element it steps, the optimizer's
 /// [`OptimizerMemory::state_per_element`](crate::optim::OptimizerMemory::state_per_element)),
-/// at `stage` and every stage up to `stages.max_stage`.
+/// at `stage` and every stage up to stage 3.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct ModelShape<'a> {
     pub(crate) policy: VariablePolicy,
@@ -64,7 +66,7 @@ impl ModelShape<'_> {
 pub(crate) fn check_memory_limits(ext: &dyn StrategyExtended, shape: &ModelShape<'_>) -> Result<()> {
     let devices = ext.replica_devices();
     let in_sync = ext.num_replicas_in_sync().max(1) as u64;
-    let (stage, max_stage) = (shape.stage, shape.stages.max_stage);
+    let (stage, max_stage) = (shape.stage, MAX_STAGE);
     for c in 0..shape.vars.len() {
         let Some(limit) = devices.get(c).and_then(|d| d.kind.memory_limit()) else { continue };
         let (params, grads, state) = shape.at(c, stage.number(), in_sync);
@@ -143,7 +145,7 @@ pub(crate) fn check_step_footprint(
     }
     let in_sync = ext.num_replicas_in_sync().max(1) as u64;
     let stage = shape.stage;
-    let fits = (stage.number() + 1..=shape.stages.max_stage)
+    let fits = (stage.number() + 1..=MAX_STAGE)
         .map(|s| (s, shape.total(copy, s, in_sync) + held.activations))
         .find(|&(_, bytes)| bytes <= limit);
     Err(Error::MemoryLimitInStep(Box::new(crate::MemoryLimitInStep {

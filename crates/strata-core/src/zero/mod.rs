@@ -90,16 +90,6 @@ pub fn check_zero_strategy(stage: ZeroStage, strategy: &str) -> Result<()> {
     Err(refusal(stage, format!("the {strategy} strategy"), fix))
 }
 
-/// Refuses ZeRO `stage` 3 in an elastic job (the strategy's build refuses it too, once the
-/// workers have joined): its shards of the parameters, and the service that answers the other
-/// workers' requests for them, do not follow a change of membership yet.
-pub fn check_zero_elastic(stage: ZeroStage) -> Result<()> {
-    if stage.shards_parameters() {
-        return Err(refusal(stage, "an elastic job".to_string(), ELASTIC));
-    }
-    Ok(())
-}
-
 /// Refuses ZeRO `stage` (above [`ZeroStage::Off`]) with an optimizer named `optimizer` that
 /// does not step runs of a variable's elements (`steps_shards` false:
 /// [`OptimizerMemory::steps_shards`], true exactly for a
@@ -123,10 +113,6 @@ const ONE_REPLICA: &str = "one replica holds the whole model; use stage 0, or mi
 /// Why a central model (CentralStorage's) is refused a stage above 0.
 const CENTRAL: &str = "its one central copy is stepped once, on the parameter device; use stage 0, or mirrored";
 
-/// Why stage 3 is refused in an elastic job (for now: its pieces and the service that answers
-/// for them do not follow a change of membership).
-pub(crate) const ELASTIC: &str = "stage 3's shards of the parameters do not follow an elastic job's membership yet; use stage 2 with --min-workers, or stage 3 without it";
-
 /// Why the parameter-server strategy is refused a stage above 0.
 const PS_TASKS: &str = "its variables live on the ps tasks, which step each of them once; use stage 0, or mirrored or multi-worker-mirrored";
 
@@ -137,24 +123,20 @@ impl Shards {
     /// The shards laid out again over every replica in sync now (an elastic job's new
     /// membership), after checking that a replica's model state still fits its device's
     /// memory limit at their new size (fewer workers, larger shards; see
-    /// [`check_memory_limits`] for `per_element`, `params` and `vars`). Nothing collective runs
-    /// in it.
+    /// [`check_memory_limits`] for `per_element`, `params`, `vars` and `stages`). Nothing
+    /// collective runs in it. At stage 3 a released variable's pieces are zeros: the caller
+    /// loads every variable after it.
     pub(crate) fn reshard(
         &self,
         policy: VariablePolicy,
         per_element: u64,
         params: &[u64],
         vars: &[Vec<Var>],
+        stages: Stages,
     ) -> Result<Shards> {
-        let shape = ModelShape {
-            policy,
-            stage: self.stage(),
-            per_element,
-            params,
-            vars,
-            // An elastic job's shards are copies.
-            stages: Stages { gathered: 0, max_stage: 2, copies: true },
-        };
+        // An elastic job's shards are copies.
+        let stages = Stages { copies: true, ..stages };
+        let shape = ModelShape { policy, stage: self.stage(), per_element, params, vars, stages };
         check_memory_limits(&**self.ext(), &shape)?;
         lay_out_shards(self.stage(), vars, self.ext().clone())
     }

@@ -25,11 +25,18 @@
 //! After the last step [`Residency::unshard`] (collective) makes every variable whole on every
 //! worker, so that a worker reads its model without its peers once they are gone.
 //!
+//! In an elastic job the shards follow the membership ([`Residency::reshard`]): the members
+//! lay them out over the new one, start a new service over its ring, and count versions from
+//! the new generation's (a version's high 32 bits are the generation), so that no request or
+//! value pulled ahead of an earlier generation is ever taken for one of this one. A worker that
+//! joins under way keeps its variables whole until it first lays its shards out with the
+//! members.
+//!
 //! This module must not know the optimizer nor how gradients are reduced: it holds the
 //! variables and brings them back from the shards.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, OnceLock, PoisonError, Weak};
+use std::sync::{Arc, Condvar, Mutex, PoisonError, RwLock, Weak};
 use std::time::Instant;
 
 use candle_core::{DType, Device, StorageSource, Tensor, Var};
@@ -101,7 +108,8 @@ type PullJob = (usize, Vec<usize>, u64);
 /// back last.
 #[derive(Debug)]
 pub(crate) struct Residency {
-    shards: Arc<Shards>,
+    /// The shards, laid out again when an elastic job's membership changes.
+    shards: RwLock<Arc<Shards>>,
     /// Each local copy's trainable variables, in the optimizer's order.
     vars: Vec<Vec<Var>>,
     /// Each variable's unit.
@@ -114,10 +122,11 @@ pub(crate) struct Residency {
     current: Vec<Mutex<Option<usize>>>,
     /// This residency, for the sources it hands to the variables it releases.
     me: Weak<Residency>,
-    /// Across workers: the requests for the other workers' pieces.
-    peers: OnceLock<Arc<dyn PeerPieces>>,
-    /// Each local copy's updates of its pieces so far (optimizer steps and loads): the
-    /// version a request for pieces names.
+    /// Across workers: the requests for the other workers' pieces, with the generation of the
+    /// membership whose ring serves them (one service per generation).
+    peers: RwLock<Option<(u64, Arc<dyn PeerPieces>)>>,
+    /// Each local copy's updates of its pieces so far (optimizer steps and loads) above its
+    /// generation's base ([`version_base`]): the version a request for pieces names.
     versions: Mutex<Vec<u64>>,
     /// Notified when a version changes.
     updated: Condvar,
@@ -133,6 +142,9 @@ pub(crate) struct Residency {
     /// Across workers: the variables brought back from values pulled ahead, and those pulled
     /// when used.
     pulls: [std::sync::atomic::AtomicU64; 2],
+    /// Across workers: why an op's use could not bring a variable back (it computed on with
+    /// NaN), until the shards are laid out again: no step is applied meanwhile.
+    failed: Mutex<Option<String>>,
 }
 
 impl Residency {
@@ -145,9 +157,11 @@ impl Residency {
         names: &[String],
         custom: &[String],
     ) -> Result<Arc<Self>> {
-        if shards.ext().workers().is_some_and(|w| w.is_elastic()) {
-            super::check_zero_elastic(shards.stage())?;
-        }
+        let workers = shards.ext().workers();
+        // A worker that joined an elastic job under way starts its service when it first lays
+        // its shards out with the members (they do it then); its variables stay whole until.
+        let joined = workers.is_some_and(|w| w.is_elastic() && w.joined_under_way());
+        let base = version_base(&shards);
         let mut names_of_units: Vec<String> = Vec::new();
         let mut unit_of = Vec::with_capacity(names.len());
         let mut units: Vec<Vec<usize>> = Vec::new();
@@ -167,30 +181,94 @@ impl Residency {
         let current = (0..vars.len()).map(|_| Mutex::new(None)).collect();
         let copies = vars.len();
         let r = Arc::new_cyclic(|me| Residency {
-            shards,
+            shards: RwLock::new(shards),
             vars,
             unit_of,
             units,
             names: names_of_units,
             current,
             me: me.clone(),
-            peers: OnceLock::new(),
-            versions: Mutex::new(vec![0; copies]),
+            peers: RwLock::new(None),
+            versions: Mutex::new(vec![base; copies]),
             updated: Condvar::new(),
             held: AtomicBool::new(false),
             loading: AtomicBool::new(false),
             ahead: Ahead::new(copies),
             puller: Mutex::new(None),
             pulls: Default::default(),
+            failed: Mutex::new(None),
         });
-        if let Some(w) = r.shards.ext().workers().filter(|_| r.shards.workers_runs() > 1) {
-            let source: Weak<dyn PieceSource> = Arc::downgrade(&r) as Weak<dyn PieceSource>;
-            let _ = r.peers.set(w.serve_pieces(source)?);
-        }
-        for copy in 0..r.vars.len() {
-            r.release_all(copy)?;
+        if !joined {
+            r.serve()?;
+            for copy in 0..r.vars.len() {
+                r.release_all(copy)?;
+            }
         }
         Ok(r)
+    }
+
+    /// The shards as they are laid out now.
+    fn shards(&self) -> Arc<Shards> {
+        self.shards.read().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
+    /// Across workers: the requests for the other workers' pieces, once served.
+    fn peers(&self) -> Option<Arc<dyn PeerPieces>> {
+        self.peers.read().unwrap_or_else(PoisonError::into_inner).as_ref().map(|(_, p)| p.clone())
+    }
+
+    /// Whether a released variable comes back from other workers' pieces too, and their
+    /// service has not started yet (a worker that joined an elastic job under way, before it
+    /// laid its shards out with the members): its variables then stay whole.
+    fn unserved(&self) -> bool {
+        self.shards().workers_runs() > 1 && self.peers().is_none()
+    }
+
+    /// Across workers: starts answering the other workers' requests for this worker's pieces,
+    /// over the membership's ring now (collective: every worker calls it at the same point),
+    /// unless it already does in this generation; the service of an earlier generation stops.
+    /// Alone there is nothing to serve.
+    fn serve(&self) -> Result<()> {
+        let shards = self.shards();
+        let Some(w) = shards.ext().workers().filter(|_| shards.workers_runs() > 1) else {
+            *self.peers.write().unwrap_or_else(PoisonError::into_inner) = None;
+            return Ok(());
+        };
+        let generation = w.generation();
+        if self.peers.read().unwrap_or_else(PoisonError::into_inner).as_ref().is_some_and(|(g, _)| *g == generation) {
+            return Ok(());
+        }
+        // The earlier generation's service stops (its ring is gone): its connections close.
+        *self.peers.write().unwrap_or_else(PoisonError::into_inner) = None;
+        let source: Weak<dyn PieceSource> = self.me.clone() as Weak<dyn PieceSource>;
+        let peers = w.serve_pieces(source)?;
+        *self.peers.write().unwrap_or_else(PoisonError::into_inner) = Some((generation, peers));
+        Ok(())
+    }
+
+    /// An elastic job's membership changed (every member calls it, the same point of the
+    /// recovery: a collective): the shards are `shards`, laid out over the new membership
+    /// (their pieces of a released variable are zeros: a load of every variable follows, from
+    /// the most advanced member or a checkpoint), versions count from the new generation's
+    /// base, the service answers over the new ring, and nothing pulled ahead is kept. The
+    /// variables stay as they are until the load writes them: whole ones (every one, after a
+    /// change the members saw coming and held the model whole for) are then taken into the
+    /// new pieces when released, and none is held whole any more.
+    pub(crate) fn reshard(&self, shards: Arc<Shards>) -> Result<()> {
+        self.ahead.clear();
+        *self.failed.lock().unwrap_or_else(PoisonError::into_inner) = None;
+        let base = version_base(&shards);
+        *self.shards.write().unwrap_or_else(PoisonError::into_inner) = shards;
+        {
+            let mut v = self.versions.lock().unwrap_or_else(PoisonError::into_inner);
+            v.iter_mut().for_each(|x| *x = base);
+            self.updated.notify_all();
+        }
+        for c in &self.current {
+            *c.lock().unwrap_or_else(PoisonError::into_inner) = None;
+        }
+        self.held.store(false, Ordering::Release);
+        self.serve()
     }
 
     /// The units' names, in the order of their first variable.
@@ -198,10 +276,76 @@ impl Residency {
         &self.names
     }
 
+    /// Fails where an op's use could not bring a variable back since the shards were laid out
+    /// (the step computed with a stand-in): called before a step is applied.
+    pub(crate) fn check_restored(&self) -> Result<()> {
+        match self.failed.lock().unwrap_or_else(PoisonError::into_inner).as_ref() {
+            Some(why) => Err(Error::Cluster(why.clone())),
+            None => Ok(()),
+        }
+    }
+
+    /// An op's use of variable `var` of copy `copy` could not bring it back (`error`): across
+    /// workers the op computes on with NaN, the failure is kept ([`Self::check_restored`]) and
+    /// this generation's collectives end on this worker, so that nothing computed from the
+    /// stand-in reaches another worker or is applied; the step fails at its next collective,
+    /// and an elastic job goes on in the next generation. On one machine (nothing to pull) there
+    /// is no stand-in: the op panics with the error.
+    fn stand_in(&self, copy: usize, var: usize, error: &candle_core::Error) -> Option<Tensor> {
+        let shards = self.shards();
+        let w = shards.ext().workers().filter(|_| self.peers().is_some())?;
+        let why = format!("ZeRO stage 3 could not bring a parameter back: {error}");
+        tracing::warn!(%why, "a parameter could not be brought back; this worker's collectives of the generation end");
+        self.failed.lock().unwrap_or_else(PoisonError::into_inner).get_or_insert_with(|| why.clone());
+        w.abort_generation(&why);
+        let v = &self.vars[copy][var];
+        Tensor::full(f32::NAN, v.shape(), &Device::Cpu).and_then(|t| t.to_dtype(v.dtype())?.to_device(v.device())).ok()
+    }
+
+    /// Before local copy `copy`'s optimizer step: a variable still whole and written since it
+    /// was brought back (a checkpoint's or a member's values loaded, a program's assignment)
+    /// has its values taken into the copy's pieces, which the step then starts from, and is
+    /// released (held whole: brought back at once), so that nothing takes the values from
+    /// before the step back over the stepped pieces.
+    pub(crate) fn settle(&self, copy: usize) -> Result<()> {
+        let held = self.held.load(Ordering::Acquire);
+        for var in 0..self.vars[copy].len() {
+            let v = &self.vars[copy][var];
+            if v.is_released() || !v.written_since_restore() {
+                continue;
+            }
+            if held {
+                self.shards().take_from(copy, var, v)?;
+                self.refresh(copy, var)?;
+            } else {
+                self.release(copy, var)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Held whole: variable `var` of copy `copy` brought back from the pieces now (released,
+    /// then restored), so that it holds their values and is not marked written.
+    fn refresh(&self, copy: usize, var: usize) -> Result<()> {
+        let v = &self.vars[copy][var];
+        let source = Arc::new(Source { shards: self.shards(), residency: self.me.clone(), copy, var });
+        if v.release_storage(source)? {
+            v.make_resident()?;
+        }
+        Ok(())
+    }
+
     /// Local copy `copy` stepped its pieces (an optimizer step, applied or skipped alike on
-    /// every worker): its version moves on, and its variables are released.
+    /// every worker): its version moves on, and its variables are released (held whole:
+    /// brought back with the stepped values).
     pub(crate) fn stepped(&self, copy: usize) -> Result<()> {
         self.bump(Some(copy));
+        if self.held.load(Ordering::Acquire) {
+            for var in 0..self.vars[copy].len() {
+                self.refresh(copy, var)?;
+            }
+            return Ok(());
+        }
         self.release_all(copy)?;
         if let Some(first) = self.ahead.stepped(copy) {
             self.pull_ahead(copy, first);
@@ -212,7 +356,7 @@ impl Residency {
     /// Across workers: pulls unit `unit` of copy `copy` (its released variables) ahead of its
     /// use, on the puller thread, at the copy's version now.
     fn pull_ahead(&self, copy: usize, unit: usize) {
-        if self.peers.get().is_none() || self.held.load(Ordering::Acquire) || self.loading.load(Ordering::Acquire) {
+        if self.peers().is_none() || self.held.load(Ordering::Acquire) || self.loading.load(Ordering::Acquire) {
             return;
         }
         let released: Vec<usize> =
@@ -291,7 +435,7 @@ impl Residency {
         for v in self.vars.iter().flatten() {
             v.make_resident()?;
         }
-        if let Some(w) = self.shards.ext().workers().filter(|_| self.peers.get().is_some()) {
+        if let Some(w) = self.shards().ext().workers().filter(|_| self.peers().is_some()) {
             // No worker leaves before every worker has pulled what it needs from it.
             w.barrier()?;
         }
@@ -314,16 +458,17 @@ impl Residency {
     /// mirrored variable, so every replica's pieces take it.
     fn release(&self, copy: usize, var: usize) -> Result<()> {
         let v = &self.vars[copy][var];
-        if self.held.load(Ordering::Acquire) {
+        let shards = self.shards();
+        if self.held.load(Ordering::Acquire) || self.unserved() {
             if v.written_since_restore() {
-                self.shards.take_from(copy, var, v)?;
+                shards.take_from(copy, var, v)?;
             }
             return Ok(());
         }
         if !v.is_released() && v.written_since_restore() {
-            self.shards.take_from(copy, var, v)?;
+            shards.take_from(copy, var, v)?;
         }
-        let source = Arc::new(Source { shards: self.shards.clone(), residency: self.me.clone(), copy, var });
+        let source = Arc::new(Source { shards, residency: self.me.clone(), copy, var });
         v.release_storage(source)?;
         Ok(())
     }
@@ -335,10 +480,11 @@ impl Residency {
     /// its own next use) hands an earlier value to the replicas ahead of it: a resumed job on
     /// a loaded machine once trained on from a mix of the checkpoint and the initial values.
     fn take_written(&self, var: usize) -> Result<()> {
+        let shards = self.shards();
         for (copy, vars) in self.vars.iter().enumerate() {
             let v = &vars[var];
             if !v.is_released() && v.written_since_restore() {
-                self.shards.take_from(copy, var, v)?;
+                shards.take_from(copy, var, v)?;
             }
         }
         Ok(())
@@ -352,9 +498,9 @@ impl Residency {
             let v = &self.vars[copy][var];
             return Ok(Tensor::zeros(v.shape(), v.dtype(), v.device())?);
         }
-        if self.peers.get().is_none() {
+        if self.peers().is_none() {
             self.take_written(var)?;
-            return self.shards.whole(var);
+            return self.shards().whole(var);
         }
         let version = self.version(copy);
         if let Some(pulled) = self.ahead.take(copy, var, version) {
@@ -375,9 +521,10 @@ impl Residency {
     /// (every local copy's writes taken first) and the other workers', pulled.
     fn pull_whole(&self, copy: usize, var: usize, version: u64) -> Result<Tensor> {
         self.take_written(var)?;
-        let Some(peers) = self.peers.get() else { return self.shards.whole(var) };
+        let shards = self.shards();
+        let Some(peers) = self.peers() else { return shards.whole(var) };
         let v = &self.vars[copy][var];
-        self.shards.whole_across(var, v.dtype(), v.device(), |worker, len| {
+        shards.whole_across(var, v.dtype(), v.device(), |worker, len| {
             peers.pull(worker, var, version, len).map_err(|e| {
                 Error::Cluster(format!(
                     "{e} (at ZeRO stage 3 across workers a worker keeps its optimizer until every worker has called DistributedOptimizer::unshard_parameters, as Trainer::fit does)"
@@ -429,6 +576,10 @@ impl StorageSource for Source {
         }
         self.shards.whole(self.var).map_err(|e| candle_core::Error::Msg(e.to_string()))
     }
+
+    fn stand_in(&self, error: &candle_core::Error) -> Option<Tensor> {
+        self.residency.upgrade()?.stand_in(self.copy, self.var, error)
+    }
 }
 
 impl PieceSource for Residency {
@@ -445,21 +596,40 @@ impl PieceSource for Residency {
             }
             if have > version {
                 return Err(Error::Cluster(format!(
-                    "a peer asked for the parameters after {version} updates, and this worker's are past it ({have}); every worker must step and load checkpoints alike"
+                    "a peer asked for the parameters after {} updates, and this worker's are past it ({}); every worker must step and load checkpoints alike",
+                    updates(version),
+                    updates(have)
                 )));
             }
             let now = Instant::now();
             if now >= deadline {
                 return Err(Error::Cluster(format!(
-                    "a peer asked for the parameters after {version} updates, and this worker's did not get past {have} in time"
+                    "a peer asked for the parameters after {} updates, and this worker's did not get past {} in time",
+                    updates(version),
+                    updates(have)
                 )));
             }
             v = self.updated.wait_timeout(v, deadline - now).unwrap_or_else(PoisonError::into_inner).0;
         }
         drop(v);
         self.take_written(var)?;
-        self.shards.pieces_of(var)
+        self.shards().pieces_of(var)
     }
+}
+
+/// A version as its updates, with its generation where it has one (an elastic job's).
+fn updates(version: u64) -> String {
+    match version >> 32 {
+        0 => version.to_string(),
+        g => format!("{} in generation {g}", version & 0xffff_ffff),
+    }
+}
+
+/// The version a residency over `shards` counts from: 0 on one machine and in a job of fixed
+/// membership, the generation in the high 32 bits in an elastic one, so that every member
+/// counts alike from the change on and no earlier generation's version matches a later one's.
+fn version_base(shards: &Shards) -> u64 {
+    shards.ext().workers().filter(|w| w.is_elastic()).map_or(0, |w| w.generation() << 32)
 }
 
 impl Shards {

@@ -122,6 +122,11 @@ impl Shards {
                 let aliased = v.device().is_cpu() && v.is_contiguous() && !elastic && !stage.shards_parameters();
                 let value = if aliased {
                     v.run_view(start, len)?
+                } else if v.is_released() {
+                    // Stage 3 laid out again over an elastic job's new membership: a released
+                    // variable is not brought back (from the old membership's pieces), since
+                    // every variable takes the values the members go on from right after.
+                    Var::zeros(len, v.dtype(), v.device())?
                 } else {
                     Var::from_tensor(&v.flatten_all()?.narrow(0, start, len)?.force_contiguous()?)?
                 };
