@@ -2965,10 +2965,11 @@ impl Tensor {
         let Some((source, len)) = slot.clone() else { crate::bail!("a released storage has no source") };
         let t = match source.restore() {
             Ok(t) => t,
-            Err(e) => match source.stand_in(&e).filter(|_| for_op) {
+            Err(e) if for_op => match source.stand_in(&e) {
                 Some(t) => t,
                 None => return Err(e),
             },
+            Err(e) => return Err(e),
         };
         if t.elem_count() != len || t.dtype() != self.dtype || !t.device().same_device(&self.device) {
             crate::bail!(
