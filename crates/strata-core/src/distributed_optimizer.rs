@@ -427,7 +427,7 @@ impl<O: Optimizer> DistributedOptimizer<O> {
             // Only the shard's runs of `grads` hold the reduced gradient: the clipping norm,
             // and whether the gradient is finite, are summed over every replica's shard.
             let applied = shards.step(ctx, copy, &self.vars[copy], grads, self.clip_global_norm, unscale, &mut *opt)?;
-            self.update_loss_scale(copy, applied);
+            self.update_loss_scale(ctx, copy, applied);
             if let Some(r) = &self.residency {
                 r.stepped(copy)?;
             }
@@ -437,7 +437,7 @@ impl<O: Optimizer> DistributedOptimizer<O> {
         if let Some(k) = unscale {
             // Every copy holds the same reduced gradient, so every copy decides alike.
             let finite = crate::precision::all_finite(grads.iter().flatten())?;
-            self.update_loss_scale(copy, finite);
+            self.update_loss_scale(ctx, copy, finite);
             if !finite {
                 return Ok(());
             }
@@ -460,10 +460,19 @@ impl<O: Optimizer> DistributedOptimizer<O> {
         Ok(opt.step(&store)?)
     }
 
-    /// Copy `copy`'s loss scale after a step whose gradient was finite (`applied`) or not.
-    fn update_loss_scale(&self, copy: usize, applied: bool) {
+    /// Copy `copy`'s loss scale after a step whose gradient was finite (`applied`) or not;
+    /// copy 0 tells the strategy's cross-device ops (whose state across steps, PowerSGD's
+    /// error feedback, follows the scale).
+    fn update_loss_scale(&self, ctx: &ReplicaContext<'_>, copy: usize, applied: bool) {
         if let Some((cfg, states)) = &self.loss_scale {
-            lock(&states[copy]).update(applied, cfg);
+            let mut st = lock(&states[copy]);
+            let before = st.scale;
+            st.update(applied, cfg);
+            let factor = st.scale / before;
+            drop(st);
+            if copy == 0 {
+                ctx.shared.ext.cross_device_ops().loss_scale_step(applied, factor);
+            }
         }
     }
 

@@ -464,6 +464,73 @@ fn powersgd_on_the_ring_is_exact_on_gradients_of_rank_r_and_keeps_the_workers_id
     assert!(bits(&half[0]) != bits(&exact[0]) && bits(&half[0]) != bits(&got[0]));
 }
 
+/// The MLP of [`train_mlp_batch`] on 2 workers under `powersgd:1` with dynamic loss scaling
+/// from `initial`, on batches `first..8` of 24 rows: every worker's parameters, the steps
+/// skipped and the final scale.
+fn train_loss_scaled(initial: f64, first: usize) -> Vec<(Vec<Vec<f32>>, u64, f64)> {
+    use candle_nn::Module;
+    use strata_core::data::{Batch, TailPolicy};
+    on_workers_with(
+        2,
+        1,
+        |o| o.compression = Compression::PowerSgd { rank: 1, start_step: 0 },
+        move |_, s| {
+            let model = s
+                .scope(|sc| {
+                    let vb = sc.var_builder();
+                    Ok((candle_nn::linear(6, 16, vb.pp("l1"))?, candle_nn::linear(16, 3, vb.pp("l2"))?))
+                })
+                .unwrap();
+            let scale = strata_core::LossScale { initial, ..Default::default() };
+            let opt = model.optimizer::<candle_nn::SGD>(0.1).unwrap().with_loss_scale(scale).unwrap();
+            let batches: Vec<Batch> = (first as u32..8)
+                .map(|k| {
+                    let features = (0..24 * 6).map(|i| ((i * 7 + k * 13) % 17) as f32 / 8.0 - 1.0).collect();
+                    let labels = (0..24).map(|i| (i + k) % 3).collect();
+                    Batch::new(features, labels, 6).unwrap()
+                })
+                .collect();
+            for db in s.distribute_dataset(batches, TailPolicy::Split) {
+                s.run_batch(&db, |ctx, shard| {
+                    let (l1, l2) = model.on(ctx)?;
+                    let x = shard.batch.features_tensor(ctx.candle_device())?;
+                    let y = shard.batch.labels_tensor(ctx.candle_device())?;
+                    let loss = candle_nn::loss::cross_entropy(&l2.forward(&l1.forward(&x)?.relu()?)?, &y)?;
+                    ctx.backward_and_sync(&loss, &opt)
+                })
+                .unwrap();
+            }
+            let st = opt.loss_scale_state().unwrap();
+            let params = model
+                .values()
+                .unwrap()
+                .into_iter()
+                .map(|(_, t)| t.flatten_all().unwrap().to_vec1::<f32>().unwrap())
+                .collect();
+            (params, st.skipped_steps, st.scale)
+        },
+    )
+}
+
+/// PowerSGD under fp16's dynamic loss scaling: steps whose scaled gradient overflows (a scale
+/// of 2^130, then halved) are skipped, and PowerSGD's error feedback and warm `Q` undo them
+/// (`CrossDeviceOps::loss_scale_step`), so the job goes on exactly as one started at the scale
+/// that fits on the batches after the skipped ones, bit for bit; without the undo the
+/// infinities stay in the error buffer and every later step is skipped.
+#[test]
+fn powersgd_undoes_a_skipped_loss_scaled_step() {
+    let a = train_loss_scaled(2f64.powi(130), 0);
+    let (_, skipped, scale) = a[0].clone();
+    assert!((1..6).contains(&skipped), "{skipped} steps skipped of 8");
+    assert_eq!(scale, 2f64.powi(130 - skipped as i32));
+    assert!(a[0].0.iter().flatten().all(|x| x.is_finite()));
+    let b = train_loss_scaled(scale, skipped as usize);
+    assert_eq!(b[0].1, 0, "the run at the scale that fits skips nothing");
+    for w in 0..2 {
+        assert_eq!(bits(&a[w].0), bits(&b[0].0), "worker {w}: the skipped steps left a trace");
+    }
+}
+
 /// A PowerSGD rank at which none of the model's gradients would shrink is refused when the
 /// optimizer is built, naming the rank that would, before any step.
 #[test]

@@ -417,8 +417,15 @@ pub struct PowerSgdState {
     row: Vec<f32>,
     rng: ChaCha8Rng,
     phase: Phase,
-    /// The error before the step in flight, kept when the state can roll back.
+    /// The error before the step in flight (or the last one), kept when the state can roll
+    /// back.
     before: Option<Vec<f32>>,
+    /// The warm `Q` before the last completed step, kept with `before`.
+    q_before: Option<Vec<f32>>,
+    /// Steps completed ([`decompress`](Self::decompress)).
+    steps: u64,
+    /// The generator's seed (of the state, or of its last [`reset`](Self::reset)).
+    seed: u64,
 }
 
 impl PowerSgdState {
@@ -443,6 +450,9 @@ impl PowerSgdState {
             rng: ChaCha8Rng::seed_from_u64(seed),
             phase: Phase::Ready,
             before: None,
+            q_before: None,
+            steps: 0,
+            seed,
         };
         for k in 0..rank {
             state.draw_q_column(k);
@@ -480,8 +490,69 @@ impl PowerSgdState {
     /// gradient's size), so that [`roll_back`](Self::roll_back) can undo a step abandoned
     /// between phases.
     pub fn keeping_rollback(mut self) -> Self {
-        self.before = Some(self.error.clone());
+        self.keep_rollback();
         self
+    }
+
+    /// [`keeping_rollback`](Self::keeping_rollback) on a state in use (between steps):
+    /// from the next step on, [`undo`](Self::undo) is exact.
+    pub fn keep_rollback(&mut self) {
+        if self.before.is_none() {
+            self.before = Some(self.error.clone());
+            self.q_before = Some(self.q.clone());
+        }
+    }
+
+    /// Undoes the last completed step, whose output was not applied (a loss-scaled step
+    /// skipped for a gradient that was not finite on some worker, which leaves `P` and `Q` not
+    /// finite on every worker): the error and the warm `Q` go back to what they were before
+    /// it, so the skipped gradient leaves no trace. Exact with
+    /// [`keeping_rollback`](Self::keeping_rollback), and for a state whose only step it was
+    /// (its error was zero and its `Q` the drawn one: both are restored); otherwise the error
+    /// is zeroed and a `Q` that is not finite drawn again, so that nothing that is not finite
+    /// stays. Between phases it is [`roll_back`](Self::roll_back).
+    pub fn undo(&mut self) {
+        if self.roll_back() || self.steps == 0 {
+            return;
+        }
+        match (&self.before, &self.q_before) {
+            (Some(e), Some(q)) => {
+                self.error.copy_from_slice(e);
+                self.q.copy_from_slice(q);
+            }
+            _ => {
+                self.error.fill(0.0);
+                if self.steps == 1 {
+                    // The drawn Q of a fresh state: its generator, seeded alike on every
+                    // worker, starts over.
+                    self.rng = ChaCha8Rng::seed_from_u64(self.seed);
+                    for k in 0..self.rank {
+                        self.draw_q_column(k);
+                    }
+                } else {
+                    for k in 0..self.rank {
+                        let cols = self.cols;
+                        if !self.q[k * cols..(k + 1) * cols].iter().all(|x| x.is_finite()) {
+                            self.draw_q_column(k);
+                        }
+                    }
+                }
+            }
+        }
+        self.steps -= 1;
+    }
+
+    /// Multiplies the error by `factor`: the gradients it is added to are scaled by it from
+    /// now on (fp16's loss scale changed), and the error stays in their units.
+    pub fn scale_error(&mut self, factor: f32) {
+        for e in &mut self.error {
+            *e *= factor;
+        }
+        if let Some(b) = &mut self.before {
+            for e in b {
+                *e *= factor;
+            }
+        }
     }
 
     /// Undoes a step abandoned between phases: the error goes back to what it was before the
@@ -513,6 +584,7 @@ impl PowerSgdState {
             self.q.copy_from_slice(q);
         }
         self.rng = ChaCha8Rng::seed_from_u64(seed);
+        self.seed = seed;
     }
 
     /// Phase 1: adds `grad` (`rows * cols`, row-major) to the error buffer to form `M` and
@@ -533,6 +605,9 @@ impl PowerSgdState {
         );
         if let (Phase::Ready, Some(before)) = (self.phase, &mut self.before) {
             before.copy_from_slice(&self.error);
+            if let Some(q) = &mut self.q_before {
+                q.copy_from_slice(&self.q);
+            }
         }
         for (m, &g) in self.error.iter_mut().zip(grad) {
             *m += g;
@@ -622,6 +697,7 @@ impl PowerSgdState {
                 self.draw_q_column(k);
             }
         }
+        self.steps += 1;
         self.phase = Phase::Ready;
     }
 
@@ -1100,6 +1176,54 @@ mod tests {
             let errors: Vec<f32> = a.error().iter().zip(b.error()).map(|(x, y)| x + y).collect();
             assert!(norm(&errors) <= 1e-5 * norm(&sum));
         }
+    }
+
+    /// fp16's loss scaling: a completed step whose gradient was not finite (skipped) is undone,
+    /// error and warm `Q`, bit for bit with `keeping_rollback` (turned on in use) and for a
+    /// fresh state; the error follows a change of scale.
+    #[test]
+    fn a_skipped_step_is_undone_and_the_error_follows_the_scale() {
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let grad = |k: f32| (0..6 * 4).map(|i| ((i as f32) * 0.37 + k).sin()).collect::<Vec<f32>>();
+        let mut poisoned = grad(9.0);
+        poisoned[5] = f32::INFINITY;
+        let mut out = vec![0.0; 24];
+        let none = |_: &mut [f32]| Ok::<(), ()>(());
+        // A fresh state's first step skipped: as if it never ran.
+        let mut s = PowerSgdState::new(6, 4, 2, 5).unwrap();
+        let fresh = s.q().to_vec();
+        s.step(&poisoned, &mut out, none).unwrap();
+        assert!(!out.iter().all(|x| x.is_finite()), "a gradient that is not finite gives an output that is not");
+        s.undo();
+        assert!(s.error().iter().all(|&x| x == 0.0));
+        assert_eq!(bits(s.q()), bits(&fresh));
+        let mut twin = PowerSgdState::new(6, 4, 2, 5).unwrap();
+        let mut out_twin = vec![0.0; 24];
+        s.step(&grad(1.0), &mut out, none).unwrap();
+        twin.step(&grad(1.0), &mut out_twin, none).unwrap();
+        assert_eq!(bits(&out), bits(&out_twin));
+        // Keeping from now on: a later skipped step goes back to the error and Q before it.
+        s.keep_rollback();
+        twin.keep_rollback();
+        s.step(&grad(2.0), &mut out, none).unwrap();
+        twin.step(&grad(2.0), &mut out_twin, none).unwrap();
+        let (error, q) = (s.error().to_vec(), s.q().to_vec());
+        s.step(&poisoned, &mut out, none).unwrap();
+        s.undo();
+        assert_eq!((bits(s.error()), bits(s.q())), (bits(&error), bits(&q)));
+        s.step(&grad(3.0), &mut out, none).unwrap();
+        twin.step(&grad(3.0), &mut out_twin, none).unwrap();
+        assert_eq!(bits(&out), bits(&out_twin), "the skipped step left no trace");
+        // The scale halves: the error is halved, exactly (a power of two).
+        let e = s.error().to_vec();
+        s.scale_error(0.5);
+        assert_eq!(bits(s.error()), bits(&e.iter().map(|x| x * 0.5).collect::<Vec<_>>()));
+        // Without keeping, after several steps: the error is zeroed and Q finite again.
+        let mut t = PowerSgdState::new(6, 4, 2, 5).unwrap();
+        t.step(&grad(1.0), &mut out, none).unwrap();
+        t.step(&poisoned, &mut out, none).unwrap();
+        t.undo();
+        assert!(t.error().iter().all(|&x| x == 0.0) && t.q().iter().all(|x| x.is_finite()));
     }
 
     #[test]

@@ -30,6 +30,9 @@ pub struct HierarchicalOps {
 #[derive(Debug, Default)]
 struct PowerStates {
     seed: u64,
+    /// The job scales its loss (fp16; learned from its first step's end): every state keeps
+    /// what undoes a skipped step.
+    scaled: bool,
     /// How many states were created: the next one's seed, alike on every worker (buckets are
     /// started in the same order everywhere).
     created: u64,
@@ -156,7 +159,7 @@ impl HierarchicalOps {
                     let seed = power.seed ^ power.created.wrapping_mul(0x9E37_79B9_7F4A_7C15);
                     power.created += 1;
                     let state = PowerSgdState::new(rows, cols, rank, seed)?;
-                    if self.workers.is_elastic() {
+                    if self.workers.is_elastic() || power.scaled {
                         state.keeping_rollback()
                     } else {
                         state
@@ -281,6 +284,28 @@ impl CrossDeviceOps for HierarchicalOps {
     /// sum enters the next step's `P` and `Q`, so the split does not change what is sent), and
     /// every state's generator restarts from the generation. A lost worker's own error is lost
     /// with it; a joiner starts with its share of the others'.
+    /// PowerSGD's error feedback under fp16's loss scaling: a skipped step's gradient (not
+    /// finite on some worker, so `P` and `Q` are not finite on every one) is undone in every
+    /// state, error and warm `Q`, and the error follows the scale into the next gradients'
+    /// units. From the first call on, every state keeps a copy of its error and `Q` from
+    /// before each step (a state's first step is undone exactly without it).
+    fn loss_scale_step(&self, applied: bool, factor: f64) {
+        if !matches!(self.compression, Compression::PowerSgd { .. }) {
+            return;
+        }
+        let mut power = self.power();
+        power.scaled = true;
+        for state in power.states.values_mut() {
+            if !applied {
+                state.undo();
+            }
+            if factor != 1.0 {
+                state.scale_error(factor as f32);
+            }
+            state.keep_rollback();
+        }
+    }
+
     fn carry_over(&self, vars: &[Tensor], source: usize) -> Result<()> {
         let Compression::PowerSgd { rank, .. } = self.compression else { return Ok(()) };
         let w = &self.workers;

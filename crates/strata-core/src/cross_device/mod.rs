@@ -394,6 +394,16 @@ pub trait CrossDeviceOps: Send + Sync + std::fmt::Debug {
         Ok(())
     }
 
+    /// A loss-scaled step ended (fp16's dynamic loss scaling; every worker's replica 0 calls it
+    /// once per optimizer step, after the step, alike on every worker): `applied` false when
+    /// the step was skipped for a gradient that was not finite, `factor` what the scale was
+    /// multiplied by (1 when unchanged, 1/2 after a skip, 2 after growth). State the ops keep
+    /// from step to step in the gradients' units undoes a skipped step and follows the scale
+    /// (PowerSGD's error feedback). Nothing by default.
+    fn loss_scale_step(&self, applied: bool, factor: f64) {
+        let _ = (applied, factor);
+    }
+
     /// Completes a reduction [`start`](CrossDeviceOps::start) began, given the same request.
     fn finish(&self, req: ReduceRequest<'_>, started: Started, out: &mut dyn FnMut(&[f32])) -> Result<()> {
         let _ = (req, out);
