@@ -724,6 +724,28 @@ mod release {
         assert_eq!(w.as_tensor().sum_all().unwrap().to_scalar::<f32>().unwrap(), 0.0);
     }
 
+    /// `resident_copy` copies a resident storage and restores nothing; `clear_written` forgets
+    /// the writes so far.
+    #[test]
+    fn a_resident_copy_restores_nothing_and_writes_can_be_forgotten() {
+        let dev = Device::Cpu;
+        let w = Var::randn(0f32, 1.0, (4, 3), &dev).unwrap();
+        let want = w.as_tensor().to_vec2::<f32>().unwrap();
+        let copy = w.as_tensor().t().unwrap().resident_copy().unwrap().unwrap();
+        assert_eq!(copy.t().unwrap().to_vec2::<f32>().unwrap(), want);
+        assert_ne!(storage_addr(&copy), storage_addr(w.as_tensor()));
+        let source = kept(&w);
+        assert!(w.release_storage(source.clone()).unwrap());
+        assert!(w.as_tensor().resident_copy().unwrap().is_none());
+        assert!(w.is_released());
+        assert_eq!(source.1.load(Ordering::SeqCst), 0);
+        w.make_resident().unwrap();
+        w.set(&w.as_tensor().zeros_like().unwrap()).unwrap();
+        assert!(w.written_since_restore());
+        w.clear_written();
+        assert!(!w.written_since_restore());
+    }
+
     /// A source whose restore fails, with a stand-in of NaN, counting the stand-ins given.
     struct Failing(AtomicUsize);
 

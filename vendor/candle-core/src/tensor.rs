@@ -2948,6 +2948,28 @@ impl Tensor {
         self.storage.written.load(std::sync::atomic::Ordering::Acquire)
     }
 
+    /// STRATA PATCH: forgets the writes so far ([`Tensor::written_since_restore`] is false until
+    /// the next write): the owner of a source saved what was written, which must not be saved
+    /// again over what the source has made of it since.
+    pub fn clear_written(&self) {
+        self.storage.written.store(false, std::sync::atomic::Ordering::Release);
+    }
+
+    /// STRATA PATCH: a copy of this tensor (contiguous, in a storage of its own) if its storage
+    /// is resident, read under a lock that keeps it from being released meanwhile; `None`
+    /// where it is released. Nothing is restored: another thread may read what a variable
+    /// holds without ever becoming the one that restores it.
+    pub fn resident_copy(&self) -> Result<Option<Tensor>> {
+        let guard = self.storage.lock.read_recursive();
+        if self.storage.is_released() {
+            return Ok(None);
+        }
+        let mut s = unsafe { self.device.alloc_uninit(self.shape(), self.dtype)? };
+        guard.copy_strided_src(&mut s, 0, &self.layout)?;
+        drop(guard);
+        Ok(Some(from_storage(s, self.shape().clone(), BackpropOp::none(), false)))
+    }
+
     /// STRATA PATCH: restores this tensor's released storage now, through its source; nothing
     /// if it is not released. Unlike the restore an op makes, an error is returned (and the
     /// storage stays released, its source kept).

@@ -304,21 +304,15 @@ impl Residency {
 
     /// Before local copy `copy`'s optimizer step: a variable still whole and written since it
     /// was brought back (a checkpoint's or a member's values loaded, a program's assignment)
-    /// has its values taken into the copy's pieces, which the step then starts from, and is
-    /// released (held whole: brought back at once), so that nothing takes the values from
-    /// before the step back over the stepped pieces.
+    /// has its values taken into the copy's pieces, which the step then starts from; its
+    /// writes are forgotten then, so that nothing takes the values from before the step back
+    /// over the stepped pieces.
     pub(crate) fn settle(&self, copy: usize) -> Result<()> {
-        let held = self.held.load(Ordering::Acquire);
+        let shards = self.shards();
         for var in 0..self.vars[copy].len() {
             let v = &self.vars[copy][var];
-            if v.is_released() || !v.written_since_restore() {
-                continue;
-            }
-            if held {
-                self.shards().take_from(copy, var, v)?;
-                self.refresh(copy, var)?;
-            } else {
-                self.release(copy, var)?;
+            if !v.is_released() && v.written_since_restore() {
+                shards.take_from(copy, var, v)?;
             }
         }
         Ok(())
@@ -693,16 +687,22 @@ impl Shards {
     }
 
     /// Copy `copy`'s pieces of variable `var` take their values from `value` (the variable,
-    /// whole).
+    /// whole), whose writes are then forgotten: taken once, they are not taken again over
+    /// what the pieces become (a step).
+    /// A variable released meanwhile (by its replica's thread, which took its writes first)
+    /// is left alone: the values are read without restoring anything, so that another thread
+    /// (a peer's request, another replica's restore) never restores a variable while it
+    /// writes that variable's pieces.
     pub(crate) fn take_from(&self, copy: usize, var: usize, value: &Var) -> Result<()> {
         let pieces: Vec<_> = self.pieces[copy].iter().filter(|p| p.var == var).collect();
-        if pieces.is_empty() {
-            return Ok(());
+        if !pieces.is_empty() {
+            let Some(whole) = value.as_tensor().resident_copy()? else { return Ok(()) };
+            let flat = whole.flatten_all()?;
+            for p in pieces {
+                p.value.set(&flat.narrow(0, p.start, p.len)?)?;
+            }
         }
-        let flat = value.as_tensor().flatten_all()?;
-        for p in pieces {
-            p.value.set(&flat.narrow(0, p.start, p.len)?)?;
-        }
+        value.clear_written();
         Ok(())
     }
 

@@ -219,7 +219,7 @@ impl Shards {
         for p in &self.pieces[copy] {
             // A copy takes the variable's values, which a program may have written; at stage 3
             // only from a variable written since it was brought back (the others hold the
-            // pieces' values, or none).
+            // pieces' values, or none), which the residency's `settle` has taken already.
             let stale = if self.stage.shards_parameters() {
                 !vars[p.var].is_released() && vars[p.var].written_since_restore()
             } else {
