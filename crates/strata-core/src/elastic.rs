@@ -395,12 +395,15 @@ impl<'a, M> Elastic<'a, M> {
 
     /// The end of training (every worker calls it at `at`, the last position): in an elastic
     /// job every live member ends together with the state's mean
-    /// ([`Replicated::sync_state`]), so that a loss even now costs nothing and no member leaves
-    /// while another still needs it. `Moved` where a change came meanwhile: train on from there.
+    /// ([`Replicated::sync_state`]) and, at ZeRO stage 3, the whole model
+    /// ([`StatefulOptimizer::unshard_parameters`]), so that a loss even now costs nothing and
+    /// no member leaves while another still needs it. `Moved` where a change came meanwhile:
+    /// train on from there.
     pub fn finish(&self, at: Position) -> Result<Stepped<()>> {
         match self.workers().filter(|w| w.is_elastic()) {
             Some(w) => self.guard(at, || {
                 self.model.sync_state()?;
+                self.opt.unshard_parameters()?;
                 w.barrier()
             }),
             None => self.guard(at, || self.model.sync_state()),

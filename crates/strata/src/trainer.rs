@@ -437,7 +437,9 @@ impl Trainer {
         };
         let stopped = fit.epochs(at)?;
         // ZeRO stage 3: every variable whole again on every worker (collective), so that each
-        // reads its model after the fit without the others, which may be gone by then.
+        // reads its model after the fit without the others, which may be gone by then. An
+        // elastic job's members did it in `Elastic::finish`, where a loss re-forms the job (here
+        // nothing is left to do); a worker that left on request, before it left.
         opt.unshard_parameters()?;
         progress.end();
         let peak_footprints: Vec<Footprint> =
