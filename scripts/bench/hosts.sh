@@ -28,7 +28,12 @@
 # others. DDP (scripts/bench/ddp_hosts.py): one process per host, 1 thread,
 # GLOO_SOCKET_IFNAME=eth0, the models of scripts/bench/peers/torch_bench.py, same global batch
 # split over the hosts, AdamW lr 0.003 (PowerSGD: the model in one DDP bucket; see
-# ddp_hosts.py). Strata trains the digits models on the first 1,600 digits rows (--data), so
+# ddp_hosts.py). --peers picks the PyTorch configurations (default none,fp16,powersgd: DDP's
+# hooks); fsdp2 adds FSDP2 (scripts/bench/peers/fsdp_peer.py: fully_shard per block, gloo, one
+# process per host, 1 thread; the transformer only), to run beside --zero-stages 3, e.g.
+#   sudo scripts/bench/hosts.sh --hosts 2 --links 1gbit,unshaped --models transformer \
+#        --zero-stages 3 --compressions none --peers fsdp2
+# Strata trains the digits models on the first 1,600 digits rows (--data), so
 # that each epoch is 5 full global batches like the DDP side's. --repeats rounds (default 3),
 # each running every link and, on each, every configuration once (A B C D A B C D); the tables
 # (markdown, one per model) give the computed bytes per step per host, the median rate, the

@@ -61,7 +61,11 @@ DIGITS_ROWS = 1600
 STEPS_PER_EPOCH = 5
 COMPRESSIONS = ["none", "bf16", "fp16", "powersgd:4"]
 DDP_HOOKS = ["none", "fp16", "powersgd"]
-DDP_LABEL = {"none": "DDP gloo", "fp16": "DDP gloo + fp16 hook", "powersgd": "DDP gloo + PowerSGD r4"}
+# The PyTorch side's configurations: DDP's hooks, and FSDP2 (the transformer only).
+PEERS = DDP_HOOKS + ["fsdp2"]
+DDP_LABEL = {"none": "DDP gloo", "fp16": "DDP gloo + fp16 hook", "powersgd": "DDP gloo + PowerSGD r4",
+             "fsdp2": "FSDP2 gloo (fully_shard per block)"}
+DDP_HEAD = {"none": "/ DDP", "fp16": "/ DDP fp16", "powersgd": "/ DDP PowerSGD", "fsdp2": "/ FSDP2"}
 
 children = []
 TOUCHED = [False]  # whether this process built (or cleaned) namespaces: then it tears them down
@@ -123,6 +127,10 @@ def parser():
     ap.add_argument("--zero-stages", default="0", help="ZeRO stages Strata runs without compression, of 0,1,2,3 (default 0); "
                     "stage N > 0 is the configuration none+zeroN, alternated with the others")
     ap.add_argument("--no-ddp", action="store_true", help="Strata only")
+    ap.add_argument("--peers", default=",".join(DDP_HOOKS),
+                    help="the PyTorch configurations, of " + ",".join(PEERS) + " (default " + ",".join(DDP_HOOKS)
+                    + "; fsdp2: FSDP2 with fully_shard per block, the transformer only, beside Strata's "
+                    "--zero-stages 3)")
     ap.add_argument("--no-strata", action="store_true", help="DDP only")
     ap.add_argument("--strata", default=os.path.join(ROOT, "target", "release", "strata"), help="the strata binary")
     ap.add_argument("--python", default="", help="the Python with torch for DDP (hosts.sh passes the peers venv's)")
@@ -180,6 +188,12 @@ def parse_args(argv):
         a.zero_list.append(int(z))
     if a.no_ddp and a.no_strata:
         bad("--no-ddp and --no-strata leave nothing to run")
+    a.peer_list = [x.strip() for x in a.peers.split(",") if x.strip()]
+    for x in a.peer_list:
+        if x not in PEERS:
+            bad(f"--peers: unknown configuration {x!r}; use some of {','.join(PEERS)}")
+    if "fsdp2" in a.peer_list and models != ["transformer"]:
+        bad("--peers fsdp2 runs the transformer only: add --models transformer")
     a.link_list, a.host_list, a.model_list = links, hosts, models
     a.strata = os.path.abspath(a.strata)
     return a
@@ -442,7 +456,37 @@ def strata_run(a, model, n, compression, logdir, tag):
     return {"rate": rate, "parameters": s.get("parameters")}, None
 
 
+def fsdp_run(a, model, n, logdir, tag):
+    """FSDP2 (scripts/bench/peers/fsdp_peer.py: fully_shard per block, then the model; gloo, 1
+    thread), one process per host, hosts.sh's transformer (width 128, 4 layers, 4 heads) and
+    global batch, the steps of the DDP side after 10 warm-up steps. Its bytes: two all-gathers
+    of the parameters (forward and backward) and a reduce-scatter of the gradient a step, which
+    send what an all-reduce of 1.5 times the f32 parameters does over the ring."""
+    _, _, _, batch = MODELS[model]
+    steps = max(2, round(LENGTH[model] * a.scale))
+    port = next_port()
+    out = os.path.join(logdir, f"{tag}-results")
+    os.makedirs(out, exist_ok=True)
+    cmd = [a.python, os.path.join(HERE, "peers", "fsdp_peer.py"), "--width", "128", "--layers", "4", "--heads", "4",
+           "--batch", str(batch), "--steps", str(steps), "--warmup", "10", "--out", out]
+    jobs = []
+    for i in range(n):
+        env = dict(os.environ, RANK=str(i), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE="1", MASTER_ADDR=addr(0),
+                   MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        jobs.append((cmd, env))
+    _, why = run_hosts(jobs, logdir, tag, a.timeout)
+    if why:
+        return None, why
+    try:
+        r = json.load(open(os.path.join(out, "result-0.json")))
+    except (OSError, ValueError) as e:
+        return None, f"no result from rank 0: {e}"
+    return {"rate": r["tokens_per_second"], "parameters": r["parameters"], "allreduced": 6 * r["parameters"]}, None
+
+
 def ddp_run(a, model, n, hook, logdir, tag):
+    if hook == "fsdp2":
+        return fsdp_run(a, model, n, logdir, tag)
     _, peer, unit, batch = MODELS[model]
     length = max(2, round(LENGTH[model] * a.scale))
     steps = length if model == "transformer" else length * STEPS_PER_EPOCH
@@ -576,7 +620,7 @@ def main(argv):
         if any(z > 0 for z in a.zero_list) and 0 not in a.zero_list:
             configs = [c for c in configs if c != ("strata", "none")]
     if has_torch:
-        configs += [("ddp", h) for h in DDP_HOOKS]
+        configs += [("ddp", h) for h in a.peer_list]
     if not configs:
         log("hosts.sh: nothing to run (" + "; ".join(x for x in (comp_note, ddp_note) if x) + ")")
         return 2
@@ -632,7 +676,8 @@ def main(argv):
                             m["strata_params"] = r["parameters"]
                         else:
                             m["ddp_params"] = r["parameters"]
-                            m["shapes"] = r["shapes"]
+                            if r.get("shapes") is not None:
+                                m["shapes"] = r["shapes"]
                             m.setdefault("ddp_bytes", {})[variant] = r["allreduced"]
         teardown()
 
@@ -672,6 +717,8 @@ def render(rec):
     """The markdown report of a run (`record` of main, or the JSON --save wrote)."""
     links = [tuple(x) for x in rec["links"]]
     configs = [tuple(x) for x in rec["configs"]]
+    # The PyTorch configurations of the run (a record saved before FSDP2 had all of DDP's).
+    peers = [v for k, v in configs if k == "ddp"] or DDP_HOOKS
     results = {tuple(k): v for k, v in rec["results"]}
     cores = rec["cores"]
     out = []
@@ -754,8 +801,8 @@ def render(rec):
             p(f"Ring model overlap fitted to this model's runs: {overlap:.2f} (least squares over "
               f"{len(cases)} shaped configurations).")
             p("")
-        head = ["hosts", "link", "configuration", "bytes/step/host", unit, "limit", "% of limit",
-                "/ DDP", "/ DDP fp16", "/ DDP PowerSGD", f"ring model, overlap {overlap:.2f} (error)"]
+        head = ["hosts", "link", "configuration", "bytes/step/host", unit, "limit", "% of limit"] + [
+            DDP_HEAD[h] for h in peers] + [f"ring model, overlap {overlap:.2f} (error)"]
         p("| " + " | ".join(head) + " |")
         p("|" + "|".join("---" if i < 3 else "---:" for i in range(len(head))) + "|")
         for n in rec["hosts"]:
@@ -794,7 +841,7 @@ def render(rec):
                     limit = statistics.median(limits) if limits else None
                     pct = f"{100 * statistics.median(shares):.0f}%" if shares else "n/a"
                     ratios = []
-                    for h in DDP_HOOKS:
+                    for h in peers:
                         d = med.get(("ddp", h))
                         ratios.append(f"{rate / d:.2f}x" if kind == "strata" and rate and d else "")
                     hosts_cell = f"{n}" + (f" (share {cores} cores)" if n > cores else "")
@@ -813,7 +860,7 @@ def render(rec):
                     if skind != "strata":
                         continue
                     srun = results.get((model, n, link, skind, svar), [])
-                    for h in DDP_HOOKS:
+                    for h in peers:
                         drun = results.get((model, n, link, "ddp", h), [])
                         rs = [s / d for s, d in zip(srun, drun) if s and d]
                         if rs:
