@@ -306,6 +306,36 @@ fn train_mlp_with(workers: usize, local: usize, overlap: bool, compression: Comp
     train_mlp_batch(workers, local, overlap, compression, 24)
 }
 
+/// Trains [`train_mlp_batch`]'s MLP (`6 -> 16 -> 3`, cross-entropy) under `s` with `opt`, one
+/// step on each global batch `k` of `ks` (`batch` rows of fixed features and labels).
+fn mlp_steps<O: candle_nn::Optimizer + Send>(
+    s: &MultiWorkerMirroredStrategy,
+    model: &strata_core::Replicated<(candle_nn::Linear, candle_nn::Linear)>,
+    opt: &strata_core::DistributedOptimizer<O>,
+    ks: std::ops::Range<u32>,
+    batch: u32,
+) {
+    use candle_nn::Module;
+    use strata_core::data::{Batch, TailPolicy};
+    let batches: Vec<Batch> = ks
+        .map(|k| {
+            let features = (0..batch * 6).map(|i| ((i * 7 + k * 13) % 17) as f32 / 8.0 - 1.0).collect();
+            let labels = (0..batch).map(|i| (i + k) % 3).collect();
+            Batch::new(features, labels, 6).unwrap()
+        })
+        .collect();
+    for db in s.distribute_dataset(batches, TailPolicy::Split) {
+        s.run_batch(&db, |ctx, shard| {
+            let (l1, l2) = model.on(ctx)?;
+            let x = shard.batch.features_tensor(ctx.candle_device())?;
+            let y = shard.batch.labels_tensor(ctx.candle_device())?;
+            let loss = candle_nn::loss::cross_entropy(&l2.forward(&l1.forward(&x)?.relu()?)?, &y)?;
+            ctx.backward_and_sync(&loss, opt)
+        })
+        .unwrap();
+    }
+}
+
 /// [`train_mlp_with`] on global batches of `batch` examples.
 fn train_mlp_batch(
     workers: usize,
@@ -314,8 +344,6 @@ fn train_mlp_batch(
     compression: Compression,
     batch: u32,
 ) -> Vec<Vec<Vec<f32>>> {
-    use candle_nn::Module;
-    use strata_core::data::{Batch, TailPolicy};
     on_workers_with(
         workers,
         local,
@@ -334,23 +362,7 @@ fn train_mlp_batch(
                 })
                 .unwrap();
             let opt = model.optimizer::<candle_nn::SGD>(0.1).unwrap();
-            let batches: Vec<Batch> = (0..6u32)
-                .map(|k| {
-                    let features = (0..batch * 6).map(|i| ((i * 7 + k * 13) % 17) as f32 / 8.0 - 1.0).collect();
-                    let labels = (0..batch).map(|i| (i + k) % 3).collect();
-                    Batch::new(features, labels, 6).unwrap()
-                })
-                .collect();
-            for db in s.distribute_dataset(batches, TailPolicy::Split) {
-                s.run_batch(&db, |ctx, shard| {
-                    let (l1, l2) = model.on(ctx)?;
-                    let x = shard.batch.features_tensor(ctx.candle_device())?;
-                    let y = shard.batch.labels_tensor(ctx.candle_device())?;
-                    let loss = candle_nn::loss::cross_entropy(&l2.forward(&l1.forward(&x)?.relu()?)?, &y)?;
-                    ctx.backward_and_sync(&loss, &opt)
-                })
-                .unwrap();
-            }
+            mlp_steps(s, &model, &opt, 0..6, batch);
             // The weights went in blocks of rows (under PowerSGD, whole).
             let want = match compression {
                 Compression::PowerSgd { .. } => 0,
@@ -468,8 +480,6 @@ fn powersgd_on_the_ring_is_exact_on_gradients_of_rank_r_and_keeps_the_workers_id
 /// from `initial`, on batches `first..8` of 24 rows: every worker's parameters, the steps
 /// skipped and the final scale.
 fn train_loss_scaled(initial: f64, first: usize) -> Vec<(Vec<Vec<f32>>, u64, f64)> {
-    use candle_nn::Module;
-    use strata_core::data::{Batch, TailPolicy};
     on_workers_with(
         2,
         1,
@@ -483,23 +493,7 @@ fn train_loss_scaled(initial: f64, first: usize) -> Vec<(Vec<Vec<f32>>, u64, f64
                 .unwrap();
             let scale = strata_core::LossScale { initial, ..Default::default() };
             let opt = model.optimizer::<candle_nn::SGD>(0.1).unwrap().with_loss_scale(scale).unwrap();
-            let batches: Vec<Batch> = (first as u32..8)
-                .map(|k| {
-                    let features = (0..24 * 6).map(|i| ((i * 7 + k * 13) % 17) as f32 / 8.0 - 1.0).collect();
-                    let labels = (0..24).map(|i| (i + k) % 3).collect();
-                    Batch::new(features, labels, 6).unwrap()
-                })
-                .collect();
-            for db in s.distribute_dataset(batches, TailPolicy::Split) {
-                s.run_batch(&db, |ctx, shard| {
-                    let (l1, l2) = model.on(ctx)?;
-                    let x = shard.batch.features_tensor(ctx.candle_device())?;
-                    let y = shard.batch.labels_tensor(ctx.candle_device())?;
-                    let loss = candle_nn::loss::cross_entropy(&l2.forward(&l1.forward(&x)?.relu()?)?, &y)?;
-                    ctx.backward_and_sync(&loss, &opt)
-                })
-                .unwrap();
-            }
+            mlp_steps(s, &model, &opt, first as u32..8, 24);
             let st = opt.loss_scale_state().unwrap();
             let params = model
                 .values()
