@@ -306,6 +306,15 @@ fn train_mlp_with(workers: usize, local: usize, overlap: bool, compression: Comp
     train_mlp_batch(workers, local, overlap, compression, 24)
 }
 
+/// [`train_mlp_batch`]'s MLP, `6 -> 16 -> 3`, built in `s`'s scope.
+fn mlp(s: &MultiWorkerMirroredStrategy) -> strata_core::Replicated<(candle_nn::Linear, candle_nn::Linear)> {
+    s.scope(|sc| {
+        let vb = sc.var_builder();
+        Ok((candle_nn::linear(6, 16, vb.pp("l1"))?, candle_nn::linear(16, 3, vb.pp("l2"))?))
+    })
+    .unwrap()
+}
+
 /// Trains [`train_mlp_batch`]'s MLP (`6 -> 16 -> 3`, cross-entropy) under `s` with `opt`, one
 /// step on each global batch `k` of `ks` (`batch` rows of fixed features and labels).
 fn mlp_steps<O: candle_nn::Optimizer + Send>(
@@ -355,12 +364,7 @@ fn train_mlp_batch(
             o.compression = compression;
         },
         move |_, s| {
-            let model = s
-                .scope(|sc| {
-                    let vb = sc.var_builder();
-                    Ok((candle_nn::linear(6, 16, vb.pp("l1"))?, candle_nn::linear(16, 3, vb.pp("l2"))?))
-                })
-                .unwrap();
+            let model = mlp(s);
             let opt = model.optimizer::<candle_nn::SGD>(0.1).unwrap();
             mlp_steps(s, &model, &opt, 0..6, batch);
             // The weights went in blocks of rows (under PowerSGD, whole).
@@ -485,12 +489,7 @@ fn train_loss_scaled(initial: f64, first: usize) -> Vec<(Vec<Vec<f32>>, u64, f64
         1,
         |o| o.compression = Compression::PowerSgd { rank: 1, start_step: 0 },
         move |_, s| {
-            let model = s
-                .scope(|sc| {
-                    let vb = sc.var_builder();
-                    Ok((candle_nn::linear(6, 16, vb.pp("l1"))?, candle_nn::linear(16, 3, vb.pp("l2"))?))
-                })
-                .unwrap();
+            let model = mlp(s);
             let scale = strata_core::LossScale { initial, ..Default::default() };
             let opt = model.optimizer::<candle_nn::SGD>(0.1).unwrap().with_loss_scale(scale).unwrap();
             mlp_steps(s, &model, &opt, first as u32..8, 24);
@@ -534,12 +533,7 @@ fn a_powersgd_rank_that_compresses_nothing_is_refused_naming_the_rank_that_would
         1,
         |o| o.compression = Compression::PowerSgd { rank: 5, start_step: 0 },
         |_, s| {
-            let model = s
-                .scope(|sc| {
-                    let vb = sc.var_builder();
-                    Ok((candle_nn::linear(6, 16, vb.pp("l1"))?, candle_nn::linear(16, 3, vb.pp("l2"))?))
-                })
-                .unwrap();
+            let model = mlp(s);
             model.optimizer::<candle_nn::SGD>(0.1).map(|_| ()).unwrap_err().to_string()
         },
     );
