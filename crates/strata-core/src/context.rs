@@ -21,7 +21,8 @@ impl ReplicaContext<'_> {
         ReplicaHandle {
             group: self.shared.group.clone(),
             replica: self.replica,
-            workers: self.shared.ext.worker_collectives(),
+            // Under local SGD a step's collectives stay on its worker.
+            workers: self.shared.ext.worker_collectives().filter(|_| self.shared.ext.step_workers().is_some()),
         }
     }
 
@@ -45,7 +46,7 @@ impl ReplicaContext<'_> {
     pub fn barrier(&self) -> Result<()> {
         let key = self.next_key("barrier".into(), vec![]);
         self.shared.group.arrive(self.replica, &key)?;
-        if let Some(w) = self.shared.ext.workers() {
+        if let Some(w) = self.shared.ext.step_workers() {
             let r = if self.replica == 0 { w.barrier().map_err(|e| e.to_string()) } else { Ok(()) };
             self.share_from_first("barrier(workers)", r)?;
         }
@@ -100,7 +101,7 @@ impl ReplicaContext<'_> {
         let all = self.shared.group.exchange(self.replica, &key, t.clone())?;
         let on_mine = all.iter().map(|x| x.to_device(self.candle_device())).collect::<candle_core::Result<Vec<_>>>()?;
         let local = Tensor::cat(&on_mine, 0)?;
-        let Some(w) = self.shared.ext.workers() else { return Ok(local) };
+        let Some(w) = self.shared.ext.step_workers() else { return Ok(local) };
         let gathered = if self.replica == 0 {
             (|| -> Result<Vec<f32>> {
                 let flat = local.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
@@ -166,7 +167,7 @@ impl ReplicaContext<'_> {
         }
         let bit = |words: &[u64], i: usize| words[i / 64] >> (i % 64) & 1 == 1;
         let local: Vec<bool> = (0..mine.len()).map(|i| bit(&any, i)).collect();
-        let Some(w) = self.shared.ext.workers() else { return Ok(local) };
+        let Some(w) = self.shared.ext.step_workers() else { return Ok(local) };
         let across = if self.replica == 0 {
             let mut flags: Vec<f32> = local.iter().map(|&b| f32::from(u8::from(b))).collect();
             w.all_reduce(ReduceOp::Max, &mut flags).map(|()| Arc::new(flags)).map_err(|e| e.to_string())

@@ -18,6 +18,7 @@ use crate::checkpoint::OptimizerState;
 use crate::context::ReplicaContext;
 use crate::extended::{StrategyExtended, StrategyId, VariablePolicy};
 use crate::footprint::Tally;
+use crate::local_sgd::OuterSync;
 use crate::optim::schedule::LrSchedule;
 use crate::optim::OptimizerMemory;
 use crate::overlap_plan::{OverlapPlan, Unit};
@@ -95,6 +96,17 @@ impl<M> Replicated<M> {
             opt.gathered_elements = gathered_elements;
         }
         opt.shards = RwLock::new(shards);
+        if let Some(cfg) = self.ext.options().local_sgd.clone() {
+            let workers = self.ext.worker_collectives().ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "local SGD meets the workers of a multi-worker job; {} has none: use multi-worker-mirrored",
+                    self.strategy_name
+                ))
+            })?;
+            if let Some(first) = opt.vars.first() {
+                opt.outer = Some(OuterSync::new(cfg, workers, first)?);
+            }
+        }
         opt.params_bytes = params;
         opt.state_per_element = per_element;
         opt.stages = stages;
@@ -154,6 +166,9 @@ pub struct DistributedOptimizer<O> {
     /// Dynamic loss scaling (fp16): its settings, and each copy's state (every copy updates
     /// its own from the same reduced gradient, so all agree).
     loss_scale: Option<(LossScale, Vec<Mutex<LossScaleState>>)>,
+    /// Local SGD / DiLoCo: the global parameters and the outer optimizer, met with the other
+    /// workers between inner steps.
+    outer: Option<OuterSync>,
 }
 
 /// A replica's gradients summed over the micro-batches of an optimizer step so far.
@@ -303,6 +318,7 @@ impl<O: Optimizer> DistributedOptimizer<O> {
             stages: Stages { gathered: 0, copies: false },
             peaks: (0..replicas.max(1)).map(|_| Mutex::new(Footprint::default())).collect(),
             loss_scale: None,
+            outer: None,
         }
     }
 
@@ -412,6 +428,32 @@ impl<O: Optimizer> DistributedOptimizer<O> {
     /// With ZeRO's shards, the copy steps its replica's shard and every shard is gathered back
     /// (collective over every replica of every worker).
     pub(crate) fn apply(&self, ctx: &ReplicaContext<'_>, copy: usize, grads: Vec<Option<Tensor>>) -> Result<()> {
+        self.apply_inner(ctx, copy, grads)?;
+        match &self.outer {
+            Some(outer) => outer.after_step(ctx, &self.vars[copy], self.steps[copy].load(Ordering::Relaxed)),
+            None => Ok(()),
+        }
+    }
+
+    /// Local SGD / DiLoCo, outside a step (every worker calls it): the exchanges in flight
+    /// applied, then every fragment met once more at once, so that every worker holds the
+    /// same, global, parameters (the end of a fit; before reading the model). Without local
+    /// SGD it does nothing.
+    pub fn synchronize_local_steps(&self) -> Result<()> {
+        match &self.outer {
+            Some(outer) => outer.synchronize(&self.vars),
+            None => Ok(()),
+        }
+    }
+
+    /// Local SGD / DiLoCo: the bytes of outer gradients this worker sent so far, and the
+    /// meetings (of a fragment each) completed; `None` without local SGD.
+    pub fn outer_traffic(&self) -> Option<(u64, u64)> {
+        self.outer.as_ref().map(OuterSync::traffic)
+    }
+
+    /// [`Self::apply`]'s inner step.
+    fn apply_inner(&self, ctx: &ReplicaContext<'_>, copy: usize, grads: Vec<Option<Tensor>>) -> Result<()> {
         let step = self.steps[copy].fetch_add(1, Ordering::Relaxed);
         let mut opt = self.lock(copy);
         if let Some(s) = &self.schedule {

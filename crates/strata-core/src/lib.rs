@@ -70,6 +70,8 @@
 //!   back from the shards by unit ([`unit_name`]);
 //! - [`variables`]: the scope's variables ([`Scope`], [`Replicated`], [`DistributedVariable`],
 //!   [`SyncOnReadVariable`]);
+//! - [`local_sgd`]: local SGD and DiLoCo's outer synchronisation ([`LocalSgd`]), fragments
+//!   met at staggered steps, their exchanges overlapped with the inner steps;
 //! - [`distributed_optimizer`]: the [`DistributedOptimizer`] (build, apply, clipping, schedule,
 //!   accumulation), over the optimizers' [`optim::OptimizerMemory`] and
 //!   [`optim::ShardableOptimizer`];
@@ -95,6 +97,7 @@ pub mod extended;
 mod footprint;
 pub mod group;
 pub mod layers;
+pub mod local_sgd;
 pub mod optim;
 mod overlap;
 mod overlap_plan;
@@ -121,6 +124,7 @@ pub use extended::{
     CrossReplicaContext, ReplicaContext, StrategyExtended, StrategyId, StrategyOptions, VariablePolicy, ZeroStage,
 };
 pub use footprint::Footprint;
+pub use local_sgd::{LocalSgd, OuterOptimizer};
 pub use precision::{cast_like, LossScale, LossScaleState, Precision};
 pub use recompute::recompute;
 pub use reduce::ReduceOp;

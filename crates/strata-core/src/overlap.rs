@@ -376,13 +376,13 @@ impl ReplicaContext<'_> {
         // Loss scaling (fp16): the pass differentiates the scaled loss; the step unscales.
         let scaled = opt.scale_loss(self, loss)?;
         let loss = &scaled;
-        let reduces = self.shared.group.num_replicas() > 1 || self.shared.ext.workers().is_some();
+        let reduces = self.shared.group.num_replicas() > 1 || self.shared.ext.step_workers().is_some();
         if !reduces || opt.accumulation > 1 || !self.shared.ext.options().overlap {
             let grads = self.backward_phase(|| loss.backward())?;
             return self.sync_and_apply_counted(grads, opt, Some(loss));
         }
         opt.check_strategy(self)?;
-        let generation = self.shared.ext.workers().map_or(0, |w| w.generation());
+        let generation = self.shared.ext.step_workers().map_or(0, |w| w.generation());
         let plan = lock(&opt.overlap[self.replica]).as_ref().filter(|(g, _)| *g == generation).map(|(_, p)| p.clone());
         if let Some(plan) = plan {
             return self.backward_overlapped(loss, opt, &plan).map(drop);
@@ -397,7 +397,7 @@ impl ReplicaContext<'_> {
             return self.backward_overlapped(loss, opt, &plan).map(drop);
         }
         // No plan yet: reduce after the pass, and learn the order gradients become ready in.
-        if opt.shards_gradients() && self.shared.ext.workers().is_none() {
+        if opt.shards_gradients() && self.shared.ext.step_workers().is_none() {
             // ZeRO stage 2 on one machine holds no whole gradient of a large matrix even in its
             // first step: that step follows a provisional plan, the variables in the reverse
             // of their order (the order a backward pass mostly makes them final in), and the
@@ -438,7 +438,7 @@ impl ReplicaContext<'_> {
         shards_gradients: bool,
     ) -> Result<OverlapPlan> {
         let order: Arc<Vec<usize>> = self.share_from_first("overlap order", Ok(Arc::new(ready)))?;
-        let order: Vec<usize> = match self.shared.ext.workers() {
+        let order: Vec<usize> = match self.shared.ext.step_workers() {
             None => order.to_vec(),
             Some(w) => {
                 let across = if self.replica == 0 {
@@ -628,7 +628,7 @@ impl ReplicaContext<'_> {
             local = done.grads;
             weight = 1.0 / done.examples.max(1) as f32;
         }
-        if n == 1 && self.shared.ext.workers().is_none() {
+        if n == 1 && self.shared.ext.step_workers().is_none() {
             let _p = self.phase("step", "optimizer");
             if opt.accumulation > 1 {
                 local = local
@@ -646,7 +646,7 @@ impl ReplicaContext<'_> {
         // than a block of rows, so the ops' buffers stay that small.
         let zero = opt.zero();
         let max_run = (zero.as_ref().is_some_and(|s| s.stage().shards_gradients())
-            && self.shared.ext.workers().is_none()
+            && self.shared.ext.step_workers().is_none()
             && self.shared.ext.cross_device_ops().takes_row_blocks())
         .then_some(self.shared.ext.options().row_block_bytes / std::mem::size_of::<f32>())
         .filter(|&n| n > 0);

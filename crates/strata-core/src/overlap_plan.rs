@@ -64,7 +64,7 @@ pub(crate) fn cut_plan(
     // matrices go in buckets.
     let ops = ext.cross_device_ops();
     let block_bytes = ext.options().row_block_bytes;
-    let by_rows = (ext.workers().is_some() || shards_gradients) && ops.takes_row_blocks() && block_bytes > 0;
+    let by_rows = (ext.step_workers().is_some() || shards_gradients) && ops.takes_row_blocks() && block_bytes > 0;
     let mut rows_of: Vec<Option<usize>> = vec![None; vars.len()];
     for &i in order.iter().filter(|_| by_rows) {
         if let &[rows, cols] = vars[i].dims() {
@@ -76,7 +76,7 @@ pub(crate) fn cut_plan(
     // most an eighth of the gradient (at least 1 MiB), so that a model of a few megabytes
     // does not wait for the whole backward pass before its first bucket starts.
     let mut bucket_bytes = ext.options().bucket_bytes;
-    if ext.workers().is_some() && bucket_bytes > 0 {
+    if ext.step_workers().is_some() && bucket_bytes > 0 {
         let total: usize = order.iter().map(|&i| vars[i].elem_count() * std::mem::size_of::<f32>()).sum();
         bucket_bytes = bucket_bytes.min((total / 8).max(MIN_SPLIT_BUCKET_BYTES));
     }

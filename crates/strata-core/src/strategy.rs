@@ -37,7 +37,8 @@ pub trait Strategy {
     /// Runs `step` on every replica with no input; returns each replica's result.
     fn run<T: Send>(&self, step: impl Fn(&ReplicaContext<'_>) -> Result<T> + Sync) -> Result<PerReplica<T>> {
         let n = self.extended().num_replicas();
-        let weights = vec![1.0 / self.num_replicas_in_sync() as f32; n];
+        let in_step = if self.extended().step_workers().is_some() { self.num_replicas_in_sync() } else { n };
+        let weights = vec![1.0 / in_step as f32; n];
         crate::runtime::run_collect(self.extended().as_ref(), &weights, |ctx| step(ctx))
     }
 
@@ -72,14 +73,26 @@ pub trait Strategy {
             )));
         }
         let Some(first) = batches.first() else { return Ok(Vec::new()) };
-        let per_replica = crate::runtime::run_collect(self.extended().as_ref(), &first.weights(), |ctx| {
+        // Under local SGD a step is the worker's own: its shards make up the batch it steps on.
+        let local = self.extended().workers().is_some() && self.extended().step_workers().is_none();
+        let share = |b: &DistributedBatch<B>, r: usize| -> (f32, usize) {
+            let shard = &b.shards.values()[r];
+            if !local {
+                return (shard.weight(), shard.global_len);
+            }
+            let rows = |s: &Shard<B>| s.batch.rows().unwrap_or(0);
+            let len: usize = b.shards.values().iter().map(rows).sum();
+            (rows(shard) as f32 / len.max(1) as f32, len)
+        };
+        let weights: Vec<f32> = (0..n).map(|r| share(first, r).0).collect();
+        let per_replica = crate::runtime::run_collect(self.extended().as_ref(), &weights, |ctx| {
             let r = ctx.replica_id();
             batches
                 .iter()
                 .map(|b| {
-                    let shard = &b.shards.values()[r];
-                    ctx.set_batch(shard.weight(), shard.global_len);
-                    step(ctx, shard)
+                    let (weight, len) = share(b, r);
+                    ctx.set_batch(weight, len);
+                    step(ctx, &b.shards.values()[r])
                 })
                 .collect::<Result<Vec<T>>>()
         })?;

@@ -90,6 +90,9 @@ impl LocalStrategy {
             return Err(Error::ZeroReplicas);
         }
         strata_core::check_zero_strategy(options.zero_stage, name)?;
+        if cross.is_none() {
+            strata_core::local_sgd::check_local_sgd_strategy(options.local_sgd.as_ref(), name)?;
+        }
         strata_core::device::check_replicas(devices.len(), "replicas")?;
         for (i, d) in devices.iter().enumerate() {
             if let Some(j) = devices[..i].iter().position(|e| e.spec == d.spec) {

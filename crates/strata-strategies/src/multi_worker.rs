@@ -660,7 +660,7 @@ impl MultiWorkerMirroredStrategy {
     }
 
     /// Joins the job of `config` as its task.
-    pub fn new(config: ClusterConfig, options: MultiWorkerOptions) -> Result<Self> {
+    pub fn new(config: ClusterConfig, mut options: MultiWorkerOptions) -> Result<Self> {
         let spec = &config.spec;
         let Some(rank) = config.rank() else {
             return Err(Error::InvalidCluster(format!(
@@ -683,6 +683,15 @@ impl MultiWorkerMirroredStrategy {
                 options.compression
             )));
         }
+        // Local SGD: `H = 1` averaging is per-step synchronous training itself.
+        if options.options.local_sgd.as_ref().is_some_and(|l| l.is_synchronous()) {
+            options.options.local_sgd = None;
+        }
+        if let Some(l) = options.options.local_sgd.as_mut() {
+            // The outer gradients cross under the job's compression.
+            l.wire = options.compression;
+            check_local_sgd(&options)?;
+        }
         if let Some(e) = &options.elastic {
             ElasticOptions::check_min_workers(e.min_workers, names.len())?;
             if options.cross_worker_ops.is_some() {
@@ -693,8 +702,10 @@ impl MultiWorkerMirroredStrategy {
         }
         let elastic_fingerprint =
             options.elastic.as_ref().map(|e| format!(";elastic_min={}", e.min_workers)).unwrap_or_default();
+        let local_sgd_fingerprint =
+            options.options.local_sgd.as_ref().map(|l| format!(";local_sgd={l}")).unwrap_or_default();
         let strategy_fingerprint = format!(
-            "multi-worker-mirrored;replicas_per_worker={local_n};auto_shard={:?};bucket_bytes={};seed={};compression={}{elastic_fingerprint}",
+            "multi-worker-mirrored;replicas_per_worker={local_n};auto_shard={:?};bucket_bytes={};seed={};compression={}{elastic_fingerprint}{local_sgd_fingerprint}",
             options.auto_shard, options.options.bucket_bytes, options.options.seed, options.compression
         );
         let task = config.task.to_string();
@@ -751,9 +762,12 @@ impl MultiWorkerMirroredStrategy {
         };
         let ops_job = job.clone();
         let (compression, seed) = (options.compression, options.options.seed);
+        let local_steps = options.options.local_sgd.is_some();
         let cross = CrossWorker {
             ops: Box::new(move |local| match custom {
                 Some(ops) => ops,
+                // Local SGD: a step's gradients meet on this worker only (as Mirrored's).
+                None if local_steps => Box::new(local) as Box<dyn CrossDeviceOps>,
                 None => Box::new(HierarchicalOps::new(local, ops_job).with_compression(compression, seed))
                     as Box<dyn CrossDeviceOps>,
             }),
@@ -835,6 +849,28 @@ impl MultiWorkerMirroredStrategy {
         }
         Ok(())
     }
+}
+
+/// Refuses local SGD with what it cannot take, each in one line saying what to change.
+fn check_local_sgd(options: &MultiWorkerOptions) -> Result<()> {
+    let Some(l) = &options.options.local_sgd else { return Ok(()) };
+    l.check()?;
+    let refuse = |what: &str| Err(Error::InvalidArgument(what.into()));
+    if options.options.zero_stage != strata_core::ZeroStage::Off {
+        return refuse(&format!(
+            "zero stage {} shards over every worker's replicas, but local SGD steps each worker on its own: use zero stage 0 with a synchronisation period above 1",
+            options.options.zero_stage
+        ));
+    }
+    if options.elastic.is_some() {
+        return refuse("local SGD does not yet follow an elastic membership: drop the minimum of workers, or synchronise every step");
+    }
+    if options.cross_worker_ops.is_some() {
+        return refuse(
+            "local SGD meets the workers on the ring, not on cross-worker ops of your own (NCCL): use the ring with it",
+        );
+    }
+    Ok(())
 }
 
 fn host_of(address: &str) -> String {

@@ -307,7 +307,7 @@ fn train_mlp_with(workers: usize, local: usize, overlap: bool, compression: Comp
 }
 
 /// [`train_mlp_batch`]'s MLP, `6 -> 16 -> 3`, built in `s`'s scope.
-fn mlp(s: &MultiWorkerMirroredStrategy) -> strata_core::Replicated<(candle_nn::Linear, candle_nn::Linear)> {
+fn mlp(s: &impl Strategy) -> strata_core::Replicated<(candle_nn::Linear, candle_nn::Linear)> {
     s.scope(|sc| {
         let vb = sc.var_builder();
         Ok((candle_nn::linear(6, 16, vb.pp("l1"))?, candle_nn::linear(16, 3, vb.pp("l2"))?))
@@ -318,18 +318,32 @@ fn mlp(s: &MultiWorkerMirroredStrategy) -> strata_core::Replicated<(candle_nn::L
 /// Trains [`train_mlp_batch`]'s MLP (`6 -> 16 -> 3`, cross-entropy) under `s` with `opt`, one
 /// step on each global batch `k` of `ks` (`batch` rows of fixed features and labels).
 fn mlp_steps<O: candle_nn::Optimizer + Send>(
-    s: &MultiWorkerMirroredStrategy,
+    s: &impl Strategy,
     model: &strata_core::Replicated<(candle_nn::Linear, candle_nn::Linear)>,
     opt: &strata_core::DistributedOptimizer<O>,
     ks: std::ops::Range<u32>,
     batch: u32,
 ) {
+    mlp_steps_on(s, model, opt, ks, 0..batch);
+}
+
+/// [`mlp_steps`] on rows `rows` of each global batch only (one worker's part of it).
+fn mlp_steps_on<O: candle_nn::Optimizer + Send>(
+    s: &impl Strategy,
+    model: &strata_core::Replicated<(candle_nn::Linear, candle_nn::Linear)>,
+    opt: &strata_core::DistributedOptimizer<O>,
+    ks: std::ops::Range<u32>,
+    rows: std::ops::Range<u32>,
+) {
     use candle_nn::Module;
     use strata_core::data::{Batch, TailPolicy};
     let batches: Vec<Batch> = ks
         .map(|k| {
-            let features = (0..batch * 6).map(|i| ((i * 7 + k * 13) % 17) as f32 / 8.0 - 1.0).collect();
-            let labels = (0..batch).map(|i| (i + k) % 3).collect();
+            let features = rows
+                .clone()
+                .flat_map(|r| (r * 6..r * 6 + 6).map(move |i| ((i * 7 + k * 13) % 17) as f32 / 8.0 - 1.0))
+                .collect();
+            let labels = rows.clone().map(|i| (i + k) % 3).collect();
             Batch::new(features, labels, 6).unwrap()
         })
         .collect();
@@ -565,4 +579,252 @@ fn a_worker_with_another_compression_is_refused_naming_both() {
         .to_string();
     assert!(e.contains("compression=bf16") && e.contains("compression=none"), "{e}");
     assert!(chief.join().unwrap().is_err());
+}
+
+/// The MLP's trainable values, flattened, in the optimizer's order.
+fn trainable_values(model: &strata_core::Replicated<(candle_nn::Linear, candle_nn::Linear)>) -> Vec<Vec<f32>> {
+    model
+        .trainable_variables(0)
+        .iter()
+        .map(|(_, v)| v.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap())
+        .collect()
+}
+
+/// Trains the MLP for `steps` steps of SGD (global batches of 24) under local SGD `cfg` on 2
+/// or 3 workers of `local` replicas; returns each worker's final trainable values, before and
+/// after [`DistributedOptimizer::synchronize_local_steps`], and its outer traffic.
+#[allow(clippy::type_complexity)]
+fn train_local_sgd(
+    workers: usize,
+    local: usize,
+    cfg: strata_core::LocalSgd,
+    compression: Compression,
+    steps: u32,
+) -> Vec<(Vec<Vec<f32>>, Vec<Vec<f32>>, (u64, u64))> {
+    on_workers_with(
+        workers,
+        local,
+        move |o| {
+            o.options.local_sgd = Some(cfg.clone());
+            o.compression = compression;
+        },
+        move |_, s| {
+            let model = mlp(s);
+            let opt = model.optimizer::<candle_nn::SGD>(0.1).unwrap();
+            mlp_steps(s, &model, &opt, 0..steps, 24);
+            let before = trainable_values(&model);
+            opt.synchronize_local_steps().unwrap();
+            (before, trainable_values(&model), opt.outer_traffic().unwrap())
+        },
+    )
+}
+
+/// Local SGD's reference, written from the algorithm's definition: one Mirrored(`local`) model
+/// per worker, stepped in lock step in this thread, each on its worker's rows of every global
+/// batch of 24, and met by hand: at a fragment's meeting each worker's outer gradient
+/// `global - local`, their mean, the outer optimizer on the global values, and `delay` steps
+/// later every worker takes them (or, with a delay, adds the global step and its own outer
+/// gradient to what it holds then). Returns each worker's values after `steps` steps.
+fn local_sgd_reference(workers: u32, local: usize, cfg: &strata_core::LocalSgd, steps: u32) -> Vec<Vec<Vec<f32>>> {
+    use strata_core::local_sgd::fragment_runs;
+    use strata_core::OuterOptimizer;
+    use strata_strategies::MirroredStrategy;
+    let per = 24 / workers;
+    let runs: Vec<_> = (0..workers)
+        .map(|_| {
+            let s = MirroredStrategy::logical_cpus(local).unwrap();
+            let model = mlp(&s);
+            let opt = model.optimizer::<candle_nn::SGD>(0.1).unwrap();
+            (s, model, opt)
+        })
+        .collect();
+    let mut global = trainable_values(&runs[0].1);
+    let sizes: Vec<usize> = global.iter().map(Vec::len).collect();
+    let fragments = fragment_runs(&sizes, cfg.fragments);
+    let mut velocity: Vec<Vec<f32>> = sizes.iter().map(|&n| vec![0.0; n]).collect();
+    // Each fragment in flight: its outer gradient on every worker.
+    let mut in_flight: std::collections::HashMap<usize, Vec<Vec<Vec<f32>>>> = Default::default();
+    let d = cfg.delay() as u32;
+    let set = |model: &strata_core::Replicated<(candle_nn::Linear, candle_nn::Linear)>, i: usize, values: &[f32]| {
+        for c in 0..model.num_copies() {
+            let v = &model.trainable_variables(c)[i].1;
+            v.set(&candle_core::Tensor::from_slice(values, v.dims(), v.device()).unwrap()).unwrap();
+        }
+    };
+    for step in 1..=steps {
+        for (w, (s, model, opt)) in runs.iter().enumerate() {
+            let w = w as u32;
+            mlp_steps_on(s, model, opt, step - 1..step, w * per..(w + 1) * per);
+        }
+        let mut land = |f: usize, sent: Vec<Vec<Vec<f32>>>, delayed: bool, global: &mut Vec<Vec<f32>>| {
+            for (k, i) in fragments[f].clone().enumerate() {
+                let n = sent[0][k].len();
+                let mean: Vec<f32> = (0..n)
+                    .map(|e| sent.iter().map(|wk| wk[k][e]).reduce(|a, b| a + b).unwrap() / workers as f32)
+                    .collect();
+                let old = global[i].clone();
+                for e in 0..n {
+                    match cfg.outer {
+                        OuterOptimizer::Average => global[i][e] -= mean[e],
+                        OuterOptimizer::Nesterov { lr, momentum } => strata_core::optim::rules::nesterov(
+                            &mut global[i][e],
+                            &mut velocity[i][e],
+                            mean[e],
+                            lr,
+                            momentum,
+                        ),
+                    }
+                }
+                for (w, (_, model, _)) in runs.iter().enumerate() {
+                    let now = &trainable_values(model)[i];
+                    let values: Vec<f32> = if delayed {
+                        (0..n).map(|e| now[e] + ((global[i][e] - old[e]) + sent[w][k][e])).collect()
+                    } else {
+                        global[i].clone()
+                    };
+                    set(model, i, &values);
+                }
+            }
+        };
+        if d > 0 {
+            if let Some(f) = (step > d).then(|| cfg.meeting((step - d) as u64)).flatten() {
+                land(f, in_flight.remove(&f).unwrap(), true, &mut global);
+            }
+        }
+        if let Some(f) = cfg.meeting(step as u64) {
+            let sent = runs
+                .iter()
+                .map(|(_, model, _)| {
+                    let values = trainable_values(model);
+                    fragments[f]
+                        .clone()
+                        .map(|i| global[i].iter().zip(&values[i]).map(|(g, l)| g - l).collect())
+                        .collect()
+                })
+                .collect();
+            in_flight.insert(f, sent);
+            if d == 0 {
+                land(f, in_flight.remove(&f).unwrap(), false, &mut global);
+            }
+        }
+    }
+    runs.iter().map(|(_, model, _)| trainable_values(model)).collect()
+}
+
+/// `H = 1` with averaging is per-step synchronous training: bit for bit the job without local
+/// SGD, on 1 and 2 replicas a worker.
+#[test]
+fn local_sgd_every_step_with_averaging_is_synchronous_training_bit_for_bit() {
+    let every_step =
+        strata_core::LocalSgd { every: 1, outer: strata_core::OuterOptimizer::Average, ..Default::default() };
+    for local in [1, 2] {
+        let sync = train_mlp_batch(2, local, true, Compression::None, 24);
+        let got = on_workers_with(
+            2,
+            local,
+            {
+                let c = every_step.clone();
+                move |o| {
+                    o.options.local_sgd = Some(c.clone());
+                    o.options.overlap = true;
+                    o.options.bucket_bytes = 256;
+                    o.options.row_block_bytes = 48;
+                }
+            },
+            |_, s| {
+                let model = mlp(s);
+                let opt = model.optimizer::<candle_nn::SGD>(0.1).unwrap();
+                mlp_steps(s, &model, &opt, 0..6, 24);
+                assert_eq!(opt.outer_traffic(), None, "H = 1 averaging took the local path");
+                model
+                    .values()
+                    .unwrap()
+                    .into_iter()
+                    .map(|(_, t)| t.flatten_all().unwrap().to_vec1::<f32>().unwrap())
+                    .collect::<Vec<_>>()
+            },
+        );
+        for w in 0..2 {
+            assert_eq!(bits(&got[w]), bits(&sync[w]), "{local} replica(s), worker {w}");
+        }
+    }
+}
+
+/// DiLoCo and local SGD against their definition ([`local_sgd_reference`]): 2 workers, bit for
+/// bit (their sums keep their order), on 1 and 2 replicas a worker, with one fragment and with
+/// two fragments met at staggered steps whose exchanges run one step behind; the workers
+/// differ between meetings and agree after the final synchronisation; the outer traffic is
+/// the fragments' f32 bytes per meeting.
+#[test]
+fn local_sgd_and_diloco_follow_their_definition_bit_for_bit() {
+    use strata_core::{LocalSgd, OuterOptimizer};
+    let cases = [
+        (1, LocalSgd { every: 3, ..Default::default() }),
+        (2, LocalSgd { every: 3, ..Default::default() }),
+        (1, LocalSgd { every: 2, outer: OuterOptimizer::Average, ..Default::default() }),
+        (2, LocalSgd { every: 4, fragments: 2, delay: Some(1), ..Default::default() }),
+        (1, LocalSgd { every: 1, ..Default::default() }),
+    ];
+    for (local, cfg) in cases {
+        let steps = 8;
+        let want = local_sgd_reference(2, local, &cfg, steps);
+        let got = train_local_sgd(2, local, cfg.clone(), Compression::None, steps);
+        for w in 0..2 {
+            assert_eq!(bits(&got[w].0), bits(&want[w]), "{cfg}, {local} replica(s): worker {w}");
+        }
+        assert_eq!(bits(&got[0].1), bits(&got[1].1), "{cfg}: the workers differ after the final synchronisation");
+        // Each meeting sends its fragment in f32; the final synchronisation meets every one.
+        let meetings: u64 = (1..=steps as u64).filter(|&s| cfg.meeting(s).is_some()).count() as u64;
+        let (bytes, met) = got[0].2;
+        assert_eq!(met, meetings + cfg.fragments as u64, "{cfg}");
+        let total: u64 = got[0].1.iter().map(|v| v.len() as u64).sum();
+        assert!(bytes >= 4 * total && bytes <= 4 * total * (1 + meetings), "{cfg}: {bytes} bytes");
+    }
+}
+
+/// Three workers (the ring's sums change order by chunk): within float rounding of the
+/// definition; outer gradients in bf16 with error feedback stay near the f32 run.
+#[test]
+fn diloco_on_three_workers_and_in_bf16_stays_near_its_definition() {
+    let cfg = strata_core::LocalSgd { every: 3, ..Default::default() };
+    let want = local_sgd_reference(3, 1, &cfg, 6);
+    let got = train_local_sgd(3, 1, cfg.clone(), Compression::None, 6);
+    for w in 0..3 {
+        assert!(relative(&got[w].0, &want[w]) < 1e-6, "worker {w}: {}", relative(&got[w].0, &want[w]));
+    }
+    let half = train_local_sgd(2, 1, cfg.clone(), Compression::Bf16, 6);
+    let exact = train_local_sgd(2, 1, cfg, Compression::None, 6);
+    let rel = relative(&half[0].1, &exact[0].1);
+    assert!(rel > 0.0 && rel < 1e-2, "bf16 outer gradients: {rel} from f32");
+    assert_eq!(bits(&half[0].1), bits(&half[1].1));
+    // Half the bytes of f32's.
+    assert_eq!(2 * half[0].2 .0, exact[0].2 .0);
+}
+
+/// What local SGD cannot take is refused in one line saying what to change.
+#[test]
+fn local_sgd_refuses_what_it_cannot_take() {
+    use strata_core::LocalSgd;
+    let cfg = LocalSgd { every: 4, ..Default::default() };
+    let config = ClusterConfig::new(spec(1), TaskId::worker(0)).unwrap();
+    let mut o = options(1);
+    o.options.local_sgd = Some(cfg.clone());
+    o.options.zero_stage = strata_core::ZeroStage::OptimizerState;
+    let e = MultiWorkerMirroredStrategy::new(config, o).unwrap_err().to_string();
+    assert!(e.contains("use zero stage 0 with a synchronisation period above 1"), "{e}");
+    let options = strata_core::StrategyOptions { local_sgd: Some(cfg.clone()), ..Default::default() };
+    let cpus = strata_core::device::logical_cpus(2).unwrap();
+    let e =
+        strata_strategies::MirroredStrategy::with_options(cpus, strata_strategies::CpuReduction::default(), options)
+            .unwrap_err()
+            .to_string();
+    assert!(e.contains("applies to multi-worker-mirrored") && e.contains("drop it"), "{e}");
+    // More fragments than trainable variables.
+    let e = on_workers_with(
+        1,
+        1,
+        |o| o.options.local_sgd = Some(LocalSgd { every: 8, fragments: 5, ..Default::default() }),
+        |_, s| mlp(s).optimizer::<candle_nn::SGD>(0.1).map(|_| ()).unwrap_err().to_string(),
+    );
+    assert!(e[0].contains("5 fragments of a model of 4 trainable variables: use at most 4"), "{}", e[0]);
 }

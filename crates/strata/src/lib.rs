@@ -107,10 +107,11 @@ pub use strata_core::recompute;
 pub use strata_core::Error as CoreError;
 pub use strata_core::Result as CoreResult;
 pub use strata_core::{
-    cast_like, context, cross_device, data, device, group, layers, optim, precision, timeline, CrossReplicaContext,
-    DistributedOptimizer, DistributedVariable, Footprint, LossScale, LossScaleState, Mirrored, PerReplica, Precision,
-    ReduceOp, ReplicaContext, Replicated, Scope, Strategy, StrategyExtended, StrategyHandle, StrategyOptions,
-    SyncOnReadVariable, VariableAggregation, VariableKind, VariablePolicy, ZeroStage,
+    cast_like, context, cross_device, data, device, group, layers, local_sgd, optim, precision, timeline,
+    CrossReplicaContext, DistributedOptimizer, DistributedVariable, Footprint, LocalSgd, LossScale, LossScaleState,
+    Mirrored, OuterOptimizer, PerReplica, Precision, ReduceOp, ReplicaContext, Replicated, Scope, Strategy,
+    StrategyExtended, StrategyHandle, StrategyOptions, SyncOnReadVariable, VariableAggregation, VariableKind,
+    VariablePolicy, ZeroStage,
 };
 pub use strata_strategies::cluster;
 pub use strata_strategies::parameter_server;

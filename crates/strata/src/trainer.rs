@@ -627,6 +627,11 @@ where
                 Stepped::Moved(p) => return Ok(Flow::Moved(p)),
             };
         self.counts.skipped += skipped;
+        // Local SGD: the fit ends on the global parameters, the same on every worker (the
+        // last evaluation, and the model after the fit, read them).
+        if epoch + 1 >= cfg.epochs || cfg.max_steps.is_some_and(|m| at.step >= m) {
+            self.opt.synchronize_local_steps()?;
+        }
         // Evaluation reads the state (BatchNorm's statistics) as the mean over replicas.
         let evaluated = self.guard(at, || {
             self.model.sync_state()?;

@@ -92,6 +92,10 @@ pub struct StrategyOptions {
     /// variable is refused in one line when the optimizer is built, and below stage 3 they are
     /// not used.
     pub zero_units: Vec<String>,
+    /// Local SGD or DiLoCo ([`LocalSgd`](crate::local_sgd::LocalSgd)): every step local to a
+    /// worker, the workers meeting every `H` steps (`None`, the default, or `H = 1` averaging:
+    /// every step synchronous). MultiWorkerMirrored takes it; the other strategies refuse it.
+    pub local_sgd: Option<crate::local_sgd::LocalSgd>,
 }
 
 /// ZeRO's stages (DeepSpeed; PyTorch's `ZeroRedundancyOptimizer`): what each replica, across
@@ -182,6 +186,7 @@ impl Default for StrategyOptions {
             row_block_bytes: DEFAULT_ROW_BLOCK_BYTES,
             zero_stage: ZeroStage::Off,
             zero_units: Vec::new(),
+            local_sgd: None,
         }
     }
 }
@@ -239,6 +244,16 @@ pub trait StrategyExtended: Send + Sync + std::fmt::Debug {
     /// borrow of the strategy, such as a replica's [`ReplicaHandle`](crate::context::ReplicaHandle)).
     fn worker_collectives(&self) -> Option<Arc<dyn WorkerCollectives>> {
         None
+    }
+
+    /// The workers a step's collectives span: [`workers`](Self::workers), but none under
+    /// local SGD ([`StrategyOptions::local_sgd`]), whose steps stay on their worker and whose
+    /// workers meet between steps.
+    fn step_workers(&self) -> Option<&dyn WorkerCollectives> {
+        match self.options().local_sgd {
+            Some(_) => None,
+            None => self.workers(),
+        }
     }
 
     /// How input is split across workers.

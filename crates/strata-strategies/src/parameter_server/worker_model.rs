@@ -287,6 +287,7 @@ impl<M> PsWorkerModel<M> {
         build: impl FnMut(&Scope) -> candle_core::Result<M>,
     ) -> Result<Self> {
         strata_core::check_zero_strategy(options.zero_stage, "parameter-server")?;
+        strata_core::local_sgd::check_local_sgd_strategy(options.local_sgd.as_ref(), "parameter-server")?;
         let devices = strata_core::device::logical_cpus(replicas)?;
         let overlap = options.overlap;
         let strategy = match devices.len() {

@@ -1,0 +1,499 @@
+//! Local SGD and DiLoCo: a multi-worker job whose workers step on their own between
+//! synchronisations ([`LocalSgd`], set in [`StrategyOptions::local_sgd`](crate::StrategyOptions)).
+//!
+//! Every step is local: a worker's replicas reduce their gradients among themselves (Mirrored
+//! within the worker) and the inner optimizer (its state local too) applies them. Every `H`
+//! steps the workers meet: each sends its *outer gradient*, how far its parameters moved from
+//! the global ones of the last meeting (`global - local`), the mean of them is all-reduced,
+//! and the outer optimizer applies it to the global parameters, which every worker then takes
+//! (Douillard et al. 2023). With fragments the parameters are split in `F` parts met at
+//! staggered steps, each exchange running while the inner steps after it compute, and applied
+//! a fixed number of steps later, every worker keeping the progress it made meanwhile
+//! (Streaming DiLoCo, 2025).
+//!
+//! This module must not know the transport: it speaks to the other workers through
+//! [`WorkerCollectives`] only.
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::ops::Range;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use candle_core::{DType, Tensor, Var};
+
+use crate::context::ReplicaContext;
+use crate::cross_device::compression::Compression;
+use crate::cross_device::PendingAllReduce;
+use crate::extended::WorkerCollectives;
+use crate::optim::rules;
+use crate::{Error, ReduceOp, Result};
+
+/// DiLoCo's outer learning rate.
+pub const DILOCO_OUTER_LR: f32 = 0.7;
+/// DiLoCo's outer momentum.
+pub const DILOCO_OUTER_MOMENTUM: f32 = 0.9;
+
+/// How the global parameters take the workers' mean outer gradient `d` at a meeting.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum OuterOptimizer {
+    /// Local SGD: the global parameters become the workers' mean (`global - d`).
+    Average,
+    /// DiLoCo: SGD with Nesterov momentum in PyTorch's form on `d`, from a velocity of zero.
+    Nesterov {
+        /// The outer learning rate (DiLoCo: 0.7).
+        lr: f32,
+        /// The outer momentum (DiLoCo: 0.9).
+        momentum: f32,
+    },
+}
+
+impl OuterOptimizer {
+    /// DiLoCo's: Nesterov with learning rate 0.7 and momentum 0.9.
+    pub fn diloco() -> Self {
+        Self::Nesterov { lr: DILOCO_OUTER_LR, momentum: DILOCO_OUTER_MOMENTUM }
+    }
+}
+
+impl fmt::Display for OuterOptimizer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Average => write!(f, "average"),
+            Self::Nesterov { lr, momentum } => write!(f, "nesterov(lr={lr},momentum={momentum})"),
+        }
+    }
+}
+
+/// A multi-worker job's synchronisation period: local SGD (`Average`) or DiLoCo (`Nesterov`).
+/// `every: 1` with `Average` is per-step synchronous training itself (the gradient all-reduced
+/// every step, bit for bit today's), and so is no `LocalSgd` at all.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LocalSgd {
+    /// `H`: inner steps between two meetings of a fragment (at least 1).
+    pub every: u64,
+    /// The outer optimizer.
+    pub outer: OuterOptimizer,
+    /// `F`: the parameters split into this many fragments (whole variables, near-equal in
+    /// elements), fragment `f` met at the steps `s` with `s mod H = (f + 1) H / F mod H` (1 to
+    /// `H`, and no more than the trainable variables; 1: every parameter at every `H`th step).
+    pub fragments: usize,
+    /// Inner steps a fragment's exchange runs behind before it is applied (`None`: 0 with one
+    /// fragment, half the steps between two fragments' meetings with several). At most
+    /// `H / F - 1`, so that a fragment's exchanges never overlap.
+    pub delay: Option<u64>,
+    /// How outer gradients cross the network: `None` (f32), `Fp16` or `Bf16` (16 bits, f32
+    /// sums at every hop, with error feedback of what the rounding dropped). A multi-worker
+    /// strategy sets it from its own compression.
+    pub wire: Compression,
+}
+
+impl Default for LocalSgd {
+    /// DiLoCo's: `H = 500` inner steps, Nesterov (0.7, 0.9), one fragment, f32.
+    fn default() -> Self {
+        Self { every: 500, outer: OuterOptimizer::diloco(), fragments: 1, delay: None, wire: Compression::None }
+    }
+}
+
+impl fmt::Display for LocalSgd {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "every={},outer={},fragments={},delay={}", self.every, self.outer, self.fragments, self.delay())
+    }
+}
+
+impl LocalSgd {
+    /// Whether this is per-step synchronous training (`H = 1`, averaging).
+    pub fn is_synchronous(&self) -> bool {
+        self.every == 1 && self.outer == OuterOptimizer::Average
+    }
+
+    /// The steps between two fragments' meetings.
+    fn window(&self) -> u64 {
+        self.every / self.fragments.max(1) as u64
+    }
+
+    /// The inner steps an exchange runs behind.
+    pub fn delay(&self) -> u64 {
+        self.delay.unwrap_or(if self.fragments > 1 { self.window() / 2 } else { 0 })
+    }
+
+    /// Refuses settings that cannot run, each in one line saying what to change.
+    pub fn check(&self) -> Result<()> {
+        let bad = |what: String| Err(Error::InvalidArgument(what));
+        if self.every == 0 {
+            return bad("a synchronisation period of 0 steps: use --sync-every 1 or more".into());
+        }
+        if self.fragments == 0 || self.fragments as u64 > self.every {
+            return bad(format!(
+                "{} fragments with a synchronisation every {} steps: use 1 to {} fragments (each is met once per period)",
+                self.fragments, self.every, self.every
+            ));
+        }
+        if let OuterOptimizer::Nesterov { lr, momentum } = self.outer {
+            if !(lr.is_finite() && lr > 0.0) {
+                return bad(format!("an outer learning rate of {lr}: use a positive one, e.g. 0.7"));
+            }
+            if !(momentum.is_finite() && (0.0..1.0).contains(&momentum)) {
+                return bad(format!("an outer momentum of {momentum}: use one in [0, 1), e.g. 0.9"));
+            }
+        }
+        if self.fragments > 1 && self.delay() >= self.window() {
+            return bad(format!(
+                "an exchange delay of {} steps with a fragment met every {} steps: use at most {}",
+                self.delay(),
+                self.window(),
+                self.window().saturating_sub(1)
+            ));
+        }
+        if matches!(self.wire, Compression::PowerSgd { .. }) {
+            return bad(format!(
+                "compression {} reduces per-step gradients; outer gradients cross in none, fp16 or bf16",
+                self.wire
+            ));
+        }
+        Ok(())
+    }
+
+    /// The fragment met at inner step `step` (counted from 1), if any.
+    pub fn meeting(&self, step: u64) -> Option<usize> {
+        let f = self.fragments as u64;
+        (0..f).find(|&i| ((i + 1) * self.every / f) % self.every == step % self.every).map(|i| i as usize)
+    }
+}
+
+/// Refuses local SGD in a strategy whose workers do not step on their own
+/// (`strategy`: its name): every strategy but MultiWorkerMirrored.
+pub fn check_local_sgd_strategy(local_sgd: Option<&LocalSgd>, strategy: &str) -> Result<()> {
+    match local_sgd {
+        Some(l) if !l.is_synchronous() => Err(Error::InvalidArgument(format!(
+            "a synchronisation period of {} steps (local SGD) applies to multi-worker-mirrored, whose workers step on their own between meetings; {strategy} has none: drop it",
+            l.every
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// Splits variables of `sizes` elements (the optimizer's order) into `f` fragments: runs of
+/// whole variables, near-equal in elements, each at least one variable.
+pub fn fragment_runs(sizes: &[usize], f: usize) -> Vec<Range<usize>> {
+    let total: usize = sizes.iter().sum();
+    let mut out = Vec::with_capacity(f);
+    let (mut start, mut acc) = (0, 0);
+    for k in 0..f {
+        if k + 1 == f {
+            out.push(start..sizes.len());
+            break;
+        }
+        let target = total * (k + 1) / f;
+        let mut end = start + 1;
+        acc += sizes[start];
+        // Take variables while the run is short of its share, leaving one for each later run.
+        while end < sizes.len() - (f - k - 1) && acc + sizes[end] / 2 <= target {
+            acc += sizes[end];
+            end += 1;
+        }
+        out.push(start..end);
+        start = end;
+    }
+    out
+}
+
+/// An exchange in flight.
+#[derive(Debug)]
+struct InFlight {
+    fragment: usize,
+    /// The step at which it is applied.
+    due: u64,
+    pending: PendingAllReduce,
+    /// This worker's outer gradient, as computed (before the wire's rounding).
+    mine: Vec<f32>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    /// The global parameters of the last meeting, by variable.
+    global: Vec<Vec<f32>>,
+    /// The outer optimizer's velocity, by variable (Nesterov).
+    velocity: Vec<Vec<f32>>,
+    /// What the wire's rounding dropped of the outer gradients sent, by variable.
+    error: Vec<Vec<f32>>,
+    in_flight: VecDeque<InFlight>,
+    /// Bytes of outer gradients this worker sent.
+    sent_bytes: u64,
+    /// Meetings completed.
+    meetings: u64,
+}
+
+/// What the local replicas do to their variables after a meeting: per variable of the
+/// fragment, the new values (`Set`) or what to add (`Add`, keeping the progress made while
+/// the exchange ran).
+#[derive(Clone, Debug)]
+enum Update {
+    Set(usize, Arc<Vec<f32>>),
+    Add(usize, Arc<Vec<f32>>),
+}
+
+/// The outer synchronisation of a [`DistributedOptimizer`](crate::DistributedOptimizer) under
+/// local SGD: the global parameters, the outer optimizer's state and the exchanges in flight.
+#[derive(Debug)]
+pub(crate) struct OuterSync {
+    cfg: LocalSgd,
+    workers: Arc<dyn WorkerCollectives>,
+    runs: Vec<Range<usize>>,
+    shapes: Vec<Vec<usize>>,
+    state: Mutex<State>,
+}
+
+impl OuterSync {
+    /// The outer synchronisation of `vars` (copy 0's trainable variables, whose values now
+    /// are the global parameters: every worker starts from the chief's).
+    pub(crate) fn new(cfg: LocalSgd, workers: Arc<dyn WorkerCollectives>, vars: &[Var]) -> Result<Self> {
+        cfg.check()?;
+        if vars.is_empty() {
+            return Err(Error::InvalidArgument(
+                "local SGD over a model with no trainable variable: nothing to synchronise".into(),
+            ));
+        }
+        let sizes: Vec<usize> = vars.iter().map(|v| v.elem_count()).collect();
+        if cfg.fragments > sizes.len() {
+            return Err(Error::InvalidArgument(format!(
+                "{} fragments of a model of {} trainable variables: use at most {} (a fragment holds whole variables)",
+                cfg.fragments,
+                sizes.len(),
+                sizes.len()
+            )));
+        }
+        let global = vars.iter().map(|v| read(v.as_tensor())).collect::<Result<Vec<_>>>()?;
+        let zeros = || sizes.iter().map(|&n| vec![0f32; n]).collect::<Vec<_>>();
+        let velocity = if matches!(cfg.outer, OuterOptimizer::Nesterov { .. }) { zeros() } else { Vec::new() };
+        let error = if cfg.wire.half_format().is_some() { zeros() } else { Vec::new() };
+        Ok(Self {
+            runs: fragment_runs(&sizes, cfg.fragments),
+            shapes: vars.iter().map(|v| v.dims().to_vec()).collect(),
+            cfg,
+            workers,
+            state: Mutex::new(State { global, velocity, error, ..State::default() }),
+        })
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Bytes of outer gradients this worker sent, and meetings completed.
+    pub(crate) fn traffic(&self) -> (u64, u64) {
+        let s = self.state();
+        (s.sent_bytes, s.meetings)
+    }
+
+    /// After inner step `step` (counted from 1) of every local replica: exchanges due are
+    /// applied, and a fragment met now is sent. Replica 0 talks to the workers; every replica
+    /// then updates its copy `vars` alike.
+    pub(crate) fn after_step(&self, ctx: &ReplicaContext<'_>, vars: &[Var], step: u64) -> Result<()> {
+        let delay = self.cfg.delay();
+        let meets = self.cfg.meeting(step).is_some();
+        let due = step > delay && self.cfg.meeting(step - delay).is_some();
+        if !meets && !due {
+            return Ok(());
+        }
+        let updates = if ctx.replica_id() == 0 {
+            self.exchange(vars, step).map(Arc::new).map_err(|e| e.to_string())
+        } else {
+            Ok(Arc::new(Vec::new()))
+        };
+        let updates = ctx.share_from_first("outer synchronisation", updates)?;
+        apply(vars, &self.shapes, &updates)
+    }
+
+    /// Replica 0's part of step `step`: the exchanges due collected, the fragment met now sent
+    /// (and, without delay, collected at once).
+    fn exchange(&self, vars: &[Var], step: u64) -> Result<Vec<Update>> {
+        let mut st = self.state();
+        let mut updates = Vec::new();
+        while st.in_flight.front().is_some_and(|f| f.due <= step) {
+            let f = st.in_flight.pop_front().expect("checked above");
+            updates.extend(self.land(&mut st, f, true)?);
+        }
+        if let Some(fragment) = self.cfg.meeting(step) {
+            let flight = self.send(&mut st, vars, fragment, step + self.cfg.delay())?;
+            if self.cfg.delay() == 0 {
+                updates.extend(self.land(&mut st, flight, false)?);
+            } else {
+                st.in_flight.push_back(flight);
+            }
+        }
+        Ok(updates)
+    }
+
+    /// Sends `fragment`'s outer gradient, read from `vars`.
+    fn send(&self, st: &mut State, vars: &[Var], fragment: usize, due: u64) -> Result<InFlight> {
+        let workers = &self.workers;
+        let run = self.runs[fragment].clone();
+        let mut mine = Vec::with_capacity(run.clone().map(|i| st.global[i].len()).sum());
+        for i in run.clone() {
+            let local = read(vars[i].as_tensor())?;
+            mine.extend(st.global[i].iter().zip(&local).map(|(g, l)| g - l));
+        }
+        let format = self.cfg.wire.half_format();
+        let pending = match format {
+            None => {
+                st.sent_bytes += 4 * mine.len() as u64;
+                workers.start_all_reduce(ReduceOp::Sum, mine.clone())
+            }
+            Some(format) => {
+                // Error feedback: what the last rounding dropped travels with this one.
+                let mut wire = Vec::with_capacity(mine.len());
+                let mut at = 0;
+                for i in run {
+                    let dropped = &mut st.error[i];
+                    let len = dropped.len();
+                    let start = wire.len();
+                    wire.extend(mine[at..at + len].iter().zip(dropped.iter()).map(|(d, e)| d + e));
+                    let mut rounded = wire[start..].to_vec();
+                    crate::cross_device::compression::round_to(&mut rounded, format);
+                    for ((e, w), r) in dropped.iter_mut().zip(&wire[start..]).zip(&rounded) {
+                        *e = w - r;
+                    }
+                    at += len;
+                }
+                st.sent_bytes += 2 * mine.len() as u64;
+                workers.start_all_reduce_half(wire, format)
+            }
+        };
+        Ok(InFlight { fragment, due, pending, mine })
+    }
+
+    /// Waits for `flight`'s sum, applies the outer optimizer to the fragment's global
+    /// parameters and says what the replicas do: take them (`kept_progress: false`), or add the
+    /// step the global parameters took plus this worker's own outer gradient, keeping the inner
+    /// steps taken while the exchange ran.
+    fn land(&self, st: &mut State, flight: InFlight, kept_progress: bool) -> Result<Vec<Update>> {
+        let InFlight { fragment, pending, mine, .. } = flight;
+        let mut sum = pending.wait()?;
+        if sum.len() != mine.len() {
+            return Err(Error::Cluster(format!(
+                "an outer gradient came back with {} values for {} sent",
+                sum.len(),
+                mine.len()
+            )));
+        }
+        let n = self.workers.num_workers().max(1) as f32;
+        sum.iter_mut().for_each(|x| *x /= n);
+        let mut at = 0;
+        let mut updates = Vec::new();
+        for i in self.runs[fragment].clone() {
+            let len = st.global[i].len();
+            let d = &sum[at..at + len];
+            let before = kept_progress.then(|| st.global[i].clone());
+            match self.cfg.outer {
+                OuterOptimizer::Average => {
+                    st.global[i].iter_mut().zip(d).for_each(|(g, d)| *g -= d);
+                }
+                OuterOptimizer::Nesterov { lr, momentum } => {
+                    let State { global, velocity, .. } = &mut *st;
+                    for ((g, v), &d) in global[i].iter_mut().zip(velocity[i].iter_mut()).zip(d) {
+                        rules::nesterov(g, v, d, lr, momentum);
+                    }
+                }
+            }
+            updates.push(match before {
+                None => Update::Set(i, Arc::new(st.global[i].clone())),
+                Some(before) => {
+                    let add = st.global[i]
+                        .iter()
+                        .zip(&before)
+                        .zip(&mine[at..at + len])
+                        .map(|((new, old), own)| (new - old) + own)
+                        .collect();
+                    Update::Add(i, Arc::new(add))
+                }
+            });
+            at += len;
+        }
+        st.meetings += 1;
+        Ok(updates)
+    }
+
+    /// Outside a step: every exchange in flight applied, then every fragment met once more
+    /// without delay, so that every worker holds the same (global) parameters. Writes every
+    /// copy of `copies`.
+    pub(crate) fn synchronize(&self, copies: &[Vec<Var>]) -> Result<()> {
+        let Some(first) = copies.first() else { return Ok(()) };
+        let mut st = self.state();
+        let mut updates = Vec::new();
+        while let Some(f) = st.in_flight.pop_front() {
+            updates.extend(self.land(&mut st, f, true)?);
+        }
+        for vars in copies {
+            apply(vars, &self.shapes, &updates)?;
+        }
+        let mut updates = Vec::new();
+        for fragment in 0..self.runs.len() {
+            let flight = self.send(&mut st, first, fragment, 0)?;
+            updates.extend(self.land(&mut st, flight, false)?);
+        }
+        for vars in copies {
+            apply(vars, &self.shapes, &updates)?;
+        }
+        Ok(())
+    }
+}
+
+/// A variable's values in f32 on the host.
+fn read(t: &Tensor) -> Result<Vec<f32>> {
+    Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+}
+
+/// Writes `updates` into `vars`.
+fn apply(vars: &[Var], shapes: &[Vec<usize>], updates: &[Update]) -> Result<()> {
+    for u in updates {
+        let (i, values, add) = match u {
+            Update::Set(i, v) => (*i, v, false),
+            Update::Add(i, v) => (*i, v, true),
+        };
+        let var = &vars[i];
+        let t = Tensor::from_slice(values.as_slice(), shapes[i].as_slice(), &candle_core::Device::Cpu)?;
+        let t =
+            if add { (var.as_tensor().to_dtype(DType::F32)?.to_device(&candle_core::Device::Cpu)? + t)? } else { t };
+        var.set(&t.to_dtype(var.dtype())?.to_device(var.device())?)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fragments_are_runs_of_whole_variables_near_equal_in_elements() {
+        assert_eq!(fragment_runs(&[10, 10, 10, 10], 2), vec![0..2, 2..4]);
+        assert_eq!(fragment_runs(&[96, 16, 48, 3], 2), vec![0..1, 1..4]);
+        assert_eq!(fragment_runs(&[1, 1, 1], 3), vec![0..1, 1..2, 2..3]);
+        assert_eq!(fragment_runs(&[100, 1, 1, 1], 3), vec![0..1, 1..2, 2..4]);
+        assert_eq!(fragment_runs(&[5], 1), vec![0..1]);
+    }
+
+    #[test]
+    fn fragments_meet_at_staggered_steps_once_a_period() {
+        let cfg = LocalSgd { every: 8, fragments: 4, ..LocalSgd::default() };
+        let met: Vec<Option<usize>> = (1..=16).map(|s| cfg.meeting(s)).collect();
+        let want = [None, Some(0), None, Some(1), None, Some(2), None, Some(3)];
+        assert_eq!(met[..8], want);
+        assert_eq!(met[8..], want);
+        let one = LocalSgd { every: 3, ..LocalSgd::default() };
+        assert_eq!((1..=6).map(|s| one.meeting(s)).collect::<Vec<_>>(), [None, None, Some(0), None, None, Some(0)]);
+        assert_eq!(cfg.delay(), 1);
+        assert_eq!(one.delay(), 0);
+    }
+
+    #[test]
+    fn bad_settings_are_refused_in_one_line_saying_what_to_change() {
+        let e = |c: LocalSgd| c.check().unwrap_err().to_string();
+        assert!(e(LocalSgd { every: 0, ..LocalSgd::default() }).contains("use --sync-every 1 or more"));
+        assert!(e(LocalSgd { every: 4, fragments: 5, ..LocalSgd::default() }).contains("use 1 to 4 fragments"));
+        assert!(e(LocalSgd { outer: OuterOptimizer::Nesterov { lr: 0.7, momentum: 1.0 }, ..LocalSgd::default() })
+            .contains("use one in [0, 1)"));
+        assert!(e(LocalSgd { every: 8, fragments: 4, delay: Some(2), ..LocalSgd::default() }).contains("use at most 1"));
+        assert!(e(LocalSgd { wire: Compression::PowerSgd { rank: 2, start_step: 0 }, ..LocalSgd::default() })
+            .contains("outer gradients cross in none, fp16 or bf16"));
+        assert!(LocalSgd { every: 1, outer: OuterOptimizer::Average, ..LocalSgd::default() }.is_synchronous());
+    }
+}
