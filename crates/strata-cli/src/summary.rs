@@ -72,6 +72,28 @@ pub struct Summary {
     /// Parameter server: what the ps tasks and the coordinator did.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub parameter_servers: Option<PsSummary>,
+    /// Local SGD / DiLoCo (`--sync-every`): its settings and this worker's outer traffic.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub local_sgd: Option<LocalSgdSummary>,
+}
+
+/// What a local SGD / DiLoCo run did.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+pub struct LocalSgdSummary {
+    /// `--sync-every`: inner steps between two meetings of a fragment.
+    pub sync_every: u64,
+    /// The outer optimizer, as `average` or `nesterov(lr=..,momentum=..)`.
+    pub outer_optimizer: String,
+    /// `--fragments`.
+    pub fragments: usize,
+    /// Inner steps an exchange ran behind.
+    pub delay: u64,
+    /// How outer gradients crossed (`--compression`).
+    pub wire: String,
+    /// Bytes of outer gradients the chief sent.
+    pub outer_bytes_sent: u64,
+    /// Meetings (of a fragment each) completed, the final synchronisation's included.
+    pub meetings: u64,
 }
 
 /// Writes `vars` as safetensors to `path` with `{task}` replaced by `index`.
@@ -124,6 +146,15 @@ pub(crate) fn finish(
         precision: args.precision,
         loss_scale: report.loss_scale,
         parameter_servers,
+        local_sgd: args.local_sgd().zip(report.outer_traffic).map(|(l, (bytes, meetings))| LocalSgdSummary {
+            sync_every: l.every,
+            outer_optimizer: l.outer.to_string(),
+            fragments: l.fragments,
+            delay: l.delay(),
+            wire: args.compression.to_string(),
+            outer_bytes_sent: bytes,
+            meetings,
+        }),
     };
     if let (Some(loss), Some(tokens)) = (summary.validation_loss, summary.tokens_per_second) {
         println!(

@@ -189,6 +189,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         row_block_bytes: (args.row_block_mib * 1024.0 * 1024.0) as usize,
         zero_stage: args.zero_stage,
         zero_units: args.zero_units.clone(),
+        local_sgd: args.local_sgd(),
     };
     // SIGTERM and SIGINT stop training after the current step (with a checkpoint when
     // --checkpoint-dir is set); a second signal ends the process at once.

@@ -196,13 +196,38 @@ pub struct TrainArgs {
     pub row_block_mib: f64,
     /// How gradients cross the network: `none` (f32, exact), `fp16` or `bf16` (16 bits on the
     /// wire: multi-worker-mirrored's ring, every hop adding in f32, or the parameter server's
-    /// pushes and pulls), or `powersgd:RANK` (multi-worker-mirrored: matrix gradients as two
-    /// rank-RANK factors, with error feedback).
+    /// pushes and pulls), `powersgd:RANK` (multi-worker-mirrored: matrix gradients as two
+    /// rank-RANK factors, with error feedback), or `int8` (local SGD's outer gradients only:
+    /// blocks of 64 values with a power-of-two scale).
     #[arg(long, default_value = "none", value_parser = parse_compression)]
     pub compression: Compression,
     /// Reduce after the backward pass instead of overlapping the reduction with it.
     #[arg(long)]
     pub no_overlap: bool,
+    /// Local SGD / DiLoCo (multi-worker-mirrored): each worker steps on its own part of every
+    /// batch, and the workers meet every H steps, averaging how far they moved (1: every step
+    /// synchronous, the default). `--compression` then applies to what they send at a meeting.
+    #[arg(long, default_value_t = 1)]
+    pub sync_every: u64,
+    /// What the workers' mean outer gradient does at a meeting: `average` (local SGD: the
+    /// global parameters become the workers' mean) or `nesterov` (DiLoCo: SGD with Nesterov
+    /// momentum; the default with --sync-every above 1).
+    #[arg(long, value_enum)]
+    pub outer_optimizer: Option<OuterKind>,
+    /// DiLoCo's outer learning rate.
+    #[arg(long, default_value_t = strata::local_sgd::DILOCO_OUTER_LR)]
+    pub outer_lr: f32,
+    /// DiLoCo's outer momentum.
+    #[arg(long, default_value_t = strata::local_sgd::DILOCO_OUTER_MOMENTUM)]
+    pub outer_momentum: f32,
+    /// Streaming DiLoCo: the parameters in this many fragments (whole variables), met at
+    /// staggered steps, each exchange running while the inner steps after it compute.
+    #[arg(long, default_value_t = 1)]
+    pub fragments: usize,
+    /// Inner steps a fragment's exchange runs behind before it is applied (default: 0 with
+    /// one fragment, half the steps between two fragments' meetings with several).
+    #[arg(long)]
+    pub sync_delay: Option<u64>,
     /// ZeRO: 0 (every replica keeps the whole optimizer state), 1 (each replica, across every
     /// worker, keeps the optimizer state of its shard of the parameters and steps that shard),
     /// 2 (and keeps the reduced gradient of its shard only) or 3 (and holds only its shard of
@@ -342,6 +367,68 @@ fn momentum_parser(s: &str) -> std::result::Result<f64, String> {
 }
 
 impl TrainArgs {
+    /// `--sync-every` and its options as the library's settings (`None`: every step
+    /// synchronous).
+    pub fn local_sgd(&self) -> Option<strata::LocalSgd> {
+        use strata::OuterOptimizer;
+        let nesterov = OuterOptimizer::Nesterov { lr: self.outer_lr, momentum: self.outer_momentum };
+        let outer = match self.outer_optimizer {
+            Some(OuterKind::Average) => OuterOptimizer::Average,
+            Some(OuterKind::Nesterov) => nesterov,
+            None if self.sync_every > 1 => nesterov,
+            None => OuterOptimizer::Average,
+        };
+        let l = strata::LocalSgd {
+            every: self.sync_every,
+            outer,
+            fragments: self.fragments,
+            delay: self.sync_delay,
+            wire: self.compression,
+        };
+        (!l.is_synchronous()).then_some(l)
+    }
+
+    /// Refuses local SGD's options where they cannot apply, each in one line.
+    fn check_local_sgd(&self) -> Result<()> {
+        let asked =
+            self.sync_every != 1 || self.outer_optimizer.is_some() || self.fragments != 1 || self.sync_delay.is_some();
+        if self.compression == Compression::Int8 && self.local_sgd().is_none() {
+            return Err(Error::Usage(
+                "--compression int8 carries local SGD's outer gradients (--sync-every above 1), not per-step gradients: use fp16 or bf16 for those".into(),
+            ));
+        }
+        if !asked {
+            return Ok(());
+        }
+        let usage = |m: String| Err(Error::Usage(m));
+        let Some(l) = self.local_sgd() else {
+            return usage(
+                "--fragments and --sync-delay apply to local SGD (--sync-every above 1, or --outer-optimizer nesterov); drop them".into(),
+            );
+        };
+        if self.strategy != StrategyKind::MultiWorkerMirrored {
+            return usage(format!(
+                "--sync-every {} applies to --strategy multi-worker-mirrored, whose workers step on their own between meetings (--strategy {} has no workers to meet); drop it",
+                self.sync_every,
+                self.strategy.name()
+            ));
+        }
+        l.check().map_err(|e| Error::Usage(e.to_string()))?;
+        if self.zero_stage != ZeroStage::Off {
+            return usage(format!(
+                "--zero-stage {} shards over every worker's replicas, but --sync-every {} steps each worker on its own: use --zero-stage 0 with it",
+                self.zero_stage, self.sync_every
+            ));
+        }
+        if self.min_workers.is_some() {
+            return usage("--min-workers with --sync-every: local SGD does not yet follow an elastic membership; drop one of them".into());
+        }
+        if self.checkpoint_dir.is_some() {
+            return usage("--checkpoint-dir with --sync-every: local SGD's checkpoints (the global parameters and the outer optimizer) are not written yet; drop one of them".into());
+        }
+        Ok(())
+    }
+
     /// The optimizer's learning rate and momentum (`--lr`, `--momentum`).
     pub fn hyper(&self) -> strata::Hyper {
         strata::Hyper { lr: self.lr, momentum: self.momentum }
@@ -443,6 +530,7 @@ impl TrainArgs {
                 strata::refusals::elastic_zero_state_of(stage, self.optimizer, checkpointed)?;
             }
         }
+        self.check_local_sgd()?;
         match (self.strategy, self.compression) {
             (_, Compression::None) | (StrategyKind::MultiWorkerMirrored, _) => {}
             // The workers' pushes and pulls travel in 16 bits; PowerSGD is refused here as the
@@ -574,7 +662,16 @@ fn parse_zero_stage(s: &str) -> std::result::Result<ZeroStage, String> {
     s.parse::<ZeroStage>().map_err(|e| e.to_string())
 }
 
-/// `--compression`: `none`, `fp16`, `bf16` or `powersgd:RANK`.
+/// `--outer-optimizer`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum OuterKind {
+    /// Local SGD: the workers' parameters averaged.
+    Average,
+    /// DiLoCo: Nesterov momentum on the workers' mean outer gradient.
+    Nesterov,
+}
+
+/// `--compression`: `none`, `fp16`, `bf16`, `int8` or `powersgd:RANK`.
 fn parse_compression(s: &str) -> std::result::Result<Compression, String> {
     s.parse::<Compression>().map_err(|e| e.to_string())
 }

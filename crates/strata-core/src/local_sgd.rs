@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use candle_core::{DType, Tensor, Var};
 
 use crate::context::ReplicaContext;
-use crate::cross_device::compression::Compression;
+use crate::cross_device::compression::{Compression, SumWire};
 use crate::cross_device::PendingAllReduce;
 use crate::extended::WorkerCollectives;
 use crate::optim::rules;
@@ -80,16 +80,18 @@ pub struct LocalSgd {
     /// fragment, half the steps between two fragments' meetings with several). At most
     /// `H / F - 1`, so that a fragment's exchanges never overlap.
     pub delay: Option<u64>,
-    /// How outer gradients cross the network: `None` (f32), `Fp16` or `Bf16` (16 bits, f32
-    /// sums at every hop, with error feedback of what the rounding dropped). A multi-worker
-    /// strategy sets it from its own compression.
+    /// How outer gradients cross the network: `None` (f32), `Fp16` or `Bf16` (16 bits), or
+    /// `Int8` (int8 blocks of 64 values with a power-of-two scale): f32 sums at every hop, with
+    /// error feedback of what the rounding dropped. A multi-worker strategy sets it from its
+    /// own compression.
     pub wire: Compression,
 }
 
 impl Default for LocalSgd {
-    /// DiLoCo's: `H = 500` inner steps, Nesterov (0.7, 0.9), one fragment, f32.
+    /// DiLoCo's outer optimizer, Nesterov (0.7, 0.9), every `H = 100` inner steps (the paper's
+    /// 500 is for runs of tens of thousands of steps), one fragment, f32.
     fn default() -> Self {
-        Self { every: 500, outer: OuterOptimizer::diloco(), fragments: 1, delay: None, wire: Compression::None }
+        Self { every: 100, outer: OuterOptimizer::diloco(), fragments: 1, delay: None, wire: Compression::None }
     }
 }
 
@@ -119,7 +121,7 @@ impl LocalSgd {
     pub fn check(&self) -> Result<()> {
         let bad = |what: String| Err(Error::InvalidArgument(what));
         if self.every == 0 {
-            return bad("a synchronisation period of 0 steps: use --sync-every 1 or more".into());
+            return bad("a synchronisation period of 0 steps: use a period of 1 step or more".into());
         }
         if self.fragments == 0 || self.fragments as u64 > self.every {
             return bad(format!(
@@ -145,7 +147,7 @@ impl LocalSgd {
         }
         if matches!(self.wire, Compression::PowerSgd { .. }) {
             return bad(format!(
-                "compression {} reduces per-step gradients; outer gradients cross in none, fp16 or bf16",
+                "compression {} reduces per-step gradients; outer gradients cross in none, fp16, bf16 or int8",
                 self.wire
             ));
         }
@@ -264,7 +266,7 @@ impl OuterSync {
         let global = vars.iter().map(|v| read(v.as_tensor())).collect::<Result<Vec<_>>>()?;
         let zeros = || sizes.iter().map(|&n| vec![0f32; n]).collect::<Vec<_>>();
         let velocity = if matches!(cfg.outer, OuterOptimizer::Nesterov { .. }) { zeros() } else { Vec::new() };
-        let error = if cfg.wire.half_format().is_some() { zeros() } else { Vec::new() };
+        let error = if cfg.wire.sum_wire().is_some() { zeros() } else { Vec::new() };
         Ok(Self {
             runs: fragment_runs(&sizes, cfg.fragments),
             shapes: vars.iter().map(|v| v.dims().to_vec()).collect(),
@@ -332,7 +334,7 @@ impl OuterSync {
             let local = read(vars[i].as_tensor())?;
             mine.extend(st.global[i].iter().zip(&local).map(|(g, l)| g - l));
         }
-        let format = self.cfg.wire.half_format();
+        let format = self.cfg.wire.sum_wire();
         let pending = match format {
             None => {
                 st.sent_bytes += 4 * mine.len() as u64;
@@ -347,15 +349,21 @@ impl OuterSync {
                     let len = dropped.len();
                     let start = wire.len();
                     wire.extend(mine[at..at + len].iter().zip(dropped.iter()).map(|(d, e)| d + e));
+                    // What the wire drops of this variable's values (int8's blocks counted from
+                    // the variable's start: the ring's own blocks start at its chunks', so for
+                    // int8 this is the drop's estimate, for 16 bits its exact value).
                     let mut rounded = wire[start..].to_vec();
-                    crate::cross_device::compression::round_to(&mut rounded, format);
+                    format.round(&mut rounded);
                     for ((e, w), r) in dropped.iter_mut().zip(&wire[start..]).zip(&rounded) {
                         *e = w - r;
                     }
                     at += len;
                 }
-                st.sent_bytes += 2 * mine.len() as u64;
-                workers.start_all_reduce_half(wire, format)
+                st.sent_bytes += format.encoded_len(mine.len()) as u64;
+                match format {
+                    SumWire::Half(half) => workers.start_all_reduce_half(wire, half),
+                    SumWire::Int8 => workers.start_all_reduce_int8(wire),
+                }
             }
         };
         Ok(InFlight { fragment, due, pending, mine })
@@ -487,13 +495,13 @@ mod tests {
     #[test]
     fn bad_settings_are_refused_in_one_line_saying_what_to_change() {
         let e = |c: LocalSgd| c.check().unwrap_err().to_string();
-        assert!(e(LocalSgd { every: 0, ..LocalSgd::default() }).contains("use --sync-every 1 or more"));
+        assert!(e(LocalSgd { every: 0, ..LocalSgd::default() }).contains("use a period of 1 step or more"));
         assert!(e(LocalSgd { every: 4, fragments: 5, ..LocalSgd::default() }).contains("use 1 to 4 fragments"));
         assert!(e(LocalSgd { outer: OuterOptimizer::Nesterov { lr: 0.7, momentum: 1.0 }, ..LocalSgd::default() })
             .contains("use one in [0, 1)"));
         assert!(e(LocalSgd { every: 8, fragments: 4, delay: Some(2), ..LocalSgd::default() }).contains("use at most 1"));
         assert!(e(LocalSgd { wire: Compression::PowerSgd { rank: 2, start_step: 0 }, ..LocalSgd::default() })
-            .contains("outer gradients cross in none, fp16 or bf16"));
+            .contains("outer gradients cross in none, fp16, bf16 or int8"));
         assert!(LocalSgd { every: 1, outer: OuterOptimizer::Average, ..LocalSgd::default() }.is_synchronous());
     }
 }

@@ -59,13 +59,13 @@ pub enum WireFormat {
 
 impl WireFormat {
     /// The wire format of a gradient compression: `none` is f32, `fp16` and `bf16` their
-    /// 16-bit formats; `None` for PowerSGD, which a parameter server does not take.
+    /// 16-bit formats; `None` for int8 and PowerSGD, which a parameter server does not take.
     pub fn of(compression: Compression) -> Option<Self> {
         match compression {
             Compression::None => Some(WireFormat::F32),
             Compression::Fp16 => Some(WireFormat::F16),
             Compression::Bf16 => Some(WireFormat::Bf16),
-            Compression::PowerSgd { .. } => None,
+            Compression::Int8 | Compression::PowerSgd { .. } => None,
         }
     }
 

@@ -339,6 +339,11 @@ impl WorkerCollectives for WorkerJob {
             job.run_collective(gen, "all_reduce", |seq| gen.ring.all_reduce_half(seq, &mut data, format)).map(|()| data)
         })
     }
+    fn start_all_reduce_int8(&self, mut data: Vec<f32>) -> PendingAllReduce {
+        self.start_ahead(move |job, gen| {
+            job.run_collective(gen, "all_reduce", |seq| gen.ring.all_reduce_int8(seq, &mut data)).map(|()| data)
+        })
+    }
     fn start_all_reduce(&self, op: ReduceOp, mut data: Vec<f32>) -> PendingAllReduce {
         self.start_ahead(move |job, gen| {
             job.run_collective(gen, "all_reduce", |seq| gen.ring.all_reduce(seq, op, &mut data)).map(|()| data)
@@ -677,6 +682,11 @@ impl MultiWorkerMirroredStrategy {
         let own_address = spec.address(config.task)?.to_string();
         let own_host = host_of(&own_address);
         let local_n = options.local_devices.len();
+        if options.compression == Compression::Int8 && options.options.local_sgd.is_none() {
+            return Err(Error::InvalidArgument(
+                "compression int8 carries local SGD's outer gradients, not per-step gradients: use it with a synchronisation period above 1, or use fp16 or bf16".into(),
+            ));
+        }
         if options.compression != Compression::None && options.cross_worker_ops.is_some() {
             return Err(Error::InvalidArgument(format!(
                 "compression {} applies to the ring, not to cross-worker ops of your own (NCCL); use none with them",

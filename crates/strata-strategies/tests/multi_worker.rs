@@ -783,9 +783,9 @@ fn local_sgd_and_diloco_follow_their_definition_bit_for_bit() {
 }
 
 /// Three workers (the ring's sums change order by chunk): within float rounding of the
-/// definition; outer gradients in bf16 with error feedback stay near the f32 run.
+/// definition; outer gradients in bf16 and int8 with error feedback stay near the f32 run.
 #[test]
-fn diloco_on_three_workers_and_in_bf16_stays_near_its_definition() {
+fn diloco_on_three_workers_and_in_bf16_and_int8_stays_near_its_definition() {
     let cfg = strata_core::LocalSgd { every: 3, ..Default::default() };
     let want = local_sgd_reference(3, 1, &cfg, 6);
     let got = train_local_sgd(3, 1, cfg.clone(), Compression::None, 6);
@@ -799,6 +799,14 @@ fn diloco_on_three_workers_and_in_bf16_stays_near_its_definition() {
     assert_eq!(bits(&half[0].1), bits(&half[1].1));
     // Half the bytes of f32's.
     assert_eq!(2 * half[0].2 .0, exact[0].2 .0);
+    // int8 blocks: within a step of each block of the f32 run, 65 bytes per 64 values.
+    let int8 = train_local_sgd(2, 1, strata_core::LocalSgd { every: 3, ..Default::default() }, Compression::Int8, 6);
+    let rel = relative(&int8[0].1, &exact[0].1);
+    assert!(rel > 0.0 && rel < 5e-2, "int8 outer gradients: {rel} from f32");
+    assert_eq!(bits(&int8[0].1), bits(&int8[1].1));
+    let p: u64 = exact[0].1.iter().map(|v| v.len() as u64).sum();
+    let meetings = exact[0].2 .0 / (4 * p);
+    assert_eq!(int8[0].2 .0, meetings * (p + p.div_ceil(64)));
 }
 
 /// What local SGD cannot take is refused in one line saying what to change.

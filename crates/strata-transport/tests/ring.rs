@@ -792,3 +792,47 @@ fn a_16_bit_wire_sums_in_f32_and_every_rank_gets_the_same_bits() {
         }
     }
 }
+
+/// The int8 wire of local SGD's outer gradients (`Ring::all_reduce_int8`): blocks of 64 values
+/// with a power-of-two scale, every hop adding in f32. Small integers travel exactly (a block
+/// whose largest magnitude is at most 127 has scale 1), so their sums are the closed form, bit
+/// for bit, on chunks that end in a short block too; other values end within a step of every
+/// hop's block (its largest magnitude over 127, once per hop); every rank gets the same bits.
+#[test]
+fn an_int8_wire_sums_in_f32_and_every_rank_gets_the_same_bits() {
+    let small = |r: usize, i: usize| -> f32 { ((i * 7 + r * 13) % 41) as f32 - 20.0 };
+    let rough = |r: usize, i: usize| -> f32 { ((i * 31 + r * 17) % 1009) as f32 * 0.0137 - 6.9 };
+    for n in [2, 3, 5] {
+        // Chunks of 1,000 values: every chunk ends in a block of 40.
+        let cfgs = configs(n, |_, c| c.chunk_bytes = 4000);
+        let results = run(cfgs, move |r, ring| {
+            let ring = ring.unwrap();
+            let mut outs = Vec::new();
+            for (k, len) in SIZES.into_iter().enumerate() {
+                let mut exact: Vec<f32> = (0..len).map(|i| small(r, i)).collect();
+                ring.all_reduce_int8(2 * k as u64, &mut exact).unwrap();
+                let mut other: Vec<f32> = (0..len).map(|i| rough(r, i)).collect();
+                ring.all_reduce_int8(2 * k as u64 + 1, &mut other).unwrap();
+                outs.push((exact, other));
+            }
+            outs
+        });
+        for (k, (exact, other)) in results[0].iter().enumerate() {
+            let len = exact.len();
+            let wrong = (0..len).filter(|&i| exact[i] != (0..n).map(|r| small(r, i)).sum::<f32>()).count();
+            assert_eq!(wrong, 0, "{n} workers, {len} elements: exact sums differ");
+            // Every partial sum is below n * 7 in magnitude: a step of its block is at most
+            // 2 * n * 7 / 127, once per hop and once at the end.
+            let bound = n as f32 * (2.0 * n as f32 * 7.0 / 127.0);
+            for (i, got) in other.iter().enumerate() {
+                let sum: f32 = (0..n).map(|r| rough(r, i)).sum();
+                assert!((got - sum).abs() <= bound, "{n} workers: element {i} is {got}, the sum {sum}");
+            }
+            for (r, res) in results.iter().enumerate().skip(1) {
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert!(bits(&res[k].0) == bits(exact), "rank {r} differs from rank 0 ({n} workers, {len})");
+                assert!(bits(&res[k].1) == bits(other), "rank {r} differs from rank 0 ({n} workers, {len})");
+            }
+        }
+    }
+}

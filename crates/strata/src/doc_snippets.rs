@@ -18,6 +18,8 @@ pub struct YourModel;
 pub struct TrainingLoops;
 #[doc = include_str!("../../../docs/multi-worker.md")]
 pub struct MultiWorker;
+#[doc = include_str!("../../../docs/slow-links.md")]
+pub struct SlowLinks;
 #[doc = include_str!("../../../docs/elastic.md")]
 pub struct Elastic;
 #[doc = include_str!("../../../docs/zero.md")]

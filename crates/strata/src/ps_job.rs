@@ -889,6 +889,7 @@ pub fn train_coordinator(
         stopped: None,
         peak_footprints: Vec::new(),
         loss_scale: None,
+        outer_traffic: None,
     };
     Ok((report, stats))
 }

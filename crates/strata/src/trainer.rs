@@ -251,6 +251,9 @@ pub struct FitReport {
     /// Where dynamic loss scaling ended (the scale, and the steps skipped for a gradient that
     /// was not finite); `None` without it.
     pub loss_scale: Option<strata_core::LossScaleState>,
+    /// Local SGD / DiLoCo: the bytes of outer gradients this worker sent, and the meetings
+    /// (of a fragment each) it took part in.
+    pub outer_traffic: Option<(u64, u64)>,
 }
 
 /// The high-level training loop.
@@ -472,6 +475,7 @@ impl Trainer {
             epochs: fit.epochs,
             peak_footprints,
             loss_scale: opt.loss_scale_state(),
+            outer_traffic: opt.outer_traffic(),
         })
     }
 }

@@ -162,6 +162,13 @@ pub trait WorkerCollectives: Send + Sync + std::fmt::Debug {
         let _ = format;
         self.start_all_reduce(ReduceOp::Sum, data)
     }
+    /// [`start_all_reduce`](WorkerCollectives::start_all_reduce) of a sum whose values cross
+    /// the network in int8 blocks ([`compression::Int8Blocks`]), each hop adding in f32 (local
+    /// SGD's outer gradients); every worker gets the same bits. An implementation without a
+    /// network of its own sums in f32 (the default).
+    fn start_all_reduce_int8(&self, data: Vec<f32>) -> PendingAllReduce {
+        self.start_all_reduce(ReduceOp::Sum, data)
+    }
     /// The elements of a buffer of `len` a reduce-scatter leaves reduced on worker `worker`
     /// ([`start_reduce_scatter`](WorkerCollectives::start_reduce_scatter)): the ring's
     /// segment `(worker + 1) mod n` of `n` even segments, which is where a ring all-reduce

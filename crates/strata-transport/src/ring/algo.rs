@@ -28,7 +28,7 @@
 use std::cell::{Cell, RefCell};
 use std::ops::Range;
 
-use strata_core::cross_device::compression::{self, HalfFormat};
+use strata_core::cross_device::compression::SumWire;
 use strata_core::ReduceOp;
 use tokio::sync::Notify;
 
@@ -150,7 +150,7 @@ async fn pipeline(
     writer: &mut Writer,
     chunks: &[RefCell<&mut [f32]>],
     op: ReduceOp,
-    half: Option<HalfFormat>,
+    half: Option<SumWire>,
     sends: &[SendItem],
     recvs: &[RecvItem],
 ) -> Result<()> {
@@ -159,13 +159,17 @@ async fn pipeline(
     let progress = Notify::new();
     let written = Notify::new();
     let n = ctx.n;
-    let width = if half.is_some() { 2 } else { 4 };
+    // Bytes of a unit on the wire, values of a unit, and the bytes of a run of values.
+    let width = half.map_or(4, SumWire::unit_bytes);
+    let unit = half.map_or(1, SumWire::unit_values);
+    let bytes_of = |n: usize| half.map_or(4 * n, |w| w.encoded_len(n));
     let (left, right) = (reader.peer, writer.peer);
     // Before either future runs: nothing holds a chunk yet.
     let most = sends.iter().map(|i| chunks[i.chunk].borrow().len()).max().unwrap_or(0);
     let send = async {
         writer.send(ctx, &wire::open_frame(ctx.step, &ctx.call)).await?;
-        let mut buf = if half.is_some() || cfg!(target_endian = "big") { vec![0u8; most * width] } else { Vec::new() };
+        let mut buf =
+            if half.is_some() || cfg!(target_endian = "big") { vec![0u8; bytes_of(most)] } else { Vec::new() };
         for (k, item) in sends.iter().enumerate() {
             while done.get() < item.need {
                 progress.notified().await;
@@ -173,7 +177,7 @@ async fn pipeline(
             // Held across the write: the receiver writes other chunks meanwhile, and waits
             // for this send before it writes this one.
             let chunk = chunks[item.chunk].try_borrow().map_err(|_| chunk_error(ctx, right))?;
-            let len = chunk.len() * width;
+            let len = bytes_of(chunk.len());
             let header = wire::header(TAG_DATA, len);
             match half {
                 None if cfg!(target_endian = "little") => {
@@ -184,7 +188,7 @@ async fn pipeline(
                     writer.send_parts(ctx, &header, &buf[..len]).await?;
                 }
                 Some(format) => {
-                    wire::write_halves(&mut buf[..len], &chunk, format);
+                    wire::write_compact(&mut buf[..len], &chunk, format);
                     writer.send_parts(ctx, &header, &buf[..len]).await?;
                 }
             }
@@ -210,17 +214,20 @@ async fn pipeline(
                 _ => {
                     let mut failed = false;
                     reader
-                        .data_with_width(ctx, len * width, width, |at, bytes| {
+                        .data_with_width(ctx, bytes_of(len), width, |at, bytes| {
                             let Ok(mut d) = cell.try_borrow_mut() else {
                                 failed = true;
                                 return;
                             };
-                            let dst = &mut d[at..at + bytes.len() / width];
+                            // Whole units; the run's last may hold fewer values.
+                            let start = (at * unit).min(len);
+                            let end = ((at + bytes.len().div_ceil(width)) * unit).min(len);
+                            let dst = &mut d[start..end];
                             match (item.action, half) {
                                 (Action::Reduce { .. }, None) => wire::combine_bytes(op, dst, bytes),
                                 (Action::Store, None) => wire::store_f32s(dst, bytes),
-                                (Action::Reduce { .. }, Some(format)) => wire::add_halves(dst, bytes, format),
-                                (Action::Store, Some(format)) => wire::store_halves(dst, bytes, format),
+                                (Action::Reduce { .. }, Some(format)) => wire::read_compact(dst, bytes, format, true),
+                                (Action::Store, Some(format)) => wire::read_compact(dst, bytes, format, false),
                             }
                         })
                         .await?;
@@ -233,8 +240,9 @@ async fn pipeline(
                 let mut d = cell.try_borrow_mut().map_err(|_| chunk_error(ctx, left))?;
                 op.finish(&mut d, n);
                 if let Some(format) = half {
-                    // This task sends the segment on in 16 bits: it keeps what it sends.
-                    compression::round_to(&mut d, format);
+                    // This task sends the segment on in the compact wire: it keeps what it sends
+                    // (a chunk's units start where it starts, on every send).
+                    format.round(&mut d);
                 }
             }
             done.set(i + 1);
@@ -261,7 +269,7 @@ pub(crate) async fn ring_all_reduce(
     links: &mut Links,
     op: ReduceOp,
     data: &mut [f32],
-    half: Option<HalfFormat>,
+    half: Option<SumWire>,
 ) -> Result<()> {
     ring(ctx, links, op, data, half, true).await
 }
@@ -284,7 +292,7 @@ async fn ring(
     links: &mut Links,
     op: ReduceOp,
     data: &mut [f32],
-    half: Option<HalfFormat>,
+    half: Option<SumWire>,
     gather: bool,
 ) -> Result<()> {
     let (n, r, len) = (ctx.n, ctx.rank, data.len());

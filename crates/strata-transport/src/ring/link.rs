@@ -105,6 +105,10 @@ pub(crate) struct Reader {
 /// ring payloads are reduced straight out of it.
 const READ_BUFFER: usize = 256 << 10;
 
+/// The largest unit [`Reader::data_with_width`] hands over whole: an int8 block (64 values and
+/// their scale).
+pub(crate) const MAX_UNIT: usize = strata_core::cross_device::compression::INT8_BLOCK + 1;
+
 impl Reader {
     pub(crate) fn new(peer: usize, rd: OwnedReadHalf) -> Self {
         Self { peer, rd: BufReader::with_capacity(READ_BUFFER, rd) }
@@ -195,8 +199,8 @@ impl Reader {
     }
 
     /// Reads one DATA frame of exactly `len` bytes, handing its payload to `sink` straight from
-    /// the read buffer (no copy), in pieces of whole elements of `width` bytes (4: f32s, 2: a
-    /// 16-bit wire): `sink(first element, bytes)`.
+    /// the read buffer (no copy), in pieces of whole units of `width` bytes (4: f32s, 2: a
+    /// 16-bit wire, 65: an int8 block): `sink(first unit, bytes)`.
     pub(crate) async fn data_with_width(
         &mut self,
         ctx: &Ctx<'_>,
@@ -204,7 +208,7 @@ impl Reader {
         width: usize,
         mut sink: impl FnMut(usize, &[u8]),
     ) -> Result<()> {
-        debug_assert!(width == 2 || width == 4);
+        debug_assert!((1..=MAX_UNIT).contains(&width));
         let (tag, flen) = self.header(ctx).await?;
         if tag != TAG_DATA || flen != len {
             return Err(ctx.protocol(
@@ -213,7 +217,7 @@ impl Reader {
             ));
         }
         let mut done = 0usize; // payload bytes consumed
-        let mut carry = [0u8; 4]; // an element split between two reads
+        let mut carry = [0u8; MAX_UNIT]; // a unit split between two reads
         let mut carried = 0usize;
         while done < len {
             Ctx::begin(&ctx.reading, self.peer);
@@ -245,6 +249,10 @@ impl Reader {
             carried += rest.len();
             self.rd.consume(take);
             done += take;
+        }
+        // A run of values may end with a shorter unit (an int8 block of fewer than 64).
+        if carried > 0 {
+            sink(len / width, &carry[..carried]);
         }
         Ok(())
     }

@@ -69,7 +69,7 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use strata_core::cross_device::compression::HalfFormat;
+use strata_core::cross_device::compression::{HalfFormat, SumWire};
 use strata_core::ReduceOp;
 use tokio::runtime::Runtime;
 
@@ -319,17 +319,26 @@ impl Ring {
     /// hop adding in f32 (a gradient compressed for the link): the ring algorithm whatever the
     /// size, and every task ends with the same bits, the sum as the 16-bit wire carries it.
     pub fn all_reduce_half(&self, step: u64, data: &mut [f32], format: HalfFormat) -> Result<()> {
-        off_runtime(|| self.all_reduce_inner(step, ReduceOp::Sum, data, Some(format)))
+        off_runtime(|| self.all_reduce_inner(step, ReduceOp::Sum, data, Some(SumWire::Half(format))))
+    }
+
+    /// Sums `data` across the workers with the values on the wire in int8 blocks
+    /// ([`Int8Blocks`](strata_core::cross_device::compression::Int8Blocks): 65 bytes per 64
+    /// values), each hop adding in f32: the ring algorithm whatever the size, and every task
+    /// ends with the same bits.
+    pub fn all_reduce_int8(&self, step: u64, data: &mut [f32]) -> Result<()> {
+        off_runtime(|| self.all_reduce_inner(step, ReduceOp::Sum, data, Some(SumWire::Int8)))
     }
 
     fn all_reduce_here(&self, step: u64, op: ReduceOp, data: &mut [f32]) -> Result<()> {
         self.all_reduce_inner(step, op, data, None)
     }
 
-    fn all_reduce_inner(&self, step: u64, op: ReduceOp, data: &mut [f32], half: Option<HalfFormat>) -> Result<()> {
+    fn all_reduce_inner(&self, step: u64, op: ReduceOp, data: &mut [f32], half: Option<SumWire>) -> Result<()> {
         let call = match half {
             None => Call::AllReduce { op, count: data.len() as u64 },
-            Some(half) => Call::AllReduceHalf { half, count: data.len() as u64 },
+            Some(SumWire::Half(half)) => Call::AllReduceHalf { half, count: data.len() as u64 },
+            Some(SumWire::Int8) => Call::AllReduceInt8 { count: data.len() as u64 },
         };
         let mut st = self.begin(step, &call)?;
         if self.size() == 1 {

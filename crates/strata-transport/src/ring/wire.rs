@@ -17,7 +17,7 @@
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
-use strata_core::cross_device::compression::{add_decoded_into, HalfFormat};
+use strata_core::cross_device::compression::{add_decoded_into, HalfFormat, Int8Blocks, SumWire, INT8_BLOCK};
 use strata_core::ReduceOp;
 
 use crate::Error;
@@ -66,6 +66,8 @@ pub(crate) enum Call {
     AllReduceHalf { half: HalfFormat, count: u64 },
     /// `reduce_scatter(op, count f32)`.
     ReduceScatter { op: ReduceOp, count: u64 },
+    /// `all_reduce(sum, count f32)` with the values on the wire in int8 blocks.
+    AllReduceInt8 { count: u64 },
 }
 
 impl Call {
@@ -87,6 +89,7 @@ impl Call {
             Call::BroadcastU64 { root, count } => (5, NO_OP, root, count),
             Call::AllReduceHalf { half, count } => (6, half_code(half), 0, count),
             Call::ReduceScatter { op, count } => (7, op_code(op), 0, count),
+            Call::AllReduceInt8 { count } => (8, NO_OP, 0, count),
         }
     }
 }
@@ -107,6 +110,7 @@ impl fmt::Display for Call {
                 };
                 write!(f, "all_reduce(sum, {count} f32 as {name} on the wire)")
             }
+            Call::AllReduceInt8 { count } => write!(f, "all_reduce(sum, {count} f32 as int8 blocks on the wire)"),
         }
     }
 }
@@ -184,6 +188,7 @@ pub(crate) fn parse_open(p: &[u8]) -> Result<(u64, Call), String> {
             Some(op) => Call::ReduceScatter { op, count },
             None => return Err(format!("a reduce_scatter with unknown op code {}", p[9])),
         },
+        8 => Call::AllReduceInt8 { count },
         k => return Err(format!("an OPEN frame for unknown collective kind {k}")),
     };
     Ok((step, call))
@@ -358,6 +363,36 @@ pub(crate) fn add_halves(acc: &mut [f32], bytes: &[u8], format: HalfFormat) {
 /// Overwrites `dst` with the 16-bit values in `bytes`.
 pub(crate) fn store_halves(dst: &mut [f32], bytes: &[u8], format: HalfFormat) {
     word_blocks(bytes, |at, ws| format.decode(ws, &mut dst[at..at + ws.len()]));
+}
+
+/// Writes `src` in `wire`'s units into `dst` (`dst.len() == wire.encoded_len(src.len())`).
+pub(crate) fn write_compact(dst: &mut [u8], src: &[f32], wire: SumWire) {
+    match wire {
+        SumWire::Half(format) => write_halves(dst, src, format),
+        SumWire::Int8 => {
+            for (d, s) in dst.chunks_mut(INT8_BLOCK + 1).zip(src.chunks(INT8_BLOCK)) {
+                Int8Blocks::encode_block(s, d);
+            }
+        }
+    }
+}
+
+/// `acc[i] += x[i]` (`add`) or `acc[i] = x[i]` with `x` the values of whole units of `wire` in
+/// `bytes` (the last unit of a run may be shorter: `acc` says how many values it holds).
+pub(crate) fn read_compact(acc: &mut [f32], bytes: &[u8], wire: SumWire, add: bool) {
+    match (wire, add) {
+        (SumWire::Half(format), true) => add_halves(acc, bytes, format),
+        (SumWire::Half(format), false) => store_halves(acc, bytes, format),
+        (SumWire::Int8, _) => {
+            for (a, b) in acc.chunks_mut(INT8_BLOCK).zip(bytes.chunks(INT8_BLOCK + 1)) {
+                if add {
+                    Int8Blocks::add_block(b, a);
+                } else {
+                    Int8Blocks::store_block(b, a);
+                }
+            }
+        }
+    }
 }
 
 /// The handshake a dialing task sends: who it is and what it runs.

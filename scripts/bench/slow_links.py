@@ -1,0 +1,257 @@
+#!/usr/bin/env python3
+"""Training where the link is slow: per-step synchronous MultiWorkerMirrored beside local SGD and
+DiLoCo (`strata train --sync-every H`), on emulated hosts (network namespaces, tbf-shaped links:
+the topology and shaping of hosts_bench.py, whose helpers this script uses).
+
+Run it through scripts/bench/slow-links.sh (root, one run at a time, cleanup on any exit):
+
+  sudo scripts/bench/slow-links.sh                                  # 4 hosts, 50mbit and unshaped
+  sudo scripts/bench/slow-links.sh --hosts 2 --links 1gbit,unshaped # 2 hosts at 1 Gbit/s
+  sudo scripts/bench/slow-links.sh --configs sync,diloco:100,diloco:100:bf16,streaming:100:4
+
+Every configuration trains the default character transformer (Tiny Shakespeare, 32 windows of
+64 tokens a global batch, AdamW lr 0.003) for --steps steps, one replica a host, and reports its
+steady-state tokens/s, its validation loss after the last step, and the bytes each worker sent:
+a ring all-reduce of N bytes sends 2 (n - 1) / n N from each of n workers; per-step sync reduces
+4P bytes every step (P parameters), local SGD the outer bytes its summary counts
+(`local_sgd.outer_bytes_sent`: every meeting's fragment, and the final synchronisation).
+
+Per-step synchronous training computes the same bits at any link rate (its sums keep their
+order), so on a shaped link it runs --sync-steps steps (default 100) for its rate only, and its
+validation loss is the unshaped run's of --steps steps (said in the report).
+
+Configurations (--configs, comma-separated): `sync`; `diloco:H[:WIRE]` (Nesterov 0.7/0.9 every
+H steps; WIRE none, bf16 or fp16: --compression); `local:H` (averaging every H steps);
+`streaming:H:F[:WIRE]` (DiLoCo in F fragments at staggered steps, each exchange half the steps
+between two fragments' meetings behind). Rounds (--repeats, default 3) alternate every link and
+configuration (A B C A B C); medians are reported, with each ratio taken within a round.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import signal
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import hosts_bench as hb  # noqa: E402
+
+STEPS = 1200
+SYNC_STEPS = 100
+BATCH = 32
+CONTEXT = 64
+
+
+def parser():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hosts", type=int, default=4, help="emulated hosts, one worker each (default 4)")
+    ap.add_argument("--links", default="50mbit,unshaped", help="link rates, comma-separated (tc's units: 10mbit, 1gbit; "
+                    "unshaped: no tbf); default 50mbit,unshaped")
+    ap.add_argument("--configs", default="sync,diloco:100,diloco:100:bf16,streaming:100:4",
+                    help="what runs on every link (default sync,diloco:100,diloco:100:bf16,streaming:100:4)")
+    ap.add_argument("--steps", type=int, default=STEPS, help=f"training steps a run (default {STEPS})")
+    ap.add_argument("--sync-steps", type=int, default=SYNC_STEPS,
+                    help=f"per-step sync's steps on a shaped link, for its rate (default {SYNC_STEPS})")
+    ap.add_argument("--repeats", type=int, default=3, help="alternating rounds (default 3)")
+    ap.add_argument("--strata", default=os.path.join(hb.ROOT, "target", "release", "strata"))
+    ap.add_argument("--strata-flags", default="", help="more flags for every strata train")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds a run may take (default 1800)")
+    ap.add_argument("--save", help="keep the figures as JSON here")
+    ap.add_argument("--render", help="print a saved run's report")
+    ap.add_argument("--command", help=argparse.SUPPRESS)
+    return ap
+
+
+def parse_config(c):
+    """A configuration's strata train flags, or an error string."""
+    parts = c.split(":")
+    kind = parts[0]
+    if kind == "sync" and len(parts) == 1:
+        return []
+    try:
+        if kind in ("diloco", "local") and len(parts) in (2, 3):
+            flags = ["--sync-every", str(int(parts[1])),
+                     "--outer-optimizer", "nesterov" if kind == "diloco" else "average"]
+            return flags + (["--compression", parts[2]] if len(parts) == 3 else [])
+        if kind == "streaming" and len(parts) in (3, 4):
+            flags = ["--sync-every", str(int(parts[1])), "--fragments", str(int(parts[2]))]
+            return flags + (["--compression", parts[3]] if len(parts) == 4 else [])
+    except ValueError:
+        pass
+    return f"unknown configuration {c!r}: use sync, diloco:H[:WIRE], local:H or streaming:H:F[:WIRE]"
+
+
+def run(a, n, config, steps, logdir, tag):
+    out = os.path.join(logdir, f"{tag}.json")
+    port = hb.next_port()
+    workers = [f"{hb.addr(i)}:{port}" for i in range(n)]
+    base = [a.strata, "train", "--strategy", "multi-worker-mirrored", "--replicas", "1", "--model", "transformer",
+            "--batch", str(BATCH), "--lr", "0.003", "--steps", str(steps), "--no-progress", "--out", out]
+    base += parse_config(config) + shlex.split(a.strata_flags)
+    jobs = []
+    for i in range(n):
+        env = dict(os.environ, TF_CONFIG=json.dumps({"cluster": {"worker": workers},
+                                                     "task": {"type": "worker", "index": i}}))
+        jobs.append((base + ["--bind", hb.addr(i)], env))
+    _, why = hb.run_hosts(jobs, logdir, tag, a.timeout)
+    if why:
+        return None, why
+    try:
+        s = json.load(open(out))
+    except (OSError, ValueError) as e:
+        return None, f"no summary from the chief: {e}"
+    p = s["parameters"]
+    ring = 2 * (n - 1) / n
+    payload = s["local_sgd"]["outer_bytes_sent"] if s.get("local_sgd") else 4 * p * steps
+    return {"rate": s["tokens_per_second"], "loss": s["validation_loss"], "bytes": ring * payload,
+            "steps": steps, "parameters": p, "wall": s["wall_seconds"]}, None
+
+
+def median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def fmt(v, spec=",.0f"):
+    return "n/a" if v is None else format(v, spec)
+
+
+def render(rec):
+    n, links, configs, rounds = rec["hosts"], rec["links"], rec["configs"], rec["rounds"]
+    lines = [f"# Local SGD and DiLoCo on {n} emulated hosts ({rec['started']})", ""] + rec["header"] + [""]
+    cell = lambda link, c, r, k: (rounds[r].get(f"{link}|{c}") or {}).get(k)  # noqa: E731
+    unshaped = "unshaped" if "unshaped" in links else None
+    sync_loss = median([cell(unshaped, "sync", r, "loss") for r in range(len(rounds))]) if unshaped else None
+    for link in links:
+        lines += [f"## {link}", "",
+                  "| configuration | tokens/s | / sync (same link) | / sync unshaped | validation loss | - sync's | "
+                  "bytes sent per worker | sync / this |", "|---|--:|--:|--:|--:|--:|--:|--:|"]
+        for c in configs:
+            rate = median([cell(link, c, r, "rate") for r in range(len(rounds))])
+            ratio = lambda other_link, other="sync": median([  # noqa: E731
+                cell(link, c, r, "rate") / cell(other_link, other, r, "rate")
+                for r in range(len(rounds)) if cell(link, c, r, "rate") and cell(other_link, other, r, "rate")])
+            loss = median([cell(link, c, r, "loss") for r in range(len(rounds))])
+            steps = median([cell(link, c, r, "steps") for r in range(len(rounds))])
+            if c == "sync" and link != unshaped:
+                loss = sync_loss
+            byt = median([cell(link, c, r, "bytes") for r in range(len(rounds))])
+            sync_bytes = median([cell(link, "sync", r, "bytes") / cell(link, "sync", r, "steps")
+                                 for r in range(len(rounds)) if cell(link, "sync", r, "bytes")])
+            full = rec["steps"]
+            if c == "sync" and byt is not None:
+                byt = byt / steps * full  # the bytes of the full run
+            lines.append(
+                f"| {c}{' (' + str(int(steps)) + ' steps, rate only)' if c == 'sync' and steps and steps != full else ''} "
+                f"| {fmt(rate)} | {fmt(ratio(link), '.2f')}x | "
+                f"{fmt(ratio(unshaped) if unshaped else None, '.2f')}x | {fmt(loss, '.4f')} | "
+                f"{fmt(None if loss is None or sync_loss is None else loss - sync_loss, '+.4f')} | "
+                f"{hb.fmt_bytes(byt) if byt is not None else 'n/a'} | "
+                f"{fmt(None if not byt or sync_bytes is None else sync_bytes * full / byt, ',.1f')}x |")
+        lines.append("")
+    lines += ["Every run (tokens/s; validation loss):", ""]
+    for r, cells in enumerate(rounds):
+        lines.append(f"- round {r + 1}: " + "; ".join(
+            f"{k.replace('|', ' ')} {fmt(v['rate'])} ({fmt(v['loss'], '.4f')})" if v else f"{k.replace('|', ' ')} failed"
+            for k, v in cells.items()))
+    return "\n".join(lines)
+
+
+def main(argv):
+    a = parser().parse_args(argv)
+    if a.render:
+        print(render(json.load(open(a.render))))
+        return 0
+    links = []
+    for link in a.links.split(","):
+        bits = None if link == "unshaped" else hb.parse_rate(link)
+        if link != "unshaped" and bits is None:
+            print(f"slow-links: link rate {link!r} does not parse: use tc's units (50mbit, 1gbit) or unshaped", file=sys.stderr)
+            return 2
+        links.append((link, bits))
+    configs = a.configs.split(",")
+    for c in configs:
+        if isinstance(parse_config(c), str):
+            print("slow-links: " + parse_config(c), file=sys.stderr)
+            return 2
+    if not os.access(a.strata, os.X_OK):
+        print(f"slow-links: {a.strata} not found: cargo build --release -p strata-cli", file=sys.stderr)
+        return 2
+    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(s, hb.on_signal)
+    log = lambda *x: print(*x, file=sys.stderr, flush=True)  # noqa: E731
+    started = datetime.datetime.now(datetime.timezone.utc)
+    load0 = open("/proc/loadavg").read().split()[:3]
+    logdir = tempfile.mkdtemp(prefix="strata-bh-logs-")
+    hb.LOGDIR[0] = logdir
+    os.environ.setdefault("STRATA_CLUSTER_TOKEN", os.urandom(24).hex())
+    t0 = time.time()
+    n = a.hosts
+    hb.build_hosts(n)
+    rounds, failures, goodput = [], [], {}
+    for rep in range(a.repeats):
+        cells = {}
+        for link, bits in links:
+            hb.shape(n, bits, log if rep == 0 else (lambda *_: None))
+            if link not in goodput:
+                goodput[link] = hb.measure_link(hb.next_port())
+            for c in configs:
+                steps = a.sync_steps if c == "sync" and bits is not None else a.steps
+                tag = f"n{n}-{link}-{c}-r{rep}".replace(":", "_")
+                t = time.time()
+                r, why = run(a, n, c, steps, logdir, tag)
+                cells[f"{link}|{c}"] = r
+                if r is None:
+                    failures.append(f"round {rep + 1}, {link}, {c}: {why}")
+                    log(f"round {rep + 1}, {link}, {c}: failed ({why}); logs in {logdir}")
+                else:
+                    log(f"round {rep + 1}, {link}, {c}: {r['rate']:,.0f} tokens/s, loss {r['loss']:.4f}, "
+                        f"{hb.fmt_bytes(r['bytes'])} sent ({time.time() - t:.0f} s)")
+        rounds.append(cells)
+    hb.teardown()
+    load1 = open("/proc/loadavg").read().split()[:3]
+    header = [
+        f"- command: `{a.command or ' '.join(['scripts/bench/slow-links.sh'] + argv)}`",
+        f"- CPU: {hb.cpu_model()}, {os.cpu_count()} cores; load average {' '.join(load0)} at the start, "
+        f"{' '.join(load1)} at the end; {time.time() - t0:.0f} s in all",
+        f"- strata: {a.strata}; the default transformer, {BATCH} windows of {CONTEXT} tokens a global batch, "
+        f"AdamW lr 0.003, {a.steps} steps (per-step sync on a shaped link: {a.sync_steps} steps, its rate only; "
+        f"its loss is the unshaped run's, the same bits)",
+        f"- hosts: {n} network namespaces on one bridge, one worker process each; links: " + ", ".join(
+            f"{link}" + (f" (tbf {hb.fmt_rate(bits)}, burst {hb.burst_bytes(bits) // 1024} KiB, latency {hb.LATENCY})"
+                         if bits else "") for link, bits in links),
+        "- measured TCP goodput host 1 -> host 2 (one stream, 1.5 s): " + ", ".join(
+            f"{k} {v:.3f} Gbit/s" if v else f"{k} n/a" for k, v in goodput.items()),
+        "- bytes sent per worker: a ring all-reduce of N bytes sends 2 (n - 1) / n N from each worker; "
+        "per-step sync all-reduces 4P bytes a step, local SGD what its summary counts",
+        f"- {a.repeats} rounds, every link and configuration once a round, in the order above; medians",
+    ]
+    if failures:
+        header.append("- failed runs: " + "; ".join(failures))
+    rec = {"started": started.strftime("%Y-%m-%d %H:%M UTC"), "header": header, "hosts": n,
+           "links": [link for link, _ in links], "configs": configs, "rounds": rounds, "steps": a.steps}
+    if a.save:
+        json.dump(rec, open(a.save, "w"), indent=1)
+    print(render(rec), flush=True)
+    if failures:
+        hb.LOGDIR[1] = True
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    code = 1
+    try:
+        code = main(sys.argv[1:])
+    finally:
+        if hb.TOUCHED[0]:
+            hb.teardown()
+        if hb.LOGDIR[0] and not hb.LOGDIR[1]:
+            import shutil
+            shutil.rmtree(hb.LOGDIR[0], ignore_errors=True)
+    sys.exit(code)
