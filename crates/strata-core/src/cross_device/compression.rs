@@ -1113,9 +1113,13 @@ mod tests {
 
     #[test]
     fn spellings_round_trip_and_errors_say_what_to_change() {
-        for c in
-            [Compression::None, Compression::Fp16, Compression::Bf16, Compression::PowerSgd { rank: 4, start_step: 0 }]
-        {
+        for c in [
+            Compression::None,
+            Compression::Fp16,
+            Compression::Bf16,
+            Compression::Int8,
+            Compression::PowerSgd { rank: 4, start_step: 0 },
+        ] {
             assert_eq!(c.to_string().parse::<Compression>(), Ok(c));
         }
         assert_eq!("powersgd:12".parse(), Ok(Compression::PowerSgd { rank: 12, start_step: 0 }));
@@ -1124,8 +1128,8 @@ mod tests {
         assert_eq!(late.to_string(), "powersgd:4:100");
         assert_eq!("powersgd:4:0".parse::<Compression>().map(|c| c.to_string()), Ok("powersgd:4".to_string()));
         let err = |s: &str| s.parse::<Compression>().unwrap_err().to_string();
-        assert_eq!(err("zstd"), r#"unknown compression "zstd": use none, fp16, bf16 or powersgd:RANK"#);
-        assert_eq!(err("FP16"), r#"unknown compression "FP16": use none, fp16, bf16 or powersgd:RANK"#);
+        assert_eq!(err("zstd"), r#"unknown compression "zstd": use none, fp16, bf16, int8 or powersgd:RANK"#);
+        assert_eq!(err("FP16"), r#"unknown compression "FP16": use none, fp16, bf16, int8 or powersgd:RANK"#);
         assert_eq!(err("powersgd"), r#"compression "powersgd" has no rank: use powersgd:RANK, e.g. powersgd:4"#);
         assert_eq!(err("powersgd:"), r#"compression "powersgd:" has no rank: use powersgd:RANK, e.g. powersgd:4"#);
         assert_eq!(

@@ -18,6 +18,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use crate::cross_device::WorkerCollectives;
+
+pub mod local_sgd;
 use crate::cross_device::{CrossDeviceOps, DEFAULT_BUCKET_BYTES, DEFAULT_ROW_BLOCK_BYTES};
 use crate::device::{candle_device, LogicalDevice};
 use crate::group::{ReplicaGroup, DEFAULT_COLLECTIVE_TIMEOUT};
@@ -92,10 +94,10 @@ pub struct StrategyOptions {
     /// variable is refused in one line when the optimizer is built, and below stage 3 they are
     /// not used.
     pub zero_units: Vec<String>,
-    /// Local SGD or DiLoCo ([`LocalSgd`](crate::local_sgd::LocalSgd)): every step local to a
+    /// Local SGD or DiLoCo ([`LocalSgd`](local_sgd::LocalSgd)): every step local to a
     /// worker, the workers meeting every `H` steps (`None`, the default, or `H = 1` averaging:
     /// every step synchronous). MultiWorkerMirrored takes it; the other strategies refuse it.
-    pub local_sgd: Option<crate::local_sgd::LocalSgd>,
+    pub local_sgd: Option<local_sgd::LocalSgd>,
 }
 
 /// ZeRO's stages (DeepSpeed; PyTorch's `ZeroRedundancyOptimizer`): what each replica, across
