@@ -16,14 +16,18 @@ a ring all-reduce of N bytes sends 2 (n - 1) / n N from each of n workers; per-s
 4P bytes every step (P parameters), local SGD the outer bytes its summary counts
 (`local_sgd.outer_bytes_sent`: every meeting's fragment, and the final synchronisation).
 
-Per-step synchronous training computes the same bits at any link rate (its sums keep their
-order), so on a shaped link it runs --sync-steps steps (default 100) for its rate only, and its
-validation loss is the unshaped run's of --steps steps (said in the report).
+Per-step synchronous training (Strata's sync, PyTorch's DDP) computes the same bits at any link
+rate (its sums keep their order), so on a shaped link it runs --sync-steps steps (default 100)
+for its rate only, and its validation loss is the unshaped run's of --steps steps (said in the
+report).
 
 Configurations (--configs, comma-separated): `sync`; `diloco:H[:WIRE]` (Nesterov 0.7/0.9 every
 H steps; WIRE none, bf16 or fp16: --compression); `local:H` (averaging every H steps);
 `streaming:H:F[:WIRE]` (DiLoCo in F fragments at staggered steps, each exchange half the steps
-between two fragments' meetings behind). Rounds (--repeats, default 3) alternate every link and
+between two fragments' meetings behind); `torch-ddp` and `torch-diloco:H[:bf16]`: PyTorch's
+DDP and DiLoCo over gloo (scripts/bench/peers/diloco_peer.py, the same transformer, batch and
+AdamW, its own data pipeline and validation windows), from --python (the peers' virtual
+environment, as scripts/bench/peers.sh installs it). Rounds (--repeats, default 3) alternate every link and
 configuration (A B C A B C); medians are reported, with each ratio taken within a round.
 """
 
@@ -59,8 +63,11 @@ def parser():
     ap.add_argument("--sync-steps", type=int, default=SYNC_STEPS,
                     help=f"per-step sync's steps on a shaped link, for its rate (default {SYNC_STEPS})")
     ap.add_argument("--repeats", type=int, default=3, help="alternating rounds (default 3)")
+    ap.add_argument("--lr", type=float, default=0.003, help="the (inner) optimizer's learning rate (default 0.003)")
     ap.add_argument("--strata", default=os.path.join(hb.ROOT, "target", "release", "strata"))
     ap.add_argument("--strata-flags", default="", help="more flags for every strata train")
+    ap.add_argument("--python", default=os.path.join(os.environ.get("PEERS_VENV", os.path.expanduser(
+        "~/.cache/strata/peers-venv")), "bin", "python"), help="the Python with torch for torch-* configurations")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds a run may take (default 1800)")
     ap.add_argument("--save", help="keep the figures as JSON here")
     ap.add_argument("--render", help="print a saved run's report")
@@ -68,12 +75,23 @@ def parser():
     return ap
 
 
+PER_STEP = ("sync", "torch-ddp")
+
+
 def parse_config(c):
-    """A configuration's strata train flags, or an error string."""
+    """A configuration's flags (strata train's, or diloco_peer.py's for torch-*), or an error
+    string."""
     parts = c.split(":")
     kind = parts[0]
     if kind == "sync" and len(parts) == 1:
         return []
+    if kind == "torch-ddp" and len(parts) == 1:
+        return ["--ddp"]
+    if kind == "torch-diloco" and len(parts) in (2, 3):
+        try:
+            return ["--sync-every", str(int(parts[1]))] + (["--wire", parts[2]] if len(parts) == 3 else [])
+        except ValueError:
+            pass
     try:
         if kind in ("diloco", "local") and len(parts) in (2, 3):
             flags = ["--sync-every", str(int(parts[1])),
@@ -84,15 +102,40 @@ def parse_config(c):
             return flags + (["--compression", parts[3]] if len(parts) == 4 else [])
     except ValueError:
         pass
-    return f"unknown configuration {c!r}: use sync, diloco:H[:WIRE], local:H or streaming:H:F[:WIRE]"
+    return (f"unknown configuration {c!r}: use sync, diloco:H[:WIRE], local:H, streaming:H:F[:WIRE], torch-ddp or "
+            "torch-diloco:H[:bf16]")
+
+
+def torch_run(a, n, config, steps, logdir, tag):
+    """PyTorch's DiLoCo or DDP (peers/diloco_peer.py), one process per host over gloo."""
+    port = hb.next_port()
+    base = [a.python, os.path.join(HERE, "peers", "diloco_peer.py"), "--steps", str(steps), "--lr", str(a.lr)]
+    base += parse_config(config)
+    jobs = []
+    for i in range(n):
+        env = dict(os.environ, RANK=str(i), WORLD_SIZE=str(n), MASTER_ADDR=hb.addr(0), MASTER_PORT=str(port),
+                   GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1")
+        jobs.append((base, env))
+    outs, why = hb.run_hosts(jobs, logdir, tag, a.timeout)
+    if why:
+        return None, why
+    try:
+        s = json.loads([x for x in outs[0][0].splitlines() if x.startswith("{")][-1])
+    except (IndexError, ValueError) as e:
+        return None, f"no result from rank 0: {e}"
+    return {"rate": s["tokens_per_second"], "loss": s["validation_loss"],
+            "bytes": 2 * (n - 1) / n * s["allreduced_bytes"], "steps": steps, "parameters": s["parameters"],
+            "wall": None}, None
 
 
 def run(a, n, config, steps, logdir, tag):
+    if config.startswith("torch-"):
+        return torch_run(a, n, config, steps, logdir, tag)
     out = os.path.join(logdir, f"{tag}.json")
     port = hb.next_port()
     workers = [f"{hb.addr(i)}:{port}" for i in range(n)]
     base = [a.strata, "train", "--strategy", "multi-worker-mirrored", "--replicas", "1", "--model", "transformer",
-            "--batch", str(BATCH), "--lr", "0.003", "--steps", str(steps), "--no-progress", "--out", out]
+            "--batch", str(BATCH), "--lr", str(a.lr), "--steps", str(steps), "--no-progress", "--out", out]
     base += parse_config(config) + shlex.split(a.strata_flags)
     jobs = []
     for i in range(n):
@@ -127,7 +170,9 @@ def render(rec):
     lines = [f"# Local SGD and DiLoCo on {n} emulated hosts ({rec['started']})", ""] + rec["header"] + [""]
     cell = lambda link, c, r, k: (rounds[r].get(f"{link}|{c}") or {}).get(k)  # noqa: E731
     unshaped = "unshaped" if "unshaped" in links else None
-    sync_loss = median([cell(unshaped, "sync", r, "loss") for r in range(len(rounds))]) if unshaped else None
+    per_step_loss = {c: median([cell(unshaped, c, r, "loss") for r in range(len(rounds))]) if unshaped else None
+                     for c in PER_STEP}
+    sync_loss = per_step_loss["sync"]
     for link in links:
         lines += [f"## {link}", "",
                   "| configuration | tokens/s | / sync (same link) | / sync unshaped | validation loss | - sync's | "
@@ -139,16 +184,16 @@ def render(rec):
                 for r in range(len(rounds)) if cell(link, c, r, "rate") and cell(other_link, other, r, "rate")])
             loss = median([cell(link, c, r, "loss") for r in range(len(rounds))])
             steps = median([cell(link, c, r, "steps") for r in range(len(rounds))])
-            if c == "sync" and link != unshaped:
-                loss = sync_loss
+            if c in PER_STEP and link != unshaped:
+                loss = per_step_loss[c]
             byt = median([cell(link, c, r, "bytes") for r in range(len(rounds))])
             sync_bytes = median([cell(link, "sync", r, "bytes") / cell(link, "sync", r, "steps")
                                  for r in range(len(rounds)) if cell(link, "sync", r, "bytes")])
             full = rec["steps"]
-            if c == "sync" and byt is not None:
+            if c in PER_STEP and byt is not None:
                 byt = byt / steps * full  # the bytes of the full run
             lines.append(
-                f"| {c}{' (' + str(int(steps)) + ' steps, rate only)' if c == 'sync' and steps and steps != full else ''} "
+                f"| {c}{' (' + str(int(steps)) + ' steps, rate only)' if c in PER_STEP and steps and steps != full else ''} "
                 f"| {fmt(rate)} | {fmt(ratio(link), '.2f')}x | "
                 f"{fmt(ratio(unshaped) if unshaped else None, '.2f')}x | {fmt(loss, '.4f')} | "
                 f"{fmt(None if loss is None or sync_loss is None else loss - sync_loss, '+.4f')} | "
@@ -202,7 +247,7 @@ def main(argv):
             if link not in goodput:
                 goodput[link] = hb.measure_link(hb.next_port())
             for c in configs:
-                steps = a.sync_steps if c == "sync" and bits is not None else a.steps
+                steps = a.sync_steps if c in PER_STEP and bits is not None else a.steps
                 tag = f"n{n}-{link}-{c}-r{rep}".replace(":", "_")
                 t = time.time()
                 r, why = run(a, n, c, steps, logdir, tag)
@@ -221,7 +266,7 @@ def main(argv):
         f"- CPU: {hb.cpu_model()}, {os.cpu_count()} cores; load average {' '.join(load0)} at the start, "
         f"{' '.join(load1)} at the end; {time.time() - t0:.0f} s in all",
         f"- strata: {a.strata}; the default transformer, {BATCH} windows of {CONTEXT} tokens a global batch, "
-        f"AdamW lr 0.003, {a.steps} steps (per-step sync on a shaped link: {a.sync_steps} steps, its rate only; "
+        f"AdamW lr {a.lr}, {a.steps} steps (per-step sync on a shaped link: {a.sync_steps} steps, its rate only; "
         f"its loss is the unshaped run's, the same bits)",
         f"- hosts: {n} network namespaces on one bridge, one worker process each; links: " + ", ".join(
             f"{link}" + (f" (tbf {hb.fmt_rate(bits)}, burst {hb.burst_bytes(bits) // 1024} KiB, latency {hb.LATENCY})"

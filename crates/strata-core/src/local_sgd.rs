@@ -35,6 +35,8 @@ pub use crate::extended::local_sgd::{
 #[derive(Debug)]
 struct InFlight {
     fragment: usize,
+    /// The inner step it was sent after.
+    sent: u64,
     /// The step at which it is applied.
     due: u64,
     pending: PendingAllReduce,
@@ -51,6 +53,8 @@ struct State {
     /// What the wire's rounding dropped of the outer gradients sent, by variable.
     error: Vec<Vec<f32>>,
     in_flight: VecDeque<InFlight>,
+    /// The inner step at which each fragment was last sent (0: never).
+    sent_at: Vec<u64>,
     /// Bytes of outer gradients this worker sent.
     sent_bytes: u64,
     /// Meetings completed.
@@ -72,6 +76,8 @@ enum Update {
 pub(crate) struct OuterSync {
     cfg: LocalSgd,
     workers: Arc<dyn WorkerCollectives>,
+    /// The inner steps taken so far (replica 0's count).
+    step: std::sync::atomic::AtomicU64,
     runs: Vec<Range<usize>>,
     shapes: Vec<Vec<usize>>,
     state: Mutex<State>,
@@ -88,6 +94,7 @@ impl OuterSync {
             ));
         }
         let sizes: Vec<usize> = vars.iter().map(|v| v.elem_count()).collect();
+        let cfg_fragments = cfg.fragments;
         if cfg.fragments > sizes.len() {
             return Err(Error::InvalidArgument(format!(
                 "{} fragments of a model of {} trainable variables: use at most {} (a fragment holds whole variables)",
@@ -105,7 +112,8 @@ impl OuterSync {
             shapes: vars.iter().map(|v| v.dims().to_vec()).collect(),
             cfg,
             workers,
-            state: Mutex::new(State { global, velocity, error, ..State::default() }),
+            step: std::sync::atomic::AtomicU64::new(0),
+            state: Mutex::new(State { global, velocity, error, sent_at: vec![0; cfg_fragments], ..State::default() }),
         })
     }
 
@@ -123,6 +131,9 @@ impl OuterSync {
     /// applied, and a fragment met now is sent. Replica 0 talks to the workers; every replica
     /// then updates its copy `vars` alike.
     pub(crate) fn after_step(&self, ctx: &ReplicaContext<'_>, vars: &[Var], step: u64) -> Result<()> {
+        if ctx.replica_id() == 0 {
+            self.step.store(step, std::sync::atomic::Ordering::Relaxed);
+        }
         let delay = self.cfg.delay();
         let meets = self.cfg.meeting(step).is_some();
         let due = step > delay && self.cfg.meeting(step - delay).is_some();
@@ -162,6 +173,8 @@ impl OuterSync {
     fn send(&self, st: &mut State, vars: &[Var], fragment: usize, due: u64) -> Result<InFlight> {
         let workers = &self.workers;
         let run = self.runs[fragment].clone();
+        let sent = self.step.load(std::sync::atomic::Ordering::Relaxed);
+        st.sent_at[fragment] = sent;
         let mut mine = Vec::with_capacity(run.clone().map(|i| st.global[i].len()).sum());
         for i in run.clone() {
             let local = read(vars[i].as_tensor())?;
@@ -199,7 +212,7 @@ impl OuterSync {
                 }
             }
         };
-        Ok(InFlight { fragment, due, pending, mine })
+        Ok(InFlight { fragment, sent, due, pending, mine })
     }
 
     /// Waits for `flight`'s sum, applies the outer optimizer to the fragment's global
@@ -253,21 +266,28 @@ impl OuterSync {
         Ok(updates)
     }
 
-    /// Outside a step: every exchange in flight applied, then every fragment met once more
-    /// without delay, so that every worker holds the same (global) parameters. Writes every
-    /// copy of `copies`.
+    /// Outside a step: every exchange in flight applied, then every fragment that took inner
+    /// steps since it was last sent met once more without delay, so that every worker holds
+    /// the same (global) parameters. Writes every copy of `copies`.
     pub(crate) fn synchronize(&self, copies: &[Vec<Var>]) -> Result<()> {
         let Some(first) = copies.first() else { return Ok(()) };
         let mut st = self.state();
         let mut updates = Vec::new();
+        let step = self.step.load(std::sync::atomic::Ordering::Relaxed);
         while let Some(f) = st.in_flight.pop_front() {
-            updates.extend(self.land(&mut st, f, true)?);
+            // Without inner steps since it was sent, every worker takes the global values.
+            let kept = step > f.sent;
+            updates.extend(self.land(&mut st, f, kept)?);
         }
         for vars in copies {
             apply(vars, &self.shapes, &updates)?;
         }
         let mut updates = Vec::new();
         for fragment in 0..self.runs.len() {
+            if st.sent_at[fragment] == step && step > 0 {
+                // Met at the last step: every worker already holds its global values.
+                continue;
+            }
             let flight = self.send(&mut st, first, fragment, 0)?;
             updates.extend(self.land(&mut st, flight, false)?);
         }

@@ -773,12 +773,20 @@ fn local_sgd_and_diloco_follow_their_definition_bit_for_bit() {
             assert_eq!(bits(&got[w].0), bits(&want[w]), "{cfg}, {local} replica(s): worker {w}");
         }
         assert_eq!(bits(&got[0].1), bits(&got[1].1), "{cfg}: the workers differ after the final synchronisation");
-        // Each meeting sends its fragment in f32; the final synchronisation meets every one.
-        let meetings: u64 = (1..=steps as u64).filter(|&s| cfg.meeting(s).is_some()).count() as u64;
+        // Each meeting sends its fragment in f32; the final synchronisation meets every fragment
+        // with inner steps since it was last sent (one sent at the last step is not met again).
+        let sends: Vec<u64> = (1..=steps as u64).filter(|&s| cfg.meeting(s).is_some()).collect();
+        let last = |f: usize| sends.iter().copied().filter(|&s| cfg.meeting(s) == Some(f)).max().unwrap_or(0);
+        let finals = (0..cfg.fragments).filter(|&f| last(f) < steps as u64).count() as u64;
         let (bytes, met) = got[0].2;
-        assert_eq!(met, meetings + cfg.fragments as u64, "{cfg}");
+        assert_eq!(met, sends.len() as u64 + finals, "{cfg}");
         let total: u64 = got[0].1.iter().map(|v| v.len() as u64).sum();
-        assert!(bytes >= 4 * total && bytes <= 4 * total * (1 + meetings), "{cfg}: {bytes} bytes");
+        let sizes =
+            strata_core::local_sgd::fragment_runs(&got[0].1.iter().map(Vec::len).collect::<Vec<_>>(), cfg.fragments);
+        let fragment_bytes = |f: usize| 4 * sizes[f].clone().map(|i| got[0].1[i].len() as u64).sum::<u64>();
+        let want: u64 = sends.iter().map(|&s| fragment_bytes(cfg.meeting(s).unwrap())).sum::<u64>()
+            + (0..cfg.fragments).filter(|&f| last(f) < steps as u64).map(fragment_bytes).sum::<u64>();
+        assert_eq!(bytes, want, "{cfg}: {bytes} bytes of {total} values");
     }
 }
 
