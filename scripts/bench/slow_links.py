@@ -172,23 +172,28 @@ def render(rec):
     unshaped = "unshaped" if "unshaped" in links else None
     per_step_loss = {c: median([cell(unshaped, c, r, "loss") for r in range(len(rounds))]) if unshaped else None
                      for c in PER_STEP}
-    sync_loss = per_step_loss["sync"]
     for link in links:
+        # Per-step sync's loss: the unshaped run's (the same bits), else this link's own; each
+        # framework's runs are set against its own per-step run (Strata's sync, PyTorch's DDP).
+        own = {c: per_step_loss[c] if unshaped else median([cell(link, c, r, "loss") for r in range(len(rounds))])
+               for c in PER_STEP}
         lines += [f"## {link}", "",
-                  "| configuration | tokens/s | / sync (same link) | / sync unshaped | validation loss | - sync's | "
-                  "bytes sent per worker | sync / this |", "|---|--:|--:|--:|--:|--:|--:|--:|"]
+                  "| configuration | tokens/s | / Strata sync (same link) | / Strata sync unshaped | validation loss | "
+                  "- its per-step run's | bytes sent per worker | per-step / this |", "|---|--:|--:|--:|--:|--:|--:|--:|"]
         for c in configs:
+            base = "torch-ddp" if c.startswith("torch-") else "sync"
+            sync_loss = own[base]
             rate = median([cell(link, c, r, "rate") for r in range(len(rounds))])
             ratio = lambda other_link, other="sync": median([  # noqa: E731
                 cell(link, c, r, "rate") / cell(other_link, other, r, "rate")
                 for r in range(len(rounds)) if cell(link, c, r, "rate") and cell(other_link, other, r, "rate")])
             loss = median([cell(link, c, r, "loss") for r in range(len(rounds))])
             steps = median([cell(link, c, r, "steps") for r in range(len(rounds))])
-            if c in PER_STEP and link != unshaped:
+            if c in PER_STEP and unshaped and link != unshaped:
                 loss = per_step_loss[c]
             byt = median([cell(link, c, r, "bytes") for r in range(len(rounds))])
-            sync_bytes = median([cell(link, "sync", r, "bytes") / cell(link, "sync", r, "steps")
-                                 for r in range(len(rounds)) if cell(link, "sync", r, "bytes")])
+            sync_bytes = median([cell(link, base, r, "bytes") / cell(link, base, r, "steps")
+                                 for r in range(len(rounds)) if cell(link, base, r, "bytes")])
             full = rec["steps"]
             if c in PER_STEP and byt is not None:
                 byt = byt / steps * full  # the bytes of the full run

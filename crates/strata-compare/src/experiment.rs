@@ -26,6 +26,12 @@
 //! workers = 2
 //! compression = "powersgd:4"   # none (default), fp16, bf16, powersgd:RANK[:START]
 //!
+//! [[run]]
+//! strategy = "multi-worker-mirrored"
+//! sync_every = 100               # local SGD / DiLoCo: the workers meet every 100 steps
+//! outer_optimizer = "nesterov"   # (default with sync_every above 1) or "average"
+//! fragments = 1                  # Streaming DiLoCo: fragments met at staggered steps
+//!
 //! [injection]
 //! slowdown = [{ worker = 1, factor = 3.0 }]
 //! stragglers = { probability = 0.1, delay = "exp:20ms" }
@@ -55,6 +61,11 @@
 //! `fp16` or `bf16` for parameter-server runs (their pushes and pulls); a run without a name is
 //! named after it (`multi-worker-mirrored-bf16`). Simulated runs model its bytes on the links
 //! (`[simulate]`), not its effect on the gradients.
+//!
+//! `sync_every`, `outer_optimizer` and `fragments` are `strata train --sync-every`,
+//! `--outer-optimizer` and `--fragments` (multi-worker-mirrored; `compression` then carries the
+//! outer gradients, `int8` included); a run without a name is named after them
+//! (`multi-worker-mirrored-diloco100`, `-local50x4` with 4 fragments).
 //!
 //! Errors name the field and the line: `experiments/x.toml line 12: run[3].workers: ...`.
 
@@ -186,6 +197,10 @@ pub struct RunSpec {
     /// Whether the model's blocks are recomputed in the backward pass (`strata train
     /// --recompute`): the MLP and the transformer.
     pub recompute: bool,
+    /// Local SGD or DiLoCo (`sync_every` above 1): its settings; `None`: every step
+    /// synchronous.
+    #[serde(skip_serializing_if = "Option::is_none", serialize_with = "display_opt")]
+    pub local_sgd: Option<strata::LocalSgd>,
 }
 
 fn display_stage<S: serde::Serializer>(z: &ZeroStage, s: S) -> std::result::Result<S::Ok, S::Error> {
@@ -194,6 +209,13 @@ fn display_stage<S: serde::Serializer>(z: &ZeroStage, s: S) -> std::result::Resu
 
 fn display<S: serde::Serializer>(c: &Compression, s: S) -> std::result::Result<S::Ok, S::Error> {
     s.collect_str(c)
+}
+
+fn display_opt<S: serde::Serializer>(l: &Option<strata::LocalSgd>, s: S) -> std::result::Result<S::Ok, S::Error> {
+    match l {
+        Some(l) => s.collect_str(l),
+        None => s.serialize_none(),
+    }
 }
 
 impl RunSpec {
@@ -700,6 +722,7 @@ fn run_spec(
     let (min_workers, checkpoint_every, restarts) = run_recovery(&run, workers)?;
     let (zero_stage, recompute) =
         run_memory(&run, optimizer, model, min_workers.is_some(), checkpoint_every.is_some())?;
+    let local_sgd = run_local_sgd(&run, compression, min_workers.is_some() || checkpoint_every.is_some(), zero_stage)?;
     let mut spec = RunSpec {
         name: String::new(),
         strategy: r.strategy,
@@ -720,6 +743,7 @@ fn run_spec(
         faults: r.faults.as_ref().is_none_or(|f| *f.get_ref()),
         zero_stage,
         recompute,
+        local_sgd,
     };
     spec.name = match &r.name {
         Some(n) => n.get_ref().clone(),
@@ -951,7 +975,82 @@ fn default_run_name(spec: &RunSpec) -> String {
     if spec.recompute {
         name.push_str("-recompute");
     }
+    if let Some(l) = &spec.local_sgd {
+        let kind = match l.outer {
+            strata::OuterOptimizer::Average => "local",
+            strata::OuterOptimizer::Nesterov { .. } => "diloco",
+        };
+        name = format!("{name}-{kind}{}", l.every);
+        if l.fragments > 1 {
+            name = format!("{name}x{}", l.fragments);
+        }
+    }
     name
+}
+
+/// A run's local SGD (`sync_every`, `outer_optimizer`, `fragments`: `strata train
+/// --sync-every`, `--outer-optimizer`, `--fragments`): multi-worker-mirrored only, without
+/// elastic recovery, checkpoints or ZeRO; `None` for per-step synchronous training.
+fn run_local_sgd(
+    run: &RunAt<'_>,
+    compression: Compression,
+    recovers: bool,
+    zero_stage: ZeroStage,
+) -> Result<Option<strata::LocalSgd>> {
+    let r = run.run;
+    let span = |f: &Option<Spanned<u64>>| f.as_ref().map_or(run.span.clone(), |v| v.span());
+    let every = r.sync_every.as_ref().map_or(1, |v| *v.get_ref());
+    let outer = match &r.outer_optimizer {
+        None if every > 1 => strata::OuterOptimizer::diloco(),
+        None => strata::OuterOptimizer::Average,
+        Some(o) => match o.get_ref().as_str() {
+            "average" => strata::OuterOptimizer::Average,
+            "nesterov" => strata::OuterOptimizer::diloco(),
+            other => {
+                return Err(run.error(
+                    o.span(),
+                    "outer_optimizer",
+                    format!("unknown outer optimizer {other:?}: use \"average\" or \"nesterov\""),
+                ))
+            }
+        },
+    };
+    let fragments = r.fragments.as_ref().map_or(1, |f| *f.get_ref());
+    let l = strata::LocalSgd { every, outer, fragments, delay: None, wire: compression };
+    if l.is_synchronous() {
+        if compression == Compression::Int8 {
+            let c = r.compression.as_ref().map_or(run.span.clone(), |c| c.span());
+            return Err(run.error(
+                c,
+                "compression",
+                "int8 carries local SGD's outer gradients: add sync_every above 1, or use fp16 or bf16",
+            ));
+        }
+        if let Some(f) = r.fragments.as_ref().filter(|f| *f.get_ref() != 1) {
+            return Err(run.error(f.span(), "fragments", "applies to local SGD (sync_every above 1): drop it"));
+        }
+        return Ok(None);
+    }
+    let at = span(&r.sync_every);
+    if r.strategy != RunStrategy::MultiWorkerMirrored {
+        return Err(run.error(
+            at,
+            "sync_every",
+            format!("local SGD applies to multi-worker-mirrored, whose workers step on their own between meetings ({} has none): drop it", r.strategy.name()),
+        ));
+    }
+    l.check().map_err(|e| run.error(at.clone(), "sync_every", e))?;
+    if recovers {
+        return Err(run.error(at, "sync_every", "local SGD does not yet follow an elastic membership nor write checkpoints: drop min_workers and checkpoint_every, or sync_every"));
+    }
+    if zero_stage != ZeroStage::Off {
+        return Err(run.error(
+            at,
+            "sync_every",
+            "local SGD steps each worker on its own, and ZeRO shards over every worker: drop zero_stage",
+        ));
+    }
+    Ok(Some(l))
 }
 
 /// `[injection]`, checked against the workers of `runs`.
@@ -1157,6 +1256,9 @@ struct RawRun {
     faults: Option<Spanned<bool>>,
     zero_stage: Option<Spanned<u8>>,
     recompute: Option<Spanned<bool>>,
+    sync_every: Option<Spanned<u64>>,
+    outer_optimizer: Option<Spanned<String>>,
+    fragments: Option<Spanned<usize>>,
 }
 
 #[derive(Deserialize)]
@@ -1362,6 +1464,44 @@ network_delay = "1ms"
         assert!(e.contains("experiment.heads: must be at least 1"), "{e}");
         let e = error(&GOOD.replace("[experiment]", "[experiment]\nwidth = 64"));
         assert!(e.contains("experiment.width: applies to model = \"transformer\", not model = \"mlp\""), "{e}");
+    }
+
+    #[test]
+    fn local_sgd_is_named_checked_and_passed_on() {
+        let text = GOOD.to_string()
+            + "\n[[run]]\nstrategy = \"multi-worker-mirrored\"\nsync_every = 100\ncompression = \"int8\"\n\
+               \n[[run]]\nstrategy = \"multi-worker-mirrored\"\nsync_every = 50\nouter_optimizer = \"average\"\nfragments = 2\n";
+        let e = parse(&text).unwrap();
+        let diloco = e.runs[e.runs.len() - 2].clone();
+        assert_eq!(diloco.name, "multi-worker-mirrored-int8-diloco100");
+        assert_eq!(
+            diloco.local_sgd.as_ref().map(|l| (l.every, l.outer)),
+            Some((100, strata::OuterOptimizer::diloco()))
+        );
+        let local = e.runs[e.runs.len() - 1].clone();
+        assert_eq!(local.name, "multi-worker-mirrored-local50x2");
+        assert_eq!(e.runs[0].local_sgd, None);
+        let bad = |add: &str, want: &str| {
+            let err = parse(&(GOOD.to_string() + add)).unwrap_err().to_string();
+            assert!(err.contains(want), "{add}: {err}");
+        };
+        bad(
+            "\n[[run]]\nstrategy = \"mirrored\"\nsync_every = 10\n",
+            "sync_every: local SGD applies to multi-worker-mirrored",
+        );
+        bad(
+            "\n[[run]]\nstrategy = \"multi-worker-mirrored\"\ncompression = \"int8\"\n",
+            "compression: int8 carries local SGD's outer gradients",
+        );
+        bad("\n[[run]]\nstrategy = \"multi-worker-mirrored\"\nsync_every = 4\nfragments = 8\n", "use 1 to 4 fragments");
+        bad(
+            "\n[[run]]\nstrategy = \"multi-worker-mirrored\"\nsync_every = 4\nouter_optimizer = \"adam\"\n",
+            "unknown outer optimizer",
+        );
+        bad(
+            "\n[[run]]\nstrategy = \"multi-worker-mirrored\"\nsync_every = 4\nmin_workers = 1\n",
+            "does not yet follow an elastic membership",
+        );
     }
 
     #[test]

@@ -113,6 +113,14 @@ pub fn train_args(exp: &Experiment, spec: &RunSpec, metrics: &Path, summary: &Pa
     if spec.compression != Compression::None {
         train.extend(["--compression".into(), spec.compression.to_string()]);
     }
+    if let Some(l) = &spec.local_sgd {
+        let outer = match l.outer {
+            strata::OuterOptimizer::Average => "average",
+            strata::OuterOptimizer::Nesterov { .. } => "nesterov",
+        };
+        train.extend(["--sync-every".into(), l.every.to_string(), "--outer-optimizer".into(), outer.into()]);
+        train.extend(["--fragments".into(), l.fragments.to_string()]);
+    }
     if let Some(n) = spec.min_workers {
         train.extend(["--min-workers".into(), n.to_string()]);
     }
@@ -816,6 +824,19 @@ mod tests {
         let line = command_line(&e, &e.runs[0], Path::new("m.jsonl"), Path::new("s.json"));
         let at = line.iter().position(|a| a == "--compression").expect("--compression passed on");
         assert_eq!(line[at + 1], "powersgd:4:100");
+    }
+
+    #[test]
+    fn a_run_s_local_sgd_is_passed_on() {
+        let text = "[experiment]\nname = \"t\"\nepochs = 1\nglobal_batch = 64\nlr = 0.01\ntarget_accuracy = 0.9\n\
+            [[run]]\nstrategy = \"multi-worker-mirrored\"\nsync_every = 20\nfragments = 2\ncompression = \"int8\"\n";
+        let e = Experiment::parse(text, Path::new("x.toml")).unwrap();
+        let line = command_line(&e, &e.runs[0], Path::new("m.jsonl"), Path::new("s.json"));
+        let value = |flag: &str| line.iter().position(|a| a == flag).map(|at| line[at + 1].clone());
+        assert_eq!(value("--sync-every").as_deref(), Some("20"));
+        assert_eq!(value("--outer-optimizer").as_deref(), Some("nesterov"));
+        assert_eq!(value("--fragments").as_deref(), Some("2"));
+        assert_eq!(value("--compression").as_deref(), Some("int8"));
     }
 
     #[test]

@@ -193,6 +193,12 @@ impl Network {
 /// end). Fails on an invalid `cfg` or optimizer, or if the digits data cannot be read.
 pub fn simulate(exp: &Experiment, cfg: &SimConfig, progress: &dyn Fn(&str, f64)) -> Result<Vec<RunResult>> {
     cfg.validate().map_err(Error::Usage)?;
+    if let Some(spec) = exp.runs.iter().find(|s| s.local_sgd.is_some()) {
+        return Err(Error::Usage(format!(
+            "run {}: the simulator does not model local SGD (sync_every) yet; run the experiment without --simulate, or drop sync_every",
+            spec.name
+        )));
+    }
     let mut sim = Simulator::new(exp, cfg)?;
     let mut out = Vec::new();
     for spec in &exp.runs {

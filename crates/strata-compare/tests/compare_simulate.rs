@@ -29,6 +29,7 @@ fn spec(name: &str, strategy: RunStrategy, mode: Option<PsMode>, backup_workers:
         faults: true,
         zero_stage: strata_core::ZeroStage::Off,
         recompute: false,
+        local_sgd: None,
     }
 }
 

@@ -3,8 +3,10 @@ scripts/bench/slow_links.py runs beside Strata's `--sync-every`.
 
 The algorithm as Douillard et al. (2023) and torchft's DiLoCo write it: each worker trains its
 own copy of the default character transformer (scripts/bench/peers/torch_bench.py's, read from
-its source) with AdamW (lr --lr, weight decay 0.01, fused where torch has it) on its rows of each
-global batch of 32 windows of 64 characters; every --sync-every H steps every worker computes
+its source) with AdamW (weight decay 0.01, fused where torch has it; Strata's transformer
+schedule: a linear warm-up over 5% of the steps, at most 100, to --lr, then a cosine decay to a
+tenth of it; gradients clipped to a global norm of 1.0) on its rows of each global batch of 32
+windows of 64 characters; every --sync-every H steps every worker computes
 its outer gradient `global - local` for every parameter, the workers all-reduce it (f32, or
 bf16 with --wire bf16), divide by their number, and torch.optim.SGD(lr --outer-lr, momentum
 --outer-momentum, nesterov=True) steps the global copy, which every worker then loads. H = 1
@@ -21,6 +23,7 @@ the steps after --warmup (10), the validation loss, the bytes its all-reduces ca
 import argparse
 import gzip
 import json
+import math
 import os
 import sys
 import time
@@ -107,6 +110,18 @@ def meet():
             p.copy_(g)
 
 
+def lr_at(t):
+    """Strata's transformer schedule (strata-cli `transformer_schedule`): a linear warm-up from 0
+    over 5% of the steps (at most 100), then a cosine decay to a tenth of --lr at the last."""
+    warm = min(args.steps // 20, 100)
+    if t < warm:
+        return args.lr * t / warm
+    if t >= args.steps:
+        return args.lr / 10
+    p = (t - warm) / max(1, args.steps - warm)
+    return args.lr / 10 + (args.lr - args.lr / 10) * 0.5 * (1 + math.cos(math.pi * p))
+
+
 rng = np.random.default_rng(0)
 per = B // world
 t0 = None
@@ -120,6 +135,11 @@ for step in range(1, args.steps + 1):
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
     opt.zero_grad(set_to_none=True)
     loss.backward()
+    # As Strata's transformer: the global norm clipped at 1.0 (DDP: of the averaged gradient;
+    # DiLoCo: of the worker's own), the schedule's rate for this step.
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    for g in opt.param_groups:
+        g["lr"] = lr_at(step - 1)
     opt.step()
     if args.ddp:
         sent[0] += 4 * sum(p.numel() for p in params)
