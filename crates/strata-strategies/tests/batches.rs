@@ -388,8 +388,7 @@ fn on_workers<T: Send + 'static>(
     body: impl Fn(usize, &strata_strategies::MultiWorkerMirroredStrategy) -> T + Send + Sync + Clone + 'static,
 ) -> Vec<T> {
     use strata_strategies::cluster::{ClusterConfig, ClusterSpec, TaskId};
-    let ports: Vec<u16> =
-        (0..n).map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()).collect();
+    let ports: Vec<u16> = crate::common::loopback_ports(n);
     let spec = ClusterSpec::workers(ports.iter().map(|p| format!("127.0.0.1:{p}")).collect::<Vec<_>>()).unwrap();
     let handles: Vec<_> = (0..n)
         .map(|i| {

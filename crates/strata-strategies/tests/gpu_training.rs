@@ -145,8 +145,7 @@ fn multi_worker_mirrored_with_nccl_across_workers_equals_one_gpu() {
     }
     let machine = gpus(false);
     let want = train::<SGD>(&one_gpu(&machine[0]), 0.1, 20, 32);
-    let ports: Vec<u16> =
-        (0..2).map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()).collect();
+    let ports: Vec<u16> = crate::common::loopback_ports(2);
     let spec = ClusterSpec::workers(ports.iter().map(|p| format!("127.0.0.1:{p}")).collect::<Vec<_>>()).unwrap();
     let handles: Vec<_> = (0..2)
         .map(|i| {

@@ -14,8 +14,7 @@ fn token() -> ClusterToken {
 }
 
 fn spec(n: usize) -> ClusterSpec {
-    let ports: Vec<u16> =
-        (0..n).map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()).collect();
+    let ports: Vec<u16> = crate::common::loopback_ports(n);
     ClusterSpec::workers(ports.iter().map(|p| format!("127.0.0.1:{p}")).collect::<Vec<_>>()).unwrap()
 }
 

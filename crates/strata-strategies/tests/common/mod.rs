@@ -136,11 +136,34 @@ pub fn central_in_place(n: usize) -> StrategyHandle {
     CentralStorageStrategy::with_cross_device_ops(devices, in_place_ops(n), Default::default()).unwrap().handle()
 }
 
+/// `n` loopback ports for this process's test tasks, none handed out twice: taken in turn from
+/// 20000-31999, below Linux's ephemeral range (32768-60999), so that no other test's port-0
+/// bind or outgoing connection can take one between its choice and the task's bind (what
+/// "bind port 0, read it, close it" allowed: a coordination service found its port taken),
+/// each checked free when chosen; the start depends on the process id, for concurrent runs.
+pub fn loopback_ports(n: usize) -> Vec<u16> {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let start = (std::process::id() % 1000) * 12;
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..12_000 {
+        if out.len() == n {
+            break;
+        }
+        let port = 20_000 + ((start + NEXT.fetch_add(1, Ordering::Relaxed)) % 12_000) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            out.push(port);
+        }
+    }
+    assert_eq!(out.len(), n, "no {n} free loopback ports in 20000-31999");
+    out
+}
+
 /// A one-worker MultiWorkerMirrored job of `n` replicas in this process: every collective
 /// goes through the hierarchical op, the ring and the coordination service.
 pub fn multi_worker(n: usize) -> StrategyHandle {
     use strata_strategies::cluster::{ClusterConfig, ClusterSpec, TaskId};
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = loopback_ports(1)[0];
     let spec = ClusterSpec::workers(vec![format!("127.0.0.1:{port}")]).unwrap();
     let token = strata_transport::ClusterToken::new("0123456789abcdef0123456789abcdef").unwrap();
     let mut o = strata_strategies::MultiWorkerOptions::new(token).unwrap();
@@ -168,8 +191,7 @@ pub fn on_workers_tuned<T: Send + 'static>(
     body: impl Fn(usize, &strata_strategies::MultiWorkerMirroredStrategy) -> T + Send + Sync + Clone + 'static,
 ) -> Vec<T> {
     use strata_strategies::cluster::{ClusterConfig, ClusterSpec, TaskId};
-    let ports: Vec<u16> =
-        (0..n).map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()).collect();
+    let ports = loopback_ports(n);
     let spec = ClusterSpec::workers(ports.iter().map(|p| format!("127.0.0.1:{p}")).collect::<Vec<_>>()).unwrap();
     let handles: Vec<_> = (0..n)
         .map(|i| {
