@@ -439,21 +439,28 @@ def strata_run(a, model, n, compression, logdir, tag):
     if zero:
         base += ["--zero-stage", str(zero)]
     base += shlex.split(a.strata_flags)
-    token = os.environ["STRATA_CLUSTER_TOKEN"]
+    s, why = strata_job(base, workers, out, logdir, tag, a.timeout)
+    if why:
+        return None, why
+    rate = s.get("tokens_per_second") if unit == "tokens/s" else s.get("examples_per_second")
+    return {"rate": rate, "parameters": s.get("parameters")}, None
+
+
+def strata_job(base, workers, out, logdir, tag, timeout):
+    """Runs `base` (a `strata train` command line) on every host of `workers` (`addr:port` of
+    each, in host order) as a multi-worker job: TF_CONFIG naming them, --bind the host's address;
+    returns (the chief's summary from `out`, None), or (None, why not)."""
     jobs = []
-    for i in range(n):
-        env = dict(os.environ, STRATA_CLUSTER_TOKEN=token,
-                   TF_CONFIG=json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}}))
+    for i in range(len(workers)):
+        env = dict(os.environ, TF_CONFIG=json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}}))
         jobs.append((base + ["--bind", addr(i)], env))
-    _, why = run_hosts(jobs, logdir, tag, a.timeout)
+    _, why = run_hosts(jobs, logdir, tag, timeout)
     if why:
         return None, why
     try:
-        s = json.load(open(out))
+        return json.load(open(out)), None
     except (OSError, ValueError) as e:
         return None, f"no summary from the chief: {e}"
-    rate = s.get("tokens_per_second") if unit == "tokens/s" else s.get("examples_per_second")
-    return {"rate": rate, "parameters": s.get("parameters")}, None
 
 
 def fsdp_run(a, model, n, logdir, tag):

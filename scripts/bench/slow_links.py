@@ -137,18 +137,9 @@ def run(a, n, config, steps, logdir, tag):
     base = [a.strata, "train", "--strategy", "multi-worker-mirrored", "--replicas", "1", "--model", "transformer",
             "--batch", str(BATCH), "--lr", str(a.lr), "--steps", str(steps), "--no-progress", "--out", out]
     base += parse_config(config) + shlex.split(a.strata_flags)
-    jobs = []
-    for i in range(n):
-        env = dict(os.environ, TF_CONFIG=json.dumps({"cluster": {"worker": workers},
-                                                     "task": {"type": "worker", "index": i}}))
-        jobs.append((base + ["--bind", hb.addr(i)], env))
-    _, why = hb.run_hosts(jobs, logdir, tag, a.timeout)
+    s, why = hb.strata_job(base, workers, out, logdir, tag, a.timeout)
     if why:
         return None, why
-    try:
-        s = json.load(open(out))
-    except (OSError, ValueError) as e:
-        return None, f"no summary from the chief: {e}"
     p = s["parameters"]
     ring = 2 * (n - 1) / n
     payload = s["local_sgd"]["outer_bytes_sent"] if s.get("local_sgd") else 4 * p * steps

@@ -48,6 +48,20 @@ def digits_batches(global_batch=GLOBAL_BATCH):
     return [(x[i * global_batch:(i + 1) * global_batch], y[i * global_batch:(i + 1) * global_batch]) for i in range(full)]
 
 
+def shakespeare_splits():
+    """(characters, train int64 array, validation int64 array): Tiny Shakespeare as character
+    ids, its first 90% for training and the rest for validation."""
+    path = next((p for p in SHAKESPEARE_CANDIDATES if os.path.exists(p)), None)
+    if path is None:
+        raise SystemExit("tinyshakespeare.txt.gz not found in " + ", ".join(SHAKESPEARE_CANDIDATES))
+    text = gzip.open(path, "rt", encoding="utf-8").read()
+    chars = sorted(set(text))
+    table = {c: i for i, c in enumerate(chars)}
+    data = np.fromiter((table[c] for c in text), dtype=np.int64, count=len(text))
+    cut = int(0.9 * len(data))
+    return chars, data[:cut], data[cut:]
+
+
 def shakespeare_batches(n_batches=64, batch=T_BATCH, context=T_CONTEXT):
     """(vocab size, [(x int64 (B, T), y int64 (B, T))])."""
     path = next((p for p in SHAKESPEARE_CANDIDATES if os.path.exists(p)), None)

@@ -25,7 +25,6 @@ Run with the peers' venv (scripts/bench/peers/install-torch.sh), e.g.
 """
 
 import argparse
-import gzip
 import json
 import math
 import os
@@ -60,15 +59,7 @@ import torch.nn.functional as F  # noqa: E402
 torch.set_num_threads(args.threads)
 torch.manual_seed(args.seed)
 
-path = next((p for p in common.SHAKESPEARE_CANDIDATES if os.path.exists(p)), None)
-if path is None:
-    raise SystemExit("tinyshakespeare.txt.gz not found in " + ", ".join(common.SHAKESPEARE_CANDIDATES))
-text = gzip.open(path, "rt", encoding="utf-8").read()
-chars = sorted(set(text))
-table = {c: i for i, c in enumerate(chars)}
-data = np.fromiter((table[c] for c in text), dtype=np.int64, count=len(text))
-cut = int(0.9 * len(data))
-train, val = data[:cut], data[cut:]
+chars, train, val = common.shakespeare_splits()
 rng = np.random.default_rng(args.seed)
 
 

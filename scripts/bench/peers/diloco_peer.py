@@ -21,7 +21,6 @@ the steps after --warmup (10), the validation loss, the bytes its all-reduces ca
 """
 
 import argparse
-import gzip
 import json
 import math
 import os
@@ -54,13 +53,7 @@ torch.manual_seed(0)
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 
-path = next(p for p in common.SHAKESPEARE_CANDIDATES if os.path.exists(p))
-text = gzip.open(path, "rt", encoding="utf-8").read()
-chars = sorted(set(text))
-table = {c: i for i, c in enumerate(chars)}
-data = np.fromiter((table[c] for c in text), dtype=np.int64, count=len(text))
-cut = int(0.9 * len(data))
-train, val = data[:cut], data[cut:]
+chars, train, val = common.shakespeare_splits()
 T, B = common.T_CONTEXT, common.T_BATCH
 
 
