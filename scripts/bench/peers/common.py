@@ -64,14 +64,7 @@ def shakespeare_splits():
 
 def shakespeare_batches(n_batches=64, batch=T_BATCH, context=T_CONTEXT):
     """(vocab size, [(x int64 (B, T), y int64 (B, T))])."""
-    path = next((p for p in SHAKESPEARE_CANDIDATES if os.path.exists(p)), None)
-    if path is None:
-        raise SystemExit("tinyshakespeare.txt.gz not found in " + ", ".join(SHAKESPEARE_CANDIDATES))
-    text = gzip.open(path, "rt", encoding="utf-8").read()
-    chars = sorted(set(text))
-    table = {c: i for i, c in enumerate(chars)}
-    data = np.fromiter((table[c] for c in text), dtype=np.int64, count=len(text))
-    train = data[: int(0.9 * len(data))]
+    chars, train, _ = shakespeare_splits()
     rng = np.random.default_rng(0)
     out = []
     for _ in range(n_batches):
