@@ -421,6 +421,131 @@ fn diloco_workers_meet_every_h_steps_and_end_on_the_same_parameters() {
     }
 }
 
+/// Local SGD's checkpoints, real processes: 2 workers under Streaming DiLoCo (AdamW inner
+/// steps, 2 fragments met every 4 steps, each landing a step after it is sent, outer gradients
+/// in bf16 with error feedback) write a checkpoint every 5 steps; the job is killed after one
+/// with an exchange in flight (step 10: the fragment sent at step 10 lands at 11), and the
+/// relaunch resumes every worker's own parameters and AdamW state, the global parameters, the
+/// outer momentum, the rounding's error and the exchange in flight, ending bit for bit on the
+/// uninterrupted run's parameters. A relaunch on another number of workers is refused.
+#[test]
+fn local_sgd_checkpoints_resume_every_worker_bit_for_bit() {
+    let dir = tmp("diloco-ckpt");
+    let base = [
+        "--epochs",
+        "6",
+        "--batch",
+        "128",
+        "--hidden",
+        "64",
+        "--optimizer",
+        "adamw",
+        "--lr",
+        "0.003",
+        "--sync-every",
+        "4",
+        "--fragments",
+        "2",
+        "--compression",
+        "bf16",
+        "--checkpoint-every",
+        "5",
+    ];
+    let run = |ckpt: &str, save: &str| {
+        let mut a = base.to_vec();
+        a.extend(["--checkpoint-dir", ckpt, "--save-params", save]);
+        a.into_iter().map(String::from).collect::<Vec<_>>()
+    };
+    let uninterrupted = run("ckpt-a", "a-{task}.safetensors");
+    run_job(2, &uninterrupted.iter().map(String::as_str).collect::<Vec<_>>(), &dir);
+    let resumed = run("ckpt-b", "b-{task}.safetensors");
+    let resumed: Vec<&str> = resumed.iter().map(String::as_str).collect();
+    let mut children = start_workers(2, &resumed, &dir);
+    let latest = dir.join("ckpt-b").join("latest");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let step = std::fs::read_to_string(&latest)
+            .ok()
+            .and_then(|t| t.lines().next().and_then(|l| l.strip_prefix("ckpt-")).and_then(|n| n.parse::<u64>().ok()));
+        if step.is_some_and(|s| s >= 10) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no checkpoint of step 10 or later was written");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    for c in &children {
+        signal(c, nix::sys::signal::Signal::SIGKILL);
+    }
+    for c in children.drain(..) {
+        let _ = wait(c, deadline);
+    }
+    let outs = run_job(2, &resumed, &dir);
+    let err = String::from_utf8_lossy(&outs[0].stderr);
+    let step: u64 = err
+        .split("resumed from the checkpoint of step ")
+        .nth(1)
+        .and_then(|t| t.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("the relaunch did not resume: {err}"));
+    // 6 epochs of 12 steps: the checkpoint resumed must be one of the run's middle.
+    assert!((10..72).contains(&step), "resumed from step {step}");
+    for task in 0..2 {
+        let a = std::fs::read(dir.join(format!("a-{task}.safetensors"))).unwrap();
+        let b = std::fs::read(dir.join(format!("b-{task}.safetensors"))).unwrap();
+        assert!(a == b, "worker {task}: the resumed run (from step {step}) ends on other parameters");
+    }
+    // The checkpoint holds 2 workers' local state: 3 workers are refused, in one line.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut again = base.to_vec();
+    again.extend(["--checkpoint-dir", "ckpt-a"]);
+    let outs: Vec<Output> = start_workers(3, &again, &dir).into_iter().map(|c| wait(c, deadline)).collect();
+    let err = String::from_utf8_lossy(&outs[0].stderr);
+    let want = "resume it with the settings and the number of workers it was written with";
+    assert!(!outs[0].status.success() && err.contains(want), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Workers that disagree on local SGD's settings (the period, the fragments, the outer
+/// optimizer) are refused at the rendezvous, the error naming both settings (exit code 2 for
+/// the refused worker), and the job fails at once, before any step.
+#[test]
+fn workers_that_disagree_on_local_sgd_are_refused_at_the_rendezvous_naming_both() {
+    let dir = tmp("diloco-disagree");
+    for (chief, other, theirs) in [
+        (&["--sync-every", "4"][..], &["--sync-every", "8"][..], "every=8"),
+        (&["--sync-every", "4"][..], &["--sync-every", "4", "--fragments", "2"][..], "fragments=2"),
+        (&["--sync-every", "4"][..], &["--sync-every", "4", "--outer-optimizer", "average"][..], "outer=average"),
+    ] {
+        let ports = free_ports(2);
+        let start = |i: usize, flags: &[&str]| {
+            strata()
+                .args(["train", "--strategy", "multi-worker-mirrored", "--no-progress"])
+                .args(TRAIN)
+                .args(flags)
+                .env("TF_CONFIG", worker_tf_config(&ports, i))
+                .current_dir(&dir)
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        };
+        let started = Instant::now();
+        let children = [start(0, chief), start(1, other)];
+        let deadline = started + Duration::from_secs(60);
+        let outs: Vec<Output> = children.into_iter().map(|c| wait(c, deadline)).collect();
+        // Refused at the rendezvous, not at its timeout.
+        assert!(started.elapsed() < Duration::from_secs(30), "{:?}", started.elapsed());
+        // The refused worker: one line naming both, exit code 2; the chief fails the job.
+        for (i, code) in [(1, Some(2)), (0, Some(1))] {
+            let err = String::from_utf8_lossy(&outs[i].stderr);
+            assert_eq!(outs[i].status.code(), code, "worker {i}: {err}");
+            let line = err.lines().find(|l| l.starts_with("error:")).unwrap_or_else(|| panic!("{err}"));
+            assert!(line.contains(theirs) && line.contains("every=4,outer=nesterov"), "worker {i}: {line}");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Local SGD's flags where they cannot apply: one line saying what to change, exit code 2,
 /// before any worker joins.
 #[test]

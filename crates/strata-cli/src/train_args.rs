@@ -423,9 +423,6 @@ impl TrainArgs {
         if self.min_workers.is_some() {
             return usage("--min-workers with --sync-every: local SGD does not yet follow an elastic membership; drop one of them".into());
         }
-        if self.checkpoint_dir.is_some() {
-            return usage("--checkpoint-dir with --sync-every: local SGD's checkpoints (the global parameters and the outer optimizer) are not written yet; drop one of them".into());
-        }
         Ok(())
     }
 

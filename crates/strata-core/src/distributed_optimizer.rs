@@ -188,7 +188,28 @@ impl<O: Optimizer + OptimizerState> DistributedOptimizer<O> {
     /// stage 0): under ZeRO every replica's shard of it gathered, so that a checkpoint resumes
     /// at any stage on any number of replicas and workers. Under ZeRO across workers every
     /// worker must call it (an all-gather).
+    ///
+    /// Under local SGD it is collective too (every worker calls it at the same step): beside
+    /// this worker's state, the outer synchronisation's (the global parameters, the outer
+    /// optimizer, the schedule's phase) and every worker's own parameters and state, gathered,
+    /// so that a checkpoint resumes every worker where it was.
     pub fn state_tensors(&self) -> Result<Vec<(String, Tensor)>> {
+        let mut state = self.own_state_tensors()?;
+        if let Some(outer) = &self.outer {
+            let entries = outer.state_tensors(&self.vars[0], &state)?;
+            state.extend(entries);
+        }
+        Ok(state)
+    }
+
+    /// Whether [`Self::state_tensors`] is a collective every worker calls (under ZeRO, or
+    /// local SGD, across workers).
+    pub fn gathers_state(&self) -> bool {
+        self.zero().is_some() || self.outer.is_some()
+    }
+
+    /// This worker's state, without local SGD's.
+    fn own_state_tensors(&self) -> Result<Vec<(String, Tensor)>> {
         let mut state = match self.zero() {
             None => self.lock(0).state_tensors()?,
             Some(shards) => {
@@ -204,7 +225,18 @@ impl<O: Optimizer + OptimizerState> DistributedOptimizer<O> {
 
     /// Loads `state` (as [`Self::state_tensors`] gives it, at any stage) into every copy:
     /// under ZeRO each copy takes its shard of it. Nothing changes where a copy refuses it.
+    /// Under local SGD every worker takes its own parameters and state from the checkpoint
+    /// (into every copy of its variables, which must then already hold the checkpoint's
+    /// other values) and the outer synchronisation's.
     pub fn load_state_tensors(&self, state: &[(String, Tensor)]) -> Result<()> {
+        let own;
+        let state = match &self.outer {
+            Some(outer) => {
+                own = outer.load_state(state, &self.own_state_tensors()?, &self.vars)?;
+                &own[..]
+            }
+            None => state,
+        };
         // The loss scale's entry is the distributed optimizer's own: taken here (a job
         // without loss scaling ignores it; one with it and no entry starts afresh).
         let (scale, rest): (Vec<_>, Vec<_>) =

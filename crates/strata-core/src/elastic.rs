@@ -84,6 +84,11 @@ pub trait StatefulOptimizer {
     }
     /// Whether the optimizer keeps state across steps (plain SGD keeps none).
     fn keeps_state(&self) -> Result<bool>;
+    /// Whether [`state_tensors`](Self::state_tensors) is a collective every worker calls (under
+    /// ZeRO, or local SGD, across workers). By default: at a ZeRO stage above 0.
+    fn gathers_state(&self) -> bool {
+        self.zero_stage() != ZeroStage::Off
+    }
     /// ZeRO: lays the shards out over the current membership (fresh state; load it after).
     fn reshard(&self) -> Result<bool>;
     /// The ZeRO stage it runs.
@@ -109,6 +114,9 @@ impl<O: Optimizer + OptimizerState> StatefulOptimizer for DistributedOptimizer<O
     }
     fn keeps_state(&self) -> Result<bool> {
         DistributedOptimizer::keeps_state(self)
+    }
+    fn gathers_state(&self) -> bool {
+        DistributedOptimizer::gathers_state(self)
     }
     fn reshard(&self) -> Result<bool> {
         DistributedOptimizer::reshard(self)
@@ -689,8 +697,9 @@ fn check_directory(ext: &dyn StrategyExtended, c: &CheckpointConfig) -> Result<(
 }
 
 /// Writes a checkpoint of `step` to `c` (every worker calls it: the checkpoint holds the
-/// state's mean over replicas and workers, and under ZeRO the optimizer state gathered from
-/// every shard; the chief writes it, atomic and verified).
+/// state's mean over replicas and workers, under ZeRO the optimizer state gathered from every
+/// shard, and under local SGD every worker's own parameters and state; the chief writes it,
+/// atomic and verified).
 pub fn save_checkpoint<M>(
     ext: &dyn StrategyExtended,
     model: &Replicated<M>,
@@ -699,7 +708,7 @@ pub fn save_checkpoint<M>(
     step: usize,
 ) -> Result<()> {
     model.sync_state()?;
-    let gathered = if opt.zero_stage() != ZeroStage::Off { Some(opt.state_tensors()?) } else { None };
+    let gathered = if opt.gathers_state() { Some(opt.state_tensors()?) } else { None };
     if !is_chief(ext) {
         return Ok(());
     }
@@ -747,7 +756,15 @@ pub fn restore_latest<M>(
         let keys =
             vars.iter().map(|(n, t)| (n.clone(), t)).chain(state.iter().map(|(n, t)| (format!("optimizer/{n}"), t)));
         for (key, t) in keys {
-            let saved = ck.tensor(&key)?;
+            let saved = match ck.get(&key) {
+                None if key.contains(crate::local_sgd::PREFIX) => {
+                    return Err(Error::Checkpoint(format!(
+                        "{}: holds no {key}, which a job under local SGD of these settings on this many workers writes; resume it with the settings and the number of workers it was written with",
+                        ck.dir.display()
+                    )))
+                }
+                _ => ck.tensor(&key)?,
+            };
             if saved.dims() != t.dims() {
                 return Err(Error::Checkpoint(format!(
                     "{}: {key} has shape {:?} but the model has {:?}; restore into the model that wrote it",

@@ -16,6 +16,7 @@
 
 use std::collections::VecDeque;
 use std::ops::Range;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use candle_core::{DType, Tensor, Var};
@@ -132,7 +133,7 @@ impl OuterSync {
     /// then updates its copy `vars` alike.
     pub(crate) fn after_step(&self, ctx: &ReplicaContext<'_>, vars: &[Var], step: u64) -> Result<()> {
         if ctx.replica_id() == 0 {
-            self.step.store(step, std::sync::atomic::Ordering::Relaxed);
+            self.step.store(step, Ordering::Relaxed);
         }
         let delay = self.cfg.delay();
         let meets = self.cfg.meeting(step).is_some();
@@ -173,7 +174,7 @@ impl OuterSync {
     fn send(&self, st: &mut State, vars: &[Var], fragment: usize, due: u64) -> Result<InFlight> {
         let workers = &self.workers;
         let run = self.runs[fragment].clone();
-        let sent = self.step.load(std::sync::atomic::Ordering::Relaxed);
+        let sent = self.step.load(Ordering::Relaxed);
         st.sent_at[fragment] = sent;
         let mut mine = Vec::with_capacity(run.clone().map(|i| st.global[i].len()).sum());
         for i in run.clone() {
@@ -266,6 +267,185 @@ impl OuterSync {
         Ok(updates)
     }
 
+    /// The exchanges that can be in flight at once (with a delay: one, since a fragment's
+    /// exchange lands before the next fragment is sent; without: none), and the longest
+    /// fragment's elements: a checkpoint's fixed room for them.
+    fn in_flight_room(&self) -> (usize, usize) {
+        let slots = usize::from(self.cfg.delay() > 0);
+        let longest = self.runs.iter().map(|r| r.clone().map(|i| self.shapes[i].iter().product::<usize>()).sum()).max();
+        (slots, longest.unwrap_or(0))
+    }
+
+    /// The outer synchronisation's part of a checkpoint (a collective: every worker calls it
+    /// at the same step): the global parameters, the outer optimizer's velocity and the
+    /// schedule's phase (the step, every fragment's last meeting, the exchange in flight with
+    /// its landed sum), the same on every worker; and every worker's own state, gathered:
+    /// its parameters `vars`, its optimizer's state `own` (names and shapes alike on every
+    /// worker), what its wire's rounding dropped and its part of the exchange in flight, as
+    /// one flat tensor `local_sgd/worker<k>` each.
+    pub(crate) fn state_tensors(&self, vars: &[Var], own: &[(String, Tensor)]) -> Result<Vec<(String, Tensor)>> {
+        let mut st = self.state();
+        let (slots, longest) = self.in_flight_room();
+        let mut mine = Vec::new();
+        for v in vars {
+            mine.extend(read(v.as_tensor())?);
+        }
+        for (_, t) in own {
+            mine.extend(read(t)?);
+        }
+        for e in &st.error {
+            mine.extend(e);
+        }
+        let mut sums = Vec::new();
+        for slot in 0..slots {
+            let (m, sum) = match st.in_flight.get_mut(slot) {
+                // An exchange in flight is waited for (every worker started it), not applied:
+                // its sum is saved, and lands where it is due, in this run and a resumed one.
+                Some(f) => {
+                    let pending = std::mem::replace(&mut f.pending, PendingAllReduce::ready(Ok(Vec::new())));
+                    let sum = pending.wait()?;
+                    f.pending = PendingAllReduce::ready(Ok(sum.clone()));
+                    (f.mine.clone(), sum)
+                }
+                None => (Vec::new(), Vec::new()),
+            };
+            mine.extend(padded(&m, longest));
+            sums.extend(padded(&sum, longest));
+        }
+        let all = self.workers.all_gather(&mine)?;
+        let mut phase = vec![all.len() as u64, self.runs.len() as u64, self.step.load(Ordering::Relaxed)];
+        phase.extend([st.sent_bytes, st.meetings]);
+        phase.extend(&st.sent_at);
+        for slot in 0..slots {
+            match st.in_flight.get(slot) {
+                Some(f) => phase.extend([1, f.fragment as u64, f.sent, f.due]),
+                None => phase.extend([0; 4]),
+            }
+        }
+        let cpu = &candle_core::Device::Cpu;
+        let mut out = vec![(format!("{PREFIX}phase"), Tensor::new(encode_u64s(&phase), cpu)?)];
+        for (i, g) in st.global.iter().enumerate() {
+            out.push((format!("{PREFIX}global/{i}"), Tensor::from_slice(g, self.shapes[i].as_slice(), cpu)?));
+        }
+        for (i, v) in st.velocity.iter().enumerate() {
+            out.push((format!("{PREFIX}velocity/{i}"), Tensor::from_slice(v, self.shapes[i].as_slice(), cpu)?));
+        }
+        if slots > 0 {
+            out.push((format!("{PREFIX}in_flight_sum"), Tensor::new(sums, cpu)?));
+        }
+        for (k, m) in all.into_iter().enumerate() {
+            out.push((format!("{PREFIX}worker{k}"), Tensor::new(m, cpu)?));
+        }
+        Ok(out)
+    }
+
+    /// Loads a checkpoint's outer synchronisation ([`Self::state_tensors`]'s entries among
+    /// `state`): the outer state, and this worker's own: its parameters into every copy of
+    /// `copies`, and its optimizer's state, returned in the names and shapes of `own` (this
+    /// worker's current state) for the optimizer to load. A checkpoint of another number of
+    /// workers or fragments is refused.
+    pub(crate) fn load_state(
+        &self,
+        state: &[(String, Tensor)],
+        own: &[(String, Tensor)],
+        copies: &[Vec<Var>],
+    ) -> Result<Vec<(String, Tensor)>> {
+        let find = |name: &str| {
+            state.iter().find(|(n, _)| n == name).map(|(_, t)| t).ok_or_else(|| {
+                Error::Checkpoint(format!(
+                    "the checkpoint holds no {name}: it was not written by a job under local SGD of these settings; resume it with the settings it was written with"
+                ))
+            })
+        };
+        let phase = decode_u64s(&read(find(&format!("{PREFIX}phase"))?)?);
+        let workers = self.workers.num_workers();
+        let (slots, longest) = self.in_flight_room();
+        let fragments = self.runs.len();
+        let want = 5 + fragments + 4 * slots;
+        if phase.len() != want || phase[1] != fragments as u64 {
+            return Err(Error::Checkpoint(format!(
+                "the checkpoint's local SGD phase does not match {fragments} fragment(s) with an exchange delay of {}; resume it with the settings it was written with",
+                self.cfg.delay()
+            )));
+        }
+        if phase[0] != workers as u64 {
+            return Err(Error::Checkpoint(format!(
+                "the checkpoint holds the local SGD state of {} workers; resume it on {} workers, not {workers}",
+                phase[0], phase[0]
+            )));
+        }
+        let me = self.workers.worker_index();
+        let mine = read(find(&format!("{PREFIX}worker{me}"))?)?;
+        let sizes: Vec<usize> = self.shapes.iter().map(|s| s.iter().product()).collect();
+        let params: usize = sizes.iter().sum();
+        let own_len: usize = own.iter().map(|(_, t)| t.elem_count()).sum();
+        let error_len = if self.cfg.wire.sum_wire().is_some() { params } else { 0 };
+        if mine.len() != params + own_len + error_len + slots * longest {
+            return Err(Error::Checkpoint(format!(
+                "the checkpoint's local SGD state of worker {me} holds {} values, {} expected; resume it into the model and optimizer that wrote it",
+                mine.len(),
+                params + own_len + error_len + slots * longest
+            )));
+        }
+        let mut at = 0;
+        let mut take = |n: usize| {
+            let s = &mine[at..at + n];
+            at += n;
+            s
+        };
+        let locals: Vec<Vec<f32>> = sizes.iter().map(|&n| take(n).to_vec()).collect();
+        let mut loaded = Vec::with_capacity(own.len());
+        for (name, t) in own {
+            let v = Tensor::from_slice(take(t.elem_count()), t.shape(), t.device())?.to_dtype(t.dtype())?;
+            loaded.push((name.clone(), v));
+        }
+        let error: Vec<Vec<f32>> =
+            if error_len > 0 { sizes.iter().map(|&n| take(n).to_vec()).collect() } else { Vec::new() };
+        let sums = if slots > 0 { read(find(&format!("{PREFIX}in_flight_sum"))?)? } else { Vec::new() };
+        let mut global = Vec::with_capacity(sizes.len());
+        let mut velocity = Vec::new();
+        for i in 0..sizes.len() {
+            global.push(read(find(&format!("{PREFIX}global/{i}"))?)?);
+            if matches!(self.cfg.outer, OuterOptimizer::Nesterov { .. }) {
+                velocity.push(read(find(&format!("{PREFIX}velocity/{i}"))?)?);
+            }
+        }
+        let mut in_flight = VecDeque::new();
+        for slot in 0..slots {
+            let m = take(longest);
+            let p = &phase[5 + fragments + 4 * slot..][..4];
+            if p[0] == 1 {
+                let fragment = p[1] as usize;
+                let len: usize = self.runs.get(fragment).map_or(0, |r| r.clone().map(|i| sizes[i]).sum());
+                let sum = sums[slot * longest..][..len].to_vec();
+                in_flight.push_back(InFlight {
+                    fragment,
+                    sent: p[2],
+                    due: p[3],
+                    pending: PendingAllReduce::ready(Ok(sum)),
+                    mine: m[..len].to_vec(),
+                });
+            }
+        }
+        for vars in copies {
+            let updates: Vec<Update> =
+                locals.iter().enumerate().map(|(i, l)| Update::Set(i, Arc::new(l.clone()))).collect();
+            apply(vars, &self.shapes, &updates)?;
+        }
+        self.step.store(phase[2], Ordering::Relaxed);
+        let mut st = self.state();
+        *st = State {
+            global,
+            velocity,
+            error,
+            in_flight,
+            sent_at: phase[5..5 + fragments].to_vec(),
+            sent_bytes: phase[3],
+            meetings: phase[4],
+        };
+        Ok(loaded)
+    }
+
     /// Outside a step: every exchange in flight applied, then every fragment that took inner
     /// steps since it was last sent met once more without delay, so that every worker holds
     /// the same (global) parameters. Writes every copy of `copies`.
@@ -273,7 +453,7 @@ impl OuterSync {
         let Some(first) = copies.first() else { return Ok(()) };
         let mut st = self.state();
         let mut updates = Vec::new();
-        let step = self.step.load(std::sync::atomic::Ordering::Relaxed);
+        let step = self.step.load(Ordering::Relaxed);
         while let Some(f) = st.in_flight.pop_front() {
             // Without inner steps since it was sent, every worker takes the global values.
             let kept = step > f.sent;
@@ -296,6 +476,27 @@ impl OuterSync {
         }
         Ok(())
     }
+}
+
+/// The names of the outer synchronisation's checkpoint entries begin with this (under the
+/// optimizer's own, `optimizer/`).
+pub(crate) const PREFIX: &str = "local_sgd/";
+
+/// `v` padded with zeros to `len` values.
+fn padded(v: &[f32], len: usize) -> Vec<f32> {
+    let mut out = v.to_vec();
+    out.resize(len, 0.0);
+    out
+}
+
+/// Integers as f32 values, exactly: 16 bits a value, four values each.
+fn encode_u64s(v: &[u64]) -> Vec<f32> {
+    v.iter().flat_map(|x| (0..4).map(move |k| ((x >> (16 * k)) & 0xffff) as f32)).collect()
+}
+
+/// [`encode_u64s`]'s integers back.
+fn decode_u64s(v: &[f32]) -> Vec<u64> {
+    v.chunks(4).map(|c| c.iter().enumerate().fold(0u64, |x, (k, &p)| x | ((p as u64 & 0xffff) << (16 * k)))).collect()
 }
 
 /// A variable's values in f32 on the host.

@@ -58,7 +58,7 @@ pub struct LocalSgd {
     pub fragments: usize,
     /// Inner steps a fragment's exchange runs behind before it is applied (`None`: 0 with one
     /// fragment, half the steps between two fragments' meetings with several). At most
-    /// `H / F - 1`, so that a fragment's exchanges never overlap.
+    /// `H / F - 1`, so that one exchange at most is in flight at a time.
     pub delay: Option<u64>,
     /// How outer gradients cross the network: `None` (f32), `Fp16` or `Bf16` (16 bits), or
     /// `Int8` (int8 blocks of 64 values with a power-of-two scale): f32 sums at every hop, with
@@ -117,7 +117,7 @@ impl LocalSgd {
                 return bad(format!("an outer momentum of {momentum}: use one in [0, 1), e.g. 0.9"));
             }
         }
-        if self.fragments > 1 && self.delay() >= self.window() {
+        if self.delay() > 0 && self.delay() >= self.window() {
             return bad(format!(
                 "an exchange delay of {} steps with a fragment met every {} steps: use at most {}",
                 self.delay(),
