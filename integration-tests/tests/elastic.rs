@@ -861,3 +861,65 @@ fn adamw_roll_back_on_the_301k_mlp() {
         var("STRATA_PROBE_AT", "66")
     );
 }
+
+/// The final test accuracy a job's chief printed, in percent.
+fn test_accuracy(o: &Output) -> f64 {
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    stdout
+        .split("test accuracy")
+        .nth(1)
+        .and_then(|t| t.split(|c: char| !(c.is_ascii_digit() || c == '.')).find(|w| !w.is_empty()))
+        .and_then(|w| w.parse().ok())
+        .unwrap_or_else(|| panic!("no test accuracy: {stdout}"))
+}
+
+/// Streaming DiLoCo in an elastic job (2 fragments met every 4 steps, each landing a step
+/// after it is sent, so a change always finds an exchange in flight or cut): worker:1 killed
+/// at step 60 and its new process joining, then worker:2 killed for good. The job goes on
+/// each time and every worker ends on the same bits; what a loss costs is the lost worker's
+/// inner steps since its fragments last met, so the job ends near the undisturbed one
+/// (measured 2026-12-04: 1.6e-3 and 1.5e-3 from it, L2-relative, at its accuracy of 96.1%).
+#[test]
+fn local_sgd_follows_a_loss_and_a_join() {
+    let tmp = tempfile::tempdir().unwrap();
+    let diloco = ["--epochs", "30", "--sync-every", "4", "--fragments", "2", "--lr", "0.05"];
+    let dir = tmp.path().join("undisturbed");
+    std::fs::create_dir(&dir).unwrap();
+    let o = Job::start_with(&dir, 3, &[], &diloco).finish();
+    let undisturbed = parameters(&dir, &o);
+    let undisturbed_accuracy = test_accuracy(&o);
+
+    let dir = tmp.path().join("kill-join");
+    std::fs::create_dir(&dir).unwrap();
+    let job = Job::start_with(&dir, 3, &["--max-restarts", "1"], &diloco);
+    job.wait_for_step(60);
+    kill(job.pid("worker:1"), Signal::SIGKILL).unwrap();
+    let o = job.finish();
+    let stderr = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(stderr.contains("task worker:1 was killed by SIGKILL; the elastic job goes on"), "{}", shown(&stderr));
+    let last = stderr.lines().find(|l| l.contains("the elastic job completed in generation")).unwrap_or_default();
+    assert!(last.ends_with("with worker:0, worker:1, worker:2"), "{}", shown(&stderr));
+    let joined = parameters(&dir, &o);
+    let d = l2_relative(&joined, &undisturbed);
+    let acc = test_accuracy(&o);
+    eprintln!(
+        "DiLoCo, worker:1 killed and replaced: {d:.3e} from undisturbed, accuracy {acc} ({undisturbed_accuracy})"
+    );
+    assert!(d > 0.0 && d < 0.05, "{d:.3e}: {}", shown(&stderr));
+    assert!(acc > undisturbed_accuracy - 2.0, "{acc}% against {undisturbed_accuracy}%");
+
+    let dir = tmp.path().join("kill");
+    std::fs::create_dir(&dir).unwrap();
+    let job = Job::start_with(&dir, 3, &[], &diloco);
+    job.wait_for_step(90);
+    kill(job.pid("worker:2"), Signal::SIGKILL).unwrap();
+    let o = job.finish();
+    let stderr = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(stderr.contains("the elastic job completed in generation 2 with worker:0, worker:1"), "{}", shown(&stderr));
+    let lost = parameters(&dir, &o);
+    let d = l2_relative(&lost, &undisturbed);
+    let acc = test_accuracy(&o);
+    eprintln!("DiLoCo, worker:2 killed: {d:.3e} from undisturbed, accuracy {acc} ({undisturbed_accuracy})");
+    assert!(d > 0.0 && d < 0.05, "{d:.3e}: {}", shown(&stderr));
+    assert!(acc > undisturbed_accuracy - 2.0, "{acc}% against {undisturbed_accuracy}%");
+}

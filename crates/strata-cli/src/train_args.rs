@@ -420,9 +420,6 @@ impl TrainArgs {
                 self.zero_stage, self.sync_every
             ));
         }
-        if self.min_workers.is_some() {
-            return usage("--min-workers with --sync-every: local SGD does not yet follow an elastic membership; drop one of them".into());
-        }
         Ok(())
     }
 

@@ -722,7 +722,7 @@ fn run_spec(
     let (min_workers, checkpoint_every, restarts) = run_recovery(&run, workers)?;
     let (zero_stage, recompute) =
         run_memory(&run, optimizer, model, min_workers.is_some(), checkpoint_every.is_some())?;
-    let local_sgd = run_local_sgd(&run, compression, min_workers.is_some() || checkpoint_every.is_some(), zero_stage)?;
+    let local_sgd = run_local_sgd(&run, compression, zero_stage)?;
     let mut spec = RunSpec {
         name: String::new(),
         strategy: r.strategy,
@@ -990,13 +990,8 @@ fn default_run_name(spec: &RunSpec) -> String {
 
 /// A run's local SGD (`sync_every`, `outer_optimizer`, `fragments`: `strata train
 /// --sync-every`, `--outer-optimizer`, `--fragments`): multi-worker-mirrored only, without
-/// elastic recovery, checkpoints or ZeRO; `None` for per-step synchronous training.
-fn run_local_sgd(
-    run: &RunAt<'_>,
-    compression: Compression,
-    recovers: bool,
-    zero_stage: ZeroStage,
-) -> Result<Option<strata::LocalSgd>> {
+/// ZeRO; `None` for per-step synchronous training.
+fn run_local_sgd(run: &RunAt<'_>, compression: Compression, zero_stage: ZeroStage) -> Result<Option<strata::LocalSgd>> {
     let r = run.run;
     let span = |f: &Option<Spanned<u64>>| f.as_ref().map_or(run.span.clone(), |v| v.span());
     let every = r.sync_every.as_ref().map_or(1, |v| *v.get_ref());
@@ -1040,9 +1035,6 @@ fn run_local_sgd(
         ));
     }
     l.check().map_err(|e| run.error(at.clone(), "sync_every", e))?;
-    if recovers {
-        return Err(run.error(at, "sync_every", "local SGD does not yet follow an elastic membership nor write checkpoints: drop min_workers and checkpoint_every, or sync_every"));
-    }
     if zero_stage != ZeroStage::Off {
         return Err(run.error(
             at,
@@ -1497,10 +1489,6 @@ network_delay = "1ms"
         bad(
             "\n[[run]]\nstrategy = \"multi-worker-mirrored\"\nsync_every = 4\nouter_optimizer = \"adam\"\n",
             "unknown outer optimizer",
-        );
-        bad(
-            "\n[[run]]\nstrategy = \"multi-worker-mirrored\"\nsync_every = 4\nmin_workers = 1\n",
-            "does not yet follow an elastic membership",
         );
     }
 

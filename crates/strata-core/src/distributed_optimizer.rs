@@ -229,14 +229,57 @@ impl<O: Optimizer + OptimizerState> DistributedOptimizer<O> {
     /// (into every copy of its variables, which must then already hold the checkpoint's
     /// other values) and the outer synchronisation's.
     pub fn load_state_tensors(&self, state: &[(String, Tensor)]) -> Result<()> {
-        let own;
-        let state = match &self.outer {
+        match &self.outer {
             Some(outer) => {
-                own = outer.load_state(state, &self.own_state_tensors()?, &self.vars)?;
-                &own[..]
+                let own = outer.load_state(state, &self.own_state_tensors()?, &self.vars)?;
+                self.load_own_state_tensors(&own)
             }
-            None => state,
-        };
+            None => self.load_own_state_tensors(state),
+        }
+    }
+
+    /// Local SGD: the inner steps this worker applied so far (a step whose meeting failed was
+    /// applied); `None` without local SGD.
+    pub fn local_steps(&self) -> Option<u64> {
+        self.outer.as_ref().map(OuterSync::steps)
+    }
+
+    /// Local SGD in an elastic job whose membership changed (every member calls it, at the
+    /// agreed position `step`): where members `joiners` joined under way, member `source`'s
+    /// optimizer state is handed to them (`joined`: this worker is one); then the members agree
+    /// on the outer state and meet again every exchange the change interrupted. Without local
+    /// SGD it does nothing.
+    pub fn rejoin_local_steps(&self, source: usize, joiners: bool, joined: bool, step: u64) -> Result<()> {
+        let Some(outer) = &self.outer else { return Ok(()) };
+        if joiners {
+            let own = self.own_state_tensors()?;
+            let len: usize = own.iter().map(|(_, t)| t.elem_count()).sum();
+            let mut flat = Vec::with_capacity(len);
+            if joined {
+                flat.resize(len, 0.0);
+            } else {
+                for (_, t) in &own {
+                    flat.extend(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?);
+                }
+            }
+            outer.workers().broadcast(source, &mut flat)?;
+            if joined {
+                let mut at = 0;
+                let mut loaded = Vec::with_capacity(own.len());
+                for (name, t) in &own {
+                    let n = t.elem_count();
+                    let v = Tensor::from_slice(&flat[at..at + n], t.shape(), t.device())?.to_dtype(t.dtype())?;
+                    loaded.push((name.clone(), v));
+                    at += n;
+                }
+                self.load_own_state_tensors(&loaded)?;
+            }
+        }
+        outer.rejoin(&self.vars, joined, step)
+    }
+
+    /// [`Self::load_state_tensors`] of this worker's own state (without local SGD's).
+    fn load_own_state_tensors(&self, state: &[(String, Tensor)]) -> Result<()> {
         // The loss scale's entry is the distributed optimizer's own: taken here (a job
         // without loss scaling ignores it; one with it and no entry starts afresh).
         let (scale, rest): (Vec<_>, Vec<_>) =

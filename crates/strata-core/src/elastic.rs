@@ -89,6 +89,18 @@ pub trait StatefulOptimizer {
     fn gathers_state(&self) -> bool {
         self.zero_stage() != ZeroStage::Off
     }
+    /// Local SGD: the inner steps applied so far (a step whose meeting with the other workers
+    /// failed was applied on this one); `None` (the default) without local SGD.
+    fn local_steps(&self) -> Option<u64> {
+        None
+    }
+    /// Local SGD in an elastic job whose membership changed (every member calls it, at the
+    /// agreed position `step`): a joiner (`joined`; `joiners`: whether any member is one) takes
+    /// member `source`'s optimizer state, the members agree on the outer state, and every
+    /// exchange the change interrupted is met again. Nothing by default.
+    fn rejoin_local_steps(&self, _source: usize, _joiners: bool, _joined: bool, _step: u64) -> Result<()> {
+        Ok(())
+    }
     /// ZeRO: lays the shards out over the current membership (fresh state; load it after).
     fn reshard(&self) -> Result<bool>;
     /// The ZeRO stage it runs.
@@ -117,6 +129,12 @@ impl<O: Optimizer + OptimizerState> StatefulOptimizer for DistributedOptimizer<O
     }
     fn gathers_state(&self) -> bool {
         DistributedOptimizer::gathers_state(self)
+    }
+    fn local_steps(&self) -> Option<u64> {
+        DistributedOptimizer::local_steps(self)
+    }
+    fn rejoin_local_steps(&self, source: usize, joiners: bool, joined: bool, step: u64) -> Result<()> {
+        DistributedOptimizer::rejoin_local_steps(self, source, joiners, joined, step)
     }
     fn reshard(&self) -> Result<bool> {
         DistributedOptimizer::reshard(self)
@@ -321,7 +339,15 @@ impl<'a, M> Elastic<'a, M> {
         }
         let out = match run() {
             Ok(out) => out,
-            Err(e) => return self.recover_from(at, e).map(Stepped::Moved),
+            Err(e) => {
+                // Local SGD: a step fails in its meeting with the other workers, after its inner
+                // step was applied, which is not applied again.
+                let at = match self.opt.local_steps() {
+                    Some(n) if n as usize > at.step => Position { step: at.step + 1, ..at },
+                    _ => at,
+                };
+                return self.recover_from(at, e).map(Stepped::Moved);
+            }
         };
         let done = Position { step: at.step + 1, ..at };
         if let Some(c) = self.checkpoints.as_ref().filter(|c| done.step.is_multiple_of(c.every_steps.max(1))) {
@@ -487,6 +513,9 @@ impl<'a, M> Elastic<'a, M> {
         if self.collective {
             return self.sync_shards(w, mine);
         }
+        if self.opt.local_steps().is_some() {
+            return self.sync_local(w, mine);
+        }
         // Counts below 2^24 are exact in an f32; a joiner has none.
         let v = mine.map_or([-1.0, -1.0], |p| [p.step.min(1 << 24) as f32, p.ended.min(1 << 24) as f32]);
         let all = w.all_gather(&v)?;
@@ -519,6 +548,58 @@ impl<'a, M> Elastic<'a, M> {
         if w.worker_index() != source {
             load_flat(self.model, self.opt, &vars, &state, &values)?;
         }
+        Ok(position)
+    }
+
+    /// [`Self::sync`] under local SGD, whose members each keep their own parameters and
+    /// optimizer state: the members agree on the most advanced position (a member behind it,
+    /// which had not finished the step a change interrupted, skips that step), a joiner takes
+    /// the most advanced member's variables and optimizer state, and the outer synchronisation
+    /// re-forms ([`StatefulOptimizer::rejoin_local_steps`]).
+    fn sync_local(&self, w: &dyn WorkerCollectives, mine: Option<Position>) -> Result<Position> {
+        // Counts below 2^24 are exact in an f32; a joiner has none.
+        let v = mine.map_or([-1.0, -1.0], |p| [p.step.min(1 << 24) as f32, p.ended.min(1 << 24) as f32]);
+        let all = w.all_gather(&v)?;
+        let source = (0..all.len()).fold(0, |b, r| if at(&all[r]) > at(&all[b]) { r } else { b });
+        let best = at(&all[source]);
+        if best.0 < 0.0 {
+            return Err(none_has_state());
+        }
+        let position = Position { step: best.0 as usize, ended: best.1 as usize };
+        self.ops().carry_over(&self.vars(), source)?;
+        let joiners = all.iter().any(|x| at(x).0 < 0.0);
+        if joiners {
+            // The model's variables, its state beside the parameters too, to the joiners.
+            let vars = self.vars();
+            let len: usize = vars.iter().map(Tensor::elem_count).sum();
+            let mut values = Vec::with_capacity(len);
+            if mine.is_some() {
+                for t in &vars {
+                    values.extend(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?);
+                }
+            } else {
+                values.resize(len, 0.0);
+            }
+            w.broadcast(source, &mut values)?;
+            if mine.is_none() {
+                let mut at = 0;
+                let new: Vec<Tensor> = vars
+                    .iter()
+                    .map(|t| {
+                        let n = t.elem_count();
+                        let v = Tensor::from_slice(&values[at..at + n], t.shape(), t.device())?.to_dtype(t.dtype());
+                        at += n;
+                        v
+                    })
+                    .collect::<candle_core::Result<_>>()?;
+                for copy in 0..self.model.num_copies() {
+                    for ((_, var), value) in self.model.variables(copy).iter().zip(&new) {
+                        var.set(value)?;
+                    }
+                }
+            }
+        }
+        self.opt.rejoin_local_steps(source, joiners, mine.is_none(), position.step as u64)?;
         Ok(position)
     }
 

@@ -43,6 +43,18 @@ struct InFlight {
     pending: PendingAllReduce,
     /// This worker's outer gradient, as computed (before the wire's rounding).
     mine: Vec<f32>,
+    /// The meeting it completes when it lands (meetings land in the order they are sent).
+    seq: u64,
+}
+
+/// An exchange whose all-reduce failed (a worker of an elastic job was lost): its fragment
+/// is met again, or takes the global values another worker landed, when the job re-forms
+/// ([`OuterSync::rejoin`]).
+#[derive(Debug)]
+struct Owed {
+    fragment: usize,
+    mine: Vec<f32>,
+    seq: u64,
 }
 
 #[derive(Debug, Default)]
@@ -54,6 +66,8 @@ struct State {
     /// What the wire's rounding dropped of the outer gradients sent, by variable.
     error: Vec<Vec<f32>>,
     in_flight: VecDeque<InFlight>,
+    /// Exchanges whose all-reduce failed, until the job re-forms.
+    owed: Vec<Owed>,
     /// The inner step at which each fragment was last sent (0: never).
     sent_at: Vec<u64>,
     /// Bytes of outer gradients this worker sent.
@@ -213,7 +227,8 @@ impl OuterSync {
                 }
             }
         };
-        Ok(InFlight { fragment, sent, due, pending, mine })
+        let seq = st.meetings + st.in_flight.len() as u64;
+        Ok(InFlight { fragment, sent, due, pending, mine, seq })
     }
 
     /// Waits for `flight`'s sum, applies the outer optimizer to the fragment's global
@@ -221,8 +236,15 @@ impl OuterSync {
     /// step the global parameters took plus this worker's own outer gradient, keeping the inner
     /// steps taken while the exchange ran.
     fn land(&self, st: &mut State, flight: InFlight, kept_progress: bool) -> Result<Vec<Update>> {
-        let InFlight { fragment, pending, mine, .. } = flight;
-        let mut sum = pending.wait()?;
+        let InFlight { fragment, pending, mine, seq, .. } = flight;
+        let mut sum = match pending.wait() {
+            Ok(sum) => sum,
+            Err(e) => {
+                // An elastic job re-forms and meets it again ([`Self::rejoin`]).
+                st.owed.push(Owed { fragment, mine, seq });
+                return Err(e);
+            }
+        };
         if sum.len() != mine.len() {
             return Err(Error::Cluster(format!(
                 "an outer gradient came back with {} values for {} sent",
@@ -238,17 +260,7 @@ impl OuterSync {
             let len = st.global[i].len();
             let d = &sum[at..at + len];
             let before = kept_progress.then(|| st.global[i].clone());
-            match self.cfg.outer {
-                OuterOptimizer::Average => {
-                    st.global[i].iter_mut().zip(d).for_each(|(g, d)| *g -= d);
-                }
-                OuterOptimizer::Nesterov { lr, momentum } => {
-                    let State { global, velocity, .. } = &mut *st;
-                    for ((g, v), &d) in global[i].iter_mut().zip(velocity[i].iter_mut()).zip(d) {
-                        rules::nesterov(g, v, d, lr, momentum);
-                    }
-                }
-            }
+            self.outer_step(st, i, d);
             updates.push(match before {
                 None => Update::Set(i, Arc::new(st.global[i].clone())),
                 Some(before) => {
@@ -424,6 +436,7 @@ impl OuterSync {
                     due: p[3],
                     pending: PendingAllReduce::ready(Ok(sum)),
                     mine: m[..len].to_vec(),
+                    seq: phase[4],
                 });
             }
         }
@@ -439,11 +452,177 @@ impl OuterSync {
             velocity,
             error,
             in_flight,
+            owed: Vec::new(),
             sent_at: phase[5..5 + fragments].to_vec(),
             sent_bytes: phase[3],
             meetings: phase[4],
         };
         Ok(loaded)
+    }
+
+    /// The workers it meets.
+    pub(crate) fn workers(&self) -> &Arc<dyn WorkerCollectives> {
+        &self.workers
+    }
+
+    /// The inner steps this worker applied (a step whose meeting failed was applied).
+    pub(crate) fn steps(&self) -> u64 {
+        self.step.load(Ordering::Relaxed)
+    }
+
+    /// An elastic job re-formed (every member calls it, after agreeing on the position `step`;
+    /// `joined`: this worker joined under way, its variables the most advanced member's):
+    ///
+    /// - the members agree on the outer state: where a meeting landed on some members and
+    ///   failed on others (a worker was lost during its all-reduce), the member with the most
+    ///   meetings hands its global parameters and outer momentum to every member, and a member
+    ///   whose exchange failed takes that meeting's result as if it had landed (keeping the
+    ///   inner steps it took since it sent it); a joiner takes them as its parameters;
+    /// - every fragment still in flight or owed on any member is met again at once, over the
+    ///   new membership (the lost worker's outer gradient left out: it costs its inner steps
+    ///   since its last meeting, and nothing else), every member then holding its global
+    ///   values.
+    ///
+    /// Writes every copy of `copies`.
+    pub(crate) fn rejoin(&self, copies: &[Vec<Var>], joined: bool, step: u64) -> Result<()> {
+        let w = &self.workers;
+        let me = w.worker_index();
+        let mut st = self.state();
+        let mut updates = Vec::new();
+        // Meetings completed are below 2^24: exact in an f32; a joiner has none.
+        let meetings = if joined { -1.0 } else { st.meetings as f32 };
+        let all = w.all_gather(&[meetings])?;
+        let count = |x: &Vec<f32>| x.first().copied().unwrap_or(-1.0);
+        let lead = (0..all.len()).fold(0, |b, r| if count(&all[r]) > count(&all[b]) { r } else { b });
+        let most = count(&all[lead]);
+        if most < 0.0 {
+            return Err(Error::InvalidArgument(
+                "every worker of the elastic job joined it under way: none has the global parameters; restart the job"
+                    .into(),
+            ));
+        }
+        let contributors = all.iter().filter(|x| count(x) >= 0.0).count().max(1);
+        if all.iter().any(|x| count(x) != most) {
+            let mut flat: Vec<f32> = Vec::new();
+            let len: usize = st.global.iter().map(Vec::len).sum::<usize>() * (1 + usize::from(!st.velocity.is_empty()));
+            if me == lead {
+                st.global.iter().chain(st.velocity.iter()).for_each(|v| flat.extend(v));
+            } else {
+                flat.resize(len, 0.0);
+            }
+            w.broadcast(lead, &mut flat)?;
+            if me != lead {
+                let old = std::mem::take(&mut st.global);
+                let mut at = 0;
+                for g in &old {
+                    st.global.push(flat[at..at + g.len()].to_vec());
+                    at += g.len();
+                }
+                for v in st.velocity.iter_mut() {
+                    let n = v.len();
+                    v.copy_from_slice(&flat[at..at + n]);
+                    at += n;
+                }
+                if joined {
+                    for (i, g) in st.global.iter().enumerate() {
+                        updates.push(Update::Set(i, Arc::new(g.clone())));
+                    }
+                    st.error.iter_mut().for_each(|e| e.fill(0.0));
+                    st.in_flight.clear();
+                    st.owed.clear();
+                } else {
+                    // The exchanges the leader landed: taken as landed, keeping the inner steps
+                    // since they were sent (local + (new - old) + own outer gradient).
+                    let landed = most as u64;
+                    let mut resolved: Vec<(usize, Vec<f32>)> =
+                        st.owed.iter().filter(|o| o.seq < landed).map(|o| (o.fragment, o.mine.clone())).collect();
+                    resolved
+                        .extend(st.in_flight.iter().filter(|f| f.seq < landed).map(|f| (f.fragment, f.mine.clone())));
+                    for (fragment, mine) in resolved {
+                        let mut at = 0;
+                        for i in self.runs[fragment].clone() {
+                            let len = old[i].len();
+                            let add = st.global[i]
+                                .iter()
+                                .zip(&old[i])
+                                .zip(&mine[at..at + len])
+                                .map(|((new, old), own)| (new - old) + own)
+                                .collect();
+                            updates.push(Update::Add(i, Arc::new(add)));
+                            at += len;
+                        }
+                    }
+                    st.owed.retain(|o| o.seq >= landed);
+                    st.in_flight.retain(|f| f.seq >= landed);
+                }
+                st.meetings = most as u64;
+            }
+        }
+        for vars in copies {
+            apply(vars, &self.shapes, &updates)?;
+        }
+        // Every fragment still in flight or owed on any member, met again now.
+        let fragments = self.runs.len();
+        // Per fragment: whether it is in flight or owed here, and when it was last sent (steps
+        // below 2^24: exact), so that every member holds the same phase after.
+        let mut pending = vec![0f32; 2 * fragments];
+        for f in st.in_flight.iter().map(|f| f.fragment).chain(st.owed.iter().map(|o| o.fragment)) {
+            pending[f] = 1.0;
+        }
+        for (f, &at) in st.sent_at.iter().enumerate() {
+            pending[fragments + f] = at.min(1 << 24) as f32;
+        }
+        let masks = w.all_gather(&pending)?;
+        for f in 0..fragments {
+            let latest = masks.iter().map(|m| m.get(fragments + f).copied().unwrap_or(0.0)).fold(0.0, f32::max);
+            st.sent_at[f] = latest as u64;
+        }
+        st.in_flight.clear();
+        st.owed.clear();
+        let first = copies.first().map(Vec::as_slice).unwrap_or_default();
+        let mut updates = Vec::new();
+        for fragment in 0..fragments {
+            if !masks.iter().any(|m| m.get(fragment).copied().unwrap_or(0.0) > 0.0) {
+                continue;
+            }
+            let mut sum = Vec::new();
+            for i in self.runs[fragment].clone() {
+                let local = read(first[i].as_tensor())?;
+                sum.extend(st.global[i].iter().zip(&local).map(|(g, l)| g - l));
+            }
+            st.sent_bytes += 4 * sum.len() as u64;
+            w.all_reduce(ReduceOp::Sum, &mut sum)?;
+            // The mean over the members that trained (a joiner's outer gradient is zero).
+            sum.iter_mut().for_each(|x| *x /= contributors as f32);
+            let mut at = 0;
+            for i in self.runs[fragment].clone() {
+                let len = st.global[i].len();
+                self.outer_step(&mut st, i, &sum[at..at + len]);
+                updates.push(Update::Set(i, Arc::new(st.global[i].clone())));
+                at += len;
+            }
+            st.sent_at[fragment] = step;
+            st.meetings += 1;
+        }
+        for vars in copies {
+            apply(vars, &self.shapes, &updates)?;
+        }
+        self.step.store(step, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// The outer optimizer's step on variable `i`'s global values with the mean outer gradient
+    /// `d`.
+    fn outer_step(&self, st: &mut State, i: usize, d: &[f32]) {
+        match self.cfg.outer {
+            OuterOptimizer::Average => st.global[i].iter_mut().zip(d).for_each(|(g, d)| *g -= d),
+            OuterOptimizer::Nesterov { lr, momentum } => {
+                let State { global, velocity, .. } = st;
+                for ((g, v), &d) in global[i].iter_mut().zip(velocity[i].iter_mut()).zip(d) {
+                    rules::nesterov(g, v, d, lr, momentum);
+                }
+            }
+        }
     }
 
     /// Outside a step: every exchange in flight applied, then every fragment that took inner

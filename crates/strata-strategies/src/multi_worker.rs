@@ -872,9 +872,6 @@ fn check_local_sgd(options: &MultiWorkerOptions) -> Result<()> {
             options.options.zero_stage
         ));
     }
-    if options.elastic.is_some() {
-        return refuse("local SGD does not yet follow an elastic membership: drop the minimum of workers, or synchronise every step");
-    }
     if options.cross_worker_ops.is_some() {
         return refuse(
             "local SGD meets the workers on the ring, not on cross-worker ops of your own (NCCL): use the ring with it",

@@ -634,7 +634,10 @@ where
         // Local SGD: the fit ends on the global parameters, the same on every worker (the
         // last evaluation, and the model after the fit, read them).
         if epoch + 1 >= cfg.epochs || cfg.max_steps.is_some_and(|m| at.step >= m) {
-            self.opt.synchronize_local_steps()?;
+            // In an elastic job a change meanwhile re-forms it and meets again what it cut.
+            if let Stepped::Moved(p) = self.guard(at, || self.opt.synchronize_local_steps())? {
+                return Ok(Flow::Moved(p));
+            }
         }
         // Evaluation reads the state (BatchNorm's statistics) as the mean over replicas.
         let evaluated = self.guard(at, || {
