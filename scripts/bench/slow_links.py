@@ -22,12 +22,15 @@ for its rate only, and its validation loss is the unshaped run's of --steps step
 report).
 
 Configurations (--configs, comma-separated): `sync`; `diloco:H[:WIRE]` (Nesterov 0.7/0.9 every
-H steps; WIRE none, bf16 or fp16: --compression); `local:H` (averaging every H steps);
+H steps; WIRE none, bf16, fp16 or int8: --compression); `local:H` (averaging every H steps);
 `streaming:H:F[:WIRE]` (DiLoCo in F fragments at staggered steps, each exchange half the steps
 between two fragments' meetings behind); `torch-ddp` and `torch-diloco:H[:bf16]`: PyTorch's
 DDP and DiLoCo over gloo (scripts/bench/peers/diloco_peer.py, the same transformer, batch and
 AdamW, its own data pipeline and validation windows), from --python (the peers' virtual
-environment, as scripts/bench/peers.sh installs it). Rounds (--repeats, default 3) alternate every link and
+environment, as scripts/bench/peers.sh installs it). A Strata configuration with `+elastic` runs
+as an elastic job (--min-workers one below the hosts, the chief writing per-step metrics), and
+with `+kill@STEP` the same job has its last host's worker killed (SIGKILL) once the chief has
+recorded STEP steps; the others must finish, and its loss is set against the `+elastic` run's. Rounds (--repeats, default 3) alternate every link and
 configuration (A B C A B C); medians are reported, with each ratio taken within a round.
 """
 
@@ -78,9 +81,31 @@ def parser():
 PER_STEP = ("sync", "torch-ddp")
 
 
+def split_elastic(c):
+    """A configuration's base and its elastic suffix: (base, None) without one, (base, 0) for
+    `+elastic` (the job elastic, nothing killed), (base, STEP) for `+kill@STEP`; None where the
+    suffix does not parse."""
+    if "+" not in c:
+        return c, None
+    base, suffix = c.split("+", 1)
+    if suffix == "elastic":
+        return base, 0
+    if suffix.startswith("kill@"):
+        try:
+            step = int(suffix[5:])
+            return (base, step) if step > 0 else None
+        except ValueError:
+            return None
+    return None
+
+
 def parse_config(c):
     """A configuration's flags (strata train's, or diloco_peer.py's for torch-*), or an error
     string."""
+    split = split_elastic(c)
+    if split is None or (split[1] is not None and split[0].startswith("torch-")):
+        return f"configuration {c!r}: a suffix is +elastic or +kill@STEP (STEP above 0), on a Strata configuration"
+    c = split[0]
     parts = c.split(":")
     kind = parts[0]
     if kind == "sync" and len(parts) == 1:
@@ -103,7 +128,7 @@ def parse_config(c):
     except ValueError:
         pass
     return (f"unknown configuration {c!r}: use sync, diloco:H[:WIRE], local:H, streaming:H:F[:WIRE], torch-ddp or "
-            "torch-diloco:H[:bf16]")
+            "torch-diloco:H[:bf16], a Strata one with +elastic or +kill@STEP")
 
 
 def torch_run(a, n, config, steps, logdir, tag):
@@ -137,7 +162,12 @@ def run(a, n, config, steps, logdir, tag):
     base = [a.strata, "train", "--strategy", "multi-worker-mirrored", "--replicas", "1", "--model", "transformer",
             "--batch", str(BATCH), "--lr", str(a.lr), "--steps", str(steps), "--no-progress", "--out", out]
     base += parse_config(config) + shlex.split(a.strata_flags)
-    s, why = hb.strata_job(base, workers, out, logdir, tag, a.timeout)
+    kill = split_elastic(config)[1]
+    if kill is not None:
+        base += ["--min-workers", str(n - 1)]
+        s, why = killed_job(base, workers, out, logdir, tag, a.timeout, kill)
+    else:
+        s, why = hb.strata_job(base, workers, out, logdir, tag, a.timeout)
     if why:
         return None, why
     p = s["parameters"]
@@ -145,6 +175,71 @@ def run(a, n, config, steps, logdir, tag):
     payload = s["local_sgd"]["outer_bytes_sent"] if s.get("local_sgd") else 4 * p * steps
     return {"rate": s["tokens_per_second"], "loss": s["validation_loss"], "bytes": ring * payload,
             "steps": steps, "parameters": p, "wall": s["wall_seconds"]}, None
+
+
+def killed_job(base, workers, out, logdir, tag, timeout, kill):
+    """hosts_bench.strata_job for an elastic job (`base` has --min-workers): the last host's
+    worker is killed (SIGKILL) once the chief's metrics record `kill` steps (0: none is), and
+    the others must finish. Returns (the chief's summary, None), or (None, why not)."""
+    metrics = os.path.join(logdir, f"{tag}.metrics.jsonl")
+    files, ps = [], []
+    # The coordination service that outlives the workers, on the first host's address.
+    port = hb.next_port()
+    co_out = open(os.path.join(logdir, f"{tag}.coordinator.err"), "w")
+    files.append(co_out)
+    min_workers = base[base.index("--min-workers") + 1]
+    coordinator = hb.start(["ip", "netns", "exec", hb.host_ns(0), base[0], "coordinator", "--workers", str(len(workers)),
+                            "--min-workers", min_workers, "--bind", hb.addr(0), "--port", str(port)],
+                           dict(os.environ), co_out, co_out)
+    time.sleep(0.5)
+    base = base + ["--coordinator", f"{hb.addr(0)}:{port}"]
+    for i in range(len(workers)):
+        env = dict(os.environ, TF_CONFIG=json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}}))
+        cmd = base + ["--bind", hb.addr(i)] + (["--metrics", metrics] if i == 0 else [])
+        o = open(os.path.join(logdir, f"{tag}.h{i + 1}.out"), "w")
+        e = open(os.path.join(logdir, f"{tag}.h{i + 1}.err"), "w")
+        files += [o, e]
+        ps.append(hb.start(["ip", "netns", "exec", hb.host_ns(i)] + cmd, env, o, e))
+    deadline = time.time() + timeout
+    killed = kill == 0
+    why = None
+    try:
+        while any(p.poll() is None for p in ps[:-1] if p):
+            if time.time() > deadline:
+                why = f"timed out after {timeout:.0f} s"
+                break
+            if not killed:
+                try:
+                    steps = sum(1 for line in open(metrics) if '"kind":"step"' in line)
+                except OSError:
+                    steps = 0
+                if steps >= kill:
+                    os.killpg(ps[-1].pid, signal.SIGKILL)
+                    killed = True
+            time.sleep(0.05)
+        if why is None and not killed:
+            why = f"the job ended before step {kill}"
+    finally:
+        for p in ps + [coordinator]:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+            if p in hb.children:
+                hb.children.remove(p)
+        for f in files:
+            f.close()
+    if why:
+        return None, why
+    survivors = ps if kill == 0 else ps[:-1]
+    bad = [(i, p.returncode) for i, p in enumerate(survivors) if p.returncode != 0]
+    if bad:
+        i, code = bad[0]
+        err = open(os.path.join(logdir, f"{tag}.h{i + 1}.err")).read().strip().splitlines()
+        return None, f"worker {i} exited {code}: {(err or ['(no message)'])[-1][:300]}"
+    try:
+        return json.load(open(out)), None
+    except (OSError, ValueError) as e:
+        return None, f"no summary from the chief: {e}"
 
 
 def median(xs):
@@ -196,6 +291,14 @@ def render(rec):
                 f"{hb.fmt_bytes(byt) if byt is not None else 'n/a'} | "
                 f"{fmt(None if not byt or sync_bytes is None else sync_bytes * full / byt, ',.1f')}x |")
         lines.append("")
+        for c in configs:
+            base, kill = split_elastic(c)
+            if kill and f"{base}+elastic" in configs:
+                pairs = [(cell(link, c, r, "loss"), cell(link, f"{base}+elastic", r, "loss")) for r in range(len(rounds))]
+                diffs = [k - u for k, u in pairs if k is not None and u is not None]
+                lines += [f"A worker killed at step {kill} ({c}): validation loss minus the undisturbed elastic run's "
+                          f"({base}+elastic), by round: " + ", ".join(f"{d:+.4f}" for d in diffs)
+                          + f"; median {fmt(median(diffs), '+.4f')}", ""]
     lines += ["Every run (tokens/s; validation loss):", ""]
     for r, cells in enumerate(rounds):
         lines.append(f"- round {r + 1}: " + "; ".join(
