@@ -1762,9 +1762,12 @@ network_delay = "1ms"
             let path = entry.unwrap().path();
             if path.extension().is_some_and(|e| e == "toml") {
                 let e = Experiment::load(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-                // Simulated mode models the digits MLP (and no lost workers): the others run
-                // for real only.
-                let simulable = e.model != RunModel::Transformer && e.injection.kill.is_empty();
+                // Simulated mode models the digits MLP (and no lost workers), or the
+                // transformer's time where [simulate] sends its bytes (wire_parameters): the
+                // others run for real only.
+                let sends_its_bytes = e.simulate.as_ref().is_some_and(|s| s.wire_parameters.is_some());
+                let simulable =
+                    (e.model != RunModel::Transformer || sends_its_bytes) && e.injection.kill.is_empty();
                 assert_eq!(e.simulate.is_some(), simulable, "{}", path.display());
                 n += 1;
             }

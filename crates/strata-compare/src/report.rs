@@ -281,9 +281,9 @@ pub fn table(summaries: &[RunSummary], simulated: bool) -> String {
         && summaries.iter().any(|s| s.final_validation_loss.is_some());
     let last = if loss_only { "final validation loss" } else { "final accuracy" };
     let mut out = format!(
-        "| run | strategy | mode | workers | status | {time} | updates to target | {last} | {eps} | scaling efficiency | bytes/example | staleness mean / max |\n"
+        "| run | strategy | mode | workers | status | {time} | updates to target | {last} | {eps} | scaling efficiency | bytes/example | bytes sent per worker | staleness mean / max |\n"
     );
-    out.push_str("|---|---|---|--:|---|--:|--:|--:|--:|--:|--:|--:|\n");
+    out.push_str("|---|---|---|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|\n");
     for s in summaries {
         out.push_str(&table_row(s));
         out.push('\n');
@@ -316,6 +316,7 @@ pub fn table_row(s: &RunSummary) -> String {
         or_dash(s.examples_per_s, plot::group_thousands),
         or_dash(s.scaling_efficiency, |e| format!("{:.0}%", e * 100.0)),
         or_dash(s.bytes_per_example, fmt_bytes),
+        or_dash(s.bytes_sent_per_worker, fmt_bytes),
         staleness,
     ];
     format!("| {} |", cells.join(" | "))
@@ -475,7 +476,9 @@ fn results_section(md: &mut String, exp: &Experiment, runs: &[RunResult], summar
         md,
         "\nTime and updates to target: until the first evaluation that reached {}. Examples/s: between a run's \
          first and last step record. Scaling efficiency: examples/s over (workers × the 1-worker run's). \
-         Bytes/example: bytes sent and received between processes per training example. Staleness: model \
+         Bytes/example: bytes sent and received between processes per training example. Bytes sent per \
+         worker: over the whole run, every step's bytes (all workers') over the workers; local SGD and DiLoCo \
+         (mode `diloco H=100`, `local SGD H=20`) send only at their meetings. Staleness: model \
          updates between a worker's pull and its push (parameter servers only). {NONE}: not measured or not reached.",
         exp.target.describe()
     );

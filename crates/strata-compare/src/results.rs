@@ -75,6 +75,9 @@ pub struct RunSummary {
     pub scaling_efficiency: Option<f64>,
     /// Bytes sent and received between processes per training example.
     pub bytes_per_example: Option<f64>,
+    /// Bytes each worker sent over the run: the step records' `bytes_sent` (all workers
+    /// together) summed, over the workers.
+    pub bytes_sent_per_worker: Option<f64>,
     /// Mean staleness of the steps that report one.
     pub mean_staleness: Option<f64>,
     /// Largest staleness seen.
@@ -174,6 +177,8 @@ fn summarize_one(r: &RunResult, target: Target) -> RunSummary {
         examples_per_s,
         scaling_efficiency: None,
         bytes_per_example: (examples > 0).then(|| bytes as f64 / examples as f64),
+        bytes_sent_per_worker: (!steps.is_empty())
+            .then(|| steps.iter().map(|s| s.bytes_sent).sum::<u64>() as f64 / r.workers.max(1) as f64),
         mean_staleness: (!stale.is_empty()).then(|| stale.iter().sum::<u64>() as f64 / stale.len() as f64),
         max_staleness: stale.iter().copied().max(),
         steps: steps.len() as u64,
