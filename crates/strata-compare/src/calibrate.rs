@@ -96,7 +96,9 @@ pub enum CalibrationError {
     #[error("no unshaped diloco run in the records gives the compute time: add one (slow-links.sh --links unshaped --configs diloco:100)")]
     NoComputeRun,
     /// No run gives the overlap.
-    #[error("no shaped per-step sync run in the records to fit the overlap to: add one (slow-links.sh --configs sync)")]
+    #[error(
+        "no shaped per-step sync run in the records to fit the overlap to: add one (slow-links.sh --configs sync)"
+    )]
     NoOverlapRun,
     /// A link name the model does not know.
     #[error("link {0:?} has no rate: name shaped links NNmbit or NNgbit, and record the goodput of unshaped ones")]
@@ -297,8 +299,7 @@ pub fn calibrate(records: &[BenchRecord]) -> Result<Calibration> {
     let source = entries
         .iter()
         .position(|e| {
-            e.link == "unshaped"
-                && matches!(e.config, Config::Local { fragments: 1, wire: Compression::None, .. })
+            e.link == "unshaped" && matches!(e.config, Config::Local { fragments: 1, wire: Compression::None, .. })
         })
         .ok_or(CalibrationError::NoComputeRun)?;
     let e = &entries[source];
@@ -315,7 +316,8 @@ pub fn calibrate(records: &[BenchRecord]) -> Result<Calibration> {
     let span = e.measured.steps - WARMUP_STEPS;
     let ring = network(e.record, &e.link)?.ring_allreduce_s(e.record.hosts);
     let step_s = tokens / e.measured.rate;
-    let compute_s = (span as f64 * step_s - meetings(every, WARMUP_STEPS + 1, e.measured.steps) as f64 * ring) / span as f64;
+    let compute_s =
+        (span as f64 * step_s - meetings(every, WARMUP_STEPS + 1, e.measured.steps) as f64 * ring) / span as f64;
     // Overlap: the shaped per-step run whose all-reduce is nearest its compute.
     let mut best: Option<(usize, f64, f64)> = None;
     for (i, e) in entries.iter().enumerate() {

@@ -1766,8 +1766,7 @@ network_delay = "1ms"
                 // transformer's time where [simulate] sends its bytes (wire_parameters): the
                 // others run for real only.
                 let sends_its_bytes = e.simulate.as_ref().is_some_and(|s| s.wire_parameters.is_some());
-                let simulable =
-                    (e.model != RunModel::Transformer || sends_its_bytes) && e.injection.kill.is_empty();
+                let simulable = (e.model != RunModel::Transformer || sends_its_bytes) && e.injection.kill.is_empty();
                 assert_eq!(e.simulate.is_some(), simulable, "{}", path.display());
                 n += 1;
             }

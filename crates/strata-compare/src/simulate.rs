@@ -211,7 +211,12 @@ pub fn simulate_clock(exp: &Experiment, cfg: &SimConfig) -> Result<Vec<RunResult
     simulate_with(exp, cfg, false, &|_, _| {})
 }
 
-fn simulate_with(exp: &Experiment, cfg: &SimConfig, learn: bool, progress: &dyn Fn(&str, f64)) -> Result<Vec<RunResult>> {
+fn simulate_with(
+    exp: &Experiment,
+    cfg: &SimConfig,
+    learn: bool,
+    progress: &dyn Fn(&str, f64),
+) -> Result<Vec<RunResult>> {
     cfg.validate().map_err(Error::Usage)?;
     let mut sim = Simulator::new(exp, cfg)?;
     sim.learn = learn;

@@ -483,7 +483,7 @@ fn local_sgd_steps_and_meetings_follow_the_closed_forms() {
         let s = i as f64 + 1.0;
         let want = s * c + (s / 5.0).floor() * ring(m);
         assert!((r.wall_s - want).abs() < 1e-9, "diloco step {s}: {} vs {want}", r.wall_s);
-        let met = (i + 1) % 5 == 0;
+        let met = (i + 1).is_multiple_of(5);
         let last = i + 1 == 16;
         // Every meeting sends 2(n-1)/n M from each worker; the last step's final one too.
         let want_bytes = if met || last { (2.0 * (n - 1.0) * m).round() as u64 } else { 0 };
@@ -507,7 +507,7 @@ fn local_sgd_steps_and_meetings_follow_the_closed_forms() {
             t = f64::max(t, lands.unwrap().1);
             lands = None;
         }
-        if step % 2 == 0 {
+        if step.is_multiple_of(2) {
             lands = Some((step + 1, t + q));
         }
         assert!((r.wall_s - t).abs() < 1e-9, "streaming step {step}: {} vs {t}", r.wall_s);

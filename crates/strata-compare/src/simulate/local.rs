@@ -167,8 +167,8 @@ pub(super) fn trajectory(
             while let Some(f) = in_flight.pop_front() {
                 outer.land(&mut workers, f.fragment, &f.mine, s > f.sent);
             }
-            for fragment in 0..fragments {
-                if sent_at[fragment] != s {
+            for (fragment, &sent) in sent_at.iter().enumerate() {
+                if sent != s {
                     let mine = outer.send(&workers, fragment);
                     outer.land(&mut workers, fragment, &mine, false);
                 }
@@ -185,12 +185,7 @@ pub(super) fn trajectory(
 /// The bytes of each fragment's outer gradient on the wire: `total` (the whole model's, on
 /// the run's wire) split as the fragments' variables split it, or in `F` equal parts when the
 /// time model sends another model's bytes (`equal`).
-pub(super) fn fragment_bytes(
-    cfg: &LocalSgd,
-    shapes: &[Vec<usize>],
-    total: f64,
-    equal: bool,
-) -> Vec<f64> {
+pub(super) fn fragment_bytes(cfg: &LocalSgd, shapes: &[Vec<usize>], total: f64, equal: bool) -> Vec<f64> {
     let sizes: Vec<usize> = shapes.iter().map(|s| s.iter().product()).collect();
     let fragments = cfg.fragments.clamp(1, sizes.len().max(1));
     if equal || sizes.is_empty() {
