@@ -50,7 +50,7 @@
 //!
 //! Communication, with `L = latency_us + network_delay` (the injection's delay is added to
 //! every message of every strategy), link bandwidth `B = bandwidth_gbps` and `M` = the model's
-//! bytes (4 x parameters):
+//! bytes (4 x parameters; with [`SimConfig::wire_parameters`], that model's):
 //!
 //! - **one-device**: one worker, no communication; a step takes the compute time.
 //! - **mirrored, multi-worker-mirrored**: a ring all-reduce of the gradients after the slowest
@@ -62,6 +62,10 @@
 //! half of f32 for fp16 and bf16, PowerSGD's factors for the weights that shrink at its rank).
 //! Its effect on the gradients is not modelled: the trajectory is the uncompressed one (the
 //! real runs measure it; see the guide's across-hosts chapter).
+//! - **multi-worker-mirrored with `sync_every` above 1** (local SGD, DiLoCo): every worker
+//!   steps on its own clock and its own copy of the model; a meeting is a ring all-reduce of
+//!   the fragment's outer gradient, blocking without delay and behind the inner steps with
+//!   one (see `local.rs`). Its learning is the real algorithm on the MLP.
 //! - **central-storage**: the gradients are reduced onto the parameter device and the new
 //!   values broadcast back, each phase one latency plus `N M / B` through the parameter
 //!   device's link: `2 (L + N M / B)`. `N M` bytes each way.
