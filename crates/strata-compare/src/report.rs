@@ -173,6 +173,9 @@ pub fn summary_value(
                 if !r.faults.is_empty() {
                     map.insert("faults".into(), json!(r.faults));
                 }
+                if let Some(l) = &r.local_sgd {
+                    map.insert("local_sgd".into(), json!(l));
+                }
                 if let Some(spec) =
                     exp.runs.iter().find(|x| x.name == r.name).filter(|_| !exp.injection.kill.is_empty())
                 {

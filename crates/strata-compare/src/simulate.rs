@@ -832,6 +832,7 @@ impl<'a> Simulator<'a> {
             link_goodput_bps: None,
             faults: Vec::new(),
             relaunches: 0,
+            local_sgd: None,
         })
     }
 

@@ -77,6 +77,7 @@ fn run(
         link_goodput_bps: None,
         faults: Vec::new(),
         relaunches: 0,
+        local_sgd: None,
     }
 }
 

@@ -607,3 +607,29 @@ fn the_extrapolation_sweeps_links_and_workers() {
     let table = strata_compare::report::extrapolation_table(&cells, 0.6);
     assert!(table.contains("| diloco H=10 | 8 |"), "{table}");
 }
+
+/// A simulated DiLoCo run beside per-step sync: its own mode in the table, far fewer bytes per
+/// worker, and the loss-against-bytes plot in the report.
+#[test]
+fn a_diloco_run_is_its_own_mode_in_the_report_with_its_bytes() {
+    let exp = experiment(
+        vec![
+            spec("sync", RunStrategy::MultiWorkerMirrored, None, 0, 0),
+            local("diloco", 20, strata::OuterOptimizer::diloco(), 1),
+        ],
+        Injection::default(),
+    );
+    let cfg = SimConfig { workers: vec![4], max_updates: 100, eval_every_updates: 20, ..Default::default() };
+    let runs = simulate(&exp, &cfg, &quiet).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let out = strata_compare::report::write_outputs(dir.path(), &exp, &runs, true).unwrap();
+    let s = |name: &str| out.summaries.iter().find(|s| s.name == name).unwrap();
+    assert_eq!(s("diloco").mode.as_deref(), Some("diloco H=20"));
+    let (sync, diloco) = (s("sync").bytes_sent_per_worker.unwrap(), s("diloco").bytes_sent_per_worker.unwrap());
+    // 100 all-reduces against 5 meetings (steps 20..100, none after: the last step met).
+    assert!((sync / diloco - 20.0).abs() < 1e-9, "{sync} {diloco}");
+    assert!(out.plots.iter().any(|p| p.name == "loss_vs_bytes" && !p.empty));
+    let md = std::fs::read_to_string(&out.report_md).unwrap();
+    assert!(md.contains("| diloco | multi-worker-mirrored | diloco H=20 | 4 |"), "{md}");
+    assert!(md.contains("(loss_vs_bytes.png)"));
+}
