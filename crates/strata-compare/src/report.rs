@@ -403,8 +403,8 @@ fn what_was_run(md: &mut String, exp: &Experiment, runs: &[RunResult], simulated
     let _ = writeln!(
         md,
         "- Target: {} ({}).",
-        exp.target.describe(),
-        if exp.target.accuracy().is_some() { "test set" } else { "validation text" }
+        target_words(exp, simulated),
+        if exp.target.accuracy().is_some() || simulated { "test set" } else { "validation text" }
     );
     let injection = exp.injection.describe();
     if injection.is_empty() {
@@ -448,6 +448,15 @@ fn what_was_run(md: &mut String, exp: &Experiment, runs: &[RunResult], simulated
     }
 }
 
+/// The target in words: simulated runs measure a loss target on the MLP's test set, in nats
+/// (not per character).
+fn target_words(exp: &Experiment, simulated: bool) -> String {
+    match exp.target {
+        crate::Target::Loss(t) if simulated => format!("a test loss of {t:.2} nats (the simulated MLP's)"),
+        t => t.describe(),
+    }
+}
+
 /// The model every run trained, in words (simulated runs train the `[simulate]` table's MLP).
 fn model_line(exp: &Experiment, simulated: bool) -> String {
     // Simulated runs train the [simulate] table's model.
@@ -483,7 +492,7 @@ fn results_section(md: &mut String, exp: &Experiment, runs: &[RunResult], summar
          worker: over the whole run, every step's bytes (all workers') over the workers; local SGD and DiLoCo \
          (mode `diloco H=100`, `local SGD H=20`) send only at their meetings. Staleness: model \
          updates between a worker's pull and its push (parameter servers only). {NONE}: not measured or not reached.",
-        exp.target.describe()
+        target_words(exp, simulated)
     );
     if !exp.injection.kill.is_empty() && !simulated {
         md.push_str(&lost_workers(exp, runs, summaries));
