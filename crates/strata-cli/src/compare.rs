@@ -15,6 +15,11 @@ pub struct CompareArgs {
     /// instead of running real processes.
     #[arg(long)]
     pub simulate: bool,
+    /// With --simulate: the time to `[simulate] target_loss` of every multi-worker run against
+    /// the link rates of `[simulate] links_gbps` and the worker counts of `workers`, printed
+    /// and written to EXTRAPOLATION.md and extrapolation.csv (instead of the usual report).
+    #[arg(long, requires = "simulate")]
+    pub extrapolate: bool,
     /// Output directory (default: compare-out/NAME, or compare-out/NAME-simulated).
     #[arg(long)]
     pub out: Option<PathBuf>,
@@ -46,6 +51,18 @@ pub fn run(args: &CompareArgs) -> Result<()> {
             exp.runs.retain(|r| args.only.contains(&r.name));
         }
         let bar = strata_compare::progress::bar(!args.no_progress, 1000);
+        if args.extrapolate {
+            let cells = compare::simulate::extrapolate(&exp, &cfg, &|name: &str, done: f64| {
+                bar.set_message(name.to_string());
+                bar.set_position((done.clamp(0.0, 1.0) * 1000.0) as u64);
+            })?;
+            bar.finish_and_clear();
+            let target = cfg.target_loss.unwrap_or_default();
+            compare::report::write_extrapolation(&dir, &exp, &cfg, &cells, target)?;
+            print!("{}", compare::report::extrapolation_table(&cells, target));
+            println!("extrapolation: {}", dir.join("EXTRAPOLATION.md").display());
+            return Ok(());
+        }
         let runs = compare::simulate::simulate(&exp, &cfg, &|name: &str, done: f64| {
             bar.set_message(name.to_string());
             bar.set_position((done.clamp(0.0, 1.0) * 1000.0) as u64);
@@ -75,6 +92,11 @@ pub fn run(args: &CompareArgs) -> Result<()> {
             std::process::exit(128 + signal);
         }
         result?
+    };
+    // Simulated runs are measured against [simulate] target_loss where it is set.
+    let exp = match exp.simulate.as_ref().and_then(|c| c.target_loss).filter(|_| args.simulate) {
+        Some(t) => Experiment { target: compare::Target::Loss(t), ..exp },
+        None => exp,
     };
     compare::report::write_outputs(&dir, &exp, &runs, args.simulate)?;
     for s in compare::summarize(&runs, exp.target) {

@@ -54,7 +54,7 @@
 //! needs `target_loss` instead (lower is better: time to target is the first evaluation at or
 //! below it), takes `steps` (global batches per epoch, `strata train --steps`, default 1200; a
 //! parameter-server run schedules `steps × workers` worker steps of `global_batch / workers`
-//! windows, the same windows per epoch) and no `data`, and has no simulated mode (`[simulate]` models the digits MLP). `global_batch` is in
+//! windows, the same windows per epoch) and no `data`, and has a simulated mode only where `[simulate]` sets `wire_parameters` and `target_loss` (the simulator learns the digits MLP and sends the transformer's bytes). `global_batch` is in
 //! windows of 64 characters for the transformer. See `experiments/transformer.toml`.
 //!
 //! `compression` is `strata train --compression`: any of them for multi-worker-mirrored runs,
@@ -228,8 +228,17 @@ impl RunSpec {
         }
     }
 
-    /// The mode as the report shows it.
+    /// The mode as the report shows it: the parameter server's (`async`, `sync, 1 backup`,
+    /// `stale <= 4`), or local SGD's (`diloco H=100`, `local SGD H=20`, with `, 4 fragments`).
     pub fn mode_label(&self) -> Option<String> {
+        if let Some(l) = self.local_sgd.as_ref().filter(|l| !l.is_synchronous()) {
+            let kind = match l.outer {
+                strata::OuterOptimizer::Average => "local SGD",
+                strata::OuterOptimizer::Nesterov { .. } => "diloco",
+            };
+            let fragments = if l.fragments > 1 { format!(", {} fragments", l.fragments) } else { String::new() };
+            return Some(format!("{kind} H={}{fragments}", l.every));
+        }
         self.mode.map(|m| match m {
             PsMode::Async => "async".to_string(),
             PsMode::Sync if self.backup_workers > 0 => format!("sync, {} backup", self.backup_workers),
@@ -491,11 +500,14 @@ impl Experiment {
             Some(inj) => injection(&at, &inj, &runs)?,
         };
         let simulate = match raw.simulate {
-            Some(s) if model == RunModel::Transformer => {
+            Some(s)
+                if model == RunModel::Transformer
+                    && (s.get_ref().wire_parameters.is_none() || s.get_ref().target_loss.is_none()) =>
+            {
                 return Err(at.error(
                     s.span(),
                     "simulate",
-                    "simulated mode models the digits MLP, not the transformer; drop [simulate]",
+                    "simulated mode models the digits MLP, not the transformer: drop [simulate], or set its wire_parameters (the transformer's bytes on the wire) and target_loss (the MLP's test loss)",
                 ))
             }
             Some(s) => {
@@ -1738,9 +1750,11 @@ network_delay = "1ms"
             let path = entry.unwrap().path();
             if path.extension().is_some_and(|e| e == "toml") {
                 let e = Experiment::load(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-                // Simulated mode models the digits MLP (and no lost workers): the others run
-                // for real only.
-                let simulable = e.model != RunModel::Transformer && e.injection.kill.is_empty();
+                // Simulated mode models the digits MLP (and no lost workers), or the
+                // transformer's time where [simulate] sends its bytes (wire_parameters): the
+                // others run for real only.
+                let sends_its_bytes = e.simulate.as_ref().is_some_and(|s| s.wire_parameters.is_some());
+                let simulable = (e.model != RunModel::Transformer || sends_its_bytes) && e.injection.kill.is_empty();
                 assert_eq!(e.simulate.is_some(), simulable, "{}", path.display());
                 n += 1;
             }

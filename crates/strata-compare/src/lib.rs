@@ -10,6 +10,7 @@
 //! one directory per experiment: `runs.csv`, `summary.json`, plots (PNG and SVG) and
 //! `REPORT.md`.
 
+pub mod calibrate;
 pub mod experiment;
 pub mod faults;
 pub mod hosts;

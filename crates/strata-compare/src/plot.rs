@@ -1,6 +1,8 @@
 //! The plots of `strata compare`, each drawn to `NAME.png` and `NAME.svg` with plotters.
 //!
 //! - `loss_vs_time`: training loss (moving average) against wall seconds, one line per run;
+//! - `loss_vs_bytes`: the same loss against the bytes each worker had sent (log scale), when
+//!   some run sent any;
 //! - `accuracy_vs_steps`: test accuracy against model updates, one line per run;
 //! - `examples_per_second`: training throughput, one bar per run;
 //! - `staleness_histogram`: how stale the pushes of the runs that report staleness were;
@@ -188,6 +190,8 @@ struct LineChart {
     extra_legend: Vec<LegendEntry>,
     /// Draw x as log2 (axis labels at powers of two).
     x_log2: bool,
+    /// Draw x as log10 (axis labels at powers of ten).
+    x_log10: bool,
     /// Draw y as log10 when the values span at least this ratio (0: never).
     y_log_ratio: f64,
     /// Integer x labels only.
@@ -214,6 +218,7 @@ impl LineChart {
             series: Vec::new(),
             extra_legend: Vec::new(),
             x_log2: false,
+            x_log10: false,
             y_log_ratio: 0.0,
             x_integer: false,
             y_from_zero: false,
@@ -451,10 +456,14 @@ fn line_axes(c: &LineChart) -> LineAxes {
             .filter(|v| v.is_finite())
     };
     // Log axes only for positive values.
-    let x_log = c.x_log2 && xs().all(|x| x > 0.0);
+    let x_log = (c.x_log2 || c.x_log10) && xs().all(|x| x > 0.0);
     let (ymin, ymax) = ys().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), y| (a.min(y), b.max(y)));
     let y_log = c.y_log_ratio > 0.0 && ymin > 0.0 && ymax / ymin >= c.y_log_ratio;
-    let tx = |x: f64| if x_log { x.log2() } else { x };
+    let tx = |x: f64| match (x_log, c.x_log10) {
+        (true, true) => x.log10(),
+        (true, false) => x.log2(),
+        _ => x,
+    };
     let ty = |y: f64| if y_log { y.log10() } else { y };
 
     let (mut x0, mut x1) = padded_range(xs().map(tx), 0.02);
@@ -501,13 +510,14 @@ fn draw_lines<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, c: &LineChart) 
     };
 
     let LineAxes { x_log, y_log, x0, x1, y0, y1 } = line_axes(c);
-    let tx = |x: f64| if x_log { x.log2() } else { x };
+    let x_base: f64 = if c.x_log10 { 10.0 } else { 2.0 };
+    let tx = |x: f64| if x_log { x.log(x_base) } else { x };
     let ty = |y: f64| if y_log { y.log10() } else { y };
 
     let x_fmt = |v: &f64| -> String {
         if x_log {
             if (v - v.round()).abs() < 1e-6 {
-                short_number(2f64.powf(v.round()))
+                short_number(x_base.powf(v.round()))
             } else {
                 String::new()
             }
@@ -792,6 +802,57 @@ pub fn loss_vs_time(dir: &Path, runs: &[RunResult], simulated: bool) -> Result<P
         });
     }
     render(dir, "loss_vs_time", &Figure::Lines(chart))
+}
+
+/// Training loss (moving average over 5% of each run's steps) against the bytes each worker
+/// had sent (the step records' `bytes_sent`, all workers together, summed and divided by the
+/// run's workers), on a log scale: what a run paid in traffic for its loss. Steps before a
+/// run's first byte are left out (a log axis has no 0); `None` when no run sent a byte
+/// (one-device, mirrored on one machine).
+pub fn loss_vs_bytes(dir: &Path, runs: &[RunResult], simulated: bool) -> Result<Option<Plot>> {
+    let keys = color_keys(runs);
+    let sent = |i: usize| runs[i].records.iter().any(|r| r.kind == RecordKind::Step && r.bytes_sent > 0);
+    if !(0..runs.len()).any(sent) {
+        return Ok(None);
+    }
+    let candidates: Vec<usize> = ok_runs(runs)
+        .into_iter()
+        .filter(|&i| sent(i) && runs[i].records.iter().any(|r| r.kind == RecordKind::Step && r.loss.is_some()))
+        .collect();
+    let (picked, note) = select(runs, candidates);
+    let mut chart = LineChart::new(
+        format!("Training loss against bytes sent per worker{}", simulated_suffix(simulated)),
+        "bytes sent per worker (log scale)",
+        &format!("training loss (moving average over {LOSS_WINDOW_PERCENT}% of steps)"),
+        "no run recorded a finite training loss after sending",
+    );
+    chart.note = note;
+    chart.x_log10 = true;
+    chart.y_log_ratio = 30.0;
+    for i in picked {
+        let r = &runs[i];
+        let workers = r.workers.max(1) as f64;
+        let mut steps: Vec<&strata::metrics::MetricRecord> =
+            r.records.iter().filter(|x| x.kind == RecordKind::Step).collect();
+        steps.sort_by(|a, b| a.wall_s.total_cmp(&b.wall_s));
+        let mut total = 0u64;
+        let mut pts = Vec::with_capacity(steps.len());
+        for s in steps {
+            total += s.bytes_sent;
+            if let Some(l) = s.loss.filter(|l| l.is_finite()) {
+                pts.push((total as f64 / workers, f64::from(l)));
+            }
+        }
+        let window = (pts.len() * LOSS_WINDOW_PERCENT / 100).max(1);
+        let pts: Vec<(f64, f64)> = moving_average(&pts, window).into_iter().filter(|p| p.0 > 0.0).collect();
+        chart.series.push(Series {
+            label: Some(r.name.clone()),
+            color: color(keys[i]),
+            style: Style::Line,
+            points: thin(pts, 1500),
+        });
+    }
+    render(dir, "loss_vs_bytes", &Figure::Lines(chart)).map(Some)
 }
 
 /// Test accuracy (percent) against model updates, with the target as a dashed line.
@@ -1143,6 +1204,7 @@ pub fn draw_all(
         staleness_histogram(dir, runs, simulated)?,
     ];
     out.extend(accuracy_vs_time(dir, runs, target, simulated)?);
+    out.extend(loss_vs_bytes(dir, runs, simulated)?);
     out.extend(scaling(dir, runs, summaries, simulated)?);
     out.extend(scaling_efficiency(dir, runs, summaries, simulated)?);
     out.extend(time_to_target_vs_workers(dir, runs, summaries, target, simulated)?);

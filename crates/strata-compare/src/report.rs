@@ -173,6 +173,9 @@ pub fn summary_value(
                 if !r.faults.is_empty() {
                     map.insert("faults".into(), json!(r.faults));
                 }
+                if let Some(l) = &r.local_sgd {
+                    map.insert("local_sgd".into(), json!(l));
+                }
                 if let Some(spec) =
                     exp.runs.iter().find(|x| x.name == r.name).filter(|_| !exp.injection.kill.is_empty())
                 {
@@ -281,9 +284,9 @@ pub fn table(summaries: &[RunSummary], simulated: bool) -> String {
         && summaries.iter().any(|s| s.final_validation_loss.is_some());
     let last = if loss_only { "final validation loss" } else { "final accuracy" };
     let mut out = format!(
-        "| run | strategy | mode | workers | status | {time} | updates to target | {last} | {eps} | scaling efficiency | bytes/example | staleness mean / max |\n"
+        "| run | strategy | mode | workers | status | {time} | updates to target | {last} | {eps} | scaling efficiency | bytes/example | bytes sent per worker | staleness mean / max |\n"
     );
-    out.push_str("|---|---|---|--:|---|--:|--:|--:|--:|--:|--:|--:|\n");
+    out.push_str("|---|---|---|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|\n");
     for s in summaries {
         out.push_str(&table_row(s));
         out.push('\n');
@@ -316,6 +319,7 @@ pub fn table_row(s: &RunSummary) -> String {
         or_dash(s.examples_per_s, plot::group_thousands),
         or_dash(s.scaling_efficiency, |e| format!("{:.0}%", e * 100.0)),
         or_dash(s.bytes_per_example, fmt_bytes),
+        or_dash(s.bytes_sent_per_worker, fmt_bytes),
         staleness,
     ];
     format!("| {} |", cells.join(" | "))
@@ -399,8 +403,8 @@ fn what_was_run(md: &mut String, exp: &Experiment, runs: &[RunResult], simulated
     let _ = writeln!(
         md,
         "- Target: {} ({}).",
-        exp.target.describe(),
-        if exp.target.accuracy().is_some() { "test set" } else { "validation text" }
+        target_words(exp, simulated),
+        if exp.target.accuracy().is_some() || simulated { "test set" } else { "validation text" }
     );
     let injection = exp.injection.describe();
     if injection.is_empty() {
@@ -444,6 +448,15 @@ fn what_was_run(md: &mut String, exp: &Experiment, runs: &[RunResult], simulated
     }
 }
 
+/// The target in words: simulated runs measure a loss target on the MLP's test set, in nats
+/// (not per character).
+fn target_words(exp: &Experiment, simulated: bool) -> String {
+    match exp.target {
+        crate::Target::Loss(t) if simulated => format!("a test loss of {t:.2} nats (the simulated MLP's)"),
+        t => t.describe(),
+    }
+}
+
 /// The model every run trained, in words (simulated runs train the `[simulate]` table's MLP).
 fn model_line(exp: &Experiment, simulated: bool) -> String {
     // Simulated runs train the [simulate] table's model.
@@ -475,9 +488,11 @@ fn results_section(md: &mut String, exp: &Experiment, runs: &[RunResult], summar
         md,
         "\nTime and updates to target: until the first evaluation that reached {}. Examples/s: between a run's \
          first and last step record. Scaling efficiency: examples/s over (workers × the 1-worker run's). \
-         Bytes/example: bytes sent and received between processes per training example. Staleness: model \
+         Bytes/example: bytes sent and received between processes per training example. Bytes sent per \
+         worker: over the whole run, every step's bytes (all workers') over the workers; local SGD and DiLoCo \
+         (mode `diloco H=100`, `local SGD H=20`) send only at their meetings. Staleness: model \
          updates between a worker's pull and its push (parameter servers only). {NONE}: not measured or not reached.",
-        exp.target.describe()
+        target_words(exp, simulated)
     );
     if !exp.injection.kill.is_empty() && !simulated {
         md.push_str(&lost_workers(exp, runs, summaries));
@@ -845,4 +860,114 @@ fn sweep_efficiency(ok: &[&RunSummary]) -> Option<String> {
     }
     (!parts.is_empty())
         .then(|| format!("Scaling efficiency at each strategy's largest worker count: {}.", parts.join("; ")))
+}
+
+/// The extrapolation's table (`strata compare --simulate --extrapolate`): virtual time to the
+/// target test loss, one row per run and worker count, one column per link rate.
+pub fn extrapolation_table(cells: &[crate::simulate::Extrapolated], target_loss: f64) -> String {
+    let mut links: Vec<f64> = Vec::new();
+    let mut rows: Vec<(&str, &str, usize)> = Vec::new();
+    for c in cells {
+        if !links.contains(&c.link_gbps) {
+            links.push(c.link_gbps);
+        }
+        if !rows.iter().any(|r| r.0 == c.run && r.2 == c.workers) {
+            rows.push((&c.run, &c.label, c.workers));
+        }
+    }
+    let mut md = format!(
+        "Virtual time to a test loss of {target_loss} (nats); in brackets, the bytes each worker sent until then. {NONE}: not reached.\n\n| run | workers |"
+    );
+    for l in &links {
+        let _ = write!(md, " {} |", link_name(*l));
+    }
+    md.push_str("\n|---|--:|");
+    md.push_str(&"--:|".repeat(links.len()));
+    md.push('\n');
+    for (run, label, n) in rows {
+        let modelled = cells.iter().filter(|c| c.run == run).all(|c| c.loss_modelled);
+        let _ = write!(md, "| {}{} | {n} |", md_cell(label), if modelled { "" } else { " (time only)" });
+        for l in &links {
+            let cell = cells.iter().find(|c| c.run == run && c.workers == n && c.link_gbps == *l);
+            let text = match cell.and_then(|c| c.time_to_target_s.map(|t| (t, c.bytes_per_worker_to_target))) {
+                Some((t, Some(b))) => format!("{} ({})", fmt_seconds(t), fmt_bytes(b)),
+                Some((t, None)) => fmt_seconds(t),
+                None => NONE.to_string(),
+            };
+            let _ = write!(md, " {text} |");
+        }
+        md.push('\n');
+    }
+    md
+}
+
+/// `extrapolation.csv`: one row per cell.
+pub fn extrapolation_csv(cells: &[crate::simulate::Extrapolated]) -> String {
+    let mut out = String::from(
+        "run,label,workers,link_gbps,time_to_target_s,updates_to_target,bytes_per_worker_to_target,loss_modelled\n",
+    );
+    for c in cells {
+        let row = [
+            c.run.clone(),
+            c.label.clone(),
+            c.workers.to_string(),
+            c.link_gbps.to_string(),
+            opt(c.time_to_target_s),
+            opt(c.updates_to_target),
+            opt(c.bytes_per_worker_to_target),
+            c.loss_modelled.to_string(),
+        ];
+        out.push_str(&row.iter().map(|c| csv_field(c)).collect::<Vec<_>>().join(","));
+        out.push('\n');
+    }
+    out
+}
+
+/// A link rate in words: `10 Mbit/s`, `1 Gbit/s`.
+pub fn link_name(gbps: f64) -> String {
+    if gbps >= 1.0 {
+        format!("{} Gbit/s", trim_number(gbps))
+    } else {
+        format!("{} Mbit/s", trim_number(gbps * 1000.0))
+    }
+}
+
+fn trim_number(v: f64) -> String {
+    let s = format!("{v:.3}");
+    s.trim_end_matches('0').trim_end_matches('.').to_string()
+}
+
+/// Writes `EXTRAPOLATION.md` and `extrapolation.csv` into `dir` (created if need be); returns
+/// the markdown.
+pub fn write_extrapolation(
+    dir: &Path,
+    exp: &Experiment,
+    cfg: &crate::simulate::SimConfig,
+    cells: &[crate::simulate::Extrapolated],
+    target_loss: f64,
+) -> Result<String> {
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(format!("cannot create {}", dir.display()), e))?;
+    write_file(&dir.join("extrapolation.csv"), &extrapolation_csv(cells))?;
+    let mut md = format!("# Strata compare: {} extrapolated\n\n{SIMULATED_LINE}\n\n", exp.name);
+    let _ = writeln!(
+        md,
+        "- Learning: the simulator's MLP (hidden {:?}) on the digits data, {} examples per worker step, its optimizer {}; the time model sends {} parameters ({}) and computes {} ms a step, overlap {}, latency {} µs.",
+        cfg.hidden,
+        cfg.per_worker_batch,
+        cfg.optimizer.clone().unwrap_or_else(|| exp.optimizer.clone()),
+        cfg.wire_parameters.unwrap_or_else(|| cfg.mlp_parameters()),
+        if cfg.wire_parameters.is_some() { "`wire_parameters`" } else { "the MLP's own" },
+        cfg.compute_ms,
+        cfg.overlap,
+        cfg.latency_us,
+    );
+    md.push_str(
+        "- PowerSGD (time only): its messages carry its factors' bytes, but the simulator applies the uncompressed \
+         gradients, so its updates to target are per-step sync's; only its time is modelled.\n\
+         - Local SGD / DiLoCo: the real update rules on the MLP (each worker's inner optimizer, the outer optimizer on \
+         the mean outer gradient, fragments as `LocalSgd::meeting` staggers them); the wire's rounding is not modelled.\n\n",
+    );
+    md.push_str(&extrapolation_table(cells, target_loss));
+    write_file(&dir.join("EXTRAPOLATION.md"), &md)?;
+    Ok(md)
 }

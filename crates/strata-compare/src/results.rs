@@ -39,6 +39,27 @@ pub struct RunResult {
     /// How many times the harness relaunched the whole job from its last checkpoint.
     #[serde(default)]
     pub relaunches: usize,
+    /// A real local-SGD run's outer traffic, from its `strata train --out` summary (the
+    /// chief's, the final synchronisation after the last step included).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub local_sgd: Option<OuterTraffic>,
+}
+
+/// What a local-SGD run's summary says crossed (`local_sgd` of `strata train --out`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct OuterTraffic {
+    /// Bytes of outer gradients the chief sent, on their wire.
+    pub outer_bytes_sent: u64,
+    /// Meetings (of a fragment each) completed.
+    pub meetings: u64,
+}
+
+impl OuterTraffic {
+    /// The `local_sgd` block of a `strata train --out` summary, if it has one.
+    pub fn from_summary(json: &str) -> Option<Self> {
+        let v: serde_json::Value = serde_json::from_str(json).ok()?;
+        serde_json::from_value(v.get("local_sgd")?.clone()).ok()
+    }
 }
 
 /// One line of the report's table.
@@ -75,6 +96,9 @@ pub struct RunSummary {
     pub scaling_efficiency: Option<f64>,
     /// Bytes sent and received between processes per training example.
     pub bytes_per_example: Option<f64>,
+    /// Bytes each worker sent over the run: the step records' `bytes_sent` (all workers
+    /// together) summed, over the workers.
+    pub bytes_sent_per_worker: Option<f64>,
     /// Mean staleness of the steps that report one.
     pub mean_staleness: Option<f64>,
     /// Largest staleness seen.
@@ -174,6 +198,8 @@ fn summarize_one(r: &RunResult, target: Target) -> RunSummary {
         examples_per_s,
         scaling_efficiency: None,
         bytes_per_example: (examples > 0).then(|| bytes as f64 / examples as f64),
+        bytes_sent_per_worker: (!steps.is_empty())
+            .then(|| steps.iter().map(|s| s.bytes_sent).sum::<u64>() as f64 / r.workers.max(1) as f64),
         mean_staleness: (!stale.is_empty()).then(|| stale.iter().sum::<u64>() as f64 / stale.len() as f64),
         max_staleness: stale.iter().copied().max(),
         steps: steps.len() as u64,
@@ -204,7 +230,16 @@ mod tests {
             link_goodput_bps: None,
             faults: Vec::new(),
             relaunches: 0,
+            local_sgd: None,
         }
+    }
+
+    #[test]
+    fn a_local_sgd_summary_gives_its_outer_traffic() {
+        let json = r#"{"model":"transformer","local_sgd":{"sync_every":100,"outer_optimizer":"average","fragments":1,"delay":0,"wire":"none","outer_bytes_sent":39201840,"meetings":12}}"#;
+        assert_eq!(OuterTraffic::from_summary(json), Some(OuterTraffic { outer_bytes_sent: 39_201_840, meetings: 12 }));
+        assert_eq!(OuterTraffic::from_summary(r#"{"model":"mlp"}"#), None);
+        assert_eq!(OuterTraffic::from_summary("not json"), None);
     }
 
     #[test]

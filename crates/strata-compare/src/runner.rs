@@ -567,6 +567,10 @@ fn finish(
         link_goodput_bps: None,
         faults: Vec::new(),
         relaunches: 0,
+        // The chief's summary, `runs/<name>.json` beside the records.
+        local_sgd: std::fs::read_to_string(metrics.with_extension("json"))
+            .ok()
+            .and_then(|j| crate::results::OuterTraffic::from_summary(&j)),
     }
 }
 

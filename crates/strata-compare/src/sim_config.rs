@@ -62,6 +62,24 @@ pub struct SimConfig {
     /// Learning rate (default: the experiment's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lr: Option<f64>,
+    /// Parameters the time model sends (every message's bytes are this model's, e.g. 816705
+    /// for the default transformer), while the learning stays the simulated MLP's; default:
+    /// the MLP's own. Compressed messages keep the MLP's ratio of compressed to f32 bytes, and
+    /// a local-SGD fragment carries `1 / fragments` of the bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wire_parameters: Option<u64>,
+    /// The simulated runs' target: a test-set cross-entropy in nats (the MLP's validation
+    /// loss), instead of the experiment's target; `--extrapolate` needs it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_loss: Option<f64>,
+    /// The link rates `strata compare --simulate --extrapolate` sweeps, in gigabits per
+    /// second. Default `[0.01, 0.1, 1, 10]` (10 Mbit/s to 10 Gbit/s).
+    #[serde(default = "default_links_gbps")]
+    pub links_gbps: Vec<f64>,
+}
+
+fn default_links_gbps() -> Vec<f64> {
+    vec![0.01, 0.1, 1.0, 10.0]
 }
 
 fn default_workers() -> Vec<usize> {
@@ -105,6 +123,9 @@ impl Default for SimConfig {
             seed: None,
             optimizer: None,
             lr: None,
+            wire_parameters: None,
+            target_loss: None,
+            links_gbps: default_links_gbps(),
         }
     }
 }
@@ -159,23 +180,55 @@ impl SimConfig {
         if let Some(lr) = self.lr {
             positive("lr", lr)?;
         }
+        if self.wire_parameters == Some(0) {
+            return Err("wire_parameters must be at least 1, e.g. 816705 (the default transformer)".into());
+        }
+        if let Some(t) = self.target_loss {
+            positive("target_loss", t)?;
+        }
+        if self.links_gbps.is_empty() {
+            return Err("links_gbps must list at least one link rate, e.g. [0.01, 0.1, 1, 10]".into());
+        }
+        for &g in &self.links_gbps {
+            positive("links_gbps", g)?;
+        }
         Ok(())
     }
 
-    /// The simulated model's bytes (4 per parameter), what every message carries.
+    /// The simulated model's bytes (4 per parameter, [`SimConfig::wire_parameters`] if set),
+    /// what every message carries.
     pub fn model_bytes(&self) -> u64 {
-        4 * Mlp::parameter_count(digits::FEATURES, &self.hidden, digits::CLASSES) as u64
+        4 * self.wire_parameters.unwrap_or(self.mlp_parameters())
+    }
+
+    /// Parameters of the simulated MLP.
+    pub fn mlp_parameters(&self) -> u64 {
+        Mlp::parameter_count(digits::FEATURES, &self.hidden, digits::CLASSES) as u64
+    }
+
+    /// How many times the MLP's bytes every message carries: `wire_parameters` over the MLP's
+    /// parameters (1 without it).
+    pub fn wire_scale(&self) -> f64 {
+        self.wire_parameters.map_or(1.0, |p| p as f64 / self.mlp_parameters() as f64)
     }
 
     /// The bytes one gradient (or parameter) message of the simulated model carries under
     /// `compression`: each variable's [`Compression::wire_bytes`] (weights `out x in`, biases
     /// `out`), so PowerSGD compresses the weights that shrink at its rank and 16 bits halve
-    /// everything. `none` is [`SimConfig::model_bytes`].
+    /// everything (with [`SimConfig::wire_parameters`], scaled to that model). `none` is
+    /// [`SimConfig::model_bytes`].
     pub fn wire_bytes(&self, compression: Compression) -> u64 {
         let mut dims = vec![digits::FEATURES];
         dims.extend(&self.hidden);
         dims.push(digits::CLASSES);
-        dims.windows(2).map(|w| (compression.wire_bytes(&[w[1], w[0]]) + compression.wire_bytes(&[w[1]])) as u64).sum()
+        let mlp: u64 = dims
+            .windows(2)
+            .map(|w| (compression.wire_bytes(&[w[1], w[0]]) + compression.wire_bytes(&[w[1]])) as u64)
+            .sum();
+        match self.wire_parameters {
+            None => mlp,
+            Some(_) => (mlp as f64 * self.wire_scale()).round() as u64,
+        }
     }
 }
 

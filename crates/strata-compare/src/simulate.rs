@@ -50,7 +50,7 @@
 //!
 //! Communication, with `L = latency_us + network_delay` (the injection's delay is added to
 //! every message of every strategy), link bandwidth `B = bandwidth_gbps` and `M` = the model's
-//! bytes (4 x parameters):
+//! bytes (4 x parameters; with [`SimConfig::wire_parameters`], that model's):
 //!
 //! - **one-device**: one worker, no communication; a step takes the compute time.
 //! - **mirrored, multi-worker-mirrored**: a ring all-reduce of the gradients after the slowest
@@ -62,6 +62,10 @@
 //! half of f32 for fp16 and bf16, PowerSGD's factors for the weights that shrink at its rank).
 //! Its effect on the gradients is not modelled: the trajectory is the uncompressed one (the
 //! real runs measure it; see the guide's across-hosts chapter).
+//! - **multi-worker-mirrored with `sync_every` above 1** (local SGD, DiLoCo): every worker
+//!   steps on its own clock and its own copy of the model; a meeting is a ring all-reduce of
+//!   the fragment's outer gradient, blocking without delay and behind the inner steps with
+//!   one (see `local.rs`). Its learning is the real algorithm on the MLP.
 //! - **central-storage**: the gradients are reduced onto the parameter device and the new
 //!   values broadcast back, each phase one latency plus `N M / B` through the parameter
 //!   device's link: `2 (L + N M / B)`. `N M` bytes each way.
@@ -100,7 +104,8 @@
 //!   applied pushes.
 //! - `examples` counts the examples processed (gradients computed), dropped ones included, as
 //!   real parameter-server runs count them.
-//! - An `Eval` record (test accuracy on the 20% test split) follows every
+//! - An `Eval` record (test accuracy and, as `validation_loss`, the mean cross-entropy in nats
+//!   on the 20% test split) follows every
 //!   [`SimConfig::eval_every_updates`]-th update and the `max_updates`-th.
 
 use std::cmp::{Ordering, Reverse};
@@ -112,6 +117,7 @@ use candle_core::{Device, Tensor, Var, D};
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use strata_core::cross_device::compression::Compression;
 use strata_core::data::Batch;
 use strata_core::{Replicated, Strategy, StrategyOptions};
 use strata_strategies::OneDeviceStrategy;
@@ -122,6 +128,8 @@ use super::RunResult;
 use strata::digits;
 use strata::metrics::MetricRecord;
 use strata::model::{Classifier, Mlp};
+
+mod local;
 
 use crate::sim_config::optimizer_kind;
 pub use crate::sim_config::{SimConfig, MAX_WORKERS};
@@ -168,8 +176,13 @@ pub struct Network {
 impl Network {
     /// Seconds of a ring all-reduce over `n` workers: `2(n-1) (L + M / (n B))`.
     pub fn ring_allreduce_s(&self, n: usize) -> f64 {
+        self.ring_s(n, self.model_bytes)
+    }
+
+    /// Seconds of a ring all-reduce of `bytes` over `n` workers: `2(n-1) (L + bytes / (n B))`.
+    pub fn ring_s(&self, n: usize, bytes: f64) -> f64 {
         let n = n as f64;
-        2.0 * (n - 1.0) * (self.latency_s + self.model_bytes / (n * self.bytes_per_s))
+        2.0 * (n - 1.0) * (self.latency_s + bytes / (n * self.bytes_per_s))
     }
 
     /// Seconds of a central-storage step's communication over `n` replicas:
@@ -192,14 +205,26 @@ impl Network {
 /// `progress(name, fraction)` is called as each run advances (fraction in `[0, 1]`, 1 at its
 /// end). Fails on an invalid `cfg` or optimizer, or if the digits data cannot be read.
 pub fn simulate(exp: &Experiment, cfg: &SimConfig, progress: &dyn Fn(&str, f64)) -> Result<Vec<RunResult>> {
+    simulate_with(exp, cfg, true, progress)
+}
+
+/// [`simulate`]'s clock alone: the same records and times, without the learning (every loss
+/// 0, no evaluation). Only for synchronous and local-SGD runs, whose times do not depend on
+/// what they learn; asynchronous parameter-server runs are simulated in full.
+pub fn simulate_clock(exp: &Experiment, cfg: &SimConfig) -> Result<Vec<RunResult>> {
+    simulate_with(exp, cfg, false, &|_, _| {})
+}
+
+fn simulate_with(
+    exp: &Experiment,
+    cfg: &SimConfig,
+    learn: bool,
+    progress: &dyn Fn(&str, f64),
+) -> Result<Vec<RunResult>> {
     cfg.validate().map_err(Error::Usage)?;
-    if let Some(spec) = exp.runs.iter().find(|s| s.local_sgd.is_some()) {
-        return Err(Error::Usage(format!(
-            "run {}: the simulator does not model local SGD (sync_every) yet; run the experiment without --simulate, or drop sync_every",
-            spec.name
-        )));
-    }
     let mut sim = Simulator::new(exp, cfg)?;
+    sim.learn = learn;
+    sim.check_local_sgd(&exp.runs)?;
     let mut out = Vec::new();
     for spec in &exp.runs {
         let counts: Vec<usize> = if spec.strategy == RunStrategy::OneDevice { vec![1] } else { cfg.workers.clone() };
@@ -212,6 +237,114 @@ pub fn simulate(exp: &Experiment, cfg: &SimConfig, progress: &dyn Fn(&str, f64))
         }
     }
     Ok(out)
+}
+
+/// Why `--extrapolate` cannot run.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum ExtrapolateError {
+    /// No `[simulate] target_loss`.
+    #[error("--extrapolate measures time to a test loss: set target_loss in [simulate], e.g. target_loss = 0.5")]
+    NoTarget,
+    /// No run to sweep.
+    #[error("--extrapolate found no run of multi-worker-mirrored or parameter-server in the experiment: add one")]
+    NoRuns,
+}
+
+impl From<ExtrapolateError> for Error {
+    fn from(e: ExtrapolateError) -> Self {
+        Error::Usage(e.to_string())
+    }
+}
+
+/// One cell of the extrapolation: a run at one worker count and link rate.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct Extrapolated {
+    /// The run's name in the experiment.
+    pub run: String,
+    /// What it is: `sync`, `async ps`, `sync, powersgd:4`, `diloco H=100`, ...
+    pub label: String,
+    /// Workers.
+    pub workers: usize,
+    /// The link rate, gigabits per second.
+    pub link_gbps: f64,
+    /// Virtual seconds to the first evaluation at or below the target test loss.
+    pub time_to_target_s: Option<f64>,
+    /// Updates (rounds of inner steps, or pushes applied) until then.
+    pub updates_to_target: Option<u64>,
+    /// Bytes each worker sent until then (mean over workers).
+    pub bytes_per_worker_to_target: Option<f64>,
+    /// Whether the loss is modelled (`false`: PowerSGD, whose time is modelled on the
+    /// uncompressed trajectory).
+    pub loss_modelled: bool,
+}
+
+/// Time to `[simulate] target_loss` for every multi-worker run of `exp` (one-device and
+/// central-storage left out) at every worker count of `cfg.workers` and link rate of
+/// `cfg.links_gbps`. The learning of synchronous and local-SGD runs does not depend on the
+/// link, so it is computed once per worker count; asynchronous runs are simulated again at
+/// every rate (their staleness does depend on it).
+pub fn extrapolate(exp: &Experiment, cfg: &SimConfig, progress: &dyn Fn(&str, f64)) -> Result<Vec<Extrapolated>> {
+    cfg.validate().map_err(Error::Usage)?;
+    let target = cfg.target_loss.ok_or(ExtrapolateError::NoTarget)?;
+    let specs: Vec<&RunSpec> = exp
+        .runs
+        .iter()
+        .filter(|s| matches!(s.strategy, RunStrategy::MultiWorkerMirrored | RunStrategy::ParameterServer))
+        .collect();
+    if specs.is_empty() {
+        return Err(ExtrapolateError::NoRuns.into());
+    }
+    let mut sim = Simulator::new(exp, cfg)?;
+    sim.check_local_sgd(&exp.runs)?;
+    let mut out = Vec::new();
+    for &gbps in &cfg.links_gbps {
+        sim.network.bytes_per_s = gbps * 1e9 / 8.0;
+        for spec in &specs {
+            for &n in &cfg.workers {
+                if spec.mode == Some(PsMode::Sync) && spec.backup_workers >= n {
+                    continue;
+                }
+                let name = format!("{}/N={n}/{gbps}gbps", spec.name);
+                let run = sim.run(spec, n, &name, progress)?;
+                let hit = run.records.iter().find(|r| {
+                    r.kind == strata::metrics::RecordKind::Eval
+                        && r.validation_loss.is_some_and(|l| f64::from(l) <= target)
+                });
+                let bytes = hit.map(|h| {
+                    run.records
+                        .iter()
+                        .filter(|r| r.kind == strata::metrics::RecordKind::Step && r.wall_s <= h.wall_s)
+                        .map(|r| r.bytes_sent as f64)
+                        .sum::<f64>()
+                        / n as f64
+                });
+                out.push(Extrapolated {
+                    run: spec.name.clone(),
+                    label: extrapolation_label(spec),
+                    workers: n,
+                    link_gbps: gbps,
+                    time_to_target_s: hit.map(|h| h.wall_s),
+                    updates_to_target: hit.map(|h| h.updates),
+                    bytes_per_worker_to_target: bytes,
+                    loss_modelled: !matches!(spec.compression, Compression::PowerSgd { .. }),
+                });
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// A run's kind in the extrapolation table.
+fn extrapolation_label(spec: &RunSpec) -> String {
+    let base = match (spec.strategy, spec.mode_label(), &spec.local_sgd) {
+        (RunStrategy::ParameterServer, Some(m), _) => format!("{m} ps"),
+        (_, _, Some(l)) if !l.is_synchronous() => spec.mode_label().unwrap_or_else(|| "local SGD".into()),
+        _ => "sync".into(),
+    };
+    match spec.compression {
+        Compression::None => base,
+        c => format!("{base}, {c}"),
+    }
 }
 
 /// Mixes a seed with two keys (SplitMix64), for independent generator streams.
@@ -238,6 +371,10 @@ struct Simulator<'a> {
     initial: Params,
     /// Plain synchronous trajectories by worker count.
     sync_cache: HashMap<usize, SyncTrajectory>,
+    /// Local-SGD trajectories by worker count and setting (its `Display`, the wire left out).
+    local_cache: HashMap<(usize, String), Rc<local::LocalTrajectory>>,
+    /// Whether synchronous and local-SGD runs learn (false: their clock only).
+    learn: bool,
 }
 
 /// The candle model whose variables take the values a gradient is computed at.
@@ -440,7 +577,7 @@ struct SyncTrajectory {
     /// Loss of round `i` (update `i + 1`).
     losses: Vec<f32>,
     /// Accuracy after the update that is the key.
-    accuracy: HashMap<u64, f32>,
+    accuracy: HashMap<u64, Evaluation>,
 }
 
 /// The borrowed parts every run needs.
@@ -455,10 +592,14 @@ struct SimCore<'a> {
 }
 
 impl SimCore<'_> {
-    fn accuracy(&self, params: &Params) -> Result<f32> {
+    /// Test accuracy and test loss at `params`.
+    fn accuracy(&self, params: &Params) -> Result<Evaluation> {
         self.net.load(params)?;
-        let correct = self.net.model.primary().correct(self.test_x, self.test_y)?;
-        Ok(correct as f32 / self.test_len.max(1) as f32)
+        let model = self.net.model.primary();
+        let correct = model.correct(self.test_x, self.test_y)?;
+        let logits = model.logits(self.test_x)?;
+        let loss = candle_nn::loss::cross_entropy(&logits, self.test_y)?.to_scalar::<f32>()?;
+        Ok(Evaluation { accuracy: correct as f32 / self.test_len.max(1) as f32, loss })
     }
 
     fn evaluates(&self, updates: u64) -> bool {
@@ -473,6 +614,22 @@ impl SimCore<'_> {
             counts: vec![0; self.train.len()],
             per_worker: self.cfg.per_worker_batch,
         }
+    }
+}
+
+/// An evaluation on the test split.
+#[derive(Clone, Copy, Debug)]
+struct Evaluation {
+    accuracy: f32,
+    /// Mean cross-entropy, nats.
+    loss: f32,
+}
+
+impl Evaluation {
+    fn record(self, steps: u64, updates: u64, t: f64, examples: u64) -> MetricRecord {
+        let mut r = MetricRecord::eval(steps, updates, t, examples, self.accuracy);
+        r.validation_loss = Some(self.loss);
+        r
     }
 }
 
@@ -617,6 +774,8 @@ impl<'a> Simulator<'a> {
             opt,
             network: cfg.network(exp.injection.network_delay),
             sync_cache: HashMap::new(),
+            local_cache: HashMap::new(),
+            learn: true,
         })
     }
 
@@ -639,6 +798,10 @@ impl<'a> Simulator<'a> {
         let mut progress = Progress { name, f: progress, last: -1.0 };
         progress.update(0.0);
         let (records, wall_s) = match (spec.strategy, spec.mode) {
+            (RunStrategy::MultiWorkerMirrored, _) if spec.local_sgd.as_ref().is_some_and(|l| !l.is_synchronous()) => {
+                let l = spec.local_sgd.as_ref().expect("checked above");
+                self.run_local(l, n, &mut progress)?
+            }
             (RunStrategy::OneDevice, _) => self.run_sync(n, SyncComm::None, &mut progress)?,
             (RunStrategy::Mirrored | RunStrategy::MultiWorkerMirrored, _) => {
                 self.run_sync(n, SyncComm::Ring, &mut progress)?
@@ -669,6 +832,7 @@ impl<'a> Simulator<'a> {
             link_goodput_bps: None,
             faults: Vec::new(),
             relaunches: 0,
+            local_sgd: None,
         })
     }
 
@@ -686,7 +850,7 @@ impl<'a> Simulator<'a> {
 
     /// The loss of update `round + 1` of the plain synchronous trajectory with `n` workers,
     /// and the accuracy after it if it is evaluated.
-    fn plain_round(&mut self, n: usize, round: u64) -> Result<(f32, Option<f32>)> {
+    fn plain_round(&mut self, n: usize, round: u64) -> Result<(f32, Option<Evaluation>)> {
         // Out of the cache while it advances (the model and data stay borrowed from `self`).
         let mut traj = match self.sync_cache.remove(&n) {
             Some(t) => t,
@@ -702,7 +866,7 @@ impl<'a> Simulator<'a> {
     }
 
     /// Advances `traj` (of `n` workers) through update `round + 1`.
-    fn advance(&self, traj: &mut SyncTrajectory, n: usize, round: u64) -> Result<(f32, Option<f32>)> {
+    fn advance(&self, traj: &mut SyncTrajectory, n: usize, round: u64) -> Result<(f32, Option<Evaluation>)> {
         let core = self.core();
         let all = vec![true; n];
         while traj.losses.len() as u64 <= round {
@@ -783,6 +947,7 @@ impl<'a> Simulator<'a> {
                     let acc = if core.evaluates(updates) { Some(core.accuracy(&state.server.params)?) } else { None };
                     (loss, acc)
                 }
+                None if !self.learn => (0.0, None),
                 None => self.plain_round(n, round)?,
             };
             let is_ps = matches!(comm, SyncComm::Ps { .. });
@@ -807,11 +972,50 @@ impl<'a> Simulator<'a> {
                 records.push(d);
             }
             if let Some(a) = accuracy {
-                records.push(MetricRecord::eval(steps, updates, t, examples, a));
+                records.push(a.record(steps, updates, t, examples));
             }
             progress.update(self.fraction(updates, t));
         }
         Ok((records, t))
+    }
+
+    /// Refuses a local-SGD run the simulated MLP cannot split into its fragments.
+    fn check_local_sgd(&self, runs: &[RunSpec]) -> Result<()> {
+        let vars = self.net.vars.len();
+        for spec in runs {
+            if let Some(l) = spec.local_sgd.as_ref().filter(|l| l.fragments > vars) {
+                return Err(Error::Usage(format!(
+                    "run {}: {} fragments of the simulated MLP's {vars} variables: use at most {vars} fragments, or more hidden layers in [simulate] hidden",
+                    spec.name, l.fragments
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// A local-SGD (DiLoCo) run: the trajectory (cached), then its clock.
+    fn run_local(
+        &mut self,
+        l: &strata::LocalSgd,
+        n: usize,
+        progress: &mut Progress<'_>,
+    ) -> Result<(Vec<MetricRecord>, f64)> {
+        let key = (n, l.to_string());
+        let traj = match self.local_cache.get(&key) {
+            _ if !self.learn => Rc::new(local::LocalTrajectory::clock_only(self.cfg.max_updates)),
+            Some(t) => Rc::clone(t),
+            None => {
+                let t = Rc::new(local::trajectory(&self.core(), &self.initial, self.seed, n, l, progress)?);
+                self.local_cache.insert(key, Rc::clone(&t));
+                t
+            }
+        };
+        let shapes: Vec<Vec<usize>> = self.net.vars.iter().map(|v| v.dims().to_vec()).collect();
+        let frag = local::fragment_bytes(l, &shapes, self.network.model_bytes, self.cfg.wire_parameters.is_some());
+        let network = self.network;
+        let ring = move |bytes: f64| network.ring_s(n, bytes);
+        let clock = Clock::new(self.cfg, self.injection, self.seed, n);
+        Ok(local::timeline(&traj, l, self.cfg, clock, &ring, &frag, n))
     }
 
     fn fraction(&self, updates: u64, t: f64) -> f64 {
@@ -883,7 +1087,7 @@ impl<'a> Simulator<'a> {
             records.push(r);
             if core.evaluates(server.version) {
                 let a = core.accuracy(&server.params)?;
-                records.push(MetricRecord::eval(steps, server.version, t, examples, a));
+                records.push(a.record(steps, server.version, t, examples));
             }
             progress.update(self.fraction(server.version, t));
             if server.version >= cfg.max_updates {

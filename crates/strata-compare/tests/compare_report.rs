@@ -77,6 +77,7 @@ fn run(
         link_goodput_bps: None,
         faults: Vec::new(),
         relaunches: 0,
+        local_sgd: None,
     }
 }
 
@@ -161,7 +162,14 @@ fn real_runs_give_every_file_and_readable_plots() {
     let names: Vec<&str> = out.plots.iter().map(|p| p.name.as_str()).collect();
     assert_eq!(
         names,
-        ["loss_vs_time", "accuracy_vs_steps", "examples_per_second", "staleness_histogram", "accuracy_vs_time"]
+        [
+            "loss_vs_time",
+            "accuracy_vs_steps",
+            "examples_per_second",
+            "staleness_histogram",
+            "accuracy_vs_time",
+            "loss_vs_bytes"
+        ]
     );
     for f in out.files() {
         assert!(f.is_file(), "{} missing", f.display());
@@ -174,6 +182,8 @@ fn real_runs_give_every_file_and_readable_plots() {
     for p in &out.plots {
         let series: Vec<_> = match p.name.as_str() {
             "staleness_histogram" => vec![plot::color(2)],
+            // Only the parameter-server runs sent bytes.
+            "loss_vs_bytes" => vec![plot::color(2), plot::color(3)],
             _ => vec![plot::color(0), plot::color(1)],
         };
         check_png(&p.png, plot::WIDTH, plot::HEIGHT, &series);
@@ -238,6 +248,8 @@ fn real_runs_give_every_file_and_readable_plots() {
     assert!(md.contains("| one-device | one-device | — | 1 | ok |"));
     assert!(md.contains("failed: worker 1 exited with status 3 \\| see worker-1.log"));
     assert!(md.contains("![Training loss against wall time](loss_vs_time.png)"));
+    assert!(md.contains("![Training loss against bytes sent per worker](loss_vs_bytes.png)"), "{md}");
+    assert!(md.contains("| bytes sent per worker |"));
     assert!(md.contains("## What it shows"));
     assert!(md.contains("`ps-sync` reached 90.00% first"), "{md}");
     assert!(!md.contains(SIMULATED_LINE));
@@ -260,6 +272,7 @@ fn a_simulated_sweep_adds_the_scaling_plots_and_says_it_is_simulated() {
             "examples_per_second",
             "staleness_histogram",
             "accuracy_vs_time",
+            "loss_vs_bytes",
             "scaling",
             "scaling_efficiency",
             "time_to_target_vs_workers"

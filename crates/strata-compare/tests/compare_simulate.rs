@@ -443,3 +443,193 @@ fn a_virtual_time_budget_stops_every_run_at_the_same_time() {
         assert_eq!(seen.iter().filter(|(n, f)| n == &r.name && *f == 1.0).count(), 1, "{}", r.name);
     }
 }
+
+fn local(name: &str, every: u64, outer: strata::OuterOptimizer, fragments: usize) -> RunSpec {
+    RunSpec {
+        local_sgd: Some(strata::LocalSgd { every, outer, fragments, ..strata::LocalSgd::default() }),
+        ..spec(name, RunStrategy::MultiWorkerMirrored, None, 0, 0)
+    }
+}
+
+/// Local SGD's clock: compute every step, a blocking ring all-reduce of the whole model at a
+/// meeting without delay; with 4 fragments met 2 steps apart and landing 1 step later, a
+/// quarter of the bytes at each meeting, hidden behind the next step when it fits there.
+#[test]
+fn local_sgd_steps_and_meetings_follow_the_closed_forms() {
+    let exp = experiment(
+        vec![
+            local("diloco", 5, strata::OuterOptimizer::diloco(), 1),
+            local("streaming", 8, strata::OuterOptimizer::diloco(), 4),
+            spec("mwm", RunStrategy::MultiWorkerMirrored, None, 0, 0),
+        ],
+        Injection::default(),
+    );
+    // The time model sends 100x the MLP's bytes, in 4 equal fragments.
+    let cfg = SimConfig {
+        workers: vec![4],
+        max_updates: 16,
+        eval_every_updates: 8,
+        bandwidth_gbps: 0.05,
+        wire_parameters: Some(241_000),
+        ..Default::default()
+    };
+    let runs = simulate(&exp, &cfg, &quiet).unwrap();
+    let (c, l, bw, n) = (cfg.compute_ms * 1e-3, cfg.latency_us * 1e-6, cfg.bandwidth_gbps * 1e9 / 8.0, 4.0);
+    let m = 4.0 * 241_000.0;
+    let ring = |bytes: f64| 2.0 * (n - 1.0) * (l + bytes / (n * bw));
+    let d = steps(run(&runs, "diloco")).collect::<Vec<_>>();
+    assert_eq!(d.len(), 16);
+    for (i, r) in d.iter().enumerate() {
+        let s = i as f64 + 1.0;
+        let want = s * c + (s / 5.0).floor() * ring(m);
+        assert!((r.wall_s - want).abs() < 1e-9, "diloco step {s}: {} vs {want}", r.wall_s);
+        let met = (i + 1).is_multiple_of(5);
+        let last = i + 1 == 16;
+        // Every meeting sends 2(n-1)/n M from each worker; the last step's final one too.
+        let want_bytes = if met || last { (2.0 * (n - 1.0) * m).round() as u64 } else { 0 };
+        assert_eq!(r.bytes_sent, want_bytes, "diloco step {s}");
+    }
+    // The final meeting (step 16 is not a meeting) ends the run: its evaluation after it.
+    let last_eval = run(&runs, "diloco").records.iter().rfind(|r| r.kind == RecordKind::Eval).unwrap();
+    assert!((last_eval.wall_s - (16.0 * c + 3.0 * ring(m) + ring(m))).abs() < 1e-9);
+    assert!(last_eval.validation_loss.is_some_and(f32::is_finite));
+    // A quarter of M takes ring(M/4) = 0.0291 s: more than one step of 10 ms, so each meeting
+    // leaves ring(M/4) - c exposed at the step it lands (one step after it is sent).
+    let q = ring(m / 4.0);
+    assert!(q > c);
+    let s = steps(run(&runs, "streaming")).collect::<Vec<_>>();
+    let mut t = 0.0;
+    let mut lands = None;
+    for (i, r) in s.iter().enumerate() {
+        let step = i as u64 + 1;
+        t += c;
+        if lands.is_some_and(|(due, _)| due == step) {
+            t = f64::max(t, lands.unwrap().1);
+            lands = None;
+        }
+        if step.is_multiple_of(2) {
+            lands = Some((step + 1, t + q));
+        }
+        assert!((r.wall_s - t).abs() < 1e-9, "streaming step {step}: {} vs {t}", r.wall_s);
+    }
+    // Per-step sync sends 2(n-1)/n M every step; DiLoCo 1/5 of that before its final meeting.
+    let sync_bytes: u64 = steps(run(&runs, "mwm")).map(|r| r.bytes_sent).sum();
+    let diloco_bytes: u64 = d.iter().take(15).map(|r| r.bytes_sent).sum();
+    assert_eq!(3 * sync_bytes, 16 * diloco_bytes, "{sync_bytes} {diloco_bytes}");
+}
+
+/// One worker averaging with itself every few steps is one-device training: the same losses.
+/// Several workers under DiLoCo learn (the test loss falls well below its start) on the same
+/// batches as per-step sync.
+#[test]
+fn local_sgd_learns_and_one_averaging_worker_is_one_device() {
+    let exp = experiment(
+        vec![
+            local("avg", 4, strata::OuterOptimizer::Average, 1),
+            spec("mwm", RunStrategy::MultiWorkerMirrored, None, 0, 0),
+            local("diloco", 10, strata::OuterOptimizer::diloco(), 2),
+        ],
+        Injection::default(),
+    );
+    let one = SimConfig { workers: vec![1], max_updates: 40, eval_every_updates: 40, ..Default::default() };
+    let runs = simulate(&exp, &one, &quiet).unwrap();
+    let a: Vec<f32> = steps(run(&runs, "avg")).map(|r| r.loss.unwrap()).collect();
+    let b: Vec<f32> = steps(run(&runs, "mwm")).map(|r| r.loss.unwrap()).collect();
+    assert_eq!(a.len(), 40);
+    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+        assert!((x - y).abs() <= 1e-4 * y.abs().max(1.0), "step {i}: {x} vs {y}");
+    }
+    let four = SimConfig { workers: vec![4], max_updates: 200, eval_every_updates: 20, ..Default::default() };
+    let runs = simulate(&exp, &four, &quiet).unwrap();
+    let evals: Vec<f32> = run(&runs, "diloco")
+        .records
+        .iter()
+        .filter(|r| r.kind == RecordKind::Eval)
+        .map(|r| r.validation_loss.unwrap())
+        .collect();
+    assert_eq!(evals.len(), 10);
+    assert!(evals[9] < 0.6 * evals[0], "{evals:?}");
+    assert_eq!(run(&runs, "diloco").mode.as_deref(), Some("diloco H=10, 2 fragments"));
+}
+
+/// The extrapolation: time to a test loss against link rate and workers. The learning of
+/// sync and DiLoCo does not depend on the link, so slower links only add time; DiLoCo sends
+/// far fewer bytes to the target; PowerSGD's loss is not modelled and says so.
+#[test]
+fn the_extrapolation_sweeps_links_and_workers() {
+    let exp = experiment(
+        vec![
+            spec("sync", RunStrategy::MultiWorkerMirrored, None, 0, 0),
+            spec("ps-async", RunStrategy::ParameterServer, Some(PsMode::Async), 0, 0),
+            RunSpec {
+                compression: Compression::PowerSgd { rank: 2, start_step: 0 },
+                ..spec("powersgd", RunStrategy::MultiWorkerMirrored, None, 0, 0)
+            },
+            local("diloco", 10, strata::OuterOptimizer::diloco(), 1),
+        ],
+        Injection::default(),
+    );
+    let cfg = SimConfig {
+        workers: vec![2, 8],
+        links_gbps: vec![0.01, 10.0],
+        max_updates: 300,
+        eval_every_updates: 10,
+        wire_parameters: Some(816_705),
+        compute_ms: 38.0,
+        target_loss: Some(0.6),
+        ..Default::default()
+    };
+    let no_target = SimConfig { target_loss: None, ..cfg.clone() };
+    let e = strata_compare::simulate::extrapolate(&exp, &no_target, &quiet).unwrap_err().to_string();
+    assert!(e.contains("set target_loss in [simulate]") && !e.ends_with('.'), "{e}");
+    let cells = strata_compare::simulate::extrapolate(&exp, &cfg, &quiet).unwrap();
+    assert_eq!(cells.len(), 4 * 2 * 2);
+    let cell = |run: &str, n: usize, gbps: f64| {
+        cells.iter().find(|c| c.run == run && c.workers == n && c.link_gbps == gbps).unwrap()
+    };
+    for n in [2, 8] {
+        for run in ["sync", "diloco", "powersgd"] {
+            let (slow, fast) = (cell(run, n, 0.01), cell(run, n, 10.0));
+            let (ts, tf) = (slow.time_to_target_s.unwrap(), fast.time_to_target_s.unwrap());
+            assert_eq!(slow.updates_to_target, fast.updates_to_target, "{run} N={n}: the same learning");
+            assert!(ts > tf, "{run} N={n}: {ts} vs {tf}");
+        }
+        // At 10 Mbit/s a 3.3 MB all-reduce a step costs seconds: DiLoCo gets there first and
+        // sends far fewer bytes.
+        let (s, d) = (cell("sync", n, 0.01), cell("diloco", n, 0.01));
+        assert!(d.time_to_target_s.unwrap() < s.time_to_target_s.unwrap() / 3.0, "{s:?} {d:?}");
+        assert!(d.bytes_per_worker_to_target.unwrap() < s.bytes_per_worker_to_target.unwrap() / 3.0);
+        assert!(!cell("powersgd", n, 0.01).loss_modelled && cell("sync", n, 0.01).loss_modelled);
+        assert_eq!(cell("powersgd", n, 0.01).updates_to_target, s.updates_to_target);
+        assert_eq!(cell("ps-async", n, 0.01).label, "async ps");
+        assert_eq!(d.label, "diloco H=10");
+    }
+    let table = strata_compare::report::extrapolation_table(&cells, 0.6);
+    assert!(table.contains("| diloco H=10 | 8 |"), "{table}");
+}
+
+/// A simulated DiLoCo run beside per-step sync: its own mode in the table, far fewer bytes per
+/// worker, and the loss-against-bytes plot in the report.
+#[test]
+fn a_diloco_run_is_its_own_mode_in_the_report_with_its_bytes() {
+    let exp = experiment(
+        vec![
+            spec("sync", RunStrategy::MultiWorkerMirrored, None, 0, 0),
+            local("diloco", 20, strata::OuterOptimizer::diloco(), 1),
+        ],
+        Injection::default(),
+    );
+    let cfg = SimConfig { workers: vec![4], max_updates: 100, eval_every_updates: 20, ..Default::default() };
+    let runs = simulate(&exp, &cfg, &quiet).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let out = strata_compare::report::write_outputs(dir.path(), &exp, &runs, true).unwrap();
+    let s = |name: &str| out.summaries.iter().find(|s| s.name == name).unwrap();
+    assert_eq!(s("diloco").mode.as_deref(), Some("diloco H=20"));
+    let (sync, diloco) = (s("sync").bytes_sent_per_worker.unwrap(), s("diloco").bytes_sent_per_worker.unwrap());
+    // 100 all-reduces against 5 meetings (steps 20..100, none after: the last step met).
+    assert!((sync / diloco - 20.0).abs() < 1e-9, "{sync} {diloco}");
+    assert!(out.plots.iter().any(|p| p.name == "loss_vs_bytes" && !p.empty));
+    let md = std::fs::read_to_string(&out.report_md).unwrap();
+    assert!(md.contains("| diloco | multi-worker-mirrored | diloco H=20 | 4 |"), "{md}");
+    assert!(md.contains("(loss_vs_bytes.png)"));
+}
