@@ -139,6 +139,24 @@ def log(*a):
     print(*a, file=sys.stderr, flush=True)
 
 
+def gpt2_init(torch, model, layers=T_LAYERS):
+    """Strata's initialisation of its character transformer on torch_models' transformer: every
+    weight normal(0, 0.02), the projections into the residual stream normal(0, 0.02 /
+    sqrt(2 layers)), biases zero and no bias on qkv (frozen at zero), layer norms as they are."""
+    import math
+    with torch.no_grad():
+        residual = 0.02 / math.sqrt(2 * layers)
+        for name, p in model.named_parameters():
+            if "ln" in name:
+                continue
+            if name.endswith("bias"):
+                p.zero_()
+            else:
+                p.normal_(0, residual if ("proj" in name or ".out." in name) else 0.02)
+        for block in model.blocks:
+            block.qkv.bias.requires_grad_(False)
+
+
 def torch_models(torch, nn, F, width=None, layers=None, heads=None):
     """`build(model, vocab)` with `Block` and `Transformer` as torch_bench.py defines them (that
     file runs its benchmark when imported, so its definitions are taken from its source).

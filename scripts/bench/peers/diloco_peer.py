@@ -3,7 +3,7 @@ scripts/bench/slow_links.py runs beside Strata's `--sync-every`.
 
 The algorithm as Douillard et al. (2023) and torchft's DiLoCo write it: each worker trains its
 own copy of the default character transformer (scripts/bench/peers/torch_bench.py's, read from
-its source) with AdamW (weight decay 0.01, fused where torch has it; Strata's transformer
+its source; initialised as Strata initialises it, common.gpt2_init, unless --init torch) with AdamW (weight decay 0.01, fused where torch has it; Strata's transformer
 schedule: a linear warm-up over 5% of the steps, at most 100, to --lr, then a cosine decay to a
 tenth of it; gradients clipped to a global norm of 1.0) on its rows of each global batch of 32
 windows of 64 characters; every --sync-every H steps every worker computes
@@ -39,6 +39,9 @@ ap.add_argument("--outer-lr", type=float, default=0.7)
 ap.add_argument("--outer-momentum", type=float, default=0.9)
 ap.add_argument("--wire", choices=("f32", "bf16"), default="f32")
 ap.add_argument("--ddp", action="store_true", help="per-step DDP instead of DiLoCo")
+ap.add_argument("--init", choices=("gpt2", "torch"), default="gpt2",
+                help="gpt2: Strata's initialisation of the transformer (common.gpt2_init, the default); "
+                     "torch: PyTorch's defaults")
 ap.add_argument("--lr", type=float, default=0.003)
 args = ap.parse_args()
 
@@ -65,6 +68,8 @@ def windows(source, rng, n):
 
 build = common.torch_models(torch, nn, F)
 model = build("transformer", len(chars))
+if args.init == "gpt2":
+    common.gpt2_init(torch, model)
 if args.ddp:
     model = nn.parallel.DistributedDataParallel(model)
 params = list(model.parameters())
