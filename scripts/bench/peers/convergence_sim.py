@@ -19,6 +19,30 @@ The validation loss is the mean over 16 fixed batches of 64 windows of the last 
                  (Vogels et al. 2019; the sum over workers is linear, so one process is exact),
                  --start uncompressed steps first, --iters power iterations a step;
                  --freeze-v N keeps AdamW's second moment from step N (1-bit Adam's rule)
+  --mode diloco  DiLoCo / local SGD of --workers W (4) simulated in one process, as
+                 diloco_peer.py: every worker its own copy of the model and its own AdamW (the
+                 schedule and clipping above, each worker clipping its own gradient), each step's
+                 batch of 32 drawn as in base mode and worker w taking rows [w*32/W, (w+1)*32/W)
+                 (diloco_peer.py's split); at a meeting the outer gradient, the mean over the
+                 workers of `global - local`, goes through torch.optim.SGD(--outer-lr,
+                 --outer-momentum, nesterov=True) on the global copy, which every worker loads.
+                 When they meet: --sync-every H (after steps H, 2H, ...), or --meetings, a list
+                 of steps and ranges `A-B/S` (after steps A, A+S, ... <= B), e.g.
+                 `10-100/10,200-1200/100`, or `qsr:C:H0` (Gu et al. 2023's quadratic rule: the
+                 next meeting after max(H0, floor((C * lr_peak / lr)^2)) steps, lr the rate at
+                 the meeting, its peak during the warm-up); the last step
+                 always ends with a meeting, as diloco_peer.py and Strata's fit do.
+                 --sync-steps K: the first K steps per-step synchronous (the workers' gradients
+                 averaged, then clipped, every worker stepping alike: post-local SGD, Lin et al.
+                 2020). --avg-moments m|v|mv averages AdamW's exp_avg / exp_avg_sq over the
+                 workers at every meeting (at steps >= --avg-moments-from). Outer lr changes:
+                 --outer-warmup N (linear over the first N meetings), --outer-lr-end E (linear in
+                 the step from --outer-lr to E), --outer-reset S1,S2,... (the outer momentum
+                 cleared at the first meeting at or after each). The warm-up's first step has
+                 rate lr / warm-up (base mode's lr_at, for every mode here; diloco_peer.py's
+                 starts at 0, one step earlier). The JSON line gives `meetings` and
+                 `allreduces`: full-parameter all-reduces over the run (a meeting or a
+                 synchronous step one each, each averaged moment one more).
 
 Run with the peers' venv (scripts/bench/peers/install-torch.sh), e.g.
   python scripts/bench/peers/convergence_sim.py --init gpt2 --mode delay --predict 1
@@ -34,7 +58,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import common  # noqa: E402
 
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-ap.add_argument("--mode", choices=("base", "delay", "psgd"), default="base")
+ap.add_argument("--mode", choices=("base", "delay", "psgd", "diloco"), default="base")
 ap.add_argument("--init", choices=("gpt2", "torch"), default="gpt2")
 ap.add_argument("--steps", type=int, default=1200)
 ap.add_argument("--lr", type=float, default=3e-3)
@@ -47,6 +71,18 @@ ap.add_argument("--start", type=int, default=0)
 ap.add_argument("--iters", type=int, default=1)
 ap.add_argument("--freeze-v", type=int, default=-1)
 ap.add_argument("--exact", default="", help="comma-separated name prefixes of parameters PowerSGD leaves uncompressed")
+ap.add_argument("--workers", type=int, default=4)
+ap.add_argument("--sync-every", type=int, default=100)
+ap.add_argument("--meetings", default="", help="steps after which the workers meet (overrides --sync-every)")
+ap.add_argument("--sync-steps", type=int, default=0, help="per-step synchronous steps first")
+ap.add_argument("--outer-lr", type=float, default=0.7)
+ap.add_argument("--outer-momentum", type=float, default=0.9)
+ap.add_argument("--outer-nesterov", type=int, default=1)
+ap.add_argument("--outer-warmup", type=int, default=0, help="meetings of linear outer-lr warm-up")
+ap.add_argument("--outer-lr-end", type=float, default=-1.0, help="outer lr at the last step (linear; <0: constant)")
+ap.add_argument("--outer-reset", default="", help="comma-separated steps: momentum cleared at the first meeting at or after each")
+ap.add_argument("--avg-moments", choices=("", "m", "v", "mv"), default="")
+ap.add_argument("--avg-moments-from", type=int, default=0)
 ap.add_argument("--seed", type=int, default=0)
 ap.add_argument("--threads", type=int, default=1)
 args = ap.parse_args()
@@ -73,17 +109,7 @@ val_rng = np.random.default_rng(123)
 val_batches = [windows(val, 64, val_rng) for _ in range(16)]
 model = common.torch_models(torch, nn, F)("transformer", len(chars))
 if args.init == "gpt2":
-    with torch.no_grad():
-        residual = 0.02 / math.sqrt(2 * common.T_LAYERS)
-        for name, p in model.named_parameters():
-            if "ln" in name:
-                continue
-            if name.endswith("bias"):
-                p.zero_()
-            else:
-                p.normal_(0, residual if ("proj" in name or ".out." in name) else 0.02)
-        for block in model.blocks:
-            block.qkv.bias.requires_grad_(False)
+    common.gpt2_init(torch, model)
 params = [p for p in model.parameters() if p.requires_grad]
 names = {p: n for n, p in model.named_parameters()}
 exact = tuple(x for x in args.exact.split(",") if x) or ("\0",)
@@ -129,8 +155,113 @@ def loss_of(x, y):
     return F.cross_entropy(model(x).reshape(-1, len(chars)), y.reshape(-1))
 
 
+def meeting_steps():
+    """The sorted set of 1-based steps after which the workers meet (the last always)."""
+    spec = args.meetings or f"{args.sync_every}-{args.steps}/{args.sync_every}"
+    out = set()
+    if spec.startswith("qsr:"):
+        c, h0 = spec.split(":")[1:]
+        at = 0
+        while at < args.steps:
+            at += max(int(h0), int((float(c) * args.lr / lr_at(max(at, warmup))) ** 2))
+            out.add(min(at, args.steps))
+    else:
+        for part in spec.split(","):
+            if "-" in part:
+                ab, step = part.split("/") if "/" in part else (part, "1")
+                a, b = ab.split("-")
+                out.update(range(int(a), int(b) + 1, int(step)))
+            elif part:
+                out.add(int(part))
+    out = {m for m in out if args.sync_steps < m <= args.steps}
+    out.add(args.steps)
+    return sorted(out)
+
+
+if args.mode == "diloco":
+    import copy  # noqa: E402
+
+    W = args.workers
+    per = common.T_BATCH // W
+    models = [copy.deepcopy(model) for _ in range(W)]
+    wparams = [[p for p in m.parameters() if p.requires_grad] for m in models]
+    wopts = [torch.optim.AdamW(ps, lr=args.lr, betas=(args.beta1, 0.999), weight_decay=common.WEIGHT_DECAY)
+             for ps in wparams]
+    glob = [p.detach().clone() for p in params]
+    outer = torch.optim.SGD(glob, lr=args.outer_lr, momentum=args.outer_momentum, nesterov=bool(args.outer_nesterov) and args.outer_momentum > 0)
+    meets = meeting_steps()
+    meet_set = set(meets)
+    resets = sorted(int(x) for x in args.outer_reset.split(",") if x)
+    counts = {"meetings": 0, "allreduces": 0, "outer_steps": 0}
+
+    def outer_lr_at(step):
+        lr = args.outer_lr
+        if args.outer_lr_end >= 0:
+            lr = args.outer_lr + (args.outer_lr_end - args.outer_lr) * step / args.steps
+        if args.outer_warmup > 0 and counts["outer_steps"] < args.outer_warmup:
+            lr *= (counts["outer_steps"] + 1) / args.outer_warmup
+        return lr
+
+    def meet(step):
+        with torch.no_grad():
+            while resets and resets[0] <= step:
+                resets.pop(0)
+                outer.state.clear()
+            for i, g in enumerate(glob):
+                g.grad = g - torch.stack([ps[i] for ps in wparams]).mean(0)
+            for group in outer.param_groups:
+                group["lr"] = outer_lr_at(step)
+            outer.step()
+            outer.zero_grad(set_to_none=True)
+            for ps in wparams:
+                for p, g in zip(ps, glob):
+                    p.copy_(g)
+            counts["meetings"] += 1
+            counts["allreduces"] += 1
+            counts["outer_steps"] += 1
+            if args.avg_moments and step >= args.avg_moments_from:
+                for key in {"m": ("exp_avg",), "v": ("exp_avg_sq",), "mv": ("exp_avg", "exp_avg_sq")}[args.avg_moments]:
+                    counts["allreduces"] += 1
+                    for i in range(len(params)):
+                        states = [o.state[ps[i]][key] for o, ps in zip(wopts, wparams)]
+                        mean = torch.stack(states).mean(0)
+                        for st in states:
+                            st.copy_(mean)
+
+    for t in range(args.steps):
+        x, y = windows(train, common.T_BATCH, rng)
+        for w in range(W):
+            for group in wopts[w].param_groups:
+                group["lr"] = lr_at(t)
+            wopts[w].zero_grad()
+            xw, yw = x[w * per:(w + 1) * per], y[w * per:(w + 1) * per]
+            out = models[w](xw)
+            F.cross_entropy(out.reshape(-1, len(chars)), yw.reshape(-1)).backward()
+        if t < args.sync_steps:
+            # Per-step synchronous: the mean gradient, clipped, on every worker alike.
+            with torch.no_grad():
+                for i in range(len(params)):
+                    mean = torch.stack([ps[i].grad for ps in wparams]).mean(0)
+                    for ps in wparams:
+                        ps[i].grad.copy_(mean)
+            counts["meetings"] += 1
+            counts["allreduces"] += 1
+        for w in range(W):
+            if args.clip > 0:
+                torch.nn.utils.clip_grad_norm_(wparams[w], args.clip)
+            wopts[w].step()
+        if t < args.sync_steps:
+            with torch.no_grad():
+                for g, p in zip(glob, wparams[0]):
+                    g.copy_(p)
+        elif t + 1 in meet_set:
+            meet(t + 1)
+    with torch.no_grad():
+        for p, g in zip(params, glob):
+            p.copy_(g)
+
 history = []  # the values of the last delay + 2 updates
-for t in range(args.steps):
+for t in range(args.steps if args.mode != "diloco" else 0):
     for group in opt.param_groups:
         group["lr"] = lr_at(t)
     x, y = windows(train, common.T_BATCH, rng)
@@ -169,4 +300,8 @@ for t in range(args.steps):
 with torch.no_grad():
     model.eval()
     val_loss = sum(loss_of(x, y).item() for x, y in val_batches) / len(val_batches)
-print(json.dumps({**vars(args), "validation_loss": round(val_loss, 4), "torch": torch.__version__}))
+extra = {}
+if args.mode == "diloco":
+    extra = {"meetings": counts["meetings"], "allreduces": counts["allreduces"],
+             "meeting_steps": meets if len(meets) <= 40 else f"{len(meets)} steps"}
+print(json.dumps({**vars(args), **extra, "validation_loss": round(val_loss, 4), "torch": torch.__version__}))
