@@ -34,7 +34,7 @@ use strata::metrics::MetricRecord;
 use strata_core::local_sgd::{fragment_runs, LocalSgd, OuterOptimizer};
 use strata_core::optim::rules;
 
-use super::{Clock, Evaluation, Params, Progress, Server, SimCore, Stream};
+use super::parts::{Clock, Evaluation, Params, Progress, Server, SimCore, Stream};
 use crate::Result;
 
 /// What a local-SGD run learned, round by round (independent of time).
