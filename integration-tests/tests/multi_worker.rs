@@ -506,8 +506,8 @@ fn local_sgd_checkpoints_resume_every_worker_bit_for_bit() {
 }
 
 /// Workers that disagree on local SGD's settings (the period, the fragments, the outer
-/// optimizer) are refused at the rendezvous, the error naming both settings (exit code 2 for
-/// the refused worker), and the job fails at once, before any step.
+/// optimizer) are refused at the rendezvous, the error naming both settings on every worker
+/// (exit code 2, one line), and the job fails at once, before any step.
 #[test]
 fn workers_that_disagree_on_local_sgd_are_refused_at_the_rendezvous_naming_both() {
     let dir = tmp("diloco-disagree");
@@ -535,10 +535,11 @@ fn workers_that_disagree_on_local_sgd_are_refused_at_the_rendezvous_naming_both(
         let outs: Vec<Output> = children.into_iter().map(|c| wait(c, deadline)).collect();
         // Refused at the rendezvous, not at its timeout.
         assert!(started.elapsed() < Duration::from_secs(30), "{:?}", started.elapsed());
-        // The refused worker: one line naming both, exit code 2; the chief fails the job.
-        for (i, code) in [(1, Some(2)), (0, Some(1))] {
+        // Both the refused worker and the chief: one line naming both settings, exit code 2.
+        for i in [1, 0] {
             let err = String::from_utf8_lossy(&outs[i].stderr);
-            assert_eq!(outs[i].status.code(), code, "worker {i}: {err}");
+            assert_eq!(outs[i].status.code(), Some(2), "worker {i}: {err}");
+            assert_eq!(err.trim().lines().count(), 1, "worker {i}: {err}");
             let line = err.lines().find(|l| l.starts_with("error:")).unwrap_or_else(|| panic!("{err}"));
             assert!(line.contains(theirs) && line.contains("every=4,outer=nesterov"), "worker {i}: {line}");
         }

@@ -7,7 +7,8 @@
 //!   in, every task's data-plane address in rank order.
 //! - **Refusals.** A task refused at registration for its cluster or strategy fingerprint (it
 //!   presented the token, so it is one of the job's own tasks) fails the job at once, naming it
-//!   and the difference. A call refused for its *token* never reaches the service; the token
+//!   and the difference; every task waiting in the rendezvous hears it as a misconfiguration
+//!   (`FAILED_PRECONDITION`, the refused task's own code), not as an aborted job. A call refused for its *token* never reaches the service; the token
 //!   check records it under the task name the caller claims (`x-strata-task`), in one slot per
 //!   task of the job. Such a record is never trusted to fail a job on its own (anyone who can
 //!   reach the port can claim any name): it only ends a rendezvous early when every other task
@@ -227,6 +228,9 @@ struct JobState {
     /// When the last task registered (the rendezvous' progress).
     last_registered: Instant,
     error: Option<String>,
+    /// The job failed because a task was refused at registration (its cluster or strategy
+    /// differs from the chief's): every waiting task hears it as a misconfiguration.
+    misconfigured: bool,
     barriers: HashMap<String, HashSet<usize>>,
     kv: HashMap<String, Vec<u8>>,
     /// Refused calls that claimed no task of this job.
@@ -470,10 +474,24 @@ impl Service {
     /// job's own tasks, misconfigured, and the rendezvous cannot complete without it.
     fn refuse(&self, status: Status) -> Status {
         let mut st = lock(&self.state);
-        if !st.rendezvous_done {
-            self.fail(&mut st, format!("rendezvous failed: {}", status.message()));
+        if !st.rendezvous_done && st.error.is_none() {
+            // Every task prints it as its one-line error: no log line of the service's beside it.
+            tracing::info!(why = %status.message(), "a task was refused at the rendezvous; the job fails");
+            st.error = Some(format!("rendezvous failed: {}", status.message()));
+            st.misconfigured = true;
+            self.changed.notify_waiters();
         }
         status
+    }
+
+    /// The status a task hears when the job failed with `e`: a misconfiguration
+    /// (`FAILED_PRECONDITION`) where a task was refused at registration, else `ABORTED`.
+    fn failed(st: &JobState, e: &str) -> Status {
+        if st.misconfigured {
+            Status::failed_precondition(e.to_string())
+        } else {
+            Status::aborted(e.to_string())
+        }
     }
 
     /// Marks `rank` as told of the job's error.
@@ -615,7 +633,7 @@ impl Coordination for Svc {
         {
             let mut st = lock(&self.state);
             if let Some(e) = &st.error {
-                return Err(Status::aborted(e.clone()));
+                return Err(Service::failed(&st, e));
             }
             match st.tasks[rank].incarnation {
                 Some(inc) if inc != r.incarnation => {
@@ -647,9 +665,9 @@ impl Coordination for Svc {
         let names = self.names.clone();
         let result = self
             .wait_until(deadline, |st| {
-                if let Some(e) = &st.error {
+                if let Some(e) = st.error.clone() {
                     st.tasks[rank].told = true;
-                    return Some(Err(Status::aborted(e.clone())));
+                    return Some(Err(Service::failed(st, &e)));
                 }
                 st.rendezvous_done.then(|| {
                     Ok(RegisterResponse {
@@ -1037,6 +1055,7 @@ impl CoordinationServerHandle {
             rendezvous_done: false,
             last_registered: Instant::now(),
             error: None,
+            misconfigured: false,
             barriers: HashMap::new(),
             kv: HashMap::new(),
             refused_unnamed: 0,
