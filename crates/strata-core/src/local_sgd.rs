@@ -263,15 +263,7 @@ impl OuterSync {
             self.outer_step(st, i, d);
             updates.push(match before {
                 None => Update::Set(i, Arc::new(st.global[i].clone())),
-                Some(before) => {
-                    let add = st.global[i]
-                        .iter()
-                        .zip(&before)
-                        .zip(&mine[at..at + len])
-                        .map(|((new, old), own)| (new - old) + own)
-                        .collect();
-                    Update::Add(i, Arc::new(add))
-                }
+                Some(before) => replay_progress(i, &st.global[i], &before, &mine[at..at + len]),
             });
             at += len;
         }
@@ -542,13 +534,7 @@ impl OuterSync {
                         let mut at = 0;
                         for i in self.runs[fragment].clone() {
                             let len = old[i].len();
-                            let add = st.global[i]
-                                .iter()
-                                .zip(&old[i])
-                                .zip(&mine[at..at + len])
-                                .map(|((new, old), own)| (new - old) + own)
-                                .collect();
-                            updates.push(Update::Add(i, Arc::new(add)));
+                            updates.push(replay_progress(i, &st.global[i], &old[i], &mine[at..at + len]));
                             at += len;
                         }
                     }
@@ -676,6 +662,13 @@ fn encode_u64s(v: &[u64]) -> Vec<f32> {
 /// [`encode_u64s`]'s integers back.
 fn decode_u64s(v: &[f32]) -> Vec<u64> {
     v.chunks(4).map(|c| c.iter().enumerate().fold(0u64, |x, (k, &p)| x | ((p as u64 & 0xffff) << (16 * k)))).collect()
+}
+
+/// What a worker adds to variable `i` when an exchange lands after it took inner steps since
+/// sending it: the step the global values took (`new - old`) plus its own outer gradient
+/// (`own`), so that it holds the new global values with its progress since the send replayed.
+fn replay_progress(i: usize, new: &[f32], old: &[f32], own: &[f32]) -> Update {
+    Update::Add(i, Arc::new(new.iter().zip(old).zip(own).map(|((new, old), own)| (new - old) + own).collect()))
 }
 
 /// A variable's values in f32 on the host.
