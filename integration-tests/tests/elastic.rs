@@ -423,6 +423,25 @@ fn the_chief_lost_in_a_checkpoint_write_and_a_second_loss_in_a_row() {
     check_epochs(&one_device(tmp.path()), &again, &o, "relaunched from the new leader's checkpoint", 30);
 }
 
+/// A job of 3 workers training with `train` in `dir` (created), worker:1 killed (SIGKILL) at
+/// step 60 and its new process joining: the job goes on and ends with all three.
+fn worker_1_killed_and_replaced(dir: &Path, train: &[&str]) -> Output {
+    std::fs::create_dir(dir).unwrap();
+    let job = Job::start_with(dir, 3, &["--max-restarts", "1"], train);
+    job.wait_for_step(60);
+    kill(job.pid("worker:1"), Signal::SIGKILL).unwrap();
+    let o = job.finish();
+    let stderr = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(
+        stderr.contains("task worker:1 was killed by SIGKILL; the elastic job goes on, and a new process joins it"),
+        "{}",
+        shown(&stderr)
+    );
+    let last = stderr.lines().find(|l| l.contains("the elastic job completed in generation")).unwrap_or_default();
+    assert!(last.ends_with("with worker:0, worker:1, worker:2"), "{}", shown(&stderr));
+    o
+}
+
 /// PowerSGD's state follows the membership: the steps of a job that loses a worker and takes
 /// in its replacement are carried on by the members' warm `Q`s and pooled error feedback
 /// (only the lost worker's own residual is lost), so the job ends near the undisturbed one.
@@ -436,15 +455,8 @@ fn powersgd_state_follows_a_loss_and_a_join() {
     let undisturbed = parameters(&dir, &o);
 
     let dir = tmp.path().join("lost-and-replaced");
-    std::fs::create_dir(&dir).unwrap();
-    let job = Job::start_with(&dir, 3, &["--max-restarts", "1"], &train);
-    job.wait_for_step(60);
-    kill(job.pid("worker:1"), Signal::SIGKILL).unwrap();
-    let o = job.finish();
+    let o = worker_1_killed_and_replaced(&dir, &train);
     let stderr = String::from_utf8_lossy(&o.stderr).to_string();
-    assert!(stderr.contains("task worker:1 was killed by SIGKILL; the elastic job goes on, and a new process joins it"));
-    let last = stderr.lines().find(|l| l.contains("the elastic job completed in generation")).unwrap_or_default();
-    assert!(last.ends_with("with worker:0, worker:1, worker:2"), "{}", shown(&stderr));
     let got = parameters(&dir, &o);
     let d = l2_relative(&got, &undisturbed);
     eprintln!("powersgd:4, worker:1 lost at step 60 and replaced: {d:.3e} from the undisturbed job");
@@ -890,15 +902,8 @@ fn local_sgd_follows_a_loss_and_a_join() {
     let undisturbed_accuracy = test_accuracy(&o);
 
     let dir = tmp.path().join("kill-join");
-    std::fs::create_dir(&dir).unwrap();
-    let job = Job::start_with(&dir, 3, &["--max-restarts", "1"], &diloco);
-    job.wait_for_step(60);
-    kill(job.pid("worker:1"), Signal::SIGKILL).unwrap();
-    let o = job.finish();
+    let o = worker_1_killed_and_replaced(&dir, &diloco);
     let stderr = String::from_utf8_lossy(&o.stderr).to_string();
-    assert!(stderr.contains("task worker:1 was killed by SIGKILL; the elastic job goes on"), "{}", shown(&stderr));
-    let last = stderr.lines().find(|l| l.contains("the elastic job completed in generation")).unwrap_or_default();
-    assert!(last.ends_with("with worker:0, worker:1, worker:2"), "{}", shown(&stderr));
     let joined = parameters(&dir, &o);
     let d = l2_relative(&joined, &undisturbed);
     let acc = test_accuracy(&o);
