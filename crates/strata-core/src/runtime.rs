@@ -14,9 +14,15 @@ use crate::extended::{
 use crate::{Error, PerReplica, ReduceOp, Result};
 
 /// The threads of a strategy's replicas: one persistent thread per replica (so a replica's
-/// thread-local allocator caches and warm stacks survive from step to step), plus, for a
-/// logical CPU device of `t > 1` threads, a pool of `t` threads in which that replica's
-/// parallel candle kernels run.
+/// thread-local allocator caches and warm stacks survive from step to step) and, for every
+/// logical CPU device of `t` threads, a pool of its own of `t` threads in which that replica's
+/// job and its parallel candle kernels run.
+///
+/// A replica's kernels never run on another replica's threads. Were they to share a work-stealing
+/// pool, a thread that stole a piece of replica 1's convolution before its own replica's job
+/// reached it could start that job inside the stolen piece while waiting for it to finish: its
+/// replica would then block in a collective for replica 1, which waits for the piece, and the
+/// step would end in a collective timeout (rayon runs a waiting thread's pending broadcast job).
 #[derive(Debug, Default)]
 pub struct ReplicaPools {
     replicas: Option<rayon::ThreadPool>,
@@ -24,17 +30,18 @@ pub struct ReplicaPools {
 }
 
 impl ReplicaPools {
-    /// Pools for `devices`: a logical CPU device of `t > 1` threads gets a pool of `t` threads,
-    /// in which candle's parallel kernels of that replica run.
+    /// Pools for `devices`: a logical CPU device of `t` threads gets a pool of `t` threads, in
+    /// which its replica's job and candle's parallel kernels run.
     pub fn for_devices(devices: &[LogicalDevice]) -> Result<Self> {
         // Before any thread starts.
         crate::device::check_replicas(devices.len(), "replicas")?;
         let pools = devices
             .iter()
-            .map(|d| match d.kind {
-                LogicalKind::Cpu { threads, .. } if threads > 1 => rayon::ThreadPoolBuilder::new()
-                    .num_threads(threads)
-                    .thread_name(move |i| format!("strata-replica-pool-{i}"))
+            .enumerate()
+            .map(|(r, d)| match d.kind {
+                LogicalKind::Cpu { threads, .. } => rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads.max(1))
+                    .thread_name(move |i| format!("strata-replica-{r}-kernels-{i}"))
                     .build()
                     .map(Some)
                     .map_err(|e| Error::InvalidArgument(format!("cannot start {threads} threads for {}: {e}", d.spec))),

@@ -338,3 +338,40 @@ strategy_test!(run_batches_is_a_loop_of_run_batch, |s: StrategyHandle| {
     assert_eq!(la, lb);
     assert_eq!(a, b, "run_batches must apply exactly the updates of a loop of run_batch");
 });
+
+/// A replica's parallel kernels run on its own threads only: with a work-stealing pool shared
+/// between replicas, a thread could start its replica inside a piece of another replica's
+/// kernel it stole, block in a collective for that replica, and hang the step (the CI once
+/// timed out so in a convolution). Every piece of every replica's parallel loop, over many
+/// steps, names the replica's own pool, whose size is the logical device's thread count.
+#[test]
+fn a_replicas_parallel_kernels_run_on_its_own_threads_only() {
+    use rayon::prelude::*;
+    use strata_core::device::{split_physical, CpuEnumerator, DeviceEnumerator, LogicalDeviceConfiguration};
+    let cpu = CpuEnumerator.physical_devices().unwrap().remove(0);
+    for threads in [vec![1, 1, 1, 1], vec![2, 1, 3]] {
+        let configs: Vec<_> = threads.iter().map(|&t| LogicalDeviceConfiguration::cpu(t)).collect();
+        let devices = split_physical(&cpu, &configs, 0).unwrap();
+        let s = strata_strategies::MirroredStrategy::new(devices).unwrap();
+        for step in 0..50 {
+            let seen = s
+                .run(|ctx| {
+                    let pool = rayon::current_num_threads();
+                    let names: Vec<String> = (0..256)
+                        .into_par_iter()
+                        .map(|_| std::thread::current().name().unwrap_or("unnamed").to_string())
+                        .collect();
+                    // The replicas wait for each other between steps, as a training step does.
+                    ctx.all_reduce(ReduceOp::Sum, &Tensor::new(&[1f32], ctx.candle_device())?)?;
+                    Ok((pool, names))
+                })
+                .unwrap();
+            for (r, (pool, names)) in seen.into_values().into_iter().enumerate() {
+                assert_eq!(pool, threads[r], "replica {r}'s job runs in a pool of {pool} threads");
+                let own = format!("strata-replica-{r}-kernels-");
+                let stray = names.iter().find(|n| !n.starts_with(&own));
+                assert!(stray.is_none(), "step {step}: a piece of replica {r}'s loop ran on {stray:?}");
+            }
+        }
+    }
+}
