@@ -53,7 +53,8 @@
 //! that the `crate::` paths between them have no cycle):
 //!
 //! - [`error`](Error), `reduce` ([`ReduceOp`]), `values` ([`PerReplica`], [`Mirrored`]),
-//!   [`timeline`], [`group`], [`device`], [`checkpoint`]: the leaf vocabulary;
+//!   [`timeline`], [`group`], [`device`], [`checkpoint`], [`embedding`] (tables, their rows'
+//!   initial values and owners): the leaf vocabulary;
 //!   [`optim`] uses the checkpoint's `OptimizerState`;
 //! - [`cross_device`]: the collective interfaces and their CPU implementations;
 //! - [`extended`]: what a strategy implementation provides ([`StrategyExtended`] and its
@@ -92,6 +93,7 @@ pub mod data;
 pub mod device;
 pub mod distributed_optimizer;
 pub mod elastic;
+pub mod embedding;
 mod error;
 pub mod extended;
 mod footprint;

@@ -1,0 +1,304 @@
+//! Embedding tables: what a table is ([`TableConfig`]), how its rows start ([`RowInit`],
+//! [`init_row`]) and which shard owns a row ([`owner_of`]), as every strategy and every
+//! parameter-server task computes them. A row's initial value depends only on the seed, the
+//! table's name and the row's id, never on the order rows are created in or on how the table is
+//! sharded, so a table trained on one device, on replicas, or grown row by row on ps tasks
+//! starts from the same values, and a restarted ps task recreates a row exactly.
+
+use std::ops::Range;
+
+use serde::{Deserialize, Serialize};
+
+use crate::{Error, Result};
+
+/// The largest embedding dimension a table may have.
+pub const MAX_EMBEDDING_DIM: usize = 1 << 16;
+
+/// How many rows a table has.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum TableSize {
+    /// A fixed table of `rows` rows: ids are `0..rows`; any other id is an error.
+    Rows(u64),
+    /// A table declared by id space: any `u64` is an id, and a row exists once it is first
+    /// seen (created from the table's [`RowInit`]). Each shard holds at most
+    /// `max_rows_per_shard` rows; with `evict_after`, a row unseen for that many updates of its
+    /// shard may be evicted to make room (and is created again, from its initial value, when
+    /// next seen).
+    Ids {
+        /// The bound on rows per shard (a ps task).
+        max_rows_per_shard: u64,
+        /// Updates of the shard after which an unseen row may be evicted (`None`: never).
+        evict_after: Option<u64>,
+    },
+}
+
+/// The initial value of a table's rows.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub enum RowInit {
+    /// Every element 0.
+    Zeros,
+    /// Uniform in `[low, high)`.
+    Uniform {
+        /// The lower bound.
+        low: f32,
+        /// The upper bound.
+        high: f32,
+    },
+    /// Normal with mean 0 and standard deviation `std`.
+    Normal {
+        /// The standard deviation.
+        std: f32,
+    },
+}
+
+impl Default for RowInit {
+    /// Keras' `Embedding` default: uniform in `[-0.05, 0.05)`.
+    fn default() -> Self {
+        RowInit::Uniform { low: -0.05, high: 0.05 }
+    }
+}
+
+/// An embedding table: its name (the variable's), its row width and its size.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TableConfig {
+    /// The table's name, as a variable's (`ctr.emb3`).
+    pub name: String,
+    /// The embedding dimension (elements per row), `1..=MAX_EMBEDDING_DIM`.
+    pub dim: usize,
+    /// Fixed rows, or an id space whose rows appear when first seen.
+    pub size: TableSize,
+    /// How rows start.
+    pub init: RowInit,
+}
+
+impl TableConfig {
+    /// A fixed table of `rows` rows of `dim` elements, initialised as Keras' `Embedding`.
+    pub fn rows(name: impl Into<String>, rows: u64, dim: usize) -> Self {
+        Self { name: name.into(), dim, size: TableSize::Rows(rows), init: RowInit::default() }
+    }
+
+    /// Checks the configuration: a name, `1 <= dim <= MAX_EMBEDDING_DIM`, at least one row (or
+    /// a positive bound per shard), a finite initialiser with `low < high` and `std >= 0`.
+    pub fn check(&self) -> Result<()> {
+        let name = &self.name;
+        let bad = |what: String| Err(Error::InvalidArgument(format!("embedding table {name:?}: {what}")));
+        if name.is_empty() {
+            return Err(Error::InvalidArgument("an embedding table needs a name".into()));
+        }
+        if self.dim == 0 || self.dim > MAX_EMBEDDING_DIM {
+            return bad(format!("dimension {} is outside 1..={MAX_EMBEDDING_DIM}", self.dim));
+        }
+        match self.size {
+            TableSize::Rows(0) => return bad("0 rows; give it at least one".into()),
+            TableSize::Ids { max_rows_per_shard: 0, .. } => {
+                return bad("a bound of 0 rows per shard; give it at least one".into())
+            }
+            TableSize::Ids { evict_after: Some(0), .. } => {
+                return bad("evict_after is 0; give a positive number of updates, or none".into())
+            }
+            _ => {}
+        }
+        match self.init {
+            RowInit::Uniform { low, high } if !(low.is_finite() && high.is_finite() && low < high) => {
+                bad(format!("uniform initialiser [{low}, {high}) needs finite bounds with low < high"))
+            }
+            RowInit::Normal { std } if !(std.is_finite() && std >= 0.0) => {
+                bad(format!("normal initialiser's std {std} must be finite and not negative"))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Checks that `id` names a row of the table: below the row count of a fixed table (any
+    /// id of an id-space table).
+    pub fn check_id(&self, id: u64) -> Result<()> {
+        match self.size {
+            TableSize::Rows(rows) if id >= rows => Err(Error::InvalidArgument(format!(
+                "id {id} is outside embedding table {:?}'s {rows} rows; map ids into 0..{rows} or declare the table by id space",
+                self.name
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    /// The bytes of one row's values (f32).
+    pub fn row_bytes(&self) -> usize {
+        self.dim * 4
+    }
+}
+
+/// SplitMix64's finaliser: a bijection of `u64` whose output bits all depend on every input bit.
+pub fn mix64(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// A stable 64-bit hash (FNV-1a) of a table's name under `seed`.
+fn table_seed(seed: u64, table: &str) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325 ^ seed.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    for b in table.bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
+/// A uniform draw in `[0, 1)` from 53 bits of `bits`.
+fn unit(bits: u64) -> f64 {
+    (bits >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+}
+
+/// Writes row `id`'s initial value into `out` (`dim` elements): a function of `seed`, the
+/// table's name, `id` and the element's index only (a counter-based generator), so any
+/// process, in any order, on any sharding, computes the same row.
+pub fn init_row(seed: u64, table: &str, init: RowInit, id: u64, out: &mut [f32]) {
+    let base = mix64(table_seed(seed, table) ^ mix64(id));
+    let draw = |j: u64| mix64(base.wrapping_add(j.wrapping_mul(0xd1b5_4a32_d192_ed03)));
+    match init {
+        RowInit::Zeros => out.fill(0.0),
+        RowInit::Uniform { low, high } => {
+            for (j, x) in out.iter_mut().enumerate() {
+                let u = unit(draw(j as u64));
+                *x = (f64::from(low) + (f64::from(high) - f64::from(low)) * u) as f32;
+                // Rounding to f32 can reach `high`; keep the interval half-open.
+                if *x >= high {
+                    *x = low.max(high.next_down());
+                }
+            }
+        }
+        RowInit::Normal { std } => {
+            for (j, x) in out.iter_mut().enumerate() {
+                // Box-Muller on two independent draws.
+                let u1 = unit(draw(2 * j as u64)).max(f64::MIN_POSITIVE);
+                let u2 = unit(draw(2 * j as u64 + 1));
+                *x = (f64::from(std) * (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()) as f32;
+            }
+        }
+    }
+}
+
+/// The rows of shard `index` of a fixed table of `rows` rows split into `shards` contiguous
+/// ranges, the first `rows % shards` one row longer (TensorFlow's `FixedShardsPartitioner`).
+pub fn shard_rows(rows: u64, shards: usize, index: usize) -> Range<u64> {
+    let (n, i) = (shards.max(1) as u64, index as u64);
+    let (base, extra) = (rows / n, rows % n);
+    let start = i * base + i.min(extra);
+    start..start + base + u64::from(i < extra)
+}
+
+/// The shard (of `shards`) that owns row `id`: for a fixed table the one whose
+/// [`shard_rows`] range holds it, for an id-space table `mix64(id) % shards` (ids spread evenly
+/// whatever their pattern).
+pub fn owner_of(size: TableSize, id: u64, shards: usize) -> usize {
+    let n = shards.max(1) as u64;
+    match size {
+        TableSize::Rows(rows) => {
+            let (base, extra) = (rows / n, rows % n);
+            // The first `extra` shards have `base + 1` rows.
+            let long = extra * (base + 1);
+            let shard = if id < long { id / (base + 1) } else { extra + (id - long) / base.max(1) };
+            shard.min(n - 1) as usize
+        }
+        TableSize::Ids { .. } => (mix64(id) % n) as usize,
+    }
+}
+
+/// The distinct ids of `ids`, sorted, and for each position of `ids` the index of its id among
+/// them: what a step pulls (each row once) and how its batch reads the pulled rows.
+pub fn distinct_ids(ids: &[u64]) -> (Vec<u64>, Vec<u32>) {
+    let mut distinct = ids.to_vec();
+    distinct.sort_unstable();
+    distinct.dedup();
+    let index = ids.iter().map(|id| distinct.partition_point(|d| d < id) as u32).collect();
+    (distinct, index)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_depend_on_seed_table_and_id_only() {
+        let mut a = [0f32; 16];
+        let mut b = [0f32; 16];
+        let init = RowInit::default();
+        init_row(7, "t", init, 42, &mut a);
+        init_row(7, "t", init, 42, &mut b);
+        assert_eq!(a, b);
+        init_row(7, "t", init, 43, &mut b);
+        assert_ne!(a, b);
+        init_row(8, "t", init, 42, &mut b);
+        assert_ne!(a, b);
+        init_row(7, "u", init, 42, &mut b);
+        assert_ne!(a, b);
+        assert!(a.iter().all(|x| (-0.05..0.05).contains(x)), "{a:?}");
+    }
+
+    #[test]
+    fn initialisers_have_their_moments() {
+        let n = 200_000;
+        let mut row = vec![0f32; n];
+        init_row(1, "t", RowInit::Uniform { low: -1.0, high: 3.0 }, 9, &mut row);
+        let mean = row.iter().map(|&x| f64::from(x)).sum::<f64>() / n as f64;
+        assert!((mean - 1.0).abs() < 0.02, "{mean}");
+        init_row(1, "t", RowInit::Normal { std: 2.0 }, 9, &mut row);
+        let mean = row.iter().map(|&x| f64::from(x)).sum::<f64>() / n as f64;
+        let var = row.iter().map(|&x| (f64::from(x) - mean).powi(2)).sum::<f64>() / n as f64;
+        assert!(mean.abs() < 0.03 && (var.sqrt() - 2.0).abs() < 0.03, "{mean} {var}");
+        init_row(1, "t", RowInit::Zeros, 9, &mut row);
+        assert!(row.iter().all(|&x| x == 0.0));
+    }
+
+    #[test]
+    fn shards_cover_the_rows_once_and_owners_agree() {
+        for rows in [1u64, 2, 7, 10, 1000, 1001] {
+            for shards in 1..6 {
+                let mut next = 0;
+                for i in 0..shards {
+                    let r = shard_rows(rows, shards, i);
+                    assert_eq!(r.start, next);
+                    next = r.end;
+                    for id in r {
+                        assert_eq!(owner_of(TableSize::Rows(rows), id, shards), i, "{rows} rows, {shards} shards, id {id}");
+                    }
+                }
+                assert_eq!(next, rows);
+            }
+        }
+        let ids = TableSize::Ids { max_rows_per_shard: 10, evict_after: None };
+        let mut count = [0usize; 3];
+        for id in 0..30_000u64 {
+            count[owner_of(ids, id, 3)] += 1;
+        }
+        assert!(count.iter().all(|&c| (9_000..11_000).contains(&c)), "{count:?}");
+    }
+
+    #[test]
+    fn distinct_ids_index_the_batch() {
+        let (d, i) = distinct_ids(&[5, 3, 5, 9, 3]);
+        assert_eq!(d, vec![3, 5, 9]);
+        assert_eq!(i, vec![1, 0, 1, 2, 0]);
+    }
+
+    #[test]
+    fn bad_tables_and_ids_are_refused_in_one_line() {
+        let ok = TableConfig::rows("t", 10, 4);
+        ok.check().unwrap();
+        let cases = [
+            TableConfig { dim: 0, ..ok.clone() },
+            TableConfig { size: TableSize::Rows(0), ..ok.clone() },
+            TableConfig { size: TableSize::Ids { max_rows_per_shard: 0, evict_after: None }, ..ok.clone() },
+            TableConfig { init: RowInit::Uniform { low: 1.0, high: 1.0 }, ..ok.clone() },
+            TableConfig { init: RowInit::Normal { std: f32::NAN }, ..ok.clone() },
+        ];
+        for c in cases {
+            let e = c.check().unwrap_err().to_string();
+            assert!(e.contains("\"t\"") && !e.contains('\n'), "{e}");
+        }
+        assert!(ok.check_id(9).is_ok());
+        let e = ok.check_id(10).unwrap_err().to_string();
+        assert!(e.contains("id 10") && e.contains("\"t\""), "{e}");
+    }
+}
