@@ -4,6 +4,10 @@
 //! table's name and the row's id, never on the order rows are created in or on how the table is
 //! sharded, so a table trained on one device, on replicas, or grown row by row on ps tasks
 //! starts from the same values, and a restarted ps task recreates a row exactly.
+//!
+//! A strategy that does not keep a table as a variable (parameter servers, hybrid training)
+//! gives its scope a [`TableStore`]: the rows a step's batch touches are pulled from it, and
+//! their gradients handed back to it after the backward pass.
 
 use std::ops::Range;
 
@@ -213,6 +217,32 @@ pub fn distinct_ids(ids: &[u64]) -> (Vec<u64>, Vec<u32>) {
     distinct.dedup();
     let index = ids.iter().map(|id| distinct.partition_point(|d| d < id) as u32).collect();
     (distinct, index)
+}
+
+/// Where a strategy keeps embedding tables it does not hold as variables (ps tasks): a step
+/// pulls the rows its batch touches, and the backward pass hands their gradients back.
+/// [`StrategyOptions::tables`](crate::StrategyOptions::tables) gives a strategy one; the
+/// embedding layer then asks it for rows instead of making the table a variable.
+///
+/// Gradients arrive per replica, as each replica's backward pass computes them, each with the
+/// number of batch rows the replica's loss is the mean over: a store that combines replicas
+/// weighs each by its rows (what `run_batch` does to the variables' gradients).
+pub trait TableStore: Send + Sync + std::fmt::Debug {
+    /// Declares a table a model builds (once per copy of the model, the same configuration
+    /// every time; a different one is an error naming the table).
+    fn declare(&self, table: &TableConfig) -> Result<()>;
+
+    /// The current values of `ids` (distinct, sorted) of `table` for `replica`'s step:
+    /// `ids.len() * dim` values, row after row.
+    fn pull(&self, replica: usize, table: &str, ids: &[u64]) -> Result<Vec<f32>>;
+
+    /// Adds the gradient `grad` (`ids.len() * dim`, row after row) of the rows `ids` that
+    /// `replica` pulled, computed from a loss that is the mean over `batch_rows` rows.
+    fn gradient(&self, replica: usize, table: &str, ids: &[u64], grad: Vec<f32>, batch_rows: usize) -> Result<()>;
+
+    /// `replica`'s step ended (`failed`: with an error; its gradients are dropped): the store
+    /// sends what the step's replicas gave it, if the strategy's optimizer did not.
+    fn end_step(&self, replica: usize, failed: bool) -> Result<()>;
 }
 
 #[cfg(test)]

@@ -109,6 +109,7 @@ mod reduce;
 pub mod runtime;
 pub mod scope;
 pub mod strategy;
+pub mod table_rows;
 pub mod timeline;
 mod units;
 mod values;

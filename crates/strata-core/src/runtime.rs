@@ -116,6 +116,14 @@ pub fn execute_local(
             Ok(r) => r,
             Err(p) => Err(Error::ReplicaPanicked { replica: r, message: panic_message(p) }),
         };
+        // The rows of embedding tables this replica's step touched go back to their store.
+        let res = match &ext.options().tables {
+            Some(tables) => {
+                let ended = tables.end_step(r, res.is_err());
+                res.and(ended)
+            }
+            None => res,
+        };
         if let Err(e) = &res {
             if !is_secondary(e) {
                 shared.group().poison(format!("replica {r} failed: {e}"));

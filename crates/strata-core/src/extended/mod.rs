@@ -98,6 +98,11 @@ pub struct StrategyOptions {
     /// worker, the workers meeting every `H` steps (`None`, the default, or `H = 1` averaging:
     /// every step synchronous). MultiWorkerMirrored takes it; the other strategies refuse it.
     pub local_sgd: Option<local_sgd::LocalSgd>,
+    /// Where embedding tables live when not as variables
+    /// ([`TableStore`](crate::embedding::TableStore): a parameter-server worker's ps tasks, or
+    /// hybrid training's). `None` (the default): every table is a variable of the model,
+    /// reduced as any other.
+    pub tables: Option<Arc<dyn crate::embedding::TableStore>>,
 }
 
 /// ZeRO's stages (DeepSpeed; PyTorch's `ZeroRedundancyOptimizer`): what each replica, across
@@ -189,6 +194,7 @@ impl Default for StrategyOptions {
             zero_stage: ZeroStage::Off,
             zero_units: Vec::new(),
             local_sgd: None,
+            tables: None,
         }
     }
 }
