@@ -19,12 +19,14 @@
 //!     schedule: None,
 //!     mode: PsMode::Async,
 //!     wire_format: strata_ps::WireFormat::F32,
+//!     tables: Vec::new(),
 //! };
 //! task.create(&header, &[Chunk { var: 0, offset: 0, pieces: vec![f32s(&[1.0, 2.0, 3.0, 4.0])] }])?;
 //! let push = PushHeader {
 //!     id: UpdateId { worker: "worker:0".into(), client: "worker:0".into(), step: 0, seq: 0 },
 //!     base_version: 0,
 //!     variables: vec!["w".into()],
+//!     rows: Vec::new(),
 //! };
 //! let grads = [Chunk { var: 0, offset: 0, pieces: vec![f32s(&[2.0; 4])] }];
 //! assert!(matches!(task.push(&push, &grads)?, PushDecision::Done(PushReply::Applied { version: 1, duplicate: false })));
@@ -82,7 +84,9 @@ mod chunk;
 mod error;
 pub mod limits;
 mod optimizer;
+mod row_optimizer;
 mod state;
+mod table;
 mod types;
 
 pub use checkpoint::{read_snapshot, write_snapshot, PsMeta, ScheduleMeta, META_KEY, PS_META_FORMAT, VARIABLES_FILE};
@@ -91,12 +95,14 @@ pub use chunk::{copy_f32s, decode_half, encode_half, encode_half_bytes, first_no
 pub use error::{Error, ErrorKind, RequestKind, Result};
 pub use limits::{MAX_CHUNK_BYTES, MAX_CHUNK_ELEMENTS, MAX_VARIABLE_ELEMENTS};
 pub use optimizer::{schedule_kind, ServerOptimizer};
+pub use row_optimizer::RowOptimizer;
 pub use state::{
     Answer, Counters, PushDecision, Snapshot, SnapshotVariable, State, Streamed, UpdateKey, MAX_REMEMBERED_UPDATES,
 };
 /// The learning-rate schedules a task can follow (strata-core's).
 pub use strata_core::optim::schedule::LrSchedule;
+pub use table::{reshard_tables, TableRows};
 pub use types::{
-    CreateHeader, CreateOutcome, PsMode, PsStatus, PullResult, PushHeader, PushOutcome, PushReply, UpdateId,
-    VariableInfo, WireFormat,
+    CreateHeader, CreateOutcome, PsMode, PsStatus, PullResult, PushHeader, PushOutcome, PushReply, RowGrads, RowPull,
+    RowPullResult, TableInfo, TableStatus, UpdateId, VariableInfo, WireFormat,
 };
