@@ -87,6 +87,8 @@ mod optimizer;
 mod row_optimizer;
 mod state;
 mod table;
+#[cfg(test)]
+mod table_tests;
 mod types;
 
 pub use checkpoint::{read_snapshot, write_snapshot, PsMeta, ScheduleMeta, META_KEY, PS_META_FORMAT, VARIABLES_FILE};
