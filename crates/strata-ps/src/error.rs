@@ -65,8 +65,8 @@ pub enum Error {
     /// A name (of a variable, a worker, a client, ...) longer than [`MAX_NAME_BYTES`].
     #[error("a {what} name of {bytes} bytes is over the limit of {MAX_NAME_BYTES} bytes; use a shorter name")]
     NameTooLong {
-        /// Which name: `variable`, `worker`, `client`, `optimizer`, `schedule`, `mode` or
-        /// `dtype`.
+        /// Which name: `variable`, `table`, `worker`, `client`, `optimizer`, `schedule`,
+        /// `mode` or `dtype`.
         what: &'static str,
         /// Its length.
         bytes: usize,

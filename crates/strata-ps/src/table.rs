@@ -341,7 +341,7 @@ impl Table {
             dropped.map(|l| l.ids.iter().filter_map(|id| self.index.get(id).copied()).collect()).unwrap_or_default();
         let mut candidates: Vec<(u64, u64, usize)> = try_with_capacity(task, self.ids.len(), "eviction candidates")?;
         for (r, (&id, &seen)) in self.ids.iter().zip(&self.last_seen).enumerate() {
-            let pins = self.pins[r] - u32::from(released.contains(&r));
+            let pins = self.pins[r].saturating_sub(u32::from(released.contains(&r)));
             if version.saturating_sub(seen) > after && pins == 0 && pulled.binary_search(&id).is_err() {
                 candidates.push((seen, id, r));
             }

@@ -204,8 +204,8 @@ fn sync_rounds_take_the_mean_of_rows_whatever_the_arrival_order() {
             PsMode::Sync { workers: 3, backup_workers: 0 },
             vec![table("t", TableSize::Rows(6), dim, RowOptimizer::Sgd { lr: f64::from(lr) }, 0, 1)],
         );
-        for w in 0..3 {
-            pull(&mut s, &format!("worker:{w}"), 0, "t", batches[w]).unwrap();
+        for (w, ids) in batches.iter().enumerate() {
+            pull(&mut s, &format!("worker:{w}"), 0, "t", ids).unwrap();
         }
         for (k, &w) in order.iter().enumerate() {
             let ids = batches[w];
@@ -516,6 +516,9 @@ fn grown_rows_survive_a_checkpoint_bit_for_bit() {
     assert_eq!(r.status().tables, s.status().tables);
 }
 
+/// A row's values, slots (as bits) and last seen version.
+type HeldRow = (Vec<u32>, Vec<u32>, u64);
+
 /// A job of ps tasks holding shards of a fixed LazyAdam table and an id-space FTRL table;
 /// a step pulls each task's rows of a batch and pushes their gradients to every task.
 struct Job {
@@ -563,7 +566,7 @@ impl Job {
     }
 
     /// Every row the job holds, by table and id: values, slots and last seen, as bits.
-    fn rows(&self) -> BTreeMap<(String, u64), (Vec<u32>, Vec<u32>, u64)> {
+    fn rows(&self) -> BTreeMap<(String, u64), HeldRow> {
         let mut out = BTreeMap::new();
         for t in &self.tasks {
             for rows in t.snapshot().tables {
