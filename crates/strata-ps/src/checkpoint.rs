@@ -621,4 +621,46 @@ mod schedule_tests {
             assert!(e.to_string().starts_with("ps:0 follows the learning-rate schedule"), "{e}");
         }
     }
+
+    /// A table whose metadata declares more rows than a task may hold is refused before its
+    /// tensors are read (a corrupt checkpoint cannot make a restore allocate without bound), as
+    /// is one whose tensors hold another number of rows than the metadata.
+    #[test]
+    fn table_reads_are_bounded_by_their_metadata() {
+        use strata_core::embedding::TableConfig;
+        let tmp = tempfile::tempdir().unwrap();
+        let mut s = State::new("ps:0".into(), None);
+        let info = TableInfo {
+            config: TableConfig::rows("t", 100, 4),
+            seed: 1,
+            shard: 0,
+            num_shards: 1,
+            optimizer: RowOptimizer::Adagrad { lr: 0.1, initial_accumulator: 0.1, eps: 1e-7 },
+        };
+        let header = CreateHeader {
+            variables: vec![],
+            optimizer: ServerOptimizer::Sgd { lr: 0.1 },
+            schedule: None,
+            mode: PsMode::Async,
+            wire_format: crate::WireFormat::F32,
+            tables: vec![info],
+        };
+        s.create(&header, &[]).unwrap();
+        let pull = crate::RowPull { worker: "w".into(), lease: 0, table: "t".into(), ids: vec![3, 9] };
+        s.pull_rows(&pull).unwrap();
+        let dir = write_snapshot(tmp.path(), 1, s.snapshot(), 1).unwrap();
+        let ckpt = checkpoint::read_checkpoint(&dir).unwrap();
+        let meta: PsMeta = serde_json::from_str(&ckpt.metadata[META_KEY]).unwrap();
+        let mut t = meta.tables[0].clone();
+        assert_eq!(read_table(&ckpt, &t, &mut MAX_TABLE_BYTES.clone()).unwrap().ids, vec![3, 9]);
+        t.rows = u64::MAX / 2;
+        let e = read_table(&ckpt, &t, &mut MAX_TABLE_BYTES.clone()).unwrap_err();
+        assert!(matches!(e, Error::CorruptTable { .. }) && e.to_string().contains("do not fit"), "{e}");
+        t.rows = 3;
+        let e = read_table(&ckpt, &t, &mut MAX_TABLE_BYTES.clone()).unwrap_err();
+        assert!(matches!(e, Error::TensorSize { elements: 2, expected: 3, .. }), "{e}");
+        t.rows = 2;
+        t.optimizer = "adam".into();
+        assert!(matches!(read_table(&ckpt, &t, &mut MAX_TABLE_BYTES.clone()), Err(Error::CorruptTable { .. })));
+    }
 }

@@ -638,3 +638,30 @@ fn resharding_checks_its_old_shards() {
     assert!(matches!(e, Error::ReshardMismatch { field: "seed", .. }), "{e}");
     assert_eq!(reshard_tables([shard(0), shard(1)], 1, 1).unwrap_err().kind(), ErrorKind::InvalidArgument);
 }
+
+/// Sync mode: a pending push with rows is answered as a duplicate when retried (its lease
+/// already taken), applies once with its round, and a push from an older version is dropped,
+/// releasing its lease.
+#[test]
+fn sync_pushes_with_rows_are_taken_once_and_dropped_ones_release_their_lease() {
+    let t = table("t", TableSize::Rows(10), 2, RowOptimizer::Sgd { lr: 0.5 }, 0, 1);
+    let mut s = task(PsMode::Sync { workers: 2, backup_workers: 0 }, vec![t]);
+    pull(&mut s, "worker:0", 0, "t", &[1]).unwrap();
+    pull(&mut s, "worker:1", 0, "t", &[1, 2]).unwrap();
+    pull(&mut s, "worker:2", 0, "t", &[3]).unwrap();
+    let h0 = push_header("worker:0", 0, 0, vec![rows("t", 0, &[1], grad(1, 0, 2))]);
+    assert!(matches!(s.push(&h0, &[]).unwrap(), PushDecision::Wait { duplicate: false, .. }));
+    assert!(matches!(s.push(&h0, &[]).unwrap(), PushDecision::Wait { duplicate: true, .. }), "a retry waits too");
+    let h1 = push_header("worker:1", 1, 0, vec![rows("t", 0, &[1, 2], grads(&[1, 2], 1, 2))]);
+    s.push(&h1, &[]).unwrap();
+    assert_eq!(s.version(), 1);
+    let after = s.snapshot().tables;
+    assert_eq!(applied(s.push(&h0, &[]).unwrap()), (1, true));
+    assert_eq!(s.snapshot().tables, after);
+    // worker:2 computed from version 0: dropped, and its lease is gone.
+    let h2 = push_header("worker:2", 2, 0, vec![rows("t", 0, &[3], grad(3, 0, 2))]);
+    assert!(matches!(s.push(&h2, &[]).unwrap(), PushDecision::Done(PushReply::Dropped { .. })));
+    let e = push(&mut s, "worker:2", 3, vec![rows("t", 0, &[3], grad(3, 0, 2))]).unwrap_err();
+    assert!(matches!(e, Error::NotLeased { id: 3, .. }), "{e}");
+    assert_eq!(s.snapshot().tables, after);
+}
