@@ -415,7 +415,7 @@ pub struct TableStatus {
     pub info: TableInfo,
     /// The rows present (created and not evicted).
     pub rows: u64,
-    /// The rows evicted since the task started (or was restored).
+    /// The rows evicted so far (checkpoints keep the count; resharded shards start at 0).
     pub evicted: u64,
     /// The bytes of the rows present: values and optimizer slots.
     pub bytes: u64,
