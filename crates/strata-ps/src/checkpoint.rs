@@ -1,19 +1,24 @@
 //! A parameter-server task's checkpoints: strata-core's checkpoint format (safetensors files
 //! and a manifest, written to a temporary directory, fsynced, renamed) holding `var/<name>`
 //! (each variable's values, with its version and shard) and `slot/<name>/<k>` (its optimizer
-//! slots), and the task's metadata ([`PsMeta`], JSON under the manifest's `strata.ps` key).
+//! slots), `table/<name>/{ids,values,slots,last_seen}` (each embedding table's rows created and
+//! not evicted: ids and last-seen versions as i64 bit patterns of their u64s, values `[rows,
+//! dim]`, slots `[rows, k, dim]`), and the task's metadata ([`PsMeta`], JSON under the
+//! manifest's `strata.ps` key; the tables' descriptions with their floats as bit patterns).
 
 use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 use strata_core::checkpoint::{self, CheckpointTensor, CheckpointWriter, ShardInfo};
+use strata_core::embedding::{owner_of, RowInit, TableConfig, TableSize};
 use strata_core::optim::schedule::LrSchedule;
 
 use crate::checks::check_schedule;
+use crate::limits::{MAX_TABLES, MAX_TABLE_BYTES};
 use crate::optimizer::schedule_kind;
 use crate::state::{Answer, Counters, Snapshot, UpdateKey};
-use crate::{Error, PsMode, Result, ServerOptimizer, VariableInfo};
+use crate::{Error, PsMode, Result, RowOptimizer, ServerOptimizer, TableInfo, TableRows, VariableInfo};
 
 /// The safetensors file of a ps checkpoint.
 pub const VARIABLES_FILE: &str = "variables.safetensors";
@@ -51,6 +56,99 @@ pub struct PsMeta {
     /// [`PS_META_FORMAT`] when written; absent (0) in older checkpoints.
     #[serde(default)]
     pub format: u32,
+    /// The embedding tables' shards (their rows are tensors); absent in checkpoints of tasks
+    /// without tables.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tables: Vec<TableMeta>,
+}
+
+/// An embedding table's shard in a checkpoint's metadata, its floats (the initializer's and
+/// the optimizer's parameters) as bit patterns, so that a restored shard creates and updates
+/// rows bit for bit as before.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TableMeta {
+    /// The table's name.
+    pub name: String,
+    /// Its dim.
+    pub dim: usize,
+    /// Its size.
+    pub size: TableSize,
+    /// The initializer: `zeros`, `uniform` or `normal`.
+    pub init: String,
+    /// `f32::to_bits` of the initializer's parameters: `[]`, `[low, high]` or `[std]`.
+    pub init_bits: Vec<u32>,
+    /// The seed of the rows' initial values.
+    pub seed: u64,
+    /// The shard.
+    pub shard: u32,
+    /// The table's shards.
+    pub num_shards: u32,
+    /// The optimizer: `sgd`, `adagrad`, `ftrl` or `lazy_adam`.
+    pub optimizer: String,
+    /// `f64::to_bits` of the optimizer's parameters in the order its variant declares them.
+    pub optimizer_bits: Vec<u64>,
+    /// The rows the tensors hold.
+    pub rows: u64,
+    /// The rows evicted so far.
+    pub evicted: u64,
+}
+
+impl TableMeta {
+    /// The metadata of `rows`' table.
+    pub fn of(rows: &TableRows) -> Self {
+        let (info, c) = (&rows.info, &rows.info.config);
+        let (init, init_bits) = match c.init {
+            RowInit::Zeros => ("zeros", vec![]),
+            RowInit::Uniform { low, high } => ("uniform", vec![low.to_bits(), high.to_bits()]),
+            RowInit::Normal { std } => ("normal", vec![std.to_bits()]),
+        };
+        let params = match info.optimizer {
+            RowOptimizer::Sgd { lr } => vec![lr],
+            RowOptimizer::Adagrad { lr, initial_accumulator, eps } => vec![lr, initial_accumulator, eps],
+            RowOptimizer::Ftrl { lr, lr_power, initial_accumulator, l1, l2, beta } => {
+                vec![lr, lr_power, initial_accumulator, l1, l2, beta]
+            }
+            RowOptimizer::LazyAdam { lr, beta1, beta2, eps } => vec![lr, beta1, beta2, eps],
+        };
+        Self {
+            name: c.name.clone(),
+            dim: c.dim,
+            size: c.size,
+            init: init.into(),
+            init_bits,
+            seed: info.seed,
+            shard: info.shard,
+            num_shards: info.num_shards,
+            optimizer: info.optimizer.name().into(),
+            optimizer_bits: params.iter().map(|p| p.to_bits()).collect(),
+            rows: rows.ids.len() as u64,
+            evicted: rows.evicted,
+        }
+    }
+
+    /// The table's description, checked as a task checks one it is asked to create; `None`
+    /// when the initializer or optimizer is unknown or has the wrong number of parameters.
+    pub fn info(&self) -> Option<TableInfo> {
+        let f = |i: usize| self.init_bits.get(i).copied().map(f32::from_bits);
+        let init = match (self.init.as_str(), self.init_bits.len()) {
+            ("zeros", 0) => RowInit::Zeros,
+            ("uniform", 2) => RowInit::Uniform { low: f(0)?, high: f(1)? },
+            ("normal", 1) => RowInit::Normal { std: f(0)? },
+            _ => return None,
+        };
+        let p: Vec<f64> = self.optimizer_bits.iter().map(|&b| f64::from_bits(b)).collect();
+        let optimizer = match (self.optimizer.as_str(), p.as_slice()) {
+            ("sgd", &[lr]) => RowOptimizer::Sgd { lr },
+            ("adagrad", &[lr, initial_accumulator, eps]) => RowOptimizer::Adagrad { lr, initial_accumulator, eps },
+            ("ftrl", &[lr, lr_power, initial_accumulator, l1, l2, beta]) => {
+                RowOptimizer::Ftrl { lr, lr_power, initial_accumulator, l1, l2, beta }
+            }
+            ("lazy_adam", &[lr, beta1, beta2, eps]) => RowOptimizer::LazyAdam { lr, beta1, beta2, eps },
+            _ => return None,
+        };
+        let config = TableConfig { name: self.name.clone(), dim: self.dim, size: self.size, init };
+        Some(TableInfo { config, seed: self.seed, shard: self.shard, num_shards: self.num_shards, optimizer })
+    }
 }
 
 /// A learning-rate schedule in a checkpoint's metadata, its rates as f64 bit patterns: JSON's
@@ -134,7 +232,13 @@ fn write_snapshot_as(root: &Path, step: u64, snap: Snapshot, keep: usize, format
         }
         infos.push((info, version));
     }
+    let mut tables = Vec::with_capacity(snap.tables.len());
+    for rows in snap.tables {
+        tables.push(TableMeta::of(&rows));
+        entries.extend(table_tensors(rows)?);
+    }
     let meta = PsMeta {
+        tables,
         task: snap.task,
         version: snap.version,
         variables: infos,
@@ -149,6 +253,89 @@ fn write_snapshot_as(root: &Path, step: u64, snap: Snapshot, keep: usize, format
     let dir = CheckpointWriter::new(root, step).meta(META_KEY, meta).file(VARIABLES_FILE, entries).write()?;
     checkpoint::keep_last(root, keep)?;
     Ok(dir)
+}
+
+/// The tensors of one table's rows.
+fn table_tensors(rows: TableRows) -> Result<Vec<CheckpointTensor>> {
+    let (name, dim, k) = (rows.info.config.name.clone(), rows.info.config.dim, rows.info.optimizer.slots());
+    let n = rows.ids.len();
+    let as_i64 = |v: Vec<u64>| v.into_iter().map(|x| x as i64).collect::<Vec<i64>>();
+    let int = |suffix: &str, v: Vec<u64>| -> Result<CheckpointTensor> {
+        let tensor = format!("table/{name}/{suffix}");
+        let t = Tensor::from_vec(as_i64(v), n, &Device::Cpu)
+            .map_err(|e| Error::BuildTensor { tensor: tensor.clone(), source: Box::new(e) })?;
+        Ok(CheckpointTensor::new(tensor, t))
+    };
+    let mut out = vec![int("ids", rows.ids)?, int("last_seen", rows.last_seen)?];
+    let values = format!("table/{name}/values");
+    out.push(CheckpointTensor::new(values.clone(), to_tensor(&values, rows.values, &[n, dim])?));
+    if k > 0 {
+        let slots = format!("table/{name}/slots");
+        out.push(CheckpointTensor::new(slots.clone(), to_tensor(&slots, rows.slots, &[n, k, dim])?));
+    }
+    Ok(out)
+}
+
+/// Reads one table's rows from a checkpoint whose metadata describes it as `meta`, after
+/// checking that what the metadata declares fits what a task may hold (`budget`: the table
+/// bytes left), so that a corrupt checkpoint cannot make a restore allocate without bound;
+/// the ids must be ascending and owned by the shard.
+fn read_table(ckpt: &checkpoint::Checkpoint, meta: &TableMeta, budget: &mut u64) -> Result<TableRows> {
+    let dir = &ckpt.dir;
+    let corrupt = |detail: String| Error::CorruptTable { dir: dir.clone(), table: meta.name.clone(), detail };
+    let info = meta
+        .info()
+        .ok_or_else(|| corrupt(format!("unknown initializer {:?} or optimizer {:?}", meta.init, meta.optimizer)))?;
+    info.validate().map_err(|e| corrupt(e.to_string()))?;
+    let (dim, k) = (info.config.dim as u64, info.optimizer.slots() as u64);
+    let bytes = meta.rows.saturating_mul(dim.saturating_mul(4 * (1 + k)).saturating_add(16));
+    if bytes > *budget {
+        return Err(corrupt(format!(
+            "{} rows do not fit the {MAX_TABLE_BYTES} bytes of table rows a task holds",
+            meta.rows
+        )));
+    }
+    *budget -= bytes;
+    let n = meta.rows as usize;
+    let name = &meta.name;
+    let read = |suffix: &str, numel: usize| -> Result<Tensor> {
+        let tensor = format!("table/{name}/{suffix}");
+        let t = ckpt.tensor(&tensor)?.flatten_all().map_err(|e| Error::ReadTensor {
+            dir: dir.clone(),
+            tensor: tensor.clone(),
+            source: Box::new(e),
+        })?;
+        if t.elem_count() != numel {
+            return Err(Error::TensorSize { dir: dir.clone(), tensor, elements: t.elem_count(), expected: numel });
+        }
+        Ok(t)
+    };
+    let tensor_err = |suffix: &str, e| Error::ReadTensor {
+        dir: dir.clone(),
+        tensor: format!("table/{name}/{suffix}"),
+        source: Box::new(e),
+    };
+    let u64s = |suffix: &str| -> Result<Vec<u64>> {
+        let v = read(suffix, n)?.to_vec1::<i64>().map_err(|e| tensor_err(suffix, e))?;
+        Ok(v.into_iter().map(|x| x as u64).collect())
+    };
+    let f32s = |suffix: &str, numel: usize| -> Result<Vec<f32>> {
+        read(suffix, numel)?.to_vec1::<f32>().map_err(|e| tensor_err(suffix, e))
+    };
+    let ids = u64s("ids")?;
+    let last_seen = u64s("last_seen")?;
+    let values = f32s("values", n * dim as usize)?;
+    let slots = if k > 0 { f32s("slots", n * (k * dim) as usize)? } else { Vec::new() };
+    if let Some(w) = ids.windows(2).find(|w| w[0] >= w[1]) {
+        return Err(corrupt(format!("ids are not ascending at {}", w[1])));
+    }
+    let (size, shard, shards) = (info.config.size, info.shard, info.num_shards as usize);
+    if let Some(&id) = ids.iter().find(|&&id| {
+        owner_of(size, id, shards) != shard as usize || matches!(size, TableSize::Rows(rows) if id >= rows)
+    }) {
+        return Err(corrupt(format!("row id {id} is not a row of shard {shard} of {shards}")));
+    }
+    Ok(TableRows { info, evicted: meta.evicted, ids, values, slots, last_seen })
 }
 
 /// Reads a ps checkpoint: `path` is one `ckpt-*` directory or a root holding them (the latest
@@ -195,7 +382,21 @@ pub fn read_snapshot(path: &Path) -> Result<(Snapshot, u64)> {
         variables.push((info, version, value, slots));
     }
     let schedule = meta.schedule.as_ref().map(ScheduleMeta::schedule).transpose()?;
+    if meta.tables.len() > MAX_TABLES {
+        let table = format!("#{MAX_TABLES}");
+        return Err(Error::CorruptTable {
+            dir,
+            table,
+            detail: format!("{} tables, over the limit of {MAX_TABLES}", meta.tables.len()),
+        });
+    }
+    let mut budget = MAX_TABLE_BYTES;
+    let mut tables = Vec::with_capacity(meta.tables.len());
+    for t in &meta.tables {
+        tables.push(read_table(&ckpt, t, &mut budget)?);
+    }
     let snap = Snapshot {
+        tables,
         task: meta.task,
         version: meta.version,
         variables,
@@ -229,6 +430,7 @@ mod tests {
             schedule: None,
             mode: PsMode::Async,
             wire_format: crate::WireFormat::F32,
+            tables: Vec::new(),
         };
         let x = [1.0f32, -2.0, 0.5, 3.0];
         let chunk = Chunk { var: 0, offset: 0, pieces: vec![bytes::Bytes::copy_from_slice(bytemuck::cast_slice(&x))] };
@@ -241,6 +443,7 @@ mod tests {
             id: UpdateId { worker: "worker:0".into(), client: "c".into(), step, seq: 0 },
             base_version: s.version(),
             variables: vec!["w".into()],
+            rows: Vec::new(),
         };
         let chunk = Chunk { var: 0, offset: 0, pieces: vec![bytes::Bytes::copy_from_slice(bytemuck::cast_slice(&g))] };
         s.push(&h, &[chunk]).unwrap();
@@ -410,11 +613,54 @@ mod schedule_tests {
                 schedule,
                 mode: PsMode::Async,
                 wire_format: WireFormat::F32,
+                tables: Vec::new(),
             };
             assert!(r.create(&header(Some(schedule.clone())), &[]).unwrap().existed);
             let e = r.create(&header(None), &[]).unwrap_err();
             assert_eq!(e.kind(), crate::ErrorKind::FailedPrecondition, "{e}");
             assert!(e.to_string().starts_with("ps:0 follows the learning-rate schedule"), "{e}");
         }
+    }
+
+    /// A table whose metadata declares more rows than a task may hold is refused before its
+    /// tensors are read (a corrupt checkpoint cannot make a restore allocate without bound), as
+    /// is one whose tensors hold another number of rows than the metadata.
+    #[test]
+    fn table_reads_are_bounded_by_their_metadata() {
+        use strata_core::embedding::TableConfig;
+        let tmp = tempfile::tempdir().unwrap();
+        let mut s = State::new("ps:0".into(), None);
+        let info = TableInfo {
+            config: TableConfig::rows("t", 100, 4),
+            seed: 1,
+            shard: 0,
+            num_shards: 1,
+            optimizer: RowOptimizer::Adagrad { lr: 0.1, initial_accumulator: 0.1, eps: 1e-7 },
+        };
+        let header = CreateHeader {
+            variables: vec![],
+            optimizer: ServerOptimizer::Sgd { lr: 0.1 },
+            schedule: None,
+            mode: PsMode::Async,
+            wire_format: crate::WireFormat::F32,
+            tables: vec![info],
+        };
+        s.create(&header, &[]).unwrap();
+        let pull = crate::RowPull { worker: "w".into(), lease: 0, table: "t".into(), ids: vec![3, 9] };
+        s.pull_rows(&pull).unwrap();
+        let dir = write_snapshot(tmp.path(), 1, s.snapshot(), 1).unwrap();
+        let ckpt = checkpoint::read_checkpoint(&dir).unwrap();
+        let meta: PsMeta = serde_json::from_str(&ckpt.metadata[META_KEY]).unwrap();
+        let mut t = meta.tables[0].clone();
+        assert_eq!(read_table(&ckpt, &t, &mut MAX_TABLE_BYTES.clone()).unwrap().ids, vec![3, 9]);
+        t.rows = u64::MAX / 2;
+        let e = read_table(&ckpt, &t, &mut MAX_TABLE_BYTES.clone()).unwrap_err();
+        assert!(matches!(e, Error::CorruptTable { .. }) && e.to_string().contains("do not fit"), "{e}");
+        t.rows = 3;
+        let e = read_table(&ckpt, &t, &mut MAX_TABLE_BYTES.clone()).unwrap_err();
+        assert!(matches!(e, Error::TensorSize { elements: 2, expected: 3, .. }), "{e}");
+        t.rows = 2;
+        t.optimizer = "adam".into();
+        assert!(matches!(read_table(&ckpt, &t, &mut MAX_TABLE_BYTES.clone()), Err(Error::CorruptTable { .. })));
     }
 }

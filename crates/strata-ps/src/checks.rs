@@ -6,13 +6,14 @@
 //! names (a mode, a format, a variable, an optimizer); their checks live here, above both, so
 //! that the error imports the vocabulary and nothing imports back.
 
+use strata_core::embedding::{RowInit, TableSize, MAX_EMBEDDING_DIM};
 use strata_core::optim::schedule::LrSchedule;
 
 use crate::limits::{
-    MAX_CHUNK_BYTES, MAX_CHUNK_ELEMENTS, MAX_NAME_BYTES, MAX_RANK, MAX_VARIABLE_ELEMENTS, MAX_WORKERS,
+    MAX_CHUNK_BYTES, MAX_CHUNK_ELEMENTS, MAX_NAME_BYTES, MAX_RANK, MAX_TABLE_SHARDS, MAX_VARIABLE_ELEMENTS, MAX_WORKERS,
 };
 use crate::optimizer::schedule_kind;
-use crate::{Error, PsMode, Result, ServerOptimizer, VariableInfo, WireFormat};
+use crate::{Error, PsMode, Result, RowOptimizer, ServerOptimizer, TableInfo, VariableInfo, WireFormat};
 
 /// Checks a name's length against [`MAX_NAME_BYTES`]; `what` says which name it is.
 pub fn check_name(what: &'static str, name: &str) -> Result<()> {
@@ -135,6 +136,98 @@ impl ServerOptimizer {
         }
         Ok(())
     }
+}
+
+impl TableInfo {
+    /// Checks the table's description: a name of 1 to [`MAX_NAME_BYTES`] bytes, a dim of 1 to
+    /// [`MAX_EMBEDDING_DIM`], at least one row (or a positive bound per shard, and a positive
+    /// `evict_after`), a finite initializer (`low < high`, `std >= 0`), a shard below 1 to
+    /// [`MAX_TABLE_SHARDS`] shards, and an optimizer whose parameters are in range. Each
+    /// refusal names the table and the field.
+    pub fn validate(&self) -> Result<()> {
+        let table = &self.config.name;
+        let bad =
+            |field: &'static str, detail: String| Err(Error::InvalidTable { table: table.clone(), field, detail });
+        if table.is_empty() {
+            return bad("name", "is empty; name the table".into());
+        }
+        check_name("table", table)?;
+        let dim = self.config.dim;
+        if dim == 0 || dim > MAX_EMBEDDING_DIM {
+            return bad("dim", format!("{dim} is outside 1..={MAX_EMBEDDING_DIM}"));
+        }
+        match self.config.size {
+            TableSize::Rows(0) => return bad("size", "of 0 rows: give the table at least one row".into()),
+            TableSize::Ids { max_rows_per_shard: 0, .. } => {
+                return bad("size", "bound of 0 rows per shard: give it at least one".into())
+            }
+            TableSize::Ids { evict_after: Some(0), .. } => {
+                return bad("size", "evict_after of 0 updates: give a positive number of updates, or none".into())
+            }
+            _ => {}
+        }
+        match self.config.init {
+            RowInit::Uniform { low, high } if !(low.is_finite() && high.is_finite() && low < high) => {
+                return bad("init", format!("uniform [{low}, {high}): use finite bounds with low < high"));
+            }
+            RowInit::Normal { std } if !(std.is_finite() && std >= 0.0) => {
+                return bad("init", format!("normal std {std}: use a finite std of 0 or more"));
+            }
+            _ => {}
+        }
+        if self.num_shards == 0 || self.num_shards > MAX_TABLE_SHARDS {
+            return bad("num_shards", format!("{} is outside 1..={MAX_TABLE_SHARDS}", self.num_shards));
+        }
+        if self.shard >= self.num_shards {
+            return bad("shard", format!("{} is not below num_shards {}", self.shard, self.num_shards));
+        }
+        check_row_optimizer(&self.optimizer).map_err(|(field, detail)| Error::InvalidTable {
+            table: table.clone(),
+            field,
+            detail,
+        })
+    }
+}
+
+/// Checks a row optimizer's parameters; the field and what to change when one is out of range.
+fn check_row_optimizer(o: &RowOptimizer) -> std::result::Result<(), (&'static str, String)> {
+    let named: Vec<(&'static str, f64)> = match *o {
+        RowOptimizer::Sgd { lr } => vec![("optimizer.lr", lr)],
+        RowOptimizer::Adagrad { lr, initial_accumulator, eps } => {
+            vec![("optimizer.lr", lr), ("optimizer.initial_accumulator", initial_accumulator), ("optimizer.eps", eps)]
+        }
+        RowOptimizer::Ftrl { lr, lr_power, initial_accumulator, l1, l2, beta } => vec![
+            ("optimizer.lr", lr),
+            ("optimizer.lr_power", lr_power),
+            ("optimizer.initial_accumulator", initial_accumulator),
+            ("optimizer.l1", l1),
+            ("optimizer.l2", l2),
+            ("optimizer.beta", beta),
+        ],
+        RowOptimizer::LazyAdam { lr, beta1, beta2, eps } => {
+            vec![("optimizer.lr", lr), ("optimizer.beta1", beta1), ("optimizer.beta2", beta2), ("optimizer.eps", eps)]
+        }
+    };
+    for &(field, value) in &named {
+        let ok = match field {
+            "optimizer.lr" => value.is_finite() && value > 0.0,
+            "optimizer.lr_power" => value.is_finite() && value <= 0.0,
+            "optimizer.beta1" | "optimizer.beta2" => (0.0..1.0).contains(&value),
+            "optimizer.eps" if matches!(o, RowOptimizer::LazyAdam { .. }) => value.is_finite() && value > 0.0,
+            _ => value.is_finite() && value >= 0.0,
+        };
+        if !ok {
+            let want = match field {
+                "optimizer.lr" => "a finite rate above 0",
+                "optimizer.lr_power" => "a finite power of 0 or less (Keras: -0.5)",
+                "optimizer.beta1" | "optimizer.beta2" => "a decay in [0, 1)",
+                "optimizer.eps" if matches!(o, RowOptimizer::LazyAdam { .. }) => "a finite epsilon above 0",
+                _ => "a finite value of 0 or more",
+            };
+            return Err((field, format!("{value} of {}: use {want}", o.name())));
+        }
+    }
+    Ok(())
 }
 
 /// Checks a learning-rate schedule a ps task is asked to follow: it accepts exactly the

@@ -9,7 +9,10 @@ use std::time::Duration;
 
 use strata_core::optim::schedule::LrSchedule;
 
-use crate::limits::{MAX_NAME_BYTES, MAX_RANK, MAX_TASK_BYTES, MAX_VARIABLES, MAX_WORKERS};
+use crate::limits::{
+    MAX_IDS_PER_REQUEST, MAX_LEASED_IDS, MAX_NAME_BYTES, MAX_RANK, MAX_ROW_VALUES_PER_REQUEST, MAX_TABLES,
+    MAX_TABLE_BYTES, MAX_TASK_BYTES, MAX_VARIABLES, MAX_WORKERS,
+};
 use crate::{
     PsMode, ServerOptimizer, VariableInfo, WireFormat, MAX_CHUNK_BYTES, MAX_CHUNK_ELEMENTS, MAX_VARIABLE_ELEMENTS,
 };
@@ -62,8 +65,8 @@ pub enum Error {
     /// A name (of a variable, a worker, a client, ...) longer than [`MAX_NAME_BYTES`].
     #[error("a {what} name of {bytes} bytes is over the limit of {MAX_NAME_BYTES} bytes; use a shorter name")]
     NameTooLong {
-        /// Which name: `variable`, `worker`, `client`, `optimizer`, `schedule`, `mode` or
-        /// `dtype`.
+        /// Which name: `variable`, `table`, `worker`, `client`, `optimizer`, `schedule`,
+        /// `mode` or `dtype`.
         what: &'static str,
         /// Its length.
         bytes: usize,
@@ -544,6 +547,224 @@ pub enum Error {
         waited: Duration,
     },
 
+    /// An embedding table's description that cannot be held: its name, dim, size,
+    /// initializer, shard or optimizer, naming the field to change.
+    #[error("table {table}: {field} {detail}")]
+    InvalidTable {
+        /// The table.
+        table: String,
+        /// The field: `name`, `dim`, `size`, `init`, `shard`, `num_shards` or
+        /// `optimizer.<parameter>`.
+        field: &'static str,
+        /// Its value, and what to change.
+        detail: String,
+    },
+
+    /// A request that would leave a task with more than [`MAX_TABLES`] tables.
+    #[error("{task} would hold {count} embedding tables, over the limit of {MAX_TABLES}; use more ps tasks")]
+    TooManyTables {
+        /// The task.
+        task: String,
+        /// How many it would hold.
+        count: usize,
+    },
+
+    /// A create request names a table twice.
+    #[error("table {table} is named twice")]
+    TableNamedTwice {
+        /// The table.
+        table: String,
+    },
+
+    /// A create request describes a table the task holds differently.
+    #[error("table {table} exists on {task} with another {field}; this job describes it differently (start a fresh ps task or describe the table as before)")]
+    TableMismatch {
+        /// The task.
+        task: String,
+        /// The table.
+        table: String,
+        /// The first field that differs: `dim`, `size`, `init`, `seed`, `shard`,
+        /// `num_shards` or `optimizer`.
+        field: &'static str,
+    },
+
+    /// A row pull or push names a table the task does not hold.
+    #[error("{task} holds no table named {table:?} (it holds {held} tables)")]
+    UnknownTable {
+        /// The task.
+        task: String,
+        /// The name asked for.
+        table: String,
+        /// How many tables the task holds.
+        held: usize,
+    },
+
+    /// A push carries rows of one table twice.
+    #[error("table {table}: rows are pushed twice in one update; send one set of rows per table")]
+    TableRowsTwice {
+        /// The table.
+        table: String,
+    },
+
+    /// A row pull or push of more ids (or values) than one request may carry.
+    #[error("table {table}: field ids holds {ids} ids of {dim} values, over the limit of {MAX_IDS_PER_REQUEST} ids and {MAX_ROW_VALUES_PER_REQUEST} values per request; split the request")]
+    TooManyIds {
+        /// The table.
+        table: String,
+        /// The ids.
+        ids: usize,
+        /// The table's dim.
+        dim: usize,
+    },
+
+    /// A row pull or push names an id twice.
+    #[error(
+        "table {table}: row id {id} appears twice in field ids; send each id once (sum the gradients of a repeated id)"
+    )]
+    DuplicateRowId {
+        /// The table.
+        table: String,
+        /// The id.
+        id: u64,
+    },
+
+    /// A row pull names an id outside a fixed table's rows.
+    #[error("table {table}: row id {id} in field ids is outside its {rows} rows; map ids into 0..{rows} or declare the table by id space")]
+    RowIdOutOfRange {
+        /// The table.
+        table: String,
+        /// The id.
+        id: u64,
+        /// The table's rows.
+        rows: u64,
+    },
+
+    /// A row pull names an id another shard owns.
+    #[error("table {table}: row id {id} in field ids belongs to shard {owner}, not to this task's shard {shard} of {num_shards}; send it to its owner")]
+    RowIdNotOwned {
+        /// The table.
+        table: String,
+        /// The id.
+        id: u64,
+        /// The shard that owns it.
+        owner: usize,
+        /// This task's shard.
+        shard: u32,
+        /// The table's shards.
+        num_shards: u32,
+    },
+
+    /// A push carries the gradient of a row its worker did not pull under the push's lease
+    /// (or the lease was forgotten: pushed already, replaced, or lost in a restart).
+    #[error("table {table}: row id {id} in field ids was not pulled under lease {lease}; pull the rows under the lease before pushing their gradients")]
+    NotLeased {
+        /// The table.
+        table: String,
+        /// The id.
+        id: u64,
+        /// The push's lease.
+        lease: u64,
+    },
+
+    /// A push's row gradients whose length is not the ids times the table's dim.
+    #[error("table {table}: field grads holds {grads} values for {ids} ids, not ids times the table's dim {dim}; send dim values per row")]
+    RowWidth {
+        /// The table.
+        table: String,
+        /// The table's dim.
+        dim: usize,
+        /// The ids pushed.
+        ids: usize,
+        /// The values pushed.
+        grads: usize,
+    },
+
+    /// A pushed row gradient with a NaN or infinite element.
+    #[error("table {table}: the gradient of row id {id} holds {value} at element {element}; nothing was applied (the worker's training diverged: lower the learning rate or check its data)")]
+    NonFiniteRowGradient {
+        /// The table.
+        table: String,
+        /// The row.
+        id: u64,
+        /// The element's index in the row.
+        element: usize,
+        /// The value (NaN, inf or -inf).
+        value: f32,
+    },
+
+    /// An id-space table's shard that would hold more rows than its bound, with no row
+    /// evictable.
+    #[error("table {table} would hold {rows} rows, over its bound of {bound} rows per shard, and no more rows can be evicted; raise max_rows_per_shard, set a lower evict_after or use more shards")]
+    TableFull {
+        /// The table.
+        table: String,
+        /// Its `max_rows_per_shard`.
+        bound: u64,
+        /// The rows the pull needs the shard to hold.
+        rows: u64,
+    },
+
+    /// A pull that would leave a task with more than [`MAX_TABLE_BYTES`] of table rows.
+    #[error("table {table}: the pull would leave {task} with {bytes} bytes of table rows, over the limit of {MAX_TABLE_BYTES}; shard the tables over more ps tasks")]
+    TableBytes {
+        /// The task.
+        task: String,
+        /// The table pulled.
+        table: String,
+        /// The bytes the task would hold.
+        bytes: u64,
+    },
+
+    /// A pull that would hold more than [`MAX_LEASED_IDS`] ids of a table under live leases.
+    #[error("table {table}: {ids} row ids would be held under live leases, over the limit of {MAX_LEASED_IDS}; push (which releases a lease) before pulling more")]
+    TooManyLeasedIds {
+        /// The table.
+        table: String,
+        /// The ids that would be leased.
+        ids: usize,
+    },
+
+    /// A pull from a worker name beyond the [`MAX_WORKERS`] a table keeps leases for.
+    #[error("table {table} already keeps leases of {MAX_WORKERS} workers, the limit; name workers worker:<index>")]
+    TooManyLeaseWorkers {
+        /// The table.
+        table: String,
+    },
+
+    /// The old shards given to resharding do not describe one table.
+    #[error("resharding table {table}: the old shards disagree on {field}; give the snapshots of one job's ps tasks")]
+    ReshardMismatch {
+        /// The table.
+        table: String,
+        /// The field they disagree on.
+        field: &'static str,
+    },
+
+    /// An old shard missing from (or given twice to) resharding.
+    #[error("resharding table {table}: old shard {shard} of {num_shards} is {problem}; give every old ps task's snapshot once")]
+    ReshardShards {
+        /// The table.
+        table: String,
+        /// The old shard.
+        shard: u32,
+        /// The old number of shards.
+        num_shards: u32,
+        /// `missing` or `given twice`.
+        problem: &'static str,
+    },
+
+    /// A checkpoint's table whose rows do not fit what a task may hold, or whose tensors
+    /// disagree with its metadata.
+    #[error("{}: table {table}: {detail}", dir.display())]
+    CorruptTable {
+        /// The checkpoint's directory.
+        dir: PathBuf,
+        /// The table.
+        table: String,
+        /// What is wrong.
+        detail: String,
+    },
+
     /// A checkpoint was asked of a task without a checkpoint directory.
     #[error("{task} has no checkpoint directory; start the ps task with one")]
     NoCheckpointDir {
@@ -663,16 +884,33 @@ impl Error {
             | NonFiniteValue { .. }
             | LiveWorkers { .. }
             | TooManyWorkers { .. }
-            | TooManyWorkerNames { .. } => ErrorKind::InvalidArgument,
-            OutOfMemory { .. } => ErrorKind::ResourceExhausted,
+            | TooManyWorkerNames { .. }
+            | InvalidTable { .. }
+            | TooManyTables { .. }
+            | TableNamedTwice { .. }
+            | TableRowsTwice { .. }
+            | TooManyIds { .. }
+            | DuplicateRowId { .. }
+            | RowIdOutOfRange { .. }
+            | RowIdNotOwned { .. }
+            | NotLeased { .. }
+            | RowWidth { .. }
+            | NonFiniteRowGradient { .. }
+            | TooManyLeaseWorkers { .. }
+            | ReshardMismatch { .. }
+            | ReshardShards { .. } => ErrorKind::InvalidArgument,
+            OutOfMemory { .. } | TableFull { .. } | TableBytes { .. } | TooManyLeasedIds { .. } => {
+                ErrorKind::ResourceExhausted
+            }
             OptimizerMismatch { .. }
             | ScheduleMismatch { .. }
             | ModeMismatch { .. }
             | VariableMismatch { .. }
+            | TableMismatch { .. }
             | NoVariables { .. }
             | Stale { .. }
             | NoCheckpointDir { .. } => ErrorKind::FailedPrecondition,
-            UnknownVariable { .. } => ErrorKind::NotFound,
+            UnknownVariable { .. } | UnknownTable { .. } => ErrorKind::NotFound,
             Overtaken { .. } => ErrorKind::Aborted,
             RoundTimeout { .. } | VersionTimeout { .. } => ErrorKind::DeadlineExceeded,
             RoundUnrecorded { .. }
@@ -683,6 +921,7 @@ impl Error {
             | TensorSize { .. }
             | BuildTensor { .. }
             | EncodeMetadata(_)
+            | CorruptTable { .. }
             | Checkpoint(_) => ErrorKind::Internal,
         }
     }

@@ -19,12 +19,14 @@
 //!     schedule: None,
 //!     mode: PsMode::Async,
 //!     wire_format: strata_ps::WireFormat::F32,
+//!     tables: Vec::new(),
 //! };
 //! task.create(&header, &[Chunk { var: 0, offset: 0, pieces: vec![f32s(&[1.0, 2.0, 3.0, 4.0])] }])?;
 //! let push = PushHeader {
 //!     id: UpdateId { worker: "worker:0".into(), client: "worker:0".into(), step: 0, seq: 0 },
 //!     base_version: 0,
 //!     variables: vec!["w".into()],
+//!     rows: Vec::new(),
 //! };
 //! let grads = [Chunk { var: 0, offset: 0, pieces: vec![f32s(&[2.0; 4])] }];
 //! assert!(matches!(task.push(&push, &grads)?, PushDecision::Done(PushReply::Applied { version: 1, duplicate: false })));
@@ -68,10 +70,29 @@
 //!   swapped in at the end, so the push is still applied whole or not at all and a pull never
 //!   sees part of it. If another update was applied meanwhile, nothing of the streamed push is
 //!   applied and it is refused ([`Error::Overtaken`]) for the client to send again.
+//!   A push carrying table rows is never streamed: it is collected and validated whole.
+//! - **Tables.** Besides dense variables a task may hold shards of embedding tables
+//!   ([`TableInfo`], in [`CreateHeader::tables`]; strata-core's `embedding` vocabulary): a
+//!   fixed table's shard holds a contiguous block of its rows, an id-space table's shard the
+//!   ids it owns, and each table steps its rows with its own [`RowOptimizer`] (SGD, Adagrad,
+//!   FTRL, LazyAdam; under a schedule its rate is scaled by the schedule's shape). Rows are
+//!   created when first pulled ([`State::pull_rows`]), from their initial values, so a shard
+//!   costs memory only for the rows seen; an id-space shard over its `max_rows_per_shard`
+//!   evicts the rows unseen for more than `evict_after` updates, least recently seen first,
+//!   or refuses the pull ([`Error::TableFull`]). A pull records a lease (worker, number) of
+//!   the ids pulled, which pins those rows; a push carries row gradients
+//!   ([`PushHeader::rows`]) only for ids pulled under its lease, and dense chunks and rows
+//!   of one push are one update (validated whole, counted once, exactly once under retry).
+//!   The lease is released when the update is applied or dropped; a worker keeps at most
+//!   [`limits::MAX_LEASES_PER_WORKER`] leases per table, the oldest forgotten. In sync mode a
+//!   round steps each touched row once by the mean of its gradients over the round's pushes.
+//!   Checkpoints hold the rows created (values, slots, when last seen), and
+//!   [`reshard_tables`] moves the rows of every old shard to a new number of shards, bit for
+//!   bit. Leases are not checkpointed: after a restore, workers pull before they push rows.
 //! - **Large pushes** collected whole (4 MiB and more) are applied on two threads.
 //! - **Checkpoints** ([`write_snapshot`], [`read_snapshot`]) hold the values, the optimizer
-//!   slots, the versions, the counters and the applied-update table, in strata-core's checkpoint
-//!   format.
+//!   slots, the versions, the counters, the applied-update table and the tables' rows, in
+//!   strata-core's checkpoint format.
 
 // The facade (the strata crate) re-exports this crate's items: every public one is documented.
 #![warn(missing_docs)]
@@ -82,21 +103,29 @@ mod chunk;
 mod error;
 pub mod limits;
 mod optimizer;
+mod row_optimizer;
 mod state;
+mod table;
+#[cfg(test)]
+mod table_tests;
 mod types;
 
-pub use checkpoint::{read_snapshot, write_snapshot, PsMeta, ScheduleMeta, META_KEY, PS_META_FORMAT, VARIABLES_FILE};
+pub use checkpoint::{
+    read_snapshot, write_snapshot, PsMeta, ScheduleMeta, TableMeta, META_KEY, PS_META_FORMAT, VARIABLES_FILE,
+};
 pub use checks::{check_chunk_len, check_chunk_len_in, check_name, check_schedule};
 pub use chunk::{copy_f32s, decode_half, encode_half, encode_half_bytes, first_non_finite, Chunk, ValueChunk};
 pub use error::{Error, ErrorKind, RequestKind, Result};
 pub use limits::{MAX_CHUNK_BYTES, MAX_CHUNK_ELEMENTS, MAX_VARIABLE_ELEMENTS};
 pub use optimizer::{schedule_kind, ServerOptimizer};
+pub use row_optimizer::RowOptimizer;
 pub use state::{
     Answer, Counters, PushDecision, Snapshot, SnapshotVariable, State, Streamed, UpdateKey, MAX_REMEMBERED_UPDATES,
 };
 /// The learning-rate schedules a task can follow (strata-core's).
 pub use strata_core::optim::schedule::LrSchedule;
+pub use table::{reshard_tables, TableRows};
 pub use types::{
-    CreateHeader, CreateOutcome, PsMode, PsStatus, PullResult, PushHeader, PushOutcome, PushReply, UpdateId,
-    VariableInfo, WireFormat,
+    CreateHeader, CreateOutcome, PsMode, PsStatus, PullResult, PushHeader, PushOutcome, PushReply, RowGrads, RowPull,
+    RowPullResult, TableInfo, TableStatus, UpdateId, VariableInfo, WireFormat,
 };

@@ -31,3 +31,30 @@ pub const MAX_CHUNK_ELEMENTS: usize = MAX_CHUNK_BYTES / 4;
 
 /// The largest variable (in elements) a task accepts.
 pub const MAX_VARIABLE_ELEMENTS: usize = 1 << 31;
+
+/// The most embedding tables (shards of them) one task holds.
+pub const MAX_TABLES: usize = 1 << 10;
+
+/// The most ids one row pull or one table's rows of a push carries.
+pub const MAX_IDS_PER_REQUEST: usize = 1 << 20;
+
+/// The most f32 values (ids times the table's dim) one row pull returns or one table's rows of
+/// a push carry: 1 GiB.
+pub const MAX_ROW_VALUES_PER_REQUEST: usize = 1 << 28;
+
+/// The most bytes of embedding-table rows (values and optimizer slots) one task holds: 32 GiB.
+/// A pull that would create rows beyond it is refused
+/// ([`ErrorKind::ResourceExhausted`](crate::ErrorKind)).
+pub const MAX_TABLE_BYTES: u64 = 32 << 30;
+
+/// The most shards a table may have.
+pub const MAX_TABLE_SHARDS: u32 = 1 << 16;
+
+/// The leases a task keeps per worker and table: a fifth pull under a new lease forgets the
+/// worker's oldest one (its rows are no longer pinned, and a push under it is refused).
+pub const MAX_LEASES_PER_WORKER: usize = 4;
+
+/// The most row ids one table holds under live leases (all workers together): 128 MiB of ids.
+/// A pull over it is refused ([`ErrorKind::ResourceExhausted`](crate::ErrorKind)) until
+/// workers push (which releases their leases).
+pub const MAX_LEASED_IDS: usize = 1 << 24;

@@ -11,11 +11,13 @@ use strata_core::optim::schedule::LrSchedule;
 
 use crate::checks::check_schedule;
 use crate::chunk::shared_chunks;
-use crate::limits::{MAX_TASK_BYTES, MAX_VARIABLES, MAX_WORKERS};
+use crate::limits::{MAX_TABLES, MAX_TASK_BYTES, MAX_VARIABLES, MAX_WORKERS};
 use crate::optimizer::{apply_le_bytes, apply_le_bytes_from, filled};
+use crate::table::{sum_rows, try_with_capacity, Lease, Table, TableRows};
 use crate::{
     check_name, first_non_finite, Chunk, CreateHeader, CreateOutcome, Error, PsMode, PsStatus, PullResult, PushHeader,
-    PushReply, RequestKind, Result, ServerOptimizer, VariableInfo, WireFormat,
+    PushReply, RequestKind, Result, RowOptimizer, RowPull, RowPullResult, ServerOptimizer, TableInfo, VariableInfo,
+    WireFormat,
 };
 
 /// How many applied-update answers a task remembers (the oldest are forgotten first). A retry
@@ -166,6 +168,32 @@ impl Streamed {
 struct Contribution {
     worker: String,
     grads: Vec<(usize, Vec<f32>)>,
+    rows: Vec<PendingRows>,
+}
+
+/// One table's rows of a push waiting in a sync round: the gradients, and the lease they were
+/// pulled under, whose rows stay pinned until the round applies.
+struct PendingRows {
+    table: usize,
+    ids: Vec<u64>,
+    grads: Vec<f32>,
+    lease: Option<Lease>,
+}
+
+/// The first field in which two descriptions of a table differ, as errors name it.
+fn table_difference(have: &TableInfo, want: &TableInfo) -> Option<&'static str> {
+    let (h, w) = (&have.config, &want.config);
+    [
+        ("dim", h.dim == w.dim),
+        ("size", h.size == w.size),
+        ("init", h.init == w.init),
+        ("seed", have.seed == want.seed),
+        ("shard", have.shard == want.shard),
+        ("num_shards", have.num_shards == want.num_shards),
+        ("optimizer", have.optimizer == want.optimizer),
+    ]
+    .into_iter()
+    .find_map(|(field, same)| (!same).then_some(field))
 }
 
 /// The counters a task reports and checkpoints (see [`PsStatus`] for what each counts).
@@ -220,6 +248,9 @@ pub struct State {
     spare: Vec<Option<Spare>>,
     /// The job's wire format, as the last create request set it.
     wire_format: WireFormat,
+    /// The embedding tables' shards.
+    tables: Vec<Table>,
+    table_index: HashMap<String, usize>,
 }
 
 /// One variable in a snapshot: its info, version, values and optimizer slots.
@@ -227,7 +258,7 @@ pub type SnapshotVariable = (VariableInfo, u64, Vec<f32>, Vec<Vec<f32>>);
 
 /// A copy of a task's state for a checkpoint, taken under the lock and written outside it
 /// ([`write_snapshot`](crate::write_snapshot)), or read back from one.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Snapshot {
     /// The task's name.
     pub task: String,
@@ -245,6 +276,9 @@ pub struct Snapshot {
     pub counters: Counters,
     /// The applied-update table's final answers, oldest first.
     pub table: Vec<(UpdateKey, Answer)>,
+    /// The embedding tables' shards: their rows created and not evicted (leases are not part
+    /// of a snapshot: after a restore, workers pull again before they push rows).
+    pub tables: Vec<TableRows>,
 }
 
 fn out_of_order(name: &str, offset: u64, expected: usize) -> Error {
@@ -440,6 +474,8 @@ impl State {
             streaming: false,
             spare: Vec::new(),
             wire_format: WireFormat::F32,
+            tables: Vec::new(),
+            table_index: HashMap::new(),
         }
     }
 
@@ -475,13 +511,42 @@ impl State {
         self.vars.iter().map(|v| v.value.len() * 4).sum()
     }
 
-    /// `CreateVariables`.
-    /// `CreateVariables`: validates the header (variables, optimizer, mode) and, unless every
-    /// variable exists already, the chunks of their initial values; then creates the variables
-    /// that do not exist. A task takes one optimizer and one mode, and a variable it holds
-    /// must be described the same way again.
+    /// Validates the tables of a create request (each described once, as the task holds it if
+    /// it does, no more than [`MAX_TABLES`] in all); returns how many the task holds already.
+    fn check_tables(&self, tables: &[TableInfo]) -> Result<usize> {
+        for t in tables {
+            t.validate()?;
+        }
+        let mut seen = HashSet::new();
+        for t in tables {
+            if !seen.insert(t.name()) {
+                return Err(Error::TableNamedTwice { table: t.name().into() });
+            }
+        }
+        let mut existing = 0;
+        for t in tables {
+            if let Some(&at) = self.table_index.get(t.name()) {
+                if let Some(field) = table_difference(&self.tables[at].info, t) {
+                    return Err(Error::TableMismatch { task: self.task.clone(), table: t.name().into(), field });
+                }
+                existing += 1;
+            }
+        }
+        let count = self.tables.len() + tables.len() - existing;
+        if count > MAX_TABLES {
+            return Err(Error::TooManyTables { task: self.task.clone(), count });
+        }
+        Ok(existing)
+    }
+
+    /// `CreateVariables`: validates the header (variables, tables, optimizer, mode) and, unless
+    /// every variable exists already, the chunks of their initial values; then creates the
+    /// variables and tables that do not exist (a table's rows are created when first pulled).
+    /// A task takes one optimizer and one mode, and a variable or table it holds must be
+    /// described the same way again.
     pub fn create(&mut self, header: &CreateHeader, chunks: &[Chunk]) -> Result<CreateOutcome> {
         let infos = &header.variables;
+        let existing_tables = self.check_tables(&header.tables)?;
         for i in infos {
             i.validate()?;
         }
@@ -535,8 +600,10 @@ impl State {
         }
         let names: Vec<&str> = infos.iter().map(|i| i.name.as_str()).collect();
         let sizes: Vec<usize> = infos.iter().map(VariableInfo::numel).collect();
-        let all_exist = existing == infos.len() && !infos.is_empty();
-        if !all_exist {
+        let all_exist = existing == infos.len()
+            && existing_tables == header.tables.len()
+            && !(infos.is_empty() && header.tables.is_empty());
+        if existing != infos.len() {
             let count = self.vars.len() + (infos.len() - existing);
             if count > MAX_VARIABLES {
                 return Err(Error::TooManyVariables { task: self.task.clone(), count });
@@ -573,6 +640,12 @@ impl State {
                 self.index.insert(info.name.clone(), self.vars.len());
                 let slots = slots.into_iter().map(Arc::new).collect();
                 self.vars.push(Var { info: info.clone(), value: Arc::new(value), slots, version: 0 });
+            }
+        }
+        for t in &header.tables {
+            if !self.table_index.contains_key(t.name()) {
+                self.table_index.insert(t.name().to_string(), self.tables.len());
+                self.tables.push(Table::new(t.clone()));
             }
         }
         self.optimizer = Some(optimizer);
@@ -617,6 +690,9 @@ impl State {
         for name in &h.variables {
             check_name("variable", name)?;
         }
+        for rows in &h.rows {
+            check_name("table", &rows.table)?;
+        }
         let known = self.counters.applied_by_worker.contains_key(&h.id.worker)
             || self.round.values().any(|c| c.worker == h.id.worker);
         if !known && self.counters.applied_by_worker.len() >= MAX_WORKERS as usize {
@@ -651,6 +727,7 @@ impl State {
         let sizes: Vec<usize> = at.iter().map(|&i| self.vars[i].value.len()).collect();
         check_coverage(chunks, &names, &sizes, RequestKind::Push)?;
         check_all_finite(chunks, &names, true)?;
+        let rows = self.check_rows(h)?;
         match mode {
             PsMode::Async => {}
             PsMode::Stale { staleness } => {
@@ -669,6 +746,7 @@ impl State {
                 if h.base_version < self.version {
                     self.counters.pushes_dropped += 1;
                     self.remember(key, Answer::Dropped(self.version));
+                    self.release_leases(h);
                     return Ok(PushDecision::Done(PushReply::Dropped { version: self.version, duplicate: false }));
                 }
                 let mut grads: Vec<(usize, Vec<f32>)> = Vec::with_capacity(at.len());
@@ -678,8 +756,9 @@ impl State {
                 for c in chunks {
                     c.extend(&mut grads[c.var as usize].1);
                 }
+                let rows = self.pending_rows(h, &rows)?;
                 let base = self.version;
-                self.round.insert(key.clone(), Contribution { worker: h.id.worker.clone(), grads });
+                self.round.insert(key.clone(), Contribution { worker: h.id.worker.clone(), grads, rows });
                 self.remember(key.clone(), Answer::Pending(base));
                 if self.round.len() >= self.required(workers, backup_workers) {
                     self.apply_round(&optimizer);
@@ -687,16 +766,101 @@ impl State {
                 return Ok(PushDecision::Wait { key, base, duplicate: false });
             }
         }
-        // Async and stale: apply where each chunk lands.
+        // Async and stale: apply where each chunk lands, and each table's rows.
         apply_update(&optimizer, &mut self.vars, &at, chunks, self.version + 1);
         for &i in &at {
             self.vars[i].version += 1;
         }
+        for ((table, slab_rows), rg) in rows.into_iter().zip(&h.rows) {
+            let opt = self.table_optimizer(table);
+            self.tables[table].apply(&opt, &slab_rows, &rg.grads, self.version + 1, self.version + 1);
+        }
+        self.release_leases(h);
         self.version += 1;
         self.counters.pushes_applied += 1;
         *self.counters.applied_by_worker.entry(h.id.worker.clone()).or_default() += 1;
         self.remember(key, Answer::Applied(self.version));
         Ok(PushDecision::Done(PushReply::Applied { version: self.version, duplicate: false }))
+    }
+
+    /// Validates the rows of a push (see [`Table::check_push`]), each table once; returns per
+    /// pushed table its index and the rows' slab indices.
+    fn check_rows(&self, h: &PushHeader) -> Result<Vec<(usize, Vec<usize>)>> {
+        let mut out = Vec::new();
+        let mut seen = HashSet::new();
+        for rg in &h.rows {
+            let Some(&table) = self.table_index.get(&rg.table) else {
+                return Err(self.unknown_table(&rg.table));
+            };
+            if !seen.insert(table) {
+                return Err(Error::TableRowsTwice { table: rg.table.clone() });
+            }
+            let rows = self.tables[table].check_push(&self.task, &h.id.worker, rg)?;
+            out.try_reserve(1).map_err(|_| Error::OutOfMemory { task: self.task.clone(), bytes: 32, what: "rows" })?;
+            out.push((table, rows));
+        }
+        Ok(out)
+    }
+
+    /// A validated push's rows for a sync round: copies of their gradients (all reserved before
+    /// anything changes), then the leases taken out of the tables, their rows still pinned.
+    fn pending_rows(&mut self, h: &PushHeader, rows: &[(usize, Vec<usize>)]) -> Result<Vec<PendingRows>> {
+        let mut pending = try_with_capacity(&self.task, rows.len(), "a sync round's rows")?;
+        for (&(table, _), rg) in rows.iter().zip(&h.rows) {
+            let mut ids = try_with_capacity(&self.task, rg.ids.len(), "a sync round's row ids")?;
+            ids.extend_from_slice(&rg.ids);
+            let mut grads = try_with_capacity(&self.task, rg.grads.len(), "a sync round's row gradients")?;
+            grads.extend_from_slice(&rg.grads);
+            pending.push(PendingRows { table, ids, grads, lease: None });
+        }
+        for (p, rg) in pending.iter_mut().zip(&h.rows) {
+            p.lease = self.tables[p.table].take_lease(&h.id.worker, rg.lease);
+        }
+        Ok(pending)
+    }
+
+    /// Releases the leases a push's rows were pulled under (its update was applied or dropped).
+    fn release_leases(&mut self, h: &PushHeader) {
+        for rg in &h.rows {
+            if let Some(&table) = self.table_index.get(&rg.table) {
+                if let Some(lease) = self.tables[table].take_lease(&h.id.worker, rg.lease) {
+                    self.tables[table].release(lease);
+                }
+            }
+        }
+    }
+
+    /// The optimizer of table `table` for the task's next update (number `self.version`):
+    /// its rate scaled by the schedule, if the task follows one ([`RowOptimizer::at_step`]).
+    fn table_optimizer(&self, table: usize) -> RowOptimizer {
+        self.tables[table].info.optimizer.at_step(self.schedule.as_ref(), self.version)
+    }
+
+    fn unknown_table(&self, name: &str) -> Error {
+        Error::UnknownTable { task: self.task.clone(), table: name.into(), held: self.tables.len() }
+    }
+
+    /// `PullRows`: the rows `req.ids` of table `req.table`, created from their initial values
+    /// where not present (evicting rows unseen for long to make room in a bounded id-space
+    /// table), recorded under the lease `(req.worker, req.lease)` (replacing that lease's ids
+    /// if it exists; a worker's oldest lease is forgotten when it holds
+    /// [`MAX_LEASES_PER_WORKER`](crate::limits::MAX_LEASES_PER_WORKER)), and marked seen at the
+    /// task's version. Validated first: on an error nothing changed.
+    pub fn pull_rows(&mut self, req: &RowPull) -> Result<RowPullResult> {
+        check_name("worker", &req.worker)?;
+        check_name("table", &req.table)?;
+        let Some(&table) = self.table_index.get(&req.table) else {
+            return Err(self.unknown_table(&req.table));
+        };
+        let other = self
+            .tables
+            .iter()
+            .enumerate()
+            .filter(|&(i, _)| i != table)
+            .map(|(_, t)| t.bytes())
+            .fold(0u64, u64::saturating_add);
+        let values = self.tables[table].pull(&self.task, &req.worker, req.lease, &req.ids, self.version, other)?;
+        Ok(RowPullResult { version: self.version, values })
     }
 
     fn unknown(&self, name: &str) -> Error {
@@ -714,7 +878,8 @@ impl State {
     /// any error.
     pub fn begin_stream(&mut self, h: &PushHeader) -> Option<Streamed> {
         let min_bytes = self.stream_min_bytes?;
-        if self.streaming || self.check_pusher(h).is_err() {
+        // A push with table rows is collected: its rows are validated with the rest of it.
+        if self.streaming || !h.rows.is_empty() || self.check_pusher(h).is_err() {
             return None;
         }
         let key = key_of(h);
@@ -857,7 +1022,15 @@ impl State {
         // some pushes carry no gradient for counts zeros for them (as one device's gradient of
         // the whole batch would), and one no push carries is not updated at all.
         let mut sums: BTreeMap<usize, Vec<f32>> = BTreeMap::new();
+        // Each table's row sums, by id, and the leases that pinned the rows.
+        let mut row_sums: BTreeMap<usize, BTreeMap<u64, Vec<f32>>> = BTreeMap::new();
+        let mut leases = Vec::new();
         for (key, c) in round {
+            for p in c.rows {
+                let dim = self.tables[p.table].info.config.dim;
+                sum_rows(row_sums.entry(p.table).or_default(), &p.ids, &p.grads, dim);
+                leases.extend(p.lease.map(|l| (p.table, l)));
+            }
             for (i, mut g) in c.grads {
                 match sums.get_mut(&i) {
                     Some(sum) => {
@@ -886,6 +1059,13 @@ impl State {
             let value: &mut Vec<f32> = Arc::make_mut(&mut var.value);
             update_of(optimizer, &var.info).apply(value, &mean, &mut slots, t);
             var.version += 1;
+        }
+        for (table, sums) in row_sums {
+            let opt = self.table_optimizer(table);
+            self.tables[table].apply_mean(&opt, sums, scale, t, t);
+        }
+        for (table, lease) in leases {
+            self.tables[table].release(lease);
         }
         self.version += 1;
         self.counters.rounds += 1;
@@ -960,6 +1140,7 @@ impl State {
             pushes_aborted: self.counters.pushes_aborted,
             streaming: self.streaming,
             wire_format: self.wire_format,
+            tables: self.tables.iter().map(Table::status).collect(),
         }
     }
 
@@ -986,6 +1167,7 @@ impl State {
                     _ => None,
                 })
                 .collect(),
+            tables: self.tables.iter().map(Table::rows).collect(),
         }
     }
 
@@ -1010,6 +1192,12 @@ impl State {
         }
         self.round.clear();
         self.spare.clear();
+        self.tables.clear();
+        self.table_index.clear();
+        for rows in snap.tables {
+            self.table_index.insert(rows.info.config.name.clone(), self.tables.len());
+            self.tables.push(Table::from_rows(rows));
+        }
         self.restored_step = step;
         self.restored_version = snap.version;
     }
@@ -1060,6 +1248,7 @@ mod tests {
             schedule: None,
             mode: PsMode::Async,
             wire_format: WireFormat::F32,
+            tables: Vec::new(),
         };
         let create: Vec<Chunk> = init
             .iter()
@@ -1081,6 +1270,7 @@ mod tests {
             id: UpdateId { worker: "worker:0".into(), client: "worker:0".into(), step: 0, seq: 0 },
             base_version: 0,
             variables: order.iter().map(|&v| names[v].to_string()).collect(),
+            rows: Vec::new(),
         };
         assert!(chunks.iter().map(|c| c.elements() * 4).sum::<usize>() >= PARALLEL_APPLY_BYTES);
         state.push(&push, &chunks).unwrap();
@@ -1122,6 +1312,7 @@ mod partial_tests {
             schedule: None,
             mode,
             wire_format: WireFormat::F32,
+            tables: Vec::new(),
         };
         let create = vec![
             Chunk { var: 0, offset: 0, pieces: vec![bytes_of(&[1.0, 2.0])] },
@@ -1137,6 +1328,7 @@ mod partial_tests {
             id: UpdateId { worker: worker.into(), client: "c".into(), step, seq: 0 },
             base_version: base,
             variables: grads.iter().map(|(n, _)| n.to_string()).collect(),
+            rows: Vec::new(),
         };
         let chunks: Vec<Chunk> = grads
             .iter()
@@ -1186,6 +1378,7 @@ mod partial_tests {
                     id: UpdateId { worker: worker.into(), client: "c".into(), step, seq: 0 },
                     base_version: 0,
                     variables: vec!["b".into()],
+                    rows: Vec::new(),
                 };
                 let c = vec![Chunk { var: 0, offset: 0, pieces: vec![bytes_of(&[0.25])] }];
                 if streamed && mode == PsMode::Async {
@@ -1249,6 +1442,7 @@ mod stream_tests {
             schedule: None,
             mode: PsMode::Async,
             wire_format: WireFormat::F32,
+            tables: Vec::new(),
         };
         let chunks: Vec<Chunk> = SIZES
             .iter()
@@ -1267,6 +1461,7 @@ mod stream_tests {
             id: UpdateId { worker: "worker:0".into(), client: key.into(), step, seq: 0 },
             base_version: 0,
             variables: order.iter().map(|&v| NAMES[v].to_string()).collect(),
+            rows: Vec::new(),
         }
     }
 
@@ -1423,6 +1618,7 @@ mod limits_tests {
             schedule: None,
             mode,
             wire_format: WireFormat::F32,
+            tables: Vec::new(),
         };
         s.create(&header, &[Chunk { var: 0, offset: 0, pieces: vec![f32s(&[1.0, 2.0, 3.0, 4.0])] }]).unwrap();
         s
@@ -1433,6 +1629,7 @@ mod limits_tests {
             id: UpdateId { worker: worker.into(), client: "c".into(), step, seq: 0 },
             base_version: 0,
             variables: vec!["w".into()],
+            rows: Vec::new(),
         }
     }
 
@@ -1494,6 +1691,7 @@ mod limits_tests {
             schedule: None,
             mode: PsMode::Async,
             wire_format: WireFormat::F32,
+            tables: Vec::new(),
         };
         let e = s.create(&header, &[Chunk { var: 0, offset: 0, pieces: vec![f32s(&[1.0, f32::NAN])] }]).unwrap_err();
         assert!(matches!(&e, Error::NonFiniteValue { element: 1, .. }), "{e}");
@@ -1548,6 +1746,7 @@ mod limits_tests {
             schedule: None,
             mode: PsMode::Async,
             wire_format: WireFormat::F32,
+            tables: Vec::new(),
         };
         let e = s.create(&big, &[]).unwrap_err();
         assert!(matches!(e, Error::TaskTooLarge { bytes, .. } if bytes == 3 * 4 * MAX_VARIABLE_ELEMENTS as u64), "{e}");
@@ -1559,6 +1758,7 @@ mod limits_tests {
             schedule: None,
             mode: PsMode::Async,
             wire_format: WireFormat::F32,
+            tables: Vec::new(),
         };
         let e = s.create(&many, &[]).unwrap_err();
         assert!(matches!(e, Error::TooManyVariables { count, .. } if count == MAX_VARIABLES + 1), "{e}");
@@ -1602,6 +1802,7 @@ pub(crate) mod schedule_tests {
             schedule,
             mode,
             wire_format: WireFormat::F32,
+            tables: Vec::new(),
         };
         s.create(&header, &[Chunk { var: 0, offset: 0, pieces: vec![f32s(&W0)] }]).unwrap();
         s
@@ -1612,6 +1813,7 @@ pub(crate) mod schedule_tests {
             id: UpdateId { worker: worker.into(), client: "c".into(), step, seq: 0 },
             base_version: base,
             variables: vec!["w".into()],
+            rows: Vec::new(),
         }
     }
 
@@ -1742,6 +1944,7 @@ pub(crate) mod schedule_tests {
                 schedule: Some(schedule.clone()),
                 mode: PsMode::Async,
                 wire_format: WireFormat::F32,
+                tables: Vec::new(),
             };
             let e = s.create(&header, &[Chunk { var: 0, offset: 0, pieces: vec![f32s(&W0)] }]).unwrap_err();
             assert_eq!(e.kind(), crate::ErrorKind::InvalidArgument, "{e}");

@@ -8,7 +8,9 @@ use serde::{Deserialize, Serialize};
 use strata_core::cross_device::compression::{Compression, HalfFormat};
 use strata_core::optim::schedule::LrSchedule;
 
-use crate::{ServerOptimizer, ValueChunk};
+use strata_core::embedding::TableConfig;
+
+use crate::{RowOptimizer, ServerOptimizer, ValueChunk};
 
 /// How a parameter server applies pushes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -289,6 +291,8 @@ pub struct PsStatus {
     /// The element type the job's workers push and pull in, as the last create request set
     /// it ([`CreateHeader::wire_format`]; f32 before any).
     pub wire_format: WireFormat,
+    /// The embedding tables' shards the task holds, with their counts.
+    pub tables: Vec<TableStatus>,
 }
 
 /// The header of a request that creates variables: what the [`Chunk`](crate::Chunk)s after it fill.
@@ -318,12 +322,17 @@ pub struct CreateHeader {
     /// [`PsStatus::wire_format`], where workers read it. It describes the job, not the
     /// variables, and is not part of checkpoints. The initial values are f32 whatever it is.
     pub wire_format: WireFormat,
+    /// The embedding tables (shards of them) the task holds, created with the variables: a
+    /// table the task holds already must be described the same way again. Their rows are
+    /// created when first pulled, from [`init_row`](strata_core::embedding::init_row); no
+    /// chunk carries them.
+    pub tables: Vec<TableInfo>,
 }
 
 /// The header of a push: the update's identity, the version it was computed from, and the
 /// variables its [`Chunk`](crate::Chunk)s carry gradients for, in the order the chunks number
 /// them.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct PushHeader {
     /// The update's identity (exactly once).
     pub id: UpdateId,
@@ -331,6 +340,85 @@ pub struct PushHeader {
     pub base_version: u64,
     /// The variables pushed.
     pub variables: Vec<String>,
+    /// The gradients of embedding-table rows: the sparse part of the same update (one per
+    /// table at most).
+    pub rows: Vec<RowGrads>,
+}
+
+/// One embedding table's shard as a ps task holds it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TableInfo {
+    /// The table: its name, row width, size and initializer.
+    pub config: TableConfig,
+    /// The seed of its rows' initial values ([`init_row`](strata_core::embedding::init_row)).
+    pub seed: u64,
+    /// This shard's index: a fixed table's shard holds the rows
+    /// [`shard_rows`](strata_core::embedding::shard_rows)`(rows, num_shards, shard)`, an
+    /// id-space table's the ids whose [`owner_of`](strata_core::embedding::owner_of) is
+    /// `shard`.
+    pub shard: u32,
+    /// How many shards the table has.
+    pub num_shards: u32,
+    /// The optimizer applied to its rows.
+    pub optimizer: RowOptimizer,
+}
+
+impl TableInfo {
+    /// The table's name.
+    pub fn name(&self) -> &str {
+        &self.config.name
+    }
+}
+
+/// A pull of embedding-table rows: a worker reads the rows of `ids` under a lease, whose ids
+/// its next push may carry gradients for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RowPull {
+    /// The worker pulling (the pushes' [`UpdateId::worker`]).
+    pub worker: String,
+    /// The lease's number, chosen by the worker (its step, say); the same number again
+    /// replaces that lease's ids.
+    pub lease: u64,
+    /// The table.
+    pub table: String,
+    /// The rows, distinct, each owned by this task's shard.
+    pub ids: Vec<u64>,
+}
+
+/// The rows a [`RowPull`] read.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RowPullResult {
+    /// The task's version when the rows were read.
+    pub version: u64,
+    /// The rows' values, `ids.len() * dim`, in the order of the pull's ids.
+    pub values: Vec<f32>,
+}
+
+/// The gradients of one table's rows in a push.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RowGrads {
+    /// The table.
+    pub table: String,
+    /// The lease the rows were pulled under (by the pushing worker).
+    pub lease: u64,
+    /// The rows, distinct (a worker sums the gradients of an id seen twice), each pulled
+    /// under `lease`.
+    pub ids: Vec<u64>,
+    /// Their gradients, `ids.len() * dim`, in the order of `ids`.
+    pub grads: Vec<f32>,
+}
+
+/// What a ps task holds of one embedding table.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TableStatus {
+    /// The table's shard.
+    pub info: TableInfo,
+    /// The rows present (created and not evicted).
+    pub rows: u64,
+    /// The rows evicted so far (checkpoints keep the count; resharded shards start at 0).
+    pub evicted: u64,
+    /// The bytes of the rows present: values and optimizer slots.
+    pub bytes: u64,
 }
 
 /// The values a pull reads: the task's version, each variable with its version, and chunks of

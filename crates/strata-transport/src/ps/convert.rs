@@ -281,6 +281,7 @@ pub(crate) fn create_header(h: &proto::CreateHeader) -> strata_ps::Result<strata
         schedule: h.optimizer.as_ref().and_then(|o| o.schedule.as_ref()).map(schedule).transpose()?,
         mode: mode(&h.mode.clone().unwrap_or_default())?,
         wire_format: wire_format(h.wire_format)?,
+        tables: Vec::new(),
     })
 }
 
@@ -354,6 +355,7 @@ pub(crate) fn push_header(h: proto::PushHeader) -> strata_ps::Result<(PushHeader
         id: UpdateId { worker: h.worker, client: h.client, step: h.step, seq: h.seq },
         base_version: h.base_version,
         variables: h.variables,
+        rows: Vec::new(),
     };
     Ok((header, format))
 }
@@ -469,6 +471,7 @@ pub(crate) fn ps_status(r: proto::PsStatusResponse) -> strata_ps::Result<PsStatu
         rounds: r.rounds,
         applied_by_worker: r.applied_by_worker.into_iter().collect(),
         wire_format: wire_format(r.wire_format)?,
+        tables: Vec::new(),
     })
 }
 
