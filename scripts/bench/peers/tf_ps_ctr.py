@@ -90,6 +90,8 @@ def parse_args():
     ap.add_argument("--ps", type=int, default=2, help="ps tasks")
     ap.add_argument("--workers", type=int, default=2, help="worker tasks")
     ap.add_argument("--threads", type=int, default=1, help="intra-op and inter-op threads of every process")
+    ap.add_argument("--worker-inter-op", type=int, default=0,
+                    help="inter-op threads of a worker task (default max(2, --threads): with 1, TF 2.21's PS worker deadlocks)")
     ap.add_argument("--batch", type=int, default=256, help="records of one step (one worker's batch)")
     ap.add_argument("--dim", type=int, default=16, help="embedding dimension D")
     ap.add_argument("--optimizer", choices=("adagrad", "sgd", "adam"), default="adagrad")
@@ -119,8 +121,9 @@ def serve(a):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import tensorflow as tf
     job, index = a.serve.split(":")
+    inter = a.threads if job != "worker" else (a.worker_inter_op or max(2, a.threads))
     config = tf.compat.v1.ConfigProto(intra_op_parallelism_threads=a.threads,
-                                      inter_op_parallelism_threads=a.threads)
+                                      inter_op_parallelism_threads=inter)
     server = tf.distribute.Server(tf.train.ClusterSpec(json.loads(a.cluster)), job_name=job,
                                   task_index=int(index), protocol="grpc", config=config, start=True)
     server.join()
@@ -240,7 +243,8 @@ def main():
             for i in range(len(cluster[job])):
                 err = tempfile.TemporaryFile("w+")
                 p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", f"{job}:{i}",
-                                      "--cluster", json.dumps(cluster), "--threads", str(a.threads)],
+                                      "--cluster", json.dumps(cluster), "--threads", str(a.threads),
+                                      "--worker-inter-op", str(a.worker_inter_op)],
                                      env=env, stdin=subprocess.DEVNULL, stdout=err, stderr=err,
                                      text=True, start_new_session=True)
                 children.append((job, i, p, err))
@@ -297,15 +301,18 @@ def run_chief(a, cluster, n_train, n_test, rows, meta, train_path, test_path):
     opt = a.optimizer
     eps = 1e-7
     slots = {}
+
+    def slot(shape, value):  # a callable initial value: filled on the slot's ps task
+        return tf.Variable(lambda: tf.fill(shape, value), shape=shape, dtype=tf.float32, trainable=False)
+
     with strategy.scope():
         step_var = tf.Variable(0, dtype=tf.int64, trainable=False, name="adam_t") if opt == "adam" else None
         for v in shards + dense_vars:
             with strategy.extended.colocate_vars_with(v):
                 if opt == "adagrad":
-                    slots[v.ref()] = (tf.Variable(tf.fill(v.shape, 0.1), trainable=False),)
+                    slots[v.ref()] = (slot(v.shape, 0.1),)
                 elif opt == "adam":
-                    slots[v.ref()] = (tf.Variable(tf.zeros(v.shape), trainable=False),
-                                      tf.Variable(tf.zeros(v.shape), trainable=False))
+                    slots[v.ref()] = (slot(v.shape, 0.0), slot(v.shape, 0.0))
     lr = tf.constant(a.lr, tf.float32)
     b1, b2 = 0.9, 0.999
 
@@ -365,6 +372,7 @@ def run_chief(a, cluster, n_train, n_test, rows, meta, train_path, test_path):
         return ds.repeat().batch(B, drop_remainder=True).map(decode).prefetch(2)
 
     train_vars = shards + dense_vars
+    grad_kinds = set()
 
     @tf.function
     def train_step(it):
@@ -374,6 +382,7 @@ def run_chief(a, cluster, n_train, n_test, rows, meta, train_path, test_path):
                 logits = forward(dense, ids)
                 loss = tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(labels=label, logits=logits))
             grads = tape.gradient(loss, train_vars)
+            grad_kinds.update(type(g).__name__ for g in grads[:len(shards)])  # at tracing
             apply(grads, train_vars)
             return loss
         return strategy.run(replica_fn, args=(next(it),))
@@ -435,7 +444,7 @@ def run_chief(a, cluster, n_train, n_test, rows, meta, train_path, test_path):
         "seconds": elapsed, "warmup_steps": a.warmup, "lookup": a.lookup,
         "eval_records": n_eval, "eval_seconds": eval_s, "best_test_auc": meta.get("best_test_auc"),
         "train_loss": float(np.mean(losses[-max(1, len(losses) // 10):])) if losses else None,
-        "rss_peak_mib": rss, "table_mib": round(rows * D * 4 / 2**20, 1), "build_seconds": build_s,
+        "table_grad": "/".join(sorted(grad_kinds)), "rss_peak_mib": rss, "table_mib": round(rows * D * 4 / 2**20, 1), "build_seconds": build_s,
     }
 
 
