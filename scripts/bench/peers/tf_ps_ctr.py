@@ -6,7 +6,9 @@ Processes (real, on loopback, grpc): this script is the launcher and the chief (
 it starts --ps ps tasks and --workers worker tasks, each a `tf.distribute.Server` in a process
 of its own (this file run with the internal --serve JOB:INDEX), with a `tf.train.ClusterSpec`
 of free 127.0.0.1 ports; every process (chief too) has --threads intra-op and inter-op threads
-(default 1). Every child is killed when the launcher exits: normally, on an error, on Ctrl-C /
+(default 1), except that a worker task gets max(2, --threads) inter-op threads (--worker-inter-op
+overrides): with 1 inter-op thread TF 2.21's PS worker deadlocks in its first step (measured;
+the TF PS tutorial also says "workers need some inter_ops threads to work properly"). Every child is killed when the launcher exits: normally, on an error, on Ctrl-C /
 SIGTERM / SIGHUP, at --timeout, or when a child dies early (the coordinator would otherwise
 wait for a lost worker to come back).
 
@@ -27,9 +29,11 @@ the examples consumed per second by all workers together. (To match a synchronou
 G over W workers, pass --batch G/W.)
 
 Model (Strata's CTR model, sizes by flags): one table embedding_rows x --dim, a Keras
-`Embedding` created under the strategy's scope with
-`variable_partitioner=FixedShardsPartitioner(num_ps)`: a ShardedVariable of num_ps row ranges
-("div"), one per ps task; the 26 ids looked up in it; bottom MLP 13 -> 64 -> D (ReLU, ReLU);
+`Embedding` created under the strategy's scope with a variable_partitioner that is
+`FixedShardsPartitioner(num_ps)` for the table: a ShardedVariable of num_ps row ranges ("div":
+the first rows % num_ps shards one row longer), one per ps task. (FixedShardsPartitioner alone
+would cut every variable, the MLPs' kernels and biases too, into num_ps row ranges; here they
+stay whole, placed round-robin over the ps tasks.) The 26 ids looked up in it; bottom MLP 13 -> 64 -> D (ReLU, ReLU);
 pairwise dot products of the 27 vectors (the bottom output and the 26 embeddings: 351, i < j);
 concat with the bottom output; top MLP (D + 351) -> 64 (ReLU) -> 1; sigmoid binary
 cross-entropy with logits, mean over the step's batch. Keras' default initialisers (embedding
@@ -66,6 +70,20 @@ Output, one JSON line:
    "lookup": ..., "best_test_auc": ..., "train_loss": ...,
    "rss_peak_mib": {"chief": ..., "ps": [...], "worker": [...]}, "table_mib": ...}
 rss_peak_mib: each process's VmHWM (/proc/PID/status) just before the children are ended.
+Workers hold no table (their peak is that of a TensorFlow process, the same with 100k rows or
+20M); the ps tasks hold their shard and its slots. The chief's peak comes from creating the
+table: TF's PS strategy evaluates a variable's initial value on the coordinator and sends it to
+the ps task, and Keras 3 calls its initializer without the partition arguments, so the whole
+table's initial value is made once per shard and sliced (TF logs a warning about it).
+
+Not wired into scripts/bench/peers.sh: run.py's configurations are (script, --config, processes
+with TF_CONFIG it starts) over Strata's --model set; this script starts its own cluster and
+reads `strata ctr-data` records, so it is run directly:
+
+  strata ctr-data --out /tmp/ctr ...            # the records (see that command's --help)
+  ~/.cache/strata/peers-venv/bin/python scripts/bench/peers/tf_ps_ctr.py --data /tmp/ctr \
+      --ps 2 --workers 2 --seconds 30
+(the venv as scripts/bench/peers.sh makes it: pip install 'tensorflow-cpu==2.21.*').
 """
 
 import argparse
@@ -302,7 +320,7 @@ def run_chief(a, cluster, n_train, n_test, rows, meta, train_path, test_path):
     eps = 1e-7
     slots = {}
 
-    def slot(shape, value):  # a callable initial value: filled on the slot's ps task
+    def slot(shape, value):  # a callable initial value, colocated with its variable (caller)
         return tf.Variable(lambda: tf.fill(shape, value), shape=shape, dtype=tf.float32, trainable=False)
 
     with strategy.scope():
