@@ -16,7 +16,7 @@ use crate::optimizer::{apply_le_bytes, apply_le_bytes_from, filled};
 use crate::table::{sum_rows, try_with_capacity, Lease, Table, TableRows};
 use crate::{
     check_name, first_non_finite, Chunk, CreateHeader, CreateOutcome, Error, PsMode, PsStatus, PullResult, PushHeader,
-    PushReply, RequestKind, Result, RowOptimizer, RowPull, RowPullResult, ServerOptimizer, TableInfo, VariableInfo,
+    PushReply, RequestKind, Result, RowGrads, RowOptimizer, RowPull, RowPullResult, ServerOptimizer, TableInfo, VariableInfo,
     WireFormat,
 };
 
@@ -509,6 +509,14 @@ impl State {
     /// The bytes of all the variables the task holds (what one push can carry at most).
     pub fn bytes(&self) -> usize {
         self.vars.iter().map(|v| v.value.len() * 4).sum()
+    }
+
+    /// The bytes of gradients a push of `rows` carries for its tables (each table's rows times
+    /// its row's bytes; an unknown table counts nothing, and the push is refused for it).
+    pub fn row_bytes(&self, rows: &[RowGrads]) -> usize {
+        rows.iter()
+            .filter_map(|r| self.table_index.get(&r.table).map(|&t| r.ids.len().saturating_mul(self.tables[t].info.config.dim * 4)))
+            .fold(0usize, usize::saturating_add)
     }
 
     /// Validates the tables of a create request (each described once, as the task holds it if

@@ -196,6 +196,46 @@ fn variable_spec(rng: &mut StdRng) -> proto::VariableSpec {
     }
 }
 
+fn table_spec(rng: &mut StdRng) -> proto::TableSpec {
+    let small = |rng: &mut StdRng, hi: u64| if rng.random_bool(0.7) { rng.random_range(0..hi) } else { extreme_u64(rng) };
+    proto::TableSpec {
+        name: if rng.random_bool(0.7) { "emb".into() } else { name(rng) },
+        dim: small(rng, 9),
+        rows: small(rng, 100),
+        max_rows_per_shard: if rng.random_bool(0.5) { 0 } else { small(rng, 50) },
+        evict_after: small(rng, 5),
+        init: rng.random_bool(0.8).then(|| proto::RowInitSpec {
+            kind: ["zeros", "uniform", "normal", "nope"][rng.random_range(0..4)].to_string(),
+            low: extreme_f64(rng) as f32,
+            high: extreme_f64(rng) as f32,
+            std: extreme_f64(rng) as f32,
+        }),
+        seed: extreme_u64(rng),
+        shard: small(rng, 3) as u32,
+        num_shards: small(rng, 3) as u32,
+        optimizer: rng.random_bool(0.8).then(|| proto::RowOptimizerSpec {
+            kind: ["sgd", "adagrad", "ftrl", "lazy_adam", "nope"][rng.random_range(0..5)].to_string(),
+            learning_rate: extreme_f64(rng),
+            initial_accumulator: extreme_f64(rng),
+            epsilon: extreme_f64(rng),
+            lr_power: extreme_f64(rng),
+            l1: extreme_f64(rng),
+            l2: extreme_f64(rng),
+            beta: extreme_f64(rng),
+            beta1: extreme_f64(rng),
+            beta2: extreme_f64(rng),
+        }),
+    }
+}
+
+/// Rows of a table as a push or a pull names them: ids few or many, in range or extreme,
+/// repeated now and then.
+fn rows_spec(rng: &mut StdRng) -> proto::RowsSpec {
+    let n = if rng.random_bool(0.05) { 200_000 } else { rng.random_range(0..6) };
+    let ids = (0..n).map(|_| if rng.random_bool(0.8) { rng.random_range(0..120) } else { extreme_u64(rng) }).collect();
+    proto::RowsSpec { table: if rng.random_bool(0.8) { "emb".into() } else { name(rng) }, lease: extreme_u64(rng) % 4, ids }
+}
+
 fn optimizer_spec(rng: &mut StdRng) -> proto::OptimizerSpec {
     proto::OptimizerSpec {
         kind: ["sgd", "adamw", "momentum", "adagrad", "nope", ""][rng.random_range(0..6)].to_string(),
@@ -243,13 +283,19 @@ fn chunk(rng: &mut StdRng) -> proto::TensorChunk {
 fn ps_request(rng: &mut StdRng) -> (&'static str, Bytes, u64) {
     use proto::{create_message, push_message, CreateMessage, PushMessage};
     let chunks = |rng: &mut StdRng, n: usize| -> Vec<proto::TensorChunk> { (0..n).map(|_| chunk(rng)).collect() };
-    match rng.random_range(0..7) {
+    match rng.random_range(0..8) {
         0 => {
             let header = proto::CreateHeader {
                 variables: (0..rng.random_range(0..4)).map(|_| variable_spec(rng)).collect(),
                 optimizer: rng.random_bool(0.8).then(|| optimizer_spec(rng)),
                 mode: rng.random_bool(0.8).then(|| mode_spec(rng)),
                 wire_format: wire_format(rng),
+                // Now and then tables too (mostly a plain create, which the pushes below need).
+                tables: if rng.random_bool(0.3) {
+                    (0..rng.random_range(1..3)).map(|_| table_spec(rng)).collect()
+                } else {
+                    Vec::new()
+                },
             };
             let mut messages = Vec::new();
             if rng.random_bool(0.9) {
@@ -277,6 +323,11 @@ fn ps_request(rng: &mut StdRng) -> (&'static str, Bytes, u64) {
                 base_version: if rng.random_bool(0.7) { 0 } else { extreme_u64(rng) },
                 variables,
                 wire_format: wire_format(rng),
+                rows: if rng.random_bool(0.2) {
+                    (0..rng.random_range(1..3)).map(|_| rows_spec(rng)).collect()
+                } else {
+                    Vec::new()
+                },
             };
             let mut messages = Vec::new();
             if rng.random_bool(0.9) {
@@ -302,6 +353,15 @@ fn ps_request(rng: &mut StdRng) -> (&'static str, Bytes, u64) {
             let request = proto::PsConfigureRequest { live_workers: extreme_u32(rng) };
             ("/strata.v1.ParameterServer/Configure", frames(&[request.encode_to_vec()]), 3000)
         }
+        6 => {
+            let request = proto::PullRowsRequest {
+                worker: if rng.random_bool(0.7) { "worker:0".into() } else { name(rng) },
+                lease: extreme_u64(rng) % 4,
+                tables: (0..rng.random_range(0..3)).map(|_| rows_spec(rng)).collect(),
+                wire_format: wire_format(rng),
+            };
+            ("/strata.v1.ParameterServer/PullRows", frames(&[request.encode_to_vec()]), 3000)
+        }
         5 => {
             let request = proto::PsCheckpointRequest { step: extreme_u64(rng) };
             ("/strata.v1.ParameterServer/Checkpoint", frames(&[request.encode_to_vec()]), 5000)
@@ -310,7 +370,8 @@ fn ps_request(rng: &mut StdRng) -> (&'static str, Bytes, u64) {
     }
 }
 
-const PS_PATHS: [&str; 6] = [
+const PS_PATHS: [&str; 7] = [
+    "/strata.v1.ParameterServer/PullRows",
     "/strata.v1.ParameterServer/CreateVariables",
     "/strata.v1.ParameterServer/Push",
     "/strata.v1.ParameterServer/Pull",

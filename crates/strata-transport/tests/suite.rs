@@ -13,5 +13,6 @@ mod fuzz;
 mod pieces;
 mod ps;
 mod ps_half;
+mod ps_tables;
 mod ring;
 mod tls;

@@ -8,10 +8,10 @@ use prost::bytes::Bytes;
 use prost::Message;
 use strata_proto::v1::parameter_server_client::ParameterServerClient;
 use strata_proto::v1::{
-    create_message, push_message, CreateMessage, PsCheckpointRequest, PsConfigureRequest, PsStatusRequest, PullHeader,
-    PullRequest, PushMessage, PushResponse,
+    self as proto, create_message, push_message, CreateMessage, PsCheckpointRequest, PsConfigureRequest,
+    PsStatusRequest, PullHeader, PullRequest, PullRowsRequest, PushMessage, PushResponse,
 };
-use strata_ps::{copy_f32s, Chunk, LrSchedule, WireFormat};
+use strata_ps::{copy_f32s, Chunk, LrSchedule, RowGrads, WireFormat};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::codegen::Service;
 use tonic::service::interceptor::InterceptedService;
@@ -20,9 +20,10 @@ use tonic::{Code, Status};
 
 use super::convert;
 use super::staged::{self, StagedPush};
+use super::tables;
 use super::wire;
 use super::{
-    CreateOutcome, F32Bytes, PsMode, PsStatus, Pulled, PushOutcome, ServerOptimizer, UpdateId, VariableInfo,
+    CreateOutcome, F32Bytes, PsMode, PsStatus, Pulled, PushOutcome, RowsPulled, ServerOptimizer, UpdateId, VariableInfo,
     MAX_CHUNK_BYTES, MAX_CHUNK_ELEMENTS,
 };
 use crate::auth::{client_interceptor, ClientAuth, ClusterToken};
@@ -448,6 +449,22 @@ impl PsClient {
         mode: PsMode,
         job_format: WireFormat,
     ) -> Result<CreateOutcome> {
+        self.create_with_tables(vars, &[], optimizer, schedule, mode, job_format)
+    }
+
+    /// [`create_variables_for_job`](Self::create_variables_for_job) that also creates the
+    /// shards of embedding tables `tables` this task holds (their rows appear as workers pull
+    /// them). Creating tables that exist as described is a no-op; a different description is
+    /// `FAILED_PRECONDITION` naming the table.
+    pub fn create_with_tables(
+        &self,
+        vars: &[(VariableInfo, &[f32])],
+        tables: &[strata_ps::TableInfo],
+        optimizer: &ServerOptimizer,
+        schedule: Option<&LrSchedule>,
+        mode: PsMode,
+        job_format: WireFormat,
+    ) -> Result<CreateOutcome> {
         for (info, values) in vars {
             if info.numel() != values.len() {
                 return Err(Error::Config(format!(
@@ -459,7 +476,8 @@ impl PsClient {
                 )));
             }
         }
-        let header = convert::create_header_spec(vars.iter().map(|(i, _)| i), optimizer, schedule, mode, job_format);
+        let mut header = convert::create_header_spec(vars.iter().map(|(i, _)| i), optimizer, schedule, mode, job_format);
+        header.tables = tables.iter().map(tables::table_spec).collect();
         let produce = |send: &mut dyn FnMut(CreateMessage) -> bool| {
             if !send(CreateMessage { kind: Some(create_message::Kind::Header(header.clone())) }) {
                 return;
@@ -606,6 +624,60 @@ impl PsClient {
         Ok(convert::push_outcome(&r))
     }
 
+    /// [`push`](Self::push) of one update that carries the gradients of variables (`grads`)
+    /// and of rows of embedding tables (`rows`, each pulled under its lease by `id.worker`
+    /// with [`pull_rows`](Self::pull_rows)): applied as one update, exactly once.
+    pub fn push_rows(
+        &self,
+        id: &UpdateId,
+        base_version: u64,
+        grads: &[(&str, &[f32])],
+        rows: &[RowGrads],
+    ) -> Result<PushOutcome> {
+        let names: Vec<&str> = grads.iter().map(|(n, _)| *n).collect();
+        let values: Vec<&[f32]> = grads.iter().map(|(_, g)| *g).chain(rows.iter().map(|r| r.grads.as_slice())).collect();
+        let lens: Vec<usize> = values.iter().map(|g| g.len()).collect();
+        let half = self.wire_format.half();
+        let mut header = convert::push_header_spec(id, base_version, &names, self.wire_format);
+        header.rows = tables::rows_spec(rows);
+        self.push_header_with(header, &lens, |k, r| match half {
+            None => Bytes::copy_from_slice(bytemuck::cast_slice(&values[k][r])),
+            Some(h) => strata_ps::encode_half(&values[k][r], h),
+        })
+    }
+
+    /// The rows `ids` of each table of `tables` this task holds, pulled by `worker` under
+    /// `lease` (its step: a push's rows must name the lease they were pulled under; pulling
+    /// under the same lease again replaces its rows), in this client's wire format; an
+    /// id-space table's rows not seen before are created.
+    pub fn pull_rows(&self, worker: &str, lease: u64, tables: &[(&str, &[u64])]) -> Result<RowsPulled> {
+        let format = self.wire_format;
+        let request = PullRowsRequest {
+            worker: worker.to_string(),
+            lease,
+            tables: tables
+                .iter()
+                .map(|(t, ids)| proto::RowsSpec { table: t.to_string(), lease, ids: ids.to_vec() })
+                .collect(),
+            wire_format: convert::wire_format_spec(format),
+        };
+        crate::hooks::before_send_blocking();
+        let messages = self.call("PullRows", |mut raw| {
+            let request = request.clone();
+            async move {
+                let mut stream = raw.pull_rows(request).await?.into_inner();
+                let mut messages = Vec::new();
+                while let Some(m) = stream.message().await? {
+                    messages.push(m);
+                }
+                Ok(messages)
+            }
+        })?;
+        let pulled = tables::rows_pulled(messages, tables.len(), format).map_err(|d| self.protocol(d))?;
+        crate::hooks::received(pulled.values.iter().map(Vec::len).sum::<usize>() * format.element_bytes());
+        Ok(pulled)
+    }
+
     /// Pushes variables `names` of `lens` elements, chunk `r` of variable `k` being `data(k, r)`.
     fn push_with(
         &self,
@@ -616,6 +688,17 @@ impl PsClient {
         data: impl Fn(usize, std::ops::Range<usize>) -> Bytes,
     ) -> Result<PushOutcome> {
         let header = convert::push_header_spec(id, base_version, names, self.wire_format);
+        self.push_header_with(header, lens, data)
+    }
+
+    /// Pushes the update `header` heads, whose tensors (its variables', then its rows') have
+    /// `lens` elements, chunk `r` of tensor `k` being `data(k, r)`.
+    fn push_header_with(
+        &self,
+        header: proto::PushHeader,
+        lens: &[usize],
+        data: impl Fn(usize, std::ops::Range<usize>) -> Bytes,
+    ) -> Result<PushOutcome> {
         let produce = |send: &mut dyn FnMut(Bytes) -> bool| {
             if !send(wire::message(&PushMessage { kind: Some(push_message::Kind::Header(header.clone())) })) {
                 return;

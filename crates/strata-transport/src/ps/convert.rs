@@ -147,6 +147,18 @@ impl ProtoSpec for VariableInfo {
     }
 }
 
+impl ProtoSpec for strata_ps::TableInfo {
+    type Spec = proto::TableSpec;
+
+    fn to_spec(&self) -> proto::TableSpec {
+        super::tables::table_spec(self)
+    }
+
+    fn from_spec(s: &proto::TableSpec) -> Result<Self> {
+        Ok(super::tables::table_info(s)?)
+    }
+}
+
 /// The optimizer a spec names, checked. Every number of the spec must be finite, also those
 /// the named optimizer does not use.
 fn optimizer(s: &proto::OptimizerSpec) -> strata_ps::Result<ServerOptimizer> {
@@ -281,7 +293,7 @@ pub(crate) fn create_header(h: &proto::CreateHeader) -> strata_ps::Result<strata
         schedule: h.optimizer.as_ref().and_then(|o| o.schedule.as_ref()).map(schedule).transpose()?,
         mode: mode(&h.mode.clone().unwrap_or_default())?,
         wire_format: wire_format(h.wire_format)?,
-        tables: Vec::new(),
+        tables: h.tables.iter().map(super::tables::table_info).collect::<strata_ps::Result<_>>()?,
     })
 }
 
@@ -314,6 +326,7 @@ pub(crate) fn create_header_spec<'a>(
         optimizer: Some(optimizer_spec(optimizer, schedule)),
         mode: Some(mode.to_spec()),
         wire_format: wire_format_spec(format),
+        tables: Vec::new(),
     }
 }
 
@@ -355,7 +368,7 @@ pub(crate) fn push_header(h: proto::PushHeader) -> strata_ps::Result<(PushHeader
         id: UpdateId { worker: h.worker, client: h.client, step: h.step, seq: h.seq },
         base_version: h.base_version,
         variables: h.variables,
-        rows: Vec::new(),
+        rows: super::tables::rows(h.rows),
     };
     Ok((header, format))
 }
@@ -376,6 +389,7 @@ pub(crate) fn push_header_spec(
         base_version,
         variables: names.iter().map(|n| n.to_string()).collect(),
         wire_format: wire_format_spec(format),
+        rows: Vec::new(),
     }
 }
 
@@ -445,6 +459,7 @@ pub(crate) fn status_response(s: PsStatus) -> proto::PsStatusResponse {
         pushes_aborted: s.pushes_aborted,
         streaming: s.streaming,
         wire_format: wire_format_spec(s.wire_format),
+        tables: s.tables.iter().map(super::tables::table_status_spec).collect(),
     }
 }
 
@@ -471,7 +486,7 @@ pub(crate) fn ps_status(r: proto::PsStatusResponse) -> strata_ps::Result<PsStatu
         rounds: r.rounds,
         applied_by_worker: r.applied_by_worker.into_iter().collect(),
         wire_format: wire_format(r.wire_format)?,
-        tables: Vec::new(),
+        tables: r.tables.iter().map(super::tables::table_status).collect::<strata_ps::Result<_>>()?,
     })
 }
 

@@ -72,6 +72,7 @@ mod convert;
 mod faults;
 mod server;
 mod staged;
+mod tables;
 mod wire;
 
 pub use client::{PsClient, PsClientConfig};
@@ -80,8 +81,8 @@ pub use faults::FaultInjection;
 pub use server::PsServerHandle;
 pub use staged::{StageError, StagedPush};
 pub use strata_ps::{
-    CreateOutcome, LrSchedule, PsMode, PsStatus, PushOutcome, ServerOptimizer, UpdateId, VariableInfo, WireFormat,
-    MAX_CHUNK_BYTES, MAX_CHUNK_ELEMENTS, MAX_VARIABLE_ELEMENTS,
+    CreateOutcome, LrSchedule, PsMode, PsStatus, PushOutcome, RowGrads, RowOptimizer, ServerOptimizer, TableInfo,
+    TableStatus, UpdateId, VariableInfo, WireFormat, MAX_CHUNK_BYTES, MAX_CHUNK_ELEMENTS, MAX_VARIABLE_ELEMENTS,
 };
 // The error the types above return (`ServerOptimizer::validate`, `VariableInfo::validate`), named
 // here so that a program using this module (or the strata facade's `ps`) can name it too.
@@ -175,6 +176,15 @@ impl PsServerConfig {
             push_chunks: None,
         }
     }
+}
+
+/// Rows of embedding tables pulled from one parameter server ([`PsClient::pull_rows`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct RowsPulled {
+    /// The task's version when the rows were read.
+    pub version: u64,
+    /// For each table asked for, its rows' values (`ids.len() * dim`, in the order of the ids).
+    pub values: Vec<Vec<f32>>,
 }
 
 /// Values pulled from one parameter server.

@@ -12,12 +12,12 @@ use prost::Message;
 use strata_proto::v1::parameter_server_server::{ParameterServer, ParameterServerServer};
 use strata_proto::v1::{
     create_message, pull_message, push_message, CreateMessage, CreateVariablesResponse, PsCheckpointRequest,
-    PsCheckpointResponse, PsConfigureRequest, PsConfigureResponse, PsStatusRequest, PsStatusResponse, PullMessage,
-    PullRequest, PushMessage, PushResponse, TensorChunk,
+    PsCheckpointResponse, PsConfigureRequest, PsConfigureResponse, PsStatusRequest, PsStatusResponse, PullHeader,
+    PullMessage, PullRequest, PullRowsRequest, PushMessage, PushResponse, TensorChunk,
 };
 use strata_ps::{
-    read_snapshot, write_snapshot, Chunk, PullResult, PushDecision, PushHeader, PushReply, State, Streamed, UpdateKey,
-    WireFormat, MAX_CHUNK_BYTES,
+    read_snapshot, write_snapshot, Chunk, PullResult, PushDecision, PushHeader, PushReply, RowPull, State, Streamed,
+    UpdateKey, WireFormat, MAX_CHUNK_BYTES,
 };
 use tokio::sync::watch;
 use tokio_stream::Stream;
@@ -27,6 +27,7 @@ use tonic::{Request, Response, Status, Streaming};
 
 use super::convert::{self, status};
 use super::faults::Faulty;
+use super::tables;
 use super::wire;
 use super::PsServerConfig;
 use crate::auth::server_interceptor;
@@ -308,6 +309,8 @@ async fn push_frames(shared: &Shared, body: tonic::body::Body) -> Result<PushRes
                 let (h, f) = convert::push_header(h).map_err(status)?;
                 if parts.header.is_none() {
                     format = f;
+                    // A push's rows of embedding tables may carry their gradients too.
+                    parts.max_bytes = parts.max_bytes.saturating_add(shared.lock().row_bytes(&h.rows));
                     stream.begin(&h);
                 }
                 parts.header(h)?
@@ -318,7 +321,8 @@ async fn push_frames(shared: &Shared, body: tonic::body::Body) -> Result<PushRes
             }
         }
     }
-    let (header, chunks) = parts.finish()?;
+    let (mut header, chunks) = parts.finish()?;
+    let chunks = tables::take_row_chunks(&mut header, chunks).map_err(status)?;
     push(shared, &header, &chunks, stream).await.map_err(status)
 }
 
@@ -423,6 +427,7 @@ impl ParameterServer for Svc {
                     let (h, f) = convert::push_header(h).map_err(status)?;
                     if parts.header.is_none() {
                         format = f;
+                        parts.max_bytes = parts.max_bytes.saturating_add(self.0.lock().row_bytes(&h.rows));
                     }
                     parts.header(h)?
                 }
@@ -433,8 +438,33 @@ impl ParameterServer for Svc {
                 None => return Err(Status::invalid_argument("an empty Push message")),
             }
         }
-        let (header, chunks) = parts.finish()?;
+        let (mut header, chunks) = parts.finish()?;
+        let chunks = tables::take_row_chunks(&mut header, chunks).map_err(status)?;
         push(&self.0, &header, &chunks, StreamGuard::new(&self.0)).await.map(Response::new).map_err(status)
+    }
+
+    type PullRowsStream = PullStream;
+
+    async fn pull_rows(&self, req: Request<PullRowsRequest>) -> Result<Response<Self::PullRowsStream>, Status> {
+        let r = req.into_inner();
+        let format = convert::wire_format(r.wire_format).map_err(status)?;
+        let (version, values) = {
+            let mut state = self.0.lock();
+            let mut values = Vec::with_capacity(r.tables.len());
+            let mut version = state.version();
+            for t in r.tables {
+                let pull = RowPull { worker: r.worker.clone(), lease: r.lease, table: t.table, ids: t.ids };
+                let pulled = state.pull_rows(&pull).map_err(status)?;
+                version = pulled.version;
+                values.push(pulled.values);
+            }
+            (version, values)
+        };
+        let header = PullHeader { version, wire_format: convert::wire_format_spec(format), ..Default::default() };
+        let messages = std::iter::once(PullMessage { kind: Some(pull_message::Kind::Header(header)) })
+            .chain(tables::row_chunks(values, format).into_iter().map(|c| PullMessage { kind: Some(pull_message::Kind::Chunk(c)) }))
+            .map(Ok);
+        Ok(Response::new(Box::pin(tokio_stream::iter(messages))))
     }
 
     type PullStream = PullStream;
