@@ -1,0 +1,279 @@
+//! Embedding tables on the ps tasks, seen from a worker: [`PsTables`] is the
+//! [`TableStore`] a worker's strategy gets in [`StrategyOptions::tables`], so that the model's
+//! embedding lookups pull only the rows their batch touches from the ps tasks that own them,
+//! and the rows' gradients (summed per row on the worker) go back as rows and ids.
+//!
+//! Every step pulls under a lease (the store's step count), so a push names rows the task
+//! knows this worker pulled; each push is an update `(worker, run, step, 0)`, sent again with
+//! the same identity while a task is unavailable, so it is applied exactly once. After the
+//! step it is pushed, to every ps task holding some of its rows, in parallel: embeddings train
+//! asynchronously beside whatever the strategy does with the dense variables (hybrid training,
+//! PERSIA's), or, in a ps job, the rows are handed to the step's push of the dense gradients
+//! ([`PsTables::take_rows`]) so that both are one update per ps task.
+//!
+//! [`StrategyOptions::tables`]: strata_core::StrategyOptions::tables
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use strata_core::embedding::{owner_of, TableConfig, TableStore};
+use strata_core::{Error, Result};
+use strata_transport::ps::{PsClient, RowGrads, UpdateId};
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// A step's rows of one table: what was pulled (per ps task, with the task's version) and the
+/// gradients the backward pass gave, summed per row.
+#[derive(Debug, Default)]
+struct StepTable {
+    /// Per ps task, the version its rows were pulled at.
+    versions: BTreeMap<usize, u64>,
+    /// Each row's gradient, summed over the step's lookups (of its one replica).
+    grads: BTreeMap<u64, Vec<f32>>,
+}
+
+/// What the store knows of the current step.
+#[derive(Debug, Default)]
+struct Step {
+    /// The lease (and update step) of this step's pulls and push.
+    lease: u64,
+    tables: HashMap<String, StepTable>,
+}
+
+/// The [`TableStore`] of a worker whose tables live on ps tasks (see the [module docs](self)).
+#[derive(Debug)]
+pub struct PsTables {
+    /// The pulling and pushing worker (`worker:<i>`): the leases' owner.
+    worker: String,
+    /// Who numbers this store's updates: the worker and a run id, so that a restarted worker's
+    /// updates are never taken for its predecessor's.
+    client: String,
+    /// A client of every ps task, by index, in the job's wire format.
+    clients: Vec<PsClient>,
+    /// Whether [`end_step`](TableStore::end_step) pushes (`false`: the dense push takes them).
+    push_at_end: bool,
+    tables: Mutex<HashMap<String, TableConfig>>,
+    step: Mutex<Step>,
+}
+
+impl PsTables {
+    /// The store of `worker` (`worker:<i>`) over the ps tasks of `clients` (by index), whose
+    /// rows' gradients are pushed at the end of each step.
+    pub fn new(worker: impl Into<String>, clients: Vec<PsClient>) -> Self {
+        let worker = worker.into();
+        let run = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+        Self {
+            client: format!("{worker}/tables-{run:x}"),
+            worker,
+            clients,
+            push_at_end: true,
+            tables: Mutex::new(HashMap::new()),
+            step: Mutex::new(Step::default()),
+        }
+    }
+
+    /// The same store, whose rows are taken by the step's own push ([`take_rows`](Self::take_rows))
+    /// instead of pushed at the end of the step.
+    pub fn pushed_with_the_dense_gradients(mut self) -> Self {
+        self.push_at_end = false;
+        self
+    }
+
+    /// The tables declared so far.
+    pub fn tables(&self) -> Vec<TableConfig> {
+        let mut t: Vec<TableConfig> = lock(&self.tables).values().cloned().collect();
+        t.sort_by(|a, b| a.name.cmp(&b.name));
+        t
+    }
+
+    /// The current step's lease (the number of steps this store has ended).
+    pub fn lease(&self) -> u64 {
+        lock(&self.step).lease
+    }
+
+    fn config(&self, table: &str) -> Result<TableConfig> {
+        lock(&self.tables).get(table).cloned().ok_or_else(|| {
+            Error::InvalidArgument(format!("embedding table {table:?} was not declared; build the model in the scope"))
+        })
+    }
+
+    /// The step's row gradients, per ps task (each table's rows that task owns, ids ascending),
+    /// and the version each task's rows were pulled at; the step's gradients are cleared.
+    pub fn take_rows(&self) -> Vec<(Vec<RowGrads>, u64)> {
+        let mut step = lock(&self.step);
+        let lease = step.lease;
+        let mut per_task: Vec<(Vec<RowGrads>, u64)> = vec![(Vec::new(), 0); self.clients.len()];
+        let tables = lock(&self.tables);
+        let mut names: Vec<String> = step.tables.keys().cloned().collect();
+        names.sort();
+        for name in names {
+            let Some(st) = step.tables.remove(&name) else { continue };
+            let Some(config) = tables.get(&name) else { continue };
+            let mut rows: Vec<RowGrads> = (0..self.clients.len())
+                .map(|_| RowGrads { table: name.clone(), lease, ids: Vec::new(), grads: Vec::new() })
+                .collect();
+            for (id, g) in st.grads {
+                let k = owner_of(config.size, id, self.clients.len());
+                rows[k].ids.push(id);
+                rows[k].grads.extend_from_slice(&g);
+            }
+            for (k, r) in rows.into_iter().enumerate() {
+                if !r.ids.is_empty() {
+                    per_task[k].1 = per_task[k].1.max(st.versions.get(&k).copied().unwrap_or(0));
+                    per_task[k].0.push(r);
+                }
+            }
+        }
+        per_task
+    }
+
+    /// Pushes the step's rows to every ps task that owns some, in parallel, as update
+    /// `(worker, client, lease, 0)`.
+    fn push(&self, lease: u64) -> Result<()> {
+        let per_task = self.take_rows();
+        let id = UpdateId { worker: self.worker.clone(), client: self.client.clone(), step: lease, seq: 0 };
+        let results: Vec<Result<()>> = std::thread::scope(|s| {
+            let handles: Vec<_> = per_task
+                .iter()
+                .zip(&self.clients)
+                .filter(|((rows, _), _)| !rows.is_empty())
+                .map(|((rows, base), client)| {
+                    let id = &id;
+                    s.spawn(move || client.push_rows(id, *base, &[], rows).map(drop).map_err(Error::from))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|_| Err(Error::Cluster("a rows push thread panicked".into()))))
+                .collect()
+        });
+        results.into_iter().collect()
+    }
+}
+
+/// A worker of one replica only: the store keeps one step's rows.
+fn one_replica(replica: usize) -> Result<()> {
+    if replica != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "replica {replica} looked up an embedding table on parameter servers; a worker with tables runs one replica, so start more workers instead"
+        )));
+    }
+    Ok(())
+}
+
+impl TableStore for PsTables {
+    fn declare(&self, table: &TableConfig) -> Result<()> {
+        table.check()?;
+        let mut tables = lock(&self.tables);
+        match tables.get(&table.name) {
+            Some(t) if t != table => Err(Error::InvalidArgument(format!(
+                "embedding table {:?} is declared twice, differently ({t:?}, then {table:?}); build the same model every time",
+                table.name
+            ))),
+            Some(_) => Ok(()),
+            None => {
+                tables.insert(table.name.clone(), table.clone());
+                Ok(())
+            }
+        }
+    }
+
+    fn pull(&self, replica: usize, table: &str, ids: &[u64]) -> Result<Vec<f32>> {
+        one_replica(replica)?;
+        let config = self.config(table)?;
+        let n = self.clients.len();
+        let mut per_task: Vec<Vec<u64>> = vec![Vec::new(); n];
+        let mut place = Vec::with_capacity(ids.len());
+        for &id in ids {
+            config.check_id(id)?;
+            let k = owner_of(config.size, id, n);
+            place.push((k, per_task[k].len()));
+            per_task[k].push(id);
+        }
+        let lease = self.lease();
+        let pulled: Vec<Result<Option<(Vec<f32>, u64)>>> = std::thread::scope(|s| {
+            let handles: Vec<_> = per_task
+                .iter()
+                .zip(&self.clients)
+                .map(|(mine, client)| {
+                    let worker = &self.worker;
+                    s.spawn(move || {
+                        if mine.is_empty() {
+                            return Ok(None);
+                        }
+                        let r = client.pull_rows(worker, lease, &[(table, mine)]).map_err(Error::from)?;
+                        let values = r.values.into_iter().next().unwrap_or_default();
+                        Ok(Some((values, r.version)))
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|_| Err(Error::Cluster("a rows pull thread panicked".into()))))
+                .collect()
+        });
+        let pulled = pulled.into_iter().collect::<Result<Vec<_>>>()?;
+        let dim = config.dim;
+        let mut values = vec![0f32; ids.len() * dim];
+        for (i, &(k, at)) in place.iter().enumerate() {
+            let Some((rows, _)) = &pulled[k] else { continue };
+            let row = rows.get(at * dim..(at + 1) * dim).ok_or_else(|| {
+                Error::Cluster(format!("ps:{k} returned {} values of table {table:?} for {} rows", rows.len(), per_task[k].len()))
+            })?;
+            values[i * dim..(i + 1) * dim].copy_from_slice(row);
+        }
+        let mut step = lock(&self.step);
+        let st = step.tables.entry(table.to_string()).or_default();
+        for (k, p) in pulled.iter().enumerate() {
+            if let Some((_, version)) = p {
+                st.versions.insert(k, *version);
+            }
+        }
+        Ok(values)
+    }
+
+    /// One replica: the gradient is its loss's (a mean over its batch rows), as a worker of one
+    /// replica pushes its variables' gradients.
+    fn gradient(&self, replica: usize, table: &str, ids: &[u64], grad: Vec<f32>, _batch_rows: usize) -> Result<()> {
+        one_replica(replica)?;
+        let dim = self.config(table)?.dim;
+        if grad.len() != ids.len() * dim {
+            return Err(Error::InvalidArgument(format!(
+                "{} gradient values for {} rows of embedding table {table:?} of dimension {dim}",
+                grad.len(),
+                ids.len()
+            )));
+        }
+        let mut step = lock(&self.step);
+        let st = step.tables.entry(table.to_string()).or_default();
+        for (k, &id) in ids.iter().enumerate() {
+            let src = &grad[k * dim..(k + 1) * dim];
+            match st.grads.get_mut(&id) {
+                Some(row) => row.iter_mut().zip(src).for_each(|(r, g)| *r += g),
+                None => {
+                    st.grads.insert(id, src.to_vec());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn end_step(&self, replica: usize, failed: bool) -> Result<()> {
+        if replica != 0 {
+            return Ok(());
+        }
+        let lease = self.lease();
+        let pushed = if failed {
+            lock(&self.step).tables.clear();
+            Ok(())
+        } else if self.push_at_end {
+            self.push(lease)
+        } else {
+            Ok(())
+        };
+        lock(&self.step).lease = lease + 1;
+        pushed
+    }
+}
