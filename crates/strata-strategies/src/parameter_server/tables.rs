@@ -153,6 +153,9 @@ impl PsTables {
     }
 }
 
+/// The rows one ps task returned and its version (`None`: none of the step's rows is there).
+type TaskRows = Option<(Vec<f32>, u64)>;
+
 /// A worker of one replica only: the store keeps one step's rows.
 fn one_replica(replica: usize) -> Result<()> {
     if replica != 0 {
@@ -193,7 +196,7 @@ impl TableStore for PsTables {
             per_task[k].push(id);
         }
         let lease = self.lease();
-        let pulled: Vec<Result<Option<(Vec<f32>, u64)>>> = std::thread::scope(|s| {
+        let pulled: Vec<Result<TaskRows>> = std::thread::scope(|s| {
             let handles: Vec<_> = per_task
                 .iter()
                 .zip(&self.clients)
