@@ -83,6 +83,7 @@
 #![deny(missing_docs)]
 
 pub mod cnn;
+pub mod ctr;
 pub mod digits;
 #[cfg(doctest)]
 mod doc_snippets;
