@@ -60,7 +60,13 @@ mod tests {
             for j in 0..n {
                 if labels[i] == 1.0 && labels[j] == 0.0 {
                     pairs += 1.0;
-                    good += if scores[i] > scores[j] { 1.0 } else if scores[i] == scores[j] { 0.5 } else { 0.0 };
+                    good += if scores[i] > scores[j] {
+                        1.0
+                    } else if scores[i] == scores[j] {
+                        0.5
+                    } else {
+                        0.0
+                    };
                 }
             }
         }

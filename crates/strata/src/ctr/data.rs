@@ -291,7 +291,8 @@ impl CtrData {
         for &id in &r.ids {
             logit += ID_EFFECT * normal(base ^ mix64(u64::from(id)));
         }
-        let vector = |id: u32, k: usize| INTERACTION_STD * normal(mix64(base ^ 0x7ec ^ k as u64) ^ mix64(u64::from(id)));
+        let vector =
+            |id: u32, k: usize| INTERACTION_STD * normal(mix64(base ^ 0x7ec ^ k as u64) ^ mix64(u64::from(id)));
         for (a, b) in INTERACTIONS {
             logit += (0..INTERACTION_DIM).map(|k| vector(r.ids[a], k) * vector(r.ids[b], k)).sum::<f64>();
         }
