@@ -503,12 +503,16 @@ mod tests {
 
     use super::*;
 
+    /// `strata train`'s flags alone.
+    #[derive(Parser)]
+    struct Flags {
+        #[command(flatten)]
+        args: TrainArgs,
+    }
+
     fn train_args(flags: &[&str]) -> TrainArgs {
-        let argv = ["strata", "train", "--no-progress"].iter().chain(flags).copied();
-        match crate::Cli::try_parse_from(argv).unwrap().command {
-            crate::Command::Train(args) => *args,
-            other => panic!("{other:?}"),
-        }
+        let argv = ["train", "--no-progress"].iter().chain(flags).copied();
+        Flags::try_parse_from(argv).unwrap().args
     }
 
     #[test]
@@ -524,7 +528,10 @@ mod tests {
         assert!(auc > 0.79 && best > 0.85 && auc < best, "auc {auc}, planted best {best}");
         assert_eq!(summary["model"], "ctr");
         assert_eq!(summary["embedding_rows"], 10_000);
-        assert_eq!(summary["dense_gradient_bytes_per_step"].as_u64().unwrap(), 4 * summary["parameters"].as_u64().unwrap());
+        assert_eq!(
+            summary["dense_gradient_bytes_per_step"].as_u64().unwrap(),
+            4 * summary["parameters"].as_u64().unwrap()
+        );
         assert!(summary.get("final_test_accuracy").is_none());
     }
 

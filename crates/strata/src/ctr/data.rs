@@ -283,7 +283,7 @@ impl CtrData {
 
     /// The planted model's logit of a record (its label aside).
     pub fn planted_logit(&self, r: &CtrRecord) -> f64 {
-        let base = mix64(self.seed ^ 0x1d_e77e_c75);
+        let base = mix64(self.seed ^ 0x0001_de77_ec75);
         let mut logit = BIAS;
         for (x, (_, _, _, w)) in r.dense.iter().zip(&self.dense) {
             logit += w * f64::from(*x);
