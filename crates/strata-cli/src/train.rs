@@ -523,8 +523,8 @@ mod tests {
         run(&train_args(&["--model", "ctr", "--strategy", "one-device", "--out", out_flag])).unwrap();
         let summary: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
         let (auc, best) = (summary["final_test_auc"].as_f64().unwrap(), summary["best_test_auc"].as_f64().unwrap());
-        // Measured with the defaults (10,000 rows, 391 steps of 256, AdamW at 0.003): 0.823,
-        // the planted model 0.878.
+        // Measured with the defaults (10,000 rows, 391 steps of 256, AdamW at 0.003): 0.828,
+        // the planted model 0.874.
         assert!(auc > 0.79 && best > 0.85 && auc < best, "auc {auc}, planted best {best}");
         assert_eq!(summary["model"], "ctr");
         assert_eq!(summary["embedding_rows"], 10_000);
