@@ -132,8 +132,9 @@ pub struct TrainArgs {
     /// Strata's CUDA kernels otherwise; nccl; kernels).
     #[arg(long, default_value = "auto", value_parser = parse_cross_device_ops)]
     pub cross_device_ops: strata_cuda::select::CrossDeviceChoice,
-    /// The model: mlp (digits), cnn (digits as 8x8 images) or transformer (Tiny Shakespeare);
-    /// every strategy trains each, parameter servers included.
+    /// The model: mlp (digits), cnn (digits as 8x8 images), transformer (Tiny Shakespeare),
+    /// every strategy training each, parameter servers included; or ctr (a DLRM-style click
+    /// model on generated records), under every strategy but parameter servers.
     #[arg(long, value_enum, default_value = "mlp")]
     pub model: ModelKind,
     /// Hidden layer sizes of --model mlp, comma-separated [default: 256,256].
