@@ -1,6 +1,6 @@
 //! `strata train --model cnn` and `--model transformer`, run as a user runs them (short
-//! runs), a 2-worker MultiWorkerMirrored job training the transformer with real processes
-//! (hard timeouts), and the refusals of flags that do not apply to a model.
+//! runs), 2-worker MultiWorkerMirrored jobs training the transformer and the ctr model with
+//! real processes (hard timeouts), and the refusals of flags that do not apply to a model.
 
 use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};
@@ -120,6 +120,45 @@ fn two_workers_train_the_transformer_to_the_same_parameters() {
     }
     assert_eq!(digests[0], digests[1], "the workers end with different parameters");
     assert!(String::from_utf8_lossy(&outs[0].stdout).contains("transformer validation loss"));
+}
+
+/// `--model ctr` under MultiWorkerMirrored with real processes: both workers end with the same
+/// parameters, the chief prints the AUCs; on parameter servers it is refused in one line.
+#[test]
+fn two_workers_train_the_ctr_model_to_the_same_parameters() {
+    let ports = free_ports(2);
+    let workers: Vec<String> = ports.iter().map(|p| format!("\"127.0.0.1:{p}\"")).collect();
+    let deadline = Instant::now() + Duration::from_secs(240);
+    let children: Vec<_> = (0..2)
+        .map(|i| {
+            let tf_config =
+                format!(r#"{{"cluster":{{"worker":[{}]}},"task":{{"type":"worker","index":{i}}}}}"#, workers.join(","));
+            strata()
+                .args(["train", "--strategy", "multi-worker-mirrored", "--model", "ctr", "--no-progress"])
+                .args(["--embedding-rows", "2000", "--train-records", "5000", "--test-records", "2000"])
+                .args(["--collective-timeout", "180"])
+                .env("TF_CONFIG", tf_config)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let outs: Vec<Output> = children.into_iter().map(|c| wait(c, deadline)).collect();
+    let mut digests = Vec::new();
+    for (i, o) in outs.iter().enumerate() {
+        let err = stderr(o);
+        assert!(o.status.success(), "worker {i} failed: {err}");
+        let digest = err.lines().find_map(|l| l.split_once("parameter digest ").map(|(_, d)| d.to_string()));
+        digests.push(digest.unwrap_or_else(|| panic!("worker {i} printed no digest: {err}")));
+    }
+    assert_eq!(digests[0], digests[1], "the workers end with different parameters");
+    let chief = String::from_utf8_lossy(&outs[0].stdout).into_owned();
+    assert!(chief.contains("ctr test auc") && chief.contains("planted best"), "{chief}");
+    assert_one_line_error(
+        &run(&["train", "--model", "ctr", "--strategy", "parameter-server"]),
+        "the ctr model on parameter servers comes with sparse tables",
+    );
 }
 
 #[test]

@@ -1,5 +1,5 @@
 //! The `strata` command: its subcommands (`train`, `launch`, `ps`, `worker`, `devices`,
-//! `compare`) and the benchmarks (`strata bench ...`). The library a training program depends
+//! `compare`, `ctr-data`) and the benchmarks (`strata bench ...`). The library a training program depends
 //! on is the `strata` crate; this crate owns the command line (clap), process control (nix,
 //! signal handlers in `signals`), progress bars (indicatif) and the allocator (mimalloc), and converts its flags into
 //! the library's types here, at the edge.
@@ -8,6 +8,7 @@ pub mod bench;
 pub mod cluster_token;
 pub mod compare;
 pub(crate) mod coordinator;
+pub mod ctr_data;
 pub(crate) mod kinds;
 pub(crate) mod launch;
 pub use cluster_token::TOKEN_VAR;
@@ -35,8 +36,8 @@ pub struct Cli {
 /// The subcommands.
 #[derive(Subcommand, Debug)]
 pub enum Command {
-    /// Train a model: the digits MLP (the main job), the digits CNN or the character
-    /// transformer (--model).
+    /// Train a model: the digits MLP (the main job), the digits CNN, the character
+    /// transformer or the click model (--model).
     Train(Box<train::TrainArgs>),
     /// Start a local cluster: one process per task, each with its TF_CONFIG (like torchrun).
     Launch(launch::LaunchArgs),
@@ -51,6 +52,9 @@ pub enum Command {
     /// List physical and logical devices as the visibility rules resolve them, and the GPUs
     /// with the CUDA_VISIBLE_DEVICES entry that selected each, their memory and peer access.
     Devices(DevicesArgs),
+    /// Write the ctr model's generated click records as files of 160-byte records
+    /// (`train.bin`, `test.bin`) and `meta.json`, for other frameworks.
+    CtrData(ctr_data::CtrDataArgs),
     /// Run the same training under several strategies (real processes, or --simulate'd in
     /// virtual time), and write runs.csv, summary.json, plots and REPORT.md.
     Compare(compare::CompareArgs),
@@ -95,6 +99,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Worker(args) => ps::run_worker(&args),
         Command::Devices(args) => devices(&args),
         Command::Compare(args) => compare::run(&args),
+        Command::CtrData(args) => ctr_data::run(&args),
         Command::Bench { which: BenchCommand::Allreduce(args) } => bench::allreduce(&args),
         Command::Bench { which: BenchCommand::Train(args) } => bench::train::run(&args),
         Command::Bench { which: BenchCommand::Transport(args) } => bench::transport::run(&args),

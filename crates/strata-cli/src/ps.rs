@@ -461,9 +461,11 @@ impl LocalCluster {
 
 /// The job every worker builds: `--model` (the MLP of `--hidden`, the CNN, or the transformer
 /// of `--width`, `--layers` and `--heads`), `--replicas` per worker, `--seed`, `--data` and `--no-overlap`.
-pub fn job_spec(args: &TrainArgs) -> PsJobSpec {
+/// The ctr model is refused: on parameter servers it comes with sparse tables.
+pub fn job_spec(args: &TrainArgs) -> Result<PsJobSpec> {
     let replicas = args.replicas.unwrap_or(1);
     let mut spec = match args.model {
+        ModelKind::Ctr => return Err(Error::Usage(train_args::CTR_ON_PS.into())),
         ModelKind::Mlp => PsJobSpec::mlp(args.hidden(), replicas, args.seed, args.data.clone()),
         ModelKind::Cnn => PsJobSpec::cnn(replicas, args.seed, args.data.clone()),
         ModelKind::Transformer => PsJobSpec::transformer(args.transformer(), replicas, args.seed),
@@ -472,14 +474,14 @@ pub fn job_spec(args: &TrainArgs) -> PsJobSpec {
     spec.lookahead = !args.no_lookahead;
     spec.recompute = args.recompute;
     spec.precision = args.precision;
-    spec
+    Ok(spec)
 }
 
 /// Trains `--model` under ParameterServerStrategy (the coordinator's side), starting the ps and
 /// worker tasks on loopback unless `TF_CONFIG` describes the cluster.
 pub fn train(args: &TrainArgs, started: Instant) -> Result<()> {
     // The job's sizes are checked before any task starts (the workers check them again).
-    let job = job_spec(args);
+    let job = job_spec(args)?;
     job.validate()?;
     job.validate_batch(args.batch())?;
     let (from_env, cluster_source) = match args.cluster {
@@ -716,5 +718,5 @@ fn coordinate(
     }
     let ps = PsSummary { mode, workers, coordinator: stats, tasks };
     let replicas = workers * args.replicas.unwrap_or(1);
-    crate::summary::finish(args, started, replicas, &report, model.variables(), 0, Some(ps))
+    crate::summary::finish(args, started, replicas, &report, model.variables(), 0, Some(ps), None)
 }

@@ -75,6 +75,30 @@ pub struct Summary {
     /// Local SGD / DiLoCo (`--sync-every`): its settings and this worker's outer traffic.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub local_sgd: Option<LocalSgdSummary>,
+    /// `--model ctr`: the table, the records and the AUCs (at the summary's top level).
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    pub ctr: Option<CtrSummary>,
+}
+
+/// What a `--model ctr` run adds to the summary.
+#[derive(Debug, Clone, Copy, serde::Serialize, serde::Deserialize)]
+pub struct CtrSummary {
+    /// Rows of the embedding table.
+    pub embedding_rows: u64,
+    /// The embedding dimension.
+    pub embedding_dim: usize,
+    /// Generated training records.
+    pub train_records: u64,
+    /// Generated test records.
+    pub test_records: u64,
+    /// The trained model's AUC on the test records.
+    pub final_test_auc: f64,
+    /// The planted model's AUC on the same records: the best any model can reach.
+    pub best_test_auc: f64,
+    /// The bytes of gradient each replica gives the reduction each step: every parameter's,
+    /// the whole table's included, in f32 (the strategies reduce the table's gradient densely;
+    /// the summary has no count of what the reductions sent).
+    pub dense_gradient_bytes_per_step: u64,
 }
 
 /// What a local SGD / DiLoCo run did.
@@ -106,6 +130,7 @@ pub(crate) fn save_params(path: &std::path::Path, index: usize, vars: &[(String,
 }
 
 /// The chief's (or coordinator's) end of a run: the one-line result, `--save-params` and `--out`.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn finish(
     args: &TrainArgs,
     started: std::time::Instant,
@@ -114,6 +139,7 @@ pub(crate) fn finish(
     vars: &[(String, candle_core::Var)],
     task_index: usize,
     parameter_servers: Option<PsSummary>,
+    ctr: Option<CtrSummary>,
 ) -> Result<()> {
     let transformer = args.model == ModelKind::Transformer;
     let context = args.transformer().context;
@@ -123,6 +149,7 @@ pub(crate) fn finish(
         ModelKind::Mlp => Mlp::parameter_count(digits::FEATURES, &args.hidden(), digits::CLASSES),
         ModelKind::Cnn => Cnn::parameter_count(),
         ModelKind::Transformer => args.transformer().parameter_count(),
+        ModelKind::Ctr => args.ctr().parameter_count() as usize,
     };
     let summary = Summary {
         model: args.model,
@@ -135,7 +162,7 @@ pub(crate) fn finish(
         optimizer: args.optimizer,
         learning_rate: args.lr,
         seed: args.seed,
-        final_test_accuracy: (!transformer).then_some(report.final_test_accuracy),
+        final_test_accuracy: (!transformer && args.model != ModelKind::Ctr).then_some(report.final_test_accuracy),
         validation_loss,
         tokens_per_second: transformer.then_some(report.examples_per_second * context as f64),
         examples_per_second: report.examples_per_second,
@@ -155,8 +182,22 @@ pub(crate) fn finish(
             outer_bytes_sent: bytes,
             meetings,
         }),
+        ctr,
     };
-    if let (Some(loss), Some(tokens)) = (summary.validation_loss, summary.tokens_per_second) {
+    if let Some(c) = &summary.ctr {
+        println!(
+            "{} x{}: ctr test auc {:.4} (planted best {:.4}) after {} epochs ({} steps), {} of dense gradient per step, {:.0} examples/s in steady state, {:.2} s",
+            args.strategy,
+            replicas,
+            c.final_test_auc,
+            c.best_test_auc,
+            args.epochs(),
+            report.steps,
+            strata_core::device::format_bytes(c.dense_gradient_bytes_per_step),
+            summary.examples_per_second,
+            summary.wall_seconds
+        );
+    } else if let (Some(loss), Some(tokens)) = (summary.validation_loss, summary.tokens_per_second) {
         println!(
             "{} x{}: transformer validation loss {loss:.4} nats per character after {} epochs ({} steps), {tokens:.0} tokens/s in steady state, {:.2} s",
             args.strategy,

@@ -66,6 +66,10 @@ pub enum ModelKind {
     /// with warm-up and cosine decay, clipping at 1.0; on parameter servers the same schedule
     /// over the ps tasks' own update count, clipping on the workers).
     Transformer,
+    /// A DLRM-style click model on generated Criteo-shaped records (`strata::ctr`): one
+    /// embedding table of --embedding-rows rows of --embedding-dim, 1 epoch of
+    /// --train-records records in batches of 256, the test AUC beside the planted model's.
+    Ctr,
 }
 
 impl ModelKind {
@@ -75,9 +79,20 @@ impl ModelKind {
             ModelKind::Mlp => "mlp",
             ModelKind::Cnn => "cnn",
             ModelKind::Transformer => "transformer",
+            ModelKind::Ctr => "ctr",
         }
     }
 }
+
+/// The refusal of `--model ctr` under `--strategy parameter-server`.
+pub const CTR_ON_PS: &str = "the ctr model on parameter servers comes with sparse tables; train it with one-device, mirrored, central-storage or multi-worker-mirrored for now";
+
+/// The ctr model's default embedding rows (`--embedding-rows`).
+pub const CTR_ROWS: u64 = 10_000;
+/// The ctr model's default training records (`--train-records`): 391 steps of 256.
+pub const CTR_TRAIN_RECORDS: u64 = 100_000;
+/// The ctr model's default test records (`--test-records`).
+pub const CTR_TEST_RECORDS: u64 = 20_000;
 
 /// The transformer's default steps per epoch (`--steps`): sized to finish well within 5 minutes
 /// on a 2-core machine in a release build.
@@ -117,8 +132,9 @@ pub struct TrainArgs {
     /// Strata's CUDA kernels otherwise; nccl; kernels).
     #[arg(long, default_value = "auto", value_parser = parse_cross_device_ops)]
     pub cross_device_ops: strata_cuda::select::CrossDeviceChoice,
-    /// The model: mlp (digits), cnn (digits as 8x8 images) or transformer (Tiny Shakespeare);
-    /// every strategy trains each, parameter servers included.
+    /// The model: mlp (digits), cnn (digits as 8x8 images), transformer (Tiny Shakespeare),
+    /// every strategy training each, parameter servers included; or ctr (a DLRM-style click
+    /// model on generated records), under every strategy but parameter servers.
     #[arg(long, value_enum, default_value = "mlp")]
     pub model: ModelKind,
     /// Hidden layer sizes of --model mlp, comma-separated [default: 256,256].
@@ -160,6 +176,19 @@ pub struct TrainArgs {
     /// memory, one more forward pass).
     #[arg(long)]
     pub recompute: bool,
+    /// --model ctr: rows of the embedding table the 26 fields share [default: 10000].
+    #[arg(long, value_name = "N")]
+    pub embedding_rows: Option<u64>,
+    /// --model ctr: the embedding dimension [default: 16].
+    #[arg(long, value_name = "D")]
+    pub embedding_dim: Option<usize>,
+    /// --model ctr: generated training records (held as tensors, 160 bytes each) [default:
+    /// 100000].
+    #[arg(long, value_name = "N")]
+    pub train_records: Option<u64>,
+    /// --model ctr: generated test records, on which the AUC is measured [default: 20000].
+    #[arg(long, value_name = "N")]
+    pub test_records: Option<u64>,
     /// --model transformer: after training, print N characters sampled from the model.
     #[arg(long, value_name = "N")]
     pub sample: Option<usize>,
@@ -447,7 +476,69 @@ impl TrainArgs {
 
     /// Passes over the training set (`--epochs`, or the model's default).
     pub fn epochs(&self) -> usize {
-        self.epochs_flag.unwrap_or(if self.model == ModelKind::Transformer { 1 } else { 30 })
+        self.epochs_flag.unwrap_or(if matches!(self.model, ModelKind::Transformer | ModelKind::Ctr) { 1 } else { 30 })
+    }
+
+    /// The ctr model's shape (`--embedding-rows`, `--embedding-dim`).
+    pub fn ctr(&self) -> strata::ctr::DlrmConfig {
+        strata::ctr::DlrmConfig::new(
+            self.embedding_rows.unwrap_or(CTR_ROWS),
+            self.embedding_dim.unwrap_or(strata::ctr::DlrmConfig::DEFAULT_DIM),
+        )
+    }
+
+    /// The ctr model's training and test records (`--train-records`, `--test-records`).
+    pub fn ctr_records(&self) -> (u64, u64) {
+        (self.train_records.unwrap_or(CTR_TRAIN_RECORDS), self.test_records.unwrap_or(CTR_TEST_RECORDS))
+    }
+
+    /// Refuses what the ctr model cannot do, and its flags on other models, one line each.
+    fn check_ctr_flags(&self) -> Result<()> {
+        let m = self.model.name();
+        if self.model != ModelKind::Ctr {
+            let flags = [
+                ("--embedding-rows", self.embedding_rows.is_some()),
+                ("--embedding-dim", self.embedding_dim.is_some()),
+                ("--train-records", self.train_records.is_some()),
+                ("--test-records", self.test_records.is_some()),
+            ];
+            return match flags.iter().find(|(_, set)| *set) {
+                Some((flag, _)) => {
+                    Err(Error::Usage(format!("{flag} applies to --model ctr, not --model {m}; drop it")))
+                }
+                None => Ok(()),
+            };
+        }
+        if self.strategy == StrategyKind::ParameterServer {
+            return Err(Error::Usage(CTR_ON_PS.into()));
+        }
+        let refuse = |flag: &str, applies: &str| {
+            Err(Error::Usage(format!("{flag} applies to {applies}, not --model ctr; drop it")))
+        };
+        if self.data.is_some() {
+            return refuse("--data", "the digits models (--model mlp or cnn); the ctr records are generated (--seed)");
+        }
+        if self.auto_shard == AutoShardKind::File {
+            return refuse("--auto-shard file", "the digits models (--model mlp or cnn)");
+        }
+        if self.recompute {
+            return refuse("--recompute", "--model mlp or transformer");
+        }
+        if self.precision != strata::Precision::F32 {
+            return refuse(&format!("--precision {}", self.precision), "--model mlp, cnn or transformer");
+        }
+        let (train, test) = self.ctr_records();
+        if train == 0 || test == 0 {
+            return Err(Error::Usage(format!(
+                "--train-records {train} and --test-records {test}: the ctr model needs at least one record of each"
+            )));
+        }
+        if train.max(test) > 1 << 32 {
+            return Err(Error::Usage(format!(
+                "--train-records {train} and --test-records {test}: at most 2^32 each (the records are held as tensors)"
+            )));
+        }
+        self.ctr().check()
     }
 
     /// fp16's dynamic loss scaling (`--precision fp16`, from `--initial-loss-scale`); `None`
@@ -539,6 +630,7 @@ impl TrainArgs {
                 )));
             }
         }
+        self.check_ctr_flags()?;
         let m = self.model.name();
         let refuse = |flag: &str, applies: &str| {
             Err(Error::Usage(format!("{flag} applies to {applies}, not --model {m}; drop it")))

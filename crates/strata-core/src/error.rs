@@ -235,6 +235,27 @@ pub enum Error {
     #[error("checkpoint: {0}")]
     Checkpoint(String),
 
+    /// An id outside a fixed embedding table's rows, or a negative one.
+    #[error("id {id} is outside embedding table {table:?}'s {rows} rows; map ids into 0..{rows} or declare the table by id space")]
+    EmbeddingId {
+        /// The table.
+        table: String,
+        /// The id given.
+        id: i64,
+        /// The table's rows.
+        rows: u64,
+    },
+
+    /// An embedding table declared by id space, under a strategy that keeps every variable
+    /// whole (a table without a row count cannot be one tensor).
+    #[error("embedding table {table:?} is declared by id space, which {strategy} cannot keep as a whole variable; declare rows, or train it on parameter servers")]
+    IdSpaceTable {
+        /// The table.
+        table: String,
+        /// The strategy whose scope built it.
+        strategy: String,
+    },
+
     /// An error from candle.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),

@@ -1,4 +1,5 @@
-//! Layers whose computation spans the replicas of a step: [`SyncBatchNorm`].
+//! Layers whose computation spans the replicas of a step: [`SyncBatchNorm`]; and, re-exported
+//! from [`embedding_layer`](crate::embedding_layer), the [`Embedding`] table.
 //!
 //! A layer's forward pass has no [`ReplicaContext`](crate::ReplicaContext) at hand (candle's
 //! `Module` takes a tensor), so these layers find the replica they run on through
@@ -8,6 +9,7 @@ use candle_core::{CpuStorage, DType, Device, Layout, Shape, Tensor, Var};
 use candle_nn::{BatchNormConfig, Init, ModuleT, VarBuilder};
 
 use crate::context::ReplicaHandle;
+pub use crate::embedding_layer::Embedding;
 
 /// The sum over every replica (and worker) of a step, as a differentiable op: every replica
 /// gets the sum; in backward, replica `r`'s gradient is `sum over r' of w_r' g_r'`, divided by

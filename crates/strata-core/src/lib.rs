@@ -71,6 +71,8 @@
 //!   back from the shards by unit ([`unit_name`]);
 //! - [`variables`]: the scope's variables ([`Scope`], [`Replicated`], [`DistributedVariable`],
 //!   [`SyncOnReadVariable`]);
+//! - [`embedding_layer`]: the [`Embedding`] layer, a table made in a scope (a whole trainable
+//!   variable under the strategies that keep variables whole);
 //! - [`local_sgd`]: local SGD and DiLoCo's outer synchronisation ([`LocalSgd`]), fragments
 //!   met at staggered steps, their exchanges overlapped with the inner steps;
 //! - [`distributed_optimizer`]: the [`DistributedOptimizer`] (build, apply, clipping, schedule,
@@ -94,6 +96,7 @@ pub mod device;
 pub mod distributed_optimizer;
 pub mod elastic;
 pub mod embedding;
+pub mod embedding_layer;
 mod error;
 pub mod extended;
 mod footprint;
@@ -122,6 +125,7 @@ pub use checkpoint::{
 };
 pub use distributed_optimizer::DistributedOptimizer;
 pub use elastic::{Elastic, StatefulOptimizer};
+pub use embedding_layer::Embedding;
 pub use error::{Error, MemoryLimitExceeded, MemoryLimitInStep, Result};
 pub use extended::{
     CrossReplicaContext, ReplicaContext, StrategyExtended, StrategyId, StrategyOptions, VariablePolicy, ZeroStage,

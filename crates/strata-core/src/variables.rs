@@ -152,6 +152,8 @@ struct ScopeBackend {
     primary: Option<Arc<HashMap<String, Tensor>>>,
     /// Central copies after the first: copy 0's variables to share, by name.
     shared: Option<Arc<HashMap<String, (Var, VariableKind)>>>,
+    /// Initial values given by [`Scope::var_from_values`] for the variable about to be made.
+    given: Arc<Mutex<HashMap<String, Vec<f32>>>>,
 }
 
 impl ScopeBackend {
@@ -197,8 +199,12 @@ impl SimpleBackend for ScopeBackend {
                 _ => {}
             }
         }
+        let given = lock(&self.given).remove(name);
         let value = match &self.primary {
-            None => Tensor::from_vec(init_values(&h, &s, name_seed(self.seed, name)), s.clone(), dev)?,
+            None => {
+                let values = given.unwrap_or_else(|| init_values(&h, &s, name_seed(self.seed, name)));
+                Tensor::from_vec(values, s.clone(), dev)?
+            }
             Some(p) => match p.get(name) {
                 Some(t) if t.shape() == &s => t.to_device(dev)?,
                 Some(t) => candle_core::bail!(
@@ -233,6 +239,7 @@ pub struct Scope<'a> {
     vb: VarBuilder<'static>,
     frozen: VarBuilder<'static>,
     state: VarBuilder<'static>,
+    given: Arc<Mutex<HashMap<String, Vec<f32>>>>,
     copy: usize,
     copies: usize,
     ext: &'a Arc<dyn StrategyExtended>,
@@ -265,6 +272,34 @@ impl Scope<'_> {
     /// own forward pass (with `Var::set`), per replica, and read as the mean over replicas.
     pub fn state_var_builder(&self) -> VarBuilder<'static> {
         self.state.clone()
+    }
+
+    /// The seed every variable's initial value is drawn from ([`StrategyOptions::seed`](crate::StrategyOptions::seed)).
+    pub fn seed(&self) -> u64 {
+        self.ext.options().seed
+    }
+
+    /// A trainable variable `name` (the full name, no `VarBuilder` prefix) of `shape` whose
+    /// initial values `fill` writes (row-major, f32), for layers whose values must not depend
+    /// on the strategy's generator, such as [`Embedding`](crate::embedding_layer::Embedding)'s
+    /// rows. `fill` runs once, for the first copy of the model; the other copies take the
+    /// first's values, as every variable's. An existing variable of that name is returned as
+    /// it is.
+    pub fn var_from_values(
+        &self,
+        name: &str,
+        shape: impl Into<Shape>,
+        fill: impl FnOnce(&mut [f32]),
+    ) -> candle_core::Result<Tensor> {
+        let shape: Shape = shape.into();
+        if self.copy == 0 && !self.vb.contains_tensor(name) {
+            let mut values = vec![0f32; shape.elem_count()];
+            fill(&mut values);
+            lock(&self.given).insert(name.to_string(), values);
+        }
+        let t = self.vb.get_with_hints(shape, name, Init::Const(0.0));
+        lock(&self.given).remove(name);
+        t
     }
 
     /// The strategy whose scope this is, shared (for layers that keep it, such as
@@ -325,6 +360,7 @@ pub(crate) fn build_replicated<M>(
     let mut copy = 0;
     while copy < n {
         let created = Arc::new(Mutex::new(Vec::new()));
+        let given = Arc::new(Mutex::new(HashMap::new()));
         let backend = |kind| ScopeBackend {
             copy,
             seed: ext.options().seed,
@@ -334,6 +370,7 @@ pub(crate) fn build_replicated<M>(
             created: created.clone(),
             primary: primary.clone(),
             shared: shared.clone(),
+            given: given.clone(),
         };
         // Central copies after the first compute on copy 0's device, as the central variables.
         let device = if shared.is_some() { &devices[0] } else { &devices[copy] };
@@ -341,7 +378,7 @@ pub(crate) fn build_replicated<M>(
         let vb = VarBuilder::from_backend(Box::new(backend(None)), DType::F32, dev.clone());
         let frozen = VarBuilder::from_backend(Box::new(backend(Some(VariableKind::Frozen))), DType::F32, dev.clone());
         let state = VarBuilder::from_backend(Box::new(backend(Some(VariableKind::State))), DType::F32, dev);
-        let model = build(&Scope { vb, frozen, state, copy, copies: n, ext })?;
+        let model = build(&Scope { vb, frozen, state, given, copy, copies: n, ext })?;
         let made = std::mem::take(&mut *lock(&created));
         if let Some(first) = vars.first() {
             let a: Vec<&str> = first.iter().map(|(n, _)| n.as_str()).collect();

@@ -9,6 +9,7 @@ mod common;
 mod batches;
 mod cluster;
 mod coordinator;
+mod embedding;
 mod gpu_training;
 mod mixed_precision;
 mod multi_worker;

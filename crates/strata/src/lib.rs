@@ -76,13 +76,15 @@
 //! ## Where to read more
 //!
 //! The modules below document the rest (models, data sets, fused kernels, the parameter-server
-//! job, metrics). The user guide is the mdBook in the repository's `docs/` directory
+//! job, metrics; [`ctr`]: a click-through workload, generated Criteo-shaped records and a
+//! DLRM-style model over an embedding table). The user guide is the mdBook in the repository's `docs/` directory
 //! (`mdbook build docs`): getting started, each strategy, your own model and data, multi-worker
 //! and parameter-server jobs, GPUs, faults and checkpoints, limits and errors.
 
 #![deny(missing_docs)]
 
 pub mod cnn;
+pub mod ctr;
 pub mod digits;
 #[cfg(doctest)]
 mod doc_snippets;

@@ -1,0 +1,229 @@
+//! The [`Embedding`] layer: a table of [`TableConfig`] made in a strategy's [`Scope`], looked
+//! up by ids of any shape. The model code is the same under every strategy; how the table is
+//! held is the layer's own affair (a private inner enum), so a sparse table (rows pulled from
+//! and pushed to parameter servers) can come in later behind the same type.
+
+use candle_core::{DType, Tensor};
+
+use crate::embedding::{init_row, TableConfig, TableSize};
+use crate::variables::Scope;
+use crate::{Error, Result};
+
+/// How the table is held.
+#[derive(Clone, Debug)]
+enum Inner {
+    /// The whole table, an ordinary trainable variable of shape `(rows, dim)`.
+    Dense(Tensor),
+}
+
+/// An embedding table: `forward(ids)` gives the rows of `ids`, of shape `ids.shape() x dim`.
+///
+/// Under the strategies that keep variables whole (OneDevice, Mirrored, CentralStorage,
+/// MultiWorkerMirrored) the table is an ordinary trainable variable named `config.name`, of
+/// shape `(rows, dim)`; its gradient is the dense `(rows, dim)` tensor candle's `index_select`
+/// produces (the output gradient scatter-added into the looked-up rows, zeros elsewhere), and
+/// it is reduced densely like every other gradient: a step sends `rows x dim` values whatever
+/// the batch touched. Reducing only the rows a step touched (their ids and values) is future
+/// work, to be measured against this dense reduction.
+///
+/// Row `id` starts at [`init_row`]`(seed, name, init, id)` with the scope's seed, whatever the
+/// strategy, so a table trained on one device, on replicas, or created row by row on
+/// parameter-server tasks starts from the same numbers.
+///
+/// A table declared by id space ([`TableSize::Ids`]) cannot be one tensor: under these
+/// strategies it is refused ([`Error::IdSpaceTable`]).
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use strata_core::embedding::TableConfig;
+/// use strata_core::layers::Embedding;
+/// use strata_core::{Strategy, StrategyHandle};
+///
+/// let strategy = StrategyHandle::current();
+/// let model = strategy.scope(|s| Embedding::new(s, TableConfig::rows("emb", 100, 8)).map_err(candle_core::Error::wrap))?;
+/// let ids = Tensor::new(&[[3u32, 7], [99, 0]], &Device::Cpu)?;
+/// assert_eq!(model.primary().forward(&ids)?.dims(), [2, 2, 8]);
+/// # Ok::<(), strata_core::Error>(())
+/// ```
+#[derive(Clone, Debug)]
+pub struct Embedding {
+    config: TableConfig,
+    inner: Inner,
+}
+
+impl Embedding {
+    /// The table of `config`, made in `scope` (under the name `config.name`). Refuses a
+    /// configuration that does not check ([`TableConfig::check`]), a table declared by id space
+    /// ([`Error::IdSpaceTable`]) and one too large to address.
+    pub fn new(scope: &Scope, config: TableConfig) -> Result<Self> {
+        config.check()?;
+        let rows = match config.size {
+            TableSize::Rows(rows) => rows,
+            TableSize::Ids { .. } => {
+                return Err(Error::IdSpaceTable {
+                    table: config.name.clone(),
+                    strategy: scope.strategy().name().into(),
+                })
+            }
+        };
+        let elements = usize::try_from(rows)
+            .ok()
+            .and_then(|r| r.checked_mul(config.dim))
+            .filter(|&n| n <= isize::MAX as usize / 4);
+        let Some(_) = elements else {
+            return Err(Error::InvalidArgument(format!(
+                "embedding table {:?} of {rows} rows of {} is too large to hold as one tensor; declare fewer rows",
+                config.name, config.dim
+            )));
+        };
+        let (seed, dim, init) = (scope.seed(), config.dim, config.init);
+        let table = scope.var_from_values(&config.name, (rows as usize, dim), |values| {
+            for (id, row) in values.chunks_exact_mut(dim).enumerate() {
+                init_row(seed, &config.name, init, id as u64, row);
+            }
+        })?;
+        Ok(Self { config, inner: Inner::Dense(table) })
+    }
+
+    /// The table's configuration.
+    pub fn config(&self) -> &TableConfig {
+        &self.config
+    }
+
+    /// The whole table, `(rows, dim)` (this copy's variable).
+    pub fn table(&self) -> &Tensor {
+        match &self.inner {
+            Inner::Dense(t) => t,
+        }
+    }
+
+    /// The rows of `ids` (u32 or i64, any shape `S`): a tensor of shape `S x dim`. An id
+    /// outside the table's rows is an error naming the table ([`Error::EmbeddingId`]; checked
+    /// here, since `index_select` would not), as are ids of another dtype.
+    pub fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        let Inner::Dense(table) = &self.inner;
+        self.check_ids(ids, table.dim(0)? as u64).map_err(candle_core::Error::wrap)?;
+        let mut dims = ids.dims().to_vec();
+        dims.push(self.config.dim);
+        table.index_select(&ids.flatten_all()?, 0)?.reshape(dims)
+    }
+
+    /// Every id of `ids` within `0..rows`.
+    fn check_ids(&self, ids: &Tensor, rows: u64) -> Result<()> {
+        let table = &self.config.name;
+        if ids.elem_count() == 0 {
+            return Ok(());
+        }
+        let flat = ids.flatten_all()?;
+        let bad = match ids.dtype() {
+            DType::U32 => Some(i64::from(flat.max(0)?.to_scalar::<u32>()?)).filter(|&max| max as u64 >= rows),
+            DType::I64 => {
+                let (min, max) = (flat.min(0)?.to_scalar::<i64>()?, flat.max(0)?.to_scalar::<i64>()?);
+                if min < 0 {
+                    Some(min)
+                } else {
+                    Some(max).filter(|&m| m as u64 >= rows)
+                }
+            }
+            other => {
+                return Err(Error::InvalidArgument(format!(
+                    "embedding table {table:?} takes u32 or i64 ids, not {other:?}; cast the ids to u32"
+                )))
+            }
+        };
+        match bad {
+            Some(id) => Err(Error::EmbeddingId { table: table.clone(), id, rows }),
+            None => Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{Device, Tensor};
+
+    use super::*;
+    use crate::embedding::RowInit;
+    use crate::{Strategy, StrategyHandle};
+
+    fn table(config: TableConfig) -> crate::Replicated<Embedding> {
+        StrategyHandle::current()
+            .scope(|s| Embedding::new(s, config.clone()).map_err(candle_core::Error::wrap))
+            .unwrap()
+    }
+
+    #[test]
+    fn forward_gathers_the_rows_of_any_shape_of_ids() {
+        let m = table(TableConfig::rows("t", 10, 3));
+        let e = m.primary();
+        let rows = e.table().to_vec2::<f32>().unwrap();
+        let ids = Tensor::new(&[[1u32, 9, 1], [0, 4, 7]], &Device::Cpu).unwrap();
+        let out = e.forward(&ids).unwrap();
+        assert_eq!(out.dims(), [2, 3, 3]);
+        let got = out.to_vec3::<f32>().unwrap();
+        for (i, r) in [[1usize, 9, 1], [0, 4, 7]].iter().enumerate() {
+            for (j, &id) in r.iter().enumerate() {
+                assert_eq!(got[i][j], rows[id]);
+            }
+        }
+        let long = Tensor::new(&[9i64, 0], &Device::Cpu).unwrap();
+        assert_eq!(e.forward(&long).unwrap().to_vec2::<f32>().unwrap(), vec![rows[9].clone(), rows[0].clone()]);
+    }
+
+    #[test]
+    fn the_gradient_is_the_output_gradient_scatter_added() {
+        let m = table(TableConfig::rows("t", 6, 2));
+        let e = m.primary();
+        let ids = [2u32, 5, 2, 0, 2];
+        let out = e.forward(&Tensor::new(&ids, &Device::Cpu).unwrap()).unwrap();
+        // loss = sum of out * w: the output gradient is w.
+        let w: Vec<f32> = (0..10).map(|i| i as f32 - 3.5).collect();
+        let wt = Tensor::from_vec(w.clone(), (5, 2), &Device::Cpu).unwrap();
+        let grads = (out * wt).unwrap().sum_all().unwrap().backward().unwrap();
+        let g = grads.get(e.table()).unwrap().to_vec2::<f32>().unwrap();
+        let mut want = vec![vec![0f32; 2]; 6];
+        for (k, &id) in ids.iter().enumerate() {
+            want[id as usize][0] += w[2 * k];
+            want[id as usize][1] += w[2 * k + 1];
+        }
+        assert_eq!(g, want);
+    }
+
+    #[test]
+    fn ids_out_of_range_are_refused_naming_the_table() {
+        let m = table(TableConfig::rows("clicks", 4, 2));
+        let e = m.primary();
+        // The first line: candle appends a backtrace to a wrapped error under RUST_BACKTRACE.
+        let msg = |ids: Tensor| e.forward(&ids).unwrap_err().to_string().lines().next().unwrap().to_string();
+        let m1 = msg(Tensor::new(&[0u32, 4], &Device::Cpu).unwrap());
+        assert_eq!(
+            m1,
+            "id 4 is outside embedding table \"clicks\"'s 4 rows; map ids into 0..4 or declare the table by id space"
+        );
+        let m2 = msg(Tensor::new(&[-1i64, 2], &Device::Cpu).unwrap());
+        assert!(m2.contains("id -1") && m2.contains("\"clicks\""), "{m2}");
+        let m3 = msg(Tensor::new(&[1f32], &Device::Cpu).unwrap());
+        assert!(m3.contains("u32 or i64"), "{m3}");
+    }
+
+    #[test]
+    fn rows_start_at_init_row_and_id_spaces_are_refused() {
+        let config = TableConfig { init: RowInit::Normal { std: 0.5 }, ..TableConfig::rows("emb", 7, 5) };
+        let m = table(config.clone());
+        let rows = m.primary().table().to_vec2::<f32>().unwrap();
+        let seed = StrategyHandle::current().extended().options().seed;
+        for (id, row) in rows.iter().enumerate() {
+            let mut want = [0f32; 5];
+            init_row(seed, "emb", config.init, id as u64, &mut want);
+            assert_eq!(row.as_slice(), want.as_slice());
+        }
+        let ids = TableConfig { size: TableSize::Ids { max_rows_per_shard: 10, evict_after: None }, ..config };
+        let mut refused = None;
+        let _ = StrategyHandle::current().scope(|s| {
+            refused = Embedding::new(s, ids.clone()).err().map(|e| e.to_string());
+            Ok(())
+        });
+        let e = refused.unwrap();
+        assert!(e.contains("declare rows, or train it on parameter servers") && !e.contains('\n'), "{e}");
+    }
+}

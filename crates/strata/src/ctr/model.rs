@@ -1,0 +1,205 @@
+//! The DLRM-style click model ([`Dlrm`]), its loss and its task.
+
+use candle_core::{DType, Tensor, D};
+use strata_core::data::BatchData;
+use strata_core::embedding::TableConfig;
+use strata_core::layers::Embedding;
+use strata_core::Scope;
+
+use super::data::{CtrBatch, DENSE, FIELDS};
+use crate::model::Dense;
+use crate::trainer::Task;
+use crate::{Error, Result};
+
+/// Pairwise interactions among the bottom output and the 26 embeddings: 27 x 26 / 2.
+pub const INTERACTIONS: usize = (FIELDS + 1) * FIELDS / 2;
+
+/// The shape of a [`Dlrm`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct DlrmConfig {
+    /// Rows of the one embedding table the 26 fields share.
+    pub embedding_rows: u64,
+    /// The embedding dimension `D` (the bottom MLP's output too).
+    pub embedding_dim: usize,
+    /// The hidden width of the bottom MLP (13 -> hidden -> D) and of the top MLP
+    /// (D + 351 -> hidden -> 1).
+    pub hidden: usize,
+}
+
+impl DlrmConfig {
+    /// The default embedding dimension.
+    pub const DEFAULT_DIM: usize = 16;
+    /// The MLPs' hidden width.
+    pub const HIDDEN: usize = 64;
+    /// The most parameters outside the table (the MLPs), as the other models' limit.
+    pub const MAX_TABLE_ELEMENTS: u64 = 1 << 34;
+
+    /// A model of `embedding_rows` rows of `embedding_dim`, hidden layers of 64.
+    pub fn new(embedding_rows: u64, embedding_dim: usize) -> Self {
+        Self { embedding_rows, embedding_dim, hidden: Self::HIDDEN }
+    }
+
+    /// The parameters outside the table.
+    pub fn dense_parameter_count(&self) -> usize {
+        let (d, h) = (self.embedding_dim, self.hidden);
+        (DENSE * h + h) + (h * d + d) + ((d + INTERACTIONS) * h + h) + (h + 1)
+    }
+
+    /// Every parameter: the table's `rows x D` and the MLPs'.
+    pub fn parameter_count(&self) -> u64 {
+        self.embedding_rows * self.embedding_dim as u64 + self.dense_parameter_count() as u64
+    }
+
+    /// Checks the sizes before anything is allocated: a dimension of `1..=1024`, at least 26
+    /// rows (one per field), a table of at most 2^34 elements (64 GiB of f32).
+    pub fn check(&self) -> Result<()> {
+        if !(1..=1024).contains(&self.embedding_dim) {
+            return Err(Error::Usage(format!(
+                "an embedding dimension of {} is outside 1..=1024; use e.g. 16",
+                self.embedding_dim
+            )));
+        }
+        let elements = self.embedding_rows.checked_mul(self.embedding_dim as u64);
+        if self.embedding_rows < super::data::MIN_ROWS || elements.is_none_or(|n| n > Self::MAX_TABLE_ELEMENTS) {
+            return Err(Error::Usage(format!(
+                "an embedding table of {} rows of {}: use at least {} rows (one per field) and at most 2^34 elements",
+                self.embedding_rows,
+                self.embedding_dim,
+                super::data::MIN_ROWS
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// A DLRM-style click model (Naumov et al., 2019): the 26 fields' ids looked up in one
+/// [`Embedding`] table (`ctr.embedding`, `rows x D`), a bottom MLP on the 13 dense features
+/// (13 -> 64 -> D, ReLU after each), the dot products of every pair of the 27 vectors (the
+/// bottom output and the 26 embeddings: 351, the upper triangle without the diagonal),
+/// concatenated with the bottom output, and a top MLP (D + 351 -> 64 -> 1, ReLU between) to
+/// the click logit. Variables: `ctr.embedding`, `ctr.bottom{0,1}.{weight,bias}`,
+/// `ctr.top{0,1}.{weight,bias}`.
+///
+/// Built from the scope itself (the table is made through [`Scope::var_from_values`]), it runs
+/// unchanged under every strategy that keeps variables whole.
+#[derive(Debug)]
+pub struct Dlrm {
+    config: DlrmConfig,
+    embedding: Embedding,
+    bottom: [Dense; 2],
+    top: [Dense; 2],
+    /// The positions of the upper triangle (without the diagonal) in a flattened 27 x 27.
+    pairs: Tensor,
+}
+
+impl Dlrm {
+    /// The model of `config`, its variables made in `scope`.
+    pub fn new(scope: &Scope, config: DlrmConfig) -> candle_core::Result<Self> {
+        config.check().map_err(candle_core::Error::wrap)?;
+        let vb = scope.var_builder().pp("ctr");
+        let (d, h) = (config.embedding_dim, config.hidden);
+        let table = TableConfig::rows("ctr.embedding", config.embedding_rows, d);
+        let embedding = Embedding::new(scope, table).map_err(candle_core::Error::wrap)?;
+        let n = FIELDS + 1;
+        let pairs: Vec<u32> = (0..n).flat_map(|i| (i + 1..n).map(move |j| (i * n + j) as u32)).collect();
+        Ok(Self {
+            config,
+            embedding,
+            bottom: [Dense::new(DENSE, h, vb.pp("bottom0"))?, Dense::new(h, d, vb.pp("bottom1"))?],
+            top: [Dense::new(d + INTERACTIONS, h, vb.pp("top0"))?, Dense::new(h, 1, vb.pp("top1"))?],
+            pairs: Tensor::new(pairs, vb.device())?,
+        })
+    }
+
+    /// Its shape.
+    pub fn config(&self) -> DlrmConfig {
+        self.config
+    }
+
+    /// The embedding table.
+    pub fn embedding(&self) -> &Embedding {
+        &self.embedding
+    }
+
+    /// The click logits `(B,)` of dense features f32 `(B, 13)` and ids u32 `(B, 26)`.
+    pub fn logits(&self, dense: &Tensor, ids: &Tensor) -> candle_core::Result<Tensor> {
+        let b = dense.dim(0)?;
+        let bottom = self.bottom[1].forward(&self.bottom[0].forward(dense)?.relu()?)?.relu()?;
+        let embedded = self.embedding.forward(ids)?; // (B, 26, D)
+        let z = Tensor::cat(&[&bottom.unsqueeze(1)?, &embedded], 1)?.contiguous()?; // (B, 27, D)
+        let dots = z.matmul(&z.transpose(1, 2)?.contiguous()?)?.reshape((b, (FIELDS + 1) * (FIELDS + 1)))?;
+        let dots = dots.index_select(&self.pairs, 1)?;
+        let x = Tensor::cat(&[&bottom, &dots], 1)?;
+        self.top[1].forward(&self.top[0].forward(&x)?.relu()?)?.squeeze(D::Minus1)
+    }
+
+    /// The mean binary cross-entropy of the logits against `labels` (f32 0 or 1, `(B,)`).
+    pub fn loss(&self, dense: &Tensor, ids: &Tensor, labels: &Tensor) -> candle_core::Result<Tensor> {
+        bce_with_logits(&self.logits(dense, ids)?, labels)
+    }
+
+    /// The click probabilities of `batch`'s records, computed in chunks of 4,096 on the model's
+    /// device.
+    pub fn predict(&self, batch: &CtrBatch) -> Result<Vec<f64>> {
+        let device = self.embedding.table().device();
+        let rows = batch.rows()?;
+        let mut out = Vec::with_capacity(rows);
+        for start in (0..rows).step_by(4096) {
+            let (dense, ids, _) = batch.slice(start..(start + 4096).min(rows))?.to_device(device)?;
+            let p = candle_nn::ops::sigmoid(&self.logits(&dense, &ids)?)?;
+            out.extend(p.to_dtype(DType::F64)?.to_vec1::<f64>()?);
+        }
+        Ok(out)
+    }
+
+    /// The AUC of the model's predictions on `batch` against its labels.
+    pub fn auc(&self, batch: &CtrBatch) -> Result<f64> {
+        let labels = batch.2.to_vec1::<f32>()?;
+        Ok(super::auc(&self.predict(batch)?, &labels))
+    }
+}
+
+/// The mean of `max(x, 0) - x y + log(1 + exp(-|x|))`: binary cross-entropy on logits `x`
+/// against labels `y`, stable for any `x`.
+pub fn bce_with_logits(logits: &Tensor, labels: &Tensor) -> candle_core::Result<Tensor> {
+    let softplus = (logits.abs()?.neg()?.exp()? + 1.0)?.log()?;
+    (logits.relu()? - (logits * labels)? + softplus)?.mean_all()
+}
+
+/// The task of [`crate::trainer::Trainer::fit`] for the click model on [`CtrBatch`]es: its
+/// loss, and the log loss as the evaluation's metric (the AUC, which does not split over
+/// shards, is measured on the primary copy after training: [`Dlrm::auc`]).
+pub fn task<'a>() -> Task<'a, Dlrm, CtrBatch> {
+    Task::new(|m: &Dlrm, ctx, b: &CtrBatch| {
+        let (dense, ids, labels) = b.to_device(ctx.candle_device())?;
+        Ok(m.loss(&dense, &ids, &labels)?)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::Device;
+    use strata_core::{Strategy, StrategyHandle};
+
+    use super::*;
+    use crate::ctr::{CtrData, Split};
+
+    #[test]
+    fn shapes_parameters_and_the_loss_closed_form() {
+        let config = DlrmConfig::new(500, 8);
+        let model = StrategyHandle::current().scope(|s| Dlrm::new(s, config)).unwrap();
+        let n: usize = model.variables(0).iter().map(|(_, v)| v.elem_count()).sum();
+        assert_eq!(n as u64, config.parameter_count());
+        let data = CtrData::new(3, 500).unwrap();
+        let (dense, ids, labels) = data.batch(Split::Train, 0..10, &Device::Cpu).unwrap();
+        let logits = model.primary().logits(&dense, &ids).unwrap();
+        assert_eq!(logits.dims(), [10]);
+        let x = Tensor::new(&[-30f32, 0.0, 2.0], &Device::Cpu).unwrap();
+        let y = Tensor::new(&[0f32, 1.0, 1.0], &Device::Cpu).unwrap();
+        let got = bce_with_logits(&x, &y).unwrap().to_scalar::<f32>().unwrap();
+        let want = ((1.0 + (-30f32).exp()).ln() + 2f32.ln() + (1.0 + (-2f32).exp()).ln()) / 3.0;
+        assert!((got - want).abs() < 1e-6, "{got} {want}");
+        assert!(model.primary().loss(&dense, &ids, &labels).unwrap().to_scalar::<f32>().unwrap().is_finite());
+        assert!(DlrmConfig::new(25, 8).check().is_err() && DlrmConfig::new(100, 0).check().is_err());
+    }
+}
