@@ -3,9 +3,11 @@
 //! held is the layer's own affair (a private inner enum), so a sparse table (rows pulled from
 //! and pushed to parameter servers) can come in later behind the same type.
 
-use candle_core::{DType, Tensor};
+use std::sync::Arc;
 
-use crate::embedding::{init_row, TableConfig, TableSize};
+use candle_core::{DType, Device, Tensor};
+
+use crate::embedding::{init_row, TableConfig, TableSize, TableStore};
 use crate::variables::Scope;
 use crate::{Error, Result};
 
@@ -14,6 +16,9 @@ use crate::{Error, Result};
 enum Inner {
     /// The whole table, an ordinary trainable variable of shape `(rows, dim)`.
     Dense(Tensor),
+    /// Rows pulled from the strategy's [`TableStore`] for each lookup, their gradients handed
+    /// back to it ([`crate::table_rows`]).
+    Store(Arc<dyn TableStore>),
 }
 
 /// An embedding table: `forward(ids)` gives the rows of `ids`, of shape `ids.shape() x dim`.
@@ -32,6 +37,12 @@ enum Inner {
 ///
 /// A table declared by id space ([`TableSize::Ids`]) cannot be one tensor: under these
 /// strategies it is refused ([`Error::IdSpaceTable`]).
+///
+/// Under a strategy with a [`TableStore`] ([`StrategyOptions::tables`](crate::StrategyOptions::tables):
+/// a parameter-server worker, hybrid training) the table is no variable of the model: each
+/// lookup pulls the distinct rows its ids name from the store, and the backward pass hands
+/// their gradients (summed per row) back to it ([`crate::table_rows`]). Both kinds of table
+/// work there.
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
@@ -57,6 +68,10 @@ impl Embedding {
     /// ([`Error::IdSpaceTable`]) and one too large to address.
     pub fn new(scope: &Scope, config: TableConfig) -> Result<Self> {
         config.check()?;
+        if let Some(store) = &scope.strategy().options().tables {
+            store.declare(&config)?;
+            return Ok(Self { config, inner: Inner::Store(store.clone()) });
+        }
         let rows = match config.size {
             TableSize::Rows(rows) => rows,
             TableSize::Ids { .. } => {
@@ -90,10 +105,21 @@ impl Embedding {
         &self.config
     }
 
-    /// The whole table, `(rows, dim)` (this copy's variable).
-    pub fn table(&self) -> &Tensor {
+    /// The whole table, `(rows, dim)` (this copy's variable); `None` when a [`TableStore`]
+    /// holds it.
+    pub fn table(&self) -> Option<&Tensor> {
         match &self.inner {
-            Inner::Dense(t) => t,
+            Inner::Dense(t) => Some(t),
+            Inner::Store(_) => None,
+        }
+    }
+
+    /// The device the looked-up rows are on: the table's, or the CPU for a store's rows
+    /// (looked up on the ids' device).
+    pub fn device(&self) -> Device {
+        match &self.inner {
+            Inner::Dense(t) => t.device().clone(),
+            Inner::Store(_) => Device::Cpu,
         }
     }
 
@@ -101,7 +127,10 @@ impl Embedding {
     /// outside the table's rows is an error naming the table ([`Error::EmbeddingId`]; checked
     /// here, since `index_select` would not), as are ids of another dtype.
     pub fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
-        let Inner::Dense(table) = &self.inner;
+        let table = match &self.inner {
+            Inner::Dense(table) => table,
+            Inner::Store(store) => return crate::table_rows::lookup(store, &self.config, ids),
+        };
         self.check_ids(ids, table.dim(0)? as u64).map_err(candle_core::Error::wrap)?;
         let mut dims = ids.dims().to_vec();
         dims.push(self.config.dim);
@@ -156,7 +185,7 @@ mod tests {
     fn forward_gathers_the_rows_of_any_shape_of_ids() {
         let m = table(TableConfig::rows("t", 10, 3));
         let e = m.primary();
-        let rows = e.table().to_vec2::<f32>().unwrap();
+        let rows = e.table().unwrap().to_vec2::<f32>().unwrap();
         let ids = Tensor::new(&[[1u32, 9, 1], [0, 4, 7]], &Device::Cpu).unwrap();
         let out = e.forward(&ids).unwrap();
         assert_eq!(out.dims(), [2, 3, 3]);
@@ -180,7 +209,7 @@ mod tests {
         let w: Vec<f32> = (0..10).map(|i| i as f32 - 3.5).collect();
         let wt = Tensor::from_vec(w.clone(), (5, 2), &Device::Cpu).unwrap();
         let grads = (out * wt).unwrap().sum_all().unwrap().backward().unwrap();
-        let g = grads.get(e.table()).unwrap().to_vec2::<f32>().unwrap();
+        let g = grads.get(e.table().unwrap()).unwrap().to_vec2::<f32>().unwrap();
         let mut want = vec![vec![0f32; 2]; 6];
         for (k, &id) in ids.iter().enumerate() {
             want[id as usize][0] += w[2 * k];
@@ -210,7 +239,7 @@ mod tests {
     fn rows_start_at_init_row_and_id_spaces_are_refused() {
         let config = TableConfig { init: RowInit::Normal { std: 0.5 }, ..TableConfig::rows("emb", 7, 5) };
         let m = table(config.clone());
-        let rows = m.primary().table().to_vec2::<f32>().unwrap();
+        let rows = m.primary().table().unwrap().to_vec2::<f32>().unwrap();
         let seed = StrategyHandle::current().extended().options().seed;
         for (id, row) in rows.iter().enumerate() {
             let mut want = [0f32; 5];

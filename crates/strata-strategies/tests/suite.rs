@@ -14,6 +14,7 @@ mod gpu_training;
 mod mixed_precision;
 mod multi_worker;
 mod parameter_server;
+mod ps_tables;
 mod ps_compression;
 mod ps_overlap;
 mod state;

@@ -673,7 +673,7 @@ impl PsClient {
                 Ok(messages)
             }
         })?;
-        let pulled = tables::rows_pulled(messages, tables.len(), format).map_err(|d| self.protocol(d))?;
+        let pulled = rows_pulled(messages, tables.len(), format).map_err(|d| self.protocol(d))?;
         crate::hooks::received(pulled.values.iter().map(Vec::len).sum::<usize>() * format.element_bytes());
         Ok(pulled)
     }
@@ -836,4 +836,38 @@ impl PsClient {
         self.call("Configure", |mut raw| async move { raw.configure(PsConfigureRequest { live_workers }).await })?;
         Ok(())
     }
+}
+
+/// The rows of a `PullRows` answer's messages (a header, then chunks of `tables` tables in
+/// `format`, each table's in order), or what is wrong with them.
+fn rows_pulled(
+    messages: Vec<proto::PullMessage>,
+    tables: usize,
+    format: WireFormat,
+) -> std::result::Result<RowsPulled, String> {
+    let mut messages = messages.into_iter();
+    let version = match messages.next().and_then(|m| m.kind) {
+        Some(proto::pull_message::Kind::Header(h)) if h.wire_format == convert::wire_format_spec(format) => h.version,
+        Some(proto::pull_message::Kind::Header(h)) => {
+            return Err(format!("asked for {format} rows, the answer holds wire format {}", h.wire_format))
+        }
+        _ => return Err("the rows' answer does not start with its header".into()),
+    };
+    let mut values = vec![Vec::new(); tables];
+    for m in messages {
+        let Some(proto::pull_message::Kind::Chunk(c)) = m.kind else {
+            return Err("the rows' answer holds a second header".into());
+        };
+        let chunk = convert::chunk(c, format).map_err(|e| e.to_string())?;
+        let Some(v) = values.get_mut(chunk.var as usize) else {
+            return Err(format!("a chunk of table {} of {tables}", chunk.var));
+        };
+        if chunk.offset != v.len() as u64 {
+            return Err(format!("a chunk of table {} at element {} follows {}", chunk.var, chunk.offset, v.len()));
+        }
+        for piece in &chunk.pieces {
+            v.extend(piece.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])));
+        }
+    }
+    Ok(RowsPulled { version, values })
 }

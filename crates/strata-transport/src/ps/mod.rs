@@ -80,6 +80,7 @@ pub use convert::ProtoSpec;
 pub use faults::FaultInjection;
 pub use server::PsServerHandle;
 pub use staged::{StageError, StagedPush};
+pub use tables::RowsPulled;
 pub use strata_ps::{
     CreateOutcome, LrSchedule, PsMode, PsStatus, PushOutcome, RowGrads, RowOptimizer, ServerOptimizer, TableInfo,
     TableStatus, UpdateId, VariableInfo, WireFormat, MAX_CHUNK_BYTES, MAX_CHUNK_ELEMENTS, MAX_VARIABLE_ELEMENTS,
@@ -176,15 +177,6 @@ impl PsServerConfig {
             push_chunks: None,
         }
     }
-}
-
-/// Rows of embedding tables pulled from one parameter server ([`PsClient::pull_rows`]).
-#[derive(Clone, Debug, PartialEq)]
-pub struct RowsPulled {
-    /// The task's version when the rows were read.
-    pub version: u64,
-    /// For each table asked for, its rows' values (`ids.len() * dim`, in the order of the ids).
-    pub values: Vec<Vec<f32>>,
 }
 
 /// Values pulled from one parameter server.

@@ -190,36 +190,11 @@ pub(crate) fn table_status(s: &proto::TableStatusSpec) -> strata_ps::Result<Tabl
     Ok(TableStatus { info, rows: s.rows, evicted: s.evicted, bytes: s.bytes })
 }
 
-/// The rows of a `PullRows` answer's messages (a header, then chunks of `tables` tables in
-/// `format`, each table's in order), or what is wrong with them.
-pub(crate) fn rows_pulled(
-    messages: Vec<proto::PullMessage>,
-    tables: usize,
-    format: WireFormat,
-) -> std::result::Result<super::RowsPulled, String> {
-    let mut messages = messages.into_iter();
-    let version = match messages.next().and_then(|m| m.kind) {
-        Some(proto::pull_message::Kind::Header(h)) if h.wire_format == super::convert::wire_format_spec(format) => h.version,
-        Some(proto::pull_message::Kind::Header(h)) => {
-            return Err(format!("asked for {format} rows, the answer holds wire format {}", h.wire_format))
-        }
-        _ => return Err("the rows' answer does not start with its header".into()),
-    };
-    let mut values = vec![Vec::new(); tables];
-    for m in messages {
-        let Some(proto::pull_message::Kind::Chunk(c)) = m.kind else {
-            return Err("the rows' answer holds a second header".into());
-        };
-        let chunk = super::convert::chunk(c, format).map_err(|e| e.to_string())?;
-        let Some(v) = values.get_mut(chunk.var as usize) else {
-            return Err(format!("a chunk of table {} of {tables}", chunk.var));
-        };
-        if chunk.offset != v.len() as u64 {
-            return Err(format!("a chunk of table {} at element {} follows {}", chunk.var, chunk.offset, v.len()));
-        }
-        for piece in &chunk.pieces {
-            v.extend(piece.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])));
-        }
-    }
-    Ok(super::RowsPulled { version, values })
+/// Rows of embedding tables pulled from one parameter server ([`PsClient::pull_rows`](super::PsClient::pull_rows)).
+#[derive(Clone, Debug, PartialEq)]
+pub struct RowsPulled {
+    /// The task's version when the rows were read.
+    pub version: u64,
+    /// For each table asked for, its rows' values (`ids.len() * dim`, in the order of the ids).
+    pub values: Vec<Vec<f32>>,
 }

@@ -141,7 +141,7 @@ impl Dlrm {
     /// The click probabilities of `batch`'s records, computed in chunks of 4,096 on the model's
     /// device.
     pub fn predict(&self, batch: &CtrBatch) -> Result<Vec<f64>> {
-        let device = self.embedding.table().device();
+        let device = &self.embedding.device();
         let rows = batch.rows()?;
         let mut out = Vec::with_capacity(rows);
         for start in (0..rows).step_by(4096) {

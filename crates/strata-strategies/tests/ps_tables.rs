@@ -1,0 +1,155 @@
+//! Embedding tables on parameter servers, seen from a model: the same model code (the
+//! `Embedding` layer) under a strategy whose tables live on ps tasks (real gRPC servers on
+//! loopback) pulls only the rows its batches touch and trains them there as one device trains
+//! the whole table, bit for bit under SGD; a worker never holds the table.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::{Linear, Module, SGD};
+use strata_core::embedding::{init_row, owner_of, RowInit, TableConfig, TableSize, TableStore};
+use strata_core::layers::Embedding;
+use strata_core::{Scope, Strategy, StrategyHandle, StrategyOptions};
+use strata_strategies::parameter_server::PsTables;
+use strata_strategies::OneDeviceStrategy;
+use strata_transport::ps::{
+    PsClient, PsClientConfig, PsMode, PsServerConfig, PsServerHandle, RowOptimizer, ServerOptimizer, TableInfo,
+    WireFormat,
+};
+use strata_transport::ClusterToken;
+
+const SEED: u64 = 11;
+const LR: f64 = 0.2;
+const ROWS: u64 = 40;
+const DIM: usize = 3;
+
+fn token() -> ClusterToken {
+    ClusterToken::new("0123456789abcdef0123456789abcdef").unwrap()
+}
+
+fn table() -> TableConfig {
+    TableConfig { name: "emb".into(), dim: DIM, size: TableSize::Rows(ROWS), init: RowInit::Uniform { low: -1.0, high: 1.0 } }
+}
+
+/// A model of one table and a linear layer on the two looked-up rows of each example.
+struct Model {
+    emb: Embedding,
+    lin: Linear,
+}
+
+impl Model {
+    fn new(s: &Scope) -> candle_core::Result<Self> {
+        let emb = Embedding::new(s, table()).map_err(candle_core::Error::wrap)?;
+        let lin = candle_nn::linear(2 * DIM, 1, s.var_builder().pp("lin"))?;
+        Ok(Self { emb, lin })
+    }
+
+    fn loss(&self, ids: &Tensor, target: &Tensor) -> candle_core::Result<Tensor> {
+        let rows = self.emb.forward(ids)?.flatten_from(1)?;
+        (self.lin.forward(&rows)? - target)?.sqr()?.mean_all()
+    }
+}
+
+/// The ps tasks: `n` servers, each holding its shard of the table, stepped with SGD at `LR`.
+fn ps_tasks(n: usize) -> (Vec<PsServerHandle>, Vec<PsClient>) {
+    let config = PsClientConfig { timeout: Duration::from_secs(30), retry_for: Duration::from_secs(30) };
+    let mut servers = Vec::new();
+    let mut clients = Vec::new();
+    for k in 0..n {
+        let task = format!("ps:{k}");
+        let server = PsServerHandle::start("127.0.0.1:0".parse().unwrap(), PsServerConfig::new(&task, token())).unwrap();
+        let client = PsClient::connect(&server.address().to_string(), &task, token(), config.clone()).unwrap();
+        let info = TableInfo {
+            config: table(),
+            seed: SEED,
+            shard: k as u32,
+            num_shards: n as u32,
+            optimizer: RowOptimizer::Sgd { lr: LR },
+        };
+        client
+            .create_with_tables(&[], &[info], &ServerOptimizer::Sgd { lr: LR }, None, PsMode::Async, WireFormat::F32)
+            .unwrap();
+        servers.push(server);
+        clients.push(client);
+    }
+    (servers, clients)
+}
+
+fn batches() -> Vec<(Tensor, Tensor)> {
+    let ids: [[u32; 8]; 4] =
+        [[0, 5, 5, 9, 39, 2, 17, 5], [9, 9, 9, 1, 30, 31, 2, 0], [12, 13, 5, 39, 39, 20, 21, 22], [3, 3, 3, 3, 4, 4, 4, 4]];
+    ids.iter()
+        .enumerate()
+        .map(|(k, b)| {
+            let ids = Tensor::new(b, &Device::Cpu).unwrap().reshape((4, 2)).unwrap();
+            let target = Tensor::new(&[[k as f32], [1.0], [-1.0], [0.5]], &Device::Cpu).unwrap();
+            (ids, target)
+        })
+        .collect()
+}
+
+/// Trains the model under `s` with SGD on its variables (the linear layer's; the table's too
+/// when it is one); returns the linear layer's weights.
+fn train(s: &StrategyHandle) -> (candle_core::Result<Vec<f32>>, strata_core::Replicated<Model>) {
+    let model = s.scope(Model::new).unwrap();
+    let opt = model.optimizer::<SGD>(LR).unwrap();
+    for (ids, target) in batches() {
+        s.run(|ctx| {
+            let loss = model.on(ctx)?.loss(&ids, &target)?;
+            ctx.backward_and_sync(&loss, &opt)
+        })
+        .unwrap();
+    }
+    let w = model.primary().lin.weight().flatten_all().and_then(|t| t.to_vec1::<f32>());
+    (w, model)
+}
+
+#[test]
+fn a_table_on_ps_tasks_trains_as_one_device_trains_the_whole_table() {
+    let (_servers, clients) = ps_tasks(2);
+    let store = Arc::new(PsTables::new("worker:0", clients.clone()));
+    let options = StrategyOptions { seed: SEED, tables: Some(store.clone()), ..Default::default() };
+    let sparse = OneDeviceStrategy::with_options(strata_core::device::logical_cpus(1).unwrap()[0].clone(), options)
+        .unwrap()
+        .handle();
+    let (sparse_w, sparse_model) = train(&sparse);
+    assert!(sparse_model.primary().emb.table().is_none(), "the worker holds no table");
+    assert!(sparse_model.variables(0).iter().all(|(n, _)| n != "emb"), "the table is no variable of the worker");
+    let options = StrategyOptions { seed: SEED, ..Default::default() };
+    let dense = OneDeviceStrategy::with_options(strata_core::device::logical_cpus(1).unwrap()[0].clone(), options)
+        .unwrap()
+        .handle();
+    let (dense_w, dense_model) = train(&dense);
+    assert_eq!(sparse_w.unwrap(), dense_w.unwrap(), "the linear layer");
+    // Every row, on the task that owns it: pulled after training (a new lease), equal to the
+    // dense table's row; rows no batch touched are still their initial values.
+    let want = dense_model.primary().emb.table().unwrap().to_dtype(DType::F32).unwrap().to_vec2::<f32>().unwrap();
+    let touched: std::collections::BTreeSet<u32> =
+        batches().iter().flat_map(|(ids, _)| ids.flatten_all().unwrap().to_vec1::<u32>().unwrap()).collect();
+    for id in 0..ROWS {
+        let k = owner_of(TableSize::Rows(ROWS), id, 2);
+        let got = clients[k].pull_rows("reader", 1, &[("emb", &[id])]).unwrap().values.remove(0);
+        assert_eq!(got, want[id as usize], "row {id}");
+        if !touched.contains(&(id as u32)) {
+            let mut init = vec![0f32; DIM];
+            init_row(SEED, "emb", table().init, id, &mut init);
+            assert_eq!(got, init, "row {id}, untouched");
+        }
+    }
+    // One push per step to each task holding some of its rows, each applied once: the last
+    // batch's rows are all on ps:0.
+    let pushes: usize = batches()
+        .iter()
+        .map(|(ids, _)| {
+            let ids = ids.flatten_all().unwrap().to_vec1::<u32>().unwrap();
+            (0..2).filter(|&k| ids.iter().any(|&i| owner_of(TableSize::Rows(ROWS), u64::from(i), 2) == k)).count()
+        })
+        .sum();
+    let applied: u64 = clients.iter().map(|c| c.status().unwrap().pushes_applied).sum();
+    assert_eq!((applied, pushes), (7, 7));
+    assert_eq!(store.lease(), 4);
+    let declared: Vec<_> = store.tables().into_iter().map(|t| t.name).collect();
+    assert_eq!(declared, ["emb"]);
+    let _: &dyn TableStore = store.as_ref();
+}
