@@ -153,3 +153,90 @@ fn a_table_on_ps_tasks_trains_as_one_device_trains_the_whole_table() {
     assert_eq!(declared, ["emb"]);
     let _: &dyn TableStore = store.as_ref();
 }
+
+/// A parameter-server job in this process (2 ps tasks and one worker over real gRPC on
+/// loopback, steps scheduled by a coordinator): the model's table is created in shards on the
+/// ps tasks, never on the worker or the coordinator; each step pulls its rows and pushes their
+/// gradients with the linear layer's in one update per task. Under SGD on both, the job ends
+/// where one device's dense training ends, rows bit for bit.
+#[test]
+fn a_parameter_server_job_trains_a_table_it_never_holds_whole() {
+    use strata_strategies::cluster::{ClusterSpec, TaskType};
+    use strata_strategies::parameter_server::{
+        serve_worker, ParameterServerOptions, ParameterServerStrategy, PsWorkerModel, StepRegistry, WorkerContext,
+        WorkerOptions,
+    };
+    crate::common::with_timeout(Duration::from_secs(180), "a_parameter_server_job_trains_a_table", || {
+        let ps: Vec<PsServerHandle> = (0..2)
+            .map(|k| {
+                PsServerHandle::start("127.0.0.1:0".parse().unwrap(), PsServerConfig::new(format!("ps:{k}"), token()))
+                    .unwrap()
+            })
+            .collect();
+        let ps_addresses: Vec<String> = ps.iter().map(|p| p.address().to_string()).collect();
+        let worker_options = StrategyOptions { seed: SEED, ..Default::default() };
+        let worker = PsWorkerModel::new(1, worker_options, Model::new).unwrap();
+        let mut registry = StepRegistry::new();
+        registry.register("step", move |w: &WorkerContext, k: usize| -> strata_core::Result<bool> {
+            let (ids, target) = batches()[k].clone();
+            let out = worker.run_batch(w, &(ids, target), |ctx, shard| {
+                let (ids, target) = &shard.batch;
+                let loss = worker.model().on(ctx)?.loss(ids, target)?;
+                ctx.backward_and_sync(&loss, worker.optimizer())
+            })?;
+            Ok(out.push.is_some_and(|p| p.applied()))
+        });
+        let server =
+            serve_worker("127.0.0.1:0".parse().unwrap(), registry, WorkerOptions::new(0, ps_addresses.clone(), token()))
+                .unwrap();
+        let spec = ClusterSpec::new([(TaskType::Ps, ps_addresses), (TaskType::Worker, vec![server.address().to_string()])])
+            .unwrap();
+        let mut options = ParameterServerOptions::new(token());
+        options.optimizer = ServerOptimizer::Sgd { lr: LR };
+        options.table_optimizer = RowOptimizer::Sgd { lr: LR };
+        options.seed = SEED;
+        let strategy = ParameterServerStrategy::new(spec, options).unwrap();
+        let model = strategy.scope(Model::new).unwrap();
+        assert!(model.model().emb.table().is_none(), "the coordinator holds no table");
+        assert!(model.variables().iter().all(|(n, _)| n != "emb"));
+        let coordinator = strategy.coordinator().unwrap();
+        for k in 0..batches().len() {
+            // One step at a time: each pulls what the previous one pushed, as one device steps.
+            assert!(coordinator.schedule::<usize, bool>("step", &k).fetch().unwrap(), "step {k}");
+        }
+        coordinator.join().unwrap();
+        model.pull().unwrap();
+        let dense = OneDeviceStrategy::with_options(
+            strata_core::device::logical_cpus(1).unwrap()[0].clone(),
+            StrategyOptions { seed: SEED, ..Default::default() },
+        )
+        .unwrap()
+        .handle();
+        let (dense_w, dense_model) = train(&dense);
+        let got_w = model.model().lin.weight().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(got_w, dense_w.unwrap(), "the linear layer");
+        let want = dense_model.primary().emb.table().unwrap().to_vec2::<f32>().unwrap();
+        for id in 0..ROWS {
+            let k = owner_of(TableSize::Rows(ROWS), id, 2);
+            let got = strategy.ps_clients()[k].pull_rows("reader", 1, &[("emb", &[id])]).unwrap().values.remove(0);
+            assert_eq!(got, want[id as usize], "row {id}");
+        }
+        // The coordinator's copy looks rows up on the ps tasks: its loss is one device's.
+        let (ids, target) = &batches()[0];
+        let there = model.model().loss(ids, target).unwrap().to_scalar::<f32>().unwrap();
+        let here = dense_model.primary().loss(ids, target).unwrap().to_scalar::<f32>().unwrap();
+        assert_eq!(there, here);
+        for k in 0..2 {
+            let st = strategy.ps_clients()[k].status().unwrap();
+            assert_eq!(st.pushes_applied, batches().len() as u64, "ps:{k}: one update a step");
+            assert_eq!(st.tables.len(), 1);
+        }
+        drop(coordinator);
+        drop(model);
+        drop(strategy);
+        server.shutdown();
+        for p in ps {
+            p.shutdown();
+        }
+    });
+}

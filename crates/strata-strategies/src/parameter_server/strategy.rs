@@ -7,11 +7,14 @@ use std::time::Duration;
 use candle_core::{DType, Var};
 use strata_core::cross_device::compression::Compression;
 use strata_core::{Error, Replicated, Result, Strategy, StrategyOptions};
-use strata_transport::ps::{LrSchedule, PsClient, PsClientConfig, PsMode, ServerOptimizer, VariableInfo, WireFormat};
+use strata_transport::ps::{
+    LrSchedule, PsClient, PsClientConfig, PsMode, RowOptimizer, ServerOptimizer, TableInfo, VariableInfo, WireFormat,
+};
 use strata_transport::{AbortSignal, ClusterToken};
 
 use super::coordinator::{ClusterCoordinator, CoordinatorOptions, PsControl};
 use super::partition::{shard_range, Partitioner, Placement, PlacementPolicy};
+use super::tables::PsTables;
 use super::worker::pull_assign;
 use crate::cluster::{ClusterResolver, ClusterSpec, TaskId, TaskType};
 use crate::OneDeviceStrategy;
@@ -60,6 +63,10 @@ pub struct ParameterServerOptions {
     /// pulls ([`PsModel::pull`]) stay f32. [`Compression::PowerSgd`] is refused by
     /// [`ParameterServerStrategy::new`]: it applies to multi-worker-mirrored's ring.
     pub compression: Compression,
+    /// The optimizer of the embedding tables' rows on the ps tasks (default Keras' Adagrad:
+    /// lr 0.05, initial accumulator 0.1, eps 1e-7): each table's touched rows are stepped with
+    /// it, TensorFlow's sparse semantics.
+    pub table_optimizer: RowOptimizer,
 }
 
 impl ParameterServerOptions {
@@ -81,6 +88,7 @@ impl ParameterServerOptions {
             cluster_source: "the cluster spec",
             wait_for_restarted_ps: false,
             compression: Compression::None,
+            table_optimizer: RowOptimizer::Adagrad { lr: 0.05, initial_accumulator: 0.1, eps: 1e-7 },
         }
     }
 
@@ -192,11 +200,32 @@ impl ParameterServerStrategy {
     /// strategy for the same seed), splits and places its variables, and creates them on the ps
     /// tasks with the optimizer and mode. Variables a ps task already holds (restored from a
     /// checkpoint) keep their values, which are pulled into the returned copy.
+    ///
+    /// Embedding tables the model declares ([`strata_core::layers::Embedding`]) are never
+    /// built here: each ps task gets its shard of every table (a fixed table's run of rows, an
+    /// id-space table's ids hashed to it), stepped with
+    /// [`table_optimizer`](ParameterServerOptions::table_optimizer), whose rows appear as
+    /// they are first pulled; the coordinator's copy looks them up on the ps tasks.
     pub fn scope<M>(&self, build: impl FnMut(&strata_core::Scope) -> candle_core::Result<M>) -> Result<PsModel<M>> {
         let cpu = strata_core::device::logical_cpus(1)?.remove(0);
-        let local =
-            OneDeviceStrategy::with_options(cpu, StrategyOptions { seed: self.options.seed, ..Default::default() })?;
+        let tables = Arc::new(PsTables::new("chief", self.ps_clients.clone()));
+        let options = StrategyOptions { seed: self.options.seed, tables: Some(tables.clone()), ..Default::default() };
+        let local = OneDeviceStrategy::with_options(cpu, options)?;
         let model = local.scope(build)?;
+        let num_ps = self.ps_clients.len() as u32;
+        let table_shards = |ps: usize| -> Vec<TableInfo> {
+            tables
+                .tables()
+                .into_iter()
+                .map(|config| TableInfo {
+                    config,
+                    seed: self.options.seed,
+                    shard: ps as u32,
+                    num_shards: num_ps,
+                    optimizer: self.options.table_optimizer.clone(),
+                })
+                .collect()
+        };
         let vars: Vec<(String, Var)> = model.variables(0).to_vec();
         let mut shapes = Vec::with_capacity(vars.len());
         let mut values = Vec::with_capacity(vars.len());
@@ -231,6 +260,7 @@ impl ParameterServerStrategy {
                     let placement = &placement;
                     let values = &values;
                     let options = &self.options;
+                    let table_shards = &table_shards;
                     s.spawn(move || -> Result<bool> {
                         let mut shards: Vec<(VariableInfo, &[f32])> = Vec::new();
                         for info in placement.on_task(ps) {
@@ -239,8 +269,9 @@ impl ParameterServerStrategy {
                             })?;
                             shards.push((info.clone(), &values[v][shard_range(info)]));
                         }
-                        let outcome = client.create_variables_for_job(
+                        let outcome = client.create_with_tables(
                             &shards,
+                            &table_shards(ps),
                             &options.optimizer,
                             options.schedule.as_ref(),
                             options.mode,

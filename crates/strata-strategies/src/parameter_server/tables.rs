@@ -14,7 +14,7 @@
 //! [`StrategyOptions::tables`]: strata_core::StrategyOptions::tables
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use strata_core::embedding::{owner_of, TableConfig, TableStore};
 use strata_core::{Error, Result};
@@ -42,36 +42,75 @@ struct Step {
     tables: HashMap<String, StepTable>,
 }
 
-/// The [`TableStore`] of a worker whose tables live on ps tasks (see the [module docs](self)).
-#[derive(Debug)]
-pub struct PsTables {
+/// Who a store pulls and pushes as, and to which ps tasks.
+#[derive(Debug, Default)]
+struct Binding {
     /// The pulling and pushing worker (`worker:<i>`): the leases' owner.
     worker: String,
     /// Who numbers this store's updates: the worker and a run id, so that a restarted worker's
     /// updates are never taken for its predecessor's.
     client: String,
     /// A client of every ps task, by index, in the job's wire format.
-    clients: Vec<PsClient>,
+    clients: Arc<Vec<PsClient>>,
+}
+
+/// The [`TableStore`] of a worker whose tables live on ps tasks (see the [module docs](self)).
+#[derive(Debug)]
+pub struct PsTables {
+    binding: Mutex<Binding>,
     /// Whether [`end_step`](TableStore::end_step) pushes (`false`: the dense push takes them).
     push_at_end: bool,
     tables: Mutex<HashMap<String, TableConfig>>,
     step: Mutex<Step>,
 }
 
+/// An unbound store whose rows the step's dense push takes (a parameter-server worker's).
+impl Default for PsTables {
+    fn default() -> Self {
+        Self::unbound().pushed_with_the_dense_gradients()
+    }
+}
+
 impl PsTables {
     /// The store of `worker` (`worker:<i>`) over the ps tasks of `clients` (by index), whose
     /// rows' gradients are pushed at the end of each step.
     pub fn new(worker: impl Into<String>, clients: Vec<PsClient>) -> Self {
-        let worker = worker.into();
-        let run = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+        let store = Self::unbound();
+        store.bind(&worker.into(), Arc::new(clients));
+        store
+    }
+
+    /// A store that knows no ps task yet ([`bind`](Self::bind) it before a step looks up a
+    /// table): a ps worker's model is built before its first step tells it the ps tasks.
+    pub fn unbound() -> Self {
         Self {
-            client: format!("{worker}/tables-{run:x}"),
-            worker,
-            clients,
+            binding: Mutex::new(Binding::default()),
             push_at_end: true,
             tables: Mutex::new(HashMap::new()),
             step: Mutex::new(Step::default()),
         }
+    }
+
+    /// Pulls and pushes as `worker` from the ps tasks of `clients` (by index) from now on.
+    pub fn bind(&self, worker: &str, clients: Arc<Vec<PsClient>>) {
+        let mut b = lock(&self.binding);
+        if b.worker != worker {
+            let run = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+            b.worker = worker.to_string();
+            b.client = format!("{worker}/tables-{run:x}");
+        }
+        b.clients = clients;
+    }
+
+    /// The worker, its update numbering and the ps tasks' clients, or why there are none.
+    fn bound(&self) -> Result<(String, String, Arc<Vec<PsClient>>)> {
+        let b = lock(&self.binding);
+        if b.clients.is_empty() {
+            return Err(Error::InvalidArgument(
+                "an embedding table on parameter servers was looked up before the worker knew its ps tasks; step through PsWorkerModel::run_batch".into(),
+            ));
+        }
+        Ok((b.worker.clone(), b.client.clone(), b.clients.clone()))
     }
 
     /// The same store, whose rows are taken by the step's own push ([`take_rows`](Self::take_rows))
@@ -102,20 +141,21 @@ impl PsTables {
     /// The step's row gradients, per ps task (each table's rows that task owns, ids ascending),
     /// and the version each task's rows were pulled at; the step's gradients are cleared.
     pub fn take_rows(&self) -> Vec<(Vec<RowGrads>, u64)> {
+        let n = lock(&self.binding).clients.len();
         let mut step = lock(&self.step);
         let lease = step.lease;
-        let mut per_task: Vec<(Vec<RowGrads>, u64)> = vec![(Vec::new(), 0); self.clients.len()];
+        let mut per_task: Vec<(Vec<RowGrads>, u64)> = vec![(Vec::new(), 0); n];
         let tables = lock(&self.tables);
         let mut names: Vec<String> = step.tables.keys().cloned().collect();
         names.sort();
         for name in names {
             let Some(st) = step.tables.remove(&name) else { continue };
             let Some(config) = tables.get(&name) else { continue };
-            let mut rows: Vec<RowGrads> = (0..self.clients.len())
+            let mut rows: Vec<RowGrads> = (0..n)
                 .map(|_| RowGrads { table: name.clone(), lease, ids: Vec::new(), grads: Vec::new() })
                 .collect();
             for (id, g) in st.grads {
-                let k = owner_of(config.size, id, self.clients.len());
+                let k = owner_of(config.size, id, n);
                 rows[k].ids.push(id);
                 rows[k].grads.extend_from_slice(&g);
             }
@@ -132,12 +172,13 @@ impl PsTables {
     /// Pushes the step's rows to every ps task that owns some, in parallel, as update
     /// `(worker, client, lease, 0)`.
     fn push(&self, lease: u64) -> Result<()> {
+        let (worker, client, clients) = self.bound()?;
         let per_task = self.take_rows();
-        let id = UpdateId { worker: self.worker.clone(), client: self.client.clone(), step: lease, seq: 0 };
+        let id = UpdateId { worker, client, step: lease, seq: 0 };
         let results: Vec<Result<()>> = std::thread::scope(|s| {
             let handles: Vec<_> = per_task
                 .iter()
-                .zip(&self.clients)
+                .zip(clients.iter())
                 .filter(|((rows, _), _)| !rows.is_empty())
                 .map(|((rows, base), client)| {
                     let id = &id;
@@ -186,7 +227,8 @@ impl TableStore for PsTables {
     fn pull(&self, replica: usize, table: &str, ids: &[u64]) -> Result<Vec<f32>> {
         one_replica(replica)?;
         let config = self.config(table)?;
-        let n = self.clients.len();
+        let (worker, _, clients) = self.bound()?;
+        let n = clients.len();
         let mut per_task: Vec<Vec<u64>> = vec![Vec::new(); n];
         let mut place = Vec::with_capacity(ids.len());
         for &id in ids {
@@ -199,9 +241,9 @@ impl TableStore for PsTables {
         let pulled: Vec<Result<TaskRows>> = std::thread::scope(|s| {
             let handles: Vec<_> = per_task
                 .iter()
-                .zip(&self.clients)
+                .zip(clients.iter())
                 .map(|(mine, client)| {
-                    let worker = &self.worker;
+                    let worker = &worker;
                     s.spawn(move || {
                         if mine.is_empty() {
                             return Ok(None);

@@ -36,7 +36,7 @@ use serde::Serialize;
 use strata_core::{Error, Result};
 use strata_transport::executor::{StepFailure, StepHandler, WorkerExecutorHandle};
 use strata_transport::ps::{
-    F32Bytes, PsClient, PsClientConfig, PushOutcome, StagedPush, UpdateId, VariableInfo, WireFormat,
+    F32Bytes, PsClient, PsClientConfig, PushOutcome, RowGrads, StagedPush, UpdateId, VariableInfo, WireFormat,
 };
 use strata_transport::ClusterToken;
 
@@ -433,6 +433,26 @@ impl WorkerContext {
         Ok(())
     }
 
+    /// The clients of the ps tasks, by index, in the job's wire format (what pushes and pulls
+    /// use).
+    pub fn ps_clients(&self) -> Arc<Vec<PsClient>> {
+        self.shared.wire_clients()
+    }
+
+    /// [`push`](Self::push) of the step's gradients with rows of embedding tables: per ps task,
+    /// the rows it owns (pulled under their lease by this worker) and their version, as
+    /// [`PsTables::take_rows`](super::tables::PsTables::take_rows) gives them. Each task gets
+    /// one update carrying its variables' gradients and its rows.
+    pub fn push_with_rows(
+        &self,
+        ticket: &PullTicket,
+        grads: &[(String, Vec<f32>)],
+        rows: &[(Vec<RowGrads>, u64)],
+    ) -> Result<PushSummary> {
+        let id = self.next_update_id();
+        self.push_rows_as(&id, ticket, grads, rows)
+    }
+
     /// [`push`](Self::push) as update `id` (an overlapped push given up is pushed again as the
     /// same update).
     pub(crate) fn push_as(
@@ -440,6 +460,17 @@ impl WorkerContext {
         id: &UpdateId,
         ticket: &PullTicket,
         grads: &[(String, Vec<f32>)],
+    ) -> Result<PushSummary> {
+        self.push_rows_as(id, ticket, grads, &[])
+    }
+
+    /// [`push_with_rows`](Self::push_with_rows) as update `id`.
+    fn push_rows_as(
+        &self,
+        id: &UpdateId,
+        ticket: &PullTicket,
+        grads: &[(String, Vec<f32>)],
+        rows: &[(Vec<RowGrads>, u64)],
     ) -> Result<PushSummary> {
         let placement = &ticket.placement;
         self.check_tasks(placement)?;
@@ -458,7 +489,14 @@ impl WorkerContext {
                 .map(|(ps, list)| {
                     let client = &clients[ps];
                     let base = ticket.versions.get(ps).copied().unwrap_or(0);
-                    s.spawn(move || client.push(id, base, list).map_err(Error::from))
+                    let rows = rows.get(ps).map_or(&[][..], |(r, _)| r.as_slice());
+                    s.spawn(move || {
+                        if rows.is_empty() {
+                            client.push(id, base, list).map_err(Error::from)
+                        } else {
+                            client.push_rows(id, base, list, rows).map_err(Error::from)
+                        }
+                    })
                 })
                 .collect();
             handles

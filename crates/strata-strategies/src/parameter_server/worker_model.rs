@@ -58,6 +58,7 @@ use strata_core::{
     StrategyOptions, VariableKind,
 };
 
+use super::tables::PsTables;
 use super::worker::{OverlappedPush, PullTicket, PushSummary, WorkerContext};
 use crate::{CentralStorageStrategy, CpuReduction, OneDeviceStrategy};
 
@@ -87,6 +88,8 @@ pub struct PushSlot {
     committed: AtomicU64,
     /// Steps whose early push was given up (and pushed after the pass).
     given_up: AtomicU64,
+    /// The model's embedding tables on the ps tasks: their rows go with the step's push.
+    tables: Arc<PsTables>,
 }
 
 impl std::fmt::Debug for PushSlot {
@@ -175,7 +178,13 @@ impl Optimizer for PushToPs {
             }
             None => {
                 let pushed = self.pushed(grads)?;
-                ctx.push(&ticket, &pushed)
+                // The rows of embedding tables the step looked up, in the same update.
+                let rows = self.slot.tables.take_rows();
+                if rows.iter().any(|(r, _)| !r.is_empty()) {
+                    ctx.push_with_rows(&ticket, &pushed, &rows)
+                } else {
+                    ctx.push(&ticket, &pushed)
+                }
             }
         };
         let failed = outcome.as_ref().err().map(ToString::to_string);
@@ -290,13 +299,15 @@ impl<M> PsWorkerModel<M> {
         strata_core::local_sgd::check_local_sgd_strategy(options.local_sgd.as_ref(), "parameter-server")?;
         let devices = strata_core::device::logical_cpus(replicas)?;
         let overlap = options.overlap;
+        // Embedding tables live on the ps tasks: the model's lookups pull their rows.
+        let slot = Arc::new(PushSlot::default());
+        let options = StrategyOptions { tables: Some(slot.tables.clone()), ..options };
         let strategy = match devices.len() {
             0 => return Err(Error::ZeroReplicas),
             1 => OneDeviceStrategy::with_options(devices[0].clone(), options)?.handle(),
             _ => CentralStorageStrategy::with_options(devices, CpuReduction::default(), options)?.handle(),
         };
         let model = strategy.scope(build)?;
-        let slot = Arc::new(PushSlot::default());
         let optimizer = Self::push_optimizer(&model, &slot, None)?;
         Ok(Self {
             strategy,
@@ -431,7 +442,10 @@ impl<M> PsWorkerModel<M> {
     /// and no clipping (which needs every gradient first). See
     /// [`backward_and_push`](Self::backward_and_push).
     pub fn overlaps(&self) -> bool {
-        self.overlap && self.clip_global_norm.is_none() && self.strategy.num_replicas_in_sync() == 1
+        self.overlap
+            && self.clip_global_norm.is_none()
+            && self.strategy.num_replicas_in_sync() == 1
+            && self.slot.tables.tables().is_empty()
     }
 
     /// How many steps' pushes started while their backward pass ran and were committed so
@@ -568,6 +582,7 @@ impl<M> PsWorkerModel<M> {
         *lock(&self.slot.state_base) = base;
         *lock(&self.slot.outcome) = None;
         *lock(&self.slot.target) = Some((w.clone(), ticket.clone()));
+        self.slot.tables.bind(w.task(), w.ps_clients());
         let split = DistributedBatch::split(batch, self.strategy.num_replicas_in_sync())?;
         let ran = self.strategy.run_batch(&split, step);
         *lock(&self.slot.target) = None;
