@@ -461,11 +461,22 @@ impl LocalCluster {
 
 /// The job every worker builds: `--model` (the MLP of `--hidden`, the CNN, or the transformer
 /// of `--width`, `--layers` and `--heads`), `--replicas` per worker, `--seed`, `--data` and `--no-overlap`.
-/// The ctr model is refused: on parameter servers it comes with sparse tables.
+/// The ctr model's embedding table lives on the ps tasks in shards (`--embedding-rows`,
+/// `--embedding-dim`, `--train-records`, `--test-records`).
 pub fn job_spec(args: &TrainArgs) -> Result<PsJobSpec> {
     let replicas = args.replicas.unwrap_or(1);
     let mut spec = match args.model {
-        ModelKind::Ctr => return Err(Error::Usage(train_args::CTR_ON_PS.into())),
+        ModelKind::Ctr => {
+            let config = args.ctr();
+            let (train_records, test_records) = args.ctr_records();
+            let shape = strata::ps_job::CtrShape {
+                embedding_rows: config.embedding_rows,
+                embedding_dim: config.embedding_dim,
+                train_records,
+                test_records,
+            };
+            PsJobSpec::ctr(shape, args.seed)
+        }
         ModelKind::Mlp => PsJobSpec::mlp(args.hidden(), replicas, args.seed, args.data.clone()),
         ModelKind::Cnn => PsJobSpec::cnn(replicas, args.seed, args.data.clone()),
         ModelKind::Transformer => PsJobSpec::transformer(args.transformer(), replicas, args.seed),
@@ -699,7 +710,8 @@ fn coordinate(
     for (i, c) in strategy.ps_clients().iter().enumerate() {
         let s = c.status().map_err(strata_core::Error::from)?;
         mode = s.mode.to_string();
-        let bytes = s.variables.iter().map(|(v, _)| v.numel() as u64 * 4).sum();
+        let bytes = s.variables.iter().map(|(v, _)| v.numel() as u64 * 4).sum::<u64>()
+            + s.tables.iter().map(|t| t.bytes).sum::<u64>();
         tasks.push(PsTaskSummary {
             task: format!("ps:{i}"),
             version: s.version,
@@ -718,5 +730,28 @@ fn coordinate(
     }
     let ps = PsSummary { mode, workers, coordinator: stats, tasks };
     let replicas = workers * args.replicas.unwrap_or(1);
-    crate::summary::finish(args, started, replicas, &report, model.variables(), 0, Some(ps), None)
+    let ctr = (args.model == ModelKind::Ctr).then(|| ctr_summary(args, &report, model.variables())).transpose()?;
+    crate::summary::finish(args, started, replicas, &report, model.variables(), 0, Some(ps), ctr)
+}
+
+/// The ctr run's figures: the coordinator's test AUC (its lookups on the ps tasks), the
+/// planted model's on the same records, and the dense gradient a worker pushes each step (the
+/// table's rows go as rows: their bytes are in the step records' `bytes_sent`).
+fn ctr_summary(
+    args: &TrainArgs,
+    report: &strata::trainer::FitReport,
+    vars: &[(String, candle_core::Var)],
+) -> Result<crate::summary::CtrSummary> {
+    let config = args.ctr();
+    let (train_records, test_records) = args.ctr_records();
+    let data = strata::ctr::CtrData::new(args.seed, config.embedding_rows)?;
+    Ok(crate::summary::CtrSummary {
+        embedding_rows: config.embedding_rows,
+        embedding_dim: config.embedding_dim,
+        train_records,
+        test_records,
+        final_test_auc: report.final_metrics.iter().find(|m| m.name == "auc").map_or(f64::NAN, |m| m.value),
+        best_test_auc: data.best_auc(strata::ctr::Split::Test, test_records),
+        dense_gradient_bytes_per_step: vars.iter().map(|(_, v)| v.elem_count() as u64 * 4).sum(),
+    })
 }

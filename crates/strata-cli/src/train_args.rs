@@ -85,7 +85,6 @@ impl ModelKind {
 }
 
 /// The refusal of `--model ctr` under `--strategy parameter-server`.
-pub const CTR_ON_PS: &str = "the ctr model on parameter servers comes with sparse tables; train it with one-device, mirrored, central-storage or multi-worker-mirrored for now";
 
 /// The ctr model's default embedding rows (`--embedding-rows`).
 pub const CTR_ROWS: u64 = 10_000;
@@ -509,8 +508,11 @@ impl TrainArgs {
                 None => Ok(()),
             };
         }
-        if self.strategy == StrategyKind::ParameterServer {
-            return Err(Error::Usage(CTR_ON_PS.into()));
+        if self.strategy == StrategyKind::ParameterServer && self.replicas.unwrap_or(1) != 1 {
+            return Err(Error::Usage(format!(
+                "--replicas {}: a parameter-server worker with embedding tables runs one replica; start more workers (--workers) instead",
+                self.replicas.unwrap_or(1)
+            )));
         }
         let refuse = |flag: &str, applies: &str| {
             Err(Error::Usage(format!("{flag} applies to {applies}, not --model ctr; drop it")))

@@ -45,6 +45,7 @@ use strata_strategies::parameter_server::{
 };
 
 use crate::cnn::Cnn;
+use crate::ctr::{CtrBatch, CtrData, Dlrm, DlrmConfig, Split};
 use crate::digits;
 use crate::model::{Classifier, Mlp};
 use crate::shakespeare::{self, Corpus};
@@ -74,6 +75,10 @@ pub enum PsModelKind {
     Cnn,
     /// The character transformer of [`PsJobSpec::transformer`] on Tiny Shakespeare.
     Transformer,
+    /// The click-through model of [`PsJobSpec::ctr`] ([`Dlrm`]) on generated records: its
+    /// embedding table lives on the ps tasks in shards, and a step pulls only the rows its
+    /// batch touches.
+    Ctr,
 }
 
 impl PsModelKind {
@@ -83,6 +88,7 @@ impl PsModelKind {
             PsModelKind::Mlp => "mlp",
             PsModelKind::Cnn => "cnn",
             PsModelKind::Transformer => "transformer",
+            PsModelKind::Ctr => "ctr",
         }
     }
 }
@@ -114,6 +120,23 @@ impl From<TransformerShape> for TransformerConfig {
         Self { vocab: s.vocab, width: s.width, layers: s.layers, heads: s.heads, context: s.context }
     }
 }
+
+/// The click-through model's sizes and records as a step carries them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CtrShape {
+    /// Rows of the embedding table (distinct ids over the 26 fields).
+    pub embedding_rows: u64,
+    /// The embedding dimension.
+    pub embedding_dim: usize,
+    /// Training records (an epoch).
+    pub train_records: u64,
+    /// Test records (the coordinator's evaluation).
+    pub test_records: u64,
+}
+
+/// The most records one click-through step may hold: every id of a batch is pulled in one
+/// request per ps task, which carries at most about 130,000 ids (26 per record).
+pub const MAX_CTR_BATCH: usize = 4096;
 
 /// The model and data a worker builds once and keeps between steps.
 ///
@@ -156,6 +179,9 @@ pub struct PsJobSpec {
     /// skip alike). Absent from the JSON when f32.
     #[serde(default, skip_serializing_if = "is_f32")]
     pub precision: strata_core::Precision,
+    /// The click-through model's sizes and records (only for the ctr model).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ctr: Option<CtrShape>,
 }
 
 fn is_f32(p: &strata_core::Precision) -> bool {
@@ -187,6 +213,7 @@ impl PsJobSpec {
             lookahead: true,
             recompute: false,
             precision: strata_core::Precision::F32,
+            ctr: None,
         }
     }
 
@@ -203,6 +230,7 @@ impl PsJobSpec {
             lookahead: true,
             recompute: false,
             precision: strata_core::Precision::F32,
+            ctr: None,
         }
     }
 
@@ -219,6 +247,22 @@ impl PsJobSpec {
             lookahead: true,
             recompute: false,
             precision: strata_core::Precision::F32,
+            ctr: None,
+        }
+    }
+
+    /// The click-through model of `shape` on records generated from `seed`, on workers of one
+    /// replica (a worker with embedding tables runs one).
+    pub fn ctr(shape: CtrShape, seed: u64) -> Self {
+        Self { model: PsModelKind::Ctr, ctr: Some(shape), ..Self::cnn(1, seed, None) }
+    }
+
+    /// The click-through shape (an error for the other models, or when it is missing).
+    fn ctr_shape(&self) -> Result<CtrShape> {
+        match (self.model, self.ctr) {
+            (PsModelKind::Ctr, Some(s)) => Ok(s),
+            (PsModelKind::Ctr, None) => Err(Error::Usage("a ctr spec without its shape (\"ctr\": {...})".into())),
+            (m, _) => Err(Error::Usage(format!("the {m} model has no ctr shape", m = m.name()))),
         }
     }
 
@@ -247,6 +291,9 @@ impl PsJobSpec {
         }
         if self.model != PsModelKind::Transformer && self.transformer.is_some() {
             return Err(Error::Usage(format!("a transformer shape does not apply to the {m}")));
+        }
+        if self.model != PsModelKind::Ctr && self.ctr.is_some() {
+            return Err(Error::Usage(format!("a ctr shape does not apply to the {m}")));
         }
         if self.precision.needs_loss_scale() {
             return Err(Error::Usage(
@@ -280,6 +327,7 @@ impl PsJobSpec {
                 }
                 shape.parameter_count()
             }
+            PsModelKind::Ctr => self.check_ctr()?,
         };
         let max = strata_core::device::MAX_REPLICAS;
         if self.replicas == 0 || self.replicas > max {
@@ -295,12 +343,35 @@ impl PsJobSpec {
         Ok(())
     }
 
+    /// The ctr spec's checks; its dense parameter count.
+    fn check_ctr(&self) -> Result<usize> {
+        let shape = self.ctr_shape()?;
+        if self.replicas != 1 || self.data.is_some() || self.recompute || self.precision != strata_core::Precision::F32 {
+            return Err(Error::Usage(
+                "the ctr model on parameter servers runs in f32 on workers of one replica, on generated records, without recomputation; drop --replicas, --data, --recompute and --precision".into(),
+            ));
+        }
+        if shape.train_records == 0 || shape.test_records == 0 {
+            return Err(Error::Usage("the ctr job needs at least one training and one test record".into()));
+        }
+        // The table's size, the data's bounds: refused here, before a worker builds anything.
+        CtrData::new(self.seed, shape.embedding_rows)?;
+        let config = DlrmConfig::new(shape.embedding_rows, shape.embedding_dim);
+        config.check()?;
+        Ok(config.dense_parameter_count())
+    }
+
     /// Checks a step's batch size: at least 1 example, and for the transformer at most
     /// [`MAX_STEP_TOKENS`] characters (windows times context). The digits models take at most
     /// the training set (a batch past its end is refused when it is cut).
     pub fn validate_batch(&self, batch_size: usize) -> Result<()> {
         if batch_size == 0 {
             return Err(Error::Usage("a batch of 0 examples: a step needs at least 1".into()));
+        }
+        if self.model == PsModelKind::Ctr && batch_size > MAX_CTR_BATCH {
+            return Err(Error::Usage(format!(
+                "a batch of {batch_size} click records is over the limit of {MAX_CTR_BATCH} per worker step; use a smaller batch"
+            )));
         }
         if self.model == PsModelKind::Transformer {
             let context = self.shape()?.context;
@@ -382,6 +453,7 @@ enum WorkerModel {
     Mlp(PsWorkerModel<Mlp>),
     Cnn(PsWorkerModel<Cnn>),
     Transformer(PsWorkerModel<CharTransformer>),
+    Ctr(PsWorkerModel<Dlrm>),
 }
 
 /// Where a worker's batches come from.
@@ -390,6 +462,8 @@ enum WorkerData {
     Digits { train: Batch, order: Option<(u64, Vec<usize>)> },
     /// Tiny Shakespeare.
     Text(Box<Corpus>),
+    /// Generated click records.
+    Ctr(Box<CtrData>),
 }
 
 /// What a worker keeps between steps.
@@ -445,6 +519,14 @@ impl WorkerState {
                 worker.set_lookahead(spec.lookahead);
                 (WorkerData::Text(Box::new(corpus)), WorkerModel::Transformer(worker))
             }
+            PsModelKind::Ctr => {
+                let shape = spec.ctr_shape()?;
+                let config = DlrmConfig::new(shape.embedding_rows, shape.embedding_dim);
+                let mut worker = PsWorkerModel::new(1, options, |s| Dlrm::new(s, config))?;
+                worker.set_lookahead(spec.lookahead);
+                let data = CtrData::new(spec.seed, shape.embedding_rows)?;
+                (WorkerData::Ctr(Box::new(data)), WorkerModel::Ctr(worker))
+            }
         };
         Ok(Self { spec: spec.clone(), data, model })
     }
@@ -477,6 +559,28 @@ impl WorkerData {
         };
         corpus.random_windows(size, spec.shape()?.context, window_seed(spec.seed, epoch, batch))
     }
+}
+
+impl WorkerData {
+    /// Training records `batch * size ..` of the click data (the same every epoch: records
+    /// are a function of their index).
+    fn ctr_batch(&self, spec: &PsJobSpec, batch: u64, size: usize) -> Result<CtrBatch> {
+        let WorkerData::Ctr(data) = self else {
+            return Err(Error::Usage("this worker has no click records".into()));
+        };
+        let records = spec.ctr_shape()?.train_records;
+        let start = batch.saturating_mul(size as u64);
+        if start >= records {
+            return Err(Error::Usage(format!("batch {batch} of {size} records is past the end of the {records} training records")));
+        }
+        data.batch(Split::Train, start..(start + size as u64).min(records), &Device::Cpu)
+    }
+}
+
+/// The click model's loss on a replica's shard.
+fn ctr_loss(model: &Dlrm, dev: &Device, batch: &CtrBatch) -> Result<Tensor> {
+    let (dense, ids, labels) = batch.to_device(dev)?;
+    Ok(model.loss(&dense, &ids, &labels)?)
 }
 
 /// The permutation of the training set in `epoch` (the same as [`crate::trainer::Trainer`]'s).
@@ -564,6 +668,11 @@ fn run_step(
             let bytes0 = strata_transport::inject::bytes();
             (size, bytes0, step_on(ctx, w, &batch, text_loss, hook)?)
         }
+        WorkerModel::Ctr(w) => {
+            let batch = st.data.ctr_batch(&st.spec, index, size)?;
+            let bytes0 = strata_transport::inject::bytes();
+            (batch.rows()?, bytes0, step_on(ctx, w, &batch, ctr_loss, hook)?)
+        }
     };
     let bytes1 = strata_transport::inject::bytes();
     let (mut staleness, mut version) = (0, 0);
@@ -644,12 +753,15 @@ pub enum PsJobModel {
     Cnn(PsModel<Cnn>),
     /// The transformer.
     Transformer(PsModel<CharTransformer>),
+    /// The click-through model (its table on the ps tasks, never here).
+    Ctr(PsModel<Dlrm>),
 }
 
 /// What the coordinator evaluates on: the digits test split, or the validation windows.
 enum EvalData {
     Digits { x: Tensor, y: Tensor, len: usize },
     Text { inputs: Tensor, targets: Tensor },
+    Ctr(CtrBatch),
 }
 
 /// Validation windows per forward pass of the transformer's evaluation.
@@ -672,6 +784,11 @@ impl PsJobModel {
                 let shape = spec.shape()?;
                 PsJobModel::Transformer(strategy.scope(|s| CharTransformer::new(shape, s.var_builder()))?)
             }
+            PsModelKind::Ctr => {
+                let shape = spec.ctr_shape()?;
+                let config = DlrmConfig::new(shape.embedding_rows, shape.embedding_dim);
+                PsJobModel::Ctr(strategy.scope(|s| Dlrm::new(s, config))?)
+            }
         })
     }
 
@@ -681,6 +798,7 @@ impl PsJobModel {
             PsJobModel::Mlp(m) => m.variables(),
             PsJobModel::Cnn(m) => m.variables(),
             PsJobModel::Transformer(m) => m.variables(),
+            PsJobModel::Ctr(m) => m.variables(),
         }
     }
 
@@ -690,6 +808,7 @@ impl PsJobModel {
             PsJobModel::Mlp(m) => m.pull()?,
             PsJobModel::Cnn(m) => m.pull()?,
             PsJobModel::Transformer(m) => m.pull()?,
+            PsJobModel::Ctr(m) => m.pull()?,
         };
         Ok(())
     }
@@ -709,6 +828,10 @@ impl PsJobModel {
                     sum += f64::from(loss.to_scalar::<f32>()?) * len as f64;
                 }
                 Ok(MetricValue { name: "loss".into(), value: sum / n.max(1) as f64 })
+            }
+            // The table's rows are looked up on the ps tasks as the evaluation reads them.
+            (PsJobModel::Ctr(m), EvalData::Ctr(batch)) => {
+                Ok(MetricValue { name: "auc".into(), value: m.model().auc(batch)? })
             }
             _ => Err(Error::Usage("the evaluation data does not fit the model".into())),
         }
@@ -731,6 +854,34 @@ pub struct CoordinatorStats {
     pub steps_dropped: u64,
 }
 
+/// The steps of an epoch and what the coordinator evaluates on: the digits test split, the
+/// transformer's validation windows, or the ctr model's test records.
+fn epoch_and_evaluation(config: &PsTrainConfig) -> Result<(usize, EvalData)> {
+    match config.spec.model {
+        PsModelKind::Transformer => {
+            let steps = config.steps_per_epoch.filter(|&n| n > 0).ok_or_else(|| {
+                Error::Usage("the transformer's epoch needs a number of steps (--steps 1 or more)".into())
+            })?;
+            let corpus = shakespeare::load()?;
+            let (inputs, targets) = corpus.validation_windows(config.spec.shape()?.context)?;
+            Ok((steps, EvalData::Text { inputs, targets }))
+        }
+        PsModelKind::Ctr => {
+            let shape = config.spec.ctr_shape()?;
+            let data = CtrData::new(config.spec.seed, shape.embedding_rows)?;
+            let test = data.batch(Split::Test, 0..shape.test_records, &Device::Cpu)?;
+            let steps = usize::try_from(shape.train_records.div_ceil(config.batch_size as u64)).unwrap_or(usize::MAX);
+            Ok((steps, EvalData::Ctr(test)))
+        }
+        PsModelKind::Mlp | PsModelKind::Cnn => {
+            let all = digits::load(config.spec.data.as_deref())?;
+            let (train, test) = digits::train_test_split(&all, 0.2, 0);
+            let (x, y) = (test.features_tensor(&Device::Cpu)?, test.labels_tensor(&Device::Cpu)?);
+            Ok((train.len().div_ceil(config.batch_size), EvalData::Digits { x, y, len: test.len() }))
+        }
+    }
+}
+
 /// The coordinator's side: schedules every step of every epoch on the workers, evaluates the
 /// pulled parameters after each epoch (test accuracy for the digits models, validation loss in
 /// nats per character for the transformer), and reports as [`crate::trainer::Trainer::fit`]
@@ -747,19 +898,9 @@ pub fn train_coordinator(
     }
     config.spec.validate_batch(config.batch_size)?;
     let transformer = config.spec.model == PsModelKind::Transformer;
-    let (steps_per_epoch, eval_data) = if transformer {
-        let steps = config.steps_per_epoch.filter(|&n| n > 0).ok_or_else(|| {
-            Error::Usage("the transformer's epoch needs a number of steps (--steps 1 or more)".into())
-        })?;
-        let corpus = shakespeare::load()?;
-        let (inputs, targets) = corpus.validation_windows(config.spec.shape()?.context)?;
-        (steps, EvalData::Text { inputs, targets })
-    } else {
-        let all = digits::load(config.spec.data.as_deref())?;
-        let (train, test) = digits::train_test_split(&all, 0.2, 0);
-        let (x, y) = (test.features_tensor(&Device::Cpu)?, test.labels_tensor(&Device::Cpu)?);
-        (train.len().div_ceil(config.batch_size), EvalData::Digits { x, y, len: test.len() })
-    };
+    // The digits models' metric is accuracy; the transformer's a loss, the ctr model's the AUC.
+    let accuracy_metric = matches!(config.spec.model, PsModelKind::Mlp | PsModelKind::Cnn);
+    let (steps_per_epoch, eval_data) = epoch_and_evaluation(config)?;
     let coordinator = strategy.coordinator()?;
     let progress: &dyn Progress = config.progress.as_deref().unwrap_or(&crate::trainer::Silent);
     progress.begin((steps_per_epoch * config.epochs) as u64);
@@ -832,8 +973,8 @@ pub fn train_coordinator(
         }
         model.pull()?;
         let metric = model.evaluate(&eval_data)?;
-        let test_accuracy = if transformer { 0.0 } else { metric.value as f32 };
-        if let Some(m) = &config.metrics {
+        let test_accuracy = if accuracy_metric { metric.value as f32 } else { 0.0 };
+        if let Some(m) = config.metrics.as_ref().filter(|_| transformer || accuracy_metric) {
             let wall = unix_now() - started_unix;
             let record = if transformer {
                 crate::metrics::MetricRecord::eval_loss(
@@ -849,10 +990,10 @@ pub fn train_coordinator(
             m.write(&record)?;
         }
         let train_loss = (loss / examples.max(1) as f64) as f32;
-        let line = if transformer {
-            format!("loss {train_loss:.4} validation loss {:.4}", metric.value)
-        } else {
-            format!("loss {train_loss:.4} accuracy {:.2}%", metric.value * 100.0)
+        let line = match config.spec.model {
+            PsModelKind::Transformer => format!("loss {train_loss:.4} validation loss {:.4}", metric.value),
+            PsModelKind::Ctr => format!("loss {train_loss:.4} test auc {:.4}", metric.value),
+            _ => format!("loss {train_loss:.4} accuracy {:.2}%", metric.value * 100.0),
         };
         progress.epoch(epoch, &line);
         epochs.push(EpochReport {
@@ -879,7 +1020,7 @@ pub fn train_coordinator(
     coordinator.shutdown();
     let report = FitReport {
         epochs,
-        final_test_accuracy: final_metric.as_ref().filter(|_| !transformer).map_or(0.0, |m| m.value as f32),
+        final_test_accuracy: final_metric.as_ref().filter(|_| accuracy_metric).map_or(0.0, |m| m.value as f32),
         final_metrics: final_metric.into_iter().collect(),
         examples_per_second: steady_examples as f64 / steady_time.as_secs_f64().max(1e-9),
         steps,
