@@ -31,6 +31,35 @@ pub enum PsModeKind {
     Stale,
 }
 
+/// The optimizer of embedding tables' rows on parameter servers (TensorFlow's sparse
+/// semantics: rows no batch touched keep their values and slots).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TableOptimizerKind {
+    /// `w -= lr * g`.
+    Sgd,
+    /// Keras' Adagrad (initial accumulator 0.1, eps 1e-7).
+    Adagrad,
+    /// Keras' FTRL (lr power -0.5, initial accumulator 0.1, no L1 or L2).
+    Ftrl,
+    /// TensorFlow Addons' LazyAdam (betas 0.9 and 0.999, eps 1e-7): the touched rows' moments.
+    LazyAdam,
+}
+
+impl TableOptimizerKind {
+    /// The ps tasks' row optimizer at learning rate `lr`.
+    pub fn row_optimizer(self, lr: f64) -> strata::ps::RowOptimizer {
+        use strata::ps::RowOptimizer;
+        match self {
+            Self::Sgd => RowOptimizer::Sgd { lr },
+            Self::Adagrad => RowOptimizer::Adagrad { lr, initial_accumulator: 0.1, eps: 1e-7 },
+            Self::Ftrl => {
+                RowOptimizer::Ftrl { lr, lr_power: -0.5, initial_accumulator: 0.1, l1: 0.0, l2: 0.0, beta: 0.0 }
+            }
+            Self::LazyAdam => RowOptimizer::LazyAdam { lr, beta1: 0.9, beta2: 0.999, eps: 1e-7 },
+        }
+    }
+}
+
 /// Where a multi-worker task learns its cluster.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ClusterSource {
@@ -346,6 +375,12 @@ pub struct TrainArgs {
     /// Parameter server, stale mode: the largest accepted staleness, in versions.
     #[arg(long, default_value_t = 4)]
     pub staleness: u64,
+    /// Parameter server: the optimizer of embedding tables' rows (the ctr model's table).
+    #[arg(long, value_enum, default_value = "adagrad")]
+    pub table_optimizer: TableOptimizerKind,
+    /// Parameter server: the learning rate of `--table-optimizer`.
+    #[arg(long, default_value_t = 0.05)]
+    pub table_lr: f64,
     /// Parameter server: how variables are split over ps tasks: none, fixed:N,
     /// `min:BYTES[:MAX_SHARDS]`, `max:BYTES[:MAX_SHARDS]` (TensorFlow's partitioners).
     #[arg(long, default_value = "none")]
