@@ -113,8 +113,6 @@ impl ModelKind {
     }
 }
 
-/// The refusal of `--model ctr` under `--strategy parameter-server`.
-
 /// The ctr model's default embedding rows (`--embedding-rows`).
 pub const CTR_ROWS: u64 = 10_000;
 /// The ctr model's default training records (`--train-records`): 391 steps of 256.
