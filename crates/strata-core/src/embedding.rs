@@ -291,7 +291,11 @@ mod tests {
                     assert_eq!(r.start, next);
                     next = r.end;
                     for id in r {
-                        assert_eq!(owner_of(TableSize::Rows(rows), id, shards), i, "{rows} rows, {shards} shards, id {id}");
+                        assert_eq!(
+                            owner_of(TableSize::Rows(rows), id, shards),
+                            i,
+                            "{rows} rows, {shards} shards, id {id}"
+                        );
                     }
                 }
                 assert_eq!(next, rows);

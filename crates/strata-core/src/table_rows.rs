@@ -24,10 +24,9 @@ pub fn ids_of(table: &TableConfig, ids: &Tensor) -> candle_core::Result<Vec<u64>
             }
             raw.into_iter().map(|v| v as u64).collect()
         }
-        other => candle_core::bail!(
-            "embedding table {:?} got ids of dtype {other:?}; pass u8, u32 or i64 ids",
-            table.name
-        ),
+        other => {
+            candle_core::bail!("embedding table {:?} got ids of dtype {other:?}; pass u8, u32 or i64 ids", table.name)
+        }
     };
     for &id in &values {
         table.check_id(id).map_err(candle_core::Error::wrap)?;

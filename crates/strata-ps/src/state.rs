@@ -16,8 +16,8 @@ use crate::optimizer::{apply_le_bytes, apply_le_bytes_from, filled};
 use crate::table::{sum_rows, try_with_capacity, Lease, Table, TableRows};
 use crate::{
     check_name, first_non_finite, Chunk, CreateHeader, CreateOutcome, Error, PsMode, PsStatus, PullResult, PushHeader,
-    PushReply, RequestKind, Result, RowGrads, RowOptimizer, RowPull, RowPullResult, ServerOptimizer, TableInfo, VariableInfo,
-    WireFormat,
+    PushReply, RequestKind, Result, RowGrads, RowOptimizer, RowPull, RowPullResult, ServerOptimizer, TableInfo,
+    VariableInfo, WireFormat,
 };
 
 /// How many applied-update answers a task remembers (the oldest are forgotten first). A retry
@@ -515,7 +515,9 @@ impl State {
     /// its row's bytes; an unknown table counts nothing, and the push is refused for it).
     pub fn row_bytes(&self, rows: &[RowGrads]) -> usize {
         rows.iter()
-            .filter_map(|r| self.table_index.get(&r.table).map(|&t| r.ids.len().saturating_mul(self.tables[t].info.config.dim * 4)))
+            .filter_map(|r| {
+                self.table_index.get(&r.table).map(|&t| r.ids.len().saturating_mul(self.tables[t].info.config.dim * 4))
+            })
             .fold(0usize, usize::saturating_add)
     }
 

@@ -29,7 +29,12 @@ fn token() -> ClusterToken {
 }
 
 fn table() -> TableConfig {
-    TableConfig { name: "emb".into(), dim: DIM, size: TableSize::Rows(ROWS), init: RowInit::Uniform { low: -1.0, high: 1.0 } }
+    TableConfig {
+        name: "emb".into(),
+        dim: DIM,
+        size: TableSize::Rows(ROWS),
+        init: RowInit::Uniform { low: -1.0, high: 1.0 },
+    }
 }
 
 /// A model of one table and a linear layer on the two looked-up rows of each example.
@@ -58,7 +63,8 @@ fn ps_tasks(n: usize) -> (Vec<PsServerHandle>, Vec<PsClient>) {
     let mut clients = Vec::new();
     for k in 0..n {
         let task = format!("ps:{k}");
-        let server = PsServerHandle::start("127.0.0.1:0".parse().unwrap(), PsServerConfig::new(&task, token())).unwrap();
+        let server =
+            PsServerHandle::start("127.0.0.1:0".parse().unwrap(), PsServerConfig::new(&task, token())).unwrap();
         let client = PsClient::connect(&server.address().to_string(), &task, token(), config.clone()).unwrap();
         let info = TableInfo {
             config: table(),
@@ -77,8 +83,12 @@ fn ps_tasks(n: usize) -> (Vec<PsServerHandle>, Vec<PsClient>) {
 }
 
 fn batches() -> Vec<(Tensor, Tensor)> {
-    let ids: [[u32; 8]; 4] =
-        [[0, 5, 5, 9, 39, 2, 17, 5], [9, 9, 9, 1, 30, 31, 2, 0], [12, 13, 5, 39, 39, 20, 21, 22], [3, 3, 3, 3, 4, 4, 4, 4]];
+    let ids: [[u32; 8]; 4] = [
+        [0, 5, 5, 9, 39, 2, 17, 5],
+        [9, 9, 9, 1, 30, 31, 2, 0],
+        [12, 13, 5, 39, 39, 20, 21, 22],
+        [3, 3, 3, 3, 4, 4, 4, 4],
+    ];
     ids.iter()
         .enumerate()
         .map(|(k, b)| {
@@ -186,11 +196,15 @@ fn a_parameter_server_job_trains_a_table_it_never_holds_whole() {
             })?;
             Ok(out.push.is_some_and(|p| p.applied()))
         });
-        let server =
-            serve_worker("127.0.0.1:0".parse().unwrap(), registry, WorkerOptions::new(0, ps_addresses.clone(), token()))
+        let server = serve_worker(
+            "127.0.0.1:0".parse().unwrap(),
+            registry,
+            WorkerOptions::new(0, ps_addresses.clone(), token()),
+        )
+        .unwrap();
+        let spec =
+            ClusterSpec::new([(TaskType::Ps, ps_addresses), (TaskType::Worker, vec![server.address().to_string()])])
                 .unwrap();
-        let spec = ClusterSpec::new([(TaskType::Ps, ps_addresses), (TaskType::Worker, vec![server.address().to_string()])])
-            .unwrap();
         let mut options = ParameterServerOptions::new(token());
         options.optimizer = ServerOptimizer::Sgd { lr: LR };
         options.table_optimizer = RowOptimizer::Sgd { lr: LR };

@@ -197,7 +197,8 @@ fn variable_spec(rng: &mut StdRng) -> proto::VariableSpec {
 }
 
 fn table_spec(rng: &mut StdRng) -> proto::TableSpec {
-    let small = |rng: &mut StdRng, hi: u64| if rng.random_bool(0.7) { rng.random_range(0..hi) } else { extreme_u64(rng) };
+    let small =
+        |rng: &mut StdRng, hi: u64| if rng.random_bool(0.7) { rng.random_range(0..hi) } else { extreme_u64(rng) };
     proto::TableSpec {
         name: if rng.random_bool(0.7) { "emb".into() } else { name(rng) },
         dim: small(rng, 9),
@@ -233,7 +234,11 @@ fn table_spec(rng: &mut StdRng) -> proto::TableSpec {
 fn rows_spec(rng: &mut StdRng) -> proto::RowsSpec {
     let n = if rng.random_bool(0.05) { 200_000 } else { rng.random_range(0..6) };
     let ids = (0..n).map(|_| if rng.random_bool(0.8) { rng.random_range(0..120) } else { extreme_u64(rng) }).collect();
-    proto::RowsSpec { table: if rng.random_bool(0.8) { "emb".into() } else { name(rng) }, lease: extreme_u64(rng) % 4, ids }
+    proto::RowsSpec {
+        table: if rng.random_bool(0.8) { "emb".into() } else { name(rng) },
+        lease: extreme_u64(rng) % 4,
+        ids,
+    }
 }
 
 fn optimizer_spec(rng: &mut StdRng) -> proto::OptimizerSpec {

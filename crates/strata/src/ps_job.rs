@@ -346,7 +346,8 @@ impl PsJobSpec {
     /// The ctr spec's checks; its dense parameter count.
     fn check_ctr(&self) -> Result<usize> {
         let shape = self.ctr_shape()?;
-        if self.replicas != 1 || self.data.is_some() || self.recompute || self.precision != strata_core::Precision::F32 {
+        if self.replicas != 1 || self.data.is_some() || self.recompute || self.precision != strata_core::Precision::F32
+        {
             return Err(Error::Usage(
                 "the ctr model on parameter servers runs in f32 on workers of one replica, on generated records, without recomputation; drop --replicas, --data, --recompute and --precision".into(),
             ));
@@ -571,7 +572,9 @@ impl WorkerData {
         let records = spec.ctr_shape()?.train_records;
         let start = batch.saturating_mul(size as u64);
         if start >= records {
-            return Err(Error::Usage(format!("batch {batch} of {size} records is past the end of the {records} training records")));
+            return Err(Error::Usage(format!(
+                "batch {batch} of {size} records is past the end of the {records} training records"
+            )));
         }
         data.batch(Split::Train, start..(start + size as u64).min(records), &Device::Cpu)
     }

@@ -151,9 +151,8 @@ impl PsTables {
         for name in names {
             let Some(st) = step.tables.remove(&name) else { continue };
             let Some(config) = tables.get(&name) else { continue };
-            let mut rows: Vec<RowGrads> = (0..n)
-                .map(|_| RowGrads { table: name.clone(), lease, ids: Vec::new(), grads: Vec::new() })
-                .collect();
+            let mut rows: Vec<RowGrads> =
+                (0..n).map(|_| RowGrads { table: name.clone(), lease, ids: Vec::new(), grads: Vec::new() }).collect();
             for (id, g) in st.grads {
                 let k = owner_of(config.size, id, n);
                 rows[k].ids.push(id);
@@ -265,7 +264,11 @@ impl TableStore for PsTables {
         for (i, &(k, at)) in place.iter().enumerate() {
             let Some((rows, _)) = &pulled[k] else { continue };
             let row = rows.get(at * dim..(at + 1) * dim).ok_or_else(|| {
-                Error::Cluster(format!("ps:{k} returned {} values of table {table:?} for {} rows", rows.len(), per_task[k].len()))
+                Error::Cluster(format!(
+                    "ps:{k} returned {} values of table {table:?} for {} rows",
+                    rows.len(),
+                    per_task[k].len()
+                ))
             })?;
             values[i * dim..(i + 1) * dim].copy_from_slice(row);
         }

@@ -23,8 +23,8 @@ use super::staged::{self, StagedPush};
 use super::tables;
 use super::wire;
 use super::{
-    CreateOutcome, F32Bytes, PsMode, PsStatus, Pulled, PushOutcome, RowsPulled, ServerOptimizer, UpdateId, VariableInfo,
-    MAX_CHUNK_BYTES, MAX_CHUNK_ELEMENTS,
+    CreateOutcome, F32Bytes, PsMode, PsStatus, Pulled, PushOutcome, RowsPulled, ServerOptimizer, UpdateId,
+    VariableInfo, MAX_CHUNK_BYTES, MAX_CHUNK_ELEMENTS,
 };
 use crate::auth::{client_interceptor, ClientAuth, ClusterToken};
 use crate::ring::{raised, AbortSignal};
@@ -476,7 +476,8 @@ impl PsClient {
                 )));
             }
         }
-        let mut header = convert::create_header_spec(vars.iter().map(|(i, _)| i), optimizer, schedule, mode, job_format);
+        let mut header =
+            convert::create_header_spec(vars.iter().map(|(i, _)| i), optimizer, schedule, mode, job_format);
         header.tables = tables.iter().map(tables::table_spec).collect();
         let produce = |send: &mut dyn FnMut(CreateMessage) -> bool| {
             if !send(CreateMessage { kind: Some(create_message::Kind::Header(header.clone())) }) {
@@ -635,7 +636,8 @@ impl PsClient {
         rows: &[RowGrads],
     ) -> Result<PushOutcome> {
         let names: Vec<&str> = grads.iter().map(|(n, _)| *n).collect();
-        let values: Vec<&[f32]> = grads.iter().map(|(_, g)| *g).chain(rows.iter().map(|r| r.grads.as_slice())).collect();
+        let values: Vec<&[f32]> =
+            grads.iter().map(|(_, g)| *g).chain(rows.iter().map(|r| r.grads.as_slice())).collect();
         let lens: Vec<usize> = values.iter().map(|g| g.len()).collect();
         let half = self.wire_format.half();
         let mut header = convert::push_header_spec(id, base_version, &names, self.wire_format);

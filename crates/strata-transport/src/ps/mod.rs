@@ -80,11 +80,11 @@ pub use convert::ProtoSpec;
 pub use faults::FaultInjection;
 pub use server::PsServerHandle;
 pub use staged::{StageError, StagedPush};
-pub use tables::RowsPulled;
 pub use strata_ps::{
     CreateOutcome, LrSchedule, PsMode, PsStatus, PushOutcome, RowGrads, RowOptimizer, ServerOptimizer, TableInfo,
     TableStatus, UpdateId, VariableInfo, WireFormat, MAX_CHUNK_BYTES, MAX_CHUNK_ELEMENTS, MAX_VARIABLE_ELEMENTS,
 };
+pub use tables::RowsPulled;
 // The error the types above return (`ServerOptimizer::validate`, `VariableInfo::validate`), named
 // here so that a program using this module (or the strata facade's `ps`) can name it too.
 pub use strata_ps::{Error as PsError, ErrorKind as PsErrorKind};

@@ -462,7 +462,11 @@ impl ParameterServer for Svc {
         };
         let header = PullHeader { version, wire_format: convert::wire_format_spec(format), ..Default::default() };
         let messages = std::iter::once(PullMessage { kind: Some(pull_message::Kind::Header(header)) })
-            .chain(tables::row_chunks(values, format).into_iter().map(|c| PullMessage { kind: Some(pull_message::Kind::Chunk(c)) }))
+            .chain(
+                tables::row_chunks(values, format)
+                    .into_iter()
+                    .map(|c| PullMessage { kind: Some(pull_message::Kind::Chunk(c)) }),
+            )
             .map(Ok);
         Ok(Response::new(Box::pin(tokio_stream::iter(messages))))
     }

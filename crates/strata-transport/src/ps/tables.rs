@@ -7,7 +7,6 @@ use strata_core::embedding::{RowInit, TableConfig, TableSize};
 use strata_proto::v1 as proto;
 use strata_ps::{Chunk, PushHeader, RowGrads, RowOptimizer, TableInfo, TableStatus, WireFormat, MAX_CHUNK_ELEMENTS};
 
-
 fn invalid(table: &str, field: &'static str, detail: String) -> strata_ps::Error {
     strata_ps::Error::InvalidTable { table: table.to_string(), field, detail }
 }
@@ -30,7 +29,8 @@ fn row_init(table: &str, s: &proto::RowInitSpec) -> strata_ps::Result<RowInit> {
 }
 
 fn row_optimizer_spec(o: &RowOptimizer) -> proto::RowOptimizerSpec {
-    let mut s = proto::RowOptimizerSpec { kind: o.name().into(), learning_rate: o.learning_rate(), ..Default::default() };
+    let mut s =
+        proto::RowOptimizerSpec { kind: o.name().into(), learning_rate: o.learning_rate(), ..Default::default() };
     match *o {
         RowOptimizer::Sgd { .. } => {}
         RowOptimizer::Adagrad { initial_accumulator, eps, .. } => {
@@ -104,7 +104,9 @@ pub(crate) fn table_info(s: &proto::TableSpec) -> strata_ps::Result<TableInfo> {
     let size = match (s.rows, s.max_rows_per_shard) {
         (0, 0) => return Err(invalid(name, "size", "neither rows nor max_rows_per_shard is set; set one".into())),
         (rows, 0) => TableSize::Rows(rows),
-        (0, bound) => TableSize::Ids { max_rows_per_shard: bound, evict_after: (s.evict_after > 0).then_some(s.evict_after) },
+        (0, bound) => {
+            TableSize::Ids { max_rows_per_shard: bound, evict_after: (s.evict_after > 0).then_some(s.evict_after) }
+        }
         (_, _) => return Err(invalid(name, "size", "both rows and max_rows_per_shard are set; set one".into())),
     };
     let dim = usize::try_from(s.dim).map_err(|_| invalid(name, "dim", format!("{} is too large", s.dim)))?;

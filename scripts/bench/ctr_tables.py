@@ -1,0 +1,164 @@
+"""Strata's parameter servers with an embedding table beside TensorFlow's ParameterServerStrategy,
+on the same click-through model, records, batch, processes and optimizer, alternated A B A B.
+
+  python3 scripts/bench/ctr_tables.py --strata target/release/strata --rows 20000000 --rounds 2
+
+Both sides: 2 ps tasks and 2 worker processes on loopback (--ps, --workers), one worker's batch
+of 256 records per step (--batch), Adagrad at 0.05 on every variable and on the table's rows
+(Keras' formulas on both sides), the table of --rows rows of --dim split over the ps tasks in
+contiguous row ranges (FixedShardsPartitioner), asynchronous. Records: `strata ctr-data`
+writes the files TensorFlow reads; Strata's workers generate the same records from the seed
+(record i is a function of the seed and i). Steps: --records / --batch worker steps in all on
+each side (TensorFlow: --warmup of them untimed, the rest timed).
+
+Per run: examples/s (steady state, all workers together), the test AUC after the run, and the
+peak RSS (VmHWM) of every worker and ps process (Strata's read from /proc while the job runs,
+TensorFlow's as its script reports them). One JSON line per run, then a table of medians.
+Needs the peers venv's Python with TensorFlow 2.21 for the TensorFlow side (--python).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def descendants(root):
+    """Pids whose ancestry reaches root (read from /proc)."""
+    parent = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                pass
+    out = []
+    for pid in parent:
+        p = pid
+        while p in parent and p != root and p > 1:
+            p = parent[p]
+        if p == root and pid != root:
+            out.append(pid)
+    return out
+
+
+def watch_rss(root, peaks, stop):
+    """Keeps the largest VmHWM (kB) of every descendant of root, keyed 'ps:<pid>' or 'worker:<pid>'."""
+    while not stop.is_set():
+        for pid in descendants(root):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read().split(b"\0")
+                with open(f"/proc/{pid}/status") as f:
+                    hwm = next((int(l.split()[1]) for l in f if l.startswith("VmHWM")), 0)
+            except OSError:
+                continue
+            kind = next((c.decode() for c in cmd[1:2] if c in (b"ps", b"worker")), None)
+            if kind:
+                key = f"{kind}:{pid}"
+                peaks[key] = max(peaks.get(key, 0), hwm)
+        stop.wait(0.2)
+
+
+def run_strata(a, records):
+    out = tempfile.mktemp(suffix=".json")
+    cmd = [a.strata, "train", "--model", "ctr", "--strategy", "parameter-server", "--ps-tasks", str(a.ps),
+           "--workers", str(a.workers), "--embedding-rows", str(a.rows), "--embedding-dim", str(a.dim),
+           "--train-records", str(records), "--test-records", str(a.test_records), "--batch", str(a.batch),
+           "--optimizer", "adagrad", "--lr", "0.05", "--table-optimizer", "adagrad", "--table-lr", "0.05",
+           "--seed", str(a.seed), "--no-progress", "--out", out]
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    peaks, stop = {}, threading.Event()
+    watcher = threading.Thread(target=watch_rss, args=(proc.pid, peaks, stop))
+    watcher.start()
+    _, err = proc.communicate(timeout=a.timeout)
+    stop.set()
+    watcher.join()
+    if proc.returncode != 0:
+        sys.exit(f"strata failed ({proc.returncode}): {err[-2000:]}")
+    s = json.load(open(out))
+    os.unlink(out)
+    return {
+        "framework": "strata", "examples_per_s": s["examples_per_second"], "test_auc": s["final_test_auc"],
+        "best_auc": s["best_test_auc"], "wall_s": time.time() - t0,
+        "worker_rss_mb": sorted(v / 1024 for k, v in peaks.items() if k.startswith("worker")),
+        "ps_rss_mb": sorted(v / 1024 for k, v in peaks.items() if k.startswith("ps")),
+    }
+
+
+def run_tf(a, data, records):
+    steps = records // a.batch
+    cmd = [a.python, os.path.join(HERE, "peers", "tf_ps_ctr.py"), "--data", data, "--ps", str(a.ps),
+           "--workers", str(a.workers), "--batch", str(a.batch), "--dim", str(a.dim), "--optimizer", "adagrad",
+           "--lr", "0.05", "--warmup", str(a.warmup), "--steps", str(steps - a.warmup), "--timeout", str(a.timeout)]
+    t0 = time.time()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout + 60)
+    if p.returncode != 0:
+        sys.exit(f"tensorflow failed ({p.returncode}): {p.stderr[-2000:]}")
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    mb = lambda v: v / 1024 if v > 100000 else v  # noqa: E731 (kB or MB, as the script reports)
+    rss = r.get("peak_rss_mb") or r.get("rss_mb") or {}
+    workers = sorted(mb(v) for k, v in rss.items() if k.startswith("worker")) if isinstance(rss, dict) else []
+    ps = sorted(mb(v) for k, v in rss.items() if k.startswith("ps")) if isinstance(rss, dict) else []
+    return {"framework": "tensorflow", "examples_per_s": r["examples_per_s"], "test_auc": r["test_auc"],
+            "wall_s": time.time() - t0, "worker_rss_mb": workers, "ps_rss_mb": ps, "tf": r}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--strata", default="target/release/strata")
+    ap.add_argument("--python", default=os.path.expanduser("~/.cache/strata/peers-venv/bin/python"))
+    ap.add_argument("--rows", type=int, default=20_000_000)
+    ap.add_argument("--dim", type=int, default=16)
+    ap.add_argument("--records", type=int, default=256 * 400)
+    ap.add_argument("--test-records", type=int, default=20_000)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--ps", type=int, default=2)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--only", choices=("strata", "tensorflow"))
+    a = ap.parse_args()
+    data = tempfile.mkdtemp(prefix="ctr-records-")
+    if a.only != "strata":
+        subprocess.run([a.strata, "ctr-data", "--out", data, "--train-records", str(a.records), "--test-records",
+                        str(a.test_records), "--embedding-rows", str(a.rows), "--seed", str(a.seed)], check=True,
+                       stdout=subprocess.DEVNULL)
+    runs = []
+    for _ in range(a.rounds):
+        if a.only != "tensorflow":
+            runs.append(run_strata(a, a.records))
+            print(json.dumps(runs[-1]), flush=True)
+        if a.only != "strata":
+            runs.append(run_tf(a, data, a.records))
+            print(json.dumps({k: v for k, v in runs[-1].items() if k != "tf"}), flush=True)
+    print(f"\n{a.rows} rows x {a.dim}, {a.ps} ps, {a.workers} workers, {a.records // a.batch} steps of {a.batch}")
+    print("| framework | examples/s (median) | test AUC | worker peak RSS MB | ps peak RSS MB |")
+    print("|---|--:|--:|--:|--:|")
+    med = {}
+    for fw in ("strata", "tensorflow"):
+        rs = [r for r in runs if r["framework"] == fw]
+        if not rs:
+            continue
+        med[fw] = statistics.median(r["examples_per_s"] for r in rs)
+        w = max((max(r["worker_rss_mb"], default=0) for r in rs), default=0)
+        p = max((max(r["ps_rss_mb"], default=0) for r in rs), default=0)
+        aucs = ", ".join(f"{r['test_auc']:.4f}" for r in rs)
+        print(f"| {fw} | {med[fw]:,.0f} | {aucs} | {w:,.0f} | {p:,.0f} |")
+    if len(med) == 2:
+        print(f"\nstrata / tensorflow examples/s: {med['strata'] / med['tensorflow']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
