@@ -105,10 +105,10 @@ def run_tf(a, data, records):
     if p.returncode != 0:
         sys.exit(f"tensorflow failed ({p.returncode}): {p.stderr[-2000:]}")
     r = json.loads(p.stdout.strip().splitlines()[-1])
-    mb = lambda v: v / 1024 if v > 100000 else v  # noqa: E731 (kB or MB, as the script reports)
-    rss = r.get("peak_rss_mb") or r.get("rss_mb") or {}
-    workers = sorted(mb(v) for k, v in rss.items() if k.startswith("worker")) if isinstance(rss, dict) else []
-    ps = sorted(mb(v) for k, v in rss.items() if k.startswith("ps")) if isinstance(rss, dict) else []
+    # MiB, as the TensorFlow script reports each process's VmHWM.
+    rss = r.get("rss_peak_mib") or {}
+    workers = sorted(v for v in rss.get("worker", []) if v is not None)
+    ps = sorted(v for v in rss.get("ps", []) if v is not None)
     return {"framework": "tensorflow", "examples_per_s": r["examples_per_s"], "test_auc": r["test_auc"],
             "wall_s": time.time() - t0, "worker_rss_mb": workers, "ps_rss_mb": ps, "tf": r}
 
