@@ -45,7 +45,11 @@ struct Model {
 
 impl Model {
     fn new(s: &Scope) -> candle_core::Result<Self> {
-        let emb = Embedding::new(s, table()).map_err(candle_core::Error::wrap)?;
+        Self::with_table(s, table())
+    }
+
+    fn with_table(s: &Scope, table: TableConfig) -> candle_core::Result<Self> {
+        let emb = Embedding::new(s, table).map_err(candle_core::Error::wrap)?;
         let lin = candle_nn::linear(2 * DIM, 1, s.var_builder().pp("lin"))?;
         Ok(Self { emb, lin })
     }
@@ -171,12 +175,26 @@ fn a_table_on_ps_tasks_trains_as_one_device_trains_the_whole_table() {
 /// where one device's dense training ends, rows bit for bit.
 #[test]
 fn a_parameter_server_job_trains_a_table_it_never_holds_whole() {
+    ps_job_against_one_device(TableSize::Rows(ROWS));
+}
+
+/// The same job with the table declared by id space: its rows appear on the ps tasks as the
+/// batches first touch them (each id hashed to its task), from the initial values a fixed
+/// table of the same name starts at, so the job still ends on one device's bits; the tasks
+/// hold exactly the rows some batch touched.
+#[test]
+fn a_table_declared_by_id_space_grows_on_the_ps_tasks_as_one_device_trains() {
+    ps_job_against_one_device(TableSize::Ids { max_rows_per_shard: 64, evict_after: None });
+}
+
+fn ps_job_against_one_device(size: TableSize) {
     use strata_strategies::cluster::{ClusterSpec, TaskType};
     use strata_strategies::parameter_server::{
         serve_worker, ParameterServerOptions, ParameterServerStrategy, PsWorkerModel, StepRegistry, WorkerContext,
         WorkerOptions,
     };
-    crate::common::with_timeout(Duration::from_secs(180), "a_parameter_server_job_trains_a_table", || {
+    crate::common::with_timeout(Duration::from_secs(180), "a_parameter_server_job_trains_a_table", move || {
+        let sized = TableConfig { size, ..table() };
         let ps: Vec<PsServerHandle> = (0..2)
             .map(|k| {
                 PsServerHandle::start("127.0.0.1:0".parse().unwrap(), PsServerConfig::new(format!("ps:{k}"), token()))
@@ -185,7 +203,8 @@ fn a_parameter_server_job_trains_a_table_it_never_holds_whole() {
             .collect();
         let ps_addresses: Vec<String> = ps.iter().map(|p| p.address().to_string()).collect();
         let worker_options = StrategyOptions { seed: SEED, ..Default::default() };
-        let worker = PsWorkerModel::new(1, worker_options, Model::new).unwrap();
+        let worker_table = sized.clone();
+        let worker = PsWorkerModel::new(1, worker_options, move |s| Model::with_table(s, worker_table.clone())).unwrap();
         let mut registry = StepRegistry::new();
         registry.register("step", move |w: &WorkerContext, k: usize| -> strata_core::Result<bool> {
             let (ids, target) = batches()[k].clone();
@@ -210,7 +229,8 @@ fn a_parameter_server_job_trains_a_table_it_never_holds_whole() {
         options.table_optimizer = RowOptimizer::Sgd { lr: LR };
         options.seed = SEED;
         let strategy = ParameterServerStrategy::new(spec, options).unwrap();
-        let model = strategy.scope(Model::new).unwrap();
+        let coordinator_table = sized.clone();
+        let model = strategy.scope(move |s| Model::with_table(s, coordinator_table.clone())).unwrap();
         assert!(model.model().emb.table().is_none(), "the coordinator holds no table");
         assert!(model.variables().iter().all(|(n, _)| n != "emb"));
         let coordinator = strategy.coordinator().unwrap();
@@ -230,8 +250,15 @@ fn a_parameter_server_job_trains_a_table_it_never_holds_whole() {
         let got_w = model.model().lin.weight().flatten_all().unwrap().to_vec1::<f32>().unwrap();
         assert_eq!(got_w, dense_w.unwrap(), "the linear layer");
         let want = dense_model.primary().emb.table().unwrap().to_vec2::<f32>().unwrap();
-        for id in 0..ROWS {
-            let k = owner_of(TableSize::Rows(ROWS), id, 2);
+        let touched: std::collections::BTreeSet<u64> = batches()
+            .iter()
+            .flat_map(|(ids, _)| ids.flatten_all().unwrap().to_vec1::<u32>().unwrap())
+            .map(u64::from)
+            .collect();
+        let held: u64 = (0..2).map(|k| strategy.ps_clients()[k].status().unwrap().tables[0].rows).sum();
+        assert_eq!(held, touched.len() as u64, "the ps tasks hold the rows some batch touched");
+        for &id in &touched {
+            let k = owner_of(size, id, 2);
             let got = strategy.ps_clients()[k].pull_rows("reader", 1, &[("emb", &[id])]).unwrap().values.remove(0);
             assert_eq!(got, want[id as usize], "row {id}");
         }
