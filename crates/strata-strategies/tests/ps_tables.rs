@@ -204,7 +204,8 @@ fn ps_job_against_one_device(size: TableSize) {
         let ps_addresses: Vec<String> = ps.iter().map(|p| p.address().to_string()).collect();
         let worker_options = StrategyOptions { seed: SEED, ..Default::default() };
         let worker_table = sized.clone();
-        let worker = PsWorkerModel::new(1, worker_options, move |s| Model::with_table(s, worker_table.clone())).unwrap();
+        let worker =
+            PsWorkerModel::new(1, worker_options, move |s| Model::with_table(s, worker_table.clone())).unwrap();
         let mut registry = StepRegistry::new();
         registry.register("step", move |w: &WorkerContext, k: usize| -> strata_core::Result<bool> {
             let (ids, target) = batches()[k].clone();
@@ -280,4 +281,111 @@ fn ps_job_against_one_device(size: TableSize) {
             p.shutdown();
         }
     });
+}
+
+/// Hybrid training (PERSIA's): two MultiWorkerMirrored workers (threads of this process, each
+/// a whole worker with its own ring membership) keep the dense layer synchronous, all-reduced
+/// every step, while the table lives on 2 ps tasks and each worker pushes its own rows'
+/// gradients there asynchronously, exactly once each. With a barrier between steps (so that
+/// every push of a step lands before the next pulls), the job ends where one device ends
+/// training the dense layer at the rate and the table at twice it on the global batch: each
+/// worker's push is its half's mean gradient, and the two add.
+#[test]
+fn hybrid_dense_layers_synchronous_and_tables_asynchronous_on_ps_tasks() {
+    use strata_strategies::cluster::{ClusterConfig, ClusterSpec, TaskId};
+    use strata_strategies::{MultiWorkerMirroredStrategy, MultiWorkerOptions};
+    crate::common::with_timeout(Duration::from_secs(180), "hybrid_dense_sync_tables_async", || {
+        let (_servers, clients) = ps_tasks_empty(2);
+        let ports = crate::common::loopback_ports(2);
+        let spec = ClusterSpec::workers(ports.iter().map(|p| format!("127.0.0.1:{p}")).collect::<Vec<_>>()).unwrap();
+        let workers: Vec<_> = (0..2)
+            .map(|i| {
+                let (spec, clients) = (spec.clone(), clients.clone());
+                std::thread::spawn(move || {
+                    let store = Arc::new(PsTables::new(format!("worker:{i}"), clients));
+                    let mut o = MultiWorkerOptions::new(token()).unwrap();
+                    o.local_devices = strata_core::device::logical_cpus(1).unwrap();
+                    o.coordination.rendezvous_timeout = Duration::from_secs(30);
+                    o.options.collective_timeout = Duration::from_secs(30);
+                    o.options.seed = SEED;
+                    o.options.tables = Some(store.clone());
+                    let s = MultiWorkerMirroredStrategy::new(ClusterConfig::new(spec, TaskId::worker(i)).unwrap(), o)
+                        .unwrap();
+                    let model = s.scope(Model::new).unwrap();
+                    store.create_tables(SEED, &RowOptimizer::Sgd { lr: LR }, PsMode::Async).unwrap();
+                    let opt = model.optimizer::<SGD>(LR).unwrap();
+                    for (ids, target) in batches() {
+                        // Worker i's half of the global batch.
+                        let (ids, target) = (ids.narrow(0, 2 * i, 2).unwrap(), target.narrow(0, 2 * i, 2).unwrap());
+                        s.run(|ctx| {
+                            let loss = model.on(ctx)?.loss(&ids, &target)?;
+                            ctx.backward_and_sync(&loss, &opt)
+                        })
+                        .unwrap();
+                        s.run(|ctx| ctx.barrier()).unwrap();
+                    }
+                    let w = model.primary().lin.weight().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                    let _ = s.finish();
+                    w
+                })
+            })
+            .collect();
+        let weights: Vec<Vec<f32>> = workers.into_iter().map(|h| h.join().unwrap()).collect();
+        assert_eq!(weights[0], weights[1], "the dense layer is synchronous: both workers hold the same");
+        // One device: the dense layer at LR, the table at 2 LR, on the global batch.
+        let one = OneDeviceStrategy::with_options(
+            strata_core::device::logical_cpus(1).unwrap()[0].clone(),
+            StrategyOptions { seed: SEED, ..Default::default() },
+        )
+        .unwrap()
+        .handle();
+        let model = one.scope(Model::new).unwrap();
+        let table = model.primary().emb.table().unwrap().clone();
+        let vars = model.trainable_variables(0);
+        for (ids, target) in batches() {
+            let grads = model.primary().loss(&ids, &target).unwrap().backward().unwrap();
+            for (_, v) in &vars {
+                let lr = if v.as_tensor().id() == table.id() { 2.0 * LR } else { LR };
+                let g = grads.get(v).unwrap();
+                v.set(&(v.as_tensor() - (g * lr).unwrap()).unwrap()).unwrap();
+            }
+        }
+        let close = |a: &[f32], b: &[f32], what: &str| {
+            for (x, y) in a.iter().zip(b) {
+                assert!((x - y).abs() <= 1e-5 * y.abs().max(1.0), "{what}: {x} vs {y}");
+            }
+        };
+        close(&weights[0], &model.primary().lin.weight().flatten_all().unwrap().to_vec1::<f32>().unwrap(), "dense");
+        let want = table.to_vec2::<f32>().unwrap();
+        let mut pushes = 0;
+        for (ids, _) in batches() {
+            for i in 0..2 {
+                let half = ids.narrow(0, 2 * i, 2).unwrap().flatten_all().unwrap().to_vec1::<u32>().unwrap();
+                pushes += (0..2)
+                    .filter(|&k| half.iter().any(|&id| owner_of(TableSize::Rows(ROWS), u64::from(id), 2) == k))
+                    .count() as u64;
+            }
+            for id in ids.flatten_all().unwrap().to_vec1::<u32>().unwrap() {
+                let k = owner_of(TableSize::Rows(ROWS), u64::from(id), 2);
+                let got = clients[k].pull_rows("reader", 1, &[("emb", &[u64::from(id)])]).unwrap().values.remove(0);
+                close(&got, &want[id as usize], &format!("row {id}"));
+            }
+        }
+        let applied: u64 = clients.iter().map(|c| c.status().unwrap().pushes_applied).sum();
+        assert_eq!(applied, pushes, "every worker's rows of every step applied once");
+    });
+}
+
+/// `n` ps tasks serving nothing yet (the workers create the table's shards).
+fn ps_tasks_empty(n: usize) -> (Vec<PsServerHandle>, Vec<PsClient>) {
+    let config = PsClientConfig { timeout: Duration::from_secs(30), retry_for: Duration::from_secs(30) };
+    (0..n)
+        .map(|k| {
+            let task = format!("ps:{k}");
+            let server =
+                PsServerHandle::start("127.0.0.1:0".parse().unwrap(), PsServerConfig::new(&task, token())).unwrap();
+            let client = PsClient::connect(&server.address().to_string(), &task, token(), config.clone()).unwrap();
+            (server, client)
+        })
+        .unzip()
 }

@@ -18,7 +18,9 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use strata_core::embedding::{owner_of, TableConfig, TableStore};
 use strata_core::{Error, Result};
-use strata_transport::ps::{PsClient, RowGrads, UpdateId};
+use strata_transport::ps::{
+    PsClient, PsMode, RowGrads, RowOptimizer, ServerOptimizer, TableInfo, UpdateId, WireFormat,
+};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
@@ -118,6 +120,35 @@ impl PsTables {
     pub fn pushed_with_the_dense_gradients(mut self) -> Self {
         self.push_at_end = false;
         self
+    }
+
+    /// Creates every declared table's shard on every ps task of this store (shard `k` of as
+    /// many as there are tasks, rows stepped by `optimizer`, initial values from `seed`), with
+    /// no variables: what a strategy that keeps its dense variables itself does before its
+    /// first step (hybrid training: the dense layers synchronous across the workers, the
+    /// tables asynchronous on the ps tasks). Every worker may call it: a task answers a table
+    /// that exists as described without changing it, and refuses one described differently.
+    pub fn create_tables(&self, seed: u64, optimizer: &RowOptimizer, mode: PsMode) -> Result<()> {
+        let (_, _, clients) = self.bound()?;
+        let n = clients.len() as u32;
+        let tables = self.tables();
+        for (k, client) in clients.iter().enumerate() {
+            let shards: Vec<TableInfo> = tables
+                .iter()
+                .map(|config| TableInfo {
+                    config: config.clone(),
+                    seed,
+                    shard: k as u32,
+                    num_shards: n,
+                    optimizer: optimizer.clone(),
+                })
+                .collect();
+            // The tasks' dense optimizer steps nothing here (no variables); every worker names
+            // the same one, so that creating again finds the task as described.
+            let dense = ServerOptimizer::Sgd { lr: 1.0 };
+            client.create_with_tables(&[], &shards, &dense, None, mode, WireFormat::F32)?;
+        }
+        Ok(())
     }
 
     /// The tables declared so far.
