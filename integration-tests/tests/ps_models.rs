@@ -250,3 +250,64 @@ fn hidden_with_another_model_is_refused_naming_its_line() {
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(err.contains("--hidden applies to --model mlp"), "{err}");
 }
+
+/// The click model on parameter servers in real processes (2 ps tasks, 2 workers, a table of
+/// 200,000 rows): its table lives on the ps tasks in shards (neither the coordinator nor a
+/// worker holds it), a step pulls exactly its batch's distinct rows and the dense variables,
+/// and the job learns (test AUC well above chance, below the planted best), in every mode.
+#[test]
+fn the_ctr_model_trains_with_its_table_on_the_ps_tasks() {
+    for mode in ["async", "sync"] {
+        let dir = tempfile::tempdir().unwrap();
+        let (out, metrics) = (dir.path().join("out.json"), dir.path().join("metrics.jsonl"));
+        let o = run(
+            &[
+                "train",
+                "--strategy",
+                "parameter-server",
+                "--model",
+                "ctr",
+                "--ps-tasks",
+                "2",
+                "--workers",
+                "2",
+                "--ps-mode",
+                mode,
+                "--embedding-rows",
+                "200000",
+                "--train-records",
+                "51200",
+                "--test-records",
+                "4000",
+                "--no-progress",
+                "--out",
+                out.to_str().unwrap(),
+                "--metrics",
+                metrics.to_str().unwrap(),
+            ],
+            Duration::from_secs(240),
+        );
+        ok(&o);
+        let s = json(&out);
+        let (auc, best) = (s["final_test_auc"].as_f64().unwrap(), s["best_test_auc"].as_f64().unwrap());
+        assert!(auc > 0.65 && auc < best, "{mode}: test auc {auc}, planted best {best}");
+        let tasks = s["parameter_servers"]["tasks"].as_array().unwrap();
+        assert_eq!(tasks.len(), 2);
+        // Each task holds rows of the table (created as batches touched them), far fewer
+        // bytes than the whole 200,000 x 16 table and its Adagrad slot on either.
+        let whole = 200_000u64 * 16 * 4 * 2;
+        for t in tasks {
+            let bytes = t["bytes"].as_u64().unwrap();
+            assert!(bytes > 0 && bytes < whole, "{mode}: {t}");
+        }
+        let (steps, _) = records(&metrics);
+        assert_eq!(steps.len(), 200, "{mode}: 51,200 records in steps of 256");
+        // A step pulls the dense variables and its distinct rows (at most 26 x 256 of 16).
+        let dense = s["dense_gradient_bytes_per_step"].as_u64().unwrap();
+        for r in &steps {
+            let pulled = r["bytes_received"].as_u64().unwrap();
+            assert!(pulled > dense && pulled <= dense + 26 * 256 * 16 * 4, "{mode}: {r}");
+            assert_eq!((pulled - dense) % (16 * 4), 0, "{mode}: whole rows: {r}");
+        }
+    }
+}

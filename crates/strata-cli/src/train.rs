@@ -539,6 +539,8 @@ mod tests {
     #[test]
     fn the_ctr_model_s_refusals_are_one_line() {
         let refused = |flags: &[&str]| run(&train_args(flags)).unwrap_err().to_string();
+        let e = refused(&["--model", "ctr", "--strategy", "parameter-server", "--table-lr=-1"]);
+        assert_eq!(e, "--table-lr -1 is not a positive learning rate");
         let e = refused(&["--model", "ctr", "--strategy", "parameter-server", "--replicas", "2"]);
         assert!(e.starts_with("--replicas 2: a parameter-server worker with embedding tables runs one replica"), "{e}");
         let e = refused(&["--model", "mlp", "--embedding-rows", "100"]);

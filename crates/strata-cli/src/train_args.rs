@@ -541,6 +541,9 @@ impl TrainArgs {
                 None => Ok(()),
             };
         }
+        if self.strategy == StrategyKind::ParameterServer && !(self.table_lr.is_finite() && self.table_lr > 0.0) {
+            return Err(Error::Usage(format!("--table-lr {} is not a positive learning rate", self.table_lr)));
+        }
         if self.strategy == StrategyKind::ParameterServer && self.replicas.unwrap_or(1) != 1 {
             return Err(Error::Usage(format!(
                 "--replicas {}: a parameter-server worker with embedding tables runs one replica; start more workers (--workers) instead",
