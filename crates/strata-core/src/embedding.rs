@@ -114,15 +114,31 @@ impl TableConfig {
     }
 
     /// Checks that `id` names a row of the table: below the row count of a fixed table (any
-    /// id of an id-space table).
+    /// id of an id-space table); [`Error::EmbeddingId`] otherwise, whatever the strategy.
     pub fn check_id(&self, id: u64) -> Result<()> {
         match self.size {
-            TableSize::Rows(rows) if id >= rows => Err(Error::InvalidArgument(format!(
-                "id {id} is outside embedding table {:?}'s {rows} rows; map ids into 0..{rows} or declare the table by id space",
-                self.name
-            ))),
+            TableSize::Rows(rows) if id >= rows => {
+                Err(Error::EmbeddingId { table: self.name.clone(), id: i64::try_from(id).unwrap_or(i64::MAX), rows })
+            }
             _ => Ok(()),
         }
+    }
+
+    /// [`Error::EmbeddingId`] for a negative id (an i64 id tensor's).
+    pub fn negative_id(&self, id: i64) -> Error {
+        let rows = match self.size {
+            TableSize::Rows(rows) => rows,
+            TableSize::Ids { .. } => 0,
+        };
+        Error::EmbeddingId { table: self.name.clone(), id, rows }
+    }
+
+    /// The refusal of ids of `dtype` (ids are u32 or i64).
+    pub fn id_dtype(&self, dtype: impl std::fmt::Debug) -> Error {
+        Error::InvalidArgument(format!(
+            "embedding table {:?} takes u32 or i64 ids, not {dtype:?}; cast the ids to u32",
+            self.name
+        ))
     }
 
     /// The bytes of one row's values (f32).

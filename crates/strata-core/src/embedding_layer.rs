@@ -131,38 +131,26 @@ impl Embedding {
             Inner::Dense(table) => table,
             Inner::Store(store) => return crate::table_rows::lookup(store, &self.config, ids),
         };
-        self.check_ids(ids, table.dim(0)? as u64).map_err(candle_core::Error::wrap)?;
+        self.check_ids(ids).map_err(candle_core::Error::wrap)?;
         let mut dims = ids.dims().to_vec();
         dims.push(self.config.dim);
         table.index_select(&ids.flatten_all()?, 0)?.reshape(dims)
     }
 
     /// Every id of `ids` within `0..rows`.
-    fn check_ids(&self, ids: &Tensor, rows: u64) -> Result<()> {
-        let table = &self.config.name;
+    fn check_ids(&self, ids: &Tensor) -> Result<()> {
         if ids.elem_count() == 0 {
             return Ok(());
         }
         let flat = ids.flatten_all()?;
-        let bad = match ids.dtype() {
-            DType::U32 => Some(i64::from(flat.max(0)?.to_scalar::<u32>()?)).filter(|&max| max as u64 >= rows),
-            DType::I64 => {
-                let (min, max) = (flat.min(0)?.to_scalar::<i64>()?, flat.max(0)?.to_scalar::<i64>()?);
-                if min < 0 {
-                    Some(min)
-                } else {
-                    Some(max).filter(|&m| m as u64 >= rows)
-                }
-            }
-            other => {
-                return Err(Error::InvalidArgument(format!(
-                    "embedding table {table:?} takes u32 or i64 ids, not {other:?}; cast the ids to u32"
-                )))
-            }
-        };
-        match bad {
-            Some(id) => Err(Error::EmbeddingId { table: table.clone(), id, rows }),
-            None => Ok(()),
+        // The largest id (and a negative one) tells, without copying the ids to the host.
+        match ids.dtype() {
+            DType::U32 => self.config.check_id(u64::from(flat.max(0)?.to_scalar::<u32>()?)),
+            DType::I64 => match flat.min(0)?.to_scalar::<i64>()? {
+                min if min < 0 => Err(self.config.negative_id(min)),
+                _ => self.config.check_id(flat.max(0)?.to_scalar::<i64>()? as u64),
+            },
+            other => Err(self.config.id_dtype(other)),
         }
     }
 }

@@ -11,22 +11,20 @@ use candle_core::{CpuStorage, DType, Device, Layout, Shape, Tensor, Var};
 use crate::context::ReplicaHandle;
 use crate::embedding::{distinct_ids, TableConfig, TableStore};
 
-/// The ids of `ids` (u8, u32 or i64, any shape), each checked against `table`.
+/// The ids of `ids` (u32 or i64, any shape), each checked against `table` as the dense
+/// layer checks them ([`TableConfig::check_id`]).
 pub fn ids_of(table: &TableConfig, ids: &Tensor) -> candle_core::Result<Vec<u64>> {
     let flat = ids.flatten_all()?;
     let values: Vec<u64> = match flat.dtype() {
-        DType::U8 => flat.to_vec1::<u8>()?.into_iter().map(u64::from).collect(),
         DType::U32 => flat.to_vec1::<u32>()?.into_iter().map(u64::from).collect(),
         DType::I64 => {
             let raw = flat.to_vec1::<i64>()?;
-            if let Some(bad) = raw.iter().find(|&&v| v < 0) {
-                candle_core::bail!("id {bad} of embedding table {:?} is negative; ids are 0 or more", table.name)
+            if let Some(&bad) = raw.iter().find(|&&v| v < 0) {
+                return Err(candle_core::Error::wrap(table.negative_id(bad)));
             }
             raw.into_iter().map(|v| v as u64).collect()
         }
-        other => {
-            candle_core::bail!("embedding table {:?} got ids of dtype {other:?}; pass u8, u32 or i64 ids", table.name)
-        }
+        other => return Err(candle_core::Error::wrap(table.id_dtype(other))),
     };
     for &id in &values {
         table.check_id(id).map_err(candle_core::Error::wrap)?;
@@ -232,7 +230,7 @@ mod tests {
         for (ids, want) in [
             (Tensor::new(&[1u32, 10], &Device::Cpu)?, "id 10"),
             (Tensor::new(&[-3i64], &Device::Cpu)?, "id -3"),
-            (Tensor::new(&[1f32], &Device::Cpu)?, "dtype"),
+            (Tensor::new(&[1f32], &Device::Cpu)?, "u32 or i64 ids"),
         ] {
             // candle appends a backtrace under RUST_BACKTRACE: the message is the first line.
             let e = lookup(&store, &table, &ids).unwrap_err().to_string();
