@@ -414,8 +414,12 @@ impl<'a, M> Elastic<'a, M> {
         }
         if mine > 0 {
             // ZeRO: this worker's shard of the optimizer state stays with the others (a
-            // collective, before it leaves).
-            self.prepare(at.step)?;
+            // collective, before it leaves). A handover that fails on this side only (the
+            // others finished it and moved on, closing the generation under its last read)
+            // does not keep it: the others' own `prepare` decides whether they roll back.
+            if let Err(e) = self.prepare(at.step) {
+                tracing::warn!(step = at.step, error = %e, "the handover failed on this side; leaving as asked");
+            }
             w.leave_on_request(mine)?;
             tracing::info!(step = at.step, code = mine, "left the elastic job on request");
             return Ok(Stepped::Done(Stop::Left(mine)));
