@@ -60,6 +60,10 @@ pub struct MetricRecord {
     /// Eval: validation loss in nats per character (the transformer).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub validation_loss: Option<f32>,
+    /// Eval: test AUC (the ctr model; its `validation_loss` is the test log loss where the
+    /// evaluation measured one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub auc: Option<f32>,
 }
 
 impl MetricRecord {
@@ -79,6 +83,7 @@ impl MetricRecord {
             dropped: false,
             accuracy: None,
             validation_loss: None,
+            auc: None,
         }
     }
 
@@ -98,6 +103,7 @@ impl MetricRecord {
             dropped: false,
             accuracy: Some(accuracy),
             validation_loss: None,
+            auc: None,
         }
     }
 
@@ -108,6 +114,11 @@ impl MetricRecord {
             validation_loss: Some(validation_loss),
             ..Self::eval(step, updates, wall_s, examples, 0.0)
         }
+    }
+
+    /// An evaluation record of a test AUC (the ctr model's).
+    pub fn eval_auc(step: u64, updates: u64, wall_s: f64, examples: u64, auc: f32) -> Self {
+        Self { accuracy: None, auc: Some(auc), ..Self::eval(step, updates, wall_s, examples, 0.0) }
     }
 }
 
@@ -172,12 +183,14 @@ mod tests {
         s.bytes_sent = 100;
         w.write(&s).unwrap();
         w.write(&MetricRecord::eval(1, 1, 0.6, 32, 0.75)).unwrap();
+        w.write(&MetricRecord::eval_auc(2, 2, 0.7, 64, 0.71)).unwrap();
         drop(w);
         let mut text = std::fs::read_to_string(&path).unwrap();
         text.push_str("{\"kind\":\"st");
         std::fs::write(&path, &text).unwrap();
         let back = read(&path).unwrap();
-        assert_eq!(back, vec![s, MetricRecord::eval(1, 1, 0.6, 32, 0.75)]);
+        assert_eq!(back, vec![s, MetricRecord::eval(1, 1, 0.6, 32, 0.75), MetricRecord::eval_auc(2, 2, 0.7, 64, 0.71)]);
+        assert!(text.contains("\"auc\":0.71") && !text.lines().next().unwrap().contains("auc"), "{text}");
         std::fs::write(&path, "{\"kind\":\"step\"}\nnot json\n").unwrap();
         assert!(read(&path).unwrap_err().to_string().contains("line 1"));
     }

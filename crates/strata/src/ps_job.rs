@@ -900,7 +900,6 @@ pub fn train_coordinator(
         return Err(Error::Usage("0 epochs train nothing: train for 1 epoch or more".into()));
     }
     config.spec.validate_batch(config.batch_size)?;
-    let transformer = config.spec.model == PsModelKind::Transformer;
     // The digits models' metric is accuracy; the transformer's a loss, the ctr model's the AUC.
     let accuracy_metric = matches!(config.spec.model, PsModelKind::Mlp | PsModelKind::Cnn);
     let (steps_per_epoch, eval_data) = epoch_and_evaluation(config)?;
@@ -977,18 +976,19 @@ pub fn train_coordinator(
         model.pull()?;
         let metric = model.evaluate(&eval_data)?;
         let test_accuracy = if accuracy_metric { metric.value as f32 } else { 0.0 };
-        if let Some(m) = config.metrics.as_ref().filter(|_| transformer || accuracy_metric) {
+        if let Some(m) = &config.metrics {
             let wall = unix_now() - started_unix;
-            let record = if transformer {
-                crate::metrics::MetricRecord::eval_loss(
-                    recorded_steps,
-                    updates,
-                    wall,
-                    recorded_examples,
-                    metric.value as f32,
-                )
-            } else {
-                crate::metrics::MetricRecord::eval(recorded_steps, updates, wall, recorded_examples, test_accuracy)
+            let (steps, examples) = (recorded_steps, recorded_examples);
+            let record = match config.spec.model {
+                PsModelKind::Transformer => {
+                    crate::metrics::MetricRecord::eval_loss(steps, updates, wall, examples, metric.value as f32)
+                }
+                PsModelKind::Ctr => {
+                    crate::metrics::MetricRecord::eval_auc(steps, updates, wall, examples, metric.value as f32)
+                }
+                PsModelKind::Mlp | PsModelKind::Cnn => {
+                    crate::metrics::MetricRecord::eval(steps, updates, wall, examples, test_accuracy)
+                }
             };
             m.write(&record)?;
         }

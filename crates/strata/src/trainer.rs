@@ -649,10 +649,11 @@ where
                 Err(e) => Ok(Err(e)),
             }
         })?;
-        let test_metrics = match evaluated {
+        let mut test_metrics = match evaluated {
             Stepped::Done(m) => m?,
             Stepped::Moved(p) => return Ok(Flow::Moved(p)),
         };
+        test_metrics.extend(self.task.whole_set_metrics(self.model.primary(), self.test)?);
         let acc = accuracy_of(&test_metrics);
         if let Some(m) = cfg.metrics.as_ref().filter(|_| is_chief(strategy)) {
             let g = at.step as u64;
@@ -668,6 +669,7 @@ where
                 record.accuracy = None;
                 record.validation_loss = test_metrics.iter().find(|m| m.name == "loss").map(|m| m.value as f32);
             }
+            record.auc = test_metrics.iter().find(|m| m.name == "auc").map(|m| m.value as f32);
             m.write(&record)?;
         }
         let train_loss = loss_sum / sums.losses.max(1) as f32;
@@ -929,6 +931,10 @@ pub type LossFn<'a, M, B = Batch> =
 pub type OutputsFn<'a, M, B = Batch> =
     dyn Fn(&M, &ReplicaContext<'_>, &B) -> strata_core::Result<Outputs> + Send + Sync + 'a;
 
+/// A metric of the whole test set that does not split over shards (the AUC ranks every
+/// example against every other): `(the primary copy of the model, the whole test set)`.
+pub type WholeSetFn<'a, M, B = Batch> = dyn Fn(&M, &B) -> Result<f64> + Send + Sync + 'a;
+
 /// What [`Trainer::fit`] trains and measures, for a model of any type `M` on batches of any
 /// type `B` ([`BatchData`]: a tensor, a tuple or named map of tensors, [`Batch`], a type of the
 /// user's own): the loss of a shard (training), what evaluation computes on a shard
@@ -957,6 +963,7 @@ pub struct Task<'a, M, B = Batch> {
     loss: Box<LossFn<'a, M, B>>,
     outputs: Option<Box<OutputsFn<'a, M, B>>>,
     metrics: Vec<Box<dyn Metric<B> + 'a>>,
+    whole_set: Vec<(String, Box<WholeSetFn<'a, M, B>>)>,
 }
 
 impl<M, B: BatchData> std::fmt::Debug for Task<'_, M, B> {
@@ -971,7 +978,7 @@ impl<'a, M, B: BatchData + 'a> Task<'a, M, B> {
     /// until [`with_outputs`](Self::with_outputs) and [`with_metrics`](Self::with_metrics)
     /// say otherwise.
     pub fn new(loss: impl Fn(&M, &ReplicaContext<'_>, &B) -> strata_core::Result<Tensor> + Send + Sync + 'a) -> Self {
-        Self { loss: Box::new(loss), outputs: None, metrics: vec![Box::new(Loss)] }
+        Self { loss: Box::new(loss), outputs: None, metrics: vec![Box::new(Loss)], whole_set: Vec::new() }
     }
 
     /// What evaluation computes on a shard (the model in evaluation mode, say
@@ -991,9 +998,26 @@ impl<'a, M, B: BatchData + 'a> Task<'a, M, B> {
         self
     }
 
-    /// The metrics' names, in order.
+    /// A metric that does not split over shards, such as the AUC: after each epoch's
+    /// evaluation, every worker computes it on its primary copy of the model over the whole
+    /// test set (which every worker must hold), and it is reported after the split metrics.
+    pub fn with_whole_set_metric(
+        mut self,
+        name: &str,
+        metric: impl Fn(&M, &B) -> Result<f64> + Send + Sync + 'a,
+    ) -> Self {
+        self.whole_set.push((name.to_string(), Box::new(metric)));
+        self
+    }
+
+    /// The metrics' names, in order (the whole-set metrics last).
     pub fn metric_names(&self) -> Vec<&str> {
-        self.metrics.iter().map(|m| m.name()).collect()
+        self.metrics.iter().map(|m| m.name()).chain(self.whole_set.iter().map(|(n, _)| n.as_str())).collect()
+    }
+
+    /// The whole-set metrics of `model` (its primary copy) on `data`.
+    fn whole_set_metrics(&self, model: &M, data: &B) -> Result<Vec<MetricValue>> {
+        self.whole_set.iter().map(|(name, f)| Ok(MetricValue { name: name.clone(), value: f(model, data)? })).collect()
     }
 
     /// Evaluation's outputs on a shard.

@@ -167,13 +167,15 @@ pub fn bce_with_logits(logits: &Tensor, labels: &Tensor) -> candle_core::Result<
 }
 
 /// The task of [`crate::trainer::Trainer::fit`] for the click model on [`CtrBatch`]es: its
-/// loss, and the log loss as the evaluation's metric (the AUC, which does not split over
-/// shards, is measured on the primary copy after training: [`Dlrm::auc`]).
+/// loss, and the evaluation's metrics: the log loss (`loss`, split over the shards) and the
+/// test AUC (`auc`, which does not split: [`Dlrm::auc`] on the primary copy over the whole
+/// test set, a whole-set metric).
 pub fn task<'a>() -> Task<'a, Dlrm, CtrBatch> {
     Task::new(|m: &Dlrm, ctx, b: &CtrBatch| {
         let (dense, ids, labels) = b.to_device(ctx.candle_device())?;
         Ok(m.loss(&dense, &ids, &labels)?)
     })
+    .with_whole_set_metric("auc", |m: &Dlrm, b: &CtrBatch| m.auc(b))
 }
 
 #[cfg(test)]
@@ -201,5 +203,23 @@ mod tests {
         assert!((got - want).abs() < 1e-6, "{got} {want}");
         assert!(model.primary().loss(&dense, &ids, &labels).unwrap().to_scalar::<f32>().unwrap().is_finite());
         assert!(DlrmConfig::new(25, 8).check().is_err() && DlrmConfig::new(100, 0).check().is_err());
+    }
+
+    #[test]
+    fn the_fit_reports_the_auc_of_the_whole_test_set_after_each_epoch() {
+        use crate::trainer::{TrainConfig, Trainer};
+        let task = task();
+        assert_eq!(task.metric_names(), ["loss", "auc"]);
+        let strategy = StrategyHandle::current();
+        let model = strategy.scope(|s| Dlrm::new(s, DlrmConfig::new(500, 8))).unwrap();
+        let data = CtrData::new(3, 500).unwrap();
+        let train = data.batch(Split::Train, 0..512, &Device::Cpu).unwrap();
+        let test = data.batch(Split::Test, 0..300, &Device::Cpu).unwrap();
+        let trainer = Trainer::new(TrainConfig { epochs: 2, global_batch: 128, ..Default::default() });
+        let opt = trainer.optimizer::<_, candle_nn::SGD>(&model, 0.05).unwrap();
+        let report = trainer.fit(&strategy, &model, &opt, &task, &train, &test).unwrap();
+        let auc = |metrics: &[crate::trainer::MetricValue]| metrics.iter().find(|m| m.name == "auc").map(|m| m.value);
+        assert!(report.epochs.iter().all(|e| auc(&e.test_metrics).is_some_and(|a| a > 0.0 && a < 1.0)));
+        assert_eq!(auc(&report.final_metrics), Some(model.primary().auc(&test).unwrap()));
     }
 }
