@@ -101,9 +101,10 @@ pub fn run(args: &CompareArgs) -> Result<()> {
     compare::report::write_outputs(&dir, &exp, &runs, args.simulate)?;
     for s in compare::summarize(&runs, exp.target) {
         let fmt = |v: Option<f64>, unit: &str| v.map_or("-".to_string(), |v| format!("{v:.2}{unit}"));
-        let last = match (s.final_accuracy, s.final_validation_loss) {
-            (None, Some(loss)) => format!("loss {loss:>7.4}"),
-            (a, _) => format!("accuracy {:>7}", a.map_or("-".into(), |a| format!("{:.2}%", a * 100.0))),
+        let last = match (s.final_accuracy, s.final_validation_loss, s.final_auc) {
+            (None, _, Some(auc)) => format!("auc {auc:>7.4}"),
+            (None, Some(loss), None) => format!("loss {loss:>7.4}"),
+            (a, ..) => format!("accuracy {:>7}", a.map_or("-".into(), |a| format!("{:.2}%", a * 100.0))),
         };
         println!(
             "{:<28} {:<13} {last}  to {}: {:>9}  {:>9} ex/s{}",
@@ -117,4 +118,39 @@ pub fn run(args: &CompareArgs) -> Result<()> {
     }
     println!("report: {}", dir.join("REPORT.md").display());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+    use strata_compare::experiment as exp;
+
+    use crate::train_args::{self, TrainArgs};
+
+    /// `strata train`'s flags alone.
+    #[derive(Parser)]
+    struct Flags {
+        #[command(flatten)]
+        args: TrainArgs,
+    }
+
+    #[test]
+    fn the_harness_knows_strata_train_s_ctr_defaults() {
+        assert_eq!(exp::CTR_DEFAULT_ROWS, train_args::CTR_ROWS);
+        assert_eq!(exp::CTR_DEFAULT_TRAIN_RECORDS, train_args::CTR_TRAIN_RECORDS);
+        assert_eq!(exp::CTR_DEFAULT_TEST_RECORDS, train_args::CTR_TEST_RECORDS);
+        let args = Flags::try_parse_from(["train", "--model", "ctr"]).unwrap().args;
+        assert_eq!(args.table_lr, exp::CTR_DEFAULT_TABLE_LR);
+        let name = clap::ValueEnum::to_possible_value(&args.table_optimizer).unwrap().get_name().to_string();
+        assert_eq!(name, exp::CTR_DEFAULT_TABLE_OPTIMIZER.name());
+        // Every row optimizer the harness names is one strata train takes.
+        for o in [
+            exp::TableOptimizer::Sgd,
+            exp::TableOptimizer::Adagrad,
+            exp::TableOptimizer::Ftrl,
+            exp::TableOptimizer::LazyAdam,
+        ] {
+            assert!(Flags::try_parse_from(["train", "--table-optimizer", o.name()]).is_ok(), "{}", o.name());
+        }
+    }
 }

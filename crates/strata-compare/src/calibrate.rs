@@ -418,6 +418,7 @@ fn predict(
         hidden: cfg.hidden.clone(),
         steps: None,
         transformer: None,
+        ctr: None,
         epochs: 1,
         global_batch: cfg.per_worker_batch * record.hosts,
         lr: 0.01,

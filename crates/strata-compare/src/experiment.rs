@@ -3,7 +3,7 @@
 //! ```toml
 //! [experiment]
 //! name = "digits-mlp"
-//! model = "mlp"          # mlp (default), cnn or transformer
+//! model = "mlp"          # mlp (default), cnn, transformer or ctr
 //! hidden = [256, 256]    # the MLP's only
 //! epochs = 20
 //! global_batch = 256
@@ -56,6 +56,15 @@
 //! parameter-server run schedules `steps × workers` worker steps of `global_batch / workers`
 //! windows, the same windows per epoch) and no `data`, and has a simulated mode only where `[simulate]` sets `wire_parameters` and `target_loss` (the simulator learns the digits MLP and sends the transformer's bytes). `global_batch` is in
 //! windows of 64 characters for the transformer. See `experiments/transformer.toml`.
+//!
+//! The ctr model (DLRM-style, on generated click records) is measured by test AUC: it takes
+//! `target_auc` (above 0.5, at most 1) or no target at all (the report then gives the final
+//! AUC and its gap to the best reachable, the planted model's), and its own settings, each
+//! passed on where set: `embedding_rows`, `embedding_dim`, `train_records`, `test_records`
+//! (`strata train --embedding-rows ...`), and for parameter-server runs `table_optimizer`
+//! (`sgd`, `adagrad`, `ftrl`, `lazy-adam`) and `table_lr`. Its parameter-server runs take a
+//! fourth mode, `hybrid` (the tables asynchronous on the ps tasks, the dense layers
+//! synchronous on the workers' ring), and one replica per worker. See `experiments/ctr.toml`.
 //!
 //! `compression` is `strata train --compression`: any of them for multi-worker-mirrored runs,
 //! `fp16` or `bf16` for parameter-server runs (their pushes and pulls); a run without a name is
@@ -125,6 +134,9 @@ pub enum RunModel {
     Cnn,
     /// The character transformer on Tiny Shakespeare.
     Transformer,
+    /// The DLRM-style click model on generated records (`[experiment]`'s [`CtrSettings`]),
+    /// measured by test AUC.
+    Ctr,
 }
 
 impl RunModel {
@@ -134,7 +146,113 @@ impl RunModel {
             RunModel::Mlp => "mlp",
             RunModel::Cnn => "cnn",
             RunModel::Transformer => "transformer",
+            RunModel::Ctr => "ctr",
         }
+    }
+}
+
+/// The optimizer of an embedding table's rows on the ps tasks (`strata train
+/// --table-optimizer`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum TableOptimizer {
+    /// `w -= lr * g`.
+    Sgd,
+    /// Keras' Adagrad.
+    Adagrad,
+    /// Keras' FTRL.
+    Ftrl,
+    /// TensorFlow Addons' LazyAdam.
+    LazyAdam,
+}
+
+impl TableOptimizer {
+    /// The name `strata train --table-optimizer` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            TableOptimizer::Sgd => "sgd",
+            TableOptimizer::Adagrad => "adagrad",
+            TableOptimizer::Ftrl => "ftrl",
+            TableOptimizer::LazyAdam => "lazy-adam",
+        }
+    }
+}
+
+/// The ctr model's settings (`model = "ctr"`), each passed to `strata train` where the file
+/// sets it (`None`: `strata train`'s default).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct CtrSettings {
+    /// Rows of the embedding table the 26 fields share (`--embedding-rows`).
+    pub embedding_rows: Option<u64>,
+    /// The embedding dimension (`--embedding-dim`).
+    pub embedding_dim: Option<usize>,
+    /// Generated training records, one epoch's (`--train-records`).
+    pub train_records: Option<u64>,
+    /// Generated test records, on which the AUC is measured (`--test-records`).
+    pub test_records: Option<u64>,
+    /// The ps tasks' optimizer of the table's rows (`--table-optimizer`; parameter-server runs).
+    pub table_optimizer: Option<TableOptimizer>,
+    /// Its learning rate (`--table-lr`; parameter-server runs).
+    pub table_lr: Option<f64>,
+}
+
+/// `strata train`'s defaults of the ctr model's settings (`strata train --help`; the command
+/// line's tests check that they agree): rows, training and test records, the table's optimizer
+/// and its learning rate. The dimension's is [`strata::ctr::DlrmConfig::DEFAULT_DIM`].
+pub const CTR_DEFAULT_ROWS: u64 = 10_000;
+/// See [`CTR_DEFAULT_ROWS`].
+pub const CTR_DEFAULT_TRAIN_RECORDS: u64 = 100_000;
+/// See [`CTR_DEFAULT_ROWS`].
+pub const CTR_DEFAULT_TEST_RECORDS: u64 = 20_000;
+/// See [`CTR_DEFAULT_ROWS`].
+pub const CTR_DEFAULT_TABLE_OPTIMIZER: TableOptimizer = TableOptimizer::Adagrad;
+/// See [`CTR_DEFAULT_ROWS`].
+pub const CTR_DEFAULT_TABLE_LR: f64 = 0.05;
+
+impl CtrSettings {
+    /// The table's rows a run has.
+    pub fn rows(&self) -> u64 {
+        self.embedding_rows.unwrap_or(CTR_DEFAULT_ROWS)
+    }
+
+    /// The embedding dimension a run has.
+    pub fn dim(&self) -> usize {
+        self.embedding_dim.unwrap_or(strata::ctr::DlrmConfig::DEFAULT_DIM)
+    }
+
+    /// The training records a run generates.
+    pub fn train_records(&self) -> u64 {
+        self.train_records.unwrap_or(CTR_DEFAULT_TRAIN_RECORDS)
+    }
+
+    /// The test records a run measures the AUC on.
+    pub fn test_records(&self) -> u64 {
+        self.test_records.unwrap_or(CTR_DEFAULT_TEST_RECORDS)
+    }
+
+    /// The ps tasks' row optimizer and its learning rate.
+    pub fn table_optimizer(&self) -> (TableOptimizer, f64) {
+        (self.table_optimizer.unwrap_or(CTR_DEFAULT_TABLE_OPTIMIZER), self.table_lr.unwrap_or(CTR_DEFAULT_TABLE_LR))
+    }
+
+    /// The `strata train` flags of the settings the file sets; the table's optimizer only for
+    /// a parameter-server run (`ps`), whose ps tasks step the rows.
+    pub fn args(&self, ps: bool) -> Vec<String> {
+        let mut out: Vec<String> = Vec::new();
+        let mut flag = |name: &str, v: Option<String>| {
+            if let Some(v) = v {
+                out.extend([name.to_string(), v]);
+            }
+        };
+        flag("--embedding-rows", self.embedding_rows.map(|v| v.to_string()));
+        flag("--embedding-dim", self.embedding_dim.map(|v| v.to_string()));
+        flag("--train-records", self.train_records.map(|v| v.to_string()));
+        flag("--test-records", self.test_records.map(|v| v.to_string()));
+        if ps {
+            flag("--table-optimizer", self.table_optimizer.map(|o| o.name().to_string()));
+            flag("--table-lr", self.table_lr.map(|v| v.to_string()));
+        }
+        out
     }
 }
 
@@ -149,6 +267,21 @@ pub enum PsMode {
     Sync,
     /// Async, refusing pushes more than `staleness` updates old.
     Stale,
+    /// The embedding tables asynchronous on the ps tasks, the dense layers synchronous across
+    /// the workers by ring all-reduce (as multi-worker-mirrored): the ctr model only.
+    Hybrid,
+}
+
+impl PsMode {
+    /// The name `strata train --ps-mode` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            PsMode::Async => "async",
+            PsMode::Sync => "sync",
+            PsMode::Stale => "stale",
+            PsMode::Hybrid => "hybrid",
+        }
+    }
 }
 
 /// One run of the experiment.
@@ -244,6 +377,7 @@ impl RunSpec {
             PsMode::Sync if self.backup_workers > 0 => format!("sync, {} backup", self.backup_workers),
             PsMode::Sync => "sync".to_string(),
             PsMode::Stale => format!("stale <= {}", self.staleness),
+            PsMode::Hybrid => "hybrid".to_string(),
         })
     }
 }
@@ -415,6 +549,8 @@ pub struct Experiment {
     /// The transformer's shape where the file sets `width`, `layers` or `heads` (`strata train
     /// --width --layers --heads`; the others keep the default's); `None`: the default model.
     pub transformer: Option<TransformerConfig>,
+    /// The ctr model's settings (`model = "ctr"`; `None` for the other models).
+    pub ctr: Option<CtrSettings>,
     /// Passes over the training set (real runs).
     pub epochs: usize,
     /// Examples per synchronous step, over all replicas or workers.
@@ -425,8 +561,8 @@ pub struct Experiment {
     pub optimizer: String,
     /// Seed of initialisation and shuffling.
     pub seed: u64,
-    /// What the time-to-target column measures: a test accuracy (digits models) or a
-    /// validation loss (the transformer).
+    /// What the time-to-target column measures: a test accuracy (digits models), a validation
+    /// loss (the transformer) or a test AUC (the ctr model; possibly none).
     pub target: crate::Target,
     /// Digits file (default: the shipped one).
     pub data: Option<PathBuf>,
@@ -465,13 +601,14 @@ impl Experiment {
         }
         let (model, hidden, steps) = model_fields(&at, &e)?;
         let transformer = transformer_shape(&at, &e, model)?;
+        let ctr = ctr_settings(&at, &e, model, &raw.run)?;
         let epochs = at.positive(&e.epochs, "experiment.epochs")?;
         let global_batch = at.positive(&e.global_batch, "experiment.global_batch")?;
         let lr = *e.lr.get_ref();
         if !(lr.is_finite() && lr > 0.0) {
             return Err(at.error(e.lr.span(), "experiment.lr", "must be a positive learning rate, e.g. 0.003"));
         }
-        let optimizer = optimizer(&at, &e.optimizer, &raw.run)?;
+        let optimizer = optimizer(&at, &e.optimizer, &raw.run, model)?;
         let target = target(&at, &e, model)?;
         let run_timeout = match &e.run_timeout {
             Some(t) => parse_duration(t.get_ref()).map_err(|m| at.error(t.span(), "experiment.run_timeout", m))?,
@@ -500,6 +637,13 @@ impl Experiment {
             Some(inj) => injection(&at, &inj, &runs)?,
         };
         let simulate = match raw.simulate {
+            Some(s) if model == RunModel::Ctr => {
+                return Err(at.error(
+                    s.span(),
+                    "simulate",
+                    "simulated mode models the digits MLP, not the ctr model: drop [simulate]",
+                ))
+            }
             Some(s)
                 if model == RunModel::Transformer
                     && (s.get_ref().wire_parameters.is_none() || s.get_ref().target_loss.is_none()) =>
@@ -536,6 +680,7 @@ impl Experiment {
             hidden,
             steps,
             transformer,
+            ctr,
             epochs,
             global_batch,
             lr,
@@ -576,7 +721,7 @@ fn model_fields(at: &Locator<'_>, e: &RawExperiment) -> Result<(RunModel, Vec<us
         Some(v) => Some(*v.get_ref()),
         None => None,
     };
-    if let (RunModel::Transformer, Some(d)) = (model, &e.data) {
+    if let (RunModel::Transformer | RunModel::Ctr, Some(d)) = (model, &e.data) {
         return Err(at.not_for(d.span(), "experiment.data", "the digits models (model = \"mlp\" or \"cnn\")", model));
     }
     Ok((model, hidden, steps))
@@ -608,7 +753,12 @@ fn transformer_shape(at: &Locator<'_>, e: &RawExperiment, model: RunModel) -> Re
 
 /// `[experiment]`'s optimizer: one `strata train --optimizer` takes, and one every run's strategy
 /// can step (`runs`).
-fn optimizer(at: &Locator<'_>, optimizer: &Spanned<String>, runs: &[Spanned<RawRun>]) -> Result<String> {
+fn optimizer(
+    at: &Locator<'_>,
+    optimizer: &Spanned<String>,
+    runs: &[Spanned<RawRun>],
+    model: RunModel,
+) -> Result<String> {
     let name = optimizer.get_ref().clone();
     if name.parse::<strata::OptimizerKind>().is_err() {
         return Err(at.error(
@@ -626,12 +776,26 @@ fn optimizer(at: &Locator<'_>, optimizer: &Spanned<String>, runs: &[Spanned<RawR
             format!("{name} runs on parameter servers only; use adamw or sgd to compare every strategy"),
         ));
     }
+    let hybrid = runs.iter().any(|r| r.get_ref().mode.as_ref().is_some_and(|m| *m.get_ref() == PsMode::Hybrid));
+    if matches!(name.as_str(), "momentum" | "adagrad") && hybrid && model == RunModel::Ctr {
+        return Err(at.error(
+            optimizer.span(),
+            "experiment.optimizer",
+            format!("{name} runs on parameter servers only, and a hybrid run steps its dense layers on the workers; use adamw or sgd"),
+        ));
+    }
     Ok(name)
 }
 
 /// What time to target measures: `target_accuracy` for the digits models, `target_loss` for the
 /// transformer (the one its model needs, and not the other).
 fn target(at: &Locator<'_>, e: &RawExperiment, model: RunModel) -> Result<crate::Target> {
+    if model == RunModel::Ctr {
+        return auc_target(at, e);
+    }
+    if let Some(a) = &e.target_auc {
+        return Err(at.not_for(a.span(), "experiment.target_auc", "model = \"ctr\"", model));
+    }
     Ok(match (model, &e.target_accuracy, &e.target_loss) {
         (RunModel::Transformer, Some(a), _) => {
             return Err(at.error(
@@ -675,6 +839,92 @@ fn target(at: &Locator<'_>, e: &RawExperiment, model: RunModel) -> Result<crate:
     })
 }
 
+/// The ctr model's target: `target_auc` if the file sets one (above 0.5, at most 1), and
+/// neither `target_accuracy` nor `target_loss`.
+fn auc_target(at: &Locator<'_>, e: &RawExperiment) -> Result<crate::Target> {
+    let other = e.target_accuracy.as_ref().map(|a| ("target_accuracy", a.span()));
+    if let Some((field, span)) = other.or(e.target_loss.as_ref().map(|l| ("target_loss", l.span()))) {
+        return Err(at.error(
+            span,
+            &format!("experiment.{field}"),
+            "the ctr model is measured by test AUC; set target_auc (e.g. 0.77) instead, or no target",
+        ));
+    }
+    match &e.target_auc {
+        None => Ok(crate::Target::Auc(None)),
+        Some(a) if !(*a.get_ref() > 0.5 && *a.get_ref() <= 1.0) => Err(at.error(
+            a.span(),
+            "experiment.target_auc",
+            "must be an AUC above 0.5 (guessing) and at most 1, e.g. 0.77",
+        )),
+        Some(a) => Ok(crate::Target::Auc(Some(*a.get_ref()))),
+    }
+}
+
+/// `[experiment]`'s ctr settings: refused on the other models, checked as `strata train`
+/// checks them on the ctr model (the table's optimizer only where a parameter-server run
+/// steps the rows on ps tasks).
+fn ctr_settings(
+    at: &Locator<'_>,
+    e: &RawExperiment,
+    model: RunModel,
+    runs: &[Spanned<RawRun>],
+) -> Result<Option<CtrSettings>> {
+    let spans = [
+        ("embedding_rows", e.embedding_rows.as_ref().map(|v| v.span())),
+        ("embedding_dim", e.embedding_dim.as_ref().map(|v| v.span())),
+        ("train_records", e.train_records.as_ref().map(|v| v.span())),
+        ("test_records", e.test_records.as_ref().map(|v| v.span())),
+        ("table_optimizer", e.table_optimizer.as_ref().map(|v| v.span())),
+        ("table_lr", e.table_lr.as_ref().map(|v| v.span())),
+    ];
+    if model != RunModel::Ctr {
+        return match spans.into_iter().find_map(|(k, s)| s.map(|s| (k, s))) {
+            Some((key, span)) => Err(at.not_for(span, &format!("experiment.{key}"), "model = \"ctr\"", model)),
+            None => Ok(None),
+        };
+    }
+    let c = CtrSettings {
+        embedding_rows: e.embedding_rows.as_ref().map(|v| *v.get_ref()),
+        embedding_dim: e.embedding_dim.as_ref().map(|v| *v.get_ref()),
+        train_records: e.train_records.as_ref().map(|v| *v.get_ref()),
+        test_records: e.test_records.as_ref().map(|v| *v.get_ref()),
+        table_optimizer: e.table_optimizer.as_ref().map(|v| *v.get_ref()),
+        table_lr: e.table_lr.as_ref().map(|v| *v.get_ref()),
+    };
+    let shape = strata::ctr::DlrmConfig::new(c.rows(), c.dim());
+    if let Err(err) = shape.check() {
+        let (key, span) =
+            if c.embedding_dim.is_some_and(|d| !(1..=1024).contains(&d)) { spans[1].clone() } else { spans[0].clone() };
+        return Err(at.error(span.unwrap_or(0..0), &format!("experiment.{key}"), err));
+    }
+    for (k, v) in [(2, c.train_records), (3, c.test_records)] {
+        if v.is_some_and(|n| n == 0 || n > 1 << 32) {
+            let (key, span) = spans[k].clone();
+            return Err(at.error(
+                span.unwrap_or(0..0),
+                &format!("experiment.{key}"),
+                "must be 1 to 2^32 records (they are held as tensors)",
+            ));
+        }
+    }
+    if let Some(lr) = &e.table_lr {
+        if !(lr.get_ref().is_finite() && *lr.get_ref() > 0.0) {
+            return Err(at.error(lr.span(), "experiment.table_lr", "must be a positive learning rate, e.g. 0.05"));
+        }
+    }
+    if !runs.iter().any(|r| r.get_ref().strategy == RunStrategy::ParameterServer) {
+        if let Some((key, Some(span))) = spans[4..].iter().find(|(_, s)| s.is_some()).cloned() {
+            return Err(at.error(
+                span,
+                &format!("experiment.{key}"),
+                "applies to parameter-server runs, whose ps tasks step the table's rows (the other strategies step the table with experiment.optimizer); drop it",
+            ));
+        }
+    }
+    Ok(Some(c))
+}
+
 /// One `[[run]]` table, the `i`th: errors name `run[i].<field>`.
 struct RunAt<'a> {
     at: &'a Locator<'a>,
@@ -712,6 +962,7 @@ fn run_spec(
     let r = run.run;
     let (replicas, workers, ps_tasks) = run_processes(&run)?;
     let (mode, backup_workers, staleness) = ps_mode(&run, workers)?;
+    run_tables(&run, model, mode, replicas)?;
     let compression = run_compression(&run)?;
     let multi = r.strategy.is_multi_process();
     let total = if multi { workers * replicas } else { replicas };
@@ -801,11 +1052,11 @@ fn run_memory(
         }
     };
     let recompute = match &r.recompute {
-        Some(v) if *v.get_ref() && model == RunModel::Cnn => {
+        Some(v) if *v.get_ref() && matches!(model, RunModel::Cnn | RunModel::Ctr) => {
             return Err(run.error(
                 v.span(),
                 "recompute",
-                "applies to model = \"mlp\" or \"transformer\", not model = \"cnn\"; drop it",
+                format!("applies to model = \"mlp\" or \"transformer\", not model = \"{}\"; drop it", model.name()),
             ))
         }
         Some(v) => *v.get_ref(),
@@ -880,6 +1131,30 @@ fn ps_mode(run: &RunAt<'_>, workers: usize) -> Result<(Option<PsMode>, usize, u6
         None => 4,
     };
     Ok((mode, backup_workers, staleness))
+}
+
+/// What a run with embedding tables on ps tasks needs: hybrid is the ctr model's mode, and a
+/// parameter-server worker of the ctr model runs one replica (as `strata train` refuses more).
+fn run_tables(run: &RunAt<'_>, model: RunModel, mode: Option<PsMode>, replicas: usize) -> Result<()> {
+    let r = run.run;
+    if let (Some(PsMode::Hybrid), Some(m)) = (mode, &r.mode) {
+        if model != RunModel::Ctr {
+            return Err(run.error(
+                m.span(),
+                "mode",
+                format!("hybrid trains the embedding tables on the ps tasks and the dense layers on the workers' ring: it needs model = \"ctr\", not model = \"{}\"", model.name()),
+            ));
+        }
+    }
+    if model == RunModel::Ctr && r.strategy == RunStrategy::ParameterServer && replicas != 1 {
+        let span = r.replicas.as_ref().map_or(run.span.clone(), |v| v.span());
+        return Err(run.error(
+            span,
+            "replicas",
+            "a parameter-server worker with embedding tables runs one replica; drop it and add workers instead",
+        ));
+    }
+    Ok(())
 }
 
 /// A run's compression: any for multi-worker-mirrored, what a parameter server takes for
@@ -975,6 +1250,7 @@ fn default_run_name(spec: &RunSpec) -> String {
         Some(PsMode::Sync) => "ps-sync".into(),
         Some(PsMode::Async) => "ps-async".into(),
         Some(PsMode::Stale) => format!("ps-stale{}", spec.staleness),
+        Some(PsMode::Hybrid) => "ps-hybrid".into(),
         None => spec.strategy.name().into(),
     };
     let mut name = match spec.compression {
@@ -1233,6 +1509,13 @@ struct RawExperiment {
     seed: u64,
     target_accuracy: Option<Spanned<f32>>,
     target_loss: Option<Spanned<f64>>,
+    target_auc: Option<Spanned<f64>>,
+    embedding_rows: Option<Spanned<u64>>,
+    embedding_dim: Option<Spanned<usize>>,
+    train_records: Option<Spanned<u64>>,
+    test_records: Option<Spanned<u64>>,
+    table_optimizer: Option<Spanned<TableOptimizer>>,
+    table_lr: Option<Spanned<f64>>,
     data: Option<Spanned<PathBuf>>,
     run_timeout: Option<Spanned<String>>,
 }
@@ -1729,6 +2012,164 @@ network_delay = "1ms"
         assert!(m.contains("network: [injection] kill runs on this machine's loopback"), "{m}");
     }
 
+    const CTR: &str = r#"
+[experiment]
+name = "c"
+model = "ctr"
+epochs = 2
+global_batch = 512
+lr = 0.003
+embedding_rows = 1000000
+embedding_dim = 16
+train_records = 200000
+test_records = 10000
+table_optimizer = "lazy-adam"
+table_lr = 0.05
+target_auc = 0.8
+
+[[run]]
+strategy = "parameter-server"
+mode = "sync"
+workers = 2
+ps_tasks = 2
+
+[[run]]
+strategy = "parameter-server"
+mode = "hybrid"
+workers = 2
+ps_tasks = 2
+
+[[run]]
+strategy = "one-device"
+"#;
+
+    #[test]
+    fn the_ctr_model_s_settings_target_and_hybrid_mode_parse() {
+        let e = parse(CTR).unwrap();
+        assert_eq!((e.model, e.target), (RunModel::Ctr, crate::Target::Auc(Some(0.8))));
+        let c = e.ctr.unwrap();
+        assert_eq!((c.embedding_rows, c.embedding_dim), (Some(1_000_000), Some(16)));
+        assert_eq!((c.train_records, c.test_records, c.train_records()), (Some(200_000), Some(10_000), 200_000));
+        assert_eq!((c.table_optimizer, c.table_lr), (Some(TableOptimizer::LazyAdam), Some(0.05)));
+        let names: Vec<&str> = e.runs.iter().map(|r| r.name.as_str()).collect();
+        assert_eq!(names, ["ps-sync", "ps-hybrid", "one-device"]);
+        assert_eq!((e.runs[1].mode, e.runs[1].mode_label().as_deref()), (Some(PsMode::Hybrid), Some("hybrid")));
+        assert!(e.hidden.is_empty());
+        // No target: the report gives the final AUC and its gap only.
+        let none = parse(&CTR.replace("target_auc = 0.8\n", "")).unwrap();
+        assert_eq!(none.target, crate::Target::Auc(None));
+        // The defaults: nothing passed on.
+        let bare =
+            CTR.lines().filter(|l| !l.starts_with("embedding") && !l.contains("_records") && !l.starts_with("table_"));
+        let bare = parse(&bare.collect::<Vec<_>>().join("\n")).unwrap();
+        assert_eq!(bare.ctr, Some(CtrSettings::default()));
+        assert_eq!(bare.ctr.unwrap().train_records(), CTR_DEFAULT_TRAIN_RECORDS);
+        assert!(bare.ctr.unwrap().args(true).is_empty());
+        assert_eq!(
+            c.args(false),
+            [
+                "--embedding-rows",
+                "1000000",
+                "--embedding-dim",
+                "16",
+                "--train-records",
+                "200000",
+                "--test-records",
+                "10000"
+            ]
+        );
+        assert_eq!(c.args(true)[8..], ["--table-optimizer", "lazy-adam", "--table-lr", "0.05"]);
+    }
+
+    #[test]
+    fn bad_ctr_settings_are_one_line_each_naming_the_field_and_the_line() {
+        let bad = |from: &str, to: &str, want: &str| {
+            let text = CTR.replace(from, to);
+            assert_ne!(text, CTR, "{from}");
+            let m = error(&text);
+            assert!(m.contains(want), "{m}\nwants: {want}");
+            assert_eq!(m.lines().count(), 1, "{m}");
+        };
+        bad(
+            "embedding_rows = 1000000",
+            "embedding_rows = 10",
+            "x.toml line 8: experiment.embedding_rows: an embedding table of 10 rows of 16: use at least 26 rows",
+        );
+        bad(
+            "embedding_dim = 16",
+            "embedding_dim = 0",
+            "x.toml line 9: experiment.embedding_dim: an embedding dimension of 0 is outside 1..=1024",
+        );
+        bad(
+            "train_records = 200000",
+            "train_records = 0",
+            "x.toml line 10: experiment.train_records: must be 1 to 2^32 records",
+        );
+        bad(
+            "test_records = 10000",
+            "test_records = 5000000000",
+            "x.toml line 11: experiment.test_records: must be 1 to 2^32 records",
+        );
+        bad("\"lazy-adam\"", "\"adam\"", "x.toml line 12: table_optimizer: unknown variant `adam`");
+        bad(
+            "table_lr = 0.05",
+            "table_lr = 0.0",
+            "x.toml line 13: experiment.table_lr: must be a positive learning rate, e.g. 0.05",
+        );
+        bad(
+            "target_auc = 0.8",
+            "target_auc = 0.5",
+            "x.toml line 14: experiment.target_auc: must be an AUC above 0.5 (guessing) and at most 1, e.g. 0.77",
+        );
+        bad("target_auc = 0.8", "target_accuracy = 0.8", "x.toml line 14: experiment.target_accuracy: the ctr model is measured by test AUC; set target_auc (e.g. 0.77) instead, or no target");
+        bad("target_auc = 0.8", "target_loss = 0.4", "experiment.target_loss: the ctr model is measured by test AUC");
+        bad(
+            "lr = 0.003",
+            "lr = 0.003\ndata = \"d.csv\"",
+            "x.toml line 8: experiment.data: applies to the digits models",
+        );
+        bad(
+            "mode = \"sync\"\nworkers = 2",
+            "mode = \"sync\"\nworkers = 2\nreplicas = 2",
+            "x.toml line 20: run[0].replicas: a parameter-server worker with embedding tables runs one replica",
+        );
+        bad(
+            "strategy = \"one-device\"",
+            "strategy = \"one-device\"\nrecompute = true",
+            "run[2].recompute: applies to model = \"mlp\" or \"transformer\", not model = \"ctr\"",
+        );
+        bad(
+            "lr = 0.003",
+            "lr = 0.003\noptimizer = \"adagrad\"",
+            "experiment.optimizer: adagrad runs on parameter servers only",
+        );
+        let m = error(&format!("{CTR}\n[simulate]\nworkers = [2]\n"));
+        assert!(
+            m.contains("simulate: simulated mode models the digits MLP, not the ctr model: drop [simulate]"),
+            "{m}"
+        );
+        // Table settings with no parameter-server run to step the rows.
+        let one = CTR.split("[[run]]").next().unwrap().to_string() + "[[run]]\nstrategy = \"mirrored\"\n";
+        let m = error(&one);
+        assert!(m.contains("line 12: experiment.table_optimizer: applies to parameter-server runs"), "{m}");
+        let m = error(&one.replace("table_optimizer = \"lazy-adam\"\n", ""));
+        assert!(m.contains("experiment.table_lr: applies to parameter-server runs"), "{m}");
+        // Fields of the ctr model on another, and hybrid without tables.
+        let e = error(&GOOD.replace("lr = 0.01", "lr = 0.01\nembedding_rows = 1000"));
+        assert!(
+            e.contains("line 8: experiment.embedding_rows: applies to model = \"ctr\", not model = \"mlp\"; drop it"),
+            "{e}"
+        );
+        let e = error(&GOOD.replace("target_accuracy = 0.9", "target_accuracy = 0.9\ntarget_auc = 0.8"));
+        assert!(e.contains("experiment.target_auc: applies to model = \"ctr\""), "{e}");
+        let e = error(&GOOD.replace("mode = \"stale\"", "mode = \"hybrid\"").replace("staleness = 3\n", ""));
+        assert!(
+            e.contains("line 21: run[2].mode: hybrid trains the embedding tables on the ps tasks")
+                && e.contains("not model = \"mlp\""),
+            "{e}"
+        );
+    }
+
     #[test]
     fn delay_distributions_parse_and_sample() {
         let d: DelayDistribution = "uniform:10ms..30ms".parse().unwrap();
@@ -1754,7 +2195,9 @@ network_delay = "1ms"
                 // transformer's time where [simulate] sends its bytes (wire_parameters): the
                 // others run for real only.
                 let sends_its_bytes = e.simulate.as_ref().is_some_and(|s| s.wire_parameters.is_some());
-                let simulable = (e.model != RunModel::Transformer || sends_its_bytes) && e.injection.kill.is_empty();
+                let simulable = (e.model != RunModel::Transformer || sends_its_bytes)
+                    && e.model != RunModel::Ctr
+                    && e.injection.kill.is_empty();
                 assert_eq!(e.simulate.is_some(), simulable, "{}", path.display());
                 n += 1;
             }

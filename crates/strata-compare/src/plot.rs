@@ -4,6 +4,8 @@
 //! - `loss_vs_bytes`: the same loss against the bytes each worker had sent (log scale), when
 //!   some run sent any;
 //! - `accuracy_vs_steps`: test accuracy against model updates, one line per run;
+//! - for the ctr model, instead: `auc_vs_time` (time to AUC) and `auc_vs_steps`, the test AUC
+//!   with the target and the best reachable AUC as dashed lines;
 //! - `examples_per_second`: training throughput, one bar per run;
 //! - `staleness_histogram`: how stale the pushes of the runs that report staleness were;
 //! - when the runs sweep worker counts (names like `ps-async/N=64`): `scaling` (examples/s
@@ -200,8 +202,8 @@ struct LineChart {
     y_from_zero: bool,
     /// Upper bound of y (accuracy: 100).
     y_cap: Option<f64>,
-    /// A horizontal dashed line at this y, with its legend label.
-    hline: Option<(f64, String)>,
+    /// Horizontal dashed lines at these y, with their legend labels and colours.
+    hlines: Vec<(f64, String, RGBColor)>,
     /// Vertical dotted lines at these x (a run's lost worker), in the run's color.
     vlines: Vec<(f64, RGBColor)>,
     /// What to write when there are no points.
@@ -223,7 +225,7 @@ impl LineChart {
             x_integer: false,
             y_from_zero: false,
             y_cap: None,
-            hline: None,
+            hlines: Vec::new(),
             vlines: Vec::new(),
             empty_note: empty_note.into(),
         }
@@ -387,8 +389,8 @@ fn legend_entries(c: &LineChart) -> Vec<LegendEntry> {
         })
         .collect();
     out.extend(c.extra_legend.iter().cloned());
-    if let Some((_, label)) = &c.hline {
-        out.push(LegendEntry { label: label.clone(), color: BLACK, style: Style::Dashed });
+    for (_, label, color) in &c.hlines {
+        out.push(LegendEntry { label: label.clone(), color: *color, style: Style::Dashed });
     }
     out
 }
@@ -452,7 +454,7 @@ fn line_axes(c: &LineChart) -> LineAxes {
         c.series
             .iter()
             .flat_map(|s| s.points.iter().map(|p| p.1))
-            .chain(c.hline.as_ref().map(|h| h.0))
+            .chain(c.hlines.iter().map(|h| h.0))
             .filter(|v| v.is_finite())
     };
     // Log axes only for positive values.
@@ -598,9 +600,9 @@ fn draw_lines<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, c: &LineChart) 
             }
         }
     }
-    if let Some((y, _)) = &c.hline {
+    for (y, _, color) in &c.hlines {
         let y = ty(*y);
-        chart.draw_series(DashedLineSeries::new(vec![(x0, y), (x1, y)], 10, 6, BLACK.stroke_width(1))).map_err(err)?;
+        chart.draw_series(DashedLineSeries::new(vec![(x0, y), (x1, y)], 10, 6, color.stroke_width(1))).map_err(err)?;
     }
     for &(x, color) in &c.vlines {
         let x = tx(x);
@@ -875,7 +877,7 @@ pub fn accuracy_vs_steps(dir: &Path, runs: &[RunResult], target: f32, simulated:
     chart.x_integer = true;
     chart.y_cap = Some(100.5);
     if target.is_finite() && target > 0.0 {
-        chart.hline = Some((f64::from(target) * 100.0, format!("target {:.2}%", f64::from(target) * 100.0)));
+        chart.hlines.push((f64::from(target) * 100.0, format!("target {:.2}%", f64::from(target) * 100.0), BLACK));
     }
     for i in picked {
         let mut pts: Vec<(f64, f64)> = runs[i]
@@ -921,7 +923,7 @@ pub fn accuracy_vs_time(dir: &Path, runs: &[RunResult], target: f32, simulated: 
     chart.note = note;
     chart.y_cap = Some(100.5);
     if target.is_finite() && target > 0.0 {
-        chart.hline = Some((f64::from(target) * 100.0, format!("target {:.2}%", f64::from(target) * 100.0)));
+        chart.hlines.push((f64::from(target) * 100.0, format!("target {:.2}%", f64::from(target) * 100.0), BLACK));
     }
     for i in picked {
         let mut pts: Vec<(f64, f64)> = runs[i]
@@ -940,6 +942,79 @@ pub fn accuracy_vs_time(dir: &Path, runs: &[RunResult], target: f32, simulated: 
         chart.extra_legend.push(LegendEntry { label: "worker killed".into(), color: NOTE_GREY, style: Style::Dashed });
     }
     render(dir, "accuracy_vs_time", &Figure::Lines(chart)).map(Some)
+}
+
+/// The dashed lines of the AUC plots: the experiment's target AUC and the best reachable (the
+/// planted model's on the same test records), where known.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct AucLines {
+    /// `target_auc`.
+    pub target: Option<f64>,
+    /// The runs' `best_test_auc`.
+    pub best: Option<f64>,
+}
+
+/// Whether run `i` recorded a finite test AUC.
+fn has_auc(runs: &[RunResult], i: usize) -> bool {
+    runs[i].records.iter().any(|r| r.kind == RecordKind::Eval && r.auc.is_some_and(f32::is_finite))
+}
+
+/// The ctr model's test AUC against wall time (`by_time`: time to AUC) or against model
+/// updates, the target and the best reachable AUC as dashed lines. `None` when no run recorded
+/// an AUC (the other models).
+pub fn auc_plot(
+    dir: &Path,
+    runs: &[RunResult],
+    lines: AucLines,
+    by_time: bool,
+    simulated: bool,
+) -> Result<Option<Plot>> {
+    if !(0..runs.len()).any(|i| has_auc(runs, i)) {
+        return Ok(None);
+    }
+    let keys = color_keys(runs);
+    let candidates: Vec<usize> = ok_runs(runs).into_iter().filter(|&i| has_auc(runs, i)).collect();
+    let (picked, note) = select(runs, candidates);
+    let (what, x_desc, name) = match (by_time, simulated) {
+        (true, true) => ("wall time", "wall time (virtual seconds)", "auc_vs_time"),
+        (true, false) => ("wall time", "wall time (s)", "auc_vs_time"),
+        (false, _) => ("model updates", "model updates (optimizer steps applied)", "auc_vs_steps"),
+    };
+    let mut chart = LineChart::new(
+        format!("Test AUC against {what}{}", simulated_suffix(simulated)),
+        x_desc,
+        "test AUC",
+        "no run recorded an evaluation",
+    );
+    chart.note = note;
+    chart.x_integer = !by_time;
+    chart.y_cap = Some(1.005);
+    if let Some(t) = lines.target.filter(|t| t.is_finite()) {
+        chart.hlines.push((t, format!("target {t:.4}"), BLACK));
+    }
+    if let Some(b) = lines.best.filter(|b| b.is_finite()) {
+        chart.hlines.push((b, format!("best reachable {b:.4}"), NOTE_GREY));
+    }
+    for i in picked {
+        let mut pts: Vec<(f64, f64)> = runs[i]
+            .records
+            .iter()
+            .filter(|r| r.kind == RecordKind::Eval && r.wall_s.is_finite())
+            .filter_map(|r| {
+                let x = if by_time { r.wall_s } else { r.updates as f64 };
+                r.auc.filter(|a| a.is_finite()).map(|a| (x, f64::from(a)))
+            })
+            .collect();
+        pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let style = if pts.len() <= 30 { Style::LineMarkers } else { Style::Line };
+        chart.series.push(Series {
+            label: Some(runs[i].name.clone()),
+            color: color(keys[i]),
+            style,
+            points: thin(pts, 1500),
+        });
+    }
+    render(dir, name, &Figure::Lines(chart)).map(Some)
 }
 
 fn check_aligned(runs: &[RunResult], summaries: &[RunSummary]) -> Result<()> {
@@ -1188,21 +1263,30 @@ pub fn time_to_target_vs_workers(
     render(dir, "time_to_target_vs_workers", &Figure::Lines(chart)).map(Some)
 }
 
-/// Draws every plot into `dir` (which must exist): the four always, the three sweep plots when
-/// the runs sweep worker counts. `summaries` is `summarize(runs, target)`.
+/// Draws every plot into `dir` (which must exist): the four always (for runs that recorded a
+/// test AUC, the ctr model's, its two AUC plots instead of accuracy against updates), the
+/// three sweep plots when the runs sweep worker counts. `summaries` is `summarize(runs,
+/// target)`; `target` the target accuracy (NaN: none), `auc` the AUC plots' lines.
 pub fn draw_all(
     dir: &Path,
     runs: &[RunResult],
     summaries: &[RunSummary],
     target: f32,
+    auc: AucLines,
     simulated: bool,
 ) -> Result<Vec<Plot>> {
-    let mut out = vec![
-        loss_vs_time(dir, runs, simulated)?,
-        accuracy_vs_steps(dir, runs, target, simulated)?,
-        examples_per_second(dir, runs, summaries, simulated)?,
-        staleness_histogram(dir, runs, simulated)?,
-    ];
+    let mut out = vec![loss_vs_time(dir, runs, simulated)?];
+    let auc_plots: Vec<Plot> =
+        [auc_plot(dir, runs, auc, true, simulated)?, auc_plot(dir, runs, auc, false, simulated)?]
+            .into_iter()
+            .flatten()
+            .collect();
+    if auc_plots.is_empty() {
+        out.push(accuracy_vs_steps(dir, runs, target, simulated)?);
+    }
+    out.extend(auc_plots);
+    out.push(examples_per_second(dir, runs, summaries, simulated)?);
+    out.push(staleness_histogram(dir, runs, simulated)?);
     out.extend(accuracy_vs_time(dir, runs, target, simulated)?);
     out.extend(loss_vs_bytes(dir, runs, simulated)?);
     out.extend(scaling(dir, runs, summaries, simulated)?);

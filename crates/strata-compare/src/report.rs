@@ -19,7 +19,7 @@ use crate::{Error, Result};
 use strata::metrics::RecordKind;
 
 /// The columns of `runs.csv`, in order.
-pub const CSV_COLUMNS: [&str; 18] = [
+pub const CSV_COLUMNS: [&str; 19] = [
     "run",
     "strategy",
     "mode",
@@ -38,6 +38,7 @@ pub const CSV_COLUMNS: [&str; 18] = [
     "dropped",
     "accuracy",
     "validation_loss",
+    "auc",
 ];
 
 /// What [`write_outputs`] wrote.
@@ -84,7 +85,8 @@ pub fn write_outputs(dir: &Path, exp: &Experiment, runs: &[RunResult], simulated
         .map_err(|e| Error::io(format!("cannot encode {}", summary_json.display()), e.into()))?;
     write_file(&summary_json, &(text + "\n"))?;
 
-    let plots = plot::draw_all(dir, runs, &summaries, exp.target.accuracy().unwrap_or(f32::NAN), simulated)?;
+    let auc = plot::AucLines { target: exp.target.auc(), best: best_auc(&summaries) };
+    let plots = plot::draw_all(dir, runs, &summaries, exp.target.accuracy().unwrap_or(f32::NAN), auc, simulated)?;
 
     let report_md = dir.join("REPORT.md");
     write_file(&report_md, &report_text(exp, runs, &summaries, &plots, simulated))?;
@@ -138,6 +140,7 @@ pub fn runs_csv_text(runs: &[RunResult]) -> String {
                 m.dropped.to_string(),
                 opt(m.accuracy),
                 opt(m.validation_loss),
+                opt(m.auc),
             ];
             let cells: Vec<String> = row.iter().map(|c| csv_field(c)).collect();
             out.push_str(&cells.join(","));
@@ -198,7 +201,9 @@ pub fn summary_value(
             "seed": exp.seed,
             "model": exp.model.name(),
             "target_accuracy": exp.target.accuracy(),
-            "target_loss": match exp.target { crate::Target::Loss(t) => Some(t), crate::Target::Accuracy(_) => None },
+            "target_loss": match exp.target { crate::Target::Loss(t) => Some(t), _ => None },
+            "target_auc": exp.target.auc(),
+            "ctr": exp.ctr,
             "data": exp.data.as_ref().map(|p| p.display().to_string()),
             "run_timeout_s": exp.run_timeout.as_secs_f64(),
             "simulate": exp.simulate,
@@ -400,12 +405,24 @@ fn what_was_run(md: &mut String, exp: &Experiment, runs: &[RunResult], simulated
             );
         }
     }
-    let _ = writeln!(
-        md,
-        "- Target: {} ({}).",
-        target_words(exp, simulated),
-        if exp.target.accuracy().is_some() || simulated { "test set" } else { "validation text" }
-    );
+    if let crate::Target::Auc(t) = exp.target {
+        let best = best_auc(&summarize(runs, exp.target))
+            .map_or_else(String::new, |b| format!("; the best reachable, the planted model's, is {b:.4}"));
+        let _ = match t {
+            Some(_) => writeln!(md, "- Target: {} (test records){best}.", exp.target.describe()),
+            None => writeln!(
+                md,
+                "- Target: none set (`target_auc`): the final test AUC and its gap to the best reachable{best}."
+            ),
+        };
+    } else {
+        let _ = writeln!(
+            md,
+            "- Target: {} ({}).",
+            target_words(exp, simulated),
+            if exp.target.accuracy().is_some() || simulated { "test set" } else { "validation text" }
+        );
+    }
     let injection = exp.injection.describe();
     if injection.is_empty() {
         md.push_str("- Injected: nothing.\n");
@@ -475,7 +492,30 @@ fn model_line(exp: &Experiment, simulated: bool) -> String {
             "character transformer on Tiny Shakespeare ({} steps of windows per epoch)",
             exp.steps.map_or_else(|| "strata train's default".to_string(), |n| n.to_string())
         ),
+        crate::experiment::RunModel::Ctr => ctr_model_line(exp),
     }
+}
+
+/// The ctr model in words: its table, its records and, where a parameter-server run steps the
+/// table's rows on ps tasks, their optimizer.
+fn ctr_model_line(exp: &Experiment) -> String {
+    let c = exp.ctr.unwrap_or_default();
+    let ps = exp.runs.iter().any(|r| r.strategy == crate::experiment::RunStrategy::ParameterServer);
+    let (optimizer, lr) = c.table_optimizer();
+    format!(
+        "DLRM-style click model on generated records (the 26 fields share an embedding table of {} rows × {}); {} training records an epoch, {} test records{}",
+        plot::group_thousands(c.rows() as f64),
+        c.dim(),
+        plot::group_thousands(c.train_records() as f64),
+        plot::group_thousands(c.test_records() as f64),
+        if ps { format!("; the ps tasks step the table's rows with {} at {lr}", optimizer.name()) } else { String::new() },
+    )
+}
+
+/// The best reachable AUC of the runs (the planted model's on the test records: the same for
+/// every run of an experiment, which shares the seed and the records).
+fn best_auc(summaries: &[RunSummary]) -> Option<f64> {
+    summaries.iter().find_map(|s| s.best_auc)
 }
 
 /// The report's "Results": the table, what its columns measure, the lost workers and the failed
@@ -483,6 +523,14 @@ fn model_line(exp: &Experiment, simulated: bool) -> String {
 fn results_section(md: &mut String, exp: &Experiment, runs: &[RunResult], summaries: &[RunSummary], simulated: bool) {
     md.push_str("## Results\n\n");
     let failed = runs.iter().filter(|r| r.error.is_some()).count();
+    if exp.model == crate::experiment::RunModel::Ctr {
+        md.push_str(&ctr_table(summaries, exp.target));
+        md.push_str(CTR_COLUMNS);
+        if failed > 0 {
+            failed_runs(md, runs);
+        }
+        return;
+    }
     md.push_str(&table(summaries, simulated));
     let _ = writeln!(
         md,
@@ -498,12 +546,80 @@ fn results_section(md: &mut String, exp: &Experiment, runs: &[RunResult], summar
         md.push_str(&lost_workers(exp, runs, summaries));
     }
     if failed > 0 {
-        md.push_str("\n### Failed runs\n\n");
-        for r in runs.iter().filter(|r| r.error.is_some()) {
-            let error = r.error.as_deref().unwrap_or_default();
-            let _ = writeln!(md, "- {}:\n\n  ```text\n{}\n  ```", md_cell(&r.name), indent(error.trim_end(), "  "));
-        }
+        failed_runs(md, runs);
     }
+}
+
+/// The report's "Failed runs": each failed run's error.
+fn failed_runs(md: &mut String, runs: &[RunResult]) {
+    md.push_str("\n### Failed runs\n\n");
+    for r in runs.iter().filter(|r| r.error.is_some()) {
+        let error = r.error.as_deref().unwrap_or_default();
+        let _ = writeln!(md, "- {}:\n\n  ```text\n{}\n  ```", md_cell(&r.name), indent(error.trim_end(), "  "));
+    }
+}
+
+/// What the ctr table's columns measure.
+const CTR_COLUMNS: &str = "\nTime and updates to target: until the first evaluation (one after each epoch) whose test AUC \
+reached the target. Final AUC: the trained model's test AUC in the run's own summary; gap: the best reachable AUC (the \
+planted model's, on the same test records) less it. Examples/s: between a run's first and last step record. Pulled / \
+pushed per step: the bytes a worker step pulled from and pushed to the ps tasks, the table's rows and the dense \
+variables, the mean over the step records (f32 payloads, framing not counted); for hybrid, the table's rows only, as its \
+summary counts them: its dense gradients cross the workers' ring, in bytes sent per worker. Bytes sent per worker: over \
+the whole run, every step's bytes (all workers') over the workers. Staleness: model updates between a worker's pull \
+and its push (parameter servers only). —: not measured, not reached or no target.\n";
+
+/// The ctr model's table: AUC instead of accuracy, the gap to the best reachable AUC, and the
+/// bytes pulled and pushed per step; the time-to-target columns only where the experiment
+/// sets `target_auc`.
+pub fn ctr_table(summaries: &[RunSummary], target: crate::Target) -> String {
+    let with_target = target.is_set();
+    let mut out = String::from("| run | strategy | mode | workers | status |");
+    if with_target {
+        let _ = write!(out, " time to {} | updates to target |", target.short());
+    }
+    out.push_str(" final AUC | gap to best | examples/s | pulled / pushed per step | bytes sent per worker | staleness mean / max |\n");
+    out.push_str(if with_target { "|---|---|---|--:|---|--:|--:|" } else { "|---|---|---|--:|---|" });
+    out.push_str("--:|--:|--:|--:|--:|--:|\n");
+    for s in summaries {
+        out.push_str(&ctr_table_row(s, with_target));
+        out.push('\n');
+    }
+    out
+}
+
+/// One row of [`ctr_table`].
+pub fn ctr_table_row(s: &RunSummary, with_target: bool) -> String {
+    let status = match &s.error {
+        Some(e) => format!("failed: {}", md_cell(e)),
+        None => md_cell(&s.status),
+    };
+    let mut cells = vec![
+        md_cell(&s.name),
+        md_cell(&s.strategy),
+        s.mode.as_deref().map_or_else(|| NONE.to_string(), md_cell),
+        s.workers.to_string(),
+        status,
+    ];
+    if with_target {
+        cells.push(or_dash(s.time_to_target_s, fmt_seconds));
+        cells.push(or_dash(s.updates_to_target, |u| plot::group_thousands(u as f64)));
+    }
+    cells.extend([
+        or_dash(s.final_auc, |a| format!("{a:.4}")),
+        or_dash(s.auc_gap, |g| format!("{g:.4}")),
+        or_dash(s.examples_per_s, plot::group_thousands),
+        match (s.pulled_per_step, s.pushed_per_step) {
+            (None, None) => NONE.to_string(),
+            (a, b) => format!("{} / {}", or_dash(a, fmt_bytes), or_dash(b, fmt_bytes)),
+        },
+        or_dash(s.bytes_sent_per_worker, fmt_bytes),
+        match (s.mean_staleness, s.max_staleness) {
+            (Some(m), Some(x)) => format!("{m:.2} / {x}"),
+            _ => NONE.to_string(),
+        },
+    ]);
+    format!("| {} |", cells.join(" | "))
 }
 
 /// The report's "Plots": each plot's PNG and SVG, or why it is empty.
@@ -621,11 +737,17 @@ pub fn findings(exp: &Experiment, runs: &[RunResult], summaries: &[RunSummary], 
     let mut out = Vec::new();
     let time = |t: f64| if simulated { format!("{} (virtual)", fmt_seconds(t)) } else { fmt_seconds(t) };
     let ok: Vec<&RunSummary> = summaries.iter().filter(|s| s.error.is_none()).collect();
-    let reached = time_to_target(&mut out, exp, &ok, &time);
+    let reached = if exp.target.is_set() { time_to_target(&mut out, exp, &ok, &time) } else { Vec::new() };
     out.extend(fewest_updates(&reached));
     out.extend(final_accuracy(&ok));
+    out.extend(final_auc(&ok));
     out.extend(throughput(&ok, simulated));
-    sync_against_async(&mut out, exp, runs, &ok, &time);
+    if exp.model == crate::experiment::RunModel::Ctr {
+        out.extend(ctr_modes(&ok));
+        out.extend(ctr_bytes(&ok));
+    } else {
+        sync_against_async(&mut out, exp, runs, &ok, &time);
+    }
     out.extend(most_stale(&ok));
     if plot::is_sweep(runs) {
         out.extend(sweep_efficiency(&ok));
@@ -730,6 +852,80 @@ fn final_accuracy(ok: &[&RunSummary]) -> Option<String> {
         return Some(s);
     }
     None
+}
+
+/// The highest and lowest final AUC (the ctr model), each with its gap to the best reachable.
+fn final_auc(ok: &[&RunSummary]) -> Option<String> {
+    let with: Vec<&&RunSummary> = ok.iter().filter(|s| s.final_auc.is_some_and(f64::is_finite)).collect();
+    let auc = |s: &RunSummary| s.final_auc.unwrap_or_default();
+    let best = with.iter().max_by(|a, b| auc(a).total_cmp(&auc(b)))?;
+    let worst = with.iter().min_by(|a, b| auc(a).total_cmp(&auc(b)))?;
+    let gap = |s: &RunSummary| s.auc_gap.map_or_else(String::new, |g| format!(", {g:.4} below the best reachable"));
+    Some(if auc(worst) < auc(best) {
+        format!(
+            "Highest final AUC: {} at {:.4}{}; lowest: {} at {:.4}{}.",
+            name(best),
+            auc(best),
+            gap(best),
+            name(worst),
+            auc(worst),
+            gap(worst)
+        )
+    } else {
+        format!("Final AUC: {} at {:.4}{}.", name(best), auc(best), gap(best))
+    })
+}
+
+/// The ctr model's parameter-server modes against each other, on the same workers: examples/s
+/// and final AUC (what asynchrony and the hybrid's ring cost or gain).
+fn ctr_modes(ok: &[&RunSummary]) -> Vec<String> {
+    let mode = |m: &str| ok.iter().copied().find(|s| s.mode.as_deref() == Some(m));
+    let mut out = Vec::new();
+    for (a, b) in [("hybrid", "async"), ("hybrid", "sync"), ("sync", "async")] {
+        let (Some(x), Some(y)) = (mode(a), mode(b)) else { continue };
+        if x.workers != y.workers {
+            continue;
+        }
+        let mut parts = Vec::new();
+        if let (Some(ex), Some(ey)) = (x.examples_per_s, y.examples_per_s.filter(|e| *e > 0.0)) {
+            parts.push(format!(
+                "{} examples/s against {} ({:+.0}%)",
+                plot::group_thousands(ex),
+                plot::group_thousands(ey),
+                (ex / ey - 1.0) * 100.0
+            ));
+        }
+        if let (Some(ax), Some(ay)) = (x.final_auc, y.final_auc) {
+            parts.push(format!("a final AUC of {ax:.4} against {ay:.4} ({:+.4})", ax - ay));
+        }
+        if let (Some(tx), Some(ty)) = (x.time_to_target_s, y.time_to_target_s) {
+            parts.push(format!("the target after {} against {}", fmt_seconds(tx), fmt_seconds(ty)));
+        }
+        if !parts.is_empty() {
+            out.push(format!("{} against {} on {} workers: {}.", name(x), name(y), x.workers, parts.join(", ")));
+        }
+    }
+    out
+}
+
+/// What a worker step moved in each ctr run that counted it, smallest pull first.
+fn ctr_bytes(ok: &[&RunSummary]) -> Option<String> {
+    let mut with: Vec<&&RunSummary> = ok.iter().filter(|s| s.pulled_per_step.is_some()).collect();
+    with.sort_by(|a, b| a.pulled_per_step.unwrap_or_default().total_cmp(&b.pulled_per_step.unwrap_or_default()));
+    let parts: Vec<String> = with
+        .iter()
+        .map(|s| {
+            let what =
+                if s.mode.as_deref() == Some("hybrid") { "the table's rows" } else { "rows and dense variables" };
+            format!(
+                "{} pulled {} and pushed {} ({what})",
+                name(s),
+                or_dash(s.pulled_per_step, fmt_bytes),
+                or_dash(s.pushed_per_step, fmt_bytes)
+            )
+        })
+        .collect();
+    (!parts.is_empty()).then(|| format!("Per worker step, {}.", parts.join("; ")))
 }
 
 /// The highest throughput, with its scaling efficiency.

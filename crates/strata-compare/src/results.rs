@@ -43,6 +43,42 @@ pub struct RunResult {
     /// chief's, the final synchronisation after the last step included).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub local_sgd: Option<OuterTraffic>,
+    /// A real ctr run's AUCs and table traffic, from its `strata train --out` summary.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ctr: Option<CtrFigures>,
+}
+
+/// What a ctr run's summary (`strata train --out`) says: the trained model's test AUC, the
+/// best reachable (the planted model's on the same records), and where the summary has them
+/// (hybrid parameter servers), the table's bytes a worker pulled and pushed per step.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, serde::Deserialize)]
+pub struct CtrFigures {
+    /// `final_test_auc` (`None`: not a number).
+    pub final_test_auc: Option<f64>,
+    /// `best_test_auc`.
+    pub best_test_auc: Option<f64>,
+    /// `table_bytes_pulled_per_step`, at the summary's top level or in `parameter_servers`.
+    pub table_bytes_pulled_per_step: Option<f64>,
+    /// `table_bytes_pushed_per_step`, likewise.
+    pub table_bytes_pushed_per_step: Option<f64>,
+}
+
+impl CtrFigures {
+    /// The ctr figures of a `strata train --out` summary, if it is a ctr run's.
+    pub fn from_summary(json: &str) -> Option<Self> {
+        let v: serde_json::Value = serde_json::from_str(json).ok()?;
+        let number = |key: &str| {
+            let at = |o: &serde_json::Value| o.get(key).and_then(serde_json::Value::as_f64);
+            at(&v).or_else(|| v.get("parameter_servers").and_then(at)).filter(|x| x.is_finite())
+        };
+        let has_auc = v.get("final_test_auc").is_some() || v.get("best_test_auc").is_some();
+        has_auc.then(|| CtrFigures {
+            final_test_auc: number("final_test_auc"),
+            best_test_auc: number("best_test_auc"),
+            table_bytes_pulled_per_step: number("table_bytes_pulled_per_step"),
+            table_bytes_pushed_per_step: number("table_bytes_pushed_per_step"),
+        })
+    }
 }
 
 /// What a local-SGD run's summary says crossed (`local_sgd` of `strata train --out`).
@@ -79,8 +115,8 @@ pub struct RunSummary {
     pub status: String,
     /// The failure, if any.
     pub error: Option<String>,
-    /// Seconds until the first evaluation that reached the target (accuracy at or above it,
-    /// validation loss at or below it).
+    /// Seconds until the first evaluation that reached the target (accuracy or AUC at or above
+    /// it, validation loss at or below it).
     pub time_to_target_s: Option<f64>,
     /// Model updates until then.
     pub updates_to_target: Option<u64>,
@@ -89,6 +125,24 @@ pub struct RunSummary {
     /// The last evaluation's validation loss, nats per character (the transformer).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub final_validation_loss: Option<f32>,
+    /// The ctr model's final test AUC: its summary's (`final_test_auc`), else the last
+    /// evaluation's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub final_auc: Option<f64>,
+    /// The best AUC reachable on the same test records (the planted model's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub best_auc: Option<f64>,
+    /// `best_auc - final_auc`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub auc_gap: Option<f64>,
+    /// A ctr run's bytes a worker pulled per step: the summary's table rows where it has them
+    /// (hybrid), else a parameter-server step record's mean `bytes_received` (rows and dense
+    /// variables).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pulled_per_step: Option<f64>,
+    /// Pushed per step, likewise (`bytes_sent`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pushed_per_step: Option<f64>,
     /// Training examples per second between the first and the last step record.
     pub examples_per_s: Option<f64>,
     /// Examples per second over `workers` times the single-worker run's (the first run with
@@ -145,6 +199,7 @@ fn summarize_one(r: &RunResult, target: Target) -> RunSummary {
     let hit = evals.iter().find(|e| target.reached(e));
     let final_accuracy = evals.last().and_then(|e| e.accuracy);
     let final_validation_loss = evals.last().and_then(|e| e.validation_loss);
+    let ctr = ctr_summary(r, &steps, &evals);
     let examples_per_s = match (steps.first(), steps.last()) {
         (Some(a), Some(b)) if b.wall_s > a.wall_s && b.examples > a.examples => {
             Some((b.examples - a.examples) as f64 / (b.wall_s - a.wall_s))
@@ -181,7 +236,8 @@ fn summarize_one(r: &RunResult, target: Target) -> RunSummary {
     let status = match (&r.error, hit) {
         (Some(_), _) => "failed",
         (None, Some(_)) => "ok",
-        (None, None) => "below target",
+        (None, None) if target.is_set() => "below target",
+        (None, None) => "ok",
     };
     RunSummary {
         name: r.name.clone(),
@@ -195,6 +251,11 @@ fn summarize_one(r: &RunResult, target: Target) -> RunSummary {
         updates_to_target: hit.map(|e| e.updates),
         final_accuracy,
         final_validation_loss,
+        final_auc: ctr.final_auc,
+        best_auc: ctr.best_auc,
+        auc_gap: ctr.final_auc.zip(ctr.best_auc).map(|(f, b)| b - f),
+        pulled_per_step: ctr.pulled,
+        pushed_per_step: ctr.pushed,
         examples_per_s,
         scaling_efficiency: None,
         bytes_per_example: (examples > 0).then(|| bytes as f64 / examples as f64),
@@ -208,6 +269,30 @@ fn summarize_one(r: &RunResult, target: Target) -> RunSummary {
         longest_pause_s,
         steps_repeated,
         relaunches: r.relaunches,
+    }
+}
+
+/// A ctr run's figures of [`RunSummary`].
+struct CtrSummary {
+    final_auc: Option<f64>,
+    best_auc: Option<f64>,
+    pulled: Option<f64>,
+    pushed: Option<f64>,
+}
+
+fn ctr_summary(r: &RunResult, steps: &[&MetricRecord], evals: &[&MetricRecord]) -> CtrSummary {
+    let last_eval = evals.iter().rev().find_map(|e| e.auc).map(f64::from).filter(|a| a.is_finite());
+    let figures = r.ctr.unwrap_or_default();
+    // A parameter-server step record is one worker's step: its pulls and its push.
+    let mean = |f: fn(&MetricRecord) -> u64| {
+        let ps = r.strategy == "parameter-server" && r.ctr.is_some() && !steps.is_empty();
+        ps.then(|| steps.iter().map(|s| f(s) as f64).sum::<f64>() / steps.len() as f64).filter(|m| *m > 0.0)
+    };
+    CtrSummary {
+        final_auc: figures.final_test_auc.or(last_eval),
+        best_auc: figures.best_test_auc,
+        pulled: figures.table_bytes_pulled_per_step.or_else(|| mean(|s| s.bytes_received)),
+        pushed: figures.table_bytes_pushed_per_step.or_else(|| mean(|s| s.bytes_sent)),
     }
 }
 
@@ -231,6 +316,7 @@ mod tests {
             faults: Vec::new(),
             relaunches: 0,
             local_sgd: None,
+            ctr: None,
         }
     }
 
@@ -273,6 +359,56 @@ mod tests {
         assert_eq!(s[1].scaling_efficiency, Some(6.0));
         assert_eq!(s[2].status, "failed");
         assert_eq!(s[2].error.as_deref(), Some("boom"));
+    }
+
+    #[test]
+    fn a_ctr_summary_gives_its_aucs_and_table_bytes() {
+        let json = r#"{"model":"ctr","final_test_auc":0.81,"best_test_auc":0.84,"parameter_servers":{"mode":"hybrid","table_bytes_pulled_per_step":1000.5,"table_bytes_pushed_per_step":900}}"#;
+        let c = CtrFigures::from_summary(json).unwrap();
+        assert_eq!((c.final_test_auc, c.best_test_auc), (Some(0.81), Some(0.84)));
+        assert_eq!((c.table_bytes_pulled_per_step, c.table_bytes_pushed_per_step), (Some(1000.5), Some(900.0)));
+        let top =
+            CtrFigures::from_summary(r#"{"final_test_auc":null,"best_test_auc":0.8,"table_bytes_pulled_per_step":7}"#);
+        assert_eq!(top.map(|c| (c.final_test_auc, c.table_bytes_pulled_per_step)), Some((None, Some(7.0))));
+        assert_eq!(CtrFigures::from_summary(r#"{"model":"mlp","final_test_accuracy":0.9}"#), None);
+        assert_eq!(CtrFigures::from_summary("{"), None);
+    }
+
+    #[test]
+    fn a_ctr_run_s_figures_are_its_auc_the_gap_and_its_bytes_per_step() {
+        let mut steps: Vec<MetricRecord> = (1..=4).map(|k| MetricRecord::step(k, k, k as f64, k * 128, 0.6)).collect();
+        for (k, s) in steps.iter_mut().enumerate() {
+            (s.bytes_received, s.bytes_sent) = (1000 + 100 * k as u64, 800);
+        }
+        let mut records = steps.clone();
+        records.insert(2, MetricRecord::eval_auc(2, 2, 2.5, 256, 0.70));
+        records.push(MetricRecord::eval_auc(4, 4, 4.5, 512, 0.78));
+        let mut ps = run("ps-async", 2, records.clone());
+        ps.strategy = "parameter-server".into();
+        ps.ctr = Some(CtrFigures { final_test_auc: Some(0.78), best_test_auc: Some(0.83), ..Default::default() });
+        let mut hybrid = ps.clone();
+        hybrid.name = "ps-hybrid".into();
+        hybrid.ctr = Some(CtrFigures {
+            final_test_auc: None,
+            best_test_auc: Some(0.83),
+            table_bytes_pulled_per_step: Some(400.0),
+            table_bytes_pushed_per_step: Some(300.0),
+        });
+        let one = run("one-device", 1, records);
+        let s = summarize(&[ps, hybrid, one], Target::Auc(Some(0.75)));
+        assert_eq!((s[0].status.as_str(), s[0].time_to_target_s, s[0].updates_to_target), ("ok", Some(4.5), Some(4)));
+        assert_eq!((s[0].final_auc, s[0].best_auc), (Some(0.78), Some(0.83)));
+        assert!((s[0].auc_gap.unwrap() - 0.05).abs() < 1e-12);
+        // A parameter-server step record is one worker step: the means of its bytes.
+        assert_eq!((s[0].pulled_per_step, s[0].pushed_per_step), (Some(1150.0), Some(800.0)));
+        // The summary's table bytes where it has them; the last evaluation's AUC where it has none.
+        assert_eq!((s[1].pulled_per_step, s[1].pushed_per_step), (Some(400.0), Some(300.0)));
+        assert_eq!(s[1].final_auc, Some(f64::from(0.78f32)));
+        // Not a ctr summary: no bytes per step, the AUC from the records, no best.
+        assert_eq!((s[2].pulled_per_step, s[2].best_auc, s[2].auc_gap), (None, None, None));
+        // Without a target a finished run is ok, never "below target".
+        let s = summarize(&[run("one-device", 1, steps)], Target::Auc(None));
+        assert_eq!((s[0].status.as_str(), s[0].time_to_target_s, s[0].final_auc), ("ok", None, None));
     }
 
     #[test]

@@ -52,6 +52,9 @@ pub fn train_args(exp: &Experiment, spec: &RunSpec, metrics: &Path, summary: &Pa
             train.extend([flag.into(), n.to_string()]);
         }
     }
+    if let Some(c) = &exp.ctr {
+        train.extend(c.args(spec.strategy == RunStrategy::ParameterServer));
+    }
     if spec.zero_stage != strata_core::ZeroStage::Off {
         train.extend(["--zero-stage".into(), spec.zero_stage.to_string()]);
     }
@@ -143,12 +146,7 @@ pub fn train_args(exp: &Experiment, spec: &RunSpec, metrics: &Path, summary: &Pa
                 "--ps-tasks".into(),
                 spec.ps_tasks.to_string(),
                 "--ps-mode".into(),
-                match spec.mode.unwrap_or(PsMode::Async) {
-                    PsMode::Async => "async",
-                    PsMode::Sync => "sync",
-                    PsMode::Stale => "stale",
-                }
-                .into(),
+                spec.mode.unwrap_or(PsMode::Async).name().into(),
                 "--backup-workers".into(),
                 spec.backup_workers.to_string(),
                 "--staleness".into(),
@@ -260,6 +258,7 @@ pub fn run_all(exp: &Experiment, dir: &Path, only: &[String], progress: bool) ->
     let runs_dir = dir.join("runs");
     let train_len = match exp.model {
         RunModel::Transformer => 0,
+        RunModel::Ctr => usize::try_from(exp.ctr.unwrap_or_default().train_records()).unwrap_or(usize::MAX),
         _ => strata::digits::train_test_split(&strata::digits::load(exp.data.as_deref())?, 0.2, 0).0.len(),
     };
     // The lock (another harness's hosts) before the output directory.
@@ -553,6 +552,7 @@ fn finish(
     if error.is_none() && !records.iter().any(|r| r.kind == strata::metrics::RecordKind::Eval) {
         error = Some("the run wrote no evaluation".into());
     }
+    let summary = std::fs::read_to_string(metrics.with_extension("json")).ok();
     RunResult {
         name: spec.name.clone(),
         strategy: spec.strategy.name().into(),
@@ -568,9 +568,8 @@ fn finish(
         faults: Vec::new(),
         relaunches: 0,
         // The chief's summary, `runs/<name>.json` beside the records.
-        local_sgd: std::fs::read_to_string(metrics.with_extension("json"))
-            .ok()
-            .and_then(|j| crate::results::OuterTraffic::from_summary(&j)),
+        local_sgd: summary.as_deref().and_then(crate::results::OuterTraffic::from_summary),
+        ctr: summary.as_deref().and_then(crate::results::CtrFigures::from_summary),
     }
 }
 
@@ -841,6 +840,39 @@ mod tests {
         assert_eq!(value("--outer-optimizer").as_deref(), Some("nesterov"));
         assert_eq!(value("--fragments").as_deref(), Some("2"));
         assert_eq!(value("--compression").as_deref(), Some("int8"));
+    }
+
+    #[test]
+    fn the_ctr_settings_and_the_hybrid_mode_are_passed_on() {
+        let text = "[experiment]\nname = \"t\"\nmodel = \"ctr\"\nepochs = 2\nglobal_batch = 512\nlr = 0.003\n\
+            embedding_rows = 100000\nembedding_dim = 8\ntrain_records = 4096\ntest_records = 1000\n\
+            table_optimizer = \"ftrl\"\ntable_lr = 0.1\n\
+            [[run]]\nstrategy = \"parameter-server\"\nmode = \"hybrid\"\nworkers = 2\nps_tasks = 2\n\
+            [[run]]\nstrategy = \"multi-worker-mirrored\"\n";
+        let e = Experiment::parse(text, Path::new("x.toml")).unwrap();
+        let line = command_line(&e, &e.runs[0], Path::new("m.jsonl"), Path::new("s.json"));
+        let value = |line: &[String], flag: &str| line.iter().position(|a| a == flag).map(|at| line[at + 1].clone());
+        for (flag, want) in [
+            ("--model", "ctr"),
+            ("--embedding-rows", "100000"),
+            ("--embedding-dim", "8"),
+            ("--train-records", "4096"),
+            ("--test-records", "1000"),
+            ("--table-optimizer", "ftrl"),
+            ("--table-lr", "0.1"),
+            ("--ps-mode", "hybrid"),
+            ("--batch", "256"),
+            ("--replicas", "1"),
+        ] {
+            assert_eq!(value(&line, flag).as_deref(), Some(want), "{flag}: {line:?}");
+        }
+        assert!(!line.iter().any(|a| a == "--hidden" || a == "launch"), "{line:?}");
+        // The ring's workers step the table as a variable: no row optimizer.
+        let mwms = command_line(&e, &e.runs[1], Path::new("m.jsonl"), Path::new("s.json"));
+        assert_eq!(value(&mwms, "--embedding-rows").as_deref(), Some("100000"));
+        assert!(!mwms.iter().any(|a| a == "--table-optimizer" || a == "--table-lr"), "{mwms:?}");
+        // 4096 records in worker steps of 256: 16 an epoch, 2 epochs.
+        assert_eq!(expected_steps(&e, &e.runs[0], 4096), 32);
     }
 
     #[test]

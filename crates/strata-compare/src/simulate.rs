@@ -502,6 +502,12 @@ impl<'a> Simulator<'a> {
             (RunStrategy::ParameterServer, Some(PsMode::Sync)) => {
                 self.run_sync(n, SyncComm::Ps { ps_tasks: spec.ps_tasks, backup: spec.backup_workers }, &mut progress)?
             }
+            // The experiment file refuses [simulate] for the ctr model, hybrid's only one.
+            (_, Some(PsMode::Hybrid)) => {
+                return Err(Error::Usage(format!(
+                    "{name}: hybrid parameter servers are not simulated (the simulator models the digits MLP, which has no embedding table); drop --simulate"
+                )))
+            }
         };
         (progress.f)(name, 1.0);
         Ok(RunResult {
@@ -519,6 +525,7 @@ impl<'a> Simulator<'a> {
             faults: Vec::new(),
             relaunches: 0,
             local_sgd: None,
+            ctr: None,
         })
     }
 

@@ -19,6 +19,7 @@ fn experiment(name: &str) -> Experiment {
         hidden: vec![64, 32],
         steps: None,
         transformer: None,
+        ctr: None,
         epochs: 3,
         global_batch: 64,
         lr: 0.01,
@@ -78,6 +79,7 @@ fn run(
         faults: Vec::new(),
         relaunches: 0,
         local_sgd: None,
+        ctr: None,
     }
 }
 
@@ -321,4 +323,90 @@ fn no_records_at_all_does_not_panic() {
     assert!(!out.plots[0].empty);
     let sweep_one = vec![run("ps-async/N=4", "parameter-server", Some("async"), 4, 1, 100.0, 0.5)];
     write_outputs(&dir.join("sweep-one"), &exp, &sweep_one, true).unwrap();
+}
+
+/// A ctr run: `run`'s records with the evaluations' accuracy turned into an AUC rising from
+/// 0.6 to `final_auc`, and its summary's figures (the best reachable 0.83).
+fn ctr_run(name: &str, mode: &str, steps: u64, speed: f64, final_auc: f64, table_bytes: Option<f64>) -> RunResult {
+    let mut r = run(name, "parameter-server", Some(mode), 2, steps, speed, 0.5);
+    for m in r.records.iter_mut().filter(|m| m.kind == strata::metrics::RecordKind::Eval) {
+        let frac = m.step as f64 / steps as f64;
+        m.accuracy = None;
+        m.auc = Some((0.6 + (final_auc - 0.6) * frac) as f32);
+    }
+    r.ctr = Some(strata_compare::results::CtrFigures {
+        final_test_auc: Some(final_auc),
+        best_test_auc: Some(0.83),
+        table_bytes_pulled_per_step: table_bytes,
+        table_bytes_pushed_per_step: table_bytes.map(|b| b / 2.0),
+    });
+    r
+}
+
+#[test]
+fn a_ctr_report_shows_the_auc_its_gap_and_the_bytes_per_step_instead_of_accuracy() {
+    let (_keep, dir) = out_dir("ctr");
+    let mut exp = experiment("ctr-test");
+    exp.model = strata_compare::experiment::RunModel::Ctr;
+    exp.hidden = Vec::new();
+    exp.injection = Injection::default();
+    exp.ctr = Some(strata_compare::experiment::CtrSettings { embedding_rows: Some(1_000_000), ..Default::default() });
+    exp.target = strata_compare::Target::Auc(Some(0.75));
+    let mut failed = ctr_run("ps-broken", "async", 0, 1.0, 0.0, None);
+    failed.error = Some("ps:1 exited with code 1".into());
+    failed.ctr = None;
+    let runs = vec![
+        ctr_run("ps-async", "async", 100, 3000.0, 0.80, None),
+        ctr_run("ps-sync", "sync", 100, 2000.0, 0.79, None),
+        ctr_run("ps-hybrid", "hybrid", 100, 2500.0, 0.81, Some(4000.0)),
+        failed,
+    ];
+    let out = write_outputs(&dir, &exp, &runs, false).unwrap();
+    let names: Vec<&str> = out.plots.iter().map(|p| p.name.as_str()).collect();
+    assert_eq!(
+        names,
+        ["loss_vs_time", "auc_vs_time", "auc_vs_steps", "examples_per_second", "staleness_histogram", "loss_vs_bytes"]
+    );
+    for p in out.plots.iter().filter(|p| p.name.starts_with("auc_")) {
+        check_png(&p.png, plot::WIDTH, plot::HEIGHT, &[plot::color(0), plot::color(1), plot::color(2)]);
+        let svg = std::fs::read_to_string(&p.svg).unwrap();
+        assert!(svg.contains("target 0.7500") && svg.contains("best reachable 0.8300"), "{}", p.svg.display());
+    }
+
+    let md = std::fs::read_to_string(&out.report_md).unwrap();
+    assert!(
+        md.contains("| run | strategy | mode | workers | status | time to AUC 0.7500 | updates to target | final AUC | gap to best | examples/s | pulled / pushed per step | bytes sent per worker | staleness mean / max |"),
+        "{md}"
+    );
+    assert!(!md.contains("final accuracy") && !md.contains("accuracy_vs"), "{md}");
+    assert!(md.contains("| ps-hybrid | parameter-server | hybrid | 2 | ok |"), "{md}");
+    // The AUC, its gap to the best reachable, and the bytes: the hybrid's from its summary, the
+    // others' the mean of their step records.
+    assert!(md.contains("| 0.8100 | 0.0200 |") && md.contains("| 4.00 kB / 2.00 kB |"), "{md}");
+    assert!(md.contains("| 0.8000 | 0.0300 |") && md.contains("| 1.50 kB / 1.00 kB |"), "{md}");
+    assert!(md.contains("the best reachable, the planted model's, is 0.8300"), "{md}");
+    assert!(md.contains("embedding table of 1,000,000 rows"), "{md}");
+    assert!(md.contains("Highest final AUC: `ps-hybrid` at 0.8100, 0.0200 below the best reachable"), "{md}");
+    assert!(md.contains("`ps-hybrid` against `ps-async` on 2 workers:"), "{md}");
+    assert!(md.contains("failed: ps:1 exited with code 1") && md.contains("### Failed runs"), "{md}");
+    let csv = std::fs::read_to_string(&out.runs_csv).unwrap();
+    let header: Vec<&str> = csv.lines().next().unwrap().split(',').collect();
+    let auc = header.iter().position(|h| *h == "auc").unwrap();
+    assert!(csv.lines().filter(|l| l.contains(",eval,")).all(|l| l
+        .split(',')
+        .nth(auc)
+        .unwrap()
+        .parse::<f64>()
+        .is_ok()));
+    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out.summary_json).unwrap()).unwrap();
+    assert_eq!(json["experiment"]["target_auc"], 0.75);
+    assert_eq!(json["experiment"]["ctr"]["embedding_rows"], 1_000_000);
+    assert_eq!(json["runs"][2]["final_auc"], 0.81);
+
+    // Without a target: no time-to-target columns, and a finished run is ok.
+    exp.target = strata_compare::Target::Auc(None);
+    let out = write_outputs(&dir.join("no-target"), &exp, &runs[..1], false).unwrap();
+    let md = std::fs::read_to_string(&out.report_md).unwrap();
+    assert!(md.contains("| ps-async | parameter-server | async | 2 | ok | 0.8000 | 0.0300 |"), "{md}");
+    assert!(!md.contains("time to") && md.contains("Target: none set"), "{md}");
 }

@@ -42,6 +42,7 @@ fn experiment(runs: Vec<RunSpec>, injection: Injection) -> Experiment {
         hidden: vec![32],
         steps: None,
         transformer: None,
+        ctr: None,
         epochs: 1,
         global_batch: 32,
         lr: 0.003,
