@@ -311,3 +311,63 @@ fn the_ctr_model_trains_with_its_table_on_the_ps_tasks() {
         }
     }
 }
+
+/// Hybrid training of the click model in real processes (2 ps tasks, 2 workers, this command
+/// worker 0 of them): the table on the ps tasks, trained asynchronously row by row, the dense
+/// layers all-reduced, so both workers end with the same dense parameters (one digest); each
+/// ps task applies exactly one push of rows per worker per step; a step pulls whole rows, at
+/// most the batch's distinct ones; the job learns and its ps tasks exit when it ends.
+#[test]
+fn the_ctr_model_trains_hybrid_its_table_async_on_the_ps_tasks_its_dense_layers_all_reduced() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out.json");
+    let o = run(
+        &[
+            "train",
+            "--strategy",
+            "parameter-server",
+            "--ps-mode",
+            "hybrid",
+            "--model",
+            "ctr",
+            "--ps-tasks",
+            "2",
+            "--workers",
+            "2",
+            "--embedding-rows",
+            "200000",
+            "--train-records",
+            "51200",
+            "--test-records",
+            "4000",
+            "--no-progress",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+        Duration::from_secs(240),
+    );
+    ok(&o);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    let digests: Vec<&str> =
+        stderr.lines().filter_map(|l| l.split("parameter digest ").nth(1)).map(str::trim).collect();
+    assert_eq!(digests.len(), 2, "{stderr}");
+    assert_eq!(digests[0], digests[1], "the dense layers are synchronous: {stderr}");
+    for k in 0..2 {
+        assert!(stderr.contains(&format!("ps:{k}: the hybrid job finished training")), "{stderr}");
+    }
+    let s = json(&out);
+    assert_eq!(s["parameter_servers"]["mode"], "hybrid");
+    let (auc, best) = (s["final_test_auc"].as_f64().unwrap(), s["best_test_auc"].as_f64().unwrap());
+    assert!(auc > 0.65 && auc < best, "test auc {auc}, planted best {best}");
+    // 51,200 records in global steps of 256: 200 steps, each worker's half a push per task.
+    for t in s["parameter_servers"]["tasks"].as_array().unwrap() {
+        let by = &t["applied_by_worker"];
+        assert_eq!((by["worker:0"].as_u64(), by["worker:1"].as_u64()), (Some(200), Some(200)), "{t}");
+        assert!(t["bytes"].as_u64().unwrap() < 200_000 * 16 * 4 * 2, "only touched rows: {t}");
+    }
+    // A worker's step pulls whole rows of 16 f32, at most 26 per example of its 128.
+    let pulled = s["table_bytes_pulled_per_step"].as_f64().unwrap();
+    assert!(pulled > 0.0 && pulled <= (26 * 128 * 16 * 4) as f64, "{pulled}");
+    let dense = s["dense_gradient_bytes_per_step"].as_u64().unwrap();
+    assert!(dense < 200_000 * 16 * 4, "the table is not all-reduced: {dense}");
+}

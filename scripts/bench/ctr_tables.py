@@ -1,7 +1,13 @@
 """Strata's parameter servers with an embedding table beside TensorFlow's ParameterServerStrategy,
 on the same click-through model, records, batch, processes and optimizer, alternated A B A B.
 
-  python3 scripts/bench/ctr_tables.py --strata target/release/strata --rows 20000000 --rounds 2
+  python3 scripts/bench/ctr_tables.py --strata target/release/strata --rows 20000000 --rounds 2 \
+      --modes async,hybrid,sync
+
+Strata's --modes: async and sync parameter servers (the table and the dense variables on the
+ps tasks), and hybrid (the table asynchronous on the ps tasks, the dense layers all-reduced
+over the workers: each worker's batch is --batch, the global one --batch x --workers, so a
+worker step has the same size in every mode).
 
 Both sides: 2 ps tasks and 2 worker processes on loopback (--ps, --workers), one worker's batch
 of 256 records per step (--batch), Adagrad at 0.05 on every variable and on the table's rows
@@ -50,10 +56,11 @@ def descendants(root):
     return out
 
 
-def watch_rss(root, peaks, stop):
-    """Keeps the largest VmHWM (kB) of every descendant of root, keyed 'ps:<pid>' or 'worker:<pid>'."""
+def watch_rss(root, peaks, stop, hybrid=False):
+    """Keeps the largest VmHWM (kB) of every descendant of root, keyed 'ps:<pid>' or 'worker:<pid>'
+    (a hybrid job's workers are `strata train` processes, root itself worker 0)."""
     while not stop.is_set():
-        for pid in descendants(root):
+        for pid in descendants(root) + ([root] if hybrid else []):
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
                     cmd = f.read().split(b"\0")
@@ -62,23 +69,29 @@ def watch_rss(root, peaks, stop):
             except OSError:
                 continue
             kind = next((c.decode() for c in cmd[1:2] if c in (b"ps", b"worker")), None)
+            if hybrid and cmd[1:2] == [b"train"]:
+                kind = "worker"
             if kind:
                 key = f"{kind}:{pid}"
                 peaks[key] = max(peaks.get(key, 0), hwm)
         stop.wait(0.2)
 
 
-def run_strata(a, records):
+def run_strata(a, records, mode):
     out = tempfile.mktemp(suffix=".json")
-    cmd = [a.strata, "train", "--model", "ctr", "--strategy", "parameter-server", "--ps-tasks", str(a.ps),
+    hybrid = mode == "hybrid"
+    # A hybrid job's --batch is the global batch of its synchronous steps (each worker --batch).
+    batch = a.batch * a.workers if hybrid else a.batch
+    cmd = [a.strata, "train", "--model", "ctr", "--strategy", "parameter-server", "--ps-mode", mode,
+           "--ps-tasks", str(a.ps),
            "--workers", str(a.workers), "--embedding-rows", str(a.rows), "--embedding-dim", str(a.dim),
-           "--train-records", str(records), "--test-records", str(a.test_records), "--batch", str(a.batch),
+           "--train-records", str(records), "--test-records", str(a.test_records), "--batch", str(batch),
            "--optimizer", "adagrad", "--lr", "0.05", "--table-optimizer", "adagrad", "--table-lr", "0.05",
            "--seed", str(a.seed), "--no-progress", "--out", out]
     t0 = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     peaks, stop = {}, threading.Event()
-    watcher = threading.Thread(target=watch_rss, args=(proc.pid, peaks, stop))
+    watcher = threading.Thread(target=watch_rss, args=(proc.pid, peaks, stop, hybrid))
     watcher.start()
     _, err = proc.communicate(timeout=a.timeout)
     stop.set()
@@ -88,7 +101,7 @@ def run_strata(a, records):
     s = json.load(open(out))
     os.unlink(out)
     return {
-        "framework": "strata", "examples_per_s": s["examples_per_second"], "test_auc": s["final_test_auc"],
+        "framework": f"strata-{mode}", "examples_per_s": s["examples_per_second"], "test_auc": s["final_test_auc"],
         "best_auc": s["best_test_auc"], "wall_s": time.time() - t0,
         "worker_rss_mb": sorted(v / 1024 for k, v in peaks.items() if k.startswith("worker")),
         "ps_rss_mb": sorted(v / 1024 for k, v in peaks.items() if k.startswith("ps")),
@@ -129,6 +142,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--only", choices=("strata", "tensorflow"))
+    ap.add_argument("--modes", default="async",
+                    help="Strata's parameter-server modes, comma-separated: async, sync, hybrid")
     a = ap.parse_args()
     data = tempfile.mkdtemp(prefix="ctr-records-")
     if a.only != "strata":
@@ -137,8 +152,8 @@ def main():
                        stdout=subprocess.DEVNULL)
     runs = []
     for _ in range(a.rounds):
-        if a.only != "tensorflow":
-            runs.append(run_strata(a, a.records))
+        for mode in (a.modes.split(",") if a.only != "tensorflow" else []):
+            runs.append(run_strata(a, a.records, mode))
             print(json.dumps(runs[-1]), flush=True)
         if a.only != "strata":
             runs.append(run_tf(a, data, a.records))
@@ -147,7 +162,7 @@ def main():
     print("| framework | examples/s (median) | test AUC | worker peak RSS MB | ps peak RSS MB |")
     print("|---|--:|--:|--:|--:|")
     med = {}
-    for fw in ("strata", "tensorflow"):
+    for fw in [f"strata-{m}" for m in a.modes.split(",")] + ["tensorflow"]:
         rs = [r for r in runs if r["framework"] == fw]
         if not rs:
             continue
@@ -156,8 +171,11 @@ def main():
         p = max((max(r["ps_rss_mb"], default=0) for r in rs), default=0)
         aucs = ", ".join(f"{r['test_auc']:.4f}" for r in rs)
         print(f"| {fw} | {med[fw]:,.0f} | {aucs} | {w:,.0f} | {p:,.0f} |")
-    if len(med) == 2:
-        print(f"\nstrata / tensorflow examples/s: {med['strata'] / med['tensorflow']:.2f}x")
+    for fw in med:
+        if fw != "tensorflow" and "tensorflow" in med:
+            print(f"{fw} / tensorflow examples/s: {med[fw] / med['tensorflow']:.2f}x")
+    if "strata-hybrid" in med and "strata-sync" in med:
+        print(f"strata-hybrid / strata-sync examples/s: {med['strata-hybrid'] / med['strata-sync']:.2f}x")
 
 
 if __name__ == "__main__":

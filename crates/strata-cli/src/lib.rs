@@ -9,6 +9,7 @@ pub mod cluster_token;
 pub mod compare;
 pub(crate) mod coordinator;
 pub mod ctr_data;
+pub(crate) mod hybrid;
 pub(crate) mod kinds;
 pub(crate) mod launch;
 pub use cluster_token::TOKEN_VAR;

@@ -271,6 +271,8 @@ fn ps_mode(args: &TrainArgs, workers: usize) -> Result<PsMode> {
             PsMode::Sync { workers: workers as u32, backup_workers: args.backup_workers }
         }
         PsModeKind::Stale => PsMode::Stale { staleness: args.staleness },
+        // The ps tasks of a hybrid job apply each worker's rows as they arrive.
+        PsModeKind::Hybrid => PsMode::Async,
     })
 }
 
@@ -306,10 +308,10 @@ fn step_delays(args: &TrainArgs, workers: usize) -> Result<StepDelays> {
 
 /// Child processes of a local run, stopped (SIGTERM, then SIGKILL) when dropped, on Ctrl-C, and
 /// when a ps task dies.
-struct LocalCluster {
+pub(crate) struct LocalCluster {
     children: Arc<Mutex<Vec<(TaskId, Child)>>>,
     /// Raised when the chief ends the job: tasks that exit from then on are not lost.
-    finishing: Arc<std::sync::atomic::AtomicBool>,
+    pub(crate) finishing: Arc<std::sync::atomic::AtomicBool>,
 }
 
 fn stop_children(children: &Mutex<Vec<(TaskId, Child)>>) {
@@ -335,7 +337,7 @@ fn stop_children(children: &Mutex<Vec<(TaskId, Child)>>) {
 
 impl LocalCluster {
     /// Waits up to `within` for every task to exit by itself (after the chief ended the job).
-    fn wait_exited(&self, within: Duration) {
+    pub(crate) fn wait_exited(&self, within: Duration) {
         let deadline = Instant::now() + within;
         let mut children = self.children.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         while Instant::now() < deadline && children.iter_mut().any(|(_, c)| matches!(c.try_wait(), Ok(None))) {
@@ -351,8 +353,16 @@ impl Drop for LocalCluster {
 }
 
 impl LocalCluster {
-    /// Starts `ps` ps tasks and `workers` worker tasks of this executable.
-    fn start(args: &TrainArgs, cluster: &ClusterSpec, token: &str, delays: &StepDelays) -> Result<Self> {
+    /// Starts the ps and worker tasks of `cluster` as processes of this executable: `strata ps`
+    /// and `strata worker` tasks, or, for a hybrid job (`hybrid`), every worker but worker 0
+    /// (this process) as `strata train` with this process's arguments.
+    pub(crate) fn start(
+        args: &TrainArgs,
+        cluster: &ClusterSpec,
+        token: &str,
+        delays: &StepDelays,
+        hybrid: bool,
+    ) -> Result<Self> {
         let exe = std::env::current_exe().map_err(|e| Error::io("finding the strata executable", e))?;
         let children: Arc<Mutex<Vec<(TaskId, Child)>>> = Arc::new(Mutex::new(Vec::new()));
         let finishing = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -372,7 +382,7 @@ impl LocalCluster {
         let (events, _drain) = std::sync::mpsc::channel();
         let tasks: Vec<TaskId> = (0..cluster.num_tasks(TaskType::Ps))
             .map(TaskId::ps)
-            .chain((0..cluster.num_tasks(TaskType::Worker)).map(TaskId::worker))
+            .chain((usize::from(hybrid)..cluster.num_tasks(TaskType::Worker)).map(TaskId::worker))
             .collect();
         let checkpoint_dir = args.checkpoint_dir.clone();
         let (network_delay, chief_timeout) = (args.network_delay, args.chief_timeout);
@@ -386,6 +396,10 @@ impl LocalCluster {
                         cmd.arg("--checkpoint-dir").arg(dir.join(format!("ps-{}", task.index)));
                     }
                 }
+                // The same command (with TF_CONFIG naming its task), which takes every flag.
+                _ if hybrid => {
+                    cmd.args(std::env::args_os().skip(1));
+                }
                 _ => {
                     cmd.arg("worker").args(delays.to_worker_flags(task.index));
                     if let Some(d) = network_delay {
@@ -393,7 +407,9 @@ impl LocalCluster {
                     }
                 }
             }
-            cmd.arg("--chief-timeout").arg(format!("{}ms", chief_timeout.as_millis()));
+            if !(hybrid && task.kind == TaskType::Worker) {
+                cmd.arg("--chief-timeout").arg(format!("{}ms", chief_timeout.as_millis()));
+            }
             cmd.env("TF_CONFIG", launch::tf_config(&cluster, task)?)
                 .env(launch::TASK_VAR, task.to_string())
                 .env(TOKEN_VAR, &token)
@@ -495,13 +511,7 @@ pub fn train(args: &TrainArgs, started: Instant) -> Result<()> {
     let job = job_spec(args)?;
     job.validate()?;
     job.validate_batch(args.batch())?;
-    let (from_env, cluster_source) = match args.cluster {
-        ClusterSource::TfConfig if args.slurm_jobs.is_none() => (tf_config()?, "TF_CONFIG"),
-        _ => {
-            let resolver = train_args::resolver(args)?;
-            (Some(resolver.resolve()?), resolver.source())
-        }
-    };
+    let (from_env, cluster_source) = cluster_from_env(args)?;
     let mut token_text = String::new();
     let (cluster, local_tasks) = match from_env {
         Some(_) if args.max_restarts > 0 => {
@@ -560,9 +570,21 @@ pub fn train(args: &TrainArgs, started: Instant) -> Result<()> {
     outcome
 }
 
+/// The cluster `TF_CONFIG` (or `--cluster`'s resolver) describes, and where it came from;
+/// `None`: no `TF_CONFIG`, so this process starts the job's tasks itself.
+pub(crate) fn cluster_from_env(args: &TrainArgs) -> Result<(Option<ClusterConfig>, &'static str)> {
+    Ok(match args.cluster {
+        ClusterSource::TfConfig if args.slurm_jobs.is_none() => (tf_config()?, "TF_CONFIG"),
+        _ => {
+            let resolver = train_args::resolver(args)?;
+            (Some(resolver.resolve()?), resolver.source())
+        }
+    })
+}
+
 /// A ps or worker task of a parameter-server job whose cluster is in `TF_CONFIG` (`c`): serves
 /// as `strata ps` or `strata worker` would, with the flags of `strata train` that apply.
-fn serve_task(args: &TrainArgs, c: ClusterConfig) -> Result<()> {
+pub(crate) fn serve_task(args: &TrainArgs, c: ClusterConfig) -> Result<()> {
     match c.task.kind {
         TaskType::Ps => {
             let checkpoint_dir = args.checkpoint_dir.as_ref().map(|d| d.join(format!("ps-{}", c.task.index)));
@@ -632,7 +654,7 @@ fn start_local_cluster(args: &TrainArgs) -> Result<(ClusterSpec, LocalCluster, S
     let spec = launch::cluster_spec(&tasks, &addresses)?;
     let token = cluster_token::for_local_cluster();
     let delays = step_delays(args, args.workers)?;
-    let local = LocalCluster::start(args, &spec, &token, &delays)?;
+    let local = LocalCluster::start(args, &spec, &token, &delays, false)?;
     Ok((spec, local, token))
 }
 
@@ -672,13 +694,13 @@ fn end_job(strategy: &ParameterServerStrategy, outcome: &Result<()>, local_tasks
 
 /// How long the chief waits for each task to take the end of the job, and a local cluster's
 /// tasks to exit after it.
-const FINISH_DEADLINE: Duration = Duration::from_secs(2);
+pub(crate) const FINISH_DEADLINE: Duration = Duration::from_secs(2);
 
 /// The same after the job failed (a task that cannot answer may be why).
-const FINISH_DEADLINE_AFTER_FAILURE: Duration = Duration::from_millis(500);
+pub(crate) const FINISH_DEADLINE_AFTER_FAILURE: Duration = Duration::from_millis(500);
 
 /// `text` cut to at most `max` bytes, at a character boundary.
-fn within_bytes(text: &str, max: usize) -> String {
+pub(crate) fn within_bytes(text: &str, max: usize) -> String {
     let mut end = text.len().min(max);
     while !text.is_char_boundary(end) {
         end -= 1;
@@ -706,30 +728,8 @@ fn coordinate(
         metrics: args.metrics_writer(true)?,
     };
     let (report, stats) = ps_job::train_coordinator(strategy, &model, &config)?;
-    let mut tasks = Vec::new();
-    let mut mode = String::new();
-    for (i, c) in strategy.ps_clients().iter().enumerate() {
-        let s = c.status().map_err(strata_core::Error::from)?;
-        mode = s.mode.to_string();
-        let bytes = s.variables.iter().map(|(v, _)| v.numel() as u64 * 4).sum::<u64>()
-            + s.tables.iter().map(|t| t.bytes).sum::<u64>();
-        tasks.push(PsTaskSummary {
-            task: format!("ps:{i}"),
-            version: s.version,
-            pushes_applied: s.pushes_applied,
-            pushes_duplicate: s.pushes_duplicate,
-            pushes_dropped: s.pushes_dropped,
-            pushes_stale: s.pushes_stale,
-            pushes_streamed: s.pushes_streamed,
-            pushes_aborted: s.pushes_aborted,
-            restored_step: s.restored_step,
-            restored_version: s.restored_version,
-            rounds: s.rounds,
-            applied_by_worker: s.applied_by_worker,
-            bytes,
-        });
-    }
-    let ps = PsSummary { mode, workers, coordinator: stats, tasks };
+    let (mode, tasks) = task_summaries(strategy.ps_clients())?;
+    let ps = PsSummary { mode, workers, coordinator: Some(stats), tasks };
     let replicas = workers * args.replicas.unwrap_or(1);
     let ctr = (args.model == ModelKind::Ctr).then(|| ctr_summary(args, &report, model.variables())).transpose()?;
     crate::summary::finish(args, started, replicas, &report, model.variables(), 0, Some(ps), ctr)
@@ -754,5 +754,35 @@ fn ctr_summary(
         final_test_auc: report.final_metrics.iter().find(|m| m.name == "auc").map_or(f64::NAN, |m| m.value),
         best_test_auc: data.best_auc(strata::ctr::Split::Test, test_records),
         dense_gradient_bytes_per_step: vars.iter().map(|(_, v)| v.elem_count() as u64 * 4).sum(),
+        table_bytes_pulled_per_step: None,
+        table_bytes_pushed_per_step: None,
     })
+}
+
+/// Every ps task's counters (from its status) and the mode they report.
+pub(crate) fn task_summaries(clients: &[strata_transport::ps::PsClient]) -> Result<(String, Vec<PsTaskSummary>)> {
+    let mut tasks = Vec::new();
+    let mut mode = String::new();
+    for (i, c) in clients.iter().enumerate() {
+        let s = c.status().map_err(strata_core::Error::from)?;
+        mode = s.mode.to_string();
+        let bytes = s.variables.iter().map(|(v, _)| v.numel() as u64 * 4).sum::<u64>()
+            + s.tables.iter().map(|t| t.bytes).sum::<u64>();
+        tasks.push(PsTaskSummary {
+            task: format!("ps:{i}"),
+            version: s.version,
+            pushes_applied: s.pushes_applied,
+            pushes_duplicate: s.pushes_duplicate,
+            pushes_dropped: s.pushes_dropped,
+            pushes_stale: s.pushes_stale,
+            pushes_streamed: s.pushes_streamed,
+            pushes_aborted: s.pushes_aborted,
+            restored_step: s.restored_step,
+            restored_version: s.restored_version,
+            rounds: s.rounds,
+            applied_by_worker: s.applied_by_worker,
+            bytes,
+        });
+    }
+    Ok((mode, tasks))
 }

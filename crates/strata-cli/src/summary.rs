@@ -99,6 +99,14 @@ pub struct CtrSummary {
     /// the whole table's included, in f32 (the strategies reduce the table's gradient densely;
     /// the summary has no count of what the reductions sent).
     pub dense_gradient_bytes_per_step: u64,
+    /// A hybrid job: the bytes of row values the chief's training steps pulled from the ps
+    /// tasks, per step (f32: distinct rows x dim x 4).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub table_bytes_pulled_per_step: Option<f64>,
+    /// A hybrid job: the bytes of row gradients (f32) and ids (8 bytes each) the chief's
+    /// training steps pushed, per step.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub table_bytes_pushed_per_step: Option<f64>,
 }
 
 /// What a local SGD / DiLoCo run did.
@@ -237,8 +245,9 @@ pub struct PsSummary {
     pub mode: String,
     /// Worker tasks.
     pub workers: usize,
-    /// What the coordinator saw.
-    pub coordinator: ps_job::CoordinatorStats,
+    /// What the coordinator saw (none in a hybrid job, which has no coordinator).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub coordinator: Option<ps_job::CoordinatorStats>,
     /// What each ps task did.
     pub tasks: Vec<PsTaskSummary>,
 }

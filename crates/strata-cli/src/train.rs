@@ -73,6 +73,28 @@ pub fn make_multi_worker(args: &TrainArgs, options: StrategyOptions) -> Result<M
     let gpus = args.gpus.map(|n| strata::gpu::multi_worker_gpus(n, args.cross_device_ops)).transpose()?;
     let resolver = resolver(args)?;
     let token = crate::cluster_token::resolve(args.cluster_token_file.as_deref())?;
+    let mw = multi_worker_options(args, options, token, gpus)?;
+    Ok(MultiWorkerMirroredStrategy::from_resolver(resolver.as_ref(), mw)?)
+}
+
+/// A hybrid job's worker: multi-worker mirrored over the job's chief and workers (its dense
+/// layers), its tables on the ps tasks (`options.tables`).
+fn hybrid_multi_worker(
+    args: &TrainArgs,
+    options: StrategyOptions,
+    hybrid: &crate::hybrid::HybridWorker,
+) -> Result<MultiWorkerMirroredStrategy> {
+    let mw = multi_worker_options(args, options, hybrid.token.clone(), None)?;
+    Ok(MultiWorkerMirroredStrategy::new(hybrid.cluster.clone(), mw)?)
+}
+
+/// The options of this task's multi-worker strategy, on `gpus` if given.
+fn multi_worker_options(
+    args: &TrainArgs,
+    options: StrategyOptions,
+    token: strata_transport::ClusterToken,
+    gpus: Option<(Vec<strata_core::device::LogicalDevice>, Option<strata_strategies::CrossWorkerOps>)>,
+) -> Result<MultiWorkerOptions> {
     let mut mw = MultiWorkerOptions::new(token)?;
     match gpus {
         Some((devices, ops)) => {
@@ -94,7 +116,7 @@ pub fn make_multi_worker(args: &TrainArgs, options: StrategyOptions) -> Result<M
         // holds is its own part of every step.
         AutoShardKind::File => AutoShardPolicy::Off,
     };
-    Ok(MultiWorkerMirroredStrategy::from_resolver(resolver.as_ref(), mw)?)
+    Ok(mw)
 }
 
 /// `n` logical CPU devices of one thread each, with `--memory-limit` if given.
@@ -160,9 +182,17 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     if let Some(d) = args.network_delay {
         strata_transport::inject::set_network_delay(d);
     }
-    if args.strategy == StrategyKind::ParameterServer {
+    if args.strategy == StrategyKind::ParameterServer && args.ps_mode != PsModeKind::Hybrid {
         return crate::ps::train(args, started);
     }
+    // A hybrid job's ps task serves here; its workers train as multi-worker mirrored ones.
+    let hybrid = match args.strategy {
+        StrategyKind::ParameterServer => match crate::hybrid::join(args)? {
+            crate::hybrid::Joined::Served => return Ok(()),
+            crate::hybrid::Joined::Worker(w) => Some(w),
+        },
+        _ => None,
+    };
     let local_replicas = match args.strategy {
         StrategyKind::OneDevice => 1,
         _ => args.gpus.or(args.replicas).unwrap_or(2),
@@ -190,14 +220,15 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         zero_stage: args.zero_stage,
         zero_units: args.zero_units.clone(),
         local_sgd: args.local_sgd(),
-        tables: None,
+        tables: hybrid.as_ref().map(|h| h.store.clone() as Arc<dyn strata_core::embedding::TableStore>),
     };
     // SIGTERM and SIGINT stop training after the current step (with a checkpoint when
     // --checkpoint-dir is set); a second signal ends the process at once.
     let stop = StopSignal::new();
     arm(&stop)?;
-    let multi = match args.strategy {
-        StrategyKind::MultiWorkerMirrored => Some(make_multi_worker(args, options.clone())?),
+    let multi = match (&hybrid, args.strategy) {
+        (Some(h), _) => Some(hybrid_multi_worker(args, options.clone(), h)?),
+        (None, StrategyKind::MultiWorkerMirrored) => Some(make_multi_worker(args, options.clone())?),
         _ => None,
     };
     let result = train_with(
@@ -206,16 +237,26 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         multi.as_ref().map_or_else(|| make_strategy(args, options), |m| Ok(m.handle()))?,
         &timeline,
         multi.as_ref(),
+        hybrid.as_deref(),
         &stop,
     );
     if let Some(m) = &multi {
-        match &result {
+        let finished = match &result {
             // A stop on request is agreed by every worker: they leave the job cleanly, saying
             // why (a worker that left an elastic job alone has left it already).
-            Ok(()) => m.finish()?,
-            Err(Error::Stopped { code, .. }) => m.finish_with(Some(*code))?,
-            Err(e) => m.report_error(&strata_core::Error::Cluster(e.to_string())),
+            Ok(()) => m.finish().map_err(Error::from),
+            Err(Error::Stopped { code, .. }) => m.finish_with(Some(*code)).map_err(Error::from),
+            Err(e) => {
+                m.report_error(&strata_core::Error::Cluster(e.to_string()));
+                Ok(())
+            }
+        };
+        let result = result.and(finished);
+        // A hybrid job's ps tasks are told once every worker is done.
+        if let Some(h) = hybrid {
+            h.end(m.is_chief(), &result);
         }
+        return result;
     }
     result
 }
@@ -303,6 +344,7 @@ fn train_with(
     strategy: StrategyHandle,
     timeline: &Option<Arc<Timeline>>,
     multi: Option<&MultiWorkerMirroredStrategy>,
+    hybrid: Option<&crate::hybrid::HybridWorker>,
     stop: &StopSignal,
 ) -> Result<()> {
     let replicas = strategy.num_replicas_in_sync();
@@ -333,7 +375,7 @@ fn train_with(
             ..Default::default()
         })
     };
-    let run = Run { args, started, timeline, multi, replicas, is_chief };
+    let run = Run { args, started, timeline, multi, hybrid, replicas, is_chief };
     match args.model {
         ModelKind::Mlp | ModelKind::Cnn => {
             let (all, global_batch) = worker_data(args, multi)?;
@@ -405,8 +447,13 @@ fn train_ctr(run: &Run<'_>, strategy: &StrategyHandle, config: TrainConfig) -> R
     let test = data.batch(Split::Test, 0..test_records, &cpu)?;
     let trainer = Trainer::new(config);
     let model = strategy.scope(|s| Dlrm::new(s, shape))?;
+    if let Some(h) = run.hybrid {
+        h.create_tables(args)?;
+    }
     let task = strata::ctr::task();
     let report = args.optimizer.fit_task(args.hyper(), &trainer, strategy, &model, &task, &train, &test)?;
+    // Before the AUC's lookups, which are not a training step's.
+    let traffic = run.hybrid.map(|h| h.traffic());
     let ctr = if run.is_chief {
         Some(CtrSummary {
             embedding_rows: shape.embedding_rows,
@@ -415,7 +462,13 @@ fn train_ctr(run: &Run<'_>, strategy: &StrategyHandle, config: TrainConfig) -> R
             test_records,
             final_test_auc: model.primary().auc(&test)?,
             best_test_auc: data.best_auc(Split::Test, test_records),
-            dense_gradient_bytes_per_step: shape.parameter_count() * 4,
+            // A hybrid job's table is not reduced: its rows go to the ps tasks.
+            dense_gradient_bytes_per_step: match run.hybrid {
+                Some(_) => (shape.parameter_count() - shape.embedding_rows * shape.embedding_dim as u64) * 4,
+                None => shape.parameter_count() * 4,
+            },
+            table_bytes_pulled_per_step: traffic.map(|t| t.bytes_pulled as f64 / t.steps.max(1) as f64),
+            table_bytes_pushed_per_step: traffic.map(|t| t.bytes_pushed as f64 / t.steps.max(1) as f64),
         })
     } else {
         None
@@ -429,6 +482,8 @@ struct Run<'a> {
     started: std::time::Instant,
     timeline: &'a Option<Arc<Timeline>>,
     multi: Option<&'a MultiWorkerMirroredStrategy>,
+    /// A hybrid job's worker (its tables on the ps tasks).
+    hybrid: Option<&'a crate::hybrid::HybridWorker>,
     replicas: usize,
     is_chief: bool,
 }
@@ -474,7 +529,8 @@ impl Run<'_> {
         };
         // In an elastic job the chief is worker 0 of the generation that finished.
         if multi.map_or(self.is_chief, |m| m.is_chief()) {
-            finish(args, self.started, self.replicas, report, model.variables(0), index, None, ctr)?;
+            let ps = self.hybrid.map(|h| h.summary()).transpose()?;
+            finish(args, self.started, self.replicas, report, model.variables(0), index, ps, ctr)?;
         } else if let Some(path) = &args.save_params {
             if path.to_string_lossy().contains("{task}") {
                 save_params(path, index, model.variables(0))?;
@@ -549,6 +605,19 @@ mod tests {
         assert!(e.starts_with("--precision bf16 applies to --model mlp, cnn or transformer"), "{e}");
         let e = refused(&["--model", "ctr", "--embedding-rows", "20"]);
         assert!(e.contains("at least 26 rows"), "{e}");
+        let hybrid = |flags: &[&str]| {
+            let mut all = vec!["--strategy", "parameter-server", "--ps-mode", "hybrid"];
+            all.extend_from_slice(flags);
+            refused(&all)
+        };
+        let e = hybrid(&["--model", "mlp"]);
+        assert!(e.starts_with("--ps-mode hybrid trains --model ctr"), "{e}");
+        let e = hybrid(&["--model", "ctr", "--checkpoint-dir", "/tmp/x"]);
+        assert!(e.starts_with("--checkpoint-dir: a hybrid job does not checkpoint yet"), "{e}");
+        let e = hybrid(&["--model", "ctr", "--max-restarts", "1"]);
+        assert!(e.starts_with("--max-restarts 1: a hybrid job's dense layers are synchronous"), "{e}");
+        let e = hybrid(&["--model", "ctr", "--backup-workers", "1"]);
+        assert!(e.starts_with("--backup-workers 1 applies to --ps-mode sync"), "{e}");
         for e in [e, refused(&["--model", "ctr", "--train-records", "0"])] {
             assert!(!e.contains('\n') && !e.ends_with('.'), "{e}");
         }

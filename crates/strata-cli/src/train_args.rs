@@ -29,6 +29,10 @@ pub enum PsModeKind {
     Sync,
     /// Apply each push, refuse those computed from values more than --staleness versions old.
     Stale,
+    /// PERSIA's hybrid (--model ctr): the embedding table asynchronous on the ps tasks (each
+    /// worker's rows applied as they arrive), the dense layers synchronous across the workers
+    /// by ring all-reduce, as multi-worker mirrored.
+    Hybrid,
 }
 
 /// The optimizer of embedding tables' rows on parameter servers (TensorFlow's sparse

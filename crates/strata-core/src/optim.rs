@@ -1,5 +1,5 @@
 //! Fused optimizers: candle-nn's `AdamW` and `SGD`, computed in place in one pass per tensor,
-//! and SGD with momentum ([`FusedMomentum`], which candle-nn lacks).
+//! SGD with momentum ([`FusedMomentum`]) and Adagrad ([`FusedAdagrad`]), which candle-nn lacks.
 //!
 //! candle-nn's optimizers build each update from a dozen whole-tensor operations, every one
 //! allocating a new tensor and making a pass over memory; on a model of a few million
@@ -476,6 +476,141 @@ impl Optimizer for FusedMomentum {
     }
 }
 
+/// The configuration of [`FusedAdagrad`]: Keras' Adagrad, as the parameter servers' Adagrad and
+/// the row optimizer of embedding tables step it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ParamsAdagrad {
+    /// The learning rate.
+    pub lr: f64,
+    /// Every accumulator's starting value (Keras' `initial_accumulator_value`, 0.1).
+    pub initial_accumulator: f64,
+    /// Added to the accumulator's square root (Keras' `epsilon`, 1e-7).
+    pub eps: f64,
+}
+
+impl Default for ParamsAdagrad {
+    /// Keras' defaults: learning rate 0.001, accumulators from 0.1, epsilon 1e-7.
+    fn default() -> Self {
+        Self { lr: 0.001, initial_accumulator: 0.1, eps: 1e-7 }
+    }
+}
+
+/// `acc = acc + g * g`, the first half of [`rules::adagrad`].
+struct Accumulate;
+
+impl candle_core::InplaceOp2 for Accumulate {
+    fn name(&self) -> &'static str {
+        "strata-adagrad-accumulate"
+    }
+
+    fn cpu_fwd(
+        &self,
+        dst: &mut CpuStorage,
+        dst_l: &Layout,
+        src: &CpuStorage,
+        src_l: &Layout,
+    ) -> candle_core::Result<()> {
+        let (acc, g) = with_gradient(dst, dst_l, "accumulator", src, src_l)?;
+        acc.iter_mut().zip(g).for_each(|(a, g)| *a += g * g);
+        Ok(())
+    }
+}
+
+/// `theta = theta - lr * g / (sqrt(acc) + eps)` from the updated accumulator, the second half of
+/// [`rules::adagrad`].
+struct AdagradParam {
+    lr: f32,
+    eps: f32,
+}
+
+impl candle_core::InplaceOp3 for AdagradParam {
+    fn name(&self) -> &'static str {
+        "strata-adagrad-param"
+    }
+
+    fn cpu_fwd(
+        &self,
+        dst: &mut CpuStorage,
+        dst_l: &Layout,
+        acc: &CpuStorage,
+        acc_l: &Layout,
+        g: &CpuStorage,
+        g_l: &Layout,
+    ) -> candle_core::Result<()> {
+        let (t, acc) = with_gradient(dst, dst_l, "parameter", acc, acc_l)?;
+        let g = slice(g, g_l, "gradient")?;
+        if g.len() != t.len() {
+            candle_core::bail!("fused optimizer: parameter of {} elements, gradient of {}", t.len(), g.len());
+        }
+        let (lr, eps) = (self.lr, self.eps);
+        for ((t, a), g) in t.iter_mut().zip(acc).zip(g) {
+            *t -= lr * g / (a.sqrt() + eps);
+        }
+        Ok(())
+    }
+}
+
+/// Adagrad in Keras' form ([`rules::adagrad`]), in place: one accumulator per variable,
+/// starting at `initial_accumulator`, the formulas the parameter servers apply to dense
+/// variables and to embedding rows. A variable without a gradient in a step is skipped: its
+/// accumulator and value stay. candle-nn has no Adagrad; this is Strata's.
+#[derive(Debug)]
+pub struct FusedAdagrad {
+    vars: Vec<(Var, Var)>,
+    params: ParamsAdagrad,
+}
+
+impl Optimizer for FusedAdagrad {
+    type Config = ParamsAdagrad;
+
+    fn new(vars: Vec<Var>, params: ParamsAdagrad) -> candle_core::Result<Self> {
+        let ParamsAdagrad { lr, initial_accumulator, eps } = params;
+        if !(lr.is_finite() && initial_accumulator.is_finite() && initial_accumulator >= 0.0 && eps.is_finite()) {
+            candle_core::bail!(
+                "adagrad with learning rate {lr}, initial accumulator {initial_accumulator} and epsilon {eps}: use finite values and an accumulator of 0 or more"
+            );
+        }
+        let vars = vars
+            .into_iter()
+            .filter(|v| v.dtype().is_float())
+            .map(|var| {
+                let acc =
+                    Var::from_tensor(&(Tensor::ones(var.shape(), var.dtype(), var.device())? * initial_accumulator)?)?;
+                Ok((var, acc))
+            })
+            .collect::<candle_core::Result<_>>()?;
+        Ok(Self { vars, params })
+    }
+
+    fn learning_rate(&self) -> f64 {
+        self.params.lr
+    }
+
+    fn set_learning_rate(&mut self, lr: f64) {
+        self.params.lr = lr
+    }
+
+    fn step(&mut self, grads: &candle_core::backprop::GradStore) -> candle_core::Result<()> {
+        let p = self.params;
+        for (var, acc) in &self.vars {
+            let Some(g) = grads.get(var) else { continue };
+            let g = if g.is_contiguous() { g.clone() } else { g.contiguous()? };
+            if fusable(var) && fusable(&g) && fusable(acc) {
+                acc.inplace_op2(&g, &Accumulate)?;
+                var.inplace_op3(acc.as_tensor(), &g, &AdagradParam { lr: p.lr as f32, eps: p.eps as f32 })?;
+            } else {
+                // The same formula in tensor operations, for devices and dtypes the fused
+                // kernels do not cover.
+                let next_acc = (acc.as_tensor() + g.sqr()?)?;
+                let step = ((&g * p.lr)? / (next_acc.sqrt()? + p.eps)?)?;
+                var.set(&var.sub(&step)?)?;
+                acc.set(&next_acc)?;
+            }
+        }
+        Ok(())
+    }
+}
+
 /// The state of a fused optimizer, checked against the variables it would be loaded into.
 fn state_error(optimizer: &str, what: String) -> crate::Error {
     crate::Error::Checkpoint(format!("optimizer state for {optimizer}: {what}"))
@@ -645,6 +780,52 @@ impl crate::checkpoint::OptimizerState for FusedMomentum {
     }
 }
 
+/// `FusedAdagrad` saves, for the i-th floating-point variable it was created with, `acc.{i}`
+/// (its accumulator).
+impl crate::checkpoint::OptimizerState for FusedAdagrad {
+    fn state_tensors(&self) -> crate::Result<Vec<(String, Tensor)>> {
+        self.vars.iter().enumerate().map(|(i, (_, a))| Ok((format!("acc.{i}"), a.as_tensor().copy()?))).collect()
+    }
+
+    fn renew(&self, vars: Vec<Var>) -> Option<crate::Result<Self>> {
+        Some(Self::new(vars, self.params).map_err(Into::into))
+    }
+
+    fn load_state_tensors(&mut self, state: &[(String, Tensor)]) -> crate::Result<()> {
+        const NAME: &str = "FusedAdagrad";
+        let n = self.vars.len();
+        let mut by_name = std::collections::HashMap::with_capacity(state.len());
+        for (key, tensor) in state {
+            if by_name.insert(key.as_str(), tensor).is_some() {
+                return Err(state_error(NAME, format!("tensor {key:?} is given twice")));
+            }
+        }
+        let mut next = Vec::with_capacity(n);
+        for (i, (var, _)) in self.vars.iter().enumerate() {
+            let key = format!("acc.{i}");
+            let t = by_name.remove(key.as_str()).ok_or_else(|| {
+                state_error(
+                    NAME,
+                    format!("tensor {key:?} is missing (the optimizer has {n} variables); load state saved from the same model"),
+                )
+            })?;
+            next.push(state_for(NAME, &key, t, var)?);
+        }
+        if let Some(extra) = by_name.keys().min() {
+            return Err(state_error(
+                NAME,
+                format!(
+                    "unknown tensor {extra:?} (the optimizer has {n} variables); load state saved from the same model"
+                ),
+            ));
+        }
+        for ((_, a), t) in self.vars.iter().zip(next) {
+            a.set(&t)?;
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -729,6 +910,43 @@ mod tests {
         // v_a = 2 then 2 * 0.5 + 2 = 3: a = 1 - 1 - 1.5
         assert_eq!(a.to_vec1::<f32>().unwrap()[0], -1.5);
         assert!(FusedMomentum::new(vec![a], ParamsMomentum { momentum: 1.0, ..Default::default() }).is_err());
+    }
+
+    /// The fused Adagrad applies Keras' rule ([`rules::adagrad`], the parameter servers') bit
+    /// for bit, its tensor fallback agrees to rounding, a variable without a gradient keeps its
+    /// value and accumulator, and its state round-trips.
+    #[test]
+    fn fused_adagrad_applies_keras_rule() {
+        let p = ParamsAdagrad { lr: 0.05, initial_accumulator: 0.1, eps: 1e-7 };
+        let got = run::<FusedAdagrad>(p, 7);
+        let (mut a, mut acc) = (random(35, 1), vec![0.1f32; 35]);
+        for s in 0..7 {
+            for ((w, c), g) in a.iter_mut().zip(acc.iter_mut()).zip(random(35, 10 + s as u64)) {
+                rules::adagrad(w, c, g, 0.05, 1e-7);
+            }
+        }
+        assert_eq!(got[0], a);
+        let dev = Device::Cpu;
+        let x = Var::from_vec(vec![1.0f32, 2.0], 2, &dev).unwrap();
+        let y = Var::from_vec(vec![3.0f32], 1, &dev).unwrap();
+        let q = ParamsAdagrad { lr: 0.5, initial_accumulator: 0.0, eps: 0.0 };
+        let mut opt = FusedAdagrad::new(vec![x.clone(), y.clone()], q).unwrap();
+        let mut grads = candle_core::backprop::GradStore::default();
+        grads.insert(x.as_tensor(), Tensor::new(&[2.0f32, -4.0], &dev).unwrap());
+        opt.step(&grads).unwrap(); // acc = 4, 16: x = 1 - 0.5 * 2 / 2, 2 + 0.5 * 4 / 4
+        assert_eq!(x.to_vec1::<f32>().unwrap(), vec![0.5, 2.5]);
+        assert_eq!(y.to_vec1::<f32>().unwrap(), vec![3.0], "no gradient, no step");
+        let state = crate::checkpoint::OptimizerState::state_tensors(&opt).unwrap();
+        assert_eq!(state[0].1.to_vec1::<f32>().unwrap(), vec![4.0, 16.0]);
+        assert_eq!(state[1].1.to_vec1::<f32>().unwrap(), vec![0.0], "y's accumulator is untouched");
+        let mut again = FusedAdagrad::new(vec![x.clone(), y.clone()], q).unwrap();
+        crate::checkpoint::OptimizerState::load_state_tensors(&mut again, &state).unwrap();
+        assert_eq!(
+            crate::checkpoint::OptimizerState::state_tensors(&again).unwrap()[0].1.to_vec1::<f32>().unwrap(),
+            vec![4.0, 16.0]
+        );
+        let bad = ParamsAdagrad { initial_accumulator: -1.0, ..q };
+        assert!(FusedAdagrad::new(vec![x], bad).is_err());
     }
 
     #[test]

@@ -168,6 +168,50 @@ fn a_table_on_ps_tasks_trains_as_one_device_trains_the_whole_table() {
     let _: &dyn TableStore = store.as_ref();
 }
 
+/// Several training steps in one run of the strategy (as a trainer's execution runs them): the
+/// lookup after a step's backward ends that step, pushing its rows before the next pull, so
+/// the table and the dense layer end where one step per run ends them, bit for bit, with one
+/// push per step and task.
+#[test]
+fn several_steps_in_one_run_push_each_step_s_rows_before_the_next_lookup() {
+    let run = |steps_per_run: usize| {
+        let (servers, clients) = ps_tasks(2);
+        let store = Arc::new(PsTables::new("worker:0", clients.clone()));
+        let options = StrategyOptions { seed: SEED, tables: Some(store.clone()), ..Default::default() };
+        let s = OneDeviceStrategy::with_options(strata_core::device::logical_cpus(1).unwrap()[0].clone(), options)
+            .unwrap()
+            .handle();
+        let model = s.scope(Model::new).unwrap();
+        let opt = model.optimizer::<SGD>(LR).unwrap();
+        for chunk in batches().chunks(steps_per_run) {
+            s.run(|ctx| {
+                for (ids, target) in chunk {
+                    let loss = model.on(ctx)?.loss(ids, target)?;
+                    ctx.backward_and_sync(&loss, &opt)?;
+                }
+                Ok(())
+            })
+            .unwrap();
+        }
+        let w = model.primary().lin.weight().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let rows: Vec<Vec<f32>> = (0..ROWS)
+            .map(|id| {
+                let k = owner_of(TableSize::Rows(ROWS), id, 2);
+                clients[k].pull_rows("reader", 1, &[("emb", &[id])]).unwrap().values.remove(0)
+            })
+            .collect();
+        let applied: u64 = clients.iter().map(|c| c.status().unwrap().pushes_applied).sum();
+        drop(servers);
+        (w, rows, applied, store.traffic().steps)
+    };
+    let one = run(1);
+    let all = run(4);
+    assert_eq!(all.0, one.0, "the linear layer");
+    assert_eq!(all.1, one.1, "the table's rows");
+    assert_eq!((all.2, one.2), (7, 7), "one push per step and task holding some of its rows");
+    assert_eq!((all.3, one.3), (4, 4), "four steps pushed rows");
+}
+
 /// A parameter-server job in this process (2 ps tasks and one worker over real gRPC on
 /// loopback, steps scheduled by a coordinator): the model's table is created in shards on the
 /// ps tasks, never on the worker or the coordinator; each step pulls its rows and pushes their

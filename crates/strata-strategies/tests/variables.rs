@@ -13,7 +13,9 @@ use crate::common::max_rel_diff;
 use crate::common::models::{data, Cnn, Frozen, Heads, TestModel, Tied};
 use candle_nn::{AdamW, ParamsAdamW, SGD};
 use strata_core::data::{Batch, TailPolicy};
-use strata_core::optim::{FusedAdamW, FusedMomentum, FusedSgd, OptimizerMemory, ParamsMomentum};
+use strata_core::optim::{
+    FusedAdagrad, FusedAdamW, FusedMomentum, FusedSgd, OptimizerMemory, ParamsAdagrad, ParamsMomentum,
+};
 use strata_core::{Error, Replicated, Strategy, StrategyHandle, StrategyOptions, VariableKind};
 use strata_strategies::{CentralStorageStrategy, CpuReduction, MirroredStrategy};
 
@@ -62,13 +64,14 @@ where
 
 const TOLERANCE: f32 = 1e-5;
 
-/// Trains `M` under `s` and under one device with SGD, momentum SGD and AdamW (candle-nn's
+/// Trains `M` under `s` and under one device with SGD, momentum SGD, Adagrad and AdamW (candle-nn's
 /// and the fused ones); the parameters must agree to [`TOLERANCE`].
 fn same_as_one_device<M: TestModel>(s: &StrategyHandle, steps: usize, batch: usize, freeze: &[&str]) {
     let one = common::one_device();
     let adamw = ParamsAdamW { lr: 0.01, weight_decay: 0.1, ..Default::default() };
     let momentum = ParamsMomentum { lr: 0.05, momentum: 0.9, nesterov: false };
     let nesterov = ParamsMomentum { nesterov: true, ..momentum };
+    let adagrad = ParamsAdagrad { lr: 0.05, ..Default::default() };
     let runs: Vec<(&str, Params, Params)> = vec![
         ("sgd", train::<M, SGD>(&one, 0.1, steps, batch, freeze).1, train::<M, SGD>(s, 0.1, steps, batch, freeze).1),
         (
@@ -85,6 +88,11 @@ fn same_as_one_device<M: TestModel>(s: &StrategyHandle, steps: usize, batch: usi
             "nesterov",
             train::<M, FusedMomentum>(&one, nesterov, steps, batch, freeze).1,
             train::<M, FusedMomentum>(s, nesterov, steps, batch, freeze).1,
+        ),
+        (
+            "adagrad",
+            train::<M, FusedAdagrad>(&one, adagrad, steps, batch, freeze).1,
+            train::<M, FusedAdagrad>(s, adagrad, steps, batch, freeze).1,
         ),
         (
             "adamw",

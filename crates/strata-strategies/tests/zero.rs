@@ -12,7 +12,10 @@ use crate::common::models::{data, BnNet, Cnn, Frozen, Heads, TestModel, Tied};
 use candle_nn::ParamsAdamW;
 use strata_core::data::{Batch, TailPolicy};
 use strata_core::optim::schedule::LrSchedule;
-use strata_core::optim::{FusedAdamW, FusedMomentum, FusedSgd, OptimizerMemory, ParamsMomentum, ShardableOptimizer};
+use strata_core::optim::{
+    FusedAdagrad, FusedAdamW, FusedMomentum, FusedSgd, OptimizerMemory, ParamsAdagrad, ParamsMomentum,
+    ShardableOptimizer,
+};
 use strata_core::{Replicated, Strategy, StrategyHandle, StrategyOptions, ZeroStage};
 use strata_strategies::{CentralStorageStrategy, CpuReduction, MirroredStrategy, OneDeviceStrategy};
 
@@ -159,6 +162,7 @@ fn same_as_stage_0_in_blocks<M: TestModel>(n: usize, freeze: &[&str], row_block_
     let adamw = &ParamsAdamW { lr: 0.01, weight_decay: 0.1, ..Default::default() };
     let momentum = ParamsMomentum { lr: 0.05, momentum: 0.9, nesterov: false };
     let nesterov = ParamsMomentum { nesterov: true, ..momentum };
+    let adagrad = ParamsAdagrad { lr: 0.05, ..Default::default() };
     let clipped = Extras { clip: Some(0.3), schedule: true, ..PLAIN };
     let accumulated = Extras { accumulation: 2, ..PLAIN };
     type Run<'a> = Box<dyn Fn(&StrategyHandle) -> (Vec<Vec<Params>>, Params, (Vec<usize>, usize)) + 'a>;
@@ -166,6 +170,7 @@ fn same_as_stage_0_in_blocks<M: TestModel>(n: usize, freeze: &[&str], row_block_
         ("fused sgd", Box::new(|s| train::<M, FusedSgd>(s, 0.1, 5, freeze, PLAIN))),
         ("momentum", Box::new(move |s| train::<M, FusedMomentum>(s, momentum, 5, freeze, PLAIN))),
         ("nesterov", Box::new(move |s| train::<M, FusedMomentum>(s, nesterov, 5, freeze, PLAIN))),
+        ("adagrad", Box::new(move |s| train::<M, FusedAdagrad>(s, adagrad, 5, freeze, PLAIN))),
         ("adamw", Box::new(move |s| train::<M, FusedAdamW>(s, adamw.clone(), 5, freeze, PLAIN))),
         (
             "adamw, clipped and scheduled",

@@ -11,13 +11,13 @@ use std::str::FromStr;
 
 use candle_nn::{AdamW, ParamsAdamW, SGD};
 use strata_core::data::{Batch, BatchData};
-use strata_core::optim::{FusedAdamW, FusedSgd};
+use strata_core::optim::{FusedAdagrad, FusedAdamW, FusedMomentum, FusedSgd, ParamsAdagrad, ParamsMomentum};
 use strata_core::{Replicated, StrategyHandle};
 use strata_transport::ps::ServerOptimizer;
 
 use crate::model::Classifier;
 use crate::trainer::{FitReport, Task, Trainer};
-use crate::{Error, Result};
+use crate::Result;
 
 // The error of a name that is none of a kind's: the crate's error module holds it, so that the
 // error does not import this module (which imports the error).
@@ -117,8 +117,8 @@ named_kinds! {
 named_kinds! {
     /// The optimizers. `adamw` and `sgd` are Strata's fused, in-place versions of candle-nn's
     /// optimizers (bitwise the same results, a fraction of the memory passes); `candle-adamw`
-    /// and `candle-sgd` are candle-nn's own; `momentum` and `adagrad` run on parameter
-    /// servers.
+    /// and `candle-sgd` are candle-nn's own; `momentum` and `adagrad` are Strata's (the
+    /// parameter servers' formulas, on replicas too).
     OptimizerKind, "optimizer" {
         /// [`FusedAdamW`].
         Adamw = "adamw": "AdamW, fused and in place (`strata::optim::FusedAdamW`).",
@@ -129,9 +129,9 @@ named_kinds! {
         /// candle-nn's `SGD`.
         CandleSgd = "candle-sgd": "candle-nn's `SGD`.",
         /// SGD with momentum, on parameter servers.
-        Momentum = "momentum": "SGD with momentum (PyTorch's form; Keras' at a constant learning rate), parameter-server only.",
-        /// Adagrad, on parameter servers.
-        Adagrad = "adagrad": "Adagrad, Keras' semantics (parameter-server only).",
+        Momentum = "momentum": "SGD with momentum (PyTorch's form; Keras' at a constant learning rate; `strata::optim::FusedMomentum` on replicas).",
+        /// [`FusedAdagrad`](strata_core::optim::FusedAdagrad).
+        Adagrad = "adagrad": "Adagrad, Keras' semantics (accumulators from 0.1, epsilon 1e-7; `strata::optim::FusedAdagrad` on replicas).",
     }
 }
 
@@ -157,12 +157,6 @@ impl Hyper {
 }
 
 impl OptimizerKind {
-    /// Whether replicas can apply it (the in-process and multi-worker strategies), rather than
-    /// only parameter servers.
-    pub fn runs_on_replicas(self) -> bool {
-        !matches!(self, OptimizerKind::Momentum | OptimizerKind::Adagrad)
-    }
-
     /// Trains `model` under `strategy` with this optimizer at `hyper`'s learning rate (and its
     /// momentum: AdamW's `beta1`).
     pub fn fit<M: Classifier>(
@@ -194,13 +188,20 @@ impl OptimizerKind {
         let Hyper { lr, momentum } = hyper;
         let adamw = ParamsAdamW { lr, beta1: momentum, ..Default::default() };
         match self {
-            OptimizerKind::Adamw => fit_with_state::<FusedAdamW, M, B>(trainer, strategy, model, adamw, task, train, test),
+            OptimizerKind::Adamw => {
+                fit_with_state::<FusedAdamW, M, B>(trainer, strategy, model, adamw, task, train, test)
+            }
             OptimizerKind::Sgd => fit_with_state::<FusedSgd, M, B>(trainer, strategy, model, lr, task, train, test),
             OptimizerKind::CandleAdamw => fit::<AdamW, M, B>(trainer, strategy, model, adamw, task, train, test),
             OptimizerKind::CandleSgd => fit::<SGD, M, B>(trainer, strategy, model, lr, task, train, test),
-            OptimizerKind::Momentum | OptimizerKind::Adagrad => Err(Error::Usage(format!(
-                "the {self} optimizer runs on parameter servers only; train with the parameter-server strategy, or choose adamw or sgd"
-            ))),
+            OptimizerKind::Momentum => {
+                let p = ParamsMomentum { lr, momentum, nesterov: false };
+                fit_with_state::<FusedMomentum, M, B>(trainer, strategy, model, p, task, train, test)
+            }
+            OptimizerKind::Adagrad => {
+                let p = ParamsAdagrad { lr, initial_accumulator: 0.1, eps: 1e-7 };
+                fit_with_state::<FusedAdagrad, M, B>(trainer, strategy, model, p, task, train, test)
+            }
         }
     }
 

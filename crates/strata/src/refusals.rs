@@ -53,8 +53,8 @@ pub fn zero_stage_of(stage: ZeroStage, strategy: StrategyKind, optimizer: Optimi
         OptimizerKind::Sgd => <FusedSgd as OptimizerMemory>::steps_shards(),
         OptimizerKind::CandleAdamw => <candle_nn::AdamW as OptimizerMemory>::steps_shards(),
         OptimizerKind::CandleSgd => <candle_nn::SGD as OptimizerMemory>::steps_shards(),
-        // The ps tasks' optimizers: the strategy's refusal above, or the optimizer's own, comes first.
-        OptimizerKind::Momentum | OptimizerKind::Adagrad => true,
+        OptimizerKind::Momentum => <strata_core::optim::FusedMomentum as OptimizerMemory>::steps_shards(),
+        OptimizerKind::Adagrad => <strata_core::optim::FusedAdagrad as OptimizerMemory>::steps_shards(),
     };
     Ok(strata_core::check_zero_optimizer(stage, optimizer.name(), steps_shards)?)
 }

@@ -8,7 +8,7 @@
 
 use candle_nn::Optimizer;
 
-use super::{FusedAdamW, FusedMomentum, FusedSgd};
+use super::{FusedAdagrad, FusedAdamW, FusedMomentum, FusedSgd};
 
 /// An optimizer that steps any run of a variable's elements exactly as it steps them within the
 /// whole variable: every element's update depends on that element's gradient and state only
@@ -120,6 +120,12 @@ impl ShardableOptimizer for FusedAdamW {
 }
 
 impl ShardableOptimizer for FusedMomentum {
+    fn state_per_element() -> u64 {
+        1
+    }
+}
+
+impl ShardableOptimizer for FusedAdagrad {
     fn state_per_element() -> u64 {
         1
     }

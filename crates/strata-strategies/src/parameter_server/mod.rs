@@ -16,7 +16,7 @@ pub mod worker_model;
 pub use coordinator::{ClusterCoordinator, CoordinatorOptions, RemoteValue};
 pub use partition::{rows_per_shard, shard_range, Partitioner, PlacedShard, Placement, PlacementPolicy};
 pub use strategy::{ParameterServerOptions, ParameterServerStrategy, PsModel};
-pub use tables::PsTables;
+pub use tables::{PsTables, TableTraffic};
 pub use worker::{
     serve_worker, OverlappedPush, PullTicket, PushSummary, StepRegistry, WorkerContext, WorkerOptions,
     WorkerStepHandler,

@@ -6,7 +6,8 @@
 //! Every step pulls under a lease (the store's step count), so a push names rows the task
 //! knows this worker pulled; each push is an update `(worker, run, step, 0)`, sent again with
 //! the same identity while a task is unavailable, so it is applied exactly once. After the
-//! step it is pushed, to every ps task holding some of its rows, in parallel: embeddings train
+//! step (at the end of the strategy's run, or at the first lookup after the step's backward
+//! when one run trains several steps) it is pushed, to every ps task holding some of its rows, in parallel: embeddings train
 //! asynchronously beside whatever the strategy does with the dense variables (hybrid training,
 //! PERSIA's), or, in a ps job, the rows are handed to the step's push of the dense gradients
 //! ([`PsTables::take_rows`]) so that both are one update per ps task.
@@ -42,6 +43,23 @@ struct Step {
     /// The lease (and update step) of this step's pulls and push.
     lease: u64,
     tables: HashMap<String, StepTable>,
+    /// Bytes of row values this step pulled so far (counted as traffic once the step pushes).
+    pulled_bytes: u64,
+}
+
+/// What a store's training steps moved: the steps that pushed rows, the bytes of row values
+/// they pulled (f32) and the bytes of row gradients and ids they pushed. Lookups of steps that
+/// push nothing (evaluation) are not counted.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct TableTraffic {
+    /// Steps that pushed rows.
+    pub steps: u64,
+    /// Bytes of row values pulled by those steps.
+    pub bytes_pulled: u64,
+    /// Bytes of row gradients (f32) and their ids (8 bytes each) pushed.
+    pub bytes_pushed: u64,
+    /// Rows pushed (distinct per step and ps task).
+    pub rows_pushed: u64,
 }
 
 /// Who a store pulls and pushes as, and to which ps tasks.
@@ -64,6 +82,7 @@ pub struct PsTables {
     push_at_end: bool,
     tables: Mutex<HashMap<String, TableConfig>>,
     step: Mutex<Step>,
+    traffic: Mutex<TableTraffic>,
 }
 
 /// An unbound store whose rows the step's dense push takes (a parameter-server worker's).
@@ -90,6 +109,7 @@ impl PsTables {
             push_at_end: true,
             tables: Mutex::new(HashMap::new()),
             step: Mutex::new(Step::default()),
+            traffic: Mutex::new(TableTraffic::default()),
         }
     }
 
@@ -158,6 +178,11 @@ impl PsTables {
         t
     }
 
+    /// Whether the current step's backward gave gradients already.
+    fn has_gradients(&self) -> bool {
+        lock(&self.step).tables.values().any(|t| !t.grads.is_empty())
+    }
+
     /// The current step's lease (the number of steps this store has ended).
     pub fn lease(&self) -> u64 {
         lock(&self.step).lease
@@ -167,6 +192,11 @@ impl PsTables {
         lock(&self.tables).get(table).cloned().ok_or_else(|| {
             Error::InvalidArgument(format!("embedding table {table:?} was not declared; build the model in the scope"))
         })
+    }
+
+    /// What this store's training steps pulled and pushed so far.
+    pub fn traffic(&self) -> TableTraffic {
+        *lock(&self.traffic)
     }
 
     /// The step's row gradients, per ps task (each table's rows that task owns, ids ascending),
@@ -195,6 +225,16 @@ impl PsTables {
                     per_task[k].0.push(r);
                 }
             }
+        }
+        let pulled = std::mem::take(&mut step.pulled_bytes);
+        let rows: u64 = per_task.iter().flat_map(|(r, _)| r).map(|r| r.ids.len() as u64).sum();
+        if rows > 0 {
+            let values: u64 = per_task.iter().flat_map(|(r, _)| r).map(|r| r.grads.len() as u64).sum();
+            let mut t = lock(&self.traffic);
+            t.steps += 1;
+            t.bytes_pulled += pulled;
+            t.bytes_pushed += values * 4 + rows * 8;
+            t.rows_pushed += rows;
         }
         per_task
     }
@@ -257,6 +297,13 @@ impl TableStore for PsTables {
     fn pull(&self, replica: usize, table: &str, ids: &[u64]) -> Result<Vec<f32>> {
         one_replica(replica)?;
         let config = self.config(table)?;
+        // A lookup after the step's backward starts the next step (several steps in one run
+        // of the strategy, as a trainer's execution has): the last one's rows go first.
+        if self.push_at_end && self.has_gradients() {
+            let lease = self.lease();
+            self.push(lease)?;
+            lock(&self.step).lease = lease + 1;
+        }
         let (worker, _, clients) = self.bound()?;
         let n = clients.len();
         let mut per_task: Vec<Vec<u64>> = vec![Vec::new(); n];
@@ -304,6 +351,7 @@ impl TableStore for PsTables {
             values[i * dim..(i + 1) * dim].copy_from_slice(row);
         }
         let mut step = lock(&self.step);
+        step.pulled_bytes += pulled.iter().flatten().map(|(v, _)| v.len() as u64 * 4).sum::<u64>();
         let st = step.tables.entry(table.to_string()).or_default();
         for (k, p) in pulled.iter().enumerate() {
             if let Some((_, version)) = p {
@@ -345,7 +393,9 @@ impl TableStore for PsTables {
         }
         let lease = self.lease();
         let pushed = if failed {
-            lock(&self.step).tables.clear();
+            let mut step = lock(&self.step);
+            step.tables.clear();
+            step.pulled_bytes = 0;
             Ok(())
         } else if self.push_at_end {
             self.push(lease)
