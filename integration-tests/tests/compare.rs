@@ -328,3 +328,97 @@ fn a_worker_killed_at_a_step_is_survived_as_each_recovery_says() {
     assert!(report.contains("![Test accuracy against wall time](accuracy_vs_time.png)"), "{report}");
     assert!(out_dir.join("accuracy_vs_time.svg").is_file());
 }
+
+const CTR: &str = r#"
+[experiment]
+name = "ctr"
+model = "ctr"
+epochs = 3
+global_batch = 256
+lr = 0.003
+optimizer = "adamw"
+seed = 1
+embedding_rows = 5000
+embedding_dim = 8
+train_records = 8192
+test_records = 2000
+table_optimizer = "adagrad"
+table_lr = 0.05
+target_auc = 0.55
+run_timeout = "180s"
+
+[[run]]
+strategy = "parameter-server"
+mode = "async"
+workers = 2
+ps_tasks = 2
+
+[[run]]
+strategy = "parameter-server"
+mode = "sync"
+workers = 2
+ps_tasks = 2
+
+[[run]]
+strategy = "parameter-server"
+mode = "hybrid"
+workers = 2
+ps_tasks = 2
+"#;
+
+/// The click model under async, sync and hybrid parameter servers, each a real `strata train`
+/// job of 2 ps tasks and 2 workers: every run finishes and evaluates after each epoch, the
+/// report measures the test AUC (the one each run's own summary gives, above chance), its gap
+/// to the best reachable and the bytes a worker step moves: the async and sync workers pull
+/// the dense variables with their rows, the hybrid's only the rows.
+#[test]
+fn a_ctr_experiment_reports_the_test_auc_under_async_sync_and_hybrid_parameter_servers() {
+    let (_dir, out_dir, out) = run_compare("ctr.toml", CTR, Duration::from_secs(400));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out_dir.join("summary.json")).unwrap()).unwrap();
+    let runs = summary["runs"].as_array().expect("summary.json has runs");
+    let run = |name: &str| runs.iter().find(|r| r["name"] == name).unwrap_or_else(|| panic!("no run {name}"));
+    for name in ["ps-async", "ps-sync", "ps-hybrid"] {
+        let r = run(name);
+        assert_eq!(r["status"], "ok", "{name}: {r}");
+        let auc = r["final_auc"].as_f64().unwrap_or_else(|| panic!("{name} has no final AUC: {r}"));
+        assert!(auc.is_finite() && auc > 0.5 && auc <= 1.0, "{name}: {auc}");
+        assert!(r["auc_gap"].as_f64().is_some_and(f64::is_finite), "{name}: {r}");
+        assert!(r["time_to_target_s"].as_f64().is_some(), "{name}: {r}");
+        // The harness's AUC is the run's own summary's.
+        let own: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out_dir.join(format!("runs/{name}.json"))).unwrap()).unwrap();
+        assert_eq!(own["final_test_auc"].as_f64(), Some(auc), "{name}");
+        assert!(r["pulled_per_step"].as_f64().is_some_and(|b| b > 0.0), "{name}: {r}");
+        assert!(r["pushed_per_step"].as_f64().is_some_and(|b| b > 0.0), "{name}: {r}");
+    }
+    let pulled = |name: &str| run(name)["pulled_per_step"].as_f64().unwrap();
+    assert!(pulled("ps-hybrid") < pulled("ps-async"), "the hybrid pulls no dense variables");
+    assert_eq!(run("ps-sync")["max_staleness"], 0);
+
+    // runs.csv: an evaluation with a test AUC after each of the 3 epochs of every run.
+    let csv = std::fs::read_to_string(out_dir.join("runs.csv")).unwrap();
+    let header: Vec<&str> = csv.lines().next().unwrap().split(',').collect();
+    let col = |n: &str| header.iter().position(|h| *h == n).unwrap_or_else(|| panic!("no column {n}"));
+    for name in ["ps-async", "ps-sync", "ps-hybrid"] {
+        let evals: Vec<f64> = csv
+            .lines()
+            .skip(1)
+            .map(|l| l.split(',').collect::<Vec<_>>())
+            .filter(|r| r[col("run")] == name && r[col("kind")] == "eval")
+            .map(|r| r[col("auc")].parse().unwrap_or_else(|_| panic!("{name}: an evaluation without an AUC")))
+            .collect();
+        assert_eq!(evals.len(), 3, "{name}");
+        assert!(evals.iter().all(|a| *a > 0.5 && *a <= 1.0), "{name}: {evals:?}");
+    }
+
+    // The report names the AUC, not accuracy.
+    let report = std::fs::read_to_string(out_dir.join("REPORT.md")).unwrap();
+    assert!(report.contains("| final AUC | gap to best |") && report.contains("time to AUC 0.5500"), "{report}");
+    assert!(!report.contains("final accuracy"), "{report}");
+    assert!(report.contains("![Test AUC against wall time](auc_vs_time.png)"), "{report}");
+    assert!(out_dir.join("auc_vs_steps.svg").is_file());
+    assert!(stdout.contains("auc "), "{stdout}");
+}

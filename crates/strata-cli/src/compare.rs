@@ -152,5 +152,9 @@ mod tests {
         ] {
             assert!(Flags::try_parse_from(["train", "--table-optimizer", o.name()]).is_ok(), "{}", o.name());
         }
+        // And every parameter-server mode.
+        for m in [exp::PsMode::Async, exp::PsMode::Sync, exp::PsMode::Stale, exp::PsMode::Hybrid] {
+            assert!(Flags::try_parse_from(["train", "--ps-mode", m.name()]).is_ok(), "{}", m.name());
+        }
     }
 }

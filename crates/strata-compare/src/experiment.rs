@@ -361,6 +361,13 @@ impl RunSpec {
         }
     }
 
+    /// Whether each worker steps alone on its share of the global batch (`global_batch /
+    /// workers` a step, as TensorFlow's ParameterServerStrategy): parameter-server runs but
+    /// hybrid, whose workers step together over the global batch as multi-worker-mirrored's do.
+    pub fn steps_alone(&self) -> bool {
+        self.strategy == RunStrategy::ParameterServer && self.mode != Some(PsMode::Hybrid)
+    }
+
     /// The mode as the report shows it: the parameter server's (`async`, `sync, 1 backup`,
     /// `stale <= 4`), or local SGD's (`diloco H=100`, `local SGD H=20`, with `, 4 fragments`).
     pub fn mode_label(&self) -> Option<String> {
@@ -608,7 +615,7 @@ impl Experiment {
         if !(lr.is_finite() && lr > 0.0) {
             return Err(at.error(e.lr.span(), "experiment.lr", "must be a positive learning rate, e.g. 0.003"));
         }
-        let optimizer = optimizer(&at, &e.optimizer, &raw.run, model)?;
+        let optimizer = optimizer(&at, &e.optimizer)?;
         let target = target(&at, &e, model)?;
         let run_timeout = match &e.run_timeout {
             Some(t) => parse_duration(t.get_ref()).map_err(|m| at.error(t.span(), "experiment.run_timeout", m))?,
@@ -751,37 +758,15 @@ fn transformer_shape(at: &Locator<'_>, e: &RawExperiment, model: RunModel) -> Re
     Ok(Some(c))
 }
 
-/// `[experiment]`'s optimizer: one `strata train --optimizer` takes, and one every run's strategy
-/// can step (`runs`).
-fn optimizer(
-    at: &Locator<'_>,
-    optimizer: &Spanned<String>,
-    runs: &[Spanned<RawRun>],
-    model: RunModel,
-) -> Result<String> {
+/// `[experiment]`'s optimizer: one `strata train --optimizer` takes (every strategy steps each
+/// of them).
+fn optimizer(at: &Locator<'_>, optimizer: &Spanned<String>) -> Result<String> {
     let name = optimizer.get_ref().clone();
     if name.parse::<strata::OptimizerKind>().is_err() {
         return Err(at.error(
             optimizer.span(),
             "experiment.optimizer",
             format!("{name:?} is not one of adamw, sgd, momentum, adagrad"),
-        ));
-    }
-    if matches!(name.as_str(), "momentum" | "adagrad")
-        && runs.iter().any(|r| r.get_ref().strategy != RunStrategy::ParameterServer)
-    {
-        return Err(at.error(
-            optimizer.span(),
-            "experiment.optimizer",
-            format!("{name} runs on parameter servers only; use adamw or sgd to compare every strategy"),
-        ));
-    }
-    let hybrid = runs.iter().any(|r| r.get_ref().mode.as_ref().is_some_and(|m| *m.get_ref() == PsMode::Hybrid));
-    if matches!(name.as_str(), "momentum" | "adagrad") && hybrid && model == RunModel::Ctr {
-        return Err(at.error(
-            optimizer.span(),
-            "experiment.optimizer",
-            format!("{name} runs on parameter servers only, and a hybrid run steps its dense layers on the workers; use adamw or sgd"),
         ));
     }
     Ok(name)
@@ -1145,6 +1130,13 @@ fn run_tables(run: &RunAt<'_>, model: RunModel, mode: Option<PsMode>, replicas: 
                 format!("hybrid trains the embedding tables on the ps tasks and the dense layers on the workers' ring: it needs model = \"ctr\", not model = \"{}\"", model.name()),
             ));
         }
+    }
+    if let (Some(PsMode::Hybrid), Some(k)) = (mode, r.restarts.as_ref().filter(|k| *k.get_ref() > 0)) {
+        return Err(run.error(
+            k.span(),
+            "restarts",
+            "a hybrid job's dense layers are synchronous: a lost worker stops the job and none is replaced; drop it",
+        ));
     }
     if model == RunModel::Ctr && r.strategy == RunStrategy::ParameterServer && replicas != 1 {
         let span = r.replicas.as_ref().map_or(run.span.clone(), |v| v.span());
@@ -1863,8 +1855,16 @@ network_delay = "1ms"
         assert!(e.contains("line 12") && e.contains("optimizer"), "{e}");
         let e = error("[experiment\nname = 1");
         assert!(e.contains("x.toml line 1"), "{e}");
-        let e = error(&GOOD.replace("lr = 0.01", "lr = 0.01\noptimizer = \"momentum\""));
-        assert!(e.contains("line 8: experiment.optimizer: momentum runs on parameter servers only"), "{e}");
+        // Every strategy steps momentum and Adagrad (the replicas' fused optimizers).
+        assert_eq!(
+            parse(&GOOD.replace("lr = 0.01", "lr = 0.01\noptimizer = \"momentum\"")).unwrap().optimizer,
+            "momentum"
+        );
+        let e = error(&GOOD.replace("lr = 0.01", "lr = 0.01\noptimizer = \"lamb\""));
+        assert!(
+            e.contains("line 8: experiment.optimizer: \"lamb\" is not one of adamw, sgd, momentum, adagrad"),
+            "{e}"
+        );
         let e = error(&format!("{GOOD}\n[simulate]\nworkers = [0]\n"));
         assert!(e.contains("line 30: simulate") && e.contains("at least 1"), "{e}");
         let e = error(&format!("{GOOD}\n[simulate]\nwarp = 1\n"));
@@ -2139,9 +2139,13 @@ strategy = "one-device"
             "run[2].recompute: applies to model = \"mlp\" or \"transformer\", not model = \"ctr\"",
         );
         bad(
-            "lr = 0.003",
-            "lr = 0.003\noptimizer = \"adagrad\"",
-            "experiment.optimizer: adagrad runs on parameter servers only",
+            "mode = \"hybrid\"\nworkers = 2",
+            "mode = \"hybrid\"\nworkers = 2\nrestarts = 1",
+            "x.toml line 26: run[1].restarts: a hybrid job's dense layers are synchronous",
+        );
+        assert_eq!(
+            parse(&CTR.replace("lr = 0.003", "lr = 0.05\noptimizer = \"adagrad\"")).unwrap().optimizer,
+            "adagrad"
         );
         let m = error(&format!("{CTR}\n[simulate]\nworkers = [2]\n"));
         assert!(

@@ -166,14 +166,16 @@ impl Network {
 }
 
 /// How tasks map to hosts, for the report.
-pub const PLACEMENT: &str =
-    "worker i on host i mod N, ps task j on host j mod N, the parameter-server coordinator on host 0";
+pub const PLACEMENT: &str = "worker i on host i mod N, ps task j on host W + j where the N hosts have one for each of the W workers and the ps tasks, else on host j mod N, the parameter-server coordinator on host 0";
 
-/// Which host each task of a multi-process run is on: worker `i` on host `i mod N`, ps task
-/// `j` on host `j mod N`, a parameter-server run's coordinator (chief) on host 0.
-pub fn host_of(kind: TaskKind, index: usize, hosts: usize) -> usize {
+/// Which host each task of a multi-process run of `workers` workers and `ps_tasks` ps tasks is
+/// on: worker `i` on host `i mod N`; ps task `j` on a host of its own, `workers + j`, where
+/// there are hosts enough for every worker and ps task, else (colocated, as TensorFlow's
+/// layout) on host `j mod N`; a parameter-server run's coordinator (chief) on host 0.
+pub fn host_of(kind: TaskKind, index: usize, hosts: usize, workers: usize, ps_tasks: usize) -> usize {
     match kind {
         TaskKind::Chief => 0,
+        TaskKind::Ps if hosts >= workers + ps_tasks => workers + index,
         TaskKind::Worker | TaskKind::Ps => index % hosts.max(1),
     }
 }
@@ -509,10 +511,16 @@ mod tests {
 
     #[test]
     fn tasks_map_round_robin_by_kind_with_the_chief_on_host_0() {
-        let at = |k, i| host_of(k, i, 2);
+        let at = |k, i| host_of(k, i, 2, 3, 2);
         assert_eq!((at(TaskKind::Worker, 0), at(TaskKind::Worker, 1), at(TaskKind::Worker, 2)), (0, 1, 0));
         assert_eq!((at(TaskKind::Ps, 0), at(TaskKind::Ps, 1), at(TaskKind::Chief, 0)), (0, 1, 0));
-        assert_eq!(host_of(TaskKind::Worker, 5, 4), 1);
+        assert_eq!(host_of(TaskKind::Worker, 5, 4, 6, 0), 1);
+        // Hosts enough for every task: each ps task on one of its own, after the workers'.
+        let four = |k, i| host_of(k, i, 4, 2, 2);
+        assert_eq!((four(TaskKind::Worker, 0), four(TaskKind::Worker, 1)), (0, 1));
+        assert_eq!((four(TaskKind::Ps, 0), four(TaskKind::Ps, 1), four(TaskKind::Chief, 0)), (2, 3, 0));
+        // One short: colocated again.
+        assert_eq!((host_of(TaskKind::Ps, 0, 3, 2, 2), host_of(TaskKind::Ps, 1, 3, 2, 2)), (0, 1));
     }
 
     #[test]

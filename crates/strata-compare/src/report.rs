@@ -657,6 +657,9 @@ pub fn recovery(spec: &crate::experiment::RunSpec) -> String {
             format!("restart the world: relaunched whole from its last checkpoint (every {every} steps)")
         }
         (RunStrategy::MultiWorkerMirrored, None, _) => "none: the job fails".into(),
+        (RunStrategy::ParameterServer, ..) if spec.mode == Some(crate::experiment::PsMode::Hybrid) => {
+            "none: the job fails (its dense layers are synchronous)".into()
+        }
         (RunStrategy::ParameterServer, ..) => {
             format!("its steps run on the other workers{}", restarts("is given steps"))
         }

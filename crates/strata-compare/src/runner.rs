@@ -67,12 +67,10 @@ pub fn train_args(exp: &Experiment, spec: &RunSpec, metrics: &Path, summary: &Pa
         // epoch as every other run).
         train.extend(["--steps".into(), transformer_steps(exp, spec).to_string()]);
     }
-    let batch = match spec.strategy {
-        // Each worker pushes its share of the global batch per step, as TensorFlow's
-        // per-replica batch of a ParameterServerStrategy job.
-        RunStrategy::ParameterServer => exp.global_batch / spec.workers.max(1),
-        _ => exp.global_batch,
-    };
+    // Each parameter-server worker pushes its share of the global batch per step, as
+    // TensorFlow's per-replica batch of a ParameterServerStrategy job (hybrid's workers step
+    // together over the global batch).
+    let batch = if spec.steps_alone() { exp.global_batch / spec.workers.max(1) } else { exp.global_batch };
     train.extend([
         "--epochs".into(),
         exp.epochs.to_string(),
@@ -171,9 +169,10 @@ const TRANSFORMER_DEFAULT_STEPS: usize = 1200;
 /// epoch), times the workers for a parameter-server run.
 fn transformer_steps(exp: &Experiment, spec: &RunSpec) -> usize {
     let steps = exp.steps.unwrap_or(TRANSFORMER_DEFAULT_STEPS);
-    match spec.strategy {
-        RunStrategy::ParameterServer => steps * spec.workers.max(1),
-        _ => steps,
+    if spec.steps_alone() {
+        steps * spec.workers.max(1)
+    } else {
+        steps
     }
 }
 
@@ -182,10 +181,7 @@ fn expected_steps(exp: &Experiment, spec: &RunSpec, train_len: usize) -> u64 {
     if exp.model == RunModel::Transformer {
         return (transformer_steps(exp, spec) * exp.epochs) as u64;
     }
-    let batch = match spec.strategy {
-        RunStrategy::ParameterServer => exp.global_batch / spec.workers.max(1),
-        _ => exp.global_batch,
-    };
+    let batch = if spec.steps_alone() { exp.global_batch / spec.workers.max(1) } else { exp.global_batch };
     (train_len.div_ceil(batch.max(1)) * exp.epochs) as u64
 }
 
@@ -333,12 +329,15 @@ impl HostTask {
     }
 }
 
-/// A run's tasks on `hosts` hosts: workers (and, for parameter servers, the chief and the ps
-/// tasks) mapped by [`crate::hosts::host_of`], each on a port of its own from `base`.
+/// A run's tasks on `hosts` hosts: workers (and, for parameter servers, the ps tasks and the
+/// chief, which coordinates the workers' steps; a hybrid job has none, its workers step
+/// together) mapped by [`crate::hosts::host_of`], each on a port of its own from `base`.
 fn host_tasks(spec: &RunSpec, hosts: usize, base: u16) -> Vec<HostTask> {
     let mut kinds: Vec<(TaskKind, usize)> = Vec::new();
     if spec.strategy == RunStrategy::ParameterServer {
-        kinds.push((TaskKind::Chief, 0));
+        if spec.steps_alone() {
+            kinds.push((TaskKind::Chief, 0));
+        }
         kinds.extend((0..spec.ps_tasks).map(|j| (TaskKind::Ps, j)));
     }
     kinds.extend((0..spec.workers).map(|i| (TaskKind::Worker, i)));
@@ -348,7 +347,7 @@ fn host_tasks(spec: &RunSpec, hosts: usize, base: u16) -> Vec<HostTask> {
         .map(|(k, (kind, index))| HostTask {
             kind,
             index,
-            host: crate::hosts::host_of(kind, index, hosts),
+            host: crate::hosts::host_of(kind, index, hosts, spec.workers, spec.ps_tasks),
             port: base.wrapping_add(k as u16),
         })
         .collect()
@@ -413,10 +412,9 @@ fn run_on_hosts(
     let configs = tf_configs(&tasks, |i| hosts.addr(i));
     let token: String = (0..32).map(|_| format!("{:02x}", rand::random::<u8>())).collect();
     let args = train_args(exp, spec, &metrics, &summary);
-    let chief = match spec.strategy {
-        RunStrategy::ParameterServer => TaskKind::Chief,
-        _ => TaskKind::Worker,
-    };
+    // The task that writes the records and the summary, and whose kind the run waits for:
+    // a parameter-server job's coordinator, else worker 0 (every worker).
+    let chief = if spec.steps_alone() { TaskKind::Chief } else { TaskKind::Worker };
     let mut plan = Vec::new();
     for (t, config) in tasks.iter().zip(&configs) {
         let mut a = if t.kind == chief && t.index == 0 { args.clone() } else { without_outputs(&args) };
@@ -430,7 +428,8 @@ fn run_on_hosts(
     let index: String =
         plan.iter().map(|(label, _, _, log, at)| format!("{label}: {at}; log {}\n", log.display())).collect();
     let _ = std::fs::write(runs_dir.join(format!("{}.log", spec.name)), index);
-    // Servers first (ps tasks, workers of a parameter-server job), the chief last.
+    // Servers first (ps tasks, workers of a parameter-server job), the chief last (a hybrid
+    // job's workers after its ps tasks).
     plan.sort_by_key(|p| p.1 && spec.strategy == RunStrategy::ParameterServer);
     let outcome = spawn_tasks_and_wait(plan, spec.timeout.unwrap_or(exp.run_timeout), &metrics, bar);
     hosts.kill_all();
@@ -586,7 +585,7 @@ fn run_one(exe: &Path, exp: &Experiment, spec: &RunSpec, runs_dir: &Path, bar: &
     let kills: &[crate::experiment::Kill] =
         if spec.faults && spec.strategy.is_multi_process() { &exp.injection.kill } else { &[] };
     let kills: Vec<_> = kills.iter().copied().filter(|k| k.worker < spec.workers).collect();
-    let per_batch = if spec.strategy == RunStrategy::ParameterServer { spec.workers as u64 } else { 1 };
+    let per_batch = if spec.steps_alone() { spec.workers as u64 } else { 1 };
     let mut killer = crate::faults::Killer::new(&kills, per_batch, started);
     let args = command_line(exp, spec, &metrics, &summary);
     // Earlier attempts' records (a job relaunched from its checkpoint), on the run's clock.
@@ -861,7 +860,8 @@ mod tests {
             ("--table-optimizer", "ftrl"),
             ("--table-lr", "0.1"),
             ("--ps-mode", "hybrid"),
-            ("--batch", "256"),
+            // Its workers step together over the global batch, as multi-worker-mirrored's.
+            ("--batch", "512"),
             ("--replicas", "1"),
         ] {
             assert_eq!(value(&line, flag).as_deref(), Some(want), "{flag}: {line:?}");
@@ -871,8 +871,14 @@ mod tests {
         let mwms = command_line(&e, &e.runs[1], Path::new("m.jsonl"), Path::new("s.json"));
         assert_eq!(value(&mwms, "--embedding-rows").as_deref(), Some("100000"));
         assert!(!mwms.iter().any(|a| a == "--table-optimizer" || a == "--table-lr"), "{mwms:?}");
-        // 4096 records in worker steps of 256: 16 an epoch, 2 epochs.
-        assert_eq!(expected_steps(&e, &e.runs[0], 4096), 32);
+        // 4096 records in global batches of 512: 8 steps an epoch, 2 epochs; an async job's
+        // workers push 256 each, 16 worker steps an epoch.
+        assert_eq!(expected_steps(&e, &e.runs[0], 4096), 16);
+        let mut async_ps = e.runs[0].clone();
+        async_ps.mode = Some(PsMode::Async);
+        assert_eq!(expected_steps(&e, &async_ps, 4096), 32);
+        let line = command_line(&e, &async_ps, Path::new("m.jsonl"), Path::new("s.json"));
+        assert_eq!(value(&line, "--batch").as_deref(), Some("256"));
     }
 
     #[test]
