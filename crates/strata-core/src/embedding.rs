@@ -9,8 +9,6 @@
 //! gives its scope a [`TableStore`]: the rows a step's batch touches are pulled from it, and
 //! their gradients handed back to it after the backward pass.
 
-use std::ops::Range;
-
 use serde::{Deserialize, Serialize};
 
 use crate::{Error, Result};
@@ -199,28 +197,22 @@ pub fn init_row(seed: u64, table: &str, init: RowInit, id: u64, out: &mut [f32])
     }
 }
 
-/// The rows of shard `index` of a fixed table of `rows` rows split into `shards` contiguous
-/// ranges, the first `rows % shards` one row longer (TensorFlow's `FixedShardsPartitioner`).
-pub fn shard_rows(rows: u64, shards: usize, index: usize) -> Range<u64> {
-    let (n, i) = (shards.max(1) as u64, index as u64);
-    let (base, extra) = (rows / n, rows % n);
-    let start = i * base + i.min(extra);
-    start..start + base + u64::from(i < extra)
+/// How many rows of a fixed table of `rows` rows shard `index` of `shards` holds: the ids `i`
+/// with `i % shards == index` ([`owner_of`]), so the first `rows % shards` shards hold one row
+/// more.
+pub fn shard_len(rows: u64, shards: usize, index: usize) -> u64 {
+    let n = shards.max(1) as u64;
+    rows / n + u64::from((index as u64) < rows % n)
 }
 
-/// The shard (of `shards`) that owns row `id`: for a fixed table the one whose
-/// [`shard_rows`] range holds it, for an id-space table `mix64(id) % shards` (ids spread evenly
-/// whatever their pattern).
+/// The shard (of `shards`) that owns row `id`: for a fixed table `id % shards` (TensorFlow's
+/// `mod` partition strategy of `embedding_lookup`: neighbouring ids, which a field's popular
+/// range is made of, go to different tasks, so the tasks share the work of a skewed table),
+/// for an id-space table `mix64(id) % shards` (ids spread evenly whatever their pattern).
 pub fn owner_of(size: TableSize, id: u64, shards: usize) -> usize {
     let n = shards.max(1) as u64;
     match size {
-        TableSize::Rows(rows) => {
-            let (base, extra) = (rows / n, rows % n);
-            // The first `extra` shards have `base + 1` rows.
-            let long = extra * (base + 1);
-            let shard = if id < long { id / (base + 1) } else { extra + (id - long) / base.max(1) };
-            shard.min(n - 1) as usize
-        }
+        TableSize::Rows(_) => (id % n) as usize,
         TableSize::Ids { .. } => (mix64(id) % n) as usize,
     }
 }
@@ -301,20 +293,19 @@ mod tests {
     fn shards_cover_the_rows_once_and_owners_agree() {
         for rows in [1u64, 2, 7, 10, 1000, 1001] {
             for shards in 1..6 {
-                let mut next = 0;
-                for i in 0..shards {
-                    let r = shard_rows(rows, shards, i);
-                    assert_eq!(r.start, next);
-                    next = r.end;
-                    for id in r {
-                        assert_eq!(
-                            owner_of(TableSize::Rows(rows), id, shards),
-                            i,
-                            "{rows} rows, {shards} shards, id {id}"
-                        );
-                    }
+                let mut held = vec![0u64; shards];
+                for id in 0..rows {
+                    held[owner_of(TableSize::Rows(rows), id, shards)] += 1;
                 }
-                assert_eq!(next, rows);
+                for (i, &h) in held.iter().enumerate() {
+                    assert_eq!(h, shard_len(rows, shards, i), "{rows} rows, {shards} shards, shard {i}");
+                }
+                assert_eq!(held.iter().sum::<u64>(), rows);
+                // A run of neighbouring ids (a field's popular range) is spread over every task.
+                assert!(
+                    rows < shards as u64
+                        || (0..shards as u64).all(|id| owner_of(TableSize::Rows(rows), id, shards) == id as usize)
+                );
             }
         }
         let ids = TableSize::Ids { max_rows_per_shard: 10, evict_after: None };

@@ -352,10 +352,9 @@ pub struct TableInfo {
     pub config: TableConfig,
     /// The seed of its rows' initial values ([`init_row`](strata_core::embedding::init_row)).
     pub seed: u64,
-    /// This shard's index: a fixed table's shard holds the rows
-    /// [`shard_rows`](strata_core::embedding::shard_rows)`(rows, num_shards, shard)`, an
-    /// id-space table's the ids whose [`owner_of`](strata_core::embedding::owner_of) is
-    /// `shard`.
+    /// This shard's index: it holds the rows whose
+    /// [`owner_of`](strata_core::embedding::owner_of) is `shard` (a fixed table's ids
+    /// `id % num_shards == shard`, an id-space table's hashed ids).
     pub shard: u32,
     /// How many shards the table has.
     pub num_shards: u32,
