@@ -54,13 +54,18 @@ pub(crate) struct Table {
     last_seen: Vec<u64>,
     /// Per row, how many leases (live or held by a pending sync push) hold it.
     pins: Vec<u32>,
-    index: HashMap<u64, usize>,
+    /// Row ids to slab indices, hashed with foldhash (seeded per process: fast on u64 keys,
+    /// and ids a client chooses cannot be made to collide without knowing the seed).
+    index: RowIndex,
     evicted: u64,
     /// Per worker, its leases, oldest first.
     leases: BTreeMap<String, VecDeque<Lease>>,
     /// The ids in `leases`, all workers together.
     leased: usize,
 }
+
+/// A table's index of its rows.
+type RowIndex = HashMap<u64, usize, foldhash::fast::RandomState>;
 
 /// An empty vector with room for `n` elements, or the task's refusal when there is no memory.
 pub(crate) fn try_with_capacity<T>(task: &str, n: usize, what: &'static str) -> Result<Vec<T>> {
@@ -121,7 +126,7 @@ impl Table {
             slots: Vec::new(),
             last_seen: Vec::new(),
             pins: Vec::new(),
-            index: HashMap::new(),
+            index: RowIndex::default(),
             evicted: 0,
             leases: BTreeMap::new(),
             leased: 0,
