@@ -92,7 +92,11 @@
 //! - **Large pushes** collected whole (4 MiB and more) are applied on two threads.
 //! - **Checkpoints** ([`write_snapshot`], [`read_snapshot`]) hold the values, the optimizer
 //!   slots, the versions, the counters, the applied-update table and the tables' rows, in
-//!   strata-core's checkpoint format.
+//!   strata-core's checkpoint format. A whole job's checkpoints (one directory per ps task,
+//!   `ps-<i>`) restore onto task `k` of a job of any number of tasks
+//!   ([`read_job_checkpoint`], [`State::restore_job`]): the tables resharded, the dense
+//!   variables in a [`RestorePool`] that creation draws from, whatever their new placement and
+//!   split.
 
 // The facade (the strata crate) re-exports this crate's items: every public one is documented.
 #![warn(missing_docs)]

@@ -904,6 +904,20 @@ fn resume_step(coordinator: &ClusterCoordinator, steps_per_epoch: usize, config:
     Ok(resumed)
 }
 
+/// The batches of `epoch` a job runs: those after the step it resumed from and within
+/// `max_steps` (both counted in the job's steps); `None` when there are none.
+fn epoch_batches(
+    epoch: usize,
+    steps_per_epoch: usize,
+    resumed: usize,
+    max_steps: Option<usize>,
+) -> Option<std::ops::Range<usize>> {
+    let before = epoch * steps_per_epoch;
+    let first = resumed.saturating_sub(before).min(steps_per_epoch);
+    let end = max_steps.map_or(steps_per_epoch, |m| m.saturating_sub(before).min(steps_per_epoch));
+    (first < end).then_some(first..end)
+}
+
 /// The coordinator's side: schedules every step of every epoch on the workers, evaluates the
 /// pulled parameters after each epoch (test accuracy for the digits models, validation loss in
 /// nats per character for the transformer), and reports as [`crate::trainer::Trainer::fit`]
@@ -937,21 +951,10 @@ pub fn train_coordinator(
     let started_unix = unix_now() - started.elapsed().as_secs_f64();
     let (mut recorded_steps, mut recorded_examples, mut updates) = (0u64, 0u64, 0u64);
     for epoch in 0..config.epochs {
-        // The job's steps before this epoch, and this epoch's first batch not run yet.
-        let before = epoch * steps_per_epoch;
-        let first = resumed.saturating_sub(before).min(steps_per_epoch);
-        if first == steps_per_epoch {
-            continue;
-        }
-        let mut n = steps_per_epoch - first;
-        if let Some(max) = config.max_steps {
-            n = n.min(max.saturating_sub(before + first));
-        }
-        if n == 0 {
-            break;
-        }
+        let Some(batches) = epoch_batches(epoch, steps_per_epoch, resumed, config.max_steps) else { continue };
+        let n = batches.len();
         let t0 = Instant::now();
-        let values: Vec<_> = (first..first + n)
+        let values: Vec<_> = batches
             .map(|b| {
                 coordinator.schedule::<DigitsStep, DigitsStepResult>(
                     TRAIN_STEP,
@@ -1070,6 +1073,16 @@ pub fn train_coordinator(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A job resumed from step `s` runs the batches after it, within `--max-steps`, both counted
+    /// in the job's steps; a fresh job runs every batch as before.
+    #[test]
+    fn a_resumed_job_runs_the_batches_after_its_step() {
+        let b = |epoch, resumed, max| epoch_batches(epoch, 16, resumed, max);
+        assert_eq!((b(0, 0, None), b(1, 0, None), b(0, 0, Some(5))), (Some(0..16), Some(0..16), Some(0..5)));
+        assert_eq!((b(0, 15, None), b(1, 15, None), b(0, 16, None)), (Some(15..16), Some(0..16), None));
+        assert_eq!((b(1, 20, Some(25)), b(2, 20, Some(25)), b(0, 20, Some(25))), (Some(4..9), None, None));
+    }
 
     #[test]
     fn the_mlp_spec_keeps_its_json_and_other_models_are_checked_before_building() {

@@ -16,7 +16,9 @@
 //!   checkpoint. A checkpoint that cannot be written stops the job cleanly: the steps still
 //!   queued fail with an error that names the failure and the last good checkpoint, and
 //!   [`ClusterCoordinator::join`] returns it (never a job that ends well without the
-//!   checkpoints it was asked for).
+//!   checkpoints it was asked for). A job resumed from its ps tasks' checkpoint of step `s`
+//!   ([`CoordinatorOptions::first_step`]) counts its steps from `s`, and names its checkpoints
+//!   so.
 //! - **Liveness.** Every ps task and every worker is probed (a health check, a ping) every
 //!   [`CoordinatorOptions::probe_interval`], each probe with a deadline that ends when
 //!   [`CoordinatorOptions::probe_timeout`] does: a task that stops answering (killed, stopped
