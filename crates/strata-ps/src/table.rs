@@ -484,13 +484,15 @@ impl Table {
 /// the rows are taken bit for bit (values, slots, last seen), by ascending id, with the
 /// shard's description renumbered and the eviction count at 0. A row no old shard held has
 /// its initial value, which depends on the seed, the table and the id only, so it is the same
-/// on the new shard.
+/// on the new shard. The rows kept may not exceed what a task holds ([`MAX_TABLE_BYTES`],
+/// [`Error::ReshardTooLarge`]), checked as they are taken.
 pub fn reshard_tables<I>(old: I, shard: u32, num_shards: u32) -> Result<Vec<TableRows>>
 where
     I: IntoIterator<Item = Result<Vec<TableRows>>>,
 {
     // Per table: the rows kept so far and which old shards were seen.
     let mut tables: BTreeMap<String, (TableRows, Vec<bool>)> = BTreeMap::new();
+    let mut bytes = 0u64;
     for tables_of_task in old {
         for t in tables_of_task? {
             let name = t.info.config.name.clone();
@@ -530,6 +532,10 @@ where
             }
             for (k, &id) in t.ids.iter().enumerate() {
                 if owner_of(t.info.config.size, id, num_shards as usize) == shard as usize {
+                    bytes += (dim + sw) as u64 * 4;
+                    if bytes > MAX_TABLE_BYTES {
+                        return Err(Error::ReshardTooLarge { shard, num_shards, bytes });
+                    }
                     acc.ids.push(id);
                     acc.values.extend_from_slice(&t.values[k * dim..(k + 1) * dim]);
                     acc.slots.extend_from_slice(&t.slots[k * sw..(k + 1) * sw]);

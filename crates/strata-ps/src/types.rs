@@ -243,7 +243,9 @@ impl PushReply {
 pub struct CreateOutcome {
     /// The versions of the variables, in the order given.
     pub versions: Vec<u64>,
-    /// Every variable existed already (a restored task, or a second coordinator).
+    /// Every variable existed already (a restored task, or a second coordinator), or was
+    /// drawn from the whole job's checkpoint the task was restored from: the values are not the
+    /// request's.
     pub existed: bool,
     /// The task's version.
     pub version: u64,
