@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::embedding::{init_row, TableConfig, TableSize, TableStore};
+use crate::embedding::{init_row, TableConfig, TableScope, TableSize, TableStore};
 use crate::variables::Scope;
 use crate::{Error, Result};
 
@@ -69,6 +69,13 @@ impl Embedding {
     pub fn new(scope: &Scope, config: TableConfig) -> Result<Self> {
         config.check()?;
         if let Some(store) = &scope.strategy().options().tables {
+            let ext = scope.strategy();
+            store.attach(&TableScope {
+                strategy: ext.name(),
+                replicas: ext.num_replicas(),
+                workers: ext.workers().map(|w| w.num_workers()),
+                seed: scope.seed(),
+            })?;
             store.declare(&config)?;
             return Ok(Self { config, inner: Inner::Store(store.clone()) });
         }

@@ -104,6 +104,7 @@ mod error;
 pub mod limits;
 mod optimizer;
 mod row_optimizer;
+mod shard;
 mod state;
 mod table;
 #[cfg(test)]
@@ -119,6 +120,7 @@ pub use error::{Error, ErrorKind, RequestKind, Result};
 pub use limits::{MAX_CHUNK_BYTES, MAX_CHUNK_ELEMENTS, MAX_VARIABLE_ELEMENTS};
 pub use optimizer::{schedule_kind, ServerOptimizer};
 pub use row_optimizer::RowOptimizer;
+pub use shard::TableShard;
 pub use state::{
     Answer, Counters, PushDecision, Snapshot, SnapshotVariable, State, Streamed, UpdateKey, MAX_REMEMBERED_UPDATES,
 };
