@@ -11,6 +11,7 @@ pub(crate) mod coordinator;
 pub mod ctr_data;
 pub(crate) mod kinds;
 pub(crate) mod launch;
+pub(crate) mod local_tables;
 pub use cluster_token::TOKEN_VAR;
 pub mod ps;
 pub(crate) mod signals;

@@ -271,6 +271,22 @@ pub trait TableStore: Send + Sync + std::fmt::Debug {
     /// one step per execution ([`Strategy::run_batches`](crate::Strategy::run_batches)), so
     /// that each step ends here before the next one looks a row up.
     fn end_step(&self, replica: usize, failed: bool) -> Result<()>;
+
+    /// The rows the store holds, as named tensors, for a checkpoint of the strategy's (the
+    /// trainer's, [`save_checkpoint`](crate::elastic::save_checkpoint), which writes them under
+    /// `tables/`): what a resumed job needs to step on as if it never stopped. None by default
+    /// (a store whose rows live on ps tasks, which checkpoint their own).
+    fn state_tensors(&self) -> Result<Vec<(String, candle_core::Tensor)>> {
+        Ok(Vec::new())
+    }
+
+    /// Restores the rows [`state_tensors`](Self::state_tensors) gave, read back from a
+    /// checkpoint (`tables/` removed), into the tables the model declared; checked whole first:
+    /// on an error nothing changed. Nothing by default.
+    fn load_state_tensors(&self, state: &[(String, candle_core::Tensor)]) -> Result<()> {
+        let _ = state;
+        Ok(())
+    }
 }
 
 /// The strategy a model's tables are built under, as [`TableStore::attach`] is told it.

@@ -105,3 +105,64 @@ impl TableShard {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use strata_core::embedding::{init_row, RowInit, TableConfig, TableSize};
+
+    use super::*;
+
+    fn shard(size: TableSize) -> TableShard {
+        let config =
+            TableConfig { size, init: RowInit::Uniform { low: -1.0, high: 1.0 }, ..TableConfig::rows("t", 1, 2) };
+        let optimizer = RowOptimizer::Adagrad { lr: 0.5, initial_accumulator: 0.1, eps: 1e-7 };
+        TableShard::new(TableInfo { config, seed: 3, shard: 0, num_shards: 1, optimizer }).unwrap()
+    }
+
+    fn init(id: u64) -> Vec<f32> {
+        let mut r = vec![0f32; 2];
+        init_row(3, "t", RowInit::Uniform { low: -1.0, high: 1.0 }, id, &mut r);
+        r
+    }
+
+    /// Reads create rows at their initial values; an update steps only its rows, with the
+    /// shard's optimizer at update number `version + 1`; a refused update changes nothing.
+    #[test]
+    fn reads_create_rows_and_updates_step_only_theirs() {
+        let mut s = shard(TableSize::Rows(10));
+        assert_eq!(s.read(&[4, 7], 0).unwrap(), [init(4), init(7)].concat());
+        let before = s.rows();
+        // Row 9 was not read; a NaN gradient: both refused, nothing changed.
+        let e = s.apply(&s.info().optimizer.clone(), &[4, 9], &[1.0; 4], 0).unwrap_err();
+        assert!(matches!(e, Error::RowNotRead { id: 9, .. }), "{e}");
+        let e = s.apply(&s.info().optimizer.clone(), &[4], &[1.0, f32::NAN], 0).unwrap_err();
+        assert!(matches!(e, Error::NonFiniteRowGradient { id: 4, element: 1, .. }), "{e}");
+        assert_eq!(s.rows(), before);
+        let opt = s.info().optimizer.clone();
+        s.apply(&opt, &[7], &[0.5, -2.0], 0).unwrap();
+        let (mut w, mut slots) = (init(7), vec![0.1f32; 2]);
+        opt.apply(&mut w, &[0.5, -2.0], &mut slots, 1);
+        let rows = s.rows();
+        assert_eq!((rows.ids.clone(), rows.last_seen.clone()), (vec![4, 7], vec![0, 1]));
+        assert_eq!(rows.values, [init(4), w].concat(), "row 4 untouched, row 7 stepped");
+        assert_eq!(rows.slots, [vec![0.1f32; 2], slots].concat(), "row 4's slots untouched");
+        assert_eq!(TableShard::from_rows(rows.clone()).unwrap().rows(), rows);
+        assert!(s.read(&[10], 1).is_err(), "outside the fixed table");
+    }
+
+    /// A bounded id-space shard evicts rows unseen for more than `evict_after` updates once
+    /// their update released them, and refuses a read when none may go.
+    #[test]
+    fn a_bounded_shard_evicts_released_rows_only() {
+        let mut s = shard(TableSize::Ids { max_rows_per_shard: 2, evict_after: Some(1) });
+        let opt = s.info().optimizer.clone();
+        s.read(&[1, 2], 0).unwrap();
+        s.apply(&opt, &[1, 2], &[1.0; 4], 0).unwrap();
+        // Seen at 1: at version 2 they are 1 update old, not more.
+        let e = s.read(&[3], 2).unwrap_err();
+        assert!(matches!(e, Error::TableFull { bound: 2, rows: 3, .. }), "{e}");
+        s.read(&[3], 3).unwrap();
+        assert_eq!((s.status().rows, s.status().evicted), (2, 1));
+        assert_eq!(s.rows().ids, vec![2, 3], "the least recently seen, then the lowest id, went");
+    }
+}

@@ -24,6 +24,7 @@
 use std::collections::BTreeMap;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
+use candle_core::{Device, Tensor};
 use strata_core::embedding::{init_row, owner_of, TableConfig, TableScope, TableStore};
 use strata_core::{Error, Result};
 use strata_ps::{RowOptimizer, TableInfo, TableRows, TableShard, TableStatus};
@@ -206,7 +207,11 @@ impl LocalTables {
                 && r.info.num_shards == want.num_shards;
             let slot = restored.get_mut(&name).and_then(|s| s.get_mut(r.info.shard as usize));
             match slot {
-                Some(slot @ None) if same => *slot = Some(TableShard::from_rows(r).map_err(core_error)?),
+                Some(slot @ None) if same => {
+                    let shard = TableShard::from_rows(r)
+                        .map_err(|e| Error::Checkpoint(format!("rows of embedding table {name:?}: {e}")))?;
+                    *slot = Some(shard);
+                }
                 _ => {
                     return Err(Error::Checkpoint(format!(
                         "rows of shard {} of embedding table {name:?} that do not fit it (another shard count, seed, optimizer or configuration, or given twice); restore into the store that wrote them",
@@ -443,6 +448,59 @@ impl TableStore for LocalTables {
             }
         }
         Ok(())
+    }
+
+    /// `version` (the updates applied), then per table and shard `<table>/<shard>/ids`,
+    /// `last_seen` (u64s as i64 bit patterns, as a ps task's checkpoint holds them), `values`
+    /// `[rows, dim]`, `slots` `[rows, slots x dim]` and `evicted`: the rows created and not
+    /// evicted, by ascending id.
+    fn state_tensors(&self) -> Result<Vec<(String, Tensor)>> {
+        let state = lock(&self.state);
+        let cpu = &Device::Cpu;
+        let longs = |v: Vec<i64>| Tensor::from_vec(v.clone(), v.len(), cpu);
+        let mut out = vec![("version".to_string(), longs(vec![state.version as i64])?)];
+        for (name, t) in &state.tables {
+            for (k, shard) in t.shards.iter().enumerate() {
+                let rows = shard.rows();
+                let (n, dim) = (rows.ids.len(), t.config.dim);
+                let key = |what: &str| format!("{name}/{k}/{what}");
+                out.push((key("ids"), longs(rows.ids.iter().map(|&i| i as i64).collect())?));
+                out.push((key("last_seen"), longs(rows.last_seen.iter().map(|&i| i as i64).collect())?));
+                out.push((key("values"), Tensor::from_vec(rows.values, (n, dim), cpu)?));
+                let width = self.optimizer.slots() * dim;
+                out.push((key("slots"), Tensor::from_vec(rows.slots, (n, width), cpu)?));
+                out.push((key("evicted"), longs(vec![rows.evicted as i64])?));
+            }
+        }
+        Ok(out)
+    }
+
+    fn load_state_tensors(&self, state: &[(String, Tensor)]) -> Result<()> {
+        let get = |key: &str| -> Result<&Tensor> {
+            state.iter().find(|(n, _)| n == key).map(|(_, t)| t).ok_or_else(|| {
+                Error::Checkpoint(format!(
+                    "no {key:?} among the embedding rows the checkpoint holds; resume with the table optimizer, shards and model that wrote it (a checkpoint of a table held as a variable has no rows)"
+                ))
+            })
+        };
+        let longs = |key: &str| -> Result<Vec<u64>> {
+            Ok(get(key)?.flatten_all()?.to_vec1::<i64>()?.into_iter().map(|v| v as u64).collect())
+        };
+        let floats = |key: &str| -> Result<Vec<f32>> { Ok(get(key)?.flatten_all()?.to_vec1::<f32>()?) };
+        let version = longs("version")?.first().copied().unwrap_or(0);
+        let shards: Vec<TableInfo> = {
+            let state = lock(&self.state);
+            state.tables.values().flat_map(|t| t.shards.iter().map(|s| s.info().clone())).collect()
+        };
+        let mut rows = Vec::with_capacity(shards.len());
+        for info in shards {
+            let key = |what: &str| format!("{}/{}/{what}", info.config.name, info.shard);
+            let evicted = longs(&key("evicted"))?.first().copied().unwrap_or(0);
+            let (ids, last_seen) = (longs(&key("ids"))?, longs(&key("last_seen"))?);
+            let (values, slots) = (floats(&key("values"))?, floats(&key("slots"))?);
+            rows.push(TableRows { info, evicted, ids, values, slots, last_seen });
+        }
+        self.restore(rows, version)
     }
 
     /// The last replica to end the step applies it (a failed step's rows are dropped).

@@ -498,37 +498,59 @@ fn tables_in_several_shards_train_as_in_one() {
     assert_eq!(store.rows("emb").unwrap().len(), 3);
 }
 
-/// The rows restored into a new store (a new process's) give the same reads, and training
-/// goes on from them as it would have.
+/// A checkpoint of the strategy's (the trainer's `save_checkpoint`) holds the rows a store
+/// created, with their slots and when they were last seen: a job resumed from it into a new
+/// store (a new process's) steps on as the job that never stopped, bit for bit; a checkpoint
+/// without rows is refused, nothing restored.
 #[test]
-fn restored_rows_train_on_as_the_store_that_wrote_them() {
+fn a_checkpoint_holds_the_rows_and_a_resumed_job_steps_on_as_one_that_never_stopped() {
+    use strata_core::elastic::{restore_latest, save_checkpoint, CheckpointConfig};
+    // The dense layers' optimizer as a checkpoint holds it (SGD keeps no state; the steps
+    // run candle-nn's, whose bits FusedSgd's are).
+    use strata_core::optim::FusedSgd;
     let opt = RowOptimizer::LazyAdam { lr: 0.01, beta1: 0.9, beta2: 0.999, eps: 1e-7 };
-    let run = |restore_after: Option<usize>| {
-        let store = Arc::new(LocalTables::new(opt.clone()));
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = CheckpointConfig { dir: dir.path().to_path_buf(), every_steps: 1, keep: 2 };
+    let all = batches();
+    let start = |restore: bool| {
+        let store = Arc::new(LocalTables::new(opt.clone()).with_shards(2));
         let s = strategy(Config::Mirrored(2), Some(store.clone()));
         let model = build(&s, false);
-        let all = batches();
-        let cut = restore_after.unwrap_or(all.len());
-        steps(&s, &model, &all[..cut], false);
-        if cut == all.len() {
-            return trained(&model, Some(&store));
+        let dense = model.optimizer::<FusedSgd>(LR).unwrap();
+        if restore {
+            let step = restore_latest(&**s.extended(), &model, &dense, &ckpt).unwrap();
+            assert_eq!(step, Some(3));
         }
-        let (rows, version) = (store.rows("emb").unwrap(), store.version());
-        let fresh = Arc::new(LocalTables::new(opt.clone()));
-        let s2 = strategy(Config::Mirrored(2), Some(fresh.clone()));
-        let model2 = build(&s2, false);
-        // The dense layers as a checkpoint of the strategy's restores them (SGD keeps no state).
-        for copy in 0..model2.num_copies() {
-            for ((_, a), (_, b)) in model.variables(0).iter().zip(model2.variables(copy)) {
-                b.set(a.as_tensor()).unwrap();
-            }
-        }
-        fresh.restore(rows, version).unwrap();
-        assert_eq!(fresh.read("emb", &all_ids()).unwrap(), store.read("emb", &all_ids()).unwrap());
-        steps(&s2, &model2, &all[cut..], false);
-        trained(&model2, Some(&fresh))
+        (store, s, model)
     };
-    assert_eq!(bits(&run(Some(3))), bits(&run(None)));
+    let (store, s, model) = start(false);
+    steps(&s, &model, &all[..3], false);
+    let opt_state = model.optimizer::<FusedSgd>(LR).unwrap();
+    save_checkpoint(&**s.extended(), &model, &opt_state, &ckpt, 3).unwrap();
+    steps(&s, &model, &all[3..], false);
+    let never_stopped = trained(&model, Some(&store));
+
+    let (resumed_store, s2, model2) = start(true);
+    assert_eq!(resumed_store.version(), 3);
+    assert_eq!(resumed_store.rows("emb").unwrap(), {
+        // The rows at step 3, as the first store held them then.
+        let (again, s3, m3) = start(false);
+        steps(&s3, &m3, &all[..3], false);
+        again.rows("emb").unwrap()
+    });
+    steps(&s2, &model2, &all[3..], false);
+    assert_eq!(bits(&trained(&model2, Some(&resumed_store))), bits(&never_stopped));
+
+    // A checkpoint of the model with the table held as a variable has no rows.
+    let plain = tempfile::tempdir().unwrap();
+    let plain_ckpt = CheckpointConfig { dir: plain.path().to_path_buf(), every_steps: 1, keep: 1 };
+    let d = strategy(Config::Mirrored(2), None);
+    let dm = build(&d, false);
+    save_checkpoint(&**d.extended(), &dm, &dm.optimizer::<FusedSgd>(LR).unwrap(), &plain_ckpt, 1).unwrap();
+    let (fresh, s4, m4) = start(false);
+    let e = restore_latest(&**s4.extended(), &m4, &m4.optimizer::<FusedSgd>(LR).unwrap(), &plain_ckpt).unwrap_err();
+    assert!(e.to_string().contains("no \"version\" among the embedding rows the checkpoint holds"), "{e}");
+    assert_eq!(fresh.version(), 0);
 }
 
 /// MultiWorkerMirrored (each worker would hold and step the whole table alone) is refused
