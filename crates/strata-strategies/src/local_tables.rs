@@ -288,6 +288,9 @@ fn reduce_rows(replicas: &[ReplicaGrads], weights: &[f32], table: &str) -> BTree
     sums
 }
 
+/// A shard's rows of an update: their ids and gradients, `dim` per id.
+type ShardRows = (Vec<u64>, Vec<f32>);
+
 impl LocalTables {
     /// Applies a step's rows: every table's rows reduced row-wise, split by shard, all checked
     /// (each row read in the step, each gradient finite) before any is stepped, then stepped
@@ -296,7 +299,7 @@ impl LocalTables {
         let weights = replica_weights(&step.replicas);
         let version = state.version;
         // Per table (by name), per shard, the ids and their gradients.
-        let mut updates: Vec<(String, Vec<(Vec<u64>, Vec<f32>)>)> = Vec::new();
+        let mut updates: Vec<(String, Vec<ShardRows>)> = Vec::new();
         for (name, t) in &state.tables {
             let n = t.shards.len();
             let mut per_shard = vec![(Vec::new(), Vec::new()); n];
