@@ -39,8 +39,9 @@ enum Inner {
 /// strategies it is refused ([`Error::IdSpaceTable`]).
 ///
 /// Under a strategy with a [`TableStore`] ([`StrategyOptions::tables`](crate::StrategyOptions::tables):
-/// a parameter-server worker, hybrid training) the table is no variable of the model: each
-/// lookup pulls the distinct rows its ids name from the store, and the backward pass hands
+/// a parameter-server worker, hybrid training, or an in-process strategy's local tables, rows
+/// in this process's memory stepped by a row optimizer) the table is no variable of the model:
+/// each lookup pulls the distinct rows its ids name from the store, and the backward pass hands
 /// their gradients (summed per row) back to it ([`crate::table_rows`]). Both kinds of table
 /// work there.
 ///

@@ -18,7 +18,11 @@ const READER: &str = "local";
 /// The name errors give the shard's holder (a task's name on a ps task).
 const HOLDER: &str = "this process";
 
-/// One table's shard in this process's memory (see the [module docs](self)).
+/// One table's shard in this process's memory: its rows created from their initial values
+/// when first read, evicted by a ps task's rule when an id-space shard is at its bound, and
+/// stepped by the shard's [`RowOptimizer`] on the rows an update touches only (their slots
+/// included). The reads of an update are recorded under one lease, which pins their rows until
+/// the update is applied or released; there are no workers and no exactly-once bookkeeping.
 pub struct TableShard {
     table: Table,
 }

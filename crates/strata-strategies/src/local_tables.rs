@@ -86,7 +86,18 @@ struct State {
     step: Step,
 }
 
-/// The [`TableStore`] whose tables live in this process (see the [module docs](self)).
+/// The [`TableStore`] of the in-process strategies (OneDevice, Mirrored, CentralStorage) whose
+/// tables live in this process: each table in strata-ps [`TableShard`]s, its rows created when
+/// a batch first looks them up and stepped by a [`RowOptimizer`] with TensorFlow's sparse
+/// semantics (only the rows a step touched change, their slots included).
+///
+/// A step's rows are reduced row-wise: when the last replica ends the step, replica `r`'s
+/// gradient of a row (its loss's, a mean over its batch rows) is weighed by its share of the
+/// global batch, `rows_r / rows` in f32, as the strategies weigh a variable's gradient, and each
+/// row's weighted gradients are summed in replica order, as the in-memory all-reduce sums an
+/// element; every table's rows are then applied once, in id order. Under SGD a table's rows end
+/// a step on the bits a table held as a variable ends on under the same strategy.
+/// MultiWorkerMirrored is refused ([`LocalTables::check_strategy`]).
 ///
 /// ```
 /// use std::sync::Arc;
