@@ -99,6 +99,13 @@ struct State {
 /// a step on the bits a table held as a variable ends on under the same strategy.
 /// MultiWorkerMirrored is refused ([`LocalTables::check_strategy`]).
 ///
+/// The rows are stepped at the end of every step by the row optimizer alone: what the
+/// distributed optimizer adds to the dense variables (accumulation over micro-batches,
+/// clipping by the global norm, a learning-rate schedule, fp16's loss scale) does not reach
+/// them, as it does not reach rows on ps tasks. The strategies' checkpoints hold the rows
+/// ([`TableStore::state_tensors`]); the model's variables (`Replicated::values`, a saved
+/// model) do not.
+///
 /// ```
 /// use std::sync::Arc;
 /// use strata_core::embedding::TableConfig;
