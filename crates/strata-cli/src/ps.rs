@@ -599,7 +599,7 @@ pub fn train(args: &TrainArgs, started: Instant) -> Result<()> {
     options.mode = ps_mode(args, workers)?;
     options.schedule = ps_schedule(args, options.mode, workers);
     options.partitioner = Partitioner::parse(&args.partitioner)?;
-    options.table_optimizer = args.table_optimizer.row_optimizer(args.table_lr);
+    options.table_optimizer = args.row_optimizer();
     options.seed = args.seed;
     options.cluster_source = cluster_source;
     options.compression = args.compression;

@@ -236,6 +236,15 @@ pub fn distinct_ids(ids: &[u64]) -> (Vec<u64>, Vec<u32>) {
 /// number of batch rows the replica's loss is the mean over: a store that combines replicas
 /// weighs each by its rows (what `run_batch` does to the variables' gradients).
 pub trait TableStore: Send + Sync + std::fmt::Debug {
+    /// The strategy a model declaring a table is built under, told by the layer before each
+    /// [`declare`](Self::declare) (once per copy of the model). A store that combines the
+    /// replicas' gradients itself learns their number and the seed here; one that cannot
+    /// serve the strategy refuses it ([`Error::TableStoreStrategy`]). Nothing by default.
+    fn attach(&self, scope: &TableScope<'_>) -> Result<()> {
+        let _ = scope;
+        Ok(())
+    }
+
     /// Declares a table a model builds (once per copy of the model, the same configuration
     /// every time; a different one is an error naming the table).
     fn declare(&self, table: &TableConfig) -> Result<()>;
@@ -249,8 +258,41 @@ pub trait TableStore: Send + Sync + std::fmt::Debug {
     fn gradient(&self, replica: usize, table: &str, ids: &[u64], grad: Vec<f32>, batch_rows: usize) -> Result<()>;
 
     /// `replica`'s step ended (`failed`: with an error; its gradients are dropped): the store
-    /// sends what the step's replicas gave it, if the strategy's optimizer did not.
+    /// sends what the step's replicas gave it, if the strategy's optimizer did not. Every
+    /// replica of a step ends it once, after its backward pass; a strategy with a store runs
+    /// one step per execution ([`Strategy::run_batches`](crate::Strategy::run_batches)), so
+    /// that each step ends here before the next one looks a row up.
     fn end_step(&self, replica: usize, failed: bool) -> Result<()>;
+
+    /// The rows the store holds, as named tensors, for a checkpoint of the strategy's (the
+    /// trainer's, [`save_checkpoint`](crate::elastic::save_checkpoint), which writes them under
+    /// `tables/`): what a resumed job needs to step on as if it never stopped. None by default
+    /// (a store whose rows live on ps tasks, which checkpoint their own).
+    fn state_tensors(&self) -> Result<Vec<(String, candle_core::Tensor)>> {
+        Ok(Vec::new())
+    }
+
+    /// Restores the rows [`state_tensors`](Self::state_tensors) gave, read back from a
+    /// checkpoint (`tables/` removed), into the tables the model declared; checked whole first:
+    /// on an error nothing changed. Nothing by default.
+    fn load_state_tensors(&self, state: &[(String, candle_core::Tensor)]) -> Result<()> {
+        let _ = state;
+        Ok(())
+    }
+}
+
+/// The strategy a model's tables are built under, as [`TableStore::attach`] is told it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TableScope<'a> {
+    /// The strategy's name (`one-device`, `mirrored`, ...).
+    pub strategy: &'a str,
+    /// The replicas of a step in this process, each of which looks tables up and ends the
+    /// step ([`TableStore::end_step`]).
+    pub replicas: usize,
+    /// The worker processes of a multi-worker job (`None` for the in-process strategies).
+    pub workers: Option<usize>,
+    /// The seed of the tables' initial rows ([`init_row`]).
+    pub seed: u64,
 }
 
 #[cfg(test)]

@@ -666,6 +666,16 @@ pub enum Error {
         lease: u64,
     },
 
+    /// An update of a process's own shard ([`TableShard`](crate::TableShard)) names a row
+    /// the shard does not hold: it was not read in the update.
+    #[error("table {table}: row id {id} was not read in this update; read a row before applying its gradient")]
+    RowNotRead {
+        /// The table.
+        table: String,
+        /// The id.
+        id: u64,
+    },
+
     /// A push's row gradients whose length is not the ids times the table's dim.
     #[error("table {table}: field grads holds {grads} values for {ids} ids, not ids times the table's dim {dim}; send dim values per row")]
     RowWidth {
@@ -1044,6 +1054,7 @@ impl Error {
             | RowIdOutOfRange { .. }
             | RowIdNotOwned { .. }
             | NotLeased { .. }
+            | RowNotRead { .. }
             | RowWidth { .. }
             | NonFiniteRowGradient { .. }
             | TooManyLeaseWorkers { .. }

@@ -112,6 +112,7 @@ mod restore;
 #[cfg(test)]
 mod restore_tests;
 mod row_optimizer;
+mod shard;
 mod state;
 mod table;
 #[cfg(test)]
@@ -130,6 +131,7 @@ pub use optimizer::{schedule_kind, ServerOptimizer};
 pub use pool::RestorePool;
 pub use restore::{job_checkpoint_tasks, job_task_dir, read_job_checkpoint, JobRestore};
 pub use row_optimizer::RowOptimizer;
+pub use shard::TableShard;
 pub use state::{
     Answer, Counters, PushDecision, Snapshot, SnapshotVariable, State, Streamed, UpdateKey, MAX_REMEMBERED_UPDATES,
 };

@@ -445,6 +445,37 @@ impl Table {
         Ok(rows)
     }
 
+    /// Validates an update of the rows `ids` held by the shard (no lease: a process's own
+    /// shard, [`TableShard`](crate::TableShard)): the count, the gradients' width, distinct
+    /// ids, each held, finite gradients. Returns the rows' slab indices.
+    pub(crate) fn check_update(&self, task: &str, ids: &[u64], grads: &[f32]) -> Result<Vec<usize>> {
+        let (n, dim) = (ids.len(), self.dim());
+        self.check_count(n)?;
+        if grads.len() != n * dim {
+            return Err(Error::RowWidth { table: self.name().into(), dim, ids: n, grads: grads.len() });
+        }
+        self.sorted_distinct(task, ids)?;
+        let mut rows = try_with_capacity(task, n, "an update's rows")?;
+        for &id in ids {
+            let Some(&r) = self.index.get(&id) else {
+                return Err(Error::RowNotRead { table: self.name().into(), id });
+            };
+            rows.push(r);
+        }
+        for (&id, g) in ids.iter().zip(grads.chunks_exact(dim)) {
+            if let Some((element, &value)) = g.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+                return Err(Error::NonFiniteRowGradient { table: self.name().into(), id, element, value });
+            }
+        }
+        Ok(rows)
+    }
+
+    /// The values of row `id`, if the shard holds it.
+    pub(crate) fn row_values(&self, id: u64) -> Option<&[f32]> {
+        let dim = self.dim();
+        self.index.get(&id).map(|&r| &self.values[r * dim..(r + 1) * dim])
+    }
+
     /// Steps rows `rows` (slab indices) by their gradients `grads` (`dim` each) with `opt` at
     /// update number `t`, and marks them seen at `version`.
     pub(crate) fn apply(&mut self, opt: &RowOptimizer, rows: &[usize], grads: &[f32], t: u64, version: u64) {
