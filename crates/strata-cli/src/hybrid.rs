@@ -173,7 +173,7 @@ impl HybridWorker {
     /// rows stepped by `--table-optimizer`, applied as they arrive. Every worker does it; a
     /// task answers a table that exists as described without changing it.
     pub(crate) fn create_tables(&self, args: &TrainArgs) -> Result<()> {
-        let optimizer = args.table_optimizer.row_optimizer(args.table_lr);
+        let optimizer = args.row_optimizer();
         Ok(self.store.create_tables(args.seed, &optimizer, PsMode::Async)?)
     }
 

@@ -12,6 +12,9 @@ pub mod ctr_data;
 pub(crate) mod hybrid;
 pub(crate) mod kinds;
 pub(crate) mod launch;
+pub(crate) mod local_tables;
+#[cfg(test)]
+mod local_tables_tests;
 pub use cluster_token::TOKEN_VAR;
 pub mod ps;
 pub(crate) mod signals;

@@ -52,9 +52,17 @@ pub struct PsArgs {
     /// Write checkpoints here when the coordinator asks (`ckpt-<step>` directories).
     #[arg(long)]
     pub checkpoint_dir: Option<PathBuf>,
-    /// Start from the latest checkpoint in this directory (or this `ckpt-<step>` directory).
+    /// Start from the latest checkpoint in this directory (or this `ckpt-<step>` directory); or,
+    /// when it holds every ps task's checkpoints of an earlier job (`ps-0`, `ps-1`, ...: what
+    /// `strata train --checkpoint-dir` writes), from their latest common step, onto this task of
+    /// a job of any number of ps tasks (its index and their number from `TF_CONFIG`, or
+    /// --task-index and --ps-tasks).
     #[arg(long)]
     pub restore: Option<PathBuf>,
+    /// This job's number of ps tasks, when --address is given without `TF_CONFIG`: what a
+    /// --restore of a whole job's checkpoints needs (with --task-index).
+    #[arg(long, value_name = "N")]
+    pub ps_tasks: Option<usize>,
     /// Checkpoints to keep.
     #[arg(long, default_value_t = 3)]
     pub keep_checkpoints: usize,
@@ -204,6 +212,7 @@ fn run_ps_in(args: &PsArgs, cluster: Option<ClusterConfig>) -> Result<()> {
     config.checkpoint_dir = args.checkpoint_dir.clone();
     config.keep_checkpoints = args.keep_checkpoints.max(1);
     config.restore = args.restore.clone();
+    config.job_place = job_place(args, cluster.as_ref(), index)?;
     config.faults = FaultInjection {
         drop_reply_every: args.inject_drop_reply_every,
         drop_request_every: args.inject_drop_request_every,
@@ -224,6 +233,40 @@ fn run_ps_in(args: &PsArgs, cluster: Option<ClusterConfig>) -> Result<()> {
 pub fn run_worker(args: &WorkerArgs) -> Result<()> {
     let cluster = if args.address.is_some() && !args.ps.is_empty() { None } else { tf_config()? };
     run_worker_in(args, cluster)
+}
+
+/// This ps task's index and its job's number of ps tasks (`TF_CONFIG`'s, or --task-index and
+/// --ps-tasks), checked; required when --restore names a whole job's checkpoints.
+fn job_place(args: &PsArgs, cluster: Option<&ClusterConfig>, index: usize) -> Result<Option<(u32, u32)>> {
+    let num = match (cluster, args.ps_tasks) {
+        (Some(c), Some(n)) if n != c.spec.num_tasks(TaskType::Ps) => {
+            return Err(Error::Usage(format!(
+                "--ps-tasks {n}, but TF_CONFIG's cluster has {} ps tasks; drop --ps-tasks",
+                c.spec.num_tasks(TaskType::Ps)
+            )))
+        }
+        (Some(c), _) => Some(c.spec.num_tasks(TaskType::Ps)),
+        (None, n) => n,
+    };
+    let job_tasks = match &args.restore {
+        Some(dir) => strata_transport::ps::job_checkpoint_tasks(dir)?,
+        None => None,
+    };
+    let Some(num) = num else {
+        if let (Some(dir), Some(old)) = (&args.restore, job_tasks) {
+            return Err(Error::Usage(format!(
+                "--restore {} holds the checkpoints of a job's {old} ps tasks (ps-0, ps-1, ...): pass --ps-tasks N, this job's number of ps tasks, with --task-index (or set TF_CONFIG)",
+                dir.display()
+            )));
+        }
+        return Ok(None);
+    };
+    match (u32::try_from(index), u32::try_from(num)) {
+        (Ok(i), Ok(n)) if i < n => Ok(Some((i, n))),
+        _ => Err(Error::Usage(format!(
+            "ps task {index} of {num}: --task-index must be below --ps-tasks (or TF_CONFIG's number of ps tasks)"
+        ))),
+    }
 }
 
 /// Runs a worker task of `cluster` (resolved by the caller), or of `--address` and `--ps`.
@@ -556,7 +599,7 @@ pub fn train(args: &TrainArgs, started: Instant) -> Result<()> {
     options.mode = ps_mode(args, workers)?;
     options.schedule = ps_schedule(args, options.mode, workers);
     options.partitioner = Partitioner::parse(&args.partitioner)?;
-    options.table_optimizer = args.table_optimizer.row_optimizer(args.table_lr);
+    options.table_optimizer = args.row_optimizer();
     options.seed = args.seed;
     options.cluster_source = cluster_source;
     options.compression = args.compression;
@@ -596,6 +639,7 @@ pub(crate) fn serve_task(args: &TrainArgs, c: ClusterConfig) -> Result<()> {
                     cluster_token_file: args.cluster_token_file.clone(),
                     checkpoint_dir,
                     restore: None,
+                    ps_tasks: None,
                     keep_checkpoints: 3,
                     stream_min_mib: 2.0,
                     no_stream: false,

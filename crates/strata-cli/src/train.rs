@@ -220,7 +220,10 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         zero_stage: args.zero_stage,
         zero_units: args.zero_units.clone(),
         local_sgd: args.local_sgd(),
-        tables: hybrid.as_ref().map(|h| h.store.clone() as Arc<dyn strata_core::embedding::TableStore>),
+        tables: match &hybrid {
+            Some(h) => Some(h.store.clone() as Arc<dyn strata_core::embedding::TableStore>),
+            None => crate::local_tables::store(args),
+        },
     };
     // SIGTERM and SIGINT stop training after the current step (with a checkpoint when
     // --checkpoint-dir is set); a second signal ends the process at once.

@@ -377,12 +377,14 @@ pub struct TrainArgs {
     /// Parameter server, stale mode: the largest accepted staleness, in versions.
     #[arg(long, default_value_t = 4)]
     pub staleness: u64,
-    /// Parameter server: the optimizer of embedding tables' rows (the ctr model's table).
-    #[arg(long, value_enum, default_value = "adagrad")]
-    pub table_optimizer: TableOptimizerKind,
-    /// Parameter server: the learning rate of `--table-optimizer`.
-    #[arg(long, default_value_t = 0.05)]
-    pub table_lr: f64,
+    /// The optimizer of embedding tables' rows (the ctr model's table): on the ps tasks under
+    /// parameter-server (default adagrad); under one-device, mirrored or central-storage the
+    /// table is then rows in this process's memory, stepped one by one, instead of a variable.
+    #[arg(long, value_enum)]
+    pub table_optimizer: Option<TableOptimizerKind>,
+    /// The learning rate of `--table-optimizer` (default 0.05).
+    #[arg(long)]
+    pub table_lr: Option<f64>,
     /// Parameter server: how variables are split over ps tasks: none, fixed:N,
     /// `min:BYTES[:MAX_SHARDS]`, `max:BYTES[:MAX_SHARDS]` (TensorFlow's partitioners).
     #[arg(long, default_value = "none")]
@@ -528,6 +530,35 @@ impl TrainArgs {
         (self.train_records.unwrap_or(CTR_TRAIN_RECORDS), self.test_records.unwrap_or(CTR_TEST_RECORDS))
     }
 
+    /// The rows' optimizer: `--table-optimizer` (default adagrad) at `--table-lr` (default
+    /// 0.05).
+    pub fn row_optimizer(&self) -> strata::ps::RowOptimizer {
+        self.table_optimizer.unwrap_or(TableOptimizerKind::Adagrad).row_optimizer(self.table_lr.unwrap_or(0.05))
+    }
+
+    /// Refuses the table flags where they do not apply, one line each: `--table-lr` not a
+    /// positive rate, or without `--table-optimizer` outside parameter-server; a strategy local
+    /// tables cannot serve (the library's refusal).
+    fn check_table_flags(&self) -> Result<()> {
+        if let Some(lr) = self.table_lr.filter(|lr| !(lr.is_finite() && *lr > 0.0)) {
+            return Err(Error::Usage(format!("--table-lr {lr} is not a positive learning rate")));
+        }
+        if self.strategy == StrategyKind::ParameterServer {
+            return Ok(());
+        }
+        if self.table_optimizer.is_none() && self.table_lr.is_some() {
+            return Err(Error::Usage(
+                "--table-lr applies to the rows of --table-optimizer; add --table-optimizer sgd, adagrad, ftrl or lazy-adam, or drop it".into(),
+            ));
+        }
+        if self.table_optimizer.is_some() {
+            let multi_worker = self.strategy == StrategyKind::MultiWorkerMirrored;
+            strata_strategies::LocalTables::check_strategy(self.strategy.name(), multi_worker)
+                .map_err(|e| Error::Usage(format!("--table-optimizer: {e}")))?;
+        }
+        Ok(())
+    }
+
     /// Refuses what the ctr model cannot do, and its flags on other models, one line each.
     fn check_ctr_flags(&self) -> Result<()> {
         let m = self.model.name();
@@ -537,6 +568,8 @@ impl TrainArgs {
                 ("--embedding-dim", self.embedding_dim.is_some()),
                 ("--train-records", self.train_records.is_some()),
                 ("--test-records", self.test_records.is_some()),
+                ("--table-optimizer", self.table_optimizer.is_some()),
+                ("--table-lr", self.table_lr.is_some()),
             ];
             return match flags.iter().find(|(_, set)| *set) {
                 Some((flag, _)) => {
@@ -545,9 +578,7 @@ impl TrainArgs {
                 None => Ok(()),
             };
         }
-        if self.strategy == StrategyKind::ParameterServer && !(self.table_lr.is_finite() && self.table_lr > 0.0) {
-            return Err(Error::Usage(format!("--table-lr {} is not a positive learning rate", self.table_lr)));
-        }
+        self.check_table_flags()?;
         if self.strategy == StrategyKind::ParameterServer && self.replicas.unwrap_or(1) != 1 {
             return Err(Error::Usage(format!(
                 "--replicas {}: a parameter-server worker with embedding tables runs one replica; start more workers (--workers) instead",

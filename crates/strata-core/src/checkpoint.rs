@@ -643,6 +643,13 @@ fn list_checkpoints(root: &Path) -> Result<Vec<(u64, PathBuf)>> {
     Ok(found)
 }
 
+/// The complete checkpoints under `root` (`ckpt-<step>` directories with a manifest), by
+/// ascending step; empty when there is none (or no root). Nothing is read or verified: a
+/// restore reads the one it picks.
+pub fn checkpoint_steps(root: &Path) -> Result<Vec<(u64, PathBuf)>> {
+    list_checkpoints(root)
+}
+
 /// The directory `<root>/latest` names, if the file exists and names a complete checkpoint.
 /// A pointer that does not match its checksum (or is not of the form this code writes) is
 /// refused: it would otherwise name another checkpoint than the latest.

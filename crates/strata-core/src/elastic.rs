@@ -783,8 +783,8 @@ fn check_directory(ext: &dyn StrategyExtended, c: &CheckpointConfig) -> Result<(
 
 /// Writes a checkpoint of `step` to `c` (every worker calls it: the checkpoint holds the
 /// state's mean over replicas and workers, under ZeRO the optimizer state gathered from every
-/// shard, and under local SGD every worker's own parameters and state; the chief writes it,
-/// atomic and verified).
+/// shard, under local SGD every worker's own parameters and state, and the rows of a table
+/// store in this process; the chief writes it, atomic and verified).
 pub fn save_checkpoint<M>(
     ext: &dyn StrategyExtended,
     model: &Replicated<M>,
@@ -814,6 +814,12 @@ pub fn save_checkpoint<M>(
     for (name, t) in state {
         entries.push(CheckpointTensor::new(format!("optimizer/{name}"), t));
     }
+    // Embedding rows a table store holds in this process.
+    if let Some(tables) = &ext.options().tables {
+        for (name, t) in tables.state_tensors()? {
+            entries.push(CheckpointTensor::new(format!("{TABLES_PREFIX}{name}"), t));
+        }
+    }
     let mut meta = std::collections::BTreeMap::new();
     meta.insert("strategy".to_string(), ext.name().to_string());
     let dir = checkpoint::write_checkpoint(&c.dir, step as u64, &entries, &meta)?;
@@ -821,6 +827,11 @@ pub fn save_checkpoint<M>(
     tracing::info!(dir = %dir.display(), step, "checkpoint written");
     Ok(())
 }
+
+/// The prefix of a table store's tensors in a checkpoint ([`TableStore::state_tensors`]).
+///
+/// [`TableStore::state_tensors`]: crate::embedding::TableStore::state_tensors
+pub const TABLES_PREFIX: &str = "tables/";
 
 /// Loads the latest checkpoint of `c` (the chief reads it and hands it to every worker, so
 /// the workers need no shared file system); returns its step, or `None` where the chief found
@@ -874,6 +885,11 @@ pub fn restore_latest<M>(
     let [found_one, step] = header;
     if found_one != 1 {
         return Ok(None);
+    }
+    // The rows of a table store in this process first: checked whole, so that a checkpoint
+    // without them changes nothing.
+    if let (Some(ck), Some(tables)) = (&found, &ext.options().tables) {
+        tables.load_state_tensors(&ck.with_prefix(TABLES_PREFIX))?;
     }
     load_flat(model, opt, &vars, &state, &values)?;
     opt.set_iterations(step / opt.accumulation().max(1) as u64);

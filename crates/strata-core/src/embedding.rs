@@ -9,8 +9,6 @@
 //! gives its scope a [`TableStore`]: the rows a step's batch touches are pulled from it, and
 //! their gradients handed back to it after the backward pass.
 
-use std::ops::Range;
-
 use serde::{Deserialize, Serialize};
 
 use crate::{Error, Result};
@@ -199,28 +197,22 @@ pub fn init_row(seed: u64, table: &str, init: RowInit, id: u64, out: &mut [f32])
     }
 }
 
-/// The rows of shard `index` of a fixed table of `rows` rows split into `shards` contiguous
-/// ranges, the first `rows % shards` one row longer (TensorFlow's `FixedShardsPartitioner`).
-pub fn shard_rows(rows: u64, shards: usize, index: usize) -> Range<u64> {
-    let (n, i) = (shards.max(1) as u64, index as u64);
-    let (base, extra) = (rows / n, rows % n);
-    let start = i * base + i.min(extra);
-    start..start + base + u64::from(i < extra)
+/// How many rows of a fixed table of `rows` rows shard `index` of `shards` holds: the ids `i`
+/// with `i % shards == index` ([`owner_of`]), so the first `rows % shards` shards hold one row
+/// more.
+pub fn shard_len(rows: u64, shards: usize, index: usize) -> u64 {
+    let n = shards.max(1) as u64;
+    rows / n + u64::from((index as u64) < rows % n)
 }
 
-/// The shard (of `shards`) that owns row `id`: for a fixed table the one whose
-/// [`shard_rows`] range holds it, for an id-space table `mix64(id) % shards` (ids spread evenly
-/// whatever their pattern).
+/// The shard (of `shards`) that owns row `id`: for a fixed table `id % shards` (TensorFlow's
+/// `mod` partition strategy of `embedding_lookup`: neighbouring ids, which a field's popular
+/// range is made of, go to different tasks, so the tasks share the work of a skewed table),
+/// for an id-space table `mix64(id) % shards` (ids spread evenly whatever their pattern).
 pub fn owner_of(size: TableSize, id: u64, shards: usize) -> usize {
     let n = shards.max(1) as u64;
     match size {
-        TableSize::Rows(rows) => {
-            let (base, extra) = (rows / n, rows % n);
-            // The first `extra` shards have `base + 1` rows.
-            let long = extra * (base + 1);
-            let shard = if id < long { id / (base + 1) } else { extra + (id - long) / base.max(1) };
-            shard.min(n - 1) as usize
-        }
+        TableSize::Rows(_) => (id % n) as usize,
         TableSize::Ids { .. } => (mix64(id) % n) as usize,
     }
 }
@@ -244,6 +236,15 @@ pub fn distinct_ids(ids: &[u64]) -> (Vec<u64>, Vec<u32>) {
 /// number of batch rows the replica's loss is the mean over: a store that combines replicas
 /// weighs each by its rows (what `run_batch` does to the variables' gradients).
 pub trait TableStore: Send + Sync + std::fmt::Debug {
+    /// The strategy a model declaring a table is built under, told by the layer before each
+    /// [`declare`](Self::declare) (once per copy of the model). A store that combines the
+    /// replicas' gradients itself learns their number and the seed here; one that cannot
+    /// serve the strategy refuses it ([`Error::TableStoreStrategy`]). Nothing by default.
+    fn attach(&self, scope: &TableScope<'_>) -> Result<()> {
+        let _ = scope;
+        Ok(())
+    }
+
     /// Declares a table a model builds (once per copy of the model, the same configuration
     /// every time; a different one is an error naming the table).
     fn declare(&self, table: &TableConfig) -> Result<()>;
@@ -257,8 +258,41 @@ pub trait TableStore: Send + Sync + std::fmt::Debug {
     fn gradient(&self, replica: usize, table: &str, ids: &[u64], grad: Vec<f32>, batch_rows: usize) -> Result<()>;
 
     /// `replica`'s step ended (`failed`: with an error; its gradients are dropped): the store
-    /// sends what the step's replicas gave it, if the strategy's optimizer did not.
+    /// sends what the step's replicas gave it, if the strategy's optimizer did not. Every
+    /// replica of a step ends it once, after its backward pass; a strategy with a store runs
+    /// one step per execution ([`Strategy::run_batches`](crate::Strategy::run_batches)), so
+    /// that each step ends here before the next one looks a row up.
     fn end_step(&self, replica: usize, failed: bool) -> Result<()>;
+
+    /// The rows the store holds, as named tensors, for a checkpoint of the strategy's (the
+    /// trainer's, [`save_checkpoint`](crate::elastic::save_checkpoint), which writes them under
+    /// `tables/`): what a resumed job needs to step on as if it never stopped. None by default
+    /// (a store whose rows live on ps tasks, which checkpoint their own).
+    fn state_tensors(&self) -> Result<Vec<(String, candle_core::Tensor)>> {
+        Ok(Vec::new())
+    }
+
+    /// Restores the rows [`state_tensors`](Self::state_tensors) gave, read back from a
+    /// checkpoint (`tables/` removed), into the tables the model declared; checked whole first:
+    /// on an error nothing changed. Nothing by default.
+    fn load_state_tensors(&self, state: &[(String, candle_core::Tensor)]) -> Result<()> {
+        let _ = state;
+        Ok(())
+    }
+}
+
+/// The strategy a model's tables are built under, as [`TableStore::attach`] is told it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TableScope<'a> {
+    /// The strategy's name (`one-device`, `mirrored`, ...).
+    pub strategy: &'a str,
+    /// The replicas of a step in this process, each of which looks tables up and ends the
+    /// step ([`TableStore::end_step`]).
+    pub replicas: usize,
+    /// The worker processes of a multi-worker job (`None` for the in-process strategies).
+    pub workers: Option<usize>,
+    /// The seed of the tables' initial rows ([`init_row`]).
+    pub seed: u64,
 }
 
 #[cfg(test)]
@@ -301,20 +335,19 @@ mod tests {
     fn shards_cover_the_rows_once_and_owners_agree() {
         for rows in [1u64, 2, 7, 10, 1000, 1001] {
             for shards in 1..6 {
-                let mut next = 0;
-                for i in 0..shards {
-                    let r = shard_rows(rows, shards, i);
-                    assert_eq!(r.start, next);
-                    next = r.end;
-                    for id in r {
-                        assert_eq!(
-                            owner_of(TableSize::Rows(rows), id, shards),
-                            i,
-                            "{rows} rows, {shards} shards, id {id}"
-                        );
-                    }
+                let mut held = vec![0u64; shards];
+                for id in 0..rows {
+                    held[owner_of(TableSize::Rows(rows), id, shards)] += 1;
                 }
-                assert_eq!(next, rows);
+                for (i, &h) in held.iter().enumerate() {
+                    assert_eq!(h, shard_len(rows, shards, i), "{rows} rows, {shards} shards, shard {i}");
+                }
+                assert_eq!(held.iter().sum::<u64>(), rows);
+                // A run of neighbouring ids (a field's popular range) is spread over every task.
+                assert!(
+                    rows < shards as u64
+                        || (0..shards as u64).all(|id| owner_of(TableSize::Rows(rows), id, shards) == id as usize)
+                );
             }
         }
         let ids = TableSize::Ids { max_rows_per_shard: 10, evict_after: None };

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::embedding::{init_row, TableConfig, TableSize, TableStore};
+use crate::embedding::{init_row, TableConfig, TableScope, TableSize, TableStore};
 use crate::variables::Scope;
 use crate::{Error, Result};
 
@@ -39,8 +39,9 @@ enum Inner {
 /// strategies it is refused ([`Error::IdSpaceTable`]).
 ///
 /// Under a strategy with a [`TableStore`] ([`StrategyOptions::tables`](crate::StrategyOptions::tables):
-/// a parameter-server worker, hybrid training) the table is no variable of the model: each
-/// lookup pulls the distinct rows its ids name from the store, and the backward pass hands
+/// a parameter-server worker, hybrid training, or an in-process strategy's local tables, rows
+/// in this process's memory stepped by a row optimizer) the table is no variable of the model:
+/// each lookup pulls the distinct rows its ids name from the store, and the backward pass hands
 /// their gradients (summed per row) back to it ([`crate::table_rows`]). Both kinds of table
 /// work there.
 ///
@@ -69,6 +70,13 @@ impl Embedding {
     pub fn new(scope: &Scope, config: TableConfig) -> Result<Self> {
         config.check()?;
         if let Some(store) = &scope.strategy().options().tables {
+            let ext = scope.strategy();
+            store.attach(&TableScope {
+                strategy: ext.name(),
+                replicas: ext.num_replicas(),
+                workers: ext.workers().map(|w| w.num_workers()),
+                seed: scope.seed(),
+            })?;
             store.declare(&config)?;
             return Ok(Self { config, inner: Inner::Store(store.clone()) });
         }

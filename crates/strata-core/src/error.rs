@@ -256,6 +256,30 @@ pub enum Error {
         strategy: String,
     },
 
+    /// An embedding table store ([`TableStore`](crate::embedding::TableStore)) that cannot
+    /// serve the strategy a model declaring tables is built under.
+    #[error("{store} cannot serve {strategy}: {why}")]
+    TableStoreStrategy {
+        /// The store.
+        store: &'static str,
+        /// The strategy whose scope built the model.
+        strategy: String,
+        /// Why, and what to do instead.
+        why: &'static str,
+    },
+
+    /// An id-space embedding table's shard that would hold more rows than its bound, with no
+    /// row that may be evicted; nothing changed.
+    #[error("embedding table {table:?} would hold {rows} rows, over its bound of {bound} rows per shard, and no more rows can be evicted; raise max_rows_per_shard, set a lower evict_after or use more shards")]
+    TableFull {
+        /// The table.
+        table: String,
+        /// Its `max_rows_per_shard`.
+        bound: u64,
+        /// The rows the shard would need to hold.
+        rows: u64,
+    },
+
     /// An error from candle.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),

@@ -60,6 +60,12 @@ pub trait Strategy {
     /// collectives; what is saved is handing every step to the replica threads and waiting for
     /// them, which on a step of a few milliseconds is a visible cost. Returns one
     /// `PerReplica` per batch.
+    ///
+    /// Under a strategy with a [`TableStore`](crate::embedding::TableStore)
+    /// ([`StrategyOptions::tables`](crate::StrategyOptions::tables)) every step is an execution
+    /// of its own: the store takes a step's rows when its replicas end it
+    /// ([`TableStore::end_step`](crate::embedding::TableStore::end_step)), before the next step
+    /// looks rows up.
     fn run_batches<B: BatchData, T: Send>(
         &self,
         batches: &[DistributedBatch<B>],
@@ -72,7 +78,10 @@ pub trait Strategy {
                 b.shards.num_replicas()
             )));
         }
-        let Some(first) = batches.first() else { return Ok(Vec::new()) };
+        if batches.is_empty() {
+            return Ok(Vec::new());
+        }
+        let per_execution = if self.extended().options().tables.is_some() { 1 } else { batches.len() };
         // Under local SGD a step is the worker's own: its shards make up the batch it steps on.
         let local = self.extended().workers().is_some() && self.extended().step_workers().is_none();
         let share = |b: &DistributedBatch<B>, r: usize| -> (f32, usize) {
@@ -84,30 +93,32 @@ pub trait Strategy {
             let len: usize = b.shards.values().iter().map(rows).sum();
             (rows(shard) as f32 / len.max(1) as f32, len)
         };
-        let weights: Vec<f32> = (0..n).map(|r| share(first, r).0).collect();
-        let per_replica = crate::runtime::run_collect(self.extended().as_ref(), &weights, |ctx| {
-            let r = ctx.replica_id();
-            batches
-                .iter()
-                .map(|b| {
-                    let (weight, len) = share(b, r);
-                    ctx.set_batch(weight, len);
-                    step(ctx, &b.shards.values()[r])
-                })
-                .collect::<Result<Vec<T>>>()
-        })?;
-        // Transpose: replica-major to batch-major.
-        let mut columns: Vec<std::vec::IntoIter<T>> =
-            per_replica.into_values().into_iter().map(Vec::into_iter).collect();
-        (0..batches.len())
-            .map(|b| {
+        let mut out = Vec::with_capacity(batches.len());
+        for execution in batches.chunks(per_execution) {
+            let weights: Vec<f32> = (0..n).map(|r| share(&execution[0], r).0).collect();
+            let per_replica = crate::runtime::run_collect(self.extended().as_ref(), &weights, |ctx| {
+                let r = ctx.replica_id();
+                execution
+                    .iter()
+                    .map(|b| {
+                        let (weight, len) = share(b, r);
+                        ctx.set_batch(weight, len);
+                        step(ctx, &b.shards.values()[r])
+                    })
+                    .collect::<Result<Vec<T>>>()
+            })?;
+            // Transpose: replica-major to batch-major.
+            let mut columns: Vec<std::vec::IntoIter<T>> =
+                per_replica.into_values().into_iter().map(Vec::into_iter).collect();
+            for b in 0..execution.len() {
                 let values = columns
                     .iter_mut()
                     .map(|c| c.next().ok_or_else(|| Error::Scope(format!("a replica returned no value for step {b}"))))
                     .collect::<Result<Vec<T>>>()?;
-                PerReplica::new(values)
-            })
-            .collect()
+                out.push(PerReplica::new(values)?);
+            }
+        }
+        Ok(out)
     }
 
     /// Reduces per-replica scalars in cross-replica context (across every worker of a

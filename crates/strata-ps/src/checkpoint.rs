@@ -60,6 +60,11 @@ pub struct PsMeta {
     /// without tables.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tables: Vec<TableMeta>,
+    /// The number of ps tasks of the job whose coordinator asked for the checkpoint, when it
+    /// said (absent in older checkpoints): what a restore of the whole job's checkpoints onto
+    /// another number of tasks checks its set of old tasks against.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub job_tasks: Option<u32>,
 }
 
 /// An embedding table's shard in a checkpoint's metadata, its floats (the initializer's and
@@ -207,11 +212,26 @@ fn to_tensor(name: &str, values: Vec<f32>, shape: &[usize]) -> Result<Tensor> {
 /// counters, the applied-update table) is in the manifest, which its checksum covers like the
 /// tensors.
 pub fn write_snapshot(root: &Path, step: u64, snap: Snapshot, keep: usize) -> Result<PathBuf> {
-    write_snapshot_as(root, step, snap, keep, PS_META_FORMAT)
+    write_snapshot_as(root, step, snap, keep, PS_META_FORMAT, None)
 }
 
-/// [`write_snapshot`] with the metadata's `format` field set to `format`.
-fn write_snapshot_as(root: &Path, step: u64, snap: Snapshot, keep: usize, format: u32) -> Result<PathBuf> {
+/// [`write_snapshot`] of a task of a job of `job_tasks` ps tasks, recorded in the metadata
+/// ([`PsMeta::job_tasks`]), so that a restore of the job's checkpoints onto another number of
+/// tasks ([`read_job_checkpoint`](crate::read_job_checkpoint)) can tell whether it has every
+/// old task's.
+pub fn write_job_snapshot(root: &Path, step: u64, snap: Snapshot, keep: usize, job_tasks: u32) -> Result<PathBuf> {
+    write_snapshot_as(root, step, snap, keep, PS_META_FORMAT, Some(job_tasks))
+}
+
+/// [`write_snapshot`] with the metadata's `format` and `job_tasks` fields set.
+fn write_snapshot_as(
+    root: &Path,
+    step: u64,
+    snap: Snapshot,
+    keep: usize,
+    format: u32,
+    job_tasks: Option<u32>,
+) -> Result<PathBuf> {
     let mut entries = Vec::new();
     let mut infos = Vec::new();
     for (info, version, value, slots) in snap.variables {
@@ -248,6 +268,7 @@ fn write_snapshot_as(root: &Path, step: u64, snap: Snapshot, keep: usize, format
         counters: snap.counters,
         table: snap.table,
         format,
+        job_tasks,
     };
     let meta = serde_json::to_string(&meta).map_err(Error::EncodeMetadata)?;
     let dir = CheckpointWriter::new(root, step).meta(META_KEY, meta).file(VARIABLES_FILE, entries).write()?;
@@ -342,6 +363,12 @@ fn read_table(ckpt: &checkpoint::Checkpoint, meta: &TableMeta, budget: &mut u64)
 /// is read). Returns the snapshot and the checkpoint's step. A checkpoint of an older format
 /// is converted to this build's meaning of the optimizer slots.
 pub fn read_snapshot(path: &Path) -> Result<(Snapshot, u64)> {
+    read_snapshot_of_job(path).map(|(snap, step, _)| (snap, step))
+}
+
+/// [`read_snapshot`], with the number of ps tasks of the job that wrote it, if recorded
+/// ([`PsMeta::job_tasks`]).
+pub(crate) fn read_snapshot_of_job(path: &Path) -> Result<(Snapshot, u64, Option<u32>)> {
     let ckpt = if path.join(checkpoint::MANIFEST).is_file() {
         checkpoint::read_checkpoint(path)?
     } else {
@@ -406,7 +433,7 @@ pub fn read_snapshot(path: &Path) -> Result<(Snapshot, u64)> {
         counters: meta.counters,
         table: meta.table,
     };
-    Ok((snap, ckpt.step))
+    Ok((snap, ckpt.step, meta.job_tasks))
 }
 
 /// Keras' momentum velocity (`v' = m * v' - lr * g`) as PyTorch's (`v = m * v + g`): at a
@@ -491,7 +518,7 @@ mod tests {
             *v = (-lr * f64::from(*v)) as f32;
         }
         // Format 0 reads as a checkpoint written before the field existed (`#[serde(default)]`).
-        let dir = write_snapshot_as(tmp.path(), 1, old, 1, 0).unwrap();
+        let dir = write_snapshot_as(tmp.path(), 1, old, 1, 0, None).unwrap();
         let text = std::fs::read_to_string(dir.join(checkpoint::MANIFEST)).unwrap();
         assert!(text.contains("\\\"format\\\":0"), "{text}");
         // ... as one without the field does.

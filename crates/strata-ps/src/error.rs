@@ -10,8 +10,8 @@ use std::time::Duration;
 use strata_core::optim::schedule::LrSchedule;
 
 use crate::limits::{
-    MAX_IDS_PER_REQUEST, MAX_LEASED_IDS, MAX_NAME_BYTES, MAX_RANK, MAX_ROW_VALUES_PER_REQUEST, MAX_TABLES,
-    MAX_TABLE_BYTES, MAX_TASK_BYTES, MAX_VARIABLES, MAX_WORKERS,
+    MAX_IDS_PER_REQUEST, MAX_LEASED_IDS, MAX_NAME_BYTES, MAX_POOL_BYTES, MAX_RANK, MAX_ROW_VALUES_PER_REQUEST,
+    MAX_TABLES, MAX_TABLE_BYTES, MAX_TABLE_SHARDS, MAX_TASK_BYTES, MAX_VARIABLES, MAX_WORKERS,
 };
 use crate::{
     PsMode, ServerOptimizer, VariableInfo, WireFormat, MAX_CHUNK_BYTES, MAX_CHUNK_ELEMENTS, MAX_VARIABLE_ELEMENTS,
@@ -666,6 +666,16 @@ pub enum Error {
         lease: u64,
     },
 
+    /// An update of a process's own shard ([`TableShard`](crate::TableShard)) names a row
+    /// the shard does not hold: it was not read in the update.
+    #[error("table {table}: row id {id} was not read in this update; read a row before applying its gradient")]
+    RowNotRead {
+        /// The table.
+        table: String,
+        /// The id.
+        id: u64,
+    },
+
     /// A push's row gradients whose length is not the ids times the table's dim.
     #[error("table {table}: field grads holds {grads} values for {ids} ids, not ids times the table's dim {dim}; send dim values per row")]
     RowWidth {
@@ -839,6 +849,156 @@ pub enum Error {
     /// and what to do).
     #[error("{0}")]
     Checkpoint(#[from] strata_core::Error),
+
+    /// Resharding tables onto a shard that would hold more than [`MAX_TABLE_BYTES`] of rows.
+    #[error("resharding the tables: shard {shard} of {num_shards} would hold {bytes} bytes of table rows, over the limit of {MAX_TABLE_BYTES}; restore onto more ps tasks")]
+    ReshardTooLarge {
+        /// The new shard.
+        shard: u32,
+        /// The new number of shards.
+        num_shards: u32,
+        /// The bytes of rows it would hold (at least).
+        bytes: u64,
+    },
+
+    /// A restore of a job's checkpoint onto a place that is no ps task of a job.
+    #[error("cannot restore a job's checkpoint onto ps task {shard} of {num_shards}: the index must be below the number of ps tasks, which must be 1 to {MAX_TABLE_SHARDS}")]
+    JobPlace {
+        /// The task's index.
+        shard: u32,
+        /// The job's number of ps tasks.
+        num_shards: u32,
+    },
+
+    /// A restore of a job's checkpoint without this task's place in its job.
+    #[error("{}: holds the checkpoints of a job's {tasks} ps tasks (ps-0, ps-1, ...); restoring them needs this task's index and its job's number of ps tasks", dir.display())]
+    JobPlaceUnknown {
+        /// The job's checkpoint directory.
+        dir: PathBuf,
+        /// The old job's ps tasks.
+        tasks: usize,
+    },
+
+    /// A directory given as a job's checkpoint that holds no `ps-<i>` directory.
+    #[error("{}: not a job's checkpoint directory (no ps-0, ps-1, ... directories in it)", path.display())]
+    NotJobCheckpoint {
+        /// The directory.
+        path: PathBuf,
+    },
+
+    /// A job's checkpoint directory with a gap among its `ps-<i>` directories.
+    #[error("{}: ps-{missing} is missing while ps-{present} is there; restore from a directory holding the checkpoints of every ps task of the job", dir.display())]
+    JobTaskMissing {
+        /// The job's checkpoint directory.
+        dir: PathBuf,
+        /// The index of a missing task.
+        missing: usize,
+        /// The index of a task present after it.
+        present: usize,
+    },
+
+    /// A job's checkpoint directory whose `ps-<i>` directories are not those of the job that
+    /// wrote the checkpoints.
+    #[error("{}: holds {tasks} ps task directories (ps-0 to ps-{}), but their checkpoints of step {step} were written by a job of {written_by} ps tasks; restore from a directory holding exactly that job's ps-<i> directories", dir.display(), tasks.saturating_sub(1))]
+    JobSize {
+        /// The job's checkpoint directory.
+        dir: PathBuf,
+        /// The `ps-<i>` directories found.
+        tasks: usize,
+        /// The step restored.
+        step: u64,
+        /// The ps tasks of the job that wrote the checkpoints.
+        written_by: u32,
+    },
+
+    /// A `ps-<i>` directory holding another task's checkpoint.
+    #[error("{}: holds the checkpoint of {task}, not of {expected}; keep each ps task's checkpoints under ps-<its index>", dir.display())]
+    JobTaskName {
+        /// The checkpoint's directory.
+        dir: PathBuf,
+        /// The task the directory's name says.
+        expected: String,
+        /// The task the checkpoint says.
+        task: String,
+    },
+
+    /// A job's checkpoint whose ps tasks have no checkpoint step in common.
+    #[error("{}: the ps tasks' checkpoints have no step in common (the latest: {}); restore from checkpoints of one job taken at the same step", dir.display(), latest_steps(latest))]
+    NoCommonStep {
+        /// The job's checkpoint directory.
+        dir: PathBuf,
+        /// Each old task's latest step, by index.
+        latest: Vec<u64>,
+    },
+
+    /// The old tasks of a job's checkpoint that disagree on what every task of a job shares.
+    #[error("{}: ps-{task}'s checkpoint has another {field} than ps-0's; restore the checkpoints of one job", dir.display())]
+    JobMismatch {
+        /// The job's checkpoint directory.
+        dir: PathBuf,
+        /// The old task that disagrees with ps-0.
+        task: usize,
+        /// `optimizer`, `schedule` or `mode`.
+        field: &'static str,
+    },
+
+    /// A job's checkpoint whose parts of a dense variable do not tile it.
+    #[error("the job's checkpoint holds variable {variable} from row {row} {problem}; restore the checkpoints of every ps task of one job")]
+    PoolRows {
+        /// The whole variable.
+        variable: String,
+        /// The row where the problem is.
+        row: u64,
+        /// `twice`, `in a part of another shape` or `nowhere`.
+        problem: &'static str,
+    },
+
+    /// A job's checkpoint whose dense variables are more than a task restores from.
+    #[error("the job's checkpoint holds {parts} dense variable parts of {bytes} bytes (values and optimizer slots), over the {MAX_VARIABLES} parts and {MAX_POOL_BYTES} bytes a restoring ps task holds")]
+    PoolTooLarge {
+        /// The parts.
+        parts: usize,
+        /// Their bytes.
+        bytes: u64,
+    },
+
+    /// Creating, on a task restored from a job's checkpoint, a variable the checkpoint lacks.
+    #[error("{task} was restored from a job's checkpoint, which has no variable {variable}; create the model the checkpoint was written for")]
+    NotInCheckpoint {
+        /// The task.
+        task: String,
+        /// The variable (its whole name).
+        variable: String,
+    },
+
+    /// Creating, on a task restored from a job's checkpoint, a variable of another shape.
+    #[error("{task} was restored from a job's checkpoint, which holds variable {variable} of shape {have:?}, not {want:?}; create the model the checkpoint was written for")]
+    CheckpointShape {
+        /// The task.
+        task: String,
+        /// The variable (its whole name).
+        variable: String,
+        /// Its shape in the checkpoint.
+        have: Vec<usize>,
+        /// The shape asked for.
+        want: Vec<usize>,
+    },
+
+    /// Creating a variable on a task restored from a job's checkpoint after it released the
+    /// checkpoint's variables (at its first applied update).
+    #[error("{task} released its job checkpoint's variables when it applied its first update, so {variable} cannot be created from them; create every variable before training starts")]
+    PoolReleased {
+        /// The task.
+        task: String,
+        /// The variable.
+        variable: String,
+    },
+}
+
+/// `ps-0 at 40, ps-1 at 30`.
+fn latest_steps(latest: &[u64]) -> String {
+    let steps: Vec<String> = latest.iter().enumerate().map(|(i, s)| format!("ps-{i} at {s}")).collect();
+    steps.join(", ")
 }
 
 impl Error {
@@ -894,14 +1054,19 @@ impl Error {
             | RowIdOutOfRange { .. }
             | RowIdNotOwned { .. }
             | NotLeased { .. }
+            | RowNotRead { .. }
             | RowWidth { .. }
             | NonFiniteRowGradient { .. }
             | TooManyLeaseWorkers { .. }
             | ReshardMismatch { .. }
-            | ReshardShards { .. } => ErrorKind::InvalidArgument,
-            OutOfMemory { .. } | TableFull { .. } | TableBytes { .. } | TooManyLeasedIds { .. } => {
-                ErrorKind::ResourceExhausted
-            }
+            | ReshardShards { .. }
+            | JobPlace { .. } => ErrorKind::InvalidArgument,
+            OutOfMemory { .. }
+            | TableFull { .. }
+            | TableBytes { .. }
+            | TooManyLeasedIds { .. }
+            | ReshardTooLarge { .. }
+            | PoolTooLarge { .. } => ErrorKind::ResourceExhausted,
             OptimizerMismatch { .. }
             | ScheduleMismatch { .. }
             | ModeMismatch { .. }
@@ -909,7 +1074,11 @@ impl Error {
             | TableMismatch { .. }
             | NoVariables { .. }
             | Stale { .. }
-            | NoCheckpointDir { .. } => ErrorKind::FailedPrecondition,
+            | NoCheckpointDir { .. }
+            | JobPlaceUnknown { .. }
+            | NotInCheckpoint { .. }
+            | CheckpointShape { .. }
+            | PoolReleased { .. } => ErrorKind::FailedPrecondition,
             UnknownVariable { .. } | UnknownTable { .. } => ErrorKind::NotFound,
             Overtaken { .. } => ErrorKind::Aborted,
             RoundTimeout { .. } | VersionTimeout { .. } => ErrorKind::DeadlineExceeded,
@@ -922,7 +1091,14 @@ impl Error {
             | BuildTensor { .. }
             | EncodeMetadata(_)
             | CorruptTable { .. }
-            | Checkpoint(_) => ErrorKind::Internal,
+            | Checkpoint(_)
+            | NotJobCheckpoint { .. }
+            | JobTaskMissing { .. }
+            | JobSize { .. }
+            | JobTaskName { .. }
+            | NoCommonStep { .. }
+            | JobMismatch { .. }
+            | PoolRows { .. } => ErrorKind::Internal,
         }
     }
 }

@@ -92,7 +92,11 @@
 //! - **Large pushes** collected whole (4 MiB and more) are applied on two threads.
 //! - **Checkpoints** ([`write_snapshot`], [`read_snapshot`]) hold the values, the optimizer
 //!   slots, the versions, the counters, the applied-update table and the tables' rows, in
-//!   strata-core's checkpoint format.
+//!   strata-core's checkpoint format. A whole job's checkpoints (one directory per ps task,
+//!   `ps-<i>`) restore onto task `k` of a job of any number of tasks
+//!   ([`read_job_checkpoint`], [`State::restore_job`]): the tables resharded, the dense
+//!   variables in a [`RestorePool`] that creation draws from, whatever their new placement and
+//!   split.
 
 // The facade (the strata crate) re-exports this crate's items: every public one is documented.
 #![warn(missing_docs)]
@@ -103,7 +107,12 @@ mod chunk;
 mod error;
 pub mod limits;
 mod optimizer;
+mod pool;
+mod restore;
+#[cfg(test)]
+mod restore_tests;
 mod row_optimizer;
+mod shard;
 mod state;
 mod table;
 #[cfg(test)]
@@ -111,14 +120,18 @@ mod table_tests;
 mod types;
 
 pub use checkpoint::{
-    read_snapshot, write_snapshot, PsMeta, ScheduleMeta, TableMeta, META_KEY, PS_META_FORMAT, VARIABLES_FILE,
+    read_snapshot, write_job_snapshot, write_snapshot, PsMeta, ScheduleMeta, TableMeta, META_KEY, PS_META_FORMAT,
+    VARIABLES_FILE,
 };
 pub use checks::{check_chunk_len, check_chunk_len_in, check_name, check_schedule};
 pub use chunk::{copy_f32s, decode_half, encode_half, encode_half_bytes, first_non_finite, Chunk, ValueChunk};
 pub use error::{Error, ErrorKind, RequestKind, Result};
 pub use limits::{MAX_CHUNK_BYTES, MAX_CHUNK_ELEMENTS, MAX_VARIABLE_ELEMENTS};
 pub use optimizer::{schedule_kind, ServerOptimizer};
+pub use pool::RestorePool;
+pub use restore::{job_checkpoint_tasks, job_task_dir, read_job_checkpoint, JobRestore};
 pub use row_optimizer::RowOptimizer;
+pub use shard::TableShard;
 pub use state::{
     Answer, Counters, PushDecision, Snapshot, SnapshotVariable, State, Streamed, UpdateKey, MAX_REMEMBERED_UPDATES,
 };

@@ -19,6 +19,12 @@ pub const MAX_RANK: usize = 32;
 /// 16 GiB. A larger model is partitioned over more ps tasks.
 pub const MAX_TASK_BYTES: u64 = 16 << 30;
 
+/// The most bytes of dense variables, values and optimizer slots together, a task restored
+/// from a whole job's checkpoint holds for the coordinator to create (its restore pool: every
+/// old task's variables, until the task applies its first update): 64 GiB, a model whose
+/// values fill [`MAX_TASK_BYTES`] with AdamW's two slots and some room.
+pub const MAX_POOL_BYTES: u64 = 64 << 30;
+
 /// The most workers a job has: the largest sync round and live-worker count, and the most
 /// distinct worker names a task counts pushes for.
 pub const MAX_WORKERS: u32 = 1 << 16;

@@ -13,11 +13,12 @@ use crate::checks::check_schedule;
 use crate::chunk::shared_chunks;
 use crate::limits::{MAX_TABLES, MAX_TASK_BYTES, MAX_VARIABLES, MAX_WORKERS};
 use crate::optimizer::{apply_le_bytes, apply_le_bytes_from, filled};
+use crate::pool::Drawn;
 use crate::table::{sum_rows, try_with_capacity, Lease, Table, TableRows};
 use crate::{
     check_name, first_non_finite, Chunk, CreateHeader, CreateOutcome, Error, PsMode, PsStatus, PullResult, PushHeader,
-    PushReply, RequestKind, Result, RowGrads, RowOptimizer, RowPull, RowPullResult, ServerOptimizer, TableInfo,
-    VariableInfo, WireFormat,
+    PushReply, RequestKind, RestorePool, Result, RowGrads, RowOptimizer, RowPull, RowPullResult, ServerOptimizer,
+    TableInfo, VariableInfo, WireFormat,
 };
 
 /// How many applied-update answers a task remembers (the oldest are forgotten first). A retry
@@ -251,6 +252,23 @@ pub struct State {
     /// The embedding tables' shards.
     tables: Vec<Table>,
     table_index: HashMap<String, usize>,
+    /// A task restored from a whole job's checkpoint: the old tasks' dense variables, which
+    /// creation draws from, until the first applied update.
+    pool: Pool,
+}
+
+/// Where the variables a task creates come from.
+#[derive(Debug, Default)]
+enum Pool {
+    /// The create request's initial values (a fresh task, or one restored from its own
+    /// checkpoint).
+    #[default]
+    None,
+    /// A whole job's checkpoint ([`State::restore_job`]): every variable is drawn from it.
+    Holding(RestorePool),
+    /// Restored from a job's checkpoint, whose variables were released at the first update: a
+    /// variable the task does not hold cannot be created.
+    Released,
 }
 
 /// One variable in a snapshot: its info, version, values and optimizer slots.
@@ -476,6 +494,16 @@ impl State {
             wire_format: WireFormat::F32,
             tables: Vec::new(),
             table_index: HashMap::new(),
+            pool: Pool::None,
+        }
+    }
+
+    /// Counts an applied update (the task's version goes up by one); the first releases a job
+    /// checkpoint's restore pool: creation is over once training has begun.
+    fn count_update(&mut self) {
+        self.version += 1;
+        if matches!(self.pool, Pool::Holding(_)) {
+            self.pool = Pool::Released;
         }
     }
 
@@ -610,7 +638,8 @@ impl State {
         }
         let names: Vec<&str> = infos.iter().map(|i| i.name.as_str()).collect();
         let sizes: Vec<usize> = infos.iter().map(VariableInfo::numel).collect();
-        let all_exist = existing == infos.len()
+        // A job checkpoint's pool gives every variable the task does not hold, or refuses.
+        let all_exist = (existing == infos.len() || matches!(self.pool, Pool::Holding(_)))
             && existing_tables == header.tables.len()
             && !(infos.is_empty() && header.tables.is_empty());
         if existing != infos.len() {
@@ -628,28 +657,10 @@ impl State {
             }
             check_coverage(chunks, &names, &sizes, RequestKind::Create)?;
             check_all_finite(chunks, &names, false)?;
-            let mut values = Vec::with_capacity(sizes.len());
-            for &n in &sizes {
-                values.push(reserve(&self.task, n, "the variables' values")?);
-            }
-            for c in chunks {
-                c.extend(&mut values[c.var as usize]);
-            }
-            let mut created = Vec::with_capacity(infos.len());
-            for (info, value) in infos.iter().zip(values) {
-                if self.index.contains_key(&info.name) {
-                    continue;
-                }
-                let Some(slots) = optimizer.try_new_slots(value.len()) else {
-                    let bytes = value.len().saturating_mul(4 * optimizer.slots());
-                    return Err(Error::OutOfMemory { task: self.task.clone(), bytes, what: "optimizer slots" });
-                };
-                created.push((info, value, slots));
-            }
-            for (info, value, slots) in created {
+            for (info, (value, slots, version)) in self.new_variables(infos, chunks, &optimizer)? {
                 self.index.insert(info.name.clone(), self.vars.len());
                 let slots = slots.into_iter().map(Arc::new).collect();
-                self.vars.push(Var { info: info.clone(), value: Arc::new(value), slots, version: 0 });
+                self.vars.push(Var { info: info.clone(), value: Arc::new(value), slots, version });
             }
         }
         for t in &header.tables {
@@ -664,6 +675,54 @@ impl State {
         self.wire_format = header.wire_format;
         let versions = infos.iter().map(|i| self.index.get(&i.name).map_or(0, |&at| self.vars[at].version)).collect();
         Ok(CreateOutcome { versions, existed: all_exist, version: self.version })
+    }
+
+    /// The values, optimizer slots and versions of the variables of `infos` the task does not
+    /// hold yet: the create request's initial values from `chunks` (which cover every variable
+    /// of `infos`) at version 0, or, on a task restored from a whole job's checkpoint, the
+    /// checkpoint's, every variable checked before any is drawn. Memory is reserved fallibly.
+    fn new_variables<'a>(
+        &self,
+        infos: &'a [VariableInfo],
+        chunks: &[Chunk],
+        optimizer: &ServerOptimizer,
+    ) -> Result<Vec<(&'a VariableInfo, Drawn)>> {
+        let task = &self.task;
+        let new = || infos.iter().filter(|i| !self.index.contains_key(&i.name));
+        match &self.pool {
+            Pool::Holding(pool) => {
+                for info in new() {
+                    pool.check(task, info)?;
+                }
+                new().map(|info| Ok((info, pool.draw(task, info, optimizer)?))).collect()
+            }
+            Pool::Released => match new().next() {
+                Some(info) => Err(Error::PoolReleased { task: task.clone(), variable: info.name.clone() }),
+                None => Ok(Vec::new()),
+            },
+            Pool::None => {
+                let mut values = Vec::with_capacity(infos.len());
+                for info in infos {
+                    let new = !self.index.contains_key(&info.name);
+                    values.push(if new { Some(reserve(task, info.numel(), "the variables' values")?) } else { None });
+                }
+                for c in chunks {
+                    if let Some(v) = values[c.var as usize].as_mut() {
+                        c.extend(v);
+                    }
+                }
+                let mut created = Vec::with_capacity(infos.len());
+                for (info, value) in infos.iter().zip(values) {
+                    let Some(value) = value else { continue };
+                    let Some(slots) = optimizer.try_new_slots(value.len()) else {
+                        let bytes = value.len().saturating_mul(4 * optimizer.slots());
+                        return Err(Error::OutOfMemory { task: task.clone(), bytes, what: "optimizer slots" });
+                    };
+                    created.push((info, (value, slots, 0)));
+                }
+                Ok(created)
+            }
+        }
     }
 
     /// The optimizer of the task's next update, number `self.version` (0 for the first): at
@@ -786,7 +845,7 @@ impl State {
             self.tables[table].apply(&opt, &slab_rows, &rg.grads, self.version + 1, self.version + 1);
         }
         self.release_leases(h);
-        self.version += 1;
+        self.count_update();
         self.counters.pushes_applied += 1;
         *self.counters.applied_by_worker.entry(h.id.worker.clone()).or_default() += 1;
         self.remember(key, Answer::Applied(self.version));
@@ -1011,7 +1070,7 @@ impl State {
                 *spare = Some((old, old_slots));
             }
         }
-        self.version += 1;
+        self.count_update();
         self.counters.pushes_applied += 1;
         self.counters.pushes_streamed += 1;
         *self.counters.applied_by_worker.entry(worker).or_default() += 1;
@@ -1077,7 +1136,7 @@ impl State {
         for (table, lease) in leases {
             self.tables[table].release(lease);
         }
-        self.version += 1;
+        self.count_update();
         self.counters.rounds += 1;
         for (key, worker) in workers {
             self.counters.pushes_applied += 1;
@@ -1181,8 +1240,16 @@ impl State {
         }
     }
 
+    /// [`restore`](Self::restore) a snapshot without variables, which creation then draws from
+    /// `pool` (see [`State::restore_job`]).
+    pub(crate) fn restore_with_pool(&mut self, snap: Snapshot, step: u64, pool: RestorePool) {
+        self.restore(snap, step);
+        self.pool = Pool::Holding(pool);
+    }
+
     /// Replaces the state with a restored one.
     pub fn restore(&mut self, snap: Snapshot, step: u64) {
+        self.pool = Pool::None;
         self.vars.clear();
         self.index.clear();
         for (info, version, value, slots) in snap.variables {

@@ -54,13 +54,18 @@ pub(crate) struct Table {
     last_seen: Vec<u64>,
     /// Per row, how many leases (live or held by a pending sync push) hold it.
     pins: Vec<u32>,
-    index: HashMap<u64, usize>,
+    /// Row ids to slab indices, hashed with foldhash (seeded per process: fast on u64 keys,
+    /// and ids a client chooses cannot be made to collide without knowing the seed).
+    index: RowIndex,
     evicted: u64,
     /// Per worker, its leases, oldest first.
     leases: BTreeMap<String, VecDeque<Lease>>,
     /// The ids in `leases`, all workers together.
     leased: usize,
 }
+
+/// A table's index of its rows.
+type RowIndex = HashMap<u64, usize, foldhash::fast::RandomState>;
 
 /// An empty vector with room for `n` elements, or the task's refusal when there is no memory.
 pub(crate) fn try_with_capacity<T>(task: &str, n: usize, what: &'static str) -> Result<Vec<T>> {
@@ -121,7 +126,7 @@ impl Table {
             slots: Vec::new(),
             last_seen: Vec::new(),
             pins: Vec::new(),
-            index: HashMap::new(),
+            index: RowIndex::default(),
             evicted: 0,
             leases: BTreeMap::new(),
             leased: 0,
@@ -440,6 +445,37 @@ impl Table {
         Ok(rows)
     }
 
+    /// Validates an update of the rows `ids` held by the shard (no lease: a process's own
+    /// shard, [`TableShard`](crate::TableShard)): the count, the gradients' width, distinct
+    /// ids, each held, finite gradients. Returns the rows' slab indices.
+    pub(crate) fn check_update(&self, task: &str, ids: &[u64], grads: &[f32]) -> Result<Vec<usize>> {
+        let (n, dim) = (ids.len(), self.dim());
+        self.check_count(n)?;
+        if grads.len() != n * dim {
+            return Err(Error::RowWidth { table: self.name().into(), dim, ids: n, grads: grads.len() });
+        }
+        self.sorted_distinct(task, ids)?;
+        let mut rows = try_with_capacity(task, n, "an update's rows")?;
+        for &id in ids {
+            let Some(&r) = self.index.get(&id) else {
+                return Err(Error::RowNotRead { table: self.name().into(), id });
+            };
+            rows.push(r);
+        }
+        for (&id, g) in ids.iter().zip(grads.chunks_exact(dim)) {
+            if let Some((element, &value)) = g.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+                return Err(Error::NonFiniteRowGradient { table: self.name().into(), id, element, value });
+            }
+        }
+        Ok(rows)
+    }
+
+    /// The values of row `id`, if the shard holds it.
+    pub(crate) fn row_values(&self, id: u64) -> Option<&[f32]> {
+        let dim = self.dim();
+        self.index.get(&id).map(|&r| &self.values[r * dim..(r + 1) * dim])
+    }
+
     /// Steps rows `rows` (slab indices) by their gradients `grads` (`dim` each) with `opt` at
     /// update number `t`, and marks them seen at `version`.
     pub(crate) fn apply(&mut self, opt: &RowOptimizer, rows: &[usize], grads: &[f32], t: u64, version: u64) {
@@ -479,13 +515,15 @@ impl Table {
 /// the rows are taken bit for bit (values, slots, last seen), by ascending id, with the
 /// shard's description renumbered and the eviction count at 0. A row no old shard held has
 /// its initial value, which depends on the seed, the table and the id only, so it is the same
-/// on the new shard.
+/// on the new shard. The rows kept may not exceed what a task holds ([`MAX_TABLE_BYTES`],
+/// [`Error::ReshardTooLarge`]), checked as they are taken.
 pub fn reshard_tables<I>(old: I, shard: u32, num_shards: u32) -> Result<Vec<TableRows>>
 where
     I: IntoIterator<Item = Result<Vec<TableRows>>>,
 {
     // Per table: the rows kept so far and which old shards were seen.
     let mut tables: BTreeMap<String, (TableRows, Vec<bool>)> = BTreeMap::new();
+    let mut bytes = 0u64;
     for tables_of_task in old {
         for t in tables_of_task? {
             let name = t.info.config.name.clone();
@@ -525,6 +563,10 @@ where
             }
             for (k, &id) in t.ids.iter().enumerate() {
                 if owner_of(t.info.config.size, id, num_shards as usize) == shard as usize {
+                    bytes += (dim + sw) as u64 * 4;
+                    if bytes > MAX_TABLE_BYTES {
+                        return Err(Error::ReshardTooLarge { shard, num_shards, bytes });
+                    }
                     acc.ids.push(id);
                     acc.values.extend_from_slice(&t.values[k * dim..(k + 1) * dim]);
                     acc.slots.extend_from_slice(&t.slots[k * sw..(k + 1) * sw]);

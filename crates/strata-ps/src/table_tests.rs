@@ -339,13 +339,13 @@ fn bad_input_is_refused_and_changes_nothing() {
     let create =
         header(vec![f, h], vec![VariableInfo::whole("w", vec![2])], ServerOptimizer::Sgd { lr: 0.5 }, PsMode::Async);
     s.create(&create, &[Chunk { var: 0, offset: 0, pieces: vec![f32s(&[1.0, 2.0])] }]).unwrap();
-    pull(&mut s, "worker:0", 1, "f", &[0, 1]).unwrap();
+    pull(&mut s, "worker:0", 1, "f", &[0, 2]).unwrap();
     pull(&mut s, "worker:0", 1, "h", &[100, 101]).unwrap();
     let before = s.snapshot();
     let pulls: [(&str, Vec<u64>, ErrorKind, &str); 6] = [
         ("f", vec![0, 7], ErrorKind::InvalidArgument, "table f: row id 7 in field ids belongs to shard 1"),
         ("f", vec![12], ErrorKind::InvalidArgument, "table f: row id 12 in field ids is outside its 10 rows"),
-        ("f", vec![1, 3, 1], ErrorKind::InvalidArgument, "table f: row id 1 appears twice in field ids"),
+        ("f", vec![2, 4, 2], ErrorKind::InvalidArgument, "table f: row id 2 appears twice in field ids"),
         ("h", vec![102], ErrorKind::ResourceExhausted, "table h would hold 3 rows, over its bound of 2"),
         ("g", vec![1], ErrorKind::NotFound, "no table named \"g\""),
         ("f", vec![0; crate::limits::MAX_IDS_PER_REQUEST + 1], ErrorKind::InvalidArgument, "table f: field ids holds"),
@@ -356,7 +356,7 @@ fn bad_input_is_refused_and_changes_nothing() {
         assert_eq!(s.snapshot(), before, "{e}");
     }
     let pushes: [(Vec<RowGrads>, &str); 7] = [
-        (vec![rows("f", 1, &[2], grad(2, 0, 2))], "table f: row id 2 in field ids was not pulled under lease 1"),
+        (vec![rows("f", 1, &[4], grad(4, 0, 2))], "table f: row id 4 in field ids was not pulled under lease 1"),
         (vec![rows("f", 9, &[0], grad(0, 0, 2))], "table f: row id 0 in field ids was not pulled under lease 9"),
         (
             vec![rows("f", 1, &[0], vec![1.0; 3])],
@@ -364,10 +364,10 @@ fn bad_input_is_refused_and_changes_nothing() {
         ),
         (vec![rows("f", 1, &[0, 0], vec![1.0; 4])], "table f: row id 0 appears twice in field ids"),
         (
-            vec![rows("f", 1, &[1, 0], vec![1.0, 1.0, f32::NAN, 1.0])],
+            vec![rows("f", 1, &[2, 0], vec![1.0, 1.0, f32::NAN, 1.0])],
             "table f: the gradient of row id 0 holds NaN at element 0",
         ),
-        (vec![rows("f", 1, &[0], grad(0, 0, 2)), rows("f", 1, &[1], grad(1, 0, 2))], "table f: rows are pushed twice"),
+        (vec![rows("f", 1, &[0], grad(0, 0, 2)), rows("f", 1, &[2], grad(2, 0, 2))], "table f: rows are pushed twice"),
         (vec![rows("h", 1, &[100], vec![f32::INFINITY, 0.0])], "table h: the gradient of row id 100 holds inf"),
     ];
     for (r, message) in pushes {
@@ -384,7 +384,7 @@ fn bad_input_is_refused_and_changes_nothing() {
             "worker:0",
             0,
             0,
-            vec![rows("f", 1, &[1, 0], grads(&[1, 0], 0, 2)), rows("h", 1, &[101], grad(101, 0, 2))],
+            vec![rows("f", 1, &[2, 0], grads(&[2, 0], 0, 2)), rows("h", 1, &[101], grad(101, 0, 2))],
         )
     };
     assert_eq!(

@@ -243,7 +243,9 @@ impl PushReply {
 pub struct CreateOutcome {
     /// The versions of the variables, in the order given.
     pub versions: Vec<u64>,
-    /// Every variable existed already (a restored task, or a second coordinator).
+    /// Every variable existed already (a restored task, or a second coordinator), or was
+    /// drawn from the whole job's checkpoint the task was restored from: the values are not the
+    /// request's.
     pub existed: bool,
     /// The task's version.
     pub version: u64,
@@ -352,10 +354,9 @@ pub struct TableInfo {
     pub config: TableConfig,
     /// The seed of its rows' initial values ([`init_row`](strata_core::embedding::init_row)).
     pub seed: u64,
-    /// This shard's index: a fixed table's shard holds the rows
-    /// [`shard_rows`](strata_core::embedding::shard_rows)`(rows, num_shards, shard)`, an
-    /// id-space table's the ids whose [`owner_of`](strata_core::embedding::owner_of) is
-    /// `shard`.
+    /// This shard's index: it holds the rows whose
+    /// [`owner_of`](strata_core::embedding::owner_of) is `shard` (a fixed table's ids
+    /// `id % num_shards == shard`, an id-space table's hashed ids).
     pub shard: u32,
     /// How many shards the table has.
     pub num_shards: u32,

@@ -22,6 +22,10 @@
 //! assert!(mean.is_finite());
 //! # Ok::<(), strata_core::Error>(())
 //! ```
+//!
+//! A model's embedding tables are variables under these strategies, or, with a
+//! [`LocalTables`] in `StrategyOptions::tables`, rows in this process's memory stepped one by
+//! one by a row optimizer (only the rows a step touched change).
 
 // The facade (the strata crate) re-exports this crate's items: every public one is documented.
 #![warn(missing_docs)]
@@ -29,6 +33,7 @@
 mod central_storage;
 pub mod cluster;
 mod local;
+mod local_tables;
 mod mirrored;
 mod multi_worker;
 #[cfg(feature = "nccl")]
@@ -42,6 +47,7 @@ pub use cluster::{
     TaskId, TaskType,
 };
 pub use local::CpuReduction;
+pub use local_tables::LocalTables;
 pub use mirrored::MirroredStrategy;
 pub use multi_worker::{
     CrossWorkerOps, CrossWorkerSetup, ElasticOptions, MultiWorkerMirroredStrategy, MultiWorkerOptions,

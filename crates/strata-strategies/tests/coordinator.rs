@@ -341,6 +341,36 @@ fn checkpoints_every_n_steps() {
     assert_eq!(*ps.checkpoints.lock().unwrap(), vec![3, 6, 9]);
 }
 
+/// A job resumed from its ps tasks' checkpoint of step 40 counts the job's steps from there: its
+/// checkpoints are those of steps 43, 46 and 49, and a failing one names the step resumed from.
+#[test]
+fn a_resumed_job_names_its_checkpoints_after_the_step_it_resumed_from() {
+    let c = cluster(1);
+    let mut o = options();
+    o.checkpoint_every = Some(3);
+    o.first_step = 40;
+    let ps = Arc::new(FakePs::default());
+    let coord =
+        ClusterCoordinator::with_ps_tasks(c.addresses.clone(), vec![ps.clone() as Arc<dyn PsControl>], o.clone())
+            .unwrap();
+    assert_eq!(coord.first_step(), 40);
+    for i in 0..10i64 {
+        coord.schedule::<_, i64>("add", &(i, i));
+    }
+    coord.join().unwrap();
+    assert_eq!((ps.checkpoints.lock().unwrap().clone(), coord.steps_completed()), (vec![43, 46, 49], 10));
+    coord.shutdown();
+    let ps = Arc::new(FakePs { fail_from: Some(0), ..FakePs::default() });
+    let coord =
+        ClusterCoordinator::with_ps_tasks(c.addresses.clone(), vec![ps.clone() as Arc<dyn PsControl>], o).unwrap();
+    for i in 0..10i64 {
+        coord.schedule::<_, i64>("add", &(i, i));
+    }
+    let e = coord.join().unwrap_err().to_string();
+    assert!(e.contains("the checkpoint of step 43 failed on ps:0: disk full; training stopped there, and the last good checkpoint is the one of step 40 the job resumed from"), "{e}");
+    coord.shutdown();
+}
+
 /// A checkpoint that cannot be written stops the job there: the steps still queued fail with
 /// an error naming the failure and the last good checkpoint, and `join` returns it.
 #[test]

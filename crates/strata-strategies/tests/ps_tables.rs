@@ -91,7 +91,7 @@ fn batches() -> Vec<(Tensor, Tensor)> {
         [0, 5, 5, 9, 39, 2, 17, 5],
         [9, 9, 9, 1, 30, 31, 2, 0],
         [12, 13, 5, 39, 39, 20, 21, 22],
-        [3, 3, 3, 3, 4, 4, 4, 4],
+        [3, 3, 3, 3, 5, 5, 5, 5],
     ];
     ids.iter()
         .enumerate()
@@ -152,7 +152,7 @@ fn a_table_on_ps_tasks_trains_as_one_device_trains_the_whole_table() {
         }
     }
     // One push per step to each task holding some of its rows, each applied once: the last
-    // batch's rows are all on ps:0.
+    // batch's rows (odd ids) are all on ps:1.
     let pushes: usize = batches()
         .iter()
         .map(|(ids, _)| {

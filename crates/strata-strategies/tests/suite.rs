@@ -11,6 +11,7 @@ mod cluster;
 mod coordinator;
 mod embedding;
 mod gpu_training;
+mod local_tables;
 mod mixed_precision;
 mod multi_worker;
 mod parameter_server;

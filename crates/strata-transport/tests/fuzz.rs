@@ -368,7 +368,7 @@ fn ps_request(rng: &mut StdRng) -> (&'static str, Bytes, u64) {
             ("/strata.v1.ParameterServer/PullRows", frames(&[request.encode_to_vec()]), 3000)
         }
         5 => {
-            let request = proto::PsCheckpointRequest { step: extreme_u64(rng) };
+            let request = proto::PsCheckpointRequest { step: extreme_u64(rng), num_tasks: rng.random() };
             ("/strata.v1.ParameterServer/Checkpoint", frames(&[request.encode_to_vec()]), 5000)
         }
         _ => ("/strata.v1.ParameterServer/Status", frames(&[proto::PsStatusRequest {}.encode_to_vec()]), 3000),

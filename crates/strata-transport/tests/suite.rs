@@ -13,6 +13,7 @@ mod fuzz;
 mod pieces;
 mod ps;
 mod ps_half;
+mod ps_reshard;
 mod ps_tables;
 mod ring;
 mod tls;

@@ -119,7 +119,7 @@ pub use strata_strategies::cluster;
 pub use strata_strategies::parameter_server;
 pub use strata_strategies::parameter_server::{ClusterCoordinator, ParameterServerOptions, ParameterServerStrategy};
 pub use strata_strategies::{
-    CentralStorageStrategy, CpuReduction, ElasticOptions, MirroredStrategy, MultiWorkerMirroredStrategy,
+    CentralStorageStrategy, CpuReduction, ElasticOptions, LocalTables, MirroredStrategy, MultiWorkerMirroredStrategy,
     MultiWorkerOptions, OneDeviceStrategy,
 };
 pub use strata_transport::ps;

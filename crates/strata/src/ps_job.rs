@@ -41,7 +41,7 @@ use serde::{Deserialize, Serialize};
 use strata_core::data::{Batch, BatchData};
 use strata_core::{ReduceOp, Strategy};
 use strata_strategies::parameter_server::{
-    ParameterServerStrategy, PsModel, PsWorkerModel, StepRegistry, WorkerContext,
+    ClusterCoordinator, ParameterServerStrategy, PsModel, PsWorkerModel, StepRegistry, WorkerContext,
 };
 
 use crate::cnn::Cnn;
@@ -885,10 +885,46 @@ fn epoch_and_evaluation(config: &PsTrainConfig) -> Result<(usize, EvalData)> {
     }
 }
 
+/// The job's step to resume from: the step of the checkpoint every ps task was restored from
+/// ([`ClusterCoordinator::first_step`]); refused when the job has no step left after it.
+fn resume_step(coordinator: &ClusterCoordinator, steps_per_epoch: usize, config: &PsTrainConfig) -> Result<usize> {
+    let resumed = usize::try_from(coordinator.first_step()).unwrap_or(usize::MAX);
+    let total = steps_per_epoch.saturating_mul(config.epochs);
+    let last = config.max_steps.map_or(total, |m| m.min(total));
+    if resumed > 0 && resumed >= last {
+        let max = config.max_steps.map_or(String::new(), |m| format!(", at most {m} steps"));
+        return Err(Error::Usage(format!(
+            "the ps tasks were restored from the checkpoint of step {resumed}, and this job ends at step {last} ({} epochs of {steps_per_epoch} steps{max}); train for more epochs to go on from it",
+            config.epochs
+        )));
+    }
+    if resumed > 0 {
+        tracing::info!(step = resumed, "resuming from the ps tasks' checkpoint");
+    }
+    Ok(resumed)
+}
+
+/// The batches of `epoch` a job runs: those after the step it resumed from and within
+/// `max_steps` (both counted in the job's steps); `None` when there are none.
+fn epoch_batches(
+    epoch: usize,
+    steps_per_epoch: usize,
+    resumed: usize,
+    max_steps: Option<usize>,
+) -> Option<std::ops::Range<usize>> {
+    let before = epoch * steps_per_epoch;
+    let first = resumed.saturating_sub(before).min(steps_per_epoch);
+    let end = max_steps.map_or(steps_per_epoch, |m| m.saturating_sub(before).min(steps_per_epoch));
+    (first < end).then_some(first..end)
+}
+
 /// The coordinator's side: schedules every step of every epoch on the workers, evaluates the
 /// pulled parameters after each epoch (test accuracy for the digits models, validation loss in
 /// nats per character for the transformer), and reports as [`crate::trainer::Trainer::fit`]
-/// does.
+/// does. A job whose ps tasks were all restored from the checkpoint of step `s`
+/// ([`ParameterServerStrategy::restored_step`]) resumes there: the steps before `s` (the
+/// epochs before it, and the first batches of its epoch) are not run again, `--max-steps`
+/// counts them, and the report's `resumed_from_step` is `s`.
 pub fn train_coordinator(
     strategy: &ParameterServerStrategy,
     model: &PsJobModel,
@@ -904,8 +940,9 @@ pub fn train_coordinator(
     let accuracy_metric = matches!(config.spec.model, PsModelKind::Mlp | PsModelKind::Cnn);
     let (steps_per_epoch, eval_data) = epoch_and_evaluation(config)?;
     let coordinator = strategy.coordinator()?;
+    let resumed = resume_step(&coordinator, steps_per_epoch, config)?;
     let progress: &dyn Progress = config.progress.as_deref().unwrap_or(&crate::trainer::Silent);
-    progress.begin((steps_per_epoch * config.epochs) as u64);
+    progress.begin((steps_per_epoch * config.epochs - resumed) as u64);
     let mut epochs = Vec::with_capacity(config.epochs);
     let (mut steps, mut steady_examples, mut steady_time) = (0usize, 0usize, Duration::ZERO);
     let mut final_metric: Option<MetricValue> = None;
@@ -913,15 +950,10 @@ pub fn train_coordinator(
     let started_unix = unix_now() - started.elapsed().as_secs_f64();
     let (mut recorded_steps, mut recorded_examples, mut updates) = (0u64, 0u64, 0u64);
     for epoch in 0..config.epochs {
-        let mut n = steps_per_epoch;
-        if let Some(max) = config.max_steps {
-            n = n.min(max.saturating_sub(steps));
-        }
-        if n == 0 {
-            break;
-        }
+        let Some(batches) = epoch_batches(epoch, steps_per_epoch, resumed, config.max_steps) else { continue };
+        let n = batches.len();
         let t0 = Instant::now();
-        let values: Vec<_> = (0..n)
+        let values: Vec<_> = batches
             .map(|b| {
                 coordinator.schedule::<DigitsStep, DigitsStepResult>(
                     TRAIN_STEP,
@@ -1027,7 +1059,7 @@ pub fn train_coordinator(
         final_metrics: final_metric.into_iter().collect(),
         examples_per_second: steady_examples as f64 / steady_time.as_secs_f64().max(1e-9),
         steps,
-        resumed_from_step: 0,
+        resumed_from_step: resumed,
         skipped_examples: 0,
         wall_seconds: started.elapsed().as_secs_f64(),
         stopped: None,
@@ -1041,6 +1073,16 @@ pub fn train_coordinator(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A job resumed from step `s` runs the batches after it, within `--max-steps`, both counted
+    /// in the job's steps; a fresh job runs every batch as before.
+    #[test]
+    fn a_resumed_job_runs_the_batches_after_its_step() {
+        let b = |epoch, resumed, max| epoch_batches(epoch, 16, resumed, max);
+        assert_eq!((b(0, 0, None), b(1, 0, None), b(0, 0, Some(5))), (Some(0..16), Some(0..16), Some(0..5)));
+        assert_eq!((b(0, 15, None), b(1, 15, None), b(0, 16, None)), (Some(15..16), Some(0..16), None));
+        assert_eq!((b(1, 20, Some(25)), b(2, 20, Some(25)), b(0, 20, Some(25))), (Some(4..9), None, None));
+    }
 
     #[test]
     fn the_mlp_spec_keeps_its_json_and_other_models_are_checked_before_building() {

@@ -16,7 +16,9 @@
 //!   checkpoint. A checkpoint that cannot be written stops the job cleanly: the steps still
 //!   queued fail with an error that names the failure and the last good checkpoint, and
 //!   [`ClusterCoordinator::join`] returns it (never a job that ends well without the
-//!   checkpoints it was asked for).
+//!   checkpoints it was asked for). A job resumed from its ps tasks' checkpoint of step `s`
+//!   ([`CoordinatorOptions::first_step`]) counts its steps from `s`, and names its checkpoints
+//!   so.
 //! - **Liveness.** Every ps task and every worker is probed (a health check, a ping) every
 //!   [`CoordinatorOptions::probe_interval`], each probe with a deadline that ends when
 //!   [`CoordinatorOptions::probe_timeout`] does: a task that stops answering (killed, stopped
@@ -70,6 +72,10 @@ pub struct CoordinatorOptions {
     pub step_retry_for: Duration,
     /// Completed steps between parameter-server checkpoints (`None`: never).
     pub checkpoint_every: Option<u64>,
+    /// The job's steps completed before this coordinator started (default 0): a job resumed
+    /// from its ps tasks' checkpoint of step `s` counts from `s`, so that its checkpoints are
+    /// named for the job's steps (`ckpt-<s + k>`), after the one it resumed from.
+    pub first_step: u64,
     /// How often every ps task and worker is probed (default 500 ms).
     pub probe_interval: Duration,
     /// How long a task may leave probes unanswered before it is lost (default 3 s).
@@ -93,6 +99,7 @@ impl CoordinatorOptions {
             start_grace: Duration::from_secs(10),
             step_retry_for: Duration::from_secs(120),
             checkpoint_every: None,
+            first_step: 0,
             probe_interval: Duration::from_millis(500),
             probe_timeout: Duration::from_secs(3),
             wait_for_restarted_ps: false,
@@ -505,7 +512,7 @@ impl Shared {
             return;
         }
         let mut last = lock(&self.last_checkpoint);
-        let done = self.completed.load(Ordering::SeqCst);
+        let done = self.options.first_step + self.completed.load(Ordering::SeqCst);
         if done < last.step + every || lock(&self.state).stopping {
             return;
         }
@@ -519,6 +526,8 @@ impl Shared {
                 Err(e) => {
                     let good = if last.step == 0 {
                         "no checkpoint was written before it".to_string()
+                    } else if last.paths.is_empty() {
+                        format!("the last good checkpoint is the one of step {} the job resumed from", last.step)
                     } else {
                         let at: Vec<String> = last.paths.iter().map(|p| p.display().to_string()).collect();
                         format!("the last good checkpoint is step {} ({})", last.step, at.join(", "))
@@ -799,6 +808,7 @@ impl ClusterCoordinator {
             tracing::warn!(worker = %name, grace = ?options.start_grace, "a worker did not answer; the job starts without it and gives it steps once it does");
         }
         let n = workers.len();
+        let last_checkpoint = LastCheckpoint { step: options.first_step, paths: Vec::new() };
         let shared = Arc::new(Shared {
             run_id: format!("coordinator-{:016x}", random_u64()),
             names: workers.iter().map(|(n, _)| n.clone()).collect(),
@@ -823,7 +833,7 @@ impl ClusterCoordinator {
             completed: AtomicU64::new(0),
             failures: AtomicU64::new(0),
             rescheduled: AtomicU64::new(0),
-            last_checkpoint: Mutex::new(LastCheckpoint::default()),
+            last_checkpoint: Mutex::new(last_checkpoint),
             announced: Mutex::new(0),
         });
         let mut me = Self { shared: shared.clone(), dispatchers: Vec::with_capacity(n) };
@@ -948,7 +958,14 @@ impl ClusterCoordinator {
         value.fetch()
     }
 
-    /// How many steps completed successfully.
+    /// The job's steps completed before this coordinator started
+    /// ([`CoordinatorOptions::first_step`]): the step a resumed job continues from.
+    pub fn first_step(&self) -> u64 {
+        self.shared.options.first_step
+    }
+
+    /// How many steps completed successfully (this coordinator's, not counting
+    /// [`first_step`](Self::first_step)).
     pub fn steps_completed(&self) -> u64 {
         self.shared.completed.load(Ordering::SeqCst)
     }

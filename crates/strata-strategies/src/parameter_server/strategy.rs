@@ -138,8 +138,8 @@ impl std::fmt::Debug for ParameterServerStrategy {
     }
 }
 
-/// [`PsControl`] over a [`PsClient`], for the coordinator.
-struct PsTask(PsClient);
+/// [`PsControl`] over a [`PsClient`] of a task of a job of `.1` ps tasks, for the coordinator.
+struct PsTask(PsClient, u32);
 
 impl PsControl for PsTask {
     fn ps_task(&self) -> String {
@@ -147,7 +147,7 @@ impl PsControl for PsTask {
     }
 
     fn checkpoint(&self, step: u64) -> std::result::Result<PathBuf, String> {
-        self.0.checkpoint(step).map(|(path, _)| path).map_err(|e| e.to_string())
+        self.0.checkpoint_of_job(step, self.1).map(|(path, _)| path).map_err(|e| e.to_string())
     }
 
     fn configure(&self, live_workers: u32) -> std::result::Result<(), String> {
@@ -300,19 +300,45 @@ impl ParameterServerStrategy {
         Ok(ps_model)
     }
 
+    /// The step the job resumes from: the step of the checkpoint every ps task was restored
+    /// from (`strata ps --restore`, its own checkpoint or the whole job's), when they all were,
+    /// from the same step; otherwise 0 (a fresh job, or a task restarted from its checkpoint
+    /// while the others kept running).
+    pub fn restored_step(&self) -> Result<u64> {
+        let mut steps = Vec::with_capacity(self.ps_clients.len());
+        for c in &self.ps_clients {
+            steps.push(c.status()?.restored_step);
+        }
+        match steps.split_first() {
+            Some((&first, rest)) if first > 0 && rest.iter().all(|&s| s == first) => Ok(first),
+            _ => {
+                if steps.iter().any(|&s| s > 0) {
+                    tracing::warn!(
+                        ?steps,
+                        "the ps tasks were restored from checkpoints of different steps; the job starts from step 0"
+                    );
+                }
+                Ok(0)
+            }
+        }
+    }
+
     /// A coordinator that schedules steps on this cluster's workers and checkpoints the ps tasks
-    /// every [`ParameterServerOptions::checkpoint_every`] steps. Must not be called from inside a
-    /// tokio runtime.
+    /// every [`ParameterServerOptions::checkpoint_every`] steps, counting the job's steps from
+    /// [`restored_step`](Self::restored_step) ([`ClusterCoordinator::first_step`]). Must not be
+    /// called from inside a tokio runtime.
     pub fn coordinator(&self) -> Result<ClusterCoordinator> {
         let mut workers = Vec::new();
         for i in 0..self.cluster.num_tasks(TaskType::Worker) {
             workers.push((format!("worker:{i}"), self.cluster.address(TaskId::worker(i))?.to_string()));
         }
+        let num_ps = u32::try_from(self.ps_clients.len()).unwrap_or(u32::MAX);
         let ps: Vec<Arc<dyn PsControl>> =
-            self.ps_clients.iter().map(|c| Arc::new(PsTask(c.clone())) as Arc<dyn PsControl>).collect();
+            self.ps_clients.iter().map(|c| Arc::new(PsTask(c.clone(), num_ps)) as Arc<dyn PsControl>).collect();
         let mut options = CoordinatorOptions::new(self.options.token.clone());
         options.step_retry_for = self.options.step_retry_for;
         options.checkpoint_every = self.options.checkpoint_every;
+        options.first_step = self.restored_step()?;
         options.wait_for_restarted_ps = self.options.wait_for_restarted_ps;
         options.abort = self.abort.clone();
         ClusterCoordinator::with_ps_tasks(workers, ps, options)

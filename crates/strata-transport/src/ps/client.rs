@@ -821,7 +821,15 @@ impl PsClient {
 
     /// Writes a checkpoint named for `step`; returns its directory and the task's version.
     pub fn checkpoint(&self, step: u64) -> Result<(PathBuf, u64)> {
-        let r = self.call("Checkpoint", |mut raw| async move { raw.checkpoint(PsCheckpointRequest { step }).await })?;
+        self.checkpoint_of_job(step, 0)
+    }
+
+    /// [`checkpoint`](Self::checkpoint) of a task of a job of `num_tasks` ps tasks (0: not
+    /// said), which the checkpoint records, so that a restore of the job's checkpoints onto
+    /// another number of tasks can tell that it has every old task's.
+    pub fn checkpoint_of_job(&self, step: u64, num_tasks: u32) -> Result<(PathBuf, u64)> {
+        let request = PsCheckpointRequest { step, num_tasks };
+        let r = self.call("Checkpoint", |mut raw| async move { raw.checkpoint(request).await })?;
         let r = r.into_inner();
         Ok((PathBuf::from(r.path), r.version))
     }

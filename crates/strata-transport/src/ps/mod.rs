@@ -84,6 +84,13 @@ pub use strata_ps::{
     CreateOutcome, LrSchedule, PsMode, PsStatus, PushOutcome, RowGrads, RowOptimizer, ServerOptimizer, TableInfo,
     TableStatus, UpdateId, VariableInfo, WireFormat, MAX_CHUNK_BYTES, MAX_CHUNK_ELEMENTS, MAX_VARIABLE_ELEMENTS,
 };
+// A ps task's checkpoints, read back: one task's ([`read_snapshot`]) and a whole job's
+// ([`job_checkpoint_tasks`] says whether a directory is one, [`read_job_checkpoint`] restores it
+// onto a task of any number), for programs that check or move them.
+pub use strata_ps::{
+    job_checkpoint_tasks, job_task_dir, read_job_checkpoint, read_snapshot, JobRestore, RestorePool, Snapshot,
+    TableRows,
+};
 pub use tables::RowsPulled;
 // The error the types above return (`ServerOptimizer::validate`, `VariableInfo::validate`), named
 // here so that a program using this module (or the strata facade's `ps`) can name it too.
@@ -142,8 +149,14 @@ pub struct PsServerConfig {
     /// How many checkpoints to keep (the oldest are removed).
     pub keep_checkpoints: usize,
     /// A checkpoint to restore at start: a root holding `ckpt-*` directories (the latest is
-    /// used) or one `ckpt-<step>` directory.
+    /// used) or one `ckpt-<step>` directory; or a whole job's checkpoint root holding each ps
+    /// task's, `ps-0`, `ps-1`, ... (the latest step every one has), restored onto this task's
+    /// place, [`job_place`](Self::job_place), whatever the old job's number of tasks
+    /// ([`strata_ps::read_job_checkpoint`]).
     pub restore: Option<PathBuf>,
+    /// This task's index and its job's number of ps tasks, when known: what restoring a whole
+    /// job's checkpoint needs (it is refused without them). `None` by default.
+    pub job_place: Option<(u32, u32)>,
     /// Faults to inject (tests only): when any is asked for, the service is wrapped in a layer
     /// that injects them on `Push` calls.
     pub faults: FaultInjection,
@@ -171,6 +184,7 @@ impl PsServerConfig {
             checkpoint_dir: None,
             keep_checkpoints: 3,
             restore: None,
+            job_place: None,
             faults: FaultInjection::default(),
             round_timeout: Duration::from_secs(120),
             stream_min_bytes: Some(2 * MAX_CHUNK_BYTES),

@@ -16,8 +16,8 @@ use strata_proto::v1::{
     PullMessage, PullRequest, PullRowsRequest, PushMessage, PushResponse, TensorChunk,
 };
 use strata_ps::{
-    read_snapshot, write_snapshot, Chunk, PullResult, PushDecision, PushHeader, PushReply, RowPull, State, Streamed,
-    UpdateKey, WireFormat, MAX_CHUNK_BYTES,
+    job_checkpoint_tasks, read_job_checkpoint, read_snapshot, write_job_snapshot, write_snapshot, Chunk, PullResult,
+    PushDecision, PushHeader, PushReply, RowPull, State, Streamed, UpdateKey, WireFormat, MAX_CHUNK_BYTES,
 };
 use tokio::sync::watch;
 use tokio_stream::Stream;
@@ -486,17 +486,20 @@ impl ParameterServer for Svc {
     }
 
     async fn checkpoint(&self, req: Request<PsCheckpointRequest>) -> Result<Response<PsCheckpointResponse>, Status> {
-        let step = req.into_inner().step;
+        let PsCheckpointRequest { step, num_tasks } = req.into_inner();
         let Some(root) = self.0.config.checkpoint_dir.clone() else {
             return Err(status(strata_ps::Error::NoCheckpointDir { task: self.0.config.task.clone() }));
         };
         let snapshot = self.0.lock().snapshot();
         let keep = self.0.config.keep_checkpoints.max(1);
         let version = snapshot.version;
-        let written = tokio::task::spawn_blocking(move || write_snapshot(&root, step, snapshot, keep))
-            .await
-            .map_err(|_| Status::internal("the checkpoint writer stopped"))?
-            .map_err(status)?;
+        let written = tokio::task::spawn_blocking(move || match num_tasks {
+            0 => write_snapshot(&root, step, snapshot, keep),
+            n => write_job_snapshot(&root, step, snapshot, keep, n),
+        })
+        .await
+        .map_err(|_| Status::internal("the checkpoint writer stopped"))?
+        .map_err(status)?;
         tracing::info!(task = %self.0.config.task, step, version, path = %written.display(), "checkpoint written");
         Ok(Response::new(PsCheckpointResponse { path: written.display().to_string(), version }))
     }
@@ -513,6 +516,29 @@ impl ParameterServer for Svc {
         }
         Ok(Response::new(PsConfigureResponse {}))
     }
+}
+
+/// Restores `state` from `path`: a whole job's checkpoint (`ps-0`, `ps-1`, ...) onto the
+/// task's place in its job (refused without one), or one task's own checkpoint.
+fn restore(state: &mut State, path: &std::path::Path, config: &PsServerConfig) -> Result<()> {
+    let task = &config.task;
+    match job_checkpoint_tasks(path)? {
+        Some(tasks) => {
+            let Some((index, num_tasks)) = config.job_place else {
+                return Err(strata_ps::Error::JobPlaceUnknown { dir: path.to_path_buf(), tasks }.into());
+            };
+            let restored = read_job_checkpoint(path, index, num_tasks)?;
+            let (step, version, parts) = (restored.step, restored.snapshot.version, restored.pool.parts());
+            tracing::info!(%task, step, version, old_tasks = tasks, index, num_tasks, parts, "restored from a job's checkpoint");
+            state.restore_job(restored);
+        }
+        None => {
+            let (snap, step) = read_snapshot(path)?;
+            tracing::info!(%task, step, version = snap.version, "restored from a checkpoint");
+            state.restore(snap, step);
+        }
+    }
+    Ok(())
 }
 
 /// Marks a [`ServerHandle`] as a parameter-server task's.
@@ -533,9 +559,7 @@ impl PsServerHandle {
         }
         let mut state = State::new(config.task.clone(), config.stream_min_bytes);
         if let Some(path) = &config.restore {
-            let (snap, step) = read_snapshot(path)?;
-            tracing::info!(task = %config.task, step, version = snap.version, "restored from a checkpoint");
-            state.restore(snap, step);
+            restore(&mut state, path, &config)?;
         }
         let (listener, address) = crate::lifecycle::listen(bind, &format!("the parameter server {}", config.task))?;
         let (version, _) = watch::channel(state.version());
