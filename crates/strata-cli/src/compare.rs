@@ -139,10 +139,18 @@ mod tests {
         assert_eq!(exp::CTR_DEFAULT_ROWS, train_args::CTR_ROWS);
         assert_eq!(exp::CTR_DEFAULT_TRAIN_RECORDS, train_args::CTR_TRAIN_RECORDS);
         assert_eq!(exp::CTR_DEFAULT_TEST_RECORDS, train_args::CTR_TEST_RECORDS);
+        // The rows' optimizer strata train steps a parameter-server run's table with when the
+        // flags leave it out.
         let args = Flags::try_parse_from(["train", "--model", "ctr"]).unwrap().args;
-        assert_eq!(args.table_lr, exp::CTR_DEFAULT_TABLE_LR);
-        let name = clap::ValueEnum::to_possible_value(&args.table_optimizer).unwrap().get_name().to_string();
-        assert_eq!(name, exp::CTR_DEFAULT_TABLE_OPTIMIZER.name());
+        let default = <train_args::TableOptimizerKind as clap::ValueEnum>::from_str(
+            exp::CTR_DEFAULT_TABLE_OPTIMIZER.name(),
+            false,
+        )
+        .unwrap();
+        assert_eq!(
+            format!("{:?}", args.row_optimizer()),
+            format!("{:?}", default.row_optimizer(exp::CTR_DEFAULT_TABLE_LR))
+        );
         // Every row optimizer the harness names is one strata train takes.
         for o in [
             exp::TableOptimizer::Sgd,
