@@ -130,7 +130,7 @@ named_kinds! {
         CandleSgd = "candle-sgd": "candle-nn's `SGD`.",
         /// SGD with momentum, on parameter servers.
         Momentum = "momentum": "SGD with momentum (PyTorch's form; Keras' at a constant learning rate; `strata::optim::FusedMomentum` on replicas).",
-        /// [`FusedAdagrad`](strata_core::optim::FusedAdagrad).
+        /// Strata's `FusedAdagrad`.
         Adagrad = "adagrad": "Adagrad, Keras' semantics (accumulators from 0.1, epsilon 1e-7; `strata::optim::FusedAdagrad` on replicas).",
     }
 }

@@ -43,13 +43,12 @@ struct Step {
     /// The lease (and update step) of this step's pulls and push.
     lease: u64,
     tables: HashMap<String, StepTable>,
-    /// Bytes of row values this step pulled so far (counted as traffic once the step pushes).
-    pulled_bytes: u64,
 }
 
 /// What a store's training steps moved: the steps that pushed rows, the bytes of row values
-/// they pulled (f32) and the bytes of row gradients and ids they pushed. Lookups of steps that
-/// push nothing (evaluation) are not counted.
+/// they pulled (f32) and the bytes of row gradients and ids they pushed. A training step pulls
+/// each of its distinct rows once and pushes a gradient for each, so its pulled bytes are its
+/// pushed rows x dim x 4; lookups of no training step (evaluation's) are not counted.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub struct TableTraffic {
     /// Steps that pushed rows.
@@ -226,13 +225,12 @@ impl PsTables {
                 }
             }
         }
-        let pulled = std::mem::take(&mut step.pulled_bytes);
         let rows: u64 = per_task.iter().flat_map(|(r, _)| r).map(|r| r.ids.len() as u64).sum();
         if rows > 0 {
             let values: u64 = per_task.iter().flat_map(|(r, _)| r).map(|r| r.grads.len() as u64).sum();
             let mut t = lock(&self.traffic);
             t.steps += 1;
-            t.bytes_pulled += pulled;
+            t.bytes_pulled += values * 4;
             t.bytes_pushed += values * 4 + rows * 8;
             t.rows_pushed += rows;
         }
@@ -351,7 +349,6 @@ impl TableStore for PsTables {
             values[i * dim..(i + 1) * dim].copy_from_slice(row);
         }
         let mut step = lock(&self.step);
-        step.pulled_bytes += pulled.iter().flatten().map(|(v, _)| v.len() as u64 * 4).sum::<u64>();
         let st = step.tables.entry(table.to_string()).or_default();
         for (k, p) in pulled.iter().enumerate() {
             if let Some((_, version)) = p {
@@ -393,9 +390,7 @@ impl TableStore for PsTables {
         }
         let lease = self.lease();
         let pushed = if failed {
-            let mut step = lock(&self.step);
-            step.tables.clear();
-            step.pulled_bytes = 0;
+            lock(&self.step).tables.clear();
             Ok(())
         } else if self.push_at_end {
             self.push(lease)
