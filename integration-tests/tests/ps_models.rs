@@ -218,7 +218,7 @@ fn compare_runs_a_transformer_experiment_against_a_loss_target() {
     assert_eq!((ps["steps"].as_u64(), ps["updates"].as_u64()), (Some(12), Some(6)), "{ps}");
     assert!(ps["final_validation_loss"].as_f64().unwrap() < UNIFORM_LOSS - 0.2, "{ps}");
     let csv = std::fs::read_to_string(out_dir.join("runs.csv")).unwrap();
-    assert!(csv.lines().next().unwrap().ends_with(",accuracy,validation_loss"), "{csv}");
+    assert!(csv.lines().next().unwrap().ends_with(",accuracy,validation_loss,auc"), "{csv}");
     let report = std::fs::read_to_string(out_dir.join("REPORT.md")).unwrap();
     assert!(report.contains("a validation loss of 4.10 nats per character"), "{report}");
 }
