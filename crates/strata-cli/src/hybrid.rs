@@ -133,20 +133,7 @@ pub(crate) fn join(args: &TrainArgs) -> Result<Joined> {
 /// Starts `--ps-tasks` ps tasks and `--workers - 1` workers on loopback; this process is
 /// worker 0.
 fn start_local(args: &TrainArgs) -> Result<(ClusterConfig, ClusterToken, LocalCluster)> {
-    if args.ps_tasks == 0 || args.workers == 0 {
-        return Err(Error::Usage(format!(
-            "--ps-tasks {} --workers {}: a hybrid job needs at least one of each",
-            args.ps_tasks, args.workers
-        )));
-    }
-    if args.ps_tasks.saturating_add(args.workers) > launch::MAX_LOCAL_TASKS {
-        return Err(Error::Usage(format!(
-            "--ps-tasks {} --workers {}: over the limit of {} processes started on this machine; start fewer, or give TF_CONFIG a cluster of several machines",
-            args.ps_tasks,
-            args.workers,
-            launch::MAX_LOCAL_TASKS
-        )));
-    }
+    ps::check_local_sizes(args, "hybrid")?;
     let tasks = launch::tasks(false, args.workers, args.ps_tasks);
     let addresses = launch::free_addresses(args.bind, tasks.len())?;
     let spec = launch::cluster_spec(&tasks, &addresses)?;

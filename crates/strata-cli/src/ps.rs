@@ -673,12 +673,12 @@ pub(crate) fn serve_task(args: &TrainArgs, c: ClusterConfig) -> Result<()> {
     }
 }
 
-/// Starts a local cluster of `--ps-tasks` ps tasks and `--workers` worker tasks on loopback
-/// (this process is the chief): its spec, its processes and the token they share.
-fn start_local_cluster(args: &TrainArgs) -> Result<(ClusterSpec, LocalCluster, String)> {
+/// Refuses a local cluster of `--ps-tasks` and `--workers` (of a `job` job) without one of
+/// each, or over the processes one machine starts.
+pub(crate) fn check_local_sizes(args: &TrainArgs, job: &str) -> Result<()> {
     if args.ps_tasks == 0 || args.workers == 0 {
         return Err(Error::Usage(format!(
-            "--ps-tasks {} --workers {}: a parameter-server job needs at least one of each",
+            "--ps-tasks {} --workers {}: a {job} job needs at least one of each",
             args.ps_tasks, args.workers
         )));
     }
@@ -690,6 +690,13 @@ fn start_local_cluster(args: &TrainArgs) -> Result<(ClusterSpec, LocalCluster, S
             launch::MAX_LOCAL_TASKS
         )));
     }
+    Ok(())
+}
+
+/// Starts a local cluster of `--ps-tasks` ps tasks and `--workers` worker tasks on loopback
+/// (this process is the chief): its spec, its processes and the token they share.
+fn start_local_cluster(args: &TrainArgs) -> Result<(ClusterSpec, LocalCluster, String)> {
+    check_local_sizes(args, "parameter-server")?;
     if let Some(dir) = &args.checkpoint_dir {
         train_args::checkpoint_dir_writable(dir)?;
     }

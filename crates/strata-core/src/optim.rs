@@ -734,6 +734,47 @@ impl crate::checkpoint::OptimizerState for FusedSgd {
     }
 }
 
+/// Loads the state of an optimizer that keeps one tensor per variable (`vars`: each variable
+/// and its state), saved as `{prefix}.{i}` for the i-th: every tensor checked (given once, none
+/// missing, none unknown, each fitting its variable) before any is set.
+fn load_one_state_per_variable(
+    name: &str,
+    prefix: &str,
+    vars: &[(Var, Var)],
+    state: &[(String, Tensor)],
+) -> crate::Result<()> {
+    let n = vars.len();
+    let mut by_name = std::collections::HashMap::with_capacity(state.len());
+    for (key, tensor) in state {
+        if by_name.insert(key.as_str(), tensor).is_some() {
+            return Err(state_error(name, format!("tensor {key:?} is given twice")));
+        }
+    }
+    let mut next = Vec::with_capacity(n);
+    for (i, (var, _)) in vars.iter().enumerate() {
+        let key = format!("{prefix}.{i}");
+        let t = by_name.remove(key.as_str()).ok_or_else(|| {
+            state_error(
+                name,
+                format!(
+                    "tensor {key:?} is missing (the optimizer has {n} variables); load state saved from the same model"
+                ),
+            )
+        })?;
+        next.push(state_for(name, &key, t, var)?);
+    }
+    if let Some(extra) = by_name.keys().min() {
+        return Err(state_error(
+            name,
+            format!("unknown tensor {extra:?} (the optimizer has {n} variables); load state saved from the same model"),
+        ));
+    }
+    for ((_, s), t) in vars.iter().zip(next) {
+        s.set(&t)?;
+    }
+    Ok(())
+}
+
 /// `FusedMomentum` saves, for the i-th floating-point variable it was created with, `v.{i}`
 /// (its velocity).
 impl crate::checkpoint::OptimizerState for FusedMomentum {
@@ -746,37 +787,7 @@ impl crate::checkpoint::OptimizerState for FusedMomentum {
     }
 
     fn load_state_tensors(&mut self, state: &[(String, Tensor)]) -> crate::Result<()> {
-        const NAME: &str = "FusedMomentum";
-        let n = self.vars.len();
-        let mut by_name = std::collections::HashMap::with_capacity(state.len());
-        for (key, tensor) in state {
-            if by_name.insert(key.as_str(), tensor).is_some() {
-                return Err(state_error(NAME, format!("tensor {key:?} is given twice")));
-            }
-        }
-        let mut next = Vec::with_capacity(n);
-        for (i, (var, _)) in self.vars.iter().enumerate() {
-            let key = format!("v.{i}");
-            let t = by_name.remove(key.as_str()).ok_or_else(|| {
-                state_error(
-                    NAME,
-                    format!("tensor {key:?} is missing (the optimizer has {n} variables); load state saved from the same model"),
-                )
-            })?;
-            next.push(state_for(NAME, &key, t, var)?);
-        }
-        if let Some(extra) = by_name.keys().min() {
-            return Err(state_error(
-                NAME,
-                format!(
-                    "unknown tensor {extra:?} (the optimizer has {n} variables); load state saved from the same model"
-                ),
-            ));
-        }
-        for ((_, v), t) in self.vars.iter().zip(next) {
-            v.set(&t)?;
-        }
-        Ok(())
+        load_one_state_per_variable("FusedMomentum", "v", &self.vars, state)
     }
 }
 
@@ -792,37 +803,7 @@ impl crate::checkpoint::OptimizerState for FusedAdagrad {
     }
 
     fn load_state_tensors(&mut self, state: &[(String, Tensor)]) -> crate::Result<()> {
-        const NAME: &str = "FusedAdagrad";
-        let n = self.vars.len();
-        let mut by_name = std::collections::HashMap::with_capacity(state.len());
-        for (key, tensor) in state {
-            if by_name.insert(key.as_str(), tensor).is_some() {
-                return Err(state_error(NAME, format!("tensor {key:?} is given twice")));
-            }
-        }
-        let mut next = Vec::with_capacity(n);
-        for (i, (var, _)) in self.vars.iter().enumerate() {
-            let key = format!("acc.{i}");
-            let t = by_name.remove(key.as_str()).ok_or_else(|| {
-                state_error(
-                    NAME,
-                    format!("tensor {key:?} is missing (the optimizer has {n} variables); load state saved from the same model"),
-                )
-            })?;
-            next.push(state_for(NAME, &key, t, var)?);
-        }
-        if let Some(extra) = by_name.keys().min() {
-            return Err(state_error(
-                NAME,
-                format!(
-                    "unknown tensor {extra:?} (the optimizer has {n} variables); load state saved from the same model"
-                ),
-            ));
-        }
-        for ((_, a), t) in self.vars.iter().zip(next) {
-            a.set(&t)?;
-        }
-        Ok(())
+        load_one_state_per_variable("FusedAdagrad", "acc", &self.vars, state)
     }
 }
 
