@@ -15,7 +15,15 @@
 #   scripts/bench/peers.sh --quick                 # ~2 s per configuration, 1 Strata round
 #   scripts/bench/peers.sh --models small,cnn --configs tf-mirrored,torch-ddp --seconds 20
 #   scripts/bench/peers.sh --no-strata             # the peers only
+#   scripts/bench/peers.sh --isa avx2              # as on an AVX2 host, on any x86-64 machine
 #   scripts/bench/peers.sh --help                  # every option (scripts/bench/peers/run.py)
+#
+# `--isa avx2` measures an AVX2 host's figures on an AVX-512 one, both sides kept to AVX2 by
+# their own switches: PyTorch with ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2 and
+# MKL_ENABLE_INSTRUCTIONS=AVX2 (TensorFlow's oneDNN with the second), Strata built without its
+# `avx512` feature (`cargo build --release -p strata-cli --no-default-features`, into
+# target/avx2), so neither gemm nor strata::fused has AVX-512 code to choose. The table's header
+# says which ISA, PyTorch's `cpu_capability` and Strata's backend line.
 #
 # Configurations: tf-one-device, tf-mirrored, tf-mwms, torch-threads, torch-ddp. Models: small,
 # large, cnn, transformer (`strata bench train` may not have cnn and transformer yet: its cells

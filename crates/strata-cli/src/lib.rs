@@ -91,6 +91,9 @@ pub enum BenchCommand {
     Ps(bench::ps::BenchPsArgs),
     /// gRPC streaming against raw TCP throughput on loopback (why the data plane is raw TCP).
     Transport(bench::transport::BenchTransportArgs),
+    /// The CPU kernels the benchmark models spend their time in, one thread each, beside the
+    /// machine's compute and memory peaks, and which vector code ran.
+    Kernels(bench::kernels::BenchKernelsArgs),
 }
 
 /// Runs the command line.
@@ -108,6 +111,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Bench { which: BenchCommand::Train(args) } => bench::train::run(&args),
         Command::Bench { which: BenchCommand::Transport(args) } => bench::transport::run(&args),
         Command::Bench { which: BenchCommand::Ps(args) } => bench::ps::run(&args),
+        Command::Bench { which: BenchCommand::Kernels(args) } => bench::kernels::run(&args),
     }
 }
 

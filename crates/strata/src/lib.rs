@@ -156,16 +156,39 @@ pub fn init_cpu_threads() {
 /// kernels it uses on this CPU (detected now), for instance
 /// `"gemm crate, x86-v4 kernels on (AVX-512 in use)"`. Benchmarks print it beside their figures.
 pub fn cpu_backend() -> String {
-    #[cfg(target_arch = "x86_64")]
-    let (avx512, avx2) = (std::is_x86_feature_detected!("avx512f"), std::is_x86_feature_detected!("avx2"));
-    #[cfg(not(target_arch = "x86_64"))]
-    let (avx512, avx2) = (false, false);
-    let widest = match (cfg!(feature = "avx512") && avx512, avx2) {
-        (true, _) => "AVX-512 in use",
-        (false, true) if avx512 => "AVX2 in use; this CPU has AVX-512, which the avx512 feature would use",
-        (false, true) => "AVX2 in use",
-        (false, false) => "no AVX2: SSE or scalar kernels",
+    let widest = match simd_level() {
+        SIMD_V4 => "AVX-512 in use",
+        SIMD_V3 if cpu_has_avx512() => "AVX2 in use; this CPU has AVX-512, which the avx512 feature would use",
+        SIMD_V3 => "AVX2 in use",
+        _ => "no AVX2: SSE or scalar kernels",
     };
     let v4 = if cfg!(feature = "avx512") { "on" } else { "off" };
     format!("gemm crate, x86-v4 kernels {v4} ({widest})")
+}
+
+const SIMD_V4: &str = "x86-v4 (AVX-512)";
+const SIMD_V3: &str = "x86-v3 (AVX2 and FMA)";
+
+fn cpu_has_avx512() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return std::is_x86_feature_detected!("avx512f");
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// The vector instructions the CPU kernels of this build run on this CPU: `"x86-v4
+/// (AVX-512)"`, `"x86-v3 (AVX2 and FMA)"` or `"baseline (SSE2 or scalar)"`. gemm (candle's
+/// matrix products) and [`fused`]'s kernels choose at run time, between the levels this build
+/// has: x86-v4 only with the `avx512` feature, so a build without it (`cargo build
+/// --no-default-features`) runs as on an AVX2 host whatever the CPU.
+pub fn simd_level() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    let avx2 = std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma");
+    #[cfg(not(target_arch = "x86_64"))]
+    let avx2 = false;
+    match (cfg!(feature = "avx512") && cpu_has_avx512(), avx2) {
+        (true, _) => SIMD_V4,
+        (false, true) => SIMD_V3,
+        (false, false) => "baseline (SSE2 or scalar)",
+    }
 }

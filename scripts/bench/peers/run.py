@@ -86,24 +86,49 @@ def wait_all(ps, timeout):
     return None
 
 
+# What `--isa avx2` sets for the peers: PyTorch's own kernels (ATen), oneDNN (PyTorch's and
+# TensorFlow's) and MKL (PyTorch's matrix products) each kept to AVX2 by their own switch.
+AVX2_PEER_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+
+
+def peer_env(a):
+    return dict(os.environ, **(AVX2_PEER_ENV if a.isa == "avx2" else {}))
+
+
 def run_peer(name, model, a):
+    """A peer configuration's result, or None and why not. A configuration of several
+    processes that fails is run once more (PyTorch's gloo sometimes aborts a DDP process,
+    "terminate called without an active exception", at random); the result then says so."""
+    r, why = run_peer_once(name, model, a)
+    if r is None and CONFIGS[name][3] > 1 and not why.startswith("timed out"):
+        print(f"  failed ({why}); once more", file=sys.stderr, flush=True)
+        r, why2 = run_peer_once(name, model, a)
+        if r is not None:
+            r["retried_after"] = why
+        else:
+            why = f"{why}; again: {why2}"
+    return r, why
+
+
+def run_peer_once(name, model, a):
     framework, script, config, procs = CONFIGS[name]
     cmd = [sys.executable, os.path.join(HERE, script), "--model", model, "--config", config,
            "--seconds", str(a.seconds), "--warmup", str(a.warmup)]
     if a.steps:
         cmd += ["--steps", str(a.steps)]
     envs = []
+    base = peer_env(a)
     if procs == 1:
-        envs.append(dict(os.environ))
+        envs.append(base)
     elif framework == "tensorflow":
         workers = [f"127.0.0.1:{free_port()}" for _ in range(procs)]
         for i in range(procs):
             tf_config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}}
-            envs.append(dict(os.environ, TF_CONFIG=json.dumps(tf_config)))
+            envs.append(dict(base, TF_CONFIG=json.dumps(tf_config)))
     else:
         port = str(free_port())
         for i in range(procs):
-            envs.append(dict(os.environ, RANK=str(i), WORLD_SIZE=str(procs), MASTER_ADDR="127.0.0.1",
+            envs.append(dict(base, RANK=str(i), WORLD_SIZE=str(procs), MASTER_ADDR="127.0.0.1",
                              MASTER_PORT=port, OMP_NUM_THREADS="1"))
     files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in envs]
     ps = [start(cmd, e, o, r) for e, (o, r) in zip(envs, files)]
@@ -141,12 +166,19 @@ def run_strata(models, a):
         return {}, "", "skipped (--no-strata)"
     exe = a.strata
     if not exe:
-        exe = os.path.join(common.ROOT, "target", "release", "strata")
-        if not os.path.exists(exe):
-            print("building strata: cargo build --release -p strata-cli", file=sys.stderr, flush=True)
-            r = subprocess.run(["cargo", "build", "--release", "-p", "strata-cli"], cwd=common.ROOT)
+        # `--isa avx2`: Strata built without its `avx512` feature, so that neither gemm nor
+        # strata::fused has AVX-512 code to choose (built into target/avx2 once, then reused).
+        build = ["cargo", "build", "--release", "-p", "strata-cli"]
+        if a.isa == "avx2":
+            build += ["--no-default-features", "--target-dir", os.path.join(common.ROOT, "target", "avx2")]
+            exe = os.path.join(common.ROOT, "target", "avx2", "release", "strata")
+        else:
+            exe = os.path.join(common.ROOT, "target", "release", "strata")
+        if not os.path.exists(exe) or a.isa == "avx2":
+            print(f"building strata: {' '.join(build)}", file=sys.stderr, flush=True)
+            r = subprocess.run(build, cwd=common.ROOT)
             if r.returncode != 0:
-                return {}, "", "cargo build --release -p strata-cli failed"
+                return {}, "", f"{' '.join(build)} failed"
     results, raw, notes = {}, "", []
     flags = ["--rounds", str(a.strata_rounds), "--seconds", str(a.seconds), "--replicas", "2"]
     # One invocation per model: a model this binary does not know fails alone.
@@ -242,6 +274,10 @@ def main():
     ap.add_argument("--strata-rounds", type=int, default=3, help="strata bench train --rounds (it reports medians)")
     ap.add_argument("--no-strata", action="store_true", help="the peers only")
     ap.add_argument("--raw", action="store_true", help="also print strata bench train's own table")
+    ap.add_argument("--isa", choices=("native", "avx2"), default="native",
+                    help="avx2: measure as on an AVX2 host: the peers with ATEN_CPU_CAPABILITY=avx2, "
+                         "ONEDNN_MAX_CPU_ISA=AVX2, MKL_ENABLE_INSTRUCTIONS=AVX2; Strata built without "
+                         "its avx512 feature (into target/avx2, unless --strata names a binary)")
     a = ap.parse_args()
     if a.quick:
         a.seconds, a.warmup, a.strata_rounds = 2.0, 3, 1
@@ -289,6 +325,16 @@ def main():
           f"strata bench train: median of {a.strata_rounds} round(s) of {a.seconds:g} s")
     print("# global batch 256 (transformer: 32 sequences of 64 tokens), f32, AdamW; "
           "rates in examples/s (tokens/s for the transformer)")
+    backend = next((ln.split("backend:", 1)[1].strip() for ln in raw.splitlines() if "backend:" in ln), None)
+    if a.isa == "avx2":
+        print("# ISA: avx2 (as on an AVX2 host): the peers with " + " ".join(f"{k}={v}" for k, v in AVX2_PEER_ENV.items()) +
+              f"; Strata: {a.strata or 'built without its avx512 feature (target/avx2)'}")
+        if backend and "AVX-512 in use" in backend:
+            print("# WARNING: this Strata binary uses AVX-512 (its backend line below): its rows are not AVX2 figures")
+    else:
+        print("# ISA: native (every framework chooses its kernels for this CPU)")
+    if backend:
+        print(f"# strata's backend: {backend}")
     if note:
         print(f"# strata: {note}")
     print()
@@ -309,6 +355,11 @@ def main():
         print(line(r))
     print()
     print("# ratio = Strata / peer, both measured above in this run; n/a: not measured (a model strata bench train does not have)")
+    for m in models:
+        for c in configs:
+            r, _ = peer[(m, c)]
+            if r and r.get("retried_after"):
+                print(f"# {m}, {LABEL[c]}: measured at the second try; the first failed: {r['retried_after']}")
     for m in models:
         other = [f"{c} {fmt(v)}" for (mm, c), v in strata.items() if mm == m and c not in ("mirrored", "multi-worker")]
         if other:

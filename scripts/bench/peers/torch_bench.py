@@ -121,6 +121,7 @@ if args.config == "ddp":
 n, dt = common.timed_loop(step, args.warmup, args.seconds, args.steps, agree)
 if rank == 0:
     common.report("pytorch", torch.__version__, args.config, args.model, n, dt,
-                  {"processes": world, "threads": threads, "fused_adamw": fused})
+                  {"processes": world, "threads": threads, "fused_adamw": fused,
+                   "cpu_capability": torch.backends.cpu.get_cpu_capability()})
 if args.config == "ddp":
     dist.destroy_process_group()

@@ -3,6 +3,7 @@
 
 pub mod allreduce;
 pub mod gpu;
+pub mod kernels;
 pub mod ps;
 pub mod train;
 pub mod transport;

@@ -20,7 +20,9 @@
 //! The compute limit is the matmul throughput of K threads at once (K single-thread candle
 //! matmuls of 2048x2048 by 2048x2048 f32, the shape of the large MLP's hidden layer, through
 //! the same backend the models use), measured in the same run, divided by the model's FLOPs per
-//! example (6 per weight: 2 forward, 4 backward); `of limit` is a row's share of it. Ratios to
+//! example (6 per weight: 2 forward, 4 backward); `of limit` is a row's share of it. A one-device
+//! row runs one thread, so its share is of `limit/1`, the same product on one thread alone (the
+//! other cores idle: what that thread has), not of K threads' limit. Ratios to
 //! other frameworks come only from `scripts/bench/peers.sh`, which runs them side by side.
 
 use std::process::Command;
@@ -43,6 +45,9 @@ use strata::OptimizerKind;
 
 use crate::kinds::kind_parser;
 use crate::{Error, Result};
+
+/// The configuration that measures the limit of one thread alone.
+const LIMIT_ONE: &str = "limit/1";
 
 /// The side of the square matmuls that measure the compute limit.
 const LIMIT_MATMUL: usize = 2048;
@@ -621,6 +626,8 @@ fn worker(spec: &str, args: &BenchTrainArgs) -> Result<()> {
     let (config, recompute) = config.strip_suffix("+recompute").map_or((config, false), |c| (c, true));
     let m = if config == "limit" {
         measure_limit(args.replicas, args.seconds)?
+    } else if config == LIMIT_ONE {
+        measure_limit(1, args.seconds)?
     } else {
         match BenchModel::one(model)? {
             BenchModel::Transformer(c) => measure_with(config, args, &Chars(c, recompute, precision))?,
@@ -816,6 +823,9 @@ pub fn run(args: &BenchTrainArgs) -> Result<()> {
         "# ceiling = {k} independent single-thread copies of the per-replica step at once (plain candle), measured now"
     );
     println!("# limit = the matmul GFLOP/s of {k} threads at once ({LIMIT_MATMUL}^3 f32, candle's CPU backend), measured now, over the model's FLOPs per example or token (6 per multiply-add of the forward pass)");
+    if k > 1 {
+        println!("# {LIMIT_ONE} = the same for one thread alone (the other cores idle): the one-device rows run one thread, and their `of limit` is of {LIMIT_ONE}");
+    }
     println!("# every configuration in its own process; medians over rounds; peers (TensorFlow, PyTorch) side by side: scripts/bench/peers.sh");
     if args.stop_check {
         println!("# --stop-check: after every execution (one pass over the benchmark's batches), the stop agreement of strata train (an all-reduce of one number across workers)");
@@ -831,6 +841,9 @@ pub fn run(args: &BenchTrainArgs) -> Result<()> {
         let batch = args.batch.unwrap_or(model.default_batch());
         let units = model.units_per_example() as f64;
         let mut configs: Vec<String> = ["limit", "ceiling", "one-device"].map(String::from).to_vec();
+        if k > 1 {
+            configs.insert(1, LIMIT_ONE.to_string());
+        }
         for stage in &args.zero_stages {
             let suffix = match stage {
                 ZeroStage::Off => String::new(),
@@ -865,7 +878,10 @@ pub fn run(args: &BenchTrainArgs) -> Result<()> {
         let flops = model.flops_per_unit();
         // Units per second if every thread ran its matmuls at the measured rate.
         let limit = gflops * 1e9 / flops;
-        let ceiling = med(1, |m| m.examples_per_second) * units;
+        let at = |name: &str| configs.iter().position(|c| c == name);
+        // One thread alone: what a one-device row (one thread) is measured against.
+        let limit_one = at(LIMIT_ONE).map_or(limit, |i| med(i, |m| m.gflops) * 1e9 / flops);
+        let ceiling = at("ceiling").map_or(0.0, |i| med(i, |m| m.examples_per_second)) * units;
         let unit = model.unit();
         println!();
         println!(
@@ -892,16 +908,24 @@ pub fn run(args: &BenchTrainArgs) -> Result<()> {
         );
         let mib = |b: u64| if b == 0 { "-".to_string() } else { format!("{:.2}M", b as f64 / (1024.0 * 1024.0)) };
         for (i, c) in configs.iter().map(String::as_str).enumerate() {
-            let rate = if c == "limit" { limit } else { med(i, |m| m.examples_per_second) * units };
-            let replicas = if c.starts_with("one-device") { 1 } else { k };
-            let of_ceiling = match c {
-                "ceiling" | "limit" => "-".to_string(),
-                _ => format!("{:.1}%", 100.0 * rate / ceiling),
+            let is_limit = c == "limit" || c == LIMIT_ONE;
+            let rate = match c {
+                "limit" => limit,
+                LIMIT_ONE => limit_one,
+                _ => med(i, |m| m.examples_per_second) * units,
             };
-            let of_limit = if c == "limit" { "-".to_string() } else { format!("{:.1}%", 100.0 * rate / limit) };
+            let one = c.starts_with("one-device");
+            let replicas = if one || c == LIMIT_ONE { 1 } else { k };
+            let of_ceiling =
+                if is_limit || c == "ceiling" { "-".to_string() } else { format!("{:.1}%", 100.0 * rate / ceiling) };
+            let of_limit = match (is_limit, one) {
+                (true, _) => "-".to_string(),
+                (false, true) => format!("{:.1}%", 100.0 * rate / limit_one),
+                (false, false) => format!("{:.1}%", 100.0 * rate / limit),
+            };
             let reduced = med(i, |m| m.reduced_bytes_per_step);
             let reduced = if reduced > 0.0 { format!("{reduced:.0} B") } else { "-".to_string() };
-            let step = if c == "limit" { "-".to_string() } else { format!("{:.2}", 1e3 * med(i, |m| m.step_seconds)) };
+            let step = if is_limit { "-".to_string() } else { format!("{:.2}", 1e3 * med(i, |m| m.step_seconds)) };
             let bytes = runs[i].first().map(|m| m.replica_bytes).unwrap_or_default();
             println!(
                 "{:<11} {:>9} {:<19} {:>8} {:>12.0} {:>10} {:>9.0}M {:>11} {:>9} {:>14} {:>11} {:>10} {:>10} {:>10}",
@@ -923,6 +947,6 @@ pub fn run(args: &BenchTrainArgs) -> Result<()> {
         }
     }
     println!();
-    println!("# targets: mirrored >= 90% of the ceiling; the large MLP under mirrored(2) and multi-worker(2) >= 85% of the limit");
+    println!("# targets: mirrored >= 90% of the ceiling; the large MLP under mirrored(2) and multi-worker(2) >= 85% of the limit; one-device >= 85% of {LIMIT_ONE}");
     Ok(())
 }

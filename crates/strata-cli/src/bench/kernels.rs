@@ -1,0 +1,354 @@
+//! `strata bench kernels`: the CPU kernels the benchmark models spend their time in, one thread
+//! each, beside this machine's peaks measured in the same run: which code ran (gemm's and
+//! `strata::fused`'s vector instructions, chosen at run time), and each kernel's share of the
+//! peak that bounds it.
+//!
+//! - The compute peak: one thread's fused multiply-adds on registers only (12 independent
+//!   accumulators, the widest vectors this build and CPU choose), in GFLOP/s. The matrix
+//!   products' share is of it.
+//! - The memory peak: one thread copying a buffer of the kernel's own bytes (so a kernel whose
+//!   data sits in cache is measured against a copy that sits in cache too, and the optimizer's
+//!   69 MB against memory), in GB/s of bytes read and written. The element-wise kernels' and the
+//!   optimizer's share is of it. The optimizer counts the 28 bytes a parameter that one pass
+//!   must move (parameter, gradient and both moments read; parameter and moments written).
+//!
+//! The shapes are the models' own (`strata bench train`): the large MLP's hidden layer at a
+//! Mirrored(2) replica's 128 rows, the transformer's projections and attention at 16 windows of
+//! 64 tokens, width 128, 4 heads. Nothing here is asserted; medians of `--reps` runs.
+
+use std::hint::black_box;
+use std::time::Instant;
+
+use candle_core::{backprop::GradStore, DType, Device, Tensor, Var};
+use candle_nn::{Optimizer, ParamsAdamW};
+use strata_core::optim::FusedAdamW;
+
+use crate::{Error, Result};
+
+/// `strata bench kernels` flags.
+#[derive(clap::Args, Debug, Clone)]
+pub struct BenchKernelsArgs {
+    /// Seconds each kernel is timed (after a warm-up call).
+    #[arg(long, default_value_t = 0.5)]
+    pub seconds: f64,
+    /// Repetitions of each timing; the median is printed.
+    #[arg(long, default_value_t = 3)]
+    pub reps: usize,
+}
+
+/// What bounds a kernel, so which peak its share is of.
+#[derive(Clone, Copy)]
+enum Bound {
+    /// FLOPs a call.
+    Compute(f64),
+    /// Bytes a call reads and writes.
+    Memory(f64),
+}
+
+struct Row {
+    kernel: &'static str,
+    shape: String,
+    code: &'static str,
+    seconds: f64,
+    bound: Bound,
+}
+
+/// The median seconds of one call of `f`, over `reps` timings of about `seconds` each.
+fn time(args: &BenchKernelsArgs, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    f()?; // warm-up: pages, packing buffers
+    let mut runs = Vec::with_capacity(args.reps);
+    for _ in 0..args.reps {
+        let t0 = Instant::now();
+        let mut calls = 0u64;
+        while calls == 0 || t0.elapsed().as_secs_f64() < args.seconds {
+            f()?;
+            calls += 1;
+        }
+        runs.push(t0.elapsed().as_secs_f64() / calls as f64);
+    }
+    runs.sort_by(f64::total_cmp);
+    Ok(runs[runs.len() / 2])
+}
+
+/// One thread's register-only FMA throughput in GFLOP/s, at the widest vectors pulp chooses
+/// here (the same dispatch as `strata::fused`'s kernels).
+fn fma_peak(args: &BenchKernelsArgs) -> Result<f64> {
+    struct Fmas {
+        iters: u64,
+    }
+    impl pulp::WithSimd for Fmas {
+        type Output = (f32, usize);
+        #[inline(always)]
+        fn with_simd<S: pulp::Simd>(self, simd: S) -> (f32, usize) {
+            let lanes = core::mem::size_of::<S::f32s>() / 4;
+            let a = simd.splat_f32s(0.999_999);
+            let b = simd.splat_f32s(1e-7);
+            let mut acc = [simd.splat_f32s(1.0); 12];
+            for _ in 0..self.iters {
+                for x in acc.iter_mut() {
+                    *x = simd.mul_add_f32s(*x, a, b);
+                }
+            }
+            let mut total = simd.splat_f32s(0.0);
+            for x in acc {
+                total = simd.add_f32s(total, x);
+            }
+            (simd.reduce_sum_f32s(total), lanes)
+        }
+    }
+    let iters = 1u64 << 20;
+    let mut lanes = 0;
+    let s = time(args, || {
+        let (sum, l) = pulp::Arch::new().dispatch(Fmas { iters: black_box(iters) });
+        black_box(sum);
+        lanes = l;
+        Ok(())
+    })?;
+    Ok(iters as f64 * 12.0 * lanes as f64 * 2.0 / s / 1e9)
+}
+
+/// One thread's copy bandwidth over `bytes` (read and written), GB/s.
+fn copy_peak(args: &BenchKernelsArgs, bytes: usize) -> Result<f64> {
+    let n = (bytes / 2 / 4).max(1);
+    let src = vec![1f32; n];
+    let mut dst = vec![0f32; n];
+    let s = time(args, || {
+        dst.copy_from_slice(black_box(&src));
+        black_box(&mut dst);
+        Ok(())
+    })?;
+    Ok(2.0 * 4.0 * n as f64 / s / 1e9)
+}
+
+/// Keeps a result from being optimized away, and passes its error on.
+fn done<T>(r: candle_core::Result<T>) -> Result<()> {
+    black_box(r?);
+    Ok(())
+}
+
+fn randn(shape: &[usize]) -> Result<Tensor> {
+    Ok(Tensor::randn(0f32, 1.0, shape, &Device::Cpu)?)
+}
+
+/// The three products of one linear layer `y = x w^T` (x: `m x k`, w: `n x k`): forward, the
+/// input's gradient (`dy w`) and the weight's (`dy^T x`), as candle's autograd computes them.
+fn linear(
+    args: &BenchKernelsArgs,
+    name: &'static str,
+    m: usize,
+    k: usize,
+    n: usize,
+    rows: &mut Vec<Row>,
+) -> Result<()> {
+    let (x, w, dy) = (randn(&[m, k])?, randn(&[n, k])?, randn(&[m, n])?);
+    let flops = 2.0 * (m * k * n) as f64;
+    let wt = w.t()?;
+    let dyt = dy.t()?;
+    for (kernel, f) in [
+        ("matmul forward", Box::new(|| done(x.matmul(&wt))) as Box<dyn Fn() -> Result<()>>),
+        ("matmul grad input", Box::new(|| done(dy.matmul(&w)))),
+        ("matmul grad weight", Box::new(|| done(dyt.matmul(&x)))),
+    ] {
+        let seconds = time(args, f)?;
+        rows.push(Row {
+            kernel,
+            shape: format!("{name}: {m}x{k} by {k}x{n}"),
+            code: gemm_code(),
+            seconds,
+            bound: Bound::Compute(flops),
+        });
+    }
+    Ok(())
+}
+
+fn gemm_code() -> &'static str {
+    if strata::simd_level().starts_with("x86-v4") {
+        "gemm avx512f"
+    } else if strata::simd_level().starts_with("x86-v3") {
+        "gemm fma (AVX2)"
+    } else {
+        "gemm scalar"
+    }
+}
+
+fn fused_code() -> &'static str {
+    let level = strata::simd_level();
+    if level.starts_with("x86-v4") {
+        "fused, pulp V4"
+    } else if level.starts_with("x86-v3") {
+        "fused, pulp V3"
+    } else {
+        "fused, scalar"
+    }
+}
+
+/// An element-wise kernel's forward and forward plus backward (autograd seeds the output's
+/// gradient with ones), with the bytes each reads and writes.
+fn elementwise(
+    args: &BenchKernelsArgs,
+    e: Elementwise,
+    x: &Var,
+    f: impl Fn(&Tensor) -> candle_core::Result<Tensor>,
+    rows: &mut Vec<Row>,
+) -> Result<()> {
+    let code = fused_code();
+    let (fwd, bwd) = (4.0 * (2 * x.elem_count()) as f64, 4.0 * (3 * x.elem_count()) as f64);
+    let seconds = time(args, || done(f(x.as_tensor())))?;
+    rows.push(Row { kernel: e.forward, shape: e.shape.clone(), code, seconds, bound: Bound::Memory(fwd) });
+    let seconds = time(args, || done(f(x.as_tensor())?.backward()))?;
+    rows.push(Row { kernel: e.both, shape: e.shape, code, seconds, bound: Bound::Memory(fwd + bwd) });
+    Ok(())
+}
+
+/// An element-wise kernel's rows: its forward reads and writes a tensor of its input's size,
+/// its backward reads the input and the output's gradient and writes the input's.
+struct Elementwise {
+    forward: &'static str,
+    both: &'static str,
+    shape: String,
+}
+
+/// Runs the kernels and prints the table.
+pub fn run(args: &BenchKernelsArgs) -> Result<()> {
+    if args.reps == 0 || !args.seconds.is_finite() || args.seconds <= 0.0 {
+        return Err(Error::Usage("--reps must be at least 1 and --seconds above 0".into()));
+    }
+    let mut rows = Vec::new();
+    // The large MLP's hidden layer, and its first and last, at a Mirrored(2) replica's rows.
+    linear(args, "large MLP hidden", 128, 2048, 2048, &mut rows)?;
+    linear(args, "large MLP first", 128, 64, 2048, &mut rows)?;
+    // The transformer's projections at 16 windows of 64 tokens (a Mirrored(2) replica), width 128.
+    let tokens = 16 * 64;
+    linear(args, "transformer qkv", tokens, 128, 384, &mut rows)?;
+    linear(args, "transformer MLP up", tokens, 128, 512, &mut rows)?;
+    linear(args, "transformer MLP down", tokens, 512, 128, &mut rows)?;
+    // Attention: 16 x 4 heads of 64 x 32 queries by keys, then by values.
+    let (q, k) = (randn(&[16, 4, 64, 32])?, randn(&[16, 4, 32, 64])?);
+    let seconds = time(args, || done(q.matmul(&k)))?;
+    rows.push(Row {
+        kernel: "batched matmul",
+        shape: "attention scores: 64 x (64x32 by 32x64)".into(),
+        code: gemm_code(),
+        seconds,
+        bound: Bound::Compute(2.0 * (64 * 64 * 32 * 64) as f64),
+    });
+
+    let f4 = |n: usize| 4.0 * n as f64;
+    let x = Var::from_tensor(&randn(&[tokens, 512])?)?;
+    let b = Var::from_tensor(&randn(&[512])?)?;
+    elementwise(
+        args,
+        Elementwise { forward: "bias + GELU forward", both: "bias + GELU fwd+bwd", shape: format!("{tokens}x512") },
+        &x,
+        |x| strata::fused::bias_gelu(x, b.as_tensor()),
+        &mut rows,
+    )?;
+    let s = Var::from_tensor(&randn(&[16, 4, 64, 64])?)?;
+    elementwise(
+        args,
+        Elementwise { forward: "causal softmax forward", both: "causal softmax fwd+bwd", shape: "16x4x64x64".into() },
+        &s,
+        strata::fused::causal_softmax,
+        &mut rows,
+    )?;
+    let h = Var::from_tensor(&randn(&[tokens, 128])?)?;
+    let (g, beta) = (Tensor::ones(128, DType::F32, &Device::Cpu)?, Tensor::zeros(128, DType::F32, &Device::Cpu)?);
+    elementwise(
+        args,
+        Elementwise { forward: "layer norm forward", both: "layer norm fwd+bwd", shape: format!("{tokens}x128") },
+        &h,
+        |x| strata::fused::layer_norm(x, &g, &beta, 1e-5),
+        &mut rows,
+    )?;
+    // The reductions: a bias gradient (a column sum) and the loss's log-softmax over the vocabulary.
+    let d = randn(&[128, 2048])?;
+    let seconds = time(args, || done(d.sum_keepdim(0)))?;
+    rows.push(Row {
+        kernel: "column sum",
+        shape: "bias gradient: 128x2048".into(),
+        code: "candle",
+        seconds,
+        bound: Bound::Memory(f4(128 * 2048 + 2048)),
+    });
+    let logits = randn(&[tokens, 65])?;
+    let seconds = time(args, || done(candle_nn::ops::log_softmax(&logits, 1)))?;
+    rows.push(Row {
+        kernel: "log-softmax",
+        shape: format!("loss: {tokens}x65"),
+        code: "candle",
+        seconds,
+        bound: Bound::Memory(f4(2 * tokens * 65)),
+    });
+
+    // The optimizer over the large MLP's 4,349,962 parameters.
+    let shapes: [&[usize]; 6] = [&[2048, 64], &[2048], &[2048, 2048], &[2048], &[10, 2048], &[10]];
+    let vars = shapes.iter().map(|s| Ok(Var::from_tensor(&randn(s)?)?)).collect::<Result<Vec<_>>>()?;
+    let params: usize = vars.iter().map(|v| v.elem_count()).sum();
+    // Gradients of random directions: the sum of each variable times a random tensor.
+    let mut loss = Tensor::zeros((), DType::F32, &Device::Cpu)?;
+    for v in &vars {
+        loss = (loss + (v.as_tensor() * randn(v.dims())?.affine(1e-3, 0.0)?)?.sum_all()?)?;
+    }
+    let grads: GradStore = loss.backward()?;
+    let mut opt = FusedAdamW::new(vars, ParamsAdamW { lr: 1e-6, ..Default::default() })?;
+    let seconds = time(args, || Ok(opt.step(&grads)?))?;
+    rows.push(Row {
+        kernel: "AdamW step",
+        shape: format!("large MLP: {params} parameters"),
+        code: "FusedAdamW, pulp",
+        seconds,
+        bound: Bound::Memory(28.0 * params as f64),
+    });
+
+    let peak = fma_peak(args)?;
+    println!("# strata bench kernels: one thread, median of {} timings of {:.2} s per kernel", args.reps, args.seconds);
+    println!(
+        "# machine: {}; vector code: {} (gemm and strata::fused choose it at run time; built {} the avx512 feature)",
+        cpu_model(),
+        strata::simd_level(),
+        if cfg!(feature = "avx512") { "with" } else { "without" }
+    );
+    println!("# compute peak: {peak:.1} GFLOP/s (one thread, fused multiply-adds on registers only, measured now)");
+    println!("# memory peak: one thread copying a buffer of each kernel's own bytes (read + written), measured now beside it");
+    println!(
+        "{:<24} {:<44} {:<18} {:>10} {:>9} {:>8} {:>9} {:>8}",
+        "kernel", "shape", "code", "time(us)", "GFLOP/s", "GB/s", "peak", "of peak"
+    );
+    for r in &rows {
+        let (gflops, gbs, peak_text, share) = match r.bound {
+            Bound::Compute(flops) => {
+                let g = flops / r.seconds / 1e9;
+                (format!("{g:.1}"), "-".to_string(), format!("{peak:.0} GF"), 100.0 * g / peak)
+            }
+            Bound::Memory(bytes) => {
+                let g = bytes / r.seconds / 1e9;
+                let copy = copy_peak(args, bytes as usize)?;
+                ("-".to_string(), format!("{g:.1}"), format!("{copy:.1} GB/s"), 100.0 * g / copy)
+            }
+        };
+        println!(
+            "{:<24} {:<44} {:<18} {:>10.1} {:>9} {:>8} {:>9} {:>7.1}%",
+            r.kernel,
+            r.shape,
+            r.code,
+            r.seconds * 1e6,
+            gflops,
+            gbs,
+            peak_text,
+            share
+        );
+    }
+    Ok(())
+}
+
+fn cpu_model() -> String {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let model = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find_map(|l| l.strip_prefix("model name").map(|r| r.trim_start_matches([' ', '\t', ':']).to_string()))
+        })
+        .unwrap_or_else(|| "unknown CPU".into());
+    format!("{model}, {cores} cores")
+}
