@@ -1,6 +1,7 @@
 //! `strata bench train` runs every configuration and prints the table with the same run's
-//! compute limit and ceiling beside each figure. It checks the shape of the report, never a
-//! timing.
+//! compute limit and ceiling beside each figure; `strata bench kernels` times each kernel beside
+//! the same run's peaks and names the code that ran. They check the shape of the report, never
+//! a timing.
 
 use std::process::Command;
 
@@ -24,7 +25,16 @@ fn bench_train_prints_every_configuration_beside_the_limit_and_the_ceiling() {
     let configs: Vec<&str> = rows.iter().map(|r| r[2]).collect();
     assert_eq!(
         configs,
-        ["limit", "ceiling", "one-device", "mirrored", "multi-worker", "mirrored+zero1", "multi-worker+zero1"]
+        [
+            "limit",
+            "limit/1",
+            "ceiling",
+            "one-device",
+            "mirrored",
+            "multi-worker",
+            "mirrored+zero1",
+            "multi-worker+zero1"
+        ]
     );
     for r in &rows {
         let eps: f64 = r[4].parse().unwrap();
@@ -45,5 +55,51 @@ fn bench_train_prints_every_configuration_beside_the_limit_and_the_ceiling() {
     let held = |config: &str| tail(config)[5].trim_end_matches('M').parse::<f64>().unwrap();
     for (config, model_state) in [("mirrored", 1.29), ("mirrored+zero1", 0.96), ("multi-worker+zero1", 0.96)] {
         assert!(held(config) > model_state, "{config}: {:?}", tail(config));
+    }
+}
+
+#[test]
+fn bench_kernels_names_the_code_that_ran_and_each_kernels_share_of_the_peak() {
+    let o = Command::new(strata_integration_tests::strata_bin())
+        .args(["bench", "kernels", "--seconds", "0.01", "--reps", "1"])
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{out}{}", String::from_utf8_lossy(&o.stderr));
+    let level = out.lines().find_map(|l| l.split("vector code: ").nth(1)).expect("the vector code's line");
+    let peak = out.lines().find_map(|l| l.strip_prefix("# compute peak: ")).expect("the compute peak's line");
+    assert!(peak.split_whitespace().next().unwrap().parse::<f64>().unwrap() > 0.0, "{peak}");
+    let rows: Vec<&str> = out.lines().filter(|l| !l.starts_with('#') && !l.starts_with("kernel")).collect();
+    for kernel in [
+        "matmul forward",
+        "matmul grad input",
+        "matmul grad weight",
+        "batched matmul",
+        "bias + GELU fwd+bwd",
+        "causal softmax fwd+bwd",
+        "layer norm fwd+bwd",
+        "column sum",
+        "log-softmax",
+        "AdamW step",
+    ] {
+        assert!(rows.iter().any(|r| r.starts_with(kernel)), "{kernel} missing: {out}");
+    }
+    // Each row's code is the level the header names, and its share of the peak a percentage.
+    let (gemm, fused) = if level.starts_with("x86-v4") {
+        ("gemm avx512f", "pulp V4")
+    } else if level.starts_with("x86-v3") {
+        ("gemm fma (AVX2)", "pulp V3")
+    } else {
+        ("gemm scalar", "scalar")
+    };
+    for r in &rows {
+        if r.contains("matmul") {
+            assert!(r.contains(gemm), "{r} under {level}");
+        }
+        if r.contains("GELU") || r.contains("softmax fwd") || r.contains("layer norm") {
+            assert!(r.contains(fused), "{r} under {level}");
+        }
+        let share: f64 = r.split_whitespace().last().unwrap().trim_end_matches('%').parse().unwrap();
+        assert!(share > 0.0, "{r}");
     }
 }

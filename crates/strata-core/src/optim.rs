@@ -6,8 +6,8 @@
 //! parameters that is a large part of a step. [`FusedAdamW`] and [`FusedSgd`] implement the
 //! same [`Optimizer`] trait with the same configuration types and compute the same f32
 //! operations in the same order (so their results are bitwise identical, as the tests check),
-//! but update the variables in place: AdamW makes three passes (first moment, second moment,
-//! parameter) instead of about fifteen, SGD one instead of three, and neither allocates.
+//! but update the variables in place: AdamW makes one pass (parameter, gradient and both
+//! moments together) instead of about fifteen, SGD one instead of three, and neither allocates.
 //!
 //! They run on CPU tensors of f32; on other devices they use the [`DeviceFusedUpdates`] a device
 //! crate registered (strata-cuda's CUDA kernels on GPUs), and otherwise, like other dtypes, fall
@@ -61,66 +61,98 @@ fn with_gradient<'a>(
     Ok((d, g))
 }
 
-/// `m = (m * decay + 0) + (g * scale + 0)`, or with `g * g` for the second moment
-/// ([`rules::moment`]): the f32 operations candle-nn's AdamW performs.
-struct Moment {
-    decay: f32,
-    scale: f32,
-    square: bool,
+/// One AdamW step on a variable and its moments in one pass over memory: each element's
+/// parameter, gradient and both moments read once and the parameter and moments written once
+/// (28 bytes an element), where a pass per moment and one for the parameter moved 40
+/// ([`rules::adamw`]: the same operations in the same order, so the same bits). candle lets an
+/// in-place operation write one tensor, so the three are nested: the parameter's operation holds
+/// its slice while the first moment's runs inside it, and that one holds both while the second
+/// moment's runs the loop. The moments belong to the optimizer alone, so the nested locks wait
+/// on nothing. The loop runs under pulp's run-time dispatch (AVX-512 or AVX2 where the CPU and
+/// build have them): the update is memory-bound only if its square root and division are vector
+/// instructions.
+fn adamw_in_one_pass(var: &Var, g: &Tensor, m: &Var, v: &Var, s: &AdamWScalars) -> candle_core::Result<()> {
+    var.inplace_op2(g, &OnParameter { m, v, s })
 }
 
-impl candle_core::InplaceOp2 for Moment {
+struct OnParameter<'a> {
+    m: &'a Var,
+    v: &'a Var,
+    s: &'a AdamWScalars,
+}
+
+impl candle_core::InplaceOp2 for OnParameter<'_> {
     fn name(&self) -> &'static str {
-        "strata-adamw-moment"
+        "strata-adamw"
     }
 
-    fn cpu_fwd(
-        &self,
-        dst: &mut CpuStorage,
-        dst_l: &Layout,
-        src: &CpuStorage,
-        src_l: &Layout,
-    ) -> candle_core::Result<()> {
-        let (m, g) = with_gradient(dst, dst_l, "moment", src, src_l)?;
-        let (d, s) = (self.decay, self.scale);
-        if self.square {
-            m.iter_mut().zip(g).for_each(|(m, g)| rules::moment(m, *g * *g, d, s));
-        } else {
-            m.iter_mut().zip(g).for_each(|(m, g)| rules::moment(m, *g, d, s));
-        }
-        Ok(())
+    fn cpu_fwd(&self, dst: &mut CpuStorage, dst_l: &Layout, g: &CpuStorage, g_l: &Layout) -> candle_core::Result<()> {
+        let (theta, g) = with_gradient(dst, dst_l, "parameter", g, g_l)?;
+        self.m.inplace_op1(&OnFirstMoment { theta: std::cell::Cell::new(Some(theta)), g, v: self.v, s: self.s })
     }
 }
 
-/// `theta = (theta * keep + 0) - ((m * sm + 0) / (sqrt(v * sv + 0) * 1 + eps) * lr + 0)`
-/// ([`rules::adamw_param`]).
-struct AdamWParam(AdamWScalars);
+struct OnFirstMoment<'a> {
+    theta: std::cell::Cell<Option<&'a mut [f32]>>,
+    g: &'a [f32],
+    v: &'a Var,
+    s: &'a AdamWScalars,
+}
 
-impl candle_core::InplaceOp3 for AdamWParam {
+impl candle_core::InplaceOp1 for OnFirstMoment<'_> {
     fn name(&self) -> &'static str {
-        "strata-adamw-param"
+        "strata-adamw-first-moment"
     }
 
-    fn cpu_fwd(
-        &self,
-        dst: &mut CpuStorage,
-        dst_l: &Layout,
-        m: &CpuStorage,
-        m_l: &Layout,
-        v: &CpuStorage,
-        v_l: &Layout,
-    ) -> candle_core::Result<()> {
-        let t = slice_mut(dst, dst_l, "parameter")?;
-        let m = slice(m, m_l, "first moment")?;
-        let v = slice(v, v_l, "second moment")?;
-        if t.len() != m.len() || t.len() != v.len() {
+    fn cpu_fwd(&self, dst: &mut CpuStorage, dst_l: &Layout) -> candle_core::Result<()> {
+        let m = slice_mut(dst, dst_l, "first moment")?;
+        let Some(theta) = self.theta.take() else { candle_core::bail!("fused optimizer: the AdamW step ran twice") };
+        self.v.inplace_op1(&OnSecondMoment { rest: std::cell::Cell::new(Some((theta, m))), g: self.g, s: self.s })
+    }
+}
+
+struct OnSecondMoment<'a, 'b> {
+    rest: std::cell::Cell<Option<(&'a mut [f32], &'b mut [f32])>>,
+    g: &'a [f32],
+    s: &'a AdamWScalars,
+}
+
+impl candle_core::InplaceOp1 for OnSecondMoment<'_, '_> {
+    fn name(&self) -> &'static str {
+        "strata-adamw-second-moment"
+    }
+
+    fn cpu_fwd(&self, dst: &mut CpuStorage, dst_l: &Layout) -> candle_core::Result<()> {
+        let v = slice_mut(dst, dst_l, "second moment")?;
+        let Some((theta, m)) = self.rest.take() else {
+            candle_core::bail!("fused optimizer: the AdamW step ran twice")
+        };
+        if theta.len() != self.g.len() || m.len() != self.g.len() || v.len() != self.g.len() {
             candle_core::bail!("fused optimizer: parameter, moments and gradient differ in size");
         }
-        let s = &self.0;
-        for ((t, m), v) in t.iter_mut().zip(m).zip(v) {
-            rules::adamw_param(t, *m, *v, s);
-        }
+        pulp::Arch::new().dispatch(AdamWLoop { theta, m, v, g: self.g, s: self.s });
         Ok(())
+    }
+}
+
+/// [`rules::adamw`] over the elements, compiled for the vector width pulp chooses.
+struct AdamWLoop<'a> {
+    theta: &'a mut [f32],
+    m: &'a mut [f32],
+    v: &'a mut [f32],
+    g: &'a [f32],
+    s: &'a AdamWScalars,
+}
+
+impl pulp::WithSimd for AdamWLoop<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn with_simd<S: pulp::Simd>(self, _: S) {
+        let s = *self.s;
+        for (((theta, m), v), g) in self.theta.iter_mut().zip(self.m.iter_mut()).zip(self.v.iter_mut()).zip(self.g) {
+            rules::adamw(theta, m, v, *g, &s);
+        }
     }
 }
 
@@ -264,9 +296,7 @@ impl Optimizer for FusedAdamW {
                 var.set(&next)?;
                 continue;
             }
-            m.inplace_op2(&g, &Moment { decay: s.beta1, scale: s.one_minus_beta1, square: false })?;
-            v.inplace_op2(&g, &Moment { decay: s.beta2, scale: s.one_minus_beta2, square: true })?;
-            var.inplace_op3(m.as_tensor(), v.as_tensor(), &AdamWParam(s))?;
+            adamw_in_one_pass(var, &g, m, v, &s)?;
         }
         Ok(())
     }
@@ -842,6 +872,37 @@ mod tests {
             let want = run::<AdamW>(cfg.clone(), 25);
             let got = run::<FusedAdamW>(cfg, 25);
             assert_eq!(want, got);
+        }
+    }
+
+    /// The one-pass AdamW step is the scalar rule bit for bit, at this CPU's vector width and at
+    /// pulp's scalar level, on sizes around the vector widths (1, 7, 8, 15, 16, 17, 31, 33) and
+    /// larger, the step count and decay varied.
+    #[test]
+    fn adamw_in_one_pass_is_the_rule_at_every_width_and_size() {
+        let dev = Device::Cpu;
+        for (k, n) in [1usize, 7, 8, 15, 16, 17, 31, 33, 1000, 4099].into_iter().enumerate() {
+            let s = AdamWScalars::new(0.01, 0.9, 0.999, 1e-8, 0.05 * k as f64, 1 + k);
+            let (theta, m, v, g) = (random(n, 1 + k as u64), random(n, 2), random(n, 3), random(n, 4));
+            let v: Vec<f32> = v.into_iter().map(f32::abs).collect();
+            let mut want = (theta.clone(), m.clone(), v.clone());
+            for (((t, m), v), g) in want.0.iter_mut().zip(want.1.iter_mut()).zip(want.2.iter_mut()).zip(&g) {
+                rules::adamw(t, m, v, *g, &s);
+            }
+            let (mut t1, mut m1, mut v1) = (theta.clone(), m.clone(), v.clone());
+            pulp::WithSimd::with_simd(
+                AdamWLoop { theta: &mut t1, m: &mut m1, v: &mut v1, g: &g, s: &s },
+                pulp::Scalar::new(),
+            );
+            assert_eq!((t1, m1, v1), want, "{n} elements, scalar level");
+            let (var, mv, vv) = (
+                Var::from_vec(theta, n, &dev).unwrap(),
+                Var::from_vec(m, n, &dev).unwrap(),
+                Var::from_vec(v, n, &dev).unwrap(),
+            );
+            adamw_in_one_pass(&var, &Tensor::from_vec(g, n, &dev).unwrap(), &mv, &vv, &s).unwrap();
+            let got = [&var, &mv, &vv].map(|x| x.as_tensor().to_vec1::<f32>().unwrap());
+            assert_eq!((got[0].clone(), got[1].clone(), got[2].clone()), want, "{n} elements, dispatched");
         }
     }
 

@@ -86,19 +86,6 @@ fn append2(out: &mut Vec<f32>, x: &[f32], y: &[f32], f: impl Fn(f32, f32) -> f32
     }
 }
 
-/// Appends `f(x, y, z)` for each triple of elements to `out`.
-#[inline(always)]
-fn append3(out: &mut Vec<f32>, x: &[f32], y: &[f32], z: &[f32], f: impl Fn(f32, f32, f32) -> f32) {
-    let mut block = [0f32; BLOCK];
-    for ((xc, yc), zc) in x.chunks(BLOCK).zip(y.chunks(BLOCK)).zip(z.chunks(BLOCK)) {
-        let b = &mut block[..xc.len()];
-        for (((b, &x), &y), &z) in b.iter_mut().zip(xc).zip(yc).zip(zc) {
-            *b = f(x, y, z);
-        }
-        out.extend_from_slice(b);
-    }
-}
-
 /// Lanes of the row sums: 16 f32 are one AVX-512 register.
 const LANES: usize = 16;
 
@@ -205,9 +192,12 @@ struct BiasGeluFwd<'a> {
 impl Kernel for BiasGeluFwd<'_> {
     #[inline(always)]
     fn run(self) {
-        let b = self.b;
-        for hr in self.h.chunks_exact(b.len().max(1)) {
-            append2(self.y, hr, b, |h, b| gelu1(h + b));
+        let (b, d) = (self.b, self.b.len().max(1));
+        self.y.resize(self.h.len() / d * d, 0.0);
+        for (hr, yr) in self.h.chunks_exact(d).zip(self.y.chunks_exact_mut(d)) {
+            for ((y, &h), &b) in yr.iter_mut().zip(hr).zip(b) {
+                *y = gelu1(h + b);
+            }
         }
     }
 }
@@ -246,21 +236,35 @@ impl Kernel for CausalSoftmaxFwd<'_> {
     #[inline(always)]
     fn run(self) {
         let t = self.t;
-        // Whole rows, the masked columns set to 0 by a select: uniform loops over `t` columns
-        // vectorize better than rows of 1 to `t` elements.
-        let mut row = vec![0f32; t];
-        for (r, xr) in self.x.chunks_exact(t).enumerate() {
+        // The output zeroed once (the masked columns stay 0), then each row's first `n`
+        // columns written in place: no row buffer to copy, no exp of a masked column. The sum
+        // over the `n` columns is the sum over the row of `t` (its lanes get the same elements
+        // in the same order, the masked ones adding exact zeros).
+        // The exps are taken over whole vectors of [`LANES`] columns (up to `t`), the columns
+        // past `n` then set back to 0: a row's last partial vector would otherwise run the
+        // scalar exp, which cost more than the rest of the row.
+        self.y.resize(self.x.len(), 0.0);
+        for (r, (xr, yr)) in self.x.chunks_exact(t).zip(self.y.chunks_exact_mut(t)).enumerate() {
             let n = r % t + 1;
             let max = lane_max(&xr[..n]);
-            for (j, (y, &v)) in row.iter_mut().zip(xr).enumerate() {
-                let e = exp(v - max);
-                *y = if j < n { e } else { 0.0 };
+            let whole = (n.div_ceil(LANES) * LANES).min(t);
+            let (xr, yr) = (&xr[..whole], &mut yr[..whole]);
+            let (mut xc, mut yc) = (xr.chunks_exact(LANES), yr.chunks_exact_mut(LANES));
+            for (ys, xs) in (&mut yc).zip(&mut xc) {
+                for (y, &v) in ys.iter_mut().zip(xs) {
+                    *y = exp(v - max);
+                }
             }
-            let sum = lane_sum(&row, |y| y);
-            for y in row.iter_mut() {
+            for (y, &v) in yc.into_remainder().iter_mut().zip(xc.remainder()) {
+                *y = exp(v - max);
+            }
+            for y in &mut yr[n..] {
+                *y = 0.0;
+            }
+            let sum = lane_sum(yr, |y| y);
+            for y in yr.iter_mut() {
                 *y /= sum;
             }
-            self.y.extend_from_slice(&row);
         }
     }
 }
@@ -276,9 +280,12 @@ impl Kernel for SoftmaxBwd<'_> {
     #[inline(always)]
     fn run(self) {
         let t = self.t;
-        for (yr, gr) in self.y.chunks_exact(t).zip(self.g.chunks_exact(t)) {
+        self.d.resize(self.y.len(), 0.0);
+        for ((yr, gr), dr) in self.y.chunks_exact(t).zip(self.g.chunks_exact(t)).zip(self.d.chunks_exact_mut(t)) {
             let dot = lane_sum2(yr, gr, |y, g| y * g);
-            append2(self.d, yr, gr, |y, g| y * (g - dot));
+            for ((d, &y), &g) in dr.iter_mut().zip(yr).zip(gr) {
+                *d = y * (g - dot);
+            }
         }
     }
 }
@@ -296,9 +303,14 @@ impl Kernel for LayerNormFwd<'_> {
     fn run(self) {
         let d = self.w.len().max(1);
         let (w, b) = (&self.w[..d], &self.b[..d]);
-        for xr in self.x.chunks_exact(d) {
+        // Rows written in place into the output zeroed once (a row's append through a stack
+        // block zeroed the block for every row).
+        self.y.resize(self.x.len() / d * d, 0.0);
+        for (xr, yr) in self.x.chunks_exact(d).zip(self.y.chunks_exact_mut(d)) {
             let (mean, rstd) = row_stats(xr, self.eps);
-            append3(self.y, xr, w, b, |v, w, b| (v - mean) * rstd * w + b);
+            for (((y, &v), &w), &b) in yr.iter_mut().zip(xr).zip(w).zip(b) {
+                *y = (v - mean) * rstd * w + b;
+            }
         }
     }
 }

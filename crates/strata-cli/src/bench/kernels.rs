@@ -6,9 +6,9 @@
 //! - The compute peak: one thread's fused multiply-adds on registers only (12 independent
 //!   accumulators, the widest vectors this build and CPU choose), in GFLOP/s. The matrix
 //!   products' share is of it.
-//! - The memory peak: one thread copying a buffer of the kernel's own bytes (so a kernel whose
-//!   data sits in cache is measured against a copy that sits in cache too, and the optimizer's
-//!   69 MB against memory), in GB/s of bytes read and written. The element-wise kernels' and the
+//! - The memory peak: one thread moving the kernel's own bytes, the better of a copy and an
+//!   in-place add (so a kernel whose data sits in cache is measured against streams that sit in
+//!   cache too, and the optimizer's 122 MB against memory), in GB/s of bytes read and written. The element-wise kernels' and the
 //!   optimizer's share is of it. The optimizer counts the 28 bytes a parameter that one pass
 //!   must move (parameter, gradient and both moments read; parameter and moments written).
 //!
@@ -107,17 +107,28 @@ fn fma_peak(args: &BenchKernelsArgs) -> Result<f64> {
     Ok(iters as f64 * 12.0 * lanes as f64 * 2.0 / s / 1e9)
 }
 
-/// One thread's copy bandwidth over `bytes` (read and written), GB/s.
-fn copy_peak(args: &BenchKernelsArgs, bytes: usize) -> Result<f64> {
+/// One thread's memory bandwidth over `bytes` (read and written), GB/s: the better of a copy
+/// (half the bytes read, half written) and an in-place add (`a += b`: two thirds read, one
+/// third written, as the optimizer's streams are mostly read and written back in place).
+fn memory_peak(args: &BenchKernelsArgs, bytes: usize) -> Result<f64> {
     let n = (bytes / 2 / 4).max(1);
     let src = vec![1f32; n];
     let mut dst = vec![0f32; n];
-    let s = time(args, || {
+    let copy = time(args, || {
         dst.copy_from_slice(black_box(&src));
         black_box(&mut dst);
         Ok(())
     })?;
-    Ok(2.0 * 4.0 * n as f64 / s / 1e9)
+    let n3 = (bytes / 3 / 4).max(1);
+    let (mut a, b) = (vec![0f32; n3], vec![1f32; n3]);
+    let add = time(args, || {
+        for (a, b) in a.iter_mut().zip(black_box(&b)) {
+            *a += *b;
+        }
+        black_box(&mut a);
+        Ok(())
+    })?;
+    Ok((8.0 * n as f64 / copy).max(12.0 * n3 as f64 / add) / 1e9)
 }
 
 /// Keeps a result from being optimized away, and passes its error on.
@@ -130,25 +141,29 @@ fn randn(shape: &[usize]) -> Result<Tensor> {
     Ok(Tensor::randn(0f32, 1.0, shape, &Device::Cpu)?)
 }
 
-/// The three products of one linear layer `y = x w^T` (x: `m x k`, w: `n x k`): forward, the
-/// input's gradient (`dy w`) and the weight's (`dy^T x`), as candle's autograd computes them.
+/// The three products of one linear layer `y = x w` as `strata::model::Dense` stores it (x: `m
+/// x k`, w: `k x n`): forward, the input's gradient (`dy w^T`) and the weight's (`x^T dy`), the
+/// transposes as candle's autograd passes them (strided views, no copy).
+/// `input_grad`: whether the step computes the input's gradient (not for the first layer, whose
+/// input is the data).
 fn linear(
     args: &BenchKernelsArgs,
     name: &'static str,
-    m: usize,
-    k: usize,
-    n: usize,
+    (m, k, n): (usize, usize, usize),
+    input_grad: bool,
     rows: &mut Vec<Row>,
 ) -> Result<()> {
-    let (x, w, dy) = (randn(&[m, k])?, randn(&[n, k])?, randn(&[m, n])?);
+    let (x, w, dy) = (randn(&[m, k])?, randn(&[k, n])?, randn(&[m, n])?);
     let flops = 2.0 * (m * k * n) as f64;
-    let wt = w.t()?;
-    let dyt = dy.t()?;
+    let (wt, xt) = (w.t()?, x.t()?);
     for (kernel, f) in [
-        ("matmul forward", Box::new(|| done(x.matmul(&wt))) as Box<dyn Fn() -> Result<()>>),
-        ("matmul grad input", Box::new(|| done(dy.matmul(&w)))),
-        ("matmul grad weight", Box::new(|| done(dyt.matmul(&x)))),
+        ("matmul forward", Box::new(|| done(x.matmul(&w))) as Box<dyn Fn() -> Result<()>>),
+        ("matmul grad input", Box::new(|| done(dy.matmul(&wt)))),
+        ("matmul grad weight", Box::new(|| done(xt.matmul(&dy)))),
     ] {
+        if kernel == "matmul grad input" && !input_grad {
+            continue;
+        }
         let seconds = time(args, f)?;
         rows.push(Row {
             kernel,
@@ -215,16 +230,17 @@ pub fn run(args: &BenchKernelsArgs) -> Result<()> {
     }
     let mut rows = Vec::new();
     // The large MLP's hidden layer, and its first and last, at a Mirrored(2) replica's rows.
-    linear(args, "large MLP hidden", 128, 2048, 2048, &mut rows)?;
-    linear(args, "large MLP first", 128, 64, 2048, &mut rows)?;
+    linear(args, "large MLP hidden", (128, 2048, 2048), true, &mut rows)?;
+    linear(args, "large MLP first", (128, 64, 2048), false, &mut rows)?;
     // The transformer's projections at 16 windows of 64 tokens (a Mirrored(2) replica), width 128.
     let tokens = 16 * 64;
-    linear(args, "transformer qkv", tokens, 128, 384, &mut rows)?;
-    linear(args, "transformer MLP up", tokens, 128, 512, &mut rows)?;
-    linear(args, "transformer MLP down", tokens, 512, 128, &mut rows)?;
-    // Attention: 16 x 4 heads of 64 x 32 queries by keys, then by values.
-    let (q, k) = (randn(&[16, 4, 64, 32])?, randn(&[16, 4, 32, 64])?);
-    let seconds = time(args, || done(q.matmul(&k)))?;
+    linear(args, "transformer qkv", (tokens, 128, 384), true, &mut rows)?;
+    linear(args, "transformer MLP up", (tokens, 128, 512), true, &mut rows)?;
+    linear(args, "transformer MLP down", (tokens, 512, 128), true, &mut rows)?;
+    // Attention: 16 x 4 heads of 64 x 32 queries by the keys' transpose, as the model multiplies.
+    let (q, k) = (randn(&[16, 4, 64, 32])?, randn(&[16, 4, 64, 32])?);
+    let kt = k.t()?;
+    let seconds = time(args, || done(q.matmul(&kt)))?;
     rows.push(Row {
         kernel: "batched matmul",
         shape: "attention scores: 64 x (64x32 by 32x64)".into(),
@@ -309,7 +325,7 @@ pub fn run(args: &BenchKernelsArgs) -> Result<()> {
         if cfg!(feature = "avx512") { "with" } else { "without" }
     );
     println!("# compute peak: {peak:.1} GFLOP/s (one thread, fused multiply-adds on registers only, measured now)");
-    println!("# memory peak: one thread copying a buffer of each kernel's own bytes (read + written), measured now beside it");
+    println!("# memory peak: one thread moving each kernel's own bytes (read + written), the better of a copy and an in-place add, measured now beside it");
     println!(
         "{:<24} {:<44} {:<18} {:>10} {:>9} {:>8} {:>9} {:>8}",
         "kernel", "shape", "code", "time(us)", "GFLOP/s", "GB/s", "peak", "of peak"
@@ -322,7 +338,7 @@ pub fn run(args: &BenchKernelsArgs) -> Result<()> {
             }
             Bound::Memory(bytes) => {
                 let g = bytes / r.seconds / 1e9;
-                let copy = copy_peak(args, bytes as usize)?;
+                let copy = memory_peak(args, bytes as usize)?;
                 ("-".to_string(), format!("{g:.1}"), format!("{copy:.1} GB/s"), 100.0 * g / copy)
             }
         };

@@ -162,7 +162,7 @@ pub fn sgd_momentum(lr: f32, momentum: f32, param: &mut [f32], grad: &[f32], vel
 }
 
 /// `strata_adamw_f32`: one step of strata-core's `FusedAdamW` (candle-nn's `AdamW`) on one
-/// variable, its three passes fused ([`rules::adamw`]); `s` from [`AdamWScalars::new`].
+/// variable in one pass ([`rules::adamw`], as the CPU's `FusedAdamW` computes it); `s` from [`AdamWScalars::new`].
 pub fn adamw(s: &AdamWScalars, param: &mut [f32], grad: &[f32], m: &mut [f32], v: &mut [f32]) -> Result<()> {
     validate::same_len(
         "strata_adamw_f32",
