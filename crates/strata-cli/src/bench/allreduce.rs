@@ -678,14 +678,6 @@ pub fn measure(plan: &Plan, k: usize, on_row: &mut dyn FnMut(&Row)) -> Result<Ve
 // ---------------------------------------------------------------------------------------------
 // Printing.
 
-fn cpu_model() -> Option<String> {
-    let info = std::fs::read_to_string("/proc/cpuinfo").ok()?;
-    info.lines()
-        .find(|l| l.starts_with("model name"))
-        .and_then(|l| l.split_once(':'))
-        .map(|(_, m)| m.trim().to_string())
-}
-
 fn print_header(plan: &Plan) {
     let cores = cores();
     println!("# strata bench allreduce --local");
@@ -693,7 +685,7 @@ fn print_header(plan: &Plan) {
         "# machine: {cores} cores (available parallelism), {} {}{}",
         std::env::consts::OS,
         std::env::consts::ARCH,
-        cpu_model().map(|m| format!(", {m}")).unwrap_or_default()
+        super::cpu_model().map(|m| format!(", {m}")).unwrap_or_default()
     );
     println!("# implementation: {}", plan.implementation.describe());
     println!(
@@ -970,7 +962,7 @@ fn run_workers(args: &AllreduceArgs, plan: &Plan) -> Result<()> {
         cores(),
         std::env::consts::OS,
         std::env::consts::ARCH,
-        cpu_model().map(|m| format!(", {m}")).unwrap_or_default()
+        super::cpu_model().map(|m| format!(", {m}")).unwrap_or_default()
     );
     println!(
         "# transport: strata_transport::ring over raw loopback TCP (one process per worker); ring all-reduce above \

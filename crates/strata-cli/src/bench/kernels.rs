@@ -66,8 +66,7 @@ fn time(args: &BenchKernelsArgs, mut f: impl FnMut() -> Result<()>) -> Result<f6
         }
         runs.push(t0.elapsed().as_secs_f64() / calls as f64);
     }
-    runs.sort_by(f64::total_cmp);
-    Ok(runs[runs.len() / 2])
+    Ok(super::median(runs))
 }
 
 /// One thread's register-only FMA throughput in GFLOP/s, at the widest vectors pulp chooses
@@ -168,7 +167,7 @@ fn linear(
         rows.push(Row {
             kernel,
             shape: format!("{name}: {m}x{k} by {k}x{n}"),
-            code: gemm_code(),
+            code: code_names().0,
             seconds,
             bound: Bound::Compute(flops),
         });
@@ -176,24 +175,15 @@ fn linear(
     Ok(())
 }
 
-fn gemm_code() -> &'static str {
-    if strata::simd_level().starts_with("x86-v4") {
-        "gemm avx512f"
-    } else if strata::simd_level().starts_with("x86-v3") {
-        "gemm fma (AVX2)"
-    } else {
-        "gemm scalar"
-    }
-}
-
-fn fused_code() -> &'static str {
+/// The names of the code that runs here: gemm's microkernels and `strata::fused`'s level.
+fn code_names() -> (&'static str, &'static str) {
     let level = strata::simd_level();
     if level.starts_with("x86-v4") {
-        "fused, pulp V4"
+        ("gemm avx512f", "fused, pulp V4")
     } else if level.starts_with("x86-v3") {
-        "fused, pulp V3"
+        ("gemm fma (AVX2)", "fused, pulp V3")
     } else {
-        "fused, scalar"
+        ("gemm scalar", "fused, scalar")
     }
 }
 
@@ -206,7 +196,7 @@ fn elementwise(
     f: impl Fn(&Tensor) -> candle_core::Result<Tensor>,
     rows: &mut Vec<Row>,
 ) -> Result<()> {
-    let code = fused_code();
+    let code = code_names().1;
     let (fwd, bwd) = (4.0 * (2 * x.elem_count()) as f64, 4.0 * (3 * x.elem_count()) as f64);
     let seconds = time(args, || done(f(x.as_tensor())))?;
     rows.push(Row { kernel: e.forward, shape: e.shape.clone(), code, seconds, bound: Bound::Memory(fwd) });
@@ -245,7 +235,7 @@ pub fn run(args: &BenchKernelsArgs) -> Result<()> {
     rows.push(Row {
         kernel: "batched matmul",
         shape: "attention scores: 64 x (64x32 by 32x64)".into(),
-        code: gemm_code(),
+        code: code_names().0,
         seconds,
         bound: Bound::Compute(2.0 * (64 * 64 * 32 * 64) as f64),
     });
@@ -320,8 +310,9 @@ pub fn run(args: &BenchKernelsArgs) -> Result<()> {
     let peak = fma_peak(args)?;
     println!("# strata bench kernels: one thread, median of {} timings of {:.2} s per kernel", args.reps, args.seconds);
     println!(
-        "# machine: {}; vector code: {} (gemm and strata::fused choose it at run time; built {} the avx512 feature)",
-        cpu_model(),
+        "# machine: {}, {} cores; vector code: {} (gemm and strata::fused choose it at run time; built {} the avx512 feature)",
+        super::cpu_model().unwrap_or_else(|| "unknown CPU".into()),
+        std::thread::available_parallelism().map_or(1, |n| n.get()),
         strata::simd_level(),
         if cfg!(feature = "avx512") { "with" } else { "without" }
     );
@@ -356,16 +347,4 @@ pub fn run(args: &BenchKernelsArgs) -> Result<()> {
         );
     }
     Ok(())
-}
-
-fn cpu_model() -> String {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let model = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|t| {
-            t.lines()
-                .find_map(|l| l.strip_prefix("model name").map(|r| r.trim_start_matches([' ', '\t', ':']).to_string()))
-        })
-        .unwrap_or_else(|| "unknown CPU".into());
-    format!("{model}, {cores} cores")
 }

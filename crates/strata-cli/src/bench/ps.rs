@@ -9,6 +9,7 @@
 //! checks every value after the pushes (SGD with lr 1 on gradients of ones: exactly minus the
 //! number of pushes).
 
+use super::median;
 use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -86,11 +87,6 @@ fn size_label(bytes: usize) -> String {
 
 /// Rounds of each figure per size (the table gives their medians).
 const ROUNDS: usize = 3;
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
-}
 
 /// Repeats `op` for `seconds` (at least 3 times); (count, seconds per op).
 fn repeat(seconds: f64, mut op: impl FnMut(u64) -> Result<()>) -> Result<(u64, f64)> {

@@ -781,18 +781,6 @@ fn parse_output(spec: &str, out: std::process::Output) -> Result<Measurement> {
         .map_err(|e| Error::Usage(format!("benchmark process {spec} printed no result ({e}): {text}")))
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n == 0 {
-        0.0
-    } else if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
-}
-
 /// Runs the benchmark and prints one table per model.
 pub fn run(args: &BenchTrainArgs) -> Result<()> {
     if let Some(spec) = &args.worker {
@@ -873,7 +861,7 @@ pub fn run(args: &BenchTrainArgs) -> Result<()> {
                 runs[i].push(m);
             }
         }
-        let med = |i: usize, f: fn(&Measurement) -> f64| median(runs[i].iter().map(f).collect());
+        let med = |i: usize, f: fn(&Measurement) -> f64| super::median(runs[i].iter().map(f).collect());
         let gflops = med(0, |m| m.gflops);
         let flops = model.flops_per_unit();
         // Units per second if every thread ran its matmuls at the measured rate.
