@@ -685,7 +685,7 @@ fn print_header(plan: &Plan) {
         "# machine: {cores} cores (available parallelism), {} {}{}",
         std::env::consts::OS,
         std::env::consts::ARCH,
-        super::cpu_model().map(|m| format!(", {m}")).unwrap_or_default()
+        super::common::cpu_model().map(|m| format!(", {m}")).unwrap_or_default()
     );
     println!("# implementation: {}", plan.implementation.describe());
     println!(
@@ -962,7 +962,7 @@ fn run_workers(args: &AllreduceArgs, plan: &Plan) -> Result<()> {
         cores(),
         std::env::consts::OS,
         std::env::consts::ARCH,
-        super::cpu_model().map(|m| format!(", {m}")).unwrap_or_default()
+        super::common::cpu_model().map(|m| format!(", {m}")).unwrap_or_default()
     );
     println!(
         "# transport: strata_transport::ring over raw loopback TCP (one process per worker); ring all-reduce above \

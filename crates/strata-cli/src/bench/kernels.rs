@@ -66,7 +66,7 @@ fn time(args: &BenchKernelsArgs, mut f: impl FnMut() -> Result<()>) -> Result<f6
         }
         runs.push(t0.elapsed().as_secs_f64() / calls as f64);
     }
-    Ok(super::median(runs))
+    Ok(super::common::median(runs))
 }
 
 /// One thread's register-only FMA throughput in GFLOP/s, at the widest vectors pulp chooses
@@ -311,7 +311,7 @@ pub fn run(args: &BenchKernelsArgs) -> Result<()> {
     println!("# strata bench kernels: one thread, median of {} timings of {:.2} s per kernel", args.reps, args.seconds);
     println!(
         "# machine: {}, {} cores; vector code: {} (gemm and strata::fused choose it at run time; built {} the avx512 feature)",
-        super::cpu_model().unwrap_or_else(|| "unknown CPU".into()),
+        super::common::cpu_model().unwrap_or_else(|| "unknown CPU".into()),
         std::thread::available_parallelism().map_or(1, |n| n.get()),
         strata::simd_level(),
         if cfg!(feature = "avx512") { "with" } else { "without" }

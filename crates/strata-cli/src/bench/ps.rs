@@ -9,7 +9,7 @@
 //! checks every value after the pushes (SGD with lr 1 on gradients of ones: exactly minus the
 //! number of pushes).
 
-use super::median;
+use super::common::median;
 use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};

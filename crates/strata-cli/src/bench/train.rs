@@ -861,7 +861,7 @@ pub fn run(args: &BenchTrainArgs) -> Result<()> {
                 runs[i].push(m);
             }
         }
-        let med = |i: usize, f: fn(&Measurement) -> f64| super::median(runs[i].iter().map(f).collect());
+        let med = |i: usize, f: fn(&Measurement) -> f64| super::common::median(runs[i].iter().map(f).collect());
         let gflops = med(0, |m| m.gflops);
         let flops = model.flops_per_unit();
         // Units per second if every thread ran its matmuls at the measured rate.
