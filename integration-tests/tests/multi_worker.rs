@@ -88,6 +88,41 @@ fn equal_to_one_process(workers: usize) {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `--timeline` in a job of two processes on one host: each worker writes its own file (worker
+/// 0 the path given, worker 1 `-worker1` beside it), as its own process of the trace, with its
+/// collectives across workers on the ring row and every phase's thread CPU time.
+#[test]
+fn every_worker_writes_its_own_timeline_with_its_ring() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = ["--epochs", "1", "--batch", "64", "--hidden", "64", "--replicas", "2", "--timeline", "t.json"];
+    run_job(2, &args, dir.path());
+    for (w, file) in ["t.json", "t-worker1.json"].iter().enumerate() {
+        let text = std::fs::read_to_string(dir.path().join(file)).unwrap_or_else(|e| panic!("{file}: {e}"));
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let events = v["traceEvents"].as_array().unwrap();
+        let pid = w as u64 + 1;
+        assert!(events.iter().all(|e| e["pid"] == pid), "{file}: every event of process {pid}");
+        let named = |tid: u64, name: &str| {
+            events.iter().any(|e| e["ph"] == "M" && e["tid"] == tid && e["args"]["name"] == name)
+        };
+        assert!(named(0, "replica 0") && named(1, "replica 1") && named(1 << 16, "ring"), "{file}");
+        assert!(events
+            .iter()
+            .any(|e| e["ph"] == "M" && e["name"] == "process_name" && e["args"]["name"] == format!("worker {w}")));
+        let ring: Vec<&serde_json::Value> = events.iter().filter(|e| e["ph"] == "X" && e["tid"] == 1 << 16).collect();
+        // Every step's gradients cross the ring: 22 or more steps of 64 (the training split).
+        assert!(ring.iter().filter(|e| e["name"] == "all_reduce").count() >= 22, "{file}");
+        assert!(ring.iter().any(|e| e["args"]["elements"].as_u64().unwrap_or(0) > 0), "{file}");
+        for e in events.iter().filter(|e| e["ph"] == "X") {
+            let (dur, cpu) = (e["dur"].as_f64().unwrap(), e["args"]["cpu_ms"].as_f64().unwrap());
+            assert!(cpu >= 0.0 && cpu * 1e3 <= dur + 1e3, "{file}: {e}");
+        }
+        for name in ["forward", "backward", "finish", "optimizer"] {
+            assert!(events.iter().any(|e| e["tid"] == 0 && e["name"] == name), "{file}: no {name}");
+        }
+    }
+}
+
 #[test]
 fn two_workers_end_bitwise_identical_and_equal_to_one_process() {
     equal_to_one_process(2);

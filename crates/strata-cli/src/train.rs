@@ -501,8 +501,18 @@ impl Run<'_> {
             return Err(stopped_error(args, stopped));
         }
         if let (Some(path), Some(t)) = (&args.timeline, self.timeline) {
-            t.write_chrome_trace(path)?;
-            eprintln!("timeline: {} events written to {}", t.len(), path.display());
+            match multi {
+                Some(m) => {
+                    let w = m.worker_index();
+                    let path = worker_path(path, w);
+                    t.write_process_trace(&path, w as u32 + 1, Some(&format!("worker {w}")))?;
+                    eprintln!("timeline: {} events written to {}", t.len(), path.display());
+                }
+                None => {
+                    t.write_chrome_trace(path)?;
+                    eprintln!("timeline: {} events written to {}", t.len(), path.display());
+                }
+            }
         }
         // The saved (and compared) state is the mean over replicas and workers (every worker
         // calls it; the trainer did in an elastic job, where it can survive a loss).
@@ -557,6 +567,26 @@ pub fn parameter_digest<M>(model: &strata_core::Replicated<M>) -> Result<String>
     Ok(format!("{h:016x}"))
 }
 
+/// Where worker `w` of a multi-worker job writes a file named `path`: `{task}` in the path
+/// becomes `w`; without it, worker 0 writes `path` itself and worker `w` the same name with
+/// `-worker<w>` before the extension (`t.json`, `t-worker1.json`), so that the processes of a
+/// job on one host never write the same file.
+fn worker_path(path: &std::path::Path, w: usize) -> std::path::PathBuf {
+    let text = path.to_string_lossy();
+    if text.contains("{task}") {
+        return std::path::PathBuf::from(text.replace("{task}", &w.to_string()));
+    }
+    if w == 0 {
+        return path.to_path_buf();
+    }
+    let stem = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    let name = match path.extension() {
+        Some(ext) => format!("{stem}-worker{w}.{}", ext.to_string_lossy()),
+        None => format!("{stem}-worker{w}"),
+    };
+    path.with_file_name(name)
+}
+
 #[cfg(test)]
 mod tests {
     use clap::Parser;
@@ -573,6 +603,16 @@ mod tests {
     fn train_args(flags: &[&str]) -> TrainArgs {
         let argv = ["train", "--no-progress"].iter().chain(flags).copied();
         Flags::try_parse_from(argv).unwrap().args
+    }
+
+    #[test]
+    fn every_worker_writes_its_own_timeline() {
+        use std::path::{Path, PathBuf};
+        assert_eq!(worker_path(Path::new("out/t.json"), 0), PathBuf::from("out/t.json"));
+        assert_eq!(worker_path(Path::new("out/t.json"), 3), PathBuf::from("out/t-worker3.json"));
+        assert_eq!(worker_path(Path::new("trace"), 1), PathBuf::from("trace-worker1"));
+        assert_eq!(worker_path(Path::new("run-{task}/t.json"), 2), PathBuf::from("run-2/t.json"));
+        assert_eq!(worker_path(Path::new("t-{task}.json"), 0), PathBuf::from("t-0.json"));
     }
 
     #[test]

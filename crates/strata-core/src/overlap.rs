@@ -172,6 +172,9 @@ impl OverlapStep<'_, '_> {
     fn finish_next(&mut self) -> Result<()> {
         let Some((n, launched)) = self.pending.pop_front() else { return Ok(()) };
         let ctx = self.ctx;
+        // Waiting for the unit's reduction (across workers: the ring thread's collective) and
+        // writing its result back.
+        let _p = ctx.phase("reduce", "finish");
         let ops = ctx.shared.ext.cross_device_ops();
         let Launched { input, seq, started, written, early, keep } = launched;
         let req = crate::cross_device::ReduceRequest {

@@ -2,12 +2,20 @@
 //! or `chrome://tracing`), as Horovod's timeline does.
 //!
 //! Each replica is a thread row (`tid` = replica id); each phase (forward, backward, a bucket's
-//! reduction, the optimizer step) is a complete event (`"ph": "X"`).
+//! reduction, the optimizer step) is a complete event (`"ph": "X"`). Times are microseconds of
+//! the wall clock since the Unix epoch, so that the traces of a job's processes (one per
+//! worker, each its own `pid`, see [`Timeline::write_process_trace`]) line up when their
+//! `traceEvents` are joined into one file. Every phase carries the CPU time its thread spent
+//! in it (`args.cpu_ms`): a phase whose CPU time is well under its duration waited (on a peer,
+//! or for a core that another thread held).
+//!
+//! Row [`Timeline::RING`] is the thread that runs a multi-worker job's collectives across
+//! workers: each collective is a phase there, with the bytes it reduced.
 
 use std::io::Write;
 use std::path::Path;
 use std::sync::{Mutex, PoisonError};
-use std::time::Instant;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use crate::{Error, Result};
 
@@ -28,6 +36,8 @@ struct Event {
 #[derive(Debug)]
 pub struct Timeline {
     origin: Instant,
+    /// `origin` on the wall clock: microseconds since the Unix epoch.
+    origin_us: f64,
     events: Mutex<Vec<Event>>,
 }
 
@@ -37,15 +47,33 @@ impl Default for Timeline {
     }
 }
 
+/// The CPU time this thread has run, in microseconds (0 where the clock cannot be read).
+fn thread_cpu_us() -> f64 {
+    nix::time::clock_gettime(nix::time::ClockId::CLOCK_THREAD_CPUTIME_ID)
+        .map_or(0.0, |t| t.tv_sec() as f64 * 1e6 + t.tv_nsec() as f64 / 1e3)
+}
+
 impl Timeline {
+    /// The row of the thread that runs collectives across workers (shown as "ring").
+    pub const RING: usize = 1 << 16;
+
     /// An empty timeline whose clock starts now.
     pub fn new() -> Self {
-        Self { origin: Instant::now(), events: Mutex::new(Vec::new()) }
+        let origin_us = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64() * 1e6);
+        Self { origin: Instant::now(), origin_us, events: Mutex::new(Vec::new()) }
     }
 
     /// Starts a phase on `replica`; it ends when the guard drops.
     pub fn span(&self, replica: usize, cat: &'static str, name: impl Into<String>) -> TimelineSpan<'_> {
-        TimelineSpan { timeline: self, replica, cat, name: name.into(), start: Instant::now(), args: None }
+        TimelineSpan {
+            timeline: self,
+            replica,
+            cat,
+            name: name.into(),
+            start: Instant::now(),
+            cpu_us: thread_cpu_us(),
+            args: None,
+        }
     }
 
     /// The number of events recorded so far.
@@ -64,18 +92,29 @@ impl Timeline {
         ev.iter().map(|e| (e.tid, e.name.clone())).collect()
     }
 
-    /// Writes the Chrome trace JSON to `path`.
+    /// Writes the Chrome trace JSON to `path`, as process 1.
     pub fn write_chrome_trace(&self, path: &Path) -> Result<()> {
+        self.write_process_trace(path, 1, None)
+    }
+
+    /// Writes the Chrome trace JSON to `path` as process `pid`, named `process` in the viewer
+    /// (`"worker 1"`): one file per process of a job, whose events can be joined into one
+    /// trace (`jq -s '{traceEvents: map(.traceEvents) | add}' a.json b.json`).
+    pub fn write_process_trace(&self, path: &Path, pid: u32, process: Option<&str>) -> Result<()> {
         let ev = self.events.lock().unwrap_or_else(PoisonError::into_inner);
         let replicas: std::collections::BTreeSet<usize> = ev.iter().map(|e| e.tid).collect();
-        let mut events: Vec<serde_json::Value> = replicas
-            .iter()
-            .map(|r| {
-                serde_json::json!({"name": "thread_name", "ph": "M", "pid": 1, "tid": r,
-                    "args": {"name": format!("replica {r}")}})
-            })
+        let mut events: Vec<serde_json::Value> = process
+            .map(|name| serde_json::json!({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}}))
+            .into_iter()
             .collect();
-        events.extend(ev.iter().map(|e| serde_json::to_value(e).unwrap_or_default()));
+        events.extend(replicas.iter().map(|r| {
+            let name = if *r == Self::RING { "ring".to_string() } else { format!("replica {r}") };
+            serde_json::json!({"name": "thread_name", "ph": "M", "pid": pid, "tid": r, "args": {"name": name}})
+        }));
+        events.extend(ev.iter().map(|e| {
+            let e = Event { pid, ts: e.ts + self.origin_us, ..e.clone() };
+            serde_json::to_value(e).unwrap_or_default()
+        }));
         let doc = serde_json::json!({ "traceEvents": events, "displayTimeUnit": "ms" });
         let mut f = std::fs::File::create(path)
             .map_err(|e| Error::io(format!("cannot create timeline {}", path.display()), e))?;
@@ -92,6 +131,8 @@ pub struct TimelineSpan<'a> {
     cat: &'static str,
     name: String,
     start: Instant,
+    /// The thread's CPU time at the start.
+    cpu_us: f64,
     args: Option<serde_json::Value>,
 }
 
@@ -107,6 +148,15 @@ impl Drop for TimelineSpan<'_> {
     fn drop(&mut self) {
         let ts = self.start.duration_since(self.timeline.origin).as_secs_f64() * 1e6;
         let dur = self.start.elapsed().as_secs_f64() * 1e6;
+        let cpu_ms = serde_json::json!(((thread_cpu_us() - self.cpu_us) / 1e3 * 1e3).round() / 1e3);
+        let args = match self.args.take() {
+            Some(serde_json::Value::Object(mut m)) => {
+                m.insert("cpu_ms".into(), cpu_ms);
+                serde_json::Value::Object(m)
+            }
+            Some(other) => serde_json::json!({ "value": other, "cpu_ms": cpu_ms }),
+            None => serde_json::json!({ "cpu_ms": cpu_ms }),
+        };
         let e = Event {
             name: std::mem::take(&mut self.name),
             cat: self.cat,
@@ -115,7 +165,7 @@ impl Drop for TimelineSpan<'_> {
             dur,
             pid: 1,
             tid: self.replica,
-            args: self.args.take(),
+            args: Some(args),
         };
         self.timeline.events.lock().unwrap_or_else(PoisonError::into_inner).push(e);
     }
@@ -141,6 +191,7 @@ mod tests {
         assert_eq!(ev.iter().filter(|e| e["ph"] == "X").count(), 2);
         assert_eq!(ev.iter().filter(|e| e["ph"] == "M").count(), 2);
         assert!(ev.iter().any(|e| e["name"] == "bucket 0" && e["tid"] == 1 && e["args"]["bytes"] == 4));
+        assert!(ev.iter().filter(|e| e["ph"] == "X").all(|e| e["args"]["cpu_ms"].as_f64().is_some_and(|c| c >= 0.0)));
         std::fs::remove_dir_all(dir).ok();
     }
 }

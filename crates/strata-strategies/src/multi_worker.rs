@@ -20,6 +20,7 @@ use strata_core::cross_device::compression::{Compression, HalfFormat};
 use strata_core::cross_device::{CrossDeviceOps, HierarchicalOps, PendingAllReduce};
 use strata_core::device::LogicalDevice;
 use strata_core::strategy::{AutoShardPolicy, WorkerCollectives};
+use strata_core::timeline::Timeline;
 use strata_core::{Error, ReduceOp, Result, Strategy, StrategyExtended, StrategyOptions, VariablePolicy};
 use strata_transport::coordination::{MembershipView, Progress};
 use strata_transport::ring::{AbortSignal, Ring, RingConfig};
@@ -192,6 +193,8 @@ struct WorkerJob {
     rejoin: Option<Rejoin>,
     /// Whether this worker joined an elastic job under way.
     under_way: bool,
+    /// Where each collective across workers is recorded (row [`Timeline::RING`]).
+    timeline: Option<Arc<Timeline>>,
 }
 
 /// A job for the thread that runs started collectives.
@@ -263,11 +266,12 @@ impl WorkerJob {
     fn collective<T>(
         &self,
         what: &'static str,
+        elems: usize,
         f: impl FnOnce(&Ring, u64) -> strata_transport::Result<T>,
     ) -> Result<T> {
         self.ahead.drain();
         let gen = self.gen();
-        self.run_collective(&gen, what, |seq| f(&gen.ring, seq))
+        self.run_collective(&gen, what, elems, |seq| f(&gen.ring, seq))
     }
 
     /// Starts `run` on the thread of started collectives; its result comes back through the
@@ -285,14 +289,21 @@ impl WorkerJob {
         }
     }
 
+    /// Runs collective `what` of this worker's input of `elems` values (recorded on the
+    /// timeline's ring row).
     fn run_collective<T>(
         &self,
         gen: &Gen,
         what: &'static str,
+        elems: usize,
         f: impl FnOnce(u64) -> strata_transport::Result<T>,
     ) -> Result<T> {
         let seq = gen.seq.fetch_add(1, Ordering::Relaxed);
         self.progress.enter(seq, what);
+        let _span = self.timeline.as_ref().map(|t| {
+            t.span(Timeline::RING, "ring", what)
+                .with_args(serde_json::json!({ "collective": seq, "elements": elems, "workers": gen.ring.size() }))
+        });
         f(seq).map_err(|e| {
             let failed = matches!(e, strata_transport::Error::Aborted(_));
             let message = e.to_string();
@@ -317,36 +328,39 @@ impl WorkerCollectives for WorkerJob {
         self.gen().rank
     }
     fn all_reduce(&self, op: ReduceOp, data: &mut [f32]) -> Result<()> {
-        self.collective("all_reduce", |ring, seq| ring.all_reduce(seq, op, data))
+        self.collective("all_reduce", data.len(), |ring, seq| ring.all_reduce(seq, op, data))
     }
     fn all_gather(&self, mine: &[f32]) -> Result<Vec<Vec<f32>>> {
-        self.collective("all_gather", |ring, seq| ring.all_gather(seq, mine))
+        self.collective("all_gather", mine.len(), |ring, seq| ring.all_gather(seq, mine))
     }
     fn all_gather_into(&self, mine: &[f32], out: &mut [f32], counts: &[usize]) -> Result<()> {
-        self.collective("all_gather", |ring, seq| ring.all_gather_into(seq, mine, out, counts))
+        self.collective("all_gather", mine.len(), |ring, seq| ring.all_gather_into(seq, mine, out, counts))
     }
     fn broadcast(&self, root: usize, data: &mut [f32]) -> Result<()> {
-        self.collective("broadcast", |ring, seq| ring.broadcast(seq, root, data))
+        self.collective("broadcast", data.len(), |ring, seq| ring.broadcast(seq, root, data))
     }
     fn broadcast_u64s(&self, root: usize, data: &mut [u64]) -> Result<()> {
-        self.collective("broadcast_u64s", |ring, seq| ring.broadcast_u64s(seq, root, data))
+        self.collective("broadcast_u64s", data.len(), |ring, seq| ring.broadcast_u64s(seq, root, data))
     }
     fn barrier(&self) -> Result<()> {
-        self.collective("barrier", |ring, seq| ring.barrier(seq))
+        self.collective("barrier", 0, |ring, seq| ring.barrier(seq))
     }
     fn start_all_reduce_half(&self, mut data: Vec<f32>, format: HalfFormat) -> PendingAllReduce {
         self.start_ahead(move |job, gen| {
-            job.run_collective(gen, "all_reduce", |seq| gen.ring.all_reduce_half(seq, &mut data, format)).map(|()| data)
+            job.run_collective(gen, "all_reduce", data.len(), |seq| gen.ring.all_reduce_half(seq, &mut data, format))
+                .map(|()| data)
         })
     }
     fn start_all_reduce_int8(&self, mut data: Vec<f32>) -> PendingAllReduce {
         self.start_ahead(move |job, gen| {
-            job.run_collective(gen, "all_reduce", |seq| gen.ring.all_reduce_int8(seq, &mut data)).map(|()| data)
+            job.run_collective(gen, "all_reduce", data.len(), |seq| gen.ring.all_reduce_int8(seq, &mut data))
+                .map(|()| data)
         })
     }
     fn start_all_reduce(&self, op: ReduceOp, mut data: Vec<f32>) -> PendingAllReduce {
         self.start_ahead(move |job, gen| {
-            job.run_collective(gen, "all_reduce", |seq| gen.ring.all_reduce(seq, op, &mut data)).map(|()| data)
+            job.run_collective(gen, "all_reduce", data.len(), |seq| gen.ring.all_reduce(seq, op, &mut data))
+                .map(|()| data)
         })
     }
     fn scatter_segment(&self, len: usize, worker: usize) -> std::ops::Range<usize> {
@@ -354,7 +368,8 @@ impl WorkerCollectives for WorkerJob {
     }
     fn start_reduce_scatter(&self, op: ReduceOp, mut data: Vec<f32>) -> PendingAllReduce {
         self.start_ahead(move |job, gen| {
-            let own = job.run_collective(gen, "reduce_scatter", |seq| gen.ring.reduce_scatter(seq, op, &mut data))?;
+            let own = job
+                .run_collective(gen, "reduce_scatter", data.len(), |seq| gen.ring.reduce_scatter(seq, op, &mut data))?;
             // Nothing outside this worker's segment is reduced: NaN there, so that a reader of
             // it cannot go unnoticed.
             data[..own.start].fill(f32::NAN);
@@ -420,7 +435,7 @@ impl WorkerCollectives for WorkerJob {
     ) -> Result<Arc<dyn strata_core::cross_device::PeerPieces>> {
         // In an elastic job every generation's members start one over their ring (ZeRO stage
         // 3's shards follow the membership); the earlier one's connections close with it.
-        let pieces = self.collective("serve_pieces", |ring, seq| ring.serve_pieces(seq, source))?;
+        let pieces = self.collective("serve_pieces", 0, |ring, seq| ring.serve_pieces(seq, source))?;
         Ok(Arc::new(pieces))
     }
     fn abort_generation(&self, why: &str) {
@@ -745,6 +760,7 @@ impl MultiWorkerMirroredStrategy {
             ahead: Ahead::default(),
             rejoin,
             under_way,
+            timeline: options.options.timeline.clone(),
         });
         let _ = job.ahead.job.set(Arc::downgrade(&job));
         let custom = match &options.cross_worker_ops {
