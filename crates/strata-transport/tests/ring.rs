@@ -117,6 +117,28 @@ fn check_all_reduce(n: usize, chunk_bytes: usize, small_bytes: usize) {
     }
 }
 
+/// Workers on one host move their connections to Unix sockets; a worker that keeps TCP
+/// (`RingConfig::unix_sockets` off, `STRATA_RING_UNIX=0`) keeps it with every peer; the sums
+/// are the same bits either way.
+#[test]
+fn workers_on_one_host_talk_over_unix_sockets_unless_one_keeps_tcp() {
+    for (tcp_rank, expected_links) in [(None, [2, 2, 2]), (Some(1), [1, 0, 1]), (Some(0), [0, 1, 1])] {
+        let cfgs = configs(3, |r, c| c.unix_sockets = Some(r) != tcp_rank);
+        let results = run(cfgs, |r, ring| {
+            let ring = ring.unwrap();
+            let mut data: Vec<f32> = (0..300_007).map(|i| value(r, i)).collect();
+            ring.all_reduce(0, ReduceOp::Sum, &mut data).unwrap();
+            (ring.unix_links(), data)
+        });
+        for (r, (links, data)) in results.iter().enumerate() {
+            assert_eq!(*links, expected_links[r], "rank {r}'s Unix links with rank {tcp_rank:?} on TCP");
+            let wrong =
+                (0..data.len()).filter(|&i| data[i].to_bits() != expected(ReduceOp::Sum, 3, i).to_bits()).count();
+            assert_eq!(wrong, 0, "rank {r} with rank {tcp_rank:?} on TCP");
+        }
+    }
+}
+
 #[test]
 fn all_reduce_matches_the_closed_form_for_2_workers() {
     check_all_reduce(2, 256 << 10, 64 << 10);

@@ -141,7 +141,8 @@ pub struct AllreduceArgs {
     /// Internal: the number of workers of a --workers benchmark.
     #[arg(long, hide = true)]
     pub worker_count: Option<usize>,
-    /// Internal: the raw loopback TCP throughput measured by the launching process, GB/s.
+    /// Internal: the raw socket throughput (Unix sockets, or loopback TCP with
+    /// `STRATA_RING_UNIX=0`) measured by the launching process, GB/s.
     #[arg(long, hide = true)]
     pub tcp_ceiling: Option<f64>,
 }
@@ -878,33 +879,56 @@ impl WorkerRow {
     }
 }
 
-/// Raw loopback TCP throughput, GB/s per stream: one stream alone, and each of two streams
-/// running in opposite directions at once (what every link of a ring of two carries).
-pub fn tcp_ceiling() -> Result<(f64, f64)> {
+/// The raw throughput of the sockets the ring runs on between processes of this host, GB/s per
+/// stream: one stream alone, and each of two streams running in opposite directions at once
+/// (what every link of a ring of two carries). Unix stream sockets with the ring's 4 MiB buffers
+/// (`unix`), else loopback TCP.
+pub fn stream_ceiling(unix: bool) -> Result<(f64, f64)> {
     let mut one = Vec::new();
     let mut two = Vec::new();
     for _ in 0..3 {
-        one.push(tcp_streams(1)?);
-        two.push(tcp_streams(2)?);
+        one.push(socket_streams(unix, 1)?);
+        two.push(socket_streams(unix, 2)?);
     }
     Ok((median_f64(&mut one).unwrap_or(0.0), median_f64(&mut two).unwrap_or(0.0)))
 }
 
-/// Runs `streams` loopback streams of [`TCP_CEILING_BYTES`] at once (the second in the
-/// opposite direction); GB/s per stream.
-fn tcp_streams(streams: usize) -> Result<f64> {
-    let io = |what: &str, e: std::io::Error| Error::io(format!("measuring loopback TCP: {what}"), e);
+/// Runs `streams` streams of [`TCP_CEILING_BYTES`] at once over one connection (the second in
+/// the opposite direction); GB/s per stream.
+fn socket_streams(unix: bool, streams: usize) -> Result<f64> {
+    let io = |what: &str, e: std::io::Error| Error::io(format!("measuring the socket ceiling: {what}"), e);
+    if unix {
+        let (a, b) = std::os::unix::net::UnixStream::pair().map_err(|e| io("socket pair", e))?;
+        for s in [&a, &b] {
+            let sock = socket2::SockRef::from(s);
+            let _ = sock.set_send_buffer_size(4 << 20);
+            let _ = sock.set_recv_buffer_size(4 << 20);
+        }
+        let pairs = [(a.try_clone(), b.try_clone()), (b.try_clone(), a.try_clone())];
+        return timed_streams(pairs, streams).map_err(|e| io("transfer", e));
+    }
     let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| io("bind", e))?;
     let addr = listener.local_addr().map_err(|e| io("local address", e))?;
     let dialed = TcpStream::connect(addr).map_err(|e| io("connect", e))?;
     let (accepted, _) = listener.accept().map_err(|e| io("accept", e))?;
+    for s in [&dialed, &accepted] {
+        s.set_nodelay(true).map_err(|e| io("TCP_NODELAY", e))?;
+    }
     let pairs = [(dialed.try_clone(), accepted.try_clone()), (accepted.try_clone(), dialed.try_clone())];
+    timed_streams(pairs, streams).map_err(|e| io("transfer", e))
+}
+
+/// Writes [`TCP_CEILING_BYTES`] from the writer of each of the first `streams` pairs and reads
+/// them at its reader, all at once; GB/s per stream.
+fn timed_streams<S: Read + Write + Send>(
+    pairs: [(std::io::Result<S>, std::io::Result<S>); 2],
+    streams: usize,
+) -> std::io::Result<f64> {
     let t0 = Instant::now();
     let moved: Vec<std::io::Result<usize>> = std::thread::scope(|s| {
         let mut handles = Vec::new();
         for (w, r) in pairs.into_iter().take(streams) {
             let (mut w, mut r) = (w?, r?);
-            w.set_nodelay(true)?;
             handles.push(s.spawn(move || -> std::io::Result<usize> {
                 let buf = vec![7u8; TCP_WRITE_BYTES];
                 let mut sent = 0;
@@ -929,11 +953,10 @@ fn tcp_streams(streams: usize) -> Result<f64> {
         Ok::<_, std::io::Error>(
             handles.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect(),
         )
-    })
-    .map_err(|e| io("stream setup", e))?;
+    })?;
     let elapsed = t0.elapsed().as_secs_f64().max(1e-9);
     for m in moved {
-        m.map_err(|e| io("transfer", e))?;
+        m?;
     }
     Ok(TCP_CEILING_BYTES as f64 / elapsed / 1e9)
 }
@@ -964,9 +987,15 @@ fn run_workers(args: &AllreduceArgs, plan: &Plan) -> Result<()> {
         std::env::consts::ARCH,
         super::common::cpu_model().map(|m| format!(", {m}")).unwrap_or_default()
     );
+    let unix = strata_transport::ring::RingConfig::new(0, Vec::new()).unix_sockets;
     println!(
-        "# transport: strata_transport::ring over raw loopback TCP (one process per worker); ring all-reduce above \
+        "# transport: strata_transport::ring over {} (one process per worker); ring all-reduce above \
          {}, direct exchange up to it; chunk {}",
+        if unix {
+            "Unix sockets between the processes of this host (STRATA_RING_UNIX=0: loopback TCP)"
+        } else {
+            "loopback TCP (STRATA_RING_UNIX=0)"
+        },
         format_bytes(plan.small_bytes as u64),
         format_bytes(plan.chunk_bytes as u64)
     );
@@ -981,10 +1010,11 @@ fn run_workers(args: &AllreduceArgs, plan: &Plan) -> Result<()> {
             None => format!("adaptive (~{ADAPTIVE_LOOP_SECS} s a row, {ADAPTIVE_MIN_ITERS} to {ADAPTIVE_MAX_ITERS})"),
         }
     );
-    let (one, two) = tcp_ceiling()?;
+    let (one, two) = stream_ceiling(unix)?;
     println!(
-        "# raw loopback TCP ceiling (measured now, {} writes): one stream {one:.2} GB/s; two streams in opposite \
+        "# raw {} ceiling (measured now, {} writes): one stream {one:.2} GB/s; two streams in opposite \
          directions at once {two:.2} GB/s each",
+        if unix { "Unix socket" } else { "loopback TCP" },
         format_bytes(TCP_WRITE_BYTES as u64)
     );
     for &n in &plan.workers {
@@ -1281,7 +1311,7 @@ fn print_worker_table_header(n: usize) {
     println!("# {n} worker processes");
     println!(
         "# {:>10} {:>12} {:>6} {:>6} {:>11} {:>12} {:>12} {:>7} {:>10} {:>6}",
-        "size", "count", "type", "redop", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong", "busbw/tcp", "iters"
+        "size", "count", "type", "redop", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong", "busbw/ceil", "iters"
     );
 }
 

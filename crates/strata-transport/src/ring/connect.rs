@@ -58,7 +58,7 @@ impl Params {
 }
 
 /// The longest a single handshake may take (a silent connection must not hold up the others).
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Applies the socket options of every ring connection.
 pub(crate) fn configure(s: &TcpStream, buffer: Option<usize>) -> Result<()> {

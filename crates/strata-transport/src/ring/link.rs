@@ -7,11 +7,16 @@ use std::pin::Pin;
 use std::task::Poll;
 use std::time::Duration;
 
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 
 use super::wire::{self, Call, WireError, HEADER, MAX_ERROR_BYTES, TAG_DATA, TAG_ERROR, TAG_OPEN};
 use crate::{Error, Result};
+
+/// The read half of a ring connection (TCP, or a Unix socket to a worker on this host).
+pub(crate) type ReadHalf = Box<dyn AsyncRead + Send + Unpin>;
+
+/// The write half of a ring connection.
+pub(crate) type WriteHalf = Box<dyn AsyncWrite + Send + Unpin>;
 
 /// What every future of one collective shares: who this task is, what it called, and which
 /// peers it is waiting on (for the timeout error).
@@ -98,7 +103,7 @@ impl<'a> Ctx<'a> {
 /// The read half of the connection to one peer.
 pub(crate) struct Reader {
     pub peer: usize,
-    rd: BufReader<OwnedReadHalf>,
+    rd: BufReader<ReadHalf>,
 }
 
 /// Capacity of a reader's buffer: frame headers and small frames arrive in one system call, and
@@ -110,7 +115,8 @@ const READ_BUFFER: usize = 256 << 10;
 pub(crate) const MAX_UNIT: usize = strata_core::cross_device::compression::INT8_BLOCK + 1;
 
 impl Reader {
-    pub(crate) fn new(peer: usize, rd: OwnedReadHalf) -> Self {
+    pub(crate) fn new(peer: usize, rd: impl AsyncRead + Send + Unpin + 'static) -> Self {
+        let rd: ReadHalf = Box::new(rd);
         Self { peer, rd: BufReader::with_capacity(READ_BUFFER, rd) }
     }
 
@@ -273,14 +279,14 @@ impl Reader {
 /// The write half of the connection to one peer.
 pub(crate) struct Writer {
     pub peer: usize,
-    wr: OwnedWriteHalf,
+    wr: WriteHalf,
     /// False while a frame is partly written (an ERROR frame cannot follow then).
     clean: bool,
 }
 
 impl Writer {
-    pub(crate) fn new(peer: usize, wr: OwnedWriteHalf) -> Self {
-        Self { peer, wr, clean: true }
+    pub(crate) fn new(peer: usize, wr: impl AsyncWrite + Send + Unpin + 'static) -> Self {
+        Self { peer, wr: Box::new(wr), clean: true }
     }
 
     /// Writes whole frames.
@@ -325,7 +331,7 @@ impl Writer {
 }
 
 /// `write_all` of `head` then `tail`, in vectored writes while `head` is not all written.
-async fn write_all_parts(wr: &mut OwnedWriteHalf, mut head: &[u8], mut tail: &[u8]) -> std::io::Result<()> {
+async fn write_all_parts(wr: &mut WriteHalf, mut head: &[u8], mut tail: &[u8]) -> std::io::Result<()> {
     while !head.is_empty() {
         let n = wr.write_vectored(&[std::io::IoSlice::new(head), std::io::IoSlice::new(tail)]).await?;
         if n == 0 {

@@ -1,4 +1,5 @@
-//! Cross-worker collectives over raw TCP: the data plane of `MultiWorkerMirroredStrategy`.
+//! Cross-worker collectives over raw TCP (Unix sockets between the workers of one host): the
+//! data plane of `MultiWorkerMirroredStrategy`.
 //!
 //! [`Ring::connect`] builds a mesh of TCP connections between the workers (each dials the lower
 //! ranks and accepts the higher ones, in any start order, retrying until the connect
@@ -43,7 +44,12 @@
 //! order rather than interleaved so that chunks move on while still in cache (that caps the
 //! bytes in flight, and every scheduling hiccup then stalls the ring: 2 workers fell from
 //! ~1.5 GB/s to ~0.8 GB/s); Linux's socket buffer autotuning left on (see `SOCKET_BUFFER`).
-//! AF_UNIX sockets were no faster than loopback TCP here (about 4 GB/s one way, both).
+//! AF_UNIX sockets were once measured no faster than loopback TCP here (about 4 GB/s one way,
+//! both, with the default 208 KiB buffers); with 4 MiB buffers and both directions at once they
+//! cost 2-3x less CPU per byte, so connections between workers of one host now move to Unix
+//! sockets after the TCP handshake (`local.rs`): `strata bench allreduce --workers 2` went from
+//! 2.5-2.8 to 4.4-4.5 GB/s busbw at 16-64 MiB (2026-12-05, alternated, `STRATA_RING_UNIX=0`
+//! for TCP).
 //!
 //! Where it stands (medians of 3 runs against PyTorch 2.15's gloo, `scripts/bench/compare-allreduce.sh`,
 //! same sizes and timing method, this 2-core machine partly loaded by other builds): busbw for 2
@@ -61,6 +67,7 @@ mod abort;
 mod algo;
 mod connect;
 mod link;
+mod local;
 mod pieces;
 mod wire;
 
@@ -118,6 +125,9 @@ pub struct RingConfig {
     /// All-reduces and broadcasts of at most this many bytes exchange buffers directly with
     /// every peer (one network hop) instead of going around the ring.
     pub small_bytes: usize,
+    /// Whether connections to workers on this host move to Unix sockets (see `local.rs`); from
+    /// `STRATA_RING_UNIX` (`0` keeps TCP), else on.
+    pub unix_sockets: bool,
 }
 
 impl RingConfig {
@@ -135,6 +145,7 @@ impl RingConfig {
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             chunk_bytes: DEFAULT_CHUNK_BYTES,
             small_bytes: DEFAULT_SMALL_BYTES,
+            unix_sockets: local::allowed_by_env(),
         }
     }
 }
@@ -152,6 +163,7 @@ impl std::fmt::Debug for RingConfig {
             .field("connect_timeout", &self.connect_timeout)
             .field("chunk_bytes", &self.chunk_bytes)
             .field("small_bytes", &self.small_bytes)
+            .field("unix_sockets", &self.unix_sockets)
             .finish()
     }
 }
@@ -173,6 +185,8 @@ pub struct Ring {
     state: Mutex<State>,
     /// How the mesh was built: the piece service builds its own the same way.
     params: Arc<connect::Params>,
+    /// Connections on Unix sockets (to workers on this host).
+    unix: usize,
 }
 
 struct State {
@@ -264,8 +278,23 @@ impl Ring {
             } else {
                 None
             };
-            connect::build(params.clone(), listener, &abort).await
+            let streams = connect::build(params.clone(), listener, &abort).await?;
+            // Peers on this host move to Unix sockets, every connection at once.
+            let mut upgrades = tokio::task::JoinSet::new();
+            for (p, s) in streams.into_iter().enumerate() {
+                if let Some(s) = s {
+                    let (rank, name, allow) = (cfg.rank, names[p].clone(), cfg.unix_sockets);
+                    upgrades.spawn(async move { (p, local::upgrade(s, rank, p, &name, allow).await) });
+                }
+            }
+            let mut links: Vec<Option<local::Stream>> = (0..n).map(|_| None).collect();
+            while let Some(done) = upgrades.join_next().await {
+                let (p, s) = done.map_err(|e| Error::Config(format!("moving a ring connection failed: {e}")))?;
+                links[p] = Some(s?);
+            }
+            Ok::<_, Error>(links)
         })?;
+        let unix = streams.iter().flatten().filter(|s| s.is_unix()).count();
         let mut readers = Vec::with_capacity(n);
         let mut writers = Vec::with_capacity(n);
         for (p, s) in streams.into_iter().enumerate() {
@@ -291,6 +320,7 @@ impl Ring {
             rt: Some(rt),
             state: Mutex::new(State { links: Links { readers, writers }, broken: None }),
             params,
+            unix,
         })
     }
 
@@ -307,6 +337,12 @@ impl Ring {
     /// The task name of every rank.
     pub fn task_names(&self) -> &[String] {
         &self.names
+    }
+
+    /// How many of this worker's connections run on Unix sockets (to workers on this host);
+    /// the others are TCP.
+    pub fn unix_links(&self) -> usize {
+        self.unix
     }
 
     /// All-reduces `data` in place across the workers (`Mean` divides the sum by the number of
