@@ -68,6 +68,6 @@ impl Classifier for Cnn {
         let x = self.precision.cast(&x.reshape((n, 1, SIDE, SIDE))?)?;
         let h = relu_max_pool2d(&conv(&self.conv1, &x)?, 2)?;
         let h = relu_max_pool2d(&conv(&self.conv2, &h)?, 2)?.flatten_from(1)?;
-        self.fc2.forward(&self.fc1.forward(&h)?.relu()?)?.to_dtype(DType::F32)
+        self.fc2.forward(&self.fc1.forward_relu(&h)?)?.to_dtype(DType::F32)
     }
 }

@@ -183,46 +183,50 @@ impl Kernel for GeluBwd<'_> {
     }
 }
 
-struct BiasGeluFwd<'a> {
+/// `y = f(h + b)` row by row: a dense layer's bias and activation in one pass.
+struct BiasActFwd<'a, F> {
     h: &'a [f32],
     b: &'a [f32],
+    f: F,
     y: &'a mut Vec<f32>,
 }
 
-impl Kernel for BiasGeluFwd<'_> {
+impl<F: Fn(f32) -> f32> Kernel for BiasActFwd<'_, F> {
     #[inline(always)]
     fn run(self) {
-        let (b, d) = (self.b, self.b.len().max(1));
+        let (b, d, f) = (self.b, self.b.len().max(1), self.f);
         self.y.resize(self.h.len() / d * d, 0.0);
         for (hr, yr) in self.h.chunks_exact(d).zip(self.y.chunks_exact_mut(d)) {
             for ((y, &h), &b) in yr.iter_mut().zip(hr).zip(b) {
-                *y = gelu1(h + b);
+                *y = f(h + b);
             }
         }
     }
 }
 
-/// Appends `(rows + 1, d)`: the rows of `dh`, then `db` (their sum over rows).
-struct BiasGeluBwd<'a> {
+/// Appends `(rows + 1, d)`: the rows of `dh = grad(h + b, g)`, then `db` (their sum over rows,
+/// from 0 and row by row: the order of candle's sum over a batch's rows, so the same bits).
+struct BiasActBwd<'a, G> {
     h: &'a [f32],
     b: &'a [f32],
     g: &'a [f32],
+    grad: G,
     out: &'a mut Vec<f32>,
 }
 
-impl Kernel for BiasGeluBwd<'_> {
+impl<G: Fn(f32, f32) -> f32> Kernel for BiasActBwd<'_, G> {
     #[inline(always)]
     fn run(self) {
-        let (b, d) = (self.b, self.b.len().max(1));
-        let (mut dh, mut db) = (vec![0f32; d], vec![0f32; d]);
-        for (hr, gr) in self.h.chunks_exact(d).zip(self.g.chunks_exact(d)) {
-            for ((((dh, db), &h), &b), &g) in dh.iter_mut().zip(db.iter_mut()).zip(hr).zip(b).zip(gr) {
-                *dh = g * gelu1_grad(h + b);
+        let (b, d, grad) = (self.b, self.b.len().max(1), self.grad);
+        let rows = self.h.len() / d;
+        self.out.resize((rows + 1) * d, 0.0);
+        let (dh, db) = self.out.split_at_mut(rows * d);
+        for ((hr, gr), dr) in self.h.chunks_exact(d).zip(self.g.chunks_exact(d)).zip(dh.chunks_exact_mut(d)) {
+            for ((((dh, db), &h), &b), &g) in dr.iter_mut().zip(db.iter_mut()).zip(hr).zip(b).zip(gr) {
+                *dh = grad(h + b, g);
                 *db += *dh;
             }
-            self.out.extend_from_slice(&dh);
         }
-        self.out.extend_from_slice(&db);
     }
 }
 
@@ -492,37 +496,71 @@ pub fn gelu(x: &Tensor) -> Result<Tensor> {
     }
 }
 
-/// `gelu(h + b)`: a bias `b` of the last axis' size added to `h`, then GELU (tanh
-/// approximation); a dense layer's bias and activation in one pass, and in one backward pass
-/// that also sums the bias' gradient.
-struct BiasGelu;
+/// The activation a fused dense layer applies after its bias.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Act {
+    /// GELU, tanh approximation, as candle's `gelu`.
+    Gelu,
+    /// ReLU, as candle's `relu` (`max(v, 0)`; its gradient passes where `v >= 0`).
+    Relu,
+}
 
-impl CustomOp2 for BiasGelu {
+/// ReLU as candle computes it.
+#[inline(always)]
+fn relu1(v: f32) -> f32 {
+    v.max(0f32)
+}
+
+/// `g` times ReLU's derivative at `v`, as candle's backward pass computes it (`g * 1` where
+/// `v >= 0`, `g * 0` elsewhere, so a NaN or infinite `g` stays one).
+#[inline(always)]
+fn relu1_grad(v: f32, g: f32) -> f32 {
+    g * if v >= 0.0 { 1.0 } else { 0.0 }
+}
+
+impl Act {
+    fn names(self) -> (&'static str, &'static str) {
+        match self {
+            Act::Gelu => ("strata-bias-gelu", "strata-bias-gelu-grad"),
+            Act::Relu => ("strata-bias-relu", "strata-bias-relu-grad"),
+        }
+    }
+}
+
+/// `act(h + b)`: a bias `b` of the last axis' size added to `h`, then the activation; a dense
+/// layer's bias and activation in one pass, and in one backward pass that also sums the bias'
+/// gradient.
+struct BiasAct(Act);
+
+impl CustomOp2 for BiasAct {
     fn name(&self) -> &'static str {
-        "strata-bias-gelu"
+        self.0.names().0
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
         let (h, b) = (f32s(s1, l1, self.name())?, f32s(s2, l2, self.name())?);
         bias_of(l1, l2, self.name())?;
         let mut y = Vec::with_capacity(h.len());
-        simd(BiasGeluFwd { h: &h, b: &b, y: &mut y });
+        match self.0 {
+            Act::Gelu => simd(BiasActFwd { h: &h, b: &b, f: gelu1, y: &mut y }),
+            Act::Relu => simd(BiasActFwd { h: &h, b: &b, f: relu1, y: &mut y }),
+        }
         Ok((stored(s1, y), l1.shape().clone()))
     }
 
     fn bwd(&self, h: &Tensor, b: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let rows = h.elem_count() / b.elem_count().max(1);
-        let packed = h.apply_op3_no_bwd(b, &grad.contiguous()?, &BiasGeluGrad)?;
+        let packed = h.apply_op3_no_bwd(b, &grad.contiguous()?, &BiasActGrad(self.0))?;
         Ok((Some(packed.narrow(0, 0, rows)?.reshape(h.shape())?), Some(packed.get(rows)?)))
     }
 }
 
 /// `(h, b, g)` -> `(rows + 1, d)`: the rows of `dh`, then `db`.
-struct BiasGeluGrad;
+struct BiasActGrad(Act);
 
-impl CustomOp3 for BiasGeluGrad {
+impl CustomOp3 for BiasActGrad {
     fn name(&self) -> &'static str {
-        "strata-bias-gelu-grad"
+        self.0.names().1
     }
 
     fn cpu_fwd(
@@ -539,7 +577,10 @@ impl CustomOp3 for BiasGeluGrad {
         let (h, b, g) = (f32s(s1, l1, self.name())?, f32s(s2, l2, self.name())?, f32s(s3, l3, self.name())?);
         let d = b.len().max(1);
         let mut out = Vec::with_capacity(h.len() + d);
-        simd(BiasGeluBwd { h: &h, b: &b, g: &g, out: &mut out });
+        match self.0 {
+            Act::Gelu => simd(BiasActBwd { h: &h, b: &b, g: &g, grad: |v, g| g * gelu1_grad(v), out: &mut out }),
+            Act::Relu => simd(BiasActBwd { h: &h, b: &b, g: &g, grad: relu1_grad, out: &mut out }),
+        }
         Ok((stored(s1, out), Shape::from((h.len() / d + 1, d))))
     }
 }
@@ -555,9 +596,22 @@ fn bias_of(h: &Layout, b: &Layout, op: &str) -> Result<()> {
 /// elsewhere.
 pub fn bias_gelu(h: &Tensor, b: &Tensor) -> Result<Tensor> {
     if fusable16(&[h, b]) {
-        h.contiguous()?.apply_op2(&b.contiguous()?, BiasGelu)
+        h.contiguous()?.apply_op2(&b.contiguous()?, BiasAct(Act::Gelu))
     } else {
         gelu(&h.broadcast_add(b)?)
+    }
+}
+
+/// `relu(h + b)` for a bias `b` of `h`'s last axis' size: one pass forward and one backward
+/// (which also sums the bias' gradient) on f32 CPU tensors, with the same bits as candle's
+/// `h.broadcast_add(b)?.relu()` and its backward pass (the same arithmetic, the bias' gradient
+/// summed over the rows in candle's order); the composed operations elsewhere (16-bit types
+/// too, whose sums candle takes in 16 bits).
+pub fn bias_relu(h: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if fusable(h) && fusable(b) {
+        h.contiguous()?.apply_op2(&b.contiguous()?, BiasAct(Act::Relu))
+    } else {
+        h.broadcast_add(b)?.relu()
     }
 }
 
@@ -878,8 +932,10 @@ mod tests {
         }
         run(&|o, wide| go(GeluFwd { x: &x, y: o }, wide));
         run(&|o, wide| go(GeluBwd { x: &x, g: &g, d: o }, wide));
-        run(&|o, wide| go(BiasGeluFwd { h: &x, b: &w, y: o }, wide));
-        run(&|o, wide| go(BiasGeluBwd { h: &x, b: &w, g: &g, out: o }, wide));
+        run(&|o, wide| go(BiasActFwd { h: &x, b: &w, f: gelu1, y: o }, wide));
+        run(&|o, wide| go(BiasActBwd { h: &x, b: &w, g: &g, grad: |v, g| g * gelu1_grad(v), out: o }, wide));
+        run(&|o, wide| go(BiasActFwd { h: &x, b: &w, f: relu1, y: o }, wide));
+        run(&|o, wide| go(BiasActBwd { h: &x, b: &w, g: &g, grad: relu1_grad, out: o }, wide));
         run(&|o, wide| go(LayerNormFwd { x: &x, w: &w, b: &b, eps: 1e-5, y: o }, wide));
         run(&|o, wide| go(LayerNormBwd { x: &x, w: &w, g: &g, eps: 1e-5, out: o }, wide));
         run(&|o, wide| go(CausalSoftmaxFwd { x: &sq, t, y: o }, wide));
@@ -910,6 +966,63 @@ mod tests {
             .unwrap();
         close(ga.get(b.as_tensor()).unwrap(), gb.get(b.as_tensor()).unwrap(), 1e-5);
         let e = bias_gelu(&h, &Tensor::zeros(39, DType::F32, &Device::Cpu).unwrap()).unwrap_err().to_string();
+        assert!(e.contains("a bias of shape [39] for rows of 40"), "{e}");
+    }
+
+    /// `bias_relu` is candle's `broadcast_add` then `relu` bit for bit, forward and backward
+    /// (the input's gradient and the bias'), on shapes with rows shorter than a vector and with
+    /// a tail, zeros and negative zeros in the sums, and a 3-axis input; 16-bit inputs take the
+    /// composed operations.
+    #[test]
+    fn bias_relu_is_the_composed_operations_bit_for_bit() {
+        let dev = Device::Cpu;
+        let bits = |t: &Tensor| {
+            t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        };
+        for (shape, d) in [(vec![9usize, 40], 40usize), (vec![3, 7, 17], 17), (vec![1, 1], 1), (vec![300, 2048], 2048)]
+        {
+            let mut values: Vec<f32> =
+                Tensor::randn(0f32, 2.0, shape.as_slice(), &dev).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+            for v in values.iter_mut().step_by(5) {
+                *v = 0.0;
+            }
+            let h = Var::from_tensor(&Tensor::from_vec(values, shape.as_slice(), &dev).unwrap()).unwrap();
+            let mut bias: Vec<f32> = Tensor::randn(0f32, 1.0, d, &dev).unwrap().to_vec1().unwrap();
+            bias[0] = -0.0;
+            let b = Var::from_tensor(&Tensor::from_vec(bias, d, &dev).unwrap()).unwrap();
+            let mut r: Vec<f32> =
+                Tensor::randn(0f32, 1.0, shape.as_slice(), &dev).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+            for v in r.iter_mut().step_by(7) {
+                *v = -0.0;
+            }
+            let r = Tensor::from_vec(r, shape.as_slice(), &dev).unwrap();
+            let fused = bias_relu(h.as_tensor(), b.as_tensor()).unwrap();
+            let composed = h.as_tensor().broadcast_add(b.as_tensor()).unwrap().relu().unwrap();
+            assert_eq!(bits(&fused), bits(&composed), "{shape:?} forward");
+            let ga = (fused * &r).unwrap().sum_all().unwrap().backward().unwrap();
+            let gb = (composed * &r).unwrap().sum_all().unwrap().backward().unwrap();
+            for v in [&h, &b] {
+                assert_eq!(
+                    bits(ga.get(v.as_tensor()).unwrap()),
+                    bits(gb.get(v.as_tensor()).unwrap()),
+                    "{shape:?} gradient"
+                );
+            }
+        }
+        let h = Tensor::randn(0f32, 2.0, (4, 8), &dev).unwrap().to_dtype(DType::BF16).unwrap();
+        let b = Tensor::randn(0f32, 1.0, 8, &dev).unwrap().to_dtype(DType::BF16).unwrap();
+        let (fused, composed) = (bias_relu(&h, &b).unwrap(), h.broadcast_add(&b).unwrap().relu().unwrap());
+        assert_eq!(fused.dtype(), DType::BF16);
+        assert_eq!(
+            fused.to_dtype(DType::F32).unwrap().to_vec2::<f32>().unwrap(),
+            composed.to_dtype(DType::F32).unwrap().to_vec2::<f32>().unwrap()
+        );
+        let e = bias_relu(
+            &Tensor::zeros((2, 40), DType::F32, &dev).unwrap(),
+            &Tensor::zeros(39, DType::F32, &dev).unwrap(),
+        )
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("a bias of shape [39] for rows of 40"), "{e}");
     }
 

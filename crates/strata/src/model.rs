@@ -109,6 +109,16 @@ impl Dense {
         }
     }
 
+    /// `relu(x W + b)`, the bias and the activation in one fused pass
+    /// ([`crate::fused::bias_relu`], the same bits as `forward` then `relu`).
+    pub fn forward_relu(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let y = x.matmul(&cast_like(&self.weight, x)?)?;
+        match &self.bias {
+            Some(b) => crate::fused::bias_relu(&y, &cast_like(b, x)?),
+            None => y.relu(),
+        }
+    }
+
     /// `x W + b`.
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let y = x.matmul(&cast_like(&self.weight, x)?)?;
@@ -171,9 +181,9 @@ impl Classifier for Mlp {
                 l.forward(&h)?
             } else if self.recompute {
                 let l = l.clone();
-                strata_core::recompute(&[h], move |xs| l.forward(&xs[0])?.relu())?
+                strata_core::recompute(&[h], move |xs| l.forward_relu(&xs[0]))?
             } else {
-                l.forward(&h)?.relu()?
+                l.forward_relu(&h)?
             };
         }
         h.to_dtype(candle_core::DType::F32)

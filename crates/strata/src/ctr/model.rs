@@ -124,13 +124,13 @@ impl Dlrm {
     /// The click logits `(B,)` of dense features f32 `(B, 13)` and ids u32 `(B, 26)`.
     pub fn logits(&self, dense: &Tensor, ids: &Tensor) -> candle_core::Result<Tensor> {
         let b = dense.dim(0)?;
-        let bottom = self.bottom[1].forward(&self.bottom[0].forward(dense)?.relu()?)?.relu()?;
+        let bottom = self.bottom[1].forward_relu(&self.bottom[0].forward_relu(dense)?)?;
         let embedded = self.embedding.forward(ids)?; // (B, 26, D)
         let z = Tensor::cat(&[&bottom.unsqueeze(1)?, &embedded], 1)?.contiguous()?; // (B, 27, D)
         let dots = z.matmul(&z.transpose(1, 2)?.contiguous()?)?.reshape((b, (FIELDS + 1) * (FIELDS + 1)))?;
         let dots = dots.index_select(&self.pairs, 1)?;
         let x = Tensor::cat(&[&bottom, &dots], 1)?;
-        self.top[1].forward(&self.top[0].forward(&x)?.relu()?)?.squeeze(D::Minus1)
+        self.top[1].forward(&self.top[0].forward_relu(&x)?)?.squeeze(D::Minus1)
     }
 
     /// The mean binary cross-entropy of the logits against `labels` (f32 0 or 1, `(B,)`).
