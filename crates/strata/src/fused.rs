@@ -1026,6 +1026,50 @@ mod tests {
         assert!(e.contains("a bias of shape [39] for rows of 40"), "{e}");
     }
 
+    /// The causal softmax kernel, at this CPU's widest vectors and at pulp's scalar level,
+    /// against a plain scalar reference of the same arithmetic (each row's first `n` columns:
+    /// their maximum, `exp(v - max)`, [`lane_sum`]'s order, the division): the same bits, on
+    /// sides below, at and above a vector, with ties, large and tiny scores.
+    #[test]
+    fn causal_softmax_is_its_scalar_reference_bit_for_bit() {
+        for t in [1usize, 2, 13, 16, 17, 31, 32, 33, 64, 100] {
+            let mut x: Vec<f32> = Tensor::randn(0f32, 3.0, 3 * t * t, &Device::Cpu).unwrap().to_vec1().unwrap();
+            for (i, v) in x.iter_mut().enumerate() {
+                match i % 11 {
+                    0 => *v = 0.0,
+                    1 => *v = -0.0,
+                    2 => *v = 80.0,
+                    3 => *v = -80.0,
+                    _ => {}
+                }
+            }
+            let mut reference = vec![0f32; x.len()];
+            for (r, (xr, yr)) in x.chunks_exact(t).zip(reference.chunks_exact_mut(t)).enumerate() {
+                let n = r % t + 1;
+                let whole = (n.div_ceil(LANES) * LANES).min(t);
+                let max = xr[..n].iter().copied().fold(f32::NEG_INFINITY, |m, v| if v > m { v } else { m });
+                for j in 0..n {
+                    yr[j] = exp(xr[j] - max);
+                }
+                let sum = lane_sum(&yr[..whole], |y| y);
+                for y in &mut yr[..n] {
+                    *y /= sum;
+                }
+            }
+            for wide in [true, false] {
+                let mut y = Vec::new();
+                let k = CausalSoftmaxFwd { x: &x, t, y: &mut y };
+                if wide {
+                    simd(k)
+                } else {
+                    pulp::Simd::vectorize(pulp::Scalar::new(), Dispatch(k))
+                }
+                let wrong = y.iter().zip(&reference).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+                assert_eq!(wrong, 0, "t = {t}, wide = {wide}");
+            }
+        }
+    }
+
     #[test]
     fn causal_softmax_matches_the_masked_softmax_forward_and_backward() {
         let composed = |x: &Tensor| {
