@@ -47,10 +47,10 @@ impl Default for Timeline {
     }
 }
 
-/// The CPU time this thread has run, in microseconds (0 where the clock cannot be read).
+/// The CPU time this thread has run, in microseconds.
 fn thread_cpu_us() -> f64 {
-    nix::time::clock_gettime(nix::time::ClockId::CLOCK_THREAD_CPUTIME_ID)
-        .map_or(0.0, |t| t.tv_sec() as f64 * 1e6 + t.tv_nsec() as f64 / 1e3)
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
+    t.tv_sec as f64 * 1e6 + t.tv_nsec as f64 / 1e3
 }
 
 impl Timeline {
