@@ -128,9 +128,14 @@ pub struct LocalSgdSummary {
     pub meetings: u64,
 }
 
+/// `path` with `{task}` replaced by a worker's `index` (`--save-params`, `--timeline`).
+pub(crate) fn task_path(path: &std::path::Path, index: usize) -> PathBuf {
+    PathBuf::from(path.to_string_lossy().replace("{task}", &index.to_string()))
+}
+
 /// Writes `vars` as safetensors to `path` with `{task}` replaced by `index`.
 pub(crate) fn save_params(path: &std::path::Path, index: usize, vars: &[(String, candle_core::Var)]) -> Result<()> {
-    let path = PathBuf::from(path.to_string_lossy().replace("{task}", &index.to_string()));
+    let path = task_path(path, index);
     let tensors: std::collections::HashMap<String, candle_core::Tensor> =
         vars.iter().map(|(n, v)| (n.clone(), v.as_tensor().clone())).collect();
     candle_core::safetensors::save(&tensors, &path)

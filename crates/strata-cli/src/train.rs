@@ -500,20 +500,6 @@ impl Run<'_> {
             // No summary and no final parameters: the run is not over.
             return Err(stopped_error(args, stopped));
         }
-        if let (Some(path), Some(t)) = (&args.timeline, self.timeline) {
-            match multi {
-                Some(m) => {
-                    let w = m.worker_index();
-                    let path = worker_path(path, w);
-                    t.write_process_trace(&path, w as u32 + 1, Some(&format!("worker {w}")))?;
-                    eprintln!("timeline: {} events written to {}", t.len(), path.display());
-                }
-                None => {
-                    t.write_chrome_trace(path)?;
-                    eprintln!("timeline: {} events written to {}", t.len(), path.display());
-                }
-            }
-        }
         // The saved (and compared) state is the mean over replicas and workers (every worker
         // calls it; the trainer did in an elastic job, where it can survive a loss).
         if !multi.is_some_and(|m| m.is_elastic()) {
@@ -530,8 +516,8 @@ impl Run<'_> {
             // Every worker must end with the same parameters; print a digest to compare.
             eprintln!("worker {}: parameter digest {}", m.worker_index(), parameter_digest(model)?);
         }
-        // `{task}` in --save-params: the worker's rank, or in an elastic job (where ranks change
-        // with the membership) its task's place in the cluster spec.
+        // `{task}` in --save-params and --timeline: the worker's rank, or in an elastic job
+        // (where ranks change with the membership) its task's place in the cluster spec.
         let index = match multi {
             Some(m) if m.is_elastic() => {
                 let c = m.cluster();
@@ -540,6 +526,20 @@ impl Run<'_> {
             Some(m) => m.worker_index(),
             None => 0,
         };
+        if let (Some(path), Some(t)) = (&args.timeline, self.timeline) {
+            let path = match multi {
+                Some(_) => {
+                    let path = worker_path(path, index);
+                    t.write_process_trace(&path, index as u32 + 1, Some(&format!("worker {index}")))?;
+                    path
+                }
+                None => {
+                    t.write_chrome_trace(path)?;
+                    path.clone()
+                }
+            };
+            eprintln!("timeline: {} events written to {}", t.len(), path.display());
+        }
         // In an elastic job the chief is worker 0 of the generation that finished.
         if multi.map_or(self.is_chief, |m| m.is_chief()) {
             let ps = self.hybrid.map(|h| h.summary()).transpose()?;
@@ -567,14 +567,13 @@ pub fn parameter_digest<M>(model: &strata_core::Replicated<M>) -> Result<String>
     Ok(format!("{h:016x}"))
 }
 
-/// Where worker `w` of a multi-worker job writes a file named `path`: `{task}` in the path
-/// becomes `w`; without it, worker 0 writes `path` itself and worker `w` the same name with
+/// Where worker `w` of a multi-worker job (its `{task}` index) writes a file named `path`:
+/// `{task}` in the path becomes `w`; without it, worker 0 writes `path` itself and worker `w` the same name with
 /// `-worker<w>` before the extension (`t.json`, `t-worker1.json`), so that the processes of a
 /// job on one host never write the same file.
 fn worker_path(path: &std::path::Path, w: usize) -> std::path::PathBuf {
-    let text = path.to_string_lossy();
-    if text.contains("{task}") {
-        return std::path::PathBuf::from(text.replace("{task}", &w.to_string()));
+    if path.to_string_lossy().contains("{task}") {
+        return crate::summary::task_path(path, w);
     }
     if w == 0 {
         return path.to_path_buf();

@@ -148,7 +148,8 @@ impl Drop for TimelineSpan<'_> {
     fn drop(&mut self) {
         let ts = self.start.duration_since(self.timeline.origin).as_secs_f64() * 1e6;
         let dur = self.start.elapsed().as_secs_f64() * 1e6;
-        let cpu_ms = serde_json::json!(((thread_cpu_us() - self.cpu_us) / 1e3 * 1e3).round() / 1e3);
+        // Milliseconds, to the microsecond.
+        let cpu_ms = serde_json::json!((thread_cpu_us() - self.cpu_us).round() / 1e3);
         let args = match self.args.take() {
             Some(serde_json::Value::Object(mut m)) => {
                 m.insert("cpu_ms".into(), cpu_ms);

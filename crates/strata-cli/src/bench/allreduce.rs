@@ -881,7 +881,7 @@ impl WorkerRow {
 
 /// The raw throughput of the sockets the ring runs on between processes of this host, GB/s per
 /// stream: one stream alone, and each of two streams running in opposite directions at once
-/// (what every link of a ring of two carries). Unix stream sockets with the ring's 4 MiB buffers
+/// (what every link of a ring of two carries). Unix stream sockets with the ring's buffers
 /// (`unix`), else loopback TCP.
 pub fn stream_ceiling(unix: bool) -> Result<(f64, f64)> {
     let mut one = Vec::new();
@@ -901,8 +901,8 @@ fn socket_streams(unix: bool, streams: usize) -> Result<f64> {
         let (a, b) = std::os::unix::net::UnixStream::pair().map_err(|e| io("socket pair", e))?;
         for s in [&a, &b] {
             let sock = socket2::SockRef::from(s);
-            let _ = sock.set_send_buffer_size(4 << 20);
-            let _ = sock.set_recv_buffer_size(4 << 20);
+            let _ = sock.set_send_buffer_size(strata_transport::ring::UNIX_BUFFER);
+            let _ = sock.set_recv_buffer_size(strata_transport::ring::UNIX_BUFFER);
         }
         let pairs = [(a.try_clone(), b.try_clone()), (b.try_clone(), a.try_clone())];
         return timed_streams(pairs, streams).map_err(|e| io("transfer", e));

@@ -35,7 +35,7 @@ const SECRET: usize = 32;
 /// The send and receive buffers of a Unix ring connection (the kernel caps them at
 /// `net.core.wmem_max` and `rmem_max`): with the default 208 KiB a 256 KiB chunk never fits, and
 /// both directions at once ran at a tenth of their speed in some rounds.
-const UNIX_BUFFER: usize = 4 << 20;
+pub const UNIX_BUFFER: usize = 4 << 20;
 
 /// Whether `STRATA_RING_UNIX` allows Unix sockets (anything but `0`, `false`, `off` or `no`).
 pub(crate) fn allowed_by_env() -> bool {

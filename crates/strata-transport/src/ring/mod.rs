@@ -84,6 +84,7 @@ use crate::{Error, Result};
 pub(crate) use abort::raised;
 pub use abort::{AbortSignal, ABORT_POLL};
 use link::{try_join_all, Ctx, Links, Reader, Writer};
+pub use local::UNIX_BUFFER;
 pub use pieces::Pieces;
 use wire::{Call, WireError};
 
