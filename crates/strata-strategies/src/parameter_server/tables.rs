@@ -33,8 +33,12 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 struct StepTable {
     /// Per ps task, the version its rows were pulled at.
     versions: BTreeMap<usize, u64>,
-    /// Each row's gradient, summed over the step's lookups (of its one replica).
-    grads: BTreeMap<u64, Vec<f32>>,
+    /// Each row's slot in `values`, ids ascending.
+    grads: BTreeMap<u64, usize>,
+    /// The rows' gradients, one after another (`dim` values each, in slot order), each summed
+    /// over the step's lookups (of its one replica): one allocation for the step's rows, not
+    /// one per row.
+    values: Vec<f32>,
 }
 
 /// What the store knows of the current step.
@@ -213,10 +217,11 @@ impl PsTables {
             let Some(config) = tables.get(&name) else { continue };
             let mut rows: Vec<RowGrads> =
                 (0..n).map(|_| RowGrads { table: name.clone(), lease, ids: Vec::new(), grads: Vec::new() }).collect();
-            for (id, g) in st.grads {
+            let dim = config.dim;
+            for (&id, &slot) in &st.grads {
                 let k = owner_of(config.size, id, n);
                 rows[k].ids.push(id);
-                rows[k].grads.extend_from_slice(&g);
+                rows[k].grads.extend_from_slice(&st.values[slot * dim..(slot + 1) * dim]);
             }
             for (k, r) in rows.into_iter().enumerate() {
                 if !r.ids.is_empty() {
@@ -372,13 +377,14 @@ impl TableStore for PsTables {
         }
         let mut step = lock(&self.step);
         let st = step.tables.entry(table.to_string()).or_default();
-        for (k, &id) in ids.iter().enumerate() {
-            let src = &grad[k * dim..(k + 1) * dim];
-            match st.grads.get_mut(&id) {
-                Some(row) => row.iter_mut().zip(src).for_each(|(r, g)| *r += g),
-                None => {
-                    st.grads.insert(id, src.to_vec());
-                }
+        for (src, &id) in grad.chunks_exact(dim.max(1)).zip(ids) {
+            let next = st.grads.len();
+            let slot = *st.grads.entry(id).or_insert(next);
+            if slot == next {
+                st.values.extend_from_slice(src);
+            } else {
+                let row = &mut st.values[slot * dim..(slot + 1) * dim];
+                row.iter_mut().zip(src).for_each(|(r, g)| *r += g);
             }
         }
         Ok(())
