@@ -25,7 +25,9 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Re
 use half::slice::HalfFloatSliceExt;
 use half::vec::HalfFloatVecExt;
 
+mod attention;
 mod conv;
+pub use attention::causal_attention;
 pub use conv::{conv2d, max_pool2d, relu_max_pool2d};
 
 /// A loop nest that [`simd`] compiles for the CPU's vector width.

@@ -18,11 +18,11 @@
 //!
 //! Only operations with a backward pass are used: candle-nn's fused `layer_norm` and
 //! `softmax_last_dim` are forward-only (their gradients would silently be missing). Layer
-//! norm, GELU and the attention's masked softmax are [`crate::fused`]'s kernels, one pass
-//! each way on the CPU (candle's composed operations on other devices). Activations stay
-//! `(N * T, width)` matrices between the attention's batched `(N, heads, T, T)` products, so
-//! every dense layer is one matrix product with a contiguous gradient ([`Dense`] keeps its
-//! weight `(in, out)`).
+//! norm, GELU and the causal attention are [`crate::fused`]'s kernels, one pass each way on the
+//! CPU (candle's composed operations on other devices; the attention's heads are the columns
+//! of the `(N * T, width)` projections, read in place). Activations stay `(N * T, width)`
+//! matrices, so every dense layer is one matrix product with a contiguous gradient ([`Dense`]
+//! keeps its weight `(in, out)`).
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{Init, VarBuilder};
@@ -149,21 +149,20 @@ impl Block {
         // q, k and v each from its block of the weight's columns: three products rather than
         // one split three ways, whose backward pass would pad each part's gradient with zeros
         // to the whole `(n t, 3 width)` and add the three (it is the weight's `(width, width)`
-        // blocks that get padded here). Each `(n t, width)` -> `(n, heads, t, hd)`, contiguous.
-        // The queries' 1 / sqrt(hd) scales their `(width, width)` weight block rather than the
-        // `(n t, width)` queries. The block is made contiguous (candle's CUDA matmul takes no
-        // column slice; a copy of one block is small beside the product).
+        // blocks that get padded here). The queries' 1 / sqrt(hd) scales their `(width, width)`
+        // weight block rather than the `(n t, width)` queries. The block is made contiguous
+        // (candle's CUDA matmul takes no column slice; a copy of one block is small beside the
+        // product). The heads are the columns of each `(n t, width)` projection, read in place
+        // by the fused attention (`fused::causal_attention`).
         let qkv = cast_like(self.qkv.weight(), &h)?;
         let part = |i: usize, scale: f64| -> candle_core::Result<Tensor> {
             let block = qkv.narrow(1, i * w, w)?;
             let block = if scale != 1.0 { (block * scale)? } else { block.contiguous()? };
-            h.matmul(&block)?.reshape((n, t, heads, hd))?.transpose(1, 2)?.contiguous()
+            h.matmul(&block)?.reshape((n, t, w))
         };
         let q = part(0, 1.0 / (hd as f64).sqrt())?;
         let (k, v) = (part(1, 1.0)?, part(2, 1.0)?);
-        let att = q.matmul(&k.t()?)?;
-        let y = crate::fused::causal_softmax(&att)?.matmul(&v)?; // (n, heads, t, hd)
-        let y = y.transpose(1, 2)?.reshape((n * t, w))?;
+        let y = crate::fused::causal_attention(&q, &k, &v, heads)?.reshape((n * t, w))?;
         let x = (x + self.proj.forward(&y)?)?;
         let h = self.fc.forward_gelu(&self.ln2.forward(&x)?)?;
         x + self.out.forward(&h)?

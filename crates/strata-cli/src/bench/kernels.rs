@@ -240,6 +240,31 @@ pub fn run(args: &BenchKernelsArgs) -> Result<()> {
         bound: Bound::Compute(2.0 * (64 * 64 * 32 * 64) as f64),
     });
 
+    // The fused causal attention over the same heads (each head's columns of the (n t, width)
+    // projections): its FLOPs counted over the whole t x t square, as `bench train` counts the
+    // model's (it computes only the products below the diagonal).
+    let qkv: Vec<Var> = (0..3).map(|_| Ok(Var::from_tensor(&randn(&[16, 64, 128])?)?)).collect::<Result<_>>()?;
+    let attention = || strata::fused::causal_attention(qkv[0].as_tensor(), qkv[1].as_tensor(), qkv[2].as_tensor(), 4);
+    let square = 2.0 * (16 * 4 * 64 * 64 * 32) as f64;
+    let shape = "attention: 16 x 4 heads of 64x32, causal";
+    let seconds = time(args, || done(attention()))?;
+    let fused = code_names().1;
+    rows.push(Row {
+        kernel: "causal attention fwd",
+        shape: shape.into(),
+        code: fused,
+        seconds,
+        bound: Bound::Compute(2.0 * square),
+    });
+    let seconds = time(args, || done(attention()?.sum_all()?.backward()))?;
+    rows.push(Row {
+        kernel: "causal attention f+b",
+        shape: shape.into(),
+        code: fused,
+        seconds,
+        bound: Bound::Compute(6.0 * square),
+    });
+
     let f4 = |n: usize| 4.0 * n as f64;
     let x = Var::from_tensor(&randn(&[tokens, 512])?)?;
     let b = Var::from_tensor(&randn(&[512])?)?;

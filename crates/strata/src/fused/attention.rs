@@ -1,0 +1,778 @@
+//! Causal multi-head attention, forward and backward, one `(example, head)` at a time: the
+//! scores, the causal softmax and the weighted sum of the values in buffers that stay in the
+//! core's L1 and L2 caches, and only the products below the diagonal computed.
+//!
+//! Composed from candle's operations, a head's queries, keys and values are first copied out of
+//! the `(n t, width)` projections into `(n, heads, t, hd)` tensors, the scores and the softmax
+//! are `(n, heads, t, t)` tensors written to memory and read back, the products cover the whole
+//! `t x t` square of which the mask then zeroes half, and the output is copied back into
+//! `(n t, width)`; the backward pass does all of it again in reverse with four more products.
+//! Here each head reads its columns of the projections in place and writes its columns of the
+//! result, and the scores are computed transposed (`S^T = K Q^T`), so that the softmax runs
+//! down columns, one position per vector lane: the maximum, the exps, their sum and the
+//! division are whole-vector operations, with no sum across lanes (a row's softmax over its
+//! 1 to 64 columns spent most of its time in those). The operation keeps each head's
+//! probabilities, `(tp, tp)` with `tp` the positions rounded up to 32, for its backward pass (as
+//! the composed operations keep theirs): computing them again there instead, as FlashAttention
+//! does, made the transformer's step about 5% slower here. They are held by the operation, not
+//! by a tensor of the graph, so [`strata_core::Footprint`] does not count them: 2 MiB a layer
+//! for the benchmark transformer's 32 windows of 64 positions and 4 heads.
+//!
+//! Every product is computed in tiles of 4 rows by 32 columns (AVX-512) or 16 (AVX2 and
+//! narrower) in explicit SIMD ([`tile`]), each element one chain of fused multiply-adds in the
+//! order of its inner index from 0, and the softmax's sums in the order of the position: the
+//! same bits on AVX-512, AVX2 and the scalar fallback (tested, against a scalar reference, bit
+//! for bit). The orders differ from gemm's and from the row softmax's, and the products skip
+//! the terms the mask makes 0, so the results differ from the composed operations within
+//! rounding (tested within 1e-5, forward and backward).
+
+use std::ops::Range;
+
+use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor};
+
+use super::{exp, f32_only, fusable, LANES};
+
+/// Rows of a tile.
+const R: usize = 4;
+
+/// The padded sizes are multiples of this: a tile's widest column span.
+const PAD: usize = 32;
+
+/// A left factor: `a(i, kk) = data[i * rs + kk * cs]`, rows past `last` read as row `last` (the
+/// rows of a last, partial group of `R`, whose results are not used).
+#[derive(Clone, Copy)]
+struct Factor<'a> {
+    data: &'a [f32],
+    rs: usize,
+    cs: usize,
+    last: usize,
+    transposed: bool,
+}
+
+impl<'a> Factor<'a> {
+    /// The matrix whose rows are `m`'s, up to row `last`.
+    fn rows(m: Rows<'a>, last: usize) -> Self {
+        Self { data: m.data, rs: m.rs, cs: 1, last, transposed: false }
+    }
+
+    /// The transpose of the matrix whose rows are `m`'s.
+    fn transposed(m: Rows<'a>) -> Self {
+        Self { data: m.data, rs: 1, cs: m.rs, last: usize::MAX, transposed: true }
+    }
+}
+
+/// A row-major matrix: element `(row, col)` at `data[row * rs + col]`.
+#[derive(Clone, Copy)]
+struct Rows<'a> {
+    data: &'a [f32],
+    rs: usize,
+}
+
+/// `c[i][c0..c0 + V * lanes]` for the `R` rows `i` from `i0` (rows of `c_rs`): the sum over the
+/// inner index `kk` of `a(i, kk) * b[kk][c0..c0 + V * lanes]`, `a` yielding each `kk`'s `R`
+/// values and `b` each `kk`'s row from column `c0`; each element a chain of fused multiply-adds
+/// in the order of `kk`, from 0. `R x V` vector registers of sums.
+#[inline(always)]
+fn tile<'b, S: pulp::Simd, const V: usize>(
+    simd: S,
+    a: impl Iterator<Item = [f32; R]>,
+    b: impl Iterator<Item = &'b [f32]>,
+    c: &mut [f32],
+    c_rs: usize,
+    (i0, c0): (usize, usize),
+) {
+    let lanes = std::mem::size_of::<S::f32s>() / 4;
+    let mut acc = [[simd.splat_f32s(0.0); V]; R];
+    for (av, br) in a.zip(b) {
+        let br = &br[..V * lanes];
+        let bv: [S::f32s; V] = std::array::from_fn(|v| {
+            pulp::bytemuck::pod_read_unaligned(pulp::bytemuck::cast_slice(&br[v * lanes..][..lanes]))
+        });
+        for (acc, &av) in acc.iter_mut().zip(&av) {
+            let av = simd.splat_f32s(av);
+            for (x, &bv) in acc.iter_mut().zip(&bv) {
+                *x = simd.mul_add_f32s(av, bv, *x);
+            }
+        }
+    }
+    for (r, acc) in acc.iter().enumerate() {
+        let row = &mut c[(i0 + r) * c_rs + c0..][..V * lanes];
+        row.copy_from_slice(pulp::bytemuck::cast_slice(acc.as_slice()));
+    }
+}
+
+/// `c = a b` over the rows `0..rows` (in groups of `R` from 0), for each group starting at `i0`
+/// the columns `cols(i0)` (a range whose start is a multiple of the tile's width, its end
+/// rounded up to one) and the inner indices `ks(i0)`; `c` has rows of `c_rs`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn product<S: pulp::Simd, const V: usize>(
+    simd: S,
+    a: Factor,
+    b: Rows,
+    c: &mut [f32],
+    c_rs: usize,
+    rows: usize,
+    cols: impl Fn(usize) -> Range<usize>,
+    ks: impl Fn(usize) -> Range<usize>,
+) {
+    let width = V * std::mem::size_of::<S::f32s>() / 4;
+    for i0 in (0..rows).step_by(R) {
+        let ks = ks(i0);
+        for c0 in cols(i0).step_by(width) {
+            let brows = b.data[ks.start * b.rs + c0..].chunks(b.rs).take(ks.len());
+            if a.transposed {
+                // a(i, kk) = data[kk * cs + i]: a group's R values of one kk are adjacent.
+                let col = |kk: usize| -> [f32; R] { a.data[kk * a.cs + i0..][..R].try_into().expect("R values") };
+                tile::<S, V>(simd, ks.clone().map(col), brows, c, c_rs, (i0, c0));
+            } else {
+                let row = |r: usize| &a.data[(i0 + r).min(a.last) * a.rs..][ks.clone()];
+                let [r0, r1, r2, r3] = [row(0), row(1), row(2), row(3)];
+                let col = r0.iter().zip(r1).zip(r2).zip(r3).map(|(((&x0, &x1), &x2), &x3)| [x0, x1, x2, x3]);
+                tile::<S, V>(simd, col, brows, c, c_rs, (i0, c0));
+            }
+        }
+    }
+}
+
+/// The shapes of one attention: `n` examples of `t` positions, `heads` heads of `hd` columns
+/// in rows of `w = heads * hd`; the buffers' padded sizes `tp` and `hdp`.
+#[derive(Clone, Copy, Debug)]
+struct Dims {
+    n: usize,
+    t: usize,
+    heads: usize,
+    hd: usize,
+    tp: usize,
+    hdp: usize,
+}
+
+impl Dims {
+    fn new(n: usize, t: usize, heads: usize, hd: usize) -> Self {
+        Self { n, t, heads, hd, tp: t.div_ceil(PAD) * PAD, hdp: hd.div_ceil(PAD) * PAD }
+    }
+
+    fn w(&self) -> usize {
+        self.heads * self.hd
+    }
+
+    /// The columns `i >= j` of the `(tp, tp)` transposed scores that rows `j0..j0 + R` need,
+    /// from a multiple of `cols`.
+    fn upper(&self, j0: usize, cols: usize) -> Range<usize> {
+        j0 / cols * cols..self.t
+    }
+
+    /// Where head `h` of example `b` starts in `(n t, w)` rows.
+    fn base(&self, b: usize, h: usize) -> usize {
+        b * self.t * self.w() + h * self.hd
+    }
+}
+
+/// One head's buffers, padded with zeros that stay zeros: transposes `(hdp, tp)`, `(tp, tp)`
+/// squares, and (for heads whose width is not a multiple of the tiles') `(tp, hdp)` rows.
+struct Head {
+    /// The transposed queries (forward) or output gradient (backward).
+    xt: Vec<f32>,
+    /// The transposed scores `S^T = K Q^T`, then (backward) the transposed gradient of the
+    /// probabilities `dP^T = V dY^T`.
+    st: Vec<f32>,
+    /// The transposed probabilities `P^T`.
+    pt: Vec<f32>,
+    /// The transposed gradient of the scores `dS^T`.
+    dst: Vec<f32>,
+    /// Padded copies of the operands' rows and of a result's.
+    rows: [Vec<f32>; 5],
+}
+
+impl Head {
+    fn new(d: Dims) -> Self {
+        let (rows, sq) = (d.tp * d.hdp, d.tp * d.tp);
+        let z = |n: usize| vec![0f32; n];
+        Self { xt: z(rows), st: z(sq), pt: z(sq), dst: z(sq), rows: std::array::from_fn(|_| z(rows)) }
+    }
+}
+
+/// Copies `src` into `dst` (of its length) [`LANES`] elements at a time: moves of a fixed size,
+/// which compile to vector loads and stores where a copy of a row's length (a head's 32
+/// elements) is a call to `memcpy`, which cost more than the copy.
+#[inline(always)]
+fn copy(dst: &mut [f32], src: &[f32]) {
+    let (mut dc, mut sc) = (dst.chunks_exact_mut(LANES), src.chunks_exact(LANES));
+    for (d, s) in (&mut dc).zip(&mut sc) {
+        let s: &[f32; LANES] = s.try_into().expect("a chunk of LANES");
+        d.copy_from_slice(s);
+    }
+    for (d, &s) in dc.into_remainder().iter_mut().zip(sc.remainder()) {
+        *d = s;
+    }
+}
+
+/// The rows of the head at `base` of `(n t, w)` rows `x`: `x` itself where the tiles' columns
+/// divide the head's (`fast`), else a copy into `(tp, hdp)` rows `buf`.
+#[inline(always)]
+fn source<'a>(fast: bool, d: Dims, x: &'a [f32], base: usize, buf: &'a mut [f32]) -> Rows<'a> {
+    if fast {
+        return Rows { data: &x[base..], rs: d.w() };
+    }
+    for i in 0..d.t {
+        copy(&mut buf[i * d.hdp..][..d.hd], &x[base + i * d.w()..][..d.hd]);
+    }
+    Rows { data: buf, rs: d.hdp }
+}
+
+/// The transpose `(hdp, tp)` of the head at `base` of `(n t, w)` rows `x` (zeros past `t` and
+/// `hd`), in blocks of [`LANES`] x [`LANES`], each read into registers row by row and written
+/// column by column.
+#[inline(always)]
+fn transpose(d: Dims, x: &[f32], base: usize, xt: &mut [f32]) {
+    for i0 in (0..d.tp).step_by(LANES) {
+        for c0 in (0..d.hdp).step_by(LANES) {
+            let mut block = [[0f32; LANES]; LANES];
+            let width = d.hd.saturating_sub(c0).min(LANES);
+            let rows = if width == 0 { 0 } else { d.t.saturating_sub(i0) };
+            for (r, row) in block.iter_mut().enumerate().take(rows) {
+                copy(&mut row[..width], &x[base + (i0 + r) * d.w() + c0..][..width]);
+            }
+            for c in 0..LANES {
+                let mut col = [0f32; LANES];
+                for (x, row) in col.iter_mut().zip(&block) {
+                    *x = row[c];
+                }
+                xt[(c0 + c) * d.tp + i0..][..LANES].copy_from_slice(&col);
+            }
+        }
+    }
+}
+
+/// Where a result of `(t, hd)` for head `h` of an example is computed, and the stride of its
+/// rows: the example's `(t + R, w)` rows `ex` themselves where the tiles' columns divide the
+/// head's (`fast`; a last, partial group of rows spills into the `R` spare rows), else `buf`,
+/// which [`finish`] copies into `ex`. (Not a function taking the product as a closure: a
+/// closure need not be inlined into the vectorized code, and this one was not.)
+#[inline(always)]
+fn target<'a>(fast: bool, d: Dims, ex: &'a mut [f32], h: usize, buf: &'a mut [f32]) -> (&'a mut [f32], usize) {
+    if fast {
+        (&mut ex[h * d.hd..], d.w())
+    } else {
+        (buf, d.hdp)
+    }
+}
+
+/// Copies a result computed in `buf` (see [`target`]) into `ex`.
+#[inline(always)]
+fn finish(fast: bool, d: Dims, ex: &mut [f32], h: usize, buf: &[f32]) {
+    if !fast {
+        for i in 0..d.t {
+            copy(&mut ex[h * d.hd + i * d.w()..][..d.hd], &buf[i * d.hdp..][..d.hd]);
+        }
+    }
+}
+
+/// Whether lane `l` of the block of [`LANES`] positions from `i0` sees position `j`.
+#[inline(always)]
+fn sees(j: usize, i0: usize, l: usize) -> bool {
+    j <= i0 + l
+}
+
+/// The transposed probabilities `pt` from the transposed scores `st` (both `(tp, tp)`): for
+/// each block of [`LANES`] positions `i` (a column of each, one lane each), the softmax over
+/// `j <= i` down the column, the entries `j > i` 0. Written for `j` below the block's end (and
+/// `t`); the columns are independent, so every operation is a whole vector's: the maximum, the
+/// exps, their sum in the order of `j`, the division.
+#[inline(always)]
+fn softmax_columns(d: Dims, st: &[f32], pt: &mut [f32]) {
+    let (t, tp) = (d.t, d.tp);
+    for i0 in (0..t).step_by(LANES) {
+        let jend = (i0 + LANES).min(t);
+        let mut max = [f32::NEG_INFINITY; LANES];
+        for j in 0..jend {
+            let row: &[f32; LANES] = st[j * tp + i0..][..LANES].try_into().expect("a block lies in the row");
+            for (l, (m, &v)) in max.iter_mut().zip(row).enumerate() {
+                let v = if sees(j, i0, l) { v } else { f32::NEG_INFINITY };
+                *m = if v > *m { v } else { *m };
+            }
+        }
+        let mut sum = [0f32; LANES];
+        for j in 0..jend {
+            let row: &[f32; LANES] = st[j * tp + i0..][..LANES].try_into().expect("a block lies in the row");
+            let out = &mut pt[j * tp + i0..][..LANES];
+            for (l, (((o, s), &m), &v)) in out.iter_mut().zip(sum.iter_mut()).zip(&max).zip(row).enumerate() {
+                let e = exp(v - m);
+                *o = if sees(j, i0, l) { e } else { 0.0 };
+                *s += *o;
+            }
+        }
+        for j in 0..jend {
+            for (o, &s) in pt[j * tp + i0..][..LANES].iter_mut().zip(&sum) {
+                *o /= s;
+            }
+        }
+    }
+}
+
+/// The transposed gradient of the scores `dS^T = P^T (dP^T - dot)`, `dot` each column's sum of
+/// `P^T dP^T` in the order of `j`, the entries `j > i` 0 (as [`softmax_columns`] writes them).
+#[inline(always)]
+fn softmax_columns_grad(d: Dims, pt: &[f32], dpt: &[f32], dst: &mut [f32]) {
+    let (t, tp) = (d.t, d.tp);
+    for i0 in (0..t).step_by(LANES) {
+        let jend = (i0 + LANES).min(t);
+        let mut dot = [0f32; LANES];
+        for j in 0..jend {
+            let (p, g) = (&pt[j * tp + i0..][..LANES], &dpt[j * tp + i0..][..LANES]);
+            for (l, ((s, &p), &g)) in dot.iter_mut().zip(p).zip(g).enumerate() {
+                *s += if sees(j, i0, l) { p * g } else { 0.0 };
+            }
+        }
+        for j in 0..jend {
+            let (p, g) = (&pt[j * tp + i0..][..LANES], &dpt[j * tp + i0..][..LANES]);
+            let out = &mut dst[j * tp + i0..][..LANES];
+            for (l, (((o, &p), &g), &s)) in out.iter_mut().zip(p).zip(g).zip(&dot).enumerate() {
+                *o = if sees(j, i0, l) { p * (g - s) } else { 0.0 };
+            }
+        }
+    }
+}
+
+/// One head's transposed probabilities `pt` from its keys' rows and its queries' transpose
+/// `qt`: `S^T = K Q^T` for `i >= j` into `st` (tiles of `COLS` columns), then
+/// [`softmax_columns`].
+#[inline(always)]
+fn probabilities<S: pulp::Simd, const V: usize>(simd: S, d: Dims, k: Rows, qt: &[f32], st: &mut [f32], pt: &mut [f32]) {
+    let (qt, cols) = (Rows { data: qt, rs: d.tp }, tile_width::<S, V>());
+    product::<S, V>(simd, Factor::rows(k, d.t - 1), qt, st, d.tp, d.t, |j0| d.upper(j0, cols), |_| 0..d.hd);
+    softmax_columns(d, st, pt);
+}
+
+/// The forward pass: appends the `(n t, w)` rows of the attention's output to `out`.
+pub(super) struct AttentionFwd<'a> {
+    q: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
+    d: Dims,
+    out: &'a mut Vec<f32>,
+    /// Where to append each head's `(tp, tp)` transposed probabilities, head after head, for
+    /// the backward pass, if they are kept.
+    probs: Option<&'a mut Vec<f32>>,
+}
+
+/// The backward pass: appends the `(n t, w)` gradients of the queries, keys and values.
+pub(super) struct AttentionBwd<'a> {
+    q: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
+    g: &'a [f32],
+    d: Dims,
+    /// The forward pass' transposed probabilities, if kept; else they are computed again.
+    probs: Option<&'a [f32]>,
+    dq: &'a mut Vec<f32>,
+    dk: &'a mut Vec<f32>,
+    dv: &'a mut Vec<f32>,
+}
+
+/// A loop nest compiled for the CPU's vector width, given tiles of `V` vectors a row.
+pub(super) trait TiledKernel {
+    fn run<S: pulp::Simd, const V: usize>(self, simd: S);
+}
+
+/// The columns of a tile of `V` vectors of `S`.
+#[inline(always)]
+fn tile_width<S: pulp::Simd, const V: usize>() -> usize {
+    V * std::mem::size_of::<S::f32s>() / 4
+}
+
+struct Dispatch<K>(K);
+
+impl<K: TiledKernel> pulp::WithSimd for Dispatch<K> {
+    type Output = ();
+
+    /// Tiles 4 rows by 32 columns (8 AVX-512 registers of sums) or by 16 (8 AVX2 registers, or
+    /// narrower vectors): each element's sum the same chain of fused multiply-adds, so the same
+    /// bits on every CPU.
+    #[inline(always)]
+    fn with_simd<S: pulp::Simd>(self, simd: S) {
+        if std::mem::size_of::<S::f32s>() >= 32 {
+            self.0.run::<S, 2>(simd)
+        } else {
+            self.0.run::<S, 4>(simd)
+        }
+    }
+}
+
+/// Runs `k` compiled for the widest vector instructions this CPU has (see [`super::simd`]).
+pub(super) fn simd_tiled(k: impl TiledKernel) {
+    pulp::Arch::new().dispatch(Dispatch(k))
+}
+
+impl TiledKernel for AttentionFwd<'_> {
+    #[inline(always)]
+    fn run<S: pulp::Simd, const V: usize>(mut self, simd: S) {
+        let d = self.d;
+        let (t, tp, cols) = (d.t, d.tp, tile_width::<S, V>());
+        let fast = d.hd % cols == 0;
+        let mut hh = Head::new(d);
+        let [kb, vb, yb, ..] = &mut hh.rows;
+        // One example's rows, R spare, appended to the output once all its heads are in.
+        let mut ex = vec![0f32; (t + R) * d.w()];
+        for b in 0..d.n {
+            for h in 0..d.heads {
+                let base = d.base(b, h);
+                transpose(d, self.q, base, &mut hh.xt);
+                let (k, v) = (source(fast, d, self.k, base, kb), source(fast, d, self.v, base, vb));
+                probabilities::<S, V>(simd, d, k, &hh.xt, &mut hh.st, &mut hh.pt);
+                if let Some(probs) = self.probs.as_mut() {
+                    probs.extend_from_slice(&hh.pt);
+                }
+                // Y = P V: P read from its transpose, the terms j > i (0) skipped.
+                let p = Factor::transposed(Rows { data: &hh.pt, rs: tp });
+                let (y, rs) = target(fast, d, &mut ex, h, yb);
+                product::<S, V>(simd, p, v, y, rs, t, |_| 0..d.hd, |i0| 0..(i0 + R).min(t));
+                finish(fast, d, &mut ex, h, yb);
+            }
+            self.out.extend_from_slice(&ex[..t * d.w()]);
+        }
+    }
+}
+
+impl TiledKernel for AttentionBwd<'_> {
+    #[inline(always)]
+    fn run<S: pulp::Simd, const V: usize>(self, simd: S) {
+        let d = self.d;
+        let (t, tp, cols) = (d.t, d.tp, tile_width::<S, V>());
+        let fast = d.hd % cols == 0;
+        let mut hh = Head::new(d);
+        let [qb, kb, vb, gb, xb] = &mut hh.rows;
+        let ex = || vec![0f32; (t + R) * d.w()];
+        let (mut exq, mut exk, mut exv) = (ex(), ex(), ex());
+        for b in 0..d.n {
+            for h in 0..d.heads {
+                let base = d.base(b, h);
+                let (q, k) = (source(fast, d, self.q, base, qb), source(fast, d, self.k, base, kb));
+                let (v, dy) = (source(fast, d, self.v, base, vb), source(fast, d, self.g, base, gb));
+                let pt: &[f32] = match self.probs {
+                    Some(all) => &all[(b * d.heads + h) * tp * tp..][..tp * tp],
+                    None => {
+                        transpose(d, self.q, base, &mut hh.xt);
+                        probabilities::<S, V>(simd, d, k, &hh.xt, &mut hh.st, &mut hh.pt);
+                        &hh.pt
+                    }
+                };
+                // dP^T = V dY^T for i >= j, into `st`; then dS^T.
+                transpose(d, self.g, base, &mut hh.xt);
+                let dyt = Rows { data: &hh.xt, rs: tp };
+                let upper = |j0: usize| d.upper(j0, cols);
+                product::<S, V>(simd, Factor::rows(v, t - 1), dyt, &mut hh.st, tp, t, upper, |_| 0..d.hd);
+                softmax_columns_grad(d, pt, &hh.st, &mut hh.dst);
+                // dV = P^T dY, dQ = dS K, dK = dS^T Q: the terms where P is 0 skipped.
+                let (ptr, dsr) = (Rows { data: pt, rs: tp }, Rows { data: &hh.dst, rs: tp });
+                let (below, above) = (|i0: usize| 0..(i0 + R).min(t), |j0: usize| j0..t);
+                let (c, rs) = target(fast, d, &mut exv, h, xb);
+                product::<S, V>(simd, Factor::rows(ptr, tp - 1), dy, c, rs, t, |_| 0..d.hd, above);
+                finish(fast, d, &mut exv, h, xb);
+                let (c, rs) = target(fast, d, &mut exq, h, xb);
+                product::<S, V>(simd, Factor::transposed(dsr), k, c, rs, t, |_| 0..d.hd, below);
+                finish(fast, d, &mut exq, h, xb);
+                let (c, rs) = target(fast, d, &mut exk, h, xb);
+                product::<S, V>(simd, Factor::rows(dsr, tp - 1), q, c, rs, t, |_| 0..d.hd, above);
+                finish(fast, d, &mut exk, h, xb);
+            }
+            self.dq.extend_from_slice(&exq[..t * d.w()]);
+            self.dk.extend_from_slice(&exk[..t * d.w()]);
+            self.dv.extend_from_slice(&exv[..t * d.w()]);
+        }
+    }
+}
+
+/// `softmax(q k^T, causal) v` per head, on `(n t, w)` rows of f32.
+struct CausalAttention {
+    n: usize,
+    t: usize,
+    heads: usize,
+    /// The forward pass' transposed probabilities, `(n, heads, tp, tp)`, for the backward
+    /// pass (which computes them again if they are missing).
+    probs: std::sync::OnceLock<Vec<f32>>,
+}
+
+impl CausalAttention {
+    fn dims(&self, l: &Layout) -> Result<Dims> {
+        let (rows, w) = l.shape().dims2()?;
+        if rows != self.n * self.t || w % self.heads != 0 {
+            candle_core::bail!(
+                "causal_attention: rows of {w} columns for {} examples of {} positions in {} heads, got {:?}",
+                self.n,
+                self.t,
+                self.heads,
+                l.shape()
+            );
+        }
+        Ok(Dims::new(self.n, self.t, self.heads, w / self.heads))
+    }
+}
+
+impl CustomOp3 for CausalAttention {
+    fn name(&self) -> &'static str {
+        "strata-causal-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let d = self.dims(l1)?;
+        super::same_shape(l1, l2, self.name())?;
+        super::same_shape(l1, l3, self.name())?;
+        let (q, k, v) =
+            (f32_only(s1, l1, self.name())?, f32_only(s2, l2, self.name())?, f32_only(s3, l3, self.name())?);
+        let mut out = Vec::with_capacity(q.len());
+        let mut probs = Vec::with_capacity(d.n * d.heads * d.tp * d.tp);
+        simd_tiled(AttentionFwd { q, k, v, d, out: &mut out, probs: Some(&mut probs) });
+        // A second forward pass of the same operation (none in candle) would keep the first's.
+        let _ = self.probs.set(probs);
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let grad = grad.contiguous()?;
+        let (sq, lq) = q.storage_and_layout();
+        let (sk, lk) = k.storage_and_layout();
+        let (sv, lv) = v.storage_and_layout();
+        let (sg, lg) = grad.storage_and_layout();
+        let (Storage::Cpu(sq), Storage::Cpu(sk), Storage::Cpu(sv), Storage::Cpu(sg)) = (&*sq, &*sk, &*sv, &*sg) else {
+            candle_core::bail!("causal_attention's backward pass runs on the CPU");
+        };
+        let d = self.dims(lq)?;
+        super::same_shape(lq, lg, self.name())?;
+        let name = self.name();
+        let (qs, ks, vs, g) =
+            (f32_only(sq, lq, name)?, f32_only(sk, lk, name)?, f32_only(sv, lv, name)?, f32_only(sg, lg, name)?);
+        let len = qs.len();
+        let (mut dq, mut dk, mut dv) = (Vec::with_capacity(len), Vec::with_capacity(len), Vec::with_capacity(len));
+        let probs = self.probs.get().map(|p| p.as_slice());
+        simd_tiled(AttentionBwd { q: qs, k: ks, v: vs, g, d, probs, dq: &mut dq, dk: &mut dk, dv: &mut dv });
+        let shape = lq.shape().clone();
+        let device = q.device();
+        Ok((
+            Some(Tensor::from_vec(dq, shape.clone(), device)?),
+            Some(Tensor::from_vec(dk, shape.clone(), device)?),
+            Some(Tensor::from_vec(dv, shape, device)?),
+        ))
+    }
+}
+
+/// Causal multi-head self-attention: `q`, `k` and `v` `(n, t, width)`, each head `h` the
+/// columns `h * hd..(h + 1) * hd` (`hd = width / heads`); returns `(n, t, width)`, head `h`'s
+/// columns `softmax(q_h k_h^T) v_h` with position `i` attending to positions `0..=i`. No
+/// `1 / sqrt(hd)`: scale `q` (or its weight) first. On f32 CPU tensors one pass each way
+/// ([module docs](self)); elsewhere candle's operations with [`super::causal_softmax`].
+pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize) -> Result<Tensor> {
+    let (n, t, w) = q.dims3()?;
+    if heads == 0 || w % heads != 0 {
+        candle_core::bail!("causal_attention: a width of {w} does not split into {heads} heads");
+    }
+    for (x, name) in [(k, "k"), (v, "v")] {
+        if x.dims() != q.dims() {
+            candle_core::bail!(
+                "causal_attention: {name} is {:?}, q is {:?}; give all three one shape",
+                x.dims(),
+                q.dims()
+            );
+        }
+    }
+    if [q, k, v].iter().all(|x| fusable(x)) && n * t > 0 && w > 0 {
+        let flat = |x: &Tensor| x.reshape((n * t, w))?.contiguous();
+        let op = CausalAttention { n, t, heads, probs: Default::default() };
+        return flat(q)?.apply_op3(&flat(k)?, &flat(v)?, op)?.reshape((n, t, w));
+    }
+    let hd = w / heads;
+    let split = |x: &Tensor| x.reshape((n, t, heads, hd))?.transpose(1, 2)?.contiguous();
+    let (q, k, v) = (split(q)?, split(k)?, split(v)?);
+    let y = super::causal_softmax(&q.matmul(&k.t()?)?)?.matmul(&v)?;
+    y.transpose(1, 2)?.reshape((n, t, w))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device, Var};
+
+    /// Random values in -2..2 (deterministic).
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0
+            })
+            .collect()
+    }
+
+    /// The attention of one head, forward and backward, in plain loops: every sum a chain of
+    /// fused multiply-adds in the order of its index from 0 over the terms the mask keeps, the
+    /// softmax's maximum, exps and sum down each position's column as the kernel takes them.
+    /// Returns `(y, dq, dk, dv)` as `(t, hd)` rows each.
+    #[allow(clippy::type_complexity)]
+    fn reference(t: usize, hd: usize, q: &[f32], k: &[f32], v: &[f32], g: &[f32]) -> [Vec<f32>; 4] {
+        let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).fold(0f32, |acc, (&x, &y)| x.mul_add(y, acc));
+        let row = |m: &[f32], i: usize| m[i * hd..(i + 1) * hd].to_vec();
+        let mut p = vec![0f32; t * t];
+        for i in 0..t {
+            let s: Vec<f32> = (0..=i).map(|j| dot(&row(k, j), &row(q, i))).collect();
+            let max = s.iter().copied().fold(f32::NEG_INFINITY, |m, v| if v > m { v } else { m });
+            let e: Vec<f32> = s.iter().map(|&v| exp(v - max)).collect();
+            let sum = e.iter().fold(0f32, |a, &x| a + x);
+            for j in 0..=i {
+                p[i * t + j] = e[j] / sum;
+            }
+        }
+        let mut ds = vec![0f32; t * t];
+        for i in 0..t {
+            let dp: Vec<f32> = (0..=i).map(|j| dot(&row(v, j), &row(g, i))).collect();
+            let dotp = (0..=i).fold(0f32, |a, j| a + p[i * t + j] * dp[j]);
+            for j in 0..=i {
+                ds[i * t + j] = p[i * t + j] * (dp[j] - dotp);
+            }
+        }
+        let mut out: [Vec<f32>; 4] = std::array::from_fn(|_| vec![0f32; t * hd]);
+        for i in 0..t {
+            for c in 0..hd {
+                out[0][i * hd + c] = (0..=i).fold(0f32, |a, j| p[i * t + j].mul_add(v[j * hd + c], a));
+                out[1][i * hd + c] = (0..=i).fold(0f32, |a, j| ds[i * t + j].mul_add(k[j * hd + c], a));
+                out[2][i * hd + c] = (i..t).fold(0f32, |a, r| ds[r * t + i].mul_add(q[r * hd + c], a));
+                out[3][i * hd + c] = (i..t).fold(0f32, |a, r| p[r * t + i].mul_add(g[r * hd + c], a));
+            }
+        }
+        out
+    }
+
+    /// Head `h` of example `b` of `(n t, heads hd)` rows, as `(t, hd)` rows.
+    fn head(x: &[f32], d: Dims, b: usize, h: usize) -> Vec<f32> {
+        (0..d.t).flat_map(|i| x[d.base(b, h) + i * d.w()..][..d.hd].to_vec()).collect()
+    }
+
+    /// Runs the kernels under `arch` (`None`: the widest this CPU has).
+    fn run(d: Dims, xs: [&[f32]; 4], keep: bool, arch: Option<&str>) -> [Vec<f32>; 4] {
+        let [q, k, v, g] = xs;
+        let (mut y, mut probs) = (Vec::new(), Vec::new());
+        let (mut dq, mut dk, mut dv) = (Vec::new(), Vec::new(), Vec::new());
+        let fwd = AttentionFwd { q, k, v, d, out: &mut y, probs: keep.then_some(&mut probs) };
+        match arch {
+            None => simd_tiled(fwd),
+            Some("scalar") => pulp::Simd::vectorize(pulp::Scalar::new(), Dispatch(fwd)),
+            Some(_) => pulp::Simd::vectorize(pulp::x86::V3::try_new().expect("AVX2"), Dispatch(fwd)),
+        }
+        let probs = keep.then_some(probs.as_slice());
+        let bwd = AttentionBwd { q, k, v, g, d, probs, dq: &mut dq, dk: &mut dk, dv: &mut dv };
+        match arch {
+            None => simd_tiled(bwd),
+            Some("scalar") => pulp::Simd::vectorize(pulp::Scalar::new(), Dispatch(bwd)),
+            Some(_) => pulp::Simd::vectorize(pulp::x86::V3::try_new().expect("AVX2"), Dispatch(bwd)),
+        }
+        [y, dq, dk, dv]
+    }
+
+    #[test]
+    fn attention_is_its_scalar_reference_on_every_vector_width() {
+        let mut arches = vec![None, Some("scalar")];
+        if pulp::x86::V3::try_new().is_some() {
+            arches.push(Some("avx2"));
+        }
+        // The transformer's heads, one position, widths that are and are not multiples of the
+        // tiles', lengths that are not multiples of 4 or 16, more than one block of 16.
+        for (n, t, heads, hd) in
+            [(2, 64, 4, 32), (1, 1, 1, 1), (3, 13, 2, 7), (2, 33, 3, 16), (1, 17, 1, 40), (2, 70, 2, 32)]
+        {
+            let d = Dims::new(n, t, heads, hd);
+            let len = n * t * heads * hd;
+            let xs: Vec<Vec<f32>> = (0..4).map(|i| values(len, 7 + i)).collect();
+            for keep in [true, false] {
+                for &arch in &arches {
+                    let got = run(d, [&xs[0], &xs[1], &xs[2], &xs[3]], keep, arch);
+                    for b in 0..n {
+                        for h in 0..heads {
+                            let [q, k, v, g] = [0, 1, 2, 3].map(|i| head(&xs[i], d, b, h));
+                            let want = reference(t, hd, &q, &k, &v, &g);
+                            for (which, (got, want)) in got.iter().zip(&want).enumerate() {
+                                let got = head(got, d, b, h);
+                                // `==`: a term the mask makes 0 may turn a -0 sum into +0.
+                                let wrong = got.iter().zip(want).filter(|(a, b)| a != b).count();
+                                assert_eq!(wrong, 0, "output {which} of {d:?}, head {h} of {b}, keep {keep}, {arch:?}");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn attention_matches_candles_operations_forward_and_backward() {
+        let dev = Device::Cpu;
+        for (n, t, heads, w) in [(2usize, 64usize, 4usize, 128usize), (3, 13, 2, 14), (1, 5, 1, 3)] {
+            let mk = |seed: u64| Var::from_vec(values(n * t * w, seed), (n, t, w), &dev).unwrap();
+            let (q, k, v) = (mk(1), mk(2), mk(3));
+            let g = Tensor::from_vec(values(n * t * w, 4), (n, t, w), &dev).unwrap();
+            let composed = |q: &Tensor, k: &Tensor, v: &Tensor| -> Result<Tensor> {
+                let hd = w / heads;
+                let split = |x: &Tensor| x.reshape((n, t, heads, hd))?.transpose(1, 2)?.contiguous();
+                let (q, k, v) = (split(q)?, split(k)?, split(v)?);
+                let y = crate::fused::causal_softmax(&q.matmul(&k.t()?)?)?.matmul(&v)?;
+                y.transpose(1, 2)?.reshape((n, t, w))
+            };
+            let fused = causal_attention(&q, &k, &v, heads).unwrap();
+            let want = composed(&q, &k, &v).unwrap();
+            let close = |a: &Tensor, b: &Tensor, what: &str| {
+                let diff = (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+                let scale = b.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap().max(1.0);
+                assert!(diff <= 1e-5 * scale, "{what} of {:?}: {diff} apart", (n, t, heads, w));
+            };
+            close(&fused, &want, "the output");
+            let gf = (fused * &g).unwrap().sum_all().unwrap().backward().unwrap();
+            let gc = (want * &g).unwrap().sum_all().unwrap().backward().unwrap();
+            for (x, name) in [(&q, "q"), (&k, "k"), (&v, "v")] {
+                close(gf.get(x).unwrap(), gc.get(x).unwrap(), name);
+            }
+            // The same function off the fused path (f64 takes candle's operations).
+            let q64 = q.as_tensor().to_dtype(DType::F64).unwrap();
+            let (k64, v64) = (k.as_tensor().to_dtype(DType::F64).unwrap(), v.as_tensor().to_dtype(DType::F64).unwrap());
+            let y64 = causal_attention(&q64, &k64, &v64, heads).unwrap().to_dtype(DType::F32).unwrap();
+            close(&y64, &composed(&q, &k, &v).unwrap(), "the f64 output");
+            // Position i sees only 0..=i: changing the last position's keys and values leaves
+            // every earlier output as it was.
+            let last = |x: &Tensor| x.narrow(1, t - 1, 1).unwrap().affine(3.0, 1.0).unwrap();
+            let cut = |x: &Tensor| Tensor::cat(&[&x.narrow(1, 0, t - 1).unwrap(), &last(x)], 1).unwrap();
+            let y2 = causal_attention(&q, &cut(&k), &cut(&v), heads).unwrap();
+            if t > 1 {
+                let early =
+                    |y: &Tensor| y.narrow(1, 0, t - 1).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                let y1 = causal_attention(&q, &k, &v, heads).unwrap();
+                assert_eq!(early(&y1), early(&y2));
+            }
+        }
+    }
+
+    #[test]
+    fn bad_shapes_are_one_line_errors() {
+        let dev = Device::Cpu;
+        let x = Tensor::zeros((2, 4, 6), DType::F32, &dev).unwrap();
+        let e = causal_attention(&x, &x, &x, 4).unwrap_err().to_string();
+        assert!(e.contains("does not split into 4 heads"), "{e}");
+        let y = Tensor::zeros((2, 5, 6), DType::F32, &dev).unwrap();
+        let e = causal_attention(&x, &y, &x, 2).unwrap_err().to_string();
+        assert!(e.contains("give all three one shape"), "{e}");
+        assert!(causal_attention(&Tensor::zeros((2, 6), DType::F32, &dev).unwrap(), &x, &x, 2).is_err());
+    }
+}
