@@ -409,7 +409,7 @@ impl TiledKernel for AttentionFwd<'_> {
     fn run<S: pulp::Simd, const V: usize>(mut self, simd: S) {
         let d = self.d;
         let (t, tp, cols) = (d.t, d.tp, tile_width::<S, V>());
-        let fast = d.hd % cols == 0;
+        let fast = d.hd.is_multiple_of(cols);
         let mut hh = Head::new(d);
         let [kb, vb, yb, ..] = &mut hh.rows;
         // One example's rows, R spare, appended to the output once all its heads are in.
@@ -439,7 +439,7 @@ impl TiledKernel for AttentionBwd<'_> {
     fn run<S: pulp::Simd, const V: usize>(self, simd: S) {
         let d = self.d;
         let (t, tp, cols) = (d.t, d.tp, tile_width::<S, V>());
-        let fast = d.hd % cols == 0;
+        let fast = d.hd.is_multiple_of(cols);
         let mut hh = Head::new(d);
         let [qb, kb, vb, gb, xb] = &mut hh.rows;
         let ex = || vec![0f32; (t + R) * d.w()];
@@ -496,7 +496,7 @@ struct CausalAttention {
 impl CausalAttention {
     fn dims(&self, l: &Layout) -> Result<Dims> {
         let (rows, w) = l.shape().dims2()?;
-        if rows != self.n * self.t || w % self.heads != 0 {
+        if rows != self.n * self.t || !w.is_multiple_of(self.heads) {
             candle_core::bail!(
                 "causal_attention: rows of {w} columns for {} examples of {} positions in {} heads, got {:?}",
                 self.n,
@@ -574,11 +574,13 @@ impl CustomOp3 for CausalAttention {
 /// Causal multi-head self-attention: `q`, `k` and `v` `(n, t, width)`, each head `h` the
 /// columns `h * hd..(h + 1) * hd` (`hd = width / heads`); returns `(n, t, width)`, head `h`'s
 /// columns `softmax(q_h k_h^T) v_h` with position `i` attending to positions `0..=i`. No
-/// `1 / sqrt(hd)`: scale `q` (or its weight) first. On f32 CPU tensors one pass each way
-/// ([module docs](self)); elsewhere candle's operations with [`super::causal_softmax`].
+/// `1 / sqrt(hd)`: scale `q` (or its weight) first. On f32 CPU tensors one pass each way per
+/// example and head, each head's columns read in place and only the products below the
+/// diagonal computed, the same bits on every vector width (within 1e-5 of candle's operations,
+/// which sum in another order); elsewhere candle's operations with [`super::causal_softmax`].
 pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize) -> Result<Tensor> {
     let (n, t, w) = q.dims3()?;
-    if heads == 0 || w % heads != 0 {
+    if heads == 0 || !w.is_multiple_of(heads) {
         candle_core::bail!("causal_attention: a width of {w} does not split into {heads} heads");
     }
     for (x, name) in [(k, "k"), (v, "v")] {
