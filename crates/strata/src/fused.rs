@@ -27,7 +27,7 @@ use half::vec::HalfFloatVecExt;
 
 mod attention;
 mod conv;
-pub use attention::causal_attention;
+pub use attention::{causal_attention, causal_attention_packed};
 pub use conv::{conv2d, max_pool2d, relu_max_pool2d};
 
 /// A loop nest that [`simd`] compiles for the CPU's vector width.

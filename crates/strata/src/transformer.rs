@@ -146,23 +146,16 @@ impl Block {
         let w = x.dim(1)?;
         let hd = w / heads;
         let h = self.ln1.forward(x)?;
-        // q, k and v each from its block of the weight's columns: three products rather than
-        // one split three ways, whose backward pass would pad each part's gradient with zeros
-        // to the whole `(n t, 3 width)` and add the three (it is the weight's `(width, width)`
-        // blocks that get padded here). The queries' 1 / sqrt(hd) scales their `(width, width)`
-        // weight block rather than the `(n t, width)` queries. The block is made contiguous
-        // (candle's CUDA matmul takes no column slice; a copy of one block is small beside the
-        // product). The heads are the columns of each `(n t, width)` projection, read in place
-        // by the fused attention (`fused::causal_attention`).
+        // q, k and v from one product with the whole `(width, 3 width)` weight, the queries'
+        // 1 / sqrt(hd) scaling their `(width, width)` block of it rather than the `(n t, width)`
+        // queries; the fused attention reads each head's columns of the three thirds in place,
+        // and its backward pass gives the one `(n t, 3 width)` gradient
+        // (`fused::causal_attention_packed`).
         let qkv = cast_like(self.qkv.weight(), &h)?;
-        let part = |i: usize, scale: f64| -> candle_core::Result<Tensor> {
-            let block = qkv.narrow(1, i * w, w)?;
-            let block = if scale != 1.0 { (block * scale)? } else { block.contiguous()? };
-            h.matmul(&block)?.reshape((n, t, w))
-        };
-        let q = part(0, 1.0 / (hd as f64).sqrt())?;
-        let (k, v) = (part(1, 1.0)?, part(2, 1.0)?);
-        let y = crate::fused::causal_attention(&q, &k, &v, heads)?.reshape((n * t, w))?;
+        let scaled = (qkv.narrow(1, 0, w)? * (1.0 / (hd as f64).sqrt()))?;
+        let qkv = Tensor::cat(&[&scaled, &qkv.narrow(1, w, 2 * w)?], 1)?;
+        let qkv = h.matmul(&qkv)?.reshape((n, t, 3 * w))?;
+        let y = crate::fused::causal_attention_packed(&qkv, heads)?.reshape((n * t, w))?;
         let x = (x + self.proj.forward(&y)?)?;
         let h = self.fc.forward_gelu(&self.ln2.forward(&x)?)?;
         x + self.out.forward(&h)?

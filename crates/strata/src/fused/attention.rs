@@ -28,7 +28,7 @@
 
 use std::ops::Range;
 
-use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp3, Layout, Result, Shape, Storage, Tensor};
 
 use super::{exp, f32_only, fusable, LANES};
 
@@ -136,7 +136,9 @@ fn product<S: pulp::Simd, const V: usize>(
 }
 
 /// The shapes of one attention: `n` examples of `t` positions, `heads` heads of `hd` columns
-/// in rows of `w = heads * hd`; the buffers' padded sizes `tp` and `hdp`.
+/// in rows of `w = heads * hd` (the queries', keys' and values' rows `rs` apart: `w`, or `3 w`
+/// where they are the thirds of one projection's rows); the buffers' padded sizes `tp` and
+/// `hdp`.
 #[derive(Clone, Copy, Debug)]
 struct Dims {
     n: usize,
@@ -145,11 +147,12 @@ struct Dims {
     hd: usize,
     tp: usize,
     hdp: usize,
+    rs: usize,
 }
 
 impl Dims {
-    fn new(n: usize, t: usize, heads: usize, hd: usize) -> Self {
-        Self { n, t, heads, hd, tp: t.div_ceil(PAD) * PAD, hdp: hd.div_ceil(PAD) * PAD }
+    fn new(n: usize, t: usize, heads: usize, hd: usize, rs: usize) -> Self {
+        Self { n, t, heads, hd, tp: t.div_ceil(PAD) * PAD, hdp: hd.div_ceil(PAD) * PAD, rs }
     }
 
     fn w(&self) -> usize {
@@ -162,9 +165,9 @@ impl Dims {
         j0 / cols * cols..self.t
     }
 
-    /// Where head `h` of example `b` starts in `(n t, w)` rows.
-    fn base(&self, b: usize, h: usize) -> usize {
-        b * self.t * self.w() + h * self.hd
+    /// Where head `h` of example `b` starts in `n t` rows of `rs`.
+    fn base(&self, b: usize, h: usize, rs: usize) -> usize {
+        b * self.t * rs + h * self.hd
     }
 }
 
@@ -207,31 +210,31 @@ fn copy(dst: &mut [f32], src: &[f32]) {
     }
 }
 
-/// The rows of the head at `base` of `(n t, w)` rows `x`: `x` itself where the tiles' columns
+/// The rows of the head at `base` of rows `x` (`rs` apart): `x` itself where the tiles' columns
 /// divide the head's (`fast`), else a copy into `(tp, hdp)` rows `buf`.
 #[inline(always)]
-fn source<'a>(fast: bool, d: Dims, x: &'a [f32], base: usize, buf: &'a mut [f32]) -> Rows<'a> {
+fn source<'a>(fast: bool, d: Dims, x: &'a [f32], (base, rs): (usize, usize), buf: &'a mut [f32]) -> Rows<'a> {
     if fast {
-        return Rows { data: &x[base..], rs: d.w() };
+        return Rows { data: &x[base..], rs };
     }
     for i in 0..d.t {
-        copy(&mut buf[i * d.hdp..][..d.hd], &x[base + i * d.w()..][..d.hd]);
+        copy(&mut buf[i * d.hdp..][..d.hd], &x[base + i * rs..][..d.hd]);
     }
     Rows { data: buf, rs: d.hdp }
 }
 
-/// The transpose `(hdp, tp)` of the head at `base` of `(n t, w)` rows `x` (zeros past `t` and
+/// The transpose `(hdp, tp)` of the head at `base` of rows `x` (`rs` apart; zeros past `t` and
 /// `hd`), in blocks of [`LANES`] x [`LANES`], each read into registers row by row and written
 /// column by column.
 #[inline(always)]
-fn transpose(d: Dims, x: &[f32], base: usize, xt: &mut [f32]) {
+fn transpose(d: Dims, x: &[f32], (base, rs): (usize, usize), xt: &mut [f32]) {
     for i0 in (0..d.tp).step_by(LANES) {
         for c0 in (0..d.hdp).step_by(LANES) {
             let mut block = [[0f32; LANES]; LANES];
             let width = d.hd.saturating_sub(c0).min(LANES);
             let rows = if width == 0 { 0 } else { d.t.saturating_sub(i0) };
             for (r, row) in block.iter_mut().enumerate().take(rows) {
-                copy(&mut row[..width], &x[base + (i0 + r) * d.w() + c0..][..width]);
+                copy(&mut row[..width], &x[base + (i0 + r) * rs + c0..][..width]);
             }
             for c in 0..LANES {
                 let mut col = [0f32; LANES];
@@ -365,9 +368,7 @@ pub(super) struct AttentionBwd<'a> {
     d: Dims,
     /// The forward pass' transposed probabilities, if kept; else they are computed again.
     probs: Option<&'a [f32]>,
-    dq: &'a mut Vec<f32>,
-    dk: &'a mut Vec<f32>,
-    dv: &'a mut Vec<f32>,
+    grads: Grads<'a>,
 }
 
 /// A loop nest compiled for the CPU's vector width, given tiles of `V` vectors a row.
@@ -416,9 +417,9 @@ impl TiledKernel for AttentionFwd<'_> {
         let mut ex = vec![0f32; (t + R) * d.w()];
         for b in 0..d.n {
             for h in 0..d.heads {
-                let base = d.base(b, h);
-                transpose(d, self.q, base, &mut hh.xt);
-                let (k, v) = (source(fast, d, self.k, base, kb), source(fast, d, self.v, base, vb));
+                let at = (d.base(b, h, d.rs), d.rs);
+                transpose(d, self.q, at, &mut hh.xt);
+                let (k, v) = (source(fast, d, self.k, at, kb), source(fast, d, self.v, at, vb));
                 probabilities::<S, V>(simd, d, k, &hh.xt, &mut hh.st, &mut hh.pt);
                 if let Some(probs) = self.probs.as_mut() {
                     probs.extend_from_slice(&hh.pt);
@@ -436,7 +437,7 @@ impl TiledKernel for AttentionFwd<'_> {
 
 impl TiledKernel for AttentionBwd<'_> {
     #[inline(always)]
-    fn run<S: pulp::Simd, const V: usize>(self, simd: S) {
+    fn run<S: pulp::Simd, const V: usize>(mut self, simd: S) {
         let d = self.d;
         let (t, tp, cols) = (d.t, d.tp, tile_width::<S, V>());
         let fast = d.hd.is_multiple_of(cols);
@@ -446,19 +447,19 @@ impl TiledKernel for AttentionBwd<'_> {
         let (mut exq, mut exk, mut exv) = (ex(), ex(), ex());
         for b in 0..d.n {
             for h in 0..d.heads {
-                let base = d.base(b, h);
-                let (q, k) = (source(fast, d, self.q, base, qb), source(fast, d, self.k, base, kb));
-                let (v, dy) = (source(fast, d, self.v, base, vb), source(fast, d, self.g, base, gb));
+                let (at, at_g) = ((d.base(b, h, d.rs), d.rs), (d.base(b, h, d.w()), d.w()));
+                let (q, k) = (source(fast, d, self.q, at, qb), source(fast, d, self.k, at, kb));
+                let (v, dy) = (source(fast, d, self.v, at, vb), source(fast, d, self.g, at_g, gb));
                 let pt: &[f32] = match self.probs {
                     Some(all) => &all[(b * d.heads + h) * tp * tp..][..tp * tp],
                     None => {
-                        transpose(d, self.q, base, &mut hh.xt);
+                        transpose(d, self.q, at, &mut hh.xt);
                         probabilities::<S, V>(simd, d, k, &hh.xt, &mut hh.st, &mut hh.pt);
                         &hh.pt
                     }
                 };
                 // dP^T = V dY^T for i >= j, into `st`; then dS^T.
-                transpose(d, self.g, base, &mut hh.xt);
+                transpose(d, self.g, at_g, &mut hh.xt);
                 let dyt = Rows { data: &hh.xt, rs: tp };
                 let upper = |j0: usize| d.upper(j0, cols);
                 product::<S, V>(simd, Factor::rows(v, t - 1), dyt, &mut hh.st, tp, t, upper, |_| 0..d.hd);
@@ -476,9 +477,36 @@ impl TiledKernel for AttentionBwd<'_> {
                 product::<S, V>(simd, Factor::rows(dsr, tp - 1), q, c, rs, t, |_| 0..d.hd, above);
                 finish(fast, d, &mut exk, h, xb);
             }
-            self.dq.extend_from_slice(&exq[..t * d.w()]);
-            self.dk.extend_from_slice(&exk[..t * d.w()]);
-            self.dv.extend_from_slice(&exv[..t * d.w()]);
+            self.grads.append(d, [&exq, &exk, &exv]);
+        }
+    }
+}
+
+/// Where the backward pass appends the gradients: three `(n t, w)` tensors' elements, or one
+/// `(n t, 3 w)` tensor's (each row the query's, key's and value's gradient rows one after another).
+pub(super) enum Grads<'a> {
+    Apart([&'a mut Vec<f32>; 3]),
+    Packed(&'a mut Vec<f32>),
+}
+
+impl Grads<'_> {
+    /// Appends one example's `t` rows of each gradient, from `(t + R, w)` rows.
+    #[inline(always)]
+    fn append(&mut self, d: Dims, ex: [&[f32]; 3]) {
+        let (t, w) = (d.t, d.w());
+        match self {
+            Self::Apart(outs) => {
+                for (out, ex) in outs.iter_mut().zip(ex) {
+                    out.extend_from_slice(&ex[..t * w]);
+                }
+            }
+            Self::Packed(out) => {
+                for i in 0..t {
+                    for ex in ex {
+                        out.extend_from_slice(&ex[i * w..][..w]);
+                    }
+                }
+            }
         }
     }
 }
@@ -505,7 +533,26 @@ impl CausalAttention {
                 l.shape()
             );
         }
-        Ok(Dims::new(self.n, self.t, self.heads, w / self.heads))
+        Ok(Dims::new(self.n, self.t, self.heads, w / self.heads, w))
+    }
+
+    /// The forward pass over queries, keys and values in rows `d.rs` apart: the output's
+    /// elements, the probabilities kept.
+    fn forward(&self, d: Dims, [q, k, v]: [&[f32]; 3]) -> Vec<f32> {
+        let mut out = Vec::with_capacity(d.n * d.t * d.w());
+        let mut probs = Vec::with_capacity(d.n * d.heads * d.tp * d.tp);
+        simd_tiled(AttentionFwd { q, k, v, d, out: &mut out, probs: Some(&mut probs) });
+        // A second forward pass of the same operation (none in candle) would keep the first's.
+        let _ = self.probs.set(probs);
+        out
+    }
+}
+
+/// The contiguous f32 elements of a CPU tensor (a view into its storage, which `guard` holds).
+fn cpu_f32s<'a>(guard: &'a candle_core::StorageRef<'a>, l: &Layout, name: &str) -> Result<&'a [f32]> {
+    match &**guard {
+        Storage::Cpu(s) => f32_only(s, l, name),
+        _ => candle_core::bail!("{name}'s backward pass runs on the CPU"),
     }
 }
 
@@ -528,12 +575,7 @@ impl CustomOp3 for CausalAttention {
         super::same_shape(l1, l3, self.name())?;
         let (q, k, v) =
             (f32_only(s1, l1, self.name())?, f32_only(s2, l2, self.name())?, f32_only(s3, l3, self.name())?);
-        let mut out = Vec::with_capacity(q.len());
-        let mut probs = Vec::with_capacity(d.n * d.heads * d.tp * d.tp);
-        simd_tiled(AttentionFwd { q, k, v, d, out: &mut out, probs: Some(&mut probs) });
-        // A second forward pass of the same operation (none in candle) would keep the first's.
-        let _ = self.probs.set(probs);
-        Ok((CpuStorage::F32(out), l1.shape().clone()))
+        Ok((CpuStorage::F32(self.forward(d, [q, k, v])), l1.shape().clone()))
     }
 
     fn bwd(
@@ -545,22 +587,18 @@ impl CustomOp3 for CausalAttention {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let grad = grad.contiguous()?;
-        let (sq, lq) = q.storage_and_layout();
-        let (sk, lk) = k.storage_and_layout();
-        let (sv, lv) = v.storage_and_layout();
-        let (sg, lg) = grad.storage_and_layout();
-        let (Storage::Cpu(sq), Storage::Cpu(sk), Storage::Cpu(sv), Storage::Cpu(sg)) = (&*sq, &*sk, &*sv, &*sg) else {
-            candle_core::bail!("causal_attention's backward pass runs on the CPU");
-        };
-        let d = self.dims(lq)?;
-        super::same_shape(lq, lg, self.name())?;
         let name = self.name();
+        let ((sq, lq), (sk, lk), (sv, lv), (sg, lg)) =
+            (q.storage_and_layout(), k.storage_and_layout(), v.storage_and_layout(), grad.storage_and_layout());
+        let d = self.dims(lq)?;
+        super::same_shape(lq, lg, name)?;
         let (qs, ks, vs, g) =
-            (f32_only(sq, lq, name)?, f32_only(sk, lk, name)?, f32_only(sv, lv, name)?, f32_only(sg, lg, name)?);
+            (cpu_f32s(&sq, lq, name)?, cpu_f32s(&sk, lk, name)?, cpu_f32s(&sv, lv, name)?, cpu_f32s(&sg, lg, name)?);
         let len = qs.len();
         let (mut dq, mut dk, mut dv) = (Vec::with_capacity(len), Vec::with_capacity(len), Vec::with_capacity(len));
         let probs = self.probs.get().map(|p| p.as_slice());
-        simd_tiled(AttentionBwd { q: qs, k: ks, v: vs, g, d, probs, dq: &mut dq, dk: &mut dk, dv: &mut dv });
+        let grads = Grads::Apart([&mut dq, &mut dk, &mut dv]);
+        simd_tiled(AttentionBwd { q: qs, k: ks, v: vs, g, d, probs, grads });
         let shape = lq.shape().clone();
         let device = q.device();
         Ok((
@@ -569,6 +607,75 @@ impl CustomOp3 for CausalAttention {
             Some(Tensor::from_vec(dv, shape, device)?),
         ))
     }
+}
+
+/// [`causal_attention`] of the thirds of one projection's `(n t, 3 w)` rows.
+struct PackedAttention(CausalAttention);
+
+impl PackedAttention {
+    fn dims(&self, l: &Layout) -> Result<Dims> {
+        let (rows, w3) = l.shape().dims2()?;
+        let c = &self.0;
+        if rows != c.n * c.t || !w3.is_multiple_of(3 * c.heads) {
+            candle_core::bail!(
+                "causal_attention_packed: rows of {w3} columns for {} examples of {} positions in {} heads, got {:?}",
+                c.n,
+                c.t,
+                c.heads,
+                l.shape()
+            );
+        }
+        Ok(Dims::new(c.n, c.t, c.heads, w3 / 3 / c.heads, w3))
+    }
+}
+
+impl CustomOp1 for PackedAttention {
+    fn name(&self) -> &'static str {
+        "strata-causal-attention-packed"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let d = self.dims(l)?;
+        let x = f32_only(s, l, self.name())?;
+        let w = d.w();
+        let out = self.0.forward(d, [x, &x[w..], &x[2 * w..]]);
+        Ok((CpuStorage::F32(out), Shape::from((d.n * d.t, w))))
+    }
+
+    fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let grad = grad.contiguous()?;
+        let name = self.name();
+        let ((sx, lx), (sg, lg)) = (x.storage_and_layout(), grad.storage_and_layout());
+        let d = self.dims(lx)?;
+        let (xs, g) = (cpu_f32s(&sx, lx, name)?, cpu_f32s(&sg, lg, name)?);
+        let w = d.w();
+        if g.len() != d.n * d.t * w {
+            candle_core::bail!("{name}: a gradient of {:?} for an output of {} rows of {w}", lg.shape(), d.n * d.t);
+        }
+        let mut dx = Vec::with_capacity(xs.len());
+        let probs = self.0.probs.get().map(|p| p.as_slice());
+        let grads = Grads::Packed(&mut dx);
+        simd_tiled(AttentionBwd { q: xs, k: &xs[w..], v: &xs[2 * w..], g, d, probs, grads });
+        Ok(Some(Tensor::from_vec(dx, lx.shape().clone(), x.device())?))
+    }
+}
+
+/// [`causal_attention`] of `qkv` `(n, t, 3 width)`: the queries its first `width` columns, the
+/// keys the next, the values the last, as one projection computes them (its backward pass then
+/// gives one gradient, where three separate tensors sliced from it would each be padded back
+/// to the whole and added). Returns `(n, t, width)`.
+pub fn causal_attention_packed(qkv: &Tensor, heads: usize) -> Result<Tensor> {
+    let (n, t, w3) = qkv.dims3()?;
+    if heads == 0 || !w3.is_multiple_of(3 * heads) {
+        candle_core::bail!("causal_attention_packed: {w3} columns are not three widths that split into {heads} heads");
+    }
+    let w = w3 / 3;
+    if fusable(qkv) && n * t > 0 && w > 0 {
+        let op = PackedAttention(CausalAttention { n, t, heads, probs: Default::default() });
+        return qkv.reshape((n * t, w3))?.contiguous()?.apply_op1(op)?.reshape((n, t, w));
+    }
+    let part = |i: usize| qkv.narrow(2, i * w, w);
+    causal_attention(&part(0)?, &part(1)?, &part(2)?, heads)
 }
 
 /// Causal multi-head self-attention: `q`, `k` and `v` `(n, t, width)`, each head `h` the
@@ -662,7 +769,7 @@ mod tests {
 
     /// Head `h` of example `b` of `(n t, heads hd)` rows, as `(t, hd)` rows.
     fn head(x: &[f32], d: Dims, b: usize, h: usize) -> Vec<f32> {
-        (0..d.t).flat_map(|i| x[d.base(b, h) + i * d.w()..][..d.hd].to_vec()).collect()
+        (0..d.t).flat_map(|i| x[d.base(b, h, d.w()) + i * d.w()..][..d.hd].to_vec()).collect()
     }
 
     /// Runs the kernels under `arch` (`None`: the widest this CPU has).
@@ -677,7 +784,7 @@ mod tests {
             Some(_) => pulp::Simd::vectorize(pulp::x86::V3::try_new().expect("AVX2"), Dispatch(fwd)),
         }
         let probs = keep.then_some(probs.as_slice());
-        let bwd = AttentionBwd { q, k, v, g, d, probs, dq: &mut dq, dk: &mut dk, dv: &mut dv };
+        let bwd = AttentionBwd { q, k, v, g, d, probs, grads: Grads::Apart([&mut dq, &mut dk, &mut dv]) };
         match arch {
             None => simd_tiled(bwd),
             Some("scalar") => pulp::Simd::vectorize(pulp::Scalar::new(), Dispatch(bwd)),
@@ -697,7 +804,7 @@ mod tests {
         for (n, t, heads, hd) in
             [(2, 64, 4, 32), (1, 1, 1, 1), (3, 13, 2, 7), (2, 33, 3, 16), (1, 17, 1, 40), (2, 70, 2, 32)]
         {
-            let d = Dims::new(n, t, heads, hd);
+            let d = Dims::new(n, t, heads, hd, heads * hd);
             let len = n * t * heads * hd;
             let xs: Vec<Vec<f32>> = (0..4).map(|i| values(len, 7 + i)).collect();
             for keep in [true, false] {
@@ -763,6 +870,30 @@ mod tests {
                 let y1 = causal_attention(&q, &k, &v, heads).unwrap();
                 assert_eq!(early(&y1), early(&y2));
             }
+        }
+    }
+
+    #[test]
+    fn one_packed_projection_is_the_three_apart_bit_for_bit() {
+        let dev = Device::Cpu;
+        for (n, t, heads, w) in [(2usize, 64usize, 4usize, 128usize), (3, 13, 2, 14), (1, 1, 1, 1)] {
+            let qkv = Var::from_vec(values(n * t * 3 * w, 5), (n, t, 3 * w), &dev).unwrap();
+            let g = Tensor::from_vec(values(n * t * w, 6), (n, t, w), &dev).unwrap();
+            let packed = causal_attention_packed(&qkv, heads).unwrap();
+            let parts: Vec<Tensor> = (0..3).map(|i| qkv.narrow(2, i * w, w).unwrap().contiguous().unwrap()).collect();
+            let apart = causal_attention(&parts[0], &parts[1], &parts[2], heads).unwrap();
+            let bits = |x: &Tensor| -> Vec<u32> {
+                x.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect()
+            };
+            assert_eq!(bits(&packed), bits(&apart));
+            let gp = (packed * &g).unwrap().sum_all().unwrap().backward().unwrap();
+            let ga = (apart * &g).unwrap().sum_all().unwrap().backward().unwrap();
+            // The three parts' gradients come back padded to the whole and added (`==`: a
+            // padding zero added may turn a -0 into +0).
+            let values = |x: &Tensor| x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            assert_eq!(values(gp.get(&qkv).unwrap()), values(ga.get(&qkv).unwrap()));
+            let e = causal_attention_packed(&Tensor::zeros((1, 2, 3 * w + 1), DType::F32, &dev).unwrap(), heads);
+            assert!(e.unwrap_err().to_string().contains("are not three widths"));
         }
     }
 
