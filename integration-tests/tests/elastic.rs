@@ -195,8 +195,12 @@ fn check_against(reference: &HashMap<String, Tensor>, dir: &Path, o: &Output, wh
 /// another order. Measured (2026-12-02, these tests with the 301K MLP,
 /// docs/bench/2026-12-02-elastic-distances.md): 8.3e-9 to 1.09e-8 for every job, disturbed or
 /// not; a step applied twice lands at 8.3e-5, far outside it
-/// (`a_step_applied_twice_fails_the_bound`).
-const ONE_DEVICE_BOUND: f64 = 1e-7;
+/// (`a_step_applied_twice_fails_the_bound`). The other order can also tip the trajectory into a
+/// second outcome, 2.378e-7 from one device: Mirrored over 3, 4 or 7 replicas of one process
+/// ends there, with no membership change at all, and so does this suite's stopped worker when
+/// the job re-forms after step 52, 55 or 58 (docs/bench/2026-12-05-2230-elastic-bound.md). The
+/// bound is 4.2 times that outcome and 83 times below a step applied twice.
+const ONE_DEVICE_BOUND: f64 = 1e-6;
 
 /// Whether `d` (from one device) is within [`ONE_DEVICE_BOUND`]: the check every test here
 /// makes, the negative control included.
