@@ -105,6 +105,13 @@ fn lane_sum2(x: &[f32], y: &[f32], f: impl Fn(f32, f32) -> f32) -> f32 {
     for ((a, &x), &y) in acc.iter_mut().zip(xc.remainder()).zip(yc.remainder()) {
         *a += f(x, y);
     }
+    halves(acc)
+}
+
+/// The sum of the [`LANES`] partial sums, added pairwise: the upper half into the lower, until
+/// one is left.
+#[inline(always)]
+fn halves(mut acc: [f32; LANES]) -> f32 {
     let mut w = LANES;
     while w > 1 {
         w /= 2;
@@ -114,6 +121,68 @@ fn lane_sum2(x: &[f32], y: &[f32], f: impl Fn(f32, f32) -> f32) -> f32 {
         }
     }
     acc[0]
+}
+
+/// A loop nest written with explicit vectors of `S`, which [`simd_vectors`] compiles for the
+/// CPU's vector width (as [`Kernel`], with the vector type in hand).
+pub(crate) trait VectorKernel {
+    /// The loops; every implementation is `#[inline(always)]`.
+    fn run<S: pulp::Simd>(self, simd: S);
+}
+
+struct VectorDispatch<K>(K);
+
+impl<K: VectorKernel> pulp::WithSimd for VectorDispatch<K> {
+    type Output = ();
+
+    #[inline(always)]
+    fn with_simd<S: pulp::Simd>(self, simd: S) {
+        self.0.run(simd)
+    }
+}
+
+/// Runs `k` compiled for the widest vector instructions this CPU has, as [`simd`] does.
+pub(crate) fn simd_vectors(k: impl VectorKernel) {
+    pulp::Arch::new().dispatch(VectorDispatch(k))
+}
+
+/// The vector of `S` at the start of `x`.
+#[inline(always)]
+fn load<S: pulp::Simd>(x: &[f32]) -> S::f32s {
+    pulp::bytemuck::pod_read_unaligned(pulp::bytemuck::cast_slice(&x[..std::mem::size_of::<S::f32s>() / 4]))
+}
+
+/// [`lane_sum2`] with its main loop in explicit vectors of `S`, its [`LANES`] partial sums in
+/// `LANES / lanes` registers (`fv` is `f` on vectors): the same sums in the same order, so the
+/// same bits. Compiled from `lane_sum2`'s arrays, the partial sums of a layer norm's rows were
+/// split into pieces of registers and scalar additions, and the rows took three times as long.
+#[inline(always)]
+fn vector_lane_sum2<S: pulp::Simd>(
+    simd: S,
+    x: &[f32],
+    y: &[f32],
+    fv: impl Fn(S::f32s, S::f32s) -> S::f32s,
+    f: impl Fn(f32, f32) -> f32,
+) -> f32 {
+    let lanes = std::mem::size_of::<S::f32s>() / 4;
+    if lanes > LANES {
+        return lane_sum2(x, y, f);
+    }
+    let mut acc = [simd.splat_f32s(0.0); LANES];
+    let (mut xc, mut yc) = (x.chunks_exact(LANES), y.chunks_exact(LANES));
+    for (xs, ys) in (&mut xc).zip(&mut yc) {
+        for (r, a) in acc.iter_mut().enumerate().take(LANES / lanes) {
+            *a = simd.add_f32s(*a, fv(load::<S>(&xs[r * lanes..]), load::<S>(&ys[r * lanes..])));
+        }
+    }
+    let mut sums = [0f32; LANES];
+    for (s, a) in sums.chunks_exact_mut(lanes).zip(&acc) {
+        s.copy_from_slice(pulp::bytemuck::cast_slice(std::slice::from_ref(a)));
+    }
+    for ((a, &x), &y) in sums.iter_mut().zip(xc.remainder()).zip(yc.remainder()) {
+        *a += f(x, y);
+    }
+    halves(sums)
 }
 
 /// The sum of `f(x)` over the elements of `x`, in the order of [`lane_sum2`].
@@ -140,19 +209,21 @@ fn lane_max(xs: &[f32]) -> f32 {
 
 /// `e^x` (Cephes' `expf`: `2^k e^r` with `r` in +-ln(2)/2 and a degree-6 polynomial), within
 /// 2 ulp of libm's `expf` for `x` in -87.3 to 88 and clamped outside (about 1e-38 below,
-/// 1.7e38 above): pure arithmetic, so the softmax loops vectorize.
+/// 1.7e38 above): pure arithmetic, so the softmax loops vectorize. Its steps are fused
+/// multiply-adds ([`f32::mul_add`], one rounding each: the same bits wherever it runs, and in
+/// vector code one instruction where a product and a sum were two, each waiting on the other).
 #[inline(always)]
 fn exp(x: f32) -> f32 {
     let x = x.clamp(-87.336_55, 88.0);
-    let k = (x * std::f32::consts::LOG2_E + 0.5).floor();
-    let r = x - k * 0.693_359_4 - k * -2.121_944_4e-4;
-    let p = 1.987_569_1e-4;
-    let p = p * r + 1.398_199_9e-3;
-    let p = p * r + 8.333_452e-3;
-    let p = p * r + 4.166_579_6e-2;
-    let p = p * r + 1.666_666_5e-1;
-    let p = p * r + 0.5;
-    let y = p * (r * r) + r + 1.0;
+    let k = x.mul_add(std::f32::consts::LOG2_E, 0.5).floor();
+    let r = (-k).mul_add(-2.121_944_4e-4, (-k).mul_add(0.693_359_4, x));
+    let p = 1.987_569_1e-4f32;
+    let p = p.mul_add(r, 1.398_199_9e-3);
+    let p = p.mul_add(r, 8.333_452e-3);
+    let p = p.mul_add(r, 4.166_579_6e-2);
+    let p = p.mul_add(r, 1.666_666_5e-1);
+    let p = p.mul_add(r, 0.5);
+    let y = p.mul_add(r * r, r) + 1.0;
     // 2^k from the bits of k + 1.5 * 2^23 (whose low mantissa bits are k as an integer): a
     // float-to-int cast (`as i32`) saturates and checks for NaN, which does not vectorize.
     let k_bits = (k + 12_582_912.0).to_bits().wrapping_sub(0x4b40_0000).wrapping_add(127);
@@ -197,10 +268,16 @@ impl<F: Fn(f32) -> f32> Kernel for BiasActFwd<'_, F> {
     #[inline(always)]
     fn run(self) {
         let (b, d, f) = (self.b, self.b.len().max(1), self.f);
-        self.y.resize(self.h.len() / d * d, 0.0);
-        for (hr, yr) in self.h.chunks_exact(d).zip(self.y.chunks_exact_mut(d)) {
-            for ((y, &h), &b) in yr.iter_mut().zip(hr).zip(b) {
-                *y = f(h + b);
+        // Through a stack block appended to the output, which is written once: zeroing it first
+        // was a pass over the activations of its own (a megabyte or more).
+        let mut block = [0f32; BLOCK];
+        for hr in self.h.chunks_exact(d) {
+            for (hc, bc) in hr.chunks(BLOCK).zip(b.chunks(BLOCK)) {
+                let out = &mut block[..hc.len()];
+                for ((y, &h), &b) in out.iter_mut().zip(hc).zip(bc) {
+                    *y = f(h + b);
+                }
+                self.y.extend_from_slice(out);
             }
         }
     }
@@ -220,15 +297,21 @@ impl<G: Fn(f32, f32) -> f32> Kernel for BiasActBwd<'_, G> {
     #[inline(always)]
     fn run(self) {
         let (b, d, grad) = (self.b, self.b.len().max(1), self.grad);
-        let rows = self.h.len() / d;
-        self.out.resize((rows + 1) * d, 0.0);
-        let (dh, db) = self.out.split_at_mut(rows * d);
-        for ((hr, gr), dr) in self.h.chunks_exact(d).zip(self.g.chunks_exact(d)).zip(dh.chunks_exact_mut(d)) {
-            for ((((dh, db), &h), &b), &g) in dr.iter_mut().zip(db.iter_mut()).zip(hr).zip(b).zip(gr) {
-                *dh = grad(h + b, g);
-                *db += *dh;
+        let mut db = vec![0f32; d];
+        // As the forward pass, through a stack block.
+        let mut block = [0f32; BLOCK];
+        for (hr, gr) in self.h.chunks_exact(d).zip(self.g.chunks_exact(d)) {
+            let chunks = hr.chunks(BLOCK).zip(gr.chunks(BLOCK)).zip(b.chunks(BLOCK)).zip(db.chunks_mut(BLOCK));
+            for (((hc, gc), bc), dbc) in chunks {
+                let out = &mut block[..hc.len()];
+                for ((((dh, db), &h), &b), &g) in out.iter_mut().zip(dbc.iter_mut()).zip(hc).zip(bc).zip(gc) {
+                    *dh = grad(h + b, g);
+                    *db += *dh;
+                }
+                self.out.extend_from_slice(out);
             }
         }
+        self.out.extend_from_slice(&db);
     }
 }
 
@@ -304,16 +387,16 @@ struct LayerNormFwd<'a> {
     y: &'a mut Vec<f32>,
 }
 
-impl Kernel for LayerNormFwd<'_> {
+impl VectorKernel for LayerNormFwd<'_> {
     #[inline(always)]
-    fn run(self) {
+    fn run<S: pulp::Simd>(self, simd: S) {
         let d = self.w.len().max(1);
         let (w, b) = (&self.w[..d], &self.b[..d]);
         // Rows written in place into the output zeroed once (a row's append through a stack
         // block zeroed the block for every row).
         self.y.resize(self.x.len() / d * d, 0.0);
         for (xr, yr) in self.x.chunks_exact(d).zip(self.y.chunks_exact_mut(d)) {
-            let (mean, rstd) = row_stats(xr, self.eps);
+            let (mean, rstd) = row_stats(simd, xr, self.eps);
             for (((y, &v), &w), &b) in yr.iter_mut().zip(xr).zip(w).zip(b) {
                 *y = (v - mean) * rstd * w + b;
             }
@@ -330,22 +413,26 @@ struct LayerNormBwd<'a> {
     out: &'a mut Vec<f32>,
 }
 
-impl Kernel for LayerNormBwd<'_> {
+impl VectorKernel for LayerNormBwd<'_> {
     #[inline(always)]
-    fn run(self) {
+    fn run<S: pulp::Simd>(self, simd: S) {
         let (w, d) = (self.w, self.w.len().max(1));
-        let (mut dw, mut db, mut xhat, mut dxr, mut gw) =
-            (vec![0f32; d], vec![0f32; d], vec![0f32; d], vec![0f32; d], vec![0f32; d]);
-        for (xr, gr) in self.x.chunks_exact(d).zip(self.g.chunks_exact(d)) {
-            let (mean, rstd) = row_stats(xr, self.eps);
+        let rows = self.x.len() / d;
+        self.out.resize((rows + 2) * d, 0.0);
+        let (dx, sums) = self.out.split_at_mut(rows * d);
+        let (dw, db) = sums.split_at_mut(d);
+        let (mut xhat, mut gw) = (vec![0f32; d], vec![0f32; d]);
+        for ((xr, gr), dxr) in self.x.chunks_exact(d).zip(self.g.chunks_exact(d)).zip(dx.chunks_exact_mut(d)) {
+            let (mean, rstd) = row_stats(simd, xr, self.eps);
             for (h, &v) in xhat.iter_mut().zip(xr) {
                 *h = (v - mean) * rstd;
             }
             for ((gw, &g), &w) in gw.iter_mut().zip(gr).zip(w) {
                 *gw = g * w;
             }
-            let mean_gw = lane_sum(&gw, |gw| gw) / d as f32;
-            let mean_gw_xhat = lane_sum2(&gw, &xhat, |gw, h| gw * h) / d as f32;
+            let mean_gw = vector_lane_sum2(simd, &gw, &gw, |x, _| x, |x, _| x) / d as f32;
+            let mean_gw_xhat =
+                vector_lane_sum2(simd, &gw, &xhat, |gw, h| simd.mul_f32s(gw, h), |gw, h| gw * h) / d as f32;
             for (((((dx, dw), db), &g), &w), &h) in
                 dxr.iter_mut().zip(dw.iter_mut()).zip(db.iter_mut()).zip(gr).zip(w).zip(&xhat)
             {
@@ -353,10 +440,7 @@ impl Kernel for LayerNormBwd<'_> {
                 *dw += g * h;
                 *db += g;
             }
-            self.out.extend_from_slice(&dxr);
         }
-        self.out.extend_from_slice(&dw);
-        self.out.extend_from_slice(&db);
     }
 }
 
@@ -419,7 +503,7 @@ const GELU_A: f32 = 0.044_715;
 /// `tanh(x)` as a rational function of `x` (Eigen's `ptanh_float`: degree 13 over 6, the input
 /// clamped to +-7.9, where f32's tanh is +-1), within a few ulp of libm's `tanhf` and about ten
 /// times faster: pure arithmetic, so the loops over a tensor vectorize. libm's `tanhf` was a
-/// quarter of a transformer step here.
+/// quarter of a transformer step here. Horner's steps are fused multiply-adds, as in [`exp`].
 #[inline(always)]
 fn tanh(x: f32) -> f32 {
     let x = x.clamp(-7.905_311, 7.905_311);
@@ -427,29 +511,38 @@ fn tanh(x: f32) -> f32 {
         return x;
     }
     let x2 = x * x;
-    let p = x2 * -2.760_768_5e-16 + 2.000_188e-13;
-    let p = x2 * p + -8.604_672e-11;
-    let p = x2 * p + 5.122_297e-8;
-    let p = x2 * p + 1.485_722_4e-5;
-    let p = x2 * p + 6.372_619_3e-4;
-    let p = x2 * p + 4.893_524_6e-3;
-    let q = x2 * 1.198_258_4e-6 + 1.185_347_1e-4;
-    let q = x2 * q + 2.268_434_6e-3;
-    let q = x2 * q + 4.893_525e-3;
+    let p = x2.mul_add(-2.760_768_5e-16, 2.000_188e-13);
+    let p = x2.mul_add(p, -8.604_672e-11);
+    let p = x2.mul_add(p, 5.122_297e-8);
+    let p = x2.mul_add(p, 1.485_722_4e-5);
+    let p = x2.mul_add(p, 6.372_619_3e-4);
+    let p = x2.mul_add(p, 4.893_524_6e-3);
+    let q = x2.mul_add(1.198_258_4e-6, 1.185_347_1e-4);
+    let q = x2.mul_add(q, 2.268_434_6e-3);
+    let q = x2.mul_add(q, 4.893_525e-3);
     x * p / q
 }
 
-/// GELU, tanh approximation, as candle's `gelu` computes it.
+/// GELU's inner argument, `sqrt(2 / pi) (v + 0.044715 v^3)`.
+#[inline(always)]
+fn gelu_inner(v: f32) -> f32 {
+    SQRT_TWO_OVER_PI * v * (GELU_A * v).mul_add(v, 1.0)
+}
+
+/// GELU, tanh approximation, as candle's `gelu` computes it (within rounding: fused
+/// multiply-adds where it takes a product and a sum).
 #[inline(always)]
 fn gelu1(v: f32) -> f32 {
-    0.5 * v * (1.0 + tanh(SQRT_TWO_OVER_PI * v * (1.0 + GELU_A * v * v)))
+    let h = 0.5 * v;
+    h.mul_add(tanh(gelu_inner(v)), h)
 }
 
 /// The derivative of [`gelu1`].
 #[inline(always)]
 fn gelu1_grad(v: f32) -> f32 {
-    let t = tanh(SQRT_TWO_OVER_PI * v * (1.0 + GELU_A * v * v));
-    0.5 * (1.0 + t) + 0.5 * v * (1.0 - t * t) * SQRT_TWO_OVER_PI * (1.0 + 3.0 * GELU_A * v * v)
+    let t = tanh(gelu_inner(v));
+    let inner = SQRT_TWO_OVER_PI * (3.0 * GELU_A * v).mul_add(v, 1.0);
+    (0.5 * v * t.mul_add(-t, 1.0)).mul_add(inner, t.mul_add(0.5, 0.5))
 }
 
 struct Gelu;
@@ -694,12 +787,17 @@ struct LayerNormOp {
     eps: f32,
 }
 
-/// Rows of `x` of `d` elements: their mean and `1 / sqrt(var + eps)`.
+/// A row of `d` elements: its mean and `1 / sqrt(var + eps)`, each sum [`lane_sum`]'s.
 #[inline(always)]
-fn row_stats(row: &[f32], eps: f32) -> (f32, f32) {
+fn row_stats<S: pulp::Simd>(simd: S, row: &[f32], eps: f32) -> (f32, f32) {
     let d = row.len() as f32;
-    let mean = lane_sum(row, |v| v) / d;
-    let var = lane_sum(row, |v| (v - mean) * (v - mean)) / d;
+    let mean = vector_lane_sum2(simd, row, row, |x, _| x, |x, _| x) / d;
+    let m = simd.splat_f32s(mean);
+    let centered = |x| {
+        let c = simd.sub_f32s(x, m);
+        simd.mul_f32s(c, c)
+    };
+    let var = vector_lane_sum2(simd, row, row, |x, _| centered(x), |v, _| (v - mean) * (v - mean)) / d;
     (mean, 1.0 / (var + eps).sqrt())
 }
 
@@ -731,7 +829,7 @@ impl CustomOp3 for LayerNormOp {
         vector_of(l3, d, "layer_norm", "bias")?;
         let (w, b) = (f32s(s2, l2, self.name())?, f32s(s3, l3, self.name())?);
         let mut out = Vec::with_capacity(x.len());
-        simd(LayerNormFwd { x: &x, w: &w, b: &b, eps: self.eps, y: &mut out });
+        simd_vectors(LayerNormFwd { x: &x, w: &w, b: &b, eps: self.eps, y: &mut out });
         Ok((stored(s1, out), l1.shape().clone()))
     }
 
@@ -775,7 +873,7 @@ impl CustomOp3 for LayerNormGrad {
         let d = w.len().max(1);
         let rows = x.len() / d;
         let mut out = Vec::with_capacity((rows + 2) * d);
-        simd(LayerNormBwd { x: &x, w: &w, g: &g, eps: self.eps, out: &mut out });
+        simd_vectors(LayerNormBwd { x: &x, w: &w, g: &g, eps: self.eps, out: &mut out });
         Ok((stored(s1, out), Shape::from((rows + 2, d))))
     }
 }
@@ -938,8 +1036,28 @@ mod tests {
         run(&|o, wide| go(BiasActBwd { h: &x, b: &w, g: &g, grad: |v, g| g * gelu1_grad(v), out: o }, wide));
         run(&|o, wide| go(BiasActFwd { h: &x, b: &w, f: relu1, y: o }, wide));
         run(&|o, wide| go(BiasActBwd { h: &x, b: &w, g: &g, grad: relu1_grad, out: o }, wide));
-        run(&|o, wide| go(LayerNormFwd { x: &x, w: &w, b: &b, eps: 1e-5, y: o }, wide));
-        run(&|o, wide| go(LayerNormBwd { x: &x, w: &w, g: &g, eps: 1e-5, out: o }, wide));
+        // Layer norm's explicit vectors: the widest, AVX2's (where the CPU has it) and the
+        // scalar path; rows of whole vectors and rows with a tail.
+        fn go_vectors(k: impl VectorKernel, wide: bool, avx2: bool) {
+            match (wide, avx2) {
+                (true, false) => simd_vectors(k),
+                #[cfg(target_arch = "x86_64")]
+                (true, true) => match pulp::x86::V3::try_new() {
+                    Some(v3) => pulp::Simd::vectorize(v3, VectorDispatch(k)),
+                    None => simd_vectors(k),
+                },
+                _ => pulp::Simd::vectorize(pulp::Scalar::new(), VectorDispatch(k)),
+            }
+        }
+        for avx2 in [false, true] {
+            for d in [48, 53, 7] {
+                let n = x.len() / d * d;
+                let (x, g) = (&x[..n], &g[..n]);
+                let (w, b) = (r(d), r(d));
+                run(&|o, wide| go_vectors(LayerNormFwd { x, w: &w, b: &b, eps: 1e-5, y: o }, wide, avx2));
+                run(&|o, wide| go_vectors(LayerNormBwd { x, w: &w, g, eps: 1e-5, out: o }, wide, avx2));
+            }
+        }
         run(&|o, wide| go(CausalSoftmaxFwd { x: &sq, t, y: o }, wide));
         let mut y = Vec::new();
         simd(CausalSoftmaxFwd { x: &sq, t, y: &mut y });

@@ -281,7 +281,7 @@ fn sees(j: usize, i0: usize, l: usize) -> bool {
 /// each block of [`LANES`] positions `i` (a column of each, one lane each), the softmax over
 /// `j <= i` down the column, the entries `j > i` 0. Written for `j` below the block's end (and
 /// `t`); the columns are independent, so every operation is a whole vector's: the maximum, the
-/// exps, their sum in the order of `j`, the division.
+/// exps, their sum in the order of `j`, its reciprocal, the products by it.
 #[inline(always)]
 fn softmax_columns(d: Dims, st: &[f32], pt: &mut [f32]) {
     let (t, tp) = (d.t, d.tp);
@@ -305,9 +305,12 @@ fn softmax_columns(d: Dims, st: &[f32], pt: &mut [f32]) {
                 *s += *o;
             }
         }
+        // One division a position, then products (a division a probability cost more than
+        // the exps).
+        let inv = sum.map(|s| 1.0 / s);
         for j in 0..jend {
-            for (o, &s) in pt[j * tp + i0..][..LANES].iter_mut().zip(&sum) {
-                *o /= s;
+            for (o, &r) in pt[j * tp + i0..][..LANES].iter_mut().zip(&inv) {
+                *o *= r;
             }
         }
     }
@@ -744,7 +747,7 @@ mod tests {
             let e: Vec<f32> = s.iter().map(|&v| exp(v - max)).collect();
             let sum = e.iter().fold(0f32, |a, &x| a + x);
             for j in 0..=i {
-                p[i * t + j] = e[j] / sum;
+                p[i * t + j] = e[j] * (1.0 / sum);
             }
         }
         let mut ds = vec![0f32; t * t];
