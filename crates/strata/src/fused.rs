@@ -1013,7 +1013,7 @@ mod tests {
     fn kernels_give_the_same_bits_at_every_vector_width() {
         let r = |n: usize| -> Vec<f32> { Tensor::randn(0f32, 2.0, n, &Device::Cpu).unwrap().to_vec1().unwrap() };
         let (rows, d, t) = (37, 48, 13);
-        let (x, g, w, b) = (r(rows * d), r(rows * d), r(d), r(d));
+        let (x, g, w) = (r(rows * d), r(rows * d), r(d));
         let (sq, sg) = (r(5 * t * t), r(5 * t * t));
         let run = |k: &dyn Fn(&mut Vec<f32>, bool)| {
             let (mut a, mut s) = (Vec::new(), Vec::new());
