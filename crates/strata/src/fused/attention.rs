@@ -85,9 +85,7 @@ fn tile<'b, S: pulp::Simd, const V: usize>(
     let mut acc = [[simd.splat_f32s(0.0); V]; R];
     for (av, br) in a.zip(b) {
         let br = &br[..V * lanes];
-        let bv: [S::f32s; V] = std::array::from_fn(|v| {
-            pulp::bytemuck::pod_read_unaligned(pulp::bytemuck::cast_slice(&br[v * lanes..][..lanes]))
-        });
+        let bv: [S::f32s; V] = std::array::from_fn(|v| super::load::<S>(&br[v * lanes..]));
         for (acc, &av) in acc.iter_mut().zip(&av) {
             let av = simd.splat_f32s(av);
             for (x, &bv) in acc.iter_mut().zip(&bv) {
@@ -385,16 +383,15 @@ fn tile_width<S: pulp::Simd, const V: usize>() -> usize {
     V * std::mem::size_of::<S::f32s>() / 4
 }
 
-struct Dispatch<K>(K);
+/// A [`TiledKernel`] as a [`super::VectorKernel`], its tiles' width chosen for the vector type.
+struct Tiled<K>(K);
 
-impl<K: TiledKernel> pulp::WithSimd for Dispatch<K> {
-    type Output = ();
-
+impl<K: TiledKernel> super::VectorKernel for Tiled<K> {
     /// Tiles 4 rows by 32 columns (8 AVX-512 registers of sums) or by 16 (8 AVX2 registers, or
     /// narrower vectors): each element's sum the same chain of fused multiply-adds, so the same
     /// bits on every CPU.
     #[inline(always)]
-    fn with_simd<S: pulp::Simd>(self, simd: S) {
+    fn run<S: pulp::Simd>(self, simd: S) {
         if std::mem::size_of::<S::f32s>() >= 32 {
             self.0.run::<S, 2>(simd)
         } else {
@@ -405,7 +402,7 @@ impl<K: TiledKernel> pulp::WithSimd for Dispatch<K> {
 
 /// Runs `k` compiled for the widest vector instructions this CPU has (see [`super::simd`]).
 pub(super) fn simd_tiled(k: impl TiledKernel) {
-    pulp::Arch::new().dispatch(Dispatch(k))
+    super::simd_vectors(Tiled(k))
 }
 
 impl TiledKernel for AttentionFwd<'_> {
@@ -783,15 +780,19 @@ mod tests {
         let fwd = AttentionFwd { q, k, v, d, out: &mut y, probs: keep.then_some(&mut probs) };
         match arch {
             None => simd_tiled(fwd),
-            Some("scalar") => pulp::Simd::vectorize(pulp::Scalar::new(), Dispatch(fwd)),
-            Some(_) => pulp::Simd::vectorize(pulp::x86::V3::try_new().expect("AVX2"), Dispatch(fwd)),
+            Some("scalar") => pulp::Simd::vectorize(pulp::Scalar::new(), super::super::VectorDispatch(Tiled(fwd))),
+            Some(_) => {
+                pulp::Simd::vectorize(pulp::x86::V3::try_new().expect("AVX2"), super::super::VectorDispatch(Tiled(fwd)))
+            }
         }
         let probs = keep.then_some(probs.as_slice());
         let bwd = AttentionBwd { q, k, v, g, d, probs, grads: Grads::Apart([&mut dq, &mut dk, &mut dv]) };
         match arch {
             None => simd_tiled(bwd),
-            Some("scalar") => pulp::Simd::vectorize(pulp::Scalar::new(), Dispatch(bwd)),
-            Some(_) => pulp::Simd::vectorize(pulp::x86::V3::try_new().expect("AVX2"), Dispatch(bwd)),
+            Some("scalar") => pulp::Simd::vectorize(pulp::Scalar::new(), super::super::VectorDispatch(Tiled(bwd))),
+            Some(_) => {
+                pulp::Simd::vectorize(pulp::x86::V3::try_new().expect("AVX2"), super::super::VectorDispatch(Tiled(bwd)))
+            }
         }
         [y, dq, dk, dv]
     }
