@@ -230,6 +230,32 @@ fn exp(x: f32) -> f32 {
     y * f32::from_bits(k_bits << 23)
 }
 
+/// [`exp`] on a vector of `S`: the same steps, so the same bits in every lane. Its floor is
+/// the rounding of the magic number `1.5 * 2^23` (exact here, where the operand is below 2^7),
+/// less one where that rounded up; `2^k` the bits of `k`, shifted by a multiplication.
+#[inline(always)]
+fn exp_vector<S: pulp::Simd>(simd: S, x: S::f32s) -> S::f32s {
+    let c = |v: f32| simd.splat_f32s(v);
+    let (lo, hi) = (c(-87.336_55), c(88.0));
+    let x = simd.select_f32s(simd.less_than_f32s(x, lo), lo, x);
+    let x = simd.select_f32s(simd.greater_than_f32s(x, hi), hi, x);
+    let y = simd.mul_add_f32s(x, c(std::f32::consts::LOG2_E), c(0.5));
+    let magic = c(12_582_912.0);
+    let r = simd.sub_f32s(simd.add_f32s(y, magic), magic);
+    let k = simd.select_f32s(simd.greater_than_f32s(r, y), simd.sub_f32s(r, c(1.0)), r);
+    let nk = simd.xor_f32s(k, c(-0.0));
+    let r = simd.mul_add_f32s(nk, c(-2.121_944_4e-4), simd.mul_add_f32s(nk, c(0.693_359_4), x));
+    let mut p = c(1.987_569_1e-4);
+    for a in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 0.5] {
+        p = simd.mul_add_f32s(p, r, c(a));
+    }
+    let y = simd.add_f32s(simd.mul_add_f32s(p, simd.mul_f32s(r, r), r), c(1.0));
+    let bits = simd.transmute_u32s_f32s(simd.add_f32s(k, magic));
+    let bits = simd.add_u32s(simd.sub_u32s(bits, simd.splat_u32s(0x4b40_0000)), simd.splat_u32s(127));
+    let scale = simd.transmute_f32s_u32s(simd.mul_u32s(bits, simd.splat_u32s(1 << 23)));
+    simd.mul_f32s(y, scale)
+}
+
 struct GeluFwd<'a> {
     x: &'a [f32],
     y: &'a mut Vec<f32>,
@@ -312,6 +338,32 @@ impl<G: Fn(f32, f32) -> f32> Kernel for BiasActBwd<'_, G> {
             }
         }
         self.out.extend_from_slice(&db);
+    }
+}
+
+/// `x + (y + b)` row by row, `b` of the rows' length.
+struct ResidualBiasFwd<'a> {
+    x: &'a [f32],
+    y: &'a [f32],
+    b: &'a [f32],
+    out: &'a mut Vec<f32>,
+}
+
+impl Kernel for ResidualBiasFwd<'_> {
+    #[inline(always)]
+    fn run(self) {
+        let (b, d) = (self.b, self.b.len().max(1));
+        // Through a stack block, as the bias and activation.
+        let mut block = [0f32; BLOCK];
+        for (xr, yr) in self.x.chunks_exact(d).zip(self.y.chunks_exact(d)) {
+            for ((xc, yc), bc) in xr.chunks(BLOCK).zip(yr.chunks(BLOCK)).zip(b.chunks(BLOCK)) {
+                let out = &mut block[..xc.len()];
+                for (((o, &x), &y), &b) in out.iter_mut().zip(xc).zip(yc).zip(bc) {
+                    *o = x + (y + b);
+                }
+                self.out.extend_from_slice(out);
+            }
+        }
     }
 }
 
@@ -710,6 +762,62 @@ pub fn bias_relu(h: &Tensor, b: &Tensor) -> Result<Tensor> {
     }
 }
 
+/// `x + (y + b)`: a residual `x` added to a dense layer's product `y` and bias `b` (of the last
+/// axis' size), in one pass where the composed operations take two; its backward pass gives
+/// the gradient itself to `x` and `y` and sums it over the rows for `b`, as candle's `add` and
+/// `broadcast_add` do.
+struct ResidualBias;
+
+impl CustomOp3 for ResidualBias {
+    fn name(&self) -> &'static str {
+        "strata-residual-bias"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        same_shape(l1, l2, self.name())?;
+        bias_of(l1, l3, self.name())?;
+        let (x, y, b) = (f32s(s1, l1, self.name())?, f32s(s2, l2, self.name())?, f32s(s3, l3, self.name())?);
+        let mut out = Vec::with_capacity(x.len());
+        simd(ResidualBiasFwd { x: &x, y: &y, b: &b, out: &mut out });
+        Ok((stored(s1, out), l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        _x: &Tensor,
+        _y: &Tensor,
+        b: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        // The bias' gradient as candle's `broadcast_add` takes it: summed over the axes it was
+        // broadcast along, in one reduction.
+        let leading: Vec<usize> = (0..grad.rank().saturating_sub(b.rank())).collect();
+        let db = grad.sum_keepdim(leading)?.reshape(b.shape())?;
+        Ok((Some(grad.clone()), Some(grad.clone()), Some(db)))
+    }
+}
+
+/// `x + (y + b)` for `x` and `y` of one shape and a bias `b` of their last axis' size: a
+/// residual connection around a dense layer's product `y`, in one pass on f32 CPU tensors
+/// with the same bits as `x + y.broadcast_add(b)` forward and backward, which it is elsewhere
+/// (16-bit types, other devices).
+pub fn residual_bias(x: &Tensor, y: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if fusable(x) && fusable(y) && fusable(b) && b.rank() == 1 {
+        x.contiguous()?.apply_op3(&y.contiguous()?, &b.contiguous()?, ResidualBias)
+    } else {
+        x + y.broadcast_add(b)?
+    }
+}
+
 /// Softmax over the last axis of `(..., t, t)` scores, row `i` of each `t x t` square over
 /// columns `0..=i` only (the others 0): attention's causal mask and softmax in one pass.
 struct CausalSoftmax;
@@ -993,6 +1101,50 @@ mod tests {
         assert!(exp(f32::NEG_INFINITY) < 1e-37 && exp(-1e9) < 1e-37, "clamped below");
     }
 
+    /// [`exp_vector`] on `xs`, vector by vector (whole vectors of `S`; the tail left out).
+    struct ExpVectors<'a> {
+        xs: &'a [f32],
+        out: &'a mut Vec<f32>,
+    }
+
+    impl VectorKernel for ExpVectors<'_> {
+        fn run<S: pulp::Simd>(self, simd: S) {
+            let lanes = std::mem::size_of::<S::f32s>() / 4;
+            for c in self.xs.chunks_exact(lanes) {
+                let e = exp_vector(simd, load::<S>(c));
+                self.out.extend_from_slice(pulp::bytemuck::cast_slice(std::slice::from_ref(&e)));
+            }
+        }
+    }
+
+    #[test]
+    fn the_vector_exp_gives_the_scalar_exps_bits() {
+        let mut xs: Vec<f32> = (-900_000..=900_000).map(|i| i as f32 * 1e-4).collect();
+        let edges = [f32::NEG_INFINITY, f32::INFINITY, -0.0, 0.0, -87.4, -87.336_55, 88.0, 88.1, 1e9, -1e9];
+        xs.extend(edges);
+        xs.extend((0..64).map(|i| f32::from_bits(0x3f80_0000 + i * 0x0001_2345)));
+        xs.truncate(xs.len() / 16 * 16);
+        let want: Vec<u32> = xs.iter().map(|&x| exp(x).to_bits()).collect();
+        let check = |out: Vec<f32>, path: &str| {
+            assert_eq!(out.len(), xs.len(), "{path}");
+            for ((&x, &w), o) in xs.iter().zip(&want).zip(out) {
+                assert_eq!(o.to_bits(), w, "{path}: exp({x:e}) = {o:e}, the scalar exp {:e}", f32::from_bits(w));
+            }
+        };
+        let mut out = Vec::new();
+        simd_vectors(ExpVectors { xs: &xs, out: &mut out });
+        check(out, "widest");
+        #[cfg(target_arch = "x86_64")]
+        if let Some(v3) = pulp::x86::V3::try_new() {
+            let mut out = Vec::new();
+            pulp::Simd::vectorize(v3, VectorDispatch(ExpVectors { xs: &xs, out: &mut out }));
+            check(out, "avx2");
+        }
+        let mut out = Vec::new();
+        pulp::Simd::vectorize(pulp::Scalar::new(), VectorDispatch(ExpVectors { xs: &xs, out: &mut out }));
+        check(out, "scalar");
+    }
+
     #[test]
     fn lane_sums_add_every_element_once() {
         for n in [0, 1, 15, 16, 17, 33, 64, 100] {
@@ -1144,6 +1296,48 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.contains("a bias of shape [39] for rows of 40"), "{e}");
+    }
+
+    #[test]
+    fn the_residual_and_bias_in_one_pass_are_candles_add_and_broadcast_add_bit_for_bit() {
+        let dev = Device::Cpu;
+        let bits = |t: &Tensor| -> Vec<u32> {
+            t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect()
+        };
+        let randn = |shape: &[usize]| {
+            let mut v: Vec<f32> =
+                Tensor::randn(0f32, 1.0, shape, &dev).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+            for x in v.iter_mut().step_by(5) {
+                *x = -0.0;
+            }
+            Var::from_tensor(&Tensor::from_vec(v, shape, &dev).unwrap()).unwrap()
+        };
+        for shape in [vec![1, 1], vec![5, 7], vec![33, 48], vec![300, 17], vec![3, 4, 17]] {
+            let d = *shape.last().unwrap();
+            let (x, y, b, r) = (randn(&shape), randn(&shape), randn(&[d]), randn(&shape));
+            let fused = residual_bias(x.as_tensor(), y.as_tensor(), b.as_tensor()).unwrap();
+            let composed = (x.as_tensor() + y.as_tensor().broadcast_add(b.as_tensor()).unwrap()).unwrap();
+            assert_eq!(bits(&fused), bits(&composed), "{shape:?} forward");
+            let ga = (fused * r.as_tensor()).unwrap().sum_all().unwrap().backward().unwrap();
+            let gb = (composed * r.as_tensor()).unwrap().sum_all().unwrap().backward().unwrap();
+            for v in [&x, &y, &b] {
+                let (a, c) = (ga.get(v.as_tensor()).unwrap(), gb.get(v.as_tensor()).unwrap());
+                assert_eq!(a.shape(), c.shape(), "{shape:?}");
+                assert_eq!(bits(a), bits(c), "{shape:?} gradient");
+            }
+        }
+        // 16-bit types take the composed operations.
+        let (x, y) =
+            (Tensor::ones((2, 3), DType::BF16, &dev).unwrap(), Tensor::ones((2, 3), DType::BF16, &dev).unwrap());
+        let b = Tensor::new(&[1f32, 2.0, 3.0], &dev).unwrap().to_dtype(DType::BF16).unwrap();
+        let out = residual_bias(&x, &y, &b).unwrap();
+        assert_eq!(out.dtype(), DType::BF16);
+        assert_eq!(out.to_dtype(DType::F32).unwrap().to_vec2::<f32>().unwrap(), [[3f32, 4.0, 5.0], [3.0, 4.0, 5.0]]);
+        let z = |s: &[usize]| Tensor::zeros(s, DType::F32, &dev).unwrap();
+        let e = residual_bias(&z(&[2, 40]), &z(&[2, 40]), &z(&[39])).unwrap_err().to_string();
+        assert!(e.contains("a bias of shape [39] for rows of 40"), "{e}");
+        let e = residual_bias(&z(&[2, 40]), &z(&[3, 40]), &z(&[40])).unwrap_err().to_string();
+        assert!(e.contains("strata-residual-bias: shapes [2, 40] and [3, 40] differ"), "{e}");
     }
 
     /// The causal softmax kernel, at this CPU's widest vectors and at pulp's scalar level,

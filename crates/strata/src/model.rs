@@ -127,6 +127,17 @@ impl Dense {
             None => Ok(y),
         }
     }
+
+    /// `residual + (x W + b)`: a residual connection around the layer, the bias and the
+    /// residual added in one pass ([`crate::fused::residual_bias`]), with the same bits as
+    /// `residual + self.forward(x)`.
+    pub fn forward_residual(&self, x: &Tensor, residual: &Tensor) -> candle_core::Result<Tensor> {
+        let y = x.matmul(&cast_like(&self.weight, x)?)?;
+        match &self.bias {
+            Some(b) => crate::fused::residual_bias(residual, &y, &cast_like(b, x)?),
+            None => residual + y,
+        }
+    }
 }
 
 /// A multi-layer perceptron of [`Dense`] layers with ReLU between them.

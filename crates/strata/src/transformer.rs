@@ -156,9 +156,9 @@ impl Block {
         let qkv = Tensor::cat(&[&scaled, &qkv.narrow(1, w, 2 * w)?], 1)?;
         let qkv = h.matmul(&qkv)?.reshape((n, t, 3 * w))?;
         let y = crate::fused::causal_attention_packed(&qkv, heads)?.reshape((n * t, w))?;
-        let x = (x + self.proj.forward(&y)?)?;
+        let x = self.proj.forward_residual(&y, x)?;
         let h = self.fc.forward_gelu(&self.ln2.forward(&x)?)?;
-        x + self.out.forward(&h)?
+        self.out.forward_residual(&h, &x)
     }
 }
 

@@ -30,7 +30,7 @@ use std::ops::Range;
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp3, Layout, Result, Shape, Storage, Tensor};
 
-use super::{exp, f32_only, fusable, LANES};
+use super::{f32_only, fusable, LANES};
 
 /// Rows of a tile.
 const R: usize = 4;
@@ -269,70 +269,148 @@ fn finish(fast: bool, d: Dims, ex: &mut [f32], h: usize, buf: &[f32]) {
     }
 }
 
-/// Whether lane `l` of the block of [`LANES`] positions from `i0` sees position `j`.
+/// The block of [`LANES`] positions from `i0` as `N = LANES / lanes` vectors of `S` (a
+/// constant, so that the sums of a block stay in registers: indexed by a count known only at
+/// run time, they were kept in memory and each addition waited on a store), and which of its
+/// lanes see a position `j` (`j <= i0 + l` for lane `l`).
+#[derive(Clone, Copy)]
+struct Lanes<S: pulp::Simd, const N: usize> {
+    simd: S,
+    /// Each vector's lane numbers from the block's start, as f32.
+    number: [S::f32s; N],
+}
+
+impl<S: pulp::Simd, const N: usize> Lanes<S, N> {
+    #[inline(always)]
+    fn new(simd: S) -> Self {
+        let all: [f32; LANES] = std::array::from_fn(|l| l as f32);
+        Self { simd, number: std::array::from_fn(|v| super::load::<S>(&all[v * Self::LANES_OF_S..])) }
+    }
+
+    const LANES_OF_S: usize = std::mem::size_of::<S::f32s>() / 4;
+
+    /// Vector `v` of the block at `at` of `x`.
+    #[inline(always)]
+    fn load(&self, x: &[f32], at: usize, v: usize) -> S::f32s {
+        super::load::<S>(&x[at + v * Self::LANES_OF_S..])
+    }
+
+    /// Stores `x` as vector `v` of the block at `at` of `out`.
+    #[inline(always)]
+    fn store(&self, out: &mut [f32], at: usize, v: usize, x: S::f32s) {
+        let lanes = Self::LANES_OF_S;
+        out[at + v * lanes..][..lanes].copy_from_slice(pulp::bytemuck::cast_slice(std::slice::from_ref(&x)));
+    }
+
+    /// `x` in the lanes of vector `v` that see position `j` of the block from `i0`, `other`
+    /// elsewhere (every lane sees `j <= i0`).
+    #[inline(always)]
+    fn seen(&self, (j, i0): (usize, usize), v: usize, x: S::f32s, other: f32) -> S::f32s {
+        if j <= i0 {
+            return x;
+        }
+        let sees = self.simd.greater_than_or_equal_f32s(self.number[v], self.simd.splat_f32s((j - i0) as f32));
+        self.simd.select_f32s(sees, x, self.simd.splat_f32s(other))
+    }
+}
+
+/// A loop over blocks of [`LANES`] positions, given them as `N` vectors of `S`.
+trait BlockKernel {
+    fn run<S: pulp::Simd, const N: usize>(self, b: Lanes<S, N>);
+}
+
+/// Runs `k` with [`LANES`] as a constant count of vectors of `S` (1 of AVX-512, 2 of AVX2, 4
+/// of 128 bits, 16 scalars).
 #[inline(always)]
-fn sees(j: usize, i0: usize, l: usize) -> bool {
-    j <= i0 + l
+fn blocks<S: pulp::Simd>(simd: S, k: impl BlockKernel) {
+    match LANES / (std::mem::size_of::<S::f32s>() / 4) {
+        1 => k.run(Lanes::<S, 1>::new(simd)),
+        2 => k.run(Lanes::<S, 2>::new(simd)),
+        4 => k.run(Lanes::<S, 4>::new(simd)),
+        n => {
+            assert_eq!(n, LANES, "vectors of more than {LANES} f32 lanes");
+            k.run(Lanes::<S, LANES>::new(simd))
+        }
+    }
 }
 
 /// The transposed probabilities `pt` from the transposed scores `st` (both `(tp, tp)`): for
 /// each block of [`LANES`] positions `i` (a column of each, one lane each), the softmax over
 /// `j <= i` down the column, the entries `j > i` 0. Written for `j` below the block's end (and
 /// `t`); the columns are independent, so every operation is a whole vector's: the maximum, the
-/// exps, their sum in the order of `j`, its reciprocal, the products by it.
-#[inline(always)]
-fn softmax_columns(d: Dims, st: &[f32], pt: &mut [f32]) {
-    let (t, tp) = (d.t, d.tp);
-    for i0 in (0..t).step_by(LANES) {
-        let jend = (i0 + LANES).min(t);
-        let mut max = [f32::NEG_INFINITY; LANES];
-        for j in 0..jend {
-            let row: &[f32; LANES] = st[j * tp + i0..][..LANES].try_into().expect("a block lies in the row");
-            for (l, (m, &v)) in max.iter_mut().zip(row).enumerate() {
-                let v = if sees(j, i0, l) { v } else { f32::NEG_INFINITY };
-                *m = if v > *m { v } else { *m };
+/// exps, their sum in the order of `j`, its reciprocal, the products by it. In explicit vectors
+/// (written on arrays with a branch a lane, the loops compiled to scalar code).
+struct SoftmaxColumns<'a> {
+    d: Dims,
+    st: &'a [f32],
+    pt: &'a mut [f32],
+}
+
+impl BlockKernel for SoftmaxColumns<'_> {
+    #[inline(always)]
+    fn run<S: pulp::Simd, const N: usize>(self, b: Lanes<S, N>) {
+        let (Self { d, st, pt }, simd) = (self, b.simd);
+        let (t, tp) = (d.t, d.tp);
+        for i0 in (0..t).step_by(LANES) {
+            let jend = (i0 + LANES).min(t);
+            let mut max = [simd.splat_f32s(f32::NEG_INFINITY); N];
+            for j in 0..jend {
+                for (v, m) in max.iter_mut().enumerate() {
+                    let x = b.seen((j, i0), v, b.load(st, j * tp + i0, v), f32::NEG_INFINITY);
+                    *m = simd.select_f32s(simd.greater_than_f32s(x, *m), x, *m);
+                }
             }
-        }
-        let mut sum = [0f32; LANES];
-        for j in 0..jend {
-            let row: &[f32; LANES] = st[j * tp + i0..][..LANES].try_into().expect("a block lies in the row");
-            let out = &mut pt[j * tp + i0..][..LANES];
-            for (l, (((o, s), &m), &v)) in out.iter_mut().zip(sum.iter_mut()).zip(&max).zip(row).enumerate() {
-                let e = exp(v - m);
-                *o = if sees(j, i0, l) { e } else { 0.0 };
-                *s += *o;
+            let mut sum = [simd.splat_f32s(0.0); N];
+            for j in 0..jend {
+                for (v, (s, &m)) in sum.iter_mut().zip(&max).enumerate() {
+                    let e = super::exp_vector(simd, simd.sub_f32s(b.load(st, j * tp + i0, v), m));
+                    let e = b.seen((j, i0), v, e, 0.0);
+                    *s = simd.add_f32s(*s, e);
+                    b.store(pt, j * tp + i0, v, e);
+                }
             }
-        }
-        // One division a position, then products (a division a probability cost more than
-        // the exps).
-        let inv = sum.map(|s| 1.0 / s);
-        for j in 0..jend {
-            for (o, &r) in pt[j * tp + i0..][..LANES].iter_mut().zip(&inv) {
-                *o *= r;
+            // One division a position, then products (a division a probability cost more
+            // than the exps).
+            let inv = sum.map(|s| simd.div_f32s(simd.splat_f32s(1.0), s));
+            for j in 0..jend {
+                for (v, &r) in inv.iter().enumerate() {
+                    let p = simd.mul_f32s(b.load(pt, j * tp + i0, v), r);
+                    b.store(pt, j * tp + i0, v, p);
+                }
             }
         }
     }
 }
 
 /// The transposed gradient of the scores `dS^T = P^T (dP^T - dot)`, `dot` each column's sum of
-/// `P^T dP^T` in the order of `j`, the entries `j > i` 0 (as [`softmax_columns`] writes them).
-#[inline(always)]
-fn softmax_columns_grad(d: Dims, pt: &[f32], dpt: &[f32], dst: &mut [f32]) {
-    let (t, tp) = (d.t, d.tp);
-    for i0 in (0..t).step_by(LANES) {
-        let jend = (i0 + LANES).min(t);
-        let mut dot = [0f32; LANES];
-        for j in 0..jend {
-            let (p, g) = (&pt[j * tp + i0..][..LANES], &dpt[j * tp + i0..][..LANES]);
-            for (l, ((s, &p), &g)) in dot.iter_mut().zip(p).zip(g).enumerate() {
-                *s += if sees(j, i0, l) { p * g } else { 0.0 };
+/// `P^T dP^T` in the order of `j`, the entries `j > i` 0 (as [`SoftmaxColumns`] writes them).
+struct SoftmaxColumnsGrad<'a> {
+    d: Dims,
+    pt: &'a [f32],
+    dpt: &'a [f32],
+    dst: &'a mut [f32],
+}
+
+impl BlockKernel for SoftmaxColumnsGrad<'_> {
+    #[inline(always)]
+    fn run<S: pulp::Simd, const N: usize>(self, b: Lanes<S, N>) {
+        let (Self { d, pt, dpt, dst }, simd) = (self, b.simd);
+        let (t, tp) = (d.t, d.tp);
+        for i0 in (0..t).step_by(LANES) {
+            let jend = (i0 + LANES).min(t);
+            let mut dot = [simd.splat_f32s(0.0); N];
+            for j in 0..jend {
+                for (v, s) in dot.iter_mut().enumerate() {
+                    let (p, g) = (b.load(pt, j * tp + i0, v), b.load(dpt, j * tp + i0, v));
+                    *s = simd.add_f32s(*s, b.seen((j, i0), v, simd.mul_f32s(p, g), 0.0));
+                }
             }
-        }
-        for j in 0..jend {
-            let (p, g) = (&pt[j * tp + i0..][..LANES], &dpt[j * tp + i0..][..LANES]);
-            let out = &mut dst[j * tp + i0..][..LANES];
-            for (l, (((o, &p), &g), &s)) in out.iter_mut().zip(p).zip(g).zip(&dot).enumerate() {
-                *o = if sees(j, i0, l) { p * (g - s) } else { 0.0 };
+            for j in 0..jend {
+                for (v, &s) in dot.iter().enumerate() {
+                    let (p, g) = (b.load(pt, j * tp + i0, v), b.load(dpt, j * tp + i0, v));
+                    let x = b.seen((j, i0), v, simd.mul_f32s(p, simd.sub_f32s(g, s)), 0.0);
+                    b.store(dst, j * tp + i0, v, x);
+                }
             }
         }
     }
@@ -340,12 +418,12 @@ fn softmax_columns_grad(d: Dims, pt: &[f32], dpt: &[f32], dst: &mut [f32]) {
 
 /// One head's transposed probabilities `pt` from its keys' rows and its queries' transpose
 /// `qt`: `S^T = K Q^T` for `i >= j` into `st` (tiles of `COLS` columns), then
-/// [`softmax_columns`].
+/// [`SoftmaxColumns`].
 #[inline(always)]
 fn probabilities<S: pulp::Simd, const V: usize>(simd: S, d: Dims, k: Rows, qt: &[f32], st: &mut [f32], pt: &mut [f32]) {
     let (qt, cols) = (Rows { data: qt, rs: d.tp }, tile_width::<S, V>());
     product::<S, V>(simd, Factor::rows(k, d.t - 1), qt, st, d.tp, d.t, |j0| d.upper(j0, cols), |_| 0..d.hd);
-    softmax_columns(d, st, pt);
+    blocks(simd, SoftmaxColumns { d, st, pt });
 }
 
 /// The forward pass: appends the `(n t, w)` rows of the attention's output to `out`.
@@ -463,7 +541,7 @@ impl TiledKernel for AttentionBwd<'_> {
                 let dyt = Rows { data: &hh.xt, rs: tp };
                 let upper = |j0: usize| d.upper(j0, cols);
                 product::<S, V>(simd, Factor::rows(v, t - 1), dyt, &mut hh.st, tp, t, upper, |_| 0..d.hd);
-                softmax_columns_grad(d, pt, &hh.st, &mut hh.dst);
+                blocks(simd, SoftmaxColumnsGrad { d, pt, dpt: &hh.st, dst: &mut hh.dst });
                 // dV = P^T dY, dQ = dS K, dK = dS^T Q: the terms where P is 0 skipped.
                 let (ptr, dsr) = (Rows { data: pt, rs: tp }, Rows { data: &hh.dst, rs: tp });
                 let (below, above) = (|i0: usize| 0..(i0 + R).min(t), |j0: usize| j0..t);
@@ -714,6 +792,7 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize) -> Res
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fused::exp;
     use candle_core::{DType, Device, Var};
 
     /// Random values in -2..2 (deterministic).
