@@ -27,8 +27,10 @@ use half::vec::HalfFloatVecExt;
 
 mod attention;
 mod conv;
+mod loss;
 pub use attention::{causal_attention, causal_attention_packed};
 pub use conv::{conv2d, max_pool2d, relu_max_pool2d};
+pub use loss::cross_entropy;
 
 /// A loop nest that [`simd`] compiles for the CPU's vector width.
 pub(crate) trait Kernel {

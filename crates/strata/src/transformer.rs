@@ -243,7 +243,7 @@ impl CharTransformer {
     /// (both u32 `(n, t)`), in nats per character.
     pub fn loss(&self, ids: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
         let logits = self.forward(ids)?;
-        candle_nn::loss::cross_entropy(&logits.flatten_to(1)?, &targets.flatten_all()?)
+        crate::fused::cross_entropy(&logits.flatten_to(1)?, &targets.flatten_all()?)
     }
 
     /// `count` tokens sampled after `prompt` (at least one token), each from the softmax of the

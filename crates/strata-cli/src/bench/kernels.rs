@@ -311,6 +311,22 @@ pub fn run(args: &BenchKernelsArgs) -> Result<()> {
         seconds,
         bound: Bound::Memory(f4(2 * tokens * 65)),
     });
+    // The transformer's loss, forward and backward: candle-nn's composed cross-entropy and
+    // Strata's fused one (each reads the logits twice and writes their gradient once).
+    let logits = Var::from_tensor(&logits)?;
+    let targets = Tensor::new((0..tokens as u32).map(|i| i * 7 % 65).collect::<Vec<_>>(), &Device::Cpu)?;
+    let loss_rows: [(&str, fn(&Tensor, &Tensor) -> candle_core::Result<Tensor>); 2] =
+        [("candle", candle_nn::loss::cross_entropy), (code_names().1, strata::fused::cross_entropy)];
+    for (code, loss) in loss_rows {
+        let seconds = time(args, || done(loss(logits.as_tensor(), &targets)?.backward()))?;
+        rows.push(Row {
+            kernel: "cross-entropy f+b",
+            shape: format!("loss: {tokens}x65"),
+            code,
+            seconds,
+            bound: Bound::Memory(f4(3 * tokens * 65)),
+        });
+    }
 
     // The optimizer over the large MLP's 4,349,962 parameters.
     let shapes: [&[usize]; 6] = [&[2048, 64], &[2048], &[2048, 2048], &[2048], &[10, 2048], &[10]];
