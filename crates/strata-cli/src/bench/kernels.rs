@@ -315,7 +315,8 @@ pub fn run(args: &BenchKernelsArgs) -> Result<()> {
     // Strata's fused one (each reads the logits twice and writes their gradient once).
     let logits = Var::from_tensor(&logits)?;
     let targets = Tensor::new((0..tokens as u32).map(|i| i * 7 % 65).collect::<Vec<_>>(), &Device::Cpu)?;
-    let loss_rows: [(&str, fn(&Tensor, &Tensor) -> candle_core::Result<Tensor>); 2] =
+    type Loss = fn(&Tensor, &Tensor) -> candle_core::Result<Tensor>;
+    let loss_rows: [(&str, Loss); 2] =
         [("candle", candle_nn::loss::cross_entropy), (code_names().1, strata::fused::cross_entropy)];
     for (code, loss) in loss_rows {
         let seconds = time(args, || done(loss(logits.as_tensor(), &targets)?.backward()))?;
