@@ -446,14 +446,13 @@ impl VectorKernel for LayerNormFwd<'_> {
     fn run<S: pulp::Simd>(self, simd: S) {
         let d = self.w.len().max(1);
         let (w, b) = (&self.w[..d], &self.b[..d]);
-        // Rows written in place into the output zeroed once (a row's append through a stack
-        // block zeroed the block for every row).
-        self.y.resize(self.x.len() / d * d, 0.0);
-        for (xr, yr) in self.x.chunks_exact(d).zip(self.y.chunks_exact_mut(d)) {
+        // Each row appended from an iterator of exactly its length: written once, with no
+        // zeroing pass before it (zeroing the whole output first was as long a pass as the
+        // rows' own writes) and no stack block to copy.
+        self.y.reserve(self.x.len() / d * d);
+        for xr in self.x.chunks_exact(d) {
             let (mean, rstd) = row_stats(simd, xr, self.eps);
-            for (((y, &v), &w), &b) in yr.iter_mut().zip(xr).zip(w).zip(b) {
-                *y = (v - mean) * rstd * w + b;
-            }
+            self.y.extend(xr.iter().zip(w).zip(b).map(|((&v, &w), &b)| (v - mean) * rstd * w + b));
         }
     }
 }
@@ -472,11 +471,12 @@ impl VectorKernel for LayerNormBwd<'_> {
     fn run<S: pulp::Simd>(self, simd: S) {
         let (w, d) = (self.w, self.w.len().max(1));
         let rows = self.x.len() / d;
-        self.out.resize((rows + 2) * d, 0.0);
-        let (dx, sums) = self.out.split_at_mut(rows * d);
-        let (dw, db) = sums.split_at_mut(d);
+        // The rows of `dx` appended as [`LayerNormFwd`] appends its rows; the sums for the
+        // weight and the bias in their own rows, appended last.
+        self.out.reserve((rows + 2) * d);
+        let (mut dw, mut db) = (vec![0f32; d], vec![0f32; d]);
         let (mut xhat, mut gw) = (vec![0f32; d], vec![0f32; d]);
-        for ((xr, gr), dxr) in self.x.chunks_exact(d).zip(self.g.chunks_exact(d)).zip(dx.chunks_exact_mut(d)) {
+        for (xr, gr) in self.x.chunks_exact(d).zip(self.g.chunks_exact(d)) {
             let (mean, rstd) = row_stats(simd, xr, self.eps);
             for (h, &v) in xhat.iter_mut().zip(xr) {
                 *h = (v - mean) * rstd;
@@ -487,14 +487,15 @@ impl VectorKernel for LayerNormBwd<'_> {
             let mean_gw = vector_lane_sum2(simd, &gw, &gw, |x, _| x, |x, _| x) / d as f32;
             let mean_gw_xhat =
                 vector_lane_sum2(simd, &gw, &xhat, |gw, h| simd.mul_f32s(gw, h), |gw, h| gw * h) / d as f32;
-            for (((((dx, dw), db), &g), &w), &h) in
-                dxr.iter_mut().zip(dw.iter_mut()).zip(db.iter_mut()).zip(gr).zip(w).zip(&xhat)
-            {
-                *dx = rstd * (g * w - mean_gw - h * mean_gw_xhat);
+            self.out
+                .extend(gr.iter().zip(w).zip(&xhat).map(|((&g, &w), &h)| rstd * (g * w - mean_gw - h * mean_gw_xhat)));
+            for (((dw, db), &g), &h) in dw.iter_mut().zip(db.iter_mut()).zip(gr).zip(&xhat) {
                 *dw += g * h;
                 *db += g;
             }
         }
+        self.out.extend_from_slice(&dw);
+        self.out.extend_from_slice(&db);
     }
 }
 

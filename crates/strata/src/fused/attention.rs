@@ -83,7 +83,7 @@ fn tile<'b, S: pulp::Simd, const V: usize>(
 ) {
     let lanes = std::mem::size_of::<S::f32s>() / 4;
     let mut acc = [[simd.splat_f32s(0.0); V]; R];
-    for (av, br) in a.zip(b) {
+    for (br, av) in b.zip(a) {
         let br = &br[..V * lanes];
         let bv: [S::f32s; V] = std::array::from_fn(|v| super::load::<S>(&br[v * lanes..]));
         for (acc, &av) in acc.iter_mut().zip(&av) {
@@ -163,6 +163,12 @@ impl Dims {
         j0 / cols * cols..self.t
     }
 
+    /// Example `b`'s rows of `x` (rows of `rs`, `w` columns used), from its first row's start
+    /// to its last row's `w`-th column; in the projections' packed rows, most of all three's.
+    fn example<'a>(&self, x: &'a [f32], b: usize, rs: usize) -> &'a [f32] {
+        &x[b * self.t * rs..][..(self.t - 1) * rs + self.w()]
+    }
+
     /// Where head `h` of example `b` starts in `n t` rows of `rs`.
     fn base(&self, b: usize, h: usize, rs: usize) -> usize {
         b * self.t * rs + h * self.hd
@@ -205,6 +211,33 @@ fn copy(dst: &mut [f32], src: &[f32]) {
     }
     for (d, &s) in dc.into_remainder().iter_mut().zip(sc.remainder()) {
         *d = s;
+    }
+}
+
+/// Reads one vector from each cache line of `x` (16 f32 of 64 bytes), into four independent
+/// maxima, so that the loads have no chain between them and many lines are in flight at once.
+/// The heads of an example read its rows column by column (each head 2 lines of each row, and
+/// its probabilities a column block at a time), and read that way every line was a miss waited
+/// on in the middle of a product; warmed first, they are in the core's L2.
+#[inline(always)]
+fn warm<S: pulp::Simd>(simd: S, x: &[f32]) {
+    let lanes = std::mem::size_of::<S::f32s>() / 4;
+    let mut m = [simd.splat_f32s(0.0); 4];
+    for (i, chunk) in x.chunks_exact(16.max(lanes)).enumerate() {
+        m[i % 4] = simd.max_f32s(m[i % 4], super::load::<S>(chunk));
+    }
+    std::hint::black_box(m);
+}
+
+/// Warms part `h` of `parts` of each of `spans` (see [`warm`]): the next example's rows, a part
+/// beside each head of the current one, so that its misses overlap the current one's products
+/// rather than stall a loop of loads.
+#[inline(always)]
+fn warm_part<S: pulp::Simd>(simd: S, spans: &[&[f32]], h: usize, parts: usize) {
+    for x in spans {
+        let part = x.len().div_ceil(parts).next_multiple_of(LANES);
+        let (start, end) = ((h * part).min(x.len()), ((h + 1) * part).min(x.len()));
+        warm(simd, &x[start..end]);
     }
 }
 
@@ -493,8 +526,19 @@ impl TiledKernel for AttentionFwd<'_> {
         let [kb, vb, yb, ..] = &mut hh.rows;
         // One example's rows, R spare, appended to the output once all its heads are in.
         let mut ex = vec![0f32; (t + R) * d.w()];
+        let (q, k, v) = (self.q, self.k, self.v);
+        let spans = |b: usize| -> [&[f32]; 3] {
+            if b < d.n {
+                [q, k, v].map(|x| d.example(x, b, d.rs))
+            } else {
+                [&[]; 3]
+            }
+        };
+        warm_part(simd, &spans(0), 0, 1);
         for b in 0..d.n {
+            let next = spans(b + 1);
             for h in 0..d.heads {
+                warm_part(simd, &next, h, d.heads);
                 let at = (d.base(b, h, d.rs), d.rs);
                 transpose(d, self.q, at, &mut hh.xt);
                 let (k, v) = (source(fast, d, self.k, at, kb), source(fast, d, self.v, at, vb));
@@ -523,8 +567,21 @@ impl TiledKernel for AttentionBwd<'_> {
         let [qb, kb, vb, gb, xb] = &mut hh.rows;
         let ex = || vec![0f32; (t + R) * d.w()];
         let (mut exq, mut exk, mut exv) = (ex(), ex(), ex());
+        let (q, k, v, g, probs) = (self.q, self.k, self.v, self.g, self.probs);
+        let spans = |b: usize| -> [&[f32]; 5] {
+            if b < d.n {
+                let per = d.heads * tp * tp;
+                let p = probs.map_or(&[][..], |p| &p[b * per..][..per]);
+                [d.example(q, b, d.rs), d.example(k, b, d.rs), d.example(v, b, d.rs), d.example(g, b, d.w()), p]
+            } else {
+                [&[]; 5]
+            }
+        };
+        warm_part(simd, &spans(0), 0, 1);
         for b in 0..d.n {
+            let next = spans(b + 1);
             for h in 0..d.heads {
+                warm_part(simd, &next, h, d.heads);
                 let (at, at_g) = ((d.base(b, h, d.rs), d.rs), (d.base(b, h, d.w()), d.w()));
                 let (q, k) = (source(fast, d, self.q, at, qb), source(fast, d, self.k, at, kb));
                 let (v, dy) = (source(fast, d, self.v, at, vb), source(fast, d, self.g, at_g, gb));
