@@ -83,6 +83,10 @@ fn tile<'b, S: pulp::Simd, const V: usize>(
 ) {
     let lanes = std::mem::size_of::<S::f32s>() / 4;
     let mut acc = [[simd.splat_f32s(0.0); V]; R];
+    // `b` first: its row's bounds check ends a basic block, and with `a`'s loads before it the
+    // broadcasts, in the next block, could not take their loads along (each was a scalar load
+    // and a register broadcast, which takes a slot of the FMA pipes); after it, each broadcast
+    // is one load from memory.
     for (br, av) in b.zip(a) {
         let br = &br[..V * lanes];
         let bv: [S::f32s; V] = std::array::from_fn(|v| super::load::<S>(&br[v * lanes..]));
