@@ -439,6 +439,8 @@ struct LayerNormFwd<'a> {
     b: &'a [f32],
     eps: f32,
     y: &'a mut Vec<f32>,
+    /// Each row's mean and `1 / sqrt(var + eps)`, appended for the backward pass.
+    stats: &'a mut Vec<f32>,
 }
 
 impl VectorKernel for LayerNormFwd<'_> {
@@ -452,6 +454,7 @@ impl VectorKernel for LayerNormFwd<'_> {
         self.y.reserve(self.x.len() / d * d);
         for xr in self.x.chunks_exact(d) {
             let (mean, rstd) = row_stats(simd, xr, self.eps);
+            self.stats.extend([mean, rstd]);
             self.y.extend(xr.iter().zip(w).zip(b).map(|((&v, &w), &b)| (v - mean) * rstd * w + b));
         }
     }
@@ -463,6 +466,10 @@ struct LayerNormBwd<'a> {
     w: &'a [f32],
     g: &'a [f32],
     eps: f32,
+    /// The forward pass' [`LayerNormFwd::stats`], if kept (the same bits as computing them
+    /// again, which the rows otherwise do: two sums, a square root and a division a row, each
+    /// waiting on the one before).
+    stats: Option<&'a [f32]>,
     out: &'a mut Vec<f32>,
 }
 
@@ -476,8 +483,12 @@ impl VectorKernel for LayerNormBwd<'_> {
         self.out.reserve((rows + 2) * d);
         let (mut dw, mut db) = (vec![0f32; d], vec![0f32; d]);
         let (mut xhat, mut gw) = (vec![0f32; d], vec![0f32; d]);
-        for (xr, gr) in self.x.chunks_exact(d).zip(self.g.chunks_exact(d)) {
-            let (mean, rstd) = row_stats(simd, xr, self.eps);
+        let stats = self.stats.filter(|s| s.len() == 2 * rows);
+        for (r, (xr, gr)) in self.x.chunks_exact(d).zip(self.g.chunks_exact(d)).enumerate() {
+            let (mean, rstd) = match stats {
+                Some(s) => (s[2 * r], s[2 * r + 1]),
+                None => row_stats(simd, xr, self.eps),
+            };
             for (h, &v) in xhat.iter_mut().zip(xr) {
                 *h = (v - mean) * rstd;
             }
@@ -561,10 +572,10 @@ const GELU_A: f32 = 0.044_715;
 /// quarter of a transformer step here. Horner's steps are fused multiply-adds, as in [`exp`].
 #[inline(always)]
 fn tanh(x: f32) -> f32 {
+    // No branch for small `x` (Eigen returns `x` below 0.0004): there `p / q` is 1 within
+    // 1e-7, and the branch was three more vector operations in a loop the divider and the
+    // multiply-adds' latency already bound.
     let x = x.clamp(-7.905_311, 7.905_311);
-    if x.abs() < 0.0004 {
-        return x;
-    }
     let x2 = x * x;
     let p = x2.mul_add(-2.760_768_5e-16, 2.000_188e-13);
     let p = x2.mul_add(p, -8.604_672e-11);
@@ -896,6 +907,8 @@ pub fn softmax_composed(x: &Tensor) -> Result<Tensor> {
 /// Layer norm over the last axis: `(x - mean) / sqrt(var + eps) * weight + bias`.
 struct LayerNormOp {
     eps: f32,
+    /// The forward pass' rows' statistics ([`LayerNormFwd::stats`]), for the backward pass.
+    stats: std::sync::OnceLock<Vec<f32>>,
 }
 
 /// A row of `d` elements: its mean and `1 / sqrt(var + eps)`, each sum [`lane_sum`]'s.
@@ -940,7 +953,10 @@ impl CustomOp3 for LayerNormOp {
         vector_of(l3, d, "layer_norm", "bias")?;
         let (w, b) = (f32s(s2, l2, self.name())?, f32s(s3, l3, self.name())?);
         let mut out = Vec::with_capacity(x.len());
-        simd_vectors(LayerNormFwd { x: &x, w: &w, b: &b, eps: self.eps, y: &mut out });
+        let mut stats = Vec::with_capacity(2 * (x.len() / d));
+        simd_vectors(LayerNormFwd { x: &x, w: &w, b: &b, eps: self.eps, y: &mut out, stats: &mut stats });
+        // A second forward pass of the same operation (none in candle) would keep the first's.
+        let _ = self.stats.set(stats);
         Ok((stored(s1, out), l1.shape().clone()))
     }
 
@@ -954,18 +970,21 @@ impl CustomOp3 for LayerNormOp {
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let d = w.elem_count();
         let rows = x.elem_count() / d.max(1);
-        let packed = x.apply_op3_no_bwd(w, &grad.contiguous()?, &LayerNormGrad { eps: self.eps })?;
+        let grad_op = LayerNormGrad { eps: self.eps, stats: self.stats.get().map(Vec::as_slice) };
+        let packed = x.apply_op3_no_bwd(w, &grad.contiguous()?, &grad_op)?;
         let dx = packed.narrow(0, 0, rows)?.reshape(x.shape())?;
         Ok((Some(dx), Some(packed.get(rows)?), Some(packed.get(rows + 1)?)))
     }
 }
 
 /// `(x, weight, g)` -> `(rows + 2, d)`: the rows of `dx`, then `dweight`, then `dbias`.
-struct LayerNormGrad {
+struct LayerNormGrad<'a> {
     eps: f32,
+    /// [`LayerNormOp::stats`].
+    stats: Option<&'a [f32]>,
 }
 
-impl CustomOp3 for LayerNormGrad {
+impl CustomOp3 for LayerNormGrad<'_> {
     fn name(&self) -> &'static str {
         "strata-layer-norm-grad"
     }
@@ -984,7 +1003,7 @@ impl CustomOp3 for LayerNormGrad {
         let d = w.len().max(1);
         let rows = x.len() / d;
         let mut out = Vec::with_capacity((rows + 2) * d);
-        simd_vectors(LayerNormBwd { x: &x, w: &w, g: &g, eps: self.eps, out: &mut out });
+        simd_vectors(LayerNormBwd { x: &x, w: &w, g: &g, eps: self.eps, stats: self.stats, out: &mut out });
         Ok((stored(s1, out), Shape::from((rows + 2, d))))
     }
 }
@@ -994,7 +1013,11 @@ impl CustomOp3 for LayerNormGrad {
 /// operations) elsewhere.
 pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
     if fusable16(&[x, weight, bias]) {
-        x.contiguous()?.apply_op3(&weight.contiguous()?, &bias.contiguous()?, LayerNormOp { eps: eps as f32 })
+        x.contiguous()?.apply_op3(
+            &weight.contiguous()?,
+            &bias.contiguous()?,
+            LayerNormOp { eps: eps as f32, stats: Default::default() },
+        )
     } else {
         candle_nn::ops::layer_norm_slow(x, weight, bias, eps as f32)
     }
@@ -1209,8 +1232,30 @@ mod tests {
                 let n = x.len() / d * d;
                 let (x, g) = (&x[..n], &g[..n]);
                 let (w, b) = (r(d), r(d));
-                run(&|o, wide| go_vectors(LayerNormFwd { x, w: &w, b: &b, eps: 1e-5, y: o }, wide, avx2));
-                run(&|o, wide| go_vectors(LayerNormBwd { x, w: &w, g, eps: 1e-5, out: o }, wide, avx2));
+                let fwd = |o: &mut Vec<f32>, stats: &mut Vec<f32>, wide| {
+                    go_vectors(LayerNormFwd { x, w: &w, b: &b, eps: 1e-5, y: o, stats }, wide, avx2)
+                };
+                run(&|o, wide| fwd(o, &mut Vec::new(), wide));
+                // The rows' statistics the forward pass keeps: the same bits at every width,
+                // and the backward pass given them the same bits as computing them again.
+                let stats = |wide| {
+                    let mut s = Vec::new();
+                    fwd(&mut Vec::new(), &mut s, wide);
+                    s
+                };
+                let kept = stats(true);
+                assert_eq!(kept.len(), 2 * (n / d));
+                assert!(kept.iter().zip(&stats(false)).all(|(a, b)| a.to_bits() == b.to_bits()));
+                for stats in [None, Some(&kept[..])] {
+                    run(&|o, wide| go_vectors(LayerNormBwd { x, w: &w, g, eps: 1e-5, stats, out: o }, wide, avx2));
+                }
+                let bwd = |stats| {
+                    let mut o = Vec::new();
+                    go_vectors(LayerNormBwd { x, w: &w, g, eps: 1e-5, stats, out: &mut o }, true, avx2);
+                    o
+                };
+                let (again, given) = (bwd(None), bwd(Some(&kept[..])));
+                assert!(again.iter().zip(&given).all(|(a, b)| a.to_bits() == b.to_bits()));
             }
         }
         run(&|o, wide| go(CausalSoftmaxFwd { x: &sq, t, y: o }, wide));

@@ -173,6 +173,17 @@ impl Dims {
         &x[b * self.t * rs..][..(self.t - 1) * rs + self.w()]
     }
 
+    /// The memory example `b`'s queries, keys and values occupy: one span of its whole rows
+    /// where they are the thirds of one projection's rows (`rs = 3 w`, `q` the rows
+    /// themselves), else each one's [`Dims::example`].
+    fn examples<'a>(&self, [q, k, v]: [&'a [f32]; 3], b: usize) -> [&'a [f32]; 3] {
+        if self.rs == 3 * self.w() {
+            [&q[b * self.t * self.rs..][..self.t * self.rs], &[], &[]]
+        } else {
+            [q, k, v].map(|x| self.example(x, b, self.rs))
+        }
+    }
+
     /// Where head `h` of example `b` starts in `n t` rows of `rs`.
     fn base(&self, b: usize, h: usize, rs: usize) -> usize {
         b * self.t * rs + h * self.hd
@@ -225,10 +236,20 @@ fn copy(dst: &mut [f32], src: &[f32]) {
 /// on in the middle of a product; warmed first, they are in the core's L2.
 #[inline(always)]
 fn warm<S: pulp::Simd>(simd: S, x: &[f32]) {
-    let lanes = std::mem::size_of::<S::f32s>() / 4;
+    let step = 16.max(std::mem::size_of::<S::f32s>() / 4);
+    // Four maxima in four variables (an array indexed by the line's number was kept on the
+    // stack, each maximum a store and a load).
     let mut m = [simd.splat_f32s(0.0); 4];
-    for (i, chunk) in x.chunks_exact(16.max(lanes)).enumerate() {
-        m[i % 4] = simd.max_f32s(m[i % 4], super::load::<S>(chunk));
+    let mut lines = x.chunks_exact(4 * step);
+    for c in &mut lines {
+        let [m0, m1, m2, m3] = &mut m;
+        *m0 = simd.max_f32s(*m0, super::load::<S>(c));
+        *m1 = simd.max_f32s(*m1, super::load::<S>(&c[step..]));
+        *m2 = simd.max_f32s(*m2, super::load::<S>(&c[2 * step..]));
+        *m3 = simd.max_f32s(*m3, super::load::<S>(&c[3 * step..]));
+    }
+    for c in lines.remainder().chunks_exact(step) {
+        m[0] = simd.max_f32s(m[0], super::load::<S>(c));
     }
     std::hint::black_box(m);
 }
@@ -533,7 +554,7 @@ impl TiledKernel for AttentionFwd<'_> {
         let (q, k, v) = (self.q, self.k, self.v);
         let spans = |b: usize| -> [&[f32]; 3] {
             if b < d.n {
-                [q, k, v].map(|x| d.example(x, b, d.rs))
+                d.examples([q, k, v], b)
             } else {
                 [&[]; 3]
             }
@@ -576,7 +597,8 @@ impl TiledKernel for AttentionBwd<'_> {
             if b < d.n {
                 let per = d.heads * tp * tp;
                 let p = probs.map_or(&[][..], |p| &p[b * per..][..per]);
-                [d.example(q, b, d.rs), d.example(k, b, d.rs), d.example(v, b, d.rs), d.example(g, b, d.w()), p]
+                let [q, k, v] = d.examples([q, k, v], b);
+                [q, k, v, d.example(g, b, d.w()), p]
             } else {
                 [&[]; 5]
             }
