@@ -907,7 +907,9 @@ pub fn softmax_composed(x: &Tensor) -> Result<Tensor> {
 /// Layer norm over the last axis: `(x - mean) / sqrt(var + eps) * weight + bias`.
 struct LayerNormOp {
     eps: f32,
-    /// The forward pass' rows' statistics ([`LayerNormFwd::stats`]), for the backward pass.
+    /// The forward pass' rows' statistics ([`LayerNormFwd::stats`]), for the backward pass: 8
+    /// bytes a row, held by the operation (as the attention's probabilities are), so
+    /// [`strata_core::Footprint`] does not count them.
     stats: std::sync::OnceLock<Vec<f32>>,
 }
 
