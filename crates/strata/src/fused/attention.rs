@@ -303,26 +303,32 @@ fn transpose(d: Dims, x: &[f32], (base, rs): (usize, usize), xt: &mut [f32]) {
     }
 }
 
-/// Where a result of `(t, hd)` for head `h` of an example is computed, and the stride of its
-/// rows: the example's `(t + R, w)` rows `ex` themselves where the tiles' columns divide the
-/// head's (`fast`; a last, partial group of rows spills into the `R` spare rows), else `buf`,
-/// which [`finish`] copies into `ex`. (Not a function taking the product as a closure: a
-/// closure need not be inlined into the vectorized code, and this one was not.)
+/// Where a result of `(t, hd)` is computed, and the stride of its rows: the example's rows `ex`
+/// themselves (from `at`, rows `rs` apart, `R` spare rows after the last) where the tiles'
+/// columns divide the head's (`fast`; a last, partial group of rows spills into the spare
+/// rows), else `buf`, which [`finish`] copies into `ex`. (Not a function taking the product as
+/// a closure: a closure need not be inlined into the vectorized code, and this one was not.)
 #[inline(always)]
-fn target<'a>(fast: bool, d: Dims, ex: &'a mut [f32], h: usize, buf: &'a mut [f32]) -> (&'a mut [f32], usize) {
+fn target<'a>(
+    fast: bool,
+    d: Dims,
+    ex: &'a mut [f32],
+    (at, rs): (usize, usize),
+    buf: &'a mut [f32],
+) -> (&'a mut [f32], usize) {
     if fast {
-        (&mut ex[h * d.hd..], d.w())
+        (&mut ex[at..], rs)
     } else {
         (buf, d.hdp)
     }
 }
 
-/// Copies a result computed in `buf` (see [`target`]) into `ex`.
+/// Copies a result computed in `buf` (see [`target`]) into `ex` at `at`, rows `rs` apart.
 #[inline(always)]
-fn finish(fast: bool, d: Dims, ex: &mut [f32], h: usize, buf: &[f32]) {
+fn finish(fast: bool, d: Dims, ex: &mut [f32], (at, rs): (usize, usize), buf: &[f32]) {
     if !fast {
         for i in 0..d.t {
-            copy(&mut ex[h * d.hd + i * d.w()..][..d.hd], &buf[i * d.hdp..][..d.hd]);
+            copy(&mut ex[at + i * rs..][..d.hd], &buf[i * d.hdp..][..d.hd]);
         }
     }
 }
@@ -573,9 +579,10 @@ impl TiledKernel for AttentionFwd<'_> {
                 }
                 // Y = P V: P read from its transpose, the terms j > i (0) skipped.
                 let p = Factor::transposed(Rows { data: &hh.pt, rs: tp });
-                let (y, rs) = target(fast, d, &mut ex, h, yb);
+                let at = (h * d.hd, d.w());
+                let (y, rs) = target(fast, d, &mut ex, at, yb);
                 product::<S, V>(simd, p, v, y, rs, t, |_| 0..d.hd, |i0| 0..(i0 + R).min(t));
-                finish(fast, d, &mut ex, h, yb);
+                finish(fast, d, &mut ex, at, yb);
             }
             self.out.extend_from_slice(&ex[..t * d.w()]);
         }
@@ -590,8 +597,10 @@ impl TiledKernel for AttentionBwd<'_> {
         let fast = d.hd.is_multiple_of(cols);
         let mut hh = Head::new(d);
         let [qb, kb, vb, gb, xb] = &mut hh.rows;
-        let ex = || vec![0f32; (t + R) * d.w()];
-        let (mut exq, mut exk, mut exv) = (ex(), ex(), ex());
+        // One example's rows of the three gradients, each row the query's, key's and value's
+        // gradient rows one after another (the packed projection's layout), R spare.
+        let w3 = 3 * d.w();
+        let mut ex = vec![0f32; (t + R) * w3];
         let (q, k, v, g, probs) = (self.q, self.k, self.v, self.g, self.probs);
         let spans = |b: usize| -> [&[f32]; 5] {
             if b < d.n {
@@ -628,17 +637,18 @@ impl TiledKernel for AttentionBwd<'_> {
                 // dV = P^T dY, dQ = dS K, dK = dS^T Q: the terms where P is 0 skipped.
                 let (ptr, dsr) = (Rows { data: pt, rs: tp }, Rows { data: &hh.dst, rs: tp });
                 let (below, above) = (|i0: usize| 0..(i0 + R).min(t), |j0: usize| j0..t);
-                let (c, rs) = target(fast, d, &mut exv, h, xb);
+                let part = |p: usize| (p * d.w() + h * d.hd, w3);
+                let (c, rs) = target(fast, d, &mut ex, part(2), xb);
                 product::<S, V>(simd, Factor::rows(ptr, tp - 1), dy, c, rs, t, |_| 0..d.hd, above);
-                finish(fast, d, &mut exv, h, xb);
-                let (c, rs) = target(fast, d, &mut exq, h, xb);
+                finish(fast, d, &mut ex, part(2), xb);
+                let (c, rs) = target(fast, d, &mut ex, part(0), xb);
                 product::<S, V>(simd, Factor::transposed(dsr), k, c, rs, t, |_| 0..d.hd, below);
-                finish(fast, d, &mut exq, h, xb);
-                let (c, rs) = target(fast, d, &mut exk, h, xb);
+                finish(fast, d, &mut ex, part(0), xb);
+                let (c, rs) = target(fast, d, &mut ex, part(1), xb);
                 product::<S, V>(simd, Factor::rows(dsr, tp - 1), q, c, rs, t, |_| 0..d.hd, above);
-                finish(fast, d, &mut exk, h, xb);
+                finish(fast, d, &mut ex, part(1), xb);
             }
-            self.grads.append(d, [&exq, &exk, &exv]);
+            self.grads.append(d, &ex);
         }
     }
 }
@@ -651,23 +661,21 @@ pub(super) enum Grads<'a> {
 }
 
 impl Grads<'_> {
-    /// Appends one example's `t` rows of each gradient, from `(t + R, w)` rows.
+    /// Appends one example's `t` rows of each gradient, from `(t + R, 3 w)` rows each the
+    /// query's, key's and value's gradient rows one after another: as they are where the
+    /// gradient is one tensor (one copy an example), row by row into the three otherwise.
     #[inline(always)]
-    fn append(&mut self, d: Dims, ex: [&[f32]; 3]) {
+    fn append(&mut self, d: Dims, ex: &[f32]) {
         let (t, w) = (d.t, d.w());
         match self {
             Self::Apart(outs) => {
-                for (out, ex) in outs.iter_mut().zip(ex) {
-                    out.extend_from_slice(&ex[..t * w]);
-                }
-            }
-            Self::Packed(out) => {
-                for i in 0..t {
-                    for ex in ex {
-                        out.extend_from_slice(&ex[i * w..][..w]);
+                for row in ex[..t * 3 * w].chunks_exact(3 * w) {
+                    for (out, part) in outs.iter_mut().zip(row.chunks_exact(w)) {
+                        out.extend_from_slice(part);
                     }
                 }
             }
+            Self::Packed(out) => out.extend_from_slice(&ex[..t * 3 * w]),
         }
     }
 }
