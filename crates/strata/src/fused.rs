@@ -58,37 +58,23 @@ pub(crate) fn simd(k: impl Kernel) {
     pulp::Arch::new().dispatch(Dispatch(k))
 }
 
-/// Elements a kernel computes into a stack block before appending them to its output: the
-/// output is written once, with no zeroing pass over it first (safe Rust cannot fill a `Vec`'s
-/// spare capacity in place). A row that `Vec::extend` can append from a plain `map` over
-/// slices is appended that way instead (it vectorizes, and saves the block's copy); one whose
-/// iterator also writes elsewhere (a bias gradient's sums) did not vectorize.
+/// Elements a kernel computes into a stack block before appending them to its output, where
+/// its loop also writes elsewhere (a bias gradient's sums): appended from such an iterator with
+/// `Vec::extend`, the rows did not vectorize. A plain `map` over slices is appended with
+/// `Vec::extend` (it vectorizes): the output written once, with no zeroing pass over it first
+/// (safe Rust cannot fill a `Vec`'s spare capacity in place) and no block to copy.
 const BLOCK: usize = 256;
 
-/// Appends `f(x)` for each element of `x` to `out`, a [`BLOCK`] at a time.
+/// Appends `f(x)` for each element of `x` to `out`.
 #[inline(always)]
 fn append1(out: &mut Vec<f32>, x: &[f32], f: impl Fn(f32) -> f32) {
-    let mut block = [0f32; BLOCK];
-    for xc in x.chunks(BLOCK) {
-        let b = &mut block[..xc.len()];
-        for (b, &x) in b.iter_mut().zip(xc) {
-            *b = f(x);
-        }
-        out.extend_from_slice(b);
-    }
+    out.extend(x.iter().map(|&x| f(x)));
 }
 
 /// Appends `f(x, y)` for each pair of elements of `x` and `y` (of `x`'s length) to `out`.
 #[inline(always)]
 fn append2(out: &mut Vec<f32>, x: &[f32], y: &[f32], f: impl Fn(f32, f32) -> f32) {
-    let mut block = [0f32; BLOCK];
-    for (xc, yc) in x.chunks(BLOCK).zip(y.chunks(BLOCK)) {
-        let b = &mut block[..xc.len()];
-        for ((b, &x), &y) in b.iter_mut().zip(xc).zip(yc) {
-            *b = f(x, y);
-        }
-        out.extend_from_slice(b);
-    }
+    out.extend(x.iter().zip(y).map(|(&x, &y)| f(x, y)));
 }
 
 /// Lanes of the row sums: 16 f32 are one AVX-512 register.
@@ -322,7 +308,7 @@ impl<G: Fn(f32, f32) -> f32> Kernel for BiasActBwd<'_, G> {
         let (b, d, grad) = (self.b, self.b.len().max(1), self.grad);
         let mut db = vec![0f32; d];
         // Through a stack block ([`BLOCK`]): appended from an iterator that also adds into
-        // `db`, the rows did not vectorize and took 30 times as long.
+        // `db`, the rows took 30 times as long.
         let mut block = [0f32; BLOCK];
         for (hr, gr) in self.h.chunks_exact(d).zip(self.g.chunks_exact(d)) {
             let chunks = hr.chunks(BLOCK).zip(gr.chunks(BLOCK)).zip(b.chunks(BLOCK)).zip(db.chunks_mut(BLOCK));
