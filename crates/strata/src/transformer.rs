@@ -151,10 +151,14 @@ impl Block {
         // queries; the fused attention reads each head's columns of the three thirds in place,
         // and its backward pass gives the one `(n t, 3 width)` gradient
         // (`fused::causal_attention_packed`).
+        // The scaling is one product by a `(3 width)` vector of columns' factors (1 for the
+        // keys' and values'): a narrow, a scaling of its strided view and a concatenation took
+        // three passes each way, the backward pass' narrow padding its gradient with zeros.
         let qkv = cast_like(self.qkv.weight(), &h)?;
-        let scaled = (qkv.narrow(1, 0, w)? * (1.0 / (hd as f64).sqrt()))?;
-        let qkv = Tensor::cat(&[&scaled, &qkv.narrow(1, w, 2 * w)?], 1)?;
-        let qkv = h.matmul(&qkv)?.reshape((n, t, 3 * w))?;
+        let scale = (1.0 / (hd as f64).sqrt()) as f32;
+        let columns: Vec<f32> = (0..3 * w).map(|c| if c < w { scale } else { 1.0 }).collect();
+        let columns = cast_like(&Tensor::from_vec(columns, 3 * w, h.device())?, &h)?;
+        let qkv = h.matmul(&qkv.broadcast_mul(&columns)?)?.reshape((n, t, 3 * w))?;
         let y = crate::fused::causal_attention_packed(&qkv, heads)?.reshape((n * t, w))?;
         let x = self.proj.forward_residual(&y, x)?;
         let h = self.fc.forward_gelu(&self.ln2.forward(&x)?)?;

@@ -398,12 +398,29 @@ fn blocks<S: pulp::Simd>(simd: S, k: impl BlockKernel) {
     }
 }
 
+/// Blocks of [`LANES`] positions that the softmax kernels take together: each block's maximum
+/// and sum is a chain down its column (each step waits on the one before), and the chains of
+/// [`GROUP`] blocks interleave, where one block at a time left the vector units waiting on
+/// each chain's latency.
+const GROUP: usize = 4;
+
+/// The blocks from `g0` ([`GROUP`] of them, fewer at the end): each one's first position `i0`
+/// and `jend`, the end of its rows `j <= i` (and `t`).
+#[inline(always)]
+fn group(t: usize, g0: usize) -> [(usize, usize); GROUP] {
+    std::array::from_fn(|q| {
+        let i0 = g0 + q * LANES;
+        (i0, if i0 < t { (i0 + LANES).min(t) } else { 0 })
+    })
+}
+
 /// The transposed probabilities `pt` from the transposed scores `st` (both `(tp, tp)`): for
 /// each block of [`LANES`] positions `i` (a column of each, one lane each), the softmax over
 /// `j <= i` down the column, the entries `j > i` 0. Written for `j` below the block's end (and
 /// `t`); the columns are independent, so every operation is a whole vector's: the maximum, the
 /// exps, their sum in the order of `j`, its reciprocal, the products by it. In explicit vectors
-/// (written on arrays with a branch a lane, the loops compiled to scalar code).
+/// (written on arrays with a branch a lane, the loops compiled to scalar code), [`GROUP`]
+/// blocks at a time (each lane's operations in the same order as one block at a time).
 struct SoftmaxColumns<'a> {
     d: Dims,
     st: &'a [f32],
@@ -415,31 +432,42 @@ impl BlockKernel for SoftmaxColumns<'_> {
     fn run<S: pulp::Simd, const N: usize>(self, b: Lanes<S, N>) {
         let (Self { d, st, pt }, simd) = (self, b.simd);
         let (t, tp) = (d.t, d.tp);
-        for i0 in (0..t).step_by(LANES) {
-            let jend = (i0 + LANES).min(t);
-            let mut max = [simd.splat_f32s(f32::NEG_INFINITY); N];
-            for j in 0..jend {
-                for (v, m) in max.iter_mut().enumerate() {
-                    let x = b.seen((j, i0), v, b.load(st, j * tp + i0, v), f32::NEG_INFINITY);
-                    *m = simd.select_f32s(simd.greater_than_f32s(x, *m), x, *m);
+        for g0 in (0..t).step_by(GROUP * LANES) {
+            let blocks = group(t, g0);
+            let last = blocks.iter().map(|&(_, e)| e).max().unwrap_or(0);
+            let mut max = [[simd.splat_f32s(f32::NEG_INFINITY); N]; GROUP];
+            for j in 0..last {
+                for (max, &(i0, jend)) in max.iter_mut().zip(&blocks) {
+                    if j < jend {
+                        for (v, m) in max.iter_mut().enumerate() {
+                            let x = b.seen((j, i0), v, b.load(st, j * tp + i0, v), f32::NEG_INFINITY);
+                            *m = simd.select_f32s(simd.greater_than_f32s(x, *m), x, *m);
+                        }
+                    }
                 }
             }
-            let mut sum = [simd.splat_f32s(0.0); N];
-            for j in 0..jend {
-                for (v, (s, &m)) in sum.iter_mut().zip(&max).enumerate() {
-                    let e = super::exp_vector(simd, simd.sub_f32s(b.load(st, j * tp + i0, v), m));
-                    let e = b.seen((j, i0), v, e, 0.0);
-                    *s = simd.add_f32s(*s, e);
-                    b.store(pt, j * tp + i0, v, e);
+            let mut sum = [[simd.splat_f32s(0.0); N]; GROUP];
+            for j in 0..last {
+                for ((sum, max), &(i0, jend)) in sum.iter_mut().zip(&max).zip(&blocks) {
+                    if j < jend {
+                        for (v, (s, &m)) in sum.iter_mut().zip(max).enumerate() {
+                            let e = super::exp_vector(simd, simd.sub_f32s(b.load(st, j * tp + i0, v), m));
+                            let e = b.seen((j, i0), v, e, 0.0);
+                            *s = simd.add_f32s(*s, e);
+                            b.store(pt, j * tp + i0, v, e);
+                        }
+                    }
                 }
             }
             // One division a position, then products (a division a probability cost more
             // than the exps).
-            let inv = sum.map(|s| simd.div_f32s(simd.splat_f32s(1.0), s));
-            for j in 0..jend {
-                for (v, &r) in inv.iter().enumerate() {
-                    let p = simd.mul_f32s(b.load(pt, j * tp + i0, v), r);
-                    b.store(pt, j * tp + i0, v, p);
+            for (sum, &(i0, jend)) in sum.iter().zip(&blocks) {
+                let inv = sum.map(|s| simd.div_f32s(simd.splat_f32s(1.0), s));
+                for j in 0..jend {
+                    for (v, &r) in inv.iter().enumerate() {
+                        let p = simd.mul_f32s(b.load(pt, j * tp + i0, v), r);
+                        b.store(pt, j * tp + i0, v, p);
+                    }
                 }
             }
         }
@@ -460,20 +488,27 @@ impl BlockKernel for SoftmaxColumnsGrad<'_> {
     fn run<S: pulp::Simd, const N: usize>(self, b: Lanes<S, N>) {
         let (Self { d, pt, dpt, dst }, simd) = (self, b.simd);
         let (t, tp) = (d.t, d.tp);
-        for i0 in (0..t).step_by(LANES) {
-            let jend = (i0 + LANES).min(t);
-            let mut dot = [simd.splat_f32s(0.0); N];
-            for j in 0..jend {
-                for (v, s) in dot.iter_mut().enumerate() {
-                    let (p, g) = (b.load(pt, j * tp + i0, v), b.load(dpt, j * tp + i0, v));
-                    *s = simd.add_f32s(*s, b.seen((j, i0), v, simd.mul_f32s(p, g), 0.0));
+        for g0 in (0..t).step_by(GROUP * LANES) {
+            let blocks = group(t, g0);
+            let last = blocks.iter().map(|&(_, e)| e).max().unwrap_or(0);
+            let mut dots = [[simd.splat_f32s(0.0); N]; GROUP];
+            for j in 0..last {
+                for (dot, &(i0, jend)) in dots.iter_mut().zip(&blocks) {
+                    if j < jend {
+                        for (v, s) in dot.iter_mut().enumerate() {
+                            let (p, g) = (b.load(pt, j * tp + i0, v), b.load(dpt, j * tp + i0, v));
+                            *s = simd.add_f32s(*s, b.seen((j, i0), v, simd.mul_f32s(p, g), 0.0));
+                        }
+                    }
                 }
             }
-            for j in 0..jend {
-                for (v, &s) in dot.iter().enumerate() {
-                    let (p, g) = (b.load(pt, j * tp + i0, v), b.load(dpt, j * tp + i0, v));
-                    let x = b.seen((j, i0), v, simd.mul_f32s(p, simd.sub_f32s(g, s)), 0.0);
-                    b.store(dst, j * tp + i0, v, x);
+            for (dot, &(i0, jend)) in dots.iter().zip(&blocks) {
+                for j in 0..jend {
+                    for (v, &s) in dot.iter().enumerate() {
+                        let (p, g) = (b.load(pt, j * tp + i0, v), b.load(dpt, j * tp + i0, v));
+                        let x = b.seen((j, i0), v, simd.mul_f32s(p, simd.sub_f32s(g, s)), 0.0);
+                        b.store(dst, j * tp + i0, v, x);
+                    }
                 }
             }
         }
