@@ -926,4 +926,94 @@ fn bf16_adds_round_as_half_does() {
         let same = want.to_bits() == sum[i].to_bits() || (want.is_nan() && sum[i].is_nan());
         assert!(same, "element {i}: {} + {} gave {:#06x}, not {:#06x}", wa[i], wb[i], sum[i].to_bits(), want.to_bits());
     }
+    // The rows of a sum over them (item 14's loop for bf16): each sum rounded, in order.
+    let rows = 2;
+    let stacked: Vec<f32> = a.iter().chain(&b).copied().collect();
+    let stacked = Tensor::from_slice(&stacked, (rows, n), &Device::Cpu).unwrap().to_dtype(DType::BF16).unwrap();
+    let sums = stacked.sum_keepdim(0).unwrap().flatten_all().unwrap().to_vec1::<bf16>().unwrap();
+    for (i, got) in sums.iter().enumerate() {
+        let want = bf16::from_f32(bf16::from_f32(0.0 + wa[i]).to_f32() + wb[i]);
+        let same = want.to_bits() == got.to_bits() || (want.is_nan() && got.is_nan());
+        assert!(same, "sum over rows, column {i}: {:#06x}, not {:#06x}", got.to_bits(), want.to_bits());
+    }
+}
+
+/// Patch item 14: candle's f16 additions, with a tensor, with one value per row (the scalar
+/// loop) and down the rows of a sum over them, are bit for bit `half`'s `f16::from_f32(a + b)`:
+/// ties, overflow to infinity,
+/// subnormals (which f16 keeps and f32's rounding to them must get right), infinities and NaN,
+/// in rows longer than a vector and with a tail. And its dot product (a direct convolution's
+/// rows) agrees with f32's within f16's rounding.
+#[test]
+fn f16_adds_round_as_half_does() {
+    use half::f16;
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(14);
+    let special = [
+        0.0f32,
+        -0.0,
+        1.0,
+        f32::from_bits(0x3F80_1000), // 1 + 2^-11: a tie between two f16 values, even below
+        f32::from_bits(0x3F80_3000), // 1 + 3 * 2^-11: a tie, odd below: rounds up
+        65_520.0,                    // rounds to infinity
+        5.96e-8,                     // about f16's smallest subnormal
+        3.0e-5,                      // a subnormal of f16
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+    ];
+    // Values mostly in f16's range (its exponents and subnormals), some beyond it.
+    let mut value = |i: usize| -> f32 {
+        if i < special.len() {
+            return special[i];
+        }
+        let sign = if rng.random::<bool>() { -1.0 } else { 1.0 };
+        sign * 2f32.powf(rng.random_range(-26.0..17.0)) * rng.random_range(1.0..2.0)
+    };
+    let (rows, cols) = (3, 1_003);
+    let a: Vec<f32> = (0..rows * cols).map(&mut value).collect();
+    let b: Vec<f32> = (0..rows * cols).map(|i| if i % 5 == 0 { 0.0 } else { value(i + 100) }).collect();
+    let per_row: Vec<f32> = (0..rows).map(|i| value(i + 20)).collect();
+    let to = |v: &[f32], shape: (usize, usize)| {
+        Tensor::from_slice(v, shape, &Device::Cpu).unwrap().to_dtype(DType::F16).unwrap()
+    };
+    let widen = |v: &[f32]| v.iter().map(|&x| f16::from_f32(x).to_f32()).collect::<Vec<f32>>();
+    let (wa, wb, wr) = (widen(&a), widen(&b), widen(&per_row));
+    let check = |got: Vec<f16>, other: &dyn Fn(usize) -> f32, what: &str| {
+        for (i, g) in got.iter().enumerate() {
+            let want = f16::from_f32(wa[i] + other(i));
+            let same = want.to_bits() == g.to_bits() || (want.is_nan() && g.is_nan());
+            assert!(
+                same,
+                "{what}, element {i}: {} + {} gave {:#06x}, not {:#06x}",
+                wa[i],
+                other(i),
+                g.to_bits(),
+                want.to_bits()
+            );
+        }
+    };
+    let sum = (to(&a, (rows, cols)) + to(&b, (rows, cols))).unwrap();
+    check(sum.flatten_all().unwrap().to_vec1::<f16>().unwrap(), &|i| wb[i], "tensor + tensor");
+    let sum = to(&a, (rows, cols)).broadcast_add(&to(&per_row, (rows, 1))).unwrap();
+    check(sum.flatten_all().unwrap().to_vec1::<f16>().unwrap(), &|i| wr[i / cols], "tensor + a value per row");
+    // A sum over the rows (a bias's gradient) adds whole rows in order, each sum rounded.
+    let sums = to(&a, (rows, cols)).sum_keepdim(0).unwrap().flatten_all().unwrap().to_vec1::<f16>().unwrap();
+    for (c, got) in sums.iter().enumerate() {
+        let want = (0..rows).fold(f16::ZERO, |acc, r| f16::from_f32(acc.to_f32() + wa[r * cols + c]));
+        let same = want.to_bits() == got.to_bits() || (want.is_nan() && got.is_nan());
+        assert!(same, "sum over rows, column {c}: {:#06x}, not {:#06x}", got.to_bits(), want.to_bits());
+    }
+
+    // A direct convolution sums each output over 40 input channels (a vector loop and a tail).
+    let x = Tensor::randn(0f32, 1.0, (1, 40, 6, 6), &Device::Cpu).unwrap();
+    let w = Tensor::randn(0f32, 0.2, (3, 40, 3, 3), &Device::Cpu).unwrap();
+    let half_x = x.to_dtype(DType::F16).unwrap();
+    let half_w = w.to_dtype(DType::F16).unwrap();
+    let got = half_x.conv2d(&half_w, 1, 1, 1, 1).unwrap().to_dtype(DType::F32).unwrap();
+    let exact = half_x.to_dtype(DType::F32).unwrap().conv2d(&half_w.to_dtype(DType::F32).unwrap(), 1, 1, 1, 1).unwrap();
+    let worst =
+        (got - &exact).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
+    let scale = exact.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
+    assert!(worst <= scale * 2e-3, "f16 convolution {worst} from f32's (largest output {scale})");
 }

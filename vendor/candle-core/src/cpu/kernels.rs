@@ -11,6 +11,15 @@ pub trait VecOps: num_traits::NumAssign + Copy {
             .for_each(|((&a, &b), y)| *y = a + b)
     }
 
+    /// STRATA PATCH: `dst[i] += src[i]` for each element of both (the rows of a sum over
+    /// leading dimensions); f16 and bf16 take their vector loops.
+    #[inline(always)]
+    fn vec_add_assign(dst: &mut [Self], src: &[Self]) {
+        for (d, &s) in dst.iter_mut().zip(src) {
+            *d += s;
+        }
+    }
+
     fn vec_mul(lhs: &[Self], rhs: &[Self], res: &mut [Self]) {
         lhs.iter()
             .zip(rhs)
@@ -140,6 +149,15 @@ impl VecOps for half::f16 {
         unsafe { super::vec_scalar_add_f16(scalar, xs.as_ptr(), ys.as_mut_ptr(), xs.len()) }
     }
 
+    // STRATA PATCH: the vector loop of `vec_add`, its output over its first input (each element
+    // read before it is written, one pointer for both).
+    #[inline(always)]
+    fn vec_add_assign(dst: &mut [Self], src: &[Self]) {
+        let n = dst.len().min(src.len());
+        let d = dst.as_mut_ptr();
+        unsafe { super::vec_add_f16(d, src.as_ptr(), d, n) }
+    }
+
     #[inline(always)]
     unsafe fn vec_dot(lhs: *const Self, rhs: *const Self, res: *mut Self, len: usize) {
         let mut res_f32 = 0f32;
@@ -186,6 +204,15 @@ impl VecOps for half::bf16 {
     #[inline(always)]
     fn vec_add(lhs: &[Self], rhs: &[Self], res: &mut [Self]) {
         unsafe { super::vec_add_bf16(lhs.as_ptr(), rhs.as_ptr(), res.as_mut_ptr(), lhs.len()) }
+    }
+
+    // STRATA PATCH: as f16's, through the vector loop of `vec_add` (item 13's rounding, which is
+    // `half`'s).
+    #[inline(always)]
+    fn vec_add_assign(dst: &mut [Self], src: &[Self]) {
+        let n = dst.len().min(src.len());
+        let d = dst.as_mut_ptr();
+        unsafe { super::vec_add_bf16(d, src.as_ptr(), d, n) }
     }
 
     fn vec_mul(lhs: &[Self], rhs: &[Self], res: &mut [Self]) {

@@ -347,15 +347,15 @@ impl ReduceSum<'_> {
                 // STRATA PATCH: reducing over the first dimensions (a bias's gradient: the sum
                 // over a batch's rows) adds whole rows into the destination, in the same order
                 // as the general loop below (so the same bits), without its per-element index
-                // arithmetic, which cost 5% of a transformer's training step.
+                // arithmetic, which cost 5% of a transformer's training step. f16 and bf16 rows are
+                // added by the vector loops of their additions (`VecOps::vec_add_assign`): the
+                // same bits.
                 let reduce_over_first_dims = self.reduce_dims.iter().enumerate().all(|(i, &v)| v == i);
                 if reduce_over_first_dims {
                     let inner = dst.len();
                     if inner > 0 {
                         for row in src.chunks_exact(inner) {
-                            for (d, &s) in dst.iter_mut().zip(row) {
-                                *d += s;
-                            }
+                            T::vec_add_assign(&mut dst, row);
                         }
                     }
                     return Ok(dst);
