@@ -940,10 +940,9 @@ fn bf16_adds_round_as_half_does() {
 
 /// Patch item 14: candle's f16 additions, with a tensor, with one value per row (the scalar
 /// loop) and down the rows of a sum over them, are bit for bit `half`'s `f16::from_f32(a + b)`:
-/// ties, overflow to infinity,
-/// subnormals (which f16 keeps and f32's rounding to them must get right), infinities and NaN,
-/// in rows longer than a vector and with a tail. And its dot product (a direct convolution's
-/// rows) agrees with f32's within f16's rounding.
+/// ties, overflow to infinity, subnormals (which f16 keeps and f32's rounding to them must get
+/// right), infinities and NaN, in rows longer than a vector and with a tail. And its dot product
+/// (a direct convolution's rows) agrees with f32's within f16's rounding.
 #[test]
 fn f16_adds_round_as_half_does() {
     use half::f16;
