@@ -78,11 +78,6 @@ fn check(args: &TrainArgs) -> Result<()> {
             args.backup_workers
         ));
     }
-    if args.checkpoint_dir.is_some() {
-        return refuse(
-            "--checkpoint-dir: a hybrid job does not checkpoint yet (its table is on the ps tasks, its dense layers on the workers); drop it, or use --ps-mode async or sync".into(),
-        );
-    }
     if args.min_workers.is_some() {
         return refuse("--min-workers: a hybrid job is not elastic; drop it".into());
     }
@@ -151,7 +146,8 @@ fn start_local(args: &TrainArgs) -> Result<(ClusterConfig, ClusterToken, LocalCl
         token = token.with_tls(tls);
     }
     let delays = args.step_delays()?;
-    let local = LocalCluster::start(args, &spec, &text, &delays, true)?;
+    let resume = ps::ps_resume(args, args.ps_tasks)?;
+    let local = LocalCluster::start(args, &spec, &text, &delays, true, resume)?;
     Ok((ClusterConfig::new(spec, TaskId::worker(0))?, token, local))
 }
 

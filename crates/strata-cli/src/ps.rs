@@ -59,6 +59,10 @@ pub struct PsArgs {
     /// --task-index and --ps-tasks).
     #[arg(long)]
     pub restore: Option<PathBuf>,
+    /// The step of --restore to restore (default: the latest; for a whole job's checkpoints,
+    /// the latest every ps task has).
+    #[arg(long, value_name = "STEP", requires = "restore")]
+    pub restore_step: Option<u64>,
     /// This job's number of ps tasks, when --address is given without `TF_CONFIG`: what a
     /// --restore of a whole job's checkpoints needs (with --task-index).
     #[arg(long, value_name = "N")]
@@ -212,6 +216,7 @@ fn run_ps_in(args: &PsArgs, cluster: Option<ClusterConfig>) -> Result<()> {
     config.checkpoint_dir = args.checkpoint_dir.clone();
     config.keep_checkpoints = args.keep_checkpoints.max(1);
     config.restore = args.restore.clone();
+    config.restore_step = args.restore_step;
     config.job_place = job_place(args, cluster.as_ref(), index)?;
     config.faults = FaultInjection {
         drop_reply_every: args.inject_drop_reply_every,
@@ -405,6 +410,7 @@ impl LocalCluster {
         token: &str,
         delays: &StepDelays,
         hybrid: bool,
+        resume: Option<(PathBuf, Option<u64>)>,
     ) -> Result<Self> {
         let exe = std::env::current_exe().map_err(|e| Error::io("finding the strata executable", e))?;
         let children: Arc<Mutex<Vec<(TaskId, Child)>>> = Arc::new(Mutex::new(Vec::new()));
@@ -437,6 +443,12 @@ impl LocalCluster {
                     cmd.arg("ps");
                     if let Some(dir) = &checkpoint_dir {
                         cmd.arg("--checkpoint-dir").arg(dir.join(format!("ps-{}", task.index)));
+                    }
+                    if let Some((dir, step)) = &resume {
+                        cmd.arg("--restore").arg(dir);
+                        if let Some(step) = step {
+                            cmd.arg("--restore-step").arg(step.to_string());
+                        }
                     }
                 }
                 // The same command (with TF_CONFIG naming its task), which takes every flag.
@@ -631,6 +643,7 @@ pub(crate) fn serve_task(args: &TrainArgs, c: ClusterConfig) -> Result<()> {
     match c.task.kind {
         TaskType::Ps => {
             let checkpoint_dir = args.checkpoint_dir.as_ref().map(|d| d.join(format!("ps-{}", c.task.index)));
+            let resume = ps_resume(args, c.spec.num_tasks(TaskType::Ps))?;
             run_ps_in(
                 &PsArgs {
                     address: None,
@@ -638,7 +651,8 @@ pub(crate) fn serve_task(args: &TrainArgs, c: ClusterConfig) -> Result<()> {
                     bind: args.bind,
                     cluster_token_file: args.cluster_token_file.clone(),
                     checkpoint_dir,
-                    restore: None,
+                    restore: resume.as_ref().map(|(dir, _)| dir.clone()),
+                    restore_step: resume.and_then(|(_, step)| step),
                     ps_tasks: None,
                     keep_checkpoints: 3,
                     stream_min_mib: 2.0,
@@ -673,6 +687,46 @@ pub(crate) fn serve_task(args: &TrainArgs, c: ClusterConfig) -> Result<()> {
     }
 }
 
+/// Where a job's ps tasks resume from when `strata train` runs again with the same
+/// --checkpoint-dir (of a job of `ps_tasks` ps tasks): `None`, a fresh start, when no ps task has
+/// a checkpoint there; else the directory and the step, which for a hybrid job is the step of its
+/// dense layers' latest checkpoint (its ps tasks checkpoint a step before its chief does, so they
+/// have it; with none the job starts afresh), and for a parameter-server job the latest step
+/// every ps task has (`None`). Checkpoints of another number of ps tasks are refused: the new
+/// tasks' would lie beside them.
+pub(crate) fn ps_resume(args: &TrainArgs, ps_tasks: usize) -> Result<Option<(PathBuf, Option<u64>)>> {
+    let Some(dir) = &args.checkpoint_dir else { return Ok(None) };
+    let Some(old) = strata_transport::ps::job_checkpoint_tasks(dir)? else { return Ok(None) };
+    let steps = |root: &std::path::Path| -> Result<Vec<u64>> {
+        if !root.is_dir() {
+            return Ok(Vec::new());
+        }
+        Ok(strata::checkpoint::checkpoint_steps(root)?.into_iter().map(|(step, _)| step).collect())
+    };
+    let mut any = false;
+    for i in 0..old {
+        any |= !steps(&strata_transport::ps::job_task_dir(dir, i))?.is_empty();
+    }
+    if !any {
+        return Ok(None);
+    }
+    if old != ps_tasks {
+        return Err(Error::Usage(format!(
+            "--checkpoint-dir {} holds the checkpoints of {old} ps tasks, and this job has {ps_tasks}: resume with --ps-tasks {old}, or restore them onto {ps_tasks} with `strata ps --restore {}` into a new --checkpoint-dir",
+            dir.display(),
+            dir.display()
+        )));
+    }
+    if args.ps_mode != crate::train_args::PsModeKind::Hybrid {
+        return Ok(Some((dir.clone(), None)));
+    }
+    // The step the trainer resumes from: its latest checkpoint's.
+    let dense = dir.join(crate::train_args::HYBRID_DENSE_DIR);
+    let Some(latest) = strata::checkpoint::latest_checkpoint(&dense)? else { return Ok(None) };
+    let step = strata::checkpoint::checkpoint_steps(&dense)?.into_iter().find(|(_, p)| *p == latest).map(|(s, _)| s);
+    Ok(step.map(|step| (dir.clone(), Some(step))))
+}
+
 /// Refuses a local cluster of `--ps-tasks` and `--workers` (of a `job` job) without one of
 /// each, or over the processes one machine starts.
 pub(crate) fn check_local_sizes(args: &TrainArgs, job: &str) -> Result<()> {
@@ -705,7 +759,8 @@ fn start_local_cluster(args: &TrainArgs) -> Result<(ClusterSpec, LocalCluster, S
     let spec = launch::cluster_spec(&tasks, &addresses)?;
     let token = cluster_token::for_local_cluster();
     let delays = step_delays(args, args.workers)?;
-    let local = LocalCluster::start(args, &spec, &token, &delays, false)?;
+    let resume = ps_resume(args, args.ps_tasks)?;
+    let local = LocalCluster::start(args, &spec, &token, &delays, false, resume)?;
     Ok((spec, local, token))
 }
 

@@ -365,8 +365,8 @@ fn train_with(
             global_batch,
             seed: args.seed,
             progress: Some(Arc::new(strata_compare::progress::Bar::new(!args.no_progress && is_chief))),
-            checkpoint: args.checkpoint_dir.as_ref().map(|dir| strata::trainer::CheckpointConfig {
-                dir: dir.clone(),
+            checkpoint: args.trainer_checkpoint_dir().map(|dir| strata::trainer::CheckpointConfig {
+                dir,
                 every_steps: args.checkpoint_every.max(1),
                 keep: 3,
             }),
@@ -654,8 +654,6 @@ mod tests {
         };
         let e = hybrid(&["--model", "mlp"]);
         assert!(e.starts_with("--ps-mode hybrid trains --model ctr"), "{e}");
-        let e = hybrid(&["--model", "ctr", "--checkpoint-dir", "/tmp/x"]);
-        assert!(e.starts_with("--checkpoint-dir: a hybrid job does not checkpoint yet"), "{e}");
         let e = hybrid(&["--model", "ctr", "--max-restarts", "1"]);
         assert!(e.starts_with("--max-restarts 1: a hybrid job's dense layers are synchronous"), "{e}");
         let e = hybrid(&["--model", "ctr", "--backup-workers", "1"]);

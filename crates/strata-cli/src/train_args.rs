@@ -347,7 +347,9 @@ pub struct TrainArgs {
     /// Deadline of every collective, in seconds.
     #[arg(long, default_value_t = 60.0)]
     pub collective_timeout: f64,
-    /// Write checkpoints here (the chief does), and resume from the latest one found.
+    /// Write checkpoints here (the chief does), and resume from the latest one found. A
+    /// parameter-server job's ps tasks write theirs under `ps-<index>` (and a hybrid job's chief
+    /// its dense layers' under `dense`); run the same command again to resume from them.
     #[arg(long)]
     pub checkpoint_dir: Option<PathBuf>,
     /// Steps between checkpoints.
@@ -836,6 +838,21 @@ fn parse_compression(s: &str) -> std::result::Result<Compression, String> {
 }
 
 /// Refuses a `--checkpoint-dir` this process cannot write, naming it (exit code 2).
+impl TrainArgs {
+    /// Where the trainer's checkpoints go: --checkpoint-dir, or for a hybrid job (whose ps
+    /// tasks write theirs under `ps-<index>` of it) its `dense` directory.
+    pub(crate) fn trainer_checkpoint_dir(&self) -> Option<PathBuf> {
+        let dir = self.checkpoint_dir.as_ref()?;
+        Some(match (self.strategy, self.ps_mode) {
+            (StrategyKind::ParameterServer, PsModeKind::Hybrid) => dir.join(HYBRID_DENSE_DIR),
+            _ => dir.clone(),
+        })
+    }
+}
+
+/// The directory of a hybrid job's dense checkpoints under --checkpoint-dir.
+pub(crate) const HYBRID_DENSE_DIR: &str = "dense";
+
 pub(crate) fn checkpoint_dir_writable(dir: &std::path::Path) -> Result<()> {
     strata::checkpoint::check_writable(dir).map_err(|e| match e {
         strata_core::Error::Checkpoint(m) => Error::Usage(format!("--checkpoint-dir {m}")),

@@ -794,6 +794,19 @@ pub fn save_checkpoint<M>(
 ) -> Result<()> {
     model.sync_state()?;
     let gathered = if opt.gathers_state() { Some(opt.state_tensors()?) } else { None };
+    // Rows on ps tasks: checkpointed once every worker pushed its rows of the step, and before
+    // any pushes a later one.
+    if let Some(tables) = ext.options().tables.as_ref().filter(|t| t.checkpoints_elsewhere()) {
+        let workers = ext.workers();
+        if let Some(w) = workers {
+            w.barrier()?;
+        }
+        let saved = if is_chief(ext) { tables.checkpoint(step as u64) } else { Ok(()) };
+        if let Some(w) = workers {
+            w.barrier()?;
+        }
+        saved?;
+    }
     if !is_chief(ext) {
         return Ok(());
     }

@@ -272,6 +272,22 @@ pub trait TableStore: Send + Sync + std::fmt::Debug {
         Ok(Vec::new())
     }
 
+    /// Whether the rows live in other processes that checkpoint them on request
+    /// ([`checkpoint`](Self::checkpoint)): ps tasks. `false` by default.
+    fn checkpoints_elsewhere(&self) -> bool {
+        false
+    }
+
+    /// Has the processes that hold the rows checkpoint them as of step `step`; called by the
+    /// chief's [`save_checkpoint`](crate::elastic::save_checkpoint) between two barriers of every
+    /// worker (so that every worker's rows of the step, and none of a later one, are in it),
+    /// before the chief writes its own checkpoint of the step: a checkpoint of the dense part
+    /// never exists without the rows'. Nothing by default.
+    fn checkpoint(&self, step: u64) -> Result<()> {
+        let _ = step;
+        Ok(())
+    }
+
     /// Restores the rows [`state_tensors`](Self::state_tensors) gave, read back from a
     /// checkpoint (`tables/` removed), into the tables the model declared; checked whole first:
     /// on an error nothing changed. Nothing by default.

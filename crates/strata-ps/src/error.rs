@@ -931,6 +931,19 @@ pub enum Error {
         latest: Vec<u64>,
     },
 
+    /// A job's checkpoint asked for at a step that not every old ps task has a checkpoint of.
+    #[error("{}: ps-{task} has no checkpoint of step {step} (its latest: {}); restore a step every ps task checkpointed", dir.display(), latest.map_or_else(|| "none".to_string(), |s| s.to_string()))]
+    StepNotInJob {
+        /// The job's checkpoint directory.
+        dir: PathBuf,
+        /// The step asked for.
+        step: u64,
+        /// The first old task without it.
+        task: usize,
+        /// That task's latest step.
+        latest: Option<u64>,
+    },
+
     /// The old tasks of a job's checkpoint that disagree on what every task of a job shares.
     #[error("{}: ps-{task}'s checkpoint has another {field} than ps-0's; restore the checkpoints of one job", dir.display())]
     JobMismatch {
@@ -1097,6 +1110,7 @@ impl Error {
             | JobSize { .. }
             | JobTaskName { .. }
             | NoCommonStep { .. }
+            | StepNotInJob { .. }
             | JobMismatch { .. }
             | PoolRows { .. } => ErrorKind::Internal,
         }

@@ -129,7 +129,7 @@ pub use error::{Error, ErrorKind, RequestKind, Result};
 pub use limits::{MAX_CHUNK_BYTES, MAX_CHUNK_ELEMENTS, MAX_VARIABLE_ELEMENTS};
 pub use optimizer::{schedule_kind, ServerOptimizer};
 pub use pool::RestorePool;
-pub use restore::{job_checkpoint_tasks, job_task_dir, read_job_checkpoint, JobRestore};
+pub use restore::{job_checkpoint_tasks, job_task_dir, read_job_checkpoint, read_job_checkpoint_at, JobRestore};
 pub use row_optimizer::RowOptimizer;
 pub use shard::TableShard;
 pub use state::{

@@ -187,11 +187,31 @@ fn read_old_task(dir: &Path, index: usize, tasks: usize, step: u64) -> Result<Sn
 /// incomplete, have no step in common or disagree on the optimizer, the schedule or the mode.
 /// See the module's documentation for what the task gets.
 pub fn read_job_checkpoint(dir: &Path, shard: u32, num_shards: u32) -> Result<JobRestore> {
+    read_job_checkpoint_at(dir, shard, num_shards, None)
+}
+
+/// [`read_job_checkpoint`] of step `step` (every old task must have it; refused naming the
+/// first that has not), or of the latest step every old task has (`None`): a job whose other
+/// part checkpoints elsewhere (a hybrid job's dense layers, on its workers) restores its ps
+/// tasks at the step of that part's latest checkpoint.
+pub fn read_job_checkpoint_at(dir: &Path, shard: u32, num_shards: u32, step: Option<u64>) -> Result<JobRestore> {
     if num_shards == 0 || num_shards > MAX_TABLE_SHARDS || shard >= num_shards {
         return Err(Error::JobPlace { shard, num_shards });
     }
     let tasks = job_checkpoint_tasks(dir)?.ok_or_else(|| Error::NotJobCheckpoint { path: dir.to_path_buf() })?;
-    let step = common_step(dir, tasks)?;
+    let step = match step {
+        Some(step) => {
+            for task in 0..tasks {
+                let steps = checkpoint_steps(&job_task_dir(dir, task))?;
+                if !steps.iter().any(|&(s, _)| s == step) {
+                    let latest = steps.last().map(|&(s, _)| s);
+                    return Err(Error::StepNotInJob { dir: dir.to_path_buf(), step, task, latest });
+                }
+            }
+            step
+        }
+        None => common_step(dir, tasks)?,
+    };
     let mut shared = Shared::default();
     let mut pool = RestorePool::default();
     let old = (0..tasks).map(|i| -> Result<Vec<TableRows>> {

@@ -11,9 +11,9 @@ use bytes::Bytes;
 use strata_core::embedding::{owner_of, RowInit, TableConfig, TableSize};
 
 use crate::{
-    job_checkpoint_tasks, job_task_dir, read_job_checkpoint, read_snapshot, write_job_snapshot, write_snapshot, Chunk,
-    CreateHeader, Error, ErrorKind, PsMode, PushHeader, RowGrads, RowOptimizer, RowPull, ServerOptimizer, State,
-    TableInfo, UpdateId, VariableInfo, WireFormat,
+    job_checkpoint_tasks, job_task_dir, read_job_checkpoint, read_job_checkpoint_at, read_snapshot, write_job_snapshot,
+    write_snapshot, Chunk, CreateHeader, Error, ErrorKind, PsMode, PushHeader, RowGrads, RowOptimizer, RowPull,
+    ServerOptimizer, State, TableInfo, UpdateId, VariableInfo, WireFormat,
 };
 
 const ADAMW: ServerOptimizer =
@@ -236,6 +236,51 @@ fn a_job_checkpoint_restores_onto_any_number_of_tasks_bit_for_bit() {
             new.step(step);
         }
         assert_eq!(new.held(), end, "{m} tasks, w in {w_parts} parts, after 4 more steps");
+    }
+}
+
+/// A job's checkpoint restored at a named step (a hybrid job's ps tasks, at its dense layers'
+/// step): an earlier step every task has gives that step's state, bit for bit, although a later
+/// one is common; a step some task lacks is refused naming the first such task and its latest.
+#[test]
+fn a_job_checkpoint_restores_at_a_named_step_every_task_has() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut old = Job::new(2, 2);
+    let mut at = BTreeMap::new();
+    for step in 0..4 {
+        old.step(step);
+        if step % 2 == 1 {
+            old.checkpoint(dir.path(), step + 1, None);
+            at.insert(step + 1, old.held());
+        }
+    }
+    old.step(4);
+    old.checkpoint(dir.path(), 5, Some(0));
+    for m in [1, 2, 3] {
+        let restored = |step| -> Job {
+            let parts = placement(m, 2);
+            let tasks = (0..m)
+                .map(|k| {
+                    let mut s = State::new(format!("ps:{k}"), None);
+                    s.restore_job(read_job_checkpoint_at(dir.path(), k as u32, m as u32, step).unwrap());
+                    s.create(&header(&parts[k], k as u32, m as u32), &chunks(&parts[k], |_, _| 99.0)).unwrap();
+                    s
+                })
+                .collect();
+            Job { tasks, parts }
+        };
+        for (step, want) in [(Some(2), &at[&2]), (Some(4), &at[&4]), (None, &at[&4])] {
+            let job = restored(step);
+            assert_eq!(&job.held(), want, "{m} tasks at {step:?}");
+            assert_eq!(job.tasks[0].status().restored_step, step.unwrap_or(4), "{m} tasks at {step:?}");
+        }
+    }
+    for (step, says) in [
+        (5, "ps-1 has no checkpoint of step 5 (its latest: 4)"),
+        (3, "ps-0 has no checkpoint of step 3 (its latest: 5)"),
+    ] {
+        let e = read_job_checkpoint_at(dir.path(), 0, 2, Some(step)).unwrap_err();
+        check_message(&e, ErrorKind::Internal, says);
     }
 }
 

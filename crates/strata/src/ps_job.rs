@@ -900,6 +900,7 @@ fn resume_step(coordinator: &ClusterCoordinator, steps_per_epoch: usize, config:
     }
     if resumed > 0 {
         tracing::info!(step = resumed, "resuming from the ps tasks' checkpoint");
+        eprintln!("resumed from the ps tasks' checkpoint of step {resumed}");
     }
     Ok(resumed)
 }

@@ -390,6 +390,31 @@ impl TableStore for PsTables {
         Ok(())
     }
 
+    /// A store that pushes its own rows (hybrid training) has the ps tasks checkpoint them; in
+    /// a parameter-server job the coordinator does.
+    fn checkpoints_elsewhere(&self) -> bool {
+        self.push_at_end
+    }
+
+    /// Every ps task writes its checkpoint of `step` (as of a whole job of them: `ps-<i>` of the
+    /// job's checkpoint root), in parallel.
+    fn checkpoint(&self, step: u64) -> Result<()> {
+        let (_, _, clients) = self.bound()?;
+        let tasks = u32::try_from(clients.len())
+            .map_err(|_| Error::InvalidArgument(format!("{} ps tasks to checkpoint", clients.len())))?;
+        let results: Vec<Result<()>> = std::thread::scope(|s| {
+            let handles: Vec<_> = clients
+                .iter()
+                .map(|client| s.spawn(move || client.checkpoint_of_job(step, tasks).map(drop).map_err(Error::from)))
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|_| Err(Error::Cluster("a checkpoint thread panicked".into()))))
+                .collect()
+        });
+        results.into_iter().collect()
+    }
+
     fn end_step(&self, replica: usize, failed: bool) -> Result<()> {
         if replica != 0 {
             return Ok(());

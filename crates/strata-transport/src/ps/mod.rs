@@ -88,8 +88,8 @@ pub use strata_ps::{
 // ([`job_checkpoint_tasks`] says whether a directory is one, [`read_job_checkpoint`] restores it
 // onto a task of any number), for programs that check or move them.
 pub use strata_ps::{
-    job_checkpoint_tasks, job_task_dir, read_job_checkpoint, read_snapshot, JobRestore, RestorePool, Snapshot,
-    TableRows,
+    job_checkpoint_tasks, job_task_dir, read_job_checkpoint, read_job_checkpoint_at, read_snapshot, JobRestore,
+    RestorePool, Snapshot, TableRows,
 };
 pub use tables::RowsPulled;
 // The error the types above return (`ServerOptimizer::validate`, `VariableInfo::validate`), named
@@ -154,6 +154,10 @@ pub struct PsServerConfig {
     /// place, [`job_place`](Self::job_place), whatever the old job's number of tasks
     /// ([`strata_ps::read_job_checkpoint`]).
     pub restore: Option<PathBuf>,
+    /// The step of [`restore`](Self::restore) to restore: `None`, the latest (every task's,
+    /// for a whole job's checkpoint). A hybrid job restores its ps tasks at the step of its
+    /// dense layers' latest checkpoint.
+    pub restore_step: Option<u64>,
     /// This task's index and its job's number of ps tasks, when known: what restoring a whole
     /// job's checkpoint needs (it is refused without them). `None` by default.
     pub job_place: Option<(u32, u32)>,
@@ -184,6 +188,7 @@ impl PsServerConfig {
             checkpoint_dir: None,
             keep_checkpoints: 3,
             restore: None,
+            restore_step: None,
             job_place: None,
             faults: FaultInjection::default(),
             round_timeout: Duration::from_secs(120),

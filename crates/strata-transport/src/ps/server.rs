@@ -16,7 +16,7 @@ use strata_proto::v1::{
     PullMessage, PullRequest, PullRowsRequest, PushMessage, PushResponse, TensorChunk,
 };
 use strata_ps::{
-    job_checkpoint_tasks, read_job_checkpoint, read_snapshot, write_job_snapshot, write_snapshot, Chunk, PullResult,
+    job_checkpoint_tasks, read_job_checkpoint_at, read_snapshot, write_job_snapshot, write_snapshot, Chunk, PullResult,
     PushDecision, PushHeader, PushReply, RowPull, State, Streamed, UpdateKey, WireFormat, MAX_CHUNK_BYTES,
 };
 use tokio::sync::watch;
@@ -527,13 +527,27 @@ fn restore(state: &mut State, path: &std::path::Path, config: &PsServerConfig) -
             let Some((index, num_tasks)) = config.job_place else {
                 return Err(strata_ps::Error::JobPlaceUnknown { dir: path.to_path_buf(), tasks }.into());
             };
-            let restored = read_job_checkpoint(path, index, num_tasks)?;
+            let restored = read_job_checkpoint_at(path, index, num_tasks, config.restore_step)?;
             let (step, version, parts) = (restored.step, restored.snapshot.version, restored.pool.parts());
             tracing::info!(%task, step, version, old_tasks = tasks, index, num_tasks, parts, "restored from a job's checkpoint");
             state.restore_job(restored);
         }
         None => {
+            let named;
+            let path = match config.restore_step {
+                Some(step) if !path.join(strata_core::checkpoint::MANIFEST).is_file() => {
+                    named = path.join(strata_core::checkpoint::checkpoint_dir_name(step));
+                    &named
+                }
+                _ => path,
+            };
             let (snap, step) = read_snapshot(path)?;
+            if let Some(want) = config.restore_step.filter(|&s| s != step) {
+                let task = config.job_place.map_or(0, |(i, _)| i as usize);
+                let err =
+                    strata_ps::Error::StepNotInJob { dir: path.to_path_buf(), step: want, task, latest: Some(step) };
+                return Err(err.into());
+            }
             tracing::info!(%task, step, version = snap.version, "restored from a checkpoint");
             state.restore(snap, step);
         }
