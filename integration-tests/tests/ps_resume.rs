@@ -4,7 +4,8 @@
 //! ps tasks checkpoint (every worker's rows of the step, and none of a later one). A hybrid job
 //! of one worker (whose pushes land in step order) stopped by `--max-steps` and run again ends
 //! bit for bit where an uninterrupted run ends; of two, every ps task has applied each worker's
-//! pushes exactly once per step over both runs. Every process has a hard deadline.
+//! pushes exactly once per step over both runs; stopped by SIGTERM, it stops after a step with
+//! both halves checkpointed at it, and resumes there. Every process has a hard deadline.
 
 use std::path::Path;
 use std::process::{Output, Stdio};
@@ -29,6 +30,12 @@ const MODEL: [&str; 10] = [
 /// Runs `strata train` on `ps` ps tasks and `workers` workers (`hybrid` or async), checkpoints
 /// every 20 steps in `dir`, with `extra` flags; the summary goes to `out`.
 fn train(hybrid: bool, ps: usize, workers: usize, dir: &Path, out: &Path, extra: &[&str]) -> Output {
+    let cmd = command(hybrid, ps, workers, dir, out, extra);
+    wait(cmd, Instant::now() + Duration::from_secs(240))
+}
+
+/// [`train`]'s process, started.
+fn command(hybrid: bool, ps: usize, workers: usize, dir: &Path, out: &Path, extra: &[&str]) -> std::process::Child {
     let mut cmd = strata();
     cmd.args(["train", "--strategy", "parameter-server", "--ps-mode", if hybrid { "hybrid" } else { "async" }])
         .args(["--ps-tasks", &ps.to_string(), "--workers", &workers.to_string()])
@@ -40,7 +47,7 @@ fn train(hybrid: bool, ps: usize, workers: usize, dir: &Path, out: &Path, extra:
         .args(extra)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    wait(cmd.spawn().unwrap(), Instant::now() + Duration::from_secs(240))
+    cmd.spawn().unwrap()
 }
 
 fn ok(o: &Output) -> String {
@@ -143,4 +150,53 @@ fn an_async_job_run_again_resumes_from_its_ps_tasks_checkpoints() {
     assert_eq!(e.lines().count(), 1, "{e}");
     assert!(e.contains("holds the checkpoints of 2 ps tasks, and this job has 3: resume with --ps-tasks 2"), "{e}");
     assert_eq!(steps(&ck.join("ps-0")).last(), Some(&200), "nothing written by the refused job");
+}
+
+#[test]
+fn a_hybrid_job_stopped_by_sigterm_checkpoints_both_halves_at_its_last_step_and_resumes_there() {
+    let dir = tempfile::tempdir().unwrap();
+    let ck = dir.path().join("ck");
+    let out = dir.path().join("out.json");
+    // 300 steps of 2 workers; SIGTERM once the first checkpoint (step 20) is written.
+    let epochs = ["--epochs", "3"];
+    let mut child = command(true, 2, 2, &ck, &out, &epochs);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while steps_or_none(&ck.join("dense")).is_empty() {
+        assert!(Instant::now() < deadline, "no checkpoint within 120 s");
+        assert!(child.try_wait().unwrap().is_none(), "the job ended before its first checkpoint");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), nix::sys::signal::Signal::SIGTERM).unwrap();
+    let stopped = wait(child, Instant::now() + Duration::from_secs(120));
+    let e = String::from_utf8_lossy(&stopped.stderr).to_string();
+    assert_eq!(stopped.status.code(), Some(143), "{e}");
+    let step: u64 = e
+        .lines()
+        .find_map(|l| l.strip_prefix("error: training stopped after step "))
+        .and_then(|l| l.split(':').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no stop step in {e}"));
+    assert!(step < 300, "stopped before the end: {e}");
+    // Both halves of the job hold the step it stopped after.
+    let last = |d: &Path| steps(d).last().copied();
+    assert_eq!(last(&ck.join("dense")), Some(step), "{e}");
+    for k in 0..2 {
+        assert_eq!(last(&ck.join(format!("ps-{k}"))), Some(step), "ps:{k}: {e}");
+    }
+    let second = ok(&train(true, 2, 2, &ck, &out, &epochs));
+    assert!(second.contains(&format!("resumed from the checkpoint of step {step}")), "{second}");
+    for t in json(&out)["parameter_servers"]["tasks"].as_array().unwrap() {
+        assert_eq!(t["restored_step"].as_u64(), Some(step), "{t}");
+        let by = &t["applied_by_worker"];
+        assert_eq!((by["worker:0"].as_u64(), by["worker:1"].as_u64()), (Some(300), Some(300)), "{t}");
+    }
+}
+
+/// [`steps`] of a directory that may not exist yet.
+fn steps_or_none(dir: &Path) -> Vec<u64> {
+    if dir.is_dir() {
+        steps(dir)
+    } else {
+        Vec::new()
+    }
 }

@@ -160,6 +160,12 @@ impl HybridWorker {
         Ok(self.store.create_tables(args.seed, &optimizer, PsMode::Async)?)
     }
 
+    /// What stops the tasks this process started, if it started any (worker 0 of a local job):
+    /// run before the process exits on a second signal.
+    pub(crate) fn stopper(&self) -> Option<Box<dyn Fn() + Send + Sync>> {
+        self.local.as_ref().map(|l| Box::new(l.stopper()) as Box<dyn Fn() + Send + Sync>)
+    }
+
     /// What this worker's steps pulled and pushed.
     pub(crate) fn traffic(&self) -> TableTraffic {
         self.store.traffic()

@@ -384,6 +384,12 @@ fn stop_children(children: &Mutex<Vec<(TaskId, Child)>>) {
 }
 
 impl LocalCluster {
+    /// Stops every task this cluster started (what a process that exits at once does first).
+    pub(crate) fn stopper(&self) -> impl Fn() + Send + Sync + 'static {
+        let children = self.children.clone();
+        move || stop_children(&children)
+    }
+
     /// Waits up to `within` for every task to exit by itself (after the chief ended the job).
     pub(crate) fn wait_exited(&self, within: Duration) {
         let deadline = Instant::now() + within;
@@ -416,7 +422,10 @@ impl LocalCluster {
         let children: Arc<Mutex<Vec<(TaskId, Child)>>> = Arc::new(Mutex::new(Vec::new()));
         let finishing = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let me = Self { children: children.clone(), finishing: finishing.clone() };
-        {
+        // A hybrid job's worker 0 is a trainer, whose first signal stops the job after the
+        // current step (with a checkpoint, agreed by every worker); its second stops the tasks
+        // ([`Self::stopper`]) and exits.
+        if !hybrid {
             let children = children.clone();
             // Ctrl-C or SIGTERM: stop every task, then exit as that signal would.
             let signals = crate::signals::handle()?;

@@ -228,7 +228,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     // SIGTERM and SIGINT stop training after the current step (with a checkpoint when
     // --checkpoint-dir is set); a second signal ends the process at once.
     let stop = StopSignal::new();
-    arm(&stop)?;
+    arm(&stop, hybrid.as_ref().and_then(|h| h.stopper()))?;
     let multi = match (&hybrid, args.strategy) {
         (Some(h), _) => Some(hybrid_multi_worker(args, options.clone(), h)?),
         (None, StrategyKind::MultiWorkerMirrored) => Some(make_multi_worker(args, options.clone())?),
@@ -266,7 +266,8 @@ pub fn run(args: &TrainArgs) -> Result<()> {
 
 /// Makes SIGTERM, SIGINT and SIGHUP request `stop` (the first one) or end the process at once
 /// with 128 + the signal (the second).
-fn arm(stop: &StopSignal) -> Result<()> {
+/// `before_exit`: what a second signal does before the process exits (stops the tasks it started).
+fn arm(stop: &StopSignal, before_exit: Option<Box<dyn Fn() + Send + Sync>>) -> Result<()> {
     let signals = crate::signals::handle()?;
     let stop = stop.clone();
     std::thread::spawn(move || {
@@ -274,6 +275,9 @@ fn arm(stop: &StopSignal) -> Result<()> {
         while let Ok(signal) = signals.recv() {
             if asked {
                 eprintln!("strata train: second signal ({signal}); exiting now");
+                if let Some(f) = &before_exit {
+                    f();
+                }
                 std::process::exit(crate::signals::exit_code(signal));
             }
             asked = true;
