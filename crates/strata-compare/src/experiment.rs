@@ -61,8 +61,12 @@
 //! `target_auc` (above 0.5, at most 1) or no target at all (the report then gives the final
 //! AUC and its gap to the best reachable, the planted model's), and its own settings, each
 //! passed on where set: `embedding_rows`, `embedding_dim`, `train_records`, `test_records`
-//! (`strata train --embedding-rows ...`), and for parameter-server runs `table_optimizer`
-//! (`sgd`, `adagrad`, `ftrl`, `lazy-adam`) and `table_lr`. Its parameter-server runs take a
+//! (`strata train --embedding-rows ...`), and `table_optimizer` (`sgd`, `adagrad`, `ftrl`,
+//! `lazy-adam`) and `table_lr`: the rows' optimizer of the parameter-server runs (whose ps tasks
+//! step rows, by default with Adagrad at 0.05) and, where set, of the one-device, mirrored and
+//! central-storage runs (whose table is then rows in the process, `strata train
+//! --table-optimizer`; without it they step the table as a variable with `optimizer`, as the
+//! multi-worker-mirrored runs always do). Its parameter-server runs take a
 //! fourth mode, `hybrid` (the tables asynchronous on the ps tasks, the dense layers
 //! synchronous on the workers' ring), and one replica per worker. See `experiments/ctr.toml`.
 //!
@@ -190,9 +194,10 @@ pub struct CtrSettings {
     pub train_records: Option<u64>,
     /// Generated test records, on which the AUC is measured (`--test-records`).
     pub test_records: Option<u64>,
-    /// The ps tasks' optimizer of the table's rows (`--table-optimizer`; parameter-server runs).
+    /// The optimizer of the table's rows (`--table-optimizer`): the ps tasks', and the one of
+    /// the in-process runs' rows (one-device, mirrored, central-storage) where set.
     pub table_optimizer: Option<TableOptimizer>,
-    /// Its learning rate (`--table-lr`; parameter-server runs).
+    /// Its learning rate (`--table-lr`).
     pub table_lr: Option<f64>,
 }
 
@@ -235,9 +240,10 @@ impl CtrSettings {
         (self.table_optimizer.unwrap_or(CTR_DEFAULT_TABLE_OPTIMIZER), self.table_lr.unwrap_or(CTR_DEFAULT_TABLE_LR))
     }
 
-    /// The `strata train` flags of the settings the file sets; the table's optimizer only for
-    /// a parameter-server run (`ps`), whose ps tasks step the rows.
-    pub fn args(&self, ps: bool) -> Vec<String> {
+    /// The `strata train` flags of the settings the file sets, for a run of `strategy`; the
+    /// table's optimizer for every strategy that steps the table by rows
+    /// ([`Self::steps_rows`]).
+    pub fn args(&self, strategy: RunStrategy) -> Vec<String> {
         let mut out: Vec<String> = Vec::new();
         let mut flag = |name: &str, v: Option<String>| {
             if let Some(v) = v {
@@ -248,11 +254,17 @@ impl CtrSettings {
         flag("--embedding-dim", self.embedding_dim.map(|v| v.to_string()));
         flag("--train-records", self.train_records.map(|v| v.to_string()));
         flag("--test-records", self.test_records.map(|v| v.to_string()));
-        if ps {
+        if Self::steps_rows(strategy) {
             flag("--table-optimizer", self.table_optimizer.map(|o| o.name().to_string()));
             flag("--table-lr", self.table_lr.map(|v| v.to_string()));
         }
         out
+    }
+
+    /// Whether a run of `strategy` steps the table by rows with `table_optimizer` (every one
+    /// but multi-worker-mirrored's, whose workers step it as a variable with `optimizer`).
+    pub fn steps_rows(strategy: RunStrategy) -> bool {
+        strategy != RunStrategy::MultiWorkerMirrored
     }
 }
 
@@ -898,12 +910,12 @@ fn ctr_settings(
             return Err(at.error(lr.span(), "experiment.table_lr", "must be a positive learning rate, e.g. 0.05"));
         }
     }
-    if !runs.iter().any(|r| r.get_ref().strategy == RunStrategy::ParameterServer) {
+    if !runs.iter().any(|r| CtrSettings::steps_rows(r.get_ref().strategy)) {
         if let Some((key, Some(span))) = spans[4..].iter().find(|(_, s)| s.is_some()).cloned() {
             return Err(at.error(
                 span,
                 &format!("experiment.{key}"),
-                "applies to parameter-server runs, whose ps tasks step the table's rows (the other strategies step the table with experiment.optimizer); drop it",
+                "applies to the runs that step the table's rows (parameter-server, one-device, mirrored, central-storage); multi-worker-mirrored steps the table with experiment.optimizer: drop it",
             ));
         }
     }
@@ -2064,9 +2076,9 @@ strategy = "one-device"
         let bare = parse(&bare.collect::<Vec<_>>().join("\n")).unwrap();
         assert_eq!(bare.ctr, Some(CtrSettings::default()));
         assert_eq!(bare.ctr.unwrap().train_records(), CTR_DEFAULT_TRAIN_RECORDS);
-        assert!(bare.ctr.unwrap().args(true).is_empty());
+        assert!(bare.ctr.unwrap().args(RunStrategy::ParameterServer).is_empty());
         assert_eq!(
-            c.args(false),
+            c.args(RunStrategy::MultiWorkerMirrored),
             [
                 "--embedding-rows",
                 "1000000",
@@ -2078,7 +2090,11 @@ strategy = "one-device"
                 "10000"
             ]
         );
-        assert_eq!(c.args(true)[8..], ["--table-optimizer", "lazy-adam", "--table-lr", "0.05"]);
+        for strategy in
+            [RunStrategy::ParameterServer, RunStrategy::OneDevice, RunStrategy::Mirrored, RunStrategy::CentralStorage]
+        {
+            assert_eq!(c.args(strategy)[8..], ["--table-optimizer", "lazy-adam", "--table-lr", "0.05"], "{strategy:?}");
+        }
     }
 
     #[test]
@@ -2152,12 +2168,16 @@ strategy = "one-device"
             m.contains("simulate: simulated mode models the digits MLP, not the ctr model: drop [simulate]"),
             "{m}"
         );
-        // Table settings with no parameter-server run to step the rows.
-        let one = CTR.split("[[run]]").next().unwrap().to_string() + "[[run]]\nstrategy = \"mirrored\"\n";
+        // Table settings with no run that steps the rows.
+        let one = CTR.split("[[run]]").next().unwrap().to_string() + "[[run]]\nstrategy = \"multi-worker-mirrored\"\n";
         let m = error(&one);
-        assert!(m.contains("line 12: experiment.table_optimizer: applies to parameter-server runs"), "{m}");
+        assert!(
+            m.contains("line 12: experiment.table_optimizer: applies to the runs that step the table's rows"),
+            "{m}"
+        );
         let m = error(&one.replace("table_optimizer = \"lazy-adam\"\n", ""));
-        assert!(m.contains("experiment.table_lr: applies to parameter-server runs"), "{m}");
+        assert!(m.contains("experiment.table_lr: applies to the runs that step the table's rows"), "{m}");
+        assert!(parse(&one.replace("multi-worker-mirrored", "mirrored")).is_ok());
         // Fields of the ctr model on another, and hybrid without tables.
         let e = error(&GOOD.replace("lr = 0.01", "lr = 0.01\nembedding_rows = 1000"));
         assert!(

@@ -501,6 +501,11 @@ fn model_line(exp: &Experiment, simulated: bool) -> String {
 fn ctr_model_line(exp: &Experiment) -> String {
     let c = exp.ctr.unwrap_or_default();
     let ps = exp.runs.iter().any(|r| r.strategy == crate::experiment::RunStrategy::ParameterServer);
+    let local = c.table_optimizer.is_some()
+        && exp.runs.iter().any(|r| {
+            r.strategy != crate::experiment::RunStrategy::ParameterServer
+                && crate::experiment::CtrSettings::steps_rows(r.strategy)
+        });
     let (optimizer, lr) = c.table_optimizer();
     format!(
         "DLRM-style click model on generated records (the 26 fields share an embedding table of {} rows × {}); {} training records an epoch, {} test records{}",
@@ -508,7 +513,12 @@ fn ctr_model_line(exp: &Experiment) -> String {
         c.dim(),
         plot::group_thousands(c.train_records() as f64),
         plot::group_thousands(c.test_records() as f64),
-        if ps { format!("; the ps tasks step the table's rows with {} at {lr}", optimizer.name()) } else { String::new() },
+        match (ps, local) {
+            (true, true) => format!("; the ps tasks, and the in-process runs in the process, step the table's rows with {} at {lr}", optimizer.name()),
+            (true, false) => format!("; the ps tasks step the table's rows with {} at {lr}", optimizer.name()),
+            (false, true) => format!("; the runs step the table's rows in the process with {} at {lr}", optimizer.name()),
+            (false, false) => String::new(),
+        },
     )
 }
 

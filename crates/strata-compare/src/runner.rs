@@ -53,7 +53,7 @@ pub fn train_args(exp: &Experiment, spec: &RunSpec, metrics: &Path, summary: &Pa
         }
     }
     if let Some(c) = &exp.ctr {
-        train.extend(c.args(spec.strategy == RunStrategy::ParameterServer));
+        train.extend(c.args(spec.strategy));
     }
     if spec.zero_stage != strata_core::ZeroStage::Off {
         train.extend(["--zero-stage".into(), spec.zero_stage.to_string()]);
@@ -871,6 +871,12 @@ mod tests {
         let mwms = command_line(&e, &e.runs[1], Path::new("m.jsonl"), Path::new("s.json"));
         assert_eq!(value(&mwms, "--embedding-rows").as_deref(), Some("100000"));
         assert!(!mwms.iter().any(|a| a == "--table-optimizer" || a == "--table-lr"), "{mwms:?}");
+        // An in-process run steps the rows in the process with the same optimizer.
+        let mut mirrored = e.runs[1].clone();
+        mirrored.strategy = RunStrategy::Mirrored;
+        let line = command_line(&e, &mirrored, Path::new("m.jsonl"), Path::new("s.json"));
+        assert_eq!(value(&line, "--table-optimizer").as_deref(), Some("ftrl"), "{line:?}");
+        assert_eq!(value(&line, "--table-lr").as_deref(), Some("0.1"), "{line:?}");
         // 4096 records in global batches of 512: 8 steps an epoch, 2 epochs; an async job's
         // workers push 256 each, 16 worker steps an epoch.
         assert_eq!(expected_steps(&e, &e.runs[0], 4096), 16);
