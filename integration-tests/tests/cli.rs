@@ -70,6 +70,11 @@ fn unknown_flags_are_a_one_line_error() {
     assert_one_line_error(&strata(&["train", "--no-such-flag"]), "--no-such-flag");
     assert_one_line_error(&strata(&["train", "--strategy", "parameter-sever"]), "parameter-sever");
     assert_one_line_error(&strata(&["train", "--hidden", "12,x"]), "'x'");
+    // A missing argument is named on the one line.
+    assert_one_line_error(
+        &strata(&["ps", "--address", "127.0.0.1:0", "--restore-step", "5"]),
+        "the following required arguments were not provided: --restore <RESTORE>",
+    );
     let cnn = strata(&["train", "--model", "cnn", "--recompute"]);
     assert_one_line_error(&cnn, "--recompute applies to --model mlp or transformer, not --model cnn; drop it");
     let ps = strata(&["train", "--strategy", "parameter-server", "--model", "cnn", "--recompute"]);

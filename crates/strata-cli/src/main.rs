@@ -52,7 +52,17 @@ fn main() {
             }
             // One line, exit code 2: what was wrong, and where to look.
             let text = e.to_string();
-            let first = text.lines().find(|l| !l.trim().is_empty()).unwrap_or("error: invalid arguments");
+            let mut lines = text.lines().skip_while(|l| l.trim().is_empty());
+            let mut first = lines.next().unwrap_or("error: invalid arguments").to_string();
+            // A list under the first line ("the following required arguments were not
+            // provided:" and the arguments, indented) joins it.
+            if first.ends_with(':') {
+                let listed: Vec<&str> =
+                    lines.take_while(|l| l.starts_with(' ') && !l.trim().is_empty()).map(str::trim).collect();
+                if !listed.is_empty() {
+                    first = format!("{first} {}", listed.join(", "));
+                }
+            }
             let tip =
                 text.lines().find_map(|l| l.trim().strip_prefix("tip: ")).map(|t| format!("; {t}")).unwrap_or_default();
             eprintln!("{first}{tip} (see strata --help)");
