@@ -21,7 +21,7 @@ use strata_strategies::cluster::{
 use strata_strategies::parameter_server::{
     serve_worker, ParameterServerOptions, ParameterServerStrategy, Partitioner, WorkerOptions,
 };
-use strata_transport::ps::{FaultInjection, PsMode, PsServerConfig, PsServerHandle};
+use strata_transport::ps::{job_task_dir, FaultInjection, PsMode, PsServerConfig, PsServerHandle};
 use strata_transport::{ClusterToken, MutualTls};
 
 use strata::ps_job::{self, PsJobModel, PsJobSpec, PsTrainConfig, WorkerStepOptions};
@@ -416,7 +416,7 @@ impl LocalCluster {
         token: &str,
         delays: &StepDelays,
         hybrid: bool,
-        resume: Option<(PathBuf, Option<u64>)>,
+        resume: Option<u64>,
     ) -> Result<Self> {
         let exe = std::env::current_exe().map_err(|e| Error::io("finding the strata executable", e))?;
         let children: Arc<Mutex<Vec<(TaskId, Child)>>> = Arc::new(Mutex::new(Vec::new()));
@@ -453,11 +453,8 @@ impl LocalCluster {
                     if let Some(dir) = &checkpoint_dir {
                         cmd.arg("--checkpoint-dir").arg(dir.join(format!("ps-{}", task.index)));
                     }
-                    if let Some((dir, step)) = &resume {
-                        cmd.arg("--restore").arg(dir);
-                        if let Some(step) = step {
-                            cmd.arg("--restore-step").arg(step.to_string());
-                        }
+                    if let (Some(dir), Some(step)) = (&checkpoint_dir, resume) {
+                        cmd.args(ps_restore_args(dir, task.index, step));
                     }
                 }
                 // The same command (with TF_CONFIG naming its task), which takes every flag.
@@ -660,8 +657,8 @@ pub(crate) fn serve_task(args: &TrainArgs, c: ClusterConfig) -> Result<()> {
                     bind: args.bind,
                     cluster_token_file: args.cluster_token_file.clone(),
                     checkpoint_dir,
-                    restore: resume.as_ref().map(|(dir, _)| dir.clone()),
-                    restore_step: resume.and_then(|(_, step)| step),
+                    restore: resume.zip(args.checkpoint_dir.as_ref()).map(|(_, d)| job_task_dir(d, c.task.index)),
+                    restore_step: resume,
                     ps_tasks: None,
                     keep_checkpoints: 3,
                     stream_min_mib: 2.0,
@@ -696,14 +693,15 @@ pub(crate) fn serve_task(args: &TrainArgs, c: ClusterConfig) -> Result<()> {
     }
 }
 
-/// Where a job's ps tasks resume from when `strata train` runs again with the same
-/// --checkpoint-dir (of a job of `ps_tasks` ps tasks): `None`, a fresh start, when no ps task has
-/// a checkpoint there; else the directory and the step, which for a hybrid job is the step of its
-/// dense layers' latest checkpoint (its ps tasks checkpoint a step before its chief does, so they
-/// have it; with none the job starts afresh), and for a parameter-server job the latest step
-/// every ps task has (`None`). Checkpoints of another number of ps tasks are refused: the new
-/// tasks' would lie beside them.
-pub(crate) fn ps_resume(args: &TrainArgs, ps_tasks: usize) -> Result<Option<(PathBuf, Option<u64>)>> {
+/// The step a job's ps tasks resume from when `strata train` runs again with the same
+/// --checkpoint-dir (of a job of `ps_tasks` ps tasks), each from its own checkpoints
+/// (`ps-<i>`, [`ps_restore_args`]): `None`, a fresh start, when no ps task has a checkpoint there.
+/// For a hybrid job it is the step of its dense layers' latest checkpoint (its ps tasks
+/// checkpoint a step before its chief does, so they have it; with none the job starts afresh),
+/// for a parameter-server job the latest step every ps task has. Refused in one line: checkpoints
+/// of another number of ps tasks (the new tasks' would lie beside them), and ps tasks without the
+/// step.
+pub(crate) fn ps_resume(args: &TrainArgs, ps_tasks: usize) -> Result<Option<u64>> {
     let Some(dir) = &args.checkpoint_dir else { return Ok(None) };
     let Some(old) = strata_transport::ps::job_checkpoint_tasks(dir)? else { return Ok(None) };
     let steps = |root: &std::path::Path| -> Result<Vec<u64>> {
@@ -712,11 +710,8 @@ pub(crate) fn ps_resume(args: &TrainArgs, ps_tasks: usize) -> Result<Option<(Pat
         }
         Ok(strata::checkpoint::checkpoint_steps(root)?.into_iter().map(|(step, _)| step).collect())
     };
-    let mut any = false;
-    for i in 0..old {
-        any |= !steps(&strata_transport::ps::job_task_dir(dir, i))?.is_empty();
-    }
-    if !any {
+    let held: Vec<Vec<u64>> = (0..old).map(|i| steps(&job_task_dir(dir, i))).collect::<Result<_>>()?;
+    if held.iter().all(Vec::is_empty) {
         return Ok(None);
     }
     if old != ps_tasks {
@@ -726,14 +721,47 @@ pub(crate) fn ps_resume(args: &TrainArgs, ps_tasks: usize) -> Result<Option<(Pat
             dir.display()
         )));
     }
-    if args.ps_mode != crate::train_args::PsModeKind::Hybrid {
-        return Ok(Some((dir.clone(), None)));
+    let step = if args.ps_mode == crate::train_args::PsModeKind::Hybrid {
+        // The step the trainer resumes from: its latest checkpoint's.
+        let dense = dir.join(crate::train_args::HYBRID_DENSE_DIR);
+        let Some(latest) = strata::checkpoint::latest_checkpoint(&dense)? else { return Ok(None) };
+        let found = strata::checkpoint::checkpoint_steps(&dense)?.into_iter().find(|(_, p)| *p == latest);
+        let Some((step, _)) = found else { return Ok(None) };
+        step
+    } else {
+        let common = held[0].iter().copied().filter(|s| held.iter().all(|h| h.contains(s))).max();
+        match common {
+            Some(step) => step,
+            None => {
+                let latest: Vec<String> = held
+                    .iter()
+                    .enumerate()
+                    .map(|(i, h)| format!("ps-{i} at {}", h.last().map_or("none".into(), u64::to_string)))
+                    .collect();
+                return Err(Error::Usage(format!(
+                    "--checkpoint-dir {}: the ps tasks' checkpoints have no step in common ({}); resume from a directory of one job's checkpoints, or start afresh in a new one",
+                    dir.display(),
+                    latest.join(", ")
+                )));
+            }
+        }
+    };
+    if let Some((i, h)) = held.iter().enumerate().find(|(_, h)| !h.contains(&step)) {
+        return Err(Error::Usage(format!(
+            "--checkpoint-dir {}: the dense layers' checkpoint of step {step} has no ps-{i} checkpoint of it (its latest: {}); resume from a directory of one job's checkpoints, or start afresh in a new one",
+            dir.display(),
+            h.last().map_or("none".into(), u64::to_string)
+        )));
     }
-    // The step the trainer resumes from: its latest checkpoint's.
-    let dense = dir.join(crate::train_args::HYBRID_DENSE_DIR);
-    let Some(latest) = strata::checkpoint::latest_checkpoint(&dense)? else { return Ok(None) };
-    let step = strata::checkpoint::checkpoint_steps(&dense)?.into_iter().find(|(_, p)| *p == latest).map(|(s, _)| s);
-    Ok(step.map(|step| (dir.clone(), Some(step))))
+    Ok(Some(step))
+}
+
+/// `strata ps`'s flags that restore ps task `index` of a job resumed at `step` ([`ps_resume`])
+/// from its own checkpoints under --checkpoint-dir `dir`: its variables and rows as it held them,
+/// so a task restarted in the middle of a job serves at once (the chief creates no variable
+/// again).
+fn ps_restore_args(dir: &std::path::Path, index: usize, step: u64) -> [std::ffi::OsString; 4] {
+    ["--restore".into(), job_task_dir(dir, index).into_os_string(), "--restore-step".into(), step.to_string().into()]
 }
 
 /// Refuses a local cluster of `--ps-tasks` and `--workers` (of a `job` job) without one of
