@@ -113,6 +113,7 @@ mod restore;
 mod restore_tests;
 mod row_optimizer;
 mod shard;
+mod slab;
 mod state;
 mod table;
 #[cfg(test)]

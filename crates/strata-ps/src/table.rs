@@ -2,9 +2,10 @@
 //! leases under which workers pulled rows (and may push their gradients), eviction of rows
 //! unseen for long, snapshots of the rows, and resharding them.
 //!
-//! A shard keeps its rows in one slab: row `r` is `ids[r]`, its values `values[r*dim..]`, its
-//! optimizer slots `slots[r*k*dim..]` (`k` slots of `dim` each), when it was last seen and how
-//! many leases pin it. An evicted row's place takes the slab's last row, so the slab stays
+//! A shard keeps its rows in one slab: row `r` is `ids[r]`, its values `values.row(r)`, its
+//! optimizer slots `slots.row(r)` (`k` slots of `dim` each), when it was last seen and how
+//! many leases pin it; values and slots lie in blocks of rows ([`Slab`]), so the slab grows
+//! without moving a row. An evicted row's place takes the slab's last row, so the slab stays
 //! dense; snapshots list rows by ascending id, whatever the slab's order.
 
 use std::collections::{BTreeMap, VecDeque};
@@ -16,6 +17,7 @@ use crate::limits::{
     MAX_IDS_PER_REQUEST, MAX_LEASED_IDS, MAX_LEASES_PER_WORKER, MAX_ROW_VALUES_PER_REQUEST, MAX_TABLE_BYTES,
     MAX_WORKERS,
 };
+use crate::slab::Slab;
 use crate::{Error, Result, RowGrads, RowOptimizer, TableInfo, TableStatus};
 
 /// One table shard's rows, as a [`Snapshot`](crate::Snapshot) and a checkpoint hold them:
@@ -49,8 +51,8 @@ pub(crate) struct Lease {
 pub(crate) struct Table {
     pub(crate) info: TableInfo,
     ids: Vec<u64>,
-    values: Vec<f32>,
-    slots: Vec<f32>,
+    values: Slab<f32>,
+    slots: Slab<f32>,
     last_seen: Vec<u64>,
     /// Per row, how many leases (live or held by a pending sync push) hold it.
     pins: Vec<u32>,
@@ -76,15 +78,6 @@ pub(crate) fn try_with_capacity<T>(task: &str, n: usize, what: &'static str) -> 
         what,
     })?;
     Ok(v)
-}
-
-/// Removes row `r` of `width` elements from `v`, moving the last row into its place.
-fn swap_remove_block<T: Copy>(v: &mut Vec<T>, r: usize, width: usize) {
-    let last = v.len() / width.max(1) - 1;
-    if r != last {
-        v.copy_within(last * width..(last + 1) * width, r * width);
-    }
-    v.truncate(last * width);
 }
 
 /// Adds one push's rows to a sync round's sums, as the dense round sums: the first gradient
@@ -119,11 +112,12 @@ struct PullPlan {
 impl Table {
     /// An empty shard of the table `info` describes.
     pub(crate) fn new(info: TableInfo) -> Self {
+        let (dim, sw) = (info.config.dim, info.optimizer.slots() * info.config.dim);
         Self {
             info,
             ids: Vec::new(),
-            values: Vec::new(),
-            slots: Vec::new(),
+            values: Slab::new(dim),
+            slots: Slab::new(sw),
             last_seen: Vec::new(),
             pins: Vec::new(),
             index: RowIndex::default(),
@@ -136,6 +130,8 @@ impl Table {
     /// A shard holding `rows` (from a snapshot), with no leases.
     pub(crate) fn from_rows(rows: TableRows) -> Self {
         let TableRows { info, evicted, ids, values, slots, last_seen } = rows;
+        let (dim, sw) = (info.config.dim, info.optimizer.slots() * info.config.dim);
+        let (values, slots) = (Slab::from_slice(dim, ids.len(), &values), Slab::from_slice(sw, ids.len(), &slots));
         let index = ids.iter().enumerate().map(|(r, &id)| (id, r)).collect();
         let pins = vec![0; ids.len()];
         Self { info, ids, values, slots, last_seen, pins, index, evicted, leases: BTreeMap::new(), leased: 0 }
@@ -185,8 +181,8 @@ impl Table {
         };
         for r in order {
             rows.ids.push(self.ids[r]);
-            rows.values.extend_from_slice(&self.values[r * dim..(r + 1) * dim]);
-            rows.slots.extend_from_slice(&self.slots[r * sw..(r + 1) * sw]);
+            rows.values.extend_from_slice(self.values.row(r));
+            rows.slots.extend_from_slice(self.slots.row(r));
             rows.last_seen.push(self.last_seen[r]);
         }
         rows
@@ -247,8 +243,8 @@ impl Table {
         let mut out = try_with_capacity(task, ids.len() * dim, "pulled rows")?;
         let n = plan.create.len();
         let reserved = self.ids.try_reserve(n).is_ok()
-            && self.values.try_reserve(n * dim).is_ok()
-            && self.slots.try_reserve(n * self.slot_width()).is_ok()
+            && self.values.try_reserve(n).is_ok()
+            && self.slots.try_reserve(n).is_ok()
             && self.last_seen.try_reserve(n).is_ok()
             && self.pins.try_reserve(n).is_ok()
             && self.index.try_reserve(n).is_ok();
@@ -275,7 +271,7 @@ impl Table {
             let r = self.index[id];
             self.last_seen[r] = version;
             self.pins[r] += 1;
-            out.extend_from_slice(&self.values[r * dim..(r + 1) * dim]);
+            out.extend_from_slice(self.values.row(r));
         }
         self.leased += plan.sorted.len();
         self.leases.entry(worker.to_string()).or_default().push_back(Lease { number: lease, ids: plan.sorted });
@@ -361,12 +357,9 @@ impl Table {
     }
 
     fn evict(&mut self, r: usize) {
-        let (dim, sw) = (self.dim(), self.slot_width());
         self.index.remove(&self.ids[r]);
-        swap_remove_block(&mut self.values, r, dim);
-        if sw > 0 {
-            swap_remove_block(&mut self.slots, r, sw);
-        }
+        self.values.swap_remove(r);
+        self.slots.swap_remove(r);
         self.ids.swap_remove(r);
         self.last_seen.swap_remove(r);
         self.pins.swap_remove(r);
@@ -378,18 +371,14 @@ impl Table {
 
     /// Creates row `id` at its initial value (memory reserved).
     fn create(&mut self, id: u64, version: u64) {
-        let (dim, sw) = (self.dim(), self.slot_width());
         let (config, seed) = (&self.info.config, self.info.seed);
-        let at = self.values.len();
-        self.values.resize(at + dim, 0.0);
-        init_row(seed, &config.name, config.init, id, &mut self.values[at..]);
-        let at = self.slots.len();
-        self.slots.resize(at + sw, 0.0);
-        self.info.optimizer.init_slots(&mut self.slots[at..]);
+        init_row(seed, &config.name, config.init, id, self.values.push());
+        self.info.optimizer.init_slots(self.slots.push());
         self.index.insert(id, self.ids.len());
         self.ids.push(id);
         self.last_seen.push(version);
         self.pins.push(0);
+        debug_assert_eq!((self.values.len(), self.slots.len()), (self.ids.len(), self.ids.len()));
     }
 
     fn unpin(&mut self, lease: &Lease) {
@@ -472,17 +461,14 @@ impl Table {
 
     /// The values of row `id`, if the shard holds it.
     pub(crate) fn row_values(&self, id: u64) -> Option<&[f32]> {
-        let dim = self.dim();
-        self.index.get(&id).map(|&r| &self.values[r * dim..(r + 1) * dim])
+        self.index.get(&id).map(|&r| self.values.row(r))
     }
 
     /// Steps rows `rows` (slab indices) by their gradients `grads` (`dim` each) with `opt` at
     /// update number `t`, and marks them seen at `version`.
     pub(crate) fn apply(&mut self, opt: &RowOptimizer, rows: &[usize], grads: &[f32], t: u64, version: u64) {
-        let (dim, sw) = (self.dim(), self.slot_width());
-        for (&r, g) in rows.iter().zip(grads.chunks_exact(dim)) {
-            let w = &mut self.values[r * dim..(r + 1) * dim];
-            opt.apply(w, g, &mut self.slots[r * sw..(r + 1) * sw], t);
+        for (&r, g) in rows.iter().zip(grads.chunks_exact(self.dim())) {
+            opt.apply(self.values.row_mut(r), g, self.slots.row_mut(r), t);
             self.last_seen[r] = version;
         }
     }
