@@ -611,15 +611,17 @@ fn text_loss(model: &CharTransformer, dev: &Device, batch: &(Tensor, Tensor)) ->
 
 /// One step of `worker` on `batch`: the worker's replicas compute their shards' gradients,
 /// reduce them to the parameter replica, and the optimizer pushes them (as under any strategy).
+/// A step of `worker` on the batch `make` returns (made while the variables are pulled).
 fn step_on<M: Send + Sync, B: BatchData>(
     ctx: &WorkerContext,
     worker: &PsWorkerModel<M>,
-    batch: &B,
+    make: impl FnOnce() -> Result<B>,
     loss_of: impl Fn(&M, &Device, &B) -> Result<Tensor> + Sync,
     hook: (&WorkerStepOptions, u64, Instant),
 ) -> Result<(f32, strata_strategies::parameter_server::PullTicket, strata_strategies::parameter_server::PushSummary)> {
     let (options, global_step, started) = hook;
-    let out = worker.run_batch(ctx, batch, |rctx, shard| {
+    let make = || make().map_err(into_core);
+    let out = worker.run_batch_made(ctx, make, |rctx, shard| {
         let dev = rctx.candle_device();
         let loss = loss_of(worker.model().on(rctx)?, dev, &shard.batch).map_err(into_core)?;
         // The push starts while the pass runs where the worker overlaps (one replica, no
@@ -659,22 +661,30 @@ fn run_step(
         WorkerModel::Mlp(w) => {
             let batch = st.data.digits_batch(st.spec.seed, epoch, index, size)?;
             let bytes0 = strata_transport::inject::bytes();
-            (batch.len(), bytes0, step_on(ctx, w, &batch, digits_loss, hook)?)
+            (batch.len(), bytes0, step_on(ctx, w, || Ok(batch.clone()), digits_loss, hook)?)
         }
         WorkerModel::Cnn(w) => {
             let batch = st.data.digits_batch(st.spec.seed, epoch, index, size)?;
             let bytes0 = strata_transport::inject::bytes();
-            (batch.len(), bytes0, step_on(ctx, w, &batch, digits_loss, hook)?)
+            (batch.len(), bytes0, step_on(ctx, w, || Ok(batch.clone()), digits_loss, hook)?)
         }
         WorkerModel::Transformer(w) => {
             let batch = st.data.text_batch(&st.spec, epoch, index, size)?;
             let bytes0 = strata_transport::inject::bytes();
-            (size, bytes0, step_on(ctx, w, &batch, text_loss, hook)?)
+            (size, bytes0, step_on(ctx, w, || Ok(batch), text_loss, hook)?)
         }
         WorkerModel::Ctr(w) => {
-            let batch = st.data.ctr_batch(&st.spec, index, size)?;
+            // The records are generated while the variables are pulled.
             let bytes0 = strata_transport::inject::bytes();
-            (batch.rows()?, bytes0, step_on(ctx, w, &batch, ctr_loss, hook)?)
+            let (data, spec) = (&st.data, &st.spec);
+            let rows = std::cell::Cell::new(0);
+            let make = || {
+                let batch = data.ctr_batch(spec, index, size)?;
+                rows.set(batch.rows()?);
+                Ok(batch)
+            };
+            let stepped = step_on(ctx, w, make, ctr_loss, hook)?;
+            (rows.get(), bytes0, stepped)
         }
     };
     let bytes1 = strata_transport::inject::bytes();

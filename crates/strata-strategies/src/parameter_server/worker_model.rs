@@ -558,6 +558,35 @@ impl<M> PsWorkerModel<M> {
         batch: &B,
         step: impl Fn(&ReplicaContext<'_>, &Shard<B>) -> Result<T> + Sync,
     ) -> Result<PsStep<T>> {
+        let ticket = self.pull_for_step(w)?;
+        self.run_pulled(w, ticket, batch, step)
+    }
+
+    /// [`Self::run_batch`] of the batch `make` returns, made on this thread while another pulls
+    /// the variables: a batch generated for the step (the click model's records) costs the step
+    /// no time where the pull waits on the ps tasks. The pull's error comes first.
+    pub fn run_batch_made<B: BatchData, T: Send>(
+        &self,
+        w: &WorkerContext,
+        make: impl FnOnce() -> Result<B>,
+        step: impl Fn(&ReplicaContext<'_>, &Shard<B>) -> Result<T> + Sync,
+    ) -> Result<PsStep<T>>
+    where
+        M: Sync,
+    {
+        let (ticket, batch) = std::thread::scope(|s| {
+            let pulled = s.spawn(|| self.pull_for_step(w));
+            let batch = make();
+            let ticket = pulled.join().unwrap_or_else(|_| Err(Error::Cluster("the step's pull panicked".into())));
+            (ticket, batch)
+        });
+        let (ticket, batch) = (ticket?, batch?);
+        self.run_pulled(w, ticket, &batch, step)
+    }
+
+    /// The pull that begins a step: trainable variables and state every time, frozen ones the
+    /// first time, extrapolated by the look-ahead where it is on, mirrored into every copy.
+    fn pull_for_step(&self, w: &WorkerContext) -> Result<PullTicket> {
         let first = !self.frozen_pulled.load(Ordering::Acquire);
         let vars: Vec<(String, Var)> = self
             .model
@@ -573,6 +602,17 @@ impl<M> PsWorkerModel<M> {
             self.look_ahead(&ticket)?;
         }
         self.mirror_pulled(&vars)?;
+        Ok(ticket)
+    }
+
+    /// The rest of a step after its pull (`ticket`): see [`Self::run_batch`].
+    fn run_pulled<B: BatchData, T: Send>(
+        &self,
+        w: &WorkerContext,
+        ticket: PullTicket,
+        batch: &B,
+        step: impl Fn(&ReplicaContext<'_>, &Shard<B>) -> Result<T> + Sync,
+    ) -> Result<PsStep<T>> {
         let mut base = Vec::new();
         for ((_, v), k) in self.model.variables(0).iter().zip(self.model.kinds()) {
             if *k == VariableKind::State {
