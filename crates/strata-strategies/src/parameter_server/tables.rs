@@ -248,23 +248,28 @@ impl PsTables {
         let (worker, client, clients) = self.bound()?;
         let per_task = self.take_rows();
         let id = UpdateId { worker, client, step: lease, seq: 0 };
-        let results: Vec<Result<()>> = std::thread::scope(|s| {
-            let handles: Vec<_> = per_task
-                .iter()
-                .zip(clients.iter())
-                .filter(|((rows, _), _)| !rows.is_empty())
-                .map(|((rows, base), client)| {
-                    let id = &id;
-                    s.spawn(move || client.push_rows(id, *base, &[], rows).map(drop).map_err(Error::from))
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().unwrap_or_else(|_| Err(Error::Cluster("a rows push thread panicked".into()))))
-                .collect()
+        let tasks = per_task.iter().zip(clients.iter()).filter(|((rows, _), _)| !rows.is_empty());
+        let results = on_each_task("rows push", tasks, |((rows, base), client)| {
+            client.push_rows(&id, *base, &[], rows).map(drop).map_err(Error::from)
         });
         results.into_iter().collect()
     }
+}
+
+/// `call` on each of `tasks` (one ps task's work each), in parallel, one scoped thread each;
+/// the results in order (`what` names the work in the error of a thread that panicked).
+fn on_each_task<T: Send, R: Send>(
+    what: &str,
+    tasks: impl Iterator<Item = T>,
+    call: impl Fn(T) -> Result<R> + Sync,
+) -> Vec<Result<R>> {
+    std::thread::scope(|s| {
+        let handles: Vec<_> = tasks.map(|t| s.spawn(|| call(t))).collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err(Error::Cluster(format!("a {what} thread panicked")))))
+            .collect()
+    })
 }
 
 /// The rows one ps task returned and its version (`None`: none of the step's rows is there).
@@ -318,27 +323,15 @@ impl TableStore for PsTables {
             per_task[k].push(id);
         }
         let lease = self.lease();
-        let pulled: Vec<Result<TaskRows>> = std::thread::scope(|s| {
-            let handles: Vec<_> = per_task
-                .iter()
-                .zip(clients.iter())
-                .map(|(mine, client)| {
-                    let worker = &worker;
-                    s.spawn(move || {
-                        if mine.is_empty() {
-                            return Ok(None);
-                        }
-                        let r = client.pull_rows(worker, lease, &[(table, mine)]).map_err(Error::from)?;
-                        let values = r.values.into_iter().next().unwrap_or_default();
-                        Ok(Some((values, r.version)))
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().unwrap_or_else(|_| Err(Error::Cluster("a rows pull thread panicked".into()))))
-                .collect()
-        });
+        let pulled: Vec<Result<TaskRows>> =
+            on_each_task("rows pull", per_task.iter().zip(clients.iter()), |(mine, client)| {
+                if mine.is_empty() {
+                    return Ok(None);
+                }
+                let r = client.pull_rows(&worker, lease, &[(table, mine)]).map_err(Error::from)?;
+                let values = r.values.into_iter().next().unwrap_or_default();
+                Ok(Some((values, r.version)))
+            });
         let pulled = pulled.into_iter().collect::<Result<Vec<_>>>()?;
         let dim = config.dim;
         let mut values = vec![0f32; ids.len() * dim];
@@ -402,15 +395,8 @@ impl TableStore for PsTables {
         let (_, _, clients) = self.bound()?;
         let tasks = u32::try_from(clients.len())
             .map_err(|_| Error::InvalidArgument(format!("{} ps tasks to checkpoint", clients.len())))?;
-        let results: Vec<Result<()>> = std::thread::scope(|s| {
-            let handles: Vec<_> = clients
-                .iter()
-                .map(|client| s.spawn(move || client.checkpoint_of_job(step, tasks).map(drop).map_err(Error::from)))
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().unwrap_or_else(|_| Err(Error::Cluster("a checkpoint thread panicked".into()))))
-                .collect()
+        let results = on_each_task("checkpoint", clients.iter(), |client| {
+            client.checkpoint_of_job(step, tasks).map(drop).map_err(Error::from)
         });
         results.into_iter().collect()
     }
