@@ -88,11 +88,8 @@ fn a_hybrid_job_of_one_worker_resumes_bit_for_bit_where_it_stopped() {
     let second = ok(&train(true, 2, 1, &half, &out, &[]));
     assert!(second.contains("resumed from the checkpoint of step 50"), "{second}");
     assert_eq!(digests(&second), whole, "the resumed job ends where the uninterrupted one does: {second}");
-    let s = json(&out);
-    for t in s["parameter_servers"]["tasks"].as_array().unwrap() {
-        assert_eq!(t["restored_step"].as_u64(), Some(50), "{t}");
-        assert_eq!(t["applied_by_worker"]["worker:0"].as_u64(), Some(100), "one push per step in all: {t}");
-    }
+    // One push per step in all.
+    restored_with_pushes(&json(&out), 50, &[100]);
 }
 
 #[test]
@@ -114,11 +111,9 @@ fn a_hybrid_job_of_two_workers_resumes_with_every_push_applied_once() {
     assert_eq!(d.len(), 2, "{second}");
     assert_eq!(d[0], d[1], "the dense layers stay synchronous after the resume: {second}");
     let s = json(&out);
+    // 20 steps' pushes of each worker in the checkpoint, 80 after it: none lost, none twice.
+    restored_with_pushes(&s, 20, &[100, 100]);
     for t in s["parameter_servers"]["tasks"].as_array().unwrap() {
-        assert_eq!(t["restored_step"].as_u64(), Some(20), "{t}");
-        // 20 steps' pushes of each worker in the checkpoint, 80 after it: none lost, none twice.
-        let by = &t["applied_by_worker"];
-        assert_eq!((by["worker:0"].as_u64(), by["worker:1"].as_u64()), (Some(100), Some(100)), "{t}");
         assert_eq!(t["version"].as_u64(), Some(200), "{t}");
     }
     assert!(s["final_test_auc"].as_f64().unwrap() > 0.6, "the resumed job trains on: {s}");
@@ -185,10 +180,19 @@ fn a_hybrid_job_stopped_by_sigterm_checkpoints_both_halves_at_its_last_step_and_
     }
     let second = ok(&train(true, 2, 2, &ck, &out, &epochs));
     assert!(second.contains(&format!("resumed from the checkpoint of step {step}")), "{second}");
-    for t in json(&out)["parameter_servers"]["tasks"].as_array().unwrap() {
-        assert_eq!(t["restored_step"].as_u64(), Some(step), "{t}");
-        let by = &t["applied_by_worker"];
-        assert_eq!((by["worker:0"].as_u64(), by["worker:1"].as_u64()), (Some(300), Some(300)), "{t}");
+    restored_with_pushes(&json(&out), step, &[300, 300]);
+}
+
+/// Every ps task of the run `summary` describes was restored at step `restored` and has applied
+/// `pushes[i]` pushes of worker `i` over all runs.
+fn restored_with_pushes(summary: &serde_json::Value, restored: u64, pushes: &[u64]) {
+    let tasks = summary["parameter_servers"]["tasks"].as_array().unwrap();
+    assert!(!tasks.is_empty(), "{summary}");
+    for t in tasks {
+        assert_eq!(t["restored_step"].as_u64(), Some(restored), "{t}");
+        for (i, &n) in pushes.iter().enumerate() {
+            assert_eq!(t["applied_by_worker"][format!("worker:{i}")].as_u64(), Some(n), "worker:{i}: {t}");
+        }
     }
 }
 
