@@ -837,7 +837,6 @@ fn parse_compression(s: &str) -> std::result::Result<Compression, String> {
     s.parse::<Compression>().map_err(|e| e.to_string())
 }
 
-/// Refuses a `--checkpoint-dir` this process cannot write, naming it (exit code 2).
 impl TrainArgs {
     /// Where the trainer's checkpoints go: --checkpoint-dir, or for a hybrid job (whose ps
     /// tasks write theirs under `ps-<index>` of it) its `dense` directory.
@@ -853,6 +852,7 @@ impl TrainArgs {
 /// The directory of a hybrid job's dense checkpoints under --checkpoint-dir.
 pub(crate) const HYBRID_DENSE_DIR: &str = "dense";
 
+/// Refuses a `--checkpoint-dir` this process cannot write, naming it (exit code 2).
 pub(crate) fn checkpoint_dir_writable(dir: &std::path::Path) -> Result<()> {
     strata::checkpoint::check_writable(dir).map_err(|e| match e {
         strata_core::Error::Checkpoint(m) => Error::Usage(format!("--checkpoint-dir {m}")),

@@ -514,11 +514,12 @@ fn ctr_model_line(exp: &Experiment) -> String {
         plot::group_thousands(c.train_records() as f64),
         plot::group_thousands(c.test_records() as f64),
         match (ps, local) {
-            (true, true) => format!("; the ps tasks, and the in-process runs in the process, step the table's rows with {} at {lr}", optimizer.name()),
-            (true, false) => format!("; the ps tasks step the table's rows with {} at {lr}", optimizer.name()),
-            (false, true) => format!("; the runs step the table's rows in the process with {} at {lr}", optimizer.name()),
-            (false, false) => String::new(),
-        },
+            (true, true) => Some("the ps tasks, and the in-process runs in the process,"),
+            (true, false) => Some("the ps tasks"),
+            (false, true) => Some("the runs, in the process,"),
+            (false, false) => None,
+        }
+        .map_or(String::new(), |who| format!("; {who} step the table's rows with {} at {lr}", optimizer.name())),
     )
 }
 

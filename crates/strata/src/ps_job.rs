@@ -609,9 +609,9 @@ fn text_loss(model: &CharTransformer, dev: &Device, batch: &(Tensor, Tensor)) ->
     Ok(model.loss(&x, &y)?)
 }
 
-/// One step of `worker` on `batch`: the worker's replicas compute their shards' gradients,
-/// reduce them to the parameter replica, and the optimizer pushes them (as under any strategy).
-/// A step of `worker` on the batch `make` returns (made while the variables are pulled).
+/// One step of `worker` on the batch `make` returns (made on this thread while another pulls
+/// the variables): the worker's replicas compute their shards' gradients, reduce them to the
+/// parameter replica, and the optimizer pushes them (as under any strategy).
 fn step_on<M: Send + Sync, B: BatchData>(
     ctx: &WorkerContext,
     worker: &PsWorkerModel<M>,
@@ -660,13 +660,13 @@ fn run_step(
     let (examples, bytes0, (loss, ticket, pushed)) = match &st.model {
         WorkerModel::Mlp(w) => {
             let batch = st.data.digits_batch(st.spec.seed, epoch, index, size)?;
-            let bytes0 = strata_transport::inject::bytes();
-            (batch.len(), bytes0, step_on(ctx, w, || Ok(batch.clone()), digits_loss, hook)?)
+            let (examples, bytes0) = (batch.len(), strata_transport::inject::bytes());
+            (examples, bytes0, step_on(ctx, w, || Ok(batch), digits_loss, hook)?)
         }
         WorkerModel::Cnn(w) => {
             let batch = st.data.digits_batch(st.spec.seed, epoch, index, size)?;
-            let bytes0 = strata_transport::inject::bytes();
-            (batch.len(), bytes0, step_on(ctx, w, || Ok(batch.clone()), digits_loss, hook)?)
+            let (examples, bytes0) = (batch.len(), strata_transport::inject::bytes());
+            (examples, bytes0, step_on(ctx, w, || Ok(batch), digits_loss, hook)?)
         }
         WorkerModel::Transformer(w) => {
             let batch = st.data.text_batch(&st.spec, epoch, index, size)?;
