@@ -636,3 +636,19 @@ fn no_lookahead_outside_a_parameter_server_job_is_refused() {
     assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
     assert!(err.contains("--no-lookahead applies to --strategy parameter-server") && err.contains("drop it"), "{err}");
 }
+
+#[test]
+fn a_timeline_of_a_parameter_server_job_is_refused_before_any_task_starts() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("timeline.json");
+    let out = strata()
+        .args(["train", "--strategy", "parameter-server", "--no-progress", "--timeline"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
+    assert!(err.contains("--timeline") && err.contains("--metrics") && err.contains("drop it"), "{err}");
+    assert!(!path.exists(), "nothing written");
+}

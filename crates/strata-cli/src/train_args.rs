@@ -663,6 +663,15 @@ impl TrainArgs {
                 self.strategy.name()
             )));
         }
+        // A hybrid job's workers train as multi-worker mirrored does, and trace their replicas.
+        if self.timeline.is_some()
+            && self.strategy == StrategyKind::ParameterServer
+            && self.ps_mode != PsModeKind::Hybrid
+        {
+            return Err(Error::Usage(
+                "--timeline traces the replicas of this process, and a parameter-server job's steps run in its worker processes: use --metrics for their step records (or --ps-mode hybrid), and drop it".into(),
+            ));
+        }
         if let Some(limit) = self.memory_limit {
             let limit = strata_core::device::format_bytes(limit);
             if self.strategy == StrategyKind::ParameterServer || self.gpus.is_some() {
