@@ -253,6 +253,16 @@ pub trait TableStore: Send + Sync + std::fmt::Debug {
     /// `ids.len() * dim` values, row after row.
     fn pull(&self, replica: usize, table: &str, ids: &[u64]) -> Result<Vec<f32>>;
 
+    /// Pulls ahead the rows `ids` (distinct, sorted) of `table` that a lookup of `replica`'s
+    /// coming step will ask for, so that the pull runs beside other work of the step (a
+    /// parameter-server worker's pull of its dense variables): a [`pull`](Self::pull) of the
+    /// same ids in the same step returns them, and one of other ids pulls as it would have.
+    /// Nothing by default (a store whose rows are in this process).
+    fn prefetch(&self, replica: usize, table: &str, ids: &[u64]) -> Result<()> {
+        let _ = (replica, table, ids);
+        Ok(())
+    }
+
     /// Adds the gradient `grad` (`ids.len() * dim`, row after row) of the rows `ids` that
     /// `replica` pulled, computed from a loss that is the mean over `batch_rows` rows.
     fn gradient(&self, replica: usize, table: &str, ids: &[u64], grad: Vec<f32>, batch_rows: usize) -> Result<()>;

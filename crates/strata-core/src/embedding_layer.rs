@@ -131,6 +131,17 @@ impl Embedding {
         }
     }
 
+    /// Has the table's store pull ahead the rows a [`forward`](Self::forward) of `ids` in the
+    /// coming step will ask for ([`TableStore::prefetch`]), e.g. while a parameter-server
+    /// worker pulls its dense variables; the ids are checked as `forward` checks them. Nothing
+    /// for a table held whole.
+    pub fn prefetch(&self, ids: &Tensor) -> candle_core::Result<()> {
+        match &self.inner {
+            Inner::Dense(_) => Ok(()),
+            Inner::Store(store) => crate::table_rows::prefetch(store, &self.config, ids),
+        }
+    }
+
     /// The rows of `ids` (u32 or i64, any shape `S`): a tensor of shape `S x dim`. An id
     /// outside the table's rows is an error naming the table ([`Error::EmbeddingId`]; checked
     /// here, since `index_select` would not), as are ids of another dtype.

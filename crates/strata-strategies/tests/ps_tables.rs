@@ -219,7 +219,34 @@ fn several_steps_in_one_run_push_each_step_s_rows_before_the_next_lookup() {
 /// where one device's dense training ends, rows bit for bit.
 #[test]
 fn a_parameter_server_job_trains_a_table_it_never_holds_whole() {
-    ps_job_against_one_device(TableSize::Rows(ROWS));
+    ps_job_against_one_device(TableSize::Rows(ROWS), Prefetch::None);
+}
+
+/// The same job with each step's rows pulled ahead (`Embedding::prefetch`, beside the pull of
+/// the dense variables): the step's lookup takes them without a pull of its own, and the job
+/// ends on the same bits, with one update a step.
+#[test]
+fn rows_pulled_ahead_train_as_rows_pulled_by_the_lookup() {
+    ps_job_against_one_device(TableSize::Rows(ROWS), Prefetch::Same);
+    ps_job_against_one_device(TableSize::Ids { max_rows_per_shard: 64, evict_after: None }, Prefetch::Same);
+}
+
+/// Rows pulled ahead that the step does not look up (another batch's ids) are dropped and the
+/// lookup pulls its own: nothing of them is pushed, and the job still ends on one device's bits.
+#[test]
+fn rows_pulled_ahead_for_other_ids_are_pulled_again() {
+    ps_job_against_one_device(TableSize::Rows(ROWS), Prefetch::Other);
+}
+
+/// What a step of `ps_job_against_one_device` pulls ahead of its lookup.
+#[derive(Clone, Copy, Debug)]
+enum Prefetch {
+    /// Nothing: the lookup pulls.
+    None,
+    /// The rows of the step's own batch.
+    Same,
+    /// The rows of the next batch (the lookup must pull its own).
+    Other,
 }
 
 /// The same job with the table declared by id space: its rows appear on the ps tasks as the
@@ -228,10 +255,10 @@ fn a_parameter_server_job_trains_a_table_it_never_holds_whole() {
 /// hold exactly the rows some batch touched.
 #[test]
 fn a_table_declared_by_id_space_grows_on_the_ps_tasks_as_one_device_trains() {
-    ps_job_against_one_device(TableSize::Ids { max_rows_per_shard: 64, evict_after: None });
+    ps_job_against_one_device(TableSize::Ids { max_rows_per_shard: 64, evict_after: None }, Prefetch::None);
 }
 
-fn ps_job_against_one_device(size: TableSize) {
+fn ps_job_against_one_device(size: TableSize, prefetch: Prefetch) {
     use strata_strategies::cluster::{ClusterSpec, TaskType};
     use strata_strategies::parameter_server::{
         serve_worker, ParameterServerOptions, ParameterServerStrategy, PsWorkerModel, StepRegistry, WorkerContext,
@@ -248,12 +275,25 @@ fn ps_job_against_one_device(size: TableSize) {
         let ps_addresses: Vec<String> = ps.iter().map(|p| p.address().to_string()).collect();
         let worker_options = StrategyOptions { seed: SEED, ..Default::default() };
         let worker_table = sized.clone();
-        let worker =
-            PsWorkerModel::new(1, worker_options, move |s| Model::with_table(s, worker_table.clone())).unwrap();
+        let worker = Arc::new(
+            PsWorkerModel::new(1, worker_options, move |s| Model::with_table(s, worker_table.clone())).unwrap(),
+        );
+        let stepper = worker.clone();
         let mut registry = StepRegistry::new();
         registry.register("step", move |w: &WorkerContext, k: usize| -> strata_core::Result<bool> {
+            let worker = &stepper;
             let (ids, target) = batches()[k].clone();
-            let out = worker.run_batch(w, &(ids, target), |ctx, shard| {
+            let ahead = match prefetch {
+                Prefetch::None => None,
+                Prefetch::Same => Some(ids.clone()),
+                Prefetch::Other => Some(batches()[(k + 1) % batches().len()].0.clone()),
+            };
+            let make = || Ok((ids, target));
+            let pull_ahead = |m: &Model, _: &(Tensor, Tensor)| match &ahead {
+                Some(ids) => Ok(m.emb.prefetch(ids)?),
+                None => Ok(()),
+            };
+            let out = worker.run_batch_made(w, make, pull_ahead, |ctx, shard| {
                 let (ids, target) = &shard.batch;
                 let loss = worker.model().on(ctx)?.loss(ids, target)?;
                 ctx.backward_and_sync(&loss, worker.optimizer())
@@ -317,6 +357,14 @@ fn ps_job_against_one_device(size: TableSize) {
             assert_eq!(st.pushes_applied, batches().len() as u64, "ps:{k}: one update a step");
             assert_eq!(st.tables.len(), 1);
         }
+        // One pull of rows a step (the prefetch's, or the lookup's), two where the rows pulled
+        // ahead were another batch's.
+        let steps = batches().len() as u64;
+        let pulls = match prefetch {
+            Prefetch::None | Prefetch::Same => steps,
+            Prefetch::Other => 2 * steps,
+        };
+        assert_eq!((worker.table_traffic().pulls, worker.table_traffic().steps), (pulls, steps), "{prefetch:?}");
         drop(coordinator);
         drop(model);
         drop(strategy);

@@ -580,6 +580,11 @@ impl WorkerData {
     }
 }
 
+/// No table rows to pull ahead (a model without an embedding table).
+fn no_rows<M, B>(_: &M, _: &B) -> Result<()> {
+    Ok(())
+}
+
 /// The click model's loss on a replica's shard.
 fn ctr_loss(model: &Dlrm, dev: &Device, batch: &CtrBatch) -> Result<Tensor> {
     let (dense, ids, labels) = batch.to_device(dev)?;
@@ -610,18 +615,21 @@ fn text_loss(model: &CharTransformer, dev: &Device, batch: &(Tensor, Tensor)) ->
 }
 
 /// One step of `worker` on the batch `make` returns (made on this thread while another pulls
-/// the variables): the worker's replicas compute their shards' gradients, reduce them to the
-/// parameter replica, and the optimizer pushes them (as under any strategy).
+/// the variables, and its table rows pulled ahead by `prefetch`): the worker's replicas compute
+/// their shards' gradients, reduce them to the parameter replica, and the optimizer pushes
+/// them (as under any strategy).
 fn step_on<M: Send + Sync, B: BatchData>(
     ctx: &WorkerContext,
     worker: &PsWorkerModel<M>,
     make: impl FnOnce() -> Result<B>,
+    prefetch: impl FnOnce(&M, &B) -> Result<()>,
     loss_of: impl Fn(&M, &Device, &B) -> Result<Tensor> + Sync,
     hook: (&WorkerStepOptions, u64, Instant),
 ) -> Result<(f32, strata_strategies::parameter_server::PullTicket, strata_strategies::parameter_server::PushSummary)> {
     let (options, global_step, started) = hook;
     let make = || make().map_err(into_core);
-    let out = worker.run_batch_made(ctx, make, |rctx, shard| {
+    let prefetch = |m: &M, b: &B| prefetch(m, b).map_err(into_core);
+    let out = worker.run_batch_made(ctx, make, prefetch, |rctx, shard| {
         let dev = rctx.candle_device();
         let loss = loss_of(worker.model().on(rctx)?, dev, &shard.batch).map_err(into_core)?;
         // The push starts while the pass runs where the worker overlaps (one replica, no
@@ -661,17 +669,17 @@ fn run_step(
         WorkerModel::Mlp(w) => {
             let batch = st.data.digits_batch(st.spec.seed, epoch, index, size)?;
             let (examples, bytes0) = (batch.len(), strata_transport::inject::bytes());
-            (examples, bytes0, step_on(ctx, w, || Ok(batch), digits_loss, hook)?)
+            (examples, bytes0, step_on(ctx, w, || Ok(batch), no_rows, digits_loss, hook)?)
         }
         WorkerModel::Cnn(w) => {
             let batch = st.data.digits_batch(st.spec.seed, epoch, index, size)?;
             let (examples, bytes0) = (batch.len(), strata_transport::inject::bytes());
-            (examples, bytes0, step_on(ctx, w, || Ok(batch), digits_loss, hook)?)
+            (examples, bytes0, step_on(ctx, w, || Ok(batch), no_rows, digits_loss, hook)?)
         }
         WorkerModel::Transformer(w) => {
             let batch = st.data.text_batch(&st.spec, epoch, index, size)?;
             let bytes0 = strata_transport::inject::bytes();
-            (size, bytes0, step_on(ctx, w, || Ok(batch), text_loss, hook)?)
+            (size, bytes0, step_on(ctx, w, || Ok(batch), no_rows, text_loss, hook)?)
         }
         WorkerModel::Ctr(w) => {
             // The records are generated while the variables are pulled.
@@ -683,7 +691,9 @@ fn run_step(
                 rows.set(batch.rows()?);
                 Ok(batch)
             };
-            let stepped = step_on(ctx, w, make, ctr_loss, hook)?;
+            // The batch's rows are pulled as soon as it is made, beside the dense pull.
+            let prefetch = |m: &Dlrm, b: &CtrBatch| Ok(m.embedding().prefetch(&b.1)?);
+            let stepped = step_on(ctx, w, make, prefetch, ctr_loss, hook)?;
             (rows.get(), bytes0, stepped)
         }
     };

@@ -33,12 +33,63 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 struct StepTable {
     /// Per ps task, the version its rows were pulled at.
     versions: BTreeMap<usize, u64>,
-    /// Each row's slot in `values`, ids ascending.
-    grads: BTreeMap<u64, usize>,
-    /// The rows' gradients, one after another (`dim` values each, in slot order), each summed
+    /// The ids with a gradient, ascending, each once.
+    ids: Vec<u64>,
+    /// Their gradients, row after row (`dim` values each, in the order of `ids`), each summed
     /// over the step's lookups (of its one replica): one allocation for the step's rows, not
     /// one per row.
     values: Vec<f32>,
+    /// Rows pulled ahead for a lookup ([`TableStore::prefetch`]): the lease they were pulled
+    /// under, their ids (distinct, ascending) and values.
+    prefetched: Option<(u64, Vec<u64>, Vec<f32>)>,
+}
+
+impl StepTable {
+    /// Adds the gradient `grad` (row after row, `dim` values each) of the rows `ids`.
+    fn add(&mut self, ids: &[u64], grad: Vec<f32>, dim: usize) {
+        let ascending = ids.windows(2).all(|w| w[0] < w[1]);
+        if self.ids.is_empty() && ascending {
+            // A step's one lookup of the table (the usual case): its rows as they come.
+            self.ids = ids.to_vec();
+            self.values = grad;
+            return;
+        }
+        // Merge: the rows already held and the new ones, in id order, equal ids summed (the
+        // new rows of one id in the order they came).
+        let mut order: Vec<usize> = (0..ids.len()).collect();
+        if !ascending {
+            order.sort_by_key(|&k| ids[k]);
+        }
+        let (old_ids, old_values) = (std::mem::take(&mut self.ids), std::mem::take(&mut self.values));
+        let mut merged_ids = Vec::with_capacity(old_ids.len() + ids.len());
+        let mut merged = Vec::with_capacity(old_values.len() + grad.len());
+        let (mut a, mut b) = (0, 0);
+        while a < old_ids.len() || b < order.len() {
+            let next_new = order.get(b).map(|&k| ids[k]);
+            let take_old = match (old_ids.get(a), next_new) {
+                (Some(&o), Some(n)) => o <= n,
+                (Some(_), None) => true,
+                (None, _) => false,
+            };
+            let (id, row) = if take_old {
+                a += 1;
+                (old_ids[a - 1], &old_values[(a - 1) * dim..a * dim])
+            } else {
+                let k = order[b];
+                b += 1;
+                (ids[k], &grad[k * dim..(k + 1) * dim])
+            };
+            if merged_ids.last() == Some(&id) {
+                let start = merged.len() - dim;
+                merged[start..].iter_mut().zip(row).for_each(|(m, g)| *m += g);
+            } else {
+                merged_ids.push(id);
+                merged.extend_from_slice(row);
+            }
+        }
+        self.ids = merged_ids;
+        self.values = merged;
+    }
 }
 
 /// What the store knows of the current step.
@@ -63,6 +114,9 @@ pub struct TableTraffic {
     pub bytes_pushed: u64,
     /// Rows pushed (distinct per step and ps task).
     pub rows_pushed: u64,
+    /// Pulls of rows sent (one per lookup or prefetch that pulled, whatever the number of ps
+    /// tasks asked): a lookup served by rows pulled ahead sends none.
+    pub pulls: u64,
 }
 
 /// Who a store pulls and pushes as, and to which ps tasks.
@@ -183,7 +237,7 @@ impl PsTables {
 
     /// Whether the current step's backward gave gradients already.
     fn has_gradients(&self) -> bool {
-        lock(&self.step).tables.values().any(|t| !t.grads.is_empty())
+        lock(&self.step).tables.values().any(|t| !t.ids.is_empty())
     }
 
     /// The current step's lease (the number of steps this store has ended).
@@ -218,10 +272,10 @@ impl PsTables {
             let mut rows: Vec<RowGrads> =
                 (0..n).map(|_| RowGrads { table: name.clone(), lease, ids: Vec::new(), grads: Vec::new() }).collect();
             let dim = config.dim;
-            for (&id, &slot) in &st.grads {
+            for (&id, row) in st.ids.iter().zip(st.values.chunks_exact(dim.max(1))) {
                 let k = owner_of(config.size, id, n);
                 rows[k].ids.push(id);
-                rows[k].grads.extend_from_slice(&st.values[slot * dim..(slot + 1) * dim]);
+                rows[k].grads.extend_from_slice(row);
             }
             for (k, r) in rows.into_iter().enumerate() {
                 if !r.ids.is_empty() {
@@ -240,6 +294,54 @@ impl PsTables {
             t.rows_pushed += rows;
         }
         per_task
+    }
+
+    /// Pulls the rows `ids` (distinct, ascending) of `table` from the ps tasks that own them,
+    /// in parallel, under the step's lease, and records each task's version for the push.
+    fn pull_now(&self, table: &str, config: &TableConfig, ids: &[u64]) -> Result<Vec<f32>> {
+        let (worker, _, clients) = self.bound()?;
+        lock(&self.traffic).pulls += 1;
+        let n = clients.len();
+        let mut per_task: Vec<Vec<u64>> = vec![Vec::new(); n];
+        let mut place = Vec::with_capacity(ids.len());
+        for &id in ids {
+            config.check_id(id)?;
+            let k = owner_of(config.size, id, n);
+            place.push((k, per_task[k].len()));
+            per_task[k].push(id);
+        }
+        let lease = self.lease();
+        let pulled: Vec<Result<TaskRows>> =
+            on_each_task("rows pull", per_task.iter().zip(clients.iter()), |(mine, client)| {
+                if mine.is_empty() {
+                    return Ok(None);
+                }
+                let r = client.pull_rows(&worker, lease, &[(table, mine)]).map_err(Error::from)?;
+                let values = r.values.into_iter().next().unwrap_or_default();
+                Ok(Some((values, r.version)))
+            });
+        let pulled = pulled.into_iter().collect::<Result<Vec<_>>>()?;
+        let dim = config.dim;
+        let mut values = vec![0f32; ids.len() * dim];
+        for (i, &(k, at)) in place.iter().enumerate() {
+            let Some((rows, _)) = &pulled[k] else { continue };
+            let row = rows.get(at * dim..(at + 1) * dim).ok_or_else(|| {
+                Error::Cluster(format!(
+                    "ps:{k} returned {} values of table {table:?} for {} rows",
+                    rows.len(),
+                    per_task[k].len()
+                ))
+            })?;
+            values[i * dim..(i + 1) * dim].copy_from_slice(row);
+        }
+        let mut step = lock(&self.step);
+        let st = step.tables.entry(table.to_string()).or_default();
+        for (k, p) in pulled.iter().enumerate() {
+            if let Some((_, version)) = p {
+                st.versions.insert(k, *version);
+            }
+        }
+        Ok(values)
     }
 
     /// Pushes the step's rows to every ps task that owns some, in parallel, as update
@@ -312,48 +414,23 @@ impl TableStore for PsTables {
             self.push(lease)?;
             lock(&self.step).lease = lease + 1;
         }
-        let (worker, _, clients) = self.bound()?;
-        let n = clients.len();
-        let mut per_task: Vec<Vec<u64>> = vec![Vec::new(); n];
-        let mut place = Vec::with_capacity(ids.len());
-        for &id in ids {
-            config.check_id(id)?;
-            let k = owner_of(config.size, id, n);
-            place.push((k, per_task[k].len()));
-            per_task[k].push(id);
-        }
-        let lease = self.lease();
-        let pulled: Vec<Result<TaskRows>> =
-            on_each_task("rows pull", per_task.iter().zip(clients.iter()), |(mine, client)| {
-                if mine.is_empty() {
-                    return Ok(None);
-                }
-                let r = client.pull_rows(&worker, lease, &[(table, mine)]).map_err(Error::from)?;
-                let values = r.values.into_iter().next().unwrap_or_default();
-                Ok(Some((values, r.version)))
-            });
-        let pulled = pulled.into_iter().collect::<Result<Vec<_>>>()?;
-        let dim = config.dim;
-        let mut values = vec![0f32; ids.len() * dim];
-        for (i, &(k, at)) in place.iter().enumerate() {
-            let Some((rows, _)) = &pulled[k] else { continue };
-            let row = rows.get(at * dim..(at + 1) * dim).ok_or_else(|| {
-                Error::Cluster(format!(
-                    "ps:{k} returned {} values of table {table:?} for {} rows",
-                    rows.len(),
-                    per_task[k].len()
-                ))
-            })?;
-            values[i * dim..(i + 1) * dim].copy_from_slice(row);
-        }
-        let mut step = lock(&self.step);
-        let st = step.tables.entry(table.to_string()).or_default();
-        for (k, p) in pulled.iter().enumerate() {
-            if let Some((_, version)) = p {
-                st.versions.insert(k, *version);
+        // Rows pulled ahead for this step, if it asks for the same ones (their versions were
+        // taken then); else they are dropped and the rows pulled now.
+        let ahead = lock(&self.step).tables.get_mut(table).and_then(|st| st.prefetched.take());
+        if let Some((lease, pulled, values)) = ahead {
+            if lease == self.lease() && pulled == ids {
+                return Ok(values);
             }
         }
-        Ok(values)
+        self.pull_now(table, &config, ids)
+    }
+
+    fn prefetch(&self, replica: usize, table: &str, ids: &[u64]) -> Result<()> {
+        let values = self.pull(replica, table, ids)?;
+        let mut step = lock(&self.step);
+        let lease = step.lease;
+        step.tables.entry(table.to_string()).or_default().prefetched = Some((lease, ids.to_vec(), values));
+        Ok(())
     }
 
     /// One replica: the gradient is its loss's (a mean over its batch rows), as a worker of one
@@ -368,18 +445,7 @@ impl TableStore for PsTables {
                 ids.len()
             )));
         }
-        let mut step = lock(&self.step);
-        let st = step.tables.entry(table.to_string()).or_default();
-        for (src, &id) in grad.chunks_exact(dim.max(1)).zip(ids) {
-            let next = st.grads.len();
-            let slot = *st.grads.entry(id).or_insert(next);
-            if slot == next {
-                st.values.extend_from_slice(src);
-            } else {
-                let row = &mut st.values[slot * dim..(slot + 1) * dim];
-                row.iter_mut().zip(src).for_each(|(r, g)| *r += g);
-            }
-        }
+        lock(&self.step).tables.entry(table.to_string()).or_default().add(ids, grad, dim);
         Ok(())
     }
 
@@ -416,5 +482,30 @@ impl TableStore for PsTables {
         };
         lock(&self.step).lease = lease + 1;
         pushed
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::StepTable;
+
+    #[test]
+    fn a_step_s_row_gradients_are_summed_per_id_in_id_order() {
+        let mut t = StepTable::default();
+        // The usual case: one lookup's distinct ids, ascending, taken as they come.
+        t.add(&[2, 5, 9], vec![1.0, 1.5, 2.0, 2.5, 3.0, 3.5], 2);
+        assert_eq!(
+            (t.ids.as_slice(), t.values.as_slice()),
+            ([2, 5, 9].as_slice(), [1.0, 1.5, 2.0, 2.5, 3.0, 3.5].as_slice())
+        );
+        // A second lookup, unordered and with a repeated id: merged in id order, the rows
+        // already held first, then the new ones in the order they came.
+        t.add(&[9, 1, 5, 9], vec![10.0, 0.0, 20.0, 0.0, 30.0, 0.0, 0.25, 0.5], 2);
+        assert_eq!(t.ids, [1, 2, 5, 9]);
+        assert_eq!(t.values, [20.0, 0.0, 1.0, 1.5, 32.0, 2.5, 13.25, 4.0]);
+        // Into an empty table, ids out of order.
+        let mut u = StepTable::default();
+        u.add(&[7, 3, 7], vec![1.0, 2.0, 3.0], 1);
+        assert_eq!((u.ids.as_slice(), u.values.as_slice()), ([3, 7].as_slice(), [2.0, 4.0].as_slice()));
     }
 }

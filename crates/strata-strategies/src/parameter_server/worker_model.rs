@@ -532,6 +532,11 @@ impl<M> PsWorkerModel<M> {
         Ok(())
     }
 
+    /// What the steps' embedding-table lookups pulled and pushed so far.
+    pub fn table_traffic(&self) -> super::TableTraffic {
+        self.slot.tables.traffic()
+    }
+
     /// The model (its copy for a replica: `model().on(ctx)`).
     pub fn model(&self) -> &Replicated<M> {
         &self.model
@@ -564,19 +569,27 @@ impl<M> PsWorkerModel<M> {
 
     /// [`Self::run_batch`] of the batch `make` returns, made on this thread while another pulls
     /// the variables: a batch generated for the step (the click model's records) costs the step
-    /// no time where the pull waits on the ps tasks. The pull's error comes first.
+    /// no time where the pull waits on the ps tasks. Then, still beside that pull, `prefetch`
+    /// gets the model (its copy for replica 0) and the batch, to have the rows of its embedding
+    /// tables the step will look up pulled ahead ([`Embedding::prefetch`], e.g. `|m, b|
+    /// Ok(m.embedding().prefetch(&b.1)?)`; `|_, _| Ok(())` for none): the step's lookups then
+    /// wait for no pull of their own. The pull's error comes first.
+    ///
+    /// [`Embedding::prefetch`]: strata_core::layers::Embedding::prefetch
     pub fn run_batch_made<B: BatchData, T: Send>(
         &self,
         w: &WorkerContext,
         make: impl FnOnce() -> Result<B>,
+        prefetch: impl FnOnce(&M, &B) -> Result<()>,
         step: impl Fn(&ReplicaContext<'_>, &Shard<B>) -> Result<T> + Sync,
     ) -> Result<PsStep<T>>
     where
         M: Sync,
     {
+        self.slot.tables.bind(w.task(), w.ps_clients());
         let (ticket, batch) = std::thread::scope(|s| {
             let pulled = s.spawn(|| self.pull_for_step(w));
-            let batch = make();
+            let batch = make().and_then(|b| prefetch(self.model.primary(), &b).map(|()| b));
             let ticket = pulled.join().unwrap_or_else(|_| Err(Error::Cluster("the step's pull panicked".into())));
             (ticket, batch)
         });
