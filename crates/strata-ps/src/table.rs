@@ -45,6 +45,9 @@ pub struct TableRows {
 pub(crate) struct Lease {
     number: u64,
     ids: Vec<u64>,
+    /// Each id's row (slab index) when it was pulled: where a push finds it without hashing,
+    /// checked against the row's id (an eviction moves the last row into the evicted one's).
+    rows: Vec<usize>,
 }
 
 /// One embedding table's shard on a task.
@@ -196,6 +199,23 @@ impl Table {
         Ok(())
     }
 
+    /// Refuses `ids` if one appears twice (no copy where they come ascending, as a worker
+    /// sends them).
+    fn check_distinct(&self, task: &str, ids: &[u64]) -> Result<()> {
+        if ids.windows(2).all(|w| w[0] < w[1]) {
+            return Ok(());
+        }
+        self.sorted_distinct(task, ids).map(drop)
+    }
+
+    /// The row of `id`, held at `hint` when it was leased unless an eviction moved it since.
+    fn row_at(&self, id: u64, hint: usize) -> Option<usize> {
+        if self.ids.get(hint) == Some(&id) {
+            return Some(hint);
+        }
+        self.index.get(&id).copied()
+    }
+
     /// `ids` sorted, refused if one appears twice.
     fn sorted_distinct(&self, task: &str, ids: &[u64]) -> Result<Vec<u64>> {
         let mut sorted = try_with_capacity(task, ids.len(), "a request's row ids")?;
@@ -241,6 +261,7 @@ impl Table {
         let plan = self.plan_pull(task, worker, lease, ids, version, other_bytes)?;
         let dim = self.dim();
         let mut out = try_with_capacity(task, ids.len() * dim, "pulled rows")?;
+        let mut rows = try_with_capacity(task, ids.len(), "a lease's rows")?;
         let n = plan.create.len();
         let reserved = self.ids.try_reserve(n).is_ok()
             && self.values.try_reserve(n).is_ok()
@@ -272,9 +293,16 @@ impl Table {
             self.last_seen[r] = version;
             self.pins[r] += 1;
             out.extend_from_slice(self.values.row(r));
+            rows.push(r);
+        }
+        if plan.sorted != ids {
+            // The lease's rows in the order of its sorted ids.
+            rows.clear();
+            rows.extend(plan.sorted.iter().map(|id| self.index[id]));
         }
         self.leased += plan.sorted.len();
-        self.leases.entry(worker.to_string()).or_default().push_back(Lease { number: lease, ids: plan.sorted });
+        let held = Lease { number: lease, ids: plan.sorted, rows };
+        self.leases.entry(worker.to_string()).or_default().push_back(held);
         Ok(out)
     }
 
@@ -382,8 +410,8 @@ impl Table {
     }
 
     fn unpin(&mut self, lease: &Lease) {
-        for id in &lease.ids {
-            if let Some(&r) = self.index.get(id) {
+        for (&id, &hint) in lease.ids.iter().zip(&lease.rows) {
+            if let Some(r) = self.row_at(id, hint) {
                 self.pins[r] = self.pins[r].saturating_sub(1);
             }
         }
@@ -416,12 +444,12 @@ impl Table {
         if rg.grads.len() != n * dim {
             return Err(Error::RowWidth { table: self.name().into(), dim, ids: n, grads: rg.grads.len() });
         }
-        self.sorted_distinct(task, &rg.ids)?;
+        self.check_distinct(task, &rg.ids)?;
         let lease = self.leases.get(worker).and_then(|ls| ls.iter().find(|l| l.number == rg.lease));
         let mut rows = try_with_capacity(task, n, "a push's rows")?;
         for &id in &rg.ids {
-            let r = lease.filter(|l| l.ids.binary_search(&id).is_ok()).and_then(|_| self.index.get(&id));
-            let Some(&r) = r else {
+            let r = lease.and_then(|l| l.ids.binary_search(&id).ok().and_then(|j| self.row_at(id, l.rows[j])));
+            let Some(r) = r else {
                 return Err(Error::NotLeased { table: self.name().into(), id, lease: rg.lease });
             };
             rows.push(r);

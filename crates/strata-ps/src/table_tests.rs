@@ -320,6 +320,45 @@ fn id_space_tables_grow_evict_and_refuse_at_their_bound() {
     assert!(matches!(e, Error::TableFull { bound: 1, rows: 2, .. }), "{e}");
 }
 
+/// A lease remembers where its rows were; an eviction that moves a leased row (the last one
+/// into the evicted one's place) does not misdirect the lease's push or its unpinning: the
+/// push steps the moved row itself, the row now at its old place keeps its values, and the
+/// moved row is free to go once the push released it.
+#[test]
+fn a_leased_row_moved_by_an_eviction_is_pushed_and_released_where_it_is() {
+    let dim = 2;
+    let size = TableSize::Ids { max_rows_per_shard: 3, evict_after: Some(1) };
+    let mut s = task(PsMode::Async, vec![table("m", size, dim, RowOptimizer::Sgd { lr: 0.5 }, 0, 1)]);
+    let ids = |s: &State| s.snapshot().tables[0].ids.clone();
+    pull(&mut s, "a", 1, "m", &[1, 2]).unwrap();
+    push(&mut s, "a", 0, vec![rows("m", 1, &[], vec![])]).unwrap(); // version 1: 1 and 2 unpinned
+    pull(&mut s, "b", 1, "m", &[3]).unwrap(); // row 3 last, pinned by b's lease 1
+    push(&mut s, "a", 1, vec![]).unwrap();
+    push(&mut s, "a", 2, vec![]).unwrap(); // version 3: 1 and 2 are stale
+    assert_eq!(ids(&s), vec![1, 2, 3]);
+    // Row 1 goes (the least recently seen); row 3, the last, moves into its place and 4 takes
+    // row 3's (the snapshot lists rows by id).
+    pull(&mut s, "a", 2, "m", &[4]).unwrap();
+    assert_eq!(ids(&s), vec![2, 3, 4]);
+    let g = grad(3, 9, dim);
+    // (Updates are numbered per client: b's step is one a never used.)
+    let (_, duplicate) = applied(push(&mut s, "b", 100, vec![rows("m", 1, &[3], g.clone())]).unwrap());
+    assert!(!duplicate);
+    let want3: Vec<f32> = init("m", 3, dim).iter().zip(&g).map(|(w, g)| w - 0.5 * g).collect();
+    assert_eq!(bits(&pull(&mut s, "c", 1, "m", &[3]).unwrap()), bits(&want3), "the moved row was stepped");
+    assert_eq!(bits(&pull(&mut s, "c", 1, "m", &[4]).unwrap()), bits(&init("m", 4, dim)), "its old place was not");
+    // Release c's and a's leases, let 2 and 3 go stale: both may be evicted now (3 is pinned
+    // by nothing: b's push released it where it is).
+    push(&mut s, "c", 200, vec![rows("m", 1, &[], vec![])]).unwrap();
+    push(&mut s, "a", 3, vec![rows("m", 2, &[], vec![])]).unwrap();
+    push(&mut s, "a", 4, vec![]).unwrap();
+    push(&mut s, "a", 5, vec![]).unwrap();
+    pull(&mut s, "d", 1, "m", &[5, 6]).unwrap();
+    let mut left = ids(&s);
+    left.sort_unstable();
+    assert_eq!(left, vec![4, 5, 6], "rows 2 and 3 were evictable");
+}
+
 /// Every bad pull or push is refused with one line naming the table and the field, changes
 /// nothing (a snapshot is the same, and the lease still serves a good push), and the task
 /// serves on.
