@@ -121,9 +121,7 @@ pub(crate) fn join(args: &TrainArgs) -> Result<Joined> {
         .map(|(task, address)| PsClient::connect(address, &task.to_string(), token.clone(), config.clone()))
         .collect::<strata_transport::Result<Vec<_>>>()
         .map_err(strata_core::Error::from)?;
-    // The ctr model's step differentiates its loss once: its rows go as soon as the backward
-    // pass ends, beside the dense layers' all-reduce and optimizer step.
-    let store = Arc::new(PsTables::new(cluster.task.to_string(), clients.clone()).pushed_when_backward_ends());
+    let store = Arc::new(PsTables::new(cluster.task.to_string(), clients.clone()));
     Ok(Joined::Worker(Box::new(HybridWorker { cluster, token, store, ps, clients, local })))
 }
 

@@ -267,16 +267,6 @@ pub trait TableStore: Send + Sync + std::fmt::Debug {
     /// `replica` pulled, computed from a loss that is the mean over `batch_rows` rows.
     fn gradient(&self, replica: usize, table: &str, ids: &[u64], grad: Vec<f32>, batch_rows: usize) -> Result<()>;
 
-    /// `replica`'s backward pass of the step ended (in
-    /// [`ReplicaContext::backward_and_sync`](crate::ReplicaContext::backward_and_sync), before
-    /// the dense gradients' reduction and the optimizer's step): its lookups' gradients are all
-    /// in. A store that sends rows may start sending them now, beside the rest of the step;
-    /// [`end_step`](Self::end_step) still ends the step. Nothing by default.
-    fn gradients_done(&self, replica: usize) -> Result<()> {
-        let _ = replica;
-        Ok(())
-    }
-
     /// `replica`'s step ended (`failed`: with an error; its gradients are dropped): the store
     /// sends what the step's replicas gave it, if the strategy's optimizer did not. Every
     /// replica of a step ends it once, after its backward pass; a strategy with a store runs

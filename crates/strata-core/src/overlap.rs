@@ -424,19 +424,11 @@ impl ReplicaContext<'_> {
         self.sync_and_apply_counted(grads, opt, Some(loss))
     }
 
-    /// Runs `pass` (this replica's backward pass) inside its timeline phase and trace span,
-    /// then tells the strategy's table store, if it has one, that the pass is over
-    /// ([`TableStore::gradients_done`](crate::embedding::TableStore::gradients_done)).
-    fn backward_phase(&self, pass: impl FnOnce() -> candle_core::Result<GradStore>) -> Result<GradStore> {
-        let grads = {
-            let _p = self.phase("step", "backward");
-            let _s = tracing::trace_span!("backward", replica = self.replica).entered();
-            pass()?
-        };
-        if let Some(tables) = &self.shared.ext.options().tables {
-            tables.gradients_done(self.replica)?;
-        }
-        Ok(grads)
+    /// Runs `pass` (this replica's backward pass) inside its timeline phase and trace span.
+    fn backward_phase<T>(&self, pass: impl FnOnce() -> T) -> T {
+        let _p = self.phase("step", "backward");
+        let _s = tracing::trace_span!("backward", replica = self.replica).entered();
+        pass()
     }
 
     /// The plan every replica and worker follows: replica 0's order of worker 0, in buckets

@@ -121,20 +121,8 @@ fn train(s: &StrategyHandle) -> (candle_core::Result<Vec<f32>>, strata_core::Rep
 
 #[test]
 fn a_table_on_ps_tasks_trains_as_one_device_trains_the_whole_table() {
-    table_on_ps_tasks_against_one_device(false);
-}
-
-/// The same with the rows pushed as soon as each step's backward pass ends (beside the dense
-/// step): the same bits, the same pushes, each applied once.
-#[test]
-fn rows_pushed_when_the_backward_pass_ends_train_as_rows_pushed_at_the_step_s_end() {
-    table_on_ps_tasks_against_one_device(true);
-}
-
-fn table_on_ps_tasks_against_one_device(early: bool) {
     let (_servers, clients) = ps_tasks(2);
-    let store = PsTables::new("worker:0", clients.clone());
-    let store = Arc::new(if early { store.pushed_when_backward_ends() } else { store });
+    let store = Arc::new(PsTables::new("worker:0", clients.clone()));
     let options = StrategyOptions { seed: SEED, tables: Some(store.clone()), ..Default::default() };
     let sparse = OneDeviceStrategy::with_options(strata_core::device::logical_cpus(1).unwrap()[0].clone(), options)
         .unwrap()
@@ -396,52 +384,9 @@ fn ps_job_against_one_device(size: TableSize, prefetch: Prefetch) {
 /// worker's push is its half's mean gradient, and the two add.
 #[test]
 fn hybrid_dense_layers_synchronous_and_tables_asynchronous_on_ps_tasks() {
-    hybrid_against_one_device(false);
-}
-
-/// The same hybrid job with each worker's rows pushed as soon as its backward pass ends,
-/// beside the dense layer's all-reduce (as `strata train --ps-mode hybrid` runs).
-#[test]
-fn hybrid_rows_pushed_when_the_backward_pass_ends() {
-    hybrid_against_one_device(true);
-}
-
-/// A second backward pass of a step's loss after its rows were pushed (when the first ended) is
-/// refused in one line naming the table; nothing of it is pushed, and the store goes on.
-#[test]
-fn gradients_after_an_early_push_are_refused() {
-    let (_servers, clients) = ps_tasks(2);
-    let store = Arc::new(PsTables::new("worker:0", clients.clone()).pushed_when_backward_ends());
-    let options = StrategyOptions { seed: SEED, tables: Some(store.clone()), ..Default::default() };
-    let s = OneDeviceStrategy::with_options(strata_core::device::logical_cpus(1).unwrap()[0].clone(), options)
-        .unwrap()
-        .handle();
-    let model = s.scope(Model::new).unwrap();
-    let opt = model.optimizer::<SGD>(LR).unwrap();
-    let (ids, target) = batches()[0].clone();
-    let err = s
-        .run(|ctx| {
-            // (A second lookup would start the next step: the same loss, differentiated twice.)
-            let loss = model.on(ctx)?.loss(&ids, &target)?;
-            ctx.backward_and_sync(&loss, &opt)?;
-            ctx.backward_and_sync(&loss, &opt)
-        })
-        .unwrap_err()
-        .to_string();
-    // One line (a backtrace may follow it where RUST_BACKTRACE asks for one).
-    let first = err.lines().next().unwrap_or_default();
-    assert!(first.contains("\"emb\"") && first.contains("second backward pass"), "{err}");
-    // The first pass's rows were pushed, once per task holding some; the next step trains.
-    let applied = |c: &[PsClient]| c.iter().map(|c| c.status().unwrap().pushes_applied).sum::<u64>();
-    assert_eq!(applied(&clients), 2);
-    s.run(|ctx| ctx.backward_and_sync(&model.on(ctx)?.loss(&ids, &target)?, &opt)).unwrap();
-    assert_eq!(applied(&clients), 4);
-}
-
-fn hybrid_against_one_device(early: bool) {
     use strata_strategies::cluster::{ClusterConfig, ClusterSpec, TaskId};
     use strata_strategies::{MultiWorkerMirroredStrategy, MultiWorkerOptions};
-    crate::common::with_timeout(Duration::from_secs(180), "hybrid_dense_sync_tables_async", move || {
+    crate::common::with_timeout(Duration::from_secs(180), "hybrid_dense_sync_tables_async", || {
         let (_servers, clients) = ps_tasks_empty(2);
         let ports = crate::common::loopback_ports(2);
         let spec = ClusterSpec::workers(ports.iter().map(|p| format!("127.0.0.1:{p}")).collect::<Vec<_>>()).unwrap();
@@ -449,8 +394,7 @@ fn hybrid_against_one_device(early: bool) {
             .map(|i| {
                 let (spec, clients) = (spec.clone(), clients.clone());
                 std::thread::spawn(move || {
-                    let store = PsTables::new(format!("worker:{i}"), clients);
-                    let store = Arc::new(if early { store.pushed_when_backward_ends() } else { store });
+                    let store = Arc::new(PsTables::new(format!("worker:{i}"), clients));
                     let mut o = MultiWorkerOptions::new(token()).unwrap();
                     o.local_devices = strata_core::device::logical_cpus(1).unwrap();
                     o.coordination.rendezvous_timeout = Duration::from_secs(30);

@@ -98,9 +98,6 @@ struct Step {
     /// The lease (and update step) of this step's pulls and push.
     lease: u64,
     tables: HashMap<String, StepTable>,
-    /// Whether the step's rows were pushed when its backward pass ended
-    /// ([`PsTables::pushed_when_backward_ends`]).
-    pushed_early: bool,
 }
 
 /// What a store's training steps moved: the steps that pushed rows, the bytes of row values
@@ -140,11 +137,6 @@ pub struct PsTables {
     binding: Mutex<Binding>,
     /// Whether [`end_step`](TableStore::end_step) pushes (`false`: the dense push takes them).
     push_at_end: bool,
-    /// Whether the rows are pushed as soon as the backward pass ends, beside the rest of the
-    /// step ([`PsTables::pushed_when_backward_ends`]).
-    early: bool,
-    /// The push started when the backward pass ended, until the step's end waits for it.
-    pending: Mutex<Option<std::thread::JoinHandle<Result<()>>>>,
     tables: Mutex<HashMap<String, TableConfig>>,
     step: Mutex<Step>,
     traffic: Mutex<TableTraffic>,
@@ -172,8 +164,6 @@ impl PsTables {
         Self {
             binding: Mutex::new(Binding::default()),
             push_at_end: true,
-            early: false,
-            pending: Mutex::new(None),
             tables: Mutex::new(HashMap::new()),
             step: Mutex::new(Step::default()),
             traffic: Mutex::new(TableTraffic::default()),
@@ -206,19 +196,6 @@ impl PsTables {
     /// instead of pushed at the end of the step.
     pub fn pushed_with_the_dense_gradients(mut self) -> Self {
         self.push_at_end = false;
-        self
-    }
-
-    /// The same store, pushing a step's rows as soon as its backward pass ends
-    /// ([`TableStore::gradients_done`]), on a thread of their own, while the step reduces its
-    /// dense gradients and steps its optimizer; the step's end waits for that push (and gives
-    /// its error). Hybrid training's step gains the push's time. The rows are the same, applied
-    /// once, and the next step's pull still comes after them. For steps with one backward pass:
-    /// gradients after the push (a second pass in the step) are refused in one line, since the
-    /// push spent the rows' lease. A step that fails after its backward pass has its rows
-    /// applied (as an asynchronous worker's push is, whatever becomes of the worker).
-    pub fn pushed_when_backward_ends(mut self) -> Self {
-        self.early = true;
         self
     }
 
@@ -372,33 +349,13 @@ impl PsTables {
     fn push(&self, lease: u64) -> Result<()> {
         let (worker, client, clients) = self.bound()?;
         let per_task = self.take_rows();
-        push_rows(&UpdateId { worker, client, step: lease, seq: 0 }, &per_task, &clients)
+        let id = UpdateId { worker, client, step: lease, seq: 0 };
+        let tasks = per_task.iter().zip(clients.iter()).filter(|((rows, _), _)| !rows.is_empty());
+        let results = on_each_task("rows push", tasks, |((rows, base), client)| {
+            client.push_rows(&id, *base, &[], rows).map(drop).map_err(Error::from)
+        });
+        results.into_iter().collect()
     }
-
-    /// Waits for the push started when the step's backward pass ended, if there is one.
-    fn wait_pending(&self) -> Result<()> {
-        match lock(&self.pending).take() {
-            Some(push) => push.join().unwrap_or_else(|_| Err(Error::Cluster("the rows' push thread panicked".into()))),
-            None => Ok(()),
-        }
-    }
-
-    /// Moves on to lease `lease` (a new step).
-    fn next_lease(&self, lease: u64) {
-        let mut step = lock(&self.step);
-        step.lease = lease;
-        step.pushed_early = false;
-    }
-}
-
-/// Pushes `per_task` (each ps task's rows and the version they were pulled at) to the tasks of
-/// `clients` that own some, in parallel, as update `id`.
-fn push_rows(id: &UpdateId, per_task: &[(Vec<RowGrads>, u64)], clients: &[PsClient]) -> Result<()> {
-    let tasks = per_task.iter().zip(clients.iter()).filter(|((rows, _), _)| !rows.is_empty());
-    let results = on_each_task("rows push", tasks, |((rows, base), client)| {
-        client.push_rows(id, *base, &[], rows).map(drop).map_err(Error::from)
-    });
-    results.into_iter().collect()
 }
 
 /// `call` on each of `tasks` (one ps task's work each), in parallel, one scoped thread each;
@@ -452,11 +409,10 @@ impl TableStore for PsTables {
         let config = self.config(table)?;
         // A lookup after the step's backward starts the next step (several steps in one run
         // of the strategy, as a trainer's execution has): the last one's rows go first.
-        if self.push_at_end && (self.has_gradients() || lock(&self.step).pushed_early) {
+        if self.push_at_end && self.has_gradients() {
             let lease = self.lease();
-            self.wait_pending()?;
             self.push(lease)?;
-            self.next_lease(lease + 1);
+            lock(&self.step).lease = lease + 1;
         }
         // Rows pulled ahead for this step, if it asks for the same ones (their versions were
         // taken then); else they are dropped and the rows pulled now.
@@ -489,31 +445,7 @@ impl TableStore for PsTables {
                 ids.len()
             )));
         }
-        let mut step = lock(&self.step);
-        if step.pushed_early {
-            return Err(Error::InvalidArgument(format!(
-                "gradients of embedding table {table:?} came after the step's rows were pushed (a second backward pass in one step); a store pushed when the backward pass ends takes one pass a step"
-            )));
-        }
-        step.tables.entry(table.to_string()).or_default().add(ids, grad, dim);
-        Ok(())
-    }
-
-    fn gradients_done(&self, replica: usize) -> Result<()> {
-        if !(self.push_at_end && self.early) || replica != 0 || !self.has_gradients() {
-            return Ok(());
-        }
-        self.wait_pending()?;
-        let (worker, client, clients) = self.bound()?;
-        let lease = self.lease();
-        let per_task = self.take_rows();
-        lock(&self.step).pushed_early = true;
-        let id = UpdateId { worker, client, step: lease, seq: 0 };
-        let push = std::thread::Builder::new()
-            .name("strata-rows-push".into())
-            .spawn(move || push_rows(&id, &per_task, &clients))
-            .map_err(|e| Error::Cluster(format!("starting the push of the step's rows: {e}")))?;
-        *lock(&self.pending) = Some(push);
+        lock(&self.step).tables.entry(table.to_string()).or_default().add(ids, grad, dim);
         Ok(())
     }
 
@@ -540,7 +472,6 @@ impl TableStore for PsTables {
             return Ok(());
         }
         let lease = self.lease();
-        let early = self.wait_pending();
         let pushed = if failed {
             lock(&self.step).tables.clear();
             Ok(())
@@ -549,8 +480,8 @@ impl TableStore for PsTables {
         } else {
             Ok(())
         };
-        self.next_lease(lease + 1);
-        early.and(pushed)
+        lock(&self.step).lease = lease + 1;
+        pushed
     }
 }
 
