@@ -481,3 +481,31 @@ fn ps_tasks_empty(n: usize) -> (Vec<PsServerHandle>, Vec<PsClient>) {
         })
         .unzip()
 }
+
+/// A step's rows pulled ahead a second time under the same lease (a step tried again) are
+/// pulled afresh: the lookup reads what another worker pushed in between, not the first try's
+/// rows.
+#[test]
+fn rows_pulled_ahead_again_are_pulled_afresh() {
+    use strata_transport::ps::{RowGrads, UpdateId};
+    let (_servers, clients) = ps_tasks(2);
+    let store = PsTables::new("worker:0", clients.clone());
+    store.declare(&table()).unwrap();
+    let id = 5u64;
+    let k = owner_of(TableSize::Rows(ROWS), id, 2);
+    store.prefetch(0, "emb", &[id]).unwrap();
+    // Another worker steps row 5 (SGD at LR, gradient 1 everywhere).
+    clients[k].pull_rows("worker:9", 1, &[("emb", &[id])]).unwrap();
+    let update = UpdateId { worker: "worker:9".into(), client: "other".into(), step: 0, seq: 0 };
+    let rows = RowGrads { table: "emb".into(), lease: 1, ids: vec![id], grads: vec![1.0; DIM] };
+    clients[k].push_rows(&update, 0, &[], &[rows]).unwrap();
+    store.prefetch(0, "emb", &[id]).unwrap();
+    let got = store.pull(0, "emb", &[id]).unwrap();
+    let mut want = vec![0f32; DIM];
+    init_row(SEED, "emb", table().init, id, &mut want);
+    for (g, w) in got.iter().zip(&want) {
+        assert!((g - (w - LR as f32)).abs() < 1e-6, "the second prefetch's rows: {got:?}, initially {want:?}");
+    }
+    // Two pulls, the prefetches'; the lookup took the second one's rows.
+    assert_eq!(store.traffic().pulls, 2);
+}

@@ -426,6 +426,11 @@ impl TableStore for PsTables {
     }
 
     fn prefetch(&self, replica: usize, table: &str, ids: &[u64]) -> Result<()> {
+        // Always a fresh pull: a step tried again under the same lease (its first try failed
+        // before the strategy ran it) does not take the first try's rows.
+        if let Some(st) = lock(&self.step).tables.get_mut(table) {
+            st.prefetched = None;
+        }
         let values = self.pull(replica, table, ids)?;
         let mut step = lock(&self.step);
         let lease = step.lease;
