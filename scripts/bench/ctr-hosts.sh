@@ -14,26 +14,5 @@ PY=${PYTHON:-python3}
 for a in "$@"; do
     case "$a" in -h | --help) exec "$PY" scripts/bench/ctr_hosts.py "$@" ;; esac
 done
-if [[ $(id -u) -ne 0 ]]; then
-    echo "ctr-hosts.sh needs root (network namespaces, veths, tc): run it as root, e.g. sudo $0 $*" >&2
-    exit 2
-fi
-mkdir -p /run/lock
-exec 9>/run/lock/strata-bh.lock
-if ! flock -n 9; then
-    echo "another hosts.sh or ctr-hosts.sh run holds /run/lock/strata-bh.lock: wait for it to end" >&2
-    exit 2
-fi
-cleanup() {
-    local ns pid
-    for ns in $(ip netns list 2>/dev/null | awk 'index($1, "strata-bh-") == 1 {print $1}'); do
-        for pid in $(ip netns pids "$ns" 2>/dev/null); do kill -KILL "$pid" 2>/dev/null; done
-        ip netns del "$ns" 2>/dev/null
-    done
-}
-trap cleanup EXIT
-cleanup
-if [[ ! -x target/release/strata ]]; then
-    cargo build --release -p strata-cli || exit 1
-fi
-"$PY" scripts/bench/ctr_hosts.py --command "scripts/bench/ctr-hosts.sh $*" "$@"
+source scripts/bench/emulated-hosts.sh
+emulated_hosts ctr-hosts.sh ctr_hosts.py "$@"

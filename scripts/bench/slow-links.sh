@@ -13,26 +13,5 @@ PY=${PYTHON:-python3}
 for a in "$@"; do
     case "$a" in -h | --help | --render | --render=*) exec "$PY" scripts/bench/slow_links.py "$@" ;; esac
 done
-if [[ $(id -u) -ne 0 ]]; then
-    echo "slow-links.sh needs root (network namespaces, veths, tc): run it as root, e.g. sudo $0 $*" >&2
-    exit 2
-fi
-mkdir -p /run/lock
-exec 9>/run/lock/strata-bh.lock
-if ! flock -n 9; then
-    echo "another hosts.sh or slow-links.sh run holds /run/lock/strata-bh.lock: wait for it to end" >&2
-    exit 2
-fi
-cleanup() {
-    local ns pid
-    for ns in $(ip netns list 2>/dev/null | awk 'index($1, "strata-bh-") == 1 {print $1}'); do
-        for pid in $(ip netns pids "$ns" 2>/dev/null); do kill -KILL "$pid" 2>/dev/null; done
-        ip netns del "$ns" 2>/dev/null
-    done
-}
-trap cleanup EXIT
-cleanup
-if [[ ! -x target/release/strata ]]; then
-    cargo build --release -p strata-cli || exit 1
-fi
-"$PY" scripts/bench/slow_links.py --command "scripts/bench/slow-links.sh $*" "$@"
+source scripts/bench/emulated-hosts.sh
+emulated_hosts slow-links.sh slow_links.py "$@"
