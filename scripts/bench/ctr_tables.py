@@ -26,6 +26,7 @@ Needs the peers venv's Python with TensorFlow 2.21 for the TensorFlow side (--py
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -145,7 +146,15 @@ def main():
     ap.add_argument("--modes", default="async",
                     help="Strata's parameter-server modes, comma-separated: async, sync, hybrid")
     a = ap.parse_args()
+    # The records TensorFlow reads (50 MB for the default run), removed however the run ends.
     data = tempfile.mkdtemp(prefix="ctr-records-")
+    try:
+        compare(a, data)
+    finally:
+        shutil.rmtree(data, ignore_errors=True)
+
+
+def compare(a, data):
     if a.only != "strata":
         subprocess.run([a.strata, "ctr-data", "--out", data, "--train-records", str(a.records), "--test-records",
                         str(a.test_records), "--embedding-rows", str(a.rows), "--seed", str(a.seed)], check=True,
