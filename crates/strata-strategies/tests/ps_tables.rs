@@ -288,16 +288,20 @@ fn ps_job_against_one_device(size: TableSize, prefetch: Prefetch) {
                 Prefetch::Same => Some(ids.clone()),
                 Prefetch::Other => Some(batches()[(k + 1) % batches().len()].0.clone()),
             };
-            let make = || Ok((ids, target));
-            let pull_ahead = |m: &Model, _: &(Tensor, Tensor)| match &ahead {
-                Some(ids) => Ok(m.emb.prefetch(ids)?),
-                None => Ok(()),
-            };
-            let out = worker.run_batch_made(w, make, pull_ahead, |ctx, shard| {
+            let step = |ctx: &strata_core::ReplicaContext<'_>, shard: &strata_core::data::Shard<(Tensor, Tensor)>| {
                 let (ids, target) = &shard.batch;
                 let loss = worker.model().on(ctx)?.loss(ids, target)?;
                 ctx.backward_and_sync(&loss, worker.optimizer())
-            })?;
+            };
+            // Without rows pulled ahead, the plain step (`run_batch`); with them, the step of a
+            // batch made beside the dense pull.
+            let out = match ahead {
+                None => worker.run_batch(w, &(ids, target), step)?,
+                Some(ahead) => {
+                    let pull_ahead = |m: &Model, _: &(Tensor, Tensor)| Ok(m.emb.prefetch(&ahead)?);
+                    worker.run_batch_made(w, || Ok((ids, target)), pull_ahead, step)?
+                }
+            };
             Ok(out.push.is_some_and(|p| p.applied()))
         });
         let server = serve_worker(

@@ -47,48 +47,33 @@ struct StepTable {
 impl StepTable {
     /// Adds the gradient `grad` (row after row, `dim` values each) of the rows `ids`.
     fn add(&mut self, ids: &[u64], grad: Vec<f32>, dim: usize) {
-        let ascending = ids.windows(2).all(|w| w[0] < w[1]);
-        if self.ids.is_empty() && ascending {
+        if self.ids.is_empty() && ids.windows(2).all(|w| w[0] < w[1]) {
             // A step's one lookup of the table (the usual case): its rows as they come.
             self.ids = ids.to_vec();
             self.values = grad;
             return;
         }
-        // Merge: the rows already held and the new ones, in id order, equal ids summed (the
-        // new rows of one id in the order they came).
-        let mut order: Vec<usize> = (0..ids.len()).collect();
-        if !ascending {
-            order.sort_by_key(|&k| ids[k]);
-        }
-        let (old_ids, old_values) = (std::mem::take(&mut self.ids), std::mem::take(&mut self.values));
-        let mut merged_ids = Vec::with_capacity(old_ids.len() + ids.len());
-        let mut merged = Vec::with_capacity(old_values.len() + grad.len());
-        let (mut a, mut b) = (0, 0);
-        while a < old_ids.len() || b < order.len() {
-            let next_new = order.get(b).map(|&k| ids[k]);
-            let take_old = match (old_ids.get(a), next_new) {
-                (Some(&o), Some(n)) => o <= n,
-                (Some(_), None) => true,
-                (None, _) => false,
-            };
-            let (id, row) = if take_old {
-                a += 1;
-                (old_ids[a - 1], &old_values[(a - 1) * dim..a * dim])
+        // Several lookups of the table in a step, or ids out of order: every row in id order
+        // (a stable sort: the rows already held first, then the new ones as they came), equal
+        // ids summed in that order.
+        let (held_ids, held) = (std::mem::take(&mut self.ids), std::mem::take(&mut self.values));
+        let chunk = dim.max(1);
+        let mut rows: Vec<(u64, &[f32])> = held_ids
+            .iter()
+            .copied()
+            .zip(held.chunks_exact(chunk))
+            .chain(ids.iter().copied().zip(grad.chunks_exact(chunk)))
+            .collect();
+        rows.sort_by_key(|&(id, _)| id);
+        for (id, row) in rows {
+            if self.ids.last() == Some(&id) {
+                let start = self.values.len() - row.len();
+                self.values[start..].iter_mut().zip(row).for_each(|(v, g)| *v += g);
             } else {
-                let k = order[b];
-                b += 1;
-                (ids[k], &grad[k * dim..(k + 1) * dim])
-            };
-            if merged_ids.last() == Some(&id) {
-                let start = merged.len() - dim;
-                merged[start..].iter_mut().zip(row).for_each(|(m, g)| *m += g);
-            } else {
-                merged_ids.push(id);
-                merged.extend_from_slice(row);
+                self.ids.push(id);
+                self.values.extend_from_slice(row);
             }
         }
-        self.ids = merged_ids;
-        self.values = merged;
     }
 }
 

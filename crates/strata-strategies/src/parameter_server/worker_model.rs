@@ -563,6 +563,7 @@ impl<M> PsWorkerModel<M> {
         batch: &B,
         step: impl Fn(&ReplicaContext<'_>, &Shard<B>) -> Result<T> + Sync,
     ) -> Result<PsStep<T>> {
+        self.slot.tables.bind(w.task(), w.ps_clients());
         let ticket = self.pull_for_step(w)?;
         self.run_pulled(w, ticket, batch, step)
     }
@@ -586,6 +587,7 @@ impl<M> PsWorkerModel<M> {
     where
         M: Sync,
     {
+        // The tables know the ps tasks before the prefetch pulls from them.
         self.slot.tables.bind(w.task(), w.ps_clients());
         let (ticket, batch) = std::thread::scope(|s| {
             let pulled = s.spawn(|| self.pull_for_step(w));
@@ -635,7 +637,6 @@ impl<M> PsWorkerModel<M> {
         *lock(&self.slot.state_base) = base;
         *lock(&self.slot.outcome) = None;
         *lock(&self.slot.target) = Some((w.clone(), ticket.clone()));
-        self.slot.tables.bind(w.task(), w.ps_clients());
         let split = DistributedBatch::split(batch, self.strategy.num_replicas_in_sync())?;
         let ran = self.strategy.run_batch(&split, step);
         *lock(&self.slot.target) = None;
