@@ -443,7 +443,7 @@ fn train_with(
 
 /// `--model ctr`: the generated records (every worker generates them all from the seed; the
 /// strategy keeps each worker's part of every step), the DLRM-style model, the AUCs.
-fn train_ctr(run: &Run<'_>, strategy: &StrategyHandle, config: TrainConfig) -> Result<()> {
+fn train_ctr(run: &Run<'_>, strategy: &StrategyHandle, mut config: TrainConfig) -> Result<()> {
     use strata::ctr::{CtrData, Dlrm, Split};
     let args = run.args;
     let shape = args.ctr();
@@ -452,6 +452,10 @@ fn train_ctr(run: &Run<'_>, strategy: &StrategyHandle, config: TrainConfig) -> R
     let cpu = candle_core::Device::Cpu;
     let train = data.batch(Split::Train, 0..train_records, &cpu)?;
     let test = data.batch(Split::Test, 0..test_records, &cpu)?;
+    // The records are generated in random order already; taken in their order, every
+    // strategy's step `s` holds records `s * batch..`, as a parameter-server worker streams
+    // them, so one device, hybrid and the ps modes see the same batches in the same order.
+    config.shuffle = false;
     let trainer = Trainer::new(config);
     let model = strategy.scope(|s| Dlrm::new(s, shape))?;
     if let Some(h) = run.hybrid {

@@ -7,7 +7,7 @@
 //! [`Metric`]s ([`Accuracy`], [`Loss`], [`Perplexity`], or the user's own). No model trait is
 //! needed; [`Task::classifier`] is the task of a [`Classifier`] such as the shipped MLP.
 //!
-//! Per epoch: a seeded shuffle of the training set, global batches split over the replicas
+//! Per epoch: a seeded shuffle of the training set (unless [`TrainConfig::shuffle`] is off), global batches split over the replicas
 //! ([`TailPolicy::Split`]: the uneven last batch is weighted exactly), one synchronous step per
 //! batch (handed to the replicas a whole epoch at a time, or `steps_per_execution` at a time,
 //! with [`Strategy::run_batches`]), then an evaluation on the test set, itself split over the
@@ -55,6 +55,12 @@ pub struct TrainConfig {
     pub global_batch: usize,
     /// Seed of the shuffles.
     pub seed: u64,
+    /// Shuffle the training set every epoch (default true, as Keras' `fit(shuffle=True)`).
+    /// `false` takes the examples in their order, the same every epoch: for records that are
+    /// already in random order, such as generated ones, so that a run sees them in the order
+    /// another job streams them (the click model's parameter-server workers read record `i`
+    /// of step `i / batch`).
+    pub shuffle: bool,
     /// Steps at the start whose time is not counted in the steady-state throughput.
     pub warmup_steps: usize,
     /// Where progress goes (`None`: nowhere).
@@ -191,6 +197,7 @@ impl Default for TrainConfig {
             epochs: 30,
             global_batch: 256,
             seed: 0,
+            shuffle: true,
             warmup_steps: 3,
             progress: None,
             steps_per_execution: None,
@@ -575,7 +582,9 @@ where
         let epoch = at.ended;
         let _e = tracing::info_span!("epoch", epoch).entered();
         let mut idx: Vec<usize> = (0..self.train_rows).collect();
-        idx.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(cfg.seed.wrapping_add(epoch as u64)));
+        if cfg.shuffle {
+            idx.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(cfg.seed.wrapping_add(epoch as u64)));
+        }
         let batches =
             idx.chunks(cfg.global_batch).map(|c| self.train.take_rows(c)).collect::<strata_core::Result<Vec<B>>>()?;
         let mut data = strategy.distribute_dataset(batches, TailPolicy::Split);
