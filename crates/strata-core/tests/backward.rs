@@ -281,6 +281,46 @@ fn sums_over_leading_dimensions_equal_a_loop() {
     assert_eq!(e.sum_keepdim(0).unwrap().elem_count(), 0);
 }
 
+/// `index_add` past dim 0 (the patch's slab-by-slab loop; `index_select`'s backward): the
+/// same values as a loop adding in the ids' order, with repeated ids, on a middle dimension
+/// with a trailing extent and on the last one; a bad id is refused and nothing is returned.
+#[test]
+fn index_add_past_dim_0_equals_a_loop() {
+    let dev = Device::Cpu;
+    let (pre, n, post, k) = (3usize, 4usize, 2usize, 5usize);
+    let ids: Vec<u32> = vec![2, 0, 2, 3, 2];
+    let src: Vec<f32> = (0..pre * k * post).map(|i| ((i as f32 * 0.377).cos() * 1000.0).round() / 9.0).collect();
+    let base: Vec<f32> = (0..pre * n * post).map(|i| i as f32 * 0.25).collect();
+    let x = Tensor::from_vec(base.clone(), (pre, n, post), &dev).unwrap();
+    let s = Tensor::from_vec(src.clone(), (pre, k, post), &dev).unwrap();
+    let t = Tensor::new(ids.as_slice(), &dev).unwrap();
+    let got = x.index_add(&t, &s, 1).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let mut want = base.clone();
+    for (j, &id) in ids.iter().enumerate() {
+        for p in 0..pre {
+            for q in 0..post {
+                want[(p * n + id as usize) * post + q] += src[(p * k + j) * post + q];
+            }
+        }
+    }
+    assert_eq!(got, want);
+    // On the last dimension (post = 1): a DLRM's pair selection, through index_select's backward.
+    let z = Var::from_vec(base.clone(), (pre, n * post), &dev).unwrap();
+    let picked = z.as_tensor().index_select(&t, 1).unwrap();
+    let w = Tensor::from_vec(src[..pre * k].to_vec(), (pre, k), &dev).unwrap();
+    let g = (picked * &w).unwrap().sum_all().unwrap().backward().unwrap();
+    let mut want = vec![0f32; pre * n * post];
+    for (j, &id) in ids.iter().enumerate() {
+        for p in 0..pre {
+            want[p * n * post + id as usize] += src[p * k + j];
+        }
+    }
+    assert_eq!(g.get(&z).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap(), want);
+    let bad = Tensor::new(&[1u32, 4], &dev).unwrap();
+    let s2 = Tensor::zeros((pre, 2, post), DType::F32, &dev).unwrap();
+    assert!(x.index_add(&bad, &s2, 1).is_err());
+}
+
 /// Runs `loss.backward_with_hook`, recording each variable handed over (by id) with a copy of
 /// its gradient's values at that moment.
 fn hand_overs(loss: &Tensor) -> (candle_core::backprop::GradStore, Vec<(candle_core::TensorId, Vec<f32>)>) {

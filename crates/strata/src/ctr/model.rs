@@ -127,7 +127,7 @@ impl Dlrm {
         let bottom = self.bottom[1].forward_relu(&self.bottom[0].forward_relu(dense)?)?;
         let embedded = self.embedding.forward(ids)?; // (B, 26, D)
         let z = Tensor::cat(&[&bottom.unsqueeze(1)?, &embedded], 1)?.contiguous()?; // (B, 27, D)
-        let dots = z.matmul(&z.transpose(1, 2)?.contiguous()?)?.reshape((b, (FIELDS + 1) * (FIELDS + 1)))?;
+        let dots = z.matmul(&z.transpose(1, 2)?)?.reshape((b, (FIELDS + 1) * (FIELDS + 1)))?;
         let dots = dots.index_select(&self.pairs, 1)?;
         let x = Tensor::cat(&[&bottom, &dots], 1)?;
         self.top[1].forward(&self.top[0].forward_relu(&x)?)?.squeeze(D::Minus1)
