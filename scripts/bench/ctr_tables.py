@@ -7,7 +7,11 @@ on the same click-through model, records, batch, processes and optimizer, altern
 Strata's --modes: async and sync parameter servers (the table and the dense variables on the
 ps tasks), and hybrid (the table asynchronous on the ps tasks, the dense layers all-reduced
 over the workers: each worker's batch is --batch, the global one --batch x --workers, so a
-worker step has the same size in every mode).
+worker step has the same size in every mode); and the AUC's references, one process of one
+device on the same records in the same order: one-device (steps of --batch, the steps of async
+and of hybrid's rows) and one-device-global (steps of --batch x --workers, sync's steps and
+hybrid's dense ones). With a one-device mode, the table ends with each mode's test AUC below
+the reference's (medians).
 
 Both sides: 2 ps tasks and 2 worker processes on loopback (--ps, --workers), one worker's batch
 of 256 records per step (--batch), Adagrad at 0.05 on every variable and on the table's rows
@@ -82,10 +86,13 @@ def run_strata(a, records, mode):
     out = tempfile.mktemp(suffix=".json")
     hybrid = mode == "hybrid"
     # A hybrid job's --batch is the global batch of its synchronous steps (each worker --batch).
-    batch = a.batch * a.workers if hybrid else a.batch
-    cmd = [a.strata, "train", "--model", "ctr", "--strategy", "parameter-server", "--ps-mode", mode,
-           "--ps-tasks", str(a.ps),
-           "--workers", str(a.workers), "--embedding-rows", str(a.rows), "--embedding-dim", str(a.dim),
+    batch = a.batch * a.workers if mode in ("hybrid", "one-device-global") else a.batch
+    if mode.startswith("one-device"):
+        strategy = ["--strategy", "one-device"]
+    else:
+        strategy = ["--strategy", "parameter-server", "--ps-mode", mode, "--ps-tasks", str(a.ps),
+                    "--workers", str(a.workers)]
+    cmd = [a.strata, "train", "--model", "ctr", *strategy, "--embedding-rows", str(a.rows), "--embedding-dim", str(a.dim),
            "--train-records", str(records), "--test-records", str(a.test_records), "--batch", str(batch),
            "--optimizer", "adagrad", "--lr", "0.05", "--table-optimizer", "adagrad", "--table-lr", "0.05",
            "--seed", str(a.seed), "--no-progress", "--out", out]
@@ -185,6 +192,11 @@ def compare(a, data):
             print(f"{fw} / tensorflow examples/s: {med[fw] / med['tensorflow']:.2f}x")
     if "strata-hybrid" in med and "strata-sync" in med:
         print(f"strata-hybrid / strata-sync examples/s: {med['strata-hybrid'] / med['strata-sync']:.2f}x")
+    auc = {fw: statistics.median(r["test_auc"] for r in runs if r["framework"] == fw) for fw in med}
+    for fw in auc:
+        for ref in ("strata-one-device", "strata-one-device-global"):
+            if ref in auc and fw != ref and not fw.startswith("strata-one-device"):
+                print(f"{fw} test AUC below {ref[7:]}: {auc[ref] - auc[fw]:+.4f}")
 
 
 if __name__ == "__main__":
