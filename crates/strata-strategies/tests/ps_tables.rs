@@ -472,6 +472,82 @@ fn hybrid_dense_layers_synchronous_and_tables_asynchronous_on_ps_tasks() {
     });
 }
 
+/// A hybrid worker's steps handed over together (`run_batches`, as the trainer hands them):
+/// under a table store each step is an execution of its own, whose rows go to the ps tasks
+/// when it ends, so a worker alone reads its own updates and ends where one device ends (the
+/// dense layer and the table both at the rate), with one push applied per step and task that
+/// owns some of the step's rows, and one lease a step.
+#[test]
+fn a_hybrid_worker_s_steps_in_one_execution_read_their_own_pushes() {
+    use strata_core::data::DistributedBatch;
+    use strata_strategies::cluster::{ClusterConfig, ClusterSpec, TaskId};
+    use strata_strategies::{MultiWorkerMirroredStrategy, MultiWorkerOptions};
+    crate::common::with_timeout(Duration::from_secs(180), "hybrid_one_execution", || {
+        let (_servers, clients) = ps_tasks_empty(2);
+        let ports = crate::common::loopback_ports(1);
+        let spec = ClusterSpec::workers(vec![format!("127.0.0.1:{}", ports[0])]).unwrap();
+        let store = Arc::new(PsTables::new("worker:0", clients.clone()));
+        let mut o = MultiWorkerOptions::new(token()).unwrap();
+        o.local_devices = strata_core::device::logical_cpus(1).unwrap();
+        o.coordination.rendezvous_timeout = Duration::from_secs(30);
+        o.options.collective_timeout = Duration::from_secs(30);
+        o.options.seed = SEED;
+        o.options.tables = Some(store.clone());
+        let s = MultiWorkerMirroredStrategy::new(ClusterConfig::new(spec, TaskId::worker(0)).unwrap(), o).unwrap();
+        let model = s.scope(Model::new).unwrap();
+        store.create_tables(SEED, &RowOptimizer::Sgd { lr: LR }, PsMode::Async).unwrap();
+        let opt = model.optimizer::<SGD>(LR).unwrap();
+        let split: Vec<_> = batches().iter().map(|b| DistributedBatch::split(b, 1).unwrap()).collect();
+        s.run_batches(&split, |ctx, shard| {
+            let (ids, target) = &shard.batch;
+            let loss = model.on(ctx)?.loss(ids, target)?;
+            ctx.backward_and_sync(&loss, &opt)
+        })
+        .unwrap();
+        let dense = model.primary().lin.weight().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let _ = s.finish();
+        // One device, both at the rate.
+        let one = OneDeviceStrategy::with_options(
+            strata_core::device::logical_cpus(1).unwrap()[0].clone(),
+            StrategyOptions { seed: SEED, ..Default::default() },
+        )
+        .unwrap()
+        .handle();
+        let reference = one.scope(Model::new).unwrap();
+        let table = reference.primary().emb.table().unwrap().clone();
+        let vars = reference.trainable_variables(0);
+        for (ids, target) in batches() {
+            let grads = reference.primary().loss(&ids, &target).unwrap().backward().unwrap();
+            for (_, v) in &vars {
+                let g = grads.get(v).unwrap();
+                v.set(&(v.as_tensor() - (g * LR).unwrap()).unwrap()).unwrap();
+            }
+        }
+        let close = |a: &[f32], b: &[f32], what: &str| {
+            for (x, y) in a.iter().zip(b) {
+                assert!((x - y).abs() <= 1e-5 * y.abs().max(1.0), "{what}: {x} vs {y}");
+            }
+        };
+        close(&dense, &reference.primary().lin.weight().flatten_all().unwrap().to_vec1::<f32>().unwrap(), "dense");
+        let want = table.to_vec2::<f32>().unwrap();
+        let mut pushes = 0;
+        for (ids, _) in batches() {
+            let ids = ids.flatten_all().unwrap().to_vec1::<u32>().unwrap();
+            pushes += (0..2)
+                .filter(|&k| ids.iter().any(|&id| owner_of(TableSize::Rows(ROWS), u64::from(id), 2) == k))
+                .count() as u64;
+            for id in ids {
+                let k = owner_of(TableSize::Rows(ROWS), u64::from(id), 2);
+                let got = clients[k].pull_rows("reader", 1, &[("emb", &[u64::from(id)])]).unwrap().values.remove(0);
+                close(&got, &want[id as usize], &format!("row {id}"));
+            }
+        }
+        let applied: u64 = clients.iter().map(|c| c.status().unwrap().pushes_applied).sum();
+        assert_eq!(applied, pushes, "every step's rows applied once");
+        assert_eq!(store.lease(), batches().len() as u64, "one lease a step");
+    });
+}
+
 /// `n` ps tasks serving nothing yet (the workers create the table's shards).
 fn ps_tasks_empty(n: usize) -> (Vec<PsServerHandle>, Vec<PsClient>) {
     let config = PsClientConfig { timeout: Duration::from_secs(30), retry_for: Duration::from_secs(30) };
