@@ -109,7 +109,7 @@ fn multi_worker_options(
     if let (Some(min_workers), Some(coordinator)) = (args.min_workers, &args.coordinator) {
         mw.elastic = Some(strata::ElasticOptions { min_workers, coordinator: coordinator.clone() });
     }
-    mw.auto_shard = match args.auto_shard {
+    mw.auto_shard = match args.auto_shard() {
         AutoShardKind::Data => AutoShardPolicy::Data,
         AutoShardKind::Off => AutoShardPolicy::Off,
         // The command hands each worker its files itself (`worker_data`); what a worker then
@@ -149,17 +149,17 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     if args.batch() == 0 {
         return Err(Error::Usage("--batch 0: a step needs at least 1 example; pass --batch 1 or more".into()));
     }
-    if !(args.bucket_mib.is_finite() && args.bucket_mib >= 0.0) {
-        return Err(Error::Usage(format!("--bucket-mib {} must be 0 or more", args.bucket_mib)));
+    if !(args.bucket_mib().is_finite() && args.bucket_mib() >= 0.0) {
+        return Err(Error::Usage(format!("--bucket-mib {} must be 0 or more", args.bucket_mib())));
     }
-    if !(args.row_block_mib.is_finite() && args.row_block_mib >= 0.0) {
-        return Err(Error::Usage(format!("--row-block-mib {} must be 0 or more", args.row_block_mib)));
+    if !(args.row_block_mib().is_finite() && args.row_block_mib() >= 0.0) {
+        return Err(Error::Usage(format!("--row-block-mib {} must be 0 or more", args.row_block_mib())));
     }
     let timeline = args.timeline.as_ref().map(|_| Arc::new(Timeline::new()));
-    if !(args.collective_timeout.is_finite() && args.collective_timeout > 0.0) {
+    if !(args.collective_timeout().is_finite() && args.collective_timeout() > 0.0) {
         return Err(Error::Usage(format!(
             "--collective-timeout {} must be a positive number of seconds",
-            args.collective_timeout
+            args.collective_timeout()
         )));
     }
     let delays = args.step_delays()?;
@@ -211,12 +211,12 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         }
     }
     let options = StrategyOptions {
-        bucket_bytes: (args.bucket_mib * 1024.0 * 1024.0) as usize,
+        bucket_bytes: (args.bucket_mib() * 1024.0 * 1024.0) as usize,
         timeline: timeline.clone(),
         seed: args.seed,
-        collective_timeout: std::time::Duration::from_secs_f64(args.collective_timeout),
+        collective_timeout: std::time::Duration::from_secs_f64(args.collective_timeout()),
         overlap: !args.no_overlap,
-        row_block_bytes: (args.row_block_mib * 1024.0 * 1024.0) as usize,
+        row_block_bytes: (args.row_block_mib() * 1024.0 * 1024.0) as usize,
         zero_stage: args.zero_stage,
         zero_units: args.zero_units.clone(),
         local_sgd: args.local_sgd(),
@@ -318,7 +318,7 @@ fn stopped_error(args: &TrainArgs, stopped: &strata::trainer::Stopped) -> Error 
 /// `--data` directory and `--batch / W` rows (this worker's part of each step).
 fn worker_data(args: &TrainArgs, multi: Option<&MultiWorkerMirroredStrategy>) -> Result<(strata::data::Batch, usize)> {
     let workers = multi.map_or(1, |m| m.num_workers());
-    if args.auto_shard != AutoShardKind::File || workers == 1 {
+    if args.auto_shard() != AutoShardKind::File || workers == 1 {
         return Ok((digits::load(args.data.as_deref())?, args.batch()));
     }
     let Some(dir) = args.data.as_deref() else {
@@ -669,5 +669,39 @@ mod tests {
         for e in [e, refused(&["--model", "ctr", "--train-records", "0"])] {
             assert!(!e.contains('\n') && !e.ends_with('.'), "{e}");
         }
+    }
+
+    /// The all-reduce's flags on an async, sync or stale parameter-server job, whose workers
+    /// push and pull, are refused in one line naming the flag, even at their default values;
+    /// a hybrid job, whose workers all-reduce the dense layers, takes them.
+    #[test]
+    fn the_all_reduce_s_flags_on_a_push_and_pull_job_are_refused() {
+        let refused = |flags: &[&str]| run(&train_args(flags)).unwrap_err().to_string();
+        for mode in ["async", "sync", "stale"] {
+            for (flag, value) in [
+                ("--bucket-mib", "25"),
+                ("--row-block-mib", "2"),
+                ("--collective-timeout", "60"),
+                ("--auto-shard", "data"),
+            ] {
+                let e = refused(&["--strategy", "parameter-server", "--ps-mode", mode, flag, value]);
+                assert_eq!(
+                    e,
+                    format!("{flag} applies to workers that all-reduce (multi-worker-mirrored, mirrored, --ps-mode hybrid), and a --ps-mode {mode} job's workers push and pull; drop it")
+                );
+            }
+        }
+        let args = train_args(&[
+            "--strategy",
+            "parameter-server",
+            "--ps-mode",
+            "hybrid",
+            "--model",
+            "ctr",
+            "--bucket-mib",
+            "1",
+        ]);
+        assert!(args.check_model_flags().is_ok());
+        assert_eq!((args.bucket_mib(), args.row_block_mib(), args.collective_timeout()), (1.0, 2.0, 60.0));
     }
 }

@@ -245,14 +245,14 @@ pub struct TrainArgs {
     /// The CPU cross-device reduction.
     #[arg(long, value_enum, default_value = "in-memory")]
     pub reduction: ReductionKind,
-    /// Gradient fusion bucket size in MiB (0: one bucket per tensor); across workers, buckets
-    /// are also at most an eighth of the gradient (at least 1 MiB).
-    #[arg(long, default_value_t = 25.0)]
-    pub bucket_mib: f64,
+    /// Gradient fusion bucket size in MiB (0: one bucket per tensor; default 25); across
+    /// workers, buckets are also at most an eighth of the gradient (at least 1 MiB).
+    #[arg(long)]
+    pub bucket_mib: Option<f64>,
     /// Across workers, a large weight's gradient is computed and reduced in blocks of rows of
-    /// this many MiB, each sent while the backward pass computes the next (0: whole).
-    #[arg(long, default_value_t = 2.0)]
-    pub row_block_mib: f64,
+    /// this many MiB, each sent while the backward pass computes the next (0: whole; default 2).
+    #[arg(long)]
+    pub row_block_mib: Option<f64>,
     /// How gradients cross the network: `none` (f32, exact), `fp16` or `bf16` (16 bits on the
     /// wire: multi-worker-mirrored's ring, every hop adding in f32, or the parameter server's
     /// pushes and pulls), `powersgd:RANK` (multi-worker-mirrored: matrix gradients as two
@@ -341,12 +341,12 @@ pub struct TrainArgs {
     /// Multi-worker: the cluster token's file (default: STRATA_CLUSTER_TOKEN).
     #[arg(long)]
     pub cluster_token_file: Option<PathBuf>,
-    /// Multi-worker: how the data is split across workers.
-    #[arg(long, value_enum, default_value = "data")]
-    pub auto_shard: AutoShardKind,
-    /// Deadline of every collective, in seconds.
-    #[arg(long, default_value_t = 60.0)]
-    pub collective_timeout: f64,
+    /// Multi-worker: how the data is split across workers (default data).
+    #[arg(long, value_enum)]
+    pub auto_shard: Option<AutoShardKind>,
+    /// Deadline of every collective, in seconds (default 60).
+    #[arg(long)]
+    pub collective_timeout: Option<f64>,
     /// Write checkpoints here (the chief does), and resume from the latest one found. A
     /// parameter-server job's ps tasks write theirs under `ps-<index>` (and a hybrid job's chief
     /// its dense layers' under `dense`); run the same command again to resume from them.
@@ -593,7 +593,7 @@ impl TrainArgs {
         if self.data.is_some() {
             return refuse("--data", "the digits models (--model mlp or cnn); the ctr records are generated (--seed)");
         }
-        if self.auto_shard == AutoShardKind::File {
+        if self.auto_shard() == AutoShardKind::File {
             return refuse("--auto-shard file", "the digits models (--model mlp or cnn)");
         }
         if self.recompute {
@@ -628,6 +628,26 @@ impl TrainArgs {
         self.batch_flag.unwrap_or(if self.model == ModelKind::Transformer { 32 } else { 256 })
     }
 
+    /// `--bucket-mib`, or 25.
+    pub fn bucket_mib(&self) -> f64 {
+        self.bucket_mib.unwrap_or(25.0)
+    }
+
+    /// `--row-block-mib`, or 2.
+    pub fn row_block_mib(&self) -> f64 {
+        self.row_block_mib.unwrap_or(2.0)
+    }
+
+    /// `--collective-timeout`, or 60 seconds.
+    pub fn collective_timeout(&self) -> f64 {
+        self.collective_timeout.unwrap_or(60.0)
+    }
+
+    /// `--auto-shard`, or data.
+    pub fn auto_shard(&self) -> AutoShardKind {
+        self.auto_shard.unwrap_or(AutoShardKind::Data)
+    }
+
     /// Refuses flags that do not apply to `--model` (or the strategy), one line each.
     pub(crate) fn check_model_flags(&self) -> Result<()> {
         if let Some(n) = self.min_workers {
@@ -640,7 +660,7 @@ impl TrainArgs {
             if n == 0 {
                 return Err(Error::Usage("--min-workers 0: a job needs a worker to train; pass 1 or more".into()));
             }
-            if self.auto_shard == AutoShardKind::File {
+            if self.auto_shard() == AutoShardKind::File {
                 return Err(Error::Usage(
                     "--min-workers with --auto-shard file: whole files belong to workers, and an elastic job re-splits every step over the workers that live; use --auto-shard data".into(),
                 ));
@@ -662,6 +682,21 @@ impl TrainArgs {
                 "--no-lookahead applies to --strategy parameter-server, whose pushes can be stale (--strategy {} has none); drop it",
                 self.strategy.name()
             )));
+        }
+        // An async or sync job's workers push and pull; only a hybrid job's all-reduce.
+        if self.strategy == StrategyKind::ParameterServer && self.ps_mode != PsModeKind::Hybrid {
+            let flags = [
+                ("--bucket-mib", self.bucket_mib.is_some()),
+                ("--row-block-mib", self.row_block_mib.is_some()),
+                ("--collective-timeout", self.collective_timeout.is_some()),
+                ("--auto-shard", self.auto_shard.is_some()),
+            ];
+            if let Some((flag, _)) = flags.iter().find(|(_, set)| *set) {
+                return Err(Error::Usage(format!(
+                    "{flag} applies to workers that all-reduce (multi-worker-mirrored, mirrored, --ps-mode hybrid), and a --ps-mode {} job's workers push and pull; drop it",
+                    clap::ValueEnum::to_possible_value(&self.ps_mode).map_or_else(String::new, |v| v.get_name().to_string())
+                )));
+            }
         }
         // A hybrid job's workers train as multi-worker mirrored does, and trace their replicas.
         if self.timeline.is_some()
@@ -757,7 +792,7 @@ impl TrainArgs {
             if self.data.is_some() {
                 return refuse("--data", "the digits models (--model mlp or cnn)");
             }
-            if self.auto_shard == AutoShardKind::File {
+            if self.auto_shard() == AutoShardKind::File {
                 return refuse("--auto-shard file", "the digits models (--model mlp or cnn)");
             }
             if self.steps == Some(0) {
