@@ -147,6 +147,35 @@ fn an_async_job_run_again_resumes_from_its_ps_tasks_checkpoints() {
     assert_eq!(steps(&ck.join("ps-0")).last(), Some(&200), "nothing written by the refused job");
 }
 
+/// A hybrid job over an async job's checkpoints (its ps tasks hold dense variables), and an
+/// async job over a hybrid job's (its dense layers under `dense`): each refused in one line
+/// before anything starts, and nothing written over the other job's checkpoints.
+#[test]
+fn a_job_over_another_mode_s_checkpoints_is_refused_in_one_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out.json");
+    let (async_ck, hybrid_ck) = (dir.path().join("async"), dir.path().join("hybrid"));
+    ok(&train(false, 2, 1, &async_ck, &out, &["--max-steps", "40"]));
+    ok(&train(true, 2, 1, &hybrid_ck, &out, &["--max-steps", "40"]));
+    let refused = |o: Output, want: &str| {
+        let e = String::from_utf8_lossy(&o.stderr).trim().to_string();
+        assert_eq!(o.status.code(), Some(2), "{e}");
+        assert_eq!(e.lines().count(), 1, "{e}");
+        assert!(e.contains(want), "{e}");
+    };
+    refused(
+        train(true, 2, 1, &async_ck, &out, &[]),
+        "holds the checkpoints of a parameter-server job that is not hybrid (ps-0 at step 40 holds its dense variables)",
+    );
+    assert!(!async_ck.join("dense").exists(), "no dense layers written beside the async job's");
+    assert_eq!(steps(&async_ck.join("ps-0")), [20, 40]);
+    refused(
+        train(false, 2, 1, &hybrid_ck, &out, &[]),
+        "holds a hybrid job's checkpoints (its dense layers under dense)",
+    );
+    assert_eq!(steps(&hybrid_ck.join("ps-0")), [20, 40]);
+}
+
 #[test]
 fn a_hybrid_job_stopped_by_sigterm_checkpoints_both_halves_at_its_last_step_and_resumes_there() {
     let dir = tempfile::tempdir().unwrap();

@@ -721,9 +721,29 @@ pub(crate) fn ps_resume(args: &TrainArgs, ps_tasks: usize) -> Result<Option<u64>
             dir.display()
         )));
     }
-    let step = if args.ps_mode == crate::train_args::PsModeKind::Hybrid {
+    let dense = dir.join(crate::train_args::HYBRID_DENSE_DIR);
+    let hybrid = args.ps_mode == crate::train_args::PsModeKind::Hybrid;
+    // Which kind of job wrote them: a hybrid job's chief keeps its dense layers under `dense`,
+    // and its ps tasks hold tables only; a parameter-server job's ps tasks hold its variables.
+    if !hybrid && strata::checkpoint::latest_checkpoint(&dense)?.is_some() {
+        return Err(Error::Usage(format!(
+            "--checkpoint-dir {} holds a hybrid job's checkpoints (its dense layers under {}): resume it with --ps-mode hybrid, or start this job in a new --checkpoint-dir",
+            dir.display(),
+            crate::train_args::HYBRID_DENSE_DIR
+        )));
+    }
+    if hybrid {
+        let (i, h) = held.iter().enumerate().find(|(_, h)| !h.is_empty()).unwrap_or((0, &held[0]));
+        if strata_transport::ps::checkpoint_holds_variables(&job_task_dir(dir, i))? {
+            return Err(Error::Usage(format!(
+                "--checkpoint-dir {} holds the checkpoints of a parameter-server job that is not hybrid (ps-{i} at step {} holds its dense variables): resume it with the --ps-mode it ran with, or start this job in a new --checkpoint-dir",
+                dir.display(),
+                h.last().map_or("none".into(), u64::to_string)
+            )));
+        }
+    }
+    let step = if hybrid {
         // The step the trainer resumes from: its latest checkpoint's.
-        let dense = dir.join(crate::train_args::HYBRID_DENSE_DIR);
         let Some(latest) = strata::checkpoint::latest_checkpoint(&dense)? else { return Ok(None) };
         let found = strata::checkpoint::checkpoint_steps(&dense)?.into_iter().find(|(_, p)| *p == latest);
         let Some((step, _)) = found else { return Ok(None) };

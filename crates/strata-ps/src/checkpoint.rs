@@ -366,6 +366,21 @@ pub fn read_snapshot(path: &Path) -> Result<(Snapshot, u64)> {
     read_snapshot_of_job(path).map(|(snap, step, _)| (snap, step))
 }
 
+/// Whether a ps checkpoint holds variables (a parameter-server job's dense variables), read
+/// from its metadata alone: `path` is one `ckpt-*` directory or a root holding them (the latest
+/// is read). A hybrid job's ps tasks hold tables only.
+pub fn checkpoint_holds_variables(path: &Path) -> Result<bool> {
+    let ckpt = if path.join(checkpoint::MANIFEST).is_file() {
+        checkpoint::read_checkpoint(path)?
+    } else {
+        checkpoint::read_latest(path)?.ok_or_else(|| Error::NoCheckpoint { path: path.to_path_buf() })?
+    };
+    let dir = ckpt.dir.clone();
+    let meta = ckpt.metadata.get(META_KEY).ok_or_else(|| Error::NotPsCheckpoint { dir: dir.clone() })?;
+    let meta: PsMeta = serde_json::from_str(meta).map_err(|source| Error::CorruptMetadata { dir, source })?;
+    Ok(!meta.variables.is_empty())
+}
+
 /// [`read_snapshot`], with the number of ps tasks of the job that wrote it, if recorded
 /// ([`PsMeta::job_tasks`]).
 pub(crate) fn read_snapshot_of_job(path: &Path) -> Result<(Snapshot, u64, Option<u32>)> {

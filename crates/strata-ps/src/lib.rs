@@ -121,8 +121,8 @@ mod table_tests;
 mod types;
 
 pub use checkpoint::{
-    read_snapshot, write_job_snapshot, write_snapshot, PsMeta, ScheduleMeta, TableMeta, META_KEY, PS_META_FORMAT,
-    VARIABLES_FILE,
+    checkpoint_holds_variables, read_snapshot, write_job_snapshot, write_snapshot, PsMeta, ScheduleMeta, TableMeta,
+    META_KEY, PS_META_FORMAT, VARIABLES_FILE,
 };
 pub use checks::{check_chunk_len, check_chunk_len_in, check_name, check_schedule};
 pub use chunk::{copy_f32s, decode_half, encode_half, encode_half_bytes, first_non_finite, Chunk, ValueChunk};

@@ -88,8 +88,8 @@ pub use strata_ps::{
 // ([`job_checkpoint_tasks`] says whether a directory is one, [`read_job_checkpoint`] restores it
 // onto a task of any number), for programs that check or move them.
 pub use strata_ps::{
-    job_checkpoint_tasks, job_task_dir, read_job_checkpoint, read_job_checkpoint_at, read_snapshot, JobRestore,
-    RestorePool, Snapshot, TableRows,
+    checkpoint_holds_variables, job_checkpoint_tasks, job_task_dir, read_job_checkpoint, read_job_checkpoint_at,
+    read_snapshot, JobRestore, RestorePool, Snapshot, TableRows,
 };
 pub use tables::RowsPulled;
 // The error the types above return (`ServerOptimizer::validate`, `VariableInfo::validate`), named
