@@ -441,8 +441,9 @@ fn train_with(
     }
 }
 
-/// `--model ctr`: the generated records (every worker generates them all from the seed; the
-/// strategy keeps each worker's part of every step), the DLRM-style model, the AUCs.
+/// `--model ctr`: the generated records (their keys: every worker holds them all, the strategy
+/// keeps each worker's part of every step, and a step generates its records from them), the
+/// DLRM-style model, the AUCs.
 fn train_ctr(run: &Run<'_>, strategy: &StrategyHandle, mut config: TrainConfig) -> Result<()> {
     use strata::ctr::{CtrData, Dlrm, Split};
     let args = run.args;
@@ -450,8 +451,11 @@ fn train_ctr(run: &Run<'_>, strategy: &StrategyHandle, mut config: TrainConfig) 
     let (train_records, test_records) = args.ctr_records();
     let data = CtrData::new(args.seed, shape.embedding_rows)?;
     let cpu = candle_core::Device::Cpu;
-    let train = data.batch(Split::Train, 0..train_records, &cpu)?;
-    let test = data.batch(Split::Test, 0..test_records, &cpu)?;
+    // The records' keys (8 bytes a record): each step generates its records from them, as a
+    // parameter-server worker does, so no process holds the records and a step's time
+    // includes making its batch in every mode.
+    let train = data.keys(Split::Train, 0..train_records, &cpu)?;
+    let test = data.keys(Split::Test, 0..test_records, &cpu)?;
     // The records are generated in random order already; taken in their order, every
     // strategy's step `s` holds records `s * batch..`, as a parameter-server worker streams
     // them, so one device, hybrid and the ps modes see the same batches in the same order.
@@ -461,7 +465,7 @@ fn train_ctr(run: &Run<'_>, strategy: &StrategyHandle, mut config: TrainConfig) 
     if let Some(h) = run.hybrid {
         h.create_tables(args)?;
     }
-    let task = strata::ctr::task();
+    let task = strata::ctr::streamed_task(&data);
     let report = args.optimizer.fit_task(args.hyper(), &trainer, strategy, &model, &task, &train, &test)?;
     // Before the AUC's lookups, which are not a training step's.
     let traffic = run.hybrid.map(|h| h.traffic());
@@ -471,7 +475,7 @@ fn train_ctr(run: &Run<'_>, strategy: &StrategyHandle, mut config: TrainConfig) 
             embedding_dim: shape.embedding_dim,
             train_records,
             test_records,
-            final_test_auc: model.primary().auc(&test)?,
+            final_test_auc: model.primary().auc_of_keys(&data, &test)?,
             best_test_auc: data.best_auc(Split::Test, test_records),
             // A hybrid job's table is not reduced: its rows go to the ps tasks.
             dense_gradient_bytes_per_step: match run.hybrid {

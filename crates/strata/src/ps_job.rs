@@ -739,7 +739,7 @@ pub fn worker_registry(options: WorkerStepOptions) -> StepRegistry {
 }
 
 /// A `strata` error as the core error a step function returns (retryable errors stay retryable).
-fn into_core(e: Error) -> strata_core::Error {
+pub(crate) fn into_core(e: Error) -> strata_core::Error {
     match e {
         Error::Core(c) => c,
         Error::Candle(c) => strata_core::Error::Candle(c),

@@ -347,6 +347,39 @@ impl CtrData {
     }
 }
 
+/// The bit of a record key ([`CtrData::keys`]) that marks a test record.
+const TEST_KEY: i64 = 1 << 62;
+
+impl CtrData {
+    /// The keys of records `range` of `split`: an i64 tensor `(N,)` of 8 bytes a record (a
+    /// record is 160), which strategies split, shuffle and batch like any batch, and from which
+    /// [`batch_of_keys`](Self::batch_of_keys) generates the records where a step needs them.
+    /// At most 2^62 records.
+    pub fn keys(&self, split: Split, range: Range<u64>, device: &Device) -> Result<Tensor> {
+        if range.end > TEST_KEY as u64 {
+            return Err(Error::Usage(format!("record {} is past the 2^62 records a split has", range.end)));
+        }
+        let tag = match split {
+            Split::Train => 0,
+            Split::Test => TEST_KEY,
+        };
+        let keys: Vec<i64> = range.map(|i| i as i64 | tag).collect();
+        let n = keys.len();
+        Ok(Tensor::from_vec(keys, n, device)?)
+    }
+
+    /// The records of `keys` ([`keys`](Self::keys), any subset in any order) as a batch on
+    /// `device`: record `i` of its split for each key, as [`batch`](Self::batch) generates it.
+    pub fn batch_of_keys(&self, keys: &Tensor, device: &Device) -> Result<CtrBatch> {
+        let keys = keys.flatten_all()?.to_vec1::<i64>()?;
+        if let Some(k) = keys.iter().find(|k| **k < 0) {
+            return Err(Error::Usage(format!("{k} is not a record key (keys are 0 or more)")));
+        }
+        let split = |k: i64| if k & TEST_KEY != 0 { Split::Test } else { Split::Train };
+        batch_of(keys.iter().map(|&k| self.record(split(k), (k & !TEST_KEY) as u64)), device)
+    }
+}
+
 /// A batch of click records: dense features f32 `(B, 13)`, ids u32 `(B, 26)`, labels f32
 /// `(B,)`. A tuple of tensors, which strategies split over their replicas like any batch.
 pub type CtrBatch = (Tensor, Tensor, Tensor);

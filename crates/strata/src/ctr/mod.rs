@@ -28,4 +28,4 @@ mod model;
 
 pub use auc::auc;
 pub use data::{batch_of, CtrBatch, CtrData, CtrRecord, Split, DENSE, FIELDS, RECORD_BYTES};
-pub use model::{bce_with_logits, task, Dlrm, DlrmConfig, INTERACTIONS};
+pub use model::{bce_with_logits, streamed_task, task, Dlrm, DlrmConfig, INTERACTIONS};
