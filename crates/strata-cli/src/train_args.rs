@@ -212,8 +212,8 @@ pub struct TrainArgs {
     /// --model ctr: the embedding dimension [default: 16].
     #[arg(long, value_name = "D")]
     pub embedding_dim: Option<usize>,
-    /// --model ctr: generated training records (held as tensors, 160 bytes each) [default:
-    /// 100000].
+    /// --model ctr: generated training records (each step generates its own; a process holds
+    /// their keys, 8 bytes each) [default: 100000].
     #[arg(long, value_name = "N")]
     pub train_records: Option<u64>,
     /// --model ctr: generated test records, on which the AUC is measured [default: 20000].
@@ -610,7 +610,7 @@ impl TrainArgs {
         }
         if train.max(test) > 1 << 32 {
             return Err(Error::Usage(format!(
-                "--train-records {train} and --test-records {test}: at most 2^32 each (the records are held as tensors)"
+                "--train-records {train} and --test-records {test}: at most 2^32 each (their keys are held as tensors)"
             )));
         }
         self.ctr().check()
