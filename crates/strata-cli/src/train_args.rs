@@ -648,6 +648,27 @@ impl TrainArgs {
         self.auto_shard.unwrap_or(AutoShardKind::Data)
     }
 
+    /// Refuses the all-reduce's flags on an async, sync or stale parameter-server job, whose
+    /// workers push and pull (only a hybrid job's workers all-reduce).
+    fn check_push_pull_flags(&self) -> Result<()> {
+        if self.strategy == StrategyKind::ParameterServer && self.ps_mode != PsModeKind::Hybrid {
+            let flags = [
+                ("--bucket-mib", self.bucket_mib.is_some()),
+                ("--row-block-mib", self.row_block_mib.is_some()),
+                ("--collective-timeout", self.collective_timeout.is_some()),
+                ("--auto-shard", self.auto_shard.is_some()),
+            ];
+            if let Some((flag, _)) = flags.iter().find(|(_, set)| *set) {
+                let mode = clap::ValueEnum::to_possible_value(&self.ps_mode)
+                    .map_or_else(String::new, |v| v.get_name().to_string());
+                return Err(Error::Usage(format!(
+                    "{flag} applies to workers that all-reduce (multi-worker-mirrored, mirrored, --ps-mode hybrid), and a --ps-mode {mode} job's workers push and pull; drop it"
+                )));
+            }
+        }
+        Ok(())
+    }
+
     /// Refuses flags that do not apply to `--model` (or the strategy), one line each.
     pub(crate) fn check_model_flags(&self) -> Result<()> {
         if let Some(n) = self.min_workers {
@@ -683,21 +704,7 @@ impl TrainArgs {
                 self.strategy.name()
             )));
         }
-        // An async or sync job's workers push and pull; only a hybrid job's all-reduce.
-        if self.strategy == StrategyKind::ParameterServer && self.ps_mode != PsModeKind::Hybrid {
-            let flags = [
-                ("--bucket-mib", self.bucket_mib.is_some()),
-                ("--row-block-mib", self.row_block_mib.is_some()),
-                ("--collective-timeout", self.collective_timeout.is_some()),
-                ("--auto-shard", self.auto_shard.is_some()),
-            ];
-            if let Some((flag, _)) = flags.iter().find(|(_, set)| *set) {
-                return Err(Error::Usage(format!(
-                    "{flag} applies to workers that all-reduce (multi-worker-mirrored, mirrored, --ps-mode hybrid), and a --ps-mode {} job's workers push and pull; drop it",
-                    clap::ValueEnum::to_possible_value(&self.ps_mode).map_or_else(String::new, |v| v.get_name().to_string())
-                )));
-            }
-        }
+        self.check_push_pull_flags()?;
         // A hybrid job's workers train as multi-worker mirrored does, and trace their replicas.
         if self.timeline.is_some()
             && self.strategy == StrategyKind::ParameterServer
