@@ -144,3 +144,12 @@ pub struct UnknownName {
     /// The names there are.
     pub names: Vec<&'static str>,
 }
+
+/// A `strata` error as the core error a step function returns (retryable errors stay retryable).
+pub(crate) fn into_core(e: Error) -> strata_core::Error {
+    match e {
+        Error::Core(c) => c,
+        Error::Candle(c) => strata_core::Error::Candle(c),
+        other => strata_core::Error::InvalidArgument(other.to_string()),
+    }
+}

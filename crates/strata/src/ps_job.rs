@@ -47,6 +47,7 @@ use strata_strategies::parameter_server::{
 use crate::cnn::Cnn;
 use crate::ctr::{CtrBatch, CtrData, Dlrm, DlrmConfig, Split};
 use crate::digits;
+use crate::error::into_core;
 use crate::model::{Classifier, Mlp};
 use crate::shakespeare::{self, Corpus};
 use crate::trainer::{EpochReport, FitReport, MetricValue, Progress, StepHook};
@@ -736,15 +737,6 @@ pub fn worker_registry(options: WorkerStepOptions) -> StepRegistry {
         run_step(ctx, step, &state, &options).map_err(into_core)
     });
     registry
-}
-
-/// A `strata` error as the core error a step function returns (retryable errors stay retryable).
-pub(crate) fn into_core(e: Error) -> strata_core::Error {
-    match e {
-        Error::Core(c) => c,
-        Error::Candle(c) => strata_core::Error::Candle(c),
-        other => strata_core::Error::InvalidArgument(other.to_string()),
-    }
 }
 
 /// How the coordinator trains.

@@ -187,7 +187,7 @@ pub fn bce_with_logits(logits: &Tensor, labels: &Tensor) -> candle_core::Result<
 /// batch; otherwise [`task`]'s loss and metrics, with the same values.
 pub fn streamed_task(data: &CtrData) -> Task<'_, Dlrm, Tensor> {
     Task::new(move |m: &Dlrm, ctx, keys: &Tensor| {
-        let (dense, ids, labels) = data.batch_of_keys(keys, ctx.candle_device()).map_err(crate::ps_job::into_core)?;
+        let (dense, ids, labels) = data.batch_of_keys(keys, ctx.candle_device()).map_err(crate::error::into_core)?;
         Ok(m.loss(&dense, &ids, &labels)?)
     })
     .with_whole_set_metric("auc", move |m: &Dlrm, keys: &Tensor| m.auc_of_keys(data, keys))
