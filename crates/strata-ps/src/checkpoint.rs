@@ -370,6 +370,12 @@ pub fn read_snapshot(path: &Path) -> Result<(Snapshot, u64)> {
 /// from its metadata alone: `path` is one `ckpt-*` directory or a root holding them (the latest
 /// is read). A hybrid job's ps tasks hold tables only.
 pub fn checkpoint_holds_variables(path: &Path) -> Result<bool> {
+    read_meta(path).map(|(_, meta)| !meta.variables.is_empty())
+}
+
+/// The ps checkpoint at `path` (one `ckpt-*` directory, or the latest under a root) and its
+/// metadata, its tensors not read yet.
+fn read_meta(path: &Path) -> Result<(checkpoint::Checkpoint, PsMeta)> {
     let ckpt = if path.join(checkpoint::MANIFEST).is_file() {
         checkpoint::read_checkpoint(path)?
     } else {
@@ -378,21 +384,14 @@ pub fn checkpoint_holds_variables(path: &Path) -> Result<bool> {
     let dir = ckpt.dir.clone();
     let meta = ckpt.metadata.get(META_KEY).ok_or_else(|| Error::NotPsCheckpoint { dir: dir.clone() })?;
     let meta: PsMeta = serde_json::from_str(meta).map_err(|source| Error::CorruptMetadata { dir, source })?;
-    Ok(!meta.variables.is_empty())
+    Ok((ckpt, meta))
 }
 
 /// [`read_snapshot`], with the number of ps tasks of the job that wrote it, if recorded
 /// ([`PsMeta::job_tasks`]).
 pub(crate) fn read_snapshot_of_job(path: &Path) -> Result<(Snapshot, u64, Option<u32>)> {
-    let ckpt = if path.join(checkpoint::MANIFEST).is_file() {
-        checkpoint::read_checkpoint(path)?
-    } else {
-        checkpoint::read_latest(path)?.ok_or_else(|| Error::NoCheckpoint { path: path.to_path_buf() })?
-    };
+    let (ckpt, meta) = read_meta(path)?;
     let dir = ckpt.dir.clone();
-    let meta = ckpt.metadata.get(META_KEY).ok_or_else(|| Error::NotPsCheckpoint { dir: dir.clone() })?;
-    let meta: PsMeta =
-        serde_json::from_str(meta).map_err(|source| Error::CorruptMetadata { dir: dir.clone(), source })?;
     let slots = meta.optimizer.as_ref().map_or(0, ServerOptimizer::slots);
     let read = |name: &str, numel: usize| -> Result<Vec<f32>> {
         let t = ckpt.tensor(name)?;

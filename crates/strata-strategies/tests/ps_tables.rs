@@ -388,8 +388,7 @@ fn ps_job_against_one_device(size: TableSize, prefetch: Prefetch) {
 /// worker's push is its half's mean gradient, and the two add.
 #[test]
 fn hybrid_dense_layers_synchronous_and_tables_asynchronous_on_ps_tasks() {
-    use strata_strategies::cluster::{ClusterConfig, ClusterSpec, TaskId};
-    use strata_strategies::{MultiWorkerMirroredStrategy, MultiWorkerOptions};
+    use strata_strategies::cluster::ClusterSpec;
     crate::common::with_timeout(Duration::from_secs(180), "hybrid_dense_sync_tables_async", || {
         let (_servers, clients) = ps_tasks_empty(2);
         let ports = crate::common::loopback_ports(2);
@@ -399,14 +398,7 @@ fn hybrid_dense_layers_synchronous_and_tables_asynchronous_on_ps_tasks() {
                 let (spec, clients) = (spec.clone(), clients.clone());
                 std::thread::spawn(move || {
                     let store = Arc::new(PsTables::new(format!("worker:{i}"), clients));
-                    let mut o = MultiWorkerOptions::new(token()).unwrap();
-                    o.local_devices = strata_core::device::logical_cpus(1).unwrap();
-                    o.coordination.rendezvous_timeout = Duration::from_secs(30);
-                    o.options.collective_timeout = Duration::from_secs(30);
-                    o.options.seed = SEED;
-                    o.options.tables = Some(store.clone());
-                    let s = MultiWorkerMirroredStrategy::new(ClusterConfig::new(spec, TaskId::worker(i)).unwrap(), o)
-                        .unwrap();
+                    let s = hybrid_worker(spec, i, &store);
                     let model = s.scope(Model::new).unwrap();
                     store.create_tables(SEED, &RowOptimizer::Sgd { lr: LR }, PsMode::Async).unwrap();
                     let opt = model.optimizer::<SGD>(LR).unwrap();
@@ -429,30 +421,8 @@ fn hybrid_dense_layers_synchronous_and_tables_asynchronous_on_ps_tasks() {
         let weights: Vec<Vec<f32>> = workers.into_iter().map(|h| h.join().unwrap()).collect();
         assert_eq!(weights[0], weights[1], "the dense layer is synchronous: both workers hold the same");
         // One device: the dense layer at LR, the table at 2 LR, on the global batch.
-        let one = OneDeviceStrategy::with_options(
-            strata_core::device::logical_cpus(1).unwrap()[0].clone(),
-            StrategyOptions { seed: SEED, ..Default::default() },
-        )
-        .unwrap()
-        .handle();
-        let model = one.scope(Model::new).unwrap();
-        let table = model.primary().emb.table().unwrap().clone();
-        let vars = model.trainable_variables(0);
-        for (ids, target) in batches() {
-            let grads = model.primary().loss(&ids, &target).unwrap().backward().unwrap();
-            for (_, v) in &vars {
-                let lr = if v.as_tensor().id() == table.id() { 2.0 * LR } else { LR };
-                let g = grads.get(v).unwrap();
-                v.set(&(v.as_tensor() - (g * lr).unwrap()).unwrap()).unwrap();
-            }
-        }
-        let close = |a: &[f32], b: &[f32], what: &str| {
-            for (x, y) in a.iter().zip(b) {
-                assert!((x - y).abs() <= 1e-5 * y.abs().max(1.0), "{what}: {x} vs {y}");
-            }
-        };
-        close(&weights[0], &model.primary().lin.weight().flatten_all().unwrap().to_vec1::<f32>().unwrap(), "dense");
-        let want = table.to_vec2::<f32>().unwrap();
+        let (dense, want) = one_device_reference(2.0 * LR);
+        close(&weights[0], &dense, "dense");
         let mut pushes = 0;
         for (ids, _) in batches() {
             for i in 0..2 {
@@ -480,20 +450,13 @@ fn hybrid_dense_layers_synchronous_and_tables_asynchronous_on_ps_tasks() {
 #[test]
 fn a_hybrid_worker_s_steps_in_one_execution_read_their_own_pushes() {
     use strata_core::data::DistributedBatch;
-    use strata_strategies::cluster::{ClusterConfig, ClusterSpec, TaskId};
-    use strata_strategies::{MultiWorkerMirroredStrategy, MultiWorkerOptions};
+    use strata_strategies::cluster::ClusterSpec;
     crate::common::with_timeout(Duration::from_secs(180), "hybrid_one_execution", || {
         let (_servers, clients) = ps_tasks_empty(2);
         let ports = crate::common::loopback_ports(1);
         let spec = ClusterSpec::workers(vec![format!("127.0.0.1:{}", ports[0])]).unwrap();
         let store = Arc::new(PsTables::new("worker:0", clients.clone()));
-        let mut o = MultiWorkerOptions::new(token()).unwrap();
-        o.local_devices = strata_core::device::logical_cpus(1).unwrap();
-        o.coordination.rendezvous_timeout = Duration::from_secs(30);
-        o.options.collective_timeout = Duration::from_secs(30);
-        o.options.seed = SEED;
-        o.options.tables = Some(store.clone());
-        let s = MultiWorkerMirroredStrategy::new(ClusterConfig::new(spec, TaskId::worker(0)).unwrap(), o).unwrap();
+        let s = hybrid_worker(spec, 0, &store);
         let model = s.scope(Model::new).unwrap();
         store.create_tables(SEED, &RowOptimizer::Sgd { lr: LR }, PsMode::Async).unwrap();
         let opt = model.optimizer::<SGD>(LR).unwrap();
@@ -507,29 +470,8 @@ fn a_hybrid_worker_s_steps_in_one_execution_read_their_own_pushes() {
         let dense = model.primary().lin.weight().flatten_all().unwrap().to_vec1::<f32>().unwrap();
         let _ = s.finish();
         // One device, both at the rate.
-        let one = OneDeviceStrategy::with_options(
-            strata_core::device::logical_cpus(1).unwrap()[0].clone(),
-            StrategyOptions { seed: SEED, ..Default::default() },
-        )
-        .unwrap()
-        .handle();
-        let reference = one.scope(Model::new).unwrap();
-        let table = reference.primary().emb.table().unwrap().clone();
-        let vars = reference.trainable_variables(0);
-        for (ids, target) in batches() {
-            let grads = reference.primary().loss(&ids, &target).unwrap().backward().unwrap();
-            for (_, v) in &vars {
-                let g = grads.get(v).unwrap();
-                v.set(&(v.as_tensor() - (g * LR).unwrap()).unwrap()).unwrap();
-            }
-        }
-        let close = |a: &[f32], b: &[f32], what: &str| {
-            for (x, y) in a.iter().zip(b) {
-                assert!((x - y).abs() <= 1e-5 * y.abs().max(1.0), "{what}: {x} vs {y}");
-            }
-        };
-        close(&dense, &reference.primary().lin.weight().flatten_all().unwrap().to_vec1::<f32>().unwrap(), "dense");
-        let want = table.to_vec2::<f32>().unwrap();
+        let (reference, want) = one_device_reference(LR);
+        close(&dense, &reference, "dense");
         let mut pushes = 0;
         for (ids, _) in batches() {
             let ids = ids.flatten_all().unwrap().to_vec1::<u32>().unwrap();
@@ -546,6 +488,54 @@ fn a_hybrid_worker_s_steps_in_one_execution_read_their_own_pushes() {
         assert_eq!(applied, pushes, "every step's rows applied once");
         assert_eq!(store.lease(), batches().len() as u64, "one lease a step");
     });
+}
+
+/// Worker `i` of a hybrid job of the workers of `spec`: multi-worker mirrored, one replica,
+/// its tables in `store` on the ps tasks.
+fn hybrid_worker(
+    spec: strata_strategies::cluster::ClusterSpec,
+    i: usize,
+    store: &Arc<PsTables>,
+) -> strata_strategies::MultiWorkerMirroredStrategy {
+    use strata_strategies::cluster::{ClusterConfig, TaskId};
+    let mut o = strata_strategies::MultiWorkerOptions::new(token()).unwrap();
+    o.local_devices = strata_core::device::logical_cpus(1).unwrap();
+    o.coordination.rendezvous_timeout = Duration::from_secs(30);
+    o.options.collective_timeout = Duration::from_secs(30);
+    o.options.seed = SEED;
+    o.options.tables = Some(store.clone());
+    strata_strategies::MultiWorkerMirroredStrategy::new(ClusterConfig::new(spec, TaskId::worker(i)).unwrap(), o)
+        .unwrap()
+}
+
+/// One device trained on the whole of [`batches`] by hand: the dense layer at `LR`, the table
+/// at `table_lr`. Returns the dense layer's weight and the table's rows.
+fn one_device_reference(table_lr: f64) -> (Vec<f32>, Vec<Vec<f32>>) {
+    let one = OneDeviceStrategy::with_options(
+        strata_core::device::logical_cpus(1).unwrap()[0].clone(),
+        StrategyOptions { seed: SEED, ..Default::default() },
+    )
+    .unwrap()
+    .handle();
+    let model = one.scope(Model::new).unwrap();
+    let table = model.primary().emb.table().unwrap().clone();
+    let vars = model.trainable_variables(0);
+    for (ids, target) in batches() {
+        let grads = model.primary().loss(&ids, &target).unwrap().backward().unwrap();
+        for (_, v) in &vars {
+            let lr = if v.as_tensor().id() == table.id() { table_lr } else { LR };
+            let g = grads.get(v).unwrap();
+            v.set(&(v.as_tensor() - (g * lr).unwrap()).unwrap()).unwrap();
+        }
+    }
+    (model.primary().lin.weight().flatten_all().unwrap().to_vec1::<f32>().unwrap(), table.to_vec2::<f32>().unwrap())
+}
+
+/// Each of `a` equal to `b`'s within f32 rounding of their sums' order.
+fn close(a: &[f32], b: &[f32], what: &str) {
+    for (x, y) in a.iter().zip(b) {
+        assert!((x - y).abs() <= 1e-5 * y.abs().max(1.0), "{what}: {x} vs {y}");
+    }
 }
 
 /// `n` ps tasks serving nothing yet (the workers create the table's shards).
