@@ -284,6 +284,31 @@ fn chunk(rng: &mut StdRng) -> proto::TensorChunk {
     }
 }
 
+/// A push header of random fields: the variables, the update's identity, its rows.
+fn push_header(rng: &mut StdRng) -> proto::PushHeader {
+    let variables = match rng.random_range(0..5) {
+        0 => vec![],
+        1 => vec!["w".to_string(), "w".to_string()],
+        2 => (0..1000).map(|i| format!("v{i}")).collect(),
+        3 => vec![name(rng)],
+        _ => vec!["w".to_string()],
+    };
+    proto::PushHeader {
+        worker: if rng.random_bool(0.7) { "worker:0".into() } else { name(rng) },
+        client: if rng.random_bool(0.7) { "fuzz".into() } else { name(rng) },
+        step: extreme_u64(rng),
+        seq: extreme_u64(rng),
+        base_version: if rng.random_bool(0.7) { 0 } else { extreme_u64(rng) },
+        variables,
+        wire_format: wire_format(rng),
+        rows: if rng.random_bool(0.2) {
+            (0..rng.random_range(1..3)).map(|_| rows_spec(rng)).collect()
+        } else {
+            Vec::new()
+        },
+    }
+}
+
 /// The parameter server's methods and a request for each, valid protobuf with extreme values.
 fn ps_request(rng: &mut StdRng) -> (&'static str, Bytes, u64) {
     use proto::{create_message, push_message, CreateMessage, PushMessage};
@@ -313,27 +338,7 @@ fn ps_request(rng: &mut StdRng) -> (&'static str, Bytes, u64) {
             ("/strata.v1.ParameterServer/CreateVariables", frames(&messages), 3000)
         }
         1 | 2 => {
-            let variables = match rng.random_range(0..5) {
-                0 => vec![],
-                1 => vec!["w".to_string(), "w".to_string()],
-                2 => (0..1000).map(|i| format!("v{i}")).collect(),
-                3 => vec![name(rng)],
-                _ => vec!["w".to_string()],
-            };
-            let header = proto::PushHeader {
-                worker: if rng.random_bool(0.7) { "worker:0".into() } else { name(rng) },
-                client: if rng.random_bool(0.7) { "fuzz".into() } else { name(rng) },
-                step: extreme_u64(rng),
-                seq: extreme_u64(rng),
-                base_version: if rng.random_bool(0.7) { 0 } else { extreme_u64(rng) },
-                variables,
-                wire_format: wire_format(rng),
-                rows: if rng.random_bool(0.2) {
-                    (0..rng.random_range(1..3)).map(|_| rows_spec(rng)).collect()
-                } else {
-                    Vec::new()
-                },
-            };
+            let header = push_header(rng);
             let mut messages = Vec::new();
             if rng.random_bool(0.9) {
                 messages.push(PushMessage { kind: Some(push_message::Kind::Header(header)) }.encode_to_vec());
@@ -364,6 +369,12 @@ fn ps_request(rng: &mut StdRng) -> (&'static str, Bytes, u64) {
                 lease: extreme_u64(rng) % 4,
                 tables: (0..rng.random_range(0..3)).map(|_| rows_spec(rng)).collect(),
                 wire_format: wire_format(rng),
+                // A push carried with the pull, or stray chunks without one.
+                push: rng.random_bool(0.3).then(|| push_header(rng)),
+                push_chunks: match rng.random_range(0..3) {
+                    0 => Vec::new(),
+                    n => chunks(rng, n),
+                },
             };
             ("/strata.v1.ParameterServer/PullRows", frames(&[request.encode_to_vec()]), 3000)
         }

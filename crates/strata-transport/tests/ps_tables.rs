@@ -170,3 +170,78 @@ fn bad_rows_are_refused_in_one_line_and_nothing_is_applied() {
         assert_eq!(c.push_rows(&id(2), 0, &[], &good).unwrap(), PushOutcome::Applied { version: 1, duplicate: false });
     });
 }
+
+/// A push carried by a pull of rows (`PsClient::push_rows_and_pull`): applied before the rows
+/// are read, so the pull reads it; exactly once under dropped requests and replies (the call
+/// is retried whole: the push is answered as a duplicate, the pull served again); a push the
+/// task refuses fails the call in one line, nothing applied and nothing read; one too large
+/// for a request goes on its own first, with the same outcome.
+#[test]
+fn a_push_carried_by_a_pull_of_rows_is_applied_first_and_exactly_once() {
+    within_limit("a_push_carried_by_a_pull_of_rows_is_applied_first_and_exactly_once", || {
+        let server_config = || {
+            let mut c = PsServerConfig::new("ps:0", token());
+            c.faults = strata_transport::ps::FaultInjection { drop_reply_every: 3, drop_request_every: 5 };
+            c
+        };
+        let server = PsServerHandle::start("127.0.0.1:0".parse().unwrap(), server_config()).unwrap();
+        let config = PsClientConfig { timeout: Duration::from_secs(30), retry_for: Duration::from_secs(30) };
+        let c = PsClient::connect(&server.address().to_string(), "ps:0", token(), config).unwrap();
+        let sgd = RowOptimizer::Sgd { lr: 0.5 };
+        c.create_with_tables(
+            &[],
+            &[table(TableSize::Rows(10), 0, 1, sgd)],
+            &ServerOptimizer::Sgd { lr: 0.5 },
+            None,
+            PsMode::Async,
+            WireFormat::F32,
+        )
+        .unwrap();
+        let ids = [2u64, 5];
+        c.pull_rows("worker:0", 1, &[("emb", &ids)]).unwrap();
+        // 30 steps, each pushing the last one's rows (gradient 2 everywhere: each step takes 1
+        // off every element) with its own pull: the rows read are those of every push so far.
+        let mut want: Vec<f32> = ids.iter().flat_map(|&i| row(i)).collect();
+        for step in 1..=30u64 {
+            let rows = [RowGrads { table: "emb".into(), lease: step, ids: ids.to_vec(), grads: vec![2.0; 8] }];
+            let (outcome, pulled) =
+                c.push_rows_and_pull(&id(step), 0, &rows, "worker:0", step + 1, &[("emb", &ids)]).unwrap();
+            assert!(matches!(outcome, PushOutcome::Applied { .. }), "step {step}: {outcome:?}");
+            want.iter_mut().for_each(|w| *w -= 0.5 * 2.0);
+            assert_eq!(pulled.values[0], want, "step {step}: the pull reads its push");
+        }
+        let status = c.status().unwrap();
+        assert_eq!(status.pushes_applied, 30);
+        assert!(status.pushes_duplicate > 0, "no dropped reply was retried: {status:?}");
+        // A push of a row the worker did not pull under its lease: one line naming the table,
+        // nothing applied, the rows not read (and still served).
+        let bad = [RowGrads { table: "emb".into(), lease: 31, ids: vec![7], grads: vec![1.0; 4] }];
+        let e = c.push_rows_and_pull(&id(31), 0, &bad, "worker:0", 32, &[("emb", &ids)]).unwrap_err().to_string();
+        assert!(e.contains("table emb") && e.contains("lease 31") && !e.contains('\n'), "{e}");
+        assert_eq!(c.pull_rows("worker:0", 33, &[("emb", &ids)]).unwrap().values[0], want);
+        assert_eq!(c.status().unwrap().pushes_applied, 30);
+        server.shutdown();
+    });
+}
+
+/// A carried push too large for one request (1 MiB with the pull) goes on its own first: the
+/// same outcome, the pull reading it.
+#[test]
+fn a_push_too_large_to_carry_goes_on_its_own_first() {
+    within_limit("a_push_too_large_to_carry_goes_on_its_own_first", || {
+        let (server, c) = start("ps:0");
+        let config = TableConfig { name: "emb".into(), dim: 64, size: TableSize::Rows(10_000), init: RowInit::Zeros };
+        let info = TableInfo { config, seed: 7, shard: 0, num_shards: 1, optimizer: RowOptimizer::Sgd { lr: 1.0 } };
+        c.create_with_tables(&[], &[info], &ServerOptimizer::Sgd { lr: 1.0 }, None, PsMode::Async, WireFormat::F32)
+            .unwrap();
+        // 5,000 rows of 64: 1.28 MB of gradients.
+        let ids: Vec<u64> = (0..5_000).collect();
+        c.pull_rows("worker:0", 1, &[("emb", &ids)]).unwrap();
+        let rows = [RowGrads { table: "emb".into(), lease: 1, ids: ids.clone(), grads: vec![0.25; 5_000 * 64] }];
+        let (outcome, pulled) = c.push_rows_and_pull(&id(1), 0, &rows, "worker:0", 2, &[("emb", &ids)]).unwrap();
+        assert_eq!(outcome, PushOutcome::Applied { version: 1, duplicate: false });
+        assert!(pulled.values[0].iter().all(|&v| v == -0.25));
+        assert_eq!(c.status().unwrap().pushes_applied, 1);
+        server.shutdown();
+    });
+}

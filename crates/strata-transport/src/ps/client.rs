@@ -653,18 +653,85 @@ impl PsClient {
     /// under the same lease again replaces its rows), in this client's wire format; an
     /// id-space table's rows not seen before are created.
     pub fn pull_rows(&self, worker: &str, lease: u64, tables: &[(&str, &[u64])]) -> Result<RowsPulled> {
-        let format = self.wire_format;
-        let request = PullRowsRequest {
+        let request = self.pull_rows_request(worker, lease, tables);
+        Ok(self.call_pull_rows(request, tables.len(), false)?.0)
+    }
+
+    /// Applies the update `id` of `rows` (computed from `base_version`), exactly once as
+    /// [`push_rows`](Self::push_rows) does, then pulls the rows of `tables` as
+    /// [`pull_rows`](Self::pull_rows) does, in one call: a worker's push of its last step's
+    /// rows and its pull of the next step's, in one round trip, the pull reading the push. An
+    /// update too large for one request (over [`MAX_CHUNK_BYTES`] with the pull) is pushed on
+    /// its own first. A push the task refuses fails the call, and nothing is pulled.
+    pub fn push_rows_and_pull(
+        &self,
+        id: &UpdateId,
+        base_version: u64,
+        rows: &[RowGrads],
+        worker: &str,
+        lease: u64,
+        tables: &[(&str, &[u64])],
+    ) -> Result<(PushOutcome, RowsPulled)> {
+        let mut request = self.pull_rows_request(worker, lease, tables);
+        let mut header = convert::push_header_spec(id, base_version, &[], self.wire_format);
+        header.rows = tables::rows_spec(rows);
+        request.push = Some(header);
+        let half = self.wire_format.half();
+        request.push_chunks = rows
+            .iter()
+            .enumerate()
+            .flat_map(|(k, r)| {
+                r.grads.chunks(MAX_CHUNK_ELEMENTS).enumerate().map(move |(i, c)| proto::TensorChunk {
+                    variable: k as u32,
+                    offset: (i * MAX_CHUNK_ELEMENTS) as u64,
+                    data: match half {
+                        None => Bytes::copy_from_slice(bytemuck::cast_slice(c)),
+                        Some(h) => strata_ps::encode_half(c, h),
+                    },
+                })
+            })
+            .collect();
+        if request.encoded_len() > MAX_CHUNK_BYTES {
+            let pushed = self.push_rows(id, base_version, &[], rows)?;
+            return Ok((pushed, self.pull_rows(worker, lease, tables)?));
+        }
+        let elements: usize = rows.iter().map(|r| r.grads.len()).sum();
+        let (pulled, answer) = self.call_pull_rows(request, tables.len(), true)?;
+        crate::hooks::sent(elements * self.wire_format.element_bytes());
+        let answer = answer.ok_or_else(|| {
+            self.protocol("a PullRows answer without the answer of the push it carried (a parameter server that predates pushes with pulls?)".into())
+        })?;
+        Ok((convert::push_outcome(&answer), pulled))
+    }
+
+    /// The `PullRows` request of `worker`'s rows of `tables` under `lease`, in this client's
+    /// wire format.
+    fn pull_rows_request(&self, worker: &str, lease: u64, tables: &[(&str, &[u64])]) -> PullRowsRequest {
+        PullRowsRequest {
             worker: worker.to_string(),
             lease,
             tables: tables
                 .iter()
                 .map(|(t, ids)| proto::RowsSpec { table: t.to_string(), lease, ids: ids.to_vec() })
                 .collect(),
-            wire_format: convert::wire_format_spec(format),
-        };
+            wire_format: convert::wire_format_spec(self.wire_format),
+            push: None,
+            push_chunks: Vec::new(),
+        }
+    }
+
+    /// Calls `PullRows` with `request` (for `tables` tables; `carries_push`: the request holds
+    /// a push, whose answer the header must hold): the rows, and the push's answer.
+    fn call_pull_rows(
+        &self,
+        request: PullRowsRequest,
+        tables: usize,
+        carries_push: bool,
+    ) -> Result<(RowsPulled, Option<proto::PushResponse>)> {
+        let format = self.wire_format;
         crate::hooks::before_send_blocking();
-        let messages = self.call("PullRows", |mut raw| {
+        let rpc = if carries_push { "PullRows (with a push)" } else { "PullRows" };
+        let messages = self.call(rpc, |mut raw| {
             let request = request.clone();
             async move {
                 let mut stream = raw.pull_rows(request).await?.into_inner();
@@ -675,9 +742,9 @@ impl PsClient {
                 Ok(messages)
             }
         })?;
-        let pulled = rows_pulled(messages, tables.len(), format).map_err(|d| self.protocol(d))?;
+        let (pulled, answer) = rows_pulled(messages, tables, format).map_err(|d| self.protocol(d))?;
         crate::hooks::received(pulled.values.iter().map(Vec::len).sum::<usize>() * format.element_bytes());
-        Ok(pulled)
+        Ok((pulled, answer))
     }
 
     /// Pushes variables `names` of `lens` elements, chunk `r` of variable `k` being `data(k, r)`.
@@ -854,10 +921,12 @@ fn rows_pulled(
     messages: Vec<proto::PullMessage>,
     tables: usize,
     format: WireFormat,
-) -> std::result::Result<RowsPulled, String> {
+) -> std::result::Result<(RowsPulled, Option<proto::PushResponse>), String> {
     let mut messages = messages.into_iter();
-    let version = match messages.next().and_then(|m| m.kind) {
-        Some(proto::pull_message::Kind::Header(h)) if h.wire_format == convert::wire_format_spec(format) => h.version,
+    let (version, push) = match messages.next().and_then(|m| m.kind) {
+        Some(proto::pull_message::Kind::Header(h)) if h.wire_format == convert::wire_format_spec(format) => {
+            (h.version, h.push)
+        }
         Some(proto::pull_message::Kind::Header(h)) => {
             return Err(format!("asked for {format} rows, the answer holds wire format {}", h.wire_format))
         }
@@ -876,8 +945,8 @@ fn rows_pulled(
             return Err(format!("a chunk of table {} at element {} follows {}", chunk.var, chunk.offset, v.len()));
         }
         for piece in &chunk.pieces {
-            v.extend(piece.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])));
+            strata_ps::extend_f32s(piece, v);
         }
     }
-    Ok(RowsPulled { version, values })
+    Ok((RowsPulled { version, values }, push))
 }

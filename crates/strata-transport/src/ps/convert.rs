@@ -426,6 +426,7 @@ pub(crate) fn pull_parts(
         variables: p.variables.iter().map(|(info, _)| info.to_spec()).collect(),
         variable_versions: p.variables.iter().map(|(_, v)| *v).collect(),
         wire_format: wire_format_spec(format),
+        push: None,
     };
     let half = format.half();
     let chunks = p.chunks.into_iter().map(move |c| {

@@ -17,13 +17,13 @@ use super::wire;
 
 /// Faults a parameter server injects on purpose: a test facility for the exactly-once and
 /// retry paths (`strata ps --inject-drop-reply-every`), never used in a real job. Both count
-/// `Push` calls that passed the cluster token check.
+/// `Push` and `PullRows` calls (which may carry a push) that passed the cluster token check.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct FaultInjection {
-    /// Every k-th push (k > 0) is applied normally but answered `UNAVAILABLE`, as if the reply
+    /// Every k-th push or pull of rows (k > 0) is served normally but answered `UNAVAILABLE`, as if the reply
     /// was lost (a push the task refused keeps its refusal).
     pub drop_reply_every: u64,
-    /// Every k-th push (k > 0) is refused with `UNAVAILABLE` before anything is applied.
+    /// Every k-th push or pull of rows (k > 0) is refused with `UNAVAILABLE` before anything is applied.
     pub drop_request_every: u64,
 }
 
@@ -38,13 +38,13 @@ impl FaultInjection {
     }
 }
 
-/// The service `inner` with [`FaultInjection`]'s faults on its `Push` calls; other calls pass
-/// through untouched.
+/// The service `inner` with [`FaultInjection`]'s faults on its `Push` and `PullRows` calls;
+/// other calls pass through untouched.
 #[derive(Clone)]
 pub(crate) struct Faulty<S> {
     inner: S,
     faults: FaultInjection,
-    /// `Push` calls so far.
+    /// `Push` and `PullRows` calls so far.
     pushes: Arc<AtomicU64>,
 }
 
@@ -77,7 +77,8 @@ where
         // The clone that was made ready serves this call (tower's convention).
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
-        if req.uri().path() != wire::PUSH_PATH {
+        // A pull of rows may carry a push (and a pull alone is retried as safely).
+        if req.uri().path() != wire::PUSH_PATH && req.uri().path() != wire::PULL_ROWS_PATH {
             return Box::pin(inner.call(req));
         }
         let n = self.pushes.fetch_add(1, Ordering::Relaxed) + 1;

@@ -326,6 +326,26 @@ async fn push_frames(shared: &Shared, body: tonic::body::Body) -> Result<PushRes
     push(shared, &header, &chunks, stream).await.map_err(status)
 }
 
+/// The push a `PullRows` request carries (`header`, its gradients in `chunks`): read and
+/// bounded as `Push`'s messages are, then applied (exactly once) as a collected push.
+async fn carried_push(
+    shared: &Shared,
+    header: strata_proto::v1::PushHeader,
+    chunks: Vec<strata_proto::v1::TensorChunk>,
+) -> Result<PushResponse, Status> {
+    let (h, format) = convert::push_header(header).map_err(status)?;
+    let mut parts = Collect::new("PullRows push", shared.lock().bytes());
+    parts.max_bytes = parts.max_bytes.saturating_add(shared.lock().row_bytes(&h.rows));
+    parts.header(h)?;
+    for c in chunks {
+        shared.count_push_chunk();
+        parts.chunk(convert::chunk(c, format).map_err(status)?)?;
+    }
+    let (mut header, chunks) = parts.finish()?;
+    let chunks = tables::take_row_chunks(&mut header, chunks).map_err(status)?;
+    push(shared, &header, &chunks, StreamGuard::new(shared)).await.map_err(status)
+}
+
 /// The buffers of a `Pull` answer, made as the connection takes them.
 type PullBuffers = Box<dyn Iterator<Item = Bytes> + Send>;
 
@@ -446,8 +466,16 @@ impl ParameterServer for Svc {
     type PullRowsStream = PullStream;
 
     async fn pull_rows(&self, req: Request<PullRowsRequest>) -> Result<Response<Self::PullRowsStream>, Status> {
-        let r = req.into_inner();
+        let mut r = req.into_inner();
         let format = convert::wire_format(r.wire_format).map_err(status)?;
+        // The update the request carries is applied (or refused, and nothing is read) first.
+        let pushed = match r.push.take() {
+            Some(h) => Some(carried_push(&self.0, h, std::mem::take(&mut r.push_chunks)).await?),
+            None if !r.push_chunks.is_empty() => {
+                return Err(Status::invalid_argument("a PullRows request with push_chunks and no push header"))
+            }
+            None => None,
+        };
         let (version, values) = {
             let mut state = self.0.lock();
             let mut values = Vec::with_capacity(r.tables.len());
@@ -460,7 +488,8 @@ impl ParameterServer for Svc {
             }
             (version, values)
         };
-        let header = PullHeader { version, wire_format: convert::wire_format_spec(format), ..Default::default() };
+        let header =
+            PullHeader { version, wire_format: convert::wire_format_spec(format), push: pushed, ..Default::default() };
         let messages = std::iter::once(PullMessage { kind: Some(pull_message::Kind::Header(header)) })
             .chain(
                 tables::row_chunks(values, format)

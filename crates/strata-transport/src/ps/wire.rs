@@ -24,6 +24,8 @@ use super::convert::status;
 pub(crate) const PUSH_PATH: &str = "/strata.v1.ParameterServer/Push";
 /// The HTTP/2 path of `ParameterServer.Pull`.
 pub(crate) const PULL_PATH: &str = "/strata.v1.ParameterServer/Pull";
+/// The HTTP/2 path of `ParameterServer.PullRows` (served by the generated server).
+pub(crate) const PULL_ROWS_PATH: &str = "/strata.v1.ParameterServer/PullRows";
 
 /// gRPC's message prefix: a compression flag and a big-endian length.
 const PREFIX: usize = 5;
