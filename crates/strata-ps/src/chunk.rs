@@ -129,11 +129,12 @@ pub fn copy_f32s(data: &[u8], dst: &mut [f32]) {
     bytemuck::cast_slice_mut::<f32, u8>(dst).copy_from_slice(data);
 }
 
-/// Appends the f32 values of a chunk to `dst`.
-fn extend_f32s(data: &[u8], dst: &mut Vec<f32>) {
-    let start = dst.len();
-    dst.resize(start + data.len() / 4, 0.0);
-    copy_f32s(data, &mut dst[start..]);
+/// Appends the f32 values of `data` (little-endian; bytes past the last whole value are
+/// ignored) to `dst`.
+pub fn extend_f32s(data: &[u8], dst: &mut Vec<f32>) {
+    let (start, n) = (dst.len(), data.len() / 4);
+    dst.resize(start + n, 0.0);
+    copy_f32s(&data[..n * 4], &mut dst[start..]);
 }
 
 /// A range of a variable's values, shared with the variable: the bytes of a pulled chunk

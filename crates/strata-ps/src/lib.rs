@@ -125,7 +125,9 @@ pub use checkpoint::{
     META_KEY, PS_META_FORMAT, VARIABLES_FILE,
 };
 pub use checks::{check_chunk_len, check_chunk_len_in, check_name, check_schedule};
-pub use chunk::{copy_f32s, decode_half, encode_half, encode_half_bytes, first_non_finite, Chunk, ValueChunk};
+pub use chunk::{
+    copy_f32s, decode_half, encode_half, encode_half_bytes, extend_f32s, first_non_finite, Chunk, ValueChunk,
+};
 pub use error::{Error, ErrorKind, RequestKind, Result};
 pub use limits::{MAX_CHUNK_BYTES, MAX_CHUNK_ELEMENTS, MAX_VARIABLE_ELEMENTS};
 pub use optimizer::{schedule_kind, ServerOptimizer};

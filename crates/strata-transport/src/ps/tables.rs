@@ -159,7 +159,7 @@ pub(crate) fn take_row_chunks(header: &mut PushHeader, chunks: Vec<Chunk>) -> st
             what: "a push's row gradients",
         })?;
         for piece in &c.pieces {
-            rows.grads.extend(piece.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])));
+            strata_ps::extend_f32s(piece, &mut rows.grads);
         }
     }
     Ok(variables)
