@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use strata_strategies::cluster::{ClusterConfig, TaskId, TaskType};
-use strata_strategies::parameter_server::{PsTables, TableTraffic};
+use strata_strategies::parameter_server::{PsTables, RowsPush, TableTraffic};
 use strata_transport::ps::{PsClient, PsClientConfig, PsMode};
 use strata_transport::{ClusterToken, MutualTls};
 
@@ -121,8 +121,19 @@ pub(crate) fn join(args: &TrainArgs) -> Result<Joined> {
         .map(|(task, address)| PsClient::connect(address, &task.to_string(), token.clone(), config.clone()))
         .collect::<strata_transport::Result<Vec<_>>>()
         .map_err(strata_core::Error::from)?;
-    let store = Arc::new(PsTables::new(cluster.task.to_string(), clients.clone()));
+    let store = Arc::new(PsTables::new(cluster.task.to_string(), clients.clone()).pushing_rows(rows_push()?));
     Ok(Joined::Worker(Box::new(HybridWorker { cluster, token, store, ps, clients, local })))
+}
+
+/// When a worker's rows leave for the ps tasks: with the next step's pull
+/// ([`RowsPush::WithNextPull`]), unless `STRATA_ROWS_PUSH=step-end` (for measurements) has
+/// them pushed at the end of each step.
+fn rows_push() -> Result<RowsPush> {
+    match std::env::var("STRATA_ROWS_PUSH").as_deref() {
+        Err(_) | Ok("next-pull") => Ok(RowsPush::WithNextPull),
+        Ok("step-end") => Ok(RowsPush::AtStepEnd),
+        Ok(other) => Err(Error::Usage(format!("STRATA_ROWS_PUSH={other:?}: say next-pull or step-end, or unset it"))),
+    }
 }
 
 /// Starts `--ps-tasks` ps tasks and `--workers - 1` workers on loopback; this process is

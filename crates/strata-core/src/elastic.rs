@@ -798,6 +798,9 @@ pub fn save_checkpoint<M>(
     // any pushes a later one.
     if let Some(tables) = ext.options().tables.as_ref().filter(|t| t.checkpoints_elsewhere()) {
         let workers = ext.workers();
+        // A worker's rows of the step it still holds go first; one that cannot send them does
+        // not reach the barrier, so no checkpoint is written without them.
+        tables.flush()?;
         if let Some(w) = workers {
             w.barrier()?;
         }

@@ -268,11 +268,22 @@ pub trait TableStore: Send + Sync + std::fmt::Debug {
     fn gradient(&self, replica: usize, table: &str, ids: &[u64], grad: Vec<f32>, batch_rows: usize) -> Result<()>;
 
     /// `replica`'s step ended (`failed`: with an error; its gradients are dropped): the store
-    /// sends what the step's replicas gave it, if the strategy's optimizer did not. Every
+    /// sends what the step's replicas gave it, if the strategy's optimizer did not (now, or
+    /// with the next step's lookup, until [`flush`](Self::flush)). Every
     /// replica of a step ends it once, after its backward pass; a strategy with a store runs
     /// one step per execution ([`Strategy::run_batches`](crate::Strategy::run_batches)), so
     /// that each step ends here before the next one looks a row up.
     fn end_step(&self, replica: usize, failed: bool) -> Result<()>;
+
+    /// Sends what ended steps gave the store and it still holds: a store may keep a step's
+    /// rows until the next step's lookup, to send both in one call ([`end_step`](Self::end_step)
+    /// then only records them). Called where every ended step must have reached the rows'
+    /// holders: by every worker before a checkpoint of the tables
+    /// ([`save_checkpoint`](crate::elastic::save_checkpoint)), and by a trainer after its last
+    /// step. Nothing by default.
+    fn flush(&self) -> Result<()> {
+        Ok(())
+    }
 
     /// The rows the store holds, as named tensors, for a checkpoint of the strategy's (the
     /// trainer's, [`save_checkpoint`](crate::elastic::save_checkpoint), which writes them under

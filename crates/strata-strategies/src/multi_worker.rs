@@ -851,10 +851,11 @@ impl MultiWorkerMirroredStrategy {
         self.job.rejoin.is_some()
     }
 
-    /// Leaves the job cleanly: waits for every worker at a final barrier, then (on the chief)
-    /// stops the coordination service once every task has left. An elastic job's members
-    /// have met at the end of training already (`Trainer::fit` does it, re-forming if a worker
-    /// is lost there), so they only leave.
+    /// Leaves the job cleanly: sends what a table store still holds of the last step
+    /// ([`TableStore::flush`](strata_core::embedding::TableStore::flush)), waits for every worker
+    /// at a final barrier, then (on the chief) stops the coordination service once every task
+    /// has left. An elastic job's members have met at the end of training already
+    /// (`Trainer::fit` does it, re-forming if a worker is lost there), so they only leave.
     pub fn finish(&self) -> Result<()> {
         self.finish_with(None)
     }
@@ -863,6 +864,9 @@ impl MultiWorkerMirroredStrategy {
     /// finished, else the code (a signal's number) of the stop on request that ended it, which
     /// an elastic job's coordination service reports as the job's outcome.
     pub fn finish_with(&self, stopped: Option<u32>) -> Result<()> {
+        if let Some(tables) = &self.ext.options().tables {
+            tables.flush()?;
+        }
         if !self.is_elastic() {
             self.job.barrier()?;
         }

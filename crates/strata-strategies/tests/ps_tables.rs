@@ -11,7 +11,7 @@ use candle_nn::{Linear, Module, SGD};
 use strata_core::embedding::{init_row, owner_of, RowInit, TableConfig, TableSize, TableStore};
 use strata_core::layers::Embedding;
 use strata_core::{Scope, Strategy, StrategyHandle, StrategyOptions};
-use strata_strategies::parameter_server::PsTables;
+use strata_strategies::parameter_server::{PsTables, RowsPush};
 use strata_strategies::OneDeviceStrategy;
 use strata_transport::ps::{
     PsClient, PsClientConfig, PsMode, PsServerConfig, PsServerHandle, RowOptimizer, ServerOptimizer, TableInfo,
@@ -382,8 +382,8 @@ fn ps_job_against_one_device(size: TableSize, prefetch: Prefetch) {
 /// Hybrid training (PERSIA's): two MultiWorkerMirrored workers (threads of this process, each
 /// a whole worker with its own ring membership) keep the dense layer synchronous, all-reduced
 /// every step, while the table lives on 2 ps tasks and each worker pushes its own rows'
-/// gradients there asynchronously, exactly once each. With a barrier between steps (so that
-/// every push of a step lands before the next pulls), the job ends where one device ends
+/// gradients there asynchronously, exactly once each. With a flush and a barrier between steps
+/// (so that every push of a step lands before the next pulls), the job ends where one device ends
 /// training the dense layer at the rate and the table at twice it on the global batch: each
 /// worker's push is its half's mean gradient, and the two add.
 #[test]
@@ -410,6 +410,9 @@ fn hybrid_dense_layers_synchronous_and_tables_asynchronous_on_ps_tasks() {
                             ctx.backward_and_sync(&loss, &opt)
                         })
                         .unwrap();
+                        // The step's rows, held for the next pull, go now: the other worker's
+                        // next pull must read them.
+                        store.flush().unwrap();
                         s.run(|ctx| ctx.barrier()).unwrap();
                     }
                     let w = model.primary().lin.weight().flatten_all().unwrap().to_vec1::<f32>().unwrap();
@@ -444,49 +447,102 @@ fn hybrid_dense_layers_synchronous_and_tables_asynchronous_on_ps_tasks() {
 
 /// A hybrid worker's steps handed over together (`run_batches`, as the trainer hands them):
 /// under a table store each step is an execution of its own, whose rows go to the ps tasks
-/// when it ends, so a worker alone reads its own updates and ends where one device ends (the
-/// dense layer and the table both at the rate), with one push applied per step and task that
-/// owns some of the step's rows, and one lease a step.
+/// with the next step's pull (or at its end), so a worker alone reads its own updates and
+/// ends where one device ends (the dense layer and the table both at the rate), with one push
+/// applied per step and task that owns some of the step's rows, and one lease a step. Both
+/// ways of sending the rows end on the same bits; the last step's rows wait for
+/// `finish`'s flush when they go with the next pull.
 #[test]
 fn a_hybrid_worker_s_steps_in_one_execution_read_their_own_pushes() {
+    crate::common::with_timeout(Duration::from_secs(180), "hybrid_one_execution", || {
+        let with_pull = hybrid_alone(RowsPush::WithNextPull);
+        let at_end = hybrid_alone(RowsPush::AtStepEnd);
+        assert_eq!(with_pull, at_end, "the dense layer and the rows, bit for bit");
+    });
+}
+
+/// One hybrid worker's run of [`batches`] in one execution, its rows sent `when`: checked
+/// against one device; returns the dense layer's weight and the rows the steps touched.
+fn hybrid_alone(when: RowsPush) -> (Vec<f32>, Vec<Vec<f32>>) {
     use strata_core::data::DistributedBatch;
     use strata_strategies::cluster::ClusterSpec;
-    crate::common::with_timeout(Duration::from_secs(180), "hybrid_one_execution", || {
-        let (_servers, clients) = ps_tasks_empty(2);
-        let ports = crate::common::loopback_ports(1);
-        let spec = ClusterSpec::workers(vec![format!("127.0.0.1:{}", ports[0])]).unwrap();
-        let store = Arc::new(PsTables::new("worker:0", clients.clone()));
-        let s = hybrid_worker(spec, 0, &store);
-        let model = s.scope(Model::new).unwrap();
-        store.create_tables(SEED, &RowOptimizer::Sgd { lr: LR }, PsMode::Async).unwrap();
-        let opt = model.optimizer::<SGD>(LR).unwrap();
-        let split: Vec<_> = batches().iter().map(|b| DistributedBatch::split(b, 1).unwrap()).collect();
-        s.run_batches(&split, |ctx, shard| {
-            let (ids, target) = &shard.batch;
-            let loss = model.on(ctx)?.loss(ids, target)?;
-            ctx.backward_and_sync(&loss, &opt)
-        })
-        .unwrap();
-        let dense = model.primary().lin.weight().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        let _ = s.finish();
-        // One device, both at the rate.
-        let (reference, want) = one_device_reference(LR);
-        close(&dense, &reference, "dense");
-        let mut pushes = 0;
-        for (ids, _) in batches() {
-            let ids = ids.flatten_all().unwrap().to_vec1::<u32>().unwrap();
-            pushes += (0..2)
-                .filter(|&k| ids.iter().any(|&id| owner_of(TableSize::Rows(ROWS), u64::from(id), 2) == k))
-                .count() as u64;
-            for id in ids {
-                let k = owner_of(TableSize::Rows(ROWS), u64::from(id), 2);
-                let got = clients[k].pull_rows("reader", 1, &[("emb", &[u64::from(id)])]).unwrap().values.remove(0);
-                close(&got, &want[id as usize], &format!("row {id}"));
-            }
+    let (_servers, clients) = ps_tasks_empty(2);
+    let ports = crate::common::loopback_ports(1);
+    let spec = ClusterSpec::workers(vec![format!("127.0.0.1:{}", ports[0])]).unwrap();
+    let store = Arc::new(PsTables::new("worker:0", clients.clone()).pushing_rows(when));
+    let s = hybrid_worker(spec, 0, &store);
+    let model = s.scope(Model::new).unwrap();
+    store.create_tables(SEED, &RowOptimizer::Sgd { lr: LR }, PsMode::Async).unwrap();
+    let opt = model.optimizer::<SGD>(LR).unwrap();
+    let split: Vec<_> = batches().iter().map(|b| DistributedBatch::split(b, 1).unwrap()).collect();
+    s.run_batches(&split, |ctx, shard| {
+        let (ids, target) = &shard.batch;
+        let loss = model.on(ctx)?.loss(ids, target)?;
+        ctx.backward_and_sync(&loss, &opt)
+    })
+    .unwrap();
+    let dense = model.primary().lin.weight().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let applied = |clients: &[PsClient]| clients.iter().map(|c| c.status().unwrap().pushes_applied).sum::<u64>();
+    let steps = batches().len() as u64;
+    let before_finish = applied(&clients);
+    s.finish().unwrap();
+    // One device, both at the rate.
+    let (reference, want) = one_device_reference(LR);
+    close(&dense, &reference, "dense");
+    let (mut pushes, mut last_pushes, mut rows) = (0, 0, Vec::new());
+    for (ids, _) in batches() {
+        let ids = ids.flatten_all().unwrap().to_vec1::<u32>().unwrap();
+        last_pushes = (0..2)
+            .filter(|&k| ids.iter().any(|&id| owner_of(TableSize::Rows(ROWS), u64::from(id), 2) == k))
+            .count() as u64;
+        pushes += last_pushes;
+        for id in ids {
+            let k = owner_of(TableSize::Rows(ROWS), u64::from(id), 2);
+            let got = clients[k].pull_rows("reader", 1, &[("emb", &[u64::from(id)])]).unwrap().values.remove(0);
+            close(&got, &want[id as usize], &format!("{when:?}: row {id}"));
+            rows.push(got);
         }
+    }
+    assert_eq!(applied(&clients), pushes, "{when:?}: every step's rows applied once");
+    let held = if when == RowsPush::WithNextPull { last_pushes } else { 0 };
+    assert_eq!(before_finish, pushes - held, "{when:?}: the last step's rows until finish");
+    assert_eq!(store.lease(), steps, "{when:?}: one lease a step");
+    (dense, rows)
+}
+
+/// A store that pushes a step's rows with the next pull, dropped while it holds some, pushes
+/// them, once, as a flush does.
+#[test]
+fn a_store_holding_a_step_s_rows_pushes_them_when_dropped_or_flushed() {
+    crate::common::with_timeout(Duration::from_secs(120), "store_drop_flush", || {
+        let (_servers, clients) = ps_tasks(2);
+        let id = 5u64;
+        let k = owner_of(TableSize::Rows(ROWS), id, 2);
+        let mut init = vec![0f32; DIM];
+        init_row(SEED, "emb", table().init, id, &mut init);
+        let row = |c: &PsClient| c.pull_rows("reader", 1, &[("emb", &[id])]).unwrap().values.remove(0);
+        let step = |store: &PsTables| {
+            store.declare(&table()).unwrap();
+            store.pull(0, "emb", &[id]).unwrap();
+            store.gradient(0, "emb", &[id], vec![1.0; DIM], 1).unwrap();
+            store.end_step(0, false).unwrap();
+        };
+        let store = PsTables::new("worker:0", clients.clone()).pushing_rows(RowsPush::WithNextPull);
+        step(&store);
+        assert_eq!(row(&clients[k]), init, "held until the next pull, a flush or the drop");
+        drop(store);
+        let once: Vec<f32> = init.iter().map(|w| w - LR as f32).collect();
+        assert_eq!(row(&clients[k]), once);
+        let store = PsTables::new("worker:1", clients.clone()).pushing_rows(RowsPush::WithNextPull);
+        step(&store);
+        let twice: Vec<f32> = once.iter().map(|w| w - LR as f32).collect();
+        store.flush().unwrap();
+        assert_eq!(row(&clients[k]), twice);
+        // Nothing is held now: dropping sends nothing more.
+        drop(store);
+        assert_eq!(row(&clients[k]), twice);
         let applied: u64 = clients.iter().map(|c| c.status().unwrap().pushes_applied).sum();
-        assert_eq!(applied, pushes, "every step's rows applied once");
-        assert_eq!(store.lease(), batches().len() as u64, "one lease a step");
+        assert_eq!(applied, 2);
     });
 }
 

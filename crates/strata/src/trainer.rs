@@ -446,6 +446,11 @@ impl Trainer {
             saved_step: None,
         };
         let stopped = fit.epochs(at)?;
+        // A table store may still hold the last step's rows (it sends a step's with the next
+        // step's lookup): they reach their holders before the fit returns.
+        if let Some(tables) = &strategy.extended().options().tables {
+            tables.flush()?;
+        }
         // ZeRO stage 3: every variable whole again on every worker (collective), so that each
         // reads its model after the fit without the others, which may be gone by then. An
         // elastic job's members did it in `Elastic::finish`, where a loss re-forms the job (here

@@ -10,13 +10,14 @@ pub mod coordinator;
 pub mod partition;
 pub mod strategy;
 pub mod tables;
+mod task_threads;
 pub mod worker;
 pub mod worker_model;
 
 pub use coordinator::{ClusterCoordinator, CoordinatorOptions, RemoteValue};
 pub use partition::{rows_per_shard, shard_range, Partitioner, PlacedShard, Placement, PlacementPolicy};
 pub use strategy::{ParameterServerOptions, ParameterServerStrategy, PsModel};
-pub use tables::{PsTables, TableTraffic};
+pub use tables::{PsTables, RowsPush, TableTraffic};
 pub use worker::{
     serve_worker, OverlappedPush, PullTicket, PushSummary, StepRegistry, WorkerContext, WorkerOptions,
     WorkerStepHandler,

@@ -7,10 +7,13 @@
 //! knows this worker pulled; each push is an update `(worker, run, step, 0)`, sent again with
 //! the same identity while a task is unavailable, so it is applied exactly once. After the
 //! step (at the end of the strategy's run, or at the first lookup after the step's backward
-//! when one run trains several steps) it is pushed, to every ps task holding some of its rows, in parallel: embeddings train
-//! asynchronously beside whatever the strategy does with the dense variables (hybrid training,
-//! PERSIA's), or, in a ps job, the rows are handed to the step's push of the dense gradients
-//! ([`PsTables::take_rows`]) so that both are one update per ps task.
+//! when one run trains several steps) it is pushed, to every ps task holding some of its
+//! rows, in parallel, or, if the store is built so ([`RowsPush::WithNextPull`]), with the
+//! next step's pull of that task's rows, in the same call (applied first, so the pull reads
+//! it: one round trip a step instead of two). So embeddings train asynchronously beside
+//! whatever the strategy does with the dense variables (hybrid training, PERSIA's); in a ps
+//! job, the rows are handed to the step's push of the dense gradients instead
+//! ([`PsTables::take_rows`]), so that both are one update per ps task.
 //!
 //! [`StrategyOptions::tables`]: strata_core::StrategyOptions::tables
 
@@ -20,8 +23,10 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use strata_core::embedding::{owner_of, TableConfig, TableStore};
 use strata_core::{Error, Result};
 use strata_transport::ps::{
-    PsClient, PsMode, RowGrads, RowOptimizer, ServerOptimizer, TableInfo, UpdateId, WireFormat,
+    PsClient, PsMode, RowGrads, RowOptimizer, RowsPulled, ServerOptimizer, TableInfo, UpdateId, WireFormat,
 };
+
+use super::task_threads::{TaskCall, TaskThreads};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
@@ -122,6 +127,15 @@ pub struct PsTables {
     binding: Mutex<Binding>,
     /// Whether [`end_step`](TableStore::end_step) pushes (`false`: the dense push takes them).
     push_at_end: bool,
+    /// When a step's rows leave (see [`RowsPush`]).
+    rows_push: RowsPush,
+    /// The threads that call the ps tasks, one per task.
+    threads: TaskThreads,
+    /// An ended step's push, not yet sent: it goes with the next pull, or at a flush.
+    pending: Mutex<Option<Pending>>,
+    /// Whether the last call to the ps tasks succeeded (a store that is dropped sends what it
+    /// holds only then, not into a job whose tasks are gone).
+    healthy: std::sync::atomic::AtomicBool,
     tables: Mutex<HashMap<String, TableConfig>>,
     step: Mutex<Step>,
     traffic: Mutex<TableTraffic>,
@@ -149,6 +163,10 @@ impl PsTables {
         Self {
             binding: Mutex::new(Binding::default()),
             push_at_end: true,
+            rows_push: RowsPush::default(),
+            threads: TaskThreads::default(),
+            pending: Mutex::new(None),
+            healthy: std::sync::atomic::AtomicBool::new(true),
             tables: Mutex::new(HashMap::new()),
             step: Mutex::new(Step::default()),
             traffic: Mutex::new(TableTraffic::default()),
@@ -181,6 +199,13 @@ impl PsTables {
     /// instead of pushed at the end of the step.
     pub fn pushed_with_the_dense_gradients(mut self) -> Self {
         self.push_at_end = false;
+        self
+    }
+
+    /// When a step's rows leave for the ps tasks ([`RowsPush`]; by default at the end of the
+    /// step).
+    pub fn pushing_rows(mut self, when: RowsPush) -> Self {
+        self.rows_push = when;
         self
     }
 
@@ -282,7 +307,10 @@ impl PsTables {
     }
 
     /// Pulls the rows `ids` (distinct, ascending) of `table` from the ps tasks that own them,
-    /// in parallel, under the step's lease, and records each task's version for the push.
+    /// in parallel, under the step's lease, and records each task's version for the push. An
+    /// ended step's push the store holds goes with the pull to each task it has rows for (on
+    /// its own to a task this pull asks nothing of); it is held again if a call fails, and sent
+    /// again with the same identity, so that it is applied once.
     fn pull_now(&self, table: &str, config: &TableConfig, ids: &[u64]) -> Result<Vec<f32>> {
         let (worker, _, clients) = self.bound()?;
         lock(&self.traffic).pulls += 1;
@@ -296,16 +324,49 @@ impl PsTables {
             per_task[k].push(id);
         }
         let lease = self.lease();
-        let pulled: Vec<Result<TaskRows>> =
-            on_each_task("rows pull", per_task.iter().zip(clients.iter()), |(mine, client)| {
-                if mine.is_empty() {
-                    return Ok(None);
-                }
-                let r = client.pull_rows(&worker, lease, &[(table, mine)]).map_err(Error::from)?;
-                let values = r.values.into_iter().next().unwrap_or_default();
-                Ok(Some((values, r.version)))
-            });
-        let pulled = pulled.into_iter().collect::<Result<Vec<_>>>()?;
+        let pending = lock(&self.pending).take().map(Arc::new);
+        let counts: Vec<usize> = per_task.iter().map(Vec::len).collect();
+        let calls: Vec<TaskCall<TaskRows>> = per_task
+            .into_iter()
+            .enumerate()
+            .map(|(k, mine)| -> TaskCall<TaskRows> {
+                let (clients, pending, worker, table) =
+                    (clients.clone(), pending.clone(), worker.clone(), table.to_string());
+                Box::new(move || {
+                    let client = &clients[k];
+                    let push = pending.as_deref().filter(|p| !p.per_task[k].0.is_empty());
+                    let values = |r: RowsPulled| Some((r.values.into_iter().next().unwrap_or_default(), r.version));
+                    match (push, mine.is_empty()) {
+                        (None, true) => Ok(None),
+                        (Some(p), true) => {
+                            let (rows, base) = &p.per_task[k];
+                            client.push_rows(&p.id, *base, &[], rows).map(|_| None).map_err(Error::from)
+                        }
+                        (None, false) => {
+                            client.pull_rows(&worker, lease, &[(&table, &mine)]).map(values).map_err(Error::from)
+                        }
+                        (Some(p), false) => {
+                            let (rows, base) = &p.per_task[k];
+                            let (_, r) = client
+                                .push_rows_and_pull(&p.id, *base, rows, &worker, lease, &[(&table, &mine)])
+                                .map_err(Error::from)?;
+                            Ok(values(r))
+                        }
+                    }
+                })
+            })
+            .collect();
+        let pulled = self.threads.run("rows pull", calls);
+        // Every call has ended: the push is this store's alone again.
+        let pending = pending.map(|p| Arc::try_unwrap(p).unwrap_or_else(|p| (*p).clone()));
+        let pulled = match pulled.into_iter().collect::<Result<Vec<_>>>() {
+            Ok(p) => p,
+            Err(e) => {
+                self.hold_again(pending);
+                return Err(e);
+            }
+        };
+        self.healthy.store(true, std::sync::atomic::Ordering::Relaxed);
         let dim = config.dim;
         let mut values = vec![0f32; ids.len() * dim];
         for (i, &(k, at)) in place.iter().enumerate() {
@@ -314,7 +375,7 @@ impl PsTables {
                 Error::Cluster(format!(
                     "ps:{k} returned {} values of table {table:?} for {} rows",
                     rows.len(),
-                    per_task[k].len()
+                    counts[k]
                 ))
             })?;
             values[i * dim..(i + 1) * dim].copy_from_slice(row);
@@ -329,17 +390,119 @@ impl PsTables {
         Ok(values)
     }
 
-    /// Pushes the step's rows to every ps task that owns some, in parallel, as update
-    /// `(worker, client, lease, 0)`.
-    fn push(&self, lease: u64) -> Result<()> {
-        let (worker, client, clients) = self.bound()?;
+    /// Holds `pending` again after a call that should have sent it failed (it is sent again
+    /// with the same identity: a task that applied it answers the retry as a duplicate).
+    fn hold_again(&self, pending: Option<Pending>) {
+        self.healthy.store(false, std::sync::atomic::Ordering::Relaxed);
+        if let Some(p) = pending {
+            *lock(&self.pending) = Some(p);
+        }
+    }
+
+    /// The step's rows, as update `(worker, client, lease, 0)` per ps task, or `None` when the
+    /// step has none.
+    fn step_push(&self, lease: u64) -> Result<Option<Pending>> {
+        let (worker, client, _) = self.bound()?;
         let per_task = self.take_rows();
-        let id = UpdateId { worker, client, step: lease, seq: 0 };
-        let tasks = per_task.iter().zip(clients.iter()).filter(|((rows, _), _)| !rows.is_empty());
-        let results = on_each_task("rows push", tasks, |((rows, base), client)| {
-            client.push_rows(&id, *base, &[], rows).map(drop).map_err(Error::from)
-        });
-        results.into_iter().collect()
+        if per_task.iter().all(|(rows, _)| rows.is_empty()) {
+            return Ok(None);
+        }
+        Ok(Some(Pending { id: UpdateId { worker, client, step: lease, seq: 0 }, per_task }))
+    }
+
+    /// Ends the step of `lease` for the push: sent now, or held for the next pull (an older
+    /// push still held is sent first).
+    fn push(&self, lease: u64) -> Result<()> {
+        let Some(push) = self.step_push(lease)? else { return Ok(()) };
+        if self.rows_push == RowsPush::WithNextPull {
+            self.send_pending()?;
+            *lock(&self.pending) = Some(push);
+            return Ok(());
+        }
+        self.send(Some(push))
+    }
+
+    /// Sends the push the store holds, if any.
+    fn send_pending(&self) -> Result<()> {
+        let pending = lock(&self.pending).take();
+        self.send(pending)
+    }
+
+    /// Pushes `push` to every ps task it has rows for, in parallel; held again if a call fails.
+    fn send(&self, push: Option<Pending>) -> Result<()> {
+        let Some(p) = push else { return Ok(()) };
+        let (_, _, clients) = self.bound()?;
+        let p = Arc::new(p);
+        let calls: Vec<TaskCall<()>> = (0..p.per_task.len())
+            .filter(|&k| !p.per_task[k].0.is_empty())
+            .map(|k| -> TaskCall<()> {
+                let (clients, p) = (clients.clone(), p.clone());
+                Box::new(move || {
+                    let (rows, base) = &p.per_task[k];
+                    clients[k].push_rows(&p.id, *base, &[], rows).map(drop).map_err(Error::from)
+                })
+            })
+            .collect();
+        let results = self.threads.run("rows push", calls);
+        let p = Arc::try_unwrap(p).unwrap_or_else(|p| (*p).clone());
+        match results.into_iter().collect::<Result<()>>() {
+            Ok(()) => {
+                self.healthy.store(true, std::sync::atomic::Ordering::Relaxed);
+                Ok(())
+            }
+            Err(e) => {
+                self.hold_again(Some(p));
+                Err(e)
+            }
+        }
+    }
+}
+
+/// When a step's rows leave a [`PsTables`] store for the ps tasks. Both ways apply each step's
+/// rows exactly once, before the worker's next pull of rows from a task reads them (it reads
+/// its own updates).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum RowsPush {
+    /// At the end of the step, on their own: when the strategy's run returns, its rows are
+    /// applied.
+    #[default]
+    AtStepEnd,
+    /// With the next step's pull of each task's rows, in the same call (`PullRows` carrying
+    /// the push, applied first): one call to a task a step instead of two, what a hybrid job
+    /// does (`strata train --ps-mode hybrid`). Until then the push waits in the store, and
+    /// other workers do not see it: [`flush`](TableStore::flush) sends it. A trainer's fit
+    /// does after its last step, every worker before a checkpoint of the tables, a
+    /// multi-worker strategy's `finish`, and dropping the store when its calls were
+    /// succeeding.
+    WithNextPull,
+}
+
+/// An ended step's push: its update identity and, per ps task, its rows and the version they
+/// were pulled at.
+#[derive(Clone, Debug)]
+struct Pending {
+    id: UpdateId,
+    per_task: Vec<(Vec<RowGrads>, u64)>,
+}
+
+/// A store dropped while it holds a step's push sends it, if its calls were succeeding: a
+/// program that steps a table and ends loses no step (one that stops after a failed call
+/// does not wait on tasks that may be gone).
+impl Drop for PsTables {
+    fn drop(&mut self) {
+        let held = self.pending.get_mut().map_or_else(|p| p.into_inner().is_some(), |p| p.is_some());
+        if !held || std::thread::panicking() {
+            return;
+        }
+        if !self.healthy.load(std::sync::atomic::Ordering::Relaxed) {
+            tracing::warn!(
+                "an embedding table store was dropped after a failed call, holding a step's rows it did not push"
+            );
+            return;
+        }
+        if let Err(e) = self.send_pending() {
+            tracing::warn!(error = %e, "an embedding table store was dropped holding a step's rows, and could not push them");
+        }
     }
 }
 
@@ -447,7 +610,12 @@ impl TableStore for PsTables {
 
     /// Every ps task writes its checkpoint of `step` (as of a whole job of them: `ps-<i>` of the
     /// job's checkpoint root), in parallel.
+    fn flush(&self) -> Result<()> {
+        self.send_pending()
+    }
+
     fn checkpoint(&self, step: u64) -> Result<()> {
+        self.send_pending()?;
         let (_, _, clients) = self.bound()?;
         let tasks = u32::try_from(clients.len())
             .map_err(|_| Error::InvalidArgument(format!("{} ps tasks to checkpoint", clients.len())))?;
