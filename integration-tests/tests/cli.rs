@@ -268,18 +268,28 @@ fn a_checkpoint_dir_that_cannot_be_written_fails_at_start() {
     assert_one_line_error(&o, &format!("--checkpoint-dir {ro_text}: cannot write a file in it"));
 }
 
-/// `strata` runs with mimalloc's purge delay at 30 s: a process started without
-/// `MIMALLOC_PURGE_DELAY` executes itself once more with it set (the same process, so its
-/// `/proc/<pid>/environ` changes), and a value the user set is kept.
+/// `strata` runs with mimalloc's purge delay at 30 s and without transparent huge pages: a
+/// process started without `MIMALLOC_PURGE_DELAY` or `MIMALLOC_ALLOW_THP` executes itself once
+/// more with them set (the same process, so its `/proc/<pid>/environ` changes), and a value
+/// the user set is kept.
 #[test]
-fn strata_sets_mimallocs_purge_delay_unless_the_user_did() {
+fn strata_sets_mimallocs_options_unless_the_user_did() {
     use std::process::Stdio;
     use std::time::{Duration, Instant};
-    for (given, expected) in [(None, "MIMALLOC_PURGE_DELAY=30000"), (Some("250"), "MIMALLOC_PURGE_DELAY=250")] {
+    let cases = [
+        (None, None, ["MIMALLOC_PURGE_DELAY=30000", "MIMALLOC_ALLOW_THP=0"]),
+        (Some("250"), None, ["MIMALLOC_PURGE_DELAY=250", "MIMALLOC_ALLOW_THP=0"]),
+        (None, Some("1"), ["MIMALLOC_PURGE_DELAY=30000", "MIMALLOC_ALLOW_THP=1"]),
+    ];
+    for (delay, thp, expected) in cases {
         let mut c = Command::new(strata_integration_tests::strata_bin());
-        c.args(["train", "--epochs", "100000", "--no-progress"]).env_remove("MIMALLOC_PURGE_DELAY");
-        if let Some(v) = given {
-            c.env("MIMALLOC_PURGE_DELAY", v);
+        c.args(["train", "--epochs", "100000", "--no-progress"])
+            .env_remove("MIMALLOC_PURGE_DELAY")
+            .env_remove("MIMALLOC_ALLOW_THP");
+        for (var, value) in [("MIMALLOC_PURGE_DELAY", delay), ("MIMALLOC_ALLOW_THP", thp)] {
+            if let Some(v) = value {
+                c.env(var, v);
+            }
         }
         let mut child = c.stdout(Stdio::null()).stderr(Stdio::null()).spawn().expect("strata starts");
         let environ = format!("/proc/{}/environ", child.id());
@@ -287,16 +297,18 @@ fn strata_sets_mimallocs_purge_delay_unless_the_user_did() {
         let found = loop {
             let vars = std::fs::read(&environ).unwrap_or_default();
             let vars: Vec<String> = vars.split(|&b| b == 0).map(|v| String::from_utf8_lossy(v).into_owned()).collect();
-            let delay = vars.into_iter().find(|v| v.starts_with("MIMALLOC_PURGE_DELAY="));
-            if delay.as_deref() == Some(expected) || Instant::now() > deadline {
-                break delay;
+            let found: Vec<String> = vars.into_iter().filter(|v| v.starts_with("MIMALLOC_")).collect();
+            if expected.iter().all(|e| found.iter().any(|v| v == e)) || Instant::now() > deadline {
+                break found;
             }
             std::thread::sleep(Duration::from_millis(10));
         };
         let still_running = child.try_wait().expect("the child can be waited for").is_none();
         let _ = child.kill();
         let _ = child.wait();
-        assert_eq!(found.as_deref(), Some(expected));
+        for e in expected {
+            assert!(found.iter().any(|v| v == e), "{e} not among {found:?}");
+        }
         assert!(still_running, "strata exited before it was looked at");
     }
 }

@@ -7,18 +7,25 @@ use clap::Parser;
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-/// mimalloc returns memory that stays free for `MIMALLOC_PURGE_DELAY` milliseconds (default
-/// 1000) to the kernel, which must then clear the pages again when they are next touched. A
-/// training step frees and reallocates the same large buffers every step, and on the
-/// transformer that was 35,000 page faults in 6 s and 4-5% of a step (`clear_page_erms`); with
-/// 30 s, about 500 in all. mimalloc reads its options from the environment before `main` runs,
-/// so a process started without the variable executes itself once more with it set: the same
-/// process id, arguments and environment otherwise. Set the variable to choose another value;
-/// if the executable cannot be found or run again, the process goes on with mimalloc's default.
+/// mimalloc's options, which it reads from the environment before `main` runs: a process
+/// started without them executes itself once more with them set (the same process id,
+/// arguments and environment otherwise). A variable the user set is kept; if the executable
+/// cannot be found or run again, the process goes on with mimalloc's defaults.
+///
+/// - `MIMALLOC_PURGE_DELAY=30000`: mimalloc returns memory that stays free for this many
+///   milliseconds (default 1000) to the kernel, which must then clear the pages again when
+///   they are next touched. A training step frees and reallocates the same large buffers
+///   every step, and on the transformer that was 35,000 page faults in 6 s and 4-5% of a step
+///   (`clear_page_erms`); with 30 s, about 500 in all.
+/// - `MIMALLOC_ALLOW_THP=0`: with transparent huge pages, each region mimalloc touches first
+///   is cleared 2 MiB at a time. A hybrid click job's workers, whose buffers change size every
+///   step, spent 10% of the job's CPU there; without, the 4.3M MLP and the transformer train
+///   as fast, in 15% less memory (`docs/bench/2026-12-06-2300-ctr-rows-with-pull.md`).
 fn allocator_options() {
     use std::os::unix::process::CommandExt;
-    const VAR: &str = "MIMALLOC_PURGE_DELAY";
-    if std::env::var_os(VAR).is_some() {
+    const OPTIONS: [(&str, &str); 2] = [("MIMALLOC_PURGE_DELAY", "30000"), ("MIMALLOC_ALLOW_THP", "0")];
+    let unset: Vec<(&str, &str)> = OPTIONS.into_iter().filter(|(var, _)| std::env::var_os(var).is_none()).collect();
+    if unset.is_empty() {
         return;
     }
     let Ok(exe) = std::env::current_exe() else { return };
@@ -28,7 +35,7 @@ fn allocator_options() {
         command.arg0(arg0);
     }
     // `exec` returns only if it failed.
-    let _failed = command.args(args).env(VAR, "30000").exec();
+    let _failed = command.args(args).envs(unset).exec();
 }
 
 fn main() {
