@@ -108,6 +108,9 @@ struct PullPlan {
     evict: Vec<usize>,
     /// The ids to create, in the pull's order.
     create: Vec<u64>,
+    /// Each id's row as the plan found it (`None`: to create), in the pull's order: valid
+    /// while no row is evicted.
+    found: Vec<Option<usize>>,
     /// The pull's ids, sorted (the new lease).
     sorted: Vec<u64>,
 }
@@ -282,14 +285,19 @@ impl Table {
         }
         let mut evict = plan.evict;
         evict.sort_unstable_by(|a, b| b.cmp(a));
+        let moved = !evict.is_empty();
         for r in evict {
             self.evict(r);
         }
         for id in plan.create {
             self.create(id, version);
         }
-        for id in ids {
-            let r = self.index[id];
+        for (id, found) in ids.iter().zip(plan.found) {
+            // One probe of the index a row: the plan's, unless an eviction moved rows.
+            let r = match found {
+                Some(r) if !moved => r,
+                _ => self.index[id],
+            };
             self.last_seen[r] = version;
             self.pins[r] += 1;
             out.extend_from_slice(self.values.row(r));
@@ -331,15 +339,17 @@ impl Table {
         if leased > MAX_LEASED_IDS {
             return Err(Error::TooManyLeasedIds { table: self.name().into(), ids: leased });
         }
+        let mut found = try_with_capacity(task, ids.len(), "a pull's rows")?;
+        found.extend(ids.iter().map(|id| self.index.get(id).copied()));
         let mut create = try_with_capacity(task, ids.len(), "a pull's new row ids")?;
-        create.extend(ids.iter().copied().filter(|id| !self.index.contains_key(id)));
+        create.extend(ids.iter().zip(&found).filter(|(_, f)| f.is_none()).map(|(&id, _)| id));
         let evict = self.plan_eviction(task, create.len(), &sorted, dropped, version)?;
         let rows = (self.ids.len() - evict.len() + create.len()) as u64;
         let bytes = other_bytes.saturating_add(rows.saturating_mul(self.row_bytes()));
         if bytes > MAX_TABLE_BYTES {
             return Err(Error::TableBytes { task: task.into(), table: self.name().into(), bytes });
         }
-        Ok(PullPlan { drop, evict, create, sorted })
+        Ok(PullPlan { drop, evict, create, found, sorted })
     }
 
     /// The rows to evict so that `new` more fit an id-space table's bound: rows unseen for
