@@ -608,12 +608,13 @@ impl TableStore for PsTables {
         self.push_at_end
     }
 
-    /// Every ps task writes its checkpoint of `step` (as of a whole job of them: `ps-<i>` of the
-    /// job's checkpoint root), in parallel.
+    /// Sends the push a store that pushes with the next pull holds ([`RowsPush::WithNextPull`]).
     fn flush(&self) -> Result<()> {
         self.send_pending()
     }
 
+    /// Every ps task writes its checkpoint of `step` (as of a whole job of them: `ps-<i>` of the
+    /// job's checkpoint root), in parallel, once the push this store holds is applied.
     fn checkpoint(&self, step: u64) -> Result<()> {
         self.send_pending()?;
         let (_, _, clients) = self.bound()?;

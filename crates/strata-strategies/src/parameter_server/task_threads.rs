@@ -1,7 +1,7 @@
 //! Threads that make a worker's calls to its ps tasks in parallel, one per task, kept for as
 //! long as their owner. A thread started for every call begins with a fresh allocator heap,
 //! whose first pages the kernel clears on first touch (2 MiB at a time under transparent huge
-//! pages): a hybrid job of the click model had 4.7x the page faults and 8% more CPU than with
+//! pages): a hybrid job of the click model had 4.7x the page faults and 9% more CPU than with
 //! its calls made from one thread (`docs/bench/2026-12-06-2300-ctr-rows-with-pull.md`).
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
