@@ -506,22 +506,6 @@ impl Drop for PsTables {
     }
 }
 
-/// `call` on each of `tasks` (one ps task's work each), in parallel, one scoped thread each;
-/// the results in order (`what` names the work in the error of a thread that panicked).
-fn on_each_task<T: Send, R: Send>(
-    what: &str,
-    tasks: impl Iterator<Item = T>,
-    call: impl Fn(T) -> Result<R> + Sync,
-) -> Vec<Result<R>> {
-    std::thread::scope(|s| {
-        let handles: Vec<_> = tasks.map(|t| s.spawn(|| call(t))).collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().unwrap_or_else(|_| Err(Error::Cluster(format!("a {what} thread panicked")))))
-            .collect()
-    })
-}
-
 /// The rows one ps task returned and its version (`None`: none of the step's rows is there).
 type TaskRows = Option<(Vec<f32>, u64)>;
 
@@ -620,10 +604,13 @@ impl TableStore for PsTables {
         let (_, _, clients) = self.bound()?;
         let tasks = u32::try_from(clients.len())
             .map_err(|_| Error::InvalidArgument(format!("{} ps tasks to checkpoint", clients.len())))?;
-        let results = on_each_task("checkpoint", clients.iter(), |client| {
-            client.checkpoint_of_job(step, tasks).map(drop).map_err(Error::from)
-        });
-        results.into_iter().collect()
+        let calls: Vec<TaskCall<()>> = (0..clients.len())
+            .map(|k| -> TaskCall<()> {
+                let clients = clients.clone();
+                Box::new(move || clients[k].checkpoint_of_job(step, tasks).map(drop).map_err(Error::from))
+            })
+            .collect();
+        self.threads.run("checkpoint", calls).into_iter().collect()
     }
 
     fn end_step(&self, replica: usize, failed: bool) -> Result<()> {
