@@ -676,21 +676,7 @@ impl PsClient {
         let mut header = convert::push_header_spec(id, base_version, &[], self.wire_format);
         header.rows = tables::rows_spec(rows);
         request.push = Some(header);
-        let half = self.wire_format.half();
-        request.push_chunks = rows
-            .iter()
-            .enumerate()
-            .flat_map(|(k, r)| {
-                r.grads.chunks(MAX_CHUNK_ELEMENTS).enumerate().map(move |(i, c)| proto::TensorChunk {
-                    variable: k as u32,
-                    offset: (i * MAX_CHUNK_ELEMENTS) as u64,
-                    data: match half {
-                        None => Bytes::copy_from_slice(bytemuck::cast_slice(c)),
-                        Some(h) => strata_ps::encode_half(c, h),
-                    },
-                })
-            })
-            .collect();
+        request.push_chunks = tables::row_chunks(rows.iter().map(|r| r.grads.as_slice()), self.wire_format);
         if request.encoded_len() > MAX_CHUNK_BYTES {
             let pushed = self.push_rows(id, base_version, &[], rows)?;
             return Ok((pushed, self.pull_rows(worker, lease, tables)?));

@@ -492,7 +492,7 @@ impl ParameterServer for Svc {
             PullHeader { version, wire_format: convert::wire_format_spec(format), push: pushed, ..Default::default() };
         let messages = std::iter::once(PullMessage { kind: Some(pull_message::Kind::Header(header)) })
             .chain(
-                tables::row_chunks(values, format)
+                tables::row_chunks(values.iter().map(Vec::as_slice), format)
                     .into_iter()
                     .map(|c| PullMessage { kind: Some(pull_message::Kind::Chunk(c)) }),
             )

@@ -165,11 +165,14 @@ pub(crate) fn take_row_chunks(header: &mut PushHeader, chunks: Vec<Chunk>) -> st
     Ok(variables)
 }
 
-/// The chunks of a `PullRows` answer: table `k`'s values in chunks of at most
-/// [`MAX_CHUNK_ELEMENTS`], in `format`.
-pub(crate) fn row_chunks(values: Vec<Vec<f32>>, format: WireFormat) -> Vec<proto::TensorChunk> {
+/// The chunks of rows' values (a `PullRows` answer's, or the gradients of a push it carries):
+/// table `k`'s values in chunks of at most [`MAX_CHUNK_ELEMENTS`], in `format`.
+pub(crate) fn row_chunks<'a>(
+    values: impl IntoIterator<Item = &'a [f32]>,
+    format: WireFormat,
+) -> Vec<proto::TensorChunk> {
     let mut out = Vec::new();
-    for (k, v) in values.iter().enumerate() {
+    for (k, v) in values.into_iter().enumerate() {
         for (i, c) in v.chunks(MAX_CHUNK_ELEMENTS).enumerate() {
             let data = match format.half() {
                 None => Bytes::copy_from_slice(bytemuck::cast_slice(c)),
