@@ -637,6 +637,26 @@ fn no_lookahead_outside_a_parameter_server_job_is_refused() {
     assert!(err.contains("--no-lookahead applies to --strategy parameter-server") && err.contains("drop it"), "{err}");
 }
 
+/// `--stale-rate inverse` where no push to a ps task's dense variables can be stale (another
+/// strategy, sync mode, hybrid, whose dense layers are all-reduced) is one line naming the
+/// flag, before any task starts.
+#[test]
+fn a_stale_rate_where_no_push_is_stale_is_refused() {
+    for (job, names) in [
+        (&["--strategy", "mirrored"][..], "--strategy mirrored"),
+        (&["--strategy", "parameter-server", "--ps-mode", "sync"][..], "--ps-mode sync"),
+        (&["--strategy", "parameter-server", "--ps-mode", "hybrid", "--model", "ctr"][..], "--ps-mode hybrid"),
+    ] {
+        let mut args = vec!["train", "--stale-rate", "inverse", "--no-progress"];
+        args.extend_from_slice(job);
+        let out = strata().args(&args).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
+        assert!(err.contains("--stale-rate applies to") && err.contains(names) && err.contains("drop it"), "{err}");
+    }
+}
+
 #[test]
 fn a_timeline_of_a_parameter_server_job_is_refused_before_any_task_starts() {
     let dir = tempfile::tempdir().unwrap();

@@ -315,7 +315,8 @@ fn the_ctr_model_trains_with_its_table_on_the_ps_tasks() {
 /// Every strategy takes the click records in the same order (record `i` in step `i / batch`),
 /// so a parameter-server job with one asynchronous worker (2 ps tasks, real processes: no
 /// push is ever stale) ends on one device's bits: the dense layers saved by both are the same
-/// bytes, and so is the test AUC, under Adagrad on the table's rows and on the dense layers.
+/// bytes, and so is the test AUC, under Adagrad on the table's rows and on the dense layers;
+/// so does the job at `--stale-rate inverse`.
 #[test]
 fn the_ctr_model_on_one_async_worker_ends_on_one_device_s_bits() {
     let dir = tempfile::tempdir().unwrap();
@@ -345,22 +346,28 @@ fn the_ctr_model_on_one_async_worker_ends_on_one_device_s_bits() {
     for (name, strategy) in [
         ("one", &["--strategy", "one-device"][..]),
         ("ps", &["--strategy", "parameter-server", "--ps-tasks", "2", "--workers", "1"][..]),
+        // A worker of its own never pushes stale: the inverse rate is the rate.
+        (
+            "inverse",
+            &["--strategy", "parameter-server", "--ps-tasks", "2", "--workers", "1", "--stale-rate", "inverse"][..],
+        ),
     ] {
         let (out, params) = (dir.path().join(format!("{name}.json")), dir.path().join(format!("{name}.safetensors")));
         let mut args = common.to_vec();
         args.extend_from_slice(strategy);
         args.extend_from_slice(&["--out", out.to_str().unwrap(), "--save-params", params.to_str().unwrap()]);
         ok(&run(&args, Duration::from_secs(240)));
-        runs.push((json(&out)["final_test_auc"].as_f64().unwrap(), std::fs::read(&params).unwrap()));
+        let summary = json(&out);
+        if name != "one" {
+            let want = if name == "inverse" { "inverse" } else { "constant" };
+            assert_eq!(summary["parameter_servers"]["stale_rate"], want, "the ps tasks' rate of stale pushes");
+        }
+        runs.push((summary["final_test_auc"].as_f64().unwrap(), std::fs::read(&params).unwrap()));
     }
-    assert_eq!(
-        runs[0].0.to_bits(),
-        runs[1].0.to_bits(),
-        "test auc: one device {}, one async worker {}",
-        runs[0].0,
-        runs[1].0
-    );
-    assert!(runs[0].1 == runs[1].1, "the dense layers differ from one device's");
+    for (name, run) in ["one async worker", "one async worker, --stale-rate inverse"].iter().zip(&runs[1..]) {
+        assert_eq!(runs[0].0.to_bits(), run.0.to_bits(), "test auc: one device {}, {name} {}", runs[0].0, run.0);
+        assert!(runs[0].1 == run.1, "the dense layers of {name} differ from one device's");
+    }
 }
 
 /// Hybrid training of the click model in real processes (2 ps tasks, 2 workers, this command

@@ -184,8 +184,9 @@ impl HybridWorker {
 
     /// The summary's parameter-server part: the ps tasks' counters, in mode `hybrid`.
     pub(crate) fn summary(&self) -> Result<PsSummary> {
-        let (_, tasks) = ps::task_summaries(&self.clients)?;
-        Ok(PsSummary { mode: "hybrid".into(), workers: self.cluster.spec.num_sync_workers(), coordinator: None, tasks })
+        let (_, _, tasks) = ps::task_summaries(&self.clients)?;
+        let workers = self.cluster.spec.num_sync_workers();
+        Ok(PsSummary { mode: "hybrid".into(), stale_rate: None, workers, coordinator: None, tasks })
     }
 
     /// The end of the job, after every worker finished training (`outcome`): the first worker

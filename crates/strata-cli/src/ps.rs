@@ -616,6 +616,7 @@ pub fn train(args: &TrainArgs, started: Instant) -> Result<()> {
     options.optimizer = args.optimizer.server_optimizer(args.hyper());
     options.mode = ps_mode(args, workers)?;
     options.schedule = ps_schedule(args, options.mode, workers);
+    options.stale_rate = args.stale_rate.into();
     options.partitioner = Partitioner::parse(&args.partitioner)?;
     options.table_optimizer = args.row_optimizer();
     options.seed = args.seed;
@@ -891,8 +892,8 @@ fn coordinate(
         metrics: args.metrics_writer(true)?,
     };
     let (report, stats) = ps_job::train_coordinator(strategy, &model, &config)?;
-    let (mode, tasks) = task_summaries(strategy.ps_clients())?;
-    let ps = PsSummary { mode, workers, coordinator: Some(stats), tasks };
+    let (mode, stale_rate, tasks) = task_summaries(strategy.ps_clients())?;
+    let ps = PsSummary { mode, stale_rate: Some(stale_rate), workers, coordinator: Some(stats), tasks };
     let replicas = workers * args.replicas.unwrap_or(1);
     let ctr = (args.model == ModelKind::Ctr).then(|| ctr_summary(args, &report, model.variables())).transpose()?;
     crate::summary::finish(args, started, replicas, &report, model.variables(), 0, Some(ps), ctr)
@@ -923,12 +924,15 @@ fn ctr_summary(
 }
 
 /// Every ps task's counters (from its status) and the mode they report.
-pub(crate) fn task_summaries(clients: &[strata_transport::ps::PsClient]) -> Result<(String, Vec<PsTaskSummary>)> {
+pub(crate) fn task_summaries(
+    clients: &[strata_transport::ps::PsClient],
+) -> Result<(String, String, Vec<PsTaskSummary>)> {
     let mut tasks = Vec::new();
-    let mut mode = String::new();
+    let (mut mode, mut stale_rate) = (String::new(), String::new());
     for (i, c) in clients.iter().enumerate() {
         let s = c.status().map_err(strata_core::Error::from)?;
         mode = s.mode.to_string();
+        stale_rate = s.stale_rate.to_string();
         let bytes = s.variables.iter().map(|(v, _)| v.numel() as u64 * 4).sum::<u64>()
             + s.tables.iter().map(|t| t.bytes).sum::<u64>();
         tasks.push(PsTaskSummary {
@@ -947,5 +951,5 @@ pub(crate) fn task_summaries(clients: &[strata_transport::ps::PsClient]) -> Resu
             bytes,
         });
     }
-    Ok((mode, tasks))
+    Ok((mode, stale_rate, tasks))
 }

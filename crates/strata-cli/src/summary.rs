@@ -248,6 +248,10 @@ pub(crate) fn finish(
 pub struct PsSummary {
     /// The mode, as the ps tasks report it.
     pub mode: String,
+    /// The rate of stale pushes' dense variables, as the ps tasks report it (`--stale-rate`;
+    /// none in a hybrid job, whose dense layers are all-reduced).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stale_rate: Option<String>,
     /// Worker tasks.
     pub workers: usize,
     /// What the coordinator saw (none in a hybrid job, which has no coordinator).

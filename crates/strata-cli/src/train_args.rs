@@ -35,6 +35,26 @@ pub enum PsModeKind {
     Hybrid,
 }
 
+/// The rate at which parameter servers apply a stale push's dense variables (async and stale
+/// modes; `strata::ps::StaleRate`).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum StaleRateKind {
+    /// The optimizer's rate, however stale the push (TensorFlow's ParameterServerStrategy).
+    #[default]
+    Constant,
+    /// lr / (1 + s) for a push computed s updates before it lands (Zhang et al. 2016).
+    Inverse,
+}
+
+impl From<StaleRateKind> for strata::ps::StaleRate {
+    fn from(k: StaleRateKind) -> Self {
+        match k {
+            StaleRateKind::Constant => strata::ps::StaleRate::Constant,
+            StaleRateKind::Inverse => strata::ps::StaleRate::Inverse,
+        }
+    }
+}
+
 /// The optimizer of embedding tables' rows on parameter servers (TensorFlow's sparse
 /// semantics: rows no batch touched keep their values and slots).
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -379,6 +399,11 @@ pub struct TrainArgs {
     /// Parameter server, stale mode: the largest accepted staleness, in versions.
     #[arg(long, default_value_t = 4)]
     pub staleness: u64,
+    /// Parameter server, async and stale modes: the rate a push's dense variables are applied
+    /// at when other updates landed between its pull and it (constant: the optimizer's;
+    /// inverse: lr / (1 + those updates)). Embedding tables' rows keep their rate.
+    #[arg(long, value_enum, default_value = "constant")]
+    pub stale_rate: StaleRateKind,
     /// The optimizer of embedding tables' rows (the ctr model's table): on the ps tasks under
     /// parameter-server (default adagrad); under one-device, mirrored or central-storage the
     /// table is then rows in this process's memory, stepped one by one, instead of a variable.
@@ -696,6 +721,19 @@ impl TrainArgs {
             return Err(Error::Usage(format!(
                 "--max-restarts {} applies to --strategy parameter-server's local cluster; a multi-worker-mirrored job's lost task is restarted by strata launch --max-restarts (with --min-workers), drop it",
                 self.max_restarts
+            )));
+        }
+        let stale_modes = [PsModeKind::Async, PsModeKind::Stale];
+        if self.stale_rate != StaleRateKind::Constant
+            && (self.strategy != StrategyKind::ParameterServer || !stale_modes.contains(&self.ps_mode))
+        {
+            let job = match (self.strategy, self.ps_mode) {
+                (StrategyKind::ParameterServer, PsModeKind::Sync) => "--ps-mode sync".to_string(),
+                (StrategyKind::ParameterServer, _) => "--ps-mode hybrid".to_string(),
+                (other, _) => format!("--strategy {}", other.name()),
+            };
+            return Err(Error::Usage(format!(
+                "--stale-rate applies to --strategy parameter-server's async and stale modes, whose pushes can be stale ({job} has none on its ps tasks' dense variables); drop it"
             )));
         }
         if self.no_lookahead && self.strategy != StrategyKind::ParameterServer {

@@ -18,7 +18,7 @@ use crate::checks::check_schedule;
 use crate::limits::{MAX_TABLES, MAX_TABLE_BYTES};
 use crate::optimizer::schedule_kind;
 use crate::state::{Answer, Counters, Snapshot, UpdateKey};
-use crate::{Error, PsMode, Result, RowOptimizer, ServerOptimizer, TableInfo, TableRows, VariableInfo};
+use crate::{Error, PsMode, Result, RowOptimizer, ServerOptimizer, StaleRate, TableInfo, TableRows, VariableInfo};
 
 /// The safetensors file of a ps checkpoint.
 pub const VARIABLES_FILE: &str = "variables.safetensors";
@@ -47,6 +47,10 @@ pub struct PsMeta {
     /// one (and in those written before schedules existed). Its step is the task's `version`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub schedule: Option<ScheduleMeta>,
+    /// The rate of stale pushes' dense variables; absent for [`StaleRate::Constant`] (and in
+    /// checkpoints written before the field existed).
+    #[serde(default, skip_serializing_if = "is_constant")]
+    pub stale_rate: StaleRate,
     /// The mode.
     pub mode: Option<PsMode>,
     /// The counters.
@@ -264,6 +268,7 @@ fn write_snapshot_as(
         variables: infos,
         optimizer: snap.optimizer,
         schedule: snap.schedule.as_ref().map(ScheduleMeta::of),
+        stale_rate: snap.stale_rate,
         mode: snap.mode,
         counters: snap.counters,
         table: snap.table,
@@ -443,11 +448,16 @@ pub(crate) fn read_snapshot_of_job(path: &Path) -> Result<(Snapshot, u64, Option
         variables,
         optimizer: meta.optimizer,
         schedule,
+        stale_rate: meta.stale_rate,
         mode: meta.mode,
         counters: meta.counters,
         table: meta.table,
     };
     Ok((snap, ckpt.step, meta.job_tasks))
+}
+
+fn is_constant(rate: &StaleRate) -> bool {
+    *rate == StaleRate::Constant
 }
 
 /// Keras' momentum velocity (`v' = m * v' - lr * g`) as PyTorch's (`v = m * v + g`): at a
@@ -469,6 +479,7 @@ mod tests {
             variables: vec![VariableInfo::whole("w", vec![2, 2])],
             optimizer: optimizer.clone(),
             schedule: None,
+            stale_rate: crate::StaleRate::Constant,
             mode: PsMode::Async,
             wire_format: crate::WireFormat::F32,
             tables: Vec::new(),
@@ -652,6 +663,7 @@ mod schedule_tests {
                 variables: vec![VariableInfo::whole("w", vec![3])],
                 optimizer: ServerOptimizer::Sgd { lr: 7.0 },
                 schedule,
+                stale_rate: crate::StaleRate::Constant,
                 mode: PsMode::Async,
                 wire_format: WireFormat::F32,
                 tables: Vec::new(),
@@ -682,6 +694,7 @@ mod schedule_tests {
             variables: vec![],
             optimizer: ServerOptimizer::Sgd { lr: 0.1 },
             schedule: None,
+            stale_rate: crate::StaleRate::Constant,
             mode: PsMode::Async,
             wire_format: crate::WireFormat::F32,
             tables: vec![info],

@@ -14,7 +14,8 @@ use crate::limits::{
     MAX_TABLES, MAX_TABLE_BYTES, MAX_TABLE_SHARDS, MAX_TASK_BYTES, MAX_VARIABLES, MAX_WORKERS,
 };
 use crate::{
-    PsMode, ServerOptimizer, VariableInfo, WireFormat, MAX_CHUNK_BYTES, MAX_CHUNK_ELEMENTS, MAX_VARIABLE_ELEMENTS,
+    PsMode, ServerOptimizer, StaleRate, VariableInfo, WireFormat, MAX_CHUNK_BYTES, MAX_CHUNK_ELEMENTS,
+    MAX_VARIABLE_ELEMENTS,
 };
 
 /// The kind of an [`Error`]: what the caller can do about it. An RPC layer maps each kind to
@@ -353,6 +354,13 @@ pub enum Error {
         mode: String,
     },
 
+    /// A rate of stale pushes no parameter server applies.
+    #[error("unknown stale_rate {rate:?}; use constant or inverse")]
+    UnknownStaleRate {
+        /// The name asked for.
+        rate: String,
+    },
+
     /// Sync mode with no workers.
     #[error("sync mode needs at least one worker")]
     SyncWithoutWorkers,
@@ -436,6 +444,17 @@ pub enum Error {
         have: Box<Option<LrSchedule>>,
         /// The schedule asked for.
         want: Box<Option<LrSchedule>>,
+    },
+
+    /// A create request asks for another rate of stale pushes than the task applies.
+    #[error("{task} applies stale pushes at the {have} rate; this job asks for {want} (start a fresh ps task or use the same --stale-rate)")]
+    StaleRateMismatch {
+        /// The task.
+        task: String,
+        /// The rule it applies.
+        have: StaleRate,
+        /// The rule asked for.
+        want: StaleRate,
     },
 
     /// A create request asks for another mode than the task runs.
@@ -1038,6 +1057,7 @@ impl Error {
             | AdamWParameters { .. }
             | AdagradParameters { .. }
             | UnknownMode { .. }
+            | UnknownStaleRate { .. }
             | SyncWithoutWorkers
             | TooManyBackupWorkers { .. }
             | UnnamedVariable
@@ -1082,6 +1102,7 @@ impl Error {
             | PoolTooLarge { .. } => ErrorKind::ResourceExhausted,
             OptimizerMismatch { .. }
             | ScheduleMismatch { .. }
+            | StaleRateMismatch { .. }
             | ModeMismatch { .. }
             | VariableMismatch { .. }
             | TableMismatch { .. }

@@ -17,6 +17,7 @@
 //!     variables: vec![VariableInfo::whole("w", vec![2, 2])],
 //!     optimizer: ServerOptimizer::Sgd { lr: 0.5 },
 //!     schedule: None,
+//!     stale_rate: strata_ps::StaleRate::Constant,
 //!     mode: PsMode::Async,
 //!     wire_format: strata_ps::WireFormat::F32,
 //!     tables: Vec::new(),
@@ -114,6 +115,8 @@ mod restore_tests;
 mod row_optimizer;
 mod shard;
 mod slab;
+#[cfg(test)]
+mod stale_rate_tests;
 mod state;
 mod table;
 #[cfg(test)]
@@ -143,5 +146,5 @@ pub use strata_core::optim::schedule::LrSchedule;
 pub use table::{reshard_tables, TableRows};
 pub use types::{
     CreateHeader, CreateOutcome, PsMode, PsStatus, PullResult, PushHeader, PushOutcome, PushReply, RowGrads, RowPull,
-    RowPullResult, TableInfo, TableStatus, UpdateId, VariableInfo, WireFormat,
+    RowPullResult, StaleRate, TableInfo, TableStatus, UpdateId, VariableInfo, WireFormat,
 };

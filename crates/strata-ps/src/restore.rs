@@ -25,7 +25,7 @@ use strata_core::checkpoint::{checkpoint_dir_name, checkpoint_steps, latest_chec
 use crate::checkpoint::read_snapshot_of_job;
 use crate::limits::MAX_TABLE_SHARDS;
 use crate::state::{Answer, Counters, Snapshot, State, UpdateKey, MAX_REMEMBERED_UPDATES};
-use crate::{reshard_tables, Error, PsMode, RestorePool, Result, ServerOptimizer, TableRows};
+use crate::{reshard_tables, Error, PsMode, RestorePool, Result, ServerOptimizer, StaleRate, TableRows};
 use strata_core::optim::schedule::LrSchedule;
 
 /// The prefix of an old task's directory in a job's checkpoint root: `ps-<index>`.
@@ -115,7 +115,7 @@ fn common_step(dir: &Path, tasks: usize) -> Result<u64> {
 /// gathered one old task at a time.
 #[derive(Default)]
 struct Shared {
-    first: Option<(Option<ServerOptimizer>, Option<LrSchedule>, Option<PsMode>)>,
+    first: Option<(Option<ServerOptimizer>, Option<LrSchedule>, Option<PsMode>, StaleRate)>,
     version: u64,
     counters: Counters,
     table: Vec<(UpdateKey, Answer)>,
@@ -125,7 +125,7 @@ struct Shared {
 impl Shared {
     /// Takes old task `index`'s snapshot (but its variables and tables).
     fn add(&mut self, dir: &Path, index: usize, snap: &mut Snapshot) -> Result<()> {
-        let mine = (snap.optimizer.take(), snap.schedule.take(), snap.mode.take());
+        let mine = (snap.optimizer.take(), snap.schedule.take(), snap.mode.take(), snap.stale_rate);
         match &self.first {
             None => self.first = Some(mine),
             Some(first) => {
@@ -135,6 +135,8 @@ impl Shared {
                     Some("schedule")
                 } else if first.2 != mine.2 {
                     Some("mode")
+                } else if first.3 != mine.3 {
+                    Some("stale_rate")
                 } else {
                     None
                 };
@@ -224,13 +226,14 @@ pub fn read_job_checkpoint_at(dir: &Path, shard: u32, num_shards: u32, step: Opt
     });
     let tables = reshard_tables(old, shard, num_shards)?;
     pool.check_complete()?;
-    let (optimizer, schedule, mode) = shared.first.unwrap_or_default();
+    let (optimizer, schedule, mode, stale_rate) = shared.first.unwrap_or_default();
     let snapshot = Snapshot {
         task: format!("ps:{shard}"),
         version: shared.version,
         variables: Vec::new(),
         optimizer,
         schedule,
+        stale_rate,
         mode,
         counters: shared.counters,
         table: shared.table,

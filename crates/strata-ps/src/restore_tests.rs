@@ -93,6 +93,7 @@ fn header(infos: &[VariableInfo], shard: u32, num_shards: u32) -> CreateHeader {
         variables: infos.to_vec(),
         optimizer: ADAMW,
         schedule: None,
+        stale_rate: crate::StaleRate::Constant,
         mode: PsMode::Async,
         wire_format: WireFormat::F32,
         tables: vec![table(shard, num_shards)],

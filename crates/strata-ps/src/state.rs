@@ -18,7 +18,7 @@ use crate::table::{sum_rows, try_with_capacity, Lease, Table, TableRows};
 use crate::{
     check_name, first_non_finite, Chunk, CreateHeader, CreateOutcome, Error, PsMode, PsStatus, PullResult, PushHeader,
     PushReply, RequestKind, RestorePool, Result, RowGrads, RowOptimizer, RowPull, RowPullResult, ServerOptimizer,
-    TableInfo, VariableInfo, WireFormat,
+    StaleRate, TableInfo, VariableInfo, WireFormat,
 };
 
 /// How many applied-update answers a task remembers (the oldest are forgotten first). A retry
@@ -232,6 +232,8 @@ pub struct State {
     /// The learning-rate schedule, by the task's update number (see
     /// [`CreateHeader::schedule`]).
     schedule: Option<LrSchedule>,
+    /// The rate of stale pushes' dense variables ([`CreateHeader::stale_rate`]).
+    stale_rate: StaleRate,
     mode: Option<PsMode>,
     version: u64,
     table: HashMap<UpdateKey, Answer>,
@@ -288,6 +290,8 @@ pub struct Snapshot {
     pub optimizer: Option<ServerOptimizer>,
     /// The learning-rate schedule, if the task follows one (its step is the task's version).
     pub schedule: Option<LrSchedule>,
+    /// The rate of stale pushes' dense variables.
+    pub stale_rate: StaleRate,
     /// The mode, once variables were created.
     pub mode: Option<PsMode>,
     /// The counters.
@@ -479,6 +483,7 @@ impl State {
             index: HashMap::new(),
             optimizer: None,
             schedule: None,
+            stale_rate: StaleRate::Constant,
             mode: None,
             version: 0,
             table: HashMap::new(),
@@ -616,6 +621,13 @@ impl State {
                     want: Box::new(header.schedule.clone()),
                 });
             }
+            if self.stale_rate != header.stale_rate {
+                return Err(Error::StaleRateMismatch {
+                    task: self.task.clone(),
+                    have: self.stale_rate,
+                    want: header.stale_rate,
+                });
+            }
         }
         if let Some(have) = self.mode {
             if have != mode {
@@ -671,6 +683,7 @@ impl State {
         }
         self.optimizer = Some(optimizer);
         self.schedule = header.schedule.clone();
+        self.stale_rate = header.stale_rate;
         self.mode = Some(mode);
         self.wire_format = header.wire_format;
         let versions = infos.iter().map(|i| self.index.get(&i.name).map_or(0, |&at| self.vars[at].version)).collect();
@@ -734,6 +747,17 @@ impl State {
             Some(s) => optimizer.with_learning_rate(s.at(self.version)),
             None => optimizer.clone(),
         })
+    }
+
+    /// `optimizer` (the next update's) at the rate of an async or stale-mode push computed
+    /// from `base_version` ([`StaleRate`]): its staleness is the updates applied since.
+    fn stale_scaled(&self, optimizer: ServerOptimizer, base_version: u64) -> ServerOptimizer {
+        let staleness = self.version.saturating_sub(base_version);
+        match self.stale_rate {
+            StaleRate::Constant => optimizer,
+            _ if staleness == 0 => optimizer,
+            rate => optimizer.with_learning_rate(rate.rate(optimizer.learning_rate(), staleness)),
+        }
     }
 
     fn required(&self, workers: u32, backup: u32) -> usize {
@@ -835,7 +859,9 @@ impl State {
                 return Ok(PushDecision::Wait { key, base, duplicate: false });
             }
         }
-        // Async and stale: apply where each chunk lands, and each table's rows.
+        // Async and stale: apply where each chunk lands (at the push's staleness's rate), and
+        // each table's rows.
+        let optimizer = self.stale_scaled(optimizer, h.base_version);
         apply_update(&optimizer, &mut self.vars, &at, chunks, self.version + 1);
         for &i in &at {
             self.vars[i].version += 1;
@@ -958,6 +984,7 @@ impl State {
         // A streamed push is swapped in only if no other update was applied meanwhile, so it is
         // update number `self.version` and takes that step's rate.
         let (Some(optimizer), Some(mode)) = (self.optimizer_now(), self.mode) else { return None };
+        let optimizer = self.stale_scaled(optimizer, h.base_version);
         match mode {
             PsMode::Async => {}
             PsMode::Stale { staleness } => {
@@ -1203,6 +1230,7 @@ impl State {
             mode: self.mode.unwrap_or(PsMode::Async),
             optimizer: self.optimizer.clone(),
             schedule: self.schedule.clone(),
+            stale_rate: self.stale_rate,
             rounds: self.counters.rounds,
             applied_by_worker: self.counters.applied_by_worker.clone(),
             pushes_streamed: self.counters.pushes_streamed,
@@ -1226,6 +1254,7 @@ impl State {
                 .collect(),
             optimizer: self.optimizer.clone(),
             schedule: self.schedule.clone(),
+            stale_rate: self.stale_rate,
             mode: self.mode,
             counters: self.counters.clone(),
             table: self
@@ -1259,6 +1288,7 @@ impl State {
         }
         self.optimizer = snap.optimizer;
         self.schedule = snap.schedule;
+        self.stale_rate = snap.stale_rate;
         self.mode = snap.mode;
         self.version = snap.version;
         self.counters = snap.counters;
@@ -1323,6 +1353,7 @@ mod tests {
             variables: names.iter().zip(sizes).map(|(n, s)| VariableInfo::whole(*n, vec![s])).collect(),
             optimizer: opt.clone(),
             schedule: None,
+            stale_rate: crate::StaleRate::Constant,
             mode: PsMode::Async,
             wire_format: WireFormat::F32,
             tables: Vec::new(),
@@ -1387,6 +1418,7 @@ mod partial_tests {
             variables: vec![VariableInfo::whole("a", vec![2]), b],
             optimizer: opt.clone(),
             schedule: None,
+            stale_rate: crate::StaleRate::Constant,
             mode,
             wire_format: WireFormat::F32,
             tables: Vec::new(),
@@ -1517,6 +1549,7 @@ mod stream_tests {
             variables: NAMES.iter().zip(SIZES).map(|(n, s)| VariableInfo::whole(*n, vec![s])).collect(),
             optimizer: optimizer.clone(),
             schedule: None,
+            stale_rate: crate::StaleRate::Constant,
             mode: PsMode::Async,
             wire_format: WireFormat::F32,
             tables: Vec::new(),
@@ -1693,6 +1726,7 @@ mod limits_tests {
             variables: vec![VariableInfo::whole("w", vec![4])],
             optimizer: ServerOptimizer::Sgd { lr: 0.5 },
             schedule: None,
+            stale_rate: crate::StaleRate::Constant,
             mode,
             wire_format: WireFormat::F32,
             tables: Vec::new(),
@@ -1766,6 +1800,7 @@ mod limits_tests {
             variables: vec![VariableInfo::whole("w", vec![2])],
             optimizer: ServerOptimizer::Sgd { lr: 0.5 },
             schedule: None,
+            stale_rate: crate::StaleRate::Constant,
             mode: PsMode::Async,
             wire_format: WireFormat::F32,
             tables: Vec::new(),
@@ -1821,6 +1856,7 @@ mod limits_tests {
             variables: (0..3).map(|i| VariableInfo::whole(format!("v{i}"), vec![MAX_VARIABLE_ELEMENTS])).collect(),
             optimizer: sgd.clone(),
             schedule: None,
+            stale_rate: crate::StaleRate::Constant,
             mode: PsMode::Async,
             wire_format: WireFormat::F32,
             tables: Vec::new(),
@@ -1833,6 +1869,7 @@ mod limits_tests {
             variables: (0..=MAX_VARIABLES).map(|i| VariableInfo::whole(format!("v{i}"), vec![0])).collect(),
             optimizer: sgd,
             schedule: None,
+            stale_rate: crate::StaleRate::Constant,
             mode: PsMode::Async,
             wire_format: WireFormat::F32,
             tables: Vec::new(),
@@ -1877,6 +1914,7 @@ pub(crate) mod schedule_tests {
             variables: vec![VariableInfo::whole("w", vec![3])],
             optimizer: ServerOptimizer::Sgd { lr: 7.0 },
             schedule,
+            stale_rate: crate::StaleRate::Constant,
             mode,
             wire_format: WireFormat::F32,
             tables: Vec::new(),
@@ -2019,6 +2057,7 @@ pub(crate) mod schedule_tests {
                 variables: vec![VariableInfo::whole("w", vec![3])],
                 optimizer: ServerOptimizer::Sgd { lr: 7.0 },
                 schedule: Some(schedule.clone()),
+                stale_rate: crate::StaleRate::Constant,
                 mode: PsMode::Async,
                 wire_format: WireFormat::F32,
                 tables: Vec::new(),

@@ -40,7 +40,15 @@ fn header(
     optimizer: ServerOptimizer,
     mode: PsMode,
 ) -> CreateHeader {
-    CreateHeader { variables, optimizer, schedule: None, mode, wire_format: WireFormat::F32, tables }
+    CreateHeader {
+        variables,
+        optimizer,
+        schedule: None,
+        stale_rate: crate::StaleRate::Constant,
+        mode,
+        wire_format: WireFormat::F32,
+        tables,
+    }
 }
 
 /// A task of `tables` only, in `mode`.

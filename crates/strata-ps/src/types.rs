@@ -44,6 +44,53 @@ impl fmt::Display for PsMode {
     }
 }
 
+/// The learning rate an async or stale-mode task applies a push's dense variables at, by the
+/// push's staleness `s`: the updates the task applied between the pull the push was computed
+/// from and the push (its version now minus the push's base version).
+///
+/// Two workers pushing gradients computed at the same values apply, between them, twice the
+/// step that one device would take from that point: a stale push's step is in effect larger.
+/// [`StaleRate::Inverse`] takes `lr / (1 + s)`, the staleness-dependent rate of Zhang et al.
+/// (IJCAI 2016): a push that lands as computed (one worker, or no update in between) takes the
+/// full rate, the same bits as [`StaleRate::Constant`]. A schedule's rate is scaled the same
+/// way. Embedding tables' rows always take their optimizer's rate: a row a push carries was
+/// seldom touched by the updates in between. Sync mode has no staleness and ignores it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StaleRate {
+    /// Every push at the optimizer's rate, however stale (TensorFlow's `ParameterServerStrategy`).
+    #[default]
+    Constant,
+    /// A push of staleness `s` at `lr / (1 + s)`.
+    Inverse,
+}
+
+impl StaleRate {
+    /// Its name (`"constant"` or `"inverse"`), as the protocol and `strata train --stale-rate`
+    /// spell it.
+    pub fn name(self) -> &'static str {
+        match self {
+            StaleRate::Constant => "constant",
+            StaleRate::Inverse => "inverse",
+        }
+    }
+
+    /// The rate a push of `staleness` takes at base rate `lr`.
+    pub fn rate(self, lr: f64, staleness: u64) -> f64 {
+        match self {
+            StaleRate::Constant => lr,
+            StaleRate::Inverse if staleness == 0 => lr,
+            StaleRate::Inverse => lr / (1.0 + staleness as f64),
+        }
+    }
+}
+
+impl fmt::Display for StaleRate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// The element type of the values a push carries or a pull returns. A task holds and applies
 /// f32 whatever travels: a 16-bit push is decoded to f32 exactly ([`HalfFormat::decode`]) and
 /// applied as an f32 push is; a 16-bit pull gets each value rounded to nearest even
@@ -278,6 +325,8 @@ pub struct PsStatus {
     pub optimizer: Option<ServerOptimizer>,
     /// The learning-rate schedule the task follows, if any (see [`CreateHeader::schedule`]).
     pub schedule: Option<LrSchedule>,
+    /// The rate of stale pushes' dense variables (see [`CreateHeader::stale_rate`]).
+    pub stale_rate: StaleRate,
     /// Sync mode: the rounds applied.
     pub rounds: u64,
     /// Per worker, how many of its pushes were applied.
@@ -317,6 +366,9 @@ pub struct CreateHeader {
     /// variable pushed in every update has version `n` too. A checkpoint holds the version
     /// and the schedule, so a restored task goes on with the next step's rate.
     pub schedule: Option<LrSchedule>,
+    /// The rate of a stale push's dense variables (the same for every request of a task;
+    /// async and stale modes).
+    pub stale_rate: StaleRate,
     /// How the task applies pushes (the same for every request of a task).
     pub mode: PsMode,
     /// The element type the job's workers push and pull in: the task records it (each create

@@ -22,7 +22,7 @@ use strata_strategies::parameter_server::{
 };
 use strata_strategies::OneDeviceStrategy;
 use strata_transport::executor::WorkerExecutorHandle;
-use strata_transport::ps::{PsMode, PsServerConfig, PsServerHandle, PsStatus, ServerOptimizer};
+use strata_transport::ps::{PsMode, PsServerConfig, PsServerHandle, PsStatus, ServerOptimizer, StaleRate};
 use strata_transport::ClusterToken;
 
 const TOKEN: &str = "0123456789abcdef0123";
@@ -418,6 +418,33 @@ fn lookahead_computes_a_stale_push_where_it_lands() {
             drop(strategy);
             job.shutdown();
         }
+    });
+}
+
+/// `StaleRate::Inverse` in closed form, through the options to the ps tasks. SGD at 0.5 from
+/// `w` = 10, `b` = -2, each step's push one update stale (the twos land between its pull and
+/// it, themselves fresh, at 0.5), its own at 0.5 / 2, without the look-ahead:
+/// - step 1: the twos take `w` to 9 and `b` to -3; the gradient (10, -2) at 0.25 gives 6.5, -2.5;
+/// - step 2: twos 5.5, -3.5; the gradient (6.5, -2.5) at 0.25 gives 3.875, -2.875.
+#[test]
+fn an_inverse_stale_rate_applies_a_push_one_update_stale_at_half_the_rate() {
+    with_timeout(TEST_LIMIT, "an_inverse_stale_rate_applies_a_push_one_update_stale_at_half_the_rate", || {
+        let job = Job::start(1, 1, None);
+        let mut o = options(ServerOptimizer::Sgd { lr: 0.5 }, PsMode::Async);
+        o.stale_rate = StaleRate::Inverse;
+        let strategy = job.strategy(o);
+        let model = strategy.scope(|s| build_constant(s.var_builder())).unwrap();
+        assert_eq!(status(&strategy, 0).stale_rate, StaleRate::Inverse);
+        let coordinator = strategy.coordinator().unwrap();
+        run_steps(&coordinator, "quadratic_pulled", &(), 1);
+        assert_constant(&pulled(&model), 6.5, -2.5);
+        run_steps(&coordinator, "quadratic_pulled", &(), 1);
+        assert_constant(&pulled(&model), 3.875, -2.875);
+        assert_eq!(status(&strategy, 0).version, 4, "two updates a step");
+        drop(coordinator);
+        drop(model);
+        drop(strategy);
+        job.shutdown();
     });
 }
 

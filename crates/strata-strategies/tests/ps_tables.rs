@@ -14,8 +14,8 @@ use strata_core::{Scope, Strategy, StrategyHandle, StrategyOptions};
 use strata_strategies::parameter_server::{PsTables, RowsPush};
 use strata_strategies::OneDeviceStrategy;
 use strata_transport::ps::{
-    PsClient, PsClientConfig, PsMode, PsServerConfig, PsServerHandle, RowOptimizer, ServerOptimizer, TableInfo,
-    WireFormat,
+    PsClient, PsClientConfig, PsMode, PsServerConfig, PsServerHandle, RowOptimizer, ServerOptimizer, StaleRate,
+    TableInfo, WireFormat,
 };
 use strata_transport::ClusterToken;
 
@@ -78,7 +78,15 @@ fn ps_tasks(n: usize) -> (Vec<PsServerHandle>, Vec<PsClient>) {
             optimizer: RowOptimizer::Sgd { lr: LR },
         };
         client
-            .create_with_tables(&[], &[info], &ServerOptimizer::Sgd { lr: LR }, None, PsMode::Async, WireFormat::F32)
+            .create_with_tables(
+                &[],
+                &[info],
+                &ServerOptimizer::Sgd { lr: LR },
+                None,
+                StaleRate::Constant,
+                PsMode::Async,
+                WireFormat::F32,
+            )
             .unwrap();
         servers.push(server);
         clients.push(client);

@@ -244,6 +244,7 @@ fn rows_spec(rng: &mut StdRng) -> proto::RowsSpec {
 fn optimizer_spec(rng: &mut StdRng) -> proto::OptimizerSpec {
     proto::OptimizerSpec {
         kind: ["sgd", "adamw", "momentum", "adagrad", "nope", ""][rng.random_range(0..6)].to_string(),
+        stale_rate: ["", "constant", "inverse", "nope"][rng.random_range(0..4)].to_string(),
         learning_rate: extreme_f64(rng),
         momentum: extreme_f64(rng),
         nesterov: rng.random(),

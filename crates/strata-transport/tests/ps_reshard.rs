@@ -11,7 +11,7 @@ use std::time::Duration;
 use strata_core::embedding::{owner_of, RowInit, TableConfig, TableSize};
 use strata_transport::ps::{
     job_task_dir, read_snapshot, PsClient, PsClientConfig, PsMode, PsServerConfig, PsServerHandle, RowGrads,
-    RowOptimizer, ServerOptimizer, TableInfo, UpdateId, VariableInfo, WireFormat,
+    RowOptimizer, ServerOptimizer, StaleRate, TableInfo, UpdateId, VariableInfo, WireFormat,
 };
 use strata_transport::ClusterToken;
 
@@ -131,7 +131,16 @@ fn a_job_checkpoint_restores_onto_three_tasks_over_grpc() {
             let values: Vec<Vec<f32>> =
                 parts.iter().map(|p| range(p).map(|e| value(&p.variable, e, 0)).collect()).collect();
             let vars: Vec<(VariableInfo, &[f32])> = parts.iter().cloned().zip(values.iter().map(|v| &v[..])).collect();
-            c.create_with_tables(&vars, &[table(k, 2)], &MOMENTUM, None, PsMode::Async, WireFormat::F32).unwrap();
+            c.create_with_tables(
+                &vars,
+                &[table(k, 2)],
+                &MOMENTUM,
+                None,
+                StaleRate::Constant,
+                PsMode::Async,
+                WireFormat::F32,
+            )
+            .unwrap();
         }
         for s in 1..=3 {
             step(&old, &old_parts, s);
@@ -163,7 +172,15 @@ fn a_job_checkpoint_restores_onto_three_tasks_over_grpc() {
             assert_eq!((status.restored_step, status.version, status.variables.len()), (3, 3, 0), "ps:{k}");
             let garbage: Vec<Vec<f32>> = parts.iter().map(|p| vec![7.0; p.numel()]).collect();
             let vars: Vec<(VariableInfo, &[f32])> = parts.iter().cloned().zip(garbage.iter().map(|v| &v[..])).collect();
-            let out = c.create_with_tables(&vars, &[table(k, 3)], &MOMENTUM, None, PsMode::Async, WireFormat::F32);
+            let out = c.create_with_tables(
+                &vars,
+                &[table(k, 3)],
+                &MOMENTUM,
+                None,
+                StaleRate::Constant,
+                PsMode::Async,
+                WireFormat::F32,
+            );
             assert!(out.unwrap().existed, "ps:{k} serves the checkpoint's values");
             for p in parts {
                 let pulled = c.pull(&[p.name.as_str()], 0).unwrap();

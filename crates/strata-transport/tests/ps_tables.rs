@@ -8,7 +8,7 @@ use std::time::Duration;
 use strata_core::embedding::{init_row, owner_of, RowInit, TableConfig, TableSize};
 use strata_transport::ps::{
     PsClient, PsClientConfig, PsMode, PsServerConfig, PsServerHandle, PushOutcome, RowGrads, RowOptimizer,
-    ServerOptimizer, TableInfo, UpdateId, VariableInfo, WireFormat,
+    ServerOptimizer, StaleRate, TableInfo, UpdateId, VariableInfo, WireFormat,
 };
 use strata_transport::{ClusterToken, Error};
 
@@ -56,6 +56,7 @@ fn rows_are_pulled_and_pushed_with_the_variables_as_one_update() {
                     &[table(TableSize::Rows(100), k as u32, 2, sgd.clone())],
                     &ServerOptimizer::Sgd { lr: 0.5 },
                     None,
+                    StaleRate::Constant,
                     PsMode::Async,
                     WireFormat::F32,
                 )
@@ -105,6 +106,7 @@ fn rows_travel_in_16_bit_wire_formats() {
                 &[table(TableSize::Rows(10), 0, 1, adagrad)],
                 &ServerOptimizer::Sgd { lr: 0.1 },
                 None,
+                StaleRate::Constant,
                 PsMode::Async,
                 format,
             )
@@ -147,6 +149,7 @@ fn bad_rows_are_refused_in_one_line_and_nothing_is_applied() {
             &[table(TableSize::Rows(10), 0, 1, RowOptimizer::Sgd { lr: 1.0 }), ids_table],
             &ServerOptimizer::Sgd { lr: 1.0 },
             None,
+            StaleRate::Constant,
             PsMode::Async,
             WireFormat::F32,
         )
@@ -193,6 +196,7 @@ fn a_push_carried_by_a_pull_of_rows_is_applied_first_and_exactly_once() {
             &[table(TableSize::Rows(10), 0, 1, sgd)],
             &ServerOptimizer::Sgd { lr: 0.5 },
             None,
+            StaleRate::Constant,
             PsMode::Async,
             WireFormat::F32,
         )
@@ -232,8 +236,16 @@ fn a_push_too_large_to_carry_goes_on_its_own_first() {
         let (server, c) = start("ps:0");
         let config = TableConfig { name: "emb".into(), dim: 64, size: TableSize::Rows(10_000), init: RowInit::Zeros };
         let info = TableInfo { config, seed: 7, shard: 0, num_shards: 1, optimizer: RowOptimizer::Sgd { lr: 1.0 } };
-        c.create_with_tables(&[], &[info], &ServerOptimizer::Sgd { lr: 1.0 }, None, PsMode::Async, WireFormat::F32)
-            .unwrap();
+        c.create_with_tables(
+            &[],
+            &[info],
+            &ServerOptimizer::Sgd { lr: 1.0 },
+            None,
+            StaleRate::Constant,
+            PsMode::Async,
+            WireFormat::F32,
+        )
+        .unwrap();
         // 5,000 rows of 64: 1.28 MB of gradients.
         let ids: Vec<u64> = (0..5_000).collect();
         c.pull_rows("worker:0", 1, &[("emb", &ids)]).unwrap();

@@ -8,7 +8,8 @@ use candle_core::{DType, Var};
 use strata_core::cross_device::compression::Compression;
 use strata_core::{Error, Replicated, Result, Strategy, StrategyOptions};
 use strata_transport::ps::{
-    LrSchedule, PsClient, PsClientConfig, PsMode, RowOptimizer, ServerOptimizer, TableInfo, VariableInfo, WireFormat,
+    LrSchedule, PsClient, PsClientConfig, PsMode, RowOptimizer, ServerOptimizer, StaleRate, TableInfo, VariableInfo,
+    WireFormat,
 };
 use strata_transport::{AbortSignal, ClusterToken};
 
@@ -33,6 +34,10 @@ pub struct ParameterServerOptions {
     /// one per applied round in sync mode (see [`PsClient::create_variables_scheduled`]). Give
     /// `total_steps` in that count.
     pub schedule: Option<LrSchedule>,
+    /// The rate the ps tasks apply a stale push's dense variables at, async and stale modes
+    /// (default [`StaleRate::Constant`], TensorFlow's; [`StaleRate::Inverse`]: `lr / (1 + s)`
+    /// for a push `s` updates stale). Embedding tables' rows keep their optimizer's rate.
+    pub stale_rate: StaleRate,
     /// Async, sync or bounded-staleness updates (default async).
     pub mode: PsMode,
     /// How variables are split (default not at all).
@@ -78,6 +83,7 @@ impl ParameterServerOptions {
             token,
             optimizer: ServerOptimizer::AdamW { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-7, weight_decay: 0.004 },
             schedule: None,
+            stale_rate: StaleRate::Constant,
             mode: PsMode::Async,
             partitioner: Partitioner::None,
             placement: PlacementPolicy::BalancedBytes,
@@ -274,6 +280,7 @@ impl ParameterServerStrategy {
                             &table_shards(ps),
                             &options.optimizer,
                             options.schedule.as_ref(),
+                            options.stale_rate,
                             options.mode,
                             options.wire_format()?,
                         )?;

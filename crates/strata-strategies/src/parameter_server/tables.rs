@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use strata_core::embedding::{owner_of, TableConfig, TableStore};
 use strata_core::{Error, Result};
 use strata_transport::ps::{
-    PsClient, PsMode, RowGrads, RowOptimizer, RowsPulled, ServerOptimizer, TableInfo, UpdateId, WireFormat,
+    PsClient, PsMode, RowGrads, RowOptimizer, RowsPulled, ServerOptimizer, StaleRate, TableInfo, UpdateId, WireFormat,
 };
 
 use super::task_threads::{TaskCall, TaskThreads};
@@ -233,7 +233,7 @@ impl PsTables {
             // The tasks' dense optimizer steps nothing here (no variables); every worker names
             // the same one, so that creating again finds the task as described.
             let dense = ServerOptimizer::Sgd { lr: 1.0 };
-            client.create_with_tables(&[], &shards, &dense, None, mode, WireFormat::F32)?;
+            client.create_with_tables(&[], &shards, &dense, None, StaleRate::Constant, mode, WireFormat::F32)?;
         }
         Ok(())
     }

@@ -11,7 +11,7 @@ use strata_proto::v1::{
     self as proto, create_message, push_message, CreateMessage, PsCheckpointRequest, PsConfigureRequest,
     PsStatusRequest, PullHeader, PullRequest, PullRowsRequest, PushMessage, PushResponse,
 };
-use strata_ps::{copy_f32s, Chunk, LrSchedule, RowGrads, WireFormat};
+use strata_ps::{copy_f32s, Chunk, LrSchedule, RowGrads, StaleRate, WireFormat};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::codegen::Service;
 use tonic::service::interceptor::InterceptedService;
@@ -449,19 +449,24 @@ impl PsClient {
         mode: PsMode,
         job_format: WireFormat,
     ) -> Result<CreateOutcome> {
-        self.create_with_tables(vars, &[], optimizer, schedule, mode, job_format)
+        self.create_with_tables(vars, &[], optimizer, schedule, StaleRate::Constant, mode, job_format)
     }
 
     /// [`create_variables_for_job`](Self::create_variables_for_job) that also creates the
     /// shards of embedding tables `tables` this task holds (their rows appear as workers pull
-    /// them). Creating tables that exist as described is a no-op; a different description is
-    /// `FAILED_PRECONDITION` naming the table.
+    /// them), and applies stale pushes' dense variables at `stale_rate`
+    /// ([`strata_ps::CreateHeader::stale_rate`]; the other ways of creating take
+    /// [`StaleRate::Constant`]). Creating tables that exist as described is a no-op; a
+    /// different description is `FAILED_PRECONDITION` naming the table, and so is another
+    /// `stale_rate` than the task's.
+    #[allow(clippy::too_many_arguments)]
     pub fn create_with_tables(
         &self,
         vars: &[(VariableInfo, &[f32])],
         tables: &[strata_ps::TableInfo],
         optimizer: &ServerOptimizer,
         schedule: Option<&LrSchedule>,
+        stale_rate: StaleRate,
         mode: PsMode,
         job_format: WireFormat,
     ) -> Result<CreateOutcome> {
@@ -477,7 +482,7 @@ impl PsClient {
             }
         }
         let mut header =
-            convert::create_header_spec(vars.iter().map(|(i, _)| i), optimizer, schedule, mode, job_format);
+            convert::create_header_spec(vars.iter().map(|(i, _)| i), optimizer, schedule, stale_rate, mode, job_format);
         header.tables = tables.iter().map(tables::table_spec).collect();
         let produce = |send: &mut dyn FnMut(CreateMessage) -> bool| {
             if !send(CreateMessage { kind: Some(create_message::Kind::Header(header.clone())) }) {

@@ -6,7 +6,7 @@ use prost::bytes::Bytes;
 use strata_proto::v1 as proto;
 use strata_ps::{
     Chunk, CreateOutcome, ErrorKind, LrSchedule, PsMode, PsStatus, PullResult, PushHeader, PushOutcome, PushReply,
-    ServerOptimizer, UpdateId, VariableInfo, WireFormat, MAX_CHUNK_ELEMENTS, MAX_VARIABLE_ELEMENTS,
+    ServerOptimizer, StaleRate, UpdateId, VariableInfo, WireFormat, MAX_CHUNK_ELEMENTS, MAX_VARIABLE_ELEMENTS,
 };
 use tonic::Status;
 
@@ -222,6 +222,16 @@ fn mode(s: &proto::ModeSpec) -> strata_ps::Result<PsMode> {
     Ok(mode)
 }
 
+/// The rate of stale pushes a spec names (empty: constant).
+fn stale_rate(name: &str) -> strata_ps::Result<StaleRate> {
+    strata_ps::check_name("stale_rate", name)?;
+    match name {
+        "constant" | "" => Ok(StaleRate::Constant),
+        "inverse" => Ok(StaleRate::Inverse),
+        other => Err(strata_ps::Error::UnknownStaleRate { rate: other.into() }),
+    }
+}
+
 /// The variable a spec describes (an empty `variable` is the shard's name, an empty
 /// `full_shape` its shape, `num_parts` 0 is 1), checked: a name, dtype f32, sizes.
 fn variable(s: &proto::VariableSpec) -> strata_ps::Result<VariableInfo> {
@@ -291,6 +301,7 @@ pub(crate) fn create_header(h: &proto::CreateHeader) -> strata_ps::Result<strata
         variables,
         optimizer: optimizer(&h.optimizer.clone().unwrap_or_default())?,
         schedule: h.optimizer.as_ref().and_then(|o| o.schedule.as_ref()).map(schedule).transpose()?,
+        stale_rate: stale_rate(h.optimizer.as_ref().map_or("", |o| o.stale_rate.as_str()))?,
         mode: mode(&h.mode.clone().unwrap_or_default())?,
         wire_format: wire_format(h.wire_format)?,
         tables: h.tables.iter().map(super::tables::table_info).collect::<strata_ps::Result<_>>()?,
@@ -307,23 +318,32 @@ pub(crate) fn declared_bytes(h: &strata_ps::CreateHeader) -> strata_ps::Result<u
     Ok(usize::try_from(bytes).unwrap_or(usize::MAX))
 }
 
-/// The protocol's optimizer spec of `optimizer` following `schedule`.
-fn optimizer_spec(optimizer: &ServerOptimizer, schedule: Option<&LrSchedule>) -> proto::OptimizerSpec {
-    proto::OptimizerSpec { schedule: schedule.map(ProtoSpec::to_spec), ..optimizer.to_spec() }
+/// The protocol's optimizer spec of `optimizer` following `schedule`, at `stale_rate`.
+fn optimizer_spec(
+    optimizer: &ServerOptimizer,
+    schedule: Option<&LrSchedule>,
+    stale_rate: StaleRate,
+) -> proto::OptimizerSpec {
+    let stale_rate = match stale_rate {
+        StaleRate::Constant => String::new(),
+        rate => rate.name().into(),
+    };
+    proto::OptimizerSpec { schedule: schedule.map(ProtoSpec::to_spec), stale_rate, ..optimizer.to_spec() }
 }
 
-/// The protocol's create header of variables, an optimizer, its schedule, a mode and the
-/// job's wire format.
+/// The protocol's create header of variables, an optimizer, its schedule and rate of stale
+/// pushes, a mode and the job's wire format.
 pub(crate) fn create_header_spec<'a>(
     vars: impl IntoIterator<Item = &'a VariableInfo>,
     optimizer: &ServerOptimizer,
     schedule: Option<&LrSchedule>,
+    stale_rate: StaleRate,
     mode: PsMode,
     format: WireFormat,
 ) -> proto::CreateHeader {
     proto::CreateHeader {
         variables: vars.into_iter().map(ProtoSpec::to_spec).collect(),
-        optimizer: Some(optimizer_spec(optimizer, schedule)),
+        optimizer: Some(optimizer_spec(optimizer, schedule, stale_rate)),
         mode: Some(mode.to_spec()),
         wire_format: wire_format_spec(format),
         tables: Vec::new(),
@@ -453,7 +473,7 @@ pub(crate) fn status_response(s: PsStatus) -> proto::PsStatusResponse {
         restored_step: s.restored_step,
         restored_version: s.restored_version,
         mode: Some(s.mode.to_spec()),
-        optimizer: s.optimizer.as_ref().map(|o| optimizer_spec(o, s.schedule.as_ref())),
+        optimizer: s.optimizer.as_ref().map(|o| optimizer_spec(o, s.schedule.as_ref(), s.stale_rate)),
         rounds: s.rounds,
         applied_by_worker: s.applied_by_worker.into_iter().collect(),
         pushes_streamed: s.pushes_streamed,
@@ -484,6 +504,7 @@ pub(crate) fn ps_status(r: proto::PsStatusResponse) -> strata_ps::Result<PsStatu
         mode: mode(&r.mode.unwrap_or_default())?,
         optimizer: r.optimizer.as_ref().map(optimizer).transpose()?,
         schedule: r.optimizer.as_ref().and_then(|o| o.schedule.as_ref()).map(schedule).transpose()?,
+        stale_rate: stale_rate(r.optimizer.as_ref().map_or("", |o| o.stale_rate.as_str()))?,
         rounds: r.rounds,
         applied_by_worker: r.applied_by_worker.into_iter().collect(),
         wire_format: wire_format(r.wire_format)?,
@@ -600,10 +621,30 @@ mod tests {
             assert_eq!((st.code(), st.message()), (tonic::Code::InvalidArgument, message));
         }
         // Inside a create header, and absent: the constant rate.
-        let mut h = create_header_spec([], &ServerOptimizer::Sgd { lr: 0.5 }, None, PsMode::Async, WireFormat::F32);
+        let sgd = ServerOptimizer::Sgd { lr: 0.5 };
+        let mut h = create_header_spec([], &sgd, None, StaleRate::Constant, PsMode::Async, WireFormat::F32);
         assert_eq!(create_header(&h).unwrap().schedule, None);
         let s = LrSchedule::WarmupLinear { peak: 1.0, warmup_steps: 2, total_steps: 5, final_lr: 0.5 };
-        h = create_header_spec([], &ServerOptimizer::Sgd { lr: 0.5 }, Some(&s), PsMode::Async, WireFormat::F32);
+        h = create_header_spec([], &sgd, Some(&s), StaleRate::Constant, PsMode::Async, WireFormat::F32);
         assert_eq!(create_header(&h).unwrap().schedule, Some(s));
+    }
+
+    #[test]
+    fn stale_rates_round_trip_and_an_unknown_one_is_refused_naming_the_field() {
+        let sgd = ServerOptimizer::Sgd { lr: 0.5 };
+        for rate in [StaleRate::Constant, StaleRate::Inverse] {
+            let h = create_header_spec([], &sgd, None, rate, PsMode::Async, WireFormat::F32);
+            assert_eq!(create_header(&h).unwrap().stale_rate, rate);
+        }
+        // The constant rate travels as the field's default: an older task reads it.
+        let h = create_header_spec([], &sgd, None, StaleRate::Constant, PsMode::Async, WireFormat::F32);
+        assert_eq!(h.optimizer.as_ref().unwrap().stale_rate, "");
+        let mut h = create_header_spec([], &sgd, None, StaleRate::Inverse, PsMode::Async, WireFormat::F32);
+        h.optimizer.as_mut().unwrap().stale_rate = "linear".into();
+        let st = status(create_header(&h).unwrap_err());
+        assert_eq!(
+            (st.code(), st.message()),
+            (tonic::Code::InvalidArgument, "unknown stale_rate \"linear\"; use constant or inverse")
+        );
     }
 }

@@ -81,8 +81,9 @@ pub use faults::FaultInjection;
 pub use server::PsServerHandle;
 pub use staged::{StageError, StagedPush};
 pub use strata_ps::{
-    CreateOutcome, LrSchedule, PsMode, PsStatus, PushOutcome, RowGrads, RowOptimizer, ServerOptimizer, TableInfo,
-    TableStatus, UpdateId, VariableInfo, WireFormat, MAX_CHUNK_BYTES, MAX_CHUNK_ELEMENTS, MAX_VARIABLE_ELEMENTS,
+    CreateOutcome, LrSchedule, PsMode, PsStatus, PushOutcome, RowGrads, RowOptimizer, ServerOptimizer, StaleRate,
+    TableInfo, TableStatus, UpdateId, VariableInfo, WireFormat, MAX_CHUNK_BYTES, MAX_CHUNK_ELEMENTS,
+    MAX_VARIABLE_ELEMENTS,
 };
 // A ps task's checkpoints, read back: one task's ([`read_snapshot`]) and a whole job's
 // ([`job_checkpoint_tasks`] says whether a directory is one, [`read_job_checkpoint`] restores it
