@@ -111,11 +111,14 @@ fn common_step(dir: &Path, tasks: usize) -> Result<u64> {
     common.and_then(|c| c.last().copied()).ok_or_else(|| Error::NoCommonStep { dir: dir.to_path_buf(), latest })
 }
 
+/// What every old task of a job must agree on: its optimizer, schedule, mode and stale rate.
+type Agreed = (Option<ServerOptimizer>, Option<LrSchedule>, Option<PsMode>, StaleRate);
+
 /// What the old tasks share, their largest version and counters, and their applied updates,
 /// gathered one old task at a time.
 #[derive(Default)]
 struct Shared {
-    first: Option<(Option<ServerOptimizer>, Option<LrSchedule>, Option<PsMode>, StaleRate)>,
+    first: Option<Agreed>,
     version: u64,
     counters: Counters,
     table: Vec<(UpdateKey, Answer)>,
