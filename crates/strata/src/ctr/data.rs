@@ -371,12 +371,46 @@ impl CtrData {
     /// The records of `keys` ([`keys`](Self::keys), any subset in any order) as a batch on
     /// `device`: record `i` of its split for each key, as [`batch`](Self::batch) generates it.
     pub fn batch_of_keys(&self, keys: &Tensor, device: &Device) -> Result<CtrBatch> {
-        let keys = keys.flatten_all()?.to_vec1::<i64>()?;
-        if let Some(k) = keys.iter().find(|k| **k < 0) {
-            return Err(Error::Usage(format!("{k} is not a record key (keys are 0 or more)")));
+        raw_of_keys(self, &keys.flatten_all()?.to_vec1::<i64>()?)?.into_batch(device)
+    }
+}
+
+/// The records of `keys` as plain vectors, made on any thread ([`CtrData::batch_of_keys`]
+/// before its tensors).
+pub(crate) fn raw_of_keys(data: &CtrData, keys: &[i64]) -> Result<RawBatch> {
+    if let Some(k) = keys.iter().find(|k| **k < 0) {
+        return Err(Error::Usage(format!("{k} is not a record key (keys are 0 or more)")));
+    }
+    let split = |k: i64| if k & TEST_KEY != 0 { Split::Test } else { Split::Train };
+    Ok(RawBatch::of(keys.iter().map(|&k| data.record(split(k), (k & !TEST_KEY) as u64))))
+}
+
+/// A batch's dense features, ids and labels, record by record, before they are tensors.
+pub(crate) struct RawBatch {
+    dense: Vec<f32>,
+    ids: Vec<u32>,
+    labels: Vec<f32>,
+}
+
+impl RawBatch {
+    fn of(records: impl IntoIterator<Item = CtrRecord>) -> Self {
+        let (mut dense, mut ids, mut labels) = (Vec::new(), Vec::new(), Vec::new());
+        for r in records {
+            dense.extend_from_slice(&r.dense);
+            ids.extend_from_slice(&r.ids);
+            labels.push(r.label);
         }
-        let split = |k: i64| if k & TEST_KEY != 0 { Split::Test } else { Split::Train };
-        batch_of(keys.iter().map(|&k| self.record(split(k), (k & !TEST_KEY) as u64)), device)
+        Self { dense, ids, labels }
+    }
+
+    /// The batch on `device`.
+    pub(crate) fn into_batch(self, device: &Device) -> Result<CtrBatch> {
+        let n = self.labels.len();
+        Ok((
+            Tensor::from_vec(self.dense, (n, DENSE), device)?,
+            Tensor::from_vec(self.ids, (n, FIELDS), device)?,
+            Tensor::from_vec(self.labels, n, device)?,
+        ))
     }
 }
 
@@ -386,18 +420,7 @@ pub type CtrBatch = (Tensor, Tensor, Tensor);
 
 /// `records` as a [`CtrBatch`].
 pub fn batch_of(records: impl IntoIterator<Item = CtrRecord>, device: &Device) -> Result<CtrBatch> {
-    let (mut dense, mut ids, mut labels) = (Vec::new(), Vec::new(), Vec::new());
-    for r in records {
-        dense.extend_from_slice(&r.dense);
-        ids.extend_from_slice(&r.ids);
-        labels.push(r.label);
-    }
-    let n = labels.len();
-    Ok((
-        Tensor::from_vec(dense, (n, DENSE), device)?,
-        Tensor::from_vec(ids, (n, FIELDS), device)?,
-        Tensor::from_vec(labels, n, device)?,
-    ))
+    RawBatch::of(records).into_batch(device)
 }
 
 #[cfg(test)]

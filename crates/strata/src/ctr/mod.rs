@@ -22,6 +22,7 @@
 //! `strata ctr-data` writes the records as files of 160-byte records ([`CtrRecord::to_bytes`])
 //! for other frameworks.
 
+mod ahead;
 mod auc;
 pub mod data;
 mod model;

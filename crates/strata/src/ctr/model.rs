@@ -181,13 +181,17 @@ pub fn bce_with_logits(logits: &Tensor, labels: &Tensor) -> candle_core::Result<
 }
 
 /// The task of [`crate::trainer::Trainer::fit`] for the click model on record keys
-/// ([`CtrData::keys`]): each step generates its shard's records from their keys, on the
-/// replica's thread, as a parameter-server worker generates its step's, so that no process
-/// holds the records (8 bytes a record instead of 160) and a step's time includes making its
-/// batch; otherwise [`task`]'s loss and metrics, with the same values.
+/// ([`CtrData::keys`]): each step generates its shard's records from their keys, as a
+/// parameter-server worker generates its step's, so that no process holds the records (8 bytes
+/// a record instead of 160) and a step's time includes making its batch; otherwise [`task`]'s
+/// loss and metrics, with the same values. Each replica's next records are made on a thread of
+/// their own while its step runs, as `tf.data`'s `prefetch` makes them: the next step's keys
+/// guessed from the stride of the last two steps' runs of consecutive keys, a wrong guess
+/// dropped (the step then makes its own), the same bits either way.
 pub fn streamed_task(data: &CtrData) -> Task<'_, Dlrm, Tensor> {
+    let ahead = super::ahead::Ahead::new(data);
     Task::new(move |m: &Dlrm, ctx, keys: &Tensor| {
-        let (dense, ids, labels) = data.batch_of_keys(keys, ctx.candle_device()).map_err(crate::error::into_core)?;
+        let (dense, ids, labels) = ahead.batch(keys, ctx.candle_device()).map_err(crate::error::into_core)?;
         Ok(m.loss(&dense, &ids, &labels)?)
     })
     .with_whole_set_metric("auc", move |m: &Dlrm, keys: &Tensor| m.auc_of_keys(data, keys))
