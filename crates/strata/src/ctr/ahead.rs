@@ -5,14 +5,16 @@
 //! ahead are the same bits as records made in the step. What is guessed is which keys come
 //! next: a replica whose last two steps took runs of consecutive keys `a..a+n` and then
 //! `b..b+n` is expected to take `2b-a..2b-a+n` next (the click records are taken in order, so
-//! every strategy's steps stride through them so). The guess is made on a thread of its own as
-//! soon as a step has its records; a step whose keys are the guess takes them (waiting for the
-//! thread if it has not finished), any other step makes its own and the guess is dropped.
+//! every strategy's steps stride through them so). The guess is sent, as soon as a step has its
+//! records, to a thread that stays for the replica (its cache of the planted model's values
+//! with it); a step whose keys are the guess takes its records (waiting for them if they are
+//! not made yet), any other step makes its own and the guess's records are dropped unread.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::thread::{JoinHandle, ThreadId};
+use std::thread::ThreadId;
 
 use candle_core::{Device, Tensor};
 
@@ -27,12 +29,66 @@ fn enabled() -> bool {
 /// The replica threads remembered at most.
 const MAX_THREADS: usize = 256;
 
-/// Per replica thread: the first key of its last step, and the records being made for the
-/// guess of its next step's keys.
+/// A replica's maker of records: a thread that makes the records of the keys it is sent, in
+/// order, and ends when this is dropped.
+struct Maker {
+    keys: Sender<Vec<i64>>,
+    made: Receiver<Result<RawBatch>>,
+    /// The keys sent last, if their records were not taken yet.
+    guess: Option<Vec<i64>>,
+    /// Records of wrong guesses still to come before the guess's.
+    skip: usize,
+}
+
+impl Maker {
+    fn start(data: Arc<CtrData>) -> Option<Self> {
+        let (keys, to_make) = channel::<Vec<i64>>();
+        let (done, made) = channel();
+        std::thread::Builder::new()
+            .name("ctr-ahead".into())
+            .spawn(move || {
+                for keys in to_make {
+                    if done.send(raw_of_keys(&data, &keys)).is_err() {
+                        return;
+                    }
+                }
+            })
+            .ok()?;
+        Some(Self { keys, made, guess: None, skip: 0 })
+    }
+
+    /// The records of `keys` if they were the guess, waiting for them; `None` otherwise (the
+    /// guess's records are then skipped when they come), or if the thread is gone.
+    fn take(&mut self, keys: &[i64]) -> Option<Result<RawBatch>> {
+        let guess = self.guess.take()?;
+        if guess != keys {
+            self.skip += 1;
+            return None;
+        }
+        loop {
+            let made = self.made.recv().ok()?;
+            if self.skip == 0 {
+                return Some(made);
+            }
+            self.skip -= 1;
+        }
+    }
+
+    /// Sends `keys` to be made; false if the thread is gone.
+    fn send(&mut self, keys: Vec<i64>) -> bool {
+        if self.keys.send(keys.clone()).is_err() {
+            return false;
+        }
+        self.guess = Some(keys);
+        true
+    }
+}
+
+/// Per replica thread: the first key and length of its last step, and its maker.
 #[derive(Default)]
 struct Slot {
     last: Option<(i64, usize)>,
-    ahead: Option<(Vec<i64>, JoinHandle<Result<RawBatch>>)>,
+    maker: Option<Maker>,
 }
 
 /// Records made a step ahead, per replica thread (see the module).
@@ -54,61 +110,61 @@ impl Ahead {
     }
 
     /// The records of `keys` as a batch on `device` ([`CtrData::batch_of_keys`]'s bits), made
-    /// ahead if they were guessed; then starts making the next step's guess.
+    /// ahead if they were guessed; then sends the next step's guess to be made.
     pub(crate) fn batch(&self, keys: &Tensor, device: &Device) -> Result<CtrBatch> {
         if !self.on {
             return self.data.batch_of_keys(keys, device);
         }
         let keys = keys.flatten_all()?.to_vec1::<i64>()?;
         let me = std::thread::current().id();
-        let ahead = {
+        // The slot is taken out for the step: only this thread uses it.
+        let mut slot = {
             let mut slots = self.slots.lock().unwrap_or_else(PoisonError::into_inner);
             // Replicas run on threads that stay; a caller on ever new threads keeps a bounded map.
             if slots.len() >= MAX_THREADS && !slots.contains_key(&me) {
                 slots.clear();
             }
-            slots.entry(me).or_default().ahead.take()
+            slots.remove(&me).unwrap_or_default()
         };
+        let ahead = slot.maker.as_mut().and_then(|m| m.take(&keys));
         let raw = match ahead {
-            Some((guess, made)) if guess == keys => match made.join() {
-                Ok(raw) => {
-                    self.hits.fetch_add(1, Ordering::Relaxed);
-                    raw?
-                }
-                // A panic of the maker is this step's to make again.
-                Err(_) => raw_of_keys(&self.data, &keys)?,
-            },
-            // A wrong guess goes on to its end on its own thread, unread.
-            _ => raw_of_keys(&self.data, &keys)?,
+            Some(raw) => {
+                self.hits.fetch_add(1, Ordering::Relaxed);
+                raw
+            }
+            None => raw_of_keys(&self.data, &keys),
         };
-        self.guess_next(me, &keys);
-        raw.into_batch(device)
+        if raw.is_ok() {
+            self.guess_next(&mut slot, &keys);
+        }
+        self.slots.lock().unwrap_or_else(PoisonError::into_inner).insert(me, slot);
+        raw?.into_batch(device)
     }
 
-    /// Starts making the records of the keys expected after `keys` on thread `me`.
-    fn guess_next(&self, me: ThreadId, keys: &[i64]) {
+    /// Sends the keys expected after `keys` to `slot`'s maker (started if it has none).
+    fn guess_next(&self, slot: &mut Slot, keys: &[i64]) {
         let first = match keys.first() {
             Some(&k) if keys.iter().enumerate().all(|(i, &x)| x == k.wrapping_add(i as i64)) => k,
             _ => {
-                self.slots.lock().unwrap_or_else(PoisonError::into_inner).entry(me).or_default().last = None;
+                slot.last = None;
                 return;
             }
         };
-        let mut slots = self.slots.lock().unwrap_or_else(PoisonError::into_inner);
-        let slot = slots.entry(me).or_default();
         let last = slot.last.replace((first, keys.len()));
         let Some(stride) = last.filter(|&(_, n)| n == keys.len()).map(|(a, _)| first.wrapping_sub(a)) else { return };
         let Some(start) = first.checked_add(stride).filter(|_| stride > 0) else { return };
         let next: Vec<i64> = (0..keys.len() as i64).map_while(|i| start.checked_add(i)).collect();
-        if next.len() != keys.len() || next.iter().any(|&k| k < 0) {
+        if next.len() != keys.len() {
             return;
         }
-        let data = self.data.clone();
-        let guess = next.clone();
-        let made = std::thread::Builder::new().name("ctr-ahead".into()).spawn(move || raw_of_keys(&data, &guess));
-        // Without a thread the next step makes its own records.
-        if let Ok(made) = made {
-            slot.ahead = Some((next, made));
+        if slot.maker.is_none() {
+            slot.maker = Maker::start(self.data.clone());
+        }
+        // Without a thread the next step makes its own records, and a later one starts another.
+        if let Some(maker) = slot.maker.as_mut() {
+            if !maker.send(next) {
+                slot.maker = None;
+            }
         }
     }
 }
