@@ -11,7 +11,9 @@ worker step has the same size in every mode); and the AUC's references, one proc
 device on the same records in the same order: one-device (steps of --batch, the steps of async
 and of hybrid's rows) and one-device-global (steps of --batch x --workers, sync's steps and
 hybrid's dense ones). With a one-device mode, the table ends with each mode's test AUC below
-the reference's (medians).
+the reference's (medians). A mode may carry `strata train` flags after `+`, each `name` or
+`name=value`: `async+stale-rate=inverse+no-lookahead` is async with `--stale-rate inverse
+--no-lookahead`.
 
 Both sides: 2 ps tasks and 2 worker processes on loopback (--ps, --workers), one worker's batch
 of 256 records per step (--batch), Adagrad at 0.05 on every variable and on the table's rows
@@ -82,8 +84,19 @@ def watch_rss(root, peaks, stop, hybrid=False):
         stop.wait(0.2)
 
 
-def run_strata(a, records, mode):
+def mode_flags(mode):
+    """A mode's name and its extra flags: `async+stale-rate=inverse` is async, `--stale-rate inverse`."""
+    name, *extra = mode.split("+")
+    flags = []
+    for e in extra:
+        key, _, value = e.partition("=")
+        flags += [f"--{key}"] + ([value] if value else [])
+    return name, flags
+
+
+def run_strata(a, records, label):
     out = tempfile.mktemp(suffix=".json")
+    mode, flags = mode_flags(label)
     hybrid = mode == "hybrid"
     # A hybrid job's --batch is the global batch of its synchronous steps (each worker --batch).
     batch = a.batch * a.workers if mode in ("hybrid", "one-device-global") else a.batch
@@ -95,7 +108,7 @@ def run_strata(a, records, mode):
     cmd = [a.strata, "train", "--model", "ctr", *strategy, "--embedding-rows", str(a.rows), "--embedding-dim", str(a.dim),
            "--train-records", str(records), "--test-records", str(a.test_records), "--batch", str(batch),
            "--optimizer", "adagrad", "--lr", "0.05", "--table-optimizer", "adagrad", "--table-lr", "0.05",
-           "--seed", str(a.seed), "--no-progress", "--out", out]
+           "--seed", str(a.seed), "--no-progress", "--out", out, *flags]
     t0 = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     peaks, stop = {}, threading.Event()
@@ -109,7 +122,7 @@ def run_strata(a, records, mode):
     s = json.load(open(out))
     os.unlink(out)
     return {
-        "framework": f"strata-{mode}", "examples_per_s": s["examples_per_second"], "test_auc": s["final_test_auc"],
+        "framework": f"strata-{label}", "examples_per_s": s["examples_per_second"], "test_auc": s["final_test_auc"],
         "best_auc": s["best_test_auc"], "wall_s": time.time() - t0,
         "worker_rss_mb": sorted(v / 1024 for k, v in peaks.items() if k.startswith("worker")),
         "ps_rss_mb": sorted(v / 1024 for k, v in peaks.items() if k.startswith("ps")),
