@@ -673,6 +673,30 @@ impl TrainArgs {
         self.auto_shard.unwrap_or(AutoShardKind::Data)
     }
 
+    /// `--stale-rate` and `--no-lookahead`, refused where no push to a ps task can be stale.
+    fn check_staleness_flags(&self) -> Result<()> {
+        let stale_modes = [PsModeKind::Async, PsModeKind::Stale];
+        if self.stale_rate != StaleRateKind::Constant
+            && (self.strategy != StrategyKind::ParameterServer || !stale_modes.contains(&self.ps_mode))
+        {
+            let job = match (self.strategy, self.ps_mode) {
+                (StrategyKind::ParameterServer, PsModeKind::Sync) => "--ps-mode sync".to_string(),
+                (StrategyKind::ParameterServer, _) => "--ps-mode hybrid".to_string(),
+                (other, _) => format!("--strategy {}", other.name()),
+            };
+            return Err(Error::Usage(format!(
+                "--stale-rate applies to --strategy parameter-server's async and stale modes, whose pushes can be stale ({job} has none on its ps tasks' dense variables); drop it"
+            )));
+        }
+        if self.no_lookahead && self.strategy != StrategyKind::ParameterServer {
+            return Err(Error::Usage(format!(
+                "--no-lookahead applies to --strategy parameter-server, whose pushes can be stale (--strategy {} has none); drop it",
+                self.strategy.name()
+            )));
+        }
+        Ok(())
+    }
+
     /// Refuses the all-reduce's flags on an async, sync or stale parameter-server job, whose
     /// workers push and pull (only a hybrid job's workers all-reduce).
     fn check_push_pull_flags(&self) -> Result<()> {
@@ -723,25 +747,7 @@ impl TrainArgs {
                 self.max_restarts
             )));
         }
-        let stale_modes = [PsModeKind::Async, PsModeKind::Stale];
-        if self.stale_rate != StaleRateKind::Constant
-            && (self.strategy != StrategyKind::ParameterServer || !stale_modes.contains(&self.ps_mode))
-        {
-            let job = match (self.strategy, self.ps_mode) {
-                (StrategyKind::ParameterServer, PsModeKind::Sync) => "--ps-mode sync".to_string(),
-                (StrategyKind::ParameterServer, _) => "--ps-mode hybrid".to_string(),
-                (other, _) => format!("--strategy {}", other.name()),
-            };
-            return Err(Error::Usage(format!(
-                "--stale-rate applies to --strategy parameter-server's async and stale modes, whose pushes can be stale ({job} has none on its ps tasks' dense variables); drop it"
-            )));
-        }
-        if self.no_lookahead && self.strategy != StrategyKind::ParameterServer {
-            return Err(Error::Usage(format!(
-                "--no-lookahead applies to --strategy parameter-server, whose pushes can be stale (--strategy {} has none); drop it",
-                self.strategy.name()
-            )));
-        }
+        self.check_staleness_flags()?;
         self.check_push_pull_flags()?;
         // A hybrid job's workers train as multi-worker mirrored does, and trace their replicas.
         if self.timeline.is_some()
