@@ -50,7 +50,7 @@ impl fmt::Display for PsMode {
 ///
 /// Two workers pushing gradients computed at the same values apply, between them, twice the
 /// step that one device would take from that point: a stale push's step is in effect larger.
-/// [`StaleRate::Inverse`] takes `lr / (1 + s)`, the staleness-dependent rate of Zhang et al.
+/// [`StaleRate::Inverse`] takes `lr / (1 + s)`, a staleness-dependent rate after Zhang et al.
 /// (IJCAI 2016): a push that lands as computed (one worker, or no update in between) takes the
 /// full rate, the same bits as [`StaleRate::Constant`]. A schedule's rate is scaled the same
 /// way. Embedding tables' rows always take their optimizer's rate: a row a push carries was
