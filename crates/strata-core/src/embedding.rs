@@ -263,6 +263,16 @@ pub trait TableStore: Send + Sync + std::fmt::Debug {
         Ok(())
     }
 
+    /// Tells the store, during a step of `replica`, the rows `ids` (distinct, sorted) of
+    /// `table` that a lookup of its next step will ask for (its records made ahead): a store
+    /// that sends a step's rows with the next step's pull may send both as soon as this step's
+    /// lookups have their gradients, beside the rest of the step. A lookup of other ids pulls
+    /// as it would have. Nothing by default.
+    fn expect_next(&self, replica: usize, table: &str, ids: &[u64]) -> Result<()> {
+        let _ = (replica, table, ids);
+        Ok(())
+    }
+
     /// Adds the gradient `grad` (`ids.len() * dim`, row after row) of the rows `ids` that
     /// `replica` pulled, computed from a loss that is the mean over `batch_rows` rows.
     fn gradient(&self, replica: usize, table: &str, ids: &[u64], grad: Vec<f32>, batch_rows: usize) -> Result<()>;

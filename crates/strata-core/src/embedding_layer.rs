@@ -142,6 +142,17 @@ impl Embedding {
         }
     }
 
+    /// Tells the table's store the ids a [`forward`](Self::forward) of the next step will look
+    /// up ([`TableStore::expect_next`]), e.g. from records made ahead: a store on parameter
+    /// servers may then pull them beside the end of this step. Checked as `forward` checks
+    /// them. Nothing for a table held whole.
+    pub fn expect_next(&self, ids: &Tensor) -> candle_core::Result<()> {
+        match &self.inner {
+            Inner::Dense(_) => Ok(()),
+            Inner::Store(store) => crate::table_rows::expect_next(store, &self.config, ids),
+        }
+    }
+
     /// The rows of `ids` (u32 or i64, any shape `S`): a tensor of shape `S x dim`. An id
     /// outside the table's rows is an error naming the table ([`Error::EmbeddingId`]; checked
     /// here, since `index_select` would not), as are ids of another dtype.

@@ -92,6 +92,15 @@ pub fn prefetch(store: &Arc<dyn TableStore>, table: &TableConfig, ids: &Tensor) 
     store.prefetch(replica, &table.name, &distinct).map_err(candle_core::Error::wrap)
 }
 
+/// Tells `store` the rows a [`lookup`] of `ids` in the next step will ask for
+/// ([`TableStore::expect_next`]): the same ids, checked the same way, for the replica this
+/// thread runs (replica 0 outside a step).
+pub fn expect_next(store: &Arc<dyn TableStore>, table: &TableConfig, ids: &Tensor) -> candle_core::Result<()> {
+    let (distinct, _) = distinct_ids(&ids_of(table, ids)?);
+    let replica = ReplicaHandle::current().map_or(0, |h| h.replica_id());
+    store.expect_next(replica, &table.name, &distinct).map_err(candle_core::Error::wrap)
+}
+
 /// `ids`' rows of `table` from `store`, shaped `ids.dims() x dim` on `ids`' device, for the
 /// replica this thread runs (replica 0 outside a step): the distinct ids pulled once, their
 /// gradients handed to the store by the backward pass.

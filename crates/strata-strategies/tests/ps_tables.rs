@@ -62,13 +62,19 @@ impl Model {
 
 /// The ps tasks: `n` servers, each holding its shard of the table, stepped with SGD at `LR`.
 fn ps_tasks(n: usize) -> (Vec<PsServerHandle>, Vec<PsClient>) {
+    ps_tasks_with(n, strata_transport::ps::FaultInjection::default())
+}
+
+/// [`ps_tasks`] whose servers drop requests and replies as `faults` says.
+fn ps_tasks_with(n: usize, faults: strata_transport::ps::FaultInjection) -> (Vec<PsServerHandle>, Vec<PsClient>) {
     let config = PsClientConfig { timeout: Duration::from_secs(30), retry_for: Duration::from_secs(30) };
     let mut servers = Vec::new();
     let mut clients = Vec::new();
     for k in 0..n {
         let task = format!("ps:{k}");
-        let server =
-            PsServerHandle::start("127.0.0.1:0".parse().unwrap(), PsServerConfig::new(&task, token())).unwrap();
+        let mut server_config = PsServerConfig::new(&task, token());
+        server_config.faults = faults.clone();
+        let server = PsServerHandle::start("127.0.0.1:0".parse().unwrap(), server_config).unwrap();
         let client = PsClient::connect(&server.address().to_string(), &task, token(), config.clone()).unwrap();
         let info = TableInfo {
             config: table(),
@@ -463,15 +469,20 @@ fn hybrid_dense_layers_synchronous_and_tables_asynchronous_on_ps_tasks() {
 #[test]
 fn a_hybrid_worker_s_steps_in_one_execution_read_their_own_pushes() {
     crate::common::with_timeout(Duration::from_secs(180), "hybrid_one_execution", || {
-        let with_pull = hybrid_alone(RowsPush::WithNextPull);
-        let at_end = hybrid_alone(RowsPush::AtStepEnd);
+        let with_pull = hybrid_alone(RowsPush::WithNextPull, false);
+        let at_end = hybrid_alone(RowsPush::AtStepEnd, false);
         assert_eq!(with_pull, at_end, "the dense layer and the rows, bit for bit");
+        // Told each next step's ids, the store pulls them with the step's push once the step's
+        // rows are final: the same bits again.
+        let early = hybrid_alone(RowsPush::WithNextPull, true);
+        assert_eq!(early, at_end, "the dense layer and the rows, bit for bit, pulled early");
     });
 }
 
-/// One hybrid worker's run of [`batches`] in one execution, its rows sent `when`: checked
-/// against one device; returns the dense layer's weight and the rows the steps touched.
-fn hybrid_alone(when: RowsPush) -> (Vec<f32>, Vec<Vec<f32>>) {
+/// One hybrid worker's run of [`batches`] in one execution, its rows sent `when` (`early`:
+/// each step tells the store the next step's ids): checked against one device; returns the
+/// dense layer's weight and the rows the steps touched.
+fn hybrid_alone(when: RowsPush, early: bool) -> (Vec<f32>, Vec<Vec<f32>>) {
     use strata_core::data::DistributedBatch;
     use strata_strategies::cluster::ClusterSpec;
     let (_servers, clients) = ps_tasks_empty(2);
@@ -482,9 +493,15 @@ fn hybrid_alone(when: RowsPush) -> (Vec<f32>, Vec<Vec<f32>>) {
     let model = s.scope(Model::new).unwrap();
     store.create_tables(SEED, &RowOptimizer::Sgd { lr: LR }, PsMode::Async).unwrap();
     let opt = model.optimizer::<SGD>(LR).unwrap();
-    let split: Vec<_> = batches().iter().map(|b| DistributedBatch::split(b, 1).unwrap()).collect();
+    let all = batches();
+    let split: Vec<_> = all.iter().map(|b| DistributedBatch::split(b, 1).unwrap()).collect();
+    let step = std::sync::atomic::AtomicUsize::new(0);
     s.run_batches(&split, |ctx, shard| {
         let (ids, target) = &shard.batch;
+        let k = step.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if let Some((next, _)) = all.get(k + 1).filter(|_| early) {
+            model.on(ctx)?.emb.expect_next(next)?;
+        }
         let loss = model.on(ctx)?.loss(ids, target)?;
         ctx.backward_and_sync(&loss, &opt)
     })
@@ -515,7 +532,67 @@ fn hybrid_alone(when: RowsPush) -> (Vec<f32>, Vec<Vec<f32>>) {
     let held = if when == RowsPush::WithNextPull { last_pushes } else { 0 };
     assert_eq!(before_finish, pushes - held, "{when:?}: the last step's rows until finish");
     assert_eq!(store.lease(), steps, "{when:?}: one lease a step");
+    let traffic = store.traffic();
+    assert_eq!(traffic.pulls, steps, "{when:?}: one pull a step");
+    assert_eq!(
+        traffic.pulls_early,
+        if early { steps - 1 } else { 0 },
+        "{when:?}: every step but the first pulled early"
+    );
     (dense, rows)
+}
+
+/// A store told each next step's ids pulls them with the step's push once the step's rows are
+/// final, through the calls a hybrid worker's steps make, against ps tasks that drop requests
+/// and replies: every step reads its own earlier pushes, each push is applied once, the rows
+/// end as SGD at the rate leaves them; a step that asks for other ids than it was told pulls
+/// its own (the push went with the early pull all the same); a flush sends nothing twice.
+#[test]
+fn rows_pulled_early_with_a_step_s_push_are_applied_once_under_faults() {
+    crate::common::with_timeout(Duration::from_secs(120), "rows_pulled_early", || {
+        let faults = strata_transport::ps::FaultInjection { drop_reply_every: 3, drop_request_every: 5 };
+        let (_servers, clients) = ps_tasks_with(2, faults);
+        let store = PsTables::new("worker:0", clients.clone()).pushing_rows(RowsPush::WithNextPull);
+        store.declare(&table()).unwrap();
+        let init = |id: u64| {
+            let mut row = vec![0f32; DIM];
+            init_row(SEED, "emb", table().init, id, &mut row);
+            row
+        };
+        // Step k looks up steps[k]; it is told told[k] as the next step's ids.
+        let steps: [&[u64]; 4] = [&[1, 2], &[2, 3], &[3, 4], &[5]];
+        let told: [&[u64]; 4] = [&[2, 3], &[3, 4], &[9], &[]];
+        let mut touched = [0u32; ROWS as usize];
+        let mut pushes = 0;
+        for (k, ids) in steps.iter().enumerate() {
+            if !told[k].is_empty() {
+                store.expect_next(0, "emb", told[k]).unwrap();
+            }
+            let got = store.pull(0, "emb", ids).unwrap();
+            for (i, &id) in ids.iter().enumerate() {
+                let want: Vec<f32> = init(id).iter().map(|w| w - touched[id as usize] as f32 * LR as f32).collect();
+                close(&got[i * DIM..(i + 1) * DIM], &want, &format!("step {k}: row {id} with every earlier push"));
+                touched[id as usize] += 1;
+            }
+            store.gradient(0, "emb", ids, vec![1.0; ids.len() * DIM], ids.len()).unwrap();
+            store.end_step(0, false).unwrap();
+            pushes += (0..2).filter(|&t| ids.iter().any(|&id| owner_of(TableSize::Rows(ROWS), id, 2) == t)).count();
+        }
+        store.flush().unwrap();
+        store.flush().unwrap();
+        for id in 1..=5u64 {
+            let k = owner_of(TableSize::Rows(ROWS), id, 2);
+            let got = clients[k].pull_rows("reader", 1, &[("emb", &[id])]).unwrap().values.remove(0);
+            let want: Vec<f32> = init(id).iter().map(|w| w - touched[id as usize] as f32 * LR as f32).collect();
+            close(&got, &want, &format!("row {id} at the end"));
+        }
+        let applied: u64 = clients.iter().map(|c| c.status().unwrap().pushes_applied).sum();
+        assert_eq!(applied, pushes as u64, "every step's push applied once");
+        let traffic = store.traffic();
+        assert_eq!(traffic.pulls_early, 2, "steps 1 and 2 took rows pulled early, step 3 asked for others");
+        assert_eq!(traffic.pulls, 5, "4 lookups, one of them after an early pull of ids it did not ask for");
+        assert_eq!(store.lease(), 4);
+    });
 }
 
 /// A store that pushes a step's rows with the next pull, dropped while it holds some, pushes

@@ -10,7 +10,13 @@
 //! when one run trains several steps) it is pushed, to every ps task holding some of its
 //! rows, in parallel, or, if the store is built so ([`RowsPush::WithNextPull`]), with the
 //! next step's pull of that task's rows, in the same call (applied first, so the pull reads
-//! it: one round trip a step instead of two). So embeddings train asynchronously beside
+//! it: one round trip a step instead of two). Told the next step's ids during a step
+//! ([`TableStore::expect_next`], the click model's records made ahead), such a store starts
+//! that call as soon as the step's lookups have their gradients, on its task threads, beside
+//! the rest of the step (the dense layers' all-reduce and update); the next lookup takes its
+//! rows if it asks for those ids, and otherwise pulls its own (the push was applied either
+//! way, once). A step that fails after its rows were final has them applied: hybrid rows are
+//! asynchronous, and a failed hybrid step ends the job. So embeddings train asynchronously beside
 //! whatever the strategy does with the dense variables (hybrid training, PERSIA's); in a ps
 //! job, the rows are handed to the step's push of the dense gradients instead
 //! ([`PsTables::take_rows`]), so that both are one update per ps task.
@@ -26,7 +32,7 @@ use strata_transport::ps::{
     PsClient, PsMode, RowGrads, RowOptimizer, RowsPulled, ServerOptimizer, StaleRate, TableInfo, UpdateId, WireFormat,
 };
 
-use super::task_threads::{TaskCall, TaskThreads};
+use super::task_threads::{Started, TaskCall, TaskThreads};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
@@ -88,6 +94,36 @@ struct Step {
     /// The lease (and update step) of this step's pulls and push.
     lease: u64,
     tables: HashMap<String, StepTable>,
+    /// The step's lookups that pulled, and the gradients given back so far: when they are as
+    /// many, the step's rows are final.
+    lookups: usize,
+    gradients: usize,
+    /// Whether the step's rows were taken for the next step's pull, started early (or held
+    /// for the next lookup, if that could not start).
+    pushed_early: bool,
+}
+
+/// The rows a lookup of the next step will ask for ([`TableStore::expect_next`]): taken by
+/// the first step whose rows become final after it was told.
+#[derive(Debug)]
+struct Next {
+    table: String,
+    ids: Vec<u64>,
+}
+
+/// A pull of rows started, its results still to come: the rows `ids` of `table` under
+/// `lease`, and the push it carries.
+#[derive(Debug)]
+struct InFlight {
+    lease: u64,
+    table: String,
+    ids: Vec<u64>,
+    /// Per id, its ps task and its place in that task's rows.
+    place: Vec<(usize, usize)>,
+    /// Per ps task, the ids asked of it.
+    counts: Vec<usize>,
+    pending: Option<Arc<Pending>>,
+    started: Started<TaskRows>,
 }
 
 /// What a store's training steps moved: the steps that pushed rows, the bytes of row values
@@ -107,6 +143,9 @@ pub struct TableTraffic {
     /// Pulls of rows sent (one per lookup or prefetch that pulled, whatever the number of ps
     /// tasks asked): a lookup served by rows pulled ahead sends none.
     pub pulls: u64,
+    /// Of those, the pulls a lookup took that were started before its step, with the step
+    /// before's push, once that step's rows were final ([`TableStore::expect_next`]).
+    pub pulls_early: u64,
 }
 
 /// Who a store pulls and pushes as, and to which ps tasks.
@@ -133,6 +172,10 @@ pub struct PsTables {
     threads: TaskThreads,
     /// An ended step's push, not yet sent: it goes with the next pull, or at a flush.
     pending: Mutex<Option<Pending>>,
+    /// The rows the next step will look up, if told ([`TableStore::expect_next`]).
+    next: Mutex<Option<Next>>,
+    /// The next step's pull, started with this step's push once its rows were final.
+    early: Mutex<Option<InFlight>>,
     /// Whether the last call to the ps tasks succeeded (a store that is dropped sends what it
     /// holds only then, not into a job whose tasks are gone).
     healthy: std::sync::atomic::AtomicBool,
@@ -166,6 +209,8 @@ impl PsTables {
             rows_push: RowsPush::default(),
             threads: TaskThreads::default(),
             pending: Mutex::new(None),
+            next: Mutex::new(None),
+            early: Mutex::new(None),
             healthy: std::sync::atomic::AtomicBool::new(true),
             tables: Mutex::new(HashMap::new()),
             step: Mutex::new(Step::default()),
@@ -245,6 +290,15 @@ impl PsTables {
         t
     }
 
+    /// Starts the next step: its lease, no lookups yet.
+    fn next_step(&self) {
+        let mut step = lock(&self.step);
+        step.lease += 1;
+        step.lookups = 0;
+        step.gradients = 0;
+        step.pushed_early = false;
+    }
+
     /// Whether the current step's backward gave gradients already.
     fn has_gradients(&self) -> bool {
         lock(&self.step).tables.values().any(|t| !t.ids.is_empty())
@@ -312,8 +366,22 @@ impl PsTables {
     /// its own to a task this pull asks nothing of); it is held again if a call fails, and sent
     /// again with the same identity, so that it is applied once.
     fn pull_now(&self, table: &str, config: &TableConfig, ids: &[u64]) -> Result<Vec<f32>> {
+        let (calls, flight) = self.pull_calls(table, config, ids, self.lease())?;
+        let results = self.threads.run("rows pull", calls);
+        self.finish_pull(flight, results)
+    }
+
+    /// The calls of a pull of `ids` of `table` under `lease` carrying the push the store holds
+    /// (taken from it), and what [`finish_pull`](Self::finish_pull) needs of them (its
+    /// `started` a placeholder until they are started).
+    fn pull_calls(
+        &self,
+        table: &str,
+        config: &TableConfig,
+        ids: &[u64],
+        lease: u64,
+    ) -> Result<(Vec<TaskCall<TaskRows>>, InFlight)> {
         let (worker, _, clients) = self.bound()?;
-        lock(&self.traffic).pulls += 1;
         let n = clients.len();
         let mut per_task: Vec<Vec<u64>> = vec![Vec::new(); n];
         let mut place = Vec::with_capacity(ids.len());
@@ -323,7 +391,7 @@ impl PsTables {
             place.push((k, per_task[k].len()));
             per_task[k].push(id);
         }
-        let lease = self.lease();
+        lock(&self.traffic).pulls += 1;
         let pending = lock(&self.pending).take().map(Arc::new);
         let counts: Vec<usize> = per_task.iter().map(Vec::len).collect();
         let calls: Vec<TaskCall<TaskRows>> = per_task
@@ -356,10 +424,25 @@ impl PsTables {
                 })
             })
             .collect();
-        let pulled = self.threads.run("rows pull", calls);
+        let flight = InFlight {
+            lease,
+            table: table.to_string(),
+            ids: ids.to_vec(),
+            place,
+            counts,
+            pending,
+            started: Started::empty(),
+        };
+        Ok((calls, flight))
+    }
+
+    /// The rows of `flight`'s pull from its calls' `results`, each task's version recorded for
+    /// the step's push; a failed call holds the carried push again and is the error.
+    fn finish_pull(&self, flight: InFlight, results: Vec<Result<TaskRows>>) -> Result<Vec<f32>> {
+        let InFlight { table, ids, place, counts, pending, .. } = flight;
         // Every call has ended: the push is this store's alone again.
         let pending = pending.map(|p| Arc::try_unwrap(p).unwrap_or_else(|p| (*p).clone()));
-        let pulled = match pulled.into_iter().collect::<Result<Vec<_>>>() {
+        let pulled = match results.into_iter().collect::<Result<Vec<_>>>() {
             Ok(p) => p,
             Err(e) => {
                 self.hold_again(pending);
@@ -367,7 +450,7 @@ impl PsTables {
             }
         };
         self.healthy.store(true, std::sync::atomic::Ordering::Relaxed);
-        let dim = config.dim;
+        let dim = self.config(&table)?.dim;
         let mut values = vec![0f32; ids.len() * dim];
         for (i, &(k, at)) in place.iter().enumerate() {
             let Some((rows, _)) = &pulled[k] else { continue };
@@ -381,13 +464,75 @@ impl PsTables {
             values[i * dim..(i + 1) * dim].copy_from_slice(row);
         }
         let mut step = lock(&self.step);
-        let st = step.tables.entry(table.to_string()).or_default();
+        step.lookups += 1;
+        let st = step.tables.entry(table).or_default();
         for (k, p) in pulled.iter().enumerate() {
             if let Some((_, version)) = p {
                 st.versions.insert(k, *version);
             }
         }
         Ok(values)
+    }
+
+    /// Once the step's lookups all have their gradients, and the next step's rows are known
+    /// ([`TableStore::expect_next`]): starts the next step's pull of them under the next lease,
+    /// carrying this step's push, beside the rest of this step (its dense all-reduce and
+    /// update). The next lookup takes its rows if it asks for them.
+    fn start_early_if_told(&self) -> Result<()> {
+        if !(self.push_at_end && self.rows_push == RowsPush::WithNextPull) {
+            return Ok(());
+        }
+        let lease = self.lease();
+        {
+            let step = lock(&self.step);
+            if step.lookups == 0 || step.gradients < step.lookups {
+                return Ok(());
+            }
+        }
+        // A push still held (a failed call's) goes the usual way, with the next lookup; a pull
+        // in flight is this step's, not yet taken (its lookup comes first).
+        if lock(&self.pending).is_some() || lock(&self.early).is_some() {
+            return Ok(());
+        }
+        let Some(next) = lock(&self.next).take() else { return Ok(()) };
+        let Ok(config) = self.config(&next.table) else { return Ok(()) };
+        let Some(push) = self.step_push(lease)? else { return Ok(()) };
+        *lock(&self.pending) = Some(push);
+        // The step's rows have left it: the next lookup begins the next step.
+        lock(&self.step).pushed_early = true;
+        let (calls, mut flight) = match self.pull_calls(&next.table, &config, &next.ids, lease + 1) {
+            Ok(c) => c,
+            Err(e) => {
+                // An id the table refuses: the push waits for the next lookup, as without this.
+                tracing::debug!(error = %e, "the next step's rows were not pulled early");
+                return Ok(());
+            }
+        };
+        flight.started = self.threads.start(calls);
+        *lock(&self.early) = Some(flight);
+        Ok(())
+    }
+
+    /// The pull started early, if one is in flight, waited for: its rows if it pulled `ids` of
+    /// `table` under the current lease (`wanted`); otherwise `None`, its rows dropped (its push
+    /// was applied, or is held again if a call failed, and goes with the next pull).
+    fn settle_early(&self, wanted: Option<(&str, &[u64])>) -> Option<Vec<f32>> {
+        let mut flight = lock(&self.early).take()?;
+        let results = std::mem::replace(&mut flight.started, Started::empty()).wait("rows pull");
+        let lease = self.lease();
+        if wanted.is_some_and(|(table, ids)| flight.lease == lease && flight.table == table && flight.ids == ids) {
+            // A failed call holds the push again: the lookup then pulls on its own, carrying it.
+            let values = self.finish_pull(flight, results).ok()?;
+            lock(&self.traffic).pulls_early += 1;
+            return Some(values);
+        }
+        let pending = flight.pending.take().map(|p| Arc::try_unwrap(p).unwrap_or_else(|p| (*p).clone()));
+        if results.iter().any(Result::is_err) {
+            self.hold_again(pending);
+        } else {
+            self.healthy.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+        None
     }
 
     /// Holds `pending` again after a call that should have sent it failed (it is sent again
@@ -422,8 +567,10 @@ impl PsTables {
         self.send(Some(push))
     }
 
-    /// Sends the push the store holds, if any.
+    /// Sends the push the store holds, if any (after the pull started early, which may carry
+    /// it, has ended).
     fn send_pending(&self) -> Result<()> {
+        self.settle_early(None);
         let pending = lock(&self.pending).take();
         self.send(pending)
     }
@@ -490,6 +637,9 @@ struct Pending {
 /// does not wait on tasks that may be gone).
 impl Drop for PsTables {
     fn drop(&mut self) {
+        if !std::thread::panicking() {
+            self.settle_early(None);
+        }
         let held = self.pending.get_mut().map_or_else(|p| p.into_inner().is_some(), |p| p.is_some());
         if !held || std::thread::panicking() {
             return;
@@ -540,11 +690,18 @@ impl TableStore for PsTables {
         one_replica(replica)?;
         let config = self.config(table)?;
         // A lookup after the step's backward starts the next step (several steps in one run
-        // of the strategy, as a trainer's execution has): the last one's rows go first.
-        if self.push_at_end && self.has_gradients() {
+        // of the strategy, as a trainer's execution has): the last one's rows go first (or
+        // went, with the next step's pull started early).
+        let pushed_early = lock(&self.step).pushed_early;
+        if self.push_at_end && pushed_early {
+            self.next_step();
+        } else if self.push_at_end && self.has_gradients() {
             let lease = self.lease();
             self.push(lease)?;
-            lock(&self.step).lease = lease + 1;
+            self.next_step();
+        }
+        if let Some(values) = self.settle_early(Some((table, ids))) {
+            return Ok(values);
         }
         // Rows pulled ahead for this step, if it asks for the same ones (their versions were
         // taken then); else they are dropped and the rows pulled now.
@@ -582,7 +739,20 @@ impl TableStore for PsTables {
                 ids.len()
             )));
         }
-        lock(&self.step).tables.entry(table.to_string()).or_default().add(ids, grad, dim);
+        {
+            let mut step = lock(&self.step);
+            step.tables.entry(table.to_string()).or_default().add(ids, grad, dim);
+            step.gradients += 1;
+        }
+        self.start_early_if_told()
+    }
+
+    fn expect_next(&self, replica: usize, table: &str, ids: &[u64]) -> Result<()> {
+        one_replica(replica)?;
+        if self.push_at_end && self.rows_push == RowsPush::WithNextPull {
+            *lock(&self.next) = Some(Next { table: table.to_string(), ids: ids.to_vec() });
+            self.start_early_if_told()?;
+        }
         Ok(())
     }
 
@@ -626,7 +796,7 @@ impl TableStore for PsTables {
         } else {
             Ok(())
         };
-        lock(&self.step).lease = lease + 1;
+        self.next_step();
         pushed
     }
 }

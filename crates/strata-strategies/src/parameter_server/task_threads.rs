@@ -23,6 +23,25 @@ pub(crate) struct TaskThreads {
     senders: Mutex<Vec<Option<mpsc::Sender<Job>>>>,
 }
 
+/// Calls started on a [`TaskThreads`], their results still to come.
+#[derive(Debug)]
+pub(crate) struct Started<R> {
+    waiting: Vec<Result<mpsc::Receiver<Result<R>>>>,
+}
+
+impl<R> Started<R> {
+    /// No calls.
+    pub(crate) fn empty() -> Self {
+        Self { waiting: Vec::new() }
+    }
+
+    /// Waits for every call; their results in order. A call that panicked is an error naming
+    /// `what`.
+    pub(crate) fn wait(self, what: &str) -> Vec<Result<R>> {
+        self.waiting.into_iter().map(|rx| rx.and_then(|rx| rx.recv().unwrap_or_else(|_| Err(panicked(what))))).collect()
+    }
+}
+
 fn panicked(what: &str) -> Error {
     Error::Cluster(format!("a {what} call panicked"))
 }
@@ -47,6 +66,21 @@ impl TaskThreads {
             waiting.into_iter().map(|rx| rx.and_then(|rx| rx.recv().unwrap_or_else(|_| Err(panicked(what))))).collect();
         out.extend(mine);
         out
+    }
+
+    /// Starts the calls of `calls` on the threads, call `k` on thread `k`, and returns at once:
+    /// [`Started::wait`] gives their results in order.
+    pub(crate) fn start<R: Send + 'static>(&self, calls: Vec<TaskCall<R>>) -> Started<R> {
+        let waiting = calls
+            .into_iter()
+            .enumerate()
+            .map(|(k, call)| {
+                let (tx, rx) = mpsc::sync_channel(1);
+                self.send(k, Box::new(move || drop(tx.send(call()))))?;
+                Ok(rx)
+            })
+            .collect();
+        Started { waiting }
     }
 
     /// Hands `job` to thread `k`, starting it if it is not running.
@@ -99,6 +133,33 @@ mod tests {
             assert_ne!(got[2].1, "strata-ps-calls-2");
         }
         assert_eq!(threads.senders.lock().unwrap().len(), 2);
+    }
+
+    /// Started calls run on the threads, every one (none on the caller), while the caller goes
+    /// on; `wait` gives their results in order, a panic as an error.
+    #[test]
+    fn started_calls_run_on_the_threads_while_the_caller_goes_on() {
+        let threads = TaskThreads::default();
+        let (go, gate) = mpsc::channel::<()>();
+        let gate = Mutex::new(gate);
+        let gate = std::sync::Arc::new(gate);
+        let g = gate.clone();
+        let calls: Vec<TaskCall<String>> = vec![
+            Box::new(move || {
+                // Returns only once the caller, having got `start`'s answer, says so.
+                g.lock().unwrap().recv().unwrap();
+                Ok(std::thread::current().name().unwrap_or("").to_string())
+            }),
+            Box::new(|| Ok(std::thread::current().name().unwrap_or("").to_string())),
+            Box::new(|| panic!("boom")),
+        ];
+        let started = threads.start(calls);
+        go.send(()).unwrap();
+        let got = started.wait("rows pull");
+        assert_eq!(got[0].as_ref().unwrap(), "strata-ps-calls-0");
+        assert_eq!(got[1].as_ref().unwrap(), "strata-ps-calls-1");
+        assert_eq!(got[2].as_ref().unwrap_err().to_string(), panicked("rows pull").to_string());
+        assert_eq!(threads.senders.lock().unwrap().len(), 3);
     }
 
     #[test]

@@ -4,13 +4,16 @@
 //! A step's records are a function of their keys alone ([`CtrData::record`]), so records made
 //! ahead are the same bits as records made in the step. What is guessed is which keys come
 //! next: a replica whose last two steps took runs of consecutive keys `a..a+n` and then
-//! `b..b+n` is expected to take `2b-a..2b-a+n` next (the click records are taken in order, so
-//! every strategy's steps stride through them so). The guess is sent, as soon as a step has its
-//! records, to a thread that stays for the replica (its cache of the planted model's values
-//! with it); a step whose keys are the guess takes its records (waiting for them if they are
-//! not made yet), any other step makes its own and the guess's records are dropped unread.
+//! `b..b+n` is expected to take `2b-a..2b-a+n` next, and `3b-2a..` after it (the click
+//! records are taken in order, so every strategy's steps stride through them so). The guesses
+//! go to a thread that stays for the replica (its cache of the planted model's values with
+//! it) and makes their records in order, two steps ahead: a step whose keys are the first
+//! guess takes its records (waiting for them if they are not made yet), and learns the ids of
+//! the next step's records ([`Ahead::batch`]), which a store on parameter servers can pull
+//! beside the end of this step. Any other step makes its own records, and the guesses' thread
+//! is dropped with its records unread.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -29,15 +32,16 @@ fn enabled() -> bool {
 /// The replica threads remembered at most.
 const MAX_THREADS: usize = 256;
 
+/// Steps whose records are made ahead.
+const DEPTH: usize = 2;
+
 /// A replica's maker of records: a thread that makes the records of the keys it is sent, in
 /// order, and ends when this is dropped.
 struct Maker {
     keys: Sender<Vec<i64>>,
     made: Receiver<Result<RawBatch>>,
-    /// The keys sent last, if their records were not taken yet.
-    guess: Option<Vec<i64>>,
-    /// Records of wrong guesses still to come before the guess's.
-    skip: usize,
+    /// The keys sent, oldest first, with their records once received (in the order sent).
+    queue: VecDeque<(Vec<i64>, Option<Result<RawBatch>>)>,
 }
 
 impl Maker {
@@ -54,24 +58,25 @@ impl Maker {
                 }
             })
             .ok()?;
-        Some(Self { keys, made, guess: None, skip: 0 })
+        Some(Self { keys, made, queue: VecDeque::new() })
     }
 
-    /// The records of `keys` if they were the guess, waiting for them; `None` otherwise (the
-    /// guess's records are then skipped when they come), or if the thread is gone.
+    /// The oldest guess's records, waited for; `None` if there is none or the thread is gone.
+    fn first_made(&mut self) -> Option<&Result<RawBatch>> {
+        let (_, made) = self.queue.front_mut()?;
+        if made.is_none() {
+            *made = Some(self.made.recv().ok()?);
+        }
+        made.as_ref()
+    }
+
+    /// The records of `keys` if they are the oldest guess, waited for.
     fn take(&mut self, keys: &[i64]) -> Option<Result<RawBatch>> {
-        let guess = self.guess.take()?;
-        if guess != keys {
-            self.skip += 1;
+        if self.queue.front()?.0 != keys {
             return None;
         }
-        loop {
-            let made = self.made.recv().ok()?;
-            if self.skip == 0 {
-                return Some(made);
-            }
-            self.skip -= 1;
-        }
+        self.first_made()?;
+        self.queue.pop_front().and_then(|(_, made)| made)
     }
 
     /// Sends `keys` to be made; false if the thread is gone.
@@ -79,7 +84,7 @@ impl Maker {
         if self.keys.send(keys.clone()).is_err() {
             return false;
         }
-        self.guess = Some(keys);
+        self.queue.push_back((keys, None));
         true
     }
 }
@@ -110,10 +115,11 @@ impl Ahead {
     }
 
     /// The records of `keys` as a batch on `device` ([`CtrData::batch_of_keys`]'s bits), made
-    /// ahead if they were guessed; then sends the next step's guess to be made.
-    pub(crate) fn batch(&self, keys: &Tensor, device: &Device) -> Result<CtrBatch> {
+    /// ahead if they were guessed; and the ids (u32 `(B, 26)`) of the next step's guessed
+    /// records, once the stride is known. Sends the guesses after them to be made.
+    pub(crate) fn batch(&self, keys: &Tensor, device: &Device) -> Result<(CtrBatch, Option<Tensor>)> {
         if !self.on {
-            return self.data.batch_of_keys(keys, device);
+            return Ok((self.data.batch_of_keys(keys, device)?, None));
         }
         let keys = keys.flatten_all()?.to_vec1::<i64>()?;
         let me = std::thread::current().id();
@@ -126,45 +132,59 @@ impl Ahead {
             }
             slots.remove(&me).unwrap_or_default()
         };
-        let ahead = slot.maker.as_mut().and_then(|m| m.take(&keys));
-        let raw = match ahead {
-            Some(raw) => {
+        let raw = match slot.maker.as_mut().map(|m| m.take(&keys)) {
+            Some(Some(raw)) => {
                 self.hits.fetch_add(1, Ordering::Relaxed);
                 raw
             }
-            None => raw_of_keys(&self.data, &keys),
+            ahead => {
+                // A wrong guess: the maker and its guesses go.
+                if ahead.is_some() {
+                    slot.maker = None;
+                }
+                raw_of_keys(&self.data, &keys)
+            }
         };
-        if raw.is_ok() {
-            self.guess_next(&mut slot, &keys);
-        }
+        let next = match &raw {
+            Ok(_) => self.guess_next(&mut slot, &keys),
+            Err(_) => None,
+        };
         self.slots.lock().unwrap_or_else(PoisonError::into_inner).insert(me, slot);
-        raw?.into_batch(device)
+        let next = next.map(|ids| Tensor::from_vec(ids, (keys.len(), super::FIELDS), device)).transpose()?;
+        Ok((raw?.into_batch(device)?, next))
     }
 
-    /// Sends the keys expected after `keys` to `slot`'s maker (started if it has none).
-    fn guess_next(&self, slot: &mut Slot, keys: &[i64]) {
+    /// Sends the keys expected after `keys` to `slot`'s maker (started if it has none), up to
+    /// [`DEPTH`] steps ahead; the ids of the next step's records, if guessed and made.
+    fn guess_next(&self, slot: &mut Slot, keys: &[i64]) -> Option<Vec<u32>> {
         let first = match keys.first() {
             Some(&k) if keys.iter().enumerate().all(|(i, &x)| x == k.wrapping_add(i as i64)) => k,
             _ => {
                 slot.last = None;
-                return;
+                slot.maker = None;
+                return None;
             }
         };
         let last = slot.last.replace((first, keys.len()));
-        let Some(stride) = last.filter(|&(_, n)| n == keys.len()).map(|(a, _)| first.wrapping_sub(a)) else { return };
-        let Some(start) = first.checked_add(stride).filter(|_| stride > 0) else { return };
-        let next: Vec<i64> = (0..keys.len() as i64).map_while(|i| start.checked_add(i)).collect();
-        if next.len() != keys.len() {
-            return;
-        }
+        let stride = last.filter(|&(_, n)| n == keys.len()).map(|(a, _)| first.wrapping_sub(a)).filter(|&s| s > 0)?;
         if slot.maker.is_none() {
             slot.maker = Maker::start(self.data.clone());
         }
-        // Without a thread the next step makes its own records, and a later one starts another.
-        if let Some(maker) = slot.maker.as_mut() {
-            if !maker.send(next) {
+        let maker = slot.maker.as_mut()?;
+        // The guesses go on from the last one sent, or from this step.
+        let mut from = maker.queue.back().and_then(|(k, _)| k.first().copied()).unwrap_or(first);
+        while maker.queue.len() < DEPTH {
+            let start = from.checked_add(stride)?;
+            let next: Vec<i64> = (0..keys.len() as i64).map_while(|i| start.checked_add(i)).collect();
+            if next.len() != keys.len() || !maker.send(next) {
                 slot.maker = None;
+                return None;
             }
+            from = start;
+        }
+        match maker.first_made()? {
+            Ok(raw) => Some(raw.ids().to_vec()),
+            Err(_) => None,
         }
     }
 }
@@ -197,7 +217,18 @@ mod tests {
                 let n = if k == 7 { 5 } else { 8 };
                 let keys = data.keys(Split::Train, a..a + n, &cpu).unwrap();
                 let want = data.batch(Split::Train, a..a + n, &cpu).unwrap();
-                assert_eq!(bits(&ahead.batch(&keys, &cpu).unwrap()), bits(&want), "step {k} at {a}, ahead {on}");
+                let (batch, next) = ahead.batch(&keys, &cpu).unwrap();
+                assert_eq!(bits(&batch), bits(&want), "step {k} at {a}, ahead {on}");
+                // From a step whose stride is known, the next step's ids, as its records have them.
+                let stride = if k > 0 && n == 8 { a.checked_sub(starts[k - 1]) } else { None };
+                match (on, stride) {
+                    (true, Some(s)) => {
+                        let then = data.batch(Split::Train, a + s..a + s + n, &cpu).unwrap();
+                        let ids = next.expect("the next step's ids");
+                        assert_eq!(ids.to_vec2::<u32>().unwrap(), then.1.to_vec2::<u32>().unwrap(), "step {k}");
+                    }
+                    _ => assert!(next.is_none(), "step {k}"),
+                }
             }
             // Hits: the steps at 16 and 24, then 116 (after 100 and 108 set the stride again).
             assert_eq!(ahead.hits.load(Ordering::Relaxed), if on { 3 } else { 0 });
@@ -207,7 +238,7 @@ mod tests {
         for a in [0u64, 4, 8] {
             let keys = data.keys(Split::Test, a..a + 4, &cpu).unwrap();
             let want = data.batch(Split::Test, a..a + 4, &cpu).unwrap();
-            assert_eq!(bits(&ahead.batch(&keys, &cpu).unwrap()), bits(&want));
+            assert_eq!(bits(&ahead.batch(&keys, &cpu).unwrap().0), bits(&want));
         }
         assert_eq!(ahead.hits.load(Ordering::Relaxed), 1);
         let bad = Tensor::new(&[-1i64], &cpu).unwrap();

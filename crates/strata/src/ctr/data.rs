@@ -403,6 +403,11 @@ impl RawBatch {
         Self { dense, ids, labels }
     }
 
+    /// The ids, record after record (`FIELDS` each).
+    pub(crate) fn ids(&self) -> &[u32] {
+        &self.ids
+    }
+
     /// The batch on `device`.
     pub(crate) fn into_batch(self, device: &Device) -> Result<CtrBatch> {
         let n = self.labels.len();

@@ -187,11 +187,19 @@ pub fn bce_with_logits(logits: &Tensor, labels: &Tensor) -> candle_core::Result<
 /// loss and metrics, with the same values. Each replica's next records are made on a thread of
 /// their own while its step runs, as `tf.data`'s `prefetch` makes them: the next step's keys
 /// guessed from the stride of the last two steps' runs of consecutive keys, a wrong guess
-/// dropped (the step then makes its own), the same bits either way.
+/// dropped (the step then makes its own), the same bits either way. The next step's ids go to
+/// the table's store ([`Embedding::expect_next`]), which on parameter servers pulls their rows
+/// with this step's push as soon as this step's backward pass has given the rows' gradients.
+///
+/// [`Embedding::expect_next`]: strata_core::layers::Embedding::expect_next
 pub fn streamed_task(data: &CtrData) -> Task<'_, Dlrm, Tensor> {
     let ahead = super::ahead::Ahead::new(data);
     Task::new(move |m: &Dlrm, ctx, keys: &Tensor| {
-        let (dense, ids, labels) = ahead.batch(keys, ctx.candle_device()).map_err(crate::error::into_core)?;
+        let ((dense, ids, labels), next) = ahead.batch(keys, ctx.candle_device()).map_err(crate::error::into_core)?;
+        // The next step's rows, known now: a store on ps tasks may pull them beside this step's end.
+        if let Some(next) = next {
+            m.embedding().expect_next(&next)?;
+        }
         Ok(m.loss(&dense, &ids, &labels)?)
     })
     .with_whole_set_metric("auc", move |m: &Dlrm, keys: &Tensor| m.auc_of_keys(data, keys))
