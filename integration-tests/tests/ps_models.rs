@@ -316,7 +316,7 @@ fn the_ctr_model_trains_with_its_table_on_the_ps_tasks() {
 /// so a parameter-server job with one asynchronous worker (2 ps tasks, real processes: no
 /// push is ever stale) ends on one device's bits: the dense layers saved by both are the same
 /// bytes, and so is the test AUC, under Adagrad on the table's rows and on the dense layers;
-/// so does the job at `--stale-rate inverse`.
+/// so does the job at either `--stale-rate` (inverse, the click model's default, and constant).
 #[test]
 fn the_ctr_model_on_one_async_worker_ends_on_one_device_s_bits() {
     let dir = tempfile::tempdir().unwrap();
@@ -346,10 +346,11 @@ fn the_ctr_model_on_one_async_worker_ends_on_one_device_s_bits() {
     for (name, strategy) in [
         ("one", &["--strategy", "one-device"][..]),
         ("ps", &["--strategy", "parameter-server", "--ps-tasks", "2", "--workers", "1"][..]),
-        // A worker of its own never pushes stale: the inverse rate is the rate.
+        // A worker of its own never pushes stale: the inverse rate (the click model's default)
+        // is the rate, and so is the constant one.
         (
-            "inverse",
-            &["--strategy", "parameter-server", "--ps-tasks", "2", "--workers", "1", "--stale-rate", "inverse"][..],
+            "constant",
+            &["--strategy", "parameter-server", "--ps-tasks", "2", "--workers", "1", "--stale-rate", "constant"][..],
         ),
     ] {
         let (out, params) = (dir.path().join(format!("{name}.json")), dir.path().join(format!("{name}.safetensors")));
@@ -359,12 +360,12 @@ fn the_ctr_model_on_one_async_worker_ends_on_one_device_s_bits() {
         ok(&run(&args, Duration::from_secs(240)));
         let summary = json(&out);
         if name != "one" {
-            let want = if name == "inverse" { "inverse" } else { "constant" };
+            let want = if name == "constant" { "constant" } else { "inverse" };
             assert_eq!(summary["parameter_servers"]["stale_rate"], want, "the ps tasks' rate of stale pushes");
         }
         runs.push((summary["final_test_auc"].as_f64().unwrap(), std::fs::read(&params).unwrap()));
     }
-    for (name, run) in ["one async worker", "one async worker, --stale-rate inverse"].iter().zip(&runs[1..]) {
+    for (name, run) in ["one async worker", "one async worker, --stale-rate constant"].iter().zip(&runs[1..]) {
         assert_eq!(runs[0].0.to_bits(), run.0.to_bits(), "test auc: one device {}, {name} {}", runs[0].0, run.0);
         assert!(runs[0].1 == run.1, "the dense layers of {name} differ from one device's");
     }

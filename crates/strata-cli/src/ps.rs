@@ -30,7 +30,7 @@ use strata_compare::inject::StepDelays;
 use crate::cluster_token::{self, TOKEN_VAR};
 use crate::launch;
 pub use crate::summary::{PsSummary, PsTaskSummary};
-use crate::train_args::{self, ClusterSource, ModelKind, PsModeKind, TrainArgs, TRANSFORMER_STEPS};
+use crate::train_args::{self, ClusterSource, ModelKind, PsModeKind, StaleRateKind, TrainArgs, TRANSFORMER_STEPS};
 use crate::{Error, Result};
 
 /// `strata ps` flags: serve one parameter-server task until the chief ends the job, SIGTERM or
@@ -559,7 +559,9 @@ pub fn job_spec(args: &TrainArgs) -> Result<PsJobSpec> {
         ModelKind::Transformer => PsJobSpec::transformer(args.transformer(), replicas, args.seed),
     };
     spec.overlap = !args.no_overlap;
-    spec.lookahead = !args.no_lookahead;
+    // The inverse rate compensates staleness on the ps tasks: the workers compute at the pulled
+    // values (both at once compensate twice: measured worse).
+    spec.lookahead = !args.no_lookahead && args.stale_rate() == StaleRateKind::Constant;
     spec.recompute = args.recompute;
     spec.precision = args.precision;
     Ok(spec)
@@ -616,7 +618,7 @@ pub fn train(args: &TrainArgs, started: Instant) -> Result<()> {
     options.optimizer = args.optimizer.server_optimizer(args.hyper());
     options.mode = ps_mode(args, workers)?;
     options.schedule = ps_schedule(args, options.mode, workers);
-    options.stale_rate = args.stale_rate.into();
+    options.stale_rate = args.stale_rate().into();
     options.partitioner = Partitioner::parse(&args.partitioner)?;
     options.table_optimizer = args.row_optimizer();
     options.seed = args.seed;

@@ -401,9 +401,11 @@ pub struct TrainArgs {
     pub staleness: u64,
     /// Parameter server, async and stale modes: the rate a push's dense variables are applied
     /// at when other updates landed between its pull and it (constant: the optimizer's;
-    /// inverse: lr / (1 + those updates)). Embedding tables' rows keep their rate.
-    #[arg(long, value_enum, default_value = "constant")]
-    pub stale_rate: StaleRateKind,
+    /// inverse: lr / (1 + those updates), and the workers compute at the pulled values, with no
+    /// look-ahead). Embedding tables' rows keep their rate. Default: inverse for --model ctr,
+    /// constant for the others.
+    #[arg(long, value_enum)]
+    pub stale_rate: Option<StaleRateKind>,
     /// The optimizer of embedding tables' rows (the ctr model's table): on the ps tasks under
     /// parameter-server (default adagrad); under one-device, mirrored or central-storage the
     /// table is then rows in this process's memory, stepped one by one, instead of a variable.
@@ -673,10 +675,22 @@ impl TrainArgs {
         self.auto_shard.unwrap_or(AutoShardKind::Data)
     }
 
+    /// The ps tasks' rate of stale pushes: `--stale-rate`, by default inverse for the click
+    /// model (whose dense layers staleness pushes past their rate, and the look-ahead further:
+    /// `docs/bench/2026-12-07-0154-ctr-stale-rate.md`) and constant (TensorFlow's) for the
+    /// others.
+    pub fn stale_rate(&self) -> StaleRateKind {
+        let default = match (self.model, self.ps_mode) {
+            (ModelKind::Ctr, PsModeKind::Async | PsModeKind::Stale) => StaleRateKind::Inverse,
+            _ => StaleRateKind::Constant,
+        };
+        self.stale_rate.unwrap_or(default)
+    }
+
     /// `--stale-rate` and `--no-lookahead`, refused where no push to a ps task can be stale.
     fn check_staleness_flags(&self) -> Result<()> {
         let stale_modes = [PsModeKind::Async, PsModeKind::Stale];
-        if self.stale_rate != StaleRateKind::Constant
+        if self.stale_rate.is_some_and(|r| r != StaleRateKind::Constant)
             && (self.strategy != StrategyKind::ParameterServer || !stale_modes.contains(&self.ps_mode))
         {
             let job = match (self.strategy, self.ps_mode) {
