@@ -162,6 +162,7 @@ fn restore_and_check(cluster: &Cluster, old: &Path, old_tasks: usize, new: &Path
     let mut options = ParameterServerOptions::new(ClusterToken::new(TOKEN).unwrap());
     options.optimizer = status.optimizer.clone().unwrap();
     options.schedule = status.schedule.clone();
+    options.stale_rate = status.stale_rate;
     options.mode = status.mode;
     options.table_optimizer = status.tables[0].info.optimizer.clone();
     options.seed = status.tables[0].info.seed;
