@@ -42,7 +42,8 @@ pub enum StaleRateKind {
     /// The optimizer's rate, however stale the push (TensorFlow's ParameterServerStrategy).
     #[default]
     Constant,
-    /// lr / (1 + s) for a push computed s updates before it lands (Zhang et al. 2016).
+    /// lr / (1 + s) for a push computed s updates before it lands, after Zhang et al. (2016);
+    /// the workers then compute at the pulled values (no look-ahead).
     Inverse,
 }
 

@@ -52,18 +52,9 @@ impl TaskThreads {
     /// thread goes on serving).
     pub(crate) fn run<R: Send + 'static>(&self, what: &str, mut calls: Vec<TaskCall<R>>) -> Vec<Result<R>> {
         let last = calls.pop();
-        let waiting: Vec<Result<mpsc::Receiver<Result<R>>>> = calls
-            .into_iter()
-            .enumerate()
-            .map(|(k, call)| {
-                let (tx, rx) = mpsc::sync_channel(1);
-                self.send(k, Box::new(move || drop(tx.send(call()))))?;
-                Ok(rx)
-            })
-            .collect();
+        let started = self.start(calls);
         let mine = last.map(|call| catch_unwind(AssertUnwindSafe(call)).unwrap_or_else(|_| Err(panicked(what))));
-        let mut out: Vec<Result<R>> =
-            waiting.into_iter().map(|rx| rx.and_then(|rx| rx.recv().unwrap_or_else(|_| Err(panicked(what))))).collect();
+        let mut out = started.wait(what);
         out.extend(mine);
         out
     }
