@@ -369,8 +369,10 @@ fn a_job_over_its_memory_limit_is_refused_at_stages_0_to_2_and_trains_at_stage_3
     let limit = (held + held / 50).to_string();
     for stage in ["0", "1", "2"] {
         let err = refused(stage, &limit);
+        // Mirrored on one machine's CPU runs stage 0 as stage 1 (`host_shards`), and says so.
+        let runs = if stage == "0" { "1" } else { stage };
         assert!(
-            err.contains(&format!("at zero stage {stage} (parameters ")) && err.contains("use it (--zero-stage 3)"),
+            err.contains(&format!("at zero stage {runs} (parameters ")) && err.contains("use it (--zero-stage 3)"),
             "{err}"
         );
     }

@@ -219,6 +219,8 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         row_block_bytes: (args.row_block_mib() * 1024.0 * 1024.0) as usize,
         zero_stage: args.zero_stage,
         zero_units: args.zero_units.clone(),
+        // Mirrored over this machine's CPUs steps shards at --zero-stage 0 (the same bits).
+        host_shards: true,
         local_sgd: args.local_sgd(),
         tables: match &hybrid {
             Some(h) => Some(h.store.clone() as Arc<dyn strata_core::embedding::TableStore>),

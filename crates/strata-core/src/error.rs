@@ -330,7 +330,9 @@ pub struct MemoryLimitExceeded {
     pub replica: usize,
     /// Its device's spec (`/job:localhost/replica:0/task:0/device:CPU:0`).
     pub device: String,
-    /// The stage asked for.
+    /// The stage the optimizer runs: the stage asked for, or stage 1 where stage 0 was asked
+    /// for and mirrored replicas on one machine's CPU step shards
+    /// ([`StrategyOptions::host_shards`](crate::StrategyOptions::host_shards)).
     pub stage: u8,
     /// Its parameters' bytes (every variable's copy).
     pub params: u64,

@@ -21,8 +21,10 @@ use strata_strategies::{CentralStorageStrategy, CpuReduction, MirroredStrategy, 
 
 type Params = Vec<(String, Vec<f32>)>;
 
+/// Options at `stage`, where stage 0 is stage 0 itself: every replica steps the whole model
+/// (without `host_shards`, by which Mirrored on one machine's CPU steps as stage 1 does).
 fn options(stage: ZeroStage) -> StrategyOptions {
-    StrategyOptions { zero_stage: stage, ..Default::default() }
+    StrategyOptions { zero_stage: stage, host_shards: false, ..Default::default() }
 }
 
 fn mirrored(n: usize, stage: ZeroStage) -> StrategyHandle {
@@ -207,6 +209,47 @@ fn same_as_stage_0_in_blocks<M: TestModel>(n: usize, freeze: &[&str], row_block_
         assert_eq!(stepped.iter().sum::<usize>(), total, "{what}: {stepped:?}");
         let (lo, hi) = (stepped.iter().min().unwrap(), stepped.iter().max().unwrap());
         assert!(hi - lo <= 1 && *hi == total.div_ceil(n), "{what}: shards of {total} over {n}: {stepped:?}");
+    }
+}
+
+/// Mirrored on one machine's CPU at the default options (stage 0 asked, `host_shards` on)
+/// steps as stage 1: each replica steps its shard and keeps its state, and every copy ends
+/// with stage 0's parameters bit for bit, over 2, 3 and 4 replicas, with frozen and unused
+/// variables. An optimizer that steps whole variables only (candle-nn's AdamW), CentralStorage
+/// and one device are left at stage 0.
+#[test]
+fn mirrored_on_one_machine_s_cpu_steps_shards_as_stage_0_does() {
+    let adamw = ParamsAdamW { lr: 0.01, weight_decay: 0.1, ..Default::default() };
+    let host = |n: usize| {
+        let devices = strata_core::device::logical_cpus(n).unwrap();
+        MirroredStrategy::with_options(devices, CpuReduction::default(), StrategyOptions::default()).unwrap().handle()
+    };
+    for n in [2, 3, 4] {
+        let (whole, whole_read, (whole_stepped, _)) =
+            train::<Heads, FusedAdamW>(&mirrored(n, ZeroStage::Off), adamw.clone(), 5, &["a.*"], PLAIN);
+        let (shards, shards_read, (stepped, _)) =
+            train::<Heads, FusedAdamW>(&host(n), adamw.clone(), 5, &["a.*"], PLAIN);
+        assert_eq!(shards, whole, "{n} replicas: not stage 0 bit for bit");
+        assert_eq!(shards_read, whole_read, "{n} replicas: the state read differs");
+        let total = whole_stepped[0];
+        assert!(whole_stepped.iter().all(|&s| s == total), "stage 0 steps the whole model: {whole_stepped:?}");
+        assert_eq!(stepped.iter().sum::<usize>(), total, "{n} replicas: {stepped:?}");
+        assert!(stepped.iter().all(|&s| s < total), "{n} replicas: each steps a shard: {stepped:?}");
+        let m = host(n).scope(Heads::build).unwrap();
+        assert_eq!(m.optimizer::<FusedAdamW>(adamw.clone()).unwrap().zero_stage(), ZeroStage::OptimizerState);
+        let candle = m.optimizer::<candle_nn::AdamW>(adamw.clone()).unwrap();
+        assert_eq!(candle.zero_stage(), ZeroStage::Off, "candle-nn's AdamW steps whole variables");
+    }
+    let central = CentralStorageStrategy::with_options(
+        strata_core::device::logical_cpus(2).unwrap(),
+        CpuReduction::default(),
+        StrategyOptions::default(),
+    )
+    .unwrap()
+    .handle();
+    for s in [central, OneDeviceStrategy::cpu().unwrap().handle()] {
+        let opt = s.scope(Heads::build).unwrap().optimizer::<FusedAdamW>(adamw.clone()).unwrap();
+        assert_eq!(opt.zero_stage(), ZeroStage::Off, "{}", s.extended().name());
     }
 }
 

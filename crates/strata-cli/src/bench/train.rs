@@ -821,7 +821,7 @@ pub fn run(args: &BenchTrainArgs) -> Result<()> {
     if !args.freeze.is_empty() {
         println!("# frozen in every configuration: {} (never reduced nor updated)", args.freeze.join(", "));
     }
-    println!("# params/rep, grads/rep, optim/rep: bytes of one replica's trainable parameters, reduced gradients and optimizer state (+zeroN: ZeRO stage N, each replica's optimizer state for its shard only, from stage 2 its reduced gradient too, and at stage 3 its shard of the parameters plus the two largest units whole, with their gradients)");
+    println!("# params/rep, grads/rep, optim/rep: bytes of one replica's trainable parameters, reduced gradients and optimizer state (+zeroN: ZeRO stage N, each replica's optimizer state for its shard only, from stage 2 its reduced gradient too, and at stage 3 its shard of the parameters plus the two largest units whole, with their gradients); mirrored without +zeroN steps shards as stage 1 does on one machine's CPU where the optimizer can (StrategyOptions::host_shards: the same bits, its state in shards)");
     println!("# held/rep: the most any replica held at once in a step, counted by the strategy at the end of each backward pass (parameters as resident, gradients, optimizer state and the activations the loss keeps; strata::Footprint), beside the computed columns before it");
     println!("# reduced/step: bytes each mirrored replica hands to the all-reduce, or each multi-worker worker sends on the ring, per step");
     for model in &models {

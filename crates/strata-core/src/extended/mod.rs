@@ -94,6 +94,13 @@ pub struct StrategyOptions {
     /// variable is refused in one line when the optimizer is built, and below stage 3 they are
     /// not used.
     pub zero_units: Vec<String>,
+    /// At [`ZeroStage::Off`], mirrored replicas on one machine's CPU (no workers) step as
+    /// stage 1 does where the optimizer steps shards
+    /// ([`ShardableOptimizer`](crate::optim::ShardableOptimizer)): each replica steps its
+    /// shard and keeps its state, and the shards are written into every copy. The same bits
+    /// as every replica stepping the whole model, with one pass of the optimizer per machine
+    /// instead of one per replica (default `true`; `false` steps every copy whole).
+    pub host_shards: bool,
     /// Local SGD or DiLoCo ([`LocalSgd`](local_sgd::LocalSgd)): every step local to a
     /// worker, the workers meeting every `H` steps (`None`, the default, or `H = 1` averaging:
     /// every step synchronous). MultiWorkerMirrored takes it; the other strategies refuse it.
@@ -193,6 +200,7 @@ impl Default for StrategyOptions {
             row_block_bytes: DEFAULT_ROW_BLOCK_BYTES,
             zero_stage: ZeroStage::Off,
             zero_units: Vec::new(),
+            host_shards: true,
             local_sgd: None,
             tables: None,
         }
