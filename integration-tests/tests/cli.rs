@@ -106,29 +106,38 @@ fn zero_replicas_is_a_one_line_error() {
 
 #[test]
 fn the_timeline_shows_every_phase_of_every_replica() {
-    let dir = tempfile::tempdir().unwrap();
-    let trace = dir.path().join("trace.json");
-    let o = strata(&[
-        "train",
-        "--no-progress",
-        "--epochs",
-        "1",
-        "--replicas",
-        "2",
-        "--bucket-mib",
-        "0.1",
-        "--timeline",
-        trace.to_str().unwrap(),
-    ]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
-    let events = v["traceEvents"].as_array().unwrap();
-    for replica in 0..2 {
-        for name in ["forward", "backward", "bucket 0", "bucket 1", "optimizer"] {
-            assert!(
-                events.iter().any(|e| e["tid"] == replica && e["name"] == name && e["ph"] == "X"),
-                "no {name} event for replica {replica}"
-            );
+    // The default: AdamW's shards step with every replica's gradients read in place (no
+    // reduction); candle-nn's AdamW steps whole variables, reduced bucket by bucket.
+    for (optimizer, phases) in [
+        ("adamw", ["forward", "backward", "gradients handed round", "optimizer", "gather_runs"]),
+        ("candle-adamw", ["forward", "backward", "bucket 0", "bucket 1", "optimizer"]),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let trace = dir.path().join("trace.json");
+        let o = strata(&[
+            "train",
+            "--no-progress",
+            "--epochs",
+            "1",
+            "--replicas",
+            "2",
+            "--optimizer",
+            optimizer,
+            "--bucket-mib",
+            "0.1",
+            "--timeline",
+            trace.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+        let events = v["traceEvents"].as_array().unwrap();
+        for replica in 0..2 {
+            for name in phases {
+                assert!(
+                    events.iter().any(|e| e["tid"] == replica && e["name"] == name && e["ph"] == "X"),
+                    "{optimizer}: no {name} event for replica {replica}"
+                );
+            }
         }
     }
 }

@@ -108,6 +108,7 @@ impl<M> Replicated<M> {
             }
         }
         opt.params_bytes = params;
+        opt.summed = Some(<O as OptimizerMemory>::step_summed);
         opt.state_per_element = per_element;
         opt.stages = stages;
         Ok(opt)
@@ -167,6 +168,9 @@ pub struct DistributedOptimizer<O> {
     vars: Vec<Vec<Var>>,
     /// Optimizer steps each copy applied.
     steps: Vec<AtomicU64>,
+    /// How a copy steps with its gradient as the replicas' weighted terms (stage 1 on one
+    /// machine, [`ShardableOptimizer::step_summed`](crate::optim::ShardableOptimizer::step_summed)).
+    summed: Option<crate::zero::SummedStep<O>>,
     clip_global_norm: Option<f64>,
     schedule: Option<LrSchedule>,
     /// Micro-batches per optimizer step (1: none accumulated).
@@ -409,6 +413,7 @@ impl<O: Optimizer> DistributedOptimizer<O> {
             strategy_name,
             policy,
             steps: copies.iter().map(|_| AtomicU64::new(0)).collect(),
+            summed: None,
             copies,
             vars,
             clip_global_norm: None,
@@ -556,6 +561,50 @@ impl<O: Optimizer> DistributedOptimizer<O> {
     /// meetings (of a fragment each) completed; `None` without local SGD.
     pub fn outer_traffic(&self) -> Option<(u64, u64)> {
         self.outer.as_ref().map(OuterSync::traffic)
+    }
+
+    /// Whether replica `ctx`'s step may sum the replicas' gradients itself
+    /// ([`Self::apply_summed`]) instead of reducing them first: ZeRO stage 1 (asked for, or
+    /// Mirrored's on one machine's CPU) over mirrored replicas of one machine, one micro-batch a
+    /// step, no clipping nor loss scale (which need the whole sum first), and ops that say
+    /// their sums are those the step makes (counting the replica's elements as reduced). Every
+    /// replica decides alike.
+    pub(crate) fn sums_in_step(&self, ctx: &ReplicaContext<'_>) -> bool {
+        let ext = ctx.shared.ext;
+        let Some(vars) = self.vars.get(self.copy_of(ctx.replica)).filter(|_| ctx.strategy_id() == self.strategy) else {
+            return false;
+        };
+        let elements = vars.iter().map(|v| v.elem_count()).sum();
+        self.policy == VariablePolicy::Mirrored
+            && ext.step_workers().is_none()
+            && ctx.shared.group.num_replicas() > 1
+            && self.accumulation == 1
+            && self.clip_global_norm.is_none()
+            && self.loss_scale.is_none()
+            && self.outer.is_none()
+            && self.residency.is_none()
+            && self.zero().is_some_and(|s| s.stage() == ZeroStage::OptimizerState)
+            && ext.cross_device_ops().sums_in_step(ctx.replica, elements)
+    }
+
+    /// Steps copy `copy`'s shard with `all`, every local replica's gradients and weight (see
+    /// [`Shards::step_summed`]), and gathers the shards. Collective over the machine's
+    /// replicas; only where [`Self::sums_in_step`] said so.
+    pub(crate) fn apply_summed(
+        &self,
+        ctx: &ReplicaContext<'_>,
+        copy: usize,
+        all: &[(Vec<Option<Tensor>>, f32)],
+    ) -> Result<()> {
+        let Some(shards) = self.zero() else {
+            return Err(Error::Scope("a step summed its gradients without ZeRO's shards".into()));
+        };
+        let step = self.steps[copy].fetch_add(1, Ordering::Relaxed);
+        let mut opt = self.lock(copy);
+        if let Some(s) = &self.schedule {
+            opt.set_learning_rate(s.at(step));
+        }
+        shards.step_summed(ctx, copy, &self.vars[copy], all, self.summed, &mut *opt)
     }
 
     /// [`Self::apply`]'s inner step.

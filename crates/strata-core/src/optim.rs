@@ -26,8 +26,10 @@ use candle_nn::{Optimizer, ParamsAdamW};
 pub mod rules;
 pub mod schedule;
 pub mod shardable;
+mod summed;
 
 pub use shardable::{OptimizerMemory, ShardableOptimizer};
+pub(crate) use summed::sum_of;
 
 use rules::AdamWScalars;
 

@@ -379,6 +379,10 @@ impl ReplicaContext<'_> {
         // Loss scaling (fp16): the pass differentiates the scaled loss; the step unscales.
         let scaled = opt.scale_loss(self, loss)?;
         let loss = &scaled;
+        if opt.sums_in_step(self) {
+            // Nothing to overlap: the step itself sums the replicas' gradients.
+            return self.backward_summed(loss, opt, opt.copy_of(self.replica));
+        }
         let reduces = self.shared.group.num_replicas() > 1 || self.shared.ext.step_workers().is_some();
         if !reduces || opt.accumulation > 1 || !self.shared.ext.options().overlap {
             let grads = self.backward_phase(|| loss.backward())?;
@@ -422,6 +426,32 @@ impl ReplicaContext<'_> {
         let plan = self.agree_overlap_plan(ready, vars, index, opt.shards_gradients())?;
         *lock(&opt.overlap[self.replica]) = Some((generation, Arc::new(plan)));
         self.sync_and_apply_counted(grads, opt, Some(loss))
+    }
+
+    /// Stage 1 on one machine with the reduction made in the step (see
+    /// [`DistributedOptimizer::sums_in_step`]): the backward pass, then every replica's
+    /// gradients handed round (handles, no copy), and each replica steps its shard reading
+    /// them in place.
+    fn backward_summed<O: Optimizer>(&self, loss: &Tensor, opt: &DistributedOptimizer<O>, copy: usize) -> Result<()> {
+        let vars = opt.vars(copy);
+        let grads = self.backward_phase(|| loss.backward())?;
+        let local = vars
+            .iter()
+            .map(|v| grads.get(v).map(|g| if g.is_contiguous() { Ok(g.clone()) } else { g.contiguous() }).transpose())
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        drop(grads);
+        opt.record_footprint(self.shared.ext, (self.replica, copy), Some(loss), local.iter().flatten())?;
+        let key = self.next_key("sum_in_step".into(), vec![vars.len()]);
+        let all = {
+            let _p = self.phase("reduce", "gradients handed round");
+            self.shared.group.exchange(self.replica, &key, (local, self.batch_weight()))?
+        };
+        let _p = self.phase("step", "optimizer");
+        opt.apply_summed(self, copy, &all)?;
+        // The step's gather was a collective after every replica read the gradients: the
+        // group's handles to this replica's go now, not when the slot is next used.
+        self.shared.group.release(self.replica, key.seq);
+        Ok(())
     }
 
     /// Runs `pass` (this replica's backward pass) inside its timeline phase and trace span.

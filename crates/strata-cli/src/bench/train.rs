@@ -176,6 +176,13 @@ impl strata_core::cross_device::CrossDeviceOps for Counting {
     fn takes_row_blocks(&self) -> bool {
         self.inner.takes_row_blocks()
     }
+    fn sums_in_step(&self, replica: usize, elements: usize) -> bool {
+        let sums = self.inner.sums_in_step(replica, elements);
+        if sums && replica == 0 {
+            self.elements.fetch_add(elements as u64, std::sync::atomic::Ordering::Relaxed);
+        }
+        sums
+    }
 }
 
 /// A benchmark model: its shape, its data and what one of its training examples costs.

@@ -276,6 +276,11 @@ impl CrossDeviceOps for CpuCrossDeviceOps {
         true
     }
 
+    /// The sums `reduce` makes: each element's inputs times their weights, in replica order.
+    fn sums_in_step(&self, _replica: usize, _elements: usize) -> bool {
+        true
+    }
+
     fn reduce(&self, req: ReduceRequest<'_>, out: &mut dyn FnMut(&[f32])) -> Result<()> {
         let ReduceRequest { group, replica, seq, op, dest, input, weight } = req;
         let n = self.n;

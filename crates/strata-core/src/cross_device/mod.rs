@@ -389,6 +389,18 @@ pub trait CrossDeviceOps: Send + Sync + std::fmt::Debug {
         false
     }
 
+    /// Whether the replicas of one machine may sum their gradients in the optimizer's step
+    /// instead of this op reducing them: each replica reads every replica's gradient in place
+    /// for the elements it steps (ZeRO's shards, stage 1), and the sum is the one the op would
+    /// make. True for ops whose result is each element's inputs times their weights summed in
+    /// replica order, as the in-memory CPU reductions make it; `replica` is about to hand
+    /// `elements` elements to such a step, to be counted as a reduction of them would be. The
+    /// default is `false`: the op reduces.
+    fn sums_in_step(&self, replica: usize, elements: usize) -> bool {
+        let _ = (replica, elements);
+        false
+    }
+
     /// Elastic jobs, after the membership changed (every worker calls it, once the new
     /// generation's collectives connect, before the next step): brings the state the ops keep
     /// from step to step (compression's, by variable) to the new membership. A step abandoned

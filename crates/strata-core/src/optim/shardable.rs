@@ -6,6 +6,7 @@
 //!
 //! This module must not know ZeRO's shards nor the strategies: it states what an optimizer is.
 
+use candle_core::backprop::GradStore;
 use candle_nn::Optimizer;
 
 use super::{FusedAdagrad, FusedAdamW, FusedMomentum, FusedSgd};
@@ -75,6 +76,18 @@ pub trait ShardableOptimizer: Optimizer {
     /// Floats of state the optimizer keeps per element it steps (AdamW's two moments: 2,
     /// momentum's velocity: 1, SGD: 0), for the memory check of each replica's shard.
     fn state_per_element() -> u64;
+
+    /// One step with each variable's gradient given as weighted terms, `terms[k]`'s gradient
+    /// times its weight, summed element by element in the order of `terms` (`g0·w0 + g1·w1`,
+    /// then `+ g2·w2`...: the sum the in-memory reduction computes), without the sum being
+    /// written anywhere: where replicas of one machine step their shards, each reads every
+    /// replica's gradient in place instead of a reduced copy. Every store holds the same
+    /// variables. `None` (the default): the optimizer does not; the sums are then made first
+    /// and [`Optimizer::step`] takes them, with the same bits.
+    fn step_summed(&mut self, terms: &[(&GradStore, f32)]) -> Option<candle_core::Result<()>> {
+        let _ = terms;
+        None
+    }
 }
 
 /// What [`Replicated::optimizer`](crate::Replicated::optimizer) asks of every optimizer it
@@ -101,6 +114,13 @@ pub trait OptimizerMemory: Optimizer {
     fn steps_shards() -> bool {
         false
     }
+
+    /// [`ShardableOptimizer::step_summed`] (leave it to that trait): `None` for an optimizer
+    /// that steps whole variables only.
+    fn step_summed(&mut self, terms: &[(&GradStore, f32)]) -> Option<candle_core::Result<()>> {
+        let _ = terms;
+        None
+    }
 }
 
 impl<O: ShardableOptimizer> OptimizerMemory for O {
@@ -111,11 +131,19 @@ impl<O: ShardableOptimizer> OptimizerMemory for O {
     fn steps_shards() -> bool {
         true
     }
+
+    fn step_summed(&mut self, terms: &[(&GradStore, f32)]) -> Option<candle_core::Result<()>> {
+        <O as ShardableOptimizer>::step_summed(self, terms)
+    }
 }
 
 impl ShardableOptimizer for FusedAdamW {
     fn state_per_element() -> u64 {
         2
+    }
+
+    fn step_summed(&mut self, terms: &[(&GradStore, f32)]) -> Option<candle_core::Result<()>> {
+        self.summed_step(terms)
     }
 }
 
@@ -134,6 +162,10 @@ impl ShardableOptimizer for FusedAdagrad {
 impl ShardableOptimizer for FusedSgd {
     fn state_per_element() -> u64 {
         0
+    }
+
+    fn step_summed(&mut self, terms: &[(&GradStore, f32)]) -> Option<candle_core::Result<()>> {
+        self.summed_step(terms)
     }
 }
 

@@ -47,7 +47,7 @@ pub(crate) use memory::{check_memory_limits, check_step_footprint, ModelShape, S
 pub use params::unit_name;
 pub(crate) use params::{check_units, two_largest_units, Residency};
 pub(crate) use shards::lay_out_shards;
-pub(crate) use shards::Shards;
+pub(crate) use shards::{Shards, SummedStep};
 
 use crate::extended::{StrategyExtended, VariablePolicy};
 use crate::optim::OptimizerMemory;

@@ -285,6 +285,76 @@ impl Shards {
     }
 }
 
+/// What [`Shards::step_summed`] calls to step with weighted terms: an optimizer's
+/// [`ShardableOptimizer::step_summed`](crate::optim::ShardableOptimizer::step_summed).
+pub(crate) type SummedStep<O> = fn(&mut O, &[(&GradStore, f32)]) -> Option<candle_core::Result<()>>;
+
+impl Shards {
+    /// Stage 1 on one machine, the reduction made in the step: steps local replica `copy`'s
+    /// shard of `vars` with `all` (every local replica's gradients of the variables, `None`
+    /// where it has none, and its weight, in replica order), each element's gradient the sum
+    /// the in-memory reduction makes (a replica without a gradient of a variable that another
+    /// has adds zeros, as the reduction does; a variable none has a gradient for is skipped),
+    /// read where the replicas' backward passes wrote it; then gathers every shard into `vars`.
+    /// `summed` steps with the terms; an optimizer that cannot is handed their sums.
+    /// Collective over this machine's replicas.
+    pub(crate) fn step_summed<O: Optimizer>(
+        &self,
+        ctx: &ReplicaContext<'_>,
+        copy: usize,
+        vars: &[Var],
+        all: &[(Vec<Option<Tensor>>, f32)],
+        summed: Option<SummedStep<O>>,
+        opt: &mut O,
+    ) -> Result<()> {
+        let mut stores: Vec<GradStore> = all.iter().map(|_| GradStore::default()).collect();
+        let mut sums = GradStore::default();
+        for p in &self.pieces[copy] {
+            if !p.aliased {
+                p.value.set(&vars[p.var].flatten_all()?.narrow(0, p.start, p.len)?)?;
+            }
+            let Some(some) = all.iter().find_map(|(g, _)| g[p.var].as_ref()) else { continue };
+            let mut terms = Vec::with_capacity(all.len());
+            for (g, w) in all {
+                let t = match &g[p.var] {
+                    Some(g) => g.flatten_all()?.narrow(0, p.start, p.len)?,
+                    None => Tensor::zeros(p.len, some.dtype(), some.device())?,
+                };
+                terms.push((t, *w));
+            }
+            if summed.is_some() {
+                for (store, (t, _)) in stores.iter_mut().zip(terms) {
+                    store.insert(p.value.as_tensor(), t);
+                }
+            } else {
+                sums.insert(p.value.as_tensor(), crate::optim::sum_of(&terms)?);
+            }
+        }
+        let terms: Vec<(&GradStore, f32)> = stores.iter().zip(all.iter().map(|(_, w)| *w)).collect();
+        match summed.and_then(|f| f(opt, &terms)) {
+            Some(done) => done?,
+            None if summed.is_some() => {
+                // The optimizer declined the terms (a dtype or device its loops do not take):
+                // their sums, made whole.
+                for p in &self.pieces[copy] {
+                    let ts: Vec<(Tensor, f32)> = stores
+                        .iter()
+                        .zip(all)
+                        .filter_map(|(s, (_, w))| s.get(p.value.as_tensor()).map(|t| (t.clone(), *w)))
+                        .collect();
+                    if !ts.is_empty() {
+                        sums.insert(p.value.as_tensor(), crate::optim::sum_of(&ts)?);
+                    }
+                }
+                opt.step(&sums)?;
+            }
+            None => opt.step(&sums)?,
+        }
+        drop(stores);
+        self.gather(ctx, copy, vars)
+    }
+}
+
 /// ZeRO's shards of `vars` (every local copy's trainable variables) over every replica in
 /// sync now (in an elastic job, of the current membership).
 pub(crate) fn lay_out_shards(stage: ZeroStage, vars: &[Vec<Var>], ext: Arc<dyn StrategyExtended>) -> Result<Shards> {
