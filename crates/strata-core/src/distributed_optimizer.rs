@@ -565,8 +565,7 @@ impl<O: Optimizer> DistributedOptimizer<O> {
 
     /// Whether replica `ctx`'s step may sum the replicas' gradients itself
     /// ([`Self::apply_summed`]) instead of reducing them first: ZeRO stage 1 (asked for, or
-    /// Mirrored's on one machine's CPU) over mirrored replicas of one machine, one micro-batch a
-    /// step, no clipping nor loss scale (which need the whole sum first), and ops that say
+    /// Mirrored's on one machine's CPU) over mirrored replicas of one machine, and ops that say
     /// their sums are those the step makes (counting the replica's elements as reduced). Every
     /// replica decides alike.
     pub(crate) fn sums_in_step(&self, ctx: &ReplicaContext<'_>) -> bool {
@@ -578,9 +577,6 @@ impl<O: Optimizer> DistributedOptimizer<O> {
         self.policy == VariablePolicy::Mirrored
             && ext.step_workers().is_none()
             && ctx.shared.group.num_replicas() > 1
-            && self.accumulation == 1
-            && self.clip_global_norm.is_none()
-            && self.loss_scale.is_none()
             && self.outer.is_none()
             && self.residency.is_none()
             && self.zero().is_some_and(|s| s.stage() == ZeroStage::OptimizerState)
@@ -589,7 +585,9 @@ impl<O: Optimizer> DistributedOptimizer<O> {
 
     /// Steps copy `copy`'s shard with `all`, every local replica's gradients and weight (see
     /// [`Shards::step_summed`]), and gathers the shards. Collective over the machine's
-    /// replicas; only where [`Self::sums_in_step`] said so.
+    /// replicas, and it ends with a collective (the gather, or a barrier where every replica
+    /// skips the step), so that no replica's gradients are let go while another reads them;
+    /// only where [`Self::sums_in_step`] said so.
     pub(crate) fn apply_summed(
         &self,
         ctx: &ReplicaContext<'_>,
@@ -604,7 +602,38 @@ impl<O: Optimizer> DistributedOptimizer<O> {
         if let Some(s) = &self.schedule {
             opt.set_learning_rate(s.at(step));
         }
-        shards.step_summed(ctx, copy, &self.vars[copy], all, self.summed, &mut *opt)
+        if self.clip_global_norm.is_none() && self.loss_scale.is_none() {
+            return shards.step_summed(ctx, copy, &self.vars[copy], all, self.summed, &mut *opt);
+        }
+        // Loss scaling and clipping look at the whole gradient first: every replica makes the
+        // whole sums (the reduction's), and then unscales, checks and clips them as stage 0
+        // does, so the bits are stage 0's, then steps its shard of them.
+        let mut grads = (0..self.vars[copy].len())
+            .map(|i| {
+                let Some(some) = all.iter().find_map(|(g, _)| g[i].as_ref()) else { return Ok(None) };
+                let terms = all
+                    .iter()
+                    .map(|(g, w)| Ok((g[i].clone().map_or_else(|| some.zeros_like(), Ok)?, *w)))
+                    .collect::<candle_core::Result<Vec<_>>>()?;
+                Ok(Some(crate::optim::sum_of(&terms)?))
+            })
+            .collect::<Result<Vec<Option<Tensor>>>>()?;
+        if let Some((_, st)) = &self.loss_scale {
+            let k = 1.0 / lock(&st[copy]).scale;
+            let finite = crate::precision::all_finite(grads.iter().flatten())?;
+            self.update_loss_scale(ctx, copy, finite);
+            if !finite {
+                // Every replica skips alike; the collective the step would have ended with
+                // keeps the gradients handed round alive until all have read them.
+                return ctx.barrier();
+            }
+            grads = grads.into_iter().map(|g| g.map(|g| g * k).transpose()).collect::<candle_core::Result<_>>()?;
+        }
+        if let Some(k) = self.clip_global_norm.map(|max| clip_scale(&grads, max)).transpose()?.flatten() {
+            grads = grads.into_iter().map(|g| g.map(|g| g * k).transpose()).collect::<candle_core::Result<_>>()?;
+        }
+        shards.step(ctx, copy, &self.vars[copy], grads, None, None, &mut *opt)?;
+        Ok(())
     }
 
     /// [`Self::apply`]'s inner step.

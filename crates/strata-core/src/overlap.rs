@@ -379,7 +379,7 @@ impl ReplicaContext<'_> {
         // Loss scaling (fp16): the pass differentiates the scaled loss; the step unscales.
         let scaled = opt.scale_loss(self, loss)?;
         let loss = &scaled;
-        if opt.sums_in_step(self) {
+        if opt.sums_in_step(self) && opt.accumulation == 1 {
             // Nothing to overlap: the step itself sums the replicas' gradients.
             return self.backward_summed(loss, opt, opt.copy_of(self.replica));
         }
@@ -441,10 +441,22 @@ impl ReplicaContext<'_> {
             .collect::<candle_core::Result<Vec<_>>>()?;
         drop(grads);
         opt.record_footprint(self.shared.ext, (self.replica, copy), Some(loss), local.iter().flatten())?;
-        let key = self.next_key("sum_in_step".into(), vec![vars.len()]);
+        self.step_summed(opt, copy, local, self.batch_weight())
+    }
+
+    /// Hands this replica's gradients `local` (by variable of copy `copy`) and `weight` round,
+    /// and steps its shard with every replica's (see [`DistributedOptimizer::apply_summed`]).
+    fn step_summed<O: Optimizer>(
+        &self,
+        opt: &DistributedOptimizer<O>,
+        copy: usize,
+        local: Vec<Option<Tensor>>,
+        weight: f32,
+    ) -> Result<()> {
+        let key = self.next_key("sum_in_step".into(), vec![local.len()]);
         let all = {
             let _p = self.phase("reduce", "gradients handed round");
-            self.shared.group.exchange(self.replica, &key, (local, self.batch_weight()))?
+            self.shared.group.exchange(self.replica, &key, (local, weight))?
         };
         let _p = self.phase("step", "optimizer");
         opt.apply_summed(self, copy, &all)?;
@@ -660,6 +672,9 @@ impl ReplicaContext<'_> {
             let done = std::mem::take(&mut *acc);
             local = done.grads;
             weight = 1.0 / done.examples.max(1) as f32;
+        }
+        if opt.sums_in_step(self) {
+            return self.step_summed(opt, copy, local, weight);
         }
         if n == 1 && self.shared.ext.step_workers().is_none() {
             let _p = self.phase("step", "optimizer");

@@ -213,24 +213,32 @@ fn same_as_stage_0_in_blocks<M: TestModel>(n: usize, freeze: &[&str], row_block_
 }
 
 /// Mirrored on one machine's CPU at the default options (stage 0 asked, `host_shards` on)
-/// steps as stage 1: each replica steps its shard and keeps its state, and every copy ends
-/// with stage 0's parameters bit for bit, over 2, 3 and 4 replicas, with frozen and unused
-/// variables. An optimizer that steps whole variables only (candle-nn's AdamW), CentralStorage
-/// and one device are left at stage 0.
+/// steps as stage 1, each replica's shard summing every replica's gradient in the step: each
+/// replica steps its shard and keeps its state, and every copy ends with stage 0's parameters
+/// bit for bit, over 2, 3 and 4 replicas, with frozen and unused variables, clipping by the
+/// global norm with a schedule, and accumulation (AdamW fused in the sum; momentum handed the
+/// sums). An optimizer that steps whole variables only (candle-nn's AdamW), CentralStorage and
+/// one device are left at stage 0.
 #[test]
 fn mirrored_on_one_machine_s_cpu_steps_shards_as_stage_0_does() {
     let adamw = ParamsAdamW { lr: 0.01, weight_decay: 0.1, ..Default::default() };
+    let momentum = ParamsMomentum { lr: 0.05, momentum: 0.9, nesterov: false };
     let host = |n: usize| {
         let devices = strata_core::device::logical_cpus(n).unwrap();
         MirroredStrategy::with_options(devices, CpuReduction::default(), StrategyOptions::default()).unwrap().handle()
     };
-    for n in [2, 3, 4] {
+    let clipped = Extras { clip: Some(0.3), schedule: true, ..PLAIN };
+    let accumulated = Extras { accumulation: 2, ..clipped };
+    for (n, extras) in [(2, PLAIN), (3, PLAIN), (4, PLAIN), (2, clipped), (3, accumulated)] {
         let (whole, whole_read, (whole_stepped, _)) =
-            train::<Heads, FusedAdamW>(&mirrored(n, ZeroStage::Off), adamw.clone(), 5, &["a.*"], PLAIN);
+            train::<Heads, FusedAdamW>(&mirrored(n, ZeroStage::Off), adamw.clone(), 6, &["a.*"], extras);
         let (shards, shards_read, (stepped, _)) =
-            train::<Heads, FusedAdamW>(&host(n), adamw.clone(), 5, &["a.*"], PLAIN);
+            train::<Heads, FusedAdamW>(&host(n), adamw.clone(), 6, &["a.*"], extras);
         assert_eq!(shards, whole, "{n} replicas: not stage 0 bit for bit");
         assert_eq!(shards_read, whole_read, "{n} replicas: the state read differs");
+        let (m0, _, _) = train::<Heads, FusedMomentum>(&mirrored(n, ZeroStage::Off), momentum, 6, &[], extras);
+        let (m1, _, _) = train::<Heads, FusedMomentum>(&host(n), momentum, 6, &[], extras);
+        assert_eq!(m1, m0, "momentum, {n} replicas: not stage 0 bit for bit");
         let total = whole_stepped[0];
         assert!(whole_stepped.iter().all(|&s| s == total), "stage 0 steps the whole model: {whole_stepped:?}");
         assert_eq!(stepped.iter().sum::<usize>(), total, "{n} replicas: {stepped:?}");
