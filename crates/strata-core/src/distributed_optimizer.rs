@@ -123,7 +123,8 @@ impl<M> Replicated<M> {
 /// copy: the same bits as stage 0, with one pass of the optimizer over the model per machine
 /// where stage 0 made one per replica, and a reduction that writes each replica's shard only.
 /// The replicas share the machine's memory bandwidth, which the optimizer and the reduction's
-/// copies are bound by: the 4.3M MLP under Mirrored(2) ran 4% faster (2026-12-07). Any other
+/// copies are bound by; with the gradients summed in the step (`DistributedOptimizer::sums_in_step`) the
+/// 4.3M MLP under Mirrored(2) ran 1.07x stage 0's rate (2026-12-07). Any other
 /// stage, and any other setting, is left as asked; so is a model with fewer trainable elements
 /// than replicas (a shard would be empty).
 fn host_stage<O: OptimizerMemory>(

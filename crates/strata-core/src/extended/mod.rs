@@ -97,9 +97,11 @@ pub struct StrategyOptions {
     /// At [`ZeroStage::Off`], mirrored replicas on one machine's CPU (no workers) step as
     /// stage 1 does where the optimizer steps shards
     /// ([`ShardableOptimizer`](crate::optim::ShardableOptimizer)): each replica steps its
-    /// shard and keeps its state, and the shards are written into every copy. The same bits
-    /// as every replica stepping the whole model, with one pass of the optimizer per machine
-    /// instead of one per replica (default `true`; `false` steps every copy whole).
+    /// shard, summing every replica's gradient in the step with the in-memory CPU reductions
+    /// (no reduction pass), keeps its shard's state, and the shards are written into every
+    /// copy. The same bits as every replica stepping the whole model, with one pass of the
+    /// optimizer per machine instead of one per replica (default `true`; `false` steps every
+    /// copy whole).
     pub host_shards: bool,
     /// Local SGD or DiLoCo ([`LocalSgd`](local_sgd::LocalSgd)): every step local to a
     /// worker, the workers meeting every `H` steps (`None`, the default, or `H = 1` averaging:
