@@ -90,15 +90,24 @@ impl candle_core::InplaceOp2 for OnParameter<'_> {
 
     fn cpu_fwd(&self, dst: &mut CpuStorage, dst_l: &Layout, g: &CpuStorage, g_l: &Layout) -> candle_core::Result<()> {
         let (theta, g) = with_gradient(dst, dst_l, "parameter", g, g_l)?;
-        self.m.inplace_op1(&OnFirstMoment { theta: std::cell::Cell::new(Some(theta)), g, v: self.v, s: self.s })
+        let s = self.s;
+        let run = |theta: &mut [f32], m: &mut [f32], v: &mut [f32]| {
+            pulp::Arch::new().dispatch(AdamWLoop { theta, m, v, g, s });
+            Ok(())
+        };
+        self.m.inplace_op1(&OnFirstMoment { theta: std::cell::Cell::new(Some(theta)), v: self.v, run: &run })
     }
 }
 
+/// The innermost loop of an AdamW pass, over the parameter and both moments (of one length),
+/// with the gradient it reads (one slice here; weighted terms in `summed.rs`).
+type MomentsLoop<'a> = &'a dyn Fn(&mut [f32], &mut [f32], &mut [f32]) -> candle_core::Result<()>;
+
+/// The first moment's operation inside the parameter's: holds both, runs the second moment's.
 struct OnFirstMoment<'a> {
     theta: std::cell::Cell<Option<&'a mut [f32]>>,
-    g: &'a [f32],
     v: &'a Var,
-    s: &'a AdamWScalars,
+    run: MomentsLoop<'a>,
 }
 
 impl candle_core::InplaceOp1 for OnFirstMoment<'_> {
@@ -109,14 +118,13 @@ impl candle_core::InplaceOp1 for OnFirstMoment<'_> {
     fn cpu_fwd(&self, dst: &mut CpuStorage, dst_l: &Layout) -> candle_core::Result<()> {
         let m = slice_mut(dst, dst_l, "first moment")?;
         let Some(theta) = self.theta.take() else { candle_core::bail!("fused optimizer: the AdamW step ran twice") };
-        self.v.inplace_op1(&OnSecondMoment { rest: std::cell::Cell::new(Some((theta, m))), g: self.g, s: self.s })
+        self.v.inplace_op1(&OnSecondMoment { rest: std::cell::Cell::new(Some((theta, m))), run: self.run })
     }
 }
 
 struct OnSecondMoment<'a, 'b> {
     rest: std::cell::Cell<Option<(&'a mut [f32], &'b mut [f32])>>,
-    g: &'a [f32],
-    s: &'a AdamWScalars,
+    run: MomentsLoop<'a>,
 }
 
 impl candle_core::InplaceOp1 for OnSecondMoment<'_, '_> {
@@ -129,11 +137,10 @@ impl candle_core::InplaceOp1 for OnSecondMoment<'_, '_> {
         let Some((theta, m)) = self.rest.take() else {
             candle_core::bail!("fused optimizer: the AdamW step ran twice")
         };
-        if theta.len() != self.g.len() || m.len() != self.g.len() || v.len() != self.g.len() {
+        if theta.len() != m.len() || theta.len() != v.len() {
             candle_core::bail!("fused optimizer: parameter, moments and gradient differ in size");
         }
-        pulp::Arch::new().dispatch(AdamWLoop { theta, m, v, g: self.g, s: self.s });
-        Ok(())
+        (self.run)(theta, m, v)
     }
 }
 

@@ -13,7 +13,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, Layout, Storage, Tensor, Var};
 
 use super::rules::{self, AdamWScalars};
-use super::{fusable, slice_mut, AdamWVar, FusedAdamW, FusedSgd};
+use super::{fusable, slice_mut, AdamWVar, FusedAdamW, FusedSgd, OnFirstMoment};
 
 /// Elements summed at a time: 4 KiB of buffer, in the L1 cache while the update reads it.
 const BLOCK: usize = 1024;
@@ -121,7 +121,8 @@ impl FusedSgd {
     }
 }
 
-/// AdamW's parameter, moments and summed gradient in one pass, as `OnParameter` nests them.
+/// AdamW's parameter, moments and summed gradient in one pass: the parameter's operation here,
+/// the moments' nested as for a whole gradient (`OnFirstMoment`), running [`AdamWSummedLoop`].
 struct AdamWSummed<'a> {
     m: &'a Var,
     v: &'a Var,
@@ -136,52 +137,15 @@ impl candle_core::InplaceOp1 for AdamWSummed<'_> {
 
     fn cpu_fwd(&self, dst: &mut CpuStorage, dst_l: &Layout) -> candle_core::Result<()> {
         let theta = slice_mut(dst, dst_l, "parameter")?;
-        let cell = std::cell::Cell::new(Some(theta));
-        self.m.inplace_op1(&Moments { theta: &cell, v: self.v, terms: self.terms, s: self.s })
-    }
-}
-
-struct Moments<'a, 'b> {
-    theta: &'b std::cell::Cell<Option<&'a mut [f32]>>,
-    v: &'b Var,
-    terms: &'b [(&'b [f32], f32)],
-    s: &'b AdamWScalars,
-}
-
-impl candle_core::InplaceOp1 for Moments<'_, '_> {
-    fn name(&self) -> &'static str {
-        "strata-adamw-summed-first-moment"
-    }
-
-    fn cpu_fwd(&self, dst: &mut CpuStorage, dst_l: &Layout) -> candle_core::Result<()> {
-        let m = slice_mut(dst, dst_l, "first moment")?;
-        let Some(theta) = self.theta.take() else { candle_core::bail!("fused optimizer: the AdamW step ran twice") };
-        let rest = std::cell::Cell::new(Some((theta, m)));
-        self.v.inplace_op1(&SecondMoment { rest: &rest, terms: self.terms, s: self.s })
-    }
-}
-
-struct SecondMoment<'a, 'b> {
-    rest: &'b std::cell::Cell<Option<(&'a mut [f32], &'a mut [f32])>>,
-    terms: &'b [(&'b [f32], f32)],
-    s: &'b AdamWScalars,
-}
-
-impl candle_core::InplaceOp1 for SecondMoment<'_, '_> {
-    fn name(&self) -> &'static str {
-        "strata-adamw-summed-second-moment"
-    }
-
-    fn cpu_fwd(&self, dst: &mut CpuStorage, dst_l: &Layout) -> candle_core::Result<()> {
-        let v = slice_mut(dst, dst_l, "second moment")?;
-        let Some((theta, m)) = self.rest.take() else {
-            candle_core::bail!("fused optimizer: the AdamW step ran twice")
-        };
-        if m.len() != theta.len() || v.len() != theta.len() || self.terms.iter().any(|(t, _)| t.len() != theta.len()) {
-            candle_core::bail!("fused optimizer: parameter, moments and gradient terms differ in size");
+        let (terms, s) = (self.terms, self.s);
+        if terms.iter().any(|(t, _)| t.len() != theta.len()) {
+            candle_core::bail!("fused optimizer: parameter and gradient terms differ in size");
         }
-        pulp::Arch::new().dispatch(AdamWSummedLoop { theta, m, v, terms: self.terms, s: self.s });
-        Ok(())
+        let run = |theta: &mut [f32], m: &mut [f32], v: &mut [f32]| {
+            pulp::Arch::new().dispatch(AdamWSummedLoop { theta, m, v, terms, s });
+            Ok(())
+        };
+        self.m.inplace_op1(&OnFirstMoment { theta: std::cell::Cell::new(Some(theta)), v: self.v, run: &run })
     }
 }
 
