@@ -7,7 +7,7 @@
 //! This module must not know how gradients are reduced or overlapped, nor where ZeRO's shards
 //! lie: it builds, keeps and applies.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 
 use candle_core::backprop::GradStore;
@@ -181,6 +181,9 @@ pub struct DistributedOptimizer<O> {
     /// Each replica's overlap plan, learned in its first step, with the generation of the
     /// job's membership it was agreed in (an elastic job agrees a new plan in every generation).
     pub(crate) overlap: Vec<Mutex<Option<AgreedPlan>>>,
+    /// Each replica's blocks of rows that its last overlapped step's backward pass handed over
+    /// as it computed them ([`Self::pass_row_blocks`]).
+    pub(crate) pass_blocks: Vec<AtomicUsize>,
     /// ZeRO's shards, when the strategy's [`ZeroStage`] is not `Off`: then each copy's
     /// optimizer is built over its replica's pieces of the variables only. An elastic job lays
     /// them out again when its membership changes ([`Self::reshard`]).
@@ -422,6 +425,7 @@ impl<O: Optimizer> DistributedOptimizer<O> {
             accumulation: 1,
             accumulated: (0..replicas.max(1)).map(|_| Mutex::new(Accumulated::default())).collect(),
             overlap: (0..replicas.max(1)).map(|_| Mutex::new(None)).collect(),
+            pass_blocks: (0..replicas.max(1)).map(|_| AtomicUsize::new(0)).collect(),
             shards: Default::default(),
             residency: None,
             gathered_elements: 0,
@@ -879,6 +883,15 @@ impl<O: Optimizer> DistributedOptimizer<O> {
         self.overlap
             .get(replica)
             .and_then(|p| lock(p).as_ref().map(|p| p.1.units.iter().filter(|u| matches!(u, Unit::Rows { .. })).count()))
+    }
+
+    /// Of those, the blocks that local replica `replica`'s last overlapped step had from its
+    /// backward pass as the pass computed them. The others were cut from a whole gradient: a
+    /// weight the pass cannot hand over in rows (one used more than once, or not as a matrix
+    /// product's right operand, `x.matmul(&w)` or `x.matmul(&w.t())`, either through one cast
+    /// of its type) is reduced only once its whole gradient is final.
+    pub fn pass_row_blocks(&self, replica: usize) -> usize {
+        self.pass_blocks.get(replica).map_or(0, |n| n.load(Ordering::Relaxed))
     }
 
     /// Locks copy `copy`'s optimizer (to change its learning rate, say).

@@ -555,6 +555,10 @@ impl ReplicaContext<'_> {
             (_, Some(e)) => return Err(e),
             (grads, None) => grads?,
         };
+        let from_pass = step.blocks.iter().map(Vec::len).sum();
+        if let Some(n) = opt.pass_blocks.get(self.replica) {
+            n.store(from_pass, std::sync::atomic::Ordering::Relaxed);
+        }
         // What the replica holds at the end of its pass: the activations, the gradients the
         // store keeps and those the reduction holds (whole, or this replica's runs).
         let held = vars

@@ -526,6 +526,8 @@ fn a_linear_weight_s_gradient_comes_in_blocks_of_rows_equal_to_the_whole() {
 /// ZeRO stage 2 runs the pass.
 #[derive(Default)]
 struct Keeps {
+    /// The rows of a block; 3 when 0.
+    rows: usize,
     blocks: Vec<(candle_core::TensorId, usize, Vec<f32>)>,
     finals: Vec<(candle_core::TensorId, Vec<f32>)>,
 }
@@ -537,7 +539,7 @@ impl candle_core::backprop::GradHook for Keeps {
     }
 
     fn rows_per_block(&mut self, _var: &Tensor) -> Option<usize> {
-        Some(3)
+        Some(if self.rows == 0 { 3 } else { self.rows })
     }
 
     fn on_rows(&mut self, var: &Tensor, first: usize, block: &Tensor) -> candle_core::Result<()> {
@@ -597,6 +599,94 @@ fn a_hook_may_keep_the_blocks_unjoined_and_take_every_gradient() {
         }
         for v in [&x, &w, &b] {
             assert!(grads.get(v).is_none(), "transposed {transposed}: the store keeps a gradient taken");
+        }
+    }
+}
+
+/// The row seam through mixed precision's autocast: a weight used once as
+/// `x.matmul(&w.to_dtype(t).t())` or `x.matmul(&w.to_dtype(t))`, in bf16 and f16, has its
+/// gradient handed over in blocks of rows in the weight's type (f32), each bit for bit the rows
+/// of `backward`'s gradient, joined (bit for bit the whole) or kept by the hook (the weight then
+/// has no gradient in the store, and the input before the product still gets `backward`'s).
+/// A cast outside the transpose (`w.t().to_dtype(t)`), or a cast used twice, is never asked.
+#[test]
+fn a_cast_weight_s_gradient_comes_in_blocks_of_rows_in_the_weight_s_type() {
+    let dev = Device::Cpu;
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+    let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    for dtype in [DType::BF16, DType::F16] {
+        for transposed in [true, false] {
+            for (batch, out, inp, rows) in [(1, 8, 5, 3), (7, 10, 33, 4), (9, 6, 5, 1), (96, 70, 64, 16)] {
+                let w_rows = if transposed { out } else { inp };
+                let xs: Vec<f32> = (0..batch * inp).map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0).collect();
+                let x = Var::from_tensor(&Tensor::from_vec(xs, (batch, inp), &dev).unwrap()).unwrap();
+                let w: Vec<f32> = (0..out * inp).map(|i| ((i * 53 % 97) as f32 - 48.0) / 41.0).collect();
+                let w = Var::from_tensor(&Tensor::from_vec(w, (w_rows, out * inp / w_rows), &dev).unwrap()).unwrap();
+                let forward = || {
+                    let cast = w.as_tensor().to_dtype(dtype).unwrap();
+                    let wt = if transposed { cast.t().unwrap() } else { cast };
+                    let h = x.as_tensor().tanh().unwrap().to_dtype(dtype).unwrap().matmul(&wt).unwrap();
+                    h.to_dtype(DType::F32).unwrap().tanh().unwrap().sqr().unwrap().sum_all().unwrap()
+                };
+                let case = format!("{dtype:?} {batch}x{out}x{inp}, transposed {transposed}");
+                let plain = forward().backward().unwrap();
+                let whole = flat(plain.get(&w).unwrap());
+                let cols = out * inp / w_rows;
+                let check_blocks = |blocks: Vec<(candle_core::TensorId, usize, Vec<f32>)>| {
+                    let firsts: Vec<usize> = blocks.iter().map(|(_, f, _)| *f).collect();
+                    assert_eq!(firsts, (0..w_rows).step_by(rows).collect::<Vec<_>>(), "{case}: blocks in order");
+                    for (id, first, block) in &blocks {
+                        assert_eq!(*id, w.id(), "{case}");
+                        let n = rows.min(w_rows - first);
+                        assert_eq!(block.len(), n * cols, "{case}");
+                        assert_eq!(
+                            bits(block),
+                            bits(&whole[first * cols..(first + n) * cols]),
+                            "{case}: rows {first}.."
+                        );
+                    }
+                };
+                // Joined: the whole gradient in f32, bit for bit, handed over after the blocks.
+                let mut hook = Rows { rows, asked: Vec::new(), blocks: Vec::new(), finals: Vec::new() };
+                let grads = forward().backward_with_hooks(&mut hook).unwrap();
+                assert_eq!(hook.asked, vec![w.id()], "{case}: only the weight is asked");
+                check_blocks(
+                    hook.blocks.iter().map(|(id, f, b)| (*id, *f, b.iter().flatten().copied().collect())).collect(),
+                );
+                assert_eq!(hook.finals, vec![w.id(), x.id()], "{case}");
+                let g = grads.get(&w).unwrap();
+                assert_eq!(g.dtype(), DType::F32, "{case}");
+                assert_eq!(bits(&flat(g)), bits(&whole), "{case}: the whole gradient, bit for bit");
+                assert_eq!(bits(&flat(grads.get(&x).unwrap())), bits(&flat(plain.get(&x).unwrap())), "{case}");
+                // Kept by the hook: never joined, never in the store; the input's as `backward`'s.
+                let mut keeps = Keeps { rows, ..Keeps::default() };
+                let grads = forward().backward_with_hooks(&mut keeps).unwrap();
+                check_blocks(keeps.blocks);
+                let finals: Vec<candle_core::TensorId> = keeps.finals.iter().map(|(id, _)| *id).collect();
+                assert_eq!(finals, vec![x.id()], "{case}: the weight is never handed over whole");
+                assert_eq!(bits(&keeps.finals[0].1), bits(&flat(plain.get(&x).unwrap())), "{case}");
+                assert!(grads.get(&w).is_none() && grads.get(&x).is_none(), "{case}");
+            }
+        }
+        // A cast outside the transpose, or a cast used twice: never asked, `backward`'s gradient.
+        let x = Tensor::new(&[[1.0f32, 2.0], [3.0, -1.0]], &dev).unwrap().to_dtype(dtype).unwrap();
+        let w = Var::new(&[[0.5f32, -0.25], [1.0, 2.0], [0.1, 0.2]], &dev).unwrap();
+        for case in 0..2 {
+            let y = if case == 0 {
+                x.matmul(&w.as_tensor().t().unwrap().to_dtype(dtype).unwrap()).unwrap()
+            } else {
+                // The same cast node, used twice.
+                let c = w.as_tensor().to_dtype(dtype).unwrap();
+                let row = c.sum_keepdim(1).unwrap().t().unwrap().broadcast_as((2, 3)).unwrap();
+                (x.matmul(&c.t().unwrap()).unwrap() + row).unwrap()
+            };
+            let loss = y.to_dtype(DType::F32).unwrap().sqr().unwrap().sum_all().unwrap();
+            let plain = loss.backward().unwrap();
+            let mut hook = Rows { rows: 1, asked: Vec::new(), blocks: Vec::new(), finals: Vec::new() };
+            let grads = loss.backward_with_hooks(&mut hook).unwrap();
+            assert!(hook.asked.is_empty() && hook.blocks.is_empty(), "{dtype:?} case {case}");
+            assert_eq!(hook.finals, vec![w.id()]);
+            assert_eq!(v2(grads.get(&w).unwrap()), v2(plain.get(&w).unwrap()));
         }
     }
 }

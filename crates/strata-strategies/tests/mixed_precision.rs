@@ -164,28 +164,36 @@ fn the_scale_grows_after_the_interval_and_travels_with_the_state() {
     assert_eq!(e.unwrap_err().to_string(), "a loss scale factor of 1: use a finite factor above 1");
 }
 
-/// The strategies' tests' MLP (6 -> 16 -> 3, candle-nn's `Linear` layout), computing in
-/// `precision`: its input cast, its variables cast where they are used, the logits in f32.
+/// The strategies' tests' MLP (6 -> 16 -> 3, candle-nn's `Linear` layout, or with each weight
+/// `(in, out)` when `!linear`), computing in `precision`: its input cast, its variables cast
+/// where they are used, the logits in f32.
 struct Mixed {
     l1: (Tensor, Tensor),
     l2: (Tensor, Tensor),
     precision: Precision,
+    linear: bool,
 }
 
 impl Mixed {
     fn new(vb: VarBuilder, precision: Precision) -> candle_core::Result<Self> {
+        Self::with_layout(vb, precision, true)
+    }
+
+    fn with_layout(vb: VarBuilder, precision: Precision, linear: bool) -> candle_core::Result<Self> {
         let get = |p: &str, (out, inp): (usize, usize)| -> candle_core::Result<(Tensor, Tensor)> {
-            let w = vb.get_with_hints((out, inp), &format!("{p}.weight"), candle_nn::init::DEFAULT_KAIMING_NORMAL)?;
+            let shape = if linear { (out, inp) } else { (inp, out) };
+            let w = vb.get_with_hints(shape, &format!("{p}.weight"), candle_nn::init::DEFAULT_KAIMING_NORMAL)?;
             let bound = 1.0 / (inp as f64).sqrt();
             let b = vb.get_with_hints(out, &format!("{p}.bias"), candle_nn::Init::Uniform { lo: -bound, up: bound })?;
             Ok((w, b))
         };
-        Ok(Self { l1: get("l1", (16, 6))?, l2: get("l2", (3, 16))?, precision })
+        Ok(Self { l1: get("l1", (16, 6))?, l2: get("l2", (3, 16))?, precision, linear })
     }
 
     fn loss(&self, x: &Tensor, y: &Tensor) -> candle_core::Result<Tensor> {
         let dense = |h: &Tensor, (w, b): &(Tensor, Tensor)| -> candle_core::Result<Tensor> {
-            h.matmul(&cast_like(w, h)?.t()?)?.broadcast_add(&cast_like(b, h)?)
+            let w = cast_like(w, h)?;
+            h.matmul(&if self.linear { w.t()? } else { w })?.broadcast_add(&cast_like(b, h)?)
         };
         let h = dense(&self.precision.cast(x)?, &self.l1)?.relu()?;
         candle_nn::loss::cross_entropy(&dense(&h, &self.l2)?.to_dtype(DType::F32)?, y)
@@ -221,3 +229,58 @@ strategy_test!(bf16_training_keeps_f32_variables_and_ends_near_one_device, |s: S
     assert!(common::max_rel_diff(&f32s, &got) <= 5e-2, "bf16 against f32");
     assert!(common::max_rel_diff(&f32s, &one) > 0.0, "bf16 computes in bf16");
 });
+
+/// Stage 2 with blocks of rows takes a weight cast to 16 bits (mixed precision's autocast,
+/// `x.matmul(&w.to_dtype(t).t())` and `x.matmul(&w.to_dtype(t))`) through the backward pass's
+/// row seam: its gradient is handed over, reduced and kept block by block as the pass computes
+/// it ([`DistributedOptimizer::pass_row_blocks`]), and every replica's copy ends bit for bit
+/// where stage 0 ends, under bf16 and under fp16 with loss scaling, on 2 and 3 replicas.
+#[test]
+fn stage_2_reduces_a_cast_weight_in_blocks_of_rows_bit_for_bit() {
+    for precision in [Precision::Bf16, Precision::Fp16] {
+        for linear in [true, false] {
+            for n in [2, 3] {
+                let run = |stage: ZeroStage, precision: Precision| {
+                    let devices = strata_core::device::logical_cpus(n).unwrap();
+                    // 64 bytes: blocks of 1 to 2 rows, a last block of one row included.
+                    let options = StrategyOptions {
+                        zero_stage: stage,
+                        host_shards: false,
+                        row_block_bytes: 64,
+                        ..Default::default()
+                    };
+                    let s = MirroredStrategy::with_options(devices, CpuReduction::default(), options).unwrap().handle();
+                    let model = s.scope(|sc| Mixed::with_layout(sc.var_builder(), precision, linear)).unwrap();
+                    let mut opt = model.optimizer::<FusedAdamW>(Default::default()).unwrap();
+                    if precision.needs_loss_scale() {
+                        opt = opt.with_loss_scale(LossScale::default()).unwrap();
+                    }
+                    for step in 0..4 {
+                        let db = DistributedBatch::split(&common::data(24, step), n).unwrap();
+                        s.run_batch(&db, |ctx, shard| {
+                            let (x, y) = common::tensors(&shard.batch, ctx.candle_device());
+                            ctx.backward_and_sync(&model.on(ctx)?.loss(&x, &y)?, &opt)
+                        })
+                        .unwrap();
+                    }
+                    let from_pass = (0..n).map(|r| opt.pass_row_blocks(r)).collect::<Vec<_>>();
+                    (values(&model), opt.overlap_row_blocks(0).unwrap_or(0), from_pass)
+                };
+                let case = format!("{precision}, linear {linear}, {n} replicas");
+                let (whole, _, _) = run(ZeroStage::Off, precision);
+                let (blocks, units, from_pass) = run(ZeroStage::Gradients, precision);
+                // l1 (16 x 6 or 6 x 16) and l2 (3 x 16 or 16 x 3) in blocks of 64 bytes: 2 and
+                // 1 rows, or 1 and 5 (5, 5, 5, 1); every block from the pass on every replica.
+                let expected = if linear { 8 + 3 } else { 6 + 4 };
+                assert_eq!(units, expected, "{case}: the weights go in blocks of rows");
+                assert_eq!(from_pass, vec![expected; n], "{case}: the pass hands every block over");
+                let bits = |v: &[Vec<f32>]| {
+                    v.iter().map(|t| t.iter().map(|x| x.to_bits()).collect()).collect::<Vec<Vec<u32>>>()
+                };
+                for c in 0..n {
+                    assert_eq!(bits(&blocks[c]), bits(&whole[0]), "{case}: copy {c}");
+                }
+            }
+        }
+    }
+}

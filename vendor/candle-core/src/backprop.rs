@@ -134,8 +134,8 @@ impl Tensor {
         // STRATA PATCH: with a hook, `ready[i]` lists the variables whose last use is node `i`.
         let mut ready: Vec<Vec<&Tensor>> = Vec::new();
         let mut fired: std::collections::HashSet<TensorId> = std::collections::HashSet::new();
-        // STRATA PATCH: the `w.t()` nodes of weights whose blocks of rows the hook did not have
-        // joined (see `GradHook::joins_rows`).
+        // STRATA PATCH: the `w.t()` and `w.to_dtype(..)` nodes of weights whose gradient came in
+        // blocks of rows (see `GradHook::rows_per_block`): the pass skips them.
         let mut unjoined: std::collections::HashSet<TensorId> = std::collections::HashSet::new();
         // STRATA PATCH: with a hook, how many nodes of the pass use each node.
         let mut used_by: HashMap<TensorId, usize> = HashMap::new();
@@ -173,8 +173,8 @@ impl Tensor {
             if node.is_variable() {
                 continue;
             }
-            // STRATA PATCH: the transpose `w.t()` whose weight's blocks of rows were not joined
-            // has no gradient, and nothing to pass on.
+            // STRATA PATCH: a transpose `w.t()` or cast `w.to_dtype(..)` whose weight's gradient
+            // came in blocks of rows has no gradient, and nothing to pass on.
             if unjoined.contains(&node.id()) {
                 continue;
             }
@@ -461,30 +461,37 @@ impl Tensor {
                         // `x^T grad`, rows `r..r + n` at a time), which it may reduce while the
                         // next are computed. The product of each element is the one the whole
                         // matmul computes; the blocks are then joined.
-                        let row_weight = match (on_final.as_deref_mut(), rhs.op()) {
-                            (Some(hook), Some(Op::Transpose(w, 0, 1) | Op::Transpose(w, 1, 0)))
-                                if w.is_variable()
-                                    && w.rank() == 2
-                                    && lhs.rank() == 2
-                                    && is_transposed_contiguous(rhs)
-                                    && used_by.get(&rhs.id()) == Some(&1)
-                                    && used_by.get(&w.id()) == Some(&1) =>
-                            {
-                                let rows = w.dims()[0];
-                                hook.rows_per_block(w)
-                                    .filter(|&n| n > 0 && n < rows)
-                                    .map(|n| (hook, w, true, rows, n))
-                            }
-                            (Some(hook), _)
-                                if rhs.is_variable()
-                                    && rhs.rank() == 2
-                                    && lhs.rank() == 2
-                                    && used_by.get(&rhs.id()) == Some(&1) =>
-                            {
-                                let rows = rhs.dims()[0];
-                                hook.rows_per_block(rhs)
-                                    .filter(|&n| n > 0 && n < rows)
-                                    .map(|n| (hook, rhs, false, rows, n))
+                        // STRATA PATCH: the weight may also come through one cast of its
+                        // type under the transpose (`x.matmul(&w.to_dtype(t).t())`,
+                        // `x.matmul(&w.to_dtype(t))`: mixed precision's autocast); each block,
+                        // computed in the product's type, is then cast to the weight's, as
+                        // the cast's own backward casts the whole.
+                        let row_weight = match on_final.as_deref_mut() {
+                            Some(hook) if lhs.rank() == 2 => {
+                                let once = |t: &Tensor| used_by.get(&t.id()) == Some(&1);
+                                let (transposed, below) = match rhs.op() {
+                                    Some(Op::Transpose(t, 0, 1) | Op::Transpose(t, 1, 0))
+                                        if is_transposed_contiguous(rhs) && once(rhs) =>
+                                    {
+                                        (true, t)
+                                    }
+                                    _ => (false, rhs),
+                                };
+                                let (w, cast) = match below.op() {
+                                    Some(Op::ToDType(w)) if once(below) => (w, true),
+                                    _ => (below, false),
+                                };
+                                let rows = w.dims().first().copied().unwrap_or(0);
+                                if w.is_variable() && w.rank() == 2 && once(w) {
+                                    // The nodes between the product and the weight, which the
+                                    // pass then skips: the weight's gradient is the blocks'.
+                                    let between = [transposed.then_some(rhs), cast.then_some(below)];
+                                    hook.rows_per_block(w)
+                                        .filter(|&n| n > 0 && n < rows)
+                                        .map(|n| (hook, w, transposed, between, rows, n))
+                                } else {
+                                    None
+                                }
                             }
                             _ => None,
                         };
@@ -496,7 +503,7 @@ impl Tensor {
                             };
                             grads.accumulate(lhs, &lhs_grad)
                         };
-                        if let Some((hook, w, transposed, rows, n)) = row_weight {
+                        if let Some((hook, w, transposed, between, rows, n)) = row_weight {
                             // The weight's blocks first, so that they are handed over as early
                             // in the pass as they can be; then the input's gradient.
                             let (a, b) = if transposed { (grad.t()?, lhs) } else { (lhs.t()?, &grad) };
@@ -506,22 +513,26 @@ impl Tensor {
                             let join = hook.joins_rows(w);
                             let mut blocks = Vec::with_capacity(if join { rows.div_ceil(n) } else { 0 });
                             for first in (0..rows).step_by(n) {
-                                let block = a.narrow(0, first, n.min(rows - first))?.matmul(b)?;
+                                // A block of one row is cut from the product of two: gemm
+                                // computes a one-row product by another path, whose f16 sums
+                                // round otherwise than the whole's.
+                                let len = n.min(rows - first);
+                                let block = if len == 1 {
+                                    let start = first.saturating_sub(1);
+                                    a.narrow(0, start, 2)?.matmul(b)?.narrow(0, first - start, 1)?.force_contiguous()?
+                                } else {
+                                    a.narrow(0, first, len)?.matmul(b)?
+                                };
+                                let block = block.to_dtype(w.dtype())?;
                                 hook.on_rows(w, first, &block)?;
                                 if join {
                                     blocks.push(block);
                                 }
                             }
                             if join {
-                                let whole = Tensor::cat(&blocks, 0)?;
-                                if transposed {
-                                    grads.accumulate(rhs, &whole.t()?)?;
-                                } else {
-                                    grads.accumulate(rhs, &whole)?;
-                                }
-                            } else if transposed {
-                                unjoined.insert(rhs.id());
+                                grads.accumulate(w, &Tensor::cat(&blocks, 0)?)?;
                             }
+                            unjoined.extend(between.into_iter().flatten().map(|t| t.id()));
                             lhs_grad(&mut grads)?;
                         } else {
                             lhs_grad(&mut grads)?;
@@ -827,10 +838,10 @@ pub trait GradHook {
     fn on_final(&mut self, var: &Tensor, grad: &Tensor) -> Result<()>;
 
     /// Asked for a matrix variable `var` whose only use is `x.matmul(&var.t())` or
-    /// `x.matmul(&var)` with `x` a matrix, when the pass reaches that product: `Some(n)`
-    /// (`0 < n <` rows) has its gradient
-    /// computed in blocks of `n` rows, each handed to [`GradHook::on_rows`] as soon as it is
-    /// computed. `None`, the default, computes it whole.
+    /// `x.matmul(&var)` with `x` a matrix, either through one cast `var.to_dtype(..)` under the
+    /// transpose, when the pass reaches that product: `Some(n)` (`0 < n <` rows) has its gradient
+    /// computed in blocks of `n` rows (each cast to `var`'s type), each handed to
+    /// [`GradHook::on_rows`] as soon as it is computed. `None`, the default, computes it whole.
     fn rows_per_block(&mut self, var: &Tensor) -> Option<usize> {
         let _ = var;
         None
