@@ -11,6 +11,7 @@
 #   scripts/bench/fsdp.sh --quick                  # 1 round, ~4 s timed per run (a smoke test)
 #   scripts/bench/fsdp.sh --repeats 5 --seconds 30 --save fsdp.json
 #   scripts/bench/fsdp.sh --width 128 --layers 4 --heads 4 --batch 32 --workers 2
+#   scripts/bench/fsdp.sh --isa avx2               # as on an AVX2 host (see scripts/bench/peers.sh)
 #   scripts/bench/fsdp.sh --help                   # every option (scripts/bench/peers/fsdp_bench.py)
 #
 # Strata: each worker is `strata train --strategy multi-worker-mirrored --replicas 1
@@ -41,7 +42,11 @@
 # ~/.cache/strata/peers-venv; PEERS_TORCH, default torch==2.15.*), installed there as
 # scripts/bench/peers.sh does when missing (see that file; several GB); --no-install skips that.
 # strata: target/release/strata, built with `cargo build --release -p strata-cli` when missing
-# (or --strata PATH); the driver runs a copy of it, so a rebuild during the run changes nothing.
+# (or --strata PATH); with `--isa avx2`, target/avx2/release/strata, built (or brought up to
+# date) with `--no-default-features --target-dir target/avx2`, and PyTorch run with
+# ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2 and MKL_ENABLE_INSTRUCTIONS=AVX2, as
+# scripts/bench/peers.sh --isa avx2 does. The driver runs a copy of the binary, so a rebuild
+# during the run changes nothing.
 #
 # No figure is checked against a threshold: the script reports. Exit code: 0 when every run
 # succeeded, 1 when a side failed (its error in one line; a failed side is not run again), 2 on
@@ -86,17 +91,32 @@ for a in "$@"; do
 done
 
 wants_fsdp=1 wants_strata=1
-strata=target/release/strata
+strata= isa=native
 for ((i = 0; i < ${#args[@]}; i++)); do
     case "${args[$i]}" in
+        --isa) isa=${args[$((i + 1))]:-native} ;;
+        --isa=*) isa=${args[$i]#--isa=} ;;
         --only) [[ "${args[$((i + 1))]:-}" == strata ]] && wants_fsdp=0
                 [[ "${args[$((i + 1))]:-}" == fsdp2 ]] && wants_strata=0 ;;
         --only=strata) wants_fsdp=0 ;;
         --only=fsdp2) wants_strata=0 ;;
-        --strata) strata=${args[$((i + 1))]:-$strata} ;;
+        --strata) strata=${args[$((i + 1))]:-} ;;
         --strata=*) strata=${args[$i]#--strata=} ;;
     esac
 done
+# Strata's binary: --strata, else built here (`--isa avx2`: without the avx512 feature, into
+# target/avx2; cargo rebuilds only what changed).
+build=(cargo build --release -p strata-cli)
+if [[ -z "$strata" ]]; then
+    case "$isa" in
+        avx2) strata=target/avx2/release/strata build+=(--no-default-features --target-dir target/avx2) ;;
+        *) strata=target/release/strata ;;
+    esac
+    if ((wants_strata)) && [[ ! -x "$strata" || "$isa" == avx2 ]]; then
+        echo "building strata: ${build[*]}" >&2
+        "${build[@]}" || { echo "fsdp.sh: ${build[*]} failed" >&2; exit 1; }
+    fi
+fi
 
 # PyTorch, as scripts/bench/peers.sh installs it (torch and numpy only).
 PY="$VENV/bin/python"
@@ -106,11 +126,6 @@ fi
 if ((wants_fsdp)) && ! { [[ -x "$PY" ]] && "$PY" -c 'import torch, numpy' 2>/dev/null; }; then
     echo "fsdp.sh: PyTorch and numpy do not import with $PY ($TORCH_SPEC; --no-install skips installing them): FSDP2 cannot run" >&2
     exit 1
-fi
-
-if ((wants_strata)) && [[ ! -x "$strata" && "$strata" == target/release/strata ]]; then
-    echo "building strata: cargo build --release -p strata-cli" >&2
-    cargo build --release -p strata-cli || { echo "fsdp.sh: cargo build --release -p strata-cli failed" >&2; exit 1; }
 fi
 
 "$SYS_PY" "$HERE/peers/fsdp_bench.py" --python "$PY" --strata "$strata" --command "$0 $*" "${args[@]}" &

@@ -29,6 +29,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import isa  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", "..", ".."))
 CONTEXT, VOCAB = 64, 65  # strata::transformer's context and Tiny Shakespeare's characters
@@ -71,7 +74,12 @@ def parser():
     ap.add_argument("--heads", type=int, default=8, help="attention heads (default 8)")
     ap.add_argument("--batch", type=int, default=8, help="global batch, windows of 64 characters (default 8)")
     ap.add_argument("--workers", type=int, default=4, help="processes per configuration (default 4)")
-    ap.add_argument("--strata", default=os.path.join(ROOT, "target", "release", "strata"), help="the strata binary")
+    ap.add_argument("--strata", help="the strata binary (default target/release/strata; --isa avx2: "
+                                     "target/avx2/release/strata)")
+    ap.add_argument("--isa", choices=isa.ISAS, default="native",
+                    help="avx2: measure as on an AVX2 host: PyTorch with ATEN_CPU_CAPABILITY=avx2, "
+                         "ONEDNN_MAX_CPU_ISA=AVX2, MKL_ENABLE_INSTRUCTIONS=AVX2; Strata built without its avx512 "
+                         "feature (fsdp.sh builds it into target/avx2)")
     ap.add_argument("--zero-stage", type=int, default=3, choices=(0, 1, 2, 3),
                     help="Strata's --zero-stage (default 3; others to check the harness)")
     ap.add_argument("--strata-steps", type=int, default=0,
@@ -105,6 +113,8 @@ def parse_args(argv):
         die(f"a global batch of {a.batch} windows does not split over {a.workers} workers; use a multiple of {a.workers}", 2)
     if a.timeout <= 0:
         a.timeout = 900 + 3 * a.seconds
+    if a.strata is None:
+        a.strata = isa.strata_build(a.isa)[1]
     return a
 
 
@@ -260,7 +270,7 @@ def fsdp_run(a, rnd, tmp):
            "--warmup", str(a.fsdp_warmup), "--mesh", a.mesh, "--out", d]
     envs = []
     for r in range(a.workers):
-        envs.append(dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), LOCAL_RANK=str(r),
+        envs.append(dict(isa.peer_env(a.isa), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), LOCAL_RANK=str(r),
                          WORLD_SIZE=str(a.workers), LOCAL_WORLD_SIZE=str(a.workers), OMP_NUM_THREADS="1",
                          PYTHONUNBUFFERED="1"))
     t0 = time.monotonic()
@@ -330,6 +340,7 @@ def report(header, runs):
           f"(after {STRATA_WARMUP_STEPS} warm-up steps)")
     print(f"- PyTorch: {header['torch_version'] or 'n/a'}, fully_shard per block + model, gloo, 1 thread per process, "
           f"mesh {a['mesh']}; rate = rank 0's windows / seconds over ~{a['seconds']:g} s after {a['fsdp_warmup']} warm-up steps")
+    print(f"- ISA: {isa.describe(a.get('isa', 'native'))}")
     print(f"- peak RSS: each process's ru_maxrss from os.wait4, MiB; {a['repeats']} round(s), alternated")
     print()
     print("| config | round | examples/s | peak RSS max (MiB) | peak RSS each (MiB) | note |")

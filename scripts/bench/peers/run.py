@@ -17,6 +17,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import common  # noqa: E402
+import isa  # noqa: E402
 
 # Configuration name -> (framework, script, its --config, processes).
 CONFIGS = {
@@ -86,13 +87,8 @@ def wait_all(ps, timeout):
     return None
 
 
-# What `--isa avx2` sets for the peers: PyTorch's own kernels (ATen), oneDNN (PyTorch's and
-# TensorFlow's) and MKL (PyTorch's matrix products) each kept to AVX2 by their own switch.
-AVX2_PEER_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
-
-
 def peer_env(a):
-    return dict(os.environ, **(AVX2_PEER_ENV if a.isa == "avx2" else {}))
+    return isa.peer_env(a.isa)
 
 
 def run_peer(name, model, a):
@@ -174,14 +170,8 @@ def run_strata(models, a):
         return {}, "", "skipped (--no-strata)"
     exe = a.strata
     if not exe:
-        # `--isa avx2`: Strata built without its `avx512` feature, so that neither gemm nor
-        # strata::fused has AVX-512 code to choose (built into target/avx2 once, then reused).
-        build = ["cargo", "build", "--release", "-p", "strata-cli"]
-        if a.isa == "avx2":
-            build += ["--no-default-features", "--target-dir", os.path.join(common.ROOT, "target", "avx2")]
-            exe = os.path.join(common.ROOT, "target", "avx2", "release", "strata")
-        else:
-            exe = os.path.join(common.ROOT, "target", "release", "strata")
+        # `--isa avx2`: Strata built without its `avx512` feature (isa.py), into target/avx2.
+        build, exe = isa.strata_build(a.isa)
         if not os.path.exists(exe) or a.isa == "avx2":
             print(f"building strata: {' '.join(build)}", file=sys.stderr, flush=True)
             r = subprocess.run(build, cwd=common.ROOT)
@@ -282,7 +272,7 @@ def main():
     ap.add_argument("--strata-rounds", type=int, default=3, help="strata bench train --rounds (it reports medians)")
     ap.add_argument("--no-strata", action="store_true", help="the peers only")
     ap.add_argument("--raw", action="store_true", help="also print strata bench train's own table")
-    ap.add_argument("--isa", choices=("native", "avx2"), default="native",
+    ap.add_argument("--isa", choices=isa.ISAS, default="native",
                     help="avx2: measure as on an AVX2 host: the peers with ATEN_CPU_CAPABILITY=avx2, "
                          "ONEDNN_MAX_CPU_ISA=AVX2, MKL_ENABLE_INSTRUCTIONS=AVX2; Strata built without "
                          "its avx512 feature (into target/avx2, unless --strata names a binary)")
@@ -335,7 +325,7 @@ def main():
           "rates in examples/s (tokens/s for the transformer)")
     backend = next((ln.split("backend:", 1)[1].strip() for ln in raw.splitlines() if "backend:" in ln), None)
     if a.isa == "avx2":
-        print("# ISA: avx2 (as on an AVX2 host): the peers with " + " ".join(f"{k}={v}" for k, v in AVX2_PEER_ENV.items()) +
+        print("# ISA: avx2 (as on an AVX2 host): the peers with " + " ".join(f"{k}={v}" for k, v in isa.AVX2_PEER_ENV.items()) +
               f"; Strata: {a.strata or 'built without its avx512 feature (target/avx2)'}")
         if backend and "AVX-512 in use" in backend:
             print("# WARNING: this Strata binary uses AVX-512 (its backend line below): its rows are not AVX2 figures")
