@@ -277,8 +277,9 @@ fn stage_2_reduces_a_cast_weight_in_blocks_of_rows_bit_for_bit() {
                 let bits = |v: &[Vec<f32>]| {
                     v.iter().map(|t| t.iter().map(|x| x.to_bits()).collect()).collect::<Vec<Vec<u32>>>()
                 };
-                for c in 0..n {
-                    assert_eq!(bits(&blocks[c]), bits(&whole[0]), "{case}: copy {c}");
+                assert_eq!(blocks.len(), n, "{case}");
+                for (c, copy) in blocks.iter().enumerate() {
+                    assert_eq!(bits(copy), bits(&whole[0]), "{case}: copy {c}");
                 }
             }
         }
