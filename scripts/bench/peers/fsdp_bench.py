@@ -29,10 +29,10 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
 import isa  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", "..", ".."))
 CONTEXT, VOCAB = 64, 65  # strata::transformer's context and Tiny Shakespeare's characters
 # `strata train` hands steps to its replicas 10 at a time (the trainer's stop check) and counts
