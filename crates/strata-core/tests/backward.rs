@@ -511,14 +511,19 @@ fn a_linear_weight_s_gradient_comes_in_blocks_of_rows_equal_to_the_whole() {
         Ok(x.matmul(&w.as_tensor().t().unwrap().contiguous().unwrap()).unwrap().sum_all().unwrap()),
     ];
     for (case, loss) in losses.into_iter().enumerate() {
-        let loss = loss.unwrap();
-        let plain = loss.backward().unwrap();
-        let mut hook = Rows { rows: 1, asked: Vec::new(), blocks: Vec::new(), finals: Vec::new() };
-        let grads = loss.backward_with_hooks(&mut hook).unwrap();
-        assert!(hook.asked.is_empty() && hook.blocks.is_empty(), "case {case}");
-        assert_eq!(hook.finals, vec![w.id()]);
-        assert_eq!(v2(grads.get(&w).unwrap()), v2(plain.get(&w).unwrap()));
+        never_asked(&loss.unwrap(), &w, &format!("case {case}"));
     }
+}
+
+/// `loss`'s only variable `w` is never asked for blocks of rows: it is handed over whole, with
+/// `backward`'s gradient.
+fn never_asked(loss: &Tensor, w: &Var, case: &str) {
+    let plain = loss.backward().unwrap();
+    let mut hook = Rows { rows: 1, asked: Vec::new(), blocks: Vec::new(), finals: Vec::new() };
+    let grads = loss.backward_with_hooks(&mut hook).unwrap();
+    assert!(hook.asked.is_empty() && hook.blocks.is_empty(), "{case}");
+    assert_eq!(hook.finals, vec![w.id()], "{case}");
+    assert_eq!(v2(grads.get(w).unwrap()), v2(plain.get(w).unwrap()), "{case}");
 }
 
 /// A hook that keeps what it is given and takes it from the pass: blocks of rows never joined
@@ -681,12 +686,7 @@ fn a_cast_weight_s_gradient_comes_in_blocks_of_rows_in_the_weight_s_type() {
                 (x.matmul(&c.t().unwrap()).unwrap() + row).unwrap()
             };
             let loss = y.to_dtype(DType::F32).unwrap().sqr().unwrap().sum_all().unwrap();
-            let plain = loss.backward().unwrap();
-            let mut hook = Rows { rows: 1, asked: Vec::new(), blocks: Vec::new(), finals: Vec::new() };
-            let grads = loss.backward_with_hooks(&mut hook).unwrap();
-            assert!(hook.asked.is_empty() && hook.blocks.is_empty(), "{dtype:?} case {case}");
-            assert_eq!(hook.finals, vec![w.id()]);
-            assert_eq!(v2(grads.get(&w).unwrap()), v2(plain.get(&w).unwrap()));
+            never_asked(&loss, &w, &format!("{dtype:?} case {case}"));
         }
     }
 }
