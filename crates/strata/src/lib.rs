@@ -154,7 +154,9 @@ pub fn init_cpu_threads() {
 
 /// The CPU backend candle's matrix products run on in this build, and the widest vector
 /// kernels it uses on this CPU (detected now), for instance
-/// `"gemm crate, x86-v4 kernels on (AVX-512 in use)"`. Benchmarks print it beside their figures.
+/// `"gemm crate, x86-v4 kernels on (AVX-512 in use)"`; where candle's `rows_gemm` takes the
+/// products of two row-major f32 operands from gemm (AVX2 code), it says so. Benchmarks print
+/// it beside their figures.
 pub fn cpu_backend() -> String {
     let widest = match simd_level() {
         SIMD_V4 => "AVX-512 in use",
@@ -163,7 +165,13 @@ pub fn cpu_backend() -> String {
         _ => "no AVX2: SSE or scalar kernels",
     };
     let v4 = if cfg!(feature = "avx512") { "on" } else { "off" };
-    format!("gemm crate, x86-v4 kernels {v4} ({widest})")
+    // candle's own f32 kernel for two row-major operands, where it takes them from gemm.
+    let rows = if simd_level() == SIMD_V3 && candle_core::cpu_backend::rows_gemm::available() {
+        "; f32 products of two row-major operands (k and n from 512): rows_gemm, AVX2"
+    } else {
+        ""
+    };
+    format!("gemm crate, x86-v4 kernels {v4} ({widest}){rows}")
 }
 
 const SIMD_V4: &str = "x86-v4 (AVX-512)";

@@ -3,9 +3,10 @@
 //! the loss and gradients recorded in `tests/data/backend_step.json` within 1e-4 relative.
 //!
 //! The record was made with the portable backend (`cargo test -p strata --no-default-features
-//! --test backend`: gemm's AVX2 kernels); CI runs this test in the default build (gemm's
-//! AVX-512 kernels, where the CPU has them) and in the portable one, so the fast and the
-//! default backends agree within 1e-4. `STRATA_BLESS_BACKEND=1` rewrites the record (only ever
+//! --test backend`: gemm's AVX2 kernels, before candle's `rows_gemm` took the products of two
+//! row-major operands from them); CI runs this test in the default build (gemm's AVX-512
+//! kernels, where the CPU has them) and in the portable one, so the fast and the default
+//! backends agree within 1e-4. The file's last tests check `rows_gemm` itself. `STRATA_BLESS_BACKEND=1` rewrites the record (only ever
 //! from the portable build).
 //!
 //! The parameters are drawn from a seeded generator (not candle's, which is unseeded on the
@@ -105,4 +106,144 @@ fn a_training_step_of_each_model_matches_the_portable_backend_within_1e_4() {
         }
     }
     eprintln!("largest relative difference from the portable backend: {worst:.2e}");
+}
+
+/// Values in [-1, 1) from a seeded generator, with a few exact zeros and small magnitudes.
+fn values(len: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+    (0..len)
+        .map(|i| {
+            s = s.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+            let x = ((s >> 40) as f32) / (1u64 << 24) as f32 * 2.0 - 1.0;
+            if i % 97 == 0 {
+                0.0
+            } else if i % 89 == 0 {
+                x * 1e-20
+            } else {
+                x
+            }
+        })
+        .collect()
+}
+
+fn bits(x: &[f32]) -> Vec<u32> {
+    x.iter().map(|v| v.to_bits()).collect()
+}
+
+/// candle's `rows_gemm` (the CPU backend's f32 kernel for two row-major operands on AVX2 hosts)
+/// gives its scalar reference's bits on every shape: tails of rows (m not a multiple of 6) and
+/// of columns (n not a multiple of 16), inner dimensions around its block of 256, rows further
+/// apart than their length, and 1, 2 or 3 threads. Wherever the CPU has AVX2 and FMA, whichever
+/// the build (in the default build on an AVX-512 CPU the backend does not choose it, but it
+/// runs the same).
+#[test]
+fn rows_gemm_gives_its_scalar_reference_s_bits_on_every_shape() {
+    use candle_core::cpu_backend::rows_gemm;
+    if !rows_gemm::available() {
+        eprintln!("skipped: this CPU has no AVX2 and FMA");
+        return;
+    }
+    let shapes = [
+        (1, 1, 1),
+        (2, 16, 256),
+        (5, 17, 257),
+        (6, 512, 512),
+        (7, 33, 255),
+        (13, 520, 600),
+        (128, 64, 1030),
+        (131, 531, 513),
+        (12, 2048, 300),
+    ];
+    for (i, &(m, n, k)) in shapes.iter().enumerate() {
+        for (pad_a, pad_b) in [(0, 0), (3, 5)] {
+            let (lda, ldb) = (k + pad_a, n + pad_b);
+            let a = values(m * lda, 2 * i as u64);
+            let b = values(k * ldb, 2 * i as u64 + 1);
+            let want = rows_gemm::reference(m, n, k, &a, lda, &b, ldb);
+            for threads in 1..=3 {
+                let got = rows_gemm::product((m, n, k), (&a, lda), (&b, ldb), threads);
+                assert_eq!(
+                    bits(&got),
+                    bits(&want),
+                    "{m}x{k} by {k}x{n}, rows {lda} and {ldb} apart, {threads} thread(s)"
+                );
+            }
+        }
+    }
+}
+
+/// The property the strategies' bit-for-bit tests rest on: a row of a product has the same bits
+/// whatever the other rows, so a replica's half of a batch gives the rows of the whole batch's
+/// product. Through `Tensor::matmul` (rows_gemm where the backend chooses it, gemm elsewhere),
+/// for the 4.3M MLP's hidden product and a shape with tails.
+#[test]
+fn a_product_s_rows_have_the_same_bits_in_half_of_the_batch() {
+    use candle_core::cpu_backend::rows_gemm;
+    for (i, &(m, n, k)) in [(256, 2048, 2048), (262, 530, 700)].iter().enumerate() {
+        let a = Tensor::from_vec(values(m * k, 10 + i as u64), (m, k), &Device::Cpu).unwrap();
+        let b = Tensor::from_vec(values(k * n, 20 + i as u64), (k, n), &Device::Cpu).unwrap();
+        let whole = a.matmul(&b).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let mut halves = Vec::new();
+        for h in [a.narrow(0, 0, m / 2).unwrap(), a.narrow(0, m / 2, m - m / 2).unwrap()] {
+            halves.extend(h.matmul(&b).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap());
+        }
+        assert_eq!(bits(&halves), bits(&whole), "{m}x{k} by {k}x{n}");
+        if rows_gemm::applies(m, n, k, 1, 1) {
+            let (a, b) = (
+                a.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                b.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            );
+            assert_eq!(
+                bits(&whole),
+                bits(&rows_gemm::reference(m, n, k, &a, k, &b, n)),
+                "{m}x{k} by {k}x{n}: the backend's product"
+            );
+            eprintln!("{m}x{k} by {k}x{n}: the backend chose rows_gemm");
+        } else {
+            eprintln!(
+                "{m}x{k} by {k}x{n}: the backend chose gemm (rows_gemm does not apply in this build on this CPU)"
+            );
+        }
+    }
+}
+
+/// Mirrored(2) and CentralStorage(2) end where one device ends (relative 1e-5, SGD, five steps
+/// of 64 rows) on an MLP whose hidden products are `rows_gemm`'s in the portable build (k and n
+/// of 512): each replica's forward of its 32 rows against one device's of 64.
+#[test]
+fn an_mlp_of_512_wide_layers_ends_under_mirrored_as_on_one_device() {
+    use strata::optim::FusedSgd;
+    use strata::prelude::*;
+    use strata::trainer::{Task, TrainConfig, Trainer};
+    let all = strata::digits::load(None).unwrap();
+    let (train, test) = strata::digits::train_test_split(&all, 0.2, 0);
+    let (train, test) = (train.slice(0..320), test.slice(0..64));
+    let mut want: Option<Vec<Vec<f32>>> = None;
+    for s in [
+        OneDeviceStrategy::cpu().unwrap().handle(),
+        MirroredStrategy::logical_cpus(2).unwrap().handle(),
+        CentralStorageStrategy::logical_cpus(2).unwrap().handle(),
+    ] {
+        let model = s.scope(|sc| Mlp::new(sc.var_builder(), 64, &[512, 512], 10)).unwrap();
+        let trainer = Trainer::new(TrainConfig { epochs: 1, global_batch: 64, seed: 5, ..Default::default() });
+        let opt = trainer.optimizer::<_, FusedSgd>(&model, 0.05).unwrap();
+        let report = trainer.fit(&s, &model, &opt, &Task::classifier(), &train, &test).unwrap();
+        assert_eq!(report.steps, 5);
+        let got: Vec<Vec<f32>> = model
+            .values()
+            .unwrap()
+            .into_iter()
+            .map(|(_, t)| t.flatten_all().unwrap().to_vec1::<f32>().unwrap())
+            .collect();
+        match &want {
+            None => want = Some(got),
+            Some(w) => {
+                for (a, b) in w.iter().zip(&got) {
+                    let scale = a.iter().map(|x| x.abs()).fold(0f32, f32::max).max(1e-6);
+                    let d = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max) / scale;
+                    assert!(d <= 1e-5, "{}: relative difference {d} from one device", s.extended().name());
+                }
+            }
+        }
+    }
 }

@@ -155,19 +155,22 @@ fn linear(
     let (x, w, dy) = (randn(&[m, k])?, randn(&[k, n])?, randn(&[m, n])?);
     let flops = 2.0 * (m * k * n) as f64;
     let (wt, xt) = (w.t()?, x.t()?);
-    for (kernel, f) in [
-        ("matmul forward", Box::new(|| done(x.matmul(&w))) as Box<dyn Fn() -> Result<()>>),
-        ("matmul grad input", Box::new(|| done(dy.matmul(&wt)))),
-        ("matmul grad weight", Box::new(|| done(xt.matmul(&dy)))),
+    // The column strides of each product's operands, which (with the shape) decide whether
+    // candle's `rows_gemm` computes it rather than gemm.
+    for (kernel, f, (mm, nn, kk), strides) in [
+        ("matmul forward", Box::new(|| done(x.matmul(&w))) as Box<dyn Fn() -> Result<()>>, (m, n, k), (1, 1)),
+        ("matmul grad input", Box::new(|| done(dy.matmul(&wt))), (m, k, n), (1, n)),
+        ("matmul grad weight", Box::new(|| done(xt.matmul(&dy))), (k, n, m), (k, 1)),
     ] {
         if kernel == "matmul grad input" && !input_grad {
             continue;
         }
         let seconds = time(args, f)?;
+        let rows_gemm = candle_core::cpu_backend::rows_gemm::applies(mm, nn, kk, strides.0, strides.1);
         rows.push(Row {
             kernel,
             shape: format!("{name}: {m}x{k} by {k}x{n}"),
-            code: code_names().0,
+            code: if rows_gemm { "rows_gemm AVX2" } else { code_names().0 },
             seconds,
             bound: Bound::Compute(flops),
         });

@@ -13,6 +13,8 @@ pub use utils::{
 };
 mod conv2d;
 use conv2d::Conv2D;
+// STRATA PATCH: f32 products of two row-major operands on AVX2 hosts (see the module).
+pub mod rows_gemm;
 
 const USE_IM2COL_CONV1D: bool = true;
 const USE_COL2IM_CONV1D_TR: bool = true;
@@ -1585,6 +1587,35 @@ impl Map2 for MatMul {
             // over itself, so a stride-zero batch on lhs goes through the loop below.
             (b, m, n, k)
         };
+        // STRATA PATCH: f32 with both operands row-major on an AVX2 host: `rows_gemm`, which
+        // packs the row-major rhs by whole rows (see the module).
+        if T::DTYPE == DType::F32 && rows_gemm::applies(m, n, k, lhs_cs, rhs_cs) {
+            // SAFETY: T is f32 (its DTYPE), so these are the same slices as f32.
+            let (lhs32, rhs32) = unsafe {
+                (
+                    std::slice::from_raw_parts(lhs.as_ptr().cast::<f32>(), lhs.len()),
+                    std::slice::from_raw_parts(rhs.as_ptr().cast::<f32>(), rhs.len()),
+                )
+            };
+            for step in 0..b {
+                let dst_p = &mut dst.spare_capacity_mut()[step * c_skip..][..m * n];
+                // SAFETY: T is f32, as above.
+                let dst_p = unsafe {
+                    std::slice::from_raw_parts_mut(dst_p.as_mut_ptr().cast::<std::mem::MaybeUninit<f32>>(), dst_p.len())
+                };
+                rows_gemm::matmul(
+                    (m, n, k),
+                    (&lhs32[step * a_skip..], lhs_rs),
+                    (&rhs32[step * b_skip..], rhs_rs),
+                    dst_p,
+                    num_threads,
+                );
+            }
+            // SAFETY: `rows_gemm::matmul` wrote all m * n elements of each step's block (k >=
+            // 512 on this path), the blocks c_skip = m * n apart cover `0..len`.
+            unsafe { dst.set_len(len) };
+            return Ok(dst);
+        }
         // STRATA PATCH: see `colmajor_dst_wins`; `tmp` is every step's product, column-major
         // (gemm writes every element of it, as of `dst` above; spare capacity until then).
         let via_t = colmajor_dst_wins(m, n, k, lhs_cs, rhs_rs);
