@@ -169,14 +169,8 @@ def run_strata(models, a):
     if a.no_strata:
         return {}, "", "skipped (--no-strata)"
     exe = a.strata
-    if not exe:
-        # `--isa avx2`: Strata built without its `avx512` feature (isa.py), into target/avx2.
-        build, exe = isa.strata_build(a.isa)
-        if not os.path.exists(exe) or a.isa == "avx2":
-            print(f"building strata: {' '.join(build)}", file=sys.stderr, flush=True)
-            r = subprocess.run(build, cwd=common.ROOT)
-            if r.returncode != 0:
-                return {}, "", f"{' '.join(build)} failed"
+    if exe is None:
+        return {}, "", a.build_failed
     results, raw, notes = {}, "", []
     flags = ["--rounds", str(a.strata_rounds), "--seconds", str(a.seconds), "--replicas", "2"]
     # One invocation per model: a model this binary does not know fails alone.
@@ -198,6 +192,29 @@ def run_strata(models, a):
             continue
         results.update(parse_strata(out))
     return results, raw, "; ".join(notes)
+
+
+def build_strata(a):
+    """The strata binary to run (a.strata), built here unless --strata names one; None and
+    a.build_failed when the build fails. Built once, before the first round."""
+    if a.no_strata or a.strata:
+        return
+    # `--isa avx2`: Strata built without its `avx512` feature (isa.py), into target/avx2.
+    build, exe = isa.strata_build(a.isa)
+    if not os.path.exists(exe) or a.isa == "avx2":
+        print(f"building strata: {' '.join(build)}", file=sys.stderr, flush=True)
+        if subprocess.run(build, cwd=common.ROOT).returncode != 0:
+            a.strata, a.build_failed = None, f"{' '.join(build)} failed"
+            return
+    a.strata = exe
+
+
+def median(xs):
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return None
+    h = len(xs) // 2
+    return xs[h] if len(xs) % 2 else (xs[h - 1] + xs[h]) / 2
 
 
 def parse_strata(text):
@@ -270,6 +287,9 @@ def main():
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds one configuration may take")
     ap.add_argument("--strata", default=os.environ.get("STRATA", ""), help="the strata binary (default target/release/strata, built if missing)")
     ap.add_argument("--strata-rounds", type=int, default=3, help="strata bench train --rounds (it reports medians)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="alternate: N rounds of every peer configuration then Strata; the table gives medians "
+                         "and the medians of each round's ratio (this host's rate drifts from minute to minute)")
     ap.add_argument("--no-strata", action="store_true", help="the peers only")
     ap.add_argument("--raw", action="store_true", help="also print strata bench train's own table")
     ap.add_argument("--isa", choices=isa.ISAS, default="native",
@@ -277,6 +297,9 @@ def main():
                          "ONEDNN_MAX_CPU_ISA=AVX2, MKL_ENABLE_INSTRUCTIONS=AVX2; Strata built without "
                          "its avx512 feature (into target/avx2, unless --strata names a binary)")
     a = ap.parse_args()
+    if a.rounds < 1:
+        ap.error(f"--rounds {a.rounds}: use 1 or more")
+    a.build_failed = ""
     if a.quick:
         a.seconds, a.warmup, a.strata_rounds = 2.0, 3, 1
     models = [m for m in a.models.split(",") if m]
@@ -296,22 +319,32 @@ def main():
     for fw, v in versions.items():
         if v is None and any(CONFIGS[c][0] == fw for c in configs):
             print(f"{fw} is not installed in {sys.prefix}: its configurations are skipped", file=sys.stderr)
-    peer = {}
-    for m in models:
-        for c in configs:
-            fw = CONFIGS[c][0]
-            if versions[fw] is None:
-                peer[(m, c)] = (None, "not installed")
-                continue
-            print(f"running {LABEL[c]} on {m} ...", file=sys.stderr, flush=True)
-            r, err = run_peer(c, m, a)
-            peer[(m, c)] = (r, err)
-            print(f"  {json.dumps(r) if r else 'failed: ' + err}", file=sys.stderr, flush=True)
-            if r and fw == "tensorflow" and r.get("keras"):
-                versions["keras"] = r["keras"]
-
-    print("running strata bench train ...", file=sys.stderr, flush=True)
-    strata, raw, note = run_strata(models, a)
+    build_strata(a)
+    # Each round measures every peer configuration, then Strata, so that a round's ratios
+    # compare rates taken minutes apart at most; with --rounds N the table gives the medians.
+    peers, stratas, raw, notes = [], [], "", []
+    for rnd in range(a.rounds):
+        peer = {}
+        for m in models:
+            for c in configs:
+                fw = CONFIGS[c][0]
+                if versions[fw] is None:
+                    peer[(m, c)] = (None, "not installed")
+                    continue
+                print(f"round {rnd + 1}/{a.rounds}: running {LABEL[c]} on {m} ...", file=sys.stderr, flush=True)
+                r, err = run_peer(c, m, a)
+                peer[(m, c)] = (r, err)
+                print(f"  {json.dumps(r) if r else 'failed: ' + err}", file=sys.stderr, flush=True)
+                if r and fw == "tensorflow" and r.get("keras"):
+                    versions["keras"] = r["keras"]
+        print(f"round {rnd + 1}/{a.rounds}: running strata bench train ...", file=sys.stderr, flush=True)
+        strata, out, note = run_strata(models, a)
+        peers.append(peer)
+        stratas.append(strata)
+        raw += out
+        if note:
+            notes.append(f"round {rnd + 1}: {note}" if a.rounds > 1 else note)
+    note = "; ".join(notes)
 
     cpu, width, cores = cpu_info()
     print()
@@ -321,6 +354,9 @@ def main():
           f"; Python {sys.version.split()[0]}")
     print(f"# timed {a.steps} steps" if a.steps else f"# each configuration: {a.warmup} warm-up steps, then {a.seconds:g} s timed; "
           f"strata bench train: median of {a.strata_rounds} round(s) of {a.seconds:g} s")
+    if a.rounds > 1:
+        print(f"# {a.rounds} rounds, each the peers then Strata: rates are the rounds' medians, "
+              "ratios the medians of each round's ratio (Strata / the peer of the same round)")
     print("# global batch 256 (transformer: 32 sequences of 64 tokens), f32, AdamW; "
           "rates in examples/s (tokens/s for the transformer)")
     backend = next((ln.split("backend:", 1)[1].strip() for ln in raw.splitlines() if "backend:" in ln), None)
@@ -337,14 +373,25 @@ def main():
         print(f"# strata: {note}")
     print()
     head = ("model", "peer configuration", "peer", "Strata Mirrored(2)", "ratio", "Strata MWMS(2)", "ratio")
-    rows = []
+    rows, per_round = [], []
     for m in models:
-        sm, sw = strata.get((m, "mirrored")), strata.get((m, "multi-worker"))
+        sm = median(s.get((m, "mirrored")) for s in stratas)
+        sw = median(s.get((m, "multi-worker")) for s in stratas)
         for c in configs:
-            r, err = peer[(m, c)]
-            p = r["per_second"] if r else None
-            rows.append((m, LABEL[c], fmt(p) if r else f"failed ({err})" if err != "not installed" else "not installed",
-                         fmt(sm), ratio(sm, p), fmt(sw), ratio(sw, p)))
+            ps = [pr[(m, c)][0]["per_second"] if pr[(m, c)][0] else None for pr in peers]
+            p = median(ps)
+            err = next((pr[(m, c)][1] for pr in peers if pr[(m, c)][1]), None)
+            rm = [s.get((m, "mirrored")) / x if x and s.get((m, "mirrored")) else None for s, x in zip(stratas, ps)]
+            rw = [s.get((m, "multi-worker")) / x if x and s.get((m, "multi-worker")) else None for s, x in zip(stratas, ps)]
+            cell = lambda rs: ratio(median(rs), 1.0)  # noqa: E731
+            rows.append((m, LABEL[c], fmt(p) if p is not None else f"failed ({err})" if err != "not installed" else "not installed",
+                         fmt(sm), cell(rm) if a.rounds > 1 else ratio(sm, p), fmt(sw), cell(rw) if a.rounds > 1 else ratio(sw, p)))
+            if a.rounds > 1:
+                per_round.append(f"# {m}, {LABEL[c]}: {' '.join(fmt(x) for x in ps)}; Mirrored(2) "
+                                 f"{' '.join(fmt(s.get((m, 'mirrored'))) for s in stratas)}, ratios "
+                                 f"{' '.join(ratio(x, 1.0) if x else 'n/a' for x in rm)}; MWMS(2) "
+                                 f"{' '.join(fmt(s.get((m, 'multi-worker'))) for s in stratas)}, ratios "
+                                 f"{' '.join(ratio(x, 1.0) if x else 'n/a' for x in rw)}")
     widths = [max(len(str(x[i])) for x in rows + [head]) for i in range(len(head))]
     line = lambda x: "  ".join(str(v).ljust(w) if i < 2 else str(v).rjust(w) for i, (v, w) in enumerate(zip(x, widths)))  # noqa: E731
     print(line(head))
@@ -353,18 +400,25 @@ def main():
         print(line(r))
     print()
     print("# ratio = Strata / peer, both measured above in this run; n/a: not measured (a model strata bench train does not have)")
+    if per_round:
+        print("# each round, in order: the peer; Strata's rate and its ratio to the peer of that round")
+        for line_ in per_round:
+            print(line_)
+    for rnd, peer in enumerate(peers):
+        at = f" (round {rnd + 1})" if a.rounds > 1 else ""
+        for m in models:
+            for c in configs:
+                r, _ = peer[(m, c)]
+                if r and r.get("retried_after"):
+                    print(f"# {m}, {LABEL[c]}{at}: measured at the second try; the first failed: {r['retried_after']}")
+                if r and r.get("failed_after_result"):
+                    print(f"# {m}, {LABEL[c]}{at}: a process failed after the timed steps ended, in its teardown "
+                          f"({r['failed_after_result']}); the result stands")
     for m in models:
-        for c in configs:
-            r, _ = peer[(m, c)]
-            if r and r.get("retried_after"):
-                print(f"# {m}, {LABEL[c]}: measured at the second try; the first failed: {r['retried_after']}")
-            if r and r.get("failed_after_result"):
-                print(f"# {m}, {LABEL[c]}: a process failed after the timed steps ended, in its teardown "
-                      f"({r['failed_after_result']}); the result stands")
-    for m in models:
-        other = [f"{c} {fmt(v)}" for (mm, c), v in strata.items() if mm == m and c not in ("mirrored", "multi-worker")]
+        keys = sorted({c for s in stratas for (mm, c) in s if mm == m and c not in ("mirrored", "multi-worker")})
+        other = [f"{c} {' '.join(fmt(s.get((m, c))) for s in stratas)}" for c in keys]
         if other:
-            print(f"# strata bench train's other rows, same run, {m}: " + ", ".join(other))
+            print(f"# strata bench train's other rows, same run{' (each round)' if a.rounds > 1 else ''}, {m}: " + ", ".join(other))
     if a.raw and raw:
         print("# strata bench train's own output:")
         print(raw)
