@@ -16,6 +16,7 @@
 #   scripts/bench/peers.sh --models small,cnn --configs tf-mirrored,torch-ddp --seconds 20
 #   scripts/bench/peers.sh --no-strata             # the peers only
 #   scripts/bench/peers.sh --isa avx2              # as on an AVX2 host, on any x86-64 machine
+#   scripts/bench/peers.sh --rounds 3 --strata-rounds 1   # alternated: peers, Strata, three times; medians
 #   scripts/bench/peers.sh --help                  # every option (scripts/bench/peers/run.py)
 #
 # `--isa avx2` measures an AVX2 host's figures on an AVX-512 one, both sides kept to AVX2 by

@@ -6,11 +6,10 @@
 //! column of 16 floats at a time, one cache line from each of `k` rows `n` floats apart. With
 //! `n` a power of two those reads and the packed writes fall on the same few cache sets, and
 //! gemm's AVX2 kernels ran the 4.3M MLP's hidden forward product (128 x 2048 by 2048 x 2048) at
-//! about 75% of the FMA peak of one AMD EPYC core, where a product reading `B` by columns ran
-//! at 85%. Here both operands are packed as BLIS does it, `B` by whole rows into panels of 16
-//! columns whose starts are not a power of two apart, `A` into panels of 6 rows; a 6 x 16
-//! microkernel keeps its tile in twelve registers. Same machine and shape: 99.5 GFLOP/s beside
-//! gemm's 85-92 (about 85% of the peak).
+//! 68-69% of the FMA peak of one AMD EPYC core. Here both operands are packed as BLIS does it,
+//! `B` by whole rows into panels of 16 columns whose starts are not a power of two apart, `A`
+//! into panels of 6 rows; a 6 x 16 microkernel keeps its tile in twelve registers. Same machine
+//! and shape, alternated: 80-84% of the peak (docs/bench/2026-12-07-1100-rows-gemm.md).
 //!
 //! The order of every sum is fixed by `k` alone: each element is, block by block of [`KC`]
 //! along the inner dimension, a chain of fused multiply-adds from zero in the order of `k`,
