@@ -150,9 +150,14 @@ mod x86 {
     use std::cell::RefCell;
 
     thread_local! {
-        /// Each thread's packing buffers, kept between calls.
+        /// Each thread's packing buffers, kept between calls up to [`KEEP`] floats.
         static PACKED: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     }
+
+    /// The most floats a thread keeps packed between calls (8 MiB: the 4.3M MLP's products need
+    /// 2.1 MiB); a product with more columns (a vocabulary of 50,000 needs 52 MiB) allocates its
+    /// buffer for the call and frees it after.
+    const KEEP: usize = 2 << 20;
 
     /// `c = a b` for the `m x n` block of `c` at `c` (rows `ldc` apart).
     ///
@@ -203,6 +208,9 @@ mod x86 {
                         }
                     }
                 }
+            }
+            if packed.len() > KEEP {
+                *packed = Vec::new();
             }
         })
     }
