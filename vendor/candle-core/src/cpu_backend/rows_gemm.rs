@@ -187,7 +187,7 @@ mod x86 {
                         let mut i = 0;
                         while i < mb {
                             let mr = MR.min(mb - i);
-                            let ap = pa[i * kb..][..kb * mr.max(1)].as_ptr();
+                            let ap = pa[i * kb..][..kb * MR].as_ptr();
                             // SAFETY: the caller's contract covers rows i0 + i.. of `c`, and
                             // columns jp * NR..jp * NR + nr are inside its n.
                             let cp = unsafe { c.add((i0 + i) * ldc + jp * NR) };
