@@ -119,10 +119,11 @@ pub fn run_compare(name: &str, toml: &str, limit: Duration) -> (tempfile::TempDi
     (dir, out_dir, out)
 }
 
-/// `n` loopback ports that were free a moment ago.
+/// `n` loopback ports that were free a moment ago, from below the kernel's ephemeral range, so
+/// that no other test's connection takes one before the test's processes bind it
+/// ([`strata_transport::ports::free_ports`], which the launcher uses too).
 pub fn free_ports(n: usize) -> Vec<u16> {
-    let ls: Vec<_> = (0..n).map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("a free port")).collect();
-    ls.iter().map(|l| l.local_addr().expect("a bound port").port()).collect()
+    strata_transport::ports::free_ports([127, 0, 0, 1].into(), n).expect("free loopback ports")
 }
 
 /// Waits for a child with a hard deadline (killing it, and failing, if it passes).

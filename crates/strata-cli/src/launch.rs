@@ -11,7 +11,7 @@
 
 use std::ffi::{OsStr, OsString};
 use std::io::{self, BufRead, BufReader, Read, Write};
-use std::net::{IpAddr, SocketAddr, TcpListener};
+use std::net::{IpAddr, SocketAddr};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -141,21 +141,15 @@ pub fn tf_config(cluster: &ClusterSpec, task: TaskId) -> Result<String> {
     Ok(ClusterConfig::new(cluster.clone(), task)?.to_tf_config())
 }
 
-/// Picks `n` distinct free ports on `host`: binds them all at once, reads them, releases them.
+/// Picks `n` distinct free ports on `host`, below the kernel's ephemeral range so that no
+/// connection takes one before its task binds it ([`strata_transport::ports::free_ports`]).
 pub(crate) fn free_addresses(host: IpAddr, n: usize) -> Result<Vec<String>> {
-    let bind_error = |e: io::Error| {
+    let ports = strata_transport::ports::free_ports(host, n).map_err(|e| {
         Error::Usage(format!(
             "--host {host}: cannot bind a port ({e}); pass an address of this machine such as 127.0.0.1"
         ))
-    };
-    let listeners = (0..n).map(|_| TcpListener::bind((host, 0)).map_err(bind_error)).collect::<Result<Vec<_>>>()?;
-    listeners
-        .iter()
-        .map(|l| {
-            let port = l.local_addr().map_err(|e| Error::io(format!("reading the port bound on {host}"), e))?.port();
-            Ok(SocketAddr::new(host, port).to_string())
-        })
-        .collect()
+    })?;
+    Ok(ports.into_iter().map(|port| SocketAddr::new(host, port).to_string()).collect())
 }
 
 /// The cluster spec of `tasks` at `addresses` (one per task, in order).

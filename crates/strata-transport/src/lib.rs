@@ -34,6 +34,7 @@ mod guard;
 pub mod hooks;
 pub mod inject;
 pub mod lifecycle;
+pub mod ports;
 pub mod probe;
 pub mod ps;
 pub mod ring;

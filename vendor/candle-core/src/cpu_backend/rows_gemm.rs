@@ -26,7 +26,7 @@ const NR: usize = 16;
 /// Rows of `A` packed at once (about 240 KiB with [`KC`]).
 const MC: usize = 240;
 /// Floats between two packed panels of `B` beyond their `kb * NR`: panels a power of two apart
-/// make packing's stores share cache sets with its loads, which halved its rate.
+/// make packing's stores share cache sets with its loads.
 const PAD: usize = 32;
 
 /// Whether candle's CPU backend computes an `m x n` by `k` product whose operands have these
