@@ -37,20 +37,20 @@ pub fn free_ports(host: IpAddr, n: usize) -> std::io::Result<Vec<u16>> {
     let mut ports = Vec::with_capacity(n);
     for _ in 0..span {
         if ports.len() == n {
-            return Ok(ports);
+            break;
         }
         let port = u16::try_from(LOW + NEXT.fetch_add(1, Ordering::Relaxed) % span).expect("below the ephemeral range");
         if TcpListener::bind((host, port)).is_ok() {
             ports.push(port);
         }
     }
-    if ports.len() == n {
-        return Ok(ports);
+    if ports.len() < n {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::AddrInUse,
+            format!("fewer than {n} free ports between {LOW} and {ephemeral} on {host}"),
+        ));
     }
-    Err(std::io::Error::new(
-        std::io::ErrorKind::AddrInUse,
-        format!("fewer than {n} free ports between {LOW} and {ephemeral} on {host}"),
-    ))
+    Ok(ports)
 }
 
 /// The first port of the kernel's ephemeral range.

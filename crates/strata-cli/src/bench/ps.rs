@@ -130,10 +130,8 @@ pub fn run(args: &BenchPsArgs) -> Result<()> {
 fn start_ps_task() -> Result<(PsProcess, PsClient)> {
     let token_text: String = rand::random::<[u8; 16]>().iter().map(|b| format!("{b:02x}")).collect();
     let token = ClusterToken::new(&token_text).map_err(|e| Error::Usage(e.to_string()))?;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map_err(|e| Error::io("picking a port", e))?
-        .port();
+    let port =
+        strata_transport::ports::free_ports([127, 0, 0, 1].into(), 1).map_err(|e| Error::io("picking a port", e))?[0];
     let address = format!("127.0.0.1:{port}");
     let exe = std::env::current_exe().map_err(|e| Error::io("finding the strata executable", e))?;
     let ps = PsProcess(

@@ -734,14 +734,8 @@ fn command(spec: &str, args: &BenchTrainArgs, batch: usize) -> Result<Command> {
 /// K worker processes on loopback; the chief's measurement is the job's.
 fn spawn_multi_worker(spec: &str, args: &BenchTrainArgs, batch: usize) -> Result<Measurement> {
     let k = args.replicas;
-    let ports: Vec<u16> = (0..k)
-        .map(|_| {
-            std::net::TcpListener::bind("127.0.0.1:0")
-                .and_then(|l| l.local_addr())
-                .map(|a| a.port())
-                .map_err(|e| Error::io("cannot find a free port", e))
-        })
-        .collect::<Result<_>>()?;
+    let ports = strata_transport::ports::free_ports([127, 0, 0, 1].into(), k)
+        .map_err(|e| Error::io("cannot find free loopback ports", e))?;
     let spec_json: Vec<String> = ports.iter().map(|p| format!("\"127.0.0.1:{p}\"")).collect();
     let token = format!("{:032x}", rand::random::<u128>());
     let children = (0..k)
