@@ -27,6 +27,7 @@ use half::vec::HalfFloatVecExt;
 
 mod attention;
 mod conv;
+mod gelu;
 mod loss;
 pub use attention::{causal_attention, causal_attention_packed};
 pub use conv::{conv2d, max_pool2d, relu_max_pool2d};
@@ -69,12 +70,6 @@ const BLOCK: usize = 256;
 #[inline(always)]
 fn append1(out: &mut Vec<f32>, x: &[f32], f: impl Fn(f32) -> f32) {
     out.extend(x.iter().map(|&x| f(x)));
-}
-
-/// Appends `f(x, y)` for each pair of elements of `x` and `y` (of `x`'s length) to `out`.
-#[inline(always)]
-fn append2(out: &mut Vec<f32>, x: &[f32], y: &[f32], f: impl Fn(f32, f32) -> f32) {
-    out.extend(x.iter().zip(y).map(|(&x, &y)| f(x, y)));
 }
 
 /// Lanes of the row sums: 16 f32 are one AVX-512 register.
@@ -243,32 +238,6 @@ fn exp_vector<S: pulp::Simd>(simd: S, x: S::f32s) -> S::f32s {
     let bits = simd.add_u32s(simd.sub_u32s(bits, simd.splat_u32s(0x4b40_0000)), simd.splat_u32s(127));
     let scale = simd.transmute_f32s_u32s(simd.mul_u32s(bits, simd.splat_u32s(1 << 23)));
     simd.mul_f32s(y, scale)
-}
-
-struct GeluFwd<'a> {
-    x: &'a [f32],
-    y: &'a mut Vec<f32>,
-}
-
-impl Kernel for GeluFwd<'_> {
-    #[inline(always)]
-    fn run(self) {
-        let x = self.x;
-        append1(self.y, x, gelu1);
-    }
-}
-
-struct GeluBwd<'a> {
-    x: &'a [f32],
-    g: &'a [f32],
-    d: &'a mut Vec<f32>,
-}
-
-impl Kernel for GeluBwd<'_> {
-    #[inline(always)]
-    fn run(self) {
-        append2(self.d, self.x, self.g, |v, g| g * gelu1_grad(v));
-    }
 }
 
 /// `y = f(h + b)` row by row: a dense layer's bias and activation in one pass.
@@ -551,19 +520,28 @@ fn tanh(x: f32) -> f32 {
     // No branch for small `x` (Eigen returns `x` below 0.0004): there `p / q` is 1 within
     // 1e-7, and the branch was three more vector operations in a loop the divider and the
     // multiply-adds' latency already bound.
-    let x = x.clamp(-7.905_311, 7.905_311);
+    let x = x.clamp(-TANH_CLAMP, TANH_CLAMP);
     let x2 = x * x;
-    let p = x2.mul_add(-2.760_768_5e-16, 2.000_188e-13);
-    let p = x2.mul_add(p, -8.604_672e-11);
-    let p = x2.mul_add(p, 5.122_297e-8);
-    let p = x2.mul_add(p, 1.485_722_4e-5);
-    let p = x2.mul_add(p, 6.372_619_3e-4);
-    let p = x2.mul_add(p, 4.893_524_6e-3);
-    let q = x2.mul_add(1.198_258_4e-6, 1.185_347_1e-4);
-    let q = x2.mul_add(q, 2.268_434_6e-3);
-    let q = x2.mul_add(q, 4.893_525e-3);
+    let mut p = x2.mul_add(TANH_P[0], TANH_P[1]);
+    for &a in &TANH_P[2..] {
+        p = x2.mul_add(p, a);
+    }
+    let mut q = x2.mul_add(TANH_Q[0], TANH_Q[1]);
+    for &b in &TANH_Q[2..] {
+        q = x2.mul_add(q, b);
+    }
     x * p / q
 }
+
+/// Where [`tanh`] clamps its input: f32's tanh is +-1 beyond.
+const TANH_CLAMP: f32 = 7.905_311;
+
+/// [`tanh`]'s numerator, `x` times a polynomial in `x^2`, its coefficients from the highest.
+const TANH_P: [f32; 7] =
+    [-2.760_768_5e-16, 2.000_188e-13, -8.604_672e-11, 5.122_297e-8, 1.485_722_4e-5, 6.372_619_3e-4, 4.893_524_6e-3];
+
+/// [`tanh`]'s denominator, a polynomial in `x^2`, its coefficients from the highest.
+const TANH_Q: [f32; 4] = [1.198_258_4e-6, 1.185_347_1e-4, 2.268_434_6e-3, 4.893_525e-3];
 
 /// GELU's inner argument, `sqrt(2 / pi) (v + 0.044715 v^3)`.
 #[inline(always)]
@@ -597,7 +575,7 @@ impl CustomOp1 for Gelu {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let x = f32s(s, l, self.name())?;
         let mut y = Vec::with_capacity(x.len());
-        simd(GeluFwd { x: &x, y: &mut y });
+        simd_vectors(gelu::GeluFwd { x: &x, y: &mut y });
         Ok((stored(s, y), l.shape().clone()))
     }
 
@@ -618,7 +596,7 @@ impl CustomOp2 for GeluGrad {
         same_shape(l1, l2, self.name())?;
         let (x, g) = (f32s(s1, l1, self.name())?, f32s(s2, l2, self.name())?);
         let mut d = Vec::with_capacity(x.len());
-        simd(GeluBwd { x: &x, g: &g, d: &mut d });
+        simd_vectors(gelu::GeluBwd { x: &x, g: &g, d: &mut d });
         Ok((stored(s1, d), l1.shape().clone()))
     }
 }
@@ -679,7 +657,7 @@ impl CustomOp2 for BiasAct {
         bias_of(l1, l2, self.name())?;
         let mut y = Vec::with_capacity(h.len());
         match self.0 {
-            Act::Gelu => simd(BiasActFwd { h: &h, b: &b, f: gelu1, y: &mut y }),
+            Act::Gelu => simd_vectors(gelu::BiasGeluFwd { h: &h, b: &b, y: &mut y }),
             Act::Relu => simd(BiasActFwd { h: &h, b: &b, f: relu1, y: &mut y }),
         }
         Ok((stored(s1, y), l1.shape().clone()))
@@ -715,7 +693,7 @@ impl CustomOp3 for BiasActGrad {
         let d = b.len().max(1);
         let mut out = Vec::with_capacity(h.len() + d);
         match self.0 {
-            Act::Gelu => simd(BiasActBwd { h: &h, b: &b, g: &g, grad: |v, g| g * gelu1_grad(v), out: &mut out }),
+            Act::Gelu => simd_vectors(gelu::BiasGeluBwd { h: &h, b: &b, g: &g, out: &mut out }),
             Act::Relu => simd(BiasActBwd { h: &h, b: &b, g: &g, grad: relu1_grad, out: &mut out }),
         }
         Ok((stored(s1, out), Shape::from((h.len() / d + 1, d))))
@@ -1191,10 +1169,7 @@ mod tests {
                 pulp::Simd::vectorize(pulp::Scalar::new(), Dispatch(k))
             }
         }
-        run(&|o, wide| go(GeluFwd { x: &x, y: o }, wide));
-        run(&|o, wide| go(GeluBwd { x: &x, g: &g, d: o }, wide));
-        run(&|o, wide| go(BiasActFwd { h: &x, b: &w, f: gelu1, y: o }, wide));
-        run(&|o, wide| go(BiasActBwd { h: &x, b: &w, g: &g, grad: |v, g| g * gelu1_grad(v), out: o }, wide));
+        // GELU's explicit vectors: `gelu::tests`.
         run(&|o, wide| go(BiasActFwd { h: &x, b: &w, f: relu1, y: o }, wide));
         run(&|o, wide| go(BiasActBwd { h: &x, b: &w, g: &g, grad: relu1_grad, out: o }, wide));
         // Layer norm's explicit vectors: the widest, AVX2's (where the CPU has it) and the
