@@ -6,10 +6,13 @@
 //! functions ([`super::gelu1`], [`super::gelu1_grad`]) the loop took one vector a step, and
 //! the CPU's schedulers, which hold a few dozen waiting operations, kept only two or three
 //! steps' chains in flight: the loop ran at the chains' latency, about 17 cycles a vector of 8
-//! on AVX2 where its operations need 10. Here each operation is written for [`CHAINS`]
-//! independent vectors one after another, so that the chains advance side by side. Every lane
-//! takes the scalar functions' operations in their order, so the bits are theirs on every
-//! vector width (tested, with the scalar path's, in the parent module).
+//! on AVX2 (2.2 cycles an element), where its multiplications alone would take about 9 on two
+//! FMA pipes. Here each operation is written for [`CHAINS`] independent vectors one after
+//! another, so that the chains advance side by side: bias + GELU 1.4-1.6x faster forward and
+//! 1.33-1.44x both ways on AVX2 (`strata bench kernels`, record
+//! `docs/bench/2026-12-07-1616-gelu-chains.md`), unchanged on AVX-512. Every lane takes the
+//! scalar functions' operations in their order, so the bits are theirs at every vector width
+//! (tested below against the scalar functions, at the widest width, AVX2 and the scalar path).
 
 use super::{load, VectorKernel, GELU_A, SQRT_TWO_OVER_PI, TANH_CLAMP, TANH_P, TANH_Q};
 
