@@ -29,9 +29,11 @@ mod attention;
 mod conv;
 mod gelu;
 mod loss;
+mod vector;
 pub use attention::{causal_attention, causal_attention_packed};
 pub use conv::{conv2d, max_pool2d, relu_max_pool2d};
 pub use loss::cross_entropy;
+use vector::{load, simd_vectors, VectorKernel};
 
 /// A loop nest that [`simd`] compiles for the CPU's vector width.
 pub(crate) trait Kernel {
@@ -105,35 +107,6 @@ fn halves(mut acc: [f32; LANES]) -> f32 {
         }
     }
     acc[0]
-}
-
-/// A loop nest written with explicit vectors of `S`, which [`simd_vectors`] compiles for the
-/// CPU's vector width (as [`Kernel`], with the vector type in hand).
-pub(crate) trait VectorKernel {
-    /// The loops; every implementation is `#[inline(always)]`.
-    fn run<S: pulp::Simd>(self, simd: S);
-}
-
-struct VectorDispatch<K>(K);
-
-impl<K: VectorKernel> pulp::WithSimd for VectorDispatch<K> {
-    type Output = ();
-
-    #[inline(always)]
-    fn with_simd<S: pulp::Simd>(self, simd: S) {
-        self.0.run(simd)
-    }
-}
-
-/// Runs `k` compiled for the widest vector instructions this CPU has, as [`simd`] does.
-pub(crate) fn simd_vectors(k: impl VectorKernel) {
-    pulp::Arch::new().dispatch(VectorDispatch(k))
-}
-
-/// The vector of `S` at the start of `x`.
-#[inline(always)]
-fn load<S: pulp::Simd>(x: &[f32]) -> S::f32s {
-    pulp::bytemuck::pod_read_unaligned(pulp::bytemuck::cast_slice(&x[..std::mem::size_of::<S::f32s>() / 4]))
 }
 
 /// [`lane_sum2`] with its main loop in explicit vectors of `S`, its [`LANES`] partial sums in
@@ -506,63 +479,6 @@ fn same_shape(a: &Layout, b: &Layout, op: &str) -> Result<()> {
         candle_core::bail!("{op}: shapes {:?} and {:?} differ", a.shape(), b.shape());
     }
     Ok(())
-}
-
-const SQRT_TWO_OVER_PI: f32 = 0.797_884_6;
-const GELU_A: f32 = 0.044_715;
-
-/// `tanh(x)` as a rational function of `x` (Eigen's `ptanh_float`: degree 13 over 6, the input
-/// clamped to +-7.9, where f32's tanh is +-1), within a few ulp of libm's `tanhf` and about ten
-/// times faster: pure arithmetic, so the loops over a tensor vectorize. libm's `tanhf` was a
-/// quarter of a transformer step here. Horner's steps are fused multiply-adds, as in [`exp`].
-#[inline(always)]
-fn tanh(x: f32) -> f32 {
-    // No branch for small `x` (Eigen returns `x` below 0.0004): there `p / q` is 1 within
-    // 1e-7, and the branch was three more vector operations in a loop the divider and the
-    // multiply-adds' latency already bound.
-    let x = x.clamp(-TANH_CLAMP, TANH_CLAMP);
-    let x2 = x * x;
-    let mut p = x2.mul_add(TANH_P[0], TANH_P[1]);
-    for &a in &TANH_P[2..] {
-        p = x2.mul_add(p, a);
-    }
-    let mut q = x2.mul_add(TANH_Q[0], TANH_Q[1]);
-    for &b in &TANH_Q[2..] {
-        q = x2.mul_add(q, b);
-    }
-    x * p / q
-}
-
-/// Where [`tanh`] clamps its input: f32's tanh is +-1 beyond.
-const TANH_CLAMP: f32 = 7.905_311;
-
-/// [`tanh`]'s numerator, `x` times a polynomial in `x^2`, its coefficients from the highest.
-const TANH_P: [f32; 7] =
-    [-2.760_768_5e-16, 2.000_188e-13, -8.604_672e-11, 5.122_297e-8, 1.485_722_4e-5, 6.372_619_3e-4, 4.893_524_6e-3];
-
-/// [`tanh`]'s denominator, a polynomial in `x^2`, its coefficients from the highest.
-const TANH_Q: [f32; 4] = [1.198_258_4e-6, 1.185_347_1e-4, 2.268_434_6e-3, 4.893_525e-3];
-
-/// GELU's inner argument, `sqrt(2 / pi) (v + 0.044715 v^3)`.
-#[inline(always)]
-fn gelu_inner(v: f32) -> f32 {
-    SQRT_TWO_OVER_PI * v * (GELU_A * v).mul_add(v, 1.0)
-}
-
-/// GELU, tanh approximation, as candle's `gelu` computes it (within rounding: fused
-/// multiply-adds where it takes a product and a sum).
-#[inline(always)]
-fn gelu1(v: f32) -> f32 {
-    let h = 0.5 * v;
-    h.mul_add(tanh(gelu_inner(v)), h)
-}
-
-/// The derivative of [`gelu1`].
-#[inline(always)]
-fn gelu1_grad(v: f32) -> f32 {
-    let t = tanh(gelu_inner(v));
-    let inner = SQRT_TWO_OVER_PI * (3.0 * GELU_A * v).mul_add(v, 1.0);
-    (0.5 * v * t.mul_add(-t, 1.0)).mul_add(inner, t.mul_add(0.5, 0.5))
 }
 
 struct Gelu;
@@ -983,6 +899,7 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
 mod tests {
     use super::*;
     use candle_core::{Device, Var};
+    use vector::VectorDispatch;
 
     /// [`check`]'s bound on the largest difference, relative to the reference's largest value.
     const CHECK_TOLERANCE: f32 = 2e-5;
@@ -1069,7 +986,7 @@ mod tests {
         let mut worst = 0f32;
         for i in -200_000..=200_000 {
             let x = i as f32 * 1e-4; // -20 to 20
-            let (a, b) = (tanh(x), x.tanh());
+            let (a, b) = (gelu::tanh(x), x.tanh());
             worst = worst.max((a - b).abs() / b.abs().max(f32::MIN_POSITIVE));
         }
         assert!(worst < 1e-6, "worst relative error {worst}");

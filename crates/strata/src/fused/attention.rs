@@ -985,19 +985,25 @@ mod tests {
         let fwd = AttentionFwd { q, k, v, d, out: &mut y, probs: keep.then_some(&mut probs) };
         match arch {
             None => simd_tiled(fwd),
-            Some("scalar") => pulp::Simd::vectorize(pulp::Scalar::new(), super::super::VectorDispatch(Tiled(fwd))),
-            Some(_) => {
-                pulp::Simd::vectorize(pulp::x86::V3::try_new().expect("AVX2"), super::super::VectorDispatch(Tiled(fwd)))
+            Some("scalar") => {
+                pulp::Simd::vectorize(pulp::Scalar::new(), super::super::vector::VectorDispatch(Tiled(fwd)))
             }
+            Some(_) => pulp::Simd::vectorize(
+                pulp::x86::V3::try_new().expect("AVX2"),
+                super::super::vector::VectorDispatch(Tiled(fwd)),
+            ),
         }
         let probs = keep.then_some(probs.as_slice());
         let bwd = AttentionBwd { q, k, v, g, d, probs, grads: Grads::Apart([&mut dq, &mut dk, &mut dv]) };
         match arch {
             None => simd_tiled(bwd),
-            Some("scalar") => pulp::Simd::vectorize(pulp::Scalar::new(), super::super::VectorDispatch(Tiled(bwd))),
-            Some(_) => {
-                pulp::Simd::vectorize(pulp::x86::V3::try_new().expect("AVX2"), super::super::VectorDispatch(Tiled(bwd)))
+            Some("scalar") => {
+                pulp::Simd::vectorize(pulp::Scalar::new(), super::super::vector::VectorDispatch(Tiled(bwd)))
             }
+            Some(_) => pulp::Simd::vectorize(
+                pulp::x86::V3::try_new().expect("AVX2"),
+                super::super::vector::VectorDispatch(Tiled(bwd)),
+            ),
         }
         [y, dq, dk, dv]
     }

@@ -3,7 +3,7 @@
 //!
 //! Each element's GELU is a chain of about twenty dependent operations (the inner argument, the
 //! tanh's two polynomials, a division), some 70 cycles long. Compiled from the scalar
-//! functions ([`super::gelu1`], [`super::gelu1_grad`]) the loop took one vector a step, and
+//! functions ([`gelu1`], [`gelu1_grad`]) the loop took one vector a step, and
 //! the CPU's schedulers, which hold a few dozen waiting operations, kept only two or three
 //! steps' chains in flight: the loop ran at the chains' latency, about 17 cycles a vector of 8
 //! on AVX2 (2.2 cycles an element), where its multiplications alone would take about 9 on two
@@ -14,7 +14,64 @@
 //! scalar functions' operations in their order, so the bits are theirs at every vector width
 //! (tested below against the scalar functions, at the widest width, AVX2 and the scalar path).
 
-use super::{load, VectorKernel, GELU_A, SQRT_TWO_OVER_PI, TANH_CLAMP, TANH_P, TANH_Q};
+use super::vector::{load, VectorKernel};
+
+const SQRT_TWO_OVER_PI: f32 = 0.797_884_6;
+const GELU_A: f32 = 0.044_715;
+
+/// `tanh(x)` as a rational function of `x` (Eigen's `ptanh_float`: degree 13 over 6, the input
+/// clamped to +-7.9, where f32's tanh is +-1), within a few ulp of libm's `tanhf` and about ten
+/// times faster: pure arithmetic, so the loops over a tensor vectorize. libm's `tanhf` was a
+/// quarter of a transformer step here. Horner's steps are fused multiply-adds, as in `exp`.
+#[inline(always)]
+pub(super) fn tanh(x: f32) -> f32 {
+    // No branch for small `x` (Eigen returns `x` below 0.0004): there `p / q` is 1 within
+    // 1e-7, and the branch was three more vector operations in a loop the divider and the
+    // multiply-adds' latency already bound.
+    let x = x.clamp(-TANH_CLAMP, TANH_CLAMP);
+    let x2 = x * x;
+    let mut p = x2.mul_add(TANH_P[0], TANH_P[1]);
+    for &a in &TANH_P[2..] {
+        p = x2.mul_add(p, a);
+    }
+    let mut q = x2.mul_add(TANH_Q[0], TANH_Q[1]);
+    for &b in &TANH_Q[2..] {
+        q = x2.mul_add(q, b);
+    }
+    x * p / q
+}
+
+/// Where [`tanh`] clamps its input: f32's tanh is +-1 beyond.
+const TANH_CLAMP: f32 = 7.905_311;
+
+/// [`tanh`]'s numerator, `x` times a polynomial in `x^2`, its coefficients from the highest.
+const TANH_P: [f32; 7] =
+    [-2.760_768_5e-16, 2.000_188e-13, -8.604_672e-11, 5.122_297e-8, 1.485_722_4e-5, 6.372_619_3e-4, 4.893_524_6e-3];
+
+/// [`tanh`]'s denominator, a polynomial in `x^2`, its coefficients from the highest.
+const TANH_Q: [f32; 4] = [1.198_258_4e-6, 1.185_347_1e-4, 2.268_434_6e-3, 4.893_525e-3];
+
+/// GELU's inner argument, `sqrt(2 / pi) (v + 0.044715 v^3)`.
+#[inline(always)]
+fn gelu_inner(v: f32) -> f32 {
+    SQRT_TWO_OVER_PI * v * (GELU_A * v).mul_add(v, 1.0)
+}
+
+/// GELU, tanh approximation, as candle's `gelu` computes it (within rounding: fused
+/// multiply-adds where it takes a product and a sum).
+#[inline(always)]
+pub(super) fn gelu1(v: f32) -> f32 {
+    let h = 0.5 * v;
+    h.mul_add(tanh(gelu_inner(v)), h)
+}
+
+/// The derivative of [`gelu1`].
+#[inline(always)]
+pub(super) fn gelu1_grad(v: f32) -> f32 {
+    let t = tanh(gelu_inner(v));
+    let inner = SQRT_TWO_OVER_PI * (3.0 * GELU_A * v).mul_add(v, 1.0);
+    (0.5 * v * t.mul_add(-t, 1.0)).mul_add(inner, t.mul_add(0.5, 0.5))
+}
 
 /// `[f(0), .., f(K - 1)]` for vectors of `S`, in a loop: `std::array::from_fn` and `map` take
 /// a closure, which is compiled outside the kernel's vector instructions, and each operation
@@ -47,7 +104,7 @@ impl<S: pulp::Simd> Gelus<S> {
         self.simd.splat_f32s(v)
     }
 
-    /// [`super::tanh`].
+    /// [`tanh`].
     #[inline(always)]
     fn tanh<const K: usize>(self, x: [S::f32s; K]) -> [S::f32s; K] {
         let s = self.simd;
@@ -68,7 +125,7 @@ impl<S: pulp::Simd> Gelus<S> {
         each!(s, K, |k| s.div_f32s(s.mul_f32s(x[k], p[k]), q[k]))
     }
 
-    /// [`super::gelu_inner`].
+    /// [`gelu_inner`].
     #[inline(always)]
     fn inner<const K: usize>(self, v: [S::f32s; K]) -> [S::f32s; K] {
         let s = self.simd;
@@ -76,7 +133,7 @@ impl<S: pulp::Simd> Gelus<S> {
         each!(s, K, |k| s.mul_f32s(s.mul_f32s(self.c(SQRT_TWO_OVER_PI), v[k]), a[k]))
     }
 
-    /// [`super::gelu1`].
+    /// [`gelu1`].
     #[inline(always)]
     fn gelu<const K: usize>(self, v: [S::f32s; K]) -> [S::f32s; K] {
         let s = self.simd;
@@ -85,7 +142,7 @@ impl<S: pulp::Simd> Gelus<S> {
         each!(s, K, |k| s.mul_add_f32s(h[k], t[k], h[k]))
     }
 
-    /// `g * `[`super::gelu1_grad`]`(v)`.
+    /// `g * `[`gelu1_grad`]`(v)`.
     #[inline(always)]
     fn grad<const K: usize>(self, v: [S::f32s; K], g: [S::f32s; K]) -> [S::f32s; K] {
         let s = self.simd;
@@ -151,7 +208,7 @@ impl<S: pulp::Simd> Step<S> for GeluFwd<'_> {
 
     #[inline(always)]
     fn element(&mut self, at: usize) {
-        self.y.push(super::gelu1(self.x[at]));
+        self.y.push(gelu1(self.x[at]));
     }
 }
 
@@ -179,7 +236,7 @@ impl<S: pulp::Simd> Step<S> for GeluBwd<'_> {
 
     #[inline(always)]
     fn element(&mut self, at: usize) {
-        self.d.push(self.g[at] * super::gelu1_grad(self.x[at]));
+        self.d.push(self.g[at] * gelu1_grad(self.x[at]));
     }
 }
 
@@ -216,7 +273,7 @@ impl<S: pulp::Simd> Step<S> for BiasGeluRow<'_, '_> {
 
     #[inline(always)]
     fn element(&mut self, at: usize) {
-        self.y.push(super::gelu1(self.h[at] + self.b[at]));
+        self.y.push(gelu1(self.h[at] + self.b[at]));
     }
 }
 
@@ -266,7 +323,7 @@ impl<S: pulp::Simd> Step<S> for BiasGeluGradRow<'_, '_> {
 
     #[inline(always)]
     fn element(&mut self, at: usize) {
-        let dh = self.g[at] * super::gelu1_grad(self.h[at] + self.b[at]);
+        let dh = self.g[at] * gelu1_grad(self.h[at] + self.b[at]);
         self.db[at] += dh;
         self.out.push(dh);
     }
@@ -288,7 +345,7 @@ impl VectorKernel for BiasGeluBwd<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fused::{gelu1, gelu1_grad, VectorDispatch};
+    use crate::fused::vector::{simd_vectors, VectorDispatch};
 
     /// Random values, with the edges mixed in: zeros of both signs, values past the tanh's
     /// clamp, huge and tiny ones, infinities and a NaN.
@@ -336,11 +393,11 @@ mod tests {
 
     fn go(k: impl VectorKernel, w: Width) {
         match w {
-            Width::Widest => super::super::simd_vectors(k),
+            Width::Widest => simd_vectors(k),
             #[cfg(target_arch = "x86_64")]
             Width::Avx2 => pulp::Simd::vectorize(pulp::x86::V3::try_new().expect("AVX2"), VectorDispatch(k)),
             #[cfg(not(target_arch = "x86_64"))]
-            Width::Avx2 => super::super::simd_vectors(k),
+            Width::Avx2 => simd_vectors(k),
             Width::Scalar => pulp::Simd::vectorize(pulp::Scalar::new(), VectorDispatch(k)),
         }
     }
