@@ -551,8 +551,12 @@ fn a_lost_worker_whose_shards_no_longer_fit_the_memory_limit_fails_the_job_in_on
 }
 
 /// How far from one device an AdamW job at ZeRO stage 1 or 2 may end, disturbed or not
-/// (measured 1.97e-5 on 2026-12-02, every job alike).
-const ADAMW_ONE_DEVICE_BOUND: f64 = 1e-4;
+/// (measured 1.97e-5 on 2026-12-02 on an AVX-512 CPU, every job alike; 1.356e-4 on
+/// 2026-12-07 on an AMD EPYC without AVX-512, whose AVX2 products sum in other orders, which
+/// AdamW's division by the second moment magnifies). A coarse check: what tells a step
+/// applied twice or lost is [`ADAMW_UNDISTURBED_BOUND`], against the undisturbed job on the
+/// same CPU.
+const ADAMW_ONE_DEVICE_BOUND: f64 = 5e-4;
 /// How far from the undisturbed AdamW job a disturbed one may end (measured 3.8e-8 and 4.0e-8).
 const ADAMW_UNDISTURBED_BOUND: f64 = 3e-7;
 
