@@ -1486,6 +1486,30 @@ fn colmajor_dst_wins(m: usize, n: usize, k: usize, lhs_cs: usize, rhs_rs: usize)
     lhs_cs == 1 && rhs_rs == 1 && 2 * m <= n && k >= 512
 }
 
+// STRATA PATCH: how many rows of an `m x n` product with a short inner dimension `k` one
+// gemm call computes, on one thread where gemm's AVX-512 kernels are not in use. gemm wants a
+// column-major destination, so for candle's row-major one it transposes the problem, and the
+// product's rows become the columns of its packed rhs: with `k` up to 512 (one block of the
+// inner dimension) it packs all `m` of them (`k x m`, 1 MiB for the 4.3M MLP's weight gradient,
+// 2048 x 2048 from an inner dimension of 128) and streams that panel from L3 once per 128
+// columns of the product. Calls of 256 KiB of rows keep it in a 512 KiB L2: on an AMD EPYC
+// without AVX-512 (`strata bench kernels`, two processes at once) that product took 30.6-31.1
+// ms against 31.8-33.7 (docs/bench/2026-12-07-2140-zen1-weight-gradient-and-ring-copy.md).
+// Each element's sum is over the same `k` terms in the same order (gemm's order depends on `k`
+// only), so the bits are those of one call.
+fn gemm_rows(m: usize, n: usize, k: usize, elem: usize, threads: usize) -> usize {
+    const ROWS_BYTES: usize = 256 << 10;
+    if threads > 1 || k == 0 || k > 512 || n < 256 || rows_gemm::gemm_avx512() {
+        return m;
+    }
+    let rows = (ROWS_BYTES / (elem * k)).max(128) / 16 * 16;
+    if m < 2 * rows {
+        m
+    } else {
+        rows
+    }
+}
+
 /// `dst = src^T` for `src` row-major `(rows, cols)` and `dst` row-major `(cols, rows)`, in 16 x
 /// 16 blocks; with several threads, blocks of 16 rows of `dst` in parallel. Writes every
 /// element of `dst` (`rows * cols` of them), which may be memory not yet written.
@@ -1657,28 +1681,33 @@ impl Map2 for MatMul {
             // This step's m x n block of `dst`, inside its allocation (`step * c_skip + m * n
             // <= len`); gemm writes it through this pointer.
             let dst_p = dst.as_mut_ptr().wrapping_add(step * c_skip);
-            unsafe {
-                gemm(
-                    /* m: usize = */ m,
-                    /* n: usize = */ n,
-                    /* k: usize = */ k,
-                    /* dst: *mut T = */ dst_p,
-                    /* dst_cs: isize = */ dst_cs as isize,
-                    /* dst_rs: isize = */ dst_rs as isize,
-                    /* read_dst: bool = */ false,
-                    /* lhs: *const T = */ lhs_p.as_ptr(),
-                    /* lhs_cs: isize = */ lhs_cs as isize,
-                    /* lhs_rs: isize = */ lhs_rs as isize,
-                    /* rhs: *const T = */ rhs_p.as_ptr(),
-                    /* rhs_cs: isize = */ rhs_cs as isize,
-                    /* rhs_rs: isize = */ rhs_rs as isize,
-                    /* alpha: T = */ T::zero(),
-                    /* beta: T = */ T::one(),
-                    /* conj_dst: bool = */ false,
-                    /* conj_lhs: bool = */ false,
-                    /* conj_rhs: bool = */ false,
-                    parallelism,
-                )
+            // STRATA PATCH: see `gemm_rows`; rows i0..i0 + mb of lhs and dst per call.
+            let rows = gemm_rows(m, n, k, std::mem::size_of::<T>(), num_threads);
+            for i0 in (0..m).step_by(rows) {
+                let mb = rows.min(m - i0);
+                unsafe {
+                    gemm(
+                        /* m: usize = */ mb,
+                        /* n: usize = */ n,
+                        /* k: usize = */ k,
+                        /* dst: *mut T = */ dst_p.wrapping_add(i0 * dst_rs),
+                        /* dst_cs: isize = */ dst_cs as isize,
+                        /* dst_rs: isize = */ dst_rs as isize,
+                        /* read_dst: bool = */ false,
+                        /* lhs: *const T = */ lhs_p.as_ptr().wrapping_add(i0 * lhs_rs),
+                        /* lhs_cs: isize = */ lhs_cs as isize,
+                        /* lhs_rs: isize = */ lhs_rs as isize,
+                        /* rhs: *const T = */ rhs_p.as_ptr(),
+                        /* rhs_cs: isize = */ rhs_cs as isize,
+                        /* rhs_rs: isize = */ rhs_rs as isize,
+                        /* alpha: T = */ T::zero(),
+                        /* beta: T = */ T::one(),
+                        /* conj_dst: bool = */ false,
+                        /* conj_lhs: bool = */ false,
+                        /* conj_rhs: bool = */ false,
+                        parallelism,
+                    )
+                }
             }
         }
         if k != 0 {

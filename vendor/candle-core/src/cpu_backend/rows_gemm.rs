@@ -49,7 +49,7 @@ pub fn available() -> bool {
 }
 
 /// Whether gemm runs its AVX-512 kernels here (its `x86-v4` feature and an AVX-512 CPU).
-fn gemm_avx512() -> bool {
+pub(crate) fn gemm_avx512() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         cfg!(feature = "gemm-x86-v4") && std::is_x86_feature_detected!("avx512f")
