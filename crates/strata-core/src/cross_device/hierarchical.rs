@@ -85,14 +85,25 @@ impl HierarchicalOps {
             ));
         }
         if group.num_replicas() == 1 {
+            // The ring's buffer, written once: a contiguous f32 CPU gradient is read in place
+            // (a copy through `to_vec1` first measured 2-3 ms of a worker's 4.3M MLP step on
+            // an AVX2 host), any other through a vector of its own.
             let mut buf = Vec::with_capacity(req.len());
-            for t in input {
-                let v = t.flatten_all()?.to_vec1::<f32>()?;
+            let mut put = |v: &[f32]| {
                 if weight == 1.0 {
-                    buf.extend_from_slice(&v);
+                    buf.extend_from_slice(v);
                 } else {
                     buf.extend(v.iter().map(|x| x * weight));
                 }
+            };
+            for t in input {
+                let guard = [t.storage_and_layout()];
+                if let Ok(v) = crate::cross_device::read_slices(&guard) {
+                    put(v[0]);
+                    continue;
+                }
+                drop(guard);
+                put(&t.flatten_all()?.to_vec1::<f32>()?);
             }
             return Ok(Some(buf));
         }
