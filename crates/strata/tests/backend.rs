@@ -214,8 +214,35 @@ fn a_product_s_rows_have_the_same_bits_in_half_of_the_batch() {
 /// `gemm_rows`), and every row has the bits it has when computed alone, in a product of 128
 /// rows. The 4.3M MLP's hidden weight (2048 x 128 by 128 x 2048, four calls of 512 rows), and
 /// a shape whose last call is short (1500 rows of an inner dimension of 100: 640, 640, 220).
+///
+/// candle splits products into calls of rows on one thread only, and reads its thread count
+/// from `RAYON_NUM_THREADS` at each product: the test runs the check here (as many threads as
+/// cores) and in a child process of this test binary with `RAYON_NUM_THREADS=1` (killed after
+/// 300 s).
 #[test]
 fn a_weight_gradient_s_rows_have_the_bits_of_rows_computed_alone() {
+    const CHILD: &str = "STRATA_TEST_ONE_THREAD";
+    if std::env::var_os(CHILD).is_none() {
+        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "a_weight_gradient_s_rows_have_the_bits_of_rows_computed_alone", "--nocapture"])
+            .env(CHILD, "1")
+            .env("RAYON_NUM_THREADS", "1")
+            .env("CANDLE_NUM_THREADS", "1")
+            .spawn()
+            .unwrap();
+        let start = std::time::Instant::now();
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            if start.elapsed() > std::time::Duration::from_secs(300) {
+                child.kill().unwrap();
+                panic!("the one-thread child ran past 300 s");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        };
+        assert!(status.success(), "the one-thread child failed: {status}");
+    }
     for (i, &(m, n, k)) in [(2048, 2048, 128), (1500, 300, 100), (700, 2048, 64)].iter().enumerate() {
         // The forward's input (batch x features) and the output's gradient (batch x outputs).
         let x = Tensor::from_vec(values(k * m, 30 + i as u64), (k, m), &Device::Cpu).unwrap();
@@ -227,6 +254,9 @@ fn a_weight_gradient_s_rows_have_the_bits_of_rows_computed_alone() {
             alone.extend(rows.matmul(&dy).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap());
         }
         assert_eq!(bits(&whole), bits(&alone), "{m}x{k} by {k}x{n}");
+        // No rows: an empty product, as before.
+        let none = x.narrow(1, 0, 0).unwrap().t().unwrap().matmul(&dy).unwrap();
+        assert_eq!(none.dims(), &[0, n]);
         // Against f64 sums: the product is right, not only consistent.
         let (xs, ds) = (x.to_vec2::<f32>().unwrap(), dy.to_vec2::<f32>().unwrap());
         for (r, c) in [(0, 0), (m - 1, n - 1), (m / 2 + 3, n / 3)] {

@@ -1487,7 +1487,8 @@ fn colmajor_dst_wins(m: usize, n: usize, k: usize, lhs_cs: usize, rhs_rs: usize)
 }
 
 // STRATA PATCH: how many rows of an `m x n` product with a short inner dimension `k` one
-// gemm call computes, on one thread where gemm's AVX-512 kernels are not in use. gemm wants a
+// gemm call computes, on one thread of an x86-64 CPU with AVX2 and FMA where gemm's AVX-512
+// kernels are not in use (where it was measured; elsewhere one call). gemm wants a
 // column-major destination, so for candle's row-major one it transposes the problem, and the
 // product's rows become the columns of its packed rhs: with `k` up to 512 (one block of the
 // inner dimension) it packs all `m` of them (`k x m`, 1 MiB for the 4.3M MLP's weight gradient,
@@ -1499,7 +1500,7 @@ fn colmajor_dst_wins(m: usize, n: usize, k: usize, lhs_cs: usize, rhs_rs: usize)
 // only), so the bits are those of one call.
 fn gemm_rows(m: usize, n: usize, k: usize, elem: usize, threads: usize) -> usize {
     const ROWS_BYTES: usize = 256 << 10;
-    if threads > 1 || k == 0 || k > 512 || n < 256 || rows_gemm::gemm_avx512() {
+    if threads > 1 || k == 0 || k > 512 || n < 256 || !rows_gemm::available() || rows_gemm::gemm_avx512() {
         return m;
     }
     let rows = (ROWS_BYTES / (elem * k)).max(128) / 16 * 16;
@@ -1682,7 +1683,8 @@ impl Map2 for MatMul {
             // <= len`); gemm writes it through this pointer.
             let dst_p = dst.as_mut_ptr().wrapping_add(step * c_skip);
             // STRATA PATCH: see `gemm_rows`; rows i0..i0 + mb of lhs and dst per call.
-            let rows = gemm_rows(m, n, k, std::mem::size_of::<T>(), num_threads);
+            // (An empty product, m = 0, makes no call, as gemm made none for it.)
+            let rows = gemm_rows(m, n, k, std::mem::size_of::<T>(), num_threads).max(1);
             for i0 in (0..m).step_by(rows) {
                 let mb = rows.min(m - i0);
                 unsafe {
