@@ -1683,7 +1683,7 @@ impl Map2 for MatMul {
             // <= len`); gemm writes it through this pointer.
             let dst_p = dst.as_mut_ptr().wrapping_add(step * c_skip);
             // STRATA PATCH: see `gemm_rows`; rows i0..i0 + mb of lhs and dst per call.
-            // (An empty product, m = 0, makes no call, as gemm made none for it.)
+            // (An empty product, m = 0, makes no call; gemm wrote nothing for it either.)
             let rows = gemm_rows(m, n, k, std::mem::size_of::<T>(), num_threads).max(1);
             for i0 in (0..m).step_by(rows) {
                 let mb = rows.min(m - i0);
