@@ -2,8 +2,9 @@
 //! ([`ShardableOptimizer::step_summed`](super::ShardableOptimizer::step_summed)): where the
 //! replicas of one machine step their shards, each reads every replica's gradient in place,
 //! and the sum the in-memory reduction would have written (`g0·w0 + g1·w1`, then `+ g2·w2`...,
-//! element by element) is made a block at a time in a buffer that stays in the core's cache,
-//! then the update runs over the block. The same operations in the same order as the reduction
+//! element by element) is made in the update's own loop (AdamW with up to four terms), or a
+//! block at a time in a buffer that stays in the core's cache, then the update runs over the
+//! block. The same operations in the same order as the reduction
 //! followed by [`FusedAdamW`](super::FusedAdamW)'s or [`FusedSgd`](super::FusedSgd)'s step, so
 //! the same bits, without the reduction's pass over memory nor the copy of its result.
 //!
@@ -149,7 +150,9 @@ impl candle_core::InplaceOp1 for AdamWSummed<'_> {
     }
 }
 
-/// [`rules::adamw`] over the elements, each gradient the terms' sum, a block at a time.
+/// [`rules::adamw`] over the elements, each gradient the terms' sum: for up to
+/// [`FUSED_TERMS`] terms summed in the same loop as the update (one pass over memory, which
+/// the update's arithmetic overlaps), for more a block at a time.
 struct AdamWSummedLoop<'a> {
     theta: &'a mut [f32],
     m: &'a mut [f32],
@@ -164,6 +167,14 @@ impl pulp::WithSimd for AdamWSummedLoop<'_> {
     #[inline(always)]
     fn with_simd<S: pulp::Simd>(self, _: S) {
         let s = *self.s;
+        let update = |theta: &mut f32, m: &mut f32, v: &mut f32, g: f32| rules::adamw(theta, m, v, g, &s);
+        match self.terms.len() {
+            1 => return fused::<1>(self.theta, self.m, self.v, self.terms, update),
+            2 => return fused::<2>(self.theta, self.m, self.v, self.terms, update),
+            3 => return fused::<3>(self.theta, self.m, self.v, self.terms, update),
+            FUSED_TERMS => return fused::<FUSED_TERMS>(self.theta, self.m, self.v, self.terms, update),
+            _ => {}
+        }
         let mut buf = [0f32; BLOCK];
         let n = self.theta.len();
         let mut at = 0;
@@ -177,6 +188,34 @@ impl pulp::WithSimd for AdamWSummedLoop<'_> {
             }
             at += len;
         }
+    }
+}
+
+/// The most gradient terms [`AdamWSummedLoop`] sums in the update's own loop.
+const FUSED_TERMS: usize = 4;
+
+/// `update(theta[i], m[i], v[i], g)` for every element, `g` the `N` terms' weighted sum made as
+/// [`sum_block`] makes it (`t0 * w0`, then `+ t1 * w1`, ...: the same bits), in one loop: on
+/// the 4.3M MLP's Mirrored(2) step (two terms) the update's pass over memory, no longer
+/// preceded by the sums' own, took 20-25% less time. The slices are cut to one length first,
+/// so that the loop's indexing needs no bounds checks and vectorizes.
+#[inline(always)]
+fn fused<const N: usize>(
+    theta: &mut [f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    terms: &[(&[f32], f32)],
+    update: impl Fn(&mut f32, &mut f32, &mut f32, f32),
+) {
+    let n = theta.len();
+    let (m, v) = (&mut m[..n], &mut v[..n]);
+    let terms: [(&[f32], f32); N] = std::array::from_fn(|j| (&terms[j].0[..n], terms[j].1));
+    for i in 0..n {
+        let mut g = terms[0].0[i] * terms[0].1;
+        for (t, w) in &terms[1..] {
+            g += t[i] * w;
+        }
+        update(&mut theta[i], &mut m[i], &mut v[i], g);
     }
 }
 
@@ -286,7 +325,7 @@ mod tests {
     /// scalar rule on the reference sums, bit for bit.
     #[test]
     fn the_summed_adamw_loop_is_the_rule_at_every_width() {
-        for (k, n) in [(1, 1), (2, 17), (2, 1024), (3, 2049), (5, 4099)] {
+        for (k, n) in [(1, 1), (2, 17), (2, 1024), (3, 2049), (4, 33), (5, 4099)] {
             let s = AdamWScalars::new(0.01, 0.9, 0.999, 1e-8, 0.05, 1 + k);
             let terms: Vec<(Vec<f32>, f32)> =
                 (0..k).map(|j| (random(n, 40 + j as u64), 0.5 - j as f32 * 0.1)).collect();
