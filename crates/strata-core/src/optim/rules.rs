@@ -139,8 +139,9 @@ pub fn moment(m: &mut f32, x: f32, decay: f32, scale: f32) {
 /// AdamW's parameter update from the moments already updated (candle-nn's formulation):
 /// `theta = (theta * keep + 0) - ((m * scale_m + 0) / (sqrt(v * scale_v + 0) * 1 + eps) * lr + 0)`.
 ///
-/// Computed with three additions fewer and the same bits for every input (the additions of
-/// `+ 0` were a third of the rule's work on a CPU whose adders bound it):
+/// Computed with two additions fewer (and no multiplication by one) and the same bits for
+/// every input (with [`moment`]'s, the additions of `+ 0` dropped were a third of the rule's
+/// work on a CPU whose adders bound it):
 /// `theta = (theta * keep - (m * scale_m) / (sqrt(v * scale_v + 0) + eps) * lr) + 0`.
 /// - `(a + 0) - (b + 0)` is `(a - b) + 0`: a nonzero difference does not depend on the signs
 ///   of zero among its operands, and a zero one is `+0` in both (`-0 - +0`, the only

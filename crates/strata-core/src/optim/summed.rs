@@ -196,9 +196,10 @@ const FUSED_TERMS: usize = 4;
 
 /// `update(theta[i], m[i], v[i], g)` for every element, `g` the `N` terms' weighted sum made as
 /// [`sum_block`] makes it (`t0 * w0`, then `+ t1 * w1`, ...: the same bits), in one loop: on
-/// the 4.3M MLP's Mirrored(2) step (two terms) the update's pass over memory, no longer
-/// preceded by the sums' own, took 20-25% less time. The slices are cut to one length first,
-/// so that the loop's indexing needs no bounds checks and vectorizes.
+/// a replica's half of the 4.3M MLP (two terms) the update's pass over memory, no longer
+/// preceded by the sums' own, took 16-25% less time on an AMD EPYC without AVX-512
+/// (docs/bench/zen1-experiments-2026-12-08.txt). The slices are cut to one length first, so
+/// that the loop's indexing needs no bounds checks and vectorizes.
 #[inline(always)]
 fn fused<const N: usize>(
     theta: &mut [f32],
